@@ -1,0 +1,58 @@
+"""What the scheduler hands the model runner each step (vLLM v1's ``SchedulerOutput``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first scheduling, or resumed after preemption.
+
+    ``token_ids`` is every token known so far (prompt, then outputs already generated
+    before a preemption); ``num_computed_tokens`` of them already have KV in
+    ``block_ids`` (prefix-cache hit), so the runner computes from there.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds; per-index lists.
+
+    ``new_block_ids[i]`` are blocks appended to request i's block table this step
+    (empty when none). ``num_computed_tokens[i]`` is the count before this step.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step (prefill chunk length, or 1 for a decode).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were aborted since the last step: the runner drops them.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted this step: the runner drops their state (they come back as new).
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,37 @@
+"""Statistics the engine core reports each step (consumed by the Prometheus loggers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counts since the previous report (deltas, not totals)."""
+
+    requests: int = 0
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+    reset: bool = False
+
+
+@dataclass
+class PinStats:
+    """Continuum pin counters since the previous report (deltas), plus current gauges."""
+
+    num_pinned_requests: int = 0  # gauge
+    pinned_kv_blocks: int = 0  # gauge
+    pins: int = 0
+    pin_hits: int = 0  # a job's next turn found its pinned blocks
+    expiries: int = 0  # TTL ran out
+    forced_releases: int = 0  # released under memory pressure
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # 1 - free / (num_blocks - 1)
+    num_preemptions: int = 0  # delta since the previous report
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    pin_stats: PinStats = field(default_factory=PinStats)

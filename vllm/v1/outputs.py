@@ -1,0 +1,28 @@
+"""What the model runner returns each step (vLLM v1's ``ModelRunnerOutput``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of one sampled token and the top-n alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the sampled token in the distribution
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob)
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Order of requests in this step's batch.
+    req_ids: list[str]
+    # req_id -> tokens sampled this step: [] for a request still in a partial prefill.
+    sampled_token_ids: dict[str, list[int]]
+    # req_id -> one entry per sampled token, only for requests that asked for logprobs.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids={})
