@@ -38,6 +38,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Set on a request's first output: seconds from engine arrival to first scheduling.
+    queue_time_s: float | None = None
 
     @property
     def finished(self) -> bool:
