@@ -1,0 +1,144 @@
+"""KV cache manager scenarios. Block size 4 throughout; block 0 is the null block."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from .conftest import make_request
+
+
+def manager(num_blocks: int = 11, caching: bool = True) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size=4, max_model_len=64, enable_caching=caching)
+
+
+def admit(m: KVCacheManager, req) -> list[int]:
+    """What the scheduler does for a waiting request: prefix lookup, then allocate."""
+    hit, n_hit = m.get_computed_blocks(req)
+    new = m.allocate_slots(req, req.num_tokens - n_hit, hit, n_hit)
+    assert new is not None
+    req.num_computed_tokens = req.num_tokens
+    return m.get_block_ids(req.request_id)
+
+
+def test_null_block_excluded_from_usage():
+    pool = BlockPool(11)
+    assert pool.get_num_free_blocks() == 10  # 11 blocks, null block 0 excluded
+    assert pool.get_usage() == 0.0
+    blocks = pool.get_new_blocks(5)
+    assert 0 not in [b.block_id for b in blocks]
+    assert pool.get_usage() == pytest.approx(0.5)
+    pool.free_blocks(blocks)
+    pool.check_invariants()
+    with pytest.raises(ValueError):
+        pool.free_blocks(blocks)  # double free is refused
+
+
+def test_prefix_hit_on_shared_prompt_never_whole_prompt():
+    m = manager()
+    a = make_request(list(range(10)))  # 10 tokens: 2 full blocks + 1 partial -> 3 blocks
+    a_blocks = admit(m, a)
+    assert len(a_blocks) == 3
+    b = make_request(list(range(10)) + [99])  # same 10 tokens + 1
+    hit, n_hit = m.get_computed_blocks(b)
+    assert [x.block_id for x in hit] == a_blocks[:2] and n_hit == 8  # partial block not shared
+    c = make_request(list(range(8)))  # exactly the 2 cached blocks: keep one token to compute
+    hit, n_hit = m.get_computed_blocks(c)
+    assert n_hit == 4
+    b_blocks = admit(m, b)
+    assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] != a_blocks[2]
+    assert m.block_pool.blocks[a_blocks[0]].ref_cnt == 2
+    m.check_invariants()
+    m.free(a)
+    m.free(b)
+    m.check_invariants()
+    assert m.usage == 0.0
+    stats = m.make_prefix_cache_stats()
+    assert stats.requests == 4 and stats.hits == 8 + 4 + 8
+    assert m.make_prefix_cache_stats().requests == 0  # deltas reset
+
+
+def test_allocate_returns_none_without_side_effects():
+    m = manager(num_blocks=5)  # 4 usable blocks = 16 tokens
+    a = make_request(list(range(12)))
+    admit(m, a)  # 3 blocks
+    b = make_request(list(range(100, 108)))  # needs 2 blocks, 1 free
+    before = (m.num_free_blocks, m.num_requests)
+    assert m.allocate_slots(b, 8) is None
+    assert (m.num_free_blocks, m.num_requests) == before
+    m.check_invariants()
+
+
+def test_revived_cached_block_counts_against_free():
+    # 4 usable blocks. A fills 2 blocks and is freed: both stay cached in the free queue.
+    m = manager(num_blocks=5)
+    a = make_request(list(range(8)) + [50])
+    admit(m, a)  # 3 blocks
+    m.free(a)
+    assert m.num_free_blocks == 4
+    b = make_request(list(range(8)) + [60] * 7)  # 15 tokens = 4 blocks, 2 from the cache
+    hit, n_hit = m.get_computed_blocks(b)
+    assert n_hit == 8
+    # Needs 2 new + revives 2 free cached blocks = all 4 free blocks: fits exactly.
+    assert m.allocate_slots(b, 7, hit, n_hit) is not None
+    assert m.num_free_blocks == 0
+    m.check_invariants()
+    c = make_request(list(range(8)) + [70])  # hit on the same 2 (now in use) + 1 new block
+    hit, n_hit = m.get_computed_blocks(c)
+    assert n_hit == 8 and m.allocate_slots(c, 1, hit, n_hit) is None  # no free block left
+    m.check_invariants()
+
+
+def test_lru_eviction_tail_blocks_first():
+    m = manager(num_blocks=9)  # 8 usable
+    a = make_request(list(range(12)) + [1])  # 4 blocks; 3 full ones get cached
+    a_ids = admit(m, a)
+    m.free(a)  # freed in reverse: tail first, so the tail is evicted first
+    free_order = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+    assert free_order[-4:] == list(reversed(a_ids))
+    # Use the 4 never-used blocks, then one more: the evicted one is a's tail block.
+    filler = make_request(list(range(200, 217)))  # 17 tokens = 5 blocks
+    f_ids = admit(m, filler)
+    assert f_ids[4] == a_ids[3]
+    # a's first 3 blocks (cached) survive: a new request with a's prompt still hits 12 tokens.
+    again = make_request(list(range(12)) + [1])
+    assert m.get_computed_blocks(again)[1] == 12
+    m.check_invariants()
+
+
+def test_caching_disabled_gives_no_hits():
+    m = manager(caching=False)
+    a = make_request(list(range(10)))
+    admit(m, a)
+    m.free(a)
+    assert m.get_computed_blocks(make_request(list(range(10))))[1] == 0
+    assert m.block_pool.num_cached_blocks == 0
+
+
+def test_reset_prefix_cache_only_when_idle():
+    m = manager()
+    a = make_request(list(range(9)))
+    admit(m, a)
+    assert not m.reset_prefix_cache()
+    m.free(a)
+    assert m.reset_prefix_cache()
+    assert m.get_computed_blocks(make_request(list(range(9))))[1] == 0
+    m.check_invariants()
+
+
+def test_decode_growth_allocates_on_block_boundary():
+    m = manager()
+    a = make_request(list(range(4)))
+    admit(m, a)  # 4 tokens = 1 block
+    a.append_output_token_ids(7)
+    assert m.allocate_slots(a, 1) != []  # token 5 opens block 2
+    a.num_computed_tokens += 1
+    for t in range(3):
+        a.append_output_token_ids(t)
+        assert m.allocate_slots(a, 1) == []  # tokens 6..8 fit in block 2
+        a.num_computed_tokens += 1
+    assert m.block_pool.num_cached_blocks == 2  # both blocks full and hashed
+    m.free(a)
+    m.check_invariants()

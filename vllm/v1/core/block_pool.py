@@ -1,0 +1,163 @@
+"""The pool of KV blocks: allocation, reference counts, prefix-cache map, LRU eviction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+class BlockHashToBlockMap:
+    """block hash -> {block_id: block}. Several blocks may hold the same hash (v1's block
+    tables are append-only, so a duplicate computed concurrently is kept, not merged)."""
+
+    def __init__(self) -> None:
+        self._map: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        blocks = self._map.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
+
+    def insert(self, block_hash: BlockHash, block: KVCacheBlock) -> None:
+        self._map.setdefault(block_hash, {})[block.block_id] = block
+
+    def pop(self, block_hash: BlockHash, block_id: int) -> KVCacheBlock | None:
+        blocks = self._map.get(block_hash)
+        if not blocks:
+            return None
+        block = blocks.pop(block_id, None)
+        if not blocks:
+            del self._map[block_hash]
+        return block
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self._map.values())
+
+    def clear(self) -> None:
+        self._map.clear()
+
+    def contains(self, block: KVCacheBlock) -> bool:
+        return block.block_hash is not None and block.block_id in self._map.get(
+            block.block_hash, {}
+        )
+
+
+class BlockPool:
+    """All KV blocks of one cache. Block 0 is the null block: never allocated or freed.
+
+    Invariants (``check_invariants``): ``ref_cnt == 0`` iff the block is in the free
+    queue; a block holding a hash is in the hash map; free + used + 1 (null) == total.
+    A free block may still hold a hash ("cached"): it is evicted lazily when popped.
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.num_cached_blocks = 0  # blocks currently holding a hash
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get_one_block(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` from the head of the free queue (evicting their hashes)."""
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(
+                f"cannot allocate {num_blocks} blocks: {self.get_num_free_blocks()} free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            self._evict_hash(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def _evict_hash(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+        block.reset_hash()
+        self.num_cached_blocks -= 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference; a free (cached) block leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the free queue's tail in order."""
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Give ``blocks[num_cached_blocks:num_full_blocks]`` their hashes."""
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
+            return
+        hashes = request.block_hashes
+        if len(hashes) < num_full_blocks:
+            raise ValueError(f"{request.request_id}: {len(hashes)} hashes < {num_full_blocks}")
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.block_hash is not None or block.is_null:
+                continue  # already cached (a prefix hit)
+            block.block_hash = hashes[i]
+            self.cached_block_hash_to_block.insert(hashes[i], block)
+            self.num_cached_blocks += 1
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks in use (``vllm:kv_cache_usage_perc``)."""
+        return 1.0 - self.get_num_free_blocks() / (self.num_gpu_blocks - 1)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; refused (False) while any block is in use."""
+        if self.get_num_free_blocks() != self.num_gpu_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.reset_hash()
+        self.cached_block_hash_to_block.clear()
+        self.num_cached_blocks = 0
+        return True
+
+    def check_invariants(self) -> None:
+        free = self.free_block_queue.get_all_free_blocks()
+        free_ids = {b.block_id for b in free}
+        assert len(free_ids) == len(free), "duplicate block in the free queue"
+        assert len(free) == self.free_block_queue.num_free_blocks, "free count drifted"
+        assert self.null_block.block_id not in free_ids, "null block in the free queue"
+        hashed = 0
+        for block in self.blocks[1:]:
+            in_free = block.block_id in free_ids
+            assert (block.ref_cnt == 0) == in_free, f"{block}: ref_cnt/free-queue mismatch"
+            assert block.ref_cnt >= 0, f"{block}: negative ref_cnt"
+            if block.block_hash is not None:
+                hashed += 1
+                assert self.cached_block_hash_to_block.contains(block), f"{block} not in map"
+        assert hashed == self.num_cached_blocks == len(self.cached_block_hash_to_block)
+        used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
+        assert len(free) + used + 1 == self.num_gpu_blocks, "blocks leaked"

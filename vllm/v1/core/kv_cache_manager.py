@@ -1,0 +1,157 @@
+"""Per-request view of the block pool: prefix lookup, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns which blocks each request holds. The scheduler is its only caller.
+
+    A request keeps its blocks until ``free`` is called, so a finished request that the
+    policy pins simply is not freed yet: its blocks keep their references.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Blocks of each request that already carry their hash.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # -- lookups ------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks prefixing the request; does not touch them.
+
+        Never the whole prompt: the last token is always computed, to get its logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_tokens = len(blocks) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_tokens
+        return blocks, num_tokens
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` fits the pool at all."""
+        return cdiv(num_tokens, self.block_size) <= self.block_pool.num_gpu_blocks - 1
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``new_computed_blocks`` (a prefix hit from ``get_computed_blocks``) are touched
+        and appended first. Returns the ids of the newly allocated blocks, or None (with
+        nothing changed) when the pool is short.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        total = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_new_blocks = max(
+            cdiv(total, self.block_size) - len(req_blocks) - len(computed_blocks), 0
+        )
+        # A cached block sitting in the free queue counts as free until we touch it.
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
+            return None
+
+        self.block_pool.touch(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
+        req_blocks.extend(computed_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            num_cached = self._num_cached_blocks.get(request.request_id, 0)
+            known = min(num_computed + num_new_tokens, request.num_tokens)
+            num_full = min(known // self.block_size, len(request.block_hashes))
+            self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full)
+            self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
+        return [b.block_id for b in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (the tail is evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    # -- views ----------------------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def get_num_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, []))
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_to_blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The counts since the previous call."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.block_pool.reset_prefix_cache()
+        if ok:
+            self.prefix_cache_stats.reset = True
+        return ok
+
+    def check_invariants(self) -> None:
+        self.block_pool.check_invariants()
+        holders: dict[int, int] = {}
+        for req_id, blocks in self.req_to_blocks.items():
+            for block in blocks:
+                assert block.ref_cnt >= 1, f"{req_id} holds a free block {block}"
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        # Every reference is held by exactly one request entry (pins keep their entry).
+        for block in self.block_pool.blocks[1:]:
+            n = holders.get(block.block_id, 0)
+            assert n == block.ref_cnt, f"{block}: {n} holders != ref_cnt {block.ref_cnt}"

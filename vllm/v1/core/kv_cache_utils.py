@@ -1,0 +1,141 @@
+"""KV cache blocks, the free-block queue, and chained block hashing (vLLM v1 semantics)."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+# A block's hash: sha256 digest (bytes) of (parent hash, block token ids, extra keys).
+# sha256 over a pickle of plain tuples is deterministic across processes, unlike hash().
+BlockHash = bytes
+NONE_HASH: BlockHash = hashlib.sha256(b"vllm-continuum-root").digest()
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None
+) -> BlockHash:
+    """Chained hash: equal only if the whole prefix up to this block is equal."""
+    payload = (parent_hash or NONE_HASH, tuple(token_ids), extra_keys)
+    return hashlib.sha256(pickle.dumps(payload, protocol=5)).digest()
+
+
+def _extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
+    # The cache salt isolates tenants: it enters the first block only, and the chaining
+    # carries it to every later block. The None slot stands for a LoRA adapter name.
+    if block_index == 0 and request.cache_salt is not None:
+        return (request.cache_salt, None)
+    return None
+
+
+def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
+    """A function giving the hashes of a request's new full blocks (not yet hashed)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+    def hasher(request: Request) -> list[BlockHash]:
+        start = len(request.block_hashes)
+        parent = request.block_hashes[-1] if start else None
+        tokens = request.all_token_ids
+        new: list[BlockHash] = []
+        for i in range(start, len(tokens) // block_size):
+            parent = hash_block_tokens(
+                parent, tokens[i * block_size : (i + 1) * block_size], _extra_keys(request, i)
+            )
+            new.append(parent)
+        return new
+
+    return hasher
+
+
+class KVCacheBlock:
+    """Metadata of one KV block. ``ref_cnt`` counts the requests (and pins) using it."""
+
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "prev_free_block",
+        "next_free_block",
+        "is_null",
+    )
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+        self.is_null = False
+
+    def reset_hash(self) -> None:
+        self.block_hash = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks with sentinel head and tail.
+
+    The head is evicted first (LRU). ``remove`` takes a block out of the middle in O(1):
+    a prefix-cache hit revives a free cached block that way. Invariant kept by the pool:
+    a block is in this queue iff its ``ref_cnt`` is 0 (the null block aside).
+    """
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-2)
+        self._head.next_free_block = self._tail
+        self._tail.prev_free_block = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free_block
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} free")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        last = self._tail.prev_free_block
+        assert last is not None
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        out = []
+        block = self._head.next_free_block
+        while block is not None and block is not self._tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
