@@ -19,6 +19,7 @@ def admit(m: KVCacheManager, req) -> list[int]:
     hit, n_hit = m.get_computed_blocks(req)
     new = m.allocate_slots(req, req.num_tokens - n_hit, hit, n_hit)
     assert new is not None
+    m.record_prefix_cache_query(req.num_tokens, n_hit)
     req.num_computed_tokens = req.num_tokens
     return m.get_block_ids(req.request_id)
 
@@ -56,7 +57,7 @@ def test_prefix_hit_on_shared_prompt_never_whole_prompt():
     m.check_invariants()
     assert m.usage == 0.0
     stats = m.make_prefix_cache_stats()
-    assert stats.requests == 4 and stats.hits == 8 + 4 + 8
+    assert stats.requests == 2 and stats.queries == 10 + 11 and stats.hits == 8
     assert m.make_prefix_cache_stats().requests == 0  # deltas reset
 
 

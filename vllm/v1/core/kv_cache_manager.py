@@ -50,12 +50,14 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_tokens = len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_cache_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not every retry of a waiting request)."""
         stats = self.prefix_cache_stats
         stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += num_tokens
-        return blocks, num_tokens
+        stats.queries += num_tokens
+        stats.hits += num_hit_tokens
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` fits the pool at all."""

@@ -1,0 +1,62 @@
+"""Driving the scheduler with fake model outputs."""
+
+from __future__ import annotations
+
+from vllm.config import CacheConfig, PolicyConfig, SchedulerConfig, VllmConfig
+from vllm.utils.clock import FakeClock
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+
+BLOCK = 4
+
+
+def make_scheduler(
+    num_blocks: int = 33,
+    max_num_seqs: int = 16,
+    budget: int = 64,
+    max_model_len: int = 128,
+    policy: str = "fcfs",
+    policy_obj=None,
+    chunked: bool = True,
+    threshold: int = 0,
+    clock: FakeClock | None = None,
+    max_wait_s: float = 30.0,
+) -> Scheduler:
+    config = VllmConfig(
+        cache_config=CacheConfig(block_size=BLOCK),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=threshold,
+            policy=policy,
+        ),
+        policy_config=PolicyConfig(max_wait_s=max_wait_s),
+    )
+    return Scheduler(config, num_blocks, policy=policy_obj, clock=clock or FakeClock())
+
+
+def fake_output(so: SchedulerOutput, sched: Scheduler, token: int = 7) -> ModelRunnerOutput:
+    """Sample ``token`` for every request whose scheduled tokens reach its end."""
+    sampled = {}
+    for req_id in so.num_scheduled_tokens:
+        req = sched.requests[req_id]
+        sampled[req_id] = [token] if req.num_computed_tokens >= req.num_tokens else []
+    return ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens), sampled_token_ids=sampled)
+
+
+def step(sched: Scheduler, token: int = 7):
+    so = sched.schedule()
+    out = sched.update_from_output(so, fake_output(so, sched, token))
+    sched.check_invariants()
+    return so, out
+
+
+def run_until_done(sched: Scheduler, max_steps: int = 500) -> int:
+    for n in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return n
+        step(sched)
+    raise AssertionError("requests did not finish")

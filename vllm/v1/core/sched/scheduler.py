@@ -1,0 +1,454 @@
+"""The vLLM-v1 scheduler: one token budget per step, running first, recompute preemption.
+
+Every decision that differs between policies is asked of ``self.policy`` (waiting order,
+preemption victim, the fate of a finished request's blocks); this file holds only the
+mechanism, including the pins that the Continuum policy asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vllm.config import VllmConfig
+from vllm.utils.clock import Clock, monotonic_clock
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.pinned import PinEntry, PinnedRequests, job_key
+from vllm.v1.core.sched.policy import Pin, Policy, create_policy
+from vllm.v1.core.sched.policy.base import (
+    PIN_RELEASE_EXPIRED,
+    PIN_RELEASE_HIT,
+    PIN_RELEASE_PRESSURE,
+    PIN_RELEASE_REPLACED,
+    PIN_RELEASE_SHUTDOWN,
+)
+from vllm.v1.core.sched.utils import TokenBudget, check_stop
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.metrics.stats import PinStats, SchedulerStats
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
+_MAX_TRACKED_JOBS = 100_000
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call decided so far."""
+
+    new: list[Request] = field(default_factory=list)
+    cached: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        num_gpu_blocks: int,
+        policy: Policy | None = None,
+        clock: Clock = monotonic_clock,
+    ) -> None:
+        self.config = vllm_config.scheduler_config
+        self.policy_config = vllm_config.policy_config
+        self.max_model_len = self.config.max_model_len
+        self.clock = clock
+        self.policy = policy or create_policy(self.config.policy, self.policy_config, clock=clock)
+        cache = vllm_config.cache_config
+        self.block_size = cache.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks, cache.block_size, self.max_model_len, cache.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = self.policy.create_request_queue()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.pins = PinnedRequests()
+        self._waiting_per_job: Counter[str] = Counter()
+        self._job_first_arrival: OrderedDict[str, float] = OrderedDict()
+        self._num_preemptions = 0
+        self._pin_stats = PinStats()
+        # Finish events decided inside schedule(), delivered by the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+
+    # -- requests in and out --------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it can never run (too long for the model/pool)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, but max_model_len is "
+                f"{self.max_model_len} (prompt plus at least one output token)"
+            )
+        if not self.kv_cache_manager.can_fit(request.num_prompt_tokens + 1):
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than the KV cache "
+                f"holds ({self.kv_cache_manager.block_pool.num_gpu_blocks - 1} blocks of "
+                f"{self.block_size}); raise --kv-cache-memory or --num-gpu-blocks-override"
+            )
+        now = self.clock()
+        job = job_key(request)
+        self._job_first_arrival.setdefault(job, now)
+        self._job_first_arrival.move_to_end(job)
+        if len(self._job_first_arrival) > _MAX_TRACKED_JOBS:
+            self._job_first_arrival.popitem(last=False)
+        self.requests[request.request_id] = request
+        self.policy.on_arrival(request, now)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.prepend_request(request)
+        else:
+            self.waiting.add_request(request)
+        self._waiting_per_job[job_key(request)] += 1
+
+    def _dequeued(self, request: Request) -> None:
+        job = job_key(request)
+        self._waiting_per_job[job] -= 1
+        if self._waiting_per_job[job] <= 0:
+            del self._waiting_per_job[job]
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort); their blocks are always freed."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for req_id in request_ids:
+            request = self.requests.pop(req_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove_request(request)
+                self._dequeued(request)
+            request.status = status
+            self.kv_cache_manager.free(request)
+            self.finished_req_ids.add(req_id)
+
+    # -- schedule -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self._expire_pins(now)
+        budget = TokenBudget(
+            self.config.max_num_batched_tokens, self.config.long_prefill_token_threshold
+        )
+        step = _Step()
+        self._schedule_running(budget, step, now)
+        if not step.preempted:
+            self._schedule_waiting(budget, step, now)
+        return self._make_output(step)
+
+    def _schedule_running(self, budget: TokenBudget, step: _Step, now: float) -> None:
+        i = 0
+        while i < len(self.running) and budget.remaining > 0:
+            request = self.running[i]
+            num_new = budget.clip(request.num_tokens - request.num_computed_tokens)
+            if num_new == 0:
+                i += 1
+                continue
+            num_running = len(self.running)
+            new_block_ids = self._allocate_or_preempt(request, num_new, budget, step, now)
+            if new_block_ids is None:
+                break  # the request itself was preempted: nothing later fits either
+            step.cached.append(request)
+            step.new_block_ids[request.request_id] = new_block_ids
+            step.num_tokens[request.request_id] = num_new
+            budget.consume(num_new)
+            # A victim scheduled earlier in this step shifts the list (rare: look it up).
+            i = i + 1 if len(self.running) == num_running else self.running.index(request) + 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, budget: TokenBudget, step: _Step, now: float
+    ) -> list[int] | None:
+        """Allocate for a running request: release pins first, then preempt victims."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            if self._release_one_pin_for_pressure(now):
+                continue
+            if len(self.running) == 1:
+                # Alone, without pins, and still out of memory: the sequence outgrew the
+                # whole cache. Recomputing it would hit the same wall forever.
+                self._cap_length(request, now)
+                return None
+            victim = self.policy.select_victim(self.running)
+            self._preempt(victim, budget, step)
+            if victim is request:
+                return None
+
+    def _preempt(self, victim: Request, budget: TokenBudget, step: _Step) -> None:
+        self.running.remove(victim)
+        if victim.request_id in step.num_tokens:  # already scheduled this step: undo it
+            budget.refund(step.num_tokens.pop(victim.request_id))
+            step.cached.remove(victim)
+            step.new_block_ids.pop(victim.request_id, None)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self._num_preemptions += 1
+        step.preempted.add(victim.request_id)
+        self._enqueue(victim, front=True)
+        logger.debug("preempted %s", victim.request_id)
+
+    def _cap_length(self, request: Request, now: float) -> None:
+        logger.warning(
+            "%s outgrew the KV cache at %d tokens", request.request_id, request.num_tokens
+        )
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self.running.remove(request)
+        del self.requests[request.request_id]
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request.request_id,
+                [],
+                finish_reason=FinishReason.LENGTH,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+        )
+
+    def _schedule_waiting(self, budget: TokenBudget, step: _Step, now: float) -> None:
+        kv = self.kv_cache_manager
+        while (
+            self.waiting and budget.remaining > 0 and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek_request()
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget.remaining:
+                break
+            num_new = budget.clip(num_new)
+            new_block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+            if new_block_ids is None:
+                if self._may_release_pins_for(request, now) and self._release_one_pin_for_pressure(
+                    now, exclude=job_key(request)
+                ):
+                    continue
+                break
+            self.waiting.pop_request()
+            self._dequeued(request)
+            kv.record_prefix_cache_query(request.num_tokens, num_hit)
+            self._admit(request, num_hit, now)
+            step.new.append(request)
+            step.num_tokens[request.request_id] = num_new
+            budget.consume(num_new)
+
+    def _admit(self, request: Request, num_hit: int, now: float) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+            request.scheduled_time = now
+        self.running.append(request)
+        self.policy.on_scheduled(request, now)
+        # The job's next turn took its prefix hit: its blocks are now held by the new
+        # request too, so the pin has done its job.
+        job = job_key(request)
+        if job in self.pins:
+            if num_hit > 0:
+                self._pin_stats.pin_hits += 1
+            self._release_pin(job, now, PIN_RELEASE_HIT)
+
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                token_ids=list(r.all_token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.new
+        ]
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in step.cached],
+            new_block_ids=[step.new_block_ids[r.request_id] for r in step.cached],
+            num_computed_tokens=[r.num_computed_tokens for r in step.cached],
+        )
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_tokens,
+            total_num_scheduled_tokens=sum(step.num_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=step.preempted,
+        )
+        self.finished_req_ids = set()
+        # As in vLLM: the scheduled tokens count as computed from now on.
+        for req_id, n in step.num_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    # -- results --------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        now = self.clock()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            new_tokens = runner_output.sampled_token_ids.get(req_id) or []
+            if request is None or request.status != RequestStatus.RUNNING or not new_tokens:
+                continue  # aborted meanwhile, or a partial prefill chunk
+            first = request.first_token_time is None
+            stopped = False
+            for i, token in enumerate(new_tokens):
+                request.append_output_token_ids(token)
+                if check_stop(request, self.max_model_len):
+                    new_tokens = new_tokens[: i + 1]
+                    stopped = True
+                    break
+            if first:
+                request.first_token_time = now
+            output = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_tokens,
+                new_logprobs=runner_output.logprobs.get(req_id),
+                finish_reason=_FINISH_REASONS.get(request.status),
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                queue_time_s=(request.scheduled_time or now) - request.arrival_time
+                if first
+                else None,
+            )
+            if stopped:
+                self._finish(request, now)
+            outputs.append(output)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=now)
+
+    def _finish(self, request: Request, now: float) -> None:
+        """A request stopped: the policy decides between freeing and pinning its blocks."""
+        self.running.remove(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        action = self.policy.on_finished(request, now)
+        if isinstance(action, Pin):
+            self._pin(request, action.ttl_s, now)
+        else:
+            self.kv_cache_manager.free(request)
+
+    # -- pins -----------------------------------------------------------------------------
+    def _pin(self, request: Request, ttl_s: float, now: float) -> None:
+        job = job_key(request)
+        entry = PinEntry(
+            request=request,
+            deadline=now + ttl_s,
+            pinned_at=now,
+            job_age=self._job_first_arrival.get(job, request.arrival_time),
+            num_blocks=self.kv_cache_manager.get_num_blocks(request.request_id),
+        )
+        old = self.pins.add(job, entry)
+        if old is not None:
+            self._free_pinned(old, now, PIN_RELEASE_REPLACED)
+        self._pin_stats.pins += 1
+
+    def _release_pin(self, job: str, now: float, reason: str) -> None:
+        entry = self.pins.remove(job)
+        if entry is not None:
+            self._free_pinned(entry, now, reason)
+
+    def _free_pinned(self, entry: PinEntry, now: float, reason: str) -> None:
+        self.kv_cache_manager.free(entry.request)
+        if reason == PIN_RELEASE_EXPIRED:
+            self._pin_stats.expiries += 1
+        elif reason == PIN_RELEASE_PRESSURE:
+            self._pin_stats.forced_releases += 1
+        self.policy.on_pin_released(entry.request, now, reason)
+
+    def _expire_pins(self, now: float) -> None:
+        for job, _ in list(self.pins.pop_expired(now)):
+            # A job whose next turn is already waiting keeps its pin until admitted.
+            if job not in self._waiting_per_job:
+                self._release_pin(job, now, PIN_RELEASE_EXPIRED)
+
+    def _release_one_pin_for_pressure(self, now: float, exclude: str | None = None) -> bool:
+        job = self.pins.newest_job(exclude=exclude)
+        if job is None:
+            job = self.pins.newest_job()  # only the requester's own pin is left
+        if job is None:
+            return False
+        self._release_pin(job, now, PIN_RELEASE_PRESSURE)
+        return True
+
+    def _may_release_pins_for(self, request: Request, now: float) -> bool:
+        """Pins are soft: a waiting request takes pinned memory only when nothing else
+        runs (else nothing would ever free memory) or when it has waited too long."""
+        return not self.running or now - request.arrival_time > self.policy_config.max_wait_s
+
+    # -- state ----------------------------------------------------------------------------
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_work(self) -> bool:
+        """Whether a step would compute anything (pins alone are no work)."""
+        return self.has_unfinished_requests()
+
+    def next_wakeup(self) -> float | None:
+        """Clock time of the earliest pin deadline: an idle engine may sleep until then."""
+        return self.pins.next_deadline()
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def make_stats(self) -> SchedulerStats:
+        pin_stats, self._pin_stats = self._pin_stats, PinStats()
+        pin_stats.num_pinned_requests = len(self.pins)
+        pin_stats.pinned_kv_blocks = self.pins.num_blocks
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self._num_preemptions,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            pin_stats=pin_stats,
+        )
+        self._num_preemptions = 0
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        now = self.clock()
+        for job in self.pins.jobs():
+            self._release_pin(job, now, PIN_RELEASE_SHUTDOWN)
+        self.policy.shutdown()
+
+    def check_invariants(self) -> None:
+        """Block conservation and ownership; raises AssertionError on a violation."""
+        kv = self.kv_cache_manager
+        kv.check_invariants()
+        holders = {r.request_id for r in self.running}
+        holders |= {e.request.request_id for e in (self.pins.get(j) for j in self.pins.jobs())}
+        assert set(kv.req_to_blocks) <= holders, (
+            f"blocks held by unknown requests: {set(kv.req_to_blocks) - holders}"
+        )
+        for request in self.running:
+            assert kv.get_num_blocks(request.request_id) * self.block_size >= (
+                request.num_computed_tokens
+            ), f"{request} has fewer slots than computed tokens"
+        for request in self.waiting:
+            assert kv.get_num_blocks(request.request_id) == 0, f"waiting {request} holds blocks"
+        assert len(self.waiting) == sum(self._waiting_per_job.values())
