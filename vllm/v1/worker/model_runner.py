@@ -1,0 +1,240 @@
+"""The model runner: per-request state, input packing, one forward per step, sampling.
+
+It never decides which blocks a request gets: block ids come from the scheduler (block 0
+is the null block and is never written).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.model_executor.model_loader import resolve_model
+from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
+from vllm.sampling_params import SamplingParams
+from vllm.v1.attention.backends.torch_sdpa import build_metadata
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.sample.sampler import SamplingRow, sample
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_CPU_KV_BYTES = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str | None = None):
+        self.config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.block_size = vllm_config.cache_config.block_size
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        dtype = self.model_config.dtype
+        if dtype == "auto":
+            # fp32 on CPU: without bf16 hardware, bf16 prefill is 6-7x slower here.
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = _DTYPES[dtype]
+        self.model: LlamaForCausalLM | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        if self.device.type == "cpu":
+            torch.set_num_threads(int(os.environ.get("VLLM_CPU_THREADS", os.cpu_count() or 1)))
+
+    # -- start-up -------------------------------------------------------------------------
+    def load_model(self) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        start = time.monotonic()
+        path = resolve_model(self.model_config.model)
+        hf_config = AutoConfig.from_pretrained(path)
+        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {hf_config.model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.arch = LlamaArch.from_hf(hf_config)
+        torch.manual_seed(self.model_config.seed)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.arch)
+        model = model.to_empty(device=self.device)
+        model.rope = type(model.rope)(
+            self.arch.head_dim, self.arch.max_position_embeddings, self.arch.rope_theta
+        ).to(self.device)
+        state: dict[str, torch.Tensor] = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                state.update(load_file(os.path.join(path, name)))
+        model.load_hf_state_dict(state)
+        self.model = model.to(self.dtype).eval()
+        logger.info(
+            "Loaded %s (%s) in %.1f s",
+            self.model_config.model,
+            hf_config.model_type,
+            time.monotonic() - start,
+        )
+
+    def get_kv_cache_bytes_per_block(self) -> int:
+        a = self.arch
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks from --num-gpu-blocks-override, --kv-cache-memory, or the device."""
+        cache = self.config.cache_config
+        per_block = self.get_kv_cache_bytes_per_block()
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        else:
+            budget = cache.kv_cache_memory_bytes
+            if budget is None and self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = max(int(total * cache.gpu_memory_utilization) - (total - free), 0)
+            budget = budget if budget is not None else DEFAULT_CPU_KV_BYTES
+            num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory too small: {num_blocks} blocks of {per_block} bytes")
+        max_len = self.config.scheduler_config.max_model_len
+        tokens = (num_blocks - 1) * self.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f KiB per block, %.2f GiB); %d tokens; "
+            "maximum concurrency for %d tokens per request: %.2fx",
+            num_blocks,
+            self.block_size,
+            per_block / 1024,
+            num_blocks * per_block / 2**30,
+            tokens,
+            max_len,
+            tokens / max_len,
+        )
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        a = self.arch
+        shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
+        ]
+
+    # -- one step -------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            p = new.sampling_params
+            gen = None
+            if p.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(p.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                p,
+                list(new.block_ids),
+                gen,
+                new.num_computed_tokens,
+                list(new.token_ids[new.num_prompt_tokens :]),
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, blocks, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.requests[req_id]
+            state.block_ids.extend(blocks)
+            state.num_computed_tokens = computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        # Decodes first: attention batches them together.
+        order = sorted(
+            so.num_scheduled_tokens,
+            key=lambda r: (
+                not (so.num_scheduled_tokens[r] == 1 and self.requests[r].num_computed_tokens > 0)
+            ),
+        )
+        ids, positions, seqs, sample_idx, sample_reqs = [], [], [], [], []
+        for req_id in order:
+            state = self.requests[req_id]
+            start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            ids += state.token_ids[start : start + n]
+            positions += range(start, start + n)
+            seqs.append((start, n, state.block_ids))
+            if start + n >= len(state.token_ids):  # reached the end: sample a token
+                sample_idx.append(len(ids) - 1)
+                sample_reqs.append(state)
+        meta = build_metadata(seqs, self.block_size, self.device)
+        hidden = self.model(
+            torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            meta,
+            self.kv_caches,
+        )
+        sampled: dict[str, list[int]] = {r: [] for r in order}
+        logprobs = {}
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[sample_idx])
+            rows = [
+                SamplingRow(
+                    s.sampling_params,
+                    s.generator,
+                    s.token_ids[: s.num_prompt_tokens],
+                    s.output_token_ids,
+                )
+                for s in sample_reqs
+            ]
+            tokens, lps = sample(logits, rows)
+            for state, token, lp in zip(sample_reqs, tokens, lps, strict=True):
+                state.token_ids.append(token)
+                state.output_token_ids.append(token)
+                sampled[state.req_id] = [token]
+                if lp is not None:
+                    logprobs[state.req_id] = [lp]
+        return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)
+
+    # -- profiling ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_prefill(self, sizes: tuple[int, ...] = (16, 64, 256)) -> list[tuple[int, float]]:
+        """Seconds to prefill a context of each size (used by Continuum's TTL rule).
+
+        Runs on the KV cache's blocks from 1 on, before any request exists."""
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache first")
+        num_blocks = self.kv_caches[0].shape[1]
+        samples = []
+        for size in sizes:
+            need = -(-size // self.block_size)
+            if need > num_blocks - 1:
+                break
+            meta = build_metadata(
+                [(0, size, list(range(1, need + 1)))], self.block_size, self.device
+            )
+            ids = torch.zeros(size, dtype=torch.long, device=self.device)
+            pos = torch.arange(size, device=self.device)
+            self.model(ids, pos, meta, self.kv_caches)  # warm-up
+            start = time.perf_counter()
+            self.model(ids, pos, meta, self.kv_caches)
+            samples.append((size, time.perf_counter() - start))
+        return samples
