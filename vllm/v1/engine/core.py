@@ -1,0 +1,95 @@
+"""The engine core: scheduler + model runner, one ``step()`` at a time (in process)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vllm.config import VllmConfig
+from vllm.utils.clock import Clock, monotonic_clock
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.policy import create_policy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from vllm.v1.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the model runner and the scheduler. ``step`` = schedule, execute, update."""
+
+    def __init__(self, vllm_config: VllmConfig, clock: Clock = monotonic_clock) -> None:
+        from vllm.transformers_utils.tokenizer import get_tokenizer
+        from vllm.v1.worker.model_runner import ModelRunner
+
+        start = time.monotonic()
+        self.config = vllm_config
+        self.clock = clock
+        mc = vllm_config.model_config
+        self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
+        self.model_runner = ModelRunner(vllm_config)
+        self.model_runner.load_model()
+        self.num_gpu_blocks = self.model_runner.determine_num_blocks()
+        self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
+        policy = create_policy(
+            vllm_config.scheduler_config.policy,
+            vllm_config.policy_config,
+            decode=self._decode,
+            clock=clock,
+        )
+        if hasattr(policy, "set_prefill_profile"):
+            policy.set_prefill_profile(self.model_runner.profile_prefill())
+        self.scheduler = Scheduler(vllm_config, self.num_gpu_blocks, policy, clock)
+        self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
+        logger.info(
+            "Engine core ready in %.1f s (policy %s)", time.monotonic() - start, policy.name
+        )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (naming the field) if it can never run."""
+        params = request.sampling_params
+        params.update_from_generation_config(request.eos_token_id)
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=self.clock(),
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                block_hasher=self.block_hasher,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = (
+            self.model_runner.execute_model(scheduler_output)
+            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
+            else EMPTY_MODEL_RUNNER_OUTPUT
+        )
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def next_wakeup(self) -> float | None:
+        return self.scheduler.next_wakeup()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
