@@ -1,21 +1,27 @@
-"""What the front end returns to users (vLLM's ``RequestOutput``)."""
+"""What the front end returns to users (vLLM's ``RequestOutput``, ``CompletionOutput``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm.v1.outputs import TokenLogprobs
 
 
 @dataclass
 class CompletionOutput:
+    """One generated sequence (one of the request's n samples).
+
+    In DELTA mode ``text``, ``token_ids`` and ``logprobs`` hold only what is new since
+    the previous output of this request; otherwise everything so far.
+    """
+
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort"
-    stop_reason: int | str | None = None  # the stop string or stop token id
+    logprobs: list[TokenLogprobs] | None = None  # None unless SamplingParams.logprobs
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id (None for EOS)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -23,23 +29,40 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (time.time()) of one request, for latency metrics."""
+    """Wall-clock times (``time.time()``) of one request, for latency metrics.
+
+    TTFT = first_token_time - arrival_time; e2e = finished_time - arrival_time;
+    TPOT = (last_token_time - first_token_time) / (num_generation_tokens - 1).
+    """
 
     arrival_time: float
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
     queue_time: float | None = None  # seconds waiting in the engine before scheduling
-    num_generation_tokens: int = 0
+    num_generation_tokens: int = 0  # over all n sequences
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
 
 
 @dataclass
 class RequestOutput:
+    """The state of one user request: its prompt and its n sequences."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
-    extra: dict = field(default_factory=dict)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm import LLM, SamplingParams
+from vllm.sampling_params import RequestOutputKind
 
 from ..conftest import hf_greedy
 
@@ -40,17 +41,35 @@ def test_greedy_matches_transformers_generate(llm, hf_model, tokenizer):
     assert sched.kv_cache_manager.usage == 0.0
 
 
-def test_prefix_cache_hit_changes_no_output(llm):
-    first = llm.generate(PROMPTS[4], greedy())[0]
-    second = llm.generate(PROMPTS[4], greedy())[0]
-    assert second.num_cached_tokens >= 16  # the prompt's full blocks came from the cache
+def test_prefix_cache_hit_changes_no_output(llm, hf_model, tokenizer):
+    prompt = (
+        "The history of the Roman Empire, from the founding of the city to the fall of "
+        "Constantinople, is long and full of surprises. Its first emperor was"
+    )
+    first = llm.generate(prompt, greedy())[0]
+    second = llm.generate(prompt, greedy())[0]
+    assert first.num_cached_tokens == 0
+    # Every full block of the prompt came from the cache (the last token is recomputed).
+    assert second.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 16 * 16 >= 16
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert first.outputs[0].token_ids == hf_greedy(hf_model, tokenizer, prompt, 16)
 
 
 def test_preemption_under_tiny_pool_gives_same_outputs(llm):
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(24))]
+    # 11 usable blocks of 16 tokens for five requests of up to ~60 tokens each.
     tiny = LLM(num_gpu_blocks_override=12, max_num_batched_tokens=64, max_model_len=512)
+    preemptions = []
+    step = tiny.engine_core.step
+
+    def counting_step():
+        outputs = step()
+        preemptions.append(outputs.scheduler_stats.num_preemptions)
+        return outputs
+
+    tiny.engine_core.step = counting_step
     outs = tiny.generate(PROMPTS, greedy(24))
+    assert sum(preemptions) > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
     tiny.engine_core.scheduler.check_invariants()
     assert tiny.engine_core.scheduler.kv_cache_manager.usage == 0.0
@@ -65,15 +84,40 @@ def test_stop_strings_n_and_seeds(llm):
     b = llm.generate("Tell me a story", params)[0]
     assert len(a.outputs) == 2 and [c.index for c in a.outputs] == [0, 1]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]  # seeded
+    assert a.outputs[0].token_ids != a.outputs[1].token_ids  # seed + i per sample
+
+
+def test_prompt_forms_params_per_prompt_and_order(llm, tokenizer):
+    ids = tokenizer("1, 2, 3,").input_ids
+    prompts = ["1, 2, 3,", ids, {"prompt_token_ids": ids}, {"prompt": "1, 2, 3,"}]
+    params = [greedy(4), greedy(4), greedy(4), greedy(6, output_kind=RequestOutputKind.DELTA)]
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    assert [o.prompt for o in outs] == ["1, 2, 3,", None, None, "1, 2, 3,"]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    first = outs[0].outputs[0]
+    assert all(o.outputs[0].token_ids == first.token_ids for o in outs[1:3])
+    # The offline API returns whole results even when DELTA was asked for.
+    assert outs[3].outputs[0].token_ids[:4] == first.token_ids
+    assert outs[3].outputs[0].text.startswith(first.text) and len(first.text) > 0
+    m = outs[0].metrics
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert m.num_generation_tokens == 4 and m.queue_time is not None
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(prompts, params[:2])
 
 
 def test_chat_uses_the_template(llm):
-    out = llm.chat(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        SamplingParams(temperature=0, max_tokens=20),
-    )[0]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(question, SamplingParams(temperature=0, max_tokens=20))[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # <|im_end|> ended it
+    assert out.outputs[0].stop_reason is None and "<|im_end|>" not in out.outputs[0].text
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    # A list of conversations: one output each, in order.
+    other = [{"role": "user", "content": "Say hello."}]
+    outs = llm.chat([question, other], SamplingParams(temperature=0, max_tokens=20))
+    assert outs[0].outputs[0].text == out.outputs[0].text
+    assert "Say hello." in outs[1].prompt
 
 
 def test_logprobs(llm):
@@ -93,6 +137,8 @@ def test_bad_input_is_rejected_and_loses_nothing(llm):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[10**9]], greedy())
+    with pytest.raises(ValueError, match="unknown engine arguments"):
+        LLM(max_num_sequences=4)
     # The engine is still healthy and holds nothing.
     assert llm.generate("1, 2,", greedy(2))[0].outputs[0].token_ids
     assert llm.engine_core.scheduler.kv_cache_manager.usage == 0.0

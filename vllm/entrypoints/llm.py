@@ -2,35 +2,54 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.model_loader import get_eos_token_id, get_model_config
+from vllm.model_executor.model_loader import get_model_config
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
 
 logger = logging.getLogger(__name__)
 
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | list[int] | dict
+Conversation = Sequence[dict]
+_ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 class LLM:
-    """Runs the engine core in process. Keyword arguments are ``EngineArgs`` fields."""
+    """Runs the engine core in process. Keyword arguments are ``EngineArgs`` fields.
+
+    ``generate`` and ``chat`` block until every request finished and return one
+    ``RequestOutput`` per prompt, in input order.
+    """
 
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - _ENGINE_ARGS)
+        if unknown:
+            raise ValueError(f"unknown engine arguments {unknown}; see EngineArgs")
         args = EngineArgs(model=model, **kwargs)
         hf_config = get_model_config(model)
-        self.config = args.create_engine_config(hf_config.max_position_embeddings)
-        self.engine_core = EngineCore(self.config)
+        self.vllm_config = args.create_engine_config(
+            getattr(hf_config, "max_position_embeddings", None)
+        )
+        self.engine_core = EngineCore(self.vllm_config)
         self.tokenizer = self.engine_core.tokenizer
-        self.processor = Processor(self.config, self.tokenizer, get_eos_token_id(model))
+        self.processor = Processor(self.vllm_config, self.tokenizer, self.engine_core.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._counter = 0
+        self._request_counter = 0
+
+    @property
+    def llm_engine(self) -> LLM:
+        """vLLM tests reach the engine through ``llm.llm_engine``; here that is the LLM."""
+        return self
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -41,70 +60,132 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]})."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        """Generate for one prompt or a list (text, token ids, or a prompt dict)."""
+        if _is_single_prompt(prompts):
             prompts = [prompts]
-        return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)
+        items = [(*_unpack_prompt(p), True) for p in prompts]
+        return self._run(items, sampling_params, use_tqdm)
 
     def chat(
         self,
-        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        tools: list | None = None,
     ) -> list[RequestOutput]:
         """Chat with one conversation (a list of messages) or a list of conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [
-            self.processor.apply_chat_template(c, chat_template, add_generation_prompt)
-            for c in conversations
-        ]
-        return self._run([(t, False) for t in texts], sampling_params, use_tqdm)
+        if not messages:
+            raise ValueError("messages must not be empty")
+        single = isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        items = []
+        for conversation in conversations:
+            text = self.processor.apply_chat_template(
+                conversation, chat_template, add_generation_prompt, tools
+            )
+            # The template already wrote the special tokens (BOS etc.): add none.
+            items.append((text, text, False))
+        return self._run(items, sampling_params, use_tqdm)
 
-    def _run(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+    def _run(
+        self,
+        items: list[tuple[str | list[int], str | None, bool]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """items: (prompt, prompt text for the output, add_special_tokens)."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError("sampling_params must be one, or one per prompt")
+            sampling_params = [sampling_params] * len(items)
+        if len(sampling_params) != len(items):
+            raise ValueError(
+                f"sampling_params must be one, or one per prompt ({len(items)}), "
+                f"got {len(sampling_params)}"
+            )
         # Validate everything before queueing anything: bad input loses nothing.
-        batch = []
-        for (prompt, special), params in zip(prompts, sampling_params, strict=True):
-            if isinstance(prompt, dict):
-                prompt = prompt.get("prompt_token_ids") or prompt.get("prompt")
-            request_id = str(self._counter)
-            self._counter += 1
+        batch: list[tuple[str, str | None, list[EngineCoreRequest]]] = []
+        for (prompt, text, special), params in zip(items, sampling_params, strict=True):
+            if isinstance(params, SamplingParams):
+                # Only final results are returned, so as in vLLM only those are built.
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+            request_id = str(self._request_counter)
+            self._request_counter += 1
             _, core_reqs = self.processor.process(
                 prompt, params, request_id, add_special_tokens=special
             )
-            batch.append((request_id, prompt if isinstance(prompt, str) else None, core_reqs))
-        for request_id, text, core_reqs in batch:
-            self.output_processor.add_request(request_id, text, core_reqs)
-            for r in core_reqs:
-                self.engine_core.add_request(r)
-        return self._run_engine([b[0] for b in batch], use_tqdm)
+            batch.append((request_id, text, core_reqs))
+        self._add_to_engine(batch)
+        return self._run_engine([request_id for request_id, _, _ in batch], use_tqdm)
+
+    def _add_to_engine(self, batch: list[tuple[str, str | None, list[EngineCoreRequest]]]) -> None:
+        added: list[str] = []
+        try:
+            for request_id, text, core_reqs in batch:
+                self.output_processor.add_request(request_id, text, core_reqs)
+                added.append(request_id)
+                for r in core_reqs:
+                    self.engine_core.add_request(r)
+        except ValueError:
+            # E.g. a prompt larger than the whole KV cache: withdraw the batch.
+            for request_id in added:
+                self.engine_core.abort_requests(self.output_processor.abort_request(request_id))
+            raise
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+        bar = _progress_bar(len(request_ids)) if use_tqdm else None
+        try:
+            while self.output_processor.has_unfinished_requests():
+                if not self.engine_core.has_unfinished_requests():
+                    raise RuntimeError("the engine core lost track of unfinished requests")
+                outputs = self.engine_core.step()
+                results, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
+                if reqs_to_abort:
+                    self.engine_core.abort_requests(reqs_to_abort)
+                for out in results:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: leave no request behind in the engine.
+            for request_id in request_ids:
+                self.engine_core.abort_requests(self.output_processor.abort_request(request_id))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[request_id] for request_id in request_ids]
 
-            bar = tqdm(total=len(request_ids), desc="Processed prompts")
-        while self.output_processor.has_unfinished_requests():
-            outputs = self.engine_core.step()
-            results, to_abort = self.output_processor.process_outputs(outputs.outputs)
-            if to_abort:
-                self.engine_core.abort_requests(to_abort)
-            for out in results:
-                if out.finished:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [finished[r] for r in request_ids]
+
+def _is_single_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, str | dict):
+        return True
+    return isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+
+
+def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """(what to tokenize, the prompt text reported back)."""
+    if isinstance(prompt, dict):
+        if prompt.get("prompt_token_ids") is not None:
+            return prompt["prompt_token_ids"], prompt.get("prompt")
+        if prompt.get("prompt") is None:
+            raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt!r}")
+        prompt = prompt["prompt"]
+    return prompt, prompt if isinstance(prompt, str) else None
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts")

@@ -1,4 +1,7 @@
-"""The engine core: scheduler + model runner, one ``step()`` at a time (in process)."""
+"""The engine core: scheduler + model runner, one ``step()`` at a time (in process).
+
+The ZMQ process wrapper around it lives in ``core_proc.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +11,35 @@ import time
 from vllm.config import VllmConfig
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the model runner and the scheduler. ``step`` = schedule, execute, update."""
+    """Owns the model runner and the scheduler. ``step`` = schedule, execute, update.
+
+    ``clock`` (monotonic seconds) is the scheduler's and the policy's time source; a
+    request's ``arrival_time`` inside the core is on this clock.
+    """
 
     def __init__(self, vllm_config: VllmConfig, clock: Clock = monotonic_clock) -> None:
+        from vllm.model_executor.model_loader import get_eos_token_id
         from vllm.transformers_utils.tokenizer import get_tokenizer
         from vllm.v1.worker.model_runner import ModelRunner
 
         start = time.monotonic()
-        self.config = vllm_config
+        self.vllm_config = vllm_config
         self.clock = clock
         mc = vllm_config.model_config
         self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
+        eos = get_eos_token_id(mc.model)
+        self.eos_token_id = eos if eos is not None else self.tokenizer.eos_token_id
         self.model_runner = ModelRunner(vllm_config)
         self.model_runner.load_model()
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
@@ -43,9 +54,18 @@ class EngineCore:
             policy.set_prefill_profile(self.model_runner.profile_prefill())
         self.scheduler = Scheduler(vllm_config, self.num_gpu_blocks, policy, clock)
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
+        # Finished/preempted ids of steps that skipped the runner, delivered with the next.
+        self._undelivered_ids: set[str] = set()
         logger.info(
-            "Engine core ready in %.1f s (policy %s)", time.monotonic() - start, policy.name
+            "Engine core ready in %.1f s: %d KV blocks, policy %s",
+            time.monotonic() - start,
+            self.num_gpu_blocks,
+            policy.name,
         )
+
+    @property
+    def config(self) -> VllmConfig:
+        return self.vllm_config
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -53,13 +73,14 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; ValueError (naming the field) if it can never run."""
         params = request.sampling_params
-        params.update_from_generation_config(request.eos_token_id)
+        eos = request.eos_token_id if request.eos_token_id is not None else self.eos_token_id
+        params.update_from_generation_config(eos)
         self.scheduler.add_request(
             Request(
                 request.request_id,
                 request.prompt_token_ids,
                 params,
-                eos_token_id=request.eos_token_id,
+                eos_token_id=eos,
                 arrival_time=self.clock(),
                 priority=request.priority,
                 cache_salt=request.cache_salt,
@@ -68,24 +89,36 @@ class EngineCore:
         )
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop these requests now and free their blocks (unknown ids are ignored)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
-        runner_output = (
-            self.model_runner.execute_model(scheduler_output)
-            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
-            else EMPTY_MODEL_RUNNER_OUTPUT
-        )
+        runner_output = self._execute(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the model, unless nothing is scheduled (pins expiring, all waiting blocked)."""
+        if scheduler_output.is_empty:
+            self._undelivered_ids |= scheduler_output.finished_req_ids
+            self._undelivered_ids |= scheduler_output.preempted_req_ids
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        if self._undelivered_ids:
+            # The runner drops these before adding this step's new requests, so an id
+            # reused by a new request is safe.
+            scheduler_output.finished_req_ids |= self._undelivered_ids
+            self._undelivered_ids = set()
+        return self.model_runner.execute_model(scheduler_output)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
+        """Whether ``step`` would compute anything (pinned blocks alone are no work)."""
         return self.scheduler.has_work()
 
     def next_wakeup(self) -> float | None:
+        """Clock time of the earliest pin deadline (an idle engine may sleep until then)."""
         return self.scheduler.next_wakeup()
 
     def reset_prefix_cache(self) -> bool:

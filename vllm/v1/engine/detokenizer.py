@@ -1,49 +1,133 @@
-"""Incremental detokenization and stop strings."""
+"""Incremental detokenization and stop strings (front end, per sequence)."""
 
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
-
 from vllm.sampling_params import SamplingParams
+
+# What a tokenizer decodes an incomplete UTF-8 sequence to.
+_REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Turns a request's new tokens into new text; stops at stop strings.
+    """Turns one sequence's new tokens into new text and finds stop strings.
 
-    Built on ``tokenizers``' ``DecodeStream``, which holds back incomplete UTF-8
-    sequences, so the concatenated deltas equal a full decode of the tokens.
+    Decoding uses a prefix offset and a read offset, as vLLM does: each step decodes
+    the few tokens from ``prefix_offset`` twice, without and with the new tokens, and
+    the difference is the new text. Text ending in an incomplete UTF-8 sequence (a
+    character split across byte-level tokens) is held back until it completes, so
+    for text without stop strings ``output_text == tokenizer.decode(token_ids)`` once
+    ``flush()`` ran at the end.
+
+    Stop strings: the text is cut at the earliest stop string (kept with
+    ``include_stop_str_in_output``) and ``stop_reason`` names it. A text suffix that
+    could still grow into a stop string is held back from ``get_next_output_text``, so
+    streamed text never has to be retracted.
     """
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
-        self._backend = tokenizer._tokenizer  # the fast (Rust) tokenizer
-        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self.stop = params.stop or []
-        self.include_stop = params.include_stop_str_in_output
-        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop: list[str] = list(params.stop or [])
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.stop_buffer_length = (
+            self._max_stop_len - 1 if self.stop and not self.include_stop_str_in_output else 0
+        )
+        self.token_ids: list[int] = []  # tokens whose text is (or will be) in output_text
+        self.num_output_tokens = 0  # every token seen, the skipped stop token included
         self.output_text = ""
         self.stop_reason: str | None = None
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._last_output_offset = 0  # DELTA: characters already handed out
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string if one completed (text truncated)."""
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Add tokens; returns the stop string if one completed (then the text is cut).
+
+        ``stop_terminated``: the engine stopped on the last token (EOS or a stop token
+        id); like vLLM, that token's text is left out unless include_stop_str_in_output.
+        """
+        if self.stopped:
+            return self.stop_reason
+        self.num_output_tokens += len(new_token_ids)
+        if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
+        old_len = len(self.output_text)
         for token_id in new_token_ids:
-            piece = self._stream.step(self._backend, token_id)
-            if not piece:
-                continue
-            start = max(len(self.output_text) - self._max_stop + 1, 0)
-            self.output_text += piece
-            if self.stop and self._check_stop(start):
-                return self.stop_reason
-        return None
+            self.token_ids.append(token_id)
+            self.output_text += self._decode_next()
+        return self._check_stop(old_len)
 
-    def _check_stop(self, search_from: int) -> bool:
-        best = None
+    def flush(self) -> str | None:
+        """At the end of the sequence: emit text held back for an incomplete character."""
+        if self.stopped or self._read_offset == len(self.token_ids):
+            return self.stop_reason
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        old_len = len(self.output_text)
+        self.output_text += full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return self._check_stop(old_len)
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The whole text so far, or (``delta``) what was not handed out yet."""
+        end = len(self.output_text) - (0 if finished else self._num_held_back())
+        if not delta:
+            return self.output_text[:end]
+        if end <= self._last_output_offset:
+            return ""
+        text = self.output_text[self._last_output_offset : end]
+        self._last_output_offset = end
+        return text
+
+    def _num_held_back(self) -> int:
+        """Length of the longest text suffix that may still grow into a stop string."""
+        text = self.output_text
+        for k in range(min(self.stop_buffer_length, len(text)), 0, -1):
+            suffix = text[-k:]
+            if any(stop.startswith(suffix) for stop in self.stop):
+                return k
+        return 0
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_next(self) -> str:
+        """New text for the tokens after ``read_offset`` ("" while a character is split)."""
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        # Decoding from a few tokens back (not from read_offset) keeps the word-boundary
+        # spaces that some decoders strip from the first token of a slice.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        return full_text[len(prefix_text) :]
+
+    def _check_stop(self, old_len: int) -> str | None:
+        """Cut the text at the earliest stop string that ends in the new text."""
+        if not self.stop or self.num_output_tokens <= self.min_tokens:
+            return None
+        if len(self.output_text) == old_len:
+            return None
+        # A stop string ending in the new text starts at most len(stop) - 1 chars earlier.
+        search_from = max(old_len - self._max_stop_len + 1, 0)
+        best: tuple[int, str] | None = None
         for stop in self.stop:
             i = self.output_text.find(stop, search_from)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         if best is None:
-            return False
+            return None
         i, stop = best
-        self.output_text = self.output_text[: i + len(stop) if self.include_stop else i]
+        end = i + len(stop) if self.include_stop_str_in_output else i
+        self.output_text = self.output_text[:end]
         self.stop_reason = stop
-        return True
+        return stop

@@ -7,40 +7,60 @@ from dataclasses import dataclass, field
 
 from vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.outputs import TokenLogprobs
 
 
 @dataclass
-class _Child:
-    """One sequence (one of the n samples of a request)."""
+class _Sequence:
+    """One of the n samples of a user request (one engine-core request)."""
 
     index: int
     params: SamplingParams
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    sent_text: int = 0  # DELTA mode: characters already delivered
-    sent_tokens: int = 0
+    _sent_tokens: int = 0  # DELTA: tokens already handed out
 
-    def completion(self, kind: RequestOutputKind) -> CompletionOutput:
-        delta = kind == RequestOutputKind.DELTA
-        text = self.detok.output_text[self.sent_text :] if delta else self.detok.output_text
-        tokens = self.token_ids[self.sent_tokens :] if delta else list(self.token_ids)
-        logprobs = self.logprobs[self.sent_tokens :] if delta else list(self.logprobs)
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: EngineCoreOutput) -> bool:
+        """Apply one engine output; True if a stop string ended the sequence here."""
+        self.token_ids.extend(out.new_token_ids)
+        for lp in out.new_logprobs or ():
+            self.logprobs.append(lp)
+            self.cumulative_logprob += lp.logprob
+        stop_terminated = out.finish_reason == FinishReason.STOP
+        stop_string = self.detok.update(out.new_token_ids, stop_terminated)
+        if stop_string is None and out.finished:
+            stop_string = self.detok.flush()
+        if stop_string is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_string
+            return True
+        if out.finished:
+            self.finish_reason, self.stop_reason = str(out.finish_reason), out.stop_reason
+        return False
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        text = self.detok.get_next_output_text(self.finished, delta)
+        start = self._sent_tokens if delta else 0
         if delta:
-            self.sent_text, self.sent_tokens = len(self.detok.output_text), len(self.token_ids)
+            self._sent_tokens = len(self.token_ids)
+        want_logprobs = self.params.logprobs is not None
         return CompletionOutput(
-            self.index,
-            text,
-            tokens,
-            self.cumulative_logprob if self.params.logprobs is not None else None,
-            logprobs if self.params.logprobs is not None else None,
-            self.finish_reason,
-            self.stop_reason,
+            index=self.index,
+            text=text,
+            token_ids=self.token_ids[start:],
+            cumulative_logprob=self.cumulative_logprob if want_logprobs else None,
+            logprobs=self.logprobs[start:] if want_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
         )
 
 
@@ -49,106 +69,111 @@ class _RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    kind: RequestOutputKind
-    children: dict[str, _Child]
+    output_kind: RequestOutputKind
+    sequences: dict[str, _Sequence]  # engine-core request id -> sequence, in index order
     metrics: RequestMetrics
     num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children.values())
+        return all(s.finished for s in self.sequences.values())
 
 
 class OutputProcessor:
-    """Maps engine-core request ids (children) back to user requests."""
+    """Maps engine-core outputs back to user requests (one ``RequestOutput`` each).
+
+    A user request with n > 1 is n engine-core requests (see ``Processor.process``);
+    their outputs are gathered into one ``RequestOutput`` with n ``CompletionOutput``s.
+    Times in ``RequestOutput.metrics`` are wall-clock (``time.time()``) seconds.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
-        self._child_to_parent: dict[str, str] = {}
+        self._seq_to_request: dict[str, str] = {}
 
     def add_request(
         self,
         request_id: str,
         prompt: str | None,
-        core_requests: list[EngineCoreRequest],
+        core_requests: list[EngineCoreRequest] | EngineCoreRequest,
         arrival_time: float | None = None,
     ) -> None:
-        """Track a user request made of ``core_requests`` (one per sample when n > 1)."""
+        """Track ``request_id``, made of ``core_requests`` (one per sample when n > 1)."""
+        if isinstance(core_requests, EngineCoreRequest):
+            core_requests = [core_requests]
+        if not core_requests:
+            raise ValueError("core_requests must not be empty")
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         first = core_requests[0]
-        kind = first.sampling_params.output_kind
-        children = {
-            r.request_id: _Child(
+        sequences = {
+            r.request_id: _Sequence(
                 i, r.sampling_params, IncrementalDetokenizer(self.tokenizer, r.sampling_params)
             )
             for i, r in enumerate(core_requests)
         }
+        if arrival_time is None:
+            arrival_time = first.arrival_time or time.time()
         self._states[request_id] = _RequestState(
             request_id,
             prompt,
             first.prompt_token_ids,
-            kind,
-            children,
-            RequestMetrics(arrival_time or time.time()),
+            first.sampling_params.output_kind,
+            sequences,
+            RequestMetrics(arrival_time),
         )
         for r in core_requests:
-            self._child_to_parent[r.request_id] = request_id
+            self._seq_to_request[r.request_id] = request_id
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
-    def child_ids(self, request_id: str) -> list[str]:
-        state = self._states.get(request_id)
-        return list(state.children) if state else []
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._states)
 
-    def abort_request(self, request_id: str) -> None:
+    def child_ids(self, request_id: str) -> list[str]:
+        """Engine-core request ids of ``request_id`` ([] if unknown or finished)."""
+        state = self._states.get(request_id)
+        return list(state.sequences) if state else []
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget ``request_id``; returns its engine-core ids (to abort in the core)."""
         state = self._states.pop(request_id, None)
-        for child in state.children if state else ():
-            self._child_to_parent.pop(child, None)
+        if state is None:
+            return []
+        for seq_id in state.sequences:
+            self._seq_to_request.pop(seq_id, None)
+        return list(state.sequences)
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the user-visible outputs and the engine ids to abort (stop strings)."""
+        """User-visible outputs, and engine-core ids to abort (ended by a stop string)."""
         now = time.time()
-        touched: dict[str, _RequestState] = {}
-        to_abort: list[str] = []
+        updated: dict[str, list[_Sequence]] = {}
+        reqs_to_abort: list[str] = []
         for out in outputs:
-            parent = self._child_to_parent.get(out.request_id)
-            state = self._states.get(parent) if parent else None
+            request_id = self._seq_to_request.get(out.request_id)
+            state = self._states.get(request_id) if request_id is not None else None
             if state is None:
+                continue  # aborted by the front end meanwhile
+            seq = state.sequences[out.request_id]
+            if seq.finished:
                 continue
-            child = state.children[out.request_id]
-            if child.finish_reason is not None:
-                continue
-            self._apply(state, child, out, now)
-            if child.finish_reason == "stop" and out.finish_reason is None:
-                to_abort.append(out.request_id)  # a stop string: the engine must stop too
-            touched[parent] = state
+            self._update_metrics(state, out, now)
+            if seq.update(out) and not out.finished:
+                reqs_to_abort.append(out.request_id)  # the engine core must stop it too
+            updated.setdefault(request_id, []).append(seq)
         results = []
-        for request_id, state in touched.items():
-            finished = state.finished
-            if finished:
-                state.metrics.finished_time = now
-                self.abort_request(request_id)
-            if state.kind == RequestOutputKind.FINAL_ONLY and not finished:
-                continue
-            results.append(
-                RequestOutput(
-                    request_id,
-                    state.prompt,
-                    state.prompt_token_ids,
-                    [c.completion(state.kind) for c in state.children.values()],
-                    finished,
-                    state.num_cached_tokens,
-                    state.metrics,
-                )
-            )
-        return results, to_abort
+        for request_id, seqs in updated.items():
+            result = self._make_output(self._states[request_id], seqs, now)
+            if result is not None:
+                results.append(result)
+        return results, reqs_to_abort
 
-    def _apply(
-        self, state: _RequestState, child: _Child, out: EngineCoreOutput, now: float
-    ) -> None:
+    @staticmethod
+    def _update_metrics(state: _RequestState, out: EngineCoreOutput, now: float) -> None:
         m = state.metrics
         if out.new_token_ids:
             if m.first_token_time is None:
@@ -157,13 +182,27 @@ class OutputProcessor:
             m.num_generation_tokens += len(out.new_token_ids)
         if out.queue_time_s is not None and m.queue_time is None:
             m.queue_time = out.queue_time_s
-        state.num_cached_tokens = out.num_cached_tokens
-        child.token_ids.extend(out.new_token_ids)
-        for lp in out.new_logprobs or ():
-            child.logprobs.append(lp)
-            child.cumulative_logprob += lp.logprob
-        stop_string = child.detok.update(out.new_token_ids)
-        if stop_string is not None:
-            child.finish_reason, child.stop_reason = "stop", stop_string
-        elif out.finish_reason is not None:
-            child.finish_reason, child.stop_reason = str(out.finish_reason), out.stop_reason
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+
+    def _make_output(
+        self, state: _RequestState, updated: list[_Sequence], now: float
+    ) -> RequestOutput | None:
+        finished = state.finished
+        if finished:
+            state.metrics.finished_time = now
+            self.abort_request(state.request_id)
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        # DELTA reports only the sequences that moved, so a finished one is reported once.
+        seqs = sorted(updated, key=lambda s: s.index) if delta else state.sequences.values()
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[s.completion(delta) for s in seqs],
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )

@@ -12,10 +12,17 @@ from vllm.v1.engine import EngineCoreRequest
 
 
 class Processor:
+    """Turns prompts into validated engine-core requests; never truncates a prompt.
+
+    Bad input raises ``ValueError`` naming the argument, before anything reaches the
+    engine core.
+    """
+
     def __init__(self, vllm_config: VllmConfig, tokenizer, eos_token_id: int | None) -> None:
         self.max_model_len = vllm_config.scheduler_config.max_model_len
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
 
     def apply_chat_template(
         self,
@@ -24,8 +31,14 @@ class Processor:
         add_generation_prompt: bool = True,
         tools: list | None = None,
     ) -> str:
+        """The conversation as prompt text (holding its own special tokens)."""
         if not messages:
             raise ValueError("messages must not be empty")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages must be dicts with a 'role', got {m!r}")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat_template is required: the tokenizer has none")
         return self.tokenizer.apply_chat_template(
             list(messages),
             tokenize=False,
@@ -35,17 +48,21 @@ class Processor:
         )
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt`` (text, or token ids checked against the vocabulary)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             # Chat-templated text already holds its special tokens: pass False for it.
-            return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+        if not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
-        vocab = len(self.tokenizer)
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids) or not all(
+            0 <= t < self.vocab_size for t in ids
+        ):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         return ids
 
     def process(
@@ -56,16 +73,20 @@ class Processor:
         priority: int = 0,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        arrival_time: float | None = None,
     ) -> tuple[str, list[EngineCoreRequest]]:
-        """Validate and fan out (n > 1 gives n child requests with their own seeds)."""
+        """Validate and fan out: ``(request_id, [EngineCoreRequest, ...])``.
+
+        n > 1 gives n requests ``f"{i}_{request_id}"``, each with n = 1 and, when the
+        request is seeded, seed + i (as vLLM does), so every sample differs but the set
+        is reproducible.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
         ids = self.tokenize(prompt, add_special_tokens)
-        if len(ids) + 1 > self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len} "
-                "(the prompt plus at least one generated token must fit)"
-            )
+        self._check_length(ids, params)
         request_id = request_id or uuid.uuid4().hex
-        now = time.time()
+        arrival_time = time.time() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
             child = params.clone()
@@ -75,7 +96,24 @@ class Processor:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(
                 EngineCoreRequest(
-                    child_id, ids, child, self.eos_token_id, now, priority, cache_salt
+                    child_id, ids, child, self.eos_token_id, arrival_time, priority, cache_salt
                 )
             )
         return request_id, children
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+        # The prompt plus at least one generated token must fit; longer generations
+        # stop with finish_reason "length" at max_model_len.
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        if params.min_tokens and len(ids) + params.min_tokens > self.max_model_len:
+            raise ValueError(
+                f"min_tokens {params.min_tokens} plus the {len(ids)}-token prompt exceed "
+                f"max_model_len {self.max_model_len}"
+            )
+        over = {t for t in params.stop_token_ids if t >= self.vocab_size}
+        if over:
+            raise ValueError(f"stop_token_ids {sorted(over)} are outside the vocabulary")

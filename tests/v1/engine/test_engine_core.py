@@ -1,0 +1,161 @@
+"""EngineCore.step over the real scheduler with a fake, deterministic model runner."""
+
+from __future__ import annotations
+
+import pytest
+
+import vllm.v1.engine.core as core_module
+import vllm.v1.worker.model_runner as model_runner_module
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.utils.clock import FakeClock
+from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
+from vllm.v1.engine import EngineCoreRequest, FinishReason
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.outputs import ModelRunnerOutput
+
+EOS = 2  # SmolLM2's <|im_end|>, from its generation config
+
+
+class FakeRunner:
+    """A 'model' whose next token is the last token + 1; records every call."""
+
+    def __init__(self, vllm_config) -> None:
+        self.config = vllm_config
+        self.calls = []
+        self.states: dict[str, list] = {}  # req_id -> [token_ids, num_computed_tokens]
+
+    def load_model(self) -> None:
+        pass
+
+    def determine_num_blocks(self) -> int:
+        return self.config.cache_config.num_gpu_blocks_override
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def profile_prefill(self) -> list[tuple[int, float]]:
+        return [(16, 0.01), (64, 0.05)]
+
+    def execute_model(self, so) -> ModelRunnerOutput:
+        self.calls.append(so)
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.states[new.req_id] = [list(new.token_ids), new.num_computed_tokens]
+        cached = so.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            self.states[req_id][1] = computed
+        sampled = {}
+        for req_id, n in so.num_scheduled_tokens.items():
+            tokens, computed = self.states[req_id]
+            sampled[req_id] = []
+            if computed + n >= len(tokens):  # the prefill is complete: sample
+                tokens.append(tokens[-1] + 1)
+                sampled[req_id] = [tokens[-1]]
+        return ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    monkeypatch.setattr(model_runner_module, "ModelRunner", FakeRunner)
+    # 15 usable blocks of 16 tokens: 240 tokens of KV, less than max_model_len.
+    args = EngineArgs(num_gpu_blocks_override=16, max_num_batched_tokens=16, max_model_len=512)
+    return EngineCore(args.create_engine_config(), clock=FakeClock())
+
+
+def request(request_id: str, prompt: list[int], **params) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, prompt, SamplingParams(**params))
+
+
+def run_to_completion(engine: EngineCore, max_steps: int = 100) -> dict:
+    """Step until idle; returns req_id -> (token ids, last EngineCoreOutput)."""
+    results: dict[str, tuple[list[int], object]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return results
+        for out in engine.step().outputs:
+            tokens = results.get(out.request_id, ([], None))[0] + out.new_token_ids
+            results[out.request_id] = (tokens, out)
+    raise AssertionError("engine did not finish")
+
+
+def assert_idle(engine: EngineCore) -> None:
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_requests_run_to_length_and_eos(engine):
+    engine.add_request(request("a", list(range(100, 140)), max_tokens=4))  # chunked: 16/step
+    engine.add_request(request("b", [7, 8, 0], max_tokens=10))  # 0 -> 1 -> 2 = EOS
+    engine.add_request(request("c", [7, 8, 0], max_tokens=3, ignore_eos=True))
+    results = run_to_completion(engine)
+    assert results["a"][0] == [140, 141, 142, 143]
+    assert results["a"][1].finish_reason == FinishReason.LENGTH
+    assert results["b"][0] == [1, EOS] and results["b"][1].finish_reason == FinishReason.STOP
+    assert results["b"][1].stop_reason is None  # EOS, not a stop token id
+    assert results["c"][0] == [1, 2, 3]
+    assert_idle(engine)
+
+
+def test_first_output_carries_queue_time(engine):
+    engine.add_request(request("a", [5, 6], max_tokens=2))
+    engine.clock.advance(1.5)  # waited 1.5 s before the first schedule
+    first = engine.step().outputs[0]
+    assert first.queue_time_s == pytest.approx(1.5)
+    assert engine.step().outputs[0].queue_time_s is None
+
+
+def test_stop_token_ids_give_stop_reason(engine):
+    engine.add_request(request("a", [5, 6], max_tokens=10, stop_token_ids=[9]))
+    tokens, last = run_to_completion(engine)["a"]
+    assert tokens == [7, 8, 9] and last.stop_reason == 9
+
+
+def test_abort_frees_blocks_and_empty_steps_skip_the_runner(engine):
+    engine.add_request(request("a", list(range(100, 120)), max_tokens=50))
+    engine.step()
+    engine.step()
+    runner = engine.model_runner
+    assert len(runner.calls) == 2 and engine.scheduler.kv_cache_manager.usage > 0
+    engine.abort_requests(["a", "unknown"])
+    assert_idle(engine)
+    assert not engine.has_work() and engine.step().outputs == []
+    assert len(runner.calls) == 2  # nothing scheduled: the runner was not called
+    # The runner still learns that "a" finished, with the next real step.
+    engine.add_request(request("b", [1, 2], max_tokens=1))
+    run_to_completion(engine)
+    assert "a" in runner.calls[2].finished_req_ids and "a" not in runner.states
+
+
+def test_bad_requests_raise_value_error(engine):
+    engine.add_request(request("a", [1, 2], max_tokens=1))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(request("a", [1, 2]))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(request("long", [1] * 600))
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.add_request(request("huge", [1] * 300))
+    run_to_completion(engine)
+    assert_idle(engine)
+
+
+def test_policy_gets_decode_and_prefill_profile(monkeypatch):
+    seen = {}
+
+    class ProfiledPolicy(FCFSPolicy):
+        def set_prefill_profile(self, samples):
+            seen["profile"] = samples
+
+    def fake_create_policy(name, config, decode=None, clock=None):
+        seen["decode"] = decode
+        return ProfiledPolicy(config, decode=decode)
+
+    monkeypatch.setattr(model_runner_module, "ModelRunner", FakeRunner)
+    monkeypatch.setattr(core_module, "create_policy", fake_create_policy)
+    args = EngineArgs(num_gpu_blocks_override=8, max_model_len=64)
+    engine = EngineCore(args.create_engine_config(), clock=FakeClock())
+    assert seen["profile"] == [(16, 0.01), (64, 0.05)]
+    ids = engine.tokenizer("Hello world").input_ids + [EOS]
+    assert seen["decode"](ids) == "Hello world"  # special tokens skipped
+    assert engine.scheduler.policy.name == "fcfs"

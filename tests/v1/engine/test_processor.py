@@ -1,0 +1,86 @@
+"""Processor: tokenization, chat template, length checks, n>1 fan-out."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.processor import Processor
+
+
+@pytest.fixture
+def processor(tokenizer):
+    config = EngineArgs(max_model_len=64).create_engine_config()
+    return Processor(config, tokenizer, eos_token_id=2)
+
+
+def test_text_and_token_id_prompts(processor, tokenizer):
+    request_id, reqs = processor.process("Hello world", SamplingParams(), "r1")
+    assert request_id == "r1" and [r.request_id for r in reqs] == ["r1"]
+    assert reqs[0].prompt_token_ids == tokenizer("Hello world").input_ids
+    assert reqs[0].eos_token_id == 2 and reqs[0].arrival_time > 0
+    _, reqs = processor.process([5, 6, 7], SamplingParams())
+    assert reqs[0].prompt_token_ids == [5, 6, 7]
+
+
+def test_too_long_prompt_is_rejected_not_truncated(processor):
+    processor.process([1] * 63, SamplingParams())  # 63 + 1 generated token fit in 64
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        processor.process([1] * 64, SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        processor.process("word " * 100, SamplingParams())
+    with pytest.raises(ValueError, match="min_tokens"):
+        processor.process([1] * 60, SamplingParams(min_tokens=10))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ("", "empty"),
+        ([], "empty"),
+        ([1, -1], "token ids"),
+        ([1, 10**9], "token ids"),
+        ([1.5], "token ids"),
+        (None, "prompt"),
+    ],
+)
+def test_bad_prompts(processor, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        processor.process(prompt, SamplingParams())
+
+
+def test_bad_sampling_params(processor):
+    with pytest.raises(ValueError, match="sampling_params"):
+        processor.process("hi", {"temperature": 0})
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        processor.process("hi", SamplingParams(stop_token_ids=[10**9]))
+
+
+def test_n_fans_out_with_per_child_seeds(processor):
+    params = SamplingParams(n=3, seed=7, temperature=1.0)
+    _, reqs = processor.process("Hi", params, "abc")
+    assert [r.request_id for r in reqs] == ["0_abc", "1_abc", "2_abc"]
+    assert [r.sampling_params.seed for r in reqs] == [7, 8, 9]
+    assert all(r.sampling_params.n == 1 for r in reqs)
+    assert params.n == 3 and params.seed == 7  # the caller's object is untouched
+    _, reqs = processor.process("Hi", SamplingParams(n=2))
+    assert [r.sampling_params.seed for r in reqs] == [None, None]
+
+
+def test_chat_template(processor):
+    text = processor.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    assert text.endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    no_gen = processor.apply_chat_template(
+        [{"role": "user", "content": "Hi!"}], add_generation_prompt=False
+    )
+    assert not no_gen.endswith("assistant\n")
+    custom = processor.apply_chat_template(
+        [{"role": "user", "content": "Hi!"}],
+        chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}",
+    )
+    assert custom == "[user] Hi!"
+    with pytest.raises(ValueError, match="messages"):
+        processor.apply_chat_template([])
+    with pytest.raises(ValueError, match="messages"):
+        processor.apply_chat_template(["Hi!"])

@@ -1,0 +1,30 @@
+"""The ``vllm`` command: ``vllm serve [MODEL] [flags]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from vllm import __version__
+    from vllm.entrypoints.cli.serve import add_serve_parser
+
+    parser = argparse.ArgumentParser(prog="vllm", description="vllm-continuum CLI")
+    parser.add_argument("-v", "--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", metavar="{serve}")
+    add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        sys.exit(2)
+    args.func(args, parser)
+
+
+if __name__ == "__main__":
+    main()

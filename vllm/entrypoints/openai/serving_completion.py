@@ -1,0 +1,81 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vllm.entrypoints.openai.protocol import CompletionRequest, RequestError, now_s, random_id
+from vllm.entrypoints.openai.serving_engine import OpenAIServing
+from vllm.outputs import CompletionOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def _prompt(self, request: CompletionRequest) -> str | list[int]:
+        p = request.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            p = p[0]  # a batch of one
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            raise RequestError("batched prompts are not supported; send one per request", "prompt")
+        return p
+
+    def _logprobs(self, c: CompletionOutput) -> dict | None:
+        if c.logprobs is None:
+            return None
+        tok = self.engine.tokenizer
+        return {
+            "tokens": [tok.decode([lp.token_id]) for lp in c.logprobs],
+            "token_logprobs": [lp.logprob for lp in c.logprobs],
+            "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in c.logprobs],
+            "text_offset": [],
+        }
+
+    async def create_completion(self, request: CompletionRequest):
+        self.check_model(request)
+        ids = self.tokenize(self._prompt(request), add_special_tokens=True)
+        max_tokens = self.max_tokens_for(len(ids), request.max_tokens or 16)
+        params = request.to_sampling_params(max_tokens, request.logprobs, request.stream)
+        request_id = random_id("cmpl")
+        created = now_s()
+        stream = await self.engine.add_request(ids, params, request_id, priority=request.priority)
+        base = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+        }
+        if request.stream:
+
+            def chunk(c: CompletionOutput) -> dict:
+                return {
+                    **base,
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "text": c.text,
+                            "logprobs": self._logprobs(c),
+                            "finish_reason": c.finish_reason,
+                        }
+                    ],
+                }
+
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            events = self.stream_events(
+                stream,
+                chunk,
+                [],
+                include_usage,
+                lambda u: {**base, "choices": [], "usage": u.model_dump()},
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
+        final = await self.collect(stream)
+        choices = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": self._logprobs(c),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        return JSONResponse({**base, "choices": choices, "usage": self.usage([final]).model_dump()})

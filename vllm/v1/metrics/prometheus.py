@@ -1,0 +1,143 @@
+"""Prometheus collectors with vLLM's metric names, labelled ``model_name``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from vllm.outputs import RequestOutput
+from vllm.v1.engine import EngineCoreOutputs
+
+_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
+_TPOT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+
+
+class PrometheusStatLogger:
+    """Turns engine stats and finished requests into metrics in its own registry."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.labels = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["model_name"], registry=self.registry).labels(**self.labels)
+
+        def counter(name, doc):
+            return Counter(name, doc, ["model_name"], registry=self.registry).labels(**self.labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(
+                name, doc, ["model_name"], buckets=buckets, registry=self.registry
+            ).labels(**self.labels)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in model execution.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent usage."
+        )
+        self.pinned_requests = gauge(
+            "vllm:num_pinned_requests", "Finished requests whose KV blocks are pinned."
+        )
+        self.pinned_blocks = gauge("vllm:pinned_kv_blocks", "KV blocks held by pins.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens.")
+        self.pins = counter("vllm:pins", "KV pins placed (Continuum).")
+        self.pin_hits = counter("vllm:pin_hits", "Next turns that found their pinned blocks.")
+        self.pin_expiries = counter("vllm:pin_expiries", "Pins released by TTL expiry.")
+        self.pin_forced = counter(
+            "vllm:pin_forced_releases", "Pins released under memory pressure."
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Successfully finished requests.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds", "Time per output token.", _TPOT_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end latency.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Time spent waiting in the engine.", _LATENCY_BUCKETS
+        )
+
+    def record(self, core: EngineCoreOutputs, results: list[RequestOutput]) -> None:
+        s = core.scheduler_stats
+        if s is not None:
+            self.running.set(s.num_running_reqs)
+            self.waiting.set(s.num_waiting_reqs)
+            self.kv_usage.set(s.kv_cache_usage)
+            self.prefix_queries.inc(s.prefix_cache_stats.queries)
+            self.prefix_hits.inc(s.prefix_cache_stats.hits)
+            self.preemptions.inc(s.num_preemptions)
+            p = s.pin_stats
+            self.pinned_requests.set(p.num_pinned_requests)
+            self.pinned_blocks.set(p.pinned_kv_blocks)
+            self.pins.inc(p.pins)
+            self.pin_hits.inc(p.pin_hits)
+            self.pin_expiries.inc(p.expiries)
+            self.pin_forced.inc(p.forced_releases)
+        self.generation_tokens.inc(sum(len(o.new_token_ids) for o in core.outputs))
+        for out in results:
+            if out.finished:
+                self._record_finished(out)
+
+    def _record_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        reason = out.outputs[0].finish_reason or "abort" if out.outputs else "abort"
+        self.success.labels(finished_reason=reason, **self.labels).inc()
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.num_generation_tokens > 1 and m.last_token_time is not None:
+                self.tpot.observe(
+                    (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1)
+                )
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
