@@ -80,31 +80,40 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[req_id] = []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        num_new_blocks = max(
-            cdiv(total, self.block_size) - len(req_blocks) - len(computed_blocks), 0
-        )
-        # A cached block sitting in the free queue counts as free until we touch it.
-        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
-            return None
-
-        self.block_pool.touch(computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
-        req_blocks.extend(computed_blocks)
-        req_blocks.extend(new_blocks)
-
+        num_new_blocks = -(-total // self.block_size) - len(req_blocks)
+        pool = self.block_pool
+        if new_computed_blocks:
+            num_new_blocks -= len(new_computed_blocks)
+            # A cached block sitting in the free queue counts as free until touched.
+            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        else:
+            num_revived = 0
+        if max(num_new_blocks, 0) + num_revived > pool.get_num_free_blocks():
+            if not req_blocks:
+                del self.req_to_blocks[req_id]
+            return None  # nothing was changed
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        new_ids: list[int] = []
+        if num_new_blocks > 0:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            new_ids = [b.block_id for b in new_blocks]
         if self.enable_caching:
-            num_cached = self._num_cached_blocks.get(request.request_id, 0)
+            num_cached = self._num_cached_blocks.get(req_id, 0)
             known = min(num_computed + num_new_tokens, request.num_tokens)
             num_full = min(known // self.block_size, len(request.block_hashes))
-            self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full)
-            self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
-        return [b.block_id for b in new_blocks]
+            if num_full > num_cached:
+                pool.cache_full_blocks(request, req_blocks, num_cached, num_full)
+                self._num_cached_blocks[req_id] = num_full
+        return new_ids
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (the tail is evicted first)."""

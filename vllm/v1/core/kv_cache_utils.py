@@ -39,8 +39,10 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
 
     def hasher(request: Request) -> list[BlockHash]:
         start = len(request.block_hashes)
-        parent = request.block_hashes[-1] if start else None
         tokens = request.all_token_ids
+        if len(tokens) // block_size <= start:
+            return []  # the common decode step: no block filled up
+        parent = request.block_hashes[-1] if start else None
         new: list[BlockHash] = []
         for i in range(start, len(tokens) // block_size):
             parent = hash_block_tokens(
