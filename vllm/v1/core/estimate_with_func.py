@@ -1,0 +1,222 @@
+"""Tool calls in agent outputs, and how long each tool takes between turns.
+
+``ToolCallParser`` finds the tool call in a finished turn's text (```bash blocks, OpenAI
+``tool_calls`` JSON, ``<tool_call>{json}</tool_call>``; anything inside ``<think>`` is
+ignored). ``ToolCallEstimator`` records per job when a turn left and when the next one
+arrived: the gap is the tool's duration, kept per tool for the TTL rule.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections import deque
+from dataclasses import dataclass, field
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_FENCE = re.compile(r"```(?:bash|sh|shell|console|zsh)[^\n]*\n(.*?)```", re.DOTALL)
+_TOOL_TAG = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+_ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_PREFIXES = {"sudo", "time", "nohup", "env", "exec", "command", "builtin", "nice"}
+# Tools whose first argument names what really runs ("git status", "pip install").
+_SUBCOMMAND_TOOLS = {
+    "git",
+    "pip",
+    "pip3",
+    "npm",
+    "yarn",
+    "pnpm",
+    "docker",
+    "cargo",
+    "go",
+    "kubectl",
+    "conda",
+    "apt",
+    "apt-get",
+    "poetry",
+    "uv",
+    "make",
+    "dotnet",
+}
+_PYTHONS = re.compile(r"^python(\d(\.\d+)?)?$")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str  # normalised tool name: "ls", "git status", "pytest"
+    command: str  # the full command text (or JSON arguments)
+
+
+def _segments(command: str) -> list[str]:
+    """Shell words of the first line, split at &&, ||, ;, | (quotes respected)."""
+    line = next((ln.strip() for ln in command.strip().splitlines() if ln.strip()), "")
+    try:
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split = True
+        return list(lexer)
+    except ValueError:  # unbalanced quotes: fall back to plain splitting
+        return line.split()
+
+
+def normalize_tool_name(command: str) -> str | None:
+    """First real command word: skips cd-chains, sudo, env assignments, timeouts."""
+    words = _segments(command)
+    i = 0
+    while i < len(words):
+        w = words[i]
+        if w in (";", "&&", "||", "|", "&"):
+            i += 1
+        elif w == "cd" and i + 2 < len(words) and words[i + 2] in ("&&", ";", "||"):
+            i += 2  # "cd dir && cmd": the tool is cmd
+        elif w.rsplit("/", 1)[-1] in _PREFIXES or _ENV_ASSIGN.match(w):
+            i += 1
+        elif w == "timeout":
+            i += 2 if i + 1 < len(words) and not words[i + 1].startswith("-") else 3
+        else:
+            break
+    if i >= len(words) or words[i] in (";", "&&", "||", "|", "&"):
+        return None
+    tool = words[i].rsplit("/", 1)[-1]
+    rest = [w for w in words[i + 1 :] if w not in (";", "&&", "||", "|", "&")]
+    if _PYTHONS.match(tool) and len(rest) >= 2 and rest[0] == "-m":
+        return rest[1]  # python -m pytest -> pytest
+    if tool in _SUBCOMMAND_TOOLS and rest and not rest[0].startswith("-"):
+        return f"{tool} {rest[0]}"
+    return tool or None
+
+
+class ToolCallParser:
+    """Finds the (last) tool call in an agent turn's output text."""
+
+    def parse(self, text: str | None) -> ToolCall | None:
+        if not text:
+            return None
+        if "</think>" in text:  # thinking models: only what follows the thought counts
+            text = _THINK.sub("", text)
+            text = text.rsplit("</think>", 1)[-1]
+        return (
+            self._from_tool_calls_json(text) or self._from_tool_tag(text) or self._from_fence(text)
+        )
+
+    def _from_fence(self, text: str) -> ToolCall | None:
+        blocks = [b.strip() for b in _FENCE.findall(text) if b.strip()]
+        if not blocks:
+            return None
+        name = normalize_tool_name(blocks[-1])
+        return ToolCall(name, blocks[-1]) if name else None
+
+    def _from_tool_tag(self, text: str) -> ToolCall | None:
+        calls = _TOOL_TAG.findall(text)
+        return self._from_function(calls[-1]) if calls else None
+
+    def _from_tool_calls_json(self, text: str) -> ToolCall | None:
+        stripped = text.strip()
+        if not stripped.startswith("{"):
+            return None
+        try:
+            obj = json.loads(stripped)
+        except json.JSONDecodeError:
+            return None
+        calls = obj.get("tool_calls") if isinstance(obj, dict) else None
+        if calls:
+            return self._from_function(calls[-1].get("function", calls[-1]))
+        return self._from_function(obj) if isinstance(obj, dict) and "name" in obj else None
+
+    @staticmethod
+    def _from_function(fn) -> ToolCall | None:
+        if isinstance(fn, str):
+            try:
+                fn = json.loads(fn)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(fn, dict) or not fn.get("name"):
+            return None
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = {"raw": args}
+        command = args.get("command") or args.get("cmd") if isinstance(args, dict) else None
+        if isinstance(command, list):
+            command = " ".join(map(str, command))
+        if isinstance(command, str) and command.strip():
+            return ToolCall(normalize_tool_name(command) or fn["name"], command)
+        return ToolCall(str(fn["name"]), json.dumps(args, sort_keys=True))
+
+
+@dataclass
+class _Job:
+    first_arrival: float
+    turns: int = 0
+    last_departure: float | None = None
+    last_tool: str | None = None
+
+
+@dataclass
+class ToolCallEstimator:
+    """Per-job arrival/departure bookkeeping and per-tool duration histories.
+
+    Safe with concurrent requests of one job and with job-less requests: a duration is
+    recorded only when a departure is waiting to be matched by the next arrival.
+    """
+
+    max_samples: int = 1000
+    max_jobs: int = 100_000
+    _jobs: dict[str, _Job] = field(default_factory=dict)
+    _durations: dict[str, deque] = field(default_factory=dict)
+    _all: deque = field(default_factory=lambda: deque(maxlen=5000))
+    _turn_pairs: deque = field(default_factory=lambda: deque(maxlen=5000))
+
+    def on_arrival(self, job: str, now: float) -> str | None:
+        """A turn of ``job`` arrived; returns the tool that ran before it (if known)."""
+        state = self._jobs.get(job)
+        if state is None:
+            if len(self._jobs) >= self.max_jobs:
+                self._jobs.pop(next(iter(self._jobs)))
+            self._jobs[job] = _Job(first_arrival=now)
+            return None
+        tool = state.last_tool
+        if state.last_departure is not None and tool is not None:
+            self.record(tool, max(now - state.last_departure, 0.0))
+        state.last_departure = None
+        return tool
+
+    def on_departure(self, job: str, now: float, tool: str | None) -> None:
+        state = self._jobs.setdefault(job, _Job(first_arrival=now))
+        state.turns += 1
+        state.last_departure = now
+        state.last_tool = tool
+
+    def on_job_end(self, job: str) -> None:
+        """The job's last step finished: its turn count feeds the eta statistic."""
+        state = self._jobs.pop(job, None)
+        if state is not None and state.turns > 1:
+            n = state.turns
+            self._turn_pairs.extend((k, n - k) for k in range(1, n + 1))
+
+    def record(self, tool: str, seconds: float) -> None:
+        self._durations.setdefault(tool, deque(maxlen=self.max_samples)).append(seconds)
+        self._all.append(seconds)
+
+    def job_first_arrival(self, job: str, default: float) -> float:
+        state = self._jobs.get(job)
+        return state.first_arrival if state else default
+
+    def durations(self, tool: str | None) -> list[float]:
+        return list(self._durations.get(tool, ())) if tool else []
+
+    def all_durations(self) -> list[float]:
+        return list(self._all)
+
+    def mean(self, tool: str | None) -> float | None:
+        d = self._durations.get(tool) if tool else None
+        return sum(d) / len(d) if d else None
+
+    @property
+    def num_records(self) -> int:
+        return len(self._all)
+
+    def turn_pairs(self) -> list[tuple[int, int]]:
+        return list(self._turn_pairs)
