@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
+    from vllm.utils.clock import Clock
     from vllm.v1.request import Request
 
 
@@ -54,11 +55,15 @@ class BlockPool:
     A free block may still hold a hash ("cached"): it is evicted lazily when popped.
     """
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, enable_caching: bool = True, clock: Clock | None = None
+    ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
+        # Kept for time-stamped bookkeeping (pins, offload); the pool itself is timeless.
+        self.clock = clock
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
@@ -70,7 +75,12 @@ class BlockPool:
         return self.cached_block_hash_to_block.get_one_block(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop ``num_blocks`` from the head of the free queue (evicting their hashes)."""
+        """Pop ``num_blocks`` from the head of the free queue (evicting their hashes).
+
+        Each returned block has ``ref_cnt == 1``. ValueError (nothing changed) if short.
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(
                 f"cannot allocate {num_blocks} blocks: {self.get_num_free_blocks()} free"
@@ -89,9 +99,16 @@ class BlockPool:
         self.num_cached_blocks -= 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference; a free (cached) block leaves the free queue."""
+        """Take one more reference; a free (cached) block leaves the free queue.
+
+        This is how a prefix hit revives a cached block, so the caller must count blocks
+        with ``ref_cnt == 0`` among ``blocks`` against the free blocks. The null block is
+        skipped, as in ``free_blocks``.
+        """
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
@@ -112,8 +129,15 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        block_size: int | None = None,
     ) -> None:
-        """Give ``blocks[num_cached_blocks:num_full_blocks]`` their hashes."""
+        """Give ``blocks[num_cached_blocks:num_full_blocks]`` their hashes.
+
+        The hashes are ``request.block_hashes[i]`` (the request's hasher fixes the block
+        size, so ``block_size`` is accepted for vLLM's signature but not needed). A block
+        that already holds a hash (a prefix hit) is skipped; a block whose hash another
+        block already holds is still inserted (both stay in the map).
+        """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
         hashes = request.block_hashes

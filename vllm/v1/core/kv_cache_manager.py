@@ -40,6 +40,8 @@ class KVCacheManager:
         """Longest run of cached full blocks prefixing the request; does not touch them.
 
         Never the whole prompt: the last token is always computed, to get its logits.
+        Records no stats: a waiting request is looked up again every step until it fits,
+        so the scheduler counts the lookup once, at admission (``record_prefix_cache_query``).
         """
         if not self.enable_caching:
             return [], 0
@@ -116,7 +118,11 @@ class KVCacheManager:
         return new_ids
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first (the tail is evicted first)."""
+        """Release the request's blocks, tail first (the tail is evicted first).
+
+        Unknown ids are a no-op. Blocks shared with another request (a prefix hit) only
+        lose this request's reference and stay in use.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:

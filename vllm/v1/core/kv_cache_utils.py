@@ -17,9 +17,14 @@ NONE_HASH: BlockHash = hashlib.sha256(b"vllm-continuum-root").digest()
 
 
 def hash_block_tokens(
-    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
 ) -> BlockHash:
-    """Chained hash: equal only if the whole prefix up to this block is equal."""
+    """Chained hash: equal only if the whole prefix up to this block is equal.
+
+    ``parent_hash`` None means the first block (chained from ``NONE_HASH``).
+    """
     payload = (parent_hash or NONE_HASH, tuple(token_ids), extra_keys)
     return hashlib.sha256(pickle.dumps(payload, protocol=5)).digest()
 
@@ -66,13 +71,20 @@ class KVCacheBlock:
         "is_null",
     )
 
-    def __init__(self, block_id: int) -> None:
+    def __init__(
+        self,
+        block_id: int,
+        ref_cnt: int = 0,
+        block_hash: BlockHash | None = None,
+        is_null: bool = False,
+    ) -> None:
         self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
+        self.ref_cnt = ref_cnt
+        self.block_hash = block_hash
+        # Links of the free queue; both None iff the block is not in it.
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
-        self.is_null = False
+        self.is_null = is_null
 
     def reset_hash(self) -> None:
         self.block_hash = None
@@ -106,6 +118,9 @@ class FreeKVCacheBlockQueue:
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Pop ``n`` blocks from the head; ValueError (nothing popped) if fewer are free."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
         if n > self.num_free_blocks:
             raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} free")
         return [self.popleft() for _ in range(n)]

@@ -18,6 +18,7 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.utils.clock import monotonic_clock
+from vllm.v1.engine import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class EngineCoreProc:
         poller.register(self.input, zmq.POLLIN)
         while self.running:
             timeout = self._poll_timeout_ms()
+            handled = False
             if poller.poll(timeout):
                 while True:
                     try:
@@ -76,12 +78,18 @@ class EngineCoreProc:
                     except zmq.Again:
                         break
                     self._handle(*pickle.loads(msg))
+                    handled = True
             if os.getppid() != self.parent:
                 logger.error("front end died; engine core exits")
                 break
             wake = self.engine.next_wakeup()
             if self.engine.has_work() or (wake is not None and wake <= monotonic_clock()):
                 self._send("outputs", self.engine.step())
+            elif handled:
+                # An abort left the engine idle: publish the freed blocks now, since no
+                # step will carry fresh stats until the next request.
+                stats = self.engine.scheduler.make_stats()
+                self._send("outputs", EngineCoreOutputs(scheduler_stats=stats))
         self.engine.shutdown()
         self.output.close(linger=1000)
         self.input.close(linger=0)

@@ -1,0 +1,180 @@
+"""End-to-end: the real server and model, driven by the official openai client."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+
+from ...utils import RemoteServer
+
+pytestmark = pytest.mark.slow
+API_KEY = "sk-test"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(
+        "--num-gpu-blocks-override", "128", "--max-model-len", "1024", "--api-key", API_KEY
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client(api_key=API_KEY)
+
+
+def chat(client, content="What is the capital of France?", **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **kw
+    )
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert requests.get(server.base + "/health").status_code == 200
+    assert requests.get(server.base + "/version").json()["version"]
+
+
+def test_chat_non_streaming_with_agent_metadata(client):
+    resp = chat(
+        client,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"job_id": "job_alpha", "is_last_step": False},
+    )
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content and choice.finish_reason == "stop"
+    assert resp.usage.prompt_tokens > 10
+    assert 0 < resp.usage.completion_tokens <= 24
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    kw = {"max_tokens": 16, "temperature": 0}
+    full = chat(client, "Count from one to ten.", **kw).choices[0].message.content
+    stream = chat(
+        client, "Count from one to ten.", stream=True, stream_options={"include_usage": True}, **kw
+    )
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(parts) == full
+    assert usage is not None and usage.completion_tokens == 16 and finish == "length"
+
+
+def test_completion_n_logprobs_stop(client):
+    resp = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, logprobs=2, stop=[" 7"]
+    )
+    c = resp.choices[0]
+    assert c.text.strip().startswith("5") and " 7" not in c.text and c.finish_reason == "stop"
+    assert len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) > 0
+    two = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, seed=1, temperature=1.0
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+
+
+def test_agent_metadata_in_three_places_and_type_errors(server, client):
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = server.base + "/v1/chat/completions"
+    for extra in (
+        {"job_id": "j1", "is_last_step": True},
+        {"vllm_xargs": {"job_id": "j2", "is_last_step": False}},
+        {"extra_body": {"job_id": "j3", "is_last_step": True}},
+    ):
+        assert requests.post(url, json={**ok, **extra}, headers=headers).status_code == 200
+    for extra, field in (
+        ({"job_id": 5}, "job_id"),
+        ({"extra_body": {"is_last_step": "no"}}, "is_last_step"),
+        ({"vllm_xargs": {"job_id": ["x"]}}, "job_id"),
+    ):
+        r = requests.post(url, json={**ok, **extra}, headers=headers)
+        assert r.status_code == 400, extra
+        assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "nope"}, "model"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 100000}, "max_tokens"),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, param):
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
+    r = requests.post(
+        server.base + "/v1/chat/completions",
+        json=payload,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+
+
+def test_invalid_json_long_prompt_and_api_key(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    r = requests.post(server.base + "/v1/chat/completions", data="{not json", headers=headers)
+    assert r.status_code == 400 and "error" in r.json()
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        chat(client, "word " * 1500)
+    bad = server.client(api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        chat(bad, max_tokens=2)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client):
+    stream = chat(
+        client,
+        "Write a very long story about dragons.",
+        max_tokens=400,
+        stream=True,
+        temperature=0.8,
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert server.wait_metric("vllm:num_requests_running", 0.0) == 0.0
+    assert server.wait_metric("vllm:kv_cache_usage_perc", 0.0) == 0.0
+
+
+def test_metrics_names_and_text_format(server, client):
+    chat(client, max_tokens=4)
+    r = requests.get(
+        server.base + "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+    )
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "vllm:kv_cache_usage_perc{" in r.text  # not escaped to vllm_kv_...
+    m = server.metrics()
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:num_pinned_requests",
+        "vllm:pinned_kv_blocks",
+    ):
+        assert name in m, name
+    assert m["vllm:generation_tokens_total"] > 0 and m["vllm:prompt_tokens_total"] > 0
+    assert m["vllm:e2e_request_latency_seconds_count"] >= 1
