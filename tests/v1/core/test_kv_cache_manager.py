@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
-from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from .conftest import make_request
@@ -22,19 +19,6 @@ def admit(m: KVCacheManager, req) -> list[int]:
     m.record_prefix_cache_query(req.num_tokens, n_hit)
     req.num_computed_tokens = req.num_tokens
     return m.get_block_ids(req.request_id)
-
-
-def test_null_block_excluded_from_usage():
-    pool = BlockPool(11)
-    assert pool.get_num_free_blocks() == 10  # 11 blocks, null block 0 excluded
-    assert pool.get_usage() == 0.0
-    blocks = pool.get_new_blocks(5)
-    assert 0 not in [b.block_id for b in blocks]
-    assert pool.get_usage() == pytest.approx(0.5)
-    pool.free_blocks(blocks)
-    pool.check_invariants()
-    with pytest.raises(ValueError):
-        pool.free_blocks(blocks)  # double free is refused
 
 
 def test_prefix_hit_on_shared_prompt_never_whole_prompt():
@@ -82,6 +66,13 @@ def test_revived_cached_block_counts_against_free():
     b = make_request(list(range(8)) + [60] * 7)  # 15 tokens = 4 blocks, 2 from the cache
     hit, n_hit = m.get_computed_blocks(b)
     assert n_hit == 8
+    # The pitfall: 20 tokens need 3 new blocks, and 3 <= 4 free, but touching the 2 hits
+    # takes them out of the free queue too: 3 + 2 > 4, so this must be refused untouched.
+    big = make_request(list(range(8)) + [60] * 12)
+    big_hit, n_big = m.get_computed_blocks(big)
+    assert n_big == 8 and m.allocate_slots(big, 12, big_hit, n_big) is None
+    assert m.num_free_blocks == 4 and all(x.ref_cnt == 0 for x in big_hit)
+    m.check_invariants()
     # Needs 2 new + revives 2 free cached blocks = all 4 free blocks: fits exactly.
     assert m.allocate_slots(b, 7, hit, n_hit) is not None
     assert m.num_free_blocks == 0
@@ -142,4 +133,53 @@ def test_decode_growth_allocates_on_block_boundary():
         a.num_computed_tokens += 1
     assert m.block_pool.num_cached_blocks == 2  # both blocks full and hashed
     m.free(a)
+    m.check_invariants()
+
+
+def test_free_keeps_blocks_referenced_by_another_holder():
+    # A pinned request keeps its entry; a later turn hits its blocks, then the pin ends.
+    m = manager()
+    a = make_request(list(range(10)))
+    a_ids = admit(m, a)  # 3 blocks, the first 2 full and cached
+    b = make_request(list(range(10)) + [5, 6])
+    b_ids = admit(m, b)  # 2 hit blocks (ref 2) + 1 new block
+    assert m.num_requests == 2 and m.num_free_blocks == 10 - 4
+    m.free(a)  # a's own tail block is freed; the shared 2 stay with b
+    assert [m.block_pool.blocks[i].ref_cnt for i in b_ids[:2]] == [1, 1]
+    assert m.num_free_blocks == 10 - 3 and m.num_requests == 1
+    assert m.get_block_ids(b.request_id) == b_ids and a_ids[:2] == b_ids[:2]
+    m.free(a)  # unknown id now: a no-op
+    m.check_invariants()
+    m.free(b)
+    assert m.usage == 0.0
+    m.check_invariants()
+
+
+def test_chunked_prefill_caches_only_computed_full_blocks():
+    m = manager()
+    a = make_request(list(range(10)))
+    assert len(m.allocate_slots(a, 6)) == 2  # tokens 0..5: blocks of 4 + 2
+    assert m.block_pool.num_cached_blocks == 1  # only the first block is full
+    a.num_computed_tokens = 6
+    assert len(m.allocate_slots(a, 4)) == 1  # tokens 6..9: a third block
+    assert m.block_pool.num_cached_blocks == 2  # tokens 0..7 complete two blocks
+    m.check_invariants()
+
+
+def test_lookahead_allocates_ahead_without_caching_unknown_tokens():
+    m = manager()
+    a = make_request(list(range(12)))  # 3 full blocks, all hashed up front
+    assert len(m.allocate_slots(a, 4, num_lookahead_tokens=4)) == 2  # 8 slots
+    # Only tokens 0..3 are computed this step: the second block's KV is not written yet,
+    # so it must not be offered to other requests.
+    assert m.block_pool.num_cached_blocks == 1
+    m.check_invariants()
+
+
+def test_allocate_refuses_request_larger_than_pool():
+    m = manager(num_blocks=5)  # 4 usable blocks = 16 tokens
+    a = make_request(list(range(17)))  # 5 blocks: can never fit
+    assert not m.can_fit(a.num_tokens)
+    assert m.allocate_slots(a, 17) is None
+    assert m.num_requests == 0 and m.num_free_blocks == 4
     m.check_invariants()

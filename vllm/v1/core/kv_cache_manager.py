@@ -83,39 +83,66 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         req_id = request.request_id
-        req_blocks = self.req_to_blocks.get(req_id)
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[req_id] = []
+        bs = self.block_size
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        total = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        num_new_blocks = -(-total // self.block_size) - len(req_blocks)
-        pool = self.block_pool
-        if new_computed_blocks:
-            num_new_blocks -= len(new_computed_blocks)
-            # A cached block sitting in the free queue counts as free until touched.
-            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        total = num_computed + num_new_tokens + num_lookahead_tokens
+        if total > self.max_model_len:
+            total = self.max_model_len
+        req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is None or new_computed_blocks:
+            new_ids = self._allocate_with_hits(req_id, req_blocks, total, new_computed_blocks)
+            if new_ids is None:
+                return None
+            req_blocks = self.req_to_blocks[req_id]
         else:
-            num_revived = 0
-        if max(num_new_blocks, 0) + num_revived > pool.get_num_free_blocks():
-            if not req_blocks:
-                del self.req_to_blocks[req_id]
-            return None  # nothing was changed
-        if new_computed_blocks:
-            pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-        new_ids: list[int] = []
-        if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            req_blocks.extend(new_blocks)
-            new_ids = [b.block_id for b in new_blocks]
+            # The decode fast path: a running request, usually no new block this step.
+            num_new_blocks = (total + bs - 1) // bs - len(req_blocks)
+            new_ids = []
+            if num_new_blocks > 0:
+                if num_new_blocks > self.block_pool.free_block_queue.num_free_blocks:
+                    return None
+                new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+                req_blocks.extend(new_blocks)
+                new_ids = [b.block_id for b in new_blocks]
         if self.enable_caching:
+            # Cache only blocks whose every token has KV after this step; block_hashes
+            # covers exactly the full blocks of the known tokens, so it bounds the rest.
+            num_full = (num_computed + num_new_tokens) // bs
+            num_hashes = len(request.block_hashes)
+            if num_full > num_hashes:
+                num_full = num_hashes
             num_cached = self._num_cached_blocks.get(req_id, 0)
-            known = min(num_computed + num_new_tokens, request.num_tokens)
-            num_full = min(known // self.block_size, len(request.block_hashes))
             if num_full > num_cached:
-                pool.cache_full_blocks(request, req_blocks, num_cached, num_full)
+                self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full, bs)
                 self._num_cached_blocks[req_id] = num_full
         return new_ids
+
+    def _allocate_with_hits(
+        self,
+        req_id: str,
+        req_blocks: list[KVCacheBlock] | None,
+        total: int,
+        new_computed_blocks: list[KVCacheBlock] | None,
+    ) -> list[int] | None:
+        """The general path: a new request and/or prefix-hit blocks to take over."""
+        hits = new_computed_blocks or []
+        num_held = len(req_blocks) if req_blocks is not None else 0
+        num_new_blocks = cdiv(total, self.block_size) - num_held - len(hits)
+        # The pitfall: a hit block with ref_cnt 0 sits in the free queue, so touching it
+        # takes a free block just as allocating one does.
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
+        pool = self.block_pool
+        if max(num_new_blocks, 0) + num_revived > pool.get_num_free_blocks():
+            return None  # nothing was changed
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[req_id] = []
+        pool.touch(hits)
+        req_blocks.extend(hits)
+        if num_new_blocks <= 0:
+            return []
+        new_blocks = pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        return [b.block_id for b in new_blocks]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (the tail is evicted first).
