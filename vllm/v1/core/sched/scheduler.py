@@ -237,8 +237,8 @@ class Scheduler:
             num_new = budget.clip(num_new)
             new_block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
             if new_block_ids is None:
-                if self._may_release_pins_for(request, now) and self._release_one_pin_for_pressure(
-                    now, exclude=job_key(request)
+                if self._may_release_pins_for(request, now) and (
+                    self._release_one_pin_for_pressure(now, exclude=job_key(request))
                 ):
                     continue
                 break
@@ -375,9 +375,15 @@ class Scheduler:
         self.policy.on_pin_released(entry.request, now, reason)
 
     def _expire_pins(self, now: float) -> None:
-        for job, _ in list(self.pins.pop_expired(now)):
-            # A job whose next turn is already waiting keeps its pin until admitted.
-            if job not in self._waiting_per_job:
+        expired = list(self.pins.pop_expired(now))
+        if not expired:
+            return
+        head = job_key(self.waiting.peek_request()) if self.waiting else None
+        for job, _ in expired:
+            # The job whose next turn is first in line keeps its pin: it is about to take
+            # its hit. Any other expired pin goes, waiting turn or not (holding it for a
+            # turn stuck behind others would deadlock memory).
+            if job != head:
                 self._release_pin(job, now, PIN_RELEASE_EXPIRED)
 
     def _release_one_pin_for_pressure(self, now: float, exclude: str | None = None) -> bool:
@@ -390,9 +396,14 @@ class Scheduler:
         return True
 
     def _may_release_pins_for(self, request: Request, now: float) -> bool:
-        """Pins are soft: a waiting request takes pinned memory only when nothing else
-        runs (else nothing would ever free memory) or when it has waited too long."""
-        return not self.running or now - request.arrival_time > self.policy_config.max_wait_s
+        """Pins are soft. A waiting request takes pinned memory when its own job is back
+        from its tool (the pins exist to serve such turns), when nothing else runs (else
+        nothing would ever free memory), or when it has waited too long."""
+        return (
+            job_key(request) in self.pins
+            or not self.running
+            or now - request.arrival_time > self.policy_config.max_wait_s
+        )
 
     # -- state ----------------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:
