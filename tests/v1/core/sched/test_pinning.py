@@ -168,3 +168,28 @@ def test_sequence_outgrowing_the_whole_cache_is_length_capped_not_livelocked():
     assert r.status.name == "FINISHED_LENGTH_CAPPED" and r.num_tokens == 17
     assert str(last.outputs[-1].finish_reason) == "length"
     s.check_invariants()
+
+
+def test_expired_pins_of_jobs_stuck_behind_others_are_released():
+    # Two pinned jobs both have their next turn waiting (one seq slot, busy). Once the TTL
+    # passed, only the job first in line keeps its pin; holding both would let pinned
+    # memory starve the queue (the deadlock seen with a full pool before this rule).
+    s, policy, clock = setup(max_num_seqs=1)
+    a1, b1 = turn("a", list(range(11))), turn("b", list(range(50, 61)))
+    for r in (a1, b1):
+        s.add_request(r)
+    run_until_done(s)
+    runner = make_request(list(range(100, 104)), max_tokens=30)
+    s.add_request(runner)
+    step(s)
+    a2 = turn("a", a1.all_token_ids + [1], last=True)
+    b2 = turn("b", b1.all_token_ids + [2], last=True)
+    s.add_request(a2)
+    s.add_request(b2)
+    clock.advance(3.0)
+    step(s)
+    assert (b1.request_id, "expired") in policy.released
+    assert all(rid != a1.request_id for rid, _ in policy.released)
+    run_until_done(s)
+    assert a2.num_cached_tokens == 12  # a kept its pin and took its hit
+    s.check_invariants()
