@@ -84,6 +84,7 @@ CASES = [
     ("", None),
     (f"{FENCE}python\nprint('not a shell block')\n{FENCE}", None),
     (f"{FENCE}bash\n\n{FENCE}", None),
+    (f"Let me check.\n{FENCE}bash\ngrep -rn 'def handle' src/", "grep"),  # cut by max_tokens
 ]
 
 

@@ -15,7 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_FENCE = re.compile(r"```(?:bash|sh|shell|console|zsh)[^\n]*\n(.*?)```", re.DOTALL)
+# A block cut off by max_tokens has no closing fence: the end of the text closes it.
+_FENCE = re.compile(r"```(?:bash|sh|shell|console|zsh)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _TOOL_TAG = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 _ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PREFIXES = {"sudo", "time", "nohup", "env", "exec", "command", "builtin", "nice"}
