@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+
 import openai
+import psutil
 import pytest
 import requests
 
@@ -18,8 +21,20 @@ def server():
     srv = RemoteServer(
         "--num-gpu-blocks-override", "128", "--max-model-len", "1024", "--api-key", API_KEY
     )
-    yield srv
-    srv.stop()
+    engine = [
+        p
+        for p in psutil.Process(srv.proc.pid).children()
+        if "--multiprocessing-fork" in p.cmdline()
+    ]
+    try:
+        yield srv
+        # SIGTERM to the API server alone (as `kill PID` does) stops both processes.
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(20) == 0
+        assert len(engine) == 1
+        engine[0].wait(5)
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +83,18 @@ def test_chat_streaming_matches_non_streaming(client):
             finish = c.finish_reason or finish
     assert "".join(parts) == full
     assert usage is not None and usage.completion_tokens == 16 and finish == "length"
+
+
+def test_timing_headers_split_server_and_engine_time(server):
+    r = requests.post(
+        server.base + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 3},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    server_s = float(r.headers["x-vllm-server-latency"])
+    engine_s = float(r.headers["x-vllm-engine-latency"])
+    assert 0 < engine_s <= server_s < 60
+    assert server.metrics()["vllm:request_server_overhead_seconds_count"] >= 1
 
 
 def test_completion_n_logprobs_stop(client):

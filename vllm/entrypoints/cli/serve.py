@@ -1,9 +1,16 @@
-"""``vllm serve``: start the OpenAI-compatible server (engine core in its own process)."""
+"""``vllm serve``: start the OpenAI-compatible server (engine core in its own process).
+
+Only argparse and the config modules are imported at parse time, so ``--help`` and flag
+errors are instant; torch, transformers and FastAPI load once the flags are valid.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import socket
+import sys
 import time
 
 from vllm.config import DEFAULT_MODEL
@@ -12,7 +19,7 @@ from vllm.engine.arg_utils import EngineArgs
 logger = logging.getLogger("vllm.serve")
 
 
-def add_serve_parser(sub) -> None:
+def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="Start the OpenAI-compatible API server.",
@@ -26,11 +33,14 @@ def add_serve_parser(sub) -> None:
         help="Model: the embedded name, a .gguf file, or an HF folder.",
     )
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--host", default="127.0.0.1", help="Host to bind.")
-    p.add_argument("--port", type=int, default=8000, help="Port to bind.")
-    p.add_argument("--api-key", default=None, help="Require this key as a Bearer token.")
-    p.add_argument("--disable-log-requests", action="store_true", help="Do not log requests.")
-    p.add_argument(
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="Host to bind.")
+    server.add_argument("--port", type=int, default=8000, help="Port to bind.")
+    server.add_argument("--api-key", default=None, help="Require this key as a Bearer token.")
+    server.add_argument(
+        "--disable-log-requests", action="store_true", help="Do not log each request."
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -38,36 +48,79 @@ def add_serve_parser(sub) -> None:
     )
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
+    return p
+
+
+def build_config(args: argparse.Namespace):
+    """The validated ``VllmConfig`` of the parsed flags (ValueError naming the bad one)."""
+    from vllm.entrypoints.utils import check_chat_template
+    from vllm.model_executor.model_loader import get_model_config
+
+    if args.model_flag:
+        args.model = args.model_flag
+    engine_args = EngineArgs.from_cli_args(args)
+    check_chat_template(engine_args.chat_template)
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"port must be in [0, 65535], got {args.port}")
+    hf_config = get_model_config(engine_args.model)
+    return engine_args.create_engine_config(hf_config.max_position_embeddings)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails in a second, not after it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so; without it
+    # Nagle + delayed ACK add 40 ms to every response with a body.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    import uvicorn
-
-    from vllm.entrypoints.openai.api_server import build_app, dump_config
-
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
-    if args.model_flag:
-        args.model = args.model_flag
     start = time.monotonic()
     try:
-        from vllm.model_executor.model_loader import get_model_config
-
-        engine_args = EngineArgs.from_cli_args(args)
-        hf_config = get_model_config(engine_args.model)
-        vllm_config = engine_args.create_engine_config(hf_config.max_position_embeddings)
+        vllm_config = build_config(args)
     except ValueError as e:
         parser.exit(2, f"vllm serve: error: {e}\n")
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"vllm serve: error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
+        sys.exit(1)
+
+    import asyncio
+
+    from vllm.entrypoints.openai.api_server import dump_config, run_server
+    from vllm.v1.engine.core_client import EngineStartupError
+
     logger.info(
         "vllm serve %s with config %s", vllm_config.model_config.model, dump_config(vllm_config)
     )
-    app = build_app(vllm_config, args)
     logger.info("Starting the engine core (%.1f s so far)", time.monotonic() - start)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=5,
-    )
+    # uvicorn handles SIGINT/SIGTERM while serving, then re-raises the signal: turn it
+    # into an exception so run_server's cleanup (engine shutdown) runs in every phase.
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        asyncio.run(run_server(vllm_config, args, sock))
+    except EngineStartupError as e:
+        print(f"vllm serve: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except (KeyboardInterrupt, _Terminated):
+        logger.info("Shut down")
+
+
+class _Terminated(BaseException):
+    """SIGTERM, as an exception (like KeyboardInterrupt for SIGINT)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
-from contextlib import asynccontextmanager
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,45 +51,45 @@ def error_response(
     )
 
 
-def build_app(vllm_config: VllmConfig, args: argparse.Namespace) -> FastAPI:
-    disable_created_metrics()  # no *_created series, as in vLLM
-    model_name = vllm_config.model_config.name
-    state: dict = {}
+RECEIVED_KEY = "vllm.received"  # ASGI scope key: time.monotonic() at arrival
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        stats = PrometheusStatLogger(model_name)
-        engine = AsyncLLM(vllm_config, stat_loggers=[stats])
-        try:
-            info = await engine.start()
-        except BaseException:
-            engine.shutdown()
-            raise
-        logger.info(
-            "Engine core ready: %d KV blocks of %d tokens (pid %d)",
-            info["num_gpu_blocks"],
-            vllm_config.cache_config.block_size,
-            info["pid"],
-        )
-        state.update(
-            engine=engine,
-            stats=stats,
-            chat=OpenAIServingChat(engine, model_name),
-            completion=OpenAIServingCompletion(engine, model_name),
-        )
-        yield
-        engine.shutdown()
 
-    app = FastAPI(title="vllm-continuum", version=__version__, lifespan=lifespan)
+class ServerMiddleware:
+    """Pure ASGI (BaseHTTPMiddleware would cost per request and break disconnect
+    detection): stamps the arrival time into the scope and checks the API key of /v1."""
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if args.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {args.api_key}":
-                return error_response(
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope[RECEIVED_KEY] = time.monotonic()
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                response = error_response(
                     401, "Invalid API key.", "AuthenticationError", code="invalid_api_key"
                 )
-        return await call_next(request)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(
+    vllm_config: VllmConfig,
+    args: argparse.Namespace,
+    engine: AsyncLLM,
+    stats: PrometheusStatLogger,
+) -> FastAPI:
+    """The FastAPI app over a started ``engine`` whose outputs feed ``stats``."""
+    model_name = vllm_config.model_config.name
+    chat_serving = OpenAIServingChat(engine, model_name, stats)
+    completion_serving = OpenAIServingCompletion(engine, model_name, stats)
+    log_requests = not getattr(args, "disable_log_requests", False)
+
+    app = FastAPI(title="vllm-continuum", version=__version__)
+    app.add_middleware(ServerMiddleware, api_key=getattr(args, "api_key", None))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -119,8 +120,7 @@ def build_app(vllm_config: VllmConfig, args: argparse.Namespace) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = "engine" in state and state["engine"].is_alive
-        return Response(status_code=200 if alive else 503)
+        return Response(status_code=200 if engine.is_alive else 503)
 
     @app.get("/version")
     async def version():
@@ -129,7 +129,7 @@ def build_app(vllm_config: VllmConfig, args: argparse.Namespace) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         # Always the classic text format: an OpenMetrics scrape would escape the colons.
-        return Response(generate_latest(state["stats"].registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -137,21 +137,65 @@ def build_app(vllm_config: VllmConfig, args: argparse.Namespace) -> FastAPI:
         return ModelList(data=[card]).model_dump()
 
     @app.post("/v1/chat/completions")
-    async def chat(request: ChatCompletionRequest):
-        if not args.disable_log_requests:
-            logger.info(
-                "chat request: job_id=%s is_last_step=%s messages=%d",
-                request.job_id,
-                request.is_last_step,
-                len(request.messages),
-            )
-        return await state["chat"].create_chat_completion(request)
+    async def chat(request: ChatCompletionRequest, raw: Request):
+        if log_requests:
+            _log_request("chat", request, f"messages={len(request.messages)}")
+        return await chat_serving.create_chat_completion(request, raw.scope.get(RECEIVED_KEY))
 
     @app.post("/v1/completions")
-    async def completion(request: CompletionRequest):
-        return await state["completion"].create_completion(request)
+    async def completion(request: CompletionRequest, raw: Request):
+        if log_requests:
+            _log_request("completion", request, "")
+        return await completion_serving.create_completion(request, raw.scope.get(RECEIVED_KEY))
 
     return app
+
+
+def _log_request(kind: str, request, detail: str) -> None:
+    xargs = request.vllm_xargs or {}
+    logger.info(
+        "%s request: job_id=%s is_last_step=%s max_tokens=%s stream=%s %s",
+        kind,
+        request.job_id if request.job_id is not None else xargs.get("job_id"),
+        request.is_last_step if request.is_last_step is not None else xargs.get("is_last_step"),
+        request.max_tokens,
+        request.stream,
+        detail,
+    )
+
+
+async def run_server(
+    vllm_config: VllmConfig, args: argparse.Namespace, sock, engine_factory=None
+) -> None:
+    """Start the engine process, then serve HTTP on ``sock`` until SIGINT/SIGTERM.
+
+    ``EngineStartupError`` if the engine cannot start; the engine is shut down on exit.
+    """
+    import uvicorn
+
+    disable_created_metrics()  # no *_created series, as in vLLM
+    stats = PrometheusStatLogger(vllm_config.model_config.name)
+    engine = AsyncLLM(vllm_config, stat_loggers=[stats], engine_factory=engine_factory)
+    try:
+        info = await engine.start()
+        logger.info(
+            "Engine core ready: %d KV blocks of %d tokens (pid %d)",
+            info["num_gpu_blocks"],
+            vllm_config.cache_config.block_size,
+            info["pid"],
+        )
+        app = build_app(vllm_config, args, engine, stats)
+        config = uvicorn.Config(
+            app,
+            log_level=getattr(args, "uvicorn_log_level", "info"),
+            timeout_graceful_shutdown=5,
+            access_log=not getattr(args, "disable_log_requests", False),
+        )
+        host, port = sock.getsockname()[:2]
+        logger.info("Starting vLLM API server on http://%s:%d", host, port)
+        await uvicorn.Server(config).serve(sockets=[sock])
+    finally:
+        engine.shutdown()
 
 
 def dump_config(vllm_config: VllmConfig) -> str:

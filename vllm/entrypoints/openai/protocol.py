@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -70,15 +70,22 @@ class _SamplingFields(BaseModel):
     job_id: StrictStr | None = None
     is_last_step: StrictBool | None = None
     vllm_xargs: dict[str, Any] | None = None
-    extra_body: dict[str, Any] | None = None
+    extra_body: dict[str, Any] | None = None  # emptied by _lift_extra_body
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_extra_body(cls, data: Any) -> Any:
+        """A nested ``"extra_body": {...}`` (raw HTTP clients) means its fields, as the
+        openai client would have merged them into the body; top-level fields win."""
+        if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
+            rest = {k: v for k, v in data.items() if k != "extra_body"}
+            data = {**data["extra_body"], **rest}
+        return data
 
     def agent_args(self) -> dict[str, Any]:
-        """job_id / is_last_step from the three places (top level wins), type-checked."""
-        merged: dict[str, Any] = {}
-        for source in (self.vllm_xargs or {}, self.extra_body or {}):
-            for name in AGENT_FIELDS:
-                if name in source:
-                    merged[name] = source[name]
+        """``SamplingParams.extra_args``: ``vllm_xargs`` plus job_id / is_last_step from
+        the top level (which wins) or ``vllm_xargs``, type-checked (RequestError naming it)."""
+        merged = {k: v for k, v in (self.vllm_xargs or {}).items() if k in AGENT_FIELDS}
         if self.job_id is not None:
             merged["job_id"] = self.job_id
         if self.is_last_step is not None:

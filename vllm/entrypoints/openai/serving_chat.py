@@ -62,7 +62,10 @@ class OpenAIServingChat(OpenAIServing):
             )
         return {"content": content}
 
-    async def create_chat_completion(self, request: ChatCompletionRequest):
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, received: float | None = None
+    ):
+        """The response (JSON or SSE); ``received``: monotonic arrival time, for timing."""
         self.check_model(request)
         prompt = self._prompt(request)
         ids = self.tokenize(prompt, add_special_tokens=False)
@@ -76,7 +79,8 @@ class OpenAIServingChat(OpenAIServing):
         stream = await self.engine.add_request(ids, params, request_id, priority=request.priority)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, stream, request_id, created), media_type="text/event-stream"
+                self._stream(request, stream, request_id, created, received),
+                media_type="text/event-stream",
             )
         final = await self.collect(stream)
         choices = [
@@ -97,10 +101,11 @@ class OpenAIServingChat(OpenAIServing):
                 "model": self.model_name,
                 "choices": choices,
                 "usage": self.usage([final]).model_dump(),
-            }
+            },
+            headers=self.timing(received, stream),
         )
 
-    def _stream(self, request, stream, request_id: str, created: int):
+    def _stream(self, request, stream, request_id: str, created: int, received: float | None):
         base = {
             "id": request_id,
             "object": "chat.completion.chunk",
@@ -142,4 +147,5 @@ class OpenAIServingChat(OpenAIServing):
             first,
             include_usage,
             lambda u: {**base, "choices": [], "usage": u.model_dump()},
+            received,
         )

@@ -29,7 +29,8 @@ class OpenAIServingCompletion(OpenAIServing):
             "text_offset": [],
         }
 
-    async def create_completion(self, request: CompletionRequest):
+    async def create_completion(self, request: CompletionRequest, received: float | None = None):
+        """The response (JSON or SSE); ``received``: monotonic arrival time, for timing."""
         self.check_model(request)
         ids = self.tokenize(self._prompt(request), add_special_tokens=True)
         max_tokens = self.max_tokens_for(len(ids), request.max_tokens or 16)
@@ -65,6 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 [],
                 include_usage,
                 lambda u: {**base, "choices": [], "usage": u.model_dump()},
+                received,
             )
             return StreamingResponse(events, media_type="text/event-stream")
         final = await self.collect(stream)
@@ -78,4 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
             }
             for c in final.outputs
         ]
-        return JSONResponse({**base, "choices": choices, "usage": self.usage([final]).model_dump()})
+        return JSONResponse(
+            {**base, "choices": choices, "usage": self.usage([final]).model_dump()},
+            headers=self.timing(received, stream),
+        )

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 
 from vllm.entrypoints.openai.protocol import RequestError, UsageInfo, _SamplingFields
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+
+# Response headers of non-streaming responses (seconds): time in this server from the
+# request's arrival to the response, and the part of it spent in the engine process.
+SERVER_LATENCY_HEADER = "x-vllm-server-latency"
+ENGINE_LATENCY_HEADER = "x-vllm-engine-latency"
 
 
 def sse(payload: dict | str) -> str:
@@ -16,10 +22,27 @@ def sse(payload: dict | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    """Shared by the chat and completion endpoints.
+
+    ``stat_logger`` (optional) gets ``observe_overhead(seconds)`` per finished request: the
+    server's latency minus the engine's (HTTP, tokenization, ZMQ, detokenization).
+    """
+
+    def __init__(self, engine: AsyncLLM, model_name: str, stat_logger=None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = engine.config.scheduler_config.max_model_len
+        self.stat_logger = stat_logger
+
+    def timing(self, received: float | None, stream: RequestStream) -> dict[str, str]:
+        """Record the request's overhead; returns the timing headers (empty if unknown)."""
+        engine_s = stream.engine_latency_s
+        if received is None or engine_s is None:
+            return {}
+        server_s = time.monotonic() - received
+        if self.stat_logger is not None:
+            self.stat_logger.observe_overhead(max(server_s - engine_s, 0.0))
+        return {SERVER_LATENCY_HEADER: f"{server_s:.6f}", ENGINE_LATENCY_HEADER: f"{engine_s:.6f}"}
 
     def check_model(self, request: _SamplingFields) -> None:
         if request.model is not None and request.model != self.model_name:
@@ -58,20 +81,25 @@ class OpenAIServing:
             prompt_tokens_details={"cached_tokens": cached},
         )
 
-    async def collect(self, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def collect(self, stream: RequestStream) -> RequestOutput:
+        """The final output (aborts the request if this task is cancelled)."""
         final = None
-        async for out in stream:
-            final = out
+        try:
+            async for out in stream:
+                final = out
+        finally:
+            await stream.aclose()
         assert final is not None
         return final
 
     async def stream_events(
         self,
-        stream: AsyncIterator[RequestOutput],
+        stream: RequestStream,
         chunk: Callable[[CompletionOutput], dict],
         first_chunks: list[dict],
         include_usage: bool,
         usage_chunk: Callable[[UsageInfo], dict],
+        received: float | None = None,
     ) -> AsyncIterator[str]:
         """SSE events; an error mid-stream becomes an error event, then [DONE]."""
         prompt_tokens = completion = cached = 0
@@ -95,6 +123,7 @@ class OpenAIServing:
                         )
                     )
                 )
+            self.timing(received, stream)
         except Exception as e:  # the status line is already sent: report in-band
             yield sse(
                 {"error": {"message": str(e), "type": type(e).__name__, "param": None, "code": 500}}

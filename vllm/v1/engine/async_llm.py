@@ -11,26 +11,84 @@ from vllm.model_executor.model_loader import get_eos_token_id
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
-from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, last_line
+from vllm.v1.engine.core_proc import EngineFactory
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
 
 logger = logging.getLogger(__name__)
 
 
+class RequestStream:
+    """The outputs of one request, as an async iterator.
+
+    Iteration ends after the finished output. ``aclose()`` before that aborts the request
+    in the engine (frees its KV blocks); it is safe to call more than once.
+    ``engine_latency_s``: once finished, seconds the request spent in the engine process
+    (receipt of its first sample to the message that finished it).
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, child_ids: list[str]) -> None:
+        self.request_id = request_id
+        self.child_ids = child_ids
+        self.engine_arrival: float | None = None  # time.monotonic() in the engine process
+        self.engine_latency_s: float | None = None
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            await self._engine.abort(self.request_id)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
 class AsyncLLM:
-    def __init__(self, vllm_config: VllmConfig, stat_loggers: list | None = None) -> None:
+    """Tokenizes and validates in this process; the engine core runs in another one."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        stat_loggers: list | None = None,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
         mc = vllm_config.model_config
         self.config = vllm_config
-        self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
-        self.processor = Processor(vllm_config, self.tokenizer, get_eos_token_id(mc.model))
+        # Start the engine process first: its model load overlaps the tokenizer load here.
+        self.client = AsyncMPClient(vllm_config, engine_factory=engine_factory)
+        try:
+            self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
+            eos = get_eos_token_id(mc.model)
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.processor = Processor(vllm_config, self.tokenizer, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = stat_loggers or []
-        self.client = AsyncMPClient(vllm_config)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._by_child: dict[str, RequestStream] = {}
         self._loop_task: asyncio.Task | None = None
 
     async def start(self) -> dict:
+        """Wait until the engine is ready; returns its info (num_gpu_blocks, pid)."""
         info = await self.client.wait_ready()
         self._loop_task = asyncio.create_task(self._output_loop())
         return info
@@ -51,8 +109,11 @@ class AsyncLLM:
         stream = await self.add_request(
             prompt, sampling_params, request_id, add_special_tokens, priority
         )
-        async for out in stream:
-            yield out
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
 
     async def add_request(
         self,
@@ -61,43 +122,42 @@ class AsyncLLM:
         request_id: str,
         add_special_tokens: bool = True,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Validate and queue now (ValueError / EngineDeadError raise here), stream later."""
         if not self.client.is_alive:
             raise EngineDeadError(self.client.dead_reason or "the engine core process died")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         _, core_reqs = self.processor.process(
             prompt, sampling_params, request_id, priority, add_special_tokens=add_special_tokens
         )
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, core_reqs
         )
+        stream = RequestStream(self, request_id, [r.request_id for r in core_reqs])
+        self._streams[request_id] = stream
         for r in core_reqs:
-            await self.client.send("add", r)
-        return self._stream(request_id, queue)
-
-    async def _stream(self, request_id: str, queue: asyncio.Queue):
-        finished = False
+            self._by_child[r.request_id] = stream
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
+            for r in core_reqs:
+                await self.client.send("add", r)
+        except BaseException:
+            await self.abort(request_id)
+            raise
+        return stream
 
     async def abort(self, request_id: str) -> None:
-        child_ids = self.output_processor.child_ids(request_id)
-        self.output_processor.abort_request(request_id)
+        """Stop ``request_id`` (no-op if unknown or finished) and free its blocks."""
+        child_ids = self.output_processor.abort_request(request_id)
+        self._forget(request_id)
         if child_ids and self.client.is_alive:
             await self.client.send("abort", child_ids)
+
+    def _forget(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            for child in stream.child_ids:
+                self._by_child.pop(child, None)
 
     async def _output_loop(self) -> None:
         try:
@@ -107,32 +167,50 @@ class AsyncLLM:
                     continue
                 kind, payload = msg
                 if kind == "outputs":
-                    await self._dispatch(payload)
+                    await self._dispatch(*payload)
                 elif kind == "request_error":
                     self._fail_request(*payload)
+                elif kind == "fatal":
+                    reason = f"the engine core failed: {last_line(payload)}"
+                    self.client.dead_reason = reason
+                    raise EngineDeadError(reason)
         except asyncio.CancelledError:
             return
         except Exception as e:
             # A dead engine, or a bug here: fail every pending request instead of hanging.
-            logger.exception("output loop stopped")
+            if not isinstance(e, EngineDeadError):
+                logger.exception("output loop stopped")
             self.client.dead_reason = self.client.dead_reason or f"output loop failed: {e}"
             err = e if isinstance(e, EngineDeadError) else EngineDeadError(str(e))
-            for queue in self._queues.values():
-                queue.put_nowait(err)
+            for stream in list(self._streams.values()):
+                stream.put(err)
 
     def _fail_request(self, core_id: str, message: str) -> None:
-        for request_id, queue in self._queues.items():
-            if core_id in self.output_processor.child_ids(request_id):
-                queue.put_nowait(ValueError(message))
+        stream = self._by_child.get(core_id)
+        if stream is not None:
+            stream.put(ValueError(message))
 
-    async def _dispatch(self, core_outputs) -> None:
+    async def _dispatch(
+        self, core_outputs: EngineCoreOutputs, sent_at: float, arrivals: dict[str, float]
+    ) -> None:
+        for core_id, received in arrivals.items():
+            stream = self._by_child.get(core_id)
+            if stream is not None and (
+                stream.engine_arrival is None or received < stream.engine_arrival
+            ):
+                stream.engine_arrival = received
         results, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
         if to_abort:
             await self.client.send("abort", to_abort)
         for out in results:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                if stream.engine_arrival is not None:
+                    stream.engine_latency_s = sent_at - stream.engine_arrival
+                self._forget(out.request_id)
+            stream.put(out)
         for stat_logger in self.stat_loggers:
             stat_logger.record(core_outputs, results)
 

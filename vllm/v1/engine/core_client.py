@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from vllm.config import VllmConfig
-from vllm.v1.engine.core_proc import run_engine_core
+from vllm.v1.engine.core_proc import EngineFactory, run_engine_core
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +24,28 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStartupError(RuntimeError):
-    pass
+    """The engine-core process failed before it was ready."""
+
+
+def last_line(traceback_text: str) -> str:
+    """The exception line of a formatted traceback."""
+    lines = traceback_text.strip().splitlines()
+    return lines[-1] if lines else "unknown error"
 
 
 class AsyncMPClient:
-    """Starts the engine core in a spawned process and exchanges pickled messages."""
+    """Starts the engine core in a spawned process and exchanges pickled messages.
 
-    def __init__(self, vllm_config: VllmConfig, startup_timeout_s: float = 600.0) -> None:
+    The sockets are IPC endpoints in a private temporary folder (never a network port).
+    ``engine_factory`` (a picklable module-level callable) replaces ``EngineCore`` in tests.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        startup_timeout_s: float = 600.0,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
         self._dir = tempfile.mkdtemp(prefix="vllm-continuum-")
         in_addr = f"ipc://{os.path.join(self._dir, 'input')}"
         out_addr = f"ipc://{os.path.join(self._dir, 'output')}"
@@ -42,7 +57,13 @@ class AsyncMPClient:
         spawn = multiprocessing.get_context("spawn")  # torch + fork is unsafe
         self.proc = spawn.Process(
             target=run_engine_core,
-            args=(vllm_config, in_addr, out_addr, logging.getLogger("vllm").getEffectiveLevel()),
+            args=(
+                vllm_config,
+                in_addr,
+                out_addr,
+                logging.getLogger("vllm").getEffectiveLevel(),
+                engine_factory,
+            ),
             name="EngineCore",
             daemon=True,
         )
@@ -64,8 +85,8 @@ class AsyncMPClient:
                 if kind == "ready":
                     self.info = payload
                     return payload
-                if kind == "fatal":
-                    raise EngineStartupError(f"engine core failed to start:\n{payload}")
+                if kind == "fatal":  # the traceback is in the engine's log already
+                    raise EngineStartupError(f"engine core failed to start: {last_line(payload)}")
             if not self.proc.is_alive():
                 raise EngineStartupError(f"engine core exited with code {self.proc.exitcode}")
             if asyncio.get_running_loop().time() > deadline:
@@ -101,7 +122,9 @@ class AsyncMPClient:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         if self.proc.is_alive():
             try:
-                self.input.send(pickle.dumps(("shutdown", None)), flags=zmq.NOBLOCK)
+                sent = self.input.send(pickle.dumps(("shutdown", None)), flags=zmq.NOBLOCK)
+                if isinstance(sent, asyncio.Future) and sent.done():
+                    sent.exception()  # retrieved: no "exception never retrieved" noise
             except zmq.ZMQError:
                 pass
             self.proc.join(timeout_s)

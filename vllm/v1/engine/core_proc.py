@@ -1,9 +1,17 @@
 """The engine core in its own process, talking to the front end over pyzmq.
 
 Inputs (PULL): pickled ``("add", EngineCoreRequest)``, ``("abort", [ids])``,
-``("shutdown", None)``. Outputs (PUSH): ``("ready", info)``, ``("outputs",
-EngineCoreOutputs)``, ``("request_error", (request_id, message))``, ``("fatal", text)``.
-An idle engine blocks on its input socket until the next pin deadline instead of spinning.
+``("shutdown", None)``. Outputs (PUSH): ``("ready", info)``, ``("outputs", (EngineCoreOutputs,
+sent_at, arrivals))``, ``("request_error", (request_id, message))`` and ``("fatal",
+traceback_text)``. ``sent_at`` is ``time.monotonic()`` when the message left and
+``arrivals`` maps the requests received since the previous message to their receipt time:
+the front end derives each request's time inside this process from them (the monotonic
+clock is shared by all processes of one machine).
+
+As in vLLM, a thread receives and unpickles inputs while the main thread steps the engine,
+so a request's receipt time is when it reached this process, not when the current step
+ended. An idle engine blocks on the input queue until the next pin deadline instead of
+spinning.
 """
 
 from __future__ import annotations
@@ -11,34 +19,59 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import signal
+import sys
+import threading
+import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from vllm.config import VllmConfig
-from vllm.utils.clock import monotonic_clock
 from vllm.v1.engine import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 1.0  # an idle engine still wakes up this often to notice a dead parent
 
+EngineFactory = Callable[[VllmConfig], Any]
+
+
+def _default_factory(vllm_config: VllmConfig):
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore(vllm_config)
+
 
 class EngineCoreProc:
-    def __init__(self, vllm_config: VllmConfig, input_addr: str, output_addr: str) -> None:
-        from vllm.v1.engine.core import EngineCore
+    """Runs an ``EngineCore`` (or anything with its interface) behind two ZMQ sockets.
 
+    ``engine_factory`` builds the engine from the config; tests pass a fake. The clock of
+    ``next_wakeup`` deadlines must be ``time.monotonic`` (the core's default clock).
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        input_addr: str,
+        output_addr: str,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
         self.ctx = zmq.Context()
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.connect(output_addr)
-        self.input = self.ctx.socket(zmq.PULL)
-        self.input.connect(input_addr)
+        self.input_addr = input_addr
         self.parent = os.getppid()
+        self.inbox: queue.SimpleQueue[tuple[str, Any, float]] = queue.SimpleQueue()
+        self._arrivals: dict[str, float] = {}  # received since the last outputs message
         try:
-            self.engine = EngineCore(vllm_config)
+            self.engine = (engine_factory or _default_factory)(vllm_config)
         except Exception:
             self._send("fatal", traceback.format_exc())
+            self._close()
             raise
         self._send("ready", {"num_gpu_blocks": self.engine.num_gpu_blocks, "pid": os.getpid()})
         self.running = True
@@ -46,58 +79,103 @@ class EngineCoreProc:
     def _send(self, kind: str, payload) -> None:
         self.output.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _handle(self, kind: str, payload) -> None:
+    def _input_loop(self) -> None:
+        """Thread: socket -> inbox, stamping each message's receipt time."""
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(self.input_addr)
+        try:
+            while True:
+                msg = sock.recv()
+                received = time.monotonic()
+                try:
+                    kind, payload = pickle.loads(msg)
+                except Exception:
+                    logger.exception("dropping an undecodable message")
+                    continue
+                self.inbox.put((kind, payload, received))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(linger=0)
+
+    def _handle(self, kind: str, payload, received: float) -> None:
         if kind == "add":
             try:
                 self.engine.add_request(payload)
+                self._arrivals[payload.request_id] = received
             except ValueError as e:
                 self._send("request_error", (payload.request_id, str(e)))
         elif kind == "abort":
             self.engine.abort_requests(payload)
         elif kind == "shutdown":
             self.running = False
+        else:
+            logger.warning("ignoring unknown message %r", kind)
 
-    def _poll_timeout_ms(self) -> int:
+    def _wait_s(self) -> float:
+        """How long the loop may block for input: 0 with work, else until a deadline."""
         if self.engine.has_work():
-            return 0
+            return 0.0
         wake = self.engine.next_wakeup()
-        wait = IDLE_POLL_S if wake is None else min(IDLE_POLL_S, wake - monotonic_clock())
-        return max(int(wait * 1000), 0)
+        wait = IDLE_POLL_S if wake is None else min(IDLE_POLL_S, wake - time.monotonic())
+        return max(wait, 0.0)
+
+    def _drain_inputs(self, wait_s: float) -> bool:
+        """Handle every queued message (waiting up to ``wait_s`` for the first)."""
+        try:
+            item = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            self._handle(*item)
+            if not self.running:
+                return True
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        arrivals, self._arrivals = self._arrivals, {}
+        self._send("outputs", (outputs, time.monotonic(), arrivals))
 
     def run(self) -> None:
         """Drain inputs, step while there is work, sleep otherwise."""
-        poller = zmq.Poller()
-        poller.register(self.input, zmq.POLLIN)
-        while self.running:
-            timeout = self._poll_timeout_ms()
-            handled = False
-            if poller.poll(timeout):
-                while True:
-                    try:
-                        msg = self.input.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._handle(*pickle.loads(msg))
-                    handled = True
-            if os.getppid() != self.parent:
-                logger.error("front end died; engine core exits")
-                break
-            wake = self.engine.next_wakeup()
-            if self.engine.has_work() or (wake is not None and wake <= monotonic_clock()):
-                self._send("outputs", self.engine.step())
-            elif handled:
-                # An abort left the engine idle: publish the freed blocks now, since no
-                # step will carry fresh stats until the next request.
-                stats = self.engine.scheduler.make_stats()
-                self._send("outputs", EngineCoreOutputs(scheduler_stats=stats))
-        self.engine.shutdown()
+        threading.Thread(target=self._input_loop, name="EngineCoreInput", daemon=True).start()
+        try:
+            while self.running:
+                handled = self._drain_inputs(self._wait_s())
+                if not self.running:
+                    break
+                if os.getppid() != self.parent:
+                    logger.error("front end died; engine core exits")
+                    break
+                wake = self.engine.next_wakeup()
+                if self.engine.has_work() or (wake is not None and wake <= time.monotonic()):
+                    self._send_outputs(self.engine.step())
+                elif handled:
+                    # An abort left the engine idle: publish the freed blocks now, since no
+                    # step will carry fresh stats until the next request.
+                    stats = self.engine.scheduler.make_stats()
+                    self._send_outputs(EngineCoreOutputs(scheduler_stats=stats))
+        except Exception:
+            self._send("fatal", traceback.format_exc())  # the front end fails its requests
+            raise
+        finally:
+            self.engine.shutdown()
+            self._close()
+
+    def _close(self) -> None:
         self.output.close(linger=1000)
-        self.input.close(linger=0)
-        self.ctx.term()
+        self.ctx.term()  # ends the input thread's recv (ContextTerminated)
 
 
 def run_engine_core(
-    vllm_config: VllmConfig, input_addr: str, output_addr: str, log_level: int = logging.INFO
+    vllm_config: VllmConfig,
+    input_addr: str,
+    output_addr: str,
+    log_level: int = logging.INFO,
+    engine_factory: EngineFactory | None = None,
 ) -> None:
     """Process entry point (spawn)."""
     logging.basicConfig(
@@ -107,7 +185,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     try:
-        EngineCoreProc(vllm_config, input_addr, output_addr).run()
+        EngineCoreProc(vllm_config, input_addr, output_addr, engine_factory).run()
     except Exception:
         logger.exception("engine core failed")
-        raise
+        sys.exit(1)  # logged once; multiprocessing would print the traceback again

@@ -42,10 +42,16 @@ _TPOT_BUCKETS = (
     2.5,
     5.0,
 )
+_OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class PrometheusStatLogger:
-    """Turns engine stats and finished requests into metrics in its own registry."""
+    """Turns engine stats and finished requests into metrics in its own registry.
+
+    Gauges come from each step's ``SchedulerStats``, counters from its deltas, histograms
+    from the timings of finished requests. One registry per server, so tests can run
+    several servers (or loggers) in one process.
+    """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -102,6 +108,15 @@ class PrometheusStatLogger:
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds", "Time spent waiting in the engine.", _LATENCY_BUCKETS
         )
+        self.overhead = histogram(
+            "vllm:request_server_overhead_seconds",
+            "Server latency minus the time in the engine process (HTTP, tokenization, ZMQ, "
+            "detokenization).",
+            _OVERHEAD_BUCKETS,
+        )
+
+    def observe_overhead(self, seconds: float) -> None:
+        self.overhead.observe(seconds)
 
     def record(self, core: EngineCoreOutputs, results: list[RequestOutput]) -> None:
         s = core.scheduler_stats

@@ -1,0 +1,76 @@
+"""`vllm serve` command line: fast help, one-line errors with the right exit codes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from vllm.entrypoints.utils import LOOPBACK
+
+
+def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_flags_without_importing_torch():
+    out = serve("--help")
+    assert out.returncode == 0
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-model-len",
+        "--block-size",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--no-enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--long-prefill-token-threshold",
+        "--gpu-memory-utilization",
+        "--kv-cache-memory",
+        "--num-gpu-blocks-override",
+        "--scheduling-policy",
+        "--api-key",
+        "--seed",
+        "--dtype",
+        "--chat-template",
+        "--disable-log-requests",
+    ):
+        assert flag in out.stdout, flag
+    probe = (
+        "import sys; from vllm.entrypoints.cli.main import make_parser; make_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))"
+    )
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert imported.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--max-num-seqs", "abc"), "--max-num-seqs"),
+        (("--scheduling-policy", "lifo"), "--scheduling-policy"),
+        (("--max-num-seqs", "0"), "max_num_seqs"),
+        (("--chat-template", "/no/such/template.jinja"), "chat_template"),
+        (("/no/such/model",), "not found"),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_2(args, needle):
+    out = serve(*args)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.startswith("vllm serve: error:")]
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_busy_port_fails_before_loading_the_model():
+    with socket.socket() as busy:
+        busy.bind((LOOPBACK, 0))
+        busy.listen()
+        out = serve("--port", str(busy.getsockname()[1]))
+    assert out.returncode == 1 and "cannot bind" in out.stderr
+    assert "Traceback" not in out.stderr and "Engine core ready" not in out.stderr

@@ -1,0 +1,116 @@
+"""Request models: agent metadata in its three places, sampling mapping, field errors."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+)
+from vllm.entrypoints.utils import check_chat_template, get_open_port
+from vllm.sampling_params import RequestOutputKind
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def extra_args(req) -> dict | None:
+    return req.to_sampling_params(max_tokens=8, logprobs=None, stream=False).extra_args
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"job_id": "job_alpha", "is_last_step": False},  # openai client extra_body
+        {"vllm_xargs": {"job_id": "job_alpha", "is_last_step": False}},
+        {"extra_body": {"job_id": "job_alpha", "is_last_step": False}},  # raw requests
+    ],
+)
+def test_agent_metadata_reaches_extra_args_from_each_place(fields):
+    params = chat(**fields).to_sampling_params(8, None, False)
+    assert params.extra_args == {"job_id": "job_alpha", "is_last_step": False}
+    assert params.job_id == "job_alpha" and params.is_last_step is False
+
+
+def test_top_level_wins_and_other_xargs_pass_through():
+    req = chat(
+        job_id="top",
+        vllm_xargs={"job_id": "xargs", "is_last_step": True, "tag": 3},
+        extra_body={"job_id": "nested"},
+    )
+    assert extra_args(req) == {"job_id": "top", "is_last_step": True, "tag": 3}
+
+
+def test_no_metadata_means_no_extra_args():
+    assert extra_args(chat()) is None
+
+
+def test_nested_extra_body_carries_sampling_fields_too():
+    req = CompletionRequest.model_validate(
+        {"prompt": "x", "max_tokens": 3, "extra_body": {"top_k": 5, "max_tokens": 99}}
+    )
+    assert req.top_k == 5 and req.max_tokens == 3  # the top level wins
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"job_id": 5}, "job_id"),
+        ({"is_last_step": "no"}, "is_last_step"),
+        ({"extra_body": {"is_last_step": 1}}, "is_last_step"),
+    ],
+)
+def test_wrong_types_at_top_level_fail_validation_naming_the_field(fields, name):
+    with pytest.raises(ValidationError) as info:
+        chat(**fields)
+    assert info.value.errors()[0]["loc"] == (name,)
+
+
+@pytest.mark.parametrize(
+    ("xargs", "name"), [({"job_id": ["x"]}, "job_id"), ({"is_last_step": "yes"}, "is_last_step")]
+)
+def test_wrong_types_in_vllm_xargs_raise_request_error(xargs, name):
+    with pytest.raises(RequestError) as info:
+        extra_args(chat(vllm_xargs=xargs))
+    assert info.value.param == name and info.value.status == 400
+
+
+def test_sampling_mapping_and_output_kind():
+    req = chat(temperature=0.5, top_p=0.9, top_k=4, seed=3, stop="END", n=2)
+    params = req.to_sampling_params(max_tokens=12, logprobs=2, stream=True)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.5, 0.9, 4, 3)
+    assert params.max_tokens == 12 and params.logprobs == 2 and params.n == 2
+    assert params.output_kind == RequestOutputKind.DELTA
+    assert chat().to_sampling_params(1, None, False).output_kind == RequestOutputKind.FINAL_ONLY
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"), [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p")]
+)
+def test_bad_sampling_values_name_the_field(fields, name):
+    with pytest.raises(RequestError) as info:
+        chat(**fields).to_sampling_params(8, None, False)
+    assert info.value.param == name
+
+
+def test_chat_template_path_check(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    check_chat_template(str(template))
+    check_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}")  # template text
+    with pytest.raises(ValueError, match="chat_template"):
+        check_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_get_open_port_is_bindable():
+    import socket
+
+    port = get_open_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -1,0 +1,81 @@
+"""AsyncLLM against a spawned fake engine core: streaming, abort, engine failure."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core_client import EngineDeadError
+
+from .test_core_proc import fake_engine_factory
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage():
+    yield
+    gc.collect()  # see test_core_proc.collect_garbage
+
+
+def run(scenario) -> None:
+    async def main() -> None:
+        config = EngineArgs(num_gpu_blocks_override=32).create_engine_config(2048)
+        engine = AsyncLLM(config, engine_factory=fake_engine_factory)
+        try:
+            await engine.start()
+            await scenario(engine)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def params(max_tokens: int, delta: bool = True) -> SamplingParams:
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+    return SamplingParams(max_tokens=max_tokens, output_kind=kind, ignore_eos=True)
+
+
+def test_generate_streams_deltas_and_times_the_engine():
+    async def scenario(engine: AsyncLLM) -> None:
+        outs = [o async for o in engine.generate([1, 2, 3], params(4), "r")]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 1, 1, 1]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        stream = await engine.add_request([1, 2], params(2, delta=False), "s")
+        final = [o async for o in stream]
+        assert len(final) == 1 and final[0].outputs[0].token_ids == [7, 7]
+        assert 0 < stream.engine_latency_s < 5
+        await engine.add_request([1], params(1), "dup")
+        with pytest.raises(ValueError, match="request_id"):
+            await engine.add_request([1], params(1), "dup")
+
+    run(scenario)
+
+
+def test_closing_a_stream_aborts_the_request():
+    async def scenario(engine: AsyncLLM) -> None:
+        stream = await engine.add_request([1, 2], params(100_000), "long")
+        await stream.__anext__()
+        await stream.aclose()
+        assert not engine.output_processor.has_unfinished_requests()
+        # The engine dropped it: another request is served alone and finishes.
+        outs = [o async for o in engine.generate([1], params(2), "next")]
+        assert outs[-1].finished
+
+    run(scenario)
+
+
+def test_engine_failure_fails_pending_requests_and_health():
+    async def scenario(engine: AsyncLLM) -> None:
+        stream = await engine.add_request([1], params(100_000), "explode")
+        with pytest.raises(EngineDeadError, match="step exploded"):
+            async for _ in stream:
+                pass
+        assert not engine.is_alive
+        with pytest.raises(EngineDeadError):
+            await engine.add_request([1], params(1), "after")
+
+    run(scenario)
