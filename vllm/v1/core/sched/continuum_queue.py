@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 from vllm.utils.clock import Clock
 from vllm.v1.core.sched.pinned import job_key
-from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.request_queue import KeyOrderedRequestQueue
 from vllm.v1.request import Request
 
 
-class ContinuumRequestQueue(RequestQueue):
+class ContinuumRequestQueue(KeyOrderedRequestQueue):
     def __init__(
         self, job_arrival: Callable[[Request], float], clock: Clock, max_wait_s: float
     ) -> None:
@@ -83,14 +83,6 @@ class ContinuumRequestQueue(RequestQueue):
         request = self.peek_request()
         self.remove_request(request)
         return request
-
-    def prepend_request(self, request: Request) -> None:
-        # The order is intrinsic (an old job's request ranks early by itself).
-        self.add_request(request)
-
-    def prepend_requests(self, requests: RequestQueue) -> None:
-        for request in requests:
-            self.add_request(request)
 
     def remove_request(self, request: Request) -> None:
         rid = id(request)

@@ -100,7 +100,19 @@ class FCFSRequestQueue(RequestQueue):
         return iter(self._queue)
 
 
-class PriorityRequestQueue(RequestQueue):
+class KeyOrderedRequestQueue(RequestQueue):
+    """A queue whose order comes from each request's own key: putting a request back
+    (after preemption, or when it could not be admitted) is adding it again."""
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)
+
+    def prepend_requests(self, requests: RequestQueue) -> None:
+        for request in requests:
+            self.add_request(request)
+
+
+class PriorityRequestQueue(KeyOrderedRequestQueue):
     """Lowest (priority, arrival_time) first; a heap with lazy deletion."""
 
     def __init__(self) -> None:
@@ -131,14 +143,6 @@ class PriorityRequestQueue(RequestQueue):
         if not self._heap:
             raise IndexError("peek from an empty queue")
         return self._heap[0][3]
-
-    # The order is intrinsic, so putting a request back is adding it again.
-    def prepend_request(self, request: Request) -> None:
-        self.add_request(request)
-
-    def prepend_requests(self, requests: RequestQueue) -> None:
-        for request in requests:
-            self.add_request(request)
 
     def remove_request(self, request: Request) -> None:
         if self._live.pop(id(request), None) is None:
