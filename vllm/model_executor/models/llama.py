@@ -2,19 +2,23 @@
 
 One forward computes all scheduled tokens of all requests: ``input_ids`` and
 ``positions`` are flat ``(num_tokens,)``; attention reads and writes the paged KV cache
-through ``AttentionMetadata``. Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q and k.
+through the attention backend's per-step metadata (torch by default; the model runner
+installs the selected backend with ``set_attention_backend``). Qwen2 adds q/k/v biases,
+Qwen3 RMS-normalises q and k.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.v1.attention.backends.torch_sdpa import AttentionMetadata, paged_attention
+from vllm.v1.attention.backends.torch_sdpa import paged_attention
 
 
 @dataclass(frozen=True)
@@ -101,12 +105,14 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        # (q, k, v, kv_cache, meta, scale) -> (num_tokens, heads, head_dim)
+        self.attn_forward: Callable[..., torch.Tensor] = paged_attention
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+    def forward(self, x, positions, rope, meta: Any, kv_cache) -> torch.Tensor:
         a = self.a
         h = self.input_layernorm(x)
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -116,7 +122,7 @@ class LlamaLayer(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q), rope(positions, k)
-        attn = paged_attention(q, k, v, kv_cache, meta, 1.0 / math.sqrt(a.head_dim))
+        attn = self.attn_forward(q, k, v, kv_cache, meta, 1.0 / math.sqrt(a.head_dim))
         x = x + self.o_proj(attn.reshape(-1, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
@@ -132,8 +138,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta)
 
+    def set_attention_backend(self, forward: Callable[..., torch.Tensor]) -> None:
+        """Every layer attends with ``forward`` (see ``vllm.v1.attention.selector``)."""
+        for layer in self.layers:
+            layer.attn_forward = forward
+
     @torch.inference_mode()
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
         """(num_tokens,) ids -> (num_tokens, hidden) final hidden states."""
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -17,7 +17,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.model_loader import resolve_model
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
 from vllm.sampling_params import SamplingParams
-from vllm.v1.attention.backends.torch_sdpa import build_metadata
+from vllm.v1.attention.selector import TORCH_BACKEND, AttentionBackend, select_attention_backend
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.sampler import SamplingRow, sample
@@ -57,6 +57,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
+        self.attn_backend: AttentionBackend = TORCH_BACKEND  # chosen in load_model
         if self.device.type == "cpu":
             torch.set_num_threads(int(os.environ.get("VLLM_CPU_THREADS", os.cpu_count() or 1)))
 
@@ -87,6 +88,15 @@ class ModelRunner:
                 state.update(load_file(os.path.join(path, name)))
         model.load_hf_state_dict(state)
         self.model = model.to(self.dtype).eval()
+        self.attn_backend = select_attention_backend(
+            self.device, self.dtype, self.block_size, self.arch.head_dim
+        )
+        self.model.set_attention_backend(self.attn_backend.forward)
+        logger.info(
+            "Attention backend: %s%s",
+            self.attn_backend.name,
+            f" ({self.attn_backend.detail})" if self.attn_backend.detail else "",
+        )
         logger.info(
             "Loaded %s (%s) in %.1f s",
             self.model_config.model,
@@ -168,13 +178,15 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
-        # Decodes first: attention batches them together.
-        order = sorted(
-            so.num_scheduled_tokens,
-            key=lambda r: (
-                not (so.num_scheduled_tokens[r] == 1 and self.requests[r].num_computed_tokens > 0)
-            ),
-        )
+        order = list(so.num_scheduled_tokens)
+        if self.attn_backend.decodes_first:  # the torch backend batches decodes together
+            order.sort(
+                key=lambda r: (
+                    not (
+                        so.num_scheduled_tokens[r] == 1 and self.requests[r].num_computed_tokens > 0
+                    )
+                )
+            )
         ids, positions, seqs, sample_idx, sample_reqs = [], [], [], [], []
         for req_id in order:
             state = self.requests[req_id]
@@ -185,7 +197,7 @@ class ModelRunner:
             if start + n >= len(state.token_ids):  # reached the end: sample a token
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
-        meta = build_metadata(seqs, self.block_size, self.device)
+        meta = self.attn_backend.build_metadata(seqs, self.block_size, self.device)
         hidden = self.model(
             torch.tensor(ids, device=self.device),
             torch.tensor(positions, device=self.device),
@@ -228,7 +240,7 @@ class ModelRunner:
             need = -(-size // self.block_size)
             if need > num_blocks - 1:
                 break
-            meta = build_metadata(
+            meta = self.attn_backend.build_metadata(
                 [(0, size, list(range(1, need + 1)))], self.block_size, self.device
             )
             ids = torch.zeros(size, dtype=torch.long, device=self.device)

@@ -1,0 +1,153 @@
+"""Paged attention with FlashAttention-2's varlen kernel (CUDA, fp16/bf16).
+
+One ``flash_attn.flash_attn_varlen_func`` call per layer covers the whole flat batch:
+decodes, prefill chunks and chunks over a cached prefix alike. Sequence ``i`` owns query
+rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and ``seq_lens[i]`` keys (its cached context
+plus this step's tokens, already written to the cache). ``causal=True`` is what we want
+for all of them because flash-attn aligns the causal mask to the bottom-right corner:
+query row ``j`` of a chunk sees keys ``[0, seq_len - q_len + j]``.
+
+Two ways to hand the keys over, chosen once from the block size:
+
+- **paged** (``block_size % 256 == 0``): ``block_table=`` over the cache viewed as
+  ``(num_blocks, block_size, kv_heads, head_dim)``. Upstream flash-attn 2 refuses other
+  page sizes ("Paged KV cache block size must be divisible by 256"); vLLM gets 16 from
+  its own fork, which we do not depend on.
+- **gathered** (any other block size, e.g. the default 16): the contexts' slots are
+  gathered into one packed ``(total_k, kv_heads, head_dim)`` tensor and passed with
+  ``cu_seqlens_k``. That costs one copy of the step's context K/V per layer, which is
+  also what the torch backend pays, and keeps the kernel on the documented API.
+
+The ``flash_attn`` import is lazy: this module imports on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm._custom_ops import reshape_and_cache
+
+# Upstream flash-attn 2 only accepts paged caches whose page size is a multiple of this.
+FLASH_ATTN_PAGE_MULTIPLE = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def supports_block_table(block_size: int) -> bool:
+    """Whether flash-attn 2 can read our paged cache directly through ``block_table``."""
+    return block_size % FLASH_ATTN_PAGE_MULTIPLE == 0
+
+
+@dataclass
+class FlashAttentionMetadata:
+    """Per-step inputs of ``flash_attn_varlen_func``, shared by every layer.
+
+    ``block_table`` is ``(num_seqs, max_blocks)`` int32, rows padded with the null block 0
+    (never read: keys past ``seq_lens[i]`` are outside sequence ``i``). ``gather_slots``
+    holds the flat cache slots of every sequence's context, concatenated in batch order;
+    it is set only when the cache cannot be passed as pages (``paged`` is False).
+    """
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: where each new token's K/V goes
+    cu_seqlens_q: torch.Tensor  # (num_seqs + 1,) int32
+    cu_seqlens_k: torch.Tensor  # (num_seqs + 1,) int32
+    seq_lens: torch.Tensor  # (num_seqs,) int32: context + new tokens per sequence
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: torch.Tensor  # (num_seqs, max_blocks) int32
+    paged: bool
+    gather_slots: torch.Tensor | None = None  # (total_k,) int64, when not paged
+
+
+def _cumsum(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def build_flash_metadata(
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+) -> FlashAttentionMetadata:
+    """``seqs``: per request in batch order, (num_computed, num_new, block_ids).
+
+    Unlike the torch backend, any order of decodes and prefills is fine."""
+    slot_mapping: list[int] = []
+    q_lens: list[int] = []
+    seq_lens: list[int] = []
+    rows: list[list[int]] = []
+    for computed, new, block_ids in seqs:
+        total = computed + new
+        used = block_ids[: -(-total // block_size)]
+        slot_mapping += [
+            used[p // block_size] * block_size + p % block_size for p in range(computed, total)
+        ]
+        q_lens.append(new)
+        seq_lens.append(total)
+        rows.append(used)
+    width = max((len(r) for r in rows), default=0)
+    paged = supports_block_table(block_size)
+    meta = FlashAttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        cu_seqlens_q=torch.tensor(_cumsum(q_lens), dtype=torch.int32, device=device),
+        cu_seqlens_k=torch.tensor(_cumsum(seq_lens), dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        max_seqlen_q=max(q_lens, default=0),
+        max_seqlen_k=max(seq_lens, default=0),
+        block_table=torch.tensor(
+            [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device
+        ).view(len(rows), width),
+        paged=paged,
+    )
+    if not paged:
+        table = meta.block_table.long()
+        offsets = torch.arange(block_size, device=device)
+        # (num_seqs, max_blocks * block_size) flat slots, then keep each row's first seq_len.
+        slots = (table[:, :, None] * block_size + offsets).view(len(rows), -1)
+        keep = torch.arange(slots.shape[1], device=device)[None, :] < meta.seq_lens[:, None]
+        meta.gather_slots = slots[keep]
+    return meta
+
+
+def _varlen_func() -> Any:
+    from flash_attn import flash_attn_varlen_func  # lazy: CUDA-only optional dependency
+
+    return flash_attn_varlen_func
+
+
+def flash_paged_attention(
+    q: torch.Tensor,  # (num_tokens, heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, kv_heads, head_dim)
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, kv_heads, head_dim)
+    meta: FlashAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim).
+
+    Same contract as ``torch_sdpa.paged_attention``; GQA is native to flash-attn (query
+    head ``h`` reads KV head ``h // (heads // kv_heads)``), so K/V are never repeated."""
+    reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+    if meta.paged:
+        keys, values = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kv_heads, dim)
+        block_table = meta.block_table
+    else:
+        kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        keys = kv_cache[0].view(-1, kv_heads, head_dim)[meta.gather_slots]
+        values = kv_cache[1].view(-1, kv_heads, head_dim)[meta.gather_slots]
+        block_table = None
+    return _varlen_func()(
+        q,
+        keys,
+        values,
+        cu_seqlens_q=meta.cu_seqlens_q,
+        cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=meta.max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+        block_table=block_table,
+    )
