@@ -22,7 +22,9 @@ def free_port() -> int:
 class RemoteServer:
     """`vllm serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, *args: str, timeout_s: float = 240.0) -> None:
+    def __init__(
+        self, *args: str, timeout_s: float = 240.0, log_path: str | None = None, env=None
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -36,9 +38,12 @@ class RemoteServer:
             "warning",
             *args,
         ]
-        self.log = open(os.devnull, "w") if os.environ.get("CI") else None
+        if log_path:
+            self.log = open(log_path, "w")
+        else:
+            self.log = open(os.devnull, "w") if os.environ.get("CI") else None
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -1,0 +1,211 @@
+"""Poisson-arrival agentic benchmark against an OpenAI-compatible server.
+
+Jobs arrive as a Poisson process at --jps for --duration seconds; each runs --turns turns
+through the official `openai` client with extra_body={"job_id", "is_last_step"}, the
+context growing with the model's real answers and simulated tool outputs (see
+workload.py). After the last arrival the run waits for every job (at most
+--drain-timeout s), then writes one JSON in the research fork's schema plus the prefix
+hit rate, pin counters and KV usage scraped from /metrics during the run.
+
+    .venv/bin/python our_experiments/scripts/ab_benchmark.py --policy continuum \\
+        --base-url http://127.0.0.1:8000 --jps 0.05 --duration 60 --output out.json
+
+The server's scheduling policy is whatever it was started with; --policy only labels
+the result. Targets loopback addresses only unless --allow-remote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from our_experiments.scripts.workload import (  # noqa: E402
+    JobResult,
+    load_corpus,
+    load_trace,
+    run_job,
+    summarize,
+    synthetic_jobs,
+)
+
+COUNTERS = {
+    "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+    "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "generation_tokens": "vllm:generation_tokens_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "pins": "vllm:pins_total",
+    "pin_hits": "vllm:pin_hits_total",
+    "pin_expiries": "vllm:pin_expiries_total",
+    "pin_forced_releases": "vllm:pin_forced_releases_total",
+}
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """/metrics as sample name -> value (label sets summed; histogram buckets skipped)."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(base_url.rstrip("/") + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if "le" not in s.labels and "finished_reason" not in s.labels:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def check_loopback(base_url: str) -> None:
+    host = urlparse(base_url).hostname or ""
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except socket.gaierror as e:
+        raise SystemExit(f"error: cannot resolve {host!r}: {e}") from None
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise SystemExit(
+            f"error: {base_url} is not a loopback address; pass --allow-remote to target it"
+        )
+
+
+class UsageSampler:
+    """Samples KV usage and queue length from /metrics while the run goes on."""
+
+    def __init__(self, base_url: str, period_s: float) -> None:
+        self.base_url, self.period_s = base_url, period_s
+        self.usage: list[float] = []
+        self.waiting: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            try:
+                m = await asyncio.to_thread(scrape, self.base_url)
+                self.usage.append(m.get("vllm:kv_cache_usage_perc", 0.0))
+                self.waiting.append(m.get("vllm:num_requests_waiting", 0.0))
+            except Exception:  # a missed sample is not worth failing the run
+                pass
+            await asyncio.sleep(self.period_s)
+
+    def summary(self) -> dict[str, float | None]:
+        u = self.usage
+        return {
+            "kv_usage_mean": round(sum(u) / len(u), 4) if u else None,
+            "kv_usage_max": round(max(u), 4) if u else None,
+            "kv_usage_frac_above_90": round(sum(x > 0.9 for x in u) / len(u), 4) if u else None,
+            "max_waiting_requests": max(self.waiting) if self.waiting else None,
+        }
+
+
+async def run_benchmark(args, jobs) -> tuple[list[JobResult], UsageSampler, float]:
+    import openai
+    from tqdm import tqdm
+
+    client = openai.AsyncOpenAI(
+        base_url=args.base_url.rstrip("/") + "/v1",
+        api_key=args.api_key,
+        max_retries=0,
+        timeout=args.request_timeout,
+    )
+    model = args.model or (await client.models.list()).data[0].id
+    sampler = UsageSampler(args.base_url, args.sample_period)
+    sampler_task = asyncio.create_task(sampler.run())
+    bar = tqdm(total=len(jobs), desc=f"{args.policy} jps={args.jps}", unit="job", disable=None)
+    start = time.monotonic()
+
+    async def play(job):
+        await asyncio.sleep(max(0.0, job.arrival_s - (time.monotonic() - start)))
+        result = await run_job(client, model, job, args.request_timeout)
+        bar.update(1)
+        return result
+
+    tasks = [asyncio.create_task(play(j)) for j in jobs]
+    last_arrival = max((j.arrival_s for j in jobs), default=0.0)
+    done, pending = await asyncio.wait(tasks, timeout=last_arrival + args.drain_timeout)
+    for t in pending:
+        t.cancel()
+    results = []
+    for job, task in zip(jobs, tasks, strict=True):
+        if task in done and not task.cancelled():
+            results.append(task.result())
+        else:
+            results.append(JobResult(job.job_id, error="timeout: not finished in the drain time"))
+    elapsed = time.monotonic() - start
+    sampler_task.cancel()
+    bar.close()
+    await client.close()
+    return results, sampler, elapsed
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default="EMPTY")
+    ap.add_argument("--model", default=None, help="default: the server's first model")
+    ap.add_argument("--policy", default="unknown", help="label for the result")
+    ap.add_argument("--jps", type=float, default=0.05, help="job arrivals per second")
+    ap.add_argument("--duration", type=float, default=60.0, help="arrival window, seconds")
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=48, help="per turn")
+    ap.add_argument("--trace", type=Path, default=None, help="JSONL trace to replay")
+    ap.add_argument("--corpus", type=Path, default=None, help="tool-output corpus JSON")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-jobs", type=int, default=500, help="bound on jobs started")
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--drain-timeout", type=float, default=600.0, help="after the last arrival")
+    ap.add_argument("--sample-period", type=float, default=0.5, help="/metrics polling, s")
+    ap.add_argument("--output", type=Path, default=None, help="result JSON path")
+    ap.add_argument("--allow-remote", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.allow_remote:
+        check_loopback(args.base_url)
+
+    corpus = load_corpus(args.corpus) if args.corpus else load_corpus()
+    if args.trace:
+        jobs = load_trace(args.trace, args.jps, corpus, args.seed, args.max_tokens, args.max_jobs)
+    else:
+        jobs = synthetic_jobs(
+            args.jps, args.duration, args.turns, args.max_tokens, corpus, args.seed, args.max_jobs
+        )
+    before = scrape(args.base_url)
+    results, sampler, elapsed = asyncio.run(run_benchmark(args, jobs))
+    after = scrape(args.base_url)
+
+    out = summarize(args.policy, args.jps, results)
+    delta = {k: after.get(m, 0.0) - before.get(m, 0.0) for k, m in COUNTERS.items()}
+    q = delta["prefix_cache_queries"]
+    out.update(
+        duration_s=args.duration,
+        turns=args.turns if not args.trace else None,
+        trace=str(args.trace) if args.trace else None,
+        seed=args.seed,
+        wall_time_s=round(elapsed, 1),
+        prefix_hit_rate=round(delta["prefix_cache_hits"] / q, 4) if q else None,
+        metrics=delta,
+        **sampler.summary(),
+    )
+    text = json.dumps(out, indent=1)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    print(
+        f"{args.policy} jps={args.jps}: {out['num_completed']}/{out['num_jobs']} jobs, "
+        f"avg {out['avg_duration_s']} s, p90 {out['p90_duration_s']} s, "
+        f"p95 {out['p95_duration_s']} s, hit rate {out['prefix_hit_rate']}, "
+        f"pins {delta['pins']:.0f} / pin hits {delta['pin_hits']:.0f}, "
+        f"KV usage max {out['kv_usage_max']}"
+    )
+    return out
+
+
+if __name__ == "__main__":
+    main()

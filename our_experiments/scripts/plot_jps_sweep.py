@@ -1,0 +1,177 @@
+"""Plot a JPS sweep and print its table.
+
+Reads every `<policy>_jps<jps>.json` under `our_experiments/results/<machine>/` and writes
+there:
+- `jps_sweep.png`: average and P95 job duration vs JPS, one line per policy;
+- `jps_sweep_speedup.png`: % improvement over FCFS, (fcfs - other) / fcfs * 100, for the
+  average and the P95;
+- `per_turn_latency.png`: average latency per turn, bars per policy, one panel per JPS.
+It prints (and writes to `table.md`) the policy x JPS table used in docs/experiments.md.
+
+    .venv/bin/python our_experiments/scripts/plot_jps_sweep.py --machine cpu-2core
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from our_experiments.scripts.run_sweep import RESULTS, default_machine  # noqa: E402
+
+BASELINE = "fcfs"
+
+
+def load_results(folder: Path) -> dict[str, dict[float, dict]]:
+    """policy -> jps -> result, from every result JSON in ``folder``."""
+    out: dict[str, dict[float, dict]] = {}
+    for path in sorted(folder.glob("*_jps*.json")):
+        r = json.loads(path.read_text())
+        out.setdefault(r["policy"], {})[float(r["jps"])] = r
+    return out
+
+
+def improvement(base: float | None, other: float | None) -> float | None:
+    """% less time than the baseline (positive: better than FCFS)."""
+    if not base or other is None:
+        return None
+    return (base - other) / base * 100
+
+
+def table(results: dict[str, dict[float, dict]]) -> str:
+    head = (
+        "| policy | JPS | jobs (done) | avg s | P90 s | P95 s | vs fcfs avg | vs fcfs P95 "
+        "| hit rate | KV max / >90% | preempt | pins / hits |"
+    )
+    rows = [head, "|" + "---|" * 12]
+    base = results.get(BASELINE, {})
+    for jps in sorted({j for by in results.values() for j in by}):
+        for policy in sorted(results, key=lambda p: (p != BASELINE, p)):
+            r = results[policy].get(jps)
+            if r is None:
+                continue
+            b = base.get(jps, {})
+            m = r.get("metrics", {})
+            imp_avg = improvement(b.get("avg_duration_s"), r["avg_duration_s"])
+            imp_p95 = improvement(b.get("p95_duration_s"), r["p95_duration_s"])
+            rows.append(
+                f"| {policy} | {jps:g} | {r['num_jobs']} ({r['num_completed']}) "
+                f"| {_f(r['avg_duration_s'])} | {_f(r['p90_duration_s'])} "
+                f"| {_f(r['p95_duration_s'])} "
+                f"| {_pct(imp_avg) if policy != BASELINE else '-'} "
+                f"| {_pct(imp_p95) if policy != BASELINE else '-'} "
+                f"| {_pct(100 * r['prefix_hit_rate'] if r.get('prefix_hit_rate') else None)} "
+                f"| {_pct(100 * (r.get('kv_usage_max') or 0))} / "
+                f"{_pct(100 * (r.get('kv_usage_frac_above_90') or 0))} "
+                f"| {m.get('preemptions', 0):.0f} "
+                f"| {m.get('pins', 0):.0f} / {m.get('pin_hits', 0):.0f} |"
+            )
+    return "\n".join(rows)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1f}%" if x < 0 else f"{x:.1f}%"
+
+
+def plot(results: dict[str, dict[float, dict]], folder: Path, title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in zip(
+        axes, ("avg_duration_s", "p95_duration_s"), ("average", "P95"), strict=True
+    ):
+        for policy, by_jps in sorted(results.items()):
+            xs = sorted(j for j in by_jps if by_jps[j][key] is not None)
+            ax.plot(xs, [by_jps[j][key] for j in xs], marker="o", label=policy)
+        ax.set(xlabel="job arrivals per second (JPS)", ylabel=f"{label} job duration (s)")
+        ax.set_title(f"{label} job duration vs load")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    written.append(_save(fig, folder / "jps_sweep.png"))
+
+    others = [p for p in sorted(results) if p != BASELINE]
+    if BASELINE in results and others:
+        jps_list = sorted(results[BASELINE])
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / (2 * len(others))
+        for i, policy in enumerate(others):
+            for k, key in enumerate(("avg_duration_s", "p95_duration_s")):
+                vals = [
+                    improvement(results[BASELINE][j][key], results[policy].get(j, {}).get(key))
+                    or 0.0
+                    for j in jps_list
+                ]
+                offs = (2 * i + k - len(others) + 0.5) * width
+                xs = [x + offs for x in range(len(jps_list))]
+                ax.bar(xs, vals, width, label=f"{policy} ({'avg' if k == 0 else 'P95'})")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xticks(range(len(jps_list)), [f"{j:g}" for j in jps_list])
+        ax.set(xlabel="JPS", ylabel="% less job time than FCFS")
+        ax.set_title(f"Improvement over FCFS (positive = faster) - {title}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        written.append(_save(fig, folder / "jps_sweep_speedup.png"))
+
+    jps_all = sorted({j for by in results.values() for j in by})
+    fig, axes = plt.subplots(1, len(jps_all), figsize=(4 * len(jps_all), 3.6), squeeze=False)
+    for ax, jps in zip(axes[0], jps_all, strict=True):
+        policies = [p for p in sorted(results) if jps in results[p]]
+        width = 0.8 / max(1, len(policies))
+        for i, policy in enumerate(policies):
+            per_turn = results[policy][jps]["per_turn_avg_latency_ms"]
+            turns = sorted(per_turn, key=int)
+            xs = [int(t) + (i - (len(policies) - 1) / 2) * width for t in turns]
+            ax.bar(xs, [per_turn[t] / 1e3 for t in turns], width, label=policy)
+        ax.set(title=f"JPS {jps:g}", xlabel="turn", ylabel="avg latency (s)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Per-turn latency - {title}")
+    fig.tight_layout()
+    written.append(_save(fig, folder / "per_turn_latency.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--machine", default=None, help="results subfolder (default: cpu-<n>core)")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args()
+    folder = args.results_dir / (args.machine or default_machine())
+    results = load_results(folder)
+    if not results:
+        raise SystemExit(f"error: no result JSONs in {folder}")
+    text = table(results)
+    (folder / "table.md").write_text(text + "\n")
+    print(text)
+    for path in plot(results, folder, args.title or folder.name):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

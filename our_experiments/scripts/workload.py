@@ -1,0 +1,352 @@
+"""The agentic workload: Poisson job arrivals, multi-turn jobs, simulated tools.
+
+A job is an agent working on one task. Turn ``i`` sends the whole history (system prompt,
+task, every previous model answer and tool output) with ``job_id`` and
+``is_last_step = (i == turns - 1)``; the model's real answer is appended, then the
+simulated tool "runs" (the client sleeps for the turn's tool time) and its output, a
+real listing / source file / grep / test log / diff cut from the shipped corpus, becomes
+the next user message. Tool times follow the research fork's per-turn table (fast
+50-300 ms tools and one 2-5 s pytest turn) or are replayed from a trace (JSONL).
+
+Everything here but ``run_job`` is pure and seeded, so tests check the arrival process,
+the context growth and the trace replay without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CORPUS_PATH = Path(__file__).resolve().parent.parent / "corpus" / "tool_outputs.json"
+CHARS_PER_TOKEN = 3.5  # SmolLM2's tokenizer on code and logs; sizes in traces are tokens
+
+# The fork's per-turn tool table (its ab_benchmark.py): (kind, min s, max s) for the tool
+# run after turn i. The last turn has no tool; turns past the table repeat its tail.
+TOOL_TABLE: list[tuple[str, float, float]] = [
+    ("listing", 0.05, 0.15),  # find / ls
+    ("source", 0.05, 0.10),  # cat
+    ("source", 0.05, 0.10),  # cat
+    ("grep", 0.08, 0.20),  # grep
+    ("test_log", 2.0, 5.0),  # pytest: the slow, long-tailed turn
+    ("source", 0.05, 0.10),  # cat
+    ("diff", 0.10, 0.30),  # patch / git diff
+]
+# Output size per kind, in characters (uniform range): what an agent's tool prints after
+# the usual truncation (SWE-agent cuts long outputs; mini-swe-agent keeps ~10k chars).
+SIZE_CHARS: dict[str, tuple[int, int]] = {
+    "listing": (300, 1200),
+    "source": (800, 2400),
+    "grep": (200, 900),
+    "test_log": (600, 2000),
+    "diff": (300, 1200),
+}
+COMMANDS = {
+    "listing": "find . -name '*.py' | head -100",
+    "source": "cat {path}",
+    "grep": "grep -rn '{word}' .",
+    "test_log": "python -m pytest -x tests",
+    "diff": "git diff",
+}
+
+SYSTEM_PROMPT = """You are a software engineering agent working in a Linux shell.
+Each reply is one short thought and exactly one command in a ```bash block. The user \
+answers with the command's output. Do not ask questions.
+
+Example 1:
+Task: Find where the cache size is configured.
+I will search the code for the setting.
+```bash
+grep -rn "cache_size" .
+```
+
+Example 2:
+Output: src/cache.py:12: cache_size = 64
+I will open that file.
+```bash
+cat src/cache.py
+```
+
+Example 3:
+Output: 1 failed, 12 passed
+I will rerun the failing test with details.
+```bash
+python -m pytest -x -q tests/test_cache.py
+```"""
+
+TASKS = [
+    "The KV block pool leaks a block when a request is aborted during prefill. Find the "
+    "leak and fix it.",
+    "Requests with a stop string sometimes return the stop string itself. Find out why.",
+    "Add a --max-wait-time flag to the server and make sure it reaches the scheduler.",
+    "The metrics endpoint reports kv_cache_usage_perc above 1.0 after a reset. Fix it.",
+    "Tests in tests/v1/core fail on Python 3.12 with a DeprecationWarning. Investigate.",
+    "The detokenizer drops the last character of multi-byte UTF-8 output. Fix it.",
+    "Pinned blocks are not released when the job's last step is aborted. Find the bug.",
+    "Make the chat template configurable per request and add a test.",
+    "The scheduler spins at 100% CPU when all blocks are pinned. Find the busy loop.",
+    "Preempted requests lose their sampling seed. Reproduce and fix.",
+    "Add type hints to the request queue module and run the linter.",
+    "The prefix cache hit rate is zero for prompts shorter than one block. Explain why.",
+    "Streaming responses end without [DONE] when the client sets n=2. Fix it.",
+    "Speed up the block hasher: it recomputes hashes of full blocks every step.",
+    "The tool-call parser misses commands inside ```sh fences. Add support and a test.",
+    "Write a regression test for the double free of the null block.",
+]
+
+
+@dataclass
+class TurnSpec:
+    """One turn: the user message to send, then the tool that runs after the answer."""
+
+    user_content: str  # the task (turn 0) or the previous tool's output
+    max_tokens: int
+    tool_kind: str | None = None  # None on the last turn
+    tool_s: float = 0.0  # simulated tool time after this turn's answer
+
+
+@dataclass
+class JobSpec:
+    job_id: str
+    arrival_s: float  # offset from the start of the run
+    turns: list[TurnSpec] = field(default_factory=list)
+
+
+def load_corpus(path: Path = CORPUS_PATH) -> dict[str, list[str]]:
+    corpus = json.loads(Path(path).read_text())
+    missing = [k for k in SIZE_CHARS if not corpus.get(k)]
+    if missing:
+        raise ValueError(f"corpus {path} has no entries of kind(s) {missing}")
+    return corpus
+
+
+def poisson_arrivals(jps: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Arrival offsets of a Poisson process of rate ``jps`` over ``[0, duration_s)``."""
+    if jps <= 0:
+        raise ValueError(f"jps must be > 0, got {jps}")
+    if duration_s <= 0:
+        raise ValueError(f"duration must be > 0, got {duration_s}")
+    out, t = [], rng.expovariate(jps)
+    while t < duration_s:
+        out.append(t)
+        t += rng.expovariate(jps)
+    return out
+
+
+def tool_output(corpus: dict[str, list[str]], kind: str, chars: int, rng: random.Random) -> str:
+    """A real output of ``kind`` about ``chars`` long: one entry, or several joined."""
+    parts, size = [], 0
+    while size < chars:
+        entry = rng.choice(corpus[kind])
+        parts.append(entry)
+        size += len(entry) + 1
+    text = "\n".join(parts)[:chars]
+    return text[: text.rfind("\n")] if "\n" in text[chars // 2 :] else text
+
+
+def _observation(kind: str, text: str) -> str:
+    return f"Output of `{COMMANDS[kind].split(' ', 1)[0]}`:\n{text}"
+
+
+def make_job(
+    job_id: str,
+    arrival_s: float,
+    turns: int,
+    max_tokens: int,
+    corpus: dict[str, list[str]],
+    rng: random.Random,
+) -> JobSpec:
+    """A synthetic job: a task, then per-turn tools drawn from ``TOOL_TABLE``."""
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
+    job = JobSpec(job_id, arrival_s)
+    content = "Task: " + rng.choice(TASKS)
+    for i in range(turns):
+        turn = TurnSpec(content, max_tokens)
+        if i < turns - 1:
+            kind, lo, hi = TOOL_TABLE[min(i, len(TOOL_TABLE) - 1)]
+            turn.tool_kind, turn.tool_s = kind, rng.uniform(lo, hi)
+            chars = rng.randint(*SIZE_CHARS[kind])
+            content = _observation(kind, tool_output(corpus, kind, chars, rng))
+        job.turns.append(turn)
+    return job
+
+
+def synthetic_jobs(
+    jps: float,
+    duration_s: float,
+    turns: int,
+    max_tokens: int,
+    corpus: dict[str, list[str]],
+    seed: int,
+    max_jobs: int,
+) -> list[JobSpec]:
+    rng = random.Random(seed)
+    arrivals = poisson_arrivals(jps, duration_s, rng)[:max_jobs]
+    return [
+        make_job(f"job_{i:04d}", t, turns, max_tokens, corpus, random.Random(seed * 7919 + i))
+        for i, t in enumerate(arrivals)
+    ]
+
+
+def load_trace(
+    path: Path,
+    jps: float,
+    corpus: dict[str, list[str]],
+    seed: int,
+    max_tokens: int,
+    max_jobs: int,
+) -> list[JobSpec]:
+    """Jobs from a JSONL trace, one line per turn.
+
+    Fields: ``job_id`` (required), ``turn`` (order within the job; default: file order),
+    ``tool_duration_s`` (the tool run after this turn; ignored on the last turn),
+    ``tool_output_tokens`` (size of that tool's output), ``tool_kind`` (a corpus kind,
+    default ``source``), ``prompt_tokens`` (size of the first turn's task text, default
+    a task sentence), ``max_tokens``, ``arrival_s`` (the job's arrival; default Poisson at
+    ``jps``). Sizes are reproduced with corpus text at ~3.5 characters per token.
+    """
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or "job_id" not in row:
+            raise ValueError(f"{path}:{n}: each line needs a job_id")
+        kind = row.get("tool_kind", "source")
+        if kind not in SIZE_CHARS:
+            raise ValueError(f"{path}:{n}: tool_kind {kind!r} is not one of {list(SIZE_CHARS)}")
+        rows.setdefault(str(row["job_id"]), []).append(row)
+    rng = random.Random(seed)
+    jobs, t = [], 0.0
+    for job_id, turns in list(rows.items())[:max_jobs]:
+        turns.sort(key=lambda r: r.get("turn", 0))
+        t += rng.expovariate(jps)
+        job = JobSpec(job_id, float(turns[0].get("arrival_s", t)))
+        first = turns[0].get("prompt_tokens")
+        content = "Task: " + rng.choice(TASKS)
+        if first:
+            content = _observation("source", tool_output(corpus, "source", _chars(first), rng))
+        for i, row in enumerate(turns):
+            turn = TurnSpec(content, int(row.get("max_tokens", max_tokens)))
+            if i < len(turns) - 1:
+                kind = row.get("tool_kind", "source")
+                turn.tool_kind, turn.tool_s = kind, float(row.get("tool_duration_s", 0.0))
+                size = _chars(int(row.get("tool_output_tokens", 300)))
+                content = _observation(kind, tool_output(corpus, kind, size, rng))
+            job.turns.append(turn)
+        jobs.append(job)
+    jobs.sort(key=lambda j: j.arrival_s)
+    return jobs
+
+
+def _chars(tokens: int) -> int:
+    return max(1, math.ceil(tokens * CHARS_PER_TOKEN))
+
+
+@dataclass
+class TurnResult:
+    latency_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    duration_s: float = 0.0
+    turns: list[TurnResult] = field(default_factory=list)
+    error: str | None = None
+
+
+async def run_job(client, model: str, job: JobSpec, request_timeout_s: float) -> JobResult:
+    """Play one job against an OpenAI-compatible ``client`` (``openai.AsyncOpenAI``)."""
+    result = JobResult(job.job_id)
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    start = time.monotonic()
+    try:
+        for i, turn in enumerate(job.turns):
+            messages.append({"role": "user", "content": turn.user_content})
+            sent = time.monotonic()
+            resp = await asyncio.wait_for(
+                client.chat.completions.create(
+                    model=model,
+                    messages=list(messages),
+                    max_tokens=turn.max_tokens,
+                    temperature=0,
+                    extra_body={"job_id": job.job_id, "is_last_step": i == len(job.turns) - 1},
+                ),
+                request_timeout_s,
+            )
+            usage = resp.usage
+            details = getattr(usage, "prompt_tokens_details", None)
+            result.turns.append(
+                TurnResult(
+                    (time.monotonic() - sent) * 1e3,
+                    usage.prompt_tokens,
+                    (getattr(details, "cached_tokens", 0) or 0) if details else 0,
+                    usage.completion_tokens,
+                )
+            )
+            messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+            if turn.tool_kind is not None:
+                await asyncio.sleep(turn.tool_s)  # the tool runs
+    except Exception as e:  # a failed job is reported, not fatal to the run
+        result.error = f"{type(e).__name__}: {e}"[:300]
+    result.duration_s = time.monotonic() - start
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(policy: str, jps: float, results: list[JobResult]) -> dict[str, Any]:
+    """The fork's result schema, plus failure and cache counts."""
+    done = [r for r in results if r.error is None]
+    durations = [round(r.duration_s, 3) for r in done]
+    per_turn: dict[str, list[TurnResult]] = {}
+    for r in done:
+        for i, t in enumerate(r.turns):
+            per_turn.setdefault(str(i + 1), []).append(t)
+
+    def avg(key: str) -> dict[str, float]:
+        return {
+            k: round(statistics.mean(getattr(t, key) for t in v), 1) for k, v in per_turn.items()
+        }
+
+    prompt = sum(t.prompt_tokens for r in done for t in r.turns)
+    cached = sum(t.cached_tokens for r in done for t in r.turns)
+    return {
+        "policy": policy,
+        "jps": jps,
+        "num_jobs": len(results),
+        "num_completed": len(done),
+        "num_failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "avg_duration_s": round(statistics.mean(durations), 3) if durations else None,
+        "p50_duration_s": round(percentile(durations, 50), 3) if durations else None,
+        "p90_duration_s": round(percentile(durations, 90), 3) if durations else None,
+        "p95_duration_s": round(percentile(durations, 95), 3) if durations else None,
+        "per_turn_avg_latency_ms": avg("latency_ms"),
+        "per_turn_avg_prompt_tokens": avg("prompt_tokens"),
+        "per_turn_avg_cached_tokens": avg("cached_tokens"),
+        "client_cached_token_ratio": round(cached / prompt, 4) if prompt else None,
+        "job_durations": durations,
+    }

@@ -1,0 +1,65 @@
+"""Smoke run of the study's scripts against the real server and model (a few jobs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from our_experiments.scripts import ab_benchmark, test_pin_verify
+
+from ..utils import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(
+        "--scheduling-policy",
+        "continuum",
+        "--num-gpu-blocks-override",
+        "400",
+        "--max-model-len",
+        "4096",
+        "--disable-log-requests",
+    )
+    yield srv
+    srv.stop()
+
+
+def test_pin_verify_passes_on_continuum(server, capsys):
+    failures = test_pin_verify.verify(server.base, turns=3, gap_s=0.6, polls=2, seed=1)
+    out = capsys.readouterr().out
+    assert failures == [], out
+    assert "Turn 3/3 (is_last_step=True)" in out and out.count("ok") >= 4
+
+
+def test_ab_benchmark_smoke(server, tmp_path):
+    out = tmp_path / "r.json"
+    # ~3 jobs arriving within 2 s, 3 turns each, 8 tokens per answer
+    summary = ab_benchmark.main(
+        [
+            "--base-url", server.base,
+            "--policy", "continuum",
+            "--jps", "1.5",
+            "--duration", "2",
+            "--turns", "3",
+            "--max-tokens", "8",
+            "--seed", "3",
+            "--drain-timeout", "240",
+            "--output", str(out),
+        ]
+    )  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert saved == summary
+    assert summary["num_jobs"] >= 1 and summary["num_failed"] == 0, summary["errors"]
+    assert len(summary["job_durations"]) == summary["num_jobs"]
+    prompts = summary["per_turn_avg_prompt_tokens"]
+    assert list(prompts) == ["1", "2", "3"] and prompts["1"] < prompts["2"] < prompts["3"]
+    m = summary["metrics"]
+    # every non-last turn pins; a next turn reuses its context
+    assert m["pins"] == 2 * summary["num_jobs"]
+    assert m["generation_tokens"] <= 8 * 3 * summary["num_jobs"]
+    assert summary["prefix_hit_rate"] > 0.3 and summary["kv_usage_max"] > 0
+    assert summary["per_turn_avg_cached_tokens"]["3"] > 0

@@ -1,0 +1,224 @@
+"""The agentic workload generator: arrivals, jobs, context growth, trace replay, summary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+from types import SimpleNamespace
+
+import pytest
+
+from our_experiments.scripts import ab_benchmark, plot_jps_sweep, workload
+from our_experiments.scripts.workload import (
+    SIZE_CHARS,
+    TOOL_TABLE,
+    JobResult,
+    TurnResult,
+    load_corpus,
+    load_trace,
+    make_job,
+    poisson_arrivals,
+    run_job,
+    summarize,
+    synthetic_jobs,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def test_poisson_arrivals_have_the_rate_and_exponential_gaps():
+    # 2 jobs/s over 2,000 s: ~4,000 arrivals (sd ~63); gaps ~Exp(2): mean 0.5, CV 1.
+    arrivals = poisson_arrivals(2.0, 2000.0, random.Random(1))
+    assert abs(len(arrivals) - 4000) < 4 * 63
+    assert arrivals == sorted(arrivals) and 0 <= arrivals[0] and arrivals[-1] < 2000
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    mean = statistics.mean(gaps)
+    assert abs(mean - 0.5) < 0.03
+    assert abs(statistics.stdev(gaps) / mean - 1.0) < 0.08
+
+
+def test_poisson_arrivals_are_seeded_and_reject_bad_values():
+    assert poisson_arrivals(0.5, 100, random.Random(3)) == poisson_arrivals(
+        0.5, 100, random.Random(3)
+    )
+    with pytest.raises(ValueError, match="jps"):
+        poisson_arrivals(0, 10, random.Random(0))
+    with pytest.raises(ValueError, match="duration"):
+        poisson_arrivals(1, -1, random.Random(0))
+
+
+def test_job_turns_follow_the_tool_table_with_real_outputs(corpus):
+    job = make_job("job_x", 1.5, 8, 32, corpus, random.Random(0))
+    assert len(job.turns) == 8 and job.arrival_s == 1.5
+    assert job.turns[0].user_content.startswith("Task: ")
+    assert job.turns[-1].tool_kind is None  # nothing runs after the last turn
+    for i, turn in enumerate(job.turns[:-1]):
+        kind, lo, hi = TOOL_TABLE[i]
+        assert turn.tool_kind == kind and lo <= turn.tool_s <= hi
+        nxt = job.turns[i + 1].user_content
+        header, body = nxt.split("\n", 1)
+        assert header.startswith("Output of `")
+        assert len(body) <= SIZE_CHARS[kind][1]
+        assert len(body) >= SIZE_CHARS[kind][0] // 2  # cut at a line end at most
+        first_line = body.splitlines()[0]
+        assert any(first_line in entry for entry in corpus[kind])  # text from the corpus
+    assert 2.0 <= job.turns[4].tool_s <= 5.0  # the slow pytest turn
+    with pytest.raises(ValueError, match="turns"):
+        make_job("j", 0, 0, 32, corpus, random.Random(0))
+
+
+def test_synthetic_jobs_are_bounded_and_reproducible(corpus):
+    a = synthetic_jobs(1.0, 50, 3, 16, corpus, seed=7, max_jobs=10)
+    b = synthetic_jobs(1.0, 50, 3, 16, corpus, seed=7, max_jobs=10)
+    assert len(a) == 10  # ~50 arrivals, bounded by max_jobs
+    assert [j.turns[1].user_content for j in a] == [j.turns[1].user_content for j in b]
+    assert len({j.job_id for j in a}) == 10
+
+
+class FakeCompletions:
+    """Records what an agent sends; answers with a numbered bash command."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.calls: list[dict] = []
+        self.fail_on = fail_on
+
+    async def create(self, **kw):
+        self.calls.append(kw)
+        if self.fail_on is not None and len(self.calls) == self.fail_on:
+            raise RuntimeError("server went away")
+        n = len(self.calls)
+        prompt = sum(len(m["content"]) for m in kw["messages"]) // 4
+        return SimpleNamespace(
+            usage=SimpleNamespace(
+                prompt_tokens=prompt,
+                completion_tokens=5,
+                prompt_tokens_details=SimpleNamespace(cached_tokens=prompt // 2),
+            ),
+            choices=[SimpleNamespace(message=SimpleNamespace(content=f"```bash\nls {n}\n```"))],
+        )
+
+
+def _fast(job):
+    for t in job.turns:
+        t.tool_s = 0.0
+    return job
+
+
+def test_run_job_grows_the_context_and_marks_only_the_last_step(corpus):
+    completions = FakeCompletions()
+    client = SimpleNamespace(chat=SimpleNamespace(completions=completions))
+    job = _fast(make_job("job_7", 0, 4, 24, corpus, random.Random(2)))
+    result = asyncio.run(run_job(client, "m", job, request_timeout_s=5))
+    assert result.error is None and len(result.turns) == 4
+    calls = completions.calls
+    assert [c["extra_body"] for c in calls] == [
+        {"job_id": "job_7", "is_last_step": last} for last in (False, False, False, True)
+    ]
+    for i in range(1, 4):  # each turn resends the whole history plus answer and tool output
+        prev, cur = calls[i - 1]["messages"], calls[i]["messages"]
+        assert cur[: len(prev)] == prev
+        assert cur[len(prev)] == {"role": "assistant", "content": f"```bash\nls {i}\n```"}
+        assert cur[len(prev) + 1] == {"role": "user", "content": job.turns[i].user_content}
+    assert calls[0]["messages"][0]["role"] == "system" and calls[0]["max_tokens"] == 24
+    assert [t.prompt_tokens for t in result.turns] == sorted(t.prompt_tokens for t in result.turns)
+
+
+def test_run_job_reports_a_failure_instead_of_raising(corpus):
+    completions = FakeCompletions(fail_on=2)
+    client = SimpleNamespace(chat=SimpleNamespace(completions=completions))
+    job = _fast(make_job("job_f", 0, 3, 8, corpus, random.Random(0)))
+    result = asyncio.run(run_job(client, "m", job, request_timeout_s=5))
+    assert result.error == "RuntimeError: server went away" and len(result.turns) == 1
+
+
+def test_trace_replay_keeps_order_sizes_and_times(tmp_path, corpus):
+    lines = [
+        {"job_id": "b", "turn": 1, "max_tokens": 9},
+        {"job_id": "a", "turn": 0, "arrival_s": 3.0, "tool_duration_s": 0.25,
+         "tool_output_tokens": 100, "tool_kind": "grep", "prompt_tokens": 50},
+        {"job_id": "b", "turn": 0, "arrival_s": 1.0, "tool_duration_s": 4.0,
+         "tool_output_tokens": 400, "tool_kind": "test_log"},
+        {"job_id": "a", "turn": 1, "tool_duration_s": 99.0},
+    ]  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    jobs = load_trace(path, jps=1.0, corpus=corpus, seed=0, max_tokens=32, max_jobs=10)
+    assert [j.job_id for j in jobs] == ["b", "a"]  # by arrival
+    b, a = jobs
+    assert b.arrival_s == 1.0 and a.arrival_s == 3.0
+    assert [t.tool_s for t in b.turns] == [4.0, 0.0] and b.turns[-1].tool_kind is None
+    assert b.turns[0].tool_kind == "test_log" and b.turns[1].max_tokens == 9
+    assert b.turns[0].max_tokens == 32
+    # 400 tokens at 3.5 chars per token, cut at a line end
+    body = b.turns[1].user_content.split("\n", 1)[1]
+    assert 700 <= len(body) <= 1400
+    assert a.turns[0].tool_kind == "grep" and a.turns[0].tool_s == 0.25
+    assert a.turns[0].user_content.startswith("Output of `cat`")  # a 50-token first prompt
+    assert len(a.turns[1].user_content.split("\n", 1)[1]) <= 350
+
+
+def test_trace_errors_name_the_line(tmp_path, corpus):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"job_id": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
+        load_trace(path, 1.0, corpus, 0, 32, 10)
+    path.write_text('{"turn": 0}\n')
+    with pytest.raises(ValueError, match=r":1: each line needs a job_id"):
+        load_trace(path, 1.0, corpus, 0, 32, 10)
+    path.write_text('{"job_id": "a", "tool_kind": "ssh"}\n')
+    with pytest.raises(ValueError, match="tool_kind 'ssh'"):
+        load_trace(path, 1.0, corpus, 0, 32, 10)
+
+
+def _job(job_id: str, seconds: float, latencies: list[float]) -> JobResult:
+    turns = [TurnResult(ms, 100 * (i + 1), 50 * i, 8) for i, ms in enumerate(latencies)]
+    return JobResult(job_id, seconds, turns)
+
+
+def test_summary_has_the_fork_schema_and_excludes_failures():
+    results = [_job(f"j{i}", float(i), [100.0, 300.0]) for i in range(1, 11)]
+    results.append(JobResult("bad", 0.5, [], error="timeout: x"))
+    s = summarize("continuum", 0.5, results)
+    assert s["num_jobs"] == 11 and s["num_completed"] == 10 and s["num_failed"] == 1
+    assert s["avg_duration_s"] == 5.5 and s["p50_duration_s"] == 5.5
+    assert s["p90_duration_s"] == pytest.approx(9.1) and s["p95_duration_s"] == pytest.approx(9.55)
+    assert s["per_turn_avg_latency_ms"] == {"1": 100.0, "2": 300.0}
+    assert s["per_turn_avg_prompt_tokens"] == {"1": 100, "2": 200}
+    assert s["client_cached_token_ratio"] == pytest.approx(50 / 300, abs=1e-4)
+    assert s["job_durations"] == [float(i) for i in range(1, 11)]
+    assert s["errors"] == ["timeout: x"]
+
+
+def test_plot_and_table_from_result_files(tmp_path):
+    for policy, scale in (("fcfs", 1.0), ("continuum", 0.8)):
+        for jps in (0.1, 0.2):
+            r = summarize(policy, jps, [_job(f"j{i}", 10 * scale * i, [1e3]) for i in (1, 2)])
+            r.update(prefix_hit_rate=0.5, kv_usage_max=0.95, kv_usage_frac_above_90=0.2,
+                     metrics={"preemptions": 3, "pins": 4, "pin_hits": 2})  # fmt: skip
+            (tmp_path / f"{policy}_jps{jps:g}.json").write_text(json.dumps(r))
+    results = plot_jps_sweep.load_results(tmp_path)
+    text = plot_jps_sweep.table(results)
+    # continuum jobs 8 and 16 s (avg 12, P90 15.2) vs fcfs 10 and 20 s: 20% less time
+    assert "| continuum | 0.1 | 2 (2) | 12.0 | 15.2 | 15.6 | 20.0% | 20.0% |" in text
+    assert text.index("| fcfs | 0.1") < text.index("| continuum | 0.1")
+    for path in plot_jps_sweep.plot(results, tmp_path, "test"):
+        assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_benchmark_targets_loopback_only():
+    ab_benchmark.check_loopback("http://127.0.0.1:8000")
+    ab_benchmark.check_loopback("http://localhost:8000")
+    with pytest.raises(SystemExit, match="not a loopback address"):
+        ab_benchmark.check_loopback("http://10.1.2.3:8000")
+
+
+def test_shipped_corpus_has_every_kind(corpus):
+    for kind in SIZE_CHARS:
+        assert len(corpus[kind]) >= 3, kind
+    assert any("FAILED" in log for log in corpus["test_log"])
+    assert workload.CORPUS_PATH.exists()
