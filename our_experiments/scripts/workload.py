@@ -208,8 +208,8 @@ def load_trace(
     Fields: ``job_id`` (required), ``turn`` (order within the job; default: file order),
     ``tool_duration_s`` (the tool run after this turn; ignored on the last turn),
     ``tool_output_tokens`` (size of that tool's output), ``tool_kind`` (a corpus kind,
-    default ``source``), ``prompt_tokens`` (size of the first turn's task text, default
-    a task sentence), ``max_tokens``, ``arrival_s`` (the job's arrival; default Poisson at
+    default ``source``), ``prompt_tokens`` (size of the first turn's user message: a task
+    sentence, then quoted source code up to that size), ``max_tokens``, ``arrival_s`` (the job's arrival; default Poisson at
     ``jps``). Sizes are reproduced with corpus text at ~3.5 characters per token.
     """
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -234,8 +234,9 @@ def load_trace(
         job = JobSpec(job_id, float(turns[0].get("arrival_s", t)))
         first = turns[0].get("prompt_tokens")
         content = "Task: " + rng.choice(TASKS)
-        if first:
-            content = _observation("source", tool_output(corpus, "source", _chars(first), rng))
+        if first and _chars(first) > len(content) + 2:  # the task plus code it quotes
+            extra = tool_output(corpus, "source", _chars(first) - len(content) - 2, rng)
+            content += "\n\n" + extra
         for i, row in enumerate(turns):
             turn = TurnSpec(content, int(row.get("max_tokens", max_tokens)))
             if i < len(turns) - 1:

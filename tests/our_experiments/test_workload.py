@@ -158,7 +158,8 @@ def test_trace_replay_keeps_order_sizes_and_times(tmp_path, corpus):
     body = b.turns[1].user_content.split("\n", 1)[1]
     assert 700 <= len(body) <= 1400
     assert a.turns[0].tool_kind == "grep" and a.turns[0].tool_s == 0.25
-    assert a.turns[0].user_content.startswith("Output of `cat`")  # a 50-token first prompt
+    first = a.turns[0].user_content  # a task plus quoted code: 50 tokens ~ 175 chars
+    assert first.startswith("Task: ") and 100 <= len(first) <= 180
     assert len(a.turns[1].user_content.split("\n", 1)[1]) <= 350
 
 
@@ -222,3 +223,15 @@ def test_shipped_corpus_has_every_kind(corpus):
         assert len(corpus[kind]) >= 3, kind
     assert any("FAILED" in log for log in corpus["test_log"])
     assert workload.CORPUS_PATH.exists()
+
+
+def test_shipped_example_trace_replays(corpus):
+    path = workload.CORPUS_PATH.parent.parent / "traces" / "example_trace.jsonl"
+    jobs = load_trace(path, jps=1.0, corpus=corpus, seed=0, max_tokens=64, max_jobs=100)
+    assert [(j.job_id, len(j.turns), j.arrival_s) for j in jobs] == [
+        ("swe_0001", 8, 0.0),
+        ("swe_0002", 6, 4.0),
+        ("swe_0003", 5, 9.5),
+    ]
+    assert max(t.tool_s for t in jobs[1].turns) == 14.0
+    assert all(t.max_tokens == 32 for j in jobs for t in j.turns)
