@@ -209,8 +209,9 @@ def load_trace(
     ``tool_duration_s`` (the tool run after this turn; ignored on the last turn),
     ``tool_output_tokens`` (size of that tool's output), ``tool_kind`` (a corpus kind,
     default ``source``), ``prompt_tokens`` (size of the first turn's user message: a task
-    sentence, then quoted source code up to that size), ``max_tokens``, ``arrival_s`` (the job's arrival; default Poisson at
-    ``jps``). Sizes are reproduced with corpus text at ~3.5 characters per token.
+    sentence, then quoted source code up to that size), ``max_tokens``, ``arrival_s``
+    (the job's arrival; default Poisson at ``jps``). Sizes are reproduced with corpus text
+    at ~3.5 characters per token.
     """
     rows: dict[str, list[dict[str, Any]]] = {}
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
