@@ -14,7 +14,7 @@ Two workloads in one run, greedy, EOS ignored, each engine on the same prompts:
 Prints output tokens/s per engine and the ratio for both workloads (medians over
 ``--repeats``); ``--phase-rates`` adds our prefill and decode rates at batch 1 and 16.
 
-    .venv/bin/python benchmarks/benchmark_throughput.py [--output-len-dist uniform:16:256]
+    .venv/bin/python benchmarks/benchmark_throughput.py [--output-len-dist uniform:16:128]
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16, help="fixed workload: prompts")
     ap.add_argument("--max-tokens", type=int, default=64, help="fixed workload: output length")
     ap.add_argument("--var-num-prompts", type=int, default=32, help="variable workload: prompts")
-    ap.add_argument("--output-len-dist", default="uniform:16:256", help="variable max_tokens")
+    ap.add_argument("--output-len-dist", default="uniform:16:128", help="variable max_tokens")
     ap.add_argument("--batch-size", type=int, default=16, help="max_num_seqs / HF batch size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1)
