@@ -176,6 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
         jobs = synthetic_jobs(
             args.jps, args.duration, args.turns, args.max_tokens, corpus, args.seed, args.max_jobs
         )
+    if not jobs:
+        raise SystemExit(
+            f"error: no job arrives in {args.duration:g} s at {args.jps:g} jobs/s "
+            "(seeded); raise --duration or --jps, or change --seed"
+        )
     before = scrape(args.base_url)
     results, sampler, elapsed = asyncio.run(run_benchmark(args, jobs))
     after = scrape(args.base_url)

@@ -114,6 +114,8 @@ def main() -> None:
             server = RemoteServer(*server_args(args, policy), log_path=str(log))
             try:
                 ab_benchmark.main(bench_args(args, server.base, policy, jps, out))
+            except SystemExit as e:  # a point that cannot run does not end the sweep
+                print(f"{policy} jps={jps:g}: {e}", file=sys.stderr)
             finally:
                 server.stop()
 

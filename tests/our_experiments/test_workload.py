@@ -235,3 +235,9 @@ def test_shipped_example_trace_replays(corpus):
     ]
     assert max(t.tool_s for t in jobs[1].turns) == 14.0
     assert all(t.max_tokens == 32 for j in jobs for t in j.turns)
+
+
+def test_benchmark_refuses_a_window_without_arrivals():
+    # seed 0 at 0.01 jobs/s: the first arrival is long after a 1 s window; no server needed
+    with pytest.raises(SystemExit, match="no job arrives in 1 s"):
+        ab_benchmark.main(["--jps", "0.01", "--duration", "1", "--base-url", "http://127.0.0.1:9"])
