@@ -84,12 +84,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # (max_pos, head_dim/2)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (num_tokens, 1, head_dim/2): gathered once per step, not per
+        layer (at batch 1 the per-layer gathers were a visible share of a decode step)."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, heads, head_dim)
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(x, *self.cos_sin(positions, x.dtype))
 
 
 class LlamaLayer(nn.Module):
@@ -112,16 +124,23 @@ class LlamaLayer(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, x, positions, rope, meta: Any, kv_cache) -> torch.Tensor:
+    def forward(self, x, cos_sin, meta: Any, kv_cache) -> torch.Tensor:
         a = self.a
         h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, a.num_heads, a.head_dim)  # (num_tokens, heads, head_dim)
-        k = k.view(-1, a.num_kv_heads, a.head_dim)  # (num_tokens, kv_heads, head_dim)
-        v = v.view(-1, a.num_kv_heads, a.head_dim)
+        qkv = self.qkv_proj(h)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q), rope(positions, k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = RotaryEmbedding.apply(self.q_norm(q.view(-1, a.num_heads, a.head_dim)), *cos_sin)
+            k = RotaryEmbedding.apply(self.k_norm(k.view(-1, a.num_kv_heads, a.head_dim)), *cos_sin)
+        else:
+            # Rotate q and k in one pass (elementwise, so bit-identical to two passes).
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                -1, a.num_heads + a.num_kv_heads, a.head_dim
+            )
+            qk = RotaryEmbedding.apply(qk, *cos_sin)
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        # q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)
         attn = self.attn_forward(q, k, v, kv_cache, meta, 1.0 / math.sqrt(a.head_dim))
         x = x + self.o_proj(attn.reshape(-1, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
@@ -147,8 +166,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
         """(num_tokens,) ids -> (num_tokens, hidden) final hidden states."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, meta, kv_cache)
+            x = layer(x, cos_sin, meta, kv_cache)
         return self.norm(x)
 
     @torch.inference_mode()
