@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
+import time
 
 import openai
 import psutil
@@ -177,6 +180,58 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client):
     stream.close()
     assert server.wait_metric("vllm:num_requests_running", 0.0) == 0.0
     assert server.wait_metric("vllm:kv_cache_usage_perc", 0.0) == 0.0
+
+
+def _raw_chat(server, stream: bool) -> socket.socket:
+    """A chat request on a bare socket (nothing read back): 900 tokens, EOS ignored, so
+    only an abort frees the engine before the test times out."""
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Write a very long story about dragons."}],
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(head + body)
+    return sock
+
+
+def _assert_engine_idle(server) -> None:
+    assert server.wait_metric("vllm:num_requests_running", 0.0) == 0.0
+    assert server.wait_metric("vllm:kv_cache_usage_perc", 0.0) == 0.0
+    generated = server.metrics()["vllm:generation_tokens_total"]
+    time.sleep(1.0)  # still idle a moment later: nothing generates for the lost client
+    m = server.metrics()
+    assert m["vllm:num_requests_running"] == 0.0 and m["vllm:kv_cache_usage_perc"] == 0.0
+    assert m["vllm:generation_tokens_total"] == generated
+
+
+def test_disconnect_during_non_streaming_request_aborts(server):
+    sock = _raw_chat(server, stream=False)
+    try:
+        # Running and holding blocks while the client waits for its JSON.
+        assert server.wait_metric("vllm:num_requests_running", 1.0) == 1.0
+        assert server.metrics()["vllm:kv_cache_usage_perc"] > 0.0
+    finally:
+        sock.close()
+    _assert_engine_idle(server)
+
+
+def test_disconnect_before_stream_starts_aborts(server):
+    before = server.metrics()["vllm:generation_tokens_total"]
+    _raw_chat(server, stream=True).close()  # gone before the first SSE chunk
+    # The request reaches the engine a moment after the close. Unaborted, it would run
+    # 900 tokens (a minute here), so after 2 s it would still show as running.
+    time.sleep(2.0)
+    _assert_engine_idle(server)
+    assert server.metrics()["vllm:generation_tokens_total"] - before < 900
 
 
 def test_metrics_names_and_text_format(server, client):

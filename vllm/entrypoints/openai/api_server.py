@@ -140,13 +140,17 @@ def build_app(
     async def chat(request: ChatCompletionRequest, raw: Request):
         if log_requests:
             _log_request("chat", request, f"messages={len(request.messages)}")
-        return await chat_serving.create_chat_completion(request, raw.scope.get(RECEIVED_KEY))
+        return await chat_serving.create_chat_completion(
+            request, raw.scope.get(RECEIVED_KEY), raw.receive
+        )
 
     @app.post("/v1/completions")
     async def completion(request: CompletionRequest, raw: Request):
         if log_requests:
             _log_request("completion", request, "")
-        return await completion_serving.create_completion(request, raw.scope.get(RECEIVED_KEY))
+        return await completion_serving.create_completion(
+            request, raw.scope.get(RECEIVED_KEY), raw.receive
+        )
 
     return app
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -10,7 +10,11 @@ from vllm.entrypoints.openai.protocol import (
     now_s,
     random_id,
 )
-from vllm.entrypoints.openai.serving_engine import OpenAIServing
+from vllm.entrypoints.openai.serving_engine import (
+    EngineStreamingResponse,
+    OpenAIServing,
+    Receive,
+)
 from vllm.outputs import CompletionOutput
 
 
@@ -63,9 +67,13 @@ class OpenAIServingChat(OpenAIServing):
         return {"content": content}
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest, received: float | None = None
+        self,
+        request: ChatCompletionRequest,
+        received: float | None = None,
+        receive: Receive | None = None,
     ):
-        """The response (JSON or SSE); ``received``: monotonic arrival time, for timing."""
+        """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
+        ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_model(request)
         prompt = self._prompt(request)
         ids = self.tokenize(prompt, add_special_tokens=False)
@@ -78,11 +86,12 @@ class OpenAIServingChat(OpenAIServing):
         created = now_s()
         stream = await self.engine.add_request(ids, params, request_id, priority=request.priority)
         if request.stream:
-            return StreamingResponse(
-                self._stream(request, stream, request_id, created, received),
-                media_type="text/event-stream",
+            return EngineStreamingResponse(
+                self._stream(request, stream, request_id, created, received), stream
             )
-        final = await self.collect(stream)
+        final = await self.collect(stream, receive)
+        if final is None:  # the client left: nobody reads this (nginx's code for it)
+            return Response(status_code=499)
         choices = [
             {
                 "index": c.index,

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, RequestError, now_s, random_id
-from vllm.entrypoints.openai.serving_engine import OpenAIServing
+from vllm.entrypoints.openai.serving_engine import (
+    EngineStreamingResponse,
+    OpenAIServing,
+    Receive,
+)
 from vllm.outputs import CompletionOutput
 
 
@@ -29,8 +33,14 @@ class OpenAIServingCompletion(OpenAIServing):
             "text_offset": [],
         }
 
-    async def create_completion(self, request: CompletionRequest, received: float | None = None):
-        """The response (JSON or SSE); ``received``: monotonic arrival time, for timing."""
+    async def create_completion(
+        self,
+        request: CompletionRequest,
+        received: float | None = None,
+        receive: Receive | None = None,
+    ):
+        """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
+        ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_model(request)
         ids = self.tokenize(self._prompt(request), add_special_tokens=True)
         max_tokens = self.max_tokens_for(len(ids), request.max_tokens or 16)
@@ -68,8 +78,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 lambda u: {**base, "choices": [], "usage": u.model_dump()},
                 received,
             )
-            return StreamingResponse(events, media_type="text/event-stream")
-        final = await self.collect(stream)
+            return EngineStreamingResponse(events, stream)
+        final = await self.collect(stream, receive)
+        if final is None:  # the client left: nobody reads this (nginx's code for it)
+            return Response(status_code=499)
         choices = [
             {
                 "index": c.index,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi.responses import StreamingResponse
 
 from vllm.entrypoints.openai.protocol import RequestError, UsageInfo, _SamplingFields
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -14,6 +17,39 @@ from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 # request's arrival to the response, and the part of it spent in the engine process.
 SERVER_LATENCY_HEADER = "x-vllm-server-latency"
 ENGINE_LATENCY_HEADER = "x-vllm-engine-latency"
+
+
+Receive = Callable[[], Awaitable[dict]]  # the ASGI ``receive`` of the HTTP request
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+async def _put_on_disconnect(receive: Receive, stream: RequestStream) -> None:
+    # Once the body is read, the next ASGI message is http.disconnect (the client left,
+    # or the response completed; by then this watcher has been cancelled).
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    stream.put(ClientDisconnected())
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """SSE over a request stream, aborting the request however the response ends.
+
+    A client that leaves before the first chunk is sent makes starlette cancel the body
+    before the generator ever starts, so the generator's own ``finally`` never runs.
+    """
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.engine_stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.engine_stream.aclose()  # no-op if the request finished
 
 
 def sse(payload: dict | str) -> str:
@@ -81,13 +117,20 @@ class OpenAIServing:
             prompt_tokens_details={"cached_tokens": cached},
         )
 
-    async def collect(self, stream: RequestStream) -> RequestOutput:
-        """The final output (aborts the request if this task is cancelled)."""
+    async def collect(self, stream: RequestStream, receive: Receive | None = None):
+        """The final output, or None if the client disconnected first (``receive``: the
+        request's ASGI receive, watched for that). The request is aborted in the engine
+        if it did not finish (disconnect, or this task cancelled)."""
+        watcher = asyncio.ensure_future(_put_on_disconnect(receive, stream)) if receive else None
         final = None
         try:
             async for out in stream:
                 final = out
+        except ClientDisconnected:
+            return None
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await stream.aclose()
         assert final is not None
         return final

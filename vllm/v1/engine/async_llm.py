@@ -211,6 +211,12 @@ class AsyncLLM:
                     stream.engine_latency_s = sent_at - stream.engine_arrival
                 self._forget(out.request_id)
             stream.put(out)
+        if self.stat_loggers:
+            # After the woken handlers have run: when many requests finish in one step,
+            # their responses should not wait for the histograms.
+            asyncio.get_running_loop().call_soon(self._record_stats, core_outputs, results)
+
+    def _record_stats(self, core_outputs: EngineCoreOutputs, results: list[RequestOutput]) -> None:
         for stat_logger in self.stat_loggers:
             stat_logger.record(core_outputs, results)
 

@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm.sampling_params import SamplingParams
 
 # What a tokenizer decodes an incomplete UTF-8 sequence to.
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def fast_decoder(tokenizer) -> Callable[[list[int], bool], str]:
+    """``decode(token_ids, skip_special_tokens)`` with the same result as
+    ``tokenizer.decode``, calling the Rust backend directly when that is equivalent.
+
+    transformers' ``decode`` wrapper costs ~30 us a call against ~1 us for the backend;
+    incremental detokenization calls it twice per token per sequence on the server's
+    event loop. The wrapper only adds ``clean_up_tokenization_spaces``, so the backend is
+    used when that is off.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
@@ -26,6 +43,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self.tokenizer = tokenizer
+        self._decode_fn = fast_decoder(tokenizer)
         self.skip_special_tokens = params.skip_special_tokens
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
@@ -97,7 +115,7 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_fn(token_ids, self.skip_special_tokens)
 
     def _decode_next(self) -> str:
         """New text for the tokens after ``read_offset`` ("" while a character is split)."""

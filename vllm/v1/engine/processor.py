@@ -89,10 +89,15 @@ class Processor:
         arrival_time = time.time() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
-            child = params.clone()
-            child.n = 1
-            if params.seed is not None:
-                child.seed = params.seed + i
+            if params.n == 1:
+                # Nothing here mutates it, and the engine core gets its own copy (pickled
+                # to its process, or cloned by LLM): a deepcopy per request is waste.
+                child = params
+            else:
+                child = params.clone()
+                child.n = 1
+                if params.seed is not None:
+                    child.seed = params.seed + i
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(
                 EngineCoreRequest(
