@@ -64,3 +64,10 @@ def test_parse_bytes_and_engine_args_defaults():
     assert cfg.scheduler_config.max_model_len == 2048
     assert cfg.cache_config.kv_cache_memory_bytes == 64 * 2**20
     assert cfg.scheduler_config.max_num_seqs == 4
+
+
+def test_block_size_256_is_accepted_for_flash_attn_pages():
+    # flash-attn 2 reads a paged cache directly only with pages of a multiple of 256.
+    assert CacheConfig(block_size=256).block_size == 256
+    with pytest.raises(ValueError, match="block_size"):
+        CacheConfig(block_size=512)

@@ -62,8 +62,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise _bad("block_size", self.block_size, "must be a power of two in [1, 128]")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise _bad("block_size", self.block_size, "must be a power of two in [1, 256]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise _bad("num_gpu_blocks_override", self.num_gpu_blocks_override, "must be >= 2")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
