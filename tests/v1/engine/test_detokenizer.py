@@ -7,7 +7,7 @@ import random
 import pytest
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 
 TRICKY = [
     "Héllo wörld! 你好，世界 🎉👩‍👩‍👧 naïve café — “quotes” 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
@@ -133,3 +133,22 @@ def test_streamed_text_is_never_retracted_with_random_stops(tokenizer):
         assert not any(s in detok.output_text for s in stops)
         assert detok.stop_reason is not None
         assert text[len(detok.output_text) :].startswith(detok.stop_reason)
+
+
+def test_fast_decoder_matches_the_tokenizers_decode(tokenizer):
+    ids = ids_of(tokenizer, "<|im_start|>user\n" + TRICKY[0] + "<|im_end|>")
+    decode = fast_decoder(tokenizer)
+    for skip in (True, False):
+        for cut in (ids, ids[1:4], ids[-3:]):
+            assert decode(cut, skip) == tokenizer.decode(cut, skip_special_tokens=skip)
+
+
+def test_fast_decoder_keeps_the_wrapper_when_it_cleans_up_spaces():
+    class CleaningTokenizer:
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = object()  # would decode without the clean-up: must not be used
+
+        def decode(self, ids, skip_special_tokens=False):
+            return f"cleaned {ids} {skip_special_tokens}"
+
+    assert fast_decoder(CleaningTokenizer())([1, 2], True) == "cleaned [1, 2] True"
