@@ -7,7 +7,7 @@ ab_benchmark plays the workload against it, and the result JSON lands in
 A point whose file exists is skipped unless --force, so an interrupted sweep resumes.
 
     .venv/bin/python our_experiments/scripts/run_sweep.py --policies fcfs continuum \\
-        --jps 0.02 0.05 0.08 0.12 --duration 120 --num-gpu-blocks 600
+        --jps 0.02 0.04 0.06 0.08 --duration 120 --num-gpu-blocks 400
 """
 
 from __future__ import annotations
@@ -83,13 +83,13 @@ def main() -> None:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--policies", nargs="+", default=["fcfs", "continuum"])
-    ap.add_argument("--jps", nargs="+", type=float, default=[0.02, 0.05, 0.08, 0.12])
+    ap.add_argument("--jps", nargs="+", type=float, default=[0.02, 0.04, 0.06, 0.08])
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--trace", type=Path, default=None)
-    ap.add_argument("--num-gpu-blocks", type=int, default=600, help="KV pool, blocks of 16")
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--num-gpu-blocks", type=int, default=400, help="KV pool, blocks of 16")
+    ap.add_argument("--max-model-len", type=int, default=6144)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--drain-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
