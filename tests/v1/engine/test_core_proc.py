@@ -18,7 +18,12 @@ import zmq
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, EngineStartupError
+from vllm.v1.engine.core_client import (
+    AsyncMPClient,
+    EngineDeadError,
+    EngineStartupError,
+    engine_process_env,
+)
 from vllm.v1.engine.core_proc import EngineCoreProc
 from vllm.v1.metrics.stats import SchedulerStats
 
@@ -277,3 +282,14 @@ def test_client_reports_a_failed_start(config):
             client.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_engine_process_env_shortens_the_openmp_spin_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert engine_process_env() == {"GOMP_SPINCOUNT": "10000"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert engine_process_env() == {}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    assert engine_process_env() == {}
