@@ -74,3 +74,14 @@ def test_busy_port_fails_before_loading_the_model():
         out = serve("--port", str(busy.getsockname()[1]))
     assert out.returncode == 1 and "cannot bind" in out.stderr
     assert "Traceback" not in out.stderr and "Engine core ready" not in out.stderr
+
+
+def test_server_event_loop_is_uvloop_unless_disabled(monkeypatch):
+    import uvloop
+
+    from vllm.entrypoints.cli.serve import event_loop_factory
+
+    monkeypatch.delenv("VLLM_USE_UVLOOP", raising=False)
+    assert event_loop_factory() is uvloop.new_event_loop
+    monkeypatch.setenv("VLLM_USE_UVLOOP", "0")
+    assert event_loop_factory() is None
