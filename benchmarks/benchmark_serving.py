@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import openai
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm.entrypoints.utils import get_open_port  # noqa: E402
+from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 OVERHEAD = "vllm:request_server_overhead_seconds"
@@ -131,15 +131,8 @@ async def run_phase(base_url, api_key, prompts, max_tokens, concurrency, fn, rat
 
 def scrape_overhead(base_url: str) -> tuple[float, float]:
     """(sum, count) of the server-overhead histogram."""
-    text = requests.get(base_url + "/metrics", timeout=10).text
-    total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == OVERHEAD + "_sum":
-                total = s.value
-            elif s.name == OVERHEAD + "_count":
-                count = s.value
-    return total, count
+    m = scrape_metrics(base_url)
+    return m.get(OVERHEAD + "_sum", 0.0), m.get(OVERHEAD + "_count", 0.0)
 
 
 def pct(values: list[float], q: float) -> float:

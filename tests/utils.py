@@ -10,7 +10,8 @@ import sys
 import time
 
 import requests
-from prometheus_client.parser import text_string_to_metric_families
+
+from vllm.v1.metrics.reader import scrape_metrics
 
 
 def free_port() -> int:
@@ -71,13 +72,7 @@ class RemoteServer:
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value (labels dropped; one model per server)."""
-        text = requests.get(self.base + "/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if not sample.labels.get("le") and "finished_reason" not in sample.labels:
-                    out[sample.name] = sample.value
-        return out
+        return scrape_metrics(self.base)
 
     def wait_metric(self, name: str, value: float, timeout_s: float = 20.0) -> float:
         deadline = time.monotonic() + timeout_s

@@ -36,6 +36,7 @@ from our_experiments.scripts.workload import (  # noqa: E402
     summarize,
     synthetic_jobs,
 )
+from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
 
 COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
@@ -48,20 +49,6 @@ COUNTERS = {
     "pin_expiries": "vllm:pin_expiries_total",
     "pin_forced_releases": "vllm:pin_forced_releases_total",
 }
-
-
-def scrape(base_url: str) -> dict[str, float]:
-    """/metrics as sample name -> value (label sets summed; histogram buckets skipped)."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(base_url.rstrip("/") + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if "le" not in s.labels and "finished_reason" not in s.labels:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def check_loopback(base_url: str) -> None:
@@ -87,7 +74,7 @@ class UsageSampler:
     async def run(self) -> None:
         while True:
             try:
-                m = await asyncio.to_thread(scrape, self.base_url)
+                m = await asyncio.to_thread(scrape_metrics, self.base_url)
                 self.usage.append(m.get("vllm:kv_cache_usage_perc", 0.0))
                 self.waiting.append(m.get("vllm:num_requests_waiting", 0.0))
             except Exception:  # a missed sample is not worth failing the run
@@ -181,9 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"error: no job arrives in {args.duration:g} s at {args.jps:g} jobs/s "
             "(seeded); raise --duration or --jps, or change --seed"
         )
-    before = scrape(args.base_url)
+    before = scrape_metrics(args.base_url)
     results, sampler, elapsed = asyncio.run(run_benchmark(args, jobs))
-    after = scrape(args.base_url)
+    after = scrape_metrics(args.base_url)
 
     out = summarize(args.policy, args.jps, results)
     delta = {k: after.get(m, 0.0) - before.get(m, 0.0) for k, m in COUNTERS.items()}

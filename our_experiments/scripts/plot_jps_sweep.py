@@ -31,7 +31,8 @@ def load_results(folder: Path) -> dict[str, dict[float, dict]]:
     out: dict[str, dict[float, dict]] = {}
     for path in sorted(folder.glob("*_jps*.json")):
         r = json.loads(path.read_text())
-        out.setdefault(r["policy"], {})[float(r["jps"])] = r
+        if isinstance(r, dict) and "policy" in r and "jps" in r:  # not a sweep config
+            out.setdefault(r["policy"], {})[float(r["jps"])] = r
     return out
 
 

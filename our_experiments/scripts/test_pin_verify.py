@@ -22,14 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from our_experiments.scripts.ab_benchmark import check_loopback, scrape  # noqa: E402
+from our_experiments.scripts.ab_benchmark import check_loopback  # noqa: E402
 from our_experiments.scripts.workload import SYSTEM_PROMPT, load_corpus, make_job  # noqa: E402
+from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
 
 USAGE = "vllm:kv_cache_usage_perc"
 
 
 def usage(base_url: str) -> float:
-    return scrape(base_url).get(USAGE, float("nan"))
+    return scrape_metrics(base_url).get(USAGE, float("nan"))
 
 
 def verify(base_url: str, turns: int, gap_s: float, polls: int, seed: int) -> list[str]:

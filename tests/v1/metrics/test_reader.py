@@ -1,0 +1,58 @@
+"""scrape_metrics reads Prometheus text the way our benchmarks and tests need it."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from vllm.v1.metrics.reader import scrape_metrics
+
+TEXT = b"""# HELP vllm:kv_cache_usage_perc KV-cache usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.25
+# HELP vllm:pins_total KV pins placed.
+# TYPE vllm:pins_total counter
+vllm:pins_total{model_name="m"} 7.0
+# HELP vllm:request_success_total Finished requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{finished_reason="stop",model_name="m"} 3.0
+vllm:request_success_total{finished_reason="length",model_name="m"} 2.0
+# HELP vllm:e2e_request_latency_seconds End-to-end latency.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="m"} 4.0
+vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m"} 5.0
+vllm:e2e_request_latency_seconds_count{model_name="m"} 5.0
+vllm:e2e_request_latency_seconds_sum{model_name="m"} 3.5
+# HELP vllm:prompt_tokens_total Prefill tokens.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{model_name="a"} 10.0
+vllm:prompt_tokens_total{model_name="b"} 5.0
+"""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = TEXT if self.path == "/metrics" else b"not found"
+        self.send_response(200 if self.path == "/metrics" else 404)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_scrape_keeps_values_and_sums_and_drops_buckets():
+    server = HTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        m = scrape_metrics(f"http://127.0.0.1:{server.server_port}/")
+    finally:
+        server.shutdown()
+    assert m["vllm:kv_cache_usage_perc"] == 0.25
+    assert m["vllm:pins_total"] == 7.0
+    assert m["vllm:prompt_tokens_total"] == 15.0  # label sets summed
+    assert m["vllm:e2e_request_latency_seconds_sum"] == 3.5
+    assert m["vllm:e2e_request_latency_seconds_count"] == 5.0
+    assert "vllm:e2e_request_latency_seconds_bucket" not in m
+    assert "vllm:request_success_total" not in m  # per-reason counters are left out
