@@ -95,13 +95,10 @@ class RotaryEmbedding(nn.Module):
         )
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, heads, head_dim)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.apply(x, *self.cos_sin(positions, x.dtype))
 
 
 class LlamaLayer(nn.Module):
@@ -128,17 +125,16 @@ class LlamaLayer(nn.Module):
         a = self.a
         h = self.input_layernorm(x)
         qkv = self.qkv_proj(h)
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = RotaryEmbedding.apply(self.q_norm(q.view(-1, a.num_heads, a.head_dim)), *cos_sin)
-            k = RotaryEmbedding.apply(self.k_norm(k.view(-1, a.num_kv_heads, a.head_dim)), *cos_sin)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(-1, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:  # per-head norms with their own weights, then rotate each
+            q = self.q_norm(qkv[:, : self.q_size].view(-1, a.num_heads, a.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(-1, a.num_kv_heads, a.head_dim))
+            q, k = RotaryEmbedding.rotate(q, *cos_sin), RotaryEmbedding.rotate(k, *cos_sin)
         else:
             # Rotate q and k in one pass (elementwise, so bit-identical to two passes).
-            qk = qkv[:, : self.q_size + self.kv_size].view(
-                -1, a.num_heads + a.num_kv_heads, a.head_dim
-            )
-            qk = RotaryEmbedding.apply(qk, *cos_sin)
+            qk = qkv[:, :qk_size].view(-1, a.num_heads + a.num_kv_heads, a.head_dim)
+            qk = RotaryEmbedding.rotate(qk, *cos_sin)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         # q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)
         attn = self.attn_forward(q, k, v, kv_cache, meta, 1.0 / math.sqrt(a.head_dim))
