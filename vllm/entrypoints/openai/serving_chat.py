@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, Response
-
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     RequestError,
@@ -15,7 +13,7 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Receive,
 )
-from vllm.outputs import CompletionOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 
 
 def _message_text(content) -> str:
@@ -89,30 +87,28 @@ class OpenAIServingChat(OpenAIServing):
             return EngineStreamingResponse(
                 self._stream(request, stream, request_id, created, received), stream
             )
-        final = await self.collect(stream, receive)
-        if final is None:  # the client left: nobody reads this (nginx's code for it)
-            return Response(status_code=499)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
-        return JSONResponse(
-            {
+
+        def body(final: RequestOutput) -> dict:
+            choices = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in final.outputs
+            ]
+            return {
                 "id": request_id,
                 "object": "chat.completion",
                 "created": created,
                 "model": self.model_name,
                 "choices": choices,
                 "usage": self.usage([final]).model_dump(),
-            },
-            headers=self.timing(received, stream),
-        )
+            }
+
+        return await self.respond_json(stream, body, received, receive)
 
     def _stream(self, request, stream, request_id: str, created: int, received: float | None):
         base = {

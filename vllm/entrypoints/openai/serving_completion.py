@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, Response
-
 from vllm.entrypoints.openai.protocol import CompletionRequest, RequestError, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
 )
-from vllm.outputs import CompletionOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -79,20 +77,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 received,
             )
             return EngineStreamingResponse(events, stream)
-        final = await self.collect(stream, receive)
-        if final is None:  # the client left: nobody reads this (nginx's code for it)
-            return Response(status_code=499)
-        choices = [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": self._logprobs(c),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
-        return JSONResponse(
-            {**base, "choices": choices, "usage": self.usage([final]).model_dump()},
-            headers=self.timing(received, stream),
-        )
+
+        def body(final: RequestOutput) -> dict:
+            choices = [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": self._logprobs(c),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in final.outputs
+            ]
+            return {**base, "choices": choices, "usage": self.usage([final]).model_dump()}
+
+        return await self.respond_json(stream, body, received, receive)

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm.entrypoints.openai.protocol import RequestError, UsageInfo, _SamplingFields
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -134,6 +134,20 @@ class OpenAIServing:
             await stream.aclose()
         assert final is not None
         return final
+
+    async def respond_json(
+        self,
+        stream: RequestStream,
+        body: Callable[[RequestOutput], dict],
+        received: float | None,
+        receive: Receive | None,
+    ) -> Response:
+        """The non-streaming response: ``body(final output)`` with the timing headers, or
+        499 (nginx's code: nobody reads it) if the client disconnected first."""
+        final = await self.collect(stream, receive)
+        if final is None:
+            return Response(status_code=499)
+        return JSONResponse(body(final), headers=self.timing(received, stream))
 
     async def stream_events(
         self,
