@@ -7,7 +7,6 @@ import pytest
 from vllm.config import CacheConfig, ModelConfig, PolicyConfig, SchedulerConfig
 from vllm.engine.arg_utils import EngineArgs, parse_bytes
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.policy import create_policy
 
 
 @pytest.mark.parametrize(
@@ -39,7 +38,6 @@ from vllm.v1.core.sched.policy import create_policy
         (lambda: SamplingParams(extra_args={"job_id": "j", "is_last_step": "yes"}), "is_last_step"),
         (lambda: EngineArgs(kv_cache_memory="lots").create_engine_config(), "kv_cache_memory"),
         (lambda: EngineArgs(max_model_len=9000).create_engine_config(8192), "max_model_len"),
-        (lambda: create_policy("lifo"), "scheduling_policy"),
     ],
 )
 def test_bad_values_name_the_field(factory, field):

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-SCHEDULING_POLICIES = ("fcfs", "priority", "continuum", "context_serve")
 CONTINUUM_TTL_MODES = ("paper", "fixed")
 
 
@@ -98,8 +97,10 @@ class SchedulerConfig:
             raise _bad(
                 "long_prefill_token_threshold", self.long_prefill_token_threshold, "must be >= 0"
             )
-        if self.policy not in SCHEDULING_POLICIES:
-            raise _bad("scheduling_policy", self.policy, f"must be one of {SCHEDULING_POLICIES}")
+        from vllm.v1.core.sched.policy.registry import policy_names  # no engine imports
+
+        if self.policy not in policy_names():
+            raise _bad("scheduling_policy", self.policy, f"must be one of {policy_names()}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise _bad(
                 "max_num_batched_tokens",

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 from dataclasses import dataclass, fields
 
 from vllm.config import (
     CONTINUUM_TTL_MODES,
     DEFAULT_MODEL,
-    SCHEDULING_POLICIES,
     CacheConfig,
     ModelConfig,
     PolicyConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.v1.core.sched.policy.registry import policy_names
 
 _UNITS = {
     "": 1,
@@ -76,14 +75,6 @@ class EngineArgs:
                     f"max_model_len {self.max_model_len} exceeds the model's "
                     f"max_position_embeddings {model_max_len}"
                 )
-        policy_module = f"vllm.v1.core.sched.policy.{self.scheduling_policy}"
-        if self.scheduling_policy in SCHEDULING_POLICIES and importlib.util.find_spec(
-            policy_module
-        ) is None:
-            raise ValueError(
-                f"scheduling_policy {self.scheduling_policy!r} is not implemented yet "
-                "in this build"
-            )
         max_model_len = self.max_model_len or model_max_len or 8192
         model_config = ModelConfig(
             model=self.model,
@@ -200,7 +191,7 @@ class EngineArgs:
         )
         g.add_argument(
             "--scheduling-policy",
-            choices=list(SCHEDULING_POLICIES),
+            choices=list(policy_names()),
             default="fcfs",
             help="Request scheduling policy.",
         )

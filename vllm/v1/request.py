@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -24,16 +25,16 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: RequestStatus) -> str | None:
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        """The finish reason sent to the front end (``str()`` of it is OpenAI's)."""
         return _FINISHED_REASONS.get(status)
 
 
-# OpenAI finish_reason strings.
 _FINISHED_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
 }
 
 
@@ -91,6 +92,11 @@ class Request:
             self.block_hashes.extend(block_hasher(self))
 
     @property
+    def job_key(self) -> str:
+        """The job this request belongs to: its job_id, or itself when it has none."""
+        return self.job_id if self.job_id is not None else f"request:{self.request_id}"
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self._output_token_ids
 
@@ -117,7 +123,7 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def get_finished_reason(self) -> str | None:
+    def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.get_finished_reason(self.status)
 
     def __repr__(self) -> str:

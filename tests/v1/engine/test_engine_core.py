@@ -132,8 +132,7 @@ def test_bad_requests_raise_value_error(engine):
     engine.add_request(request("a", [1, 2], max_tokens=1))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request(request("a", [1, 2]))
-    with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request(request("long", [1] * 600))
+    # (a prompt past max_model_len is refused earlier, by the processor)
     with pytest.raises(ValueError, match="KV cache"):
         engine.add_request(request("huge", [1] * 300))
     run_to_completion(engine)
@@ -144,12 +143,12 @@ def test_policy_gets_decode_and_prefill_profile(monkeypatch):
     seen = {}
 
     class ProfiledPolicy(FCFSPolicy):
-        def set_prefill_profile(self, samples):
-            seen["profile"] = samples
+        def prepare(self, measure_prefill):
+            seen["profile"] = measure_prefill()
 
-    def fake_create_policy(name, config, decode=None, clock=None):
+    def fake_create_policy(vllm_config, decode=None, clock=None):
         seen["decode"] = decode
-        return ProfiledPolicy(config, decode=decode)
+        return ProfiledPolicy(vllm_config.policy_config, decode=decode, clock=clock)
 
     monkeypatch.setattr(model_runner_module, "ModelRunner", FakeRunner)
     monkeypatch.setattr(core_module, "create_policy", fake_create_policy)

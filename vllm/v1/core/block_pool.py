@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 from vllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
-    from vllm.utils.clock import Clock
     from vllm.v1.request import Request
 
 
@@ -55,15 +54,11 @@ class BlockPool:
     A free block may still hold a hash ("cached"): it is evicted lazily when popped.
     """
 
-    def __init__(
-        self, num_gpu_blocks: int, enable_caching: bool = True, clock: Clock | None = None
-    ) -> None:
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
-        # Kept for time-stamped bookkeeping (pins, offload); the pool itself is timeless.
-        self.clock = clock
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()

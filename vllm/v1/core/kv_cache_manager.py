@@ -156,9 +156,6 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(blocks))
 
     # -- views ----------------------------------------------------------------------------
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
-
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

@@ -44,14 +44,8 @@ class EngineCore:
         self.model_runner.load_model()
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
-        policy = create_policy(
-            vllm_config.scheduler_config.policy,
-            vllm_config.policy_config,
-            decode=self._decode,
-            clock=clock,
-        )
-        if hasattr(policy, "set_prefill_profile"):
-            policy.set_prefill_profile(self.model_runner.profile_prefill())
+        policy = create_policy(vllm_config, decode=self._decode, clock=clock)
+        policy.prepare(self.model_runner.profile_prefill)
         self.scheduler = Scheduler(vllm_config, self.num_gpu_blocks, policy, clock)
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
         # Finished/preempted ids of steps that skipped the runner, delivered with the next.

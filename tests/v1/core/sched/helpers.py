@@ -5,6 +5,7 @@ from __future__ import annotations
 from vllm.config import CacheConfig, PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
@@ -35,7 +36,10 @@ def make_scheduler(
         ),
         policy_config=PolicyConfig(max_wait_s=max_wait_s),
     )
-    return Scheduler(config, num_blocks, policy=policy_obj, clock=clock or FakeClock())
+    clock = clock or FakeClock()
+    if policy_obj is None:
+        policy_obj = create_policy(config, decode=lambda ids: "", clock=clock)
+    return Scheduler(config, num_blocks, policy=policy_obj, clock=clock)
 
 
 def fake_output(so: SchedulerOutput, sched: Scheduler, token: int = 7) -> ModelRunnerOutput:

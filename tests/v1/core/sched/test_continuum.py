@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.config import PolicyConfig
+from vllm.config import PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.continuum_queue import ContinuumRequestQueue
 from vllm.v1.core.sched.policy import FREE, Pin, create_policy
@@ -26,10 +26,18 @@ def policy(clock=None, decode=lambda ids: BASH_LS, **cfg) -> ContinuumPolicy:
     return ContinuumPolicy(PolicyConfig(**cfg), decode=decode, clock=clock or FakeClock(0.0))
 
 
+def continuum(clock, **cfg) -> ContinuumPolicy:
+    config = VllmConfig(
+        scheduler_config=SchedulerConfig(policy="continuum"), policy_config=PolicyConfig(**cfg)
+    )
+    return create_policy(config, decode=lambda ids: BASH_LS, clock=clock)
+
+
 def test_queue_orders_by_job_first_arrival_and_pins():
     clock = FakeClock(0.0)
     p = policy(clock)
-    q = p.create_request_queue()
+    pinned: set[str] = set()
+    q = p.create_request_queue(pinned)
     old_t1 = turn("old", [1], 0.0)
     p.on_arrival(old_t1, 0.0)
     new_t1 = turn("new", [2], 1.0)
@@ -42,16 +50,18 @@ def test_queue_orders_by_job_first_arrival_and_pins():
     newest = turn("newest", [4], 3.0)
     p.on_arrival(newest, 3.0)
     q.add_request(newest)
-    q.set_job_pinned("newest", True)  # a job holding pinned blocks goes first
+    pinned.add("newest")  # a job holding pinned blocks goes first
+    q.job_pin_changed("newest")
     assert [r.job_id for r in q] == ["newest", "old", "new"]
-    q.set_job_pinned("newest", False)
+    pinned.discard("newest")
+    q.job_pin_changed("newest")
     assert q.pop_request() is old_t5 and q.pop_request() is new_t1 and len(q) == 1
 
 
 def test_queue_bounded_waiting_beats_job_order():
     clock = FakeClock(0.0)
     p = policy(clock, max_wait_s=5.0)
-    q = p.create_request_queue()
+    q = p.create_request_queue(frozenset())
     starving = turn("young", [1], 0.0)
     p.on_arrival(turn("old", [9], -100.0), -100.0)
     p.on_arrival(starving, 0.0)
@@ -69,12 +79,14 @@ def test_queue_bounded_waiting_beats_job_order():
 
 def test_queue_many_operations_stay_consistent():
     clock = FakeClock(0.0)
-    q = ContinuumRequestQueue(lambda r: r.arrival_time, clock, max_wait_s=1e9)
+    pinned: set[str] = set()
+    q = ContinuumRequestQueue(lambda r: r.arrival_time, clock, 1e9, pinned)
     reqs = [turn(f"j{i % 50}", [i + 1], float(i)) for i in range(2000)]
     for r in reqs:
         q.add_request(r)
     for i in range(0, 50, 2):
-        q.set_job_pinned(f"j{i}", True)
+        pinned.add(f"j{i}")
+        q.job_pin_changed(f"j{i}")
     popped = [q.pop_request() for _ in range(len(reqs))]
     assert len({id(r) for r in popped}) == len(reqs)
     pinned_first = [int(r.job_id[1:]) % 2 == 0 for r in popped]
@@ -127,7 +139,7 @@ def _learn(p: ContinuumPolicy, tool_text: str, seconds: float, n: int, t0: float
 
 def test_paper_rule_pins_fast_tools_and_frees_slow_ones():
     p = policy(min_records=10, max_ttl_s=10.0)
-    p.set_prefill_profile([(100, 0.2), (200, 0.4), (400, 0.8)])  # 2 ms per token
+    p.prepare(lambda: [(100, 0.2), (200, 0.4), (400, 0.8)])  # 2 ms per token
     t = _learn(p, "```bash\nls\n```", 0.05, 20, 0.0)
     t = _learn(p, "```bash\npytest\n```", 60.0, 20, t)
     big = turn("fresh", list(range(500)), t)  # re-prefill of 500 tokens costs ~1 s
@@ -164,9 +176,7 @@ def test_fixed_mode_is_the_forks_rule():
 
 def test_continuum_in_the_scheduler_pins_hits_and_frees():
     clock = FakeClock(0.0)
-    cont = create_policy(
-        "continuum", PolicyConfig(default_ttl_s=2.0), decode=lambda ids: BASH_LS, clock=clock
-    )
+    cont = continuum(clock, default_ttl_s=2.0)
     s = make_scheduler(policy_obj=cont, clock=clock)
     t1 = turn("job", list(range(11)), 0.0)  # KV of 12 tokens = 3 full blocks
     s.add_request(t1)
@@ -187,7 +197,7 @@ def test_job_recorder_writes_timestamps(tmp_path, monkeypatch):
 
     monkeypatch.setenv("RUN_OUTPUT_DIR", str(tmp_path))
     clock = FakeClock(0.0)
-    cont = create_policy("continuum", PolicyConfig(), decode=lambda ids: BASH_LS, clock=clock)
+    cont = continuum(clock)
     s = make_scheduler(policy_obj=cont, clock=clock)
     s.add_request(turn("job", list(range(11)), 0.0))
     run_until_done(s)

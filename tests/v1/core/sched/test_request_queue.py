@@ -5,8 +5,6 @@ import pytest
 from vllm.v1.core.sched.request_queue import (
     FCFSRequestQueue,
     PriorityRequestQueue,
-    SchedulingPolicy,
-    create_request_queue,
 )
 
 from ..conftest import make_request
@@ -45,10 +43,3 @@ def test_priority_order_and_lazy_removal():
         q.peek_request()
     with pytest.raises(ValueError):
         q.remove_request(late_high)
-
-
-def test_factory():
-    assert isinstance(create_request_queue(SchedulingPolicy.FCFS), FCFSRequestQueue)
-    assert isinstance(create_request_queue(SchedulingPolicy.PRIORITY), PriorityRequestQueue)
-    with pytest.raises(ValueError):
-        create_request_queue(SchedulingPolicy.CONTINUUM)

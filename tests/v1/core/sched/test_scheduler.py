@@ -193,10 +193,8 @@ def test_max_model_len_caps_generation():
     assert r.num_tokens == 16 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
-def test_too_long_prompt_rejected():
-    s = make_scheduler(max_model_len=16)
-    with pytest.raises(ValueError, match="max_model_len"):
-        s.add_request(make_request(list(range(16))))
+def test_prompt_larger_than_the_pool_rejected():
+    # (max_model_len is the processor's check: tests/v1/engine/test_processor.py)
     small_pool = make_scheduler(num_blocks=3, max_model_len=128)  # 2 blocks = 8 tokens
     with pytest.raises(ValueError, match="KV cache"):
         small_pool.add_request(make_request(list(range(10))))

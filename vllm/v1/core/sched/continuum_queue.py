@@ -1,9 +1,11 @@
 """Job-level FCFS waiting queue for Continuum, with bounded waiting.
 
-Order: requests of jobs that hold pinned blocks first, then by the job's *first*
-arrival (turn 5 of an old job beats turn 1 of a new one), then by request arrival.
-A request that has waited longer than ``max_wait_s`` is served first regardless, so
-pins and old jobs cannot starve anyone. Heaps with lazy deletion: O(log n) operations.
+Order: ``vllm_continuum.job_order.waiting_key``: requests of jobs that hold pinned blocks
+first, then by the job's *first* arrival (turn 5 of an old job beats turn 1 of a new one),
+then by request arrival. Which jobs are pinned is read from the scheduler's pins (a live
+view); ``job_pin_changed`` re-ranks a job's requests when that changes. A request that
+has waited longer than ``max_wait_s`` is served first regardless, so pins and old jobs
+cannot starve anyone. Heaps with lazy deletion: O(log n) operations.
 """
 
 from __future__ import annotations
@@ -11,48 +13,44 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 
 from vllm.utils.clock import Clock
-from vllm.v1.core.sched.pinned import job_key
 from vllm.v1.core.sched.request_queue import KeyOrderedRequestQueue
 from vllm.v1.request import Request
+from vllm_continuum.job_order import waiting_key
 
 
 class ContinuumRequestQueue(KeyOrderedRequestQueue):
     def __init__(
-        self, job_arrival: Callable[[Request], float], clock: Clock, max_wait_s: float
+        self,
+        job_arrival: Callable[[Request], float],
+        clock: Clock,
+        max_wait_s: float,
+        pinned_jobs: Container[str] = frozenset(),
     ) -> None:
         self._job_arrival = job_arrival
         self._clock = clock
         self._max_wait_s = max_wait_s
+        self._pinned_jobs = pinned_jobs
         self._heap: list[tuple] = []  # (not pinned, job arrival, arrival, seq, request)
         self._by_age: list[tuple] = []  # (arrival, seq, request)
         self._live: dict[int, int] = {}  # id(request) -> seq of its live heap entry
         self._jobs: dict[str, set[int]] = defaultdict(set)  # job -> ids of its requests
         self._requests: dict[int, Request] = {}
-        self._pinned_jobs: set[str] = set()
         self._seq = itertools.count()
 
     # -- keys -----------------------------------------------------------------------------
     def _push(self, request: Request) -> None:
         seq = next(self._seq)
-        job = job_key(request)
-        key = (
-            job not in self._pinned_jobs,
-            self._job_arrival(request),
-            request.arrival_time,
-            seq,
-            request,
+        key = waiting_key(
+            request.job_key in self._pinned_jobs, self._job_arrival(request), request.arrival_time
         )
-        heapq.heappush(self._heap, key)
+        heapq.heappush(self._heap, (*key, seq, request))
         self._live[id(request)] = seq
 
-    def set_job_pinned(self, job: str, pinned: bool) -> None:
-        """Re-rank the job's waiting requests when it gains or loses a pin."""
-        if pinned == (job in self._pinned_jobs):
-            return
-        (self._pinned_jobs.add if pinned else self._pinned_jobs.discard)(job)
+    def job_pin_changed(self, job: str) -> None:
+        """Re-rank the job's waiting requests: it gained or lost a pin."""
         for rid in self._jobs.get(job, ()):
             self._push(self._requests[rid])  # the old entry goes stale
 
@@ -60,7 +58,7 @@ class ContinuumRequestQueue(KeyOrderedRequestQueue):
     def add_request(self, request: Request) -> None:
         rid = id(request)
         self._requests[rid] = request
-        self._jobs[job_key(request)].add(rid)
+        self._jobs[request.job_key].add(rid)
         self._push(request)
         heapq.heappush(self._by_age, (request.arrival_time, self._live[rid], request))
 
@@ -89,7 +87,7 @@ class ContinuumRequestQueue(KeyOrderedRequestQueue):
         if self._live.pop(rid, None) is None:
             raise ValueError(f"{request.request_id} is not waiting")
         del self._requests[rid]
-        job = job_key(request)
+        job = request.job_key
         self._jobs[job].discard(rid)
         if not self._jobs[job]:
             del self._jobs[job]

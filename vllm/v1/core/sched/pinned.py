@@ -1,8 +1,11 @@
-"""Bookkeeping of pinned finished requests (the Continuum mechanism).
+"""The pin mechanism: finished requests whose KV blocks a policy asked to keep.
 
-A pinned request keeps its KV blocks referenced in the KV cache manager until its pin
-ends. One pin per job. Lookups by job are O(1); expiry and pressure release use heaps
-with lazy deletion, so a step never scans all pins.
+A pinned request keeps its blocks referenced in the KV cache manager until its pin
+ends: its job's next turn takes the prefix hit, the TTL passes, memory is needed by
+someone else, the job pins a newer turn, or the engine shuts down. One pin per job.
+``PinnedRequests`` is the bookkeeping (O(1) lookups by job; heaps with lazy deletion for
+expiry and pressure release, so a step never scans all pins); ``PinManager`` is the
+mechanism the scheduler calls, and the one owner of "which jobs are pinned".
 """
 
 from __future__ import annotations
@@ -12,12 +15,17 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.policy.base import (
+    PIN_RELEASE_EXPIRED,
+    PIN_RELEASE_HIT,
+    PIN_RELEASE_PRESSURE,
+    PIN_RELEASE_REPLACED,
+    PIN_RELEASE_SHUTDOWN,
+    Policy,
+)
+from vllm.v1.metrics.stats import PinStats
 from vllm.v1.request import Request
-
-
-def job_key(request: Request) -> str:
-    """Requests without job_id are their own job."""
-    return request.job_id if request.job_id is not None else f"request:{request.request_id}"
 
 
 @dataclass
@@ -31,6 +39,8 @@ class PinEntry:
 
 
 class PinnedRequests:
+    """Pins by job, with deadline and newest-job heaps (lazy deletion)."""
+
     def __init__(self) -> None:
         self._by_job: dict[str, PinEntry] = {}
         self._deadlines: list[tuple[float, int, str]] = []
@@ -41,7 +51,7 @@ class PinnedRequests:
     def __len__(self) -> int:
         return len(self._by_job)
 
-    def __contains__(self, job: str) -> bool:
+    def __contains__(self, job: object) -> bool:
         return job in self._by_job
 
     def get(self, job: str) -> PinEntry | None:
@@ -70,7 +80,7 @@ class PinnedRequests:
     def pop_expired(self, now: float) -> Iterator[tuple[str, PinEntry]]:
         """Yield (job, entry) of pins whose deadline passed, oldest first; the caller
         removes those it releases. Each pin is yielded once (it leaves the deadline heap),
-        so one kept because its job has a waiting request is not re-examined each step."""
+        so one kept because its job's turn is next in line is not re-examined each step."""
         while self._deadlines and self._deadlines[0][0] <= now:
             _, seq, job = heapq.heappop(self._deadlines)
             if self._live(seq, job):
@@ -101,3 +111,88 @@ class PinnedRequests:
 
     def jobs(self) -> list[str]:
         return list(self._by_job)
+
+    def requests(self) -> Iterator[Request]:
+        return (entry.request for entry in self._by_job.values())
+
+
+class PinManager:
+    """Places and ends pins for the scheduler; frees a pin's blocks exactly once.
+
+    Every pin change is reported to the policy (``on_pinned`` / ``on_pin_released``), and
+    counted in ``stats`` (drained by the scheduler's ``make_stats``).
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager, policy: Policy) -> None:
+        self.kv = kv_cache_manager
+        self.policy = policy
+        self.pinned = PinnedRequests()
+        self.stats = PinStats()
+
+    def __len__(self) -> int:
+        return len(self.pinned)
+
+    def __contains__(self, job: object) -> bool:
+        return job in self.pinned
+
+    def pin(self, request: Request, ttl_s: float, now: float) -> None:
+        """Keep the finished ``request``'s blocks until ``now + ttl_s`` at the latest."""
+        entry = PinEntry(
+            request=request,
+            deadline=now + ttl_s,
+            pinned_at=now,
+            job_age=self.policy.job_arrival(request),
+            num_blocks=self.kv.get_num_blocks(request.request_id),
+        )
+        old = self.pinned.add(request.job_key, entry)
+        self.stats.pins += 1
+        self.policy.on_pinned(request, now)
+        if old is not None:
+            self._free(old, now, PIN_RELEASE_REPLACED)
+
+    def release(self, job: str, now: float, reason: str) -> None:
+        entry = self.pinned.remove(job)
+        if entry is not None:
+            self._free(entry, now, reason)
+
+    def on_admitted(self, request: Request, num_hit: int, now: float) -> None:
+        """The job's next turn was admitted: with its prefix hit it now holds the pinned
+        blocks too, so the pin has done its job."""
+        job = request.job_key
+        if job in self.pinned:
+            if num_hit > 0:
+                self.stats.pin_hits += 1
+            self.release(job, now, PIN_RELEASE_HIT)
+
+    def expire(self, now: float, next_in_line: str | None) -> None:
+        """End the pins whose deadline passed, except the pin of the job whose turn is
+        first in line (it is about to take its hit). Holding a pin for a turn stuck
+        behind others would deadlock memory, so any other expired pin goes."""
+        for job, _ in list(self.pinned.pop_expired(now)):
+            if job != next_in_line:
+                self.release(job, now, PIN_RELEASE_EXPIRED)
+
+    def release_for_pressure(self, now: float, exclude: str | None = None) -> bool:
+        """Release the newest job's pin (not ``exclude``'s while another exists)."""
+        job = self.pinned.newest_job(exclude=exclude)
+        if job is None:
+            job = self.pinned.newest_job()  # only the requester's own pin is left
+        if job is None:
+            return False
+        self.release(job, now, PIN_RELEASE_PRESSURE)
+        return True
+
+    def release_all(self, now: float) -> None:
+        for job in self.pinned.jobs():
+            self.release(job, now, PIN_RELEASE_SHUTDOWN)
+
+    def next_deadline(self) -> float | None:
+        return self.pinned.next_deadline()
+
+    def _free(self, entry: PinEntry, now: float, reason: str) -> None:
+        self.kv.free(entry.request)
+        if reason == PIN_RELEASE_EXPIRED:
+            self.stats.expiries += 1
+        elif reason == PIN_RELEASE_PRESSURE:
+            self.stats.forced_releases += 1
+        self.policy.on_pin_released(entry.request, now, reason)

@@ -1,8 +1,10 @@
-"""Waiting queues (vLLM's ``request_queue.py``): an ABC, small classes, a factory."""
+"""Waiting queues (vLLM's ``request_queue.py``): an ABC and small classes.
+
+Each policy creates its own queue (``Policy.create_request_queue``), so the policy
+registry is the only map from a policy's name to its queue."""
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 from abc import ABC, abstractmethod
@@ -12,22 +14,19 @@ from collections.abc import Iterable, Iterator
 from vllm.v1.request import Request
 
 
-class SchedulingPolicy(enum.Enum):
-    FCFS = "fcfs"
-    PRIORITY = "priority"
-    CONTINUUM = "continuum"
-    CONTEXT_SERVE = "context_serve"
-
-
 class RequestQueue(ABC):
     """Waiting requests in the order a policy admits them.
 
     Contract: ``peek_request``/``pop_request`` return the next request to admit;
     ``prepend_request`` puts back a request that could not be admitted this step (or a
     preempted one) so it is the next candidate again where the policy's order allows;
-    ``remove_request`` removes an arbitrary request (abort). All operations are
+    ``remove_request`` removes an arbitrary request (abort); ``job_pin_changed`` tells a
+    queue whose order depends on pins that a job gained or lost one. All operations are
     O(log n) or better, except ``remove_requests`` of many at once.
     """
+
+    def job_pin_changed(self, job: str) -> None:  # noqa: B027 - optional hook
+        """A job gained or lost a pin (plain queues ignore pins)."""
 
     @abstractmethod
     def add_request(self, request: Request) -> None: ...
@@ -160,12 +159,3 @@ class PriorityRequestQueue(KeyOrderedRequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return iter(sorted(self._live.values(), key=lambda r: (r.priority, r.arrival_time)))
-
-
-def create_request_queue(policy: SchedulingPolicy) -> RequestQueue:
-    """The plain queue for a policy (agent-aware policies build their own)."""
-    if policy == SchedulingPolicy.PRIORITY:
-        return PriorityRequestQueue()
-    if policy == SchedulingPolicy.FCFS:
-        return FCFSRequestQueue()
-    raise ValueError(f"no plain request queue for policy {policy.value!r}")

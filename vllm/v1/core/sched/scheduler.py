@@ -2,13 +2,12 @@
 
 Every decision that differs between policies is asked of ``self.policy`` (waiting order,
 preemption victim, the fate of a finished request's blocks); this file holds only the
-mechanism, including the pins that the Continuum policy asks for.
+mechanism: admission and preemption here, the pins a policy asks for in ``pinned.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -16,15 +15,8 @@ from vllm.config import VllmConfig
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.core.sched.pinned import PinEntry, PinnedRequests, job_key
-from vllm.v1.core.sched.policy import Pin, Policy, create_policy
-from vllm.v1.core.sched.policy.base import (
-    PIN_RELEASE_EXPIRED,
-    PIN_RELEASE_HIT,
-    PIN_RELEASE_PRESSURE,
-    PIN_RELEASE_REPLACED,
-    PIN_RELEASE_SHUTDOWN,
-)
+from vllm.v1.core.sched.pinned import PinManager
+from vllm.v1.core.sched.policy import Pin, Policy
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.metrics.stats import PinStats, SchedulerStats
@@ -32,14 +24,6 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
-    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
-}
-_MAX_TRACKED_JOBS = 100_000
 
 
 @dataclass
@@ -58,69 +42,45 @@ class Scheduler:
         self,
         vllm_config: VllmConfig,
         num_gpu_blocks: int,
-        policy: Policy | None = None,
+        policy: Policy,
         clock: Clock = monotonic_clock,
     ) -> None:
+        """``policy``: built by ``create_policy`` (the one place policies are built)."""
         self.config = vllm_config.scheduler_config
-        self.policy_config = vllm_config.policy_config
         self.max_model_len = self.config.max_model_len
         self.clock = clock
-        self.policy = policy or create_policy(self.config.policy, self.policy_config, clock=clock)
+        self.policy = policy
         cache = vllm_config.cache_config
         self.block_size = cache.block_size
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, cache.block_size, self.max_model_len, cache.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}
-        self.waiting = self.policy.create_request_queue()
+        self.pins = PinManager(self.kv_cache_manager, policy)
+        self.waiting = policy.create_request_queue(self.pins)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        self.pins = PinnedRequests()
-        self._waiting_per_job: Counter[str] = Counter()
-        self._job_first_arrival: OrderedDict[str, float] = OrderedDict()
         self._num_preemptions = 0
-        self._pin_stats = PinStats()
         # Finish events decided inside schedule(), delivered by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError if it can never run (too long for the model/pool)."""
+        """Queue a request; ValueError if it can never run (more than the KV pool holds).
+
+        The prompt's length against ``max_model_len`` is the processor's check (the front
+        end knows the config); the pool's size is known only here."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens + 1 > self.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens, but max_model_len is "
-                f"{self.max_model_len} (prompt plus at least one output token)"
-            )
         if not self.kv_cache_manager.can_fit(request.num_prompt_tokens + 1):
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens, more than the KV cache "
                 f"holds ({self.kv_cache_manager.block_pool.num_gpu_blocks - 1} blocks of "
                 f"{self.block_size}); raise --kv-cache-memory or --num-gpu-blocks-override"
             )
-        now = self.clock()
-        job = job_key(request)
-        self._job_first_arrival.setdefault(job, now)
-        self._job_first_arrival.move_to_end(job)
-        if len(self._job_first_arrival) > _MAX_TRACKED_JOBS:
-            self._job_first_arrival.popitem(last=False)
         self.requests[request.request_id] = request
-        self.policy.on_arrival(request, now)
-        self._enqueue(request)
-
-    def _enqueue(self, request: Request, front: bool = False) -> None:
-        if front:
-            self.waiting.prepend_request(request)
-        else:
-            self.waiting.add_request(request)
-        self._waiting_per_job[job_key(request)] += 1
-
-    def _dequeued(self, request: Request) -> None:
-        job = job_key(request)
-        self._waiting_per_job[job] -= 1
-        if self._waiting_per_job[job] <= 0:
-            del self._waiting_per_job[job]
+        self.policy.on_arrival(request, self.clock())
+        self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort); their blocks are always freed."""
@@ -134,7 +94,6 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove_request(request)
-                self._dequeued(request)
             request.status = status
             self.kv_cache_manager.free(request)
             self.finished_req_ids.add(req_id)
@@ -142,7 +101,7 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        self._expire_pins(now)
+        self.pins.expire(now, self.waiting.peek_request().job_key if self.waiting else None)
         budget = TokenBudget(
             self.config.max_num_batched_tokens, self.config.long_prefill_token_threshold
         )
@@ -179,7 +138,7 @@ class Scheduler:
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
-            if self._release_one_pin_for_pressure(now):
+            if self.pins.release_for_pressure(now):
                 continue
             if len(self.running) == 1:
                 # Alone, without pins, and still out of memory: the sequence outgrew the
@@ -203,7 +162,7 @@ class Scheduler:
         victim.num_preemptions += 1
         self._num_preemptions += 1
         step.preempted.add(victim.request_id)
-        self._enqueue(victim, front=True)
+        self.waiting.prepend_request(victim)
         logger.debug("preempted %s", victim.request_id)
 
     def _cap_length(self, request: Request, now: float) -> None:
@@ -238,12 +197,11 @@ class Scheduler:
             new_block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
             if new_block_ids is None:
                 if self._may_release_pins_for(request, now) and (
-                    self._release_one_pin_for_pressure(now, exclude=job_key(request))
+                    self.pins.release_for_pressure(now, exclude=request.job_key)
                 ):
                     continue
                 break
             self.waiting.pop_request()
-            self._dequeued(request)
             kv.record_prefix_cache_query(request.num_tokens, num_hit)
             self._admit(request, num_hit, now)
             step.new.append(request)
@@ -258,13 +216,7 @@ class Scheduler:
             request.scheduled_time = now
         self.running.append(request)
         self.policy.on_scheduled(request, now)
-        # The job's next turn took its prefix hit: its blocks are now held by the new
-        # request too, so the pin has done its job.
-        job = job_key(request)
-        if job in self.pins:
-            if num_hit > 0:
-                self._pin_stats.pin_hits += 1
-            self._release_pin(job, now, PIN_RELEASE_HIT)
+        self.pins.on_admitted(request, num_hit, now)
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
         kv = self.kv_cache_manager
@@ -323,7 +275,7 @@ class Scheduler:
                 request_id=req_id,
                 new_token_ids=new_tokens,
                 new_logprobs=runner_output.logprobs.get(req_id),
-                finish_reason=_FINISH_REASONS.get(request.status),
+                finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 queue_time_s=(request.scheduled_time or now) - request.arrival_time
@@ -342,67 +294,14 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         action = self.policy.on_finished(request, now)
         if isinstance(action, Pin):
-            self._pin(request, action.ttl_s, now)
+            self.pins.pin(request, action.ttl_s, now)
         else:
             self.kv_cache_manager.free(request)
 
     # -- pins -----------------------------------------------------------------------------
-    def _pin(self, request: Request, ttl_s: float, now: float) -> None:
-        job = job_key(request)
-        entry = PinEntry(
-            request=request,
-            deadline=now + ttl_s,
-            pinned_at=now,
-            job_age=self._job_first_arrival.get(job, request.arrival_time),
-            num_blocks=self.kv_cache_manager.get_num_blocks(request.request_id),
-        )
-        old = self.pins.add(job, entry)
-        if old is not None:
-            self._free_pinned(old, now, PIN_RELEASE_REPLACED)
-        self._pin_stats.pins += 1
-
-    def _release_pin(self, job: str, now: float, reason: str) -> None:
-        entry = self.pins.remove(job)
-        if entry is not None:
-            self._free_pinned(entry, now, reason)
-
-    def _free_pinned(self, entry: PinEntry, now: float, reason: str) -> None:
-        self.kv_cache_manager.free(entry.request)
-        if reason == PIN_RELEASE_EXPIRED:
-            self._pin_stats.expiries += 1
-        elif reason == PIN_RELEASE_PRESSURE:
-            self._pin_stats.forced_releases += 1
-        self.policy.on_pin_released(entry.request, now, reason)
-
-    def _expire_pins(self, now: float) -> None:
-        expired = list(self.pins.pop_expired(now))
-        if not expired:
-            return
-        head = job_key(self.waiting.peek_request()) if self.waiting else None
-        for job, _ in expired:
-            # The job whose next turn is first in line keeps its pin: it is about to take
-            # its hit. Any other expired pin goes, waiting turn or not (holding it for a
-            # turn stuck behind others would deadlock memory).
-            if job != head:
-                self._release_pin(job, now, PIN_RELEASE_EXPIRED)
-
-    def _release_one_pin_for_pressure(self, now: float, exclude: str | None = None) -> bool:
-        job = self.pins.newest_job(exclude=exclude)
-        if job is None:
-            job = self.pins.newest_job()  # only the requester's own pin is left
-        if job is None:
-            return False
-        self._release_pin(job, now, PIN_RELEASE_PRESSURE)
-        return True
-
     def _may_release_pins_for(self, request: Request, now: float) -> bool:
-        """Pins are soft. A waiting request takes pinned memory when its own job is back
-        from its tool (the pins exist to serve such turns), when nothing else runs (else
-        nothing would ever free memory), or when it has waited too long."""
-        return (
-            job_key(request) in self.pins
-            or not self.running
-            or now - request.arrival_time > self.policy_config.max_wait_s
+        return self.policy.may_release_pins_for(
+            request, request.job_key in self.pins, len(self.running), now
         )
 
     # -- state ----------------------------------------------------------------------------
@@ -420,13 +319,10 @@ class Scheduler:
         """Clock time of the earliest pin deadline: an idle engine may sleep until then."""
         return self.pins.next_deadline()
 
-    def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
-
     def make_stats(self) -> SchedulerStats:
-        pin_stats, self._pin_stats = self._pin_stats, PinStats()
+        pin_stats, self.pins.stats = self.pins.stats, PinStats()
         pin_stats.num_pinned_requests = len(self.pins)
-        pin_stats.pinned_kv_blocks = self.pins.num_blocks
+        pin_stats.pinned_kv_blocks = self.pins.pinned.num_blocks
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -442,9 +338,7 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        now = self.clock()
-        for job in self.pins.jobs():
-            self._release_pin(job, now, PIN_RELEASE_SHUTDOWN)
+        self.pins.release_all(self.clock())
         self.policy.shutdown()
 
     def check_invariants(self) -> None:
@@ -452,7 +346,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         kv.check_invariants()
         holders = {r.request_id for r in self.running}
-        holders |= {e.request.request_id for e in (self.pins.get(j) for j in self.pins.jobs())}
+        holders |= {r.request_id for r in self.pins.pinned.requests()}
         assert set(kv.req_to_blocks) <= holders, (
             f"blocks held by unknown requests: {set(kv.req_to_blocks) - holders}"
         )
@@ -462,4 +356,3 @@ class Scheduler:
             ), f"{request} has fewer slots than computed tokens"
         for request in self.waiting:
             assert kv.get_num_blocks(request.request_id) == 0, f"waiting {request} holds blocks"
-        assert len(self.waiting) == sum(self._waiting_per_job.values())

@@ -2,38 +2,33 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
-from vllm.config import SCHEDULING_POLICIES, PolicyConfig
+from vllm.config import VllmConfig
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.sched.policy.base import FREE, FinishedAction, Free, Offload, Pin, Policy
+from vllm.v1.core.sched.policy.registry import get_policy_class, policy_names
 
-__all__ = ["FREE", "Free", "FinishedAction", "Offload", "Pin", "Policy", "create_policy"]
-
-# name -> (module, class); imported lazily so plain policies need no predictor deps.
-_POLICIES = {
-    "fcfs": ("vllm.v1.core.sched.policy.fcfs", "FCFSPolicy"),
-    "priority": ("vllm.v1.core.sched.policy.priority", "PriorityPolicy"),
-    "continuum": ("vllm.v1.core.sched.policy.continuum", "ContinuumPolicy"),
-    "context_serve": ("vllm.v1.core.sched.policy.context_serve", "ContextServePolicy"),
-}
+__all__ = [
+    "FREE",
+    "Free",
+    "FinishedAction",
+    "Offload",
+    "Pin",
+    "Policy",
+    "create_policy",
+    "policy_names",
+]
 
 
 def create_policy(
-    name: str,
-    config: PolicyConfig | None = None,
+    vllm_config: VllmConfig,
     decode: Callable[[list[int]], str] | None = None,
     clock: Clock = monotonic_clock,
 ) -> Policy:
-    """Build the policy called ``name`` (one of ``SCHEDULING_POLICIES``)."""
-    if name not in _POLICIES:
-        raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {name!r}")
-    module_name, class_name = _POLICIES[name]
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"scheduling_policy {name!r} is not available: {e}") from e
-    if name in ("fcfs", "priority"):
-        return cls(config, decode=decode)
-    return cls(config, decode=decode, clock=clock)
+    """Build the configured policy (``scheduler_config.policy``): the one place policies
+    are built. ``decode`` (token ids -> text) is required by policies that read outputs."""
+    cls = get_policy_class(vllm_config.scheduler_config.policy)
+    if cls.needs_decode and decode is None:
+        raise ValueError(f"scheduling_policy {cls.name!r} reads outputs: pass decode")
+    return cls(vllm_config.policy_config, decode=decode, clock=clock)

@@ -7,21 +7,32 @@ points (ARCHITECTURE.md, "Policies"):
 2. which running request to preempt: ``select_victim``;
 3. what to do with a finished request's blocks: ``on_finished`` -> ``Free`` /
    ``Pin(ttl_s)`` / ``Offload``;
-4. observers: ``on_arrival``, ``on_scheduled``, ``on_pin_released``.
+4. whether a waiting request that does not fit may take pinned memory:
+   ``may_release_pins_for``;
+5. observers: ``on_arrival``, ``on_scheduled``, ``on_pinned``, ``on_pin_released``.
 
-Policies own no KV blocks; the pin/expiry/release mechanism lives in the scheduler.
-Policies take time only from the ``now`` arguments (the scheduler's injected clock),
-so they are unit-testable with a fake clock.
+Policies own no KV blocks and keep no copy of the scheduler's state: the pins (and so
+which jobs hold pinned blocks) belong to the scheduler's ``PinManager``
+(``sched/pinned.py``), which hands the policy a read-only view of the pinned jobs. Policies
+take time only from the ``now`` arguments and the injected clock, so they are
+unit-testable with a fake clock. Engine-agnostic decisions (tool calls, tool times, TTL,
+job order) live in the ``vllm_continuum`` package; a policy here is their binding to this
+engine's ``Request``.
+
+Contract on finished requests: ``on_finished`` is called for every request that stops
+inside the engine (EOS, stop token, ``max_tokens``, length cap); aborted requests are
+always freed and skip it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.config import PolicyConfig
+from vllm_continuum.clock import Clock, monotonic_clock
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.request_queue import RequestQueue
@@ -54,29 +65,49 @@ FREE = Free()
 
 # Why a pin ended (argument of ``on_pin_released``).
 PIN_RELEASE_HIT = "hit"  # the job's next turn took its prefix hit
-PIN_RELEASE_EXPIRED = "expired"  # the TTL passed and the job had nothing waiting
+PIN_RELEASE_EXPIRED = "expired"  # the TTL passed (and the job's turn was not next in line)
 PIN_RELEASE_PRESSURE = "pressure"  # memory was needed by someone else
 PIN_RELEASE_REPLACED = "replaced"  # the job pinned a newer request
 PIN_RELEASE_SHUTDOWN = "shutdown"
 
 
 class Policy(ABC):
-    """Base class of scheduling policies. Defaults are plain vLLM behaviour."""
+    """Base class of scheduling policies. Defaults are plain vLLM behaviour.
+
+    Subclasses register under a name in ``policy/registry.py``; ``create_policy`` builds
+    every policy the same way: ``cls(config, decode=..., clock=...)``.
+    """
 
     name: str = "base"
+    # Whether the policy reads finished outputs as text (then ``decode`` is required).
+    needs_decode: bool = False
 
     def __init__(
         self,
         config: PolicyConfig | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        clock: Clock = monotonic_clock,
     ) -> None:
         self.config = config or PolicyConfig()
         # Token ids -> text, for policies that read finished outputs (tool calls).
         self.decode = decode
+        self.clock = clock
 
     @abstractmethod
-    def create_request_queue(self) -> RequestQueue:
-        """The waiting queue; its pop order is this policy's admission order."""
+    def create_request_queue(self, pinned_jobs: Container[str]) -> RequestQueue:
+        """The waiting queue; its pop order is this policy's admission order.
+
+        ``pinned_jobs`` is the scheduler's live view of the jobs holding pinned blocks
+        (read-only; ``on_pinned``/``on_pin_released`` say when it changes)."""
+
+    def prepare(self, measure_prefill: Callable[[], Sequence[tuple[int, float]]]) -> None:
+        """Called once at start-up, before any request. ``measure_prefill()`` returns
+        (tokens, seconds) prefill timings (it runs the model for about a second): a policy
+        that prices a re-prefill calls it, the others do not."""
+
+    def job_arrival(self, request: Request) -> float:
+        """First arrival of the request's job (a higher value is a newer job)."""
+        return request.arrival_time
 
     def select_victim(self, running: Sequence[Request]) -> Request:
         """The running request to preempt when memory runs out (default: last admitted).
@@ -85,11 +116,26 @@ class Policy(ABC):
         """
         return running[-1]
 
+    def may_release_pins_for(
+        self, request: Request, own_job_pinned: bool, num_running: int, now: float
+    ) -> bool:
+        """Whether ``request`` (waiting, out of memory) may take pinned memory.
+
+        Pins are soft. Default: when its own job holds a pin (the pins exist to serve
+        such turns), when nothing runs (else nothing would ever free memory), or when it
+        has waited longer than ``max_wait_s``. Released pins go newest job first."""
+        return (
+            own_job_pinned
+            or num_running == 0
+            or now - request.arrival_time > self.config.max_wait_s
+        )
+
     def on_arrival(self, request: Request, now: float) -> None:
         """A request entered the engine (before it is queued)."""
 
     def on_scheduled(self, request: Request, now: float) -> None:
-        """A waiting request was admitted; ``request.num_cached_tokens`` holds its hit."""
+        """A waiting request was admitted; ``request.num_cached_tokens`` holds its hit.
+        Called before the pin its job may hold is released as a hit."""
 
     def on_finished(self, request: Request, now: float) -> FinishedAction:
         """A request stopped or hit its length limit: decide the fate of its blocks.
@@ -97,6 +143,9 @@ class Policy(ABC):
         Not called for aborted requests (always freed).
         """
         return FREE
+
+    def on_pinned(self, request: Request, now: float) -> None:
+        """The scheduler placed the pin ``on_finished`` asked for."""
 
     def on_pin_released(self, request: Request, now: float, reason: str) -> None:
         """A pin placed on ``request``'s blocks ended (reason: ``PIN_RELEASE_*``)."""

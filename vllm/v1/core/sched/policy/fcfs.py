@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from vllm.v1.core.sched.policy.base import Policy
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, RequestQueue
 
@@ -11,5 +13,5 @@ class FCFSPolicy(Policy):
 
     name = "fcfs"
 
-    def create_request_queue(self) -> RequestQueue:
+    def create_request_queue(self, pinned_jobs: Container[str]) -> RequestQueue:
         return FCFSRequestQueue()

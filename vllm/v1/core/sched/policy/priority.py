@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from vllm.v1.core.sched.policy.base import Policy
 from vllm.v1.core.sched.request_queue import PriorityRequestQueue, RequestQueue
@@ -12,7 +12,7 @@ from vllm.v1.request import Request
 class PriorityPolicy(Policy):
     name = "priority"
 
-    def create_request_queue(self) -> RequestQueue:
+    def create_request_queue(self, pinned_jobs: Container[str]) -> RequestQueue:
         return PriorityRequestQueue()
 
     def select_victim(self, running: Sequence[Request]) -> Request:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.v1.core.ttl import (
+from vllm_continuum.ttl import (
     empirical_cdf,
     eta_from_turns,
     fit_prefill_profile,

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from vllm.v1.core.estimate_with_func import ToolCallEstimator, ToolCallParser
+from vllm_continuum.estimator import ToolCallEstimator
+from vllm_continuum.tool_calls import ToolCallParser
 
 FENCE = "```"
 

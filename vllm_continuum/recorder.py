@@ -8,7 +8,7 @@ import tempfile
 from collections import defaultdict
 from typing import Any
 
-from vllm.utils.clock import Clock
+from vllm_continuum.clock import Clock
 
 FILE_NAME = "scheduler_timestamps.json"
 

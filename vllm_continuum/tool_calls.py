@@ -1,9 +1,9 @@
-"""Tool calls in agent outputs, and how long each tool takes between turns.
+"""Tool calls in agent outputs.
 
 ``ToolCallParser`` finds the tool call in a finished turn's text (```bash blocks, OpenAI
 ``tool_calls`` JSON, ``<tool_call>{json}</tool_call>``; anything inside ``<think>`` is
-ignored). ``ToolCallEstimator`` records per job when a turn left and when the next one
-arrived: the gap is the tool's duration, kept per tool for the TTL rule.
+ignored) and names the tool the way the estimator and the predictors key on it
+(``normalize_tool_name``: "cd x && git status" -> "git status").
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 # A block cut off by max_tokens has no closing fence: the end of the text closes it.
@@ -145,79 +144,3 @@ class ToolCallParser:
         if isinstance(command, str) and command.strip():
             return ToolCall(normalize_tool_name(command) or fn["name"], command)
         return ToolCall(str(fn["name"]), json.dumps(args, sort_keys=True))
-
-
-@dataclass
-class _Job:
-    first_arrival: float
-    turns: int = 0
-    last_departure: float | None = None
-    last_tool: str | None = None
-
-
-@dataclass
-class ToolCallEstimator:
-    """Per-job arrival/departure bookkeeping and per-tool duration histories.
-
-    Safe with concurrent requests of one job and with job-less requests: a duration is
-    recorded only when a departure is waiting to be matched by the next arrival.
-    """
-
-    max_samples: int = 1000
-    max_jobs: int = 100_000
-    _jobs: dict[str, _Job] = field(default_factory=dict)
-    _durations: dict[str, deque] = field(default_factory=dict)
-    _all: deque = field(default_factory=lambda: deque(maxlen=5000))
-    _turn_pairs: deque = field(default_factory=lambda: deque(maxlen=5000))
-
-    def on_arrival(self, job: str, now: float) -> str | None:
-        """A turn of ``job`` arrived; returns the tool that ran before it (if known)."""
-        state = self._jobs.get(job)
-        if state is None:
-            if len(self._jobs) >= self.max_jobs:
-                self._jobs.pop(next(iter(self._jobs)))
-            self._jobs[job] = _Job(first_arrival=now)
-            return None
-        tool = state.last_tool
-        if state.last_departure is not None and tool is not None:
-            self.record(tool, max(now - state.last_departure, 0.0))
-        state.last_departure = None
-        return tool
-
-    def on_departure(self, job: str, now: float, tool: str | None) -> None:
-        state = self._jobs.setdefault(job, _Job(first_arrival=now))
-        state.turns += 1
-        state.last_departure = now
-        state.last_tool = tool
-
-    def on_job_end(self, job: str) -> None:
-        """The job's last step finished: its turn count feeds the eta statistic."""
-        state = self._jobs.pop(job, None)
-        if state is not None and state.turns > 1:
-            n = state.turns
-            self._turn_pairs.extend((k, n - k) for k in range(1, n + 1))
-
-    def record(self, tool: str, seconds: float) -> None:
-        self._durations.setdefault(tool, deque(maxlen=self.max_samples)).append(seconds)
-        self._all.append(seconds)
-
-    def job_first_arrival(self, job: str, default: float) -> float:
-        state = self._jobs.get(job)
-        return state.first_arrival if state else default
-
-    def durations(self, tool: str | None) -> list[float]:
-        return list(self._durations.get(tool, ())) if tool else []
-
-    def all_durations(self) -> list[float]:
-        return list(self._all)
-
-    def mean(self, tool: str | None) -> float | None:
-        d = self._durations.get(tool) if tool else None
-        return sum(d) / len(d) if d else None
-
-    @property
-    def num_records(self) -> int:
-        return len(self._all)
-
-    def turn_pairs(self) -> list[tuple[int, int]]:
-        return list(self._turn_pairs)

@@ -1,0 +1,52 @@
+"""The policy registry: one map from name to class feeds the factory, config and CLI."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm.config import SchedulerConfig, VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.clock import FakeClock
+from vllm.v1.core.sched.policy import Policy, create_policy, policy_names
+from vllm.v1.core.sched.policy.registry import get_policy_class, register_policy
+from vllm.v1.core.sched.request_queue import RequestQueue
+
+
+def _config(name: str) -> VllmConfig:
+    return VllmConfig(scheduler_config=SchedulerConfig(policy=name))
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_every_registered_name_builds_its_policy_and_queue(name):
+    policy = create_policy(_config(name), decode=lambda ids: "", clock=FakeClock())
+    assert isinstance(policy, Policy) and policy.name == name
+    assert isinstance(policy.create_request_queue(frozenset()), RequestQueue)
+
+
+def test_names_without_implementation_do_not_exist():
+    assert policy_names()[0] == "fcfs"
+    assert "context_serve" not in policy_names()  # not built yet: not offered
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        SchedulerConfig(policy="context_serve")
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        get_policy_class("lifo")
+
+
+def test_cli_choices_come_from_the_registry():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    action = next(a for a in parser._actions if a.dest == "scheduling_policy")
+    assert tuple(action.choices) == policy_names()
+
+
+def test_policy_that_reads_outputs_needs_decode():
+    with pytest.raises(ValueError, match="decode"):
+        create_policy(_config("continuum"))
+
+
+def test_register_rejects_a_conflicting_name():
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy("fcfs", "somewhere:Else")
+    with pytest.raises(ValueError, match="module:Class"):
+        register_policy("x", "no-colon")

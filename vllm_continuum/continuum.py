@@ -1,0 +1,130 @@
+"""Continuum's decisions (arXiv 2511.02230), free of any engine's request type.
+
+``ContinuumCore`` learns tool durations from a job's departures and next arrivals, parses
+the tool call of a finished turn, and decides how long to pin the turn's KV blocks (the
+paper's TTL rule, or the research fork's fixed rule). An engine binding calls it with
+plain values; the pins themselves (holding, expiring, releasing blocks) are the
+binding's mechanism. Jobs are identified by a *job key*: the request's ``job_id``, or a
+per-request key for requests without one (they are their own job).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from vllm_continuum.clock import Clock
+from vllm_continuum.estimator import ToolCallEstimator
+from vllm_continuum.recorder import JobRecorder
+from vllm_continuum.tool_calls import ToolCallParser
+from vllm_continuum.ttl import eta_from_turns, fit_prefill_profile, optimal_ttl, prefill_time
+
+if TYPE_CHECKING:
+    from vllm_continuum.config import PolicyConfig
+
+logger = logging.getLogger(__name__)
+
+MIN_PIN_S = 0.01  # shorter pins are not worth the bookkeeping
+
+
+class ContinuumCore:
+    """The state and decisions of one Continuum policy instance (one engine)."""
+
+    def __init__(self, config: PolicyConfig, clock: Clock) -> None:
+        self.config = config
+        self.clock = clock
+        self.parser = ToolCallParser()
+        self.estimator = ToolCallEstimator()
+        self.prefill_coeffs = fit_prefill_profile([])
+        self.queue_delays: deque[float] = deque(maxlen=config.queue_delay_window)
+        self.recorder = JobRecorder.from_env(clock)
+
+    def set_prefill_profile(self, samples: Sequence[tuple[int, float]]) -> None:
+        """(tokens, seconds) prefill measurements, to price a re-prefill."""
+        self.prefill_coeffs = fit_prefill_profile(samples)
+
+    def job_arrival(self, job: str, default: float) -> float:
+        """The job's first arrival (``default`` for a job not seen yet)."""
+        return self.estimator.job_first_arrival(job, default)
+
+    # -- events ---------------------------------------------------------------------------
+    def on_arrival(self, job: str, request_id: str, now: float, named: bool) -> None:
+        """A turn arrived; ``named``: it carries a user-given job_id."""
+        last_tool = self.estimator.on_arrival(job, now)
+        if named:
+            logger.info("job %s arriving, last func call: %s", job, last_tool)
+        self._record(job, "arrival", request=request_id, last_func_call=last_tool)
+
+    def on_scheduled(
+        self, job: str, request_id: str, now: float, queued_s: float, context_kept: bool, hit: int
+    ) -> None:
+        """A turn was admitted after ``queued_s`` in the queue; ``context_kept``: its job's
+        context was pinned (or it is a preempted request coming back)."""
+        if not context_kept:
+            # A turn whose context was not kept waited this long: the T of the TTL rule.
+            self.queue_delays.append(max(queued_s, 0.0))
+        self._record(job, "scheduled", request=request_id, hit_length=hit)
+
+    def on_finished(
+        self,
+        job: str,
+        request_id: str,
+        now: float,
+        text: str | None,
+        is_last_step: bool,
+        named: bool,
+        num_tokens: int,
+    ) -> float:
+        """A turn finished with output ``text``: the pin's TTL in seconds (0: free)."""
+        call = self.parser.parse(text)
+        tool = call.name if call else None
+        self.estimator.on_departure(job, now, tool)
+        self._record(
+            job, "departure", request=request_id, func_call=tool, is_last_step=is_last_step
+        )
+        if is_last_step:
+            self.estimator.on_job_end(job)
+            return 0.0
+        if not named:
+            return 0.0  # no later turn can be matched to it
+        ttl = self.ttl_for(num_tokens, tool)
+        if ttl < MIN_PIN_S:
+            logger.info("job %s: func_call=%s -> no pin", job, tool)
+            return 0.0
+        logger.info("job %s: func_call=%s -> pin %.2fs", job, tool, ttl)
+        self._record(job, "pinned", request=request_id, ttl_s=ttl)
+        return ttl
+
+    def on_pin_released(self, job: str, request_id: str, reason: str) -> None:
+        self._record(job, "unpinned", request=request_id, reason=reason)
+
+    def shutdown(self) -> None:
+        if self.recorder is not None:
+            self.recorder.flush()
+
+    # -- the TTL --------------------------------------------------------------------------
+    def ttl_for(self, num_tokens: int, tool: str | None) -> float:
+        """Pin length for a context of ``num_tokens`` whose job now runs ``tool``."""
+        cfg = self.config
+        if cfg.continuum_ttl_mode == "fixed":
+            if tool is None:
+                return 0.0
+            mean = self.estimator.mean(tool)  # an unseen tool counts as instant
+            return cfg.fixed_pin_s if (mean or 0.0) <= cfg.fixed_threshold_s else 0.0
+        if self.estimator.num_records <= cfg.min_records:
+            return min(cfg.default_ttl_s, cfg.max_ttl_s)
+        own = self.estimator.durations(tool)
+        durations = own if len(own) > cfg.min_records else self.estimator.all_durations()
+        return optimal_ttl(durations, self.gain_s(num_tokens), cfg.max_ttl_s)
+
+    def gain_s(self, num_tokens: int) -> float:
+        """What a pin hit saves: T * eta + the time to re-prefill this context."""
+        delay = sum(self.queue_delays) / len(self.queue_delays) if self.queue_delays else 0.0
+        eta = eta_from_turns(self.estimator.turn_pairs())
+        return delay * eta + prefill_time(self.prefill_coeffs, num_tokens)
+
+    def _record(self, job: str, event: str, **fields) -> None:
+        if self.recorder is not None:
+            self.recorder.record(job, event, **fields)
