@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import pickle
 
 import pytest
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine import EngineCoreOutputType, EngineCoreReady, encode_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
 
-from .test_core_proc import fake_engine_factory
+from .test_core_proc import fake_engine_factory, inject
 
 
 @pytest.fixture(autouse=True)
@@ -77,5 +79,25 @@ def test_engine_failure_fails_pending_requests_and_health():
         assert not engine.is_alive
         with pytest.raises(EngineDeadError):
             await engine.add_request([1], params(1), "after")
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"\x7f", pickle.dumps(None)], "unknown EngineCoreOutputType"),
+        (encode_message(EngineCoreOutputType.READY, EngineCoreReady(1, 1)), "unexpected READY"),
+    ],
+    ids=["unknown type", "READY again"],
+)
+def test_a_message_breaking_the_protocol_is_an_engine_error(frames, reason):
+    async def scenario(engine: AsyncLLM) -> None:
+        stream = await engine.add_request([1], params(100_000), "long")
+        inject(engine.client.output_addr, frames)
+        with pytest.raises(EngineDeadError, match=reason):
+            async for _ in stream:
+                pass
+        assert not engine.is_alive
 
     run(scenario)

@@ -17,7 +17,21 @@ import zmq
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from vllm.v1.engine import (
+    PAYLOAD_TYPES,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestError,
+    EngineCoreRequestType,
+    FinishReason,
+    ProtocolError,
+    StampedOutputs,
+    decode_message,
+    encode_message,
+)
 from vllm.v1.engine.core_client import (
     AsyncMPClient,
     EngineDeadError,
@@ -94,6 +108,30 @@ def broken_engine_factory(vllm_config) -> FakeEngine:
     raise RuntimeError("no model here")
 
 
+def stuck_engine_factory(vllm_config) -> FakeEngine:
+    time.sleep(60)  # never ready: the test kills the process
+
+
+UNKNOWN_TYPE = [b"\x7f", pickle.dumps(None)]
+# Frames that break the contract, for the engine's input socket.
+INVALID_INPUTS = {
+    "unknown type": UNKNOWN_TYPE,
+    "one frame": [EngineCoreRequestType.SHUTDOWN.value],
+    "undecodable": [EngineCoreRequestType.ABORT.value, b"not a pickle"],
+    "mistyped": [EngineCoreRequestType.ADD.value, pickle.dumps(["a"])],
+}
+
+
+def inject(addr: str, frames: list[bytes]) -> None:
+    """Send ``frames`` to the PULL socket bound at ``addr``, as a broken peer would."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(addr)
+    sock.send_multipart(frames)
+    sock.close(linger=2000)
+    ctx.term()
+
+
 @pytest.fixture(autouse=True)
 def collect_garbage():
     # Sockets and loops left in reference cycles would otherwise be finalized during some
@@ -133,26 +171,29 @@ class Harness:
         except Exception as e:  # what the process entry point would log
             self.error = e
 
-    def send(self, kind: str, payload) -> None:
-        self.input.send(pickle.dumps((kind, payload)))
+    def send(self, msg_type: EngineCoreRequestType, payload) -> None:
+        self.input.send_multipart(encode_message(msg_type, payload))
 
     def recv(self, timeout_s: float = 5.0):
         if not self.output.poll(int(timeout_s * 1000)):
             raise TimeoutError("no message from the engine")
-        return pickle.loads(self.output.recv())
+        return decode_message(EngineCoreOutputType, self.output.recv_multipart())
 
-    def outputs_until_finished(self, request_id: str) -> list:
+    def recv_outputs(self) -> StampedOutputs:
+        msg_type, payload = self.recv()
+        assert msg_type is EngineCoreOutputType.OUTPUTS
+        return payload
+
+    def outputs_until_finished(self, request_id: str) -> list[StampedOutputs]:
         messages = []
         while True:
-            kind, payload = self.recv()
-            assert kind == "outputs"
-            messages.append(payload)
-            if any(o.request_id == request_id and o.finished for o in payload[0].outputs):
+            messages.append(self.recv_outputs())
+            if any(o.request_id == request_id and o.finished for o in messages[-1].outputs.outputs):
                 return messages
 
     def close(self) -> None:
         if self.thread.is_alive():
-            self.send("shutdown", None)
+            self.send(EngineCoreRequestType.SHUTDOWN, None)
             self.thread.join(5)
         self.input.close(linger=0)
         self.output.close(linger=0)
@@ -162,24 +203,24 @@ class Harness:
 @pytest.fixture
 def harness(config, tmp_path):
     h = Harness(config, tmp_path)
-    assert h.recv() == ("ready", {"num_gpu_blocks": 32, "pid": os.getpid()})
+    assert h.recv() == (EngineCoreOutputType.READY, EngineCoreReady(32, os.getpid()))
     h.thread.start()
     yield h
     h.close()
 
 
 def test_request_streams_outputs_with_engine_timestamps(harness):
-    harness.send("add", request("a", max_tokens=3))
+    harness.send(EngineCoreRequestType.ADD, request("a", max_tokens=3))
     messages = harness.outputs_until_finished("a")
-    tokens = [t for outs, _, _ in messages for o in outs.outputs for t in o.new_token_ids]
+    tokens = [t for m in messages for o in m.outputs.outputs for t in o.new_token_ids]
     assert tokens == [7, 7, 7]
-    (first, sent_at, arrivals) = messages[0]
-    assert set(arrivals) == {"a"} and arrivals["a"] <= sent_at <= time.monotonic()
-    assert all(not m[2] for m in messages[1:])  # an arrival is reported once
+    arrivals = messages[0].arrivals
+    assert set(arrivals) == {"a"} and arrivals["a"] <= messages[0].sent_at <= time.monotonic()
+    assert all(not m.arrivals for m in messages[1:])  # an arrival is reported once
 
 
 def test_idle_engine_sleeps_instead_of_spinning(harness):
-    harness.send("add", request("a", max_tokens=2))
+    harness.send(EngineCoreRequestType.ADD, request("a", max_tokens=2))
     harness.outputs_until_finished("a")
     steps = len(harness.engine.step_times)
     time.sleep(0.3)
@@ -187,26 +228,26 @@ def test_idle_engine_sleeps_instead_of_spinning(harness):
 
 
 def test_idle_engine_wakes_at_the_pin_deadline(harness):
-    harness.send("add", request("a", max_tokens=1))
+    harness.send(EngineCoreRequestType.ADD, request("a", max_tokens=1))
     harness.outputs_until_finished("a")
     deadline = time.monotonic() + 0.25
     harness.engine.wakeup = deadline  # a pin expiring (set between steps: engine idle)
-    harness.send("abort", [])  # wake the loop so it re-reads next_wakeup
+    harness.send(EngineCoreRequestType.ABORT, [])  # wake the loop: it re-reads next_wakeup
     harness.recv()  # the idle-stats message of that abort
-    kind, (outputs, _, _) = harness.recv(timeout_s=2.0)
-    assert kind == "outputs" and harness.engine.step_times[-1] >= deadline
+    msg_type, _ = harness.recv(timeout_s=2.0)
+    assert msg_type is EngineCoreOutputType.OUTPUTS
+    assert harness.engine.step_times[-1] >= deadline
     time.sleep(0.2)
     assert harness.engine.step_times[-1] < deadline + 0.15  # one step, then asleep again
 
 
 def test_abort_publishes_fresh_stats_while_idle(harness):
-    harness.send("add", request("long", max_tokens=10_000))
-    kind, (outputs, _, _) = harness.recv()
-    assert outputs.scheduler_stats.num_running_reqs == 1
-    harness.send("abort", ["long"])
+    harness.send(EngineCoreRequestType.ADD, request("long", max_tokens=10_000))
+    assert harness.recv_outputs().outputs.scheduler_stats.num_running_reqs == 1
+    harness.send(EngineCoreRequestType.ABORT, ["long"])
     deadline = time.monotonic() + 5
     while True:  # steps already sent before the abort may come first
-        kind, (outputs, _, _) = harness.recv()
+        outputs = harness.recv_outputs().outputs
         if outputs.scheduler_stats.num_running_reqs == 0:
             break
         assert time.monotonic() < deadline
@@ -214,25 +255,59 @@ def test_abort_publishes_fresh_stats_while_idle(harness):
 
 
 def test_bad_request_reports_an_error_and_engine_goes_on(harness):
-    harness.send("add", request("bad", max_tokens=1, prompt=[]))
-    assert harness.recv() == ("request_error", ("bad", "prompt_token_ids must not be empty"))
-    harness.send("add", request("good", max_tokens=1))
+    harness.send(EngineCoreRequestType.ADD, request("bad", max_tokens=1, prompt=[]))
+    error = EngineCoreRequestError("bad", "prompt_token_ids must not be empty")
+    assert harness.recv() == (EngineCoreOutputType.REQUEST_ERROR, error)
+    harness.send(EngineCoreRequestType.ADD, request("good", max_tokens=1))
     harness.outputs_until_finished("good")
 
 
 def test_a_failing_step_is_reported_as_fatal(harness):
-    harness.send("add", request("explode", max_tokens=1))
-    kind, text = harness.recv()
-    assert kind == "fatal" and "RuntimeError: step exploded" in text
+    harness.send(EngineCoreRequestType.ADD, request("explode", max_tokens=1))
+    msg_type, text = harness.recv()
+    assert msg_type is EngineCoreOutputType.FATAL and "RuntimeError: step exploded" in text
     harness.thread.join(3)
     assert not harness.thread.is_alive() and harness.engine.shut_down
     assert isinstance(harness.error, RuntimeError)
 
 
 def test_shutdown_stops_the_loop(harness):
-    harness.send("shutdown", None)
+    harness.send(EngineCoreRequestType.SHUTDOWN, None)
     harness.thread.join(3)
     assert not harness.thread.is_alive() and harness.engine.shut_down
+
+
+def test_every_message_type_has_a_payload_type_and_round_trips():
+    assert set(PAYLOAD_TYPES) == {*EngineCoreRequestType, *EngineCoreOutputType}
+    frames = encode_message(EngineCoreRequestType.ABORT, ["a", "b"])
+    assert frames[0] == b"\x01" and len(frames) == 2
+    assert decode_message(EngineCoreRequestType, frames) == (
+        EngineCoreRequestType.ABORT,
+        ["a", "b"],
+    )
+
+
+@pytest.mark.parametrize("frames", INVALID_INPUTS.values(), ids=INVALID_INPUTS.keys())
+def test_decode_rejects_what_breaks_the_contract(frames):
+    with pytest.raises(ProtocolError):
+        decode_message(EngineCoreRequestType, frames)
+
+
+def test_encode_rejects_a_mistyped_payload():
+    with pytest.raises(ProtocolError, match="ADD carries EngineCoreRequest, not list"):
+        encode_message(EngineCoreRequestType.ADD, ["a"])
+
+
+@pytest.mark.parametrize("frames", INVALID_INPUTS.values(), ids=INVALID_INPUTS.keys())
+def test_an_invalid_input_is_fatal_not_skipped(harness, frames):
+    harness.send(EngineCoreRequestType.ADD, request("before", max_tokens=1))
+    harness.outputs_until_finished("before")
+    harness.input.send_multipart(frames)
+    msg_type, text = harness.recv()
+    assert msg_type is EngineCoreOutputType.FATAL and "ProtocolError" in text
+    harness.thread.join(3)
+    assert not harness.thread.is_alive() and harness.engine.shut_down
+    assert isinstance(harness.error, ProtocolError)
 
 
 def test_engine_construction_failure_is_reported(config, tmp_path):
@@ -243,8 +318,8 @@ def test_engine_construction_failure_is_reported(config, tmp_path):
         EngineCoreProc(
             config, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", broken_engine_factory
         )
-    kind, text = pickle.loads(out.recv())
-    assert kind == "fatal" and "no model here" in text
+    msg_type, text = decode_message(EngineCoreOutputType, out.recv_multipart())
+    assert msg_type is EngineCoreOutputType.FATAL and "no model here" in text
     out.close(linger=0)
     ctx.term()
 
@@ -254,10 +329,10 @@ def test_client_spawns_engine_and_detects_its_death(config):
         client = AsyncMPClient(config, engine_factory=fake_engine_factory)
         try:
             info = await client.wait_ready()
-            assert info["pid"] == client.proc.pid != os.getpid()
-            await client.send("add", request("a", max_tokens=2))
-            kind, (outputs, _, arrivals) = await client.recv(timeout_s=5)
-            assert kind == "outputs" and "a" in arrivals
+            assert info.pid == client.proc.pid != os.getpid()
+            await client.send(EngineCoreRequestType.ADD, request("a", max_tokens=2))
+            msg_type, payload = await client.recv(timeout_s=5)
+            assert msg_type is EngineCoreOutputType.OUTPUTS and "a" in payload.arrivals
             client.proc.kill()
             start = time.monotonic()
             with pytest.raises(EngineDeadError, match="died"):
@@ -265,7 +340,7 @@ def test_client_spawns_engine_and_detects_its_death(config):
                     await client.recv(timeout_s=0.5)
             assert time.monotonic() - start < 3 and not client.is_alive
             with pytest.raises(EngineDeadError):
-                await client.send("add", request("b", max_tokens=1))
+                await client.send(EngineCoreRequestType.ADD, request("b", max_tokens=1))
         finally:
             client.shutdown()
 
@@ -279,6 +354,35 @@ def test_client_reports_a_failed_start(config):
             with pytest.raises(EngineStartupError, match="no model here"):
                 await client.wait_ready()
         finally:
+            client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_client_treats_an_unknown_message_as_engine_death(config):
+    async def scenario() -> None:
+        client = AsyncMPClient(config, engine_factory=fake_engine_factory)
+        try:
+            await client.wait_ready()
+            inject(client.output_addr, UNKNOWN_TYPE)
+            with pytest.raises(EngineDeadError, match="unknown EngineCoreOutputType"):
+                await client.recv(timeout_s=5)
+            assert not client.is_alive
+        finally:
+            client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_client_fails_to_start_on_an_unknown_message(config):
+    async def scenario() -> None:
+        client = AsyncMPClient(config, engine_factory=stuck_engine_factory)
+        try:
+            inject(client.output_addr, UNKNOWN_TYPE)
+            with pytest.raises(EngineStartupError, match="protocol error"):
+                await client.wait_ready()
+        finally:
+            client.proc.kill()
             client.shutdown()
 
     asyncio.run(scenario())

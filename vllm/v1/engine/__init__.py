@@ -1,9 +1,35 @@
-"""Messages between the front end (LLM / AsyncLLM) and the engine core."""
+"""Messages between the front end (LLM / AsyncLLM) and the engine core.
+
+The wire between ``AsyncMPClient`` (front end, ``core_client.py``) and ``EngineCoreProc``
+(engine process, ``core_proc.py``) is two one-way ZMQ sockets over IPC:
+
+    input   front end PUSH (bind) ──▶ engine PULL (connect)   EngineCoreRequestType
+    output  engine PUSH (connect) ──▶ front end PULL (bind)   EngineCoreOutputType
+
+Every message is two frames, ``[type.value, pickle(payload)]``: the one-byte type first,
+as in vLLM, so a receiver rejects an unknown type before unpickling anything. Each type
+has one payload type (``PAYLOAD_TYPES``):
+
+    ADD            EngineCoreRequest     queue a request
+    ABORT          list[str]             stop these request ids, free their blocks
+    SHUTDOWN       None                  finish the loop and exit
+    READY          EngineCoreReady       once, first: the engine is built
+    OUTPUTS        StampedOutputs        one step's outputs (or fresh stats while idle)
+    REQUEST_ERROR  EngineCoreRequestError  ADD rejected (the front end answers 400)
+    FATAL          str (a traceback)     last message: the engine failed and exits
+
+A message that breaks this contract (unknown type, wrong frame count, undecodable or
+mistyped payload) is a ``ProtocolError``, never skipped: both ends are this package, so
+it is a bug or a version mismatch. The engine reports it as FATAL and exits; the front end
+marks the engine dead and fails every pending request.
+"""
 
 from __future__ import annotations
 
 import enum
+import pickle
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.metrics.stats import SchedulerStats
@@ -51,3 +77,102 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+
+
+class EngineCoreRequestType(enum.Enum):
+    """What the front end sends the engine, on the input socket."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    SHUTDOWN = b"\x02"
+
+
+class EngineCoreOutputType(enum.Enum):
+    """What the engine sends the front end, on the output socket.
+
+    Not vLLM's ``EngineCoreEventType``, which names per-request events (queued,
+    scheduled, preempted) and could be added under that name later.
+    """
+
+    READY = b"\x00"
+    OUTPUTS = b"\x01"
+    REQUEST_ERROR = b"\x02"
+    FATAL = b"\x03"
+
+
+@dataclass
+class EngineCoreReady:
+    num_gpu_blocks: int
+    pid: int  # of the engine process
+
+
+@dataclass
+class EngineCoreRequestError:
+    """``add_request`` raised ``ValueError``: the request is not in the engine."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class StampedOutputs:
+    """``EngineCoreOutputs`` with the engine process's clock readings.
+
+    ``sent_at`` is ``time.monotonic()`` when the message left; ``arrivals`` maps the
+    requests received since the previous OUTPUTS to their receipt time. The front end
+    derives a request's time inside the engine process from them (the monotonic clock is
+    shared by all processes of one machine).
+    """
+
+    outputs: EngineCoreOutputs
+    sent_at: float
+    arrivals: dict[str, float]
+
+
+class ProtocolError(RuntimeError):
+    """A message broke the wire contract (see the module docstring)."""
+
+
+MessageType = TypeVar("MessageType", EngineCoreRequestType, EngineCoreOutputType)
+
+PAYLOAD_TYPES: dict[enum.Enum, type] = {
+    EngineCoreRequestType.ADD: EngineCoreRequest,
+    EngineCoreRequestType.ABORT: list,
+    EngineCoreRequestType.SHUTDOWN: type(None),
+    EngineCoreOutputType.READY: EngineCoreReady,
+    EngineCoreOutputType.OUTPUTS: StampedOutputs,
+    EngineCoreOutputType.REQUEST_ERROR: EngineCoreRequestError,
+    EngineCoreOutputType.FATAL: str,
+}
+
+
+def _check_payload(msg_type: enum.Enum, payload: Any) -> None:
+    expected = PAYLOAD_TYPES[msg_type]
+    if not isinstance(payload, expected):
+        raise ProtocolError(
+            f"{msg_type.name} carries {expected.__name__}, not {type(payload).__name__}"
+        )
+
+
+def encode_message(
+    msg_type: EngineCoreRequestType | EngineCoreOutputType, payload: Any
+) -> list[bytes]:
+    """The frames of one message; ``ProtocolError`` if the payload has the wrong type."""
+    _check_payload(msg_type, payload)
+    return [msg_type.value, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)]
+
+
+def decode_message(type_enum: type[MessageType], frames: list[bytes]) -> tuple[MessageType, Any]:
+    """``(type, payload)`` of a message of the ``type_enum`` enum; ``ProtocolError`` if invalid."""
+    if len(frames) != 2:
+        raise ProtocolError(f"a message has 2 frames, got {len(frames)}")
+    try:
+        msg_type = type_enum(frames[0])
+    except ValueError:
+        raise ProtocolError(f"unknown {type_enum.__name__} {frames[0]!r}") from None
+    try:
+        payload = pickle.loads(frames[1])
+    except Exception as e:
+        raise ProtocolError(f"undecodable {msg_type.name} payload: {e!r}") from e
+    _check_payload(msg_type, payload)
+    return msg_type, payload

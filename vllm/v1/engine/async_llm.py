@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.model_executor.model_loader import get_eos_token_id
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import (
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreRequestError,
+    EngineCoreRequestType,
+    StampedOutputs,
+)
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, last_line
 from vllm.v1.engine.core_proc import EngineFactory
 from vllm.v1.engine.output_processor import OutputProcessor
@@ -89,9 +97,9 @@ class AsyncLLM:
 
     async def start(self) -> dict:
         """Wait until the engine is ready; returns its info (num_gpu_blocks, pid)."""
-        info = await self.client.wait_ready()
+        ready = await self.client.wait_ready()
         self._loop_task = asyncio.create_task(self._output_loop())
-        return info
+        return dataclasses.asdict(ready)
 
     @property
     def is_alive(self) -> bool:
@@ -140,7 +148,7 @@ class AsyncLLM:
             self._by_child[r.request_id] = stream
         try:
             for r in core_reqs:
-                await self.client.send("add", r)
+                await self.client.send(EngineCoreRequestType.ADD, r)
         except BaseException:
             await self.abort(request_id)
             raise
@@ -151,7 +159,7 @@ class AsyncLLM:
         child_ids = self.output_processor.abort_request(request_id)
         self._forget(request_id)
         if child_ids and self.client.is_alive:
-            await self.client.send("abort", child_ids)
+            await self.client.send(EngineCoreRequestType.ABORT, child_ids)
 
     def _forget(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -163,17 +171,8 @@ class AsyncLLM:
         try:
             while True:
                 msg = await self.client.recv()
-                if msg is None:
-                    continue
-                kind, payload = msg
-                if kind == "outputs":
-                    await self._dispatch(*payload)
-                elif kind == "request_error":
-                    self._fail_request(*payload)
-                elif kind == "fatal":
-                    reason = f"the engine core failed: {last_line(payload)}"
-                    self.client.dead_reason = reason
-                    raise EngineDeadError(reason)
+                if msg is not None:
+                    await self._handle(*msg)
         except asyncio.CancelledError:
             return
         except Exception as e:
@@ -185,15 +184,28 @@ class AsyncLLM:
             for stream in list(self._streams.values()):
                 stream.put(err)
 
-    def _fail_request(self, core_id: str, message: str) -> None:
-        stream = self._by_child.get(core_id)
-        if stream is not None:
-            stream.put(ValueError(message))
+    async def _handle(self, msg_type: EngineCoreOutputType, payload: Any) -> None:
+        """Dispatch one engine message by type; ``EngineDeadError`` ends the output loop."""
+        match msg_type:
+            case EngineCoreOutputType.OUTPUTS:
+                await self._deliver_outputs(payload)
+            case EngineCoreOutputType.REQUEST_ERROR:
+                self._fail_request(payload)
+            case EngineCoreOutputType.FATAL:
+                raise self.client.mark_dead(f"the engine core failed: {last_line(payload)}")
+            case _:  # READY again, or a type added to the enum but not handled here
+                raise self.client.mark_dead(
+                    f"protocol error from the engine core: unexpected {msg_type.name}"
+                )
 
-    async def _dispatch(
-        self, core_outputs: EngineCoreOutputs, sent_at: float, arrivals: dict[str, float]
-    ) -> None:
-        for core_id, received in arrivals.items():
+    def _fail_request(self, error: EngineCoreRequestError) -> None:
+        stream = self._by_child.get(error.request_id)
+        if stream is not None:
+            stream.put(ValueError(error.message))
+
+    async def _deliver_outputs(self, msg: StampedOutputs) -> None:
+        core_outputs, sent_at = msg.outputs, msg.sent_at
+        for core_id, received in msg.arrivals.items():
             stream = self._by_child.get(core_id)
             if stream is not None and (
                 stream.engine_arrival is None or received < stream.engine_arrival
@@ -201,7 +213,7 @@ class AsyncLLM:
                 stream.engine_arrival = received
         results, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
         if to_abort:
-            await self.client.send("abort", to_abort)
+            await self.client.send(EngineCoreRequestType.ABORT, to_abort)
         for out in results:
             stream = self._streams.get(out.request_id)
             if stream is None:

@@ -1,4 +1,11 @@
-"""Front-end side of the ZMQ link to the engine-core process."""
+"""Front-end side of the ZMQ link to the engine-core process.
+
+The wire contract (sockets, message types, payloads) is in ``vllm/v1/engine/__init__.py``.
+This side sends ``EngineCoreRequestType`` messages on the input socket and receives
+``EngineCoreOutputType`` messages on the output socket. ``wait_ready`` accepts only READY
+or FATAL; after it, the caller (``AsyncLLM``) dispatches what ``recv`` returns. A message
+that breaks the contract makes the engine dead to this side (``EngineDeadError``).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +13,24 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from vllm.config import VllmConfig
+from vllm.v1.engine import (
+    EngineCoreOutputType,
+    EngineCoreReady,
+    EngineCoreRequestType,
+    ProtocolError,
+    decode_message,
+    encode_message,
+)
 from vllm.v1.engine.core_proc import EngineFactory, run_engine_core
 
 logger = logging.getLogger(__name__)
@@ -71,7 +86,7 @@ def last_line(traceback_text: str) -> str:
 
 
 class AsyncMPClient:
-    """Starts the engine core in a spawned process and exchanges pickled messages.
+    """Starts the engine core in a spawned process and exchanges typed messages with it.
 
     The sockets are IPC endpoints in a private temporary folder (never a network port).
     ``engine_factory`` (a picklable module-level callable) replaces ``EngineCore`` in tests.
@@ -85,7 +100,7 @@ class AsyncMPClient:
     ) -> None:
         self._dir = tempfile.mkdtemp(prefix="vllm-continuum-")
         in_addr = f"ipc://{os.path.join(self._dir, 'input')}"
-        out_addr = f"ipc://{os.path.join(self._dir, 'output')}"
+        out_addr = self.output_addr = f"ipc://{os.path.join(self._dir, 'output')}"
         self.ctx = zmq.asyncio.Context()
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.bind(in_addr)
@@ -108,23 +123,31 @@ class AsyncMPClient:
             self.proc.start()
         self.startup_timeout_s = startup_timeout_s
         self.dead_reason: str | None = None
-        self.info: dict = {}
+        self.info: EngineCoreReady | None = None
 
-    async def wait_ready(self) -> dict:
-        """Wait for the engine's "ready" (model loaded, KV cache allocated)."""
+    async def wait_ready(self) -> EngineCoreReady:
+        """Wait for the engine's READY (model loaded, KV cache allocated)."""
         deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
         while True:
             try:
-                msg = await asyncio.wait_for(self.output.recv(), 0.5)
+                frames = await asyncio.wait_for(self.output.recv_multipart(), 0.5)
             except TimeoutError:
-                msg = None
-            if msg is not None:
-                kind, payload = pickle.loads(msg)
-                if kind == "ready":
-                    self.info = payload
-                    return payload
-                if kind == "fatal":  # the traceback is in the engine's log already
-                    raise EngineStartupError(f"engine core failed to start: {last_line(payload)}")
+                frames = None
+            if frames is not None:
+                try:
+                    msg_type, payload = decode_message(EngineCoreOutputType, frames)
+                except ProtocolError as e:
+                    raise EngineStartupError(f"engine core protocol error: {e}") from e
+                match msg_type:
+                    case EngineCoreOutputType.READY:
+                        self.info = payload
+                        return payload
+                    case EngineCoreOutputType.FATAL:  # the traceback is in the engine's log
+                        raise EngineStartupError(
+                            f"engine core failed to start: {last_line(payload)}"
+                        )
+                    case _:
+                        raise EngineStartupError(f"engine core sent {msg_type.name} before READY")
             if not self.proc.is_alive():
                 raise EngineStartupError(f"engine core exited with code {self.proc.exitcode}")
             if asyncio.get_running_loop().time() > deadline:
@@ -140,27 +163,42 @@ class AsyncMPClient:
                 self.dead_reason or f"the engine core process died (exit code {self.proc.exitcode})"
             )
 
-    async def send(self, kind: str, payload) -> None:
-        self._check_alive()
-        await self.input.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+    def mark_dead(self, reason: str) -> EngineDeadError:
+        """Record why the engine is unusable (``is_alive`` turns false); the error to raise."""
+        self.dead_reason = reason
+        return EngineDeadError(reason)
 
-    async def recv(self, timeout_s: float = 1.0):
-        """The next (kind, payload) message, or None on timeout; raises if the engine died."""
+    async def send(self, msg_type: EngineCoreRequestType, payload: Any) -> None:
+        """Queue one message; ``ProtocolError`` (nothing sent) if the payload is mistyped."""
+        self._check_alive()
+        await self.input.send_multipart(encode_message(msg_type, payload))
+
+    async def recv(self, timeout_s: float = 1.0) -> tuple[EngineCoreOutputType, Any] | None:
+        """The next (type, payload) message, or None on timeout.
+
+        ``EngineDeadError`` if the engine process died or sent a message that breaks the
+        contract.
+        """
         try:
-            # recv() itself, not poll()+recv(): the socket's FD is edge-triggered, and a
+            # recv itself, not poll()+recv(): the socket's FD is edge-triggered, and a
             # poll can miss messages that queued up behind the one just read.
-            return pickle.loads(await asyncio.wait_for(self.output.recv(), timeout_s))
+            frames = await asyncio.wait_for(self.output.recv_multipart(), timeout_s)
         except TimeoutError:
-            pass
-        if not self.proc.is_alive():
-            self.dead_reason = f"the engine core process died (exit code {self.proc.exitcode})"
-            raise EngineDeadError(self.dead_reason)
-        return None
+            if not self.proc.is_alive():
+                raise self.mark_dead(
+                    f"the engine core process died (exit code {self.proc.exitcode})"
+                ) from None
+            return None
+        try:
+            return decode_message(EngineCoreOutputType, frames)
+        except ProtocolError as e:
+            raise self.mark_dead(f"protocol error from the engine core: {e}") from e
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         if self.proc.is_alive():
             try:
-                sent = self.input.send(pickle.dumps(("shutdown", None)), flags=zmq.NOBLOCK)
+                frames = encode_message(EngineCoreRequestType.SHUTDOWN, None)
+                sent = self.input.send_multipart(frames, flags=zmq.NOBLOCK)
                 if isinstance(sent, asyncio.Future) and sent.done():
                     sent.exception()  # retrieved: no "exception never retrieved" noise
             except zmq.ZMQError:

@@ -1,12 +1,11 @@
 """The engine core in its own process, talking to the front end over pyzmq.
 
-Inputs (PULL): pickled ``("add", EngineCoreRequest)``, ``("abort", [ids])``,
-``("shutdown", None)``. Outputs (PUSH): ``("ready", info)``, ``("outputs", (EngineCoreOutputs,
-sent_at, arrivals))``, ``("request_error", (request_id, message))`` and ``("fatal",
-traceback_text)``. ``sent_at`` is ``time.monotonic()`` when the message left and
-``arrivals`` maps the requests received since the previous message to their receipt time:
-the front end derives each request's time inside this process from them (the monotonic
-clock is shared by all processes of one machine).
+The wire contract (sockets, message types, payloads) is in ``vllm/v1/engine/__init__.py``.
+This side receives ``EngineCoreRequestType`` messages on the input socket and sends
+``EngineCoreOutputType`` messages on the output socket: READY once built, then OUTPUTS
+after every step, REQUEST_ERROR for a rejected ADD, and FATAL (its last message) when
+building the engine, a step, or an incoming message fails. A message this process cannot
+decode or does not know is a ``ProtocolError``: reported as FATAL, never skipped.
 
 As in vLLM, a thread receives and unpickles inputs while the main thread steps the engine,
 so a request's receipt time is when it reached this process, not when the current step
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import queue
 import signal
 import sys
@@ -31,7 +29,17 @@ from typing import Any
 import zmq
 
 from vllm.config import VllmConfig
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import (
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreReady,
+    EngineCoreRequestError,
+    EngineCoreRequestType,
+    ProtocolError,
+    StampedOutputs,
+    decode_message,
+    encode_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +47,8 @@ IDLE_POLL_S = 1.0  # an idle engine still wakes up this often to notice a dead p
 DEFAULT_ENGINE_NICE = 10  # see lower_cpu_priority
 
 EngineFactory = Callable[[VllmConfig], Any]
+# A decoded input with its receipt time, or the error that replaced an invalid one.
+InboxItem = tuple[EngineCoreRequestType, Any, float] | ProtocolError
 
 
 def _default_factory(vllm_config: VllmConfig):
@@ -66,19 +76,20 @@ class EngineCoreProc:
         self.output.connect(output_addr)
         self.input_addr = input_addr
         self.parent = os.getppid()
-        self.inbox: queue.SimpleQueue[tuple[str, Any, float]] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._arrivals: dict[str, float] = {}  # received since the last outputs message
         try:
             self.engine = (engine_factory or _default_factory)(vllm_config)
         except Exception:
-            self._send("fatal", traceback.format_exc())
+            self._send(EngineCoreOutputType.FATAL, traceback.format_exc())
             self._close()
             raise
-        self._send("ready", {"num_gpu_blocks": self.engine.num_gpu_blocks, "pid": os.getpid()})
+        ready = EngineCoreReady(num_gpu_blocks=self.engine.num_gpu_blocks, pid=os.getpid())
+        self._send(EngineCoreOutputType.READY, ready)
         self.running = True
 
-    def _send(self, kind: str, payload) -> None:
-        self.output.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+    def _send(self, msg_type: EngineCoreOutputType, payload: Any) -> None:
+        self.output.send_multipart(encode_message(msg_type, payload))
 
     def _input_loop(self) -> None:
         """Thread: socket -> inbox, stamping each message's receipt time."""
@@ -86,32 +97,38 @@ class EngineCoreProc:
         sock.connect(self.input_addr)
         try:
             while True:
-                msg = sock.recv()
+                frames = sock.recv_multipart()
                 received = time.monotonic()
                 try:
-                    kind, payload = pickle.loads(msg)
-                except Exception:
-                    logger.exception("dropping an undecodable message")
+                    msg_type, payload = decode_message(EngineCoreRequestType, frames)
+                except ProtocolError as e:
+                    self.inbox.put(e)  # raised by the main thread, in order
                     continue
-                self.inbox.put((kind, payload, received))
+                self.inbox.put((msg_type, payload, received))
         except zmq.ContextTerminated:
             pass
         finally:
             sock.close(linger=0)
 
-    def _handle(self, kind: str, payload, received: float) -> None:
-        if kind == "add":
-            try:
-                self.engine.add_request(payload)
-                self._arrivals[payload.request_id] = received
-            except ValueError as e:
-                self._send("request_error", (payload.request_id, str(e)))
-        elif kind == "abort":
-            self.engine.abort_requests(payload)
-        elif kind == "shutdown":
-            self.running = False
-        else:
-            logger.warning("ignoring unknown message %r", kind)
+    def _handle(self, item: InboxItem) -> None:
+        """Dispatch one input by type; ``ProtocolError`` ends the loop (reported as FATAL)."""
+        if isinstance(item, ProtocolError):
+            raise item
+        msg_type, payload, received = item
+        match msg_type:
+            case EngineCoreRequestType.ADD:
+                try:
+                    self.engine.add_request(payload)
+                    self._arrivals[payload.request_id] = received
+                except ValueError as e:
+                    error = EngineCoreRequestError(payload.request_id, str(e))
+                    self._send(EngineCoreOutputType.REQUEST_ERROR, error)
+            case EngineCoreRequestType.ABORT:
+                self.engine.abort_requests(payload)
+            case EngineCoreRequestType.SHUTDOWN:
+                self.running = False
+            case _:  # a type added to the enum but not handled here
+                raise ProtocolError(f"no handler for {msg_type.name}")
 
     def _wait_s(self) -> float:
         """How long the loop may block for input: 0 with work, else until a deadline."""
@@ -128,7 +145,7 @@ class EngineCoreProc:
         except queue.Empty:
             return False
         while True:
-            self._handle(*item)
+            self._handle(item)
             if not self.running:
                 return True
             try:
@@ -138,7 +155,9 @@ class EngineCoreProc:
 
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
         arrivals, self._arrivals = self._arrivals, {}
-        self._send("outputs", (outputs, time.monotonic(), arrivals))
+        self._send(
+            EngineCoreOutputType.OUTPUTS, StampedOutputs(outputs, time.monotonic(), arrivals)
+        )
 
     def run(self) -> None:
         """Drain inputs, step while there is work, sleep otherwise."""
@@ -160,7 +179,8 @@ class EngineCoreProc:
                     stats = self.engine.scheduler.make_stats()
                     self._send_outputs(EngineCoreOutputs(scheduler_stats=stats))
         except Exception:
-            self._send("fatal", traceback.format_exc())  # the front end fails its requests
+            # The front end fails its requests.
+            self._send(EngineCoreOutputType.FATAL, traceback.format_exc())
             raise
         finally:
             self.engine.shutdown()
