@@ -79,7 +79,7 @@ def new_req(req_id, tokens, blocks, computed, num_prompt=None, **params) -> NewR
         req_id,
         tokens,
         len(tokens) if num_prompt is None else num_prompt,
-        SamplingParams(temperature=0.0, **params),
+        SamplingParams(**{"temperature": 0.0, **params}),
         blocks,
         computed,
     )
@@ -265,3 +265,63 @@ def test_seeded_request_gets_its_own_generator(runner):
     gen = runner.requests["S"].generator
     assert gen is not None and gen.initial_seed() == 5
     assert runner.requests["U"].generator is None
+
+
+class UniformModel(RecordingModel):
+    """Same logits for every row (uniform over VOCAB): only the generator picks tokens."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(hidden), VOCAB)
+
+
+def _seeded_run(runner, preempt_after_first: bool) -> list[int]:
+    runner.attn_backend = FLASH_BUILDER
+    runner.model = UniformModel()
+    prompt = [1, 2]
+    first = sched_out(
+        new=[new_req("S", prompt, [1], 0, seed=5, temperature=1.0)], num_scheduled={"S": 2}
+    )
+    tokens = runner.execute_model(first).sampled_token_ids["S"]
+    if preempt_after_first:
+        # Preempted (recompute), then resumed as new with prompt + its output so far.
+        runner.execute_model(sched_out(preempted={"S"}))
+        resumed = new_req("S", prompt + tokens, [1], 0, num_prompt=2, seed=5, temperature=1.0)
+        so = sched_out(new=[resumed], num_scheduled={"S": 3})
+    else:
+        so = sched_out(cached=[("S", [], 2)], num_scheduled={"S": 1})
+    tokens += runner.execute_model(so).sampled_token_ids["S"]
+    so = sched_out(cached=[("S", [], 3)], num_scheduled={"S": 1})
+    tokens += runner.execute_model(so).sampled_token_ids["S"]
+    return tokens
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="BUG: a preempted request's generator is re-seeded on resume, so a seeded "
+    "request's tokens depend on whether it was preempted (vLLM keeps the generator)",
+)
+def test_seeded_tokens_do_not_depend_on_preemption(runner):
+    plain = _seeded_run(runner, preempt_after_first=False)
+    runner.requests.clear()
+    preempted = _seeded_run(runner, preempt_after_first=True)
+    assert preempted == plain
+
+
+def test_one_token_prefix_hit_is_batched_as_a_decode_by_the_torch_backend(runner):
+    # P: prompt 5, prefix hit of 4 (block 7), blocks [7, 13], computes position 4 only:
+    # one query over a cached context, which is what a decode row is, so it goes first.
+    runner.attn_backend = TORCH_BACKEND
+    so = sched_out(
+        new=[new_req("C", PROMPT_C, [11], 0), new_req("P", PROMPT_D[:5], [7, 13], 4)],
+        num_scheduled={"C": 3, "P": 1},
+    )
+    out = runner.execute_model(so)
+    call = runner.model.calls[0]
+    assert call["ids"] == [4004] + PROMPT_C
+    assert call["positions"] == [4, 0, 1, 2]
+    meta = call["meta"]
+    assert meta.num_decodes == 1
+    assert meta.decode_slots.tolist() == [[28, 29, 30, 31, 52]]
+    assert meta.slot_mapping.tolist() == [52, 44, 45, 46]
+    assert out.sampled_token_ids == {"P": [100], "C": [103]}
