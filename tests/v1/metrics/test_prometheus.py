@@ -1,0 +1,205 @@
+"""PrometheusStatLogger: engine stats and finished requests -> vLLM-named metrics.
+
+Each test gets its own CollectorRegistry, so the loggers never collide; values are read
+with ``registry.get_sample_value`` and the exposition text with ``generate_latest``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.metrics.prometheus import PrometheusStatLogger
+from vllm.v1.metrics.stats import PinStats, PrefixCacheStats, SchedulerStats
+
+MODEL = "smol"
+LABEL = {"model_name": MODEL}
+
+
+@pytest.fixture
+def stats():
+    return PrometheusStatLogger(MODEL, registry=CollectorRegistry())
+
+
+def value(stats: PrometheusStatLogger, name: str, **labels) -> float | None:
+    return stats.registry.get_sample_value(name, {**LABEL, **labels})
+
+
+def sched_stats(**kw) -> SchedulerStats:
+    return SchedulerStats(
+        num_running_reqs=kw.get("running", 0),
+        num_waiting_reqs=kw.get("waiting", 0),
+        kv_cache_usage=kw.get("usage", 0.0),
+        num_preemptions=kw.get("preemptions", 0),
+        prefix_cache_stats=PrefixCacheStats(
+            requests=1, queries=kw.get("queries", 0), hits=kw.get("hits", 0)
+        ),
+        pin_stats=PinStats(
+            num_pinned_requests=kw.get("pinned_reqs", 0),
+            pinned_kv_blocks=kw.get("pinned_blocks", 0),
+            pins=kw.get("pins", 0),
+            pin_hits=kw.get("pin_hits", 0),
+            expiries=kw.get("expiries", 0),
+            forced_releases=kw.get("forced", 0),
+        ),
+    )
+
+
+def core(s: SchedulerStats | None = None, tokens: dict[str, int] | None = None):
+    outs = [EngineCoreOutput(r, list(range(n))) for r, n in (tokens or {}).items()]
+    return EngineCoreOutputs(outputs=outs, scheduler_stats=s)
+
+
+def finished(
+    req_id: str,
+    num_prompt: int,
+    reason: str | None,
+    metrics: RequestMetrics | None = None,
+    finished_flag: bool = True,
+) -> RequestOutput:
+    comp = CompletionOutput(0, "x", [1], finish_reason=reason)
+    return RequestOutput(req_id, None, list(range(num_prompt)), [comp], finished_flag, 0, metrics)
+
+
+def test_gauges_take_the_latest_step_values(stats):
+    stats.record(core(sched_stats(running=3, waiting=5, usage=0.25, pinned_reqs=2)), [])
+    stats.record(
+        core(sched_stats(running=1, waiting=0, usage=0.5, pinned_reqs=1, pinned_blocks=6)), []
+    )
+    assert value(stats, "vllm:num_requests_running") == 1.0
+    assert value(stats, "vllm:num_requests_waiting") == 0.0
+    assert value(stats, "vllm:kv_cache_usage_perc") == 0.5
+    assert value(stats, "vllm:num_pinned_requests") == 1.0
+    assert value(stats, "vllm:pinned_kv_blocks") == 6.0
+
+
+def test_counters_accumulate_the_deltas(stats):
+    stats.record(
+        core(sched_stats(queries=100, hits=40, preemptions=1, pins=2, pin_hits=1, expiries=0)), []
+    )
+    stats.record(
+        core(sched_stats(queries=50, hits=50, preemptions=2, pins=1, expiries=1, forced=3)), []
+    )
+    assert value(stats, "vllm:prefix_cache_queries_total") == 150.0
+    assert value(stats, "vllm:prefix_cache_hits_total") == 90.0
+    assert value(stats, "vllm:num_preemptions_total") == 3.0
+    assert value(stats, "vllm:pins_total") == 3.0
+    assert value(stats, "vllm:pin_hits_total") == 1.0
+    assert value(stats, "vllm:pin_expiries_total") == 1.0
+    assert value(stats, "vllm:pin_forced_releases_total") == 3.0
+
+
+def test_step_without_scheduler_stats_keeps_gauges_and_counts_tokens(stats):
+    stats.record(core(sched_stats(running=2, queries=10)), [])
+    stats.record(core(None, tokens={"a": 1, "b": 3}), [])
+    stats.record(core(None, tokens={"a": 2}), [])
+    assert value(stats, "vllm:num_requests_running") == 2.0
+    assert value(stats, "vllm:prefix_cache_queries_total") == 10.0
+    assert value(stats, "vllm:generation_tokens_total") == 6.0
+
+
+def test_finished_requests_count_prompt_tokens_and_success_by_reason(stats):
+    stats.record(
+        core(),
+        [
+            finished("a", 7, "stop"),
+            finished("b", 3, "length"),
+            finished("c", 5, "stop"),
+            finished("d", 100, None, finished_flag=False),  # still running: not counted
+        ],
+    )
+    assert value(stats, "vllm:prompt_tokens_total") == 15.0
+    assert value(stats, "vllm:request_success_total", finished_reason="stop") == 2.0
+    assert value(stats, "vllm:request_success_total", finished_reason="length") == 1.0
+
+
+def test_finished_without_a_reason_counts_as_abort(stats):
+    out = finished("a", 2, None)
+    empty = RequestOutput("b", None, [1], [], True)
+    stats.record(core(), [out, empty])
+    assert value(stats, "vllm:request_success_total", finished_reason="abort") == 2.0
+
+
+def test_latency_histograms_from_request_metrics(stats):
+    # arrival 100, first token 100.3, last 101.3 after 5 tokens (TPOT 1.0 / 4 = 0.25),
+    # finished 101.5 (e2e 1.5), queued 0.02 s.
+    m = RequestMetrics(
+        arrival_time=100.0,
+        first_token_time=100.3,
+        last_token_time=101.3,
+        finished_time=101.5,
+        queue_time=0.02,
+        num_generation_tokens=5,
+    )
+    stats.record(core(), [finished("a", 4, "stop", m)])
+    ttft = "vllm:time_to_first_token_seconds"
+    assert value(stats, ttft + "_count") == 1.0
+    assert value(stats, ttft + "_sum") == pytest.approx(0.3)
+    assert value(stats, ttft + "_bucket", le="0.25") == 0.0
+    assert value(stats, ttft + "_bucket", le="0.5") == 1.0
+    tpot = "vllm:time_per_output_token_seconds"
+    assert value(stats, tpot + "_sum") == pytest.approx(0.25)
+    assert value(stats, tpot + "_bucket", le="0.2") == 0.0
+    assert value(stats, tpot + "_bucket", le="0.3") == 1.0
+    assert value(stats, "vllm:e2e_request_latency_seconds_sum") == pytest.approx(1.5)
+    assert value(stats, "vllm:e2e_request_latency_seconds_bucket", le="1.0") == 0.0
+    assert value(stats, "vllm:e2e_request_latency_seconds_bucket", le="2.5") == 1.0
+    assert value(stats, "vllm:request_queue_time_seconds_sum") == pytest.approx(0.02)
+    assert value(stats, "vllm:request_queue_time_seconds_bucket", le="0.025") == 1.0
+
+
+def test_single_token_request_has_no_tpot_and_missing_times_are_skipped(stats):
+    one = RequestMetrics(100.0, first_token_time=100.1, last_token_time=100.1,
+                         finished_time=100.2, num_generation_tokens=1)  # fmt: skip
+    never = RequestMetrics(100.0)  # aborted before its first token
+    stats.record(core(), [finished("a", 1, "stop", one), finished("b", 1, "abort", never)])
+    assert value(stats, "vllm:time_to_first_token_seconds_count") == 1.0
+    assert value(stats, "vllm:time_per_output_token_seconds_count") == 0.0
+    assert value(stats, "vllm:e2e_request_latency_seconds_count") == 1.0
+    assert value(stats, "vllm:request_queue_time_seconds_count") == 0.0
+    assert value(stats, "vllm:request_success_total", finished_reason="abort") == 1.0
+
+
+def test_overhead_histogram(stats):
+    stats.observe_overhead(0.003)
+    stats.observe_overhead(0.03)
+    name = "vllm:request_server_overhead_seconds"
+    assert value(stats, name + "_count") == 2.0
+    assert value(stats, name + "_bucket", le="0.002") == 0.0
+    assert value(stats, name + "_bucket", le="0.005") == 1.0
+    assert value(stats, name + "_bucket", le="0.05") == 2.0
+
+
+def test_exposition_text_has_vllm_names_with_the_model_label(stats):
+    stats.record(core(sched_stats(running=2, waiting=1, usage=0.75, queries=8, hits=4, pins=1)), [])
+    stats.record(core(), [finished("a", 3, "stop", RequestMetrics(0.0, 0.5, 0.5, 0.5))])
+    lines = set(generate_latest(stats.registry).decode().splitlines())
+    for line in (
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{model_name="smol"} 2.0',
+        'vllm:num_requests_waiting{model_name="smol"} 1.0',
+        'vllm:kv_cache_usage_perc{model_name="smol"} 0.75',
+        "# TYPE vllm:prefix_cache_queries_total counter",  # 0.0.4 text format
+        'vllm:prefix_cache_queries_total{model_name="smol"} 8.0',
+        'vllm:prefix_cache_hits_total{model_name="smol"} 4.0',
+        'vllm:num_preemptions_total{model_name="smol"} 0.0',
+        'vllm:pins_total{model_name="smol"} 1.0',
+        'vllm:prompt_tokens_total{model_name="smol"} 3.0',
+        'vllm:request_success_total{finished_reason="stop",model_name="smol"} 1.0',
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        'vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="smol"} 1.0',
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="smol"} 1.0',
+        'vllm:time_to_first_token_seconds_count{model_name="smol"} 1.0',
+    ):
+        assert line in lines, line
+
+
+def test_loggers_with_separate_registries_do_not_share_values():
+    a = PrometheusStatLogger("a", registry=CollectorRegistry())
+    b = PrometheusStatLogger("b")  # its own fresh registry by default
+    a.record(core(sched_stats(preemptions=4)), [])
+    assert a.registry is not b.registry
+    assert a.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "a"}) == 4.0
+    assert b.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "b"}) == 0.0

@@ -1,0 +1,260 @@
+"""The sampler: greedy, temperature, top-k / top-p / min-p, seeds, penalties, logprobs.
+
+Contract (``sample`` and its caller ``ModelRunner.execute_model``): one row of logits per
+request; greedy (temperature < 1e-5) is the argmax of the penalised logits; otherwise one
+draw from softmax(filtered(penalised / temperature)) with the row's own generator (None:
+the global RNG). Logprobs are of the *raw* logits, whatever the filters did.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.sample.sampler import SamplingRow, _filter, apply_penalties, sample
+
+VOCAB = 8
+
+
+def row(
+    seed: int | None = None,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    **params,
+) -> SamplingRow:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return SamplingRow(SamplingParams(seed=seed, **params), gen, prompt or [], output or [])
+
+
+def draws(logits: torch.Tensor, n: int, seed: int = 0, **params) -> Counter:
+    """``n`` tokens from one request with a seeded generator (same row, re-sampled)."""
+    r = row(seed=seed, **params)
+    return Counter(sample(logits[None, :].clone(), [r])[0][0] for _ in range(n))
+
+
+# -- greedy --------------------------------------------------------------------------------
+def test_greedy_is_argmax_per_row():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 4.0, 1.0], [-3.0, -2.0, -1.0, -4.0]])
+    tokens, lps = sample(logits, [row(temperature=0.0) for _ in range(3)])
+    assert tokens == [1, 0, 2]
+    assert lps == [None, None, None]
+
+
+def test_tiny_temperature_counts_as_greedy_and_ignores_the_generator():
+    # 1e-6 < 1e-5: greedy, so two differently seeded rows agree on the argmax.
+    logits = torch.tensor([[1.0, 1.5, 1.4, 0.0]] * 2)
+    tokens, _ = sample(logits, [row(seed=1, temperature=1e-6), row(seed=2, temperature=1e-6)])
+    assert tokens == [1, 1]
+
+
+def test_sample_does_not_mutate_the_logits():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    rows = [
+        row(temperature=0.0, repetition_penalty=1.5, prompt=[0, 1, 2]),
+        row(seed=3, temperature=0.7, top_k=3, top_p=0.9, presence_penalty=1.0, output=[4]),
+        row(temperature=0.0),
+    ]
+    sample(logits, rows)
+    assert torch.equal(logits, before)
+
+
+# -- temperature ---------------------------------------------------------------------------
+def test_filter_divides_by_temperature():
+    logits = torch.tensor([1.0, -2.0, 4.0, 0.5])
+    out = _filter(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(out, torch.tensor([2.0, -4.0, 8.0, 1.0]))
+
+
+@pytest.mark.parametrize(("temperature", "p1"), [(1.0, 0.75), (2.0, 3**0.5 / (1 + 3**0.5))])
+def test_temperature_sets_the_sampling_distribution(temperature, p1):
+    # logits [0, ln 3]: P(token 1) = 3^(1/T) / (1 + 3^(1/T)): 0.75 at T=1, 0.634 at T=2.
+    logits = torch.tensor([0.0, math.log(3.0)])
+    n = 4000
+    freq = draws(logits, n, temperature=temperature)[1] / n
+    assert abs(freq - p1) < 0.03  # ~4 standard deviations at n=4000
+
+
+def test_low_temperature_concentrates_on_the_argmax():
+    logits = torch.tensor([0.0, 1.0, 0.5, 0.9])
+    assert draws(logits, 300, temperature=0.01) == Counter({1: 300})
+
+
+# -- top-k / top-p / min-p -----------------------------------------------------------------
+def test_top_k_never_samples_outside_the_k_largest():
+    logits = torch.tensor([2.0, 0.0, 1.9, 0.1, 1.8, 0.2, 0.3, 1.7])
+    seen = draws(logits, 2000, temperature=1.0, top_k=3)
+    assert set(seen) == {0, 2, 4}  # all three kept tokens appear, nothing else
+
+
+def test_top_k_ties_at_the_kth_value_are_kept():
+    # Like vLLM, the mask is ``logits < kth``: a tie with the k-th value survives.
+    out = _filter(torch.tensor([3.0, 1.0, 1.0, 0.0]), SamplingParams(top_k=2))
+    assert torch.isfinite(out).tolist() == [True, True, True, False]
+
+
+def test_top_k_at_least_vocab_is_disabled():
+    out = _filter(torch.tensor([3.0, 1.0, 0.0]), SamplingParams(top_k=3))
+    assert torch.isfinite(out).all()
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # probs 0.5, 0.3, 0.15, 0.05 (shuffled positions). top_p=0.7: 0.5 < 0.7 so the token
+    # crossing 0.7 (0.3, cumulative 0.8) is kept, then cumulative-before 0.8 >= 0.7 drops
+    # the rest.
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    logits = probs.log()
+    out = _filter(logits, SamplingParams(top_p=0.7))
+    assert torch.isfinite(out).tolist() == [False, True, False, True]
+    seen = draws(logits, 2000, temperature=1.0, top_p=0.7)
+    assert set(seen) == {1, 3}
+    # Renormalised over the kept set: 0.5 / 0.8 = 0.625 for token 1.
+    assert abs(seen[1] / 2000 - 0.625) < 0.05
+
+
+def test_top_p_below_the_top_probability_keeps_only_the_top_token():
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    assert draws(logits, 200, temperature=1.0, top_p=0.1) == Counter({1: 200})
+
+
+def test_top_k_then_top_p_compose():
+    # top_k=3 keeps 0.4, 0.3, 0.2 (renormalised 4/9, 3/9, 2/9); top_p=0.5 then keeps
+    # 4/9 (< 0.5) and the crossing 3/9: tokens 2 and 0.
+    logits = torch.tensor([0.3, 0.1, 0.4, 0.2]).log()
+    seen = draws(logits, 1000, temperature=1.0, top_k=3, top_p=0.5)
+    assert set(seen) == {0, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_max():
+    # max prob 0.5; min_p=0.3 keeps probs >= 0.15: 0.5, 0.3, 0.15 (not 0.05).
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    seen = draws(logits, 2000, temperature=1.0, min_p=0.3)
+    assert set(seen) == {0, 1, 3}
+
+
+# -- seeds ---------------------------------------------------------------------------------
+def _seq(logits: torch.Tensor, rows: list[SamplingRow], steps: int, index: int) -> list[int]:
+    return [sample(logits.clone(), rows)[0][index] for _ in range(steps)]
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    logits = torch.zeros(1, 64)  # uniform over 64 tokens: a collision of 20 draws is ~0
+    a = _seq(logits, [row(seed=7)], 20, 0)
+    b = _seq(logits, [row(seed=7)], 20, 0)
+    c = _seq(logits, [row(seed=8)], 20, 0)
+    assert a == b
+    assert a != c
+
+
+def test_seeded_row_is_independent_of_batch_composition():
+    # Each seeded row draws from its own generator, so neighbours (unseeded random rows
+    # using the global RNG, greedy rows, other seeds) do not change its tokens.
+    alone = _seq(torch.zeros(1, 64), [row(seed=123, temperature=0.9)], 15, 0)
+    torch.manual_seed(999)
+    batch = [
+        row(temperature=1.0),
+        row(temperature=0.0),
+        row(seed=123, temperature=0.9),
+        row(seed=5, temperature=1.0, top_k=10),
+    ]
+    logits = torch.zeros(4, 64)
+    logits[1, 17] = 1.0
+    mixed = _seq(logits, batch, 15, 2)
+    assert mixed == alone
+
+
+def test_unseeded_rows_follow_the_global_rng():
+    logits = torch.zeros(1, 64)
+    torch.manual_seed(42)
+    a = _seq(logits, [row()], 10, 0)
+    torch.manual_seed(42)
+    b = _seq(logits, [row()], 10, 0)
+    assert a == b
+
+
+# -- mixed batches -------------------------------------------------------------------------
+def test_mixed_batch_greedy_rows_are_argmax_random_rows_respect_their_filters():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, VOCAB, generator=g)
+    top2_row1 = set(logits[1].topk(2).indices.tolist())
+    for step in range(200):
+        rows = [
+            row(temperature=0.0),
+            row(seed=step, temperature=1.5, top_k=2),
+            row(temperature=0.0, logprobs=1),
+            row(seed=1000 + step, temperature=1.0, top_k=1),  # top_k=1 is greedy too
+        ]
+        tokens, lps = sample(logits, rows)
+        assert tokens[0] == int(logits[0].argmax())
+        assert tokens[1] in top2_row1
+        assert tokens[2] == int(logits[2].argmax())
+        assert tokens[3] == int(logits[3].argmax())
+        assert lps[0] is None and lps[1] is None and lps[3] is None
+        assert lps[2].token_id == tokens[2]
+
+
+# -- penalties -----------------------------------------------------------------------------
+def test_repetition_penalty_scales_seen_tokens_by_sign():
+    # Seen (prompt or output): positive logits divided, negative multiplied; unseen kept.
+    logits = torch.tensor([2.0, -1.0, 3.0, 0.5])
+    out = apply_penalties(logits.clone(), row(repetition_penalty=2.0, prompt=[0], output=[1]))
+    assert out.tolist() == [1.0, -2.0, 3.0, 0.5]
+
+
+def test_presence_and_frequency_penalties_use_output_counts_only():
+    # token 2 output twice: 3.0 - 2*0.5 - 1.0 = 1.0; token 0 in the prompt only: unchanged.
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    r = row(presence_penalty=1.0, frequency_penalty=0.5, prompt=[0], output=[2, 2, 3])
+    out = apply_penalties(logits.clone(), r)
+    assert out.tolist() == [1.0, 2.0, 1.0, 2.5]
+
+
+def test_greedy_with_repetition_penalty_takes_the_penalised_argmax():
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
+    tokens, _ = sample(logits, [row(temperature=0.0, repetition_penalty=2.0, output=[0])])
+    assert tokens == [1]  # 3.0 / 2 = 1.5 < 2.0
+
+
+def test_repetition_penalty_with_no_history_is_a_no_op():
+    logits = torch.tensor([[0.5, 2.0, 1.0]])
+    assert sample(logits, [row(temperature=0.0, repetition_penalty=1.3)])[0] == [1]
+
+
+# -- logprobs ------------------------------------------------------------------------------
+def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top_n():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0]])
+    tokens, lps = sample(logits, [row(temperature=0.0, logprobs=3)])
+    expected = logits[0].log_softmax(-1)
+    lp = lps[0]
+    assert tokens == [1]
+    assert lp.token_id == 1
+    assert lp.logprob == pytest.approx(float(expected[1]))
+    assert lp.rank == 1
+    assert [t for t, _ in lp.top] == [1, 2, 0]
+    for t, v in lp.top:
+        assert v == pytest.approx(float(expected[t]))
+
+
+def test_logprobs_zero_gives_the_sampled_token_only():
+    logits = torch.tensor([[0.0, 1.0]])
+    _, lps = sample(logits, [row(temperature=0.0, logprobs=0)])
+    assert lps[0].top == []
+    assert lps[0].logprob == pytest.approx(float(logits[0].log_softmax(-1)[1]))
+
+
+def test_logprobs_of_a_random_sample_ignore_temperature_and_filters():
+    # Sampled under top_k=2 and T=0.5, but reported against the raw distribution, with
+    # the sampled token's 1-based rank in it.
+    logits = torch.tensor([[2.0, 1.9, -5.0, 0.0]])
+    raw = logits[0].log_softmax(-1)
+    for seed in range(20):
+        tokens, lps = sample(logits, [row(seed=seed, temperature=0.5, top_k=2, logprobs=2)])
+        t = tokens[0]
+        assert t in (0, 1)
+        assert lps[0].logprob == pytest.approx(float(raw[t]))
+        assert lps[0].rank == t + 1  # token 0 is first, token 1 second
+        assert [i for i, _ in lps[0].top] == [0, 1]
