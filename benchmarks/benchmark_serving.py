@@ -12,7 +12,7 @@ time, server overhead (HTTP, tokenization, ZMQ, detokenization: server - engine)
 client-side overhead (client - server). Repeats report medians.
 
     .venv/bin/python benchmarks/benchmark_serving.py                 # starts a server
-    .venv/bin/python benchmarks/benchmark_serving.py --base-url http://127.0.0.1:8000
+    .venv/bin/python benchmarks/benchmark_serving.py --base-url http://127.0.0.1:8000/v1
 """
 
 from __future__ import annotations
@@ -22,20 +22,15 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import openai
-import requests
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm.entrypoints.utils import get_open_port  # noqa: E402
-from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
+from vllm.benchmarks.server import RemoteServer
+from vllm.benchmarks.utils import openai_base_url, percentile
+from vllm.v1.metrics.reader import scrape_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
 OVERHEAD = "vllm:request_server_overhead_seconds"
@@ -109,7 +104,7 @@ async def one_plain(client, prompt: str, max_tokens: int) -> Result:
 async def run_phase(base_url, api_key, prompts, max_tokens, concurrency, fn, rate=None, seed=0):
     """All prompts, at most ``concurrency`` in flight; with ``rate`` (requests/s) they
     arrive as a Poisson process, else all at once (a closed loop)."""
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=openai_base_url(base_url), api_key=api_key, max_retries=0)
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
     delays, t = [], 0.0
@@ -135,53 +130,28 @@ def scrape_overhead(base_url: str) -> tuple[float, float]:
     return m.get(OVERHEAD + "_sum", 0.0), m.get(OVERHEAD + "_count", 0.0)
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(int(q / 100 * len(values)), len(values) - 1)]
-
-
 def summarize(results: list[Result], elapsed: float) -> dict[str, float]:
     ms = 1000.0
     out = {
         "req_per_s": len(results) / elapsed,
         "out_tok_per_s": sum(r.tokens for r in results) / elapsed,
-        "e2e_p50_ms": pct([r.e2e for r in results], 50) * ms,
-        "e2e_p99_ms": pct([r.e2e for r in results], 99) * ms,
+        "e2e_p50_ms": percentile([r.e2e for r in results], 50) * ms,
+        "e2e_p99_ms": percentile([r.e2e for r in results], 99) * ms,
     }
     if results[0].ttft:
         tpots = [r.tpot for r in results if r.tpot is not None]
         for q in (50, 90, 99):
-            out[f"ttft_p{q}_ms"] = pct([r.ttft for r in results], q) * ms
+            out[f"ttft_p{q}_ms"] = percentile([r.ttft for r in results], q) * ms
         for q in (50, 90, 99):
-            out[f"tpot_p{q}_ms"] = pct(tpots, q) * ms
+            out[f"tpot_p{q}_ms"] = percentile(tpots, q) * ms
     if results[0].server is not None:
         server_oh = [r.server - r.engine for r in results]
         client_oh = [r.e2e - r.server for r in results]
         for q in (50, 90, 99):
-            out[f"server_overhead_p{q}_ms"] = pct(server_oh, q) * ms
-        out["client_side_overhead_p50_ms"] = pct(client_oh, 50) * ms
-        out["engine_p50_ms"] = pct([r.engine for r in results], 50) * ms
+            out[f"server_overhead_p{q}_ms"] = percentile(server_oh, q) * ms
+        out["client_side_overhead_p50_ms"] = percentile(client_oh, 50) * ms
+        out["engine_p50_ms"] = percentile([r.engine for r in results], 50) * ms
     return out
-
-
-def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = get_open_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", str(port)]
-    cmd += ["--uvicorn-log-level", "warning", "--disable-log-requests", *server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if requests.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    raise SystemExit("server did not start")
 
 
 def run_once(args, base: str, repeat: int) -> dict[str, float]:
@@ -229,7 +199,11 @@ def run_once(args, base: str, repeat: int) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--base-url", default=None, help="A running server (default: start one).")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="A running server, with or without /v1 (default: start one).",
+    )
     p.add_argument("--api-key", default="EMPTY")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--num-overhead", type=int, default=16, help="Non-streaming requests.")
@@ -251,18 +225,20 @@ def main() -> None:
         help="Flags of the server this script starts.",
     )
     args = p.parse_args()
-    proc = None
+    server = None
     base = args.base_url
     if base is None:
-        proc, base = start_server(args.server_args.split())
+        server = RemoteServer(
+            "--disable-log-requests", *args.server_args.split(), timeout_s=300, log_path=os.devnull
+        )
+        base = server.base
     try:
         # Warm-up: first requests pay for lazy initialisation (chat template, kernels).
         asyncio.run(run_phase(base, args.api_key, make_prompts(2, 8, 1), 4, 2, one_stream))
         rows = [run_once(args, base, i) for i in range(args.repeats)]
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+        if server is not None:
+            server.stop()
     summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     arrivals = f"Poisson {args.request_rate}/s" if args.request_rate else "all at once"
     print(

@@ -10,8 +10,9 @@ hit rate, pin counters and KV usage scraped from /metrics during the run.
     .venv/bin/python our_experiments/scripts/ab_benchmark.py --policy continuum \\
         --base-url http://127.0.0.1:8000 --jps 0.05 --duration 60 --output out.json
 
-The server's scheduling policy is whatever it was started with; --policy only labels
-the result. Targets loopback addresses only unless --allow-remote.
+--base-url takes the server's root or its OpenAI base URL (with or without /v1). The
+server's scheduling policy is whatever it was started with; --policy only labels the
+result. Targets loopback addresses only unless --allow-remote.
 """
 
 from __future__ import annotations
@@ -26,16 +27,20 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+# Run as a file, this script sees only its own folder; the repository root makes
+# `our_experiments` importable (vllm itself is installed).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts.workload import (  # noqa: E402
     JobResult,
     load_corpus,
     load_trace,
+    repo_relative,
     run_job,
     summarize,
     synthetic_jobs,
 )
+from vllm.benchmarks.utils import openai_base_url  # noqa: E402
 from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
 
 COUNTERS = {
@@ -96,7 +101,7 @@ async def run_benchmark(args, jobs) -> tuple[list[JobResult], UsageSampler, floa
     from tqdm import tqdm
 
     client = openai.AsyncOpenAI(
-        base_url=args.base_url.rstrip("/") + "/v1",
+        base_url=openai_base_url(args.base_url),
         api_key=args.api_key,
         max_retries=0,
         timeout=args.request_timeout,
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="with or without /v1")
     ap.add_argument("--api-key", default="EMPTY")
     ap.add_argument("--model", default=None, help="default: the server's first model")
     ap.add_argument("--policy", default="unknown", help="label for the result")
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.update(
         duration_s=args.duration,
         turns=args.turns if not args.trace else None,
-        trace=str(args.trace) if args.trace else None,
+        trace=repo_relative(args.trace) if args.trace else None,
         seed=args.seed,
         wall_time_s=round(elapsed, 1),
         prefix_hit_rate=round(delta["prefix_cache_hits"] / q, 4) if q else None,

@@ -18,8 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+# Run as a file, this script sees only its own folder; the repository root makes
+# `our_experiments` importable (vllm itself is installed).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts.run_sweep import RESULTS, default_machine  # noqa: E402
 

@@ -20,11 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+# Run as a file, this script sees only its own folder; the repository root makes
+# `our_experiments` importable (vllm itself is installed).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts import ab_benchmark  # noqa: E402
-from tests.utils import RemoteServer  # noqa: E402
+from our_experiments.scripts.workload import ROOT, repo_relative  # noqa: E402
+from vllm.benchmarks.server import RemoteServer  # noqa: E402
 
 RESULTS = ROOT / "our_experiments" / "results"
 
@@ -61,6 +63,22 @@ def server_args(args, policy: str) -> list[str]:
         "--disable-log-requests",
         *args.server_arg,
     ]
+
+
+def write_config(args, out_dir: Path) -> Path:
+    """Record the sweep's arguments next to its results, paths relative to the repository.
+
+    A resumed or extended sweep writes ``sweep_config.<n>.json`` rather than replace the
+    record of the run that produced the earlier points.
+    """
+    config = {k: (repo_relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config.update(cpu=platform.processor() or platform.machine(), started=time.ctime())
+    path, n = out_dir / "sweep_config.json", 1
+    while path.exists():
+        n += 1
+        path = out_dir / f"sweep_config.{n}.json"
+    path.write_text(json.dumps(config, indent=1) + "\n")
+    return path
 
 
 def bench_args(args, base_url: str, policy: str, jps: float, out: Path) -> list[str]:
@@ -101,9 +119,7 @@ def main() -> None:
 
     out_dir = args.results_dir / (args.machine or default_machine())
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config.update(cpu=platform.processor() or platform.machine(), started=time.ctime())
-    (out_dir / "sweep_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    write_config(args, out_dir)
     for jps in args.jps:
         for policy in args.policies:
             out = result_path(out_dir, policy, jps)

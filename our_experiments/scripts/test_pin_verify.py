@@ -7,7 +7,7 @@ cover the previous context; after the last turn (is_last_step=True) usage must r
 to its starting level. Run it on an otherwise idle server started with
 `--scheduling-policy continuum`; under fcfs the "pinned" checks fail by design.
 
-    .venv/bin/python our_experiments/scripts/test_pin_verify.py --base-url http://127.0.0.1:8000
+    .venv/bin/python our_experiments/scripts/test_pin_verify.py --base-url http://127.0.0.1:8000/v1
 
 Exit status 0 when every check passes, 1 otherwise.
 """
@@ -20,10 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file, this script sees only its own folder; the repository root makes
+# `our_experiments` importable (vllm itself is installed).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts.ab_benchmark import check_loopback  # noqa: E402
 from our_experiments.scripts.workload import SYSTEM_PROMPT, load_corpus, make_job  # noqa: E402
+from vllm.benchmarks.utils import openai_base_url  # noqa: E402
 from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
 
 USAGE = "vllm:kv_cache_usage_perc"
@@ -37,7 +40,7 @@ def verify(base_url: str, turns: int, gap_s: float, polls: int, seed: int) -> li
     """Play the job, print each observation, return the failed checks."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="EMPTY", max_retries=0)
+    client = openai.OpenAI(base_url=openai_base_url(base_url), api_key="EMPTY", max_retries=0)
     model = client.models.list().data[0].id
     job = make_job(f"pin_verify_{seed}", 0.0, turns, 32, load_corpus(), random.Random(seed))
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
@@ -89,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="with or without /v1")
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--gap", type=float, default=1.0, help="simulated tool time, s")
     ap.add_argument("--polls", type=int, default=3, help="usage polls per gap")

@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CORPUS_PATH = Path(__file__).resolve().parent.parent / "corpus" / "tool_outputs.json"
+from vllm.benchmarks.utils import percentile
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+CORPUS_PATH = ROOT / "our_experiments" / "corpus" / "tool_outputs.json"
 CHARS_PER_TOKEN = 3.5  # SmolLM2's tokenizer on code and logs; sizes in traces are tokens
 
 # The fork's per-turn tool table (its ab_benchmark.py): (kind, min s, max s) for the tool
@@ -251,6 +254,19 @@ def load_trace(
     return jobs
 
 
+def repo_relative(path: Path | str) -> str:
+    """``path`` relative to the repository if it lies inside it, else as given.
+
+    Result files are committed, so they must not record where the repository happened
+    to be checked out on the machine that ran them.
+    """
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def _chars(tokens: int) -> int:
     return max(1, math.ceil(tokens * CHARS_PER_TOKEN))
 
@@ -307,16 +323,6 @@ async def run_job(client, model: str, job: JobSpec, request_timeout_s: float) ->
         result.error = f"{type(e).__name__}: {e}"[:300]
     result.duration_s = time.monotonic() - start
     return result
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def summarize(policy: str, jps: float, results: list[JobResult]) -> dict[str, Any]:

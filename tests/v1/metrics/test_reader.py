@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
+import pytest
+import requests
+
 from vllm.v1.metrics.reader import scrape_metrics
 
 TEXT = b"""# HELP vllm:kv_cache_usage_perc KV-cache usage.
@@ -42,13 +45,16 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def test_scrape_keeps_values_and_sums_and_drops_buckets():
+@pytest.fixture
+def metrics_url():
     server = HTTPServer(("127.0.0.1", 0), _Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        m = scrape_metrics(f"http://127.0.0.1:{server.server_port}/")
-    finally:
-        server.shutdown()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_scrape_keeps_values_and_sums_and_drops_buckets(metrics_url):
+    m = scrape_metrics(metrics_url + "/")
     assert m["vllm:kv_cache_usage_perc"] == 0.25
     assert m["vllm:pins_total"] == 7.0
     assert m["vllm:prompt_tokens_total"] == 15.0  # label sets summed
@@ -56,3 +62,14 @@ def test_scrape_keeps_values_and_sums_and_drops_buckets():
     assert m["vllm:e2e_request_latency_seconds_count"] == 5.0
     assert "vllm:e2e_request_latency_seconds_bucket" not in m
     assert "vllm:request_success_total" not in m  # per-reason counters are left out
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_scrape_accepts_the_root_and_the_openai_base_url(metrics_url, suffix):
+    # An OpenAI user writes http://host:port/v1; /metrics is at the root either way.
+    assert scrape_metrics(metrics_url + suffix)["vllm:pins_total"] == 7.0
+
+
+def test_scrape_raises_on_an_http_error_instead_of_parsing_the_page(metrics_url):
+    with pytest.raises(requests.HTTPError):
+        scrape_metrics(metrics_url + "/elsewhere")

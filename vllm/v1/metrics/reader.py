@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+from vllm.benchmarks.utils import server_root
+
 
 def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """Sample name -> value from ``{base_url}/metrics``.
+    """Sample name -> value from the server's ``/metrics``.
 
-    Samples of one name with different label sets are summed (one server serves one
-    model, so this only merges per-reason counters); histogram buckets (``le``) and the
-    per-finish-reason success counters are left out, ``_sum`` and ``_count`` kept.
+    ``base_url`` is the server's root or its OpenAI base URL (``.../v1``): /metrics is
+    served at the root either way. Samples of one name with different label sets are
+    summed (one server serves one model, so this only merges per-reason counters);
+    histogram buckets (``le``) and the per-finish-reason success counters are left out,
+    ``_sum`` and ``_count`` kept. An HTTP error raises ``requests.HTTPError``.
     """
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = requests.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s).text
+    resp = requests.get(server_root(base_url) + "/metrics", timeout=timeout_s)
+    # Without this a 404 page reaches the Prometheus parser and fails as "Invalid labels".
+    resp.raise_for_status()
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(resp.text):
         for sample in family.samples:
             if "le" not in sample.labels and "finished_reason" not in sample.labels:
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value

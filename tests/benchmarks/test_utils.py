@@ -1,0 +1,55 @@
+"""Base-URL forms and the one percentile definition shared by every benchmark."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm.benchmarks.utils import openai_base_url, percentile, server_root
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "http://127.0.0.1:8000",
+        "http://127.0.0.1:8000/",
+        "http://127.0.0.1:8000/v1",
+        "http://127.0.0.1:8000/v1/",
+        " http://127.0.0.1:8000/v1 ",
+    ],
+)
+def test_both_url_forms_name_the_same_server(given):
+    assert server_root(given) == "http://127.0.0.1:8000"
+    assert openai_base_url(given) == "http://127.0.0.1:8000/v1"
+
+
+def test_a_path_prefix_before_v1_is_kept():
+    # A server behind a proxy at /llm: only the OpenAI suffix is dropped.
+    assert server_root("https://host/llm/v1") == "https://host/llm"
+    assert openai_base_url("https://host/llm") == "https://host/llm/v1"
+    assert server_root("http://host/v10") == "http://host/v10"
+
+
+def test_percentile_interpolates_linearly_like_numpy():
+    xs = [10.0, 1.0, 4.0, 2.0, 3.0]  # sorted: 1 2 3 4 10
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 10.0
+    assert percentile(xs, 50) == 3.0
+    # P90: rank 0.9 * 4 = 3.6, between 4 and 10
+    assert percentile(xs, 90) == pytest.approx(4 + 0.6 * 6)
+    assert percentile([7.0], 95) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_percentile_matches_numpy_on_random_samples():
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 10, 101):
+        xs = rng.exponential(size=n).tolist()
+        for q in (50, 90, 95, 99):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_percentile_rejects_q_outside_0_100():
+    with pytest.raises(ValueError, match="q must be in"):
+        percentile([1.0], 101)

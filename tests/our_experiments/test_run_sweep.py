@@ -1,0 +1,37 @@
+"""run_sweep's bookkeeping: what it records next to the results, without a server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from our_experiments.scripts import run_sweep
+from our_experiments.scripts.workload import ROOT, repo_relative
+
+
+def test_repo_relative_paths_inside_the_repository_only(tmp_path):
+    assert repo_relative(ROOT / "our_experiments" / "results") == "our_experiments/results"
+    assert repo_relative(tmp_path / "t.jsonl") == str(tmp_path / "t.jsonl")
+
+
+def test_sweep_config_records_relative_paths_and_keeps_earlier_records(tmp_path):
+    trace = ROOT / "our_experiments" / "traces" / "example_trace.jsonl"
+    args = SimpleNamespace(results_dir=run_sweep.RESULTS, trace=trace, jps=[0.1], seed=0)
+    first = run_sweep.write_config(args, tmp_path)
+    second = run_sweep.write_config(args, tmp_path)
+    assert (first.name, second.name) == ("sweep_config.json", "sweep_config.2.json")
+    config = json.loads(first.read_text())
+    assert config["results_dir"] == "our_experiments/results"
+    assert config["trace"] == "our_experiments/traces/example_trace.jsonl"
+    assert config["jps"] == [0.1] and "started" in config
+
+
+def test_committed_sweep_configs_name_no_machine_paths():
+    configs = sorted((ROOT / "our_experiments" / "results").glob("*/sweep_config*.json"))
+    assert configs
+    for path in configs:
+        config = json.loads(path.read_text())
+        for key in ("results_dir", "trace"):
+            value = config.get(key)
+            assert value is None or not Path(value).is_absolute(), (path, key, value)

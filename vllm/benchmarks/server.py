@@ -1,0 +1,121 @@
+"""`vllm serve` in a subprocess, for benchmarks, the policy study and end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import IO
+
+import requests
+
+from vllm.benchmarks.utils import openai_base_url
+from vllm.entrypoints.utils import LOOPBACK, get_open_port
+from vllm.v1.metrics.reader import scrape_metrics
+
+
+class RemoteServer:
+    """`vllm serve` on a free loopback port; the constructor returns once /health is 200.
+
+    Output goes to ``log_path`` if given, else to this process's stdout (nowhere under
+    CI, whose logs it would flood). ``stop()`` ends the server's whole process group (the
+    API server and its engine core), also when used as a context manager.
+    """
+
+    def __init__(
+        self,
+        *args: str,
+        timeout_s: float = 240.0,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = get_open_port()
+        self.base = f"http://{LOOPBACK}:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            "--port",
+            str(self.port),
+            "--uvicorn-log-level",
+            "warning",
+            *args,
+        ]
+        self.log: IO[str] | None = None
+        if log_path:
+            self.log = open(log_path, "w")
+        elif os.environ.get("CI"):
+            self.log = open(os.devnull, "w")
+        # A session of its own, so that stop() reaches the engine core too.
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        self._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if requests.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not start in {timeout_s:g} s")
+
+    @property
+    def url_for_openai(self) -> str:
+        """The base URL an OpenAI client is given (``.../v1``)."""
+        return openai_base_url(self.base)
+
+    def client(self, **kw):
+        """A synchronous ``openai.OpenAI`` client for this server (no retries)."""
+        import openai
+
+        return openai.OpenAI(
+            base_url=self.url_for_openai,
+            api_key=kw.pop("api_key", "x"),
+            max_retries=0,
+            timeout=kw.pop("timeout", 120),
+            **kw,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name -> value (labels dropped; one model per server)."""
+        return scrape_metrics(self.base)
+
+    def wait_metric(self, name: str, value: float, timeout_s: float = 20.0) -> float | None:
+        """Poll /metrics until ``name`` equals ``value``; the last value seen otherwise."""
+        deadline = time.monotonic() + timeout_s
+        got = None
+        while time.monotonic() < deadline:
+            got = self.metrics().get(name)
+            if got == value:
+                return got
+            time.sleep(0.2)
+        return got
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if self.log:
+            self.log.close()
+            self.log = None
+
+    def __enter__(self) -> RemoteServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
