@@ -16,6 +16,7 @@ from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.policy import create_policy, policy_names
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
@@ -24,7 +25,7 @@ BLOCK = 16
 PROMPT = 64
 
 
-def build(num_running: int, num_waiting: int, prefix_hits: bool) -> Scheduler:
+def build(num_running: int, num_waiting: int, prefix_hits: bool, policy: str) -> Scheduler:
     # Room for exactly the running requests (prompt + 200 decode tokens each), so the
     # waiting ones stay waiting and every step schedules num_running decodes.
     blocks_per_req = (PROMPT + 200) // BLOCK + 1
@@ -34,9 +35,14 @@ def build(num_running: int, num_waiting: int, prefix_hits: bool) -> Scheduler:
             max_num_seqs=num_running,
             max_num_batched_tokens=max(8192, num_running * PROMPT),
             max_model_len=4096,
+            policy=policy,
         ),
     )
-    sched = Scheduler(config, num_running * blocks_per_req + 2, clock=FakeClock())
+    clock = FakeClock()
+    decode = lambda ids: "```bash\nls\n```"  # noqa: E731 - every turn ran `ls`
+    sched = Scheduler(
+        config, num_running * blocks_per_req + 2, create_policy(config, decode, clock), clock
+    )
     hasher = get_request_block_hasher(BLOCK)
     shared = list(range(PROMPT - 1))
     for i in range(num_running + num_waiting):
@@ -59,11 +65,11 @@ def step(sched: Scheduler) -> None:
 
 
 def measure(
-    num_running: int, num_waiting: int, prefix_hits: bool, steps: int, repeats: int
+    num_running: int, num_waiting: int, prefix_hits: bool, steps: int, repeats: int, policy: str
 ) -> tuple[float, int]:
     medians = []
     for _ in range(repeats):
-        sched = build(num_running, num_waiting, prefix_hits)
+        sched = build(num_running, num_waiting, prefix_hits, policy)
         step(sched)  # admits the running set (prefill)
         times = []
         for _ in range(steps):
@@ -79,13 +85,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--scheduling-policy", choices=policy_names(), default="fcfs")
     args = ap.parse_args()
-    measure(64, 1_000, False, args.steps, 1)  # warm-up (imports, allocator)
+    policy = args.scheduling_policy
+    measure(64, 1_000, False, args.steps, 1, policy)  # warm-up (imports, allocator)
     rows = []
     for hits in (False, True):
         for running in (64, 256):
             for waiting in (1_000, 10_000):
-                us, n = measure(running, waiting, hits, args.steps, args.repeats)
+                us, n = measure(running, waiting, hits, args.steps, args.repeats, policy)
                 rows.append((running, waiting, hits, n, us))
     base = rows[0][4]
     print(
