@@ -5,6 +5,7 @@ from __future__ import annotations
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.policy.base import FREE, Pin
 from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
+from vllm.v1.request import RequestStatus
 
 from ..conftest import make_request
 from .helpers import make_scheduler, run_until_done, step
@@ -193,3 +194,27 @@ def test_expired_pins_of_jobs_stuck_behind_others_are_released():
     run_until_done(s)
     assert a2.num_cached_tokens == 12  # a kept its pin and took its hit
     s.check_invariants()
+
+
+def test_pin_kept_for_a_waiting_turn_ends_when_that_turn_is_aborted():
+    # The leak of issue 16: job's turn 2 waits (one seq slot, busy) past the TTL, so the
+    # expired pin is kept for it; then its client leaves (abort). The pin must still end
+    # at the next step, not when the job happens to send another turn.
+    s, policy, clock = setup(max_num_seqs=1)
+    t1 = turn("job", list(range(11)))
+    s.add_request(t1)
+    run_until_done(s)
+    other = make_request(list(range(100, 104)), max_tokens=40, job_id="o", is_last_step=True)
+    s.add_request(other)
+    step(s)
+    t2 = turn("job", t1.all_token_ids + [1])
+    s.add_request(t2)
+    clock.advance(5.0)
+    step(s)
+    assert policy.released == [] and len(s.pins) == 1  # kept: its turn is next in line
+    s.finish_requests(t2.request_id, RequestStatus.FINISHED_ABORTED)
+    step(s)
+    assert policy.released == [(t1.request_id, "expired")] and len(s.pins) == 0
+    assert s.next_wakeup() is None
+    run_until_done(s)
+    assert s.kv_cache_manager.usage == 0.0

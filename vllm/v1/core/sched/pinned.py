@@ -78,13 +78,18 @@ class PinnedRequests:
         return entry is not None and entry.seq == seq
 
     def pop_expired(self, now: float) -> Iterator[tuple[str, PinEntry]]:
-        """Yield (job, entry) of pins whose deadline passed, oldest first; the caller
-        removes those it releases. Each pin is yielded once (it leaves the deadline heap),
-        so one kept because its job's turn is next in line is not re-examined each step."""
+        """Yield (job, entry) of pins whose deadline passed, oldest first; each leaves the
+        deadline heap. The caller removes those it releases and ``rearm``s those it keeps
+        (after the iteration), so a kept pin is examined again at the next step."""
         while self._deadlines and self._deadlines[0][0] <= now:
             _, seq, job = heapq.heappop(self._deadlines)
             if self._live(seq, job):
                 yield job, self._by_job[job]
+
+    def rearm(self, job: str) -> None:
+        """Put a kept expired pin back in the deadline heap (its deadline unchanged)."""
+        entry = self._by_job[job]
+        heapq.heappush(self._deadlines, (entry.deadline, entry.seq, job))
 
     def newest_job(self, exclude: str | None = None) -> str | None:
         """The pinned job that arrived last (released first under memory pressure)."""
@@ -167,9 +172,13 @@ class PinManager:
     def expire(self, now: float, next_in_line: str | None) -> None:
         """End the pins whose deadline passed, except the pin of the job whose turn is
         first in line (it is about to take its hit). Holding a pin for a turn stuck
-        behind others would deadlock memory, so any other expired pin goes."""
+        behind others would deadlock memory, so any other expired pin goes. The kept pin
+        is examined again at every step, so it ends as soon as its turn is no longer
+        first in line (admitted: a hit; aborted: expired)."""
         for job, _ in list(self.pinned.pop_expired(now)):
-            if job != next_in_line:
+            if job == next_in_line:
+                self.pinned.rearm(job)
+            else:
                 self.release(job, now, PIN_RELEASE_EXPIRED)
 
     def release_for_pressure(self, now: float, exclude: str | None = None) -> bool:
