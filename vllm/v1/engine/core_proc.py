@@ -125,6 +125,8 @@ class EngineCoreProc:
                     self._send(EngineCoreOutputType.REQUEST_ERROR, error)
             case EngineCoreRequestType.ABORT:
                 self.engine.abort_requests(payload)
+            case EngineCoreRequestType.STOP:
+                self.engine.stop_requests(payload)
             case EngineCoreRequestType.SHUTDOWN:
                 self.running = False
             case _:  # a type added to the enum but not handled here
