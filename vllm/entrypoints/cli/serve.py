@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
 import time
 
+from vllm import envs
 from vllm.config import DEFAULT_MODEL
 from vllm.engine.arg_utils import EngineArgs
 
@@ -126,7 +126,7 @@ def event_loop_factory():
     """uvloop's event loop when it is installed (a dependency; vLLM serves on it too), else
     asyncio's default. The API server's per-request work is mostly event-loop callbacks
     (HTTP parsing, ZMQ readiness, responses), which uvloop runs in C."""
-    if os.environ.get("VLLM_USE_UVLOOP", "1") == "0":
+    if not envs.VLLM_USE_UVLOOP:
         return None
     try:
         import uvloop
