@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.model_executor.model_loader import resolve_model
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
@@ -59,7 +60,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.attn_backend: AttentionBackend = TORCH_BACKEND  # chosen in load_model
         if self.device.type == "cpu":
-            torch.set_num_threads(int(os.environ.get("VLLM_CPU_THREADS", os.cpu_count() or 1)))
+            torch.set_num_threads(envs.VLLM_CPU_THREADS)
 
     # -- start-up -------------------------------------------------------------------------
     def load_model(self) -> None:
