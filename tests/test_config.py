@@ -9,7 +9,6 @@ import typing
 
 import pytest
 
-import vllm.config
 from vllm.config import (
     CacheConfig,
     ModelConfig,

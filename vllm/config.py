@@ -9,14 +9,18 @@ Invalid values raise ``ValueError`` naming the field and the bad value.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from vllm_continuum.config import (  # the policies' config lives with the policies
+    PolicyConfig,
+    bad_value,
+    config_field,
+)
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-ContinuumTTLMode = Literal["paper", "fixed"]
-CONTINUUM_TTL_MODES: tuple[str, ...] = get_args(ContinuumTTLMode)
 
 
 def scheduling_policy_names() -> Sequence[str]:
@@ -24,29 +28,6 @@ def scheduling_policy_names() -> Sequence[str]:
     from vllm.v1.core.sched.policy.registry import policy_names  # imports no engine code
 
     return policy_names()
-
-
-def config_field(
-    default: Any,
-    help: str,
-    *,
-    flag: str | None = None,
-    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
-    parse: Callable[[str], Any] | None = None,
-    cli: bool = True,
-    derived: bool = False,
-) -> Any:
-    """A config field carrying its own documentation and CLI description.
-
-    ``help``: what the knob does (also the flag's help). ``flag``: the vLLM flag when it is
-    not ``--field-name``. ``choices``: allowed values, or a callable returning them when the
-    parser is built (a registry filled later). ``parse``: text -> value for the flag and for
-    string keyword arguments (sizes). ``cli=False``: filled from other fields, no flag.
-    ``derived``: the flag defaults to None and the engine computes the value from other
-    settings (``EngineArgs.create_engine_config``).
-    """
-    meta = {"help": help, "flag": flag, "choices": choices, "parse": parse}
-    return field(default=default, metadata={**meta, "cli": cli, "derived": derived})
 
 
 def field_default(cls: type, name: str) -> Any:
@@ -72,10 +53,6 @@ def parse_bytes(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"kv_cache_memory must be a size like 512MiB or 2GiB, got {text!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _bad(name: str, value: object, why: str) -> ValueError:
-    return ValueError(f"{name} {why}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -104,11 +81,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise _bad("model", self.model, "must be a non-empty name or path")
+            raise bad_value("model", self.model, "must be a non-empty name or path")
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise _bad("max_model_len", self.max_model_len, "must be >= 1")
+            raise bad_value("max_model_len", self.max_model_len, "must be >= 1")
         if self.dtype not in get_args(Dtype):
-            raise _bad("dtype", self.dtype, "must be auto, float32, bfloat16 or float16")
+            raise bad_value("dtype", self.dtype, "must be auto, float32, bfloat16 or float16")
 
     @property
     def name(self) -> str:
@@ -138,13 +115,15 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            raise _bad("block_size", self.block_size, "must be a power of two in [1, 256]")
+            raise bad_value("block_size", self.block_size, "must be a power of two in [1, 256]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
-            raise _bad("num_gpu_blocks_override", self.num_gpu_blocks_override, "must be >= 2")
+            raise bad_value("num_gpu_blocks_override", self.num_gpu_blocks_override, "must be >= 2")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise _bad("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
+            raise bad_value("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+            raise bad_value(
+                "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]"
+            )
 
 
 @dataclass(frozen=True)
@@ -177,81 +156,20 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
-                raise _bad(name, getattr(self, name), "must be >= 1")
+                raise bad_value(name, getattr(self, name), "must be >= 1")
         if self.long_prefill_token_threshold < 0:
-            raise _bad(
+            raise bad_value(
                 "long_prefill_token_threshold", self.long_prefill_token_threshold, "must be >= 0"
             )
         policies = tuple(scheduling_policy_names())
         if self.policy not in policies:
-            raise _bad("scheduling_policy", self.policy, f"must be one of {policies}")
+            raise bad_value("scheduling_policy", self.policy, f"must be one of {policies}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise _bad(
+            raise bad_value(
                 "max_num_batched_tokens",
                 self.max_num_batched_tokens,
                 f"must be >= max_model_len={self.max_model_len} without chunked prefill",
             )
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Knobs of the agent-aware policies (Continuum, ContextServe)."""
-
-    continuum_ttl_mode: ContinuumTTLMode = config_field(
-        "paper",
-        "Continuum pin TTL rule. paper: the empirical CDF rule of arXiv 2511.02230 §4; "
-        "fixed: the research fork's rule (pin fixed_pin_s if the tool's mean <= threshold).",
-    )
-    max_ttl_s: float = config_field(
-        10.0, "Upper bound on any pin's TTL, seconds.", flag="--continuum-max-ttl"
-    )
-    default_ttl_s: float = config_field(
-        2.0,
-        "TTL in seconds used by the paper rule at cold start (<= min_records records in total).",
-        flag="--continuum-default-ttl",
-    )
-    min_records: int = config_field(
-        100,
-        "K of the paper: tool records needed before a tool's own CDF (else the global one) "
-        "is used.",
-        flag="--continuum-min-records",
-    )
-    fixed_pin_s: float = config_field(
-        2.0, "Fixed TTL mode: pin length, seconds.", flag="--continuum-fixed-pin"
-    )
-    fixed_threshold_s: float = config_field(
-        2.0,
-        "Fixed TTL mode: mean tool time (seconds) above which nothing is pinned.",
-        flag="--continuum-fixed-threshold",
-    )
-    max_wait_s: float = config_field(
-        30.0,
-        "Bounded waiting: a request that waited this many seconds is served regardless of "
-        "job order.",
-        flag="--max-wait-time",
-    )
-    queue_delay_window: int = config_field(
-        64,
-        "Window (number of evictions) of the queueing-delay mean T in the TTL rule.",
-        flag="--continuum-queue-delay-window",
-    )
-
-    def __post_init__(self) -> None:
-        if self.continuum_ttl_mode not in CONTINUUM_TTL_MODES:
-            raise _bad(
-                "continuum_ttl_mode",
-                self.continuum_ttl_mode,
-                f"must be one of {CONTINUUM_TTL_MODES}",
-            )
-        for name in ("max_ttl_s", "default_ttl_s", "fixed_pin_s", "fixed_threshold_s"):
-            if getattr(self, name) < 0:
-                raise _bad(name, getattr(self, name), "must be >= 0")
-        if self.max_wait_s <= 0:
-            raise _bad("max_wait_s", self.max_wait_s, "must be > 0")
-        if self.min_records < 0:
-            raise _bad("min_records", self.min_records, "must be >= 0")
-        if self.queue_delay_window < 1:
-            raise _bad("queue_delay_window", self.queue_delay_window, "must be >= 1")
 
 
 @dataclass(frozen=True)
