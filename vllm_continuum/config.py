@@ -81,6 +81,24 @@ class PolicyConfig:
         "job order.",
         flag="--max-wait-time",
     )
+    job_admission: bool = config_field(
+        True,
+        "Job-level admission: a new job starts only when the KV memory holds it next to the "
+        "active jobs' contexts and their next turns' growth (older jobs' turns go first).",
+        flag="--continuum-job-admission",
+    )
+    job_admission_max_wait_s: float = config_field(
+        300.0,
+        "Starvation bound of job-level admission: a new job that waited this many seconds "
+        "starts regardless of memory.",
+        flag="--continuum-admission-max-wait",
+    )
+    job_idle_timeout_s: float = config_field(
+        120.0,
+        "A job silent this many seconds (no running turn) stops counting in job-level "
+        "admission (an agent that gave up must not hold a reservation).",
+        flag="--continuum-job-idle-timeout",
+    )
     queue_delay_window: int = config_field(
         64,
         "Window (number of evictions) of the queueing-delay mean T in the TTL rule.",
@@ -97,6 +115,14 @@ class PolicyConfig:
         for name in ("max_ttl_s", "default_ttl_s", "fixed_pin_s", "fixed_threshold_s"):
             if getattr(self, name) < 0:
                 raise bad_value(name, getattr(self, name), "must be >= 0")
+        if self.job_admission_max_wait_s < self.max_wait_s:
+            raise bad_value(
+                "job_admission_max_wait_s",
+                self.job_admission_max_wait_s,
+                f"must be >= max_wait_s={self.max_wait_s}",
+            )
+        if self.job_idle_timeout_s <= 0:
+            raise bad_value("job_idle_timeout_s", self.job_idle_timeout_s, "must be > 0")
         if self.max_wait_s <= 0:
             raise bad_value("max_wait_s", self.max_wait_s, "must be > 0")
         if self.min_records < 0:

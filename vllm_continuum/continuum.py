@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
+from vllm_continuum.admission import JobAdmission
 from vllm_continuum.clock import Clock
 from vllm_continuum.estimator import ToolCallEstimator
 from vllm_continuum.recorder import JobRecorder
@@ -41,6 +42,7 @@ class ContinuumCore:
         self.prefill_coeffs = fit_prefill_profile([])
         self.queue_delays: deque[float] = deque(maxlen=config.queue_delay_window)
         self.recorder = JobRecorder(record_dir, clock) if record_dir else None
+        self.admission = JobAdmission(config.job_idle_timeout_s)
 
     def set_prefill_profile(self, samples: Sequence[tuple[int, float]]) -> None:
         """(tokens, seconds) prefill measurements, to price a re-prefill."""
@@ -51,18 +53,30 @@ class ContinuumCore:
         return self.estimator.job_first_arrival(job, default)
 
     # -- events ---------------------------------------------------------------------------
-    def on_arrival(self, job: str, request_id: str, now: float, named: bool) -> None:
+    def on_arrival(
+        self, job: str, request_id: str, now: float, named: bool, prompt_tokens: int
+    ) -> None:
         """A turn arrived; ``named``: it carries a user-given job_id."""
         last_tool = self.estimator.on_arrival(job, now)
+        self.admission.on_arrival(job, prompt_tokens, now)
         if named:
             logger.info("job %s arriving, last func call: %s", job, last_tool)
         self._record(job, "arrival", request=request_id, last_func_call=last_tool)
 
     def on_scheduled(
-        self, job: str, request_id: str, now: float, queued_s: float, context_kept: bool, hit: int
+        self,
+        job: str,
+        request_id: str,
+        now: float,
+        queued_s: float,
+        context_kept: bool,
+        hit: int,
+        num_tokens: int,
     ) -> None:
-        """A turn was admitted after ``queued_s`` in the queue; ``context_kept``: its job's
-        context was pinned (or it is a preempted request coming back)."""
+        """A turn of ``num_tokens`` was admitted after ``queued_s`` in the queue;
+        ``context_kept``: its job's context was pinned (or it is a preempted request
+        coming back)."""
+        self.admission.on_scheduled(job, num_tokens, now - queued_s, now)
         if not context_kept:
             # A turn whose context was not kept waited this long: the T of the TTL rule.
             self.queue_delays.append(max(queued_s, 0.0))
@@ -79,6 +93,7 @@ class ContinuumCore:
         num_tokens: int,
     ) -> float:
         """A turn finished with output ``text``: the pin's TTL in seconds (0: free)."""
+        self.admission.on_stopped(job, num_tokens, is_last_step, now)
         call = self.parser.parse(text)
         tool = call.name if call else None
         self.estimator.on_departure(job, now, tool)
@@ -97,6 +112,42 @@ class ContinuumCore:
         logger.info("job %s: func_call=%s -> pin %.2fs", job, tool, ttl)
         self._record(job, "pinned", request=request_id, ttl_s=ttl)
         return ttl
+
+    def on_kv_released(self, job: str, num_tokens: int, now: float) -> None:
+        """A turn left the engine's memory without finishing (preempted or aborted)."""
+        self.admission.on_stopped(job, num_tokens, False, now)
+
+    # -- job-level admission and pressure -------------------------------------------------
+    def wait_bound_s(self, job: str) -> float:
+        """How long a waiting turn of ``job`` may wait before it is served regardless of
+        job order: a new job's first turn waits for memory up to the admission bound."""
+        cfg = self.config
+        new_job = cfg.job_admission and not self.admission.is_known(job)
+        return cfg.job_admission_max_wait_s if new_job else cfg.max_wait_s
+
+    def may_admit(
+        self,
+        job: str,
+        new_tokens: int,
+        free_tokens: int,
+        pinned_jobs: Container[str],
+        waited_s: float,
+        now: float,
+    ) -> bool:
+        """Whether a turn of ``job`` needing ``new_tokens`` may start now. Turns of jobs
+        already started always may (their memory is what admission protects)."""
+        if not self.config.job_admission or self.admission.is_known(job):
+            return True
+        if waited_s > self.config.job_admission_max_wait_s:
+            return True
+        return self.admission.admits(new_tokens, free_tokens, pinned_jobs, now)
+
+    def may_release_pin(
+        self, requester_job_arrival: float, pin_job_arrival: float, waited_s: float
+    ) -> bool:
+        """A pin of an older job is not torn down for a newer job's turn (unless that turn
+        has waited past the bound): pressure releases go from newer jobs' pins."""
+        return pin_job_arrival > requester_job_arrival or waited_s > self.config.max_wait_s
 
     def on_pin_released(self, job: str, request_id: str, reason: str) -> None:
         self._record(job, "unpinned", request=request_id, reason=reason)

@@ -60,7 +60,7 @@ def test_queue_orders_by_job_first_arrival_and_pins():
 
 def test_queue_bounded_waiting_beats_job_order():
     clock = FakeClock(0.0)
-    p = policy(clock, max_wait_s=5.0)
+    p = policy(clock, max_wait_s=5.0, job_admission=False)
     q = p.create_request_queue(frozenset())
     starving = turn("young", [1], 0.0)
     p.on_arrival(turn("old", [9], -100.0), -100.0)
@@ -80,7 +80,7 @@ def test_queue_bounded_waiting_beats_job_order():
 def test_queue_many_operations_stay_consistent():
     clock = FakeClock(0.0)
     pinned: set[str] = set()
-    q = ContinuumRequestQueue(lambda r: r.arrival_time, clock, 1e9, pinned)
+    q = ContinuumRequestQueue(lambda r: r.arrival_time, clock, lambda r: 1e9, pinned)
     reqs = [turn(f"j{i % 50}", [i + 1], float(i)) for i in range(2000)]
     for r in reqs:
         q.add_request(r)

@@ -4,8 +4,9 @@ Order: ``vllm_continuum.job_order.waiting_key``: requests of jobs that hold pinn
 first, then by the job's *first* arrival (turn 5 of an old job beats turn 1 of a new one),
 then by request arrival. Which jobs are pinned is read from the scheduler's pins (a live
 view); ``job_pin_changed`` re-ranks a job's requests when that changes. A request that
-has waited longer than ``max_wait_s`` is served first regardless, so pins and old jobs
-cannot starve anyone. Heaps with lazy deletion: O(log n) operations.
+has waited longer than its bound (``wait_bound(request)`` seconds: ``max_wait_s``, or the
+job-admission bound for a new job's first turn) is served first regardless, so pins and
+old jobs cannot starve anyone. Heaps with lazy deletion: O(log n) operations.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ class ContinuumRequestQueue(KeyOrderedRequestQueue):
         self,
         job_arrival: Callable[[Request], float],
         clock: Clock,
-        max_wait_s: float,
+        wait_bound: Callable[[Request], float],
         pinned_jobs: Container[str] = frozenset(),
     ) -> None:
         self._job_arrival = job_arrival
         self._clock = clock
-        self._max_wait_s = max_wait_s
+        self._wait_bound = wait_bound
         self._pinned_jobs = pinned_jobs
         self._heap: list[tuple] = []  # (not pinned, job arrival, arrival, seq, request)
-        self._by_age: list[tuple] = []  # (arrival, seq, request)
+        self._by_age: list[tuple] = []  # (arrival + wait bound, seq, request)
         self._live: dict[int, int] = {}  # id(request) -> seq of its live heap entry
         self._jobs: dict[str, set[int]] = defaultdict(set)  # job -> ids of its requests
         self._requests: dict[int, Request] = {}
@@ -60,7 +61,8 @@ class ContinuumRequestQueue(KeyOrderedRequestQueue):
         self._requests[rid] = request
         self._jobs[request.job_key].add(rid)
         self._push(request)
-        heapq.heappush(self._by_age, (request.arrival_time, self._live[rid], request))
+        starve_at = request.arrival_time + self._wait_bound(request)
+        heapq.heappush(self._by_age, (starve_at, self._live[rid], request))
 
     def _prune(self) -> None:
         while self._heap and self._live.get(id(self._heap[0][4])) != self._heap[0][3]:
@@ -72,8 +74,8 @@ class ContinuumRequestQueue(KeyOrderedRequestQueue):
         self._prune()
         if not self._heap:
             raise IndexError("peek from an empty queue")
-        oldest = self._by_age[0][2]
-        if self._clock() - oldest.arrival_time > self._max_wait_s:
+        starve_at, _, oldest = self._by_age[0]
+        if self._clock() > starve_at:
             return oldest  # bounded waiting beats job order
         return self._heap[0][4]
 

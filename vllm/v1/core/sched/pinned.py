@@ -181,12 +181,20 @@ class PinManager:
             else:
                 self.release(job, now, PIN_RELEASE_EXPIRED)
 
-    def release_for_pressure(self, now: float, exclude: str | None = None) -> bool:
-        """Release the newest job's pin (not ``exclude``'s while another exists)."""
+    def release_for_pressure(
+        self, requester: Request, now: float, exclude: str | None = None
+    ) -> bool:
+        """Release the newest job's pin (not ``exclude``'s while another exists) for
+        ``requester``, if the policy lets it take that job's pin (if it may not take the
+        newest one, it may not take an older one either)."""
         job = self.pinned.newest_job(exclude=exclude)
         if job is None:
             job = self.pinned.newest_job()  # only the requester's own pin is left
         if job is None:
+            return False
+        if job != requester.job_key and not self.policy.may_release_pin(
+            requester, self.pinned.get(job).job_age, now
+        ):
             return False
         self.release(job, now, PIN_RELEASE_PRESSURE)
         return True

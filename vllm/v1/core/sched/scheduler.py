@@ -97,13 +97,15 @@ class Scheduler:
                 self._finish(request, self.clock())
                 continue
             del self.requests[req_id]
-            if request.status == RequestStatus.RUNNING:
+            was_running = request.status == RequestStatus.RUNNING
+            if was_running:
                 self.running.remove(request)
             else:
                 self.waiting.remove_request(request)
             request.status = status
             self.kv_cache_manager.free(request)
             self.finished_req_ids.add(req_id)
+            self.policy.on_aborted(request, was_running, self.clock())
 
     # -- schedule -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -145,9 +147,14 @@ class Scheduler:
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
-            if self.pins.release_for_pressure(now):
+            if self.pins.release_for_pressure(request, now):
                 continue
             if len(self.running) == 1:
+                if len(self.pins):
+                    # Pins the policy keeps for older jobs hold the memory: this request
+                    # waits for them (they end by their TTL at the latest).
+                    self._preempt(request, budget, step)
+                    return None
                 # Alone, without pins, and still out of memory: the sequence outgrew the
                 # whole cache. Recomputing it would hit the same wall forever.
                 self._cap_length(request, now)
@@ -170,6 +177,7 @@ class Scheduler:
         self._num_preemptions += 1
         step.preempted.add(victim.request_id)
         self.waiting.prepend_request(victim)
+        self.policy.on_preempted(victim, self.clock())
         logger.debug("preempted %s", victim.request_id)
 
     def _cap_length(self, request: Request, now: float) -> None:
@@ -200,11 +208,14 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget.remaining:
                 break
+            free_tokens = kv.num_free_blocks * self.block_size
+            if not self.policy.may_admit(request, num_new, free_tokens, now):
+                break
             num_new = budget.clip(num_new)
             new_block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
             if new_block_ids is None:
                 if self._may_release_pins_for(request, now) and (
-                    self.pins.release_for_pressure(now, exclude=request.job_key)
+                    self.pins.release_for_pressure(request, now, exclude=request.job_key)
                 ):
                     continue
                 break

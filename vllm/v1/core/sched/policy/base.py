@@ -130,6 +130,18 @@ class Policy(ABC):
             or now - request.arrival_time > self.config.max_wait_s
         )
 
+    def may_admit(self, request: Request, new_tokens: int, free_tokens: int, now: float) -> bool:
+        """Whether the waiting request first in line may start now, needing ``new_tokens``
+        of KV with ``free_tokens`` free (or evictable). False stops admission for this
+        step (the queue's order says nothing behind it should go first). Default: yes."""
+        return True
+
+    def may_release_pin(self, requester: Request, pin_job_arrival: float, now: float) -> bool:
+        """Whether ``requester`` (running or waiting, out of memory) may release the pin of
+        the job that first arrived at ``pin_job_arrival`` (the newest pinned job is asked
+        first). Default: yes."""
+        return True
+
     def on_arrival(self, request: Request, now: float) -> None:
         """A request entered the engine (before it is queued)."""
 
@@ -143,6 +155,12 @@ class Policy(ABC):
         Not called for aborted requests (always freed).
         """
         return FREE
+
+    def on_preempted(self, request: Request, now: float) -> None:
+        """A running request was preempted (its blocks freed; it waits again)."""
+
+    def on_aborted(self, request: Request, was_running: bool, now: float) -> None:
+        """A request was aborted (its blocks freed); ``on_finished`` is not called."""
 
     def on_pinned(self, request: Request, now: float) -> None:
         """The scheduler placed the pin ``on_finished`` asked for."""

@@ -33,7 +33,7 @@ class ContinuumPolicy(Policy):
     def create_request_queue(self, pinned_jobs: Container[str]) -> ContinuumRequestQueue:
         self._pinned_jobs = pinned_jobs
         self.queue = ContinuumRequestQueue(
-            self.job_arrival, self.clock, self.config.max_wait_s, pinned_jobs
+            self.job_arrival, self.clock, self._wait_bound, pinned_jobs
         )
         return self.queue
 
@@ -42,6 +42,29 @@ class ContinuumPolicy(Policy):
 
     def job_arrival(self, request: Request) -> float:
         return self.core.job_arrival(request.job_key, request.arrival_time)
+
+    def _wait_bound(self, request: Request) -> float:
+        return self.core.wait_bound_s(request.job_key)
+
+    # -- job-level admission and pressure (vllm_continuum.admission) ----------------------
+    def may_admit(self, request: Request, new_tokens: int, free_tokens: int, now: float) -> bool:
+        waited = now - request.arrival_time
+        return self.core.may_admit(
+            request.job_key, new_tokens, free_tokens, self._pinned_jobs, waited, now
+        )
+
+    def may_release_pins_for(
+        self, request: Request, own_job_pinned: bool, num_running: int, now: float
+    ) -> bool:
+        if not self.config.job_admission:
+            return super().may_release_pins_for(request, own_job_pinned, num_running, now)
+        return True  # which pins it may take is decided pin by pin (may_release_pin)
+
+    def may_release_pin(self, requester: Request, pin_job_arrival: float, now: float) -> bool:
+        if not self.config.job_admission:
+            return True
+        waited = now - requester.arrival_time
+        return self.core.may_release_pin(self.job_arrival(requester), pin_job_arrival, waited)
 
     def select_victim(self, running: Sequence[Request]) -> Request:
         """The newest job's request; last-step requests only when nothing else is left."""
@@ -52,7 +75,9 @@ class ContinuumPolicy(Policy):
 
     def on_arrival(self, request: Request, now: float) -> None:
         named = request.job_id is not None
-        self.core.on_arrival(request.job_key, request.request_id, now, named)
+        self.core.on_arrival(
+            request.job_key, request.request_id, now, named, request.num_prompt_tokens
+        )
 
     def on_scheduled(self, request: Request, now: float) -> None:
         kept = request.job_key in self._pinned_jobs or request.num_preemptions > 0
@@ -63,6 +88,7 @@ class ContinuumPolicy(Policy):
             queued_s=now - request.arrival_time,
             context_kept=kept,
             hit=max(request.num_cached_tokens, 0),
+            num_tokens=request.num_tokens,
         )
 
     def on_finished(self, request: Request, now: float) -> FinishedAction:
@@ -79,6 +105,13 @@ class ContinuumPolicy(Policy):
             num_tokens=request.num_tokens,
         )
         return Pin(ttl) if ttl > 0 else FREE
+
+    def on_preempted(self, request: Request, now: float) -> None:
+        self.core.on_kv_released(request.job_key, request.num_tokens, now)
+
+    def on_aborted(self, request: Request, was_running: bool, now: float) -> None:
+        if was_running:
+            self.core.on_kv_released(request.job_key, request.num_tokens, now)
 
     def on_pinned(self, request: Request, now: float) -> None:
         if self.queue is not None:
