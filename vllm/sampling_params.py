@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from vllm.exceptions import VLLMValidationError
+
 
 class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # every output carries the whole text so far
@@ -19,7 +21,8 @@ class SamplingParams:
 
     ``extra_args`` carries per-request data that is not about sampling; the agent
     metadata ``job_id`` (str) and ``is_last_step`` (bool) travel there, as in the
-    research fork. Invalid values raise ``ValueError`` naming the field.
+    research fork. Invalid values raise ``VLLMValidationError`` (a ``ValueError``) whose
+    ``param`` is the field.
     """
 
     n: int = 1
@@ -56,8 +59,8 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        def bad(name: str, value: Any, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {value!r}")
+        def bad(name: str, value: Any, why: str) -> VLLMValidationError:
+            return VLLMValidationError(f"{name} {why}, got {value!r}", name, value)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "must be an integer >= 1")
