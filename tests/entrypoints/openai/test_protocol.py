@@ -132,13 +132,76 @@ def test_sampling_mapping_and_output_kind():
     assert chat().to_sampling_params(1, None, False).output_kind == RequestOutputKind.FINAL_ONLY
 
 
+NAN, INF = float("nan"), float("inf")
+
+
 @pytest.mark.parametrize(
-    ("fields", "name"), [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p")]
+    ("fields", "name"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": NAN}, "temperature"),
+        ({"temperature": INF}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": NAN}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"min_p": NAN}, "min_p"),
+        ({"presence_penalty": NAN}, "presence_penalty"),
+        ({"frequency_penalty": -INF}, "frequency_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": INF}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 10**30}, "seed"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
 )
 def test_bad_sampling_values_name_the_field(fields, name):
     with pytest.raises(VLLMValidationError) as info:
         chat(**fields).to_sampling_params(8, None, False)
     assert info.value.param == name
+
+
+def test_extreme_valid_sampling_values_pass():
+    for fields in (
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"repetition_penalty": 0.01},
+        {"temperature": 0.0, "top_k": -1},
+        {"top_k": 2**63 - 1},
+    ):
+        chat(**fields).to_sampling_params(8, None, False)
+
+
+def test_max_tokens_zero_is_refused_not_replaced():
+    with pytest.raises(VLLMValidationError) as info:
+        chat().to_sampling_params(0, None, False)
+    assert info.value.param == "max_tokens"
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"vllm_xargs": _nested(900)}, "vllm_xargs"),
+        ({"tools": [_nested(100)]}, "tools"),
+        ({"extra_body": {"deep": _nested(65)}}, "deep"),
+    ],
+)
+def test_deep_nesting_is_refused_naming_the_field(fields, name):
+    chat(vllm_xargs={"x": _nested(60)}, tools=[_nested(60)])  # tens of levels: fine
+    with pytest.raises(ValidationError) as info:
+        chat(**fields)
+    cause = info.value.errors()[0]["ctx"]["error"]
+    assert isinstance(cause, VLLMValidationError) and cause.param == name
 
 
 def test_chat_template_path_check(tmp_path):

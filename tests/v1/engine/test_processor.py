@@ -53,6 +53,7 @@ def test_explicit_max_tokens_must_fit_beside_the_prompt(processor):
         ([1, -1], "token ids"),
         ([1, 10**9], "token ids"),
         ([1.5], "token ids"),
+        ("a\ud800b", "Unicode"),  # a lone surrogate, as JSON's "\ud800" decodes
         (None, "prompt"),
     ],
 )

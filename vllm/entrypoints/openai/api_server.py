@@ -7,11 +7,13 @@ import hmac
 import json
 import logging
 import time
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm import __version__
 from vllm.config import VllmConfig
@@ -121,6 +123,14 @@ def build_app(
         # VLLMValidationError (a ValueError) from SamplingParams, the processor or the
         # serving layer; a bare ValueError is an engine-side rejection of the request.
         return bad_request(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        # E.g. a body json.loads cannot parse (too deep for its recursion limit, an integer
+        # with too many digits), 404 and 405: the OpenAI error shape for these too.
+        phrase = HTTPStatus(exc.status_code).phrase.replace(" ", "")
+        err_type = "BadRequestError" if exc.status_code == 400 else f"{phrase}Error"
+        return error_response(exc.status_code, str(exc.detail), err_type)
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):

@@ -75,6 +75,26 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
     return [m.for_template() for m in parsed]
 
 
+# Tool schemas nest a dozen levels; hundreds only serve to blow the stack of whatever
+# recurses into the value later (deepcopy, pickle to the engine, the chat template).
+MAX_NESTING = 64
+
+
+def _check_nesting(data: dict[str, Any]) -> None:
+    """``VLLMValidationError`` naming the top-level field nested deeper than MAX_NESTING."""
+    for key, value in data.items():
+        stack = [(value, 1)]
+        while stack:  # iterative: the check itself must not recurse
+            item, depth = stack.pop()
+            if depth > MAX_NESTING:
+                raise VLLMValidationError(
+                    f"{key} is nested more than {MAX_NESTING} levels deep", str(key)
+                )
+            children = item.values() if isinstance(item, dict) else item
+            if isinstance(item, dict | list):
+                stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completion requests (OpenAI + vLLM extras).
 
@@ -121,6 +141,7 @@ class _SamplingFields(BaseModel):
             # Its fields, as the openai client would have merged them; top-level ones win.
             rest = {k: v for k, v in data.items() if k != "extra_body"}
             data = {**data["extra_body"], **rest}
+        _check_nesting(data)
         xargs = data.get("vllm_xargs")
         if isinstance(xargs, dict) and any(name in xargs for name in AGENT_FIELDS):
             data = dict(data)

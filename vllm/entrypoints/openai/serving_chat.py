@@ -59,9 +59,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request)
         prompt = self._prompt(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = request.to_sampling_params(
-            request.max_completion_tokens or request.max_tokens, logprobs, request.stream
-        )
+        # max_completion_tokens (OpenAI's newer name) wins; None: until max_model_len.
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        params = request.to_sampling_params(max_tokens, logprobs, request.stream)
         request_id = random_id("chatcmpl")
         created = now_s()
         try:

@@ -44,9 +44,9 @@ class OpenAIServingCompletion(OpenAIServing):
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_model(request)
         prompt = self._prompt(request)
-        params = request.to_sampling_params(
-            request.max_tokens or 16, request.logprobs, request.stream
-        )
+        # OpenAI's default for completions; 0 is refused as on chat, not replaced.
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        params = request.to_sampling_params(max_tokens, request.logprobs, request.stream)
         request_id = random_id("cmpl")
         created = now_s()
         stream = await self.engine.add_request(

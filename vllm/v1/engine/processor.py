@@ -54,7 +54,7 @@ class Processor:
             if not prompt:
                 raise VLLMValidationError("prompt must not be empty", "prompt")
             # Chat-templated text already holds its special tokens: pass False for it.
-            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+            return self._encode(prompt, add_special_tokens)
         if not isinstance(prompt, Sequence):
             raise VLLMValidationError(
                 f"prompt must be a string or a list of token ids, got {prompt!r}", "prompt"
@@ -69,6 +69,21 @@ class Processor:
                 f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt"
             )
         return ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except TypeError:
+            # The fast tokenizer's opaque TypeError for text that is not valid Unicode (a
+            # lone UTF-16 surrogate, as JSON's "\ud800" decodes): say what is wrong.
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise VLLMValidationError(
+                    f"prompt is not valid Unicode text: {e.reason} at position {e.start}",
+                    "prompt",
+                ) from e
+            raise
 
     def process(
         self,
