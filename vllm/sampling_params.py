@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Upstream vLLM only requires repetition_penalty > 0. Our sampler divides positive logits
+# by it, so a tiny one (1e-300) turns them into inf and the probabilities into NaN; 0.01
+# keeps float32 logits (|x| < ~1e3) far from overflow and is already an extreme setting.
+MIN_REPETITION_PENALTY = 0.01
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:  # numpy scalars too
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _bad(name: str, value: Any, why: str) -> VLLMValidationError:
+    return VLLMValidationError(f"{name} {why}, got {value!r}", name, value)
 
 
 class RequestOutputKind(IntEnum):
@@ -19,7 +41,8 @@ class SamplingParams:
 
     ``extra_args`` carries per-request data that is not about sampling; the agent
     metadata ``job_id`` (str) and ``is_last_step`` (bool) travel there, as in the
-    research fork. Invalid values raise ``ValueError`` naming the field.
+    research fork. Invalid values raise ``VLLMValidationError`` (a ``ValueError``) whose
+    ``param`` is the field.
     """
 
     n: int = 1
@@ -56,52 +79,62 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        def bad(name: str, value: Any, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {value!r}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", self.n, "must be an integer >= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", self.temperature, "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "must be -1, 0 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        # Every value is checked here, at the front end (server and LLM alike), so none can
+        # reach the sampler as NaN, inf or an out-of-range integer and crash the engine.
+        # Chained comparisons are False for NaN, so ``not lo <= x <= hi`` rejects it.
+        if not _is_int(self.n) or self.n < 1:
+            raise _bad("n", self.n, "must be an integer >= 1")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise _bad("temperature", self.temperature, "must be a finite number >= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise _bad("top_k", self.top_k, "must be -1, 0 (disabled) or a positive int64")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise _bad(name, value, "must be in [-2, 2]")
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not MIN_REPETITION_PENALTY <= rep <= 2.0:
+            raise _bad("repetition_penalty", rep, f"must be in [{MIN_REPETITION_PENALTY}, 2]")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX
         ):
-            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+            raise _bad("seed", self.seed, "must be an integer in the int64 range")
+        self._verify_lengths_and_stops()
+        self._verify_extra_args()
+
+    def _verify_lengths_and_stops(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", self.logprobs, "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise bad("prompt_logprobs", self.prompt_logprobs, "must be in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer")
+            raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= 20):
+                raise _bad(name, value, "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", self.stop, "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
-        if self.extra_args is not None:
-            if not isinstance(self.extra_args, dict):
-                raise bad("extra_args", self.extra_args, "must be a dict")
-            job_id = self.extra_args.get("job_id")
-            if job_id is not None and not isinstance(job_id, str):
-                raise bad("job_id", job_id, "must be a string")
-            last = self.extra_args.get("is_last_step")
-            if last is not None and not isinstance(last, bool):
-                raise bad("is_last_step", last, "must be a boolean")
+            raise _bad("stop", self.stop, "must be non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+
+    def _verify_extra_args(self) -> None:
+        if self.extra_args is None:
+            return
+        if not isinstance(self.extra_args, dict):
+            raise _bad("extra_args", self.extra_args, "must be a dict")
+        # The engine reads these two (Request); the server's protocol models type them
+        # already, this guards the offline API.
+        job_id = self.extra_args.get("job_id")
+        if job_id is not None and not isinstance(job_id, str):
+            raise _bad("job_id", job_id, "must be a string")
+        last = self.extra_args.get("is_last_step")
+        if last is not None and not isinstance(last, bool):
+            raise _bad("is_last_step", last, "must be a boolean")
 
     @property
     def sampling_type_greedy(self) -> bool:

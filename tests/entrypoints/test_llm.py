@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm import LLM, SamplingParams
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
 from ..conftest import hf_greedy
@@ -139,6 +140,18 @@ def test_bad_input_is_rejected_and_loses_nothing(llm):
         llm.generate([[10**9]], greedy())
     with pytest.raises(ValueError, match="unknown engine arguments"):
         LLM(max_num_sequences=4)
+    with pytest.raises(VLLMValidationError, match="text must be a string") as info:
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}], greedy())
+    assert info.value.param == "messages"
+    with pytest.raises(VLLMValidationError, match="role"):
+        llm.chat([{"content": "no role"}], greedy())
     # The engine is still healthy and holds nothing.
     assert llm.generate("1, 2,", greedy(2))[0].outputs[0].token_ids
     assert llm.engine_core.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_max_tokens_past_max_model_len_is_a_cap_offline(llm):
+    # 505 prompt tokens + 16 would pass max_model_len 512: offline (as in vLLM) the request
+    # runs until the context is full instead of being rejected as the server rejects it.
+    out = llm.generate([1000] * 505, greedy(16))[0].outputs[0]
+    assert len(out.token_ids) == 512 - 505 and out.finish_reason == "length"

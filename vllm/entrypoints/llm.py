@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.openai.protocol import parse_messages
+from vllm.exceptions import VLLMValidationError
 from vllm.model_executor.model_loader import get_model_config
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -46,11 +48,6 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = 0
 
-    @property
-    def llm_engine(self) -> LLM:
-        """vLLM tests reach the engine through ``llm.llm_engine``; here that is the LLM."""
-        return self
-
     def get_tokenizer(self):
         return self.tokenizer
 
@@ -75,15 +72,17 @@ class LLM:
         use_tqdm: bool = False,
         tools: list | None = None,
     ) -> list[RequestOutput]:
-        """Chat with one conversation (a list of messages) or a list of conversations."""
+        """Chat with one conversation (a list of messages) or a list of conversations.
+
+        Messages are validated as the server validates them (``VLLMValidationError``)."""
         if not messages:
-            raise ValueError("messages must not be empty")
+            raise VLLMValidationError("messages must not be empty", "messages")
         single = isinstance(messages[0], dict)
         conversations = [messages] if single else messages
         items = []
         for conversation in conversations:
             text = self.processor.apply_chat_template(
-                conversation, chat_template, add_generation_prompt, tools
+                parse_messages(conversation), chat_template, add_generation_prompt, tools
             )
             # The template already wrote the special tokens (BOS etc.): add none.
             items.append((text, text, False))
@@ -114,18 +113,26 @@ class LLM:
         # Validate everything before queueing anything: bad input loses nothing.
         batch: list[tuple[str, str | None, list[EngineCoreRequest]]] = []
         for (prompt, text, special), params in zip(items, sampling_params, strict=True):
+            ids = self.processor.tokenize(prompt, special)
             if isinstance(params, SamplingParams):
-                # Only final results are returned, so as in vLLM only those are built.
-                params = params.clone()
-                params.output_kind = RequestOutputKind.FINAL_ONLY
+                params = self._offline_params(params, len(ids))
             request_id = str(self._request_counter)
             self._request_counter += 1
-            _, core_reqs = self.processor.process(
-                prompt, params, request_id, add_special_tokens=special
-            )
+            _, core_reqs = self.processor.process(ids, params, request_id)
             batch.append((request_id, text, core_reqs))
         self._add_to_engine(batch)
         return self._run_engine([request_id for request_id, _, _ in batch], use_tqdm)
+
+    def _offline_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        params = params.clone()
+        # Only final results are returned, so as in vLLM only those are built.
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        # Offline, max_tokens is a cap, not a promise (as in vLLM): one that does not fit
+        # beside this prompt means "until max_model_len". The server rejects it instead.
+        max_tokens = params.max_tokens
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.processor.max_model_len:
+            params.max_tokens = None
+        return params
 
     def _add_to_engine(self, batch: list[tuple[str, str | None, list[EngineCoreRequest]]]) -> None:
         added: list[str] = []

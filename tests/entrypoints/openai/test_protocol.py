@@ -1,4 +1,4 @@
-"""Request models: agent metadata in its three places, sampling mapping, field errors."""
+"""Request models: agent metadata in its three places, messages, sampling mapping, errors."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pydantic import ValidationError
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    RequestError,
+    parse_messages,
 )
 from vllm.entrypoints.utils import check_chat_template, get_open_port
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -64,21 +65,62 @@ def test_nested_extra_body_carries_sampling_fields_too():
         ({"job_id": 5}, "job_id"),
         ({"is_last_step": "no"}, "is_last_step"),
         ({"extra_body": {"is_last_step": 1}}, "is_last_step"),
+        ({"vllm_xargs": {"job_id": ["x"]}}, "job_id"),
+        ({"vllm_xargs": {"is_last_step": "yes"}}, "is_last_step"),
     ],
 )
-def test_wrong_types_at_top_level_fail_validation_naming_the_field(fields, name):
+def test_wrong_metadata_types_fail_validation_naming_the_field(fields, name):
+    # Wherever it was given, the value is checked once, as the top-level field.
     with pytest.raises(ValidationError) as info:
         chat(**fields)
     assert info.value.errors()[0]["loc"] == (name,)
 
 
+def test_job_id_resolved_once_on_the_model():
+    req = chat(vllm_xargs={"job_id": "x", "tag": 1}, extra_body={"is_last_step": True})
+    assert (req.job_id, req.is_last_step, req.vllm_xargs) == ("x", True, {"tag": 1})
+    # A bad value that loses to the top level is never used, so never an error.
+    assert chat(job_id="top", vllm_xargs={"job_id": 5}).job_id == "top"
+
+
+def test_messages_validated_and_text_parts_joined():
+    req = chat(
+        messages=[
+            {"role": "system", "content": None},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": "c", "name": "bot"},
+        ]
+    )
+    assert [m.for_template() for m in req.messages] == [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "c", "name": "bot"},
+    ]
+
+
 @pytest.mark.parametrize(
-    ("xargs", "name"), [({"job_id": ["x"]}, "job_id"), ({"is_last_step": "yes"}, "is_last_step")]
+    "messages",
+    [
+        [],
+        [{"content": "no role"}],
+        [{"role": 3, "content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+        [{"role": "user", "content": [{"type": "text", "text": None}]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        ["hi"],
+    ],
 )
-def test_wrong_types_in_vllm_xargs_raise_request_error(xargs, name):
-    with pytest.raises(RequestError) as info:
-        extra_args(chat(vllm_xargs=xargs))
-    assert info.value.param == name and info.value.status == 400
+def test_bad_messages_name_the_field(messages):
+    with pytest.raises(ValidationError) as info:
+        chat(messages=messages)
+    assert info.value.errors()[0]["loc"][0] == "messages"
+    with pytest.raises(VLLMValidationError) as err:
+        parse_messages(messages)
+    assert err.value.param == "messages"
 
 
 def test_sampling_mapping_and_output_kind():
@@ -90,13 +132,76 @@ def test_sampling_mapping_and_output_kind():
     assert chat().to_sampling_params(1, None, False).output_kind == RequestOutputKind.FINAL_ONLY
 
 
+NAN, INF = float("nan"), float("inf")
+
+
 @pytest.mark.parametrize(
-    ("fields", "name"), [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p")]
+    ("fields", "name"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": NAN}, "temperature"),
+        ({"temperature": INF}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": NAN}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"min_p": NAN}, "min_p"),
+        ({"presence_penalty": NAN}, "presence_penalty"),
+        ({"frequency_penalty": -INF}, "frequency_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": INF}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 10**30}, "seed"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
 )
 def test_bad_sampling_values_name_the_field(fields, name):
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(VLLMValidationError) as info:
         chat(**fields).to_sampling_params(8, None, False)
     assert info.value.param == name
+
+
+def test_extreme_valid_sampling_values_pass():
+    for fields in (
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"repetition_penalty": 0.01},
+        {"temperature": 0.0, "top_k": -1},
+        {"top_k": 2**63 - 1},
+    ):
+        chat(**fields).to_sampling_params(8, None, False)
+
+
+def test_max_tokens_zero_is_refused_not_replaced():
+    with pytest.raises(VLLMValidationError) as info:
+        chat().to_sampling_params(0, None, False)
+    assert info.value.param == "max_tokens"
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"vllm_xargs": _nested(900)}, "vllm_xargs"),
+        ({"tools": [_nested(100)]}, "tools"),
+        ({"extra_body": {"deep": _nested(65)}}, "deep"),
+    ],
+)
+def test_deep_nesting_is_refused_naming_the_field(fields, name):
+    chat(vllm_xargs={"x": _nested(60)}, tools=[_nested(60)])  # tens of levels: fine
+    with pytest.raises(ValidationError) as info:
+        chat(**fields)
+    cause = info.value.errors()[0]["ctx"]["error"]
+    assert isinstance(cause, VLLMValidationError) and cause.param == name
 
 
 def test_chat_template_path_check(tmp_path):

@@ -140,6 +140,8 @@ def test_agent_metadata_in_three_places_and_type_errors(server, client):
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 100000}, "max_tokens"),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "word " * 1500}]}, "messages"),  # too long
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, param):

@@ -1,10 +1,11 @@
-"""Processor: tokenization, chat template, length checks, n>1 fan-out."""
+"""Processor: tokenization, chat template, length checks (the only ones), n>1 fan-out."""
 
 from __future__ import annotations
 
 import pytest
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.processor import Processor
 
@@ -25,13 +26,23 @@ def test_text_and_token_id_prompts(processor, tokenizer):
 
 
 def test_too_long_prompt_is_rejected_not_truncated(processor):
-    processor.process([1] * 63, SamplingParams())  # 63 + 1 generated token fit in 64
-    with pytest.raises(ValueError, match="max_model_len is 64"):
-        processor.process([1] * 64, SamplingParams())
+    processor.process([1] * 63, SamplingParams(max_tokens=None))  # 63 + 1 generated: fit
+    with pytest.raises(VLLMValidationError, match="max_model_len\\) is 64") as info:
+        processor.process([1] * 64, SamplingParams(max_tokens=None))
+    assert info.value.param == "prompt"
     with pytest.raises(ValueError, match="max_model_len"):
         processor.process("word " * 100, SamplingParams())
-    with pytest.raises(ValueError, match="min_tokens"):
-        processor.process([1] * 60, SamplingParams(min_tokens=10))
+    with pytest.raises(VLLMValidationError, match="min_tokens") as info:
+        processor.process([1] * 60, SamplingParams(max_tokens=None, min_tokens=10))
+    assert info.value.param == "min_tokens"
+
+
+def test_explicit_max_tokens_must_fit_beside_the_prompt(processor):
+    processor.process([1] * 48, SamplingParams(max_tokens=16))  # 48 + 16 = 64
+    with pytest.raises(VLLMValidationError, match="maximum context length is 64") as info:
+        processor.process([1] * 49, SamplingParams(max_tokens=16))
+    assert (info.value.param, info.value.value) == ("max_tokens", 16)
+    assert "49 in the prompt, 16 in the completion" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -42,19 +53,22 @@ def test_too_long_prompt_is_rejected_not_truncated(processor):
         ([1, -1], "token ids"),
         ([1, 10**9], "token ids"),
         ([1.5], "token ids"),
+        ("a\ud800b", "Unicode"),  # a lone surrogate, as JSON's "\ud800" decodes
         (None, "prompt"),
     ],
 )
 def test_bad_prompts(processor, prompt, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(VLLMValidationError, match=match) as info:
         processor.process(prompt, SamplingParams())
+    assert info.value.param == "prompt"
 
 
 def test_bad_sampling_params(processor):
     with pytest.raises(ValueError, match="sampling_params"):
         processor.process("hi", {"temperature": 0})
-    with pytest.raises(ValueError, match="stop_token_ids"):
+    with pytest.raises(VLLMValidationError, match="stop_token_ids") as info:
         processor.process("hi", SamplingParams(stop_token_ids=[10**9]))
+    assert info.value.param == "stop_token_ids"
 
 
 def test_n_fans_out_with_per_child_seeds(processor):
@@ -80,7 +94,3 @@ def test_chat_template(processor):
         chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}",
     )
     assert custom == "[user] Hi!"
-    with pytest.raises(ValueError, match="messages"):
-        processor.apply_chat_template([])
-    with pytest.raises(ValueError, match="messages"):
-        processor.apply_chat_template(["Hi!"])

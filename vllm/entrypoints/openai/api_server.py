@@ -7,11 +7,13 @@ import hmac
 import json
 import logging
 import time
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm import __version__
 from vllm.config import VllmConfig
@@ -20,10 +22,10 @@ from vllm.entrypoints.openai.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
-    RequestError,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
@@ -49,6 +51,27 @@ def error_response(
             }
         },
     )
+
+
+def bad_request(exc: ValueError) -> JSONResponse:
+    """The one place a rejected request becomes its OpenAI-style 400."""
+    param = code = None
+    if isinstance(exc, VLLMValidationError):
+        param, code = exc.param, exc.code
+    return error_response(400, str(exc), "BadRequestError", param, code)
+
+
+def validation_error_response(errors: list[dict]) -> JSONResponse:
+    """A 400 for the first pydantic error, naming the top-level field it is in."""
+    first = errors[0] if errors else {}
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, VLLMValidationError):  # raised inside a protocol.py validator
+        return bad_request(cause)
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid" or not loc:
+        return error_response(400, "Invalid JSON in the request body.", "BadRequestError")
+    msg = str(cause) if isinstance(cause, ValueError) else first.get("msg", "invalid")
+    return error_response(400, f"{'.'.join(loc)}: {msg}", "BadRequestError", loc[0])
 
 
 RECEIVED_KEY = "vllm.received"  # ASGI scope key: time.monotonic() at arrival
@@ -93,26 +116,21 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-        if first.get("type") == "json_invalid" or loc == []:
-            return error_response(400, "Invalid JSON in the request body.", "BadRequestError")
-        param = loc[0] if loc else None
-        return error_response(
-            400,
-            f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}",
-            "BadRequestError",
-            param,
-        )
-
-    @app.exception_handler(RequestError)
-    async def on_request_error(request: Request, exc: RequestError):
-        return error_response(exc.status, str(exc), "BadRequestError", exc.param, exc.code)
+        return validation_error_response(exc.errors())
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError):
-        return error_response(400, str(exc), "BadRequestError")
+        # VLLMValidationError (a ValueError) from SamplingParams, the processor or the
+        # serving layer; a bare ValueError is an engine-side rejection of the request.
+        return bad_request(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        # E.g. a body json.loads cannot parse (too deep for its recursion limit, an integer
+        # with too many digits), 404 and 405: the OpenAI error shape for these too.
+        phrase = HTTPStatus(exc.status_code).phrase.replace(" ", "")
+        err_type = "BadRequestError" if exc.status_code == 400 else f"{phrase}Error"
+        return error_response(exc.status_code, str(exc.detail), err_type)
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):
@@ -156,12 +174,11 @@ def build_app(
 
 
 def _log_request(kind: str, request, detail: str) -> None:
-    xargs = request.vllm_xargs or {}
     logger.info(
         "%s request: job_id=%s is_last_step=%s max_tokens=%s stream=%s %s",
         kind,
-        request.job_id if request.job_id is not None else xargs.get("job_id"),
-        request.is_last_step if request.is_last_step is not None else xargs.get("is_last_step"),
+        request.job_id,
+        request.is_last_step,
         request.max_tokens,
         request.stream,
         detail,

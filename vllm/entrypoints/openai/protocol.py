@@ -6,42 +6,103 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-AGENT_FIELDS = {"job_id": str, "is_last_step": bool}
-
-
-class RequestError(ValueError):
-    """A bad request: becomes a 400 naming ``param``."""
-
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-        self.code = code
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+AGENT_FIELDS = ("job_id", "is_last_step")
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ChatMessage(BaseModel):
+    """One message; other keys (``name``, ``tool_calls``, ...) reach the chat template.
+
+    ``content`` may be a list of ``{"type": "text", "text": ...}`` parts, joined here:
+    the models served are text-only, so any other part type is refused, not dropped.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: StrictStr | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content  # str / None, or a wrong type that the field type reports
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError(f"part {i} must be {{'type': 'text', 'text': <string>}}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: text must be a string, got {part.get('text')!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def for_template(self) -> dict[str, Any]:
+        return {**(self.model_extra or {}), "role": self.role, "content": self.content or ""}
+
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validated messages as chat-template dicts (for callers outside a request model,
+    such as the offline ``LLM.chat``); ``VLLMValidationError`` naming ``messages``."""
+    try:
+        parsed = _MESSAGES.validate_python(messages)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise VLLMValidationError(f"messages.{where}: {first['msg']}", "messages") from e
+    if not parsed:
+        raise VLLMValidationError("messages must not be empty", "messages")
+    return [m.for_template() for m in parsed]
+
+
+# Tool schemas nest a dozen levels; hundreds only serve to blow the stack of whatever
+# recurses into the value later (deepcopy, pickle to the engine, the chat template).
+MAX_NESTING = 64
+
+
+def _check_nesting(data: dict[str, Any]) -> None:
+    """``VLLMValidationError`` naming the top-level field nested deeper than MAX_NESTING."""
+    for key, value in data.items():
+        stack = [(value, 1)]
+        while stack:  # iterative: the check itself must not recurse
+            item, depth = stack.pop()
+            if depth > MAX_NESTING:
+                raise VLLMValidationError(
+                    f"{key} is nested more than {MAX_NESTING} levels deep", str(key)
+                )
+            children = item.values() if isinstance(item, dict) else item
+            if isinstance(item, dict | list):
+                stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
 class _SamplingFields(BaseModel):
-    """Fields shared by chat and completion requests (OpenAI + vLLM extras)."""
+    """Fields shared by chat and completion requests (OpenAI + vLLM extras).
+
+    Agent metadata may come at the top level (the openai client's ``extra_body``), in
+    ``vllm_xargs``, or in a nested ``"extra_body": {...}`` (raw HTTP clients). Before field
+    validation all three are folded into the top-level ``job_id`` / ``is_last_step`` (the
+    top level wins), so each is type-checked once, by its field type.
+    """
 
     model_config = ConfigDict(extra="allow")
 
@@ -66,69 +127,69 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     priority: int = 0
-    # Agent metadata: top level (openai client extra_body), vllm_xargs, or nested extra_body.
     job_id: StrictStr | None = None
     is_last_step: StrictBool | None = None
-    vllm_xargs: dict[str, Any] | None = None
-    extra_body: dict[str, Any] | None = None  # emptied by _lift_extra_body
+    vllm_xargs: dict[str, Any] | None = None  # without job_id / is_last_step once validated
+    extra_body: dict[str, Any] | None = None  # emptied by _normalize
 
     @model_validator(mode="before")
     @classmethod
-    def _lift_extra_body(cls, data: Any) -> Any:
-        """A nested ``"extra_body": {...}`` (raw HTTP clients) means its fields, as the
-        openai client would have merged them into the body; top-level fields win."""
-        if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
+    def _normalize(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if isinstance(data.get("extra_body"), dict):
+            # Its fields, as the openai client would have merged them; top-level ones win.
             rest = {k: v for k, v in data.items() if k != "extra_body"}
             data = {**data["extra_body"], **rest}
+        _check_nesting(data)
+        xargs = data.get("vllm_xargs")
+        if isinstance(xargs, dict) and any(name in xargs for name in AGENT_FIELDS):
+            data = dict(data)
+            data["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in AGENT_FIELDS}
+            for name in AGENT_FIELDS:
+                if data.get(name) is None and name in xargs:
+                    data[name] = xargs[name]
         return data
 
-    def agent_args(self) -> dict[str, Any]:
-        """``SamplingParams.extra_args``: ``vllm_xargs`` plus job_id / is_last_step from
-        the top level (which wins) or ``vllm_xargs``, type-checked (RequestError naming it)."""
-        merged = {k: v for k, v in (self.vllm_xargs or {}).items() if k in AGENT_FIELDS}
+    def extra_args(self) -> dict[str, Any] | None:
+        """``SamplingParams.extra_args``: ``vllm_xargs`` plus the agent metadata."""
+        args = dict(self.vllm_xargs or {})
         if self.job_id is not None:
-            merged["job_id"] = self.job_id
+            args["job_id"] = self.job_id
         if self.is_last_step is not None:
-            merged["is_last_step"] = self.is_last_step
-        for name, typ in AGENT_FIELDS.items():
-            value = merged.get(name)
-            if value is not None and type(value) is not typ:
-                raise RequestError(f"{name} must be a {typ.__name__}, got {value!r}", name)
-        extra = {k: v for k, v in (self.vllm_xargs or {}).items() if k not in AGENT_FIELDS}
-        return {**extra, **merged}
+            args["is_last_step"] = self.is_last_step
+        return args or None
 
     def to_sampling_params(
-        self, max_tokens: int, logprobs: int | None, stream: bool
+        self, max_tokens: int | None, logprobs: int | None, stream: bool
     ) -> SamplingParams:
+        """``VLLMValidationError`` naming the field if a value is out of range."""
         defaults = SamplingParams()
-        try:
-            return SamplingParams(
-                n=self.n,
-                temperature=defaults.temperature if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
-                seed=self.seed,
-                presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=self.min_tokens,
-                logprobs=logprobs,
-                skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-                extra_args=self.agent_args() or None,
-            )
-        except ValueError as e:
-            raise RequestError(str(e), str(e).split(" ", 1)[0]) from e
+        return SamplingParams(
+            n=self.n,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=self.extra_args(),
+        )
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -2,43 +2,27 @@
 
 from __future__ import annotations
 
-from vllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    RequestError,
-    now_s,
-    random_id,
-)
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
 )
+from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
-
-
-def _message_text(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise RequestError("message content must be a string or a list of text parts", "messages")
 
 
 class OpenAIServingChat(OpenAIServing):
     def _prompt(self, request: ChatCompletionRequest) -> str:
-        if not request.messages:
-            raise RequestError("messages must not be empty", "messages")
-        messages = []
-        for m in request.messages:
-            if "role" not in m:
-                raise RequestError("every message needs a role", "messages")
-            messages.append({**m, "content": _message_text(m.get("content"))})
+        messages = [m.for_template() for m in request.messages]
         try:
             return self.engine.processor.apply_chat_template(
                 messages, request.chat_template, request.add_generation_prompt, request.tools
             )
+        except VLLMValidationError:
+            raise
         except Exception as e:  # jinja errors from malformed conversations
-            raise RequestError(f"chat template failed: {e}", "messages") from e
+            raise VLLMValidationError(f"chat template failed: {e}", "messages") from e
 
     def _logprobs(self, c: CompletionOutput) -> dict | None:
         if c.logprobs is None:
@@ -74,15 +58,23 @@ class OpenAIServingChat(OpenAIServing):
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_model(request)
         prompt = self._prompt(request)
-        ids = self.tokenize(prompt, add_special_tokens=False)
-        max_tokens = self.max_tokens_for(
-            len(ids), request.max_completion_tokens or request.max_tokens
-        )
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        # max_completion_tokens (OpenAI's newer name) wins; None: until max_model_len.
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
         params = request.to_sampling_params(max_tokens, logprobs, request.stream)
         request_id = random_id("chatcmpl")
         created = now_s()
-        stream = await self.engine.add_request(ids, params, request_id, priority=request.priority)
+        try:
+            # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
+            stream = await self.engine.add_request(
+                prompt, params, request_id, add_special_tokens=False, priority=request.priority
+            )
+        except VLLMValidationError as e:
+            if e.param == "prompt":  # this endpoint's prompt is its messages
+                e.param = "messages"
+            raise
         if request.stream:
             return EngineStreamingResponse(
                 self._stream(request, stream, request_id, created, received), stream

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from vllm.entrypoints.openai.protocol import CompletionRequest, RequestError, now_s, random_id
+from vllm.entrypoints.openai.protocol import CompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
 )
+from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -17,7 +18,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
             p = p[0]  # a batch of one
         if isinstance(p, list) and p and not isinstance(p[0], int):
-            raise RequestError("batched prompts are not supported; send one per request", "prompt")
+            raise VLLMValidationError(
+                "batched prompts are not supported; send one per request", "prompt"
+            )
         return p
 
     def _logprobs(self, c: CompletionOutput) -> dict | None:
@@ -40,12 +43,15 @@ class OpenAIServingCompletion(OpenAIServing):
         """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_model(request)
-        ids = self.tokenize(self._prompt(request), add_special_tokens=True)
-        max_tokens = self.max_tokens_for(len(ids), request.max_tokens or 16)
+        prompt = self._prompt(request)
+        # OpenAI's default for completions; 0 is refused as on chat, not replaced.
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
         params = request.to_sampling_params(max_tokens, request.logprobs, request.stream)
         request_id = random_id("cmpl")
         created = now_s()
-        stream = await self.engine.add_request(ids, params, request_id, priority=request.priority)
+        stream = await self.engine.add_request(
+            prompt, params, request_id, priority=request.priority
+        )
         base = {
             "id": request_id,
             "object": "text_completion",

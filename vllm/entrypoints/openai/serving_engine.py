@@ -1,4 +1,4 @@
-"""What chat and completion serving share: model check, token limits, streaming, errors."""
+"""What chat and completion serving share: model check, streaming, errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm.entrypoints.openai.protocol import RequestError, UsageInfo, _SamplingFields
+from vllm.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
@@ -67,7 +68,6 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, stat_logger=None) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.max_model_len = engine.config.scheduler_config.max_model_len
         self.stat_logger = stat_logger
 
     def timing(self, received: float | None, stream: RequestStream) -> dict[str, str]:
@@ -82,28 +82,9 @@ class OpenAIServing:
 
     def check_model(self, request: _SamplingFields) -> None:
         if request.model is not None and request.model != self.model_name:
-            raise RequestError(
+            raise VLLMValidationError(
                 f"The model `{request.model}` does not exist.", "model", code="model_not_found"
             )
-
-    def max_tokens_for(self, num_prompt_tokens: int, requested: int | None) -> int:
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1 or (requested is not None and requested > room):
-            want = requested if requested is not None else 1
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {num_prompt_tokens + want} tokens "
-                f"({num_prompt_tokens} in the prompt, {want} in the completion). "
-                "Please reduce the length of the prompt or completion.",
-                "max_tokens",
-            )
-        return room if requested is None else requested
-
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        try:
-            return self.engine.processor.tokenize(prompt, add_special_tokens)
-        except ValueError as e:
-            raise RequestError(str(e), "prompt") from e
 
     @staticmethod
     def usage(outputs: list[RequestOutput]) -> UsageInfo:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Sequence
 
 from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 
@@ -14,8 +15,10 @@ from vllm.v1.engine import EngineCoreRequest
 class Processor:
     """Turns prompts into validated engine-core requests; never truncates a prompt.
 
-    Bad input raises ``ValueError`` naming the argument, before anything reaches the
-    engine core.
+    The one owner of the checks that need the model config (prompt token ids against the
+    vocabulary, lengths against ``max_model_len``), for the server and ``LLM`` alike. Bad
+    input raises ``VLLMValidationError`` naming the argument, before anything reaches the
+    engine core; the chat messages themselves are validated by their caller (protocol.py).
     """
 
     def __init__(self, vllm_config: VllmConfig, tokenizer, eos_token_id: int | None) -> None:
@@ -31,14 +34,12 @@ class Processor:
         add_generation_prompt: bool = True,
         tools: list | None = None,
     ) -> str:
-        """The conversation as prompt text (holding its own special tokens)."""
-        if not messages:
-            raise ValueError("messages must not be empty")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise ValueError(f"messages must be dicts with a 'role', got {m!r}")
+        """The conversation (validated messages) as prompt text, holding its own special
+        tokens."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat_template is required: the tokenizer has none")
+            raise VLLMValidationError(
+                "chat_template is required: the tokenizer has none", "chat_template"
+            )
         return self.tokenizer.apply_chat_template(
             list(messages),
             tokenize=False,
@@ -51,19 +52,38 @@ class Processor:
         """Token ids of ``prompt`` (text, or token ids checked against the vocabulary)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise VLLMValidationError("prompt must not be empty", "prompt")
             # Chat-templated text already holds its special tokens: pass False for it.
-            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+            return self._encode(prompt, add_special_tokens)
         if not isinstance(prompt, Sequence):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
+            raise VLLMValidationError(
+                f"prompt must be a string or a list of token ids, got {prompt!r}", "prompt"
+            )
         ids = list(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise VLLMValidationError("prompt must not be empty", "prompt")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in ids) or not all(
             0 <= t < self.vocab_size for t in ids
         ):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            raise VLLMValidationError(
+                f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt"
+            )
         return ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except TypeError:
+            # The fast tokenizer's opaque TypeError for text that is not valid Unicode (a
+            # lone UTF-16 surrogate, as JSON's "\ud800" decodes): say what is wrong.
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise VLLMValidationError(
+                    f"prompt is not valid Unicode text: {e.reason} at position {e.start}",
+                    "prompt",
+                ) from e
+            raise
 
     def process(
         self,
@@ -82,7 +102,9 @@ class Processor:
         is reproducible.
         """
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+            raise VLLMValidationError(
+                f"sampling_params must be a SamplingParams, got {params!r}", "sampling_params"
+            )
         ids = self.tokenize(prompt, add_special_tokens)
         self._check_length(ids, params)
         request_id = request_id or uuid.uuid4().hex
@@ -107,18 +129,35 @@ class Processor:
         return request_id, children
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> None:
-        # The prompt plus at least one generated token must fit; longer generations
-        # stop with finish_reason "length" at max_model_len.
-        if len(ids) + 1 > self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
-                "(the prompt plus at least one generated token must fit)"
+        # The prompt plus at least one generated token must fit, and so must an explicit
+        # max_tokens (max_tokens None: generate until max_model_len, finish_reason
+        # "length"). The scheduler checks only what the engine alone knows: the KV pool.
+        limit, num_prompt = self.max_model_len, len(ids)
+        if num_prompt + 1 > limit:
+            raise VLLMValidationError(
+                f"This model's maximum context length (max_model_len) is {limit} tokens. "
+                f"However, the prompt has {num_prompt} tokens, which leaves no room for a "
+                "generated token. Please reduce the length of the prompt.",
+                "prompt",
             )
-        if params.min_tokens and len(ids) + params.min_tokens > self.max_model_len:
-            raise ValueError(
-                f"min_tokens {params.min_tokens} plus the {len(ids)}-token prompt exceed "
-                f"max_model_len {self.max_model_len}"
+        if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
+            raise VLLMValidationError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
+                f"prompt, {params.max_tokens} in the completion). Please reduce the length "
+                "of the prompt or completion.",
+                "max_tokens",
+                params.max_tokens,
+            )
+        if params.min_tokens and num_prompt + params.min_tokens > limit:
+            raise VLLMValidationError(
+                f"min_tokens {params.min_tokens} plus the {num_prompt}-token prompt exceed "
+                f"max_model_len {limit}",
+                "min_tokens",
+                params.min_tokens,
             )
         over = {t for t in params.stop_token_ids if t >= self.vocab_size}
         if over:
-            raise ValueError(f"stop_token_ids {sorted(over)} are outside the vocabulary")
+            raise VLLMValidationError(
+                f"stop_token_ids {sorted(over)} are outside the vocabulary", "stop_token_ids"
+            )
