@@ -59,7 +59,7 @@ def test_generate_streams_deltas_and_times_the_engine():
 
 def test_closing_a_stream_aborts_the_request():
     async def scenario(engine: AsyncLLM) -> None:
-        stream = await engine.add_request([1, 2], params(100_000), "long")
+        stream = await engine.add_request([1, 2], params(2000), "long")
         await stream.__anext__()
         await stream.aclose()
         assert not engine.output_processor.has_unfinished_requests()
@@ -72,7 +72,7 @@ def test_closing_a_stream_aborts_the_request():
 
 def test_engine_failure_fails_pending_requests_and_health():
     async def scenario(engine: AsyncLLM) -> None:
-        stream = await engine.add_request([1], params(100_000), "explode")
+        stream = await engine.add_request([1], params(2000), "explode")
         with pytest.raises(EngineDeadError, match="step exploded"):
             async for _ in stream:
                 pass
@@ -93,7 +93,7 @@ def test_engine_failure_fails_pending_requests_and_health():
 )
 def test_a_message_breaking_the_protocol_is_an_engine_error(frames, reason):
     async def scenario(engine: AsyncLLM) -> None:
-        stream = await engine.add_request([1], params(100_000), "long")
+        stream = await engine.add_request([1], params(2000), "long")
         inject(engine.client.output_addr, frames)
         with pytest.raises(EngineDeadError, match=reason):
             async for _ in stream:
