@@ -36,6 +36,7 @@ from vllm_continuum.clock import Clock, monotonic_clock
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.request_queue import RequestQueue
+    from vllm.v1.metrics.stats import PolicyStats
     from vllm.v1.request import Request
 
 
@@ -46,9 +47,15 @@ class Free:
 
 @dataclass(frozen=True)
 class Pin:
-    """Keep the finished request's blocks referenced for ``ttl_s`` seconds."""
+    """Keep the finished request's blocks referenced for ``ttl_s`` seconds.
+
+    A ``strict`` pin (ContextServe's FAST turns: the tool returns soon, surely) ends only
+    by its job's hit, its deadline, shutdown, or when memory pressure finds no soft pin
+    left to release: pressure releases soft pins first. It never outlives ``ttl_s``, so
+    strictness cannot deadlock memory."""
 
     ttl_s: float
+    strict: bool = False
 
     def __post_init__(self) -> None:
         if not self.ttl_s > 0:
@@ -149,6 +156,11 @@ class Policy(ABC):
 
     def on_pin_released(self, request: Request, now: float, reason: str) -> None:
         """A pin placed on ``request``'s blocks ended (reason: ``PIN_RELEASE_*``)."""
+
+    def make_stats(self) -> PolicyStats | None:
+        """The policy's own counters since the previous call (``SchedulerStats.
+        policy_stats``), or None for a policy that has none."""
+        return None
 
     def shutdown(self) -> None:
         """Flush anything the policy records (e.g. timestamp files)."""
