@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 
@@ -87,3 +88,7 @@ class ContextServeConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise _bad(name, value, "must be a non-empty path or None")
+            if value is not None and not os.access(value, os.R_OK):
+                # Checked here so a front end building this config fails at start-up
+                # with one line; the content is checked when the policy loads it.
+                raise _bad(name, value, "must name a readable file")

@@ -130,7 +130,13 @@ def test_config_errors_name_the_field(field, value):
 
 
 def test_unreadable_files_fail_at_start_naming_the_option(tmp_path):
+    with pytest.raises(ValueError, match="^rules must name a readable file"):
+        ContextServeConfig(rules=str(tmp_path / "nope.yaml"))
+    with pytest.raises(ValueError, match="^model must name a readable file"):
+        ContextServeConfig(model=str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
     with pytest.raises(ValueError, match="context_serve rules: cannot read"):
-        core(rules=str(tmp_path / "nope.yaml"))
+        core(rules=str(bad))
     with pytest.raises(ValueError, match="context_serve model: cannot load"):
-        core(model=str(tmp_path / "nope.json"))
+        core(model=str(bad))
