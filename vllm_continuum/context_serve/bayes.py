@@ -26,6 +26,7 @@ from vllm_continuum.context_serve.config import ContextServeConfig
 from vllm_continuum.context_serve.types import Layer, Prediction, ToolSpeed
 
 MIN_SECONDS = 1e-3  # durations are clamped here before the log (a 0 s tool is 1 ms)
+MAX_TOOLS = 10_000  # posteriors kept; odd outputs must not grow memory without bound
 
 
 def log_seconds(seconds: float) -> float:
@@ -91,6 +92,8 @@ class BayesianLayer:
         """Learn one measured duration of ``tool`` (seconds, >= 0)."""
         posterior = self.posteriors.get(tool)
         if posterior is None:
+            if len(self.posteriors) >= MAX_TOOLS:
+                return
             posterior = self.posteriors[tool] = self.prior()
         posterior.update(log_seconds(seconds))
 

@@ -86,7 +86,16 @@ class ContextServeCore(ContinuumCore):
         if pending is not None:
             self._learn(pending, max(now - pending.departure, 0.0))
 
-    def on_finished(self, job, request_id, now, text, is_last_step, named, num_tokens) -> float:
+    def on_finished(
+        self,
+        job: str,
+        request_id: str,
+        now: float,
+        text: str | None,
+        is_last_step: bool,
+        named: bool,
+        num_tokens: int,
+    ) -> float:
         """Continuum's contract (the pin's TTL, 0: free); ``decide`` says more."""
         return self.decide(job, request_id, now, text, is_last_step, named, num_tokens).ttl_s
 

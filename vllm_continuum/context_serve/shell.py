@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from functools import lru_cache
 
 from vllm_continuum.tool_calls import _segments, normalize_tool_name
 
@@ -80,7 +81,8 @@ def simple_commands(command: str) -> list[list[str]]:
     return commands
 
 
-def command_names(command: str) -> list[str]:
+@lru_cache(maxsize=4096)  # agents repeat commands; shlex is the cost of a verdict
+def command_names(command: str) -> tuple[str, ...]:
     """The normalised tool name of every simple command ("cd x && pytest" -> cd, pytest);
     a Python script stands for itself ("python tests/runtests.py" -> runtests.py), since
     "python" alone says nothing about the time."""
@@ -91,7 +93,7 @@ def command_names(command: str) -> list[str]:
             name = _script(words) or name
         if name:
             names.append(name)
-    return names
+    return tuple(names)
 
 
 def _script(words: list[str]) -> str | None:

@@ -83,7 +83,7 @@ def test_there_are_forty_commands_or_more():
 
 def test_heredoc_bodies_and_redirections_are_not_commands():
     snippet = "cat > t.py <<EOF\nmake all\npytest\nEOF\npython t.py 2>&1 | tail -3"
-    assert command_names(snippet) == ["cat", "t.py", "tail"]
+    assert command_names(snippet) == ("cat", "t.py", "tail")
 
 
 def test_function_call_tools_are_judged_by_name():
