@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm.config import PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.pinned import PinEntry, PinnedRequests
 from vllm.v1.core.sched.policy import FREE, Offload, Pin, create_policy
 from vllm.v1.core.sched.policy.context_serve import ContextServePolicy
+from vllm.v1.request import RequestStatus
 from vllm_continuum.context_serve.config import ContextServeConfig
 from vllm_continuum.context_serve.stats import ContextServeStats
 
@@ -188,3 +191,44 @@ def test_scheduler_stats_carry_the_policy_stats():
     s.add_request(turn("job", list(range(11)), 0.0))
     totals = Totals(policy).run(s)
     assert totals.from_scheduler.decisions == {("fast", "rules"): 1}
+
+
+COMMANDS = ["ls -la", "make -j4", "python x.py", "no tool call"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["add", "step", "step", "abort", "tick"]), st.integers(0, 50)),
+        min_size=1,
+        max_size=50,
+    )
+)
+def test_random_agent_workload_conserves_blocks(seq):
+    clock = FakeClock(0.0)
+    config = VllmConfig(
+        scheduler_config=SchedulerConfig(policy="context_serve"),
+        policy_config=PolicyConfig(default_ttl_s=1.0),
+    )
+    policy = create_policy(config, decode=lambda ids: bash(COMMANDS[ids[-1] % 4]), clock=clock)
+    s = make_scheduler(num_blocks=10, budget=16, max_num_seqs=4, max_model_len=40,
+                       policy_obj=policy, clock=clock)  # fmt: skip
+    added = []
+    for op, arg in seq:
+        if op == "add":
+            req = turn(f"job{arg % 3}", [arg + i for i in range(1 + arg % 20)], clock.now,
+                       last=arg % 4 == 0, max_tokens=1 + arg % 9)  # fmt: skip
+            s.add_request(req)
+            added.append(req)
+        elif op == "step":
+            step(s, token=arg)  # the token picks the turn's command
+        elif op == "abort" and added:
+            s.finish_requests(added[arg % len(added)].request_id, RequestStatus.FINISHED_ABORTED)
+        elif op == "tick":
+            clock.advance(arg / 10)
+        s.check_invariants()
+    Totals(policy).run(s)
+    clock.advance(10)
+    s.schedule()  # every pin has expired
+    s.check_invariants()
+    assert s.kv_cache_manager.usage == 0.0 and len(s.pins) == 0
