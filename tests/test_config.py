@@ -1,11 +1,23 @@
-"""Bad configuration and sampling values raise ValueError naming the field."""
+"""Configs, and the engine flags generated from them: defaults, help, and bad values
+(a ValueError naming the field, or a one-line argparse error naming the flag)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import typing
+
 import pytest
 
-from vllm.config import CacheConfig, ModelConfig, PolicyConfig, SchedulerConfig
-from vllm.engine.arg_utils import EngineArgs, parse_bytes
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    PolicyConfig,
+    SchedulerConfig,
+    VllmConfig,
+    field_default,
+)
+from vllm.engine.arg_utils import EngineArgs, config_args, parse_bytes
 from vllm.sampling_params import SamplingParams
 
 
@@ -69,3 +81,88 @@ def test_block_size_256_is_accepted_for_flash_attn_pages():
     assert CacheConfig(block_size=256).block_size == 256
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=512)
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    return EngineArgs.add_cli_args(argparse.ArgumentParser(prog="vllm serve", exit_on_error=False))
+
+
+def _config_defaults() -> dict[str, object]:
+    """dest -> the default declared on the config field behind the flag."""
+    configs = typing.get_type_hints(VllmConfig)
+    return {a.dest: field_default(configs[a.group], a.field) for a in config_args()}
+
+
+def test_every_flag_defaults_to_its_config_field():
+    actions = [a for a in _engine_parser()._actions if a.option_strings and a.dest != "help"]
+    declared = _config_defaults()
+    assert {a.dest for a in actions} == set(declared)
+    derived = {"max_num_batched_tokens"}  # computed from chunked prefill / max_model_len
+    for action in actions:
+        expected = None if action.dest in derived else declared[action.dest]
+        assert action.default == expected, action.option_strings
+        assert action.help and len(action.help) > 10, action.option_strings
+    # EngineArgs() and the parser agree, and give the configs' own defaults.
+    assert vars(_engine_parser().parse_args([])) == vars(EngineArgs())
+    cfg = EngineArgs().create_engine_config()
+    assert cfg.cache_config == CacheConfig() and cfg.policy_config == PolicyConfig()
+    assert cfg.scheduler_config == SchedulerConfig()
+
+
+def test_flags_keep_their_vllm_names():
+    flags = {a.flag: (a.group, a.field) for a in config_args()}
+    assert flags["--scheduling-policy"] == ("scheduler_config", "policy")
+    assert flags["--kv-cache-memory"] == ("cache_config", "kv_cache_memory_bytes")
+    assert flags["--continuum-max-ttl"] == ("policy_config", "max_ttl_s")
+    assert flags["--continuum-default-ttl"] == ("policy_config", "default_ttl_s")
+    assert flags["--continuum-min-records"] == ("policy_config", "min_records")
+    assert flags["--max-wait-time"] == ("policy_config", "max_wait_s")
+    # One --max-model-len: SchedulerConfig's copy is filled from ModelConfig's.
+    assert flags["--max-model-len"] == ("model_config", "max_model_len")
+    assert ("scheduler_config", "max_model_len") not in flags.values()
+
+
+def test_flags_reach_the_configs():
+    argv = "--no-enable-chunked-prefill --max-model-len 4096 --kv-cache-memory 1.5GiB "
+    argv += "--scheduling-policy continuum --continuum-max-ttl 3 --max-wait-time 7 --dtype float16"
+    args = _engine_parser().parse_args(argv.split())
+    cfg = EngineArgs.from_cli_args(args).create_engine_config(8192)
+    assert cfg.cache_config.kv_cache_memory_bytes == int(1.5 * 2**30)
+    assert cfg.scheduler_config.policy == "continuum"
+    assert not cfg.scheduler_config.enable_chunked_prefill
+    # Without chunking the derived budget holds one whole prompt.
+    assert cfg.scheduler_config.max_num_batched_tokens == 4096
+    assert cfg.scheduler_config.max_model_len == cfg.model_config.max_model_len == 4096
+    assert cfg.policy_config.max_ttl_s == 3 and cfg.policy_config.max_wait_s == 7
+    assert cfg.model_config.dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--max-num-seqs", "many"], "--max-num-seqs"),
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
+        (["--dtype", "int3"], "--dtype"),
+        (["--scheduling-policy", "lifo"], "--scheduling-policy"),
+        (["--continuum-ttl-mode", "forever"], "--continuum-ttl-mode"),
+        (["--continuum-max-ttl", "long"], "--continuum-max-ttl"),
+    ],
+)
+def test_bad_flag_value_is_one_line_naming_the_flag(argv, flag):
+    with pytest.raises(argparse.ArgumentError) as e:
+        _engine_parser().parse_args(argv)
+    assert flag in str(e.value) and "\n" not in str(e.value)
+
+
+def test_scheduling_policy_choices_are_read_when_the_parser_is_built(monkeypatch):
+    from vllm.v1.core.sched.policy import registry
+
+    monkeypatch.setitem(registry._REGISTRY, "lifo", "vllm.v1.core.sched.policy.fcfs:FCFSPolicy")
+    assert _engine_parser().parse_args(["--scheduling-policy", "lifo"]).scheduling_policy == "lifo"
+    assert SchedulerConfig(policy="lifo").policy == "lifo"
+
+
+def test_every_config_field_is_declared_with_its_help():
+    for cls in typing.get_type_hints(VllmConfig).values():
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name}"

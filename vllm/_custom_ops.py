@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from vllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +24,7 @@ _tried = False
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm-continuum"
-    )
-    return Path(root) / "kernels"
+    return Path(envs.VLLM_CACHE_ROOT) / "kernels"
 
 
 def _load_native():

@@ -1,46 +1,91 @@
 """Engine configuration: frozen dataclasses validated in ``__post_init__``.
 
-Every tuning knob is a field with a docstring-comment; CLI flags (vLLM names) are
-mapped onto these fields by ``vllm/engine/arg_utils.py``. Invalid values raise
-``ValueError`` naming the field and the bad value.
+Each field is the one place its knob is described: default, type, help text and, where
+the vLLM flag is not ``--field-name``, the flag (see ``config_field``).
+``vllm/engine/arg_utils.py`` generates the CLI flags and ``EngineArgs`` from these fields.
+Invalid values raise ``ValueError`` naming the field and the bad value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from collections.abc import Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Literal, get_args
+
+from vllm_continuum.config import (  # the policies' config lives with the policies
+    PolicyConfig,
+    bad_value,
+    config_field,
+)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-CONTINUUM_TTL_MODES = ("paper", "fixed")
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-def _bad(name: str, value: object, why: str) -> ValueError:
-    return ValueError(f"{name} {why}, got {value!r}")
+def scheduling_policy_names() -> Sequence[str]:
+    """The accepted ``--scheduling-policy`` values: the policy registry's names."""
+    from vllm.v1.core.sched.policy.registry import policy_names  # imports no engine code
+
+    return policy_names()
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The declared default of ``cls.name`` (so computed defaults never restate it)."""
+    f: Field = next(f for f in fields(cls) if f.name == name)
+    if f.default is MISSING:
+        raise TypeError(f"{cls.__name__}.{name} has no default")
+    return f.default
+
+
+_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: 2 ** (10 * power)
+    for power, prefix in enumerate("kmg", start=1)
+    for suffix in ("", "b", "ib")
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB', '1G', '1.5GiB' or an integer -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory must be a size like 512MiB or 2GiB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # Model name (the embedded "SmolLM2-135M-Instruct"), a GGUF file or an HF directory.
-    model: str = DEFAULT_MODEL
-    # Tokenizer source; defaults to the model's own.
-    tokenizer: str | None = None
-    # Name reported by the API and in metrics labels; defaults to ``model``.
-    served_model_name: str | None = None
-    # Maximum prompt + output length; None: the model's max_position_embeddings.
-    max_model_len: int | None = None
-    # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16".
-    dtype: str = "auto"
-    # Seed of the global RNG (per-request seeds override it for that request).
-    seed: int = 0
-    # Path of a Jinja chat template overriding the tokenizer's.
-    chat_template: str | None = None
+    """The model, its tokenizer and numerics."""
+
+    model: str = config_field(
+        DEFAULT_MODEL, 'Model: the embedded "SmolLM2-135M-Instruct", a .gguf file or an HF folder.'
+    )
+    tokenizer: str | None = config_field(None, "Tokenizer source; None: the model's own.")
+    served_model_name: str | None = config_field(
+        None, "Model name the API reports and accepts, and the metrics label; None: the model."
+    )
+    max_model_len: int | None = config_field(
+        None, "Maximum prompt + output tokens; None: the model's max_position_embeddings."
+    )
+    dtype: Dtype = config_field(
+        "auto", "Weight/activation dtype; auto: float32 on CPU, bfloat16 on CUDA."
+    )
+    seed: int = config_field(
+        0, "Seed of the global RNG (a request's own seed overrides it for that request)."
+    )
+    chat_template: str | None = config_field(
+        None, "Path of a Jinja chat template overriding the tokenizer's."
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise _bad("model", self.model, "must be a non-empty name or path")
+            raise bad_value("model", self.model, "must be a non-empty name or path")
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise _bad("max_model_len", self.max_model_len, "must be >= 1")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise _bad("dtype", self.dtype, "must be auto, float32, bfloat16 or float16")
+            raise bad_value("max_model_len", self.max_model_len, "must be >= 1")
+        if self.dtype not in get_args(Dtype):
+            raise bad_value("dtype", self.dtype, "must be auto, float32, bfloat16 or float16")
 
     @property
     def name(self) -> str:
@@ -49,60 +94,78 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    # Tokens per KV block.
-    block_size: int = 16
-    # Reuse KV blocks across requests sharing a prefix (chained block hashes).
-    enable_prefix_caching: bool = True
-    # Exact number of KV blocks (null block included); overrides the memory sizing.
-    num_gpu_blocks_override: int | None = None
-    # Bytes of KV cache; None: 1 GiB on CPU, gpu_memory_utilization on CUDA.
-    kv_cache_memory_bytes: int | None = None
-    # Fraction of GPU memory the engine may use (CUDA only).
-    gpu_memory_utilization: float = 0.9
+    """The paged KV cache: block size, prefix caching and how much memory it gets."""
+
+    block_size: int = config_field(16, "Tokens per KV block.")
+    enable_prefix_caching: bool = config_field(
+        True, "Reuse KV blocks across requests sharing a prefix (chained block hashes)."
+    )
+    num_gpu_blocks_override: int | None = config_field(
+        None, "Exact number of KV blocks (null block included); overrides the memory sizing."
+    )
+    kv_cache_memory_bytes: int | None = config_field(
+        None,
+        "KV cache size, e.g. 512MiB or 2GiB; None: 1GiB on CPU, gpu_memory_utilization on CUDA.",
+        flag="--kv-cache-memory",
+        parse=parse_bytes,
+    )
+    gpu_memory_utilization: float = config_field(
+        0.9, "Fraction of GPU memory the engine may use (CUDA only)."
+    )
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            raise _bad("block_size", self.block_size, "must be a power of two in [1, 256]")
+            raise bad_value("block_size", self.block_size, "must be a power of two in [1, 256]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
-            raise _bad("num_gpu_blocks_override", self.num_gpu_blocks_override, "must be >= 2")
+            raise bad_value("num_gpu_blocks_override", self.num_gpu_blocks_override, "must be >= 2")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise _bad("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
+            raise bad_value("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+            raise bad_value(
+                "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]"
+            )
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # Maximum number of running requests in one step.
-    max_num_seqs: int = 128
-    # Token budget of one step, shared by prefill chunks and decodes.
-    max_num_batched_tokens: int = 2048
-    # Maximum prompt + output length (filled from ModelConfig by VllmConfig).
-    max_model_len: int = 8192
-    # Split long prefills across steps when the budget is short.
-    enable_chunked_prefill: bool = True
-    # A prefill chunk is at most this many tokens (0: no limit beyond the budget).
-    long_prefill_token_threshold: int = 0
-    # Which policy orders waiting requests, picks victims, and decides pins.
-    policy: str = "fcfs"
+    """Step budgets and the scheduling policy."""
+
+    max_num_seqs: int = config_field(128, "Maximum number of running requests in one step.")
+    max_num_batched_tokens: int = config_field(
+        2048,
+        "Token budget of one step, shared by prefill chunks and decodes; unset: 2048, "
+        "or max(2048, max_model_len) without chunked prefill.",
+        derived=True,
+    )
+    max_model_len: int = config_field(
+        8192, "Maximum prompt + output length (filled from ModelConfig).", cli=False
+    )
+    enable_chunked_prefill: bool = config_field(
+        True, "Split long prefills across steps when the budget is short."
+    )
+    long_prefill_token_threshold: int = config_field(
+        0, "A prefill chunk is at most this many tokens (0: no limit beyond the budget)."
+    )
+    policy: str = config_field(
+        "fcfs",
+        "Which policy orders waiting requests, picks victims, and decides pins.",
+        flag="--scheduling-policy",
+        choices=scheduling_policy_names,
+    )
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise _bad("max_num_seqs", self.max_num_seqs, "must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise _bad("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
-        if self.max_model_len < 1:
-            raise _bad("max_model_len", self.max_model_len, "must be >= 1")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise bad_value(name, getattr(self, name), "must be >= 1")
         if self.long_prefill_token_threshold < 0:
-            raise _bad(
+            raise bad_value(
                 "long_prefill_token_threshold", self.long_prefill_token_threshold, "must be >= 0"
             )
-        from vllm.v1.core.sched.policy.registry import policy_names  # no engine imports
-
-        if self.policy not in policy_names():
-            raise _bad("scheduling_policy", self.policy, f"must be one of {policy_names()}")
+        policies = tuple(scheduling_policy_names())
+        if self.policy not in policies:
+            raise bad_value("scheduling_policy", self.policy, f"must be one of {policies}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise _bad(
+            raise bad_value(
                 "max_num_batched_tokens",
                 self.max_num_batched_tokens,
                 f"must be >= max_model_len={self.max_model_len} without chunked prefill",
@@ -110,46 +173,9 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """Knobs of the agent-aware policies (Continuum, ContextServe)."""
-
-    # "paper": TTL from the empirical CDF rule of arXiv 2511.02230 §4;
-    # "fixed": the research fork's rule (pin fixed_pin_s if the tool's mean <= threshold).
-    continuum_ttl_mode: str = "paper"
-    # Upper bound on any pin's TTL, seconds.
-    max_ttl_s: float = 10.0
-    # TTL used by the paper rule at cold start (<= min_records records in total).
-    default_ttl_s: float = 2.0
-    # K of the paper: records needed before a tool's own CDF (else the global one) is used.
-    min_records: int = 100
-    # Fixed mode: pin length, and the mean tool time above which nothing is pinned.
-    fixed_pin_s: float = 2.0
-    fixed_threshold_s: float = 2.0
-    # Bounded waiting: a request that waited this long is served regardless of job order.
-    max_wait_s: float = 30.0
-    # Window (number of evictions) of the queueing-delay mean T in the TTL rule.
-    queue_delay_window: int = 64
-
-    def __post_init__(self) -> None:
-        if self.continuum_ttl_mode not in CONTINUUM_TTL_MODES:
-            raise _bad(
-                "continuum_ttl_mode",
-                self.continuum_ttl_mode,
-                f"must be one of {CONTINUUM_TTL_MODES}",
-            )
-        for name in ("max_ttl_s", "default_ttl_s", "fixed_pin_s", "fixed_threshold_s"):
-            if getattr(self, name) < 0:
-                raise _bad(name, getattr(self, name), "must be >= 0")
-        if self.max_wait_s <= 0:
-            raise _bad("max_wait_s", self.max_wait_s, "must be > 0")
-        if self.min_records < 0:
-            raise _bad("min_records", self.min_records, "must be >= 0")
-        if self.queue_delay_window < 1:
-            raise _bad("queue_delay_window", self.queue_delay_window, "must be >= 1")
-
-
-@dataclass(frozen=True)
 class VllmConfig:
+    """All engine configs; each field's type is one group of CLI flags."""
+
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)

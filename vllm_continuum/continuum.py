@@ -32,14 +32,15 @@ MIN_PIN_S = 0.01  # shorter pins are not worth the bookkeeping
 class ContinuumCore:
     """The state and decisions of one Continuum policy instance (one engine)."""
 
-    def __init__(self, config: PolicyConfig, clock: Clock) -> None:
+    def __init__(self, config: PolicyConfig, clock: Clock, record_dir: str | None = None) -> None:
+        """``record_dir``: where to write the per-job event log (None: no log)."""
         self.config = config
         self.clock = clock
         self.parser = ToolCallParser()
         self.estimator = ToolCallEstimator()
         self.prefill_coeffs = fit_prefill_profile([])
         self.queue_delays: deque[float] = deque(maxlen=config.queue_delay_window)
-        self.recorder = JobRecorder.from_env(clock)
+        self.recorder = JobRecorder(record_dir, clock) if record_dir else None
 
     def set_prefill_profile(self, samples: Sequence[tuple[int, float]]) -> None:
         """(tokens, seconds) prefill measurements, to price a re-prefill."""

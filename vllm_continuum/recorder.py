@@ -24,11 +24,6 @@ class JobRecorder:
         self.events: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self._last_flush = clock()
 
-    @classmethod
-    def from_env(cls, clock: Clock) -> JobRecorder | None:
-        directory = os.environ.get("RUN_OUTPUT_DIR")
-        return cls(directory, clock) if directory else None
-
     def record(self, job: str, event: str, **fields: Any) -> None:
         self.events[job].append({"event": event, "time": self.clock(), **fields})
         if self.clock() - self._last_flush >= self.flush_every_s:

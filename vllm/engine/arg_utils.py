@@ -1,231 +1,163 @@
-"""``EngineArgs``: engine keyword arguments and CLI flags (vLLM names) -> ``VllmConfig``."""
+"""``EngineArgs``: engine keyword arguments and CLI flags (vLLM names) -> ``VllmConfig``.
+
+Nothing here restates a default. Every flag and every ``EngineArgs`` field is generated
+from one config field (``vllm.config.config_field``): its flag, type, default, choices and
+help. Only the defaults that depend on other settings are computed here, once, in
+``EngineArgs.create_engine_config``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import re
+import functools
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from vllm.config import (
-    CONTINUUM_TTL_MODES,
-    DEFAULT_MODEL,
-    CacheConfig,
-    ModelConfig,
-    PolicyConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.v1.core.sched.policy.registry import policy_names
+from vllm.config import SchedulerConfig, VllmConfig, field_default, parse_bytes
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kb": 2**10,
-    "kib": 2**10,
-    "m": 2**20,
-    "mb": 2**20,
-    "mib": 2**20,
-    "g": 2**30,
-    "gb": 2**30,
-    "gib": 2**30,
-}
+__all__ = ["ConfigArg", "EngineArgs", "config_args", "parse_bytes"]
 
 
-def parse_bytes(text: str | int) -> int:
-    """'512MiB', '1G', '1.5GiB' or an integer -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"kv_cache_memory must be a size like 512MiB or 2GiB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+@dataclass(frozen=True)
+class ConfigArg:
+    """One engine flag, generated from one config field."""
+
+    group: str  # the VllmConfig field holding the config, e.g. "cache_config"
+    field: str  # the config's field, e.g. "kv_cache_memory_bytes"
+    dest: str  # EngineArgs attribute and argparse dest, e.g. "kv_cache_memory"
+    flag: str  # e.g. "--kv-cache-memory"
+    type: Any  # the config field's resolved type hint
+    default: Any  # the flag's default: the field's, or None for derived fields
+    help: str
+    choices: Any  # a sequence, a callable returning one, or None
+    parse: Callable[[str], Any] | None
+
+    @property
+    def annotation(self) -> Any:
+        """Type of the ``EngineArgs`` field (derived: may be None; parsed: may be text)."""
+        hint = self.type | None if self.default is None else self.type
+        return hint | str if self.parse is not None else hint
+
+    def argparse_kwargs(self) -> dict[str, Any]:
+        """``add_argument`` keywords; a callable ``choices`` is evaluated now."""
+        kind, literal = _scalar_type(self.type)
+        # argparse %-formats help strings.
+        kwargs = {"dest": self.dest, "default": self.default, "help": self.help.replace("%", "%%")}
+        if kind is bool:
+            return kwargs | {"action": argparse.BooleanOptionalAction}
+        choices = self.choices() if callable(self.choices) else self.choices
+        if choices is not None or literal is not None:
+            kwargs["choices"] = list(choices if choices is not None else literal)
+        kwargs["type"] = _flag_type(self.parse) if self.parse is not None else kind
+        return kwargs
+
+
+def _scalar_type(hint: Any) -> tuple[type, tuple | None]:
+    """(scalar type, Literal values or None) of ``X``, ``X | None`` or ``Literal[...]``."""
+    if get_origin(hint) in (types.UnionType, typing.Union):
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    if get_origin(hint) is Literal:
+        values = get_args(hint)
+        return type(values[0]), values
+    return hint, None
+
+
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` whose ValueError becomes argparse's one-line error naming the flag."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+@functools.cache
+def config_args() -> tuple[ConfigArg, ...]:
+    """Every engine flag, in ``VllmConfig`` order (one group per config)."""
+    out = []
+    for group, cls in get_type_hints(VllmConfig).items():
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            meta = f.metadata
+            if "help" not in meta:
+                raise TypeError(f"{cls.__name__}.{f.name}: declare it with config_field")
+            if not meta["cli"]:
+                continue
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            default = None if meta["derived"] else f.default
+            dest = flag.removeprefix("--").replace("-", "_")
+            args = (meta["help"], meta["choices"], meta["parse"])
+            out.append(ConfigArg(group, f.name, dest, flag, hints[f.name], default, *args))
+    dests = [a.dest for a in out]
+    if len(set(dests)) != len(dests):
+        raise TypeError(f"two config fields share a flag: {sorted(dests)}")
+    return tuple(out)
+
+
+def _with_config_fields(cls: type) -> type:
+    """Give ``cls`` one field per engine flag (so ``@dataclass`` makes them keywords)."""
+    for arg in config_args():
+        cls.__annotations__[arg.dest] = arg.annotation
+        setattr(cls, arg.dest, arg.default)
+    return cls
 
 
 @dataclass
+@_with_config_fields
 class EngineArgs:
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    chat_template: str | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
-    continuum_ttl_mode: str = "paper"
-    continuum_max_ttl: float = 10.0
-    continuum_default_ttl: float = 2.0
-    continuum_min_records: int = 100
-    max_wait_time: float = 30.0
+    """Engine keyword arguments: one per engine flag, named after it (``max_num_seqs``,
+    ``kv_cache_memory``, ``scheduling_policy``...), defaulting to its config field."""
 
     def create_engine_config(self, model_max_len: int | None = None) -> VllmConfig:
         """Build the validated config. ``model_max_len``: the model's own limit, if known."""
-        if self.max_model_len is not None and model_max_len is not None:
-            if self.max_model_len > model_max_len:
-                raise ValueError(
-                    f"max_model_len {self.max_model_len} exceeds the model's "
-                    f"max_position_embeddings {model_max_len}"
-                )
-        max_model_len = self.max_model_len or model_max_len or 8192
-        model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer,
-            served_model_name=self.served_model_name,
-            max_model_len=max_model_len,
-            dtype=self.dtype,
-            seed=self.seed,
-            chat_template=self.chat_template,
-        )
-        kv_bytes = None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            kv_cache_memory_bytes=kv_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-        )
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            policy=self.scheduling_policy,
-        )
-        policy_config = PolicyConfig(
-            continuum_ttl_mode=self.continuum_ttl_mode,
-            max_ttl_s=self.continuum_max_ttl,
-            default_ttl_s=self.continuum_default_ttl,
-            min_records=self.continuum_min_records,
-            max_wait_s=self.max_wait_time,
-        )
-        return VllmConfig(model_config, cache_config, scheduler_config, policy_config)
+        values: dict[str, dict[str, Any]] = {g: {} for g in get_type_hints(VllmConfig)}
+        for arg in config_args():
+            value = getattr(self, arg.dest)
+            if arg.parse is not None and isinstance(value, str):
+                value = arg.parse(value)
+            values[arg.group][arg.field] = value
+        max_model_len = self._max_model_len(model_max_len)
+        values["model_config"]["max_model_len"] = max_model_len
+        scheduler = values["scheduler_config"]
+        scheduler["max_model_len"] = max_model_len
+        if scheduler["max_num_batched_tokens"] is None:
+            budget = field_default(SchedulerConfig, "max_num_batched_tokens")
+            # Without chunking a whole prompt must fit in one step.
+            if not scheduler["enable_chunked_prefill"]:
+                budget = max(budget, max_model_len)
+            scheduler["max_num_batched_tokens"] = budget
+        configs = get_type_hints(VllmConfig)
+        return VllmConfig(**{g: configs[g](**kwargs) for g, kwargs in values.items()})
+
+    def _max_model_len(self, model_max_len: int | None) -> int:
+        """The flag, else the model's limit, else SchedulerConfig's default."""
+        if self.max_model_len is None:
+            if model_max_len is not None:
+                return model_max_len
+            return field_default(SchedulerConfig, "max_model_len")
+        if model_max_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model_max_len}"
+            )
+        return self.max_model_len
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Engine flags with vLLM's names."""
-        g = parser.add_argument_group("engine")
-        g.add_argument("--tokenizer", type=str, default=None, help="Tokenizer name or path.")
-        g.add_argument(
-            "--served-model-name",
-            type=str,
-            default=None,
-            help="Model name the API reports and accepts (default: the model).",
-        )
-        g.add_argument(
-            "--max-model-len",
-            type=int,
-            default=None,
-            help="Maximum prompt + output tokens (default: the model's limit).",
-        )
-        g.add_argument(
-            "--dtype",
-            choices=["auto", "float32", "bfloat16", "float16"],
-            default="auto",
-            help="Weight/activation dtype (auto: fp32 on CPU).",
-        )
-        g.add_argument("--seed", type=int, default=0, help="Global random seed.")
-        g.add_argument(
-            "--chat-template",
-            type=str,
-            default=None,
-            help="Path of a Jinja chat template overriding the tokenizer's.",
-        )
-        g.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
-        g.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="Reuse KV blocks of shared prefixes.",
-        )
-        g.add_argument(
-            "--num-gpu-blocks-override",
-            type=int,
-            default=None,
-            help="Exact number of KV blocks (ignores memory sizing).",
-        )
-        g.add_argument(
-            "--kv-cache-memory",
-            type=str,
-            default=None,
-            help="KV cache size, e.g. 512MiB or 2GiB (default 1GiB on CPU).",
-        )
-        g.add_argument(
-            "--gpu-memory-utilization",
-            type=float,
-            default=0.9,
-            help="Fraction of GPU memory to use (CUDA only).",
-        )
-        g.add_argument(
-            "--max-num-seqs", type=int, default=128, help="Maximum running requests per step."
-        )
-        g.add_argument(
-            "--max-num-batched-tokens",
-            type=int,
-            default=None,
-            help="Token budget per step (default 2048).",
-        )
-        g.add_argument(
-            "--enable-chunked-prefill",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="Split long prefills across steps.",
-        )
-        g.add_argument(
-            "--long-prefill-token-threshold",
-            type=int,
-            default=0,
-            help="Cap on one prefill chunk (0: the step budget).",
-        )
-        g.add_argument(
-            "--scheduling-policy",
-            choices=list(policy_names()),
-            default="fcfs",
-            help="Request scheduling policy.",
-        )
-        g.add_argument(
-            "--continuum-ttl-mode",
-            choices=list(CONTINUUM_TTL_MODES),
-            default="paper",
-            help="Continuum pin TTL: the paper's CDF rule or the fork's fixed rule.",
-        )
-        g.add_argument(
-            "--continuum-max-ttl",
-            type=float,
-            default=10.0,
-            help="Upper bound on a pin's TTL in seconds.",
-        )
-        g.add_argument(
-            "--continuum-default-ttl",
-            type=float,
-            default=2.0,
-            help="Cold-start TTL in seconds (paper mode).",
-        )
-        g.add_argument(
-            "--continuum-min-records",
-            type=int,
-            default=100,
-            help="Tool records before a tool's own CDF is trusted (paper's K).",
-        )
-        g.add_argument(
-            "--max-wait-time",
-            type=float,
-            default=30.0,
-            help="Seconds after which a waiting request is served regardless "
-            "of job order (bounded waiting).",
-        )
+        """Engine flags with vLLM's names, one argument group per config."""
+        configs = get_type_hints(VllmConfig)
+        groups: dict[str, Any] = {}
+        for arg in config_args():
+            if arg.group not in groups:
+                cls = configs[arg.group]
+                groups[arg.group] = parser.add_argument_group(cls.__name__, cls.__doc__)
+            groups[arg.group].add_argument(arg.flag, **arg.argparse_kwargs())
         return parser
 
     @classmethod

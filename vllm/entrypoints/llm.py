@@ -149,9 +149,9 @@ class LLM:
                 if not self.engine_core.has_unfinished_requests():
                     raise RuntimeError("the engine core lost track of unfinished requests")
                 outputs = self.engine_core.step()
-                results, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
-                if reqs_to_abort:
-                    self.engine_core.abort_requests(reqs_to_abort)
+                results, reqs_to_stop = self.output_processor.process_outputs(outputs.outputs)
+                if reqs_to_stop:  # ended on a stop string: the engine finishes them as stopped
+                    self.engine_core.stop_requests(reqs_to_stop)
                 for out in results:
                     if out.finished:
                         finished[out.request_id] = out

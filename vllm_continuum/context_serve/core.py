@@ -26,7 +26,7 @@ from vllm_continuum.context_serve.types import Prediction, ToolSpeed
 from vllm_continuum.continuum import MIN_PIN_S, ContinuumCore
 
 if TYPE_CHECKING:
-    from vllm.config import PolicyConfig
+    from vllm_continuum.config import PolicyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +68,15 @@ class ContextServeCore(ContinuumCore):
     """The state and decisions of one ContextServe policy instance."""
 
     def __init__(
-        self, config: PolicyConfig, clock: Clock, cs_config: ContextServeConfig | None = None
+        self,
+        config: PolicyConfig,
+        clock: Clock,
+        cs_config: ContextServeConfig | None = None,
+        record_dir: str | None = None,
     ) -> None:
-        """ValueError (naming the option) when the rules or model file is unusable."""
-        super().__init__(config, clock)
+        """ValueError (naming the option) when the rules or model file is unusable;
+        ``record_dir``: where the per-job event log goes (None: no log)."""
+        super().__init__(config, clock, record_dir=record_dir)
         self.cs_config = cs_config or ContextServeConfig()
         self.predictor = ContextAwarePredictor(self.cs_config)
         self.stats = ContextServeStats()

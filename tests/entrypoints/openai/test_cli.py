@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
 
+from vllm.engine.arg_utils import config_args
 from vllm.entrypoints.utils import LOOPBACK
 
 
@@ -39,8 +41,19 @@ def test_help_lists_the_flags_without_importing_torch():
         "--dtype",
         "--chat-template",
         "--disable-log-requests",
+        "--continuum-ttl-mode",
+        "--continuum-max-ttl",
+        "--continuum-default-ttl",
+        "--continuum-min-records",
+        "--max-wait-time",
+        "--model",
     ):
         assert flag in out.stdout, flag
+    # Every generated engine flag, under its config's group.
+    for arg in config_args():
+        assert re.search(rf"^  {arg.flag}[ ,\n]", out.stdout, re.MULTILINE), arg.flag
+    for group in ("ModelConfig:", "CacheConfig:", "SchedulerConfig:", "PolicyConfig:"):
+        assert group in out.stdout
     probe = (
         "import sys; from vllm.entrypoints.cli.main import make_parser; make_parser(); "
         "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))"
@@ -53,10 +66,16 @@ def test_help_lists_the_flags_without_importing_torch():
     ("args", "needle"),
     [
         (("--max-num-seqs", "abc"), "--max-num-seqs"),
+        (("--kv-cache-memory", "lots"), "--kv-cache-memory"),
+        (("--dtype", "int3"), "--dtype"),
+        (("--enable-chunked-prefill=yes",), "--enable-chunked-prefill"),
         (("--scheduling-policy", "lifo"), "--scheduling-policy"),
         (("--max-num-seqs", "0"), "max_num_seqs"),
         (("--chat-template", "/no/such/template.jinja"), "chat_template"),
         (("/no/such/model",), "not found"),
+        # The positional model wins over --model, as in vLLM.
+        (("/no/such/model", "--model", "/other/model"), "/no/such/model"),
+        (("--model", "/other/model"), "/other/model"),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(args, needle):

@@ -52,7 +52,7 @@ def test_output_kinds(tokenizer, kind):
     assert results[-1].prompt == "prompt" and results[-1].prompt_token_ids == [1, 2, 3]
 
 
-def test_stop_string_asks_the_engine_to_abort(tokenizer):
+def test_stop_string_asks_the_engine_to_stop_the_request(tokenizer):
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, [make_request("r", stop=["this"])])
     outs = token_outputs(tokenizer, "r")

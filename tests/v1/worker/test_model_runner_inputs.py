@@ -295,12 +295,6 @@ def _seeded_run(runner, preempt_after_first: bool) -> list[int]:
     return tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: a preempted request's generator is re-seeded on resume, so a seeded "
-    "request's tokens depend on whether it was preempted (vLLM keeps the generator)",
-)
 def test_seeded_tokens_do_not_depend_on_preemption(runner):
     plain = _seeded_run(runner, preempt_after_first=False)
     runner.requests.clear()

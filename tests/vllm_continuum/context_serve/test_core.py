@@ -92,9 +92,8 @@ def test_learns_tool_times_and_scores_its_verdicts():
     assert stats.fast_pin_outcomes == {"expired": 1}
 
 
-def test_decision_log_and_recorder_fields(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("RUN_OUTPUT_DIR", str(tmp_path))
-    c = core()
+def test_decision_log_and_recorder_fields(tmp_path, caplog):
+    c = ContextServeCore(PolicyConfig(), FakeClock(0.0), record_dir=str(tmp_path))
     with caplog.at_level(logging.INFO, logger="vllm_continuum.context_serve.core"):
         finish(c, "job9", bash("pip install -e ."), 1.0)
     assert "job job9: func_call=pip install -> SLOW (rules) free" in caplog.text

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
 import time
 
-from vllm.config import DEFAULT_MODEL
+from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger("vllm.serve")
@@ -27,13 +26,14 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         description="Start the OpenAI-compatible API server.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    # vLLM's positional MODEL; when given it wins over --model (ModelConfig's flag).
     p.add_argument(
-        "model",
+        "model_tag",
         nargs="?",
-        default=DEFAULT_MODEL,
-        help="Model: the embedded name, a .gguf file, or an HF folder.",
+        default=None,
+        metavar="model",
+        help="Model: the embedded name, a .gguf file, or an HF folder; overrides --model.",
     )
-    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="Host to bind.")
     server.add_argument("--port", type=int, default=8000, help="Port to bind.")
@@ -57,8 +57,8 @@ def build_config(args: argparse.Namespace):
     from vllm.entrypoints.utils import check_chat_template
     from vllm.model_executor.model_loader import get_model_config
 
-    if args.model_flag:
-        args.model = args.model_flag
+    if args.model_tag is not None:
+        args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
     check_chat_template(engine_args.chat_template)
     if not 0 <= args.port < 65536:
@@ -126,7 +126,7 @@ def event_loop_factory():
     """uvloop's event loop when it is installed (a dependency; vLLM serves on it too), else
     asyncio's default. The API server's per-request work is mostly event-loop callbacks
     (HTTP parsing, ZMQ readiness, responses), which uvloop runs in C."""
-    if os.environ.get("VLLM_USE_UVLOOP", "1") == "0":
+    if not envs.VLLM_USE_UVLOOP:
         return None
     try:
         import uvloop

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm import envs
 from vllm.v1.attention.backends import flash_attn, torch_sdpa
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ def select_attention_backend(
     device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int
 ) -> AttentionBackend:
     """The backend for this device/dtype/block size; see the module docstring."""
-    forced = os.environ.get(ENV_VAR, "").strip().upper()
-    if forced not in ("", TORCH_SDPA, FLASH_ATTN):
+    forced = envs.VLLM_ATTENTION_BACKEND
+    if forced not in (None, TORCH_SDPA, FLASH_ATTN):
         raise ValueError(f"{ENV_VAR}={forced!r}: expected {TORCH_SDPA} or {FLASH_ATTN}")
     if forced == TORCH_SDPA:
         return TORCH_BACKEND

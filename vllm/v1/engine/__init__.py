@@ -12,6 +12,9 @@ has one payload type (``PAYLOAD_TYPES``):
 
     ADD            EngineCoreRequest     queue a request
     ABORT          list[str]             stop these request ids, free their blocks
+    STOP           list[str]             these requests ended on a stop string (the front
+                                         end's detokenizer saw it): finish them as
+                                         stopped, so the policy decides their blocks
     SHUTDOWN       None                  finish the loop and exit
     READY          EngineCoreReady       once, first: the engine is built
     OUTPUTS        StampedOutputs        one step's outputs (or fresh stats while idle)
@@ -85,6 +88,7 @@ class EngineCoreRequestType(enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     SHUTDOWN = b"\x02"
+    STOP = b"\x03"
 
 
 class EngineCoreOutputType(enum.Enum):
@@ -138,6 +142,7 @@ MessageType = TypeVar("MessageType", EngineCoreRequestType, EngineCoreOutputType
 PAYLOAD_TYPES: dict[enum.Enum, type] = {
     EngineCoreRequestType.ADD: EngineCoreRequest,
     EngineCoreRequestType.ABORT: list,
+    EngineCoreRequestType.STOP: list,
     EngineCoreRequestType.SHUTDOWN: type(None),
     EngineCoreOutputType.READY: EngineCoreReady,
     EngineCoreOutputType.OUTPUTS: StampedOutputs,

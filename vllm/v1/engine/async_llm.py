@@ -211,9 +211,9 @@ class AsyncLLM:
                 stream.engine_arrival is None or received < stream.engine_arrival
             ):
                 stream.engine_arrival = received
-        results, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
-        if to_abort:
-            await self.client.send(EngineCoreRequestType.ABORT, to_abort)
+        results, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
+        if to_stop:
+            await self.client.send(EngineCoreRequestType.STOP, to_stop)
         for out in results:
             stream = self._streams.get(out.request_id)
             if stream is None:

@@ -86,6 +86,11 @@ class EngineCore:
         """Stop these requests now and free their blocks (unknown ids are ignored)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def stop_requests(self, request_ids: list[str]) -> None:
+        """These requests ended on a stop string (seen by the front end's detokenizer):
+        finish them as stopped, like an EOS, so the policy decides their blocks."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
         runner_output = self._execute(scheduler_output)

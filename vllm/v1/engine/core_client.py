@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.v1.engine import (
     EngineCoreOutputType,
@@ -59,7 +60,7 @@ def engine_process_env() -> dict[str, str]:
     passive). 10k spins (~0.1 ms) still bridge the gaps between back-to-back kernels.
     ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` set by the user win.
     """
-    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+    if envs.GOMP_SPINCOUNT is not None or envs.OMP_WAIT_POLICY is not None:
         return {}
     return {"GOMP_SPINCOUNT": DEFAULT_GOMP_SPINCOUNT}
 

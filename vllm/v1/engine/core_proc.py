@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.v1.engine import (
     EngineCoreOutputs,
@@ -44,7 +45,6 @@ from vllm.v1.engine import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 1.0  # an idle engine still wakes up this often to notice a dead parent
-DEFAULT_ENGINE_NICE = 10  # see lower_cpu_priority
 
 EngineFactory = Callable[[VllmConfig], Any]
 # A decoded input with its receipt time, or the error that replaced an invalid one.
@@ -125,6 +125,8 @@ class EngineCoreProc:
                     self._send(EngineCoreOutputType.REQUEST_ERROR, error)
             case EngineCoreRequestType.ABORT:
                 self.engine.abort_requests(payload)
+            case EngineCoreRequestType.STOP:
+                self.engine.stop_requests(payload)
             case EngineCoreRequestType.SHUTDOWN:
                 self.running = False
             case _:  # a type added to the enum but not handled here
@@ -205,7 +207,7 @@ def lower_cpu_priority() -> None:
 
     if torch.cuda.is_available():
         return
-    increment = int(os.environ.get("VLLM_CPU_ENGINE_NICE", DEFAULT_ENGINE_NICE))
+    increment = envs.VLLM_CPU_ENGINE_NICE
     if increment > 0:
         os.nice(increment)
 

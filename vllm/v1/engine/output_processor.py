@@ -149,10 +149,11 @@ class OutputProcessor:
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """User-visible outputs, and engine-core ids to abort (ended by a stop string)."""
+        """User-visible outputs, and engine-core ids that ended on a stop string (the
+        engine must finish them as stopped: ``EngineCore.stop_requests``)."""
         now = time.time()
         updated: dict[str, list[_Sequence]] = {}
-        reqs_to_abort: list[str] = []
+        reqs_to_stop: list[str] = []
         for out in outputs:
             request_id = self._seq_to_request.get(out.request_id)
             state = self._states.get(request_id) if request_id is not None else None
@@ -163,14 +164,14 @@ class OutputProcessor:
                 continue
             self._update_metrics(state, out, now)
             if seq.update(out) and not out.finished:
-                reqs_to_abort.append(out.request_id)  # the engine core must stop it too
+                reqs_to_stop.append(out.request_id)  # the engine core must stop it too
             updated.setdefault(request_id, []).append(seq)
         results = []
         for request_id, seqs in updated.items():
             result = self._make_output(self._states[request_id], seqs, now)
             if result is not None:
                 results.append(result)
-        return results, reqs_to_abort
+        return results, reqs_to_stop
 
     @staticmethod
     def _update_metrics(state: _RequestState, out: EngineCoreOutput, now: float) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.model_executor.model_loader import resolve_model
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
@@ -57,9 +58,11 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
+        # Generators of seeded requests preempted (recompute) and not yet resumed.
+        self._paused_generators: dict[str, torch.Generator] = {}
         self.attn_backend: AttentionBackend = TORCH_BACKEND  # chosen in load_model
         if self.device.type == "cpu":
-            torch.set_num_threads(int(os.environ.get("VLLM_CPU_THREADS", os.cpu_count() or 1)))
+            torch.set_num_threads(envs.VLLM_CPU_THREADS)
 
     # -- start-up -------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -148,12 +151,19 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
+        for req_id in so.preempted_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None and state.generator is not None:
+                # As vLLM: a seeded request resumes its random stream where it stopped, so
+                # its tokens do not depend on whether memory pressure preempted it.
+                self._paused_generators[req_id] = state.generator
+        for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._paused_generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             p = new.sampling_params
-            gen = None
-            if p.seed is not None:
+            gen = self._paused_generators.pop(new.req_id, None)
+            if gen is None and p.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(p.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id,

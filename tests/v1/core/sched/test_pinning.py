@@ -218,3 +218,25 @@ def test_pin_kept_for_a_waiting_turn_ends_when_that_turn_is_aborted():
     assert s.next_wakeup() is None
     run_until_done(s)
     assert s.kv_cache_manager.usage == 0.0
+
+
+def test_request_stopped_by_the_front_end_goes_through_the_policy():
+    # A stop string is seen by the front end's detokenizer, which tells the engine to
+    # finish the request as stopped: the policy pins it like an EOS (issue 16).
+    s, policy, clock = setup()
+    t1 = turn("job", list(range(11)), max_tokens=30)
+    s.add_request(t1)
+    step(s)
+    step(s)
+    s.finish_requests(t1.request_id, RequestStatus.FINISHED_STOPPED)
+    assert t1.status == RequestStatus.FINISHED_STOPPED and len(s.pins) == 1
+    assert t1.request_id in s.schedule().finished_req_ids
+    s.check_invariants()
+    waiting = turn("other", [90, 91], max_tokens=30)
+    s.add_request(waiting)  # a waiting (never run) request told to stop is just freed
+    s.finish_requests(waiting.request_id, RequestStatus.FINISHED_STOPPED)
+    assert len(s.pins) == 1 and not s.has_unfinished_requests()
+    clock.advance(3.0)
+    s.schedule()
+    assert policy.released == [(t1.request_id, "expired")]
+    assert s.kv_cache_manager.usage == 0.0

@@ -83,13 +83,20 @@ class Scheduler:
         self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
-        """Finish requests from outside (abort); their blocks are always freed."""
+        """Finish requests from outside: aborted ones are freed; a running request that
+        the front end saw stop (``FINISHED_STOPPED``: a stop string) finishes like an EOS,
+        so the policy decides its blocks. Unknown ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for req_id in request_ids:
-            request = self.requests.pop(req_id, None)
+            request = self.requests.get(req_id)
             if request is None:
                 continue
+            if request.status == RequestStatus.RUNNING and status == RequestStatus.FINISHED_STOPPED:
+                request.status = status
+                self._finish(request, self.clock())
+                continue
+            del self.requests[req_id]
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:

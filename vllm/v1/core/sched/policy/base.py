@@ -1,7 +1,7 @@
 """The policy seam: every scheduling decision that differs between policies.
 
 The scheduler never branches on the policy name. It asks its ``Policy`` at these
-points (ARCHITECTURE.md, "Policies"):
+points (docs/design.md, "Scheduler"):
 
 1. which waiting request next: the ``RequestQueue`` from ``create_request_queue``;
 2. which running request to preempt: ``select_victim``;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from vllm import envs
 from vllm.config import PolicyConfig
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.sched.policy.base import FREE, FinishedAction, Offload, Pin
@@ -33,7 +34,9 @@ class ContextServePolicy(ContinuumPolicy):
         the policy config has one, else the defaults. ValueError on unusable files."""
         super().__init__(config, decode, clock)
         cs_config = context_serve_config or getattr(self.config, "context_serve_config", None)
-        self.core = ContextServeCore(self.config, clock, cs_config or ContextServeConfig())
+        self.core = ContextServeCore(
+            self.config, clock, cs_config or ContextServeConfig(), record_dir=envs.RUN_OUTPUT_DIR
+        )
 
     def on_finished(self, request: Request, now: float) -> FinishedAction:
         text = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 
+from vllm import envs
 from vllm.config import PolicyConfig
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.sched.continuum_queue import ContinuumRequestQueue
@@ -25,7 +26,7 @@ class ContinuumPolicy(Policy):
         clock: Clock = monotonic_clock,
     ) -> None:
         super().__init__(config, decode, clock)
-        self.core = ContinuumCore(self.config, clock)
+        self.core = ContinuumCore(self.config, clock, record_dir=envs.RUN_OUTPUT_DIR)
         self.queue: ContinuumRequestQueue | None = None
         self._pinned_jobs: Container[str] = frozenset()
 

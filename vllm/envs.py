@@ -1,0 +1,65 @@
+"""Environment variables that vllm-continuum reads: each declared once, with its default.
+
+Read lazily: ``envs.VLLM_CPU_THREADS`` looks the variable up on every access (module
+``__getattr__``), so a variable set after import (a test, a parent before it spawns the
+engine) takes effect, and importing this module reads nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    VLLM_CACHE_ROOT: str
+    VLLM_ATTENTION_BACKEND: str | None
+    VLLM_CPU_THREADS: int
+    VLLM_CPU_ENGINE_NICE: int
+    VLLM_USE_UVLOOP: bool
+    GOMP_SPINCOUNT: str | None
+    OMP_WAIT_POLICY: str | None
+    RUN_OUTPUT_DIR: str | None
+
+
+def _cache_root() -> str:
+    xdg = os.getenv("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.getenv("VLLM_CACHE_ROOT") or os.path.join(xdg, "vllm-continuum")
+
+
+def _upper_or_none(name: str) -> Callable[[], str | None]:
+    return lambda: (os.getenv(name) or "").strip().upper() or None
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Root of our caches: GGUF models converted to safetensors (models/) and the
+    # JIT-built native kernels (kernels/). Default: $XDG_CACHE_HOME/vllm-continuum,
+    # else ~/.cache/vllm-continuum.
+    "VLLM_CACHE_ROOT": _cache_root,
+    # Force an attention backend: TORCH_SDPA or FLASH_ATTN (case-insensitive); unset:
+    # flash-attn on CUDA when it can run, torch otherwise (vllm/v1/attention/selector.py).
+    "VLLM_ATTENTION_BACKEND": _upper_or_none("VLLM_ATTENTION_BACKEND"),
+    # torch intra-op threads of the CPU model runner. Default: every core.
+    "VLLM_CPU_THREADS": lambda: int(os.getenv("VLLM_CPU_THREADS") or os.cpu_count() or 1),
+    # How much the CPU engine process lowers its priority (nice increment) so the API
+    # front end stays responsive; 0 disables. Default 10.
+    "VLLM_CPU_ENGINE_NICE": lambda: int(os.getenv("VLLM_CPU_ENGINE_NICE") or 10),
+    # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
+    "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
+    # libgomp's spin count / wait policy: when the user sets either, the engine process
+    # keeps them; unset, it gets a short spin (vllm/v1/engine/core_client.py).
+    "GOMP_SPINCOUNT": lambda: os.getenv("GOMP_SPINCOUNT"),
+    "OMP_WAIT_POLICY": lambda: os.getenv("OMP_WAIT_POLICY"),
+    # Folder of the per-job scheduler event log (scheduler_timestamps.json); unset: none.
+    "RUN_OUTPUT_DIR": lambda: os.getenv("RUN_OUTPUT_DIR") or None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
