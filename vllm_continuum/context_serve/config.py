@@ -6,14 +6,18 @@ import math
 import os
 from dataclasses import dataclass
 
+from vllm_continuum.config import bad_value as _bad
+from vllm_continuum.config import config_field
 
-def _bad(name: str, value: object, why: str) -> ValueError:
-    return ValueError(f"{name} {why}, got {value!r}")
+
+def _flag(name: str) -> str:
+    return f"--context-serve-{name}"
 
 
 @dataclass(frozen=True)
 class ContextServeConfig:
-    """Thresholds of the three-way dispatch and of its predictor layers.
+    """Thresholds of the three-way dispatch and of its predictor layers (the flags are
+    ``--context-serve-*``).
 
     A tool call is FAST when its tool returns within ``fast_threshold_s``; a layer calls
     it FAST (or SLOW) only when its probability of being fast (or slow) reaches
@@ -21,44 +25,81 @@ class ContextServeConfig:
     Continuum's TTL rule.
     """
 
-    # A tool that returns within this many seconds is fast.
-    fast_threshold_s: float = 2.0
-    # Pin length of FAST decisions by the rule table and XGBoost (capped by max_ttl_s); the
-    # Bayesian layer pins for its own posterior quantile instead.
-    fast_pin_s: float = 3.0
-    # P(fast) a layer needs to call a turn FAST.
-    fast_confidence: float = 0.8
-    # P(slow) a layer needs to call a turn SLOW.
-    slow_confidence: float = 0.8
-    # Durations of a tool the Bayesian layer needs before it decides for that tool.
-    min_observations: int = 5
-    # Posterior-predictive quantile of the tool's duration used as the FAST pin length.
-    ttl_quantile: float = 0.9
-    # Normal-Inverse-Gamma prior over log seconds: mean, pseudo-count of the mean, shape,
-    # scale (a weak prior centred on one second).
-    prior_mean_log_s: float = 0.0
-    prior_kappa: float = 1.0
-    prior_alpha: float = 2.0
-    prior_beta: float = 1.0
-    # A JSON or YAML file extending the rule table (keys "fast", "slow_prefixes").
-    rules: str | None = None
-    # An XGBoost model trained offline (our_experiments/scripts/train_context_serve.py).
-    model: str | None = None
-    # Train the XGBoost layer in the background from observed durations.
-    online_training: bool = True
-    # New observations between two background trainings.
-    retrain_every: int = 50
-    # Observations (with both classes present) needed before the first training.
-    min_train_samples: int = 40
-    # Most recent observations kept for training.
-    max_train_samples: int = 5000
-    # Boosting rounds and tree depth of the XGBoost classifier.
-    xgb_rounds: int = 40
-    xgb_max_depth: int = 4
-    # Seed of Thompson sampling and of training.
-    seed: int = 0
-    # SLOW turns are offloaded to the CPU KV tier (needs one) instead of freed.
-    offload_slow: bool = False
+    fast_threshold_s: float = config_field(
+        2.0, "A tool that returns within this many seconds is fast.", flag=_flag("fast-threshold")
+    )
+    fast_pin_s: float = config_field(
+        3.0,
+        "Pin length (seconds) of FAST verdicts by the rule table and XGBoost, capped by "
+        "--continuum-max-ttl; the Bayesian layer pins for its posterior quantile instead.",
+        flag=_flag("fast-pin"),
+    )
+    fast_confidence: float = config_field(
+        0.8, "P(fast) a layer needs to call a turn FAST.", flag=_flag("fast-confidence")
+    )
+    slow_confidence: float = config_field(
+        0.8, "P(slow) a layer needs to call a turn SLOW.", flag=_flag("slow-confidence")
+    )
+    min_observations: int = config_field(
+        5,
+        "Measured durations of a tool before the Bayesian layer decides for it.",
+        flag=_flag("min-observations"),
+    )
+    ttl_quantile: float = config_field(
+        0.9,
+        "Posterior-predictive quantile of the tool time used as the Bayesian FAST pin.",
+        flag=_flag("ttl-quantile"),
+    )
+    prior_mean_log_s: float = config_field(
+        0.0, "Normal-Inverse-Gamma prior: mean of log seconds.", flag=_flag("prior-mean-log")
+    )
+    prior_kappa: float = config_field(
+        1.0, "Normal-Inverse-Gamma prior: pseudo-count of the mean.", flag=_flag("prior-kappa")
+    )
+    prior_alpha: float = config_field(
+        2.0, "Normal-Inverse-Gamma prior: shape of the variance.", flag=_flag("prior-alpha")
+    )
+    prior_beta: float = config_field(
+        1.0, "Normal-Inverse-Gamma prior: scale of the variance.", flag=_flag("prior-beta")
+    )
+    rules: str | None = config_field(
+        None,
+        "JSON or YAML file extending the rule table: {fast: [...], slow_prefixes: [...]}.",
+        flag=_flag("rules"),
+    )
+    model: str | None = config_field(
+        None,
+        "XGBoost model trained offline (our_experiments/scripts/train_context_serve.py).",
+        flag=_flag("model"),
+    )
+    online_training: bool = config_field(
+        True,
+        "Train the XGBoost layer in a background thread from the measured tool times.",
+        flag=_flag("online-training"),
+    )
+    retrain_every: int = config_field(
+        50, "New measurements between two background trainings.", flag=_flag("retrain-every")
+    )
+    min_train_samples: int = config_field(
+        40,
+        "Measurements (fast and slow ones) needed before the first training.",
+        flag=_flag("min-train-samples"),
+    )
+    max_train_samples: int = config_field(
+        5000, "Most recent measurements kept for training.", flag=_flag("max-train-samples")
+    )
+    xgb_rounds: int = config_field(
+        40, "Boosting rounds of the XGBoost classifier.", flag=_flag("xgb-rounds")
+    )
+    xgb_max_depth: int = config_field(
+        4, "Tree depth of the XGBoost classifier.", flag=_flag("xgb-max-depth")
+    )
+    seed: int = config_field(0, "Seed of Thompson sampling and training.", flag=_flag("seed"))
+    offload_slow: bool = config_field(
+        False,
+        "Offload SLOW turns to the CPU KV tier (needs one) instead of freeing them.",
+        flag=_flag("offload-slow"),
+    )
 
     def __post_init__(self) -> None:
         for name in ("fast_threshold_s", "fast_pin_s", "prior_kappa", "prior_alpha"):
