@@ -18,6 +18,7 @@ from vllm_continuum.config import (  # the policies' config lives with the polic
     bad_value,
     config_field,
 )
+from vllm_continuum.context_serve.config import ContextServeConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -180,3 +181,4 @@ class VllmConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    context_serve_config: ContextServeConfig = field(default_factory=ContextServeConfig)

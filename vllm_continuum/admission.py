@@ -6,9 +6,12 @@ when its tool returns, and the older job re-prefills (or is preempted). ``JobAdm
 keeps, per active job (seen, not ended, not idle for too long), the size of its context
 and whether its KV is held (running or pinned), and reserves for each older job:
 
-- a job whose KV is held: the growth of its next turn;
-- a job whose KV is not held (waiting, or in a tool gap without a pin): its whole
-  context plus that growth (it will need it all back).
+- a job whose KV is held (running or pinned): the growth of its next turn;
+- a job whose KV is not held but which will need it all back soon (its turn waits, or
+  it is in a tool gap that is expected to end within ``reserve_s`` of its departure):
+  its whole context plus that growth;
+- a job in a tool gap expected to be long (a SLOW tool, or past ``reserve_s``): nothing,
+  so its memory serves other jobs meanwhile.
 
 A new job's first turn is admitted when the free memory minus the reserve holds it. The
 growth of a turn is learned (mean prompt growth between a job's consecutive turns).
@@ -30,6 +33,8 @@ class _ActiveJob:
     last_prompt: int
     last_seen: float
     running: int = 0  # requests of the job admitted and not finished
+    waiting: bool = False  # a turn arrived and is not admitted yet
+    reserve_until: float = 0.0  # in a tool gap: expected back before this time
 
 
 class JobAdmission:
@@ -63,16 +68,21 @@ class JobAdmission:
         state.context = max(state.context, prompt_tokens)
         state.last_prompt = prompt_tokens
         state.last_seen = now
+        state.waiting = True
 
     def on_scheduled(self, job: str, prompt_tokens: int, arrival: float, now: float) -> None:
         state = self._jobs.get(job)
         if state is None:
             state = self._jobs[job] = _ActiveJob(arrival, prompt_tokens, prompt_tokens, now)
         state.running += 1
+        state.waiting = False
         state.last_seen = now
 
-    def on_stopped(self, job: str, num_tokens: int, is_last_step: bool, now: float) -> None:
-        """A turn finished (or was preempted: its KV is no longer held)."""
+    def on_stopped(
+        self, job: str, num_tokens: int, is_last_step: bool, now: float, reserve_s: float
+    ) -> None:
+        """A turn finished, or was preempted or aborted (its KV is no longer held); the
+        job is expected back within ``reserve_s`` (its context is reserved until then)."""
         state = self._jobs.get(job)
         if state is None:
             return
@@ -82,6 +92,13 @@ class JobAdmission:
         state.running = max(state.running - 1, 0)
         state.context = max(state.context, num_tokens)
         state.last_seen = now
+        state.reserve_until = now + reserve_s
+
+    def expect_late(self, job: str, now: float) -> None:
+        """The job's tool is predicted slow: reserve nothing for it until it returns."""
+        state = self._jobs.get(job)
+        if state is not None:
+            state.reserve_until = now
 
     # -- the decision ---------------------------------------------------------------------
     def reserve_tokens(self, pinned_jobs: Container[str], now: float) -> int:
@@ -90,8 +107,10 @@ class JobAdmission:
         total = 0
         for job in self._expire_idle(now):
             state = self._jobs[job]
-            held = state.running > 0 or job in pinned_jobs
-            total += growth if held else state.context + growth
+            if state.running > 0 or job in pinned_jobs:
+                total += growth
+            elif state.waiting or now <= state.reserve_until:
+                total += state.context + growth
         return total
 
     def admits(

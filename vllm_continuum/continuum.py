@@ -19,7 +19,7 @@ from vllm_continuum.admission import JobAdmission
 from vllm_continuum.clock import Clock
 from vllm_continuum.estimator import ToolCallEstimator
 from vllm_continuum.recorder import JobRecorder
-from vllm_continuum.tool_calls import ToolCallParser
+from vllm_continuum.tool_calls import ToolCall, ToolCallParser
 from vllm_continuum.ttl import eta_from_turns, fit_prefill_profile, optimal_ttl, prefill_time
 
 if TYPE_CHECKING:
@@ -93,15 +93,12 @@ class ContinuumCore:
         num_tokens: int,
     ) -> float:
         """A turn finished with output ``text``: the pin's TTL in seconds (0: free)."""
-        self.admission.on_stopped(job, num_tokens, is_last_step, now)
-        call = self.parser.parse(text)
+        call = self.depart(job, now, text, is_last_step, num_tokens)
         tool = call.name if call else None
-        self.estimator.on_departure(job, now, tool)
         self._record(
             job, "departure", request=request_id, func_call=tool, is_last_step=is_last_step
         )
         if is_last_step:
-            self.estimator.on_job_end(job)
             return 0.0
         if not named:
             return 0.0  # no later turn can be matched to it
@@ -113,9 +110,21 @@ class ContinuumCore:
         self._record(job, "pinned", request=request_id, ttl_s=ttl)
         return ttl
 
+    def depart(
+        self, job: str, now: float, text: str | None, is_last_step: bool, num_tokens: int
+    ) -> ToolCall | None:
+        """The bookkeeping of a finished turn (tool call, departure time, job end, memory
+        accounting), shared by every policy built on this core; returns its tool call."""
+        self.admission.on_stopped(job, num_tokens, is_last_step, now, self.config.max_ttl_s)
+        call = self.parser.parse(text)
+        self.estimator.on_departure(job, now, call.name if call else None)
+        if is_last_step:
+            self.estimator.on_job_end(job)
+        return call
+
     def on_kv_released(self, job: str, num_tokens: int, now: float) -> None:
         """A turn left the engine's memory without finishing (preempted or aborted)."""
-        self.admission.on_stopped(job, num_tokens, False, now)
+        self.admission.on_stopped(job, num_tokens, False, now, self.config.max_ttl_s)
 
     # -- job-level admission and pressure -------------------------------------------------
     def wait_bound_s(self, job: str) -> float:

@@ -9,7 +9,9 @@ def test_reserve_counts_whole_context_only_for_jobs_whose_kv_is_not_held():
     adm = JobAdmission(idle_timeout_s=100.0)
     adm.on_scheduled("a", 300, arrival=0.0, now=0.0)  # running: holds its KV
     adm.on_scheduled("b", 200, arrival=0.0, now=0.0)
-    adm.on_stopped("b", 220, is_last_step=False, now=1.0)  # b in a tool gap, unpinned
+    adm.on_stopped(
+        "b", 220, is_last_step=False, now=1.0, reserve_s=10.0
+    )  # b in a tool gap, unpinned
     g = DEFAULT_TURN_GROWTH
     assert adm.reserve_tokens(pinned_jobs=set(), now=1.0) == g + (220 + g)
     assert adm.reserve_tokens(pinned_jobs={"b"}, now=1.0) == g + g  # b's KV is pinned
@@ -20,21 +22,32 @@ def test_reserve_counts_whole_context_only_for_jobs_whose_kv_is_not_held():
 def test_growth_is_learned_from_consecutive_turns_and_last_step_ends_the_job():
     adm = JobAdmission(idle_timeout_s=100.0)
     adm.on_scheduled("a", 100, arrival=0.0, now=0.0)
-    adm.on_stopped("a", 120, is_last_step=False, now=1.0)
+    adm.on_stopped("a", 120, is_last_step=False, now=1.0, reserve_s=10.0)
     adm.on_arrival("a", 400, now=2.0)  # the tool's output grew the prompt by 300
     adm.on_arrival("new", 50, now=2.0)  # unknown jobs are not active before admission
     assert adm.turn_growth == 300 and adm.is_known("a") and not adm.is_known("new")
     assert adm.reserve_tokens(set(), now=2.0) == 400 + 300  # waiting: not held
     adm.on_scheduled("a", 400, arrival=2.0, now=2.5)
-    adm.on_stopped("a", 430, is_last_step=True, now=3.0)
+    adm.on_stopped("a", 430, is_last_step=True, now=3.0, reserve_s=10.0)
     assert not adm.is_known("a") and adm.reserve_tokens(set(), now=3.0) == 0
 
 
 def test_silent_jobs_stop_counting_after_the_idle_timeout_but_running_ones_never():
     adm = JobAdmission(idle_timeout_s=10.0)
     adm.on_scheduled("gone", 500, arrival=0.0, now=0.0)
-    adm.on_stopped("gone", 520, is_last_step=False, now=1.0)
+    adm.on_stopped("gone", 520, is_last_step=False, now=1.0, reserve_s=10.0)
     adm.on_scheduled("busy", 100, arrival=0.0, now=0.0)
     assert adm.reserve_tokens(set(), now=11.0) > 520
     assert adm.reserve_tokens(set(), now=11.5) == DEFAULT_TURN_GROWTH  # only "busy" left
     assert not adm.is_known("gone") and adm.is_known("busy")
+
+
+def test_a_job_expected_back_late_reserves_nothing_until_its_turn_arrives():
+    adm = JobAdmission(idle_timeout_s=100.0)
+    adm.on_scheduled("a", 300, arrival=0.0, now=0.0)
+    adm.on_stopped("a", 320, is_last_step=False, now=1.0, reserve_s=10.0)
+    assert adm.reserve_tokens(set(), now=11.0) == 320 + DEFAULT_TURN_GROWTH
+    assert adm.reserve_tokens(set(), now=11.5) == 0  # past the horizon: not expected soon
+    adm.expect_late("a", now=11.5)
+    adm.on_arrival("a", 400, now=30.0)  # back: its turn waits, its context is needed
+    assert adm.reserve_tokens(set(), now=30.0) == 400 + 100

@@ -203,3 +203,42 @@ def test_loggers_with_separate_registries_do_not_share_values():
     assert a.registry is not b.registry
     assert a.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "a"}) == 4.0
     assert b.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "b"}) == 0.0
+
+
+def test_context_serve_policy_stats(stats):
+    from collections import Counter
+
+    from vllm.v1.metrics.stats import PolicyStats
+
+    first = sched_stats()
+    first.policy_stats = PolicyStats(
+        decisions=Counter({("fast", "rules"): 2, ("slow", "bayes"): 1}),
+        prediction_errors_s=[0.3, 7.0],
+        fast_pin_outcomes=Counter({"hit": 1, "expired": 1}),
+        regret=Counter({"slow_was_fast": 1}),
+        trainings=1,
+    )
+    second = sched_stats()
+    second.policy_stats = PolicyStats(
+        decisions=Counter({("fast", "rules"): 1}), training_failures=1
+    )
+    stats.record(core(first), [])
+    stats.record(core(second), [])
+    stats.record(core(sched_stats()), [])  # a policy without stats: nothing changes
+    decisions = "vllm:context_serve_decisions_total"
+    assert value(stats, decisions, speed="fast", layer="rules") == 3.0
+    assert value(stats, decisions, speed="slow", layer="bayes") == 1.0
+    err = "vllm:context_serve_prediction_error_seconds"
+    assert value(stats, err + "_count") == 2.0
+    assert value(stats, err + "_bucket", le="0.5") == 1.0
+    assert value(stats, err + "_bucket", le="10.0") == 2.0
+    pins = "vllm:context_serve_fast_pins_total"
+    assert value(stats, pins, outcome="hit") == 1.0 and value(stats, pins, outcome="expired") == 1
+    assert value(stats, "vllm:context_serve_regret_total", kind="slow_was_fast") == 1.0
+    assert value(stats, "vllm:context_serve_trainings_total", result="ok") == 1.0
+    assert value(stats, "vllm:context_serve_trainings_total", result="failed") == 1.0
+    text = generate_latest(stats.registry).decode()
+    assert (
+        'vllm:context_serve_decisions_total{layer="rules",model_name="smol",speed="fast"} 3.0'
+        in text
+    )

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vllm.outputs import RequestOutput
 from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.metrics.stats import PolicyStats
 
 _LATENCY_BUCKETS = (
     0.01,
@@ -43,6 +44,7 @@ _TPOT_BUCKETS = (
     5.0,
 )
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TOOL_ERROR_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class PrometheusStatLogger:
@@ -108,12 +110,55 @@ class PrometheusStatLogger:
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds", "Time spent waiting in the engine.", _LATENCY_BUCKETS
         )
+        self._add_policy_metrics(histogram)
         self.overhead = histogram(
             "vllm:request_server_overhead_seconds",
             "Server latency minus the time in the engine process (HTTP, tokenization, ZMQ, "
             "detokenization).",
             _OVERHEAD_BUCKETS,
         )
+
+    def _add_policy_metrics(self, histogram) -> None:
+        """ContextServe's series (they appear once the policy reports something)."""
+
+        def labelled(name, doc, label):
+            return Counter(name, doc, ["model_name", label], registry=self.registry)
+
+        self.cs_decisions = Counter(
+            "vllm:context_serve_decisions",
+            "ContextServe verdicts on finished turns, by speed class and deciding layer.",
+            ["model_name", "speed", "layer"],
+            registry=self.registry,
+        )
+        self.cs_error = histogram(
+            "vllm:context_serve_prediction_error_seconds",
+            "|observed - predicted| tool time of verdicts that predicted one.",
+            _TOOL_ERROR_BUCKETS,
+        )
+        self.cs_fast_pins = labelled(
+            "vllm:context_serve_fast_pins", "How FAST (strict) pins ended.", "outcome"
+        )
+        self.cs_regret = labelled(
+            "vllm:context_serve_regret",
+            "Verdicts the measured tool time proved wrong (slow_was_fast, fast_was_slow).",
+            "kind",
+        )
+        self.cs_trainings = labelled(
+            "vllm:context_serve_trainings", "Background XGBoost trainings.", "result"
+        )
+
+    def _record_policy(self, p: PolicyStats) -> None:
+        for (speed, layer), n in p.decisions.items():
+            self.cs_decisions.labels(speed=speed, layer=layer, **self.labels).inc(n)
+        for err in p.prediction_errors_s:
+            self.cs_error.observe(err)
+        for outcome, n in p.fast_pin_outcomes.items():
+            self.cs_fast_pins.labels(outcome=outcome, **self.labels).inc(n)
+        for kind, n in p.regret.items():
+            self.cs_regret.labels(kind=kind, **self.labels).inc(n)
+        for result, n in (("ok", p.trainings), ("failed", p.training_failures)):
+            if n:
+                self.cs_trainings.labels(result=result, **self.labels).inc(n)
 
     def observe_overhead(self, seconds: float) -> None:
         self.overhead.observe(seconds)
@@ -134,6 +179,8 @@ class PrometheusStatLogger:
             self.pin_hits.inc(p.pin_hits)
             self.pin_expiries.inc(p.expiries)
             self.pin_forced.inc(p.forced_releases)
+            if s.policy_stats is not None:
+                self._record_policy(s.policy_stats)
         self.generation_tokens.inc(sum(len(o.new_token_ids) for o in core.outputs))
         for out in results:
             if out.finished:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_continuum.context_serve.stats import ContextServeStats
+
+# The counters a policy reports through ``Policy.make_stats`` (one kind so far).
+PolicyStats = ContextServeStats
+
 
 @dataclass
 class PrefixCacheStats:
@@ -35,3 +40,4 @@ class SchedulerStats:
     num_preemptions: int = 0  # delta since the previous report
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     pin_stats: PinStats = field(default_factory=PinStats)
+    policy_stats: PolicyStats | None = None  # from ``Policy.make_stats``

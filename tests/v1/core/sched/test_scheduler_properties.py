@@ -21,7 +21,7 @@ actions = st.lists(
 
 
 @settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 80)), deadline=None)
-@given(actions, st.booleans(), st.sampled_from(["fcfs", "priority", "continuum"]))
+@given(actions, st.booleans(), st.sampled_from(["fcfs", "priority", "continuum", "context_serve"]))
 def test_random_workload_conserves_blocks(seq, pin, policy):
     clock_policy = PinAll(ttl=1.5) if pin else None
     s = make_scheduler(

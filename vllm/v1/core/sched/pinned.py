@@ -35,16 +35,18 @@ class PinEntry:
     pinned_at: float
     job_age: float  # first arrival of the job: a higher value means a newer job
     num_blocks: int
+    strict: bool = False  # released under pressure only after every soft pin
     seq: int = field(default=0)
 
 
 class PinnedRequests:
-    """Pins by job, with deadline and newest-job heaps (lazy deletion)."""
+    """Pins by job, with deadline and pressure-order heaps (lazy deletion)."""
 
     def __init__(self) -> None:
         self._by_job: dict[str, PinEntry] = {}
         self._deadlines: list[tuple[float, int, str]] = []
-        self._newest_job: list[tuple[float, int, str]] = []  # (-job_age, seq, job)
+        # Pressure order: soft pins before strict ones, newest job first within each.
+        self._newest_job: list[tuple[bool, float, int, str]] = []  # (strict, -age, seq, job)
         self._seq = itertools.count()
         self.num_blocks = 0
 
@@ -63,7 +65,7 @@ class PinnedRequests:
         entry.seq = next(self._seq)
         self._by_job[job] = entry
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, job))
-        heapq.heappush(self._newest_job, (-entry.job_age, entry.seq, job))
+        heapq.heappush(self._newest_job, (entry.strict, -entry.job_age, entry.seq, job))
         self.num_blocks += entry.num_blocks
         return old
 
@@ -92,18 +94,19 @@ class PinnedRequests:
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, job))
 
     def newest_job(self, exclude: str | None = None) -> str | None:
-        """The pinned job that arrived last (released first under memory pressure)."""
+        """The pin released first under memory pressure: the newest job's soft pin, or
+        the newest job's strict pin when no soft pin is left."""
         skipped = []
         found = None
         while self._newest_job:
             item = self._newest_job[0]
-            if not self._live(item[1], item[2]):
+            if not self._live(item[2], item[3]):
                 heapq.heappop(self._newest_job)
                 continue
-            if item[2] == exclude:
+            if item[3] == exclude:
                 skipped.append(heapq.heappop(self._newest_job))
                 continue
-            found = item[2]
+            found = item[3]
             break
         for item in skipped:
             heapq.heappush(self._newest_job, item)
@@ -140,14 +143,16 @@ class PinManager:
     def __contains__(self, job: object) -> bool:
         return job in self.pinned
 
-    def pin(self, request: Request, ttl_s: float, now: float) -> None:
-        """Keep the finished ``request``'s blocks until ``now + ttl_s`` at the latest."""
+    def pin(self, request: Request, ttl_s: float, now: float, strict: bool = False) -> None:
+        """Keep the finished ``request``'s blocks until ``now + ttl_s`` at the latest
+        (``strict``: see ``Pin``)."""
         entry = PinEntry(
             request=request,
             deadline=now + ttl_s,
             pinned_at=now,
             job_age=self.policy.job_arrival(request),
             num_blocks=self.kv.get_num_blocks(request.request_id),
+            strict=strict,
         )
         old = self.pinned.add(request.job_key, entry)
         self.stats.pins += 1
@@ -184,9 +189,9 @@ class PinManager:
     def release_for_pressure(
         self, requester: Request, now: float, exclude: str | None = None
     ) -> bool:
-        """Release the newest job's pin (not ``exclude``'s while another exists) for
-        ``requester``, if the policy lets it take that job's pin (if it may not take the
-        newest one, it may not take an older one either)."""
+        """Release the newest job's pin, soft pins before strict ones (not ``exclude``'s
+        while another exists), for ``requester``, if the policy lets it take that job's
+        pin (if it may not take the newest one, it may not take an older one either)."""
         job = self.pinned.newest_job(exclude=exclude)
         if job is None:
             job = self.pinned.newest_job()  # only the requester's own pin is left

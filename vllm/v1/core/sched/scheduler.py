@@ -312,7 +312,7 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         action = self.policy.on_finished(request, now)
         if isinstance(action, Pin):
-            self.pins.pin(request, action.ttl_s, now)
+            self.pins.pin(request, action.ttl_s, now, strict=action.strict)
         else:
             self.kv_cache_manager.free(request)
 
@@ -348,6 +348,7 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             pin_stats=pin_stats,
+            policy_stats=self.policy.make_stats(),
         )
         self._num_preemptions = 0
         return stats

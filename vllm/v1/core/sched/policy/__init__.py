@@ -31,4 +31,4 @@ def create_policy(
     cls = get_policy_class(vllm_config.scheduler_config.policy)
     if cls.needs_decode and decode is None:
         raise ValueError(f"scheduling_policy {cls.name!r} reads outputs: pass decode")
-    return cls(vllm_config.policy_config, decode=decode, clock=clock)
+    return cls.from_config(vllm_config, decode, clock)

@@ -35,7 +35,9 @@ from vllm.config import PolicyConfig
 from vllm_continuum.clock import Clock, monotonic_clock
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.core.sched.request_queue import RequestQueue
+    from vllm.v1.metrics.stats import PolicyStats
     from vllm.v1.request import Request
 
 
@@ -46,9 +48,15 @@ class Free:
 
 @dataclass(frozen=True)
 class Pin:
-    """Keep the finished request's blocks referenced for ``ttl_s`` seconds."""
+    """Keep the finished request's blocks referenced for ``ttl_s`` seconds.
+
+    A ``strict`` pin (ContextServe's FAST turns: the tool returns soon, surely) ends only
+    by its job's hit, its deadline, shutdown, or when memory pressure finds no soft pin
+    left to release: pressure releases soft pins first. It never outlives ``ttl_s``, so
+    strictness cannot deadlock memory."""
 
     ttl_s: float
+    strict: bool = False
 
     def __post_init__(self) -> None:
         if not self.ttl_s > 0:
@@ -92,6 +100,14 @@ class Policy(ABC):
         # Token ids -> text, for policies that read finished outputs (tool calls).
         self.decode = decode
         self.clock = clock
+
+    @classmethod
+    def from_config(
+        cls, vllm_config: VllmConfig, decode: Callable[[list[int]], str] | None, clock: Clock
+    ) -> Policy:
+        """Build from the engine's config (a policy with settings of its own reads them
+        here); ``create_policy`` calls this for every policy."""
+        return cls(vllm_config.policy_config, decode=decode, clock=clock)
 
     @abstractmethod
     def create_request_queue(self, pinned_jobs: Container[str]) -> RequestQueue:
@@ -167,6 +183,11 @@ class Policy(ABC):
 
     def on_pin_released(self, request: Request, now: float, reason: str) -> None:
         """A pin placed on ``request``'s blocks ended (reason: ``PIN_RELEASE_*``)."""
+
+    def make_stats(self) -> PolicyStats | None:
+        """The policy's own counters since the previous call (``SchedulerStats.
+        policy_stats``), or None for a policy that has none."""
+        return None
 
     def shutdown(self) -> None:
         """Flush anything the policy records (e.g. timestamp files)."""

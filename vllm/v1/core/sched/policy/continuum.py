@@ -26,9 +26,13 @@ class ContinuumPolicy(Policy):
         clock: Clock = monotonic_clock,
     ) -> None:
         super().__init__(config, decode, clock)
-        self.core = ContinuumCore(self.config, clock, record_dir=envs.RUN_OUTPUT_DIR)
+        self.core = self._make_core()
         self.queue: ContinuumRequestQueue | None = None
         self._pinned_jobs: Container[str] = frozenset()
+
+    def _make_core(self) -> ContinuumCore:
+        """The engine-agnostic decisions this binding drives (subclasses extend them)."""
+        return ContinuumCore(self.config, self.clock, record_dir=envs.RUN_OUTPUT_DIR)
 
     def create_request_queue(self, pinned_jobs: Container[str]) -> ContinuumRequestQueue:
         self._pinned_jobs = pinned_jobs

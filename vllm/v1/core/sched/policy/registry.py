@@ -18,6 +18,7 @@ _REGISTRY: dict[str, str] = {
     "fcfs": "vllm.v1.core.sched.policy.fcfs:FCFSPolicy",
     "priority": "vllm.v1.core.sched.policy.priority:PriorityPolicy",
     "continuum": "vllm.v1.core.sched.policy.continuum:ContinuumPolicy",
+    "context_serve": "vllm.v1.core.sched.policy.context_serve:ContextServePolicy",
 }
 
 

@@ -1,0 +1,70 @@
+"""ContextServe in this engine: Continuum's binding (queue, victims, last-step protection,
+pins) whose finished-turn decision is ``ContextServeCore``'s three-way dispatch.
+
+FAST -> ``Pin(ttl, strict=True)``; SLOW -> ``Offload`` when the config says an offload
+tier exists, else ``Free``; UNCERTAIN -> Continuum's TTL (a soft ``Pin``) or ``Free``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vllm import envs
+from vllm.config import PolicyConfig, VllmConfig
+from vllm.utils.clock import Clock, monotonic_clock
+from vllm.v1.core.sched.policy.base import FREE, FinishedAction, Offload, Pin
+from vllm.v1.core.sched.policy.continuum import ContinuumPolicy
+from vllm.v1.request import Request
+from vllm_continuum.context_serve.config import ContextServeConfig
+from vllm_continuum.context_serve.core import ContextServeCore
+from vllm_continuum.context_serve.stats import ContextServeStats
+
+
+class ContextServePolicy(ContinuumPolicy):
+    name = "context_serve"
+
+    def __init__(
+        self,
+        config: PolicyConfig | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        clock: Clock = monotonic_clock,
+        context_serve_config: ContextServeConfig | None = None,
+    ) -> None:
+        """``context_serve_config``: the predictor's settings (defaults if None).
+        ValueError on unusable rules/model files."""
+        self.context_serve_config = context_serve_config or ContextServeConfig()
+        super().__init__(config, decode, clock)
+
+    @classmethod
+    def from_config(cls, vllm_config: VllmConfig, decode, clock: Clock) -> ContextServePolicy:
+        return cls(
+            vllm_config.policy_config,
+            decode=decode,
+            clock=clock,
+            context_serve_config=vllm_config.context_serve_config,
+        )
+
+    def _make_core(self) -> ContextServeCore:
+        return ContextServeCore(
+            self.config, self.clock, self.context_serve_config, record_dir=envs.RUN_OUTPUT_DIR
+        )
+
+    def on_finished(self, request: Request, now: float) -> FinishedAction:
+        text = None
+        if self.decode is not None and request.output_token_ids:
+            text = self.decode(request.output_token_ids)
+        dispatch = self.core.decide(
+            request.job_key,
+            request.request_id,
+            now,
+            text,
+            is_last_step=request.is_last_step,
+            named=request.job_id is not None,
+            num_tokens=request.num_tokens,
+        )
+        if dispatch.ttl_s > 0:
+            return Pin(dispatch.ttl_s, strict=dispatch.strict)
+        return Offload() if dispatch.offload else FREE
+
+    def make_stats(self) -> ContextServeStats:
+        return self.core.make_stats()
