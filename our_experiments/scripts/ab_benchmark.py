@@ -123,13 +123,19 @@ async def run_benchmark(args, jobs) -> tuple[list[JobResult], UsageSampler, floa
     done, pending = await asyncio.wait(tasks, timeout=last_arrival + args.drain_timeout)
     for t in pending:
         t.cancel()
+    elapsed = time.monotonic() - start
     results = []
     for job, task in zip(jobs, tasks, strict=True):
         if task in done and not task.cancelled():
             results.append(task.result())
-        else:
-            results.append(JobResult(job.job_id, error="timeout: not finished in the drain time"))
-    elapsed = time.monotonic() - start
+        else:  # its time so far: a lower bound of its job time
+            results.append(
+                JobResult(
+                    job.job_id,
+                    duration_s=max(elapsed - job.arrival_s, 0.0),
+                    error="timeout: not finished in the drain time",
+                )
+            )
     sampler_task.cancel()
     bar.close()
     await client.close()
@@ -177,10 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
     results, sampler, elapsed = asyncio.run(run_benchmark(args, jobs))
     after = scrape_metrics(args.base_url)
 
-    out = summarize(args.policy, args.jps, results)
+    out = summarize(args.policy, args.jps, results, window_s=elapsed)
     delta = {k: after.get(m, 0.0) - before.get(m, 0.0) for k, m in COUNTERS.items()}
     q = delta["prefix_cache_queries"]
     out.update(
+        prompt_tokens_computed=delta["prompt_tokens"] - delta["prefix_cache_hits"],
         duration_s=args.duration,
         turns=args.turns if not args.trace else None,
         trace=repo_relative(args.trace) if args.trace else None,
@@ -195,7 +202,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")
     print(
-        f"{args.policy} jps={args.jps}: {out['num_completed']}/{out['num_jobs']} jobs, "
+        f"{args.policy} jps={args.jps}: {out['num_completed']}/{out['num_jobs']} jobs "
+        f"({out['goodput_jobs_per_min']} per min; all jobs avg >= {out['avg_duration_all_s']} "
+        f"s, p95 >= {out['p95_duration_all_s']} s), "
+        f"{out['prompt_tokens_computed']:.0f} prompt tokens computed, "
+        f"{delta['preemptions']:.0f} preemptions, finished jobs: "
         f"avg {out['avg_duration_s']} s, p90 {out['p90_duration_s']} s, "
         f"p95 {out['p95_duration_s']} s, hit rate {out['prefix_hit_rate']}, "
         f"pins {delta['pins']:.0f} / pin hits {delta['pin_hits']:.0f}, "

@@ -75,8 +75,34 @@ def table(results: dict[str, dict[float, dict]]) -> str:
     return "\n".join(rows)
 
 
-def _f(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+def overload_table(results: dict[str, dict[float, dict]]) -> str:
+    """Jobs finished in the window, goodput, and job times over all jobs (an unfinished
+    job counted until the window's end: lower bounds, marked >=)."""
+    head = (
+        "| policy | JPS | finished / jobs | goodput /min | avg all s (>=) | P95 all s (>=) "
+        "| avg finished s | prompt tokens computed | preempt | pins / hits / forced |"
+    )
+    rows = [head, "|" + "---|" * 10]
+    for jps in sorted({j for by in results.values() for j in by}):
+        for policy in sorted(results, key=lambda p: (p != BASELINE, p)):
+            r = results[policy].get(jps)
+            if r is None or "avg_duration_all_s" not in r:
+                continue  # a result written before these fields existed
+            m = r.get("metrics", {})
+            computed = r.get("prompt_tokens_computed")
+            rows.append(
+                f"| {policy} | {jps:g} | {r['num_completed']} / {r['num_jobs']} "
+                f"| {_f(r.get('goodput_jobs_per_min'), 2)} | {_f(r['avg_duration_all_s'])} "
+                f"| {_f(r['p95_duration_all_s'])} | {_f(r['avg_duration_s'])} "
+                f"| {'-' if computed is None else f'{computed / 1e3:.0f}k'} "
+                f"| {m.get('preemptions', 0):.0f} | {m.get('pins', 0):.0f} / "
+                f"{m.get('pin_hits', 0):.0f} / {m.get('pin_forced_releases', 0):.0f} |"
+            )
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _pct(x: float | None) -> str:
@@ -169,6 +195,10 @@ def main() -> None:
     if not results:
         raise SystemExit(f"error: no result JSONs in {folder}")
     text = table(results)
+    overload = overload_table(results)
+    if overload:
+        text += "\n\nOverload view (unfinished jobs counted until the window's end):\n\n"
+        text += overload
     (folder / "table.md").write_text(text + "\n")
     print(text)
     for path in plot(results, folder, args.title or folder.name):

@@ -325,10 +325,16 @@ async def run_job(client, model: str, job: JobSpec, request_timeout_s: float) ->
     return result
 
 
-def summarize(policy: str, jps: float, results: list[JobResult]) -> dict[str, Any]:
-    """The fork's result schema, plus failure and cache counts."""
+def summarize(
+    policy: str, jps: float, results: list[JobResult], window_s: float | None = None
+) -> dict[str, Any]:
+    """The fork's result schema, plus failure and cache counts, and the overload view:
+    jobs finished inside the run's window (``window_s``: arrivals plus drain), goodput,
+    and job times over *all* jobs, an unfinished one counted until the window's end (so
+    those figures are lower bounds)."""
     done = [r for r in results if r.error is None]
     durations = [round(r.duration_s, 3) for r in done]
+    all_durations = [round(r.duration_s, 3) for r in results]
     per_turn: dict[str, list[TurnResult]] = {}
     for r in done:
         for i, t in enumerate(r.turns):
@@ -357,4 +363,7 @@ def summarize(policy: str, jps: float, results: list[JobResult]) -> dict[str, An
         "per_turn_avg_cached_tokens": avg("cached_tokens"),
         "client_cached_token_ratio": round(cached / prompt, 4) if prompt else None,
         "job_durations": durations,
+        "goodput_jobs_per_min": round(len(done) / window_s * 60, 3) if window_s else None,
+        "avg_duration_all_s": round(statistics.mean(all_durations), 3) if results else None,
+        "p95_duration_all_s": round(percentile(all_durations, 95), 3) if results else None,
     }

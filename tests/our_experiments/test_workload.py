@@ -241,3 +241,17 @@ def test_benchmark_refuses_a_window_without_arrivals():
     # seed 0 at 0.01 jobs/s: the first arrival is long after a 1 s window; no server needed
     with pytest.raises(SystemExit, match="no job arrives in 1 s"):
         ab_benchmark.main(["--jps", "0.01", "--duration", "1", "--base-url", "http://127.0.0.1:9"])
+
+
+def test_overload_view_counts_unfinished_jobs_until_the_window_end(tmp_path):
+    results = [_job("a", 10.0, [1e3]), _job("b", 30.0, [1e3])]
+    results.append(JobResult("late", 50.0, [], error="timeout: not finished"))
+    s = summarize("continuum", 0.2, results, window_s=120.0)
+    assert s["num_completed"] == 2 and s["goodput_jobs_per_min"] == 1.0
+    assert s["avg_duration_s"] == 20.0 and s["avg_duration_all_s"] == 30.0  # (10+30+50)/3
+    assert s["p95_duration_all_s"] == pytest.approx(48.0)
+    s.update(metrics={"preemptions": 2, "pins": 5, "pin_hits": 3, "pin_forced_releases": 1},
+             prompt_tokens_computed=12_000)  # fmt: skip
+    (tmp_path / "continuum_jps0.2.json").write_text(json.dumps(s))
+    text = plot_jps_sweep.overload_table(plot_jps_sweep.load_results(tmp_path))
+    assert "| continuum | 0.2 | 2 / 3 | 1.00 | 30.0 | 48.0 | 20.0 | 12k | 2 | 5 / 3 / 1 |" in text
