@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts.workload import (  # noqa: E402
+    TOOL_MIXES,
     JobResult,
     load_corpus,
     load_trace,
@@ -155,6 +156,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48, help="per turn")
     ap.add_argument("--trace", type=Path, default=None, help="JSONL trace to replay")
+    ap.add_argument(
+        "--tool-mix",
+        choices=TOOL_MIXES,
+        default="fork",
+        help="fork: the research fork's per-turn tool table; slow: 30%% of tools are builds, "
+        "installs or whole test suites (10-60 s) and each turn's command is hinted",
+    )
     ap.add_argument("--corpus", type=Path, default=None, help="tool-output corpus JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-jobs", type=int, default=500, help="bound on jobs started")
@@ -172,7 +180,14 @@ def main(argv: list[str] | None = None) -> dict:
         jobs = load_trace(args.trace, args.jps, corpus, args.seed, args.max_tokens, args.max_jobs)
     else:
         jobs = synthetic_jobs(
-            args.jps, args.duration, args.turns, args.max_tokens, corpus, args.seed, args.max_jobs
+            args.jps,
+            args.duration,
+            args.turns,
+            args.max_tokens,
+            corpus,
+            args.seed,
+            args.max_jobs,
+            args.tool_mix,
         )
     if not jobs:
         raise SystemExit(
@@ -192,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         turns=args.turns if not args.trace else None,
         trace=repo_relative(args.trace) if args.trace else None,
         seed=args.seed,
+        tool_mix=args.tool_mix if not args.trace else None,
         wall_time_s=round(elapsed, 1),
         prefix_hit_rate=round(delta["prefix_cache_hits"] / q, 4) if q else None,
         metrics=delta,

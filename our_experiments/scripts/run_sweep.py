@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts import ab_benchmark  # noqa: E402
-from our_experiments.scripts.workload import ROOT, repo_relative  # noqa: E402
+from our_experiments.scripts.workload import ROOT, TOOL_MIXES, repo_relative  # noqa: E402
 from vllm.benchmarks.server import RemoteServer  # noqa: E402
 
 RESULTS = ROOT / "our_experiments" / "results"
@@ -48,10 +48,18 @@ def result_path(out_dir: Path, policy: str, jps: float) -> Path:
     return out_dir / f"{policy}_jps{jps:g}.json"
 
 
+# Study labels that are a policy with extra server flags (a label names the result files).
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "continuum-noadmission": ("continuum", ["--no-continuum-job-admission"]),
+}
+
+
 def server_args(args, policy: str) -> list[str]:
+    name, extra = VARIANTS.get(policy, (policy, []))
     return [
         "--scheduling-policy",
-        policy,
+        name,
+        *extra,
         "--num-gpu-blocks-override",
         str(args.num_gpu_blocks),
         "--max-model-len",
@@ -91,6 +99,7 @@ def bench_args(args, base_url: str, policy: str, jps: float, out: Path) -> list[
         "--max-tokens", str(args.max_tokens),
         "--seed", str(args.seed),
         "--drain-timeout", str(args.drain_timeout),
+        "--tool-mix", args.tool_mix,
         "--output", str(out),
     ]  # fmt: skip
     return argv + (["--trace", str(args.trace)] if args.trace else [])
@@ -106,6 +115,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--trace", type=Path, default=None)
+    ap.add_argument("--tool-mix", choices=TOOL_MIXES, default="fork")
     ap.add_argument("--num-gpu-blocks", type=int, default=400, help="KV pool, blocks of 16")
     ap.add_argument("--max-model-len", type=int, default=6144)
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -56,6 +56,31 @@ COMMANDS = {
     "grep": "grep -rn '{word}' .",
     "test_log": "python -m pytest -x tests",
     "diff": "git diff",
+    "build": "make -j2",
+    "install": "pip install -e .",
+    "test_suite": "python -m pytest tests/",
+}
+# The "slow" mix (issue 12): tools in which a Continuum pin is wasted memory, as agents run
+# them on real repositories (a build, an editable install, a whole test suite): (kind,
+# min s, max s, corpus kind of their output). One turn in ``SLOW_SHARE`` runs one.
+SLOW_TOOLS: list[tuple[str, float, float, str]] = [
+    ("build", 10.0, 60.0, "test_log"),
+    ("install", 10.0, 40.0, "test_log"),
+    ("test_suite", 15.0, 60.0, "test_log"),
+]
+SLOW_SHARE = 0.3
+TOOL_MIXES = ("fork", "slow")
+# Concrete commands the agent is asked to run (the "slow" mix hints each turn's command,
+# so the command the policy parses is the one whose time the simulation uses).
+HINTS = {
+    "listing": "find . -name '*.py' | head -50",
+    "source": "cat src/cache.py",
+    "grep": "grep -rn 'cache_size' .",
+    "test_log": "python -m pytest -x -q tests/test_cache.py",
+    "diff": "git diff",
+    "build": "make -j2",
+    "install": "pip install -e .",
+    "test_suite": "python -m pytest tests/",
 }
 
 SYSTEM_PROMPT = """You are a software engineering agent working in a Linux shell.
@@ -157,6 +182,15 @@ def _observation(kind: str, text: str) -> str:
     return f"Output of `{COMMANDS[kind].split(' ', 1)[0]}`:\n{text}"
 
 
+def _pick_tool(i: int, mix: str, rng: random.Random) -> tuple[str, float, str]:
+    """(kind, seconds, corpus kind) of the tool run after turn ``i``."""
+    kind, lo, hi = TOOL_TABLE[min(i, len(TOOL_TABLE) - 1)]
+    if mix == "slow" and rng.random() < SLOW_SHARE:
+        kind, lo, hi, corpus_kind = rng.choice(SLOW_TOOLS)
+        return kind, rng.uniform(lo, hi), corpus_kind
+    return kind, rng.uniform(lo, hi), kind
+
+
 def make_job(
     job_id: str,
     arrival_s: float,
@@ -164,19 +198,26 @@ def make_job(
     max_tokens: int,
     corpus: dict[str, list[str]],
     rng: random.Random,
+    mix: str = "fork",
 ) -> JobSpec:
-    """A synthetic job: a task, then per-turn tools drawn from ``TOOL_TABLE``."""
+    """A synthetic job: a task, then per-turn tools from ``TOOL_TABLE`` (mix "fork"), or
+    from that table with ``SLOW_SHARE`` of them slow and each turn's command hinted to
+    the agent (mix "slow")."""
     if turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
+    if mix not in TOOL_MIXES:
+        raise ValueError(f"mix must be one of {TOOL_MIXES}, got {mix!r}")
     job = JobSpec(job_id, arrival_s)
     content = "Task: " + rng.choice(TASKS)
     for i in range(turns):
         turn = TurnSpec(content, max_tokens)
         if i < turns - 1:
-            kind, lo, hi = TOOL_TABLE[min(i, len(TOOL_TABLE) - 1)]
-            turn.tool_kind, turn.tool_s = kind, rng.uniform(lo, hi)
-            chars = rng.randint(*SIZE_CHARS[kind])
-            content = _observation(kind, tool_output(corpus, kind, chars, rng))
+            kind, seconds, corpus_kind = _pick_tool(i, mix, rng)
+            turn.tool_kind, turn.tool_s = kind, seconds
+            if mix == "slow":
+                turn.user_content += f"\nNext, run exactly: {HINTS[kind]}"
+            chars = rng.randint(*SIZE_CHARS[corpus_kind])
+            content = _observation(kind, tool_output(corpus, corpus_kind, chars, rng))
         job.turns.append(turn)
     return job
 
@@ -189,11 +230,12 @@ def synthetic_jobs(
     corpus: dict[str, list[str]],
     seed: int,
     max_jobs: int,
+    mix: str = "fork",
 ) -> list[JobSpec]:
     rng = random.Random(seed)
     arrivals = poisson_arrivals(jps, duration_s, rng)[:max_jobs]
     return [
-        make_job(f"job_{i:04d}", t, turns, max_tokens, corpus, random.Random(seed * 7919 + i))
+        make_job(f"job_{i:04d}", t, turns, max_tokens, corpus, random.Random(seed * 7919 + i), mix)
         for i, t in enumerate(arrivals)
     ]
 

@@ -12,6 +12,7 @@ import pytest
 
 from our_experiments.scripts import ab_benchmark, plot_jps_sweep, workload
 from our_experiments.scripts.workload import (
+    HINTS,
     SIZE_CHARS,
     TOOL_TABLE,
     JobResult,
@@ -255,3 +256,16 @@ def test_overload_view_counts_unfinished_jobs_until_the_window_end(tmp_path):
     (tmp_path / "continuum_jps0.2.json").write_text(json.dumps(s))
     text = plot_jps_sweep.overload_table(plot_jps_sweep.load_results(tmp_path))
     assert "| continuum | 0.2 | 2 / 3 | 1.00 | 30.0 | 48.0 | 20.0 | 12k | 2 | 5 / 3 / 1 |" in text
+
+
+def test_slow_mix_hints_each_command_and_makes_a_share_of_tools_slow(corpus):
+    jobs = [make_job(f"j{i}", 0, 8, 16, corpus, random.Random(i), mix="slow") for i in range(40)]
+    tools = [t for j in jobs for t in j.turns if t.tool_kind is not None]
+    slow = [t for t in tools if t.tool_kind in ("build", "install", "test_suite")]
+    assert 0.2 < len(slow) / len(tools) < 0.4  # SLOW_SHARE = 0.3 of 280 tools
+    assert all(10.0 <= t.tool_s <= 60.0 for t in slow)
+    assert all(t.user_content.endswith(f"Next, run exactly: {HINTS[t.tool_kind]}") for t in tools)
+    fork = make_job("f", 0, 8, 16, corpus, random.Random(0))
+    assert all("Next, run" not in t.user_content for t in fork.turns)  # fork mix: unchanged
+    with pytest.raises(ValueError, match="mix"):
+        make_job("x", 0, 2, 16, corpus, random.Random(0), mix="fast")
