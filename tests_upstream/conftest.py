@@ -20,7 +20,6 @@ def _check_environment() -> None:
     """Our own ``vllm`` (the repository's folder) must not shadow upstream's: run with the
     upstream venv's ``pytest`` script, not ``python -m pytest`` from the repository root."""
     import vllm
-
     import vllm_continuum
 
     for module in (vllm, vllm_continuum):
@@ -70,8 +69,9 @@ _ids = itertools.count()
 
 def make_request(prompt, job=None, last=False, max_tokens=2, arrival=None, **xargs):
     """An upstream Request; ``job``/``last`` travel as vllm_xargs (extra_args)."""
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
+
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 

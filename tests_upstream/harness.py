@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from conftest import BLOCK_SIZE
+
 from vllm_continuum.clock import FakeClock
 from vllm_continuum.config import PolicyConfig
-
-from conftest import BLOCK_SIZE
 
 TOOL_TEXT = "```bash\nls -la\n```"  # what every finished turn "says": a fast tool call
 

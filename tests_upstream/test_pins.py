@@ -3,10 +3,10 @@ shut down. Each step ends with the block-pool conservation check (harness.step).
 
 from __future__ import annotations
 
-from vllm.v1.request import RequestStatus
-
 from conftest import make_request
 from harness import make_scheduler, run_until_done, step, used_blocks
+
+from vllm.v1.request import RequestStatus
 
 
 def test_pin_holds_blocks_then_next_turn_hits_them(vllm_config):

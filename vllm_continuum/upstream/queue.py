@@ -37,6 +37,9 @@ class JobOrderRequestQueue(RequestQueue):
         self._requests: dict[int, tuple[Any, str]] = {}  # id -> (request, its job)
         self._jobs: dict[str, set[int]] = defaultdict(set)
         self._seq = itertools.count()
+        # Upstream pops the request it just peeked; admitting it may end its job's pin
+        # (a hit) and re-rank the queue in between, so pop returns the peeked request.
+        self._peeked: Any = None
 
     def _push(self, request: Any) -> None:
         seq = next(self._seq)
@@ -78,11 +81,15 @@ class JobOrderRequestQueue(RequestQueue):
             raise IndexError("peek from an empty queue")
         oldest = self._by_age[0][2]
         if self._clock() - self._arrival_of(oldest) > self._max_wait_s:
-            return oldest  # bounded waiting beats job order
-        return self._heap[0][-1]
+            self._peeked = oldest  # bounded waiting beats job order
+        else:
+            self._peeked = self._heap[0][-1]
+        return self._peeked
 
     def pop_request(self) -> Any:
-        request = self.peek_request()
+        peeked = self._peeked
+        request = peeked if peeked is not None and id(peeked) in self._live else None
+        request = request if request is not None else self.peek_request()
         self.remove_request(request)
         return request
 
@@ -90,6 +97,8 @@ class JobOrderRequestQueue(RequestQueue):
         rid = id(request)
         if self._live.pop(rid, None) is None:
             raise ValueError(f"{request.request_id} is not waiting")
+        if request is self._peeked:
+            self._peeked = None
         _, job = self._requests.pop(rid)
         self._jobs[job].discard(rid)
         if not self._jobs[job]:

@@ -66,9 +66,7 @@ class AgentScheduler(Scheduler):
         check_upstream()
         super().__init__(*args, **kwargs)
         self.clock = clock or monotonic_clock
-        self.policy_config = policy_config or policy_config_from(
-            self.vllm_config.additional_config
-        )
+        self.policy_config = policy_config or policy_config_from(self.vllm_config.additional_config)
         self._decode = decode
         self.core = self.create_core(self.policy_config)
         self.infos: dict[str, RequestInfo] = {}
