@@ -56,7 +56,7 @@ setup-upstream: $(USTAMP)
 
 # The embedded model's fp32 folder comes from our engine's loader (`make setup` env).
 test-upstream: setup-upstream $(STAMP)
-	$(BIN)/python -c "from vllm.model_executor.model_loader import resolve_model; resolve_model('SmolLM2-135M-Instruct')" > /dev/null
+	$(BIN)/python -c "from vllm.config import DEFAULT_MODEL as M; from vllm.model_executor.model_loader import resolve_model; resolve_model(M)"
 	# The venv's pytest script, not `python -m pytest`: the checkout must not shadow the
 	# installed upstream `vllm` and plugin.
 	$(UBIN)/pytest -q -p no:cacheprovider tests_upstream $(ARGS)

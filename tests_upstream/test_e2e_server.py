@@ -14,8 +14,10 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import model_dir
@@ -33,9 +35,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server():
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
+    # Not pytest's tmp_path: pytest prunes old base folders while the server writes here.
+    log = Path(tempfile.mkdtemp(prefix="upstream-server-")) / "server.log"
     env = dict(
         os.environ,
         OMP_NUM_THREADS="2",
