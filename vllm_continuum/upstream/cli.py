@@ -1,0 +1,98 @@
+"""The general plugin: our policies as values of upstream's ``--scheduling-policy``.
+
+Upstream loads ``vllm.general_plugins`` in every process, and in the front end before it
+builds the CLI parser (``AsyncEngineArgs.add_cli_args``), so that a plugin can extend the
+parser. Upstream's ``SchedulerConfig.policy`` is a closed ``Literal["fcfs", "priority"]``,
+so a policy of ours is not passed to it: ``EngineArgs.create_engine_config`` maps
+``--scheduling-policy continuum`` to ``--scheduler-cls <our class>`` (on upstream's FCFS
+base: our class replaces the queue and the victim itself) before upstream validates
+anything. ``LLM(..., scheduling_policy="continuum")`` goes through the same mapping.
+Patching is idempotent: the plugin may be loaded many times per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Our policy names -> scheduler class paths. A new policy (ContextServe) adds a line here.
+POLICIES: dict[str, str] = {
+    "continuum": "vllm_continuum.upstream.scheduler.ContinuumScheduler",
+}
+_PATCHED = "_vllm_continuum_patched"
+
+
+def install() -> None:
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # not upstream vLLM: nothing to extend
+        return
+    if getattr(EngineArgs, _PATCHED, False):
+        return
+    if not hasattr(EngineArgs, "add_cli_args") or not hasattr(EngineArgs, "create_engine_config"):
+        logger.error(
+            "vllm-continuum-plugin: this vLLM has no EngineArgs.add_cli_args/"
+            "create_engine_config; use --scheduler-cls %s",
+            POLICIES["continuum"],
+        )
+        return
+    EngineArgs.add_cli_args = staticmethod(_with_our_choices(EngineArgs.add_cli_args))
+    EngineArgs.create_engine_config = _mapping_our_policies(EngineArgs.create_engine_config)
+    setattr(EngineArgs, _PATCHED, True)
+
+
+def _with_our_choices(add_cli_args: Any) -> Any:
+    @functools.wraps(add_cli_args)
+    def add_cli_args_with_our_policies(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = add_cli_args(parser, *args, **kwargs)
+        for action in getattr(parser, "_actions", ()):
+            if "--scheduling-policy" in action.option_strings and action.choices is not None:
+                extra = [p for p in POLICIES if p not in action.choices]
+                action.choices = [*action.choices, *extra]
+                action.help = (action.help or "") + (
+                    "\n- " + ", ".join(f'"{p}"' for p in POLICIES) + ": agent-aware policies "
+                    "of vllm-continuum-plugin (settings: --additional-config "
+                    "'{\"continuum\": {...}}')."
+                )
+        return parser
+
+    return add_cli_args_with_our_policies
+
+
+def _mapping_our_policies(create_engine_config: Any) -> Any:
+    @functools.wraps(create_engine_config)
+    def create_engine_config_with_our_policies(self: Any, *args: Any, **kwargs: Any) -> Any:
+        apply_policy(self)
+        return create_engine_config(self, *args, **kwargs)
+
+    return create_engine_config_with_our_policies
+
+
+def apply_policy(engine_args: Any) -> None:
+    """Turn ``scheduling_policy=<ours>`` into upstream settings, on ``engine_args``."""
+    name = engine_args.scheduling_policy
+    if name not in POLICIES:
+        return
+    from vllm_continuum.upstream.compat import check_upstream
+    from vllm_continuum.upstream.settings import SECTION, policy_config_from
+
+    check_upstream()  # a clear error now, in the front end, not in the engine process
+    if engine_args.scheduler_cls not in (None, POLICIES[name]):
+        raise ValueError(
+            f"--scheduling-policy {name} selects its own scheduler class; "
+            f"drop --scheduler-cls {engine_args.scheduler_cls}"
+        )
+    additional = dict(engine_args.additional_config or {})
+    policy_config_from(additional)  # validate the settings before any process starts
+    additional.setdefault(SECTION, {})
+    engine_args.additional_config = additional
+    engine_args.scheduler_cls = POLICIES[name]
+    engine_args.scheduling_policy = "fcfs"
+    if engine_args.async_scheduling is None:
+        # Our scheduler subclasses the synchronous Scheduler: say so instead of letting
+        # upstream turn async scheduling on around it (it would only add a batch queue).
+        engine_args.async_scheduling = False
+    logger.info("scheduling policy %s: scheduler class %s", name, POLICIES[name])

@@ -1,0 +1,78 @@
+"""Top-level ``job_id`` / ``is_last_step`` in a request body, moved into ``vllm_xargs``.
+
+Upstream accepts unknown top-level fields and ignores them, so the openai client's
+``extra_body={"job_id": "j1", "is_last_step": False}`` would be lost; with
+``--middleware vllm_continuum.upstream.middleware.JobFieldsMiddleware`` it lands in
+``SamplingParams.extra_args`` like ``extra_body={"vllm_xargs": {"job_id": "j1"}}`` (which
+works without the middleware). A pure ASGI middleware: only JSON POST bodies that carry
+one of the fields are rewritten; streaming responses pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+FIELDS = ("job_id", "is_last_step")
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def move_fields(body: bytes) -> bytes | None:
+    """The rewritten body, or None when there is nothing to move."""
+    if not any(f.encode() in body for f in FIELDS):
+        return None
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(payload, dict) or not any(f in payload for f in FIELDS):
+        return None
+    xargs = payload.get("vllm_xargs") or {}
+    for field in FIELDS:
+        if field in payload:
+            value = payload.pop(field)
+            # vllm_xargs values are str/int/float: a JSON bool becomes 0/1.
+            xargs.setdefault(field, int(value) if isinstance(value, bool) else value)
+    payload["vllm_xargs"] = xargs
+    return json.dumps(payload).encode()
+
+
+class JobFieldsMiddleware:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # a disconnect before the body ended
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        rewritten = move_fields(body)
+        if rewritten is not None:
+            body = rewritten
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+            scope = dict(scope, headers=[*headers, (b"content-length", str(len(body)).encode())])
+        first = {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, _replay([first], receive), send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that returns ``messages`` first, then defers to the real one."""
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
