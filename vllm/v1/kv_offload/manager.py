@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from vllm.v1.core.sched.output import KVOffloadTransfers
 from vllm.v1.kv_offload.cpu_pool import CPUBlockPool
-from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.metrics.stats import OffloadStats, PrefixCacheStats
 
 
 class OffloadManager:
@@ -87,6 +87,14 @@ class OffloadManager:
         self.pool.release(self._held)
         self._held = []
         return transfers or None
+
+    def make_stats(self) -> tuple[PrefixCacheStats, OffloadStats]:
+        """The lookups and copies since the previous call, and the tier's usage."""
+        copies = self.num_saved + self.num_loaded
+        stats = OffloadStats(self.usage, self.num_saved, self.num_loaded, copies * self.block_bytes)
+        external, self.external_stats = self.external_stats, PrefixCacheStats()
+        self.num_saved = self.num_loaded = 0
+        return external, stats
 
     def reset(self) -> bool:
         return not self._held and self.pool.reset()

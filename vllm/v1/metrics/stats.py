@@ -28,6 +28,16 @@ class PinStats:
 
 
 @dataclass
+class OffloadStats:
+    """The CPU KV tier: usage (gauge) and copies since the previous report (deltas)."""
+
+    usage: float = 0.0  # used tier blocks / tier blocks
+    blocks_saved: int = 0  # KV cache -> tier
+    blocks_loaded: int = 0  # tier -> KV cache
+    bytes_moved: int = 0  # both directions
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -35,3 +45,6 @@ class SchedulerStats:
     num_preemptions: int = 0  # delta since the previous report
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     pin_stats: PinStats = field(default_factory=PinStats)
+    # The CPU KV tier's lookups (vLLM's external prefix cache) and copies; None: no tier.
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
+    offload_stats: OffloadStats | None = None

@@ -364,6 +364,9 @@ class Scheduler:
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             pin_stats=pin_stats,
         )
+        offload = self.kv_cache_manager.offload
+        if offload is not None:
+            stats.connector_prefix_cache_stats, stats.offload_stats = offload.make_stats()
         self._num_preemptions = 0
         return stats
 
