@@ -8,6 +8,7 @@ Invalid values raise ``ValueError`` naming the field and the bad value.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -29,6 +30,13 @@ def scheduling_policy_names() -> Sequence[str]:
     from vllm.v1.core.sched.policy.registry import policy_names  # imports no engine code
 
     return policy_names()
+
+
+def offloading_backend_names() -> Sequence[str]:
+    """The accepted ``--kv-offloading-backend`` values: the offloading backend registry's."""
+    from vllm.v1.kv_offload.registry import offloading_backend_names as names
+
+    return names()
 
 
 def field_default(cls: type, name: str) -> Any:
@@ -173,6 +181,85 @@ class SchedulerConfig:
             )
 
 
+def parse_gib(text: str | float) -> float:
+    """'4', '0.5' or a number -> GiB (a float), as vLLM's ``--kv-offloading-size``."""
+    if isinstance(text, int | float):
+        return float(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--kv-offloading-size must be a number of GiB, got {text!r}") from None
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available to a new allocation (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """A second KV tier in host memory (vLLM's native KV offloading)."""
+
+    kv_offloading_size: float | None = config_field(
+        None,
+        "Size of the host-memory KV tier in GiB; unset: no tier. Blocks evicted from the "
+        "KV cache (or offloaded by the policy) are copied there and loaded back on a hit.",
+        parse=parse_gib,
+    )
+    kv_offloading_backend: str = config_field(
+        "native",
+        "KV offloading backend (native: a block pool in host memory, copied by the runner).",
+        choices=offloading_backend_names,
+    )
+
+    def __post_init__(self) -> None:
+        backends = tuple(offloading_backend_names())
+        if self.kv_offloading_backend not in backends:
+            raise bad_value(
+                "--kv-offloading-backend", self.kv_offloading_backend, f"must be one of {backends}"
+            )
+        size = self.kv_offloading_size
+        if size is None:
+            return
+        if not isinstance(size, int | float) or not size > 0:
+            raise bad_value("--kv-offloading-size", size, "must be a number of GiB > 0")
+        available = available_host_memory()
+        if self.size_bytes > available:
+            raise bad_value(
+                "--kv-offloading-size",
+                size,
+                f"is more than the host memory available ({available / 2**30:.1f} GiB)",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_offloading_size is not None
+
+    @property
+    def size_bytes(self) -> int:
+        return int((self.kv_offloading_size or 0) * 2**30)
+
+    def num_blocks(self, bytes_per_block: int) -> int:
+        """Blocks the tier holds (0 when off); ValueError if on but under one block."""
+        if not self.enabled:
+            return 0
+        n = self.size_bytes // bytes_per_block
+        if n < 1:
+            raise bad_value(
+                "--kv-offloading-size",
+                self.kv_offloading_size,
+                f"holds no KV block of {bytes_per_block} bytes",
+            )
+        return n
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """All engine configs; each field's type is one group of CLI flags."""
@@ -182,3 +269,4 @@ class VllmConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     context_serve_config: ContextServeConfig = field(default_factory=ContextServeConfig)
+    offload_config: OffloadConfig = field(default_factory=OffloadConfig)

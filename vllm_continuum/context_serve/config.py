@@ -96,8 +96,9 @@ class ContextServeConfig:
     )
     seed: int = config_field(0, "Seed of Thompson sampling and training.", flag=_flag("seed"))
     offload_slow: bool = config_field(
-        False,
-        "Offload SLOW turns to the CPU KV tier (needs one) instead of freeing them.",
+        True,
+        "SLOW turns go to the CPU KV tier when one is configured (--kv-offloading-size); "
+        "without a tier, or with --no-context-serve-offload-slow, they are freed.",
         flag=_flag("offload-slow"),
     )
 

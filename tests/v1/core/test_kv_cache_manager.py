@@ -183,3 +183,26 @@ def test_allocate_refuses_request_larger_than_pool():
     assert m.allocate_slots(a, 17) is None
     assert m.num_requests == 0 and m.num_free_blocks == 4
     m.check_invariants()
+
+
+def test_blocks_hashed_for_uncomputed_tokens_lose_their_hash_when_freed():
+    # Scheduled (its 2 full blocks hashed at allocation) and preempted in the same step,
+    # before the forward: num_computed_tokens is still 0, so the hashes name no data.
+    m = manager()
+    a = make_request(list(range(10)))
+    assert m.allocate_slots(a, 10) is not None
+    assert m.block_pool.num_cached_blocks == 2
+    m.free(a)
+    assert m.block_pool.num_cached_blocks == 0
+    assert m.get_computed_blocks(make_request(list(range(10)) + [1]))[1] == 0
+    m.check_invariants()
+
+
+def test_offloading_free_without_a_tier_is_a_plain_free():
+    m = manager()
+    a = make_request(list(range(10)))
+    admit(m, a)
+    m.free(a, offload=True)
+    assert m.usage == 0.0 and m.block_pool.num_cached_blocks == 2
+    assert m.take_kv_transfers() is None
+    m.check_invariants()

@@ -34,7 +34,7 @@ def test_fast_is_a_strict_pin_slow_frees_uncertain_gets_the_continuum_ttl():
     fast = finish(c, "a", bash("ls -la"), 1.0)
     assert (fast.speed, fast.ttl_s, fast.strict) == (ToolSpeed.FAST, 3.0, True)
     slow = finish(c, "b", bash("cd /testbed && pytest tests/"), 1.0)
-    assert (slow.speed, slow.ttl_s, slow.offload) == (ToolSpeed.SLOW, 0.0, False)
+    assert (slow.speed, slow.ttl_s, slow.offload) == (ToolSpeed.SLOW, 0.0, True)
     unsure = finish(c, "c", bash("python reproduce.py"), 1.0)
     assert (unsure.speed, unsure.ttl_s, unsure.strict) == (ToolSpeed.UNCERTAIN, 1.5, False)
     last = finish(c, "d", bash("ls"), 1.0, last=True)
@@ -93,7 +93,8 @@ def test_learns_tool_times_and_scores_its_verdicts():
 
 
 def test_decision_log_and_recorder_fields(tmp_path, caplog):
-    c = ContextServeCore(PolicyConfig(), FakeClock(0.0), record_dir=str(tmp_path))
+    no_tier = ContextServeConfig(offload_slow=False)
+    c = ContextServeCore(PolicyConfig(), FakeClock(0.0), no_tier, record_dir=str(tmp_path))
     with caplog.at_level(logging.INFO, logger="vllm_continuum.context_serve.core"):
         finish(c, "job9", bash("pip install -e ."), 1.0)
     assert "job job9: func_call=pip install -> SLOW (rules) free" in caplog.text

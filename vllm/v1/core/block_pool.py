@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
@@ -65,6 +65,9 @@ class BlockPool:
         self.num_cached_blocks = 0  # blocks currently holding a hash
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # Called with a cached block just before its hash is evicted for reuse (its data is
+        # still intact): the CPU tier copies it there.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get_one_block(block_hash)
@@ -89,6 +92,13 @@ class BlockPool:
     def _evict_hash(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
+        if self.on_evict is not None:
+            self.on_evict(block)
+        self.uncache(block)
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop ``block``'s hash (it must hold one): its data is no longer what it names."""
+        assert block.block_hash is not None
         self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
         block.reset_hash()
         self.num_cached_blocks -= 1

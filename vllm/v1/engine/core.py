@@ -44,18 +44,35 @@ class EngineCore:
         self.model_runner.load_model()
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
+        self.num_cpu_blocks, block_bytes = self._init_kv_offload()
         policy = create_policy(vllm_config, decode=self._decode, clock=clock)
         policy.prepare(self.model_runner.profile_prefill)
-        self.scheduler = Scheduler(vllm_config, self.num_gpu_blocks, policy, clock)
+        self.scheduler = Scheduler(
+            vllm_config, self.num_gpu_blocks, policy, clock, self.num_cpu_blocks, block_bytes
+        )
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
         # Finished/preempted ids of steps that skipped the runner, delivered with the next.
         self._undelivered_ids: set[str] = set()
         logger.info(
-            "Engine core ready in %.1f s: %d KV blocks, policy %s",
+            "Engine core ready in %.1f s: %d KV blocks%s, policy %s",
             time.monotonic() - start,
             self.num_gpu_blocks,
+            f" + {self.num_cpu_blocks} in the CPU tier" if self.num_cpu_blocks else "",
             policy.name,
         )
+
+    def _init_kv_offload(self) -> tuple[int, int]:
+        """(tier blocks, bytes per block) of the CPU KV tier; (0, 0) when it is off."""
+        offload = self.vllm_config.offload_config
+        if not offload.enabled:
+            return 0, 0
+        if not self.vllm_config.cache_config.enable_prefix_caching:
+            logger.warning("--kv-offloading-size needs prefix caching (block hashes): no tier")
+            return 0, 0
+        block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
+        num_blocks = offload.num_blocks(block_bytes)
+        self.model_runner.initialize_kv_offload(num_blocks)
+        return num_blocks, block_bytes
 
     @property
     def config(self) -> VllmConfig:
@@ -99,6 +116,8 @@ class EngineCore:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model, unless nothing is scheduled (pins expiring, all waiting blocked)."""
         if scheduler_output.is_empty:
+            if scheduler_output.kv_transfers:  # saves of freed blocks: run them now
+                self.model_runner.transfer_kv(scheduler_output.kv_transfers)
             self._undelivered_ids |= scheduler_output.finished_req_ids
             self._undelivered_ids |= scheduler_output.preempted_req_ids
             return EMPTY_MODEL_RUNNER_OUTPUT

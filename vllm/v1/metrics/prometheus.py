@@ -92,6 +92,23 @@ class PrometheusStatLogger:
         self.pin_forced = counter(
             "vllm:pin_forced_releases", "Pins released under memory pressure."
         )
+        # The CPU KV tier (vLLM's names for its external prefix cache).
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries", "CPU KV tier queries, in tokens."
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits", "CPU KV tier hits (tokens loaded), in tokens."
+        )
+        self.offload_usage = gauge(
+            "vllm:kv_offload_usage_perc", "CPU KV tier usage: 1 means 100 percent usage."
+        )
+        self.offload_saved = counter("vllm:kv_offload_blocks_saved", "KV blocks saved to the tier.")
+        self.offload_loaded = counter(
+            "vllm:kv_offload_blocks_loaded", "KV blocks loaded back from the tier."
+        )
+        self.offload_bytes = counter(
+            "vllm:kv_offload_bytes", "Bytes copied between the KV cache and the CPU tier."
+        )
         self.success = Counter(
             "vllm:request_success",
             "Successfully finished requests.",
@@ -181,10 +198,22 @@ class PrometheusStatLogger:
             self.pin_forced.inc(p.forced_releases)
             if s.policy_stats is not None:
                 self._record_policy(s.policy_stats)
+            self._record_offload(s)
         self.generation_tokens.inc(sum(len(o.new_token_ids) for o in core.outputs))
         for out in results:
             if out.finished:
                 self._record_finished(out)
+
+    def _record_offload(self, s) -> None:
+        if s.connector_prefix_cache_stats is not None:
+            self.external_queries.inc(s.connector_prefix_cache_stats.queries)
+            self.external_hits.inc(s.connector_prefix_cache_stats.hits)
+        o = s.offload_stats
+        if o is not None:
+            self.offload_usage.set(o.usage)
+            self.offload_saved.inc(o.blocks_saved)
+            self.offload_loaded.inc(o.blocks_loaded)
+            self.offload_bytes.inc(o.bytes_moved)
 
     def _record_finished(self, out: RequestOutput) -> None:
         m = out.metrics

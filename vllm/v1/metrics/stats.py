@@ -33,6 +33,16 @@ class PinStats:
 
 
 @dataclass
+class OffloadStats:
+    """The CPU KV tier: usage (gauge) and copies since the previous report (deltas)."""
+
+    usage: float = 0.0  # used tier blocks / tier blocks
+    blocks_saved: int = 0  # KV cache -> tier
+    blocks_loaded: int = 0  # tier -> KV cache
+    bytes_moved: int = 0  # both directions
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -41,3 +51,6 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     pin_stats: PinStats = field(default_factory=PinStats)
     policy_stats: PolicyStats | None = None  # from ``Policy.make_stats``
+    # The CPU KV tier's lookups (vLLM's external prefix cache) and copies; None: no tier.
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
+    offload_stats: OffloadStats | None = None

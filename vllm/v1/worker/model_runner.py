@@ -19,7 +19,7 @@ from vllm.model_executor.model_loader import resolve_model
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.selector import TORCH_BACKEND, AttentionBackend, select_attention_backend
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.output import KVOffloadTransfers, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.sampler import SamplingRow, sample
 
@@ -57,6 +57,7 @@ class ModelRunner:
         self.dtype = _DTYPES[dtype]
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_offload = None  # the CPU KV tier's handler (initialize_kv_offload)
         self.requests: dict[str, CachedRequestState] = {}
         # Generators of seeded requests preempted (recompute) and not yet resumed.
         self._paused_generators: dict[str, torch.Generator] = {}
@@ -149,6 +150,27 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
         ]
 
+    def initialize_kv_offload(self, num_cpu_blocks: int) -> None:
+        """Allocate the CPU KV tier (``--kv-offloading-backend``) after the KV cache."""
+        from vllm.v1.kv_offload.registry import get_offloading_backend_class
+
+        backend = self.config.offload_config.kv_offloading_backend
+        self.kv_offload = get_offloading_backend_class(backend)(self.kv_caches, num_cpu_blocks)
+        logger.info(
+            "CPU KV tier (%s): %d blocks x %d tokens (%.2f GiB); %d tokens",
+            backend,
+            num_cpu_blocks,
+            self.block_size,
+            self.kv_offload.size_bytes / 2**30,
+            num_cpu_blocks * self.block_size,
+        )
+
+    def transfer_kv(self, plan: KVOffloadTransfers) -> None:
+        """Run the step's copies to and from the CPU tier (before its forward pass)."""
+        if self.kv_offload is None:
+            raise RuntimeError("the scheduler planned KV copies but no CPU tier exists")
+        self.kv_offload.transfer(plan)
+
     # -- one step -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.preempted_req_ids:
@@ -186,6 +208,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.kv_transfers:
+            self.transfer_kv(so.kv_transfers)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
         order = list(so.num_scheduled_tokens)

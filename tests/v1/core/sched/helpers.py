@@ -23,6 +23,7 @@ def make_scheduler(
     threshold: int = 0,
     clock: FakeClock | None = None,
     max_wait_s: float = 30.0,
+    num_cpu_blocks: int = 0,
 ) -> Scheduler:
     config = VllmConfig(
         cache_config=CacheConfig(block_size=BLOCK),
@@ -39,7 +40,9 @@ def make_scheduler(
     clock = clock or FakeClock()
     if policy_obj is None:
         policy_obj = create_policy(config, decode=lambda ids: "", clock=clock)
-    return Scheduler(config, num_blocks, policy=policy_obj, clock=clock)
+    return Scheduler(
+        config, num_blocks, policy=policy_obj, clock=clock, num_cpu_blocks=num_cpu_blocks
+    )
 
 
 def fake_output(so: SchedulerOutput, sched: Scheduler, token: int = 7) -> ModelRunnerOutput:

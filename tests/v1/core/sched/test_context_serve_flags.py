@@ -41,3 +41,16 @@ def test_unreadable_rules_file_is_a_one_line_error_naming_the_option(tmp_path):
     with pytest.raises(ValueError, match="rules") as e:
         args.create_engine_config()
     assert "\n" not in str(e.value)
+
+
+def test_slow_turns_go_to_the_cpu_tier_only_when_one_is_configured():
+    plain = parse(["--scheduling-policy", "context_serve"]).create_engine_config()
+    tiered = parse(
+        ["--scheduling-policy", "context_serve", "--kv-offloading-size", "0.05"]
+    ).create_engine_config()
+
+    def build(config):
+        return create_policy(config, decode=lambda ids: "", clock=FakeClock())
+
+    assert not build(plain).context_serve_config.offload_slow
+    assert build(tiered).context_serve_config.offload_slow

@@ -42,6 +42,24 @@ class CachedRequestData:
 
 
 @dataclass
+class KVOffloadTransfers:
+    """Block copies between the KV cache and the host-memory tier, run by the runner before
+    the step's forward pass: every save first, then every load, each in list order.
+
+    ``saves`` are (KV cache block id, tier block id): the KV cache block still holds the
+    data it had at the end of the previous step (it may be overwritten by this step's
+    loads or forward, hence saves first). ``loads`` are (tier block id, KV cache block id):
+    the destination is a block allocated this step, read by this step's forward.
+    """
+
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -52,6 +70,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted this step: the runner drops their state (they come back as new).
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Copies to and from the CPU KV tier, run before the forward (even in an empty step).
+    kv_transfers: KVOffloadTransfers | None = None
 
     @property
     def is_empty(self) -> bool:

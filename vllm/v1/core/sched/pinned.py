@@ -3,6 +3,7 @@
 A pinned request keeps its blocks referenced in the KV cache manager until its pin
 ends: its job's next turn takes the prefix hit, the TTL passes, memory is needed by
 someone else, the job pins a newer turn, or the engine shuts down. One pin per job.
+A pin that ends by TTL or pressure is offloaded to the CPU KV tier (when there is one).
 ``PinnedRequests`` is the bookkeeping (O(1) lookups by job; heaps with lazy deletion for
 expiry and pressure release, so a step never scans all pins); ``PinManager`` is the
 mechanism the scheduler calls, and the one owner of "which jobs are pinned".
@@ -212,7 +213,10 @@ class PinManager:
         return self.pinned.next_deadline()
 
     def _free(self, entry: PinEntry, now: float, reason: str) -> None:
-        self.kv.free(entry.request)
+        # A pin that ends without its hit (TTL, pressure) still names a context the job is
+        # likely to resume: with a CPU KV tier it is offloaded rather than dropped.
+        offload = reason in (PIN_RELEASE_EXPIRED, PIN_RELEASE_PRESSURE)
+        self.kv.free(entry.request, offload=offload)
         if reason == PIN_RELEASE_EXPIRED:
             self.stats.expiries += 1
         elif reason == PIN_RELEASE_PRESSURE:

@@ -16,7 +16,7 @@ from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.pinned import PinManager
-from vllm.v1.core.sched.policy import Pin, Policy
+from vllm.v1.core.sched.policy import Offload, Pin, Policy
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.metrics.stats import PinStats, SchedulerStats
@@ -35,6 +35,7 @@ class _Step:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     num_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    num_loaded: int = 0  # tokens loaded from the CPU KV tier
 
 
 class Scheduler:
@@ -44,8 +45,12 @@ class Scheduler:
         num_gpu_blocks: int,
         policy: Policy,
         clock: Clock = monotonic_clock,
+        num_cpu_blocks: int = 0,
+        cpu_block_bytes: int = 0,
     ) -> None:
-        """``policy``: built by ``create_policy`` (the one place policies are built)."""
+        """``policy``: built by ``create_policy`` (the one place policies are built).
+        ``num_cpu_blocks``: size of the CPU KV tier (0: none), blocks of
+        ``cpu_block_bytes`` bytes each (for the bytes-moved metric)."""
         self.config = vllm_config.scheduler_config
         self.max_model_len = self.config.max_model_len
         self.clock = clock
@@ -53,7 +58,12 @@ class Scheduler:
         cache = vllm_config.cache_config
         self.block_size = cache.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks, cache.block_size, self.max_model_len, cache.enable_prefix_caching
+            num_gpu_blocks,
+            cache.block_size,
+            self.max_model_len,
+            cache.enable_prefix_caching,
+            num_cpu_blocks,
+            cpu_block_bytes,
         )
         self.requests: dict[str, Request] = {}
         self.pins = PinManager(self.kv_cache_manager, policy)
@@ -205,14 +215,17 @@ class Scheduler:
         ):
             request = self.waiting.peek_request()
             hit_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
+            num_loaded = self._offloaded_hit(request, num_hit, step)
+            num_new = request.num_tokens - num_hit - num_loaded
             if not self.config.enable_chunked_prefill and num_new > budget.remaining:
                 break
             free_tokens = kv.num_free_blocks * self.block_size
             if not self.policy.may_admit(request, num_new, free_tokens, now):
                 break
             num_new = budget.clip(num_new)
-            new_block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+            new_block_ids = kv.allocate_slots(
+                request, num_new, hit_blocks, num_hit, num_external_computed_tokens=num_loaded
+            )
             if new_block_ids is None:
                 if self._may_release_pins_for(request, now) and (
                     self.pins.release_for_pressure(request, now, exclude=request.job_key)
@@ -220,11 +233,22 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop_request()
-            kv.record_prefix_cache_query(request.num_tokens, num_hit)
-            self._admit(request, num_hit, now)
+            kv.record_prefix_cache_query(request.num_tokens, num_hit, num_loaded)
+            self._admit(request, num_hit + num_loaded, now)
+            step.num_loaded += num_loaded
             step.new.append(request)
             step.num_tokens[request.request_id] = num_new
             budget.consume(num_new)
+
+    def _offloaded_hit(self, request: Request, num_hit: int, step: _Step) -> int:
+        """Tokens of ``request`` to load from the CPU KV tier after its pool hit (0 without
+        a tier). Loads take no compute budget, but a step loads at most
+        ``max_num_batched_tokens`` tokens, except its first load, which is never cut (a
+        context longer than the budget could otherwise never be loaded whole)."""
+        limit = None
+        if step.num_loaded:
+            limit = max(self.config.max_num_batched_tokens - step.num_loaded, 0)
+        return self.kv_cache_manager.get_num_offloaded_tokens(request, num_hit, limit)
 
     def _admit(self, request: Request, num_hit: int, now: float) -> None:
         request.status = RequestStatus.RUNNING
@@ -261,6 +285,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(step.num_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=step.preempted,
+            kv_transfers=kv.take_kv_transfers(),
         )
         self.finished_req_ids = set()
         # As in vLLM: the scheduled tokens count as computed from now on.
@@ -314,7 +339,8 @@ class Scheduler:
         if isinstance(action, Pin):
             self.pins.pin(request, action.ttl_s, now, strict=action.strict)
         else:
-            self.kv_cache_manager.free(request)
+            # Offload: copied to the CPU tier first (a plain free when there is none).
+            self.kv_cache_manager.free(request, offload=isinstance(action, Offload))
 
     # -- pins -----------------------------------------------------------------------------
     def _may_release_pins_for(self, request: Request, now: float) -> bool:
@@ -350,6 +376,9 @@ class Scheduler:
             pin_stats=pin_stats,
             policy_stats=self.policy.make_stats(),
         )
+        offload = self.kv_cache_manager.offload
+        if offload is not None:
+            stats.connector_prefix_cache_stats, stats.offload_stats = offload.make_stats()
         self._num_preemptions = 0
         return stats
 

@@ -8,6 +8,7 @@ tier exists, else ``Free``; UNCERTAIN -> Continuum's TTL (a soft ``Pin``) or ``F
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from vllm import envs
 from vllm.config import PolicyConfig, VllmConfig
@@ -37,11 +38,11 @@ class ContextServePolicy(ContinuumPolicy):
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig, decode, clock: Clock) -> ContextServePolicy:
+        cs_config = vllm_config.context_serve_config
+        if vllm_config.offload_config.kv_offloading_size is None:
+            cs_config = replace(cs_config, offload_slow=False)  # no CPU tier: SLOW frees
         return cls(
-            vllm_config.policy_config,
-            decode=decode,
-            clock=clock,
-            context_serve_config=vllm_config.context_serve_config,
+            vllm_config.policy_config, decode=decode, clock=clock, context_serve_config=cs_config
         )
 
     def _make_core(self) -> ContextServeCore:
