@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test bench lint
+.PHONY: setup serve test lint
 
 $(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check vllm tests benchmarks our_experiments
+	$(BIN)/ruff check vllm vllm_continuum tests tests_upstream benchmarks our_experiments
 
 # -- Our policies inside upstream vLLM (docs/upstream_plugin.md) ---------------------------
 # A second environment with upstream vLLM's CPU build and our plugin, never our `vllm`
