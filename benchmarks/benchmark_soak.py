@@ -102,7 +102,7 @@ def tool_output(rng: random.Random) -> str:
 
 async def chat(client, messages, job: str, last: bool, stream: bool, **kw) -> str:
     """One turn; the answer's text. Streams when asked (then reads it to its end)."""
-    kw.setdefault("max_tokens", 24)
+    kw.setdefault("max_tokens", 16)
     extra = {"job_id": job, "is_last_step": last}
     resp = await client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, stream=stream, extra_body=extra, **kw
@@ -289,9 +289,9 @@ def server_args(args: argparse.Namespace) -> list[str]:
 
 
 def warm_up(args: argparse.Namespace, server: RemoteServer) -> None:
-    """A few good jobs: lazy initialisation and the allocator's arenas before the RSS."""
-    warm_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 10_000})
-    good = range(0, len(KINDS) * min(args.concurrency, 3), len(KINDS))
+    """Two good jobs of two turns: lazy initialisation before the RSS is taken."""
+    warm_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 10_000, "max_turns": 2})
+    good = range(0, len(KINDS) * min(args.concurrency, 2), len(KINDS))
     asyncio.run(drive(warm_args, server.url_for_openai, Tally(), good))
     wait_idle(server, args.max_ttl + 10)
 
