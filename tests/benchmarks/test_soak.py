@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
+import openai
 import pytest
 
+from vllm.benchmarks.server import RemoteServer
+
 pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_soak.py"
+IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_pinned_requests")
 
 
 def load_soak():
@@ -36,3 +42,39 @@ def test_short_soak_leaves_nothing_behind(tmp_path):
     assert all(tally.jobs[kind] > 0 for kind in soak.KINDS), tally.jobs
     assert sum(tally.aborts.values()) > 0, tally.aborts
     assert report.final.latency_s is not None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=openai.APITimeoutError,
+    reason="soak finding: jobs that never come back keep their job-level admission reserve "
+    "until --continuum-job-idle-timeout (120 s), so a new job waits on an idle server",
+)
+def test_new_job_is_served_on_an_idle_server_after_abandoned_jobs():
+    server = RemoteServer(
+        "--scheduling-policy", "continuum", "--num-gpu-blocks-override", "64",
+        "--continuum-default-ttl", "1", "--continuum-max-ttl", "3",
+    )  # fmt: skip
+    try:
+        client = server.client(timeout=120)
+        # 3 jobs of ~130 prompt tokens that never send their last step: each reserves its
+        # context + 256 tokens of growth, 3 x ~390 > the 1,008 tokens of the pool.
+        for j in range(3):
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"job {j} " + "word " * 100}],
+                max_tokens=8,
+                extra_body={"job_id": f"abandoned-{j}", "is_last_step": False},
+            )
+        time.sleep(4)  # past the 3 s maximum TTL: nothing runs, waits or is pinned
+        m = server.metrics()
+        assert [m[g] for g in IDLE_GAUGES] == [0, 0, 0] and m["vllm:kv_cache_usage_perc"] == 0
+        resp = server.client(timeout=15).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=8,
+            extra_body={"job_id": "new", "is_last_step": True},
+        )
+        assert resp.choices[0].message.content
+    finally:
+        server.stop()
