@@ -18,8 +18,10 @@ running, waiting or pinned request, no pinned block and a KV usage of 0; the ser
 (its process and children) must be within ``--rss-bound-mib`` of its value after the
 warm-up; and the server must still answer a normal request. Any of these failing, a
 5xx or connection error, or a job still running at the end is a leak: exit status 1.
+The server runs with ``--continuum-job-idle-timeout 10`` unless ``--job-idle-timeout -1``
+(docs/benchmarks.md: abandoned jobs stall new ones until that timeout).
 
-    .venv/bin/python benchmarks/benchmark_soak.py           # short: ~70 s with the start
+    .venv/bin/python benchmarks/benchmark_soak.py           # short: 35 s of jobs
     .venv/bin/python benchmarks/benchmark_soak.py --long    # 30 min
 """
 
