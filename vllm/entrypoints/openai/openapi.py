@@ -1,0 +1,109 @@
+"""``/openapi.json`` as the server really behaves: the error responses (OpenAI's error
+shape, never FastAPI's 422), the content types of /health, /metrics and of streams, and
+the limits this server enforces (configured ones filled in from ``FrontendArgs``).
+
+The schema fuzzer in tests/entrypoints/openai/test_openapi_fuzz.py holds the server to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from vllm.entrypoints.openai.cli_args import FrontendArgs
+from vllm.entrypoints.openai.protocol import ErrorResponse
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+def _text(description: str, media_type: str = "text/plain") -> dict[str, Any]:
+    return {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}
+
+
+_AUTH = {401: _error("Missing or wrong API key (the server was started with --api-key).")}
+_DOWN = {503: _error("The server is shutting down (SIGTERM/SIGINT): no new request.")}
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {**_AUTH, **_DOWN}
+
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion as JSON, or as server-sent events when stream is true "
+        "(a failure after the first event is an error event, then [DONE]).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    },
+    400: _error("Invalid request; error.param names the field."),
+    **_AUTH,
+    413: _error("The body is larger than --max-request-body-size."),
+    500: _error("The engine process died; the server exits (unless kept alive)."),
+    **_DOWN,
+}
+
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _text("Healthy: empty body."),
+    503: _text("Unhealthy: engine dead, stalled (--engine-stall-timeout) or shutting down."),
+}
+
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _text("Prometheus text exposition format.")
+}
+
+
+def document_api(app: FastAPI, args: FrontendArgs) -> None:
+    """Make ``app.openapi()`` describe the error responses and ``args``' limits."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _drop_422(schema)
+            _add_limits(schema.get("components", {}).get("schemas", {}), args)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _drop_422(schema: dict[str, Any]) -> None:
+    # Validation errors are 400s here (OpenAI's shape), not FastAPI's 422.
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+
+
+def _add_limits(components: dict[str, Any], args: FrontendArgs) -> None:
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = components.get(name, {}).get("properties", {})
+        if "n" in props:
+            props["n"]["maximum"] = args.max_n_sequences
+        if "job_id" in props:
+            _each_string(props["job_id"], maxLength=args.max_job_id_length)
+        if "stop" in props:
+            _each_string(props["stop"], maxLength=args.max_stop_string_length)
+            for option in props["stop"].get("anyOf", []):
+                if option.get("type") == "array":
+                    option["maxItems"] = args.max_stop_strings
+        if "chat_template" in props and not args.trust_request_chat_template:
+            # Refused unless the server trusts request templates: only null is valid.
+            props["chat_template"] = {
+                "type": "null",
+                "description": "Refused unless --trust-request-chat-template.",
+            }
+
+
+def _each_string(prop: dict[str, Any], **constraints: Any) -> None:
+    """Apply ``constraints`` to every string in ``prop`` (plain, anyOf, or array items)."""
+    options = prop.get("anyOf", [prop])
+    for option in options:
+        if option.get("type") == "string":
+            option.update(constraints)
+        elif option.get("type") == "array" and option.get("items", {}).get("type") == "string":
+            option["items"].update(constraints)
