@@ -14,6 +14,25 @@ from fastapi.openapi.utils import get_openapi
 
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.protocol import ErrorResponse
+from vllm.sampling_params import INT64_MAX, INT64_MIN, MIN_REPETITION_PENALTY
+
+# The bounds SamplingParams enforces (it owns the checks; the schema only states them).
+SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
+    "n": {"minimum": 1},
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "min_tokens": {"minimum": 0},
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": INT64_MAX},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"minimum": MIN_REPETITION_PENALTY, "maximum": 2},
+    "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
+    "top_logprobs": {"minimum": 0, "maximum": 20},
+    "logprobs": {"minimum": 0, "maximum": 20},  # completions' (chat's is a boolean)
+}
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -35,7 +54,19 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
         "(a failure after the first event is an error event, then [DONE]).",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            # OpenAPI 3.1: the schema of one event.
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "data": {
+                            "type": "string",
+                            "description": "A JSON chunk, a JSON error, or [DONE] (last).",
+                        }
+                    },
+                    "required": ["data"],
+                }
+            },
         },
     },
     400: _error("Invalid request; error.param names the field."),
@@ -82,15 +113,20 @@ def _drop_422(schema: dict[str, Any]) -> None:
 def _add_limits(components: dict[str, Any], args: FrontendArgs) -> None:
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = components.get(name, {}).get("properties", {})
+        for field, bounds in SAMPLING_BOUNDS.items():
+            if field in props:
+                _each_number(props[field], bounds)
         if "n" in props:
             props["n"]["maximum"] = args.max_n_sequences
         if "job_id" in props:
             _each_string(props["job_id"], maxLength=args.max_job_id_length)
         if "stop" in props:
-            _each_string(props["stop"], maxLength=args.max_stop_string_length)
+            _each_string(props["stop"], minLength=1, maxLength=args.max_stop_string_length)
             for option in props["stop"].get("anyOf", []):
                 if option.get("type") == "array":
                     option["maxItems"] = args.max_stop_strings
+        if "prompt" in props:
+            _document_prompt(props["prompt"])
         if "chat_template" in props and not args.trust_request_chat_template:
             # Refused unless the server trusts request templates: only null is valid.
             props["chat_template"] = {
@@ -107,3 +143,27 @@ def _each_string(prop: dict[str, Any], **constraints: Any) -> None:
             option.update(constraints)
         elif option.get("type") == "array" and option.get("items", {}).get("type") == "string":
             option["items"].update(constraints)
+
+
+def _each_number(prop: dict[str, Any], bounds: dict[str, Any]) -> None:
+    for option in prop.get("anyOf", [prop]):
+        if option.get("type") in ("integer", "number"):
+            option.update(bounds)
+
+
+def _document_prompt(prop: dict[str, Any]) -> None:
+    """Non-empty text or token ids, one prompt per request (a batch of one is accepted)."""
+    for option in prop.get("anyOf", [prop]):
+        items = option.get("items", {})
+        if option.get("type") == "string":
+            option["minLength"] = 1
+        elif items.get("type") == "string":
+            option.update(minItems=1, maxItems=1)
+            items["minLength"] = 1
+        elif items.get("type") == "integer":
+            option["minItems"] = 1
+            items["minimum"] = 0
+        elif items.get("type") == "array":
+            option.update(minItems=1, maxItems=1)
+            items["minItems"] = 1
+            items.get("items", {})["minimum"] = 0
