@@ -54,6 +54,12 @@ class ServerState:
             raise ServerShuttingDownError("The server is shutting down.")
 
 
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is a dependency; without it, uvicorn's h11 as is
+    HttpToolsProtocol = None
+
+
 def read_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol] | str:
     """uvicorn's httptools protocol, closing a connection that has not delivered a whole
     request ``timeout_s`` after it opened or after its previous response ended.
@@ -61,47 +67,51 @@ def read_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol] | str:
     uvicorn itself times out only idle keep-alive connections: a client that sends half a
     request line and waits holds its file descriptor forever (slowloris).
     """
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # httptools is a dependency; without it, uvicorn's h11 as is
+    if HttpToolsProtocol is None:
         logger.warning("httptools is missing: no --request-read-timeout")
         return "auto"
+    return type(
+        "ReadTimeoutProtocol", (_ReadTimeoutMixin, HttpToolsProtocol), {"timeout_s": timeout_s}
+    )
 
-    class ReadTimeoutProtocol(HttpToolsProtocol):
-        _read_timer: asyncio.TimerHandle | None = None
 
-        def _arm(self) -> None:
-            self._disarm()
-            self._read_timer = self.loop.call_later(timeout_s, self._read_timed_out)
+class _ReadTimeoutMixin:
+    """The timer: armed when a connection opens and after each response, disarmed once a
+    whole request is in (the app may then take its time to answer)."""
 
-        def _disarm(self) -> None:
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-                self._read_timer = None
+    timeout_s: float
+    _read_timer: asyncio.TimerHandle | None = None
 
-        def _read_timed_out(self) -> None:
+    def _arm(self) -> None:
+        self._disarm()
+        self._read_timer = self.loop.call_later(self.timeout_s, self._read_timed_out)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
             self._read_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
             self._arm()
 
-        def on_message_complete(self) -> None:
-            self._disarm()  # the request is in: the app may take its time to answer
-            super().on_message_complete()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-    return ReadTimeoutProtocol
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
 
 class _Server(uvicorn.Server):

@@ -173,24 +173,7 @@ def build_app(
     app.add_middleware(ServerMiddleware, args=args, state=state)
     _add_error_handlers(app)
 
-    @app.get("/health", response_class=PlainTextResponse, responses=openapi.HEALTH_RESPONSES)
-    async def health():
-        reason = health_status(engine, args, state)
-        return PlainTextResponse(reason or "", status_code=200 if reason is None else 503)
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
-    async def metrics():
-        # Always the classic text format: an OpenMetrics scrape would escape the colons.
-        return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", responses=openapi.ERROR_RESPONSES)
-    async def models():
-        card = ModelCard(id=model_name, max_model_len=vllm_config.scheduler_config.max_model_len)
-        return ModelList(data=[card]).model_dump()
+    _add_info_routes(app, vllm_config, args, engine, stats, state)
 
     @app.post("/v1/chat/completions", responses=openapi.GENERATE_RESPONSES)
     async def chat(request: ChatCompletionRequest, raw: Request):
@@ -210,6 +193,30 @@ def build_app(
 
     openapi.document_api(app, args)
     return app
+
+
+def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state) -> None:
+    """/health, /version, /metrics and /v1/models."""
+    model_name = vllm_config.model_config.name
+
+    @app.get("/health", response_class=PlainTextResponse, responses=openapi.HEALTH_RESPONSES)
+    async def health():
+        reason = health_status(engine, args, state)
+        return PlainTextResponse(reason or "", status_code=200 if reason is None else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
+    async def metrics():
+        # Always the classic text format: an OpenMetrics scrape would escape the colons.
+        return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", responses=openapi.ERROR_RESPONSES)
+    async def models():
+        card = ModelCard(id=model_name, max_model_len=vllm_config.scheduler_config.max_model_len)
+        return ModelList(data=[card]).model_dump()
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -68,34 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": self.model_name,
         }
         if request.stream:
-            echoed: set[int] = set()
-
-            def chunk(c: CompletionOutput) -> dict:
-                text = c.text
-                if echo and c.index not in echoed:  # the prompt leads each choice's text
-                    echoed.add(c.index)
-                    text = echo + text
-                return {
-                    **base,
-                    "choices": [
-                        {
-                            "index": c.index,
-                            "text": text,
-                            "logprobs": self._logprobs(c),
-                            "finish_reason": c.finish_reason,
-                        }
-                    ],
-                }
-
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = self.stream_events(
-                stream,
-                chunk,
-                [],
-                include_usage,
-                lambda u: {**base, "choices": [], "usage": u.model_dump()},
-                received,
-            )
+            events = self._stream(request, stream, base, echo, received)
             return EngineStreamingResponse(events, stream)
 
         def body(final: RequestOutput) -> dict:
@@ -112,3 +85,29 @@ class OpenAIServingCompletion(OpenAIServing):
             return {**base, "choices": choices, "usage": self.usage([final]).model_dump()}
 
         return await self.respond_json(stream, body, received, receive)
+
+    def _stream(self, request, stream, base: dict, echo: str, received: float | None):
+        echoed: set[int] = set()
+
+        def chunk(c: CompletionOutput) -> dict:
+            text = c.text
+            if echo and c.index not in echoed:  # the prompt leads each choice's text
+                echoed.add(c.index)
+                text = echo + text
+            choice = {
+                "index": c.index,
+                "text": text,
+                "logprobs": self._logprobs(c),
+                "finish_reason": c.finish_reason,
+            }
+            return {**base, "choices": [choice]}
+
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return self.stream_events(
+            stream,
+            chunk,
+            [],
+            include_usage,
+            lambda u: {**base, "choices": [], "usage": u.model_dump()},
+            received,
+        )

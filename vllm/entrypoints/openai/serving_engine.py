@@ -117,9 +117,13 @@ class OpenAIServing:
         """The engine's ``add_request``, tokenizing a long prompt off the event loop."""
         self.state.check_open()
         executor = self.executor() if len(prompt) >= OFFLOAD_CHARS else None
-        return await self.engine.add_request(
+        stream = await self.engine.add_request(
             prompt, params, request_id, priority=priority, executor=executor, **kw
         )
+        if self.state.closing:  # the drain ended while the prompt was being tokenized
+            await stream.aclose()
+            self.state.check_open()
+        return stream
 
     def check_request(self, request: _SamplingFields) -> None:
         """The model, and the limits of ``args`` (``VLLMValidationError`` naming the field)."""

@@ -161,10 +161,7 @@ class AsyncLLM:
         ``executor``: tokenize and validate there, off the event loop (a long prompt would
         hold the loop, and every other request and /health, for its whole tokenization).
         """
-        if not self.client.is_alive:
-            raise EngineDeadError(self.client.dead_reason or "the engine core process died")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_can_add(request_id)
         process = functools.partial(
             self.processor.process,
             prompt,
@@ -177,11 +174,7 @@ class AsyncLLM:
             _, core_reqs = process()
         else:
             _, core_reqs = await asyncio.get_running_loop().run_in_executor(executor, process)
-            # The same checks again: the loop ran other requests while this one waited.
-            if not self.client.is_alive:
-                raise EngineDeadError(self.client.dead_reason or "the engine core process died")
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._check_can_add(request_id)  # again: other requests ran meanwhile
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, core_reqs
         )
@@ -198,6 +191,12 @@ class AsyncLLM:
             await self.abort(request_id)
             raise
         return stream
+
+    def _check_can_add(self, request_id: str) -> None:
+        if not self.client.is_alive:
+            raise EngineDeadError(self.client.dead_reason or "the engine core process died")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
 
     async def abort(self, request_id: str) -> None:
         """Stop ``request_id`` (no-op if unknown or finished) and free its blocks."""
