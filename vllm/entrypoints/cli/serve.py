@@ -15,6 +15,7 @@ import time
 
 from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.openai.cli_args import FrontendArgs
 
 logger = logging.getLogger("vllm.serve")
 
@@ -34,19 +35,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         metavar="model",
         help="Model: the embedded name, a .gguf file, or an HF folder; overrides --model.",
     )
-    server = p.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="Host to bind.")
-    server.add_argument("--port", type=int, default=8000, help="Port to bind.")
-    server.add_argument("--api-key", default=None, help="Require this key as a Bearer token.")
-    server.add_argument(
-        "--disable-log-requests", action="store_true", help="Do not log each request."
-    )
-    server.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="Log level of uvicorn.",
-    )
+    FrontendArgs.add_cli_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -61,8 +50,6 @@ def build_config(args: argparse.Namespace):
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
     check_chat_template(engine_args.chat_template)
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"port must be in [0, 65535], got {args.port}")
     hf_config = get_model_config(engine_args.model)
     return engine_args.create_engine_config(hf_config.max_position_embeddings)
 
@@ -89,14 +76,16 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     )
     start = time.monotonic()
     try:
+        frontend = FrontendArgs.from_cli_args(args)
         vllm_config = build_config(args)
     except ValueError as e:
         parser.exit(2, f"vllm serve: error: {e}\n")
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(frontend.host, frontend.port)
     except OSError as e:
         print(f"vllm serve: error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
         sys.exit(1)
+    raise_fd_limit()
 
     import asyncio
 
@@ -107,19 +96,34 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         "vllm serve %s with config %s", vllm_config.model_config.model, dump_config(vllm_config)
     )
     logger.info("Starting the engine core (%.1f s so far)", time.monotonic() - start)
-    # uvicorn handles SIGINT/SIGTERM while serving, then re-raises the signal: turn it
-    # into an exception so run_server's cleanup (engine shutdown) runs in every phase.
+    # While the engine starts, SIGTERM is an exception (like KeyboardInterrupt for SIGINT)
+    # so run_server's cleanup runs; once serving, the launcher drains on either signal.
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         factory = event_loop_factory()
         logger.info("Event loop: %s", "uvloop" if factory else "asyncio")
         with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(run_server(vllm_config, args, sock))
+            status = runner.run(run_server(vllm_config, frontend, sock))
     except EngineStartupError as e:
         print(f"vllm serve: error: {e}", file=sys.stderr)
         sys.exit(1)
     except (KeyboardInterrupt, _Terminated):
-        logger.info("Shut down")
+        status = 0
+    logger.info("Shut down")
+    sys.exit(status)
+
+
+def raise_fd_limit() -> None:
+    """Soft open-file limit up to the hard one (vLLM does too): each connection is a file
+    descriptor, and the default 1024 is a few hundred slow clients away."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("Cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
 
 
 def event_loop_factory():

@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
 import time
 from http import HTTPStatus
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm import __version__
 from vllm.config import VllmConfig
+from vllm.entrypoints.launcher import ServerShuttingDownError, ServerState, serve_http
+from vllm.entrypoints.openai import openapi
+from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
+    loggable,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -77,42 +80,147 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
 RECEIVED_KEY = "vllm.received"  # ASGI scope key: time.monotonic() at arrival
 
 
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413, f"The request body exceeds {limit} bytes (the server's --max-request-body-size)."
+        )
+
+
+def _limited(receive, limit: int):
+    """``receive`` that raises ``BodyTooLarge`` once the body passes ``limit`` bytes (for a
+    body without Content-Length, or longer than it said)."""
+    seen = 0
+
+    async def receive_limited() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge(limit)
+        return message
+
+    return receive_limited
+
+
 class ServerMiddleware:
     """Pure ASGI (BaseHTTPMiddleware would cost per request and break disconnect
-    detection): stamps the arrival time into the scope and checks the API key of /v1."""
+    detection): stamps the arrival time into the scope, checks the API key of /v1, bounds
+    the body, refuses new /v1 requests while draining and counts those in flight."""
 
-    def __init__(self, app, api_key: str | None) -> None:
+    def __init__(self, app, args: FrontendArgs, state: ServerState) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = f"Bearer {args.api_key}".encode() if args.api_key else None
+        self.limit = args.max_request_body_size
+        self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
             return await self.app(scope, receive, send)
         scope[RECEIVED_KEY] = time.monotonic()
-        if self.expected is not None and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
-                response = error_response(
+        refusal = self._refusal(dict(scope["headers"]))
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        self.state.active += 1
+        try:
+            await self.app(scope, _limited(receive, self.limit), send)
+        finally:
+            self.state.active -= 1
+
+    def _refusal(self, headers: dict[bytes, bytes]) -> Response | None:
+        if self.expected is not None:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return error_response(
                     401, "Invalid API key.", "AuthenticationError", code="invalid_api_key"
                 )
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if self.state.draining:
+            return error_response(503, "The server is shutting down.", "ServiceUnavailableError")
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            return error_response(413, str(BodyTooLarge(self.limit).detail), "RequestTooLargeError")
+        return None
+
+
+def health_status(engine: AsyncLLM, args: FrontendArgs, state: ServerState) -> str | None:
+    """Why the server is unhealthy (503), or None."""
+    if not engine.is_alive:
+        return "engine dead"
+    if state.draining:
+        return "shutting down"
+    stalled = engine.stalled_for()
+    if stalled > args.engine_stall_timeout:
+        pending = engine.num_unfinished_requests
+        return f"engine stalled: no progress for {stalled:.0f} s with {pending} requests pending"
+    return None
 
 
 def build_app(
     vllm_config: VllmConfig,
-    args: argparse.Namespace,
+    args: FrontendArgs,
     engine: AsyncLLM,
     stats: PrometheusStatLogger,
+    state: ServerState | None = None,
 ) -> FastAPI:
     """The FastAPI app over a started ``engine`` whose outputs feed ``stats``."""
+    state = state or ServerState()
     model_name = vllm_config.model_config.name
-    chat_serving = OpenAIServingChat(engine, model_name, stats)
-    completion_serving = OpenAIServingCompletion(engine, model_name, stats)
-    log_requests = not getattr(args, "disable_log_requests", False)
+    chat_serving = OpenAIServingChat(engine, model_name, stats, args, state)
+    completion_serving = OpenAIServingCompletion(engine, model_name, stats, args, state)
+    log_requests = not args.disable_log_requests
 
     app = FastAPI(title="vllm-continuum", version=__version__)
-    app.add_middleware(ServerMiddleware, api_key=getattr(args, "api_key", None))
+    app.add_middleware(ServerMiddleware, args=args, state=state)
+    _add_error_handlers(app)
+
+    _add_info_routes(app, vllm_config, args, engine, stats, state)
+
+    @app.post("/v1/chat/completions", responses=openapi.GENERATE_RESPONSES)
+    async def chat(request: ChatCompletionRequest, raw: Request):
+        if log_requests:
+            _log_request("chat", request, f"messages={len(request.messages)}")
+        return await chat_serving.create_chat_completion(
+            request, raw.scope.get(RECEIVED_KEY), raw.receive
+        )
+
+    @app.post("/v1/completions", responses=openapi.GENERATE_RESPONSES)
+    async def completion(request: CompletionRequest, raw: Request):
+        if log_requests:
+            _log_request("completion", request, "")
+        return await completion_serving.create_completion(
+            request, raw.scope.get(RECEIVED_KEY), raw.receive
+        )
+
+    openapi.document_api(app, args)
+    return app
+
+
+def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state) -> None:
+    """/health, /version, /metrics and /v1/models."""
+    model_name = vllm_config.model_config.name
+
+    @app.get("/health", response_class=PlainTextResponse, responses=openapi.HEALTH_RESPONSES)
+    async def health():
+        reason = health_status(engine, args, state)
+        return PlainTextResponse(reason or "", status_code=200 if reason is None else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
+    async def metrics():
+        # Always the classic text format: an OpenMetrics scrape would escape the colons.
+        return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", responses=openapi.ERROR_RESPONSES)
+    async def models():
+        card = ModelCard(id=model_name, max_model_len=vllm_config.scheduler_config.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI shape ``{"error": {message, type, param, code}}``."""
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -127,57 +235,29 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         # E.g. a body json.loads cannot parse (too deep for its recursion limit, an integer
-        # with too many digits), 404 and 405: the OpenAI error shape for these too.
-        phrase = HTTPStatus(exc.status_code).phrase.replace(" ", "")
-        err_type = "BadRequestError" if exc.status_code == 400 else f"{phrase}Error"
+        # with too many digits), a body over the limit, 404 and 405.
+        err_type = _HTTP_ERROR_TYPES.get(exc.status_code)
+        if err_type is None:
+            err_type = HTTPStatus(exc.status_code).phrase.replace(" ", "") + "Error"
         return error_response(exc.status_code, str(exc.detail), err_type)
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):
         return error_response(500, f"Engine is dead: {exc}", "InternalServerError")
 
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200 if engine.is_alive else 503)
+    @app.exception_handler(ServerShuttingDownError)
+    async def on_shutting_down(request: Request, exc: ServerShuttingDownError):
+        return error_response(exc.status, str(exc), exc.err_type)
 
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
 
-    @app.get("/metrics")
-    async def metrics():
-        # Always the classic text format: an OpenMetrics scrape would escape the colons.
-        return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        card = ModelCard(id=model_name, max_model_len=vllm_config.scheduler_config.max_model_len)
-        return ModelList(data=[card]).model_dump()
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: ChatCompletionRequest, raw: Request):
-        if log_requests:
-            _log_request("chat", request, f"messages={len(request.messages)}")
-        return await chat_serving.create_chat_completion(
-            request, raw.scope.get(RECEIVED_KEY), raw.receive
-        )
-
-    @app.post("/v1/completions")
-    async def completion(request: CompletionRequest, raw: Request):
-        if log_requests:
-            _log_request("completion", request, "")
-        return await completion_serving.create_completion(
-            request, raw.scope.get(RECEIVED_KEY), raw.receive
-        )
-
-    return app
+_HTTP_ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError"}
 
 
 def _log_request(kind: str, request, detail: str) -> None:
     logger.info(
         "%s request: job_id=%s is_last_step=%s max_tokens=%s stream=%s %s",
         kind,
-        request.job_id,
+        loggable(request.job_id),
         request.is_last_step,
         request.max_tokens,
         request.stream,
@@ -185,15 +265,12 @@ def _log_request(kind: str, request, detail: str) -> None:
     )
 
 
-async def run_server(
-    vllm_config: VllmConfig, args: argparse.Namespace, sock, engine_factory=None
-) -> None:
-    """Start the engine process, then serve HTTP on ``sock`` until SIGINT/SIGTERM.
+async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_factory=None) -> int:
+    """Start the engine process, then serve HTTP on ``sock`` until SIGINT/SIGTERM (after
+    the drain) or the engine's death; the exit status (1: the engine died).
 
     ``EngineStartupError`` if the engine cannot start; the engine is shut down on exit.
     """
-    import uvicorn
-
     disable_created_metrics()  # no *_created series, as in vLLM
     stats = PrometheusStatLogger(vllm_config.model_config.name)
     engine = AsyncLLM(vllm_config, stat_loggers=[stats], engine_factory=engine_factory)
@@ -205,16 +282,11 @@ async def run_server(
             vllm_config.cache_config.block_size,
             info["pid"],
         )
-        app = build_app(vllm_config, args, engine, stats)
-        config = uvicorn.Config(
-            app,
-            log_level=getattr(args, "uvicorn_log_level", "info"),
-            timeout_graceful_shutdown=5,
-            access_log=not getattr(args, "disable_log_requests", False),
-        )
+        state = ServerState()
+        app = build_app(vllm_config, args, engine, stats, state)
         host, port = sock.getsockname()[:2]
         logger.info("Starting vLLM API server on http://%s:%d", host, port)
-        await uvicorn.Server(config).serve(sockets=[sock])
+        return await serve_http(app, sock, engine, args, state)
     finally:
         engine.shutdown()
 

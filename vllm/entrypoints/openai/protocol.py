@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import (
@@ -21,7 +23,58 @@ from pydantic import (
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger("vllm.entrypoints.openai.protocol")
+
 AGENT_FIELDS = ("job_id", "is_last_step")
+
+
+def loggable(value: Any, limit: int = 80) -> str:
+    """``value`` for a log line: repr-escaped (no raw newline or control character can forge
+    a line) and at most ``limit`` characters of it."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} chars)"
+    return repr(value)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error this server answers, in OpenAI's shape."""
+
+    error: ErrorInfo
+
+
+def _is_off(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {} or value == ""
+
+
+# OpenAI / vLLM parameters this server does not implement, and the values that ask for
+# nothing (so clients that send defaults still work). Anything else is a 400, never a
+# silently ignored field.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "prompt_logprobs": _is_off,
+    "logit_bias": _is_off,
+    "best_of": lambda v: v is None or v == 1,
+    "suffix": _is_off,
+    "response_format": lambda v: _is_off(v) or v == {"type": "text"},
+    "functions": _is_off,
+    "function_call": lambda v: _is_off(v) or v == "none",
+    "tool_choice": lambda v: _is_off(v) or v == "none",
+    "modalities": lambda v: _is_off(v) or v == ["text"],
+    "audio": _is_off,
+    "use_beam_search": _is_off,
+    "guided_json": _is_off,
+    "guided_regex": _is_off,
+    "guided_choice": _is_off,
+    "guided_grammar": _is_off,
+    "structured_outputs": _is_off,
+}
+MAX_LOGGED_FIELDS = 8
 
 
 class StreamOptions(BaseModel):
@@ -150,6 +203,26 @@ class _SamplingFields(BaseModel):
                 if data.get(name) is None and name in xargs:
                     data[name] = xargs[name]
         return data
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _SamplingFields:
+        values = {**(self.model_extra or {}), **self.__dict__}
+        for name, harmless in UNSUPPORTED.items():
+            if name in values and not harmless(values[name]):
+                raise VLLMValidationError(f"{name} is not supported yet", name)
+        if values.get("tools") and values.get("tool_choice") != "none":
+            raise VLLMValidationError(
+                'tools are not supported yet (tool calling is planned); send tool_choice "none" '
+                "to only show them to the chat template",
+                "tools",
+            )
+        unknown = [k for k in self.model_extra or {} if k not in UNSUPPORTED]
+        if unknown:
+            # As vLLM does: unknown fields are ignored, and the log says so.
+            shown = ", ".join(loggable(k, 40) for k in unknown[:MAX_LOGGED_FIELDS])
+            more = f" and {len(unknown) - MAX_LOGGED_FIELDS} more" if len(unknown) > 8 else ""
+            logger.warning("Request fields ignored (not recognised): %s%s", shown, more)
+        return self
 
     def extra_args(self) -> dict[str, Any] | None:
         """``SamplingParams.extra_args``: ``vllm_xargs`` plus the agent metadata."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
+    OFFLOAD_CHARS,
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
@@ -13,11 +14,25 @@ from vllm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prompt(self, request: ChatCompletionRequest) -> str:
+    async def _prompt(self, request: ChatCompletionRequest) -> str:
+        if request.chat_template is not None and not self.args.trust_request_chat_template:
+            raise VLLMValidationError(
+                "chat_template in a request is refused: the server was not started with "
+                "--trust-request-chat-template",
+                "chat_template",
+            )
         messages = [m.for_template() for m in request.messages]
+        size = sum(len(m.content or "") for m in request.messages)
+        if request.chat_template is not None:
+            size = max(size, OFFLOAD_CHARS)  # a request's template: any cost, off the loop
         try:
-            return self.engine.processor.apply_chat_template(
-                messages, request.chat_template, request.add_generation_prompt, request.tools
+            return await self.off_loop(
+                size,
+                self.engine.processor.apply_chat_template,
+                messages,
+                request.chat_template,
+                request.add_generation_prompt,
+                request.tools,
             )
         except VLLMValidationError:
             raise
@@ -56,8 +71,8 @@ class OpenAIServingChat(OpenAIServing):
     ):
         """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
-        self.check_model(request)
-        prompt = self._prompt(request)
+        self.check_request(request)
+        prompt = await self._prompt(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         # max_completion_tokens (OpenAI's newer name) wins; None: until max_model_len.
         max_tokens = request.max_completion_tokens
@@ -68,8 +83,8 @@ class OpenAIServingChat(OpenAIServing):
         created = now_s()
         try:
             # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
-            stream = await self.engine.add_request(
-                prompt, params, request_id, add_special_tokens=False, priority=request.priority
+            stream = await self.add_request(
+                prompt, params, request_id, request.priority, add_special_tokens=False
             )
         except VLLMValidationError as e:
             if e.param == "prompt":  # this endpoint's prompt is its messages

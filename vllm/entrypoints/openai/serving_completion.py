@@ -23,6 +23,12 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         return p
 
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        """``echo``: the prompt as text (token ids decoded) that leads each choice."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+
     def _logprobs(self, c: CompletionOutput) -> dict | None:
         if c.logprobs is None:
             return None
@@ -42,16 +48,19 @@ class OpenAIServingCompletion(OpenAIServing):
     ):
         """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
-        self.check_model(request)
+        self.check_request(request)
         prompt = self._prompt(request)
+        if request.echo and request.logprobs is not None:
+            raise VLLMValidationError(
+                "echo with logprobs is not supported yet (it needs prompt logprobs)", "echo"
+            )
         # OpenAI's default for completions; 0 is refused as on chat, not replaced.
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         params = request.to_sampling_params(max_tokens, request.logprobs, request.stream)
         request_id = random_id("cmpl")
         created = now_s()
-        stream = await self.engine.add_request(
-            prompt, params, request_id, priority=request.priority
-        )
+        stream = await self.add_request(prompt, params, request_id, request.priority)
+        echo = self._echo_text(prompt) if request.echo else ""
         base = {
             "id": request_id,
             "object": "text_completion",
@@ -59,36 +68,14 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": self.model_name,
         }
         if request.stream:
-
-            def chunk(c: CompletionOutput) -> dict:
-                return {
-                    **base,
-                    "choices": [
-                        {
-                            "index": c.index,
-                            "text": c.text,
-                            "logprobs": self._logprobs(c),
-                            "finish_reason": c.finish_reason,
-                        }
-                    ],
-                }
-
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = self.stream_events(
-                stream,
-                chunk,
-                [],
-                include_usage,
-                lambda u: {**base, "choices": [], "usage": u.model_dump()},
-                received,
-            )
+            events = self._stream(request, stream, base, echo, received)
             return EngineStreamingResponse(events, stream)
 
         def body(final: RequestOutput) -> dict:
             choices = [
                 {
                     "index": c.index,
-                    "text": c.text,
+                    "text": echo + c.text,
                     "logprobs": self._logprobs(c),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -98,3 +85,29 @@ class OpenAIServingCompletion(OpenAIServing):
             return {**base, "choices": choices, "usage": self.usage([final]).model_dump()}
 
         return await self.respond_json(stream, body, received, receive)
+
+    def _stream(self, request, stream, base: dict, echo: str, received: float | None):
+        echoed: set[int] = set()
+
+        def chunk(c: CompletionOutput) -> dict:
+            text = c.text
+            if echo and c.index not in echoed:  # the prompt leads each choice's text
+                echoed.add(c.index)
+                text = echo + text
+            choice = {
+                "index": c.index,
+                "text": text,
+                "logprobs": self._logprobs(c),
+                "finish_reason": c.finish_reason,
+            }
+            return {**base, "choices": [choice]}
+
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return self.stream_events(
+            stream,
+            chunk,
+            [],
+            include_usage,
+            lambda u: {**base, "choices": [], "usage": u.model_dump()},
+            received,
+        )

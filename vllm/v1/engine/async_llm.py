@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -94,6 +97,9 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}
         self._loop_task: asyncio.Task | None = None
+        # time.monotonic() of the last engine message, or of the moment work arrived at an
+        # idle engine: what "no progress for N seconds" is measured from.
+        self._last_progress = time.monotonic()
 
     async def start(self) -> dict:
         """Wait until the engine is ready; returns its info (num_gpu_blocks, pid)."""
@@ -104,6 +110,24 @@ class AsyncLLM:
     @property
     def is_alive(self) -> bool:
         return self.client.is_alive
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has sent nothing while requests are pending (0 if none are).
+
+        Every engine step sends a message, so a long silence with work pending means a hung
+        engine process (stopped, deadlocked, or stuck in one step)."""
+        if not self._streams:
+            return 0.0
+        return time.monotonic() - self._last_progress
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every pending request with ``error`` (each handler aborts its own)."""
+        for stream in list(self._streams.values()):
+            stream.put(error)
 
     async def generate(
         self,
@@ -130,19 +154,33 @@ class AsyncLLM:
         request_id: str,
         add_special_tokens: bool = True,
         priority: int = 0,
+        executor: Executor | None = None,
     ) -> RequestStream:
-        """Validate and queue now (ValueError / EngineDeadError raise here), stream later."""
-        if not self.client.is_alive:
-            raise EngineDeadError(self.client.dead_reason or "the engine core process died")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        _, core_reqs = self.processor.process(
-            prompt, sampling_params, request_id, priority, add_special_tokens=add_special_tokens
+        """Validate and queue now (ValueError / EngineDeadError raise here), stream later.
+
+        ``executor``: tokenize and validate there, off the event loop (a long prompt would
+        hold the loop, and every other request and /health, for its whole tokenization).
+        """
+        self._check_can_add(request_id)
+        process = functools.partial(
+            self.processor.process,
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            add_special_tokens=add_special_tokens,
         )
+        if executor is None:
+            _, core_reqs = process()
+        else:
+            _, core_reqs = await asyncio.get_running_loop().run_in_executor(executor, process)
+            self._check_can_add(request_id)  # again: other requests ran meanwhile
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, core_reqs
         )
         stream = RequestStream(self, request_id, [r.request_id for r in core_reqs])
+        if not self._streams:  # an idle engine owes no progress until now
+            self._last_progress = time.monotonic()
         self._streams[request_id] = stream
         for r in core_reqs:
             self._by_child[r.request_id] = stream
@@ -153,6 +191,12 @@ class AsyncLLM:
             await self.abort(request_id)
             raise
         return stream
+
+    def _check_can_add(self, request_id: str) -> None:
+        if not self.client.is_alive:
+            raise EngineDeadError(self.client.dead_reason or "the engine core process died")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
 
     async def abort(self, request_id: str) -> None:
         """Stop ``request_id`` (no-op if unknown or finished) and free its blocks."""
@@ -172,6 +216,7 @@ class AsyncLLM:
             while True:
                 msg = await self.client.recv()
                 if msg is not None:
+                    self._last_progress = time.monotonic()
                     await self._handle(*msg)
         except asyncio.CancelledError:
             return
@@ -180,9 +225,7 @@ class AsyncLLM:
             if not isinstance(e, EngineDeadError):
                 logger.exception("output loop stopped")
             self.client.dead_reason = self.client.dead_reason or f"output loop failed: {e}"
-            err = e if isinstance(e, EngineDeadError) else EngineDeadError(str(e))
-            for stream in list(self._streams.values()):
-                stream.put(err)
+            self.fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
 
     async def _handle(self, msg_type: EngineCoreOutputType, payload: Any) -> None:
         """Dispatch one engine message by type; ``EngineDeadError`` ends the output loop."""

@@ -1,0 +1,127 @@
+"""``FrontendArgs``: the settings of the HTTP server in front of the engine (``vllm serve``).
+
+Like the engine's configs, each knob is declared once, as a ``config_field`` carrying its
+help and flag; ``add_cli_args`` generates the flags from the fields. Only argparse and the
+config modules are imported here: ``vllm serve --help`` must stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_type_hints
+
+from vllm.config import config_field, parse_bytes
+from vllm.engine.arg_utils import ConfigArg
+
+MiB = 1 << 20
+UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def parse_size(text: str | int) -> int:
+    """'8MiB', '512KiB' or an integer -> bytes (ValueError naming what a size looks like)."""
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise ValueError(f"expected a size like 8MiB or 1048576, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class FrontendArgs:
+    """Settings of the HTTP server (not the engine): binding, auth, logging, the limits
+    that protect it from one client, health and shutdown."""
+
+    host: str = config_field("127.0.0.1", "Host to bind.")
+    port: int = config_field(8000, "Port to bind.")
+    api_key: str | None = config_field(None, "Require this key as a Bearer token on /v1.")
+    disable_log_requests: bool = config_field(
+        False, "Do not log each request (nor the engine's per-job lines)."
+    )
+    uvicorn_log_level: UvicornLogLevel = config_field("info", "Log level of uvicorn.")
+    trust_request_chat_template: bool = config_field(
+        False,
+        "Accept a request's own chat_template. Off: a request carrying one is refused (400), "
+        "since a template is code the server runs for the client.",
+    )
+    max_request_body_size: int = config_field(
+        8 * MiB,
+        "Largest request body accepted, in bytes (8MiB, 512KiB, ...); a larger one is a 413.",
+        parse=parse_size,
+    )
+    max_n_sequences: int = config_field(
+        128, "Largest n (completions per request) accepted (vLLM: VLLM_MAX_N_SEQUENCES)."
+    )
+    max_stop_strings: int = config_field(32, "Most stop strings one request may give.")
+    max_stop_string_length: int = config_field(512, "Longest stop string accepted, characters.")
+    max_job_id_length: int = config_field(256, "Longest job_id accepted, characters.")
+    request_read_timeout: float = config_field(
+        30.0,
+        "Seconds a connection has to deliver a whole request (headers and body) once it opens "
+        "or its previous response ends; then it is closed. Bounds half-open connections.",
+    )
+    engine_stall_timeout: float = config_field(
+        60.0,
+        "/health answers 503 when requests are pending and the engine sent nothing for this "
+        "many seconds (a hung engine process).",
+    )
+    shutdown_timeout: float = config_field(
+        20.0,
+        "On SIGTERM/SIGINT: seconds running requests get to finish (new ones get 503), "
+        "after which they end with an error. 0: end them at once. A second signal ends the "
+        "wait.",
+    )
+    keep_alive_on_engine_death: bool = config_field(
+        False,
+        "Keep the API server up (answering 503/500) when the engine process died, instead of "
+        "exiting with status 1 so a supervisor restarts it (vLLM: "
+        "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_request_body_size", "max_n_sequences", "max_stop_string_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_stop_strings", "max_job_id_length"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("request_read_timeout", "engine_stall_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """The flags, in one help group ("server")."""
+        group = parser.add_argument_group("server", FrontendArgs.__doc__)
+        for arg in frontend_args():
+            group.add_argument(arg.flag, **arg.argparse_kwargs())
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> FrontendArgs:
+        """Validated settings (ValueError naming the field) from parsed flags."""
+        values: dict[str, Any] = {}
+        for arg in frontend_args():
+            value = getattr(args, arg.dest)
+            if arg.parse is not None and isinstance(value, str):
+                value = arg.parse(value)
+            values[arg.field] = value
+        return cls(**values)
+
+
+def frontend_args() -> tuple[ConfigArg, ...]:
+    """One ``ConfigArg`` per ``FrontendArgs`` field (flag ``--field-name``)."""
+    hints = get_type_hints(FrontendArgs)
+    out = []
+    for f in fields(FrontendArgs):
+        meta = f.metadata
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        dest = flag.removeprefix("--").replace("-", "_")
+        args = (meta["help"], meta["choices"], meta["parse"])
+        out.append(ConfigArg("frontend", f.name, dest, flag, hints[f.name], f.default, *args))
+    return tuple(out)

@@ -1,0 +1,169 @@
+"""``/openapi.json`` as the server really behaves: the error responses (OpenAI's error
+shape, never FastAPI's 422), the content types of /health, /metrics and of streams, and
+the limits this server enforces (configured ones filled in from ``FrontendArgs``).
+
+The schema fuzzer in tests/entrypoints/openai/test_openapi_fuzz.py holds the server to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from vllm.entrypoints.openai.cli_args import FrontendArgs
+from vllm.entrypoints.openai.protocol import ErrorResponse
+from vllm.sampling_params import INT64_MAX, INT64_MIN, MIN_REPETITION_PENALTY
+
+# The bounds SamplingParams enforces (it owns the checks; the schema only states them).
+SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
+    "n": {"minimum": 1},
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "min_tokens": {"minimum": 0},
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": INT64_MAX},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"minimum": MIN_REPETITION_PENALTY, "maximum": 2},
+    "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
+    "top_logprobs": {"minimum": 0, "maximum": 20},
+    "logprobs": {"minimum": 0, "maximum": 20},  # completions' (chat's is a boolean)
+}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+def _text(description: str, media_type: str = "text/plain") -> dict[str, Any]:
+    return {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}
+
+
+_AUTH = {401: _error("Missing or wrong API key (the server was started with --api-key).")}
+_DOWN = {503: _error("The server is shutting down (SIGTERM/SIGINT): no new request.")}
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {**_AUTH, **_DOWN}
+
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion as JSON, or as server-sent events when stream is true "
+        "(a failure after the first event is an error event, then [DONE]).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            # OpenAPI 3.1: the schema of one event.
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "data": {
+                            "type": "string",
+                            "description": "A JSON chunk, a JSON error, or [DONE] (last).",
+                        }
+                    },
+                    "required": ["data"],
+                }
+            },
+        },
+    },
+    400: _error("Invalid request; error.param names the field."),
+    **_AUTH,
+    413: _error("The body is larger than --max-request-body-size."),
+    500: _error("The engine process died; the server exits (unless kept alive)."),
+    **_DOWN,
+}
+
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _text("Healthy: empty body."),
+    503: _text("Unhealthy: engine dead, stalled (--engine-stall-timeout) or shutting down."),
+}
+
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _text("Prometheus text exposition format.")
+}
+
+
+def document_api(app: FastAPI, args: FrontendArgs) -> None:
+    """Make ``app.openapi()`` describe the error responses and ``args``' limits."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _drop_422(schema)
+            _add_limits(schema.get("components", {}).get("schemas", {}), args)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _drop_422(schema: dict[str, Any]) -> None:
+    # Validation errors are 400s here (OpenAI's shape), not FastAPI's 422.
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+
+
+def _add_limits(components: dict[str, Any], args: FrontendArgs) -> None:
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = components.get(name, {}).get("properties", {})
+        for field, bounds in SAMPLING_BOUNDS.items():
+            if field in props:
+                _each_number(props[field], bounds)
+        if "n" in props:
+            props["n"]["maximum"] = args.max_n_sequences
+        if "job_id" in props:
+            _each_string(props["job_id"], maxLength=args.max_job_id_length)
+        if "stop" in props:
+            _each_string(props["stop"], minLength=1, maxLength=args.max_stop_string_length)
+            for option in props["stop"].get("anyOf", []):
+                if option.get("type") == "array":
+                    option["maxItems"] = args.max_stop_strings
+        if "prompt" in props:
+            _document_prompt(props["prompt"])
+        if "chat_template" in props and not args.trust_request_chat_template:
+            # Refused unless the server trusts request templates: only null is valid.
+            props["chat_template"] = {
+                "type": "null",
+                "description": "Refused unless --trust-request-chat-template.",
+            }
+
+
+def _each_string(prop: dict[str, Any], **constraints: Any) -> None:
+    """Apply ``constraints`` to every string in ``prop`` (plain, anyOf, or array items)."""
+    options = prop.get("anyOf", [prop])
+    for option in options:
+        if option.get("type") == "string":
+            option.update(constraints)
+        elif option.get("type") == "array" and option.get("items", {}).get("type") == "string":
+            option["items"].update(constraints)
+
+
+def _each_number(prop: dict[str, Any], bounds: dict[str, Any]) -> None:
+    for option in prop.get("anyOf", [prop]):
+        if option.get("type") in ("integer", "number"):
+            option.update(bounds)
+
+
+def _document_prompt(prop: dict[str, Any]) -> None:
+    """Non-empty text or token ids, one prompt per request (a batch of one is accepted)."""
+    for option in prop.get("anyOf", [prop]):
+        items = option.get("items", {})
+        if option.get("type") == "string":
+            option["minLength"] = 1
+        elif items.get("type") == "string":
+            option.update(minItems=1, maxItems=1)
+            items["minLength"] = 1
+        elif items.get("type") == "integer":
+            option["minItems"] = 1
+            items["minimum"] = 0
+        elif items.get("type") == "array":
+            option.update(minItems=1, maxItems=1)
+            items["minItems"] = 1
+            items.get("items", {})["minimum"] = 0
