@@ -11,6 +11,7 @@ quantized linear agrees up to float rounding (another summation order).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import shutil
 import subprocess
@@ -32,12 +33,21 @@ def _cache_dir() -> Path:
     return Path(envs.VLLM_CACHE_ROOT) / "kernels"
 
 
+def _jit_name() -> str:
+    """The JIT library's name carries a hash of the sources, so a build cached from older
+    sources (without today's ops) is never loaded in place of the current one."""
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes() if src.exists() else b"")
+    return f"vllm_continuum_C_{h.hexdigest()[:12]}"
+
+
 def _load_native():
     global _native, _tried
     if _tried:
         return _native
     _tried = True
-    for lib in (Path(__file__).with_name("_C.so"), _cache_dir() / "vllm_continuum_C.so"):
+    for lib in (Path(__file__).with_name("_C.so"), _cache_dir() / f"{_jit_name()}.so"):
         if lib.exists():
             try:
                 torch.ops.load_library(str(lib))
@@ -56,7 +66,7 @@ def build(verbose: bool = False) -> Path:
     out = _cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     load(
-        name="vllm_continuum_C",
+        name=_jit_name(),
         sources=[str(src) for src in _SOURCES],
         extra_cflags=["-O3", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
@@ -66,7 +76,7 @@ def build(verbose: bool = False) -> Path:
     )
     global _tried
     _tried = False
-    return out / "vllm_continuum_C.so"
+    return out / f"{_jit_name()}.so"
 
 
 def reshape_and_cache_torch(
