@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from vllm.model_executor.layers.quantization import Quantization
 from vllm_continuum.config import (  # the policies' config lives with the policies
     PolicyConfig,
     bad_value,
@@ -87,6 +88,12 @@ class ModelConfig:
     chat_template: str | None = config_field(
         None, "Path of a Jinja chat template overriding the tokenizer's."
     )
+    quantization: Quantization | None = config_field(
+        None,
+        "Weight format of the linear layers. None or fp32: dense weights in --dtype "
+        "(a GGUF is dequantized at load; the exactness reference). gguf: keep a GGUF "
+        "model's Q4_1/Q8_0 blocks and multiply with the native CPU kernels (float32 only).",
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -95,6 +102,10 @@ class ModelConfig:
             raise bad_value("max_model_len", self.max_model_len, "must be >= 1")
         if self.dtype not in get_args(Dtype):
             raise bad_value("dtype", self.dtype, "must be auto, float32, bfloat16 or float16")
+        if self.quantization not in (None, *get_args(Quantization)):
+            raise bad_value("quantization", self.quantization, "must be None, fp32 or gguf")
+        if self.quantization == "gguf" and self.dtype not in ("auto", "float32"):
+            raise bad_value("quantization", self.quantization, "gguf needs dtype float32")
 
     @property
     def name(self) -> str:

@@ -104,6 +104,50 @@ def resolve_model(model: str) -> str:
     return str(out_dir)
 
 
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file ``model`` names (the embedded name or a .gguf path), else None."""
+    if model == DEFAULT_MODEL:
+        return embedded_model_path()
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def apply_quantization(model, model_config) -> None:
+    """Switch ``model``'s linear layers to ``model_config.quantization``'s format (in place,
+    after the fp32 weights are loaded). None / fp32: nothing to do."""
+    if model_config.quantization in (None, "fp32"):
+        return
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.gguf import (
+        apply_gguf_quantization,
+        quantized_weight_bytes,
+    )
+
+    path = gguf_file(model_config.model)
+    if path is None:
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf model (or {DEFAULT_MODEL!r}); "
+            f"got {model_config.model!r}"
+        )
+    start = time.monotonic()
+    dense = quantized_weight_bytes(model)
+    counts = apply_gguf_quantization(model, path)
+    if not ops.ensure_quant_kernels():
+        logger.warning(
+            "quantization='gguf' without native kernels (no C++ compiler?): the pure-torch "
+            "fallback dequantizes every weight on every call and is slower than fp32"
+        )
+    logger.info(
+        "GGUF weights kept quantized: %d linear layers (%d kept fp32), %.0f -> %.0f MB "
+        "read per decode step, in %.1f s",
+        counts["quantized"],
+        counts["kept_fp32"],
+        dense / 1e6,
+        quantized_weight_bytes(model) / 1e6,
+        time.monotonic() - start,
+    )
+
+
 def get_model_config(model: str):
     """The HF config (max_position_embeddings, eos, shapes) of ``model``."""
     from transformers import AutoConfig

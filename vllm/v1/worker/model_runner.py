@@ -15,7 +15,7 @@ import torch
 
 from vllm import envs
 from vllm.config import VllmConfig
-from vllm.model_executor.model_loader import resolve_model
+from vllm.model_executor.model_loader import apply_quantization, resolve_model
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.selector import TORCH_BACKEND, AttentionBackend, select_attention_backend
@@ -92,6 +92,7 @@ class ModelRunner:
                 state.update(load_file(os.path.join(path, name)))
         model.load_hf_state_dict(state)
         self.model = model.to(self.dtype).eval()
+        apply_quantization(self.model, self.model_config)
         self.attn_backend = select_attention_backend(
             self.device, self.dtype, self.block_size, self.arch.head_dim
         )

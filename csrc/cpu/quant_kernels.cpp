@@ -1,0 +1,310 @@
+// Weight-only quantized linear layers over GGUF blocks, fp32 activations.
+//
+// Weights stay in the GGUF file's own block layout, one matrix row after another
+// (qweight: uint8 [N, (K / 32) * block_bytes], K = input features, N = output features):
+//   Q4_1 (type 3, 20 bytes / 32 weights): fp16 d, fp16 m, 16 bytes of nibbles; byte j holds
+//        weight j in its low nibble and weight j + 16 in its high nibble; w = q * d + m.
+//   Q8_0 (type 8, 34 bytes / 32 weights): fp16 d, 32 int8 q; w = q * d.
+//
+// ggml_linear(x [M, K] fp32, qweight) -> y [M, N] = x @ W^T. Decode steps (small M) are bound
+// by the bytes of weights streamed from memory, so each weight is read once per call. Up to
+// 4 tokens, each block is expanded into 4 registers (8 lanes each) and multiplied by every
+// token at once. From 5 tokens on, a pair of rows is dequantised into a small fp32 buffer
+// that stays in L1, then multiplied by the tokens in tiles of 4 (2 rows x 4 tokens = 8
+// accumulator registers, one 8-lane FMA per weight row and token per 8 inputs), so the
+// expansion is paid once per row, not once per token tile. Rows are split over torch's intra-op
+// threads (at::parallel_for: the same OpenMP pool and thread count as torch's own ops).
+//
+// The AVX2 + FMA + F16C path is compiled with a target pragma and chosen at run time, so the
+// library still loads on CPUs without AVX2 (a portable scalar path runs there).
+// ggml_dequantize computes W in fp32 exactly as the pure-torch fallback in
+// vllm/_custom_ops.py does (q * d, then + m: two roundings, no FMA), so both are bit-identical.
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQK = 32;  // weights per block, both types
+constexpr int64_t kTypeQ4_1 = 3;
+constexpr int64_t kTypeQ8_0 = 8;
+constexpr int kRows = 2;    // weight rows per tile
+constexpr int kTokens = 4;  // tokens per tile
+
+int64_t block_bytes(int64_t qtype) {
+  if (qtype == kTypeQ4_1) return 20;
+  if (qtype == kTypeQ8_0) return 34;
+  TORCH_CHECK(false, "unsupported GGML type ", qtype, " (supported: Q4_1=3, Q8_0=8)");
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);  // blocks are 20 / 34 bytes: fp16 fields are unaligned
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ---- portable scalar path ---------------------------------------------------------------
+void dequant_row_scalar(const uint8_t* row, int64_t nb, int64_t qtype, float* out) {
+  for (int64_t b = 0; b < nb; ++b, out += kQK) {
+    if (qtype == kTypeQ4_1) {
+      const uint8_t* blk = row + b * 20;
+      const float d = half_at(blk), m = half_at(blk + 2);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = static_cast<float>(blk[4 + j] & 0x0F) * d + m;
+        out[j + 16] = static_cast<float>(blk[4 + j] >> 4) * d + m;
+      }
+    } else {
+      const uint8_t* blk = row + b * 34;
+      const float d = half_at(blk);
+      const auto* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(q[j]) * d;
+    }
+  }
+}
+
+void dot_rows_scalar(const float* w, int rows, int64_t K, const float* x, int64_t M,
+                     float* y, int64_t ldy) {
+  for (int r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < M; ++t) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += w[r * K + k] * x[t * K + k];
+      y[t * ldy + r] = acc;
+    }
+}
+
+// ---- AVX2 + FMA + F16C path -------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+inline __m256 bcast_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _mm256_set1_ps(_cvtsh_ss(bits));
+}
+
+// 8 unsigned bytes -> 8 floats, times d, plus m (mul then add: same rounding as torch's).
+inline __m256 q4_lanes(__m128i bytes, __m256 d, __m256 m) {
+  const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  return _mm256_add_ps(_mm256_mul_ps(q, d), m);
+}
+
+void dequant_row_avx2(const uint8_t* row, int64_t nb, int64_t qtype, float* out) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b, out += kQK) {
+    if (qtype == kTypeQ4_1) {
+      const uint8_t* blk = row + b * 20;
+      const __m256 d = bcast_half(blk), m = bcast_half(blk + 2);
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m128i lo = _mm_and_si128(qs, low4);                     // weights 0..15
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);  // weights 16..31
+      _mm256_storeu_ps(out + 0, q4_lanes(lo, d, m));
+      _mm256_storeu_ps(out + 8, q4_lanes(_mm_srli_si128(lo, 8), d, m));
+      _mm256_storeu_ps(out + 16, q4_lanes(hi, d, m));
+      _mm256_storeu_ps(out + 24, q4_lanes(_mm_srli_si128(hi, 8), d, m));
+    } else {
+      const uint8_t* blk = row + b * 34;
+      const __m256 d = bcast_half(blk);
+      for (int i = 0; i < 4; ++i) {
+        const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+        _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(q, d));
+      }
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[t * ldy + r] = dot(w[r * K ...], x[t * K ...]) for r < R, t < T (K a multiple of 8).
+// Per 8 inputs: R weight loads and T activation loads feed R * T FMAs.
+template <int R, int T>
+void dot_tile_avx2(const float* w, int64_t K, const float* x, float* y, int64_t ldy) {
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
+    for (int t = 0; t < T; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * K + k);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) y[t * ldy + r] = hsum(acc[r][t]);
+}
+
+template <int R>
+void dot_rows_avx2_r(const float* w, int64_t K, const float* x, int64_t M, float* y,
+                     int64_t ldy) {
+  int64_t t = 0;
+  for (; t + kTokens <= M; t += kTokens) dot_tile_avx2<R, kTokens>(w, K, x + t * K, y + t * ldy, ldy);
+  switch (M - t) {  // the last, partial token tile
+    case 3: dot_tile_avx2<R, 3>(w, K, x + t * K, y + t * ldy, ldy); break;
+    case 2: dot_tile_avx2<R, 2>(w, K, x + t * K, y + t * ldy, ldy); break;
+    case 1: dot_tile_avx2<R, 1>(w, K, x + t * K, y + t * ldy, ldy); break;
+    default: break;
+  }
+}
+
+void dot_rows_avx2(const float* w, int rows, int64_t K, const float* x, int64_t M, float* y,
+                   int64_t ldy) {
+  if (rows == 2)
+    dot_rows_avx2_r<2>(w, K, x, M, y, ldy);
+  else
+    dot_rows_avx2_r<1>(w, K, x, M, y, ldy);
+}
+
+// Dequantise one block (32 weights) into 4 registers; FMA here: for the fused kernel only.
+inline void block_lanes_avx2(const uint8_t* blk, int64_t qtype, __m256 w[4]) {
+  if (qtype == kTypeQ4_1) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256 d = bcast_half(blk), m = bcast_half(blk + 2);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m128i lo = _mm_and_si128(qs, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d, m);
+  } else {
+    const __m256 d = bcast_half(blk);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
+      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
+    }
+  }
+}
+
+// Few tokens (T <= 4): each block is expanded in registers and used at once, with no trip
+// through the row buffer (at batch 1 the buffer's stores and reloads were ~1/4 of the work).
+template <int T>
+void fused_row_avx2(const uint8_t* row, int64_t nb, int64_t bb, int64_t qtype, const float* x,
+                    int64_t K, float* y, int64_t ldy) {
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 w[4];
+    block_lanes_avx2(row + b * bb, qtype, w);
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < 4; ++i)
+        acc[t] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + t * K + b * kQK + 8 * i), acc[t]);
+  }
+  for (int t = 0; t < T; ++t) y[t * ldy] = hsum(acc[t]);
+}
+
+void fused_rows_avx2(const uint8_t* wq, int64_t n0, int64_t n1, int64_t nb, int64_t bb,
+                     int64_t qtype, const float* x, int64_t M, float* y, int64_t N) {
+  const int64_t K = nb * kQK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = wq + n * nb * bb;
+    switch (M) {
+      case 1: fused_row_avx2<1>(row, nb, bb, qtype, x, K, y + n, N); break;
+      case 2: fused_row_avx2<2>(row, nb, bb, qtype, x, K, y + n, N); break;
+      case 3: fused_row_avx2<3>(row, nb, bb, qtype, x, K, y + n, N); break;
+      default: fused_row_avx2<4>(row, nb, bb, qtype, x, K, y + n, N); break;
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+bool cpu_has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+void check_qweight(const torch::Tensor& qweight, int64_t qtype) {
+  TORCH_CHECK(qweight.device().is_cpu(), "qweight must be on the CPU");
+  TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && qweight.dim() == 2,
+              "qweight must be uint8 [N, row_bytes]");
+  TORCH_CHECK(qweight.is_contiguous(), "qweight must be contiguous");
+  TORCH_CHECK(qweight.size(1) % block_bytes(qtype) == 0, "row bytes ", qweight.size(1),
+              " are not whole blocks of ", block_bytes(qtype));
+}
+
+}  // namespace
+
+// x: [M, K] fp32; qweight: uint8 [N, (K / 32) * block_bytes] -> [M, N] fp32.
+torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
+  check_qweight(qweight, qtype);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be fp32 [M, K]");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), N = qweight.size(0);
+  const int64_t bb = block_bytes(qtype), nb = qweight.size(1) / bb, K = nb * kQK;
+  TORCH_CHECK(xc.size(1) == K, "x has ", xc.size(1), " features, the weight ", K);
+  auto y = torch::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  const uint8_t* wq = qweight.data_ptr<uint8_t>();
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool avx2 = cpu_has_avx2();
+  if (avx2 && M <= kTokens) {
+    const int64_t grain = std::max<int64_t>(1, 16384 / (K * M));
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      fused_rows_avx2(wq, n0, n1, nb, bb, qtype, xp, M, yp, N);
+    });
+    return y;
+  }
+  const int64_t pairs = (N + kRows - 1) / kRows;
+  // A grain of ~16k MACs per task keeps tiny layers on one thread (no wake-up cost).
+  const int64_t grain = std::max<int64_t>(1, 16384 / (K * M));
+  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
+    std::vector<float> wbuf(kRows * K);  // the tile's rows in fp32, reused: stays in L1
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, N - n0));
+      for (int r = 0; r < rows; ++r) {
+        const uint8_t* row = wq + (n0 + r) * nb * bb;
+        if (avx2)
+          dequant_row_avx2(row, nb, qtype, wbuf.data() + r * K);
+        else
+          dequant_row_scalar(row, nb, qtype, wbuf.data() + r * K);
+      }
+      if (avx2)
+        dot_rows_avx2(wbuf.data(), rows, K, xp, M, yp + n0, N);
+      else
+        dot_rows_scalar(wbuf.data(), rows, K, xp, M, yp + n0, N);
+    }
+  });
+  return y;
+}
+
+// qweight -> W [N, K] fp32 (for large batches, where a dense GEMM beats the tile kernel).
+torch::Tensor ggml_dequantize(const torch::Tensor& qweight, int64_t qtype) {
+  check_qweight(qweight, qtype);
+  const int64_t N = qweight.size(0), bb = block_bytes(qtype), nb = qweight.size(1) / bb;
+  auto w = torch::empty({N, nb * kQK}, torch::dtype(torch::kFloat));
+  const uint8_t* wq = qweight.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  const bool avx2 = cpu_has_avx2();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (avx2)
+        dequant_row_avx2(wq + n * nb * bb, nb, qtype, wp + n * nb * kQK);
+      else
+        dequant_row_scalar(wq + n * nb * bb, nb, qtype, wp + n * nb * kQK);
+    }
+  });
+  return w;
+}
+
+TORCH_LIBRARY_FRAGMENT(vllm_continuum_C, m) {
+  m.def("ggml_linear(Tensor x, Tensor qweight, int qtype) -> Tensor");
+  m.def("ggml_dequantize(Tensor qweight, int qtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_continuum_C, CPU, m) {
+  m.impl("ggml_linear", &ggml_linear);
+  m.impl("ggml_dequantize", &ggml_dequantize);
+}

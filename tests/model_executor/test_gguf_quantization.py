@@ -1,0 +1,111 @@
+"""--quantization gguf against the fp32 reference, on the embedded SmolLM2 Q4_1 GGUF.
+
+The fp32 model is the GGUF dequantized at load, and the quantized layers multiply by the
+very same blocks (the load checks bit-equality), so the two may differ only by float
+rounding (another summation order in the kernels): logits at every position of 8 prompts
+agree to ~1e-4 and their top-1 tokens agree; greedy outputs match.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.model_executor.layers.quantization.gguf import (
+    GGUFLinear,
+    quantized_weight_bytes,
+    unpermute_rows,
+)
+from vllm.model_executor.model_loader import apply_quantization
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+    "<|im_start|>user\nWhat is 17 times 3?<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+    # Past the kernels' dense-GEMM threshold (48 tokens): that path is compared too.
+    "In the beginning of the twentieth century, physicists discovered that light behaves "
+    "both as a wave and as a particle. This duality led to quantum mechanics, which "
+    "describes the behaviour of electrons in atoms, molecules and solids. Its predictions "
+    "have been confirmed to many decimal places, and it led eventually to",
+]
+BLOCK = 16
+
+
+def test_unpermute_rows_inverts_the_gguf_rotary_interleave():
+    # llama.cpp writes W.reshape(h, 2, hd/2, ...).swapaxes(1, 2): each head's halves
+    # interleaved. Undoing it must give back the HF row order exactly.
+    heads, head_dim, cols = 3, 8, 5
+    hf = torch.randn(heads * head_dim, cols)
+    gguf = hf.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(hf.shape)
+    assert torch.equal(gguf[unpermute_rows(heads * head_dim, heads)], hf)
+
+
+def test_quantization_field_is_validated():
+    with pytest.raises(ValueError, match="quantization"):
+        ModelConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quantization"):
+        ModelConfig(quantization="gguf", dtype="bfloat16")
+    ModelConfig(quantization="fp32")
+
+
+def test_gguf_needs_a_gguf_model(tmp_path):
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        apply_quantization(None, ModelConfig(model=str(tmp_path), quantization="gguf"))
+
+
+def _prompt_logits(runner, tokenizer) -> list[torch.Tensor]:
+    """Logits at every position of each prompt, prefilled alone into blocks 1..n."""
+    out = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt).input_ids
+            blocks = list(range(1, -(-len(ids) // BLOCK) + 1))
+            meta = runner.attn_backend.build_metadata([(0, len(ids), blocks)], BLOCK, "cpu")
+            hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, runner.kv_caches)
+            out.append(runner.model.compute_logits(hidden))
+    return out
+
+
+@pytest.mark.slow
+def test_quantized_logits_match_fp32(tokenizer):
+    from vllm.v1.worker.model_runner import ModelRunner
+
+    threads = torch.get_num_threads()
+    runner = ModelRunner(VllmConfig(cache_config=CacheConfig(block_size=BLOCK)), device="cpu")
+    runner.load_model()
+    runner.initialize_kv_cache(16)
+    fp32 = _prompt_logits(runner, tokenizer)
+    dense_bytes = quantized_weight_bytes(runner.model)
+    apply_quantization(runner.model, ModelConfig(quantization="gguf"))
+    quant = _prompt_logits(runner, tokenizer)
+    torch.set_num_threads(threads)
+
+    linears = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 4 * runner.arch.num_layers + 1  # + the tied Q8_0 lm_head
+    # 538 MB of fp32 linear weights -> ~96 MB of blocks read per decode step.
+    assert quantized_weight_bytes(runner.model) < dense_bytes / 5
+    diff = max((q - f).abs().max().item() for q, f in zip(quant, fp32, strict=True))
+    top1 = torch.cat([q.argmax(-1) == f.argmax(-1) for q, f in zip(quant, fp32, strict=True)])
+    print(f"max |logit diff| {diff:.2e}; top-1 agreement {int(top1.sum())}/{top1.numel()}")
+    assert diff < 1e-2
+    assert top1.float().mean().item() >= 0.99
+
+
+@pytest.mark.slow
+def test_quantized_greedy_matches_fp32():
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(model="SmolLM2-135M-Instruct", quantization=quantization)
+        outputs[quantization] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        del llm
+    same = sum(a == b for a, b in zip(outputs[None], outputs["gguf"], strict=True))
+    print(f"greedy outputs identical on {same}/{len(PROMPTS)} prompts")
+    assert same >= len(PROMPTS) - 1

@@ -1,0 +1,151 @@
+"""GGUF-quantized linear layers: the file's Q4_1 / Q8_0 blocks kept as they are.
+
+A decode step reads every weight once; in fp32 that is 538 MB for SmolLM2-135M, in the
+GGUF's own blocks (Q4_1: 5 bits a weight; its Q8_0 embedding: 8.5) about 96 MB. The
+weights multiplied are exactly the fp32 reference's: both come from the same blocks and
+the load checks that the blocks dequantize to the fp32 model's weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm import _custom_ops as ops
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = tuple(ops.GGML_BLOCK_BYTES)  # Q4_1, Q8_0
+# From this many tokens on, dequantize + dense GEMM beats the block kernel (prefill).
+DENSE_MIN_TOKENS = 48
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with W kept as GGUF blocks: uint8 (out, in / 32 * block)."""
+
+    def __init__(self, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if qtype not in SUPPORTED_TYPES:
+            raise ValueError(f"GGML type {qtype} is not supported (supported: {SUPPORTED_TYPES})")
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.qtype = qtype
+        self.out_features = qweight.shape[0]
+        self.in_features = qweight.shape[1] // ops.GGML_BLOCK_BYTES[qtype] * 32
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = ops.ggml_linear(
+            x.reshape(-1, self.in_features), self.qweight, self.qtype, DENSE_MIN_TOKENS
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return ops.ggml_dequantize(self.qweight, self.qtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}"
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation (GGUF stores each head's rotary
+    halves interleaved: HF row ``h*hd + s*hd/2 + j`` sits at GGUF row ``h*hd + 2*j + s``).
+    Rows are whole blocks, so permuting rows of blocks is exact."""
+    half = n_rows // n_heads // 2
+    return torch.arange(n_rows).view(n_heads, half, 2).transpose(1, 2).reshape(n_rows)
+
+
+class GGUFTensors:
+    """The raw blocks of a GGUF file, by tensor name (``blk.0.attn_q.weight``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        self.tensors = {t.name: t for t in reader.tensors}
+        arch = reader.fields.get("general.architecture")
+        self.arch = bytes(arch.parts[-1]).decode() if arch is not None else ""
+
+    def qtype(self, name: str) -> int:
+        return int(self.tensors[name].tensor_type)
+
+    def blocks(self, name: str, perm: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 (rows, row_bytes), copied out of the memory map."""
+        data = torch.from_numpy(self.tensors[name].data.copy())
+        return data if perm is None else data[perm]
+
+
+def _fused_module(
+    g: GGUFTensors, parts: list[tuple[str, torch.Tensor | None]], old: nn.Linear
+) -> GGUFLinear | None:
+    """One GGUFLinear over the row-concatenated tensors ``parts`` (name, row order), or None
+    when a part is missing or not of one supported type (the fp32 module then stays)."""
+    if any(name not in g.tensors for name, _ in parts):
+        return None
+    qtypes = {g.qtype(name) for name, _ in parts}
+    if len(qtypes) != 1 or not qtypes <= set(SUPPORTED_TYPES):
+        return None
+    qweight = torch.cat([g.blocks(name, perm) for name, perm in parts])
+    new = GGUFLinear(qweight, qtypes.pop(), old.bias)
+    # The fp32 model was dequantized from these very blocks: anything but bit-equality
+    # means a layout mistake (row order, fusing), so refuse rather than run wrong weights.
+    if old.weight.dtype == torch.float32 and not torch.equal(new.dequantized_weight(), old.weight):
+        raise ValueError(f"GGUF blocks of {[n for n, _ in parts]} do not match the fp32 weights")
+    return new
+
+
+def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int]:
+    """Replace ``model``'s linear layers (a loaded ``LlamaForCausalLM``) by GGUFLinear over the
+    blocks of the GGUF at ``path``. Returns counts: ``quantized`` / ``kept_fp32`` modules."""
+    g = GGUFTensors(path)
+    a = model.arch
+    # llama.cpp interleaves q/k rotary halves for the llama architecture only.
+    permute = g.arch == "llama"
+    q_perm = unpermute_rows(a.num_heads * a.head_dim, a.num_heads) if permute else None
+    k_perm = unpermute_rows(a.num_kv_heads * a.head_dim, a.num_kv_heads) if permute else None
+    plan: list[tuple[nn.Module, str, list[tuple[str, torch.Tensor | None]]]] = []
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        plan += [
+            (
+                layer,
+                "qkv_proj",
+                [
+                    (b + "attn_q.weight", q_perm),
+                    (b + "attn_k.weight", k_perm),
+                    (b + "attn_v.weight", None),
+                ],
+            ),
+            (layer, "o_proj", [(b + "attn_output.weight", None)]),
+            (layer, "gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]),
+            (layer, "down_proj", [(b + "ffn_down.weight", None)]),
+        ]
+    head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+    plan.append((model, "lm_head", [(head, None)]))
+    counts = {"quantized": 0, "kept_fp32": 0}
+    for parent, attr, parts in plan:
+        new = _fused_module(g, parts, getattr(parent, attr))
+        if new is None:
+            counts["kept_fp32"] += 1
+            logger.info("Keeping %s in fp32 (no supported GGUF blocks)", parts[0][0])
+            continue
+        setattr(parent, attr, new)
+        counts["quantized"] += 1
+    return counts
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads: every linear layer's weight (blocks or dense);
+    the embedding table is only gathered from, so it is not counted."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, GGUFLinear):
+            total += mod.qweight.numel()
+        elif isinstance(mod, nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
