@@ -47,6 +47,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="Log level of uvicorn.",
     )
+    from vllm.entrypoints.openai import tool_calling
+
+    tool_calling.add_cli_args(p.add_argument_group("tool calling"))
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -61,6 +64,9 @@ def build_config(args: argparse.Namespace):
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
     check_chat_template(engine_args.chat_template)
+    from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
+
+    ToolCallingConfig.from_args(args)  # --enable-auto-tool-choice needs a parser
     if not 0 <= args.port < 65536:
         raise ValueError(f"port must be in [0, 65535], got {args.port}")
     hf_config = get_model_config(engine_args.model)

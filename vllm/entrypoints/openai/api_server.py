@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
@@ -108,6 +109,7 @@ def build_app(
     """The FastAPI app over a started ``engine`` whose outputs feed ``stats``."""
     model_name = vllm_config.model_config.name
     chat_serving = OpenAIServingChat(engine, model_name, stats)
+    chat_serving.tool_config = ToolCallingConfig.from_args(args)
     completion_serving = OpenAIServingCompletion(engine, model_name, stats)
     log_requests = not getattr(args, "disable_log_requests", False)
 

@@ -193,8 +193,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Validated by tool_calling.plan_tool_calls (400s naming the field).
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra: {"json": ...}, ...
     add_generation_prompt: bool = True
     chat_template: str | None = None
 

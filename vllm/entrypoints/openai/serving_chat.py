@@ -8,16 +8,27 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Receive,
 )
+from vllm.entrypoints.openai.tool_calling import (
+    ToolCallingConfig,
+    ToolPlan,
+    plan_tool_calls,
+    warn_if_template_ignores_tools,
+)
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prompt(self, request: ChatCompletionRequest) -> str:
+    tool_config = ToolCallingConfig()  # the server's tool flags (build_app sets them)
+
+    def _prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> str:
         messages = [m.for_template() for m in request.messages]
+        if plan.template_tools:
+            template = request.chat_template or self.engine.tokenizer.chat_template
+            warn_if_template_ignores_tools(template)
         try:
             return self.engine.processor.apply_chat_template(
-                messages, request.chat_template, request.add_generation_prompt, request.tools
+                messages, request.chat_template, request.add_generation_prompt, plan.template_tools
             )
         except VLLMValidationError:
             raise
@@ -57,13 +68,15 @@ class OpenAIServingChat(OpenAIServing):
         """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_model(request)
-        prompt = self._prompt(request)
+        plan = plan_tool_calls(request, self.tool_config)
+        prompt = self._prompt(request, plan)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         # max_completion_tokens (OpenAI's newer name) wins; None: until max_model_len.
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
         params = request.to_sampling_params(max_tokens, logprobs, request.stream)
+        params.structured_outputs = plan.structured_outputs
         request_id = random_id("chatcmpl")
         created = now_s()
         try:
@@ -77,20 +90,21 @@ class OpenAIServingChat(OpenAIServing):
             raise
         if request.stream:
             return EngineStreamingResponse(
-                self._stream(request, stream, request_id, created, received), stream
+                self._stream(request, plan, stream, request_id, created, received), stream
             )
 
+        def choice(c: CompletionOutput) -> dict:
+            message, finish_reason = plan.message(c.text, c.finish_reason)
+            return {
+                "index": c.index,
+                "message": message,
+                "logprobs": self._logprobs(c),
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+
         def body(final: RequestOutput) -> dict:
-            choices = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in final.outputs
-            ]
+            choices = [choice(c) for c in final.outputs]
             return {
                 "id": request_id,
                 "object": "chat.completion",
@@ -102,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
 
         return await self.respond_json(stream, body, received, receive)
 
-    def _stream(self, request, stream, request_id: str, created: int, received: float | None):
+    def _stream(self, request, plan: ToolPlan, stream, request_id: str, created: int, received):
         base = {
             "id": request_id,
             "object": "chat.completion.chunk",
@@ -110,15 +124,22 @@ class OpenAIServingChat(OpenAIServing):
             "model": self.model_name,
         }
 
+        streamers = [plan.streamer() for _ in range(request.n)]  # None without tools
+
         def chunk(c: CompletionOutput) -> dict:
+            delta, finish_reason = {"content": c.text} if c.text else {}, c.finish_reason
+            streamer = streamers[c.index]
+            if streamer is not None:
+                delta = streamer.delta(c.text, c.finish_reason is not None)
+                finish_reason = plan.finish_reason(c.finish_reason, streamer.called)
             return {
                 **base,
                 "choices": [
                     {
                         "index": c.index,
-                        "delta": {"content": c.text} if c.text else {},
+                        "delta": delta,
                         "logprobs": self._logprobs(c),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish_reason,
                     }
                 ],
             }
