@@ -61,7 +61,9 @@ def test_required_and_named_are_guided_by_a_valid_grammar():
     )
     assert named.forced_name == "bash"
     assert named.structured_outputs.json["properties"]["name"] == {"const": "bash"}
-    for p in (required, named):
+    single = plan(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert single.structured_outputs.json["maxItems"] == 1
+    for p in (required, named, single):
         validate_structured_outputs(p.structured_outputs)
 
 

@@ -173,7 +173,8 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
             plan.parser = get_tool_parser(config.tool_call_parser)
         elif choice == "required":
             plan.parser = get_tool_parser("json")
-            plan.structured_outputs = StructuredOutputsParams(json=_required_schema(functions))
+            schema = _required_schema(functions, request.parallel_tool_calls is not False)
+            plan.structured_outputs = StructuredOutputsParams(json=schema)
     else:
         name = _named_choice(choice, functions)
         plan = ToolPlan(request.tools, get_tool_parser("json"), forced_name=name)
@@ -237,9 +238,10 @@ def _call_schema(name: str, fn: dict) -> dict:
     }
 
 
-def _required_schema(functions: dict[str, dict]) -> dict:
+def _required_schema(functions: dict[str, dict], parallel: bool) -> dict:
     calls = [_call_schema(name, fn) for name, fn in functions.items()]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return schema if parallel else {**schema, "maxItems": 1}
 
 
 def _response_format(fmt: Any) -> StructuredOutputsParams | None:
