@@ -121,6 +121,17 @@ def test_message_shape_and_finish_reason():
     assert named.message(NAMED, "stop")[1] == "stop"  # as OpenAI for a forced function
 
 
+def test_guided_output_cut_by_max_tokens_keeps_its_complete_calls():
+    looping = REQUIRED[:-1] + ", " + REQUIRED[1:-1] + ', {"name": "get_wea'
+    required = ToolPlan(parser=get_tool_parser("json"), guided=True)
+    message, finish = required.message(looping, "length")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"] * 2
+    assert finish == "tool_calls" and message["content"] is None
+    unguided = ToolPlan(parser=get_tool_parser("json"))
+    as_text = {"role": "assistant", "content": looping}
+    assert unguided.message(looping, "length") == (as_text, "length")
+
+
 def assemble(parser: str, text: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
     """Feed ``pieces`` (which join to ``text``) as stream deltas; assemble as a client."""
     assert "".join(pieces) == text

@@ -74,16 +74,23 @@ class ToolPlan:
     parser: ToolParser | None = None  # None: the output is plain content
     structured_outputs: StructuredOutputsParams | None = None
     forced_name: str | None = None  # a named tool_choice (OpenAI then finishes "stop")
+    guided: bool = False  # required / named: the output's form is guaranteed
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The non-streaming ``message`` and its ``finish_reason``."""
         if self.parser is None:
             return {"role": "assistant", "content": text}, finish_reason
         extracted = self.parser.extract(text, final=True)
-        if not extracted.calls:
+        found, content = extracted.calls, extracted.content
+        if not found and self.guided:
+            # Cut off by max_tokens (a small model may repeat calls until then): the
+            # complete calls before the cut are valid by construction.
+            found = [c for c in self.parser.extract(text, False).calls if c.complete and c.name]
+            content = None
+        if not found:
             return {"role": "assistant", "content": text}, finish_reason
-        calls = [_call_dict(c.name, c.arguments) for c in extracted.calls]
-        message = {"role": "assistant", "content": extracted.content, "tool_calls": calls}
+        calls = [_call_dict(c.name, c.arguments) for c in found]
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
         return message, self.finish_reason(finish_reason, True)
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
@@ -172,12 +179,12 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
                 )
             plan.parser = get_tool_parser(config.tool_call_parser)
         elif choice == "required":
-            plan.parser = get_tool_parser("json")
+            plan.parser, plan.guided = get_tool_parser("json"), True
             schema = _required_schema(functions, request.parallel_tool_calls is not False)
             plan.structured_outputs = StructuredOutputsParams(json=schema)
     else:
         name = _named_choice(choice, functions)
-        plan = ToolPlan(request.tools, get_tool_parser("json"), forced_name=name)
+        plan = ToolPlan(request.tools, get_tool_parser("json"), forced_name=name, guided=True)
         plan.structured_outputs = StructuredOutputsParams(json=_call_schema(name, functions[name]))
     if response_format is not None:
         if plan.structured_outputs is not None:
