@@ -29,6 +29,30 @@ def _bad(name: str, value: Any, why: str) -> VLLMValidationError:
     return VLLMValidationError(f"{name} {why}, got {value!r}", name, value)
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's name): exactly one of ``json`` (a JSON schema,
+    dict or string), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
+    strings) or ``grammar`` (Lark syntax, llguidance's dialect). The grammar is checked
+    at the front end (``vllm.v1.structured_output.validate``) and enforced by a token mask
+    before every sampling step."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = ("json", "json_object", "regex", "choice", "grammar")
+        given = [k for k in kinds if getattr(self, k)]
+        if len(given) != 1:
+            raise VLLMValidationError(
+                f"structured_outputs needs exactly one constraint, got {given or 'none'}",
+                "structured_outputs",
+            )
+
+
 class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new
@@ -65,6 +89,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: every stop token id (EOS included unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -111,13 +111,18 @@ class ToolCallParser:
         return self._from_function(calls[-1]) if calls else None
 
     def _from_tool_calls_json(self, text: str) -> ToolCall | None:
+        """A JSON call object, an OpenAI message with ``tool_calls``, or a list of calls
+        (what guided decoding writes for tool_choice "required")."""
         stripped = text.strip()
-        if not stripped.startswith("{"):
+        if not stripped.startswith(("{", "[")):
             return None
         try:
             obj = json.loads(stripped)
         except json.JSONDecodeError:
             return None
+        if isinstance(obj, list):
+            calls = [c for c in obj if isinstance(c, dict)]
+            return self._from_function(calls[-1].get("function", calls[-1])) if calls else None
         calls = obj.get("tool_calls") if isinstance(obj, dict) else None
         if calls:
             return self._from_function(calls[-1].get("function", calls[-1]))
@@ -132,7 +137,7 @@ class ToolCallParser:
                 return None
         if not isinstance(fn, dict) or not fn.get("name"):
             return None
-        args = fn.get("arguments", {})
+        args = fn.get("arguments", fn.get("parameters", {}))
         if isinstance(args, str):
             try:
                 args = json.loads(args)

@@ -50,6 +50,9 @@ def build_config(args: argparse.Namespace):
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
     check_chat_template(engine_args.chat_template)
+    from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
+
+    ToolCallingConfig.from_args(args)  # --enable-auto-tool-choice needs a parser
     hf_config = get_model_config(engine_args.model)
     return engine_args.create_engine_config(hf_config.max_position_embeddings)
 

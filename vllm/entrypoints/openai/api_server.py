@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
@@ -166,6 +167,7 @@ def build_app(
     state = state or ServerState()
     model_name = vllm_config.model_config.name
     chat_serving = OpenAIServingChat(engine, model_name, stats, args, state)
+    chat_serving.tool_config = ToolCallingConfig.from_args(args)
     completion_serving = OpenAIServingCompletion(engine, model_name, stats, args, state)
     log_requests = not args.disable_log_requests
 

@@ -71,6 +71,16 @@ class FrontendArgs:
         "after which they end with an error. 0: end them at once. A second signal ends the "
         "wait.",
     )
+    enable_auto_tool_choice: bool = config_field(
+        False,
+        'Let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser.',
+    )
+    tool_call_parser: str | None = config_field(
+        None,
+        "How the model writes tool calls (hermes: <tool_call>{json}</tool_call>; json / "
+        "llama3_json: the output is the JSON call or a list of them).",
+        choices=lambda: _tool_parser_names(),
+    )
     keep_alive_on_engine_death: bool = config_field(
         False,
         "Keep the API server up (answering 503/500) when the engine process died, instead of "
@@ -112,6 +122,12 @@ class FrontendArgs:
                 value = arg.parse(value)
             values[arg.field] = value
         return cls(**values)
+
+
+def _tool_parser_names() -> tuple[str, ...]:
+    from vllm.entrypoints.openai.tool_parsers import tool_parser_names  # registers them
+
+    return tool_parser_names()
 
 
 def frontend_args() -> tuple[ConfigArg, ...]:

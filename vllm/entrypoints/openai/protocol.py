@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -157,6 +157,8 @@ class _SamplingFields(BaseModel):
     top level wins), so each is type-checked once, by its field type.
     """
 
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()  # names of UNSUPPORTED served here
+
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -208,14 +210,10 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(self) -> _SamplingFields:
         values = {**(self.model_extra or {}), **self.__dict__}
         for name, harmless in UNSUPPORTED.items():
+            if name in self.IMPLEMENTED:
+                continue
             if name in values and not harmless(values[name]):
                 raise VLLMValidationError(f"{name} is not supported yet", name)
-        if values.get("tools") and values.get("tool_choice") != "none":
-            raise VLLMValidationError(
-                'tools are not supported yet (tool calling is planned); send tool_choice "none" '
-                "to only show them to the chat template",
-                "tools",
-            )
         unknown = [k for k in self.model_extra or {} if k not in UNSUPPORTED]
         if unknown:
             # As vLLM does: unknown fields are ignored, and the log says so.
@@ -262,12 +260,20 @@ class _SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    # Implemented on this endpoint (tool_calling.py), though in UNSUPPORTED for the other.
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
+        {"tool_choice", "response_format", "structured_outputs"}
+    )
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Validated by tool_calling.plan_tool_calls (400s naming the field).
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra: {"json": ...}, ...
     add_generation_prompt: bool = True
     chat_template: str | None = None
 

@@ -9,12 +9,20 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Receive,
 )
+from vllm.entrypoints.openai.tool_calling import (
+    ToolCallingConfig,
+    ToolPlan,
+    plan_tool_calls,
+    warn_if_template_ignores_tools,
+)
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def _prompt(self, request: ChatCompletionRequest) -> str:
+    tool_config = ToolCallingConfig()  # the server's tool flags (build_app sets them)
+
+    async def _prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> str:
         if request.chat_template is not None and not self.args.trust_request_chat_template:
             raise VLLMValidationError(
                 "chat_template in a request is refused: the server was not started with "
@@ -22,6 +30,9 @@ class OpenAIServingChat(OpenAIServing):
                 "chat_template",
             )
         messages = [m.for_template() for m in request.messages]
+        if plan.template_tools:
+            template = request.chat_template or self.engine.tokenizer.chat_template
+            warn_if_template_ignores_tools(template)
         size = sum(len(m.content or "") for m in request.messages)
         if request.chat_template is not None:
             size = max(size, OFFLOAD_CHARS)  # a request's template: any cost, off the loop
@@ -32,7 +43,7 @@ class OpenAIServingChat(OpenAIServing):
                 messages,
                 request.chat_template,
                 request.add_generation_prompt,
-                request.tools,
+                plan.template_tools,
             )
         except VLLMValidationError:
             raise
@@ -72,13 +83,15 @@ class OpenAIServingChat(OpenAIServing):
         """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_request(request)
-        prompt = await self._prompt(request)
+        plan = plan_tool_calls(request, self.tool_config)
+        prompt = await self._prompt(request, plan)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         # max_completion_tokens (OpenAI's newer name) wins; None: until max_model_len.
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
         params = request.to_sampling_params(max_tokens, logprobs, request.stream)
+        params.structured_outputs = plan.structured_outputs
         request_id = random_id("chatcmpl")
         created = now_s()
         try:
@@ -92,20 +105,21 @@ class OpenAIServingChat(OpenAIServing):
             raise
         if request.stream:
             return EngineStreamingResponse(
-                self._stream(request, stream, request_id, created, received), stream
+                self._stream(request, plan, stream, request_id, created, received), stream
             )
 
+        def choice(c: CompletionOutput) -> dict:
+            message, finish_reason = plan.message(c.text, c.finish_reason)
+            return {
+                "index": c.index,
+                "message": message,
+                "logprobs": self._logprobs(c),
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+
         def body(final: RequestOutput) -> dict:
-            choices = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in final.outputs
-            ]
+            choices = [choice(c) for c in final.outputs]
             return {
                 "id": request_id,
                 "object": "chat.completion",
@@ -117,7 +131,7 @@ class OpenAIServingChat(OpenAIServing):
 
         return await self.respond_json(stream, body, received, receive)
 
-    def _stream(self, request, stream, request_id: str, created: int, received: float | None):
+    def _stream(self, request, plan: ToolPlan, stream, request_id: str, created: int, received):
         base = {
             "id": request_id,
             "object": "chat.completion.chunk",
@@ -125,15 +139,22 @@ class OpenAIServingChat(OpenAIServing):
             "model": self.model_name,
         }
 
+        streamers = [plan.streamer() for _ in range(request.n)]  # None without tools
+
         def chunk(c: CompletionOutput) -> dict:
+            delta, finish_reason = {"content": c.text} if c.text else {}, c.finish_reason
+            streamer = streamers[c.index]
+            if streamer is not None:
+                delta = streamer.delta(c.text, c.finish_reason is not None)
+                finish_reason = plan.finish_reason(c.finish_reason, streamer.called)
             return {
                 **base,
                 "choices": [
                     {
                         "index": c.index,
-                        "delta": {"content": c.text} if c.text else {},
+                        "delta": delta,
                         "logprobs": self._logprobs(c),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish_reason,
                     }
                 ],
             }

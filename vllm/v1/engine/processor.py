@@ -105,6 +105,10 @@ class Processor:
             raise VLLMValidationError(
                 f"sampling_params must be a SamplingParams, got {params!r}", "sampling_params"
             )
+        if params.structured_outputs is not None:  # a bad grammar is a 400, not an engine error
+            from vllm.v1.structured_output import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
         ids = self.tokenize(prompt, add_special_tokens)
         self._check_length(ids, params)
         request_id = request_id or uuid.uuid4().hex

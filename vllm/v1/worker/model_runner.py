@@ -22,6 +22,7 @@ from vllm.v1.attention.selector import TORCH_BACKEND, AttentionBackend, select_a
 from vllm.v1.core.sched.output import KVOffloadTransfers, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.sampler import SamplingRow, sample
+from vllm.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class ModelRunner:
         # Generators of seeded requests preempted (recompute) and not yet resumed.
         self._paused_generators: dict[str, torch.Generator] = {}
         self.attn_backend: AttentionBackend = TORCH_BACKEND  # chosen in load_model
+        self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
         if self.device.type == "cpu":
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
 
@@ -174,6 +176,7 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        self.structured_output.remove(so.preempted_req_ids | so.finished_req_ids)
         for req_id in so.preempted_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None and state.generator is not None:
@@ -252,7 +255,9 @@ class ModelRunner:
                 )
                 for s in sample_reqs
             ]
+            self.structured_output.mask_logits(logits, sample_reqs)
             tokens, lps = sample(logits, rows)
+            self.structured_output.accept(sample_reqs, tokens)
             for state, token, lp in zip(sample_reqs, tokens, lps, strict=True):
                 state.token_ids.append(token)
                 state.output_token_ids.append(token)

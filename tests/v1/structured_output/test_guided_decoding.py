@@ -1,0 +1,167 @@
+"""Guided decoding: front-end validation, the mask, and runs under the mask."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.structured_output import StructuredOutputManager, validate_structured_outputs
+
+MODEL = "SmolLM2-135M-Instruct"
+VOCAB = 49152
+EOS = 2  # <|im_end|>
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer"},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+
+
+@dataclass
+class Row:
+    req_id: str
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def row(so: StructuredOutputsParams, req_id: str = "r") -> Row:
+    return Row(req_id, SamplingParams(structured_outputs=so))
+
+
+@pytest.fixture(scope="module")
+def manager():
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model=MODEL, tokenizer=None, chat_template=None)
+    )
+    return StructuredOutputManager(config)
+
+
+def allowed(manager, r: Row) -> torch.Tensor:
+    logits = torch.zeros(1, VOCAB)
+    manager.mask_logits(logits, [r])
+    return logits[0] == 0
+
+
+def run(manager, tokenizer, r: Row, logits_fn, max_steps: int = 200) -> str:
+    """Sample greedily from ``logits_fn(step)`` under the mask until EOS."""
+    for step in range(max_steps):
+        logits = logits_fn(step).reshape(1, VOCAB).clone()
+        manager.mask_logits(logits, [r])
+        token = int(logits.argmax())
+        manager.accept([r], [token])
+        if token == EOS:
+            return tokenizer.decode(r.output_token_ids)
+        r.output_token_ids.append(token)
+    raise AssertionError("no EOS within max_steps")
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(VLLMValidationError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(VLLMValidationError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "nope"}}}),
+        StructuredOutputsParams(json="{not json"),
+        StructuredOutputsParams(regex="(unclosed"),
+        StructuredOutputsParams(grammar="start: undefined_rule"),
+        StructuredOutputsParams(choice=["a", 3]),
+    ],
+)
+def test_bad_constraints_are_validation_errors(so):
+    with pytest.raises(VLLMValidationError) as e:
+        validate_structured_outputs(so)
+    assert e.value.param == "structured_outputs"
+
+
+def test_processor_rejects_a_bad_schema_before_the_engine(tokenizer):
+    from vllm.config import VllmConfig
+    from vllm.v1.engine.processor import Processor
+
+    processor = Processor(VllmConfig(), tokenizer, EOS)
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(x"))
+    with pytest.raises(VLLMValidationError):
+        processor.process("hi", bad)
+
+
+def test_mask_allows_only_valid_continuations(manager, tokenizer):
+    r = row(StructuredOutputsParams(json=WEATHER))
+    ok = allowed(manager, r)
+    first = [tokenizer.decode([t]) for t in ok.nonzero().flatten().tolist()]
+    assert first and all(w.startswith("{") for w in first)  # llguidance picks '{"'
+    assert not ok[tokenizer.convert_tokens_to_ids("hello")]
+    assert not ok[EOS]  # nothing is complete yet
+    r.output_token_ids = tokenizer.encode('{"city": "Rome", "unit": "')
+    manager.remove(["r"])  # a fresh matcher replays the tokens (as after a preemption)
+    ok = allowed(manager, r)
+    words = [tokenizer.decode([t]) for t in ok.nonzero().flatten().tolist()]
+    assert words and all(("celsius".startswith(w) or "fahrenheit".startswith(w)) for w in words)
+
+
+def test_random_logits_under_the_mask_give_schema_valid_json(manager, tokenizer):
+    gen = torch.Generator().manual_seed(0)
+    for i in range(5):
+        r = row(StructuredOutputsParams(json=WEATHER), f"rand{i}")
+        text = run(manager, tokenizer, r, lambda _: torch.randn(VOCAB, generator=gen))
+        value = json.loads(text)
+        assert set(value) == {"city", "unit", "days"}, text
+        assert value["unit"] in ("celsius", "fahrenheit") and isinstance(value["days"], int)
+        assert isinstance(value["city"], str) and len(value["city"]) <= 12
+
+
+@pytest.mark.parametrize(
+    "so, check",
+    [
+        (StructuredOutputsParams(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+        (StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), lambda t: len(t) == 6),
+        (StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+    ],
+)
+def test_other_constraints(manager, tokenizer, so, check):
+    gen = torch.Generator().manual_seed(1)
+    closing = torch.zeros(VOCAB)
+    # Push random walks to close what they opened (a random key string never ends).
+    closing[[EOS, *(tokenizer.encode(s)[0] for s in ("}", '"}', '"', '":', "1"))]] = 6.0
+    r = row(so, f"other-{so}")
+    text = run(manager, tokenizer, r, lambda _: torch.randn(VOCAB, generator=gen) + closing)
+    assert check(text), text
+
+
+def test_unconstrained_rows_are_untouched(manager):
+    plain = Row("plain", SamplingParams())
+    logits = torch.randn(2, VOCAB)
+    before = logits.clone()
+    manager.mask_logits(logits, [plain, row(StructuredOutputsParams(regex="a"), "c")])
+    assert torch.equal(logits[0], before[0])
+    assert torch.isinf(logits[1]).sum() > VOCAB - 10
+
+
+@pytest.mark.slow
+def test_greedy_model_run_yields_valid_json():
+    from vllm import LLM
+
+    llm = LLM(MODEL)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=60,
+        structured_outputs=StructuredOutputsParams(json=WEATHER),
+    )
+    out = llm.chat([{"role": "user", "content": "Weather in Paris for 3 days?"}], params)
+    value = json.loads(out[0].outputs[0].text)
+    assert set(value) == {"city", "unit", "days"}
+    assert out[0].outputs[0].finish_reason == "stop"

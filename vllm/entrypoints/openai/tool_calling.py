@@ -1,0 +1,301 @@
+"""OpenAI tool calling for chat requests: ``tools`` / ``tool_choice`` / ``response_format``
+in, ``message.tool_calls`` (or streamed tool-call deltas) out.
+
+``tool_choice``, as vLLM serves it:
+- ``"none"``: plain content (the tools still reach the chat template);
+- ``"auto"`` (the default when ``tools`` are given): the model decides, the
+  ``--tool-call-parser`` reads its calls; needs ``--enable-auto-tool-choice``;
+- ``"required"`` / ``{"type": "function", "function": {"name": ...}}``: guided decoding
+  makes the output a JSON list of calls (one call of that function), valid against the
+  tools' parameter schemas, read back by the JSON parser.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser, tool_parser_names
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ToolCallingConfig:
+    """The server's tool-calling flags (``--enable-auto-tool-choice``,
+    ``--tool-call-parser``)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in tool_parser_names():
+            raise ValueError(
+                f"tool_call_parser must be one of {tool_parser_names()}, "
+                f"got {self.tool_call_parser!r}"
+            )
+
+    @classmethod
+    def from_args(cls, args: Any) -> ToolCallingConfig:
+        return cls(
+            bool(getattr(args, "enable_auto_tool_choice", False)),
+            getattr(args, "tool_call_parser", None),
+        )
+
+
+def add_cli_args(group) -> None:
+    """The flags, under vLLM's names (choices from the parser registry)."""
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser.",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=tool_parser_names(),
+        help="How the model writes tool calls (hermes: <tool_call>{json}</tool_call>; "
+        "json / llama3_json: the output is the JSON call or a list of them).",
+    )
+
+
+@dataclass
+class ToolPlan:
+    """How one request handles tools: what the template gets, how its output is read."""
+
+    template_tools: list[dict] | None = None
+    parser: ToolParser | None = None  # None: the output is plain content
+    structured_outputs: StructuredOutputsParams | None = None
+    forced_name: str | None = None  # a named tool_choice (OpenAI then finishes "stop")
+    guided: bool = False  # required / named: the output's form is guaranteed
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The non-streaming ``message`` and its ``finish_reason``."""
+        if self.parser is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        extracted = self.parser.extract(text, final=True)
+        found, content = extracted.calls, extracted.content
+        if not found and self.guided:
+            # Cut off by max_tokens (a small model may repeat calls until then): the
+            # complete calls before the cut are valid by construction.
+            found = [c for c in self.parser.extract(text, False).calls if c.complete and c.name]
+            content = None
+        if not found:
+            return {"role": "assistant", "content": text}, finish_reason
+        calls = [_call_dict(c.name, c.arguments) for c in found]
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        return message, self.finish_reason(finish_reason, True)
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        if reason is None or not called or reason == "abort":
+            return reason
+        return "stop" if self.forced_name else "tool_calls"
+
+    def streamer(self) -> ToolCallStreamer | None:
+        return ToolCallStreamer(self.parser) if self.parser is not None else None
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_dict(name: str, arguments: str) -> dict:
+    return {
+        "id": _call_id(),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+@dataclass
+class ToolCallStreamer:
+    """One choice's stream: turns text deltas into OpenAI deltas (content and tool-call
+    pieces). A call's first delta has its id, type and name; later ones append to its
+    ``arguments``, whose pieces concatenate to the non-streaming response's string."""
+
+    parser: ToolParser
+    text: str = ""
+    sent_content: str = ""
+    sent_calls: list[int] = field(default_factory=list)  # per call: argument chars sent
+
+    def delta(self, new_text: str, final: bool) -> dict:
+        self.text += new_text
+        extracted = self.parser.extract(self.text, final)
+        delta: dict[str, Any] = {}
+        content = extracted.content or ""
+        if content.startswith(self.sent_content) and len(content) > len(self.sent_content):
+            delta["content"] = content[len(self.sent_content) :]
+            self.sent_content = content
+        pieces = []
+        for i, call in enumerate(extracted.calls):
+            if i == len(self.sent_calls):
+                if call.name is None:
+                    break  # its header needs the name; later calls wait behind it
+                pieces.append({"index": i, **_call_dict(call.name, call.arguments)})
+                self.sent_calls.append(len(call.arguments))
+            elif len(call.arguments) > self.sent_calls[i]:
+                piece = call.arguments[self.sent_calls[i] :]
+                pieces.append({"index": i, "function": {"arguments": piece}})
+                self.sent_calls[i] = len(call.arguments)
+        if pieces:
+            delta["tool_calls"] = pieces
+        return delta
+
+    @property
+    def called(self) -> bool:
+        return bool(self.sent_calls)
+
+
+# -- request -> plan ----------------------------------------------------------------------
+def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
+    """The plan of a ``ChatCompletionRequest``; ``VLLMValidationError`` (a 400) naming
+    ``tools``, ``tool_choice`` or ``response_format`` for what cannot be served."""
+    functions = _validate_tools(request.tools)
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if functions else "none"
+    response_format = _response_format(request.response_format) or structured_outputs_from(
+        request.structured_outputs
+    )
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
+        if choice != "none" and not functions:
+            raise VLLMValidationError(
+                f'tool_choice "{choice}" needs tools', "tool_choice", code="invalid_tool_choice"
+            )
+        plan = ToolPlan(template_tools=request.tools or None)
+        if choice == "auto":
+            if not config.enable_auto_tool_choice:
+                raise VLLMValidationError(
+                    '"auto" tool choice requires --enable-auto-tool-choice and '
+                    "--tool-call-parser to be set",
+                    "tool_choice",
+                )
+            plan.parser = get_tool_parser(config.tool_call_parser)
+        elif choice == "required":
+            plan.parser, plan.guided = get_tool_parser("json"), True
+            schema = _required_schema(functions, request.parallel_tool_calls is not False)
+            plan.structured_outputs = StructuredOutputsParams(json=schema)
+    else:
+        name = _named_choice(choice, functions)
+        plan = ToolPlan(request.tools, get_tool_parser("json"), forced_name=name, guided=True)
+        plan.structured_outputs = StructuredOutputsParams(json=_call_schema(name, functions[name]))
+    if response_format is not None:
+        if plan.structured_outputs is not None:
+            raise VLLMValidationError(
+                "response_format cannot be combined with a required or named tool_choice",
+                "response_format",
+            )
+        plan.structured_outputs = response_format
+    return plan
+
+
+def _validate_tools(tools: Any) -> dict[str, dict]:
+    """Function name -> its definition (``{"name", "description", "parameters"}``)."""
+    if tools is None:
+        return {}
+    functions: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise VLLMValidationError(
+                f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise VLLMValidationError(f"tools[{i}].function.name must be a string", "tools")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise VLLMValidationError(
+                f"tools[{i}].function.parameters must be a JSON schema object", "tools"
+            )
+        functions[name] = {**fn, "parameters": params}
+    return functions
+
+
+def _named_choice(choice: Any, functions: dict[str, dict]) -> str:
+    is_function = isinstance(choice, dict) and choice.get("type") == "function"
+    fn = choice.get("function") if is_function else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise VLLMValidationError(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if name not in functions:
+        raise VLLMValidationError(
+            f"tool_choice names {name!r}, which is not in tools", "tool_choice"
+        )
+    return name
+
+
+def _call_schema(name: str, fn: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": fn["parameters"]},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _required_schema(functions: dict[str, dict], parallel: bool) -> dict:
+    calls = [_call_schema(name, fn) for name, fn in functions.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return schema if parallel else {**schema, "maxItems": 1}
+
+
+def _response_format(fmt: Any) -> StructuredOutputsParams | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise VLLMValidationError(
+                "response_format.json_schema.schema must be a JSON schema object",
+                "response_format",
+            )
+        return StructuredOutputsParams(json=schema or {"type": "object"})
+    raise VLLMValidationError(
+        'response_format.type must be "text", "json_object" or "json_schema"', "response_format"
+    )
+
+
+def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:
+    """vLLM's ``structured_outputs`` request field (``{"json": ...}``, ``{"regex": ...}``,
+    ``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": true}``)."""
+    if value is None:
+        return None
+    kinds = ("json", "json_object", "regex", "choice", "grammar")
+    if not isinstance(value, dict) or set(value) - set(kinds):
+        raise VLLMValidationError(
+            f"structured_outputs must be an object with one of {kinds}", "structured_outputs"
+        )
+    return StructuredOutputsParams(**value)
+
+
+_warned_templates: set[int] = set()
+
+
+def warn_if_template_ignores_tools(template: str | None) -> None:
+    """Log once per template that never reads ``tools`` (SmolLM2's own does not): the
+    model is then never told about them. ``--chat-template`` can give one that does."""
+    if template is None or "tools" in template or hash(template) in _warned_templates:
+        return
+    _warned_templates.add(hash(template))
+    logger.warning(
+        "The chat template does not use `tools`: the model will not see them. Start the "
+        "server with a tool-aware --chat-template (examples/tool_chat_template_*.jinja)."
+    )

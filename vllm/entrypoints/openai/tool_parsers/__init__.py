@@ -1,0 +1,26 @@
+"""Tool parsers: turn a model's output into OpenAI ``tool_calls``.
+
+``--tool-call-parser``'s choices come from the registry: adding a parser is one class
+decorated with ``@register_tool_parser("name")`` in a module imported here.
+"""
+
+from __future__ import annotations
+
+from vllm.entrypoints.openai.tool_parsers import hermes_tool_parser, json_tool_parser  # noqa: F401
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ParsedToolCall,
+    ToolParser,
+    get_tool_parser,
+    register_tool_parser,
+    tool_parser_names,
+)
+
+__all__ = [
+    "ExtractedToolCalls",
+    "ParsedToolCall",
+    "ToolParser",
+    "get_tool_parser",
+    "register_tool_parser",
+    "tool_parser_names",
+]

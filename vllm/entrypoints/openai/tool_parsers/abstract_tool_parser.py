@@ -1,0 +1,97 @@
+"""The tool parser interface and the registry that feeds ``--tool-call-parser``."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object
+
+_REGISTRY: dict[str, type[ToolParser]] = {}
+
+
+def register_tool_parser(*names: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
+    """Class decorator: the parser is offered to ``--tool-call-parser`` under ``names``."""
+
+    def wrap(cls: type[ToolParser]) -> type[ToolParser]:
+        for name in names:
+            if name in _REGISTRY and _REGISTRY[name] is not cls:
+                raise ValueError(f"tool parser {name!r} is already registered")
+            _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def tool_parser_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in _REGISTRY:
+        raise ValueError(f"tool_call_parser must be one of {tool_parser_names()}, got {name!r}")
+    return _REGISTRY[name]()
+
+
+@dataclass
+class ParsedToolCall:
+    """One call in the output. While streaming, ``name`` is None until its string is
+    complete, and ``arguments`` is the raw JSON text so far: each version is a prefix of
+    the next, and of the final one."""
+
+    name: str | None
+    arguments: str
+    complete: bool
+
+
+@dataclass
+class ExtractedToolCalls:
+    content: str | None
+    calls: list[ParsedToolCall]
+
+
+class ToolParser(ABC):
+    """Splits a model's output into content and tool calls (stateless: one instance may
+    serve every request)."""
+
+    @abstractmethod
+    def extract(self, text: str, final: bool) -> ExtractedToolCalls:
+        """``final``: the whole output. Every call returned is then complete and valid
+        (a string name, an object as arguments); text that looks like a call but is not
+        one (malformed JSON, cut off by max_tokens) is returned as content, never raised.
+
+        Not ``final`` (streaming), the text may stop at any character: ``content`` is only
+        what is certainly content (a possible start of a call is held back), and calls
+        are reported as far as they go. Both fields only grow as the text does."""
+
+
+def call_at(text: str, start: int) -> tuple[ParsedToolCall, int | None]:
+    """The call object ``{"name": ..., "arguments"|"parameters": {...}}`` opening at
+    ``text[start] == '{'``, and the end of the object (None while open). ``Malformed``
+    if it is not JSON; a complete call is further checked by ``is_valid_call``."""
+    scan = scan_object(text, start)
+    name = None
+    if scan.complete("name"):
+        raw = json.loads(scan.raw(text, "name"))
+        if not isinstance(raw, str):
+            raise Malformed("name must be a string")
+        name = raw
+    key = "arguments" if "arguments" in scan.members else "parameters"
+    args = scan.raw(text, key)
+    if args is None:  # not there yet, or a call without arguments
+        args = "{}" if scan.end is not None else ""
+    return ParsedToolCall(name, args, scan.end is not None), scan.end
+
+
+def is_valid_call(obj_text: str) -> bool:
+    """Whether a complete call object is valid JSON with a name and object arguments."""
+    try:
+        obj = json.loads(obj_text)
+    except ValueError:
+        return False
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return False
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return isinstance(args, dict)

@@ -1,0 +1,68 @@
+"""Hermes-style calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+
+from __future__ import annotations
+
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ParsedToolCall,
+    ToolParser,
+    call_at,
+    is_valid_call,
+    register_tool_parser,
+)
+from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _held_back(text: str) -> int:
+    """Length of the longest suffix of ``text`` that could begin ``<tool_call>``."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@register_tool_parser("hermes")
+class HermesToolParser(ToolParser):
+    """Any number of tagged calls; the text outside the tags is the content. A tag that
+    is not closed (stop string, max_tokens) still counts once its JSON object is whole."""
+
+    def extract(self, text: str, final: bool) -> ExtractedToolCalls:
+        content: list[str] = []
+        calls: list[ParsedToolCall] = []
+        i = 0
+        while True:
+            j = text.find(OPEN, i)
+            if j < 0:
+                tail = text[i:]
+                content.append(tail if final else tail[: len(tail) - _held_back(tail)])
+                break
+            content.append(text[i:j])
+            close = text.find(CLOSE, j + len(OPEN))
+            end = close + len(CLOSE) if close >= 0 else len(text)
+            call = self._body(text[j + len(OPEN) : close if close >= 0 else len(text)], final)
+            if call is not None:
+                calls.append(call)
+            elif final:  # not a call after all: the user sees the text
+                content.append(text[j:end])
+            i = end
+        joined = "".join(content).strip()
+        return ExtractedToolCalls(joined or (None if final else ""), calls)
+
+    @staticmethod
+    def _body(body: str, final: bool) -> ParsedToolCall | None:
+        start = skip_ws(body, 0)
+        if start >= len(body):
+            return None
+        if body[start] != "{":
+            return None
+        try:
+            call, end = call_at(body, start)
+        except ValueError:  # Malformed, or a key json cannot decode
+            return None
+        if not final:
+            return call
+        if end is None or body[end:].strip() or not is_valid_call(body[start:end]):
+            return None
+        return call

@@ -1,0 +1,70 @@
+"""Plain JSON calls: the whole output is a call object, several joined by ``;``, or a
+list of them (Llama 3's JSON format, and what guided decoding produces for
+``tool_choice`` "required" / a named function)."""
+
+from __future__ import annotations
+
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ParsedToolCall,
+    ToolParser,
+    call_at,
+    is_valid_call,
+    register_tool_parser,
+)
+from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, skip_ws
+
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open its calls with it
+
+
+@register_tool_parser("json", "llama3_json")
+class JsonToolParser(ToolParser):
+    """Output that does not start with ``{`` or ``[`` is content; output that does but is
+    not a valid list of calls is content too (returned whole at the end)."""
+
+    def extract(self, text: str, final: bool) -> ExtractedToolCalls:
+        start = skip_ws(text, 0)
+        if text.startswith(PYTHON_TAG, start):
+            start = skip_ws(text, start + len(PYTHON_TAG))
+        if start >= len(text) or text[start] not in "[{":
+            if not final and PYTHON_TAG.startswith(text[start:]):
+                return ExtractedToolCalls("", [])  # maybe the tag, maybe a call
+            content = text.strip()
+            return ExtractedToolCalls(content or (None if final else ""), [])
+        try:
+            calls, end = self._calls(text, start, final)
+        except ValueError:  # Malformed, or a key json cannot decode
+            calls, end = [], None
+        if not final:
+            return ExtractedToolCalls("", calls)
+        if end is None or text[end:].strip() or not calls:
+            return ExtractedToolCalls(text.strip() or None, [])
+        return ExtractedToolCalls(None, calls)
+
+    @staticmethod
+    def _calls(text: str, i: int, final: bool) -> tuple[list[ParsedToolCall], int | None]:
+        """The calls from ``i`` and the end of the last one (None if the text is cut)."""
+        in_list = text[i] == "["
+        if in_list:
+            i = skip_ws(text, i + 1)
+            if i < len(text) and text[i] == "]":
+                return [], i + 1
+        calls = []
+        while i < len(text):
+            if text[i] != "{":
+                raise Malformed(f"expected a call object at {i}")
+            call, end = call_at(text, i)
+            calls.append(call)
+            if end is None:
+                return calls, None
+            if final and not is_valid_call(text[i:end]):
+                raise Malformed(f"invalid call at {i}")
+            i = skip_ws(text, end)
+            if i >= len(text):
+                return calls, None if in_list else end
+            if in_list and text[i] == "]":
+                return calls, i + 1
+            if text[i] not in ("," if in_list else ",;"):
+                raise Malformed(f"unexpected {text[i]!r} at {i}")
+            i = skip_ws(text, i + 1)
+        return calls, None

@@ -1,0 +1,14 @@
+"""Guided decoding (vLLM's "structured outputs"): a request's grammar, checked at the
+front end, becomes a token mask applied to its logits before every sampling step.
+
+The backend is llguidance (no dependencies, ~3 MB): a JSON-schema grammar compiles in
+~20 ms and a mask over the 49,152-token vocabulary takes ~0.3 ms per step on one CPU
+core. Its tokenizer table (~1.5 s for SmolLM2) is built by the first constrained request.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.structured_output.grammar import compile_grammar, validate_structured_outputs
+from vllm.v1.structured_output.manager import StructuredOutputManager
+
+__all__ = ["StructuredOutputManager", "compile_grammar", "validate_structured_outputs"]
