@@ -18,8 +18,8 @@ running, waiting or pinned request, no pinned block and a KV usage of 0; the ser
 (its process and children) must be within ``--rss-bound-mib`` of its value after the
 warm-up; and the server must still answer a normal request. Any of these failing, a
 5xx or connection error, or a job still running at the end is a leak: exit status 1.
-The server runs with ``--continuum-job-idle-timeout 10`` unless ``--job-idle-timeout -1``
-(docs/benchmarks.md: abandoned jobs stall new ones until that timeout).
+``--job-idle-timeout`` sets the server's ``--continuum-job-idle-timeout`` (default: the
+server's own).
 
     .venv/bin/python benchmarks/benchmark_soak.py           # short: 35 s of jobs
     .venv/bin/python benchmarks/benchmark_soak.py --long    # 30 min
@@ -368,9 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--job-idle-timeout",
         type=float,
-        default=10.0,
-        help="Server's --continuum-job-idle-timeout (a negative value: the server's own\n"
-        "default, 120 s; abandoned jobs then stall new ones that long: see docs).",
+        default=-1.0,
+        help="Server's --continuum-job-idle-timeout (negative: the server's default).",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="", help="More flags for the server.")

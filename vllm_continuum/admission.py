@@ -117,7 +117,12 @@ class JobAdmission:
         self, new_tokens: int, free_tokens: int, pinned_jobs: Container[str], now: float
     ) -> bool:
         """Whether a new job whose first turn needs ``new_tokens`` fits next to the
-        active jobs, given ``free_tokens`` of free (or evictable) KV memory."""
+        active jobs, given ``free_tokens`` of free (or evictable) KV memory. An engine
+        that holds no job's KV (nothing running, nothing pinned) never waits for jobs
+        that may come back: the new job runs now, which costs less than idling (the soak
+        found agents that never return holding reservations on an idle server)."""
+        if not any(s.running or job in pinned_jobs for job, s in self._jobs.items()):
+            return True
         return new_tokens + self.reserve_tokens(pinned_jobs, now) <= free_tokens
 
     def _expire_idle(self, now: float) -> list[str]:

@@ -75,16 +75,22 @@ def test_loggable_escapes_and_bounds():
     [
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"best_of": 2}, "best_of"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+        # Implemented on chat (tool_calling.py), refused on completions:
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"structured_outputs": {"json": {}}}, "structured_outputs"),
     ],
 )
 def test_unsupported_parameters_are_refused_naming_them(fields, param):
+    request = ChatCompletionRequest
+    if param in ChatCompletionRequest.IMPLEMENTED:
+        request, fields = CompletionRequest, {"prompt": "hi", **fields}
+    else:
+        fields = {"messages": MESSAGES, **fields}
     with pytest.raises(ValidationError) as info:
-        ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+        request.model_validate(fields)
     cause = info.value.errors()[0]["ctx"]["error"]
     assert isinstance(cause, VLLMValidationError) and cause.param == param
 

@@ -223,9 +223,11 @@ def run_engine_core(
     logging.basicConfig(
         level=log_level, format="%(levelname)s %(asctime)s [engine] %(name)s: %(message)s"
     )
-    # The front end owns Ctrl-C; the engine stops when told (or when the parent dies).
+    # The front end owns Ctrl-C and SIGTERM (it drains running requests, then tells the
+    # engine to stop); a signal sent to the whole process group must not cut the drain.
+    # The engine also exits when its parent dies (checked at least every IDLE_POLL_S).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lower_cpu_priority()
     try:
         EngineCoreProc(vllm_config, input_addr, output_addr, engine_factory).run()

@@ -81,17 +81,30 @@ def test_without_job_admission_the_new_job_takes_the_memory_at_once():
 
 
 def test_new_job_starts_after_the_admission_bound_even_if_memory_is_short():
-    s, clock = setup(job_admission_max_wait_s=5.0, max_wait_s=1.0)
+    s, clock = setup(job_admission_max_wait_s=5.0, max_wait_s=1.0, default_ttl_s=10.0)
     start_job_a(s, clock)
     b1 = turn("B", list(range(1000, 1084)), clock)
     s.add_request(b1)
     step(s)
-    clock.advance(3.0)  # A's pin expired: A's whole context is reserved now
+    clock.advance(3.0)
     step(s)
-    assert b1.status == RequestStatus.WAITING and "A" not in s.pins
+    assert b1.status == RequestStatus.WAITING and "A" in s.pins
     clock.advance(2.1)  # B waited past the admission bound
     step(s)
-    assert b1.status == RequestStatus.RUNNING
+    assert b1.status == RequestStatus.RUNNING and "A" in s.pins  # it fit beside A's pin
+
+
+def test_engine_holding_no_job_admits_a_new_job_at_once():
+    # The soak's stall: A's pin expired and A never came back. Nothing runs and nothing is
+    # pinned, so B starts at once instead of waiting for A's reservation to lapse.
+    s, clock = setup(job_admission_max_wait_s=300.0)
+    start_job_a(s, clock)
+    clock.advance(3.0)
+    s.schedule()  # A's pin expires
+    b1 = turn("B", list(range(1000, 1120)), clock)  # 120 tokens: more than A's reserve allows
+    s.add_request(b1)
+    step(s)
+    assert "A" not in s.pins and b1.status == RequestStatus.RUNNING
 
 
 def test_new_job_starts_at_once_when_no_older_job_is_active():
