@@ -99,6 +99,12 @@ class PolicyConfig:
         "admission (an agent that gave up must not hold a reservation).",
         flag="--continuum-job-idle-timeout",
     )
+    log_jobs: bool = config_field(
+        True,
+        "Log each job's arrivals and pin decisions at INFO (else DEBUG); `vllm serve "
+        "--disable-log-requests` turns it off.",
+        cli=False,
+    )
     queue_delay_window: int = config_field(
         64,
         "Window (number of evictions) of the queueing-delay mean T in the TTL rule.",

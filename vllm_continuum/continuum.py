@@ -43,6 +43,8 @@ class ContinuumCore:
         self.queue_delays: deque[float] = deque(maxlen=config.queue_delay_window)
         self.recorder = JobRecorder(record_dir, clock) if record_dir else None
         self.admission = JobAdmission(config.job_idle_timeout_s)
+        # Per-job lines follow the server's request logging (job ids escaped by %r).
+        self.log = logger.info if config.log_jobs else logger.debug
 
     def set_prefill_profile(self, samples: Sequence[tuple[int, float]]) -> None:
         """(tokens, seconds) prefill measurements, to price a re-prefill."""
@@ -60,7 +62,7 @@ class ContinuumCore:
         last_tool = self.estimator.on_arrival(job, now)
         self.admission.on_arrival(job, prompt_tokens, now)
         if named:
-            logger.info("job %s arriving, last func call: %s", job, last_tool)
+            self.log("job %r arriving, last func call: %s", job, last_tool)
         self._record(job, "arrival", request=request_id, last_func_call=last_tool)
 
     def on_scheduled(
@@ -104,9 +106,9 @@ class ContinuumCore:
             return 0.0  # no later turn can be matched to it
         ttl = self.ttl_for(num_tokens, tool)
         if ttl < MIN_PIN_S:
-            logger.info("job %s: func_call=%s -> no pin", job, tool)
+            self.log("job %r: func_call=%s -> no pin", job, tool)
             return 0.0
-        logger.info("job %s: func_call=%s -> pin %.2fs", job, tool, ttl)
+        self.log("job %r: func_call=%s -> pin %.2fs", job, tool, ttl)
         self._record(job, "pinned", request=request_id, ttl_s=ttl)
         return ttl
 

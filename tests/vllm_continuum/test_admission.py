@@ -51,3 +51,20 @@ def test_a_job_expected_back_late_reserves_nothing_until_its_turn_arrives():
     adm.expect_late("a", now=11.5)
     adm.on_arrival("a", 400, now=30.0)  # back: its turn waits, its context is needed
     assert adm.reserve_tokens(set(), now=30.0) == 400 + 100
+
+
+def test_per_job_log_lines_escape_the_job_and_follow_the_switch(caplog):
+    import logging
+
+    from vllm_continuum.clock import FakeClock
+    from vllm_continuum.config import PolicyConfig
+    from vllm_continuum.continuum import ContinuumCore
+
+    forged = "a\nINFO forged line"
+    for log_jobs, level in ((True, logging.INFO), (False, logging.DEBUG)):
+        caplog.clear()
+        core = ContinuumCore(PolicyConfig(log_jobs=log_jobs), FakeClock(0.0))
+        with caplog.at_level(logging.DEBUG, logger="vllm_continuum.continuum"):
+            core.on_arrival(forged, "r1", 0.0, named=True, prompt_tokens=10)
+        (record,) = caplog.records
+        assert record.levelno == level and "\n" not in record.getMessage()

@@ -165,8 +165,8 @@ class ContextServeCore(ContinuumCore):
 
     def _account(self, job, request_id, now, tool, command, prediction, dispatch) -> None:
         """Log, record and count one verdict; remember it until the tool time is known."""
-        logger.info(
-            "job %s: func_call=%s -> %s (%s) %s",
+        self.log(
+            "job %r: func_call=%s -> %s (%s) %s",
             job,
             tool,
             prediction.speed.name,

@@ -225,7 +225,7 @@ def test_bad_tool_requests_are_400s(client):
 def test_policy_logs_the_tool_name(server):
     server.stop()  # flushes scheduler_timestamps.json
     log = (server.out_dir / "server.log").read_text()
-    assert "job job_tools: func_call=git status" in log
+    assert "job 'job_tools': func_call=git status" in log
     events = json.loads((server.out_dir / "scheduler_timestamps.json").read_text())
     departures = [e for e in events["job_tools"] if e["event"] == "departure"]
     assert departures[0]["func_call"] == "git status"

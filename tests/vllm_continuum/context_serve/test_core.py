@@ -95,9 +95,9 @@ def test_learns_tool_times_and_scores_its_verdicts():
 def test_decision_log_and_recorder_fields(tmp_path, caplog):
     no_tier = ContextServeConfig(offload_slow=False)
     c = ContextServeCore(PolicyConfig(), FakeClock(0.0), no_tier, record_dir=str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="vllm_continuum.context_serve.core"):
+    with caplog.at_level(logging.INFO, logger="vllm_continuum"):
         finish(c, "job9", bash("pip install -e ."), 1.0)
-    assert "job job9: func_call=pip install -> SLOW (rules) free" in caplog.text
+    assert "job 'job9': func_call=pip install -> SLOW (rules) free" in caplog.text
     finish(c, "job9", bash("ls"), 2.0)
     c.shutdown()
     events = json.loads((tmp_path / "scheduler_timestamps.json").read_text())["job9"]

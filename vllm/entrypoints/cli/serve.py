@@ -7,6 +7,7 @@ errors are instant; torch, transformers and FastAPI load once the flags are vali
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import socket
@@ -54,7 +55,11 @@ def build_config(args: argparse.Namespace):
 
     ToolCallingConfig.from_args(args)  # --enable-auto-tool-choice needs a parser
     hf_config = get_model_config(engine_args.model)
-    return engine_args.create_engine_config(hf_config.max_position_embeddings)
+    config = engine_args.create_engine_config(hf_config.max_position_embeddings)
+    if args.disable_log_requests:  # the engine's per-job lines are request logs too
+        policy = dataclasses.replace(config.policy_config, log_jobs=False)
+        config = dataclasses.replace(config, policy_config=policy)
+    return config
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
