@@ -305,12 +305,20 @@ class ContinuumScheduler(AgentScheduler):
         return self.core.job_arrival(info.job, info.arrival)
 
     def on_arrival(self, request: Request, info: RequestInfo, now: float) -> None:
-        self.core.on_arrival(info.job, request.request_id, now, info.named)
+        self.core.on_arrival(
+            info.job, request.request_id, now, info.named, request.num_prompt_tokens
+        )
 
     def on_scheduled(self, request: Request, info: RequestInfo, hit: int, now: float) -> None:
         kept = info.job in self.pins or request.num_preemptions > 0
         self.core.on_scheduled(
-            info.job, request.request_id, now, now - info.arrival, context_kept=kept, hit=hit
+            info.job,
+            request.request_id,
+            now,
+            now - info.arrival,
+            context_kept=kept,
+            hit=hit,
+            num_tokens=request.num_tokens,
         )
 
     def finished_ttl(self, request: Request, info: RequestInfo, now: float) -> float:
