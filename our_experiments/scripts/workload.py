@@ -70,8 +70,10 @@ SLOW_TOOLS: list[tuple[str, float, float, str]] = [
 ]
 SLOW_SHARE = 0.3
 TOOL_MIXES = ("fork", "slow")
-# Concrete commands the agent is asked to run (the "slow" mix hints each turn's command,
-# so the command the policy parses is the one whose time the simulation uses).
+# The "slow" mix's agent calls its shell through OpenAI function calling (as most agent
+# frameworks do), and each turn's command is the one whose time the simulation waits:
+# the `bash` tool's schema allows exactly that command, so guided decoding writes it
+# (SmolLM2-135M does not follow a written hint), and the policy parses the real call.
 HINTS = {
     "listing": "find . -name '*.py' | head -50",
     "source": "cat src/cache.py",
@@ -137,6 +139,7 @@ class TurnSpec:
     max_tokens: int
     tool_kind: str | None = None  # None on the last turn
     tool_s: float = 0.0  # simulated tool time after this turn's answer
+    command: str | None = None  # slow mix: the shell command the agent's call must carry
 
 
 @dataclass
@@ -215,7 +218,8 @@ def make_job(
             kind, seconds, corpus_kind = _pick_tool(i, mix, rng)
             turn.tool_kind, turn.tool_s = kind, seconds
             if mix == "slow":
-                turn.user_content += f"\nNext, run exactly: {HINTS[kind]}"
+                turn.command = HINTS[kind]
+                turn.user_content += f"\nNext, run: {turn.command}"
             chars = rng.randint(*SIZE_CHARS[corpus_kind])
             content = _observation(kind, tool_output(corpus, corpus_kind, chars, rng))
         job.turns.append(turn)
@@ -329,6 +333,31 @@ class JobResult:
     error: str | None = None
 
 
+def shell_tool_call(command: str | None) -> dict[str, Any]:
+    """Request fields that make the agent call its `bash` tool with exactly ``command``
+    (a named tool_choice, whose arguments guided decoding holds to the schema)."""
+    if command is None:
+        return {}
+    schema = {
+        "type": "object",
+        "properties": {"command": {"type": "string", "enum": [command]}},
+        "required": ["command"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "bash", "parameters": schema}}
+    return {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "bash"}}}
+
+
+def answer_text(message) -> str:
+    """The assistant's turn as history text: its content, or its tool calls as JSON."""
+    calls = getattr(message, "tool_calls", None) or []
+    if calls:
+        return json.dumps(
+            [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
+        )
+    return message.content or ""
+
+
 async def run_job(client, model: str, job: JobSpec, request_timeout_s: float) -> JobResult:
     """Play one job against an OpenAI-compatible ``client`` (``openai.AsyncOpenAI``)."""
     result = JobResult(job.job_id)
@@ -345,6 +374,7 @@ async def run_job(client, model: str, job: JobSpec, request_timeout_s: float) ->
                     max_tokens=turn.max_tokens,
                     temperature=0,
                     extra_body={"job_id": job.job_id, "is_last_step": i == len(job.turns) - 1},
+                    **shell_tool_call(turn.command),
                 ),
                 request_timeout_s,
             )
@@ -358,7 +388,7 @@ async def run_job(client, model: str, job: JobSpec, request_timeout_s: float) ->
                     usage.completion_tokens,
                 )
             )
-            messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+            messages.append({"role": "assistant", "content": answer_text(resp.choices[0].message)})
             if turn.tool_kind is not None:
                 await asyncio.sleep(turn.tool_s)  # the tool runs
     except Exception as e:  # a failed job is reported, not fatal to the run

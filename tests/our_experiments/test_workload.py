@@ -22,6 +22,7 @@ from our_experiments.scripts.workload import (
     make_job,
     poisson_arrivals,
     run_job,
+    shell_tool_call,
     summarize,
     synthetic_jobs,
 )
@@ -264,7 +265,13 @@ def test_slow_mix_hints_each_command_and_makes_a_share_of_tools_slow(corpus):
     slow = [t for t in tools if t.tool_kind in ("build", "install", "test_suite")]
     assert 0.2 < len(slow) / len(tools) < 0.4  # SLOW_SHARE = 0.3 of 280 tools
     assert all(10.0 <= t.tool_s <= 60.0 for t in slow)
-    assert all(t.user_content.endswith(f"Next, run exactly: {HINTS[t.tool_kind]}") for t in tools)
+    assert all(t.command == HINTS[t.tool_kind] for t in tools)
+    assert all(t.user_content.endswith(f"Next, run: {t.command}") for t in tools)
+    request = shell_tool_call("make -j2")  # the call is guided to carry exactly that command
+    assert request["tool_choice"] == {"type": "function", "function": {"name": "bash"}}
+    params = request["tools"][0]["function"]["parameters"]
+    assert params["properties"]["command"]["enum"] == ["make -j2"]
+    assert shell_tool_call(None) == {}
     fork = make_job("f", 0, 8, 16, corpus, random.Random(0))
     assert all("Next, run" not in t.user_content for t in fork.turns)  # fork mix: unchanged
     with pytest.raises(ValueError, match="mix"):
