@@ -59,6 +59,6 @@ def test_context_serve_pins_a_turn_and_serves_the_next_from_it(tmp_path):
     finally:
         server.stop()
     decisions = re.findall(
-        r"job agent-1: func_call=.* -> (FAST|SLOW|UNCERTAIN) \((\w+)", log.read_text()
+        r"job 'agent-1': func_call=.* -> (FAST|SLOW|UNCERTAIN) \((\w+)", log.read_text()
     )
     assert decisions and decisions[0][0] in ("FAST", "UNCERTAIN")
