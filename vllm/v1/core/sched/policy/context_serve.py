@@ -51,18 +51,7 @@ class ContextServePolicy(ContinuumPolicy):
         )
 
     def on_finished(self, request: Request, now: float) -> FinishedAction:
-        text = None
-        if self.decode is not None and request.output_token_ids:
-            text = self.decode(request.output_token_ids)
-        dispatch = self.core.decide(
-            request.job_key,
-            request.request_id,
-            now,
-            text,
-            is_last_step=request.is_last_step,
-            named=request.job_id is not None,
-            num_tokens=request.num_tokens,
-        )
+        dispatch = self.core.decide(**self._finished_turn(request, now))
         if dispatch.ttl_s > 0:
             return Pin(dispatch.ttl_s, strict=dispatch.strict)
         return Offload() if dispatch.offload else FREE

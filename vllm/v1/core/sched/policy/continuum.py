@@ -96,19 +96,23 @@ class ContinuumPolicy(Policy):
         )
 
     def on_finished(self, request: Request, now: float) -> FinishedAction:
+        ttl = self.core.on_finished(**self._finished_turn(request, now))
+        return Pin(ttl) if ttl > 0 else FREE
+
+    def _finished_turn(self, request: Request, now: float) -> dict:
+        """A finished request as the core's plain values (its output decoded to text)."""
         text = None
         if self.decode is not None and request.output_token_ids:
             text = self.decode(request.output_token_ids)
-        ttl = self.core.on_finished(
-            request.job_key,
-            request.request_id,
-            now,
-            text,
+        return dict(
+            job=request.job_key,
+            request_id=request.request_id,
+            now=now,
+            text=text,
             is_last_step=request.is_last_step,
             named=request.job_id is not None,
             num_tokens=request.num_tokens,
         )
-        return Pin(ttl) if ttl > 0 else FREE
 
     def on_preempted(self, request: Request, now: float) -> None:
         self.core.on_kv_released(request.job_key, request.num_tokens, now)
