@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from vllm_continuum.context_serve.config import ContextServeConfig
-from vllm_continuum.context_serve.xgb import train_model
+from vllm_continuum.context_serve.xgb import FAST_CLASS, SLOW_CLASS, duration_class, train_model
 from vllm_continuum.recorder import FILE_NAME
 
 
@@ -66,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", help="timestamp files or folders holding them")
     parser.add_argument("--output", required=True, help="model file (.json or .ubj)")
     parser.add_argument("--fast-threshold", type=float, default=defaults.fast_threshold_s)
+    parser.add_argument("--slow-threshold", type=float, default=defaults.slow_threshold_s)
     parser.add_argument("--rounds", type=int, default=defaults.xgb_rounds)
     parser.add_argument("--max-depth", type=int, default=defaults.xgb_max_depth)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     args = parser.parse_args(argv)
     config = ContextServeConfig(
         fast_threshold_s=args.fast_threshold,
+        slow_threshold_s=max(args.slow_threshold, args.fast_threshold),
         xgb_rounds=args.rounds,
         xgb_max_depth=args.max_depth,
         seed=args.seed,
@@ -79,13 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     commands, durations = load_samples(args.paths)
     model = train_model(commands, durations, config)
     if model is None:
-        print(f"need fast and slow tool calls; found {len(commands)} samples", file=sys.stderr)
+        print(f"need tool calls of two duration classes; found {len(commands)} samples",
+              file=sys.stderr)  # fmt: skip
         return 1
     model.save(args.output)
-    fast = [d <= config.fast_threshold_s for d in durations]
-    hits = sum((model.p_fast(c) >= 0.5) == f for c, f in zip(commands, fast, strict=True))
-    print(f"{'samples':>10} {'fast share':>11} {'train accuracy':>15}")
-    print(f"{len(commands):>10} {sum(fast) / len(fast):>11.2f} {hits / len(fast):>15.3f}")
+    classes = [duration_class(d, config) for d in durations]
+    hits = sum(model.predicted_class(c) == k for c, k in zip(commands, classes, strict=True))
+    n = len(classes)
+    fast, slow = classes.count(FAST_CLASS) / n, classes.count(SLOW_CLASS) / n
+    print(f"{'samples':>10} {'fast share':>11} {'slow share':>11} {'train accuracy':>15}")
+    print(f"{n:>10} {fast:>11.2f} {slow:>11.2f} {hits / n:>15.3f}")
     print(f"model written to {args.output}")
     return 0
 

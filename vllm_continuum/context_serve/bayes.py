@@ -10,8 +10,9 @@ observation x updates the posterior in closed form:
 and the next duration's log is Student-t with 2*alpha degrees of freedom, location mu
 and scale^2 = beta * (kappa + 1) / (alpha * kappa). The class comes from Thompson
 sampling: draw (mu, sigma^2) from the posterior, and call the tool FAST if, under the
-draw, it returns within the threshold with probability >= the FAST confidence (SLOW
-symmetrically). The FAST pin is a quantile of the predictive distribution.
+draw, it returns within the fast threshold with probability >= the FAST confidence, and
+SLOW if it runs past the slow threshold with probability >= the SLOW confidence. The FAST
+pin is a quantile of the predictive distribution.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class BayesianLayer:
         self.config = config
         self.rng = rng
         self.posteriors: dict[str, NIGPosterior] = {}
-        self._log_threshold = math.log(config.fast_threshold_s)
+        self._log_fast = math.log(config.fast_threshold_s)
+        self._log_slow = math.log(config.slow_threshold_s)
 
     def prior(self) -> NIGPosterior:
         c = self.config
@@ -103,12 +105,14 @@ class BayesianLayer:
         if posterior is None or posterior.n < self.config.min_observations:
             return None
         mu, sigma2 = posterior.sample(self.rng)
-        sampled_p_fast = _normal_cdf((self._log_threshold - mu) / math.sqrt(sigma2))
-        p_fast = posterior.predictive_cdf(self._log_threshold)
+        sigma = math.sqrt(sigma2)
+        sampled_p_fast = _normal_cdf((self._log_fast - mu) / sigma)
+        sampled_p_slow = 1.0 - _normal_cdf((self._log_slow - mu) / sigma)
+        p_fast = posterior.predictive_cdf(self._log_fast)
+        p_slow = 1.0 - posterior.predictive_cdf(self._log_slow)
         median = math.exp(posterior.mu)
         if sampled_p_fast >= self.config.fast_confidence:
             ttl = math.exp(posterior.predictive_quantile(self.config.ttl_quantile))
-            return Prediction(ToolSpeed.FAST, Layer.BAYES, p_fast, ttl, median)
-        if 1.0 - sampled_p_fast >= self.config.slow_confidence:
-            return Prediction(ToolSpeed.SLOW, Layer.BAYES, p_fast, None, median)
-        return Prediction(ToolSpeed.UNCERTAIN, Layer.BAYES, p_fast, None, median)
+            return Prediction(ToolSpeed.FAST, Layer.BAYES, p_fast, ttl, median, p_slow)
+        speed = ToolSpeed.SLOW if sampled_p_slow >= self.config.slow_confidence else None
+        return Prediction(speed or ToolSpeed.UNCERTAIN, Layer.BAYES, p_fast, None, median, p_slow)

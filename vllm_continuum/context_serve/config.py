@@ -19,14 +19,21 @@ class ContextServeConfig:
     """Thresholds of the three-way dispatch and of its predictor layers (the flags are
     ``--context-serve-*``).
 
-    A tool call is FAST when its tool returns within ``fast_threshold_s``; a layer calls
-    it FAST (or SLOW) only when its probability of being fast (or slow) reaches
-    ``fast_confidence`` (``slow_confidence``); in between the turn is UNCERTAIN and gets
-    Continuum's TTL rule.
+    A tool call is FAST when its tool returns within ``fast_threshold_s`` and SLOW when it
+    runs longer than ``slow_threshold_s``; a layer calls it FAST (or SLOW) only when its
+    probability of being fast (or slow) reaches ``fast_confidence`` (``slow_confidence``);
+    otherwise the turn is UNCERTAIN and gets Continuum's TTL rule.
     """
 
     fast_threshold_s: float = config_field(
         2.0, "A tool that returns within this many seconds is fast.", flag=_flag("fast-threshold")
+    )
+    slow_threshold_s: float = config_field(
+        10.0,
+        "A tool that runs longer than this many seconds is slow (default: Continuum's "
+        "default --continuum-max-ttl, beyond which a pin would expire before the tool "
+        "returns); between the two thresholds a turn is UNCERTAIN.",
+        flag=_flag("slow-threshold"),
     )
     fast_pin_s: float = config_field(
         3.0,
@@ -103,10 +110,18 @@ class ContextServeConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("fast_threshold_s", "fast_pin_s", "prior_kappa", "prior_alpha"):
+        for name in (
+            "fast_threshold_s",
+            "slow_threshold_s",
+            "fast_pin_s",
+            "prior_kappa",
+            "prior_alpha",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise _bad(name, value, "must be a finite number > 0")
+        if self.slow_threshold_s < self.fast_threshold_s:
+            raise _bad("slow_threshold_s", self.slow_threshold_s, "must be >= fast_threshold_s")
         if not self.prior_beta > 0:
             raise _bad("prior_beta", self.prior_beta, "must be > 0")
         if not math.isfinite(self.prior_mean_log_s):

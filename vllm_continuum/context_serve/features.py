@@ -11,8 +11,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from vllm_continuum.context_serve.rules import DEFAULT_FAST, DEFAULT_SLOW_PREFIXES
-from vllm_continuum.context_serve.shell import command_names, logical_lines, simple_commands
+from vllm_continuum.context_serve.rules import DEFAULT_FAST, DEFAULT_SLOW_PREFIXES, is_targeted_test
+from vllm_continuum.context_serve.shell import command_calls, logical_lines, simple_commands
 
 _WORDS = {
     "network": re.compile(r"\b(curl|wget|ssh|scp|rsync|clone|fetch|pull|push|download|http)"),
@@ -53,6 +53,7 @@ FEATURE_NAMES = (
     "has_sudo",
     "frac_fast_names",
     "has_slow_name",
+    "has_targeted_test",
     *(f"kw_{k}" for k in _WORDS),
 )
 
@@ -63,7 +64,8 @@ def command_features(command: str) -> tuple[float, ...]:
     text = command[:20_000]
     lower = text.lower()
     words = text.split()
-    names = command_names(text)
+    calls = command_calls(text)
+    names = [name for name, _ in calls]
     firsts = [n.split(" ", 1)[0] for n in names]
     timeout = _TIMEOUT.search(lower)
     values = [
@@ -86,6 +88,7 @@ def command_features(command: str) -> tuple[float, ...]:
         float("sudo" in words),
         sum(f in _FAST_FIRST for f in firsts) / len(firsts) if firsts else 0.0,
         float(any(f in _SLOW_FIRST for f in firsts)),
+        float(any(is_targeted_test(name, w[1:]) for name, w in calls)),
     ]
     values += [float(bool(rx.search(lower))) for rx in _WORDS.values()]
     return tuple(values)

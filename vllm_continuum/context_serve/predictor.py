@@ -13,7 +13,7 @@ import numpy as np
 
 from vllm_continuum.context_serve.bayes import BayesianLayer
 from vllm_continuum.context_serve.config import ContextServeConfig
-from vllm_continuum.context_serve.rules import RuleTable
+from vllm_continuum.context_serve.rules import RuleTable, learning_key
 from vllm_continuum.context_serve.types import UNCERTAIN, Layer, Prediction, ToolSpeed
 from vllm_continuum.context_serve.xgb import XGBoostLayer, XGBoostModel
 
@@ -46,9 +46,10 @@ class ContextAwarePredictor:
         if verdict is not None:
             ttl = self.config.fast_pin_s if verdict == ToolSpeed.FAST else None
             return Prediction(verdict, Layer.RULES, ttl_s=ttl)
-        return self.bayes.predict(tool) or self.xgb.predict(command) or UNCERTAIN
+        key = learning_key(tool, command)
+        return self.bayes.predict(key) or self.xgb.predict(command) or UNCERTAIN
 
     def observe(self, tool: str, command: str | None, seconds: float) -> None:
         """A measured duration of a tool call: every learning layer takes it."""
-        self.bayes.observe(tool, seconds)
+        self.bayes.observe(learning_key(tool, command or tool), seconds)
         self.xgb.observe(command or tool, seconds)

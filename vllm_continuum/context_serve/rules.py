@@ -5,8 +5,11 @@ wrappers such as ``sudo``, ``timeout 30``, ``env X=1`` and ``python -m`` removed
 with subcommands keep the subcommand: "git status", "pip install"). A snippet with
 several simple commands (pipelines, ``&&`` chains, several lines) is as slow as its
 slowest part: one slow part makes it SLOW, all parts fast make it FAST, anything else is
-for the next layer. The table extends from a JSON or YAML file
-(``{"fast": [...], "slow_prefixes": [...]}``); a user's entry overrides a default one.
+for the next layer. A test runner pointed at one file, test id or selection ("pytest
+tests/test_x.py::test_y", "pytest -k name") is not a suite: the rules leave it to the
+learning layers, which keep its durations apart from the runner's suites. The table
+extends from a JSON or YAML file (``{"fast": [...], "slow_prefixes": [...]}``); a user's
+entry overrides a default one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm_continuum.context_serve.shell import command_names
+from vllm_continuum.context_serve.shell import command_calls
 from vllm_continuum.context_serve.types import ToolSpeed
 
 DEFAULT_FAST = (
@@ -56,6 +59,37 @@ DEFAULT_SLOW_PREFIXES = (
     # Python scripts known to run suites or builds ("python setup.py install").
     "setup.py",
 )  # fmt: skip
+
+
+# Test runners that a target narrows from a suite (minutes) to one file or one test
+# (seconds on most projects): a targeted run is not SLOW by rule, the learning layers
+# decide it under its own name ("pytest <target>"), apart from the runner's whole suites.
+TEST_RUNNERS = frozenset({"pytest", "py.test", "nosetests", "unittest", "jest", "mocha",
+                          "vitest", "go test"})  # fmt: skip
+_TEST_FILE_SUFFIXES = (".py", ".js", ".ts", ".jsx", ".tsx", ".mjs", "_test.go")
+_SELECTOR_FLAGS = frozenset({"-k", "-run", "--run", "-t", "--testNamePattern", "--grep", "-g"})
+TARGETED_SUFFIX = " <target>"
+
+
+def is_targeted_test(name: str, words: Iterable[str]) -> bool:
+    """Whether one simple command runs a test runner on a file, a test id or a selection
+    ("pytest tests/test_x.py", "pytest a.py::test_y", "pytest -k name", "go test -run X")."""
+    if name not in TEST_RUNNERS:
+        return False
+    for word in words:
+        flag = word.split("=", 1)[0]
+        if "::" in word or word.endswith(_TEST_FILE_SUFFIXES) or flag in _SELECTOR_FLAGS:
+            return True
+    return False
+
+
+def learning_key(tool: str, command: str) -> str:
+    """The name the learning layers keep a tool's durations under: a targeted test run
+    learns apart from the same runner's whole suites."""
+    for name, words in command_calls(command):
+        if name == tool and is_targeted_test(name, words[1:]):
+            return tool + TARGETED_SUFFIX
+    return tool
 
 
 @dataclass(frozen=True)
@@ -107,7 +141,10 @@ class RuleTable:
         judged by the tool ``name`` alone."""
         if command.lstrip().startswith("{"):
             return self.classify_name(name)
-        verdicts = [self.classify_name(n) for n in command_names(command)]
+        verdicts = [
+            None if is_targeted_test(name, words[1:]) else self.classify_name(name)
+            for name, words in command_calls(command)
+        ]
         if not verdicts:
             return None
         if ToolSpeed.SLOW in verdicts:

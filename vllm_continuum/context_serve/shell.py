@@ -82,18 +82,23 @@ def simple_commands(command: str) -> list[list[str]]:
 
 
 @lru_cache(maxsize=4096)  # agents repeat commands; shlex is the cost of a verdict
-def command_names(command: str) -> tuple[str, ...]:
-    """The normalised tool name of every simple command ("cd x && pytest" -> cd, pytest);
-    a Python script stands for itself ("python tests/runtests.py" -> runtests.py), since
-    "python" alone says nothing about the time."""
-    names = []
+def command_calls(command: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(normalised tool name, words) of every simple command ("cd x && pytest" -> cd,
+    pytest); a Python script stands for itself ("python tests/runtests.py" ->
+    runtests.py), since "python" alone says nothing about the time."""
+    calls = []
     for words in simple_commands(command):
         name = normalize_tool_name(shlex.join(words))
         if name and _PYTHON.match(name):
             name = _script(words) or name
         if name:
-            names.append(name)
-    return tuple(names)
+            calls.append((name, tuple(words)))
+    return tuple(calls)
+
+
+def command_names(command: str) -> tuple[str, ...]:
+    """The normalised tool name of every simple command."""
+    return tuple(name for name, _ in command_calls(command))
 
 
 def _script(words: list[str]) -> str | None:

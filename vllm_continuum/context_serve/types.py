@@ -29,8 +29,9 @@ class Layer(enum.StrEnum):
 class Prediction:
     """A layer's verdict on one tool call.
 
-    ``p_fast``: the layer's probability that the tool returns within the fast threshold
-    (None for the rule table, which is certain by construction). ``ttl_s``: the pin length
+    ``p_fast`` (``p_slow``): the layer's probability that the tool returns within the
+    fast threshold (runs past the slow threshold); None for the rule table, which is
+    certain by construction. ``ttl_s``: the pin length
     a FAST verdict asks for (None otherwise). ``predicted_s``: the layer's point estimate
     of the tool time, when it has one (the Bayesian posterior median).
     """
@@ -40,12 +41,15 @@ class Prediction:
     p_fast: float | None = None
     ttl_s: float | None = None
     predicted_s: float | None = None
+    p_slow: float | None = None
 
     def describe(self) -> str:
         """ "bayes, p=0.97" for logs: the layer and its confidence in the verdict."""
         if self.p_fast is None:
             return self.layer.value
-        p = self.p_fast if self.speed != ToolSpeed.SLOW else 1.0 - self.p_fast
+        p = self.p_fast
+        if self.speed == ToolSpeed.SLOW:
+            p = self.p_slow if self.p_slow is not None else 1.0 - self.p_fast
         return f"{self.layer.value}, p={p:.2f}"
 
 

@@ -25,12 +25,18 @@ logger = logging.getLogger(__name__)
 _CACHE_SIZE = 4096
 
 
+# The classes a model predicts: the tool returns within the fast threshold, between the
+# thresholds, or past the slow threshold.
+FAST_CLASS, MIDDLE_CLASS, SLOW_CLASS = 0, 1, 2
+NUM_CLASSES = 3
+
+
 class XGBoostModel:
-    """A trained booster: P(the command's tool returns within the fast threshold)."""
+    """A trained booster: per command, P(fast), P(in between), P(slow)."""
 
     def __init__(self, booster) -> None:
         self.booster = booster
-        self._cache: dict[str, float] = {}
+        self._cache: dict[str, tuple[float, float]] = {}
 
     @classmethod
     def load(cls, path: str) -> XGBoostModel:
@@ -43,6 +49,11 @@ class XGBoostModel:
         except (OSError, xgb.core.XGBoostError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"context_serve model: cannot load {path!r}: {first}") from None
+        if _num_classes(booster) != NUM_CLASSES:
+            raise ValueError(
+                f"context_serve model: {path!r} is not a {NUM_CLASSES}-class model "
+                "(train it with our_experiments/scripts/train_context_serve.py)"
+            )
         if list(booster.feature_names or ()) != list(FEATURE_NAMES):
             raise ValueError(
                 f"context_serve model: {path!r} was trained on other features "
@@ -53,31 +64,59 @@ class XGBoostModel:
     def save(self, path: str) -> None:
         self.booster.save_model(path)
 
-    def p_fast(self, command: str) -> float:
+    def probabilities(self, command: str) -> tuple[float, float]:
+        """(P(fast), P(slow)) of one command."""
         p = self._cache.get(command)
         if p is None:
             row = np.array([command_features(command)], dtype=np.float32)
-            p = float(self.booster.inplace_predict(row)[0])
+            probs = self.booster.inplace_predict(row)[0]
+            p = (float(probs[FAST_CLASS]), float(probs[SLOW_CLASS]))
             if len(self._cache) >= _CACHE_SIZE:
                 self._cache.clear()
             self._cache[command] = p
         return p
 
+    def predicted_class(self, command: str) -> int:
+        """The most likely class of one command (FAST_CLASS, MIDDLE_CLASS or SLOW_CLASS)."""
+        p_fast, p_slow = self.probabilities(command)
+        p_middle = 1.0 - p_fast - p_slow
+        return max((p_fast, FAST_CLASS), (p_middle, MIDDLE_CLASS), (p_slow, SLOW_CLASS))[1]
+
+
+def _num_classes(booster) -> int:
+    """The classes of a booster's softprob objective (0 for any other objective)."""
+    import json
+
+    try:
+        learner = json.loads(booster.save_config())["learner"]
+        if learner["objective"]["name"] != "multi:softprob":
+            return 0
+        return int(learner["learner_model_param"]["num_class"])
+    except (KeyError, ValueError):
+        return 0
+
+
+def duration_class(seconds: float, config: ContextServeConfig) -> int:
+    if seconds <= config.fast_threshold_s:
+        return FAST_CLASS
+    return SLOW_CLASS if seconds > config.slow_threshold_s else MIDDLE_CLASS
+
 
 def train_model(
     commands: Sequence[str], durations: Sequence[float], config: ContextServeConfig
 ) -> XGBoostModel | None:
-    """Fit fast (duration <= threshold) vs slow; None unless both classes are present."""
+    """Fit the duration classes; None unless at least two classes are present."""
     import xgboost as xgb
 
-    labels = np.array([d <= config.fast_threshold_s for d in durations], dtype=np.float32)
+    labels = np.array([duration_class(d, config) for d in durations], dtype=np.float32)
     if len(labels) == 0 or labels.min() == labels.max():
         return None
     data = xgb.DMatrix(
         feature_matrix(list(commands)), label=labels, feature_names=list(FEATURE_NAMES)
     )
     params = {
-        "objective": "binary:logistic",
+        "objective": "multi:softprob",
+        "num_class": NUM_CLASSES,
         "max_depth": config.xgb_max_depth,
         "eta": 0.3,
         "nthread": 1,  # the engine's cores belong to the model
@@ -150,10 +189,9 @@ class XGBoostLayer:
         model = self.model
         if model is None or not command:
             return None
-        p = model.p_fast(command)
+        p_fast, p_slow = model.probabilities(command)
         cfg = self.config
-        if p >= cfg.fast_confidence:
-            return Prediction(ToolSpeed.FAST, Layer.XGBOOST, p, cfg.fast_pin_s)
-        if 1.0 - p >= cfg.slow_confidence:
-            return Prediction(ToolSpeed.SLOW, Layer.XGBOOST, p)
-        return Prediction(ToolSpeed.UNCERTAIN, Layer.XGBOOST, p)
+        if p_fast >= cfg.fast_confidence:
+            return Prediction(ToolSpeed.FAST, Layer.XGBOOST, p_fast, cfg.fast_pin_s, p_slow=p_slow)
+        speed = ToolSpeed.SLOW if p_slow >= cfg.slow_confidence else ToolSpeed.UNCERTAIN
+        return Prediction(speed, Layer.XGBOOST, p_fast, p_slow=p_slow)

@@ -71,7 +71,24 @@ def test_needs_min_observations_then_decides():
         b.observe("pytest", 45.0)
     slow = b.predict("pytest")
     assert slow.speed == ToolSpeed.SLOW and slow.ttl_s is None and slow.p_fast < 0.05
+    assert slow.p_slow > 0.8 and slow.describe() == f"bayes, p={slow.p_slow:.2f}"
     assert slow.predicted_s == pytest.approx(math.exp(b.posteriors["pytest"].mu))
+
+
+def test_a_tool_between_the_thresholds_stays_uncertain():
+    """A 3-5 s tool is neither fast (2 s) nor slow (10 s): Continuum's TTL decides it."""
+    b = layer(min_observations=5)
+    for i in range(40):
+        b.observe("pytest <target>", 3.0 + (i % 5) * 0.5)
+    verdicts = {b.predict("pytest <target>").speed for _ in range(100)}
+    assert verdicts == {ToolSpeed.UNCERTAIN}
+    p = b.predict("pytest <target>")
+    assert p.p_fast < 0.2 and p.p_slow < 0.2
+
+
+def test_slow_threshold_below_the_fast_one_is_refused():
+    with pytest.raises(ValueError, match="slow_threshold_s"):
+        ContextServeConfig(fast_threshold_s=5.0, slow_threshold_s=4.0)
 
 
 def test_thompson_sampling_is_seeded_and_explores_near_the_threshold():

@@ -6,9 +6,11 @@ import json
 
 import pytest
 
-from vllm_continuum.context_serve.rules import RuleTable
+from vllm_continuum.context_serve.config import ContextServeConfig
+from vllm_continuum.context_serve.predictor import ContextAwarePredictor
+from vllm_continuum.context_serve.rules import RuleTable, learning_key
 from vllm_continuum.context_serve.shell import command_names
-from vllm_continuum.context_serve.types import ToolSpeed
+from vllm_continuum.context_serve.types import Layer, ToolSpeed
 from vllm_continuum.tool_calls import ToolCallParser
 
 F, S, U = ToolSpeed.FAST, ToolSpeed.SLOW, None
@@ -41,7 +43,11 @@ COMMANDS = [
     ("pip show requests", F),
     ("pytest", S),
     ("python -m pytest tests/ -x -q", S),
-    ("cd /testbed && python -m pytest tests/test_ext.py -k regression 2>&1 | tail -30", S),
+    ("cd /testbed && python -m pytest tests/test_ext.py -k regression 2>&1 | tail -30", U),
+    ("python -m pytest -x -q tests/test_cache.py", U),  # one file, not a suite
+    ("pytest tests/test_api.py::TestClient::test_get -q", U),
+    ("go test ./pkg/... -run TestParse", U),
+    ("pytest tests/test_a.py && make", S),  # a targeted run next to a build
     ("cd /repo && pytest -q tests/unit | tail -5", S),
     ("make", S),
     ("timeout 30 make", S),
@@ -84,6 +90,22 @@ def test_there_are_forty_commands_or_more():
 def test_heredoc_bodies_and_redirections_are_not_commands():
     snippet = "cat > t.py <<EOF\nmake all\npytest\nEOF\npython t.py 2>&1 | tail -3"
     assert command_names(snippet) == ("cat", "t.py", "tail")
+
+
+def test_targeted_test_runs_learn_under_their_own_name():
+    assert learning_key("pytest", "python -m pytest -x -q tests/test_cache.py") == "pytest <target>"
+    assert learning_key("pytest", "cd /r && pytest -k 'cache and not slow'") == "pytest <target>"
+    assert learning_key("pytest", "python -m pytest tests/") == "pytest"
+    assert learning_key("make", "make -j2 && pytest a.py") == "make"  # the call's own tool
+
+
+def test_the_predictor_keeps_suites_and_targeted_runs_apart():
+    predictor = ContextAwarePredictor(ContextServeConfig(min_observations=3))
+    for _ in range(5):
+        predictor.observe("pytest", "python -m pytest tests/test_cache.py", 0.5)
+    assert predictor.predict("pytest", "python -m pytest tests/").speed == S  # rules: a suite
+    fast = predictor.predict("pytest", "python -m pytest tests/test_io.py")
+    assert fast.speed == F and fast.layer == Layer.BAYES
 
 
 def test_function_call_tools_are_judged_by_name():

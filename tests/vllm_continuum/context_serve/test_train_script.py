@@ -37,6 +37,6 @@ def test_trains_a_model_that_the_policy_loads(tmp_path, capsys):
     assert script.main([str(tmp_path), "--output", str(out)]) == 0
     assert "60" in capsys.readouterr().out
     model = XGBoostModel.load(str(out))
-    assert model.p_fast("pytest tests/unit") < 0.5 < model.p_fast("ls -la src")
+    assert model.probabilities("pytest tests/unit")[1] > 0.5 < model.probabilities("ls -la src")[0]
     assert script.main([str(run / "scheduler_timestamps.json"), "--output", str(out),
                         "--fast-threshold", "100"]) == 1  # fmt: skip

@@ -9,9 +9,19 @@ import time
 import pytest
 
 from vllm_continuum.context_serve.config import ContextServeConfig
-from vllm_continuum.context_serve.features import FEATURE_NAMES, command_features
+from vllm_continuum.context_serve.features import (
+    FEATURE_NAMES,
+    command_features,
+    feature_matrix,
+)
 from vllm_continuum.context_serve.types import Layer, ToolSpeed
-from vllm_continuum.context_serve.xgb import XGBoostLayer, XGBoostModel, train_model
+from vllm_continuum.context_serve.xgb import (
+    FAST_CLASS,
+    MIDDLE_CLASS,
+    XGBoostLayer,
+    XGBoostModel,
+    train_model,
+)
 
 
 def feats(command: str) -> dict[str, float]:
@@ -38,10 +48,17 @@ FAST_CMDS = ["ls -la", "cat a.py", "git status", "head -5 x", "grep -n foo bar.p
 SLOW_CMDS = ["make -j8", "pytest tests/", "pip install -e .", "cargo build", "npm install"]
 
 
-def synthetic(n: int = 120):
+MIDDLE_CMDS = ["pytest -q tests/test_m{i}.py", "pytest tests/test_api.py::test_{i}"]
+
+
+def synthetic(n: int = 120, middle: bool = False):
+    """Fast and slow commands alternating (and every third one in between if ``middle``)."""
     commands, durations = [], []
     for i in range(n):
-        if i % 2:
+        if middle and i % 3 == 0:
+            commands.append(MIDDLE_CMDS[i % len(MIDDLE_CMDS)].format(i=i))
+            durations.append(3.0 + (i % 4) * 0.5)
+        elif i % 2:
             commands.append(FAST_CMDS[i % len(FAST_CMDS)] + f" f{i}")
             durations.append(0.1 + 0.01 * (i % 7))
         else:
@@ -53,9 +70,24 @@ def synthetic(n: int = 120):
 def test_model_learns_a_fast_slow_split():
     config = ContextServeConfig()
     model = train_model(*synthetic(), config)
-    assert model.p_fast("ls src/") > 0.8 and model.p_fast("cat setup.cfg") > 0.8
-    assert model.p_fast("make all") < 0.2 and model.p_fast("pip install numpy") < 0.2
+    for command in ("ls src/", "cat setup.cfg"):
+        p_fast, p_slow = model.probabilities(command)
+        assert p_fast > 0.8 and p_slow < 0.2
+        assert model.predicted_class(command) == FAST_CLASS
+    for command in ("make all", "pip install numpy"):
+        p_fast, p_slow = model.probabilities(command)
+        assert p_fast < 0.2 and p_slow > 0.8
     assert train_model(["ls"] * 10, [0.1] * 10, config) is None  # one class: nothing to learn
+
+
+def test_model_learns_the_class_between_the_thresholds():
+    """A targeted test run (3-4.5 s) is neither FAST nor SLOW: the layer says UNCERTAIN."""
+    config = ContextServeConfig()
+    xgb = XGBoostLayer(config, train_model(*synthetic(180, middle=True), config))
+    assert xgb.model.predicted_class("pytest -q tests/test_models.py") == MIDDLE_CLASS
+    assert xgb.predict("pytest -q tests/test_models.py").speed == ToolSpeed.UNCERTAIN
+    assert xgb.predict("pytest tests/").speed == ToolSpeed.SLOW
+    assert xgb.predict("ls -la").speed == ToolSpeed.FAST
 
 
 def test_saved_model_loads_and_bad_files_are_one_line_errors(tmp_path):
@@ -63,13 +95,25 @@ def test_saved_model_loads_and_bad_files_are_one_line_errors(tmp_path):
     path = tmp_path / "model.json"
     model.save(str(path))
     loaded = XGBoostModel.load(str(path))
-    assert loaded.p_fast("make test") == pytest.approx(model.p_fast("make test"))
+    assert loaded.probabilities("make test") == pytest.approx(model.probabilities("make test"))
     garbage = tmp_path / "garbage.json"
     garbage.write_text("{not a model")
     for bad in (tmp_path / "missing.json", garbage):
         with pytest.raises(ValueError, match="context_serve model: cannot load") as info:
             XGBoostModel.load(str(bad))
         assert "\n" not in str(info.value)
+
+
+def test_a_binary_model_of_an_older_version_is_refused(tmp_path):
+    import xgboost
+
+    commands, durations = synthetic()
+    data = xgboost.DMatrix(feature_matrix(commands), label=[d < 2 for d in durations],
+                           feature_names=list(FEATURE_NAMES))  # fmt: skip
+    path = tmp_path / "binary.json"
+    xgboost.train({"objective": "binary:logistic"}, data, num_boost_round=2).save_model(path)
+    with pytest.raises(ValueError, match="is not a 3-class model"):
+        XGBoostModel.load(str(path))
 
 
 def test_layer_trains_in_background_and_swaps_the_model():
