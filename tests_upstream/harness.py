@@ -15,13 +15,16 @@ TOOL_TEXT = "```bash\nls -la\n```"  # what every finished turn "says": a fast to
 
 def make_scheduler(vllm_config, num_blocks=33, max_num_seqs=8, clock=None, text=TOOL_TEXT, **cfg):
     """``num_blocks`` includes upstream's null block. Default policy settings: the paper
-    rule at cold start, i.e. every named non-last turn is pinned for default_ttl_s = 2 s."""
+    rule at cold start, i.e. every named non-last turn is pinned for default_ttl_s = 2 s;
+    job admission off (these scenarios test the mechanism; test_admission.py turns it
+    on)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     from vllm_continuum.upstream.scheduler import ContinuumScheduler
 
+    cfg.setdefault("job_admission", False)
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
@@ -100,7 +103,7 @@ def check_pool(s):
     assert pool.get_num_free_blocks() == num_free
     assert s.pins.num_blocks == sum(e.num_blocks for e in pinned.values())
     for rid, entry in pinned.items():
-        assert entry.num_blocks == s._num_blocks(rid) > 0
+        assert entry.num_blocks == s.num_blocks(rid) > 0
 
 
 def used_blocks(s):

@@ -20,6 +20,7 @@ _SEAMS: tuple[tuple[str, str], ...] = (
     ("vllm.v1.core.sched.scheduler:Scheduler", "_free_request"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "_free_blocks"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "_free_request_blocks"),
+    ("vllm.v1.core.sched.scheduler:Scheduler", "_preempt_request"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "make_stats"),
     ("vllm.v1.core.kv_cache_manager:KVCacheManager", "allocate_slots"),
     ("vllm.v1.core.kv_cache_manager:KVCacheManager", "get_block_ids"),
