@@ -18,9 +18,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Our policy names -> scheduler class paths. A new policy (ContextServe) adds a line here.
+# Our policy names -> scheduler class paths (a new policy adds a line here).
 POLICIES: dict[str, str] = {
     "continuum": "vllm_continuum.upstream.scheduler.ContinuumScheduler",
+    "context_serve": "vllm_continuum.upstream.context_serve.ContextServeScheduler",
 }
 _PATCHED = "_vllm_continuum_patched"
 
@@ -55,7 +56,7 @@ def _with_our_choices(add_cli_args: Any) -> Any:
                 action.help = (action.help or "") + (
                     "\n- " + ", ".join(f'"{p}"' for p in POLICIES) + ": agent-aware policies "
                     "of vllm-continuum-plugin (settings: --additional-config "
-                    "'{\"continuum\": {...}}')."
+                    '\'{"continuum": {...}, "context_serve": {...}}\').'
                 )
         return parser
 
@@ -76,10 +77,15 @@ def apply_policy(engine_args: Any) -> None:
     name = engine_args.scheduling_policy
     if name not in POLICIES:
         return
-    from vllm_continuum.upstream.compat import check_upstream
-    from vllm_continuum.upstream.settings import SECTION, policy_config_from
+    from vllm_continuum.upstream.compat import check_policy_dependencies, check_upstream
+    from vllm_continuum.upstream.settings import (
+        SECTION,
+        context_serve_config_from,
+        policy_config_from,
+    )
 
     check_upstream()  # a clear error now, in the front end, not in the engine process
+    check_policy_dependencies(name)
     if engine_args.scheduler_cls not in (None, POLICIES[name]):
         raise ValueError(
             f"--scheduling-policy {name} selects its own scheduler class; "
@@ -87,6 +93,7 @@ def apply_policy(engine_args: Any) -> None:
         )
     additional = dict(engine_args.additional_config or {})
     policy_config_from(additional)  # validate the settings before any process starts
+    context_serve_config_from(additional)
     additional.setdefault(SECTION, {})
     engine_args.additional_config = additional
     engine_args.scheduler_cls = POLICIES[name]
