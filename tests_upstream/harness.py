@@ -66,23 +66,24 @@ def make_scheduler(
     return s
 
 
-def step(s):
-    """One engine step: schedule, a fake forward (one token per request whose prefill is
-    complete), update; then the pool check. Returns (scheduler_output, engine outputs)."""
+def fake_output(s, so):
+    """The fake forward of ``so``, taken right after it was scheduled: one token for each
+    request whose prefill this step completes or which decodes."""
     from vllm.v1.outputs import ModelRunnerOutput
 
-    so = s.schedule()
     req_ids = list(so.num_scheduled_tokens)
-    sampled = []
-    for rid in req_ids:
-        r = s.requests[rid]
-        sampled.append([7] if r.num_computed_tokens >= r.num_tokens else [])
-    out = ModelRunnerOutput(
+    return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=sampled,
+        sampled_token_ids=[[] if s.requests[rid].is_prefill_chunk else [7] for rid in req_ids],
     )
-    outputs = s.update_from_output(so, out)
+
+
+def step(s):
+    """One engine step: schedule, a fake forward, update; then the pool check. Returns
+    (scheduler_output, engine outputs)."""
+    so = s.schedule()
+    outputs = s.update_from_output(so, fake_output(s, so))
     check_pool(s)
     return so, outputs
 
@@ -95,10 +96,35 @@ def run_until_done(s, max_steps=200):
     raise AssertionError("requests did not finish")
 
 
-def random_traffic(s, rng, num_steps):
+class Pipeline:
+    """Async scheduling's order (upstream's batch queue of two): each step is scheduled
+    before the previous step's output is processed; the pool check after every update."""
+
+    def __init__(self, s):
+        self.s = s
+        self.in_flight = None
+
+    def step(self):
+        so = self.s.schedule()
+        out = fake_output(self.s, so)
+        if self.in_flight is not None:
+            self.s.update_from_output(*self.in_flight)
+            check_pool(self.s)
+        self.in_flight = (so, out) if so.total_num_scheduled_tokens else None
+        return so
+
+    def run_until_done(self, max_steps=200):
+        for _ in range(max_steps):
+            if self.in_flight is None and not self.s.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+
+def random_traffic(s, rng, num_steps, pipeline=None):
     """Random multi-turn jobs (6 jobs, 20% last steps), tool gaps of 0 to 3 s, aborts
-    (5% of steps) and memory pressure, one ``step`` (with its pool check) per iteration;
-    then runs until every request is done."""
+    (5% of steps) and memory pressure, one ``step`` (with its pool check) per iteration,
+    or one ``pipeline`` step; then runs until every request is done."""
     from vllm.v1.request import RequestStatus
 
     contexts: dict[str, list[int]] = {}
@@ -119,12 +145,15 @@ def random_traffic(s, rng, num_steps):
             _, victim = live.pop(rng.randrange(len(live)))
             s.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
         s.clock.advance(rng.choice([0.0, 0.05, 0.5, 3.0]))
-        step(s)
+        pipeline.step() if pipeline else step(s)
         for job, r in [x for x in live if x[1].is_finished()]:
             live.remove((job, r))
             if len(r.all_token_ids) < 120:
                 contexts[job] = list(r.all_token_ids)
-    run_until_done(s, max_steps=2000)
+    if pipeline:
+        pipeline.run_until_done(max_steps=2000)
+    else:
+        run_until_done(s, max_steps=2000)
 
 
 def check_pool(s):

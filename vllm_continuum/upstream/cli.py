@@ -23,6 +23,11 @@ POLICIES: dict[str, str] = {
     "continuum": "vllm_continuum.upstream.scheduler.ContinuumScheduler",
     "context_serve": "vllm_continuum.upstream.context_serve.ContextServeScheduler",
 }
+# Each class's async-scheduling variant, used when upstream turns async scheduling on.
+ASYNC_VARIANTS: dict[str, str] = {
+    POLICIES["continuum"]: "vllm_continuum.upstream.scheduler.AsyncContinuumScheduler",
+    POLICIES["context_serve"]: ("vllm_continuum.upstream.context_serve.AsyncContextServeScheduler"),
+}
 _PATCHED = "_vllm_continuum_patched"
 
 
@@ -67,7 +72,9 @@ def _mapping_our_policies(create_engine_config: Any) -> Any:
     @functools.wraps(create_engine_config)
     def create_engine_config_with_our_policies(self: Any, *args: Any, **kwargs: Any) -> Any:
         apply_policy(self)
-        return create_engine_config(self, *args, **kwargs)
+        config = create_engine_config(self, *args, **kwargs)
+        use_async_variant(config.scheduler_config)
+        return config
 
     return create_engine_config_with_our_policies
 
@@ -98,8 +105,14 @@ def apply_policy(engine_args: Any) -> None:
     engine_args.additional_config = additional
     engine_args.scheduler_cls = POLICIES[name]
     engine_args.scheduling_policy = "fcfs"
-    if engine_args.async_scheduling is None:
-        # Our scheduler subclasses the synchronous Scheduler: say so instead of letting
-        # upstream turn async scheduling on around it (it would only add a batch queue).
-        engine_args.async_scheduling = False
     logger.info("scheduling policy %s: scheduler class %s", name, POLICIES[name])
+
+
+def use_async_variant(scheduler_config: Any) -> None:
+    """Once upstream has decided async scheduling (``VllmConfig`` resolves a None), swap
+    our class for its ``AsyncScheduler`` variant when it is on (also for a class given
+    with ``--scheduler-cls``), so GPU users keep the overlap of scheduling and execution."""
+    variant = ASYNC_VARIANTS.get(scheduler_config.scheduler_cls)
+    if variant is not None and scheduler_config.async_scheduling:
+        scheduler_config.scheduler_cls = variant
+        logger.info("async scheduling: scheduler class %s", variant)

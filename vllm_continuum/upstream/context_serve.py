@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
 from vllm.v1.request import Request
 from vllm_continuum.config import PolicyConfig
 from vllm_continuum.context_serve.config import ContextServeConfig
@@ -50,3 +52,7 @@ class ContextServeScheduler(ContinuumScheduler):
         # yet, so they are drained here (else they would grow without bound).
         self.core.make_stats()
         return super().make_stats(*args, **kwargs)
+
+
+class AsyncContextServeScheduler(ContextServeScheduler, AsyncScheduler):
+    """``ContextServeScheduler`` with upstream's async scheduling (chosen by the CLI)."""

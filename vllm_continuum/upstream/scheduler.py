@@ -17,7 +17,12 @@
 - aborted requests are freed at once and skip the decisions (as in our engine).
 
 Subclasses supply the decisions (``create_core`` and the hooks under "decisions"):
-``ContinuumScheduler`` below, ``ContextServeScheduler`` in ``context_serve.py``.
+``ContinuumScheduler`` below, ``ContextServeScheduler`` in ``context_serve.py``. Each has
+an async-scheduling variant (``Async...``: the same class over upstream's
+``AsyncScheduler``, which schedules a step while the previous one runs); the CLI picks it
+when upstream turns async scheduling on (``cli.py``). The mechanism is the same in both:
+a request finished by step N's output may already be scheduled in step N+1, whose KV
+write then lands in its pinned blocks, which nobody else holds until the pin ends.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import logging
 import os
 from collections.abc import Callable
 from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -373,3 +380,7 @@ class ContinuumScheduler(AgentScheduler):
             return True
         waited = now - info.arrival
         return self.core.may_release_pin(self.job_arrival(info), entry.job_age, waited)
+
+
+class AsyncContinuumScheduler(ContinuumScheduler, AsyncScheduler):
+    """``ContinuumScheduler`` with upstream's async scheduling (chosen by the CLI)."""
