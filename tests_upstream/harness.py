@@ -88,10 +88,12 @@ def step(s):
     return so, outputs
 
 
-def run_until_done(s, max_steps=200):
+def run_until_done(s, max_steps=200, tick=0.0):
+    """Step until every request is done; ``tick``: seconds the clock advances per step."""
     for _ in range(max_steps):
         if not s.has_unfinished_requests():
             return
+        s.clock.advance(tick)
         step(s)
     raise AssertionError("requests did not finish")
 
@@ -113,18 +115,20 @@ class Pipeline:
         self.in_flight = (so, out) if so.total_num_scheduled_tokens else None
         return so
 
-    def run_until_done(self, max_steps=200):
+    def run_until_done(self, max_steps=200, tick=0.0):
         for _ in range(max_steps):
             if self.in_flight is None and not self.s.has_unfinished_requests():
                 return
+            self.s.clock.advance(tick)
             self.step()
         raise AssertionError("requests did not finish")
 
 
-def random_traffic(s, rng, num_steps, pipeline=None):
+def random_traffic(s, rng, num_steps, pipeline=None, drain_tick=0.0):
     """Random multi-turn jobs (6 jobs, 20% last steps), tool gaps of 0 to 3 s, aborts
     (5% of steps) and memory pressure, one ``step`` (with its pool check) per iteration,
-    or one ``pipeline`` step; then runs until every request is done."""
+    or one ``pipeline`` step; then runs until every request is done, the clock advancing
+    ``drain_tick`` per step (job admission may hold a new job until pins expire)."""
     from vllm.v1.request import RequestStatus
 
     contexts: dict[str, list[int]] = {}
@@ -151,9 +155,9 @@ def random_traffic(s, rng, num_steps, pipeline=None):
             if len(r.all_token_ids) < 120:
                 contexts[job] = list(r.all_token_ids)
     if pipeline:
-        pipeline.run_until_done(max_steps=2000)
+        pipeline.run_until_done(max_steps=2000, tick=drain_tick)
     else:
-        run_until_done(s, max_steps=2000)
+        run_until_done(s, max_steps=2000, tick=drain_tick)
 
 
 def check_pool(s):

@@ -57,7 +57,7 @@ def test_random_traffic_with_a_step_in_flight_never_leaks(vllm_config):
         vllm_config, cls=AsyncContinuumScheduler, num_blocks=17, max_num_seqs=4,
         job_admission=True,
     )  # fmt: skip
-    random_traffic(s, random.Random(3), 250, pipeline=Pipeline(s))
+    random_traffic(s, random.Random(3), 250, pipeline=Pipeline(s), drain_tick=0.5)
     assert s.pin_counters.pins > 0 and s.pin_counters.hits > 0
     s.shutdown()
     pool = s.kv_cache_manager.block_pool

@@ -124,7 +124,7 @@ def test_random_traffic_with_admission_never_leaks(vllm_config):
         vllm_config, text=lambda ids: bash(pick.choice(commands)),
         context_serve=ContextServeConfig(), num_blocks=17, max_num_seqs=4, job_admission=True,
     )  # fmt: skip
-    random_traffic(s, random.Random(1), 250)
+    random_traffic(s, random.Random(1), 250, drain_tick=0.5)
     assert s.pin_counters.pins > 0 and s.pin_counters.hits > 0
     s.shutdown()
     pool = s.kv_cache_manager.block_pool
