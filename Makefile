@@ -52,6 +52,8 @@ $(USTAMP):
 setup-upstream: $(USTAMP)
 	rm -rf $(PLUGIN)/build
 	$(UBIN)/pip install -q --no-deps --force-reinstall ./$(PLUGIN)
+	# Its extras (ContextServe's scipy and xgboost), if missing; the plugin itself stays.
+	$(UBIN)/pip install -q './$(PLUGIN)[context-serve]'
 	rm -rf $(PLUGIN)/build
 
 # The embedded model's fp32 folder comes from our engine's loader (`make setup` env).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from conftest import make_request
-from harness import make_scheduler, run_until_done, step
+from harness import make_scheduler, random_traffic, run_until_done, step
 
 NO_PINS = {"continuum_ttl_mode": "fixed"}  # no tool in the text -> no pin: pure order
 
@@ -100,34 +100,8 @@ def test_a_last_step_is_preempted_only_when_nothing_else_is_left(vllm_config):
 def test_random_traffic_never_leaks_or_double_frees(vllm_config):
     """Random multi-turn jobs, tool gaps, aborts and memory pressure; the pool check runs
     after every step, and at the end every block is back."""
-    from vllm.v1.request import RequestStatus
-
-    rng = random.Random(0)
     s = make_scheduler(vllm_config, num_blocks=17, max_num_seqs=4)
-    contexts: dict[str, list[int]] = {}
-    live = []
-    for _ in range(300):
-        if rng.random() < 0.3:
-            job = f"j{rng.randrange(6)}"
-            prompt = contexts.get(job, [rng.randrange(1000) for _ in range(rng.randrange(5, 40))])
-            r = make_request(
-                [*prompt, rng.randrange(1000)],
-                job=job,
-                last=rng.random() < 0.2,
-                max_tokens=rng.randrange(1, 12),
-            )
-            s.add_request(r)
-            live.append((job, r))
-        if live and rng.random() < 0.05:
-            _, victim = live.pop(rng.randrange(len(live)))
-            s.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
-        s.clock.advance(rng.choice([0.0, 0.05, 0.5, 3.0]))
-        step(s)
-        for job, r in [x for x in live if x[1].is_finished()]:
-            live.remove((job, r))
-            if len(r.all_token_ids) < 120:
-                contexts[job] = list(r.all_token_ids)
-    run_until_done(s, max_steps=2000)
+    random_traffic(s, random.Random(0), 300)
     counters = s.pin_counters
     # The scenario exercises every path: pins, hits, expiries, pressure, preemption, aborts.
     assert min(counters.pins, counters.hits, counters.expiries, counters.pressure_releases) > 0

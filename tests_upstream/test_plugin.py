@@ -8,19 +8,11 @@ import json
 
 import pytest
 from conftest import make_request
-from harness import make_scheduler, run_until_done
+from harness import make_scheduler, run_until_done, upstream_parser
 
 from vllm_continuum.upstream import cli, compat
 from vllm_continuum.upstream.middleware import JobFieldsMiddleware, move_fields
 from vllm_continuum.upstream.settings import policy_config_from
-
-
-def upstream_parser():
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())  # loads general plugins
 
 
 def test_general_plugin_is_registered_and_offers_our_policy():
@@ -44,7 +36,8 @@ def test_our_policy_maps_to_our_scheduler_class(vllm_config):
     engine_args = AsyncEngineArgs.from_cli_args(args)
     cli.apply_policy(engine_args)
     assert engine_args.scheduler_cls == cli.POLICIES["continuum"]
-    assert engine_args.scheduling_policy == "fcfs" and engine_args.async_scheduling is False
+    assert engine_args.scheduling_policy == "fcfs"
+    assert engine_args.async_scheduling is None  # upstream decides; cli picks the variant
     from vllm.config import SchedulerConfig
 
     config = SchedulerConfig(

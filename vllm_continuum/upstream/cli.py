@@ -18,9 +18,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Our policy names -> scheduler class paths. A new policy (ContextServe) adds a line here.
+# Our policy names -> scheduler class paths (a new policy adds a line here).
 POLICIES: dict[str, str] = {
     "continuum": "vllm_continuum.upstream.scheduler.ContinuumScheduler",
+    "context_serve": "vllm_continuum.upstream.context_serve.ContextServeScheduler",
+}
+# Each class's async-scheduling variant, used when upstream turns async scheduling on.
+ASYNC_VARIANTS: dict[str, str] = {
+    POLICIES["continuum"]: "vllm_continuum.upstream.scheduler.AsyncContinuumScheduler",
+    POLICIES["context_serve"]: ("vllm_continuum.upstream.context_serve.AsyncContextServeScheduler"),
 }
 _PATCHED = "_vllm_continuum_patched"
 
@@ -55,7 +61,7 @@ def _with_our_choices(add_cli_args: Any) -> Any:
                 action.help = (action.help or "") + (
                     "\n- " + ", ".join(f'"{p}"' for p in POLICIES) + ": agent-aware policies "
                     "of vllm-continuum-plugin (settings: --additional-config "
-                    "'{\"continuum\": {...}}')."
+                    '\'{"continuum": {...}, "context_serve": {...}}\').'
                 )
         return parser
 
@@ -66,7 +72,9 @@ def _mapping_our_policies(create_engine_config: Any) -> Any:
     @functools.wraps(create_engine_config)
     def create_engine_config_with_our_policies(self: Any, *args: Any, **kwargs: Any) -> Any:
         apply_policy(self)
-        return create_engine_config(self, *args, **kwargs)
+        config = create_engine_config(self, *args, **kwargs)
+        use_async_variant(config.scheduler_config)
+        return config
 
     return create_engine_config_with_our_policies
 
@@ -76,10 +84,15 @@ def apply_policy(engine_args: Any) -> None:
     name = engine_args.scheduling_policy
     if name not in POLICIES:
         return
-    from vllm_continuum.upstream.compat import check_upstream
-    from vllm_continuum.upstream.settings import SECTION, policy_config_from
+    from vllm_continuum.upstream.compat import check_policy_dependencies, check_upstream
+    from vllm_continuum.upstream.settings import (
+        SECTION,
+        context_serve_config_from,
+        policy_config_from,
+    )
 
     check_upstream()  # a clear error now, in the front end, not in the engine process
+    check_policy_dependencies(name)
     if engine_args.scheduler_cls not in (None, POLICIES[name]):
         raise ValueError(
             f"--scheduling-policy {name} selects its own scheduler class; "
@@ -87,12 +100,19 @@ def apply_policy(engine_args: Any) -> None:
         )
     additional = dict(engine_args.additional_config or {})
     policy_config_from(additional)  # validate the settings before any process starts
+    context_serve_config_from(additional)
     additional.setdefault(SECTION, {})
     engine_args.additional_config = additional
     engine_args.scheduler_cls = POLICIES[name]
     engine_args.scheduling_policy = "fcfs"
-    if engine_args.async_scheduling is None:
-        # Our scheduler subclasses the synchronous Scheduler: say so instead of letting
-        # upstream turn async scheduling on around it (it would only add a batch queue).
-        engine_args.async_scheduling = False
     logger.info("scheduling policy %s: scheduler class %s", name, POLICIES[name])
+
+
+def use_async_variant(scheduler_config: Any) -> None:
+    """Once upstream has decided async scheduling (``VllmConfig`` resolves a None), swap
+    our class for its ``AsyncScheduler`` variant when it is on (also for a class given
+    with ``--scheduler-cls``), so GPU users keep the overlap of scheduling and execution."""
+    variant = ASYNC_VARIANTS.get(scheduler_config.scheduler_cls)
+    if variant is not None and scheduler_config.async_scheduling:
+        scheduler_config.scheduler_cls = variant
+        logger.info("async scheduling: scheduler class %s", variant)

@@ -20,6 +20,7 @@ _SEAMS: tuple[tuple[str, str], ...] = (
     ("vllm.v1.core.sched.scheduler:Scheduler", "_free_request"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "_free_blocks"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "_free_request_blocks"),
+    ("vllm.v1.core.sched.scheduler:Scheduler", "_preempt_request"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "make_stats"),
     ("vllm.v1.core.kv_cache_manager:KVCacheManager", "allocate_slots"),
     ("vllm.v1.core.kv_cache_manager:KVCacheManager", "get_block_ids"),
@@ -71,6 +72,24 @@ def check_upstream() -> str:
             version,
         )
     return version
+
+
+# Python packages a policy needs beyond upstream vLLM (the plugin's extras).
+_POLICY_NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "context_serve": (("scipy", "context-serve"),),
+}
+
+
+def check_policy_dependencies(policy: str) -> None:
+    """ImportError naming the plugin extra to install when ``policy`` lacks a package."""
+    import importlib.util
+
+    for module, extra in _POLICY_NEEDS.get(policy, ()):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(
+                f"--scheduling-policy {policy} needs {module}: "
+                f"pip install 'vllm-continuum-plugin[{extra}]'"
+            )
 
 
 def _allocate_slots_takes_hit() -> bool:

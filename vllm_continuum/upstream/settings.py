@@ -1,38 +1,61 @@
-"""``PolicyConfig`` from upstream's ``--additional-config``.
+"""The policies' settings from upstream's ``--additional-config``.
 
 ``--additional-config '{"continuum": {"max_ttl_s": 5, "continuum_ttl_mode": "fixed"}}'``:
-the keys are ``PolicyConfig``'s field names (help: ``python -m vllm_continuum.upstream.settings``).
-``PolicyConfig`` validates them, so a bad value stops the start-up with the field's name.
+the keys of the ``continuum`` section are ``PolicyConfig``'s field names (both policies);
+those of the ``context_serve`` section, ``ContextServeConfig``'s (ContextServe's
+predictor). Help: ``python -m vllm_continuum.upstream.settings``. The config classes
+validate the values, so a bad value stops the start-up with the field's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_continuum.config import PolicyConfig
+from vllm_continuum.context_serve.config import ContextServeConfig
 
 SECTION = "continuum"
+CONTEXT_SERVE_SECTION = "context_serve"
+# Settings with no meaning on upstream (the plugin has no CPU KV tier: SLOW turns free).
+_NOT_ON_UPSTREAM = {CONTEXT_SERVE_SECTION: {"offload_slow"}}
+
+C = TypeVar("C")
+
+
+def config_from(cls: type[C], additional_config: dict[str, Any] | None, section: str) -> C:
+    """``cls`` built from ``additional_config[section]`` (its defaults if absent)."""
+    values = (additional_config or {}).get(section) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"additional_config[{section!r}] must be a dict, got {values!r}")
+    fields = {f.name for f in dataclasses.fields(cls)} - _NOT_ON_UPSTREAM.get(section, set())
+    unknown = sorted(set(values) - fields - {"policy"})
+    if unknown:
+        raise ValueError(
+            f"additional_config[{section!r}] has unknown keys {unknown}; known: {sorted(fields)}"
+        )
+    return cls(**{k: v for k, v in values.items() if k in fields})
 
 
 def policy_config_from(additional_config: dict[str, Any] | None) -> PolicyConfig:
-    section = (additional_config or {}).get(SECTION) or {}
-    if not isinstance(section, dict):
-        raise ValueError(f"additional_config[{SECTION!r}] must be a dict, got {section!r}")
-    fields = {f.name for f in dataclasses.fields(PolicyConfig)}
-    unknown = sorted(set(section) - fields - {"policy"})
-    if unknown:
-        raise ValueError(
-            f"additional_config[{SECTION!r}] has unknown keys {unknown}; known: {sorted(fields)}"
-        )
-    return PolicyConfig(**{k: v for k, v in section.items() if k in fields})
+    return config_from(PolicyConfig, additional_config, SECTION)
+
+
+def context_serve_config_from(additional_config: dict[str, Any] | None) -> ContextServeConfig:
+    """ContextServe's settings; SLOW turns are freed (no CPU KV tier in the plugin)."""
+    config = config_from(ContextServeConfig, additional_config, CONTEXT_SERVE_SECTION)
+    return dataclasses.replace(config, offload_slow=False)
 
 
 def describe() -> str:
-    """One line per setting: name, default, help (from the config fields)."""
+    """One line per setting: section, name, default, help (from the config fields)."""
     lines = []
-    for f in dataclasses.fields(PolicyConfig):
-        lines.append(f"{f.name} (default {f.default!r}): {f.metadata.get('help', '')}")
+    for section, cls in ((SECTION, PolicyConfig), (CONTEXT_SERVE_SECTION, ContextServeConfig)):
+        skip = _NOT_ON_UPSTREAM.get(section, set())
+        for f in dataclasses.fields(cls):
+            if f.name not in skip:
+                help_text = f.metadata.get("help", "")
+                lines.append(f"{section}.{f.name} (default {f.default!r}): {help_text}")
     return "\n".join(lines)
 
 

@@ -15,11 +15,11 @@ from vllm.config import VllmConfig
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.core.sched.pinned import PinManager
+from vllm.v1.core.sched.pinned import KVCachePinManager
 from vllm.v1.core.sched.policy import Offload, Pin, Policy
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from vllm.v1.metrics.stats import PinStats, SchedulerStats
+from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -66,7 +66,7 @@ class Scheduler:
             cpu_block_bytes,
         )
         self.requests: dict[str, Request] = {}
-        self.pins = PinManager(self.kv_cache_manager, policy)
+        self.pins = KVCachePinManager(self.kv_cache_manager, policy)
         self.waiting = policy.create_request_queue(self.pins)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
@@ -364,9 +364,7 @@ class Scheduler:
         return self.pins.next_deadline()
 
     def make_stats(self) -> SchedulerStats:
-        pin_stats, self.pins.stats = self.pins.stats, PinStats()
-        pin_stats.num_pinned_requests = len(self.pins)
-        pin_stats.pinned_kv_blocks = self.pins.pinned.num_blocks
+        pin_stats = self.pins.take_stats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),

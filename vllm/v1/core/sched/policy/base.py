@@ -12,7 +12,7 @@ points (docs/design.md, "Scheduler"):
 5. observers: ``on_arrival``, ``on_scheduled``, ``on_pinned``, ``on_pin_released``.
 
 Policies own no KV blocks and keep no copy of the scheduler's state: the pins (and so
-which jobs hold pinned blocks) belong to the scheduler's ``PinManager``
+which jobs hold pinned blocks) belong to the scheduler's ``KVCachePinManager``
 (``sched/pinned.py``), which hands the policy a read-only view of the pinned jobs. Policies
 take time only from the ``now`` arguments and the injected clock, so they are
 unit-testable with a fake clock. Engine-agnostic decisions (tool calls, tool times, TTL,
@@ -33,6 +33,15 @@ from typing import TYPE_CHECKING
 
 from vllm.config import PolicyConfig
 from vllm_continuum.clock import Clock, monotonic_clock
+
+# Why a pin ended (argument of ``on_pin_released``): defined with the pin mechanism.
+from vllm_continuum.pins import (  # noqa: F401 - re-exported for policies
+    PIN_RELEASE_EXPIRED,
+    PIN_RELEASE_HIT,
+    PIN_RELEASE_PRESSURE,
+    PIN_RELEASE_REPLACED,
+    PIN_RELEASE_SHUTDOWN,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,13 +79,6 @@ class Offload:
 
 FinishedAction = Free | Pin | Offload
 FREE = Free()
-
-# Why a pin ended (argument of ``on_pin_released``).
-PIN_RELEASE_HIT = "hit"  # the job's next turn took its prefix hit
-PIN_RELEASE_EXPIRED = "expired"  # the TTL passed (and the job's turn was not next in line)
-PIN_RELEASE_PRESSURE = "pressure"  # memory was needed by someone else
-PIN_RELEASE_REPLACED = "replaced"  # the job pinned a newer request
-PIN_RELEASE_SHUTDOWN = "shutdown"
 
 
 class Policy(ABC):
