@@ -16,6 +16,19 @@ class TokenLogprobs:
 
 
 @dataclass
+class RequestFailure:
+    """Why one request failed inside a step (the batch's other requests went on).
+
+    ``internal``: a fault of the engine or the model (the server answers 500); otherwise
+    the request's own values caused it, e.g. sampling parameters that turn its
+    probabilities into NaN (400).
+    """
+
+    message: str
+    internal: bool = True
+
+
+@dataclass
 class ModelRunnerOutput:
     # Order of requests in this step's batch.
     req_ids: list[str]
@@ -23,6 +36,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # req_id -> one entry per sampled token, only for requests that asked for logprobs.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> why it failed this step (no token for it); the scheduler finishes it with
+    # an error. The runner keeps its state until the id comes back in finished_req_ids.
+    errors: dict[str, RequestFailure] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids={})

@@ -72,7 +72,10 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("Invalid request; error.param names the field."),
     **_AUTH,
     413: _error("The body is larger than --max-request-body-size."),
-    500: _error("The engine process died; the server exits (unless kept alive)."),
+    500: _error(
+        "The engine failed while serving this request (InternalServerError; the server "
+        "goes on), or the engine process died (the server exits unless kept alive)."
+    ),
     **_DOWN,
 }
 

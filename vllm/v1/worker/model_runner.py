@@ -19,8 +19,8 @@ from vllm.model_executor.model_loader import apply_quantization, resolve_model
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.selector import TORCH_BACKEND, AttentionBackend, select_attention_backend
-from vllm.v1.core.sched.output import KVOffloadTransfers, SchedulerOutput
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput, RequestFailure
 from vllm.v1.sample.sampler import SamplingRow, sample
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -175,7 +175,9 @@ class ModelRunner:
         self.kv_offload.transfer(plan)
 
     # -- one step -------------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput) -> dict[str, RequestFailure]:
+        """Apply the step's request changes; the new requests whose state could not be
+        built (left out of the batch, failed alone)."""
         self.structured_output.remove(so.preempted_req_ids | so.finished_req_ids)
         for req_id in so.preempted_req_ids:
             state = self.requests.pop(req_id, None)
@@ -186,21 +188,13 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self._paused_generators.pop(req_id, None)
+        failed: dict[str, RequestFailure] = {}
         for new in so.scheduled_new_reqs:
-            p = new.sampling_params
-            gen = self._paused_generators.pop(new.req_id, None)
-            if gen is None and p.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(p.seed)
-            self.requests[new.req_id] = CachedRequestState(
-                new.req_id,
-                list(new.token_ids),
-                new.num_prompt_tokens,
-                p,
-                list(new.block_ids),
-                gen,
-                new.num_computed_tokens,
-                list(new.token_ids[new.num_prompt_tokens :]),
-            )
+            try:
+                self.requests[new.req_id] = self._new_state(new)
+            except Exception as e:  # this request only (e.g. a seed its generator refuses)
+                logger.warning("request %s: its runner state failed", new.req_id, exc_info=True)
+                failed[new.req_id] = RequestFailure(f"{type(e).__name__}: {e}")
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -208,15 +202,32 @@ class ModelRunner:
             state = self.requests[req_id]
             state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
+        return failed
+
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        p = new.sampling_params
+        gen = self._paused_generators.pop(new.req_id, None)
+        if gen is None and p.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        return CachedRequestState(
+            new.req_id,
+            list(new.token_ids),
+            new.num_prompt_tokens,
+            p,
+            list(new.block_ids),
+            gen,
+            new.num_computed_tokens,
+            list(new.token_ids[new.num_prompt_tokens :]),
+        )
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
+        failed = self._update_states(so)
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
-        order = list(so.num_scheduled_tokens)
+        order = [r for r in so.num_scheduled_tokens if r not in failed]
+        if not order:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids={}, errors=failed)
         if self.attn_backend.decodes_first:  # the torch backend batches decodes together
             order.sort(
                 key=lambda r: (
@@ -256,15 +267,24 @@ class ModelRunner:
                 for s in sample_reqs
             ]
             self.structured_output.mask_logits(logits, sample_reqs)
-            tokens, lps = sample(logits, rows)
-            self.structured_output.accept(sample_reqs, tokens)
-            for state, token, lp in zip(sample_reqs, tokens, lps, strict=True):
+            tokens, lps, row_errors = sample(logits, rows)
+            for i, failure in row_errors.items():
+                failed[sample_reqs[i].req_id] = failure
+            sampled_ok = [
+                (s, t, lp)
+                for s, t, lp in zip(sample_reqs, tokens, lps, strict=True)
+                if t is not None
+            ]
+            self.structured_output.accept(
+                [s for s, _, _ in sampled_ok], [t for _, t, _ in sampled_ok]
+            )
+            for state, token, lp in sampled_ok:
                 state.token_ids.append(token)
                 state.output_token_ids.append(token)
                 sampled[state.req_id] = [token]
                 if lp is not None:
                     logprobs[state.req_id] = [lp]
-        return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(order, sampled, logprobs, errors=failed)
 
     # -- profiling ------------------------------------------------------------------------
     @torch.inference_mode()
