@@ -212,6 +212,8 @@ def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state) -> N
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
     async def metrics():
+        if not engine.is_alive:  # kept alive after the engine died: no frozen gauges
+            stats.mark_engine_dead()
         # Always the classic text format: an OpenMetrics scrape would escape the colons.
         return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
 
