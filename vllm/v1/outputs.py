@@ -16,6 +16,16 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``start, start + 1, ...`` (positions in the prompt; the
+    first token, position 0, has none), one entry per position, each the logprob of the
+    prompt's own token with its rank and the top-n: what one prefill chunk computed."""
+
+    start: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class RequestFailure:
     """Why one request failed inside a step (the batch's other requests went on).
 
@@ -36,6 +46,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # req_id -> one entry per sampled token, only for requests that asked for logprobs.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> prompt logprobs of this step's chunk, for requests that asked for them.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # req_id -> why it failed this step (no token for it); the scheduler finishes it with
     # an error. The runner keeps its state until the id comes back in finished_req_ids.
     errors: dict[str, RequestFailure] = field(default_factory=dict)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.sample.sampler import SamplingRow, _filter, apply_penalties, sample
+from vllm.v1.sample.sampler import SamplingRow, _filter, apply_penalties, sample, token_logprobs
 
 VOCAB = 8
 
@@ -307,3 +307,16 @@ def test_an_exception_while_sampling_a_row_fails_that_row_only():
     tokens, _, errors = sample(logits, [broken, row(temperature=0.0)])
     assert tokens == [None, 1]
     assert set(errors) == {0} and errors[0].internal and "TypeError" in errors[0].message
+
+
+# -- prompt logprobs -----------------------------------------------------------------------
+def test_token_logprobs_per_row_of_given_tokens_with_rank_and_top_n():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    rows = token_logprobs(logits, [2, 3], 2)
+    expected = logits.log_softmax(-1)
+    assert [r.token_id for r in rows] == [2, 3]
+    assert rows[0].logprob == pytest.approx(float(expected[0, 2])) and rows[0].rank == 2
+    assert rows[1].logprob == pytest.approx(float(expected[1, 3])) and rows[1].rank == 2
+    assert [t for t, _ in rows[0].top] == [1, 2] and [t for t, _ in rows[1].top] == [2, 3]
+    assert rows[1].top[0][1] == pytest.approx(float(expected[1, 2]))
+    assert token_logprobs(logits, [1, 2], 0)[0].top == []

@@ -32,6 +32,7 @@ SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
     "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
     "top_logprobs": {"minimum": 0, "maximum": 20},
     "logprobs": {"minimum": 0, "maximum": 20},  # completions' (chat's is a boolean)
+    "prompt_logprobs": {"minimum": 0, "maximum": 20},
 }
 
 

@@ -67,6 +67,9 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # Logprobs of prompt positions 1.. (SamplingParams.prompt_logprobs), all in the output
+    # that carries the first token; None otherwise.
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -70,6 +70,26 @@ def _logprobs(raw: torch.Tensor, token: int, n: int) -> TokenLogprobs:
     return TokenLogprobs(token, chosen, rank, top)
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
+    """Per row of ``logits`` (rows, vocab): the logprob of ``token_ids[row]``, its 1-based
+    rank and the top ``n`` (the raw distribution: no penalty, temperature or filter).
+    Used for prompt logprobs, where every row is a prompt position."""
+    lp = logits.float().log_softmax(-1)
+    targets = torch.tensor(token_ids, device=lp.device)[:, None]
+    chosen = lp.gather(1, targets)  # (rows, 1)
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    top_ids, top_vals = [[]] * len(token_ids), [[]] * len(token_ids)
+    if n > 0:
+        vals, ids = lp.topk(n, dim=-1)
+        top_ids, top_vals = ids.tolist(), vals.tolist()
+    return [
+        TokenLogprobs(t, v, r, list(zip(ti, tv, strict=True)))
+        for t, v, r, ti, tv in zip(
+            token_ids, chosen[:, 0].tolist(), ranks, top_ids, top_vals, strict=True
+        )
+    ]
+
+
 class SamplerOutput(NamedTuple):
     """Per row: the sampled token (None for a failed row), its logprobs (None unless asked
     for, or failed), and row index -> failure for the rows that could not be sampled."""

@@ -20,14 +20,17 @@ from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.selector import TORCH_BACKEND, AttentionBackend, select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
-from vllm.v1.outputs import ModelRunnerOutput, RequestFailure
-from vllm.v1.sample.sampler import SamplingRow, sample
+from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
+from vllm.v1.sample.sampler import SamplingRow, sample, token_logprobs
 from vllm.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# Prompt logprobs take the logits of every prompt position: at most this many rows of
+# (rows, vocab) logits at a time (256 x 49,152 fp32 = 48 MiB).
+PROMPT_LOGPROBS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -237,9 +240,11 @@ class ModelRunner:
                 )
             )
         ids, positions, seqs, sample_idx, sample_reqs = [], [], [], [], []
+        row_starts: dict[str, int] = {}  # req_id -> its first row in the flat batch
         for req_id in order:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            row_starts[req_id] = len(ids)
             ids += state.token_ids[start : start + n]
             positions += range(start, start + n)
             seqs.append((start, n, state.block_ids))
@@ -253,38 +258,63 @@ class ModelRunner:
             meta,
             self.kv_caches,
         )
-        sampled: dict[str, list[int]] = {r: [] for r in order}
-        logprobs = {}
+        output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
+        output.prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
         if sample_reqs:
-            logits = self.model.compute_logits(hidden[sample_idx])
-            rows = [
-                SamplingRow(
-                    s.sampling_params,
-                    s.generator,
-                    s.token_ids[: s.num_prompt_tokens],
-                    s.output_token_ids,
-                )
-                for s in sample_reqs
-            ]
-            self.structured_output.mask_logits(logits, sample_reqs)
-            tokens, lps, row_errors = sample(logits, rows)
-            for i, failure in row_errors.items():
-                failed[sample_reqs[i].req_id] = failure
-            sampled_ok = [
-                (s, t, lp)
-                for s, t, lp in zip(sample_reqs, tokens, lps, strict=True)
-                if t is not None
-            ]
-            self.structured_output.accept(
-                [s for s, _, _ in sampled_ok], [t for _, t, _ in sampled_ok]
+            self._sample(hidden[sample_idx], sample_reqs, output)
+        return output
+
+    def _sample(
+        self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
+    ) -> None:
+        """Sample one token per request of ``sample_reqs`` (``hidden``: their last rows)
+        into ``out``; a row that cannot be sampled fails its request alone."""
+        logits = self.model.compute_logits(hidden)
+        rows = [
+            SamplingRow(
+                s.sampling_params,
+                s.generator,
+                s.token_ids[: s.num_prompt_tokens],
+                s.output_token_ids,
             )
-            for state, token, lp in sampled_ok:
-                state.token_ids.append(token)
-                state.output_token_ids.append(token)
-                sampled[state.req_id] = [token]
-                if lp is not None:
-                    logprobs[state.req_id] = [lp]
-        return ModelRunnerOutput(order, sampled, logprobs, errors=failed)
+            for s in sample_reqs
+        ]
+        self.structured_output.mask_logits(logits, sample_reqs)
+        tokens, lps, row_errors = sample(logits, rows)
+        for i, failure in row_errors.items():
+            out.errors[sample_reqs[i].req_id] = failure
+        ok = [
+            (s, t, lp) for s, t, lp in zip(sample_reqs, tokens, lps, strict=True) if t is not None
+        ]
+        self.structured_output.accept([s for s, _, _ in ok], [t for _, t, _ in ok])
+        for state, token, lp in ok:
+            state.token_ids.append(token)
+            state.output_token_ids.append(token)
+            out.sampled_token_ids[state.req_id] = [token]
+            if lp is not None:
+                out.logprobs[state.req_id] = [lp]
+
+    def _prompt_logprobs(
+        self, so: SchedulerOutput, hidden: torch.Tensor, row_starts: dict[str, int]
+    ) -> dict[str, PromptLogprobs]:
+        """For requests with ``prompt_logprobs``: the logprobs of the prompt tokens this
+        step's chunk predicts (the row of position p predicts prompt token p + 1)."""
+        result = {}
+        for req_id, row in row_starts.items():
+            state = self.requests[req_id]
+            num_top = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            end = min(start + so.num_scheduled_tokens[req_id], state.num_prompt_tokens - 1)
+            if num_top is None or end <= start:
+                continue
+            targets = state.token_ids[start + 1 : end + 1]
+            entries = []
+            for i in range(0, end - start, PROMPT_LOGPROBS_ROWS):  # bounds the logits' size
+                rows = hidden[row + i : row + min(i + PROMPT_LOGPROBS_ROWS, end - start)]
+                logits = self.model.compute_logits(rows)
+                entries += token_logprobs(logits, targets[i : i + len(rows)], num_top)
+            result[req_id] = PromptLogprobs(start + 1, entries)
+        return result
 
     # -- profiling ------------------------------------------------------------------------
     @torch.inference_mode()

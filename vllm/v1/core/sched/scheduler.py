@@ -309,8 +309,12 @@ class Scheduler:
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             new_tokens = runner_output.sampled_token_ids.get(req_id) or []
-            if request is None or request.status != RequestStatus.RUNNING or not new_tokens:
-                continue  # aborted meanwhile, or a partial prefill chunk
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            if req_id in runner_output.prompt_logprobs:  # kept until the first token
+                request.add_prompt_logprobs(runner_output.prompt_logprobs[req_id])
+            if not new_tokens:
+                continue  # a partial prefill chunk
             first = request.first_token_time is None
             stopped = False
             for i, token in enumerate(new_tokens):
@@ -325,6 +329,7 @@ class Scheduler:
                 request_id=req_id,
                 new_token_ids=new_tokens,
                 new_logprobs=runner_output.logprobs.get(req_id),
+                new_prompt_logprobs=request.take_prompt_logprobs(),
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
