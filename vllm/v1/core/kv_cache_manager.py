@@ -249,6 +249,13 @@ class KVCacheManager:
         """The copies planned since the last call, for this step's ``SchedulerOutput``."""
         return self.offload.take_transfers() if self.offload is not None else None
 
+    def discard_kv_saves(self, transfers: KVOffloadTransfers) -> None:
+        """A step failed before (or while) running ``transfers``: the CPU tier forgets the
+        blocks its saves were to fill. (Its loads went into blocks of the step's requests,
+        which fail and lose their hashes.)"""
+        if self.offload is not None:
+            self.offload.discard_saves(transfers)
+
     def reset_prefix_cache(self) -> bool:
         ok = self.block_pool.reset_prefix_cache()
         if ok and self.offload is not None:

@@ -162,6 +162,8 @@ class EngineCore:
         # dropping is idempotent, so deliver them again. The failed requests' state is
         # dropped when they come back as finished.
         self._undeliver(scheduler_output)
+        if scheduler_output.kv_transfers:  # the CPU tier's saves may not have run
+            self.scheduler.kv_cache_manager.discard_kv_saves(scheduler_output.kv_transfers)
         failure = RequestFailure(f"the engine failed in this request's step: {_brief(error)}")
         return ModelRunnerOutput([], {}, errors=dict.fromkeys(req_ids, failure))
 

@@ -305,7 +305,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         now = self.clock()
         outputs, self._pending_outputs = self._pending_outputs, []
-        errors = self._fail_requests(scheduler_output, runner_output.errors)
+        errors = self._fail_requests(runner_output.errors)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             new_tokens = runner_output.sampled_token_ids.get(req_id) or []
@@ -342,20 +342,20 @@ class Scheduler:
             outputs.append(output)
         return EngineCoreOutputs(outputs, self.make_stats(), now, errors)
 
-    def _fail_requests(
-        self, scheduler_output: SchedulerOutput, failures: dict[str, RequestFailure]
-    ) -> list[EngineCoreRequestError]:
+    def _fail_requests(self, failures: dict[str, RequestFailure]) -> list[EngineCoreRequestError]:
         """Finish the requests that failed in this step, through the abort path (their
         blocks freed, the policy told), with status ``FINISHED_ERROR``.
 
-        The tokens scheduled for them this step count as not computed: blocks hashed for
-        those tokens lose their hash, as their KV may be partial or missing."""
+        Every block they hashed loses its hash (``free`` of a request with nothing
+        computed): the step may have left a chunk's KV or a load from the CPU tier
+        unwritten, and which blocks it did write is unknown. A valid block shared with
+        another request only stops being a prefix hit."""
         errors = []
         for req_id, failure in failures.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens -= scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            request.num_computed_tokens = 0
             self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
             errors.append(EngineCoreRequestError(req_id, failure.message, failure.internal))
         return errors
