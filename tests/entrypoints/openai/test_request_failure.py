@@ -42,6 +42,10 @@ async def post(app, path: str, body: dict) -> tuple[int, bytes]:
         "path": path,
         "raw_path": path.encode(),
         "query_string": b"",
+        "scheme": "http",
+        "root_path": "",
+        "server": ("test", 80),
+        "client": ("test", 1234),
         "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(raw))],
     }
     done = asyncio.Event()
