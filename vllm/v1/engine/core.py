@@ -123,7 +123,8 @@ class EngineCore:
         except Exception as e:
             runner_output = self._failed_step(scheduler_output, e)
         else:
-            self._num_failed_steps = 0
+            if not scheduler_output.is_empty:  # the model ran: the engine works
+                self._num_failed_steps = 0
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
