@@ -355,6 +355,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            logger.warning("request %s failed in its step: %s", req_id, failure.message)
             request.num_computed_tokens = 0
             self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
             errors.append(EngineCoreRequestError(req_id, failure.message, failure.internal))
