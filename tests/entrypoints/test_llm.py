@@ -181,7 +181,7 @@ def _assert_prompt_logprobs_match(lps, ids: list[int], ref, num_top: int) -> Non
 
 
 def test_prompt_logprobs_match_transformers_across_prefill_chunks(llm, hf_model):
-    prompt = PROMPTS[4]
+    prompt = PROMPTS[2] + " " + PROMPTS[4]
     out = llm.generate(prompt, greedy(2, prompt_logprobs=3))[0]
     ids = out.prompt_token_ids
     assert len(ids) > 32  # more than one 32-token prefill chunk
