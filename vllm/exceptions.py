@@ -25,3 +25,11 @@ class VLLMValidationError(ValueError):
         self.param = param
         self.value = value
         self.code = code
+
+
+class GenerationError(RuntimeError):
+    """A request failed inside the engine (the model runner or the sampler raised while
+    serving it); the engine itself goes on. The server answers 500 (vLLM's name)."""
+
+    status = 500
+    err_type = "InternalServerError"

@@ -66,3 +66,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (no
+    # context predicts it); each the logprob of the prompt's token, its rank and the top-n.
+    # Complete once the first output token exists (all at once, also in DELTA mode).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

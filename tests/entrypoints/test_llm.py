@@ -155,3 +155,72 @@ def test_max_tokens_past_max_model_len_is_a_cap_offline(llm):
     # runs until the context is full instead of being rejected as the server rejects it.
     out = llm.generate([1000] * 505, greedy(16))[0].outputs[0]
     assert len(out.token_ids) == 512 - 505 and out.finish_reason == "length"
+
+
+def _hf_log_softmax(hf_model, ids: list[int]):
+    """(len(ids), vocab): row p is the distribution of the token after position p."""
+    import torch
+
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def _assert_prompt_logprobs_match(lps, ids: list[int], ref, num_top: int) -> None:
+    assert lps[0] is None and len(lps) == len(ids)  # the first token has no context
+    for p in range(1, len(ids)):
+        lp, row = lps[p], ref[p - 1]
+        chosen = float(row[ids[p]])
+        assert lp.token_id == ids[p] and lp.logprob == pytest.approx(chosen, abs=2e-3)
+        # The rank, up to near-ties between fp32 implementations.
+        assert (
+            int((row > chosen + 2e-3).sum()) + 1 <= lp.rank <= int((row > chosen - 2e-3).sum()) + 1
+        )
+        assert [v for _, v in lp.top] == pytest.approx(row.topk(num_top).values.tolist(), abs=2e-3)
+        for token_id, value in lp.top:
+            assert value == pytest.approx(float(row[token_id]), abs=2e-3)
+
+
+def test_prompt_logprobs_match_transformers_across_prefill_chunks(llm, hf_model):
+    prompt = PROMPTS[2] + " " + PROMPTS[4]
+    out = llm.generate(prompt, greedy(2, prompt_logprobs=3))[0]
+    ids = out.prompt_token_ids
+    assert len(ids) > 32  # more than one 32-token prefill chunk
+    _assert_prompt_logprobs_match(out.prompt_logprobs, ids, _hf_log_softmax(hf_model, ids), 3)
+    # As vLLM: a request with prompt logprobs computes its prompt, never a prefix hit...
+    again = llm.generate(prompt, greedy(2, prompt_logprobs=3))[0]
+    assert again.num_cached_tokens == 0
+    first = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    assert [lp.logprob for lp in again.prompt_logprobs[1:]] == pytest.approx(first, abs=1e-5)
+    # ...but the blocks it computed serve other requests.
+    assert llm.generate(prompt, greedy(2))[0].num_cached_tokens >= 32
+    assert llm.generate(prompt, greedy(2))[0].prompt_logprobs is None
+    # n > 1: one list per request (the first sample computes it).
+    params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=2, prompt_logprobs=0)
+    both = llm.generate(prompt, params)[0]
+    assert len(both.outputs) == 2 and len(both.prompt_logprobs) == len(ids)
+    assert all(lp.top == [] for lp in both.prompt_logprobs[1:])
+
+
+def test_prompt_logprobs_survive_preemption_without_duplicates(llm):
+    params = greedy(24, prompt_logprobs=1)
+    expected = llm.generate(PROMPTS, params)
+    tiny = LLM(num_gpu_blocks_override=12, max_num_batched_tokens=64, max_model_len=512)
+    preemptions = []
+    step = tiny.engine_core.step
+
+    def counting_step():
+        outputs = step()
+        preemptions.append(outputs.scheduler_stats.num_preemptions)
+        return outputs
+
+    tiny.engine_core.step = counting_step
+    outs = tiny.generate(PROMPTS, params)
+    assert sum(preemptions) > 0
+    for out, ref in zip(outs, expected, strict=True):
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        assert [lp.token_id for lp in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
+        got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+        assert got == pytest.approx([lp.logprob for lp in ref.prompt_logprobs[1:]], abs=1e-4)
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    tiny.engine_core.scheduler.check_invariants()
+    assert tiny.engine_core.scheduler.kv_cache_manager.usage == 0.0

@@ -13,7 +13,12 @@ from vllm.exceptions import VLLMValidationError
 from vllm.model_executor.model_loader import get_model_config
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineCoreRequestError,
+    FinishReason,
+)
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
@@ -156,7 +161,9 @@ class LLM:
                 if not self.engine_core.has_unfinished_requests():
                     raise RuntimeError("the engine core lost track of unfinished requests")
                 outputs = self.engine_core.step()
-                results, reqs_to_stop = self.output_processor.process_outputs(outputs.outputs)
+                results, reqs_to_stop = self.output_processor.process_outputs(
+                    outputs.outputs + _failed_outputs(outputs.errors)
+                )
                 if reqs_to_stop:  # ended on a stop string: the engine finishes them as stopped
                     self.engine_core.stop_requests(reqs_to_stop)
                 for out in results:
@@ -173,6 +180,14 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+def _failed_outputs(errors: list[EngineCoreRequestError]) -> list[EngineCoreOutput]:
+    """Requests that failed inside a step finish with ``finish_reason == "error"`` (as in
+    vLLM); the other prompts' results are kept."""
+    for error in errors:
+        logger.error("request %s failed: %s", error.request_id, error.message)
+    return [EngineCoreOutput(e.request_id, [], finish_reason=FinishReason.ERROR) for e in errors]
 
 
 def _is_single_prompt(prompts: Any) -> bool:

@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import PromptLogprobs, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -19,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # failed inside a step (the model runner or the sampler)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -35,6 +37,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -82,6 +85,11 @@ class Request:
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
 
+        # Prompt logprobs (SamplingParams.prompt_logprobs): positions 1..n of the prompt
+        # computed so far, and those not yet sent (they go out with the first token).
+        self.num_prompt_logprobs = 0
+        self._pending_prompt_logprobs: list[TokenLogprobs] = []
+
         # Agent metadata (Continuum): from SamplingParams.extra_args.
         self.job_id: str | None = sampling_params.job_id
         self.is_last_step: bool = sampling_params.is_last_step
@@ -119,6 +127,36 @@ class Request:
         self._all_token_ids.extend(token_ids)
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """As vLLM: a request that wants prompt logprobs needs the logits of every prompt
+        position, so it computes its prompt instead of taking cached blocks, until all of
+        them are computed (a recompute after preemption may then use the cache)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+        )
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Keep the entries of a prefill chunk that are new: a recompute after preemption
+        computes positions already sent again, and those are dropped."""
+        skip = self.num_prompt_logprobs + 1 - chunk.start
+        if skip < 0:
+            raise ValueError(
+                f"{self.request_id}: prompt logprobs from position {chunk.start}, but only "
+                f"{self.num_prompt_logprobs} computed (a prefix hit skipped some)"
+            )
+        new = chunk.entries[skip:]
+        self._pending_prompt_logprobs.extend(new)
+        self.num_prompt_logprobs += len(new)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """The prompt logprobs not yet sent (None if there are none)."""
+        if not self._pending_prompt_logprobs:
+            return None
+        taken, self._pending_prompt_logprobs = self._pending_prompt_logprobs, []
+        return taken
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -73,7 +73,6 @@ def test_loggable_escapes_and_bounds():
 @pytest.mark.parametrize(
     "fields,param",
     [
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"best_of": 2}, "best_of"),
         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
@@ -134,6 +133,20 @@ def test_request_limits(fields, param):
     assert info.value.param == param
     at_limit = {"n": 4, "job_id": "j" * 10, "stop": ["x" * 8, "y"]}
     serving.check_request(CompletionRequest.model_validate({"prompt": "p", **at_limit}))
+
+
+def test_prompt_logprobs_reach_sampling_params_but_not_in_a_stream():
+    for request in (
+        CompletionRequest.model_validate({"prompt": "p", "prompt_logprobs": 3}),
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, "prompt_logprobs": 3}),
+    ):
+        assert request.to_sampling_params(4, None, stream=False).prompt_logprobs == 3
+        with pytest.raises(VLLMValidationError) as info:
+            request.to_sampling_params(4, None, stream=True)  # as vLLM
+        assert info.value.param == "prompt_logprobs"
+    request = CompletionRequest.model_validate({"prompt": "p", "prompt_logprobs": 21})
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs"):
+        request.to_sampling_params(4, None, stream=False)
 
 
 def test_server_state_refuses_new_engine_requests_once_closing():

@@ -42,12 +42,13 @@ REFUSED = [
     ("chat", {"tools": [TOOL]}, 400, "tool_choice"),
     ("chat", {"tools": [TOOL], "tool_choice": "auto"}, 400, "tool_choice"),
     ("chat", {"tool_choice": "required"}, 400, "tool_choice"),
-    ("completions", {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("chat", {"logit_bias": {"42": 5}}, 400, "logit_bias"),
     ("completions", {"response_format": {"type": "json_object"}}, 400, "response_format"),
     ("completions", {"best_of": 3}, 400, "best_of"),
     ("completions", {"suffix": "end"}, 400, "suffix"),
-    ("completions", {"echo": True, "logprobs": 1}, 400, "echo"),
+    ("completions", {"echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
     ("completions", {"prompt": "x" * (9 << 20)}, 413, None),
 ]
 ACCEPTED = [  # values that ask for nothing unsupported

@@ -113,6 +113,46 @@ def test_completion_n_logprobs_stop(client):
     assert sorted(c.index for c in two.choices) == [0, 1]
 
 
+def test_prompt_logprobs_in_vllm_s_shape(server, client, tokenizer, hf_model):
+    import torch
+
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = tokenizer(prompt).input_ids
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    plp = resp.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for p in range(1, len(ids)):
+        position = plp[p]  # {token_id: {logprob, rank, decoded_token}}: the prompt's first
+        first_id, first = next(iter(position.items()))
+        assert int(first_id) == ids[p] and 2 <= len(position) <= 3
+        assert first["logprob"] == pytest.approx(float(ref[p - 1, ids[p]]), abs=2e-3)
+        assert first["decoded_token"] == tokenizer.decode([ids[p]]) and first["rank"] >= 1
+        assert {1, 2} <= {v["rank"] for v in position.values()}  # the top 2
+    # Chat: at the top level, as vLLM does.
+    body = chat(client, max_tokens=1, extra_body={"prompt_logprobs": 0}).model_extra
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) > 10
+    # echo + logprobs: the prompt's tokens lead the logprobs (the first with null ones).
+    echo = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True
+    ).choices[0]
+    assert echo.text.startswith(prompt)
+    assert echo.logprobs.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert len(echo.logprobs.tokens) == len(echo.logprobs.token_logprobs) > len(ids)
+    assert echo.logprobs.token_logprobs[0] is None and echo.logprobs.top_logprobs[0] is None
+    first_lp = plp[1][str(ids[1])]["logprob"]
+    assert echo.logprobs.token_logprobs[1] == pytest.approx(first_lp, abs=1e-4)
+    # Not in a stream (as vLLM): a 400 naming the field.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt=prompt, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert "prompt_logprobs" in str(info.value)
+
+
 def test_agent_metadata_in_three_places_and_type_errors(server, client):
     ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     headers = {"Authorization": f"Bearer {API_KEY}"}

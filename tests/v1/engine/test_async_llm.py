@@ -9,12 +9,13 @@ import pickle
 import pytest
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import GenerationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutputType, EngineCoreReady, encode_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
 
-from .test_core_proc import fake_engine_factory, inject
+from .test_core_proc import POISON_TOKEN, fake_engine_factory, inject
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +67,21 @@ def test_closing_a_stream_aborts_the_request():
         # The engine dropped it: another request is served alone and finishes.
         outs = [o async for o in engine.generate([1], params(2), "next")]
         assert outs[-1].finished
+
+    run(scenario)
+
+
+def test_a_request_failed_in_the_engine_raises_generation_error_alone():
+    async def scenario(engine: AsyncLLM) -> None:
+        ok = await engine.add_request([1], params(3), "ok")
+        bad = await engine.add_request([POISON_TOKEN], params(3), "bad")
+        with pytest.raises(GenerationError, match="poisoned"):
+            async for _ in bad:
+                pass
+        outs = [o async for o in ok]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert engine.is_alive and not engine.output_processor.has_unfinished_requests()
+        assert engine.num_unfinished_requests == 0
 
     run(scenario)
 

@@ -50,8 +50,12 @@ class _FakeScheduler:
         return SchedulerStats(num_running_reqs=len(self.engine.requests))
 
 
+POISON_TOKEN = 666
+
+
 class FakeEngine:
-    """One token (id 7) per request per step until max_tokens; records the steps."""
+    """One token (id 7) per request per step until max_tokens; records the steps. A request
+    whose prompt starts with POISON_TOKEN fails in its first step."""
 
     num_gpu_blocks = 32
 
@@ -61,11 +65,14 @@ class FakeEngine:
         self.wakeup: float | None = None
         self.scheduler = _FakeScheduler(self)
         self.shut_down = False
+        self.poisoned: set[str] = set()  # requests whose prompt starts with POISON_TOKEN
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if not request.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.requests[request.request_id] = [0, request.sampling_params.max_tokens]
+        if request.prompt_token_ids[0] == POISON_TOKEN:
+            self.poisoned.add(request.request_id)
 
     def abort_requests(self, ids: list[str]) -> None:
         for request_id in ids:
@@ -83,7 +90,11 @@ class FakeEngine:
             raise RuntimeError("step exploded")
         if self.wakeup is not None and self.wakeup <= time.monotonic():
             self.wakeup = None  # the pin expired
-        outputs = []
+        outputs, errors = [], []
+        for request_id in [r for r in self.requests if r in self.poisoned]:
+            # Fails inside its first step, as EngineCore reports it (issue 16).
+            del self.requests[request_id]
+            errors.append(EngineCoreRequestError(request_id, "poisoned", internal=True))
         for request_id, state in list(self.requests.items()):
             state[0] += 1
             done = state[0] >= state[1]
@@ -94,7 +105,7 @@ class FakeEngine:
             )
             if done:
                 del self.requests[request_id]
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), errors=errors)
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -260,6 +271,17 @@ def test_bad_request_reports_an_error_and_engine_goes_on(harness):
     assert harness.recv() == (EngineCoreOutputType.REQUEST_ERROR, error)
     harness.send(EngineCoreRequestType.ADD, request("good", max_tokens=1))
     harness.outputs_until_finished("good")
+
+
+def test_a_request_failed_in_a_step_is_a_request_error_and_the_engine_goes_on(harness):
+    harness.send(EngineCoreRequestType.ADD, request("bad", max_tokens=2, prompt=[POISON_TOKEN]))
+    error = EngineCoreRequestError("bad", "poisoned", internal=True)
+    assert harness.recv() == (EngineCoreOutputType.REQUEST_ERROR, error)  # before the step's
+    outputs = harness.recv_outputs().outputs
+    assert outputs.errors == [] and outputs.outputs == []
+    harness.send(EngineCoreRequestType.ADD, request("ok", max_tokens=2))
+    harness.outputs_until_finished("ok")
+    assert harness.thread.is_alive()
 
 
 def test_a_failing_step_is_reported_as_fatal(harness):

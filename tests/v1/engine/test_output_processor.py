@@ -131,3 +131,28 @@ def test_abort_and_duplicate_ids(tokenizer):
     assert processor.abort_request("r") == []
     assert not processor.has_unfinished_requests()
     assert processor.process_outputs(token_outputs(tokenizer, "0_r")) == ([], [])
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_prompt_logprobs_are_none_first_then_once_in_delta(tokenizer, kind):
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [make_request("r", output_kind=kind, prompt_logprobs=1)])
+    outs = token_outputs(tokenizer, "r")
+    outs[0].new_prompt_logprobs = [TokenLogprobs(2, -1.0, 3), TokenLogprobs(3, -0.5, 1)]
+    results = run(processor, outs)
+    expected = [None, TokenLogprobs(2, -1.0, 3), TokenLogprobs(3, -0.5, 1)]  # prompt [1, 2, 3]
+    assert results[0].prompt_logprobs == expected
+    if kind == RequestOutputKind.DELTA:
+        assert all(r.prompt_logprobs is None for r in results[1:])  # handed out once
+    else:
+        assert results[-1].prompt_logprobs == expected
+
+
+def test_engine_error_finishes_a_sequence_with_finish_reason_error(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [make_request("r")])
+    (result,), _ = processor.process_outputs(
+        [EngineCoreOutput("r", [], finish_reason=FinishReason.ERROR)]
+    )
+    assert result.finished and result.outputs[0].finish_reason == "error"
+    assert result.prompt_logprobs is None  # not asked for

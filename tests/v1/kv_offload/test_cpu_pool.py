@@ -46,3 +46,19 @@ def test_storing_a_present_hash_is_refused():
         pool.allocate(h(0))
     with pytest.raises(ValueError, match="num_blocks"):
         CPUBlockPool(0)
+
+
+def test_discard_forgets_blocks_whose_copy_never_ran():
+    # A step failed before its saves ran: their tier blocks must not serve a hit.
+    pool = CPUBlockPool(3)
+    ids = [pool.allocate(h(i)) for i in range(2)]
+    pool.discard([ids[1], ids[1], 2])  # twice, and a free block: skipped
+    assert h(0) in pool and h(1) not in pool and pool.num_used_blocks == 1
+    assert pool.lookup([h(0), h(1)]) == 1
+    pool.check_invariants()
+    held = pool.acquire([h(0)])
+    with pytest.raises(ValueError, match="held"):
+        pool.discard(held)
+    pool.release(held)
+    assert pool.allocate(h(1)) in (ids[1], 2)
+    pool.check_invariants()

@@ -75,6 +75,34 @@ def test_gauges_take_the_latest_step_values(stats):
     assert value(stats, "vllm:pinned_kv_blocks") == 6.0
 
 
+STATE_GAUGES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_pinned_requests",
+    "vllm:pinned_kv_blocks",
+)
+
+
+def test_a_dead_engine_zeroes_the_state_gauges_and_says_so(stats):
+    # --keep-alive-on-engine-death: /metrics must not show the last step as if live.
+    busy = sched_stats(running=3, waiting=5, usage=0.25, pinned_reqs=2, pinned_blocks=8)
+    stats.record(core(busy, tokens={"a": 1}), [])
+    assert value(stats, "vllm:engine_alive") == 1.0
+    assert all(value(stats, name) > 0 for name in STATE_GAUGES)
+    stats.mark_engine_dead()
+    assert value(stats, "vllm:engine_alive") == 0.0
+    assert all(value(stats, name) == 0.0 for name in STATE_GAUGES)
+    # A message the engine sent before dying, handled after: its events count, its
+    # gauges do not come back.
+    stats.record(core(sched_stats(running=3, queries=10), tokens={"a": 2}), [])
+    assert all(value(stats, name) == 0.0 for name in STATE_GAUGES)
+    assert value(stats, "vllm:generation_tokens_total") == 3.0
+    assert value(stats, "vllm:prefix_cache_queries_total") == 10.0
+    stats.mark_engine_dead()  # idempotent (every scrape of a dead engine calls it)
+    assert value(stats, "vllm:engine_alive") == 0.0
+
+
 def test_counters_accumulate_the_deltas(stats):
     stats.record(
         core(sched_stats(queries=100, hits=40, preemptions=1, pins=2, pin_hits=1, expiries=0)), []

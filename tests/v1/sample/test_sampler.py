@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.sample.sampler import SamplingRow, _filter, apply_penalties, sample
+from vllm.v1.sample.sampler import SamplingRow, _filter, apply_penalties, sample, token_logprobs
 
 VOCAB = 8
 
@@ -39,7 +39,7 @@ def draws(logits: torch.Tensor, n: int, seed: int = 0, **params) -> Counter:
 # -- greedy --------------------------------------------------------------------------------
 def test_greedy_is_argmax_per_row():
     logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 4.0, 1.0], [-3.0, -2.0, -1.0, -4.0]])
-    tokens, lps = sample(logits, [row(temperature=0.0) for _ in range(3)])
+    tokens, lps, _ = sample(logits, [row(temperature=0.0) for _ in range(3)])
     assert tokens == [1, 0, 2]
     assert lps == [None, None, None]
 
@@ -47,7 +47,7 @@ def test_greedy_is_argmax_per_row():
 def test_tiny_temperature_counts_as_greedy_and_ignores_the_generator():
     # 1e-6 < 1e-5: greedy, so two differently seeded rows agree on the argmax.
     logits = torch.tensor([[1.0, 1.5, 1.4, 0.0]] * 2)
-    tokens, _ = sample(logits, [row(seed=1, temperature=1e-6), row(seed=2, temperature=1e-6)])
+    tokens, _, _ = sample(logits, [row(seed=1, temperature=1e-6), row(seed=2, temperature=1e-6)])
     assert tokens == [1, 1]
 
 
@@ -188,7 +188,7 @@ def test_mixed_batch_greedy_rows_are_argmax_random_rows_respect_their_filters():
             row(temperature=0.0, logprobs=1),
             row(seed=1000 + step, temperature=1.0, top_k=1),  # top_k=1 is greedy too
         ]
-        tokens, lps = sample(logits, rows)
+        tokens, lps, _ = sample(logits, rows)
         assert tokens[0] == int(logits[0].argmax())
         assert tokens[1] in top2_row1
         assert tokens[2] == int(logits[2].argmax())
@@ -215,7 +215,7 @@ def test_presence_and_frequency_penalties_use_output_counts_only():
 
 def test_greedy_with_repetition_penalty_takes_the_penalised_argmax():
     logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
-    tokens, _ = sample(logits, [row(temperature=0.0, repetition_penalty=2.0, output=[0])])
+    tokens, _, _ = sample(logits, [row(temperature=0.0, repetition_penalty=2.0, output=[0])])
     assert tokens == [1]  # 3.0 / 2 = 1.5 < 2.0
 
 
@@ -227,7 +227,7 @@ def test_repetition_penalty_with_no_history_is_a_no_op():
 # -- logprobs ------------------------------------------------------------------------------
 def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top_n():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0]])
-    tokens, lps = sample(logits, [row(temperature=0.0, logprobs=3)])
+    tokens, lps, _ = sample(logits, [row(temperature=0.0, logprobs=3)])
     expected = logits[0].log_softmax(-1)
     lp = lps[0]
     assert tokens == [1]
@@ -241,7 +241,7 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top_n():
 
 def test_logprobs_zero_gives_the_sampled_token_only():
     logits = torch.tensor([[0.0, 1.0]])
-    _, lps = sample(logits, [row(temperature=0.0, logprobs=0)])
+    _, lps, _ = sample(logits, [row(temperature=0.0, logprobs=0)])
     assert lps[0].top == []
     assert lps[0].logprob == pytest.approx(float(logits[0].log_softmax(-1)[1]))
 
@@ -252,9 +252,71 @@ def test_logprobs_of_a_random_sample_ignore_temperature_and_filters():
     logits = torch.tensor([[2.0, 1.9, -5.0, 0.0]])
     raw = logits[0].log_softmax(-1)
     for seed in range(20):
-        tokens, lps = sample(logits, [row(seed=seed, temperature=0.5, top_k=2, logprobs=2)])
+        tokens, lps, _ = sample(logits, [row(seed=seed, temperature=0.5, top_k=2, logprobs=2)])
         t = tokens[0]
         assert t in (0, 1)
         assert lps[0].logprob == pytest.approx(float(raw[t]))
         assert lps[0].rank == t + 1  # token 0 is first, token 1 second
         assert [i for i, _ in lps[0].top] == [0, 1]
+
+
+# -- a row that cannot be sampled fails alone (issue 16) -----------------------------------
+def _unchecked(r: SamplingRow, **values) -> SamplingRow:
+    """``r`` with values SamplingParams would refuse: the front end's checks missed them."""
+    for name, value in values.items():
+        object.__setattr__(r.params, name, value)
+    return r
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_fail_their_row_only(bad):
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 0.0, 0.0], [3.0, 0.0, 1.0]])
+    logits[1, 1] = bad
+    rows = [row(temperature=0.0, logprobs=1), row(temperature=0.0, logprobs=1), row(seed=3)]
+    alone = sample(logits[[0, 2]].clone(), [row(temperature=0.0, logprobs=1), row(seed=3)])
+    tokens, lps, errors = sample(logits, rows)
+    assert tokens[1] is None and lps[1] is None
+    assert set(errors) == {1} and errors[1].internal  # the model's fault: a 500
+    # The other rows are what they would have been without the bad one (same seed).
+    assert [tokens[0], tokens[2]] == alone.token_ids
+    assert lps[0] == alone.logprobs[0]
+
+
+def test_all_masked_logits_fail_the_row():
+    logits = torch.full((1, 4), float("-inf"))
+    _, _, errors = sample(logits, [row(temperature=0.0)])
+    assert set(errors) == {0}
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1}])
+def test_penalties_that_overflow_fail_the_row_as_the_request_s_fault(params):
+    # A repetition penalty of 1e-300 divides positive logits into inf: the probabilities
+    # are NaN. Issue 16: this ended the engine process.
+    logits = torch.tensor([[2.0, 1.0, -1.0], [2.0, 1.0, -1.0]])
+    bad = _unchecked(row(prompt=[0, 1], **params), repetition_penalty=1e-300)
+    tokens, _, errors = sample(logits, [bad, row(temperature=0.0)])
+    assert tokens == [None, 0]
+    assert set(errors) == {0} and not errors[0].internal  # the request's values: a 400
+    assert "sampling parameters" in errors[0].message
+
+
+def test_an_exception_while_sampling_a_row_fails_that_row_only():
+    logits = torch.tensor([[2.0, 1.0], [0.0, 5.0]])
+    broken = row(temperature=1.0)
+    broken.generator = "not a generator"  # torch.multinomial raises TypeError
+    tokens, _, errors = sample(logits, [broken, row(temperature=0.0)])
+    assert tokens == [None, 1]
+    assert set(errors) == {0} and errors[0].internal and "TypeError" in errors[0].message
+
+
+# -- prompt logprobs -----------------------------------------------------------------------
+def test_token_logprobs_per_row_of_given_tokens_with_rank_and_top_n():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    rows = token_logprobs(logits, [2, 3], 2)
+    expected = logits.log_softmax(-1)
+    assert [r.token_id for r in rows] == [2, 3]
+    assert rows[0].logprob == pytest.approx(float(expected[0, 2])) and rows[0].rank == 2
+    assert rows[1].logprob == pytest.approx(float(expected[1, 3])) and rows[1].rank == 2
+    assert [t for t, _ in rows[0].top] == [1, 2] and [t for t, _ in rows[1].top] == [2, 3]
+    assert rows[1].top[0][1] == pytest.approx(float(expected[1, 2]))
+    assert token_logprobs(logits, [1, 2], 0)[0].top == []

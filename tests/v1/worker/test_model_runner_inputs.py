@@ -319,3 +319,48 @@ def test_one_token_prefix_hit_is_batched_as_a_decode_by_the_torch_backend(runner
     assert meta.decode_slots.tolist() == [[28, 29, 30, 31, 52]]
     assert meta.slot_mapping.tolist() == [52, 44, 45, 46]
     assert out.sampled_token_ids == {"P": [100], "C": [103]}
+
+
+class RowLogitsModel(RecordingModel):
+    """Row i of the flat batch has logits ``i * 0.01 * arange(VOCAB)``: distinct per row."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden * 0.01 * torch.arange(VOCAB, dtype=torch.float32)
+
+
+def test_prompt_logprobs_of_each_chunk_come_from_its_rows(runner):
+    # 12-token prompt in two chunks: positions 0-4, then 5-11 (the last row samples).
+    runner.attn_backend = FLASH_BUILDER
+    runner.model = RowLogitsModel()
+    prompt = list(range(10, 22))
+    first = runner.execute_model(
+        sched_out(
+            new=[new_req("P", prompt, [1, 2, 3, 4], 0, prompt_logprobs=2)], num_scheduled={"P": 5}
+        )
+    )
+    chunk = first.prompt_logprobs["P"]
+    assert chunk.start == 1 and [e.token_id for e in chunk.entries] == prompt[1:6]
+    assert first.sampled_token_ids["P"] == []
+    second = runner.execute_model(sched_out(cached=[("P", [], 5)], num_scheduled={"P": 7}))
+    chunk = second.prompt_logprobs["P"]
+    assert chunk.start == 6 and [e.token_id for e in chunk.entries] == prompt[6:]
+    # Flat row 3 of the second step is position 8, predicting prompt token 9 (= 19).
+    expected = (3 * 0.01 * torch.arange(VOCAB, dtype=torch.float32)).log_softmax(-1)
+    entry = chunk.entries[3]
+    assert entry.token_id == 19 and entry.logprob == pytest.approx(float(expected[19]))
+    assert entry.rank == VOCAB - 19 and [t for t, _ in entry.top] == [VOCAB - 1, VOCAB - 2]
+    assert len(second.sampled_token_ids["P"]) == 1
+    # Decode steps have no prompt logprobs.
+    third = runner.execute_model(sched_out(cached=[("P", [], 12)], num_scheduled={"P": 1}))
+    assert third.prompt_logprobs == {}
+
+
+def test_a_request_whose_state_cannot_be_built_fails_alone(runner):
+    runner.attn_backend = FLASH_BUILDER
+    bad = new_req("bad", [1, 2], [1], 0, temperature=1.0)
+    bad.sampling_params.seed = 2**70  # past the front end's check: torch refuses it
+    so = sched_out(new=[bad, new_req("ok", [3, 4], [2], 0)], num_scheduled={"bad": 2, "ok": 2})
+    out = runner.execute_model(so)
+    assert set(out.errors) == {"bad"} and "Error" in out.errors["bad"].message
+    assert out.req_ids == ["ok"] and len(out.sampled_token_ids["ok"]) == 1
+    assert set(runner.requests) == {"ok"}

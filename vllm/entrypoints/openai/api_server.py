@@ -29,7 +29,7 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
-from vllm.exceptions import VLLMValidationError
+from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
@@ -212,6 +212,8 @@ def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state) -> N
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
     async def metrics():
+        if not engine.is_alive:  # kept alive after the engine died: no frozen gauges
+            stats.mark_engine_dead()
         # Always the classic text format: an OpenMetrics scrape would escape the colons.
         return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -242,6 +244,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         if err_type is None:
             err_type = HTTPStatus(exc.status_code).phrase.replace(" ", "") + "Error"
         return error_response(exc.status_code, str(exc.detail), err_type)
+
+    @app.exception_handler(GenerationError)
+    async def on_generation_error(request: Request, exc: GenerationError):
+        # The engine logged the traceback; this request alone failed.
+        return error_response(exc.status, str(exc), exc.err_type)
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):

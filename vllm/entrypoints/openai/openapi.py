@@ -32,6 +32,7 @@ SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
     "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
     "top_logprobs": {"minimum": 0, "maximum": 20},
     "logprobs": {"minimum": 0, "maximum": 20},  # completions' (chat's is a boolean)
+    "prompt_logprobs": {"minimum": 0, "maximum": 20},
 }
 
 
@@ -72,7 +73,10 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("Invalid request; error.param names the field."),
     **_AUTH,
     413: _error("The body is larger than --max-request-body-size."),
-    500: _error("The engine process died; the server exits (unless kept alive)."),
+    500: _error(
+        "The engine failed while serving this request (InternalServerError; the server "
+        "goes on), or the engine process died (the server exits unless kept alive)."
+    ),
     **_DOWN,
 }
 

@@ -57,7 +57,6 @@ def _is_off(value: Any) -> bool:
 # nothing (so clients that send defaults still work). Anything else is a 400, never a
 # silently ignored field.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "prompt_logprobs": _is_off,
     "logit_bias": _is_off,
     "best_of": lambda v: v is None or v == 1,
     "suffix": _is_off,
@@ -177,6 +176,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # vLLM's extra: per prompt token, its logprob and the top-n (the first token: None).
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -235,6 +236,10 @@ class _SamplingFields(BaseModel):
         self, max_tokens: int | None, logprobs: int | None, stream: bool
     ) -> SamplingParams:
         """``VLLMValidationError`` naming the field if a value is out of range."""
+        if self.prompt_logprobs is not None and stream:
+            raise VLLMValidationError(
+                "prompt_logprobs are not available when stream=True", "prompt_logprobs"
+            )
         defaults = SamplingParams()
         return SamplingParams(
             n=self.n,
@@ -252,6 +257,7 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,

@@ -127,6 +127,7 @@ class OpenAIServingChat(OpenAIServing):
                 "model": self.model_name,
                 "choices": choices,
                 "usage": self.usage([final]).model_dump(),
+                "prompt_logprobs": self.prompt_logprobs(final.prompt_logprobs),  # vLLM's
             }
 
         return await self.respond_json(stream, body, received, receive)

@@ -10,6 +10,7 @@ from vllm.entrypoints.openai.serving_engine import (
 )
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.v1.outputs import TokenLogprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -29,14 +30,23 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt
         return self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
 
-    def _logprobs(self, c: CompletionOutput) -> dict | None:
+    def _logprobs(self, c: CompletionOutput, echoed: RequestOutput | None = None) -> dict | None:
+        """OpenAI's legacy logprobs object. ``echoed`` (echo): the request whose prompt
+        tokens and prompt logprobs lead it, the first token with null ones (as in vLLM)."""
         if c.logprobs is None:
             return None
         tok = self.engine.tokenizer
+        ids = [lp.token_id for lp in c.logprobs]
+        lps: list[TokenLogprobs | None] = list(c.logprobs)
+        if echoed is not None and echoed.prompt_logprobs is not None:
+            ids = echoed.prompt_token_ids + ids
+            lps = echoed.prompt_logprobs + lps
         return {
-            "tokens": [tok.decode([lp.token_id]) for lp in c.logprobs],
-            "token_logprobs": [lp.logprob for lp in c.logprobs],
-            "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in c.logprobs],
+            "tokens": [tok.decode([t]) for t in ids],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+            "top_logprobs": [
+                None if lp is None else {tok.decode([t]): v for t, v in lp.top} for lp in lps
+            ],
             "text_offset": [],
         }
 
@@ -50,13 +60,16 @@ class OpenAIServingCompletion(OpenAIServing):
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_request(request)
         prompt = self._prompt(request)
-        if request.echo and request.logprobs is not None:
+        echo_logprobs = request.echo and request.logprobs is not None
+        if echo_logprobs and request.stream:
             raise VLLMValidationError(
-                "echo with logprobs is not supported yet (it needs prompt logprobs)", "echo"
+                "echo with logprobs is not available when stream=True", "echo"
             )
         # OpenAI's default for completions; 0 is refused as on chat, not replaced.
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         params = request.to_sampling_params(max_tokens, request.logprobs, request.stream)
+        if echo_logprobs and params.prompt_logprobs is None:
+            params.prompt_logprobs = request.logprobs  # as vLLM: the echoed prompt's logprobs
         request_id = random_id("cmpl")
         created = now_s()
         stream = await self.add_request(prompt, params, request_id, request.priority)
@@ -72,13 +85,15 @@ class OpenAIServingCompletion(OpenAIServing):
             return EngineStreamingResponse(events, stream)
 
         def body(final: RequestOutput) -> dict:
+            prompt_logprobs = self.prompt_logprobs(final.prompt_logprobs)
             choices = [
                 {
                     "index": c.index,
                     "text": echo + c.text,
-                    "logprobs": self._logprobs(c),
+                    "logprobs": self._logprobs(c, final if echo_logprobs else None),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    "prompt_logprobs": prompt_logprobs,  # vLLM's: in every choice
                 }
                 for c in final.outputs
             ]

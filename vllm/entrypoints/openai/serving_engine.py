@@ -17,6 +17,7 @@ from vllm.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+from vllm.v1.outputs import TokenLogprobs
 
 # Response headers of non-streaming responses (seconds): time in this server from the
 # request's arrival to the response, and the part of it spent in the engine process.
@@ -170,6 +171,31 @@ class OpenAIServing:
             raise VLLMValidationError(
                 f"The model `{request.model}` does not exist.", "model", code="model_not_found"
             )
+
+    def prompt_logprobs(self, lps: list[TokenLogprobs | None] | None) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs`` in a response: per prompt token None (the first) or
+        ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt's own token first,
+        then the top-n (one entry when it is among them). -inf is -9999.0, as in vLLM."""
+        if lps is None:
+            return None
+        decoded: dict[int, str] = {}
+
+        def entry(token_id: int, logprob: float, rank: int) -> dict:
+            if token_id not in decoded:
+                decoded[token_id] = self.engine.tokenizer.decode([token_id])
+            value = max(logprob, -9999.0)
+            return {"logprob": value, "rank": rank, "decoded_token": decoded[token_id]}
+
+        result: list[dict | None] = []
+        for lp in lps:
+            if lp is None:
+                result.append(None)
+                continue
+            position = {lp.token_id: entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (token_id, logprob) in enumerate(lp.top, 1):
+                position.setdefault(token_id, entry(token_id, logprob, rank))
+            result.append(position)
+        return result
 
     @staticmethod
     def usage(outputs: list[RequestOutput]) -> UsageInfo:

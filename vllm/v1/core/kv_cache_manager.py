@@ -57,8 +57,10 @@ class KVCacheManager:
         Never the whole prompt: the last token is always computed, to get its logits.
         Records no stats: a waiting request is looked up again every step until it fits,
         so the scheduler counts the lookup once, at admission (``record_prefix_cache_query``).
+        Nothing for a request that must compute its prompt (``skip_reading_prefix_cache``:
+        prompt logprobs).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
@@ -75,7 +77,7 @@ class KVCacheManager:
         """Tokens after the pool's hit (``num_computed_tokens``) that the CPU tier holds:
         whole blocks, at most ``max_tokens``, never reaching the prompt's last token.
         No side effect (``allocate_slots`` takes them)."""
-        if self.offload is None:
+        if self.offload is None or request.skip_reading_prefix_cache:
             return 0
         bs = self.block_size
         start = num_computed_tokens // bs
@@ -246,6 +248,13 @@ class KVCacheManager:
     def take_kv_transfers(self) -> KVOffloadTransfers | None:
         """The copies planned since the last call, for this step's ``SchedulerOutput``."""
         return self.offload.take_transfers() if self.offload is not None else None
+
+    def discard_kv_saves(self, transfers: KVOffloadTransfers) -> None:
+        """A step failed before (or while) running ``transfers``: the CPU tier forgets the
+        blocks its saves were to fill. (Its loads went into blocks of the step's requests,
+        which fail and lose their hashes.)"""
+        if self.offload is not None:
+            self.offload.discard_saves(transfers)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.block_pool.reset_prefix_cache()

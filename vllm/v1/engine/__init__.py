@@ -18,7 +18,9 @@ has one payload type (``PAYLOAD_TYPES``):
     SHUTDOWN       None                  finish the loop and exit
     READY          EngineCoreReady       once, first: the engine is built
     OUTPUTS        StampedOutputs        one step's outputs (or fresh stats while idle)
-    REQUEST_ERROR  EngineCoreRequestError  ADD rejected (the front end answers 400)
+    REQUEST_ERROR  EngineCoreRequestError  a request the engine cannot serve: ADD rejected,
+                                         or it failed inside a step (its blocks are freed;
+                                         the front end answers 400, or 500 if internal)
     FATAL          str (a traceback)     last message: the engine failed and exits
 
 A message that breaks this contract (unknown type, wrong frame count, undecodable or
@@ -43,9 +45,10 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token id, or a stop string
     LENGTH = 1  # max_tokens or max_model_len
     ABORT = 2  # aborted by the client or the front end
+    ERROR = 3  # failed inside the engine (vLLM's "error"; the server answers an error)
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
+        return ("stop", "length", "abort", "error")[self.value]
 
 
 @dataclass
@@ -64,6 +67,9 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # Logprobs of prompt positions 1.. (SamplingParams.prompt_logprobs), all in the output
+    # that carries the first token; None otherwise.
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -76,10 +82,28 @@ class EngineCoreOutput:
 
 
 @dataclass
+class EngineCoreRequestError:
+    """A request the engine will not serve; it is no longer in the engine.
+
+    Either ``add_request`` raised ``ValueError`` (never queued), or the request failed
+    inside a step and was finished with its blocks freed. ``internal``: the engine or the
+    model failed (the server answers 500); otherwise the request's own values made it fail
+    (400).
+    """
+
+    request_id: str
+    message: str
+    internal: bool = False
+
+
+@dataclass
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # Requests that failed in this step (finished, blocks freed): no output of theirs is
+    # in ``outputs``. The engine process sends each as a REQUEST_ERROR message.
+    errors: list[EngineCoreRequestError] = field(default_factory=list)
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -108,14 +132,6 @@ class EngineCoreOutputType(enum.Enum):
 class EngineCoreReady:
     num_gpu_blocks: int
     pid: int  # of the engine process
-
-
-@dataclass
-class EngineCoreRequestError:
-    """``add_request`` raised ``ValueError``: the request is not in the engine."""
-
-    request_id: str
-    message: str
 
 
 @dataclass

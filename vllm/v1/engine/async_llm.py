@@ -12,6 +12,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.exceptions import GenerationError
 from vllm.model_executor.model_loader import get_eos_token_id
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -242,9 +243,13 @@ class AsyncLLM:
                 )
 
     def _fail_request(self, error: EngineCoreRequestError) -> None:
+        """The engine refused or failed one request (nothing of it is left there): its
+        stream raises ``GenerationError`` (500) if the engine failed, else ``ValueError``
+        (400); the stream's close forgets it here and aborts its siblings (n > 1)."""
         stream = self._by_child.get(error.request_id)
         if stream is not None:
-            stream.put(ValueError(error.message))
+            cls = GenerationError if error.internal else ValueError
+            stream.put(cls(error.message))
 
     async def _deliver_outputs(self, msg: StampedOutputs) -> None:
         core_outputs, sent_at = msg.outputs, msg.sent_at

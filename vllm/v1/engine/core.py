@@ -15,7 +15,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,9 @@ class EngineCore:
     ``clock`` (monotonic seconds) is the scheduler's and the policy's time source; a
     request's ``arrival_time`` inside the core is on this clock.
     """
+
+    # Steps failing in a row before ``step`` re-raises (see ``_failed_step``).
+    MAX_FAILED_STEPS = 3
 
     def __init__(self, vllm_config: VllmConfig, clock: Clock = monotonic_clock) -> None:
         from vllm.model_executor.model_loader import get_eos_token_id
@@ -51,8 +54,11 @@ class EngineCore:
             vllm_config, self.num_gpu_blocks, policy, clock, self.num_cpu_blocks, block_bytes
         )
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
-        # Finished/preempted ids of steps that skipped the runner, delivered with the next.
-        self._undelivered_ids: set[str] = set()
+        # Finished/preempted ids of steps the runner did not see (empty or failed steps),
+        # delivered with the next step that runs it.
+        self._undelivered_finished: set[str] = set()
+        self._undelivered_preempted: set[str] = set()
+        self._num_failed_steps = 0  # in a row
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks%s, policy %s",
             time.monotonic() - start,
@@ -109,8 +115,16 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> EngineCoreOutputs:
+        """Schedule, execute, update. A request that fails inside the step is finished
+        with an error (``EngineCoreOutputs.errors``); the engine goes on."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self._execute(scheduler_output)
+        try:
+            runner_output = self._execute(scheduler_output)
+        except Exception as e:
+            runner_output = self._failed_step(scheduler_output, e)
+        else:
+            if not scheduler_output.is_empty:  # the model ran: the engine works
+                self._num_failed_steps = 0
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -118,15 +132,41 @@ class EngineCore:
         if scheduler_output.is_empty:
             if scheduler_output.kv_transfers:  # saves of freed blocks: run them now
                 self.model_runner.transfer_kv(scheduler_output.kv_transfers)
-            self._undelivered_ids |= scheduler_output.finished_req_ids
-            self._undelivered_ids |= scheduler_output.preempted_req_ids
+            self._undeliver(scheduler_output)
             return EMPTY_MODEL_RUNNER_OUTPUT
-        if self._undelivered_ids:
-            # The runner drops these before adding this step's new requests, so an id
-            # reused by a new request is safe.
-            scheduler_output.finished_req_ids |= self._undelivered_ids
-            self._undelivered_ids = set()
+        # The runner drops these before adding this step's new requests, so an id reused
+        # by a new request is safe; a preempted one keeps its random stream.
+        scheduler_output.finished_req_ids |= self._undelivered_finished
+        scheduler_output.preempted_req_ids |= self._undelivered_preempted
+        self._undelivered_finished, self._undelivered_preempted = set(), set()
         return self.model_runner.execute_model(scheduler_output)
+
+    def _undeliver(self, scheduler_output: SchedulerOutput) -> None:
+        """The runner did not see (all of) this step: tell it again with the next one."""
+        self._undelivered_finished |= scheduler_output.finished_req_ids
+        self._undelivered_preempted |= scheduler_output.preempted_req_ids
+
+    def _failed_step(
+        self, scheduler_output: SchedulerOutput, error: Exception
+    ) -> ModelRunnerOutput:
+        """The runner raised: every request of the step fails (which one caused it is
+        unknown), the rest of the engine goes on. ``MAX_FAILED_STEPS`` failures in a row,
+        with no step succeeding in between, mean a broken model or engine: re-raised, the
+        engine process reports FATAL and the server exits (a supervisor restarts it)."""
+        self._num_failed_steps += 1
+        if self._num_failed_steps >= self.MAX_FAILED_STEPS:
+            logger.error("%d steps in a row failed: the engine stops", self._num_failed_steps)
+            raise error
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        logger.exception("A step failed; its %d request(s) end with an error", len(req_ids))
+        # The runner may have dropped the finished and preempted requests' state or not:
+        # dropping is idempotent, so deliver them again. The failed requests' state is
+        # dropped when they come back as finished.
+        self._undeliver(scheduler_output)
+        if scheduler_output.kv_transfers:  # the CPU tier's saves may not have run
+            self.scheduler.kv_cache_manager.discard_kv_saves(scheduler_output.kv_transfers)
+        failure = RequestFailure(f"the engine failed in this request's step: {_brief(error)}")
+        return ModelRunnerOutput([], {}, errors=dict.fromkeys(req_ids, failure))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -144,3 +184,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+
+def _brief(error: Exception, limit: int = 200) -> str:
+    """``Type: message`` of an exception, bounded (it goes to the client)."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= limit else text[:limit] + "..."

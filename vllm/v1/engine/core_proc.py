@@ -3,8 +3,9 @@
 The wire contract (sockets, message types, payloads) is in ``vllm/v1/engine/__init__.py``.
 This side receives ``EngineCoreRequestType`` messages on the input socket and sends
 ``EngineCoreOutputType`` messages on the output socket: READY once built, then OUTPUTS
-after every step, REQUEST_ERROR for a rejected ADD, and FATAL (its last message) when
-building the engine, a step, or an incoming message fails. A message this process cannot
+after every step, REQUEST_ERROR for a rejected ADD or a request that failed inside a step
+(the engine goes on), and FATAL (its last message) when building the engine, the engine
+itself (steps failing in a row), or an incoming message fails. A message this process cannot
 decode or does not know is a ``ProtocolError``: reported as FATAL, never skipped.
 
 As in vLLM, a thread receives and unpickles inputs while the main thread steps the engine,
@@ -156,6 +157,10 @@ class EngineCoreProc:
                 return True
 
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        # Requests that failed in the step first: the front end fails their streams.
+        errors, outputs.errors = outputs.errors, []
+        for error in errors:
+            self._send(EngineCoreOutputType.REQUEST_ERROR, error)
         arrivals, self._arrivals = self._arrivals, {}
         self._send(
             EngineCoreOutputType.OUTPUTS, StampedOutputs(outputs, time.monotonic(), arrivals)

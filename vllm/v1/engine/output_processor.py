@@ -73,6 +73,9 @@ class _RequestState:
     sequences: dict[str, _Sequence]  # engine-core request id -> sequence, in index order
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # [None] + the prompt's logprobs when asked for (from the first sequence only).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    _sent_prompt_logprobs: bool = False  # DELTA: handed out once
 
     @property
     def finished(self) -> bool:
@@ -122,6 +125,7 @@ class OutputProcessor:
             first.sampling_params.output_kind,
             sequences,
             RequestMetrics(arrival_time),
+            prompt_logprobs=None if first.sampling_params.prompt_logprobs is None else [None],
         )
         for r in core_requests:
             self._seq_to_request[r.request_id] = request_id
@@ -163,6 +167,8 @@ class OutputProcessor:
             if seq.finished:
                 continue
             self._update_metrics(state, out, now)
+            if out.new_prompt_logprobs and state.prompt_logprobs is not None and seq.index == 0:
+                state.prompt_logprobs.extend(out.new_prompt_logprobs)
             if seq.update(out) and not out.finished:
                 reqs_to_stop.append(out.request_id)  # the engine core must stop it too
             updated.setdefault(request_id, []).append(seq)
@@ -198,6 +204,14 @@ class OutputProcessor:
         delta = kind == RequestOutputKind.DELTA
         # DELTA reports only the sequences that moved, so a finished one is reported once.
         seqs = sorted(updated, key=lambda s: s.index) if delta else state.sequences.values()
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            # As vLLM: all of them at once, once complete (with the first token), then none.
+            complete = len(prompt_logprobs) == len(state.prompt_token_ids)
+            if state._sent_prompt_logprobs or not complete:
+                prompt_logprobs = None
+            else:
+                state._sent_prompt_logprobs = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -206,4 +220,5 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
         )

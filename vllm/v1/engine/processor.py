@@ -124,6 +124,8 @@ class Processor:
                 child.n = 1
                 if params.seed is not None:
                     child.seed = params.seed + i
+                if i > 0:  # the prompt is the same: the first sample computes its logprobs
+                    child.prompt_logprobs = None
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(
                 EngineCoreRequest(

@@ -107,6 +107,19 @@ class CPUBlockPool:
         self._lru[block_hash] = block_id
         return block_id
 
+    def discard(self, block_ids: Sequence[int]) -> None:
+        """Forget the hashes of these blocks (not held), which become free: the copy that
+        was to fill them never ran. Blocks without a hash are skipped."""
+        for block_id in block_ids:
+            if block_id in self._ref_cnt:
+                raise ValueError(f"tier block {block_id} is held by a load")
+            block_hash = self._id_to_hash.pop(block_id, None)
+            if block_hash is None:
+                continue
+            del self._hash_to_id[block_hash]
+            self._lru.pop(block_hash, None)
+            self._free_ids.append(block_id)
+
     def reset(self) -> bool:
         """Forget every hash; refused (False) while a load holds a block."""
         if self._ref_cnt:

@@ -88,6 +88,11 @@ class OffloadManager:
         self._held = []
         return transfers or None
 
+    def discard_saves(self, transfers: KVOffloadTransfers) -> None:
+        """The step that was to run ``transfers`` failed: its saves may not have run, so
+        the tier blocks they were to fill are forgotten (a saved one is only a lost hit)."""
+        self.pool.discard([cpu_id for _, cpu_id in transfers.saves])
+
     def make_stats(self) -> tuple[PrefixCacheStats, OffloadStats]:
         """The lookups and copies since the previous call, and the tier's usage."""
         copies = self.num_saved + self.num_loaded

@@ -70,6 +70,13 @@ class PrometheusStatLogger:
                 name, doc, ["model_name"], buckets=buckets, registry=self.registry
             ).labels(**self.labels)
 
+        self.engine_alive = gauge(
+            "vllm:engine_alive",
+            "1 while the engine process serves; 0 once it died (the gauges of its state "
+            "are 0 from then on).",
+        )
+        self.engine_alive.set(1)
+        self._engine_dead = False
         self.running = gauge("vllm:num_requests_running", "Requests in model execution.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
         self.kv_usage = gauge(
@@ -180,6 +187,27 @@ class PrometheusStatLogger:
     def observe_overhead(self, seconds: float) -> None:
         self.overhead.observe(seconds)
 
+    def mark_engine_dead(self) -> None:
+        """The engine process is gone (the server kept alive): nothing runs, waits, is
+        pinned or held in a KV cache any more, so those gauges read 0 instead of freezing
+        at their last values, and ``vllm:engine_alive`` is 0. Counters and histograms keep
+        their totals. Idempotent; a later ``record`` (a message sent before the death) still
+        counts its events but leaves the gauges at 0."""
+        self._engine_dead = True
+        self.engine_alive.set(0)
+        for g in self._state_gauges():
+            g.set(0)
+
+    def _state_gauges(self) -> list:
+        return [
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.pinned_requests,
+            self.pinned_blocks,
+            self.offload_usage,
+        ]
+
     def record(self, core: EngineCoreOutputs, results: list[RequestOutput]) -> None:
         s = core.scheduler_stats
         if s is not None:
@@ -203,6 +231,8 @@ class PrometheusStatLogger:
         for out in results:
             if out.finished:
                 self._record_finished(out)
+        if self._engine_dead:  # a message sent before the death, handled after it
+            self.mark_engine_dead()
 
     def _record_offload(self, s) -> None:
         if s.connector_prefix_cache_stats is not None:

@@ -1,13 +1,19 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs.
+
+A row that cannot be sampled fails alone (``SamplerOutput.errors``), never the batch."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.outputs import TokenLogprobs
+from vllm.v1.outputs import RequestFailure, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,29 +70,89 @@ def _logprobs(raw: torch.Tensor, token: int, n: int) -> TokenLogprobs:
     return TokenLogprobs(token, chosen, rank, top)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list]:
-    """``logits``: (num_rows, vocab) float32. Returns token ids and per-row logprobs
-    (None for rows that did not ask for them)."""
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
+    """Per row of ``logits`` (rows, vocab): the logprob of ``token_ids[row]``, its 1-based
+    rank and the top ``n`` (the raw distribution: no penalty, temperature or filter).
+    Used for prompt logprobs, where every row is a prompt position."""
+    lp = logits.float().log_softmax(-1)
+    targets = torch.tensor(token_ids, device=lp.device)[:, None]
+    chosen = lp.gather(1, targets)  # (rows, 1)
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    top_ids, top_vals = [[]] * len(token_ids), [[]] * len(token_ids)
+    if n > 0:
+        vals, ids = lp.topk(n, dim=-1)
+        top_ids, top_vals = ids.tolist(), vals.tolist()
+    return [
+        TokenLogprobs(t, v, r, list(zip(ti, tv, strict=True)))
+        for t, v, r, ti, tv in zip(
+            token_ids, chosen[:, 0].tolist(), ranks, top_ids, top_vals, strict=True
+        )
+    ]
+
+
+class SamplerOutput(NamedTuple):
+    """Per row: the sampled token (None for a failed row), its logprobs (None unless asked
+    for, or failed), and row index -> failure for the rows that could not be sampled."""
+
+    token_ids: list[int | None]
+    logprobs: list[TokenLogprobs | None]
+    errors: dict[int, RequestFailure]
+
+
+_NON_FINITE_LOGITS = RequestFailure("the model produced NaN or infinite logits", internal=True)
+_NON_FINITE_PROBS = RequestFailure(
+    "sampling failed: this request's sampling parameters (penalties, temperature) turned "
+    "its logits into NaN or infinity",
+    internal=False,
+)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """``logits``: (num_rows, vocab) float32.
+
+    A row that cannot be sampled (non-finite logits from the model, or penalties and
+    temperature that make them so, or any error while sampling it) fails alone: the other
+    rows are sampled as if it were not in the batch (seeded rows use their own generator).
+    """
     raw = logits
     tokens: list[int | None] = [None] * len(rows)
-    greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
+    errors: dict[int, RequestFailure] = {}
+    # The max of a row is NaN if any entry is, +inf if any is, -inf if all are.
+    for i in (~torch.isfinite(raw.amax(-1))).nonzero().flatten().tolist():
+        errors[i] = _NON_FINITE_LOGITS
+    greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params) and i not in errors]
     if greedy:
         for i, t in zip(greedy, raw[greedy].argmax(-1).tolist(), strict=True):
             tokens[i] = t
     for i, row in enumerate(rows):
-        if tokens[i] is not None:
+        if tokens[i] is not None or i in errors:
             continue
-        x = apply_penalties(raw[i].clone(), row)
-        if row.params.sampling_type_greedy:
-            tokens[i] = int(x.argmax())
-            continue
-        probs = _filter(x, row.params).softmax(-1)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=row.generator))
+        try:
+            tokens[i] = _sample_row(raw[i], row)
+        except Exception as e:  # this row only; the traceback is in the engine's log
+            logger.warning("sampling a row failed", exc_info=True)
+            errors[i] = RequestFailure(f"sampling failed: {type(e).__name__}: {e}")
+        if tokens[i] is None and i not in errors:
+            errors[i] = _NON_FINITE_PROBS
     logprobs = [
-        _logprobs(raw[i], tokens[i], r.params.logprobs) if r.params.logprobs is not None else None
-        for i, r in enumerate(rows)
+        _logprobs(raw[i], t, r.params.logprobs)
+        if r.params.logprobs is not None and t is not None
+        else None
+        for i, (r, t) in enumerate(zip(rows, tokens, strict=True))
     ]
-    return tokens, logprobs
+    return SamplerOutput(tokens, logprobs, errors)
+
+
+def _sample_row(raw: torch.Tensor, row: SamplingRow) -> int | None:
+    """One row's token, or None if its penalised / filtered logits are not finite."""
+    x = apply_penalties(raw.clone(), row)
+    if row.params.sampling_type_greedy:
+        return int(x.argmax()) if torch.isfinite(x.amax()) else None
+    filtered = _filter(x, row.params)
+    if not torch.isfinite(filtered.amax()):
+        return None
+    probs = filtered.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=row.generator))
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:

@@ -19,15 +19,18 @@ from vllm.model_executor.model_loader import apply_quantization, resolve_model
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.selector import TORCH_BACKEND, AttentionBackend, select_attention_backend
-from vllm.v1.core.sched.output import KVOffloadTransfers, SchedulerOutput
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.sample.sampler import SamplingRow, sample
+from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
+from vllm.v1.sample.sampler import SamplingRow, sample, token_logprobs
 from vllm.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# Prompt logprobs take the logits of every prompt position: at most this many rows of
+# (rows, vocab) logits at a time (256 x 49,152 fp32 = 48 MiB).
+PROMPT_LOGPROBS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -175,7 +178,9 @@ class ModelRunner:
         self.kv_offload.transfer(plan)
 
     # -- one step -------------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput) -> dict[str, RequestFailure]:
+        """Apply the step's request changes; the new requests whose state could not be
+        built (left out of the batch, failed alone)."""
         self.structured_output.remove(so.preempted_req_ids | so.finished_req_ids)
         for req_id in so.preempted_req_ids:
             state = self.requests.pop(req_id, None)
@@ -186,21 +191,13 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self._paused_generators.pop(req_id, None)
+        failed: dict[str, RequestFailure] = {}
         for new in so.scheduled_new_reqs:
-            p = new.sampling_params
-            gen = self._paused_generators.pop(new.req_id, None)
-            if gen is None and p.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(p.seed)
-            self.requests[new.req_id] = CachedRequestState(
-                new.req_id,
-                list(new.token_ids),
-                new.num_prompt_tokens,
-                p,
-                list(new.block_ids),
-                gen,
-                new.num_computed_tokens,
-                list(new.token_ids[new.num_prompt_tokens :]),
-            )
+            try:
+                self.requests[new.req_id] = self._new_state(new)
+            except Exception as e:  # this request only (e.g. a seed its generator refuses)
+                logger.warning("request %s: its runner state failed", new.req_id, exc_info=True)
+                failed[new.req_id] = RequestFailure(f"{type(e).__name__}: {e}")
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -208,15 +205,32 @@ class ModelRunner:
             state = self.requests[req_id]
             state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
+        return failed
+
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        p = new.sampling_params
+        gen = self._paused_generators.pop(new.req_id, None)
+        if gen is None and p.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        return CachedRequestState(
+            new.req_id,
+            list(new.token_ids),
+            new.num_prompt_tokens,
+            p,
+            list(new.block_ids),
+            gen,
+            new.num_computed_tokens,
+            list(new.token_ids[new.num_prompt_tokens :]),
+        )
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
+        failed = self._update_states(so)
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
-        order = list(so.num_scheduled_tokens)
+        order = [r for r in so.num_scheduled_tokens if r not in failed]
+        if not order:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids={}, errors=failed)
         if self.attn_backend.decodes_first:  # the torch backend batches decodes together
             order.sort(
                 key=lambda r: (
@@ -226,9 +240,11 @@ class ModelRunner:
                 )
             )
         ids, positions, seqs, sample_idx, sample_reqs = [], [], [], [], []
+        row_starts: dict[str, int] = {}  # req_id -> its first row in the flat batch
         for req_id in order:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            row_starts[req_id] = len(ids)
             ids += state.token_ids[start : start + n]
             positions += range(start, start + n)
             seqs.append((start, n, state.block_ids))
@@ -242,29 +258,63 @@ class ModelRunner:
             meta,
             self.kv_caches,
         )
-        sampled: dict[str, list[int]] = {r: [] for r in order}
-        logprobs = {}
+        output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
+        output.prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
         if sample_reqs:
-            logits = self.model.compute_logits(hidden[sample_idx])
-            rows = [
-                SamplingRow(
-                    s.sampling_params,
-                    s.generator,
-                    s.token_ids[: s.num_prompt_tokens],
-                    s.output_token_ids,
-                )
-                for s in sample_reqs
-            ]
-            self.structured_output.mask_logits(logits, sample_reqs)
-            tokens, lps = sample(logits, rows)
-            self.structured_output.accept(sample_reqs, tokens)
-            for state, token, lp in zip(sample_reqs, tokens, lps, strict=True):
-                state.token_ids.append(token)
-                state.output_token_ids.append(token)
-                sampled[state.req_id] = [token]
-                if lp is not None:
-                    logprobs[state.req_id] = [lp]
-        return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)
+            self._sample(hidden[sample_idx], sample_reqs, output)
+        return output
+
+    def _sample(
+        self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
+    ) -> None:
+        """Sample one token per request of ``sample_reqs`` (``hidden``: their last rows)
+        into ``out``; a row that cannot be sampled fails its request alone."""
+        logits = self.model.compute_logits(hidden)
+        rows = [
+            SamplingRow(
+                s.sampling_params,
+                s.generator,
+                s.token_ids[: s.num_prompt_tokens],
+                s.output_token_ids,
+            )
+            for s in sample_reqs
+        ]
+        self.structured_output.mask_logits(logits, sample_reqs)
+        tokens, lps, row_errors = sample(logits, rows)
+        for i, failure in row_errors.items():
+            out.errors[sample_reqs[i].req_id] = failure
+        ok = [
+            (s, t, lp) for s, t, lp in zip(sample_reqs, tokens, lps, strict=True) if t is not None
+        ]
+        self.structured_output.accept([s for s, _, _ in ok], [t for _, t, _ in ok])
+        for state, token, lp in ok:
+            state.token_ids.append(token)
+            state.output_token_ids.append(token)
+            out.sampled_token_ids[state.req_id] = [token]
+            if lp is not None:
+                out.logprobs[state.req_id] = [lp]
+
+    def _prompt_logprobs(
+        self, so: SchedulerOutput, hidden: torch.Tensor, row_starts: dict[str, int]
+    ) -> dict[str, PromptLogprobs]:
+        """For requests with ``prompt_logprobs``: the logprobs of the prompt tokens this
+        step's chunk predicts (the row of position p predicts prompt token p + 1)."""
+        result = {}
+        for req_id, row in row_starts.items():
+            state = self.requests[req_id]
+            num_top = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            end = min(start + so.num_scheduled_tokens[req_id], state.num_prompt_tokens - 1)
+            if num_top is None or end <= start:
+                continue
+            targets = state.token_ids[start + 1 : end + 1]
+            entries = []
+            for i in range(0, end - start, PROMPT_LOGPROBS_ROWS):  # bounds the logits' size
+                rows = hidden[row + i : row + min(i + PROMPT_LOGPROBS_ROWS, end - start)]
+                logits = self.model.compute_logits(rows)
+                entries += token_logprobs(logits, targets[i : i + len(rows)], num_top)
+            result[req_id] = PromptLogprobs(start + 1, entries)
+        return result
 
     # -- profiling ------------------------------------------------------------------------
     @torch.inference_mode()

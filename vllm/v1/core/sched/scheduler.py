@@ -18,9 +18,14 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.core.sched.pinned import KVCachePinManager
 from vllm.v1.core.sched.policy import Offload, Pin, Policy
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequestError,
+    FinishReason,
+)
 from vllm.v1.metrics.stats import SchedulerStats
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -93,9 +98,10 @@ class Scheduler:
         self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
-        """Finish requests from outside: aborted ones are freed; a running request that
-        the front end saw stop (``FINISHED_STOPPED``: a stop string) finishes like an EOS,
-        so the policy decides its blocks. Unknown ids are ignored."""
+        """Finish requests from outside: aborted ones (and failed ones,
+        ``FINISHED_ERROR``) are freed; a running request that the front end saw stop
+        (``FINISHED_STOPPED``: a stop string) finishes like an EOS, so the policy decides
+        its blocks. Unknown ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for req_id in request_ids:
@@ -299,11 +305,16 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         now = self.clock()
         outputs, self._pending_outputs = self._pending_outputs, []
+        errors = self._fail_requests(runner_output.errors)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             new_tokens = runner_output.sampled_token_ids.get(req_id) or []
-            if request is None or request.status != RequestStatus.RUNNING or not new_tokens:
-                continue  # aborted meanwhile, or a partial prefill chunk
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            if req_id in runner_output.prompt_logprobs:  # kept until the first token
+                request.add_prompt_logprobs(runner_output.prompt_logprobs[req_id])
+            if not new_tokens:
+                continue  # a partial prefill chunk
             first = request.first_token_time is None
             stopped = False
             for i, token in enumerate(new_tokens):
@@ -318,6 +329,7 @@ class Scheduler:
                 request_id=req_id,
                 new_token_ids=new_tokens,
                 new_logprobs=runner_output.logprobs.get(req_id),
+                new_prompt_logprobs=request.take_prompt_logprobs(),
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -328,7 +340,26 @@ class Scheduler:
             if stopped:
                 self._finish(request, now)
             outputs.append(output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=now)
+        return EngineCoreOutputs(outputs, self.make_stats(), now, errors)
+
+    def _fail_requests(self, failures: dict[str, RequestFailure]) -> list[EngineCoreRequestError]:
+        """Finish the requests that failed in this step, through the abort path (their
+        blocks freed, the policy told), with status ``FINISHED_ERROR``.
+
+        Every block they hashed loses its hash (``free`` of a request with nothing
+        computed): the step may have left a chunk's KV or a load from the CPU tier
+        unwritten, and which blocks it did write is unknown. A valid block shared with
+        another request only stops being a prefix hit."""
+        errors = []
+        for req_id, failure in failures.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            logger.warning("request %s failed in its step: %s", req_id, failure.message)
+            request.num_computed_tokens = 0
+            self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+            errors.append(EngineCoreRequestError(req_id, failure.message, failure.internal))
+        return errors
 
     def _finish(self, request: Request, now: float) -> None:
         """A request stopped: the policy decides between freeing and pinning its blocks."""
