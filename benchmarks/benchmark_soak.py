@@ -279,6 +279,8 @@ def server_args(args: argparse.Namespace) -> list[str]:
     idle = [] if args.job_idle_timeout is None else [str(args.job_idle_timeout)]
     return [
         "--scheduling-policy", "continuum",
+        # Job admission (opt-in) holds requests back: the soak checks it strands nothing.
+        "--continuum-job-admission",
         "--num-gpu-blocks-override", str(args.num_gpu_blocks),
         "--max-model-len", "768",
         "--max-num-seqs", str(args.max_num_seqs),

@@ -64,6 +64,9 @@ def result_path(out_dir: Path, policy: str, jps: float) -> Path:
 # 16 tokens, 0.70 MiB each: 281 MiB): 4x = 1.1 GiB, 16x = 4.4 GiB.
 _POOL_GIB = 400 * 16 * 2 * 30 * 3 * 64 * 4 / 2**30
 VARIANTS: dict[str, tuple[str, list[str]]] = {
+    # Job admission is off by default (it was on when the first overload points ran, whose
+    # "continuum" files are therefore the policy with admission).
+    "continuum-admission": ("continuum", ["--continuum-job-admission"]),
     "continuum-noadmission": ("continuum", ["--no-continuum-job-admission"]),
     **{
         f"{policy}+offload{k}x": (policy, ["--kv-offloading-size", f"{k * _POOL_GIB:.3f}"])

@@ -24,6 +24,7 @@ def make_scheduler(
     clock: FakeClock | None = None,
     max_wait_s: float = 30.0,
     num_cpu_blocks: int = 0,
+    job_admission: bool = False,
 ) -> Scheduler:
     config = VllmConfig(
         cache_config=CacheConfig(block_size=BLOCK),
@@ -35,7 +36,7 @@ def make_scheduler(
             long_prefill_token_threshold=threshold,
             policy=policy,
         ),
-        policy_config=PolicyConfig(max_wait_s=max_wait_s),
+        policy_config=PolicyConfig(max_wait_s=max_wait_s, job_admission=job_admission),
     )
     clock = clock or FakeClock()
     if policy_obj is None:

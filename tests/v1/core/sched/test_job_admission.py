@@ -25,6 +25,7 @@ def continuum(clock, **cfg):
 def setup(num_blocks=33, max_num_seqs=16, **cfg):
     clock = FakeClock(0.0)
     cfg.setdefault("job_idle_timeout_s", 100.0)
+    cfg.setdefault("job_admission", True)  # opt-in (off by default)
     s = make_scheduler(
         num_blocks=num_blocks, max_num_seqs=max_num_seqs, policy_obj=continuum(clock, **cfg),
         clock=clock,

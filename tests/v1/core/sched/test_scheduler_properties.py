@@ -21,8 +21,13 @@ actions = st.lists(
 
 
 @settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 80)), deadline=None)
-@given(actions, st.booleans(), st.sampled_from(["fcfs", "priority", "continuum", "context_serve"]))
-def test_random_workload_conserves_blocks(seq, pin, policy):
+@given(
+    actions,
+    st.booleans(),
+    st.sampled_from(["fcfs", "priority", "continuum", "context_serve"]),
+    st.booleans(),
+)
+def test_random_workload_conserves_blocks(seq, pin, policy, job_admission):
     clock_policy = PinAll(ttl=1.5) if pin else None
     s = make_scheduler(
         num_blocks=10,
@@ -31,6 +36,7 @@ def test_random_workload_conserves_blocks(seq, pin, policy):
         max_model_len=40,
         policy=policy,
         policy_obj=clock_policy,
+        job_admission=job_admission,
     )
     clock = s.clock
     added = []
