@@ -81,6 +81,9 @@ def test_pin_metrics_reach_prometheus_and_leave_upstreams_fields_clean(vllm_conf
     before = REGISTRY.get_sample_value("vllm:pins_total", labels)
     logger.record(s.make_stats(), None, engine_idx=0)  # same totals: no double count
     assert REGISTRY.get_sample_value("vllm:pins_total", labels) == before
+    # The same counter names as our engine's /metrics.
+    for name in ("pin_hits", "pin_expiries", "pin_forced_releases"):
+        assert REGISTRY.get_sample_value(f"vllm:{name}_total", labels) is not None
 
 
 def test_middleware_moves_top_level_job_fields_into_vllm_xargs():

@@ -56,7 +56,7 @@ COUNTERS = {
     "pin_hits": "vllm:pin_hits_total",
     "pin_expiries": "vllm:pin_expiries_total",
     "pin_forced_releases": "vllm:pin_forced_releases_total",
-    # The upstream plugin's name for the same counter.
+    # The upstream plugin's name for the same counter before it took ours (older runs).
     "pin_pressure_releases": "vllm:pin_pressure_releases_total",
 }
 

@@ -10,7 +10,7 @@ nothing.
 
 Metrics (labelled ``model_name`` and ``engine``, like upstream's):
 ``vllm:num_pinned_requests``, ``vllm:pinned_kv_blocks`` (gauges), ``vllm:pins_total``,
-``vllm:pin_hits_total``, ``vllm:pin_expiries_total``, ``vllm:pin_pressure_releases_total``.
+``vllm:pin_hits_total``, ``vllm:pin_expiries_total``, ``vllm:pin_forced_releases_total``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _HELP = {
     "pins": "Pins placed.",
     "pin_hits": "Pins ended by the job's next turn taking its prefix hit.",
     "pin_expiries": "Pins ended by their TTL.",
-    "pin_pressure_releases": "Pins released because memory was needed.",
+    "pin_forced_releases": "Pins released because memory was needed.",
 }
 _METRICS: dict[str, Any] = {}  # one registration per process, whatever the logger count
 

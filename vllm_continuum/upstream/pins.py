@@ -50,7 +50,7 @@ class UpstreamPinManager(PinManager):
 # Keys of the pin figures in ``SchedulerStats.num_kv_fetch_reqs_by_stage`` (metrics.py).
 STATS_PREFIX = "continuum:"
 GAUGES = ("num_pinned_requests", "pinned_kv_blocks")
-COUNTERS = ("pins", "pin_hits", "pin_expiries", "pin_pressure_releases")
+COUNTERS = ("pins", "pin_hits", "pin_expiries", "pin_forced_releases")
 
 
 def pin_stats(table: PinTable, counters: PinCounters) -> dict[str, int]:
@@ -60,6 +60,6 @@ def pin_stats(table: PinTable, counters: PinCounters) -> dict[str, int]:
         "pins": counters.pins,
         "pin_hits": counters.hits,
         "pin_expiries": counters.expiries,
-        "pin_pressure_releases": counters.pressure_releases,
+        "pin_forced_releases": counters.pressure_releases,
     }
     return {STATS_PREFIX + k: v for k, v in values.items()}
