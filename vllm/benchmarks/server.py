@@ -16,6 +16,18 @@ from vllm.entrypoints.utils import LOOPBACK, get_open_port
 from vllm.v1.metrics.reader import scrape_metrics
 
 
+def stop_session(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the process group a server was started in (``start_new_session``), then
+    SIGKILL if it has not exited within ``grace_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
 class RemoteServer:
     """`vllm serve` on a free loopback port; the constructor returns once /health is 200.
 
@@ -103,13 +115,7 @@ class RemoteServer:
         return got
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_session(self.proc, grace_s=20)
         if self.log:
             self.log.close()
             self.log = None

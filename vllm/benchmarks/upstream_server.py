@@ -11,13 +11,13 @@ the checkout (``python -m`` puts the working folder first on ``sys.path``, where
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import requests
 
+from vllm.benchmarks.server import stop_session
 from vllm.entrypoints.utils import LOOPBACK, get_open_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -75,12 +75,6 @@ class UpstreamServer:
             time.sleep(1)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_session(self.proc, grace_s=60)
         if not self.log.closed:
             self.log.close()
