@@ -56,9 +56,9 @@ def test_prefix_cache_hit_changes_no_output(llm, hf_model, tokenizer):
     assert first.outputs[0].token_ids == hf_greedy(hf_model, tokenizer, prompt, 16)
 
 
-def test_preemption_under_tiny_pool_gives_same_outputs(llm):
-    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(24))]
-    # 11 usable blocks of 16 tokens for five requests of up to ~60 tokens each.
+def generate_on_a_tiny_pool(params):
+    """``PROMPTS`` on an engine whose pool forces preemptions: (outputs, the engine);
+    11 usable blocks of 16 tokens for five requests of up to ~60 tokens each."""
     tiny = LLM(num_gpu_blocks_override=12, max_num_batched_tokens=64, max_model_len=512)
     preemptions = []
     step = tiny.engine_core.step
@@ -69,8 +69,14 @@ def test_preemption_under_tiny_pool_gives_same_outputs(llm):
         return outputs
 
     tiny.engine_core.step = counting_step
-    outs = tiny.generate(PROMPTS, greedy(24))
+    outs = tiny.generate(PROMPTS, params)
     assert sum(preemptions) > 0
+    return outs, tiny
+
+
+def test_preemption_under_tiny_pool_gives_same_outputs(llm):
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(24))]
+    outs, tiny = generate_on_a_tiny_pool(greedy(24))
     assert [o.outputs[0].token_ids for o in outs] == expected
     tiny.engine_core.scheduler.check_invariants()
     assert tiny.engine_core.scheduler.kv_cache_manager.usage == 0.0
@@ -204,18 +210,7 @@ def test_prompt_logprobs_match_transformers_across_prefill_chunks(llm, hf_model)
 def test_prompt_logprobs_survive_preemption_without_duplicates(llm):
     params = greedy(24, prompt_logprobs=1)
     expected = llm.generate(PROMPTS, params)
-    tiny = LLM(num_gpu_blocks_override=12, max_num_batched_tokens=64, max_model_len=512)
-    preemptions = []
-    step = tiny.engine_core.step
-
-    def counting_step():
-        outputs = step()
-        preemptions.append(outputs.scheduler_stats.num_preemptions)
-        return outputs
-
-    tiny.engine_core.step = counting_step
-    outs = tiny.generate(PROMPTS, params)
-    assert sum(preemptions) > 0
+    outs, tiny = generate_on_a_tiny_pool(params)
     for out, ref in zip(outs, expected, strict=True):
         assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
         assert [lp.token_id for lp in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
