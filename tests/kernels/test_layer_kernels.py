@@ -51,7 +51,7 @@ def test_rotary_embedding_is_bit_identical_on_strided_views(tokens):
     positions = torch.randint(0, 8192, (tokens,), generator=G)
     qkv, q, k, _ = qkv_views(tokens, 9, 3, 64)
     expected = qkv.clone()
-    _, eq, ek, _ = expected.split([576, 192, 192], dim=-1)
+    eq, ek, _ = expected.split([576, 192, 192], dim=-1)
     ops.rotary_embedding_torch(positions, eq, ek, 64, cache)
     ops.rotary_embedding(positions, q, k, 64, cache)
     assert torch.equal(qkv, expected)  # v untouched, q and k rotated identically
@@ -73,12 +73,13 @@ def test_reshape_and_cache_reads_strided_views():
     assert torch.equal(cache, expected)
 
 
-# (heads, kv_heads, head_dim, block_size, context lengths): the model's GQA shape with
-# lengths around the 8-position score groups and the block size; no GQA; a head size
-# that is not a multiple of 8 (the scalar path); 10 query heads per KV head (scalar path).
+# (heads, kv_heads, head_dim, block_size, context lengths >= 2: each a decode): the model's
+# GQA shape with lengths around the 8-position score groups and the block size; no GQA; a
+# head size that is not a multiple of 8 (the scalar path); 10 query heads per KV head
+# (scalar path).
 ATTENTION_CASES = [
-    (9, 3, 64, 16, [1, 7, 8, 9, 16, 17, 100, 300]),
-    (4, 4, 32, 4, [1, 5, 13]),
+    (9, 3, 64, 16, [2, 7, 8, 9, 16, 17, 100, 300]),
+    (4, 4, 32, 4, [2, 5, 13]),
     (6, 2, 12, 8, [3, 20]),
     (10, 1, 16, 16, [33]),
 ]
