@@ -203,16 +203,22 @@ void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
   const int64_t max_blocks = bt.size(1), G = heads / kv_heads;
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
+  int64_t longest = 1;
+  for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= max_blocks * bs, "seq_lens[", i, "] = ", lp[i],
                 " outside 1..", max_blocks * bs);
+    longest = std::max(longest, lp[i]);
+  }
+  // ~16k query-head x position scores per task: short contexts stay on one thread (a
+  // parallel region costs more than their work, and much more when a core is busy).
+  const int64_t grain = std::max<int64_t>(1, 16384 / (longest * G));
   const float* k_plane = kv_cache.data_ptr<float>();
   const float* v_plane = k_plane + num_blocks * bs * kv_heads * D;
   const float* qp = query.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
   const int64_t row = kv_heads * D;  // elements between two slots
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t u0, int64_t u1) {
+  at::parallel_for(0, n * kv_heads, grain, [&](int64_t u0, int64_t u1) {
     std::vector<int64_t> off;
     std::vector<float> scores, acc(G * D);
     for (int64_t w = u0; w < u1; ++w) {
