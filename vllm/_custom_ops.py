@@ -2,10 +2,14 @@
 
 ``reshape_and_cache`` writes this step's K/V into their paged slots (csrc/cpu/cache_kernels.cpp);
 ``ggml_linear`` / ``ggml_dequantize`` multiply by / expand GGUF-quantized weights
-(csrc/cpu/quant_kernels.cpp). The native versions are used when they have been built — by
-CMake into ``vllm/_C.so`` or by ``python -m vllm._custom_ops --build`` into the cache
-folder — and the pure-torch versions otherwise. The KV writes are bit-identical; the
-quantized linear agrees up to float rounding (another summation order).
+(csrc/cpu/quant_kernels.cpp); ``fused_add_rms_norm``, ``rotary_embedding`` and
+``silu_and_mul`` do in one op each what torch does in several (csrc/cpu/layer_kernels.cpp);
+``paged_decode_attention`` attends decode queries over the paged cache in place
+(csrc/cpu/attention_kernels.cpp). The native versions are used when they have been built —
+by CMake into ``vllm/_C.so`` or by ``python -m vllm._custom_ops --build`` into the cache
+folder — and the pure-torch versions otherwise. The KV writes, the dequantization and the
+rotation are bit-identical; the rest agree up to float rounding (another summation order,
+another exp).
 """
 
 from __future__ import annotations
@@ -24,9 +28,16 @@ from vllm import envs
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
-_SOURCES = [_CSRC / "cache_kernels.cpp", _CSRC / "quant_kernels.cpp"]
+_SOURCES = [
+    _CSRC / "cache_kernels.cpp",
+    _CSRC / "quant_kernels.cpp",
+    _CSRC / "layer_kernels.cpp",
+    _CSRC / "attention_kernels.cpp",
+]
+_HEADERS = [_CSRC / "vec_math.h"]  # not compiled alone, but part of the build's identity
 _native = None  # the torch op once loaded, else None
 _tried = False
+_ops: dict[str, object] = {}  # name -> the loaded op's default overload, or None
 
 
 def _cache_dir() -> Path:
@@ -37,7 +48,7 @@ def _jit_name() -> str:
     """The JIT library's name carries a hash of the sources, so a build cached from older
     sources (without today's ops) is never loaded in place of the current one."""
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes() if src.exists() else b"")
     return f"vllm_continuum_C_{h.hexdigest()[:12]}"
 
@@ -76,7 +87,17 @@ def build(verbose: bool = False) -> Path:
     )
     global _tried
     _tried = False
+    _ops.clear()
     return out / f"{_jit_name()}.so"
+
+
+def _op(name: str):
+    """The native op ``name`` (its default overload: the cheapest call from Python), or None
+    when no native library is loaded or the loaded one predates the op. Looked up once."""
+    if name not in _ops:
+        lib = torch.ops.vllm_continuum_C if _load_native() is not None else None
+        _ops[name] = getattr(lib, name).default if lib is not None and hasattr(lib, name) else None
+    return _ops[name]
 
 
 def reshape_and_cache_torch(
@@ -95,7 +116,7 @@ def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write K/V of each token into ``kv_cache[:, slot // bs, slot % bs]`` (slot < 0: skip)."""
-    native = _load_native() if kv_cache.device.type == "cpu" else None
+    native = _op("reshape_and_cache") if kv_cache.device.type == "cpu" else None
     if native is not None:
         native(key, value, kv_cache, slot_mapping)
     else:
@@ -117,25 +138,39 @@ GGML_BLOCK_WEIGHTS = 32
 def _quant_ops():
     """torch.ops.vllm_continuum_C when its build has the quantized kernels, else None
     (a library built before they existed has only reshape_and_cache)."""
-    if _load_native() is None:
-        return None
-    lib = torch.ops.vllm_continuum_C
-    return lib if hasattr(lib, "ggml_linear") else None
+    return torch.ops.vllm_continuum_C if _op("ggml_linear") is not None else None
 
 
 def has_quant_kernels() -> bool:
     return _quant_ops() is not None
 
 
-def ensure_quant_kernels() -> bool:
-    """The quantized kernels, JIT-built once into the cache folder when missing and a C++
-    compiler exists (about a minute, then cached); False means the fallback runs."""
-    if has_quant_kernels():
+# The ops of the current sources: a library missing one of them is an older build.
+NATIVE_OPS = (
+    "reshape_and_cache",
+    "ggml_linear",
+    "ggml_dequantize",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "paged_decode_attention",
+)
+
+
+def has_all_native_kernels() -> bool:
+    return all(_op(name) is not None for name in NATIVE_OPS)
+
+
+def ensure_native_kernels() -> bool:
+    """Every native kernel, JIT-built once into the cache folder when missing and a C++
+    compiler exists (about a minute, then cached); False means fallbacks run for some ops."""
+    if has_all_native_kernels():
         return True
     if _native is not None:  # an older build is loaded: it cannot be replaced in-process
         logger.warning(
-            "Native kernels lack the quantized ops: rebuild them with "
-            "`python -m vllm._custom_ops --build` and restart"
+            "Native kernels lack some ops (%s): rebuild them with "
+            "`python -m vllm._custom_ops --build` and restart",
+            ", ".join(n for n in NATIVE_OPS if _op(n) is None),
         )
         return False
     if shutil.which("c++") is None:
@@ -146,6 +181,13 @@ def ensure_quant_kernels() -> bool:
     except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
         logger.warning("Building the native kernels failed: %s", e)
         return False
+    return has_all_native_kernels()
+
+
+def ensure_quant_kernels() -> bool:
+    """The quantized kernels (built with the others when missing, see
+    ``ensure_native_kernels``); False means the fallback runs."""
+    ensure_native_kernels()
     return has_quant_kernels()
 
 
@@ -185,12 +227,92 @@ def ggml_linear(
     """``x @ W.T`` for GGUF-quantized W; x: (M, K) fp32. Up to ``dense_min_tokens`` rows the
     native kernel reads the blocks directly (decode: bound by weight bytes); from there on a
     dequantized dense GEMM is faster (prefill: bound by arithmetic)."""
-    ops = _quant_ops()
-    if ops is None:
+    linear = _op("ggml_linear")
+    if linear is None:
         return ggml_linear_torch(x, qweight, qtype)
     if x.shape[0] >= dense_min_tokens:
-        return torch.nn.functional.linear(x, ops.ggml_dequantize(qweight, qtype))
-    return ops.ggml_linear(x, qweight, qtype)
+        return torch.nn.functional.linear(x, _op("ggml_dequantize")(qweight, qtype))
+    return linear(x, qweight, qtype)
+
+
+# -- per-layer ops of the Llama family ------------------------------------------------------
+def fused_add_rms_norm_torch(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    residual.add_(input)
+    input.copy_(torch.nn.functional.rms_norm(residual, weight.shape, weight, eps))
+
+
+def fused_add_rms_norm(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place, as vLLM's: ``residual += input``, then ``input = rms_norm(residual) * weight``.
+    Both (num_tokens, hidden) contiguous fp32 for the native kernel."""
+    native = _op("fused_add_rms_norm") if input.device.type == "cpu" else None
+    if native is not None and input.dtype == torch.float32:
+        native(input, residual, weight, eps)
+    else:
+        fused_add_rms_norm_torch(input, residual, weight, eps)
+
+
+def rotary_embedding_torch(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, head_size/2)
+    for x in (query, key):
+        heads = x.view(x.shape[0], -1, head_size)
+        x1, x2 = heads.chunk(2, dim=-1)
+        heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Neox-style rotary embedding of every head of ``query`` (T, heads * head_size) and
+    ``key`` (T, kv_heads * head_size), in place; rows may be strided views. cos_sin_cache:
+    (max_position, head_size) = [cos | sin]. Native and fallback are bit-identical."""
+    native = _op("rotary_embedding") if query.device.type == "cpu" else None
+    if native is not None and query.dtype == torch.float32:
+        native(positions, query, key, head_size, cos_sin_cache, True)
+    else:
+        rotary_embedding_torch(positions, query, key, head_size, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for x (..., 2d), as a new (..., d) tensor."""
+    d = x.shape[-1] // 2
+    native = _op("silu_and_mul") if x.device.type == "cpu" else None
+    if native is None or x.dtype != torch.float32 or not x.is_contiguous():
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype)
+    native(out, x)
+    return out
+
+
+def has_paged_decode_attention() -> bool:
+    return _op("paged_decode_attention") is not None
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """Native only (the torch backend keeps its gather + SDPA fallback): writes out (n, heads,
+    dim) for decode queries (n, heads, dim) over their first ``seq_lens`` cache positions
+    through ``block_table`` (n, max_blocks) int64."""
+    _op("paged_decode_attention")(out, query, kv_cache, block_table, seq_lens, scale)
 
 
 if __name__ == "__main__":
@@ -201,3 +323,4 @@ if __name__ == "__main__":
         print(f"built {build(verbose=True)}")
     print(f"native kernels available: {has_native_kernels()}")
     print(f"native quantized kernels available: {has_quant_kernels()}")
+    print(f"all native kernels of these sources available: {has_all_native_kernels()}")

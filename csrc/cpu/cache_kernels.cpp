@@ -4,23 +4,38 @@
 // Layout per layer (vLLM's): kv_cache[2, num_blocks, block_size, num_kv_heads, head_size];
 // slot = block_id * block_size + offset; a negative slot marks a padding token (skipped).
 // The pure-torch fallback in vllm/_custom_ops.py computes the same thing with index_copy_.
+// key / value rows may be strided (the k and v columns of a fused qkv output): no copy.
 #include <torch/extension.h>
 
 #include <cstring>
 
 namespace {
 
+// src rows are `src_stride` elements apart (a view of a fused qkv output is not contiguous).
 template <typename scalar_t>
-void scatter_tokens(const scalar_t* src, scalar_t* dst, const int64_t* slots,
-                    int64_t num_tokens, int64_t token_elems, int64_t num_slots) {
+void scatter_tokens(const scalar_t* src, int64_t src_stride, scalar_t* dst,
+                    const int64_t* slots, int64_t num_tokens, int64_t token_elems,
+                    int64_t num_slots) {
 #pragma omp parallel for if (num_tokens > 64)
   for (int64_t i = 0; i < num_tokens; ++i) {
     const int64_t slot = slots[i];
     if (slot < 0) continue;
     TORCH_CHECK(slot < num_slots, "slot ", slot, " out of range (", num_slots, " slots)");
-    std::memcpy(dst + slot * token_elems, src + i * token_elems,
+    std::memcpy(dst + slot * token_elems, src + i * src_stride,
                 sizeof(scalar_t) * token_elems);
   }
+}
+
+// The tensor itself when each token's elements are contiguous (rows may be strided, as
+// views of a fused qkv output are), else a contiguous copy.
+torch::Tensor token_rows(const torch::Tensor& t) {
+  bool ok = t.dim() >= 1;
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; ok && d >= 1; --d) {
+    ok = t.size(d) == 1 || t.stride(d) == expected;
+    expected *= t.size(d);
+  }
+  return ok ? t : t.contiguous();
 }
 
 }  // namespace
@@ -32,8 +47,8 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong, "slot_mapping must be int64");
   TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type(), "dtype mismatch");
-  auto k = key.contiguous();
-  auto v = value.contiguous();
+  auto k = token_rows(key);
+  auto v = token_rows(value);
   auto slots = slot_mapping.contiguous();
   const int64_t num_tokens = k.size(0);
   const int64_t token_elems = k.numel() / std::max<int64_t>(num_tokens, 1);
@@ -45,10 +60,10 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
       "reshape_and_cache", [&] {
         auto* base = kv_cache.data_ptr<scalar_t>();
         const int64_t plane = num_slots * token_elems;
-        scatter_tokens(k.data_ptr<scalar_t>(), base, slots.data_ptr<int64_t>(), num_tokens,
-                       token_elems, num_slots);
-        scatter_tokens(v.data_ptr<scalar_t>(), base + plane, slots.data_ptr<int64_t>(),
+        scatter_tokens(k.data_ptr<scalar_t>(), k.stride(0), base, slots.data_ptr<int64_t>(),
                        num_tokens, token_elems, num_slots);
+        scatter_tokens(v.data_ptr<scalar_t>(), v.stride(0), base + plane,
+                       slots.data_ptr<int64_t>(), num_tokens, token_elems, num_slots);
       });
 }
 

@@ -188,6 +188,10 @@ def test_mixed_step_torch_backend_puts_decodes_first(runner):
     meta = call["meta"]
     assert meta.slot_mapping.tolist() == [47, 38, 25, 26, 27, 48, 49, 50, 51, 52, 53]
     assert meta.num_decodes == 2
+    # Decodes attend through their blocks (C: 4 tokens in 1 block, A: 11 in 3), padded
+    # with the null block; the fallback's gather indices are derived from them.
+    assert meta.decode_block_table.tolist() == [[11, 0, 0], [7, 3, 9]]
+    assert meta.decode_seq_lens.tolist() == [4, 11]
     # Decode rows: each request's whole context (C 0..3, A 0..10), padded with slot 0.
     assert meta.decode_slots.tolist() == [
         [44, 45, 46, 47, 0, 0, 0, 0, 0, 0, 0],

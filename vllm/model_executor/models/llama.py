@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.torch_sdpa import paged_attention
 
 
@@ -70,8 +71,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``, computed in
+        place in ``x`` and ``residual`` by one fused op (vLLM's calling convention)."""
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -81,24 +89,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # (max_pos, head_dim/2)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # (max_pos, head_dim) = [cos | sin], vLLM's layout: the op gathers rows by position.
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.head_dim = head_dim
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (num_tokens, 1, head_dim/2): gathered once per step, not per
-        layer (at batch 1 the per-layer gathers were a visible share of a decode step)."""
-        return (
-            self.cos[positions].unsqueeze(1).to(dtype),
-            self.sin[positions].unsqueeze(1).to(dtype),
-        )
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: (num_tokens, heads, head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate q (T, heads * head_dim) and k (T, kv_heads * head_dim) in place."""
+        ops.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin_cache)
 
 
 class LlamaLayer(nn.Module):
@@ -107,6 +105,7 @@ class LlamaLayer(nn.Module):
         self.a = a
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
+        self.scale = 1.0 / math.sqrt(a.head_dim)
         self.qkv_proj = nn.Linear(
             a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
         )
@@ -121,26 +120,40 @@ class LlamaLayer(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, meta: Any, kv_cache) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryEmbedding,
+        meta: Any,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (x, residual): the layer's output is ``x + residual`` (the sum is
+        left to the next norm, which fuses it). ``residual`` None: x is the embedding."""
         a = self.a
-        h = self.input_layernorm(x)
-        qkv = self.qkv_proj(h)
-        qk_size = self.q_size + self.kv_size
-        v = qkv[:, qk_size:].view(-1, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:  # per-head norms with their own weights, then rotate each
-            q = self.q_norm(qkv[:, : self.q_size].view(-1, a.num_heads, a.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : qk_size].view(-1, a.num_kv_heads, a.head_dim))
-            q, k = RotaryEmbedding.rotate(q, *cos_sin), RotaryEmbedding.rotate(k, *cos_sin)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
         else:
-            # Rotate q and k in one pass (elementwise, so bit-identical to two passes).
-            qk = qkv[:, :qk_size].view(-1, a.num_heads + a.num_kv_heads, a.head_dim)
-            qk = RotaryEmbedding.rotate(qk, *cos_sin)
-            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
-        # q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)
-        attn = self.attn_forward(q, k, v, kv_cache, meta, 1.0 / math.sqrt(a.head_dim))
-        x = x + self.o_proj(attn.reshape(-1, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+            h, residual = self.input_layernorm(x, residual)
+        qkv = self.qkv_proj(h)  # (num_tokens, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if a.qk_norm:  # per-head norms with their own weights, before the rotation
+            q = self.q_norm(q.reshape(-1, a.num_heads, a.head_dim)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, a.num_kv_heads, a.head_dim)).view(-1, self.kv_size)
+        rope(positions, q, k)  # in place: strided views of qkv
+        attn = self.attn_forward(
+            q.view(-1, a.num_heads, a.head_dim),
+            k.view(-1, a.num_kv_heads, a.head_dim),
+            v.view(-1, a.num_kv_heads, a.head_dim),
+            kv_cache,
+            meta,
+            self.scale,
+        )  # (num_tokens, heads, head_dim)
+        h, residual = self.post_attention_layernorm(
+            self.o_proj(attn.reshape(-1, self.q_size)), residual
+        )
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,10 +175,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
         """(num_tokens,) ids -> (num_tokens, hidden) final hidden states."""
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, meta, kv_cache)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, self.rope, meta, kv_cache)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

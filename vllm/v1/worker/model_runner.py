@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.model_executor.model_loader import apply_quantization, resolve_model
@@ -97,6 +98,10 @@ class ModelRunner:
                 state.update(load_file(os.path.join(path, name)))
         model.load_hf_state_dict(state)
         self.model = model.to(self.dtype).eval()
+        if self.device.type == "cpu":
+            # Norm, rotary, SiLU and decode-attention kernels: JIT-built once when missing
+            # (then cached); without a compiler the pure-torch fallbacks run.
+            ops.ensure_native_kernels()
         apply_quantization(self.model, self.model_config)
         self.attn_backend = select_attention_backend(
             self.device, self.dtype, self.block_size, self.arch.head_dim

@@ -37,13 +37,10 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = ops.ggml_linear(
-            x.reshape(-1, self.in_features), self.qweight, self.qtype, DENSE_MIN_TOKENS
-        )
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, self.out_features)
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
+        y = ops.ggml_linear(x, self.qweight, self.qtype, DENSE_MIN_TOKENS)
+        return y if self.bias is None else y + self.bias
 
     def dequantized_weight(self) -> torch.Tensor:
         return ops.ggml_dequantize(self.qweight, self.qtype)

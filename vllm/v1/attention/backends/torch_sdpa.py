@@ -1,17 +1,24 @@
-"""Paged attention in pure torch (CPU, and any device as a fallback).
+"""Paged attention for CPU (and any device as a fallback): torch SDPA, plus a native decode
+kernel.
 
 The batch is flat: decode requests (one query token each) come first and are attended
-together as a padded batch; each prefill chunk is attended on its own. Gather indices and
-masks are built once per step (``build_metadata``) and reused by every layer.
+together; each prefill chunk is attended on its own with SDPA. Decodes read the paged cache
+in place through their block tables (``paged_decode_attention``, csrc/cpu) when the native
+kernels are built; otherwise their contexts are gathered into a padded batch for one SDPA
+call. Metadata is built once per step (``build_metadata``) and reused by every layer; the
+decodes' per-position gather indices are derived (in torch, once) only when the fallback
+needs them, so a decode step's Python work grows with its blocks, not its tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
+from vllm import _custom_ops as ops
 from vllm._custom_ops import reshape_and_cache
 
 
@@ -29,9 +36,31 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64: where each token's K/V goes
     num_decodes: int = 0  # tokens [0, num_decodes) are single-token decodes
-    decode_slots: torch.Tensor | None = None  # (num_decodes, max_len) int64, padded with 0
-    decode_mask: torch.Tensor | None = None  # (num_decodes, 1, 1, max_len) bool
+    block_size: int = 16
+    # (num_decodes, max_blocks) int64, rows padded with the null block 0 (never read).
+    decode_block_table: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None  # (num_decodes,) int64: context incl. the new
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @cached_property
+    def decode_slots(self) -> torch.Tensor | None:
+        """(num_decodes, max_len) int64: each decode's context slots, padded with 0 (the
+        fallback's gather indices; computed on first use)."""
+        if not self.num_decodes:
+            return None
+        pos = torch.arange(int(self.decode_seq_lens.max()), device=self.slot_mapping.device)
+        slots = self.decode_block_table[:, pos // self.block_size] * self.block_size
+        slots += pos % self.block_size
+        return slots.masked_fill_(~self.decode_mask.view(self.num_decodes, -1), 0)
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """(num_decodes, 1, 1, max_len) bool: position < the decode's context length."""
+        if not self.num_decodes:
+            return None
+        lens = self.decode_seq_lens
+        pos = torch.arange(int(lens.max()), device=lens.device)
+        return (pos[None, :] < lens[:, None]).view(self.num_decodes, 1, 1, -1)
 
 
 def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -44,13 +73,15 @@ def build_metadata(
     """``seqs``: per request in batch order, (num_computed, num_new, block_ids); decodes
     (num_new == 1 with a context) must come first."""
     slot_mapping: list[int] = []
-    decode_rows: list[list[int]] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
     prefills: list[PrefillChunk] = []
     offset = 0
     for computed, new, block_ids in seqs:
         slot_mapping += _slots(block_ids, computed, computed + new, block_size)
         if new == 1 and computed > 0 and not prefills:
-            decode_rows.append(_slots(block_ids, 0, computed + 1, block_size))
+            decode_tables.append(block_ids[: computed // block_size + 1])
+            decode_lens.append(computed + 1)
         else:
             chunk = PrefillChunk(offset, new)
             if computed > 0:
@@ -63,19 +94,33 @@ def build_metadata(
         offset += new
     meta = AttentionMetadata(
         torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        len(decode_rows),
+        len(decode_lens),
+        block_size,
         prefills=prefills,
     )
-    if decode_rows:
-        width = max(len(r) for r in decode_rows)
-        meta.decode_slots = torch.tensor(
-            [r + [0] * (width - len(r)) for r in decode_rows], dtype=torch.long, device=device
+    if decode_lens:
+        width = max(len(t) for t in decode_tables)
+        meta.decode_block_table = torch.tensor(
+            [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=device
         )
-        lens = torch.tensor([len(r) for r in decode_rows], device=device)
-        meta.decode_mask = (torch.arange(width, device=device)[None, :] < lens[:, None]).view(
-            len(decode_rows), 1, 1, width
-        )
+        meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
     return meta
+
+
+def _decode_attention(
+    q: torch.Tensor,  # (n, heads, head_dim)
+    flat_k: torch.Tensor,  # (slots, kv_heads, head_dim)
+    flat_v: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The fallback: gather each decode's whole context (padded), one SDPA call."""
+    keys = flat_k[meta.decode_slots].transpose(1, 2)  # (n, kv_heads, max_len, dim)
+    values = flat_v[meta.decode_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )  # (n, heads, 1, dim)
+    return o.squeeze(2)
 
 
 def paged_attention(
@@ -88,23 +133,28 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim)."""
     reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    n = meta.num_decodes
+    native = (
+        n > 0 and q.device.type == "cpu" and q.dtype == torch.float32
+    ) and ops.has_paged_decode_attention()
+    if native:
+        whole = n == q.shape[0]  # a pure decode step: no slicing
+        ops.paged_decode_attention(
+            out if whole else out[:n],
+            q if whole else q[:n],
+            kv_cache,
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            scale,
+        )
+    if native and not meta.prefills:
+        return out
     kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     flat_k = kv_cache[0].view(-1, kv_heads, head_dim)
     flat_v = kv_cache[1].view(-1, kv_heads, head_dim)
-    out = torch.empty_like(q)
-    n = meta.num_decodes
-    if n:
-        keys = flat_k[meta.decode_slots].transpose(1, 2)  # (n, kv_heads, max_len, dim)
-        values = flat_v[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2),
-            keys,
-            values,
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=True,
-        )  # (n, heads, 1, dim)
-        out[:n] = o.squeeze(2)
+    if n and not native:
+        out[:n] = _decode_attention(q[:n], flat_k, flat_v, meta, scale)
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.start + chunk.num_tokens
         query = q[s:e].transpose(0, 1).unsqueeze(0)  # (1, heads, len, dim)

@@ -1,0 +1,34 @@
+"""benchmarks/eval_perplexity.py on a short slice: fp32 and --quantization gguf perplexities
+agree within 0.1% (the same weights; only float rounding differs), one token per forward so
+that the decode kernels (batch-1 linear, paged decode attention) are the ones compared."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "eval_perplexity.py"
+TOLERANCE = 1e-3  # |ppl_gguf / ppl_fp32 - 1|
+
+
+def load_script():
+    """benchmarks/ is a folder of scripts, not a package: load the script by its path."""
+    spec = importlib.util.spec_from_file_location("eval_perplexity", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fp32_and_gguf_perplexity_agree_on_a_short_slice():
+    script = load_script()
+    ids = script.text_tokens(script.DEFAULT_TEXT, 48)
+    ppl = script.perplexities(ids, tokens_per_step=1)
+    print(f"perplexity on 48 tokens: {ppl}")
+    assert all(math.isfinite(v) and 1 < v < 1000 for v in ppl.values())
+    assert abs(ppl["gguf"] / ppl["fp32"] - 1) < TOLERANCE
