@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint
+.PHONY: setup kernels serve test lint
 
 $(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -18,10 +18,15 @@ $(STAMP): pyproject.toml setup.py
 
 setup: $(STAMP)
 
-serve: $(STAMP)
+# The native CPU kernels (csrc/) are JIT-built once per source version (about a minute
+# on 2 cores; cached), here rather than inside a server's timed start-up.
+kernels: $(STAMP)
+	$(BIN)/python -m vllm._custom_ops --ensure
+
+serve: kernels
 	$(BIN)/vllm serve $(ARGS)
 
-test: $(STAMP)
+test: kernels
 	$(BIN)/python -m pytest -q tests $(ARGS)
 
 lint: $(STAMP)

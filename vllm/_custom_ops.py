@@ -318,9 +318,14 @@ def paged_decode_attention(
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Build the optional native kernels.")
     parser.add_argument("--build", action="store_true", help="JIT-compile csrc/ now")
+    parser.add_argument(
+        "--ensure", action="store_true", help="build only if this source's build is missing"
+    )
     args = parser.parse_args()
     if args.build:
         print(f"built {build(verbose=True)}")
+    elif args.ensure:
+        ensure_native_kernels()
     print(f"native kernels available: {has_native_kernels()}")
     print(f"native quantized kernels available: {has_quant_kernels()}")
     print(f"all native kernels of these sources available: {has_all_native_kernels()}")
