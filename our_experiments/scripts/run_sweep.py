@@ -60,20 +60,20 @@ def result_path(out_dir: Path, policy: str, jps: float) -> Path:
 
 
 # Study labels that are a policy with extra server flags (a label names the result files).
-# The offload variants size the CPU tier as a multiple of the study's pool (400 blocks of
-# 16 tokens, 0.70 MiB each: 281 MiB): 4x = 1.1 GiB, 16x = 4.4 GiB.
-_POOL_GIB = 400 * 16 * 2 * 30 * 3 * 64 * 4 / 2**30
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     # Job admission is off by default (it was on when the first overload points ran, whose
     # "continuum" files are therefore the policy with admission).
     "continuum-admission": ("continuum", ["--continuum-job-admission"]),
     "continuum-noadmission": ("continuum", ["--no-continuum-job-admission"]),
-    **{
-        f"{policy}+offload{k}x": (policy, ["--kv-offloading-size", f"{k * _POOL_GIB:.3f}"])
-        for policy in ("fcfs", "continuum", "context_serve")
-        for k in (4, 16)
-    },
 }
+# Labels "<policy>+offload<k>x": the CPU KV tier sized at k times the engine's pool
+# (--num-gpu-blocks; at the default 400 blocks of 720 KiB, 4x = 1.1 GiB, 16x = 4.4 GiB).
+OFFLOAD_VARIANTS: dict[str, tuple[str, int]] = {
+    f"{policy}+offload{k}x": (policy, k)
+    for policy in ("fcfs", "continuum", "context_serve")
+    for k in (4, 16)
+}
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 x 64, fp32
 
 
 UPSTREAM_PREFIX = "upstream-"
@@ -101,6 +101,9 @@ def upstream_server_args(args, policy: str) -> list[str]:
 
 def server_args(args, policy: str) -> list[str]:
     name, extra = VARIANTS.get(policy, (policy, []))
+    if policy in OFFLOAD_VARIANTS:
+        name, k = OFFLOAD_VARIANTS[policy]
+        extra = ["--kv-offloading-size", f"{k * args.num_gpu_blocks * BLOCK_BYTES / 2**30:.3f}"]
     return [
         "--scheduling-policy",
         name,
