@@ -13,8 +13,9 @@ and whether its KV is held (running or pinned), and reserves for each older job:
 - a job in a tool gap expected to be long (a SLOW tool, or past ``reserve_s``): nothing,
   so its memory serves other jobs meanwhile.
 
-A new job's first turn is admitted when the free memory minus the reserve holds it. The
-growth of a turn is learned (mean prompt growth between a job's consecutive turns).
+A new job's first turn is admitted when the free memory minus the reserve holds it, or,
+while no job runs (the engine would idle), when it fits next to the pinned jobs' growth.
+The growth of a turn is learned (mean prompt growth between a job's consecutive turns).
 Everything is in tokens; the engine converts its free blocks.
 """
 
@@ -120,9 +121,17 @@ class JobAdmission:
         active jobs, given ``free_tokens`` of free (or evictable) KV memory. An engine
         that holds no job's KV (nothing running, nothing pinned) never waits for jobs
         that may come back: the new job runs now, which costs less than idling (the soak
-        found agents that never return holding reservations on an idle server)."""
-        if not any(s.running or job in pinned_jobs for job, s in self._jobs.items()):
+        found agents that never return holding reservations on an idle server).
+
+        Work-conserving: while no job runs (the older jobs are all in tool gaps), the
+        engine would idle, so the new job is admitted if it fits next to the pinned jobs'
+        growth alone; the contexts of jobs whose KV is gone are not waited for (they
+        re-prefill either way, and the new job is the first victim if memory runs out)."""
+        held = [job for job, s in self._jobs.items() if s.running or job in pinned_jobs]
+        if not held:
             return True
+        if not any(self._jobs[job].running for job in held):
+            return new_tokens + len(held) * self.turn_growth <= free_tokens
         return new_tokens + self.reserve_tokens(pinned_jobs, now) <= free_tokens
 
     def _expire_idle(self, now: float) -> list[str]:

@@ -68,3 +68,23 @@ def test_per_job_log_lines_escape_the_job_and_follow_the_switch(caplog):
             core.on_arrival(forged, "r1", 0.0, named=True, prompt_tokens=10)
         (record,) = caplog.records
         assert record.levelno == level and "\n" not in record.getMessage()
+
+
+def test_while_no_job_runs_only_the_pinned_jobs_growth_is_reserved():
+    adm = JobAdmission(idle_timeout_s=100.0)
+    adm.on_scheduled("a", 300, arrival=0.0, now=0.0)
+    adm.on_stopped("a", 320, is_last_step=False, now=1.0, reserve_s=10.0)  # a: pinned
+    adm.on_scheduled("b", 200, arrival=0.0, now=0.0)
+    adm.on_stopped("b", 220, is_last_step=False, now=1.0, reserve_s=10.0)  # b: not held
+    g = DEFAULT_TURN_GROWTH
+    assert adm.reserve_tokens({"a"}, now=2.0) == g + 220 + g
+    # Nothing runs: the engine would idle, so only a's growth is kept free.
+    assert adm.admits(100, free_tokens=100 + g, pinned_jobs={"a"}, now=2.0)
+    assert not adm.admits(101, free_tokens=100 + g, pinned_jobs={"a"}, now=2.0)
+    # Once a job runs (a's next turn), the full reserve (b's context too) applies again.
+    adm.on_arrival("a", 330, now=2.0)
+    adm.on_scheduled("a", 330, arrival=2.0, now=2.0)
+    g2 = adm.turn_growth  # 30, learned from a's turns
+    assert g2 == 30 and adm.reserve_tokens(set(), now=2.0) == g2 + 220 + g2
+    assert not adm.admits(100, free_tokens=100 + 2 * g2, pinned_jobs=set(), now=2.0)
+    assert adm.admits(100, free_tokens=100 + 220 + 2 * g2, pinned_jobs=set(), now=2.0)

@@ -108,6 +108,52 @@ def test_engine_holding_no_job_admits_a_new_job_at_once():
     assert "A" not in s.pins and b1.status == RequestStatus.RUNNING
 
 
+def test_while_nothing_runs_a_new_job_needs_room_only_beside_the_pinned_jobs_growth():
+    # Work-conserving admission. C ran one turn and its 2 s pin expired, but C is still
+    # expected back (reserve window: max_ttl_s), so its context counts in the reserve; A is
+    # pinned. B's 60-token first turn fits beside A's pin and growth, not beside C's
+    # context too. With A or C running it would wait; with nothing running the engine
+    # would idle, so B starts.
+    s, clock = setup(default_ttl_s=2.0, max_ttl_s=10.0)
+    c1 = turn("C", list(range(300, 320)), clock)
+    s.add_request(c1)
+    run_until_done(s)
+    clock.advance(2.5)
+    s.schedule()  # C's pin expires; C stays in the admission reserve
+    assert "C" not in s.pins
+    start_job_a(s, clock)
+    free = s.kv_cache_manager.num_free_blocks * 4
+    core = s.policy.core
+    assert 60 + core.admission.turn_growth <= free
+    assert 60 + core.admission.reserve_tokens({"A"}, clock.now) > free  # the old rule
+    b1 = turn("B", list(range(1000, 1060)), clock)
+    s.add_request(b1)
+    step(s)
+    assert b1.status == RequestStatus.RUNNING and "A" in s.pins
+    run_until_done(s)
+    s.check_invariants()
+
+
+def test_while_an_older_job_runs_the_new_job_waits_for_the_full_reserve():
+    s, clock = setup(default_ttl_s=2.0, max_ttl_s=10.0)
+    c1 = turn("C", list(range(300, 320)), clock)
+    s.add_request(c1)
+    run_until_done(s)
+    clock.advance(2.5)
+    s.schedule()
+    a2 = start_job_a(s, clock)
+    a3 = turn("A", a2.all_token_ids + [7, 7, 7, 7], clock, max_tokens=8)
+    s.add_request(a3)
+    step(s)  # A's turn runs
+    b1 = turn("B", list(range(1000, 1060)), clock)
+    s.add_request(b1)
+    step(s)
+    assert a3.status == RequestStatus.RUNNING and b1.status == RequestStatus.WAITING
+    run_until_done(s)
+    assert b1.is_finished()
+    s.check_invariants()
+
+
 def test_new_job_starts_at_once_when_no_older_job_is_active():
     s, clock = setup()
     b1 = turn("B", list(range(100)), clock)
