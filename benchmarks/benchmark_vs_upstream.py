@@ -32,22 +32,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_serving import MODEL, make_prompts, one_stream, run_phase, summarize  # noqa: E402
 
 from vllm.benchmarks.server import RemoteServer  # noqa: E402
-from vllm.benchmarks.upstream_server import DEFAULT_VENV, UPSTREAM_BLOCK, UpstreamServer  # noqa: E402
-from vllm.config import DEFAULT_MODEL  # noqa: E402
-from vllm.model_executor.model_loader import resolve_model  # noqa: E402
+from vllm.benchmarks.upstream_server import (  # noqa: E402
+    DEFAULT_VENV,
+    UpstreamServer,
+    upstream_engine_args,
+)
 
 OUR_BLOCK = 16
 PROMPT_WORDS = {"short": 48, "long": 1800}  # ~70 and ~2,000 prompt tokens
 KEYS = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "out_tok_per_s")
 
 
-def common_args(args, block: int) -> list[str]:
+def our_args(args) -> list[str]:
     return [
         "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--num-gpu-blocks-override", str(args.pool_tokens // block),
-        "--block-size", str(block),
+        "--num-gpu-blocks-override", str(args.pool_tokens // OUR_BLOCK),
+        "--block-size", str(OUR_BLOCK),
         "--seed", "0",
     ]  # fmt: skip
 
@@ -63,7 +65,7 @@ def start_servers(args) -> tuple[dict[str, object], dict[str, float]]:
             start = time.perf_counter()
             extra = ["--quantization", "gguf"] if fmt == "gguf" else []
             servers[f"ours-{fmt}"] = RemoteServer(
-                *common_args(args, OUR_BLOCK), *extra, "--disable-log-requests",
+                *our_args(args), *extra, "--disable-log-requests",
                 log_path=str(logs / f"ours-{fmt}.log"),
             )  # fmt: skip
             startup[f"ours-{fmt}"] = time.perf_counter() - start
@@ -71,8 +73,10 @@ def start_servers(args) -> tuple[dict[str, object], dict[str, float]]:
             start = time.perf_counter()
             servers["upstream"] = UpstreamServer(
                 args.upstream_venv,
-                ["--model", resolve_model(DEFAULT_MODEL), "--served-model-name", MODEL,
-                 "--dtype", "float32", *common_args(args, UPSTREAM_BLOCK)],
+                ["--served-model-name", MODEL, *upstream_engine_args(
+                    args.pool_tokens, args.max_model_len, args.max_num_seqs,
+                    args.max_num_batched_tokens,
+                )],
                 logs / "upstream.log", args.upstream_timeout,
             )  # fmt: skip
             startup["upstream"] = time.perf_counter() - start

@@ -34,8 +34,8 @@ from our_experiments.scripts.workload import ROOT, TOOL_MIXES, repo_relative  # 
 from vllm.benchmarks.server import RemoteServer  # noqa: E402
 from vllm.benchmarks.upstream_server import (  # noqa: E402
     DEFAULT_VENV,
-    UPSTREAM_BLOCK,
     UpstreamServer,
+    upstream_engine_args,
     upstream_python,
 )
 
@@ -81,20 +81,12 @@ UPSTREAM_PREFIX = "upstream-"
 
 def upstream_server_args(args, policy: str) -> list[str]:
     """The same pool (in tokens), budget and limits as ``server_args`` on upstream."""
-    from vllm.config import DEFAULT_MODEL
-    from vllm.model_executor.model_loader import resolve_model
-
-    tokens = args.num_gpu_blocks * 16
     return [
-        "--model", resolve_model(DEFAULT_MODEL), "--dtype", "float32",
+        *upstream_engine_args(
+            args.num_gpu_blocks * 16, args.max_model_len, args.max_num_seqs, 2048, args.seed
+        ),
         "--scheduling-policy", policy,
         "--middleware", "vllm_continuum.upstream.middleware.JobFieldsMiddleware",
-        "--block-size", str(UPSTREAM_BLOCK),
-        "--num-gpu-blocks-override", str(tokens // UPSTREAM_BLOCK),
-        "--max-model-len", str(args.max_model_len),
-        "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", "2048",
-        "--seed", str(args.seed),
         *args.server_arg,
     ]  # fmt: skip
 

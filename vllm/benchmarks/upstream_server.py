@@ -31,6 +31,29 @@ CPU_ENV = {  # both cores for upstream's OpenMP threads; the pool is set by flag
 }
 
 
+def upstream_engine_args(
+    pool_tokens: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    seed: int = 0,
+) -> list[str]:
+    """Upstream's flags for the embedded model (its fp32 folder) with a KV pool of
+    ``pool_tokens`` tokens in blocks of ``UPSTREAM_BLOCK``, and the same limits as ours."""
+    from vllm.config import DEFAULT_MODEL
+    from vllm.model_executor.model_loader import resolve_model
+
+    return [
+        "--model", resolve_model(DEFAULT_MODEL), "--dtype", "float32",
+        "--block-size", str(UPSTREAM_BLOCK),
+        "--num-gpu-blocks-override", str(pool_tokens // UPSTREAM_BLOCK),
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs),
+        "--max-num-batched-tokens", str(max_num_batched_tokens),
+        "--seed", str(seed),
+    ]  # fmt: skip
+
+
 def upstream_python(venv: Path) -> Path:
     """The venv's interpreter; SystemExit naming ``--upstream-venv`` when it is missing."""
     python = Path(venv) / "bin" / "python"
