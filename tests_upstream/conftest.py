@@ -28,6 +28,10 @@ def _check_environment() -> None:
 
 
 _check_environment()
+# Upstream runs helpers as `python -m vllm...` subprocesses (its model registry inspects a
+# model that way once, then caches it in ~/.cache/vllm): with the checkout as their working
+# directory, `-m` would put our `vllm` first on their path. Safe-path mode keeps it off.
+os.environ["PYTHONSAFEPATH"] = "1"
 
 BLOCK_SIZE = 16
 MODEL_GLOB = os.path.expanduser("~/.cache/vllm-continuum/models/SmolLM2-135M-Instruct*")

@@ -28,6 +28,8 @@ CPU_ENV = {  # both cores for upstream's OpenMP threads; the pool is set by flag
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "4",
+    # Its `python -m vllm...` subprocesses must not find our checkout's `vllm` first.
+    "PYTHONSAFEPATH": "1",
 }
 
 
