@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -61,18 +62,15 @@ def result_path(out_dir: Path, policy: str, jps: float) -> Path:
 
 # Study labels that are a policy with extra server flags (a label names the result files).
 VARIANTS: dict[str, tuple[str, list[str]]] = {
-    # Job admission is off by default (it was on when the first overload points ran, whose
-    # "continuum" files are therefore the policy with admission).
+    # The first overload points ran with admission on by default, so their "continuum"
+    # files are the policy with admission; the 0.08 JPS study point ran without it.
     "continuum-admission": ("continuum", ["--continuum-job-admission"]),
     "continuum-noadmission": ("continuum", ["--no-continuum-job-admission"]),
 }
-# Labels "<policy>+offload<k>x": the CPU KV tier sized at k times the engine's pool
-# (--num-gpu-blocks; at the default 400 blocks of 720 KiB, 4x = 1.1 GiB, 16x = 4.4 GiB).
-OFFLOAD_VARIANTS: dict[str, tuple[str, int]] = {
-    f"{policy}+offload{k}x": (policy, k)
-    for policy in ("fcfs", "continuum", "context_serve")
-    for k in (4, 16)
-}
+# A label may end in "+offload<k>x": the CPU KV tier sized at k times the engine's pool
+# (--num-gpu-blocks; at the default 400 blocks of 720 KiB, 4x = 1.1 GiB, 16x = 4.4 GiB),
+# e.g. "fcfs+offload4x" or "continuum-admission+offload16x".
+OFFLOAD_SUFFIX = re.compile(r"\+offload(\d+)x$")
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 x 64, fp32
 
 
@@ -91,11 +89,22 @@ def upstream_server_args(args, policy: str) -> list[str]:
     ]  # fmt: skip
 
 
+def policy_flags(label: str, num_gpu_blocks: int) -> tuple[str, list[str]]:
+    """A study label as ``--scheduling-policy``'s value and the extra server flags."""
+    tier = OFFLOAD_SUFFIX.search(label)
+    base = label[: tier.start()] if tier else label
+    name, extra = VARIANTS.get(base, (base, []))
+    if tier:
+        k = int(tier.group(1))
+        if k < 1:
+            raise ValueError(f"--policies: {label!r}: the tier must be at least 1x the pool")
+        size_gib = k * num_gpu_blocks * BLOCK_BYTES / 2**30
+        extra = [*extra, "--kv-offloading-size", f"{size_gib:.3f}"]
+    return name, extra
+
+
 def server_args(args, policy: str) -> list[str]:
-    name, extra = VARIANTS.get(policy, (policy, []))
-    if policy in OFFLOAD_VARIANTS:
-        name, k = OFFLOAD_VARIANTS[policy]
-        extra = ["--kv-offloading-size", f"{k * args.num_gpu_blocks * BLOCK_BYTES / 2**30:.3f}"]
+    name, extra = policy_flags(policy, args.num_gpu_blocks)
     return [
         "--scheduling-policy",
         name,

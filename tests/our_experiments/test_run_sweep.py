@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from our_experiments.scripts import run_sweep
 from our_experiments.scripts.workload import ROOT, repo_relative
 
@@ -35,3 +37,22 @@ def test_committed_sweep_configs_name_no_machine_paths():
         for key in ("results_dir", "trace"):
             value = config.get(key)
             assert value is None or not Path(value).is_absolute(), (path, key, value)
+
+
+def test_study_labels_compose_a_variant_with_a_tier_sized_from_the_pool():
+    gib = 4 * 400 * run_sweep.BLOCK_BYTES / 2**30
+    assert run_sweep.policy_flags("fcfs", 400) == ("fcfs", [])
+    assert run_sweep.policy_flags("fcfs+offload4x", 400) == (
+        "fcfs",
+        ["--kv-offloading-size", f"{gib:.3f}"],
+    )
+    assert run_sweep.policy_flags("continuum-admission+offload16x", 100) == (
+        "continuum",
+        ["--continuum-job-admission", "--kv-offloading-size", f"{gib:.3f}"],
+    )
+    assert run_sweep.policy_flags("continuum-noadmission", 400) == (
+        "continuum",
+        ["--no-continuum-job-admission"],
+    )
+    with pytest.raises(ValueError, match="--policies"):
+        run_sweep.policy_flags("fcfs+offload0x", 400)
