@@ -108,20 +108,24 @@ def test_engine_holding_no_job_admits_a_new_job_at_once():
     assert "A" not in s.pins and b1.status == RequestStatus.RUNNING
 
 
-def test_while_nothing_runs_a_new_job_needs_room_only_beside_the_pinned_jobs_growth():
-    # Work-conserving admission. C ran one turn and its 2 s pin expired, but C is still
-    # expected back (reserve window: max_ttl_s), so its context counts in the reserve; A is
-    # pinned. B's 60-token first turn fits beside A's pin and growth, not beside C's
-    # context too. With A or C running it would wait; with nothing running the engine
-    # would idle, so B starts.
+def c_expected_back_and_a_pinned():
+    """C ran one turn and its 2 s pin expired, but C is expected back within max_ttl_s, so
+    its context stays in the admission reserve; then job A's first turn ends pinned."""
     s, clock = setup(default_ttl_s=2.0, max_ttl_s=10.0)
     c1 = turn("C", list(range(300, 320)), clock)
     s.add_request(c1)
     run_until_done(s)
     clock.advance(2.5)
-    s.schedule()  # C's pin expires; C stays in the admission reserve
+    s.schedule()  # C's pin expires
     assert "C" not in s.pins
-    start_job_a(s, clock)
+    return s, clock, start_job_a(s, clock)
+
+
+def test_while_nothing_runs_a_new_job_needs_room_only_beside_the_pinned_jobs_growth():
+    # Work-conserving admission. C is expected back, A is pinned. B's 60-token first turn
+    # fits beside A's pin and growth, not beside C's context too. With A or C running it
+    # would wait; with nothing running the engine would idle, so B starts.
+    s, clock, _ = c_expected_back_and_a_pinned()
     free = s.kv_cache_manager.num_free_blocks * 4
     core = s.policy.core
     assert 60 + core.admission.turn_growth <= free
@@ -135,13 +139,7 @@ def test_while_nothing_runs_a_new_job_needs_room_only_beside_the_pinned_jobs_gro
 
 
 def test_while_an_older_job_runs_the_new_job_waits_for_the_full_reserve():
-    s, clock = setup(default_ttl_s=2.0, max_ttl_s=10.0)
-    c1 = turn("C", list(range(300, 320)), clock)
-    s.add_request(c1)
-    run_until_done(s)
-    clock.advance(2.5)
-    s.schedule()
-    a2 = start_job_a(s, clock)
+    s, clock, a2 = c_expected_back_and_a_pinned()
     a3 = turn("A", a2.all_token_ids + [7, 7, 7, 7], clock, max_tokens=8)
     s.add_request(a3)
     step(s)  # A's turn runs
