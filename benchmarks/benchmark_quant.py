@@ -5,20 +5,35 @@ decode time = a run of ``--max-tokens`` minus a 1-token run of the same prompts)
 tok/s (``--prefill-batch`` prompts of ~``--prefill-len`` tokens, 1 output token). Also the
 bytes of weights a decode step reads, this machine's memory bandwidth (a large torch sum
 = read-only, and a large copy), and each decode step's time against the bandwidth limit
-(bytes per step / read bandwidth). Medians over ``--repeats``, formats interleaved.
+(bytes per step / read bandwidth). ``--prefill-tokens N ...``: also the time of one prompt of
+exactly N tokens with 1 output token (TTFT without a server). Medians over ``--repeats``,
+formats interleaved; ratios against the first format.
+
+``--formats``: fp32, gguf (the prefill dtype ``VLLM_CPU_GGUF_PREFILL_DTYPE`` gives), and
+gguf-fp32 / gguf-bf16 (that prefill dtype forced at load): ``--formats gguf-fp32 gguf-bf16``
+is the bf16 prefill against the exact one.
 
     .venv/bin/python benchmarks/benchmark_quant.py [--repeats 3] [--max-tokens 32]
+        [--formats fp32 gguf] [--prefill-tokens 128 512 2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
-FORMATS = {"fp32": None, "gguf": "gguf"}
+PREFILL_VAR = "VLLM_CPU_GGUF_PREFILL_DTYPE"
+# name -> (--quantization, the prefill dtype switch at load; None: the environment's)
+FORMATS = {
+    "fp32": (None, None),
+    "gguf": ("gguf", None),
+    "gguf-fp32": ("gguf", "fp32"),
+    "gguf-bf16": ("gguf", "bf16"),
+}
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> tuple[float, float]:
@@ -67,7 +82,28 @@ def measure(llm, args, run: int) -> dict[str, float]:
     texts = prompts(args.prefill_batch, args.prefill_len, f"r{run}p")
     n_tokens = sum(len(llm.get_tokenizer()(t).input_ids) for t in texts)
     out["prefill_tok_s"] = n_tokens / generate_s(llm, texts, 1)
+    for n in args.prefill_tokens:
+        words = prompts(1, n, f"r{run}t{n}")[0]  # a word is at least a token
+        ids = llm.get_tokenizer()(words).input_ids[:n]
+        out[f"prefill_ms_{n}"] = generate_s(llm, [ids], 1) * 1e3
     return out
+
+
+def load(name: str):
+    """The engine of format ``name``, the prefill dtype switch set while it loads."""
+    from vllm import LLM
+
+    quantization, prefill = FORMATS[name]
+    saved = os.environ.get(PREFILL_VAR)
+    if prefill is not None:
+        os.environ[PREFILL_VAR] = prefill
+    try:
+        return LLM(model="SmolLM2-135M-Instruct", quantization=quantization)
+    finally:
+        if saved is None:
+            os.environ.pop(PREFILL_VAR, None)
+        else:
+            os.environ[PREFILL_VAR] = saved
 
 
 def weight_bytes(llm) -> int:
@@ -82,28 +118,38 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prefill-batch", type=int, default=4)
     ap.add_argument("--prefill-len", type=int, default=250, help="words per prefill prompt")
+    ap.add_argument(
+        "--prefill-tokens", type=int, nargs="*", default=[], help="one prompt of N tokens each"
+    )
+    ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["fp32", "gguf"])
     args = ap.parse_args()
 
-    from vllm import LLM
-
-    llms = {name: LLM(model="SmolLM2-135M-Instruct", quantization=q) for name, q in FORMATS.items()}
+    llms = {name: load(name) for name in args.formats}
     read_gbs, copy_gbs = memory_bandwidth()
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in llms}
     for run in range(args.repeats):
-        for name, llm in llms.items():  # interleaved: both see the same machine load
+        for name, llm in llms.items():  # interleaved: all see the same machine load
             rounds[name].append(measure(llm, args, run))
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in rounds.items()}
 
+    base, others = args.formats[0], args.formats[1:]
     print(f"memory bandwidth: read {read_gbs:.1f} GB/s, copy {copy_gbs:.1f} GB/s (read+write)")
-    print(f"{'':22}" + "".join(f"{n:>12}" for n in llms) + f"{'ratio':>10}")
+    if others:
+        print(f"ratios: {', '.join(others)} against {base} (above 1: faster or fewer bytes)")
+    print(f"{'':22}" + "".join(f"{n:>12}" for n in llms) + "".join(f"{n:>13}" for n in others))
     mb = {n: weight_bytes(llm) / 1e6 for n, llm in llms.items()}
     print(f"{'weights MB / step':22}" + "".join(f"{mb[n]:12.0f}" for n in llms))
     limit = {n: mb[n] / 1e3 / read_gbs * 1e3 for n in llms}
     print(f"{'bandwidth limit ms':22}" + "".join(f"{limit[n]:12.1f}" for n in llms))
-    for key in med["fp32"]:
-        a, b = med["fp32"][key], med["gguf"][key]
-        ratio = a / b if key.startswith("tpot") else b / a
-        print(f"{key:22}{a:12.1f}{b:12.1f}{ratio:9.2f}x")
+    for key in med[base]:
+        row = "".join(f"{med[n][key]:12.1f}" for n in llms)
+        # Ratios read "times better than the first format": time falls, tok/s rises.
+        lower_better = key.startswith(("tpot", "prefill_ms"))
+        ratios = [
+            med[base][key] / med[n][key] if lower_better else med[n][key] / med[base][key]
+            for n in others
+        ]
+        print(f"{key:22}{row}" + "".join(f"{r:12.2f}x" for r in ratios))
     for n in llms:
         frac = limit[n] / med[n]["tpot_ms_b1"]
         print(f"{n}: batch-1 step at {frac:.0%} of the bandwidth limit")

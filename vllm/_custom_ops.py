@@ -222,17 +222,24 @@ def ggml_linear_torch(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> tor
 
 
 def ggml_linear(
-    x: torch.Tensor, qweight: torch.Tensor, qtype: int, dense_min_tokens: int = 32
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: int,
+    dense_min_tokens: int = 32,
+    dense_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``x @ W.T`` for GGUF-quantized W; x: (M, K) fp32. Up to ``dense_min_tokens`` rows the
-    native kernel reads the blocks directly (decode: bound by weight bytes); from there on a
-    dequantized dense GEMM is faster (prefill: bound by arithmetic)."""
+    """``x @ W.T`` for GGUF-quantized W; x: (M, K) fp32 -> (M, N) fp32. Below
+    ``dense_min_tokens`` rows the native kernel reads the blocks directly (decode: bound by
+    weight bytes); from there on a dequantized dense GEMM is faster (prefill: bound by
+    arithmetic), run in ``dense_dtype``: fp32 is bit-identical to ``ggml_linear_torch``;
+    bf16 rounds x and W to bf16 (8-bit mantissa) and the product back from bf16."""
     linear = _op("ggml_linear")
-    if linear is None:
-        return ggml_linear_torch(x, qweight, qtype)
-    if x.shape[0] >= dense_min_tokens:
-        return torch.nn.functional.linear(x, _op("ggml_dequantize")(qweight, qtype))
-    return linear(x, qweight, qtype)
+    if linear is not None and x.shape[0] < dense_min_tokens:
+        return linear(x, qweight, qtype)
+    w = ggml_dequantize(qweight, qtype)
+    if dense_dtype == torch.float32 or x.shape[0] < dense_min_tokens:
+        return torch.nn.functional.linear(x, w)
+    return torch.nn.functional.linear(x.to(dense_dtype), w.to(dense_dtype)).to(x.dtype)
 
 
 # -- per-layer ops of the Llama family ------------------------------------------------------

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     VLLM_ATTENTION_BACKEND: str | None
     VLLM_CPU_THREADS: int
     VLLM_CPU_ENGINE_NICE: int
+    VLLM_CPU_GGUF_PREFILL_DTYPE: str
     VLLM_USE_UVLOOP: bool
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
@@ -31,6 +32,19 @@ def _upper_or_none(name: str) -> Callable[[], str | None]:
     return lambda: (os.getenv(name) or "").strip().upper() or None
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> Callable[[], str]:
+    """One of ``choices`` (case-insensitive; unset or empty: the first); anything else
+    raises a ValueError naming the variable."""
+
+    def read() -> str:
+        value = (os.getenv(name) or "").strip().lower() or choices[0]
+        if value not in choices:
+            raise ValueError(f"{name}={os.getenv(name)!r}: expected one of {', '.join(choices)}")
+        return value
+
+    return read
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # Root of our caches: GGUF models converted to safetensors (models/) and the
     # JIT-built native kernels (kernels/). Default: $XDG_CACHE_HOME/vllm-continuum,
@@ -44,6 +58,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # How much the CPU engine process lowers its priority (nice increment) so the API
     # front end stays responsive; 0 disables. Default 10.
     "VLLM_CPU_ENGINE_NICE": lambda: int(os.getenv("VLLM_CPU_ENGINE_NICE") or 10),
+    # Compute dtype of --quantization gguf's prefill (forwards of at least DENSE_MIN_TOKENS
+    # rows: the dequantized GEMMs and the prefill attention): auto = bf16 when the CPU has
+    # native bf16 arithmetic (AVX512-BF16 or AMX-BF16), else fp32; bf16; fp32 (the exact
+    # path, bit-identical to the fp32 model's prefill GEMMs). Read when a model is loaded.
+    "VLLM_CPU_GGUF_PREFILL_DTYPE": _choice("VLLM_CPU_GGUF_PREFILL_DTYPE", ("auto", "bf16", "fp32")),
     # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
     "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
     # libgomp's spin count / wait policy: when the user sets either, the engine process

@@ -3,7 +3,9 @@
 The fp32 model is the GGUF dequantized at load, and the quantized layers multiply by the
 very same blocks (the load checks bit-equality), so the two may differ only by float
 rounding (another summation order in the kernels): logits at every position of 8 prompts
-agree to ~1e-4 and their top-1 tokens agree; greedy outputs match.
+agree to ~1e-4 and their top-1 tokens agree; greedy outputs match. That holds for the exact
+prefill (VLLM_CPU_GGUF_PREFILL_DTYPE=fp32), which these tests pin; the bf16 prefill has its
+own tolerances in test_gguf_bf16_prefill.py.
 """
 
 from __future__ import annotations
@@ -71,8 +73,14 @@ def _prompt_logits(runner, tokenizer) -> list[torch.Tensor]:
     return out
 
 
+@pytest.fixture
+def exact_prefill(monkeypatch):
+    """The gguf prefill GEMMs in fp32 (not bf16 on a CPU with native bf16)."""
+    monkeypatch.setenv("VLLM_CPU_GGUF_PREFILL_DTYPE", "fp32")
+
+
 @pytest.mark.slow
-def test_quantized_logits_match_fp32(tokenizer):
+def test_quantized_logits_match_fp32(tokenizer, exact_prefill):
     from vllm.v1.worker.model_runner import ModelRunner
 
     threads = torch.get_num_threads()
@@ -97,7 +105,7 @@ def test_quantized_logits_match_fp32(tokenizer):
 
 
 @pytest.mark.slow
-def test_quantized_greedy_matches_fp32():
+def test_quantized_greedy_matches_fp32(exact_prefill):
     from vllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

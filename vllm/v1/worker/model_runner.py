@@ -57,7 +57,11 @@ class ModelRunner:
         self.device = torch.device(device)
         dtype = self.model_config.dtype
         if dtype == "auto":
-            # fp32 on CPU: without bf16 hardware, bf16 prefill is 6-7x slower here.
+            # fp32 on CPU: the exactness reference. On a CPU with bf16 hardware (this Zen 4
+            # has AVX512-BF16) bf16 GEMMs are 2-3x faster from 128 rows on, torch's bf16
+            # SDPA is not; --quantization gguf takes bf16 for its prefill GEMMs only
+            # (VLLM_CPU_GGUF_PREFILL_DTYPE, docs/kernels.md). Without bf16 hardware oneDNN
+            # emulates bf16 (expected slower than fp32; no such CPU measured here).
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
         self.model: LlamaForCausalLM | None = None

@@ -4,10 +4,16 @@ A decode step reads every weight once; in fp32 that is 538 MB for SmolLM2-135M, 
 GGUF's own blocks (Q4_1: 5 bits a weight; its Q8_0 embedding: 8.5) about 96 MB. The
 weights multiplied are exactly the fp32 reference's: both come from the same blocks and
 the load checks that the blocks dequantize to the fp32 model's weights bit for bit.
+
+Prefill (forwards of ``DENSE_MIN_TOKENS`` rows or more) dequantizes and runs a dense GEMM;
+on a CPU with native bf16 arithmetic that GEMM runs in bf16 (inputs rounded to bf16, fp32
+accumulation, output back to fp32), ``VLLM_CPU_GGUF_PREFILL_DTYPE`` deciding (see
+``prefill_dtype``). Decode rows always take the fp32 block kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -15,18 +21,45 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
+from vllm import envs
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = tuple(ops.GGML_BLOCK_BYTES)  # Q4_1, Q8_0
 # From this many tokens on, dequantize + dense GEMM beats the block kernel (prefill).
 DENSE_MIN_TOKENS = 48
+PREFILL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """The CPU multiplies bf16 in hardware: CPUID's AVX512_BF16 (``vdpbf16ps``, Zen 4,
+    Cooper Lake) or AMX-BF16 (Sapphire Rapids), as torch's cpuinfo reports them. Without
+    either, oneDNN emulates bf16 on fp32 units and a bf16 GEMM is slower than fp32."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def prefill_dtype() -> torch.dtype:
+    """The gguf path's prefill compute dtype: ``VLLM_CPU_GGUF_PREFILL_DTYPE`` (auto: bf16
+    when ``cpu_has_native_bf16()``, else fp32). Raises ValueError on a bad value."""
+    choice = envs.VLLM_CPU_GGUF_PREFILL_DTYPE
+    if choice == "auto":
+        choice = "bf16" if cpu_has_native_bf16() else "fp32"
+    return PREFILL_DTYPES[choice]
 
 
 class GGUFLinear(nn.Module):
-    """``y = x @ W.T (+ bias)`` with W kept as GGUF blocks: uint8 (out, in / 32 * block)."""
+    """``y = x @ W.T (+ bias)`` with W kept as GGUF blocks: uint8 (out, in / 32 * block).
+    ``prefill_dtype``: the dense GEMM's dtype from ``DENSE_MIN_TOKENS`` rows on."""
 
-    def __init__(self, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        qtype: int,
+        bias: torch.Tensor | None,
+        prefill_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         if qtype not in SUPPORTED_TYPES:
             raise ValueError(f"GGML type {qtype} is not supported (supported: {SUPPORTED_TYPES})")
@@ -35,18 +68,22 @@ class GGUFLinear(nn.Module):
         self.out_features = qweight.shape[0]
         self.in_features = qweight.shape[1] // ops.GGML_BLOCK_BYTES[qtype] * 32
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.prefill_dtype = prefill_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
-        y = ops.ggml_linear(x, self.qweight, self.qtype, DENSE_MIN_TOKENS)
+        y = ops.ggml_linear(x, self.qweight, self.qtype, DENSE_MIN_TOKENS, self.prefill_dtype)
         return y if self.bias is None else y + self.bias
 
     def dequantized_weight(self) -> torch.Tensor:
         return ops.ggml_dequantize(self.qweight, self.qtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}, "
+            f"prefill_dtype={self.prefill_dtype}"
+        )
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
@@ -78,7 +115,10 @@ class GGUFTensors:
 
 
 def _fused_module(
-    g: GGUFTensors, parts: list[tuple[str, torch.Tensor | None]], old: nn.Linear
+    g: GGUFTensors,
+    parts: list[tuple[str, torch.Tensor | None]],
+    old: nn.Linear,
+    dtype: torch.dtype,
 ) -> GGUFLinear | None:
     """One GGUFLinear over the row-concatenated tensors ``parts`` (name, row order), or None
     when a part is missing or not of one supported type (the fp32 module then stays)."""
@@ -88,7 +128,7 @@ def _fused_module(
     if len(qtypes) != 1 or not qtypes <= set(SUPPORTED_TYPES):
         return None
     qweight = torch.cat([g.blocks(name, perm) for name, perm in parts])
-    new = GGUFLinear(qweight, qtypes.pop(), old.bias)
+    new = GGUFLinear(qweight, qtypes.pop(), old.bias, dtype)
     # The fp32 model was dequantized from these very blocks: anything but bit-equality
     # means a layout mistake (row order, fusing), so refuse rather than run wrong weights.
     if old.weight.dtype == torch.float32 and not torch.equal(new.dequantized_weight(), old.weight):
@@ -98,7 +138,10 @@ def _fused_module(
 
 def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int]:
     """Replace ``model``'s linear layers (a loaded ``LlamaForCausalLM``) by GGUFLinear over the
-    blocks of the GGUF at ``path``. Returns counts: ``quantized`` / ``kept_fp32`` modules."""
+    blocks of the GGUF at ``path``. Returns counts: ``quantized`` / ``kept_fp32`` modules.
+    The prefill dtype (``prefill_dtype()``) is fixed here, once per load, and recorded on
+    the model as ``gguf_prefill_dtype`` for the attention backend."""
+    dtype = prefill_dtype()
     g = GGUFTensors(path)
     a = model.arch
     # llama.cpp interleaves q/k rotary halves for the llama architecture only.
@@ -126,13 +169,15 @@ def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int
     plan.append((model, "lm_head", [(head, None)]))
     counts = {"quantized": 0, "kept_fp32": 0}
     for parent, attr, parts in plan:
-        new = _fused_module(g, parts, getattr(parent, attr))
+        new = _fused_module(g, parts, getattr(parent, attr), dtype)
         if new is None:
             counts["kept_fp32"] += 1
             logger.info("Keeping %s in fp32 (no supported GGUF blocks)", parts[0][0])
             continue
         setattr(parent, attr, new)
         counts["quantized"] += 1
+    model.gguf_prefill_dtype = dtype
+    logger.info("GGUF prefill (%d+ tokens per forward) computes in %s", DENSE_MIN_TOKENS, dtype)
     return counts
 
 
