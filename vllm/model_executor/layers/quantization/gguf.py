@@ -35,7 +35,7 @@ PREFILL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def cpu_has_native_bf16() -> bool:
     """The CPU multiplies bf16 in hardware: CPUID's AVX512_BF16 (``vdpbf16ps``, Zen 4,
     Cooper Lake) or AMX-BF16 (Sapphire Rapids), as torch's cpuinfo reports them. Without
-    either, oneDNN emulates bf16 on fp32 units and a bf16 GEMM is slower than fp32."""
+    either, oneDNN emulates bf16 on fp32 units (expected slower than fp32; not measured)."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
@@ -139,8 +139,7 @@ def _fused_module(
 def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int]:
     """Replace ``model``'s linear layers (a loaded ``LlamaForCausalLM``) by GGUFLinear over the
     blocks of the GGUF at ``path``. Returns counts: ``quantized`` / ``kept_fp32`` modules.
-    The prefill dtype (``prefill_dtype()``) is fixed here, once per load, and recorded on
-    the model as ``gguf_prefill_dtype`` for the attention backend."""
+    The prefill dtype (``prefill_dtype()``) is fixed here, once per load."""
     dtype = prefill_dtype()
     g = GGUFTensors(path)
     a = model.arch
@@ -176,7 +175,6 @@ def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int
             continue
         setattr(parent, attr, new)
         counts["quantized"] += 1
-    model.gguf_prefill_dtype = dtype
     logger.info("GGUF prefill (%d+ tokens per forward) computes in %s", DENSE_MIN_TOKENS, dtype)
     return counts
 
