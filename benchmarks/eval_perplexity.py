@@ -4,8 +4,8 @@ Both formats run in one process on one load (the fp32 weights are the GGUF dequa
 the gguf format multiplies by the same blocks with the native kernels), over the same
 tokens, ``--tokens-per-step`` tokens per forward: 1-4 run the batch-1..4 decode kernels
 (the path generated tokens take), 5-47 the tiled kernel, 48+ the dequantize + GEMM
-prefill path, which is bit-identical to fp32. Prints each format's perplexity and their
-ratio.
+prefill path: bit-identical to fp32 with ``VLLM_CPU_GGUF_PREFILL_DTYPE=fp32``, in bf16 by
+default on CPUs with bf16 hardware. Prints each format's perplexity and their ratio.
 
     .venv/bin/python benchmarks/eval_perplexity.py [--text docs/design.md] [--max-tokens 4096]
 """
