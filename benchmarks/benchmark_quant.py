@@ -23,6 +23,7 @@ import argparse
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -94,16 +95,8 @@ def load(name: str):
     from vllm import LLM
 
     quantization, prefill = FORMATS[name]
-    saved = os.environ.get(PREFILL_VAR)
-    if prefill is not None:
-        os.environ[PREFILL_VAR] = prefill
-    try:
+    with mock.patch.dict(os.environ, {} if prefill is None else {PREFILL_VAR: prefill}):
         return LLM(model="SmolLM2-135M-Instruct", quantization=quantization)
-    finally:
-        if saved is None:
-            os.environ.pop(PREFILL_VAR, None)
-        else:
-            os.environ[PREFILL_VAR] = saved
 
 
 def weight_bytes(llm) -> int:

@@ -58,8 +58,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # How much the CPU engine process lowers its priority (nice increment) so the API
     # front end stays responsive; 0 disables. Default 10.
     "VLLM_CPU_ENGINE_NICE": lambda: int(os.getenv("VLLM_CPU_ENGINE_NICE") or 10),
-    # Compute dtype of --quantization gguf's prefill (forwards of at least DENSE_MIN_TOKENS
-    # rows: the dequantized GEMMs and the prefill attention): auto = bf16 when the CPU has
+    # Compute dtype of --quantization gguf's prefill GEMMs (forwards of at least
+    # DENSE_MIN_TOKENS rows; attention stays fp32): auto = bf16 when the CPU has
     # native bf16 arithmetic (AVX512-BF16 or AMX-BF16), else fp32; bf16; fp32 (the exact
     # path, bit-identical to the fp32 model's prefill GEMMs). Read when a model is loaded.
     "VLLM_CPU_GGUF_PREFILL_DTYPE": _choice("VLLM_CPU_GGUF_PREFILL_DTYPE", ("auto", "bf16", "fp32")),
