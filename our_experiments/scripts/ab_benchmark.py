@@ -42,7 +42,7 @@ from our_experiments.scripts.workload import (  # noqa: E402
     synthetic_jobs,
 )
 from vllm.benchmarks.utils import openai_base_url  # noqa: E402
-from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
+from vllm.v1.metrics.reader import scrape_labelled, scrape_metrics  # noqa: E402
 
 COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
@@ -59,6 +59,15 @@ COUNTERS = {
     # The upstream plugin's name for the same counter before it took ours (older runs).
     "pin_pressure_releases": "vllm:pin_pressure_releases_total",
 }
+# ContextServe's labelled counters (verdicts by class and layer, FAST pin outcomes,
+# regret), kept per label set in the result's "context_serve" field.
+CONTEXT_SERVE_PREFIX = "vllm:context_serve_"
+
+
+def labelled_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """after - before per key, the keys that moved only (a series may appear mid-run)."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {k: v for k, v in sorted(delta.items()) if v}
 
 
 def check_loopback(base_url: str) -> None:
@@ -199,8 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
             "(seeded); raise --duration or --jps, or change --seed"
         )
     before = scrape_metrics(args.base_url)
+    cs_before = scrape_labelled(args.base_url, CONTEXT_SERVE_PREFIX)
     results, sampler, elapsed = asyncio.run(run_benchmark(args, jobs))
     after = scrape_metrics(args.base_url)
+    cs_after = scrape_labelled(args.base_url, CONTEXT_SERVE_PREFIX)
 
     out = summarize(args.policy, args.jps, results, window_s=elapsed)
     delta = {k: after.get(m, 0.0) - before.get(m, 0.0) for k, m in COUNTERS.items()}
@@ -218,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         wall_time_s=round(elapsed, 1),
         prefix_hit_rate=round(delta["prefix_cache_hits"] / q, 4) if q else None,
         metrics=delta,
+        context_serve=labelled_delta(cs_before, cs_after),
         **sampler.summary(),
     )
     text = json.dumps(out, indent=1)

@@ -5,7 +5,9 @@ there:
 - `jps_sweep.png`: average and P95 job duration vs JPS, one line per policy;
 - `jps_sweep_speedup.png`: % improvement over FCFS, (fcfs - other) / fcfs * 100, for the
   average and the P95;
-- `per_turn_latency.png`: average latency per turn, bars per policy, one panel per JPS.
+- `per_turn_latency.png`: average latency per turn, bars per policy, one panel per JPS;
+- `overload.png` (when the results carry the overload fields): jobs finished inside the
+  window and the all-jobs average job time (a lower bound) vs JPS, one line per policy.
 It prints (and writes to `table.md`) the policy x JPS table used in docs/experiments.md.
 
     .venv/bin/python our_experiments/scripts/plot_jps_sweep.py --machine cpu-2core
@@ -171,6 +173,30 @@ def plot(results: dict[str, dict[float, dict]], folder: Path, title: str) -> lis
     fig.suptitle(f"Per-turn latency - {title}")
     fig.tight_layout()
     written.append(_save(fig, folder / "per_turn_latency.png"))
+
+    overload = {
+        policy: {j: r for j, r in by_jps.items() if "avg_duration_all_s" in r}
+        for policy, by_jps in results.items()
+    }
+    overload = {policy: by_jps for policy, by_jps in overload.items() if by_jps}
+    if overload:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for policy, by_jps in sorted(overload.items()):
+            xs = sorted(by_jps)
+            share = [100 * by_jps[j]["num_completed"] / max(by_jps[j]["num_jobs"], 1) for j in xs]
+            axes[0].plot(xs, share, marker="o", label=policy)
+            axes[1].plot(xs, [by_jps[j]["avg_duration_all_s"] for j in xs], marker="o",
+                         label=policy)  # fmt: skip
+        axes[0].set(xlabel="JPS", ylabel="jobs finished in the window (%)", ylim=(0, 105))
+        axes[0].set_title("Jobs finished inside the window")
+        axes[1].set(xlabel="JPS", ylabel="avg job time, all jobs (s, lower bound)")
+        axes[1].set_title("Average over all jobs (unfinished counted to the window's end)")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"Overload - {title}")
+        fig.tight_layout()
+        written.append(_save(fig, folder / "overload.png"))
     return written
 
 

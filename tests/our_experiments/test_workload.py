@@ -257,6 +257,9 @@ def test_overload_view_counts_unfinished_jobs_until_the_window_end(tmp_path):
     (tmp_path / "continuum_jps0.2.json").write_text(json.dumps(s))
     text = plot_jps_sweep.overload_table(plot_jps_sweep.load_results(tmp_path))
     assert "| continuum | 0.2 | 2 / 3 | 1.00 | 30.0 | 48.0 | 20.0 | 12k | 2 | 5 / 3 / 1 |" in text
+    written = plot_jps_sweep.plot(plot_jps_sweep.load_results(tmp_path), tmp_path, "test")
+    assert tmp_path / "overload.png" in written
+    assert (tmp_path / "overload.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_slow_mix_hints_each_command_and_makes_a_share_of_tools_slow(corpus):
@@ -276,3 +279,12 @@ def test_slow_mix_hints_each_command_and_makes_a_share_of_tools_slow(corpus):
     assert all("Next, run" not in t.user_content for t in fork.turns)  # fork mix: unchanged
     with pytest.raises(ValueError, match="mix"):
         make_job("x", 0, 2, 16, corpus, random.Random(0), mix="fast")
+
+
+def test_labelled_delta_keeps_what_moved_including_series_born_mid_run():
+    before = {"a{speed=fast}": 2.0, "a{speed=slow}": 1.0}
+    after = {"a{speed=fast}": 5.0, "a{speed=slow}": 1.0, "a{speed=uncertain}": 3.0}
+    assert ab_benchmark.labelled_delta(before, after) == {
+        "a{speed=fast}": 3.0,
+        "a{speed=uncertain}": 3.0,
+    }

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import requests
 
-from vllm.v1.metrics.reader import scrape_metrics
+from vllm.v1.metrics.reader import scrape_labelled, scrape_metrics
 
 TEXT = b"""# HELP vllm:kv_cache_usage_perc KV-cache usage.
 # TYPE vllm:kv_cache_usage_perc gauge
@@ -30,6 +30,10 @@ vllm:e2e_request_latency_seconds_sum{model_name="m"} 3.5
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{model_name="a"} 10.0
 vllm:prompt_tokens_total{model_name="b"} 5.0
+# HELP vllm:context_serve_decisions_total Verdicts.
+# TYPE vllm:context_serve_decisions_total counter
+vllm:context_serve_decisions_total{layer="rules",model_name="m",speed="slow"} 4.0
+vllm:context_serve_decisions_total{layer="bayes",model_name="m",speed="fast"} 6.0
 """
 
 
@@ -73,3 +77,12 @@ def test_scrape_accepts_the_root_and_the_openai_base_url(metrics_url, suffix):
 def test_scrape_raises_on_an_http_error_instead_of_parsing_the_page(metrics_url):
     with pytest.raises(requests.HTTPError):
         scrape_metrics(metrics_url + "/elsewhere")
+
+
+def test_scrape_labelled_keeps_label_sets_apart(metrics_url):
+    m = scrape_labelled(metrics_url, "vllm:context_serve_")
+    assert m == {
+        "vllm:context_serve_decisions_total{layer=rules,speed=slow}": 4.0,
+        "vllm:context_serve_decisions_total{layer=bayes,speed=fast}": 6.0,
+    }
+    assert scrape_metrics(metrics_url)["vllm:context_serve_decisions_total"] == 10.0
