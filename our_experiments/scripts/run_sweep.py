@@ -61,12 +61,11 @@ def result_path(out_dir: Path, policy: str, jps: float) -> Path:
 
 
 # Study labels that are a policy with extra server flags (a label names the result files).
-VARIANTS: dict[str, tuple[str, list[str]]] = {
-    # The first overload points ran with admission on by default, so their "continuum"
-    # files are the policy with admission; the 0.08 JPS study point ran without it.
-    "continuum-admission": ("continuum", ["--continuum-job-admission"]),
-    "continuum-noadmission": ("continuum", ["--no-continuum-job-admission"]),
-}
+# An agent-aware policy's label may end in "-admission" / "-noadmission": job-level
+# admission on / off (e.g. "continuum-admission", "context_serve-admission"). The first
+# overload points ran with admission on by default, so their "continuum" files are the
+# policy with admission; the 0.08 JPS study point ran without it.
+ADMISSION_SUFFIX = re.compile(r"-(no)?admission$")
 # A label may end in "+offload<k>x": the CPU KV tier sized at k times the engine's pool
 # (--num-gpu-blocks; at the default 400 blocks of 720 KiB, 4x = 1.1 GiB, 16x = 4.4 GiB),
 # e.g. "fcfs+offload4x" or "continuum-admission+offload16x".
@@ -93,7 +92,15 @@ def policy_flags(label: str, num_gpu_blocks: int) -> tuple[str, list[str]]:
     """A study label as ``--scheduling-policy``'s value and the extra server flags."""
     tier = OFFLOAD_SUFFIX.search(label)
     base = label[: tier.start()] if tier else label
-    name, extra = VARIANTS.get(base, (base, []))
+    admission = ADMISSION_SUFFIX.search(base)
+    name, extra = base, []
+    if admission:
+        name = base[: admission.start()]
+        if name == "fcfs":
+            raise ValueError(f"--policies: {label!r}: job admission is for agent-aware policies")
+        extra = [
+            "--no-continuum-job-admission" if admission.group(1) else "--continuum-job-admission"
+        ]
     if tier:
         k = int(tier.group(1))
         if k < 1:

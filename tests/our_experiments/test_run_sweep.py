@@ -54,5 +54,11 @@ def test_study_labels_compose_a_variant_with_a_tier_sized_from_the_pool():
         "continuum",
         ["--no-continuum-job-admission"],
     )
+    assert run_sweep.policy_flags("context_serve-admission+offload4x", 400) == (
+        "context_serve",
+        ["--continuum-job-admission", "--kv-offloading-size", f"{gib:.3f}"],
+    )
     with pytest.raises(ValueError, match="--policies"):
         run_sweep.policy_flags("fcfs+offload0x", 400)
+    with pytest.raises(ValueError, match="agent-aware"):
+        run_sweep.policy_flags("fcfs-admission", 400)
