@@ -91,6 +91,15 @@ class PolicyConfig:
         "17 (the tier brings contexts back cheaply, so holding new jobs back costs more).",
         flag="--continuum-job-admission",
     )
+    pins_yield_to_tier: bool = config_field(
+        True,
+        "With a CPU KV tier (--kv-offloading-size), a waiting turn of another job may take "
+        "pinned memory at once (the newest job's pin first; it goes to the tier and comes "
+        "back in milliseconds) instead of waiting for the pin's TTL. Without a tier a pin "
+        "is released for other work only when nothing runs or the turn waited "
+        "--max-wait-time.",
+        flag="--continuum-pins-yield-to-tier",
+    )
     job_admission_max_wait_s: float = config_field(
         300.0,
         "Starvation bound of job-level admission: a new job that waited this many seconds "

@@ -18,7 +18,10 @@ from vllm_continuum.context_serve.config import ContextServeConfig
 SECTION = "continuum"
 CONTEXT_SERVE_SECTION = "context_serve"
 # Settings with no meaning on upstream (the plugin has no CPU KV tier: SLOW turns free).
-_NOT_ON_UPSTREAM = {CONTEXT_SERVE_SECTION: {"offload_slow"}}
+_NOT_ON_UPSTREAM = {
+    SECTION: {"pins_yield_to_tier"},
+    CONTEXT_SERVE_SECTION: {"offload_slow"},
+}
 
 C = TypeVar("C")
 

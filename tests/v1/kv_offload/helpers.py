@@ -57,8 +57,9 @@ class FakeKV:
             if block.block_hash in self.expected:
                 got = tuple(self.gpu.get(block.block_id, ()))
                 assert got == self.expected[block.block_hash], f"{block}: holds {got}"
-        pool = kv.offload.pool
-        for h, c in pool._hash_to_id.items():
+        if kv.offload is None:
+            return  # no tier
+        for h, c in kv.offload.pool._hash_to_id.items():
             if h in self.expected:
                 got = tuple(self.cpu.get(c, ()))
                 assert got == self.expected[h], f"tier block {c}: holds {got}"

@@ -3,6 +3,8 @@ tier hit, per policy; block contents checked after every step (``FakeKV``)."""
 
 from __future__ import annotations
 
+import pytest
+
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.policy.base import Offload
 from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
@@ -173,5 +175,40 @@ def test_loads_per_step_are_bounded_except_the_first():
     so, _ = offload_step(s, fkv)
     assert len(so.kv_transfers.loads) == 4
     assert [r.num_cached_tokens for r in reqs] == [12, 4]
+    run_until_done(s, fkv)
+    s.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("num_cpu_blocks", "yields", "waits"),
+    [(8, True, False), (8, False, True), (0, True, True)],
+    ids=["tier", "tier-no-yield", "no-tier"],
+)
+def test_with_a_tier_another_jobs_turn_takes_a_pin_at_once(num_cpu_blocks, yields, waits):
+    # Job a's context is pinned (4 of 5 blocks), job r runs in the last block. Job b's
+    # turn needs 2 blocks: with a tier it takes a's pin at once (saved to the tier first);
+    # without one (or with pins_yield_to_tier off) it waits for the pin while r runs.
+    clock = FakeClock(start=0.0)
+    s = make_offload_scheduler(
+        num_blocks=6,
+        num_cpu_blocks=num_cpu_blocks,
+        policy="continuum",
+        clock=clock,
+        max_wait_s=100,
+        pins_yield_to_tier=yields,
+    )
+    fkv = FakeKV(s)
+    _run(s, fkv, A, job_id="a")
+    assert s.pins.pinned.num_blocks == 4
+    runner = make_request([300], max_tokens=3, job_id="r", is_last_step=True)
+    s.add_request(runner)
+    offload_step(s, fkv)
+    turn = make_request(B[:8], max_tokens=1, job_id="b", is_last_step=True)
+    s.add_request(turn)
+    so, _ = offload_step(s, fkv)
+    assert (turn.request_id not in so.num_scheduled_tokens) == waits
+    assert ("a" in s.pins) == waits
+    if not waits:
+        assert fkv.saved == 3  # a's full blocks went to the tier before b took them
     run_until_done(s, fkv)
     s.check_invariants()

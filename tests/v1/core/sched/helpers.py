@@ -25,6 +25,7 @@ def make_scheduler(
     max_wait_s: float = 30.0,
     num_cpu_blocks: int = 0,
     job_admission: bool = False,
+    pins_yield_to_tier: bool = True,
 ) -> Scheduler:
     config = VllmConfig(
         cache_config=CacheConfig(block_size=BLOCK),
@@ -36,7 +37,11 @@ def make_scheduler(
             long_prefill_token_threshold=threshold,
             policy=policy,
         ),
-        policy_config=PolicyConfig(max_wait_s=max_wait_s, job_admission=job_admission),
+        policy_config=PolicyConfig(
+            max_wait_s=max_wait_s,
+            job_admission=job_admission,
+            pins_yield_to_tier=pins_yield_to_tier,
+        ),
     )
     clock = clock or FakeClock()
     if policy_obj is None:

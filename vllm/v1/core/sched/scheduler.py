@@ -70,6 +70,7 @@ class Scheduler:
             num_cpu_blocks,
             cpu_block_bytes,
         )
+        policy.has_tier = num_cpu_blocks > 0
         self.requests: dict[str, Request] = {}
         self.pins = KVCachePinManager(self.kv_cache_manager, policy)
         self.waiting = policy.create_request_queue(self.pins)

@@ -102,6 +102,9 @@ class Policy(ABC):
         # Token ids -> text, for policies that read finished outputs (tool calls).
         self.decode = decode
         self.clock = clock
+        # Whether freed and released blocks are saved in a CPU KV tier (the scheduler
+        # sets it when it builds its KV cache manager).
+        self.has_tier = False
 
     @classmethod
     def from_config(
@@ -140,10 +143,14 @@ class Policy(ABC):
         """Whether ``request`` (waiting, out of memory) may take pinned memory.
 
         Pins are soft. Default: when its own job holds a pin (the pins exist to serve
-        such turns), when nothing runs (else nothing would ever free memory), or when it
-        has waited longer than ``max_wait_s``. Released pins go newest job first."""
+        such turns), when nothing runs (else nothing would ever free memory), when it
+        has waited longer than ``max_wait_s``, or at once when a CPU tier takes released
+        pins (``pins_yield_to_tier``: the pinned job's next turn loads its context back
+        in milliseconds, so holding other work back costs more than it saves). Released
+        pins go newest job first."""
         return (
             own_job_pinned
+            or (self.has_tier and self.config.pins_yield_to_tier)
             or num_running == 0
             or now - request.arrival_time > self.config.max_wait_s
         )
