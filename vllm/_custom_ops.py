@@ -221,21 +221,31 @@ def ggml_linear_torch(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> tor
     return torch.nn.functional.linear(x, ggml_dequantize_torch(qweight, qtype))
 
 
+# The native kernel's ``variant`` argument per decode activation type: "fp32" multiplies the
+# fp32 rows (AVX-512 or AVX2), "int8" quantizes each 32-value block of a row to int8 with an
+# fp32 scale first (AVX512-VNNI; CPUs without it run "fp32"). Batches of 1-4 rows: fp32 always.
+DECODE_ACT_VARIANTS = {"fp32": 0, "int8": 1}
+
+
 def ggml_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
     qtype: int,
     dense_min_tokens: int = 32,
     dense_dtype: torch.dtype = torch.float32,
+    decode_act: str = "fp32",
 ) -> torch.Tensor:
     """``x @ W.T`` for GGUF-quantized W; x: (M, K) fp32 -> (M, N) fp32. Below
     ``dense_min_tokens`` rows the native kernel reads the blocks directly (decode: bound by
-    weight bytes); from there on a dequantized dense GEMM is faster (prefill: bound by
-    arithmetic), run in ``dense_dtype``: fp32 is bit-identical to ``ggml_linear_torch``;
-    bf16 rounds x and W to bf16 (8-bit mantissa) and the product back from bf16."""
+    weight bytes), its activations in ``decode_act`` (a ``DECODE_ACT_VARIANTS`` key; the
+    pure-torch fallback is fp32); from there on a dequantized dense GEMM is faster (prefill:
+    bound by arithmetic), run in ``dense_dtype``: fp32 is bit-identical to
+    ``ggml_linear_torch``; bf16 rounds x and W to bf16 (8-bit mantissa) and the product back."""
+    if decode_act not in DECODE_ACT_VARIANTS:
+        raise ValueError(f"decode_act={decode_act!r}: expected one of {list(DECODE_ACT_VARIANTS)}")
     linear = _op("ggml_linear")
     if linear is not None and x.shape[0] < dense_min_tokens:
-        return linear(x, qweight, qtype)
+        return linear(x, qweight, qtype, DECODE_ACT_VARIANTS[decode_act])
     w = ggml_dequantize(qweight, qtype)
     if dense_dtype == torch.float32 or x.shape[0] < dense_min_tokens:
         return torch.nn.functional.linear(x, w)
