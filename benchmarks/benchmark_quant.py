@@ -9,9 +9,10 @@ bytes of weights a decode step reads, this machine's memory bandwidth (a large t
 exactly N tokens with 1 output token (TTFT without a server). Medians over ``--repeats``,
 formats interleaved; ratios against the first format.
 
-``--formats``: fp32, gguf (the prefill dtype ``VLLM_CPU_GGUF_PREFILL_DTYPE`` gives), and
-gguf-fp32 / gguf-bf16 (that prefill dtype forced at load): ``--formats gguf-fp32 gguf-bf16``
-is the bf16 prefill against the exact one.
+``--formats``: fp32, gguf (the prefill dtype ``VLLM_CPU_GGUF_PREFILL_DTYPE`` and decode
+activations ``VLLM_CPU_GGUF_DECODE_ACT`` give), gguf-fp32 / gguf-bf16 (that prefill dtype
+forced at load): ``--formats gguf-fp32 gguf-bf16`` is the bf16 prefill against the exact one;
+gguf-act-fp32 / gguf-act-int8 (those decode activations forced at load).
 
     .venv/bin/python benchmarks/benchmark_quant.py [--repeats 3] [--max-tokens 32]
         [--formats fp32 gguf] [--prefill-tokens 128 512 2048]
@@ -28,12 +29,15 @@ from unittest import mock
 import torch
 
 PREFILL_VAR = "VLLM_CPU_GGUF_PREFILL_DTYPE"
-# name -> (--quantization, the prefill dtype switch at load; None: the environment's)
+DECODE_VAR = "VLLM_CPU_GGUF_DECODE_ACT"
+# name -> (--quantization, the switches set at load; unset ones: the environment's)
 FORMATS = {
-    "fp32": (None, None),
-    "gguf": ("gguf", None),
-    "gguf-fp32": ("gguf", "fp32"),
-    "gguf-bf16": ("gguf", "bf16"),
+    "fp32": (None, {}),
+    "gguf": ("gguf", {}),
+    "gguf-fp32": ("gguf", {PREFILL_VAR: "fp32"}),
+    "gguf-bf16": ("gguf", {PREFILL_VAR: "bf16"}),
+    "gguf-act-fp32": ("gguf", {DECODE_VAR: "fp32"}),
+    "gguf-act-int8": ("gguf", {DECODE_VAR: "int8"}),
 }
 
 
@@ -91,11 +95,11 @@ def measure(llm, args, run: int) -> dict[str, float]:
 
 
 def load(name: str):
-    """The engine of format ``name``, the prefill dtype switch set while it loads."""
+    """The engine of format ``name``, its switches set while it loads."""
     from vllm import LLM
 
-    quantization, prefill = FORMATS[name]
-    with mock.patch.dict(os.environ, {} if prefill is None else {PREFILL_VAR: prefill}):
+    quantization, switches = FORMATS[name]
+    with mock.patch.dict(os.environ, switches):
         return LLM(model="SmolLM2-135M-Instruct", quantization=quantization)
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     VLLM_CPU_THREADS: int
     VLLM_CPU_ENGINE_NICE: int
     VLLM_CPU_GGUF_PREFILL_DTYPE: str
+    VLLM_CPU_GGUF_DECODE_ACT: str
     VLLM_USE_UVLOOP: bool
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
@@ -63,6 +64,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # native bf16 arithmetic (AVX512-BF16 or AMX-BF16), else fp32; bf16; fp32 (the exact
     # path, bit-identical to the fp32 model's prefill GEMMs). Read when a model is loaded.
     "VLLM_CPU_GGUF_PREFILL_DTYPE": _choice("VLLM_CPU_GGUF_PREFILL_DTYPE", ("auto", "bf16", "fp32")),
+    # Activations of --quantization gguf's decode forwards (5 to DENSE_MIN_TOKENS - 1 rows):
+    # fp32 (the exact path: only the summation order differs from the fp32 model) or int8
+    # (each 32-value block of a row rounded to int8 with an fp32 scale, integer dot products
+    # on AVX512-VNNI; fp32 on CPUs without it). Read when a model is loaded.
+    "VLLM_CPU_GGUF_DECODE_ACT": _choice("VLLM_CPU_GGUF_DECODE_ACT", ("fp32", "int8")),
     # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
     "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
     # libgomp's spin count / wait policy: when the user sets either, the engine process

@@ -8,7 +8,8 @@ the load checks that the blocks dequantize to the fp32 model's weights bit for b
 Prefill (forwards of ``DENSE_MIN_TOKENS`` rows or more) dequantizes and runs a dense GEMM;
 on a CPU with native bf16 arithmetic that GEMM runs in bf16 (inputs rounded to bf16, fp32
 accumulation, output back to fp32), ``VLLM_CPU_GGUF_PREFILL_DTYPE`` deciding (see
-``prefill_dtype``). Decode rows always take the fp32 block kernel.
+``prefill_dtype``). Decode rows take the block kernel, its activations fp32 or (batches of
+5+ rows, ``VLLM_CPU_GGUF_DECODE_ACT=int8``) int8 per 32-value block (``decode_act``).
 """
 
 from __future__ import annotations
@@ -49,9 +50,16 @@ def prefill_dtype() -> torch.dtype:
     return PREFILL_DTYPES[choice]
 
 
+def decode_act() -> str:
+    """The block kernel's activation type: ``VLLM_CPU_GGUF_DECODE_ACT`` ("fp32" or "int8").
+    Raises ValueError on a bad value."""
+    return envs.VLLM_CPU_GGUF_DECODE_ACT
+
+
 class GGUFLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with W kept as GGUF blocks: uint8 (out, in / 32 * block).
-    ``prefill_dtype``: the dense GEMM's dtype from ``DENSE_MIN_TOKENS`` rows on."""
+    ``prefill_dtype``: the dense GEMM's dtype from ``DENSE_MIN_TOKENS`` rows on;
+    ``decode_act``: the block kernel's activations below that ("fp32" or "int8")."""
 
     def __init__(
         self,
@@ -59,6 +67,7 @@ class GGUFLinear(nn.Module):
         qtype: int,
         bias: torch.Tensor | None,
         prefill_dtype: torch.dtype = torch.float32,
+        decode_act: str = "fp32",
     ) -> None:
         super().__init__()
         if qtype not in SUPPORTED_TYPES:
@@ -69,11 +78,16 @@ class GGUFLinear(nn.Module):
         self.in_features = qweight.shape[1] // ops.GGML_BLOCK_BYTES[qtype] * 32
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.prefill_dtype = prefill_dtype
+        if decode_act not in ops.DECODE_ACT_VARIANTS:
+            raise ValueError(f"decode_act={decode_act!r}: expected fp32 or int8")
+        self.decode_act = decode_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
-        y = ops.ggml_linear(x, self.qweight, self.qtype, DENSE_MIN_TOKENS, self.prefill_dtype)
+        y = ops.ggml_linear(
+            x, self.qweight, self.qtype, DENSE_MIN_TOKENS, self.prefill_dtype, self.decode_act
+        )
         return y if self.bias is None else y + self.bias
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -82,7 +96,7 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}, "
-            f"prefill_dtype={self.prefill_dtype}"
+            f"prefill_dtype={self.prefill_dtype}, decode_act={self.decode_act}"
         )
 
 
@@ -119,6 +133,7 @@ def _fused_module(
     parts: list[tuple[str, torch.Tensor | None]],
     old: nn.Linear,
     dtype: torch.dtype,
+    act: str = "fp32",
 ) -> GGUFLinear | None:
     """One GGUFLinear over the row-concatenated tensors ``parts`` (name, row order), or None
     when a part is missing or not of one supported type (the fp32 module then stays)."""
@@ -128,7 +143,7 @@ def _fused_module(
     if len(qtypes) != 1 or not qtypes <= set(SUPPORTED_TYPES):
         return None
     qweight = torch.cat([g.blocks(name, perm) for name, perm in parts])
-    new = GGUFLinear(qweight, qtypes.pop(), old.bias, dtype)
+    new = GGUFLinear(qweight, qtypes.pop(), old.bias, dtype, act)
     # The fp32 model was dequantized from these very blocks: anything but bit-equality
     # means a layout mistake (row order, fusing), so refuse rather than run wrong weights.
     if old.weight.dtype == torch.float32 and not torch.equal(new.dequantized_weight(), old.weight):
@@ -139,8 +154,9 @@ def _fused_module(
 def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int]:
     """Replace ``model``'s linear layers (a loaded ``LlamaForCausalLM``) by GGUFLinear over the
     blocks of the GGUF at ``path``. Returns counts: ``quantized`` / ``kept_fp32`` modules.
-    The prefill dtype (``prefill_dtype()``) is fixed here, once per load."""
-    dtype = prefill_dtype()
+    The prefill dtype (``prefill_dtype()``) and decode activations (``decode_act()``) are
+    fixed here, once per load."""
+    dtype, act = prefill_dtype(), decode_act()
     g = GGUFTensors(path)
     a = model.arch
     # llama.cpp interleaves q/k rotary halves for the llama architecture only.
@@ -168,14 +184,19 @@ def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int
     plan.append((model, "lm_head", [(head, None)]))
     counts = {"quantized": 0, "kept_fp32": 0}
     for parent, attr, parts in plan:
-        new = _fused_module(g, parts, getattr(parent, attr), dtype)
+        new = _fused_module(g, parts, getattr(parent, attr), dtype, act)
         if new is None:
             counts["kept_fp32"] += 1
             logger.info("Keeping %s in fp32 (no supported GGUF blocks)", parts[0][0])
             continue
         setattr(parent, attr, new)
         counts["quantized"] += 1
-    logger.info("GGUF prefill (%d+ tokens per forward) computes in %s", DENSE_MIN_TOKENS, dtype)
+    logger.info(
+        "GGUF prefill (%d+ tokens per forward) computes in %s, decode activations in %s",
+        DENSE_MIN_TOKENS,
+        dtype,
+        act,
+    )
     return counts
 
 

@@ -1,0 +1,149 @@
+"""The gguf path's int8 decode activations: the VLLM_CPU_GGUF_DECODE_ACT switch, which forwards
+take it, and the whole model's logits, perplexity and greedy outputs against fp32 (slow).
+
+int8 rounds each 32-value block of a row to 255 levels (dx = amax / 127): each input is off by
+at most dx / 2, so a dot product by at most sum(|w| * dx / 2); the kernel tests hold it to that
+bound (tests/kernels/test_quant_kernels.py). Here: what that does to the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.test_quant_kernels import cpu_has_avx512_vnni, random_blocks
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.model_executor.layers.quantization import gguf
+
+VAR = "VLLM_CPU_GGUF_DECODE_ACT"
+needs_vnni = pytest.mark.skipif(not cpu_has_avx512_vnni(), reason="int8 path needs AVX512-VNNI")
+
+
+# -- the switch -------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw,expected", [(None, "fp32"), ("", "fp32"), ("INT8", "int8")])
+def test_switch_parses(monkeypatch, raw, expected):
+    if raw is None:
+        monkeypatch.delenv(VAR, raising=False)
+    else:
+        monkeypatch.setenv(VAR, raw)
+    assert envs.VLLM_CPU_GGUF_DECODE_ACT == expected
+    assert gguf.decode_act() == expected
+
+
+@pytest.mark.parametrize("bad", ["int4", "bf16", "1"])
+def test_bad_switch_value_names_the_variable(monkeypatch, bad):
+    monkeypatch.setenv(VAR, bad)
+    with pytest.raises(ValueError, match=VAR):
+        gguf.decode_act()
+
+
+def test_bad_decode_act_is_refused():
+    w_q = random_blocks(8, 64, ops.GGML_Q4_1)
+    with pytest.raises(ValueError, match="decode_act"):
+        ops.ggml_linear(torch.randn(8, 64), w_q, ops.GGML_Q4_1, 48, torch.float32, "int4")
+    with pytest.raises(ValueError, match="decode_act"):
+        gguf.GGUFLinear(w_q, ops.GGML_Q4_1, None, decode_act="fp16")
+
+
+# -- which forwards take it -------------------------------------------------------------------
+@needs_vnni
+@pytest.mark.parametrize("tokens", [5, 16, 47])
+def test_decode_rows_take_int8(tokens):
+    w_q = random_blocks(96, 64, ops.GGML_Q4_1)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(3))
+    int8 = ops.ggml_linear(x, w_q, ops.GGML_Q4_1, 48, torch.float32, "int8")
+    assert not torch.equal(int8, ops.ggml_linear(x, w_q, ops.GGML_Q4_1, 48, torch.float32))
+    layer = gguf.GGUFLinear(w_q, ops.GGML_Q4_1, None, decode_act="int8")
+    assert torch.equal(layer(x), int8)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 48, 64])
+def test_small_and_prefill_batches_stay_fp32(tokens):
+    # 1-4 rows: the fused fp32 kernel; 48+: the dense GEMM (its own switch decides its dtype).
+    w_q = random_blocks(96, 64, ops.GGML_Q4_1)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(4))
+    fp32 = ops.ggml_linear(x, w_q, ops.GGML_Q4_1, 48, torch.float32, "fp32")
+    assert torch.equal(ops.ggml_linear(x, w_q, ops.GGML_Q4_1, 48, torch.float32, "int8"), fp32)
+
+
+# -- accuracy of the whole model --------------------------------------------------------------
+# Bounds from measurements on the fixed inputs (docs/benchmarks.md, "int8 decode activations"),
+# with a margin: 256 positions of docs/design.md, 16 a forward, gave max |logit diff| 3.8 and
+# top-1 240/256; perplexity on 512 tokens 107.02 against fp32's 107.22; greedy 24 tokens,
+# 6/8 outputs identical.
+TOKENS_PER_STEP = 16  # as 16 concurrent decode streams: the int8 kernel's target batch
+MAX_LOGIT_DIFF = 6.0
+MIN_TOP1 = 0.9
+MIN_GREEDY_IDENTICAL = 4  # of 8
+PPL_TOLERANCE = 1e-2  # |ppl_int8 / ppl_fp32 - 1|
+
+
+@torch.inference_mode()
+def _chunked_logits(runner, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``ids``, fed TOKENS_PER_STEP tokens a forward (the KV cache
+    carries the context), so every linear layer sees decode-sized batches."""
+    from vllm.benchmarks.model_runner import forward
+
+    out = []
+    for start in range(0, len(ids), TOKENS_PER_STEP):
+        chunk = ids[start : start + TOKENS_PER_STEP]
+        out.append(runner.model.compute_logits(forward(runner, chunk, start)))
+    return torch.cat(out)
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_int8_decode_logits_agree_with_fp32(monkeypatch):
+    from tests.benchmarks.test_eval_perplexity import load_script
+    from vllm.benchmarks.model_runner import load_runner, quantize
+
+    monkeypatch.setenv(VAR, "int8")
+    script = load_script()
+    ids = script.text_tokens(script.DEFAULT_TEXT, 256)
+    runner = load_runner(len(ids))
+    fp32 = _chunked_logits(runner, ids)
+    quantize(runner)
+    linears = [m for m in runner.model.modules() if isinstance(m, gguf.GGUFLinear)]
+    assert {m.decode_act for m in linears} == {"int8"}
+    int8 = _chunked_logits(runner, ids)
+    diff = (int8 - fp32).abs().max().item()
+    top1 = (int8.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    print(f"int8 decode: max |logit diff| {diff:.3f}, top-1 agreement {top1:.4f} of {len(ids)}")
+    assert 0 < diff < MAX_LOGIT_DIFF  # > 0: the int8 path really ran
+    assert top1 >= MIN_TOP1
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_int8_decode_perplexity_within_one_percent(monkeypatch):
+    from tests.benchmarks.test_eval_perplexity import load_script
+
+    monkeypatch.setenv(VAR, "int8")
+    script = load_script()
+    ids = script.text_tokens(script.DEFAULT_TEXT, 512)
+    ppl = script.perplexities(ids, tokens_per_step=TOKENS_PER_STEP)
+    print(f"perplexity on 512 tokens, {TOKENS_PER_STEP} per forward: {ppl}")
+    assert abs(ppl["gguf"] / ppl["fp32"] - 1) < PPL_TOLERANCE
+    assert ppl["gguf"] != ppl["fp32"]  # the int8 path really ran
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_int8_decode_greedy_outputs(monkeypatch):
+    from tests.model_executor.test_gguf_quantization import PROMPTS
+    from vllm import LLM, SamplingParams
+
+    # The prefill stays fp32 (exact) so the outputs differ by the decode steps alone.
+    monkeypatch.setenv("VLLM_CPU_GGUF_PREFILL_DTYPE", "fp32")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for quantization, act in ((None, "fp32"), ("gguf", "int8")):
+        monkeypatch.setenv(VAR, act)
+        llm = LLM(model="SmolLM2-135M-Instruct", quantization=quantization)
+        # 8 prompts decode together: every decode step is an 8-row forward (the int8 kernel).
+        outputs[act] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        del llm
+    same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"], strict=True))
+    print(f"int8 decode: greedy outputs identical on {same}/{len(PROMPTS)} prompts")
+    assert same >= MIN_GREEDY_IDENTICAL
