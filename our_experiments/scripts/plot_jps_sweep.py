@@ -190,7 +190,7 @@ def plot(results: dict[str, dict[float, dict]], folder: Path, title: str) -> lis
         axes[0].set(xlabel="JPS", ylabel="jobs finished in the window (%)", ylim=(0, 105))
         axes[0].set_title("Jobs finished inside the window")
         axes[1].set(xlabel="JPS", ylabel="avg job time, all jobs (s, lower bound)")
-        axes[1].set_title("Average over all jobs (unfinished counted to the window's end)")
+        axes[1].set_title("Average job time, all jobs (lower bound)")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
