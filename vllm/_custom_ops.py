@@ -245,6 +245,8 @@ def ggml_linear(
         raise ValueError(f"decode_act={decode_act!r}: expected one of {list(DECODE_ACT_VARIANTS)}")
     linear = _op("ggml_linear")
     if linear is not None and x.shape[0] < dense_min_tokens:
+        if decode_act == "fp32":  # the default variant: a library built before int8 has it too
+            return linear(x, qweight, qtype)
         return linear(x, qweight, qtype, DECODE_ACT_VARIANTS[decode_act])
     w = ggml_dequantize(qweight, qtype)
     if dense_dtype == torch.float32 or x.shape[0] < dense_min_tokens:
