@@ -31,10 +31,12 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 _SOURCES = [
     _CSRC / "cache_kernels.cpp",
     _CSRC / "quant_kernels.cpp",
+    _CSRC / "quant_avx512.cpp",
     _CSRC / "layer_kernels.cpp",
     _CSRC / "attention_kernels.cpp",
 ]
-_HEADERS = [_CSRC / "vec_math.h"]  # not compiled alone, but part of the build's identity
+# Not compiled alone, but part of the build's identity.
+_HEADERS = [_CSRC / "vec_math.h", _CSRC / "quant_blocks.h"]
 _native = None  # the torch op once loaded, else None
 _tried = False
 _ops: dict[str, object] = {}  # name -> the loaded op's default overload, or None
