@@ -3,7 +3,8 @@
 //   fp32: the group's rows are dequantised into a small fp32 buffer that stays in L1, then
 //         multiplied by the tokens in tiles of up to 6 (4 x 6 accumulator registers, one
 //         16-lane FMA per weight row and token per 16 inputs), so the expansion is paid once
-//         per row, not once per token tile.
+//         per row, not once per token tile. The tokens are split into tiles of near-equal
+//         size (8: 4 + 4, not 6 + 2).
 //   int8 (variant 1): x is quantised to int8 per 32-value block and the bytes multiplied with
 //         AVX512-VNNI, 16 tokens a tile (see quantize_x_avx512).
 // Compiled with a target pragma: only called after the dispatcher's run-time CPU checks.
@@ -24,11 +25,15 @@ namespace {
 constexpr int kTokens512 = 6;  // tokens per fp32 tile: 4 x 6 accumulators + 4 weights < 32
 constexpr int kLanes = 16;     // tokens per int8 tile: one per 32-bit lane
 
-inline __m512 bcast_half512(const uint8_t* p) {
+// fp16 -> fp32 in one instruction (half_at's portable conversion costs as much as the rest
+// of an int8 block's preparation); exact, as half_at.
+inline float half_f16c(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
-  return _mm512_set1_ps(_cvtsh_ss(bits));
+  return _cvtsh_ss(bits);
 }
+
+inline __m512 bcast_half512(const uint8_t* p) { return _mm512_set1_ps(half_f16c(p)); }
 
 // As dequant_row_avx2 (q * d, then + m), 16 lanes at a time: a nibble half is 16 weights.
 void dequant_row_avx512(const uint8_t* row, int64_t nb, int64_t qtype, float* out) {
@@ -74,24 +79,26 @@ void dot_tile_avx512(const float* w, int rows, int64_t K, const float* x, float*
     for (int t = 0; t < T; ++t) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-// The last, partial token tile (n < T tokens left).
+// A tile of n <= T tokens (its size a template argument: the accumulators stay in registers).
 template <int T>
-void dot_tail_avx512(int64_t n, const float* w, int rows, int64_t K, const float* x, float* y,
-                     int64_t ldy) {
+void dot_tile_n_avx512(int64_t n, const float* w, int rows, int64_t K, const float* x, float* y,
+                       int64_t ldy) {
   if constexpr (T > 1) {
-    if (n == T - 1)
-      dot_tile_avx512<T - 1>(w, rows, K, x, y, ldy);
-    else
-      dot_tail_avx512<T - 1>(n, w, rows, K, x, y, ldy);
+    if (n < T) return dot_tile_n_avx512<T - 1>(n, w, rows, K, x, y, ldy);
   }
+  dot_tile_avx512<T>(w, rows, K, x, y, ldy);
 }
 
 void dot_rows_avx512(const float* w, int rows, int64_t K, const float* x, int64_t M, float* y,
                      int64_t ldy) {
-  int64_t t = 0;
-  for (; t + kTokens512 <= M; t += kTokens512)
-    dot_tile_avx512<kTokens512>(w, rows, K, x + t * K, y + t * ldy, ldy);
-  if (t < M) dot_tail_avx512<kTokens512>(M - t, w, rows, K, x + t * K, y + t * ldy, ldy);
+  // Tiles of near-equal size (8 tokens: 4 + 4, not 6 + 2; 16: 6 + 5 + 5): a tile of few
+  // tokens pays the rows' loads for little arithmetic.
+  const int64_t tiles = (M + kTokens512 - 1) / kTokens512;
+  for (int64_t i = 0, t = 0; i < tiles; ++i) {
+    const int64_t n = (M - t + (tiles - i) - 1) / (tiles - i);
+    dot_tile_n_avx512<kTokens512>(n, w, rows, K, x + t * K, y + t * ldy, ldy);
+    t += n;
+  }
 }
 
 }  // namespace
@@ -166,14 +173,14 @@ void prep_row_s8(const uint8_t* row, int64_t nb, int64_t qtype, RowS8 out) {
     int32_t bias = 0;  // what the byte sums below count on top of sum(q)
     if (qtype == kTypeQ4_1) {
       const uint8_t* blk = row + b * 20;
-      out.d[b] = half_at(blk);
-      out.m[b] = half_at(blk + 2);
+      out.d[b] = half_f16c(blk);
+      out.m[b] = half_f16c(blk + 2);
       const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
       h0 = _mm_and_si128(qs, low4);
       h1 = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
     } else {
       const uint8_t* blk = row + b * 34;
-      out.d[b] = half_at(blk);
+      out.d[b] = half_f16c(blk);
       out.m[b] = 0.f;
       h0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
       h1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));

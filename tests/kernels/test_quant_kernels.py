@@ -15,10 +15,11 @@ from vllm import _custom_ops as ops
 QTYPES = [ops.GGML_Q4_1, ops.GGML_Q8_0]
 # (out rows, in features, tokens): odd row counts (a lone last row), one-block rows, token
 # counts around the 4-token tile, and a batch past the dense-GEMM threshold. From 5 tokens on:
-# the AVX-512 tiles (4 rows; 6 tokens in fp32, 16 in int8) with partial last tiles, and K not
-# a multiple of 512.
+# the AVX-512 tiles (4 rows; up to 6 tokens in fp32, split evenly: 7 tokens 4 + 3, 13 tokens
+# 5 + 4 + 4; 16 in int8) with partial last tiles, and K not a multiple of 512.
 SHAPES = [(1, 32, 1), (7, 64, 5), (33, 96, 3), (960, 576, 1), (576, 1536, 16), (130, 576, 50)]
 SHAPES += [(131, 544, 8), (577, 608, 17), (35, 96, 47), (33, 1056, 16), (9, 64, 5), (3, 32, 32)]
+SHAPES += [(70, 96, 7), (5, 160, 13)]
 DECODE_SHAPES = [s for s in SHAPES if 5 <= s[2] < 48]
 VARIANT_FP32, VARIANT_INT8, VARIANT_AVX2 = 0, 1, 2  # ggml_linear's ``variant`` argument
 
