@@ -178,17 +178,9 @@ def test_bf16_prefill_perplexity_within_one_percent(monkeypatch):
 
 @pytest.mark.slow
 def test_bf16_prefill_greedy_outputs(monkeypatch):
-    from tests.model_executor.test_gguf_quantization import PROMPTS
-    from vllm import LLM, SamplingParams
+    from tests.model_executor.test_gguf_quantization import PROMPTS, greedy_same_as_fp32
 
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs = {}
-    for quantization, dtype in ((None, "fp32"), ("gguf", "bf16")):
-        monkeypatch.setenv(VAR, dtype)
-        llm = LLM(model="SmolLM2-135M-Instruct", quantization=quantization)
-        # One step prefills all 8 prompts together (115 rows): the bf16 GEMMs.
-        outputs[dtype] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        del llm
-    same = sum(a == b for a, b in zip(outputs["fp32"], outputs["bf16"], strict=True))
+    # One step prefills all 8 prompts together (115 rows): the bf16 GEMMs.
+    same = greedy_same_as_fp32(monkeypatch, {VAR: "bf16"})
     print(f"bf16 prefill: greedy outputs identical on {same}/{len(PROMPTS)} prompts")
     assert same >= MIN_GREEDY_IDENTICAL

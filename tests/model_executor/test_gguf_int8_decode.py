@@ -131,19 +131,11 @@ def test_int8_decode_perplexity_within_one_percent(monkeypatch):
 @pytest.mark.slow
 @needs_vnni
 def test_int8_decode_greedy_outputs(monkeypatch):
-    from tests.model_executor.test_gguf_quantization import PROMPTS
-    from vllm import LLM, SamplingParams
+    from tests.model_executor.test_gguf_quantization import PROMPTS, greedy_same_as_fp32
 
-    # The prefill stays fp32 (exact) so the outputs differ by the decode steps alone.
+    # The prefill stays fp32 (exact) so the outputs differ by the decode steps alone; the
+    # 8 prompts decode together: every decode step is an 8-row forward (the int8 kernel).
     monkeypatch.setenv("VLLM_CPU_GGUF_PREFILL_DTYPE", "fp32")
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs = {}
-    for quantization, act in ((None, "fp32"), ("gguf", "int8")):
-        monkeypatch.setenv(VAR, act)
-        llm = LLM(model="SmolLM2-135M-Instruct", quantization=quantization)
-        # 8 prompts decode together: every decode step is an 8-row forward (the int8 kernel).
-        outputs[act] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        del llm
-    same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"], strict=True))
+    same = greedy_same_as_fp32(monkeypatch, {VAR: "int8"})
     print(f"int8 decode: greedy outputs identical on {same}/{len(PROMPTS)} prompts")
     assert same >= MIN_GREEDY_IDENTICAL

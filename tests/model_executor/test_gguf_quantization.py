@@ -104,16 +104,25 @@ def test_quantized_logits_match_fp32(tokenizer, exact_prefill):
     assert top1.float().mean().item() >= 0.99
 
 
-@pytest.mark.slow
-def test_quantized_greedy_matches_fp32(exact_prefill):
+def greedy_same_as_fp32(monkeypatch, env: dict[str, str] | None = None) -> int:
+    """How many of PROMPTS (decoded together, 24 greedy tokens) come out the same from the
+    fp32 model and from ``--quantization gguf`` loaded with the variables ``env`` set."""
     from vllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs = {}
+    outputs = []
     for quantization in (None, "gguf"):
+        if quantization:
+            for name, value in (env or {}).items():
+                monkeypatch.setenv(name, value)
         llm = LLM(model="SmolLM2-135M-Instruct", quantization=quantization)
-        outputs[quantization] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
         del llm
-    same = sum(a == b for a, b in zip(outputs[None], outputs["gguf"], strict=True))
+    return sum(a == b for a, b in zip(*outputs, strict=True))
+
+
+@pytest.mark.slow
+def test_quantized_greedy_matches_fp32(exact_prefill, monkeypatch):
+    same = greedy_same_as_fp32(monkeypatch)
     print(f"greedy outputs identical on {same}/{len(PROMPTS)} prompts")
     assert same >= len(PROMPTS) - 1
