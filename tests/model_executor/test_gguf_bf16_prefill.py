@@ -13,6 +13,12 @@ import pytest
 import torch
 
 from tests.kernels.test_quant_kernels import random_blocks
+from tests.model_executor.test_gguf_quantization import (
+    PROMPTS,
+    gguf_perplexities,
+    greedy_same_as_fp32,
+    logits_agreement,
+)
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.model_executor.layers.quantization import gguf
@@ -145,7 +151,6 @@ def _batched_logits(runner, seqs: list[list[int]]) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_bf16_prefill_logits_agree_with_fp32(tokenizer, monkeypatch):
-    from tests.model_executor.test_gguf_quantization import PROMPTS
     from vllm.benchmarks.model_runner import load_runner, quantize
 
     monkeypatch.setenv(VAR, "bf16")
@@ -156,8 +161,7 @@ def test_bf16_prefill_logits_agree_with_fp32(tokenizer, monkeypatch):
     linears = [m for m in runner.model.modules() if isinstance(m, gguf.GGUFLinear)]
     assert {m.prefill_dtype for m in linears} == {torch.bfloat16}
     bf16 = _batched_logits(runner, seqs)
-    diff = (bf16 - fp32).abs().max().item()
-    top1 = (bf16.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    diff, top1 = logits_agreement(bf16, fp32)
     print(f"bf16 prefill: max |logit diff| {diff:.3f}, top-1 agreement {top1:.4f}")
     assert 0 < diff < MAX_LOGIT_DIFF  # > 0: the bf16 path really ran
     assert top1 >= MIN_TOP1
@@ -165,21 +169,14 @@ def test_bf16_prefill_logits_agree_with_fp32(tokenizer, monkeypatch):
 
 @pytest.mark.slow
 def test_bf16_prefill_perplexity_within_one_percent(monkeypatch):
-    from tests.benchmarks.test_eval_perplexity import load_script
-
     monkeypatch.setenv(VAR, "bf16")
-    script = load_script()
-    ids = script.text_tokens(script.DEFAULT_TEXT, 512)
-    ppl = script.perplexities(ids, tokens_per_step=128)  # 128 rows a forward: bf16 GEMMs
-    print(f"perplexity on 512 tokens, 128 per forward: {ppl}")
+    ppl = gguf_perplexities(128)  # 128 rows a forward: bf16 GEMMs
     assert abs(ppl["gguf"] / ppl["fp32"] - 1) < PPL_TOLERANCE
     assert ppl["gguf"] != ppl["fp32"]  # the bf16 path really ran
 
 
 @pytest.mark.slow
 def test_bf16_prefill_greedy_outputs(monkeypatch):
-    from tests.model_executor.test_gguf_quantization import PROMPTS, greedy_same_as_fp32
-
     # One step prefills all 8 prompts together (115 rows): the bf16 GEMMs.
     same = greedy_same_as_fp32(monkeypatch, {VAR: "bf16"})
     print(f"bf16 prefill: greedy outputs identical on {same}/{len(PROMPTS)} prompts")

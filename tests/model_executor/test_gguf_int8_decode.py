@@ -12,6 +12,12 @@ import pytest
 import torch
 
 from tests.kernels.test_quant_kernels import cpu_has_avx512_vnni, random_blocks
+from tests.model_executor.test_gguf_quantization import (
+    PROMPTS,
+    gguf_perplexities,
+    greedy_same_as_fp32,
+    logits_agreement,
+)
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.model_executor.layers.quantization import gguf
@@ -107,8 +113,7 @@ def test_int8_decode_logits_agree_with_fp32(monkeypatch):
     linears = [m for m in runner.model.modules() if isinstance(m, gguf.GGUFLinear)]
     assert {m.decode_act for m in linears} == {"int8"}
     int8 = _chunked_logits(runner, ids)
-    diff = (int8 - fp32).abs().max().item()
-    top1 = (int8.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    diff, top1 = logits_agreement(int8, fp32)
     print(f"int8 decode: max |logit diff| {diff:.3f}, top-1 agreement {top1:.4f} of {len(ids)}")
     assert 0 < diff < MAX_LOGIT_DIFF  # > 0: the int8 path really ran
     assert top1 >= MIN_TOP1
@@ -117,13 +122,8 @@ def test_int8_decode_logits_agree_with_fp32(monkeypatch):
 @pytest.mark.slow
 @needs_vnni
 def test_int8_decode_perplexity_within_one_percent(monkeypatch):
-    from tests.benchmarks.test_eval_perplexity import load_script
-
     monkeypatch.setenv(VAR, "int8")
-    script = load_script()
-    ids = script.text_tokens(script.DEFAULT_TEXT, 512)
-    ppl = script.perplexities(ids, tokens_per_step=TOKENS_PER_STEP)
-    print(f"perplexity on 512 tokens, {TOKENS_PER_STEP} per forward: {ppl}")
+    ppl = gguf_perplexities(TOKENS_PER_STEP)
     assert abs(ppl["gguf"] / ppl["fp32"] - 1) < PPL_TOLERANCE
     assert ppl["gguf"] != ppl["fp32"]  # the int8 path really ran
 
@@ -131,8 +131,6 @@ def test_int8_decode_perplexity_within_one_percent(monkeypatch):
 @pytest.mark.slow
 @needs_vnni
 def test_int8_decode_greedy_outputs(monkeypatch):
-    from tests.model_executor.test_gguf_quantization import PROMPTS, greedy_same_as_fp32
-
     # The prefill stays fp32 (exact) so the outputs differ by the decode steps alone; the
     # 8 prompts decode together: every decode step is an 8-row forward (the int8 kernel).
     monkeypatch.setenv("VLLM_CPU_GGUF_PREFILL_DTYPE", "fp32")

@@ -104,6 +104,25 @@ def test_quantized_logits_match_fp32(tokenizer, exact_prefill):
     assert top1.float().mean().item() >= 0.99
 
 
+def logits_agreement(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Max |logit difference| and the share of positions whose top-1 token is the same."""
+    diff = (got - ref).abs().max().item()
+    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return diff, top1
+
+
+def gguf_perplexities(tokens_per_step: int, num_tokens: int = 512) -> dict[str, float]:
+    """eval_perplexity's fp32 and gguf perplexities on its shipped text, ``tokens_per_step``
+    tokens a forward (the gguf switches as the environment sets them)."""
+    from tests.benchmarks.test_eval_perplexity import load_script
+
+    script = load_script()
+    ids = script.text_tokens(script.DEFAULT_TEXT, num_tokens)
+    ppl = script.perplexities(ids, tokens_per_step=tokens_per_step)
+    print(f"perplexity on {num_tokens} tokens, {tokens_per_step} per forward: {ppl}")
+    return ppl
+
+
 def greedy_same_as_fp32(monkeypatch, env: dict[str, str] | None = None) -> int:
     """How many of PROMPTS (decoded together, 24 greedy tokens) come out the same from the
     fp32 model and from ``--quantization gguf`` loaded with the variables ``env`` set."""
