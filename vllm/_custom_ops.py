@@ -236,24 +236,32 @@ def ggml_linear(
     dense_min_tokens: int = 32,
     dense_dtype: torch.dtype = torch.float32,
     decode_act: str = "fp32",
+    keep_dense_dtype: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T`` for GGUF-quantized W; x: (M, K) fp32 -> (M, N) fp32. Below
     ``dense_min_tokens`` rows the native kernel reads the blocks directly (decode: bound by
     weight bytes), its activations in ``decode_act`` (a ``DECODE_ACT_VARIANTS`` key; the
     pure-torch fallback is fp32); from there on a dequantized dense GEMM is faster (prefill:
     bound by arithmetic), run in ``dense_dtype``: fp32 is bit-identical to
-    ``ggml_linear_torch``; bf16 rounds x and W to bf16 (8-bit mantissa) and the product back."""
+    ``ggml_linear_torch``; bf16 rounds x and W to bf16 (8-bit mantissa) and the product back.
+    ``keep_dense_dtype``: a dense GEMM's product stays in ``dense_dtype`` (for a consumer that
+    takes it, e.g. bf16 ``silu_and_mul`` before the next bf16 GEMM: one conversion pass less
+    each way); x may then already be in ``dense_dtype``. The result is fp32 otherwise."""
     if decode_act not in DECODE_ACT_VARIANTS:
         raise ValueError(f"decode_act={decode_act!r}: expected one of {list(DECODE_ACT_VARIANTS)}")
     linear = _op("ggml_linear")
-    if linear is not None and x.shape[0] < dense_min_tokens:
+    dense = x.shape[0] >= dense_min_tokens
+    if x.dtype != torch.float32 and not (dense and x.dtype == dense_dtype):
+        x = x.float()  # only a dense GEMM takes its own dtype's input as it is
+    if linear is not None and not dense:
         if decode_act == "fp32":  # the default variant: a library built before int8 has it too
             return linear(x, qweight, qtype)
         return linear(x, qweight, qtype, DECODE_ACT_VARIANTS[decode_act])
     w = ggml_dequantize(qweight, qtype)
-    if dense_dtype == torch.float32 or x.shape[0] < dense_min_tokens:
+    if dense_dtype == torch.float32 or not dense:
         return torch.nn.functional.linear(x, w)
-    return torch.nn.functional.linear(x.to(dense_dtype), w.to(dense_dtype)).to(x.dtype)
+    y = torch.nn.functional.linear(x.to(dense_dtype), w.to(dense_dtype))
+    return y if keep_dense_dtype else y.float()
 
 
 # -- per-layer ops of the Llama family ------------------------------------------------------
@@ -308,10 +316,13 @@ def rotary_embedding(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` for x (..., 2d), as a new (..., d) tensor."""
+    """``silu(x[..., :d]) * x[..., d:]`` for x (..., 2d), as a new (..., d) tensor. A bf16 x
+    (the gguf path's bf16 prefill) is computed in fp32 and rounded to bf16 once."""
     d = x.shape[-1] // 2
     native = _op("silu_and_mul") if x.device.type == "cpu" else None
-    if native is None or x.dtype != torch.float32 or not x.is_contiguous():
+    if x.dtype == torch.bfloat16 and (native is None or not x.is_contiguous()):
+        return silu_and_mul(x.float()).to(torch.bfloat16)
+    if native is None or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
         return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype)
     native(out, x)

@@ -7,7 +7,9 @@
 //       rotation of every head of query and key, in place; cos_sin_cache is
 //       [max_position, head_size] = [cos | sin] halves (vLLM's layout). query / key may be
 //       row-strided views (the q and k columns of a fused qkv output).
-//   silu_and_mul(out, input): out = silu(input[:, :d]) * input[:, d:] (vLLM's).
+//   silu_and_mul(out, input): out = silu(input[:, :d]) * input[:, d:] (vLLM's); fp32, or
+//       bf16 in and out (the gguf path's bf16 prefill): computed in fp32 exactly as the fp32
+//       kernel does, then rounded to bf16 once (to nearest even, as torch's conversion).
 //
 // The rotation is compiled without FMA contraction, so it is bit-identical to torch's
 // (x1 * cos - x2 * sin, x2 * cos + x1 * sin: each product rounded). The norm sums squares
@@ -17,6 +19,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "vec_math.h"
 
@@ -154,6 +157,29 @@ void silu_mul_scalar(float* out, const float* g, const float* u, int64_t d) {
   for (int64_t i = 0; i < d; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+// bf16 <-> fp32 by bits: bf16 is the high half of an fp32. Rounding to nearest even (NaN
+// inputs are not special-cased: silu * u of finite activations is finite).
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+void silu_mul_bf16_scalar(uint16_t* out, const uint16_t* g, const uint16_t* u, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float x = bf16_to_float(g[i]);
+    out[i] = float_to_bf16(x / (1.0f + std::exp(-x)) * bf16_to_float(u[i]));
+  }
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 void silu_mul_avx2(float* out, const float* g, const float* u, int64_t d) {
@@ -167,18 +193,66 @@ void silu_mul_avx2(float* out, const float* g, const float* u, int64_t d) {
   }
   silu_mul_scalar(out + i, g + i, u + i, d - i);
 }
+
+__m256 load_bf16_avx2(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+void store_bf16_avx2(uint16_t* p, __m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  bits = _mm256_srli_epi32(bits, 16);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+void silu_mul_bf16_avx2(uint16_t* out, const uint16_t* g, const uint16_t* u, int64_t d) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 x = load_bf16_avx2(g + i);
+    const __m256 e = vllm_cpu::exp_avx2(_mm256_sub_ps(zero, x));
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, e));
+    store_bf16_avx2(out + i, _mm256_mul_ps(s, load_bf16_avx2(u + i)));
+  }
+  silu_mul_bf16_scalar(out + i, g + i, u + i, d - i);
+}
 #pragma GCC pop_options
 
 void silu_and_mul(torch::Tensor& out, const torch::Tensor& input) {
-  check_rows(out, "out");
-  check_rows(input, "input");
+  const bool bf16 = input.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.scalar_type() == input.scalar_type(), "out and input must have one dtype");
+  if (bf16) {
+    TORCH_CHECK(input.device().is_cpu() && out.is_contiguous() && input.is_contiguous(),
+                "bf16 tensors must be contiguous CPU tensors");
+  } else {
+    check_rows(out, "out");
+    check_rows(input, "input");
+  }
   const int64_t d = out.size(-1);
   TORCH_CHECK(input.size(-1) == 2 * d && input.numel() == 2 * out.numel(),
               "input must be [..., 2 * d] for out [..., d]");
   const int64_t rows = out.numel() / std::max<int64_t>(d, 1);
+  const bool avx2 = cpu_has_avx2();
+  if (bf16) {
+    const auto* in = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
+    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint16_t* g = in + r * 2 * d;
+        if (avx2)
+          silu_mul_bf16_avx2(o + r * d, g, g + d, d);
+        else
+          silu_mul_bf16_scalar(o + r * d, g, g + d, d);
+      }
+    });
+    return;
+  }
   const float* in = input.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const bool avx2 = cpu_has_avx2();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* g = in + r * 2 * d;

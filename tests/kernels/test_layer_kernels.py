@@ -64,6 +64,19 @@ def test_silu_and_mul(tokens):
     assert torch.allclose(ops.silu_and_mul(x), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens,d", [(1, 1536), (40, 1536), (3, 13)])
+def test_silu_and_mul_bf16_rounds_the_fp32_result_once(tokens, d):
+    # The gguf path's bf16 prefill hands the bf16 GEMM output to silu_and_mul: the result
+    # must be the fp32 kernel's on the same inputs, rounded to bf16 (to nearest even).
+    x = (torch.randn(tokens, 2 * d, generator=G) * 4).bfloat16()
+    got = ops.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, d)
+    expected = ops.silu_and_mul(x.float()).bfloat16()
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.vllm_continuum_C.silu_and_mul(torch.empty(tokens, d), x)
+
+
 def test_reshape_and_cache_reads_strided_views():
     _, _, k, v = qkv_views(6, 9, 3, 64)
     slots = torch.tensor([5, 0, 17, 3, 30, 9])

@@ -124,6 +124,28 @@ def test_gguf_linear_passes_its_prefill_dtype():
     assert torch.equal(fp32(x), ops.ggml_linear_torch(x, w_q, ops.GGML_Q4_1))
 
 
+def test_kept_bf16_between_gate_up_and_down_changes_no_number():
+    # gate_up's bf16 product goes to silu_and_mul and down_proj without the fp32 round trip:
+    # the same bits as converting it to fp32 and back (the MLP of a bf16 prefill).
+    gate_up_q = random_blocks(2 * 96, 64, ops.GGML_Q4_1, seed=6)
+    down_q = random_blocks(64, 96, ops.GGML_Q4_1, seed=7)
+    x = torch.randn(60, 64, generator=torch.Generator().manual_seed(8))
+
+    def mlp(keep: bool, tokens: int) -> torch.Tensor:
+        gate_up = gguf.GGUFLinear(gate_up_q, ops.GGML_Q4_1, None, torch.bfloat16)
+        down = gguf.GGUFLinear(down_q, ops.GGML_Q4_1, None, torch.bfloat16)
+        if keep:
+            assert gguf.keep_prefill_dtype_between(gate_up, down)
+        return down(ops.silu_and_mul(gate_up(x[:tokens])))
+
+    for tokens in (60, 5):  # a dense (prefill) forward, and block-kernel rows
+        kept, plain = mlp(True, tokens), mlp(False, tokens)
+        assert kept.dtype == plain.dtype == torch.float32
+        assert torch.equal(kept, plain)
+    fp32 = gguf.GGUFLinear(down_q, ops.GGML_Q4_1, None)
+    assert not gguf.keep_prefill_dtype_between(fp32, fp32)  # only between bf16 GEMMs
+
+
 # -- accuracy of the whole model --------------------------------------------------------------
 # Bounds from measurements on the fixed inputs (docs/benchmarks.md, "bf16 prefill"), with a
 # margin: the 8 prompts batched (115 positions) gave max |logit diff| 0.73 and top-1 114/115;
@@ -160,6 +182,7 @@ def test_bf16_prefill_logits_agree_with_fp32(tokenizer, monkeypatch):
     quantize(runner)
     linears = [m for m in runner.model.modules() if isinstance(m, gguf.GGUFLinear)]
     assert {m.prefill_dtype for m in linears} == {torch.bfloat16}
+    assert all(layer.gate_up_proj.keep_prefill_dtype for layer in runner.model.layers)
     bf16 = _batched_logits(runner, seqs)
     diff, top1 = logits_agreement(bf16, fp32)
     print(f"bf16 prefill: max |logit diff| {diff:.3f}, top-1 agreement {top1:.4f}")

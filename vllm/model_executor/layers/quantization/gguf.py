@@ -81,12 +81,21 @@ class GGUFLinear(nn.Module):
         if decode_act not in ops.DECODE_ACT_VARIANTS:
             raise ValueError(f"decode_act={decode_act!r}: expected fp32 or int8")
         self.decode_act = decode_act
+        # Dense (prefill) products stay in prefill_dtype: set on gate_up_proj when down_proj
+        # takes them (bf16 silu_and_mul between the two GEMMs, ``keep_prefill_dtype_between``).
+        self.keep_prefill_dtype = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
         y = ops.ggml_linear(
-            x, self.qweight, self.qtype, DENSE_MIN_TOKENS, self.prefill_dtype, self.decode_act
+            x,
+            self.qweight,
+            self.qtype,
+            DENSE_MIN_TOKENS,
+            self.prefill_dtype,
+            self.decode_act,
+            self.keep_prefill_dtype,
         )
         return y if self.bias is None else y + self.bias
 
@@ -96,7 +105,8 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}, "
-            f"prefill_dtype={self.prefill_dtype}, decode_act={self.decode_act}"
+            f"prefill_dtype={self.prefill_dtype}, decode_act={self.decode_act}, "
+            f"keep_prefill_dtype={self.keep_prefill_dtype}"
         )
 
 
@@ -151,6 +161,23 @@ def _fused_module(
     return new
 
 
+def keep_prefill_dtype_between(first: nn.Module, second: nn.Module) -> bool:
+    """Let ``first``'s dense products stay in the prefill dtype when ``second`` (after an
+    elementwise op that keeps the dtype, e.g. ``silu_and_mul``) is a GGUFLinear computing in
+    that same dtype: the round trip through fp32 between the two GEMMs is skipped, with the
+    same numbers (the elementwise op computes in fp32 and rounds once, where ``second``
+    would round its fp32 input). Returns whether it was set."""
+    ok = (
+        isinstance(first, GGUFLinear)
+        and isinstance(second, GGUFLinear)
+        and first.bias is None
+        and first.prefill_dtype == second.prefill_dtype != torch.float32
+    )
+    if ok:
+        first.keep_prefill_dtype = True
+    return ok
+
+
 def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int]:
     """Replace ``model``'s linear layers (a loaded ``LlamaForCausalLM``) by GGUFLinear over the
     blocks of the GGUF at ``path``. Returns counts: ``quantized`` / ``kept_fp32`` modules.
@@ -191,6 +218,9 @@ def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int
             continue
         setattr(parent, attr, new)
         counts["quantized"] += 1
+    if dtype != torch.float32:
+        for layer in model.layers:
+            keep_prefill_dtype_between(layer.gate_up_proj, layer.down_proj)
     logger.info(
         "GGUF prefill (%d+ tokens per forward) computes in %s, decode activations in %s",
         DENSE_MIN_TOKENS,
