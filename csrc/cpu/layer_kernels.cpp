@@ -182,15 +182,16 @@ void silu_mul_bf16_scalar(uint16_t* out, const uint16_t* g, const uint16_t* u, i
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+// silu(x) * u over 8 lanes: the one formula of the fp32 and bf16 kernels.
+inline __m256 silu_mul8(__m256 x, __m256 u) {
+  const __m256 e = vllm_cpu::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
 void silu_mul_avx2(float* out, const float* g, const float* u, int64_t d) {
-  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 e = vllm_cpu::exp_avx2(_mm256_sub_ps(zero, x));
-    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-  }
+  for (; i + 8 <= d; i += 8)
+    _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
   silu_mul_scalar(out + i, g + i, u + i, d - i);
 }
 
@@ -210,17 +211,26 @@ void store_bf16_avx2(uint16_t* p, __m256 v) {
 }
 
 void silu_mul_bf16_avx2(uint16_t* out, const uint16_t* g, const uint16_t* u, int64_t d) {
-  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    const __m256 x = load_bf16_avx2(g + i);
-    const __m256 e = vllm_cpu::exp_avx2(_mm256_sub_ps(zero, x));
-    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, e));
-    store_bf16_avx2(out + i, _mm256_mul_ps(s, load_bf16_avx2(u + i)));
-  }
+  for (; i + 8 <= d; i += 8)
+    store_bf16_avx2(out + i, silu_mul8(load_bf16_avx2(g + i), load_bf16_avx2(u + i)));
   silu_mul_bf16_scalar(out + i, g + i, u + i, d - i);
 }
 #pragma GCC pop_options
+
+// Rows [g | u] of `in` -> rows of `out`, split over threads; `fast` needs AVX2.
+template <typename T>
+void silu_rows(T* out, const T* in, int64_t rows, int64_t d,
+               void (*fast)(T*, const T*, const T*, int64_t),
+               void (*slow)(T*, const T*, const T*, int64_t)) {
+  const auto row_fn = cpu_has_avx2() ? fast : slow;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = in + r * 2 * d;
+      row_fn(out + r * d, g, g + d, d);
+    }
+  });
+}
 
 void silu_and_mul(torch::Tensor& out, const torch::Tensor& input) {
   const bool bf16 = input.scalar_type() == at::kBFloat16;
@@ -236,32 +246,14 @@ void silu_and_mul(torch::Tensor& out, const torch::Tensor& input) {
   TORCH_CHECK(input.size(-1) == 2 * d && input.numel() == 2 * out.numel(),
               "input must be [..., 2 * d] for out [..., d]");
   const int64_t rows = out.numel() / std::max<int64_t>(d, 1);
-  const bool avx2 = cpu_has_avx2();
   if (bf16) {
-    const auto* in = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
-    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const uint16_t* g = in + r * 2 * d;
-        if (avx2)
-          silu_mul_bf16_avx2(o + r * d, g, g + d, d);
-        else
-          silu_mul_bf16_scalar(o + r * d, g, g + d, d);
-      }
-    });
-    return;
+    silu_rows(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+              reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()), rows, d,
+              silu_mul_bf16_avx2, silu_mul_bf16_scalar);
+  } else {
+    silu_rows(out.data_ptr<float>(), input.data_ptr<float>(), rows, d, silu_mul_avx2,
+              silu_mul_scalar);
   }
-  const float* in = input.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = in + r * 2 * d;
-      if (avx2)
-        silu_mul_avx2(o + r * d, g, g + d, d);
-      else
-        silu_mul_scalar(o + r * d, g, g + d, d);
-    }
-  });
 }
 
 }  // namespace
