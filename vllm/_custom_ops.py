@@ -34,6 +34,7 @@ _SOURCES = [
     _CSRC / "quant_avx512.cpp",
     _CSRC / "layer_kernels.cpp",
     _CSRC / "attention_kernels.cpp",
+    _CSRC / "prefill_attention.cpp",
 ]
 # Not compiled alone, but part of the build's identity.
 _HEADERS = [_CSRC / "vec_math.h", _CSRC / "quant_blocks.h"]

@@ -8,6 +8,11 @@ kernels are built; otherwise their contexts are gathered into a padded batch for
 call. Metadata is built once per step (``build_metadata``) and reused by every layer; the
 decodes' per-position gather indices are derived (in torch, once) only when the fallback
 needs them, so a decode step's Python work grows with its blocks, not its tokens.
+
+Prefill chunks on CPU in fp32 take the native flash-style kernel (``prefill_attention``,
+csrc/cpu/prefill_attention.cpp: AVX-512, head_dim a multiple of 64) when it is built, in
+fp32 (equal to SDPA up to float rounding) or, when the caller asks (``prefill_bf16``), with
+its products in bf16; SDPA otherwise.
 """
 
 from __future__ import annotations
@@ -123,6 +128,39 @@ def _decode_attention(
     return o.squeeze(2)
 
 
+def _rows_ok(t: torch.Tensor) -> bool:
+    """(tokens, heads, dim) fp32 on CPU with each row's heads contiguous (rows may be
+    strided): the layout the native prefill kernel reads."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.stride(2) == 1
+        and t.stride(1) == t.shape[2]
+    )
+
+
+def native_prefill_attention(
+    out: torch.Tensor,  # (len_q, heads, head_dim), written
+    query: torch.Tensor,  # (len_q, heads, head_dim)
+    keys: torch.Tensor,  # (len_k, kv_heads, head_dim), len_k >= len_q
+    values: torch.Tensor,
+    scale: float,
+    bf16: bool = False,
+) -> bool:
+    """Causal attention of the last ``len_q`` positions of a ``len_k`` context (query i sees
+    keys j <= i + len_k - len_q) with the native kernel; False (``out`` untouched) when it
+    is not built or does not support the shapes / the CPU (then use SDPA). ``bf16``: Q, K,
+    P and V rounded to bf16 in the products (max abs error ~1e-2 at unit-scale inputs)."""
+    op = ops._op("prefill_attention")
+    if (
+        op is None
+        or query.shape[2] % 64
+        or not all(_rows_ok(t) for t in (out, query, keys, values))
+    ):
+        return False
+    return op(out, query, keys, values, scale, keys.shape[0] - query.shape[0], bf16)
+
+
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, heads, head_dim)
     k: torch.Tensor,  # (num_tokens, kv_heads, head_dim)
@@ -130,8 +168,11 @@ def paged_attention(
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, kv_heads, head_dim)
     meta: AttentionMetadata,
     scale: float,
+    prefill_bf16: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim)."""
+    """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim).
+    ``prefill_bf16``: prefill chunks may run the native kernel's bf16 products (for models
+    whose prefill already computes in bf16); decodes and the SDPA fallback stay fp32."""
     reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decodes
@@ -162,6 +203,8 @@ def paged_attention(
             keys, values = k[s:e], v[s:e]
         else:
             keys, values = flat_k[chunk.context_slots], flat_v[chunk.context_slots]
+        if native_prefill_attention(out[s:e], q[s:e], keys, values, scale, prefill_bf16):
+            continue
         o = F.scaled_dot_product_attention(
             query,
             keys.transpose(0, 1).unsqueeze(0),

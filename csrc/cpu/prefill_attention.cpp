@@ -1,0 +1,411 @@
+// Causal prefill attention, flash style, for AVX-512 CPUs.
+//
+// prefill_attention(out, q, k, v, scale, causal_offset, bf16) -> bool:
+//   q, out [Lq, H, D] fp32; k, v [Lk, KVH, D] fp32. Each may be row-strided (the columns of
+//   a fused qkv output); the heads of a row must be contiguous. Query i attends keys
+//   j <= i + causal_offset (>= 0, so every query sees key 0); H a multiple of KVH (GQA).
+//   Returns false (and writes nothing) when the CPU lacks AVX-512 (or AVX512_BF16 for
+//   bf16) or D is not a multiple of 64: the caller then runs SDPA.
+//
+// Work unit: one kv head and a tile of kBQ query positions; its G = H / KVH query heads are
+// its G * kBQ rows, so each K/V tile is read once for the whole group. For each tile of
+// kBK keys (tiles past the unit's last visible key are skipped; masking only in the
+// diagonal tiles) and each block of kR rows: scores in registers (kR x 64 keys, one FMA per
+// key lane, the keys pre-packed transposed once per call), an online softmax in fp32
+// (running max and sum, the accumulators rescaled when the max moves), then P V into the
+// rows' fp32 accumulators. Units are split over torch's threads in contiguous runs of
+// equal cost (causal units differ in cost by up to Lk / kBK times).
+//
+// bf16: Q, K, P and V are rounded to bf16 and both products run on vdpbf16ps (pairs of
+// bf16 products summed into fp32 lanes); softmax and accumulation stay fp32. K is packed
+// as [D / 2][kBK][2] (pairs along the head dim), V as [kBK / 2][D][2] (pairs along keys).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kBK = 64;  // keys per tile (4 vectors of 16 lanes)
+constexpr int kBQ = 16;  // query positions per unit (8..64 time the same)
+constexpr int kR = 4;    // rows per register block: 4 x 4 accumulators (at 6 x 4, GCC
+                         // folds the K loads into every FMA: load-bound, 1.3x slower)
+
+bool cpu_has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+struct Problem {
+  const float *q, *k, *v;
+  float* out;
+  int64_t q_stride, k_stride, v_stride, o_stride;  // elements between two tokens
+  int64_t Lq, Lk, KVH, G, D, off;
+  float scale;
+  int64_t ntk;  // key tiles
+};
+
+// Per-thread buffers of one unit.
+struct Scratch {
+  std::vector<float> q, o, p, m, l;
+  std::vector<uint16_t> qh, ph;  // bf16 copies of q and of one block's probabilities
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+
+// e^x over 16 lanes (Cephes' expf polynomial, 2^n by scalef); -inf and anything below -104
+// give 0, so masked scores need no separate zeroing.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline uint32_t pair_bits(const uint16_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  return x;
+}
+
+// Round-to-nearest-even bf16 of 32 floats (a then b) into dst.
+inline void store_bf16x32(uint16_t* dst, __m512 a, __m512 b) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// ---- packing (once per call, per kv head and key tile) ------------------------------------
+// fp32 K^T: kt[d][j] = k[t * kBK + j][d], zero past Lk.
+void pack_k_f32(const Problem& P, int64_t h, int64_t t, float* kt) {
+  const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0);
+  for (int64_t j = 0; j < kBK; ++j) {
+    const float* src = P.k + (j0 + j) * P.k_stride + h * P.D;
+    if (j < nk)
+      for (int64_t d = 0; d < P.D; ++d) kt[d * kBK + j] = src[d];
+    else
+      for (int64_t d = 0; d < P.D; ++d) kt[d * kBK + j] = 0.f;
+  }
+}
+
+// bf16 K: kb[d / 2][j][d % 2]; V: vb[j / 2][d][j % 2] (zero past Lk).
+void pack_kv_bf16(const Problem& P, int64_t h, int64_t t, uint16_t* kb, uint16_t* vb) {
+  const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0), D = P.D;
+  std::vector<uint16_t> row(D);
+  for (int64_t j = 0; j < kBK; ++j) {
+    for (int which = 0; which < 2; ++which) {
+      if (j < nk) {
+        const float* src = (which ? P.v + (j0 + j) * P.v_stride : P.k + (j0 + j) * P.k_stride) +
+                           h * D;
+        for (int64_t d = 0; d < D; d += 32)
+          store_bf16x32(row.data() + d, _mm512_loadu_ps(src + d), _mm512_loadu_ps(src + d + 16));
+      } else {
+        std::fill(row.begin(), row.end(), uint16_t{0});
+      }
+      if (which == 0)
+        for (int64_t d = 0; d < D; ++d) kb[((d >> 1) * kBK + j) * 2 + (d & 1)] = row[d];
+      else
+        for (int64_t d = 0; d < D; ++d) vb[((j >> 1) * D + d) * 2 + (j & 1)] = row[d];
+    }
+  }
+}
+
+// ---- one block of R rows against one key tile -------------------------------------------
+struct Tile {
+  const float* kt;     // fp32 K^T tile, or nullptr for bf16
+  const float* v;      // fp32 V rows (strided), first key of the tile
+  const uint16_t* kb;  // bf16 tiles
+  const uint16_t* vb;
+  int64_t j0;          // first key
+};
+
+template <int R, bool BF16>
+inline void scores(const Problem& P, const Scratch& s, int64_t r0, const Tile& T,
+                   __m512 (&out)[R][4]) {
+  __m512 acc[R][4];  // local, so that it lives in registers through the loop
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t D = P.D;
+  if constexpr (BF16) {
+    const uint16_t* q = s.qh.data() + r0 * D;
+    for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+      const uint16_t* kd = T.kb + d2 * kBK * 2;
+      __m512bh k[4];
+      for (int c = 0; c < 4; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kd + 32 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair_bits(q + r * D + 2 * d2));
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, k[c]);
+      }
+    }
+  } else {
+    const float* q = s.q.data() + r0 * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float* kd = T.kt + d * kBK;
+      __m512 k[4];
+      for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_ps(kd + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qb = _mm512_set1_ps(q[r * D + d]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(qb, k[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) out[r][c] = acc[r][c];
+}
+
+// o[r] = alpha[r] o[r] + sum_j p[r][j] v[j], 64 columns at a time.
+template <int R, bool BF16>
+inline void accumulate(const Problem& P, Scratch& s, int64_t r0, const Tile& T, int nk,
+                       const float* alpha) {
+  const int64_t D = P.D;
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int c = 0; c < 4; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(s.o.data() + (r0 + r) * D + c0 + 16 * c), a);
+    }
+    if constexpr (BF16) {
+      for (int j2 = 0; j2 < (nk + 1) / 2; ++j2) {  // p is zero past nk
+        const uint16_t* vj = T.vb + (j2 * D + c0) * 2;
+        __m512bh v[4];
+        for (int c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vj + 32 * c);
+        for (int r = 0; r < R; ++r) {
+          const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair_bits(s.ph.data() + r * kBK + 2 * j2));
+          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, v[c]);
+        }
+      }
+    } else {
+      for (int j = 0; j < nk; ++j) {
+        const float* vj = T.v + j * P.v_stride + c0;
+        __m512 v[4];
+        for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          const __m512 pb = _mm512_set1_ps(s.p[r * kBK + j]);
+          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(pb, v[c], acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c)
+        _mm512_storeu_ps(s.o.data() + (r0 + r) * D + c0 + 16 * c, acc[r][c]);
+  }
+}
+
+// Rows r0..r0+R-1 of the unit whose first query is q0, against key tile T (nk valid keys).
+template <int R, bool BF16>
+void block_step(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const Tile& T, int nk) {
+  __m512 acc[R][4];
+  scores<R, BF16>(P, s, r0, T, acc);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  alignas(64) float m_old[16] = {0}, m_new[16] = {0};
+  for (int r = 0; r < R; ++r) {
+    // Last visible key of this row, relative to the tile.
+    const int64_t last = std::min<int64_t>(q0 + (r0 + r) / P.G + P.off - T.j0, nk - 1);
+    if (last < kBK - 1) {
+      for (int c = 0; c < 4; ++c) {
+        const __mmask16 keep = _mm512_cmple_epi32_mask(
+            _mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)),
+            _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(last, -1))));
+        acc[r][c] = _mm512_mask_blend_ps(keep, ninf, acc[r][c]);
+      }
+    }
+    const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(acc[r][0], acc[r][1]),
+                                     _mm512_max_ps(acc[r][2], acc[r][3]));
+    m_old[r] = s.m[r0 + r];
+    m_new[r] = std::max(m_old[r], _mm512_reduce_max_ps(mx4));  // finite: key 0 seen first
+  }
+  alignas(64) float alpha[16];
+  _mm512_store_ps(alpha, exp512(_mm512_sub_ps(_mm512_load_ps(m_old), _mm512_load_ps(m_new))));
+  for (int r = 0; r < R; ++r) {
+    const __m512 mn = _mm512_set1_ps(m_new[r]);
+    __m512 e[4];
+    for (int c = 0; c < 4; ++c) e[c] = exp512(_mm512_sub_ps(acc[r][c], mn));
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
+    s.l[r0 + r] = s.l[r0 + r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    s.m[r0 + r] = m_new[r];
+    if constexpr (BF16) {
+      store_bf16x32(s.ph.data() + r * kBK, e[0], e[1]);
+      store_bf16x32(s.ph.data() + r * kBK + 32, e[2], e[3]);
+    } else {
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.p.data() + r * kBK + 16 * c, e[c]);
+    }
+  }
+  accumulate<R, BF16>(P, s, r0, T, nk, alpha);
+}
+
+template <bool BF16>
+void block_step_n(int R, const Problem& P, Scratch& s, int64_t q0, int64_t r0, const Tile& T,
+                  int nk) {
+  switch (R) {
+    case 6: return block_step<6, BF16>(P, s, q0, r0, T, nk);
+    case 5: return block_step<5, BF16>(P, s, q0, r0, T, nk);
+    case 4: return block_step<4, BF16>(P, s, q0, r0, T, nk);
+    case 3: return block_step<3, BF16>(P, s, q0, r0, T, nk);
+    case 2: return block_step<2, BF16>(P, s, q0, r0, T, nk);
+    default: return block_step<1, BF16>(P, s, q0, r0, T, nk);
+  }
+}
+
+// One unit: kv head h, queries q0 .. q0 + nq - 1.
+template <bool BF16>
+void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* kpack,
+              const uint16_t* kbpack, const uint16_t* vbpack, Scratch& s) {
+  const int64_t G = P.G, D = P.D, rows = nq * G;
+  for (int64_t i = 0; i < nq; ++i) {  // rows in memory order: position-major, then head
+    const float* src = P.q + (q0 + i) * P.q_stride + h * G * D;
+    for (int64_t x = 0; x < G * D; ++x) s.q[i * G * D + x] = src[x] * P.scale;
+  }
+  if constexpr (BF16)
+    for (int64_t x = 0; x < rows * D; x += 32)
+      store_bf16x32(s.qh.data() + x, _mm512_loadu_ps(s.q.data() + x),
+                    _mm512_loadu_ps(s.q.data() + x + 16));
+  std::fill(s.o.begin(), s.o.begin() + rows * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
+  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+  const int64_t kend = std::min(P.Lk, q0 + nq + P.off);  // keys past it are seen by none
+  for (int64_t t = 0; t * kBK < kend; ++t) {
+    const int64_t tile = h * P.ntk + t;
+    Tile T{nullptr, P.v + t * kBK * P.v_stride + h * D, nullptr, nullptr, t * kBK};
+    if constexpr (BF16) {
+      T.kb = kbpack + tile * D * kBK;
+      T.vb = vbpack + tile * D * kBK;
+    } else {
+      T.kt = kpack + tile * D * kBK;
+    }
+    const int nk = static_cast<int>(std::min<int64_t>(kBK, kend - t * kBK));
+    for (int64_t r0 = 0; r0 < rows; r0 += kR)
+      block_step_n<BF16>(static_cast<int>(std::min<int64_t>(kR, rows - r0)), P, s, q0, r0, T,
+                         nk);
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    float* dst = P.out + (q0 + i) * P.o_stride + h * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const __m512 inv = _mm512_set1_ps(1.f / s.l[r]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(dst + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(s.o.data() + r * D + d), inv));
+    }
+  }
+}
+
+template <bool BF16>
+void run(const Problem& P) {
+  const int64_t nqt = (P.Lq + kBQ - 1) / kBQ, units = P.KVH * nqt, D = P.D;
+  std::vector<float> kpack;
+  std::vector<uint16_t> kbpack, vbpack;
+  if constexpr (BF16) {
+    kbpack.resize(P.KVH * P.ntk * D * kBK);
+    vbpack.resize(P.KVH * P.ntk * D * kBK);
+  } else {
+    kpack.resize(P.KVH * P.ntk * D * kBK);
+  }
+  at::parallel_for(0, P.KVH * P.ntk, 4, [&](int64_t a, int64_t b) {
+    for (int64_t w = a; w < b; ++w) {
+      if constexpr (BF16)
+        pack_kv_bf16(P, w / P.ntk, w % P.ntk, kbpack.data() + w * D * kBK,
+                     vbpack.data() + w * D * kBK);
+      else
+        pack_k_f32(P, w / P.ntk, w % P.ntk, kpack.data() + w * D * kBK);
+    }
+  });
+  // Cost of unit u (its key tiles x rows), prefix sums, then contiguous equal-cost parts.
+  std::vector<double> cum(units + 1, 0.0);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t q0 = (u % nqt) * kBQ, nq = std::min<int64_t>(kBQ, P.Lq - q0);
+    const int64_t kend = std::min(P.Lk, q0 + nq + P.off);
+    cum[u + 1] = cum[u] + static_cast<double>(nq) * ((kend + kBK - 1) / kBK + 1);
+  }
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  at::parallel_for(0, parts, 1, [&](int64_t a, int64_t b) {
+    Scratch s;
+    const int64_t rows = kBQ * P.G;
+    s.q.resize(rows * D);
+    s.o.resize(rows * D);
+    s.m.resize(rows);
+    s.l.resize(rows);
+    s.p.resize(kR * kBK);
+    if constexpr (BF16) {
+      s.qh.resize(rows * D);
+      s.ph.resize(kR * kBK);
+    }
+    for (int64_t part = a; part < b; ++part) {
+      const double lo = cum[units] * part / parts, hi = cum[units] * (part + 1) / parts;
+      for (int64_t u = 0; u < units; ++u) {
+        const double mid = 0.5 * (cum[u] + cum[u + 1]);
+        if (mid < lo || mid >= hi) continue;
+        const int64_t q0 = (u % nqt) * kBQ;
+        run_unit<BF16>(P, u / nqt, q0, std::min<int64_t>(kBQ, P.Lq - q0), kpack.data(),
+                       kbpack.data(), vbpack.data(), s);
+      }
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+void check_rows(const torch::Tensor& t, int64_t heads, int64_t D, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 3 && t.device().is_cpu(), name,
+              " must be a CPU float32 [tokens, heads, head_dim] tensor");
+  TORCH_CHECK(t.size(1) == heads && t.size(2) == D, name, " has shape ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == D, name, " heads must be contiguous");
+}
+
+bool prefill_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
+                       const torch::Tensor& v, double scale, int64_t causal_offset, bool bf16) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q, k must be [tokens, heads, head_dim]");
+  const int64_t Lq = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Lk = k.size(0), KVH = k.size(1);
+  check_rows(q, H, D, "q");
+  check_rows(out, H, D, "out");
+  check_rows(k, KVH, D, "k");
+  check_rows(v, KVH, D, "v");
+  TORCH_CHECK(out.size(0) == Lq && v.size(0) == Lk, "out / v lengths differ from q / k");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(causal_offset >= 0, "causal_offset must be >= 0 (every query sees key 0)");
+  if (D % 64 != 0 || !(bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512())) return false;
+  if (Lq == 0) return true;
+  TORCH_CHECK(Lk > 0, "no keys");
+  const Problem P{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                  out.data_ptr<float>(), q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                  Lq, Lk, KVH, H / KVH, D, causal_offset, static_cast<float>(scale),
+                  (Lk + kBK - 1) / kBK};
+  if (bf16)
+    run<true>(P);
+  else
+    run<false>(P);
+  return true;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_continuum_C, m) {
+  m.def(
+      "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, "
+      "int causal_offset, bool bf16=False) -> bool");
+}
+
+TORCH_LIBRARY_IMPL(vllm_continuum_C, CPU, m) {
+  m.impl("prefill_attention", &prefill_attention);
+}
