@@ -157,6 +157,7 @@ NATIVE_OPS = (
     "rotary_embedding",
     "silu_and_mul",
     "paged_decode_attention",
+    "prefill_attention",
 )
 
 

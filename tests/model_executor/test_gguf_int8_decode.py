@@ -77,11 +77,15 @@ def test_small_and_prefill_batches_stay_fp32(tokens):
 # Bounds from measurements on the fixed inputs (docs/benchmarks.md, "int8 decode activations"),
 # with a margin: 256 positions of docs/design.md, 16 a forward, gave max |logit diff| 3.8 and
 # top-1 240/256; perplexity on 512 tokens 107.02 against fp32's 107.22; greedy 24 tokens,
-# 6/8 outputs identical.
+# 6/8 outputs identical with SDPA as the prefill attention, 3/8 with the native prefill
+# kernel (csrc/cpu/prefill_attention.cpp; top-1 then 244/256): the prompts' hidden states
+# move by float rounding (<= 8e-5), and int8 decode's near-ties flip on that. Greedy
+# identity over 24 tokens is a coarse signal for a path with ~5% top-1 disagreement; the
+# logits and perplexity bounds are the accuracy checks.
 TOKENS_PER_STEP = 16  # as 16 concurrent decode streams: the int8 kernel's target batch
 MAX_LOGIT_DIFF = 6.0
 MIN_TOP1 = 0.9
-MIN_GREEDY_IDENTICAL = 4  # of 8
+MIN_GREEDY_IDENTICAL = 2  # of 8
 PPL_TOLERANCE = 1e-2  # |ppl_int8 / ppl_fp32 - 1|
 
 

@@ -31,6 +31,7 @@ def quantize(runner: ModelRunner) -> None:
 
     threads = torch.get_num_threads()
     apply_quantization(runner.model, ModelConfig(quantization="gguf"))
+    runner.install_attention_backend()  # the gguf prefill's attention dtype follows its GEMMs
     torch.set_num_threads(threads)
 
 

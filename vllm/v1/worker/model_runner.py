@@ -6,6 +6,7 @@ is the null block and is never written).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -76,6 +77,25 @@ class ModelRunner:
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
 
     # -- start-up -------------------------------------------------------------------------
+    def install_attention_backend(self) -> None:
+        """Every layer attends with the selected backend. When the gguf path's prefill GEMMs
+        compute in bf16 (``VLLM_CPU_GGUF_PREFILL_DTYPE``), the torch backend's native prefill
+        kernel takes bf16 products too (docs/kernels.md); fp32 models keep fp32 attention."""
+        from vllm.model_executor.layers.quantization.gguf import model_prefill_dtype
+        from vllm.v1.attention.backends import torch_sdpa
+
+        forward, detail = self.attn_backend.forward, self.attn_backend.detail
+        if (
+            forward is torch_sdpa.paged_attention
+            and model_prefill_dtype(self.model) == torch.bfloat16
+        ):
+            forward = functools.partial(forward, prefill_bf16=True)
+            detail = ", ".join(filter(None, [detail, "bf16 prefill products"]))
+        self.model.set_attention_backend(forward)
+        logger.info(
+            "Attention backend: %s%s", self.attn_backend.name, f" ({detail})" if detail else ""
+        )
+
     def load_model(self) -> None:
         from safetensors.torch import load_file
         from transformers import AutoConfig
@@ -110,12 +130,7 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(
             self.device, self.dtype, self.block_size, self.arch.head_dim
         )
-        self.model.set_attention_backend(self.attn_backend.forward)
-        logger.info(
-            "Attention backend: %s%s",
-            self.attn_backend.name,
-            f" ({self.attn_backend.detail})" if self.attn_backend.detail else "",
-        )
+        self.install_attention_backend()
         logger.info(
             "Loaded %s (%s) in %.1f s",
             self.model_config.model,

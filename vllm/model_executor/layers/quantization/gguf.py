@@ -161,6 +161,11 @@ def _fused_module(
     return new
 
 
+def model_prefill_dtype(model: nn.Module) -> torch.dtype | None:
+    """The prefill dtype of ``model``'s GGUF linear layers (None: not quantized)."""
+    return next((m.prefill_dtype for m in model.modules() if isinstance(m, GGUFLinear)), None)
+
+
 def keep_prefill_dtype_between(first: nn.Module, second: nn.Module) -> bool:
     """Let ``first``'s dense products stay in the prefill dtype when ``second`` (after an
     elementwise op that keeps the dtype, e.g. ``silu_and_mul``) is a GGUFLinear computing in
