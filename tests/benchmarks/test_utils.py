@@ -53,3 +53,16 @@ def test_percentile_matches_numpy_on_random_samples():
 def test_percentile_rejects_q_outside_0_100():
     with pytest.raises(ValueError, match="q must be in"):
         percentile([1.0], 101)
+
+
+def test_upstream_processes_do_not_see_our_checkout(monkeypatch):
+    # Upstream vLLM shares the import name `vllm`: our checkout on PYTHONPATH (as the README
+    # runs the tests) would shadow it in upstream's server.
+    from vllm.benchmarks.upstream_server import CPU_ENV, upstream_env
+
+    monkeypatch.setenv("PYTHONPATH", "/some/checkout")
+    monkeypatch.setenv("SOME_OTHER_SETTING", "kept")
+    env = upstream_env()
+    assert "PYTHONPATH" not in env
+    assert env["SOME_OTHER_SETTING"] == "kept"
+    assert env["PYTHONSAFEPATH"] == "1" and all(env[k] == v for k, v in CPU_ENV.items())

@@ -33,6 +33,12 @@ CPU_ENV = {  # both cores for upstream's OpenMP threads; the pool is set by flag
 }
 
 
+def upstream_env() -> dict[str, str]:
+    """Our environment for upstream's processes, without PYTHONPATH (a checkout of ours on it
+    would shadow upstream's ``vllm``) and with ``CPU_ENV``."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **CPU_ENV}
+
+
 def upstream_engine_args(
     pool_tokens: int,
     max_model_len: int,
@@ -81,7 +87,7 @@ class UpstreamServer:
                "--port", str(self.port), *args]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **CPU_ENV}, cwd=log_path.parent,
+            env=upstream_env(), cwd=log_path.parent,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while True:
