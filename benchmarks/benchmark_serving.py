@@ -174,6 +174,8 @@ def run_once(args, base: str, repeat: int) -> dict[str, float]:
     row = summarize(results, elapsed)
     n = after[1] - before[1]
     row["server_overhead_mean_ms(metrics)"] = (after[0] - before[0]) / n * 1000 if n else 0.0
+    if args.num_overhead == 0:
+        return row
     plain_prompts = make_prompts(args.num_overhead, args.prompt_words, args.seed + 1, tag)
     plain, plain_elapsed = asyncio.run(
         run_phase(
@@ -206,7 +208,12 @@ def main() -> None:
     )
     p.add_argument("--api-key", default="EMPTY")
     p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--num-overhead", type=int, default=16, help="Non-streaming requests.")
+    p.add_argument(
+        "--num-overhead",
+        type=int,
+        default=16,
+        help="Non-streaming requests for the server-overhead figures (0: skip them).",
+    )
     p.add_argument("--concurrency", type=int, default=8, help="Maximum requests in flight.")
     p.add_argument(
         "--request-rate",
@@ -225,6 +232,8 @@ def main() -> None:
         help="Flags of the server this script starts.",
     )
     args = p.parse_args()
+    if args.num_overhead < 0:
+        p.error(f"--num-overhead must be >= 0, got {args.num_overhead}")
     server = None
     base = args.base_url
     if base is None:
