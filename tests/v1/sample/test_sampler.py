@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.sample.sampler import SamplingRow, _filter, apply_penalties, sample, token_logprobs
+from vllm.v1.sample.sampler import (
+    SamplingRow,
+    _filter,
+    apply_penalties,
+    draw,
+    sample,
+    token_logprobs,
+)
 
 VOCAB = 8
 
@@ -320,3 +327,31 @@ def test_token_logprobs_per_row_of_given_tokens_with_rank_and_top_n():
     assert [t for t, _ in rows[0].top] == [1, 2] and [t for t, _ in rows[1].top] == [2, 3]
     assert rows[1].top[0][1] == pytest.approx(float(expected[1, 2]))
     assert token_logprobs(logits, [1, 2], 0)[0].top == []
+
+
+# -- the draw itself ------------------------------------------------------------------------
+def test_draw_follows_the_distribution_and_never_picks_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.2, 0.0, 0.2, 0.1, 0.0])
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    counts = Counter(draw(probs, g) for _ in range(n))
+    assert set(counts) == {1, 2, 4, 5}
+    for token, p in enumerate(probs.tolist()):
+        # 4 standard deviations of a binomial count: a wrong sampler misses by far more.
+        assert abs(counts[token] / n - p) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-9, token
+
+
+def test_draw_is_reproducible_per_generator():
+    probs = torch.randn(49152, generator=torch.Generator().manual_seed(1)).softmax(-1)
+    a = [draw(probs, torch.Generator().manual_seed(7)) for _ in range(3)]
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [draw(probs, g1) for _ in range(5)] == [draw(probs, g2) for _ in range(5)]
+    assert len(set(a)) == 1
+
+
+@pytest.mark.parametrize("u,expected", [(0.0, 1), (1.0, 4)])
+def test_draw_at_the_ends_of_the_unit_interval_picks_tokens_with_mass(monkeypatch, u, expected):
+    # u = 0 must skip leading zero-mass tokens; u * total rounding up to the total must not
+    # fall past the last token with mass (into the zero tail).
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(u, dtype=torch.float64))
+    assert draw(torch.tensor([0.0, 0.3, 0.0, 0.3, 0.4, 0.0, 0.0])) == expected

@@ -151,8 +151,19 @@ def _sample_row(raw: torch.Tensor, row: SamplingRow) -> int | None:
     filtered = _filter(x, row.params)
     if not torch.isfinite(filtered.amax()):
         return None
-    probs = filtered.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=row.generator))
+    return draw(filtered.softmax(-1), row.generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One token from the categorical distribution ``probs`` (finite, >= 0, some > 0): the
+    inverse of its CDF (float64) at one uniform number from ``generator``. Exact like
+    ``torch.multinomial``, whose set-up costs ~1 ms a row on a 49k vocabulary here (0.04 ms
+    this way: a 16-stream decode step spent a quarter of its time in multinomial)."""
+    cdf = probs.double().cumsum(-1)
+    target = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    token = int(torch.searchsorted(cdf, target, right=True))  # first cdf > target: mass > 0
+    # target rounded up to the total: the last token with mass (the first at the total).
+    return min(token, int(torch.searchsorted(cdf, cdf[-1])))
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:
