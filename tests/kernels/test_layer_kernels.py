@@ -4,12 +4,11 @@ paged decode attention up to float rounding. The native build is slow: marked.""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.conftest import require_native
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.torch_sdpa import _decode_attention, build_metadata
 
@@ -19,11 +18,7 @@ G = torch.Generator().manual_seed(0)
 
 @pytest.fixture(scope="module", autouse=True)
 def native():
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler")
-    if not ops.has_all_native_kernels():
-        ops.build()
-    assert ops.has_all_native_kernels()
+    require_native(ops.has_all_native_kernels)
 
 
 def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int):

@@ -6,12 +6,11 @@ is slow: marked."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.conftest import require_native
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.torch_sdpa import (
     build_metadata,
@@ -25,12 +24,7 @@ G = torch.Generator().manual_seed(0)
 
 @pytest.fixture(scope="module", autouse=True)
 def native():
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler")
-    if ops._op("prefill_attention") is None:
-        ops.build()
-    if ops._op("prefill_attention") is None:
-        pytest.skip("the loaded native library predates prefill_attention")
+    require_native(lambda: ops._op("prefill_attention") is not None)
     q = torch.zeros(1, 1, 64)
     if not native_prefill_attention(torch.empty_like(q), q, q, q, 1.0):
         pytest.skip("no AVX-512 on this CPU")

@@ -4,12 +4,11 @@ rounding) on random blocks of odd shapes. The native build is slow: those tests 
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 
+from tests.kernels.conftest import require_native
 from vllm import _custom_ops as ops
 
 QTYPES = [ops.GGML_Q4_1, ops.GGML_Q8_0]
@@ -100,11 +99,7 @@ def test_unsupported_type_is_refused():
 
 @pytest.fixture(scope="module")
 def native():
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler")
-    if not ops.has_quant_kernels():
-        ops.build()
-    assert ops.has_quant_kernels()
+    require_native(ops.has_quant_kernels)
     return ops._quant_ops()
 
 
