@@ -34,7 +34,16 @@ class PrefillChunk:
     # Slots of the whole context (cached prefix + this chunk), or None when the chunk is
     # the whole context (no prefix): then the chunk's own K/V are used directly.
     context_slots: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # (num_tokens, context_len) bool, causal with offset
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """(num_tokens, context_len) bool, causal with offset; None without a prefix. Built
+        on first use: only the SDPA fallback reads it (the native kernel takes the offset)."""
+        if self.context_slots is None:
+            return None
+        ctx = self.context_slots.shape[0]
+        ones = torch.ones(self.num_tokens, ctx, dtype=torch.bool, device=self.context_slots.device)
+        return ones.tril(ctx - self.num_tokens)
 
 
 @dataclass
@@ -94,7 +103,6 @@ def build_metadata(
                 chunk.context_slots = torch.tensor(
                     _slots(block_ids, 0, ctx, block_size), dtype=torch.long, device=device
                 )
-                chunk.mask = torch.ones(new, ctx, dtype=torch.bool, device=device).tril(computed)
             prefills.append(chunk)
         offset += new
     meta = AttentionMetadata(
@@ -151,12 +159,8 @@ def native_prefill_attention(
     keys j <= i + len_k - len_q) with the native kernel; False (``out`` untouched) when it
     is not built or does not support the shapes / the CPU (then use SDPA). ``bf16``: Q, K,
     P and V rounded to bf16 in the products (max abs error ~1e-2 at unit-scale inputs)."""
-    op = ops._op("prefill_attention")
-    if (
-        op is None
-        or query.shape[2] % 64
-        or not all(_rows_ok(t) for t in (out, query, keys, values))
-    ):
+    op = ops._op("prefill_attention")  # it returns False itself for an unsupported head_dim
+    if op is None or not all(_rows_ok(t) for t in (out, query, keys, values)):
         return False
     return op(out, query, keys, values, scale, keys.shape[0] - query.shape[0], bf16)
 
@@ -198,7 +202,6 @@ def paged_attention(
         out[:n] = _decode_attention(q[:n], flat_k, flat_v, meta, scale)
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.start + chunk.num_tokens
-        query = q[s:e].transpose(0, 1).unsqueeze(0)  # (1, heads, len, dim)
         if chunk.context_slots is None:
             keys, values = k[s:e], v[s:e]
         else:
@@ -206,7 +209,7 @@ def paged_attention(
         if native_prefill_attention(out[s:e], q[s:e], keys, values, scale, prefill_bf16):
             continue
         o = F.scaled_dot_product_attention(
-            query,
+            q[s:e].transpose(0, 1).unsqueeze(0),  # (1, heads, len, dim)
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
             attn_mask=chunk.mask,
