@@ -162,8 +162,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     cdf = probs.double().cumsum(-1)
     target = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
     token = int(torch.searchsorted(cdf, target, right=True))  # first cdf > target: mass > 0
-    # target rounded up to the total: the last token with mass (the first at the total).
-    return min(token, int(torch.searchsorted(cdf, cdf[-1])))
+    if token == len(cdf):  # target rounded up to the total: the last token with mass
+        token = int(torch.searchsorted(cdf, cdf[-1]))  # (the first at the total)
+    return token
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:
