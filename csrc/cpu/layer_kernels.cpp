@@ -63,9 +63,10 @@ void scale_row(float* out, const float* x, const float* w, float inv, int64_t n)
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat, name,
-              " must be a CPU float32 tensor");
+void check_rows(const torch::Tensor& t, const char* name,
+                at::ScalarType dtype = torch::kFloat) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU ",
+              c10::toString(dtype), " tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
@@ -235,13 +236,9 @@ void silu_rows(T* out, const T* in, int64_t rows, int64_t d,
 void silu_and_mul(torch::Tensor& out, const torch::Tensor& input) {
   const bool bf16 = input.scalar_type() == at::kBFloat16;
   TORCH_CHECK(out.scalar_type() == input.scalar_type(), "out and input must have one dtype");
-  if (bf16) {
-    TORCH_CHECK(input.device().is_cpu() && out.is_contiguous() && input.is_contiguous(),
-                "bf16 tensors must be contiguous CPU tensors");
-  } else {
-    check_rows(out, "out");
-    check_rows(input, "input");
-  }
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;  // the two the kernel computes
+  check_rows(out, "out", dtype);
+  check_rows(input, "input", dtype);
   const int64_t d = out.size(-1);
   TORCH_CHECK(input.size(-1) == 2 * d && input.numel() == 2 * out.numel(),
               "input must be [..., 2 * d] for out [..., d]");
