@@ -62,7 +62,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Compute dtype of --quantization gguf's prefill GEMMs (forwards of at least
     # DENSE_MIN_TOKENS rows; attention stays fp32): auto = bf16 when the CPU has
     # native bf16 arithmetic (AVX512-BF16 or AMX-BF16), else fp32; bf16; fp32 (the exact
-    # path, bit-identical to the fp32 model's prefill GEMMs). Read when a model is loaded.
+    # path: on AVX-512 CPUs bit-identical to the fp32 model's prefill GEMMs; on AVX2 CPUs
+    # the block kernel at every size, faster there, only the summation order differs).
+    # Read when a model is loaded.
     "VLLM_CPU_GGUF_PREFILL_DTYPE": _choice("VLLM_CPU_GGUF_PREFILL_DTYPE", ("auto", "bf16", "fp32")),
     # Activations of --quantization gguf's decode forwards (5 to DENSE_MIN_TOKENS - 1 rows):
     # fp32 (the exact path: only the summation order differs from the fp32 model) or int8

@@ -1,17 +1,21 @@
 // Weight-only quantized linear layers over GGUF blocks (layouts in quant_blocks.h), fp32
 // activations: the scalar and AVX2 paths, the choice of kernel, and the ops' registration.
 //
-// ggml_linear(x [M, K] fp32, qweight, variant) -> y [M, N] = x @ W^T. Decode steps (small M)
-// read each weight once per call. Up to 4 tokens (bound by the bytes of weights streamed from
-// memory), each block is expanded into 4 registers (8 lanes each) and multiplied by every
-// token at once. From 5 tokens on (bound by arithmetic), rows are dequantised into a small
-// fp32 buffer that stays in L1, then multiplied by the tokens in tiles, so the expansion is
-// paid once per row, not once per token tile: with AVX-512 (quant_avx512.cpp), 4 rows x up to
-// 6 tokens (24 accumulator registers, one 16-lane FMA per weight row and token per 16 inputs);
-// with AVX2, 2 rows x 4 tokens, 8 lanes. variant 1 quantises x to int8 per 32-value block
-// instead and multiplies bytes with AVX512-VNNI (quant_avx512.cpp); variant 2 keeps the AVX2
-// tile on AVX-512 CPUs (to measure one against the other). Rows are split over torch's
-// intra-op threads (at::parallel_for: the same OpenMP pool and thread count as torch's own ops).
+// ggml_linear(x [M, K] fp32, qweight, variant) -> y [M, N] = x @ W^T. Few tokens (bound by
+// the bytes of weights streamed from memory): each block is expanded into 4 registers (8
+// lanes each) and multiplied by every token at once, up to 4 tokens on AVX-512 CPUs and up
+// to 8 on AVX2 ones. More tokens (bound by arithmetic): rows are expanded into an fp32
+// buffer, then multiplied by the tokens in register tiles, so the expansion is paid once per
+// row, not once per token tile. With AVX-512 (quant_avx512.cpp): 4 rows at a time (in L1) x
+// up to 6 tokens (24 accumulators, one 16-lane FMA per weight row and token per 16 inputs).
+// With AVX2: panels of 48 rows (in L2), token tiles outermost so a tile's 4 token rows stay
+// in L1 while the panel's rows pass by 3 at a time (12 accumulators, 7 loads per 12 FMAs);
+// these panels beat dequantisation + torch's GEMM at every M up to 2048 on AVX2 CPUs
+// (docs/kernels.md), so prefill takes them too there. variant 1 quantises x to int8 per
+// 32-value block instead and multiplies bytes with AVX512-VNNI (quant_avx512.cpp); variant
+// 2 keeps the AVX2 kernels on AVX-512 CPUs (to measure one against the other). Rows are
+// split over torch's intra-op threads (at::parallel_for: the same OpenMP pool and thread
+// count as torch's own ops).
 //
 // The AVX2 + FMA + F16C and AVX-512 paths are compiled with target pragmas and chosen at run
 // time, so the library still loads on older CPUs (a portable scalar path runs without AVX2).
@@ -31,8 +35,10 @@ using namespace vllm_cpu::gguf;
 
 namespace {
 
-constexpr int kRows = 2;    // weight rows per tile
-constexpr int kTokens = 4;  // tokens per tile
+constexpr int kRows = 3;        // weight rows per AVX2 tile: 3 x 4 accumulators + 3 weights + 1 input
+constexpr int kTokens = 4;      // tokens per tile
+constexpr int kPanelRows = 48;  // rows expanded at once (AVX2: 48 x K fp32, in L2)
+constexpr int kFusedMax = 8;    // the register-fused kernel up to this many tokens (AVX2 CPUs)
 
 // ---- portable scalar path ---------------------------------------------------------------
 void dequant_row_scalar(const uint8_t* row, int64_t nb, int64_t qtype, float* out) {
@@ -130,25 +136,34 @@ void dot_tile_avx2(const float* w, int64_t K, const float* x, float* y, int64_t 
     for (int t = 0; t < T; ++t) y[t * ldy + r] = hsum(acc[r][t]);
 }
 
-template <int R>
-void dot_rows_avx2_r(const float* w, int64_t K, const float* x, int64_t M, float* y,
-                     int64_t ldy) {
-  int64_t t = 0;
-  for (; t + kTokens <= M; t += kTokens) dot_tile_avx2<R, kTokens>(w, K, x + t * K, y + t * ldy, ldy);
-  switch (M - t) {  // the last, partial token tile
-    case 3: dot_tile_avx2<R, 3>(w, K, x + t * K, y + t * ldy, ldy); break;
-    case 2: dot_tile_avx2<R, 2>(w, K, x + t * K, y + t * ldy, ldy); break;
-    case 1: dot_tile_avx2<R, 1>(w, K, x + t * K, y + t * ldy, ldy); break;
-    default: break;
+// One token tile (T of them) against `rows` (<= kRows) rows of the fp32 buffer.
+template <int T>
+void dot_rows_avx2(const float* w, int rows, int64_t K, const float* x, float* y, int64_t ldy) {
+  switch (rows) {
+    case 3: dot_tile_avx2<3, T>(w, K, x, y, ldy); break;
+    case 2: dot_tile_avx2<2, T>(w, K, x, y, ldy); break;
+    default: dot_tile_avx2<1, T>(w, K, x, y, ldy); break;
   }
 }
 
-void dot_rows_avx2(const float* w, int rows, int64_t K, const float* x, int64_t M, float* y,
-                   int64_t ldy) {
-  if (rows == 2)
-    dot_rows_avx2_r<2>(w, K, x, M, y, ldy);
-  else
-    dot_rows_avx2_r<1>(w, K, x, M, y, ldy);
+// y[:, n0 .. n0 + rows) for all M tokens from a panel of `rows` dequantised rows (w, in L2):
+// token tiles outermost, so a tile's activations (T x K) stay in L1 while every row triple of
+// the panel passes by; each row is dequantised once per call whatever M is.
+void panel_avx2(const float* w, int64_t rows, int64_t K, const float* x, int64_t M, float* y,
+                int64_t ldy) {
+  for (int64_t t = 0; t < M; t += kTokens) {
+    const float* xt = x + t * K;
+    float* yt = y + t * ldy;
+    for (int64_t r = 0; r < rows; r += kRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r));
+      switch (std::min<int64_t>(kTokens, M - t)) {
+        case 4: dot_rows_avx2<4>(w + r * K, n, K, xt, yt + r, ldy); break;
+        case 3: dot_rows_avx2<3>(w + r * K, n, K, xt, yt + r, ldy); break;
+        case 2: dot_rows_avx2<2>(w + r * K, n, K, xt, yt + r, ldy); break;
+        default: dot_rows_avx2<1>(w + r * K, n, K, xt, yt + r, ldy); break;
+      }
+    }
+  }
 }
 
 // Dequantise one block (32 weights) into 4 registers; FMA here: for the fused kernel only.
@@ -171,7 +186,16 @@ inline void block_lanes_avx2(const uint8_t* blk, int64_t qtype, __m256 w[4]) {
   }
 }
 
-// Few tokens (T <= 4): each block is expanded in registers and used at once, with no trip
+// A row expanded for the panels: the same FMA lanes as the fused kernel (one rounding).
+void expand_row_avx2(const uint8_t* row, int64_t nb, int64_t bb, int64_t qtype, float* out) {
+  for (int64_t b = 0; b < nb; ++b, out += kQK) {
+    __m256 w[4];
+    block_lanes_avx2(row + b * bb, qtype, w);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, w[i]);
+  }
+}
+
+// Few tokens (T <= 8): each block is expanded in registers and used at once, with no trip
 // through the row buffer (at batch 1 the buffer's stores and reloads were ~1/4 of the work).
 template <int T>
 void fused_row_avx2(const uint8_t* row, int64_t nb, int64_t bb, int64_t qtype, const float* x,
@@ -197,7 +221,11 @@ void fused_rows_avx2(const uint8_t* wq, int64_t n0, int64_t n1, int64_t nb, int6
       case 1: fused_row_avx2<1>(row, nb, bb, qtype, x, K, y + n, N); break;
       case 2: fused_row_avx2<2>(row, nb, bb, qtype, x, K, y + n, N); break;
       case 3: fused_row_avx2<3>(row, nb, bb, qtype, x, K, y + n, N); break;
-      default: fused_row_avx2<4>(row, nb, bb, qtype, x, K, y + n, N); break;
+      case 4: fused_row_avx2<4>(row, nb, bb, qtype, x, K, y + n, N); break;
+      case 5: fused_row_avx2<5>(row, nb, bb, qtype, x, K, y + n, N); break;
+      case 6: fused_row_avx2<6>(row, nb, bb, qtype, x, K, y + n, N); break;
+      case 7: fused_row_avx2<7>(row, nb, bb, qtype, x, K, y + n, N); break;
+      default: fused_row_avx2<8>(row, nb, bb, qtype, x, K, y + n, N); break;
     }
   }
 }
@@ -236,28 +264,26 @@ constexpr int64_t kVariantFp32 = 0;  // fp32 activations: AVX-512 when the CPU h
 constexpr int64_t kVariantInt8 = 1;  // int8 activations (AVX512-VNNI; fp32 on other CPUs)
 constexpr int64_t kVariantAvx2 = 2;  // fp32 activations, the AVX2 tile even on AVX-512 CPUs
 
-// The AVX2 pair-of-rows tile (and the scalar path on CPUs without AVX2).
-void linear_pairs(const uint8_t* wq, int64_t N, int64_t nb, int64_t bb, int64_t qtype,
-                  const float* xp, int64_t M, float* yp, bool avx2) {
-  const int64_t K = nb * kQK, pairs = (N + kRows - 1) / kRows;
-  // A grain of ~16k MACs per task keeps tiny layers on one thread (no wake-up cost).
-  const int64_t grain = std::max<int64_t>(1, 16384 / (K * M));
-  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
-    std::vector<float> wbuf(kRows * K);  // the tile's rows in fp32, reused: stays in L1
+// The AVX2 panels (and the scalar path on CPUs without AVX2): each task dequantises
+// kPanelRows rows into an fp32 buffer, then multiplies them by every token.
+void linear_panels(const uint8_t* wq, int64_t N, int64_t nb, int64_t bb, int64_t qtype,
+                   const float* xp, int64_t M, float* yp, bool avx2) {
+  const int64_t K = nb * kQK, panels = (N + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> wbuf(kPanelRows * K);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kRows;
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, N - n0));
-      for (int r = 0; r < rows; ++r) {
+      const int64_t n0 = p * kPanelRows, rows = std::min<int64_t>(kPanelRows, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* row = wq + (n0 + r) * nb * bb;
         if (avx2)
-          dequant_row_avx2(row, nb, qtype, wbuf.data() + r * K);
+          expand_row_avx2(row, nb, bb, qtype, wbuf.data() + r * K);
         else
           dequant_row_scalar(row, nb, qtype, wbuf.data() + r * K);
       }
       if (avx2)
-        dot_rows_avx2(wbuf.data(), rows, K, xp, M, yp + n0, N);
+        panel_avx2(wbuf.data(), rows, K, xp, M, yp + n0, N);
       else
-        dot_rows_scalar(wbuf.data(), rows, K, xp, M, yp + n0, N);
+        dot_rows_scalar(wbuf.data(), static_cast<int>(rows), K, xp, M, yp + n0, N);
     }
   });
 }
@@ -280,7 +306,10 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool avx2 = cpu_has_avx2();
-  if (avx2 && M <= kTokens) {
+  // On AVX-512 CPUs their tile takes over from 5 tokens (measured there); on AVX2 CPUs the
+  // fused kernel stays ahead of the panels up to 8.
+  const bool avx512 = variant != kVariantAvx2 && cpu_has_avx512();
+  if (avx2 && M <= (avx512 ? kTokens : kFusedMax)) {
     const int64_t grain = std::max<int64_t>(1, 16384 / (K * M));
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       fused_rows_avx2(wq, n0, n1, nb, bb, qtype, xp, M, yp, N);
@@ -300,7 +329,7 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
       linear_rows_avx512(wq, g0, g1, N, nb, bb, qtype, xp, M, yp);
     });
   } else {
-    linear_pairs(wq, N, nb, bb, qtype, xp, M, yp, avx2);
+    linear_panels(wq, N, nb, bb, qtype, xp, M, yp, avx2);
   }
   return y;
 }

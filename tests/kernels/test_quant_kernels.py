@@ -19,6 +19,9 @@ QTYPES = [ops.GGML_Q4_1, ops.GGML_Q8_0]
 SHAPES = [(1, 32, 1), (7, 64, 5), (33, 96, 3), (960, 576, 1), (576, 1536, 16), (130, 576, 50)]
 SHAPES += [(131, 544, 8), (577, 608, 17), (35, 96, 47), (33, 1056, 16), (9, 64, 5), (3, 32, 32)]
 SHAPES += [(70, 96, 7), (5, 160, 13)]
+# The AVX2 panels (48 rows expanded at once, tiles of 3 rows x 4 tokens): a panel and a part,
+# row and token remainders, and a prefill-sized batch.
+SHAPES += [(97, 64, 9), (50, 96, 12), (98, 64, 259)]
 DECODE_SHAPES = [s for s in SHAPES if 5 <= s[2] < 48]
 VARIANT_FP32, VARIANT_INT8, VARIANT_AVX2 = 0, 1, 2  # ggml_linear's ``variant`` argument
 

@@ -210,3 +210,29 @@ def test_bf16_prefill_greedy_outputs(monkeypatch):
     same = greedy_same_as_fp32(monkeypatch, {VAR: "bf16"})
     print(f"bf16 prefill: greedy outputs identical on {same}/{len(PROMPTS)} prompts")
     assert same >= MIN_GREEDY_IDENTICAL
+
+
+@pytest.mark.parametrize(
+    "capability,dtype,expected",
+    [
+        ("AVX2", torch.float32, gguf.NEVER_DENSE),  # the AVX2 panels beat dequantize + GEMM
+        ("AVX512", torch.float32, gguf.DENSE_MIN_TOKENS),
+        ("AVX2", torch.bfloat16, gguf.DENSE_MIN_TOKENS),
+        ("AVX512", torch.bfloat16, gguf.DENSE_MIN_TOKENS),
+    ],
+)
+def test_dense_threshold_follows_the_cpu(monkeypatch, capability, dtype, expected):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert gguf.dense_min_tokens(dtype) == expected
+    layer = gguf.GGUFLinear(
+        random_blocks(96, 64, ops.GGML_Q4_1),
+        ops.GGML_Q4_1,
+        None,
+        dtype,
+        dense_min_tokens=gguf.dense_min_tokens(dtype),
+    )
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(9))
+    dense = ops.ggml_linear(x, layer.qweight, ops.GGML_Q4_1, 48, dtype)
+    blocks = ops.ggml_linear(x, layer.qweight, ops.GGML_Q4_1, gguf.NEVER_DENSE, dtype)
+    assert not torch.equal(dense, blocks)  # so the next line tells which path ran
+    assert torch.equal(layer(x), dense if expected == gguf.DENSE_MIN_TOKENS else blocks)

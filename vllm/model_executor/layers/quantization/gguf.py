@@ -5,10 +5,12 @@ GGUF's own blocks (Q4_1: 5 bits a weight; its Q8_0 embedding: 8.5) about 96 MB. 
 weights multiplied are exactly the fp32 reference's: both come from the same blocks and
 the load checks that the blocks dequantize to the fp32 model's weights bit for bit.
 
-Prefill (forwards of ``DENSE_MIN_TOKENS`` rows or more) dequantizes and runs a dense GEMM;
+Prefill (forwards of ``dense_min_tokens`` rows or more) dequantizes and runs a dense GEMM;
 on a CPU with native bf16 arithmetic that GEMM runs in bf16 (inputs rounded to bf16, fp32
 accumulation, output back to fp32), ``VLLM_CPU_GGUF_PREFILL_DTYPE`` deciding (see
-``prefill_dtype``). Decode rows take the block kernel, its activations fp32 or (batches of
+``prefill_dtype``). An fp32 prefill on a CPU without AVX-512 never dequantizes: the AVX2
+block kernel beats dequantization + torch's GEMM there at every size measured
+(docs/kernels.md). Decode rows take the block kernel, its activations fp32 or (batches of
 5+ rows, ``VLLM_CPU_GGUF_DECODE_ACT=int8``) int8 per 32-value block (``decode_act``).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -27,8 +30,9 @@ from vllm import envs
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = tuple(ops.GGML_BLOCK_BYTES)  # Q4_1, Q8_0
-# From this many tokens on, dequantize + dense GEMM beats the block kernel (prefill).
+# From this many tokens on, dequantize + dense GEMM beats the AVX-512 block kernel (prefill).
 DENSE_MIN_TOKENS = 48
+NEVER_DENSE = sys.maxsize  # the block kernel at every size
 PREFILL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -50,6 +54,16 @@ def prefill_dtype() -> torch.dtype:
     return PREFILL_DTYPES[choice]
 
 
+def dense_min_tokens(dtype: torch.dtype) -> int:
+    """From how many rows a forward dequantizes and runs a dense GEMM in ``dtype``: bf16
+    always from ``DENSE_MIN_TOKENS``; fp32 only on AVX-512 CPUs, where torch's GEMM beats
+    the block kernel's tile from there. On AVX2 CPUs the block kernel's panels beat
+    dequantization + torch's fp32 GEMM at every size up to 2,048 rows (docs/kernels.md)."""
+    if dtype != torch.float32 or torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return DENSE_MIN_TOKENS
+    return NEVER_DENSE
+
+
 def decode_act() -> str:
     """The block kernel's activation type: ``VLLM_CPU_GGUF_DECODE_ACT`` ("fp32" or "int8").
     Raises ValueError on a bad value."""
@@ -58,7 +72,7 @@ def decode_act() -> str:
 
 class GGUFLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with W kept as GGUF blocks: uint8 (out, in / 32 * block).
-    ``prefill_dtype``: the dense GEMM's dtype from ``DENSE_MIN_TOKENS`` rows on;
+    ``prefill_dtype``: the dense GEMM's dtype from ``dense_min_tokens`` rows on;
     ``decode_act``: the block kernel's activations below that ("fp32" or "int8")."""
 
     def __init__(
@@ -68,6 +82,7 @@ class GGUFLinear(nn.Module):
         bias: torch.Tensor | None,
         prefill_dtype: torch.dtype = torch.float32,
         decode_act: str = "fp32",
+        dense_min_tokens: int = DENSE_MIN_TOKENS,
     ) -> None:
         super().__init__()
         if qtype not in SUPPORTED_TYPES:
@@ -78,6 +93,7 @@ class GGUFLinear(nn.Module):
         self.in_features = qweight.shape[1] // ops.GGML_BLOCK_BYTES[qtype] * 32
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.prefill_dtype = prefill_dtype
+        self.dense_min_tokens = dense_min_tokens
         if decode_act not in ops.DECODE_ACT_VARIANTS:
             raise ValueError(f"decode_act={decode_act!r}: expected fp32 or int8")
         self.decode_act = decode_act
@@ -92,7 +108,7 @@ class GGUFLinear(nn.Module):
             x,
             self.qweight,
             self.qtype,
-            DENSE_MIN_TOKENS,
+            self.dense_min_tokens,
             self.prefill_dtype,
             self.decode_act,
             self.keep_prefill_dtype,
@@ -105,7 +121,8 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features}, qtype={self.qtype}, "
-            f"prefill_dtype={self.prefill_dtype}, decode_act={self.decode_act}, "
+            f"prefill_dtype={self.prefill_dtype}, dense_min_tokens={self.dense_min_tokens}, "
+            f"decode_act={self.decode_act}, "
             f"keep_prefill_dtype={self.keep_prefill_dtype}"
         )
 
@@ -144,6 +161,7 @@ def _fused_module(
     old: nn.Linear,
     dtype: torch.dtype,
     act: str = "fp32",
+    dense_from: int = DENSE_MIN_TOKENS,
 ) -> GGUFLinear | None:
     """One GGUFLinear over the row-concatenated tensors ``parts`` (name, row order), or None
     when a part is missing or not of one supported type (the fp32 module then stays)."""
@@ -153,7 +171,7 @@ def _fused_module(
     if len(qtypes) != 1 or not qtypes <= set(SUPPORTED_TYPES):
         return None
     qweight = torch.cat([g.blocks(name, perm) for name, perm in parts])
-    new = GGUFLinear(qweight, qtypes.pop(), old.bias, dtype, act)
+    new = GGUFLinear(qweight, qtypes.pop(), old.bias, dtype, act, dense_from)
     # The fp32 model was dequantized from these very blocks: anything but bit-equality
     # means a layout mistake (row order, fusing), so refuse rather than run wrong weights.
     if old.weight.dtype == torch.float32 and not torch.equal(new.dequantized_weight(), old.weight):
@@ -189,6 +207,7 @@ def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int
     The prefill dtype (``prefill_dtype()``) and decode activations (``decode_act()``) are
     fixed here, once per load."""
     dtype, act = prefill_dtype(), decode_act()
+    dense_from = dense_min_tokens(dtype)
     g = GGUFTensors(path)
     a = model.arch
     # llama.cpp interleaves q/k rotary halves for the llama architecture only.
@@ -216,7 +235,7 @@ def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int
     plan.append((model, "lm_head", [(head, None)]))
     counts = {"quantized": 0, "kept_fp32": 0}
     for parent, attr, parts in plan:
-        new = _fused_module(g, parts, getattr(parent, attr), dtype, act)
+        new = _fused_module(g, parts, getattr(parent, attr), dtype, act, dense_from)
         if new is None:
             counts["kept_fp32"] += 1
             logger.info("Keeping %s in fp32 (no supported GGUF blocks)", parts[0][0])
@@ -226,12 +245,12 @@ def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int
     if dtype != torch.float32:
         for layer in model.layers:
             keep_prefill_dtype_between(layer.gate_up_proj, layer.down_proj)
-    logger.info(
-        "GGUF prefill (%d+ tokens per forward) computes in %s, decode activations in %s",
-        DENSE_MIN_TOKENS,
-        dtype,
-        act,
+    prefill = (
+        "the block kernel at every size"
+        if dense_from == NEVER_DENSE
+        else f"a dense {dtype} GEMM from {dense_from} tokens per forward"
     )
+    logger.info("GGUF prefill: %s; decode activations in %s", prefill, act)
     return counts
 
 
