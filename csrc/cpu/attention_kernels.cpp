@@ -9,11 +9,15 @@
 //
 // The torch fallback gathers every sequence's whole context into a padded copy per layer
 // and step, then runs SDPA over it: at 2k tokens of context that is ~3 MB copied per layer,
-// a step's weight traffic again. Here each (sequence, kv head) unit reads its K and V rows
-// once, for all query heads of its group (GQA): scores 8 positions at a time (one
-// horizontal-sum tree for the 8 dot products), a softmax with an AVX2 exp, then the
-// weighted sum of values over tiles of positions that stay in L1. Units are split over
-// torch's intra-op threads. Results equal SDPA's up to float rounding.
+// a step's weight traffic again. Here each (sequence, kv head, chunk of kChunk positions)
+// unit reads its K and V rows once, for all query heads of its group (GQA): scores 8
+// positions at a time (one horizontal-sum tree for the 8 dot products; the next positions'
+// K and V rows prefetched, since a head's row is 1/kv_heads of a slot and the context of a
+// step is far larger than the caches), a softmax with an AVX2 exp, then the weighted sum of
+// values over tiles of positions that stay in L1. Each unit leaves its running max, sum and
+// unnormalised output per query head; they are merged per (sequence, kv head), so one long
+// context is split over torch's intra-op threads too (batch-1 decode has only kv_heads
+// units otherwise). Results equal SDPA's up to float rounding.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -27,17 +31,22 @@ namespace {
 
 using vllm_cpu::cpu_has_avx2;
 
-constexpr int64_t kTile = 64;  // positions per value tile: 64 rows of K/V stay in L1
+constexpr int64_t kTile = 64;    // positions per value tile: 64 rows of K/V stay in L1
+constexpr int64_t kChunk = 256;  // positions per unit (a multiple of kTile)
 
-// One (sequence, kv head): its query heads are G consecutive heads of `q` / `out`.
+// One (sequence, kv head, chunk): its query heads are G consecutive heads of `q`. Results:
+// per query head j, m[j] = max score, sum[j] = sum of exp(score - m[j]), acc[j * D ...] =
+// sum of exp(score - m[j]) * v (not yet divided by the sum).
 struct Unit {
   const float* q;
-  float* out;
-  const float* k;     // this kv head's column of the key plane
-  const float* v;     // ... of the value plane
-  const int64_t* off;  // element offset of position p's row, p < len
+  const float* k;      // this kv head's column of the key plane
+  const float* v;      // ... of the value plane
+  const int64_t* off;  // element offset of the chunk's position p's row, p < len
   int64_t len, head_size;
+  const float *pf_k, *pf_v;  // prefetched ahead: pf_len floats from pf_k / pf_v + off[p]
+  int64_t pf_len;
   float scale;
+  float *acc, *m, *sum;
 };
 
 // ---- portable scalar path ---------------------------------------------------------------
@@ -56,13 +65,14 @@ void attend_scalar(const Unit& u, int G, float* scores) {
     }
     float sum = 0.f;
     for (int64_t p = 0; p < L; ++p) sum += (s[p] = std::exp(s[p] - mx));
-    float* o = u.out + j * D;
+    float* o = u.acc + j * D;
     std::fill(o, o + D, 0.f);
     for (int64_t p = 0; p < L; ++p) {
       const float* v = u.v + u.off[p];
       for (int64_t d = 0; d < D; ++d) o[d] += s[p] * v[d];
     }
-    for (int64_t d = 0; d < D; ++d) o[d] /= sum;
+    u.m[j] = mx;
+    u.sum[j] = sum;
   }
 }
 
@@ -77,6 +87,13 @@ void scores_avx2(const Unit& u, int G, float* scores) {
   for (; p + 8 <= L; p += 8) {
     const float* k[8];
     for (int t = 0; t < 8; ++t) k[t] = u.k + u.off[p + t];
+    // 16 positions ahead, into L2: the K and V rows this unit (or, for a chunk's first kv
+    // head, every kv head of the chunk) will read.
+    for (int64_t t = p + 16; t < std::min(L, p + 24); ++t)
+      for (int64_t d = 0; d < u.pf_len; d += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(u.pf_k + u.off[t] + d), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(u.pf_v + u.off[t] + d), _MM_HINT_T1);
+      }
     for (int j = 0; j < G; ++j) {
       const float* q = u.q + j * D;
       __m256 acc[8];
@@ -100,8 +117,8 @@ void scores_avx2(const Unit& u, int G, float* scores) {
   }
 }
 
-// s[p] = exp(s[p] - max s); returns the sum.
-float softmax_numerators_avx2(float* s, int64_t L) {
+// s[p] = exp(s[p] - max s); returns the sum, the max in *max.
+float softmax_numerators_avx2(float* s, int64_t L, float* max) {
   __m256 mv = _mm256_set1_ps(-INFINITY);
   int64_t p = 0;
   for (; p + 8 <= L; p += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + p));
@@ -110,6 +127,7 @@ float softmax_numerators_avx2(float* s, int64_t L) {
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   float mx = _mm_cvtss_f32(m4);
   for (; p < L; ++p) mx = std::max(mx, s[p]);
+  *max = mx;
   const __m256 mxv = _mm256_set1_ps(mx);
   __m256 sum = _mm256_setzero_ps();
   for (p = 0; p + 8 <= L; p += 8) {
@@ -122,10 +140,11 @@ float softmax_numerators_avx2(float* s, int64_t L) {
   return total;
 }
 
-// out_j = sum_p s_j[p] v_p / sums[j], 8 lanes of head_size at a time for all G heads.
+// acc_j = sum_p s_j[p] v_p, 8 lanes of head_size at a time for all G heads.
 template <int G>
-void values_avx2(const Unit& u, const float* scores, const float* sums, float* acc) {
+void values_avx2(const Unit& u, const float* scores) {
   const int64_t L = u.len, D = u.head_size;
+  float* acc = u.acc;
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t p0 = 0; p0 < L; p0 += kTile) {
     const int64_t p1 = std::min(L, p0 + kTile);
@@ -140,35 +159,30 @@ void values_avx2(const Unit& u, const float* scores, const float* sums, float* a
       for (int j = 0; j < G; ++j) _mm256_storeu_ps(acc + j * D + c, a[j]);
     }
   }
-  for (int j = 0; j < G; ++j) {
-    const __m256 inv = _mm256_set1_ps(1.0f / sums[j]);
-    for (int64_t c = 0; c < D; c += 8)
-      _mm256_storeu_ps(u.out + j * D + c, _mm256_mul_ps(_mm256_loadu_ps(acc + j * D + c), inv));
-  }
 }
 
 template <int G>
-void attend_avx2(const Unit& u, float* scores, float* acc) {
+void attend_avx2(const Unit& u, float* scores) {
   scores_avx2(u, G, scores);
-  float sums[G];
-  for (int j = 0; j < G; ++j) sums[j] = softmax_numerators_avx2(scores + j * u.len, u.len);
-  values_avx2<G>(u, scores, sums, acc);
+  for (int j = 0; j < G; ++j)
+    u.sum[j] = softmax_numerators_avx2(scores + j * u.len, u.len, u.m + j);
+  values_avx2<G>(u, scores);
 }
 
 #pragma GCC pop_options
 
 // True when the AVX2 path ran (G in 1..8 and head_size a multiple of 8).
-bool attend_fast(const Unit& u, int G, float* scores, float* acc) {
+bool attend_fast(const Unit& u, int G, float* scores) {
   if (!cpu_has_avx2() || u.head_size % 8 != 0) return false;
   switch (G) {
-    case 1: attend_avx2<1>(u, scores, acc); return true;
-    case 2: attend_avx2<2>(u, scores, acc); return true;
-    case 3: attend_avx2<3>(u, scores, acc); return true;
-    case 4: attend_avx2<4>(u, scores, acc); return true;
-    case 5: attend_avx2<5>(u, scores, acc); return true;
-    case 6: attend_avx2<6>(u, scores, acc); return true;
-    case 7: attend_avx2<7>(u, scores, acc); return true;
-    case 8: attend_avx2<8>(u, scores, acc); return true;
+    case 1: attend_avx2<1>(u, scores); return true;
+    case 2: attend_avx2<2>(u, scores); return true;
+    case 3: attend_avx2<3>(u, scores); return true;
+    case 4: attend_avx2<4>(u, scores); return true;
+    case 5: attend_avx2<5>(u, scores); return true;
+    case 6: attend_avx2<6>(u, scores); return true;
+    case 7: attend_avx2<7>(u, scores); return true;
+    case 8: attend_avx2<8>(u, scores); return true;
     default: return false;
   }
 }
@@ -209,34 +223,68 @@ void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
                 " outside 1..", max_blocks * bs);
     longest = std::max(longest, lp[i]);
   }
-  // ~16k query-head x position scores per task: short contexts stay on one thread (a
+  // Chunks of kChunk positions of a sequence, all kv heads in turn: a slot row holds every
+  // kv head, so the first head's pass prefetches whole rows and the others read them from
+  // L2 (one head's column alone, a quarter of each row's lines, streamed at a quarter of
+  // the read bandwidth here). first[i] = index of sequence i's first chunk.
+  std::vector<int64_t> first(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) first[i + 1] = first[i] + (lp[i] + kChunk - 1) / kChunk;
+  const int64_t part = G * (D + 2);  // acc, m, sum per (chunk, kv head)
+  std::vector<float> partial(first[n] * kv_heads * part);
+  // ~2k query-head x position scores per task: short contexts stay on one thread (a
   // parallel region costs more than their work, and much more when a core is busy).
-  const int64_t grain = std::max<int64_t>(1, 16384 / (longest * G));
+  const int64_t grain = std::max<int64_t>(1, 2048 / (std::min(longest, kChunk) * heads));
   const float* k_plane = kv_cache.data_ptr<float>();
   const float* v_plane = k_plane + num_blocks * bs * kv_heads * D;
   const float* qp = query.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
   const int64_t row = kv_heads * D;  // elements between two slots
-  at::parallel_for(0, n * kv_heads, grain, [&](int64_t u0, int64_t u1) {
-    std::vector<int64_t> off;
-    std::vector<float> scores, acc(G * D);
-    for (int64_t w = u0; w < u1; ++w) {
-      const int64_t i = w / kv_heads, g = w % kv_heads, L = lp[i];
-      off.resize(L);
-      for (int64_t p = 0; p < L; p += bs) {  // block by block: no division per position
-        const int64_t block = btp[i * max_blocks + p / bs];
+  at::parallel_for(0, first[n], grain, [&](int64_t c0, int64_t c1) {
+    std::vector<int64_t> off(kChunk);
+    std::vector<float> scores(G * kChunk);
+    int64_t i = 0;
+    for (int64_t c = c0; c < c1; ++c) {
+      while (first[i + 1] <= c) ++i;
+      const int64_t p0 = (c - first[i]) * kChunk, L = std::min(lp[i], p0 + kChunk) - p0;
+      for (int64_t t = 0; t < L;) {  // block by block: no division per position
+        const int64_t p = p0 + t, block = btp[i * max_blocks + p / bs];
         TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
-        for (int64_t t = p; t < std::min(L, p + bs); ++t) off[t] = (block * bs + t - p) * row;
+        const int64_t stop = std::min(L, t + bs - p % bs);
+        for (; t < stop; ++t) off[t] = (block * bs + (p0 + t) % bs) * row;
       }
-      scores.resize(G * L);
-      const Unit u{qp + i * q_stride + g * G * D, op + i * o_stride + g * G * D,
-                   k_plane + g * D, v_plane + g * D, off.data(), L, D,
-                   static_cast<float>(scale)};
-      if (!attend_fast(u, static_cast<int>(G), scores.data(), acc.data()))
-        attend_scalar(u, static_cast<int>(G), scores.data());
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        float* res = partial.data() + (c * kv_heads + g) * part;
+        const Unit u{qp + i * q_stride + g * G * D, k_plane + g * D, v_plane + g * D,
+                     off.data(), L, D,
+                     g == 0 ? k_plane : k_plane + g * D, g == 0 ? v_plane : v_plane + g * D,
+                     g == 0 ? row : D, static_cast<float>(scale), res, res + G * D,
+                     res + G * D + G};
+        if (!attend_fast(u, static_cast<int>(G), scores.data()))
+          attend_scalar(u, static_cast<int>(G), scores.data());
+      }
     }
   });
+  // Merge each (sequence, kv head)'s chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M)
+  // sum_c with M = max_c m_c (one chunk: acc / sum).
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t j = 0; j < G; ++j) {
+        float M = -INFINITY;
+        for (int64_t c = first[i]; c < first[i + 1]; ++c)
+          M = std::max(M, partial[(c * kv_heads + g) * part + G * D + j]);
+        float* o = op + i * o_stride + (g * G + j) * D;
+        std::fill(o, o + D, 0.f);
+        float total = 0.f;
+        for (int64_t c = first[i]; c < first[i + 1]; ++c) {
+          const float* res = partial.data() + (c * kv_heads + g) * part;
+          const float wgt = first[i + 1] - first[i] == 1 ? 1.f : std::exp(res[G * D + j] - M);
+          total += wgt * res[G * D + G + j];
+          for (int64_t d = 0; d < D; ++d) o[d] += wgt * res[j * D + d];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
 }
 
 }  // namespace

@@ -90,6 +90,10 @@ ATTENTION_CASES = [
     (4, 4, 32, 4, [2, 5, 13]),
     (6, 2, 12, 8, [3, 20]),
     (10, 1, 16, 16, [33]),
+    # Contexts of several 256-position chunks, merged (one ending at a chunk's edge, one a
+    # position past it), and chunks that start inside a block (12 does not divide 256).
+    (9, 3, 64, 16, [1000, 512, 513, 5]),
+    (6, 2, 16, 12, [600, 257]),
 ]
 
 
