@@ -9,7 +9,11 @@ against each engine in turn, repeats interleaved, so that machine drift hits all
 Each run streams chat completions with EOS ignored and a fixed output length, on fresh
 prompts (a per-run tag: no cached prefix carries over between runs or engines), and
 reports TTFT / TPOT percentiles and output tokens/s; the ratios are against upstream,
-measured in the same run. Start-up times (process start to /health 200) are printed too.
+measured in the same run. Before each run the script waits until the machine is quiet
+(CPUs under 15% busy over half a second, at most 30 s): upstream's engine keeps a core busy
+for a second or more after its burst, which slowed whichever engine ran next (measured:
+our batch-1 TPOT 22.0 ms after an idle spell, 24.0-25.7 ms right after an upstream run).
+Start-up times (process start to /health 200) are printed too.
 
     .venv/bin/python benchmarks/benchmark_vs_upstream.py                   # ~15 min
     .venv/bin/python benchmarks/benchmark_vs_upstream.py --concurrency 1 --prompts short \\
@@ -37,6 +41,7 @@ from vllm.benchmarks.upstream_server import (  # noqa: E402
     UpstreamServer,
     upstream_engine_args,
 )
+from vllm.benchmarks.utils import wait_until_quiet  # noqa: E402
 
 OUR_BLOCK = 16
 PROMPT_WORDS = {"short": 48, "long": 1800}  # ~70 and ~2,000 prompt tokens
@@ -129,10 +134,15 @@ def main() -> None:
                 for rep in range(args.repeats):
                     for name, server in servers.items():
                         tag = f"{os.getpid()}.{name}.{kind}.{conc}.{rep}."
+                        quiet_wait = wait_until_quiet()
                         row = run_workload(server.base, conc, kind, tag, args)
                         rows.setdefault((name, conc, kind), []).append(row)
                         figures = " ".join(f"{k}={row[k]:.1f}" for k in KEYS)
-                        print(f"{kind:>5} c={conc:<2} {name:<12} {figures}", flush=True)
+                        print(
+                            f"{kind:>5} c={conc:<2} {name:<12} {figures} "
+                            f"(waited {quiet_wait:.1f} s for a quiet machine)",
+                            flush=True,
+                        )
     finally:
         for server in servers.values():
             server.stop()

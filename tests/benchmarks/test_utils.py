@@ -1,4 +1,5 @@
-"""Base-URL forms and the one percentile definition shared by every benchmark."""
+"""Base-URL forms, the one percentile definition and the quiet-machine wait shared by every
+benchmark."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import math
 
 import pytest
 
-from vllm.benchmarks.utils import openai_base_url, percentile, server_root
+from vllm.benchmarks.utils import (
+    cpu_times,
+    openai_base_url,
+    percentile,
+    server_root,
+    wait_until_quiet,
+)
 
 
 @pytest.mark.parametrize(
@@ -66,3 +73,35 @@ def test_upstream_processes_do_not_see_our_checkout(monkeypatch):
     assert "PYTHONPATH" not in env
     assert env["SOME_OTHER_SETTING"] == "kept"
     assert env["PYTHONSAFEPATH"] == "1" and all(env[k] == v for k, v in CPU_ENV.items())
+
+
+def fake_cpu(busy_fractions: list[float]):
+    """A /proc/stat reader whose successive windows are busy by the given fractions."""
+    state = {"busy": 0, "total": 0, "reads": 0}
+    fractions = iter(busy_fractions)
+
+    def times() -> tuple[int, int]:
+        if state["reads"] % 2 == 1:  # the end of a window
+            state["busy"] += round(100 * next(fractions))
+            state["total"] += 100
+        state["reads"] += 1
+        return state["busy"], state["total"]
+
+    return times
+
+
+def test_wait_until_quiet_waits_out_a_busy_spell():
+    waited = wait_until_quiet(
+        0.15, 0.5, 30.0, times=fake_cpu([1.0, 0.6, 0.3, 0.1, 0.9]), sleep=lambda s: None
+    )
+    assert waited == 2.0  # four windows: the fourth is under 15%
+
+
+def test_wait_until_quiet_gives_up_at_its_timeout():
+    busy = fake_cpu([1.0] * 100)
+    assert wait_until_quiet(0.15, 0.5, 3.0, times=busy, sleep=lambda s: None) == 3.0
+
+
+def test_cpu_times_reads_this_machine():
+    busy, total = cpu_times()
+    assert 0 <= busy <= total and total > 0

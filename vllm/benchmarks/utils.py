@@ -1,8 +1,10 @@
-"""Small helpers every benchmark client shares: base URLs and percentiles."""
+"""Small helpers every benchmark client shares: base URLs, percentiles, a quiet machine."""
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 OPENAI_PREFIX = "/v1"
 
@@ -39,3 +41,33 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(xs) - 1) * q / 100
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat (Linux)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_until_quiet(
+    threshold: float = 0.15,
+    window_s: float = 0.5,
+    timeout_s: float = 30.0,
+    times: Callable[[], tuple[int, int]] = cpu_times,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float:
+    """Sleep until the machine's CPUs are busy less than ``threshold`` of a ``window_s``
+    window (or ``timeout_s`` passed); returns the seconds waited. A server that keeps
+    spinning after its burst (upstream vLLM's CPU engine does, for a second or more) would
+    otherwise slow whichever engine a side-by-side benchmark measures next."""
+    waited = 0.0
+    while waited < timeout_s:
+        busy0, total0 = times()
+        sleep(window_s)
+        busy1, total1 = times()
+        waited += window_s
+        if total1 == total0 or (busy1 - busy0) / (total1 - total0) < threshold:
+            break
+    return waited
