@@ -80,39 +80,55 @@ void attend_scalar(const Unit& u, int G, float* scores) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-void scores_avx2(const Unit& u, int G, float* scores) {
+// Scores of G query heads x P positions at a time: G * P accumulators + G query vectors + 1
+// key vector in the 16 ymm registers, so each key row is loaded once for all G heads.
+template <int G>
+constexpr int score_positions() {
+  return G <= 2 ? 4 : (G == 3 ? 4 : (G <= 4 ? 2 : 1));
+}
+
+template <int G>
+void scores_avx2(const Unit& u, float* scores) {
+  constexpr int P = score_positions<G>();
   const int64_t L = u.len, D = u.head_size;
   const __m256 scale = _mm256_set1_ps(u.scale);
-  int64_t p = 0;
-  for (; p + 8 <= L; p += 8) {
-    const float* k[8];
-    for (int t = 0; t < 8; ++t) k[t] = u.k + u.off[p + t];
+  for (int64_t p = 0; p < L; p += P) {
+    const int n = static_cast<int>(std::min<int64_t>(P, L - p));
+    const float* k[P];
+    for (int t = 0; t < P; ++t) k[t] = u.k + u.off[p + std::min(t, n - 1)];
     // 16 positions ahead, into L2: the K and V rows this unit (or, for a chunk's first kv
     // head, every kv head of the chunk) will read.
-    for (int64_t t = p + 16; t < std::min(L, p + 24); ++t)
+    for (int64_t t = p + 16; t < std::min(L, p + 16 + P); ++t)
       for (int64_t d = 0; d < u.pf_len; d += 16) {
         _mm_prefetch(reinterpret_cast<const char*>(u.pf_k + u.off[t] + d), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(u.pf_v + u.off[t] + d), _MM_HINT_T1);
       }
-    for (int j = 0; j < G; ++j) {
-      const float* q = u.q + j * D;
-      __m256 acc[8];
-      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int t = 0; t < 8; ++t)
-          acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + d), acc[t]);
+    __m256 acc[G][P];
+    for (int j = 0; j < G; ++j)
+      for (int t = 0; t < P; ++t) acc[j][t] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 q[G];
+      for (int j = 0; j < G; ++j) q[j] = _mm256_loadu_ps(u.q + j * D + d);
+      for (int t = 0; t < P; ++t) {
+        const __m256 kv = _mm256_loadu_ps(k[t] + d);
+        for (int j = 0; j < G; ++j) acc[j][t] = _mm256_fmadd_ps(q[j], kv, acc[j][t]);
       }
-      _mm256_storeu_ps(scores + j * L + p, _mm256_mul_ps(vllm_cpu::hsum8_avx2(acc), scale));
     }
-  }
-  for (; p < L; ++p) {
-    const float* k = u.k + u.off[p];
     for (int j = 0; j < G; ++j) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(u.q + j * D + d), _mm256_loadu_ps(k + d), acc);
-      scores[j * L + p] = vllm_cpu::hsum_avx2(acc) * u.scale;
+      float* s = scores + j * L + p;
+      if constexpr (P == 4) {
+        const __m128 r = _mm_mul_ps(vllm_cpu::hsum4_avx2(acc[j][0], acc[j][1], acc[j][2], acc[j][3]),
+                                    _mm256_castps256_ps128(scale));
+        if (n == 4) {
+          _mm_storeu_ps(s, r);
+          continue;
+        }
+        float tmp[4];
+        _mm_storeu_ps(tmp, r);
+        for (int t = 0; t < n; ++t) s[t] = tmp[t];
+      } else {
+        for (int t = 0; t < n; ++t) s[t] = vllm_cpu::hsum_avx2(acc[j][t]) * u.scale;
+      }
     }
   }
 }
@@ -140,30 +156,47 @@ float softmax_numerators_avx2(float* s, int64_t L, float* max) {
   return total;
 }
 
-// acc_j = sum_p s_j[p] v_p, 8 lanes of head_size at a time for all G heads.
+// acc_j = sum_p s_j[p] v_p for all G heads, CB vectors of 8 columns at a time (G * CB
+// accumulators + G broadcast scores + 1 value vector in the 16 ymm registers), over tiles
+// of kTile positions whose value rows stay in L1 while the column blocks pass.
+template <int G>
+constexpr int value_blocks() {
+  return G == 1 ? 8 : (G <= 3 ? 4 : (G <= 6 ? 2 : 1));
+}
+
 template <int G>
 void values_avx2(const Unit& u, const float* scores) {
+  constexpr int CB = value_blocks<G>();
   const int64_t L = u.len, D = u.head_size;
   float* acc = u.acc;
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t p0 = 0; p0 < L; p0 += kTile) {
     const int64_t p1 = std::min(L, p0 + kTile);
-    for (int64_t c = 0; c < D; c += 8) {
-      __m256 a[G];
-      for (int j = 0; j < G; ++j) a[j] = _mm256_loadu_ps(acc + j * D + c);
+    for (int64_t c = 0; c < D; c += 8 * CB) {
+      const int nb = static_cast<int>(std::min<int64_t>(CB, (D - c) / 8));
+      __m256 a[G][CB];
+      for (int j = 0; j < G; ++j)
+        for (int b = 0; b < CB; ++b)
+          a[j][b] = b < nb ? _mm256_loadu_ps(acc + j * D + c + 8 * b) : _mm256_setzero_ps();
       for (int64_t p = p0; p < p1; ++p) {
-        const __m256 v = _mm256_loadu_ps(u.v + u.off[p] + c);
-        for (int j = 0; j < G; ++j)
-          a[j] = _mm256_fmadd_ps(_mm256_set1_ps(scores[j * L + p]), v, a[j]);
+        const float* v = u.v + u.off[p] + c;
+        __m256 sc[G];
+        for (int j = 0; j < G; ++j) sc[j] = _mm256_broadcast_ss(scores + j * L + p);
+        for (int b = 0; b < CB; ++b) {
+          if (b >= nb) break;
+          const __m256 vv = _mm256_loadu_ps(v + 8 * b);
+          for (int j = 0; j < G; ++j) a[j][b] = _mm256_fmadd_ps(sc[j], vv, a[j][b]);
+        }
       }
-      for (int j = 0; j < G; ++j) _mm256_storeu_ps(acc + j * D + c, a[j]);
+      for (int j = 0; j < G; ++j)
+        for (int b = 0; b < nb; ++b) _mm256_storeu_ps(acc + j * D + c + 8 * b, a[j][b]);
     }
   }
 }
 
 template <int G>
 void attend_avx2(const Unit& u, float* scores) {
-  scores_avx2(u, G, scores);
+  scores_avx2<G>(u, scores);
   for (int j = 0; j < G; ++j)
     u.sum[j] = softmax_numerators_avx2(scores + j * u.len, u.len, u.m + j);
   values_avx2<G>(u, scores);

@@ -57,6 +57,12 @@ inline __m256 hsum8_avx2(const __m256 a[8]) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+// The 4 horizontal sums of a0..a3 (lane i = sum of ai's lanes).
+inline __m128 hsum4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
 #pragma GCC pop_options
 
 }  // namespace vllm_cpu
