@@ -355,3 +355,38 @@ def test_draw_at_the_ends_of_the_unit_interval_picks_tokens_with_mass(monkeypatc
     # fall past the last token with mass (into the zero tail).
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(u, dtype=torch.float64))
     assert draw(torch.tensor([0.0, 0.3, 0.0, 0.3, 0.4, 0.0, 0.0])) == expected
+
+
+# -- rows with only a temperature, sampled together ------------------------------------------
+def test_temperature_rows_sampled_together_equal_row_by_row():
+    logits = torch.randn(16, 49152, generator=torch.Generator().manual_seed(2)) * 3
+    temps = [0.3, 0.7, 1.0, 1.5] * 4
+    rows = [row(seed=100 + i, temperature=t) for i, t in enumerate(temps)]
+    together = sample(logits.clone(), rows).token_ids
+    one_by_one = [
+        draw(_filter(logits[i].clone(), rows[i].params).softmax(-1),
+             torch.Generator().manual_seed(100 + i))
+        for i in range(16)
+    ]  # fmt: skip
+    assert together == one_by_one
+    assert len(set(together)) > 8  # a real draw, not a constant
+
+
+def test_a_temperature_row_that_overflows_fails_alone_among_batched_rows():
+    logits = torch.zeros(3, 64)
+    logits[1, 5] = 3e38  # / 0.5 = inf: the tempered logits are not finite
+    rows = [row(seed=1, temperature=1.0), row(seed=2, temperature=0.5), row(seed=3)]
+    tokens, _, errors = sample(logits, rows)
+    alone = sample(logits[[0, 2]].clone(), [row(seed=1, temperature=1.0), row(seed=3)])
+    assert tokens[1] is None and set(errors) == {1} and not errors[1].internal
+    assert [tokens[0], tokens[2]] == alone.token_ids
+
+
+def test_batched_rows_fall_back_to_one_by_one_when_the_batch_raises():
+    logits = torch.tensor([[2.0, 1.0], [0.0, 5.0], [1.0, 1.0]])
+    broken = [row(temperature=1.0), row(temperature=1.0)]
+    for r in broken:
+        r.generator = "not a generator"
+    tokens, _, errors = sample(logits, [broken[0], row(seed=4, temperature=1.0), broken[1]])
+    assert tokens[0] is None and tokens[2] is None and set(errors) == {0, 2}
+    assert tokens[1] == sample(logits[[1]].clone(), [row(seed=4, temperature=1.0)]).token_ids[0]

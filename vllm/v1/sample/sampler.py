@@ -124,6 +124,18 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     if greedy:
         for i, t in zip(greedy, raw[greedy].argmax(-1).tolist(), strict=True):
             tokens[i] = t
+    plain = [i for i, r in enumerate(rows) if _is_plain_random(r.params) and i not in errors]
+    if len(plain) > 1:
+        try:
+            for i, t in zip(plain, _draw_rows(raw[plain], [rows[i] for i in plain]), strict=True):
+                tokens[i] = t
+                if t is None:
+                    errors[i] = _NON_FINITE_PROBS
+        except Exception:  # the rows are sampled one by one below, each failing alone
+            logger.warning("sampling rows together failed; sampling them one by one", exc_info=True)
+            for i in plain:
+                tokens[i] = None
+                errors.pop(i, None)
     for i, row in enumerate(rows):
         if tokens[i] is not None or i in errors:
             continue
@@ -165,6 +177,41 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     if token == len(cdf):  # target rounded up to the total: the last token with mass
         token = int(torch.searchsorted(cdf, cdf[-1]))  # (the first at the total)
     return token
+
+
+def _draw_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int | None]:
+    """``draw`` for rows (``logits``: one per row) with a temperature and nothing else
+    (``_is_plain_random``), all at once: the same tokens as row by row (each row's float32
+    tempered softmax and float64 CDF, one uniform number from each row's generator, drawn
+    in row order), with a few batched ops instead of ~8 per row (a 16-stream decode step
+    spent ~7% of its time there). None for a row whose tempered logits are not finite."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    x = logits / temps[:, None]
+    finite = torch.isfinite(x.amax(-1)).tolist()
+    cdf = x.softmax(-1).double().cumsum(-1)
+    uniform = torch.stack(
+        [torch.rand((), dtype=torch.float64, generator=r.generator) for r in rows]
+    )
+    tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0].tolist()
+    out: list[int | None] = []
+    for i, (token, ok) in enumerate(zip(tokens, finite, strict=True)):
+        if token == cdf.shape[1]:  # rounded up to the total: the first token at the total
+            token = int(torch.searchsorted(cdf[i], cdf[i, -1]))
+        out.append(token if ok else None)
+    return out
+
+
+def _is_plain_random(p: SamplingParams) -> bool:
+    """Random sampling with a temperature only: no penalty, top-k, top-p or min-p."""
+    return (
+        not p.sampling_type_greedy
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and p.top_k <= 0
+        and p.top_p >= 1.0
+        and p.min_p <= 0.0
+    )
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:
