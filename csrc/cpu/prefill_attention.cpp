@@ -75,7 +75,7 @@ struct Scratch {
 // One key tile as the block steps read it.
 struct Tile {
   const float* kt;     // fp32 K^T tile, or nullptr for bf16
-  const float* v;      // fp32 V rows (strided), first key of the tile
+  const float* v;      // fp32 V: rows in place (strided), first key; AVX2: the packed tile
   const uint16_t* kb;  // bf16 tiles
   const uint16_t* vb;
   int64_t j0;          // first key
@@ -87,15 +87,25 @@ inline int64_t last_visible(const Problem& P, int64_t q0, int64_t r, const Tile&
   return std::min<int64_t>(q0 + r / P.G + P.off - T.j0, nk - 1);
 }
 
-// fp32 K^T (both fp32 paths): kt[d][j] = k[t * kBK + j][d], zero past Lk.
-void pack_k_f32(const Problem& P, int64_t h, int64_t t, float* kt) {
-  const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0);
+// Key tile t of kv head h, fp32, zero past Lk: K^T in slices of `width` keys,
+// kt[j / width][d][j % width] = k[t * kBK + j][d] (AVX-512: one slice, kt[d][j]).
+void pack_k_f32(const Problem& P, int64_t h, int64_t t, int width, float* kt) {
+  const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0), D = P.D;
   for (int64_t j = 0; j < kBK; ++j) {
-    const float* src = P.k + (j0 + j) * P.k_stride + h * P.D;
-    if (j < nk)
-      for (int64_t d = 0; d < P.D; ++d) kt[d * kBK + j] = src[d];
-    else
-      for (int64_t d = 0; d < P.D; ++d) kt[d * kBK + j] = 0.f;
+    const float* src = P.k + (j0 + j) * P.k_stride + h * D;
+    float* dst = kt + (j / width) * D * width + j % width;
+    for (int64_t d = 0; d < D; ++d) dst[d * width] = j < nk ? src[d] : 0.f;
+  }
+}
+
+// V of the same tile in slices of `width` head-dim columns, each contiguous over the keys:
+// vt[d / width][j][d % width] = v[t * kBK + j][d] (AVX2; AVX-512 reads V rows in place).
+void pack_v_f32(const Problem& P, int64_t h, int64_t t, int width, float* vt) {
+  const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0), D = P.D;
+  for (int64_t j = 0; j < kBK; ++j) {
+    const float* src = P.v + (j0 + j) * P.v_stride + h * D;
+    for (int64_t d0 = 0; d0 < D; d0 += width)  // slice d0 / width starts at vt + d0 * kBK
+      for (int w = 0; w < width; ++w) vt[d0 * kBK + j * width + w] = j < nk ? src[d0 + w] : 0.f;
   }
 }
 
@@ -305,8 +315,8 @@ inline float hmax_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// sc[r][j] = q[r0 + r] . k[j] for the tile's first nv keys, kC2 keys at a time (sc rows are
-// kBK long; columns from the slice past nv on are left as they were).
+// sc[r][j] = q[r0 + r] . k[j] for the tile's first nv keys, a slice of kC2 keys at a time
+// (sc rows are kBK long; columns from the slice past nv on are left as they were).
 template <int R>
 __attribute__((noinline)) void scores_avx2(const Problem& P, const Scratch& s, int64_t r0,
                                            const float* kt, int nv, float* sc) {
@@ -315,8 +325,9 @@ __attribute__((noinline)) void scores_avx2(const Problem& P, const Scratch& s, i
   for (int c0 = 0; c0 < nv; c0 += kC2) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* slice = kt + c0 * D;
     for (int64_t d = 0; d < D; ++d) {
-      const float* kd = kt + d * kBK + c0;
+      const float* kd = slice + d * kC2;
       const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 qb = _mm256_broadcast_ss(q + r * D + d);
@@ -331,10 +342,10 @@ __attribute__((noinline)) void scores_avx2(const Problem& P, const Scratch& s, i
   }
 }
 
-// o[r] = alpha[r] o[r] + sum_{j < nv} p[r][j] v[j], kC2 columns at a time.
+// o[r] = alpha[r] o[r] + sum_{j < nv} p[r][j] v[j], a slice of kC2 columns at a time.
 template <int R>
 __attribute__((noinline)) void accumulate_avx2(const Problem& P, Scratch& s, int64_t r0,
-                                               const float* v, int nv, const float* alpha) {
+                                               const float* vt, int nv, const float* alpha) {
   const int64_t D = P.D;
   for (int64_t c0 = 0; c0 < D; c0 += kC2) {
     __m256 acc[R][2];
@@ -343,8 +354,9 @@ __attribute__((noinline)) void accumulate_avx2(const Problem& P, Scratch& s, int
       for (int c = 0; c < 2; ++c)
         acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(s.o.data() + (r0 + r) * D + c0 + 8 * c), a);
     }
+    const float* slice = vt + c0 * kBK;
     for (int j = 0; j < nv; ++j) {
-      const float* vj = v + j * P.v_stride + c0;
+      const float* vj = slice + j * kC2;
       const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 pb = _mm256_broadcast_ss(s.p.data() + r * kBK + j);
@@ -370,17 +382,15 @@ void block_step_avx2(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   alignas(32) float m_old[8] = {0}, m_new[8] = {0}, alpha[8];
-  bool masked[R];
+  int seen[R];  // keys of the tile row r sees
   for (int r = 0; r < R; ++r) {
-    const int64_t last = last_visible(P, q0, r0 + r, T, nk);
-    masked[r] = last < kBK - 1;
+    seen[r] = static_cast<int>(std::max<int64_t>(last_visible(P, q0, r0 + r, T, nk) + 1, 0));
     __m256 mx = ninf;
-    for (int c = 0; c < kBK; c += 8) {
+    for (int c = 0; c < seen[r]; c += 8) {
       __m256 x = _mm256_loadu_ps(sc + r * kBK + c);
-      if (masked[r]) {  // -inf past the last visible key (also the slices never computed)
-        const int seen = static_cast<int>(std::max<int64_t>(last + 1, 0)) - c;  // keys seen here
-        x = _mm256_blendv_ps(
-            ninf, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(seen), iota)));
+      if (c + 8 > seen[r]) {  // the last visible key's vector: -inf past it
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(seen[r] - c), iota);
+        x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep));
         _mm256_storeu_ps(sc + r * kBK + c, x);
       }
       mx = _mm256_max_ps(mx, x);
@@ -393,14 +403,16 @@ void block_step_avx2(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const
   for (int r = 0; r < R; ++r) {
     const __m256 mn = _mm256_set1_ps(m_new[r]);
     __m256 sum = _mm256_setzero_ps();
-    for (int c = 0; c < kBK; c += 8) {
+    int c = 0;
+    for (; c < seen[r]; c += 8) {
       const __m256 x = _mm256_loadu_ps(sc + r * kBK + c);
       __m256 e = vllm_cpu::exp_avx2(_mm256_sub_ps(x, mn));
       // The exp bottoms out at 2^-126, not 0: zero the masked keys exactly.
-      if (masked[r]) e = _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_GT_OQ));
+      if (c + 8 > seen[r]) e = _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_GT_OQ));
       sum = _mm256_add_ps(sum, e);
       _mm256_storeu_ps(sc + r * kBK + c, e);
     }
+    for (; c < nv; c += 8) _mm256_storeu_ps(sc + r * kBK + c, _mm256_setzero_ps());
     s.l[r0 + r] = s.l[r0 + r] * alpha[r] + vllm_cpu::hsum_avx2(sum);
     s.m[r0 + r] = m_new[r];
   }
@@ -427,7 +439,7 @@ enum class Isa { kAvx512, kAvx512Bf16, kAvx2 };
 // One unit: kv head h, queries q0 .. q0 + nq - 1.
 template <Isa I>
 void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* kpack,
-              const uint16_t* kbpack, const uint16_t* vbpack, Scratch& s) {
+              const float* vpack, const uint16_t* kbpack, const uint16_t* vbpack, Scratch& s) {
   const int64_t G = P.G, D = P.D, rows = nq * G;
   for (int64_t i = 0; i < nq; ++i) {  // rows in memory order: position-major, then head
     const float* src = P.q + (q0 + i) * P.q_stride + h * G * D;
@@ -446,6 +458,7 @@ void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* 
       T.vb = vbpack + tile * D * kBK;
     } else {
       T.kt = kpack + tile * D * kBK;
+      if constexpr (I == Isa::kAvx2) T.v = vpack + tile * D * kBK;
     }
     const int nk = static_cast<int>(std::min<int64_t>(kBK, kend - t * kBK));
     constexpr int64_t block = I == Isa::kAvx2 ? kR2 : kR;
@@ -471,21 +484,26 @@ template <Isa I>
 void run(const Problem& P) {
   constexpr bool kBf16 = I == Isa::kAvx512Bf16;
   const int64_t nqt = (P.Lq + kBQ - 1) / kBQ, units = P.KVH * nqt, D = P.D;
-  std::vector<float> kpack;
+  std::vector<float> kpack, vpack;
   std::vector<uint16_t> kbpack, vbpack;
   if constexpr (kBf16) {
     kbpack.resize(P.KVH * P.ntk * D * kBK);
     vbpack.resize(P.KVH * P.ntk * D * kBK);
   } else {
     kpack.resize(P.KVH * P.ntk * D * kBK);
+    if constexpr (I == Isa::kAvx2) vpack.resize(P.KVH * P.ntk * D * kBK);
   }
   at::parallel_for(0, P.KVH * P.ntk, 4, [&](int64_t a, int64_t b) {
     for (int64_t w = a; w < b; ++w) {
-      if constexpr (kBf16)
-        pack_kv_bf16(P, w / P.ntk, w % P.ntk, kbpack.data() + w * D * kBK,
-                     vbpack.data() + w * D * kBK);
-      else
-        pack_k_f32(P, w / P.ntk, w % P.ntk, kpack.data() + w * D * kBK);
+      const int64_t h = w / P.ntk, t = w % P.ntk, at = w * D * kBK;
+      if constexpr (kBf16) {
+        pack_kv_bf16(P, h, t, kbpack.data() + at, vbpack.data() + at);
+      } else if constexpr (I == Isa::kAvx2) {
+        pack_k_f32(P, h, t, kC2, kpack.data() + at);
+        pack_v_f32(P, h, t, kC2, vpack.data() + at);
+      } else {
+        pack_k_f32(P, h, t, kBK, kpack.data() + at);
+      }
     }
   });
   // Cost of unit u (its key tiles x rows), prefix sums, then contiguous equal-cost parts.
@@ -515,7 +533,7 @@ void run(const Problem& P) {
         if (mid < lo || mid >= hi) continue;
         const int64_t q0 = (u % nqt) * kBQ;
         run_unit<I>(P, u / nqt, q0, std::min<int64_t>(kBQ, P.Lq - q0), kpack.data(),
-                    kbpack.data(), vbpack.data(), s);
+                    vpack.data(), kbpack.data(), vbpack.data(), s);
       }
     }
   });
