@@ -1,24 +1,30 @@
-// Causal prefill attention, flash style, for AVX-512 CPUs.
+// Causal prefill attention, flash style, for AVX-512 and AVX2 CPUs.
 //
 // prefill_attention(out, q, k, v, scale, causal_offset, bf16) -> bool:
 //   q, out [Lq, H, D] fp32; k, v [Lk, KVH, D] fp32. Each may be row-strided (the columns of
 //   a fused qkv output); the heads of a row must be contiguous. Query i attends keys
 //   j <= i + causal_offset (>= 0, so every query sees key 0); H a multiple of KVH (GQA).
-//   Returns false (and writes nothing) when the CPU lacks AVX-512 (or AVX512_BF16 for
-//   bf16) or D is not a multiple of 64: the caller then runs SDPA.
+//   Returns false (and writes nothing) when the CPU has neither AVX-512 nor AVX2 + FMA (for
+//   bf16: lacks AVX512_BF16) or D is not a multiple of 64: the caller then runs SDPA.
 //
 // Work unit: one kv head and a tile of kBQ query positions; its G = H / KVH query heads are
 // its G * kBQ rows, so each K/V tile is read once for the whole group. For each tile of
 // kBK keys (tiles past the unit's last visible key are skipped; masking only in the
-// diagonal tiles) and each block of kR rows: scores in registers (kR x 64 keys, one FMA per
-// key lane, the keys pre-packed transposed once per call), an online softmax in fp32
-// (running max and sum, the accumulators rescaled when the max moves), then P V into the
-// rows' fp32 accumulators. Units are split over torch's threads in contiguous runs of
-// equal cost (causal units differ in cost by up to Lk / kBK times).
+// diagonal tiles) and each block of rows: scores (the keys pre-packed transposed once per
+// call), an online softmax in fp32 (running max and sum, the accumulators rescaled when the
+// max moves), then P V into the rows' fp32 accumulators. Units are split over torch's
+// threads in contiguous runs of equal cost (causal units differ in cost by up to Lk / kBK
+// times). The driver (run, run_unit) and the K packing are shared; each instruction set
+// brings its block step:
 //
+// AVX-512 (fp32 and bf16): blocks of 6 rows, a row's 64 scores in 4 zmm registers.
 // bf16: Q, K, P and V are rounded to bf16 and both products run on vdpbf16ps (pairs of
 // bf16 products summed into fp32 lanes); softmax and accumulation stay fp32. K is packed
 // as [D / 2][kBK][2] (pairs along the head dim), V as [kBK / 2][D][2] (pairs along keys).
+//
+// AVX2 + FMA (fp32): 16 ymm registers hold a 6 x 16 block (12 accumulators, 2 K or V
+// vectors, a broadcast), so a tile's scores go through memory in 16-key slices, and P V
+// runs 16 head-dim columns at a time.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -29,11 +35,15 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
-constexpr int kBK = 64;  // keys per tile (4 vectors of 16 lanes)
+constexpr int kBK = 64;  // keys per tile (4 vectors of 16 lanes, 8 of 8)
 constexpr int kBQ = 16;  // query positions per unit (8..64 time the same)
-constexpr int kR = 6;    // rows per register block: 6 x 4 accumulators
+constexpr int kR = 6;    // rows per register block (AVX-512: 6 x 4 zmm accumulators)
+constexpr int kR2 = 6;   // AVX2: 6 x 2 ymm accumulators
+constexpr int kC2 = 16;  // AVX2: keys (scores) or head-dim columns (P V) per register block
 
 bool cpu_has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") &&
@@ -61,6 +71,43 @@ struct Scratch {
   std::vector<float> q, o, p, m, l;
   std::vector<uint16_t> qh, ph;  // bf16 copies of q and of one block's probabilities
 };
+
+// One key tile as the block steps read it.
+struct Tile {
+  const float* kt;     // fp32 K^T tile, or nullptr for bf16
+  const float* v;      // fp32 V: rows in place (strided), first key; AVX2: the packed tile
+  const uint16_t* kb;  // bf16 tiles
+  const uint16_t* vb;
+  int64_t j0;          // first key
+};
+
+// Last key of tile T that row r of the unit starting at query q0 sees, relative to the
+// tile: below 0 when it sees none of it, nk - 1 when it sees all of its valid keys.
+inline int64_t last_visible(const Problem& P, int64_t q0, int64_t r, const Tile& T, int nk) {
+  return std::min<int64_t>(q0 + r / P.G + P.off - T.j0, nk - 1);
+}
+
+// Key tile t of kv head h, fp32, zero past Lk: K^T in slices of `width` keys,
+// kt[j / width][d][j % width] = k[t * kBK + j][d] (AVX-512: one slice, kt[d][j]).
+void pack_k_f32(const Problem& P, int64_t h, int64_t t, int width, float* kt) {
+  const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0), D = P.D;
+  for (int64_t j = 0; j < kBK; ++j) {
+    const float* src = P.k + (j0 + j) * P.k_stride + h * D;
+    float* dst = kt + (j / width) * D * width + j % width;
+    for (int64_t d = 0; d < D; ++d) dst[d * width] = j < nk ? src[d] : 0.f;
+  }
+}
+
+// V of the same tile in slices of `width` head-dim columns, each contiguous over the keys:
+// vt[d / width][j][d % width] = v[t * kBK + j][d] (AVX2; AVX-512 reads V rows in place).
+void pack_v_f32(const Problem& P, int64_t h, int64_t t, int width, float* vt) {
+  const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0), D = P.D;
+  for (int64_t j = 0; j < kBK; ++j) {
+    const float* src = P.v + (j0 + j) * P.v_stride + h * D;
+    for (int64_t d0 = 0; d0 < D; d0 += width)  // slice d0 / width starts at vt + d0 * kBK
+      for (int w = 0; w < width; ++w) vt[d0 * kBK + j * width + w] = j < nk ? src[d0 + w] : 0.f;
+  }
+}
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
@@ -94,19 +141,6 @@ inline void store_bf16x32(uint16_t* dst, __m512 a, __m512 b) {
   _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
-// ---- packing (once per call, per kv head and key tile) ------------------------------------
-// fp32 K^T: kt[d][j] = k[t * kBK + j][d], zero past Lk.
-void pack_k_f32(const Problem& P, int64_t h, int64_t t, float* kt) {
-  const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0);
-  for (int64_t j = 0; j < kBK; ++j) {
-    const float* src = P.k + (j0 + j) * P.k_stride + h * P.D;
-    if (j < nk)
-      for (int64_t d = 0; d < P.D; ++d) kt[d * kBK + j] = src[d];
-    else
-      for (int64_t d = 0; d < P.D; ++d) kt[d * kBK + j] = 0.f;
-  }
-}
-
 // bf16 K: kb[d / 2][j][d % 2]; V: vb[j / 2][d][j % 2] (zero past Lk).
 void pack_kv_bf16(const Problem& P, int64_t h, int64_t t, uint16_t* kb, uint16_t* vb) {
   const int64_t j0 = t * kBK, nk = std::min<int64_t>(kBK, P.Lk - j0), D = P.D;
@@ -130,14 +164,6 @@ void pack_kv_bf16(const Problem& P, int64_t h, int64_t t, uint16_t* kb, uint16_t
 }
 
 // ---- one block of R rows against one key tile -------------------------------------------
-struct Tile {
-  const float* kt;     // fp32 K^T tile, or nullptr for bf16
-  const float* v;      // fp32 V rows (strided), first key of the tile
-  const uint16_t* kb;  // bf16 tiles
-  const uint16_t* vb;
-  int64_t j0;          // first key
-};
-
 // The two micro-kernels are not inlined: inlined into block_step, GCC kept the exp's
 // constants in registers through them and, short of registers, reloaded K / V for every
 // FMA (load-bound: 1.3x slower at 6 rows, and the 4-row blocks it forced lost ~5%).
@@ -224,7 +250,7 @@ void block_step(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const Tile
   alignas(64) float m_old[16] = {0}, m_new[16] = {0};
   for (int r = 0; r < R; ++r) {
     // Last visible key of this row, relative to the tile.
-    const int64_t last = std::min<int64_t>(q0 + (r0 + r) / P.G + P.off - T.j0, nk - 1);
+    const int64_t last = last_visible(P, q0, r0 + r, T, nk);
     if (last < kBK - 1) {
       for (int c = 0; c < 4; ++c) {
         const __mmask16 keep = _mm512_cmple_epi32_mask(
@@ -270,19 +296,156 @@ void block_step_n(int R, const Problem& P, Scratch& s, int64_t q0, int64_t r0, c
   }
 }
 
+// bf16 copy of n floats (n a multiple of 32): a unit's scaled queries.
+void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t x = 0; x < n; x += 32)
+    store_bf16x32(dst + x, _mm512_loadu_ps(src + x), _mm512_loadu_ps(src + x + 16));
+}
+
+#pragma GCC pop_options
+
+// ---- AVX2 + FMA fp32 ---------------------------------------------------------------------
+// vec_math.h's exp is compiled for avx2,fma,f16c: the same target here, so that it inlines.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+inline float hmax_avx2(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// sc[r][j] = q[r0 + r] . k[j] for the tile's first nv keys, a slice of kC2 keys at a time
+// (sc rows are kBK long; columns from the slice past nv on are left as they were).
+template <int R>
+__attribute__((noinline)) void scores_avx2(const Problem& P, const Scratch& s, int64_t r0,
+                                           const float* kt, int nv, float* sc) {
+  const int64_t D = P.D;
+  const float* q = s.q.data() + r0 * D;
+  for (int c0 = 0; c0 < nv; c0 += kC2) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* slice = kt + c0 * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float* kd = slice + d * kC2;
+      const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qb = _mm256_broadcast_ss(q + r * D + d);
+        acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(sc + r * kBK + c0, acc[r][0]);
+      _mm256_storeu_ps(sc + r * kBK + c0 + 8, acc[r][1]);
+    }
+  }
+}
+
+// o[r] = alpha[r] o[r] + sum_{j < nv} p[r][j] v[j], a slice of kC2 columns at a time.
+template <int R>
+__attribute__((noinline)) void accumulate_avx2(const Problem& P, Scratch& s, int64_t r0,
+                                               const float* vt, int nv, const float* alpha) {
+  const int64_t D = P.D;
+  for (int64_t c0 = 0; c0 < D; c0 += kC2) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(alpha + r);
+      for (int c = 0; c < 2; ++c)
+        acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(s.o.data() + (r0 + r) * D + c0 + 8 * c), a);
+    }
+    const float* slice = vt + c0 * kBK;
+    for (int j = 0; j < nv; ++j) {
+      const float* vj = slice + j * kC2;
+      const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pb = _mm256_broadcast_ss(s.p.data() + r * kBK + j);
+        acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2; ++c)
+        _mm256_storeu_ps(s.o.data() + (r0 + r) * D + c0 + 8 * c, acc[r][c]);
+  }
+}
+
+// Rows r0..r0+R-1 of the unit whose first query is q0, against key tile T (nk valid keys).
+template <int R>
+void block_step_avx2(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const Tile& T,
+                     int nk) {
+  // Keys past the block's last row's last visible key are seen by no row of the block.
+  const int nv = static_cast<int>(last_visible(P, q0, r0 + R - 1, T, nk) + 1);
+  if (nv <= 0) return;  // the tile is all in the block's future: its rows stay as they are
+  float* sc = s.p.data();
+  scores_avx2<R>(P, s, r0, T.kt, nv, sc);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  alignas(32) float m_old[8] = {0}, m_new[8] = {0}, alpha[8];
+  int seen[R];  // keys of the tile row r sees
+  for (int r = 0; r < R; ++r) {
+    seen[r] = static_cast<int>(std::max<int64_t>(last_visible(P, q0, r0 + r, T, nk) + 1, 0));
+    __m256 mx = ninf;
+    for (int c = 0; c < seen[r]; c += 8) {
+      __m256 x = _mm256_loadu_ps(sc + r * kBK + c);
+      if (c + 8 > seen[r]) {  // the last visible key's vector: -inf past it
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(seen[r] - c), iota);
+        x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep));
+        _mm256_storeu_ps(sc + r * kBK + c, x);
+      }
+      mx = _mm256_max_ps(mx, x);
+    }
+    m_old[r] = s.m[r0 + r];
+    m_new[r] = std::max(m_old[r], hmax_avx2(mx));  // finite: key 0 seen first
+  }
+  _mm256_store_ps(alpha, vllm_cpu::exp_avx2(_mm256_sub_ps(_mm256_load_ps(m_old),
+                                                          _mm256_load_ps(m_new))));
+  for (int r = 0; r < R; ++r) {
+    const __m256 mn = _mm256_set1_ps(m_new[r]);
+    __m256 sum = _mm256_setzero_ps();
+    int c = 0;
+    for (; c < seen[r]; c += 8) {
+      const __m256 x = _mm256_loadu_ps(sc + r * kBK + c);
+      __m256 e = vllm_cpu::exp_avx2(_mm256_sub_ps(x, mn));
+      // The exp bottoms out at 2^-126, not 0: zero the masked keys exactly.
+      if (c + 8 > seen[r]) e = _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_GT_OQ));
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(sc + r * kBK + c, e);
+    }
+    for (; c < nv; c += 8) _mm256_storeu_ps(sc + r * kBK + c, _mm256_setzero_ps());
+    s.l[r0 + r] = s.l[r0 + r] * alpha[r] + vllm_cpu::hsum_avx2(sum);
+    s.m[r0 + r] = m_new[r];
+  }
+  accumulate_avx2<R>(P, s, r0, T.v, nv, alpha);
+}
+
+void block_step_avx2_n(int R, const Problem& P, Scratch& s, int64_t q0, int64_t r0,
+                       const Tile& T, int nk) {
+  switch (R) {
+    case 6: return block_step_avx2<6>(P, s, q0, r0, T, nk);
+    case 5: return block_step_avx2<5>(P, s, q0, r0, T, nk);
+    case 4: return block_step_avx2<4>(P, s, q0, r0, T, nk);
+    case 3: return block_step_avx2<3>(P, s, q0, r0, T, nk);
+    case 2: return block_step_avx2<2>(P, s, q0, r0, T, nk);
+    default: return block_step_avx2<1>(P, s, q0, r0, T, nk);
+  }
+}
+
+#pragma GCC pop_options
+
+// ---- shared driver -----------------------------------------------------------------------
+enum class Isa { kAvx512, kAvx512Bf16, kAvx2 };
+
 // One unit: kv head h, queries q0 .. q0 + nq - 1.
-template <bool BF16>
+template <Isa I>
 void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* kpack,
-              const uint16_t* kbpack, const uint16_t* vbpack, Scratch& s) {
+              const float* vpack, const uint16_t* kbpack, const uint16_t* vbpack, Scratch& s) {
   const int64_t G = P.G, D = P.D, rows = nq * G;
   for (int64_t i = 0; i < nq; ++i) {  // rows in memory order: position-major, then head
     const float* src = P.q + (q0 + i) * P.q_stride + h * G * D;
     for (int64_t x = 0; x < G * D; ++x) s.q[i * G * D + x] = src[x] * P.scale;
   }
-  if constexpr (BF16)
-    for (int64_t x = 0; x < rows * D; x += 32)
-      store_bf16x32(s.qh.data() + x, _mm512_loadu_ps(s.q.data() + x),
-                    _mm512_loadu_ps(s.q.data() + x + 16));
+  if constexpr (I == Isa::kAvx512Bf16) to_bf16(s.q.data(), s.qh.data(), rows * D);
   std::fill(s.o.begin(), s.o.begin() + rows * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
@@ -290,46 +453,57 @@ void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* 
   for (int64_t t = 0; t * kBK < kend; ++t) {
     const int64_t tile = h * P.ntk + t;
     Tile T{nullptr, P.v + t * kBK * P.v_stride + h * D, nullptr, nullptr, t * kBK};
-    if constexpr (BF16) {
+    if constexpr (I == Isa::kAvx512Bf16) {
       T.kb = kbpack + tile * D * kBK;
       T.vb = vbpack + tile * D * kBK;
     } else {
       T.kt = kpack + tile * D * kBK;
+      if constexpr (I == Isa::kAvx2) T.v = vpack + tile * D * kBK;
     }
     const int nk = static_cast<int>(std::min<int64_t>(kBK, kend - t * kBK));
-    for (int64_t r0 = 0; r0 < rows; r0 += kR)
-      block_step_n<BF16>(static_cast<int>(std::min<int64_t>(kR, rows - r0)), P, s, q0, r0, T,
-                         nk);
+    constexpr int64_t block = I == Isa::kAvx2 ? kR2 : kR;
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+      const int R = static_cast<int>(std::min<int64_t>(block, rows - r0));
+      if constexpr (I == Isa::kAvx2)
+        block_step_avx2_n(R, P, s, q0, r0, T, nk);
+      else
+        block_step_n<I == Isa::kAvx512Bf16>(R, P, s, q0, r0, T, nk);
+    }
   }
   for (int64_t i = 0; i < nq; ++i) {
     float* dst = P.out + (q0 + i) * P.o_stride + h * G * D;
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const __m512 inv = _mm512_set1_ps(1.f / s.l[r]);
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(dst + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(s.o.data() + r * D + d), inv));
+      const float* o = s.o.data() + (i * G + g) * D;
+      const float inv = 1.f / s.l[i * G + g];
+      for (int64_t d = 0; d < D; ++d) dst[g * D + d] = o[d] * inv;
     }
   }
 }
 
-template <bool BF16>
+template <Isa I>
 void run(const Problem& P) {
+  constexpr bool kBf16 = I == Isa::kAvx512Bf16;
   const int64_t nqt = (P.Lq + kBQ - 1) / kBQ, units = P.KVH * nqt, D = P.D;
-  std::vector<float> kpack;
+  std::vector<float> kpack, vpack;
   std::vector<uint16_t> kbpack, vbpack;
-  if constexpr (BF16) {
+  if constexpr (kBf16) {
     kbpack.resize(P.KVH * P.ntk * D * kBK);
     vbpack.resize(P.KVH * P.ntk * D * kBK);
   } else {
     kpack.resize(P.KVH * P.ntk * D * kBK);
+    if constexpr (I == Isa::kAvx2) vpack.resize(P.KVH * P.ntk * D * kBK);
   }
   at::parallel_for(0, P.KVH * P.ntk, 4, [&](int64_t a, int64_t b) {
     for (int64_t w = a; w < b; ++w) {
-      if constexpr (BF16)
-        pack_kv_bf16(P, w / P.ntk, w % P.ntk, kbpack.data() + w * D * kBK,
-                     vbpack.data() + w * D * kBK);
-      else
-        pack_k_f32(P, w / P.ntk, w % P.ntk, kpack.data() + w * D * kBK);
+      const int64_t h = w / P.ntk, t = w % P.ntk, at = w * D * kBK;
+      if constexpr (kBf16) {
+        pack_kv_bf16(P, h, t, kbpack.data() + at, vbpack.data() + at);
+      } else if constexpr (I == Isa::kAvx2) {
+        pack_k_f32(P, h, t, kC2, kpack.data() + at);
+        pack_v_f32(P, h, t, kC2, vpack.data() + at);
+      } else {
+        pack_k_f32(P, h, t, kBK, kpack.data() + at);
+      }
     }
   });
   // Cost of unit u (its key tiles x rows), prefix sums, then contiguous equal-cost parts.
@@ -347,8 +521,8 @@ void run(const Problem& P) {
     s.o.resize(rows * D);
     s.m.resize(rows);
     s.l.resize(rows);
-    s.p.resize(kR * kBK);
-    if constexpr (BF16) {
+    s.p.resize(std::max(kR, kR2) * kBK);
+    if constexpr (kBf16) {
       s.qh.resize(rows * D);
       s.ph.resize(kR * kBK);
     }
@@ -358,14 +532,12 @@ void run(const Problem& P) {
         const double mid = 0.5 * (cum[u] + cum[u + 1]);
         if (mid < lo || mid >= hi) continue;
         const int64_t q0 = (u % nqt) * kBQ;
-        run_unit<BF16>(P, u / nqt, q0, std::min<int64_t>(kBQ, P.Lq - q0), kpack.data(),
-                       kbpack.data(), vbpack.data(), s);
+        run_unit<I>(P, u / nqt, q0, std::min<int64_t>(kBQ, P.Lq - q0), kpack.data(),
+                    vpack.data(), kbpack.data(), vbpack.data(), s);
       }
     }
   });
 }
-
-#pragma GCC pop_options
 
 void check_rows(const torch::Tensor& t, int64_t heads, int64_t D, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 3 && t.device().is_cpu(), name,
@@ -386,7 +558,8 @@ bool prefill_attention(torch::Tensor& out, const torch::Tensor& q, const torch::
   TORCH_CHECK(out.size(0) == Lq && v.size(0) == Lk, "out / v lengths differ from q / k");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(causal_offset >= 0, "causal_offset must be >= 0 (every query sees key 0)");
-  if (D % 64 != 0 || !(bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512())) return false;
+  const bool avx2 = !bf16 && !cpu_has_avx512() && vllm_cpu::cpu_has_avx2();
+  if (D % 64 != 0 || !(bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512() || avx2)) return false;
   if (Lq == 0) return true;
   TORCH_CHECK(Lk > 0, "no keys");
   const Problem P{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
@@ -394,9 +567,11 @@ bool prefill_attention(torch::Tensor& out, const torch::Tensor& q, const torch::
                   Lq, Lk, KVH, H / KVH, D, causal_offset, static_cast<float>(scale),
                   (Lk + kBK - 1) / kBK};
   if (bf16)
-    run<true>(P);
+    run<Isa::kAvx512Bf16>(P);
+  else if (avx2)
+    run<Isa::kAvx2>(P);
   else
-    run<false>(P);
+    run<Isa::kAvx512>(P);
   return true;
 }
 
