@@ -1,5 +1,8 @@
-// The AVX-512 paths of ggml_linear (5 to 47 tokens; dispatch in quant_kernels.cpp, block
-// layouts in quant_blocks.h). Both take rows in groups of kRows512 = 4:
+// The AVX-512 paths of ggml_linear (up to 47 tokens; dispatch in quant_kernels.cpp, block
+// layouts in quant_blocks.h). All take rows in groups of kRows512 = 4:
+//   fused (1 to 4 tokens, fp32): each block of the group's rows is expanded in registers and
+//         used at once by every token, with software prefetches of the groups ahead (at
+//         batch 1 the hardware prefetcher alone left the kernel waiting on memory).
 //   fp32: the group's rows are dequantised into a small fp32 buffer that stays in L1, then
 //         multiplied by the tokens in tiles of up to 6 (4 x 6 accumulator registers, one
 //         16-lane FMA per weight row and token per 16 inputs), so the expansion is paid once
@@ -101,7 +104,112 @@ void dot_rows_avx512(const float* w, int rows, int64_t K, const float* x, int64_
   }
 }
 
+// ---- few tokens (1 to kFused512): the expansion fused with the products ----------------
+constexpr int kFused512 = 4;     // tokens per call of the fused kernel, at most
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead the software prefetches read
+
+// One block (32 weights) of a row as two 16-lane registers, w = q * d + m in one FMA (the
+// rounding of the AVX2 fused kernel).
+template <bool kQ4>
+inline void block_lanes_avx512(const uint8_t* blk, __m512 w[2]) {
+  if constexpr (kQ4) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m512 d = bcast_half512(blk), m = bcast_half512(blk + 2);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
+    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+  } else {
+    const __m512 d = bcast_half512(blk);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h));
+      w[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)), d);
+    }
+  }
+}
+
+// R rows (contiguous, from `rows`) x T tokens. Each block of the R rows is expanded in
+// registers and multiplied by every token at once; the x loads of a block are shared by the R
+// rows, and R independent accumulator chains (two per row and token when T <= 2) hide the
+// FMA latency. `pf` .. `pf_end`: bytes of a later group, prefetched a slice per block so that
+// the loads from memory overlap the arithmetic (at batch 1 the kernel is otherwise waiting on
+// memory: measured 4.5 GB/s from DRAM against 12.6 GB/s from cache on a 25 GB/s machine).
+template <bool kQ4, int R, int T>
+void fused_group_avx512(const uint8_t* rows, int64_t nb, const float* x, int64_t K, float* y,
+                        int64_t ldy, const uint8_t* pf, const uint8_t* pf_end) {
+  constexpr int64_t bb = kQ4 ? 20 : 34;
+  constexpr int A = T <= 2 ? 2 : 1;
+  const int64_t row_bytes = nb * bb;
+  __m512 acc[R][T][A];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t)
+      for (int a = 0; a < A; ++a) acc[r][t][a] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (const uint8_t* p = pf + b * R * bb; p < pf + (b + 1) * R * bb && p < pf_end; p += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+    __m512 xv[T][2];
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2; ++h) xv[t][h] = _mm512_loadu_ps(x + t * K + b * kQK + 16 * h);
+    for (int r = 0; r < R; ++r) {
+      __m512 w[2];
+      block_lanes_avx512<kQ4>(rows + r * row_bytes + b * bb, w);
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < 2; ++h)
+          acc[r][t][h % A] = _mm512_fmadd_ps(w[h], xv[t][h], acc[r][t][h % A]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      __m512 s = acc[r][t][0];
+      if constexpr (A == 2) s = _mm512_add_ps(s, acc[r][t][1]);
+      y[t * ldy + r] = _mm512_reduce_add_ps(s);
+    }
+}
+
+template <bool kQ4, int T>
+void fused_rows_t_avx512(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int64_t nb,
+                         const float* x, float* y) {
+  constexpr int R = kRows512;
+  constexpr int64_t bb = kQ4 ? 20 : 34;
+  const int64_t K = nb * kQK, row_bytes = nb * bb;
+  const uint8_t* end = wq + N * row_bytes;
+  // whole groups ahead: the prefetch of a block's slice lines up with the block read
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / (R * row_bytes)) * R * row_bytes;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n0 = g * R;
+    const uint8_t* rows = wq + n0 * row_bytes;
+    const uint8_t* pf = std::min(rows + ahead, end);
+    switch (std::min<int64_t>(R, N - n0)) {
+      case 4: fused_group_avx512<kQ4, 4, T>(rows, nb, x, K, y + n0, N, pf, end); break;
+      case 3: fused_group_avx512<kQ4, 3, T>(rows, nb, x, K, y + n0, N, pf, end); break;
+      case 2: fused_group_avx512<kQ4, 2, T>(rows, nb, x, K, y + n0, N, pf, end); break;
+      default: fused_group_avx512<kQ4, 1, T>(rows, nb, x, K, y + n0, N, pf, end); break;
+    }
+  }
+}
+
+template <bool kQ4>
+void fused_rows_q_avx512(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int64_t nb,
+                         const float* x, int64_t M, float* y) {
+  switch (M) {
+    case 1: fused_rows_t_avx512<kQ4, 1>(wq, g0, g1, N, nb, x, y); break;
+    case 2: fused_rows_t_avx512<kQ4, 2>(wq, g0, g1, N, nb, x, y); break;
+    case 3: fused_rows_t_avx512<kQ4, 3>(wq, g0, g1, N, nb, x, y); break;
+    default: fused_rows_t_avx512<kQ4, 4>(wq, g0, g1, N, nb, x, y); break;
+  }
+}
+
 }  // namespace
+
+void fused_rows_avx512(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int64_t nb,
+                       int64_t qtype, const float* x, int64_t M, float* y) {
+  TORCH_CHECK(M >= 1 && M <= kFused512, "the fused AVX-512 kernel takes 1 to ", kFused512,
+              " tokens, not ", M);
+  if (qtype == kTypeQ4_1)
+    fused_rows_q_avx512<true>(wq, g0, g1, N, nb, x, M, y);
+  else
+    fused_rows_q_avx512<false>(wq, g0, g1, N, nb, x, M, y);
+}
 
 // Rows [g0, g1) groups of kRows512: dequantised into an fp32 buffer that stays in L1
 // (the last group's missing rows are zeros, computed and not written).

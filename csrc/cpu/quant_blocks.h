@@ -47,6 +47,11 @@ inline float half_at(const uint8_t* p) {
 void linear_rows_avx512(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int64_t nb,
                         int64_t bb, int64_t qtype, const float* x, int64_t M, float* y);
 
+// 1 to 4 tokens (bound by the bytes of weights read): each block of 4 rows is expanded in
+// registers and used at once by every token, with software prefetches of the rows ahead.
+void fused_rows_avx512(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int64_t nb,
+                       int64_t qtype, const float* x, int64_t M, float* y);
+
 // x quantised to int8 per 32-value block, laid out for VPDPBUSD (16 tokens a tile).
 struct QuantizedX {
   int64_t tiles = 0, nb = 0;

@@ -2,9 +2,10 @@
 // activations: the scalar and AVX2 paths, the choice of kernel, and the ops' registration.
 //
 // ggml_linear(x [M, K] fp32, qweight, variant) -> y [M, N] = x @ W^T. Few tokens (bound by
-// the bytes of weights streamed from memory): each block is expanded into 4 registers (8
-// lanes each) and multiplied by every token at once, up to 4 tokens on AVX-512 CPUs and up
-// to 8 on AVX2 ones. More tokens (bound by arithmetic): rows are expanded into an fp32
+// the bytes of weights streamed from memory): each block is expanded in registers and
+// multiplied by every token at once; on AVX-512 CPUs up to 4 tokens, 16 lanes, 4 rows at a
+// time with software prefetches of the rows ahead (quant_avx512.cpp), on AVX2 ones up to 8
+// tokens, 8 lanes, a row at a time. More tokens (bound by arithmetic): rows are expanded into an fp32
 // buffer, then multiplied by the tokens in register tiles, so the expansion is paid once per
 // row, not once per token tile. With AVX-512 (quant_avx512.cpp): 4 rows at a time (in L1) x
 // up to 6 tokens (24 accumulators, one 16-lane FMA per weight row and token per 16 inputs).
@@ -309,6 +310,14 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
   // On AVX-512 CPUs their tile takes over from 5 tokens (measured there); on AVX2 CPUs the
   // fused kernel stays ahead of the panels up to 8.
   const bool avx512 = variant != kVariantAvx2 && cpu_has_avx512();
+  const int64_t groups = (N + kRows512 - 1) / kRows512;
+  if (avx512 && M <= kTokens) {
+    const int64_t grain = std::max<int64_t>(1, 16384 / (K * M * kRows512));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      fused_rows_avx512(wq, g0, g1, N, nb, qtype, xp, M, yp);
+    });
+    return y;
+  }
   if (avx2 && M <= (avx512 ? kTokens : kFusedMax)) {
     const int64_t grain = std::max<int64_t>(1, 16384 / (K * M));
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -316,7 +325,6 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
     });
     return y;
   }
-  const int64_t groups = (N + kRows512 - 1) / kRows512;
   const int64_t grain = std::max<int64_t>(1, 16384 / (K * M * kRows512));
   if (variant == kVariantInt8 && cpu_has_avx512_vnni()) {
     QuantizedX qx;

@@ -22,6 +22,9 @@ SHAPES += [(70, 96, 7), (5, 160, 13)]
 # The AVX2 panels (48 rows expanded at once, tiles of 3 rows x 4 tokens): a panel and a part,
 # row and token remainders, and a prefill-sized batch.
 SHAPES += [(97, 64, 9), (50, 96, 12), (98, 64, 259)]
+# The AVX-512 fused kernel (1-4 tokens, groups of 4 rows with prefetches ahead): partial
+# last groups of 2 and 3 rows, and Q8_0 rows long enough that a group is prefetched whole.
+SHAPES += [(6, 64, 2), (7, 96, 4), (131, 1536, 4), (2050, 576, 2)]
 DECODE_SHAPES = [s for s in SHAPES if 5 <= s[2] < 48]
 VARIANT_FP32, VARIANT_INT8, VARIANT_AVX2 = 0, 1, 2  # ggml_linear's ``variant`` argument
 
