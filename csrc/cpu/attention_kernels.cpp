@@ -25,6 +25,7 @@
 #include <cmath>
 #include <vector>
 
+#include "parallel.h"
 #include "vec_math.h"
 
 namespace {
@@ -273,7 +274,7 @@ void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
   float* op = out.data_ptr<float>();
   const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
   const int64_t row = kv_heads * D;  // elements between two slots
-  at::parallel_for(0, first[n], grain, [&](int64_t c0, int64_t c1) {
+  vllm_cpu::parallel_chunks(first[n], grain, [&](int64_t c0, int64_t c1) {
     std::vector<int64_t> off(kChunk);
     std::vector<float> scores(G * kChunk);
     int64_t i = 0;

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "quant_blocks.h"
 
 using namespace vllm_cpu::gguf;
@@ -270,7 +271,7 @@ constexpr int64_t kVariantAvx2 = 2;  // fp32 activations, the AVX2 tile even on 
 void linear_panels(const uint8_t* wq, int64_t N, int64_t nb, int64_t bb, int64_t qtype,
                    const float* xp, int64_t M, float* yp, bool avx2) {
   const int64_t K = nb * kQK, panels = (N + kPanelRows - 1) / kPanelRows;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  vllm_cpu::parallel_chunks(panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> wbuf(kPanelRows * K);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanelRows, rows = std::min<int64_t>(kPanelRows, N - n0);
@@ -313,14 +314,14 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
   const int64_t groups = (N + kRows512 - 1) / kRows512;
   if (avx512 && M <= kTokens) {
     const int64_t grain = std::max<int64_t>(1, 16384 / (K * M * kRows512));
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    vllm_cpu::parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
       fused_rows_avx512(wq, g0, g1, N, nb, qtype, xp, M, yp);
     });
     return y;
   }
   if (avx2 && M <= (avx512 ? kTokens : kFusedMax)) {
     const int64_t grain = std::max<int64_t>(1, 16384 / (K * M));
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    vllm_cpu::parallel_chunks(N, grain, [&](int64_t n0, int64_t n1) {
       fused_rows_avx2(wq, n0, n1, nb, bb, qtype, xp, M, yp, N);
     });
     return y;
@@ -329,11 +330,11 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
   if (variant == kVariantInt8 && cpu_has_avx512_vnni()) {
     QuantizedX qx;
     quantize_x_avx512(xp, M, K, qx);
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    vllm_cpu::parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
       linear_rows_int8_avx512(wq, g0, g1, N, nb, bb, qtype, qx, M, yp);
     });
   } else if (variant != kVariantAvx2 && cpu_has_avx512()) {
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    vllm_cpu::parallel_chunks(groups, grain, [&](int64_t g0, int64_t g1) {
       linear_rows_avx512(wq, g0, g1, N, nb, bb, qtype, xp, M, yp);
     });
   } else {
