@@ -32,6 +32,7 @@ _SOURCES = [
     _CSRC / "cache_kernels.cpp",
     _CSRC / "quant_kernels.cpp",
     _CSRC / "quant_avx512.cpp",
+    _CSRC / "quant_amx.cpp",
     _CSRC / "layer_kernels.cpp",
     _CSRC / "attention_kernels.cpp",
     _CSRC / "prefill_attention.cpp",
@@ -227,8 +228,10 @@ def ggml_linear_torch(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> tor
 
 # The native kernel's ``variant`` argument per decode activation type: "fp32" multiplies the
 # fp32 rows (AVX-512 or AVX2), "int8" quantizes each 32-value block of a row to int8 with an
-# fp32 scale first (AVX512-VNNI; CPUs without it run "fp32"). Batches of 1-4 rows: fp32 always.
-DECODE_ACT_VARIANTS = {"fp32": 0, "int8": 1}
+# fp32 scale first (AVX512-VNNI; CPUs without it run "fp32"), "bf16" rounds rows and weights
+# to bf16 and sums the products in fp32 on AMX tiles (CPUs without AMX-BF16 run "fp32").
+# Batches of 1-4 rows: fp32 always.
+DECODE_ACT_VARIANTS = {"fp32": 0, "int8": 1, "bf16": 3}
 
 
 def ggml_linear(

@@ -67,10 +67,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Read when a model is loaded.
     "VLLM_CPU_GGUF_PREFILL_DTYPE": _choice("VLLM_CPU_GGUF_PREFILL_DTYPE", ("auto", "bf16", "fp32")),
     # Activations of --quantization gguf's decode forwards (5 to DENSE_MIN_TOKENS - 1 rows):
-    # fp32 (the exact path: only the summation order differs from the fp32 model) or int8
-    # (each 32-value block of a row rounded to int8 with an fp32 scale, integer dot products
-    # on AVX512-VNNI; fp32 on CPUs without it). Read when a model is loaded.
-    "VLLM_CPU_GGUF_DECODE_ACT": _choice("VLLM_CPU_GGUF_DECODE_ACT", ("fp32", "int8")),
+    # auto = bf16 when the prefill runs in bf16 (VLLM_CPU_GGUF_PREFILL_DTYPE) and the CPU has
+    # AMX-BF16, else fp32; fp32 (the exact path: only the summation order differs from the
+    # fp32 model); int8 (each 32-value block of a row rounded to int8 with an fp32 scale,
+    # integer dot products on AVX512-VNNI; fp32 on CPUs without it); bf16 (rows and weights
+    # rounded to bf16, products summed in fp32 on AMX tiles; fp32 on CPUs without AMX-BF16).
+    # Read when a model is loaded.
+    "VLLM_CPU_GGUF_DECODE_ACT": _choice(
+        "VLLM_CPU_GGUF_DECODE_ACT", ("auto", "fp32", "int8", "bf16")
+    ),
     # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
     "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
     # libgomp's spin count / wait policy: when the user sets either, the engine process

@@ -67,4 +67,16 @@ void linear_rows_int8_avx512(const uint8_t* wq, int64_t g0, int64_t g1, int64_t 
                              int64_t bb, int64_t qtype, const QuantizedX& qx, int64_t M,
                              float* y);
 
+// ---- AMX kernel (quant_amx.cpp): bf16 tiles, up to amx_max_tokens() tokens -------------
+// cpu_has_amx_bf16(): AMX-BF16 + AVX512_BF16 and the OS lent this process the tile registers.
+bool cpu_has_amx_bf16();
+int64_t amx_max_tokens();
+
+// x [M, K] fp32 -> bf16 pairs laid out as the B tiles (once per call).
+void pack_x_amx(const float* x, int64_t M, int64_t K, std::vector<uint32_t>& xb);
+
+// Row groups [g0, g1) of 16 rows (the last may be partial); writes y [M, N] for those rows.
+void linear_rows_amx(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int64_t nb,
+                     int64_t qtype, const uint32_t* xb, int64_t M, float* y);
+
 }  // namespace vllm_cpu::gguf

@@ -265,6 +265,7 @@ void check_qweight(const torch::Tensor& qweight, int64_t qtype) {
 constexpr int64_t kVariantFp32 = 0;  // fp32 activations: AVX-512 when the CPU has it, else AVX2
 constexpr int64_t kVariantInt8 = 1;  // int8 activations (AVX512-VNNI; fp32 on other CPUs)
 constexpr int64_t kVariantAvx2 = 2;  // fp32 activations, the AVX2 tile even on AVX-512 CPUs
+constexpr int64_t kVariantAmx = 3;   // bf16 products on AMX tiles (fp32 on other CPUs)
 
 // The AVX2 panels (and the scalar path on CPUs without AVX2): each task dequantises
 // kPanelRows rows into an fp32 buffer, then multiplies them by every token.
@@ -297,7 +298,7 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
                           int64_t variant) {
   check_qweight(qweight, qtype);
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be fp32 [M, K]");
-  TORCH_CHECK(variant >= kVariantFp32 && variant <= kVariantAvx2, "unknown variant ", variant);
+  TORCH_CHECK(variant >= kVariantFp32 && variant <= kVariantAmx, "unknown variant ", variant);
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), N = qweight.size(0);
   const int64_t bb = block_bytes(qtype), nb = qweight.size(1) / bb, K = nb * kQK;
@@ -323,6 +324,14 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
     const int64_t grain = std::max<int64_t>(1, 16384 / (K * M));
     vllm_cpu::parallel_chunks(N, grain, [&](int64_t n0, int64_t n1) {
       fused_rows_avx2(wq, n0, n1, nb, bb, qtype, xp, M, yp, N);
+    });
+    return y;
+  }
+  if (variant == kVariantAmx && M <= amx_max_tokens() && cpu_has_amx_bf16()) {
+    std::vector<uint32_t> xb;
+    pack_x_amx(xp, M, K, xb);
+    vllm_cpu::parallel_chunks((N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
+      linear_rows_amx(wq, g0, g1, N, nb, qtype, xb.data(), M, yp);
     });
     return y;
   }

@@ -176,5 +176,6 @@ def test_native_int8_leaves_small_batches_fp32(native, tokens):
 @pytest.mark.slow
 def test_native_linear_rejects_unknown_variant(native):
     w = random_blocks(4, 64, ops.GGML_Q4_1)
-    with pytest.raises(RuntimeError, match="variant"):
-        native.ggml_linear(torch.randn(8, 64), w, ops.GGML_Q4_1, 3)
+    for variant in (-1, 4):
+        with pytest.raises(RuntimeError, match="variant"):
+            native.ggml_linear(torch.randn(8, 64), w, ops.GGML_Q4_1, variant)

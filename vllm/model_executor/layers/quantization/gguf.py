@@ -10,8 +10,10 @@ on a CPU with native bf16 arithmetic that GEMM runs in bf16 (inputs rounded to b
 accumulation, output back to fp32), ``VLLM_CPU_GGUF_PREFILL_DTYPE`` deciding (see
 ``prefill_dtype``). An fp32 prefill on a CPU without AVX-512 never dequantizes: the AVX2
 block kernel beats dequantization + torch's GEMM there at every size measured
-(docs/kernels.md). Decode rows take the block kernel, its activations fp32 or (batches of
-5+ rows, ``VLLM_CPU_GGUF_DECODE_ACT=int8``) int8 per 32-value block (``decode_act``).
+(docs/kernels.md). Decode rows take the block kernel: 1-4 rows always with fp32
+activations; 5+ rows with fp32, bf16 on AMX tiles (the default where the prefill is bf16
+and the CPU has AMX-BF16) or int8 per 32-value block (``decode_act``,
+``VLLM_CPU_GGUF_DECODE_ACT``).
 """
 
 from __future__ import annotations
@@ -64,10 +66,24 @@ def dense_min_tokens(dtype: torch.dtype) -> int:
     return NEVER_DENSE
 
 
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """The CPU has AMX tiles with bf16 products (Sapphire Rapids and later), as torch's
+    cpuinfo reports it. (The kernel also needs the OS to lend the process the tile
+    registers; where it refuses, the bf16 variant runs the fp32 kernel.)"""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("amx_bf16"))
+
+
 def decode_act() -> str:
-    """The block kernel's activation type: ``VLLM_CPU_GGUF_DECODE_ACT`` ("fp32" or "int8").
-    Raises ValueError on a bad value."""
-    return envs.VLLM_CPU_GGUF_DECODE_ACT
+    """The block kernel's activation type for 5-47 rows: ``VLLM_CPU_GGUF_DECODE_ACT`` ("fp32",
+    "int8" or "bf16"; auto: bf16 when the prefill runs in bf16 and the CPU has AMX-BF16, so
+    pinning ``VLLM_CPU_GGUF_PREFILL_DTYPE=fp32`` keeps the whole path exact). Raises
+    ValueError on a bad value."""
+    choice = envs.VLLM_CPU_GGUF_DECODE_ACT
+    if choice == "auto":
+        choice = "bf16" if prefill_dtype() == torch.bfloat16 and cpu_has_amx_bf16() else "fp32"
+    return choice
 
 
 class GGUFLinear(nn.Module):
@@ -95,7 +111,9 @@ class GGUFLinear(nn.Module):
         self.prefill_dtype = prefill_dtype
         self.dense_min_tokens = dense_min_tokens
         if decode_act not in ops.DECODE_ACT_VARIANTS:
-            raise ValueError(f"decode_act={decode_act!r}: expected fp32 or int8")
+            raise ValueError(
+                f"decode_act={decode_act!r}: expected one of {list(ops.DECODE_ACT_VARIANTS)}"
+            )
         self.decode_act = decode_act
         # Dense (prefill) products stay in prefill_dtype: set on gate_up_proj when down_proj
         # takes them (bf16 silu_and_mul between the two GEMMs, ``keep_prefill_dtype_between``).
