@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from tests.kernels.test_quant_kernels import random_blocks
-from tests.model_executor.test_gguf_int8_decode import _chunked_logits
 from tests.model_executor.test_gguf_quantization import (
     PROMPTS,
+    decode_act_vs_fp32,
     gguf_perplexities,
     greedy_same_as_fp32,
-    logits_agreement,
 )
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.quantization import gguf
@@ -84,7 +83,7 @@ def test_auto_follows_the_prefill_and_the_cpu(monkeypatch, prefill):
 
 
 # -- accuracy of the whole model --------------------------------------------------------------
-# Bounds from measurements on the fixed inputs (docs/benchmarks.md, "bf16 decode on AMX"),
+# Bounds from measurements on the fixed inputs (docs/kernels.md, "bf16 decode on AMX tiles"),
 # with a margin: 256 positions of docs/design.md, 16 a forward, and perplexity on 512 tokens
 # at 16 a forward (107.19 against fp32's 107.22).
 TOKENS_PER_STEP = 16
@@ -97,21 +96,8 @@ PPL_TOLERANCE = 5e-3  # |ppl_bf16 / ppl_fp32 - 1|
 @pytest.mark.slow
 @needs_amx
 def test_bf16_decode_logits_agree_with_fp32(monkeypatch):
-    from tests.benchmarks.test_eval_perplexity import load_script
-    from vllm.benchmarks.model_runner import load_runner, quantize
-
-    monkeypatch.setenv(VAR, "bf16")
-    script = load_script()
-    ids = script.text_tokens(script.DEFAULT_TEXT, 256)
-    runner = load_runner(len(ids))
-    fp32 = _chunked_logits(runner, ids)
-    quantize(runner)
-    linears = [m for m in runner.model.modules() if isinstance(m, gguf.GGUFLinear)]
-    assert {m.decode_act for m in linears} == {"bf16"}
-    bf16 = _chunked_logits(runner, ids)
-    diff, top1 = logits_agreement(bf16, fp32)
-    print(f"bf16 decode: max |logit diff| {diff:.3f}, top-1 agreement {top1:.4f} of {len(ids)}")
-    assert 0 < diff < MAX_LOGIT_DIFF
+    diff, top1 = decode_act_vs_fp32(monkeypatch, "bf16", TOKENS_PER_STEP)
+    assert 0 < diff < MAX_LOGIT_DIFF  # > 0: the bf16 path really ran
     assert top1 >= MIN_TOP1
 
 

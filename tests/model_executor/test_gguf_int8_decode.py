@@ -14,9 +14,9 @@ import torch
 from tests.kernels.test_quant_kernels import cpu_has_avx512_vnni, random_blocks
 from tests.model_executor.test_gguf_quantization import (
     PROMPTS,
+    decode_act_vs_fp32,
     gguf_perplexities,
     greedy_same_as_fp32,
-    logits_agreement,
 )
 from vllm import _custom_ops as ops
 from vllm import envs
@@ -92,36 +92,10 @@ MIN_GREEDY_IDENTICAL = 2  # of 8
 PPL_TOLERANCE = 1e-2  # |ppl_int8 / ppl_fp32 - 1|
 
 
-@torch.inference_mode()
-def _chunked_logits(runner, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of ``ids``, fed TOKENS_PER_STEP tokens a forward (the KV cache
-    carries the context), so every linear layer sees decode-sized batches."""
-    from vllm.benchmarks.model_runner import forward
-
-    out = []
-    for start in range(0, len(ids), TOKENS_PER_STEP):
-        chunk = ids[start : start + TOKENS_PER_STEP]
-        out.append(runner.model.compute_logits(forward(runner, chunk, start)))
-    return torch.cat(out)
-
-
 @pytest.mark.slow
 @needs_vnni
 def test_int8_decode_logits_agree_with_fp32(monkeypatch):
-    from tests.benchmarks.test_eval_perplexity import load_script
-    from vllm.benchmarks.model_runner import load_runner, quantize
-
-    monkeypatch.setenv(VAR, "int8")
-    script = load_script()
-    ids = script.text_tokens(script.DEFAULT_TEXT, 256)
-    runner = load_runner(len(ids))
-    fp32 = _chunked_logits(runner, ids)
-    quantize(runner)
-    linears = [m for m in runner.model.modules() if isinstance(m, gguf.GGUFLinear)]
-    assert {m.decode_act for m in linears} == {"int8"}
-    int8 = _chunked_logits(runner, ids)
-    diff, top1 = logits_agreement(int8, fp32)
-    print(f"int8 decode: max |logit diff| {diff:.3f}, top-1 agreement {top1:.4f} of {len(ids)}")
+    diff, top1 = decode_act_vs_fp32(monkeypatch, "int8", TOKENS_PER_STEP)
     assert 0 < diff < MAX_LOGIT_DIFF  # > 0: the int8 path really ran
     assert top1 >= MIN_TOP1
 

@@ -111,6 +111,41 @@ def logits_agreement(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float
     return diff, top1
 
 
+@torch.inference_mode()
+def chunked_logits(runner, ids: list[int], tokens_per_step: int) -> torch.Tensor:
+    """Logits at every position of ``ids``, fed ``tokens_per_step`` tokens a forward (the KV
+    cache carries the context), so every linear layer sees decode-sized batches."""
+    from vllm.benchmarks.model_runner import forward
+
+    out = []
+    for start in range(0, len(ids), tokens_per_step):
+        chunk = ids[start : start + tokens_per_step]
+        out.append(runner.model.compute_logits(forward(runner, chunk, start)))
+    return torch.cat(out)
+
+
+def decode_act_vs_fp32(
+    monkeypatch, act: str, tokens_per_step: int = 16, num_tokens: int = 256
+) -> tuple[float, float]:
+    """Max |logit difference| and top-1 agreement of the gguf model loaded with
+    ``VLLM_CPU_GGUF_DECODE_ACT=act`` (every layer checked to take it) against fp32, at every
+    position of eval_perplexity's text's first ``num_tokens`` tokens, ``tokens_per_step`` a
+    forward."""
+    from tests.benchmarks.test_eval_perplexity import load_script
+    from vllm.benchmarks.model_runner import load_runner, quantize
+
+    monkeypatch.setenv("VLLM_CPU_GGUF_DECODE_ACT", act)
+    script = load_script()
+    ids = script.text_tokens(script.DEFAULT_TEXT, num_tokens)
+    runner = load_runner(len(ids))
+    fp32 = chunked_logits(runner, ids, tokens_per_step)
+    quantize(runner)
+    assert {m.decode_act for m in runner.model.modules() if isinstance(m, GGUFLinear)} == {act}
+    diff, top1 = logits_agreement(chunked_logits(runner, ids, tokens_per_step), fp32)
+    print(f"{act} decode: max |logit diff| {diff:.3f}, top-1 agreement {top1:.4f} of {len(ids)}")
+    return diff, top1
+
+
 def gguf_perplexities(tokens_per_step: int, num_tokens: int = 512) -> dict[str, float]:
     """eval_perplexity's fp32 and gguf perplexities on its shipped text, ``tokens_per_step``
     tokens a forward (the gguf switches as the environment sets them)."""
