@@ -213,12 +213,20 @@ def ggml_dequantize_torch(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     return (q * d + m).reshape(n, -1)
 
 
-def ggml_dequantize(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """The fp32 weight matrix of GGUF blocks; native and fallback are bit-identical."""
+def ggml_dequantize(
+    qweight: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The weight matrix of GGUF blocks in ``dtype``: fp32 (native and fallback are
+    bit-identical), or bf16 (the fp32 matrix rounded to nearest even, natively in one pass
+    without writing the fp32 one)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
+    if dtype == torch.bfloat16 and _op("ggml_dequantize_bf16") is not None:
+        return _op("ggml_dequantize_bf16")(qweight, qtype)
     ops = _quant_ops()
-    if ops is not None:
-        return ops.ggml_dequantize(qweight, qtype)
-    return ggml_dequantize_torch(qweight, qtype)
+    native = ops is not None
+    w = ops.ggml_dequantize(qweight, qtype) if native else ggml_dequantize_torch(qweight, qtype)
+    return w.to(dtype)
 
 
 def ggml_linear_torch(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -262,10 +270,10 @@ def ggml_linear(
         if decode_act == "fp32":  # the default variant: a library built before int8 has it too
             return linear(x, qweight, qtype)
         return linear(x, qweight, qtype, DECODE_ACT_VARIANTS[decode_act])
-    w = ggml_dequantize(qweight, qtype)
     if dense_dtype == torch.float32 or not dense:
-        return torch.nn.functional.linear(x, w)
-    y = torch.nn.functional.linear(x.to(dense_dtype), w.to(dense_dtype))
+        return torch.nn.functional.linear(x, ggml_dequantize(qweight, qtype))
+    w = ggml_dequantize(qweight, qtype, dense_dtype)
+    y = torch.nn.functional.linear(x.to(dense_dtype), w)
     return y if keep_dense_dtype else y.float()
 
 

@@ -23,6 +23,7 @@
 // ggml_dequantize computes W in fp32 exactly as the pure-torch fallback in
 // vllm/_custom_ops.py does (q * d, then + m: two roundings, no FMA), so both are bit-identical.
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
@@ -371,12 +372,70 @@ torch::Tensor ggml_dequantize(const torch::Tensor& qweight, int64_t qtype) {
   return w;
 }
 
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// fp32 -> bf16, rounded to nearest even as c10::BFloat16 (and torch's .to(bfloat16)) do:
+// add 0x7FFF plus the kept part's lowest bit, keep the high half; NaN -> 0x7FC0.
+void to_bf16_avx2(const float* x, int64_t n, uint16_t* out) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+  const __m256i nan = _mm256_set1_epi32(0x7FC0);
+  auto round = [&](__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, bias)), 16);
+    return _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i lo = round(_mm256_loadu_ps(x + i)), hi = round(_mm256_loadu_ps(x + i + 8));
+    // packus works within 128-bit lanes: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> reorder.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+  }
+  for (; i < n; ++i) out[i] = c10::BFloat16(x[i]).x;
+}
+
+#pragma GCC pop_options
+
+}  // namespace
+
+// qweight -> W [N, K] bf16: the fp32 weights of ggml_dequantize rounded to bf16 (the same
+// bits as ggml_dequantize(...).to(torch.bfloat16)) in one pass, for the bf16 prefill GEMM;
+// the fp32 matrix is never written (it was half of a 2k-token prefill's GEMM time).
+torch::Tensor ggml_dequantize_bf16(const torch::Tensor& qweight, int64_t qtype) {
+  check_qweight(qweight, qtype);
+  const int64_t N = qweight.size(0), bb = block_bytes(qtype), nb = qweight.size(1) / bb;
+  const int64_t K = nb * kQK;
+  auto w = torch::empty({N, K}, torch::dtype(torch::kBFloat16));
+  const uint8_t* wq = qweight.data_ptr<uint8_t>();
+  auto* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  const bool avx2 = cpu_has_avx2();
+  vllm_cpu::parallel_chunks(N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      if (avx2) {
+        dequant_row_avx2(wq + n * nb * bb, nb, qtype, row.data());
+        to_bf16_avx2(row.data(), K, wp + n * K);
+      } else {
+        dequant_row_scalar(wq + n * nb * bb, nb, qtype, row.data());
+        for (int64_t k = 0; k < K; ++k) wp[n * K + k] = c10::BFloat16(row[k]).x;
+      }
+    }
+  });
+  return w;
+}
+
 TORCH_LIBRARY_FRAGMENT(vllm_continuum_C, m) {
   m.def("ggml_linear(Tensor x, Tensor qweight, int qtype, int variant=0) -> Tensor");
   m.def("ggml_dequantize(Tensor qweight, int qtype) -> Tensor");
+  m.def("ggml_dequantize_bf16(Tensor qweight, int qtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_continuum_C, CPU, m) {
   m.impl("ggml_linear", &ggml_linear);
   m.impl("ggml_dequantize", &ggml_dequantize);
+  m.impl("ggml_dequantize_bf16", &ggml_dequantize_bf16);
 }

@@ -133,6 +133,23 @@ def test_native_dequantize_is_bit_identical(native, qtype):
     assert torch.equal(native.ggml_dequantize(w, qtype), ops.ggml_dequantize_torch(w, qtype))
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bf16_dequantize_is_the_rounded_fp32_matrix(native, qtype):
+    # One pass to bf16 natively: the same bits as rounding the fp32 matrix (nearest even).
+    w = random_blocks(37, 1536, qtype, seed=2)
+    expected = ops.ggml_dequantize_torch(w, qtype).to(torch.bfloat16)
+    got = ops.ggml_dequantize(w, qtype, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    native_bits = native.ggml_dequantize_bf16(w, qtype).view(torch.int16)
+    assert torch.equal(native_bits, got.view(torch.int16))
+
+
+def test_dequantize_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="dtype"):
+        ops.ggml_dequantize(random_blocks(2, 32, ops.GGML_Q4_1), ops.GGML_Q4_1, torch.float16)
+
+
 @pytest.mark.slow
 def test_native_linear_rejects_bad_shapes(native):
     w = random_blocks(4, 64, ops.GGML_Q4_1)
