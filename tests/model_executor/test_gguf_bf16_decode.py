@@ -1,6 +1,6 @@
 """The gguf path's bf16 decode on AMX tiles (5-47 rows): the kernel against a bf16-rounded
-reference, which forwards take it, the auto choice, and the whole model's logits,
-perplexity and greedy outputs against fp32 (slow).
+reference, which forwards take it, and the auto choice (the whole model's accuracy:
+test_gguf_decode_accuracy.py).
 
 bf16 keeps 8 bits of mantissa: each weight (q * d + m) and each input is off by at most
 2^-9 of itself, the products are exact in fp32 and summed in fp32, so the kernel matches a
@@ -13,12 +13,6 @@ import pytest
 import torch
 
 from tests.kernels.test_quant_kernels import random_blocks
-from tests.model_executor.test_gguf_quantization import (
-    PROMPTS,
-    decode_act_vs_fp32,
-    gguf_perplexities,
-    greedy_same_as_fp32,
-)
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.quantization import gguf
 
@@ -80,42 +74,3 @@ def test_auto_follows_the_prefill_and_the_cpu(monkeypatch, prefill):
     assert gguf.decode_act() == expected
     monkeypatch.setenv(VAR, "fp32")  # an explicit choice wins
     assert gguf.decode_act() == "fp32"
-
-
-# -- accuracy of the whole model --------------------------------------------------------------
-# Bounds from measurements on the fixed inputs (docs/kernels.md, "bf16 decode on AMX tiles"),
-# with a margin: 256 positions of docs/design.md, 16 a forward, and perplexity on 512 tokens
-# at 16 a forward (107.19 against fp32's 107.22).
-TOKENS_PER_STEP = 16
-MAX_LOGIT_DIFF = 4.0
-MIN_TOP1 = 0.93
-MIN_GREEDY_IDENTICAL = 3  # of 8
-PPL_TOLERANCE = 5e-3  # |ppl_bf16 / ppl_fp32 - 1|
-
-
-@pytest.mark.slow
-@needs_amx
-def test_bf16_decode_logits_agree_with_fp32(monkeypatch):
-    diff, top1 = decode_act_vs_fp32(monkeypatch, "bf16", TOKENS_PER_STEP)
-    assert 0 < diff < MAX_LOGIT_DIFF  # > 0: the bf16 path really ran
-    assert top1 >= MIN_TOP1
-
-
-@pytest.mark.slow
-@needs_amx
-def test_bf16_decode_perplexity(monkeypatch):
-    monkeypatch.setenv(VAR, "bf16")
-    ppl = gguf_perplexities(TOKENS_PER_STEP)
-    assert abs(ppl["gguf"] / ppl["fp32"] - 1) < PPL_TOLERANCE
-    assert ppl["gguf"] != ppl["fp32"]
-
-
-@pytest.mark.slow
-@needs_amx
-def test_bf16_decode_greedy_outputs(monkeypatch):
-    # The prefill stays fp32 (exact) so the outputs differ by the decode steps alone; the
-    # 8 prompts decode together: every decode step is an 8-row forward (the AMX kernel).
-    monkeypatch.setenv("VLLM_CPU_GGUF_PREFILL_DTYPE", "fp32")
-    same = greedy_same_as_fp32(monkeypatch, {VAR: "bf16"})
-    print(f"bf16 decode: greedy outputs identical on {same}/{len(PROMPTS)} prompts")
-    assert same >= MIN_GREEDY_IDENTICAL
