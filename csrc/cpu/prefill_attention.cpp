@@ -22,6 +22,10 @@
 // bf16 products summed into fp32 lanes); softmax and accumulation stay fp32. K is packed
 // as [D / 2][kBK][2] (pairs along the head dim), V as [kBK / 2][D][2] (pairs along keys).
 //
+// AMX (bf16, where the CPU has AMX-BF16): blocks of 16 rows, scores and P V on the tile
+// unit with the same packings (they are the tiles' B layouts), the softmax as AVX-512's;
+// rows short of a 16-row block take the AVX-512 bf16 blocks.
+//
 // AVX2 + FMA (fp32): 16 ymm registers hold a 6 x 16 block (12 accumulators, 2 K or V
 // vectors, a broadcast), so a tile's scores go through memory in 16-key slices, and P V
 // runs 16 head-dim columns at a time.
@@ -35,6 +39,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_blocks.h"  // cpu_has_amx_bf16
 #include "vec_math.h"
 
 namespace {
@@ -70,7 +75,10 @@ struct Problem {
 struct Scratch {
   std::vector<float> q, o, p, m, l;
   std::vector<uint16_t> qh, ph;  // bf16 copies of q and of one block's probabilities
+  std::vector<float> pv;         // AMX: one block's P V (kAmxRows x D)
 };
+
+constexpr int kAmxRows = 16;  // rows per AMX block (a tile's rows)
 
 // One key tile as the block steps read it.
 struct Tile {
@@ -304,6 +312,125 @@ void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 
 #pragma GCC pop_options
 
+// ---- AMX (bf16 tiles): 16 rows a block ---------------------------------------------------
+// The bf16 packings above are already the tiles' B layouts: K as [D / 2][kBK][2] gives
+// B[i][2 key + j] = K[key][2 i + j], V as [kBK / 2][D][2] gives B[i][2 d + j] = V[2 i + j][d];
+// the queries (qh) and probabilities (ph) are row-major A tiles. Scores: 4 C tiles of
+// 16 rows x 16 keys over the head dim in steps of 32; the online softmax in AVX-512 as
+// above; P V: 4 C tiles of 16 rows x 16 head-dim columns over the keys in steps of 32, a
+// 64-column slice of the head dim at a time.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_begin() {
+  AmxConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kAmxRows;
+  }
+  // GCC 12 may drop the stores above as dead before LDTILECFG (seen: only the palette byte
+  // was written, and the first tile instruction faulted): make them visible first.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+void amx_end() { _tile_release(); }
+
+void block_step_amx(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const Tile& T,
+                    int nk) {
+  const int64_t D = P.D;
+  float* S = s.p.data();  // kAmxRows x kBK scores
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    _tile_loadd(4, s.qh.data() + r0 * D + d0, D * 2);
+    const uint16_t* kb = T.kb + (d0 / 2) * kBK * 2;
+    _tile_loadd(5, kb + 0, kBK * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, kb + 32, kBK * 4);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, kb + 64, kBK * 4);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, kb + 96, kBK * 4);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, S + 0, kBK * 4);
+  _tile_stored(1, S + 16, kBK * 4);
+  _tile_stored(2, S + 32, kBK * 4);
+  _tile_stored(3, S + 48, kBK * 4);
+
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  alignas(64) float m_old[kAmxRows], m_new[kAmxRows], alpha[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) {
+    __m512 acc[4];
+    for (int c = 0; c < 4; ++c) acc[c] = _mm512_loadu_ps(S + r * kBK + 16 * c);
+    const int64_t last = last_visible(P, q0, r0 + r, T, nk);
+    if (last < kBK - 1) {
+      for (int c = 0; c < 4; ++c) {
+        const __mmask16 keep = _mm512_cmple_epi32_mask(
+            _mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)),
+            _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(last, -1))));
+        acc[c] = _mm512_mask_blend_ps(keep, ninf, acc[c]);
+      }
+    }
+    const __m512 mx4 =
+        _mm512_max_ps(_mm512_max_ps(acc[0], acc[1]), _mm512_max_ps(acc[2], acc[3]));
+    m_old[r] = s.m[r0 + r];
+    m_new[r] = std::max(m_old[r], _mm512_reduce_max_ps(mx4));  // finite: key 0 seen first
+    const __m512 mn = _mm512_set1_ps(m_new[r]);
+    __m512 e[4];
+    for (int c = 0; c < 4; ++c) e[c] = exp512(_mm512_sub_ps(acc[c], mn));
+    alpha[r] = std::exp(m_old[r] - m_new[r]);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
+    s.l[r0 + r] = s.l[r0 + r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    s.m[r0 + r] = m_new[r];
+    store_bf16x32(s.ph.data() + r * kBK, e[0], e[1]);
+    store_bf16x32(s.ph.data() + r * kBK + 32, e[2], e[3]);
+  }
+
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k0 = 0; k0 < kBK; k0 += 32) {
+      _tile_loadd(4, s.ph.data() + k0, kBK * 2);
+      const uint16_t* vb = T.vb + ((k0 / 2) * D + c0) * 2;
+      _tile_loadd(5, vb + 0, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, vb + 32, D * 4);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, vb + 64, D * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, vb + 96, D * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    float* pv = s.pv.data() + c0;
+    _tile_stored(0, pv + 0, D * 4);
+    _tile_stored(1, pv + 16, D * 4);
+    _tile_stored(2, pv + 32, D * 4);
+    _tile_stored(3, pv + 48, D * 4);
+  }
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    float* o = s.o.data() + (r0 + r) * D;
+    const float* pv = s.pv.data() + r * D;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), a, _mm512_loadu_ps(pv + d)));
+  }
+}
+
+#pragma GCC pop_options
+
 // ---- AVX2 + FMA fp32 ---------------------------------------------------------------------
 // vec_math.h's exp is compiled for avx2,fma,f16c: the same target here, so that it inlines.
 #pragma GCC push_options
@@ -434,7 +561,7 @@ void block_step_avx2_n(int R, const Problem& P, Scratch& s, int64_t q0, int64_t 
 #pragma GCC pop_options
 
 // ---- shared driver -----------------------------------------------------------------------
-enum class Isa { kAvx512, kAvx512Bf16, kAvx2 };
+enum class Isa { kAvx512, kAvx512Bf16, kAmx, kAvx2 };
 
 // One unit: kv head h, queries q0 .. q0 + nq - 1.
 template <Isa I>
@@ -445,7 +572,8 @@ void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* 
     const float* src = P.q + (q0 + i) * P.q_stride + h * G * D;
     for (int64_t x = 0; x < G * D; ++x) s.q[i * G * D + x] = src[x] * P.scale;
   }
-  if constexpr (I == Isa::kAvx512Bf16) to_bf16(s.q.data(), s.qh.data(), rows * D);
+  constexpr bool kBf16 = I == Isa::kAvx512Bf16 || I == Isa::kAmx;
+  if constexpr (kBf16) to_bf16(s.q.data(), s.qh.data(), rows * D);
   std::fill(s.o.begin(), s.o.begin() + rows * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, -INFINITY);
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
@@ -453,7 +581,7 @@ void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* 
   for (int64_t t = 0; t * kBK < kend; ++t) {
     const int64_t tile = h * P.ntk + t;
     Tile T{nullptr, P.v + t * kBK * P.v_stride + h * D, nullptr, nullptr, t * kBK};
-    if constexpr (I == Isa::kAvx512Bf16) {
+    if constexpr (kBf16) {
       T.kb = kbpack + tile * D * kBK;
       T.vb = vbpack + tile * D * kBK;
     } else {
@@ -462,12 +590,15 @@ void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* 
     }
     const int nk = static_cast<int>(std::min<int64_t>(kBK, kend - t * kBK));
     constexpr int64_t block = I == Isa::kAvx2 ? kR2 : kR;
-    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+    int64_t r0 = 0;
+    if constexpr (I == Isa::kAmx)  // whole 16-row blocks on the tiles, the rest as bf16
+      for (; r0 + kAmxRows <= rows; r0 += kAmxRows) block_step_amx(P, s, q0, r0, T, nk);
+    for (; r0 < rows; r0 += block) {
       const int R = static_cast<int>(std::min<int64_t>(block, rows - r0));
       if constexpr (I == Isa::kAvx2)
         block_step_avx2_n(R, P, s, q0, r0, T, nk);
       else
-        block_step_n<I == Isa::kAvx512Bf16>(R, P, s, q0, r0, T, nk);
+        block_step_n<kBf16>(R, P, s, q0, r0, T, nk);
     }
   }
   for (int64_t i = 0; i < nq; ++i) {
@@ -482,7 +613,7 @@ void run_unit(const Problem& P, int64_t h, int64_t q0, int64_t nq, const float* 
 
 template <Isa I>
 void run(const Problem& P) {
-  constexpr bool kBf16 = I == Isa::kAvx512Bf16;
+  constexpr bool kBf16 = I == Isa::kAvx512Bf16 || I == Isa::kAmx;
   const int64_t nqt = (P.Lq + kBQ - 1) / kBQ, units = P.KVH * nqt, D = P.D;
   std::vector<float> kpack, vpack;
   std::vector<uint16_t> kbpack, vbpack;
@@ -521,10 +652,14 @@ void run(const Problem& P) {
     s.o.resize(rows * D);
     s.m.resize(rows);
     s.l.resize(rows);
-    s.p.resize(std::max(kR, kR2) * kBK);
+    s.p.resize(std::max({kR, kR2, kAmxRows}) * kBK);
     if constexpr (kBf16) {
       s.qh.resize(rows * D);
-      s.ph.resize(kR * kBK);
+      s.ph.resize(std::max(kR, kAmxRows) * kBK);
+    }
+    if constexpr (I == Isa::kAmx) {
+      s.pv.resize(kAmxRows * D);
+      amx_begin();
     }
     for (int64_t part = a; part < b; ++part) {
       const double lo = cum[units] * part / parts, hi = cum[units] * (part + 1) / parts;
@@ -536,6 +671,7 @@ void run(const Problem& P) {
                     vpack.data(), kbpack.data(), vbpack.data(), s);
       }
     }
+    if constexpr (I == Isa::kAmx) amx_end();
   });
 }
 
@@ -566,7 +702,9 @@ bool prefill_attention(torch::Tensor& out, const torch::Tensor& q, const torch::
                   out.data_ptr<float>(), q.stride(0), k.stride(0), v.stride(0), out.stride(0),
                   Lq, Lk, KVH, H / KVH, D, causal_offset, static_cast<float>(scale),
                   (Lk + kBK - 1) / kBK};
-  if (bf16)
+  if (bf16 && vllm_cpu::gguf::cpu_has_amx_bf16())
+    run<Isa::kAmx>(P);
+  else if (bf16)
     run<Isa::kAvx512Bf16>(P);
   else if (avx2)
     run<Isa::kAvx2>(P);

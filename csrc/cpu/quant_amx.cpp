@@ -73,6 +73,9 @@ void load_tile_config() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = kTileRows;
   }
+  // GCC 12 may drop the stores above as dead before LDTILECFG (seen: only the palette byte
+  // was written, and the first tile instruction faulted): make them visible first.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
