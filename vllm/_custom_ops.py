@@ -38,7 +38,7 @@ _SOURCES = [
     _CSRC / "prefill_attention.cpp",
 ]
 # Not compiled alone, but part of the build's identity.
-_HEADERS = [_CSRC / "vec_math.h", _CSRC / "quant_blocks.h", _CSRC / "parallel.h"]
+_HEADERS = [_CSRC / "vec_math.h", _CSRC / "quant_blocks.h", _CSRC / "parallel.h", _CSRC / "amx.h"]
 _native = None  # the torch op once loaded, else None
 _tried = False
 _ops: dict[str, object] = {}  # name -> the loaded op's default overload, or None

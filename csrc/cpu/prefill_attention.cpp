@@ -39,7 +39,7 @@
 #include <cstring>
 #include <vector>
 
-#include "quant_blocks.h"  // cpu_has_amx_bf16
+#include "amx.h"
 #include "vec_math.h"
 
 namespace {
@@ -248,44 +248,47 @@ __attribute__((noinline)) void accumulate(const Problem& P, Scratch& s, int64_t 
   }
 }
 
+// Online softmax of row `row` of the unit whose first query is q0, against key tile T (nk
+// valid keys): its 64 scores in `x` become exp(score - new max), the keys past its last
+// visible one masked to 0; its running max and sum move on. Returns alpha = exp(old max -
+// new max), the factor for its accumulated output.
+inline float softmax_row(const Problem& P, Scratch& s, int64_t q0, int64_t row, const Tile& T,
+                         int nk, __m512 (&x)[4]) {
+  const int64_t last = last_visible(P, q0, row, T, nk);  // relative to the tile
+  if (last < kBK - 1) {
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lim = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(last, -1)));
+    for (int c = 0; c < 4; ++c) {
+      const __mmask16 keep =
+          _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)), lim);
+      x[c] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), x[c]);
+    }
+  }
+  const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+  const float m_old = s.m[row];
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(mx4));  // finite: key 0 seen first
+  const float alpha = std::exp(m_old - m_new);
+  const __m512 mn = _mm512_set1_ps(m_new);
+  for (int c = 0; c < 4; ++c) x[c] = exp512(_mm512_sub_ps(x[c], mn));
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(x[0], x[1]), _mm512_add_ps(x[2], x[3]));
+  s.l[row] = s.l[row] * alpha + _mm512_reduce_add_ps(sum);
+  s.m[row] = m_new;
+  return alpha;
+}
+
 // Rows r0..r0+R-1 of the unit whose first query is q0, against key tile T (nk valid keys).
 template <int R, bool BF16>
 void block_step(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const Tile& T, int nk) {
   __m512 acc[R][4];
   scores<R, BF16>(P, s, r0, T, acc);
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  alignas(64) float m_old[16] = {0}, m_new[16] = {0};
+  alignas(64) float alpha[R];
   for (int r = 0; r < R; ++r) {
-    // Last visible key of this row, relative to the tile.
-    const int64_t last = last_visible(P, q0, r0 + r, T, nk);
-    if (last < kBK - 1) {
-      for (int c = 0; c < 4; ++c) {
-        const __mmask16 keep = _mm512_cmple_epi32_mask(
-            _mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)),
-            _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(last, -1))));
-        acc[r][c] = _mm512_mask_blend_ps(keep, ninf, acc[r][c]);
-      }
-    }
-    const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(acc[r][0], acc[r][1]),
-                                     _mm512_max_ps(acc[r][2], acc[r][3]));
-    m_old[r] = s.m[r0 + r];
-    m_new[r] = std::max(m_old[r], _mm512_reduce_max_ps(mx4));  // finite: key 0 seen first
-  }
-  alignas(64) float alpha[16];
-  _mm512_store_ps(alpha, exp512(_mm512_sub_ps(_mm512_load_ps(m_old), _mm512_load_ps(m_new))));
-  for (int r = 0; r < R; ++r) {
-    const __m512 mn = _mm512_set1_ps(m_new[r]);
-    __m512 e[4];
-    for (int c = 0; c < 4; ++c) e[c] = exp512(_mm512_sub_ps(acc[r][c], mn));
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
-    s.l[r0 + r] = s.l[r0 + r] * alpha[r] + _mm512_reduce_add_ps(sum);
-    s.m[r0 + r] = m_new[r];
+    alpha[r] = softmax_row(P, s, q0, r0 + r, T, nk, acc[r]);
     if constexpr (BF16) {
-      store_bf16x32(s.ph.data() + r * kBK, e[0], e[1]);
-      store_bf16x32(s.ph.data() + r * kBK + 32, e[2], e[3]);
+      store_bf16x32(s.ph.data() + r * kBK, acc[r][0], acc[r][1]);
+      store_bf16x32(s.ph.data() + r * kBK + 32, acc[r][2], acc[r][3]);
     } else {
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.p.data() + r * kBK + 16 * c, e[c]);
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.p.data() + r * kBK + 16 * c, acc[r][c]);
     }
   }
   accumulate<R, BF16>(P, s, r0, T, nk, alpha);
@@ -322,104 +325,50 @@ void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
 
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void amx_begin() {
-  AmxConfig cfg;
-  for (int t = 0; t < 6; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kAmxRows;
-  }
-  // GCC 12 may drop the stores above as dead before LDTILECFG (seen: only the palette byte
-  // was written, and the first tile instruction faulted): make them visible first.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
-
-void amx_end() { _tile_release(); }
-
-void block_step_amx(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const Tile& T,
-                    int nk) {
-  const int64_t D = P.D;
-  float* S = s.p.data();  // kAmxRows x kBK scores
+// C tiles 0-3 = sum over `steps` of A (tile 4: 16 rows x 32 bf16 at a + i * a_step, rows
+// a_stride bytes apart) x B (tile 5: the four 16-column tiles at b + i * b_step + 32 c, rows
+// b_stride bytes apart), then stored to c (16 fp32 columns a tile, rows c_stride bytes apart).
+void products_amx(const uint16_t* a, int64_t a_step, int64_t a_stride, const uint16_t* b,
+                  int64_t b_step, int64_t b_stride, int64_t steps, float* c, int64_t c_stride) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {
-    _tile_loadd(4, s.qh.data() + r0 * D + d0, D * 2);
-    const uint16_t* kb = T.kb + (d0 / 2) * kBK * 2;
-    _tile_loadd(5, kb + 0, kBK * 4);
+  for (int64_t i = 0; i < steps; ++i, a += a_step, b += b_step) {
+    _tile_loadd(4, a, a_stride);
+    _tile_loadd(5, b + 0, b_stride);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(5, kb + 32, kBK * 4);
+    _tile_loadd(5, b + 32, b_stride);
     _tile_dpbf16ps(1, 4, 5);
-    _tile_loadd(5, kb + 64, kBK * 4);
+    _tile_loadd(5, b + 64, b_stride);
     _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(5, kb + 96, kBK * 4);
+    _tile_loadd(5, b + 96, b_stride);
     _tile_dpbf16ps(3, 4, 5);
   }
-  _tile_stored(0, S + 0, kBK * 4);
-  _tile_stored(1, S + 16, kBK * 4);
-  _tile_stored(2, S + 32, kBK * 4);
-  _tile_stored(3, S + 48, kBK * 4);
+  _tile_stored(0, c + 0, c_stride);
+  _tile_stored(1, c + 16, c_stride);
+  _tile_stored(2, c + 32, c_stride);
+  _tile_stored(3, c + 48, c_stride);
+}
 
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  alignas(64) float m_old[kAmxRows], m_new[kAmxRows], alpha[kAmxRows];
+void block_step_amx(const Problem& P, Scratch& s, int64_t q0, int64_t r0, const Tile& T,
+                    int nk) {
+  const int64_t D = P.D;
+  float* S = s.p.data();  // kAmxRows x kBK scores: the head dim in steps of 32 (16 K pairs)
+  products_amx(s.qh.data() + r0 * D, 32, D * 2, T.kb, 16 * kBK * 2, kBK * 4, D / 32, S, kBK * 4);
+
+  alignas(64) float alpha[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) {
-    __m512 acc[4];
-    for (int c = 0; c < 4; ++c) acc[c] = _mm512_loadu_ps(S + r * kBK + 16 * c);
-    const int64_t last = last_visible(P, q0, r0 + r, T, nk);
-    if (last < kBK - 1) {
-      for (int c = 0; c < 4; ++c) {
-        const __mmask16 keep = _mm512_cmple_epi32_mask(
-            _mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)),
-            _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(last, -1))));
-        acc[c] = _mm512_mask_blend_ps(keep, ninf, acc[c]);
-      }
-    }
-    const __m512 mx4 =
-        _mm512_max_ps(_mm512_max_ps(acc[0], acc[1]), _mm512_max_ps(acc[2], acc[3]));
-    m_old[r] = s.m[r0 + r];
-    m_new[r] = std::max(m_old[r], _mm512_reduce_max_ps(mx4));  // finite: key 0 seen first
-    const __m512 mn = _mm512_set1_ps(m_new[r]);
-    __m512 e[4];
-    for (int c = 0; c < 4; ++c) e[c] = exp512(_mm512_sub_ps(acc[c], mn));
-    alpha[r] = std::exp(m_old[r] - m_new[r]);
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
-    s.l[r0 + r] = s.l[r0 + r] * alpha[r] + _mm512_reduce_add_ps(sum);
-    s.m[r0 + r] = m_new[r];
-    store_bf16x32(s.ph.data() + r * kBK, e[0], e[1]);
-    store_bf16x32(s.ph.data() + r * kBK + 32, e[2], e[3]);
+    __m512 x[4];
+    for (int c = 0; c < 4; ++c) x[c] = _mm512_loadu_ps(S + r * kBK + 16 * c);
+    alpha[r] = softmax_row(P, s, q0, r0 + r, T, nk, x);
+    store_bf16x32(s.ph.data() + r * kBK, x[0], x[1]);
+    store_bf16x32(s.ph.data() + r * kBK + 32, x[2], x[3]);
   }
 
-  for (int64_t c0 = 0; c0 < D; c0 += 64) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k0 = 0; k0 < kBK; k0 += 32) {
-      _tile_loadd(4, s.ph.data() + k0, kBK * 2);
-      const uint16_t* vb = T.vb + ((k0 / 2) * D + c0) * 2;
-      _tile_loadd(5, vb + 0, D * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, vb + 32, D * 4);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, vb + 64, D * 4);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, vb + 96, D * 4);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    float* pv = s.pv.data() + c0;
-    _tile_stored(0, pv + 0, D * 4);
-    _tile_stored(1, pv + 16, D * 4);
-    _tile_stored(2, pv + 32, D * 4);
-    _tile_stored(3, pv + 48, D * 4);
-  }
+  for (int64_t c0 = 0; c0 < D; c0 += 64)  // P V, 64 columns at a time: keys in steps of 32
+    products_amx(s.ph.data(), 32, kBK * 2, T.vb + c0 * 2, 16 * D * 2, D * 4, kBK / 32,
+                 s.pv.data() + c0, D * 4);
   for (int r = 0; r < kAmxRows; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
     float* o = s.o.data() + (r0 + r) * D;
@@ -659,7 +608,7 @@ void run(const Problem& P) {
     }
     if constexpr (I == Isa::kAmx) {
       s.pv.resize(kAmxRows * D);
-      amx_begin();
+      vllm_cpu::amx_load_config(6, kAmxRows);
     }
     for (int64_t part = a; part < b; ++part) {
       const double lo = cum[units] * part / parts, hi = cum[units] * (part + 1) / parts;
@@ -671,7 +620,7 @@ void run(const Problem& P) {
                     vpack.data(), kbpack.data(), vbpack.data(), s);
       }
     }
-    if constexpr (I == Isa::kAmx) amx_end();
+    if constexpr (I == Isa::kAmx) vllm_cpu::amx_release();
   });
 }
 
@@ -702,7 +651,7 @@ bool prefill_attention(torch::Tensor& out, const torch::Tensor& q, const torch::
                   out.data_ptr<float>(), q.stride(0), k.stride(0), v.stride(0), out.stride(0),
                   Lq, Lk, KVH, H / KVH, D, causal_offset, static_cast<float>(scale),
                   (Lk + kBK - 1) / kBK};
-  if (bf16 && vllm_cpu::gguf::cpu_has_amx_bf16())
+  if (bf16 && vllm_cpu::cpu_has_amx_bf16())
     run<Isa::kAmx>(P);
   else if (bf16)
     run<Isa::kAvx512Bf16>(P);

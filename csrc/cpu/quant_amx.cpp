@@ -27,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "quant_blocks.h"
 
 namespace vllm_cpu::gguf {
@@ -49,35 +50,10 @@ bool cpuid_amx_bf16() {
 
 }  // namespace
 
-bool cpu_has_amx_bf16() {
-  static const bool ok =
-      cpuid_amx_bf16() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
-
 namespace {
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes (16 fp32 or 32 bf16 a row).
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTileRows;
-  }
-  // GCC 12 may drop the stores above as dead before LDTILECFG (seen: only the palette byte
-  // was written, and the first tile instruction faulted): make them visible first.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
 
 inline float half_f16c(const uint8_t* p) {
   uint16_t bits;
@@ -143,7 +119,7 @@ void linear_groups_amx(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int
   const uint8_t* end = wq + N * row_bytes;
   std::vector<uint16_t> abuf(kTileRows * K, 0);
   alignas(64) float cbuf[kMaxTiles * kTileRows * kTileRows];
-  load_tile_config();
+  vllm_cpu::amx_load_config(7, kTileRows);
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = g * kTileRows, rows = std::min<int64_t>(kTileRows, N - n0);
     for (int64_t r = 0; r < rows; ++r) {
@@ -166,7 +142,7 @@ void linear_groups_amx(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int
       for (int64_t r = 0; r < rows; ++r) yt[r] = c[r * kTileRows];
     }
   }
-  _tile_release();
+  vllm_cpu::amx_release();
 }
 
 #pragma GCC pop_options
@@ -201,3 +177,37 @@ void linear_rows_amx(const uint8_t* wq, int64_t g0, int64_t g1, int64_t N, int64
 }
 
 }  // namespace vllm_cpu::gguf
+
+namespace vllm_cpu {
+
+bool cpu_has_amx_bf16() {
+  static const bool ok =
+      gguf::cpuid_amx_bf16() &&
+      syscall(SYS_arch_prctl, gguf::kArchReqXcompPerm, gguf::kXfeatureXtiledata) == 0;
+  return ok;
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+void amx_load_config(int n, int rows) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < n; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+  }
+  // GCC 12 drops the stores above as dead before LDTILECFG (seen: only the palette byte was
+  // written, and the first tile instruction faulted): make them visible first.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+void amx_release() { _tile_release(); }
+
+#pragma GCC pop_options
+
+}  // namespace vllm_cpu

@@ -68,8 +68,7 @@ void linear_rows_int8_avx512(const uint8_t* wq, int64_t g0, int64_t g1, int64_t 
                              float* y);
 
 // ---- AMX kernel (quant_amx.cpp): bf16 tiles, up to amx_max_tokens() tokens -------------
-// cpu_has_amx_bf16(): AMX-BF16 + AVX512_BF16 and the OS lent this process the tile registers.
-bool cpu_has_amx_bf16();
+// (Call only after vllm_cpu::cpu_has_amx_bf16(), amx.h.)
 int64_t amx_max_tokens();
 
 // x [M, K] fp32 -> bf16 pairs laid out as the B tiles (once per call).

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "parallel.h"
 #include "quant_blocks.h"
 
@@ -328,7 +329,7 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
     });
     return y;
   }
-  if (variant == kVariantAmx && M <= amx_max_tokens() && cpu_has_amx_bf16()) {
+  if (variant == kVariantAmx && M <= amx_max_tokens() && vllm_cpu::cpu_has_amx_bf16()) {
     std::vector<uint32_t> xb;
     pack_x_amx(xp, M, K, xb);
     vllm_cpu::parallel_chunks((N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
