@@ -38,7 +38,10 @@ _SOURCES = [
     _CSRC / "prefill_attention.cpp",
 ]
 # Not compiled alone, but part of the build's identity.
-_HEADERS = [_CSRC / "vec_math.h", _CSRC / "quant_blocks.h", _CSRC / "parallel.h", _CSRC / "amx.h"]
+_HEADERS = [
+    _CSRC / name
+    for name in ("vec_math.h", "quant_blocks.h", "quant_lanes512.h", "parallel.h", "amx.h")
+]
 _native = None  # the torch op once loaded, else None
 _tried = False
 _ops: dict[str, object] = {}  # name -> the loaded op's default overload, or None
@@ -221,8 +224,9 @@ def ggml_dequantize(
     without writing the fp32 one)."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
-    if dtype == torch.bfloat16 and _op("ggml_dequantize_bf16") is not None:
-        return _op("ggml_dequantize_bf16")(qweight, qtype)
+    to_bf16 = _op("ggml_dequantize_bf16") if dtype == torch.bfloat16 else None
+    if to_bf16 is not None:
+        return to_bf16(qweight, qtype)
     ops = _quant_ops()
     native = ops is not None
     w = ops.ggml_dequantize(qweight, qtype) if native else ggml_dequantize_torch(qweight, qtype)

@@ -29,12 +29,13 @@
 
 #include "amx.h"
 #include "quant_blocks.h"
+#include "quant_lanes512.h"
 
 namespace vllm_cpu::gguf {
 
 namespace {
 
-constexpr int kTileRows = 16;   // weight rows per A tile and tokens per B / C tile
+constexpr int kTileRows = kRowsAmx;  // weight rows per A tile and tokens per B / C tile
 constexpr int kMaxTiles = 3;    // token tiles per pass: up to 48 tokens
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr long kXfeatureXtiledata = 18;
@@ -48,41 +49,18 @@ bool cpuid_amx_bf16() {
   return amx && avx512 && (a >> 5 & 1);                  // AVX512_BF16
 }
 
-}  // namespace
-
-namespace {
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 
-inline float half_f16c(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return _cvtsh_ss(bits);
-}
-
-// One row's blocks -> bf16 (q * d + m in one FMA, then rounded to nearest even).
+// One row's blocks -> bf16 (the AVX-512 kernel's lanes, then rounded to nearest even).
 template <bool kQ4>
 void row_bf16(const uint8_t* row, int64_t nb, uint16_t* out) {
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  constexpr int64_t bb = kQ4 ? 20 : 34;
   for (int64_t b = 0; b < nb; ++b, out += kQK) {
-    __m512 w0, w1;
-    if constexpr (kQ4) {
-      const uint8_t* blk = row + b * 20;
-      const __m512 d = _mm512_set1_ps(half_f16c(blk)), m = _mm512_set1_ps(half_f16c(blk + 2));
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-      const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
-      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
-    } else {
-      const uint8_t* blk = row + b * 34;
-      const __m512 d = _mm512_set1_ps(half_f16c(blk));
-      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
-      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-    }
-    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    __m512 w[2];
+    block_lanes_avx512<kQ4>(row + b * bb, w);
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
   }
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "quant_blocks.h"
+#include "quant_lanes512.h"
 
 namespace vllm_cpu::gguf {
 namespace {
@@ -28,15 +29,6 @@ namespace {
 constexpr int kTokens512 = 6;  // tokens per fp32 tile: 4 x 6 accumulators + 4 weights < 32
 constexpr int kLanes = 16;     // tokens per int8 tile: one per 32-bit lane
 
-// fp16 -> fp32 in one instruction (half_at's portable conversion costs as much as the rest
-// of an int8 block's preparation); exact, as half_at.
-inline float half_f16c(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return _cvtsh_ss(bits);
-}
-
-inline __m512 bcast_half512(const uint8_t* p) { return _mm512_set1_ps(half_f16c(p)); }
 
 // As dequant_row_avx2 (q * d, then + m), 16 lanes at a time: a nibble half is 16 weights.
 void dequant_row_avx512(const uint8_t* row, int64_t nb, int64_t qtype, float* out) {
@@ -107,26 +99,6 @@ void dot_rows_avx512(const float* w, int rows, int64_t K, const float* x, int64_
 // ---- few tokens (1 to kFused512): the expansion fused with the products ----------------
 constexpr int kFused512 = 4;     // tokens per call of the fused kernel, at most
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead the software prefetches read
-
-// One block (32 weights) of a row as two 16-lane registers, w = q * d + m in one FMA (the
-// rounding of the AVX2 fused kernel).
-template <bool kQ4>
-inline void block_lanes_avx512(const uint8_t* blk, __m512 w[2]) {
-  if constexpr (kQ4) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m512 d = bcast_half512(blk), m = bcast_half512(blk + 2);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
-    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
-  } else {
-    const __m512 d = bcast_half512(blk);
-    for (int h = 0; h < 2; ++h) {
-      const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h));
-      w[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)), d);
-    }
-  }
-}
 
 // R rows (contiguous, from `rows`) x T tokens. Each block of the R rows is expanded in
 // registers and multiplied by every token at once; the x loads of a block are shared by the R

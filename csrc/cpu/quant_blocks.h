@@ -24,6 +24,7 @@ constexpr int64_t kQK = 32;  // weights per block, both types
 constexpr int64_t kTypeQ4_1 = 3;
 constexpr int64_t kTypeQ8_0 = 8;
 constexpr int kRows512 = 4;  // weight rows per tile, both AVX-512 paths
+constexpr int kRowsAmx = 16;  // weight rows per AMX tile (a tile's 16 rows)
 
 inline int64_t block_bytes(int64_t qtype) {
   if (qtype == kTypeQ4_1) return 20;

@@ -332,7 +332,7 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& qweight, 
   if (variant == kVariantAmx && M <= amx_max_tokens() && vllm_cpu::cpu_has_amx_bf16()) {
     std::vector<uint32_t> xb;
     pack_x_amx(xp, M, K, xb);
-    vllm_cpu::parallel_chunks((N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
+    vllm_cpu::parallel_chunks((N + kRowsAmx - 1) / kRowsAmx, 1, [&](int64_t g0, int64_t g1) {
       linear_rows_amx(wq, g0, g1, N, nb, qtype, xb.data(), M, yp);
     });
     return y;

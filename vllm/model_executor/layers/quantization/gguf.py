@@ -38,12 +38,17 @@ NEVER_DENSE = sys.maxsize  # the block kernel at every size
 PREFILL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def _cpu_capabilities() -> dict:
+    """torch's cpuinfo flags (``avx512_bf16``, ``amx_bf16``...); empty on a torch without it."""
+    return torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """The CPU multiplies bf16 in hardware: CPUID's AVX512_BF16 (``vdpbf16ps``, Zen 4,
     Cooper Lake) or AMX-BF16 (Sapphire Rapids), as torch's cpuinfo reports them. Without
     either, oneDNN emulates bf16 on fp32 units (expected slower than fp32; not measured)."""
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    caps = _cpu_capabilities()
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
@@ -71,8 +76,7 @@ def cpu_has_amx_bf16() -> bool:
     """The CPU has AMX tiles with bf16 products (Sapphire Rapids and later), as torch's
     cpuinfo reports it. (The kernel also needs the OS to lend the process the tile
     registers; where it refuses, the bf16 variant runs the fp32 kernel.)"""
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return bool(caps.get("amx_bf16"))
+    return bool(_cpu_capabilities().get("amx_bf16"))
 
 
 def decode_act() -> str:
