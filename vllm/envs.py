@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     VLLM_ATTENTION_BACKEND: str | None
     VLLM_CPU_THREADS: int
     VLLM_CPU_ENGINE_NICE: int
+    VLLM_ENGINE_ORPHAN_GRACE_S: float
     VLLM_CPU_GGUF_PREFILL_DTYPE: str
     VLLM_CPU_GGUF_DECODE_ACT: str
     VLLM_USE_UVLOOP: bool
@@ -59,6 +60,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # How much the CPU engine process lowers its priority (nice increment) so the API
     # front end stays responsive; 0 disables. Default 10.
     "VLLM_CPU_ENGINE_NICE": lambda: int(os.getenv("VLLM_CPU_ENGINE_NICE") or 10),
+    # Seconds an engine process whose front end is gone may take to stop (it finishes
+    # the step it is in) before it ends itself. Default 10.
+    "VLLM_ENGINE_ORPHAN_GRACE_S": lambda: float(os.getenv("VLLM_ENGINE_ORPHAN_GRACE_S") or 10),
     # Compute dtype of --quantization gguf's prefill GEMMs (forwards of at least
     # DENSE_MIN_TOKENS rows; attention stays fp32): auto = bf16 when the CPU has
     # native bf16 arithmetic (AVX512-BF16 or AMX-BF16), else fp32; bf16; fp32 (the exact

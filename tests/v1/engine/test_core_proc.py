@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -165,13 +169,15 @@ def request(request_id: str, max_tokens: int, prompt: list[int] | None = None):
 class Harness:
     """The front end's sockets, and the proc running in a thread."""
 
-    def __init__(self, config, tmp_path, factory=fake_engine_factory) -> None:
+    def __init__(self, config, tmp_path, factory=fake_engine_factory, death_pipe=None) -> None:
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.bind(f"ipc://{tmp_path}/in")
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(f"ipc://{tmp_path}/out")
-        self.proc = EngineCoreProc(config, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", factory)
+        self.proc = EngineCoreProc(
+            config, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", factory, death_pipe
+        )
         self.engine: FakeEngine = self.proc.engine
         self.error: Exception | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -299,6 +305,21 @@ def test_shutdown_stops_the_loop(harness):
     assert not harness.thread.is_alive() and harness.engine.shut_down
 
 
+def test_closing_the_death_pipe_stops_the_loop(config, tmp_path):
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    h = Harness(config, tmp_path, death_pipe=reader)
+    try:
+        assert h.recv()[0] is EngineCoreOutputType.READY
+        h.thread.start()
+        h.send(EngineCoreRequestType.ADD, request("a", max_tokens=1))
+        h.outputs_until_finished("a")
+        writer.close()  # the front end is gone; no SHUTDOWN was sent
+        h.thread.join(3)
+        assert not h.thread.is_alive() and h.engine.shut_down and h.error is None
+    finally:
+        h.close()
+
+
 def test_every_message_type_has_a_payload_type_and_round_trips():
     assert set(PAYLOAD_TYPES) == {*EngineCoreRequestType, *EngineCoreOutputType}
     frames = encode_message(EngineCoreRequestType.ABORT, ["a", "b"])
@@ -404,10 +425,94 @@ def test_client_fails_to_start_on_an_unknown_message(config):
             with pytest.raises(EngineStartupError, match="protocol error"):
                 await client.wait_ready()
         finally:
-            client.proc.kill()
-            client.shutdown()
+            client.shutdown(timeout_s=0.5)
+        assert not client.proc.is_alive()
 
     asyncio.run(scenario())
+
+
+def test_an_engine_declared_dead_ends_itself(config, monkeypatch):
+    # The engine is stuck building (it never reads a SHUTDOWN): declaring it dead closes
+    # the death pipe, and it ends itself after its grace period, with no signal.
+    monkeypatch.setenv("VLLM_ENGINE_ORPHAN_GRACE_S", "0.2")
+
+    async def scenario() -> None:
+        client = AsyncMPClient(config, engine_factory=stuck_engine_factory)
+        try:
+            await asyncio.sleep(0.5)  # let it start its watcher
+            client.mark_dead("test")
+            client.proc.join(10)
+            assert client.proc.exitcode == 1  # its own os._exit(1), not a kill
+        finally:
+            client.shutdown(timeout_s=0.5)
+
+    asyncio.run(scenario())
+
+
+def test_shutdown_kills_an_engine_that_does_not_stop(config, monkeypatch):
+    # SIGTERM is ignored by the engine and the grace is long: shutdown still returns with
+    # the process gone, in about its timeout.
+    monkeypatch.setenv("VLLM_ENGINE_ORPHAN_GRACE_S", "60")
+
+    async def scenario() -> None:
+        client = AsyncMPClient(config, engine_factory=stuck_engine_factory)
+        await asyncio.sleep(0.5)
+        start = time.monotonic()
+        client.shutdown(timeout_s=0.5)
+        assert not client.proc.is_alive() and client.proc.exitcode == -signal.SIGKILL
+        assert time.monotonic() - start < 5
+
+    asyncio.run(scenario())
+
+
+FRONT_END = """
+import asyncio, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.engine.core_client import AsyncMPClient
+from tests.v1.engine.test_core_proc import fake_engine_factory
+
+async def main():
+    config = EngineArgs(num_gpu_blocks_override=32).create_engine_config(2048)
+    client = AsyncMPClient(config, engine_factory=fake_engine_factory)
+    info = await client.wait_ready()
+    print(info.pid, flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited, unreaped
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_exits_when_its_front_end_is_killed():
+    # SIGKILL gives the front end no chance to send SHUTDOWN: the kernel closes its end
+    # of the death pipe, and the orphaned engine stops.
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    front = subprocess.Popen(
+        [sys.executable, "-c", FRONT_END], cwd=repo, stdout=subprocess.PIPE, text=True
+    )
+    engine_pid = None
+    try:
+        engine_pid = int(front.stdout.readline())
+        assert not _gone(engine_pid)
+        front.kill()
+        front.wait(10)
+        deadline = time.monotonic() + 10
+        while not _gone(engine_pid):
+            assert time.monotonic() < deadline, "the engine outlived its front end"
+            time.sleep(0.1)
+    finally:
+        front.kill()
+        front.wait(10)
+        front.stdout.close()
+        if engine_pid is not None and not _gone(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)  # never leave it behind, pass or fail
 
 
 def test_engine_process_env_shortens_the_openmp_spin_unless_the_user_chose(monkeypatch):

@@ -91,6 +91,11 @@ class AsyncMPClient:
 
     The sockets are IPC endpoints in a private temporary folder (never a network port).
     ``engine_factory`` (a picklable module-level callable) replaces ``EngineCore`` in tests.
+
+    The process never outlives this client: it watches the read end of a death pipe whose
+    write end only this process holds, closed by ``mark_dead`` and ``shutdown`` (and by
+    the kernel if this process dies); ``shutdown`` then reaps it, killing it if it has
+    not exited within its grace period.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class AsyncMPClient:
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(out_addr)
         spawn = multiprocessing.get_context("spawn")  # torch + fork is unsafe
+        death_reader, self._death_writer = spawn.Pipe(duplex=False)
         self.proc = spawn.Process(
             target=run_engine_core,
             args=(
@@ -116,12 +122,14 @@ class AsyncMPClient:
                 out_addr,
                 logging.getLogger("vllm").getEffectiveLevel(),
                 engine_factory,
+                death_reader,
             ),
             name="EngineCore",
             daemon=True,
         )
         with _environ(engine_process_env()):  # read by libgomp when torch loads
             self.proc.start()
+        death_reader.close()  # the child has its copy; EOF must come from our end alone
         self.startup_timeout_s = startup_timeout_s
         self.dead_reason: str | None = None
         self.info: EngineCoreReady | None = None
@@ -165,8 +173,13 @@ class AsyncMPClient:
             )
 
     def mark_dead(self, reason: str) -> EngineDeadError:
-        """Record why the engine is unusable (``is_alive`` turns false); the error to raise."""
+        """Record why the engine is unusable (``is_alive`` turns false); the error to raise.
+
+        The process is told to go (the death pipe closes): a live engine this side no
+        longer trusts must not keep its memory. ``shutdown`` reaps it.
+        """
         self.dead_reason = reason
+        self._death_writer.close()
         return EngineDeadError(reason)
 
     async def send(self, msg_type: EngineCoreRequestType, payload: Any) -> None:
@@ -196,6 +209,12 @@ class AsyncMPClient:
             raise self.mark_dead(f"protocol error from the engine core: {e}") from e
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine and reap its process: SHUTDOWN, the death pipe, then signals.
+
+        Returns once the process is gone. Its SIGTERM is ignored by design (the front end
+        owns the signals), so a process that outlives both the message and the death pipe
+        is killed.
+        """
         if self.proc.is_alive():
             try:
                 frames = encode_message(EngineCoreRequestType.SHUTDOWN, None)
@@ -203,11 +222,16 @@ class AsyncMPClient:
                 if isinstance(sent, asyncio.Future) and sent.done():
                     sent.exception()  # retrieved: no "exception never retrieved" noise
             except zmq.ZMQError:
-                pass
-            self.proc.join(timeout_s)
+                pass  # not connected yet, or gone: the death pipe below still ends it
+        self._death_writer.close()
+        self.proc.join(timeout_s)
         if self.proc.is_alive():
+            logger.warning("engine core did not stop in %.0f s; killing it", timeout_s)
             self.proc.terminate()
-            self.proc.join(timeout_s)
+            self.proc.join(1.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()

@@ -12,6 +12,12 @@ As in vLLM, a thread receives and unpickles inputs while the main thread steps t
 so a request's receipt time is when it reached this process, not when the current step
 ended. An idle engine blocks on the input queue until the next pin deadline instead of
 spinning.
+
+The engine never outlives its front end. The front end holds the write end of a *death
+pipe* whose read end this process watches: when the front end shuts down, or dies by any
+means (SIGKILL included), the kernel closes the write end and this process stops. A
+SHUTDOWN message that could not be delivered still ends the engine that way, and an
+engine stuck inside a step is ended ``VLLM_ENGINE_ORPHAN_GRACE_S`` later regardless.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
@@ -45,11 +52,18 @@ from vllm.v1.engine import (
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 1.0  # an idle engine still wakes up this often to notice a dead parent
+IDLE_POLL_S = 1.0  # the longest an idle engine blocks on its inbox
 
 EngineFactory = Callable[[VllmConfig], Any]
-# A decoded input with its receipt time, or the error that replaced an invalid one.
-InboxItem = tuple[EngineCoreRequestType, Any, float] | ProtocolError
+
+
+class FrontEndGone:
+    """Inbox item: the death pipe closed, the front end is gone."""
+
+
+# A decoded input with its receipt time, the error that replaced an invalid one, or the
+# death pipe's news.
+InboxItem = tuple[EngineCoreRequestType, Any, float] | ProtocolError | FrontEndGone
 
 
 def _default_factory(vllm_config: VllmConfig):
@@ -63,6 +77,9 @@ class EngineCoreProc:
 
     ``engine_factory`` builds the engine from the config; tests pass a fake. The clock of
     ``next_wakeup`` deadlines must be ``time.monotonic`` (the core's default clock).
+    ``death_pipe`` is the read end of the front end's death pipe (see the module
+    docstring); it is watched from before the engine is built, since loading a model can
+    take minutes.
     """
 
     def __init__(
@@ -71,19 +88,26 @@ class EngineCoreProc:
         input_addr: str,
         output_addr: str,
         engine_factory: EngineFactory | None = None,
+        death_pipe: Connection | None = None,
     ) -> None:
         self.ctx = zmq.Context()
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.connect(output_addr)
         self.input_addr = input_addr
-        self.parent = os.getppid()
         self.inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
+        self._stopped = threading.Event()  # set once the loop has ended and cleaned up
+        if death_pipe is not None:
+            threading.Thread(
+                target=self._watch_front_end, args=(death_pipe,), name="EngineCoreDeathPipe",
+                daemon=True,
+            ).start()
         self._arrivals: dict[str, float] = {}  # received since the last outputs message
         try:
             self.engine = (engine_factory or _default_factory)(vllm_config)
         except Exception:
             self._send(EngineCoreOutputType.FATAL, traceback.format_exc())
             self._close()
+            self._stopped.set()
             raise
         ready = EngineCoreReady(num_gpu_blocks=self.engine.num_gpu_blocks, pid=os.getpid())
         self._send(EngineCoreOutputType.READY, ready)
@@ -91,6 +115,20 @@ class EngineCoreProc:
 
     def _send(self, msg_type: EngineCoreOutputType, payload: Any) -> None:
         self.output.send_multipart(encode_message(msg_type, payload))
+
+    def _watch_front_end(self, death_pipe: Connection) -> None:
+        """Thread: wait for the death pipe's EOF, stop the loop, end the process if stuck."""
+        try:
+            while True:
+                death_pipe.recv_bytes()  # the front end never writes; only EOF matters
+        except (EOFError, OSError):
+            pass
+        logger.error("the front end is gone; engine core exits")
+        self.inbox.put(FrontEndGone())
+        grace_s = envs.VLLM_ENGINE_ORPHAN_GRACE_S
+        if not self._stopped.wait(grace_s):
+            logger.error("engine core still running %.0f s after its front end left", grace_s)
+            os._exit(1)
 
     def _input_loop(self) -> None:
         """Thread: socket -> inbox, stamping each message's receipt time."""
@@ -115,6 +153,9 @@ class EngineCoreProc:
         """Dispatch one input by type; ``ProtocolError`` ends the loop (reported as FATAL)."""
         if isinstance(item, ProtocolError):
             raise item
+        if isinstance(item, FrontEndGone):
+            self.running = False
+            return
         msg_type, payload, received = item
         match msg_type:
             case EngineCoreRequestType.ADD:
@@ -174,9 +215,6 @@ class EngineCoreProc:
                 handled = self._drain_inputs(self._wait_s())
                 if not self.running:
                     break
-                if os.getppid() != self.parent:
-                    logger.error("front end died; engine core exits")
-                    break
                 wake = self.engine.next_wakeup()
                 if self.engine.has_work() or (wake is not None and wake <= time.monotonic()):
                     self._send_outputs(self.engine.step())
@@ -192,6 +230,7 @@ class EngineCoreProc:
         finally:
             self.engine.shutdown()
             self._close()
+            self._stopped.set()
 
     def _close(self) -> None:
         self.output.close(linger=1000)
@@ -223,6 +262,7 @@ def run_engine_core(
     output_addr: str,
     log_level: int = logging.INFO,
     engine_factory: EngineFactory | None = None,
+    death_pipe: Connection | None = None,
 ) -> None:
     """Process entry point (spawn)."""
     logging.basicConfig(
@@ -230,12 +270,12 @@ def run_engine_core(
     )
     # The front end owns Ctrl-C and SIGTERM (it drains running requests, then tells the
     # engine to stop); a signal sent to the whole process group must not cut the drain.
-    # The engine also exits when its parent dies (checked at least every IDLE_POLL_S).
+    # The engine exits when its front end goes away (the death pipe), however it went.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lower_cpu_priority()
     try:
-        EngineCoreProc(vllm_config, input_addr, output_addr, engine_factory).run()
+        EngineCoreProc(vllm_config, input_addr, output_addr, engine_factory, death_pipe).run()
     except Exception:
         logger.exception("engine core failed")
         sys.exit(1)  # logged once; multiprocessing would print the traceback again
