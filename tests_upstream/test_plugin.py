@@ -105,3 +105,41 @@ def test_middleware_moves_top_level_job_fields_into_vllm_xargs():
     asyncio.run(JobFieldsMiddleware(app)(scope, receive, None))
     assert seen["body"]["vllm_xargs"]["job_id"] == "j1"
     assert int(seen["length"]) == len(json.dumps(seen["body"]))
+
+
+@pytest.mark.parametrize(
+    "body", [{"model": "m", "job_id": ""}, {"model": "m", "vllm_xargs": {"job_id": ""}}]
+)
+def test_middleware_refuses_an_empty_job_id_with_a_400_as_our_server(body):
+    sent = []
+
+    async def app(scope, receive, send):
+        raise AssertionError("an empty job_id must not reach upstream")
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "headers": []}
+    asyncio.run(JobFieldsMiddleware(app)(scope, receive, send))
+    assert sent[0]["status"] == 400
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["param"] == "job_id" and "must not be empty" in error["message"]
+
+
+def test_request_info_keys_jobs_by_the_shared_rule():
+    from types import SimpleNamespace
+
+    from vllm_continuum.jobs import job_key
+    from vllm_continuum.upstream.request_info import request_info
+
+    def req(request_id, extra):
+        params = SimpleNamespace(extra_args=extra)
+        return SimpleNamespace(request_id=request_id, sampling_params=params)
+
+    assert request_info(req("r1", {"job_id": "j"}), 0.0).job == job_key("j", "r1")
+    assert request_info(req("r2", {"job_id": 42}), 0.0).job == "42"  # vllm_xargs numbers
+    unnamed = request_info(req("r3", {"job_id": ""}), 0.0)  # sent without the middleware
+    assert (unnamed.job, unnamed.named) == (job_key(None, "r3"), False)

@@ -9,6 +9,7 @@ from enum import IntEnum
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
+from vllm_continuum.jobs import validate_job_id
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Upstream vLLM only requires repetition_penalty > 0. Our sampler divides positive logits
@@ -155,8 +156,10 @@ class SamplingParams:
         # The engine reads these two (Request); the server's protocol models type them
         # already, this guards the offline API.
         job_id = self.extra_args.get("job_id")
-        if job_id is not None and not isinstance(job_id, str):
-            raise _bad("job_id", job_id, "must be a string")
+        try:
+            validate_job_id(job_id)
+        except ValueError as e:
+            raise VLLMValidationError(str(e), "job_id", job_id) from None
         last = self.extra_args.get("is_last_step")
         if last is not None and not isinstance(last, bool):
             raise _bad("is_last_step", last, "must be a boolean")

@@ -9,6 +9,7 @@ from typing import Any
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import PromptLogprobs, TokenLogprobs
+from vllm_continuum.jobs import job_key
 
 
 class RequestStatus(enum.IntEnum):
@@ -102,7 +103,7 @@ class Request:
     @property
     def job_key(self) -> str:
         """The job this request belongs to: its job_id, or itself when it has none."""
-        return self.job_id if self.job_id is not None else f"request:{self.request_id}"
+        return job_key(self.job_id, self.request_id)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -5,7 +5,9 @@ Upstream accepts unknown top-level fields and ignores them, so the openai client
 ``--middleware vllm_continuum.upstream.middleware.JobFieldsMiddleware`` it lands in
 ``SamplingParams.extra_args`` like ``extra_body={"vllm_xargs": {"job_id": "j1"}}`` (which
 works without the middleware). A pure ASGI middleware: only JSON POST bodies that carry
-one of the fields are rewritten; streaming responses pass through untouched.
+one of the fields are rewritten; streaming responses pass through untouched. A ``job_id``
+that breaks the job-key rule (``vllm_continuum.jobs``: empty, or not a string), at the top
+level or in ``vllm_xargs``, is a 400 in OpenAI's error shape, as on our own server.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from vllm_continuum.jobs import validate_job_id
 
 FIELDS = ("job_id", "is_last_step")
 Scope = MutableMapping[str, Any]
@@ -22,16 +26,22 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 def move_fields(body: bytes) -> bytes | None:
-    """The rewritten body, or None when there is nothing to move."""
+    """The rewritten body, or None when there is nothing to move.
+
+    ``ValueError`` naming ``job_id`` if the body's job_id breaks the job-key rule."""
     if not any(f.encode() in body for f in FIELDS):
         return None
     try:
         payload = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(payload, dict) or not any(f in payload for f in FIELDS):
+    if not isinstance(payload, dict):
         return None
     xargs = payload.get("vllm_xargs") or {}
+    if isinstance(xargs, dict):
+        validate_job_id(payload.get("job_id", xargs.get("job_id")))
+    if not any(f in payload for f in FIELDS):
+        return None
     for field in FIELDS:
         if field in payload:
             value = payload.pop(field)
@@ -59,13 +69,26 @@ class JobFieldsMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        rewritten = move_fields(body)
+        try:
+            rewritten = move_fields(body)
+        except ValueError as e:
+            await _bad_request(send, str(e), "job_id")
+            return
         if rewritten is not None:
             body = rewritten
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             scope = dict(scope, headers=[*headers, (b"content-length", str(len(body)).encode())])
         first = {"type": "http.request", "body": body, "more_body": False}
         await self.app(scope, _replay([first], receive), send)
+
+
+async def _bad_request(send: Send, message: str, param: str) -> None:
+    """A 400 with OpenAI's error body."""
+    error = {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    body = json.dumps({"error": error}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
