@@ -9,6 +9,7 @@ from enum import IntEnum
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
+from vllm_continuum.cache_hints import TTL_KEY, may_offload, validate_cache_hints
 from vllm_continuum.jobs import validate_job_id
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -163,6 +164,10 @@ class SamplingParams:
         last = self.extra_args.get("is_last_step")
         if last is not None and not isinstance(last, bool):
             raise _bad("is_last_step", last, "must be a boolean")
+        try:
+            validate_cache_hints(self.extra_args)
+        except ValueError as e:
+            raise VLLMValidationError(str(e), "extra_args") from None
 
     @property
     def sampling_type_greedy(self) -> bool:
@@ -175,6 +180,16 @@ class SamplingParams:
     @property
     def is_last_step(self) -> bool:
         return bool((self.extra_args or {}).get("is_last_step", False))
+
+    @property
+    def cache_ttl_s(self) -> float | None:
+        """The client's floor on this turn's pin (``vllm_continuum.cache_hints``)."""
+        return (self.extra_args or {}).get(TTL_KEY)
+
+    @property
+    def may_offload(self) -> bool:
+        """Whether this request's context may go to the host-memory KV tier."""
+        return may_offload(self.extra_args)
 
     def update_from_generation_config(self, eos_token_id: int | None) -> None:
         """Add the model's EOS to the stop set unless ``ignore_eos``."""

@@ -48,8 +48,9 @@ class KVCachePinManager(PinManager):
     def free_blocks(self, entry: PinEntry, reason: str) -> None:
         # A pin that ends without its hit (TTL, pressure) still names a context the job is
         # likely to resume: with a CPU KV tier it is offloaded rather than dropped.
+        # A client that asked for in-memory retention only gets a plain free.
         offload = reason in (PIN_RELEASE_EXPIRED, PIN_RELEASE_PRESSURE)
-        self.kv.free(entry.request, offload=offload)
+        self.kv.free(entry.request, offload=offload and entry.request.sampling_params.may_offload)
 
     def may_release(self, requester: Request, entry: PinEntry, now: float) -> bool:
         return self.policy.may_release_pin(requester, entry.job_age, now)

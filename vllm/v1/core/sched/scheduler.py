@@ -16,7 +16,7 @@ from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.pinned import KVCachePinManager
-from vllm.v1.core.sched.policy import Offload, Pin, Policy
+from vllm.v1.core.sched.policy import FinishedAction, Offload, Pin, Policy
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -27,6 +27,7 @@ from vllm.v1.engine import (
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
+from vllm_continuum.cache_hints import ttl_with_floor
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Scheduler:
         self.max_model_len = self.config.max_model_len
         self.clock = clock
         self.policy = policy
+        self.max_ttl_s = vllm_config.policy_config.max_ttl_s  # caps a client's pin floor
         cache = vllm_config.cache_config
         self.block_size = cache.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -367,12 +369,24 @@ class Scheduler:
         self.running.remove(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
-        action = self.policy.on_finished(request, now)
+        action = self._with_cache_hints(request, self.policy.on_finished(request, now))
         if isinstance(action, Pin):
             self.pins.pin(request, action.ttl_s, now, strict=action.strict)
         else:
             # Offload: copied to the CPU tier first (a plain free when there is none).
-            self.kv_cache_manager.free(request, offload=isinstance(action, Offload))
+            offload = isinstance(action, Offload) and request.sampling_params.may_offload
+            self.kv_cache_manager.free(request, offload=offload)
+
+    def _with_cache_hints(self, request: Request, action: FinishedAction) -> FinishedAction:
+        """The policy's action with the client's pin floor applied (``cache_hints``)."""
+        floor = request.sampling_params.cache_ttl_s
+        if floor is None or request.is_last_step:
+            return action
+        ttl = action.ttl_s if isinstance(action, Pin) else 0.0
+        new_ttl = ttl_with_floor(ttl, floor, self.max_ttl_s)
+        if new_ttl <= ttl:
+            return action
+        return Pin(new_ttl, strict=isinstance(action, Pin) and action.strict)
 
     # -- pins -----------------------------------------------------------------------------
     def _may_release_pins_for(self, request: Request, now: float) -> bool:
