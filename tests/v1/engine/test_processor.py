@@ -39,7 +39,7 @@ def test_too_long_prompt_is_rejected_not_truncated(processor):
 
 def test_explicit_max_tokens_must_fit_beside_the_prompt(processor):
     processor.process([1] * 48, SamplingParams(max_tokens=16))  # 48 + 16 = 64
-    with pytest.raises(VLLMValidationError, match="maximum context length is 64") as info:
+    with pytest.raises(VLLMValidationError, match=r"length \(max_model_len\) is 64") as info:
         processor.process([1] * 49, SamplingParams(max_tokens=16))
     assert (info.value.param, info.value.value) == ("max_tokens", 16)
     assert "49 in the prompt, 16 in the completion" in str(info.value)

@@ -7,7 +7,9 @@ in, ``message.tool_calls`` (or streamed tool-call deltas) out.
   ``--tool-call-parser`` reads its calls; needs ``--enable-auto-tool-choice``;
 - ``"required"`` / ``{"type": "function", "function": {"name": ...}}``: guided decoding
   makes the output a JSON list of calls (one call of that function), valid against the
-  tools' parameter schemas, read back by the JSON parser.
+  tools' parameter schemas, read back by the JSON parser. The schemas compile strict
+  (``strict_json_schema``): an object schema that does not say ``additionalProperties``
+  gets no key it does not name, so no key twice either.
 """
 
 from __future__ import annotations
@@ -267,7 +269,9 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
                 "response_format.json_schema.schema must be a JSON schema object",
                 "response_format",
             )
-        return StructuredOutputsParams(json=schema or {"type": "object"})
+        if not schema:  # any object (a strict empty object schema would allow only {})
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=schema)
     raise VLLMValidationError(
         'response_format.type must be "text", "json_object" or "json_schema"', "response_format"
     )

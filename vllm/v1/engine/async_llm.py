@@ -105,6 +105,7 @@ class AsyncLLM:
     async def start(self) -> dict:
         """Wait until the engine is ready; returns its info (num_gpu_blocks, pid)."""
         ready = await self.client.wait_ready()
+        self.processor.set_kv_capacity(ready.num_gpu_blocks)
         self._loop_task = asyncio.create_task(self._output_loop())
         return dataclasses.asdict(ready)
 
@@ -163,6 +164,9 @@ class AsyncLLM:
         hold the loop, and every other request and /health, for its whole tokenization).
         """
         self._check_can_add(request_id)
+        # A grammar compiles in its own thread, within a time budget (a 400 past it).
+        await self.processor.check_structured_outputs(sampling_params)
+        self._check_can_add(request_id)  # again: other requests ran meanwhile
         process = functools.partial(
             self.processor.process,
             prompt,
@@ -170,6 +174,7 @@ class AsyncLLM:
             request_id,
             priority,
             add_special_tokens=add_special_tokens,
+            structured_outputs_checked=True,
         )
         if executor is None:
             _, core_reqs = process()

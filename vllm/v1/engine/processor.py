@@ -23,9 +23,39 @@ class Processor:
 
     def __init__(self, vllm_config: VllmConfig, tokenizer, eos_token_id: int | None) -> None:
         self.max_model_len = vllm_config.scheduler_config.max_model_len
+        self.block_size = vllm_config.cache_config.block_size
+        # The longest request (prompt plus output) served: max_model_len, or less when the
+        # KV pool holds fewer tokens (set_kv_capacity, once the engine has sized it).
+        self.context_limit = self.max_model_len
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
         self.vocab_size = len(tokenizer)
+        self._structured_outputs = None  # its validator, built by the first request using it
+
+    def set_kv_capacity(self, num_gpu_blocks: int) -> None:
+        """The engine's KV pool: a request that cannot fit it is refused (a 400 naming the
+        field), never cut at the pool's size (the null block holds no tokens)."""
+        capacity = (num_gpu_blocks - 1) * self.block_size
+        self.context_limit = min(self.max_model_len, capacity)
+
+    @property
+    def structured_outputs(self):
+        """The ``StructuredOutputValidator`` (checks grammars with this tokenizer)."""
+        if self._structured_outputs is None:
+            from vllm.v1.structured_output import StructuredOutputValidator
+
+            self._structured_outputs = StructuredOutputValidator(
+                self.tokenizer, self.vocab_size, self.eos_token_id
+            )
+        return self._structured_outputs
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """The grammar check of ``process``, awaitable: it compiles in the grammar thread
+        (the event loop goes on) within a time budget. Then pass
+        ``structured_outputs_checked=True`` to ``process``."""
+        so = getattr(params, "structured_outputs", None)
+        if so is not None:
+            await self.structured_outputs.validate_async(so)
 
     def apply_chat_template(
         self,
@@ -94,21 +124,22 @@ class Processor:
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
+        structured_outputs_checked: bool = False,
     ) -> tuple[str, list[EngineCoreRequest]]:
         """Validate and fan out: ``(request_id, [EngineCoreRequest, ...])``.
 
         n > 1 gives n requests ``f"{i}_{request_id}"``, each with n = 1 and, when the
         request is seeded, seed + i (as vLLM does), so every sample differs but the set
-        is reproducible.
+        is reproducible. The grammar of ``structured_outputs`` is checked here (compiled
+        with the tokenizer, synchronously) unless ``check_structured_outputs`` did it.
         """
         if not isinstance(params, SamplingParams):
             raise VLLMValidationError(
                 f"sampling_params must be a SamplingParams, got {params!r}", "sampling_params"
             )
-        if params.structured_outputs is not None:  # a bad grammar is a 400, not an engine error
-            from vllm.v1.structured_output import validate_structured_outputs
-
-            validate_structured_outputs(params.structured_outputs)
+        if params.structured_outputs is not None and not structured_outputs_checked:
+            # A bad grammar is a 400 here, never an engine error or unconstrained output.
+            self.structured_outputs.validate(params.structured_outputs)
         ids = self.tokenize(prompt, add_special_tokens)
         self._check_length(ids, params)
         request_id = request_id or uuid.uuid4().hex
@@ -134,31 +165,40 @@ class Processor:
             )
         return request_id, children
 
+    @property
+    def _limit_text(self) -> str:
+        """vLLM's wording for max_model_len; the pool's when it is the tighter bound."""
+        if self.context_limit == self.max_model_len:
+            limit = self.max_model_len
+            return f"This model's maximum context length (max_model_len) is {limit} tokens."
+        return (
+            f"The KV cache holds at most {self.context_limit} tokens a request (less than "
+            f"max_model_len {self.max_model_len})."
+        )
+
     def _check_length(self, ids: list[int], params: SamplingParams) -> None:
         # The prompt plus at least one generated token must fit, and so must an explicit
-        # max_tokens (max_tokens None: generate until max_model_len, finish_reason
-        # "length"). The scheduler checks only what the engine alone knows: the KV pool.
-        limit, num_prompt = self.max_model_len, len(ids)
+        # max_tokens (max_tokens None: generate until the context limit, finish_reason
+        # "length"). The limit is max_model_len, or the KV pool when it holds less.
+        limit, num_prompt = self.context_limit, len(ids)
         if num_prompt + 1 > limit:
             raise VLLMValidationError(
-                f"This model's maximum context length (max_model_len) is {limit} tokens. "
-                f"However, the prompt has {num_prompt} tokens, which leaves no room for a "
-                "generated token. Please reduce the length of the prompt.",
+                f"{self._limit_text} However, the prompt has {num_prompt} tokens, which "
+                "leaves no room for a generated token. Please reduce the length of the prompt.",
                 "prompt",
             )
         if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
             raise VLLMValidationError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
-                f"prompt, {params.max_tokens} in the completion). Please reduce the length "
-                "of the prompt or completion.",
+                f"{self._limit_text} However, you requested {num_prompt + params.max_tokens} "
+                f"tokens ({num_prompt} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.",
                 "max_tokens",
                 params.max_tokens,
             )
         if params.min_tokens and num_prompt + params.min_tokens > limit:
             raise VLLMValidationError(
                 f"min_tokens {params.min_tokens} plus the {num_prompt}-token prompt exceed "
-                f"max_model_len {limit}",
+                f"the limit of {limit} tokens a request",
                 "min_tokens",
                 params.min_tokens,
             )

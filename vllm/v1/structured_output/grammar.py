@@ -1,58 +1,194 @@
-"""``StructuredOutputsParams`` -> an llguidance grammar (no tokenizer needed)."""
+"""``StructuredOutputsParams`` -> an llguidance grammar, and the checks on it.
+
+What a client controls is bounded before anything compiles (``check_limits``), and a
+grammar is only accepted once a matcher built with the real tokenizer has computed its
+first mask without error (``check_grammar``): llguidance reports some errors (an unknown
+special token, a token id past the vocabulary, a ``$ref`` loop) only then.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output.json_schema import strict_json_schema
+
+# -- limits on what a client sends (each a 400 naming structured_outputs) ---------------
+MAX_CHOICES = 4096
+"""Most strings in ``choice``. 4,096 one-line choices compile in ~30 ms on one core."""
+MAX_CHOICE_BYTES = 128 * 1024
+"""Most UTF-8 bytes of all ``choice`` strings together."""
+MAX_JSON_SCHEMA_BYTES = 256 * 1024
+"""Most bytes of a JSON schema (serialized): a 160 KiB schema of 120 tools compiles in
+~70 ms. Tool-call schemas (all the tools' parameters) count too."""
+MAX_REGEX_CHARS = 16 * 1024
+"""Most characters of a ``regex``."""
+MAX_GRAMMAR_CHARS = 128 * 1024
+"""Most characters of a Lark ``grammar``. Also bounds the depth of a chain of rules
+(~11k at most), which llguidance compiles recursively (see ``thread.py``)."""
+MAX_ERROR_CHARS = 200
+"""An llguidance error (it may quote the grammar) is cut to this many characters in
+messages and logs."""
 
 # json.dumps' separators and no free whitespace: the form small models imitate best, and
 # without free whitespace a weak model cannot loop on newlines inside the object.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def excerpt(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was when cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _too_big(what: str, size: int, limit: int, unit: str) -> VLLMValidationError:
+    return VLLMValidationError(
+        f"structured_outputs.{what} is too large: {size} {unit} (the limit is {limit})",
+        "structured_outputs",
+    )
+
+
+def _schema_bytes(schema: dict[str, Any] | str) -> int:
+    if isinstance(schema, str):
+        return len(schema.encode("utf-8", "surrogatepass"))
+    try:
+        return len(json.dumps(schema, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    except RecursionError as e:
+        raise VLLMValidationError(
+            "structured_outputs.json is too deeply nested", "structured_outputs"
+        ) from e
+    except (TypeError, ValueError) as e:
+        raise VLLMValidationError(
+            f"structured_outputs.json is not JSON: {e}", "structured_outputs"
+        ) from e
+
+
+def check_limits(params: StructuredOutputsParams) -> None:
+    """``VLLMValidationError`` if ``params`` is malformed or past a limit above; cheap
+    (linear in the input), so it runs before any compile, on the caller's thread."""
+    if params.choice is not None:
+        choice = params.choice
+        if not isinstance(choice, list) or not choice:
+            raise VLLMValidationError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+                "structured_outputs",
+            )
+        if len(choice) > MAX_CHOICES:
+            raise _too_big("choice", len(choice), MAX_CHOICES, "strings")
+        if not all(isinstance(c, str) and c for c in choice):
+            raise VLLMValidationError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+                "structured_outputs",
+            )
+        size = sum(len(c.encode("utf-8", "surrogatepass")) for c in choice)
+        if size > MAX_CHOICE_BYTES:
+            raise _too_big("choice", size, MAX_CHOICE_BYTES, "bytes")
+    elif params.json is not None:
+        if not isinstance(params.json, dict | str):
+            raise VLLMValidationError(
+                "structured_outputs.json must be a JSON schema (object or string)",
+                "structured_outputs",
+            )
+        size = _schema_bytes(params.json)
+        if size > MAX_JSON_SCHEMA_BYTES:
+            raise _too_big("json", size, MAX_JSON_SCHEMA_BYTES, "bytes")
+    else:
+        for what, value, limit in (
+            ("regex", params.regex, MAX_REGEX_CHARS),
+            ("grammar", params.grammar, MAX_GRAMMAR_CHARS),
+        ):
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise VLLMValidationError(
+                    f"structured_outputs.{what} must be a string", "structured_outputs"
+                )
+            if len(value) > limit:
+                raise _too_big(what, len(value), limit, "characters")
+
+
 def compile_grammar(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar text of ``params`` (``ValueError`` if it cannot be built)."""
+    """The llguidance grammar text of ``params`` (``ValueError`` if it cannot be built).
+
+    A JSON schema is made strict first (``strict_json_schema``: no property the schema
+    does not name), as vLLM's default backend compiles schemas. Deterministic: the front
+    end and the engine get the same text from the same params."""
     from llguidance import LLMatcher
 
     if params.json is not None:
         schema = params.json
         if isinstance(schema, str):
             schema = json.loads(schema)
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return LLMatcher.grammar_from_json_schema(strict_json_schema(schema), defaults=JSON_OPTIONS)
     if params.json_object:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if params.regex is not None:
         return LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
-        # Lark string literals take JSON's escapes, so json.dumps quotes each choice.
+        # One terminal (one lexeme, a union of literals) rather than one rule with an
+        # alternative per choice: llguidance's Earley rows hold at most 2,000 items, and
+        # past that the matcher failed mid-generation. Lark literals take JSON's escapes.
         return LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in params.choice)
+            "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice)
         )
     return LLMatcher.grammar_from_lark(params.grammar)
 
 
-def validate_structured_outputs(params: StructuredOutputsParams) -> str:
-    """The compiled grammar, or ``VLLMValidationError`` naming ``structured_outputs``.
+def parser_limits():
+    """llguidance's own limits (its defaults bound lexer fuel per step and grammar size);
+    its errors without the parser state and grammar, which can be huge."""
+    from llguidance import LLParserLimits
 
-    Runs in the front end, so that a bad schema is a 400 and never reaches the engine."""
-    if params.choice is not None and (
-        not isinstance(params.choice, list)
-        or not params.choice
-        or not all(isinstance(c, str) and c for c in params.choice)
-    ):
-        raise VLLMValidationError(
-            "structured_outputs.choice must be a non-empty list of non-empty strings",
-            "structured_outputs",
-        )
-    try:
-        grammar = compile_grammar(params)
-    except (ValueError, TypeError, RuntimeError) as e:  # llguidance raises ValueError
-        raise VLLMValidationError(f"invalid structured output: {e}", "structured_outputs") from e
+    return LLParserLimits(verbose_errors=False)
+
+
+def new_matcher(ll_tokenizer, grammar: str):
+    """A matcher of ``grammar`` that has computed its first mask: llguidance reports
+    some grammar errors only then (``is_error()``). Call it in the grammar thread."""
     from llguidance import LLMatcher
 
-    error = LLMatcher.validate_grammar(grammar)
-    if error and not error.startswith("WARNING"):
+    matcher = LLMatcher(ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    return matcher
+
+
+def check_grammar(grammar: str, ll_tokenizer=None) -> str | None:
+    """Why ``grammar`` cannot be served (bounded), or None. Without a tokenizer only the
+    syntax is checked; with one, a matcher is built and asked for its first mask."""
+    if ll_tokenizer is None:
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(grammar, limits=parser_limits())
+        return excerpt(error) if error and not error.startswith("WARNING") else None
+    matcher = new_matcher(ll_tokenizer, grammar)
+    if not matcher.is_error():
+        return None
+    error = matcher.get_error().replace("<non-verbose/>", "").strip()
+    if error.startswith("NoExtension"):  # stopped before its first token
+        return "the constraint matches no text (a $ref loop, or a schema only referring to itself?)"
+    return excerpt(error or str(matcher.stop_reason()))
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, ll_tokenizer=None) -> str:
+    """The compiled grammar, or ``VLLMValidationError`` naming ``structured_outputs``.
+
+    Runs in the front end, so that a bad schema is a 400 and never reaches the engine.
+    Pass the llguidance tokenizer (``StructuredOutputValidator``) for the full check;
+    without it only the limits and the grammar's syntax are checked."""
+    check_limits(params)
+    try:
+        grammar = compile_grammar(params)
+    except (ValueError, TypeError, RuntimeError) as e:  # RecursionError is a RuntimeError
+        raise VLLMValidationError(
+            f"invalid structured output: {excerpt(str(e))}", "structured_outputs"
+        ) from e
+    error = check_grammar(grammar, ll_tokenizer)
+    if error:
         raise VLLMValidationError(f"invalid structured output: {error}", "structured_outputs")
     return grammar

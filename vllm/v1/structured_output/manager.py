@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -12,8 +12,17 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.v1.outputs import RequestFailure
+from vllm.v1.structured_output.grammar import compile_grammar, excerpt, new_matcher
+from vllm.v1.structured_output.thread import grammar_thread
+from vllm.v1.structured_output.validator import build_ll_tokenizer
 
 logger = logging.getLogger(__name__)
+
+COMPILED_CACHE_SIZE = 32
+"""Compiled grammars kept (a fresh matcher each, copied per request): the ``n`` children
+of a request, and requests that repeat a schema (the same tools), compile once."""
+_MAX_LOGGED = 1024  # grammars whose failure was logged (each logged once)
 
 
 class ConstrainedRow(Protocol):
@@ -27,68 +36,111 @@ class ConstrainedRow(Protocol):
 class StructuredOutputManager:
     """Owns the matchers of the requests that have ``structured_outputs``.
 
-    Contract, per step: ``mask_logits(logits, rows)`` before sampling (row i of ``logits``
-    belongs to ``rows[i]``), then ``accept(rows, tokens)`` with the sampled tokens.
-    ``remove(ids)`` for finished and preempted requests: a resumed request gets a fresh
-    matcher that replays the tokens it generated before, so preemption changes nothing.
-    Requests without a constraint cost one attribute check each.
+    Contract, per step: ``failures = mask_logits(logits, rows)`` before sampling (row i of
+    ``logits`` belongs to ``rows[i]``), then ``accept(rows, tokens)`` with the sampled
+    tokens of the rows that did not fail. ``remove(ids)`` for finished and preempted
+    requests: a resumed request gets a fresh matcher that replays the tokens it generated
+    before, so preemption changes nothing. Requests without a constraint cost one
+    attribute check each.
     """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.model_config = vllm_config.model_config
-        self._ll_tokenizer = None  # built on first use: ~1.5 s, useless to most servers
+        self._ll_tokenizer = None  # built on first use: ~0.5 s, useless to most servers
         self._matchers: dict[str, object] = {}
+        self._grammars: dict[str, str] = {}  # req_id -> its grammar text
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> fresh matcher
+        self._logged: set[str] = set()
 
     def _tokenizer(self, vocab_size: int):
         if self._ll_tokenizer is None:
-            import llguidance.hf
-
             from vllm.model_executor.model_loader import get_eos_token_id
             from vllm.transformers_utils.tokenizer import get_tokenizer
 
-            start = time.monotonic()
             mc = self.model_config
             tok = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
             eos = get_eos_token_id(mc.model)
             eos = eos if eos is not None else tok.eos_token_id
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                tok, n_vocab=vocab_size, eos_token=eos
-            )
-            logger.info("Guided decoding tokenizer built in %.2f s", time.monotonic() - start)
+            self._ll_tokenizer = build_ll_tokenizer(tok, vocab_size, eos)
         return self._ll_tokenizer
+
+    def _compile(self, grammar: str, vocab_size: int):
+        """A fresh matcher of ``grammar`` (compiled in the grammar thread, whose stack
+        deep grammars need; cached, so equal grammars compile once)."""
+        template = self._compiled.get(grammar)
+        if template is None:
+            tokenizer = self._tokenizer(vocab_size)
+            template = grammar_thread().run(new_matcher, tokenizer, grammar)
+            self._compiled[grammar] = template
+            if len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return template
 
     def _matcher(self, row: ConstrainedRow, vocab_size: int):
         matcher = self._matchers.get(row.req_id)
         if matcher is None:
-            from llguidance import LLMatcher
-
-            from vllm.v1.structured_output.grammar import compile_grammar
-
-            so = row.sampling_params.structured_outputs
-            matcher = LLMatcher(self._tokenizer(vocab_size), compile_grammar(so))
+            grammar = compile_grammar(row.sampling_params.structured_outputs)
+            self._grammars[row.req_id] = grammar
+            matcher = self._compile(grammar, vocab_size).deep_copy()
             if row.output_token_ids:  # resumed after preemption: replay its tokens
                 matcher.consume_tokens(row.output_token_ids)
             self._matchers[row.req_id] = matcher
         return matcher
 
-    def mask_logits(self, logits: torch.Tensor, rows: Sequence[ConstrainedRow]) -> None:
-        """Set the logits of tokens the grammar forbids to -inf, in place.
+    def _row_mask(self, row: ConstrainedRow, vocab: int) -> tuple[torch.Tensor | None, str]:
+        """(allowed tokens, "") or (None, why the row's grammar failed)."""
+        try:
+            matcher = self._matcher(row, vocab)
+            packed = np.frombuffer(matcher.compute_bitmask(), np.uint8)
+        except Exception as e:  # the front end validated it: not expected
+            logger.warning("request %s: its matcher failed", row.req_id, exc_info=True)
+            return None, f"{type(e).__name__}: {e}"
+        if matcher.is_error():
+            return None, matcher.get_error() or str(matcher.stop_reason())
+        allowed = torch.from_numpy(np.unpackbits(packed, bitorder="little")[:vocab].astype(bool))
+        if not allowed.any():
+            return None, "the grammar allows no token"
+        return allowed, ""
 
-        ``logits``: (len(rows), vocab). A matcher in an error state (it should not happen:
-        every sampled token was allowed) leaves only EOS, so its request ends."""
+    def mask_logits(
+        self, logits: torch.Tensor, rows: Sequence[ConstrainedRow]
+    ) -> dict[int, RequestFailure]:
+        """Set the logits of tokens the grammar forbids to -inf, in place; the rows whose
+        matcher is in an error state (a grammar limit hit mid-generation) are all -inf and
+        returned (row index -> failure): their requests fail, the others go on. Such a
+        row never samples unconstrained text."""
         vocab = logits.shape[-1]
+        failures: dict[int, RequestFailure] = {}
         for i, row in enumerate(rows):
             if row.sampling_params.structured_outputs is None:
                 continue
-            matcher = self._matcher(row, vocab)
-            if matcher.is_error():
-                logger.warning("Grammar of %s failed: %s", row.req_id, matcher.get_error())
-            packed = np.frombuffer(matcher.compute_bitmask(), np.uint8)
-            bits = np.unpackbits(packed, bitorder="little")
-            allowed = torch.from_numpy(bits[:vocab].astype(bool))
-            if not allowed.any():  # error state: end the request rather than sample garbage
-                allowed[self._ll_tokenizer.eos_token] = True
-            logits[i].masked_fill_(~allowed, float("-inf"))
+            allowed, error = self._row_mask(row, vocab)
+            if allowed is None:
+                logits[i].fill_(float("-inf"))
+                failures[i] = RequestFailure(
+                    f"structured_outputs: the grammar failed: {excerpt(error)}", internal=False
+                )
+                self._log_failure(row.req_id, error)
+                continue
+            logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        return failures
+
+    def _log_failure(self, req_id: str, error: str) -> None:
+        # Once per grammar (the n children of a request share theirs), as an excerpt.
+        grammar = self._grammars.get(req_id, "")
+        if grammar in self._logged:
+            return
+        if len(self._logged) >= _MAX_LOGGED:
+            self._logged.clear()
+        self._logged.add(grammar)
+        logger.warning(
+            "request %s: its grammar failed: %s; grammar: %s",
+            req_id,
+            excerpt(error),
+            excerpt(grammar),
+        )
 
     def accept(self, rows: Sequence[ConstrainedRow], tokens: Sequence[int]) -> None:
         """Advance each constrained request's matcher by its sampled token."""
@@ -100,3 +152,4 @@ class StructuredOutputManager:
     def remove(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._matchers.pop(req_id, None)
+            self._grammars.pop(req_id, None)

@@ -303,8 +303,10 @@ class ModelRunner:
             )
             for s in sample_reqs
         ]
-        self.structured_output.mask_logits(logits, sample_reqs)
+        grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
         tokens, lps, row_errors = sample(logits, rows)
+        for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
+            tokens[i], row_errors[i] = None, failure
         for i, failure in row_errors.items():
             out.errors[sample_reqs[i].req_id] = failure
         ok = [
