@@ -50,6 +50,7 @@ class LLM:
         self.engine_core = EngineCore(self.vllm_config)
         self.tokenizer = self.engine_core.tokenizer
         self.processor = Processor(self.vllm_config, self.tokenizer, self.engine_core.eos_token_id)
+        self.processor.set_kv_capacity(self.engine_core.num_gpu_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = 0
 
@@ -133,9 +134,9 @@ class LLM:
         # Only final results are returned, so as in vLLM only those are built.
         params.output_kind = RequestOutputKind.FINAL_ONLY
         # Offline, max_tokens is a cap, not a promise (as in vLLM): one that does not fit
-        # beside this prompt means "until max_model_len". The server rejects it instead.
+        # beside this prompt means "until the context limit". The server rejects it instead.
         max_tokens = params.max_tokens
-        if max_tokens is not None and num_prompt_tokens + max_tokens > self.processor.max_model_len:
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.processor.context_limit:
             params.max_tokens = None
         return params
 

@@ -21,6 +21,35 @@ from vllm.v1.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
+def check_kv_capacity(vllm_config: VllmConfig, num_gpu_blocks: int) -> None:
+    """``ValueError`` naming --max-model-len when one request of max_model_len tokens
+    cannot fit the KV pool sized from memory (as vLLM refuses to start): the request
+    would otherwise be cut at the pool's size and reported as ``length``.
+
+    An exact --num-gpu-blocks-override is taken as asked (tests and experiments shrink
+    the pool on purpose), with a warning; vLLM too checks only the memory-derived size."""
+    block_size = vllm_config.cache_config.block_size
+    capacity = (num_gpu_blocks - 1) * block_size  # the null block holds no tokens
+    max_model_len = vllm_config.scheduler_config.max_model_len
+    if max_model_len <= capacity:
+        return
+    if vllm_config.cache_config.num_gpu_blocks_override is not None:
+        logger.warning(
+            "--max-model-len %d is more than the KV cache holds (%d tokens with "
+            "--num-gpu-blocks-override %d): longer requests are refused",
+            max_model_len,
+            capacity,
+            num_gpu_blocks,
+        )
+        return
+    raise ValueError(
+        f"--max-model-len {max_model_len} is more than the KV cache can hold: {capacity} "
+        f"tokens ({num_gpu_blocks - 1} blocks of {block_size}). Lower --max-model-len to at "
+        f"most {capacity}, or give the cache more memory (--kv-cache-memory, "
+        "--gpu-memory-utilization)."
+    )
+
+
 class EngineCore:
     """Owns the model runner and the scheduler. ``step`` = schedule, execute, update.
 
@@ -46,6 +75,7 @@ class EngineCore:
         self.model_runner = ModelRunner(vllm_config)
         self.model_runner.load_model()
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
+        check_kv_capacity(vllm_config, self.num_gpu_blocks)
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
         self.num_cpu_blocks, block_bytes = self._init_kv_offload()
         policy = create_policy(vllm_config, decode=self._decode, clock=clock)
