@@ -7,7 +7,7 @@ also the one owner of a job's first arrival (the job-level order's key).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 
@@ -28,11 +28,22 @@ class ToolCallEstimator:
     """
 
     max_samples: int = 1000
+    """Durations kept per tool (the oldest are dropped)."""
     max_jobs: int = 100_000
+    """Jobs tracked at once (the oldest is dropped)."""
+    max_tools: int = 1024
+    """Tool names with a history: tool names come from the model's output, so without a
+    bound a client could grow the dict without end. Past it, the tool recorded least
+    recently loses its history (its durations then fall back to all tools')."""
     _jobs: dict[str, _Job] = field(default_factory=dict)
-    _durations: dict[str, deque] = field(default_factory=dict)
+    _durations: OrderedDict[str, deque] = field(default_factory=OrderedDict)  # LRU order
     _all: deque = field(default_factory=lambda: deque(maxlen=5000))
     _turn_pairs: deque = field(default_factory=lambda: deque(maxlen=5000))
+
+    def __post_init__(self) -> None:
+        for name in ("max_samples", "max_jobs", "max_tools"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def on_arrival(self, job: str, now: float) -> str | None:
         """A turn of ``job`` arrived; returns the tool that ran before it (if known)."""
@@ -62,7 +73,15 @@ class ToolCallEstimator:
             self._turn_pairs.extend((k, n - k) for k in range(1, n + 1))
 
     def record(self, tool: str, seconds: float) -> None:
-        self._durations.setdefault(tool, deque(maxlen=self.max_samples)).append(seconds)
+        """Add a duration of ``tool``; it becomes the most recently seen tool."""
+        history = self._durations.get(tool)
+        if history is None:
+            if len(self._durations) >= self.max_tools:
+                self._durations.popitem(last=False)  # the least recently seen tool
+            history = self._durations[tool] = deque(maxlen=self.max_samples)
+        else:
+            self._durations.move_to_end(tool)
+        history.append(seconds)
         self._all.append(seconds)
 
     def job_first_arrival(self, job: str, default: float) -> float:

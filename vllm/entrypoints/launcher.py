@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import socket
@@ -60,24 +61,27 @@ except ImportError:  # httptools is a dependency; without it, uvicorn's h11 as i
     HttpToolsProtocol = None
 
 
-def read_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol] | str:
-    """uvicorn's httptools protocol, closing a connection that has not delivered a whole
-    request ``timeout_s`` after it opened or after its previous response ended.
-
-    uvicorn itself times out only idle keep-alive connections: a client that sends half a
-    request line and waits holds its file descriptor forever (slowloris).
-    """
+def http_protocol(args: FrontendArgs) -> type[asyncio.Protocol] | str:
+    """uvicorn's httptools protocol with the server's connection limits: the read timeout
+    (``_ReadTimeoutMixin``) and the bounded request head (``_HeadLimitMixin``)."""
     if HttpToolsProtocol is None:
-        logger.warning("httptools is missing: no --request-read-timeout")
+        logger.warning("httptools is missing: h11, without --request-read-timeout")
         return "auto"
+    attrs = {
+        "timeout_s": args.request_read_timeout,
+        "max_head_bytes": args.max_request_header_size,
+        "max_header_count": args.max_request_header_count,
+    }
     return type(
-        "ReadTimeoutProtocol", (_ReadTimeoutMixin, HttpToolsProtocol), {"timeout_s": timeout_s}
+        "LimitedHttpProtocol", (_ReadTimeoutMixin, _HeadLimitMixin, HttpToolsProtocol), attrs
     )
 
 
 class _ReadTimeoutMixin:
     """The timer: armed when a connection opens and after each response, disarmed once a
-    whole request is in (the app may then take its time to answer)."""
+    whole request is in (the app may then take its time to answer). uvicorn itself times
+    out only idle keep-alive connections: a client that sends half a request line and
+    waits would hold its file descriptor forever (slowloris)."""
 
     timeout_s: float
     _read_timer: asyncio.TimerHandle | None = None
@@ -114,6 +118,102 @@ class _ReadTimeoutMixin:
         super().connection_lost(exc)
 
 
+class _HeadTooLarge(Exception):
+    """Raised in a parser callback to stop parsing a head over the limits."""
+
+
+class _HeadLimitMixin:
+    """Bounds a request's head (request line and headers) in bytes and in header count:
+    a larger one gets a JSON 431 and the connection closes.
+
+    httptools itself has no limit and grows a header by concatenation while it arrives
+    (one 120 MB header held the event loop 10 s and left the process 255 MB larger).
+    Bytes are counted as they arrive while a head is open (from a connection's start or
+    the end of the previous request to the end of the headers), so at most
+    ``max_head_bytes`` plus one read is ever buffered; the headers' exact size and count
+    are checked as the parser reports each one."""
+
+    max_head_bytes: int
+    max_header_count: int
+    _head_open = True
+    _head_bytes = 0  # received while the head is open
+    _header_bytes = 0  # of the headers parsed so far (name, value, ": " and CRLF)
+    _header_count = 0
+    _head_refused = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_open:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._head_open and self._head_bytes > self.max_head_bytes:
+            self._refuse_head()
+
+    def on_message_begin(self) -> None:
+        self._header_bytes = self._header_count = 0
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_count > self.max_header_count or self._header_bytes > self.max_head_bytes:
+            self._head_refused = True
+            raise _HeadTooLarge()  # httptools stops; uvicorn calls send_400_response
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_open, self._head_bytes = False, 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._head_open = True  # what comes next is the next request's head
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._head_refused:
+            return self._refuse_head()
+        super().send_400_response(msg)
+
+    def _refuse_head(self) -> None:
+        self._head_refused = True
+        if self.transport.is_closing():
+            return
+        logger.warning(
+            "Request head over --max-request-header-size %d bytes or "
+            "--max-request-header-count %d headers: 431, connection closed",
+            self.max_head_bytes,
+            self.max_header_count,
+        )
+        if self.cycle is None or self.cycle.response_complete:  # not inside a response
+            self.transport.write(
+                _head_too_large_response(self.max_head_bytes, self.max_header_count)
+            )
+        self.transport.close()
+
+
+def _head_too_large_response(max_bytes: int, max_count: int) -> bytes:
+    message = (
+        f"The request headers exceed {max_bytes} bytes or {max_count} fields (the server's "
+        "--max-request-header-size / --max-request-header-count)."
+    )
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "RequestHeaderFieldsTooLargeError",
+                "param": None,
+                "code": 431,
+            }
+        }
+    ).encode()
+    head = (
+        "HTTP/1.1 431 Request Header Fields Too Large\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server without its signal handlers: ``serve_http`` owns the signals."""
 
@@ -131,7 +231,9 @@ async def serve_http(
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
         access_log=not args.disable_log_requests,
-        http=read_timeout_protocol(args.request_read_timeout),
+        http=http_protocol(args),
+        # Only used by h11 (without httptools): its own bound on a request's head.
+        h11_max_incomplete_event_size=args.max_request_header_size,
     )
     server = _Server(config)
     loop = asyncio.get_running_loop()

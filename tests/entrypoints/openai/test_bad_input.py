@@ -56,6 +56,23 @@ BAD = [
     ("chat", _content(7), "messages"),
     ("chat", {"vllm_xargs": _nested(900)}, "vllm_xargs"),
     ("completions", {"extra_body": {"tools_meta": _nested(900)}}, "tools_meta"),
+    # Strict types, as OpenAI: no coercion of strings, booleans or floats.
+    ("chat", {"stream": "yes"}, "stream"),
+    ("chat", {"temperature": "0.5"}, "temperature"),
+    ("completions", {"top_p": "1"}, "top_p"),
+    ("completions", {"max_tokens": 2.0}, "max_tokens"),
+    ("completions", {"prompt": [1, True]}, "prompt"),
+    ("completions", {"prompt": [1.0, 2]}, "prompt"),
+    ("completions", {"prompt": [[1, 2.0]]}, "prompt"),
+    ("chat", {"stop_token_ids": [True]}, "stop_token_ids"),
+    ("chat", {"seed": 1.0}, "seed"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ("completions", {"logit_bias": {"1": True}}, "logit_bias"),
+    # OpenAI: "logprobs must be set to true if top_logprobs is used".
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ("chat", {"echo": True}, "echo"),  # a completions parameter
+    ("chat", {"messages": [{"role": "user", "content": "hi"}] * 4097}, "messages"),
 ]
 
 
@@ -99,6 +116,8 @@ def test_bad_inputs_are_400s_naming_the_field(server):
         {"seed": -(2**63)},
         {"repetition_penalty": 0.01, "temperature": 1e-6},
         {"top_k": 10**6, "top_p": 1e-9, "min_p": 1.0},
+        {"top_p": 1e-300, "temperature": 1},  # below float32's resolution; an int temperature
+        {"prompt": [1, 2, 3], "echo": False},
         {"extra_body": {"stream": True, "stream_options": {"include_usage": True}}},
     ],
 )

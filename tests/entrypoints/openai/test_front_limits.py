@@ -4,6 +4,7 @@ unsupported parameters, safe log values, the middleware, /health and /openapi.js
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from types import SimpleNamespace
 
@@ -233,12 +234,16 @@ def test_health_status():
     assert health_status(engine, args, state) == "engine dead"
 
 
-def _openapi(**limits) -> dict:
+def _app_parts(**limits) -> tuple:
     config = SimpleNamespace(
         model_config=SimpleNamespace(name="m"), scheduler_config=SimpleNamespace(max_model_len=64)
     )
     stats = SimpleNamespace(registry=None)
-    return build_app(config, FrontendArgs(**limits), _FakeEngine(), stats).openapi()
+    return config, FrontendArgs(**limits), _FakeEngine(), stats
+
+
+def _openapi(**limits) -> dict:
+    return build_app(*_app_parts(**limits)).openapi()
 
 
 def test_openapi_documents_errors_limits_and_content_types():
@@ -264,3 +269,86 @@ def test_openapi_documents_errors_limits_and_content_types():
     assert chat["messages"]["minItems"] == 1
     trusted = _openapi(trust_request_chat_template=True)["components"]["schemas"]
     assert trusted["ChatCompletionRequest"]["properties"]["chat_template"].get("type") != "null"
+
+
+def test_chat_templating_runs_in_the_tokenizer_thread():
+    # Its cost grows with the messages and the tools, not only the prompt's length: it
+    # never runs on the event loop (a 7 MB tool description held it for seconds).
+    import threading
+
+    from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+    from vllm.entrypoints.openai.tool_calling import ToolPlan
+
+    threads = []
+
+    def apply_chat_template(messages, template, add_generation_prompt, tools):
+        threads.append(threading.current_thread().name)
+        return f"{len(messages)} messages, tools {tools}"
+
+    engine = SimpleNamespace(
+        processor=SimpleNamespace(apply_chat_template=apply_chat_template),
+        tokenizer=SimpleNamespace(chat_template="{{ messages }}"),
+    )
+    serving = OpenAIServingChat(engine, "m")
+    request = ChatCompletionRequest.model_validate({"messages": MESSAGES * 3})
+    prompt = asyncio.run(serving._prompt(request, ToolPlan()))
+    assert prompt == "3 messages, tools None"
+    assert threads[0].startswith("tokenizer") and threads[0] != threading.main_thread().name
+
+
+def test_an_unexpected_error_is_a_json_500():
+    app = build_app(*_app_parts())
+
+    @app.get("/v1/boom")
+    async def boom():
+        raise RuntimeError("internal detail")
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/boom",
+        "headers": [],
+        "query_string": b"",
+    }
+    with pytest.raises(RuntimeError):  # re-raised after the response, for uvicorn's log
+        asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 500 and (b"content-type", b"application/json") in start["headers"]
+    error = json.loads(body)["error"]
+    assert error["type"] == "InternalServerError" and "RuntimeError" in error["message"]
+    assert "internal detail" not in error["message"]
+
+
+def test_message_count_is_bounded_before_validation():
+    from vllm.entrypoints.openai.protocol import MAX_CHAT_MESSAGES
+
+    ChatCompletionRequest.model_validate({"messages": MESSAGES * MAX_CHAT_MESSAGES})
+    with pytest.raises(ValidationError, match="at most 4096 messages"):
+        ChatCompletionRequest.model_validate({"messages": [{}] * (MAX_CHAT_MESSAGES + 1)})
+    assert (
+        _openapi()["components"]["schemas"]["ChatCompletionRequest"]["properties"]["messages"][
+            "maxItems"
+        ]
+        == MAX_CHAT_MESSAGES
+    )
+
+
+def test_header_limits_are_flags():
+    args = FrontendArgs.from_cli_args(
+        make_parser().parse_args(
+            ["serve", "--max-request-header-size", "8KiB", "--max-request-header-count", "10"]
+        )
+    )
+    assert args.max_request_header_size == 8192 and args.max_request_header_count == 10
+    assert FrontendArgs().max_request_header_size == 64 << 10
+    with pytest.raises(ValueError, match="max_request_header_count"):
+        FrontendArgs(max_request_header_count=0)

@@ -221,3 +221,73 @@ def test_health_follows_a_stopped_engine(server):
     thread.join(60)
     assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 8
     assert requests.get(server.base + "/health", timeout=5).status_code == 200
+
+
+def _send_head(server, head: bytes) -> bytes:
+    """Send a request head; what the server answers before closing (b"" if nothing)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        try:
+            sock.sendall(head)
+        except OSError:
+            pass  # refused and closed while we were still sending
+        answer = b""
+        try:
+            while part := sock.recv(65536):
+                answer += part
+        except OSError:
+            pass
+        return answer
+
+
+def test_request_heads_are_bounded(server):
+    # 64 KiB (--max-request-header-size) and 256 fields by default: over either, a JSON
+    # 431 and the connection closes (the recv loop ends: closed, not kept alive).
+    big = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (100 << 10) + b"\r\n\r\n"
+    many = b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300))
+    for head in (big, many + b"\r\n"):
+        answer = _send_head(server, head)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+        assert b'"RequestHeaderFieldsTooLargeError"' in answer
+    fits = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (60 << 10)
+    answer = _send_head(server, fits + b"\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:100]
+
+
+def test_a_huge_header_is_cut_short_without_stalling_others(server):
+    # Before the limit, one 120 MB header held the event loop ~10 s (httptools grows a
+    # header by concatenation) and left the API server 255 MB larger.
+    rss_before = psutil.Process(server.proc.pid).memory_info().rss
+    result = {}
+
+    def send() -> None:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            sent = 0
+            try:
+                while sent < 64 << 20:
+                    sock.sendall(b"a" * (1 << 20))
+                    sent += 1 << 20
+            except OSError:
+                pass
+            result["sent"] = sent
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    worst = 0.0
+    while thread.is_alive():
+        start = time.monotonic()
+        assert requests.get(server.base + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - start)
+    thread.join()
+    assert result["sent"] < 16 << 20, "the server kept reading the header"
+    assert worst < 1.0, f"/health took {worst:.1f} s during the header"
+    grown = psutil.Process(server.proc.pid).memory_info().rss - rss_before
+    assert grown < 32 << 20, f"the API server grew {grown >> 20} MiB"
+
+
+def test_many_messages_are_refused_before_they_are_built(server):
+    body = {**CHAT, "messages": [{}] * 250_000}
+    start = time.monotonic()
+    r = post(server, "chat", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:200]
+    assert time.monotonic() - start < 5

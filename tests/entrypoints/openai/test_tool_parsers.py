@@ -44,7 +44,7 @@ def test_registry_feeds_the_flag():
 def test_adding_a_parser_is_one_class():
     @register_tool_parser("test_upper")
     class Upper(ToolParser):
-        def extract(self, text, final):
+        def extract_tool_calls(self, text, final):
             return get_tool_parser("json").extract(text.lower(), final)
 
     assert "test_upper" in tool_parser_names()
@@ -174,3 +174,30 @@ def test_stream_assembles_to_the_non_streaming_message(parser, text):
         chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
     for pieces in chunkings:
         assert assemble(parser, text, pieces) == (want_content, want_calls)
+
+
+def _deep_call(depth: int) -> str:
+    arguments = "[" * depth + "]" * depth
+    return '{"name": "f", "arguments": {"x": ' + arguments + "}}"
+
+
+@pytest.mark.parametrize("parser, wrap", [("hermes", "<tool_call>{}</tool_call>"), ("json", "{}")])
+def test_output_nested_past_the_stack_is_content(parser, wrap):
+    # A model's output nested deeper than json's recursion limit (RecursionError from
+    # json.loads): the text is the content, no call, and nothing raises.
+    text = wrap.format(_deep_call(20_000))
+    plan = ToolPlan(parser=get_tool_parser(parser))
+    message, finish = plan.message(text, "stop")
+    assert message == {"role": "assistant", "content": text} and finish == "stop"
+    streamer = ToolCallStreamer(get_tool_parser(parser))
+    assert streamer.delta(text, final=True) == {"content": text} and not streamer.called
+
+
+def test_a_failing_parser_returns_the_text_as_content():
+    class Broken(ToolParser):
+        def extract_tool_calls(self, text, final):
+            raise RuntimeError("bug")
+
+    assert Broken().extract(" text ", final=True).content == "text"
+    assert Broken().extract("text", final=False).content == ""
+    assert Broken().extract("", final=True).content is None

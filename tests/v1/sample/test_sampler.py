@@ -128,6 +128,21 @@ def test_top_p_below_the_top_probability_keeps_only_the_top_token():
     assert draws(logits, 200, temperature=1.0, top_p=0.1) == Counter({1: 200})
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+def test_top_p_below_float32_resolution_keeps_the_top_token(top_p):
+    # A valid top_p that float32 rounds to 0: the top token still crosses it (before, the
+    # row failed as if its penalties had made the logits non-finite).
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    assert torch.isfinite(_filter(logits, SamplingParams(top_p=top_p))).tolist() == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    out = sample(logits[None, :].clone(), [row(seed=0, temperature=1.0, top_p=top_p)])
+    assert out.token_ids == [1] and not out.errors
+
+
 def test_top_k_then_top_p_compose():
     # top_k=3 keeps 0.4, 0.3, 0.2 (renormalised 4/9, 3/9, 2/9); top_p=0.5 then keeps
     # 4/9 (< 0.5) and the crossing 3/9: tokens 2 and 0.

@@ -258,6 +258,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def on_shutting_down(request: Request, exc: ServerShuttingDownError):
         return error_response(exc.status, str(exc), exc.err_type)
 
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        # A bug: a JSON 500 (never starlette's plain text); starlette re-raises the
+        # exception after this response, so uvicorn logs its traceback. Its message may
+        # hold internals: the client gets the type only.
+        return error_response(
+            500, f"Internal server error ({type(exc).__name__}).", "InternalServerError"
+        )
+
 
 _HTTP_ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError"}
 

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_type_hints
 from vllm.config import config_field, parse_bytes
 from vllm.engine.arg_utils import ConfigArg
 
+KiB = 1 << 10
 MiB = 1 << 20
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -48,6 +49,15 @@ class FrontendArgs:
         8 * MiB,
         "Largest request body accepted, in bytes (8MiB, 512KiB, ...); a larger one is a 413.",
         parse=parse_size,
+    )
+    max_request_header_size: int = config_field(
+        64 * KiB,
+        "Largest request head (request line and headers), in bytes; a larger one is a 431 "
+        "and the connection closes. vLLM's h11 limit is 4MiB; nginx's default is 32KiB.",
+        parse=parse_size,
+    )
+    max_request_header_count: int = config_field(
+        256, "Most header fields one request may carry (431 beyond; vLLM's h11 limit)."
     )
     max_n_sequences: int = config_field(
         128, "Largest n (completions per request) accepted (vLLM: VLLM_MAX_N_SEQUENCES)."
@@ -91,7 +101,14 @@ class FrontendArgs:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_request_body_size", "max_n_sequences", "max_stop_string_length"):
+        positive = (
+            "max_request_body_size",
+            "max_request_header_size",
+            "max_request_header_count",
+            "max_n_sequences",
+            "max_stop_string_length",
+        )
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_stop_strings", "max_job_id_length"):

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from vllm.entrypoints.openai.cli_args import FrontendArgs
-from vllm.entrypoints.openai.protocol import ErrorResponse
+from vllm.entrypoints.openai.protocol import MAX_CHAT_MESSAGES, ErrorResponse
 from vllm.sampling_params import INT64_MAX, INT64_MIN, MIN_REPETITION_PENALTY
 
 # The bounds SamplingParams enforces (it owns the checks; the schema only states them).
@@ -131,6 +131,8 @@ def _add_limits(components: dict[str, Any], args: FrontendArgs) -> None:
                     option["maxItems"] = args.max_stop_strings
         if "prompt" in props:
             _document_prompt(props["prompt"])
+        if "messages" in props:
+            props["messages"]["maxItems"] = MAX_CHAT_MESSAGES
         if "chat_template" in props and not args.trust_request_chat_template:
             # Refused unless the server trusts request templates: only null is valid.
             props["chat_template"] = {

@@ -72,11 +72,18 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _is_off,
     "guided_grammar": _is_off,
     "structured_outputs": _is_off,
+    "echo": _is_off,  # served by /v1/completions only
 }
 MAX_LOGGED_FIELDS = 8
+# Most messages one chat request may hold. vLLM and OpenAI document no such bound (OpenAI
+# caps ``tools`` and a message's ``tool_calls`` at 128); a long agent trajectory has
+# hundreds of messages, so this only stops bodies built to exhaust the server.
+MAX_CHAT_MESSAGES = 4096
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -150,6 +157,10 @@ def _check_nesting(data: dict[str, Any]) -> None:
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completion requests (OpenAI + vLLM extras).
 
+    Strict types, as OpenAI's API: ``"0.5"`` is not a temperature, ``"yes"`` not a
+    ``stream`` flag, ``true`` or ``1.0`` not a token id (a 400 naming the field, never a
+    silent coercion); an integer is still a valid float.
+
     Agent metadata may come at the top level (the openai client's ``extra_body``), in
     ``vllm_xargs``, or in a nested ``"extra_body": {...}`` (raw HTTP clients). Before field
     validation all three are folded into the top-level ``job_id`` / ``is_last_step`` (the
@@ -158,7 +169,7 @@ class _SamplingFields(BaseModel):
 
     IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()  # names of UNSUPPORTED served here
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -266,6 +277,10 @@ class _SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    """``messages`` holds at most MAX_CHAT_MESSAGES, counted before any is validated;
+    ``top_logprobs`` needs ``logprobs: true`` (as OpenAI); ``echo`` is a completions
+    parameter (vLLM's chat echo is not implemented): refused unless false."""
+
     # Implemented on this endpoint (tool_calling.py), though in UNSUPPORTED for the other.
     IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
         {"tool_choice", "response_format", "structured_outputs"}
@@ -283,11 +298,45 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bound_messages(cls, data: Any) -> Any:
+        # Runs before the parent's validators and the field's: 250k messages are refused
+        # without building 250k models (seconds on the event loop, a GiB of memory).
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list) and len(messages) > MAX_CHAT_MESSAGES:
+            raise VLLMValidationError(
+                f"messages must hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}",
+                "messages",
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise VLLMValidationError(
+                "logprobs must be set to true if top_logprobs is used", "top_logprobs"
+            )
+        return self
+
 
 class CompletionRequest(_SamplingFields):
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo"})
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_are_ints(cls, prompt: Any) -> Any:
+        # The union's own error would blame its first branch ("should be a valid string").
+        items = prompt if isinstance(prompt, list) else []
+        ids = [t for p in items for t in (p if isinstance(p, list) else [p])]
+        bad = next((t for t in ids if not isinstance(t, str) and type(t) is not int), None)
+        if bad is not None:
+            raise ValueError(f"token ids must be integers, got {bad!r}")
+        return prompt
 
 
 class UsageInfo(BaseModel):

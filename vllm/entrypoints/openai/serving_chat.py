@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
-    OFFLOAD_CHARS,
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
@@ -29,22 +28,21 @@ class OpenAIServingChat(OpenAIServing):
                 "--trust-request-chat-template",
                 "chat_template",
             )
-        messages = [m.for_template() for m in request.messages]
         if plan.template_tools:
             template = request.chat_template or self.engine.tokenizer.chat_template
             warn_if_template_ignores_tools(template)
-        size = sum(len(m.content or "") for m in request.messages)
-        if request.chat_template is not None:
-            size = max(size, OFFLOAD_CHARS)  # a request's template: any cost, off the loop
-        try:
-            return await self.off_loop(
-                size,
-                self.engine.processor.apply_chat_template,
-                messages,
-                request.chat_template,
-                request.add_generation_prompt,
-                plan.template_tools,
+        processor = self.engine.processor
+
+        def render() -> str:
+            messages = [m.for_template() for m in request.messages]
+            return processor.apply_chat_template(
+                messages, request.chat_template, request.add_generation_prompt, plan.template_tools
             )
+
+        try:
+            # Always in the tokenizer thread: its cost grows with the messages and the tools
+            # a template renders, not with the text alone; the event loop must not wait.
+            return await self.in_thread(render)
         except VLLMValidationError:
             raise
         except Exception as e:  # jinja errors from malformed conversations

@@ -27,8 +27,9 @@ ENGINE_LATENCY_HEADER = "x-vllm-engine-latency"
 
 Receive = Callable[[], Awaitable[dict]]  # the ASGI ``receive`` of the HTTP request
 
-# Prompts (characters) from this size on are templated and tokenized off the event loop;
-# below it the thread hop would cost more than the work (~0.1 ms per 16k characters).
+# Prompts (characters) from this size on are tokenized off the event loop (chat templating
+# always is: its cost is not the prompt's length); below it the thread hop would cost more
+# than the work (~0.1 ms per 16k characters).
 OFFLOAD_CHARS = 16_384
 
 
@@ -106,10 +107,8 @@ class OpenAIServing:
             cls._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         return cls._executor
 
-    async def off_loop(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, in the tokenizer thread when ``size`` (characters) is large."""
-        if size < OFFLOAD_CHARS:
-            return fn(*args)
+    async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the tokenizer thread (the event loop serves others meanwhile)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor(), fn, *args)
 
     async def add_request(

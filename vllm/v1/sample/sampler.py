@@ -50,8 +50,12 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the token crossing top_p
+        # float64: top_p is a Python float, which float32 would round (1e-300 to 0, so
+        # that even the top token's mass before it, 0, reached it and nothing was kept).
+        probs = sorted_logits.softmax(-1).double()
+        before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
+        drop = before >= p.top_p  # keeps the token crossing top_p
+        drop[0] = False  # and always the top token, however small top_p is
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if p.min_p > 0.0:
         probs = logits.softmax(-1)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object
+
+logger = logging.getLogger("vllm.entrypoints.openai.tool_parsers")
 
 _REGISTRY: dict[str, type[ToolParser]] = {}
 
@@ -54,13 +57,34 @@ class ExtractedToolCalls:
 
 class ToolParser(ABC):
     """Splits a model's output into content and tool calls (stateless: one instance may
-    serve every request)."""
+    serve every request). Subclasses implement ``extract_tool_calls``; callers use
+    ``extract``, which never raises."""
+
+    def extract(self, text: str, final: bool) -> ExtractedToolCalls:
+        """``extract_tool_calls``, except that a parser that fails (a bug, or output nested
+        too deep for ``json``: ``RecursionError``) returns the text as content, as vLLM
+        does: the model's output must never turn into a server error. Not ``final``, the
+        fallback holds everything back (empty content, no call), which keeps the stream's
+        "only grows" contract: the final call returns the text."""
+        try:
+            return self.extract_tool_calls(text, final)
+        except Exception as e:
+            logger.warning(
+                "%s failed on %d characters of output (%s: %.200s); returned as content",
+                type(self).__name__,
+                len(text),
+                type(e).__name__,
+                e,
+            )
+            if final:
+                return ExtractedToolCalls(text.strip() or None, [])
+            return ExtractedToolCalls("", [])
 
     @abstractmethod
-    def extract(self, text: str, final: bool) -> ExtractedToolCalls:
+    def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         """``final``: the whole output. Every call returned is then complete and valid
         (a string name, an object as arguments); text that looks like a call but is not
-        one (malformed JSON, cut off by max_tokens) is returned as content, never raised.
+        one (malformed JSON, cut off by max_tokens) is returned as content.
 
         Not ``final`` (streaming), the text may stop at any character: ``content`` is only
         what is certainly content (a possible start of a call is held back), and calls
@@ -89,7 +113,7 @@ def is_valid_call(obj_text: str) -> bool:
     """Whether a complete call object is valid JSON with a name and object arguments."""
     try:
         obj = json.loads(obj_text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the stack
         return False
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return False

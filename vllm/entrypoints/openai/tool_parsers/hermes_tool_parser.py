@@ -28,7 +28,7 @@ class HermesToolParser(ToolParser):
     """Any number of tagged calls; the text outside the tags is the content. A tag that
     is not closed (stop string, max_tokens) still counts once its JSON object is whole."""
 
-    def extract(self, text: str, final: bool) -> ExtractedToolCalls:
+    def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         content: list[str] = []
         calls: list[ParsedToolCall] = []
         i = 0

@@ -22,7 +22,7 @@ class JsonToolParser(ToolParser):
     """Output that does not start with ``{`` or ``[`` is content; output that does but is
     not a valid list of calls is content too (returned whole at the end)."""
 
-    def extract(self, text: str, final: bool) -> ExtractedToolCalls:
+    def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         start = skip_ws(text, 0)
         if text.startswith(PYTHON_TAG, start):
             start = skip_ws(text, start + len(PYTHON_TAG))
