@@ -42,9 +42,7 @@ def pytest_sessionfinish(session, exitstatus):
     """
     import psutil
 
-    children = [
-        p for p in psutil.Process().children(recursive=True) if not _is_helper(p)
-    ]
+    children = [p for p in psutil.Process().children(recursive=True) if not _is_helper(p)]
     _, alive = psutil.wait_procs(children, timeout=LEFTOVER_GRACE_S)
     if not alive:
         return

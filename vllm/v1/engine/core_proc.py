@@ -98,7 +98,9 @@ class EngineCoreProc:
         self._stopped = threading.Event()  # set once the loop has ended and cleaned up
         if death_pipe is not None:
             threading.Thread(
-                target=self._watch_front_end, args=(death_pipe,), name="EngineCoreDeathPipe",
+                target=self._watch_front_end,
+                args=(death_pipe,),
+                name="EngineCoreDeathPipe",
                 daemon=True,
             ).start()
         self._arrivals: dict[str, float] = {}  # received since the last outputs message

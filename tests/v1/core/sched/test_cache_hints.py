@@ -92,8 +92,14 @@ def test_in_memory_retention_keeps_a_context_out_of_the_tier(retention, saved):
 
 @pytest.mark.parametrize(
     "hints",
-    [{"cache_ttl_s": 0}, {"cache_ttl_s": -1.0}, {"cache_ttl_s": "30m"}, {"cache_ttl_s": True},
-     {"cache_ttl_s": float("inf")}, {"cache_retention": "forever"}],
+    [
+        {"cache_ttl_s": 0},
+        {"cache_ttl_s": -1.0},
+        {"cache_ttl_s": "30m"},
+        {"cache_ttl_s": True},
+        {"cache_ttl_s": float("inf")},
+        {"cache_retention": "forever"},
+    ],
 )
 def test_a_hint_we_cannot_honour_is_a_validation_error(hints):
     with pytest.raises(VLLMValidationError, match="cache_"):
