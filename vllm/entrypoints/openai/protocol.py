@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -79,6 +81,77 @@ MAX_LOGGED_FIELDS = 8
 # caps ``tools`` and a message's ``tool_calls`` at 128); a long agent trajectory has
 # hundreds of messages, so this only stops bodies built to exhaust the server.
 MAX_CHAT_MESSAGES = 4096
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(s|m|h)")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_cache_ttl(value: Any, param: str) -> float:
+    """Seconds of an OpenAI cache lifetime (``"30m"``, ``"12h"``; also ``"90s"``), else a
+    ``VLLMValidationError`` naming ``param``."""
+    match = _DURATION.fullmatch(value) if isinstance(value, str) else None
+    seconds = float(match[1]) * _UNIT_S[match[2]] if match else 0.0
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise VLLMValidationError(
+            f"{param} must be a lifetime such as '30m', '12h' or '90s', got {value!r}", param
+        )
+    return seconds
+
+
+class PromptCacheOptions(BaseModel):
+    """OpenAI's ``prompt_cache_options``: ``ttl`` is a minimum lifetime, which becomes a
+    floor on the turn's KV pin (``vllm_continuum.cache_hints``). This engine caches every
+    full KV block of every prompt, so an ``implicit`` breakpoint, and any explicit one,
+    is kept; ``explicit`` without any breakpoint asks for no caching at all, which is
+    refused (a 400 naming the field) rather than ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: StrictStr | None = None
+
+    @field_validator("ttl")
+    @classmethod
+    def _a_lifetime(cls, ttl: str | None) -> str | None:
+        if ttl is not None:
+            parse_cache_ttl(ttl, "prompt_cache_options.ttl")
+        return ttl
+
+
+def _take_cache_breakpoints(messages: Any) -> tuple[Any, list[float | None]]:
+    """``messages`` without their parts' ``prompt_cache_breakpoint`` marks (copied, the
+    input is left as it is), and each mark's ttl in seconds (None: the request's);
+    ``VLLMValidationError`` naming ``messages`` if a mark is malformed."""
+    if not isinstance(messages, list):
+        return messages, []
+    found: list[float | None] = []
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and "prompt_cache_breakpoint" in p for p in content
+        ):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and "prompt_cache_breakpoint" in part:
+                    part = dict(part)
+                    found.append(_breakpoint_ttl(part.pop("prompt_cache_breakpoint")))
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out, found
+
+
+def _breakpoint_ttl(mark: Any) -> float | None:
+    if not isinstance(mark, dict) or mark.get("mode") != "explicit" or set(mark) - {"mode", "ttl"}:
+        raise VLLMValidationError(
+            "prompt_cache_breakpoint must be {'mode': 'explicit'} with an optional 'ttl', "
+            f"got {loggable(mark)}",
+            "messages",
+        )
+    ttl = mark.get("ttl")
+    return None if ttl is None else parse_cache_ttl(ttl, "prompt_cache_breakpoint.ttl")
 
 
 class StreamOptions(BaseModel):
@@ -196,6 +269,11 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     job_id: StrictStr | None = None
     is_last_step: StrictBool | None = None
+    # OpenAI's own prompt-caching fields: the key names the job when no job_id is given;
+    # the options and retention become pin hints (vllm_continuum/cache_hints.py).
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     vllm_xargs: dict[str, Any] | None = None  # without job_id / is_last_step once validated
     extra_body: dict[str, Any] | None = None  # emptied by _normalize
 
@@ -234,13 +312,40 @@ class _SamplingFields(BaseModel):
             logger.warning("Request fields ignored (not recognised): %s%s", shown, more)
         return self
 
+    @model_validator(mode="after")
+    def _prompt_cache_key_names_the_job(self) -> _SamplingFields:
+        if self.prompt_cache_key == "":
+            raise VLLMValidationError("prompt_cache_key must not be empty", "prompt_cache_key")
+        if self.job_id is None:  # an explicit job_id wins
+            self.job_id = self.prompt_cache_key
+        return self
+
+    def cache_breakpoint_ttls(self) -> list[float | None]:
+        """The prompt's explicit cache breakpoints (chat only): their ttls, None to inherit."""
+        return []
+
+    def cache_ttl_s(self) -> float | None:
+        """The floor on this turn's pin: the longest lifetime the request asks for."""
+        options = self.prompt_cache_options
+        request_ttl = None
+        if options is not None and options.ttl is not None:
+            request_ttl = parse_cache_ttl(options.ttl, "prompt_cache_options.ttl")
+        ttls = [request_ttl, *(t or request_ttl for t in self.cache_breakpoint_ttls())]
+        return max((t for t in ttls if t is not None), default=None)
+
     def extra_args(self) -> dict[str, Any] | None:
-        """``SamplingParams.extra_args``: ``vllm_xargs`` plus the agent metadata."""
+        """``SamplingParams.extra_args``: ``vllm_xargs`` plus the agent metadata and the
+        prompt-caching hints."""
         args = dict(self.vllm_xargs or {})
         if self.job_id is not None:
             args["job_id"] = self.job_id
         if self.is_last_step is not None:
             args["is_last_step"] = self.is_last_step
+        ttl = self.cache_ttl_s()
+        if ttl is not None:
+            args["cache_ttl_s"] = ttl
+        if self.prompt_cache_retention is not None:
+            args["cache_retention"] = self.prompt_cache_retention
         return args or None
 
     def to_sampling_params(
@@ -297,6 +402,9 @@ class ChatCompletionRequest(_SamplingFields):
     structured_outputs: dict[str, Any] | None = None  # vLLM's extra: {"json": ...}, ...
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # Filled from the messages' prompt_cache_breakpoint marks by _bound_messages (a value
+    # sent under this name is replaced); never serialized.
+    cache_breakpoints: list[float | None] = Field(default_factory=list, exclude=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -309,7 +417,20 @@ class ChatCompletionRequest(_SamplingFields):
                 f"messages must hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}",
                 "messages",
             )
+        if isinstance(data, dict):
+            messages, marks = _take_cache_breakpoints(messages)
+            data = {**data, "messages": messages, "cache_breakpoints": marks}
         return data
+
+    def cache_breakpoint_ttls(self) -> list[float | None]:
+        return self.cache_breakpoints
+
+    @model_validator(mode="after")
+    def _explicit_mode_needs_a_breakpoint(self) -> ChatCompletionRequest:
+        options = self.prompt_cache_options
+        if options is not None and options.mode == "explicit" and not self.cache_breakpoints:
+            raise VLLMValidationError(_NO_CACHING, "prompt_cache_options.mode")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -320,12 +441,26 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
+_NO_CACHING = (
+    "prompt_cache_options.mode 'explicit' without a prompt_cache_breakpoint asks for no "
+    "prompt caching, which this server does not offer: use mode 'implicit' or mark a "
+    "content part with a breakpoint"
+)
+
+
 class CompletionRequest(_SamplingFields):
     IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _explicit_mode_needs_a_breakpoint(self) -> CompletionRequest:
+        options = self.prompt_cache_options
+        if options is not None and options.mode == "explicit":  # a prompt has no parts
+            raise VLLMValidationError(_NO_CACHING, "prompt_cache_options.mode")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

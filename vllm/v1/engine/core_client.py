@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 DEFAULT_GOMP_SPINCOUNT = "10000"  # see engine_process_env
+SHUTDOWN_MESSAGE_WAIT_S = 1.0  # how long shutdown waits on SHUTDOWN before the death pipe
 
 
 class EngineDeadError(RuntimeError):
@@ -223,6 +224,8 @@ class AsyncMPClient:
                     sent.exception()  # retrieved: no "exception never retrieved" noise
             except zmq.ZMQError:
                 pass  # not connected yet, or gone: the death pipe below still ends it
+        # The message normally ends it within a step; the death pipe then ends the rest.
+        self.proc.join(min(SHUTDOWN_MESSAGE_WAIT_S, timeout_s))
         self._death_writer.close()
         self.proc.join(timeout_s)
         if self.proc.is_alive():

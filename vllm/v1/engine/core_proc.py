@@ -125,7 +125,7 @@ class EngineCoreProc:
                 death_pipe.recv_bytes()  # the front end never writes; only EOF matters
         except (EOFError, OSError):
             pass
-        logger.error("the front end is gone; engine core exits")
+        logger.warning("the front end closed its death pipe; engine core exits")
         self.inbox.put(FrontEndGone())
         grace_s = envs.VLLM_ENGINE_ORPHAN_GRACE_S
         if not self._stopped.wait(grace_s):
