@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -193,6 +194,7 @@ def build_app(
             request, raw.scope.get(RECEIVED_KEY), raw.receive
         )
 
+    add_responses_routes(app, OpenAIServingResponses(chat_serving), RECEIVED_KEY)
     openapi.document_api(app, args)
     return app
 

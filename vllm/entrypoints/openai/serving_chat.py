@@ -16,6 +16,7 @@ from vllm.entrypoints.openai.tool_calling import (
 )
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.v1.engine.async_llm import RequestStream
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -72,14 +73,13 @@ class OpenAIServingChat(OpenAIServing):
             )
         return {"content": content}
 
-    async def create_chat_completion(
-        self,
-        request: ChatCompletionRequest,
-        received: float | None = None,
-        receive: Receive | None = None,
-    ):
-        """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
-        ``receive``: the ASGI receive, to abort the request if the client disconnects."""
+    async def start_generation(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[ToolPlan, RequestStream]:
+        """Check ``request``, render its prompt and add it to the engine as ``request_id``:
+        its tool plan (how to read the output) and its output stream. Shared by
+        /v1/responses, which converts its input into a chat request. A rejected request
+        raises ``VLLMValidationError`` naming the chat field (the prompt is ``messages``)."""
         self.check_request(request)
         plan = plan_tool_calls(request, self.tool_config)
         prompt = await self._prompt(request, plan)
@@ -90,8 +90,6 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_tokens
         params = request.to_sampling_params(max_tokens, logprobs, request.stream)
         params.structured_outputs = plan.structured_outputs
-        request_id = random_id("chatcmpl")
-        created = now_s()
         try:
             # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
             stream = await self.add_request(
@@ -101,6 +99,19 @@ class OpenAIServingChat(OpenAIServing):
             if e.param == "prompt":  # this endpoint's prompt is its messages
                 e.param = "messages"
             raise
+        return plan, stream
+
+    async def create_chat_completion(
+        self,
+        request: ChatCompletionRequest,
+        received: float | None = None,
+        receive: Receive | None = None,
+    ):
+        """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
+        ``receive``: the ASGI receive, to abort the request if the client disconnects."""
+        request_id = random_id("chatcmpl")
+        created = now_s()
+        plan, stream = await self.start_generation(request, request_id)
         if request.stream:
             return EngineStreamingResponse(
                 self._stream(request, plan, stream, request_id, created, received), stream

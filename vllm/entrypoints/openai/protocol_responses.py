@@ -1,0 +1,385 @@
+"""The OpenAI Responses API (``/v1/responses``): the request model, the fields refused,
+and the conversion of Responses items into chat messages and tools (the endpoint runs on
+the chat machinery: ``serving_responses.py``).
+
+Items are kept in their normalized form (every item has an ``id`` and a ``type``), which
+is what ``GET /v1/responses/{id}/input_items`` lists and what a later turn's
+``previous_response_id`` replays as chat messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+
+from vllm.entrypoints.openai.protocol import (
+    MAX_CHAT_MESSAGES,
+    MAX_LOGGED_FIELDS,
+    _check_nesting,
+    _is_off,
+    loggable,
+)
+from vllm.exceptions import VLLMValidationError
+
+logger = logging.getLogger("vllm.entrypoints.openai.protocol_responses")
+
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")  # "text": as chat's own parts
+
+
+def _reasoning_off(v: Any) -> bool:
+    # The models served do not reason: an effort of "none" (or none given) asks for
+    # exactly that; anything else would be silently not done.
+    if _is_off(v):
+        return True
+    return (
+        isinstance(v, dict)
+        and set(v) <= {"effort", "summary", "generate_summary"}
+        and v.get("effort") in (None, "none")
+        and v.get("summary") is None
+        and v.get("generate_summary") is None
+    )
+
+
+# Responses parameters this server does not implement, and the values that ask for
+# nothing (clients sending defaults still work). Anything else is a 400 naming the field.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "background": _is_off,
+    "background_options": _is_off,
+    "conversation": _is_off,
+    "include": _is_off,
+    "reasoning": _reasoning_off,
+    "truncation": lambda v: v is None or v == "disabled",
+    "prompt": _is_off,  # stored prompt templates
+    "top_logprobs": lambda v: v is None or v == 0,
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "stream_options": lambda v: _is_off(v) or v == {"include_obfuscation": False},
+    "context_management": _is_off,
+    "moderation": _is_off,
+    "access_programs": _is_off,
+    "image": _is_off,
+}
+MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, 64-char keys, 512-char values
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``. Strict types as the chat request. ``job_id`` /
+    ``is_last_step`` are this server's agent extras (the openai client's ``extra_body``);
+    without them the job is ``prompt_cache_key``, else the chain's (``serving_responses``).
+    ``max_tool_calls`` bounds calls to built-in tools, of which this server has none: any
+    value holds."""
+
+    FIELD_NAMES: ClassVar[dict[str, str]] = {  # chat request field -> this request's
+        "messages": "input",
+        "prompt": "input",
+        "max_completion_tokens": "max_output_tokens",
+        "max_tokens": "max_output_tokens",
+        "response_format": "text",
+    }
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: StrictStr | None = None
+    store: bool | None = None
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    text: dict[str, Any] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # validated by the chat request
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    job_id: StrictStr | None = None
+    is_last_step: StrictBool | None = None
+    priority: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bound(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_nesting(data)
+            items = data.get("input")
+            if isinstance(items, list) and len(items) > MAX_CHAT_MESSAGES:
+                raise VLLMValidationError(
+                    f"input must hold at most {MAX_CHAT_MESSAGES} items, got {len(items)}",
+                    "input",
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> ResponsesRequest:
+        extra = self.model_extra or {}
+        for name, harmless in UNSUPPORTED.items():
+            if name in extra and not harmless(extra[name]):
+                raise VLLMValidationError(
+                    f"{name}={loggable(extra[name])} is not supported by this server", name
+                )
+        unknown = [k for k in extra if k not in UNSUPPORTED]
+        if unknown:  # as chat (and vLLM): ignored, and the log says so
+            shown = ", ".join(loggable(k, 40) for k in unknown[:MAX_LOGGED_FIELDS])
+            logger.warning("Responses request fields ignored (not recognised): %s", shown)
+        if self.metadata is not None:
+            _check_metadata(self.metadata)
+        return self
+
+    @property
+    def stored(self) -> bool:
+        return self.store is not False  # OpenAI's default: stored
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > MAX_METADATA:
+        raise VLLMValidationError(
+            f"metadata holds at most {MAX_METADATA} pairs, got {len(metadata)}", "metadata"
+        )
+    if any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise VLLMValidationError(
+            "metadata keys are at most 64 characters, values at most 512", "metadata"
+        )
+
+
+# -- request -> chat ----------------------------------------------------------------------
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools as chat tools; any other tool type is a 400 naming
+    ``tools`` (hosted tools: web search, file search, ... are not served)."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise VLLMValidationError(
+                f"tools[{i}]: only function tools are supported, got type "
+                f"{loggable(tool.get('type'))}",
+                "tools",
+            )
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        if fn.get("parameters") is None:
+            fn.pop("parameters", None)
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """``"none" | "auto" | "required" | {"type": "function", "name"}`` in chat's form."""
+    if choice is None or isinstance(choice, str):
+        return choice  # plan_tool_calls names a bad string
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise VLLMValidationError(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}'
+        f"; got {loggable(choice)}",
+        "tool_choice",
+    )
+
+
+def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format`` (text, json_object, json_schema);
+    a ``verbosity`` other than medium is refused (nothing would honour it)."""
+    if text is None:
+        return None
+    if set(text) - {"format", "verbosity"} or text.get("verbosity") not in (None, "medium"):
+        raise VLLMValidationError(
+            "text supports only format (and verbosity 'medium')", "text", code="unsupported"
+        )
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise VLLMValidationError(
+            'text.format.type must be "text", "json_object" or "json_schema"', "text"
+        )
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+# -- items --------------------------------------------------------------------------------
+def normalize_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's ``input`` as normalized items (a string is one user message);
+    ``VLLMValidationError`` naming ``input`` for an item this server cannot take."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    return [_normalize_item(item, f"input[{i}]") for i, item in enumerate(value)]
+
+
+def _normalize_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        if role not in ROLES:
+            raise VLLMValidationError(f"{where}.role must be one of {ROLES}", "input")
+        parts = _text_parts(item.get("content"), f"{where}.content")
+        if role == "assistant":
+            parts = [{**p, "type": "output_text", "annotations": []} for p in parts]
+        return {
+            "id": _str_or(item.get("id"), new_id("msg")),
+            "type": "message",
+            "role": role,
+            "status": "completed",
+            "content": parts,
+        }
+    if kind == "function_call":
+        fields = {k: item.get(k) for k in ("call_id", "name", "arguments")}
+        bad = [k for k, v in fields.items() if not isinstance(v, str)]
+        if bad:
+            raise VLLMValidationError(f"{where}.{bad[0]} must be a string", "input")
+        item_id = _str_or(item.get("id"), new_id("fc"))
+        return {"id": item_id, "type": kind, **fields, "status": "completed"}
+    if kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise VLLMValidationError(f"{where}.call_id must be a string", "input")
+        output = item.get("output")
+        if not isinstance(output, str):
+            output = "".join(p["text"] for p in _text_parts(output, f"{where}.output"))
+        return {
+            "id": _str_or(item.get("id"), new_id("fco")),
+            "type": kind,
+            "call_id": item["call_id"],
+            "output": output,
+            "status": "completed",
+        }
+    raise VLLMValidationError(
+        f"{where}: item type {loggable(kind)} is not supported (message, function_call and "
+        "function_call_output are)",
+        "input",
+    )
+
+
+def _str_or(value: Any, default: str) -> str:
+    return value if isinstance(value, str) and value else default
+
+
+def _text_parts(content: Any, where: str) -> list[dict[str, Any]]:
+    """Text content parts ``{"type": "input_text", "text"}`` (cache breakpoints kept); a
+    string is one part. Images, files and audio are refused: the models are text-only."""
+    if isinstance(content, str):
+        return [{"type": "input_text", "text": content}]
+    if not isinstance(content, list):
+        raise VLLMValidationError(f"{where} must be a string or a list of parts", "input")
+    parts = []
+    for i, part in enumerate(content):
+        part = part if isinstance(part, dict) else {}
+        kind = part.get("type")
+        text = part.get("refusal") if kind == "refusal" else part.get("text")
+        if kind not in (*TEXT_PARTS, "refusal") or not isinstance(text, str):
+            raise VLLMValidationError(
+                f"{where}[{i}] must be a text part (input_text, output_text), got {loggable(kind)}",
+                "input",
+            )
+        new = {"type": "input_text", "text": text}
+        if part.get("prompt_cache_breakpoint") is not None:
+            new["prompt_cache_breakpoint"] = part["prompt_cache_breakpoint"]
+        parts.append(new)
+    return parts
+
+
+def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Normalized items as chat messages: consecutive function calls (and the assistant
+    text before them) become one assistant message with ``tool_calls``; an output is a
+    ``tool`` message naming its call's function. An output whose call is not among the
+    items is a 400 naming ``input`` (as OpenAI)."""
+    messages: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # call_id -> function name
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
+            parts = [{**_chat_part(p)} for p in item["content"]]
+            messages.append({"role": role, "content": parts})
+        elif kind == "function_call":
+            names[item["call_id"]] = item["name"]
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            name = names.get(item["call_id"])
+            if name is None:
+                raise VLLMValidationError(
+                    f"No tool call found for function call output with call_id "
+                    f"{loggable(item['call_id'])}",
+                    "input",
+                )
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "name": name,
+                    "content": item["output"],
+                }
+            )
+    return messages
+
+
+def _chat_part(part: dict[str, Any]) -> dict[str, Any]:
+    chat = {"type": "text", "text": part["text"]}
+    if "prompt_cache_breakpoint" in part:
+        chat["prompt_cache_breakpoint"] = part["prompt_cache_breakpoint"]
+    return chat
+
+
+# -- chat output -> items -----------------------------------------------------------------
+def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    return {
+        "id": item_id or new_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict:
+    return {
+        "id": item_id or new_id("fc"),
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
+
+
+def output_items(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
+    """A chat ``message`` (``ToolPlan.message``) as Responses output items: its text as
+    a message item (none when empty), then one ``function_call`` item per tool call."""
+    items = []
+    if message.get("content"):
+        items.append(message_item(message["content"], status))
+    for call in message.get("tool_calls") or []:
+        fn = call["function"]
+        items.append(call_item(call["id"], fn["name"], fn["arguments"]))
+    return items
+
+
+class InputItemsQuery(BaseModel):
+    """``GET /v1/responses/{id}/input_items``'s query: OpenAI's pagination."""
+
+    after: str | None = None
+    limit: int = Field(default=20, ge=1, le=100)
+    order: Literal["asc", "desc"] = "desc"

@@ -1,0 +1,137 @@
+"""The server-sent events of a streamed ``/v1/responses`` response.
+
+One response streams as::
+
+    response.created, response.in_progress
+    per output item (a message, or a function call), in output order:
+        response.output_item.added
+        message:       response.content_part.added, response.output_text.delta ...,
+                       response.output_text.done, response.content_part.done
+        function call: response.function_call_arguments.delta ...,
+                       response.function_call_arguments.done
+        response.output_item.done
+    response.completed (response.incomplete when cut by max_output_tokens)
+
+An item is closed (its ``done`` events sent) when the next one starts or the output
+ends. Every event has a ``sequence_number``, 0 first; the items' ids are those of the
+final response.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vllm.entrypoints.openai.protocol_responses import call_item, message_item
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class ResponseEvents:
+    """The events of one response, built from text and tool-call deltas. ``items``: the
+    output items so far (the final response's ``output`` once ``finish`` has run)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self._open: int | None = None  # output index of the item still streaming
+        self._calls: dict[int, int] = {}  # tool call index -> output index
+
+    def event(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse_event(payload)
+
+    def lifecycle(self, kind: str, response: dict[str, Any]) -> str:
+        """``response.created``, ``.in_progress``, ``.completed``, ``.incomplete``, ..."""
+        return self.event(kind, response=response)
+
+    def text(self, delta: str) -> list[str]:
+        """Events for ``delta`` of the assistant's text (a new message item if needed)."""
+        events = []
+        if self._open is None or self.items[self._open]["type"] != "message":
+            events += self._close()
+            item = message_item("", "in_progress")
+            item["content"] = []
+            events += self._add(item)
+            part = {"type": "output_text", "text": "", "annotations": []}
+            item["content"].append(part)
+            events.append(
+                self._item_event("response.content_part.added", content_index=0, part=part)
+            )
+        self.items[self._open]["content"][0]["text"] += delta
+        events.append(
+            self._item_event(
+                "response.output_text.delta", content_index=0, delta=delta, logprobs=[]
+            )
+        )
+        return events
+
+    def tool_call(self, piece: dict[str, Any]) -> list[str]:
+        """Events for one chat tool-call delta (``ToolCallStreamer``): the first piece of
+        a call (with its id and name) adds a function_call item, later ones extend its
+        arguments."""
+        events = []
+        index, args = piece["index"], piece["function"].get("arguments") or ""
+        if index not in self._calls:
+            events += self._close()
+            item = call_item(piece["id"], piece["function"]["name"], "")
+            item["status"] = "in_progress"
+            events += self._add(item)
+            self._calls[index] = self._open
+        output_index = self._calls[index]
+        item = self.items[output_index]
+        if args:
+            item["arguments"] += args
+            events.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=output_index,
+                    delta=args,
+                )
+            )
+        return events
+
+    def finish(self, status: str) -> list[str]:
+        """Close the open item; ``status``: the items' final status."""
+        return self._close(status)
+
+    def _add(self, item: dict[str, Any]) -> list[str]:
+        self.items.append(item)
+        self._open = len(self.items) - 1
+        return [self._item_event("response.output_item.added", item=item)]  # sent as it is now
+
+    def _close(self, status: str = "completed") -> list[str]:
+        if self._open is None:
+            return []
+        item = self.items[self._open]
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [
+                self._item_event(
+                    "response.output_text.done", content_index=0, text=part["text"], logprobs=[]
+                ),
+                self._item_event("response.content_part.done", content_index=0, part=part),
+            ]
+        else:
+            events = [
+                self._item_event(
+                    "response.function_call_arguments.done",
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            ]
+        events.append(self._item_event("response.output_item.done", item=item))
+        self._open = None
+        return events
+
+    def _item_event(self, kind: str, **fields: Any) -> str:
+        """An event of the open item (its ``output_index``, and ``item_id`` unless the
+        event carries the item itself)."""
+        item = self.items[self._open]
+        ids = {} if "item" in fields else {"item_id": item["id"]}
+        return self.event(kind, output_index=self._open, **ids, **fields)

@@ -1,0 +1,380 @@
+"""POST /v1/responses (the OpenAI Responses API) on the chat machinery, and the stored
+responses' GET / DELETE / input_items.
+
+A request becomes a ``ChatCompletionRequest`` (instructions as the system message, the
+``previous_response_id`` chain's input and output items, then the new input, as chat
+messages; function tools and ``tool_choice`` in chat's form), runs through
+``OpenAIServingChat.start_generation`` (same template, tool parsing, guided decoding and
+engine path as /v1/chat/completions), and its chat message is converted back into output
+items.
+
+Job identity (Continuum): a chain of responses is one job. Its id is the request's
+``job_id`` (this server's extra), else ``prompt_cache_key``, else the job of the
+previous response, else (a chain's first response) the response's own id; it is stored
+with each response, so the whole chain carries it. Every turn is sent with
+``is_last_step=False`` unless the client says otherwise: whether a turn ends the job is
+known only after its output (a function call means the agent comes back with its
+output), so a turn that ends with a tool call is pinned for the tool's duration, and a
+turn that ends with plain text keeps its pin until the TTL expires it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from vllm.entrypoints.openai import openapi
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, ErrorResponse, loggable
+from vllm.entrypoints.openai.protocol_responses import (
+    InputItemsQuery,
+    ResponsesRequest,
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    items_to_messages,
+    new_id,
+    normalize_input,
+    output_items,
+)
+from vllm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from vllm.entrypoints.openai.responses_stream import ResponseEvents
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, Receive
+from vllm.entrypoints.openai.tool_calling import ToolPlan
+from vllm.exceptions import VLLMValidationError
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.async_llm import RequestStream
+
+logger = logging.getLogger(__name__)
+
+# The engine's finish reason -> the response's status (its items: "incomplete" unless
+# the response completed).
+_STATUS = {"length": "incomplete", "abort": "cancelled"}
+DEFAULT_TEMPERATURE = SamplingParams().temperature
+
+
+def not_found(response_id: str) -> HTTPException:
+    return HTTPException(404, f"Response with id {loggable(response_id)} not found.")
+
+
+class OpenAIServingResponses:
+    """The Responses endpoints over ``chat`` (its engine, model and tool flags), with the
+    stored responses in ``store``."""
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
+        self.chat = chat
+        self.store = store or ResponseStore()
+        cache = chat.engine.config.cache_config
+        # The prompt's full blocks are written to the prefix cache (0: caching is off).
+        self.cache_block = cache.block_size if cache.enable_prefix_caching else 0
+
+    # -- create ---------------------------------------------------------------------------
+    async def create_response(
+        self,
+        request: ResponsesRequest,
+        received: float | None = None,
+        receive: Receive | None = None,
+    ) -> Response:
+        """The response object (JSON), or its events (SSE) if ``request.stream``;
+        ``VLLMValidationError`` naming the Responses field for a request refused."""
+        response_id = new_id("resp")
+        chain = self._chain(request.previous_response_id)
+        job_id = request.job_id or request.prompt_cache_key
+        job_id = job_id or (chain[-1].job_id if chain else response_id)
+        items = normalize_input(request.input)
+        history = [i for e in chain for i in (*e.input_items, *e.response["output"])]
+        messages = items_to_messages(history + items)
+        if request.instructions:
+            messages.insert(0, {"role": "system", "content": request.instructions})
+        chat_request = self._chat_request(request, messages, job_id)
+        logger.info(
+            "responses request %s: job_id=%s previous=%s items=%d stream=%s",
+            response_id,
+            loggable(job_id),
+            loggable(request.previous_response_id),
+            len(items),
+            request.stream,
+        )
+        try:
+            plan, stream = await self.chat.start_generation(chat_request, response_id)
+        except VLLMValidationError as e:
+            e.param = ResponsesRequest.FIELD_NAMES.get(e.param, e.param)
+            raise
+        turn = _Turn(request, response_id, int(time.time()), items, job_id)
+        if request.stream:
+            return EngineStreamingResponse(self._stream(turn, plan, stream, received), stream)
+        final = await self.chat.collect(stream, receive)
+        if final is None:
+            return Response(status_code=499)  # the client left
+        body = self._finish(turn, plan, final)
+        return JSONResponse(body, headers=self.chat.timing(received, stream))
+
+    def _chain(self, previous_id: str | None) -> list[StoredResponse]:
+        if previous_id is None:
+            return []
+        chain = self.store.chain(previous_id)
+        if chain is None:
+            raise VLLMValidationError(
+                f"Previous response with id {loggable(previous_id)} not found (never stored, "
+                "stored with store=false, deleted or evicted, or a response before it was).",
+                "previous_response_id",
+                code="previous_response_not_found",
+            )
+        return chain
+
+    def _chat_request(
+        self, request: ResponsesRequest, messages: list[dict], job_id: str
+    ) -> ChatCompletionRequest:
+        fields = {
+            "model": request.model,
+            "messages": messages,
+            "max_completion_tokens": request.max_output_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "tools": chat_tools(request.tools),
+            "tool_choice": chat_tool_choice(request.tool_choice),
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "response_format": chat_response_format(request.text),
+            "stream": request.stream,
+            "user": request.user,
+            "priority": request.priority,
+            "job_id": job_id,
+            "is_last_step": bool(request.is_last_step),
+            "prompt_cache_key": request.prompt_cache_key,
+            "prompt_cache_options": request.prompt_cache_options,
+            "prompt_cache_retention": request.prompt_cache_retention,
+        }
+        try:
+            return ChatCompletionRequest.model_validate(
+                {k: v for k, v in fields.items() if v is not None}
+            )
+        except ValidationError as e:
+            raise _responses_error(e) from e
+
+    # -- results --------------------------------------------------------------------------
+    def _finish(self, turn: _Turn, plan: ToolPlan, final: RequestOutput) -> dict[str, Any]:
+        c = final.outputs[0]
+        status = _STATUS.get(c.finish_reason or "", "completed")
+        message, _ = plan.message(c.text, c.finish_reason)
+        output = output_items(message, _item_status(status))
+        usage = self.usage(len(final.prompt_token_ids), len(c.token_ids), final.num_cached_tokens)
+        return self._complete(turn, status, output, usage)
+
+    def _complete(self, turn: _Turn, status: str, output: list, usage: dict) -> dict[str, Any]:
+        """The final response object, stored if the request asked for it."""
+        body = self.response_object(turn, status, output, usage)
+        if turn.request.stored:
+            self.store.put(StoredResponse(body, turn.items, turn.job_id))
+        return body
+
+    def usage(self, prompt: int, output: int, cached: int) -> dict[str, Any]:
+        """OpenAI's Responses usage. ``cached``: prompt tokens served from the KV cache
+        (as chat's ``cached_tokens``); the cache writes are the prompt's other tokens in
+        full KV blocks (those the prefix cache keeps)."""
+        full = prompt // self.cache_block * self.cache_block if self.cache_block else 0
+        return {
+            "input_tokens": prompt,
+            "input_tokens_details": {
+                "cached_tokens": cached,
+                "cache_write_tokens": max(full - cached, 0),
+            },
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + output,
+        }
+
+    def response_object(
+        self, turn: _Turn, status: str, output: list, usage: dict | None
+    ) -> dict[str, Any]:
+        r = turn.request
+        done = status != "in_progress"
+        return {
+            "id": turn.response_id,
+            "object": "response",
+            "created_at": turn.created_at,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "background": False,
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "max_tool_calls": r.max_tool_calls,
+            "metadata": r.metadata or {},
+            "model": self.chat.model_name,
+            "output": output,
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "previous_response_id": r.previous_response_id,
+            "prompt_cache_key": r.prompt_cache_key,
+            "prompt_cache_retention": r.prompt_cache_retention,
+            "reasoning": {"effort": None, "summary": None},
+            "safety_identifier": r.safety_identifier,
+            "store": r.stored,
+            "temperature": DEFAULT_TEMPERATURE if r.temperature is None else r.temperature,
+            "text": {"format": (r.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": r.tool_choice or "auto",
+            "tools": r.tools or [],
+            "top_p": 1.0 if r.top_p is None else r.top_p,
+            "truncation": "disabled",
+            "usage": usage if done else None,
+            "user": r.user,
+        }
+
+    async def _stream(
+        self, turn: _Turn, plan: ToolPlan, stream: RequestStream, received: float | None
+    ) -> AsyncIterator[str]:
+        events = ResponseEvents()
+        yield events.lifecycle(
+            "response.created", self.response_object(turn, "in_progress", [], None)
+        )
+        yield events.lifecycle(
+            "response.in_progress", self.response_object(turn, "in_progress", [], None)
+        )
+        streamer = plan.streamer()  # None: the output is plain text
+        prompt = output = cached = 0
+        finish_reason = None
+        try:
+            async for out in stream:
+                prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                c = out.outputs[0]
+                output += len(c.token_ids)
+                finish_reason = c.finish_reason
+                delta = {"content": c.text} if c.text else {}
+                if streamer is not None:
+                    delta = streamer.delta(c.text, c.finish_reason is not None)
+                for chunk in _delta_events(events, delta):
+                    yield chunk
+            status = _STATUS.get(finish_reason or "", "completed")
+            for chunk in events.finish(_item_status(status)):
+                yield chunk
+            body = self._complete(turn, status, events.items, self.usage(prompt, output, cached))
+            kind = "response.completed" if status == "completed" else "response.incomplete"
+            yield events.lifecycle(kind, body)
+            self.chat.timing(received, stream)
+        except Exception as e:  # the status line is sent: the error goes in-band
+            logger.warning("responses stream %s failed: %r", turn.response_id, e)
+            code = "invalid_request" if isinstance(e, ValueError) else "server_error"
+            yield events.event("error", code=code, message=str(e), param=None)
+            failed = self.response_object(turn, "failed", events.items, None)
+            failed["error"] = {"code": code, "message": str(e)}
+            yield events.lifecycle("response.failed", failed)
+        finally:
+            await stream.aclose()  # a client that left: abort its request in the engine
+
+    # -- stored ---------------------------------------------------------------------------
+    def retrieve(self, response_id: str) -> dict[str, Any]:
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        return entry.response
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        if not self.store.delete(response_id):
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def input_items(self, response_id: str, query: InputItemsQuery) -> dict[str, Any]:
+        """The response's own input items (not those of earlier responses in its chain),
+        paginated as OpenAI: ``after`` an item id, ``limit``, ``order`` (desc first)."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        items = entry.input_items if query.order == "asc" else entry.input_items[::-1]
+        if query.after is not None:
+            ids = [i["id"] for i in items]
+            if query.after not in ids:
+                raise VLLMValidationError(
+                    f"No input item with id {loggable(query.after)} in this response", "after"
+                )
+            items = items[ids.index(query.after) + 1 :]
+        page = items[: query.limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
+
+
+class _Turn:
+    """What a response keeps from its request while it generates."""
+
+    def __init__(
+        self, request: ResponsesRequest, response_id: str, created_at: int, items: list, job_id: str
+    ) -> None:
+        self.request = request
+        self.response_id = response_id
+        self.created_at = created_at
+        self.items = items
+        self.job_id = job_id
+
+
+def _item_status(status: str) -> str:
+    return "completed" if status == "completed" else "incomplete"
+
+
+def _delta_events(events: ResponseEvents, delta: dict[str, Any]) -> list[str]:
+    out = events.text(delta["content"]) if delta.get("content") else []
+    for piece in delta.get("tool_calls") or []:
+        out += events.tool_call(piece)
+    return out
+
+
+def _responses_error(e: ValidationError) -> VLLMValidationError:
+    """The chat request's validation error, naming the Responses field it came from."""
+    first = e.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    loc = [str(p) for p in first.get("loc", ())]
+    param = ResponsesRequest.FIELD_NAMES.get(loc[0], loc[0]) if loc else None
+    if isinstance(cause, VLLMValidationError):
+        cause.param = ResponsesRequest.FIELD_NAMES.get(cause.param, cause.param)
+        return cause
+    return VLLMValidationError(f"{param}: {first['msg']}", param)
+
+
+# -- routes -------------------------------------------------------------------------------
+def _documented(errors: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    shown = {code: {"model": ErrorResponse, "description": text} for code, text in errors.items()}
+    return {**openapi.ERROR_RESPONSES, **shown}
+
+
+_STORED_RESPONSES = _documented(
+    {400: "Invalid query parameter.", 404: "No stored response with this id."}
+)
+
+
+def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, received_key: str) -> None:
+    """POST /v1/responses; GET and DELETE /v1/responses/{id}; GET .../input_items.
+    ``received_key``: the ASGI scope key of the request's arrival time."""
+
+    @app.post("/v1/responses", responses=openapi.GENERATE_RESPONSES)
+    async def create_response(request: ResponsesRequest, raw: Request):
+        return await serving.create_response(request, raw.scope.get(received_key), raw.receive)
+
+    @app.get("/v1/responses/{response_id}", responses=_STORED_RESPONSES)
+    async def retrieve_response(response_id: str):
+        return serving.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=_STORED_RESPONSES)
+    async def delete_response(response_id: str):
+        return serving.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=_STORED_RESPONSES)
+    async def list_input_items(response_id: str, raw: Request):
+        try:
+            query = InputItemsQuery.model_validate(dict(raw.query_params))
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = str(first["loc"][0]) if first.get("loc") else None
+            raise VLLMValidationError(f"{param}: {first['msg']}", param) from e
+        return serving.input_items(response_id, query)
