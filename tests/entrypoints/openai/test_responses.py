@@ -332,11 +332,11 @@ def ask(client, text="What is the capital of France?", **kw):
     return client.responses.create(model=MODEL, input=text, **kw)
 
 
-def call_weather(client, **kw):
+def call_weather(client, city="Paris", **kw):
     return client.responses.create(
         model=MODEL,
         instructions=INSTRUCTIONS,
-        input="What is the weather in Paris?",
+        input=f"What is the weather in {city}?",
         tools=[WEATHER],
         tool_choice="required",
         max_output_tokens=40,
@@ -425,6 +425,7 @@ def test_a_second_turn_continues_the_chain_with_the_tool_output(client):
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 22 C"}
     second = client.responses.create(
         model=MODEL,
+        instructions=INSTRUCTIONS,  # as agents do: sent again on every turn
         previous_response_id=first.id,
         input=[output],
         tools=[WEATHER],
@@ -433,8 +434,8 @@ def test_a_second_turn_continues_the_chain_with_the_tool_output(client):
         temperature=0,
     )
     assert second.previous_response_id == first.id and second.output_text
-    # The prompt holds the first turn (instructions are not carried over, as OpenAI).
-    assert second.usage.input_tokens > first.usage.input_tokens - 40
+    # The prompt holds the first turn's input and its call, then the tool's output.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     items = client.responses.input_items.list(second.id)
     assert [i.type for i in items.data] == ["function_call_output"]
     assert items.data[0].call_id == call.call_id
@@ -507,10 +508,11 @@ def test_refusals_name_the_field(client, kw, param):
 @pytest.mark.slow
 def test_a_chain_is_one_job_pinned_between_its_turns(server, client):
     before = server.metrics()
-    first = call_weather(client)
+    first = call_weather(client, city="Oslo")  # no earlier request shares its prompt
     call = next(o for o in first.output if o.type == "function_call")
     second = client.responses.create(
         model=MODEL,
+        instructions=INSTRUCTIONS,
         previous_response_id=first.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Rain"}],
         tools=[WEATHER],
@@ -521,7 +523,8 @@ def test_a_chain_is_one_job_pinned_between_its_turns(server, client):
     after = server.metrics()
     assert after["vllm:pin_hits_total"] - before["vllm:pin_hits_total"] == 1
     assert after["vllm:pins_total"] - before["vllm:pins_total"] >= 1
-    assert second.usage.input_tokens_details.cached_tokens > 0
+    # Turn 2 reuses turn 1's context: its system prompt, question and call.
+    assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2
     # The job is named after the chain's first response (no prompt_cache_key was sent).
     log = (server.out_dir / "server.log").read_text()
     assert f"job {first.id!r}: func_call=" in log
