@@ -21,7 +21,10 @@ class FakeRunner:
     """A 'model' whose next token is the last token + 1; records every call."""
 
     def __init__(self, vllm_config) -> None:
+        from vllm.v1.structured_output import StructuredOutputManager
+
         self.config = vllm_config
+        self.structured_output = StructuredOutputManager(vllm_config)  # never masks here
         self.calls = []
         self.states: dict[str, list] = {}  # req_id -> [token_ids, num_computed_tokens]
 

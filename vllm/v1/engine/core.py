@@ -14,11 +14,14 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestError
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output.ahead import PendingGrammars
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.05  # an idle step waits this long for a compiling grammar
 
 
 def check_kv_capacity(vllm_config: VllmConfig, num_gpu_blocks: int) -> None:
@@ -80,6 +83,8 @@ class EngineCore:
         self.num_cpu_blocks, block_bytes = self._init_kv_offload()
         policy = create_policy(vllm_config, decode=self._decode, clock=clock)
         policy.prepare(self.model_runner.profile_prefill)
+        # Constrained requests wait here while their grammar compiles (not in a step).
+        self.grammars = PendingGrammars(self.model_runner.structured_output)
         self.scheduler = Scheduler(
             vllm_config, self.num_gpu_blocks, policy, clock, self.num_cpu_blocks, block_bytes
         )
@@ -122,21 +127,22 @@ class EngineCore:
         params = request.sampling_params
         eos = request.eos_token_id if request.eos_token_id is not None else self.eos_token_id
         params.update_from_generation_config(eos)
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                params,
-                eos_token_id=eos,
-                arrival_time=self.clock(),
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                block_hasher=self.block_hasher,
-            )
+        core_request = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            params,
+            eos_token_id=eos,
+            arrival_time=self.clock(),
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            block_hasher=self.block_hasher,
         )
+        if not self.grammars.hold(core_request):
+            self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop these requests now and free their blocks (unknown ids are ignored)."""
+        self.grammars.discard(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> None:
@@ -147,6 +153,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. A request that fails inside the step is finished
         with an error (``EngineCoreOutputs.errors``); the engine goes on."""
+        errors = self._schedule_compiled()
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self._execute(scheduler_output)
@@ -155,7 +162,21 @@ class EngineCore:
         else:
             if not scheduler_output.is_empty:  # the model ran: the engine works
                 self._num_failed_steps = 0
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.errors.extend(errors)
+        return outputs
+
+    def _schedule_compiled(self) -> list[EngineCoreRequestError]:
+        """Hand the requests whose grammar is ready to the scheduler. With nothing else to
+        run, wait a little for one (no busy loop while grammars compile)."""
+        idle = not self.scheduler.has_unfinished_requests()
+        ready, errors = self.grammars.take_ready(GRAMMAR_POLL_S if idle else 0.0)
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:
+                errors.append(EngineCoreRequestError(request.request_id, str(e)))
+        return errors
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model, unless nothing is scheduled (pins expiring, all waiting blocked)."""
@@ -199,14 +220,17 @@ class EngineCore:
         return ModelRunnerOutput([], {}, errors=dict.fromkeys(req_ids, failure))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or len(self.grammars) > 0
 
     def has_work(self) -> bool:
         """Whether ``step`` would compute anything (pinned blocks alone are no work)."""
         return self.scheduler.has_work()
 
     def next_wakeup(self) -> float | None:
-        """Clock time of the earliest pin deadline (an idle engine may sleep until then)."""
+        """Clock time of the earliest pin deadline (an idle engine may sleep until then);
+        now while grammars compile (``step`` then waits for them, briefly)."""
+        if self.grammars:
+            return self.clock()
         return self.scheduler.next_wakeup()
 
     def reset_prefix_cache(self) -> bool:

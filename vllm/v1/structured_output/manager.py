@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 import numpy as np
@@ -51,6 +52,7 @@ class StructuredOutputManager:
         self._grammars: dict[str, str] = {}  # req_id -> its grammar text
         self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> fresh matcher
         self._logged: set[str] = set()
+        self._vocab_size: int | None = None
 
     def _tokenizer(self, vocab_size: int):
         if self._ll_tokenizer is None:
@@ -64,26 +66,57 @@ class StructuredOutputManager:
             self._ll_tokenizer = build_ll_tokenizer(tok, vocab_size, eos)
         return self._ll_tokenizer
 
-    def _compile(self, grammar: str, vocab_size: int):
-        """A fresh matcher of ``grammar`` (compiled in the grammar thread, whose stack
-        deep grammars need; cached, so equal grammars compile once)."""
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits the matchers mask: the model's vocabulary."""
+        if self._vocab_size is None:
+            from vllm.model_executor.model_loader import get_model_config
+
+            self._vocab_size = get_model_config(self.model_config.model).vocab_size
+        return self._vocab_size
+
+    def _build(self, grammar: str) -> tuple[str, object]:
+        """In the grammar thread (deep grammars need its stack): ``grammar`` and a fresh
+        matcher of it. The llguidance tokenizer is built there too, once, so only that
+        thread ever touches it."""
+        return grammar, new_matcher(self._tokenizer(self.vocab_size), grammar)
+
+    def prepare(self, params: SamplingParams) -> Future | None:
+        """Start compiling ``params``' grammar; None when there is nothing to wait for.
+
+        The future's result goes to ``adopt`` (on this thread) before the request is
+        scheduled, so the step that first samples it does not compile."""
+        if params.structured_outputs is None:
+            return None
+        grammar = compile_grammar(params.structured_outputs)
+        if grammar in self._compiled:
+            return None
+        return grammar_thread().submit(self._build, grammar)
+
+    def adopt(self, compiled: tuple[str, object]) -> None:
+        """Keep a compiled grammar (``prepare``'s result) for the requests that use it."""
+        grammar, template = compiled
+        self._compiled[grammar] = template
+        self._compiled.move_to_end(grammar)
+        if len(self._compiled) > COMPILED_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+
+    def _compile(self, grammar: str):
+        """A compiled ``grammar``: from the cache, else compiled now (a resumed request
+        whose grammar left the cache, or a caller that did not ``prepare``)."""
         template = self._compiled.get(grammar)
         if template is None:
-            tokenizer = self._tokenizer(vocab_size)
-            template = grammar_thread().run(new_matcher, tokenizer, grammar)
-            self._compiled[grammar] = template
-            if len(self._compiled) > COMPILED_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(grammar)
+            self.adopt(grammar_thread().run(self._build, grammar))
+            return self._compiled[grammar]
+        self._compiled.move_to_end(grammar)
         return template
 
-    def _matcher(self, row: ConstrainedRow, vocab_size: int):
+    def _matcher(self, row: ConstrainedRow):
         matcher = self._matchers.get(row.req_id)
         if matcher is None:
             grammar = compile_grammar(row.sampling_params.structured_outputs)
             self._grammars[row.req_id] = grammar
-            matcher = self._compile(grammar, vocab_size).deep_copy()
+            matcher = self._compile(grammar).deep_copy()
             if row.output_token_ids:  # resumed after preemption: replay its tokens
                 matcher.consume_tokens(row.output_token_ids)
             self._matchers[row.req_id] = matcher
@@ -92,7 +125,7 @@ class StructuredOutputManager:
     def _row_mask(self, row: ConstrainedRow, vocab: int) -> tuple[torch.Tensor | None, str]:
         """(allowed tokens, "") or (None, why the row's grammar failed)."""
         try:
-            matcher = self._matcher(row, vocab)
+            matcher = self._matcher(row)
             packed = np.frombuffer(matcher.compute_bitmask(), np.uint8)
         except Exception as e:  # the front end validated it: not expected
             logger.warning("request %s: its matcher failed", row.req_id, exc_info=True)
