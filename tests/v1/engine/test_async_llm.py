@@ -26,7 +26,9 @@ def collect_garbage():
 
 def run(scenario) -> None:
     async def main() -> None:
-        config = EngineArgs(num_gpu_blocks_override=32).create_engine_config(2048)
+        # 255 usable blocks of 16: room for the 2,000-token requests that must outlast
+        # their test (a request that cannot fit the pool is refused up front).
+        config = EngineArgs(num_gpu_blocks_override=256).create_engine_config(2048)
         engine = AsyncLLM(config, engine_factory=fake_engine_factory)
         try:
             await engine.start()

@@ -64,6 +64,8 @@ class FakeEngine:
     num_gpu_blocks = 32
 
     def __init__(self, vllm_config=None) -> None:
+        override = vllm_config.cache_config.num_gpu_blocks_override if vllm_config else None
+        self.num_gpu_blocks = override or FakeEngine.num_gpu_blocks  # the pool it reports
         self.requests: dict[str, list[int]] = {}  # id -> [generated, max_tokens]
         self.step_times: list[float] = []
         self.wakeup: float | None = None
