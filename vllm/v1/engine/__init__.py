@@ -100,7 +100,6 @@ class EngineCoreRequestError:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
     # Requests that failed in this step (finished, blocks freed): no output of theirs is
     # in ``outputs``. The engine process sends each as a REQUEST_ERROR message.
     errors: list[EngineCoreRequestError] = field(default_factory=list)

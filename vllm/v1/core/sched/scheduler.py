@@ -343,7 +343,7 @@ class Scheduler:
             if stopped:
                 self._finish(request, now)
             outputs.append(output)
-        return EngineCoreOutputs(outputs, self.make_stats(), now, errors)
+        return EngineCoreOutputs(outputs, self.make_stats(), errors=errors)
 
     def _fail_requests(self, failures: dict[str, RequestFailure]) -> list[EngineCoreRequestError]:
         """Finish the requests that failed in this step, through the abort path (their
