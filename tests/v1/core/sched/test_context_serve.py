@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 from vllm.config import PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.pinned import PinEntry, PinnedRequests
 from vllm.v1.core.sched.policy import FREE, Offload, Pin, create_policy
 from vllm.v1.core.sched.policy.context_serve import ContextServePolicy
 from vllm.v1.request import RequestStatus
 from vllm_continuum.context_serve.config import ContextServeConfig
 from vllm_continuum.context_serve.stats import ContextServeStats
+from vllm_continuum.pins import PinEntry, PinTable
 
 from ..conftest import make_request
 from .helpers import make_scheduler, step
@@ -162,7 +162,7 @@ def _entry(job: str, age: float, strict: bool) -> PinEntry:
 
 
 def test_pressure_releases_soft_pins_before_strict_ones():
-    pins = PinnedRequests()
+    pins = PinTable()
     pins.add("old-soft", _entry("old-soft", 0.0, strict=False))
     pins.add("new-strict", _entry("new-strict", 2.0, strict=True))
     pins.add("mid-soft", _entry("mid-soft", 1.0, strict=False))

@@ -22,9 +22,8 @@ from vllm_continuum.pins import (
     PinEntry,
     PinManager,
 )
-from vllm_continuum.pins import PinTable as PinnedRequests
 
-__all__ = ["KVCachePinManager", "PinEntry", "PinnedRequests"]
+__all__ = ["KVCachePinManager", "PinEntry"]
 
 
 class KVCachePinManager(PinManager):
