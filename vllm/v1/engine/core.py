@@ -199,11 +199,8 @@ class EngineCore:
         return ModelRunnerOutput([], {}, errors=dict.fromkeys(req_ids, failure))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
-    def has_work(self) -> bool:
         """Whether ``step`` would compute anything (pinned blocks alone are no work)."""
-        return self.scheduler.has_work()
+        return self.scheduler.has_unfinished_requests()
 
     def next_wakeup(self) -> float | None:
         """Clock time of the earliest pin deadline (an idle engine may sleep until then)."""

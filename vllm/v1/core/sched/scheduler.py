@@ -399,11 +399,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
-
-    def has_work(self) -> bool:
         """Whether a step would compute anything (pins alone are no work)."""
-        return self.has_unfinished_requests()
+        return self.get_num_unfinished_requests() > 0
 
     def next_wakeup(self) -> float | None:
         """Clock time of the earliest pin deadline: an idle engine may sleep until then."""
