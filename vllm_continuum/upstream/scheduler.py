@@ -374,7 +374,7 @@ class ContinuumScheduler(AgentScheduler):
         if not self.policy_config.job_admission:
             return True
         waited = now - info.arrival
-        return self.core.may_release_pin(self.job_arrival(info), entry.job_age, waited)
+        return self.core.may_release_pin(self.job_arrival(info), entry.job_arrival, waited)
 
 
 class AsyncContinuumScheduler(ContinuumScheduler, AsyncScheduler):

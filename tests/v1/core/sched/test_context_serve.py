@@ -157,8 +157,15 @@ def test_last_steps_and_slow_turns_are_never_pinned():
     assert dropping.on_finished(r, 2.0) is FREE
 
 
-def _entry(job: str, age: float, strict: bool) -> PinEntry:
-    return PinEntry(turn(job, [1], age), age + 5.0, age, job_age=age, num_blocks=1, strict=strict)
+def _entry(job: str, arrival: float, strict: bool) -> PinEntry:
+    return PinEntry(
+        turn(job, [1], arrival),
+        arrival + 5.0,
+        arrival,
+        job_arrival=arrival,
+        num_blocks=1,
+        strict=strict,
+    )
 
 
 def test_pressure_releases_soft_pins_before_strict_ones():
