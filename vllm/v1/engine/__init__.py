@@ -57,7 +57,9 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    arrival_time: float = 0.0  # wall clock at the front end (for latency metrics)
+    # time.time() when the front end got the request, for its latency metrics (the engine
+    # stamps its own Request.arrival_time on its clock when the request reaches it).
+    arrival_wall_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
 
