@@ -7,7 +7,7 @@ cover the previous context; after the last turn (is_last_step=True) usage must r
 to its starting level. Run it on an otherwise idle server started with
 `--scheduling-policy continuum`; under fcfs the "pinned" checks fail by design.
 
-    .venv/bin/python our_experiments/scripts/test_pin_verify.py --base-url http://127.0.0.1:8000/v1
+    .venv/bin/python our_experiments/scripts/pin_verify.py --base-url http://127.0.0.1:8000/v1
 
 Exit status 0 when every check passes, 1 otherwise.
 """
