@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts.ab_benchmark import check_loopback  # noqa: E402
 from our_experiments.scripts.workload import SYSTEM_PROMPT, load_corpus, make_job  # noqa: E402
+from vllm.benchmarks.metrics_reader import scrape_metrics  # noqa: E402
 from vllm.benchmarks.utils import openai_base_url  # noqa: E402
-from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
 
 USAGE = "vllm:kv_cache_usage_perc"
 
