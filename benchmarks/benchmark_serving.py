@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import openai
 
+from vllm.benchmarks.metrics_reader import scrape_metrics
 from vllm.benchmarks.server import RemoteServer
 from vllm.benchmarks.utils import openai_base_url, percentile
-from vllm.v1.metrics.reader import scrape_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
 OVERHEAD = "vllm:request_server_overhead_seconds"

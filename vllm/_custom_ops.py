@@ -28,20 +28,11 @@ from vllm import envs
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
-_SOURCES = [
-    _CSRC / "cache_kernels.cpp",
-    _CSRC / "quant_kernels.cpp",
-    _CSRC / "quant_avx512.cpp",
-    _CSRC / "quant_amx.cpp",
-    _CSRC / "layer_kernels.cpp",
-    _CSRC / "attention_kernels.cpp",
-    _CSRC / "prefill_attention.cpp",
-]
+# Every .cpp of csrc/cpu is compiled, here and by CMakeLists.txt (which globs the same
+# folder): the folder is the one list of sources.
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 # Not compiled alone, but part of the build's identity.
-_HEADERS = [
-    _CSRC / name
-    for name in ("vec_math.h", "quant_blocks.h", "quant_lanes512.h", "parallel.h", "amx.h")
-]
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _native = None  # the torch op once loaded, else None
 _tried = False
 _ops: dict[str, object] = {}  # name -> the loaded op's default overload, or None
@@ -81,6 +72,8 @@ def build(verbose: bool = False) -> Path:
     """JIT-compile the native kernels into the cache folder (needs a C++ compiler)."""
     from torch.utils.cpp_extension import load
 
+    if not _SOURCES:  # an install without the repository's csrc/
+        raise RuntimeError(f"no kernel sources in {_CSRC}")
     out = _cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     load(

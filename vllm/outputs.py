@@ -48,12 +48,6 @@ class RequestMetrics:
             return None
         return self.first_token_time - self.arrival_time
 
-    @property
-    def e2e_latency(self) -> float | None:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
-
 
 @dataclass
 class RequestOutput:

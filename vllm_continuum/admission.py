@@ -29,7 +29,6 @@ DEFAULT_TURN_GROWTH = 256  # tokens, until a job's second turn has been seen
 
 @dataclass
 class _ActiveJob:
-    first_arrival: float
     context: int  # tokens of its latest turn (prompt at arrival, all tokens at departure)
     last_prompt: int
     last_seen: float
@@ -71,10 +70,10 @@ class JobAdmission:
         state.last_seen = now
         state.waiting = True
 
-    def on_scheduled(self, job: str, prompt_tokens: int, arrival: float, now: float) -> None:
+    def on_scheduled(self, job: str, prompt_tokens: int, now: float) -> None:
         state = self._jobs.get(job)
         if state is None:
-            state = self._jobs[job] = _ActiveJob(arrival, prompt_tokens, prompt_tokens, now)
+            state = self._jobs[job] = _ActiveJob(prompt_tokens, prompt_tokens, now)
         state.running += 1
         state.waiting = False
         state.last_seen = now

@@ -78,7 +78,7 @@ class ContinuumCore:
         """A turn of ``num_tokens`` was admitted after ``queued_s`` in the queue;
         ``context_kept``: its job's context was pinned (or it is a preempted request
         coming back)."""
-        self.admission.on_scheduled(job, num_tokens, now - queued_s, now)
+        self.admission.on_scheduled(job, num_tokens, now)
         if not context_kept:
             # A turn whose context was not kept waited this long: the T of the TTL rule.
             self.queue_delays.append(max(queued_s, 0.0))

@@ -9,7 +9,7 @@ newer turn, and at shutdown. One pin per job.
 ``PinTable`` is the bookkeeping (O(1) by job; heaps with lazy deletion for expiry and the
 pressure order, so a step never scans all pins). ``PinManager`` is the mechanism, one per
 scheduler; an engine binding subclasses it to say what a request is (its job, its block
-count, its job's age) and how a pin's blocks go back to the engine's pool. Every pin's
+count, its job's first arrival) and how a pin's blocks go back to the engine's pool. Every pin's
 blocks are returned exactly once, through ``free_blocks``.
 """
 
@@ -35,7 +35,7 @@ class PinEntry:
     request: Any  # the engine's finished request; its blocks stay allocated under its id
     deadline: float
     pinned_at: float
-    job_age: float  # first arrival of the job: a higher value means a newer job
+    job_arrival: float  # first arrival of the job: a higher value means a newer job
     num_blocks: int
     strict: bool = False  # released under pressure only after every soft pin
     job: str = ""  # set by ``PinTable.add``
@@ -59,7 +59,7 @@ class PinTable:
         self._by_job: dict[str, PinEntry] = {}
         self._deadlines: list[tuple[float, int, str]] = []
         # Pressure order: soft pins before strict ones, newest job first within each.
-        self._pressure: list[tuple[bool, float, int, str]] = []  # (strict, -age, seq, job)
+        self._pressure: list[tuple[bool, float, int, str]] = []  # (strict, -job_arrival, seq, job)
         self._seq = itertools.count()
         self.num_blocks = 0
 
@@ -78,7 +78,7 @@ class PinTable:
         entry.job, entry.seq = job, next(self._seq)
         self._by_job[job] = entry
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, job))
-        heapq.heappush(self._pressure, (entry.strict, -entry.job_age, entry.seq, job))
+        heapq.heappush(self._pressure, (entry.strict, -entry.job_arrival, entry.seq, job))
         self.num_blocks += entry.num_blocks
         return old
 
@@ -143,7 +143,7 @@ class PinTable:
 class PinManager(ABC):
     """Places and ends pins for a scheduler; frees each pin's blocks exactly once.
 
-    The engine's part, in a subclass: ``job_of``, ``num_blocks_of``, ``job_age_of`` (what
+    The engine's part, in a subclass: ``job_of``, ``num_blocks_of``, ``job_arrival_of`` (what
     a request is), ``free_blocks`` (how blocks go back), ``may_release`` (whether a
     requester may take a given pin under pressure), and the observers ``on_pinned`` /
     ``on_released`` (every pin change, e.g. to re-rank the waiting queue).
@@ -169,7 +169,7 @@ class PinManager(ABC):
         """KV blocks the (finished) request holds now."""
 
     @abstractmethod
-    def job_age_of(self, request: Any) -> float:
+    def job_arrival_of(self, request: Any) -> float:
         """First arrival of the request's job (a higher value is a newer job)."""
 
     @abstractmethod
@@ -194,7 +194,7 @@ class PinManager(ABC):
             request=request,
             deadline=now + ttl_s,
             pinned_at=now,
-            job_age=self.job_age_of(request),
+            job_arrival=self.job_arrival_of(request),
             num_blocks=self.num_blocks_of(request),
             strict=strict,
         )

@@ -120,24 +120,6 @@ void pack_v_f32(const Problem& P, int64_t h, int64_t t, int width, float* vt) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
 
-// e^x over 16 lanes (Cephes' expf polynomial, 2^n by scalef); -inf and anything below -104
-// give 0, so masked scores need no separate zeroing.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);
-}
-
 inline uint32_t pair_bits(const uint16_t* p) {
   uint32_t x;
   std::memcpy(&x, p, 4);
@@ -269,7 +251,7 @@ inline float softmax_row(const Problem& P, Scratch& s, int64_t q0, int64_t row, 
   const float m_new = std::max(m_old, _mm512_reduce_max_ps(mx4));  // finite: key 0 seen first
   const float alpha = std::exp(m_old - m_new);
   const __m512 mn = _mm512_set1_ps(m_new);
-  for (int c = 0; c < 4; ++c) x[c] = exp512(_mm512_sub_ps(x[c], mn));
+  for (int c = 0; c < 4; ++c) x[c] = vllm_cpu::exp512(_mm512_sub_ps(x[c], mn));
   const __m512 sum = _mm512_add_ps(_mm512_add_ps(x[0], x[1]), _mm512_add_ps(x[2], x[3]));
   s.l[row] = s.l[row] * alpha + _mm512_reduce_add_ps(sum);
   s.m[row] = m_new;

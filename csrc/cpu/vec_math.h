@@ -1,7 +1,9 @@
-// AVX2 helpers shared by the CPU kernels: exp over 8 lanes, horizontal sums.
+// Vector math shared by the CPU kernels: AVX2 exp over 8 lanes and horizontal sums, and
+// AVX-512 exp over 16 lanes.
 //
-// Everything here is compiled for avx2+fma (target pragma) and must only be called from
-// code compiled the same way, after a run-time check (cpu_has_avx2).
+// Each section is compiled for its instruction set (target pragma) and must only be called
+// from code compiled for it (or a superset, so that it inlines), after a run-time check
+// (cpu_has_avx2; for AVX-512, the caller's own check of avx512f).
 #pragma once
 
 #include <immintrin.h>
@@ -61,6 +63,29 @@ inline __m256 hsum8_avx2(const __m256 a[8]) {
 inline __m128 hsum4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+
+// e^x over 16 lanes (Cephes' expf polynomial, 2^n by scalef); -inf and anything below -104
+// give 0, so masked scores need no separate zeroing.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
 }
 
 #pragma GCC pop_options

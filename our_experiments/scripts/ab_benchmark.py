@@ -41,8 +41,8 @@ from our_experiments.scripts.workload import (  # noqa: E402
     summarize,
     synthetic_jobs,
 )
+from vllm.benchmarks.metrics_reader import scrape_labelled, scrape_metrics  # noqa: E402
 from vllm.benchmarks.utils import openai_base_url  # noqa: E402
-from vllm.v1.metrics.reader import scrape_labelled, scrape_metrics  # noqa: E402
 
 COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",

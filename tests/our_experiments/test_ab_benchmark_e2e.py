@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from our_experiments.scripts import ab_benchmark, test_pin_verify
+from our_experiments.scripts import ab_benchmark, pin_verify
 from vllm.benchmarks.server import RemoteServer
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def server():
 
 
 def test_pin_verify_passes_on_continuum(server, capsys):
-    failures = test_pin_verify.verify(server.base, turns=3, gap_s=0.6, polls=2, seed=1)
+    failures = pin_verify.verify(server.base, turns=3, gap_s=0.6, polls=2, seed=1)
     out = capsys.readouterr().out
     assert failures == [], out
     assert "Turn 3/3 (is_last_step=True)" in out and out.count("ok") >= 4

@@ -7,8 +7,8 @@ from vllm_continuum.admission import DEFAULT_TURN_GROWTH, JobAdmission
 
 def test_reserve_counts_whole_context_only_for_jobs_whose_kv_is_not_held():
     adm = JobAdmission(idle_timeout_s=100.0)
-    adm.on_scheduled("a", 300, arrival=0.0, now=0.0)  # running: holds its KV
-    adm.on_scheduled("b", 200, arrival=0.0, now=0.0)
+    adm.on_scheduled("a", 300, now=0.0)  # running: holds its KV
+    adm.on_scheduled("b", 200, now=0.0)
     adm.on_stopped(
         "b", 220, is_last_step=False, now=1.0, reserve_s=10.0
     )  # b in a tool gap, unpinned
@@ -21,22 +21,22 @@ def test_reserve_counts_whole_context_only_for_jobs_whose_kv_is_not_held():
 
 def test_growth_is_learned_from_consecutive_turns_and_last_step_ends_the_job():
     adm = JobAdmission(idle_timeout_s=100.0)
-    adm.on_scheduled("a", 100, arrival=0.0, now=0.0)
+    adm.on_scheduled("a", 100, now=0.0)
     adm.on_stopped("a", 120, is_last_step=False, now=1.0, reserve_s=10.0)
     adm.on_arrival("a", 400, now=2.0)  # the tool's output grew the prompt by 300
     adm.on_arrival("new", 50, now=2.0)  # unknown jobs are not active before admission
     assert adm.turn_growth == 300 and adm.is_known("a") and not adm.is_known("new")
     assert adm.reserve_tokens(set(), now=2.0) == 400 + 300  # waiting: not held
-    adm.on_scheduled("a", 400, arrival=2.0, now=2.5)
+    adm.on_scheduled("a", 400, now=2.5)
     adm.on_stopped("a", 430, is_last_step=True, now=3.0, reserve_s=10.0)
     assert not adm.is_known("a") and adm.reserve_tokens(set(), now=3.0) == 0
 
 
 def test_silent_jobs_stop_counting_after_the_idle_timeout_but_running_ones_never():
     adm = JobAdmission(idle_timeout_s=10.0)
-    adm.on_scheduled("gone", 500, arrival=0.0, now=0.0)
+    adm.on_scheduled("gone", 500, now=0.0)
     adm.on_stopped("gone", 520, is_last_step=False, now=1.0, reserve_s=10.0)
-    adm.on_scheduled("busy", 100, arrival=0.0, now=0.0)
+    adm.on_scheduled("busy", 100, now=0.0)
     assert adm.reserve_tokens(set(), now=11.0) > 520
     assert adm.reserve_tokens(set(), now=11.5) == DEFAULT_TURN_GROWTH  # only "busy" left
     assert not adm.is_known("gone") and adm.is_known("busy")
@@ -44,7 +44,7 @@ def test_silent_jobs_stop_counting_after_the_idle_timeout_but_running_ones_never
 
 def test_a_job_expected_back_late_reserves_nothing_until_its_turn_arrives():
     adm = JobAdmission(idle_timeout_s=100.0)
-    adm.on_scheduled("a", 300, arrival=0.0, now=0.0)
+    adm.on_scheduled("a", 300, now=0.0)
     adm.on_stopped("a", 320, is_last_step=False, now=1.0, reserve_s=10.0)
     assert adm.reserve_tokens(set(), now=11.0) == 320 + DEFAULT_TURN_GROWTH
     assert adm.reserve_tokens(set(), now=11.5) == 0  # past the horizon: not expected soon
@@ -72,9 +72,9 @@ def test_per_job_log_lines_escape_the_job_and_follow_the_switch(caplog):
 
 def test_while_no_job_runs_only_the_pinned_jobs_growth_is_reserved():
     adm = JobAdmission(idle_timeout_s=100.0)
-    adm.on_scheduled("a", 300, arrival=0.0, now=0.0)
+    adm.on_scheduled("a", 300, now=0.0)
     adm.on_stopped("a", 320, is_last_step=False, now=1.0, reserve_s=10.0)  # a: pinned
-    adm.on_scheduled("b", 200, arrival=0.0, now=0.0)
+    adm.on_scheduled("b", 200, now=0.0)
     adm.on_stopped("b", 220, is_last_step=False, now=1.0, reserve_s=10.0)  # b: not held
     g = DEFAULT_TURN_GROWTH
     assert adm.reserve_tokens({"a"}, now=2.0) == g + 220 + g
@@ -83,7 +83,7 @@ def test_while_no_job_runs_only_the_pinned_jobs_growth_is_reserved():
     assert not adm.admits(101, free_tokens=100 + g, pinned_jobs={"a"}, now=2.0)
     # Once a job runs (a's next turn), the full reserve (b's context too) applies again.
     adm.on_arrival("a", 330, now=2.0)
-    adm.on_scheduled("a", 330, arrival=2.0, now=2.0)
+    adm.on_scheduled("a", 330, now=2.0)
     g2 = adm.turn_growth  # 30, learned from a's turns
     assert g2 == 30 and adm.reserve_tokens(set(), now=2.0) == g2 + 220 + g2
     assert not adm.admits(100, free_tokens=100 + 2 * g2, pinned_jobs=set(), now=2.0)

@@ -11,9 +11,9 @@ from typing import IO
 
 import requests
 
+from vllm.benchmarks.metrics_reader import scrape_metrics
 from vllm.benchmarks.utils import openai_base_url
 from vllm.entrypoints.utils import LOOPBACK, get_open_port
-from vllm.v1.metrics.reader import scrape_metrics
 
 
 def stop_session(proc: subprocess.Popen, grace_s: float) -> None:

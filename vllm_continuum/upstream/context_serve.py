@@ -27,7 +27,7 @@ from vllm_continuum.upstream.settings import context_serve_config_from
 
 
 class ContextServeScheduler(ContinuumScheduler):
-    policy_name = "context_serve"
+    """``ContinuumScheduler`` with ``ContextServeCore``'s finished-turn decision."""
 
     def __init__(
         self, *args: Any, context_serve_config: ContextServeConfig | None = None, **kwargs: Any

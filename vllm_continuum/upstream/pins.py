@@ -30,7 +30,7 @@ class UpstreamPinManager(PinManager):
     def num_blocks_of(self, request: Any) -> int:
         return self.scheduler.num_blocks(request.request_id)
 
-    def job_age_of(self, request: Any) -> float:
+    def job_arrival_of(self, request: Any) -> float:
         return self.scheduler.job_arrival(self.scheduler.info_of(request))
 
     def free_blocks(self, entry: PinEntry, reason: str) -> None:

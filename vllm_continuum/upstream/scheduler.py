@@ -273,9 +273,6 @@ class AgentScheduler(Scheduler):
                 self.on_kv_released(request, info, self.clock())
 
     # -- helpers --------------------------------------------------------------------------
-    def next_pin_deadline(self) -> float | None:
-        return self.pin_manager.next_deadline()
-
     def num_blocks(self, request_id: str) -> int:
         try:
             return sum(len(ids) for ids in self.kv_cache_manager.get_block_ids(request_id))
@@ -310,8 +307,6 @@ class AgentScheduler(Scheduler):
 class ContinuumScheduler(AgentScheduler):
     """Continuum (arXiv 2511.02230) on upstream vLLM: ``--scheduling-policy continuum``, or
     ``--scheduler-cls vllm_continuum.upstream.scheduler.ContinuumScheduler``."""
-
-    policy_name = "continuum"
 
     def create_core(self, config: PolicyConfig) -> ContinuumCore:
         # The per-job event log, as in our engine (RUN_OUTPUT_DIR, when set).
@@ -379,7 +374,7 @@ class ContinuumScheduler(AgentScheduler):
         if not self.policy_config.job_admission:
             return True
         waited = now - info.arrival
-        return self.core.may_release_pin(self.job_arrival(info), entry.job_age, waited)
+        return self.core.may_release_pin(self.job_arrival(info), entry.job_arrival, waited)
 
 
 class AsyncContinuumScheduler(ContinuumScheduler, AsyncScheduler):

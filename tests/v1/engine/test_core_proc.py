@@ -84,7 +84,7 @@ class FakeEngine:
         for request_id in ids:
             self.requests.pop(request_id, None)
 
-    def has_work(self) -> bool:
+    def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def next_wakeup(self) -> float | None:

@@ -123,7 +123,7 @@ def test_abort_frees_blocks_and_empty_steps_skip_the_runner(engine):
     assert len(runner.calls) == 2 and engine.scheduler.kv_cache_manager.usage > 0
     engine.abort_requests(["a", "unknown"])
     assert_idle(engine)
-    assert not engine.has_work() and engine.step().outputs == []
+    assert not engine.has_unfinished_requests() and engine.step().outputs == []
     assert len(runner.calls) == 2  # nothing scheduled: the runner was not called
     # The runner still learns that "a" finished, with the next real step.
     engine.add_request(request("b", [1, 2], max_tokens=1))

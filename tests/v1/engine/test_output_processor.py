@@ -13,7 +13,9 @@ TEXT = "Hello world, this is a test."
 
 
 def make_request(request_id: str, **params) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id, [1, 2, 3], SamplingParams(**params), arrival_time=100.0)
+    return EngineCoreRequest(
+        request_id, [1, 2, 3], SamplingParams(**params), arrival_wall_time=100.0
+    )
 
 
 def token_outputs(tokenizer, request_id: str, text: str = TEXT, finish=FinishReason.LENGTH):

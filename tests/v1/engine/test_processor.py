@@ -20,7 +20,7 @@ def test_text_and_token_id_prompts(processor, tokenizer):
     request_id, reqs = processor.process("Hello world", SamplingParams(), "r1")
     assert request_id == "r1" and [r.request_id for r in reqs] == ["r1"]
     assert reqs[0].prompt_token_ids == tokenizer("Hello world").input_ids
-    assert reqs[0].eos_token_id == 2 and reqs[0].arrival_time > 0
+    assert reqs[0].eos_token_id == 2 and reqs[0].arrival_wall_time > 0
     _, reqs = processor.process([5, 6, 7], SamplingParams())
     assert reqs[0].prompt_token_ids == [5, 6, 7]
 

@@ -51,23 +51,6 @@ class ToolCallingConfig:
         )
 
 
-def add_cli_args(group) -> None:
-    """The flags, under vLLM's names (choices from the parser registry)."""
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='Let the model decide when to call tools (tool_choice "auto"); needs '
-        "--tool-call-parser.",
-    )
-    group.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=tool_parser_names(),
-        help="How the model writes tool calls (hermes: <tool_call>{json}</tool_call>; "
-        "json / llama3_json: the output is the JSON call or a list of them).",
-    )
-
-
 @dataclass
 class ToolPlan:
     """How one request handles tools: what the template gets, how its output is read."""

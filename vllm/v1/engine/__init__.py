@@ -57,7 +57,9 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    arrival_time: float = 0.0  # wall clock at the front end (for latency metrics)
+    # time.time() when the front end got the request, for its latency metrics (the engine
+    # stamps its own Request.arrival_time on its clock when the request reaches it).
+    arrival_wall_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
 
@@ -100,7 +102,6 @@ class EngineCoreRequestError:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
     # Requests that failed in this step (finished, blocks freed): no output of theirs is
     # in ``outputs``. The engine process sends each as a REQUEST_ERROR message.
     errors: list[EngineCoreRequestError] = field(default_factory=list)

@@ -220,17 +220,12 @@ class EngineCore:
         return ModelRunnerOutput([], {}, errors=dict.fromkeys(req_ids, failure))
 
     def has_unfinished_requests(self) -> bool:
+        """Whether ``step`` has anything to do: requests scheduled or waiting, or held
+        while their grammar compiles (pinned blocks alone are no work)."""
         return self.scheduler.has_unfinished_requests() or len(self.grammars) > 0
 
-    def has_work(self) -> bool:
-        """Whether ``step`` would compute anything (pinned blocks alone are no work)."""
-        return self.scheduler.has_work()
-
     def next_wakeup(self) -> float | None:
-        """Clock time of the earliest pin deadline (an idle engine may sleep until then);
-        now while grammars compile (``step`` then waits for them, briefly)."""
-        if self.grammars:
-            return self.clock()
+        """Clock time of the earliest pin deadline (an idle engine may sleep until then)."""
         return self.scheduler.next_wakeup()
 
     def reset_prefix_cache(self) -> bool:

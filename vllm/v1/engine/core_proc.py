@@ -178,7 +178,7 @@ class EngineCoreProc:
 
     def _wait_s(self) -> float:
         """How long the loop may block for input: 0 with work, else until a deadline."""
-        if self.engine.has_work():
+        if self.engine.has_unfinished_requests():
             return 0.0
         wake = self.engine.next_wakeup()
         wait = IDLE_POLL_S if wake is None else min(IDLE_POLL_S, wake - time.monotonic())
@@ -218,7 +218,8 @@ class EngineCoreProc:
                 if not self.running:
                     break
                 wake = self.engine.next_wakeup()
-                if self.engine.has_work() or (wake is not None and wake <= time.monotonic()):
+                pin_due = wake is not None and wake <= time.monotonic()
+                if self.engine.has_unfinished_requests() or pin_due:
                     self._send_outputs(self.engine.step())
                 elif handled:
                     # An abort left the engine idle: publish the freed blocks now, since no

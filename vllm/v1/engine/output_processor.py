@@ -100,7 +100,7 @@ class OutputProcessor:
         request_id: str,
         prompt: str | None,
         core_requests: list[EngineCoreRequest] | EngineCoreRequest,
-        arrival_time: float | None = None,
+        arrival_wall_time: float | None = None,
     ) -> None:
         """Track ``request_id``, made of ``core_requests`` (one per sample when n > 1)."""
         if isinstance(core_requests, EngineCoreRequest):
@@ -116,15 +116,15 @@ class OutputProcessor:
             )
             for i, r in enumerate(core_requests)
         }
-        if arrival_time is None:
-            arrival_time = first.arrival_time or time.time()
+        if arrival_wall_time is None:
+            arrival_wall_time = first.arrival_wall_time or time.time()
         self._states[request_id] = _RequestState(
             request_id,
             prompt,
             first.prompt_token_ids,
             first.sampling_params.output_kind,
             sequences,
-            RequestMetrics(arrival_time),
+            RequestMetrics(arrival_wall_time),
             prompt_logprobs=None if first.sampling_params.prompt_logprobs is None else [None],
         )
         for r in core_requests:

@@ -123,7 +123,7 @@ class Processor:
         priority: int = 0,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
-        arrival_time: float | None = None,
+        arrival_wall_time: float | None = None,
         structured_outputs_checked: bool = False,
     ) -> tuple[str, list[EngineCoreRequest]]:
         """Validate and fan out: ``(request_id, [EngineCoreRequest, ...])``.
@@ -143,7 +143,7 @@ class Processor:
         ids = self.tokenize(prompt, add_special_tokens)
         self._check_length(ids, params)
         request_id = request_id or uuid.uuid4().hex
-        arrival_time = time.time() if arrival_time is None else arrival_time
+        arrival_wall_time = time.time() if arrival_wall_time is None else arrival_wall_time
         children = []
         for i in range(params.n):
             if params.n == 1:
@@ -160,7 +160,7 @@ class Processor:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(
                 EngineCoreRequest(
-                    child_id, ids, child, self.eos_token_id, arrival_time, priority, cache_salt
+                    child_id, ids, child, self.eos_token_id, arrival_wall_time, priority, cache_salt
                 )
             )
         return request_id, children

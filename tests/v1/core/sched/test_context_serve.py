@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 from vllm.config import PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.pinned import PinEntry, PinnedRequests
 from vllm.v1.core.sched.policy import FREE, Offload, Pin, create_policy
 from vllm.v1.core.sched.policy.context_serve import ContextServePolicy
 from vllm.v1.request import RequestStatus
 from vllm_continuum.context_serve.config import ContextServeConfig
 from vllm_continuum.context_serve.stats import ContextServeStats
+from vllm_continuum.pins import PinEntry, PinTable
 
 from ..conftest import make_request
 from .helpers import make_scheduler, step
@@ -157,12 +157,19 @@ def test_last_steps_and_slow_turns_are_never_pinned():
     assert dropping.on_finished(r, 2.0) is FREE
 
 
-def _entry(job: str, age: float, strict: bool) -> PinEntry:
-    return PinEntry(turn(job, [1], age), age + 5.0, age, job_age=age, num_blocks=1, strict=strict)
+def _entry(job: str, arrival: float, strict: bool) -> PinEntry:
+    return PinEntry(
+        turn(job, [1], arrival),
+        arrival + 5.0,
+        arrival,
+        job_arrival=arrival,
+        num_blocks=1,
+        strict=strict,
+    )
 
 
 def test_pressure_releases_soft_pins_before_strict_ones():
-    pins = PinnedRequests()
+    pins = PinTable()
     pins.add("old-soft", _entry("old-soft", 0.0, strict=False))
     pins.add("new-strict", _entry("new-strict", 2.0, strict=True))
     pins.add("mid-soft", _entry("mid-soft", 1.0, strict=False))

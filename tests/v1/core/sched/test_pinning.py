@@ -45,7 +45,7 @@ def test_pin_keeps_blocks_until_ttl_expires():
     run_until_done(s)
     usage = s.kv_cache_manager.usage
     assert usage > 0 and s.make_stats().pin_stats.num_pinned_requests == 1
-    assert not s.has_work() and s.next_wakeup() == clock.now + 2.0
+    assert not s.has_unfinished_requests() and s.next_wakeup() == clock.now + 2.0
     clock.advance(1.9)
     s.schedule()
     assert s.kv_cache_manager.usage == usage  # still pinned

@@ -22,9 +22,8 @@ from vllm_continuum.pins import (
     PinEntry,
     PinManager,
 )
-from vllm_continuum.pins import PinTable as PinnedRequests
 
-__all__ = ["KVCachePinManager", "PinEntry", "PinnedRequests"]
+__all__ = ["KVCachePinManager", "PinEntry"]
 
 
 class KVCachePinManager(PinManager):
@@ -42,7 +41,7 @@ class KVCachePinManager(PinManager):
     def num_blocks_of(self, request: Request) -> int:
         return self.kv.get_num_blocks(request.request_id)
 
-    def job_age_of(self, request: Request) -> float:
+    def job_arrival_of(self, request: Request) -> float:
         return self.policy.job_arrival(request)
 
     def free_blocks(self, entry: PinEntry, reason: str) -> None:
@@ -53,7 +52,7 @@ class KVCachePinManager(PinManager):
         self.kv.free(entry.request, offload=offload and entry.request.sampling_params.may_offload)
 
     def may_release(self, requester: Request, entry: PinEntry, now: float) -> bool:
-        return self.policy.may_release_pin(requester, entry.job_age, now)
+        return self.policy.may_release_pin(requester, entry.job_arrival, now)
 
     def on_pinned(self, entry: PinEntry, now: float) -> None:
         self.policy.on_pinned(entry.request, now)

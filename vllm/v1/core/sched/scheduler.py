@@ -343,7 +343,7 @@ class Scheduler:
             if stopped:
                 self._finish(request, now)
             outputs.append(output)
-        return EngineCoreOutputs(outputs, self.make_stats(), now, errors)
+        return EngineCoreOutputs(outputs, self.make_stats(), errors=errors)
 
     def _fail_requests(self, failures: dict[str, RequestFailure]) -> list[EngineCoreRequestError]:
         """Finish the requests that failed in this step, through the abort path (their
@@ -399,11 +399,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
-
-    def has_work(self) -> bool:
         """Whether a step would compute anything (pins alone are no work)."""
-        return self.has_unfinished_requests()
+        return self.get_num_unfinished_requests() > 0
 
     def next_wakeup(self) -> float | None:
         """Clock time of the earliest pin deadline: an idle engine may sleep until then."""

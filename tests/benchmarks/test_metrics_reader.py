@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import requests
 
-from vllm.v1.metrics.reader import scrape_labelled, scrape_metrics
+from vllm.benchmarks.metrics_reader import scrape_labelled, scrape_metrics
 
 TEXT = b"""# HELP vllm:kv_cache_usage_perc KV-cache usage.
 # TYPE vllm:kv_cache_usage_perc gauge

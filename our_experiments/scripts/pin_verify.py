@@ -7,7 +7,7 @@ cover the previous context; after the last turn (is_last_step=True) usage must r
 to its starting level. Run it on an otherwise idle server started with
 `--scheduling-policy continuum`; under fcfs the "pinned" checks fail by design.
 
-    .venv/bin/python our_experiments/scripts/test_pin_verify.py --base-url http://127.0.0.1:8000/v1
+    .venv/bin/python our_experiments/scripts/pin_verify.py --base-url http://127.0.0.1:8000/v1
 
 Exit status 0 when every check passes, 1 otherwise.
 """
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts.ab_benchmark import check_loopback  # noqa: E402
 from our_experiments.scripts.workload import SYSTEM_PROMPT, load_corpus, make_job  # noqa: E402
+from vllm.benchmarks.metrics_reader import scrape_metrics  # noqa: E402
 from vllm.benchmarks.utils import openai_base_url  # noqa: E402
-from vllm.v1.metrics.reader import scrape_metrics  # noqa: E402
 
 USAGE = "vllm:kv_cache_usage_perc"
 
