@@ -143,3 +143,17 @@ def test_request_info_keys_jobs_by_the_shared_rule():
     assert request_info(req("r2", {"job_id": 42}), 0.0).job == "42"  # vllm_xargs numbers
     unnamed = request_info(req("r3", {"job_id": ""}), 0.0)  # sent without the middleware
     assert (unnamed.job, unnamed.named) == (job_key(None, "r3"), False)
+
+
+def test_middleware_names_the_job_by_prompt_cache_key_unless_a_job_id_is_given():
+    def moved(body):
+        out = move_fields(json.dumps(body).encode())
+        return None if out is None else json.loads(out)
+
+    got = moved({"model": "m", "prompt_cache_key": "conv-1"})
+    assert got["vllm_xargs"] == {"job_id": "conv-1"} and got["prompt_cache_key"] == "conv-1"
+    assert moved({"model": "m", "prompt_cache_key": "k", "job_id": "j"})["vllm_xargs"] == {
+        "job_id": "j"
+    }
+    assert moved({"model": "m", "prompt_cache_key": "k", "vllm_xargs": {"job_id": "x"}}) is None
+    assert moved({"model": "m", "prompt_cache_key": ""}) is None

@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts.workload import (  # noqa: E402
+    IDENTITIES,
     TOOL_MIXES,
     JobResult,
     load_corpus,
@@ -128,7 +129,7 @@ async def run_benchmark(args, jobs) -> tuple[list[JobResult], UsageSampler, floa
 
     async def play(job):
         await asyncio.sleep(max(0.0, job.arrival_s - (time.monotonic() - start)))
-        result = await run_job(client, model, job, args.request_timeout)
+        result = await run_job(client, model, job, args.request_timeout, args.identity)
         bar.update(1)
         return result
 
@@ -180,6 +181,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-jobs", type=int, default=500, help="bound on jobs started")
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--identity",
+        choices=IDENTITIES,
+        default="job_id",
+        help="how a turn names its job: extra_body job_id, or OpenAI's prompt_cache_key",
+    )
     ap.add_argument("--drain-timeout", type=float, default=600.0, help="after the last arrival")
     ap.add_argument("--sample-period", type=float, default=0.5, help="/metrics polling, s")
     ap.add_argument("--output", type=Path, default=None, help="result JSON path")

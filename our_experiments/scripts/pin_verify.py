@@ -25,7 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts.ab_benchmark import check_loopback  # noqa: E402
-from our_experiments.scripts.workload import SYSTEM_PROMPT, load_corpus, make_job  # noqa: E402
+from our_experiments.scripts.workload import (  # noqa: E402
+    IDENTITIES,
+    SYSTEM_PROMPT,
+    identity_fields,
+    load_corpus,
+    make_job,
+)
 from vllm.benchmarks.metrics_reader import scrape_metrics  # noqa: E402
 from vllm.benchmarks.utils import openai_base_url  # noqa: E402
 
@@ -36,7 +42,9 @@ def usage(base_url: str) -> float:
     return scrape_metrics(base_url).get(USAGE, float("nan"))
 
 
-def verify(base_url: str, turns: int, gap_s: float, polls: int, seed: int) -> list[str]:
+def verify(
+    base_url: str, turns: int, gap_s: float, polls: int, seed: int, identity: str = "job_id"
+) -> list[str]:
     """Play the job, print each observation, return the failed checks."""
     import openai
 
@@ -56,7 +64,7 @@ def verify(base_url: str, turns: int, gap_s: float, polls: int, seed: int) -> li
             messages=messages,
             max_tokens=turn.max_tokens,
             temperature=0,
-            extra_body={"job_id": job.job_id, "is_last_step": last},
+            **identity_fields(identity, job.job_id, last),
         )
         messages.append({"role": "assistant", "content": resp.choices[0].message.content})
         details = resp.usage.prompt_tokens_details
@@ -98,10 +106,16 @@ def main() -> None:
     ap.add_argument("--polls", type=int, default=3, help="usage polls per gap")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allow-remote", action="store_true")
+    ap.add_argument(
+        "--identity",
+        choices=IDENTITIES,
+        default="job_id",
+        help="how a turn names its job: extra_body job_id, or OpenAI's prompt_cache_key",
+    )
     args = ap.parse_args()
     if not args.allow_remote:
         check_loopback(args.base_url)
-    failures = verify(args.base_url, args.turns, args.gap, args.polls, args.seed)
+    failures = verify(args.base_url, args.turns, args.gap, args.polls, args.seed, args.identity)
     print("PASS: blocks stayed pinned through every tool gap" if not failures else "FAIL:")
     for f in failures:
         print("  " + f)

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts import ab_benchmark  # noqa: E402
-from our_experiments.scripts.workload import ROOT, TOOL_MIXES, repo_relative  # noqa: E402
+from our_experiments.scripts.workload import IDENTITIES, ROOT, TOOL_MIXES, repo_relative  # noqa: E402
 from vllm.benchmarks.server import RemoteServer  # noqa: E402
 from vllm.benchmarks.upstream_server import (  # noqa: E402
     DEFAULT_VENV,
@@ -157,6 +157,7 @@ def bench_args(args, base_url: str, policy: str, jps: float, out: Path) -> list[
         "--drain-timeout", str(args.drain_timeout),
         "--tool-mix", args.tool_mix,
         "--output", str(out),
+        "--identity", args.identity,
     ]  # fmt: skip
     return argv + (["--trace", str(args.trace)] if args.trace else [])
 
@@ -183,6 +184,13 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="rerun points that have a result")
     ap.add_argument("--engine", choices=("ours", "upstream"), default="ours")
     ap.add_argument(
+        "--identity",
+        choices=IDENTITIES,
+        default="job_id",
+        help="how turns name their job: extra_body job_id, or OpenAI's prompt_cache_key "
+        "(its results are labelled <policy>+key)",
+    )
+    ap.add_argument(
         "--upstream-venv",
         type=Path,
         default=DEFAULT_VENV,
@@ -198,6 +206,8 @@ def main() -> None:
     for jps in args.jps:
         for policy in args.policies:
             label = policy if args.engine == "ours" else UPSTREAM_PREFIX + policy
+            if args.identity != "job_id":
+                label += "+key"
             out = result_path(out_dir, label, jps)
             if out.exists() and not args.force:
                 print(f"skip {out.name} (exists)")

@@ -358,8 +358,25 @@ def answer_text(message) -> str:
     return message.content or ""
 
 
-async def run_job(client, model: str, job: JobSpec, request_timeout_s: float) -> JobResult:
-    """Play one job against an OpenAI-compatible ``client`` (``openai.AsyncOpenAI``)."""
+IDENTITIES = ("job_id", "prompt_cache_key")
+
+
+def identity_fields(identity: str, job_id: str, last: bool) -> dict[str, Any]:
+    """The request fields that name a turn's job: our ``job_id`` in ``extra_body``, or
+    the OpenAI API's own ``prompt_cache_key`` (what an unmodified agent sends); the last
+    turn is marked with ``is_last_step`` either way."""
+    if identity == "prompt_cache_key":
+        return {"prompt_cache_key": job_id, "extra_body": {"is_last_step": last}}
+    if identity == "job_id":
+        return {"extra_body": {"job_id": job_id, "is_last_step": last}}
+    raise ValueError(f"identity must be one of {IDENTITIES}, got {identity!r}")
+
+
+async def run_job(
+    client, model: str, job: JobSpec, request_timeout_s: float, identity: str = "job_id"
+) -> JobResult:
+    """Play one job against an OpenAI-compatible ``client`` (``openai.AsyncOpenAI``),
+    naming its job by ``identity`` (``identity_fields``)."""
     result = JobResult(job.job_id)
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT}]
     start = time.monotonic()
@@ -373,7 +390,7 @@ async def run_job(client, model: str, job: JobSpec, request_timeout_s: float) ->
                     messages=list(messages),
                     max_tokens=turn.max_tokens,
                     temperature=0,
-                    extra_body={"job_id": job.job_id, "is_last_step": i == len(job.turns) - 1},
+                    **identity_fields(identity, job.job_id, i == len(job.turns) - 1),
                     **shell_tool_call(turn.command),
                 ),
                 request_timeout_s,

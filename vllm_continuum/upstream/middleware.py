@@ -19,6 +19,7 @@ from typing import Any
 from vllm_continuum.jobs import validate_job_id
 
 FIELDS = ("job_id", "is_last_step")
+CACHE_KEY = "prompt_cache_key"
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -28,8 +29,10 @@ Send = Callable[[Message], Awaitable[None]]
 def move_fields(body: bytes) -> bytes | None:
     """The rewritten body, or None when there is nothing to move.
 
-    ``ValueError`` naming ``job_id`` if the body's job_id breaks the job-key rule."""
-    if not any(f.encode() in body for f in FIELDS):
+    OpenAI's own ``prompt_cache_key`` names the job when no ``job_id`` is given (as on our
+    server; upstream still sees the key). ``ValueError`` naming ``job_id`` if the body's
+    job_id breaks the job-key rule."""
+    if not any(f.encode() in body for f in (*FIELDS, CACHE_KEY)):
         return None
     try:
         payload = json.loads(body)
@@ -38,15 +41,20 @@ def move_fields(body: bytes) -> bytes | None:
     if not isinstance(payload, dict):
         return None
     xargs = payload.get("vllm_xargs") or {}
-    if isinstance(xargs, dict):
-        validate_job_id(payload.get("job_id", xargs.get("job_id")))
-    if not any(f in payload for f in FIELDS):
+    if not isinstance(xargs, dict):
+        return None  # upstream's own validation reports it
+    job_id = validate_job_id(payload.get("job_id", xargs.get("job_id")))
+    key = payload.get(CACHE_KEY)
+    by_key = job_id is None and isinstance(key, str) and key != ""
+    if not by_key and not any(f in payload for f in FIELDS):
         return None
     for field in FIELDS:
         if field in payload:
             value = payload.pop(field)
             # vllm_xargs values are str/int/float: a JSON bool becomes 0/1.
             xargs.setdefault(field, int(value) if isinstance(value, bool) else value)
+    if by_key:
+        xargs["job_id"] = key
     payload["vllm_xargs"] = xargs
     return json.dumps(payload).encode()
 
