@@ -173,6 +173,21 @@ def test_half_open_connections_are_closed(server):
             s.close()
 
 
+def worst_health_while(server, work, pause_s: float = 0.0) -> float:
+    """Run ``work`` in a thread, polling /health (each must answer 200) until it ends;
+    the slowest answer, in seconds."""
+    thread = threading.Thread(target=work)
+    thread.start()
+    worst = 0.0
+    while thread.is_alive():
+        start = time.monotonic()
+        assert requests.get(server.base + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - start)
+        time.sleep(pause_s)
+    thread.join()
+    return worst
+
+
 def test_huge_prompt_does_not_block_the_event_loop(server):
     # ~7 MB of text: seconds of tokenization (then a 400: longer than max_model_len).
     prompt = "hello world, this is a test of a long prompt. " * 150_000
@@ -181,15 +196,7 @@ def test_huge_prompt_does_not_block_the_event_loop(server):
     def send():
         result["r"] = post(server, "completions", {**COMPLETION, "prompt": prompt}, timeout=300)
 
-    thread = threading.Thread(target=send)
-    thread.start()
-    worst = 0.0
-    while thread.is_alive():
-        start = time.monotonic()
-        assert requests.get(server.base + "/health", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - start)
-        time.sleep(0.1)
-    thread.join()
+    worst = worst_health_while(server, send, pause_s=0.1)
     assert result["r"].status_code == 400 and result["r"].json()["error"]["param"] == "prompt"
     assert worst < 2.0, f"/health took {worst:.1f} s during the tokenization"
 
@@ -271,14 +278,7 @@ def test_a_huge_header_is_cut_short_without_stalling_others(server):
                 pass
             result["sent"] = sent
 
-    thread = threading.Thread(target=send)
-    thread.start()
-    worst = 0.0
-    while thread.is_alive():
-        start = time.monotonic()
-        assert requests.get(server.base + "/health", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - start)
-    thread.join()
+    worst = worst_health_while(server, send)
     assert result["sent"] < 16 << 20, "the server kept reading the header"
     assert worst < 1.0, f"/health took {worst:.1f} s during the header"
     grown = psutil.Process(server.proc.pid).memory_info().rss - rss_before

@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.responses_stream import ResponseEvents
 from vllm.exceptions import VLLMValidationError
 
 from ...utils import RemoteServer
+from .test_tool_calling_e2e import MODEL, TEMPLATE
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -276,15 +277,6 @@ def test_events_of_text_then_two_calls_follow_openais_types():
 
 
 # -- end to end ---------------------------------------------------------------------------
-MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = os.path.join(
-    os.path.dirname(__file__),
-    "..",
-    "..",
-    "..",
-    "examples",
-    "tool_chat_template_chatml_hermes.jinja",
-)
 WEATHER = {
     "type": "function",
     "name": "get_weather",
