@@ -157,3 +157,13 @@ def test_middleware_names_the_job_by_prompt_cache_key_unless_a_job_id_is_given()
     }
     assert moved({"model": "m", "prompt_cache_key": "k", "vllm_xargs": {"job_id": "x"}}) is None
     assert moved({"model": "m", "prompt_cache_key": ""}) is None
+
+
+def test_request_info_reads_last_step_unless_tool_call_from_vllm_xargs():
+    from types import SimpleNamespace
+
+    from vllm_continuum.upstream.request_info import request_info
+
+    params = SimpleNamespace(extra_args={"job_id": "j", "last_step_unless_tool_call": 1})
+    info = request_info(SimpleNamespace(request_id="r", sampling_params=params), 0.0)
+    assert info.last_unless_tool_call and not info.is_last_step

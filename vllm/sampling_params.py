@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm_continuum.cache_hints import TTL_KEY, may_offload, validate_cache_hints
-from vllm_continuum.jobs import validate_job_id
+from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL, validate_job_id
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Upstream vLLM only requires repetition_penalty > 0. Our sampler divides positive logits
@@ -161,9 +161,10 @@ class SamplingParams:
             validate_job_id(job_id)
         except ValueError as e:
             raise VLLMValidationError(str(e), "job_id", job_id) from None
-        last = self.extra_args.get("is_last_step")
-        if last is not None and not isinstance(last, bool):
-            raise _bad("is_last_step", last, "must be a boolean")
+        for name in ("is_last_step", LAST_UNLESS_TOOL_CALL):
+            value = self.extra_args.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise _bad(name, value, "must be a boolean")
         try:
             validate_cache_hints(self.extra_args)
         except ValueError as e:
@@ -180,6 +181,12 @@ class SamplingParams:
     @property
     def is_last_step(self) -> bool:
         return bool((self.extra_args or {}).get("is_last_step", False))
+
+    @property
+    def last_step_unless_tool_call(self) -> bool:
+        """The job ends with this turn unless its output calls a tool (set by APIs whose
+        turn without a tool call answers the user: ``/v1/responses``)."""
+        return bool((self.extra_args or {}).get(LAST_UNLESS_TOOL_CALL, False))
 
     @property
     def cache_ttl_s(self) -> float | None:

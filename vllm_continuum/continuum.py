@@ -93,9 +93,14 @@ class ContinuumCore:
         is_last_step: bool,
         named: bool,
         num_tokens: int,
+        last_unless_tool_call: bool = False,
     ) -> float:
-        """A turn finished with output ``text``: the pin's TTL in seconds (0: free)."""
-        call = self.depart(job, now, text, is_last_step, num_tokens)
+        """A turn finished with output ``text``: the pin's TTL in seconds (0: free).
+        ``last_unless_tool_call``: the client says the job ends with this turn unless its
+        output calls a tool (``depart``)."""
+        call, is_last_step = self.depart(
+            job, now, text, is_last_step, num_tokens, last_unless_tool_call
+        )
         tool = call.name if call else None
         self._record(
             job, "departure", request=request_id, func_call=tool, is_last_step=is_last_step
@@ -113,16 +118,26 @@ class ContinuumCore:
         return ttl
 
     def depart(
-        self, job: str, now: float, text: str | None, is_last_step: bool, num_tokens: int
-    ) -> ToolCall | None:
+        self,
+        job: str,
+        now: float,
+        text: str | None,
+        is_last_step: bool,
+        num_tokens: int,
+        last_unless_tool_call: bool = False,
+    ) -> tuple[ToolCall | None, bool]:
         """The bookkeeping of a finished turn (tool call, departure time, job end, memory
-        accounting), shared by every policy built on this core; returns its tool call."""
-        self.admission.on_stopped(job, num_tokens, is_last_step, now, self.config.max_ttl_s)
+        accounting), shared by every policy built on this core: its tool call, and whether
+        it ended the job (``is_last_step``, or no tool call where the client said
+        ``last_unless_tool_call``: an agent API whose turn without a tool call answers the
+        user, such as a Responses chain)."""
         call = self.parser.parse(text)
+        is_last_step = is_last_step or (last_unless_tool_call and call is None)
+        self.admission.on_stopped(job, num_tokens, is_last_step, now, self.config.max_ttl_s)
         self.estimator.on_departure(job, now, call.name if call else None)
         if is_last_step:
             self.estimator.on_job_end(job)
-        return call
+        return call, is_last_step
 
     def on_kv_released(self, job: str, num_tokens: int, now: float) -> None:
         """A turn left the engine's memory without finishing (preempted or aborted)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 UNNAMED_PREFIX = "request:"  # the job key of a request without a job_id
+# extra_args key: the job ends with this turn unless its output calls a tool.
+LAST_UNLESS_TOOL_CALL = "last_step_unless_tool_call"
 
 
 def validate_job_id(job_id: Any) -> str | None:

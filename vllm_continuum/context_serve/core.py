@@ -102,9 +102,12 @@ class ContextServeCore(ContinuumCore):
         is_last_step: bool,
         named: bool,
         num_tokens: int,
+        last_unless_tool_call: bool = False,
     ) -> float:
         """Continuum's contract (the pin's TTL, 0: free); ``decide`` says more."""
-        return self.decide(job, request_id, now, text, is_last_step, named, num_tokens).ttl_s
+        return self.decide(
+            job, request_id, now, text, is_last_step, named, num_tokens, last_unless_tool_call
+        ).ttl_s
 
     def decide(
         self,
@@ -115,9 +118,13 @@ class ContextServeCore(ContinuumCore):
         is_last_step: bool,
         named: bool,
         num_tokens: int,
+        last_unless_tool_call: bool = False,
     ) -> Dispatch:
-        """A turn finished with output ``text``: the fate of its blocks."""
-        call = self.depart(job, now, text, is_last_step, num_tokens)
+        """A turn finished with output ``text``: the fate of its blocks (``depart`` says
+        when it ended the job)."""
+        call, is_last_step = self.depart(
+            job, now, text, is_last_step, num_tokens, last_unless_tool_call
+        )
         tool, command = (call.name, call.command) if call else (None, None)
         if is_last_step or not named:
             self._record(job, "departure", request=request_id, func_call=tool,

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_continuum.jobs import job_key, validate_job_id
+from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL, job_key, validate_job_id
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class RequestInfo:
     named: bool  # carries a user-given job_id
     is_last_step: bool
     arrival: float
+    last_unless_tool_call: bool = False  # the job ends here unless the output calls a tool
 
 
 def as_bool(value: Any) -> bool:
@@ -54,4 +55,5 @@ def request_info(request: Any, now: float) -> RequestInfo:
         named=job_id is not None,
         is_last_step=as_bool(extra.get("is_last_step", False)),
         arrival=now,
+        last_unless_tool_call=as_bool(extra.get(LAST_UNLESS_TOOL_CALL, False)),
     )

@@ -349,6 +349,7 @@ class ContinuumScheduler(AgentScheduler):
             is_last_step=info.is_last_step,
             named=info.named,
             num_tokens=request.num_tokens,
+            last_unless_tool_call=info.last_unless_tool_call,
         )
 
     def on_kv_released(self, request: Request, info: RequestInfo, now: float) -> None:

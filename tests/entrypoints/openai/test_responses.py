@@ -519,7 +519,10 @@ def test_a_chain_is_one_job_pinned_between_its_turns(server, client):
     assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2
     # The job is named after the chain's first response (no prompt_cache_key was sent).
     log = (server.out_dir / "server.log").read_text()
-    assert f"job {first.id!r}: func_call=" in log
+    # Turn 1 called a function: pinned. Turn 2 answered in text: the job ended there, its
+    # KV freed at once (last_step_unless_tool_call), with no pin decision logged.
+    assert log.count(f"job {first.id!r}: func_call=") == 1
+    assert f"job {first.id!r}: func_call=get_weather -> pin" in log
     assert f"responses request {second.id}: job_id={first.id!r}" in log
 
 

@@ -11,11 +11,11 @@ items.
 Job identity (Continuum): a chain of responses is one job. Its id is the request's
 ``job_id`` (this server's extra), else ``prompt_cache_key``, else the job of the
 previous response, else (a chain's first response) the response's own id; it is stored
-with each response, so the whole chain carries it. Every turn is sent with
-``is_last_step=False`` unless the client says otherwise: whether a turn ends the job is
-known only after its output (a function call means the agent comes back with its
-output), so a turn that ends with a tool call is pinned for the tool's duration, and a
-turn that ends with plain text keeps its pin until the TTL expires it.
+with each response, so the whole chain carries it. Whether a turn ends the job is known
+only after its output, so unless the client sends ``is_last_step`` each turn is marked
+``last_step_unless_tool_call``: a turn whose output calls a function is pinned for the
+tool's duration (the agent comes back with its output), and one that answers in plain
+text ends the job, its KV freed at once (the policy parses the output's tool call).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
+from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,10 @@ class OpenAIServingResponses:
             "priority": request.priority,
             "job_id": job_id,
             "is_last_step": bool(request.is_last_step),
+            # Unless the client says: the job ends with a turn that calls no function.
+            "vllm_xargs": None
+            if request.is_last_step is not None
+            else {LAST_UNLESS_TOOL_CALL: True},
             "prompt_cache_key": request.prompt_cache_key,
             "prompt_cache_options": request.prompt_cache_options,
             "prompt_cache_retention": request.prompt_cache_retention,

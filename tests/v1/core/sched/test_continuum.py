@@ -119,6 +119,20 @@ def test_cold_start_pins_default_ttl_and_last_step_frees():
     assert p.on_finished(jobless, 2.0) is FREE
 
 
+@pytest.mark.parametrize("policy_name", ["continuum", "context_serve"])
+def test_a_turn_marked_last_unless_tool_call_ends_the_job_when_it_calls_none(policy_name):
+    texts = {"call": BASH_LS, "answer": "The files are main.py and utils.py."}
+    config = VllmConfig(scheduler_config=SchedulerConfig(policy=policy_name))
+    for kind, text in texts.items():
+        p = create_policy(config, decode=lambda ids, text=text: text, clock=FakeClock())
+        r = turn("job", [1, 2, 3], 0.0)
+        r.sampling_params.extra_args["last_step_unless_tool_call"] = True
+        r.append_output_token_ids([5])
+        p.on_arrival(r, 0.0)
+        action = p.on_finished(r, 1.0)
+        assert (action is FREE) == (kind == "answer"), (policy_name, kind, action)
+
+
 def _learn(p: ContinuumPolicy, tool_text: str, seconds: float, n: int, t0: float) -> float:
     """Run n two-turn jobs whose tool took ``seconds``; returns the clock after."""
     p.decode = lambda ids: tool_text

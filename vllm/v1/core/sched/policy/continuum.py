@@ -112,6 +112,7 @@ class ContinuumPolicy(Policy):
             is_last_step=request.is_last_step,
             named=request.job_id is not None,
             num_tokens=request.num_tokens,
+            last_unless_tool_call=request.sampling_params.last_step_unless_tool_call,
         )
 
     def on_preempted(self, request: Request, now: float) -> None:
