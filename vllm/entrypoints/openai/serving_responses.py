@@ -20,6 +20,7 @@ text ends the job, its KV freed at once (the policy parses the output's tool cal
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -72,9 +73,13 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
         self.store = store or ResponseStore()
-        cache = chat.engine.config.cache_config
-        # The prompt's full blocks are written to the prefix cache (0: caching is off).
-        self.cache_block = cache.block_size if cache.enable_prefix_caching else 0
+
+    @functools.cached_property
+    def cache_block(self) -> int:
+        """The prompt's full blocks are written to the prefix cache (0: caching is off).
+        Read on first use: the app is built (and its schema served) before any engine."""
+        cache = self.chat.engine.config.cache_config
+        return cache.block_size if cache.enable_prefix_caching else 0
 
     # -- create ---------------------------------------------------------------------------
     async def create_response(
