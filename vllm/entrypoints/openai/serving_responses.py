@@ -9,13 +9,15 @@ engine path as /v1/chat/completions), and its chat message is converted back int
 items.
 
 Job identity (Continuum): a chain of responses is one job. Its id is the request's
-``job_id`` (this server's extra), else ``prompt_cache_key``, else the job of the
-previous response, else (a chain's first response) the response's own id; it is stored
-with each response, so the whole chain carries it. Every turn is sent with
-``is_last_step=False`` unless the client says otherwise: whether a turn ends the job is
-known only after its output (a function call means the agent comes back with its
-output), so a turn that ends with a tool call is pinned for the tool's duration, and a
-turn that ends with plain text keeps its pin until the TTL expires it.
+``job_id`` (this server's extra), else ``prompt_cache_key``, else the router's identity
+(``job_identity.py``: ``vllm_xargs.agentic_context.program_id``, the ``X-Session-ID``
+header), else the job of the previous response, else (a chain's first response) the
+response's own id; it is stored with each response, so the whole chain carries it.
+Every turn is sent with ``is_last_step=False`` unless the client says otherwise: whether
+a turn ends the job is known only after its output (a function call means the agent
+comes back with its output), so a turn that ends with a tool call is pinned for the
+tool's duration, and a turn that ends with plain text keeps its pin until the TTL
+expires it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from vllm.entrypoints.openai import openapi
+from vllm.entrypoints.openai.job_identity import name_the_job
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, ErrorResponse, loggable
 from vllm.entrypoints.openai.protocol_responses import (
     InputItemsQuery,
@@ -359,6 +362,7 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, received
 
     @app.post("/v1/responses", responses=openapi.GENERATE_RESPONSES)
     async def create_response(request: ResponsesRequest, raw: Request):
+        name_the_job(request, raw.headers, serving.chat.args.max_job_id_length)
         return await serving.create_response(request, raw.scope.get(received_key), raw.receive)
 
     @app.get("/v1/responses/{response_id}", responses=_STORED_RESPONSES)
