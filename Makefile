@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels serve test lint
+.PHONY: setup kernels serve serve-router test lint
 
 $(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ kernels: $(STAMP)
 
 serve: kernels
 	$(BIN)/vllm serve $(ARGS)
+
+# N replicas behind vllm-router (docs/router.md), e.g.
+#   make serve-router ARGS="--replicas 2 --policy consistent_hash -- --scheduling-policy continuum"
+serve-router: kernels
+	$(BIN)/python -m vllm.benchmarks.router $(ARGS)
 
 test: kernels
 	$(BIN)/python -m pytest -q tests $(ARGS)

@@ -83,20 +83,37 @@ def check_loopback(base_url: str) -> None:
         )
 
 
-class UsageSampler:
-    """Samples KV usage and queue length from /metrics while the run goes on."""
+def scrape_replicas(urls: list[str]) -> list[dict[str, float]]:
+    """``scrape_metrics`` of each replica's /metrics (behind a router, the router's own
+    /metrics is one replica's)."""
+    return [scrape_metrics(url) for url in urls]
 
-    def __init__(self, base_url: str, period_s: float) -> None:
-        self.base_url, self.period_s = base_url, period_s
+
+def summed(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Counters of several replicas, added name by name."""
+    out: dict[str, float] = {}
+    for sample in samples:
+        for name, value in sample.items():
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+class UsageSampler:
+    """Samples KV usage and queue length from /metrics while the run goes on; over
+    several replicas (pools of one size) the usage is their mean, the queue their sum."""
+
+    def __init__(self, urls: list[str], period_s: float) -> None:
+        self.urls, self.period_s = urls, period_s
         self.usage: list[float] = []
         self.waiting: list[float] = []
 
     async def run(self) -> None:
         while True:
             try:
-                m = await asyncio.to_thread(scrape_metrics, self.base_url)
-                self.usage.append(m.get("vllm:kv_cache_usage_perc", 0.0))
-                self.waiting.append(m.get("vllm:num_requests_waiting", 0.0))
+                ms = await asyncio.to_thread(scrape_replicas, self.urls)
+                usage = [m.get("vllm:kv_cache_usage_perc", 0.0) for m in ms]
+                self.usage.append(sum(usage) / len(usage))
+                self.waiting.append(sum(m.get("vllm:num_requests_waiting", 0.0) for m in ms))
             except Exception:  # a missed sample is not worth failing the run
                 pass
             await asyncio.sleep(self.period_s)
@@ -122,7 +139,7 @@ async def run_benchmark(args, jobs) -> tuple[list[JobResult], UsageSampler, floa
         timeout=args.request_timeout,
     )
     model = args.model or (await client.models.list()).data[0].id
-    sampler = UsageSampler(args.base_url, args.sample_period)
+    sampler = UsageSampler(metrics_urls(args), args.sample_period)
     sampler_task = asyncio.create_task(sampler.run())
     bar = tqdm(total=len(jobs), desc=f"{args.policy} jps={args.jps}", unit="job", disable=None)
     start = time.monotonic()
@@ -157,6 +174,10 @@ async def run_benchmark(args, jobs) -> tuple[list[JobResult], UsageSampler, floa
     return results, sampler, elapsed
 
 
+def metrics_urls(args) -> list[str]:
+    return args.metrics_url or [args.base_url]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -189,11 +210,19 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--drain-timeout", type=float, default=600.0, help="after the last arrival")
     ap.add_argument("--sample-period", type=float, default=0.5, help="/metrics polling, s")
+    ap.add_argument(
+        "--metrics-url",
+        action="append",
+        default=[],
+        help="a replica's root URL whose /metrics count (repeat; default: --base-url); "
+        "behind a router, every replica's",
+    )
     ap.add_argument("--output", type=Path, default=None, help="result JSON path")
     ap.add_argument("--allow-remote", action="store_true")
     args = ap.parse_args(argv)
     if not args.allow_remote:
-        check_loopback(args.base_url)
+        for url in [args.base_url, *args.metrics_url]:
+            check_loopback(url)
 
     corpus = load_corpus(args.corpus) if args.corpus else load_corpus()
     if args.trace:
@@ -214,11 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"error: no job arrives in {args.duration:g} s at {args.jps:g} jobs/s "
             "(seeded); raise --duration or --jps, or change --seed"
         )
-    before = scrape_metrics(args.base_url)
-    cs_before = scrape_labelled(args.base_url, CONTEXT_SERVE_PREFIX)
+    urls = metrics_urls(args)
+    before_each = scrape_replicas(urls)
+    cs_before = summed([scrape_labelled(url, CONTEXT_SERVE_PREFIX) for url in urls])
     results, sampler, elapsed = asyncio.run(run_benchmark(args, jobs))
-    after = scrape_metrics(args.base_url)
-    cs_after = scrape_labelled(args.base_url, CONTEXT_SERVE_PREFIX)
+    after_each = scrape_replicas(urls)
+    cs_after = summed([scrape_labelled(url, CONTEXT_SERVE_PREFIX) for url in urls])
+    before, after = summed(before_each), summed(after_each)
 
     out = summarize(args.policy, args.jps, results, window_s=elapsed)
     delta = {k: after.get(m, 0.0) - before.get(m, 0.0) for k, m in COUNTERS.items()}
@@ -239,6 +270,11 @@ def main(argv: list[str] | None = None) -> dict:
         context_serve=labelled_delta(cs_before, cs_after),
         **sampler.summary(),
     )
+    if len(urls) > 1:  # how the router spread the work
+        out["replica_prompt_tokens"] = [
+            a.get(COUNTERS["prompt_tokens"], 0.0) - b.get(COUNTERS["prompt_tokens"], 0.0)
+            for a, b in zip(after_each, before_each, strict=True)
+        ]
     text = json.dumps(out, indent=1)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,16 @@ A point whose file exists is skipped unless --force, so an interrupted sweep res
 in ``--upstream-venv``, as ``make setup-upstream`` builds it), with the same KV pool in
 blocks of 32 tokens (its CPU attention needs multiples of 32), the same step budget and
 the job-fields middleware; results are named ``upstream-<policy>_jps<jps>.json``.
+
+``--replicas N`` (N > 1) serves each point from N replicas behind vllm-router
+(``vllm.benchmarks.router.ReplicaSet``, docs/router.md) with ``--routing-policy``: still one
+fresh start per point (N servers, one router), each replica with ``--num-gpu-blocks``
+blocks and one CPU thread. Jobs name themselves by the ``X-Session-ID`` header (``--identity
+x-session-id``, required), which the router routes by and each replica pins by; the
+counters are summed over the replicas. Results: ``<policy>+router<N>-<routing>_jps<jps>.json``.
+
+    .venv/bin/python our_experiments/scripts/run_sweep.py --policies fcfs continuum \
+        --replicas 2 --routing-policy consistent_hash --identity x-session-id --jps 0.04
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts import ab_benchmark  # noqa: E402
 from our_experiments.scripts.workload import IDENTITIES, ROOT, TOOL_MIXES, repo_relative  # noqa: E402
+from vllm.benchmarks.router import ROUTING_POLICIES, ReplicaSet  # noqa: E402
 from vllm.benchmarks.server import RemoteServer  # noqa: E402
 from vllm.benchmarks.upstream_server import (  # noqa: E402
     DEFAULT_VENV,
@@ -145,6 +156,33 @@ def write_config(args, out_dir: Path) -> Path:
     return path
 
 
+def point_label(args, policy: str) -> str:
+    """A point's result name without the load: the policy, its engine, how jobs are named
+    and, behind the router, how many replicas and which routing."""
+    label = policy if args.engine == "ours" else UPSTREAM_PREFIX + policy
+    if args.identity == "prompt_cache_key":
+        label += "+key"
+    elif args.identity == "x-session-id" and args.replicas == 1:
+        label += "+session"
+    if args.replicas > 1:
+        label += f"+router{args.replicas}-{args.routing_policy}"
+    return label
+
+
+def start_point(args, policy: str, log: Path):
+    """The fresh server(s) of one point: ``.base`` to send to, ``.stop()``."""
+    if args.engine == "upstream":
+        return UpstreamServer(args.upstream_venv, upstream_server_args(args, policy), log)
+    if args.replicas > 1:
+        return ReplicaSet(
+            args.replicas,
+            server_args(args, policy),
+            policy=args.routing_policy,
+            log_dir=str(log.with_suffix("")),
+        )
+    return RemoteServer(*server_args(args, policy), log_path=str(log))
+
+
 def bench_args(args, base_url: str, policy: str, jps: float, out: Path) -> list[str]:
     argv = [
         "--base-url", base_url,
@@ -184,6 +222,14 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="rerun points that have a result")
     ap.add_argument("--engine", choices=("ours", "upstream"), default="ours")
     ap.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas behind vllm-router per point (1: one server, no router); the KV "
+        "pool (--num-gpu-blocks) is per replica",
+    )
+    ap.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="consistent_hash")
+    ap.add_argument(
         "--identity",
         choices=IDENTITIES,
         default="job_id",
@@ -197,6 +243,12 @@ def main() -> None:
         help="virtualenv with upstream vLLM and our plugin (make setup-upstream)",
     )
     args = ap.parse_args()
+    if args.replicas < 1:
+        ap.error(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replicas > 1 and (args.engine != "ours" or args.identity != "x-session-id"):
+        # The router hashes no body field of a chat request: with job_id or
+        # prompt_cache_key alone every job would land on one replica.
+        ap.error("--replicas > 1 needs --engine ours and --identity x-session-id")
     if args.engine == "upstream":
         upstream_python(args.upstream_venv)  # fail before any point runs
 
@@ -205,20 +257,18 @@ def main() -> None:
     write_config(args, out_dir)
     for jps in args.jps:
         for policy in args.policies:
-            label = policy if args.engine == "ours" else UPSTREAM_PREFIX + policy
-            if args.identity != "job_id":
-                label += "+key"
+            label = point_label(args, policy)
             out = result_path(out_dir, label, jps)
             if out.exists() and not args.force:
                 print(f"skip {out.name} (exists)")
                 continue
             log = out_dir / "logs" / f"{label}_jps{jps:g}.log"
-            if args.engine == "upstream":
-                server = UpstreamServer(args.upstream_venv, upstream_server_args(args, policy), log)
-            else:
-                server = RemoteServer(*server_args(args, policy), log_path=str(log))
+            server = start_point(args, policy, log)
+            argv = bench_args(args, server.base, label, jps, out)
+            for replica in getattr(server, "replicas", ()):
+                argv += ["--metrics-url", replica.base]
             try:
-                ab_benchmark.main(bench_args(args, server.base, label, jps, out))
+                ab_benchmark.main(argv)
             except SystemExit as e:  # a point that cannot run does not end the sweep
                 print(f"{policy} jps={jps:g}: {e}", file=sys.stderr)
             finally:

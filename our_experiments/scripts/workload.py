@@ -358,13 +358,17 @@ def answer_text(message) -> str:
     return message.content or ""
 
 
-IDENTITIES = ("job_id", "prompt_cache_key")
+IDENTITIES = ("job_id", "prompt_cache_key", "x-session-id")
 
 
 def identity_fields(identity: str, job_id: str, last: bool) -> dict[str, Any]:
-    """The request fields that name a turn's job: our ``job_id`` in ``extra_body``, or
-    the OpenAI API's own ``prompt_cache_key`` (what an unmodified agent sends); the last
-    turn is marked with ``is_last_step`` either way."""
+    """The request fields that name a turn's job: our ``job_id`` in ``extra_body``, the
+    OpenAI API's own ``prompt_cache_key`` (what an unmodified agent sends), or the
+    ``X-Session-ID`` header (what vllm-router's consistent_hash routes by; the replica
+    names the job by it too, docs/router.md); the last turn is marked with
+    ``is_last_step`` either way."""
+    if identity == "x-session-id":
+        return {"extra_headers": {"X-Session-ID": job_id}, "extra_body": {"is_last_step": last}}
     if identity == "prompt_cache_key":
         return {"prompt_cache_key": job_id, "extra_body": {"is_last_step": last}}
     if identity == "job_id":

@@ -62,3 +62,32 @@ def test_study_labels_compose_a_variant_with_a_tier_sized_from_the_pool():
         run_sweep.policy_flags("fcfs+offload0x", 400)
     with pytest.raises(ValueError, match="agent-aware"):
         run_sweep.policy_flags("fcfs-admission", 400)
+
+
+def _args(**kw) -> SimpleNamespace:
+    base = dict(engine="ours", identity="job_id", replicas=1, routing_policy="consistent_hash")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_point_labels_name_the_identity_and_the_router():
+    assert run_sweep.point_label(_args(), "continuum") == "continuum"
+    assert run_sweep.point_label(_args(identity="prompt_cache_key"), "fcfs") == "fcfs+key"
+    assert run_sweep.point_label(_args(identity="x-session-id"), "fcfs") == "fcfs+session"
+    routed = _args(identity="x-session-id", replicas=2, routing_policy="round_robin")
+    assert run_sweep.point_label(routed, "continuum") == "continuum+router2-round_robin"
+    assert run_sweep.point_label(_args(engine="upstream"), "fcfs") == "upstream-fcfs"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--replicas", "2"],  # job_id: the router would send every job to one replica
+        ["--replicas", "2", "--identity", "x-session-id", "--engine", "upstream"],
+        ["--replicas", "0"],
+    ],
+)
+def test_router_points_need_the_session_identity(monkeypatch, tmp_path, argv):
+    monkeypatch.setattr("sys.argv", ["run_sweep", "--results-dir", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as info:
+        run_sweep.main()
+    assert info.value.code == 2 and not any(tmp_path.iterdir())  # refused before any point

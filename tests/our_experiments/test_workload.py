@@ -288,3 +288,13 @@ def test_labelled_delta_keeps_what_moved_including_series_born_mid_run():
         "a{speed=fast}": 3.0,
         "a{speed=uncertain}": 3.0,
     }
+
+
+def test_the_session_identity_is_the_header_the_router_routes_by():
+    from our_experiments.scripts.workload import identity_fields
+
+    fields = identity_fields("x-session-id", "job-7", last=True)
+    assert fields == {
+        "extra_headers": {"X-Session-ID": "job-7"},
+        "extra_body": {"is_last_step": True},
+    }

@@ -29,7 +29,8 @@ def stop_session(proc: subprocess.Popen, grace_s: float) -> None:
 
 
 class RemoteServer:
-    """`vllm serve` on a free loopback port; the constructor returns once /health is 200.
+    """`vllm serve` on a free loopback port; the constructor returns once /health is 200
+    (with ``wait=False`` at once: call ``wait_healthy`` later, so that servers load together).
 
     Output goes to ``log_path`` if given, else to this process's stdout (nowhere under
     CI, whose logs it would flood). ``stop()`` ends the server's whole process group (the
@@ -42,7 +43,9 @@ class RemoteServer:
         timeout_s: float = 240.0,
         log_path: str | None = None,
         env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> None:
+        self.timeout_s = timeout_s
         self.port = get_open_port()
         self.base = f"http://{LOOPBACK}:{self.port}"
         cmd = [
@@ -65,9 +68,13 @@ class RemoteServer:
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
-        self._wait_healthy(timeout_s)
+        if wait:
+            self.wait_healthy()
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self) -> None:
+        """Return once /health is 200; ``RuntimeError`` (the server stopped) if the server
+        exits or is not healthy within the constructor's ``timeout_s``."""
+        timeout_s = self.timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

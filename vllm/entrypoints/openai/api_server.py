@@ -19,6 +19,7 @@ from vllm.config import VllmConfig
 from vllm.entrypoints.launcher import ServerShuttingDownError, ServerState, serve_http
 from vllm.entrypoints.openai import openapi
 from vllm.entrypoints.openai.cli_args import FrontendArgs
+from vllm.entrypoints.openai.job_identity import name_the_job
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -180,6 +181,7 @@ def build_app(
 
     @app.post("/v1/chat/completions", responses=openapi.GENERATE_RESPONSES)
     async def chat(request: ChatCompletionRequest, raw: Request):
+        name_the_job(request, raw.headers, args.max_job_id_length)
         if log_requests:
             _log_request("chat", request, f"messages={len(request.messages)}")
         return await chat_serving.create_chat_completion(
@@ -188,6 +190,7 @@ def build_app(
 
     @app.post("/v1/completions", responses=openapi.GENERATE_RESPONSES)
     async def completion(request: CompletionRequest, raw: Request):
+        name_the_job(request, raw.headers, args.max_job_id_length)
         if log_requests:
             _log_request("completion", request, "")
         return await completion_serving.create_completion(
@@ -200,7 +203,7 @@ def build_app(
 
 
 def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state) -> None:
-    """/health, /version, /metrics and /v1/models."""
+    """/health, /version, /metrics, /v1/models and the router's /get_load."""
     model_name = vllm_config.model_config.name
 
     @app.get("/health", response_class=PlainTextResponse, responses=openapi.HEALTH_RESPONSES)
@@ -218,6 +221,12 @@ def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state) -> N
             stats.mark_engine_dead()
         # Always the classic text format: an OpenMetrics scrape would escape the colons.
         return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/get_load")
+    async def get_load():
+        # vllm-router's power_of_two polls it and reads the integer "load" (its
+        # get_worker_load_static): the requests this engine holds, running or waiting.
+        return {"load": engine.num_unfinished_requests}
 
     @app.get("/v1/models", responses=openapi.ERROR_RESPONSES)
     async def models():

@@ -75,6 +75,16 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_grammar": _is_off,
     "structured_outputs": _is_off,
     "echo": _is_off,  # served by /v1/completions only
+    # vllm-router re-serializes every chat / completion body it forwards from its typed
+    # request, adding these SGLang fields at their defaults (docs/router.md): at those
+    # values they ask for nothing, so a routed request logs no unknown field. No
+    # reasoning parser runs here, so the reasoning switches are moot either way.
+    "no_stop_trim": _is_off,
+    "continue_final_message": _is_off,
+    "return_hidden_states": _is_off,
+    "separate_reasoning": lambda v: v is None or isinstance(v, bool),
+    "stream_reasoning": lambda v: v is None or isinstance(v, bool),
+    "include_reasoning": lambda v: v is None or isinstance(v, bool),
 }
 MAX_LOGGED_FIELDS = 8
 # Most messages one chat request may hold. vLLM and OpenAI document no such bound (OpenAI

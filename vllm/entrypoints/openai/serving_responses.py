@@ -9,13 +9,15 @@ engine path as /v1/chat/completions), and its chat message is converted back int
 items.
 
 Job identity (Continuum): a chain of responses is one job. Its id is the request's
-``job_id`` (this server's extra), else ``prompt_cache_key``, else the job of the
-previous response, else (a chain's first response) the response's own id; it is stored
-with each response, so the whole chain carries it. Whether a turn ends the job is known
-only after its output, so unless the client sends ``is_last_step`` each turn is marked
-``last_step_unless_tool_call``: a turn whose output calls a function is pinned for the
-tool's duration (the agent comes back with its output), and one that answers in plain
-text ends the job, its KV freed at once (the policy parses the output's tool call).
+``job_id`` (this server's extra), else ``prompt_cache_key``, else the router's identity
+(``job_identity.py``: ``vllm_xargs.agentic_context.program_id``, the ``X-Session-ID``
+header), else the job of the previous response, else (a chain's first response) the
+response's own id; it is stored with each response, so the whole chain carries it.
+Whether a turn ends the job is known only after its output, so unless the client sends
+``is_last_step`` each turn is marked ``last_step_unless_tool_call``: a turn whose output
+calls a function is pinned for the tool's duration (the agent comes back with its
+output), and one that answers in plain text ends the job, its KV freed at once (the
+policy parses the output's tool call).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from vllm.entrypoints.openai import openapi
+from vllm.entrypoints.openai.job_identity import name_the_job
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, ErrorResponse, loggable
 from vllm.entrypoints.openai.protocol_responses import (
     InputItemsQuery,
@@ -369,6 +372,7 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, received
 
     @app.post("/v1/responses", responses=openapi.GENERATE_RESPONSES)
     async def create_response(request: ResponsesRequest, raw: Request):
+        name_the_job(request, raw.headers, serving.chat.args.max_job_id_length)
         return await serving.create_response(request, raw.scope.get(received_key), raw.receive)
 
     @app.get("/v1/responses/{response_id}", responses=_STORED_RESPONSES)

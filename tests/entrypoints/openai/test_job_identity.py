@@ -1,0 +1,169 @@
+"""The job identity vllm-router's clients send (docs/router.md): ``X-Session-ID`` (the key
+its ``consistent_hash`` hashes first) and ``vllm_xargs.agentic_context.program_id`` (its
+Program) name the job when no ``job_id`` / ``prompt_cache_key`` does; the fields the
+router adds to every body it forwards are accepted silently; ``/get_load`` answers its
+``power_of_two``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+from starlette.datastructures import Headers
+
+from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.cli_args import FrontendArgs
+from vllm.entrypoints.openai.job_identity import PROGRAM_ID_PARAM, name_the_job
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from vllm.exceptions import VLLMValidationError
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+# What vllm-router 0.1.17 adds to a chat body it forwards (seen on a recording worker).
+ROUTER_CHAT_DEFAULTS = {
+    "stream": False,
+    "logprobs": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+ROUTER_COMPLETION_DEFAULTS = {
+    "stream": False,
+    "echo": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "return_hidden_states": False,
+}
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def named(request, headers=None, max_length: int = 256) -> tuple[str | None, str | None]:
+    source = name_the_job(request, Headers(headers or {}), max_length)
+    return source, request.job_id
+
+
+AGENTIC = {"agentic_context": {"program_id": "prog-1", "session_id": "s"}}
+
+
+@pytest.mark.parametrize(
+    "fields, headers, expected",
+    [
+        ({}, {}, (None, None)),
+        ({}, {"X-Session-ID": "sess-1"}, ("X-Session-ID", "sess-1")),
+        ({}, {"x-session-id": "sess-1"}, ("X-Session-ID", "sess-1")),  # case-insensitive
+        ({}, {"X-Session-ID": ""}, (None, None)),  # empty: no job, as the router skips it
+        ({"vllm_xargs": AGENTIC}, {"X-Session-ID": "s"}, (PROGRAM_ID_PARAM, "prog-1")),
+        ({"prompt_cache_key": "k", "vllm_xargs": AGENTIC}, {}, ("prompt_cache_key", "k")),
+        ({"job_id": "j", "prompt_cache_key": "k"}, {"X-Session-ID": "s"}, ("job_id", "j")),
+        ({"vllm_xargs": {"job_id": "j"}}, {"X-Session-ID": "s"}, ("job_id", "j")),
+        # Keys of a user, a tenant or one request are not jobs: never pinned by.
+        ({"user": "u"}, {"X-User-ID": "u", "X-Request-ID": "r"}, (None, None)),
+    ],
+)
+def test_precedence_job_id_then_cache_key_then_program_then_session(fields, headers, expected):
+    assert named(chat(**fields), headers) == expected
+
+
+def test_the_identity_reaches_the_engine_as_the_job():
+    request = chat(vllm_xargs=AGENTIC)
+    named(request, {"X-Session-ID": "s"})
+    args = request.to_sampling_params(max_tokens=4, logprobs=None, stream=False).extra_args
+    assert args["job_id"] == "prog-1"
+    assert args["agentic_context"]["program_id"] == "prog-1"  # left for plugins to read
+    completion = CompletionRequest.model_validate({"prompt": "hi"})
+    assert named(completion, {"X-Session-ID": "c"}) == ("X-Session-ID", "c")
+
+
+@pytest.mark.parametrize(
+    "xargs",
+    [
+        {"agentic_context": "prog"},
+        {"agentic_context": {"program_id": 7}},
+        {"agentic_context": {"program_id": ""}},
+    ],
+)
+def test_a_malformed_program_identity_is_refused_naming_it(xargs):
+    with pytest.raises(VLLMValidationError) as info:
+        named(chat(vllm_xargs=xargs))
+    assert info.value.param.startswith("vllm_xargs.agentic_context")
+
+
+def test_the_job_id_length_bound_applies_naming_the_source():
+    with pytest.raises(VLLMValidationError, match="max-job-id-length") as info:
+        named(chat(), {"X-Session-ID": "s" * 9}, max_length=8)
+    assert info.value.param == "X-Session-ID"
+    with pytest.raises(VLLMValidationError) as info:
+        named(chat(vllm_xargs={"agentic_context": {"program_id": "p" * 9}}), max_length=8)
+    assert info.value.param == PROGRAM_ID_PARAM
+    assert named(chat(), {"X-Session-ID": "s" * 8}, max_length=8)[1] == "s" * 8
+
+
+def test_responses_keep_prompt_cache_key_for_the_chain_and_take_the_session():
+    keyed = ResponsesRequest.model_validate({"input": "hi", "prompt_cache_key": "k"})
+    assert named(keyed, {"X-Session-ID": "s"}) == ("prompt_cache_key", None)
+    plain = ResponsesRequest.model_validate({"input": "hi"})
+    assert named(plain, {"X-Session-ID": "s"}) == ("X-Session-ID", "s")
+
+
+def test_the_fields_the_router_adds_are_accepted_without_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="vllm.entrypoints.openai.protocol"):
+        chat(**ROUTER_CHAT_DEFAULTS)
+        CompletionRequest.model_validate({"prompt": "hi", **ROUTER_COMPLETION_DEFAULTS})
+    assert not [r for r in caplog.records if "ignored" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("no_stop_trim", True), ("continue_final_message", True), ("return_hidden_states", True)],
+)
+def test_what_the_router_would_ask_beyond_its_defaults_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        chat(**{field: value})
+
+
+class _FakeEngine:
+    is_alive = True
+    num_unfinished_requests = 3
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True)
+    )
+
+    def stalled_for(self) -> float:
+        return 0.0
+
+
+def _get(app, path: str) -> tuple[int, bytes]:
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in sent if "body" in m)
+
+
+def test_get_load_answers_the_router_s_power_of_two():
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(name="m"), scheduler_config=SimpleNamespace(max_model_len=64)
+    )
+    app = build_app(config, FrontendArgs(), _FakeEngine(), SimpleNamespace(registry=None))
+    status, body = _get(app, "/get_load")
+    # The router reads the integer "load" (an i64) and nothing else.
+    assert status == 200 and json.loads(body) == {"load": 3}

@@ -1,0 +1,31 @@
+"""ab_benchmark over replicas behind a router: counters are summed over every replica's
+/metrics (the router's own /metrics is one replica's), KV usage is their mean."""
+
+from __future__ import annotations
+
+import asyncio
+
+from our_experiments.scripts import ab_benchmark
+
+
+def test_counters_are_summed_over_replicas():
+    got = ab_benchmark.summed([{"a": 1.0, "b": 2.0}, {"a": 3.0, "c": 1.0}])
+    assert got == {"a": 4.0, "b": 2.0, "c": 1.0}
+
+
+def test_usage_is_the_replicas_mean_and_the_queue_their_sum(monkeypatch):
+    pools = {
+        "http://127.0.0.1:1": {"vllm:kv_cache_usage_perc": 0.2, "vllm:num_requests_waiting": 1},
+        "http://127.0.0.1:2": {"vllm:kv_cache_usage_perc": 0.6, "vllm:num_requests_waiting": 3},
+    }
+    monkeypatch.setattr(ab_benchmark, "scrape_metrics", lambda url: pools[url])
+    sampler = ab_benchmark.UsageSampler(list(pools), period_s=0.0)
+
+    async def one_sample():
+        task = asyncio.create_task(sampler.run())
+        while not sampler.usage:
+            await asyncio.sleep(0)
+        task.cancel()
+
+    asyncio.run(one_sample())
+    assert abs(sampler.usage[0] - 0.4) < 1e-9 and sampler.waiting[0] == 4
