@@ -105,10 +105,7 @@ class EngineCore:
     def _init_kv_offload(self) -> tuple[int, int]:
         """(tier blocks, bytes per block) of the CPU KV tier; (0, 0) when it is off."""
         offload = self.vllm_config.offload_config
-        if not offload.enabled:
-            return 0, 0
-        if not self.vllm_config.cache_config.enable_prefix_caching:
-            logger.warning("--kv-offloading-size needs prefix caching (block hashes): no tier")
+        if not offload.enabled:  # (VllmConfig refuses a tier without prefix caching)
             return 0, 0
         block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
         num_blocks = offload.num_blocks(block_bytes)
