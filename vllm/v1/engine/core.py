@@ -81,7 +81,9 @@ class EngineCore:
         check_kv_capacity(vllm_config, self.num_gpu_blocks)
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
         self.num_cpu_blocks, block_bytes = self._init_kv_offload()
-        policy = create_policy(vllm_config, decode=self._decode, clock=clock)
+        policy = create_policy(
+            vllm_config, decode=self._decode, clock=clock, has_kv_tier=self.num_cpu_blocks > 0
+        )
         policy.prepare(self.model_runner.profile_prefill)
         # Constrained requests wait here while their grammar compiles (not in a step).
         self.grammars = PendingGrammars(self.model_runner.structured_output)

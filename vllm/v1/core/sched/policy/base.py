@@ -85,7 +85,7 @@ class Policy(ABC):
     """Base class of scheduling policies. Defaults are plain vLLM behaviour.
 
     Subclasses register under a name in ``policy/registry.py``; ``create_policy`` builds
-    every policy the same way: ``cls(config, decode=..., clock=...)``.
+    every policy the same way: ``from_config`` with the engine's facts (``has_kv_tier``).
     """
 
     name: str = "base"
@@ -97,22 +97,27 @@ class Policy(ABC):
         config: PolicyConfig | None = None,
         decode: Callable[[list[int]], str] | None = None,
         clock: Clock = monotonic_clock,
+        has_kv_tier: bool = False,
     ) -> None:
+        """``has_kv_tier``: whether the engine saves freed and released blocks in a CPU KV
+        tier (an engine fact, derived once by the engine core)."""
         self.config = config or PolicyConfig()
         # Token ids -> text, for policies that read finished outputs (tool calls).
         self.decode = decode
         self.clock = clock
-        # Whether freed and released blocks are saved in a CPU KV tier (the scheduler
-        # sets it when it builds its KV cache manager).
-        self.has_tier = False
+        self.has_tier = has_kv_tier
 
     @classmethod
     def from_config(
-        cls, vllm_config: VllmConfig, decode: Callable[[list[int]], str] | None, clock: Clock
+        cls,
+        vllm_config: VllmConfig,
+        decode: Callable[[list[int]], str] | None,
+        clock: Clock,
+        has_kv_tier: bool,
     ) -> Policy:
         """Build from the engine's config (a policy with settings of its own reads them
-        here); ``create_policy`` calls this for every policy."""
-        return cls(vllm_config.policy_config, decode=decode, clock=clock)
+        here) and facts; ``create_policy`` calls this for every policy."""
+        return cls(vllm_config.policy_config, decode=decode, clock=clock, has_kv_tier=has_kv_tier)
 
     @abstractmethod
     def create_request_queue(self, pinned_jobs: Container[str]) -> RequestQueue:
