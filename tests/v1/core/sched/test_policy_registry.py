@@ -10,9 +10,10 @@ from vllm.config import SchedulerConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.policy import Policy, create_policy, policy_names
-from vllm.v1.core.sched.policy.registry import get_policy_class, register_policy
+from vllm.v1.core.sched.policy.registry import get_policy_class, policy_metrics, register_policy
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm_continuum.metrics import MetricSpec
 
 
 def _config(name: str) -> VllmConfig:
@@ -43,6 +44,15 @@ def test_a_scheduler_refuses_a_policy_built_for_another_tier():
     plain = create_policy(config)
     with pytest.raises(ValueError, match="has_kv_tier=False"):
         Scheduler(config, 16, plain, num_cpu_blocks=8)
+
+
+def test_every_policy_declares_its_metrics_as_data():
+    metrics = policy_metrics()
+    assert tuple(metrics) == policy_names()
+    assert metrics["fcfs"] == () and metrics["continuum"] == ()
+    names = {spec.name for spec in metrics["context_serve"]}
+    assert "vllm:context_serve_decisions" in names
+    assert all(isinstance(spec, MetricSpec) for specs in metrics.values() for spec in specs)
 
 
 def test_names_without_implementation_do_not_exist():

@@ -420,6 +420,7 @@ class Scheduler:
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             pin_stats=pin_stats,
             policy_stats=self.policy.make_stats(),
+            policy_name=self.policy.name,
         )
         offload = self.kv_cache_manager.offload
         if offload is not None:

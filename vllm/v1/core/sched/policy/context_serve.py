@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from vllm import envs
 from vllm.config import PolicyConfig, VllmConfig
@@ -17,8 +18,11 @@ from vllm.v1.core.sched.policy.base import FREE, FinishedAction, Offload, Pin
 from vllm.v1.core.sched.policy.continuum import ContinuumPolicy
 from vllm.v1.request import Request
 from vllm_continuum.context_serve.config import ContextServeConfig
-from vllm_continuum.context_serve.core import ContextServeCore
-from vllm_continuum.context_serve.stats import ContextServeStats
+from vllm_continuum.context_serve.stats import CONTEXT_SERVE_METRICS, ContextServeStats
+from vllm_continuum.metrics import MetricSpec
+
+if TYPE_CHECKING:
+    from vllm_continuum.context_serve.core import ContextServeCore
 
 
 class ContextServePolicy(ContinuumPolicy):
@@ -52,7 +56,15 @@ class ContextServePolicy(ContinuumPolicy):
             context_serve_config=cs_config,
         )
 
+    @classmethod
+    def metrics(cls) -> tuple[MetricSpec, ...]:
+        return CONTEXT_SERVE_METRICS
+
     def _make_core(self) -> ContextServeCore:
+        # Imported here: the predictors pull in numpy and scipy, which the front end (it
+        # reads ``metrics()``) does not need.
+        from vllm_continuum.context_serve.core import ContextServeCore
+
         return ContextServeCore(
             self.config, self.clock, self.context_serve_config, record_dir=envs.RUN_OUTPUT_DIR
         )
