@@ -12,6 +12,7 @@ import pytest
 from vllm.config import (
     CacheConfig,
     ModelConfig,
+    OffloadConfig,
     PolicyConfig,
     SchedulerConfig,
     VllmConfig,
@@ -55,6 +56,19 @@ from vllm.sampling_params import SamplingParams
 def test_bad_values_name_the_field(factory, field):
     with pytest.raises(ValueError, match=field):
         factory()
+
+
+def test_kv_tier_without_prefix_caching_is_refused():
+    """The tier finds blocks by their prefix hash: without prefix caching it could hold
+    nothing (and a policy would offload into nothing), so the config refuses it."""
+    no_caching = CacheConfig(enable_prefix_caching=False)
+    tier = OffloadConfig(kv_offloading_size=0.01)
+    with pytest.raises(ValueError) as e:
+        VllmConfig(cache_config=no_caching, offload_config=tier)
+    assert "--kv-offloading-size" in str(e.value) and "--no-enable-prefix-caching" in str(e.value)
+    assert "\n" not in str(e.value)
+    VllmConfig(offload_config=tier)  # with prefix caching (the default)
+    VllmConfig(cache_config=no_caching)  # no tier
 
 
 def test_sampling_params_agent_metadata_and_defaults():

@@ -281,3 +281,13 @@ class VllmConfig:
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     context_serve_config: ContextServeConfig = field(default_factory=ContextServeConfig)
     offload_config: OffloadConfig = field(default_factory=OffloadConfig)
+
+    def __post_init__(self) -> None:
+        if self.offload_config.enabled and not self.cache_config.enable_prefix_caching:
+            # The tier finds blocks by their prefix hash: without one it would hold nothing,
+            # and a policy would offload into nothing.
+            raise ValueError(
+                "--kv-offloading-size needs prefix caching (the tier finds blocks by their "
+                "prefix hash): drop --no-enable-prefix-caching or --kv-offloading-size "
+                "(--enable-prefix-caching is the default)"
+            )

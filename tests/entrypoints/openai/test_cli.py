@@ -73,6 +73,7 @@ def test_help_lists_the_flags_without_importing_torch():
         (("--max-num-seqs", "0"), "max_num_seqs"),
         (("--chat-template", "/no/such/template.jinja"), "chat_template"),
         (("/no/such/model",), "not found"),
+        (("--kv-offloading-size", "0.01", "--no-enable-prefix-caching"), "--kv-offloading-size"),
         # The positional model wins over --model, as in vLLM.
         (("/no/such/model", "--model", "/other/model"), "/no/such/model"),
         (("--model", "/other/model"), "/other/model"),

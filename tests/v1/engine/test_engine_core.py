@@ -40,6 +40,12 @@ class FakeRunner:
     def profile_prefill(self) -> list[tuple[int, float]]:
         return [(16, 0.01), (64, 0.05)]
 
+    def get_kv_cache_bytes_per_block(self) -> int:
+        return 1024
+
+    def initialize_kv_offload(self, num_cpu_blocks: int) -> None:
+        self.num_cpu_blocks = num_cpu_blocks
+
     def execute_model(self, so) -> ModelRunnerOutput:
         self.calls.append(so)
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -149,7 +155,7 @@ def test_policy_gets_decode_and_prefill_profile(monkeypatch):
         def prepare(self, measure_prefill):
             seen["profile"] = measure_prefill()
 
-    def fake_create_policy(vllm_config, decode=None, clock=None):
+    def fake_create_policy(vllm_config, decode=None, clock=None, has_kv_tier=False):
         seen["decode"] = decode
         return ProfiledPolicy(vllm_config.policy_config, decode=decode, clock=clock)
 
@@ -161,3 +167,18 @@ def test_policy_gets_decode_and_prefill_profile(monkeypatch):
     ids = engine.tokenizer("Hello world").input_ids + [EOS]
     assert seen["decode"](ids) == "Hello world"  # special tokens skipped
     assert engine.scheduler.policy.name == "fcfs"
+
+
+@pytest.mark.parametrize("offloading_size", [None, 0.001])
+def test_the_engine_derives_its_kv_tier_once_and_passes_it_down(monkeypatch, offloading_size):
+    """The tier's block count decides ``has_kv_tier``: the policy and the KV cache manager
+    are built from that one fact."""
+    monkeypatch.setattr(model_runner_module, "ModelRunner", FakeRunner)
+    args = EngineArgs(
+        num_gpu_blocks_override=8, max_model_len=64, kv_offloading_size=offloading_size
+    )
+    engine = EngineCore(args.create_engine_config(), clock=FakeClock())
+    tier = offloading_size is not None
+    assert engine.num_cpu_blocks == (2**30 * offloading_size // 1024 if tier else 0)
+    assert engine.scheduler.policy.has_tier is tier
+    assert (engine.scheduler.kv_cache_manager.offload is not None) is tier

@@ -6,13 +6,18 @@ with ``registry.get_sample_value`` and the exposition text with ``generate_lates
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
 from vllm.v1.metrics.stats import PinStats, PrefixCacheStats, SchedulerStats
+from vllm_continuum.metrics import MetricSpec, by_label, each_of, value_of
 
 MODEL = "smol"
 LABEL = {"model_name": MODEL}
@@ -236,10 +241,11 @@ def test_loggers_with_separate_registries_do_not_share_values():
 def test_context_serve_policy_stats(stats):
     from collections import Counter
 
-    from vllm.v1.metrics.stats import PolicyStats
+    from vllm_continuum.context_serve.stats import ContextServeStats
 
     first = sched_stats()
-    first.policy_stats = PolicyStats(
+    first.policy_name = "context_serve"
+    first.policy_stats = ContextServeStats(
         decisions=Counter({("fast", "rules"): 2, ("slow", "bayes"): 1}),
         prediction_errors_s=[0.3, 7.0],
         fast_pin_outcomes=Counter({"hit": 1, "expired": 1}),
@@ -247,7 +253,8 @@ def test_context_serve_policy_stats(stats):
         trainings=1,
     )
     second = sched_stats()
-    second.policy_stats = PolicyStats(
+    second.policy_name = "context_serve"
+    second.policy_stats = ContextServeStats(
         decisions=Counter({("fast", "rules"): 1}), training_failures=1
     )
     stats.record(core(first), [])
@@ -270,3 +277,67 @@ def test_context_serve_policy_stats(stats):
         'vllm:context_serve_decisions_total{layer="rules",model_name="smol",speed="fast"} 3.0'
         in text
     )
+
+
+class GaugePolicy(FCFSPolicy):
+    """A policy declaring its own series (registered in the test below)."""
+
+    name = "gauge_test"
+
+    @classmethod
+    def metrics(cls) -> tuple[MetricSpec, ...]:
+        return (
+            MetricSpec("vllm:test_depth", "gauge", "Depth.", read=value_of("depth")),
+            MetricSpec(
+                "vllm:test_events", "counter", "Events.", labels=("kind",), read=by_label("events")
+            ),
+            MetricSpec(
+                "vllm:test_delay_seconds",
+                "histogram",
+                "Delays.",
+                buckets=(1.0, 10.0),
+                read=each_of("delays"),
+            ),
+        )
+
+
+def test_a_policys_declared_metrics_reach_the_metrics_page(monkeypatch):
+    """Only declarations: the logger builds the series from the registry's policy classes
+    and feeds a report's ``policy_stats`` to the series of the policy it names."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.policy import registry
+
+    monkeypatch.setitem(registry._REGISTRY, "gauge_test", f"{__name__}:GaugePolicy")
+    stats = PrometheusStatLogger(MODEL, registry=CollectorRegistry())
+    report = sched_stats()
+    report.policy_name = "gauge_test"
+    report.policy_stats = SimpleNamespace(depth=3, events={"a": 2, "b": 1}, delays=[0.5, 5.0])
+    stats.record(core(report), [])
+    report.policy_stats = SimpleNamespace(depth=4, events={"a": 1}, delays=[])
+    stats.record(core(report), [])
+    other = sched_stats()  # another policy's report feeds none of these series
+    other.policy_name = "fcfs"
+    other.policy_stats = SimpleNamespace(depth=99, events={"a": 99}, delays=[99.0])
+    stats.record(core(other), [])
+    text = generate_latest(stats.registry).decode()
+    assert "# TYPE vllm:test_depth gauge" in text
+    assert 'vllm:test_depth{model_name="smol"} 4.0' in text
+    assert 'vllm:test_events_total{kind="a",model_name="smol"} 3.0' in text
+    assert 'vllm:test_events_total{kind="b",model_name="smol"} 1.0' in text
+    assert 'vllm:test_delay_seconds_bucket{le="1.0",model_name="smol"} 1.0' in text
+    assert 'vllm:test_delay_seconds_count{model_name="smol"} 2.0' in text
+    # The built-in policies' series are there too (declared, not yet fed).
+    assert "# TYPE vllm:context_serve_decisions_total counter" in text
+
+
+def test_the_front_end_reads_declarations_without_loading_the_predictors():
+    """The logger imports every registered policy class for its ``metrics()``: none of
+    them may pull in numpy/scipy (ContextServe's predictors load with the policy's core)."""
+    probe = (
+        "import sys; from vllm.v1.metrics.prometheus import PrometheusStatLogger; "
+        "PrometheusStatLogger('m'); print(sorted(m for m in ('scipy', 'xgboost') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -81,7 +81,9 @@ class EngineCore:
         check_kv_capacity(vllm_config, self.num_gpu_blocks)
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
         self.num_cpu_blocks, block_bytes = self._init_kv_offload()
-        policy = create_policy(vllm_config, decode=self._decode, clock=clock)
+        policy = create_policy(
+            vllm_config, decode=self._decode, clock=clock, has_kv_tier=self.num_cpu_blocks > 0
+        )
         policy.prepare(self.model_runner.profile_prefill)
         # Constrained requests wait here while their grammar compiles (not in a step).
         self.grammars = PendingGrammars(self.model_runner.structured_output)
@@ -105,10 +107,7 @@ class EngineCore:
     def _init_kv_offload(self) -> tuple[int, int]:
         """(tier blocks, bytes per block) of the CPU KV tier; (0, 0) when it is off."""
         offload = self.vllm_config.offload_config
-        if not offload.enabled:
-            return 0, 0
-        if not self.vllm_config.cache_config.enable_prefix_caching:
-            logger.warning("--kv-offloading-size needs prefix caching (block hashes): no tier")
+        if not offload.enabled:  # (VllmConfig refuses a tier without prefix caching)
             return 0, 0
         block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
         num_blocks = offload.num_blocks(block_bytes)

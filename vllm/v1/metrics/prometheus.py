@@ -1,12 +1,20 @@
-"""Prometheus collectors with vLLM's metric names, labelled ``model_name``."""
+"""Prometheus collectors with vLLM's metric names, labelled ``model_name``.
+
+Every series is a ``MetricSpec`` (``vllm_continuum.metrics``): the engine's in the tables
+below, a policy's in its class; ``build_series`` creates them all.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vllm.outputs import RequestOutput
+from vllm.v1.core.sched.policy.registry import policy_metrics
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.metrics.stats import PolicyStats
+from vllm_continuum.metrics import MetricSpec, Reader, Sample, merge_specs
 
 _LATENCY_BUCKETS = (
     0.01,
@@ -44,148 +52,197 @@ _TPOT_BUCKETS = (
     5.0,
 )
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
-_TOOL_ERROR_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def _stat(path: str) -> Reader:
+    """One unlabelled sample: the ``SchedulerStats`` attribute at dotted ``path``; none
+    when a part is None (a report without a CPU tier has no tier figures)."""
+
+    def read(stats: Any) -> list[Sample]:
+        for part in path.split("."):
+            stats = getattr(stats, part)
+            if stats is None:
+                return []
+        return [((), stats)]
+
+    return read
+
+
+def _gauge(name: str, doc: str, path: str) -> MetricSpec:
+    return MetricSpec(name, "gauge", doc, read=_stat(path))
+
+
+def _counter(name: str, doc: str, path: str) -> MetricSpec:
+    return MetricSpec(name, "counter", doc, read=_stat(path))
+
+
+# Series read from each step's ``SchedulerStats``: gauges set, counters add the deltas.
+# Its gauges are the engine's state (0 once the engine died).
+SCHEDULER_METRICS = (
+    _gauge("vllm:num_requests_running", "Requests in model execution.", "num_running_reqs"),
+    _gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", "num_waiting_reqs"),
+    _gauge(
+        "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent usage.", "kv_cache_usage"
+    ),
+    _gauge(
+        "vllm:num_pinned_requests",
+        "Finished requests whose KV blocks are pinned.",
+        "pin_stats.num_pinned_requests",
+    ),
+    _gauge("vllm:pinned_kv_blocks", "KV blocks held by pins.", "pin_stats.pinned_kv_blocks"),
+    _counter(
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in tokens.",
+        "prefix_cache_stats.queries",
+    ),
+    _counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", "prefix_cache_stats.hits"),
+    _counter("vllm:num_preemptions", "Cumulative preemptions.", "num_preemptions"),
+    _counter("vllm:pins", "KV pins placed.", "pin_stats.pins"),
+    _counter("vllm:pin_hits", "Next turns that found their pinned blocks.", "pin_stats.pin_hits"),
+    _counter("vllm:pin_expiries", "Pins released by TTL expiry.", "pin_stats.expiries"),
+    _counter(
+        "vllm:pin_forced_releases",
+        "Pins released under memory pressure.",
+        "pin_stats.forced_releases",
+    ),
+    # The CPU KV tier (vLLM's names for its external prefix cache).
+    _counter(
+        "vllm:external_prefix_cache_queries",
+        "CPU KV tier queries, in tokens.",
+        "connector_prefix_cache_stats.queries",
+    ),
+    _counter(
+        "vllm:external_prefix_cache_hits",
+        "CPU KV tier hits (tokens loaded), in tokens.",
+        "connector_prefix_cache_stats.hits",
+    ),
+    _gauge(
+        "vllm:kv_offload_usage_perc",
+        "CPU KV tier usage: 1 means 100 percent usage.",
+        "offload_stats.usage",
+    ),
+    _counter(
+        "vllm:kv_offload_blocks_saved", "KV blocks saved to the tier.", "offload_stats.blocks_saved"
+    ),
+    _counter(
+        "vllm:kv_offload_blocks_loaded",
+        "KV blocks loaded back from the tier.",
+        "offload_stats.blocks_loaded",
+    ),
+    _counter(
+        "vllm:kv_offload_bytes",
+        "Bytes copied between the KV cache and the CPU tier.",
+        "offload_stats.bytes_moved",
+    ),
+)
+
+# Series the logger feeds itself (liveness, finished requests' timings, the front end's
+# overhead): declared here, updated by name.
+ENGINE_ALIVE = "vllm:engine_alive"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
+SUCCESS = "vllm:request_success"
+TTFT = "vllm:time_to_first_token_seconds"
+TPOT = "vllm:time_per_output_token_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+OVERHEAD = "vllm:request_server_overhead_seconds"
+FRONTEND_METRICS = (
+    MetricSpec(
+        ENGINE_ALIVE,
+        "gauge",
+        "1 while the engine process serves; 0 once it died (the gauges of its state are 0 "
+        "from then on).",
+    ),
+    MetricSpec(PROMPT_TOKENS, "counter", "Prefill tokens processed."),
+    MetricSpec(GENERATION_TOKENS, "counter", "Generation tokens."),
+    MetricSpec(SUCCESS, "counter", "Successfully finished requests.", labels=("finished_reason",)),
+    MetricSpec(TTFT, "histogram", "Time to first token.", buckets=_LATENCY_BUCKETS),
+    MetricSpec(TPOT, "histogram", "Time per output token.", buckets=_TPOT_BUCKETS),
+    MetricSpec(E2E, "histogram", "End-to-end latency.", buckets=_LATENCY_BUCKETS),
+    MetricSpec(
+        QUEUE_TIME, "histogram", "Time spent waiting in the engine.", buckets=_LATENCY_BUCKETS
+    ),
+    MetricSpec(
+        OVERHEAD,
+        "histogram",
+        "Server latency minus the time in the engine process (HTTP, tokenization, ZMQ, "
+        "detokenization).",
+        buckets=_OVERHEAD_BUCKETS,
+    ),
+)
+
+_CLASSES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+_UPDATES = {"counter": "inc", "gauge": "set", "histogram": "observe"}
+
+
+class MetricSeries:
+    """The Prometheus series of one ``MetricSpec``, with the engine's labels bound."""
+
+    def __init__(
+        self, spec: MetricSpec, registry: CollectorRegistry, engine_labels: dict[str, str]
+    ) -> None:
+        self.spec = spec
+        extra = {"buckets": spec.buckets} if spec.buckets is not None else {}
+        self.metric = _CLASSES[spec.kind](
+            spec.name,
+            spec.documentation,
+            [*engine_labels, *spec.labels],
+            registry=registry,
+            **extra,
+        )
+        self._engine_values = tuple(engine_labels.values())
+        # A series without labels of its own exists (at 0) from the start.
+        self.child = None if spec.labels else self.metric.labels(*self._engine_values)
+
+    def labels(self, *values: str) -> Any:
+        """The child for the spec's label ``values`` (the bound child when it has none)."""
+        if self.child is not None:
+            return self.child
+        return self.metric.labels(*self._engine_values, *values)
+
+    def update(self, stats: Any) -> None:
+        """Apply the spec's samples of one stats report."""
+        for values, value in self.spec.samples(stats):
+            getattr(self.labels(*values), _UPDATES[self.spec.kind])(value)
+
+
+def build_series(
+    specs: Iterable[MetricSpec], registry: CollectorRegistry, engine_labels: dict[str, str]
+) -> dict[str, MetricSeries]:
+    """The one place series are created: one per spec, by name (ValueError when a name is
+    declared twice, differently)."""
+    return {s.name: MetricSeries(s, registry, engine_labels) for s in merge_specs([specs])}
 
 
 class PrometheusStatLogger:
     """Turns engine stats and finished requests into metrics in its own registry.
 
-    Gauges come from each step's ``SchedulerStats``, counters from its deltas, histograms
-    from the timings of finished requests. One registry per server, so tests can run
-    several servers (or loggers) in one process.
+    Every series is declared as a ``MetricSpec``: the engine's own here, each policy's by
+    its class (``Policy.metrics()``, read from the registry: the front end does not know
+    which policy the engine runs, so every registered policy's series exist, and a report
+    feeds those of the policy it names). Gauges come from each step's ``SchedulerStats``,
+    counters from its deltas, histograms from the timings of finished requests. One
+    registry per server, so tests can run several servers (or loggers) in one process.
     """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model_name}
-
-        def gauge(name, doc):
-            return Gauge(name, doc, ["model_name"], registry=self.registry).labels(**self.labels)
-
-        def counter(name, doc):
-            return Counter(name, doc, ["model_name"], registry=self.registry).labels(**self.labels)
-
-        def histogram(name, doc, buckets):
-            return Histogram(
-                name, doc, ["model_name"], buckets=buckets, registry=self.registry
-            ).labels(**self.labels)
-
-        self.engine_alive = gauge(
-            "vllm:engine_alive",
-            "1 while the engine process serves; 0 once it died (the gauges of its state "
-            "are 0 from then on).",
+        self._policy_specs = policy_metrics()
+        policy_specs = merge_specs(self._policy_specs.values())
+        self.series = build_series(
+            (*FRONTEND_METRICS, *SCHEDULER_METRICS, *policy_specs), self.registry, self.labels
         )
-        self.engine_alive.set(1)
+        self.series[ENGINE_ALIVE].child.set(1)
         self._engine_dead = False
-        self.running = gauge("vllm:num_requests_running", "Requests in model execution.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
-        self.kv_usage = gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent usage."
-        )
-        self.pinned_requests = gauge(
-            "vllm:num_pinned_requests", "Finished requests whose KV blocks are pinned."
-        )
-        self.pinned_blocks = gauge("vllm:pinned_kv_blocks", "KV blocks held by pins.")
-        self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens."
-        )
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens.")
-        self.pins = counter("vllm:pins", "KV pins placed (Continuum).")
-        self.pin_hits = counter("vllm:pin_hits", "Next turns that found their pinned blocks.")
-        self.pin_expiries = counter("vllm:pin_expiries", "Pins released by TTL expiry.")
-        self.pin_forced = counter(
-            "vllm:pin_forced_releases", "Pins released under memory pressure."
-        )
-        # The CPU KV tier (vLLM's names for its external prefix cache).
-        self.external_queries = counter(
-            "vllm:external_prefix_cache_queries", "CPU KV tier queries, in tokens."
-        )
-        self.external_hits = counter(
-            "vllm:external_prefix_cache_hits", "CPU KV tier hits (tokens loaded), in tokens."
-        )
-        self.offload_usage = gauge(
-            "vllm:kv_offload_usage_perc", "CPU KV tier usage: 1 means 100 percent usage."
-        )
-        self.offload_saved = counter("vllm:kv_offload_blocks_saved", "KV blocks saved to the tier.")
-        self.offload_loaded = counter(
-            "vllm:kv_offload_blocks_loaded", "KV blocks loaded back from the tier."
-        )
-        self.offload_bytes = counter(
-            "vllm:kv_offload_bytes", "Bytes copied between the KV cache and the CPU tier."
-        )
-        self.success = Counter(
-            "vllm:request_success",
-            "Successfully finished requests.",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
-        )
-        self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
-        )
-        self.tpot = histogram(
-            "vllm:time_per_output_token_seconds", "Time per output token.", _TPOT_BUCKETS
-        )
-        self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end latency.", _LATENCY_BUCKETS
-        )
-        self.queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Time spent waiting in the engine.", _LATENCY_BUCKETS
-        )
-        self._add_policy_metrics(histogram)
-        self.overhead = histogram(
-            "vllm:request_server_overhead_seconds",
-            "Server latency minus the time in the engine process (HTTP, tokenization, ZMQ, "
-            "detokenization).",
-            _OVERHEAD_BUCKETS,
-        )
 
-    def _add_policy_metrics(self, histogram) -> None:
-        """ContextServe's series (they appear once the policy reports something)."""
-
-        def labelled(name, doc, label):
-            return Counter(name, doc, ["model_name", label], registry=self.registry)
-
-        self.cs_decisions = Counter(
-            "vllm:context_serve_decisions",
-            "ContextServe verdicts on finished turns, by speed class and deciding layer.",
-            ["model_name", "speed", "layer"],
-            registry=self.registry,
-        )
-        self.cs_error = histogram(
-            "vllm:context_serve_prediction_error_seconds",
-            "|observed - predicted| tool time of verdicts that predicted one.",
-            _TOOL_ERROR_BUCKETS,
-        )
-        self.cs_fast_pins = labelled(
-            "vllm:context_serve_fast_pins", "How FAST (strict) pins ended.", "outcome"
-        )
-        self.cs_regret = labelled(
-            "vllm:context_serve_regret",
-            "Verdicts the measured tool time proved wrong (slow_was_fast, fast_was_slow).",
-            "kind",
-        )
-        self.cs_trainings = labelled(
-            "vllm:context_serve_trainings", "Background XGBoost trainings.", "result"
-        )
-
-    def _record_policy(self, p: PolicyStats) -> None:
-        for (speed, layer), n in p.decisions.items():
-            self.cs_decisions.labels(speed=speed, layer=layer, **self.labels).inc(n)
-        for err in p.prediction_errors_s:
-            self.cs_error.observe(err)
-        for outcome, n in p.fast_pin_outcomes.items():
-            self.cs_fast_pins.labels(outcome=outcome, **self.labels).inc(n)
-        for kind, n in p.regret.items():
-            self.cs_regret.labels(kind=kind, **self.labels).inc(n)
-        for result, n in (("ok", p.trainings), ("failed", p.training_failures)):
-            if n:
-                self.cs_trainings.labels(result=result, **self.labels).inc(n)
+    def __getitem__(self, name: str) -> Any:
+        """The child of an unlabelled series, e.g. ``stats["vllm:num_requests_running"]``."""
+        return self.series[name].child
 
     def observe_overhead(self, seconds: float) -> None:
-        self.overhead.observe(seconds)
+        self[OVERHEAD].observe(seconds)
 
     def mark_engine_dead(self) -> None:
         """The engine process is gone (the server kept alive): nothing runs, waits, is
@@ -194,71 +251,40 @@ class PrometheusStatLogger:
         their totals. Idempotent; a later ``record`` (a message sent before the death) still
         counts its events but leaves the gauges at 0."""
         self._engine_dead = True
-        self.engine_alive.set(0)
-        for g in self._state_gauges():
-            g.set(0)
-
-    def _state_gauges(self) -> list:
-        return [
-            self.running,
-            self.waiting,
-            self.kv_usage,
-            self.pinned_requests,
-            self.pinned_blocks,
-            self.offload_usage,
-        ]
+        self[ENGINE_ALIVE].set(0)
+        for spec in SCHEDULER_METRICS:
+            if spec.kind == "gauge":
+                self[spec.name].set(0)
 
     def record(self, core: EngineCoreOutputs, results: list[RequestOutput]) -> None:
         s = core.scheduler_stats
         if s is not None:
-            self.running.set(s.num_running_reqs)
-            self.waiting.set(s.num_waiting_reqs)
-            self.kv_usage.set(s.kv_cache_usage)
-            self.prefix_queries.inc(s.prefix_cache_stats.queries)
-            self.prefix_hits.inc(s.prefix_cache_stats.hits)
-            self.preemptions.inc(s.num_preemptions)
-            p = s.pin_stats
-            self.pinned_requests.set(p.num_pinned_requests)
-            self.pinned_blocks.set(p.pinned_kv_blocks)
-            self.pins.inc(p.pins)
-            self.pin_hits.inc(p.pin_hits)
-            self.pin_expiries.inc(p.expiries)
-            self.pin_forced.inc(p.forced_releases)
+            for spec in SCHEDULER_METRICS:
+                self.series[spec.name].update(s)
             if s.policy_stats is not None:
-                self._record_policy(s.policy_stats)
-            self._record_offload(s)
-        self.generation_tokens.inc(sum(len(o.new_token_ids) for o in core.outputs))
+                for spec in self._policy_specs.get(s.policy_name, ()):
+                    self.series[spec.name].update(s.policy_stats)
+        self[GENERATION_TOKENS].inc(sum(len(o.new_token_ids) for o in core.outputs))
         for out in results:
             if out.finished:
                 self._record_finished(out)
         if self._engine_dead:  # a message sent before the death, handled after it
             self.mark_engine_dead()
 
-    def _record_offload(self, s) -> None:
-        if s.connector_prefix_cache_stats is not None:
-            self.external_queries.inc(s.connector_prefix_cache_stats.queries)
-            self.external_hits.inc(s.connector_prefix_cache_stats.hits)
-        o = s.offload_stats
-        if o is not None:
-            self.offload_usage.set(o.usage)
-            self.offload_saved.inc(o.blocks_saved)
-            self.offload_loaded.inc(o.blocks_loaded)
-            self.offload_bytes.inc(o.bytes_moved)
-
     def _record_finished(self, out: RequestOutput) -> None:
         m = out.metrics
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self[PROMPT_TOKENS].inc(len(out.prompt_token_ids))
         reason = out.outputs[0].finish_reason or "abort" if out.outputs else "abort"
-        self.success.labels(finished_reason=reason, **self.labels).inc()
+        self.series[SUCCESS].labels(reason).inc()
         if m is None:
             return
         if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
+            self[TTFT].observe(m.first_token_time - m.arrival_time)
             if m.num_generation_tokens > 1 and m.last_token_time is not None:
-                self.tpot.observe(
+                self[TPOT].observe(
                     (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1)
                 )
         if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
+            self[E2E].observe(m.finished_time - m.arrival_time)
         if m.queue_time is not None:
-            self.queue_time.observe(m.queue_time)
+            self[QUEUE_TIME].observe(m.queue_time)

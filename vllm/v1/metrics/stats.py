@@ -4,11 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_continuum.context_serve.stats import ContextServeStats
-
-# The counters a policy reports through ``Policy.make_stats`` (one kind so far).
-PolicyStats = ContextServeStats
-
 
 @dataclass
 class PrefixCacheStats:
@@ -22,7 +17,7 @@ class PrefixCacheStats:
 
 @dataclass
 class PinStats:
-    """Continuum pin counters since the previous report (deltas), plus current gauges."""
+    """Pin counters since the previous report (deltas), plus current gauges."""
 
     num_pinned_requests: int = 0  # gauge
     pinned_kv_blocks: int = 0  # gauge
@@ -50,7 +45,9 @@ class SchedulerStats:
     num_preemptions: int = 0  # delta since the previous report
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     pin_stats: PinStats = field(default_factory=PinStats)
-    policy_stats: PolicyStats | None = None  # from ``Policy.make_stats``
+    # From ``Policy.make_stats``: read by the metrics ``policy_name``'s class declares.
+    policy_stats: object | None = None
+    policy_name: str = ""
     # The CPU KV tier's lookups (vLLM's external prefix cache) and copies; None: no tier.
     connector_prefix_cache_stats: PrefixCacheStats | None = None
     offload_stats: OffloadStats | None = None

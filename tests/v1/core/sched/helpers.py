@@ -44,8 +44,13 @@ def make_scheduler(
         ),
     )
     clock = clock or FakeClock()
+    has_kv_tier = num_cpu_blocks > 0  # (the engine core's rule)
     if policy_obj is None:
-        policy_obj = create_policy(config, decode=lambda ids: "", clock=clock)
+        policy_obj = create_policy(
+            config, decode=lambda ids: "", clock=clock, has_kv_tier=has_kv_tier
+        )
+    else:  # a test's own policy object, as create_policy would build it for this engine
+        policy_obj.has_tier = has_kv_tier
     return Scheduler(
         config, num_blocks, policy=policy_obj, clock=clock, num_cpu_blocks=num_cpu_blocks
     )

@@ -43,14 +43,16 @@ def test_unreadable_rules_file_is_a_one_line_error_naming_the_option(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_slow_turns_go_to_the_cpu_tier_only_when_one_is_configured():
-    plain = parse(["--scheduling-policy", "context_serve"]).create_engine_config()
-    tiered = parse(
-        ["--scheduling-policy", "context_serve", "--kv-offloading-size", "0.05"]
-    ).create_engine_config()
+def test_slow_turns_go_to_the_cpu_tier_only_when_the_engine_has_one():
+    """Whether a tier exists is the engine's fact (``has_kv_tier``), not the flag's: the
+    engine core derives it from the tier's block count and passes it down."""
+    config = parse(["--scheduling-policy", "context_serve"]).create_engine_config()
 
-    def build(config):
-        return create_policy(config, decode=lambda ids: "", clock=FakeClock())
+    def build(has_kv_tier: bool):
+        return create_policy(
+            config, decode=lambda ids: "", clock=FakeClock(), has_kv_tier=has_kv_tier
+        )
 
-    assert not build(plain).context_serve_config.offload_slow
-    assert build(tiered).context_serve_config.offload_slow
+    without, with_tier = build(False), build(True)
+    assert not without.context_serve_config.offload_slow and not without.has_tier
+    assert with_tier.context_serve_config.offload_slow and with_tier.has_tier

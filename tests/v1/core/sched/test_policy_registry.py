@@ -10,8 +10,10 @@ from vllm.config import SchedulerConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.policy import Policy, create_policy, policy_names
-from vllm.v1.core.sched.policy.registry import get_policy_class, register_policy
+from vllm.v1.core.sched.policy.registry import get_policy_class, policy_metrics, register_policy
 from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm_continuum.metrics import MetricSpec
 
 
 def _config(name: str) -> VllmConfig:
@@ -23,6 +25,34 @@ def test_every_registered_name_builds_its_policy_and_queue(name):
     policy = create_policy(_config(name), decode=lambda ids: "", clock=FakeClock())
     assert isinstance(policy, Policy) and policy.name == name
     assert isinstance(policy.create_request_queue(frozenset()), RequestQueue)
+
+
+@pytest.mark.parametrize("name", policy_names())
+@pytest.mark.parametrize("has_kv_tier", [False, True])
+def test_create_policy_passes_the_engines_kv_tier(name, has_kv_tier):
+    policy = create_policy(
+        _config(name), decode=lambda ids: "", clock=FakeClock(), has_kv_tier=has_kv_tier
+    )
+    assert policy.has_tier is has_kv_tier
+
+
+def test_a_scheduler_refuses_a_policy_built_for_another_tier():
+    config = _config("fcfs")
+    tiered = create_policy(config, has_kv_tier=True)
+    with pytest.raises(ValueError, match="has_kv_tier=True"):
+        Scheduler(config, 16, tiered)  # no CPU blocks: no tier
+    plain = create_policy(config)
+    with pytest.raises(ValueError, match="has_kv_tier=False"):
+        Scheduler(config, 16, plain, num_cpu_blocks=8)
+
+
+def test_every_policy_declares_its_metrics_as_data():
+    metrics = policy_metrics()
+    assert tuple(metrics) == policy_names()
+    assert metrics["fcfs"] == () and metrics["continuum"] == ()
+    names = {spec.name for spec in metrics["context_serve"]}
+    assert "vllm:context_serve_decisions" in names
+    assert all(isinstance(spec, MetricSpec) for specs in metrics.values() for spec in specs)
 
 
 def test_names_without_implementation_do_not_exist():

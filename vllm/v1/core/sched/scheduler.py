@@ -72,7 +72,11 @@ class Scheduler:
             num_cpu_blocks,
             cpu_block_bytes,
         )
-        policy.has_tier = num_cpu_blocks > 0
+        if policy.has_tier != (self.kv_cache_manager.offload is not None):
+            raise ValueError(
+                f"the policy was built with has_kv_tier={policy.has_tier}, but the KV cache "
+                f"has {'no' if self.kv_cache_manager.offload is None else 'a'} CPU tier"
+            )
         self.requests: dict[str, Request] = {}
         self.pins = KVCachePinManager(self.kv_cache_manager, policy)
         self.waiting = policy.create_request_queue(self.pins)
@@ -416,6 +420,7 @@ class Scheduler:
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             pin_stats=pin_stats,
             policy_stats=self.policy.make_stats(),
+            policy_name=self.policy.name,
         )
         offload = self.kv_cache_manager.offload
         if offload is not None:

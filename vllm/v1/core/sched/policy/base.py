@@ -11,6 +11,10 @@ points (docs/design.md, "Scheduler"):
    ``may_release_pins_for``;
 5. observers: ``on_arrival``, ``on_scheduled``, ``on_pinned``, ``on_pin_released``.
 
+A policy's own metrics are data: ``metrics()`` declares its series (``MetricSpec`` s,
+``vllm_continuum.metrics``) and ``make_stats`` reports the object they read; the engine's
+exporter builds and feeds them without knowing the policy.
+
 Policies own no KV blocks and keep no copy of the scheduler's state: the pins (and so
 which jobs hold pinned blocks) belong to the scheduler's ``KVCachePinManager``
 (``sched/pinned.py``), which hands the policy a read-only view of the pinned jobs. Policies
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from vllm.config import PolicyConfig
 from vllm_continuum.clock import Clock, monotonic_clock
+from vllm_continuum.metrics import MetricSpec
 
 # Why a pin ended (argument of ``on_pin_released``): defined with the pin mechanism.
 from vllm_continuum.pins import (  # noqa: F401 - re-exported for policies
@@ -46,7 +51,6 @@ from vllm_continuum.pins import (  # noqa: F401 - re-exported for policies
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.request_queue import RequestQueue
-    from vllm.v1.metrics.stats import PolicyStats
     from vllm.v1.request import Request
 
 
@@ -85,7 +89,7 @@ class Policy(ABC):
     """Base class of scheduling policies. Defaults are plain vLLM behaviour.
 
     Subclasses register under a name in ``policy/registry.py``; ``create_policy`` builds
-    every policy the same way: ``cls(config, decode=..., clock=...)``.
+    every policy the same way: ``from_config`` with the engine's facts (``has_kv_tier``).
     """
 
     name: str = "base"
@@ -97,22 +101,27 @@ class Policy(ABC):
         config: PolicyConfig | None = None,
         decode: Callable[[list[int]], str] | None = None,
         clock: Clock = monotonic_clock,
+        has_kv_tier: bool = False,
     ) -> None:
+        """``has_kv_tier``: whether the engine saves freed and released blocks in a CPU KV
+        tier (an engine fact, derived once by the engine core)."""
         self.config = config or PolicyConfig()
         # Token ids -> text, for policies that read finished outputs (tool calls).
         self.decode = decode
         self.clock = clock
-        # Whether freed and released blocks are saved in a CPU KV tier (the scheduler
-        # sets it when it builds its KV cache manager).
-        self.has_tier = False
+        self.has_tier = has_kv_tier
 
     @classmethod
     def from_config(
-        cls, vllm_config: VllmConfig, decode: Callable[[list[int]], str] | None, clock: Clock
+        cls,
+        vllm_config: VllmConfig,
+        decode: Callable[[list[int]], str] | None,
+        clock: Clock,
+        has_kv_tier: bool,
     ) -> Policy:
         """Build from the engine's config (a policy with settings of its own reads them
-        here); ``create_policy`` calls this for every policy."""
-        return cls(vllm_config.policy_config, decode=decode, clock=clock)
+        here) and facts; ``create_policy`` calls this for every policy."""
+        return cls(vllm_config.policy_config, decode=decode, clock=clock, has_kv_tier=has_kv_tier)
 
     @abstractmethod
     def create_request_queue(self, pinned_jobs: Container[str]) -> RequestQueue:
@@ -193,9 +202,15 @@ class Policy(ABC):
     def on_pin_released(self, request: Request, now: float, reason: str) -> None:
         """A pin placed on ``request``'s blocks ended (reason: ``PIN_RELEASE_*``)."""
 
-    def make_stats(self) -> PolicyStats | None:
+    @classmethod
+    def metrics(cls) -> tuple[MetricSpec, ...]:
+        """The series this policy exports; each reads the object ``make_stats`` returns.
+        Declarations only: the engine's exporter creates and feeds the series."""
+        return ()
+
+    def make_stats(self) -> object | None:
         """The policy's own counters since the previous call (``SchedulerStats.
-        policy_stats``), or None for a policy that has none."""
+        policy_stats``, read by ``metrics()``), or None for a policy that has none."""
         return None
 
     def shutdown(self) -> None:

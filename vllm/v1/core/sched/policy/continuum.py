@@ -24,8 +24,9 @@ class ContinuumPolicy(Policy):
         config: PolicyConfig | None = None,
         decode: Callable[[list[int]], str] | None = None,
         clock: Clock = monotonic_clock,
+        has_kv_tier: bool = False,
     ) -> None:
-        super().__init__(config, decode, clock)
+        super().__init__(config, decode, clock, has_kv_tier)
         self.core = self._make_core()
         self.queue: ContinuumRequestQueue | None = None
         self._pinned_jobs: Container[str] = frozenset()

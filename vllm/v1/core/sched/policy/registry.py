@@ -1,9 +1,10 @@
 """The one map from a scheduling policy's name to its class.
 
-``--scheduling-policy``'s choices, ``SchedulerConfig``'s validation and ``create_policy``
-all read it, so a name without an implementation cannot exist. Classes are imported on
-first use (``module:Class``), so plain policies need no predictor dependencies. This
-module imports nothing from the engine, so ``vllm.config`` can use it.
+``--scheduling-policy``'s choices, ``SchedulerConfig``'s validation, ``create_policy`` and
+the Prometheus logger (each policy's declared metrics) all read it, so a name without an
+implementation cannot exist. Classes are imported on first use (``module:Class``), so
+plain policies need no predictor dependencies. This module imports nothing from the
+engine, so ``vllm.config`` can use it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.policy.base import Policy
+    from vllm_continuum.metrics import MetricSpec
 
 _REGISTRY: dict[str, str] = {
     "fcfs": "vllm.v1.core.sched.policy.fcfs:FCFSPolicy",
@@ -44,3 +46,9 @@ def get_policy_class(name: str) -> type[Policy]:
         raise ValueError(f"scheduling_policy must be one of {policy_names()}, got {name!r}")
     module_name, class_name = _REGISTRY[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def policy_metrics() -> dict[str, tuple[MetricSpec, ...]]:
+    """Each registered policy's declared metrics (``Policy.metrics()``), by name: what an
+    exporter that does not know the configured policy creates (the front end's)."""
+    return {name: get_policy_class(name).metrics() for name in policy_names()}
