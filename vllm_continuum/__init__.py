@@ -7,6 +7,7 @@ the plugin for upstream vLLM's scheduler (``vllm_continuum.upstream``). A bindin
 translates its own request objects into the plain values these classes take (job key,
 times, token counts, output text), or subclasses them with its engine's part.
 
+- ``turns``: ``FinishedTurn``, the one record of a finished turn every binding reports.
 - ``jobs``: the job-key rule (a non-empty ``job_id``, or the request is its own job).
 - ``tool_calls``: the tool call in a finished turn's text, and the tool's normalised name.
 - ``estimator``: per-job arrival/departure bookkeeping, per-tool durations.

@@ -21,6 +21,7 @@ from vllm_continuum.estimator import ToolCallEstimator
 from vllm_continuum.recorder import JobRecorder
 from vllm_continuum.tool_calls import ToolCall, ToolCallParser
 from vllm_continuum.ttl import eta_from_turns, fit_prefill_profile, optimal_ttl, prefill_time
+from vllm_continuum.turns import FinishedTurn
 
 if TYPE_CHECKING:
     from vllm_continuum.config import PolicyConfig
@@ -84,59 +85,38 @@ class ContinuumCore:
             self.queue_delays.append(max(queued_s, 0.0))
         self._record(job, "scheduled", request=request_id, hit_length=hit)
 
-    def on_finished(
-        self,
-        job: str,
-        request_id: str,
-        now: float,
-        text: str | None,
-        is_last_step: bool,
-        named: bool,
-        num_tokens: int,
-        last_unless_tool_call: bool = False,
-    ) -> float:
-        """A turn finished with output ``text``: the pin's TTL in seconds (0: free).
-        ``last_unless_tool_call``: the client says the job ends with this turn unless its
-        output calls a tool (``depart``)."""
-        call, is_last_step = self.depart(
-            job, now, text, is_last_step, num_tokens, last_unless_tool_call
-        )
-        tool = call.name if call else None
+    def on_finished(self, turn: FinishedTurn) -> float:
+        """A turn finished: the pin's TTL in seconds (0: free)."""
+        call, is_last_step = self.depart(turn)
+        job, tool = turn.job, call.name if call else None
         self._record(
-            job, "departure", request=request_id, func_call=tool, is_last_step=is_last_step
+            job, "departure", request=turn.request_id, func_call=tool, is_last_step=is_last_step
         )
         if is_last_step:
             return 0.0
-        if not named:
+        if not turn.named:
             return 0.0  # no later turn can be matched to it
-        ttl = self.ttl_for(num_tokens, tool)
+        ttl = self.ttl_for(turn.num_tokens, tool)
         if ttl < MIN_PIN_S:
             self.log("job %r: func_call=%s -> no pin", job, tool)
             return 0.0
         self.log("job %r: func_call=%s -> pin %.2fs", job, tool, ttl)
-        self._record(job, "pinned", request=request_id, ttl_s=ttl)
+        self._record(job, "pinned", request=turn.request_id, ttl_s=ttl)
         return ttl
 
-    def depart(
-        self,
-        job: str,
-        now: float,
-        text: str | None,
-        is_last_step: bool,
-        num_tokens: int,
-        last_unless_tool_call: bool = False,
-    ) -> tuple[ToolCall | None, bool]:
+    def depart(self, turn: FinishedTurn) -> tuple[ToolCall | None, bool]:
         """The bookkeeping of a finished turn (tool call, departure time, job end, memory
         accounting), shared by every policy built on this core: its tool call, and whether
         it ended the job (``is_last_step``, or no tool call where the client said
-        ``last_unless_tool_call``: an agent API whose turn without a tool call answers the
-        user, such as a Responses chain)."""
-        call = self.parser.parse(text)
-        is_last_step = is_last_step or (last_unless_tool_call and call is None)
-        self.admission.on_stopped(job, num_tokens, is_last_step, now, self.config.max_ttl_s)
-        self.estimator.on_departure(job, now, call.name if call else None)
+        ``last_unless_tool_call``)."""
+        call = self.parser.parse(turn.text)
+        is_last_step = turn.is_last_step or (turn.last_unless_tool_call and call is None)
+        self.admission.on_stopped(
+            turn.job, turn.num_tokens, is_last_step, turn.now, self.config.max_ttl_s
+        )
+        self.estimator.on_departure(turn.job, turn.now, call.name if call else None)
         if is_last_step:
-            self.estimator.on_job_end(job)
+            self.estimator.on_job_end(turn.job)
         return call, is_last_step
 
     def on_kv_released(self, job: str, num_tokens: int, now: float) -> None:

@@ -24,6 +24,7 @@ from vllm_continuum.context_serve.stats import (
 )
 from vllm_continuum.context_serve.types import Prediction, ToolSpeed
 from vllm_continuum.continuum import MIN_PIN_S, ContinuumCore
+from vllm_continuum.turns import FinishedTurn
 
 if TYPE_CHECKING:
     from vllm_continuum.config import PolicyConfig
@@ -93,40 +94,16 @@ class ContextServeCore(ContinuumCore):
         if pending is not None:
             self._learn(pending, max(now - pending.departure, 0.0))
 
-    def on_finished(
-        self,
-        job: str,
-        request_id: str,
-        now: float,
-        text: str | None,
-        is_last_step: bool,
-        named: bool,
-        num_tokens: int,
-        last_unless_tool_call: bool = False,
-    ) -> float:
+    def on_finished(self, turn: FinishedTurn) -> float:
         """Continuum's contract (the pin's TTL, 0: free); ``decide`` says more."""
-        return self.decide(
-            job, request_id, now, text, is_last_step, named, num_tokens, last_unless_tool_call
-        ).ttl_s
+        return self.decide(turn).ttl_s
 
-    def decide(
-        self,
-        job: str,
-        request_id: str,
-        now: float,
-        text: str | None,
-        is_last_step: bool,
-        named: bool,
-        num_tokens: int,
-        last_unless_tool_call: bool = False,
-    ) -> Dispatch:
-        """A turn finished with output ``text``: the fate of its blocks (``depart`` says
-        when it ended the job)."""
-        call, is_last_step = self.depart(
-            job, now, text, is_last_step, num_tokens, last_unless_tool_call
-        )
+    def decide(self, turn: FinishedTurn) -> Dispatch:
+        """A turn finished: the fate of its blocks (``depart`` says when it ended the job)."""
+        call, is_last_step = self.depart(turn)
+        job, request_id, now, num_tokens = turn.job, turn.request_id, turn.now, turn.num_tokens
         tool, command = (call.name, call.command) if call else (None, None)
-        if is_last_step or not named:
+        if is_last_step or not turn.named:
             self._record(job, "departure", request=request_id, func_call=tool,
                          is_last_step=is_last_step)  # fmt: skip
             if is_last_step:

@@ -44,7 +44,7 @@ class ContextServeScheduler(ContinuumScheduler):
         )
 
     def finished_pin(self, request: Request, info: RequestInfo, now: float) -> tuple[float, bool]:
-        dispatch = self.core.decide(**self._finished_turn(request, info, now))
+        dispatch = self.core.decide(self._finished_turn(request, info, now))
         return dispatch.ttl_s, dispatch.strict  # SLOW: ttl 0, freed (no offload tier)
 
     def make_stats(self, *args: Any, **kwargs: Any):

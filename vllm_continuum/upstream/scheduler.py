@@ -41,6 +41,7 @@ from vllm_continuum.config import PolicyConfig
 from vllm_continuum.continuum import ContinuumCore
 from vllm_continuum.job_order import victim_key
 from vllm_continuum.pins import PinEntry
+from vllm_continuum.turns import FinishedTurn
 from vllm_continuum.upstream.compat import check_upstream
 from vllm_continuum.upstream.pins import UpstreamPinManager, pin_stats
 from vllm_continuum.upstream.queue import JobOrderRequestQueue
@@ -336,12 +337,12 @@ class ContinuumScheduler(AgentScheduler):
         )
 
     def finished_pin(self, request: Request, info: RequestInfo, now: float) -> tuple[float, bool]:
-        return self.core.on_finished(**self._finished_turn(request, info, now)), False
+        return self.core.on_finished(self._finished_turn(request, info, now)), False
 
-    def _finished_turn(self, request: Request, info: RequestInfo, now: float) -> dict:
+    def _finished_turn(self, request: Request, info: RequestInfo, now: float) -> FinishedTurn:
         """A finished request as the core's plain values (its output decoded to text)."""
         text = self.decode(list(request.output_token_ids)) if request.output_token_ids else None
-        return dict(
+        return FinishedTurn(
             job=info.job,
             request_id=request.request_id,
             now=now,

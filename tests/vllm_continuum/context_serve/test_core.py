@@ -13,6 +13,7 @@ from vllm_continuum.clock import FakeClock
 from vllm_continuum.context_serve.config import ContextServeConfig
 from vllm_continuum.context_serve.core import ContextServeCore
 from vllm_continuum.context_serve.types import ToolSpeed
+from vllm_continuum.turns import FinishedTurn
 
 
 def bash(cmd: str) -> str:
@@ -26,7 +27,8 @@ def core(clock=None, policy=None, **cs) -> ContextServeCore:
 
 def finish(c: ContextServeCore, job: str, text: str | None, now: float, last: bool = False):
     c.on_arrival(job, f"{job}-{now}", now - 0.5, named=True, prompt_tokens=90)
-    return c.decide(job, f"{job}-{now}", now, text, last, named=True, num_tokens=100)
+    turn = FinishedTurn(job, f"{job}-{now}", now, text, last, named=True, num_tokens=100)
+    return c.decide(turn)
 
 
 def test_fast_is_a_strict_pin_slow_frees_uncertain_gets_the_continuum_ttl():
@@ -39,9 +41,9 @@ def test_fast_is_a_strict_pin_slow_frees_uncertain_gets_the_continuum_ttl():
     assert (unsure.speed, unsure.ttl_s, unsure.strict) == (ToolSpeed.UNCERTAIN, 1.5, False)
     last = finish(c, "d", bash("ls"), 1.0, last=True)
     assert last.ttl_s == 0 and not last.offload
-    jobless = c.decide("req-x", "req-x", 1.0, bash("ls"), False, named=False, num_tokens=9)
+    jobless = c.decide(FinishedTurn("req-x", "req-x", 1.0, bash("ls"), False, False, 9))
     assert jobless.ttl_s == 0
-    assert c.on_finished("e", "e-1", 2.0, bash("ls"), False, True, 10) == 3.0  # Continuum's API
+    assert c.on_finished(FinishedTurn("e", "e-1", 2.0, bash("ls"), False, True, 10)) == 3.0
     stats = c.make_stats()
     assert stats.decisions == {("fast", "rules"): 2, ("slow", "rules"): 1,
                                ("uncertain", "fallback"): 1}  # fmt: skip
@@ -71,10 +73,10 @@ def test_learns_tool_times_and_scores_its_verdicts():
     c = core(clock, min_observations=3)
     t = 0.0
     for i in range(3):  # "python reproduce.py" takes 0.2 s: unknown to the rules
-        c.decide(f"j{i}", "r", t, bash("python reproduce.py"), False, True, 10)
+        c.decide(FinishedTurn(f"j{i}", "r", t, bash("python reproduce.py"), False, True, 10))
         c.on_arrival(f"j{i}", "r2", t + 0.2, True, 90)
         t += 1.0
-    d = c.decide("k", "r", t, bash("python reproduce.py"), False, True, 10)
+    d = c.decide(FinishedTurn("k", "r", t, bash("python reproduce.py"), False, True, 10))
     assert d.speed == ToolSpeed.FAST and d.strict and 0.2 < d.ttl_s < 2.0
     c.on_pin_released("k", "r", "hit")
     c.on_arrival("k", "r2", t + 0.25, True, 90)
@@ -82,9 +84,9 @@ def test_learns_tool_times_and_scores_its_verdicts():
     assert stats.decisions[("fast", "bayes")] == 1 and stats.fast_pin_outcomes == {"hit": 1}
     assert stats.prediction_errors_s == [pytest.approx(abs(0.25 - 0.2), abs=0.02)]
     # Regret: a rule-SLOW tool that came back fast; a FAST pin the tool outlived.
-    c.decide("s", "rs", t, bash("make"), False, True, 10)
+    c.decide(FinishedTurn("s", "rs", t, bash("make"), False, True, 10))
     c.on_arrival("s", "rs2", t + 0.1, True, 90)
-    c.decide("f", "rf", t, bash("ls"), False, True, 10)
+    c.decide(FinishedTurn("f", "rf", t, bash("ls"), False, True, 10))
     c.on_pin_released("f", "rf", "expired")
     c.on_arrival("f", "rf2", t + 30.0, True, 90)
     stats = c.make_stats()

@@ -70,7 +70,7 @@ class ContextServePolicy(ContinuumPolicy):
         )
 
     def on_finished(self, request: Request, now: float) -> FinishedAction:
-        dispatch = self.core.decide(**self._finished_turn(request, now))
+        dispatch = self.core.decide(self._finished_turn(request, now))
         if dispatch.ttl_s > 0:
             return Pin(dispatch.ttl_s, strict=dispatch.strict)
         return Offload() if dispatch.offload else FREE

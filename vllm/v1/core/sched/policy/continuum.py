@@ -13,6 +13,7 @@ from vllm.v1.core.sched.policy.base import FREE, FinishedAction, Pin, Policy
 from vllm.v1.request import Request
 from vllm_continuum.continuum import ContinuumCore
 from vllm_continuum.job_order import victim_key
+from vllm_continuum.turns import FinishedTurn
 
 
 class ContinuumPolicy(Policy):
@@ -97,15 +98,15 @@ class ContinuumPolicy(Policy):
         )
 
     def on_finished(self, request: Request, now: float) -> FinishedAction:
-        ttl = self.core.on_finished(**self._finished_turn(request, now))
+        ttl = self.core.on_finished(self._finished_turn(request, now))
         return Pin(ttl) if ttl > 0 else FREE
 
-    def _finished_turn(self, request: Request, now: float) -> dict:
+    def _finished_turn(self, request: Request, now: float) -> FinishedTurn:
         """A finished request as the core's plain values (its output decoded to text)."""
         text = None
         if self.decode is not None and request.output_token_ids:
             text = self.decode(request.output_token_ids)
-        return dict(
+        return FinishedTurn(
             job=request.job_key,
             request_id=request.request_id,
             now=now,
