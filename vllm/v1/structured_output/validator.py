@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -20,8 +21,12 @@ it the request is a 400. Within the limits of ``grammar.py`` a compile takes < 0
 one core; the tokenizer table built by the first constrained request does not count."""
 
 
+@functools.lru_cache(maxsize=4)
 def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_id: int):
-    """llguidance's tokenizer for a Hugging Face one (~0.5 s for SmolLM2's 49k tokens)."""
+    """llguidance's tokenizer for a Hugging Face one (~0.5 s for SmolLM2's 49k tokens).
+
+    Cached per tokenizer object (``get_tokenizer`` returns one per model): in one process,
+    the front end's validator and the engine's matchers (the offline ``LLM``) share it."""
     import llguidance.hf
 
     start = time.monotonic()
