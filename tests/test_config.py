@@ -169,9 +169,9 @@ def test_bad_flag_value_is_one_line_naming_the_flag(argv, flag):
 
 
 def test_scheduling_policy_choices_are_read_when_the_parser_is_built(monkeypatch):
-    from vllm.v1.core.sched.policy import registry
+    from vllm_continuum.policy import registry
 
-    monkeypatch.setitem(registry._REGISTRY, "lifo", "vllm.v1.core.sched.policy.fcfs:FCFSPolicy")
+    monkeypatch.setitem(registry._REGISTRY, "lifo", "vllm_continuum.policy.plain:FCFSPolicy")
     assert _engine_parser().parse_args(["--scheduling-policy", "lifo"]).scheduling_policy == "lifo"
     assert SchedulerConfig(policy="lifo").policy == "lifo"
 

@@ -14,7 +14,12 @@ from conftest import make_request
 from harness import Pipeline, make_scheduler, random_traffic, used_blocks
 
 from vllm_continuum.upstream import cli
-from vllm_continuum.upstream.scheduler import AsyncContinuumScheduler, ContinuumScheduler
+from vllm_continuum.upstream.scheduler import (
+    AsyncContinuumScheduler,
+    AsyncPolicyScheduler,
+    ContinuumScheduler,
+    PolicyScheduler,
+)
 
 
 def test_the_cli_picks_the_async_variant_when_upstream_turns_async_on():
@@ -30,9 +35,11 @@ def test_the_cli_picks_the_async_variant_when_upstream_turns_async_on():
         cli.use_async_variant(config)
         return config.get_scheduler_cls()
 
-    assert resolved(cli.POLICIES["continuum"], True) is AsyncContinuumScheduler
-    assert resolved(cli.POLICIES["continuum"], False) is ContinuumScheduler
-    assert set(cli.ASYNC_VARIANTS) == set(cli.POLICIES.values())
+    assert resolved(cli.SCHEDULER, True) is AsyncPolicyScheduler
+    assert resolved(cli.SCHEDULER, False) is PolicyScheduler
+    continuum = "vllm_continuum.upstream.scheduler.ContinuumScheduler"
+    assert resolved(continuum, True) is AsyncContinuumScheduler  # a --scheduler-cls given
+    assert resolved(continuum, False) is ContinuumScheduler
 
 
 def test_pin_held_and_hit_with_a_step_in_flight(vllm_config):

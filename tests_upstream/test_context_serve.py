@@ -135,7 +135,7 @@ def test_context_serve_is_a_scheduling_policy_with_its_own_settings():
     from vllm.config import SchedulerConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm_continuum.upstream import cli
-    from vllm_continuum.upstream.context_serve import ContextServeScheduler
+    from vllm_continuum.upstream.scheduler import PolicyScheduler, policy_name_from
     from vllm_continuum.upstream.settings import context_serve_config_from
 
     settings = '{"continuum": {"max_ttl_s": 5}, "context_serve": {"fast_pin_s": 1.5}}'
@@ -144,11 +144,12 @@ def test_context_serve_is_a_scheduling_policy_with_its_own_settings():
     )
     engine_args = AsyncEngineArgs.from_cli_args(args)
     cli.apply_policy(engine_args)
-    assert engine_args.scheduler_cls == cli.POLICIES["context_serve"]
+    assert engine_args.scheduler_cls == cli.SCHEDULER
+    assert policy_name_from(engine_args.additional_config) == "context_serve"
     config = SchedulerConfig(
         scheduler_cls=engine_args.scheduler_cls, max_model_len=512, is_encoder_decoder=False
     )
-    assert config.get_scheduler_cls() is ContextServeScheduler
+    assert config.get_scheduler_cls() is PolicyScheduler
     cs_config = context_serve_config_from(engine_args.additional_config)
     assert cs_config.fast_pin_s == 1.5 and not cs_config.offload_slow  # no CPU tier
     with pytest.raises(ValueError, match="fast_pin_s"):

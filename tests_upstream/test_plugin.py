@@ -27,7 +27,7 @@ def test_general_plugin_is_registered_and_offers_our_policy():
 
 def test_our_policy_maps_to_our_scheduler_class(vllm_config):
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm_continuum.upstream.scheduler import ContinuumScheduler
+    from vllm_continuum.upstream.scheduler import PolicyScheduler, policy_name_from
 
     args = upstream_parser().parse_args(
         ["--scheduling-policy", "continuum", "--additional-config",
@@ -35,7 +35,8 @@ def test_our_policy_maps_to_our_scheduler_class(vllm_config):
     )  # fmt: skip
     engine_args = AsyncEngineArgs.from_cli_args(args)
     cli.apply_policy(engine_args)
-    assert engine_args.scheduler_cls == cli.POLICIES["continuum"]
+    assert engine_args.scheduler_cls == cli.SCHEDULER
+    assert policy_name_from(engine_args.additional_config) == "continuum"
     assert engine_args.scheduling_policy == "fcfs"
     assert engine_args.async_scheduling is None  # upstream decides; cli picks the variant
     from vllm.config import SchedulerConfig
@@ -43,7 +44,7 @@ def test_our_policy_maps_to_our_scheduler_class(vllm_config):
     config = SchedulerConfig(
         scheduler_cls=engine_args.scheduler_cls, max_model_len=512, is_encoder_decoder=False
     )
-    assert config.get_scheduler_cls() is ContinuumScheduler
+    assert config.get_scheduler_cls() is PolicyScheduler
     assert policy_config_from(engine_args.additional_config).max_ttl_s == 5
 
 
@@ -139,10 +140,10 @@ def test_request_info_keys_jobs_by_the_shared_rule():
         params = SimpleNamespace(extra_args=extra)
         return SimpleNamespace(request_id=request_id, sampling_params=params)
 
-    assert request_info(req("r1", {"job_id": "j"}), 0.0).job == job_key("j", "r1")
-    assert request_info(req("r2", {"job_id": 42}), 0.0).job == "42"  # vllm_xargs numbers
+    assert request_info(req("r1", {"job_id": "j"}), 0.0).job_key == job_key("j", "r1")
+    assert request_info(req("r2", {"job_id": 42}), 0.0).job_key == "42"  # vllm_xargs numbers
     unnamed = request_info(req("r3", {"job_id": ""}), 0.0)  # sent without the middleware
-    assert (unnamed.job, unnamed.named) == (job_key(None, "r3"), False)
+    assert (unnamed.job_key, unnamed.named) == (job_key(None, "r3"), False)
 
 
 def test_middleware_names_the_job_by_prompt_cache_key_unless_a_job_id_is_given():

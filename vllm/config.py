@@ -28,7 +28,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 def scheduling_policy_names() -> Sequence[str]:
     """The accepted ``--scheduling-policy`` values: the policy registry's names."""
-    from vllm.v1.core.sched.policy.registry import policy_names  # imports no engine code
+    from vllm_continuum.policy.registry import policy_names  # imports no engine code
 
     return policy_names()
 

@@ -2,10 +2,14 @@
 
 Continuum (job-level order, KV pins with a TTL while a tool runs, job-level admission)
 and ContextServe's tool-time predictors live here once, so that every engine binding uses
-the same decisions and mechanisms: our engine's policy seam (``vllm.v1.core.sched``) and
-the plugin for upstream vLLM's scheduler (``vllm_continuum.upstream``). A binding
-translates its own request objects into the plain values these classes take (job key,
-times, token counts, output text), or subclasses them with its engine's part.
+the same policies, decisions and mechanisms: our engine's scheduler (``vllm.v1.core.sched``)
+and the plugin for upstream vLLM's scheduler (``vllm_continuum.upstream``) both build
+their policy with ``policy.create_policy`` and hand it ``RequestView`` s of their own
+requests; the mechanisms are subclassed with each engine's part.
+
+- ``policy``: the policy seam (``Policy``, ``Free``/``Pin``/``Offload``, ``RequestView``),
+  the registry and ``create_policy``, and the policies (fcfs, priority, continuum,
+  context_serve).
 
 - ``turns``: ``FinishedTurn``, the one record of a finished turn every binding reports.
 - ``jobs``: the job-key rule (a non-empty ``job_id``, or the request is its own job).

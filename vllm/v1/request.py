@@ -106,6 +106,16 @@ class Request:
         return job_key(self.job_id, self.request_id)
 
     @property
+    def named(self) -> bool:
+        """Whether the client named this request's job (a ``job_id``)."""
+        return self.job_id is not None
+
+    @property
+    def last_unless_tool_call(self) -> bool:
+        """The job ends with this turn unless its output calls a tool."""
+        return self.sampling_params.last_step_unless_tool_call
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self._output_token_ids
 

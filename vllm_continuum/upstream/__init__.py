@@ -6,14 +6,17 @@ imported themselves: ``vllm_continuum`` stays engine-agnostic, and installing th
 next to our own engine (never done: both are called ``vllm``) would import nothing.
 
 - ``compat``: the tested upstream versions and the seams the glue relies on.
-- ``request_info``: job_id / is_last_step of an upstream ``Request`` (``vllm_xargs``).
+- ``request_info``: an upstream ``Request`` as the policies' ``RequestView`` (its job_id and
+  is_last_step from ``vllm_xargs``).
 - ``settings``: ``PolicyConfig`` from ``--additional-config '{"continuum": {...}}'``.
 - ``queue``: the job-ordered waiting queue (an upstream ``RequestQueue``).
 - ``pins``: the pin table (one pin per job, expiry and newest-job heaps).
-- ``scheduler``: ``AgentScheduler`` (the mechanism) and ``ContinuumScheduler``.
+- ``scheduler``: ``PolicyScheduler``, the mechanism over upstream's scheduler driving any
+  registered policy (``ContinuumScheduler``, and ``context_serve.ContextServeScheduler``:
+  fixed to one policy, for ``--scheduler-cls``).
 - ``metrics``: the pin metrics at ``/metrics`` (a stat logger plugin).
 - ``middleware``: top-level ``job_id`` / ``is_last_step`` moved into ``vllm_xargs``.
-- ``cli``: the general plugin: ``--scheduling-policy continuum``.
+- ``cli``: the general plugin: ``--scheduling-policy <any registered policy>``.
 """
 
 from __future__ import annotations

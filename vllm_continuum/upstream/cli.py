@@ -18,16 +18,29 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Our policy names -> scheduler class paths (a new policy adds a line here).
-POLICIES: dict[str, str] = {
-    "continuum": "vllm_continuum.upstream.scheduler.ContinuumScheduler",
-    "context_serve": "vllm_continuum.upstream.context_serve.ContextServeScheduler",
-}
+# Upstream's own --scheduling-policy values: served by upstream's scheduler, not ours.
+UPSTREAM_POLICIES = ("fcfs", "priority")
+SCHEDULER = "vllm_continuum.upstream.scheduler.PolicyScheduler"
 # Each class's async-scheduling variant, used when upstream turns async scheduling on.
 ASYNC_VARIANTS: dict[str, str] = {
-    POLICIES["continuum"]: "vllm_continuum.upstream.scheduler.AsyncContinuumScheduler",
-    POLICIES["context_serve"]: ("vllm_continuum.upstream.context_serve.AsyncContextServeScheduler"),
+    SCHEDULER: "vllm_continuum.upstream.scheduler.AsyncPolicyScheduler",
+    "vllm_continuum.upstream.scheduler.ContinuumScheduler": (
+        "vllm_continuum.upstream.scheduler.AsyncContinuumScheduler"
+    ),
+    "vllm_continuum.upstream.context_serve.ContextServeScheduler": (
+        "vllm_continuum.upstream.context_serve.AsyncContextServeScheduler"
+    ),
 }
+
+
+def our_policies() -> tuple[str, ...]:
+    """The registry's policies that upstream does not have (a new policy registered in
+    ``vllm_continuum.policy.registry`` is offered here with no other change)."""
+    from vllm_continuum.policy.registry import policy_names
+
+    return tuple(name for name in policy_names() if name not in UPSTREAM_POLICIES)
+
+
 _PATCHED = "_vllm_continuum_patched"
 
 
@@ -42,7 +55,7 @@ def install() -> None:
         logger.error(
             "vllm-continuum-plugin: this vLLM has no EngineArgs.add_cli_args/"
             "create_engine_config; use --scheduler-cls %s",
-            POLICIES["continuum"],
+            SCHEDULER,
         )
         return
     EngineArgs.add_cli_args = staticmethod(_with_our_choices(EngineArgs.add_cli_args))
@@ -56,10 +69,10 @@ def _with_our_choices(add_cli_args: Any) -> Any:
         parser = add_cli_args(parser, *args, **kwargs)
         for action in getattr(parser, "_actions", ()):
             if "--scheduling-policy" in action.option_strings and action.choices is not None:
-                extra = [p for p in POLICIES if p not in action.choices]
+                extra = [p for p in our_policies() if p not in action.choices]
                 action.choices = [*action.choices, *extra]
                 action.help = (action.help or "") + (
-                    "\n- " + ", ".join(f'"{p}"' for p in POLICIES) + ": agent-aware policies "
+                    "\n- " + ", ".join(f'"{p}"' for p in extra) + ": agent-aware policies "
                     "of vllm-continuum-plugin (settings: --additional-config "
                     '\'{"continuum": {...}, "context_serve": {...}}\').'
                 )
@@ -82,7 +95,7 @@ def _mapping_our_policies(create_engine_config: Any) -> Any:
 def apply_policy(engine_args: Any) -> None:
     """Turn ``scheduling_policy=<ours>`` into upstream settings, on ``engine_args``."""
     name = engine_args.scheduling_policy
-    if name not in POLICIES:
+    if name not in our_policies():
         return
     from vllm_continuum.upstream.compat import check_policy_dependencies, check_upstream
     from vllm_continuum.upstream.settings import (
@@ -93,7 +106,7 @@ def apply_policy(engine_args: Any) -> None:
 
     check_upstream()  # a clear error now, in the front end, not in the engine process
     check_policy_dependencies(name)
-    if engine_args.scheduler_cls not in (None, POLICIES[name]):
+    if engine_args.scheduler_cls not in (None, SCHEDULER):
         raise ValueError(
             f"--scheduling-policy {name} selects its own scheduler class; "
             f"drop --scheduler-cls {engine_args.scheduler_cls}"
@@ -101,11 +114,13 @@ def apply_policy(engine_args: Any) -> None:
     additional = dict(engine_args.additional_config or {})
     policy_config_from(additional)  # validate the settings before any process starts
     context_serve_config_from(additional)
-    additional.setdefault(SECTION, {})
+    section = dict(additional.get(SECTION) or {})
+    section["policy"] = name  # PolicyScheduler builds the policy of this name
+    additional[SECTION] = section
     engine_args.additional_config = additional
-    engine_args.scheduler_cls = POLICIES[name]
+    engine_args.scheduler_cls = SCHEDULER
     engine_args.scheduling_policy = "fcfs"
-    logger.info("scheduling policy %s: scheduler class %s", name, POLICIES[name])
+    logger.info("scheduling policy %s: scheduler class %s", name, SCHEDULER)
 
 
 def use_async_variant(scheduler_config: Any) -> None:

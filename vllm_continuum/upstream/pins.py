@@ -1,10 +1,10 @@
 """Pins on upstream's scheduler: ``vllm_continuum.pins``' mechanism over upstream's pool.
 
 Upstream's own part: a request's job and arrival come from the scheduler's
-``RequestInfo`` (read at arrival, from ``vllm_xargs``), a pin's blocks stay allocated under
-the finished request's id and go back through upstream's ``_free_request_blocks``, and the
-pin figures travel to the front end in ``SchedulerStats.num_kv_fetch_reqs_by_stage``
-(``metrics.py``).
+``RequestInfo`` (the policy's view, read at arrival from ``vllm_xargs``), a pin's blocks
+stay allocated under the finished request's id and go back through upstream's
+``_free_request_blocks``, and the pin figures travel to the front end in
+``SchedulerStats.num_kv_fetch_reqs_by_stage`` (``metrics.py``).
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 from vllm_continuum.pins import PinCounters, PinEntry, PinManager, PinTable
 
 if TYPE_CHECKING:
-    from vllm_continuum.upstream.scheduler import AgentScheduler
+    from vllm_continuum.upstream.scheduler import PolicyScheduler
 
 
 class UpstreamPinManager(PinManager):
-    """The pins of one ``AgentScheduler``; the decisions stay the scheduler's."""
+    """The pins of one ``PolicyScheduler``; the decisions stay its policy's."""
 
-    def __init__(self, scheduler: AgentScheduler) -> None:
+    def __init__(self, scheduler: PolicyScheduler) -> None:
         super().__init__()
         self.scheduler = scheduler
 
     def job_of(self, request: Any) -> str:
-        return self.scheduler.info_of(request).job
+        return self.scheduler.info_of(request).job_key
 
     def num_blocks_of(self, request: Any) -> int:
         return self.scheduler.num_blocks(request.request_id)
@@ -37,13 +37,12 @@ class UpstreamPinManager(PinManager):
         self.scheduler._free_request_blocks(entry.request)  # upstream has no CPU tier here
 
     def may_release(self, requester: Any, entry: PinEntry, now: float) -> bool:
-        return self.scheduler.may_release_pin(self.scheduler.info_of(requester), entry, now)
+        return self.scheduler.may_release_pin(requester, entry, now)
 
     def on_pinned(self, entry: PinEntry, now: float) -> None:
-        self.scheduler.job_pin_changed(entry.job)
+        self.scheduler.on_pinned(entry, now)
 
     def on_released(self, entry: PinEntry, now: float, reason: str) -> None:
-        self.scheduler.job_pin_changed(entry.job)
         self.scheduler.on_pin_released(entry, now, reason)
 
 

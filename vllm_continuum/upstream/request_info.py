@@ -1,4 +1,5 @@
-"""The agent fields of an upstream ``Request``: its job and whether it is the job's last turn.
+"""An upstream ``Request`` as a policy's ``RequestView``: its job, whether it is the job's last
+turn, and its token counts.
 
 They arrive as ``vllm_xargs`` (``SamplingParams.extra_args``); the ``middleware`` module
 moves top-level ``job_id`` / ``is_last_step`` there. The job key follows the one rule of
@@ -11,7 +12,7 @@ job of its own, never joined to another request's job.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL, job_key, validate_job_id
@@ -21,15 +22,59 @@ logger = logging.getLogger(__name__)
 _TRUE = {"1", "true", "yes", "on"}
 
 
-@dataclass(frozen=True)
 class RequestInfo:
-    """What the policies need of a request, read once at arrival (our clock's time)."""
+    """An upstream ``Request`` as the policies' ``RequestView``: the agent fields read once
+    at arrival (``arrival_time`` on our clock, not upstream's wall-clock arrival), the
+    token counts live from the request."""
 
-    job: str
-    named: bool  # carries a user-given job_id
-    is_last_step: bool
-    arrival: float
-    last_unless_tool_call: bool = False  # the job ends here unless the output calls a tool
+    __slots__ = (
+        "request",
+        "job_key",
+        "named",
+        "is_last_step",
+        "arrival_time",
+        "last_unless_tool_call",
+    )
+
+    def __init__(
+        self,
+        request: Any,
+        job_key: str,
+        named: bool,
+        is_last_step: bool,
+        arrival_time: float,
+        last_unless_tool_call: bool = False,
+    ) -> None:
+        self.request = request
+        self.job_key = job_key
+        self.named = named  # carries a user-given job_id
+        self.is_last_step = is_last_step
+        self.arrival_time = arrival_time
+        self.last_unless_tool_call = last_unless_tool_call  # last unless it calls a tool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.request.num_preemptions
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.request.output_token_ids
 
 
 def as_bool(value: Any) -> bool:
@@ -51,9 +96,10 @@ def request_info(request: Any, now: float) -> RequestInfo:
         logger.warning("request %s: %s; served as a job of its own", request.request_id, e)
         job_id = None
     return RequestInfo(
-        job=job_key(job_id, request.request_id),
+        request,
+        job_key=job_key(job_id, request.request_id),
         named=job_id is not None,
         is_last_step=as_bool(extra.get("is_last_step", False)),
-        arrival=now,
+        arrival_time=now,
         last_unless_tool_call=as_bool(extra.get(LAST_UNLESS_TOOL_CALL, False)),
     )

@@ -9,10 +9,10 @@ import vllm.v1.worker.model_runner as model_runner_module
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
 from vllm.v1.engine import EngineCoreRequest, FinishReason
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm_continuum.policy.plain import FCFSPolicy
 
 EOS = 2  # SmolLM2's <|im_end|>, from its generation config
 
@@ -157,7 +157,7 @@ def test_policy_gets_decode_and_prefill_profile(monkeypatch):
 
     def fake_create_policy(vllm_config, decode=None, clock=None, has_kv_tier=False):
         seen["decode"] = decode
-        return ProfiledPolicy(vllm_config.policy_config, decode=decode, clock=clock)
+        return ProfiledPolicy(decode=decode, clock=clock)
 
     monkeypatch.setattr(model_runner_module, "ModelRunner", FakeRunner)
     monkeypatch.setattr(core_module, "create_policy", fake_create_policy)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm.v1.core.sched.policy.base import FREE, Offload, Pin
-from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
 from vllm.v1.request import RequestStatus
+from vllm_continuum.policy.base import FREE, Offload, Pin
+from vllm_continuum.policy.plain import FCFSPolicy
 
 from ..core.conftest import make_request
 from .helpers import FakeKV, make_offload_scheduler, offload_step
@@ -32,8 +32,10 @@ class MixedPolicy(FCFSPolicy):
     def on_finished(self, request, now):
         return (FREE, Pin(1.5), Offload())[int(request.request_id.split("-")[-1]) % 3]
 
-    def select_victim(self, running):
-        return running[0] if self.victim_first else running[-1]
+    def victim_key(self, request):
+        # The earliest arrival (most often one scheduled earlier in this step), or the
+        # engine's default (the last admitted).
+        return -request.arrival_time if self.victim_first else None
 
 
 @settings(max_examples=80, deadline=None)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.policy.base import Offload
-from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
+from vllm_continuum.policy.base import Offload
+from vllm_continuum.policy.plain import FCFSPolicy
 
 from ..core.conftest import make_request
 from ..core.sched.test_pinning import PinAll

@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
 from vllm.v1.metrics.stats import PinStats, PrefixCacheStats, SchedulerStats
 from vllm_continuum.metrics import MetricSpec, by_label, each_of, value_of
+from vllm_continuum.policy.plain import FCFSPolicy
 
 MODEL = "smol"
 LABEL = {"model_name": MODEL}
@@ -306,7 +306,7 @@ def test_a_policys_declared_metrics_reach_the_metrics_page(monkeypatch):
     and feeds a report's ``policy_stats`` to the series of the policy it names."""
     from types import SimpleNamespace
 
-    from vllm.v1.core.sched.policy import registry
+    from vllm_continuum.policy import registry
 
     monkeypatch.setitem(registry._REGISTRY, "gauge_test", f"{__name__}:GaugePolicy")
     stats = PrometheusStatLogger(MODEL, registry=CollectorRegistry())

@@ -12,9 +12,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vllm.outputs import RequestOutput
-from vllm.v1.core.sched.policy.registry import policy_metrics
 from vllm.v1.engine import EngineCoreOutputs
 from vllm_continuum.metrics import MetricSpec, Reader, Sample, merge_specs
+from vllm_continuum.policy.registry import policy_metrics
 
 _LATENCY_BUCKETS = (
     0.01,

@@ -9,8 +9,8 @@ import pytest
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.policy.base import Offload
-from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
+from vllm_continuum.policy.base import Offload
+from vllm_continuum.policy.plain import FCFSPolicy
 
 from ...kv_offload.helpers import FakeKV, offload_step
 from ...kv_offload.helpers import run_until_done as run_with_kv

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from vllm.config import PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.policy import FREE, Offload, Pin, create_policy
-from vllm.v1.core.sched.policy.context_serve import ContextServePolicy
 from vllm.v1.request import RequestStatus
 from vllm_continuum.context_serve.config import ContextServeConfig
 from vllm_continuum.context_serve.stats import ContextServeStats
 from vllm_continuum.pins import PinEntry, PinTable
+from vllm_continuum.policy import PolicySettings
+from vllm_continuum.policy.context_serve import ContextServePolicy
 
 from ..conftest import make_request
 from .helpers import make_scheduler, step
@@ -137,7 +138,7 @@ def test_uncertain_turn_gets_the_continuum_ttl_and_expires():
 
 def test_last_steps_and_slow_turns_are_never_pinned():
     clock = FakeClock(0.0)
-    p = ContextServePolicy(PolicyConfig(), decode=lambda ids: bash("ls"), clock=clock)
+    p = ContextServePolicy(PolicySettings(), decode=lambda ids: bash("ls"), clock=clock)
     last = turn("j", [1, 2, 3], 0.0, last=True)
     last.append_output_token_ids([4])
     p.on_arrival(last, 0.0)
@@ -149,10 +150,9 @@ def test_last_steps_and_slow_turns_are_never_pinned():
     p.decode = lambda ids: bash("npm install")
     assert p.on_finished(r, 2.0) == Offload()  # to the CPU tier if any (else freed)
     dropping = ContextServePolicy(
-        PolicyConfig(),
+        PolicySettings(context_serve=ContextServeConfig(offload_slow=False)),
         decode=lambda ids: bash("npm install"),
         clock=clock,
-        context_serve_config=ContextServeConfig(offload_slow=False),
     )
     assert dropping.on_finished(r, 2.0) is FREE
 

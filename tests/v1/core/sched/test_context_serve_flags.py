@@ -31,7 +31,7 @@ def test_flags_reach_the_policy(tmp_path):
     )  # fmt: skip
     config = args.create_engine_config()
     policy = create_policy(config, decode=lambda ids: "", clock=FakeClock())
-    cs = policy.context_serve_config
+    cs = policy.settings.context_serve
     assert cs.fast_threshold_s == 1.5 and cs.rules == str(rules) and not cs.online_training
     assert cs.fast_pin_s == config.context_serve_config.fast_pin_s  # untouched: default
 
@@ -54,5 +54,5 @@ def test_slow_turns_go_to_the_cpu_tier_only_when_the_engine_has_one():
         )
 
     without, with_tier = build(False), build(True)
-    assert not without.context_serve_config.offload_slow and not without.has_tier
-    assert with_tier.context_serve_config.offload_slow and with_tier.has_tier
+    assert not without.settings.context_serve.offload_slow and not without.has_tier
+    assert with_tier.settings.context_serve.offload_slow and with_tier.has_tier

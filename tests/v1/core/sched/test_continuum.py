@@ -6,9 +6,10 @@ import pytest
 
 from vllm.config import PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.continuum_queue import ContinuumRequestQueue
-from vllm.v1.core.sched.policy import FREE, Pin, create_policy
-from vllm.v1.core.sched.policy.continuum import ContinuumPolicy
+from vllm.v1.core.sched.job_queue import JobRequestQueue
+from vllm.v1.core.sched.policy import FREE, Pin, create_policy, make_request_queue
+from vllm_continuum.policy import PolicySettings
+from vllm_continuum.policy.continuum import ContinuumPolicy
 
 from ..conftest import make_request
 from .helpers import make_scheduler, run_until_done, step
@@ -23,7 +24,17 @@ def turn(job, prompt, t, last=False, max_tokens=2, rid=None):
 
 
 def policy(clock=None, decode=lambda ids: BASH_LS, **cfg) -> ContinuumPolicy:
-    return ContinuumPolicy(PolicyConfig(**cfg), decode=decode, clock=clock or FakeClock(0.0))
+    return ContinuumPolicy(
+        PolicySettings(PolicyConfig(**cfg)), decode=decode, clock=clock or FakeClock(0.0)
+    )
+
+
+def queue(p: ContinuumPolicy, clock, pinned) -> JobRequestQueue:
+    """The scheduler's wiring: the policy's job order over the pinned jobs' live view."""
+    p.bind(pinned)
+    q = make_request_queue(p, clock, pinned)
+    assert isinstance(q, JobRequestQueue)
+    return q
 
 
 def continuum(clock, **cfg) -> ContinuumPolicy:
@@ -37,7 +48,7 @@ def test_queue_orders_by_job_first_arrival_and_pins():
     clock = FakeClock(0.0)
     p = policy(clock)
     pinned: set[str] = set()
-    q = p.create_request_queue(pinned)
+    q = queue(p, clock, pinned)
     old_t1 = turn("old", [1], 0.0)
     p.on_arrival(old_t1, 0.0)
     new_t1 = turn("new", [2], 1.0)
@@ -61,7 +72,7 @@ def test_queue_orders_by_job_first_arrival_and_pins():
 def test_queue_bounded_waiting_beats_job_order():
     clock = FakeClock(0.0)
     p = policy(clock, max_wait_s=5.0, job_admission=False)
-    q = p.create_request_queue(frozenset())
+    q = queue(p, clock, frozenset())
     starving = turn("young", [1], 0.0)
     p.on_arrival(turn("old", [9], -100.0), -100.0)
     p.on_arrival(starving, 0.0)
@@ -80,7 +91,7 @@ def test_queue_bounded_waiting_beats_job_order():
 def test_queue_many_operations_stay_consistent():
     clock = FakeClock(0.0)
     pinned: set[str] = set()
-    q = ContinuumRequestQueue(lambda r: r.arrival_time, clock, lambda r: 1e9, pinned)
+    q = JobRequestQueue(lambda r: r.arrival_time, clock, lambda r: 1e9, pinned)
     reqs = [turn(f"j{i % 50}", [i + 1], float(i)) for i in range(2000)]
     for r in reqs:
         q.add_request(r)
@@ -100,8 +111,8 @@ def test_victim_is_newest_job_and_last_steps_are_protected():
         jobs[job] = turn(job, [i + 1], float(i), last=(job == "c"))
         p.on_arrival(jobs[job], float(i))
     running = list(jobs.values())
-    assert p.select_victim(running) is jobs["b"]  # c is newer but on its last step
-    assert p.select_victim([jobs["c"]]) is jobs["c"]
+    assert max(running, key=p.victim_key) is jobs["b"]  # c is newer but on its last step
+    assert max([jobs["c"]], key=p.victim_key) is jobs["c"]
 
 
 def test_cold_start_pins_default_ttl_and_last_step_frees():

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.policy.base import FREE, Pin
-from vllm.v1.core.sched.policy.fcfs import FCFSPolicy
 from vllm.v1.request import RequestStatus
+from vllm_continuum.policy.base import FREE, Pin
+from vllm_continuum.policy.plain import FCFSPolicy
 
 from ..conftest import make_request
 from .helpers import make_scheduler, run_until_done, step

@@ -9,11 +9,11 @@ import pytest
 from vllm.config import SchedulerConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.policy import Policy, create_policy, policy_names
-from vllm.v1.core.sched.policy.registry import get_policy_class, policy_metrics, register_policy
+from vllm.v1.core.sched.policy import Policy, create_policy, make_request_queue, policy_names
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_continuum.metrics import MetricSpec
+from vllm_continuum.policy.registry import get_policy_class, policy_metrics, register_policy
 
 
 def _config(name: str) -> VllmConfig:
@@ -24,7 +24,7 @@ def _config(name: str) -> VllmConfig:
 def test_every_registered_name_builds_its_policy_and_queue(name):
     policy = create_policy(_config(name), decode=lambda ids: "", clock=FakeClock())
     assert isinstance(policy, Policy) and policy.name == name
-    assert isinstance(policy.create_request_queue(frozenset()), RequestQueue)
+    assert isinstance(make_request_queue(policy, FakeClock(), frozenset()), RequestQueue)
 
 
 @pytest.mark.parametrize("name", policy_names())

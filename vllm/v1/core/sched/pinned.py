@@ -11,8 +11,9 @@ there is one); every pin change is reported to the policy (``on_pinned`` /
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.sched.policy.base import Policy
 from vllm.v1.metrics.stats import PinStats
 from vllm.v1.request import Request
 from vllm_continuum.pins import (
@@ -22,6 +23,7 @@ from vllm_continuum.pins import (
     PinEntry,
     PinManager,
 )
+from vllm_continuum.policy import Policy
 
 __all__ = ["KVCachePinManager", "PinEntry"]
 
@@ -29,10 +31,18 @@ __all__ = ["KVCachePinManager", "PinEntry"]
 class KVCachePinManager(PinManager):
     """The scheduler's pins: blocks held in (and freed through) ``KVCacheManager``."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, policy: Policy) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        policy: Policy,
+        job_pin_changed: Callable[[str], None] = lambda job: None,
+    ) -> None:
+        """``job_pin_changed(job)``: told when a job gains or loses a pin (the waiting
+        queue re-ranks that job)."""
         super().__init__()
         self.kv = kv_cache_manager
         self.policy = policy
+        self._job_pin_changed = job_pin_changed
         self._reported = PinCounters()
 
     def job_of(self, request: Request) -> str:
@@ -55,9 +65,11 @@ class KVCachePinManager(PinManager):
         return self.policy.may_release_pin(requester, entry.job_arrival, now)
 
     def on_pinned(self, entry: PinEntry, now: float) -> None:
+        self._job_pin_changed(entry.job)
         self.policy.on_pinned(entry.request, now)
 
     def on_released(self, entry: PinEntry, now: float, reason: str) -> None:
+        self._job_pin_changed(entry.job)
         self.policy.on_pin_released(entry.request, now, reason)
 
     def take_stats(self) -> PinStats:

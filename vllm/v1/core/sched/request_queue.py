@@ -1,7 +1,7 @@
 """Waiting queues (vLLM's ``request_queue.py``): an ABC and small classes.
 
-Each policy creates its own queue (``Policy.create_request_queue``), so the policy
-registry is the only map from a policy's name to its queue."""
+A policy names its order (``Policy.queue_order``); ``policy.make_request_queue`` maps it
+to one of these or to the job order (``job_queue.py``)."""
 
 from __future__ import annotations
 

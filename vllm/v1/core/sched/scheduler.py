@@ -1,8 +1,9 @@
 """The vLLM-v1 scheduler: one token budget per step, running first, recompute preemption.
 
-Every decision that differs between policies is asked of ``self.policy`` (waiting order,
-preemption victim, the fate of a finished request's blocks); this file holds only the
-mechanism: admission and preemption here, the pins a policy asks for in ``pinned.py``.
+Every decision that differs between policies is asked of ``self.policy`` (a
+``vllm_continuum.policy.Policy``, the same objects upstream's scheduler runs through the
+plugin: waiting order, preemption order, the fate of a finished request's blocks); this
+file holds only the mechanism: admission and preemption here, the pins a policy asks for in ``pinned.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.pinned import KVCachePinManager
-from vllm.v1.core.sched.policy import FinishedAction, Offload, Pin, Policy
+from vllm.v1.core.sched.policy import FinishedAction, Offload, Pin, Policy, make_request_queue
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -78,8 +79,9 @@ class Scheduler:
                 f"has {'no' if self.kv_cache_manager.offload is None else 'a'} CPU tier"
             )
         self.requests: dict[str, Request] = {}
-        self.pins = KVCachePinManager(self.kv_cache_manager, policy)
-        self.waiting = policy.create_request_queue(self.pins)
+        self.pins = KVCachePinManager(self.kv_cache_manager, policy, self._job_pin_changed)
+        self.waiting = make_request_queue(policy, clock, self.pins)
+        policy.bind(self.pins)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self._num_preemptions = 0
@@ -182,10 +184,20 @@ class Scheduler:
                 # whole cache. Recomputing it would hit the same wall forever.
                 self._cap_length(request, now)
                 return None
-            victim = self.policy.select_victim(self.running)
+            victim = self._select_victim()
             self._preempt(victim, budget, step)
             if victim is request:
                 return None
+
+    def _select_victim(self) -> Request:
+        """The running request the policy preempts first: the largest ``victim_key``, or
+        the last admitted when the policy has no order of its own."""
+        if self.policy.victim_key(self.running[-1]) is None:
+            return self.running[-1]
+        return max(self.running, key=self.policy.victim_key)
+
+    def _job_pin_changed(self, job: str) -> None:
+        self.waiting.job_pin_changed(job)
 
     def _preempt(self, victim: Request, budget: TokenBudget, step: _Step) -> None:
         self.running.remove(victim)
@@ -270,7 +282,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit
             request.scheduled_time = now
         self.running.append(request)
-        self.policy.on_scheduled(request, now)
+        self.policy.on_scheduled(request, num_hit, now)
         self.pins.on_admitted(request, num_hit, now)
 
     def _make_output(self, step: _Step) -> SchedulerOutput:

@@ -1,6 +1,7 @@
-"""Continuum's waiting queue in this engine: ``vllm_continuum.queue.JobOrderQueue`` (job-level
-FCFS with bounded waiting) over our ``Request`` (its ``job_key`` and ``arrival_time``), as
-a ``RequestQueue``. Which jobs are pinned is read from the scheduler's pins (a live view).
+"""The job-ordered waiting queue in this engine (a policy's ``queue_order == "job"``):
+``vllm_continuum.queue.JobOrderQueue`` (job-level FCFS with bounded waiting) over our
+``Request`` (its ``job_key`` and ``arrival_time``), as a ``RequestQueue``. Which jobs are
+pinned is read from the scheduler's pins (a live view).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _arrival_time(request: Request) -> float:
     return request.arrival_time
 
 
-class ContinuumRequestQueue(JobOrderQueue, KeyOrderedRequestQueue):
+class JobRequestQueue(JobOrderQueue, KeyOrderedRequestQueue):
     def __init__(
         self,
         job_arrival: Callable[[Request], float],
