@@ -3,7 +3,8 @@
 Every decision that differs between policies is asked of ``self.policy`` (a
 ``vllm_continuum.policy.Policy``, the same objects upstream's scheduler runs through the
 plugin: waiting order, preemption order, the fate of a finished request's blocks); this
-file holds only the mechanism: admission and preemption here, the pins a policy asks for in ``pinned.py``.
+file holds only the mechanism: admission and preemption here, the pins a policy asks for
+in ``pinned.py``.
 """
 
 from __future__ import annotations
