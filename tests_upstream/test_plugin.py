@@ -67,8 +67,8 @@ def test_version_check_passes_here_and_fails_clearly_without_a_seam(monkeypatch)
 def test_pin_metrics_reach_prometheus_and_leave_upstreams_fields_clean(vllm_config):
     from prometheus_client import REGISTRY
 
+    from vllm_continuum.pins import PIN_METRICS
     from vllm_continuum.upstream.metrics import PinStatLogger
-    from vllm_continuum.upstream.pins import COUNTERS
 
     s = make_scheduler(vllm_config)
     s.add_request(make_request(range(31), job="m"))
@@ -83,8 +83,10 @@ def test_pin_metrics_reach_prometheus_and_leave_upstreams_fields_clean(vllm_conf
     before = REGISTRY.get_sample_value("vllm:pins_total", labels)
     logger.record(s.make_stats(), None, engine_idx=0)  # same totals: no double count
     assert REGISTRY.get_sample_value("vllm:pins_total", labels) == before
-    # The same counter names as our engine's /metrics (a counter appears once it counts).
-    assert {"pin_hits", "pin_expiries", "pin_forced_releases"} <= set(COUNTERS)
+    # The series our engine exports, from the same declarations: every one is here.
+    for spec in PIN_METRICS:
+        suffix = "_total" if spec.kind == "counter" else ""
+        assert REGISTRY.get_sample_value(spec.name + suffix, labels) is not None, spec.name
 
 
 def test_middleware_moves_top_level_job_fields_into_vllm_xargs():

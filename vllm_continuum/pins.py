@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_continuum.metrics import MetricSpec, value_of
+
 # Why a pin ended (the ``reason`` of ``PinManager.on_released``).
 PIN_RELEASE_HIT = "hit"  # the job's next turn took its prefix hit
 PIN_RELEASE_EXPIRED = "expired"  # the TTL passed (and the job's turn was not next in line)
@@ -261,3 +263,32 @@ class PinManager(ABC):
         elif reason == PIN_RELEASE_PRESSURE:
             self.counters.pressure_releases += 1
         self.on_released(entry, now, reason)
+
+
+def _pin_series(name: str, kind: str, doc: str, attr: str) -> MetricSpec:
+    return MetricSpec(name, kind, doc, read=value_of(attr))  # type: ignore[arg-type]
+
+
+# The pin series, declared once for every engine's exporter. Each reads an object with
+# these attributes: our engine's ``PinStats`` (counters as deltas), the plugin's pin figures
+# (counters as totals since start; its logger takes the deltas).
+PIN_METRICS: tuple[MetricSpec, ...] = (
+    _pin_series(
+        "vllm:num_pinned_requests",
+        "gauge",
+        "Finished requests whose KV blocks are pinned for their job.",
+        "num_pinned_requests",
+    ),
+    _pin_series("vllm:pinned_kv_blocks", "gauge", "KV blocks held by pins.", "pinned_kv_blocks"),
+    _pin_series("vllm:pins", "counter", "KV pins placed.", "pins"),
+    _pin_series(
+        "vllm:pin_hits", "counter", "Next turns that found their pinned blocks.", "pin_hits"
+    ),
+    _pin_series("vllm:pin_expiries", "counter", "Pins released by TTL expiry.", "expiries"),
+    _pin_series(
+        "vllm:pin_forced_releases",
+        "counter",
+        "Pins released under memory pressure.",
+        "forced_releases",
+    ),
+)

@@ -8,41 +8,37 @@ called before upstream's, so this one also takes the keys out again. Counters tr
 totals since start; the increments are computed here, so a lost stats message loses
 nothing.
 
-Metrics (labelled ``model_name`` and ``engine``, like upstream's):
+Metrics (labelled ``model_name`` and ``engine``, like upstream's): the pin series our
+engine exports, declared once (``vllm_continuum.pins.PIN_METRICS``):
 ``vllm:num_pinned_requests``, ``vllm:pinned_kv_blocks`` (gauges), ``vllm:pins_total``,
 ``vllm:pin_hits_total``, ``vllm:pin_expiries_total``, ``vllm:pin_forced_releases_total``.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from vllm_continuum.upstream.pins import COUNTERS, GAUGES, STATS_PREFIX
+from vllm_continuum.metrics import MetricSpec
+from vllm_continuum.pins import PIN_METRICS
+from vllm_continuum.upstream.pins import STATS_PREFIX
 
-_HELP = {
-    "num_pinned_requests": "Finished requests whose KV blocks are pinned for their job.",
-    "pinned_kv_blocks": "KV blocks held by pins.",
-    "pins": "Pins placed.",
-    "pin_hits": "Pins ended by the job's next turn taking its prefix hit.",
-    "pin_expiries": "Pins ended by their TTL.",
-    "pin_forced_releases": "Pins released because memory was needed.",
-}
+_LABELS = ["model_name", "engine"]
 _METRICS: dict[str, Any] = {}  # one registration per process, whatever the logger count
 
 
-def _metric(name: str) -> Any:
-    if name not in _METRICS:
-        labels = ["model_name", "engine"]
-        if name in GAUGES:
-            _METRICS[name] = Gauge(
-                f"vllm:{name}", _HELP[name], labels, multiprocess_mode="mostrecent"
+def _metric(spec: MetricSpec) -> Any:
+    if spec.name not in _METRICS:
+        if spec.kind == "gauge":
+            _METRICS[spec.name] = Gauge(
+                spec.name, spec.documentation, _LABELS, multiprocess_mode="mostrecent"
             )
         else:
-            _METRICS[name] = Counter(f"vllm:{name}", _HELP[name], labels)
-    return _METRICS[name]
+            _METRICS[spec.name] = Counter(spec.name, spec.documentation, _LABELS)
+    return _METRICS[spec.name]
 
 
 def take_pin_stats(by_stage: dict[str, int]) -> dict[str, int]:
@@ -52,10 +48,12 @@ def take_pin_stats(by_stage: dict[str, int]) -> dict[str, int]:
 
 
 class PinStatLogger(StatLoggerBase):
+    """``PIN_METRICS`` (the series our engine exports too) fed from the pin figures."""
+
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         self.model_name = vllm_config.model_config.served_model_name
         self.engine = str(engine_index)
-        self._totals: dict[str, int] = {}
+        self._totals: dict[str, float] = {}
 
     def record(
         self,
@@ -70,14 +68,17 @@ class PinStatLogger(StatLoggerBase):
         if not figures:
             return
         labels = (self.model_name, str(engine_idx))
-        for name in GAUGES:
-            _metric(name).labels(*labels).set(figures.get(name, 0))
-        for name in COUNTERS:
-            total = figures.get(name, 0)
-            delta = total - self._totals.get(name, 0)
-            if delta > 0:
-                _metric(name).labels(*labels).inc(delta)
-            self._totals[name] = total
+        view = SimpleNamespace(**figures)
+        for spec in PIN_METRICS:
+            series = _metric(spec).labels(*labels)  # shown from the first report, at 0
+            for _, value in spec.samples(view):
+                if spec.kind == "gauge":
+                    series.set(value)
+                    continue
+                delta = value - self._totals.get(spec.name, 0)  # totals since start
+                if delta > 0:
+                    series.inc(delta)
+                self._totals[spec.name] = value
 
     def log_engine_initialized(self) -> None:
         pass

@@ -46,10 +46,9 @@ class UpstreamPinManager(PinManager):
         self.scheduler.on_pin_released(entry, now, reason)
 
 
-# Keys of the pin figures in ``SchedulerStats.num_kv_fetch_reqs_by_stage`` (metrics.py).
+# Keys of the pin figures in ``SchedulerStats.num_kv_fetch_reqs_by_stage`` (metrics.py):
+# the attributes ``vllm_continuum.pins.PIN_METRICS`` read, counters as totals since start.
 STATS_PREFIX = "continuum:"
-GAUGES = ("num_pinned_requests", "pinned_kv_blocks")
-COUNTERS = ("pins", "pin_hits", "pin_expiries", "pin_forced_releases")
 
 
 def pin_stats(table: PinTable, counters: PinCounters) -> dict[str, int]:
@@ -58,7 +57,7 @@ def pin_stats(table: PinTable, counters: PinCounters) -> dict[str, int]:
         "pinned_kv_blocks": table.num_blocks,
         "pins": counters.pins,
         "pin_hits": counters.hits,
-        "pin_expiries": counters.expiries,
-        "pin_forced_releases": counters.pressure_releases,
+        "expiries": counters.expiries,
+        "forced_releases": counters.pressure_releases,
     }
     return {STATS_PREFIX + k: v for k, v in values.items()}

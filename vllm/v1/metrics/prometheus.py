@@ -7,6 +7,7 @@ below, a policy's in its class; ``build_series`` creates them all.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.outputs import RequestOutput
 from vllm.v1.engine import EngineCoreOutputs
 from vllm_continuum.metrics import MetricSpec, Reader, Sample, merge_specs
+from vllm_continuum.pins import PIN_METRICS
 from vllm_continuum.policy.registry import policy_metrics
 
 _LATENCY_BUCKETS = (
@@ -68,6 +70,16 @@ def _stat(path: str) -> Reader:
     return read
 
 
+def _within(path: str, spec: MetricSpec) -> MetricSpec:
+    """``spec`` reading the ``SchedulerStats`` attribute ``path`` (none when it is None)."""
+
+    def read(stats: Any) -> list[Sample]:
+        inner = getattr(stats, path)
+        return [] if inner is None else spec.read(inner)
+
+    return replace(spec, read=read)
+
+
 def _gauge(name: str, doc: str, path: str) -> MetricSpec:
     return MetricSpec(name, "gauge", doc, read=_stat(path))
 
@@ -84,12 +96,6 @@ SCHEDULER_METRICS = (
     _gauge(
         "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent usage.", "kv_cache_usage"
     ),
-    _gauge(
-        "vllm:num_pinned_requests",
-        "Finished requests whose KV blocks are pinned.",
-        "pin_stats.num_pinned_requests",
-    ),
-    _gauge("vllm:pinned_kv_blocks", "KV blocks held by pins.", "pin_stats.pinned_kv_blocks"),
     _counter(
         "vllm:prefix_cache_queries",
         "Prefix cache queries, in tokens.",
@@ -97,14 +103,8 @@ SCHEDULER_METRICS = (
     ),
     _counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", "prefix_cache_stats.hits"),
     _counter("vllm:num_preemptions", "Cumulative preemptions.", "num_preemptions"),
-    _counter("vllm:pins", "KV pins placed.", "pin_stats.pins"),
-    _counter("vllm:pin_hits", "Next turns that found their pinned blocks.", "pin_stats.pin_hits"),
-    _counter("vllm:pin_expiries", "Pins released by TTL expiry.", "pin_stats.expiries"),
-    _counter(
-        "vllm:pin_forced_releases",
-        "Pins released under memory pressure.",
-        "pin_stats.forced_releases",
-    ),
+    # The pins' series, declared with the pin mechanism (shared with the plugin).
+    *(_within("pin_stats", spec) for spec in PIN_METRICS),
     # The CPU KV tier (vLLM's names for its external prefix cache).
     _counter(
         "vllm:external_prefix_cache_queries",
