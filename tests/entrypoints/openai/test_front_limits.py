@@ -286,8 +286,7 @@ def test_chat_templating_runs_in_the_tokenizer_thread():
         return f"{len(messages)} messages, tools {tools}"
 
     engine = SimpleNamespace(
-        processor=SimpleNamespace(apply_chat_template=apply_chat_template),
-        tokenizer=SimpleNamespace(chat_template="{{ messages }}"),
+        apply_chat_template=apply_chat_template, chat_template="{{ messages }}"
     )
     serving = OpenAIServingChat(engine, "m")
     request = ChatCompletionRequest.model_validate({"messages": MESSAGES * 3})

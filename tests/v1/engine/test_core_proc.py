@@ -111,7 +111,10 @@ class FakeEngine:
             )
             if done:
                 del self.requests[request_id]
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), errors=errors)
+        return EngineCoreOutputs(outputs, self.make_stats(), errors=errors)
+
+    def make_stats(self):
+        return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
         self.shut_down = True

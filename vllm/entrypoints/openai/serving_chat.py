@@ -30,13 +30,13 @@ class OpenAIServingChat(OpenAIServing):
                 "chat_template",
             )
         if plan.template_tools:
-            template = request.chat_template or self.engine.tokenizer.chat_template
+            template = request.chat_template or self.engine.chat_template
             warn_if_template_ignores_tools(template)
-        processor = self.engine.processor
+        engine = self.engine
 
         def render() -> str:
             messages = [m.for_template() for m in request.messages]
-            return processor.apply_chat_template(
+            return engine.apply_chat_template(
                 messages, request.chat_template, request.add_generation_prompt, plan.template_tools
             )
 
@@ -52,10 +52,10 @@ class OpenAIServingChat(OpenAIServing):
     def _logprobs(self, c: CompletionOutput) -> dict | None:
         if c.logprobs is None:
             return None
-        tok = self.engine.tokenizer
+        decode = self.engine.decode
         content = []
         for lp in c.logprobs:
-            text = tok.decode([lp.token_id])
+            text = decode([lp.token_id])
             content.append(
                 {
                     "token": text,
@@ -63,9 +63,9 @@ class OpenAIServingChat(OpenAIServing):
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": tok.decode([t]),
+                            "token": decode([t]),
                             "logprob": v,
-                            "bytes": list(tok.decode([t]).encode()),
+                            "bytes": list(decode([t]).encode()),
                         }
                         for t, v in lp.top
                     ],

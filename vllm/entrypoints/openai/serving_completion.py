@@ -28,24 +28,24 @@ class OpenAIServingCompletion(OpenAIServing):
         """``echo``: the prompt as text (token ids decoded) that leads each choice."""
         if isinstance(prompt, str):
             return prompt
-        return self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+        return self.engine.decode(prompt)
 
     def _logprobs(self, c: CompletionOutput, echoed: RequestOutput | None = None) -> dict | None:
         """OpenAI's legacy logprobs object. ``echoed`` (echo): the request whose prompt
         tokens and prompt logprobs lead it, the first token with null ones (as in vLLM)."""
         if c.logprobs is None:
             return None
-        tok = self.engine.tokenizer
+        decode = self.engine.decode
         ids = [lp.token_id for lp in c.logprobs]
         lps: list[TokenLogprobs | None] = list(c.logprobs)
         if echoed is not None and echoed.prompt_logprobs is not None:
             ids = echoed.prompt_token_ids + ids
             lps = echoed.prompt_logprobs + lps
         return {
-            "tokens": [tok.decode([t]) for t in ids],
+            "tokens": [decode([t]) for t in ids],
             "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
             "top_logprobs": [
-                None if lp is None else {tok.decode([t]): v for t, v in lp.top} for lp in lps
+                None if lp is None else {decode([t]): v for t, v in lp.top} for lp in lps
             ],
             "text_offset": [],
         }

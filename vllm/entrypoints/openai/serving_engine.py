@@ -181,7 +181,7 @@ class OpenAIServing:
 
         def entry(token_id: int, logprob: float, rank: int) -> dict:
             if token_id not in decoded:
-                decoded[token_id] = self.engine.tokenizer.decode([token_id])
+                decoded[token_id] = self.engine.decode([token_id])
             value = max(logprob, -9999.0)
             return {"logprob": value, "rank": rank, "decoded_token": decoded[token_id]}
 

@@ -113,6 +113,29 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self.client.is_alive
 
+    # -- text, for the serving layer (which never reaches into the tokenizer) --------------
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template in use (--chat-template, else the tokenizer's)."""
+        return self.tokenizer.chat_template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        tools: list[dict] | None,
+    ) -> str:
+        """The prompt text of a conversation (blocking: callers run it in the tokenizer
+        thread, its cost grows with the messages and tools)."""
+        return self.processor.apply_chat_template(
+            messages, chat_template, add_generation_prompt, tools
+        )
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Token ids as text (special tokens kept unless asked)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._streams)

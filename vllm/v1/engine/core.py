@@ -15,6 +15,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestError
+from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output.ahead import PendingGrammars
@@ -226,6 +227,11 @@ class EngineCore:
     def next_wakeup(self) -> float | None:
         """Clock time of the earliest pin deadline (an idle engine may sleep until then)."""
         return self.scheduler.next_wakeup()
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's figures now (what a step's outputs carry), for an engine loop
+        that publishes them without a step (an abort left the engine idle)."""
+        return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

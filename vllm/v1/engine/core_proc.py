@@ -224,7 +224,7 @@ class EngineCoreProc:
                 elif handled:
                     # An abort left the engine idle: publish the freed blocks now, since no
                     # step will carry fresh stats until the next request.
-                    stats = self.engine.scheduler.make_stats()
+                    stats = self.engine.make_stats()
                     self._send_outputs(EngineCoreOutputs(scheduler_stats=stats))
         except Exception:
             # The front end fails its requests.
