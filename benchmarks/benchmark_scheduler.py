@@ -16,10 +16,11 @@ from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.core.sched.policy import create_policy, policy_names
+from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
+from vllm_continuum.policy import policy_names
 
 BLOCK = 16
 PROMPT = 64

@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 from vllm.config import PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.policy import FREE, Offload, Pin, create_policy
+from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.request import RequestStatus
 from vllm_continuum.context_serve.config import ContextServeConfig
 from vllm_continuum.context_serve.stats import ContextServeStats
 from vllm_continuum.pins import PinEntry, PinTable
-from vllm_continuum.policy import PolicySettings
+from vllm_continuum.policy import FREE, Offload, Pin, PolicySettings
 from vllm_continuum.policy.context_serve import ContextServePolicy
 
 from ..conftest import make_request

@@ -7,8 +7,8 @@ import pytest
 from vllm.config import PolicyConfig, SchedulerConfig, VllmConfig
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.job_queue import JobRequestQueue
-from vllm.v1.core.sched.policy import FREE, Pin, create_policy, make_request_queue
-from vllm_continuum.policy import PolicySettings
+from vllm.v1.core.sched.policy import create_policy, make_request_queue
+from vllm_continuum.policy import FREE, Pin, PolicySettings
 from vllm_continuum.policy.continuum import ContinuumPolicy
 
 from ..conftest import make_request

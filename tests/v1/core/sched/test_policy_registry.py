@@ -9,10 +9,11 @@ import pytest
 from vllm.config import SchedulerConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.clock import FakeClock
-from vllm.v1.core.sched.policy import Policy, create_policy, make_request_queue, policy_names
+from vllm.v1.core.sched.policy import create_policy, make_request_queue
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_continuum.metrics import MetricSpec
+from vllm_continuum.policy import Policy, policy_names
 from vllm_continuum.policy.registry import get_policy_class, policy_metrics, register_policy
 
 

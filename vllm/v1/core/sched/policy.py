@@ -13,30 +13,10 @@ from vllm.config import VllmConfig
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.sched.job_queue import JobRequestQueue
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
-from vllm_continuum.policy import (
-    FREE,
-    FinishedAction,
-    Free,
-    Offload,
-    Pin,
-    Policy,
-    PolicySettings,
-    policy_names,
-)
+from vllm_continuum.policy import Policy, PolicySettings
 from vllm_continuum.policy import create_policy as _create_policy
 
-__all__ = [
-    "FREE",
-    "Free",
-    "FinishedAction",
-    "Offload",
-    "Pin",
-    "Policy",
-    "create_policy",
-    "make_request_queue",
-    "policy_names",
-    "policy_settings",
-]
+__all__ = ["create_policy", "make_request_queue", "policy_settings"]
 
 
 def policy_settings(vllm_config: VllmConfig) -> PolicySettings:

@@ -18,7 +18,7 @@ from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.pinned import KVCachePinManager
-from vllm.v1.core.sched.policy import FinishedAction, Offload, Pin, Policy, make_request_queue
+from vllm.v1.core.sched.policy import make_request_queue
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -30,6 +30,7 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
 from vllm_continuum.cache_hints import ttl_with_floor
+from vllm_continuum.policy import FinishedAction, Offload, Pin, Policy
 
 logger = logging.getLogger(__name__)
 
