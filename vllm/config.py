@@ -214,14 +214,24 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# The automatic tier (policies that keep jobs' contexts, --kv-offloading-size unset): at the
+# study's overload points a 4x tier no longer held a heavier sample's contexts, a 16x one
+# did (docs/experiments.md); half the host memory leaves the rest to everything else.
+AUTO_TIER_POOL_MULTIPLE = 16
+AUTO_TIER_HOST_SHARE = 0.5
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """A second KV tier in host memory (vLLM's native KV offloading)."""
 
     kv_offloading_size: float | None = config_field(
         None,
-        "Size of the host-memory KV tier in GiB; unset: no tier. Blocks evicted from the "
-        "KV cache (or offloaded by the policy) are copied there and loaded back on a hit.",
+        "Size of the host-memory KV tier in GiB; 0: no tier; unset: a tier sized from free "
+        "host memory for policies that keep jobs' contexts (continuum, context_serve: the "
+        "smaller of 16x the KV cache and half the available host memory), none otherwise. "
+        "Blocks evicted from the KV cache (or offloaded by the policy) are copied there and "
+        "loaded back on a hit.",
         parse=parse_gib,
     )
     kv_offloading_backend: str = config_field(
@@ -237,10 +247,10 @@ class OffloadConfig:
                 "--kv-offloading-backend", self.kv_offloading_backend, f"must be one of {backends}"
             )
         size = self.kv_offloading_size
-        if size is None:
+        if size is None or size == 0:
             return
         if not isinstance(size, int | float) or not size > 0:
-            raise bad_value("--kv-offloading-size", size, "must be a number of GiB > 0")
+            raise bad_value("--kv-offloading-size", size, "must be a number of GiB >= 0")
         available = available_host_memory()
         if self.size_bytes > available:
             raise bad_value(
@@ -251,14 +261,29 @@ class OffloadConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.kv_offloading_size is not None
+        """A tier of the size asked (``--kv-offloading-size`` > 0)."""
+        return bool(self.kv_offloading_size)
+
+    @property
+    def auto(self) -> bool:
+        """No size given: the engine sizes a tier for policies that want one."""
+        return self.kv_offloading_size is None
+
+    def auto_size_bytes(self, pool_bytes: int) -> int:
+        """The tier an unset ``--kv-offloading-size`` gets: ``AUTO_TIER_POOL_MULTIPLE`` x
+        the KV cache, at most ``AUTO_TIER_HOST_SHARE`` of the host memory available now."""
+        host = int(available_host_memory() * AUTO_TIER_HOST_SHARE)
+        return min(pool_bytes * AUTO_TIER_POOL_MULTIPLE, host)
 
     @property
     def size_bytes(self) -> int:
         return int((self.kv_offloading_size or 0) * 2**30)
 
-    def num_blocks(self, bytes_per_block: int) -> int:
-        """Blocks the tier holds (0 when off); ValueError if on but under one block."""
+    def num_blocks(self, bytes_per_block: int, size_bytes: int | None = None) -> int:
+        """Blocks the tier holds (0 when off); ValueError if on but under one block.
+        ``size_bytes``: the automatic size, for a tier the engine sized itself."""
+        if size_bytes is not None:
+            return size_bytes // bytes_per_block
         if not self.enabled:
             return 0
         n = self.size_bytes // bytes_per_block

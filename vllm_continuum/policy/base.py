@@ -146,6 +146,9 @@ class Policy:
     queue_order: QueueOrder = "fcfs"
     # Whether the policy reads finished outputs as text (then ``decode`` is required).
     needs_decode: bool = False
+    # Whether the policy keeps jobs' contexts across turns, so that an engine gives it a
+    # host-memory KV tier when the user sets no size (ours: ``--kv-offloading-size``).
+    wants_kv_tier: bool = False
 
     def __init__(
         self,

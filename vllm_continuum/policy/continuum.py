@@ -20,6 +20,7 @@ class ContinuumPolicy(Policy):
     name = "continuum"
     queue_order = "job"
     needs_decode = True
+    wants_kv_tier = True  # a released or expired pin goes to the tier, not away
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """``Policy``'s arguments."""

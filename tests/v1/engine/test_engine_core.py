@@ -182,3 +182,39 @@ def test_the_engine_derives_its_kv_tier_once_and_passes_it_down(monkeypatch, off
     assert engine.num_cpu_blocks == (2**30 * offloading_size // 1024 if tier else 0)
     assert engine.scheduler.policy.has_tier is tier
     assert (engine.scheduler.kv_cache_manager.offload is not None) is tier
+
+
+@pytest.mark.parametrize(
+    ("policy", "size", "prefix_caching", "tier_blocks"),
+    [
+        ("continuum", None, True, 16 * 8),  # unset: 16x the pool (8 blocks of 1024 bytes)
+        ("context_serve", None, True, 16 * 8),
+        ("continuum", 0, True, 0),  # 0: off
+        ("continuum", None, False, 0),  # no prefix caching: the tier could find nothing
+        ("fcfs", None, True, 0),  # a policy that keeps no context gets none
+    ],
+)
+def test_an_unset_tier_is_sized_for_policies_that_keep_contexts(
+    monkeypatch, policy, size, prefix_caching, tier_blocks
+):
+    monkeypatch.setattr(model_runner_module, "ModelRunner", FakeRunner)
+    args = EngineArgs(
+        num_gpu_blocks_override=8,
+        max_model_len=64,
+        scheduling_policy=policy,
+        kv_offloading_size=size,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = EngineCore(args.create_engine_config(), clock=FakeClock())
+    assert engine.num_cpu_blocks == tier_blocks
+    assert engine.scheduler.policy.has_tier is (tier_blocks > 0)
+
+
+def test_the_automatic_tier_leaves_half_the_host_memory(monkeypatch):
+    from vllm import config as config_module
+
+    monkeypatch.setattr(model_runner_module, "ModelRunner", FakeRunner)
+    monkeypatch.setattr(config_module, "available_host_memory", lambda: 20 * 1024)
+    args = EngineArgs(num_gpu_blocks_override=8, max_model_len=64, scheduling_policy="continuum")
+    engine = EngineCore(args.create_engine_config(), clock=FakeClock())
+    assert engine.num_cpu_blocks == 10  # 10 KiB of 20 free, blocks of 1024 bytes

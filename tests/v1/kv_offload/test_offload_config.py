@@ -43,8 +43,8 @@ def test_bad_flags_are_one_line_argparse_errors(argv, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"kv_offloading_size": -1.0}, "--kv-offloading-size must be a number of GiB > 0"),
-        ({"kv_offloading_size": 0}, "--kv-offloading-size must be a number of GiB > 0"),
+        ({"kv_offloading_size": -1.0}, "--kv-offloading-size must be a number of GiB >= 0"),
+        ({"kv_offloading_size": "4"}, "--kv-offloading-size must be a number of GiB >= 0"),
         ({"kv_offloading_backend": "nvme"}, "--kv-offloading-backend must be one of"),
     ],
 )
@@ -68,3 +68,14 @@ def test_a_size_under_one_block_is_refused():
 
 def test_available_host_memory_is_positive():
     assert config_module.available_host_memory() > 0
+
+
+def test_zero_turns_the_tier_off_and_unset_is_automatic(monkeypatch):
+    off = OffloadConfig(kv_offloading_size=0)
+    assert not off.enabled and not off.auto and off.num_blocks(1024) == 0
+    unset = OffloadConfig()
+    assert unset.auto and not unset.enabled
+    monkeypatch.setattr(config_module, "available_host_memory", lambda: 64 * 2**30)
+    assert unset.auto_size_bytes(2**30) == 16 * 2**30  # 16x the KV cache
+    monkeypatch.setattr(config_module, "available_host_memory", lambda: 8 * 2**30)
+    assert unset.auto_size_bytes(2**30) == 4 * 2**30  # at most half the free host memory

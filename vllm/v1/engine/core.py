@@ -13,6 +13,7 @@ from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
+from vllm_continuum.policy import get_policy_class
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestError
 from vllm.v1.metrics.stats import SchedulerStats
@@ -106,12 +107,33 @@ class EngineCore:
         )
 
     def _init_kv_offload(self) -> tuple[int, int]:
-        """(tier blocks, bytes per block) of the CPU KV tier; (0, 0) when it is off."""
+        """(tier blocks, bytes per block) of the CPU KV tier; (0, 0) when it is off.
+
+        ``--kv-offloading-size`` unset: a policy that keeps jobs' contexts
+        (``Policy.wants_kv_tier``) gets a tier sized from free host memory when prefix
+        caching is on (the tier finds blocks by their prefix hash); others get none."""
         offload = self.vllm_config.offload_config
-        if not offload.enabled:  # (VllmConfig refuses a tier without prefix caching)
+        auto_bytes = None
+        if offload.auto:
+            policy_cls = get_policy_class(self.vllm_config.scheduler_config.policy)
+            if not (
+                policy_cls.wants_kv_tier and self.vllm_config.cache_config.enable_prefix_caching
+            ):
+                return 0, 0
+            block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
+            auto_bytes = offload.auto_size_bytes(self.num_gpu_blocks * block_bytes)
+            if auto_bytes < block_bytes:
+                return 0, 0
+            logger.info(
+                "CPU KV tier sized for policy %s: %.2f GiB (--kv-offloading-size 0 turns it "
+                "off)",
+                policy_cls.name,
+                auto_bytes / 2**30,
+            )
+        elif not offload.enabled:  # (VllmConfig refuses a tier without prefix caching)
             return 0, 0
         block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
-        num_blocks = offload.num_blocks(block_bytes)
+        num_blocks = offload.num_blocks(block_bytes, auto_bytes)
         self.model_runner.initialize_kv_offload(num_blocks)
         return num_blocks, block_bytes
 
