@@ -13,13 +13,13 @@ from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
-from vllm_continuum.policy import get_policy_class
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestError
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output.ahead import PendingGrammars
+from vllm_continuum.policy import get_policy_class
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +125,7 @@ class EngineCore:
             if auto_bytes < block_bytes:
                 return 0, 0
             logger.info(
-                "CPU KV tier sized for policy %s: %.2f GiB (--kv-offloading-size 0 turns it "
-                "off)",
+                "CPU KV tier sized for policy %s: %.2f GiB (--kv-offloading-size 0 turns it off)",
                 policy_cls.name,
                 auto_bytes / 2**30,
             )
