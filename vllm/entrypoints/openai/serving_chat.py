@@ -49,6 +49,16 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # jinja errors from malformed conversations
             raise VLLMValidationError(f"chat template failed: {e}", "messages") from e
 
+    async def render_chat(self, request: ChatCompletionRequest) -> dict:
+        """POST /v1/chat/completions/render (vLLM's route): the prompt token ids the request
+        would run with, nothing generated. vllm-router's cache_aware asks every replica for
+        them and routes a chat by its longest token prefix (docs/router.md)."""
+        self.check_model(request)
+        prompt = await self._prompt(request, plan_tool_calls(request, self.tool_config))
+        tokenize = self.engine.processor.tokenize
+        token_ids = await self.in_thread(tokenize, prompt, False)  # the template wrote BOS
+        return {"model": self.model_name, "token_ids": token_ids}
+
     def _logprobs(self, c: CompletionOutput) -> dict | None:
         if c.logprobs is None:
             return None
