@@ -32,6 +32,7 @@ from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
+from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
@@ -82,9 +83,6 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
 
 
 RECEIVED_KEY = "vllm.received"  # ASGI scope key: time.monotonic() at arrival
-# On every /v1 response: which server answered (its host:port). Behind vllm-router, which
-# passes response headers through, a client learns the replica that served each request.
-INSTANCE_HEADER = "x-vllm-instance"
 
 
 def instance_id(sock) -> str:
