@@ -18,8 +18,15 @@ the job-fields middleware; results are named ``upstream-<policy>_jps<jps>.json``
 (``vllm.benchmarks.router.ReplicaSet``, docs/router.md) with ``--routing-policy``: still one
 fresh start per point (N servers, one router), each replica with ``--num-gpu-blocks``
 blocks and one CPU thread. Jobs name themselves by the ``X-Session-ID`` header (``--identity
-x-session-id``, required), which the router routes by and each replica pins by; the
-counters are summed over the replicas. Results: ``<policy>+router<N>-<routing>_jps<jps>.json``.
+x-session-id``), which the router routes by and each replica pins by, or also by the
+router's Program identity (``--identity program_id``, required by ``--routing-policy
+program``: the router's Program layer, ``--enable-program-scheduling``, over
+consistent_hash, configured by ``program_scheduling_config`` with each replica's pool as its
+token capacity, keys replaced by ``--program-config-json``). ``--router-arg`` passes more
+flags to the router. The counters are summed over the replicas; the result also says which
+replica served each turn (turns per replica, turns that moved replica) and each replica's
+counters, and records the router's arguments ("router"). Results:
+``<policy>+router<N>-<routing>_jps<jps>.json``.
 
     .venv/bin/python our_experiments/scripts/run_sweep.py --policies fcfs continuum \
         --replicas 2 --routing-policy consistent_hash --identity x-session-id --jps 0.04
@@ -42,7 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts import ab_benchmark  # noqa: E402
 from our_experiments.scripts.workload import IDENTITIES, ROOT, TOOL_MIXES, repo_relative  # noqa: E402
-from vllm.benchmarks.router import ROUTING_POLICIES, ReplicaSet  # noqa: E402
+from vllm.benchmarks.router import (  # noqa: E402
+    FAST_FAILOVER,
+    PROGRAM_ROUTING,
+    ROUTINGS,
+    ReplicaSet,
+    program_scheduling_config,
+)
 from vllm.benchmarks.server import RemoteServer  # noqa: E402
 from vllm.benchmarks.upstream_server import (  # noqa: E402
     DEFAULT_VENV,
@@ -82,6 +95,8 @@ ADMISSION_SUFFIX = re.compile(r"-(no)?admission$")
 # e.g. "fcfs+offload4x" or "continuum-admission+offload16x".
 OFFLOAD_SUFFIX = re.compile(r"\+offload(\d+)x$")
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 x 64, fp32
+BLOCK_TOKENS = 16  # the server's default --block-size
+ROUTER_IDENTITIES = ("x-session-id", "program_id")  # what the router can route by
 
 
 UPSTREAM_PREFIX = "upstream-"
@@ -164,9 +179,36 @@ def point_label(args, policy: str) -> str:
         label += "+key"
     elif args.identity == "x-session-id" and args.replicas == 1:
         label += "+session"
+    elif args.identity == "program_id" and args.replicas == 1:
+        label += "+program_id"
     if args.replicas > 1:
         label += f"+router{args.replicas}-{args.routing_policy}"
+        if args.identity == "program_id" and args.routing_policy != PROGRAM_ROUTING:
+            label += "-pid"  # program routing implies it; the others default to the header
     return label
+
+
+def program_config(args) -> dict | None:
+    """The router's Program-scheduling config of a ``--routing-policy program`` sweep: each
+    replica's pool (``--num-gpu-blocks`` blocks of 16 tokens) as its token capacity."""
+    if args.routing_policy != PROGRAM_ROUTING or args.replicas == 1:
+        return None
+    return program_scheduling_config(
+        args.num_gpu_blocks * BLOCK_TOKENS, overrides=args.program_config_json
+    )
+
+
+def router_record(args, fleet) -> dict:
+    """What the result JSON records of the router in front of a point."""
+    return {
+        "replicas": args.replicas,
+        "routing_policy": args.routing_policy,
+        "identity": args.identity,
+        "router_args": fleet.router_args,
+        "extra_router_args": args.router_arg,
+        "program_scheduling": args.program_scheduling,
+        "fast_failover": list(FAST_FAILOVER),
+    }
 
 
 def start_point(args, policy: str, log: Path):
@@ -178,7 +220,9 @@ def start_point(args, policy: str, log: Path):
             args.replicas,
             server_args(args, policy),
             policy=args.routing_policy,
+            router_args=args.router_arg,
             log_dir=str(log.with_suffix("")),
+            program_config=args.program_scheduling,
         )
     return RemoteServer(*server_args(args, policy), log_path=str(log))
 
@@ -228,13 +272,34 @@ def main() -> None:
         help="replicas behind vllm-router per point (1: one server, no router); the KV "
         "pool (--num-gpu-blocks) is per replica",
     )
-    ap.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="consistent_hash")
+    ap.add_argument(
+        "--routing-policy",
+        choices=ROUTINGS,
+        default="consistent_hash",
+        help="the router's --policy, or program: its Program layer "
+        "(--enable-program-scheduling) over consistent_hash",
+    )
+    ap.add_argument(
+        "--program-config-json",
+        type=json.loads,
+        default=None,
+        help="with --routing-policy program: keys replacing those of our Program-scheduling "
+        "config (vllm.benchmarks.router.program_scheduling_config), as a JSON object",
+    )
+    ap.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="one more vllm-router argument, recorded in the results (repeat: "
+        "--router-arg=--cache-threshold --router-arg=0.9)",
+    )
     ap.add_argument(
         "--identity",
         choices=IDENTITIES,
         default="job_id",
-        help="how turns name their job: extra_body job_id, or OpenAI's prompt_cache_key "
-        "(its results are labelled <policy>+key)",
+        help="how turns name their job: extra_body job_id, OpenAI's prompt_cache_key (results "
+        "labelled <policy>+key), the X-Session-ID header, or program_id: the router's "
+        "Program identity (vllm_xargs.agentic_context) plus that header",
     )
     ap.add_argument(
         "--upstream-venv",
@@ -245,10 +310,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.replicas < 1:
         ap.error(f"--replicas must be at least 1, got {args.replicas}")
-    if args.replicas > 1 and (args.engine != "ours" or args.identity != "x-session-id"):
+    if args.replicas > 1 and (args.engine != "ours" or args.identity not in ROUTER_IDENTITIES):
         # The router hashes no body field of a chat request: with job_id or
         # prompt_cache_key alone every job would land on one replica.
-        ap.error("--replicas > 1 needs --engine ours and --identity x-session-id")
+        ap.error("--replicas > 1 needs --engine ours and --identity x-session-id or program_id")
+    if args.replicas > 1 and args.routing_policy == PROGRAM_ROUTING:
+        if args.identity != "program_id":  # else no request opts in to the Program layer
+            ap.error("--routing-policy program needs --identity program_id")
+    elif args.program_config_json is not None:
+        ap.error("--program-config-json needs --replicas > 1 and --routing-policy program")
+    if args.router_arg and args.replicas == 1:
+        ap.error("--router-arg needs --replicas > 1 (no router in front of one server)")
+    args.program_scheduling = program_config(args)  # recorded in sweep_config too
     if args.engine == "upstream":
         upstream_python(args.upstream_venv)  # fail before any point runs
 
@@ -268,7 +341,10 @@ def main() -> None:
             for replica in getattr(server, "replicas", ()):
                 argv += ["--metrics-url", replica.base]
             try:
-                ab_benchmark.main(argv)
+                result = ab_benchmark.main(argv)
+                if args.replicas > 1:
+                    result["router"] = router_record(args, server)
+                    out.write_text(json.dumps(result, indent=1) + "\n")
             except SystemExit as e:  # a point that cannot run does not end the sweep
                 print(f"{policy} jps={jps:g}: {e}", file=sys.stderr)
             finally:

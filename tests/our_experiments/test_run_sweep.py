@@ -65,7 +65,16 @@ def test_study_labels_compose_a_variant_with_a_tier_sized_from_the_pool():
 
 
 def _args(**kw) -> SimpleNamespace:
-    base = dict(engine="ours", identity="job_id", replicas=1, routing_policy="consistent_hash")
+    base = dict(
+        engine="ours",
+        identity="job_id",
+        replicas=1,
+        routing_policy="consistent_hash",
+        num_gpu_blocks=400,
+        program_config_json=None,
+        router_arg=[],
+        program_scheduling=None,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -76,6 +85,42 @@ def test_point_labels_name_the_identity_and_the_router():
     routed = _args(identity="x-session-id", replicas=2, routing_policy="round_robin")
     assert run_sweep.point_label(routed, "continuum") == "continuum+router2-round_robin"
     assert run_sweep.point_label(_args(engine="upstream"), "fcfs") == "upstream-fcfs"
+    program = _args(identity="program_id", replicas=2, routing_policy="program")
+    assert run_sweep.point_label(program, "fcfs") == "fcfs+router2-program"
+    pid = _args(identity="program_id", replicas=2, routing_policy="round_robin")
+    assert run_sweep.point_label(pid, "fcfs") == "fcfs+router2-round_robin-pid"
+    assert run_sweep.point_label(_args(identity="program_id"), "fcfs") == "fcfs+program_id"
+
+
+def test_program_routing_sizes_the_router_s_admission_by_each_replica_s_pool():
+    args = _args(identity="program_id", replicas=2, routing_policy="program")
+    config = run_sweep.program_config(args)
+    assert config["token_capacity_per_dp_rank"] == 400 * 16
+    assert config["program_scheduling_enable_key"] == "vllm_xargs.agentic_context"
+    args.program_config_json = {"global_queue": False, "binding_only": True}
+    config = run_sweep.program_config(args)
+    assert config["global_queue"] is False and config["binding_only"] is True
+    assert run_sweep.program_config(_args(replicas=2, routing_policy="round_robin")) is None
+
+
+def test_the_result_records_the_router_in_front():
+    args = _args(
+        identity="program_id",
+        replicas=2,
+        routing_policy="program",
+        router_arg=["--log-level", "debug"],
+        program_scheduling={"global_queue": True},
+    )
+    fleet = SimpleNamespace(router_args=["--policy", "consistent_hash", "--log-level", "debug"])
+    record = run_sweep.router_record(args, fleet)
+    assert record["router_args"] == fleet.router_args
+    assert record["extra_router_args"] == ["--log-level", "debug"]
+    assert record["program_scheduling"] == {"global_queue": True}
+    assert (record["replicas"], record["routing_policy"], record["identity"]) == (
+        2,
+        "program",
+        "program_id",
+    )
 
 
 @pytest.mark.parametrize(
@@ -84,9 +129,14 @@ def test_point_labels_name_the_identity_and_the_router():
         ["--replicas", "2"],  # job_id: the router would send every job to one replica
         ["--replicas", "2", "--identity", "x-session-id", "--engine", "upstream"],
         ["--replicas", "0"],
+        # The Program layer reads vllm_xargs.agentic_context: with the header alone no
+        # request would opt in.
+        ["--replicas", "2", "--identity", "x-session-id", "--routing-policy", "program"],
+        ["--replicas", "2", "--identity", "x-session-id", "--program-config-json", "{}"],
+        ["--router-arg=--log-level", "--router-arg=debug"],  # no router before one server
     ],
 )
-def test_router_points_need_the_session_identity(monkeypatch, tmp_path, argv):
+def test_router_points_need_a_router_identity(monkeypatch, tmp_path, argv):
     monkeypatch.setattr("sys.argv", ["run_sweep", "--results-dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit) as info:
         run_sweep.main()
