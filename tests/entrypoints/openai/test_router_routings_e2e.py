@@ -146,3 +146,36 @@ def test_cache_aware_routes_a_job_by_its_token_prefix(cache_aware_fleet):
     log = (log_dir / "router.log").read_text()
     assert "Cache prefix decision" in log
     assert "Prefix input preparation unavailable" not in log
+
+
+def test_ab_benchmark_reports_where_each_turn_ran(program_fleet, tmp_path):
+    # A smoke run of run_sweep's router point (a few jobs): the turns per replica come from
+    # the responses' x-vllm-instance, the counters from each replica's /metrics.
+    from our_experiments.scripts import ab_benchmark
+
+    argv = [
+        "--base-url", program_fleet.base,
+        "--policy", "continuum",
+        "--jps", "1.5",
+        "--duration", "2",
+        "--turns", "3",
+        "--max-tokens", "8",
+        "--seed", "3",
+        "--drain-timeout", "240",
+        "--identity", "program_id",
+        "--output", str(tmp_path / "r.json"),
+    ]  # fmt: skip
+    for replica in program_fleet.replicas:
+        argv += ["--metrics-url", replica.base]
+    summary = ab_benchmark.main(argv)
+    jobs = summary["num_jobs"]
+    assert jobs >= 1 and summary["num_failed"] == 0, summary["errors"]
+    assert summary["identity"] == "program_id"
+    assert sum(summary["turns_per_replica"].values()) == 3 * jobs
+    assert summary["turn_moves"] == 0 and summary["jobs_with_turn_moves"] == 0
+    rows = summary["replicas"]
+    assert [row["turns"] for row in rows] == [
+        summary["turns_per_replica"].get(row["instance"], 0) for row in rows
+    ]
+    assert sum(row["turns"] for row in rows) == 3 * jobs
+    assert sum(row["pins"] for row in rows) == summary["metrics"]["pins"] == 2 * jobs
