@@ -381,3 +381,24 @@ def test_the_session_identity_is_the_header_the_router_routes_by():
         "extra_headers": {"X-Session-ID": "job-7"},
         "extra_body": {"is_last_step": True},
     }
+
+
+def test_routing_table_shows_turns_pins_and_hits_per_replica():
+    def point(moves: int, rows: list[tuple[int, int, int]]) -> dict:
+        replicas = [
+            {"replica": i, "turns": t, "pins": p, "pin_hits": h, "preemptions": 0}
+            for i, (t, p, h) in enumerate(rows)
+        ]
+        return {"turn_moves": moves, "jobs_with_turn_moves": min(moves, 1), "replicas": replicas}
+
+    results = {
+        "continuum+router2-program": {0.08: point(0, [(48, 42, 36), (32, 28, 24)])},
+        "fcfs+router2-round_robin": {0.08: point(35, [(40, 0, 0), (40, 0, 0)])},
+        "continuum": {0.08: {"policy": "continuum"}},  # one server: not in this table
+    }
+    text = plot_jps_sweep.routing_table(results)
+    program = "| continuum+router2-program | 0.08 | 48 / 32 | 0 (0) | 42 / 28 | 36 / 24 | 0 / 0 |"
+    assert program in text
+    assert "| fcfs+router2-round_robin | 0.08 | 40 / 40 | 35 (1) |" in text
+    assert "| continuum | " not in text
+    assert plot_jps_sweep.routing_table({"continuum": {0.08: {}}}) == ""
