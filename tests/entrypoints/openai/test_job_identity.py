@@ -249,3 +249,7 @@ def test_render_returns_the_prompt_token_ids_for_the_router_s_cache_aware():
     wrong = json.dumps({"model": "other", "messages": MESSAGES}).encode()
     status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", wrong)
     assert status == 400 and json.loads(payload)["error"]["code"] == "model_not_found"
+    # Checked as for generation: the server's limits apply (here --max-stop-strings).
+    stops = json.dumps({"messages": MESSAGES, "stop": ["x"] * 33}).encode()
+    status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", stops)
+    assert status == 400 and json.loads(payload)["error"]["param"] == "stop"
