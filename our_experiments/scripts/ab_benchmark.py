@@ -13,6 +13,12 @@ hit rate, pin counters and KV usage scraped from /metrics during the run.
 --base-url takes the server's root or its OpenAI base URL (with or without /v1). The
 server's scheduling policy is whatever it was started with; --policy only labels the
 result. Targets loopback addresses only unless --allow-remote.
+
+Behind a router (one --metrics-url per replica) the result also says where the turns ran:
+each response names its server (the x-vllm-instance header, which vllm-router passes
+through), so "turns_per_replica", "turn_moves" (turns served by another replica than
+their job's previous turn), "jobs_with_turn_moves", and per replica ("replicas") its
+turns, prompt tokens, prefix hits, preemptions, pins and pin hits.
 """
 
 from __future__ import annotations
@@ -60,6 +66,16 @@ COUNTERS = {
     # The upstream plugin's name for the same counter before it took ours (older runs).
     "pin_pressure_releases": "vllm:pin_pressure_releases_total",
 }
+# Behind a router, these are also kept per replica (the result's "replicas").
+REPLICA_COUNTERS = (
+    "prompt_tokens",
+    "prefix_cache_hits",
+    "preemptions",
+    "pins",
+    "pin_hits",
+    "pin_expiries",
+    "pin_forced_releases",
+)
 # ContextServe's labelled counters (verdicts by class and layer, FAST pin outcomes,
 # regret), kept per label set in the result's "context_serve" field.
 CONTEXT_SERVE_PREFIX = "vllm:context_serve_"
@@ -96,6 +112,29 @@ def summed(samples: list[dict[str, float]]) -> dict[str, float]:
         for name, value in sample.items():
             out[name] = out.get(name, 0.0) + value
     return out
+
+
+def per_replica(
+    urls: list[str],
+    before_each: list[dict[str, float]],
+    after_each: list[dict[str, float]],
+    turns_per_replica: dict[str, int],
+) -> list[dict[str, float | int | str]]:
+    """One row per replica: the turns it served (its ``x-vllm-instance``, host:port, is the
+    netloc of its URL) and how its ``REPLICA_COUNTERS`` moved during the run."""
+    rows = []
+    for i, (url, before, after) in enumerate(zip(urls, before_each, after_each, strict=True)):
+        instance = urlparse(url).netloc
+        row: dict[str, float | int | str] = {
+            "replica": i,
+            "instance": instance,
+            "turns": turns_per_replica.get(instance, 0),
+        }
+        for key in REPLICA_COUNTERS:
+            name = COUNTERS[key]
+            row[key] = after.get(name, 0.0) - before.get(name, 0.0)
+        rows.append(row)
+    return rows
 
 
 class UsageSampler:
@@ -206,7 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--identity",
         choices=IDENTITIES,
         default="job_id",
-        help="how a turn names its job: extra_body job_id, or OpenAI's prompt_cache_key",
+        help="how a turn names its job: extra_body job_id, OpenAI's prompt_cache_key, the "
+        "X-Session-ID header, or program_id: vllm-router's Program identity "
+        "(vllm_xargs.agentic_context) plus that header",
     )
     ap.add_argument("--drain-timeout", type=float, default=600.0, help="after the last arrival")
     ap.add_argument("--sample-period", type=float, default=0.5, help="/metrics polling, s")
@@ -263,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         turns=args.turns if not args.trace else None,
         trace=repo_relative(args.trace) if args.trace else None,
         seed=args.seed,
+        identity=args.identity,
         tool_mix=args.tool_mix if not args.trace else None,
         wall_time_s=round(elapsed, 1),
         prefix_hit_rate=round(delta["prefix_cache_hits"] / q, 4) if q else None,
@@ -275,6 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
             a.get(COUNTERS["prompt_tokens"], 0.0) - b.get(COUNTERS["prompt_tokens"], 0.0)
             for a, b in zip(after_each, before_each, strict=True)
         ]
+        turns = out.get("turns_per_replica", {})
+        out["replicas"] = per_replica(urls, before_each, after_each, turns)
     text = json.dumps(out, indent=1)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -290,6 +334,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"pins {delta['pins']:.0f} / pin hits {delta['pin_hits']:.0f}, "
         f"KV usage max {out['kv_usage_max']}"
     )
+    if "turn_moves" in out:
+        print(
+            f"turns per replica {out['turns_per_replica']}, {out['turn_moves']} turns moved "
+            f"replica ({out['jobs_with_turn_moves']} jobs)"
+        )
     return out
 
 

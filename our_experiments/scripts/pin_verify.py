@@ -64,7 +64,7 @@ def verify(
             messages=messages,
             max_tokens=turn.max_tokens,
             temperature=0,
-            **identity_fields(identity, job.job_id, last),
+            **identity_fields(identity, job.job_id, last, i),
         )
         messages.append({"role": "assistant", "content": resp.choices[0].message.content})
         details = resp.usage.prompt_tokens_details

@@ -8,7 +8,9 @@ there:
 - `per_turn_latency.png`: average latency per turn, bars per policy, one panel per JPS;
 - `overload.png` (when the results carry the overload fields): jobs finished inside the
   window and the all-jobs average job time (a lower bound) vs JPS, one line per policy.
-It prints (and writes to `table.md`) the policy x JPS table used in docs/experiments.md.
+It prints (and writes to `table.md`) the policy x JPS table used in docs/experiments.md;
+for points behind a router (docs/router.md) also where the turns ran: turns, pins and pin
+hits per replica, and the turns that moved to another replica than their job's previous one.
 
     .venv/bin/python our_experiments/scripts/plot_jps_sweep.py --machine cpu-2core
 """
@@ -99,6 +101,31 @@ def overload_table(results: dict[str, dict[float, dict]]) -> str:
                 f"| {'-' if computed is None else f'{computed / 1e3:.0f}k'} "
                 f"| {m.get('preemptions', 0):.0f} | {m.get('pins', 0):.0f} / "
                 f"{m.get('pin_hits', 0):.0f} / {m.get('pin_forced_releases', 0):.0f} |"
+            )
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def routing_table(results: dict[str, dict[float, dict]]) -> str:
+    """Points behind a router: per replica (in replica order, "/"-separated) the turns it
+    served, its pins and pin hits; the turns that moved replica and the jobs with any."""
+    head = (
+        "| point | JPS | turns per replica | turn moves (jobs) | pins per replica "
+        "| pin hits per replica | preempt per replica |"
+    )
+    rows = [head, "|" + "---|" * 7]
+    for jps in sorted({j for by in results.values() for j in by}):
+        for label in sorted(results):
+            r = results[label].get(jps)
+            if r is None or "replicas" not in r:
+                continue  # one server, or a result written before these fields existed
+
+            def each(key: str, r=r) -> str:
+                return " / ".join(f"{row[key]:.0f}" for row in r["replicas"])
+
+            rows.append(
+                f"| {label} | {jps:g} | {each('turns')} "
+                f"| {r.get('turn_moves', '-')} ({r.get('jobs_with_turn_moves', '-')}) "
+                f"| {each('pins')} | {each('pin_hits')} | {each('preemptions')} |"
             )
     return "\n".join(rows) if len(rows) > 2 else ""
 
@@ -225,6 +252,9 @@ def main() -> None:
     if overload:
         text += "\n\nOverload view (unfinished jobs counted until the window's end):\n\n"
         text += overload
+    routing = routing_table(results)
+    if routing:
+        text += "\n\nWhere the turns ran (replicas behind the router):\n\n" + routing
     (folder / "table.md").write_text(text + "\n")
     print(text)
     for path in plot(results, folder, args.title or folder.name):

@@ -15,14 +15,25 @@ blocks of 32 tokens (its CPU attention needs multiples of 32), the same step bud
 the job-fields middleware; results are named ``upstream-<policy>_jps<jps>.json``.
 
 ``--replicas N`` (N > 1) serves each point from N replicas behind vllm-router
-(``vllm.benchmarks.router.ReplicaSet``, docs/router.md) with ``--routing-policy``: still one
-fresh start per point (N servers, one router), each replica with ``--num-gpu-blocks``
-blocks and one CPU thread. Jobs name themselves by the ``X-Session-ID`` header (``--identity
-x-session-id``, required), which the router routes by and each replica pins by; the
-counters are summed over the replicas. Results: ``<policy>+router<N>-<routing>_jps<jps>.json``.
+(``vllm.benchmarks.router.ReplicaSet``, docs/router.md) with each ``--routing-policy``
+(several are interleaved at each load): still one fresh start per point (N servers, one
+router), each replica with ``--num-gpu-blocks`` blocks and one CPU thread. Jobs name
+themselves by the ``X-Session-ID`` header (``--identity x-session-id``), which the router
+routes by and each replica pins by, or also by the
+router's Program identity (``--identity program_id``, required by ``--routing-policy
+program``: the router's Program layer, ``--enable-program-scheduling``, over
+consistent_hash, configured by ``program_scheduling_config`` with each replica's pool as its
+token capacity, keys replaced by ``--program-config-json``). ``--router-arg`` passes more
+flags to the router. The counters are summed over the replicas; the result also says which
+replica served each turn (turns per replica, turns that moved replica) and each replica's
+counters, and records the router's arguments ("router"). Results:
+``<policy>+router<N>-<routing>_jps<jps>.json``.
 
     .venv/bin/python our_experiments/scripts/run_sweep.py --policies fcfs continuum \
         --replicas 2 --routing-policy consistent_hash --identity x-session-id --jps 0.04
+    .venv/bin/python our_experiments/scripts/run_sweep.py --policies fcfs continuum \
+        --replicas 2 --routing-policy consistent_hash round_robin cache_aware program \
+        --identity program_id --jps 0.04 0.08 0.12
 """
 
 from __future__ import annotations
@@ -42,7 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from our_experiments.scripts import ab_benchmark  # noqa: E402
 from our_experiments.scripts.workload import IDENTITIES, ROOT, TOOL_MIXES, repo_relative  # noqa: E402
-from vllm.benchmarks.router import ROUTING_POLICIES, ReplicaSet  # noqa: E402
+from vllm.benchmarks.router import (  # noqa: E402
+    FAST_FAILOVER,
+    PROGRAM_ROUTING,
+    ROUTINGS,
+    ReplicaSet,
+    program_scheduling_config,
+)
 from vllm.benchmarks.server import RemoteServer  # noqa: E402
 from vllm.benchmarks.upstream_server import (  # noqa: E402
     DEFAULT_VENV,
@@ -82,6 +99,8 @@ ADMISSION_SUFFIX = re.compile(r"-(no)?admission$")
 # e.g. "fcfs+offload4x" or "continuum-admission+offload16x".
 OFFLOAD_SUFFIX = re.compile(r"\+offload(\d+)x$")
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 x 64, fp32
+BLOCK_TOKENS = 16  # the server's default --block-size
+ROUTER_IDENTITIES = ("x-session-id", "program_id")  # what the router can route by
 
 
 UPSTREAM_PREFIX = "upstream-"
@@ -156,29 +175,63 @@ def write_config(args, out_dir: Path) -> Path:
     return path
 
 
-def point_label(args, policy: str) -> str:
+def point_label(args, policy: str, routing: str | None = None) -> str:
     """A point's result name without the load: the policy, its engine, how jobs are named
-    and, behind the router, how many replicas and which routing."""
+    and, behind the router, how many replicas and which ``routing``."""
     label = policy if args.engine == "ours" else UPSTREAM_PREFIX + policy
     if args.identity == "prompt_cache_key":
         label += "+key"
     elif args.identity == "x-session-id" and args.replicas == 1:
         label += "+session"
+    elif args.identity == "program_id" and args.replicas == 1:
+        label += "+program_id"
     if args.replicas > 1:
-        label += f"+router{args.replicas}-{args.routing_policy}"
+        label += f"+router{args.replicas}-{routing}"
+        if args.identity == "program_id" and routing != PROGRAM_ROUTING:
+            label += "-pid"  # program routing implies it; the others default to the header
     return label
 
 
-def start_point(args, policy: str, log: Path):
+def routings(args) -> list[str | None]:
+    """The routings of a sweep: ``--routing-policy`` behind a router, else none."""
+    return list(args.routing_policy) if args.replicas > 1 else [None]
+
+
+def program_config(args) -> dict | None:
+    """The router's Program-scheduling config of a sweep with ``--routing-policy program``:
+    each replica's pool (``--num-gpu-blocks`` blocks of 16 tokens) as its token capacity."""
+    if PROGRAM_ROUTING not in routings(args):
+        return None
+    return program_scheduling_config(
+        args.num_gpu_blocks * BLOCK_TOKENS, overrides=args.program_config_json
+    )
+
+
+def router_record(args, routing: str, fleet) -> dict:
+    """What the result JSON records of the router in front of a point."""
+    return {
+        "replicas": args.replicas,
+        "routing_policy": routing,
+        "identity": args.identity,
+        "router_args": fleet.router_args,
+        "extra_router_args": args.router_arg,
+        "program_scheduling": args.program_scheduling if routing == PROGRAM_ROUTING else None,
+        "fast_failover": list(FAST_FAILOVER),
+    }
+
+
+def start_point(args, policy: str, log: Path, routing: str | None = None):
     """The fresh server(s) of one point: ``.base`` to send to, ``.stop()``."""
     if args.engine == "upstream":
         return UpstreamServer(args.upstream_venv, upstream_server_args(args, policy), log)
-    if args.replicas > 1:
+    if routing is not None:
         return ReplicaSet(
             args.replicas,
             server_args(args, policy),
-            policy=args.routing_policy,
+            policy=routing,
+            router_args=args.router_arg,
             log_dir=str(log.with_suffix("")),
+            program_config=args.program_scheduling if routing == PROGRAM_ROUTING else None,
         )
     return RemoteServer(*server_args(args, policy), log_path=str(log))
 
@@ -200,7 +253,7 @@ def bench_args(args, base_url: str, policy: str, jps: float, out: Path) -> list[
     return argv + (["--trace", str(args.trace)] if args.trace else [])
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -228,13 +281,36 @@ def main() -> None:
         help="replicas behind vllm-router per point (1: one server, no router); the KV "
         "pool (--num-gpu-blocks) is per replica",
     )
-    ap.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="consistent_hash")
+    ap.add_argument(
+        "--routing-policy",
+        nargs="+",
+        choices=ROUTINGS,
+        default=["consistent_hash"],
+        help="the router's --policy, or program: its Program layer "
+        "(--enable-program-scheduling) over consistent_hash; several are interleaved at "
+        "each load, as --policies are",
+    )
+    ap.add_argument(
+        "--program-config-json",
+        type=json.loads,
+        default=None,
+        help="with --routing-policy program: keys replacing those of our Program-scheduling "
+        "config (vllm.benchmarks.router.program_scheduling_config), as a JSON object",
+    )
+    ap.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="one more vllm-router argument, recorded in the results (repeat: "
+        "--router-arg=--cache-threshold --router-arg=0.9)",
+    )
     ap.add_argument(
         "--identity",
         choices=IDENTITIES,
         default="job_id",
-        help="how turns name their job: extra_body job_id, or OpenAI's prompt_cache_key "
-        "(its results are labelled <policy>+key)",
+        help="how turns name their job: extra_body job_id, OpenAI's prompt_cache_key (results "
+        "labelled <policy>+key), the X-Session-ID header, or program_id: the router's "
+        "Program identity (vllm_xargs.agentic_context) plus that header",
     )
     ap.add_argument(
         "--upstream-venv",
@@ -242,37 +318,63 @@ def main() -> None:
         default=DEFAULT_VENV,
         help="virtualenv with upstream vLLM and our plugin (make setup-upstream)",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Refuse (``ap.error``) what cannot run, before any point starts."""
     if args.replicas < 1:
         ap.error(f"--replicas must be at least 1, got {args.replicas}")
-    if args.replicas > 1 and (args.engine != "ours" or args.identity != "x-session-id"):
+    if args.replicas > 1 and (args.engine != "ours" or args.identity not in ROUTER_IDENTITIES):
         # The router hashes no body field of a chat request: with job_id or
         # prompt_cache_key alone every job would land on one replica.
-        ap.error("--replicas > 1 needs --engine ours and --identity x-session-id")
+        ap.error("--replicas > 1 needs --engine ours and --identity x-session-id or program_id")
+    if PROGRAM_ROUTING in routings(args):
+        if args.identity != "program_id":  # else no request opts in to the Program layer
+            ap.error("--routing-policy program needs --identity program_id")
+    elif args.program_config_json is not None:
+        ap.error("--program-config-json needs --replicas > 1 and --routing-policy program")
+    if args.router_arg and args.replicas == 1:
+        ap.error("--router-arg needs --replicas > 1 (no router in front of one server)")
     if args.engine == "upstream":
-        upstream_python(args.upstream_venv)  # fail before any point runs
+        upstream_python(args.upstream_venv)
 
+
+def run_point(args, out_dir: Path, policy: str, jps: float, routing: str | None) -> None:
+    """One point: fresh server(s), the workload, the result JSON (skipped if it exists)."""
+    label = point_label(args, policy, routing)
+    out = result_path(out_dir, label, jps)
+    if out.exists() and not args.force:
+        print(f"skip {out.name} (exists)")
+        return
+    log = out_dir / "logs" / f"{label}_jps{jps:g}.log"
+    server = start_point(args, policy, log, routing)
+    argv = bench_args(args, server.base, label, jps, out)
+    for replica in getattr(server, "replicas", ()):
+        argv += ["--metrics-url", replica.base]
+    try:
+        result = ab_benchmark.main(argv)
+        if routing is not None:
+            result["router"] = router_record(args, routing, server)
+            out.write_text(json.dumps(result, indent=1) + "\n")
+    except SystemExit as e:  # a point that cannot run does not end the sweep
+        print(f"{label} jps={jps:g}: {e}", file=sys.stderr)
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    ap = make_parser()
+    args = ap.parse_args()
+    check_args(ap, args)
+    args.program_scheduling = program_config(args)  # recorded in sweep_config too
     out_dir = args.results_dir / (args.machine or default_machine())
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     write_config(args, out_dir)
-    for jps in args.jps:
-        for policy in args.policies:
-            label = point_label(args, policy)
-            out = result_path(out_dir, label, jps)
-            if out.exists() and not args.force:
-                print(f"skip {out.name} (exists)")
-                continue
-            log = out_dir / "logs" / f"{label}_jps{jps:g}.log"
-            server = start_point(args, policy, log)
-            argv = bench_args(args, server.base, label, jps, out)
-            for replica in getattr(server, "replicas", ()):
-                argv += ["--metrics-url", replica.base]
-            try:
-                ab_benchmark.main(argv)
-            except SystemExit as e:  # a point that cannot run does not end the sweep
-                print(f"{policy} jps={jps:g}: {e}", file=sys.stderr)
-            finally:
-                server.stop()
+    for jps in args.jps:  # routings and policies interleaved at each load
+        for routing in routings(args):
+            for policy in args.policies:
+                run_point(args, out_dir, policy, jps, routing)
 
 
 if __name__ == "__main__":

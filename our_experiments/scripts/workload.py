@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm.benchmarks.utils import percentile
+from vllm.entrypoints.utils import INSTANCE_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 CORPUS_PATH = ROOT / "our_experiments" / "corpus" / "tool_outputs.json"
@@ -323,6 +324,7 @@ class TurnResult:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    replica: str | None = None  # the server that answered (its x-vllm-instance header)
 
 
 @dataclass
@@ -358,17 +360,31 @@ def answer_text(message) -> str:
     return message.content or ""
 
 
-IDENTITIES = ("job_id", "prompt_cache_key", "x-session-id")
+IDENTITIES = ("job_id", "prompt_cache_key", "x-session-id", "program_id")
 
 
-def identity_fields(identity: str, job_id: str, last: bool) -> dict[str, Any]:
-    """The request fields that name a turn's job: our ``job_id`` in ``extra_body``, the
-    OpenAI API's own ``prompt_cache_key`` (what an unmodified agent sends), or the
-    ``X-Session-ID`` header (what vllm-router's consistent_hash routes by; the replica
-    names the job by it too, docs/router.md); the last turn is marked with
-    ``is_last_step`` either way."""
+def identity_fields(identity: str, job_id: str, last: bool, step: int = 0) -> dict[str, Any]:
+    """The request fields that name turn ``step`` of a job: our ``job_id`` in
+    ``extra_body``, the OpenAI API's own ``prompt_cache_key`` (what an unmodified agent
+    sends), the ``X-Session-ID`` header (what vllm-router's consistent_hash routes by; the
+    replica names the job by it too, docs/router.md), or ``program_id``: the router's
+    Program identity (``vllm_xargs.agentic_context``, read by its
+    ``--enable-program-scheduling``; ``expected_resume`` false on the last turn) plus the
+    same header, so every routing policy sees the same requests. The last turn is marked
+    with ``is_last_step`` in every case."""
     if identity == "x-session-id":
         return {"extra_headers": {"X-Session-ID": job_id}, "extra_body": {"is_last_step": last}}
+    if identity == "program_id":
+        context = {
+            "program_id": job_id,
+            "session_id": job_id,  # also the Program's task: one lead agent per job
+            "step_id": step,
+            "expected_resume": not last,
+        }
+        return {
+            "extra_headers": {"X-Session-ID": job_id},
+            "extra_body": {"vllm_xargs": {"agentic_context": context}, "is_last_step": last},
+        }
     if identity == "prompt_cache_key":
         return {"prompt_cache_key": job_id, "extra_body": {"is_last_step": last}}
     if identity == "job_id":
@@ -376,11 +392,19 @@ def identity_fields(identity: str, job_id: str, last: bool) -> dict[str, Any]:
     raise ValueError(f"identity must be one of {IDENTITIES}, got {identity!r}")
 
 
+async def chat_turn(client, **request: Any) -> tuple[Any, str | None]:
+    """One chat completion and the server that answered it (``INSTANCE_HEADER``; None if
+    the server does not say)."""
+    raw = await client.chat.completions.with_raw_response.create(**request)
+    return raw.parse(), raw.headers.get(INSTANCE_HEADER)
+
+
 async def run_job(
     client, model: str, job: JobSpec, request_timeout_s: float, identity: str = "job_id"
 ) -> JobResult:
     """Play one job against an OpenAI-compatible ``client`` (``openai.AsyncOpenAI``),
-    naming its job by ``identity`` (``identity_fields``)."""
+    naming its job by ``identity`` (``identity_fields``); each turn records the replica
+    that served it."""
     result = JobResult(job.job_id)
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT}]
     start = time.monotonic()
@@ -388,13 +412,14 @@ async def run_job(
         for i, turn in enumerate(job.turns):
             messages.append({"role": "user", "content": turn.user_content})
             sent = time.monotonic()
-            resp = await asyncio.wait_for(
-                client.chat.completions.create(
+            resp, replica = await asyncio.wait_for(
+                chat_turn(
+                    client,
                     model=model,
                     messages=list(messages),
                     max_tokens=turn.max_tokens,
                     temperature=0,
-                    **identity_fields(identity, job.job_id, i == len(job.turns) - 1),
+                    **identity_fields(identity, job.job_id, i == len(job.turns) - 1, i),
                     **shell_tool_call(turn.command),
                 ),
                 request_timeout_s,
@@ -407,6 +432,7 @@ async def run_job(
                     usage.prompt_tokens,
                     (getattr(details, "cached_tokens", 0) or 0) if details else 0,
                     usage.completion_tokens,
+                    replica,
                 )
             )
             messages.append({"role": "assistant", "content": answer_text(resp.choices[0].message)})
@@ -416,6 +442,36 @@ async def run_job(
         result.error = f"{type(e).__name__}: {e}"[:300]
     result.duration_s = time.monotonic() - start
     return result
+
+
+def turn_moves(replicas: list[str | None]) -> int:
+    """How many of a job's turns a different replica served than its previous turn (a
+    turn whose replica is unknown is compared with neither neighbour)."""
+    pairs = zip(replicas, replicas[1:], strict=False)
+    return sum(a is not None and b is not None and a != b for a, b in pairs)
+
+
+def routing_summary(results: list[JobResult]) -> dict[str, Any]:
+    """Where the turns ran, from each turn's replica (behind a router): turns per replica,
+    the turns that moved to another replica than their job's previous turn, and the jobs
+    with any such move. Empty when no turn knows its replica (one server that does not
+    name itself)."""
+    served: dict[str, int] = {}
+    moves: dict[str, int] = {}
+    for r in results:
+        replicas = [t.replica for t in r.turns]
+        for replica in replicas:
+            if replica is not None:
+                served[replica] = served.get(replica, 0) + 1
+        moves[r.job_id] = turn_moves(replicas)
+    if not served:
+        return {}
+    return {
+        "turns_per_replica": dict(sorted(served.items())),
+        "turn_moves": sum(moves.values()),
+        "jobs_with_turn_moves": sum(n > 0 for n in moves.values()),
+        "job_turn_moves": {job: n for job, n in sorted(moves.items()) if n},
+    }
 
 
 def summarize(
@@ -459,4 +515,5 @@ def summarize(
         "goodput_jobs_per_min": round(len(done) / window_s * 60, 3) if window_s else None,
         "avg_duration_all_s": round(statistics.mean(all_durations), 3) if results else None,
         "p95_duration_all_s": round(percentile(all_durations, 95), 3) if results else None,
+        **routing_summary(results),
     }

@@ -65,7 +65,16 @@ def test_study_labels_compose_a_variant_with_a_tier_sized_from_the_pool():
 
 
 def _args(**kw) -> SimpleNamespace:
-    base = dict(engine="ours", identity="job_id", replicas=1, routing_policy="consistent_hash")
+    base = dict(
+        engine="ours",
+        identity="job_id",
+        replicas=1,
+        routing_policy=["consistent_hash"],
+        num_gpu_blocks=400,
+        program_config_json=None,
+        router_arg=[],
+        program_scheduling=None,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -73,9 +82,54 @@ def test_point_labels_name_the_identity_and_the_router():
     assert run_sweep.point_label(_args(), "continuum") == "continuum"
     assert run_sweep.point_label(_args(identity="prompt_cache_key"), "fcfs") == "fcfs+key"
     assert run_sweep.point_label(_args(identity="x-session-id"), "fcfs") == "fcfs+session"
-    routed = _args(identity="x-session-id", replicas=2, routing_policy="round_robin")
-    assert run_sweep.point_label(routed, "continuum") == "continuum+router2-round_robin"
+    routed = _args(identity="x-session-id", replicas=2)
+    label = run_sweep.point_label(routed, "continuum", "round_robin")
+    assert label == "continuum+router2-round_robin"
     assert run_sweep.point_label(_args(engine="upstream"), "fcfs") == "upstream-fcfs"
+    program = _args(identity="program_id", replicas=2)
+    assert run_sweep.point_label(program, "fcfs", "program") == "fcfs+router2-program"
+    # The same requests under another routing: labelled apart from the header-only runs.
+    assert run_sweep.point_label(program, "fcfs", "round_robin") == "fcfs+router2-round_robin-pid"
+    assert run_sweep.point_label(_args(identity="program_id"), "fcfs") == "fcfs+program_id"
+
+
+def test_several_routings_behind_a_router_none_before_one_server():
+    many = ["consistent_hash", "round_robin", "cache_aware", "program"]
+    assert run_sweep.routings(_args(replicas=2, routing_policy=many)) == many
+    assert run_sweep.routings(_args(routing_policy=many)) == [None]
+
+
+def test_program_routing_sizes_the_router_s_admission_by_each_replica_s_pool():
+    args = _args(identity="program_id", replicas=2, routing_policy=["round_robin", "program"])
+    config = run_sweep.program_config(args)
+    assert config["token_capacity_per_dp_rank"] == 400 * 16
+    assert config["program_scheduling_enable_key"] == "vllm_xargs.agentic_context"
+    args.program_config_json = {"global_queue": False, "binding_only": True}
+    config = run_sweep.program_config(args)
+    assert config["global_queue"] is False and config["binding_only"] is True
+    assert run_sweep.program_config(_args(replicas=2, routing_policy=["round_robin"])) is None
+    assert run_sweep.program_config(_args(routing_policy=["program"])) is None  # no router
+
+
+def test_the_result_records_the_router_in_front():
+    args = _args(
+        identity="program_id",
+        replicas=2,
+        routing_policy=["cache_aware", "program"],
+        router_arg=["--log-level", "debug"],
+        program_scheduling={"global_queue": True},
+    )
+    fleet = SimpleNamespace(router_args=["--policy", "consistent_hash", "--log-level", "debug"])
+    assert run_sweep.router_record(args, "cache_aware", fleet)["program_scheduling"] is None
+    record = run_sweep.router_record(args, "program", fleet)
+    assert record["router_args"] == fleet.router_args
+    assert record["extra_router_args"] == ["--log-level", "debug"]
+    assert record["program_scheduling"] == {"global_queue": True}
+    assert (record["replicas"], record["routing_policy"], record["identity"]) == (
+        2,
+        "program",
+        "program_id",
+    )
 
 
 @pytest.mark.parametrize(
@@ -84,10 +138,42 @@ def test_point_labels_name_the_identity_and_the_router():
         ["--replicas", "2"],  # job_id: the router would send every job to one replica
         ["--replicas", "2", "--identity", "x-session-id", "--engine", "upstream"],
         ["--replicas", "0"],
+        # The Program layer reads vllm_xargs.agentic_context: with the header alone no
+        # request would opt in.
+        ["--replicas", "2", "--identity", "x-session-id", "--routing-policy", "program"],
+        ["--replicas", "2", "--identity", "x-session-id", "--routing-policy", "random", "program"],
+        ["--replicas", "2", "--identity", "x-session-id", "--program-config-json", "{}"],
+        ["--router-arg=--log-level", "--router-arg=debug"],  # no router before one server
     ],
 )
-def test_router_points_need_the_session_identity(monkeypatch, tmp_path, argv):
+def test_router_points_need_a_router_identity(monkeypatch, tmp_path, argv):
     monkeypatch.setattr("sys.argv", ["run_sweep", "--results-dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit) as info:
         run_sweep.main()
     assert info.value.code == 2 and not any(tmp_path.iterdir())  # refused before any point
+
+
+def test_routings_and_policies_are_interleaved_at_each_load(monkeypatch, tmp_path):
+    calls = []
+
+    def run_point(args, out_dir, policy, jps, routing):
+        calls.append((jps, routing, policy))
+
+    monkeypatch.setattr(run_sweep, "run_point", run_point)
+    argv = ["--results-dir", str(tmp_path), "--machine", "m", "--replicas", "2"]
+    argv += ["--identity", "program_id", "--routing-policy", "round_robin", "program"]
+    argv += ["--policies", "fcfs", "continuum", "--jps", "0.04", "0.08"]
+    argv += ["--router-arg=--log-level", "--router-arg=debug"]
+    monkeypatch.setattr("sys.argv", ["run_sweep", *argv])
+    run_sweep.main()
+    assert calls[:4] == [
+        (0.04, "round_robin", "fcfs"),
+        (0.04, "round_robin", "continuum"),
+        (0.04, "program", "fcfs"),
+        (0.04, "program", "continuum"),
+    ]
+    assert len(calls) == 8 and calls[4][0] == 0.08
+    config = json.loads((tmp_path / "m" / "sweep_config.json").read_text())
+    assert config["routing_policy"] == ["round_robin", "program"]
+    assert config["router_arg"] == ["--log-level", "debug"]
+    assert config["program_scheduling"]["token_capacity_per_dp_rank"] == 400 * 16

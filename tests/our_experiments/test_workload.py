@@ -17,15 +17,19 @@ from our_experiments.scripts.workload import (
     TOOL_TABLE,
     JobResult,
     TurnResult,
+    identity_fields,
     load_corpus,
     load_trace,
     make_job,
     poisson_arrivals,
+    routing_summary,
     run_job,
     shell_tool_call,
     summarize,
     synthetic_jobs,
+    turn_moves,
 )
+from vllm.entrypoints.utils import INSTANCE_HEADER
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +87,19 @@ def test_synthetic_jobs_are_bounded_and_reproducible(corpus):
 
 
 class FakeCompletions:
-    """Records what an agent sends; answers with a numbered bash command."""
+    """Records what an agent sends; answers with a numbered bash command, from the server
+    ``replicas[i]`` for call ``i`` (``INSTANCE_HEADER``; none if not given)."""
 
-    def __init__(self, fail_on: int | None = None) -> None:
+    def __init__(self, fail_on: int | None = None, replicas: list[str] | None = None) -> None:
         self.calls: list[dict] = []
         self.fail_on = fail_on
+        self.replicas = replicas
+        self.with_raw_response = SimpleNamespace(create=self._raw)
+
+    async def _raw(self, **kw):
+        resp = await self.create(**kw)
+        headers = {INSTANCE_HEADER: self.replicas[len(self.calls) - 1]} if self.replicas else {}
+        return SimpleNamespace(parse=lambda: resp, headers=headers)
 
     async def create(self, **kw):
         self.calls.append(kw)
@@ -128,6 +140,77 @@ def test_run_job_grows_the_context_and_marks_only_the_last_step(corpus):
         assert cur[len(prev) + 1] == {"role": "user", "content": job.turns[i].user_content}
     assert calls[0]["messages"][0]["role"] == "system" and calls[0]["max_tokens"] == 24
     assert [t.prompt_tokens for t in result.turns] == sorted(t.prompt_tokens for t in result.turns)
+
+
+def test_run_job_records_the_replica_of_each_turn_and_the_program_steps(corpus):
+    completions = FakeCompletions(replicas=["127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:2"])
+    client = SimpleNamespace(chat=SimpleNamespace(completions=completions))
+    job = _fast(make_job("job_p", 0, 3, 8, corpus, random.Random(0)))
+    result = asyncio.run(run_job(client, "m", job, request_timeout_s=5, identity="program_id"))
+    assert [t.replica for t in result.turns] == ["127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:2"]
+    contexts = [c["extra_body"]["vllm_xargs"]["agentic_context"] for c in completions.calls]
+    assert [(c["step_id"], c["expected_resume"]) for c in contexts] == [
+        (0, True),
+        (1, True),
+        (2, False),
+    ]
+    assert routing_summary([result])["turn_moves"] == 1
+
+
+def test_the_program_identity_is_what_the_router_s_program_layer_reads():
+    # vllm-router's --enable-program-scheduling admits, pauses and binds a Program per
+    # vllm_xargs.agentic_context.program_id; expected_resume false: its last request.
+    assert identity_fields("program_id", "job-7", last=False, step=2) == {
+        "extra_headers": {"X-Session-ID": "job-7"},
+        "extra_body": {
+            "vllm_xargs": {
+                "agentic_context": {
+                    "program_id": "job-7",
+                    "session_id": "job-7",
+                    "step_id": 2,
+                    "expected_resume": True,
+                }
+            },
+            "is_last_step": False,
+        },
+    }
+    last = identity_fields("program_id", "job-7", last=True, step=7)["extra_body"]
+    assert last["vllm_xargs"]["agentic_context"]["expected_resume"] is False
+    assert last["is_last_step"] is True
+
+
+@pytest.mark.parametrize(
+    "replicas, moves",
+    [
+        ([], 0),
+        (["a"], 0),
+        (["a", "a", "a"], 0),
+        (["a", "b", "b", "a"], 2),  # each change of replica is one move
+        (["a", None, "b"], 0),  # an unknown turn is compared with neither neighbour
+        (["a", "b", None, "b"], 1),
+    ],
+)
+def test_turn_moves_count_the_turns_served_elsewhere_than_the_previous(replicas, moves):
+    assert turn_moves(replicas) == moves
+
+
+def _routed(job_id: str, replicas: list[str | None], error: str | None = None) -> JobResult:
+    turns = [TurnResult(1.0, 10, 0, 1, replica) for replica in replicas]
+    return JobResult(job_id, 1.0, turns, error)
+
+
+def test_the_summary_reports_turn_moves_and_turns_per_replica():
+    results = [
+        _routed("j1", ["r0", "r0", "r0"]),
+        _routed("j2", ["r1", "r0", "r1"]),  # two moves
+        _routed("j3", ["r1", "r0"], error="timeout: x"),  # a failed job's turns count too
+    ]
+    s = summarize("fcfs", 0.1, results)
+    assert s["turns_per_replica"] == {"r0": 5, "r1": 3}
+    assert s["turn_moves"] == 3 and s["jobs_with_turn_moves"] == 2
+    assert s["job_turn_moves"] == {"j2": 2, "j3": 1}
+    # One server that does not name itself: no routing fields at all.
+    assert "turn_moves" not in summarize("fcfs", 0.1, [_routed("j", [None, None])])
 
 
 def test_run_job_reports_a_failure_instead_of_raising(corpus):
@@ -298,3 +381,24 @@ def test_the_session_identity_is_the_header_the_router_routes_by():
         "extra_headers": {"X-Session-ID": "job-7"},
         "extra_body": {"is_last_step": True},
     }
+
+
+def test_routing_table_shows_turns_pins_and_hits_per_replica():
+    def point(moves: int, rows: list[tuple[int, int, int]]) -> dict:
+        replicas = [
+            {"replica": i, "turns": t, "pins": p, "pin_hits": h, "preemptions": 0}
+            for i, (t, p, h) in enumerate(rows)
+        ]
+        return {"turn_moves": moves, "jobs_with_turn_moves": min(moves, 1), "replicas": replicas}
+
+    results = {
+        "continuum+router2-program": {0.08: point(0, [(48, 42, 36), (32, 28, 24)])},
+        "fcfs+router2-round_robin": {0.08: point(35, [(40, 0, 0), (40, 0, 0)])},
+        "continuum": {0.08: {"policy": "continuum"}},  # one server: not in this table
+    }
+    text = plot_jps_sweep.routing_table(results)
+    program = "| continuum+router2-program | 0.08 | 48 / 32 | 0 (0) | 42 / 28 | 36 / 24 | 0 / 0 |"
+    assert program in text
+    assert "| fcfs+router2-round_robin | 0.08 | 40 / 40 | 35 (1) |" in text
+    assert "| continuum | " not in text
+    assert plot_jps_sweep.routing_table({"continuum": {0.08: {}}}) == ""

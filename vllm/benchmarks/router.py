@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,10 @@ ROUTING_POLICIES = (
     "kv_aware",
     "sticky_least_loaded",
 )
+# Not a --policy of the router: its Program layer (--enable-program-scheduling) in front of
+# consistent_hash, which then routes only the requests without a Program identity.
+PROGRAM_ROUTING = "program"
+ROUTINGS = (*ROUTING_POLICIES, PROGRAM_ROUTING)
 # A replica killed mid-run must cost its jobs seconds, not the router's defaults (a
 # health check every 60 s, 3 failures to mark it down): a request to it is retried and,
 # once its circuit opens after 3 failures, re-hashed onto the healthy replicas.
@@ -51,17 +56,71 @@ FAST_FAILOVER = (
 )  # fmt: skip
 
 
+def program_scheduling_config(
+    token_capacity: int | None = None, overrides: dict | None = None
+) -> dict:
+    """Our choice of vllm-router's Program-scheduling config (its
+    ``--program-scheduling-config-json``; the schema is ``ProgramSchedulingConfig`` in its
+    ``src/config/types.rs``, unknown keys ignored, omitted keys at its defaults).
+
+    Requests opt in by ``vllm_xargs.agentic_context`` (the default key); a new Program is
+    bound by consistent hash (the same key as the ``consistent_hash`` policy when the
+    request carries ``X-Session-ID``); ``global_queue`` on (its docs' recommended mode: a
+    paused Program resumes on its previous replica first, elsewhere only if the capacity
+    checks allow it); ``token_capacity`` (a replica's KV pool in tokens) turns on its
+    token-based admission, without it only ``max_active_programs_per_target`` (64)
+    bounds a replica. ``overrides`` replace any key."""
+    config: dict = {
+        "program_scheduling_enable_key": "vllm_xargs.agentic_context",
+        "binding_strategy": "consistent_hash",
+        "global_queue": True,
+        "resume_order": "mru",
+        "metrics_interval_seconds": 1.0,
+    }
+    if token_capacity is not None:
+        config["token_capacity_per_dp_rank"] = token_capacity
+    config.update(overrides or {})
+    return config
+
+
+def program_scheduling_args(config: dict) -> list[str]:
+    """The router flags that turn the Program layer on with ``config``."""
+    compact = json.dumps(config, separators=(",", ":"), sort_keys=True)
+    return ["--enable-program-scheduling", "--program-scheduling-config-json", compact]
+
+
+def router_flags(
+    policy: str, router_args: Sequence[str] = (), program_config: dict | None = None
+) -> list[str]:
+    """The router's flags beyond its URLs and ports: ``--policy``, ``FAST_FAILOVER``, the
+    Program layer for ``policy`` ``"program"`` (``program_config``, default
+    ``program_scheduling_config()``), then ``router_args`` (which win: later flags
+    replace earlier ones)."""
+    if policy not in ROUTINGS:
+        raise ValueError(f"policy must be one of {ROUTINGS}, got {policy!r}")
+    if program_config is not None and policy != PROGRAM_ROUTING:
+        raise ValueError(f"program_config is for policy {PROGRAM_ROUTING!r}, not {policy!r}")
+    program: list[str] = []
+    if policy == PROGRAM_ROUTING:
+        program = program_scheduling_args(program_config or program_scheduling_config())
+        policy = "consistent_hash"  # routes what carries no Program identity
+    return ["--policy", policy, *FAST_FAILOVER, *program, *router_args]
+
+
 def router_installed() -> bool:
     """Whether the ``vllm-router`` wheel (``pip install vllm-router==0.1.17``) is here."""
     return importlib.util.find_spec("vllm_router") is not None
 
 
 class ReplicaSet:
-    """``replicas`` servers with ``serve_args`` and the router in front (``policy``).
+    """``replicas`` servers with ``serve_args`` and the router in front (``policy``: one of
+    ``ROUTINGS``; ``"program"`` is the router's Program layer over ``consistent_hash``,
+    configured by ``program_config``, default ``program_scheduling_config()``).
 
-    ``base`` is the router's URL; ``replicas[i].base`` each replica's. ``stop()`` (also
-    on leaving a ``with`` block) ends the router and every replica. ``RuntimeError``
-    (everything already stopped) if a replica or the router does not come up.
+    ``base`` is the router's URL; ``replicas[i].base`` each replica's; ``router_args`` the
+    router's arguments beyond the URLs and ports. ``stop()`` (also on leaving a ``with``
+    block) ends the router and every replica. ``RuntimeError`` (everything already
+    stopped) if a replica or the router does not come up.
     """
 
     def __init__(
@@ -74,11 +133,11 @@ class ReplicaSet:
         threads_per_replica: int = 1,
         log_dir: str | None = None,
         timeout_s: float = 240.0,
+        program_config: dict | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
-        if policy not in ROUTING_POLICIES:
-            raise ValueError(f"policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+        self.router_args = router_flags(policy, router_args, program_config)
         if not router_installed():
             raise RuntimeError("vllm-router is not installed: pip install vllm-router==0.1.17")
         self.replicas: list[RemoteServer] = []
@@ -99,23 +158,21 @@ class ReplicaSet:
                 server.wait_healthy()
             self.port = port or get_open_port()
             self.base = f"http://{LOOPBACK}:{self.port}"
-            self._start_router(policy, router_args, logs, timeout_s)
+            self._start_router(logs, timeout_s)
         except BaseException:
             self.stop()
             raise
 
-    def _start_router(self, policy, router_args, logs: Path | None, timeout_s: float) -> None:
+    def _start_router(self, logs: Path | None, timeout_s: float) -> None:
         cmd = [
             sys.executable, "-m", "vllm_router.launch_router",
             "--host", LOOPBACK,
             "--port", str(self.port),
             "--worker-urls", *(r.base for r in self.replicas),
-            "--policy", policy,
             "--prometheus-host", LOOPBACK,
             "--prometheus-port", str(get_open_port()),
             "--worker-startup-check-interval", "1",
-            *FAST_FAILOVER,
-            *router_args,
+            *self.router_args,
         ]  # fmt: skip
         self._log = open(logs / "router.log", "w") if logs else open(os.devnull, "w")
         self.router = subprocess.Popen(
@@ -158,7 +215,18 @@ def make_parser() -> argparse.ArgumentParser:
         "to every `vllm serve`.",
     )
     parser.add_argument("--replicas", type=int, default=2, help="how many `vllm serve`")
-    parser.add_argument("--policy", choices=ROUTING_POLICIES, default="consistent_hash")
+    parser.add_argument(
+        "--policy",
+        choices=ROUTINGS,
+        default="consistent_hash",
+        help="the router's --policy, or program: its Program layer over consistent_hash",
+    )
+    parser.add_argument(
+        "--program-config-json",
+        type=json.loads,
+        default=None,
+        help="with --policy program: keys that replace program_scheduling_config()'s",
+    )
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
     parser.add_argument(
         "--threads-per-replica", type=int, default=1, help="VLLM_CPU_THREADS of each replica"
@@ -194,8 +262,14 @@ def _watch(fleet: ReplicaSet) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    args = make_parser().parse_args(argv[:split])
+    parser = make_parser()
+    args = parser.parse_args(argv[:split])
     serve_args = argv[split + 1 :]
+    program_config = None
+    if args.policy == PROGRAM_ROUTING:
+        program_config = program_scheduling_config(overrides=args.program_config_json)
+    elif args.program_config_json is not None:
+        parser.error("--program-config-json needs --policy program")
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -212,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads_per_replica=args.threads_per_replica,
             log_dir=args.log_dir,
             timeout_s=args.timeout,
+            program_config=program_config,
         ) as fleet:
             for i, replica in enumerate(fleet.replicas):
                 print(f"replica {i}: {replica.base}", flush=True)

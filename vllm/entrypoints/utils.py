@@ -6,6 +6,10 @@ import os
 import socket
 
 LOOPBACK = "127.0.0.1"
+# On every /v1 response: which server answered (its host:port, ``api_server.instance_id``).
+# Behind vllm-router, which passes response headers through, a client learns the replica
+# that served each request.
+INSTANCE_HEADER = "x-vllm-instance"
 
 
 def get_open_port(host: str = LOOPBACK) -> int:

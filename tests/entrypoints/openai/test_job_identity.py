@@ -2,19 +2,21 @@
 its ``consistent_hash`` hashes first) and ``vllm_xargs.agentic_context.program_id`` (its
 Program) name the job when no ``job_id`` / ``prompt_cache_key`` does; the fields the
 router adds to every body it forwards are accepted silently; ``/get_load`` answers its
-``power_of_two``."""
+``power_of_two``, ``/v1/chat/completions/render`` its ``cache_aware``; each /v1 response
+names the server that answered (``x-vllm-instance``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import socket
 from types import SimpleNamespace
 
 import pytest
 from starlette.datastructures import Headers
 
-from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.api_server import INSTANCE_HEADER, build_app, instance_id
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.job_identity import PROGRAM_ID_PARAM, name_the_job
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,6 +57,15 @@ def named(request, headers=None, max_length: int = 256) -> tuple[str | None, str
 
 
 AGENTIC = {"agentic_context": {"program_id": "prog-1", "session_id": "s"}}
+# What run_sweep's --identity program_id sends (the router forwards it unchanged).
+PROGRAM_TURN = {
+    "agentic_context": {
+        "program_id": "job_0001",
+        "session_id": "job_0001",
+        "step_id": 3,
+        "expected_resume": False,
+    }
+}
 
 
 @pytest.mark.parametrize(
@@ -65,6 +76,7 @@ AGENTIC = {"agentic_context": {"program_id": "prog-1", "session_id": "s"}}
         ({}, {"x-session-id": "sess-1"}, ("X-Session-ID", "sess-1")),  # case-insensitive
         ({}, {"X-Session-ID": ""}, (None, None)),  # empty: no job, as the router skips it
         ({"vllm_xargs": AGENTIC}, {"X-Session-ID": "s"}, (PROGRAM_ID_PARAM, "prog-1")),
+        ({"vllm_xargs": PROGRAM_TURN}, {"X-Session-ID": "x"}, (PROGRAM_ID_PARAM, "job_0001")),
         ({"prompt_cache_key": "k", "vllm_xargs": AGENTIC}, {}, ("prompt_cache_key", "k")),
         ({"job_id": "j", "prompt_cache_key": "k"}, {"X-Session-ID": "s"}, ("job_id", "j")),
         ({"vllm_xargs": {"job_id": "j"}}, {"X-Session-ID": "s"}, ("job_id", "j")),
@@ -144,26 +156,100 @@ class _FakeEngine:
         return 0.0
 
 
-def _get(app, path: str) -> tuple[int, bytes]:
+def _call(app, path: str, method: str = "GET", body: bytes = b""):
+    """(status, body, headers) of one request to ``app``."""
     sent = []
 
     async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": headers,
+        "query_string": b"",
+    }
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
-    return start["status"], b"".join(m.get("body", b"") for m in sent if "body" in m)
+    response_headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    payload = b"".join(m.get("body", b"") for m in sent if "body" in m)
+    return start["status"], payload, response_headers
 
 
-def test_get_load_answers_the_router_s_power_of_two():
+def _get(app, path: str) -> tuple[int, bytes]:
+    return _call(app, path)[:2]
+
+
+def _app(engine=None, instance: str | None = None):
     config = SimpleNamespace(
         model_config=SimpleNamespace(name="m"), scheduler_config=SimpleNamespace(max_model_len=64)
     )
-    app = build_app(config, FrontendArgs(), _FakeEngine(), SimpleNamespace(registry=None))
-    status, body = _get(app, "/get_load")
+    engine = engine or _FakeEngine()
+    return build_app(config, FrontendArgs(), engine, SimpleNamespace(registry=None), None, instance)
+
+
+def test_get_load_answers_the_router_s_power_of_two():
+    status, body = _get(_app(), "/get_load")
     # The router reads the integer "load" (an i64) and nothing else.
     assert status == 200 and json.loads(body) == {"load": 3}
+
+
+def test_each_v1_response_names_the_server_that_answered():
+    # Behind the router (which passes response headers through) the client learns the
+    # replica of each turn: run_sweep counts a job's turns that changed replica by it.
+    app = _app(instance="127.0.0.1:8001")
+    status, _, headers = _call(app, "/v1/models")
+    assert status == 200 and headers[INSTANCE_HEADER] == "127.0.0.1:8001"
+    status, _, headers = _call(app, "/v1/completions", "POST", b"{")  # errors too
+    assert status == 400 and headers[INSTANCE_HEADER] == "127.0.0.1:8001"
+    assert INSTANCE_HEADER not in _call(app, "/health")[2]  # /v1 only
+    assert INSTANCE_HEADER not in _call(_app(), "/v1/models")[2]  # none given
+
+
+def test_the_instance_is_the_listening_address():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        assert instance_id(sock) == f"127.0.0.1:{sock.getsockname()[1]}"
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))  # every address: the host's name tells replicas apart
+        assert instance_id(sock) == f"{socket.gethostname()}:{sock.getsockname()[1]}"
+
+
+class _RenderEngine(_FakeEngine):
+    tokenizer = SimpleNamespace(chat_template="{{ messages }}")
+
+    def __init__(self) -> None:
+        self.calls = []
+
+        def apply_chat_template(messages, template, add_generation_prompt, tools):
+            return "|".join(m["content"] for m in messages) + ("|>" * add_generation_prompt)
+
+        def tokenize(prompt, add_special_tokens=True):
+            self.calls.append(add_special_tokens)
+            return [ord(c) for c in prompt]
+
+        self.processor = SimpleNamespace(apply_chat_template=apply_chat_template, tokenize=tokenize)
+
+
+def test_render_returns_the_prompt_token_ids_for_the_router_s_cache_aware():
+    # vllm-router 0.1.17's cache_aware POSTs the forwarded chat body to every worker's
+    # /v1/chat/completions/render and matches prefixes on "token_ids"; without the route
+    # it routes every chat to one worker.
+    engine = _RenderEngine()
+    body = json.dumps({"model": "m", "messages": MESSAGES, **ROUTER_CHAT_DEFAULTS}).encode()
+    status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", body)
+    assert status == 200
+    assert json.loads(payload) == {"model": "m", "token_ids": [ord(c) for c in "hi|>"]}
+    assert engine.calls == [False]  # the template wrote the special tokens
+    wrong = json.dumps({"model": "other", "messages": MESSAGES}).encode()
+    status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", wrong)
+    assert status == 400 and json.loads(payload)["error"]["code"] == "model_not_found"
+    # Checked as for generation: the server's limits apply (here --max-stop-strings).
+    stops = json.dumps({"messages": MESSAGES, "stop": ["x"] * 33}).encode()
+    status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", stops)
+    assert status == 400 and json.loads(payload)["error"]["param"] == "stop"

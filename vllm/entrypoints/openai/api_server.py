@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
 import time
 from http import HTTPStatus
 
@@ -31,6 +32,7 @@ from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
+from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
@@ -83,6 +85,14 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
 RECEIVED_KEY = "vllm.received"  # ASGI scope key: time.monotonic() at arrival
 
 
+def instance_id(sock) -> str:
+    """``host:port`` of the listening socket; the host name when bound to every address."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(
@@ -110,18 +120,24 @@ def _limited(receive, limit: int):
 class ServerMiddleware:
     """Pure ASGI (BaseHTTPMiddleware would cost per request and break disconnect
     detection): stamps the arrival time into the scope, checks the API key of /v1, bounds
-    the body, refuses new /v1 requests while draining and counts those in flight."""
+    the body, refuses new /v1 requests while draining and counts those in flight; names
+    the server (``INSTANCE_HEADER``) on each /v1 response when ``instance`` is given."""
 
-    def __init__(self, app, args: FrontendArgs, state: ServerState) -> None:
+    def __init__(
+        self, app, args: FrontendArgs, state: ServerState, instance: str | None = None
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {args.api_key}".encode() if args.api_key else None
         self.limit = args.max_request_body_size
         self.state = state
+        self.instance = (INSTANCE_HEADER.encode(), instance.encode()) if instance else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1"):
             return await self.app(scope, receive, send)
         scope[RECEIVED_KEY] = time.monotonic()
+        if self.instance is not None:
+            send = self._naming(send)
         refusal = self._refusal(dict(scope["headers"]))
         if refusal is not None:
             return await refusal(scope, receive, send)
@@ -130,6 +146,14 @@ class ServerMiddleware:
             await self.app(scope, _limited(receive, self.limit), send)
         finally:
             self.state.active -= 1
+
+    def _naming(self, send):
+        async def send_named(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.instance]}
+            await send(message)
+
+        return send_named
 
     def _refusal(self, headers: dict[bytes, bytes]) -> Response | None:
         if self.expected is not None:
@@ -164,8 +188,10 @@ def build_app(
     engine: AsyncLLM,
     stats: PrometheusStatLogger,
     state: ServerState | None = None,
+    instance: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app over a started ``engine`` whose outputs feed ``stats``."""
+    """The FastAPI app over a started ``engine`` whose outputs feed ``stats``; ``instance``
+    (``instance_id``) names the server on each /v1 response."""
     state = state or ServerState()
     model_name = vllm_config.model_config.name
     chat_serving = OpenAIServingChat(engine, model_name, stats, args, state)
@@ -174,7 +200,7 @@ def build_app(
     log_requests = not args.disable_log_requests
 
     app = FastAPI(title="vllm-continuum", version=__version__)
-    app.add_middleware(ServerMiddleware, args=args, state=state)
+    app.add_middleware(ServerMiddleware, args=args, state=state, instance=instance)
     _add_error_handlers(app)
 
     _add_info_routes(app, vllm_config, args, engine, stats, state)
@@ -187,6 +213,10 @@ def build_app(
         return await chat_serving.create_chat_completion(
             request, raw.scope.get(RECEIVED_KEY), raw.receive
         )
+
+    @app.post("/v1/chat/completions/render", responses=openapi.RENDER_RESPONSES)
+    async def chat_render(request: ChatCompletionRequest):
+        return await chat_serving.render_chat(request)
 
     @app.post("/v1/completions", responses=openapi.GENERATE_RESPONSES)
     async def completion(request: CompletionRequest, raw: Request):
@@ -312,7 +342,7 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
             info["pid"],
         )
         state = ServerState()
-        app = build_app(vllm_config, args, engine, stats, state)
+        app = build_app(vllm_config, args, engine, stats, state, instance_id(sock))
         host, port = sock.getsockname()[:2]
         logger.info("Starting vLLM API server on http://%s:%d", host, port)
         return await serve_http(app, sock, engine, args, state)

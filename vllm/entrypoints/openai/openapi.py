@@ -80,6 +80,26 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_DOWN,
 }
 
+RENDER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The prompt token ids the chat request would run with; nothing is "
+        "generated (vLLM's render route, read by vllm-router's cache_aware).",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "model": {"type": "string"},
+                        "token_ids": {"type": "array", "items": {"type": "integer"}},
+                    },
+                    "required": ["model", "token_ids"],
+                }
+            }
+        },
+    },
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 413, 503)},
+}
+
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _text("Healthy: empty body."),
     503: _text("Unhealthy: engine dead, stalled (--engine-stall-timeout) or shutting down."),

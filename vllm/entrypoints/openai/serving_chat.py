@@ -73,13 +73,8 @@ class OpenAIServingChat(OpenAIServing):
             )
         return {"content": content}
 
-    async def start_generation(
-        self, request: ChatCompletionRequest, request_id: str
-    ) -> tuple[ToolPlan, RequestStream]:
-        """Check ``request``, render its prompt and add it to the engine as ``request_id``:
-        its tool plan (how to read the output) and its output stream. Shared by
-        /v1/responses, which converts its input into a chat request. A rejected request
-        raises ``VLLMValidationError`` naming the chat field (the prompt is ``messages``)."""
+    async def _prepare(self, request: ChatCompletionRequest):
+        """The checked request's tool plan, prompt text and sampling params."""
         self.check_request(request)
         plan = plan_tool_calls(request, self.tool_config)
         prompt = await self._prompt(request, plan)
@@ -90,6 +85,16 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_tokens
         params = request.to_sampling_params(max_tokens, logprobs, request.stream)
         params.structured_outputs = plan.structured_outputs
+        return plan, prompt, params
+
+    async def start_generation(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[ToolPlan, RequestStream]:
+        """Check ``request``, render its prompt and add it to the engine as ``request_id``:
+        its tool plan (how to read the output) and its output stream. Shared by
+        /v1/responses, which converts its input into a chat request. A rejected request
+        raises ``VLLMValidationError`` naming the chat field (the prompt is ``messages``)."""
+        plan, prompt, params = await self._prepare(request)
         try:
             # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
             stream = await self.add_request(
@@ -100,6 +105,21 @@ class OpenAIServingChat(OpenAIServing):
                 e.param = "messages"
             raise
         return plan, stream
+
+    async def render_chat(self, request: ChatCompletionRequest) -> dict:
+        """POST /v1/chat/completions/render (vLLM's route): the prompt token ids the request
+        would run with, nothing generated; checked as for generation. vllm-router's
+        cache_aware asks every replica for them and routes a chat by its longest token
+        prefix (docs/router.md)."""
+        _, prompt, _ = await self._prepare(request)
+        try:
+            # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
+            token_ids = await self.in_thread(self.engine.processor.tokenize, prompt, False)
+        except VLLMValidationError as e:
+            if e.param == "prompt":  # this endpoint's prompt is its messages
+                e.param = "messages"
+            raise
+        return {"model": self.model_name, "token_ids": token_ids}
 
     async def create_chat_completion(
         self,
