@@ -114,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
         _, prompt, _ = await self._prepare(request)
         try:
             # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
-            token_ids = await self.in_thread(self.engine.processor.tokenize, prompt, False)
+            token_ids = await self.in_thread(self.engine.tokenize, prompt, False)
         except VLLMValidationError as e:
             if e.param == "prompt":  # this endpoint's prompt is its messages
                 e.param = "messages"

@@ -132,6 +132,10 @@ class AsyncLLM:
             messages, chat_template, add_generation_prompt, tools
         )
 
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt``, checked as for generation (blocking: tokenizer thread)."""
+        return self.processor.tokenize(prompt, add_special_tokens)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """Token ids as text (special tokens kept unless asked)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
