@@ -221,19 +221,17 @@ def test_the_instance_is_the_listening_address():
 
 
 class _RenderEngine(_FakeEngine):
-    tokenizer = SimpleNamespace(chat_template="{{ messages }}")
+    chat_template = "{{ messages }}"
 
     def __init__(self) -> None:
         self.calls = []
 
-        def apply_chat_template(messages, template, add_generation_prompt, tools):
-            return "|".join(m["content"] for m in messages) + ("|>" * add_generation_prompt)
+    def apply_chat_template(self, messages, template, add_generation_prompt, tools):
+        return "|".join(m["content"] for m in messages) + ("|>" * add_generation_prompt)
 
-        def tokenize(prompt, add_special_tokens=True):
-            self.calls.append(add_special_tokens)
-            return [ord(c) for c in prompt]
-
-        self.processor = SimpleNamespace(apply_chat_template=apply_chat_template, tokenize=tokenize)
+    def tokenize(self, prompt, add_special_tokens=True):
+        self.calls.append(add_special_tokens)
+        return [ord(c) for c in prompt]
 
 
 def test_render_returns_the_prompt_token_ids_for_the_router_s_cache_aware():
