@@ -1,4 +1,5 @@
-"""Finding and loading models: the embedded default, GGUF files, HF safetensors folders.
+"""Finding and loading models: the embedded default, GGUF files, HF safetensors folders;
+building a registered model class from them (``load_model_weights``).
 
 GGUF de-quantisation through transformers takes ~35 s here, so a GGUF model is converted
 once into an fp32 safetensors HF folder in the cache (keyed by the file's content hash)
@@ -15,9 +16,13 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm import envs
 from vllm.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:  # torch is imported where it is used: the API server imports this module
+    from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +115,25 @@ def gguf_file(model: str) -> Path | None:
         return embedded_model_path()
     path = Path(model).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def load_model_weights(model_cls: type, hf_config, path: str, device, dtype) -> nn.Module:
+    """``model_cls`` (from ``ModelRegistry``) built for ``hf_config`` on ``device``, its
+    weights read from the safetensors files of the HF folder ``path``, cast to ``dtype``.
+    Built on the meta device first, so no weight is initialised only to be overwritten."""
+    import torch
+    from safetensors.torch import load_file
+
+    arch = model_cls.arch_from_hf(hf_config)
+    with torch.device("meta"):
+        model = model_cls(arch)
+    model = model.to_empty(device=device)
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(path, name)))
+    model.load_weights(state)
+    return model.to(dtype).eval()
 
 
 def apply_quantization(model, model_config) -> None:
