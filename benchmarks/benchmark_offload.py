@@ -55,7 +55,7 @@ def measure(runner: ModelRunner, tokens: int, repeats: int) -> dict[str, float]:
     bs = runner.block_size
     n = tokens // bs
     gpu = list(range(1, n + 1))
-    meta = runner.attn_backend.build_metadata([(0, tokens, gpu)], bs, runner.device)
+    meta = runner.attn_backend.build_metadata([(0, tokens, gpu)])
     ids = torch.randint(0, 49_000, (tokens,), device=runner.device)
     pos = torch.arange(tokens, device=runner.device)
     handler = runner.kv_offload

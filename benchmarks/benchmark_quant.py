@@ -32,7 +32,7 @@ PREFILL_VAR = "VLLM_CPU_GGUF_PREFILL_DTYPE"
 DECODE_VAR = "VLLM_CPU_GGUF_DECODE_ACT"
 # name -> (--quantization, the switches set at load; unset ones: the environment's)
 FORMATS = {
-    "fp32": (None, {}),
+    "fp32": ("fp32", {}),
     "gguf": ("gguf", {}),
     "gguf-fp32": ("gguf", {PREFILL_VAR: "fp32"}),
     "gguf-bf16": ("gguf", {PREFILL_VAR: "bf16"}),

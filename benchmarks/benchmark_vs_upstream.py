@@ -71,7 +71,7 @@ def start_servers(args) -> tuple[dict[str, object], dict[str, float]]:
     try:
         for fmt in args.ours:
             start = time.perf_counter()
-            extra = ["--quantization", "gguf"] if fmt == "gguf" else []
+            extra = ["--quantization", fmt]  # named: the default is auto (gguf here)
             servers[f"ours-{fmt}"] = RemoteServer(
                 *our_args(args), *extra, "--disable-log-requests",
                 log_path=str(logs / f"ours-{fmt}.log"),

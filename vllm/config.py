@@ -90,9 +90,11 @@ class ModelConfig:
     )
     quantization: Quantization | None = config_field(
         None,
-        "Weight format of the linear layers. None or fp32: dense weights in --dtype "
-        "(a GGUF is dequantized at load; the exactness reference). gguf: keep a GGUF "
-        "model's Q4_1/Q8_0 blocks and multiply with the native CPU kernels (float32 only).",
+        "Weight format of the linear layers. fp32: dense weights in --dtype (a GGUF is "
+        "dequantized at load; the exactness reference). gguf: keep a GGUF model's Q4_1/Q8_0 "
+        "blocks and multiply with the native CPU kernels (float32 only). None (auto): gguf "
+        "for a .gguf model (the embedded one included) on CPU in float32 when the native "
+        "kernels are built, fp32 otherwise.",
     )
 
     def __post_init__(self) -> None:

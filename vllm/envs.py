@@ -52,8 +52,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # JIT-built native kernels (kernels/). Default: $XDG_CACHE_HOME/vllm-continuum,
     # else ~/.cache/vllm-continuum.
     "VLLM_CACHE_ROOT": _cache_root,
-    # Force an attention backend: TORCH_SDPA or FLASH_ATTN (case-insensitive); unset:
-    # flash-attn on CUDA when it can run, torch otherwise (vllm/v1/attention/selector.py).
+    # Force an attention backend: a name of vllm/v1/attention/backends/registry.py, e.g.
+    # TORCH_SDPA or FLASH_ATTN (case-insensitive); unset: the highest-priority registered
+    # backend that can run, i.e. flash-attn on CUDA when it can, torch otherwise.
     "VLLM_ATTENTION_BACKEND": _upper_or_none("VLLM_ATTENTION_BACKEND"),
     # torch intra-op threads of the CPU model runner. Default: every core.
     "VLLM_CPU_THREADS": lambda: int(os.getenv("VLLM_CPU_THREADS") or os.cpu_count() or 1),

@@ -25,7 +25,13 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def llm():
     # Small pool and step budget: chunked prefill and a real block pool are exercised.
-    return LLM(num_gpu_blocks_override=64, max_num_batched_tokens=32, max_model_len=512)
+    # fp32: compared with transformers token for token (the default is the gguf path).
+    return LLM(
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=32,
+        max_model_len=512,
+        quantization="fp32",
+    )
 
 
 def greedy(max_tokens=16, **kw):
@@ -59,7 +65,12 @@ def test_prefix_cache_hit_changes_no_output(llm, hf_model, tokenizer):
 def generate_on_a_tiny_pool(params):
     """``PROMPTS`` on an engine whose pool forces preemptions: (outputs, the engine);
     11 usable blocks of 16 tokens for five requests of up to ~60 tokens each."""
-    tiny = LLM(num_gpu_blocks_override=12, max_num_batched_tokens=64, max_model_len=512)
+    tiny = LLM(
+        num_gpu_blocks_override=12,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        quantization="fp32",
+    )
     preemptions = []
     step = tiny.engine_core.step
 

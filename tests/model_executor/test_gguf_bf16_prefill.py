@@ -22,7 +22,6 @@ from tests.model_executor.test_gguf_quantization import (
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.model_executor.layers.quantization import gguf
-from vllm.v1.attention.backends.torch_sdpa import paged_attention
 
 VAR = "VLLM_CPU_GGUF_PREFILL_DTYPE"
 
@@ -167,7 +166,7 @@ def _batched_logits(runner, seqs: list[list[int]]) -> torch.Tensor:
         n_blocks = -(-len(ids) // 16)
         layout.append((0, len(ids), list(range(first, first + n_blocks))))
         first += n_blocks
-    meta = runner.attn_backend.build_metadata(layout, 16, "cpu")
+    meta = runner.attn_backend.build_metadata(layout)
     ids = torch.tensor([t for s in seqs for t in s])
     positions = torch.cat([torch.arange(len(s)) for s in seqs])
     return runner.model.compute_logits(runner.model(ids, positions, meta, runner.kv_caches))
@@ -180,12 +179,12 @@ def test_bf16_prefill_logits_agree_with_fp32(tokenizer, monkeypatch):
     monkeypatch.setenv(VAR, "bf16")
     seqs = [tokenizer(p).input_ids for p in PROMPTS]
     runner = load_runner(sum(len(s) + 16 for s in seqs))
-    assert runner.model.layers[0].attn_forward is paged_attention  # fp32 attention
+    assert not runner.attn_backend.prefill_bf16  # fp32 attention
     fp32 = _batched_logits(runner, seqs)
     quantize(runner)
     # The prefill's attention products follow its GEMMs into bf16 (the native kernel).
-    attend = runner.model.layers[0].attn_forward
-    assert attend.func is paged_attention and attend.keywords == {"prefill_bf16": True}
+    assert runner.attn_backend.prefill_bf16
+    assert runner.model.layers[0].attn_forward == runner.attn_backend.forward
     linears = [m for m in runner.model.modules() if isinstance(m, gguf.GGUFLinear)]
     assert {m.prefill_dtype for m in linears} == {torch.bfloat16}
     assert all(layer.gate_up_proj.keep_prefill_dtype for layer in runner.model.layers)

@@ -67,7 +67,7 @@ def _prompt_logits(runner, tokenizer) -> list[torch.Tensor]:
         for prompt in PROMPTS:
             ids = tokenizer(prompt).input_ids
             blocks = list(range(1, -(-len(ids) // BLOCK) + 1))
-            meta = runner.attn_backend.build_metadata([(0, len(ids), blocks)], BLOCK, "cpu")
+            meta = runner.attn_backend.build_metadata([(0, len(ids), blocks)])
             hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, runner.kv_caches)
             out.append(runner.model.compute_logits(hidden))
     return out
@@ -84,7 +84,10 @@ def test_quantized_logits_match_fp32(tokenizer, exact_prefill):
     from vllm.v1.worker.model_runner import ModelRunner
 
     threads = torch.get_num_threads()
-    runner = ModelRunner(VllmConfig(cache_config=CacheConfig(block_size=BLOCK)), device="cpu")
+    config = VllmConfig(
+        model_config=ModelConfig(quantization="fp32"), cache_config=CacheConfig(block_size=BLOCK)
+    )
+    runner = ModelRunner(config, device="cpu")
     runner.load_model()
     runner.initialize_kv_cache(16)
     fp32 = _prompt_logits(runner, tokenizer)
@@ -165,7 +168,7 @@ def greedy_same_as_fp32(monkeypatch, env: dict[str, str] | None = None) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = []
-    for quantization in (None, "gguf"):
+    for quantization in ("fp32", "gguf"):
         if quantization:
             for name, value in (env or {}).items():
                 monkeypatch.setenv(name, value)

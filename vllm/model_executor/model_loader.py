@@ -1,4 +1,6 @@
-"""Finding and loading models: the embedded default, GGUF files, HF safetensors folders.
+"""Finding and loading models: the embedded default, GGUF files, HF safetensors folders;
+building a registered model class from them (``load_model_weights``) and choosing its
+weight format (``apply_quantization``: ``--quantization``, auto by default).
 
 GGUF de-quantisation through transformers takes ~35 s here, so a GGUF model is converted
 once into an fp32 safetensors HF folder in the cache (keyed by the file's content hash)
@@ -15,9 +17,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm import envs
 from vllm.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:  # torch is imported where it is used: the API server imports this module
+    import torch
+    from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +119,58 @@ def gguf_file(model: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def apply_quantization(model, model_config) -> None:
-    """Switch ``model``'s linear layers to ``model_config.quantization``'s format (in place,
-    after the fp32 weights are loaded). None / fp32: nothing to do."""
-    if model_config.quantization in (None, "fp32"):
-        return
+def load_model_weights(model_cls: type, hf_config, path: str, device, dtype) -> nn.Module:
+    """``model_cls`` (from ``ModelRegistry``) built for ``hf_config`` on ``device``, its
+    weights read from the safetensors files of the HF folder ``path``, cast to ``dtype``.
+    Built on the meta device first, so no weight is initialised only to be overwritten."""
+    import torch
+    from safetensors.torch import load_file
+
+    arch = model_cls.arch_from_hf(hf_config)
+    with torch.device("meta"):
+        model = model_cls(arch)
+    model = model.to_empty(device=device)
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(path, name)))
+    model.load_weights(state)
+    return model.to(dtype).eval()
+
+
+def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    weight = next(model.parameters())
+    return weight.device, weight.dtype
+
+
+def resolve_quantization(model_config, device, dtype: torch.dtype) -> tuple[str, str]:
+    """(``"gguf"`` or ``"fp32"``, why) for ``model_config.quantization``. None is auto:
+    gguf for a GGUF model on CPU in float32 when the native quantized kernels are built
+    (the fast way), fp32 (dense, the exactness reference) for anything else."""
+    import torch
+
+    from vllm import _custom_ops as ops
+
+    if model_config.quantization is not None:
+        return model_config.quantization, "--quantization"
+    device = torch.device(device)
+    if gguf_file(model_config.model) is None:
+        why = "not a .gguf model"
+    elif device.type != "cpu":
+        why = f"device is {device.type}"
+    elif dtype != torch.float32:
+        why = f"dtype is {str(dtype).removeprefix('torch.')}"
+    elif not ops.has_quant_kernels():
+        why = "the native quantized kernels are not built"
+    else:
+        return "gguf", "auto: a GGUF model on CPU in float32 with the native kernels"
+    return "fp32", f"auto: {why}"
+
+
+def apply_quantization(model: nn.Module, model_config) -> str:
+    """Switch ``model``'s linear layers (loaded dense) to ``model_config.quantization``'s
+    format in place, None choosing on ``model``'s device and dtype (``resolve_quantization``).
+    Returns the format used: fp32 leaves the model as it is."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.gguf import (
         apply_gguf_quantization,
@@ -124,11 +178,15 @@ def apply_quantization(model, model_config) -> None:
     )
 
     path = gguf_file(model_config.model)
-    if path is None:
+    if path is None and model_config.quantization == "gguf":
         raise ValueError(
             f"quantization='gguf' needs a .gguf model (or {DEFAULT_MODEL!r}); "
             f"got {model_config.model!r}"
         )
+    choice, why = resolve_quantization(model_config, *_model_device_dtype(model))
+    logger.info("Quantization: %s (%s)", choice, why)
+    if choice == "fp32":
+        return choice
     start = time.monotonic()
     dense = quantized_weight_bytes(model)
     counts = apply_gguf_quantization(model, path)
@@ -146,6 +204,7 @@ def apply_quantization(model, model_config) -> None:
         quantized_weight_bytes(model) / 1e6,
         time.monotonic() - start,
     )
+    return choice
 
 
 def get_model_config(model: str):

@@ -21,8 +21,16 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server():
+    # fp32: prompt logprobs are compared with transformers' (the default is the gguf path).
     srv = RemoteServer(
-        "--num-gpu-blocks-override", "128", "--max-model-len", "1024", "--api-key", API_KEY
+        "--num-gpu-blocks-override",
+        "128",
+        "--max-model-len",
+        "1024",
+        "--api-key",
+        API_KEY,
+        "--quantization",
+        "fp32",
     )
     engine = [
         p

@@ -1,4 +1,6 @@
-"""The backend selector's decisions, without a GPU (CUDA and the package are faked)."""
+"""The backend selector's decisions, without a GPU (CUDA and the package are faked), and
+the backend registry it iterates: a backend registered here is selected like the built-in
+ones."""
 
 from __future__ import annotations
 
@@ -6,37 +8,56 @@ import pytest
 import torch
 
 from vllm.v1.attention import selector
-from vllm.v1.attention.backends import flash_attn, torch_sdpa
+from vllm.v1.attention.backends import flash_attn, registry
+from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def no_forced_backend(monkeypatch):
+    monkeypatch.delenv(selector.ENV_VAR, raising=False)
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """CUDA present and flash-attn importable, as on a GPU box with the `cuda` extra."""
-    monkeypatch.delenv(selector.ENV_VAR, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(selector, "_flash_attn_importable", lambda: True)
+    monkeypatch.setattr(flash_attn, "flash_attn_importable", lambda: True)
+
+
+def test_registry_names_the_built_in_backends():
+    assert registry.backend_names() == ("FLASH_ATTN", "TORCH_SDPA")
+    assert registry.get_backend_class("TORCH_SDPA") is TorchSDPABackend
+    assert registry.get_backend_class("FLASH_ATTN") is FlashAttentionBackend
+    with pytest.raises(ValueError, match="XFORMERS.*FLASH_ATTN, TORCH_SDPA"):
+        registry.get_backend_class("XFORMERS")
 
 
 def test_cpu_uses_torch(monkeypatch):
-    monkeypatch.delenv(selector.ENV_VAR, raising=False)
     # Even with the package importable, CPU tensors cannot go to a CUDA kernel.
-    monkeypatch.setattr(selector, "_flash_attn_importable", lambda: True)
-    backend = selector.select_attention_backend(torch.device("cpu"), torch.float32, 16, 64)
-    assert backend.name == selector.TORCH_SDPA
-    assert backend.forward is torch_sdpa.paged_attention
-    assert backend.decodes_first
+    monkeypatch.setattr(flash_attn, "flash_attn_importable", lambda: True)
+    cls = selector.select_attention_backend(CPU, torch.float32, 16, 64)
+    assert cls is TorchSDPABackend and cls.decodes_first
+    backend = cls(9, 3, 64, torch.float32, CPU, 16)
+    assert backend.detail == ""
+    backend.use_prefill_dtype(torch.bfloat16)  # the gguf path's bf16 prefill GEMMs
+    assert backend.prefill_bf16 and backend.detail == "bf16 prefill products"
+    backend.use_prefill_dtype(None)
+    assert not backend.prefill_bf16
 
 
 def test_cuda_picks_flash_attn_and_mode_follows_block_size(fake_cuda):
-    gathered = selector.select_attention_backend(CUDA, torch.bfloat16, 16, 64)
-    assert gathered.name == selector.FLASH_ATTN
-    assert gathered.forward is flash_attn.flash_paged_attention
-    assert not gathered.decodes_first
+    cls = selector.select_attention_backend(CUDA, torch.bfloat16, 16, 64)
+    assert cls is FlashAttentionBackend and not cls.decodes_first
+    gathered = cls(8, 8, 64, torch.bfloat16, CUDA, 16)
     assert "gathered" in gathered.detail
-    paged = selector.select_attention_backend(CUDA, torch.float16, 256, 64)
-    assert paged.name == selector.FLASH_ATTN and "block_table" in paged.detail
+    assert selector.select_attention_backend(CUDA, torch.float16, 256, 64) is cls
+    paged = cls(8, 8, 64, torch.float16, CUDA, 256)
+    assert "block_table" in paged.detail
 
 
 @pytest.mark.parametrize(
@@ -48,21 +69,72 @@ def test_cuda_picks_flash_attn_and_mode_follows_block_size(fake_cuda):
         (torch.bfloat16, 64, False),
     ],
 )
-def test_cuda_falls_back_to_torch(fake_cuda, monkeypatch, dtype, head_dim, importable):
-    monkeypatch.setattr(selector, "_flash_attn_importable", lambda: importable)
-    backend = selector.select_attention_backend(CUDA, dtype, 16, head_dim)
-    assert backend.name == selector.TORCH_SDPA
+def test_cuda_falls_back_to_torch(fake_cuda, monkeypatch, caplog, dtype, head_dim, importable):
+    monkeypatch.setattr(flash_attn, "flash_attn_importable", lambda: importable)
+    assert selector.select_attention_backend(CUDA, dtype, 16, head_dim) is TorchSDPABackend
+    # On CUDA, not getting flash-attn is worth a warning (on CPU it is expected).
+    assert "Not using FLASH_ATTN" in caplog.text
 
 
 def test_env_forces_torch(fake_cuda, monkeypatch):
     monkeypatch.setenv(selector.ENV_VAR, "torch_sdpa")
-    assert selector.select_attention_backend(CUDA, torch.bfloat16, 16, 64).name == "TORCH_SDPA"
+    assert selector.select_attention_backend(CUDA, torch.bfloat16, 16, 64) is TorchSDPABackend
 
 
 def test_env_forcing_flash_attn_fails_loudly_where_it_cannot_run(monkeypatch):
     monkeypatch.setenv(selector.ENV_VAR, "FLASH_ATTN")
     with pytest.raises(ValueError, match="needs CUDA"):
-        selector.select_attention_backend(torch.device("cpu"), torch.float32, 16, 64)
+        selector.select_attention_backend(CPU, torch.float32, 16, 64)
     monkeypatch.setenv(selector.ENV_VAR, "XFORMERS")
-    with pytest.raises(ValueError, match="XFORMERS"):
-        selector.select_attention_backend(torch.device("cpu"), torch.float32, 16, 64)
+    with pytest.raises(ValueError, match="XFORMERS.*FLASH_ATTN, TORCH_SDPA"):
+        selector.select_attention_backend(CPU, torch.float32, 16, 64)
+
+
+class ToyBackend(AttentionBackend):
+    """A registered backend that prefers itself on CPU for block size 8 and head size 4."""
+
+    name = "TOY"
+    priority = 100
+    device_types = ("cpu",)
+
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> bool:
+        return block_size == 8
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size == 4
+
+    def build_metadata(self, seqs):
+        return seqs
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        return q
+
+
+@pytest.fixture
+def toy_registered(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    registry.register_backend("TOY", ToyBackend)
+
+
+def test_a_registered_backend_is_selected_where_it_supports_the_settings(toy_registered):
+    assert "TOY" in registry.backend_names()
+    assert selector.select_attention_backend(CPU, torch.float32, 8, 4) is ToyBackend
+    # Where it cannot run, the selector goes on down the priorities, silently on CPU.
+    assert selector.select_attention_backend(CPU, torch.float32, 16, 4) is TorchSDPABackend
+    assert selector.select_attention_backend(CPU, torch.float32, 8, 64) is TorchSDPABackend
+
+
+def test_forcing_a_registered_backend_names_why_it_cannot_run(toy_registered, monkeypatch):
+    monkeypatch.setenv(selector.ENV_VAR, "toy")
+    assert selector.select_attention_backend(CPU, torch.float32, 8, 4) is ToyBackend
+    with pytest.raises(ValueError, match="TOY but block size 16"):
+        selector.select_attention_backend(CPU, torch.float32, 16, 4)
+    with pytest.raises(ValueError, match="device is cuda, TOY needs CPU"):
+        selector.select_attention_backend(CUDA, torch.float32, 8, 4)
+
+
+def test_register_backend_checks_the_name():
+    with pytest.raises(ValueError, match="upper case"):
+        registry.register_backend("toy", ToyBackend)

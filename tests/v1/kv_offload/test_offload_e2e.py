@@ -30,11 +30,14 @@ def greedy() -> SamplingParams:
 
 
 def test_tiny_pool_with_tier_matches_a_pool_that_never_evicts():
-    big = LLM(num_gpu_blocks_override=64, max_model_len=512)
+    # fp32 both: tokens are compared across two batch histories (the exactness reference).
+    big = LLM(num_gpu_blocks_override=64, max_model_len=512, quantization="fp32")
     expected = [big.generate(PROMPTS[i], greedy())[0].outputs[0].token_ids for i in ORDER]
     del big
     # 7 usable blocks of 16 tokens: one ~50-token prompt and its output at a time.
-    llm = LLM(num_gpu_blocks_override=8, max_model_len=512, kv_offloading_size=0.02)
+    llm = LLM(
+        num_gpu_blocks_override=8, max_model_len=512, kv_offloading_size=0.02, quantization="fp32"
+    )
     runner = llm.engine_core.model_runner
     loads = []
     transfer = runner.transfer_kv

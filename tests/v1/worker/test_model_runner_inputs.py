@@ -27,8 +27,8 @@ import torch
 
 from vllm.config import CacheConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
-from vllm.v1.attention.backends import flash_attn
-from vllm.v1.attention.selector import FLASH_ATTN, TORCH_BACKEND, AttentionBackend
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.worker.model_runner import ModelRunner
 
@@ -41,9 +41,9 @@ PROMPT_D = [1000, 1001, 1002, 1003, 4004, 4005]  # shares A's first block
 
 # flash-attn's metadata builder is pure torch (the kernel import is lazy), so it runs on
 # CPU; with block size 4 it is in "gathered" mode. It takes the batch in scheduler order.
-FLASH_BUILDER = AttentionBackend(
-    FLASH_ATTN, flash_attn.build_flash_metadata, forward=None, decodes_first=False
-)
+# (The recording model never calls forward, so the layer shapes do not matter.)
+FLASH_BUILDER = FlashAttentionBackend(1, 1, 8, torch.float32, "cpu", BLOCK)
+TORCH_BACKEND = TorchSDPABackend(1, 1, 8, torch.float32, "cpu", BLOCK)
 
 
 class RecordingModel:

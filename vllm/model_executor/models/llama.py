@@ -2,9 +2,9 @@
 
 One forward computes all scheduled tokens of all requests: ``input_ids`` and
 ``positions`` are flat ``(num_tokens,)``; attention reads and writes the paged KV cache
-through the attention backend's per-step metadata (torch by default; the model runner
-installs the selected backend with ``set_attention_backend``). Qwen2 adds q/k/v biases,
-Qwen3 RMS-normalises q and k.
+through the attention backend the model runner installs (``set_attention_backend``) and
+the step's metadata it built. Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q and k.
+Registered for all four HF architectures in ``registry.py``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backends.torch_sdpa import paged_attention
+from vllm.model_executor.layers.quantization.gguf import GGUFLayout
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class LlamaLayer(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # (q, k, v, kv_cache, meta, scale) -> (num_tokens, heads, head_dim)
-        self.attn_forward: Callable[..., torch.Tensor] = paged_attention
+        self.attn_forward: Callable[..., torch.Tensor] = _no_attention_backend
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
@@ -156,7 +156,29 @@ class LlamaLayer(nn.Module):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
 
 
+def _no_attention_backend(*args: Any) -> torch.Tensor:
+    raise RuntimeError("no attention backend: call set_attention_backend first")
+
+
 class LlamaForCausalLM(nn.Module):
+    # llama.cpp's tensors for our fused layers. Its converter interleaves the q/k rotary
+    # halves for its "llama" architecture (Llama, Mistral, SmolLM2), not for qwen2/qwen3.
+    gguf_layout: ClassVar[GGUFLayout] = GGUFLayout(
+        layer_tensors={
+            "qkv_proj": ("attn_q", "attn_k", "attn_v"),
+            "o_proj": ("attn_output",),
+            "gate_up_proj": ("ffn_gate", "ffn_up"),
+            "down_proj": ("ffn_down",),
+        },
+        head_tensors=("output", "token_embd"),
+        permuted={"llama": {"attn_q": "num_heads", "attn_k": "num_kv_heads"}},
+        elementwise_pairs=(("gate_up_proj", "down_proj"),),  # silu_and_mul between
+    )
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> LlamaArch:
+        return LlamaArch.from_hf(hf_config)
+
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.arch = arch
@@ -166,10 +188,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta)
 
-    def set_attention_backend(self, forward: Callable[..., torch.Tensor]) -> None:
-        """Every layer attends with ``forward`` (see ``vllm.v1.attention.selector``)."""
+    def set_attention_backend(self, backend: Any) -> None:
+        """Every layer attends with ``backend`` (an ``AttentionBackend`` instance)."""
         for layer in self.layers:
-            layer.attn_forward = forward
+            layer.attn_forward = backend.forward
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
@@ -184,9 +206,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy HF checkpoint tensors in, fusing q/k/v and gate/up projections."""
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy HF checkpoint tensors in, fusing q/k/v and gate/up projections, and compute
+        the rotary table (a buffer no checkpoint holds) on the weights' device."""
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        a = self.arch
+        device = self.embed_tokens.weight.device
+        self.rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta).to(device)
         with torch.no_grad():
             self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
             self.norm.weight.copy_(sd["norm.weight"])

@@ -6,9 +6,7 @@ is the null block and is never written).
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -17,10 +15,11 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import VllmConfig
-from vllm.model_executor.model_loader import apply_quantization, resolve_model
-from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
+from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
+from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
-from vllm.v1.attention.selector import TORCH_BACKEND, AttentionBackend, select_attention_backend
+from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
 from vllm.v1.sample.sampler import SamplingRow, sample, token_logprobs
@@ -28,7 +27,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_CPU_KV_BYTES = 1 << 30
 # Prompt logprobs take the logits of every prompt position: at most this many rows of
 # (rows, vocab) logits at a time (256 x 49,152 fp32 = 48 MiB).
@@ -65,76 +63,60 @@ class ModelRunner:
             # emulates bf16 (expected slower than fp32; no such CPU measured here).
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
-        self.model: LlamaForCausalLM | None = None
+        self.model = None  # a class of the model registry, built in load_model
+        self.arch = None  # the model's shapes (model.arch)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_offload = None  # the CPU KV tier's handler (initialize_kv_offload)
         self.requests: dict[str, CachedRequestState] = {}
         # Generators of seeded requests preempted (recompute) and not yet resumed.
         self._paused_generators: dict[str, torch.Generator] = {}
-        self.attn_backend: AttentionBackend = TORCH_BACKEND  # chosen in load_model
+        self.attn_backend: AttentionBackend | None = None  # chosen in load_model
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
         if self.device.type == "cpu":
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
 
     # -- start-up -------------------------------------------------------------------------
     def install_attention_backend(self) -> None:
-        """Every layer attends with the selected backend. When the gguf path's prefill GEMMs
-        compute in bf16 (``VLLM_CPU_GGUF_PREFILL_DTYPE``), the torch backend's native prefill
-        kernel takes bf16 products too (docs/kernels.md); fp32 models keep fp32 attention."""
+        """Every layer attends with ``self.attn_backend``, told the model's prefill compute
+        dtype: when the gguf path's prefill GEMMs compute in bf16
+        (``VLLM_CPU_GGUF_PREFILL_DTYPE``), the torch backend's native prefill kernel takes
+        bf16 products too (docs/kernels.md); fp32 models keep fp32 attention. Called again
+        after the model's weight format changes."""
         from vllm.model_executor.layers.quantization.gguf import model_prefill_dtype
-        from vllm.v1.attention.backends import torch_sdpa
 
-        forward, detail = self.attn_backend.forward, self.attn_backend.detail
-        if (
-            forward is torch_sdpa.paged_attention
-            and model_prefill_dtype(self.model) == torch.bfloat16
-        ):
-            forward = functools.partial(forward, prefill_bf16=True)
-            detail = ", ".join(filter(None, [detail, "bf16 prefill products"]))
-        self.model.set_attention_backend(forward)
+        self.attn_backend.use_prefill_dtype(model_prefill_dtype(self.model))
+        self.model.set_attention_backend(self.attn_backend)
+        detail = self.attn_backend.detail
         logger.info(
             "Attention backend: %s%s", self.attn_backend.name, f" ({detail})" if detail else ""
         )
 
     def load_model(self) -> None:
-        from safetensors.torch import load_file
         from transformers import AutoConfig
 
         start = time.monotonic()
         path = resolve_model(self.model_config.model)
         hf_config = AutoConfig.from_pretrained(path)
-        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type {hf_config.model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        self.arch = LlamaArch.from_hf(hf_config)
+        model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
         torch.manual_seed(self.model_config.seed)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch)
-        model = model.to_empty(device=self.device)
-        model.rope = type(model.rope)(
-            self.arch.head_dim, self.arch.max_position_embeddings, self.arch.rope_theta
-        ).to(self.device)
-        state: dict[str, torch.Tensor] = {}
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".safetensors"):
-                state.update(load_file(os.path.join(path, name)))
-        model.load_hf_state_dict(state)
-        self.model = model.to(self.dtype).eval()
+        self.model = load_model_weights(model_cls, hf_config, path, self.device, self.dtype)
+        self.arch = self.model.arch
         if self.device.type == "cpu":
             # Norm, rotary, SiLU and decode-attention kernels: JIT-built once when missing
             # (then cached); without a compiler the pure-torch fallbacks run.
             ops.ensure_native_kernels()
         apply_quantization(self.model, self.model_config)
-        self.attn_backend = select_attention_backend(
-            self.device, self.dtype, self.block_size, self.arch.head_dim
+        a = self.arch
+        backend_cls = select_attention_backend(self.device, self.dtype, self.block_size, a.head_dim)
+        self.attn_backend = backend_cls(
+            a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.block_size
         )
         self.install_attention_backend()
         logger.info(
-            "Loaded %s (%s) in %.1f s",
+            "Loaded %s (%s: %s) in %.1f s",
             self.model_config.model,
-            hf_config.model_type,
+            architecture,
+            model_cls.__name__,
             time.monotonic() - start,
         )
 
@@ -275,7 +257,7 @@ class ModelRunner:
             if start + n >= len(state.token_ids):  # reached the end: sample a token
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
-        meta = self.attn_backend.build_metadata(seqs, self.block_size, self.device)
+        meta = self.attn_backend.build_metadata(seqs)
         hidden = self.model(
             torch.tensor(ids, device=self.device),
             torch.tensor(positions, device=self.device),
@@ -356,9 +338,7 @@ class ModelRunner:
             need = -(-size // self.block_size)
             if need > num_blocks - 1:
                 break
-            meta = self.attn_backend.build_metadata(
-                [(0, size, list(range(1, need + 1)))], self.block_size, self.device
-            )
+            meta = self.attn_backend.build_metadata([(0, size, list(range(1, need + 1)))])
             ids = torch.zeros(size, dtype=torch.long, device=self.device)
             pos = torch.arange(size, device=self.device)
             self.model(ids, pos, meta, self.kv_caches)  # warm-up

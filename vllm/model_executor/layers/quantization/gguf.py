@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -223,40 +224,69 @@ def keep_prefill_dtype_between(first: nn.Module, second: nn.Module) -> bool:
     return ok
 
 
+@dataclass(frozen=True)
+class GGUFLayout:
+    """Where a model class's linear layers are in a llama.cpp GGUF: data the model class
+    declares as ``gguf_layout`` (``models/registry.py``), so this file names no
+    architecture. The model has ``layers`` (its decoder layers) and ``lm_head``.
+
+    ``layer_tensors``: an attribute of each decoder layer -> the GGUF tensors
+    (``blk.{i}.<name>.weight``) whose rows it concatenates, in order.
+    ``head_tensors``: ``lm_head``'s tensor, the first the file has (``token_embd`` when
+    the embeddings are tied).
+    ``permuted``: llama.cpp ``general.architecture`` -> the tensors its converter stored
+    with each head's rotary halves interleaved (``unpermute_rows`` undoes it), each with
+    the ``model.arch`` field that holds its head count.
+    ``elementwise_pairs``: (first, second) layer attributes with only an elementwise op
+    between them (``keep_prefill_dtype_between``).
+    """
+
+    layer_tensors: dict[str, tuple[str, ...]]
+    head_tensors: tuple[str, ...] = ("output", "token_embd")
+    permuted: dict[str, dict[str, str]] = field(default_factory=dict)
+    elementwise_pairs: tuple[tuple[str, str], ...] = ()
+
+    def plan(self, model: nn.Module, g: GGUFTensors) -> list[tuple[nn.Module, str, list]]:
+        """(parent module, attribute, [(GGUF tensor name, row order or None)]) for every
+        linear layer of ``model``, in the file's order: layer by layer, then the head."""
+        perms = {}
+        for name, heads_field in self.permuted.get(g.arch, {}).items():
+            n_heads = getattr(model.arch, heads_field)
+            perms[name] = unpermute_rows(n_heads * model.arch.head_dim, n_heads)
+        plan: list[tuple[nn.Module, str, list]] = []
+        for i, layer in enumerate(model.layers):
+            for attr, names in self.layer_tensors.items():
+                parts = [(f"blk.{i}.{name}.weight", perms.get(name)) for name in names]
+                plan.append((layer, attr, parts))
+        present = [t for t in self.head_tensors if f"{t}.weight" in g.tensors]
+        head = (present or list(self.head_tensors))[0]
+        plan.append((model, "lm_head", [(f"{head}.weight", None)]))
+        return plan
+
+
+def model_gguf_layout(model: nn.Module) -> GGUFLayout:
+    layout = getattr(type(model), "gguf_layout", None)
+    if layout is None:
+        raise ValueError(
+            f"{type(model).__name__} declares no gguf_layout: --quantization gguf is not "
+            "supported for it (use --quantization fp32)"
+        )
+    return layout
+
+
 def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int]:
-    """Replace ``model``'s linear layers (a loaded ``LlamaForCausalLM``) by GGUFLinear over the
-    blocks of the GGUF at ``path``. Returns counts: ``quantized`` / ``kept_fp32`` modules.
-    The prefill dtype (``prefill_dtype()``) and decode activations (``decode_act()``) are
-    fixed here, once per load."""
+    """Replace ``model``'s linear layers (as its class's ``gguf_layout`` places them) by
+    GGUFLinear over the blocks of the GGUF at ``path``. Returns counts: ``quantized`` /
+    ``kept_fp32`` modules. The prefill dtype (``prefill_dtype()``) and decode activations
+    (``decode_act()``) are fixed here, once per load."""
+    layout = model_gguf_layout(model)
+    if model_prefill_dtype(model) is not None:
+        raise ValueError("the model's linear layers are GGUF blocks already")
     dtype, act = prefill_dtype(), decode_act()
     dense_from = dense_min_tokens(dtype)
     g = GGUFTensors(path)
-    a = model.arch
-    # llama.cpp interleaves q/k rotary halves for the llama architecture only.
-    permute = g.arch == "llama"
-    q_perm = unpermute_rows(a.num_heads * a.head_dim, a.num_heads) if permute else None
-    k_perm = unpermute_rows(a.num_kv_heads * a.head_dim, a.num_kv_heads) if permute else None
-    plan: list[tuple[nn.Module, str, list[tuple[str, torch.Tensor | None]]]] = []
-    for i, layer in enumerate(model.layers):
-        b = f"blk.{i}."
-        plan += [
-            (
-                layer,
-                "qkv_proj",
-                [
-                    (b + "attn_q.weight", q_perm),
-                    (b + "attn_k.weight", k_perm),
-                    (b + "attn_v.weight", None),
-                ],
-            ),
-            (layer, "o_proj", [(b + "attn_output.weight", None)]),
-            (layer, "gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]),
-            (layer, "down_proj", [(b + "ffn_down.weight", None)]),
-        ]
-    head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-    plan.append((model, "lm_head", [(head, None)]))
     counts = {"quantized": 0, "kept_fp32": 0}
-    for parent, attr, parts in plan:
+    for parent, attr, parts in layout.plan(model, g):
         new = _fused_module(g, parts, getattr(parent, attr), dtype, act, dense_from)
         if new is None:
             counts["kept_fp32"] += 1
@@ -266,7 +296,8 @@ def apply_gguf_quantization(model: nn.Module, path: str | Path) -> dict[str, int
         counts["quantized"] += 1
     if dtype != torch.float32:
         for layer in model.layers:
-            keep_prefill_dtype_between(layer.gate_up_proj, layer.down_proj)
+            for first, second in layout.elementwise_pairs:
+                keep_prefill_dtype_between(getattr(layer, first), getattr(layer, second))
     prefill = (
         "the block kernel at every size"
         if dense_from == NEVER_DENSE

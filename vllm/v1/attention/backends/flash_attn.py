@@ -18,17 +18,21 @@ Two ways to hand the keys over, chosen once from the block size:
   ``cu_seqlens_k``. That costs one copy of the step's context K/V per layer, which is
   also what the torch backend pays, and keeps the kernel on the documented API.
 
-The ``flash_attn`` import is lazy: this module imports on a CPU-only machine.
+``FlashAttentionBackend`` is the registered backend (``FLASH_ATTN``): the selector takes it
+on CUDA with fp16/bf16 when the package imports. The ``flash_attn`` import is lazy: this
+module imports on a CPU-only machine.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm._custom_ops import reshape_and_cache
+from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
 
 # Upstream flash-attn 2 only accepts paged caches whose page size is a multiple of this.
 FLASH_ATTN_PAGE_MULTIPLE = 256
@@ -70,7 +74,7 @@ def _cumsum(lens: list[int]) -> list[int]:
 
 
 def build_flash_metadata(
-    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+    seqs: list[SeqLayout], block_size: int, device: torch.device | str
 ) -> FlashAttentionMetadata:
     """``seqs``: per request in batch order, (num_computed, num_new, block_ids).
 
@@ -151,3 +155,63 @@ def flash_paged_attention(
         causal=True,
         block_table=block_table,
     )
+
+
+def flash_attn_importable() -> bool:
+    try:
+        importlib.import_module("flash_attn")
+    except Exception:  # ImportError, or a wheel built for another torch/CUDA (OSError...)
+        return False
+    return True
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """The functions above as a backend: CUDA, fp16/bf16, head size a multiple of 8 up to
+    256, the ``flash_attn`` package importable. Any block size: paged through
+    ``block_table`` when it is a multiple of 256, the contexts gathered per step else."""
+
+    name = "FLASH_ATTN"
+    priority = 10
+    decodes_first = False
+    device_types = ("cuda",)
+    supported_dtypes = SUPPORTED_DTYPES
+
+    @classmethod
+    def supports_device(cls, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_available()
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size <= MAX_HEAD_DIM and head_size % 8 == 0
+
+    @classmethod
+    def validate_configuration(
+        cls, device: torch.device, dtype: torch.dtype, block_size: int, head_size: int
+    ) -> list[str]:
+        reasons = super().validate_configuration(device, dtype, block_size, head_size)
+        if not reasons and not flash_attn_importable():  # the import last: it is not cheap
+            reasons.append("the flash-attn package is not importable (pip install '.[cuda]')")
+        return reasons
+
+    @property
+    def detail(self) -> str:
+        if supports_block_table(self.block_size):
+            return f"paged KV through block_table (block size {self.block_size})"
+        return (
+            f"block size {self.block_size} is not a multiple of {FLASH_ATTN_PAGE_MULTIPLE}"
+            " (upstream flash-attn's paged minimum): contexts are gathered per step"
+        )
+
+    def build_metadata(self, seqs: list[SeqLayout]) -> FlashAttentionMetadata:
+        return build_flash_metadata(seqs, self.block_size, self.device)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: FlashAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return flash_paged_attention(q, k, v, kv_cache, meta, scale)

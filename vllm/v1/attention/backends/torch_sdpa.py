@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from vllm import _custom_ops as ops
 from vllm._custom_ops import reshape_and_cache
+from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
 
 
 @dataclass
@@ -82,7 +83,7 @@ def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[
 
 
 def build_metadata(
-    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+    seqs: list[SeqLayout], block_size: int, device: torch.device | str
 ) -> AttentionMetadata:
     """``seqs``: per request in batch order, (num_computed, num_new, block_ids); decodes
     (num_new == 1 with a context) must come first."""
@@ -219,3 +220,40 @@ def paged_attention(
         )
         out[s:e] = o[0].transpose(0, 1)
     return out
+
+
+class TorchSDPABackend(AttentionBackend):
+    """The functions above as a backend: runs on any device and dtype (the fallback).
+
+    ``prefill_bf16``: set when the model's prefill GEMMs compute in bf16 (the gguf path's
+    ``VLLM_CPU_GGUF_PREFILL_DTYPE``); then prefill chunks may take the native kernel's bf16
+    products. Decodes and the SDPA fallback stay in the cache's dtype."""
+
+    name = "TORCH_SDPA"
+    priority = 0
+    decodes_first = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefill_bf16 = False
+
+    def use_prefill_dtype(self, dtype: torch.dtype | None) -> None:
+        self.prefill_bf16 = dtype == torch.bfloat16
+
+    @property
+    def detail(self) -> str:
+        return "bf16 prefill products" if self.prefill_bf16 else ""
+
+    def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
+        return build_metadata(seqs, self.block_size, self.device)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, meta, scale, self.prefill_bf16)

@@ -1,0 +1,125 @@
+"""The model registry: HF ``architectures`` (or ``model_type``) -> our model class.
+
+The four registered architectures share the Llama implementation; each is checked end to
+end on a tiny random checkpoint written by transformers itself: loaded through the
+registry and the runner's loader, our logits equal transformers' at every position.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.registry import ModelRegistry
+
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """ModelRegistry with its table restored after the test."""
+    monkeypatch.setattr(ModelRegistry, "models", dict(ModelRegistry.models))
+    return ModelRegistry
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_family_resolves_to_the_llama_implementation(arch):
+    cls, chosen = ModelRegistry.resolve_model_cls(SimpleNamespace(architectures=[arch]))
+    assert cls is LlamaForCausalLM and chosen == arch
+
+
+def test_model_type_is_the_fallback_when_no_architecture_is_listed():
+    config = SimpleNamespace(architectures=None, model_type="qwen3")
+    assert ModelRegistry.resolve_model_cls(config) == (LlamaForCausalLM, "Qwen3ForCausalLM")
+
+
+def test_first_registered_architecture_wins():
+    config = SimpleNamespace(architectures=["FancyForCausalLM", "MistralForCausalLM"])
+    assert ModelRegistry.resolve_model_cls(config)[1] == "MistralForCausalLM"
+
+
+def test_unknown_architecture_is_named_with_the_supported_ones():
+    config = SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ValueError) as e:
+        ModelRegistry.resolve_model_cls(config)
+    message = str(e.value)
+    assert "GPT2LMHeadModel is not supported" in message
+    assert all(arch in message for arch in ARCHS)
+    # A listed but unknown architecture is not rescued by a known model_type.
+    with pytest.raises(ValueError, match="LlamaForSequenceClassification"):
+        ModelRegistry.resolve_model_cls(
+            SimpleNamespace(architectures=["LlamaForSequenceClassification"], model_type="llama")
+        )
+    with pytest.raises(ValueError, match="none listed; model_type 'gpt2'"):
+        ModelRegistry.resolve_model_cls(SimpleNamespace(architectures=[], model_type="gpt2"))
+
+
+def test_registered_architecture_is_imported_lazily(registry):
+    registry.register_model("ToyForCausalLM", "collections:OrderedDict", model_type="toy")
+    assert "ToyForCausalLM" in registry.get_supported_archs()
+    config = SimpleNamespace(architectures=None, model_type="toy")
+    from collections import OrderedDict
+
+    assert registry.resolve_model_cls(config) == (OrderedDict, "ToyForCausalLM")
+    with pytest.raises(ValueError, match="module:Class"):
+        registry.register_model("BadForCausalLM", "no_colon_here")
+    registry.register_model("MissingForCausalLM", "vllm.no_such_module:Missing")
+    with pytest.raises(ModuleNotFoundError):
+        registry.resolve_model_cls(SimpleNamespace(architectures=["MissingForCausalLM"]))
+
+
+# -- each registered architecture, end to end on a tiny checkpoint ----------------------------
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
+
+def _tiny_checkpoint(arch: str, path) -> torch.nn.Module:
+    import transformers
+
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config_cls(**TINY)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_registered_architecture_loads_and_matches_transformers(arch, tmp_path):
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.worker.model_runner import ModelRunner
+
+    hf = _tiny_checkpoint(arch, tmp_path)
+    threads = torch.get_num_threads()
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path)), cache_config=CacheConfig(block_size=16)
+    )
+    runner = ModelRunner(config, device="cpu")
+    try:
+        runner.load_model()
+    finally:
+        torch.set_num_threads(threads)
+    assert type(runner.model) is LlamaForCausalLM
+    assert (runner.arch.attention_bias, runner.arch.qk_norm) == (
+        arch == "Qwen2ForCausalLM",
+        arch == "Qwen3ForCausalLM",
+    )
+    runner.initialize_kv_cache(4)
+    ids = torch.randint(0, TINY["vocab_size"], (20,), generator=torch.Generator().manual_seed(1))
+    meta = runner.attn_backend.build_metadata([(0, len(ids), [1, 2])])
+    with torch.inference_mode():
+        ours = runner.model.compute_logits(
+            runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
+        )
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

@@ -1,0 +1,83 @@
+"""Which model class runs a checkpoint: the HF config's ``architectures`` -> our class.
+
+As vLLM's ``ModelRegistry``: an entry names a module of ``vllm.model_executor.models`` and
+a class in it, imported on first use, so a model family is one file plus one line per HF
+architecture here (or a ``ModelRegistry.register_model`` call from a plugin or a test). A
+config that lists no ``architectures`` is looked up by its ``model_type``.
+
+What the runner and the loader need from a model class (``llama.py`` is the example):
+
+- ``arch_from_hf(hf_config)`` (static): the shapes, with at least ``num_layers``,
+  ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``vocab_size`` (the KV cache and the
+  attention backend are sized from them); the instance keeps it as ``model.arch``;
+- ``cls(arch)`` builds on the meta device; ``load_weights(state_dict)`` then fills every
+  parameter and buffer from the HF checkpoint's tensors;
+- ``set_attention_backend(backend)``; ``forward(input_ids, positions, meta, kv_caches)``
+  -> ``(num_tokens, hidden)``; ``compute_logits(hidden)`` -> fp32 ``(rows, vocab)``;
+- optionally ``gguf_layout`` (``layers/quantization/gguf.py``'s ``GGUFLayout``): where
+  its linear layers are in a llama.cpp GGUF, for ``--quantization gguf``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PACKAGE = "vllm.model_executor.models"
+
+# HF architecture: (HF model_type, module under vllm.model_executor.models, class).
+# Mistral, Qwen2 and Qwen3 share the Llama implementation (Qwen2's q/k/v biases and
+# Qwen3's q/k norms are flags of its LlamaArch).
+_MODELS: dict[str, tuple[str, str, str]] = {
+    "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "llama", "LlamaForCausalLM"),
+}
+
+
+class _ModelRegistry:
+    def __init__(self, models: dict[str, tuple[str, str, str]]) -> None:
+        # architecture -> (model_type, full module path, class name)
+        self.models = {
+            arch: (model_type, f"{_PACKAGE}.{module}", class_name)
+            for arch, (model_type, module, class_name) in models.items()
+        }
+
+    def register_model(self, architecture: str, target: str, model_type: str = "") -> None:
+        """Run checkpoints of HF ``architecture`` (and, when the config lists none, of
+        ``model_type``) with ``target``: ``"module:Class"``, the module a full dotted
+        path; imported on first use. Replaces an existing entry."""
+        module, _, class_name = target.partition(":")
+        if not module or not class_name:
+            raise ValueError(f"model target {target!r} must be 'module:Class'")
+        self.models[architecture] = (model_type, module, class_name)
+
+    def get_supported_archs(self) -> list[str]:
+        return sorted(self.models)
+
+    def _load(self, architecture: str) -> type:
+        _, module, class_name = self.models[architecture]
+        return getattr(importlib.import_module(module), class_name)
+
+    def resolve_model_cls(self, hf_config: Any) -> tuple[type, str]:
+        """(model class, the architecture it was chosen for) for an HF config: its first
+        registered ``architectures`` entry, or its ``model_type`` when it lists none.
+        ValueError naming the architecture and the supported ones otherwise."""
+        architectures = list(getattr(hf_config, "architectures", None) or [])
+        for arch in architectures:
+            if arch in self.models:
+                return self._load(arch), arch
+        model_type = getattr(hf_config, "model_type", None)
+        if not architectures:
+            for arch, (arch_type, _, _) in self.models.items():
+                if model_type and arch_type == model_type:
+                    return self._load(arch), arch
+        named = ", ".join(architectures) or f"(none listed; model_type {model_type!r})"
+        raise ValueError(
+            f"model architecture {named} is not supported; "
+            f"supported architectures: {', '.join(self.get_supported_archs())}"
+        )
+
+
+ModelRegistry = _ModelRegistry(_MODELS)

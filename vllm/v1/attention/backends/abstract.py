@@ -1,0 +1,132 @@
+"""The attention backend interface: a class per backend, one instance per model runner.
+
+A backend is told the layer shapes once (heads, KV heads, head size, dtype, device, block
+size), builds one metadata object per step from the batch layout, and attends for every
+layer with it. Its classmethods say where it can run, so the selector
+(``vllm.v1.attention.selector``) picks among the registered backends
+(``backends/registry.py``) without knowing any of them by name.
+
+One step, as the model runner drives it::
+
+    meta = backend.build_metadata(seqs)            # once: (num_computed, num_new, block_ids)
+    for each layer:                                # per request, in batch order
+        out = backend.forward(q, k, v, kv_caches[layer], meta, scale)
+
+``forward`` writes the step's K/V at ``meta``'s slot mapping and attends; ``meta`` is only
+valid for the step it was built for (it holds that step's slots and block tables).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+# Per request, in batch order: (num_computed_tokens, num_new_tokens, block_ids). The new
+# tokens are positions [num_computed, num_computed + num_new); block_ids cover them.
+SeqLayout = tuple[int, int, list[int]]
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the KV cache layout ``(2, num_blocks, block_size, kv_heads,
+    head_size)`` per layer.
+
+    Subclasses set ``name`` (the ``VLLM_ATTENTION_BACKEND`` value), ``priority`` (the
+    selector tries higher first; the universal fallback is 0), ``device_types`` and
+    ``supported_dtypes``, and override the ``supports_*`` classmethods they restrict.
+    ``decodes_first``: ``build_metadata`` needs the single-token decodes (one new token
+    over a cached context) ahead of every prefill chunk; the runner orders the batch so.
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+    decodes_first: ClassVar[bool] = False
+    device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    )
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        block_size: int,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block_size = block_size
+
+    # -- where it runs (the selector asks before constructing) ----------------------------
+    @classmethod
+    def supports_device(cls, device: torch.device) -> bool:
+        return device.type in cls.device_types
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in cls.supported_dtypes
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return True
+
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> bool:
+        return True
+
+    @classmethod
+    def validate_configuration(
+        cls, device: torch.device, dtype: torch.dtype, block_size: int, head_size: int
+    ) -> list[str]:
+        """Why the backend cannot run with these settings; empty when it can. Subclasses
+        append costlier checks (an import) only when these cheap ones pass."""
+        reasons = []
+        if not cls.supports_device(device):
+            needs = " or ".join(t.upper() for t in cls.device_types)
+            reasons.append(f"device is {device.type}, {cls.name} needs {needs}")
+        if not cls.supports_dtype(dtype):
+            names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
+            reasons.append(f"dtype {dtype} ({cls.name} supports {names})")
+        if not cls.supports_head_size(head_size):
+            reasons.append(f"head size {head_size} is not supported by {cls.name}")
+        if not cls.supports_block_size(block_size):
+            reasons.append(f"block size {block_size} is not supported by {cls.name}")
+        return reasons
+
+    # -- per model --------------------------------------------------------------------------
+    def use_prefill_dtype(self, dtype: torch.dtype | None) -> None:
+        """The model's prefill GEMMs compute in ``dtype`` (None: the model's own dtype); a
+        backend may take its prefill products in it too. Called at every (re)install."""
+
+    @property
+    def detail(self) -> str:
+        """How this instance runs, for the start-up log ('' when nothing to add)."""
+        return ""
+
+    # -- per step ---------------------------------------------------------------------------
+    @abstractmethod
+    def build_metadata(self, seqs: list[SeqLayout]) -> Any:
+        """The step's metadata (slot mapping, block tables, query offsets...) on
+        ``self.device``, built once and shared by every layer. Mutates nothing."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_size)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_size)
+        meta: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache`` at ``meta``'s slots (the only mutation),
+        then attend each token over its request's context up to itself; returns
+        ``(num_tokens, num_heads, head_size)``."""
