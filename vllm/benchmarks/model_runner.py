@@ -18,7 +18,11 @@ from vllm.v1.worker.model_runner import ModelRunner
 def load_runner(max_tokens: int, block_size: int = 16) -> ModelRunner:
     """The embedded model in fp32, with KV blocks for one sequence of ``max_tokens``."""
     threads = torch.get_num_threads()
-    runner = ModelRunner(VllmConfig(cache_config=CacheConfig(block_size=block_size)), "cpu")
+    config = VllmConfig(
+        model_config=ModelConfig(quantization="fp32"),  # the default would be gguf
+        cache_config=CacheConfig(block_size=block_size),
+    )
+    runner = ModelRunner(config, "cpu")
     runner.load_model()
     runner.initialize_kv_cache(-(-max_tokens // block_size) + 1)  # + the null block 0
     torch.set_num_threads(threads)  # a JIT build of the kernels may have changed it
@@ -44,9 +48,7 @@ def sequence_blocks(runner: ModelRunner) -> list[int]:
 def forward(runner: ModelRunner, ids: list[int], start: int) -> torch.Tensor:
     """Hidden states (len(ids), hidden) of tokens at positions ``start..``; positions
     ``0..start-1`` must be in the cache already (earlier calls)."""
-    meta = runner.attn_backend.build_metadata(
-        [(start, len(ids), sequence_blocks(runner))], runner.block_size, runner.device
-    )
+    meta = runner.attn_backend.build_metadata([(start, len(ids), sequence_blocks(runner))])
     return runner.model(
         torch.tensor(ids), torch.arange(start, start + len(ids)), meta, runner.kv_caches
     )
