@@ -96,8 +96,11 @@ def result_path(out_dir: Path, policy: str, jps: float) -> Path:
 ADMISSION_SUFFIX = re.compile(r"-(no)?admission$")
 # A label may end in "+offload<k>x": the CPU KV tier sized at k times the engine's pool
 # (--num-gpu-blocks; at the default 400 blocks of 720 KiB, 4x = 1.1 GiB, 16x = 4.4 GiB),
-# e.g. "fcfs+offload4x" or "continuum-admission+offload16x".
-OFFLOAD_SUFFIX = re.compile(r"\+offload(\d+)x$")
+# e.g. "fcfs+offload4x" or "continuum-admission+offload16x"; or in "+autotier": the tier
+# the engine sizes itself (--kv-offloading-size unset: for continuum and context_serve,
+# the smaller of 16x the pool and half the free host memory). A label with neither runs
+# without a tier (--kv-offloading-size 0), as every label did before the automatic tier.
+OFFLOAD_SUFFIX = re.compile(r"\+(?:offload(\d+)x|autotier)$")
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 x 64, fp32
 BLOCK_TOKENS = 16  # the server's default --block-size
 ROUTER_IDENTITIES = ("x-session-id", "program_id")  # what the router can route by
@@ -131,7 +134,9 @@ def policy_flags(label: str, num_gpu_blocks: int) -> tuple[str, list[str]]:
         extra = [
             "--no-continuum-job-admission" if admission.group(1) else "--continuum-job-admission"
         ]
-    if tier:
+    if tier is None:
+        extra = [*extra, "--kv-offloading-size", "0"]
+    elif tier.group(1) is not None:
         k = int(tier.group(1))
         if k < 1:
             raise ValueError(f"--policies: {label!r}: the tier must be at least 1x the pool")

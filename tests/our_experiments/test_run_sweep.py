@@ -41,7 +41,10 @@ def test_committed_sweep_configs_name_no_machine_paths():
 
 def test_study_labels_compose_a_variant_with_a_tier_sized_from_the_pool():
     gib = 4 * 400 * run_sweep.BLOCK_BYTES / 2**30
-    assert run_sweep.policy_flags("fcfs", 400) == ("fcfs", [])
+    off = ["--kv-offloading-size", "0"]  # a label without a tier runs without one
+    assert run_sweep.policy_flags("fcfs", 400) == ("fcfs", off)
+    assert run_sweep.policy_flags("continuum", 400) == ("continuum", off)
+    assert run_sweep.policy_flags("continuum+autotier", 400) == ("continuum", [])
     assert run_sweep.policy_flags("fcfs+offload4x", 400) == (
         "fcfs",
         ["--kv-offloading-size", f"{gib:.3f}"],
@@ -52,7 +55,7 @@ def test_study_labels_compose_a_variant_with_a_tier_sized_from_the_pool():
     )
     assert run_sweep.policy_flags("continuum-noadmission", 400) == (
         "continuum",
-        ["--no-continuum-job-admission"],
+        ["--no-continuum-job-admission", *off],
     )
     assert run_sweep.policy_flags("context_serve-admission+offload4x", 400) == (
         "context_serve",
