@@ -91,7 +91,7 @@ class Request:
         self.num_prompt_logprobs = 0
         self._pending_prompt_logprobs: list[TokenLogprobs] = []
 
-        # Agent metadata (Continuum): from SamplingParams.extra_args.
+        # Agent metadata (read by the policies): from SamplingParams.extra_args.
         self.job_id: str | None = sampling_params.job_id
         self.is_last_step: bool = sampling_params.is_last_step
 
