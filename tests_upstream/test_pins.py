@@ -28,6 +28,7 @@ def test_pin_holds_blocks_then_next_turn_hits_them(vllm_config):
     assert len(s.pins) == 0 and s.pin_counters.hits == 1
     run_until_done(s)
     assert used_blocks(s) == 0  # the last step frees at once
+    assert not s.infos  # each request's view lived until its blocks (or its pin) went
 
 
 def test_pin_expires_after_its_ttl(vllm_config):

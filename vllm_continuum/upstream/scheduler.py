@@ -219,7 +219,9 @@ class PolicyScheduler(Scheduler):
 
     def on_pin_released(self, entry: PinEntry, now: float, reason: str) -> None:
         self.job_pin_changed(entry.job)
-        info = self.infos.pop(entry.request.request_id, None) or self.info_of(entry.request)
+        info = self.infos.pop(entry.request.request_id, None)
+        if info is None:  # (kept from the pin on: not expected) a view without storing it
+            info = request_info(entry.request, now)
         self.agent_policy.on_pin_released(info, now, reason)
 
     def may_release_pin(self, requester: Request, entry: PinEntry, now: float) -> bool:
