@@ -113,14 +113,15 @@ class EngineCore:
         (``Policy.wants_kv_tier``) gets a tier sized from free host memory when prefix
         caching is on (the tier finds blocks by their prefix hash); others get none."""
         offload = self.vllm_config.offload_config
+        policy_cls = get_policy_class(self.vllm_config.scheduler_config.policy)
+        auto = offload.auto and (
+            policy_cls.wants_kv_tier and self.vllm_config.cache_config.enable_prefix_caching
+        )
+        if not (auto or offload.enabled):  # (VllmConfig refuses a tier without prefix caching)
+            return 0, 0
+        block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
         auto_bytes = None
-        if offload.auto:
-            policy_cls = get_policy_class(self.vllm_config.scheduler_config.policy)
-            if not (
-                policy_cls.wants_kv_tier and self.vllm_config.cache_config.enable_prefix_caching
-            ):
-                return 0, 0
-            block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
+        if auto:
             auto_bytes = offload.auto_size_bytes(self.num_gpu_blocks * block_bytes)
             if auto_bytes < block_bytes:
                 return 0, 0
@@ -129,9 +130,6 @@ class EngineCore:
                 policy_cls.name,
                 auto_bytes / 2**30,
             )
-        elif not offload.enabled:  # (VllmConfig refuses a tier without prefix caching)
-            return 0, 0
-        block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
         num_blocks = offload.num_blocks(block_bytes, auto_bytes)
         self.model_runner.initialize_kv_offload(num_blocks)
         return num_blocks, block_bytes
