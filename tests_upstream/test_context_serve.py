@@ -151,8 +151,8 @@ def test_context_serve_is_a_scheduling_policy_with_its_own_settings():
     )
     assert config.get_scheduler_cls() is PolicyScheduler
     cs_config = context_serve_config_from(engine_args.additional_config)
-    assert cs_config.fast_pin_s == 1.5 and not cs_config.offload_slow  # no CPU tier
+    assert cs_config.fast_pin_s == 1.5 and cs_config.offload_slow  # acts only with a tier
     with pytest.raises(ValueError, match="fast_pin_s"):
         context_serve_config_from({"context_serve": {"fast_pin_s": -1}})
     with pytest.raises(ValueError, match="unknown keys"):
-        context_serve_config_from({"context_serve": {"offload_slow": True}})
+        context_serve_config_from({"context_serve": {"offload_slower": True}})

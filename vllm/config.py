@@ -8,7 +8,6 @@ Invalid values raise ``ValueError`` naming the field and the bad value.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -21,6 +20,7 @@ from vllm_continuum.config import (  # the policies' config lives with the polic
     config_field,
 )
 from vllm_continuum.context_serve.config import ContextServeConfig
+from vllm_continuum.tier import auto_tier_bytes, available_host_memory
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -204,25 +204,6 @@ def parse_gib(text: str | float) -> float:
         raise ValueError(f"--kv-offloading-size must be a number of GiB, got {text!r}") from None
 
 
-def available_host_memory() -> int:
-    """Bytes of host memory available to a new allocation (``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-# The automatic tier (policies that keep jobs' contexts, --kv-offloading-size unset): at the
-# study's overload points a 4x tier no longer held a heavier sample's contexts, a 16x one
-# did (docs/experiments.md); half the host memory leaves the rest to everything else.
-AUTO_TIER_POOL_MULTIPLE = 16
-AUTO_TIER_HOST_SHARE = 0.5
-
-
 @dataclass(frozen=True)
 class OffloadConfig:
     """A second KV tier in host memory (vLLM's native KV offloading)."""
@@ -272,10 +253,9 @@ class OffloadConfig:
         return self.kv_offloading_size is None
 
     def auto_size_bytes(self, pool_bytes: int) -> int:
-        """The tier an unset ``--kv-offloading-size`` gets: ``AUTO_TIER_POOL_MULTIPLE`` x
-        the KV cache, at most ``AUTO_TIER_HOST_SHARE`` of the host memory available now."""
-        host = int(available_host_memory() * AUTO_TIER_HOST_SHARE)
-        return min(pool_bytes * AUTO_TIER_POOL_MULTIPLE, host)
+        """The tier an unset ``--kv-offloading-size`` gets (``vllm_continuum.tier``: 16x the
+        KV cache, at most half the host memory available now)."""
+        return auto_tier_bytes(pool_bytes, available_host_memory())
 
     @property
     def size_bytes(self) -> int:

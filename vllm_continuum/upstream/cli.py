@@ -93,7 +93,8 @@ def _mapping_our_policies(create_engine_config: Any) -> Any:
 
 
 def apply_policy(engine_args: Any) -> None:
-    """Turn ``scheduling_policy=<ours>`` into upstream settings, on ``engine_args``."""
+    """Turn ``scheduling_policy=<ours>`` into upstream settings, on ``engine_args``: our
+    scheduler class, the policy's name and settings, and its host KV tier (``tier.py``)."""
     name = engine_args.scheduling_policy
     if name not in our_policies():
         return
@@ -103,6 +104,7 @@ def apply_policy(engine_args: Any) -> None:
         context_serve_config_from,
         policy_config_from,
     )
+    from vllm_continuum.upstream.tier import configure_tier
 
     check_upstream()  # a clear error now, in the front end, not in the engine process
     check_policy_dependencies(name)
@@ -118,6 +120,7 @@ def apply_policy(engine_args: Any) -> None:
     section["policy"] = name  # PolicyScheduler builds the policy of this name
     additional[SECTION] = section
     engine_args.additional_config = additional
+    configure_tier(engine_args, name)
     engine_args.scheduler_cls = SCHEDULER
     engine_args.scheduling_policy = "fcfs"
     logger.info("scheduling policy %s: scheduler class %s", name, SCHEDULER)

@@ -14,8 +14,12 @@ every decision is the policy's, the same object our engine runs
   ``vllm_continuum.pins`` ends the pin (hit, expiry, pressure before anyone is preempted:
   the allocation itself releases pins before it reports failure, a newer pin of the job,
   shutdown). Each pinned request's blocks go back to upstream's pool exactly once,
-  through upstream's own ``_free_request_blocks`` (``pins.py``). The plugin has no CPU KV
-  tier (policies are built with ``has_kv_tier=False``): an ``Offload`` frees;
+  through upstream's own ``_free_request_blocks`` (``pins.py``). With upstream's host KV
+  tier (``--kv-offloading-size``, on by default for continuum and context_serve where
+  upstream can offload: ``tier.py``) the policy is built with ``has_kv_tier=True``: the
+  connector has saved every computed block, so a pin that ends, or yields to other jobs'
+  turns (``pins_yield_to_tier``), and an ``Offload`` free the blocks and a later turn loads
+  them back; without a tier an ``Offload`` frees and the context is recomputed;
 - admission: a waiting request starts only when the policy allows it (``may_admit``,
   asked inside the allocation: a refusal is upstream's "cannot be scheduled", which ends
   this step's admissions, as in our engine);
@@ -53,6 +57,7 @@ from vllm_continuum.upstream.settings import (
     context_serve_config_from,
     policy_config_from,
 )
+from vllm_continuum.upstream.tier import has_kv_tier
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +117,9 @@ class PolicyScheduler(Scheduler):
             context_serve_config or context_serve_config_from(additional),
         )
         self._decode = decode
+        self.has_kv_tier = has_kv_tier(self.vllm_config)
         self.agent_policy: Policy = create_policy(
-            name, settings, decode=self.decode, clock=self.clock, has_kv_tier=False
+            name, settings, decode=self.decode, clock=self.clock, has_kv_tier=self.has_kv_tier
         )
         self.policy_config = self.agent_policy.config
         self.infos: dict[str, RequestInfo] = {}
@@ -188,7 +194,7 @@ class PolicyScheduler(Scheduler):
             del self.requests[rid]
             self.pin_manager.pin(request, action.ttl_s, now, strict=action.strict)
             return  # its info stays until the pin ends (the policy hears of it)
-        super()._free_blocks(request)  # Free, and Offload (no CPU tier here)
+        super()._free_blocks(request)  # Free, and Offload (the connector saved the blocks)
         self.infos.pop(rid, None)
 
     def make_stats(self, *args: Any, **kwargs: Any):

@@ -17,11 +17,9 @@ from vllm_continuum.context_serve.config import ContextServeConfig
 
 SECTION = "continuum"
 CONTEXT_SERVE_SECTION = "context_serve"
-# Settings with no meaning on upstream (the plugin has no CPU KV tier: SLOW turns free).
-_NOT_ON_UPSTREAM = {
-    SECTION: {"pins_yield_to_tier"},
-    CONTEXT_SERVE_SECTION: {"offload_slow"},
-}
+# Settings with no meaning on upstream: none since the plugin drives upstream's host KV tier
+# (``pins_yield_to_tier`` and ``offload_slow`` act when it exists, as in our engine).
+_NOT_ON_UPSTREAM: dict[str, set[str]] = {}
 
 C = TypeVar("C")
 
@@ -45,9 +43,9 @@ def policy_config_from(additional_config: dict[str, Any] | None) -> PolicyConfig
 
 
 def context_serve_config_from(additional_config: dict[str, Any] | None) -> ContextServeConfig:
-    """ContextServe's settings; SLOW turns are freed (no CPU KV tier in the plugin)."""
-    config = config_from(ContextServeConfig, additional_config, CONTEXT_SERVE_SECTION)
-    return dataclasses.replace(config, offload_slow=False)
+    """ContextServe's settings (``offload_slow`` acts only with a host KV tier: without one
+    the policy frees SLOW turns' blocks, ``ContextServePolicy.from_settings``)."""
+    return config_from(ContextServeConfig, additional_config, CONTEXT_SERVE_SECTION)
 
 
 def describe() -> str:
