@@ -165,3 +165,37 @@ def test_greedy_model_run_yields_valid_json():
     value = json.loads(out[0].outputs[0].text)
     assert set(value) == {"city", "unit", "days"}
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+# -- the logits' device (issue 27: on CUDA a host mask failed the whole step) -------------
+def test_masks_reach_the_logits_device(manager):
+    from tests.v1.sample.fake_device import FakeDevice
+
+    rows = [
+        Row("dev-plain", SamplingParams()),
+        row(StructuredOutputsParams(json=WEATHER), "dev-json"),
+        row(StructuredOutputsParams(choice=["yes", "no"]), "dev-choice"),
+    ]
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    expected = logits.clone()
+    assert manager.mask_logits(expected, rows) == {}
+    manager.remove(["dev-json", "dev-choice"])  # fresh matchers in the same state
+    dev = FakeDevice()  # a pretend cuda:0 that raises where CUDA would (tests/v1/sample)
+    with dev:
+        on_device = dev.tensor(logits)
+        assert manager.mask_logits(on_device, rows) == {}
+    assert torch.equal(on_device.as_subclass(torch.Tensor), expected)
+    assert torch.isinf(expected[1:]).sum() > VOCAB  # the two constrained rows were masked
+    assert dev.host_tensors == []  # the masks come from numpy, then one copy
+    manager.remove(["dev-json", "dev-choice"])
+
+
+def test_a_mask_narrower_than_the_logits_fails_its_row_only(manager):
+    # Logits wider than the tokenizer's vocabulary (a padded lm_head): the row cannot be
+    # masked, so it fails alone instead of raising for the whole step.
+    rows = [Row("wide-plain", SamplingParams()), row(StructuredOutputsParams(regex="a+"), "wide")]
+    logits = torch.zeros(2, VOCAB + 256)
+    failures = manager.mask_logits(logits, rows)
+    assert set(failures) == {1} and "not 49408" in failures[1].message
+    assert torch.isinf(logits[1]).all() and torch.equal(logits[0], torch.zeros(VOCAB + 256))
+    manager.remove(["wide"])

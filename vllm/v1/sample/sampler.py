@@ -1,6 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs.
 
-A row that cannot be sampled fails alone (``SamplerOutput.errors``), never the batch."""
+A row that cannot be sampled fails alone (``SamplerOutput.errors``), never the batch.
+Every tensor built here lives on the logits' device, and every random number comes from
+that device (a seeded row's generator is created there by the runner): on CUDA a CPU index
+or uniform next to CUDA logits fails (tests/v1/sample/test_sampler_device.py checks this
+on CPU, tests/cuda/test_sampling_cuda.py on a GPU)."""
 
 from __future__ import annotations
 
@@ -27,17 +31,22 @@ class SamplingRow:
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """``logits`` (one row) penalised in place: repetition (prompt and output tokens),
+    presence and frequency (output tokens only)."""
     p = row.params
+    device = logits.device
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(
-            sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long
+            sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+            dtype=torch.long,
+            device=device,
         )
         vals = logits[seen]
         logits[seen] = torch.where(
             vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
         )
     if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-        ids, counts = torch.tensor(row.output_token_ids).unique(return_counts=True)
+        ids, counts = torch.tensor(row.output_token_ids, device=device).unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
     return logits
 
@@ -63,34 +72,21 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def _logprobs(raw: torch.Tensor, token: int, n: int) -> TokenLogprobs:
-    lp = raw.log_softmax(-1)
-    chosen = float(lp[token])
-    rank = int((lp > lp[token]).sum()) + 1
-    top = []
-    if n > 0:
-        vals, ids = lp.topk(n)
-        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-    return TokenLogprobs(token, chosen, rank, top)
-
-
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
     """Per row of ``logits`` (rows, vocab): the logprob of ``token_ids[row]``, its 1-based
     rank and the top ``n`` (the raw distribution: no penalty, temperature or filter).
-    Used for prompt logprobs, where every row is a prompt position."""
+    Used for prompt logprobs, where every row is a prompt position, and for the logprobs
+    of sampled tokens. Two copies to the host for all the rows (integers, then floats)."""
     lp = logits.float().log_softmax(-1)
     targets = torch.tensor(token_ids, device=lp.device)[:, None]
     chosen = lp.gather(1, targets)  # (rows, 1)
-    ranks = ((lp > chosen).sum(-1) + 1).tolist()
-    top_ids, top_vals = [[]] * len(token_ids), [[]] * len(token_ids)
-    if n > 0:
-        vals, ids = lp.topk(n, dim=-1)
-        top_ids, top_vals = ids.tolist(), vals.tolist()
+    ranks = (lp > chosen).sum(-1, keepdim=True) + 1  # (rows, 1)
+    vals, ids = lp.topk(n, dim=-1) if n > 0 else (chosen[:, :0], targets[:, :0])
+    ints = torch.cat([ranks, ids], 1).tolist()  # (rows, 1 + n): rank, then top ids
+    floats = torch.cat([chosen, vals], 1).tolist()  # (rows, 1 + n): logprob, then top's
     return [
-        TokenLogprobs(t, v, r, list(zip(ti, tv, strict=True)))
-        for t, v, r, ti, tv in zip(
-            token_ids, chosen[:, 0].tolist(), ranks, top_ids, top_vals, strict=True
-        )
+        TokenLogprobs(t, f[0], i[0], list(zip(i[1:], f[1:], strict=True)))
+        for t, i, f in zip(token_ids, ints, floats, strict=True)
     ]
 
 
@@ -112,21 +108,21 @@ _NON_FINITE_PROBS = RequestFailure(
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """``logits``: (num_rows, vocab) float32.
+    """``logits``: (num_rows, vocab) float32, on any device.
 
     A row that cannot be sampled (non-finite logits from the model, or penalties and
     temperature that make them so, or any error while sampling it) fails alone: the other
     rows are sampled as if it were not in the batch (seeded rows use their own generator).
+    Greedy rows and rows with a temperature only cost one copy to the host each, together.
     """
     raw = logits
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
-    # The max of a row is NaN if any entry is, +inf if any is, -inf if all are.
-    for i in (~torch.isfinite(raw.amax(-1))).nonzero().flatten().tolist():
-        errors[i] = _NON_FINITE_LOGITS
-    greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params) and i not in errors]
-    if greedy:
-        for i, t in zip(greedy, raw[greedy].argmax(-1).tolist(), strict=True):
+    greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
+    finite, argmax = _finite_and_argmax(raw, greedy)
+    errors.update((i, _NON_FINITE_LOGITS) for i, ok in enumerate(finite) if not ok)
+    for i, t in zip(greedy, argmax, strict=True):
+        if i not in errors:
             tokens[i] = t
     plain = [i for i, r in enumerate(rows) if _is_plain_random(r.params) and i not in errors]
     if len(plain) > 1:
@@ -150,13 +146,36 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
             errors[i] = RequestFailure(f"sampling failed: {type(e).__name__}: {e}")
         if tokens[i] is None and i not in errors:
             errors[i] = _NON_FINITE_PROBS
-    logprobs = [
-        _logprobs(raw[i], t, r.params.logprobs)
-        if r.params.logprobs is not None and t is not None
-        else None
-        for i, (r, t) in enumerate(zip(rows, tokens, strict=True))
-    ]
-    return SamplerOutput(tokens, logprobs, errors)
+    return SamplerOutput(tokens, _sampled_logprobs(raw, rows, tokens), errors)
+
+
+def _finite_and_argmax(raw: torch.Tensor, greedy: list[int]) -> tuple[list[bool], list[int]]:
+    """Whether each row of ``raw`` is finite, and the argmax of the ``greedy`` rows: one
+    copy to the host. The max of a row is NaN if any entry is, +inf if any is, -inf if
+    all are."""
+    finite = torch.isfinite(raw.amax(-1)).long()
+    if not greedy:
+        return [bool(f) for f in finite.tolist()], []
+    rows = raw if len(greedy) == raw.shape[0] else raw[greedy]
+    values = torch.cat([finite, rows.argmax(-1)]).tolist()
+    n = raw.shape[0]
+    return [bool(f) for f in values[:n]], values[n:]
+
+
+def _sampled_logprobs(
+    raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int | None]
+) -> list[TokenLogprobs | None]:
+    """The raw logprobs of each sampled token whose request asks for them: the rows that
+    ask for the same number of top logprobs together."""
+    by_n: dict[int, list[int]] = {}
+    for i, (r, t) in enumerate(zip(rows, tokens, strict=True)):
+        if r.params.logprobs is not None and t is not None:
+            by_n.setdefault(r.params.logprobs, []).append(i)
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    for n, idx in by_n.items():
+        for i, lp in zip(idx, token_logprobs(raw[idx], [tokens[i] for i in idx], n), strict=True):
+            out[i] = lp
+    return out
 
 
 def _sample_row(raw: torch.Tensor, row: SamplingRow) -> int | None:
@@ -172,12 +191,13 @@ def _sample_row(raw: torch.Tensor, row: SamplingRow) -> int | None:
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token from the categorical distribution ``probs`` (finite, >= 0, some > 0): the
-    inverse of its CDF (float64) at one uniform number from ``generator``. Exact like
+    inverse of its CDF (float64) at one uniform number from ``generator`` (None: the global
+    RNG of ``probs``' device; otherwise a generator of that device). Exact like
     ``torch.multinomial``, whose set-up costs ~1 ms a row on a 49k vocabulary here (0.04 ms
     this way: a 16-stream decode step spent a quarter of its time in multinomial)."""
     cdf = probs.double().cumsum(-1)
-    target = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
-    token = int(torch.searchsorted(cdf, target, right=True))  # first cdf > target: mass > 0
+    uniform = torch.rand((), dtype=torch.float64, generator=generator, device=cdf.device)
+    token = int(torch.searchsorted(cdf, uniform * cdf[-1], right=True))  # first cdf > target
     if token == len(cdf):  # target rounded up to the total: the last token with mass
         token = int(torch.searchsorted(cdf, cdf[-1]))  # (the first at the total)
     return token
@@ -188,21 +208,31 @@ def _draw_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int | None
     (``_is_plain_random``), all at once: the same tokens as row by row (each row's float32
     tempered softmax and float64 CDF, one uniform number from each row's generator, drawn
     in row order), with a few batched ops instead of ~8 per row (a 16-stream decode step
-    spent ~7% of its time there). None for a row whose tempered logits are not finite."""
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    spent ~7% of its time there) and one copy to the host. None for a row whose tempered
+    logits are not finite."""
+    tokens, finite = _draw_rows_on_device(logits, rows)
+    values = torch.cat([tokens, finite.long()]).tolist()
+    n = len(rows)
+    return [t if ok else None for t, ok in zip(values[:n], values[n:], strict=True)]
+
+
+def _draw_rows_on_device(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_draw_rows``' work on ``logits``' device: (tokens, whether each row is finite)."""
+    device = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
     x = logits / temps[:, None]
-    finite = torch.isfinite(x.amax(-1)).tolist()
-    cdf = x.softmax(-1).double().cumsum(-1)
+    finite = torch.isfinite(x.amax(-1))
+    cdf = x.softmax(-1).double().cumsum(-1)  # (rows, vocab)
     uniform = torch.stack(
-        [torch.rand((), dtype=torch.float64, generator=r.generator) for r in rows]
+        [torch.rand((), dtype=torch.float64, generator=r.generator, device=device) for r in rows]
     )
-    tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0].tolist()
-    out: list[int | None] = []
-    for i, (token, ok) in enumerate(zip(tokens, finite, strict=True)):
-        if token == cdf.shape[1]:  # rounded up to the total: the first token at the total
-            token = int(torch.searchsorted(cdf[i], cdf[i, -1]))
-        out.append(token if ok else None)
-    return out
+    total = cdf[:, -1:].contiguous()  # (rows, 1)
+    tokens = torch.searchsorted(cdf, uniform[:, None] * total, right=True)[:, 0]
+    # A target rounded up to the total falls past the end: the first token at the total.
+    at_total = torch.searchsorted(cdf, total)[:, 0]
+    return torch.where(tokens == cdf.shape[1], at_total, tokens), finite
 
 
 def _is_plain_random(p: SamplingParams) -> bool:

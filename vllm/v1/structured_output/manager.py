@@ -133,6 +133,8 @@ class StructuredOutputManager:
         if matcher.is_error():
             return None, matcher.get_error() or str(matcher.stop_reason())
         allowed = torch.from_numpy(np.unpackbits(packed, bitorder="little")[:vocab].astype(bool))
+        if allowed.numel() != vocab:  # a tokenizer smaller than the model's vocabulary
+            return None, f"the grammar's mask covers {allowed.numel()} tokens, not {vocab}"
         if not allowed.any():
             return None, "the grammar allows no token"
         return allowed, ""
@@ -143,9 +145,12 @@ class StructuredOutputManager:
         """Set the logits of tokens the grammar forbids to -inf, in place; the rows whose
         matcher is in an error state (a grammar limit hit mid-generation) are all -inf and
         returned (row index -> failure): their requests fail, the others go on. Such a
-        row never samples unconstrained text."""
+        row never samples unconstrained text. The masks are built on the host (llguidance)
+        and reach ``logits``' device in one copy for the whole batch."""
         vocab = logits.shape[-1]
         failures: dict[int, RequestFailure] = {}
+        masked: list[int] = []  # rows of ``logits`` that get a mask
+        masks: list[torch.Tensor] = []  # (vocab,) bool each, on the host
         for i, row in enumerate(rows):
             if row.sampling_params.structured_outputs is None:
                 continue
@@ -157,7 +162,12 @@ class StructuredOutputManager:
                 )
                 self._log_failure(row.req_id, error)
                 continue
-            logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
+            masked.append(i)
+            masks.append(allowed)
+        if masks:
+            forbidden = ~torch.stack(masks).to(logits.device)  # (len(masked), vocab)
+            for j, i in enumerate(masked):
+                logits[i].masked_fill_(forbidden[j], float("-inf"))
         return failures
 
     def _log_failure(self, req_id: str, error: str) -> None:
