@@ -180,3 +180,85 @@ def test_every_config_field_is_declared_with_its_help():
     for cls in typing.get_type_hints(VllmConfig).values():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name}"
+
+
+# -- the step budget's default on CUDA (vLLM's, by usage context and device memory) ---------
+class _Props:
+    def __init__(self, name: str, gib: int) -> None:
+        self.name, self.total_memory = name, gib << 30
+
+
+def _fake_gpu(monkeypatch, props: _Props | None) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: props is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+
+
+H100, A100, L4, B200 = (
+    _Props("NVIDIA H100 80GB HBM3", 80),
+    _Props("NVIDIA A100-SXM4-80GB", 80),
+    _Props("NVIDIA L4", 24),
+    _Props("NVIDIA B200", 180),
+)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "llm", "serve"),
+    [(H100, 16384, 8192), (B200, 16384, 16384), (A100, 8192, 2048), (L4, 8192, 2048)],
+)
+def test_cuda_gets_vllms_step_budget_for_its_context(monkeypatch, gpu, llm, serve):
+    from vllm.engine.arg_utils import UsageContext
+
+    _fake_gpu(monkeypatch, gpu)
+
+    def budget(context, **kwargs):
+        cfg = EngineArgs(**kwargs).create_engine_config(8192, context)
+        return cfg.scheduler_config.max_num_batched_tokens
+
+    assert budget(UsageContext.LLM_CLASS) == llm
+    assert budget(UsageContext.OPENAI_API_SERVER) == serve
+    # The engine used directly keeps SchedulerConfig's default, as vLLM's fallback.
+    assert budget(UsageContext.ENGINE_CONTEXT) == 2048
+    # The flag wins; without chunking a whole prompt still fits in one step.
+    assert budget(UsageContext.LLM_CLASS, max_num_batched_tokens=512) == 512
+    no_chunking = dict(enable_chunked_prefill=False, max_model_len=32768)
+    cfg = EngineArgs(**no_chunking).create_engine_config(32768, UsageContext.LLM_CLASS)
+    assert cfg.scheduler_config.max_num_batched_tokens == 32768
+
+
+def test_cpu_keeps_its_step_budget(monkeypatch):
+    from vllm.engine.arg_utils import UsageContext
+
+    _fake_gpu(monkeypatch, None)
+    for context in UsageContext:
+        cfg = EngineArgs().create_engine_config(8192, context)
+        assert cfg.scheduler_config.max_num_batched_tokens == 2048
+
+
+def test_llm_and_serve_say_who_they_are(monkeypatch):
+    """The two front ends pass their usage context (the CUDA default depends on it)."""
+    import inspect
+
+    from vllm.entrypoints import llm
+    from vllm.entrypoints.cli import serve
+
+    assert "UsageContext.LLM_CLASS" in inspect.getsource(llm.LLM.__init__)
+    assert "UsageContext.OPENAI_API_SERVER" in inspect.getsource(serve.build_config)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_reading_the_default_creates_no_cuda_context():
+    """The API server computes the default: it must not hold a CUDA context (GPU memory)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from vllm.engine.arg_utils import EngineArgs, UsageContext\n"
+        "cfg = EngineArgs().create_engine_config(8192, UsageContext.OPENAI_API_SERVER)\n"
+        "assert cfg.scheduler_config.max_num_batched_tokens >= 2048\n"
+        "assert not torch._C._cuda_hasPrimaryContext(0), 'a CUDA context was created'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

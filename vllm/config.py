@@ -155,8 +155,10 @@ class SchedulerConfig:
     max_num_seqs: int = config_field(128, "Maximum number of running requests in one step.")
     max_num_batched_tokens: int = config_field(
         2048,
-        "Token budget of one step, shared by prefill chunks and decodes; unset: 2048, "
-        "or max(2048, max_model_len) without chunked prefill.",
+        "Token budget of one step, shared by prefill chunks and decodes; unset: 2048 (on "
+        "CUDA, vLLM's default for the GPU: vllm serve 8192 and LLM 16384 on H100/H200, "
+        "16384 from 160 GiB, 2048 and 8192 on smaller GPUs and A100), or at least "
+        "max_model_len without chunked prefill.",
         derived=True,
     )
     max_model_len: int = config_field(

@@ -9,6 +9,7 @@ help. Only the defaults that depend on other settings are computed here, once, i
 from __future__ import annotations
 
 import argparse
+import enum
 import functools
 import types
 import typing
@@ -18,7 +19,39 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from vllm.config import SchedulerConfig, VllmConfig, field_default, parse_bytes
 
-__all__ = ["ConfigArg", "EngineArgs", "config_args", "parse_bytes"]
+__all__ = ["ConfigArg", "EngineArgs", "UsageContext", "config_args", "parse_bytes"]
+
+GiB = 1 << 30
+
+
+class UsageContext(enum.Enum):
+    """Who builds the engine (vLLM's ``UsageContext``): some defaults depend on it."""
+
+    ENGINE_CONTEXT = "ENGINE_CONTEXT"  # the engine used directly (tests, benchmarks)
+    LLM_CLASS = "LLM_CLASS"  # offline: ``vllm.LLM``
+    OPENAI_API_SERVER = "OPENAI_API_SERVER"  # ``vllm serve``
+
+
+def cuda_max_num_batched_tokens(usage_context: UsageContext) -> int | None:
+    """vLLM's default step budget for the CUDA device the engine will run on (device 0),
+    by usage context and device memory (its ``EngineArgs.get_batch_defaults``); None
+    without CUDA (the CPU keeps SchedulerConfig's default) or for a context vLLM gives no
+    default of its own. Reads the device's properties only: no CUDA context is created,
+    so the API server's process holds no GPU memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    if props.total_memory >= 160 * GiB:  # B200-class
+        defaults = {UsageContext.LLM_CLASS: 16384, UsageContext.OPENAI_API_SERVER: 16384}
+    elif props.total_memory >= 70 * GiB and "a100" not in props.name.lower():
+        # H100/H200. vLLM keeps A100 80GB on the smaller budget: a larger one measured
+        # slower there (vLLM PR #17885).
+        defaults = {UsageContext.LLM_CLASS: 16384, UsageContext.OPENAI_API_SERVER: 8192}
+    else:
+        defaults = {UsageContext.LLM_CLASS: 8192, UsageContext.OPENAI_API_SERVER: 2048}
+    return defaults.get(usage_context)
 
 
 @dataclass(frozen=True)
@@ -114,8 +147,13 @@ class EngineArgs:
     """Engine keyword arguments: one per engine flag, named after it (``max_num_seqs``,
     ``kv_cache_memory``, ``scheduling_policy``...), defaulting to its config field."""
 
-    def create_engine_config(self, model_max_len: int | None = None) -> VllmConfig:
-        """Build the validated config. ``model_max_len``: the model's own limit, if known."""
+    def create_engine_config(
+        self,
+        model_max_len: int | None = None,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+    ) -> VllmConfig:
+        """Build the validated config. ``model_max_len``: the model's own limit, if known;
+        ``usage_context``: who asks (the CUDA step budget's default depends on it)."""
         values: dict[str, dict[str, Any]] = {g: {} for g in get_type_hints(VllmConfig)}
         for arg in config_args():
             value = getattr(self, arg.dest)
@@ -127,7 +165,9 @@ class EngineArgs:
         scheduler = values["scheduler_config"]
         scheduler["max_model_len"] = max_model_len
         if scheduler["max_num_batched_tokens"] is None:
-            budget = field_default(SchedulerConfig, "max_num_batched_tokens")
+            budget = cuda_max_num_batched_tokens(usage_context) or field_default(
+                SchedulerConfig, "max_num_batched_tokens"
+            )
             # Without chunking a whole prompt must fit in one step.
             if not scheduler["enable_chunked_prefill"]:
                 budget = max(budget, max_model_len)

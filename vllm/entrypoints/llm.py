@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.arg_utils import EngineArgs, UsageContext
 from vllm.entrypoints.openai.protocol import parse_messages
 from vllm.exceptions import VLLMValidationError
 from vllm.model_executor.model_loader import get_model_config
@@ -45,7 +45,7 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         hf_config = get_model_config(model)
         self.vllm_config = args.create_engine_config(
-            getattr(hf_config, "max_position_embeddings", None)
+            getattr(hf_config, "max_position_embeddings", None), UsageContext.LLM_CLASS
         )
         self.engine_core = EngineCore(self.vllm_config)
         self.tokenizer = self.engine_core.tokenizer

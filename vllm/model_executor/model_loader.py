@@ -120,21 +120,28 @@ def gguf_file(model: str) -> Path | None:
 
 
 def load_model_weights(model_cls: type, hf_config, path: str, device, dtype) -> nn.Module:
-    """``model_cls`` (from ``ModelRegistry``) built for ``hf_config`` on ``device``, its
-    weights read from the safetensors files of the HF folder ``path``, cast to ``dtype``.
-    Built on the meta device first, so no weight is initialised only to be overwritten."""
+    """``model_cls`` (from ``ModelRegistry``) built for ``hf_config`` on ``device`` in
+    ``dtype``, its weights read from the safetensors files of the HF folder ``path``.
+
+    Built on the meta device and cast there (free), then given storage on ``device`` in
+    ``dtype``: no parameter or buffer ever exists on the device in another dtype (an fp32
+    staging copy of an 8B model is 32 GB that the caching allocator keeps). Checkpoint
+    tensors stay on the CPU and are cast one at a time as ``load_weights`` copies them in.
+    """
     import torch
     from safetensors.torch import load_file
 
     arch = model_cls.arch_from_hf(hf_config)
     with torch.device("meta"):
         model = model_cls(arch)
-    model = model.to_empty(device=device)
+    model = model.to(dtype).to_empty(device=device)  # floating-point tensors only
     state: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             state.update(load_file(os.path.join(path, name)))
     model.load_weights(state)
+    # A no-op for a model that honours the contract (buffers made in its weights' dtype);
+    # a safety net for one that does not.
     return model.to(dtype).eval()
 
 

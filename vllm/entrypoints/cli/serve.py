@@ -15,7 +15,7 @@ import sys
 import time
 
 from vllm import envs
-from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.arg_utils import EngineArgs, UsageContext
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 
 logger = logging.getLogger("vllm.serve")
@@ -55,7 +55,9 @@ def build_config(args: argparse.Namespace):
 
     ToolCallingConfig.from_args(args)  # --enable-auto-tool-choice needs a parser
     hf_config = get_model_config(engine_args.model)
-    config = engine_args.create_engine_config(hf_config.max_position_embeddings)
+    config = engine_args.create_engine_config(
+        hf_config.max_position_embeddings, UsageContext.OPENAI_API_SERVER
+    )
     if args.disable_log_requests:  # the engine's per-job lines are request logs too
         policy = dataclasses.replace(config.policy_config, log_jobs=False)
         config = dataclasses.replace(config, policy_config=policy)

@@ -207,12 +207,15 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy HF checkpoint tensors in, fusing q/k/v and gate/up projections, and compute
-        the rotary table (a buffer no checkpoint holds) on the weights' device."""
+        """Copy HF checkpoint tensors in (each cast to the weights' dtype by ``copy_`` as it
+        goes), fusing q/k/v and gate/up projections, and compute the rotary table (a buffer
+        no checkpoint holds) in fp32 on the CPU, moved to the weights' device already in
+        their dtype."""
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
         a = self.arch
-        device = self.embed_tokens.weight.device
-        self.rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta).to(device)
+        weight = self.embed_tokens.weight
+        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta)
+        self.rope = rope.to(weight.dtype).to(weight.device)
         with torch.no_grad():
             self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
             self.norm.weight.copy_(sd["norm.weight"])

@@ -10,8 +10,10 @@ What the runner and the loader need from a model class (``llama.py`` is the exam
 - ``arch_from_hf(hf_config)`` (static): the shapes, with at least ``num_layers``,
   ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``vocab_size`` (the KV cache and the
   attention backend are sized from them); the instance keeps it as ``model.arch``;
-- ``cls(arch)`` builds on the meta device; ``load_weights(state_dict)`` then fills every
-  parameter and buffer from the HF checkpoint's tensors;
+- ``cls(arch)`` builds on the meta device (the loader casts it there to the target dtype,
+  then allocates it on the device); ``load_weights(state_dict)`` then fills every
+  parameter and buffer from the HF checkpoint's tensors (CPU, any dtype: ``copy_`` casts),
+  making any buffer it computes in the parameters' dtype;
 - ``set_attention_backend(backend)``; ``forward(input_ids, positions, meta, kv_caches)``
   -> ``(num_tokens, hidden)``; ``compute_logits(hidden)`` -> fp32 ``(rows, vocab)``;
 - optionally ``gguf_layout`` (``layers/quantization/gguf.py``'s ``GGUFLayout``): where

@@ -24,6 +24,11 @@ from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, Schedu
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
 from vllm.v1.sample.sampler import SamplingRow, sample, token_logprobs
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu_memory import (
+    MemorySnapshot,
+    measure_before_load,
+    profile_kv_cache_budget,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,8 @@ class ModelRunner:
         self.model = None  # a class of the model registry, built in load_model
         self.arch = None  # the model's shapes (model.arch)
         self.kv_caches: list[torch.Tensor] = []
+        # CUDA: the device's memory before the weights (load_model), the KV sizing's baseline.
+        self.memory_before_load: MemorySnapshot | None = None
         self.kv_offload = None  # the CPU KV tier's handler (initialize_kv_offload)
         self.requests: dict[str, CachedRequestState] = {}
         # Generators of seeded requests preempted (recompute) and not yet resumed.
@@ -99,6 +106,8 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(path)
         model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
         torch.manual_seed(self.model_config.seed)
+        if self.device.type == "cuda":
+            self.memory_before_load = measure_before_load(self.device)
         self.model = load_model_weights(model_cls, hf_config, path, self.device, self.dtype)
         self.arch = self.model.arch
         if self.device.type == "cpu":
@@ -126,7 +135,9 @@ class ModelRunner:
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
 
     def determine_num_blocks(self) -> int:
-        """KV blocks from --num-gpu-blocks-override, --kv-cache-memory, or the device."""
+        """KV blocks from --num-gpu-blocks-override, else --kv-cache-memory, else on CUDA
+        what --gpu-memory-utilization leaves after the weights and the largest step's
+        activations (``kv_cache_budget_from_memory``), else 1 GiB on CPU."""
         cache = self.config.cache_config
         per_block = self.get_kv_cache_bytes_per_block()
         if cache.num_gpu_blocks_override is not None:
@@ -134,10 +145,9 @@ class ModelRunner:
         else:
             budget = cache.kv_cache_memory_bytes
             if budget is None and self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = max(int(total * cache.gpu_memory_utilization) - (total - free), 0)
+                budget = self.kv_cache_budget_from_memory()
             budget = budget if budget is not None else DEFAULT_CPU_KV_BYTES
-            num_blocks = budget // per_block
+            num_blocks = max(budget, 0) // per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory too small: {num_blocks} blocks of {per_block} bytes")
         max_len = self.config.scheduler_config.max_model_len
@@ -154,6 +164,25 @@ class ModelRunner:
             tokens / max_len,
         )
         return num_blocks
+
+    def kv_cache_budget_from_memory(self) -> int:
+        """Bytes for the KV cache on CUDA, as vLLM: ``total * gpu_memory_utilization``
+        minus what this engine holds after loading and a profile run of the largest step
+        (``gpu_memory.py``)."""
+        if self.memory_before_load is None:
+            raise RuntimeError("load_model first: the KV sizing needs the memory before it")
+        utilization = self.config.cache_config.gpu_memory_utilization
+        budget = profile_kv_cache_budget(
+            self.device, utilization, self.memory_before_load, self.profile_run
+        )
+        logger.info("GPU memory (utilization %.2f): %s", utilization, budget.describe())
+        if budget.kv_cache_bytes < 2 * self.get_kv_cache_bytes_per_block():
+            raise ValueError(
+                f"no room for a KV cache under gpu_memory_utilization {utilization}: "
+                f"{budget.describe()}; raise --gpu-memory-utilization, lower "
+                "--max-num-batched-tokens or --max-model-len, or set --kv-cache-memory"
+            )
+        return budget.kv_cache_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
@@ -325,6 +354,35 @@ class ModelRunner:
         return result
 
     # -- profiling ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_run(self) -> torch.Tensor:
+        """One forward of the largest step the scheduler can send, for the memory sizing:
+        ``max_num_batched_tokens`` tokens as the last chunks of ``max_model_len``-token
+        prompts (the widest attention a step can ask for), then the logits and their
+        softmax for ``max_num_seqs`` rows (the sampler's). Runs before the KV cache
+        exists, on a scratch cache of two blocks: every context position aliases block 1
+        (the values do not matter, only the shapes). Returns the probabilities.
+
+        Not profiled: a decode backend's transient for a batch of long contexts (bounded
+        by what the pool holds, which is what is being sized)."""
+        sc = self.config.scheduler_config
+        a = self.arch
+        shape = (2, 2, self.block_size, a.num_kv_heads, a.head_dim)
+        scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device)] * a.num_layers
+        blocks = [1] * -(-sc.max_model_len // self.block_size)
+        seqs, positions, left = [], [], sc.max_num_batched_tokens
+        while left > 0:
+            n = min(left, sc.max_model_len)
+            seqs.append((sc.max_model_len - n, n, blocks))
+            positions.append(torch.arange(sc.max_model_len - n, sc.max_model_len))
+            left -= n
+        meta = self.attn_backend.build_metadata(seqs)
+        pos = torch.cat(positions).to(self.device)
+        ids = torch.zeros_like(pos)
+        hidden = self.model(ids, pos, meta, scratch)
+        rows = min(sc.max_num_seqs, hidden.shape[0])
+        return torch.softmax(self.model.compute_logits(hidden[-rows:]), dim=-1)
+
     @torch.inference_mode()
     def profile_prefill(self, sizes: tuple[int, ...] = (16, 64, 256)) -> list[tuple[int, float]]:
         """Seconds to prefill a context of each size (used by Continuum's TTL rule).
