@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -123,3 +125,47 @@ def test_tiny_run_on_cuda(bench, tmp_path):
     assert result["machine"]["device_name"] == torch.cuda.get_device_name()
     assert "error" not in result["engines"]["hf-static"]["2"]
     assert result["peak_gpu_memory_gib_ours"] > 0
+
+
+# -- the run kit (scripts/gpu/) ------------------------------------------------------------
+KIT = SCRIPT.parents[1] / "scripts" / "gpu"
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("limit, rc", [(30, 3), (1, 124)])
+def test_reap_ends_what_a_step_leaves_in_a_session_of_its_own(tmp_path, limit, rc):
+    # The step starts a sleeper in a new session (as RemoteServer starts `vllm serve`)
+    # and exits 3 at once, or overruns its 1 s limit.
+    pidfile = tmp_path / "pid"
+    script = f"setsid sleep 300 & echo $! > {pidfile}; " + ("exit 3" if rc == 3 else "sleep 60")
+    done = subprocess.run(
+        [sys.executable, str(KIT / "reap.py"), str(limit), "bash", "-c", script], timeout=60
+    )
+    assert done.returncode == rc
+    assert not alive(int(pidfile.read_text()))
+
+
+@pytest.mark.slow
+def test_run_sh_runs_a_tiny_bench_step(tmp_path):
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    argv = ["bench", "--shape", "tiny", "--num-requests", "1", "--prompt-len", "16"]
+    argv += ["--max-tokens", "4", "--model-dir", str(tmp_path / "model")]
+    done = subprocess.run([str(KIT / "run.sh"), *argv], env=env, timeout=300)
+    assert done.returncode == 0
+    result = json.loads((tmp_path / "bench-1.json").read_text())
+    assert result["engines"]["ours"]["1"]["num_decode_steps"] == 3
+    log = (tmp_path / "run.log").read_text()
+    assert "=== bench: exit status 0" in log and "device: no CUDA device" in log
+
+
+def test_run_sh_refuses_an_unknown_step(tmp_path):
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "OUT": str(tmp_path)}
+    done = subprocess.run([str(KIT / "run.sh"), "benchmark"], env=env, timeout=60)
+    assert done.returncode == 2
