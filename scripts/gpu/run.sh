@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# One GPU-machine call: set up from the carried wheels, then run the named steps.
+#
+#   scripts/gpu/run.sh STEP [ARGS...] [STEP [ARGS...]]...
+#
+# Steps (each word after a step that is not a step name is that step's argument):
+#   test [PYTEST ARGS]   pytest -m cuda tests, a per-test timeout (GPU_TEST_TIMEOUT, 120 s)
+#   bench [BENCH ARGS]   benchmarks/benchmark_gpu.py ARGS --json-out $OUT/bench-K.json
+#   serve-smoke [ARGS]   scripts/gpu/serve_smoke.py: vllm serve, default and continuum
+# e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
+#
+# Run from the repository root with .whl/ carried (`make gpu-wheels` fills it). Writes
+# run.log (everything printed), test.xml, bench-K.json, serve_smoke.json and the server
+# logs under $OUT (default /tmp/gpu-out). Never hangs: every step runs under
+# scripts/gpu/reap.py with a time limit, which also ends whatever the step left running
+# (servers in sessions of their own included); the steps together stay inside
+# GPU_RUN_BUDGET_S (default 570 s: a device call's limit is 600). Exit status: 0 when
+# every step passed, else the last failing step's.
+#   GPU_RUN_NO_WHEELS=1   skip the wheel install (a CPU check with the project venv)
+#   PYTHON=...            the interpreter (default python3)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu-out}
+PYTHON=${PYTHON:-python3}
+BUDGET=${GPU_RUN_BUDGET_S:-570}
+SITE=${GPU_RUN_SITE:-/tmp/site}
+STEPS="test bench serve-smoke"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1
+
+CHILD=
+on_signal() {
+    echo "[run] interrupted: stopping the current step"
+    [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null && wait "$CHILD"
+    exit 130
+}
+trap on_signal INT TERM
+
+left() { echo $((BUDGET - SECONDS)); }
+
+# Run "$@" under reap.py for at most $1 seconds (less if the budget is nearly spent).
+limited() {
+    local limit=$1
+    shift
+    local remaining=$(($(left) - 5))
+    [ "$limit" -gt "$remaining" ] && limit=$remaining
+    if [ "$limit" -le 10 ]; then
+        echo "[run] no time left in the ${BUDGET} s budget: skipped"
+        return 124
+    fi
+    "$PYTHON" scripts/gpu/reap.py "$limit" "$@" &
+    CHILD=$!
+    wait "$CHILD"
+    local rc=$?
+    CHILD=
+    return $rc
+}
+
+setup() {
+    if [ -z "${GPU_RUN_NO_WHEELS:-}" ]; then
+        if ! ls .whl/*.whl >/dev/null 2>&1; then
+            echo "[run] no .whl/*.whl: run \`make gpu-wheels\` here and carry .whl"
+            return 1
+        fi
+        timeout 180 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || return 1
+        export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    timeout 30 nvidia-smi 2>&1 || echo "[run] nvidia-smi: not available"
+    timeout 120 "$PYTHON" - <<'PY'
+import platform, torch, transformers
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}),"
+      f" transformers {transformers.__version__}")
+if torch.cuda.is_available():
+    print(f"device: {torch.cuda.get_device_name()}, capability {torch.cuda.get_device_capability()}")
+else:
+    print("device: no CUDA device")
+PY
+}
+
+BENCH_RUNS=0
+run_step() {
+    local step=$1
+    shift
+    echo "[run] === $step $* ($(left) s of the budget left)"
+    case $step in
+    test)
+        limited "${GPU_TEST_STEP_TIMEOUT:-300}" "$PYTHON" -m pytest -m cuda tests -q -rs \
+            -p no:cacheprovider --continue-on-collection-errors \
+            --timeout "${GPU_TEST_TIMEOUT:-120}" --junitxml "$OUT/test.xml" "$@"
+        local rc=$?
+        # 5: nothing collected (no cuda test matched); not a failure of the code.
+        [ $rc -eq 5 ] && rc=0
+        return $rc
+        ;;
+    bench)
+        BENCH_RUNS=$((BENCH_RUNS + 1))
+        limited "${GPU_BENCH_TIMEOUT:-480}" "$PYTHON" benchmarks/benchmark_gpu.py \
+            --json-out "$OUT/bench-$BENCH_RUNS.json" "$@"
+        ;;
+    serve-smoke)
+        limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"
+        ;;
+    esac
+}
+
+main() {
+    if [ $# -eq 0 ] || [[ " $STEPS " != *" $1 "* ]]; then
+        echo "usage: scripts/gpu/run.sh STEP [ARGS...]...   steps: $STEPS"
+        exit 2
+    fi
+    setup || { echo "[run] set-up failed"; exit 1; }
+    local status=0 step="" args=()
+    for word in "$@" ""; do
+        if [ -z "$word" ] || [[ " $STEPS " == *" $word "* ]]; then
+            if [ -n "$step" ]; then
+                run_step "$step" "${args[@]}"
+                local rc=$?
+                echo "[run] === $step: exit status $rc after ${SECONDS} s"
+                [ $rc -ne 0 ] && status=$rc
+            fi
+            step=$word args=()
+        else
+            args+=("$word")
+        fi
+    done
+    echo "[run] done in ${SECONDS} s, exit status $status; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+    exit $status
+}
+
+main "$@"

@@ -1,0 +1,170 @@
+"""benchmarks/benchmark_gpu.py: the shapes it builds, what it counts as read per decode step,
+and a whole run end to end on the tiny shape (CPU here; the same run on CUDA is marked cuda)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_gpu.py"
+TINY_RUN = [
+    "--shape",
+    "tiny",
+    "--num-requests",
+    "1",
+    "2",
+    "--prompt-len",
+    "32",
+    "--max-tokens",
+    "8",
+]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/ is a folder of scripts, not a package: load the script by its path."""
+    spec = importlib.util.spec_from_file_location("benchmark_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "shape, params, tied",
+    [
+        # The published parameter counts of the models these shapes stand for.
+        ("smollm2-135m", 134_515_008, True),
+        ("llama-3.2-1b", 1_235_814_400, True),
+        ("llama-3.1-8b", 8_030_261_248, False),
+    ],
+)
+def test_shapes_have_the_real_models_sizes(bench, shape, params, tied):
+    model = bench.build_model(shape, torch.bfloat16, torch.device("meta"), seed=0)
+    facts = bench.model_facts(model)
+    assert facts.num_params == params
+    embed = model.config.vocab_size * model.config.hidden_size
+    # A decode step gathers a few rows of the input embedding; an untied lm_head is read
+    # whole. Tied, the one matrix is the lm_head and counts once.
+    assert facts.weight_bytes_read == 2 * (params if tied else params - embed)
+
+
+def test_8b_step_bytes_and_bandwidth_by_card_name(bench):
+    model = bench.build_model("llama-3.1-8b", torch.bfloat16, torch.device("meta"), seed=0)
+    facts = bench.model_facts(model)
+    # 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 128 KiB per token of context.
+    assert facts.kv_bytes_per_token == 128 * 1024
+    # 256 requests at the mean context 512 + 128 / 2: 15.0 GB of weights + 19.3 GB of KV.
+    assert facts.step_bytes(256, 576) == facts.weight_bytes_read + 256 * 576 * 128 * 1024
+    assert bench.default_bandwidth("NVIDIA H100 80GB HBM3") == 3350
+    assert bench.default_bandwidth("NVIDIA H100 PCIe") == 2000
+    assert bench.default_bandwidth("NVIDIA H200") == 4800
+    assert bench.default_bandwidth("Intel(R) Xeon(R) Processor") is None
+
+
+def test_summary_of_decode_steps(bench):
+    facts = bench.ModelFacts(num_params=10, weight_bytes_read=1000, kv_bytes_per_token=10)
+    # 2 steps of batch 4 at context 25: (1000 + 4 * 25 * 10) bytes in 1 ms each = 2 GB/s.
+    s = bench.summarize(4, 3, 0.5, 0.1, [(1e-3, 4), (1e-3, 4)], facts, 25.0, 4.0)
+    assert s["output_tok_per_s"] == pytest.approx(24.0)
+    assert s["tpot_ms"] == pytest.approx(1.0) and s["ttft_ms"] == pytest.approx(100.0)
+    assert s["decode_gb_per_s"] == pytest.approx(2e-3 * 1000 / 1e6 * 1e3)
+    assert s["hbm_fraction"] == pytest.approx(s["decode_gb_per_s"] / 4.0)
+    assert bench.summarize(1, 2, 1.0, 0.5, [], facts, 1.0, None)["tpot_ms"] is None
+
+
+def check_run(result: dict, device: str, dtype: str) -> None:
+    assert result["machine"]["device"] == device and result["machine"]["device_name"]
+    assert result["model"]["dtype"] == dtype
+    for engine in ("hf", "ours"):
+        for n in (1, 2):
+            f = result["engines"][engine][str(n)]
+            assert "error" not in f, f
+            assert f["output_tok_per_s"] > 0 and f["ttft_ms"] > 0 and f["tpot_ms"] > 0
+            # 8 tokens: the first comes with the prefill, 7 decode steps of the whole batch.
+            assert f["num_decode_steps"] == 7 and f["mean_decode_batch"] == n
+            # All steps read the same bytes: the fraction is bytes / mean step / bandwidth.
+            read = (
+                result["model"]["weight_bytes_read"]
+                + n * 36 * result["model"]["kv_bytes_per_token"]
+            )
+            expected = read / (f["tpot_ms"] / 1e3) / 1e9 / result["bandwidth_gbs"]
+            assert f["hbm_fraction"] == pytest.approx(expected)
+    probe = result["context_length"]
+    assert probe["first_seen_ms"] > 0 and probe["seen_ms"] > 0
+    assert set(result["ratios"]) == {"1", "2"} and result["ratios"]["1"]["vs_hf"] > 0
+
+
+@pytest.mark.slow
+def test_tiny_run_end_to_end_writes_every_figure(bench, tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    argv = TINY_RUN + ["--bandwidth-gbs", "20", "--model-dir", str(tmp_path / "model")]
+    assert bench.main(argv + ["--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    check_run(result, "cpu", "float32")
+    assert result["mean_context"] == 36.0  # 32 + 8 / 2
+    printed = capsys.readouterr().out
+    assert "first-seen context lengths" in printed and "x vs_hf" in printed
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tiny_run_on_cuda(bench, tmp_path):
+    out = tmp_path / "gpu.json"
+    argv = TINY_RUN + ["--bandwidth-gbs", "1000", "--model-dir", str(tmp_path / "model")]
+    assert bench.main(argv + ["--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    check_run(result, "cuda", "bfloat16")
+    assert result["machine"]["device_name"] == torch.cuda.get_device_name()
+    assert result["peak_gpu_memory_gib_ours"] > 0
+
+
+# -- the run kit (scripts/gpu/) ------------------------------------------------------------
+KIT = SCRIPT.parents[1] / "scripts" / "gpu"
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("limit, rc", [(30, 3), (1, 124)])
+def test_reap_ends_what_a_step_leaves_in_a_session_of_its_own(tmp_path, limit, rc):
+    # The step starts a sleeper in a new session (as RemoteServer starts `vllm serve`)
+    # and exits 3 at once, or overruns its 1 s limit.
+    pidfile = tmp_path / "pid"
+    script = f"setsid sleep 300 & echo $! > {pidfile}; " + ("exit 3" if rc == 3 else "sleep 60")
+    done = subprocess.run(
+        [sys.executable, str(KIT / "reap.py"), str(limit), "bash", "-c", script], timeout=60
+    )
+    assert done.returncode == rc
+    assert not alive(int(pidfile.read_text()))
+
+
+@pytest.mark.slow
+def test_run_sh_runs_a_tiny_bench_step(tmp_path):
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    argv = ["bench", "--shape", "tiny", "--num-requests", "1", "--prompt-len", "16"]
+    argv += ["--max-tokens", "4", "--model-dir", str(tmp_path / "model")]
+    done = subprocess.run([str(KIT / "run.sh"), *argv], env=env, timeout=300)
+    assert done.returncode == 0
+    result = json.loads((tmp_path / "bench-1.json").read_text())
+    assert result["engines"]["ours"]["1"]["num_decode_steps"] == 3
+    log = (tmp_path / "run.log").read_text()
+    assert "=== bench: exit status 0" in log and "device: no CUDA device" in log
+
+
+def test_run_sh_refuses_an_unknown_step(tmp_path):
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "OUT": str(tmp_path)}
+    done = subprocess.run([str(KIT / "run.sh"), "benchmark"], env=env, timeout=60)
+    assert done.returncode == 2
