@@ -101,15 +101,47 @@ def _op(name: str):
 
 
 def reshape_and_cache_torch(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    padded: bool = True,
 ) -> None:
-    """Pure-torch version. key/value: (num_tokens, kv_heads, head_size); slots int64."""
+    """Pure-torch version. key/value: (num_tokens, kv_heads, head_size); slots int64.
+
+    No host sync (CUDA graphs can capture it). A padding token (slot < 0) is written to
+    the slot of the first real token with that token's K/V, so every write to one slot
+    carries the same bytes and ``index_copy_``'s order among duplicates does not matter;
+    with no real token at all, slot 0 gets its own contents back. ``padded=False``: the
+    caller knows every slot is >= 0 (built from block ids), so the plain copies suffice."""
+    # unbind, not flat[0]: Python indexing cannot run on FakeTensorMode's CUDA tensors on a
+    # CPU-only build, which is how tests check this path's devices and syncs.
+    keys, values = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4]).unbind(0)
+    if padded and slot_mapping.numel():  # a shape: known on the host
+        key, value, slot_mapping = _redirect_padding(key, value, keys, values, slot_mapping)
+    keys.index_copy_(0, slot_mapping, key)
+    values.index_copy_(0, slot_mapping, value)
+
+
+def _redirect_padding(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keys: torch.Tensor,  # (slots, kv_heads, head_size): the cache's K half
+    values: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reshape_and_cache_torch``'s padding rule, in device ops only (see there)."""
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    first = keep.int().argmax().view(1)  # the first real token; 0 when there is none
+    has_real = keep.index_select(0, first).view(1, 1, 1)
+    target = slot_mapping.index_select(0, first).clamp_(min=0)  # (1,)
+    slots = torch.where(keep, slot_mapping, target)
+    rows = keep.view(-1, 1, 1)
+    out = []
+    for new, cached in ((key, keys), (value, values)):
+        fill = torch.where(has_real, new.index_select(0, first), cached.index_select(0, target))
+        out.append(torch.where(rows, new, fill))
+    return out[0], out[1], slots
 
 
 def reshape_and_cache(

@@ -43,3 +43,60 @@ def test_native_kernel_matches_fallback():
     ops.reshape_and_cache_torch(key, value, expected, slots)
     ops.reshape_and_cache(key, value, cache, slots)
     assert torch.equal(cache, expected)
+
+
+def _expected(key, value, cache, slots):
+    """Token by token, in Python: the contract (slot < 0 writes nothing)."""
+    out, bs = cache.clone(), cache.shape[2]
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            out[0, slot // bs, slot % bs] = key[i]
+            out[1, slot // bs, slot % bs] = value[i]
+    return out
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [-1, -1, -1],  # nothing to write: slot 0 gets its own contents back
+        [-1, 0, -1, 5],  # padding sent to slot 0, which a real token writes
+        [3, -1, 0, -1],
+        [2, 7, 0],  # no padding at all
+        [],  # no token
+    ],
+)
+def test_padding_rule_is_exact(slots):
+    g = torch.Generator().manual_seed(len(slots))
+    key = torch.randn(len(slots), 2, 4, generator=g)
+    value = torch.randn(len(slots), 2, 4, generator=g)
+    cache = torch.randn(2, 3, 4, 2, 4, generator=g)  # random: an unwanted write shows
+    slots = torch.tensor(slots, dtype=torch.long)
+    expected = _expected(key, value, cache, slots)
+    ops.reshape_and_cache_torch(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_unpadded_fast_path_equals_the_general_one():
+    key, value, cache, _ = _random_case()
+    slots = torch.randperm(cache.shape[1] * cache.shape[2], generator=torch.Generator())[:37]
+    general = cache.clone()
+    ops.reshape_and_cache_torch(key, value, general, slots)
+    ops.reshape_and_cache_torch(key, value, cache, slots, padded=False)
+    assert torch.equal(cache, general)
+
+
+def test_no_host_sync_on_cuda_tensors():
+    # Under FakeTensorMode (fake CUDA tensors on this CPU-only build) reading a device value
+    # raises, as `bool(keep.all())` did here; the padding rule is device ops only.
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    with FakeTensorMode():
+        dev = torch.device("cuda", 0)
+        key = torch.empty(5, 2, 8, device=dev, dtype=torch.bfloat16)
+        value = torch.empty(5, 2, 8, device=dev, dtype=torch.bfloat16)
+        cache = torch.empty(2, 4, 16, 2, 8, device=dev, dtype=torch.bfloat16)
+        slots = torch.empty(5, dtype=torch.long, device=dev)
+        ops.reshape_and_cache_torch(key, value, cache, slots)
+        ops.reshape_and_cache(key, value, cache, slots)  # the dispatcher takes it on CUDA
+        with pytest.raises(DataDependentOutputException):
+            bool((slots >= 0).all())

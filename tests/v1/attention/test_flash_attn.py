@@ -77,31 +77,21 @@ def fake_flash_attn(monkeypatch):
     return calls
 
 
-def test_metadata_mixed_batch_with_prefixes():
-    # block_size 4. Per sequence (computed, new, blocks) -> context length, blocks used:
-    #   decode     (5, 1, [3, 7])     -> 6,  [3, 7]
-    #   prefill    (0, 6, [2, 9, 11]) -> 6,  [2, 9]  (block 11: allocated ahead, unused)
-    #   chunk      (8, 3, [4, 5, 6])  -> 11, [4, 5, 6] (8 prefix tokens cached)
-    #   decode     (3, 1, [8])        -> 4,  [8]
-    seqs = [(5, 1, [3, 7]), (0, 6, [2, 9, 11]), (8, 3, [4, 5, 6]), (3, 1, [8])]
+def test_metadata_is_paged_only_for_pages_flash_attn_accepts():
+    # The layout itself is tests/v1/attention/test_varlen_metadata.py's.
+    seqs = [(5, 1, [3, 7]), (0, 6, [2, 9, 11])]
     meta = flash_attn.build_flash_metadata(seqs, 4, torch.device("cpu"))
-    assert meta.cu_seqlens_q.tolist() == [0, 1, 7, 10, 11]
-    assert meta.cu_seqlens_k.tolist() == [0, 6, 12, 23, 27]
-    assert meta.seq_lens.tolist() == [6, 6, 11, 4]
-    assert (meta.max_seqlen_q, meta.max_seqlen_k) == (6, 11)
-    assert meta.cu_seqlens_q.dtype == meta.block_table.dtype == torch.int32
-    # Rows padded with the null block 0.
-    assert meta.block_table.tolist() == [[3, 7, 0], [2, 9, 0], [4, 5, 6], [8, 0, 0]]
-    # slot = block * 4 + offset for the new tokens only.
-    assert meta.slot_mapping.tolist() == [29, 8, 9, 10, 11, 36, 37, 24, 25, 26, 35]
-    assert not meta.paged
-    assert meta.gather_slots.tolist() == (
-        [12, 13, 14, 15, 28, 29] + [8, 9, 10, 11, 36, 37] + list(range(16, 27)) + [32, 33, 34, 35]
-    )
+    assert not meta.paged and meta.gather_slots.tolist() == [12, 13, 14, 15, 28, 29] + [
+        8,
+        9,
+        10,
+        11,
+        36,
+        37,
+    ]
     paged = flash_attn.build_flash_metadata([(300, 1, [5, 2])], 256, torch.device("cpu"))
     assert paged.paged and paged.gather_slots is None
     assert paged.block_table.tolist() == [[5, 2]]
-    assert paged.slot_mapping.tolist() == [2 * 256 + 300 - 256]
 
 
 # (computed, new): two decodes, a whole prompt, a chunk over a cached prefix, and one
@@ -163,7 +153,7 @@ def test_reference_detects_a_wrong_causal_alignment():
     meta = flash_attn.build_flash_metadata(seqs, 16, torch.device("cpu"))
     kv = cache.view(2, -1, 2, 8)
     keys, values = kv[0][meta.gather_slots], kv[1][meta.gather_slots]
-    args = (q, keys, values, meta.cu_seqlens_q, meta.cu_seqlens_k, 10, 260)
+    args = (q, keys, values, meta.cu_seq_q, meta.cu_seq_k, 10, 260)
     causal = ref_varlen_attention(*args, causal=True)
     full = ref_varlen_attention(*args, causal=False)
     # Decodes (one query row, every key visible) agree; prefill rows do not.

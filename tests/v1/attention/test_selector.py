@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from vllm.v1.attention import selector
-from vllm.v1.attention.backends import flash_attn, registry
+from vllm.v1.attention.backends import flash_attn, registry, torch_flash
 from vllm.v1.attention.backends.abstract import AttentionBackend
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it
@@ -24,17 +25,57 @@ def no_forced_backend(monkeypatch):
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """CUDA present and flash-attn importable, as on a GPU box with the `cuda` extra."""
+    """CUDA present with torch's FlashAttention usable (an Ampere+ GPU), and the flash-attn
+    package importable too."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch_flash, "flash_unavailable_reason", lambda device: None)
     monkeypatch.setattr(flash_attn, "flash_attn_importable", lambda: True)
 
 
+@pytest.fixture
+def no_torch_flash(monkeypatch):
+    """torch's FlashAttention cannot run (an older torch, say): the package is next."""
+    monkeypatch.setattr(
+        torch_flash, "flash_unavailable_reason", lambda device: "no varlen_attn (test)"
+    )
+
+
 def test_registry_names_the_built_in_backends():
-    assert registry.backend_names() == ("FLASH_ATTN", "TORCH_SDPA")
+    assert registry.backend_names() == ("TORCH_FLASH_ATTN", "FLASH_ATTN", "TORCH_SDPA")
+    assert registry.get_backend_class("TORCH_FLASH_ATTN") is TorchFlashAttentionBackend
     assert registry.get_backend_class("TORCH_SDPA") is TorchSDPABackend
     assert registry.get_backend_class("FLASH_ATTN") is FlashAttentionBackend
-    with pytest.raises(ValueError, match="XFORMERS.*FLASH_ATTN, TORCH_SDPA"):
+    with pytest.raises(ValueError, match="XFORMERS.*TORCH_FLASH_ATTN, FLASH_ATTN, TORCH_SDPA"):
         registry.get_backend_class("XFORMERS")
+
+
+def test_cuda_prefers_torch_flash_attn_in_half_precision(fake_cuda, caplog):
+    # Ahead of the flash-attn package even where that is installed; silently.
+    for dtype in (torch.bfloat16, torch.float16):
+        cls = selector.select_attention_backend(CUDA, dtype, 16, 128)
+        assert cls is TorchFlashAttentionBackend and not cls.decodes_first
+    assert "Not using" not in caplog.text
+
+
+def test_cuda_fp32_keeps_the_torch_backend(fake_cuda, caplog):
+    # fp32 is the exactness reference: neither FlashAttention runs it.
+    assert selector.select_attention_backend(CUDA, torch.float32, 16, 128) is TorchSDPABackend
+    assert "Not using TORCH_FLASH_ATTN: dtype torch.float32" in caplog.text
+
+
+def test_torch_flash_attn_reasons(fake_cuda):
+    validate = TorchFlashAttentionBackend.validate_configuration
+    assert validate(CUDA, torch.bfloat16, 16, 128) == []
+    assert validate(CUDA, torch.bfloat16, 16, 60) == [
+        "head size 60 is not supported by TORCH_FLASH_ATTN"
+    ]
+    assert validate(CUDA, torch.bfloat16, 16, 512) != []
+    assert "needs CUDA" in validate(CPU, torch.bfloat16, 16, 128)[0]
+
+
+def test_unavailable_torch_flash_attn_is_a_warning_on_cuda(fake_cuda, no_torch_flash, caplog):
+    assert selector.select_attention_backend(CUDA, torch.bfloat16, 16, 64) is FlashAttentionBackend
+    assert "Not using TORCH_FLASH_ATTN: no varlen_attn (test); using FLASH_ATTN" in caplog.text
 
 
 def test_cpu_uses_torch(monkeypatch):
@@ -50,7 +91,7 @@ def test_cpu_uses_torch(monkeypatch):
     assert not backend.prefill_bf16
 
 
-def test_cuda_picks_flash_attn_and_mode_follows_block_size(fake_cuda):
+def test_cuda_picks_flash_attn_and_mode_follows_block_size(fake_cuda, no_torch_flash):
     cls = selector.select_attention_backend(CUDA, torch.bfloat16, 16, 64)
     assert cls is FlashAttentionBackend and not cls.decodes_first
     gathered = cls(8, 8, 64, torch.bfloat16, CUDA, 16)
@@ -69,7 +110,9 @@ def test_cuda_picks_flash_attn_and_mode_follows_block_size(fake_cuda):
         (torch.bfloat16, 64, False),
     ],
 )
-def test_cuda_falls_back_to_torch(fake_cuda, monkeypatch, caplog, dtype, head_dim, importable):
+def test_cuda_falls_back_to_torch(
+    fake_cuda, no_torch_flash, monkeypatch, caplog, dtype, head_dim, importable
+):
     monkeypatch.setattr(flash_attn, "flash_attn_importable", lambda: importable)
     assert selector.select_attention_backend(CUDA, dtype, 16, head_dim) is TorchSDPABackend
     # On CUDA, not getting flash-attn is worth a warning (on CPU it is expected).
@@ -86,7 +129,7 @@ def test_env_forcing_flash_attn_fails_loudly_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="needs CUDA"):
         selector.select_attention_backend(CPU, torch.float32, 16, 64)
     monkeypatch.setenv(selector.ENV_VAR, "XFORMERS")
-    with pytest.raises(ValueError, match="XFORMERS.*FLASH_ATTN, TORCH_SDPA"):
+    with pytest.raises(ValueError, match="XFORMERS.*TORCH_FLASH_ATTN, FLASH_ATTN, TORCH_SDPA"):
         selector.select_attention_backend(CPU, torch.float32, 16, 64)
 
 

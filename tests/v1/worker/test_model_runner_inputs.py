@@ -133,8 +133,8 @@ def test_first_step_prefix_hit_chunk_and_full_prefill(runner):
     # A: positions 8, 9 -> block_ids[2] = 9 -> 36, 37. B: block 5 -> 20..23, block 6 -> 24.
     # C: block 11 -> 44..46.
     assert meta.slot_mapping.tolist() == [36, 37, 20, 21, 22, 23, 24, 44, 45, 46]
-    assert meta.cu_seqlens_q.tolist() == [0, 2, 7, 10]
-    assert meta.seq_lens.tolist() == [10, 5, 3]
+    assert meta.cu_seq_q.tolist() == [0, 2, 7, 10]
+    assert meta.seqused_k.tolist() == [10, 5, 3]
     assert meta.block_table.tolist() == [[7, 3, 9], [5, 6, 0], [11, 0, 0]]
     # B's chunk does not reach its prompt's end: only A (row 1) and C (row 9) sample.
     assert runner.model.logits_inputs == [[1, 9]]
@@ -156,10 +156,10 @@ def test_mixed_step_flash_metadata_in_scheduler_order(runner):
     meta = call["meta"]
     # B: 5..7 -> block 6 -> 25..27; 8..11 -> block 12 -> 48..51. C 47, A 38, D 52, 53.
     assert meta.slot_mapping.tolist() == [25, 26, 27, 48, 49, 50, 51, 47, 38, 52, 53]
-    assert meta.cu_seqlens_q.tolist() == [0, 7, 8, 9, 11]
-    assert meta.seq_lens.tolist() == [12, 4, 11, 6]
-    assert meta.cu_seqlens_k.tolist() == [0, 12, 16, 27, 33]
-    assert (meta.max_seqlen_q, meta.max_seqlen_k) == (7, 12)
+    assert meta.cu_seq_q.tolist() == [0, 7, 8, 9, 11]
+    assert meta.seqused_k.tolist() == [12, 4, 11, 6]
+    assert meta.cu_seq_k.tolist() == [0, 12, 16, 27, 33]
+    assert (meta.max_q, meta.max_k) == (7, 12)
     # Each row holds the blocks its context uses, padded with the null block 0.
     assert meta.block_table.tolist() == [[5, 6, 12], [11, 0, 0], [7, 3, 9], [7, 13, 0]]
     assert not meta.paged

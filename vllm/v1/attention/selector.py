@@ -1,7 +1,9 @@
 """Picks the attention backend class for a model runner among the registered ones
 (``backends/registry.py``): the highest ``priority`` whose ``validate_configuration``
-finds nothing wrong. With the two built in: flash-attn on CUDA when it can, torch SDPA
-otherwise.
+finds nothing wrong. With the three built in: torch's own FlashAttention
+(``TORCH_FLASH_ATTN``) on CUDA in fp16/bf16, the flash-attn package (``FLASH_ATTN``) where
+torch's cannot run and the package is installed, torch SDPA otherwise (CPU, and fp32 on
+CUDA: the exactness reference).
 
 ``VLLM_ATTENTION_BACKEND`` (vLLM's variable) forces a registered name instead: a backend
 that cannot run here raises rather than silently falling back, so a forced benchmark
@@ -43,7 +45,7 @@ def select_attention_backend(
         reasons = cls.validate_configuration(device, dtype, block_size, head_size)
         if not reasons:
             # A backend meant for this device that could not run deserves a warning
-            # (flash-attn on CUDA without its package); one for another device does not.
+            # (FlashAttention on CUDA in fp32, say); one for another device does not.
             for other, why in skipped:
                 if device.type in other.device_types:
                     logger.warning("Not using %s: %s; using %s", other.name, why, cls.name)

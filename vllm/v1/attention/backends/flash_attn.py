@@ -2,7 +2,7 @@
 
 One ``flash_attn.flash_attn_varlen_func`` call per layer covers the whole flat batch:
 decodes, prefill chunks and chunks over a cached prefix alike. Sequence ``i`` owns query
-rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and ``seq_lens[i]`` keys (its cached context
+rows ``cu_seq_q[i]:cu_seq_q[i+1]`` and ``seqused_k[i]`` keys (its cached context
 plus this step's tokens, already written to the cache). ``causal=True`` is what we want
 for all of them because flash-attn aligns the causal mask to the bottom-right corner:
 query row ``j`` of a chunk sees keys ``[0, seq_len - q_len + j]``.
@@ -18,21 +18,22 @@ Two ways to hand the keys over, chosen once from the block size:
   ``cu_seqlens_k``. That costs one copy of the step's context K/V per layer, which is
   also what the torch backend pays, and keeps the kernel on the documented API.
 
-``FlashAttentionBackend`` is the registered backend (``FLASH_ATTN``): the selector takes it
-on CUDA with fp16/bf16 when the package imports. The ``flash_attn`` import is lazy: this
-module imports on a CPU-only machine.
+The per-step layout (``varlen_metadata``) is shared with ``TORCH_FLASH_ATTN``, torch's own
+FlashAttention, which the selector prefers: ``FlashAttentionBackend`` (``FLASH_ATTN``) is
+taken on CUDA with fp16/bf16 when torch's cannot run and the package imports. The
+``flash_attn`` import is lazy: this module imports on a CPU-only machine.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vllm._custom_ops import reshape_and_cache
+from vllm._custom_ops import reshape_and_cache_torch
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
+from vllm.v1.attention.backends.varlen_metadata import VarlenMetadata, build_varlen_metadata
 
 # Upstream flash-attn 2 only accepts paged caches whose page size is a multiple of this.
 FLASH_ATTN_PAGE_MULTIPLE = 256
@@ -45,75 +46,12 @@ def supports_block_table(block_size: int) -> bool:
     return block_size % FLASH_ATTN_PAGE_MULTIPLE == 0
 
 
-@dataclass
-class FlashAttentionMetadata:
-    """Per-step inputs of ``flash_attn_varlen_func``, shared by every layer.
-
-    ``block_table`` is ``(num_seqs, max_blocks)`` int32, rows padded with the null block 0
-    (never read: keys past ``seq_lens[i]`` are outside sequence ``i``). ``gather_slots``
-    holds the flat cache slots of every sequence's context, concatenated in batch order;
-    it is set only when the cache cannot be passed as pages (``paged`` is False).
-    """
-
-    slot_mapping: torch.Tensor  # (num_tokens,) int64: where each new token's K/V goes
-    cu_seqlens_q: torch.Tensor  # (num_seqs + 1,) int32
-    cu_seqlens_k: torch.Tensor  # (num_seqs + 1,) int32
-    seq_lens: torch.Tensor  # (num_seqs,) int32: context + new tokens per sequence
-    max_seqlen_q: int
-    max_seqlen_k: int
-    block_table: torch.Tensor  # (num_seqs, max_blocks) int32
-    paged: bool
-    gather_slots: torch.Tensor | None = None  # (total_k,) int64, when not paged
-
-
-def _cumsum(lens: list[int]) -> list[int]:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return out
-
-
 def build_flash_metadata(
     seqs: list[SeqLayout], block_size: int, device: torch.device | str
-) -> FlashAttentionMetadata:
-    """``seqs``: per request in batch order, (num_computed, num_new, block_ids).
-
-    Unlike the torch backend, any order of decodes and prefills is fine."""
-    slot_mapping: list[int] = []
-    q_lens: list[int] = []
-    seq_lens: list[int] = []
-    rows: list[list[int]] = []
-    for computed, new, block_ids in seqs:
-        total = computed + new
-        used = block_ids[: -(-total // block_size)]
-        slot_mapping += [
-            used[p // block_size] * block_size + p % block_size for p in range(computed, total)
-        ]
-        q_lens.append(new)
-        seq_lens.append(total)
-        rows.append(used)
-    width = max((len(r) for r in rows), default=0)
-    paged = supports_block_table(block_size)
-    meta = FlashAttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        cu_seqlens_q=torch.tensor(_cumsum(q_lens), dtype=torch.int32, device=device),
-        cu_seqlens_k=torch.tensor(_cumsum(seq_lens), dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        max_seqlen_q=max(q_lens, default=0),
-        max_seqlen_k=max(seq_lens, default=0),
-        block_table=torch.tensor(
-            [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device
-        ).view(len(rows), width),
-        paged=paged,
-    )
-    if not paged:
-        table = meta.block_table.long()
-        offsets = torch.arange(block_size, device=device)
-        # (num_seqs, max_blocks * block_size) flat slots, then keep each row's first seq_len.
-        slots = (table[:, :, None] * block_size + offsets).view(len(rows), -1)
-        keep = torch.arange(slots.shape[1], device=device)[None, :] < meta.seq_lens[:, None]
-        meta.gather_slots = slots[keep]
-    return meta
+) -> VarlenMetadata:
+    """``seqs``: per request in batch order, (num_computed, num_new, block_ids); any
+    order of decodes and prefills. Paged when the block size allows it."""
+    return build_varlen_metadata(seqs, block_size, device, supports_block_table(block_size))
 
 
 def _varlen_func() -> Any:
@@ -127,30 +65,30 @@ def flash_paged_attention(
     k: torch.Tensor,  # (num_tokens, kv_heads, head_dim)
     v: torch.Tensor,
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, kv_heads, head_dim)
-    meta: FlashAttentionMetadata,
+    meta: VarlenMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim).
 
     Same contract as ``torch_sdpa.paged_attention``; GQA is native to flash-attn (query
     head ``h`` reads KV head ``h // (heads // kv_heads)``), so K/V are never repeated."""
-    reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+    reshape_and_cache_torch(k, v, kv_cache, meta.slot_mapping, padded=False)  # no padding
     if meta.paged:
         keys, values = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kv_heads, dim)
         block_table = meta.block_table
     else:
         kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        keys = kv_cache[0].view(-1, kv_heads, head_dim)[meta.gather_slots]
-        values = kv_cache[1].view(-1, kv_heads, head_dim)[meta.gather_slots]
+        keys = kv_cache[0].view(-1, kv_heads, head_dim).index_select(0, meta.gather_slots)
+        values = kv_cache[1].view(-1, kv_heads, head_dim).index_select(0, meta.gather_slots)
         block_table = None
     return _varlen_func()(
         q,
         keys,
         values,
-        cu_seqlens_q=meta.cu_seqlens_q,
-        cu_seqlens_k=meta.cu_seqlens_k,
-        max_seqlen_q=meta.max_seqlen_q,
-        max_seqlen_k=meta.max_seqlen_k,
+        cu_seqlens_q=meta.cu_seq_q,
+        cu_seqlens_k=meta.cu_seq_k,
+        max_seqlen_q=meta.max_q,
+        max_seqlen_k=meta.max_k,
         softmax_scale=scale,
         causal=True,
         block_table=block_table,
@@ -202,7 +140,7 @@ class FlashAttentionBackend(AttentionBackend):
             " (upstream flash-attn's paged minimum): contexts are gathered per step"
         )
 
-    def build_metadata(self, seqs: list[SeqLayout]) -> FlashAttentionMetadata:
+    def build_metadata(self, seqs: list[SeqLayout]) -> VarlenMetadata:
         return build_flash_metadata(seqs, self.block_size, self.device)
 
     def forward(
@@ -211,7 +149,7 @@ class FlashAttentionBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: FlashAttentionMetadata,
+        meta: VarlenMetadata,
         scale: float,
     ) -> torch.Tensor:
         return flash_paged_attention(q, k, v, kv_cache, meta, scale)

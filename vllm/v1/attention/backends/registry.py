@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backends.abstract import AttentionBackend
 
 _REGISTRY: dict[str, str | type[AttentionBackend]] = {
-    # FlashAttention-2's varlen kernel (CUDA, fp16/bf16; the `cuda` extra).
+    # torch's own FlashAttention (varlen_attn; CUDA, fp16/bf16): nothing to install.
+    "TORCH_FLASH_ATTN": "vllm.v1.attention.backends.torch_flash:TorchFlashAttentionBackend",
+    # The flash-attn package's varlen kernel (CUDA, fp16/bf16), for those who have it.
     "FLASH_ATTN": "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",
     # torch SDPA + the native CPU kernels: runs anywhere (the fallback).
     "TORCH_SDPA": "vllm.v1.attention.backends.torch_sdpa:TorchSDPABackend",

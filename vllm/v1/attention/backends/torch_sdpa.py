@@ -55,6 +55,7 @@ class AttentionMetadata:
     # (num_decodes, max_blocks) int64, rows padded with the null block 0 (never read).
     decode_block_table: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None  # (num_decodes,) int64: context incl. the new
+    decode_max_len: int = 0  # max of decode_seq_lens, kept on the host (no device read-back)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @cached_property
@@ -63,10 +64,11 @@ class AttentionMetadata:
         fallback's gather indices; computed on first use)."""
         if not self.num_decodes:
             return None
-        pos = torch.arange(int(self.decode_seq_lens.max()), device=self.slot_mapping.device)
-        slots = self.decode_block_table[:, pos // self.block_size] * self.block_size
+        pos = torch.arange(self.decode_max_len, device=self.slot_mapping.device)
+        table = self.decode_block_table.index_select(1, pos // self.block_size)
+        slots = table * self.block_size
         slots += pos % self.block_size
-        return slots.masked_fill_(~self.decode_mask.view(self.num_decodes, -1), 0)
+        return slots.masked_fill_(self.decode_mask.view(self.num_decodes, -1).logical_not(), 0)
 
     @cached_property
     def decode_mask(self) -> torch.Tensor | None:
@@ -74,8 +76,8 @@ class AttentionMetadata:
         if not self.num_decodes:
             return None
         lens = self.decode_seq_lens
-        pos = torch.arange(int(lens.max()), device=lens.device)
-        return (pos[None, :] < lens[:, None]).view(self.num_decodes, 1, 1, -1)
+        pos = torch.arange(self.decode_max_len, device=lens.device)
+        return (pos.unsqueeze(0) < lens.unsqueeze(1)).view(self.num_decodes, 1, 1, -1)
 
 
 def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -118,6 +120,7 @@ def build_metadata(
             [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=device
         )
         meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+        meta.decode_max_len = max(decode_lens)
     return meta
 
 
