@@ -232,14 +232,6 @@ def test_model_forward_has_no_host_sync(cuda_code_path, dtype, flags):
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=HostSync,
-    reason="host syncs in files another change owns: vllm/_custom_ops.py "
-    "reshape_and_cache_torch (bool(keep.all())) and "
-    "vllm/v1/attention/backends/torch_sdpa.py (int(decode_seq_lens.max())); "
-    "remove this mark when they are gone",
-)
 def test_model_forward_with_the_torch_backend_has_no_host_sync(cuda_code_path):
     """A decode step and a prefill chunk over a cached prefix through the real backend."""
     model = _model(torch.float32)
