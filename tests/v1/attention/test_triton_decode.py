@@ -30,7 +30,6 @@ import sys
 import traceback
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -256,7 +255,7 @@ def test_the_checks_catch_a_wrong_kernel(monkeypatch):
         for row, o in decode_reference(q, kv_cache, block_table, full, scale, rows).items():
             out[row] = o.to(out.dtype)
         if write_all:
-            out[:] = out[0] if rows is None else out[int(rows[0])]
+            out[:] = out[0 if rows is None else int(rows[0])].clone()
         return out
 
     monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated)
@@ -533,8 +532,8 @@ def test_kernel_module_imports_without_triton():
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_numpy_reference_agrees_with_the_generic_one():
-    # decode_reference against the SDPA reference of test_torch_flash on a decode batch.
+def test_decode_reference_agrees_with_the_sdpa_reference():
+    # decode_reference against test_torch_flash's SDPA reference on a decode batch.
     seqs, q, _, _, cache = make_batch("decode", 16, 6, 2, 8, seed=5)
     table = torch.zeros(len(seqs), 20, dtype=torch.int32)
     for i, (_, _, ids) in enumerate(seqs):
@@ -543,4 +542,3 @@ def test_numpy_reference_agrees_with_the_generic_one():
     ref = decode_reference(q, cache, table, lens, 0.3)
     expected = sdpa_reference(seqs, q, cache, 0.3, 16)
     torch.testing.assert_close(torch.stack([ref[i] for i in range(len(seqs))]), expected)
-    assert np.isfinite(expected.numpy()).all()
