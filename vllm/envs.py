@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     VLLM_CACHE_ROOT: str
     VLLM_ATTENTION_BACKEND: str | None
+    VLLM_CUDA_DECODE_ATTENTION: str
     VLLM_CPU_THREADS: int
     VLLM_CPU_ENGINE_NICE: int
     VLLM_ENGINE_ORPHAN_GRACE_S: float
@@ -56,6 +57,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # TORCH_SDPA or FLASH_ATTN (case-insensitive); unset: the highest-priority registered
     # backend that can run, i.e. flash-attn on CUDA when it can, torch otherwise.
     "VLLM_ATTENTION_BACKEND": _upper_or_none("VLLM_ATTENTION_BACKEND"),
+    # Kernel of TORCH_FLASH_ATTN's decode rows (one new token over a cached context):
+    # auto = the Triton paged decode kernel (backends/triton_decode.py: reads the cache in
+    # place, fixed grid, CUDA-graph capturable) when triton imports and the device is CUDA,
+    # else varlen_attn; triton (fail at start-up where it cannot run); varlen (every row
+    # through torch's varlen_attn, as prefill rows always are). Read when the backend is
+    # built. Which is faster on a given GPU is unmeasured: choose by measurement.
+    "VLLM_CUDA_DECODE_ATTENTION": _choice(
+        "VLLM_CUDA_DECODE_ATTENTION", ("auto", "triton", "varlen")
+    ),
     # torch intra-op threads of the CPU model runner. Default: every core.
     "VLLM_CPU_THREADS": lambda: int(os.getenv("VLLM_CPU_THREADS") or os.cpu_count() or 1),
     # How much the CPU engine process lowers its priority (nice increment) so the API

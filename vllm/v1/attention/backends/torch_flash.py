@@ -22,20 +22,37 @@ version (torch 2.11 has packed varlen with GQA; 2.13 adds ``block_table``/``sequ
 Older signatures are met too: causal through ``is_causal=`` where there is no
 ``window_size=``, the scale folded into the query where there is no ``scale=``, K/V heads
 repeated where there is no ``enable_gqa=``.
+
+Decode rows (one new token over its cached context) go to the Triton paged decode kernel
+(``triton_decode``) where it can run (CUDA, triton importable) unless
+``VLLM_CUDA_DECODE_ATTENTION=varlen``: it reads the cache in place through the block
+table, whatever the block size, on a launch grid fixed by the number of decodes, so a
+decode step gathers nothing and can be captured in a CUDA graph. The step's other rows
+(prompts, chunks) still go to ``varlen_attn`` as above, gathered or paged; a step without
+decodes is built and run exactly as without Triton.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from vllm import envs
 from vllm._custom_ops import reshape_and_cache_torch
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
-from vllm.v1.attention.backends.varlen_metadata import VarlenMetadata, build_varlen_metadata
+from vllm.v1.attention.backends.varlen_metadata import (
+    VarlenMetadata,
+    build_varlen_metadata,
+    upload,
+)
+
+logger = logging.getLogger(__name__)
 
 # torch's FlashAttention-2 reads a paged cache only with pages of a multiple of this.
 PAGED_BLOCK_MULTIPLE = 256
@@ -90,10 +107,126 @@ def flash_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def choose_decode_kernel(device: torch.device) -> str:
+    """``"triton"`` or ``"varlen"``: the kernel of the decode rows, per
+    ``VLLM_CUDA_DECODE_ATTENTION`` (auto: Triton where it can run). An explicit ``triton``
+    that cannot run raises (no silent fallback)."""
+    choice = envs.VLLM_CUDA_DECODE_ATTENTION
+    if choice == "varlen":
+        return "varlen"
+    if device.type != "cuda":
+        reason = f"the Triton decode kernel runs on CUDA, not {device.type}"
+    elif not torch.cuda.is_available():
+        reason = "no CUDA device is available"
+    else:
+        from vllm.v1.attention.backends import triton_decode  # imports triton: on CUDA only
+
+        reason = triton_decode.triton_unavailable_reason(device)
+        if reason is None:
+            return "triton"
+    if choice == "triton":
+        raise RuntimeError(f"VLLM_CUDA_DECODE_ATTENTION=triton: {reason}")
+    if device.type == "cuda":
+        logger.info("Decode rows use varlen_attn: %s", reason)
+    return "varlen"
+
+
+@dataclass
+class TritonDecodeMetadata:
+    """A step with decode rows for the Triton kernel: decode ``i`` (the ``i``-th
+    single-token sequence in batch order) has ``seq_lens[i]`` keys, its own included, in
+    blocks ``block_table[i]``; every other row goes to ``varlen_attn`` with ``prefill``."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: every new token's slot, batch order
+    block_table: torch.Tensor  # (num_decodes, max_blocks) int32, padded with block 0
+    seq_lens: torch.Tensor  # (num_decodes,) int32
+    decode_rows: torch.Tensor | None  # (num_decodes,) int32; None: decode i is row i
+    prefill_rows: torch.Tensor | None  # (num_prefill_tokens,) int64; None: no prefills
+    prefill: VarlenMetadata | None  # over the prefill sequences alone
+
+    def copy_(self, src: TritonDecodeMetadata) -> None:
+        """Take ``src``'s step into these tensors (the mutation), so that a CUDA graph
+        captured with this metadata replays ``src``'s step: both decode-only with as many
+        decodes, ``src``'s table no wider (the rest of each row becomes block 0)."""
+        if self.prefill is not None or src.prefill is not None:
+            raise ValueError("only a decode-only step's metadata can be copied")
+        width = src.block_table.shape[1]
+        if src.seq_lens.shape != self.seq_lens.shape or width > self.block_table.shape[1]:
+            raise ValueError(
+                f"a step of {src.block_table.shape} does not fit {self.block_table.shape}"
+            )
+        self.slot_mapping.copy_(src.slot_mapping)
+        self.seq_lens.copy_(src.seq_lens)
+        self.block_table.narrow(1, 0, width).copy_(src.block_table)
+        self.block_table.narrow(1, width, self.block_table.shape[1] - width).zero_()
+
+
+def _new_slots(computed: int, new: int, block_ids: list[int], block_size: int) -> np.ndarray:
+    pos = np.arange(computed, computed + new, dtype=np.int64)
+    if len(block_ids) * block_size < computed + new:
+        need = computed + new
+        raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {need} tokens")
+    return np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+
+
+def build_triton_decode_metadata(
+    seqs: list[SeqLayout], block_size: int, device: torch.device | str, paged: bool
+) -> TritonDecodeMetadata:
+    """``seqs`` in batch order, in any mix; the decodes are those of one new token. One
+    host-to-device copy, plus ``build_varlen_metadata``'s for the prefills if any."""
+    device = torch.device(device)
+    decodes = [i for i, (_, n, _) in enumerate(seqs) if n == 1]
+    prefills = [i for i, (_, n, _) in enumerate(seqs) if n != 1]
+    starts = np.cumsum([0] + [n for _, n, _ in seqs], dtype=np.int64)
+    slots = [_new_slots(c, n, ids, block_size) for c, n, ids in seqs]
+    lens = np.array([seqs[i][0] + 1 for i in decodes], dtype=np.int64)
+    needs = -(-lens // block_size)
+    table = np.zeros((len(decodes), int(needs.max(initial=0))), dtype=np.int64)
+    for row, (i, need) in enumerate(zip(decodes, needs, strict=True)):
+        table[row, :need] = seqs[i][2][:need]
+    rows = starts[decodes] if prefills else np.zeros(0, dtype=np.int64)
+    prefill_rows = [np.arange(starts[i], starts[i + 1]) for i in prefills]
+    parts32 = [table, lens, rows]
+    parts64 = [np.concatenate(slots or [np.zeros(0)]), np.concatenate(prefill_rows or [rows])]
+    (table_t, lens_t, rows_t), (slots_t, prefill_rows_t) = _upload(parts32, parts64, device)
+    return TritonDecodeMetadata(
+        slot_mapping=slots_t,
+        block_table=table_t.view(table.shape),
+        seq_lens=lens_t,
+        decode_rows=rows_t if prefills else None,
+        prefill_rows=prefill_rows_t if prefills else None,
+        prefill=(
+            build_varlen_metadata([seqs[i] for i in prefills], block_size, device, paged)
+            if prefills
+            else None
+        ),
+    )
+
+
+def _upload(
+    parts32: list[np.ndarray], parts64: list[np.ndarray], device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parts, flattened, as int32 / int64 views of one tensor on ``device`` (one copy)."""
+    flat32 = np.concatenate([p.reshape(-1) for p in parts32]).astype(np.int32)
+    flat64 = np.concatenate([p.reshape(-1) for p in parts64]).astype(np.int64)
+    pad = np.zeros(4 * (flat32.size % 2), dtype=np.uint8)
+    host = np.concatenate([flat32.view(np.uint8), pad, flat64.view(np.uint8)])
+    dev = upload(torch.from_numpy(host), device)
+    # narrow/split, not slicing: they also run on FakeTensorMode's CUDA tensors (tests).
+    start64 = 4 * (flat32.size + flat32.size % 2)
+    ints = dev.narrow(0, 0, 4 * flat32.size).view(torch.int32)
+    longs = dev.narrow(0, start64, 8 * flat64.size).view(torch.int64)
+    return (
+        list(ints.split([p.size for p in parts32])),
+        list(longs.split([p.size for p in parts64])),
+    )
+
+
 class TorchFlashAttentionBackend(AttentionBackend):
     """``varlen_attn`` over the paged cache as a backend: CUDA, fp16/bf16, head size a
     multiple of 8 up to 256, any block size (paged where torch and the block size allow,
-    gathered otherwise; see the module docstring)."""
+    gathered otherwise; see the module docstring). ``decode_kernel``: ``"triton"`` sends
+    the decode rows to the Triton paged kernel, ``"varlen"`` every row to varlen_attn."""
 
     name = "TORCH_FLASH_ATTN"
     priority = 20  # ahead of FLASH_ATTN (the flash-attn package) and TORCH_SDPA
@@ -111,6 +244,7 @@ class TorchFlashAttentionBackend(AttentionBackend):
         self.paged = self.features.paged and self.block_size % PAGED_BLOCK_MULTIPLE == 0
         # Keyword arguments every call shares (the mask and the scale are added per call).
         self._kwargs: dict[str, Any] = {"enable_gqa": True} if self.features.gqa else {}
+        self.decode_kernel = choose_decode_kernel(self.device)
 
     @classmethod
     def supports_device(cls, device: torch.device) -> bool:
@@ -139,9 +273,14 @@ class TorchFlashAttentionBackend(AttentionBackend):
             why = "this torch's varlen_attn has no block_table"
         else:
             why = f"block size {self.block_size} is not a multiple of {PAGED_BLOCK_MULTIPLE}"
-        return f"{why}: contexts are gathered per step"
+        detail = f"{why}: contexts are gathered per step"
+        if self.decode_kernel == "triton":
+            detail = f"decode rows: Triton paged kernel; other rows: {detail}"
+        return detail
 
-    def build_metadata(self, seqs: list[SeqLayout]) -> VarlenMetadata:
+    def build_metadata(self, seqs: list[SeqLayout]) -> VarlenMetadata | TritonDecodeMetadata:
+        if self.decode_kernel == "triton" and any(n == 1 for _, n, _ in seqs):
+            return build_triton_decode_metadata(seqs, self.block_size, self.device, self.paged)
         return build_varlen_metadata(seqs, self.block_size, self.device, self.paged)
 
     def forward(
@@ -150,11 +289,34 @@ class TorchFlashAttentionBackend(AttentionBackend):
         k: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
         v: torch.Tensor,
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_size)
-        meta: VarlenMetadata,
+        meta: VarlenMetadata | TritonDecodeMetadata,
         scale: float,
     ) -> torch.Tensor:
         # The metadata's slots come from block ids: none is padding.
         reshape_and_cache_torch(k, v, kv_cache, meta.slot_mapping, padded=False)
+        if isinstance(meta, VarlenMetadata):
+            return self._varlen(q, kv_cache, meta, scale)
+        from vllm.v1.attention.backends import triton_decode
+
+        out = torch.empty_like(q)
+        triton_decode.paged_decode_attention(
+            q, kv_cache, meta.block_table, meta.seq_lens, scale, out=out, rows=meta.decode_rows
+        )
+        if meta.prefill is not None:
+            rows = meta.prefill_rows  # (num_prefill_tokens,): q's rows, packed for varlen
+            out.index_copy_(
+                0, rows, self._varlen(q.index_select(0, rows), kv_cache, meta.prefill, scale)
+            )
+        return out
+
+    def _varlen(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_size): meta's rows
+        kv_cache: torch.Tensor,
+        meta: VarlenMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``varlen_attn`` over ``meta``'s sequences, whose K/V are in the cache already."""
         kwargs = dict(self._kwargs)
         if self.features.causal == "is_causal":
             kwargs["is_causal"] = True

@@ -1,0 +1,271 @@
+"""Paged decode attention in Triton: one query token per sequence over the paged KV cache.
+
+``paged_decode_attention`` reads the cache in place, ``(2, num_blocks, block_size,
+kv_heads, head_dim)`` per layer, through ``block_table`` and ``seq_lens``; nothing is
+gathered. One program per (sequence, KV head, split) holds that KV head's whole group of
+query heads (GQA: query head ``h`` reads KV head ``h // (heads // kv_heads)``), so every KV
+tile is read once per group. It walks its sequence in tiles of ``TILE_N`` token positions,
+each position's block looked up in the block table (so a tile may span blocks, and any
+block size works), with an online softmax in fp32; positions at or past ``seq_len`` are
+masked, never read, so padded or null block-table entries past the context are harmless.
+
+The launch grid is ``(num_seqs, kv_heads, num_splits)``, fixed by the batch's shape: the
+context lengths are read by the kernel from device memory, never by the host, so a call
+can be captured in a CUDA graph and replayed with new lengths and block tables copied into
+the same tensors. ``num_splits > 1`` (split-K, for batches too small to fill the GPU) cuts
+each context into ``num_splits`` ranges whose partial (max, sum, output) a second kernel
+combines; it depends on the batch size only, never on the lengths.
+
+Inputs are fp16, bf16 or fp32; products and the softmax are fp32. fp16/bf16 tiles are
+widened to fp32 and multiplied at TF32 input precision, which holds fp16's and bf16's
+mantissas exactly (only the probabilities are rounded, to 10 bits, as a half-precision
+kernel rounds them); fp32 inputs multiply at full IEEE precision.
+
+Triton is optional: without it this module still imports (``triton_unavailable_reason``
+says why it cannot run). Tests run the same kernel on CPU tensors in Triton's interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the backend falls back to varlen_attn
+    triton = None
+    tl = None
+
+LOG2E = math.log2(math.e)
+MAX_SPLITS = 16
+MIN_DOT = 16  # tl.dot's smallest M, N and K
+TILE_ELEMENTS = 4096  # one K (or V) tile of TILE_N x head_dim, widened to fp32
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernel cannot run on ``device`` (None: it can)."""
+    if triton is None:
+        return "triton is not installed"
+    if device.type != "cuda":
+        return f"the Triton decode kernel runs on CUDA, not {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    return None
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per context so that the grid has about one program per SM: a power of two
+    up to ``MAX_SPLITS``, from the batch's shape only (so a captured graph stays valid)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 1
+    programs = max(num_seqs * num_kv_heads, 1)
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return min(MAX_SPLITS, _next_power_of_2(-(-sms // programs)))
+
+
+def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits) -> None:
+    """Shapes, dtypes and layouts (host metadata only: no device read)."""
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)}: bad rank")
+    heads, kv_heads, dim = q.shape[1], kv_cache.shape[3], q.shape[2]
+    if heads % kv_heads or kv_cache.shape[4] != dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
+    if q.dtype != kv_cache.dtype or out.dtype != q.dtype or out.shape != q.shape:
+        raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype} differ")
+    num_seqs = block_table.shape[0]
+    if block_table.dim() != 2 or seq_lens.shape != (num_seqs,):
+        raise ValueError(f"block_table {tuple(block_table.shape)}, seq_lens {seq_lens.shape}")
+    if rows is not None and rows.shape != (num_seqs,):
+        raise ValueError(f"rows {tuple(rows.shape)} for {num_seqs} sequences")
+    if rows is None and num_seqs > q.shape[0]:
+        raise ValueError(f"{num_seqs} sequences but {q.shape[0]} query rows")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("rows", rows)):
+        if t is not None and t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, not {t.dtype}")
+    if any(t.stride(-1) != 1 for t in (q, kv_cache, out)):
+        raise ValueError("q, kv_cache and out need a contiguous last dimension")
+    if block_table.shape[1] and block_table.stride(-1) != 1:
+        raise ValueError("block_table needs contiguous rows")
+    if num_splits < 1 or num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits}: a power of two up to {MAX_SPLITS}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    block_table: torch.Tensor,  # (num_seqs, max_blocks) int32, padded with any block id
+    seq_lens: torch.Tensor,  # (num_seqs,) int32: keys per sequence, its own token included
+    scale: float,
+    out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of sequence ``i``'s one query, ``q[rows[i]]`` (``q[i]`` when ``rows`` is
+    None), over its ``seq_lens[i]`` cached keys; written to ``out`` at the same row, which
+    is returned (allocated like ``q`` when None). Other rows of ``out`` are not touched; a
+    sequence of length 0 (a padding row) gets zeros. Reads no device value on the host."""
+    if triton is None:
+        raise RuntimeError("paged_decode_attention needs triton (pip install triton)")
+    out = torch.empty_like(q) if out is None else out
+    num_seqs, kv_heads = block_table.shape[0], kv_cache.shape[3]
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, kv_heads, q.device)
+    _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits)
+    if num_seqs == 0:
+        return out
+    heads, dim, block_size = q.shape[1], q.shape[2], kv_cache.shape[2]
+    group = heads // kv_heads
+    dim_pad = max(MIN_DOT, _next_power_of_2(dim))
+    tile_n = max(MIN_DOT, min(64, TILE_ELEMENTS // dim_pad))
+    if num_splits > 1:  # fp32 partials: (num_seqs, heads, splits) and the unscaled outputs
+        m_part = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(*m_part.shape, dim_pad, dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = acc_part = out  # unused pointers
+    rows_arg = seq_lens if rows is None else rows  # unused pointer without rows
+    _decode_kernel[(num_seqs, kv_heads, num_splits)](
+        q, kv_cache, block_table, seq_lens, rows_arg, out, m_part, l_part, acc_part,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(MIN_DOT, _next_power_of_2(group)),
+        HEAD_DIM=dim,
+        HEAD_DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        HAS_ROWS=rows is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, heads)](
+            m_part, l_part, acc_part, rows_arg, out,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=dim,
+            HEAD_DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits,
+            HAS_ROWS=rows is not None,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, rows_ptr, out_ptr,
+        m_ptr, l_ptr, acc_ptr,
+        qk_scale,  # the softmax scale times log2(e): the softmax runs in base 2
+        stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+        stride_kv_half, stride_kv_block, stride_kv_slot, stride_kv_head,
+        stride_bt_seq,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + seq).to(tl.int64)
+        else:
+            row = seq.to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+
+        g = tl.arange(0, GROUP_PAD)  # the group's query heads, padded to a dot's M
+        d = tl.arange(0, HEAD_DIM_PAD)
+        g_mask = g < GROUP
+        d_mask = d < HEAD_DIM
+        heads = kv_head * GROUP + g
+        gd_mask = g_mask[:, None] & d_mask[None, :]
+        q_off = row * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=gd_mask, other=0.0).to(tl.float32)
+
+        # This split's tiles: [tile_lo, tile_hi) of the sequence's cdiv(seq_len, TILE_N).
+        num_tiles = tl.cdiv(seq_len, TILE_N)
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+        kv_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
+        offs = tl.arange(0, TILE_N)
+        for t in range(tile_lo, tile_hi):
+            pos = t * TILE_N + offs
+            valid = pos < seq_len  # every tile has one: t * TILE_N < seq_len
+            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            slot = block * stride_kv_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_kv_slot
+            kv_off = slot[:, None] + d[None, :]
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(kv_head_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(kv_head_ptr + stride_kv_half + kv_off, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (G, TILE_N)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0: zeros
+            o_off = row * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
+            tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+        else:  # partials at [seq, head, split]; an empty split leaves (-inf, 0, 0)
+            num_heads = tl.num_programs(1) * GROUP
+            part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+            tl.store(m_ptr + part, m_i, mask=g_mask)
+            tl.store(l_ptr + part, l_i, mask=g_mask)
+            tl.store(acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=gd_mask)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        m_ptr, l_ptr, acc_ptr, rows_ptr, out_ptr,
+        stride_o_tok, stride_o_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + seq).to(tl.int64)
+        else:
+            row = seq.to(tl.int64)
+        sp = tl.arange(0, NUM_SPLITS)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + sp
+        m = tl.load(m_ptr + part)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0: every split empty
+        w = tl.exp2(m - m_max)  # an empty split weighs 0
+        denom = tl.sum(w * tl.load(l_ptr + part), axis=0)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :])
+        out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+        o_off = row * stride_o_tok + head * stride_o_head + d
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
