@@ -33,12 +33,15 @@ import torch
 
 from vllm._custom_ops import reshape_and_cache_torch
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
-from vllm.v1.attention.backends.varlen_metadata import VarlenMetadata, build_varlen_metadata
+from vllm.v1.attention.backends.varlen_metadata import (
+    FlashAttentionLimits,
+    VarlenMetadata,
+    build_varlen_metadata,
+)
 
 # Upstream flash-attn 2 only accepts paged caches whose page size is a multiple of this.
 FLASH_ATTN_PAGE_MULTIPLE = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256
 
 
 def supports_block_table(block_size: int) -> bool:
@@ -103,7 +106,7 @@ def flash_attn_importable() -> bool:
     return True
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
     """The functions above as a backend: CUDA, fp16/bf16, head size a multiple of 8 up to
     256, the ``flash_attn`` package importable. Any block size: paged through
     ``block_table`` when it is a multiple of 256, the contexts gathered per step else."""
@@ -111,16 +114,7 @@ class FlashAttentionBackend(AttentionBackend):
     name = "FLASH_ATTN"
     priority = 10
     decodes_first = False
-    device_types = ("cuda",)
     supported_dtypes = SUPPORTED_DTYPES
-
-    @classmethod
-    def supports_device(cls, device: torch.device) -> bool:
-        return device.type == "cuda" and torch.cuda.is_available()
-
-    @classmethod
-    def supports_head_size(cls, head_size: int) -> bool:
-        return head_size <= MAX_HEAD_DIM and head_size % 8 == 0
 
     @classmethod
     def validate_configuration(

@@ -47,6 +47,7 @@ from vllm import envs
 from vllm._custom_ops import reshape_and_cache_torch
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
 from vllm.v1.attention.backends.varlen_metadata import (
+    FlashAttentionLimits,
     VarlenMetadata,
     build_varlen_metadata,
     upload,
@@ -57,7 +58,6 @@ logger = logging.getLogger(__name__)
 # torch's FlashAttention-2 reads a paged cache only with pages of a multiple of this.
 PAGED_BLOCK_MULTIPLE = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (8, 0)  # FlashAttention-2: Ampere or newer
 
 
@@ -222,7 +222,7 @@ def _upload(
     )
 
 
-class TorchFlashAttentionBackend(AttentionBackend):
+class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
     """``varlen_attn`` over the paged cache as a backend: CUDA, fp16/bf16, head size a
     multiple of 8 up to 256, any block size (paged where torch and the block size allow,
     gathered otherwise; see the module docstring). ``decode_kernel``: ``"triton"`` sends
@@ -231,7 +231,6 @@ class TorchFlashAttentionBackend(AttentionBackend):
     name = "TORCH_FLASH_ATTN"
     priority = 20  # ahead of FLASH_ATTN (the flash-attn package) and TORCH_SDPA
     decodes_first = False
-    device_types = ("cuda",)
     supported_dtypes = SUPPORTED_DTYPES
 
     def __init__(self, *args, **kwargs) -> None:
@@ -245,14 +244,6 @@ class TorchFlashAttentionBackend(AttentionBackend):
         # Keyword arguments every call shares (the mask and the scale are added per call).
         self._kwargs: dict[str, Any] = {"enable_gqa": True} if self.features.gqa else {}
         self.decode_kernel = choose_decode_kernel(self.device)
-
-    @classmethod
-    def supports_device(cls, device: torch.device) -> bool:
-        return device.type == "cuda" and torch.cuda.is_available()
-
-    @classmethod
-    def supports_head_size(cls, head_size: int) -> bool:
-        return head_size <= MAX_HEAD_DIM and head_size % 8 == 0
 
     @classmethod
     def validate_configuration(

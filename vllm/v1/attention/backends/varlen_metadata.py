@@ -27,6 +27,25 @@ import torch
 
 from vllm.v1.attention.backends.abstract import SeqLayout
 
+# FlashAttention-2's kernels (the flash-attn package's and torch's own) take head sizes that
+# are multiples of 8 up to this.
+MAX_HEAD_DIM = 256
+
+
+class FlashAttentionLimits:
+    """Where both FlashAttention backends can run (a mixin ahead of ``AttentionBackend``):
+    a CUDA device that is present, head sizes of a multiple of 8 up to ``MAX_HEAD_DIM``."""
+
+    device_types = ("cuda",)
+
+    @classmethod
+    def supports_device(cls, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_available()
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size <= MAX_HEAD_DIM and head_size % 8 == 0
+
 
 @dataclass
 class VarlenMetadata:
