@@ -15,19 +15,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.tiny_models import TINY_LLAMA
 from vllm.model_executor.model_loader import load_model_weights
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
+TINY = TINY_LLAMA
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.tiny_models import TINY_LLAMA
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -72,16 +73,7 @@ def test_registered_architecture_is_imported_lazily(registry):
 
 
 # -- each registered architecture, end to end on a tiny checkpoint ----------------------------
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
+TINY = TINY_LLAMA
 
 
 def _tiny_checkpoint(arch: str, path) -> torch.nn.Module:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import TINY_LLAMA
 from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 from vllm.v1.worker.gpu_memory import (
     GiB,
@@ -232,15 +233,7 @@ def tiny_runner(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    cfg = transformers.LlamaConfig(**TINY_LLAMA)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     from vllm.config import ModelConfig
 
