@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.v1.structured_output.test_guided_decoding import WEATHER  # the CPU tests' schema
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.sample.sampler import SamplingRow, apply_penalties, sample, token_logprobs
 
@@ -134,16 +135,6 @@ def test_bf16_logits_sample_on_cuda(device):
 
 
 # -- grammar masks -----------------------------------------------------------------------
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer"},
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
 
 
 @dataclass
