@@ -452,37 +452,41 @@ def context_probe(bench: Bench, llm, recorder: StepRecorder) -> dict:
     return out
 
 
-def ours_phase(bench: Bench, model_dir: Path, dtype: str) -> None:
+def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") -> None:
+    """Our engine's figures under ``engine``: ``ours`` as configured, ``ours-eager`` the
+    same with ``enforce_eager`` (no CUDA graphs)."""
     from vllm import LLM
 
     a = bench.args
     start = time.perf_counter()
-    llm = LLM(model=str(model_dir), **engine_kwargs(a, dtype))
-    bench.results["timings_s"]["ours start-up"] = time.perf_counter() - start
+    kwargs = engine_kwargs(a, dtype) | ({"enforce_eager": True} if engine == "ours-eager" else {})
+    llm = LLM(model=str(model_dir), **kwargs)
+    bench.results["timings_s"][f"{engine} start-up"] = time.perf_counter() - start
     recorder = StepRecorder(llm)
     try:
         # Start-up costs of a first step, at context lengths below every measured one.
         warm = max(1, min(16, a.prompt_len // 2))
         run_ours(llm, recorder, [bench.prompts(1, 3)[0][:warm]], 2)
-        bench.results["context_length"] = context_probe(bench, llm, recorder)
+        key = "context_length" + ("" if engine == "ours" else f"_{engine}")
+        bench.results[key] = context_probe(bench, llm, recorder)
         bench.save()
         for n in a.num_requests:
             prompts = bench.prompts(n)
-            measure(bench, "ours", n, lambda p=prompts: run_ours(llm, recorder, p, a.max_tokens))
+            measure(bench, engine, n, lambda p=prompts: run_ours(llm, recorder, p, a.max_tokens))
     finally:
         llm.shutdown()
 
 
 def ratios(results: dict) -> dict:
-    """Our tok/s over each transformers variant's, per N."""
+    """Our tok/s over each transformers variant's (and over our eager run's), per N."""
     engines = results["engines"]
     out: dict = {}
     for n, ours in engines.get("ours", {}).items():
-        for base in ("hf", "hf-static"):
+        for base in ("hf", "hf-static", "ours-eager"):
             theirs = engines.get(base, {}).get(n, {})
             if ours.get("output_tok_per_s") and theirs.get("output_tok_per_s"):
                 ratio = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
-                out.setdefault(n, {})[f"vs_{base}"] = ratio
+                out.setdefault(n, {})[f"vs_{base.removeprefix('ours-')}"] = ratio
     return out
 
 
@@ -516,6 +520,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-static", action="store_true",
                     help="also transformers with its static cache (compiles per N)")
     ap.add_argument("--skip-hf", action="store_true", help="our engine only")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="also our engine with enforce_eager (no CUDA graphs): 'ours-eager'")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,
                     help="peak memory bandwidth; default by card name (H100 SXM 3350, H200 4800)")
     ap.add_argument("--engine-args", default=None,
@@ -582,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     ours_phase(bench, model_dir, args.dtype)
+    if args.eager_too:
+        gc.collect()
+        ours_phase(bench, model_dir, args.dtype, engine="ours-eager")
     if device.type == "cuda":
         bench.results["peak_gpu_memory_gib_ours"] = torch.cuda.max_memory_allocated() / 2**30
     print_summary(bench)

@@ -97,6 +97,18 @@ class ModelConfig:
         "kernels are built, fp32 otherwise.",
     )
 
+    enforce_eager: bool = config_field(
+        False,
+        "Always run the model eagerly: on CUDA, no CUDA graphs of decode steps (the CPU "
+        "always runs eagerly).",
+    )
+    max_cudagraph_capture_size: int | None = config_field(
+        None,
+        "Largest decode batch (sequences of one new token) replayed from a CUDA graph; "
+        "larger ones run eagerly. None: min(max_num_seqs, 512). Batch sizes captured: 1, 2, 4, "
+        "multiples of 8 below 256, of 16 from 256, and the largest itself.",
+    )
+
     def __post_init__(self) -> None:
         if not self.model:
             raise bad_value("model", self.model, "must be a non-empty name or path")
@@ -108,6 +120,10 @@ class ModelConfig:
             raise bad_value("quantization", self.quantization, "must be None, fp32 or gguf")
         if self.quantization == "gguf" and self.dtype not in ("auto", "float32"):
             raise bad_value("quantization", self.quantization, "gguf needs dtype float32")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
+            raise bad_value(
+                "max_cudagraph_capture_size", self.max_cudagraph_capture_size, "must be >= 1"
+            )
 
     @property
     def name(self) -> str:

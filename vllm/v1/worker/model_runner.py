@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, Schedu
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
 from vllm.v1.sample.sampler import SamplingRow, sample, token_logprobs
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.cuda_graph import DecodeGraphs, Graph, cudagraph_capture_sizes
 from vllm.v1.worker.gpu_memory import (
     MemorySnapshot,
     measure_before_load,
@@ -78,6 +80,7 @@ class ModelRunner:
         # Generators of seeded requests preempted (recompute) and not yet resumed.
         self._paused_generators: dict[str, torch.Generator] = {}
         self.attn_backend: AttentionBackend | None = None  # chosen in load_model
+        self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
         if self.device.type == "cpu":
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
@@ -91,6 +94,7 @@ class ModelRunner:
         after the model's weight format changes."""
         from vllm.model_executor.layers.quantization.gguf import model_prefill_dtype
 
+        self.decode_graphs = None  # captured over the previous forward, if any
         self.attn_backend.use_prefill_dtype(model_prefill_dtype(self.model))
         self.model.set_attention_backend(self.attn_backend)
         detail = self.attn_backend.detail
@@ -206,6 +210,41 @@ class ModelRunner:
             num_cpu_blocks * self.block_size,
         )
 
+    def capture_model(self, graph_factory: Callable[[], Graph] | None = None) -> None:
+        """Capture decode steps in CUDA graphs over the KV cache (``cuda_graph.py``): on
+        CUDA, unless ``--enforce-eager`` or the attention backend cannot replay a decode
+        step (``supports_decode_graphs``). ``graph_factory``: stand-in graphs (tests), which
+        also run on the CPU."""
+        mc, sc = self.model_config, self.config.scheduler_config
+        if mc.enforce_eager or (graph_factory is None and self.device.type != "cuda"):
+            return
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache first: the graphs record the cache's address")
+        if not self.attn_backend.supports_decode_graphs:
+            logger.info(
+                "No CUDA graphs: the %s backend cannot replay decode steps (%s)",
+                self.attn_backend.name,
+                self.attn_backend.detail or "eager only",
+            )
+            return
+        sizes = cudagraph_capture_sizes(sc.max_num_seqs, mc.max_cudagraph_capture_size)
+        max_blocks = -(-sc.max_model_len // self.block_size)
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        graphs = DecodeGraphs(
+            self.model,
+            self.attn_backend,
+            self.kv_caches,
+            sizes,
+            max_blocks,
+            self.device,
+            graph_factory,
+        )
+        graphs.capture()
+        if self.device.type == "cuda":
+            used = free_before - torch.cuda.mem_get_info(self.device)[0]
+            logger.info("CUDA graphs' memory: %.0f MiB (--enforce-eager: none)", used / 2**20)
+        self.decode_graphs = graphs
+
     def transfer_kv(self, plan: KVOffloadTransfers) -> None:
         """Run the step's copies to and from the CPU tier (before its forward pass)."""
         if self.kv_offload is None:
@@ -286,13 +325,17 @@ class ModelRunner:
             if start + n >= len(state.token_ids):  # reached the end: sample a token
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
-        meta = self.attn_backend.build_metadata(seqs)
-        hidden = self.model(
-            torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-            self.kv_caches,
-        )
+        hidden = None
+        if self.decode_graphs is not None:  # a decode-only step of a captured size
+            hidden = self.decode_graphs.run(ids, positions, seqs)
+        if hidden is None:
+            meta = self.attn_backend.build_metadata(seqs)
+            hidden = self.model(
+                torch.tensor(ids, device=self.device),
+                torch.tensor(positions, device=self.device),
+                meta,
+                self.kv_caches,
+            )
         output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
         output.prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
         if sample_reqs:

@@ -111,6 +111,24 @@ class AttentionBackend(ABC):
         """How this instance runs, for the start-up log ('' when nothing to add)."""
         return ""
 
+    # -- CUDA graphs (vllm/v1/worker/cuda_graph.py) ------------------------------------------
+    @property
+    def supports_decode_graphs(self) -> bool:
+        """A decode-only step (every sequence one new token) of this instance can be
+        captured in a CUDA graph and replayed: its forward reads no device value on the
+        host, its kernels' launch shapes depend on the number of sequences only, and
+        ``graph_metadata`` gives the buffers to replay with."""
+        return False
+
+    def graph_metadata(self, num_seqs: int, max_blocks: int) -> Any:
+        """Metadata of a decode-only step of ``num_seqs`` sequences whose tensors stay put:
+        a graph captured with it replays any such step whose metadata (from
+        ``build_metadata``) is copied in with ``.copy_``, with block tables up to
+        ``max_blocks`` wide; ``.narrow(n)`` is the same for the first ``n`` sequences, as
+        views (one set of buffers serves every captured batch size). Every sequence starts
+        as padding: one token at slot 0 (the null block, which no sequence reads)."""
+        raise NotImplementedError(f"{self.name} does not capture decode steps in CUDA graphs")
+
     # -- per step ---------------------------------------------------------------------------
     @abstractmethod
     def build_metadata(self, seqs: list[SeqLayout]) -> Any:

@@ -144,6 +144,19 @@ class TritonDecodeMetadata:
     prefill_rows: torch.Tensor | None  # (num_prefill_tokens,) int64; None: no prefills
     prefill: VarlenMetadata | None  # over the prefill sequences alone
 
+    def narrow(self, num_seqs: int) -> TritonDecodeMetadata:
+        """The first ``num_seqs`` decodes of a decode-only step, as views of these tensors."""
+        if self.prefill is not None:
+            raise ValueError("only a decode-only step's metadata can be narrowed")
+        return TritonDecodeMetadata(
+            slot_mapping=self.slot_mapping.narrow(0, 0, num_seqs),
+            block_table=self.block_table.narrow(0, 0, num_seqs),
+            seq_lens=self.seq_lens.narrow(0, 0, num_seqs),
+            decode_rows=None,
+            prefill_rows=None,
+            prefill=None,
+        )
+
     def copy_(self, src: TritonDecodeMetadata) -> None:
         """Take ``src``'s step into these tensors (the mutation), so that a CUDA graph
         captured with this metadata replays ``src``'s step: both decode-only with as many
@@ -268,6 +281,23 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
         if self.decode_kernel == "triton":
             detail = f"decode rows: Triton paged kernel; other rows: {detail}"
         return detail
+
+    @property
+    def supports_decode_graphs(self) -> bool:
+        # varlen_attn's gathered K/V change shape every step; the Triton kernel's do not.
+        return self.decode_kernel == "triton"
+
+    def graph_metadata(self, num_seqs: int, max_blocks: int) -> TritonDecodeMetadata:
+        if not self.supports_decode_graphs:
+            return super().graph_metadata(num_seqs, max_blocks)
+        return TritonDecodeMetadata(
+            slot_mapping=torch.zeros(num_seqs, dtype=torch.int64, device=self.device),
+            block_table=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(num_seqs, dtype=torch.int32, device=self.device),
+            decode_rows=None,
+            prefill_rows=None,
+            prefill=None,
+        )
 
     def build_metadata(self, seqs: list[SeqLayout]) -> VarlenMetadata | TritonDecodeMetadata:
         if self.decode_kernel == "triton" and any(n == 1 for _, n, _ in seqs):
