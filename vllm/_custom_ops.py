@@ -5,7 +5,9 @@
 (csrc/cpu/quant_kernels.cpp); ``fused_add_rms_norm``, ``rotary_embedding`` and
 ``silu_and_mul`` do in one op each what torch does in several (csrc/cpu/layer_kernels.cpp);
 ``paged_decode_attention`` attends decode queries over the paged cache in place
-(csrc/cpu/attention_kernels.cpp). The native versions are used when they have been built —
+(csrc/cpu/attention_kernels.cpp). On CUDA, the layer ops (and ``rms_norm``) run as one
+Triton kernel each (``model_executor/layers/triton_ops.py``) where triton imports, unless
+``VLLM_CUDA_FUSED_OPS=0``. The native versions are used when they have been built —
 by CMake into ``vllm/_C.so`` or by ``python -m vllm._custom_ops --build`` into the cache
 folder — and the pure-torch versions otherwise. The KV writes, the dequantization and the
 rotation are bit-identical; the rest agree up to float rounding (another summation order,
@@ -15,6 +17,7 @@ another exp).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import shutil
@@ -307,6 +310,29 @@ def ggml_linear(
 
 
 # -- per-layer ops of the Llama family ------------------------------------------------------
+def _fused(t: torch.Tensor):
+    """``triton_ops`` for a CUDA tensor when it can run (``VLLM_CUDA_FUSED_OPS`` on, triton
+    importable), else None: pure torch."""
+    return _fused_module() if t.device.type == "cuda" else None
+
+
+@functools.cache
+def _fused_module():
+    if not envs.VLLM_CUDA_FUSED_OPS:
+        return None
+    from vllm.model_executor.layers import triton_ops
+
+    return triton_ops if triton_ops.triton is not None else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm(x) * weight`` over the last dimension, as a new tensor."""
+    fused = _fused(x)
+    if fused is not None and x.dim() == 2 and x.stride(-1) == 1:
+        return fused.rms_norm(x, weight, eps)
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
 def fused_add_rms_norm_torch(
     input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> None:
@@ -320,8 +346,11 @@ def fused_add_rms_norm(
     """In place, as vLLM's: ``residual += input``, then ``input = rms_norm(residual) * weight``.
     Both (num_tokens, hidden) contiguous fp32 for the native kernel."""
     native = _op("fused_add_rms_norm") if input.device.type == "cpu" else None
+    fused = _fused(input)
     if native is not None and input.dtype == torch.float32:
         native(input, residual, weight, eps)
+    elif fused is not None and input.dim() == 2 and input.is_contiguous():
+        fused.fused_add_rms_norm(input, residual, weight, eps)
     else:
         fused_add_rms_norm_torch(input, residual, weight, eps)
 
@@ -351,8 +380,11 @@ def rotary_embedding(
     ``key`` (T, kv_heads * head_size), in place; rows may be strided views. cos_sin_cache:
     (max_position, head_size) = [cos | sin]. Native and fallback are bit-identical."""
     native = _op("rotary_embedding") if query.device.type == "cpu" else None
+    fused = _fused(query)
     if native is not None and query.dtype == torch.float32:
         native(positions, query, key, head_size, cos_sin_cache, True)
+    elif fused is not None and query.dim() == key.dim() == 2:
+        fused.rotary_embedding(positions, query, key, head_size, cos_sin_cache)
     else:
         rotary_embedding_torch(positions, query, key, head_size, cos_sin_cache)
 
@@ -361,6 +393,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for x (..., 2d), as a new (..., d) tensor. A bf16 x
     (the gguf path's bf16 prefill) is computed in fp32 and rounded to bf16 once."""
     d = x.shape[-1] // 2
+    fused = _fused(x)
+    if fused is not None and x.stride(-1) == 1:
+        return fused.silu_and_mul(x)
     native = _op("silu_and_mul") if x.device.type == "cpu" else None
     if x.dtype == torch.bfloat16 and (native is None or not x.is_contiguous()):
         return silu_and_mul(x.float()).to(torch.bfloat16)

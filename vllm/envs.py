@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     VLLM_CACHE_ROOT: str
     VLLM_ATTENTION_BACKEND: str | None
     VLLM_CUDA_DECODE_ATTENTION: str
+    VLLM_CUDA_FUSED_OPS: bool
     VLLM_CPU_THREADS: int
     VLLM_CPU_ENGINE_NICE: int
     VLLM_ENGINE_ORPHAN_GRACE_S: float
@@ -66,6 +67,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_CUDA_DECODE_ATTENTION": _choice(
         "VLLM_CUDA_DECODE_ATTENTION", ("auto", "triton", "varlen")
     ),
+    # CUDA: the Llama family's norms, rotary embedding and SiLU-and-mul as one Triton
+    # kernel each (model_executor/layers/triton_ops.py) where triton imports; 0: pure
+    # torch (several kernels each), to compare. Read once, at the first such op.
+    "VLLM_CUDA_FUSED_OPS": lambda: os.getenv("VLLM_CUDA_FUSED_OPS", "1") != "0",
     # torch intra-op threads of the CPU model runner. Default: every core.
     "VLLM_CPU_THREADS": lambda: int(os.getenv("VLLM_CPU_THREADS") or os.cpu_count() or 1),
     # How much the CPU engine process lowers its priority (nice increment) so the API

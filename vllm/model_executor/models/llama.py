@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm import _custom_ops as ops
@@ -77,7 +76,7 @@ class RMSNorm(nn.Module):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``, computed in
         place in ``x`` and ``residual`` by one fused op (vLLM's calling convention)."""
         if residual is None:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
 

@@ -1,0 +1,172 @@
+"""The Llama family's per-layer elementwise ops as one Triton kernel each, for CUDA:
+``fused_add_rms_norm`` (residual add and RMSNorm), ``rms_norm``, ``rotary_embedding`` (q and
+k in one launch) and ``silu_and_mul``.
+
+In pure torch these are 3-10 kernels each, about 30 a layer: a thousand launches a decode
+step on an 8B model. A CUDA graph removes the host's cost of launching them but not the
+GPU's few microseconds per kernel, which at batch 1 add up to a large share of the 4.5 ms
+the step's weights take to read on an H100. One kernel each leaves about a third.
+
+Same semantics as ``vllm/_custom_ops.py``'s pure-torch versions, which the tests hold
+them to: products and sums in fp32, one rounding to the tensor's dtype at each store. In
+``fused_add_rms_norm`` the residual is stored rounded (as ``residual.add_(x)`` does) and
+the norm is taken of that rounded value, so a step computes the same as the eager path up
+to the fp32 order of summation. ``_custom_ops`` sends CUDA tensors here when triton imports
+and ``VLLM_CUDA_FUSED_OPS`` is on (the default); ``0`` keeps pure torch, for comparison.
+
+Nothing reads a device value on the host, and launch grids depend on shapes only, so a
+decode step with these ops can be captured in a CUDA graph. Tests run the kernels on CPU
+tensors in Triton's interpreter (``TRITON_INTERPRET=1`` before this module is imported).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: _custom_ops keeps pure torch
+    triton = None
+    tl = None
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (tests on CPU tensors)."""
+    return type(_rms_norm_kernel).__name__ == "InterpretedFunction"
+
+
+def _block(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"expected (rows, hidden) with a contiguous last dim, got {x.shape}")
+    return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm(x) * weight`` as a new tensor; x (rows, hidden)."""
+    x = _rows(x)
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=False, BLOCK=_block(x.shape[1]), num_warps=4 if x.shape[1] <= 4096 else 8,
+        )  # fmt: skip
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: ``residual += x`` (rounded to its dtype), then ``x = rms_norm(residual) *
+    weight``."""
+    x, residual = _rows(x), _rows(residual)
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, residual, weight, x, x.stride(0), residual.stride(0), x.stride(0), x.shape[1],
+            eps, HAS_RESIDUAL=True, BLOCK=_block(x.shape[1]),
+            num_warps=4 if x.shape[1] <= 4096 else 8,
+        )  # fmt: skip
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Neox-style rotary embedding of every head of ``query`` (T, heads * head_size) and
+    ``key`` (T, kv_heads * head_size), in place; rows may be strided views (of the fused
+    qkv output). ``cos_sin_cache``: (max_position, head_size) = [cos | sin]."""
+    tokens = positions.shape[0]
+    if query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("query and key need a contiguous last dimension")
+    if cos_sin_cache.shape[1] != head_size or head_size % 2:
+        raise ValueError(f"cos_sin_cache {tuple(cos_sin_cache.shape)} for head size {head_size}")
+    q_heads, k_heads = query.shape[-1] // head_size, key.shape[-1] // head_size
+    if tokens:
+        _rotary_kernel[(tokens, q_heads + k_heads)](
+            positions, query, key, cos_sin_cache,
+            query.stride(0), key.stride(0), cos_sin_cache.stride(0), q_heads,
+            HALF=head_size // 2, HALF_PAD=_block(head_size // 2), num_warps=1,
+        )  # fmt: skip
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` as a new (..., d) tensor; x (..., 2d)."""
+    d = x.shape[-1] // 2
+    flat = _rows(x.reshape(-1, x.shape[-1]))
+    out = torch.empty(flat.shape[0], d, dtype=x.dtype, device=x.device)
+    block = min(1024, _block(d))
+    if flat.shape[0]:
+        _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(d, block))](
+            flat, out, flat.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], d)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr,
+        stride_x, stride_res, stride_out, n, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # residual += x, rounded
+            tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = xf * rstd * w
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        pos_ptr, q_ptr, k_ptr, cache_ptr,
+        stride_q, stride_k, stride_cache, q_heads,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    ):  # fmt: skip
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        pos = tl.load(pos_ptr + token).to(tl.int64)
+        d = tl.arange(0, HALF_PAD)
+        mask = d < HALF
+        cos = tl.load(cache_ptr + pos * stride_cache + d, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=mask, other=0.0)
+        sin = sin.to(tl.float32)
+        if head < q_heads:
+            base = q_ptr + token * stride_q + head * (2 * HALF)
+        else:
+            base = k_ptr + token * stride_k + (head - q_heads) * (2 * HALF)
+        x1 = tl.load(base + d, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF + d, mask=mask, other=0.0)
+        out_ty = x1.dtype
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(base + d, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+        tl.store(base + HALF + d, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < d
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+else:
+    _rms_norm_kernel = _rotary_kernel = _silu_and_mul_kernel = None
