@@ -7,6 +7,8 @@
 #   test [PYTEST ARGS]   pytest -m cuda tests, a per-test timeout (GPU_TEST_TIMEOUT, 120 s)
 #   bench [BENCH ARGS]   benchmarks/benchmark_gpu.py ARGS --json-out $OUT/bench-K.json
 #   serve-smoke [ARGS]   scripts/gpu/serve_smoke.py: vllm serve, default and continuum
+#   study [ARGS]         scripts/gpu/study.py: the agent workload on a random-weight
+#                        model (run_sweep.py ARGS), $OUT/study-LABEL.tar.gz
 # e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
 #
 # Run from the repository root with .whl/ carried (`make gpu-wheels` fills it). Writes
@@ -24,7 +26,7 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-570}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-STEPS="test bench serve-smoke"
+STEPS="test bench serve-smoke study"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -103,6 +105,9 @@ run_step() {
         ;;
     serve-smoke)
         limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"
+        ;;
+    study)
+        limited "${GPU_STUDY_TIMEOUT:-540}" "$PYTHON" scripts/gpu/study.py --out "$OUT" "$@"
         ;;
     esac
 }

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,21 @@ def test_run_sh_runs_a_tiny_bench_step(tmp_path):
     assert result["engines"]["ours"]["1"]["num_decode_steps"] == 3
     log = (tmp_path / "run.log").read_text()
     assert "=== bench: exit status 0" in log and "device: no CUDA device" in log
+
+
+@pytest.mark.slow
+def test_run_sh_runs_a_tiny_study_step(tmp_path):
+    # Two short jobs of two turns against the tiny random model, one continuum server.
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    argv = ["study", "--label", "cpu-test", "--policies", "continuum+autotier", "--jps", "0.2"]
+    argv += ["--duration", "10", "--drain-timeout", "60", "--turns", "2", "--max-tokens", "4"]
+    argv += ["--num-gpu-blocks", "64", "--max-model-len", "1024", "--seed", "1"]
+    done = subprocess.run([str(KIT / "run.sh"), *argv], env=env, timeout=400)
+    assert done.returncode == 0, (tmp_path / "run.log").read_text()[-3000:]
+    assert [p.name for p in tmp_path.glob("*.tar.gz")] == ["study-cpu-test.tar.gz"]
+    with tarfile.open(tmp_path / "study-cpu-test.tar.gz") as tar:
+        point = json.load(tar.extractfile("cpu-test/continuum+autotier_jps0.2.json"))
+    assert point["num_jobs"] >= 1 and point["num_completed"] == point["num_jobs"], point
 
 
 def test_run_sh_refuses_an_unknown_step(tmp_path):
