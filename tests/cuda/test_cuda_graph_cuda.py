@@ -19,7 +19,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.tiny_models import TINY_LLAMA
+from tests.tiny_models import save_tiny_llama
 from tests.v1.worker.test_cuda_graph import random_decodes, run_steps
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.worker.model_runner import ModelRunner
@@ -37,12 +37,8 @@ MAX_LEN = 96
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    import transformers
-
     path = tmp_path_factory.mktemp("tiny-graphs-cuda")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**TINY_LLAMA)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_llama(path)
     return path
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.tiny_models import TINY_LLAMA
+from tests.tiny_models import TINY_LLAMA, save_tiny_llama
 from vllm.model_executor.model_loader import load_model_weights
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
@@ -25,13 +25,8 @@ TINY = TINY_LLAMA
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(hf_config, folder) of a tiny random Llama saved by transformers (fp32)."""
-    import transformers
-
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return config, str(path)
+    return save_tiny_llama(path), str(path)
 
 
 class DeviceDtypes(TorchDispatchMode):

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import traceback
 import zlib
 from pathlib import Path
@@ -23,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.triton_interpreter import run_interpreted
 from vllm import _custom_ops as ops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,17 +122,7 @@ def interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed, so its interpreter cannot run the kernels on CPU")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    code = "from tests.model_executor.test_triton_ops import interpreter_main; interpreter_main()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_interpreted(__name__, timeout=300)
     assert results.pop("interpreted"), "the kernels were not interpreted"
     return results
 

@@ -21,9 +21,7 @@ CUDA tensors (device placement, no host read).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import random
 import subprocess
 import sys
@@ -34,6 +32,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tests.triton_interpreter import run_interpreted
 from tests.v1.attention.test_torch_flash import (
     BATCHES,
     check_against_float64,
@@ -222,22 +221,7 @@ def interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed, so its interpreter cannot run the kernel on CPU")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    code = "from tests.v1.attention.test_triton_decode import interpreter_main; interpreter_main()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(list(CASES)),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_interpreted(__name__, stdin=json.dumps(list(CASES)))
     assert results["interpreted"] == "InterpretedFunction", results["interpreted"]
     return results
 

@@ -40,6 +40,10 @@ class FakeRunner:
     def profile_prefill(self) -> list[tuple[int, float]]:
         return [(16, 0.01), (64, 0.05)]
 
+    def capture_model(self) -> None:
+        # The graphs record the KV cache's address: it must exist first.
+        self.captured_over_blocks = self.num_blocks
+
     def get_kv_cache_bytes_per_block(self) -> int:
         return 1024
 
@@ -164,6 +168,7 @@ def test_policy_gets_decode_and_prefill_profile(monkeypatch):
     args = EngineArgs(num_gpu_blocks_override=8, max_model_len=64)
     engine = EngineCore(args.create_engine_config(), clock=FakeClock())
     assert seen["profile"] == [(16, 0.01), (64, 0.05)]
+    assert engine.model_runner.captured_over_blocks == 8  # graphs after the KV cache
     ids = engine.tokenizer("Hello world").input_ids + [EOS]
     assert seen["decode"](ids) == "Hello world"  # special tokens skipped
     assert engine.scheduler.policy.name == "fcfs"

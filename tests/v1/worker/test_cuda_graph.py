@@ -19,7 +19,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from tests.tiny_models import TINY_LLAMA
+from tests.tiny_models import TINY_LLAMA, save_tiny_llama
 from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
 from tests.v1.attention.test_triton_decode import emulated_kernel
 from tests.v1.worker.test_model_runner_inputs import new_req, sched_out
@@ -85,11 +85,8 @@ def test_flags():
 # -- a tiny model on the Triton decode path ---------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    import transformers
-
     path = tmp_path_factory.mktemp("tiny-graphs")
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).save_pretrained(path)
+    save_tiny_llama(path)
     return path
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import TINY_LLAMA
+from tests.tiny_models import save_tiny_llama
 from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 from vllm.v1.worker.gpu_memory import (
     GiB,
@@ -229,12 +229,8 @@ def test_sizing_needs_the_baseline_of_load_model(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_runner(tmp_path_factory):
     """A CPU runner on a tiny random Llama (max_model_len 96, 40-token steps)."""
-    import transformers
-
     path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**TINY_LLAMA)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_llama(path)
     from vllm.config import ModelConfig
 
     config = VllmConfig(

@@ -1,0 +1,41 @@
+"""Triton kernels on CPU tensors, in Triton's interpreter, for the kernel tests.
+
+Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, i.e. when the kernel's module
+is imported, so the interpreted kernels run in a child process started with it set; this
+process's compiled kernels are left alone. Skips the calling test where triton is not
+installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(module: str, stdin: str | None = None, timeout: float = 540) -> dict:
+    """``module.interpreter_main()`` in a child with ``TRITON_INTERPRET=1`` (``stdin`` on its
+    standard input); the last line it prints, parsed as JSON."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed, so its interpreter cannot run the kernels on CPU")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    code = f"from {module} import interpreter_main; interpreter_main()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
