@@ -46,15 +46,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _launch_norm(x, residual, weight, out, eps: float) -> None:
+    """The norm kernel over ``x``'s rows into ``out``; with ``residual``, first
+    ``residual += x`` and the norm of that."""
+    if not x.shape[0]:
+        return
+    res = x if residual is None else residual  # an unread pointer without a residual
+    n = x.shape[1]
+    _rms_norm_kernel[(x.shape[0],)](
+        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=_block(n), num_warps=4 if n <= 4096 else 8,
+    )  # fmt: skip
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``rms_norm(x) * weight`` as a new tensor; x (rows, hidden)."""
     x = _rows(x)
     out = torch.empty_like(x)
-    if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](
-            x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=False, BLOCK=_block(x.shape[1]), num_warps=4 if x.shape[1] <= 4096 else 8,
-        )  # fmt: skip
+    _launch_norm(x, None, weight, out, eps)
     return out
 
 
@@ -66,12 +75,7 @@ def fused_add_rms_norm(
     x, residual = _rows(x), _rows(residual)
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
-    if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](
-            x, residual, weight, x, x.stride(0), residual.stride(0), x.stride(0), x.shape[1],
-            eps, HAS_RESIDUAL=True, BLOCK=_block(x.shape[1]),
-            num_warps=4 if x.shape[1] <= 4096 else 8,
-        )  # fmt: skip
+    _launch_norm(x, residual, weight, x, eps)
 
 
 def rotary_embedding(
