@@ -156,6 +156,18 @@ def write_model_dir(model, out: Path, tokenizer_dir: Path, meta: dict) -> float:
     return time.perf_counter() - start
 
 
+def write_config_dir(shape: str, out: Path, tokenizer_dir: Path) -> Path:
+    """A model folder of ``shape`` with no weights: config.json and the tokenizer files,
+    for ``--load-format dummy`` (random weights made on the device by the engine itself:
+    nothing to write, read or copy; an 8B checkpoint is 16 GB)."""
+    out.mkdir(parents=True, exist_ok=True)
+    shape_config(shape).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
 # -- the machine -------------------------------------------------------------------------
 def cpu_model() -> str:
     try:

@@ -24,6 +24,7 @@ from vllm_continuum.tier import auto_tier_bytes, available_host_memory
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "safetensors", "dummy"]
 
 
 def scheduling_policy_names() -> Sequence[str]:
@@ -97,6 +98,13 @@ class ModelConfig:
         "kernels are built, fp32 otherwise.",
     )
 
+    load_format: LoadFormat = config_field(
+        "auto",
+        "Where the weights come from. auto and safetensors: the model folder's safetensors "
+        "files (a .gguf model is converted to one first). dummy: random values in "
+        "[-1e-3, 1e-3] drawn from --seed, as vLLM's, for benchmarks; only config.json and "
+        "the tokenizer are read.",
+    )
     enforce_eager: bool = config_field(
         False,
         "Always run the model eagerly: on CUDA, no CUDA graphs of decode steps (the CPU "
@@ -120,6 +128,12 @@ class ModelConfig:
             raise bad_value("quantization", self.quantization, "must be None, fp32 or gguf")
         if self.quantization == "gguf" and self.dtype not in ("auto", "float32"):
             raise bad_value("quantization", self.quantization, "gguf needs dtype float32")
+        if self.load_format not in get_args(LoadFormat):
+            raise bad_value("load_format", self.load_format, "must be auto, safetensors or dummy")
+        if self.quantization == "gguf" and self.load_format == "dummy":
+            raise bad_value(
+                "quantization", self.quantization, "gguf reads the GGUF's weights; dummy has none"
+            )
         if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
             raise bad_value(
                 "max_cudagraph_capture_size", self.max_cudagraph_capture_size, "must be >= 1"

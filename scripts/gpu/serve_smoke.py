@@ -4,16 +4,15 @@ step's prompt extends the first's, whose KV the job's pin keeps).
 
     python scripts/gpu/serve_smoke.py --out DIR [--shape smollm2-135m]
 
-Builds the model with benchmarks/benchmark_gpu.py's builder (default: SmolLM2-135M's shape
-on CUDA, the tiny one on CPU), writes ``serve_smoke.json`` and one server log per run into
-``--out``; exit status 1 if a request failed. Each server is stopped in a ``finally``, also
+Serves a random-weight model of a benchmarks/benchmark_gpu.py shape (default: SmolLM2-135M's
+on CUDA, the tiny one on CPU) with ``--load-format dummy``, writes ``serve_smoke.json`` and
+one server log per run into ``--out``; exit status 1 if a request failed. Each server is stopped in a ``finally``, also
 on SIGTERM (scripts/gpu/reap.py kills what survives a SIGKILL).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import signal
@@ -25,6 +24,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = {"default": [], "continuum": ["--scheduling-policy", "continuum"]}
+DUMMY = "--load-format=dummy"  # make_model's folders have no weights
 
 
 def load_benchmark():
@@ -37,18 +37,11 @@ def load_benchmark():
 
 
 def make_model(shape: str, out: Path) -> Path:
+    """A folder of ``shape`` holding config.json and the tokenizer, no weights: the servers
+    run it with ``--load-format dummy`` (``DUMMY``), which makes random weights on the
+    device in the served dtype (bf16 on CUDA, fp32 on CPU)."""
     bench = load_benchmark()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    model = bench.build_model(shape, bench.DTYPES[dtype], device, seed=0)
-    meta = {"shape": shape, "dtype": dtype, "seed": 0, "device": device.type}
-    folder = out / f"{shape}-{dtype}"
-    bench.write_model_dir(model, folder, bench.default_tokenizer_dir(), meta)
-    del model  # the server gets the device
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return folder
+    return bench.write_config_dir(shape, out / shape, bench.default_tokenizer_dir())
 
 
 def chat(client, messages: list[dict], **extra) -> tuple[str, dict]:
@@ -84,7 +77,8 @@ def exercise(server, name: str) -> dict:
 def run(name: str, model_dir: Path, out: Path, timeout_s: float) -> dict:
     from vllm.benchmarks.server import RemoteServer
 
-    args = ["--model", str(model_dir), "--served-model-name", "smoke", "--max-model-len", "1024"]
+    args = ["--model", str(model_dir), DUMMY, "--served-model-name", "smoke",
+            "--max-model-len", "1024"]  # fmt: skip
     start = time.perf_counter()
     server = RemoteServer(
         *args, *RUNS[name], timeout_s=timeout_s, log_path=str(out / f"serve-{name}.log"),

@@ -4,8 +4,9 @@
 
     python scripts/gpu/study.py --out DIR [--shape llama-3.1-8b] [RUN_SWEEP ARGS...]
 
-Builds the model with benchmarks/benchmark_gpu.py's builder (default: the Llama-3.1-8B
-shape in bf16 on CUDA, the tiny one on CPU), then runs
+Serves a random-weight model (``--load-format dummy``: a folder with config.json and the
+tokenizer, the weights made by each server on the device; default: the Llama-3.1-8B shape,
+bf16 on CUDA, the tiny one on CPU), running
 ``our_experiments/scripts/run_sweep.py`` with ``--model`` set to it and every other
 argument passed through (``--policies``, ``--jps``, ``--num-gpu-blocks``, ``--duration``,
 ``--drain-timeout``, ``--seed`` ...). The results folder (one JSON per point, the server
@@ -35,7 +36,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_smoke import make_model  # noqa: E402
+from serve_smoke import DUMMY, make_model  # noqa: E402
 
 SWEEP = REPO / "our_experiments" / "scripts" / "run_sweep.py"
 
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     results = Path("/tmp/vllm-study-results")
     cmd = [
         sys.executable, str(SWEEP), "--machine", label, "--results-dir", str(results),
-        f"--server-arg=--model={model_dir}", "--server-arg=--served-model-name=study",
+        f"--server-arg=--model={model_dir}", f"--server-arg={DUMMY}",
+        "--server-arg=--served-model-name=study",
         *sweep_args,
     ]  # fmt: skip
     print("[study]", " ".join(cmd), flush=True)

@@ -1,6 +1,7 @@
 """Finding and loading models: the embedded default, GGUF files, HF safetensors folders;
-building a registered model class from them (``load_model_weights``) and choosing its
-weight format (``apply_quantization``: ``--quantization``, auto by default).
+building a registered model class from them (``load_model_weights``; random weights with
+``--load-format dummy``) and choosing its weight format (``apply_quantization``:
+``--quantization``, auto by default).
 
 GGUF de-quantisation through transformers takes ~35 s here, so a GGUF model is converted
 once into an fp32 safetensors HF folder in the cache (keyed by the file's content hash)
@@ -35,6 +36,10 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # a tokenizer load may ask the Hub about the model's tags. Per call rather than
 # HF_HUB_OFFLINE in os.environ, so importing vllm leaves the process environment alone.
 OFFLINE = {"local_files_only": True}
+
+
+# ``--load-format dummy``: weights uniform in [-DUMMY_WEIGHT_BOUND, DUMMY_WEIGHT_BOUND].
+DUMMY_WEIGHT_BOUND = 1e-3
 
 
 def embedded_model_path() -> Path:
@@ -119,9 +124,18 @@ def gguf_file(model: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def load_model_weights(model_cls: type, hf_config, path: str, device, dtype) -> nn.Module:
+def load_model_weights(
+    model_cls: type,
+    hf_config,
+    path: str,
+    device,
+    dtype,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
     """``model_cls`` (from ``ModelRegistry``) built for ``hf_config`` on ``device`` in
-    ``dtype``, its weights read from the safetensors files of the HF folder ``path``.
+    ``dtype``, its weights read from the safetensors files of the HF folder ``path``, or,
+    with ``load_format="dummy"``, random (``initialize_dummy_weights``).
 
     Built on the meta device and cast there (free), then given storage on ``device`` in
     ``dtype``: no parameter or buffer ever exists on the device in another dtype (an fp32
@@ -135,14 +149,40 @@ def load_model_weights(model_cls: type, hf_config, path: str, device, dtype) -> 
     with torch.device("meta"):
         model = model_cls(arch)
     model = model.to(dtype).to_empty(device=device)  # floating-point tensors only
+    if load_format == "dummy":
+        model.init_buffers()
+        initialize_dummy_weights(model, seed)
+        return model.to(dtype).eval()
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(
+            f"model folder {path} has no .safetensors files (load_format={load_format!r}); "
+            "load_format='dummy' (--load-format dummy) serves random weights from its "
+            "config.json"
+        )
     state: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(path, name)))
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
     model.load_weights(state)
     # A no-op for a model that honours the contract (buffers made in its weights' dtype);
     # a safety net for one that does not.
     return model.to(dtype).eval()
+
+
+def initialize_dummy_weights(model: nn.Module, seed: int, bound: float = DUMMY_WEIGHT_BOUND):
+    """Fill every parameter of ``model`` (a tied one once) with values uniform in
+    [-bound, bound], in place on its device and in its dtype, from a generator seeded with
+    ``seed`` on that device: the same weights for the same seed, shape and device.
+    vLLM's dummy weights use the same range; the values are not vLLM's."""
+    import torch
+
+    params = list(model.parameters())  # each shared tensor once
+    if not params:
+        return
+    generator = torch.Generator(device=params[0].device).manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.uniform_(-bound, bound, generator=generator)
 
 
 def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -161,7 +201,9 @@ def resolve_quantization(model_config, device, dtype: torch.dtype) -> tuple[str,
     if model_config.quantization is not None:
         return model_config.quantization, "--quantization"
     device = torch.device(device)
-    if gguf_file(model_config.model) is None:
+    if model_config.load_format == "dummy":
+        why = "dummy weights"
+    elif gguf_file(model_config.model) is None:
         why = "not a .gguf model"
     elif device.type != "cpu":
         why = f"device is {device.type}"

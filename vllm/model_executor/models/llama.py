@@ -205,24 +205,26 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy HF checkpoint tensors in (each cast to the weights' dtype by ``copy_`` as it
-        goes), fusing q/k/v and gate/up projections, and compute the rotary table (a buffer
-        no checkpoint holds) in fp32 on the CPU, moved to the weights' device already in
-        their dtype."""
-        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    def init_buffers(self) -> None:
+        """What no checkpoint holds: the rotary table, computed in fp32 on the CPU and moved
+        to the weights' device already in their dtype, and the tied output head."""
         a = self.arch
         weight = self.embed_tokens.weight
         rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta)
         self.rope = rope.to(weight.dtype).to(weight.device)
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy HF checkpoint tensors in (each cast to the weights' dtype by ``copy_`` as it
+        goes), fusing q/k/v and gate/up projections, after ``init_buffers``."""
+        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        self.init_buffers()
         with torch.no_grad():
             self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
             self.norm.weight.copy_(sd["norm.weight"])
-            head = sd.get("lm_head.weight", sd["embed_tokens.weight"])
-            if self.arch.tie_word_embeddings:
-                self.lm_head.weight = self.embed_tokens.weight
-            else:
-                self.lm_head.weight.copy_(head)
+            if not self.arch.tie_word_embeddings:
+                self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["embed_tokens.weight"]))
             for i, layer in enumerate(self.layers):
                 p = f"layers.{i}."
                 att = p + "self_attn."

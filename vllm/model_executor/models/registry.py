@@ -13,7 +13,9 @@ What the runner and the loader need from a model class (``llama.py`` is the exam
 - ``cls(arch)`` builds on the meta device (the loader casts it there to the target dtype,
   then allocates it on the device); ``load_weights(state_dict)`` then fills every
   parameter and buffer from the HF checkpoint's tensors (CPU, any dtype: ``copy_`` casts),
-  making any buffer it computes in the parameters' dtype;
+  making any buffer it computes in the parameters' dtype; ``init_buffers()`` makes those
+  computed buffers and ties shared weights alone (``--load-format dummy`` calls it, then
+  fills every parameter with random values);
 - ``set_attention_backend(backend)``; ``forward(input_ids, positions, meta, kv_caches)``
   -> ``(num_tokens, hidden)``; ``compute_logits(hidden)`` -> fp32 ``(rows, vocab)``;
 - optionally ``gguf_layout`` (``layers/quantization/gguf.py``'s ``GGUFLayout``): where

@@ -112,7 +112,15 @@ class ModelRunner:
         torch.manual_seed(self.model_config.seed)
         if self.device.type == "cuda":
             self.memory_before_load = measure_before_load(self.device)
-        self.model = load_model_weights(model_cls, hf_config, path, self.device, self.dtype)
+        self.model = load_model_weights(
+            model_cls,
+            hf_config,
+            path,
+            self.device,
+            self.dtype,
+            self.model_config.load_format,
+            self.model_config.seed,
+        )
         self.arch = self.model.arch
         if self.device.type == "cpu":
             # Norm, rotary, SiLU and decode-attention kernels: JIT-built once when missing
