@@ -6,8 +6,9 @@ step's prompt extends the first's, whose KV the job's pin keeps).
 
 Serves a random-weight model of a benchmarks/benchmark_gpu.py shape (default: SmolLM2-135M's
 on CUDA, the tiny one on CPU) with ``--load-format dummy``, writes ``serve_smoke.json`` and
-one server log per run into ``--out``; exit status 1 if a request failed. Each server is stopped in a ``finally``, also
-on SIGTERM (scripts/gpu/reap.py kills what survives a SIGKILL).
+one server log per run into ``--out``; exit status 1 if a request failed. Each server is
+stopped in a ``finally``, also on SIGTERM (scripts/gpu/reap.py kills what survives a
+SIGKILL).
 """
 
 from __future__ import annotations
