@@ -3,10 +3,11 @@
 Builds a random-weight Llama-family model of a named shape directly on the device, in the
 target dtype, seeded (``--shape``: smollm2-135m, llama-3.2-1b, llama-3.1-8b; ``tiny`` for
 CPU smoke runs), and writes it as an HF folder (config, SmolLM2's tokenizer files, the
-weights) that ``LLM(model=DIR)`` loads. No weights are downloaded: GPU machines have no
-network. Then, for each N in ``--num-requests`` (default 1 16 64 256), N random-token
-prompts of ``--prompt-len`` tokens generate ``--max-tokens`` tokens each, greedy, EOS
-ignored, through:
+weights) that ``LLM(model=DIR)`` loads; with ``--skip-hf`` the folder has no weights and
+our engine makes its own random ones on the device (``--load-format dummy``). No weights
+are downloaded: GPU machines have no network. Then, for each N in ``--num-requests``
+(default 1 16 64 256), N random-token prompts of ``--prompt-len`` tokens generate
+``--max-tokens`` tokens each, greedy, EOS ignored, through:
 
 - transformers ``generate`` on the model just built, one batch of N (dynamic cache; with
   ``--hf-static`` also the static cache, which compiles its own decode step; one warm-up
@@ -439,6 +440,8 @@ def engine_kwargs(args: argparse.Namespace, dtype: str) -> dict:
     extra = json.loads(args.engine_args) if args.engine_args else {}
     max_n, length = max(args.num_requests), args.prompt_len + args.max_tokens
     kwargs = dict(dtype=dtype, max_model_len=length, max_num_seqs=max_n, seed=args.seed)
+    if args.skip_hf:  # prepare wrote no weights
+        kwargs["load_format"] = "dummy"
     if not {"num_gpu_blocks_override", "kv_cache_memory_bytes"} & extra.keys():
         blocks = math.ceil(length / extra.get("block_size", 16)) + 1
         kwargs["num_gpu_blocks_override"] = max_n * blocks + 1  # + the null block
@@ -531,7 +534,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
     ap.add_argument("--hf-static", action="store_true",
                     help="also transformers with its static cache (compiles per N)")
-    ap.add_argument("--skip-hf", action="store_true", help="our engine only")
+    ap.add_argument("--skip-hf", action="store_true",
+                    help="our engine only, on dummy weights (no checkpoint written)")
     ap.add_argument("--eager-too", action="store_true",
                     help="also our engine with enforce_eager (no CUDA graphs): 'ours-eager'")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,
@@ -551,24 +555,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def prepare(args: argparse.Namespace, device: torch.device) -> tuple[Bench, object, Path]:
-    """Build the model on ``device`` and write its HF folder: (bench, model, folder)."""
+    """Build the model on ``device`` and write its HF folder: (bench, model, folder). With
+    ``--skip-hf`` no weights are made here: the model is counted on the meta device and the
+    folder holds config.json and the tokenizer, for our engine's ``--load-format dummy``
+    (no 16 GB checkpoint of the 8B shape to write and read back); model is None."""
     from transformers import AutoTokenizer
 
     info = machine_info(device)
     print(f"machine: {info['device_name']} ({device.type}), torch {info['torch']}, "
           f"transformers {info['transformers']}", flush=True)  # fmt: skip
     start = time.perf_counter()
-    model = build_model(args.shape, DTYPES[args.dtype], device, args.seed)
+    where = torch.device("meta") if args.skip_hf else device
+    model = build_model(args.shape, DTYPES[args.dtype], where, args.seed)
     sync(device)
     bench = Bench(args, model_facts(model), info)
     bench.results["timings_s"]["build"] = time.perf_counter() - start
-    model_dir = args.model_dir or Path(
-        f"/tmp/vllm-bench-models/{args.shape}-{args.dtype}-seed{args.seed}"
-    )
+    kind = "dummy" if args.skip_hf else f"seed{args.seed}"
+    model_dir = args.model_dir or Path(f"/tmp/vllm-bench-models/{args.shape}-{args.dtype}-{kind}")
     tokenizer_dir = args.tokenizer_dir or default_tokenizer_dir()
-    meta = {"shape": args.shape, "dtype": args.dtype, "seed": args.seed, "device": device.type}
-    bench.results["timings_s"]["save"] = write_model_dir(model, model_dir, tokenizer_dir, meta)
-    bench.vocab = min(model.config.vocab_size, len(AutoTokenizer.from_pretrained(model_dir)))
+    start = time.perf_counter()
+    if args.skip_hf:
+        model = None
+        write_config_dir(args.shape, model_dir, tokenizer_dir)
+        bench.results["load_format"] = "dummy"
+    else:
+        meta = {"shape": args.shape, "dtype": args.dtype, "seed": args.seed, "device": device.type}
+        write_model_dir(model, model_dir, tokenizer_dir, meta)
+    bench.results["timings_s"]["save"] = time.perf_counter() - start
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    bench.vocab = min(SHAPES[args.shape]["vocab_size"], vocab)
     f = bench.facts
     limit = "no bandwidth known (--bandwidth-gbs)"
     if bench.bandwidth:
@@ -577,7 +592,8 @@ def prepare(args: argparse.Namespace, device: torch.device) -> tuple[Bench, obje
     print(f"model: {args.shape} {args.dtype}, {f.num_params / 1e9:.3f} B params, "
           f"{f.weight_bytes_read / 1e9:.2f} GB read per step + "
           f"{f.kv_bytes_per_token / 1024:.0f} KiB KV per token of context; {limit}; "
-          f"folder {model_dir}", flush=True)  # fmt: skip
+          f"folder {model_dir}{' (dummy weights)' if args.skip_hf else ''}",
+          flush=True)  # fmt: skip
     return bench, model, model_dir
 
 

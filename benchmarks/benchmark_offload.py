@@ -1,47 +1,95 @@
-"""Loading a context from the CPU KV tier vs recomputing it (prefill), on this machine.
+"""Loading a context from the host-memory KV tier vs recomputing it (prefill), on this machine.
 
-For each context length, the median over repeats of: the prefill of the whole context in
-one forward pass (what a miss costs), its load from the tier into the KV cache (what a
-tier hit costs; ``consecutive``: one run of blocks on both sides, the common case;
-``scattered``: every block its own copy), and its save. Per-block figures divide by the
-context's blocks; the ratio is recompute / load measured in the same run.
+For each context length, the median over repeats of: the prefill of the whole context as
+the engine would run it (chunks of ``--chunk-tokens``, each attending to the chunks before
+it: what a miss costs), its load from the tier into the KV cache (what a tier hit costs;
+``consecutive``: one run of blocks on both sides, the common case; ``scattered``: every
+block its own copy), and its save. Per-block figures divide by the context's blocks; the
+ratio is recompute / load measured in the same run, and the load's bandwidth is the
+context's KV bytes over its time.
+
+The model: the embedded default (fp32 on CPU, ``--shape default``), or a random-weight
+model of a named shape (benchmarks/benchmark_gpu.py's: tiny, smollm2-135m, llama-3.2-1b,
+llama-3.1-8b) made by the engine on the device (``--load-format dummy``: nothing is
+written or read). On CUDA the tier is pinned host memory and the copies run on the tier's
+side stream; every timing synchronizes the device before it starts and before it ends.
 
     .venv/bin/python benchmarks/benchmark_offload.py [--contexts 512 1024 2048 4096]
         [--repeats 3]
+    python benchmarks/benchmark_offload.py --shape llama-3.1-8b --contexts 2048 8192 32768 \\
+        --json-out /tmp/offload.json     # a GPU (issue 28)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from vllm.config import CacheConfig, OffloadConfig, SchedulerConfig, VllmConfig
-from vllm.v1.core.sched.output import KVOffloadTransfers
-from vllm.v1.worker.model_runner import ModelRunner
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmark_gpu, when imported
+import benchmark_gpu  # noqa: E402
+
+from vllm.config import (  # noqa: E402
+    DEFAULT_MODEL,
+    CacheConfig,
+    ModelConfig,
+    OffloadConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.v1.core.sched.output import KVOffloadTransfers  # noqa: E402
+from vllm.v1.worker.model_runner import ModelRunner  # noqa: E402
+
+BLOCK_SIZE = 16
+SHAPES = ("default", *benchmark_gpu.SHAPES)
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        sync(device)
         start = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def build_runner(max_tokens: int) -> ModelRunner:
-    block_size = 16
-    num_blocks = max_tokens // block_size + 2
-    per_block = 2 * 30 * block_size * 3 * 64 * 4  # SmolLM2-135M, fp32
+def model_config(shape: str, dtype: str, max_tokens: int) -> ModelConfig:
+    """The embedded model (``default``), or a config-only folder of a named shape served
+    with dummy weights, its positions raised to ``max_tokens``."""
+    if shape == "default":
+        return ModelConfig(model=DEFAULT_MODEL, dtype=dtype)
+    folder = Path(f"/tmp/vllm-offload-models/{shape}-{max_tokens}")
+    benchmark_gpu.write_config_dir(shape, folder, benchmark_gpu.default_tokenizer_dir())
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], max_tokens)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return ModelConfig(model=str(folder), dtype=dtype, load_format="dummy")
+
+
+def build_runner(shape: str, dtype: str, max_tokens: int, chunk: int) -> ModelRunner:
+    """A runner with a KV cache and a tier each holding ``max_tokens`` (+ the null block)."""
+    num_blocks = max_tokens // BLOCK_SIZE + 2
     config = VllmConfig(
-        cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
-        scheduler_config=SchedulerConfig(max_model_len=8192, max_num_batched_tokens=8192),
-        offload_config=OffloadConfig(kv_offloading_size=num_blocks * per_block * 1.01 / 2**30),
+        model_config=model_config(shape, dtype, max_tokens),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks),
+        scheduler_config=SchedulerConfig(
+            max_model_len=max_tokens, max_num_batched_tokens=chunk, max_num_seqs=1
+        ),
+        offload_config=OffloadConfig(kv_offloading_size=0),  # sized below, in blocks
     )
     runner = ModelRunner(config)
     runner.load_model()
@@ -51,49 +99,106 @@ def build_runner(max_tokens: int) -> ModelRunner:
 
 
 @torch.inference_mode()
-def measure(runner: ModelRunner, tokens: int, repeats: int) -> dict[str, float]:
-    bs = runner.block_size
+def measure(runner: ModelRunner, tokens: int, chunk: int, repeats: int) -> dict[str, float]:
+    bs, device = runner.block_size, runner.device
     n = tokens // bs
     gpu = list(range(1, n + 1))
-    meta = runner.attn_backend.build_metadata([(0, tokens, gpu)])
-    ids = torch.randint(0, 49_000, (tokens,), device=runner.device)
-    pos = torch.arange(tokens, device=runner.device)
+    vocab = runner.arch.vocab_size
+    ids = torch.randint(0, vocab, (tokens,), device=device)
+    pos = torch.arange(tokens, device=device)
+    steps = []  # (ids, positions, metadata) of each chunk, built once
+    for start in range(0, tokens, chunk):
+        end = min(start + chunk, tokens)
+        meta = runner.attn_backend.build_metadata([(start, end - start, gpu)])
+        steps.append((ids[start:end], pos[start:end], meta))
+
+    def prefill() -> None:
+        for chunk_ids, chunk_pos, meta in steps:
+            runner.model(chunk_ids, chunk_pos, meta, runner.kv_caches)
+
     handler = runner.kv_offload
     consecutive = KVOffloadTransfers(loads=list(zip(range(n), gpu, strict=True)))
     scattered = KVOffloadTransfers(loads=list(zip(range(n), reversed(gpu), strict=True)))
     save = KVOffloadTransfers(saves=list(zip(gpu, range(n), strict=True)))
+    load = median_time(lambda: handler.transfer(consecutive), repeats, device)
     return {
+        "tokens": tokens,
         "blocks": n,
-        "prefill": median_time(lambda: runner.model(ids, pos, meta, runner.kv_caches), repeats),
-        "load": median_time(lambda: handler.transfer(consecutive), repeats),
-        "load_scattered": median_time(lambda: handler.transfer(scattered), repeats),
-        "save": median_time(lambda: handler.transfer(save), repeats),
+        "chunks": len(steps),
+        "prefill_s": median_time(prefill, repeats, device),
+        "load_s": load,
+        "load_scattered_s": median_time(lambda: handler.transfer(scattered), repeats, device),
+        "save_s": median_time(lambda: handler.transfer(save), repeats, device),
+        "load_gb_per_s": n * handler.block_bytes / load / 1e9,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    runner = build_runner(max(args.contexts))
-    mib = runner.get_kv_cache_bytes_per_block() / 2**20
-    print(f"KV block: 16 tokens, {mib:.2f} MiB; threads: {torch.get_num_threads()}")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=SHAPES, default="default")
+    ap.add_argument("--dtype", choices=["auto", *benchmark_gpu.DTYPES], default="auto",
+                    help="auto: float32 on CPU, bfloat16 on CUDA")  # fmt: skip
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    ap.add_argument(
+        "--chunk-tokens", type=int, default=None,
+        help="prefill chunk (the step budget); default 8192 on CUDA, 2048 on CPU",
+    )  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    for tokens in args.contexts:
+        if tokens < BLOCK_SIZE or tokens % BLOCK_SIZE:
+            ap.error(f"--contexts: {tokens} is not a positive multiple of {BLOCK_SIZE}")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    chunk = args.chunk_tokens or (8192 if device.type == "cuda" else 2048)
+    runner = build_runner(args.shape, args.dtype, max(args.contexts), chunk)
+    info = benchmark_gpu.machine_info(device)
+    block_bytes = runner.kv_offload.block_bytes
+    results = {
+        "machine": info,
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "chunk_tokens": chunk,
+        "repeats": args.repeats,
+        "kv_block_bytes": block_bytes,
+        "pinned": runner.kv_offload.stream is not None,
+        "rows": [],
+    }
+    print(f"machine: {info['device_name']} ({device.type}), torch {info['torch']}; "
+          f"{args.shape} {args.dtype}; KV block: {BLOCK_SIZE} tokens, "
+          f"{block_bytes / 2**20:.2f} MiB; prefill chunks of {chunk} tokens"
+          + (f"; threads: {torch.get_num_threads()}" if device.type == "cpu" else ""),
+          flush=True)  # fmt: skip
     header = (
         f"{'tokens':>7} {'prefill ms':>11} {'load ms':>8} {'scattered':>10} {'save ms':>8} "
-        f"{'prefill/blk':>12} {'load/blk':>9} {'ratio':>7}"
+        f"{'prefill/blk':>12} {'load/blk':>9} {'load GB/s':>9} {'ratio':>7}"
     )
-    print(header)
+    print(header, flush=True)
     for tokens in args.contexts:
-        m = measure(runner, tokens, args.repeats)
+        m = measure(runner, tokens, chunk, args.repeats)
+        m["ratio"] = m["prefill_s"] / m["load_s"]
+        results["rows"].append(m)
         n = m["blocks"]
         print(
-            f"{tokens:>7} {m['prefill'] * 1e3:>11.1f} {m['load'] * 1e3:>8.2f} "
-            f"{m['load_scattered'] * 1e3:>10.2f} {m['save'] * 1e3:>8.2f} "
-            f"{m['prefill'] / n * 1e3:>12.2f} {m['load'] / n * 1e3:>9.3f} "
-            f"{m['prefill'] / m['load']:>6.0f}x"
+            f"{tokens:>7} {m['prefill_s'] * 1e3:>11.1f} {m['load_s'] * 1e3:>8.2f} "
+            f"{m['load_scattered_s'] * 1e3:>10.2f} {m['save_s'] * 1e3:>8.2f} "
+            f"{m['prefill_s'] / n * 1e3:>12.2f} {m['load_s'] / n * 1e3:>9.3f} "
+            f"{m['load_gb_per_s']:>9.1f} {m['ratio']:>6.0f}x",
+            flush=True,
         )
+        if args.json_out:  # after every row: a run stopped by a time limit keeps them
+            args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,6 +7,8 @@
 #   test [PYTEST ARGS]   pytest -m cuda tests, a per-test timeout (GPU_TEST_TIMEOUT, 120 s)
 #   bench [BENCH ARGS]   benchmarks/benchmark_gpu.py ARGS --json-out $OUT/bench-K.json
 #   serve-smoke [ARGS]   scripts/gpu/serve_smoke.py: vllm serve, default and continuum
+#   offload [ARGS]       benchmarks/benchmark_offload.py ARGS --json-out $OUT/offload-K.json
+#                        (the KV tier's load against recompute; --shape llama-3.1-8b)
 #   study [ARGS]         scripts/gpu/study.py: the agent workload on a random-weight
 #                        model (run_sweep.py ARGS), $OUT/study-LABEL.tar.gz
 # e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
@@ -26,7 +28,7 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-570}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-STEPS="test bench serve-smoke study"
+STEPS="test bench serve-smoke offload study"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -84,6 +86,7 @@ PY
 }
 
 BENCH_RUNS=0
+OFFLOAD_RUNS=0
 run_step() {
     local step=$1
     shift
@@ -102,6 +105,11 @@ run_step() {
         BENCH_RUNS=$((BENCH_RUNS + 1))
         limited "${GPU_BENCH_TIMEOUT:-480}" "$PYTHON" benchmarks/benchmark_gpu.py \
             --json-out "$OUT/bench-$BENCH_RUNS.json" "$@"
+        ;;
+    offload)
+        OFFLOAD_RUNS=$((OFFLOAD_RUNS + 1))
+        limited "${GPU_OFFLOAD_TIMEOUT:-240}" "$PYTHON" benchmarks/benchmark_offload.py \
+            --json-out "$OUT/offload-$OFFLOAD_RUNS.json" "$@"
         ;;
     serve-smoke)
         limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"

@@ -81,10 +81,10 @@ def test_summary_of_decode_steps(bench):
     assert bench.summarize(1, 2, 1.0, 0.5, [], facts, 1.0, None)["tpot_ms"] is None
 
 
-def check_run(result: dict, device: str, dtype: str) -> None:
+def check_run(result: dict, device: str, dtype: str, engines=("hf", "ours")) -> None:
     assert result["machine"]["device"] == device and result["machine"]["device_name"]
     assert result["model"]["dtype"] == dtype
-    for engine in ("hf", "ours"):
+    for engine in engines:
         for n in (1, 2):
             f = result["engines"][engine][str(n)]
             assert "error" not in f, f
@@ -100,7 +100,8 @@ def check_run(result: dict, device: str, dtype: str) -> None:
             assert f["hbm_fraction"] == pytest.approx(expected)
     probe = result["context_length"]
     assert probe["first_seen_ms"] > 0 and probe["seen_ms"] > 0
-    assert set(result["ratios"]) == {"1", "2"} and result["ratios"]["1"]["vs_hf"] > 0
+    if "hf" in engines:
+        assert set(result["ratios"]) == {"1", "2"} and result["ratios"]["1"]["vs_hf"] > 0
 
 
 @pytest.mark.slow
@@ -113,6 +114,20 @@ def test_tiny_run_end_to_end_writes_every_figure(bench, tmp_path, capsys):
     assert result["mean_context"] == 36.0  # 32 + 8 / 2
     printed = capsys.readouterr().out
     assert "first-seen context lengths" in printed and "x vs_hf" in printed
+
+
+def test_skip_hf_runs_our_engine_on_dummy_weights_with_no_checkpoint(bench, tmp_path):
+    out, folder = tmp_path / "gpu.json", tmp_path / "model"
+    argv = TINY_RUN + ["--skip-hf", "--bandwidth-gbs", "20", "--model-dir", str(folder)]
+    assert bench.main(argv + ["--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    check_run(result, device, dtype, engines=("ours",))
+    assert result["load_format"] == "dummy" and "hf" not in result["engines"]
+    # The byte counts come from the shape (counted on the meta device), not from weights.
+    assert result["model"]["weight_bytes_read"] > 0
+    assert (folder / "config.json").exists() and not list(folder.glob("*.safetensors"))
 
 
 @pytest.mark.cuda
