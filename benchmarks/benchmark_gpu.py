@@ -54,8 +54,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 # Where `make gpu-wheels` puts SmolLM2's tokenizer files for a GPU machine.
 CARRIED_TOKENIZER = REPO / ".whl" / "smollm2-tokenizer"
 MARKER = "bench_model.json"
-# LlamaConfig fields per shape. The Llama-3 shapes keep the default RoPE: our engine has no
-# llama3 frequency scaling yet, and the scaling does not change what a step costs.
+# LlamaConfig fields per shape (over _COMMON's). The Llama-3 shapes take their models' llama3
+# rotary scaling (factor 32 for 3.2-1B, 8 for 3.1-8B, over 8192 trained positions) and
+# 131,072 positions.
+_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)  # fmt: skip
 _COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=8192)
 SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -68,11 +71,13 @@ SHAPES: dict[str, dict] = {
     "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, intermediate_size=8192,
                          vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
-                         rms_norm_eps=1e-5),
+                         rms_norm_eps=1e-5, rope_scaling=dict(_LLAMA3_ROPE, factor=32.0),
+                         max_position_embeddings=131072),
     "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, intermediate_size=14336,
                          vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
-                         rms_norm_eps=1e-5),
+                         rms_norm_eps=1e-5, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
+                         max_position_embeddings=131072),
 }  # fmt: skip
 # Peak HBM bandwidth (GB/s) by a substring of torch.cuda.get_device_name(); first match.
 BANDWIDTH_GBS = (("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350))
@@ -96,10 +101,9 @@ def shape_config(shape: str):
     from transformers import LlamaConfig
 
     fields = dict(SHAPES[shape])
-    theta = fields.pop("rope_theta")
-    return LlamaConfig(
-        **fields, **_COMMON, rope_parameters={"rope_type": "default", "rope_theta": theta}
-    )
+    rope = {"rope_type": "default", **fields.pop("rope_scaling", {})}
+    rope["rope_theta"] = fields.pop("rope_theta")
+    return LlamaConfig(**{**_COMMON, **fields}, rope_parameters=rope)
 
 
 def build_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int):

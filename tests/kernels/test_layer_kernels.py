@@ -42,7 +42,9 @@ def test_fused_add_rms_norm(tokens):
 def test_rotary_embedding_is_bit_identical_on_strided_views(tokens):
     from vllm.model_executor.models.llama import RotaryEmbedding
 
-    cache = RotaryEmbedding(64, 8192, 100000.0).cos_sin_cache
+    cache = RotaryEmbedding(
+        64, 8192, {"rope_type": "default", "rope_theta": 100000.0}
+    ).cos_sin_cache
     positions = torch.randint(0, 8192, (tokens,), generator=G)
     qkv, q, k, _ = qkv_views(tokens, 9, 3, 64)
     expected = qkv.clone()

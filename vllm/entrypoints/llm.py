@@ -10,7 +10,7 @@ from typing import Any
 from vllm.engine.arg_utils import EngineArgs, UsageContext
 from vllm.entrypoints.openai.protocol import parse_messages
 from vllm.exceptions import VLLMValidationError
-from vllm.model_executor.model_loader import get_model_config
+from vllm.model_executor.model_loader import get_model_config, model_max_len
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import (
@@ -45,7 +45,7 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         hf_config = get_model_config(model)
         self.vllm_config = args.create_engine_config(
-            getattr(hf_config, "max_position_embeddings", None), UsageContext.LLM_CLASS
+            model_max_len(hf_config), UsageContext.LLM_CLASS
         )
         self.engine_core = EngineCore(self.vllm_config)
         self.tokenizer = self.engine_core.tokenizer

@@ -263,6 +263,16 @@ def get_model_config(model: str):
     return AutoConfig.from_pretrained(resolve_model(model), **OFFLINE)
 
 
+def model_max_len(hf_config) -> int | None:
+    """The longest context ``hf_config``'s model takes: ``max_position_embeddings``, times
+    the factor of a ``linear`` rope scaling (as vLLM; ``rotary_embedding.max_positions``);
+    None if the config names none. ``ValueError`` for a rope type not supported."""
+    from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
+
+    trained = getattr(hf_config, "max_position_embeddings", None)
+    return None if trained is None else max_positions(trained, rope_parameters(hf_config))
+
+
 def get_eos_token_id(model: str) -> int | None:
     from transformers import GenerationConfig
 

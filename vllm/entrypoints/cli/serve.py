@@ -45,7 +45,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace):
     """The validated ``VllmConfig`` of the parsed flags (ValueError naming the bad one)."""
     from vllm.entrypoints.utils import check_chat_template
-    from vllm.model_executor.model_loader import get_model_config
+    from vllm.model_executor.model_loader import get_model_config, model_max_len
 
     if args.model_tag is not None:
         args.model = args.model_tag
@@ -56,7 +56,7 @@ def build_config(args: argparse.Namespace):
     ToolCallingConfig.from_args(args)  # --enable-auto-tool-choice needs a parser
     hf_config = get_model_config(engine_args.model)
     config = engine_args.create_engine_config(
-        hf_config.max_position_embeddings, UsageContext.OPENAI_API_SERVER
+        model_max_len(hf_config), UsageContext.OPENAI_API_SERVER
     )
     if args.disable_log_requests:  # the engine's per-job lines are request logs too
         policy = dataclasses.replace(config.policy_config, log_jobs=False)

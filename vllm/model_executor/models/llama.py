@@ -19,6 +19,11 @@ from torch import nn
 
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.quantization.gguf import GGUFLayout
+from vllm.model_executor.layers.rotary_embedding import (
+    cos_sin_cache,
+    max_positions,
+    rope_parameters,
+)
 
 
 @dataclass(frozen=True)
@@ -32,19 +37,16 @@ class LlamaArch:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # the rotary table's length (the model's longest context)
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
+    # rotary_embedding.rope_parameters' dict (type, theta, scaling); None: default, theta
+    rope_parameters: dict[str, Any] | None = None
 
     @classmethod
     def from_hf(cls, config) -> LlamaArch:
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-        rope = dict(rope or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported yet")
-        theta = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+        rope = rope_parameters(config)
         model_type = config.model_type
         heads = config.num_attention_heads
         return cls(
@@ -56,12 +58,17 @@ class LlamaArch:
             intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             rms_norm_eps=config.rms_norm_eps,
-            rope_theta=float(theta),
-            max_position_embeddings=config.max_position_embeddings,
+            rope_theta=rope["rope_theta"],
+            max_position_embeddings=max_positions(config.max_position_embeddings, rope),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
+            rope_parameters=rope,
         )
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta}
 
 
 class RMSNorm(nn.Module):
@@ -84,12 +91,10 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate_half), as HF Llama checkpoints expect."""
 
-    def __init__(self, head_dim: int, max_pos: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_pos: int, params: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
         # (max_pos, head_dim) = [cos | sin], vLLM's layout: the op gathers rows by position.
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        cache = cos_sin_cache(head_dim, max_pos, params)  # params: rope_parameters' dict
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.head_dim = head_dim
 
@@ -185,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
 
     def set_attention_backend(self, backend: Any) -> None:
         """Every layer attends with ``backend`` (an ``AttentionBackend`` instance)."""
@@ -210,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         to the weights' device already in their dtype, and the tied output head."""
         a = self.arch
         weight = self.embed_tokens.weight
-        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta)
+        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope)
         self.rope = rope.to(weight.dtype).to(weight.device)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

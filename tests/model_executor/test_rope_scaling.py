@@ -1,0 +1,110 @@
+"""Rotary scaling types (``layers/rotary_embedding.py``): llama3 (Llama 3.1/3.2), linear
+and yarn frequencies against transformers' own, and a tiny checkpoint of each whose logits
+equal transformers' at positions past the original context, where the types differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from tests.tiny_models import TINY_LLAMA
+from vllm.model_executor.layers.rotary_embedding import (
+    inverse_frequencies,
+    rope_parameters,
+)
+from vllm.model_executor.model_loader import model_max_len
+
+# head_dim 16, theta 10000: wavelengths 6.3, 19.9, 62.8 ... 19,869 positions.
+SCALINGS = {
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32),
+    "linear": dict(rope_type="linear", factor=2.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+    "yarn-mscale": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                        mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2),
+}  # fmt: skip
+
+
+def config(name: str, arch: str = "Llama", **overrides):
+    rope = {"rope_theta": 10000.0, **SCALINGS[name]} if name != "default" else None
+    fields = {**TINY_LLAMA, "max_position_embeddings": 128, **overrides}
+    return getattr(transformers, f"{arch}Config")(**fields, rope_parameters=rope)
+
+
+@pytest.mark.parametrize("name", list(SCALINGS))
+def test_frequencies_and_attention_factor_equal_transformers(name):
+    c = config(name)
+    ours, factor = inverse_frequencies(16, rope_parameters(c))
+    ref, ref_factor = ROPE_INIT_FUNCTIONS[SCALINGS[name]["rope_type"]](c, "cpu")
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor, rel=1e-9)
+    default, _ = inverse_frequencies(16, rope_parameters(config("default")))
+    assert not torch.equal(ours, default)  # the type changes something
+
+
+def test_old_rope_scaling_key_and_type_name_are_read():
+    c = transformers.LlamaConfig(**TINY_LLAMA)
+    c.rope_parameters = None
+    c.rope_scaling = {"type": "linear", "factor": 3.0}
+    c.rope_theta = 500.0
+    params = rope_parameters(c)
+    assert params["rope_type"] == "linear" and params["rope_theta"] == 500.0
+
+
+@pytest.mark.parametrize(
+    "scaling, match",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, r"'dynamic' is not supported yet .*llama3"),
+        ({"rope_type": "longrope", "factor": 2.0}, "longrope"),
+        ({"rope_type": "llama3", "factor": 8.0}, "lack .*original_max_position_embeddings"),
+        ({"rope_type": "linear"}, "lack factor"),
+        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_unsupported_or_incomplete_rope_parameters_are_refused(scaling, match):
+    c = transformers.LlamaConfig(**TINY_LLAMA)
+    c.rope_parameters = {"rope_theta": 10000.0, **scaling}
+    with pytest.raises(ValueError, match=match):
+        rope_parameters(c)
+
+
+def test_model_max_len_stretches_for_linear_only():
+    assert model_max_len(config("linear")) == 256
+    assert model_max_len(config("llama3")) == 128  # Llama 3.1's config counts it already
+    assert model_max_len(config("yarn")) == 128
+
+
+@pytest.mark.parametrize(
+    "name, arch", [("llama3", "Llama"), ("linear", "Llama"), ("yarn", "Qwen2"),
+                   ("yarn-mscale", "Llama")],
+)  # fmt: skip
+def test_tiny_checkpoint_logits_equal_transformers_past_the_original_length(name, arch, tmp_path):
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.worker.model_runner import ModelRunner
+
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"{arch}ForCausalLM")(config(name, arch)).eval()
+    hf.save_pretrained(tmp_path)
+    threads = torch.get_num_threads()
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), max_model_len=128),
+        cache_config=CacheConfig(block_size=16),
+    )
+    runner = ModelRunner(vllm_config, device="cpu")
+    try:
+        runner.load_model()
+    finally:
+        torch.set_num_threads(threads)
+    runner.initialize_kv_cache(9)
+    n = 120  # well past the original 32 positions
+    ids = torch.randint(
+        0, TINY_LLAMA["vocab_size"], (n,), generator=torch.Generator().manual_seed(1)
+    )
+    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(n), meta, runner.kv_caches)
+        ours = runner.model.compute_logits(hidden)
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
