@@ -95,13 +95,14 @@ def result_path(out_dir: Path, policy: str, jps: float) -> Path:
 # policy with admission; the 0.08 JPS study point ran without it.
 ADMISSION_SUFFIX = re.compile(r"-(no)?admission$")
 # A label may end in "+offload<k>x": the CPU KV tier sized at k times the engine's pool
-# (--num-gpu-blocks; at the default 400 blocks of 720 KiB, 4x = 1.1 GiB, 16x = 4.4 GiB),
+# (--num-gpu-blocks blocks of --kv-block-bytes; at the default 400 blocks of SmolLM2's
+# 720 KiB, 4x = 1.1 GiB, 16x = 4.4 GiB),
 # e.g. "fcfs+offload4x" or "continuum-admission+offload16x"; or in "+autotier": the tier
 # the engine sizes itself (--kv-offloading-size unset: for continuum and context_serve,
 # the smaller of 16x the pool and half the free host memory). A label with neither runs
 # without a tier (--kv-offloading-size 0), as every label did before the automatic tier.
 OFFLOAD_SUFFIX = re.compile(r"\+(?:offload(\d+)x|autotier)$")
-BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 x 64, fp32
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2: K and V, 30 layers, 16 tokens, 3 x 64, fp32
 BLOCK_TOKENS = 16  # the server's default --block-size
 ROUTER_IDENTITIES = ("x-session-id", "program_id")  # what the router can route by
 
@@ -121,8 +122,11 @@ def upstream_server_args(args, policy: str) -> list[str]:
     ]  # fmt: skip
 
 
-def policy_flags(label: str, num_gpu_blocks: int) -> tuple[str, list[str]]:
-    """A study label as ``--scheduling-policy``'s value and the extra server flags."""
+def policy_flags(
+    label: str, num_gpu_blocks: int, block_bytes: int = BLOCK_BYTES
+) -> tuple[str, list[str]]:
+    """A study label as ``--scheduling-policy``'s value and the extra server flags
+    (``block_bytes``: one KV block of the served model, for ``+offload<k>x``)."""
     tier = OFFLOAD_SUFFIX.search(label)
     base = label[: tier.start()] if tier else label
     admission = ADMISSION_SUFFIX.search(base)
@@ -140,13 +144,13 @@ def policy_flags(label: str, num_gpu_blocks: int) -> tuple[str, list[str]]:
         k = int(tier.group(1))
         if k < 1:
             raise ValueError(f"--policies: {label!r}: the tier must be at least 1x the pool")
-        size_gib = k * num_gpu_blocks * BLOCK_BYTES / 2**30
+        size_gib = k * num_gpu_blocks * block_bytes / 2**30
         extra = [*extra, "--kv-offloading-size", f"{size_gib:.3f}"]
     return name, extra
 
 
 def server_args(args, policy: str) -> list[str]:
-    name, extra = policy_flags(policy, args.num_gpu_blocks)
+    name, extra = policy_flags(policy, args.num_gpu_blocks, args.kv_block_bytes)
     return [
         "--scheduling-policy",
         name,
@@ -271,6 +275,13 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tool-mix", choices=TOOL_MIXES, default="fork")
     ap.add_argument("--num-gpu-blocks", type=int, default=400, help="KV pool, blocks of 16")
     ap.add_argument("--max-model-len", type=int, default=6144)
+    ap.add_argument(
+        "--kv-block-bytes",
+        type=int,
+        default=BLOCK_BYTES,
+        help="bytes of one KV block of the served model, which sizes +offload<k>x tiers "
+        "(default: SmolLM2-135M's in fp32, 720 KiB)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--drain-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -17,9 +17,9 @@ the step runs out of time, as one file (a device call brings back 8). Random wei
 fine here: the workload appends whatever the model answers to the job's history, and tool
 times are the tool tables'.
 
-A study label's ``+offload<k>x`` sizes the tier for SmolLM2's fp32 blocks
-(run_sweep.BLOCK_BYTES): on another shape use ``+autotier``, or
-``--server-arg=--kv-offloading-size=GIB``.
+A study label's ``+offload<k>x`` sizes the tier at k times the pool in the shape's own KV
+blocks (``--kv-block-bytes``, computed here from the shape and the served dtype: 2 MiB for
+the 8B shape in bf16); ``+autotier`` lets the engine size it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_smoke import DUMMY, make_model  # noqa: E402
+from serve_smoke import DUMMY, load_benchmark, make_model  # noqa: E402
 
 SWEEP = REPO / "our_experiments" / "scripts" / "run_sweep.py"
 
@@ -47,6 +47,15 @@ def default_label(shape: str) -> str:
     name = torch.cuda.get_device_name().lower()
     card = next((c for c in ("h200", "h100", "a100", "l40s", "rtx") if c in name), "gpu")
     return f"{card}-{shape}"
+
+
+def kv_block_bytes(shape: str, block_size: int = 16) -> int:
+    """One KV block of ``shape`` in the dtype the servers run it in (bf16 on CUDA, fp32 on
+    CPU): K and V of every layer, ``block_size`` tokens."""
+    c = load_benchmark().SHAPES[shape]
+    itemsize = 2 if torch.cuda.is_available() else 4
+    heads_dim = c["num_key_value_heads"] * c["head_dim"]
+    return 2 * c["num_hidden_layers"] * block_size * heads_dim * itemsize
 
 
 def pack(results: Path, tarball: Path) -> None:
@@ -69,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     label = args.label or default_label(shape)
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = make_model(shape, Path("/tmp/vllm-study-models"))
+    if not any(a.split("=")[0] == "--kv-block-bytes" for a in sweep_args):
+        sweep_args = [*sweep_args, "--kv-block-bytes", str(kv_block_bytes(shape))]
     results = Path("/tmp/vllm-study-results")
     cmd = [
         sys.executable, str(SWEEP), "--machine", label, "--results-dir", str(results),

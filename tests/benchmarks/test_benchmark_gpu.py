@@ -6,9 +6,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -183,16 +185,37 @@ def test_run_sh_runs_a_tiny_bench_step(tmp_path):
 @pytest.mark.slow
 def test_run_sh_runs_a_tiny_study_step(tmp_path):
     # Two short jobs of two turns against the tiny random model, one continuum server.
+    # A label of its own: study.py keeps results across calls (a later call resumes).
+    label = f"cpu-test-{uuid.uuid4().hex[:8]}"
     env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
-    argv = ["study", "--label", "cpu-test", "--policies", "continuum+autotier", "--jps", "0.2"]
+    argv = ["study", "--label", label, "--policies", "continuum+autotier", "--jps", "0.2"]
     argv += ["--duration", "10", "--drain-timeout", "60", "--turns", "2", "--max-tokens", "4"]
     argv += ["--num-gpu-blocks", "64", "--max-model-len", "1024", "--seed", "1"]
-    done = subprocess.run([str(KIT / "run.sh"), *argv], env=env, timeout=400)
+    try:
+        done = subprocess.run([str(KIT / "run.sh"), *argv], env=env, timeout=400)
+    finally:
+        shutil.rmtree(f"/tmp/vllm-study-results/{label}", ignore_errors=True)
     assert done.returncode == 0, (tmp_path / "run.log").read_text()[-3000:]
-    assert [p.name for p in tmp_path.glob("*.tar.gz")] == ["study-cpu-test.tar.gz"]
-    with tarfile.open(tmp_path / "study-cpu-test.tar.gz") as tar:
-        point = json.load(tar.extractfile("cpu-test/continuum+autotier_jps0.2.json"))
+    assert [p.name for p in tmp_path.glob("*.tar.gz")] == [f"study-{label}.tar.gz"]
+    with tarfile.open(tmp_path / f"study-{label}.tar.gz") as tar:
+        point = json.load(tar.extractfile(f"{label}/continuum+autotier_jps0.2.json"))
+        config = json.load(tar.extractfile(f"{label}/sweep_config.json"))
     assert point["num_jobs"] >= 1 and point["num_completed"] == point["num_jobs"], point
+    # +offload<k>x tiers are sized in the shape's own blocks: tiny, fp32 on CPU.
+    assert config["kv_block_bytes"] == 2 * 2 * 16 * 2 * 32 * 4
+
+
+def test_study_sizes_tiers_in_the_shapes_blocks():
+    sys.path.insert(0, str(KIT))
+    try:
+        import study
+    finally:
+        sys.path.remove(str(KIT))
+    itemsize = 2 if torch.cuda.is_available() else 4
+    # SmolLM2-135M in fp32 is the sweep's default block; the 8B shape keeps 64 Ki values
+    # a token (K and V x 32 layers x 8 heads x 128).
+    assert study.kv_block_bytes("smollm2-135m") == 737_280 * itemsize // 4
+    assert study.kv_block_bytes("llama-3.1-8b") == 16 * 65_536 * itemsize
 
 
 def test_run_sh_refuses_an_unknown_step(tmp_path):

@@ -61,6 +61,11 @@ def test_study_labels_compose_a_variant_with_a_tier_sized_from_the_pool():
         "context_serve",
         ["--continuum-job-admission", "--kv-offloading-size", f"{gib:.3f}"],
     )
+    # Another model's blocks (the 8B shape's 2 MiB in bf16) size the same label's tier.
+    assert run_sweep.policy_flags("fcfs+offload4x", 5402, 2 * 2**20) == (
+        "fcfs",
+        ["--kv-offloading-size", f"{4 * 5402 * 2 / 1024:.3f}"],
+    )
     with pytest.raises(ValueError, match="--policies"):
         run_sweep.policy_flags("fcfs+offload0x", 400)
     with pytest.raises(ValueError, match="agent-aware"):
