@@ -65,10 +65,12 @@ def test_model_loading_stays_offline():
         "def refuse(*a, **k): raise SystemExit('network access: %r' % (a,))\n"
         "socket.socket.connect = refuse\n"
         "socket.create_connection = refuse\n"
-        "from vllm.model_executor.model_loader import get_eos_token_id, get_model_config\n"
+        "from vllm.config import ModelConfig\n"
+        "from vllm.model_executor import model_loader as m\n"
         "from vllm.transformers_utils.tokenizer import get_tokenizer\n"
-        "get_model_config('SmolLM2-135M-Instruct'); get_eos_token_id('SmolLM2-135M-Instruct')\n"
-        "get_tokenizer('SmolLM2-135M-Instruct')\n"
+        "tok = get_tokenizer('SmolLM2-135M-Instruct')\n"
+        "m.get_model_config('SmolLM2-135M-Instruct'); m.eos_token_ids(ModelConfig(), tok)\n"
+        "m.default_sampling_params(ModelConfig())\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}

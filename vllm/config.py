@@ -8,9 +8,11 @@ Invalid values raise ``ValueError`` naming the field and the bad value.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from vllm.model_executor.layers.quantization import Quantization
@@ -54,6 +56,19 @@ _UNITS = {"": 1, "b": 1} | {
     for power, prefix in enumerate("kmg", start=1)
     for suffix in ("", "b", "ib")
 }
+
+
+def parse_json_object(text: str | dict, name: str) -> dict[str, Any]:
+    """A flag's JSON object (a dict passes through); ValueError naming ``name``."""
+    if isinstance(text, dict):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} must be a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    return value
 
 
 def parse_bytes(text: str | int) -> int:
@@ -105,6 +120,20 @@ class ModelConfig:
         "[-1e-3, 1e-3] drawn from --seed, as vLLM's, for benchmarks; only config.json and "
         "the tokenizer are read.",
     )
+    generation_config: str = config_field(
+        "auto",
+        "Where the default sampling parameters come from (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, and max_new_tokens as max_tokens), for requests that leave them "
+        "unset: auto, the model folder's generation_config.json; vllm, vLLM's neutral "
+        "defaults; or a folder holding a generation_config.json. The model's EOS ids are "
+        "read from it in every case.",
+    )
+    override_generation_config: dict[str, Any] | None = config_field(
+        None,
+        "JSON object of generation-config fields over --generation-config's, e.g. "
+        "'{\"temperature\": 0.5}'.",
+        parse=lambda text: parse_json_object(text, "override_generation_config"),
+    )
     enforce_eager: bool = config_field(
         False,
         "Always run the model eagerly: on CUDA, no CUDA graphs of decode steps (the CPU "
@@ -130,6 +159,19 @@ class ModelConfig:
             raise bad_value("quantization", self.quantization, "gguf needs dtype float32")
         if self.load_format not in get_args(LoadFormat):
             raise bad_value("load_format", self.load_format, "must be auto, safetensors or dummy")
+        if (
+            self.generation_config not in ("auto", "vllm")
+            and not Path(self.generation_config).expanduser().is_dir()
+        ):
+            raise bad_value(
+                "generation_config", self.generation_config, "must be auto, vllm or a folder"
+            )
+        if self.override_generation_config is not None and not isinstance(
+            self.override_generation_config, dict
+        ):
+            raise bad_value(
+                "override_generation_config", self.override_generation_config, "must be a dict"
+            )
         if self.quantization == "gguf" and self.load_format == "dummy":
             raise bad_value(
                 "quantization", self.quantization, "gguf reads the GGUF's weights; dummy has none"

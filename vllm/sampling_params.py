@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -198,10 +199,17 @@ class SamplingParams:
         """Whether this request's context may go to the host-memory KV tier."""
         return may_offload(self.extra_args)
 
-    def update_from_generation_config(self, eos_token_id: int | None) -> None:
-        """Add the model's EOS to the stop set unless ``ignore_eos``."""
-        if eos_token_id is not None and not self.ignore_eos:
+    def update_from_generation_config(
+        self, eos_token_id: int | None, extra_eos_token_ids: Collection[int] = ()
+    ) -> None:
+        """Add the model's EOS and the generation config's other EOS ids to the stop set,
+        unless ``ignore_eos`` (a stop on one of the others reports its id as
+        ``stop_reason``, as vLLM's, where they join ``stop_token_ids``)."""
+        if self.ignore_eos:
+            return
+        if eos_token_id is not None:
             self.all_stop_token_ids.add(eos_token_id)
+        self.all_stop_token_ids.update(extra_eos_token_ids)
 
     def clone(self) -> SamplingParams:
         import copy

@@ -10,7 +10,11 @@ from typing import Any
 from vllm.engine.arg_utils import EngineArgs, UsageContext
 from vllm.entrypoints.openai.protocol import parse_messages
 from vllm.exceptions import VLLMValidationError
-from vllm.model_executor.model_loader import get_model_config, model_max_len
+from vllm.model_executor.model_loader import (
+    default_sampling_params,
+    get_model_config,
+    model_max_len,
+)
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import (
@@ -52,10 +56,16 @@ class LLM:
         self.processor = Processor(self.vllm_config, self.tokenizer, self.engine_core.eos_token_id)
         self.processor.set_kv_capacity(self.engine_core.num_gpu_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._default_sampling = default_sampling_params(self.vllm_config.model_config)
         self._request_counter = 0
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no sampling params: vLLM's
+        defaults under the model's generation config (``--generation-config``)."""
+        return SamplingParams(**self._default_sampling)
 
     def generate(
         self,
@@ -108,7 +118,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """items: (prompt, prompt text for the output, add_special_tokens)."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(items)
         if len(sampling_params) != len(items):

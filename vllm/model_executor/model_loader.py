@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm import envs
 from vllm.config import DEFAULT_MODEL
@@ -273,12 +273,69 @@ def model_max_len(hf_config) -> int | None:
     return None if trained is None else max_positions(trained, rope_parameters(hf_config))
 
 
-def get_eos_token_id(model: str) -> int | None:
-    from transformers import GenerationConfig
+# The generation-config fields vLLM takes as default sampling parameters (HF's
+# max_new_tokens is max_tokens).
+SAMPLING_DEFAULT_FIELDS = (
+    "repetition_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
 
-    path = resolve_model(model)
+
+def load_generation_config(model_config) -> dict[str, Any]:
+    """The non-default fields of the generation config ``--generation-config`` names: the
+    model folder's generation_config.json (``auto`` and ``vllm``) or a folder's, else the
+    generation fields of that folder's config.json; {} when there is neither."""
+    from transformers import AutoConfig, GenerationConfig
+
+    source = model_config.generation_config
+    folder = resolve_model(model_config.model) if source in ("auto", "vllm") else source
     try:
-        eos = GenerationConfig.from_pretrained(path, **OFFLINE).eos_token_id
+        config = GenerationConfig.from_pretrained(folder, **OFFLINE)
     except OSError:
-        eos = get_model_config(model).eos_token_id
-    return eos[0] if isinstance(eos, list) else eos
+        try:
+            config = GenerationConfig.from_model_config(
+                AutoConfig.from_pretrained(folder, **OFFLINE)
+            )
+        except (OSError, ValueError):
+            return {}
+    return config.to_diff_dict()
+
+
+def default_sampling_params(model_config) -> dict[str, Any]:
+    """The sampling parameters a request that leaves them unset gets, as vLLM: the
+    generation config's (none with ``--generation-config vllm``) under
+    ``--override-generation-config``; ``max_new_tokens`` becomes ``max_tokens``. A value
+    ``SamplingParams`` refuses is a ``ValueError`` naming it, at start-up."""
+    from vllm.sampling_params import SamplingParams
+
+    config = (
+        {} if model_config.generation_config == "vllm" else load_generation_config(model_config)
+    )
+    config.update(model_config.override_generation_config or {})
+    defaults = {k: config[k] for k in SAMPLING_DEFAULT_FIELDS if config.get(k) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"the generation config's default sampling parameters: {e}") from None
+    return defaults
+
+
+def eos_token_ids(model_config, tokenizer) -> tuple[int | None, frozenset[int]]:
+    """(the EOS id: the tokenizer's, else the generation config's first, as vLLM; the
+    generation config's other EOS ids, which end a request too unless ``ignore_eos``).
+    Llama 3.1 Instruct's tokenizer ends a turn with <|eot_id|> and its generation config
+    lists <|end_of_text|> and <|eom_id|> as well."""
+    listed = load_generation_config(model_config).get("eos_token_id")
+    if listed is None:
+        listed = getattr(get_model_config(model_config.model), "eos_token_id", None)
+    listed = [listed] if isinstance(listed, int) else list(listed or [])
+    primary = getattr(tokenizer, "eos_token_id", None)
+    if primary is None and listed:
+        primary = listed[0]
+    return primary, frozenset(listed) - {primary}

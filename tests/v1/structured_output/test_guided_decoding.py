@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm.config import ModelConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.structured_output import StructuredOutputManager, validate_structured_outputs
@@ -41,9 +42,7 @@ def row(so: StructuredOutputsParams, req_id: str = "r") -> Row:
 
 @pytest.fixture(scope="module")
 def manager():
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(model=MODEL, tokenizer=None, chat_template=None)
-    )
+    config = SimpleNamespace(model_config=ModelConfig(model=MODEL))
     return StructuredOutputManager(config)
 
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm.config import ModelConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.structured_output import (
@@ -53,9 +54,7 @@ def validator(tokenizer):
 
 @pytest.fixture(scope="module")
 def manager():
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(model=MODEL, tokenizer=None, chat_template=None)
-    )
+    config = SimpleNamespace(model_config=ModelConfig(model=MODEL))
     return StructuredOutputManager(config)
 
 

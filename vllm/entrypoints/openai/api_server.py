@@ -341,6 +341,14 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
             vllm_config.cache_config.block_size,
             info["pid"],
         )
+        if engine.default_sampling_params:  # vLLM's notice
+            source = vllm_config.model_config.generation_config
+            logger.warning(
+                "Default sampling parameters have been overridden by %s: %s. If this is not "
+                "intended, relaunch with --generation-config vllm.",
+                "the model's generation_config.json" if source == "auto" else source,
+                engine.default_sampling_params,
+            )
         state = ServerState()
         app = build_app(vllm_config, args, engine, stats, state, instance_id(sock))
         host, port = sock.getsockname()[:2]

@@ -237,6 +237,16 @@ def _check_nesting(data: dict[str, Any]) -> None:
                 stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
 
 
+# What a request's unset sampling parameters are when the model sets no default.
+VLLM_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": SamplingParams().temperature,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completion requests (OpenAI + vLLM extras).
 
@@ -268,7 +278,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     # vLLM's extra: per prompt token, its logprob and the top-n (the first token: None).
     prompt_logprobs: int | None = None
@@ -359,24 +369,35 @@ class _SamplingFields(BaseModel):
         return args or None
 
     def to_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, stream: bool
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        stream: bool,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """``VLLMValidationError`` naming the field if a value is out of range."""
+        """``VLLMValidationError`` naming the field if a value is out of range. A sampling
+        parameter the request leaves unset takes ``defaults``' (the model's generation
+        config: ``default_sampling_params``), else vLLM's own."""
         if self.prompt_logprobs is not None and stream:
             raise VLLMValidationError(
                 "prompt_logprobs are not available when stream=True", "prompt_logprobs"
             )
-        defaults = SamplingParams()
+        base = {**VLLM_SAMPLING_DEFAULTS, **(defaults or {})}
+
+        def unset_or(name: str) -> Any:
+            value = getattr(self, name)
+            return base[name] if value is None else value
+
         return SamplingParams(
             n=self.n,
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=unset_or("temperature"),
+            top_p=unset_or("top_p"),
+            top_k=unset_or("top_k"),
+            min_p=unset_or("min_p"),
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=unset_or("repetition_penalty"),
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,

@@ -83,7 +83,9 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
-        params = request.to_sampling_params(max_tokens, logprobs, request.stream)
+        params = request.to_sampling_params(
+            max_tokens, logprobs, request.stream, self.default_sampling_params
+        )
         params.structured_outputs = plan.structured_outputs
         return plan, prompt, params
 

@@ -67,7 +67,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         # OpenAI's default for completions; 0 is refused as on chat, not replaced.
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        params = request.to_sampling_params(max_tokens, request.logprobs, request.stream)
+        params = request.to_sampling_params(
+            max_tokens, request.logprobs, request.stream, self.default_sampling_params
+        )
         if echo_logprobs and params.prompt_logprobs is None:
             params.prompt_logprobs = request.logprobs  # as vLLM: the echoed prompt's logprobs
         request_id = random_id("cmpl")

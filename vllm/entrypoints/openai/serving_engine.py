@@ -101,6 +101,12 @@ class OpenAIServing:
         self.args = args or FrontendArgs()
         self.state = state or ServerState()
 
+    @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """The model's defaults for unset sampling parameters (``AsyncLLM``'s; none from
+        an engine that has no model config, e.g. a test's)."""
+        return getattr(self.engine, "default_sampling_params", None) or {}
+
     @classmethod
     def executor(cls) -> ThreadPoolExecutor:
         if cls._executor is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.exceptions import GenerationError
-from vllm.model_executor.model_loader import get_eos_token_id
+from vllm.model_executor.model_loader import default_sampling_params, eos_token_ids
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
@@ -88,11 +88,15 @@ class AsyncLLM:
         self.client = AsyncMPClient(vllm_config, engine_factory=engine_factory)
         try:
             self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
-            eos = get_eos_token_id(mc.model)
+            eos = eos_token_ids(mc, self.tokenizer)[0]
+            # What a request that leaves a sampling parameter unset gets (the model's
+            # generation_config.json, as vLLM); the API server applies them.
+            self.default_sampling_params = default_sampling_params(mc)
         except BaseException:
             self.client.shutdown()
             raise
         self.processor = Processor(vllm_config, self.tokenizer, eos)
+        self.processor.default_max_tokens = self.default_sampling_params.get("max_tokens")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = stat_loggers or []
         self._streams: dict[str, RequestStream] = {}

@@ -66,7 +66,7 @@ class EngineCore:
     MAX_FAILED_STEPS = 3
 
     def __init__(self, vllm_config: VllmConfig, clock: Clock = monotonic_clock) -> None:
-        from vllm.model_executor.model_loader import get_eos_token_id
+        from vllm.model_executor.model_loader import eos_token_ids
         from vllm.transformers_utils.tokenizer import get_tokenizer
         from vllm.v1.worker.model_runner import ModelRunner
 
@@ -75,8 +75,8 @@ class EngineCore:
         self.clock = clock
         mc = vllm_config.model_config
         self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
-        eos = get_eos_token_id(mc.model)
-        self.eos_token_id = eos if eos is not None else self.tokenizer.eos_token_id
+        # The EOS id, and the generation config's other EOS ids (stops too, as vLLM).
+        self.eos_token_id, self.extra_eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self.model_runner = ModelRunner(vllm_config)
         self.model_runner.load_model()
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
@@ -146,7 +146,7 @@ class EngineCore:
         """Queue a request; ValueError (naming the field) if it can never run."""
         params = request.sampling_params
         eos = request.eos_token_id if request.eos_token_id is not None else self.eos_token_id
-        params.update_from_generation_config(eos)
+        params.update_from_generation_config(eos, self.extra_eos_token_ids)
         core_request = Request(
             request.request_id,
             request.prompt_token_ids,

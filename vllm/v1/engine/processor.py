@@ -31,6 +31,9 @@ class Processor:
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
         self.vocab_size = len(tokenizer)
         self._structured_outputs = None  # its validator, built by the first request using it
+        # max_tokens for a request that sets none (the model's max_new_tokens, served by
+        # the API server), cut to what the context leaves; None: until the context limit.
+        self.default_max_tokens: int | None = None
 
     def set_kv_capacity(self, num_gpu_blocks: int) -> None:
         """The engine's KV pool: a request that cannot fit it is refused (a 400 naming the
@@ -142,6 +145,9 @@ class Processor:
             self.structured_outputs.validate(params.structured_outputs)
         ids = self.tokenize(prompt, add_special_tokens)
         self._check_length(ids, params)
+        if params.max_tokens is None and self.default_max_tokens is not None:
+            left = self.context_limit - len(ids)
+            params.max_tokens = max(min(self.default_max_tokens, left), params.min_tokens)
         request_id = request_id or uuid.uuid4().hex
         arrival_wall_time = time.time() if arrival_wall_time is None else arrival_wall_time
         children = []

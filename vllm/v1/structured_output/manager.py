@@ -56,13 +56,12 @@ class StructuredOutputManager:
 
     def _tokenizer(self, vocab_size: int):
         if self._ll_tokenizer is None:
-            from vllm.model_executor.model_loader import get_eos_token_id
+            from vllm.model_executor.model_loader import eos_token_ids
             from vllm.transformers_utils.tokenizer import get_tokenizer
 
             mc = self.model_config
             tok = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
-            eos = get_eos_token_id(mc.model)
-            eos = eos if eos is not None else tok.eos_token_id
+            eos = eos_token_ids(mc, tok)[0]
             self._ll_tokenizer = build_ll_tokenizer(tok, vocab_size, eos)
         return self._ll_tokenizer
 
