@@ -405,3 +405,33 @@ def test_batched_rows_fall_back_to_one_by_one_when_the_batch_raises():
     tokens, _, errors = sample(logits, [broken[0], row(seed=4, temperature=1.0), broken[1]])
     assert tokens[0] is None and tokens[2] is None and set(errors) == {0, 2}
     assert tokens[1] == sample(logits[[1]].clone(), [row(seed=4, temperature=1.0)]).token_ids[0]
+
+
+# -- min_tokens ------------------------------------------------------------------------------
+def _stopping(min_tokens: int, output: list[int], **params) -> SamplingRow:
+    r = row(min_tokens=min_tokens, output=output, stop_token_ids=[5], **params)
+    r.params.update_from_generation_config(7, {6})  # EOS 7, another listed EOS 6
+    return r
+
+
+def test_stop_tokens_cannot_be_sampled_before_min_tokens():
+    # Tokens 5, 6 and 7 stop; they are the three most likely.
+    logits = torch.tensor([[0.0, 1.0, 0.5, 0.2, 0.1, 9.0, 8.0, 7.0]])
+    before = logits.clone()
+    early = _stopping(3, [1, 2], temperature=0.0)
+    assert sample(logits, [early]).token_ids == [1]
+    assert torch.equal(logits, before)  # masked in a copy
+    assert sample(logits, [_stopping(3, [1, 2, 3], temperature=0.0)]).token_ids == [5]
+    # Random rows too (batched and one by one), however likely the stops are.
+    tempered = draws(logits[0], 200, min_tokens=2, stop_token_ids=[5, 6, 7], temperature=1.0)
+    assert set(tempered) <= {0, 1, 2, 3, 4}
+    filtered = draws(
+        logits[0], 200, min_tokens=2, stop_token_ids=[5, 6, 7], temperature=1.0, top_k=4
+    )
+    assert set(filtered) <= {1, 2, 3, 4}  # the top 4 once the stops are masked
+
+
+def test_min_tokens_mask_ignores_ids_outside_the_vocabulary_and_other_rows():
+    logits = torch.tensor([[0.0] * 7 + [1.0], [0.0] * 7 + [1.0]])
+    short = row(min_tokens=4, stop_token_ids=[7, 100], temperature=0.0)
+    assert sample(logits, [short, row(temperature=0.0)]).token_ids == [0, 7]

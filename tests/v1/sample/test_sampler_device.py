@@ -153,3 +153,12 @@ def test_fake_device_raises_where_cuda_raises():
     # Made without a device: zeros (the input), ones(4), tensor(0.5), tensor([1, 2]),
     # tensor(2.0), ones(2).
     assert dev.host_tensors == ["zeros", "ones", "tensor", "tensor", "tensor", "ones"]
+
+
+def test_min_tokens_masks_stop_tokens_on_the_device(caplog):
+    # Every row has 4 outputs; the stop tokens are masked until 9 (one index copy).
+    specs = [
+        {"temperature": 0.0, "min_tokens": 9, "stop_token_ids": [3, 7]},
+        {"seed": 4, "temperature": 0.8, "min_tokens": 9, "stop_token_ids": [11]},
+    ]
+    _same_on_device(specs, caplog)

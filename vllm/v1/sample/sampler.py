@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs,
+min_tokens (stop tokens masked until then).
 
 A row that cannot be sampled fails alone (``SamplerOutput.errors``), never the batch.
 Every tensor built here lives on the logits' device, and every random number comes from
@@ -28,6 +29,29 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+
+
+def mask_stops_before_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """As vLLM's min-tokens processor: ``logits`` with -inf at the stop tokens (EOS unless
+    ``ignore_eos``, and ``stop_token_ids``) of every row that has fewer than ``min_tokens``
+    outputs, so that none can be sampled before then; ids past the logits' vocabulary (a
+    tokenizer larger than the model's head) are left out. A copy with one index copy to the
+    logits' device for the batch; ``logits`` itself when no row needs it."""
+    vocab = logits.shape[-1]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) < p.min_tokens:
+            stops = [t for t in p.all_stop_token_ids if t < vocab]
+            row_ids += [i] * len(stops)
+            token_ids += stops
+    if not row_ids:
+        return logits
+    index = torch.tensor([row_ids, token_ids], dtype=torch.long, device=logits.device)
+    masked = logits.clone()
+    masked[index[0], index[1]] = float("-inf")
+    return masked
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
@@ -114,8 +138,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     temperature that make them so, or any error while sampling it) fails alone: the other
     rows are sampled as if it were not in the batch (seeded rows use their own generator).
     Greedy rows and rows with a temperature only cost one copy to the host each, together.
+    A row short of its ``min_tokens`` cannot sample a stop token (masked in a copy).
     """
-    raw = logits
+    raw = mask_stops_before_min_tokens(logits, rows)
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
     greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
