@@ -93,6 +93,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the token's logit before sampling (OpenAI's logit_bias, values in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's extra).
+    allowed_token_ids: list[int] | None = None
     # Filled by the engine: every stop token id (EOS included unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -149,6 +153,24 @@ class SamplingParams:
             raise _bad("stop", self.stop, "must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        self._verify_token_lists()
+
+    def _verify_token_lists(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or any(not _is_int(t) or t < 0 for t in bias):
+                raise _bad("logit_bias", bias, "must map non-negative token ids to biases")
+            if any(not _is_number(v) or not -100.0 <= v <= 100.0 for v in bias.values()):
+                raise _bad("logit_bias", bias, "biases must be numbers in [-100, 100]")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list)
+            or not allowed
+            or any(not _is_int(t) or t < 0 for t in allowed)
+        ):
+            raise _bad(
+                "allowed_token_ids", allowed, "must be a non-empty list of non-negative token ids"
+            )
 
     def _verify_extra_args(self) -> None:
         if self.extra_args is None:

@@ -74,7 +74,6 @@ def test_loggable_escapes_and_bounds():
 @pytest.mark.parametrize(
     "fields,param",
     [
-        ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"best_of": 2}, "best_of"),
         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
         # Implemented on chat (tool_calling.py), refused on completions:

@@ -219,3 +219,19 @@ def test_get_open_port_is_bindable():
     port = get_open_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_logit_bias_keys_become_token_ids_and_values_are_clamped_as_vllm():
+    params = chat(logit_bias={"5": 2, "17": 250.0, "3": -1e9}).to_sampling_params(8, None, False)
+    assert params.logit_bias == {5: 2.0, 17: 100.0, 3: -100.0}
+    assert chat(allowed_token_ids=[4, 9]).to_sampling_params(8, None, False).allowed_token_ids == [
+        4,
+        9,
+    ]
+    for bad in ({"x": 1.0}, {"-3": 1.0}, {"2": float("nan")}):
+        with pytest.raises(VLLMValidationError) as info:
+            chat(logit_bias=bad).to_sampling_params(8, None, False)
+        assert info.value.param == "logit_bias"
+    with pytest.raises(VLLMValidationError) as info:
+        chat(allowed_token_ids=[]).to_sampling_params(8, None, False)
+    assert info.value.param == "allowed_token_ids"

@@ -435,3 +435,28 @@ def test_min_tokens_mask_ignores_ids_outside_the_vocabulary_and_other_rows():
     logits = torch.tensor([[0.0] * 7 + [1.0], [0.0] * 7 + [1.0]])
     short = row(min_tokens=4, stop_token_ids=[7, 100], temperature=0.0)
     assert sample(logits, [short, row(temperature=0.0)]).token_ids == [0, 7]
+
+
+# -- allowed_token_ids and logit_bias ---------------------------------------------------------
+def test_allowed_token_ids_restrict_every_kind_of_row():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0]] * 3)
+    rows = [
+        row(temperature=0.0, allowed_token_ids=[6, 3]),
+        row(temperature=0.0),  # unrestricted beside it
+        # The penalised path (row by row): token 0 is penalised and masked anyway.
+        row(temperature=0.0, repetition_penalty=1.5, prompt=[0], allowed_token_ids=[6, 3]),
+    ]
+    assert sample(logits, rows).token_ids == [3, 0, 3]
+    tempered = draws(logits[0], 200, temperature=1.0, allowed_token_ids=[2, 7])
+    assert set(tempered) == {2, 7}
+
+
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0]])
+    out = sample(logits, [row(temperature=0.0, logit_bias={7: 100.0, 0: -100.0}, logprobs=1)])
+    assert out.token_ids == [7]
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.logprobs[0].logprob == pytest.approx(float(raw[7]))  # the model's logprob
+    assert sample(logits, [row(temperature=0.0, logit_bias={1: 1.5})]).token_ids == [1]
+    banned = draws(logits[0], 200, temperature=1.0, logit_bias={0: -100.0, 1: -100.0})
+    assert not set(banned) & {0, 1}

@@ -162,3 +162,12 @@ def test_min_tokens_masks_stop_tokens_on_the_device(caplog):
         {"seed": 4, "temperature": 0.8, "min_tokens": 9, "stop_token_ids": [11]},
     ]
     _same_on_device(specs, caplog)
+
+
+def test_allowed_token_ids_and_logit_bias_index_on_the_device(caplog):
+    specs = [
+        {"temperature": 0.0, "allowed_token_ids": [3, 8, 40], "logprobs": 2},
+        {"seed": 6, "temperature": 0.9, "logit_bias": {5: 4.0, 9: -100.0}},
+        {"temperature": 0.7, "top_k": 10, "allowed_token_ids": [1, 2, 3], "logit_bias": {2: 1.0}},
+    ]
+    _same_on_device(specs, caplog)

@@ -59,7 +59,6 @@ def _is_off(value: Any) -> bool:
 # nothing (so clients that send defaults still work). Anything else is a 400, never a
 # silently ignored field.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _is_off,
     "best_of": lambda v: v is None or v == 1,
     "suffix": _is_off,
     "response_format": lambda v: _is_off(v) or v == {"type": "text"},
@@ -275,6 +274,10 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # OpenAI's: token id (a string, as JSON keys are) -> bias added to its logit, clamped to
+    # [-100, 100] as vLLM does. vLLM's extra: the only tokens that may be sampled.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -368,6 +371,22 @@ class _SamplingFields(BaseModel):
             args["cache_retention"] = self.prompt_cache_retention
         return args or None
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise VLLMValidationError(
+                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias", key
+                )
+            if not math.isfinite(value):
+                raise VLLMValidationError(
+                    f"logit_bias values must be finite numbers, got {value!r}", "logit_bias"
+                )
+            bias[int(key)] = min(100.0, max(-100.0, float(value)))
+        return bias
+
     def to_sampling_params(
         self,
         max_tokens: int | None,
@@ -400,6 +419,8 @@ class _SamplingFields(BaseModel):
             repetition_penalty=unset_or("repetition_penalty"),
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

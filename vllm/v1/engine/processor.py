@@ -208,8 +208,15 @@ class Processor:
                 "min_tokens",
                 params.min_tokens,
             )
-        over = {t for t in params.stop_token_ids if t >= self.vocab_size}
-        if over:
-            raise VLLMValidationError(
-                f"stop_token_ids {sorted(over)} are outside the vocabulary", "stop_token_ids"
-            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            over = {t for t in ids if t >= self.vocab_size}
+            if over:
+                raise VLLMValidationError(
+                    f"{name}: token ids {sorted(over)} are outside the vocabulary "
+                    f"(size {self.vocab_size})",
+                    name,
+                )

@@ -1,5 +1,5 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs,
-min_tokens (stop tokens masked until then).
+allowed_token_ids, min_tokens (stop tokens masked until then), logit_bias.
 
 A row that cannot be sampled fails alone (``SamplerOutput.errors``), never the batch.
 Every tensor built here lives on the logits' device, and every random number comes from
@@ -31,27 +31,49 @@ class SamplingRow:
     output_token_ids: list[int]
 
 
-def mask_stops_before_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """As vLLM's min-tokens processor: ``logits`` with -inf at the stop tokens (EOS unless
-    ``ignore_eos``, and ``stop_token_ids``) of every row that has fewer than ``min_tokens``
-    outputs, so that none can be sampled before then; ids past the logits' vocabulary (a
-    tokenizer larger than the model's head) are left out. A copy with one index copy to the
-    logits' device for the batch; ``logits`` itself when no row needs it."""
+def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """What vLLM's sampler applies before penalties and temperature, in its order:
+    ``allowed_token_ids`` (every other token -inf); ``min_tokens`` (a row with fewer
+    outputs cannot sample a stop token: EOS unless ``ignore_eos``, the generation config's
+    other EOS ids, ``stop_token_ids``); ``logit_bias`` (added). A copy, built with one
+    index copy per kind to the logits' device for the whole batch; ``logits`` itself when
+    no row asks for any. Stop ids past the logits' vocabulary (a tokenizer larger than the
+    model's head) are left out; the front end refuses such ids in the other two."""
     vocab = logits.shape[-1]
-    row_ids: list[int] = []
-    token_ids: list[int] = []
+    allowed: tuple[list[int], list[int]] = ([], [])  # (row, token) pairs
+    stops: tuple[list[int], list[int]] = ([], [])
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])
     for i, row in enumerate(rows):
         p = row.params
+        if p.allowed_token_ids:
+            allowed[0].extend([i] * len(p.allowed_token_ids))
+            allowed[1].extend(p.allowed_token_ids)
         if len(row.output_token_ids) < p.min_tokens:
-            stops = [t for t in p.all_stop_token_ids if t < vocab]
-            row_ids += [i] * len(stops)
-            token_ids += stops
-    if not row_ids:
+            ids = [t for t in p.all_stop_token_ids if t < vocab]
+            stops[0].extend([i] * len(ids))
+            stops[1].extend(ids)
+        if p.logit_bias:
+            bias[0].extend([i] * len(p.logit_bias))
+            bias[1].extend(p.logit_bias)
+            bias[2].extend(p.logit_bias.values())
+    if not (allowed[0] or stops[0] or bias[0]):
         return logits
-    index = torch.tensor([row_ids, token_ids], dtype=torch.long, device=logits.device)
-    masked = logits.clone()
-    masked[index[0], index[1]] = float("-inf")
-    return masked
+    device = logits.device
+    x = logits.clone()
+    if allowed[0]:
+        index = torch.tensor(allowed, dtype=torch.long, device=device)
+        keep = torch.zeros_like(x, dtype=torch.bool)
+        keep[index[0], index[1]] = True
+        restricted = torch.unique(index[0])
+        x[restricted] = x[restricted].masked_fill(~keep[restricted], float("-inf"))
+    if stops[0]:
+        index = torch.tensor(stops, dtype=torch.long, device=device)
+        x[index[0], index[1]] = float("-inf")
+    if bias[0]:
+        index = torch.tensor(bias[:2], dtype=torch.long, device=device)
+        values = torch.tensor(bias[2], dtype=x.dtype, device=device)
+        x.index_put_((index[0], index[1]), values, accumulate=True)
+    return x
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
@@ -138,13 +160,15 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     temperature that make them so, or any error while sampling it) fails alone: the other
     rows are sampled as if it were not in the batch (seeded rows use their own generator).
     Greedy rows and rows with a temperature only cost one copy to the host each, together.
-    A row short of its ``min_tokens`` cannot sample a stop token (masked in a copy).
+    ``allowed_token_ids``, ``min_tokens`` and ``logit_bias`` apply to a copy
+    (``apply_logits_processors``); the logprobs are those of ``logits`` as given.
     """
-    raw = mask_stops_before_min_tokens(logits, rows)
+    raw = logits  # the logprobs are the model's (vLLM's raw_logprobs)
+    x = apply_logits_processors(logits, rows)
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
     greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
-    finite, argmax = _finite_and_argmax(raw, greedy)
+    finite, argmax = _finite_and_argmax(x, greedy)
     errors.update((i, _NON_FINITE_LOGITS) for i, ok in enumerate(finite) if not ok)
     for i, t in zip(greedy, argmax, strict=True):
         if i not in errors:
@@ -152,7 +176,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     plain = [i for i, r in enumerate(rows) if _is_plain_random(r.params) and i not in errors]
     if len(plain) > 1:
         try:
-            for i, t in zip(plain, _draw_rows(raw[plain], [rows[i] for i in plain]), strict=True):
+            for i, t in zip(plain, _draw_rows(x[plain], [rows[i] for i in plain]), strict=True):
                 tokens[i] = t
                 if t is None:
                     errors[i] = _NON_FINITE_PROBS
@@ -165,7 +189,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if tokens[i] is not None or i in errors:
             continue
         try:
-            tokens[i] = _sample_row(raw[i], row)
+            tokens[i] = _sample_row(x[i], row)
         except Exception as e:  # this row only; the traceback is in the engine's log
             logger.warning("sampling a row failed", exc_info=True)
             errors[i] = RequestFailure(f"sampling failed: {type(e).__name__}: {e}")

@@ -1,0 +1,57 @@
+"""allowed_token_ids, logit_bias and min_tokens through the offline API on a tiny random
+model: what the sampler unit tests check row by row, here end to end, and the front end's
+refusal of token ids outside the vocabulary (nothing reaches the engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.entrypoints.test_generation_config import tiny_model
+from vllm import LLM, SamplingParams
+from vllm.exceptions import VLLMValidationError
+
+PROMPT = {"prompt_token_ids": [5, 17, 300, 4000, 12]}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    engine = LLM(model=tiny_model(tmp_path_factory.mktemp("tiny")), kv_cache_memory="16MiB")
+    yield engine
+    engine.shutdown()
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=6, **kw)
+
+
+def test_allowed_token_ids_and_logit_bias_steer_every_token(llm):
+    free = llm.generate(PROMPT, greedy(ignore_eos=True))[0].outputs[0].token_ids
+    allowed = [101, 202, 303]
+    out = llm.generate(PROMPT, greedy(allowed_token_ids=allowed))[0].outputs[0].token_ids
+    assert set(out) <= set(allowed) and len(out) == 6
+    biased = llm.generate(PROMPT, greedy(logit_bias={777: 100.0}))[0].outputs[0].token_ids
+    assert biased == [777] * 6 != free
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=20, allowed_token_ids=allowed)
+    assert set(llm.generate(PROMPT, sampled)[0].outputs[0].token_ids) <= set(allowed)
+
+
+def test_min_tokens_keeps_a_forced_stop_token_out_until_then(llm):
+    # EOS (2) is the only token allowed besides 9: greedy takes EOS as soon as it may.
+    params = greedy(allowed_token_ids=[2, 9], logit_bias={2: 100.0}, min_tokens=3)
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert out.token_ids == [9, 9, 9, 2] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "field, params",
+    [
+        ("logit_bias", {"logit_bias": {10**6: 1.0}}),
+        ("allowed_token_ids", {"allowed_token_ids": [1, 10**6]}),
+        ("stop_token_ids", {"stop_token_ids": [10**6]}),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(llm, field, params):
+    with pytest.raises(VLLMValidationError) as info:
+        llm.generate(PROMPT, greedy(**params))
+    assert info.value.param == field and "outside the vocabulary" in str(info.value)
+    assert llm.engine_core.scheduler.kv_cache_manager.usage == 0.0
