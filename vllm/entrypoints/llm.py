@@ -76,7 +76,7 @@ class LLM:
         """Generate for one prompt or a list (text, token ids, or a prompt dict)."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
-        items = [(*_unpack_prompt(p), True) for p in prompts]
+        items = [(*_unpack_prompt(p), True, _cache_salt(p)) for p in prompts]
         return self._run(items, sampling_params, use_tqdm)
 
     def chat(
@@ -87,6 +87,7 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
         tools: list | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Chat with one conversation (a list of messages) or a list of conversations.
 
@@ -98,10 +99,14 @@ class LLM:
         items = []
         for conversation in conversations:
             text = self.processor.apply_chat_template(
-                parse_messages(conversation), chat_template, add_generation_prompt, tools
+                parse_messages(conversation),
+                chat_template,
+                add_generation_prompt,
+                tools,
+                chat_template_kwargs,
             )
             # The template already wrote the special tokens (BOS etc.): add none.
-            items.append((text, text, False))
+            items.append((text, text, False, None))
         return self._run(items, sampling_params, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
@@ -116,7 +121,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        """items: (prompt, prompt text for the output, add_special_tokens)."""
+        """items: (prompt, prompt text for the output, add_special_tokens, cache_salt)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -128,13 +133,13 @@ class LLM:
             )
         # Validate everything before queueing anything: bad input loses nothing.
         batch: list[tuple[str, str | None, list[EngineCoreRequest]]] = []
-        for (prompt, text, special), params in zip(items, sampling_params, strict=True):
+        for (prompt, text, special, salt), params in zip(items, sampling_params, strict=True):
             ids = self.processor.tokenize(prompt, special)
             if isinstance(params, SamplingParams):
                 params = self._offline_params(params, len(ids))
             request_id = str(self._request_counter)
             self._request_counter += 1
-            _, core_reqs = self.processor.process(ids, params, request_id)
+            _, core_reqs = self.processor.process(ids, params, request_id, cache_salt=salt)
             batch.append((request_id, text, core_reqs))
         self._add_to_engine(batch)
         return self._run_engine([request_id for request_id, _, _ in batch], use_tqdm)
@@ -216,6 +221,17 @@ def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt!r}")
         prompt = prompt["prompt"]
     return prompt, prompt if isinstance(prompt, str) else None
+
+
+def _cache_salt(prompt: Prompt) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's): its blocks are shared only with prompts of
+    the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise VLLMValidationError(
+            f"cache_salt must be a non-empty string, got {salt!r}", "cache_salt"
+        )
+    return salt
 
 
 def _progress_bar(total: int):

@@ -280,7 +280,7 @@ def test_chat_templating_runs_in_the_tokenizer_thread():
 
     threads = []
 
-    def apply_chat_template(messages, template, add_generation_prompt, tools):
+    def apply_chat_template(messages, template, add_generation_prompt, tools, kwargs=None):
         threads.append(threading.current_thread().name)
         return f"{len(messages)} messages, tools {tools}"
 

@@ -246,6 +246,13 @@ VLLM_SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Template variables the chat request sets itself: chat_template_kwargs may not.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "conversation", "tools", "documents", "add_generation_prompt", "chat_template",
+     "tokenize", "return_dict", "continue_final_message"}
+)  # fmt: skip
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completion requests (OpenAI + vLLM extras).
 
@@ -278,6 +285,9 @@ class _SamplingFields(BaseModel):
     # [-100, 100] as vLLM does. vLLM's extra: the only tokens that may be sampled.
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: salts this request's prefix-cache hashes (requests share cached blocks only
+    # with requests of the same salt: other tenants cannot probe for a cached prompt).
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -454,9 +464,23 @@ class ChatCompletionRequest(_SamplingFields):
     structured_outputs: dict[str, Any] | None = None  # vLLM's extra: {"json": ...}, ...
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Filled from the messages' prompt_cache_breakpoint marks by _bound_messages (a value
     # sent under this name is replaced); never serialized.
     cache_breakpoints: list[float | None] = Field(default_factory=list, exclude=True)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_variables(cls, kwargs: dict[str, Any] | None) -> Any:
+        reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise VLLMValidationError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: they are request "
+                "fields of their own",
+                "chat_template_kwargs",
+            )
+        return kwargs
 
     @model_validator(mode="before")
     @classmethod

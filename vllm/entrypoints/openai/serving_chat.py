@@ -37,7 +37,11 @@ class OpenAIServingChat(OpenAIServing):
         def render() -> str:
             messages = [m.for_template() for m in request.messages]
             return engine.apply_chat_template(
-                messages, request.chat_template, request.add_generation_prompt, plan.template_tools
+                messages,
+                request.chat_template,
+                request.add_generation_prompt,
+                plan.template_tools,
+                request.chat_template_kwargs,
             )
 
         try:
@@ -100,7 +104,12 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
             stream = await self.add_request(
-                prompt, params, request_id, request.priority, add_special_tokens=False
+                prompt,
+                params,
+                request_id,
+                request.priority,
+                add_special_tokens=False,
+                cache_salt=request.cache_salt,
             )
         except VLLMValidationError as e:
             if e.param == "prompt":  # this endpoint's prompt is its messages

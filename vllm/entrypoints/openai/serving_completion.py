@@ -74,7 +74,9 @@ class OpenAIServingCompletion(OpenAIServing):
             params.prompt_logprobs = request.logprobs  # as vLLM: the echoed prompt's logprobs
         request_id = random_id("cmpl")
         created = now_s()
-        stream = await self.add_request(prompt, params, request_id, request.priority)
+        stream = await self.add_request(
+            prompt, params, request_id, request.priority, cache_salt=request.cache_salt
+        )
         echo = self._echo_text(prompt) if request.echo else ""
         base = {
             "id": request_id,

@@ -129,11 +129,12 @@ class AsyncLLM:
         chat_template: str | None,
         add_generation_prompt: bool,
         tools: list[dict] | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text of a conversation (blocking: callers run it in the tokenizer
         thread, its cost grows with the messages and tools)."""
         return self.processor.apply_chat_template(
-            messages, chat_template, add_generation_prompt, tools
+            messages, chat_template, add_generation_prompt, tools, template_kwargs
         )
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -188,6 +189,7 @@ class AsyncLLM:
         add_special_tokens: bool = True,
         priority: int = 0,
         executor: Executor | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Validate and queue now (ValueError / EngineDeadError raise here), stream later.
 
@@ -204,6 +206,7 @@ class AsyncLLM:
             sampling_params,
             request_id,
             priority,
+            cache_salt=cache_salt,
             add_special_tokens=add_special_tokens,
             structured_outputs_checked=True,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
@@ -66,9 +67,11 @@ class Processor:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation (validated messages) as prompt text, holding its own special
-        tokens."""
+        tokens; ``template_kwargs``: more variables for the template (vLLM's
+        ``chat_template_kwargs``)."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise VLLMValidationError(
                 "chat_template is required: the tokenizer has none", "chat_template"
@@ -79,6 +82,7 @@ class Processor:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             tools=tools,
+            **(template_kwargs or {}),
         )
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
