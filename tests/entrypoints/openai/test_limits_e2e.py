@@ -44,7 +44,9 @@ REFUSED = [
     ("chat", {"tool_choice": "required"}, 400, "tool_choice"),
     ("completions", {"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("completions", {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
-    ("chat", {"logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ("chat", {"logit_bias": {"forty-two": 5}}, 400, "logit_bias"),
+    ("chat", {"logit_bias": {"99999999": 5}}, 400, "logit_bias"),
+    ("completions", {"allowed_token_ids": [99999999]}, 400, "allowed_token_ids"),
     ("completions", {"response_format": {"type": "json_object"}}, 400, "response_format"),
     ("completions", {"best_of": 3}, 400, "best_of"),
     ("completions", {"suffix": "end"}, 400, "suffix"),
@@ -54,6 +56,7 @@ REFUSED = [
 ACCEPTED = [  # values that ask for nothing unsupported
     ("chat", {"tools": [TOOL], "tool_choice": "none"}),
     ("chat", {"response_format": {"type": "text"}, "logit_bias": {}, "n": 128, "max_tokens": 1}),
+    ("chat", {"logit_bias": {"42": 5}, "allowed_token_ids": [42, 43], "max_tokens": 1}),
     ("completions", {"best_of": 1, "prompt_logprobs": None, "stop": ["x" * 512] * 32}),
     ("chat", {"job_id": "j" * 256, "is_last_step": True}),
 ]
