@@ -31,6 +31,11 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
+from vllm.entrypoints.openai.serving_tokenize import (
+    DetokenizeRequest,
+    OpenAIServingTokenization,
+    TokenizeRequest,
+)
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, VLLMValidationError
@@ -226,6 +231,18 @@ def build_app(
         return await completion_serving.create_completion(
             request, raw.scope.get(RECEIVED_KEY), raw.receive
         )
+
+    tokenization = OpenAIServingTokenization(
+        chat_serving, vllm_config.scheduler_config.max_model_len
+    )
+
+    @app.post("/tokenize", responses=openapi.TOKENIZE_RESPONSES)
+    async def tokenize(request: TokenizeRequest):
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize", responses=openapi.DETOKENIZE_RESPONSES)
+    async def detokenize(request: DetokenizeRequest):
+        return await tokenization.detokenize(request)
 
     add_responses_routes(app, OpenAIServingResponses(chat_serving), RECEIVED_KEY)
     openapi.document_api(app, args)

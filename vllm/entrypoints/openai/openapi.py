@@ -100,6 +100,34 @@ RENDER_RESPONSES: dict[int | str, dict[str, Any]] = {
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 413, 503)},
 }
 
+
+def _json_object(description: str, properties: dict[str, Any], required: list[str]) -> dict:
+    schema = {"type": "object", "properties": properties, "required": required}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_IDS = {"type": "array", "items": {"type": "integer"}}
+TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "The prompt's token ids (vLLM's /tokenize); token_strs with return_token_strs.",
+        {
+            "count": {"type": "integer"},
+            "max_model_len": {"type": "integer"},
+            "tokens": _IDS,
+            "token_strs": {"type": ["array", "null"], "items": {"type": "string"}},
+        },
+        ["count", "max_model_len", "tokens", "token_strs"],
+    ),
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 413, 503)},
+}
+
+DETOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "The token ids' text (vLLM's /detokenize).", {"prompt": {"type": "string"}}, ["prompt"]
+    ),
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 413, 503)},
+}
+
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _text("Healthy: empty body."),
     503: _text("Unhealthy: engine dead, stalled (--engine-stall-timeout) or shutting down."),

@@ -1,0 +1,84 @@
+"""vLLM's /tokenize and /detokenize on a tiny random model: text and chat prompts as the
+generation routes see them, and their 400s."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from tests.entrypoints.test_generation_config import tiny_model
+from tests.utils import RemoteServer
+from vllm.transformers_utils.tokenizer import get_tokenizer
+
+pytestmark = pytest.mark.slow
+MESSAGES = [{"role": "user", "content": "Name three rivers."}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    model = tiny_model(path / "model")
+    server = RemoteServer(
+        "--model", model, "--served-model-name", "tiny", "--max-model-len", "300",
+        log_path=str(path / "server.log"),
+    )  # fmt: skip
+    try:
+        yield server, get_tokenizer(model)
+    finally:
+        server.stop()
+
+
+def post(server, route: str, body: dict) -> requests.Response:
+    return requests.post(f"{server.base}/{route}", json=body, timeout=30)
+
+
+def test_text_prompt_tokens_and_their_strings(served):
+    server, tokenizer = served
+    text = "The quick brown fox, 42 times."
+    body = post(server, "tokenize", {"prompt": text, "return_token_strs": True}).json()
+    ids = tokenizer(text).input_ids
+    assert body == {
+        "count": len(ids),
+        "max_model_len": 300,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids),
+    }
+    plain = post(server, "tokenize", {"prompt": text, "model": "tiny"}).json()
+    assert plain["tokens"] == ids and plain["token_strs"] is None
+    back = post(server, "detokenize", {"tokens": ids}).json()
+    assert back == {"prompt": tokenizer.decode(ids)}
+
+
+def test_chat_messages_tokenize_as_the_chat_route_renders_them(served):
+    server, _ = served
+    rendered = post(server, "v1/chat/completions/render", {"messages": MESSAGES}).json()
+    body = post(server, "tokenize", {"messages": MESSAGES}).json()
+    assert body["tokens"] == rendered["token_ids"] and body["count"] == len(body["tokens"])
+    bare = post(server, "tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    assert len(bare.json()["tokens"]) < body["count"]
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
+        ("tokenize", {}, "prompt"),
+        ("tokenize", {"prompt": "a", "tools": []}, "tools"),
+        ("tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate"),
+        ("tokenize", {"messages": []}, "messages"),
+        (
+            "tokenize",
+            {"messages": MESSAGES, "chat_template_kwargs": {"tools": 1}},
+            "chat_template_kwargs",
+        ),
+        ("tokenize", {"prompt": "a", "model": "other"}, "model"),
+        ("detokenize", {"tokens": [1, 10**7]}, "tokens"),
+        ("detokenize", {"tokens": [-1]}, "tokens"),
+        ("detokenize", {"tokens": "12"}, "tokens"),
+    ],
+)
+def test_bad_requests_are_400s_naming_the_field(served, route, body, param):
+    server, _ = served
+    r = post(server, route, body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.text
