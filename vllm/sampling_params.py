@@ -97,8 +97,15 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these tokens may be sampled (vLLM's extra).
     allowed_token_ids: list[int] | None = None
+    # Words the output may not contain (vLLM's extra): their token sequences, with and
+    # without a leading space, are filled in by the front end (``bad_words_token_ids``).
+    bad_words: list[str] | None = None
+    # Keep only the prompt's last k tokens (vLLM's left truncation); None: never truncate.
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine: every stop token id (EOS included unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the front end from ``bad_words`` (the tokenizer's ids of each variant).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -162,6 +169,15 @@ class SamplingParams:
                 raise _bad("logit_bias", bias, "must map non-negative token ids to biases")
             if any(not _is_number(v) or not -100.0 <= v <= 100.0 for v in bias.values()):
                 raise _bad("logit_bias", bias, "biases must be numbers in [-100, 100]")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, list)
+            or any(not isinstance(w, str) or not w.strip() for w in words)
+        ):
+            raise _bad("bad_words", words, "must be a list of non-blank strings")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or k < 1):
+            raise _bad("truncate_prompt_tokens", k, "must be an integer >= 1")
         allowed = self.allowed_token_ids
         if allowed is not None and (
             not isinstance(allowed, list)

@@ -55,3 +55,35 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(llm, fiel
         llm.generate(PROMPT, greedy(**params))
     assert info.value.param == field and "outside the vocabulary" in str(info.value)
     assert llm.engine_core.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_bad_words_keep_a_word_out_even_against_a_bias(llm):
+    (word_ids,) = llm.processor.bad_words_token_ids(["sea"])[:1]
+    assert len(word_ids) == 1  # " sea" may add its spaced variant; "sea" is one token
+    forced = greedy(logit_bias={word_ids[0]: 100.0})
+    assert llm.generate(PROMPT, forced)[0].outputs[0].token_ids == word_ids * 6
+    banned = greedy(logit_bias={word_ids[0]: 100.0}, bad_words=["sea"])
+    out = llm.generate(PROMPT, banned)[0].outputs[0].token_ids
+    assert word_ids[0] not in out and len(out) == 6
+
+
+def test_bad_words_token_ids_cover_the_spaced_variant(llm):
+    tokenizer = llm.get_tokenizer()
+    variants = llm.processor.bad_words_token_ids(["  ocean"])
+    bare = tokenizer("ocean", add_special_tokens=False).input_ids
+    spaced = tokenizer(" ocean", add_special_tokens=False).input_ids
+    assert variants[0] == bare
+    assert variants[1:] == ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(llm):
+    ids = list(range(100, 140))
+    out = llm.generate({"prompt_token_ids": ids}, greedy(truncate_prompt_tokens=7))[0]
+    assert out.prompt_token_ids == ids[-7:]
+    with pytest.raises(VLLMValidationError) as info:
+        llm.generate({"prompt_token_ids": ids}, greedy(truncate_prompt_tokens=10**6))
+    assert info.value.param == "truncate_prompt_tokens"
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        greedy(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="bad_words"):
+        greedy(bad_words=[" "])

@@ -460,3 +460,22 @@ def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
     assert sample(logits, [row(temperature=0.0, logit_bias={1: 1.5})]).token_ids == [1]
     banned = draws(logits[0], 200, temperature=1.0, logit_bias={0: -100.0, 1: -100.0})
     assert not set(banned) & {0, 1}
+
+
+def test_bad_words_ban_the_token_that_would_complete_one():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0, 7.0, 0.5, 0.2]] * 2)
+    words = [[3], [4, 5], [6, 2, 1]]  # one token; two; three
+
+    def banned(output: list[int]) -> int:
+        r = row(temperature=0.0, output=output)
+        r.params.bad_words_token_ids = words
+        return sample(logits[:1], [r]).token_ids[0]
+
+    assert banned([0]) == 4  # 3 always; 4 starts a word but does not complete one
+    assert banned([7, 4]) == 4  # after 4: 5 would complete [4, 5], 4 would not
+    strong_one = torch.tensor([[0.0, 9.5, 2.0, 9.0, 8.0, 7.0, 0.5, 0.2]])
+    r = row(temperature=0.0, output=[6, 2])
+    r.params.bad_words_token_ids = words
+    assert sample(strong_one, [r]).token_ids == [4]  # 1 completes [6, 2, 1]; 3 banned
+    r.params.bad_words_token_ids = []
+    assert sample(strong_one, [r]).token_ids == [1]

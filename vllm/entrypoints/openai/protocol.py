@@ -285,6 +285,8 @@ class _SamplingFields(BaseModel):
     # [-100, 100] as vLLM does. vLLM's extra: the only tokens that may be sampled.
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
     # vLLM's: salts this request's prefix-cache hashes (requests share cached blocks only
     # with requests of the same salt: other tenants cannot probe for a cached prompt).
     cache_salt: StrictStr | None = Field(default=None, min_length=1)
@@ -431,6 +433,8 @@ class _SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids,
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

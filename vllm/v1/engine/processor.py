@@ -14,7 +14,8 @@ from vllm.v1.engine import EngineCoreRequest
 
 
 class Processor:
-    """Turns prompts into validated engine-core requests; never truncates a prompt.
+    """Turns prompts into validated engine-core requests; never truncates a prompt unless
+    ``truncate_prompt_tokens`` asks.
 
     The one owner of the checks that need the model config (prompt token ids against the
     vocabulary, lengths against ``max_model_len``), for the server and ``LLM`` alike. Bad
@@ -107,6 +108,33 @@ class Processor:
             )
         return ids
 
+    def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM's left truncation)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k > self.max_model_len:
+            raise VLLMValidationError(
+                f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                f"({self.max_model_len}). Please request a smaller truncation size.",
+                "truncate_prompt_tokens",
+                k,
+            )
+        return ids[-k:]
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as vLLM derives them: the word without its leading
+        whitespace, and with one leading space where that tokenizes to another first token
+        of the same length (the word in the middle of a text)."""
+        out: list[list[int]] = []
+        for word in words:
+            bare = self._encode(word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            spaced = self._encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return out
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
@@ -148,7 +176,10 @@ class Processor:
             # A bad grammar is a 400 here, never an engine error or unconstrained output.
             self.structured_outputs.validate(params.structured_outputs)
         ids = self.tokenize(prompt, add_special_tokens)
+        ids = self._truncate(ids, params)
         self._check_length(ids, params)
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         if params.max_tokens is None and self.default_max_tokens is not None:
             left = self.context_limit - len(ids)
             params.max_tokens = max(min(self.default_max_tokens, left), params.min_tokens)

@@ -1,5 +1,5 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs,
-allowed_token_ids, min_tokens (stop tokens masked until then), logit_bias.
+allowed_token_ids, bad_words, min_tokens (stop tokens masked until then), logit_bias.
 
 A row that cannot be sampled fails alone (``SamplerOutput.errors``), never the batch.
 Every tensor built here lives on the logits' device, and every random number comes from
@@ -33,7 +33,8 @@ class SamplingRow:
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """What vLLM's sampler applies before penalties and temperature, in its order:
-    ``allowed_token_ids`` (every other token -inf); ``min_tokens`` (a row with fewer
+    ``allowed_token_ids`` (every other token -inf); ``bad_words`` (-inf for the token that
+    would complete one, given the output so far); ``min_tokens`` (a row with fewer
     outputs cannot sample a stop token: EOS unless ``ignore_eos``, the generation config's
     other EOS ids, ``stop_token_ids``); ``logit_bias`` (added). A copy, built with one
     index copy per kind to the logits' device for the whole batch; ``logits`` itself when
@@ -41,22 +42,23 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     model's head) are left out; the front end refuses such ids in the other two."""
     vocab = logits.shape[-1]
     allowed: tuple[list[int], list[int]] = ([], [])  # (row, token) pairs
-    stops: tuple[list[int], list[int]] = ([], [])
+    masked: tuple[list[int], list[int]] = ([], [])  # bad words' next tokens, early stops
     bias: tuple[list[int], list[int], list[float]] = ([], [], [])
     for i, row in enumerate(rows):
         p = row.params
         if p.allowed_token_ids:
             allowed[0].extend([i] * len(p.allowed_token_ids))
             allowed[1].extend(p.allowed_token_ids)
+        banned = _banned_words_next(row, vocab) if p.bad_words_token_ids else []
         if len(row.output_token_ids) < p.min_tokens:
-            ids = [t for t in p.all_stop_token_ids if t < vocab]
-            stops[0].extend([i] * len(ids))
-            stops[1].extend(ids)
+            banned += [t for t in p.all_stop_token_ids if t < vocab]
+        masked[0].extend([i] * len(banned))
+        masked[1].extend(banned)
         if p.logit_bias:
             bias[0].extend([i] * len(p.logit_bias))
             bias[1].extend(p.logit_bias)
             bias[2].extend(p.logit_bias.values())
-    if not (allowed[0] or stops[0] or bias[0]):
+    if not (allowed[0] or masked[0] or bias[0]):
         return logits
     device = logits.device
     x = logits.clone()
@@ -64,16 +66,29 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> to
         index = torch.tensor(allowed, dtype=torch.long, device=device)
         keep = torch.zeros_like(x, dtype=torch.bool)
         keep[index[0], index[1]] = True
-        restricted = torch.unique(index[0])
+        # The rows from the host: torch.unique on a device tensor would wait for it.
+        restricted = torch.tensor(sorted(set(allowed[0])), dtype=torch.long, device=device)
         x[restricted] = x[restricted].masked_fill(~keep[restricted], float("-inf"))
-    if stops[0]:
-        index = torch.tensor(stops, dtype=torch.long, device=device)
+    if masked[0]:
+        index = torch.tensor(masked, dtype=torch.long, device=device)
         x[index[0], index[1]] = float("-inf")
     if bias[0]:
         index = torch.tensor(bias[:2], dtype=torch.long, device=device)
         values = torch.tensor(bias[2], dtype=x.dtype, device=device)
         x.index_put_((index[0], index[1]), values, accumulate=True)
     return x
+
+
+def _banned_words_next(row: SamplingRow, vocab: int) -> list[int]:
+    """The tokens that would complete one of the row's bad words now: a word's last token
+    when the output ends with the rest of it (a one-token word: always)."""
+    out = row.output_token_ids
+    banned = []
+    for word in row.params.bad_words_token_ids:
+        head = word[:-1]
+        if word[-1] < vocab and (not head or out[-len(head) :] == head):
+            banned.append(word[-1])
+    return banned
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
