@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     VLLM_CPU_GGUF_PREFILL_DTYPE: str
     VLLM_CPU_GGUF_DECODE_ACT: str
     VLLM_USE_UVLOOP: bool
+    VLLM_LOG_STATS_INTERVAL: float
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
     RUN_OUTPUT_DIR: str | None
@@ -96,6 +97,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_CPU_GGUF_DECODE_ACT": _choice(
         "VLLM_CPU_GGUF_DECODE_ACT", ("auto", "fp32", "int8", "bf16")
     ),
+    # Seconds between the server's throughput log lines (vllm/v1/metrics/loggers.py;
+    # --disable-log-stats: none). Default 10, as vLLM.
+    "VLLM_LOG_STATS_INTERVAL": lambda: float(os.getenv("VLLM_LOG_STATS_INTERVAL") or 10.0),
     # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
     "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
     # libgomp's spin count / wait policy: when the user sets either, the engine process

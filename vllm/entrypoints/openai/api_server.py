@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -41,6 +42,7 @@ from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
+from vllm.v1.metrics.loggers import LoggingStatLogger
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
@@ -349,7 +351,10 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
     """
     disable_created_metrics()  # no *_created series, as in vLLM
     stats = PrometheusStatLogger(vllm_config.model_config.name)
-    engine = AsyncLLM(vllm_config, stat_loggers=[stats], engine_factory=engine_factory)
+    periodic = None if args.disable_log_stats else LoggingStatLogger()
+    loggers = [stats] if periodic is None else [stats, periodic]
+    engine = AsyncLLM(vllm_config, stat_loggers=loggers, engine_factory=engine_factory)
+    log_task = None
     try:
         info = await engine.start()
         logger.info(
@@ -370,8 +375,12 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
         app = build_app(vllm_config, args, engine, stats, state, instance_id(sock))
         host, port = sock.getsockname()[:2]
         logger.info("Starting vLLM API server on http://%s:%d", host, port)
+        if periodic is not None:  # the throughput line (--disable-log-stats: none)
+            log_task = asyncio.create_task(periodic.run())
         return await serve_http(app, sock, engine, args, state)
     finally:
+        if log_task is not None:
+            log_task.cancel()
         engine.shutdown()
 
 

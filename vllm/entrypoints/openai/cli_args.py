@@ -39,6 +39,11 @@ class FrontendArgs:
     disable_log_requests: bool = config_field(
         False, "Do not log each request (nor the engine's per-job lines)."
     )
+    disable_log_stats: bool = config_field(
+        False,
+        "Do not log the throughput line (prompt and generation tokens/s, queues, KV cache "
+        "usage, prefix cache hit rate) every VLLM_LOG_STATS_INTERVAL seconds (10).",
+    )
     uvicorn_log_level: UvicornLogLevel = config_field("info", "Log level of uvicorn.")
     trust_request_chat_template: bool = config_field(
         False,
