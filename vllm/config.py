@@ -134,6 +134,11 @@ class ModelConfig:
         "'{\"temperature\": 0.5}'.",
         parse=lambda text: parse_json_object(text, "override_generation_config"),
     )
+    trust_remote_code: bool = config_field(
+        False,
+        "Accepted as in vLLM's launch commands; nothing changes: no code from the model "
+        "folder is ever run here (architectures come from this engine's model registry).",
+    )
     enforce_eager: bool = config_field(
         False,
         "Always run the model eagerly: on CUDA, no CUDA graphs of decode steps (the CPU "
@@ -191,6 +196,11 @@ class CacheConfig:
     """The paged KV cache: block size, prefix caching and how much memory it gets."""
 
     block_size: int = config_field(16, "Tokens per KV block.")
+    cache_dtype: Literal["auto"] = config_field(
+        "auto",
+        "Data type of the KV cache: auto, the model's (--dtype). fp8 caches are not supported yet.",
+        flag="--kv-cache-dtype",
+    )
     enable_prefix_caching: bool = config_field(
         True, "Reuse KV blocks across requests sharing a prefix (chained block hashes)."
     )
@@ -208,6 +218,10 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.cache_dtype != "auto":
+            raise bad_value(
+                "kv_cache_dtype", self.cache_dtype, "must be auto (fp8 is not supported yet)"
+            )
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise bad_value("block_size", self.block_size, "must be a power of two in [1, 256]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
@@ -353,6 +367,25 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices: one device here (vLLM's flags, so launch
+    commands that name the default run unchanged)."""
+
+    tensor_parallel_size: int = config_field(
+        1, "Devices a layer is split over: 1 (this engine runs on one device).", aliases=("-tp",)
+    )
+    pipeline_parallel_size: int = config_field(
+        1, "Devices the layers are split over: 1 (this engine runs on one device).",
+        aliases=("-pp",),
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise bad_value(name, getattr(self, name), "must be 1: one device is supported")
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """All engine configs; each field's type is one group of CLI flags."""
 
@@ -362,6 +395,7 @@ class VllmConfig:
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     context_serve_config: ContextServeConfig = field(default_factory=ContextServeConfig)
     offload_config: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.offload_config.enabled and not self.cache_config.enable_prefix_caching:

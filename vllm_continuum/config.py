@@ -30,6 +30,7 @@ def config_field(
     parse: Callable[[str], Any] | None = None,
     cli: bool = True,
     derived: bool = False,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
     """A config field carrying its own documentation and CLI description.
 
@@ -38,9 +39,9 @@ def config_field(
     parser is built (a registry filled later). ``parse``: text -> value for the flag and for
     string keyword arguments (sizes). ``cli=False``: filled from other fields, no flag.
     ``derived``: the flag defaults to None and the engine computes the value from other
-    settings (``EngineArgs.create_engine_config``).
+    settings (``EngineArgs.create_engine_config``). ``aliases``: more flags, e.g. ``-tp``.
     """
-    meta = {"help": help, "flag": flag, "choices": choices, "parse": parse}
+    meta = {"help": help, "flag": flag, "choices": choices, "parse": parse, "aliases": aliases}
     return field(default=default, metadata={**meta, "cli": cli, "derived": derived})
 
 

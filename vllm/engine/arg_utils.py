@@ -67,6 +67,7 @@ class ConfigArg:
     help: str
     choices: Any  # a sequence, a callable returning one, or None
     parse: Callable[[str], Any] | None
+    aliases: tuple[str, ...] = ()  # more flags for it, e.g. "-tp"
 
     @property
     def annotation(self) -> Any:
@@ -125,7 +126,7 @@ def config_args() -> tuple[ConfigArg, ...]:
             flag = meta["flag"] or "--" + f.name.replace("_", "-")
             default = None if meta["derived"] else f.default
             dest = flag.removeprefix("--").replace("-", "_")
-            args = (meta["help"], meta["choices"], meta["parse"])
+            args = (meta["help"], meta["choices"], meta["parse"], meta["aliases"])
             out.append(ConfigArg(group, f.name, dest, flag, hints[f.name], default, *args))
     dests = [a.dest for a in out]
     if len(set(dests)) != len(dests):
@@ -197,7 +198,7 @@ class EngineArgs:
             if arg.group not in groups:
                 cls = configs[arg.group]
                 groups[arg.group] = parser.add_argument_group(cls.__name__, cls.__doc__)
-            groups[arg.group].add_argument(arg.flag, **arg.argparse_kwargs())
+            groups[arg.group].add_argument(arg.flag, *arg.aliases, **arg.argparse_kwargs())
         return parser
 
     @classmethod

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import Counter, Gauge
-from vllm.v1.metrics.loggers import StatLoggerBase
 
+from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm_continuum.metrics import MetricSpec
 from vllm_continuum.pins import PIN_METRICS
 from vllm_continuum.upstream.pins import STATS_PREFIX

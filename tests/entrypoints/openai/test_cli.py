@@ -77,6 +77,13 @@ def test_help_lists_the_flags_without_importing_torch():
         # The positional model wins over --model, as in vLLM.
         (("/no/such/model", "--model", "/other/model"), "/no/such/model"),
         (("--model", "/other/model"), "/other/model"),
+        # vLLM's flags for one device: 1 is what this engine runs; more is refused.
+        (("-tp", "2"), "tensor_parallel_size"),
+        (("--pipeline-parallel-size", "4"), "pipeline_parallel_size"),
+        (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype"),
+        (("--load-format", "pt"), "--load-format"),
+        (("--generation-config", "/no/such/folder"), "generation_config"),
+        (("--override-generation-config", "[1]"), "override_generation_config"),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(args, needle):
@@ -85,6 +92,18 @@ def test_bad_flags_give_one_line_and_exit_2(args, needle):
     lines = [line for line in out.stderr.splitlines() if line.startswith("vllm serve: error:")]
     assert len(lines) == 1 and needle in lines[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_vllm_s_one_device_flags_are_accepted():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.main import make_parser
+
+    argv = ["serve", "-tp", "1", "-pp", "1", "--trust-remote-code", "--kv-cache-dtype", "auto"]
+    args = make_parser().parse_args(argv)
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.parallel_config.tensor_parallel_size == 1
+    assert config.model_config.trust_remote_code is True
+    assert config.cache_config.cache_dtype == "auto"
 
 
 def test_busy_port_fails_before_loading_the_model():

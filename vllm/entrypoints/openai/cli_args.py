@@ -131,7 +131,7 @@ class FrontendArgs:
         """The flags, in one help group ("server")."""
         group = parser.add_argument_group("server", FrontendArgs.__doc__)
         for arg in frontend_args():
-            group.add_argument(arg.flag, **arg.argparse_kwargs())
+            group.add_argument(arg.flag, *arg.aliases, **arg.argparse_kwargs())
         return parser
 
     @classmethod
@@ -160,6 +160,6 @@ def frontend_args() -> tuple[ConfigArg, ...]:
         meta = f.metadata
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
         dest = flag.removeprefix("--").replace("-", "_")
-        args = (meta["help"], meta["choices"], meta["parse"])
+        args = (meta["help"], meta["choices"], meta["parse"], meta["aliases"])
         out.append(ConfigArg("frontend", f.name, dest, flag, hints[f.name], f.default, *args))
     return tuple(out)
