@@ -10,7 +10,9 @@ on CPU, tests/cuda/test_sampling_cuda.py on a GPU)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import NamedTuple
 
 import torch
@@ -27,8 +29,33 @@ class SamplingRow:
 
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # read only by the repetition penalty
     output_token_ids: list[int]
+
+
+class PrefixView(Sequence[int]):
+    """The first ``length`` items of ``items``, without copying them: a request's prompt
+    inside its token list, built for every row of every step (a 256-request batch of
+    2k-token prompts would otherwise copy half a million ids a step for the one penalty
+    that reads them)."""
+
+    __slots__ = ("items", "length")
+
+    def __init__(self, items: Sequence[int], length: int) -> None:
+        self.items, self.length = items, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return list(self.items[: self.length])[index]
+        if not -self.length <= index < self.length:
+            raise IndexError(index)
+        return self.items[index % self.length]
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self.items, self.length)
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

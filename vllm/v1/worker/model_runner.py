@@ -19,11 +19,11 @@ from vllm.config import VllmConfig
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
-from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
-from vllm.v1.sample.sampler import SamplingRow, sample, token_logprobs
+from vllm.v1.sample.sampler import PrefixView, SamplingRow, sample, token_logprobs
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.cuda_graph import DecodeGraphs, Graph, cudagraph_capture_sizes
 from vllm.v1.worker.gpu_memory import (
@@ -47,7 +47,7 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: BlockIds  # a list that keeps a numpy copy for the metadata builders
     generator: torch.Generator | None
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -299,7 +299,7 @@ class ModelRunner:
             list(new.token_ids),
             new.num_prompt_tokens,
             p,
-            list(new.block_ids),
+            BlockIds(new.block_ids),
             gen,
             new.num_computed_tokens,
             list(new.token_ids[new.num_prompt_tokens :]),
@@ -360,7 +360,7 @@ class ModelRunner:
             SamplingRow(
                 s.sampling_params,
                 s.generator,
-                s.token_ids[: s.num_prompt_tokens],
+                PrefixView(s.token_ids, s.num_prompt_tokens),
                 s.output_token_ids,
             )
             for s in sample_reqs

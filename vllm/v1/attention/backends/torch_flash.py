@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ import torch
 
 from vllm import envs
 from vllm._custom_ops import reshape_and_cache_torch
-from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
+from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout, block_array
 from vllm.v1.attention.backends.varlen_metadata import (
     FlashAttentionLimits,
     VarlenMetadata,
@@ -174,12 +174,15 @@ class TritonDecodeMetadata:
         self.block_table.narrow(1, width, self.block_table.shape[1] - width).zero_()
 
 
-def _new_slots(computed: int, new: int, block_ids: list[int], block_size: int) -> np.ndarray:
+def _new_slots(computed: int, new: int, block_ids: Sequence[int], block_size: int) -> np.ndarray:
+    _check_holds(block_ids, computed + new, block_size)
     pos = np.arange(computed, computed + new, dtype=np.int64)
-    if len(block_ids) * block_size < computed + new:
-        need = computed + new
-        raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {need} tokens")
-    return np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+    return block_array(block_ids)[pos // block_size] * block_size + pos % block_size
+
+
+def _check_holds(block_ids: Sequence[int], tokens: int, block_size: int) -> None:
+    if len(block_ids) * block_size < tokens:
+        raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {tokens} tokens")
 
 
 def build_triton_decode_metadata(
@@ -191,12 +194,25 @@ def build_triton_decode_metadata(
     decodes = [i for i, (_, n, _) in enumerate(seqs) if n == 1]
     prefills = [i for i, (_, n, _) in enumerate(seqs) if n != 1]
     starts = np.cumsum([0] + [n for _, n, _ in seqs], dtype=np.int64)
-    slots = [_new_slots(c, n, ids, block_size) for c, n, ids in seqs]
     lens = np.array([seqs[i][0] + 1 for i in decodes], dtype=np.int64)
     needs = -(-lens // block_size)
     table = np.zeros((len(decodes), int(needs.max(initial=0))), dtype=np.int64)
-    for row, (i, need) in enumerate(zip(decodes, needs, strict=True)):
-        table[row, :need] = seqs[i][2][:need]
+    parts = []
+    for i, need in zip(decodes, needs.tolist(), strict=True):
+        computed, _, ids = seqs[i]
+        _check_holds(ids, computed + 1, block_size)
+        parts.append(block_array(ids)[:need])
+    if parts:  # every row's blocks at once, row-major into the padded table
+        table[np.arange(table.shape[1]) < needs[:, None]] = np.concatenate(parts)
+    # A decode's one slot, from its row of the table (no per-request conversion).
+    pos = lens - 1
+    decode_slots = table[np.arange(len(decodes)), pos // block_size] * block_size
+    decode_slots += pos % block_size
+    slots: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(seqs)
+    for row, i in enumerate(decodes):
+        slots[i] = decode_slots[row : row + 1]
+    for i in prefills:
+        slots[i] = _new_slots(*seqs[i], block_size)
     rows = starts[decodes] if prefills else np.zeros(0, dtype=np.int64)
     prefill_rows = [np.arange(starts[i], starts[i + 1]) for i in prefills]
     parts32 = [table, lens, rows]

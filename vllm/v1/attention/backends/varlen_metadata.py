@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm.v1.attention.backends.abstract import SeqLayout
+from vllm.v1.attention.backends.abstract import SeqLayout, block_array
 
 # FlashAttention-2's kernels (the flash-attn package's and torch's own) take head sizes that
 # are multiples of 8 up to this.
@@ -73,7 +73,7 @@ def _host_tables(
     ``(num_seqs, max_blocks * block_size)``: row ``i``'s position ``p`` at column ``p``."""
     computed = np.array([c for c, _, _ in seqs], dtype=np.int64)
     total = computed + np.array([n for _, n, _ in seqs], dtype=np.int64)
-    rows = [ids[: -(-(c + n) // block_size)] for c, n, ids in seqs]
+    rows = [block_array(ids)[: -(-(c + n) // block_size)] for c, n, ids in seqs]
     for (c, n, ids), row in zip(seqs, rows, strict=True):
         if len(row) * block_size < c + n:
             raise ValueError(f"{len(ids)} blocks of {block_size} cannot hold {c + n} tokens")
