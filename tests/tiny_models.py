@@ -1,4 +1,5 @@
-"""A tiny Llama's HF config, shared by the tests that build random checkpoints."""
+"""A tiny Llama's HF config, shared by the tests that build random checkpoints, and a CPU
+runner loaded with a model."""
 
 from __future__ import annotations
 
@@ -26,3 +27,21 @@ def save_tiny_llama(path: str | Path, **overrides):
     config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return config
+
+
+def load_cpu_runner(model_config, block_size: int = 16):
+    """A ``ModelRunner`` on the CPU with ``model_config``'s model loaded, the test process's
+    torch thread count kept (the runner sets its own)."""
+    import torch
+
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.v1.worker.model_runner import ModelRunner
+
+    threads = torch.get_num_threads()
+    config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=block_size))
+    runner = ModelRunner(config, device="cpu")
+    try:
+        runner.load_model()
+    finally:
+        torch.set_num_threads(threads)
+    return runner

@@ -3,7 +3,6 @@ and a whole run end to end on the tiny shape (CPU here; the same run on CUDA is 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.utils import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_gpu.py"
 TINY_RUN = [
@@ -33,11 +34,7 @@ TINY_RUN = [
 @pytest.fixture(scope="module")
 def bench():
     """benchmarks/ is a folder of scripts, not a package: load the script by its path."""
-    spec = importlib.util.spec_from_file_location("benchmark_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.mark.parametrize(

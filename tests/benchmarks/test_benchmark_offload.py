@@ -4,7 +4,6 @@ the same run on CUDA is a cuda test (issue 28's GPU figures come from it)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,17 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.utils import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_offload.py"
 ARGS = ["--shape", "tiny", "--contexts", "64", "256", "--chunk-tokens", "128", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_offload", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def check(result: dict, device: str) -> None:

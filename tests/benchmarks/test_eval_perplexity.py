@@ -4,29 +4,20 @@ that the decode kernels (batch-1 linear, paged decode attention) are the ones co
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.utils import load_script
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "eval_perplexity.py"
 TOLERANCE = 1e-3  # |ppl_gguf / ppl_fp32 - 1|
 
 
-def load_script():
-    """benchmarks/ is a folder of scripts, not a package: load the script by its path."""
-    spec = importlib.util.spec_from_file_location("eval_perplexity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_fp32_and_gguf_perplexity_agree_on_a_short_slice():
-    script = load_script()
+    script = load_script(SCRIPT)
     ids = script.text_tokens(script.DEFAULT_TEXT, 48)
     ppl = script.perplexities(ids, tokens_per_step=1)
     print(f"perplexity on 48 tokens: {ppl}")

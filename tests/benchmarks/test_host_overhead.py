@@ -3,19 +3,16 @@ timed, and the model's share is inside the step's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from tests.utils import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_host_overhead.py"
 
 
 def test_tiny_run_writes_a_row_per_batch_size(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("benchmark_host_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script(SCRIPT)
     out = tmp_path / "host.json"
     argv = ["--num-requests", "1", "3", "--prompt-len", "16", "--max-tokens", "5"]
     assert module.main([*argv, "--json-out", str(out)]) == 0

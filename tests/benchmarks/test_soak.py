@@ -5,13 +5,12 @@ and the server still serves a new job (benchmarks/benchmark_soak.py; docs/benchm
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.utils import load_script
 from vllm.benchmarks.server import RemoteServer
 
 pytestmark = pytest.mark.slow
@@ -22,11 +21,7 @@ IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:n
 
 def load_soak():
     """benchmarks/ is a folder of scripts, not a package: load the script by its path."""
-    spec = importlib.util.spec_from_file_location("benchmark_soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_short_soak_leaves_nothing_behind(tmp_path):

@@ -9,8 +9,9 @@ import logging
 import pytest
 import torch
 
+from tests.tiny_models import load_cpu_runner
 from vllm import _custom_ops as ops
-from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.config import ModelConfig
 from vllm.model_executor.model_loader import apply_quantization, resolve_quantization
 
 CPU = torch.device("cpu")
@@ -73,19 +74,9 @@ def test_apply_quantization_leaves_a_dense_choice_alone_and_logs_it(tmp_path, ca
 @pytest.mark.parametrize(("quantization", "expected"), [(None, "gguf"), ("fp32", "fp32")])
 def test_the_embedded_model_is_served_quantized_unless_fp32_is_asked(quantization, expected):
     from vllm.model_executor.layers.quantization.gguf import GGUFLinear
-    from vllm.v1.worker.model_runner import ModelRunner
 
     if not ops.ensure_quant_kernels():
         pytest.skip("the native kernels cannot be built here")
-    threads = torch.get_num_threads()
-    config = VllmConfig(
-        model_config=ModelConfig(quantization=quantization),
-        cache_config=CacheConfig(block_size=16),
-    )
-    runner = ModelRunner(config, device="cpu")
-    try:
-        runner.load_model()
-    finally:
-        torch.set_num_threads(threads)
+    runner = load_cpu_runner(ModelConfig(quantization=quantization))
     quantized = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
     assert bool(quantized) == (expected == "gguf")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.tiny_models import TINY_LLAMA
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -88,19 +88,10 @@ def _tiny_checkpoint(arch: str, path) -> torch.nn.Module:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_registered_architecture_loads_and_matches_transformers(arch, tmp_path):
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-    from vllm.v1.worker.model_runner import ModelRunner
+    from vllm.config import ModelConfig
 
     hf = _tiny_checkpoint(arch, tmp_path)
-    threads = torch.get_num_threads()
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(tmp_path)), cache_config=CacheConfig(block_size=16)
-    )
-    runner = ModelRunner(config, device="cpu")
-    try:
-        runner.load_model()
-    finally:
-        torch.set_num_threads(threads)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path)))
     assert type(runner.model) is LlamaForCausalLM
     assert (runner.arch.attention_bias, runner.arch.qk_norm) == (
         arch == "Qwen2ForCausalLM",

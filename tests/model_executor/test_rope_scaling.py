@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tests.tiny_models import TINY_LLAMA
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner
 from vllm.model_executor.layers.rotary_embedding import (
     inverse_frequencies,
     rope_parameters,
@@ -81,22 +81,12 @@ def test_model_max_len_stretches_for_linear_only():
                    ("yarn-mscale", "Llama")],
 )  # fmt: skip
 def test_tiny_checkpoint_logits_equal_transformers_past_the_original_length(name, arch, tmp_path):
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-    from vllm.v1.worker.model_runner import ModelRunner
+    from vllm.config import ModelConfig
 
     torch.manual_seed(0)
     hf = getattr(transformers, f"{arch}ForCausalLM")(config(name, arch)).eval()
     hf.save_pretrained(tmp_path)
-    threads = torch.get_num_threads()
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(tmp_path), max_model_len=128),
-        cache_config=CacheConfig(block_size=16),
-    )
-    runner = ModelRunner(vllm_config, device="cpu")
-    try:
-        runner.load_model()
-    finally:
-        torch.set_num_threads(threads)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     runner.initialize_kv_cache(9)
     n = 120  # well past the original 32 positions
     ids = torch.randint(
