@@ -29,16 +29,18 @@ def save_tiny_llama(path: str | Path, **overrides):
     return config
 
 
-def load_cpu_runner(model_config, block_size: int = 16):
-    """A ``ModelRunner`` on the CPU with ``model_config``'s model loaded, the test process's
-    torch thread count kept (the runner sets its own)."""
+def load_cpu_runner(config, block_size: int = 16):
+    """A ``ModelRunner`` on the CPU with its model loaded, the test process's torch thread
+    count kept (the runner sets its own). ``config``: a ``VllmConfig``, or a
+    ``ModelConfig`` with blocks of ``block_size``."""
     import torch
 
-    from vllm.config import CacheConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
     from vllm.v1.worker.model_runner import ModelRunner
 
     threads = torch.get_num_threads()
-    config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=block_size))
+    if isinstance(config, ModelConfig):
+        config = VllmConfig(model_config=config, cache_config=CacheConfig(block_size=block_size))
     runner = ModelRunner(config, device="cpu")
     try:
         runner.load_model()

@@ -134,11 +134,12 @@ def decode_act_vs_fp32(
     ``VLLM_CPU_GGUF_DECODE_ACT=act`` (every layer checked to take it) against fp32, at every
     position of eval_perplexity's text's first ``num_tokens`` tokens, ``tokens_per_step`` a
     forward."""
-    from tests.benchmarks.test_eval_perplexity import load_script
+    from tests.benchmarks.test_eval_perplexity import SCRIPT
+    from tests.utils import load_script
     from vllm.benchmarks.model_runner import load_runner, quantize
 
     monkeypatch.setenv("VLLM_CPU_GGUF_DECODE_ACT", act)
-    script = load_script()
+    script = load_script(SCRIPT)
     ids = script.text_tokens(script.DEFAULT_TEXT, num_tokens)
     runner = load_runner(len(ids))
     fp32 = chunked_logits(runner, ids, tokens_per_step)
@@ -152,9 +153,10 @@ def decode_act_vs_fp32(
 def gguf_perplexities(tokens_per_step: int, num_tokens: int = 512) -> dict[str, float]:
     """eval_perplexity's fp32 and gguf perplexities on its shipped text, ``tokens_per_step``
     tokens a forward (the gguf switches as the environment sets them)."""
-    from tests.benchmarks.test_eval_perplexity import load_script
+    from tests.benchmarks.test_eval_perplexity import SCRIPT
+    from tests.utils import load_script
 
-    script = load_script()
+    script = load_script(SCRIPT)
     ids = script.text_tokens(script.DEFAULT_TEXT, num_tokens)
     ppl = script.perplexities(ids, tokens_per_step=tokens_per_step)
     print(f"perplexity on {num_tokens} tokens, {tokens_per_step} per forward: {ppl}")

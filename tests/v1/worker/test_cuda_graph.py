@@ -19,7 +19,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from tests.tiny_models import TINY_LLAMA, save_tiny_llama
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner, save_tiny_llama
 from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
 from tests.v1.attention.test_triton_decode import emulated_kernel
 from tests.v1.worker.test_model_runner_inputs import new_req, sched_out
@@ -102,12 +102,7 @@ def make_runner(checkpoint, monkeypatch, **model) -> ModelRunner:
             max_model_len=MAX_LEN, max_num_batched_tokens=96, max_num_seqs=8
         ),
     )
-    threads = torch.get_num_threads()
-    try:
-        runner = ModelRunner(config, device="cpu")
-        runner.load_model()
-    finally:
-        torch.set_num_threads(threads)
+    runner = load_cpu_runner(config)
     a = runner.arch
     backend = TorchFlashAttentionBackend(
         a.num_heads, a.num_kv_heads, a.head_dim, torch.float32, "cpu", BLOCK

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_llama
+from tests.tiny_models import load_cpu_runner, save_tiny_llama
 from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 from vllm.v1.worker.gpu_memory import (
     GiB,
@@ -240,13 +240,7 @@ def tiny_runner(tmp_path_factory):
             max_model_len=96, max_num_batched_tokens=40, max_num_seqs=3
         ),
     )
-    threads = torch.get_num_threads()
-    runner = ModelRunner(config, device="cpu")
-    try:
-        runner.load_model()
-    finally:
-        torch.set_num_threads(threads)
-    return runner
+    return load_cpu_runner(config)
 
 
 def test_profile_run_is_the_largest_step(tiny_runner, monkeypatch):
