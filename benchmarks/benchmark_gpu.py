@@ -328,11 +328,16 @@ class StepRecorder:
         return [(s, n) for s, n, tokens in self.steps if tokens == n]
 
 
-def run_ours(llm, recorder: StepRecorder, prompts: list[list[int]], max_tokens: int) -> tuple:
-    """(elapsed, mean TTFT, decode steps) of one ``generate`` over ``prompts``."""
+def run_ours(
+    llm, recorder: StepRecorder, prompts: list[list[int]], max_tokens: int, detokenize=False
+) -> tuple:
+    """(elapsed, mean TTFT, decode steps) of one ``generate`` over ``prompts``; token ids
+    only unless ``detokenize`` (transformers' ``generate`` makes no text either)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=detokenize
+    )
     llm.reset_prefix_cache()
     recorder.steps.clear()
     start = time.perf_counter()
@@ -457,7 +462,8 @@ def context_probe(bench: Bench, llm, recorder: StepRecorder) -> dict:
     same lengths again (fresh prompts, no prefix hit)."""
     out = {}
     for label, salt in (("first_seen", 1), ("seen", 2)):
-        _, _, steps = run_ours(llm, recorder, bench.prompts(1, salt), bench.args.max_tokens)
+        a = bench.args
+        _, _, steps = run_ours(llm, recorder, bench.prompts(1, salt), a.max_tokens, a.detokenize)
         times = [s for s, _ in steps]
         out[f"{label}_ms"] = statistics.fmean(times) * 1e3
         out[f"{label}_max_ms"] = max(times) * 1e3
@@ -491,7 +497,12 @@ def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") 
         bench.save()
         for n in a.num_requests:
             prompts = bench.prompts(n)
-            measure(bench, engine, n, lambda p=prompts: run_ours(llm, recorder, p, a.max_tokens))
+            measure(
+                bench,
+                engine,
+                n,
+                lambda p=prompts: run_ours(llm, recorder, p, a.max_tokens, a.detokenize),
+            )
     finally:
         llm.shutdown()
 
@@ -540,6 +551,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also transformers with its static cache (compiles per N)")
     ap.add_argument("--skip-hf", action="store_true",
                     help="our engine only, on dummy weights (no checkpoint written)")
+    ap.add_argument("--detokenize", action="store_true",
+                    help="our engine also makes the text (default: token ids only, as generate)")
     ap.add_argument("--eager-too", action="store_true",
                     help="also our engine with enforce_eager (no CUDA graphs): 'ours-eager'")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,

@@ -2,18 +2,18 @@
 
 On a GPU the forward and the lm_head are launched and run on the device (a CUDA graph
 replays the whole forward in one launch), but scheduling, packing the inputs, building
-the attention metadata, reading the sampled tokens back, updating the requests and
-detokenizing run on the host, between steps: they add to every step's time. Issue 27's
+the attention metadata, reading the sampled tokens back and updating the requests run on
+the host, between steps: they add to every step's time. Issue 27's
 batch-1 goal is 6.0 ms a step on an H100 for the 8B shape, of which reading the weights
 takes 4.5-4.8 ms; this measures how much of the rest the engine itself takes.
 
-It runs the offline ``LLM`` (engine core in process, so the front end's output processing
-and detokenization are in the step too, as they are not in ``vllm serve``, where they run
-in another process) on a one-layer model of hidden size 64 and a 512-token vocabulary
-(random weights, ``--load-format dummy``) in fp32 on the CPU, so that the model's own work
-is small, and times each pure-decode engine step and, inside it, the model's forward and
-``compute_logits``. Host time = step - forward - logits: scheduling, input packing,
-metadata, sampling (a 512-wide argmax), output processing. Medians over the decode steps of
+It runs the offline ``LLM`` (engine core in process) on a one-layer model of hidden size
+64 and a 512-token vocabulary (random weights, ``--load-format dummy``) in fp32 on the CPU,
+so that the model's own work is small, and times each pure-decode engine step and, inside
+it, the model's forward and ``compute_logits``. Host time = step - forward - logits: scheduling, input packing,
+metadata, sampling (a 512-wide argmax), the scheduler's update. The front end's output
+processing (detokenization) runs after the step and is not counted: ``vllm serve`` runs it
+in the API process, beside the engine's next step. Medians over the decode steps of
 ``--max-tokens`` tokens, for each ``--num-requests``. The figures are this CPU's; the GPU
 machine's host CPU is another.
 

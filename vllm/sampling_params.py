@@ -89,6 +89,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: the outputs carry token ids and no text (vLLM's; saves the front end's
+    # detokenization, e.g. in throughput benchmarks). Stop strings need the text.
+    detokenize: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
@@ -158,6 +161,8 @@ class SamplingParams:
                 raise _bad(name, value, "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise _bad("stop", self.stop, "must be non-empty strings")
+        if self.stop and not self.detokenize:
+            raise _bad("stop", self.stop, "stop strings need detokenize=True")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         self._verify_token_lists()

@@ -87,3 +87,14 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm):
         greedy(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="bad_words"):
         greedy(bad_words=[" "])
+
+
+def test_detokenize_false_returns_token_ids_without_text(llm):
+    text = llm.generate(PROMPT, greedy(ignore_eos=True))[0].outputs[0]
+    ids_only = llm.generate(PROMPT, greedy(ignore_eos=True, detokenize=False))[0].outputs[0]
+    assert ids_only.token_ids == text.token_ids and ids_only.text == "" != text.text
+    stop = text.token_ids[2]
+    stopped = llm.generate(PROMPT, greedy(detokenize=False, stop_token_ids=[stop]))[0]
+    assert stopped.outputs[0].token_ids[-1] == stop and stopped.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop strings need detokenize"):
+        greedy(detokenize=False, stop=["x"])

@@ -48,6 +48,7 @@ class IncrementalDetokenizer:
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
+        self.detokenize = params.detokenize  # False: token ids only, no text (vLLM's)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.stop_buffer_length = (
             self._max_stop_len - 1 if self.stop and not self.include_stop_str_in_output else 0
@@ -73,6 +74,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return self.stop_reason
         self.num_output_tokens += len(new_token_ids)
+        if not self.detokenize:
+            return None
         if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
         old_len = len(self.output_text)
@@ -83,7 +86,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str | None:
         """At the end of the sequence: emit text held back for an incomplete character."""
-        if self.stopped or self._read_offset == len(self.token_ids):
+        if self.stopped or self._read_offset == len(self.token_ids) or not self.detokenize:
             return self.stop_reason
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self.token_ids[self._prefix_offset :])
