@@ -46,7 +46,9 @@ class BlockIds(list):
         self._array[: len(self)] = self
 
     def extend(self, ids: Iterable[int]) -> None:
-        ids = list(ids)
+        ids = ids if isinstance(ids, list) else list(ids)
+        if not ids:  # most steps give a request no new block
+            return
         start = len(self)
         super().extend(ids)
         if len(self) > self._array.size:
