@@ -236,13 +236,10 @@ def _check_nesting(data: dict[str, Any]) -> None:
                 stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
 
 
-# What a request's unset sampling parameters are when the model sets no default.
+# What a request's unset sampling parameters are when the model sets no default: vLLM's.
 VLLM_SAMPLING_DEFAULTS: dict[str, Any] = {
-    "temperature": SamplingParams().temperature,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
+    name: getattr(SamplingParams(), name)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 }
 
 

@@ -122,15 +122,20 @@ class OpenAIServingChat(OpenAIServing):
         would run with, nothing generated; checked as for generation. vllm-router's
         cache_aware asks every replica for them and routes a chat by its longest token
         prefix (docs/router.md)."""
+        return {"model": self.model_name, "token_ids": await self.prompt_token_ids(request)}
+
+    async def prompt_token_ids(
+        self, request: ChatCompletionRequest, add_special_tokens: bool = False
+    ) -> list[int]:
+        """The token ids ``request`` would run with, checked as for generation. By default
+        the tokenizer adds no special token: the template wrote them (BOS etc.)."""
         _, prompt, _ = await self._prepare(request)
         try:
-            # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
-            token_ids = await self.in_thread(self.engine.tokenize, prompt, False)
+            return await self.in_thread(self.engine.tokenize, prompt, add_special_tokens)
         except VLLMValidationError as e:
             if e.param == "prompt":  # this endpoint's prompt is its messages
                 e.param = "messages"
             raise
-        return {"model": self.model_name, "token_ids": token_ids}
 
     async def create_chat_completion(
         self,

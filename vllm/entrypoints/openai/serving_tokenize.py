@@ -93,14 +93,7 @@ class OpenAIServingTokenization:
             )
         except ValidationError as e:  # a 400 naming the field, as on chat
             raise RequestValidationError(e.errors()) from None
-        _, prompt, _ = await self.chat._prepare(chat)
-        special = bool(request.add_special_tokens)
-        try:
-            return await self.chat.in_thread(self.engine.tokenize, prompt, special)
-        except VLLMValidationError as e:
-            if e.param == "prompt":  # this request's prompt is its messages
-                e.param = "messages"
-            raise
+        return await self.chat.prompt_token_ids(chat, bool(request.add_special_tokens))
 
     async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         self.chat.check_model(request)
