@@ -111,12 +111,13 @@ def test_requests_run_to_length_and_eos(engine):
     assert_idle(engine)
 
 
-def test_first_output_carries_queue_time(engine):
+def test_first_output_carries_queue_time_and_prompt_length(engine):
     engine.add_request(request("a", [5, 6], max_tokens=2))
     engine.clock.advance(1.5)  # waited 1.5 s before the first schedule
     first = engine.step().outputs[0]
-    assert first.queue_time_s == pytest.approx(1.5)
-    assert engine.step().outputs[0].queue_time_s is None
+    assert first.queue_time_s == pytest.approx(1.5) and first.num_prompt_tokens == 2
+    second = engine.step().outputs[0]
+    assert second.queue_time_s is None and second.num_prompt_tokens is None
 
 
 def test_stop_token_ids_give_stop_reason(engine):

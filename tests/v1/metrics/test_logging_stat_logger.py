@@ -22,15 +22,19 @@ class Clock:
         return self.now
 
 
-def step(tokens: dict[str, int], stats: SchedulerStats | None = None) -> EngineCoreOutputs:
-    outputs = [SimpleNamespace(request_id=r, new_token_ids=[7] * n) for r, n in tokens.items()]
+def step(
+    tokens: dict[str, int],
+    stats: SchedulerStats | None = None,
+    first: dict[str, int] | None = None,
+) -> EngineCoreOutputs:
+    """An engine step's outputs: ``tokens`` per request; ``first``: the prompt length of
+    the requests whose first token this is (the scheduler sets it on that output only)."""
+    first = first or {}
+    outputs = [
+        SimpleNamespace(request_id=r, new_token_ids=[7] * n, num_prompt_tokens=first.get(r))
+        for r, n in tokens.items()
+    ]
     return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
-
-
-def result(request_id: str, prompt_len: int, finished: bool = False):
-    return SimpleNamespace(
-        request_id=request_id, prompt_token_ids=[1] * prompt_len, finished=finished
-    )
 
 
 def lines(caplog) -> list[str]:
@@ -45,13 +49,12 @@ def test_the_line_has_vllm_s_figures_for_the_interval(caplog):
             num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25,
             prefix_cache_stats=PrefixCacheStats(queries=300, hits=100),
         )  # fmt: skip
-        stat.record(step({"a": 1, "b": 1}, stats), [result("a", 200), result("b", 100)])
+        stat.record(step({"a": 1, "b": 1}, stats, {"a": 200, "b": 100}), [])
         clock.now += 4
-        # b's prompt is not counted twice; c's arrives and finishes in one step.
-        results = [result("a", 200), result("b", 100), result("c", 50, finished=True)]
-        stat.record(step({"a": 1, "b": 1, "c": 1}), results)
+        # a's and b's prompts are not counted twice; c's arrives and finishes in one step.
+        stat.record(step({"a": 1, "b": 1, "c": 1}, first={"c": 50}), [])
         clock.now += 6
-        stat.record(step({"a": 1}), [result("a", 200, finished=True)])
+        stat.record(step({"a": 1}), [])
         assert lines(caplog) == []  # the timer writes it
         stat.log_if_active()
     (line,) = lines(caplog)
@@ -66,11 +69,11 @@ def test_idle_intervals_log_nothing_and_the_next_starts_from_zero(caplog):
     clock = Clock()
     stat = LoggingStatLogger(interval_s=5.0, clock=clock)
     with caplog.at_level(logging.INFO, logger=NAME):
-        stat.record(step({"a": 1}), [result("a", 10)])
+        stat.record(step({"a": 1}, first={"a": 10}), [])
         clock.now += 5
         stat.log_if_active()
         clock.now += 5
-        stat.record(step({"a": 1}), [result("a", 10, finished=True)])
+        stat.record(step({"a": 1}), [])
         idle = SchedulerStats()  # the last step: nothing running or waiting
         stat.record(step({}, idle), [])
         clock.now += 5
@@ -83,7 +86,7 @@ def test_idle_intervals_log_nothing_and_the_next_starts_from_zero(caplog):
             connector_prefix_cache_stats=PrefixCacheStats(queries=40, hits=30),
             offload_stats=OffloadStats(usage=0.5),
         )
-        stat.record(step({"d": 4}, tier), [result("d", 20)])
+        stat.record(step({"d": 4}, tier, {"d": 20}), [])
         clock.now += 4
         stat.log_if_active()
     first, second, third = lines(caplog)
@@ -97,7 +100,7 @@ def test_idle_intervals_log_nothing_and_the_next_starts_from_zero(caplog):
 
 def test_run_logs_on_its_timer_until_cancelled(caplog):
     stat = LoggingStatLogger(interval_s=0.01)
-    stat.record(step({"a": 3}), [result("a", 5)])
+    stat.record(step({"a": 3}, first={"a": 5}), [])
 
     async def main() -> None:
         task = asyncio.create_task(stat.run())

@@ -75,8 +75,10 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # Set on a request's first output: seconds from engine arrival to first scheduling.
+    # Set on a request's first output: seconds from engine arrival to first scheduling,
+    # and the prompt's length (the throughput log counts each prompt once, from it).
     queue_time_s: float | None = None
+    num_prompt_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

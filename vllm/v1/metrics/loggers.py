@@ -36,7 +36,6 @@ class LoggingStatLogger:
     ):
         self.interval_s = envs.VLLM_LOG_STATS_INTERVAL if interval_s is None else interval_s
         self.clock = clock
-        self._started: set[str] = set()  # requests whose prompt has been counted
         self._reset(clock())
         self._running = self._waiting = 0
         self._kv_usage = 0.0
@@ -50,14 +49,10 @@ class LoggingStatLogger:
         self._tier_queries = self._tier_hits = 0
 
     def record(self, core: EngineCoreOutputs, results: list[RequestOutput]) -> None:
-        self._generation_tokens += sum(len(o.new_token_ids) for o in core.outputs)
-        for out in results:
-            if out.request_id not in self._started:  # its first output: the prompt is done
-                self._prompt_tokens += len(out.prompt_token_ids or ())
-                if not out.finished:
-                    self._started.add(out.request_id)
-            elif out.finished:
-                self._started.discard(out.request_id)
+        for o in core.outputs:
+            self._generation_tokens += len(o.new_token_ids)
+            if o.num_prompt_tokens is not None:  # the request's first token: prompt done
+                self._prompt_tokens += o.num_prompt_tokens
         s = core.scheduler_stats
         if s is not None:
             self._running, self._waiting = s.num_running_reqs, s.num_waiting_reqs

@@ -357,6 +357,7 @@ class Scheduler:
                 queue_time_s=(request.scheduled_time or now) - request.arrival_time
                 if first
                 else None,
+                num_prompt_tokens=request.num_prompt_tokens if first else None,
             )
             if stopped:
                 self._finish(request, now)
