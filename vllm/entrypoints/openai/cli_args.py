@@ -96,6 +96,13 @@ class FrontendArgs:
         "llama3_json: the output is the JSON call or a list of them).",
         choices=lambda: _tool_parser_names(),
     )
+    reasoning_parser: str | None = config_field(
+        None,
+        "Split a thinking model's reasoning (<think>...</think>) from its answer: chat "
+        "returns it as message.reasoning, the content and tool calls are read from the rest "
+        "(qwen3, deepseek_r1).",
+        choices=lambda: _reasoning_parser_names(),
+    )
     keep_alive_on_engine_death: bool = config_field(
         False,
         "Keep the API server up (answering 503/500) when the engine process died, instead of "
@@ -150,6 +157,12 @@ def _tool_parser_names() -> tuple[str, ...]:
     from vllm.entrypoints.openai.tool_parsers import tool_parser_names  # registers them
 
     return tool_parser_names()
+
+
+def _reasoning_parser_names() -> tuple[str, ...]:
+    from vllm.reasoning import reasoning_parser_names  # registers them
+
+    return reasoning_parser_names()
 
 
 def frontend_args() -> tuple[ConfigArg, ...]:

@@ -76,8 +76,9 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": _is_off,  # served by /v1/completions only
     # vllm-router re-serializes every chat / completion body it forwards from its typed
     # request, adding these SGLang fields at their defaults (docs/router.md): at those
-    # values they ask for nothing, so a routed request logs no unknown field. No
-    # reasoning parser runs here, so the reasoning switches are moot either way.
+    # values they ask for nothing, so a routed request logs no unknown field. The
+    # reasoning switches are served by chat (with --reasoning-parser); elsewhere no
+    # reasoning is split off, so they are moot.
     "no_stop_trim": _is_off,
     "continue_final_message": _is_off,
     "return_hidden_states": _is_off,
@@ -196,7 +197,16 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
     def for_template(self) -> dict[str, Any]:
-        return {**(self.model_extra or {}), "role": self.role, "content": self.content or ""}
+        message = {**(self.model_extra or {}), "role": self.role, "content": self.content or ""}
+        # An assistant turn's reasoning, as a client sends it back (vLLM's ``reasoning``,
+        # or its older ``reasoning_content``): templates read ``reasoning_content`` (Qwen3's
+        # keeps the reasoning of the turns after the last user message).
+        reasoning = message.get("reasoning")
+        if reasoning is None:
+            reasoning = message.get("reasoning_content")
+        if isinstance(reasoning, str):
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        return message
 
 
 _MESSAGES = TypeAdapter(list[ChatMessage])
@@ -451,7 +461,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     # Implemented on this endpoint (tool_calling.py), though in UNSUPPORTED for the other.
     IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
-        {"tool_choice", "response_format", "structured_outputs"}
+        {
+            "tool_choice",
+            "response_format",
+            "structured_outputs",
+            "include_reasoning",
+            "separate_reasoning",
+            "stream_reasoning",
+        }
     )
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -467,6 +484,12 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # With --reasoning-parser (None: true). vLLM's include_reasoning: false drops the
+    # reasoning from the response; SGLang's separate_reasoning: false leaves it in the
+    # content, stream_reasoning: false streams it in one piece once it is over.
+    include_reasoning: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
     # Filled from the messages' prompt_cache_breakpoint marks by _bound_messages (a value
     # sent under this name is replaced); never serialized.
     cache_breakpoints: list[float | None] = Field(default_factory=list, exclude=True)

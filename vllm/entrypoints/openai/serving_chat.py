@@ -165,17 +165,38 @@ class OpenAIServingChat(OpenAIServing):
 
         def body(final: RequestOutput) -> dict:
             choices = [choice(c) for c in final.outputs]
+            usage = self.usage([final]).model_dump()
+            self._count_reasoning(usage, request, plan, [c.token_ids for c in final.outputs])
             return {
                 "id": request_id,
                 "object": "chat.completion",
                 "created": created,
                 "model": self.model_name,
                 "choices": choices,
-                "usage": self.usage([final]).model_dump(),
+                "usage": usage,
                 "prompt_logprobs": self.prompt_logprobs(final.prompt_logprobs),  # vLLM's
             }
 
         return await self.respond_json(stream, body, received, receive)
+
+    def _count_reasoning(
+        self,
+        usage: dict,
+        request: ChatCompletionRequest,
+        plan: ToolPlan,
+        outputs: list[list[int]],
+    ) -> None:
+        """With --reasoning-parser, ``usage`` gets vLLM's
+        ``completion_tokens_details.reasoning_tokens``: the reasoning's tokens in every
+        choice's output ids (0 when the request split none off)."""
+        if self.tool_config.reasoning_parser is None:
+            return
+
+        def decode(ids) -> str:
+            return self.engine.decode(list(ids), request.skip_special_tokens)
+
+        count = sum(plan.reasoning_tokens(ids, decode) for ids in outputs)
+        usage["completion_tokens_details"] = {"reasoning_tokens": count}
 
     def _stream(self, request, plan: ToolPlan, stream, request_id: str, created: int, received):
         base = {
@@ -185,7 +206,13 @@ class OpenAIServingChat(OpenAIServing):
             "model": self.model_name,
         }
 
-        streamers = [plan.streamer() for _ in range(request.n)]  # None without tools
+        streamers = [plan.streamer() for _ in range(request.n)]  # None: plain content
+        # Each choice's output ids, for the usage's reasoning tokens.
+        counted = self.tool_config.reasoning_parser is not None and plan.reasoning is not None
+        output_ids: list[list[int]] = [[] for _ in range(request.n)]
+
+        def observe(c: CompletionOutput) -> None:
+            output_ids[c.index] += c.token_ids
 
         def chunk(c: CompletionOutput) -> dict:
             delta, finish_reason = {"content": c.text} if c.text else {}, c.finish_reason
@@ -220,11 +247,18 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(request.n)
         ]
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def usage(u) -> dict:
+            out = u.model_dump()
+            self._count_reasoning(out, request, plan, output_ids)
+            return out
+
         return self.stream_events(
             stream,
             chunk,
             first,
             include_usage,
-            lambda u: {**base, "choices": [], "usage": u.model_dump()},
+            lambda u: {**base, "choices": [], "usage": usage(u)},
             received,
+            observe if counted and include_usage else None,
         )

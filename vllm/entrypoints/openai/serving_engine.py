@@ -254,8 +254,10 @@ class OpenAIServing:
         include_usage: bool,
         usage_chunk: Callable[[UsageInfo], dict],
         received: float | None = None,
+        observe: Callable[[CompletionOutput], None] | None = None,
     ) -> AsyncIterator[str]:
-        """SSE events; an error mid-stream becomes an error event, then [DONE]."""
+        """SSE events; an error mid-stream becomes an error event, then [DONE].
+        ``observe``: called with every output, those that make no chunk included."""
         prompt_tokens = completion = cached = 0
         try:
             for first in first_chunks:
@@ -264,6 +266,8 @@ class OpenAIServing:
                 prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
                     completion += len(c.token_ids)
+                    if observe is not None:
+                        observe(c)
                     if c.text or c.finish_reason is not None or c.logprobs:
                         yield sse(chunk(c))
             if include_usage:

@@ -1,5 +1,7 @@
 """OpenAI tool calling for chat requests: ``tools`` / ``tool_choice`` / ``response_format``
-in, ``message.tool_calls`` (or streamed tool-call deltas) out.
+in, ``message.tool_calls`` (or streamed tool-call deltas) out; and, with
+``--reasoning-parser``, the model's reasoning apart from its content (``message.reasoning``,
+vLLM's field), read before the tool parser reads the rest.
 
 ``tool_choice``, as vLLM serves it:
 - ``"none"``: plain content (the tools still reach the chat template);
@@ -16,11 +18,18 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser, tool_parser_names
 from vllm.exceptions import VLLMValidationError
+from vllm.reasoning import (
+    ReasoningParser,
+    count_reasoning_tokens,
+    get_reasoning_parser,
+    reasoning_parser_names,
+)
 from vllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -28,11 +37,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ToolCallingConfig:
-    """The server's tool-calling flags (``--enable-auto-tool-choice``,
-    ``--tool-call-parser``)."""
+    """The server's flags for reading a model's output: tool calling
+    (``--enable-auto-tool-choice``, ``--tool-call-parser``) and ``--reasoning-parser``."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -42,12 +52,20 @@ class ToolCallingConfig:
                 f"tool_call_parser must be one of {tool_parser_names()}, "
                 f"got {self.tool_call_parser!r}"
             )
+        if self.reasoning_parser is not None and (
+            self.reasoning_parser not in reasoning_parser_names()
+        ):
+            raise ValueError(
+                f"reasoning_parser must be one of {reasoning_parser_names()}, "
+                f"got {self.reasoning_parser!r}"
+            )
 
     @classmethod
     def from_args(cls, args: Any) -> ToolCallingConfig:
         return cls(
             bool(getattr(args, "enable_auto_tool_choice", False)),
             getattr(args, "tool_call_parser", None),
+            getattr(args, "reasoning_parser", None),
         )
 
 
@@ -60,9 +78,31 @@ class ToolPlan:
     structured_outputs: StructuredOutputsParams | None = None
     forced_name: str | None = None  # a named tool_choice (OpenAI then finishes "stop")
     guided: bool = False  # required / named: the output's form is guaranteed
+    reasoning: ReasoningParser | None = None  # None: no reasoning is split off
+    include_reasoning: bool = True  # False: the reasoning is dropped from the response
+    stream_reasoning: bool = True  # False: streamed in one piece once it is over
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The non-streaming ``message`` and its ``finish_reason``."""
+        if self.reasoning is None:
+            return self._content_message(text, finish_reason)
+        extracted = self.reasoning.extract(text, final=True)
+        message, finish_reason = self._content_message(extracted.content, finish_reason)
+        if message["content"] == "":
+            message["content"] = None  # all reasoning (vLLM's null content)
+        if extracted.reasoning is not None and self.include_reasoning:
+            message["reasoning"] = extracted.reasoning
+        return message, finish_reason
+
+    def reasoning_tokens(
+        self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
+    ) -> int:
+        """How many of the output's tokens are its reasoning (0 when none is split off)."""
+        if self.reasoning is None:
+            return 0
+        return count_reasoning_tokens(self.reasoning, token_ids, decode)
+
+    def _content_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         if self.parser is None:
             return {"role": "assistant", "content": text}, finish_reason
         extracted = self.parser.extract(text, final=True)
@@ -83,8 +123,12 @@ class ToolPlan:
             return reason
         return "stop" if self.forced_name else "tool_calls"
 
-    def streamer(self) -> ToolCallStreamer | None:
-        return ToolCallStreamer(self.parser) if self.parser is not None else None
+    def streamer(self) -> OutputStreamer | None:
+        """A choice's stream reader; None when the text is all plain content."""
+        if self.parser is None and self.reasoning is None:
+            return None
+        tools = ToolCallStreamer(self.parser) if self.parser is not None else None
+        return OutputStreamer(self, tools)
 
 
 def _call_id() -> str:
@@ -138,6 +182,45 @@ class ToolCallStreamer:
         return bool(self.sent_calls)
 
 
+@dataclass
+class OutputStreamer:
+    """One choice's stream: the reasoning (``{"reasoning": ...}`` deltas) split from the
+    rest, which goes to the tool-call streamer, else out as ``content``. The pieces of
+    each kind concatenate to the non-streaming message's field."""
+
+    plan: ToolPlan
+    tools: ToolCallStreamer | None
+    text: str = ""
+    sent_reasoning: int = 0  # characters of the reasoning sent
+    passed_content: int = 0  # characters of the content passed on
+
+    def delta(self, new_text: str, final: bool) -> dict:
+        reasoning = self.plan.reasoning
+        if reasoning is None:
+            assert self.tools is not None
+            return self.tools.delta(new_text, final)
+        self.text += new_text
+        extracted = reasoning.extract(self.text, final)
+        delta: dict[str, Any] = {}
+        thought = extracted.reasoning or ""
+        ready = self.plan.stream_reasoning or extracted.ended or final
+        if self.plan.include_reasoning and ready and len(thought) > self.sent_reasoning:
+            delta["reasoning"] = thought[self.sent_reasoning :]
+            self.sent_reasoning = len(thought)
+        piece = extracted.content[self.passed_content :]
+        self.passed_content = len(extracted.content)
+        if self.tools is not None:
+            if piece or final:
+                delta.update(self.tools.delta(piece, final))
+        elif piece:
+            delta["content"] = piece
+        return delta
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+
 # -- request -> plan ----------------------------------------------------------------------
 def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
     """The plan of a ``ChatCompletionRequest``; ``VLLMValidationError`` (a 400) naming
@@ -178,6 +261,15 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
                 "response_format",
             )
         plan.structured_outputs = response_format
+    if (
+        config.reasoning_parser is not None
+        and request.separate_reasoning is not False
+        and plan.structured_outputs is None
+    ):
+        # A guided output is the grammar's from its first token: no reasoning to split.
+        plan.reasoning = get_reasoning_parser(config.reasoning_parser, request.chat_template_kwargs)
+        plan.include_reasoning = request.include_reasoning is not False
+        plan.stream_reasoning = request.stream_reasoning is not False
     return plan
 
 

@@ -1,0 +1,26 @@
+"""Reasoning parsers: split a thinking model's chain of thought from its answer.
+
+``--reasoning-parser``'s choices come from the registry: adding a parser is one class
+decorated with ``@register_reasoning_parser("name")`` in a module imported here.
+"""
+
+from __future__ import annotations
+
+from vllm.reasoning import deepseek_r1_reasoning_parser, qwen3_reasoning_parser  # noqa: F401
+from vllm.reasoning.abs_reasoning_parsers import (
+    ExtractedReasoning,
+    ReasoningParser,
+    count_reasoning_tokens,
+    get_reasoning_parser,
+    reasoning_parser_names,
+    register_reasoning_parser,
+)
+
+__all__ = [
+    "ExtractedReasoning",
+    "ReasoningParser",
+    "count_reasoning_tokens",
+    "get_reasoning_parser",
+    "reasoning_parser_names",
+    "register_reasoning_parser",
+]

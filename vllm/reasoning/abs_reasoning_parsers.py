@@ -1,0 +1,120 @@
+"""The reasoning parser interface and the registry that feeds ``--reasoning-parser``.
+
+A thinking model (Qwen3, DeepSeek-R1, QwQ) writes its chain of thought before the answer,
+between ``<think>`` and ``</think>``. With a reasoning parser the server returns that part
+as the message's ``reasoning`` (vLLM's field) and only the rest as ``content``; the tool
+parser, if any, reads that rest.
+
+Parsers read text, not token ids, so they work whatever the tokenizer makes of the tags.
+Like the tool parsers they are stateless and re-read the whole output each time: one
+instance may serve every request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_REGISTRY: dict[str, type[ReasoningParser]] = {}
+
+
+def register_reasoning_parser(
+    *names: str,
+) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
+    """Class decorator: the parser is offered to ``--reasoning-parser`` under ``names``."""
+
+    def wrap(cls: type[ReasoningParser]) -> type[ReasoningParser]:
+        for name in names:
+            if name in _REGISTRY and _REGISTRY[name] is not cls:
+                raise ValueError(f"reasoning parser {name!r} is already registered")
+            _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def reasoning_parser_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get_reasoning_parser(
+    name: str, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> ReasoningParser:
+    """The parser ``name`` for one request (``chat_template_kwargs``: the request's, which
+    may switch thinking off)."""
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"reasoning_parser must be one of {reasoning_parser_names()}, got {name!r}"
+        )
+    return _REGISTRY[name](chat_template_kwargs or {})
+
+
+@dataclass(frozen=True)
+class ExtractedReasoning:
+    """One reading of the output so far.
+
+    ``reasoning``: the chain of thought (None: the model did not reason); ``content``:
+    the text after it, which the tool parser or the client gets; ``ended``: the reasoning
+    is over (its end tag, or what implies it, has been seen)."""
+
+    reasoning: str | None
+    content: str
+    ended: bool
+
+
+def held_back(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that could begin one of ``tags``."""
+    longest = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), longest, -1):
+            if tag.startswith(text[-n:]):
+                longest = n
+                break
+    return longest
+
+
+class ReasoningParser(ABC):
+    """Splits a model's output into reasoning and content."""
+
+    def __init__(self, chat_template_kwargs: Mapping[str, Any]) -> None:
+        self.chat_template_kwargs = chat_template_kwargs
+
+    @abstractmethod
+    def extract(self, text: str, final: bool) -> ExtractedReasoning:
+        """``final``: ``text`` is the whole output. Not ``final`` (streaming), the text may
+        stop at any character: a possible start of a tag is held back, and both
+        ``reasoning`` and ``content`` only grow (each reading's is a prefix of the next
+        one's, and of the final one's)."""
+
+
+def count_reasoning_tokens(
+    parser: ReasoningParser, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
+) -> int:
+    """How many of the output's ``token_ids`` are its reasoning: those after the last
+    token before the reasoning's first character (a ``<think>`` tag, whitespace) and up to
+    the token that ends it (its end tag; all of them if it never ends). With one token a
+    tag, as in every thinking model's vocabulary, that is the tokens between the tags,
+    as vLLM counts. ``decode``: the ids as the request's text was made from them. Found
+    by bisection over prefixes: O(log n) decodes."""
+
+    def first(holds: Callable[[ExtractedReasoning], bool]) -> int | None:
+        """The shortest prefix length k (1..n) whose reading ``holds``; None: none does."""
+        lo, hi = 1, len(token_ids)
+        if hi == 0 or not holds(parser.extract(decode(token_ids[:hi]), final=False)):
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if holds(parser.extract(decode(token_ids[:mid]), final=False)):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    start = first(lambda r: bool(r.reasoning))
+    if start is None:
+        return 0
+    end = first(lambda r: r.ended)
+    last = len(token_ids) if end is None else end - 1
+    return max(last - (start - 1), 0)
