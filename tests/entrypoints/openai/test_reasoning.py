@@ -17,7 +17,13 @@ from types import SimpleNamespace
 import pytest
 
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from vllm.entrypoints.openai.protocol_responses import (
+    ResponsesRequest,
+    items_to_messages,
+    normalize_input,
+)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig, ToolPlan
 from vllm.entrypoints.openai.tool_parsers import get_tool_parser
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -218,11 +224,18 @@ def _scripted_engine(tokenizer, text: str):
             sent = now
         return _ScriptedStream(outputs)
 
+    def apply_chat_template(messages, *args):
+        seen["messages"] = messages
+        return "prompt"
+
     engine = SimpleNamespace(
         add_request=add_request,
-        apply_chat_template=lambda *a: "prompt",
+        apply_chat_template=apply_chat_template,
         chat_template="{{ messages }}",
         decode=lambda ids, skip=False: tokenizer.decode(ids, skip_special_tokens=skip),
+        config=SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True)
+        ),
     )
     return engine, seen
 
@@ -296,6 +309,90 @@ def test_a_guided_output_is_not_split(tokenizer):
     text = '{"thought": "</think>"}'
     body = _serve(tokenizer, text, {"response_format": {"type": "json_object"}})
     assert body["choices"][0]["message"] == {"role": "assistant", "content": text}
+
+
+# -- /v1/responses ------------------------------------------------------------------------
+def _respond(serving: OpenAIServingResponses, body: dict) -> dict | list:
+    request = ResponsesRequest.model_validate(body)
+
+    async def run():
+        response = await serving.create_response(request)
+        if not request.stream:
+            return json.loads(response.body)
+        events = []
+        async for e in response.body_iterator:
+            events.append(json.loads(e.split("data: ", 1)[1]))
+        return events
+
+    return asyncio.run(run())
+
+
+def _responses(tokenizer, text: str):
+    engine, seen = _scripted_engine(tokenizer, text)
+    chat = OpenAIServingChat(engine, "m")
+    chat.tool_config = ToolCallingConfig(reasoning_parser="qwen3")
+    return OpenAIServingResponses(chat), seen
+
+
+def test_responses_output_a_reasoning_item_before_the_message(tokenizer):
+    serving, _ = _responses(tokenizer, TEXTS[0])
+    body = _respond(serving, {"input": "2+2?"})
+    reasoning, message = body["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Two and two.\n"}]
+    assert reasoning["summary"] == []
+    assert message["content"][0]["text"] == "The answer is 4."
+    chat = _serve(tokenizer, TEXTS[0], {})
+    details = chat["usage"]["completion_tokens_details"]
+    assert body["usage"]["output_tokens_details"] == details
+
+
+def test_responses_stream_reasoning_events_then_the_text(tokenizer):
+    serving, _ = _responses(tokenizer, TEXTS[0])
+    events = _respond(serving, {"input": "2+2?", "stream": True})
+    kinds = [e["type"] for e in events]
+    first = kinds.index("response.reasoning_text.delta")
+    assert kinds[first - 2 : first] == ["response.output_item.added", "response.content_part.added"]
+    done = kinds.index("response.reasoning_text.done")
+    assert kinds[done : done + 3] == [
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert done < kinds.index("response.output_text.delta")
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == events[done]["text"] == "Two and two.\n"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    whole = _respond(_responses(tokenizer, TEXTS[0])[0], {"input": "2+2?"})
+    assert final["usage"] == whole["usage"]
+
+
+def test_reasoning_items_go_back_as_the_next_assistant_turns_reasoning(tokenizer):
+    serving, seen = _responses(tokenizer, TEXTS[0])
+    first = _respond(serving, {"input": "2+2?"})
+    _respond(serving, {"input": "And 3+3?", "previous_response_id": first["id"]})
+    user, assistant, again = seen["messages"]
+    assert assistant["role"] == "assistant" and assistant["reasoning_content"] == "Two and two.\n"
+    assert again["content"] == "And 3+3?"
+
+
+def test_reasoning_input_items():
+    items = normalize_input(
+        [
+            {"role": "user", "content": "hi"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "greet"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "dangling"}]},
+            {"role": "user", "content": "bye"},
+        ]
+    )
+    messages = items_to_messages(items)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "user"]
+    assert messages[1]["reasoning"] == "greet" and messages[1]["tool_calls"]
+    assert not any("dangling" in str(m) for m in messages)
 
 
 @pytest.mark.slow

@@ -32,8 +32,10 @@ TEXT_PARTS = ("input_text", "output_text", "text")  # "text": as chat's own part
 
 
 def _reasoning_off(v: Any) -> bool:
-    # The models served do not reason: an effort of "none" (or none given) asks for
-    # exactly that; anything else would be silently not done.
+    # No effort can be set for the models served (a thinking model reasons as its chat
+    # template says; --reasoning-parser returns that as a reasoning item): none given, or
+    # "none" as clients send by default, asks for nothing; anything else would be silently
+    # not done.
     if _is_off(v):
         return True
     return (
@@ -244,6 +246,8 @@ def _normalize_item(item: dict[str, Any], where: str) -> dict[str, Any]:
             raise VLLMValidationError(f"{where}.{bad[0]} must be a string", "input")
         item_id = _str_or(item.get("id"), new_id("fc"))
         return {"id": item_id, "type": kind, **fields, "status": "completed"}
+    if kind == "reasoning":
+        return _reasoning_input(item, where)
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise VLLMValidationError(f"{where}.call_id must be a string", "input")
@@ -258,10 +262,38 @@ def _normalize_item(item: dict[str, Any], where: str) -> dict[str, Any]:
             "status": "completed",
         }
     raise VLLMValidationError(
-        f"{where}: item type {loggable(kind)} is not supported (message, function_call and "
-        "function_call_output are)",
+        f"{where}: item type {loggable(kind)} is not supported (message, function_call, "
+        "function_call_output and reasoning are)",
         "input",
     )
+
+
+def _reasoning_input(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A reasoning item sent back (this server's output, or a client's own): its
+    ``reasoning_text`` parts, else its ``summary_text`` parts, become the reasoning of the
+    assistant turn after it. Encrypted reasoning (OpenAI's) cannot be read here: refused."""
+    if item.get("encrypted_content") is not None:
+        raise VLLMValidationError(
+            f"{where}.encrypted_content: encrypted reasoning cannot be read by this server",
+            "input",
+        )
+    texts = {}
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        ok = isinstance(parts, list) and all(
+            isinstance(p, dict) and p.get("type") == part_type and isinstance(p.get("text"), str)
+            for p in parts
+        )
+        if not ok:
+            raise VLLMValidationError(f"{where}.{key} must be a list of {part_type} parts", "input")
+        texts[key] = [{"type": part_type, "text": p["text"]} for p in parts]
+    return {
+        "id": _str_or(item.get("id"), new_id("rs")),
+        "type": "reasoning",
+        "summary": texts["summary"],
+        "content": texts["content"],
+        "status": "completed",
+    }
 
 
 def _str_or(value: Any, default: str) -> str:
@@ -299,8 +331,13 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     items is a 400 naming ``input`` (as OpenAI)."""
     messages: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call_id -> function name
+    reasoning: list[str] = []  # reasoning items not yet given to an assistant turn
     for item in items:
         kind = item["type"]
+        if kind == "reasoning":
+            parts = item["content"] or item["summary"]
+            reasoning.append("".join(p["text"] for p in parts))
+            continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             parts = [{**_chat_part(p)} for p in item["content"]]
@@ -333,6 +370,13 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "content": item["output"],
                 }
             )
+        if reasoning:
+            # Reasoning items are the reasoning (chat's field) of the assistant turn right
+            # after them; before any other turn there is nothing for them to explain.
+            last = messages[-1]
+            if last["role"] == "assistant":
+                last["reasoning"] = "\n".join([*filter(None, [last.get("reasoning")]), *reasoning])
+            reasoning = []
     return messages
 
 
@@ -365,10 +409,23 @@ def call_item(call_id: str, name: str, arguments: str, item_id: str | None = Non
     }
 
 
+def reasoning_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    return {
+        "id": item_id or new_id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
 def output_items(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
-    """A chat ``message`` (``ToolPlan.message``) as Responses output items: its text as
-    a message item (none when empty), then one ``function_call`` item per tool call."""
+    """A chat ``message`` (``ToolPlan.message``) as Responses output items: its reasoning
+    as a reasoning item, its text as a message item (each none when empty), then one
+    ``function_call`` item per tool call."""
     items = []
+    if message.get("reasoning"):
+        items.append(reasoning_item(message["reasoning"], status))
     if message.get("content"):
         items.append(message_item(message["content"], status))
     for call in message.get("tool_calls") or []:

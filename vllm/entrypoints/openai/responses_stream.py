@@ -3,8 +3,10 @@
 One response streams as::
 
     response.created, response.in_progress
-    per output item (a message, or a function call), in output order:
+    per output item (reasoning, a message, or a function call), in output order:
         response.output_item.added
+        reasoning:     response.content_part.added, response.reasoning_text.delta ...,
+                       response.reasoning_text.done, response.content_part.done
         message:       response.content_part.added, response.output_text.delta ...,
                        response.output_text.done, response.content_part.done
         function call: response.function_call_arguments.delta ...,
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vllm.entrypoints.openai.protocol_responses import call_item, message_item
+from vllm.entrypoints.openai.protocol_responses import call_item, message_item, reasoning_item
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -50,23 +52,39 @@ class ResponseEvents:
 
     def text(self, delta: str) -> list[str]:
         """Events for ``delta`` of the assistant's text (a new message item if needed)."""
-        events = []
-        if self._open is None or self.items[self._open]["type"] != "message":
-            events += self._close()
-            item = message_item("", "in_progress")
-            item["content"] = []
-            events += self._add(item)
-            part = {"type": "output_text", "text": "", "annotations": []}
-            item["content"].append(part)
-            events.append(
-                self._item_event("response.content_part.added", content_index=0, part=part)
-            )
+        events = self._open_text_item("message")
         self.items[self._open]["content"][0]["text"] += delta
         events.append(
             self._item_event(
                 "response.output_text.delta", content_index=0, delta=delta, logprobs=[]
             )
         )
+        return events
+
+    def reasoning(self, delta: str) -> list[str]:
+        """Events for ``delta`` of the model's reasoning (a new reasoning item if needed)."""
+        events = self._open_text_item("reasoning")
+        self.items[self._open]["content"][0]["text"] += delta
+        events.append(
+            self._item_event("response.reasoning_text.delta", content_index=0, delta=delta)
+        )
+        return events
+
+    def _open_text_item(self, kind: str) -> list[str]:
+        """Open a message or reasoning item with one empty text part, unless it is open."""
+        if self._open is not None and self.items[self._open]["type"] == kind:
+            return []
+        events = self._close()
+        if kind == "message":
+            item = message_item("", "in_progress")
+            part = {"type": "output_text", "text": "", "annotations": []}
+        else:
+            item = reasoning_item("", "in_progress")
+            part = {"type": "reasoning_text", "text": ""}
+        item["content"] = []
+        events += self._add(item)
+        item["content"].append(part)
+        events.append(self._item_event("response.content_part.added", content_index=0, part=part))
         return events
 
     def tool_call(self, piece: dict[str, Any]) -> list[str]:
@@ -109,12 +127,19 @@ class ResponseEvents:
             return []
         item = self.items[self._open]
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            events = [
+            done = (
                 self._item_event(
                     "response.output_text.done", content_index=0, text=part["text"], logprobs=[]
-                ),
+                )
+                if item["type"] == "message"
+                else self._item_event(
+                    "response.reasoning_text.done", content_index=0, text=part["text"]
+                )
+            )
+            events = [
+                done,
                 self._item_event("response.content_part.done", content_index=0, part=part),
             ]
         else:

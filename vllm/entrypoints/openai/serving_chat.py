@@ -179,6 +179,19 @@ class OpenAIServingChat(OpenAIServing):
 
         return await self.respond_json(stream, body, received, receive)
 
+    def reasoning_tokens(
+        self, request: ChatCompletionRequest, plan: ToolPlan, outputs: list[list[int]]
+    ) -> int | None:
+        """With --reasoning-parser, the reasoning's tokens in every choice's output ids (0
+        when the request split none off); None without one."""
+        if self.tool_config.reasoning_parser is None:
+            return None
+
+        def decode(ids) -> str:
+            return self.engine.decode(list(ids), request.skip_special_tokens)
+
+        return sum(plan.reasoning_tokens(ids, decode) for ids in outputs)
+
     def _count_reasoning(
         self,
         usage: dict,
@@ -186,17 +199,11 @@ class OpenAIServingChat(OpenAIServing):
         plan: ToolPlan,
         outputs: list[list[int]],
     ) -> None:
-        """With --reasoning-parser, ``usage`` gets vLLM's
-        ``completion_tokens_details.reasoning_tokens``: the reasoning's tokens in every
-        choice's output ids (0 when the request split none off)."""
-        if self.tool_config.reasoning_parser is None:
-            return
-
-        def decode(ids) -> str:
-            return self.engine.decode(list(ids), request.skip_special_tokens)
-
-        count = sum(plan.reasoning_tokens(ids, decode) for ids in outputs)
-        usage["completion_tokens_details"] = {"reasoning_tokens": count}
+        """vLLM's ``completion_tokens_details.reasoning_tokens`` in ``usage``, with
+        --reasoning-parser."""
+        count = self.reasoning_tokens(request, plan, outputs)
+        if count is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": count}
 
     def _stream(self, request, plan: ToolPlan, stream, request_id: str, created: int, received):
         base = {

@@ -116,7 +116,7 @@ class OpenAIServingResponses:
         except VLLMValidationError as e:
             e.param = ResponsesRequest.FIELD_NAMES.get(e.param, e.param)
             raise
-        turn = _Turn(request, response_id, int(time.time()), items, job_id)
+        turn = _Turn(request, response_id, int(time.time()), items, job_id, chat_request)
         if request.stream:
             return EngineStreamingResponse(self._stream(turn, plan, stream, received), stream)
         final = await self.chat.collect(stream, receive)
@@ -177,7 +177,10 @@ class OpenAIServingResponses:
         status = _STATUS.get(c.finish_reason or "", "completed")
         message, _ = plan.message(c.text, c.finish_reason)
         output = output_items(message, _item_status(status))
-        usage = self.usage(len(final.prompt_token_ids), len(c.token_ids), final.num_cached_tokens)
+        reasoning = self.chat.reasoning_tokens(turn.chat_request, plan, [c.token_ids]) or 0
+        usage = self.usage(
+            len(final.prompt_token_ids), len(c.token_ids), final.num_cached_tokens, reasoning
+        )
         return self._complete(turn, status, output, usage)
 
     def _complete(self, turn: _Turn, status: str, output: list, usage: dict) -> dict[str, Any]:
@@ -187,10 +190,11 @@ class OpenAIServingResponses:
             self.store.put(StoredResponse(body, turn.items, turn.job_id))
         return body
 
-    def usage(self, prompt: int, output: int, cached: int) -> dict[str, Any]:
+    def usage(self, prompt: int, output: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
         """OpenAI's Responses usage. ``cached``: prompt tokens served from the KV cache
         (as chat's ``cached_tokens``); the cache writes are the prompt's other tokens in
-        full KV blocks (those the prefix cache keeps)."""
+        full KV blocks (those the prefix cache keeps). ``reasoning``: the output's
+        reasoning tokens (with --reasoning-parser)."""
         full = prompt // self.cache_block * self.cache_block if self.cache_block else 0
         return {
             "input_tokens": prompt,
@@ -199,7 +203,7 @@ class OpenAIServingResponses:
                 "cache_write_tokens": max(full - cached, 0),
             },
             "output_tokens": output,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + output,
         }
 
@@ -253,13 +257,14 @@ class OpenAIServingResponses:
             "response.in_progress", self.response_object(turn, "in_progress", [], None)
         )
         streamer = plan.streamer()  # None: the output is plain text
-        prompt = output = cached = 0
+        prompt = cached = 0
+        output_ids: list[int] = []
         finish_reason = None
         try:
             async for out in stream:
                 prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 c = out.outputs[0]
-                output += len(c.token_ids)
+                output_ids += c.token_ids
                 finish_reason = c.finish_reason
                 delta = {"content": c.text} if c.text else {}
                 if streamer is not None:
@@ -269,7 +274,9 @@ class OpenAIServingResponses:
             status = _STATUS.get(finish_reason or "", "completed")
             for chunk in events.finish(_item_status(status)):
                 yield chunk
-            body = self._complete(turn, status, events.items, self.usage(prompt, output, cached))
+            reasoning = self.chat.reasoning_tokens(turn.chat_request, plan, [output_ids]) or 0
+            usage = self.usage(prompt, len(output_ids), cached, reasoning)
+            body = self._complete(turn, status, events.items, usage)
             kind = "response.completed" if status == "completed" else "response.incomplete"
             yield events.lifecycle(kind, body)
             self.chat.timing(received, stream)
@@ -323,9 +330,16 @@ class _Turn:
     """What a response keeps from its request while it generates."""
 
     def __init__(
-        self, request: ResponsesRequest, response_id: str, created_at: int, items: list, job_id: str
+        self,
+        request: ResponsesRequest,
+        response_id: str,
+        created_at: int,
+        items: list,
+        job_id: str,
+        chat_request: ChatCompletionRequest,
     ) -> None:
         self.request = request
+        self.chat_request = chat_request  # what it was served as
         self.response_id = response_id
         self.created_at = created_at
         self.items = items
@@ -337,7 +351,9 @@ def _item_status(status: str) -> str:
 
 
 def _delta_events(events: ResponseEvents, delta: dict[str, Any]) -> list[str]:
-    out = events.text(delta["content"]) if delta.get("content") else []
+    out = events.reasoning(delta["reasoning"]) if delta.get("reasoning") else []
+    if delta.get("content"):
+        out += events.text(delta["content"])
     for piece in delta.get("tool_calls") or []:
         out += events.tool_call(piece)
     return out
