@@ -15,6 +15,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from vllm.entrypoints.openai.protocol_responses import (
@@ -345,6 +347,8 @@ def test_responses_output_a_reasoning_item_before_the_message(tokenizer):
     chat = _serve(tokenizer, TEXTS[0], {})
     details = chat["usage"]["completion_tokens_details"]
     assert body["usage"]["output_tokens_details"] == details
+    parsed = Response.model_validate(body)  # the openai package's own type
+    assert parsed.output[0].content[0].text == "Two and two.\n"
 
 
 def test_responses_stream_reasoning_events_then_the_text(tokenizer):
@@ -363,6 +367,8 @@ def test_responses_stream_reasoning_events_then_the_text(tokenizer):
     deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
     assert "".join(deltas) == events[done]["text"] == "Two and two.\n"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for event in events:  # each in the openai package's own event types
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
     final = events[-1]["response"]
     assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
     whole = _respond(_responses(tokenizer, TEXTS[0])[0], {"input": "2+2?"})
