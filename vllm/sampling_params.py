@@ -38,13 +38,19 @@ class StructuredOutputsParams:
     dict or string), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
     strings) or ``grammar`` (Lark syntax, llguidance's dialect). The grammar is checked
     at the front end (``vllm.v1.structured_output.validate``) and enforced by a token mask
-    before every sampling step."""
+    before every sampling step.
+
+    ``after_reasoning``: a reasoning model's end tag (``"</think>"``, set by
+    ``--reasoning-parser``): the output is free text up to its first occurrence, then
+    the constraint holds (after optional whitespace), as vLLM starts the grammar once the
+    reasoning is over."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    after_reasoning: str | None = None
 
     def __post_init__(self) -> None:
         kinds = ("json", "json_object", "regex", "choice", "grammar")

@@ -81,6 +81,13 @@ class ReasoningParser(ABC):
     def __init__(self, chat_template_kwargs: Mapping[str, Any]) -> None:
         self.chat_template_kwargs = chat_template_kwargs
 
+    @property
+    def end_of_reasoning(self) -> str | None:
+        """The text that ends the reasoning, after which a guided output's grammar holds
+        (``StructuredOutputsParams.after_reasoning``); None: this request does not reason,
+        the grammar holds from the first token."""
+        return None
+
     @abstractmethod
     def extract(self, text: str, final: bool) -> ExtractedReasoning:
         """``final``: ``text`` is the whole output. Not ``final`` (streaming), the text may

@@ -31,6 +31,10 @@ class ThinkTagsReasoningParser(ReasoningParser):
         super().__init__(chat_template_kwargs)
         self.thinking = self.thinking_enabled(chat_template_kwargs)
 
+    @property
+    def end_of_reasoning(self) -> str | None:
+        return self.end_tag if self.thinking else None
+
     def thinking_enabled(self, chat_template_kwargs: Mapping[str, Any]) -> bool:
         """Whether the model reasons at all for this request (default: it does)."""
         return True

@@ -306,11 +306,50 @@ def test_thinking_switched_off_is_all_content(tokenizer):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Four."}
 
 
-def test_a_guided_output_is_not_split(tokenizer):
-    # The grammar holds from the first token: nothing in it is reasoning.
-    text = '{"thought": "</think>"}'
-    body = _serve(tokenizer, text, {"response_format": {"type": "json_object"}})
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": text}
+def _serve_seen(tokenizer, text: str, body: dict) -> tuple[dict, dict]:
+    engine, seen = _scripted_engine(tokenizer, text)
+    serving = OpenAIServingChat(engine, "m")
+    serving.tool_config = ToolCallingConfig(reasoning_parser="qwen3")
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "2+2?"}], **body}
+    )
+    response = asyncio.run(serving.create_chat_completion(request))
+    return json.loads(response.body), seen
+
+
+BASH = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+    },
+}
+
+
+def test_a_guided_output_holds_after_the_reasoning(tokenizer):
+    text = 'Two and two.</think>\n{"sum": 4}'
+    body, seen = _serve_seen(tokenizer, text, {"response_format": {"type": "json_object"}})
+    assert seen["params"].structured_outputs.after_reasoning == "</think>"
+    message = body["choices"][0]["message"]
+    assert message["reasoning"] == "Two and two." and json.loads(message["content"]) == {"sum": 4}
+    # Thinking switched off: the grammar holds from the first token.
+    off = {
+        "response_format": {"type": "json_object"},
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    body, seen = _serve_seen(tokenizer, '{"sum": 4}', off)
+    assert seen["params"].structured_outputs.after_reasoning is None
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": '{"sum": 4}'}
+
+
+def test_a_required_tool_call_after_the_reasoning(tokenizer):
+    text = 'I should list.</think>\n[{"name": "bash", "arguments": {"command": "ls"}}]'
+    body, seen = _serve_seen(tokenizer, text, {"tools": [BASH], "tool_choice": "required"})
+    assert seen["params"].structured_outputs.after_reasoning == "</think>"
+    choice = body["choices"][0]
+    assert choice["message"]["reasoning"] == "I should list."
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "bash"
+    assert choice["finish_reason"] == "tool_calls"
 
 
 # -- /v1/responses ------------------------------------------------------------------------
@@ -427,5 +466,15 @@ def test_server_returns_reasoning_when_the_block_is_never_closed(tmp_path):
         deltas = [c.choices[0].delta for c in stream if c.choices]
         assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
         assert not any(d.content for d in deltas)
+        # A guided request: the grammar waits for the end of a reasoning that never comes.
+        guided = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is 2+2?"}],
+            max_tokens=12,
+            temperature=0,
+            response_format={"type": "json_object"},
+        )
+        assert guided.choices[0].finish_reason == "length"
+        assert guided.choices[0].message.content is None and guided.choices[0].message.reasoning
     finally:
         server.stop()

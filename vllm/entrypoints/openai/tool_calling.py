@@ -16,6 +16,7 @@ vLLM's field), read before the tool parser reads the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -261,15 +262,16 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
                 "response_format",
             )
         plan.structured_outputs = response_format
-    if (
-        config.reasoning_parser is not None
-        and request.separate_reasoning is not False
-        and plan.structured_outputs is None
-    ):
-        # A guided output is the grammar's from its first token: no reasoning to split.
+    if config.reasoning_parser is not None and request.separate_reasoning is not False:
         plan.reasoning = get_reasoning_parser(config.reasoning_parser, request.chat_template_kwargs)
         plan.include_reasoning = request.include_reasoning is not False
         plan.stream_reasoning = request.stream_reasoning is not False
+        end = plan.reasoning.end_of_reasoning
+        if plan.structured_outputs is not None and end is not None:
+            # As vLLM: the model reasons freely, the grammar holds once that is over.
+            plan.structured_outputs = dataclasses.replace(
+                plan.structured_outputs, after_reasoning=end
+            )
     return plan
 
 

@@ -108,9 +108,62 @@ def check_limits(params: StructuredOutputsParams) -> None:
                 )
             if len(value) > limit:
                 raise _too_big(what, len(value), limit, "characters")
+    tag = params.after_reasoning
+    if tag is not None and (
+        not isinstance(tag, str) or not 0 < len(tag) <= MAX_REASONING_TAG_CHARS
+    ):
+        raise VLLMValidationError(
+            f"structured_outputs.after_reasoning must be a tag of 1 to "
+            f"{MAX_REASONING_TAG_CHARS} characters",
+            "structured_outputs",
+        )
+
+
+MAX_REASONING_TAG_CHARS = 64
+"""Longest ``after_reasoning`` tag (a model's end-of-reasoning tag is a few characters)."""
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex matching itself inside a Lark ``/.../`` terminal."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def gate_after_reasoning(grammar: str, tag: str) -> str:
+    """``grammar`` (a compiled grammar: llguidance's JSON, or Lark text) preceded by free
+    text that ends at the first ``tag``, then up to 8 whitespace characters (bounded: a
+    weak model must not loop on newlines there). The free text is one
+    lexeme matching "anything ending with ``tag``, with no ``tag`` before": a greedy lexer
+    cannot split it wrongly, and while it lasts the mask allows almost every token."""
+    try:
+        spec = json.loads(grammar)
+        inner = spec["grammars"]
+    except (ValueError, TypeError, KeyError):
+        inner = [{"lark_grammar": grammar}]
+    if len(inner) != 1:
+        raise ValueError("a constraint of several grammars cannot follow reasoning")
+    end = _regex_literal(tag)
+    lark = (
+        "start: REASONING WS? answer\n"
+        f"REASONING: /(.|\\n)*{end}/ & ~/(.|\\n)*{end}(.|\\n)+/\n"
+        "WS: /[ \\t\\r\\n]{1,8}/\n"
+        "answer: @answer\n"
+    )
+    grammars = [{"name": "reasoning", "lark_grammar": lark}, {**inner[0], "name": "answer"}]
+    return json.dumps({"grammars": grammars})
 
 
 def compile_grammar(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar text of ``params`` (``ValueError`` if it cannot be built),
+    after the reasoning when ``params.after_reasoning`` says so."""
+    grammar = _compile_constraint(params)
+    if params.after_reasoning is not None:
+        return gate_after_reasoning(grammar, params.after_reasoning)
+    return grammar
+
+
+def _compile_constraint(params: StructuredOutputsParams) -> str:
     """The llguidance grammar text of ``params`` (``ValueError`` if it cannot be built).
 
     A JSON schema is made strict first (``strict_json_schema``: no property the schema
