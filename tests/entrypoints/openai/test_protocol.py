@@ -235,3 +235,34 @@ def test_logit_bias_keys_become_token_ids_and_values_are_clamped_as_vllm():
     with pytest.raises(VLLMValidationError) as info:
         chat(allowed_token_ids=[]).to_sampling_params(8, None, False)
     assert info.value.param == "allowed_token_ids"
+
+
+# Qwen3-Coder's template walks a call's arguments as a mapping (`arguments|items`).
+ITEMS_TEMPLATE = (
+    "{%- for m in messages -%}{%- for c in m.tool_calls or [] -%}"
+    "<function={{ c.function.name }}>{%- for k, v in c.function.arguments|items -%}"
+    "<parameter={{ k }}>{{ v }}</parameter>{%- endfor -%}</function>"
+    "{%- endfor -%}{%- endfor -%}"
+)
+
+
+def test_an_assistant_calls_arguments_reach_the_template_as_a_dict(tokenizer, caplog):
+    def call(arguments):
+        return {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    raw = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call('{"a": 1, "b": "x"}')]},
+        {"role": "assistant", "tool_calls": [call("not json"), call("[1]"), call("")]},
+    ]
+    request = ChatCompletionRequest.model_validate({"messages": raw})
+    rendered = [m.for_template() for m in request.messages]
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": "x"}
+    assert [c["function"]["arguments"] for c in rendered[2]["tool_calls"]] == [{}, {}, {}]
+    assert "not a JSON object" in caplog.text
+    # The request itself keeps the client's strings.
+    assert request.messages[1].model_extra["tool_calls"][0]["function"]["arguments"].startswith("{")
+    text = tokenizer.apply_chat_template(rendered, chat_template=ITEMS_TEMPLATE, tokenize=False)
+    assert text == "<function=f><parameter=a>1</parameter><parameter=b>x</parameter></function>" + (
+        "<function=f></function>" * 3
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -206,7 +207,35 @@ class ChatMessage(BaseModel):
             reasoning = message.get("reasoning_content")
         if isinstance(reasoning, str):
             message["reasoning"] = message["reasoning_content"] = reasoning
+        calls = message.get("tool_calls")
+        if self.role == "assistant" and isinstance(calls, list):
+            message["tool_calls"] = [_call_for_template(c) for c in calls]
         return message
+
+
+def _call_for_template(call: Any) -> Any:
+    """An assistant tool call with its ``arguments`` as a dict, as vLLM gives templates
+    (transformers' convention: Qwen3-Coder's template iterates over them, Llama 3.1's
+    serializes them with ``tojson``); OpenAI clients send a JSON string. Arguments that
+    are not a JSON object become ``{}`` with a warning, as in vLLM: the turn is history,
+    and refusing it would fail every later turn of the conversation."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    text = fn["arguments"]
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError):
+        args = None
+    if not isinstance(args, dict):
+        logger.warning(
+            "Tool call %s has arguments that are not a JSON object (%d chars): given to the "
+            "template as {}",
+            loggable(fn.get("name"), 40),
+            len(text),
+        )
+        args = {}
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 _MESSAGES = TypeAdapter(list[ChatMessage])
