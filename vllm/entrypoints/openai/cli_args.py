@@ -93,7 +93,8 @@ class FrontendArgs:
     tool_call_parser: str | None = config_field(
         None,
         "How the model writes tool calls (hermes: <tool_call>{json}</tool_call>; json / "
-        "llama3_json: the output is the JSON call or a list of them).",
+        "llama3_json: the output is the JSON call or a list of them; qwen3_coder / "
+        "qwen3_xml: <tool_call><function=NAME><parameter=KEY>...).",
         choices=lambda: _tool_parser_names(),
     )
     reasoning_parser: str | None = config_field(

@@ -246,7 +246,7 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
                     "--tool-call-parser to be set",
                     "tool_choice",
                 )
-            plan.parser = get_tool_parser(config.tool_call_parser)
+            plan.parser = get_tool_parser(config.tool_call_parser, functions)
         elif choice == "required":
             plan.parser, plan.guided = get_tool_parser("json"), True
             schema = _required_schema(functions, request.parallel_tool_calls is not False)

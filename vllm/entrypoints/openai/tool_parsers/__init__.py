@@ -6,7 +6,11 @@ decorated with ``@register_tool_parser("name")`` in a module imported here.
 
 from __future__ import annotations
 
-from vllm.entrypoints.openai.tool_parsers import hermes_tool_parser, json_tool_parser  # noqa: F401
+from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
+    hermes_tool_parser,
+    json_tool_parser,
+    qwen3coder_tool_parser,
+)
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,

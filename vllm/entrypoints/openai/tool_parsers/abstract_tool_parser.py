@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object
@@ -32,10 +32,13 @@ def tool_parser_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def get_tool_parser(name: str) -> ToolParser:
+def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None) -> ToolParser:
+    """The parser ``name`` for one request; ``functions``: its tools' definitions by name
+    (``{"name", "description", "parameters"}``), for formats whose arguments are typed
+    by the schema (Qwen3-Coder's XML)."""
     if name not in _REGISTRY:
         raise ValueError(f"tool_call_parser must be one of {tool_parser_names()}, got {name!r}")
-    return _REGISTRY[name]()
+    return _REGISTRY[name](functions)
 
 
 @dataclass
@@ -56,9 +59,12 @@ class ExtractedToolCalls:
 
 
 class ToolParser(ABC):
-    """Splits a model's output into content and tool calls (stateless: one instance may
-    serve every request). Subclasses implement ``extract_tool_calls``; callers use
+    """Splits a model's output into content and tool calls (stateless: it re-reads the
+    whole output each time). Subclasses implement ``extract_tool_calls``; callers use
     ``extract``, which never raises."""
+
+    def __init__(self, functions: Mapping[str, dict] | None = None) -> None:
+        self.functions: Mapping[str, dict] = functions or {}
 
     def extract(self, text: str, final: bool) -> ExtractedToolCalls:
         """``extract_tool_calls``, except that a parser that fails (a bug, or output nested

@@ -1,0 +1,266 @@
+"""Qwen3-Coder's XML calls (vLLM's ``qwen3_coder`` / ``qwen3_xml``)::
+
+    <tool_call>
+    <function=run_bash>
+    <parameter=command>
+    ls -la
+    </parameter>
+    <parameter=timeout>
+    30
+    </parameter>
+    </function>
+    </tool_call>
+
+Any number of calls; the text outside them is the content. A ``<function=...>`` block
+without the ``<tool_call>`` wrapper is a call too, as in vLLM.
+
+Parameter values are text: each is typed by its tool's JSON schema (the request's
+``tools``), as vLLM does: an ``integer`` parameter's ``"30"`` becomes ``30``, an
+``object`` one's JSON (or Python literal) text an object, a ``boolean`` one's
+``true``/``false`` a bool; a value that does not convert, and every parameter the schema
+does not type, stays a string. One leading and one trailing newline of a value are the
+template's layout and are dropped.
+
+Streamed, a call's ``arguments`` JSON grows a whole parameter at a time (a value is typed
+only once it is complete): ``{``, ``{"command": "ls -la"``, ..., then ``}`` when the
+function closes; each is a prefix of the final text.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from typing import Any
+
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ParsedToolCall,
+    ToolParser,
+    register_tool_parser,
+)
+from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+FN_OPEN, FN_CLOSE = "<function=", "</function>"
+PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
+_STARTS = (TOOL_OPEN, FN_OPEN)
+
+
+def _held_back(text: str) -> int:
+    """Length of the longest suffix of ``text`` that could begin a call."""
+    for n in range(min(len(TOOL_OPEN) - 1, len(text)), 0, -1):
+        if any(tag.startswith(text[-n:]) for tag in _STARTS):
+            return n
+    return 0
+
+
+def _is_prefix_of_any(text: str, tags: tuple[str, ...]) -> bool:
+    return any(tag.startswith(text) for tag in tags)
+
+
+class _Open(Exception):
+    """The call goes on past the end of the text (streaming: wait for more)."""
+
+
+class _NotACall(Exception):
+    """The text at a call's start is not one (the user sees it as content)."""
+
+
+@register_tool_parser("qwen3_coder", "qwen3_xml")
+class Qwen3CoderToolParser(ToolParser):
+    def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
+        content: list[str] = []
+        calls: list[ParsedToolCall] = []
+        i = 0
+        while True:
+            starts = [j for j in (text.find(tag, i) for tag in _STARTS) if j >= 0]
+            if not starts:
+                tail = text[i:]
+                content.append(tail if final else tail[: len(tail) - _held_back(tail)])
+                break
+            j = min(starts)
+            content.append(text[i:j])
+            try:
+                call, end = self._call(text, j, final)
+            except _Open as partial:
+                if partial.args and partial.args[0] is not None:
+                    calls.append(partial.args[0])
+                break  # everything after waits for the call to close
+            except _NotACall:
+                if not final:
+                    break  # held back until the output ends (content only grows)
+                end = text.find(TOOL_CLOSE, j)
+                end = len(text) if end < 0 else end + len(TOOL_CLOSE)
+                content.append(text[j:end])
+                i = end
+                continue
+            calls.append(call)
+            i = end
+        joined = "".join(content).strip()
+        return ExtractedToolCalls(joined or (None if final else ""), calls)
+
+    def _call(self, text: str, start: int, final: bool) -> tuple[ParsedToolCall, int]:
+        """The call starting at ``start`` and where it ends. Raises ``_Open`` (with the
+        call so far, or None before its name is complete) when the text ends inside it and
+        more may come, ``_NotACall`` when it is not one."""
+        wrapped = text.startswith(TOOL_OPEN, start)
+        pos = skip_ws(text, start + len(TOOL_OPEN)) if wrapped else start
+        if not text.startswith(FN_OPEN, pos):
+            if _is_prefix_of_any(text[pos:], (FN_OPEN,)) and not final:
+                raise _Open(None)
+            raise _NotACall
+        name_end = text.find(">", pos + len(FN_OPEN))
+        if name_end < 0:
+            if final:
+                raise _NotACall
+            raise _Open(None)
+        name = text[pos + len(FN_OPEN) : name_end].strip()
+        if not name or "\n" in name or "<" in name:
+            raise _NotACall
+        params: list[tuple[str, str]] = []
+        pos = name_end + 1
+        while True:
+            pos = skip_ws(text, pos)
+            if text.startswith(FN_CLOSE, pos):
+                end = pos + len(FN_CLOSE)
+                break
+            if text.startswith(PARAM_OPEN, pos):
+                param, pos = self._param(text, pos, final)
+                if param is None:
+                    raise _Open(self._parsed(name, params, closed=False))
+                params.append(param)
+                continue
+            if pos >= len(text) or _is_prefix_of_any(text[pos:], (FN_CLOSE, PARAM_OPEN)):
+                if final:  # cut at a parameter's end (a stop string): the call holds
+                    return self._parsed(name, params, closed=True), len(text)
+                raise _Open(self._parsed(name, params, closed=False))
+            raise _NotACall  # stray text inside the function
+        if wrapped:
+            after = skip_ws(text, end)
+            if text.startswith(TOOL_CLOSE, after):
+                end = after + len(TOOL_CLOSE)
+            elif not final and _is_prefix_of_any(text[after:], (TOOL_CLOSE,)):
+                raise _Open(self._parsed(name, params, closed=True))
+        return self._parsed(name, params, closed=True), end
+
+    @staticmethod
+    def _param(text: str, pos: int, final: bool) -> tuple[tuple[str, str] | None, int]:
+        """The parameter opening at ``pos`` and the position after it; None while its
+        value is not complete. A value ends at ``</parameter>``, or at the next
+        parameter or the function's end when the model left it open."""
+        key_end = text.find(">", pos + len(PARAM_OPEN))
+        if key_end < 0:
+            if final:
+                raise _NotACall
+            return None, pos
+        key = text[pos + len(PARAM_OPEN) : key_end].strip()
+        if not key or "\n" in key or "<" in key:
+            raise _NotACall
+        start = key_end + 1
+        ends = [
+            (at, len(tag))
+            for tag in (PARAM_CLOSE, PARAM_OPEN, FN_CLOSE)
+            if (at := text.find(tag, start)) >= 0
+        ]
+        if not ends:
+            if final:
+                raise _NotACall  # cut inside a value: it may be incomplete
+            return None, pos
+        at, size = min(ends)
+        after = at + size if text.startswith(PARAM_CLOSE, at) else at
+        value = text[start:at]
+        if value.startswith("\n"):
+            value = value[1:]
+        if value.endswith("\n"):
+            value = value[:-1]
+        return (key, value), after
+
+    def _parsed(self, name: str, params: list[tuple[str, str]], closed: bool) -> ParsedToolCall:
+        """The call with its arguments as JSON text: each parameter typed by the tool's
+        schema, the first of a repeated name kept."""
+        fn = self.functions.get(name) or {}
+        schema = fn.get("parameters") if isinstance(fn, dict) else None
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        props = props if isinstance(props, dict) else {}
+        parts, seen = [], set()
+        for key, raw in params:
+            if key in seen:
+                continue
+            seen.add(key)
+            value = typed_value(raw, props.get(key))
+            parts.append(f"{json.dumps(key, ensure_ascii=False)}: {_dumps(value)}")
+        arguments = "{" + ", ".join(parts) + ("}" if closed else "")
+        return ParsedToolCall(name, arguments, closed)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _types(schema: Any) -> set[str]:
+    """The JSON types a schema allows (``type``, a list of them, ``anyOf``/``oneOf``
+    members, ``enum`` values); empty: any (the value stays a string)."""
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    for key in ("anyOf", "oneOf"):
+        for member in schema.get(key) or []:
+            types |= _types(member)
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+    for value in schema.get("enum") or []:
+        types.add(names.get(type(value), "string"))
+    return {t for t in types if isinstance(t, str)}
+
+
+def typed_value(raw: str, schema: Any) -> Any:
+    """``raw`` converted to the first non-string type of ``schema`` it parses as
+    (null, boolean, integer, number, object, array), else the string itself."""
+    types = _types(schema)
+    text = raw.strip()
+    for kind in ("null", "boolean", "integer", "number", "object", "array"):
+        if kind not in types:
+            continue
+        converted = _convert(text, kind)
+        if converted is not _FAILED:
+            return converted
+    return raw
+
+
+_FAILED = object()
+
+
+def _convert(text: str, kind: str) -> Any:
+    lowered = text.lower()
+    if kind == "null":
+        return None if lowered in ("null", "none") else _FAILED
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(lowered, _FAILED)
+    if kind in ("integer", "number"):
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        if kind == "integer":
+            return _FAILED
+        try:
+            number = float(text)
+        except ValueError:
+            return _FAILED
+        if not math.isfinite(number):
+            return _FAILED
+        return int(number) if number.is_integer() else number
+    wanted = dict if kind == "object" else list
+    for parse in (json.loads, ast.literal_eval):  # JSON, else a Python literal
+        try:
+            value = parse(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+        if isinstance(value, wanted):
+            try:
+                json.dumps(value)  # a Python literal may hold what JSON cannot
+            except (TypeError, ValueError, RecursionError):
+                return _FAILED
+            return value
+    return _FAILED
