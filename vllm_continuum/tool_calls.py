@@ -1,9 +1,10 @@
 """Tool calls in agent outputs.
 
 ``ToolCallParser`` finds the tool call in a finished turn's text (```bash blocks, OpenAI
-``tool_calls`` JSON, ``<tool_call>{json}</tool_call>``; anything inside ``<think>`` is
-ignored) and names the tool the way the estimator and the predictors key on it
-(``normalize_tool_name``: "cd x && git status" -> "git status").
+``tool_calls`` JSON, ``<tool_call>{json}</tool_call>``, Qwen3-Coder's
+``<function=NAME><parameter=KEY>``; anything inside ``<think>`` is ignored) and names
+the tool the way the estimator and the predictors key on it (``normalize_tool_name``:
+"cd x && git status" -> "git status").
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 # A block cut off by max_tokens has no closing fence: the end of the text closes it.
 _FENCE = re.compile(r"```(?:bash|sh|shell|console|zsh)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _TOOL_TAG = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+# Qwen3-Coder's XML calls: <function=NAME><parameter=KEY>value</parameter>...</function>.
+_XML_FUNCTION = re.compile(r"<function=([^>\n<]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+_XML_PARAM = re.compile(
+    r"<parameter=([^>\n<]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL
+)
 _ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PREFIXES = {"sudo", "time", "nohup", "env", "exec", "command", "builtin", "nice"}
 # Tools whose first argument names what really runs ("git status", "pip install").
@@ -96,8 +102,19 @@ class ToolCallParser:
             text = _THINK.sub("", text)
             text = text.rsplit("</think>", 1)[-1]
         return (
-            self._from_tool_calls_json(text) or self._from_tool_tag(text) or self._from_fence(text)
+            self._from_tool_calls_json(text)
+            or self._from_tool_tag(text)
+            or self._from_xml_function(text)
+            or self._from_fence(text)
         )
+
+    def _from_xml_function(self, text: str) -> ToolCall | None:
+        functions = _XML_FUNCTION.findall(text)
+        if not functions:
+            return None
+        name, body = functions[-1]
+        args = {key.strip(): value for key, value in _XML_PARAM.findall(body)}
+        return self._from_function({"name": name.strip(), "arguments": args})
 
     def _from_fence(self, text: str) -> ToolCall | None:
         blocks = [b.strip() for b in _FENCE.findall(text) if b.strip()]

@@ -81,6 +81,19 @@ CASES = [
         "str_replace_editor",
     ),
     (json.dumps({"name": "bash", "arguments": {"cmd": "pwd"}}), "pwd"),
+    # Qwen3-Coder's XML calls (--tool-call-parser qwen3_coder).
+    (
+        "I'll run the tests.\n<tool_call>\n<function=execute_bash>\n<parameter=command>\n"
+        "cd /testbed && python -m pytest -x\n</parameter>\n</function>\n</tool_call>",
+        "pytest",
+    ),
+    (
+        "<tool_call>\n<function=str_replace_editor>\n<parameter=path>\na.py\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "str_replace_editor",
+    ),
+    ("<function=bash>\n<parameter=command>\ngit status", "git status"),  # cut by max_tokens
+    ("<think>plan</think>\n<function=bash><parameter=command>ls</parameter></function>", "ls"),
     ("I think the bug is in the parser. No command needed.", None),
     ("", None),
     (f"{FENCE}python\nprint('not a shell block')\n{FENCE}", None),
