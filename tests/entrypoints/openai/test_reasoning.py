@@ -183,6 +183,7 @@ def test_the_switches_are_strict_booleans():
 # -- the chat endpoint over a scripted engine -------------------------------------------
 class _ScriptedStream:
     engine_latency_s = None
+    num_prompt_tokens = 3
 
     def __init__(self, outputs: list[RequestOutput]) -> None:
         self.outputs = outputs

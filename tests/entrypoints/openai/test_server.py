@@ -96,6 +96,32 @@ def test_chat_streaming_matches_non_streaming(client):
     assert usage is not None and usage.completion_tokens == 16 and finish == "length"
 
 
+@pytest.mark.parametrize("route", ["chat", "completion"])
+def test_continuous_usage_stats_count_every_chunk(client, route):
+    # vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = {"max_tokens": 8, "temperature": 0, "stream": True, "stream_options": options}
+    if route == "chat":
+        stream = chat(client, "Count from one to ten.", **kw)
+    else:
+        stream = client.completions.create(model=MODEL, prompt="One, two,", **kw)
+    chunks = list(stream)
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 8
+    assert len({u.prompt_tokens for u in usages}) == 1 and usages[0].prompt_tokens > 0
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+
+
+@pytest.mark.parametrize(
+    "options", [{"include_obfuscation": True}, {"include_usage": True, "bogus": 1}]
+)
+def test_stream_options_not_served_are_400s(client, options):
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        chat(client, "hi", max_tokens=2, stream=True, stream_options=options)
+
+
 def test_timing_headers_split_server_and_engine_time(server):
     r = requests.post(
         server.base + "/v1/completions",

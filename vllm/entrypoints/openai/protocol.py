@@ -166,9 +166,23 @@ def _breakpoint_ttl(mark: Any) -> float | None:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+    """OpenAI's ``include_usage`` (a last chunk with the usage) and vLLM's
+    ``continuous_usage_stats`` (with it, every chunk carries the usage so far). OpenAI's
+    ``include_obfuscation`` pads chunks against side channels: not done here, so only
+    false is taken; any other key is a 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool = False
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("include_obfuscation is not supported")
+        return value
 
 
 class ChatMessage(BaseModel):
@@ -347,6 +361,15 @@ class _SamplingFields(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     vllm_xargs: dict[str, Any] | None = None  # without job_id / is_last_step once validated
     extra_body: dict[str, Any] | None = None  # emptied by _normalize
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """Whether a stream ends with a usage chunk, and whether every chunk carries the
+        usage so far (``continuous_usage_stats`` counts only with ``include_usage``, as in
+        vLLM)."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return False, False
+        return True, options.continuous_usage_stats
 
     @model_validator(mode="before")
     @classmethod

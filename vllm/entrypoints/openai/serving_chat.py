@@ -253,7 +253,7 @@ class OpenAIServingChat(OpenAIServing):
             }
             for i in range(request.n)
         ]
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        include_usage, continuous_usage = request.stream_usage()
 
         def usage(u) -> dict:
             out = u.model_dump()
@@ -268,4 +268,5 @@ class OpenAIServingChat(OpenAIServing):
             lambda u: {**base, "choices": [], "usage": usage(u)},
             received,
             observe if counted and include_usage else None,
+            continuous_usage,
         )

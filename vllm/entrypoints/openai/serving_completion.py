@@ -121,7 +121,7 @@ class OpenAIServingCompletion(OpenAIServing):
             }
             return {**base, "choices": [choice]}
 
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        include_usage, continuous_usage = request.stream_usage()
         return self.stream_events(
             stream,
             chunk,
@@ -129,4 +129,5 @@ class OpenAIServingCompletion(OpenAIServing):
             include_usage,
             lambda u: {**base, "choices": [], "usage": u.model_dump()},
             received,
+            continuous_usage=continuous_usage,
         )

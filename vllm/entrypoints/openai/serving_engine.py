@@ -255,13 +255,27 @@ class OpenAIServing:
         usage_chunk: Callable[[UsageInfo], dict],
         received: float | None = None,
         observe: Callable[[CompletionOutput], None] | None = None,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
         """SSE events; an error mid-stream becomes an error event, then [DONE].
-        ``observe``: called with every output, those that make no chunk included."""
-        prompt_tokens = completion = cached = 0
+        ``observe``: called with every output, those that make no chunk included.
+        ``continuous_usage``: every chunk carries the usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``)."""
+        prompt_tokens, completion, cached = stream.num_prompt_tokens, 0, 0
+
+        def event(payload: dict) -> str:
+            if continuous_usage:
+                total = prompt_tokens + completion
+                payload["usage"] = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion,
+                    "total_tokens": total,
+                }
+            return sse(payload)
+
         try:
             for first in first_chunks:
-                yield sse(first)
+                yield event(first)
             async for out in stream:
                 prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
@@ -269,7 +283,7 @@ class OpenAIServing:
                     if observe is not None:
                         observe(c)
                     if c.text or c.finish_reason is not None or c.logprobs:
-                        yield sse(chunk(c))
+                        yield event(chunk(c))
             if include_usage:
                 yield sse(
                     usage_chunk(

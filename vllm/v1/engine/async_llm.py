@@ -41,9 +41,16 @@ class RequestStream:
     (receipt of its first sample to the message that finished it).
     """
 
-    def __init__(self, engine: AsyncLLM, request_id: str, child_ids: list[str]) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        request_id: str,
+        child_ids: list[str],
+        num_prompt_tokens: int = 0,
+    ) -> None:
         self.request_id = request_id
         self.child_ids = child_ids
+        self.num_prompt_tokens = num_prompt_tokens  # the prompt's tokens, once processed
         self.engine_arrival: float | None = None  # time.monotonic() in the engine process
         self.engine_latency_s: float | None = None
         self._engine = engine
@@ -218,7 +225,12 @@ class AsyncLLM:
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, core_reqs
         )
-        stream = RequestStream(self, request_id, [r.request_id for r in core_reqs])
+        stream = RequestStream(
+            self,
+            request_id,
+            [r.request_id for r in core_reqs],
+            len(core_reqs[0].prompt_token_ids) if core_reqs else 0,
+        )
         if not self._streams:  # an idle engine owes no progress until now
             self._last_progress = time.monotonic()
         self._streams[request_id] = stream
