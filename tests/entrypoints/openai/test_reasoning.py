@@ -183,7 +183,7 @@ def test_the_switches_are_strict_booleans():
 # -- the chat endpoint over a scripted engine -------------------------------------------
 class _ScriptedStream:
     engine_latency_s = None
-    num_prompt_tokens = 3
+    prompt_token_ids = [1, 2, 3]
 
     def __init__(self, outputs: list[RequestOutput]) -> None:
         self.outputs = outputs
@@ -291,6 +291,18 @@ def test_include_reasoning_false_drops_it(tokenizer):
     assert "reasoning" not in message and message["content"] == "The answer is 4."
     events = _serve(tokenizer, TEXTS[0], {"stream": True, "include_reasoning": False})
     assert not any("reasoning" in e["choices"][0]["delta"] for e in events)
+
+
+def test_dropped_reasoning_takes_its_logprobs_and_token_ids_along(tokenizer):
+    # They would spell the reasoning out: withheld, as vLLM does.
+    ask = {"return_token_ids": True, "logprobs": True}
+    shown = _serve(tokenizer, TEXTS[0], ask)["choices"][0]
+    assert shown["token_ids"] and "logprobs" in shown
+    hidden = _serve(tokenizer, TEXTS[0], {**ask, "include_reasoning": False})["choices"][0]
+    assert hidden["token_ids"] is None and hidden["logprobs"] is None
+    events = _serve(tokenizer, TEXTS[0], {**ask, "include_reasoning": False, "stream": True})
+    for e in events:
+        assert "token_ids" not in e["choices"][0] and e["choices"][0]["logprobs"] is None
 
 
 def test_separate_reasoning_false_and_no_parser_leave_the_text_as_content(tokenizer):

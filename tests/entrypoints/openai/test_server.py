@@ -114,6 +114,36 @@ def test_continuous_usage_stats_count_every_chunk(client, route):
     assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
 
 
+def test_return_token_ids_on_chat(client, tokenizer):
+    # vLLM's return_token_ids: the prompt's ids and each choice's, whole or per chunk.
+    kw = {"max_tokens": 8, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    reply = chat(client, "Count from one to ten.", **kw)
+    prompt_ids, ids = reply.prompt_token_ids, reply.choices[0].token_ids
+    assert len(prompt_ids) == reply.usage.prompt_tokens and len(ids) == 8
+    assert tokenizer.decode(ids, skip_special_tokens=True) == reply.choices[0].message.content
+    assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")
+    chunks = list(chat(client, "Count from one to ten.", stream=True, **kw))
+    assert chunks[0].prompt_token_ids == prompt_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    streamed = [t for c in chunks for ch in c.choices for t in getattr(ch, "token_ids", [])]
+    assert streamed == ids
+    plain = chat(client, "Count from one to ten.", max_tokens=8, temperature=0)
+    assert getattr(plain, "prompt_token_ids", None) is None
+
+
+def test_return_token_ids_on_completions(client, tokenizer):
+    kw = {"max_tokens": 8, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    reply = client.completions.create(model=MODEL, prompt="One, two,", **kw)
+    choice = reply.choices[0]
+    assert choice.prompt_token_ids == tokenizer.encode("One, two,")
+    assert len(choice.token_ids) == 8
+    stream = client.completions.create(model=MODEL, prompt="One, two,", stream=True, **kw)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].prompt_token_ids == choice.prompt_token_ids
+    assert all(c.prompt_token_ids is None for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids] == choice.token_ids
+
+
 @pytest.mark.parametrize(
     "options", [{"include_obfuscation": True}, {"include_usage": True, "bogus": 1}]
 )

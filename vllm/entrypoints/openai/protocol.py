@@ -349,6 +349,8 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: the prompt's and the output's token ids in the response (agent tracing, RL).
+    return_token_ids: bool = False
     include_stop_str_in_output: bool = False
     user: str | None = None
     priority: int = 0

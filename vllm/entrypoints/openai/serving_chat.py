@@ -153,21 +153,26 @@ class OpenAIServingChat(OpenAIServing):
                 self._stream(request, plan, stream, request_id, created, received), stream
             )
 
+        hide = plan.hides_reasoning
+
         def choice(c: CompletionOutput) -> dict:
             message, finish_reason = plan.message(c.text, c.finish_reason)
-            return {
+            out = {
                 "index": c.index,
                 "message": message,
-                "logprobs": self._logprobs(c),
+                "logprobs": None if hide else self._logprobs(c),
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
+            if request.return_token_ids:  # vLLM's
+                out["token_ids"] = None if hide else c.token_ids
+            return out
 
         def body(final: RequestOutput) -> dict:
             choices = [choice(c) for c in final.outputs]
             usage = self.usage([final]).model_dump()
             self._count_reasoning(usage, request, plan, [c.token_ids for c in final.outputs])
-            return {
+            out = {
                 "id": request_id,
                 "object": "chat.completion",
                 "created": created,
@@ -176,6 +181,9 @@ class OpenAIServingChat(OpenAIServing):
                 "usage": usage,
                 "prompt_logprobs": self.prompt_logprobs(final.prompt_logprobs),  # vLLM's
             }
+            if request.return_token_ids:
+                out["prompt_token_ids"] = final.prompt_token_ids
+            return out
 
         return await self.respond_json(stream, body, received, receive)
 
@@ -221,23 +229,24 @@ class OpenAIServingChat(OpenAIServing):
         def observe(c: CompletionOutput) -> None:
             output_ids[c.index] += c.token_ids
 
+        hide = plan.hides_reasoning
+        token_ids = request.return_token_ids and not hide
+
         def chunk(c: CompletionOutput) -> dict:
             delta, finish_reason = {"content": c.text} if c.text else {}, c.finish_reason
             streamer = streamers[c.index]
             if streamer is not None:
                 delta = streamer.delta(c.text, c.finish_reason is not None)
                 finish_reason = plan.finish_reason(c.finish_reason, streamer.called)
-            return {
-                **base,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": self._logprobs(c),
-                        "finish_reason": finish_reason,
-                    }
-                ],
+            out = {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": None if hide else self._logprobs(c),
+                "finish_reason": finish_reason,
             }
+            if token_ids:
+                out["token_ids"] = c.token_ids  # this chunk's (vLLM's return_token_ids)
+            return {**base, "choices": [out]}
 
         first = [
             {
@@ -253,6 +262,8 @@ class OpenAIServingChat(OpenAIServing):
             }
             for i in range(request.n)
         ]
+        if request.return_token_ids:
+            first[0]["prompt_token_ids"] = stream.prompt_token_ids  # in the first chunk only
         include_usage, continuous_usage = request.stream_usage()
 
         def usage(u) -> dict:
@@ -269,4 +280,5 @@ class OpenAIServingChat(OpenAIServing):
             received,
             observe if counted and include_usage else None,
             continuous_usage,
+            every_output=token_ids,
         )

@@ -98,6 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                     "prompt_logprobs": prompt_logprobs,  # vLLM's: in every choice
+                    **self._token_ids(request, final.prompt_token_ids, c.token_ids),
                 }
                 for c in final.outputs
             ]
@@ -105,19 +106,31 @@ class OpenAIServingCompletion(OpenAIServing):
 
         return await self.respond_json(stream, body, received, receive)
 
+    @staticmethod
+    def _token_ids(request, prompt_ids: list[int] | None, ids: list[int]) -> dict:
+        """vLLM's ``return_token_ids`` fields of a choice (the prompt's: None after a
+        choice's first chunk)."""
+        if not request.return_token_ids:
+            return {}
+        return {"prompt_token_ids": prompt_ids, "token_ids": ids}
+
     def _stream(self, request, stream, base: dict, echo: str, received: float | None):
         echoed: set[int] = set()
+        started: set[int] = set()
 
         def chunk(c: CompletionOutput) -> dict:
             text = c.text
             if echo and c.index not in echoed:  # the prompt leads each choice's text
                 echoed.add(c.index)
                 text = echo + text
+            prompt_ids = None if c.index in started else stream.prompt_token_ids
+            started.add(c.index)
             choice = {
                 "index": c.index,
                 "text": text,
                 "logprobs": self._logprobs(c),
                 "finish_reason": c.finish_reason,
+                **self._token_ids(request, prompt_ids, c.token_ids),
             }
             return {**base, "choices": [choice]}
 
@@ -130,4 +143,5 @@ class OpenAIServingCompletion(OpenAIServing):
             lambda u: {**base, "choices": [], "usage": u.model_dump()},
             received,
             continuous_usage=continuous_usage,
+            every_output=request.return_token_ids,
         )

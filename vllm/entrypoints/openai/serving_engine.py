@@ -256,12 +256,14 @@ class OpenAIServing:
         received: float | None = None,
         observe: Callable[[CompletionOutput], None] | None = None,
         continuous_usage: bool = False,
+        every_output: bool = False,
     ) -> AsyncIterator[str]:
         """SSE events; an error mid-stream becomes an error event, then [DONE].
         ``observe``: called with every output, those that make no chunk included.
         ``continuous_usage``: every chunk carries the usage so far (vLLM's
-        ``stream_options.continuous_usage_stats``)."""
-        prompt_tokens, completion, cached = stream.num_prompt_tokens, 0, 0
+        ``stream_options.continuous_usage_stats``). ``every_output``: a chunk for every
+        output with new tokens, text or not (``return_token_ids``)."""
+        prompt_tokens, completion, cached = len(stream.prompt_token_ids), 0, 0
 
         def event(payload: dict) -> str:
             if continuous_usage:
@@ -282,7 +284,8 @@ class OpenAIServing:
                     completion += len(c.token_ids)
                     if observe is not None:
                         observe(c)
-                    if c.text or c.finish_reason is not None or c.logprobs:
+                    new = c.text or (every_output and c.token_ids)
+                    if new or c.finish_reason is not None or c.logprobs:
                         yield event(chunk(c))
             if include_usage:
                 yield sse(

@@ -95,6 +95,12 @@ class ToolPlan:
             message["reasoning"] = extracted.reasoning
         return message, finish_reason
 
+    @property
+    def hides_reasoning(self) -> bool:
+        """``include_reasoning: false`` on a split output: the reasoning's logprobs and
+        token ids are withheld too (they would spell it out), as in vLLM."""
+        return self.reasoning is not None and not self.include_reasoning
+
     def reasoning_tokens(
         self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
     ) -> int:

@@ -46,11 +46,11 @@ class RequestStream:
         engine: AsyncLLM,
         request_id: str,
         child_ids: list[str],
-        num_prompt_tokens: int = 0,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.child_ids = child_ids
-        self.num_prompt_tokens = num_prompt_tokens  # the prompt's tokens, once processed
+        self.prompt_token_ids = prompt_token_ids or []  # as processed (template, truncation)
         self.engine_arrival: float | None = None  # time.monotonic() in the engine process
         self.engine_latency_s: float | None = None
         self._engine = engine
@@ -229,7 +229,7 @@ class AsyncLLM:
             self,
             request_id,
             [r.request_id for r in core_reqs],
-            len(core_reqs[0].prompt_token_ids) if core_reqs else 0,
+            list(core_reqs[0].prompt_token_ids) if core_reqs else None,
         )
         if not self._streams:  # an idle engine owes no progress until now
             self._last_progress = time.monotonic()
