@@ -41,6 +41,14 @@ class RequestMetrics:
     finished_time: float | None = None
     queue_time: float | None = None  # seconds waiting in the engine before scheduling
     num_generation_tokens: int = 0  # over all n sequences
+    max_num_generation_tokens: int = 0  # the longest sequence's
+    n: int = 1  # the request's sampling parameters (for vLLM's request_params_* metrics)
+    max_tokens: int | None = None
+
+    @property
+    def scheduled_time(self) -> float | None:
+        """When the engine first scheduled it (arrival plus the engine's queue time)."""
+        return None if self.queue_time is None else self.arrival_time + self.queue_time
 
     @property
     def time_to_first_token(self) -> float | None:

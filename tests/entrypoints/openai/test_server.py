@@ -362,7 +362,23 @@ def test_metrics_names_and_text_format(server, client):
         "vllm:request_queue_time_seconds_count",
         "vllm:num_pinned_requests",
         "vllm:pinned_kv_blocks",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:request_inference_time_seconds_count",
+        "vllm:request_time_per_output_token_seconds_count",
+        "vllm:request_prompt_tokens_count",
+        "vllm:request_generation_tokens_count",
+        "vllm:request_max_num_generation_tokens_count",
+        "vllm:request_params_n_count",
+        "vllm:request_params_max_tokens_count",
+        "vllm:iteration_tokens_total_count",
+        "vllm:prompt_tokens_cached_total",
     ):
         assert name in m, name
     assert m["vllm:generation_tokens_total"] > 0 and m["vllm:prompt_tokens_total"] > 0
     assert m["vllm:e2e_request_latency_seconds_count"] >= 1
+    # 4 tokens a request: 3 intervals each, and at least a prefill and a decode step.
+    assert m["vllm:inter_token_latency_seconds_count"] >= 3
+    assert m["vllm:iteration_tokens_total_count"] >= 2
+    assert m["vllm:request_params_max_tokens_count"] >= 1

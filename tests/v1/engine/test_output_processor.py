@@ -124,6 +124,26 @@ def test_logprobs_and_timing_metrics(tokenizer):
     assert final.num_cached_tokens == 16
 
 
+def test_inter_token_latencies_once_per_request_and_call(tokenizer, monkeypatch):
+    import vllm.v1.engine.output_processor as op
+
+    clock = iter([10.0, 10.5, 11.25])
+    monkeypatch.setattr(op.time, "time", lambda: next(clock))
+    processor = OutputProcessor(tokenizer)
+    kids = [make_request(f"{i}_r", max_tokens=7) for i in range(2)]
+    processor.add_request("r", None, kids)
+    a, b = token_outputs(tokenizer, "0_r"), token_outputs(tokenizer, "1_r")
+    processor.process_outputs([a[0], b[0]])
+    assert processor.inter_token_latencies == []  # the first tokens: TTFT, not ITL
+    processor.process_outputs([a[1], b[1]])
+    assert processor.inter_token_latencies == [0.5]  # one per request, not per sequence
+    processor.process_outputs([b[2]])
+    assert processor.inter_token_latencies == [0.75]
+    m = processor._states["r"].metrics
+    assert (m.n, m.max_tokens, m.max_num_generation_tokens) == (2, 7, 3)
+    assert m.num_generation_tokens == 5
+
+
 def test_abort_and_duplicate_ids(tokenizer):
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, [make_request("0_r"), make_request("1_r")])

@@ -183,6 +183,60 @@ def test_latency_histograms_from_request_metrics(stats):
     assert value(stats, "vllm:request_queue_time_seconds_bucket", le="0.025") == 1.0
 
 
+def test_vllm_s_request_phase_and_size_histograms(stats):
+    # Scheduled at 100.02 (arrival + queue); first token 100.3, last 101.3 after 5 tokens
+    # over n=2 sequences (the longer has 3), max_tokens 64, 3 of 4 prompt tokens cached.
+    m = RequestMetrics(
+        arrival_time=100.0,
+        first_token_time=100.3,
+        last_token_time=101.3,
+        finished_time=101.5,
+        queue_time=0.02,
+        num_generation_tokens=5,
+        max_num_generation_tokens=3,
+        n=2,
+        max_tokens=64,
+    )
+    out = finished("a", 4, "stop", m)
+    out.num_cached_tokens = 3
+    stats.record(core(), [out])
+    assert value(stats, "vllm:request_prefill_time_seconds_sum") == pytest.approx(0.28)
+    assert value(stats, "vllm:request_decode_time_seconds_sum") == pytest.approx(1.0)
+    assert value(stats, "vllm:request_inference_time_seconds_sum") == pytest.approx(1.28)
+    assert value(stats, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.25)
+    assert value(stats, "vllm:request_prompt_tokens_sum") == 4.0
+    assert value(stats, "vllm:request_prompt_tokens_bucket", le="5.0") == 1.0
+    assert value(stats, "vllm:request_prompt_tokens_bucket", le="2.0") == 0.0
+    assert value(stats, "vllm:request_generation_tokens_sum") == 5.0
+    assert value(stats, "vllm:request_max_num_generation_tokens_sum") == 3.0
+    assert value(stats, "vllm:request_params_n_bucket", le="2.0") == 1.0
+    assert value(stats, "vllm:request_params_n_bucket", le="1.0") == 0.0
+    assert value(stats, "vllm:request_params_max_tokens_sum") == 64.0
+    assert value(stats, "vllm:prompt_tokens_cached_total") == 3.0
+
+
+def test_inter_token_latencies_and_step_sizes(stats):
+    busy = sched_stats(running=1)
+    busy.num_scheduled_tokens = 300
+    stats.record(core(busy, tokens={"a": 1}), [], [0.02, 0.2])
+    stats.record(core(sched_stats()), [])  # a report without a step: no step size
+    assert value(stats, "vllm:inter_token_latency_seconds_count") == 2.0
+    assert value(stats, "vllm:inter_token_latency_seconds_bucket", le="0.025") == 1.0
+    assert value(stats, "vllm:iteration_tokens_total_count") == 1.0
+    assert value(stats, "vllm:iteration_tokens_total_bucket", le="256.0") == 0.0
+    assert value(stats, "vllm:iteration_tokens_total_bucket", le="512.0") == 1.0
+
+
+def test_token_buckets_follow_the_models_limits():
+    big = PrometheusStatLogger(
+        MODEL, CollectorRegistry(), max_model_len=131072, max_num_batched_tokens=8192
+    )
+    text = generate_latest(big.registry).decode()
+    assert 'vllm:request_prompt_tokens_bucket{le="100000.0"' in text
+    assert 'vllm:request_prompt_tokens_bucket{le="200000.0"' not in text
+    assert 'vllm:iteration_tokens_total_bucket{le="8192.0"' in text
+
+
 def test_single_token_request_has_no_tpot_and_missing_times_are_skipped(stats):
     one = RequestMetrics(100.0, first_token_time=100.1, last_token_time=100.1,
                          finished_time=100.2, num_generation_tokens=1)  # fmt: skip

@@ -350,7 +350,12 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
     ``EngineStartupError`` if the engine cannot start; the engine is shut down on exit.
     """
     disable_created_metrics()  # no *_created series, as in vLLM
-    stats = PrometheusStatLogger(vllm_config.model_config.name)
+    scheduler = vllm_config.scheduler_config
+    stats = PrometheusStatLogger(
+        vllm_config.model_config.name,
+        max_model_len=scheduler.max_model_len,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+    )
     periodic = None if args.disable_log_stats else LoggingStatLogger()
     loggers = [stats] if periodic is None else [stats, periodic]
     engine = AsyncLLM(vllm_config, stat_loggers=loggers, engine_factory=engine_factory)

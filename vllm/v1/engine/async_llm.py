@@ -325,11 +325,19 @@ class AsyncLLM:
         if self.stat_loggers:
             # After the woken handlers have run: when many requests finish in one step,
             # their responses should not wait for the histograms.
-            asyncio.get_running_loop().call_soon(self._record_stats, core_outputs, results)
+            latencies = self.output_processor.inter_token_latencies
+            asyncio.get_running_loop().call_soon(
+                self._record_stats, core_outputs, results, latencies
+            )
 
-    def _record_stats(self, core_outputs: EngineCoreOutputs, results: list[RequestOutput]) -> None:
+    def _record_stats(
+        self,
+        core_outputs: EngineCoreOutputs,
+        results: list[RequestOutput],
+        inter_token_latencies: list[float],
+    ) -> None:
         for stat_logger in self.stat_loggers:
-            stat_logger.record(core_outputs, results)
+            stat_logger.record(core_outputs, results, inter_token_latencies)
 
     def shutdown(self) -> None:
         if self._loop_task is not None:

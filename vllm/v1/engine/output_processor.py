@@ -94,6 +94,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
         self._seq_to_request: dict[str, str] = {}
+        # The last ``process_outputs`` call's: for each request that got tokens and had
+        # some before, the seconds since its previous ones (vLLM's inter-token latency).
+        self.inter_token_latencies: list[float] = []
 
     def add_request(
         self,
@@ -124,7 +127,11 @@ class OutputProcessor:
             first.prompt_token_ids,
             first.sampling_params.output_kind,
             sequences,
-            RequestMetrics(arrival_wall_time),
+            RequestMetrics(
+                arrival_wall_time,
+                n=len(core_requests),
+                max_tokens=first.sampling_params.max_tokens,
+            ),
             prompt_logprobs=None if first.sampling_params.prompt_logprobs is None else [None],
         )
         for r in core_requests:
@@ -156,6 +163,7 @@ class OutputProcessor:
         """User-visible outputs, and engine-core ids that ended on a stop string (the
         engine must finish them as stopped: ``EngineCore.stop_requests``)."""
         now = time.time()
+        self.inter_token_latencies = []
         updated: dict[str, list[_Sequence]] = {}
         reqs_to_stop: list[str] = []
         for out in outputs:
@@ -171,6 +179,8 @@ class OutputProcessor:
                 state.prompt_logprobs.extend(out.new_prompt_logprobs)
             if seq.update(out) and not out.finished:
                 reqs_to_stop.append(out.request_id)  # the engine core must stop it too
+            m = state.metrics
+            m.max_num_generation_tokens = max(m.max_num_generation_tokens, len(seq.token_ids))
             updated.setdefault(request_id, []).append(seq)
         results = []
         for request_id, seqs in updated.items():
@@ -179,12 +189,14 @@ class OutputProcessor:
                 results.append(result)
         return results, reqs_to_stop
 
-    @staticmethod
-    def _update_metrics(state: _RequestState, out: EngineCoreOutput, now: float) -> None:
+    def _update_metrics(self, state: _RequestState, out: EngineCoreOutput, now: float) -> None:
         m = state.metrics
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = now
+            elif m.last_token_time is not None and m.last_token_time != now:
+                # Once per request and call: its other sequences' tokens came with these.
+                self.inter_token_latencies.append(now - m.last_token_time)
             m.last_token_time = now
             m.num_generation_tokens += len(out.new_token_ids)
         if out.queue_time_s is not None and m.queue_time is None:

@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 class LoggingStatLogger:
-    """A stat logger (``record(core_outputs, results)``, as ``PrometheusStatLogger``) that
-    logs the throughput line. ``clock``: monotonic seconds (tests pass a fake)."""
+    """A stat logger (``record(core_outputs, results, inter_token_latencies)``, as
+    ``PrometheusStatLogger``) that logs the throughput line. ``clock``: monotonic seconds
+    (tests pass a fake)."""
 
     def __init__(
         self, interval_s: float | None = None, clock: Callable[[], float] = time.monotonic
@@ -48,7 +49,12 @@ class LoggingStatLogger:
         self._queries = self._hits = 0
         self._tier_queries = self._tier_hits = 0
 
-    def record(self, core: EngineCoreOutputs, results: list[RequestOutput]) -> None:
+    def record(
+        self,
+        core: EngineCoreOutputs,
+        results: list[RequestOutput],
+        inter_token_latencies: list[float] | None = None,
+    ) -> None:
         for o in core.outputs:
             self._generation_tokens += len(o.new_token_ids)
             if o.num_prompt_tokens is not None:  # the request's first token: prompt done

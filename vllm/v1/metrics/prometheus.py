@@ -54,6 +54,46 @@ _TPOT_BUCKETS = (
     5.0,
 )
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+# vLLM's inter-token latency buckets.
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+def iteration_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Tokens a step computes: powers of two from 1 up to the step budget, and it."""
+    out = [1, *(2**k for k in range(3, 20) if 2**k < max_num_batched_tokens)]
+    return (*out, max_num_batched_tokens)
 
 
 def _stat(path: str) -> Reader:
@@ -147,6 +187,71 @@ TPOT = "vllm:time_per_output_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
 OVERHEAD = "vllm:request_server_overhead_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+REQUEST_TPOT = "vllm:request_time_per_output_token_seconds"
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
+DECODE_TIME = "vllm:request_decode_time_seconds"
+INFERENCE_TIME = "vllm:request_inference_time_seconds"
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+MAX_GENERATION_TOKENS = "vllm:request_max_num_generation_tokens"
+PARAMS_N = "vllm:request_params_n"
+PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"
+PROMPT_TOKENS_CACHED = "vllm:prompt_tokens_cached"
+ITERATION_TOKENS = "vllm:iteration_tokens_total"
+
+
+def request_metrics(max_model_len: int, max_num_batched_tokens: int) -> tuple[MetricSpec, ...]:
+    """vLLM's per-request and per-step series whose buckets follow the model's limits.
+    The phases are as the front end sees them: scheduled = arrival + the engine's queue
+    time; prefill = first token - scheduled; decode = last token - first token."""
+    tokens = buckets_1_2_5(max_model_len)
+    return (
+        MetricSpec(ITL, "histogram", "Inter-token latency.", buckets=_ITL_BUCKETS),
+        MetricSpec(
+            REQUEST_TPOT,
+            "histogram",
+            "Per request: mean time per output token after the first.",
+            buckets=_ITL_BUCKETS,
+        ),
+        MetricSpec(
+            PREFILL_TIME, "histogram", "Time in the prefill phase.", buckets=_LATENCY_BUCKETS
+        ),
+        MetricSpec(DECODE_TIME, "histogram", "Time in the decode phase.", buckets=_LATENCY_BUCKETS),
+        MetricSpec(
+            INFERENCE_TIME,
+            "histogram",
+            "Time from first scheduled to the last token (prefill and decode).",
+            buckets=_LATENCY_BUCKETS,
+        ),
+        MetricSpec(
+            REQUEST_PROMPT_TOKENS, "histogram", "Prompt tokens per request.", buckets=tokens
+        ),
+        MetricSpec(
+            REQUEST_GENERATION_TOKENS,
+            "histogram",
+            "Generation tokens per request (all its sequences).",
+            buckets=tokens,
+        ),
+        MetricSpec(
+            MAX_GENERATION_TOKENS,
+            "histogram",
+            "Generation tokens of a request's longest sequence.",
+            buckets=tokens,
+        ),
+        MetricSpec(PARAMS_N, "histogram", "The n request parameter.", buckets=_N_BUCKETS),
+        MetricSpec(
+            PARAMS_MAX_TOKENS, "histogram", "The max_tokens request parameter.", buckets=tokens
+        ),
+        MetricSpec(
+            ITERATION_TOKENS,
+            "histogram",
+            "Tokens computed per engine step.",
+            buckets=iteration_buckets(max_num_batched_tokens),
+        ),
+    )
+
+
 FRONTEND_METRICS = (
     MetricSpec(
         ENGINE_ALIVE,
@@ -155,6 +260,7 @@ FRONTEND_METRICS = (
         "from then on).",
     ),
     MetricSpec(PROMPT_TOKENS, "counter", "Prefill tokens processed."),
+    MetricSpec(PROMPT_TOKENS_CACHED, "counter", "Prompt tokens served from the prefix cache."),
     MetricSpec(GENERATION_TOKENS, "counter", "Generation tokens."),
     MetricSpec(SUCCESS, "counter", "Successfully finished requests.", labels=("finished_reason",)),
     MetricSpec(TTFT, "histogram", "Time to first token.", buckets=_LATENCY_BUCKETS),
@@ -226,13 +332,23 @@ class PrometheusStatLogger:
     registry per server, so tests can run several servers (or loggers) in one process.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        max_model_len: int = 8192,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        """``max_model_len`` and ``max_num_batched_tokens`` size the token-count buckets."""
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model_name}
         self._policy_specs = policy_metrics()
         policy_specs = merge_specs(self._policy_specs.values())
+        per_request = request_metrics(max_model_len, max_num_batched_tokens)
         self.series = build_series(
-            (*FRONTEND_METRICS, *SCHEDULER_METRICS, *policy_specs), self.registry, self.labels
+            (*FRONTEND_METRICS, *per_request, *SCHEDULER_METRICS, *policy_specs),
+            self.registry,
+            self.labels,
         )
         self.series[ENGINE_ALIVE].child.set(1)
         self._engine_dead = False
@@ -256,15 +372,26 @@ class PrometheusStatLogger:
             if spec.kind == "gauge":
                 self[spec.name].set(0)
 
-    def record(self, core: EngineCoreOutputs, results: list[RequestOutput]) -> None:
+    def record(
+        self,
+        core: EngineCoreOutputs,
+        results: list[RequestOutput],
+        inter_token_latencies: list[float] | None = None,
+    ) -> None:
+        """One engine message: its step's stats, the finished requests' timings, and the
+        front end's ``inter_token_latencies`` for it (``OutputProcessor``'s)."""
         s = core.scheduler_stats
         if s is not None:
             for spec in SCHEDULER_METRICS:
                 self.series[spec.name].update(s)
+            if s.num_scheduled_tokens > 0:
+                self[ITERATION_TOKENS].observe(s.num_scheduled_tokens)
             if s.policy_stats is not None:
                 for spec in self._policy_specs.get(s.policy_name, ()):
                     self.series[spec.name].update(s.policy_stats)
         self[GENERATION_TOKENS].inc(sum(len(o.new_token_ids) for o in core.outputs))
+        for seconds in inter_token_latencies or ():
+            self[ITL].observe(seconds)
         for out in results:
             if out.finished:
                 self._record_finished(out)
@@ -274,16 +401,31 @@ class PrometheusStatLogger:
     def _record_finished(self, out: RequestOutput) -> None:
         m = out.metrics
         self[PROMPT_TOKENS].inc(len(out.prompt_token_ids))
+        self[PROMPT_TOKENS_CACHED].inc(out.num_cached_tokens)
+        self[REQUEST_PROMPT_TOKENS].observe(len(out.prompt_token_ids))
         reason = out.outputs[0].finish_reason or "abort" if out.outputs else "abort"
         self.series[SUCCESS].labels(reason).inc()
         if m is None:
             return
+        self[REQUEST_GENERATION_TOKENS].observe(m.num_generation_tokens)
+        self[MAX_GENERATION_TOKENS].observe(m.max_num_generation_tokens)
+        self[PARAMS_N].observe(m.n)
+        if m.max_tokens is not None:
+            self[PARAMS_MAX_TOKENS].observe(m.max_tokens)
         if m.first_token_time is not None:
             self[TTFT].observe(m.first_token_time - m.arrival_time)
-            if m.num_generation_tokens > 1 and m.last_token_time is not None:
-                self[TPOT].observe(
-                    (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1)
-                )
+            if m.last_token_time is not None:
+                decode = m.last_token_time - m.first_token_time
+                self[DECODE_TIME].observe(decode)
+                if m.num_generation_tokens > 1:
+                    tpot = decode / (m.num_generation_tokens - 1)
+                    self[TPOT].observe(tpot)
+                    self[REQUEST_TPOT].observe(tpot)
+            scheduled = m.scheduled_time
+            if scheduled is not None:
+                self[PREFILL_TIME].observe(max(m.first_token_time - scheduled, 0.0))
+                if m.last_token_time is not None:
+                    self[INFERENCE_TIME].observe(max(m.last_token_time - scheduled, 0.0))
         if m.finished_time is not None:
             self[E2E].observe(m.finished_time - m.arrival_time)
         if m.queue_time is not None:

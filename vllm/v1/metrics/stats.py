@@ -51,3 +51,5 @@ class SchedulerStats:
     # The CPU KV tier's lookups (vLLM's external prefix cache) and copies; None: no tier.
     connector_prefix_cache_stats: PrefixCacheStats | None = None
     offload_stats: OffloadStats | None = None
+    # Tokens the step computed (prompt chunks and decodes); 0: a report without a step.
+    num_scheduled_tokens: int = 0

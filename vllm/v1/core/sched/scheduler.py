@@ -362,7 +362,9 @@ class Scheduler:
             if stopped:
                 self._finish(request, now)
             outputs.append(output)
-        return EngineCoreOutputs(outputs, self.make_stats(), errors=errors)
+        stats = self.make_stats()
+        stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        return EngineCoreOutputs(outputs, stats, errors=errors)
 
     def _fail_requests(self, failures: dict[str, RequestFailure]) -> list[EngineCoreRequestError]:
         """Finish the requests that failed in this step, through the abort path (their
