@@ -10,12 +10,12 @@ takes 4.5-4.8 ms; this measures how much of the rest the engine itself takes.
 It runs the offline ``LLM`` (engine core in process) on a one-layer model of hidden size
 64 and a 512-token vocabulary (random weights, ``--load-format dummy``) in fp32 on the CPU,
 so that the model's own work is small, and times each pure-decode engine step and, inside
-it, the model's forward and ``compute_logits``. Host time = step - forward - logits: scheduling, input packing,
-metadata, sampling (a 512-wide argmax), the scheduler's update. The front end's output
-processing (detokenization) runs after the step and is not counted: ``vllm serve`` runs it
-in the API process, beside the engine's next step. Medians over the decode steps of
-``--max-tokens`` tokens, for each ``--num-requests``. The figures are this CPU's; the GPU
-machine's host CPU is another.
+it, the model's forward and ``compute_logits``. Host time = step - forward - logits:
+scheduling, input packing, metadata, sampling (a 512-wide argmax), the scheduler's update.
+The front end's output processing (detokenization) runs after the step and is not
+counted: ``vllm serve`` runs it in the API process, beside the engine's next step.
+Medians over the decode steps of ``--max-tokens`` tokens, for each ``--num-requests``.
+The figures are this CPU's; the GPU machine's host CPU is another.
 
     .venv/bin/python benchmarks/benchmark_host_overhead.py [--num-requests 1 16 64 256]
 """

@@ -366,6 +366,99 @@ class OffloadConfig:
         return n
 
 
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config): n-gram prompt lookup proposes
+    the tokens that followed the sequence's last n-gram where it occurred before; one
+    forward checks them all (docs/spec_decode.md)."""
+
+    speculative_config: dict[str, Any] | None = config_field(
+        None,
+        'JSON object, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K} and '
+        "optionally prompt_lookup_min / prompt_lookup_max (n-gram sizes; both 5 when "
+        "neither is given) and disable_by_batch_size (no drafts in a step with more running "
+        "requests). Greedy requests without logprobs, penalties, logit controls, "
+        "min_tokens or a grammar get drafts; every other request decodes as without it.",
+        parse=lambda text: parse_json_object(text, "speculative_config"),
+    )
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if not isinstance(spec, dict):
+            raise bad_value("speculative_config", spec, "must be a JSON object")
+        unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise bad_value(
+                "speculative_config", unknown, f"has keys this engine does not take; it takes "
+                f"{list(_SPECULATIVE_KEYS)}",
+            )  # fmt: skip
+        if spec.get("method") not in SPECULATIVE_METHODS:
+            raise bad_value(
+                "speculative_config.method",
+                spec.get("method"),
+                f"must be one of {SPECULATIVE_METHODS}",
+            )
+        k = spec.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
+            raise bad_value(
+                "speculative_config.num_speculative_tokens", k, "must be an integer in [1, 32]"
+            )
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        batch = spec.get("disable_by_batch_size")
+        for name, value in (
+            ("prompt_lookup_min", lo),
+            ("prompt_lookup_max", hi),
+            ("disable_by_batch_size", batch),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise bad_value(f"speculative_config.{name}", value, "must be an integer >= 1")
+        if lo is None and hi is None:
+            lo = hi = 5  # vLLM's defaults
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise bad_value(
+                "speculative_config.prompt_lookup_min", lo, f"must be <= prompt_lookup_max={hi}"
+            )
+        object.__setattr__(self, "speculative_config", {**spec, "prompt_lookup_min": lo,
+                                                        "prompt_lookup_max": hi})  # fmt: skip
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_config is not None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config["num_speculative_tokens"] if self.enabled else 0
+
+    @property
+    def prompt_lookup_min(self) -> int:
+        return self.speculative_config["prompt_lookup_min"] if self.enabled else 0
+
+    @property
+    def prompt_lookup_max(self) -> int:
+        return self.speculative_config["prompt_lookup_max"] if self.enabled else 0
+
+    @property
+    def disable_by_batch_size(self) -> int | None:
+        """No drafts in a step with more running requests than this (None: any)."""
+        return self.speculative_config.get("disable_by_batch_size") if self.enabled else None
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over devices: one device here (vLLM's flags, so launch
@@ -396,6 +489,7 @@ class VllmConfig:
     context_serve_config: ContextServeConfig = field(default_factory=ContextServeConfig)
     offload_config: OffloadConfig = field(default_factory=OffloadConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.offload_config.enabled and not self.cache_config.enable_prefix_caching:

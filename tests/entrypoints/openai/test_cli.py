@@ -85,6 +85,8 @@ def test_help_lists_the_flags_without_importing_torch():
         (("--generation-config", "/no/such/folder"), "generation_config"),
         (("--override-generation-config", "[1]"), "override_generation_config"),
         (("--reasoning-parser", "o1"), "--reasoning-parser"),
+        (("--speculative-config", '{"method": "eagle"}'), "speculative_config"),
+        (("--speculative-config", "ngram"), "speculative_config"),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(args, needle):

@@ -55,6 +55,7 @@ class IncrementalDetokenizer:
         )
         self.token_ids: list[int] = []  # tokens whose text is (or will be) in output_text
         self.num_output_tokens = 0  # every token seen, the skipped stop token included
+        self.num_unused_tokens = 0  # the last update's tokens after its stop string
         self.output_text = ""
         self.stop_reason: str | None = None
         self._prefix_offset = 0
@@ -71,18 +72,29 @@ class IncrementalDetokenizer:
         ``stop_terminated``: the engine stopped on the last token (EOS or a stop token
         id); like vLLM, that token's text is left out unless include_stop_str_in_output.
         """
+        self.num_unused_tokens = 0
         if self.stopped:
             return self.stop_reason
-        self.num_output_tokens += len(new_token_ids)
         if not self.detokenize:
+            self.num_output_tokens += len(new_token_ids)
             return None
+        last = len(new_token_ids)
         if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
-            new_token_ids = new_token_ids[:-1]
-        old_len = len(self.output_text)
-        for token_id in new_token_ids:
-            self.token_ids.append(token_id)
+            last -= 1
+            self.num_output_tokens += 1  # the stop token counts, its text does not
+        for i in range(last):
+            # Token by token (several arrive at once with speculative decoding): a stop
+            # string ends the text at the token that completed it, as when they come
+            # one at a time; the tokens after it are ``num_unused_tokens``.
+            old_len = len(self.output_text)
+            self.token_ids.append(new_token_ids[i])
+            self.num_output_tokens += 1
             self.output_text += self._decode_next()
-        return self._check_stop(old_len)
+            stop = self._check_stop(old_len)
+            if stop is not None:
+                self.num_unused_tokens = len(new_token_ids) - i - 1
+                return stop
+        return None
 
     def flush(self) -> str | None:
         """At the end of the sequence: emit text held back for an incomplete character."""

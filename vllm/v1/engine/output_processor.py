@@ -41,6 +41,10 @@ class _Sequence:
         if stop_string is None and out.finished:
             stop_string = self.detok.flush()
         if stop_string is not None:
+            unused = self.detok.num_unused_tokens  # after the stop string, in one output
+            if unused:
+                del self.token_ids[len(self.token_ids) - unused :]
+                del self.logprobs[len(self.token_ids) :]
             self.finish_reason, self.stop_reason = "stop", stop_string
             return True
         if out.finished:

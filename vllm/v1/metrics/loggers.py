@@ -48,6 +48,7 @@ class LoggingStatLogger:
         self._prompt_tokens = self._generation_tokens = 0
         self._queries = self._hits = 0
         self._tier_queries = self._tier_hits = 0
+        self._spec: list[int] | None = None  # drafts, draft tokens, accepted tokens
 
     def record(
         self,
@@ -71,6 +72,12 @@ class LoggingStatLogger:
                 self._tier_hits += tier.hits
             if s.offload_stats is not None:
                 self._tier_usage = s.offload_stats.usage
+            spec = s.spec_decoding_stats
+            if spec is not None and spec.num_drafts:
+                self._spec = self._spec or [0, 0, 0]
+                self._spec[0] += spec.num_drafts
+                self._spec[1] += spec.num_draft_tokens
+                self._spec[2] += spec.num_accepted_tokens
         self._active = True
 
     async def run(self) -> None:
@@ -104,6 +111,16 @@ class LoggingStatLogger:
                 f"KV tier hit rate: {_rate(self._tier_hits, self._tier_queries):.1f}%"
             )
         logger.info("%s", line)
+        if self._spec is not None:
+            drafts, proposed, accepted = self._spec
+            logger.info(
+                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+                "Drafted: %d tokens, Draft acceptance rate: %.1f%%",
+                1 + accepted / drafts,
+                accepted,
+                proposed,
+                _rate(accepted, proposed),
+            )
         self._reset(now)
 
 

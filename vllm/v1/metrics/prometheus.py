@@ -174,6 +174,22 @@ SCHEDULER_METRICS = (
         "Bytes copied between the KV cache and the CPU tier.",
         "offload_stats.bytes_moved",
     ),
+    # Speculative decoding (vLLM's names); none without --speculative-config.
+    _counter(
+        "vllm:spec_decode_num_drafts",
+        "Request-steps that carried draft tokens.",
+        "spec_decoding_stats.num_drafts",
+    ),
+    _counter(
+        "vllm:spec_decode_num_draft_tokens",
+        "Draft tokens proposed.",
+        "spec_decoding_stats.num_draft_tokens",
+    ),
+    _counter(
+        "vllm:spec_decode_num_accepted_tokens",
+        "Draft tokens accepted.",
+        "spec_decoding_stats.num_accepted_tokens",
+    ),
 )
 
 # Series the logger feeds itself (liveness, finished requests' timings, the front end's

@@ -38,6 +38,15 @@ class OffloadStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding since the previous report (deltas)."""
+
+    num_drafts: int = 0  # request-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -53,3 +62,4 @@ class SchedulerStats:
     offload_stats: OffloadStats | None = None
     # Tokens the step computed (prompt chunks and decodes); 0: a report without a step.
     num_scheduled_tokens: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None  # None: no speculative decoding

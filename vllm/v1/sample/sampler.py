@@ -187,7 +187,7 @@ class SamplerOutput(NamedTuple):
     errors: dict[int, RequestFailure]
 
 
-_NON_FINITE_LOGITS = RequestFailure("the model produced NaN or infinite logits", internal=True)
+NON_FINITE_LOGITS = RequestFailure("the model produced NaN or infinite logits", internal=True)
 _NON_FINITE_PROBS = RequestFailure(
     "sampling failed: this request's sampling parameters (penalties, temperature) turned "
     "its logits into NaN or infinity",
@@ -211,7 +211,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     errors: dict[int, RequestFailure] = {}
     greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
     finite, argmax = _finite_and_argmax(x, greedy)
-    errors.update((i, _NON_FINITE_LOGITS) for i, ok in enumerate(finite) if not ok)
+    errors.update((i, NON_FINITE_LOGITS) for i, ok in enumerate(finite) if not ok)
     for i, t in zip(greedy, argmax, strict=True):
         if i not in errors:
             tokens[i] = t

@@ -23,7 +23,14 @@ from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
-from vllm.v1.sample.sampler import PrefixView, SamplingRow, sample, token_logprobs
+from vllm.v1.sample.sampler import (
+    NON_FINITE_LOGITS,
+    PrefixView,
+    SamplingRow,
+    sample,
+    token_logprobs,
+)
+from vllm.v1.spec_decode.ngram_proposer import verify_greedy
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.cuda_graph import DecodeGraphs, Graph, cudagraph_capture_sizes
 from vllm.v1.worker.gpu_memory import (
@@ -323,14 +330,22 @@ class ModelRunner:
             )
         ids, positions, seqs, sample_idx, sample_reqs = [], [], [], [], []
         row_starts: dict[str, int] = {}  # req_id -> its first row in the flat batch
+        spec_rows: list[int] = []  # speculative decoding: every row of a request's step
+        spec_reqs: list[tuple[CachedRequestState, list[int]]] = []
         for req_id in order:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
             row_starts[req_id] = len(ids)
-            ids += state.token_ids[start : start + n]
+            drafts = so.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:  # its last token, then the drafts: each row checks the next one
+                spec_rows += range(len(ids), len(ids) + n)
+                spec_reqs.append((state, drafts))
+                ids += state.token_ids[start:] + drafts
+            else:
+                ids += state.token_ids[start : start + n]
             positions += range(start, start + n)
             seqs.append((start, n, state.block_ids))
-            if start + n >= len(state.token_ids):  # reached the end: sample a token
+            if not drafts and start + n >= len(state.token_ids):  # the end: sample a token
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
         hidden = None
@@ -348,7 +363,36 @@ class ModelRunner:
         output.prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
         if sample_reqs:
             self._sample(hidden[sample_idx], sample_reqs, output)
+        if spec_reqs:
+            self._verify_drafts(hidden[spec_rows], spec_reqs, output)
         return output
+
+    def _verify_drafts(
+        self,
+        hidden: torch.Tensor,
+        spec_reqs: list[tuple[CachedRequestState, list[int]]],
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Greedy requests with drafts (``hidden``: each one's rows, its last token's then
+        one per draft): the drafts the argmax agrees with, then the argmax after them
+        (``verify_greedy``). Their sampling is the argmax alone (``drafts_allowed``), so
+        this is the token-by-token output. A row with non-finite logits fails its
+        request alone."""
+        logits = self.model.compute_logits(hidden)
+        finite = torch.isfinite(logits.amax(-1)).long()
+        values = torch.cat([finite, logits.argmax(-1)]).tolist()  # one copy to the host
+        n = logits.shape[0]
+        row = 0
+        for state, drafts in spec_reqs:
+            rows = range(row, row + len(drafts) + 1)
+            row = rows.stop
+            if not all(values[i] for i in rows):
+                out.errors[state.req_id] = NON_FINITE_LOGITS
+                continue
+            tokens = verify_greedy([values[n + i] for i in rows], drafts)
+            state.token_ids += tokens
+            state.output_token_ids += tokens
+            out.sampled_token_ids[state.req_id] = tokens
 
     def _sample(
         self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from vllm.config import CacheConfig, PolicyConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    PolicyConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.utils.clock import FakeClock
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
@@ -26,8 +32,10 @@ def make_scheduler(
     num_cpu_blocks: int = 0,
     job_admission: bool = False,
     pins_yield_to_tier: bool = True,
+    speculative: dict | None = None,
 ) -> Scheduler:
     config = VllmConfig(
+        speculative_config=SpeculativeConfig(speculative),
         cache_config=CacheConfig(block_size=BLOCK),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,

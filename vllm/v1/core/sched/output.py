@@ -68,6 +68,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Copies to and from the CPU KV tier, run before the forward (even in an empty step).
     kv_transfers: KVOffloadTransfers | None = None
+    # req_id -> draft tokens (speculative decoding): the request computes its last token
+    # and these after it this step (num_scheduled_tokens counts them).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

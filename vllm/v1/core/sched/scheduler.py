@@ -26,9 +26,10 @@ from vllm.v1.engine import (
     EngineCoreRequestError,
     FinishReason,
 )
-from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.metrics.stats import SchedulerStats, SpecDecodingStats
 from vllm.v1.outputs import ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.ngram_proposer import NgramProposer, drafts_allowed
 from vllm_continuum.cache_hints import ttl_with_floor
 from vllm_continuum.policy import FinishedAction, Offload, Pin, Policy
 
@@ -45,6 +46,7 @@ class _Step:
     num_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
     num_loaded: int = 0  # tokens loaded from the CPU KV tier
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
 
 
 class Scheduler:
@@ -87,6 +89,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self._num_preemptions = 0
+        spec = vllm_config.speculative_config
+        self.proposer = (
+            NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+            if spec.enabled
+            else None
+        )
+        self._spec_stats = SpecDecodingStats()
+        self._spec_max_batch = spec.disable_by_batch_size
         # Finish events decided inside schedule(), delivered by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
 
@@ -151,10 +163,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget.remaining > 0:
             request = self.running[i]
-            num_new = budget.clip(request.num_tokens - request.num_computed_tokens)
+            num_new = request.num_tokens - request.num_computed_tokens
+            drafts = self._drafts(request, budget) if num_new == 1 else []
+            num_new = budget.clip(num_new + len(drafts))
             if num_new == 0:
                 i += 1
                 continue
+            del drafts[max(num_new - 1, 0) :]  # a budget cut keeps the first drafts
             num_running = len(self.running)
             new_block_ids = self._allocate_or_preempt(request, num_new, budget, step, now)
             if new_block_ids is None:
@@ -162,9 +177,26 @@ class Scheduler:
             step.cached.append(request)
             step.new_block_ids[request.request_id] = new_block_ids
             step.num_tokens[request.request_id] = num_new
+            if drafts:
+                step.drafts[request.request_id] = drafts
             budget.consume(num_new)
             # A victim scheduled earlier in this step shifts the list (rare: look it up).
             i = i + 1 if len(self.running) == num_running else self.running.index(request) + 1
+
+    def _drafts(self, request: Request, budget: TokenBudget) -> list[int]:
+        """Draft tokens for a decoding request (speculative decoding; [] without it, for
+        a request whose sampling needs more than the argmax, or when nothing matches),
+        at most what the step's budget, max_tokens and max_model_len leave room for."""
+        if self.proposer is None or not drafts_allowed(request.sampling_params):
+            return []
+        if self._spec_max_batch is not None and len(self.running) > self._spec_max_batch:
+            return []  # a batch this large is better served by plain decode steps
+        limit = min(
+            budget.remaining - 1,
+            self.max_model_len - request.num_tokens,
+            (request.max_tokens or self.max_model_len) - request.num_output_tokens - 1,
+        )
+        return self.proposer.propose(request.request_id, request.all_token_ids, limit)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, budget: TokenBudget, step: _Step, now: float
@@ -207,6 +239,7 @@ class Scheduler:
             budget.refund(step.num_tokens.pop(victim.request_id))
             step.cached.remove(victim)
             step.new_block_ids.pop(victim.request_id, None)
+            step.drafts.pop(victim.request_id, None)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -289,6 +322,9 @@ class Scheduler:
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
         kv = self.kv_cache_manager
+        if self.proposer is not None:
+            for req_id in self.finished_req_ids:
+                self.proposer.forget(req_id)
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
@@ -313,6 +349,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=step.preempted,
             kv_transfers=kv.take_kv_transfers(),
+            scheduled_spec_decode_tokens=step.drafts,
         )
         self.finished_req_ids = set()
         # As in vLLM: the scheduled tokens count as computed from now on.
@@ -336,6 +373,15 @@ class Scheduler:
                 request.add_prompt_logprobs(runner_output.prompt_logprobs[req_id])
             if not new_tokens:
                 continue  # a partial prefill chunk
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # The KV of the drafts after the first one rejected holds nothing: the
+                # next step computes from the last token kept.
+                accepted = len(new_tokens) - 1
+                request.num_computed_tokens -= len(drafts) - accepted
+                self._spec_stats.num_drafts += 1
+                self._spec_stats.num_draft_tokens += len(drafts)
+                self._spec_stats.num_accepted_tokens += accepted
             first = request.first_token_time is None
             stopped = False
             for i, token in enumerate(new_tokens):
@@ -442,6 +488,8 @@ class Scheduler:
         offload = self.kv_cache_manager.offload
         if offload is not None:
             stats.connector_prefix_cache_stats, stats.offload_stats = offload.make_stats()
+        if self.proposer is not None:
+            stats.spec_decoding_stats, self._spec_stats = self._spec_stats, SpecDecodingStats()
         self._num_preemptions = 0
         return stats
 

@@ -1,0 +1,222 @@
+"""N-gram speculative decoding against plain decoding, on agent-like turns.
+
+An agent's turns copy text that is already in the context: a file it read, then rewrites
+with a change; a command it saw; a list it reorganises. This benchmark asks the model for
+such turns (and a few that copy nothing), greedy, and runs the same requests through two
+engines built the same way, without and with ``--speculative-config`` (n-gram). It prints
+per engine: output tokens, engine steps, output tok/s, and for speculation the drafts'
+acceptance (accepted / proposed) and the tokens a request gets per step; then the speedup.
+The outputs must be identical (greedy speculation is exact); a mismatch is reported.
+
+    .venv/bin/python benchmarks/benchmark_spec_decode.py            # the embedded model
+    .venv/bin/python benchmarks/benchmark_spec_decode.py --k 2 4 8 --concurrency 1 4
+
+Figures on the machine it runs on (it prints the CPU and its vector extensions); run it
+on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+FILE = '''import json
+import os
+
+
+def load_config(path):
+    """Read a JSON config file and return it as a dict."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_config(path, config):
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+'''
+
+LOG = """2026-11-27 10:00:01 INFO server started on port 8000
+2026-11-27 10:00:02 INFO loaded 3 workers
+2026-11-27 10:00:05 WARNING slow request: GET /api/items took 2.3s
+2026-11-27 10:00:09 ERROR database connection refused: host=db port=5432
+2026-11-27 10:00:10 INFO retrying database connection
+"""
+
+TURNS = [
+    # (kind, user message): "copy" turns reuse context text, "free" turns do not.
+    ("copy", "Repeat this file exactly, then stop:\n\n" + FILE),
+    ("copy", "Rename load_config to read_config in this file and show the whole file:\n\n" + FILE),
+    ("copy", "Here is a log:\n" + LOG + "\nRepeat the ERROR and WARNING lines exactly."),
+    (
+        "copy",
+        "Copy this list, one item per line: alpha, bravo, charlie, delta, echo, foxtrot, "
+        "golf, hotel, india, juliett, kilo, lima",
+    ),
+    ("free", "Write a short poem about the sea."),
+    ("free", "Explain in three sentences what a hash table is."),
+]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def vector_extensions() -> str:
+    try:
+        flags = next(
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+    return ", ".join(f for f in wanted if f in flags) or "none of AVX2/AVX-512/AMX"
+
+
+class _Counting:
+    """Wraps an engine core's ``step``: counts steps and the speculative decoding stats."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.steps = self.drafts = self.draft_tokens = self.accepted = 0
+        self._step = core.step
+        core.step = self.step
+
+    def step(self):
+        out = self._step()
+        outputs = out[0] if isinstance(out, tuple) else out
+        stats = getattr(outputs, "scheduler_stats", None)
+        if stats is not None and stats.num_scheduled_tokens > 0:
+            self.steps += 1
+        spec = getattr(stats, "spec_decoding_stats", None) if stats is not None else None
+        if spec is not None:
+            self.drafts += spec.num_drafts
+            self.draft_tokens += spec.num_draft_tokens
+            self.accepted += spec.num_accepted_tokens
+        return out
+
+    def reset(self) -> None:
+        self.steps = self.drafts = self.draft_tokens = self.accepted = 0
+
+
+def run_engine(args, spec: dict | None, concurrency: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        quantization=args.quantization,
+        speculative_config=spec,
+        max_num_seqs=max(concurrency, 1),
+        enforce_eager=True,
+    )
+    counting = _Counting(llm.engine_core)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    messages = [[{"role": "user", "content": text}] for _, text in TURNS]
+    llm.chat(messages[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+    times, outputs = [], None
+    for _ in range(args.repeats):
+        llm.reset_prefix_cache()
+        counting.reset()
+        start = time.perf_counter()
+        results = []
+        for i in range(0, len(messages), concurrency):
+            results += llm.chat(messages[i : i + concurrency], params)
+        times.append(time.perf_counter() - start)
+        outputs = [r.outputs[0].token_ids for r in results]
+    seconds = statistics.median(times)
+    tokens = sum(len(o) for o in outputs)
+    figures = {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "steps": counting.steps,
+        "tok_s": tokens / seconds,
+        "outputs": outputs,
+    }
+    if spec is not None:
+        figures["drafts"] = counting.drafts
+        figures["draft_tokens"] = counting.draft_tokens
+        figures["accepted_tokens"] = counting.accepted
+        figures["acceptance"] = counting.accepted / max(counting.draft_tokens, 1)
+    llm.shutdown()
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--quantization", default=None, help="gguf / fp32 (default: auto)")
+    parser.add_argument("--k", type=int, nargs="+", default=[4], help="num_speculative_tokens")
+    parser.add_argument("--ngram", type=int, nargs=2, default=[1, 3], metavar=("MIN", "MAX"))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 3])
+    parser.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="the config's key (default: none)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    print(f"machine: {cpu_name()} ({vector_extensions()}), {torch.get_num_threads()} threads")
+    print(f"model: {args.model}, quantization {args.quantization or 'auto'}; "
+          f"{len(TURNS)} turns ({sum(k == 'copy' for k, _ in TURNS)} copying), greedy, "
+          f"max_tokens {args.max_tokens}, median of {args.repeats}")  # fmt: skip
+    report = {"machine": cpu_name(), "vector_extensions": vector_extensions(), "runs": []}
+    for concurrency in args.concurrency:
+        base = run_engine(args, None, concurrency)
+        print(
+            f"\nconcurrency {concurrency}: plain  {base['output_tokens']} tokens in "
+            f"{base['steps']} steps, {base['seconds']:.2f} s, {base['tok_s']:.1f} tok/s"
+        )
+        for k in args.k:
+            spec = {
+                "method": "ngram",
+                "num_speculative_tokens": k,
+                "prompt_lookup_min": args.ngram[0],
+                "prompt_lookup_max": args.ngram[1],
+            }
+            if args.disable_by_batch_size is not None:
+                spec["disable_by_batch_size"] = args.disable_by_batch_size
+            got = run_engine(args, spec, concurrency)
+            same = got["outputs"] == base["outputs"]
+            per_step = got["output_tokens"] / max(got["steps"], 1) / concurrency
+            print(
+                f"concurrency {concurrency}: ngram k={k} {got['output_tokens']} tokens in "
+                f"{got['steps']} steps, {got['seconds']:.2f} s, {got['tok_s']:.1f} tok/s; "
+                f"acceptance {got['acceptance']:.0%} ({got['accepted_tokens']}/"
+                f"{got['draft_tokens']}), ~{per_step:.2f} tokens a request-step; "
+                f"speedup {got['tok_s'] / base['tok_s']:.2f}x; identical outputs: {same}"
+            )
+            report["runs"].append(
+                {
+                    "concurrency": concurrency,
+                    "k": k,
+                    "plain": {key: v for key, v in base.items() if key != "outputs"},
+                    "ngram": {key: v for key, v in got.items() if key != "outputs"},
+                    "speedup": got["tok_s"] / base["tok_s"],
+                    "identical": same,
+                }
+            )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

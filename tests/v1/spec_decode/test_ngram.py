@@ -1,0 +1,280 @@
+"""N-gram speculative decoding: the proposer, the scheduler's drafts and rollback, the
+runner's greedy check, and whole engines whose outputs must equal plain decoding's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm.config import SpeculativeConfig
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.spec_decode.ngram_proposer import (
+    NgramProposer,
+    drafts_allowed,
+    find_draft,
+    verify_greedy,
+)
+
+from ..core.conftest import make_request
+from ..core.sched.helpers import make_scheduler
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "n_min", "n_max", "k", "draft"),
+    [
+        ([1, 2, 3, 4, 5, 9, 1, 2, 3], 1, 3, 4, [4, 5, 9, 1]),  # "1 2 3" before: "4 5 9 1"
+        ([1, 2, 3, 4, 5, 9, 1, 2, 3], 1, 3, 2, [4, 5]),
+        ([1, 2, 3, 4, 5, 9, 1, 2, 3], 4, 4, 4, []),  # no 4-gram repeats
+        ([5, 1, 7, 5, 1, 8, 5, 1], 2, 2, 1, [8]),  # the most recent occurrence
+        ([5, 1, 7, 2, 1, 8, 3, 1], 1, 2, 2, [8, 3]),  # "3 1" never; "1" lastly before 8
+        ([4, 4, 4, 4], 1, 3, 3, [4]),  # the continuation stops at the sequence's end
+        ([1, 2, 3], 1, 3, 2, []),
+        ([7], 1, 3, 2, []),
+    ],
+)
+def test_find_draft(tokens, n_min, n_max, k, draft):
+    assert find_draft(np.array(tokens), n_min, n_max, k) == draft
+
+
+def test_the_proposer_keeps_a_growing_buffer_per_request():
+    proposer = NgramProposer(3, 1, 2)
+    tokens = [1, 2, 3, 1]
+    assert proposer.propose("r", tokens, limit=3) == [2, 3, 1]
+    for t in range(100, 300):  # grows past its first buffer
+        tokens.append(t)
+    tokens += [1, 2]
+    assert proposer.propose("r", tokens, limit=2) == [3, 1]
+    assert proposer.propose("r", tokens, limit=0) == []
+    proposer.forget("r")
+    assert proposer.propose("r", [9, 8, 9], limit=3) == [8, 9]  # a fresh buffer
+
+
+@pytest.mark.parametrize(
+    ("argmax", "drafts", "tokens"),
+    [
+        ([4, 5, 6, 7], [4, 5, 6], [4, 5, 6, 7]),  # all kept, and the next
+        ([4, 5, 7, 8], [4, 5, 6], [4, 5, 7]),
+        ([3, 5, 6, 7], [4, 5, 6], [3]),  # the first differs: only the model's token
+        ([9], [], [9]),
+    ],
+)
+def test_verify_greedy(argmax, drafts, tokens):
+    assert verify_greedy(argmax, drafts) == tokens
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        ({"temperature": 0}, True),
+        ({"temperature": 0, "stop": ["x"], "ignore_eos": True}, True),
+        ({"temperature": 0.7}, False),
+        ({"temperature": 0, "logprobs": 1}, False),
+        ({"temperature": 0, "repetition_penalty": 1.1}, False),
+        ({"temperature": 0, "presence_penalty": 0.5}, False),
+        ({"temperature": 0, "logit_bias": {1: 5.0}}, False),
+        ({"temperature": 0, "allowed_token_ids": [1, 2]}, False),
+        ({"temperature": 0, "min_tokens": 3}, False),
+        ({"temperature": 0, "structured_outputs": StructuredOutputsParams(regex="a+")}, False),
+    ],
+)
+def test_only_plain_greedy_requests_get_drafts(params, allowed):
+    assert drafts_allowed(SamplingParams(**params)) is allowed
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({**NGRAM, "prompt_lookup_max": 0}, "prompt_lookup_max"),
+        ({**NGRAM, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({**NGRAM, "model": "some/draft"}, "speculative_config"),
+        ({**NGRAM, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ],
+)
+def test_bad_configs_name_the_field(spec, needle):
+    with pytest.raises(ValueError, match=needle):
+        SpeculativeConfig(spec)
+
+
+def test_config_defaults_as_vllm():
+    c = SpeculativeConfig({"method": "ngram", "num_speculative_tokens": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig({**NGRAM})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (1, 1)
+    assert not SpeculativeConfig().enabled and SpeculativeConfig().num_speculative_tokens == 0
+
+
+# -- the scheduler ------------------------------------------------------------------------
+def _decode_until_drafts(sched, req):
+    """Prefill, then one decode step with the model echoing the prompt's pattern."""
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput([req.request_id], {req.request_id: [1]}))
+    return sched.schedule()
+
+
+def test_drafts_are_scheduled_and_rejected_ones_rolled_back():
+    sched = make_scheduler(speculative=NGRAM)
+    req = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], temperature=0)
+    sched.add_request(req)
+    so = _decode_until_drafts(sched, req)
+    # Known: 1..9 then 1: the last "1" occurred at the start, followed by 2 3 4.
+    assert so.scheduled_spec_decode_tokens == {req.request_id: [2, 3, 4]}
+    assert so.num_scheduled_tokens[req.request_id] == 4
+    assert req.num_computed_tokens == 10 + 3  # as scheduled, drafts included
+    # The model agreed with "2" only, then chose 8: two tokens, two drafts rejected.
+    out = sched.update_from_output(
+        so, ModelRunnerOutput([req.request_id], {req.request_id: [2, 8]})
+    )
+    assert out.outputs[0].new_token_ids == [2, 8]
+    assert req.all_token_ids[-3:] == [1, 2, 8] and req.num_computed_tokens == req.num_tokens - 1
+    stats = out.scheduler_stats.spec_decoding_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
+    sched.check_invariants()
+    # Only blocks of known tokens are cached: 12 tokens -> 3 full blocks of 4.
+    assert sched.kv_cache_manager._num_cached_blocks[req.request_id] <= req.num_tokens // 4
+
+
+def test_drafts_stop_at_max_tokens_and_the_budget():
+    sched = make_scheduler(speculative={**NGRAM, "num_speculative_tokens": 8})
+    req = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], temperature=0, max_tokens=3)
+    sched.add_request(req)
+    so = _decode_until_drafts(sched, req)
+    # One output so far, max_tokens 3: one more token is the step's, one draft fits.
+    assert so.scheduled_spec_decode_tokens[req.request_id] == [2]
+    tight = make_scheduler(speculative={**NGRAM, "num_speculative_tokens": 8}, budget=12)
+    other = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], temperature=0)
+    tight.add_request(other)
+    so = tight.schedule()  # the prefill (9 tokens)
+    tight.update_from_output(so, ModelRunnerOutput([other.request_id], {other.request_id: [1]}))
+    so = tight.schedule()
+    assert so.num_scheduled_tokens[other.request_id] <= 12
+
+
+def test_no_drafts_above_the_batch_size_limit():
+    sched = make_scheduler(speculative={**NGRAM, "disable_by_batch_size": 1})
+    reqs = [make_request([1, 2, 3, 1], temperature=0) for _ in range(2)]
+    sched.add_request(reqs[0])
+    assert _decode_until_drafts(sched, reqs[0]).scheduled_spec_decode_tokens
+    sched.add_request(reqs[1])
+    so = sched.schedule()  # two running: plain steps
+    assert so.scheduled_spec_decode_tokens == {}
+
+
+def test_sampled_requests_get_no_drafts_and_no_stats_without_the_config():
+    sched = make_scheduler(speculative=NGRAM)
+    req = make_request([1, 2, 3, 1], temperature=0.8)
+    sched.add_request(req)
+    so = _decode_until_drafts(sched, req)
+    assert so.scheduled_spec_decode_tokens == {} and so.num_scheduled_tokens[req.request_id] == 1
+    plain = make_scheduler()
+    assert plain.make_stats().spec_decoding_stats is None
+
+
+# -- whole engines ------------------------------------------------------------------------
+CODE = """def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+"""
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from vllm import LLM
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec["prompt_lookup_min"] = 1
+    plain = LLM(max_num_seqs=4)
+    fast = LLM(max_num_seqs=4, speculative_config=spec)
+    yield plain, fast
+    plain.shutdown()
+    fast.shutdown()
+
+
+def _chat(llm, params, *texts):
+    out = llm.chat([[{"role": "user", "content": t}] for t in texts], params)
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out]
+
+
+def test_greedy_outputs_equal_plain_decoding(engines):
+    plain, fast = engines
+    params = SamplingParams(temperature=0, max_tokens=80)
+    texts = (
+        "Repeat this code exactly:\n" + CODE,
+        "Copy this list: red, green, blue, red, green, blue, cyan",
+        "What is the capital of France?",
+    )
+    base = _chat(plain, params, *texts)
+    steps = []
+    step = fast.engine_core.step
+
+    def counting():
+        out = step()
+        spec = out.scheduler_stats.spec_decoding_stats if out.scheduler_stats else None
+        steps.append(spec)
+        return out
+
+    fast.engine_core.step = counting
+    try:
+        assert _chat(fast, params, *texts) == base
+    finally:
+        fast.engine_core.step = step
+    accepted = sum(s.num_accepted_tokens for s in steps if s is not None)
+    assert accepted > 20  # the copying turns did take drafts
+    assert len(steps) < max(len(ids) for ids, _, _ in base)  # fewer steps than tokens
+
+
+def test_limits_hold_with_drafts(engines):
+    plain, fast = engines
+    text = "Repeat this code exactly:\n" + CODE
+    for params in (
+        SamplingParams(temperature=0, max_tokens=9),
+        SamplingParams(temperature=0, max_tokens=60, stop=["height)"]),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    ):
+        got, want = _chat(fast, params, text), _chat(plain, params, text)
+        assert got == want, params
+        assert len(got[0][0]) <= params.max_tokens
+
+
+def test_other_requests_in_the_batch_are_untouched(engines):
+    _, fast = engines
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=30)
+    logprobs = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
+    out = fast.chat(
+        [[{"role": "user", "content": "Repeat: a b c a b c a b"}]] * 2, [seeded, logprobs]
+    )
+    assert len(out[0].outputs[0].token_ids) > 0
+    assert len(out[1].outputs[0].logprobs) == len(out[1].outputs[0].token_ids)
+
+
+@pytest.mark.slow
+def test_server_with_speculative_decoding(tmp_path):
+    import json
+
+    from tests.utils import RemoteServer
+
+    spec = json.dumps({**NGRAM, "prompt_lookup_max": 3})
+    server = RemoteServer("--speculative-config", spec, log_path=str(tmp_path / "log"))
+    try:
+        reply = server.client().chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "Repeat this code exactly:\n" + CODE}],
+            max_tokens=60,
+            temperature=0,
+        )
+        assert "def area" in reply.choices[0].message.content
+        metrics = server.metrics()
+        assert metrics["vllm:spec_decode_num_drafts_total"] > 0
+        proposed = metrics["vllm:spec_decode_num_draft_tokens_total"]
+        assert 0 < metrics["vllm:spec_decode_num_accepted_tokens_total"] <= proposed
+    finally:
+        server.stop()
