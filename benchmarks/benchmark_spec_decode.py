@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmark_gpu import cpu_model  # noqa: E402
 
 FILE = '''import json
 import os
@@ -64,16 +65,6 @@ TURNS = [
     ("free", "Write a short poem about the sea."),
     ("free", "Explain in three sentences what a hash table is."),
 ]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def vector_extensions() -> str:
@@ -115,7 +106,7 @@ class _Counting:
         self.steps = self.drafts = self.draft_tokens = self.accepted = 0
 
 
-def run_engine(args, spec: dict | None, concurrency: int) -> dict:
+def build(args, spec: dict | None, concurrency: int):
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -125,36 +116,55 @@ def run_engine(args, spec: dict | None, concurrency: int) -> dict:
         max_num_seqs=max(concurrency, 1),
         enforce_eager=True,
     )
-    counting = _Counting(llm.engine_core)
+    llm.chat(
+        [[{"role": "user", "content": TURNS[0][1]}]], SamplingParams(temperature=0, max_tokens=8)
+    )
+    return llm, _Counting(llm.engine_core)
+
+
+def timed_run(llm, counting: _Counting, args, concurrency: int) -> dict:
+    """One pass over the turns, ``concurrency`` at a time, from an empty prefix cache."""
+    from vllm import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     messages = [[{"role": "user", "content": text}] for _, text in TURNS]
-    llm.chat(messages[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up
-    times, outputs = [], None
-    for _ in range(args.repeats):
-        llm.reset_prefix_cache()
-        counting.reset()
-        start = time.perf_counter()
-        results = []
-        for i in range(0, len(messages), concurrency):
-            results += llm.chat(messages[i : i + concurrency], params)
-        times.append(time.perf_counter() - start)
-        outputs = [r.outputs[0].token_ids for r in results]
-    seconds = statistics.median(times)
-    tokens = sum(len(o) for o in outputs)
-    figures = {
+    llm.reset_prefix_cache()
+    counting.reset()
+    start = time.perf_counter()
+    results = []
+    for i in range(0, len(messages), concurrency):
+        results += llm.chat(messages[i : i + concurrency], params)
+    seconds = time.perf_counter() - start
+    outputs = [r.outputs[0].token_ids for r in results]
+    return {
         "seconds": seconds,
-        "output_tokens": tokens,
+        "output_tokens": sum(len(o) for o in outputs),
         "steps": counting.steps,
-        "tok_s": tokens / seconds,
+        "drafts": counting.drafts,
+        "draft_tokens": counting.draft_tokens,
+        "accepted_tokens": counting.accepted,
         "outputs": outputs,
     }
-    if spec is not None:
-        figures["drafts"] = counting.drafts
-        figures["draft_tokens"] = counting.draft_tokens
-        figures["accepted_tokens"] = counting.accepted
-        figures["acceptance"] = counting.accepted / max(counting.draft_tokens, 1)
-    llm.shutdown()
-    return figures
+
+
+def compare(args, spec: dict, concurrency: int) -> tuple[dict, dict]:
+    """Both engines built side by side, their runs alternated (the VM's speed drifts by
+    10-20% over minutes: alternating keeps it out of the ratio); medians."""
+    engines = [build(args, None, concurrency), build(args, spec, concurrency)]
+    runs: list[list[dict]] = [[], []]
+    for _ in range(args.repeats):
+        for i, (llm, counting) in enumerate(engines):
+            runs[i].append(timed_run(llm, counting, args, concurrency))
+    for llm, _ in engines:
+        llm.shutdown()
+    figures = []
+    for series in runs:
+        best = dict(series[0])
+        best["seconds"] = statistics.median(r["seconds"] for r in series)
+        best["tok_s"] = best["output_tokens"] / best["seconds"]
+        best["acceptance"] = best["accepted_tokens"] / max(best["draft_tokens"], 1)
+        figures.append(best)
+    return figures[0], figures[1]
 
 
 def main() -> None:
@@ -168,23 +178,18 @@ def main() -> None:
         "--disable-by-batch-size", type=int, default=None, help="the config's key (default: none)"
     )
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
 
     import torch
 
-    print(f"machine: {cpu_name()} ({vector_extensions()}), {torch.get_num_threads()} threads")
+    print(f"machine: {cpu_model()} ({vector_extensions()}), {torch.get_num_threads()} threads")
     print(f"model: {args.model}, quantization {args.quantization or 'auto'}; "
           f"{len(TURNS)} turns ({sum(k == 'copy' for k, _ in TURNS)} copying), greedy, "
-          f"max_tokens {args.max_tokens}, median of {args.repeats}")  # fmt: skip
-    report = {"machine": cpu_name(), "vector_extensions": vector_extensions(), "runs": []}
+          f"max_tokens {args.max_tokens}, median of {args.repeats} alternated runs")  # fmt: skip
+    report = {"machine": cpu_model(), "vector_extensions": vector_extensions(), "runs": []}
     for concurrency in args.concurrency:
-        base = run_engine(args, None, concurrency)
-        print(
-            f"\nconcurrency {concurrency}: plain  {base['output_tokens']} tokens in "
-            f"{base['steps']} steps, {base['seconds']:.2f} s, {base['tok_s']:.1f} tok/s"
-        )
         for k in args.k:
             spec = {
                 "method": "ngram",
@@ -194,9 +199,13 @@ def main() -> None:
             }
             if args.disable_by_batch_size is not None:
                 spec["disable_by_batch_size"] = args.disable_by_batch_size
-            got = run_engine(args, spec, concurrency)
+            base, got = compare(args, spec, concurrency)
             same = got["outputs"] == base["outputs"]
             per_step = got["output_tokens"] / max(got["steps"], 1) / concurrency
+            print(
+                f"\nconcurrency {concurrency}: plain  {base['output_tokens']} tokens in "
+                f"{base['steps']} steps, {base['seconds']:.2f} s, {base['tok_s']:.1f} tok/s"
+            )
             print(
                 f"concurrency {concurrency}: ngram k={k} {got['output_tokens']} tokens in "
                 f"{got['steps']} steps, {got['seconds']:.2f} s, {got['tok_s']:.1f} tok/s; "

@@ -1,5 +1,6 @@
 """Helpers of the end-to-end and benchmark tests: the real server (the harness lives in
-the package) and loading a script of benchmarks/ or scripts/ by its path."""
+the package), loading a script of benchmarks/ or scripts/ by its path, and the
+benchmarks' tokenizer for model folders made in a test."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from types import ModuleType
 
 from vllm.benchmarks.server import RemoteServer
 
-__all__ = ["RemoteServer", "load_script"]
+__all__ = ["RemoteServer", "copy_benchmark_tokenizer", "load_script"]
 
 
 def load_script(path: Path) -> ModuleType:
@@ -22,3 +23,23 @@ def load_script(path: Path) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def copy_benchmark_tokenizer(path: Path) -> None:
+    """SmolLM2's tokenizer files into the model folder ``path``: the copy ``make
+    gpu-wheels`` carries (the GPU machine has no embedded model), else the embedded
+    model's; the calling test is skipped when neither exists."""
+    import shutil
+
+    import pytest
+
+    bench = load_script(BENCHMARKS / "benchmark_gpu.py")
+    try:
+        tokenizer_dir = bench.default_tokenizer_dir()
+    except SystemExit as e:
+        pytest.skip(str(e))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)

@@ -5,13 +5,11 @@ are tests/v1/kv_offload/."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.model_executor.test_load_format import config_only_folder
-from tests.utils import load_script
+from tests.utils import copy_benchmark_tokenizer
 from vllm.v1.core.sched.output import KVOffloadTransfers
 from vllm.v1.kv_offload.worker import CPUOffloadingHandler
 
@@ -21,7 +19,6 @@ pytestmark = [
 ]
 
 CUDA = torch.device("cuda")
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def caches(num_layers=3, num_blocks=64, block=16, heads=2, dim=64, dtype=torch.bfloat16):
@@ -79,20 +76,10 @@ def test_round_trip_is_bitwise_for_every_layer_and_dtype():
 def test_engine_reloads_evicted_prefixes_from_the_tier_on_cuda(tmp_path):
     # A small random model (dummy weights in bf16) and a pool of 7 usable blocks: each
     # prompt evicts the others; the second round finds them in the tier.
-    import shutil
-
     from vllm import LLM, SamplingParams
 
-    # SmolLM2's tokenizer: the copy `make gpu-wheels` carries (the GPU machine has no
-    # embedded model), else the embedded model's.
-    bench = load_script(BENCHMARKS / "benchmark_gpu.py")
-    try:
-        tokenizer_dir = bench.default_tokenizer_dir()
-    except SystemExit as e:
-        pytest.skip(str(e))
     config_only_folder(tmp_path, vocab_size=49152, max_position_embeddings=512)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, tmp_path / name)
+    copy_benchmark_tokenizer(tmp_path)
     prompts = [[100 + 50 * i + t for t in range(60)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     kwargs = dict(model=str(tmp_path), load_format="dummy", max_model_len=512)

@@ -7,34 +7,23 @@ Run with ``pytest -m cuda tests`` on a CUDA machine; skipped without one.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.tiny_models import save_tiny_llama
-from tests.utils import load_script
+from tests.utils import copy_benchmark_tokenizer
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 def test_greedy_tokens_equal_plain_decoding_on_cuda(tmp_path):
     from vllm import LLM, SamplingParams
 
-    bench = load_script(BENCHMARKS / "benchmark_gpu.py")
-    try:
-        tokenizer_dir = bench.default_tokenizer_dir()
-    except SystemExit as e:
-        pytest.skip(str(e))
     save_tiny_llama(tmp_path, vocab_size=49152, max_position_embeddings=512)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, tmp_path / name)
+    copy_benchmark_tokenizer(tmp_path)
     pattern = [300 + t for t in range(12)]
     prompts = [pattern * 4, pattern[::-1] * 3 + pattern, [7, 8, 9] * 20]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

@@ -17,26 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_REGISTRY: dict[str, type[ReasoningParser]] = {}
+from vllm.utils.registry import ClassRegistry
 
-
-def register_reasoning_parser(
-    *names: str,
-) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    """Class decorator: the parser is offered to ``--reasoning-parser`` under ``names``."""
-
-    def wrap(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        for name in names:
-            if name in _REGISTRY and _REGISTRY[name] is not cls:
-                raise ValueError(f"reasoning parser {name!r} is already registered")
-            _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def reasoning_parser_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+_REGISTRY: ClassRegistry[type[ReasoningParser]] = ClassRegistry(
+    "reasoning parser", "reasoning_parser"
+)
+# Class decorator: the parser is offered to ``--reasoning-parser`` under the given names.
+register_reasoning_parser = _REGISTRY.register
+reasoning_parser_names = _REGISTRY.names
 
 
 def get_reasoning_parser(
@@ -44,11 +32,7 @@ def get_reasoning_parser(
 ) -> ReasoningParser:
     """The parser ``name`` for one request (``chat_template_kwargs``: the request's, which
     may switch thinking off)."""
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"reasoning_parser must be one of {reasoning_parser_names()}, got {name!r}"
-        )
-    return _REGISTRY[name](chat_template_kwargs or {})
+    return _REGISTRY.get(name)(chat_template_kwargs or {})
 
 
 @dataclass(frozen=True)

@@ -5,40 +5,25 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object
+from vllm.utils.registry import ClassRegistry
 
 logger = logging.getLogger("vllm.entrypoints.openai.tool_parsers")
 
-_REGISTRY: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(*names: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator: the parser is offered to ``--tool-call-parser`` under ``names``."""
-
-    def wrap(cls: type[ToolParser]) -> type[ToolParser]:
-        for name in names:
-            if name in _REGISTRY and _REGISTRY[name] is not cls:
-                raise ValueError(f"tool parser {name!r} is already registered")
-            _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def tool_parser_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+_REGISTRY: ClassRegistry[type[ToolParser]] = ClassRegistry("tool parser", "tool_call_parser")
+# Class decorator: the parser is offered to ``--tool-call-parser`` under the given names.
+register_tool_parser = _REGISTRY.register
+tool_parser_names = _REGISTRY.names
 
 
 def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None) -> ToolParser:
     """The parser ``name`` for one request; ``functions``: its tools' definitions by name
     (``{"name", "description", "parameters"}``), for formats whose arguments are typed
     by the schema (Qwen3-Coder's XML)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"tool_call_parser must be one of {tool_parser_names()}, got {name!r}")
-    return _REGISTRY[name](functions)
+    return _REGISTRY.get(name)(functions)
 
 
 @dataclass
