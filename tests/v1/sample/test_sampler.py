@@ -17,9 +17,9 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.sampler import (
     SamplingRow,
-    _filter,
     apply_penalties,
     draw,
+    filter_logits,
     sample,
     token_logprobs,
 )
@@ -73,7 +73,7 @@ def test_sample_does_not_mutate_the_logits():
 # -- temperature ---------------------------------------------------------------------------
 def test_filter_divides_by_temperature():
     logits = torch.tensor([1.0, -2.0, 4.0, 0.5])
-    out = _filter(logits, SamplingParams(temperature=0.5))
+    out = filter_logits(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(out, torch.tensor([2.0, -4.0, 8.0, 1.0]))
 
 
@@ -100,12 +100,12 @@ def test_top_k_never_samples_outside_the_k_largest():
 
 def test_top_k_ties_at_the_kth_value_are_kept():
     # Like vLLM, the mask is ``logits < kth``: a tie with the k-th value survives.
-    out = _filter(torch.tensor([3.0, 1.0, 1.0, 0.0]), SamplingParams(top_k=2))
+    out = filter_logits(torch.tensor([3.0, 1.0, 1.0, 0.0]), SamplingParams(top_k=2))
     assert torch.isfinite(out).tolist() == [True, True, True, False]
 
 
 def test_top_k_at_least_vocab_is_disabled():
-    out = _filter(torch.tensor([3.0, 1.0, 0.0]), SamplingParams(top_k=3))
+    out = filter_logits(torch.tensor([3.0, 1.0, 0.0]), SamplingParams(top_k=3))
     assert torch.isfinite(out).all()
 
 
@@ -115,7 +115,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # the rest.
     probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
     logits = probs.log()
-    out = _filter(logits, SamplingParams(top_p=0.7))
+    out = filter_logits(logits, SamplingParams(top_p=0.7))
     assert torch.isfinite(out).tolist() == [False, True, False, True]
     seen = draws(logits, 2000, temperature=1.0, top_p=0.7)
     assert set(seen) == {1, 3}
@@ -133,7 +133,7 @@ def test_top_p_below_float32_resolution_keeps_the_top_token(top_p):
     # A valid top_p that float32 rounds to 0: the top token still crosses it (before, the
     # row failed as if its penalties had made the logits non-finite).
     logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
-    assert torch.isfinite(_filter(logits, SamplingParams(top_p=top_p))).tolist() == [
+    assert torch.isfinite(filter_logits(logits, SamplingParams(top_p=top_p))).tolist() == [
         False,
         True,
         False,
@@ -379,7 +379,7 @@ def test_temperature_rows_sampled_together_equal_row_by_row():
     rows = [row(seed=100 + i, temperature=t) for i, t in enumerate(temps)]
     together = sample(logits.clone(), rows).token_ids
     one_by_one = [
-        draw(_filter(logits[i].clone(), rows[i].params).softmax(-1),
+        draw(filter_logits(logits[i].clone(), rows[i].params).softmax(-1),
              torch.Generator().manual_seed(100 + i))
         for i in range(16)
     ]  # fmt: skip

@@ -70,7 +70,8 @@ def test_verify_greedy(argmax, drafts, tokens):
     [
         ({"temperature": 0}, True),
         ({"temperature": 0, "stop": ["x"], "ignore_eos": True}, True),
-        ({"temperature": 0.7}, False),
+        ({"temperature": 0.7}, True),  # rejection sampling
+        ({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 1}, True),  # Qwen3's
         ({"temperature": 0, "logprobs": 1}, False),
         ({"temperature": 0, "repetition_penalty": 1.1}, False),
         ({"temperature": 0, "presence_penalty": 0.5}, False),
@@ -80,7 +81,7 @@ def test_verify_greedy(argmax, drafts, tokens):
         ({"temperature": 0, "structured_outputs": StructuredOutputsParams(regex="a+")}, False),
     ],
 )
-def test_only_plain_greedy_requests_get_drafts(params, allowed):
+def test_requests_whose_token_depends_on_the_logits_alone_get_drafts(params, allowed):
     assert drafts_allowed(SamplingParams(**params)) is allowed
 
 
@@ -166,9 +167,9 @@ def test_no_drafts_above_the_batch_size_limit():
     assert so.scheduled_spec_decode_tokens == {}
 
 
-def test_sampled_requests_get_no_drafts_and_no_stats_without_the_config():
+def test_penalised_requests_get_no_drafts_and_no_stats_without_the_config():
     sched = make_scheduler(speculative=NGRAM)
-    req = make_request([1, 2, 3, 1], temperature=0.8)
+    req = make_request([1, 2, 3, 1], temperature=0.8, presence_penalty=0.5)
     sched.add_request(req)
     so = _decode_until_drafts(sched, req)
     assert so.scheduled_spec_decode_tokens == {} and so.num_scheduled_tokens[req.request_id] == 1
@@ -232,6 +233,29 @@ def test_greedy_outputs_equal_plain_decoding(engines):
     assert len(steps) < max(len(ids) for ids, _, _ in base)  # fewer steps than tokens
 
 
+def test_a_step_with_drafts_is_decode_rows_only(engines):
+    # Each draft position is a decode row of its own (so the decode kernels, and CUDA
+    # graphs of decode steps, serve it), not a prefill chunk.
+    _, fast = engines
+    backend = fast.engine_core.model_runner.attn_backend
+    build, layouts = backend.build_metadata, []
+
+    def recording(seqs):
+        layouts.append([(computed, n) for computed, n, _ in seqs])
+        return build(seqs)
+
+    backend.build_metadata = recording
+    try:
+        _chat(fast, SamplingParams(temperature=0, max_tokens=40), "Repeat exactly:\n" + CODE)
+    finally:
+        backend.build_metadata = build
+    drafted = [rows for rows in layouts if len(rows) > 1]  # one request: >1 row = drafts
+    assert drafted and all(n == 1 for rows in drafted for _, n in rows)
+    for rows in drafted:  # consecutive positions of one request
+        starts = [computed for computed, _ in rows]
+        assert starts == list(range(starts[0], starts[0] + len(rows)))
+
+
 def test_limits_hold_with_drafts(engines):
     plain, fast = engines
     text = "Repeat this code exactly:\n" + CODE
@@ -245,9 +269,33 @@ def test_limits_hold_with_drafts(engines):
         assert len(got[0][0]) <= params.max_tokens
 
 
-def test_other_requests_in_the_batch_are_untouched(engines):
+def test_sampled_requests_take_drafts_by_rejection_sampling(engines):
+    # A temperature just above greedy's threshold: the distribution is (all but) the
+    # argmax, so both engines give plain greedy decoding's tokens, one of them through
+    # rejection sampling of its drafts.
+    plain, fast = engines
+    text = "Repeat this code exactly:\n" + CODE
+    greedy = _chat(plain, SamplingParams(temperature=0, max_tokens=60), text)
+    nearly = SamplingParams(temperature=2e-5, max_tokens=60, seed=0)
+    step, accepted = fast.engine_core.step, []
+
+    def counting():
+        out = step()
+        spec = out.scheduler_stats.spec_decoding_stats if out.scheduler_stats else None
+        accepted.append(spec.num_accepted_tokens if spec else 0)
+        return out
+
+    fast.engine_core.step = counting
+    try:
+        assert _chat(fast, nearly, text) == greedy
+    finally:
+        fast.engine_core.step = step
+    assert sum(accepted) > 10
+
+
+def test_requests_without_drafts_share_the_batch(engines):
     _, fast = engines
-    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=30)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=30, repetition_penalty=1.1)
     logprobs = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
     out = fast.chat(
         [[{"role": "user", "content": "Repeat: a b c a b c a b"}]] * 2, [seeded, logprobs]

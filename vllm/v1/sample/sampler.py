@@ -139,7 +139,7 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return logits
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p masks (masked entries become -inf)."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.numel():
@@ -274,7 +274,7 @@ def _sample_row(raw: torch.Tensor, row: SamplingRow) -> int | None:
     x = apply_penalties(raw.clone(), row)
     if row.params.sampling_type_greedy:
         return int(x.argmax()) if torch.isfinite(x.amax()) else None
-    filtered = _filter(x, row.params)
+    filtered = filter_logits(x, row.params)
     if not torch.isfinite(filtered.amax()):
         return None
     return draw(filtered.softmax(-1), row.generator)

@@ -5,7 +5,8 @@ plan. Where the sequence's last n tokens occurred before, the tokens that follow
 then are a good guess for what follows now. One forward computes the request's last
 token and those k drafts together; the runner keeps the drafts its own greedy choice
 agrees with, plus its next token (``verify_greedy``), so the output is the one decoding
-token by token gives, in fewer steps.
+token by token gives, in fewer steps; a sampled request's drafts are kept by rejection
+sampling (``vllm/v1/sample/rejection_sampler.py``), with plain sampling's distribution.
 
 Drafts are proposed in the scheduler, on the host, from each request's tokens kept in a
 growing numpy buffer (one append a step, not a copy of the sequence).
@@ -21,13 +22,14 @@ from vllm.sampling_params import SamplingParams
 
 
 def drafts_allowed(params: SamplingParams) -> bool:
-    """Whether a request's tokens are its logits' argmax and nothing else: greedy, no
-    penalty, no logit control (bias, allowed ids, bad words, min_tokens), no grammar, no
-    logprobs. Only such a request gets drafts: checking one then needs the argmax of each
-    position alone. Every other request decodes as without speculation."""
+    """Whether a request's next token depends on its logits alone: greedy, or sampled with
+    a temperature and top-k / top-p / min-p; no penalty, no logit control (bias, allowed
+    ids, bad words, min_tokens), no grammar, no logprobs. Only such a request gets drafts:
+    checking one then needs each position's logits alone (the argmax, or
+    ``rejection_sampler.verify_sampled``). Every other request decodes as without
+    speculation."""
     return (
-        params.sampling_type_greedy
-        and params.repetition_penalty == 1.0
+        params.repetition_penalty == 1.0
         and not params.presence_penalty
         and not params.frequency_penalty
         and params.logprobs is None

@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
+from vllm.v1.sample.rejection_sampler import verify_sampled
 from vllm.v1.sample.sampler import (
     NON_FINITE_LOGITS,
     PrefixView,
@@ -320,11 +321,13 @@ class ModelRunner:
         order = [r for r in so.num_scheduled_tokens if r not in failed]
         if not order:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={}, errors=failed)
+        drafted = so.scheduled_spec_decode_tokens
         if self.attn_backend.decodes_first:  # the torch backend batches decodes together
             order.sort(
                 key=lambda r: (
                     not (
-                        so.num_scheduled_tokens[r] == 1 and self.requests[r].num_computed_tokens > 0
+                        (so.num_scheduled_tokens[r] == 1 or r in drafted)
+                        and self.requests[r].num_computed_tokens > 0
                     )
                 )
             )
@@ -336,15 +339,20 @@ class ModelRunner:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
             row_starts[req_id] = len(ids)
-            drafts = so.scheduled_spec_decode_tokens.get(req_id)
+            drafts = drafted.get(req_id)
             if drafts:  # its last token, then the drafts: each row checks the next one
                 spec_rows += range(len(ids), len(ids) + n)
                 spec_reqs.append((state, drafts))
                 ids += state.token_ids[start:] + drafts
+                # One decode row per token: row i attends to the context up to position
+                # start + i, whose K/V this step writes first (every backend writes the
+                # step's K/V, then attends). The decode kernels (and CUDA graphs of
+                # decode steps) serve them instead of a prefill chunk.
+                seqs += [(start + i, 1, state.block_ids) for i in range(n)]
             else:
                 ids += state.token_ids[start : start + n]
+                seqs.append((start, n, state.block_ids))
             positions += range(start, start + n)
-            seqs.append((start, n, state.block_ids))
             if not drafts and start + n >= len(state.token_ids):  # the end: sample a token
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
@@ -373,11 +381,12 @@ class ModelRunner:
         spec_reqs: list[tuple[CachedRequestState, list[int]]],
         out: ModelRunnerOutput,
     ) -> None:
-        """Greedy requests with drafts (``hidden``: each one's rows, its last token's then
-        one per draft): the drafts the argmax agrees with, then the argmax after them
-        (``verify_greedy``). Their sampling is the argmax alone (``drafts_allowed``), so
-        this is the token-by-token output. A row with non-finite logits fails its
-        request alone."""
+        """Requests with drafts (``hidden``: each one's rows, its last token's then one per
+        draft). Greedy: the drafts the argmax agrees with, then the argmax after them
+        (``verify_greedy``); sampled: rejection sampling (``verify_sampled``). Their next
+        token depends on the logits alone (``drafts_allowed``), so either gives plain
+        decoding's tokens (greedy) or distribution (sampled). A request whose rows are not
+        finite fails alone."""
         logits = self.model.compute_logits(hidden)
         finite = torch.isfinite(logits.amax(-1)).long()
         values = torch.cat([finite, logits.argmax(-1)]).tolist()  # one copy to the host
@@ -386,10 +395,17 @@ class ModelRunner:
         for state, drafts in spec_reqs:
             rows = range(row, row + len(drafts) + 1)
             row = rows.stop
-            if not all(values[i] for i in rows):
+            tokens = None
+            if all(values[i] for i in rows):
+                params = state.sampling_params
+                if params.sampling_type_greedy:
+                    tokens = verify_greedy([values[n + i] for i in rows], drafts)
+                else:
+                    block = logits[rows.start : rows.stop]
+                    tokens = verify_sampled(block, drafts, params, state.generator)
+            if tokens is None:
                 out.errors[state.req_id] = NON_FINITE_LOGITS
                 continue
-            tokens = verify_greedy([values[n + i] for i in rows], drafts)
             state.token_ids += tokens
             state.output_token_ids += tokens
             out.sampled_token_ids[state.req_id] = tokens
