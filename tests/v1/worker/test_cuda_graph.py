@@ -257,3 +257,37 @@ def test_runner_replays_decode_steps_with_the_eager_tokens(checkpoint, monkeypat
     runner.capture_model(graph_factory=ReplayingGraph)
     assert runner.decode_graphs is None
     assert run_steps(runner) == expected
+
+
+def run_spec_steps(runner: ModelRunner) -> list[dict[str, list[int]]]:
+    """Two requests: prompts, then a step in which "a" checks 3 drafts (4 decode rows)
+    beside "b"'s plain decode, then one where both decode."""
+    prompts = {"a": [5, 6, 7, 8, 9, 5, 6], "b": [11, 12, 13]}
+    blocks = {"a": [3, 9, 4, 20], "b": [7, 30, 31]}
+    out = runner.execute_model(
+        sched_out(
+            new=[new_req(r, p, blocks[r], 0) for r, p in prompts.items()],
+            num_scheduled={r: len(p) for r, p in prompts.items()},
+        )
+    )
+    tokens = [out.sampled_token_ids]
+    so = sched_out(cached=[("a", [], 7), ("b", [], 3)], num_scheduled={"a": 4, "b": 1})
+    so.scheduled_spec_decode_tokens = {"a": [7, 8, 9]}
+    out = runner.execute_model(so)
+    tokens.append(out.sampled_token_ids)
+    kept = len(out.sampled_token_ids["a"])  # the scheduler's rollback: computed = 7 + kept
+    so = sched_out(cached=[("a", [], 7 + kept), ("b", [], 4)], num_scheduled={"a": 1, "b": 1})
+    tokens.append(runner.execute_model(so).sampled_token_ids)
+    return tokens
+
+
+def test_steps_with_drafts_replay_as_decode_rows(checkpoint, monkeypatch):
+    # Each draft position is a decode row of its own: a step with drafts has the shape of
+    # a decode step of that many rows, and replays its graph with the eager tokens.
+    eager = make_runner(checkpoint, monkeypatch)
+    expected = run_spec_steps(eager)
+    assert 1 <= len(expected[1]["a"]) <= 4
+    runner = make_runner(checkpoint, monkeypatch)
+    runner.capture_model(graph_factory=ReplayingGraph)
+    assert run_spec_steps(runner) == expected
+    assert runner.decode_graphs.num_replays == 2  # the step with drafts (5 rows), the last
