@@ -155,17 +155,15 @@ def test_finished_without_a_reason_counts_as_abort(stats):
     assert value(stats, "vllm:request_success_total", finished_reason="abort") == 2.0
 
 
+def timed_request(**more) -> RequestMetrics:
+    """Arrival 100, first token 100.3, last 101.3 after 5 tokens (TPOT 1.0 / 4 = 0.25),
+    finished 101.5 (e2e 1.5), queued 0.02 s (scheduled at 100.02)."""
+    times = dict(first_token_time=100.3, last_token_time=101.3, finished_time=101.5)
+    return RequestMetrics(100.0, **times, queue_time=0.02, num_generation_tokens=5, **more)
+
+
 def test_latency_histograms_from_request_metrics(stats):
-    # arrival 100, first token 100.3, last 101.3 after 5 tokens (TPOT 1.0 / 4 = 0.25),
-    # finished 101.5 (e2e 1.5), queued 0.02 s.
-    m = RequestMetrics(
-        arrival_time=100.0,
-        first_token_time=100.3,
-        last_token_time=101.3,
-        finished_time=101.5,
-        queue_time=0.02,
-        num_generation_tokens=5,
-    )
+    m = timed_request()
     stats.record(core(), [finished("a", 4, "stop", m)])
     ttft = "vllm:time_to_first_token_seconds"
     assert value(stats, ttft + "_count") == 1.0
@@ -184,19 +182,9 @@ def test_latency_histograms_from_request_metrics(stats):
 
 
 def test_vllm_s_request_phase_and_size_histograms(stats):
-    # Scheduled at 100.02 (arrival + queue); first token 100.3, last 101.3 after 5 tokens
-    # over n=2 sequences (the longer has 3), max_tokens 64, 3 of 4 prompt tokens cached.
-    m = RequestMetrics(
-        arrival_time=100.0,
-        first_token_time=100.3,
-        last_token_time=101.3,
-        finished_time=101.5,
-        queue_time=0.02,
-        num_generation_tokens=5,
-        max_num_generation_tokens=3,
-        n=2,
-        max_tokens=64,
-    )
+    # The 5 tokens over n=2 sequences (the longer has 3), max_tokens 64, 3 of 4 prompt
+    # tokens cached.
+    m = timed_request(max_num_generation_tokens=3, n=2, max_tokens=64)
     out = finished("a", 4, "stop", m)
     out.num_cached_tokens = 3
     stats.record(core(), [out])

@@ -141,6 +141,20 @@ def test_drafts_are_scheduled_and_rejected_ones_rolled_back():
     assert sched.kv_cache_manager._num_cached_blocks[req.request_id] <= req.num_tokens // 4
 
 
+def test_a_stop_inside_the_kept_drafts_ends_the_request_there():
+    sched = make_scheduler(speculative=NGRAM)
+    req = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], temperature=0, stop_token_ids=[3])
+    sched.add_request(req)
+    so = _decode_until_drafts(sched, req)
+    assert so.scheduled_spec_decode_tokens[req.request_id] == [2, 3, 4]
+    out = sched.update_from_output(
+        so, ModelRunnerOutput([req.request_id], {req.request_id: [2, 3, 4, 5]})
+    )
+    assert out.outputs[0].new_token_ids == [2, 3] and req.is_finished()
+    assert req.num_computed_tokens == req.num_tokens - 1  # not the tokens after the stop
+    sched.check_invariants()
+
+
 def test_drafts_stop_at_max_tokens_and_the_budget():
     sched = make_scheduler(speculative={**NGRAM, "num_speculative_tokens": 8})
     req = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], temperature=0, max_tokens=3)

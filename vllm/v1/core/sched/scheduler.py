@@ -390,6 +390,11 @@ class Scheduler:
                     new_tokens = new_tokens[: i + 1]
                     stopped = True
                     break
+            if stopped and drafts:
+                # Stopped inside the kept drafts: those after the stop are not its tokens.
+                request.num_computed_tokens = min(
+                    request.num_computed_tokens, request.num_tokens - 1
+                )
             if first:
                 request.first_token_time = now
             output = EngineCoreOutput(
