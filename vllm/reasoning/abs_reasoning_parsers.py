@@ -85,7 +85,8 @@ def count_reasoning_tokens(
 ) -> int:
     """How many of the output's ``token_ids`` are its reasoning: those after the last
     token before the reasoning's first character (a ``<think>`` tag, whitespace) and up to
-    the token that ends it (its end tag; all of them if it never ends). With one token a
+    the token that ends it (its end tag; if it never ends, the last one with text: a
+    closing EOS is not reasoning). With one token a
     tag, as in every thinking model's vocabulary, that is the tokens between the tags,
     as vLLM counts. ``decode``: the ids as the request's text was made from them. Found
     by bisection over prefixes: O(log n) decodes."""
@@ -107,5 +108,9 @@ def count_reasoning_tokens(
     if start is None:
         return 0
     end = first(lambda r: r.ended)
-    last = len(token_ids) if end is None else end - 1
+    if end is None:  # never ended: up to the token that completes its text (not an EOS)
+        whole = len(parser.extract(decode(token_ids), final=False).reasoning or "")
+        last = first(lambda r: len(r.reasoning or "") >= whole) or len(token_ids)
+    else:
+        last = end - 1
     return max(last - (start - 1), 0)

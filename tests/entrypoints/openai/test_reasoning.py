@@ -160,6 +160,8 @@ def test_reasoning_tokens_are_those_between_the_tags():
     assert count_reasoning_tokens(qwen3, ids, decode) == 2  # "I", " add" (vLLM: 3 with "\n")
     assert count_reasoning_tokens(qwen3, ids[1:], decode) == 2  # the template opened it
     assert count_reasoning_tokens(qwen3, ids[:4], decode) == 2  # never closed
+    pieces.append("")  # an EOS, decoded without special tokens
+    assert count_reasoning_tokens(qwen3, [*ids[:4], len(pieces) - 1], decode) == 2
     assert count_reasoning_tokens(qwen3, [], decode) == 0
     off = get_reasoning_parser("qwen3", {"enable_thinking": False})
     assert count_reasoning_tokens(off, ids, decode) == 0
@@ -468,7 +470,8 @@ def test_server_returns_reasoning_when_the_block_is_never_closed(tmp_path):
         assert message.content is None
         assert message.reasoning and message.reasoning == message.reasoning.lstrip()
         details = reply.usage.completion_tokens_details
-        assert details.reasoning_tokens == reply.usage.completion_tokens
+        eos = 1 if reply.choices[0].finish_reason == "stop" else 0  # not reasoning
+        assert details.reasoning_tokens == reply.usage.completion_tokens - eos
         stream = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": "What is 2+2?"}],
