@@ -387,8 +387,8 @@ class SpeculativeConfig:
         'JSON object, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K} and '
         "optionally prompt_lookup_min / prompt_lookup_max (n-gram sizes; both 5 when "
         "neither is given) and disable_by_batch_size (no drafts in a step with more running "
-        "requests). Requests without logprobs, penalties, logit controls, min_tokens or a "
-        "grammar get drafts (greedy: checked exactly; sampled: rejection sampling); every "
+        "requests). Requests without penalties, logit controls, min_tokens or a grammar "
+        "get drafts (greedy: checked exactly; sampled: rejection sampling); every "
         "other request decodes as without it.",
         parse=lambda text: parse_json_object(text, "speculative_config"),
     )

@@ -72,7 +72,7 @@ def test_verify_greedy(argmax, drafts, tokens):
         ({"temperature": 0, "stop": ["x"], "ignore_eos": True}, True),
         ({"temperature": 0.7}, True),  # rejection sampling
         ({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 1}, True),  # Qwen3's
-        ({"temperature": 0, "logprobs": 1}, False),
+        ({"temperature": 0, "logprobs": 1}, True),  # each kept token's row gives them
         ({"temperature": 0, "repetition_penalty": 1.1}, False),
         ({"temperature": 0, "presence_penalty": 0.5}, False),
         ({"temperature": 0, "logit_bias": {1: 5.0}}, False),
@@ -270,6 +270,20 @@ def test_a_step_with_drafts_is_decode_rows_only(engines):
         assert starts == list(range(starts[0], starts[0] + len(rows)))
 
 
+def test_logprobs_with_drafts_equal_plain_decodings(engines):
+    plain, fast = engines
+    text = "Repeat this code exactly:\n" + CODE
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    want = plain.chat([[{"role": "user", "content": text}]], params)[0].outputs[0]
+    got = fast.chat([[{"role": "user", "content": text}]], params)[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.logprobs) == len(got.token_ids)
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a.token_id == b.token_id and a.rank == b.rank
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-2)
+
+
 def test_limits_hold_with_drafts(engines):
     plain, fast = engines
     text = "Repeat this code exactly:\n" + CODE
@@ -310,7 +324,7 @@ def test_sampled_requests_take_drafts_by_rejection_sampling(engines):
 def test_requests_without_drafts_share_the_batch(engines):
     _, fast = engines
     seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=30, repetition_penalty=1.1)
-    logprobs = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
+    logprobs = SamplingParams(temperature=0, max_tokens=20, logprobs=2, presence_penalty=0.2)
     out = fast.chat(
         [[{"role": "user", "content": "Repeat: a b c a b c a b"}]] * 2, [seeded, logprobs]
     )

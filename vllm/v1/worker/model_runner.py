@@ -385,8 +385,8 @@ class ModelRunner:
         draft). Greedy: the drafts the argmax agrees with, then the argmax after them
         (``verify_greedy``); sampled: rejection sampling (``verify_sampled``). Their next
         token depends on the logits alone (``drafts_allowed``), so either gives plain
-        decoding's tokens (greedy) or distribution (sampled). A request whose rows are not
-        finite fails alone."""
+        decoding's tokens (greedy) or distribution (sampled); logprobs, when asked for,
+        are each kept token's row's. A request whose rows are not finite fails alone."""
         logits = self.model.compute_logits(hidden)
         finite = torch.isfinite(logits.amax(-1)).long()
         values = torch.cat([finite, logits.argmax(-1)]).tolist()  # one copy to the host
@@ -409,6 +409,10 @@ class ModelRunner:
             state.token_ids += tokens
             state.output_token_ids += tokens
             out.sampled_token_ids[state.req_id] = tokens
+            num_top = state.sampling_params.logprobs
+            if num_top is not None:  # the model's raw logprobs, as the sampler reports
+                kept = logits[rows.start : rows.start + len(tokens)]
+                out.logprobs[state.req_id] = token_logprobs(kept, tokens, num_top)
 
     def _sample(
         self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
