@@ -210,7 +210,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
     greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
-    finite, argmax = _finite_and_argmax(x, greedy)
+    finite, argmax = finite_and_argmax(x, greedy)
     errors.update((i, NON_FINITE_LOGITS) for i, ok in enumerate(finite) if not ok)
     for i, t in zip(greedy, argmax, strict=True):
         if i not in errors:
@@ -240,7 +240,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     return SamplerOutput(tokens, _sampled_logprobs(raw, rows, tokens), errors)
 
 
-def _finite_and_argmax(raw: torch.Tensor, greedy: list[int]) -> tuple[list[bool], list[int]]:
+def finite_and_argmax(raw: torch.Tensor, greedy: list[int]) -> tuple[list[bool], list[int]]:
     """Whether each row of ``raw`` is finite, and the argmax of the ``greedy`` rows: one
     copy to the host. The max of a row is NaN if any entry is, +inf if any is, -inf if
     all are."""

@@ -28,6 +28,7 @@ from vllm.v1.sample.sampler import (
     NON_FINITE_LOGITS,
     PrefixView,
     SamplingRow,
+    finite_and_argmax,
     sample,
     token_logprobs,
 )
@@ -388,18 +389,16 @@ class ModelRunner:
         decoding's tokens (greedy) or distribution (sampled); logprobs, when asked for,
         are each kept token's row's. A request whose rows are not finite fails alone."""
         logits = self.model.compute_logits(hidden)
-        finite = torch.isfinite(logits.amax(-1)).long()
-        values = torch.cat([finite, logits.argmax(-1)]).tolist()  # one copy to the host
-        n = logits.shape[0]
+        finite, argmax = finite_and_argmax(logits, list(range(logits.shape[0])))
         row = 0
         for state, drafts in spec_reqs:
             rows = range(row, row + len(drafts) + 1)
             row = rows.stop
             tokens = None
-            if all(values[i] for i in rows):
+            if all(finite[i] for i in rows):
                 params = state.sampling_params
                 if params.sampling_type_greedy:
-                    tokens = verify_greedy([values[n + i] for i in rows], drafts)
+                    tokens = verify_greedy([argmax[i] for i in rows], drafts)
                 else:
                     block = logits[rows.start : rows.stop]
                     tokens = verify_sampled(block, drafts, params, state.generator)
