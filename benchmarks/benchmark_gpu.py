@@ -184,6 +184,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def vector_extensions() -> str:
+    try:
+        flags = next(
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+    return ", ".join(f for f in wanted if f in flags) or "none of AVX2/AVX-512/AMX"
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(

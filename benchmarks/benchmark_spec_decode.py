@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_gpu import cpu_model  # noqa: E402
+from benchmark_gpu import cpu_model, vector_extensions  # noqa: E402
 
 FILE = '''import json
 import os
@@ -67,19 +67,6 @@ TURNS = [
     ("free", "Write a short poem about the sea."),
     ("free", "Explain in three sentences what a hash table is."),
 ]
-
-
-def vector_extensions() -> str:
-    try:
-        flags = next(
-            line.split(":", 1)[1].split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-    return ", ".join(f for f in wanted if f in flags) or "none of AVX2/AVX-512/AMX"
 
 
 class _Counting:

@@ -9,6 +9,8 @@
 #   serve-smoke [ARGS]   scripts/gpu/serve_smoke.py: vllm serve, default and continuum
 #   offload [ARGS]       benchmarks/benchmark_offload.py ARGS --json-out $OUT/offload-K.json
 #                        (the KV tier's load against recompute; --shape llama-3.1-8b)
+#   moe [ARGS]           benchmarks/benchmark_moe.py ARGS --json-out $OUT/moe-K.json
+#                        (one MoE layer's experts: grouped GEMM, loop, dense)
 #   study [ARGS]         scripts/gpu/study.py: the agent workload on a random-weight
 #                        model (run_sweep.py ARGS), $OUT/study-LABEL.tar.gz
 # e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
@@ -28,7 +30,7 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-570}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-STEPS="test bench serve-smoke offload study"
+STEPS="test bench serve-smoke offload moe study"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -87,6 +89,7 @@ PY
 
 BENCH_RUNS=0
 OFFLOAD_RUNS=0
+MOE_RUNS=0
 run_step() {
     local step=$1
     shift
@@ -110,6 +113,11 @@ run_step() {
         OFFLOAD_RUNS=$((OFFLOAD_RUNS + 1))
         limited "${GPU_OFFLOAD_TIMEOUT:-240}" "$PYTHON" benchmarks/benchmark_offload.py \
             --json-out "$OUT/offload-$OFFLOAD_RUNS.json" "$@"
+        ;;
+    moe)
+        MOE_RUNS=$((MOE_RUNS + 1))
+        limited "${GPU_MOE_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_moe.py \
+            --json-out "$OUT/moe-$MOE_RUNS.json" "$@"
         ;;
     serve-smoke)
         limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"

@@ -216,7 +216,33 @@ def _model(dtype: torch.dtype, **flags) -> LlamaForCausalLM:
     "flags", [{}, {"attention_bias": True}, {"qk_norm": True}], ids=["llama", "qwen2", "qwen3"]
 )
 def test_model_forward_has_no_host_sync(cuda_code_path, dtype, flags):
-    model = _model(dtype, **flags)
+    check_forward_has_no_host_sync(_model(dtype, **flags))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_forward_has_no_host_sync(cuda_code_path, dtype):
+    """A mixture of experts (models/moe.py) on the grouped-GEMM path: routing, the group
+    offsets and the weighted sum stay on the device."""
+    from vllm.model_executor.layers import fused_moe
+    from vllm.model_executor.models.moe import MoeArch, MoeForCausalLM
+
+    arch = MoeArch(**ARCH, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, sparse_layers=(1,))  # fmt: skip
+    torch.manual_seed(0)
+    model = MoeForCausalLM(arch)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, fused_moe.FusedMoE):
+                layer.w13.normal_(0, 0.05)
+                layer.w2.normal_(0, 0.05)
+    model = model.to(dtype).eval()
+    assert fused_moe.grouped_mm_supported(
+        torch.zeros(1, 64, dtype=dtype), model.layers[1].mlp.experts.w13
+    )
+    check_forward_has_no_host_sync(model)
+
+
+def check_forward_has_no_host_sync(model) -> None:
     backend = ReferenceBackend()
     model.set_attention_backend(backend)
     lengths = [5, 1, 7]  # a mixed batch: prefills and a one-token step

@@ -47,7 +47,7 @@ class LlamaArch:
     @classmethod
     def from_hf(cls, config) -> LlamaArch:
         rope = rope_parameters(config)
-        model_type = config.model_type
+        family = config.model_type.removesuffix("_moe")  # qwen2_moe, qwen3_moe: same attention
         heads = config.num_attention_heads
         return cls(
             hidden_size=config.hidden_size,
@@ -61,8 +61,10 @@ class LlamaArch:
             rope_theta=rope["rope_theta"],
             max_position_embeddings=max_positions(config.max_position_embeddings, rope),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            attention_bias=bool(
+                getattr(config, "attention_bias", getattr(config, "qkv_bias", family == "qwen2"))
+            ),
+            qk_norm=family == "qwen3",
             rope_parameters=rope,
         )
 
@@ -104,7 +106,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, a: LlamaArch) -> None:
+    """Attention, then the feed-forward: the dense SiLU-gated MLP (``gate_up_proj``,
+    ``down_proj``), or ``mlp`` when given (a mixture of experts: ``models/moe.py``)."""
+
+    def __init__(self, a: LlamaArch, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.a = a
         self.q_size = a.num_heads * a.head_dim
@@ -114,8 +119,10 @@ class LlamaLayer(nn.Module):
             a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.mlp = mlp
+        if mlp is None:
+            self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # (q, k, v, kv_cache, meta, scale) -> (num_tokens, heads, head_dim)
         self.attn_forward: Callable[..., torch.Tensor] = _no_attention_backend
@@ -157,6 +164,8 @@ class LlamaLayer(nn.Module):
         h, residual = self.post_attention_layernorm(
             self.o_proj(attn.reshape(-1, self.q_size)), residual
         )
+        if self.mlp is not None:
+            return self.mlp(h), residual
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
 
 
@@ -187,10 +196,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaLayer(arch, self.make_mlp(i)) for i in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """Layer ``layer``'s feed-forward module, None for the dense MLP (every layer here)."""
+        return None
 
     def set_attention_backend(self, backend: Any) -> None:
         """Every layer attends with ``backend`` (an ``AttentionBackend`` instance)."""
@@ -241,10 +256,13 @@ class LlamaForCausalLM(nn.Module):
                         torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
                     )
                 layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
-                layer.gate_up_proj.weight.copy_(
-                    torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-                )
-                layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                if layer.mlp is None:
+                    layer.gate_up_proj.weight.copy_(
+                        torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+                    )
+                    layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                else:
+                    self.load_mlp(layer.mlp, sd, p)
                 layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
                 layer.post_attention_layernorm.weight.copy_(
                     sd[p + "post_attention_layernorm.weight"]
@@ -252,3 +270,7 @@ class LlamaForCausalLM(nn.Module):
                 if self.arch.qk_norm:
                     layer.q_norm.weight.copy_(sd[att + "q_norm.weight"])
                     layer.k_norm.weight.copy_(sd[att + "k_norm.weight"])
+
+    def load_mlp(self, mlp: nn.Module, sd: dict[str, torch.Tensor], prefix: str) -> None:
+        """Fill a ``make_mlp`` module from the checkpoint tensors of the layer ``prefix``."""
+        raise NotImplementedError(f"{type(self).__name__} makes no feed-forward module")

@@ -31,12 +31,16 @@ _PACKAGE = "vllm.model_executor.models"
 
 # HF architecture: (HF model_type, module under vllm.model_executor.models, class).
 # Mistral, Qwen2 and Qwen3 share the Llama implementation (Qwen2's q/k/v biases and
-# Qwen3's q/k norms are flags of its LlamaArch).
+# Qwen3's q/k norms are flags of its LlamaArch); the mixtures of experts add their
+# experts to it (moe.py).
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "moe", "MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "moe", "MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "moe", "MoeForCausalLM"),
 }
 
 

@@ -1,0 +1,210 @@
+"""Mixture-of-experts models (``models/moe.py``, ``layers/fused_moe.py``): Mixtral, Qwen2-MoE
+and Qwen3-MoE checkpoints written by transformers give transformers' logits; the grouped
+GEMM, its eager fallback and the capture-safe dense path compute the same experts; the
+engine's greedy tokens equal transformers' ``generate``."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from vllm.config import DEFAULT_MODEL, ModelConfig
+from vllm.model_executor.layers import fused_moe
+from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
+from vllm.model_executor.models.moe import MoeForCausalLM
+from vllm.model_executor.models.registry import ModelRegistry
+
+# HF config fields per architecture (over TINY_LLAMA's): Qwen3 with a dense layer kept by
+# mlp_only_layers, Qwen2 with its shared expert and without renormalisation.
+MOE = {
+    "Qwen3MoeForCausalLM": dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                norm_topk_prob=True, mlp_only_layers=[1]),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+    "Qwen2MoeForCausalLM": dict(moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+}  # fmt: skip
+
+
+def moe_config(arch: str, **overrides):
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    return config_cls(**{**TINY_LLAMA, **MOE[arch], **overrides})
+
+
+def save_checkpoint(arch: str, path, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(moe_config(arch, **overrides)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def forward_logits(runner, ids: torch.Tensor) -> torch.Tensor:
+    runner.initialize_kv_cache(9)
+    meta = runner.attn_backend.build_metadata([(0, len(ids), list(range(1, 9)))])
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_moe_architecture_resolves_to_the_moe_implementation(arch):
+    assert ModelRegistry.resolve_model_cls(moe_config(arch))[0] is MoeForCausalLM
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_moe_checkpoint_logits_equal_transformers(arch, tmp_path):
+    hf = save_checkpoint(arch, tmp_path)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    model = runner.model
+    sparse = [layer.mlp is not None for layer in model.layers]
+    assert sparse == ([True, False] if arch.startswith("Qwen3") else [True, True])
+    assert runner.arch.attention_bias == arch.startswith("Qwen2")
+    assert runner.arch.qk_norm == arch.startswith("Qwen3")
+    ids = torch.randint(
+        0, TINY_LLAMA["vocab_size"], (100,), generator=torch.Generator().manual_seed(1)
+    )
+    ours = forward_logits(runner, ids)
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    # The routing is not trivial: the tokens of the first layer reach every expert.
+    with torch.inference_mode():
+        logits = model.layers[0].mlp.gate(torch.randn(100, TINY_LLAMA["hidden_size"]))
+    _, chosen = select_experts(logits, 2, True)
+    assert chosen.unique().numel() == model.arch.num_experts
+
+
+def test_decoder_sparse_step_keeps_the_other_layers_dense(tmp_path):
+    arch = "Qwen2MoeForCausalLM"
+    hf = save_checkpoint(arch, tmp_path, decoder_sparse_step=2, num_hidden_layers=3)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    assert [layer.mlp is not None for layer in runner.model.layers] == [False, True, False]
+    ids = torch.arange(40) % TINY_LLAMA["vocab_size"]
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(forward_logits(runner, ids), ref, atol=1e-4)
+
+
+def reference_experts(x, w13, w2, weights, ids) -> torch.Tensor:
+    """Token by token, slot by slot, in fp32."""
+    x, w13, w2 = x.float(), w13.float(), w2.float()
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1]
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = ids[t, slot]
+            gate, up = (w13[e] @ x[t]).split(inter)
+            out[t] += weights[t, slot] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def random_experts(num_tokens: int, dtype: torch.dtype, num_experts=8, top_k=3, hidden=64):
+    g = torch.Generator().manual_seed(num_tokens)
+    layer = FusedMoE(num_experts, top_k, hidden, 48, renormalize=True).to(dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    return layer, x, logits
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_fallback_and_dense_paths_equal_the_reference(num_tokens, dtype, monkeypatch):
+    layer, x, logits = random_experts(num_tokens, dtype)
+    weights, ids = select_experts(logits, layer.top_k, layer.renormalize)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens))
+    ref = reference_experts(x, layer.w13, layer.w2, weights, ids)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert fused_moe.grouped_mm_supported(x, layer.w13)
+    with torch.inference_mode():
+        grouped = layer(x, logits)
+        dense = fused_moe._dense_experts(x, layer.w13, layer.w2, weights, ids)
+        monkeypatch.setattr(fused_moe, "grouped_mm_supported", lambda a, w: False)
+        looped = layer(x, logits)
+    for out in (grouped, dense, looped):
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, **tol)
+
+
+def test_rows_the_grouped_gemm_cannot_take_use_the_loop():
+    layer, x, logits = random_experts(7, torch.float16)
+    assert not fused_moe.grouped_mm_supported(x, layer.w13)
+    weights, ids = select_experts(logits, layer.top_k, layer.renormalize)
+    with torch.inference_mode():
+        out = layer(x, logits)
+    ref = reference_experts(x, layer.w13, layer.w2, weights, ids)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    unaligned = torch.zeros(7 * 64 + 1)[1:].view(7, 64)  # rows 4 bytes off 16
+    assert not fused_moe.grouped_mm_supported(unaligned, layer.w13.float())
+
+
+def test_without_renormalisation_weights_are_the_softmax_probabilities():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, probs[:, :2])
+    with pytest.raises(ValueError, match="top_k"):
+        FusedMoE(4, 5, 8, 8, renormalize=True)
+
+
+def test_unsupported_activation_is_refused():
+    config = moe_config("MixtralForCausalLM", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        MoeForCausalLM.arch_from_hf(config)
+
+
+def test_gguf_quantization_of_a_moe_model_is_refused():
+    from vllm.model_executor.layers.quantization.gguf import model_gguf_layout
+
+    with torch.device("meta"):
+        model = MoeForCausalLM(MoeForCausalLM.arch_from_hf(moe_config("MixtralForCausalLM")))
+    with pytest.raises(ValueError, match="MoeForCausalLM declares no gguf_layout"):
+        model_gguf_layout(model)
+
+
+def test_dummy_weights_fill_the_experts(tmp_path):
+    from vllm.model_executor.model_loader import DUMMY_WEIGHT_BOUND, load_model_weights
+
+    config = moe_config("Qwen3MoeForCausalLM")
+    model = load_model_weights(MoeForCausalLM, config, str(tmp_path), "cpu", torch.float32, "dummy")
+    experts = model.layers[0].mlp.experts
+    for w in (experts.w13, experts.w2):
+        assert w.abs().max() <= DUMMY_WEIGHT_BOUND and w.std() > DUMMY_WEIGHT_BOUND / 4
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
+    """The engine (chunked prefill, a batch of decodes, a prefix hit) on a Qwen3-MoE
+    checkpoint with the embedded model's tokenizer: transformers' greedy tokens."""
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import resolve_model
+
+    hf = save_checkpoint(
+        "Qwen3MoeForCausalLM", tmp_path, vocab_size=49152, max_position_embeddings=256
+    )
+    tokenizer_dir = resolve_model(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=32,
+              enable_prefix_caching=True)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32

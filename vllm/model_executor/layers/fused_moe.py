@@ -1,0 +1,150 @@
+"""Mixture-of-experts feed-forward over a flat batch of tokens, as vLLM's ``FusedMoE``.
+
+A router scores every expert for every token; each token goes to its ``top_k`` experts,
+each a SiLU-gated MLP, and its output is their sum weighted by the router's probabilities.
+Every expert's weights live stacked in two parameters::
+
+    w13  (num_experts, 2 * intermediate, hidden)   [gate; up], as one linear layer
+    w2   (num_experts, hidden, intermediate)       down
+
+The experts run as two grouped GEMMs (``torch.nn.functional.grouped_mm``) over the
+``num_tokens * top_k`` (token, expert) pairs sorted by expert: one kernel per projection
+whatever the number of experts hit, and the group offsets are a tensor counted on the
+device, so a decode step has no host sync and replays in a CUDA graph. Where the
+grouped GEMM does not take the operands (CUDA in fp16 or fp32, rows not 16-byte aligned),
+a loop over the experts hit does the same products, one pair of GEMMs each; that loop
+reads the group sizes on the host, so under CUDA-graph capture it computes every expert
+for every token instead (exact, ``num_experts / top_k`` times the work).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm import _custom_ops as ops
+
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
+    torch, "_grouped_mm", None
+)
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32, expert ids int64), each ``(num_tokens, top_k)``: the ``top_k`` largest
+    softmax probabilities of each row (softmax in fp32 over all experts), divided by their
+    sum when ``renormalize`` (Mixtral always; Qwen MoE when ``norm_topk_prob``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_mm_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the grouped GEMM takes ``a (rows, K)`` against ``w (groups, N, K)``: on
+    the CPU any float dtype, on CUDA bf16 from sm80; every row 16-byte aligned."""
+    if _GROUPED_MM is None or a.dtype != w.dtype:
+        return False
+    if (a.shape[-1] * a.element_size()) % 16 or (w.shape[1] * w.element_size()) % 16:
+        return False
+    if a.data_ptr() % 16 or w.data_ptr() % 16:
+        return False
+    if w.device.type == "cuda":
+        return w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w.device) >= (8, 0)
+    return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+
+
+def _grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``a`` rows ``[offs[g-1], offs[g])`` times ``w[g].T``, for every group ``g``:
+    ``(rows, K) x (groups, N, K) -> (rows, N)``."""
+    if grouped_mm_supported(a, w):
+        return _GROUPED_MM(a, w.transpose(1, 2), offs=offs)
+    out = a.new_empty(a.shape[0], w.shape[1])
+    start = 0
+    for group, end in enumerate(offs.tolist()):  # host sync: the eager fallback only
+        if end > start:
+            torch.mm(a[start:end], w[group].t(), out=out[start:end])
+        start = end
+    return out
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``(num_tokens, hidden)``: each row of ``x`` through its experts ``topk_ids``, summed
+    with ``topk_weights`` (fp32, accumulated in fp32)."""
+    num_tokens, top_k = topk_ids.shape
+    if not grouped_mm_supported(x, w13) and _capturing(x.device):
+        return _dense_experts(x, w13, w2, topk_weights, topk_ids)
+    flat = topk_ids.reshape(-1)  # pair p = token * top_k + slot
+    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)  # end of each expert's group
+    h = _grouped_linear(x.index_select(0, order // top_k), w13, offs)  # (pairs, 2I)
+    y = _grouped_linear(ops.silu_and_mul(h), w2, offs)  # (pairs, hidden), by expert
+    by_pair = torch.empty_like(y).index_copy_(0, order, y)  # back in token order
+    out = torch.bmm(  # (num_tokens, 1, top_k) x (num_tokens, top_k, hidden)
+        topk_weights.unsqueeze(1), by_pair.view(num_tokens, top_k, -1).float()
+    )
+    return out.view(num_tokens, -1).to(x.dtype)
+
+
+def _dense_experts(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Every expert on every token, each weighted by its routing weight (zero where not
+    chosen): fixed shapes and no host sync, for CUDA-graph capture without grouped GEMM."""
+    num_experts = w13.shape[0]
+    dense = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
+    dense.scatter_(1, topk_ids, topk_weights)  # (num_tokens, num_experts)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(num_experts):
+        y = torch.mm(ops.silu_and_mul(torch.mm(x, w13[e].t())), w2[e].t())
+        out.add_(y.float() * dense[:, e : e + 1])
+    return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer: ``forward(x, router_logits)`` ->
+    ``(num_tokens, hidden)``. Parameters ``w13`` and ``w2`` as the module docstring lays out;
+    ``load_expert`` fills one expert from a checkpoint's separate gate/up/down tensors."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return fused_experts(x, self.w13, self.w2, weights, ids)
+
+    @torch.no_grad()
+    def load_expert(
+        self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
+        i = self.intermediate_size
+        self.w13[expert, :i].copy_(gate)
+        self.w13[expert, i:].copy_(up)
+        self.w2[expert].copy_(down)

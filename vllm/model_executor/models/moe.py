@@ -1,0 +1,122 @@
+"""Mixture-of-experts models with Llama's attention: Mixtral, Qwen2-MoE (Qwen1.5-MoE),
+Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B).
+
+A layer is ``LlamaLayer``'s attention (Qwen2's q/k/v biases, Qwen3's q/k norms as in
+``llama.py``) with a ``SparseMoeBlock`` for the feed-forward: a router (``gate``), the
+routed experts (``layers/fused_moe.py``) and, for Qwen2-MoE, a shared expert scaled by a
+sigmoid gate. Qwen's ``decoder_sparse_step`` and ``mlp_only_layers`` keep some layers
+dense. Registered for the three HF architectures in ``registry.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from vllm import _custom_ops as ops
+from vllm.model_executor.layers.fused_moe import FusedMoE
+from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class MoeArch(LlamaArch):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    sparse_layers: tuple[int, ...] = ()  # layers whose feed-forward is the experts
+    checkpoint_prefix: str = "mlp"  # the block's name in the checkpoint (Mixtral's differs)
+
+    @classmethod
+    def from_hf(cls, config) -> MoeArch:
+        base = LlamaArch.from_hf(config)
+        if config.model_type == "mixtral":
+            num_experts, intermediate = config.num_local_experts, config.intermediate_size
+            sparse = tuple(range(base.num_layers))
+            norm, shared, prefix = True, 0, "block_sparse_moe"
+        else:  # qwen2_moe, qwen3_moe
+            num_experts, intermediate = config.num_experts, config.moe_intermediate_size
+            step = getattr(config, "decoder_sparse_step", 1) or 1
+            dense = set(getattr(config, "mlp_only_layers", None) or ())
+            sparse = tuple(
+                i
+                for i in range(base.num_layers)
+                if i not in dense and num_experts > 0 and (i + 1) % step == 0
+            )
+            norm = bool(getattr(config, "norm_topk_prob", False))
+            shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+            prefix = "mlp"
+        activation = getattr(config, "hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"hidden_act {activation!r} is not supported (only 'silu')")
+        return cls(
+            **base.__dict__,
+            num_experts=num_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=intermediate,
+            norm_topk_prob=norm,
+            shared_expert_intermediate_size=shared,
+            sparse_layers=sparse,
+            checkpoint_prefix=prefix,
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    """``(num_tokens, hidden) -> (num_tokens, hidden)``: the routed experts' weighted sum,
+    plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where there is one."""
+
+    def __init__(self, a: MoeArch) -> None:
+        super().__init__()
+        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)  # the router
+        self.experts = FusedMoE(
+            a.num_experts,
+            a.num_experts_per_tok,
+            a.hidden_size,
+            a.moe_intermediate_size,
+            renormalize=a.norm_topk_prob,
+        )
+        self.shared = a.shared_expert_intermediate_size > 0
+        if self.shared:
+            width = a.shared_expert_intermediate_size
+            self.shared_gate_up_proj = nn.Linear(a.hidden_size, 2 * width, bias=False)
+            self.shared_down_proj = nn.Linear(width, a.hidden_size, bias=False)
+            self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared:
+            shared = self.shared_down_proj(ops.silu_and_mul(self.shared_gate_up_proj(x)))
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    gguf_layout: ClassVar[Any] = None  # --quantization gguf: refused with its reason
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> MoeArch:
+        return MoeArch.from_hf(hf_config)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        return SparseMoeBlock(self.arch) if layer in self.arch.sparse_layers else None
+
+    def load_mlp(self, mlp: nn.Module, sd: dict[str, torch.Tensor], prefix: str) -> None:
+        p = f"{prefix}{self.arch.checkpoint_prefix}."
+        mlp.gate.weight.copy_(sd[p + "gate.weight"])
+        names = ("w1", "w3", "w2") if self.arch.checkpoint_prefix == "block_sparse_moe" else (
+            "gate_proj", "up_proj", "down_proj"
+        )  # fmt: skip
+        for e in range(self.arch.num_experts):
+            gate, up, down = (sd[f"{p}experts.{e}.{n}.weight"] for n in names)
+            mlp.experts.load_expert(e, gate, up, down)
+        if mlp.shared:
+            s = p + "shared_expert."
+            mlp.shared_gate_up_proj.weight.copy_(
+                torch.cat([sd[s + "gate_proj.weight"], sd[s + "up_proj.weight"]])
+            )
+            mlp.shared_down_proj.weight.copy_(sd[s + "down_proj.weight"])
+            mlp.shared_expert_gate.weight.copy_(sd[p + "shared_expert_gate.weight"])
