@@ -184,8 +184,8 @@ class EngineArgs:
             return field_default(SchedulerConfig, "max_model_len")
         if model_max_len is not None and self.max_model_len > model_max_len:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {model_max_len}"
+                f"max_model_len {self.max_model_len} exceeds the model's longest context "
+                f"{model_max_len} (its max_position_embeddings, or its sliding window)"
             )
         return self.max_model_len
 

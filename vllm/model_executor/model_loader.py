@@ -265,12 +265,40 @@ def get_model_config(model: str):
 
 def model_max_len(hf_config) -> int | None:
     """The longest context ``hf_config``'s model takes: ``max_position_embeddings``, times
-    the factor of a ``linear`` rope scaling (as vLLM; ``rotary_embedding.max_positions``);
-    None if the config names none. ``ValueError`` for a rope type not supported."""
+    the factor of a ``linear`` rope scaling (as vLLM; ``rotary_embedding.max_positions``),
+    and no longer than its attention window (``sliding_window``); None if the config names
+    no length. ``ValueError`` for a rope type not supported."""
     from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 
     trained = getattr(hf_config, "max_position_embeddings", None)
-    return None if trained is None else max_positions(trained, rope_parameters(hf_config))
+    if trained is None:
+        return None
+    limit = max_positions(trained, rope_parameters(hf_config))
+    window = sliding_window(hf_config)
+    if window is not None and window < limit:
+        logger.warning(
+            "the model attends to a sliding window of %d tokens; this engine's attention "
+            "sees the whole context, which is the same only up to the window: contexts are "
+            "limited to %d tokens (max_position_embeddings %d)",
+            window,
+            window,
+            limit,
+        )
+        return window
+    return limit
+
+
+def sliding_window(hf_config) -> int | None:
+    """The attention window of ``hf_config``'s model, None if it attends to the whole
+    context: Mistral v0.1's ``sliding_window``; Qwen2/Qwen3 only with
+    ``use_sliding_window``; a config with ``layer_types`` only if one is sliding."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
 
 
 # The generation-config fields vLLM takes as default sampling parameters (HF's
