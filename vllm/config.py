@@ -480,6 +480,46 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's flags): each request may name one; a batch mixes adapters and
+    the base model, every token's rows getting its own adapter's update
+    (docs/lora.md)."""
+
+    enable_lora: bool = config_field(
+        False,
+        "Serve LoRA adapters: offline a request's lora_request names one; the server serves "
+        "each --lora-modules adapter under its own model name.",
+    )
+    max_loras: int = config_field(
+        1, "Most distinct adapters in one batch: each holds a slot of device memory."
+    )
+    max_lora_rank: int = config_field(
+        16, "Largest adapter rank accepted; every slot is sized for it."
+    )
+    max_cpu_loras: int | None = config_field(
+        None,
+        "Adapters kept read in host memory (default: max_loras), so a slot reloads them "
+        "without reading their files again.",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad_value(name, value, "must be an integer >= 1")
+        if self.max_lora_rank > 512:
+            raise bad_value("max_lora_rank", self.max_lora_rank, "must be <= 512")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise bad_value(
+                "max_cpu_loras", self.max_cpu_loras, f"must be >= max_loras={self.max_loras}"
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """All engine configs; each field's type is one group of CLI flags."""
 
@@ -491,6 +531,7 @@ class VllmConfig:
     offload_config: OffloadConfig = field(default_factory=OffloadConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.offload_config.enabled and not self.cache_config.enable_prefix_caching:

@@ -10,6 +10,7 @@ from typing import Any
 from vllm.engine.arg_utils import EngineArgs, UsageContext
 from vllm.entrypoints.openai.protocol import parse_messages
 from vllm.exceptions import VLLMValidationError
+from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader import (
     default_sampling_params,
     get_model_config,
@@ -72,12 +73,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list (text, token ids, or a prompt dict)."""
+        """Generate for one prompt or a list (text, token ids, or a prompt dict).
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the
+        base model); needs ``enable_lora=True``."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
         items = [(*_unpack_prompt(p), True, _cache_salt(p)) for p in prompts]
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -88,8 +92,10 @@ class LLM:
         use_tqdm: bool = False,
         tools: list | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Chat with one conversation (a list of messages) or a list of conversations.
+        """Chat with one conversation (a list of messages) or a list of conversations;
+        ``lora_request`` as ``generate``'s.
 
         Messages are validated as the server validates them (``VLLMValidationError``)."""
         if not messages:
@@ -107,7 +113,7 @@ class LLM:
             )
             # The template already wrote the special tokens (BOS etc.): add none.
             items.append((text, text, False, None))
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
@@ -120,8 +126,17 @@ class LLM:
         items: list[tuple[str | list[int], str | None, bool]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """items: (prompt, prompt text for the output, add_special_tokens, cache_salt)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(items)
+        if len(lora_request) != len(items):
+            raise VLLMValidationError(
+                f"lora_request must be one, or one per prompt ({len(items)}), "
+                f"got {len(lora_request)}",
+                "lora_request",
+            )
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -133,13 +148,17 @@ class LLM:
             )
         # Validate everything before queueing anything: bad input loses nothing.
         batch: list[tuple[str, str | None, list[EngineCoreRequest]]] = []
-        for (prompt, text, special, salt), params in zip(items, sampling_params, strict=True):
+        for (prompt, text, special, salt), params, lora in zip(
+            items, sampling_params, lora_request, strict=True
+        ):
             ids = self.processor.tokenize(prompt, special)
             if isinstance(params, SamplingParams):
                 params = self._offline_params(params, len(ids))
             request_id = str(self._request_counter)
             self._request_counter += 1
-            _, core_reqs = self.processor.process(ids, params, request_id, cache_salt=salt)
+            _, core_reqs = self.processor.process(
+                ids, params, request_id, cache_salt=salt, lora_request=lora
+            )
             batch.append((request_id, text, core_reqs))
         self._add_to_engine(batch)
         return self._run_engine([request_id for request_id, _, _ in batch], use_tqdm)

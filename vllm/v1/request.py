@@ -6,6 +6,7 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import PromptLogprobs, TokenLogprobs
@@ -61,6 +62,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_hasher: Callable[[Request], list[Any]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -70,6 +72,7 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # its adapter (vllm.lora); None: the base model
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens

@@ -21,6 +21,7 @@ def make_request(
     priority: int = 0,
     cache_salt: str | None = None,
     request_id: str | None = None,
+    lora_request=None,
     **sampling,
 ) -> Request:
     extra = {"job_id": job_id, "is_last_step": is_last_step} if job_id is not None else None
@@ -34,6 +35,7 @@ def make_request(
         priority=priority,
         cache_salt=cache_salt,
         block_hasher=get_request_block_hasher(block_size),
+        lora_request=lora_request,
     )
 
 

@@ -30,10 +30,12 @@ def hash_block_tokens(
 
 
 def _extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
-    # The cache salt isolates tenants: it enters the first block only, and the chaining
-    # carries it to every later block. The None slot stands for a LoRA adapter name.
-    if block_index == 0 and request.cache_salt is not None:
-        return (request.cache_salt, None)
+    # The cache salt (which isolates tenants) and the LoRA adapter's name (one adapter's
+    # KV is never another's, nor the base model's) enter the first block only: the
+    # chaining carries them to every later block.
+    lora = request.lora_request
+    if block_index == 0 and (request.cache_salt is not None or lora is not None):
+        return (request.cache_salt, None if lora is None else lora.lora_name)
     return None
 
 

@@ -36,6 +36,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import TokenLogprobs
@@ -62,6 +63,7 @@ class EngineCoreRequest:
     arrival_wall_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass

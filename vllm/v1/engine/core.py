@@ -155,6 +155,7 @@ class EngineCore:
             arrival_time=self.clock(),
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_request=request.lora_request,
             block_hasher=self.block_hasher,
         )
         if not self.grammars.hold(core_request):

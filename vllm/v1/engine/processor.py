@@ -9,6 +9,8 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
+from vllm.lora.peft import read_adapter_config
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 
@@ -36,6 +38,7 @@ class Processor:
         # max_tokens for a request that sets none (the model's max_new_tokens, served by
         # the API server), cut to what the context leaves; None: until the context limit.
         self.default_max_tokens: int | None = None
+        self.lora_config = vllm_config.lora_config
 
     def set_kv_capacity(self, num_gpu_blocks: int) -> None:
         """The engine's KV pool: a request that cannot fit it is refused (a 400 naming the
@@ -160,6 +163,7 @@ class Processor:
         add_special_tokens: bool = True,
         arrival_wall_time: float | None = None,
         structured_outputs_checked: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str, list[EngineCoreRequest]]:
         """Validate and fan out: ``(request_id, [EngineCoreRequest, ...])``.
 
@@ -172,6 +176,7 @@ class Processor:
             raise VLLMValidationError(
                 f"sampling_params must be a SamplingParams, got {params!r}", "sampling_params"
             )
+        self._check_lora(lora_request)
         if params.structured_outputs is not None and not structured_outputs_checked:
             # A bad grammar is a 400 here, never an engine error or unconstrained output.
             self.structured_outputs.validate(params.structured_outputs)
@@ -201,10 +206,37 @@ class Processor:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(
                 EngineCoreRequest(
-                    child_id, ids, child, self.eos_token_id, arrival_wall_time, priority, cache_salt
-                )
+                    child_id,
+                    ids,
+                    child,
+                    self.eos_token_id,
+                    arrival_wall_time,
+                    priority,
+                    cache_salt,
+                    lora_request,
+                )  # fmt: skip
             )
         return request_id, children
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """A LoRA request needs --enable-lora and an adapter the engine can apply (its
+        config is read here; its weights when a slot loads them)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise VLLMValidationError(
+                f"lora_request must be a LoRARequest, got {lora_request!r}", "lora_request"
+            )
+        if not self.lora_config.enable_lora:
+            raise VLLMValidationError(
+                f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not enabled "
+                "(--enable-lora)",
+                "lora_request",
+            )
+        try:
+            read_adapter_config(lora_request.lora_path, self.lora_config.max_lora_rank)
+        except ValueError as e:
+            raise VLLMValidationError(str(e), "lora_request") from e
 
     @property
     def _limit_text(self) -> str:

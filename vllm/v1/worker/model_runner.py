@@ -16,6 +16,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import VllmConfig
+from vllm.lora.manager import LoRAAdapterError, LoRAManager
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
@@ -60,6 +61,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    lora_int_id: int = 0  # its adapter's id (0: the base model)
+    lora_slot: int = 0  # the adapter's slot (LoRAManager), fixed while the request runs
 
 
 class ModelRunner:
@@ -85,6 +88,7 @@ class ModelRunner:
         # CUDA: the device's memory before the weights (load_model), the KV sizing's baseline.
         self.memory_before_load: MemorySnapshot | None = None
         self.kv_offload = None  # the CPU KV tier's handler (initialize_kv_offload)
+        self.lora: LoRAManager | None = None  # --enable-lora: the adapters' slots
         self.requests: dict[str, CachedRequestState] = {}
         # Generators of seeded requests preempted (recompute) and not yet resumed.
         self._paused_generators: dict[str, torch.Generator] = {}
@@ -136,6 +140,8 @@ class ModelRunner:
             # (then cached); without a compiler the pure-torch fallbacks run.
             ops.ensure_native_kernels()
         apply_quantization(self.model, self.model_config)
+        if self.config.lora_config.enable_lora:  # wraps the linear layers, as quantized
+            self.lora = LoRAManager(self.model, self.config.lora_config, self.device, self.dtype)
         a = self.arch
         backend_cls = select_attention_backend(self.device, self.dtype, self.block_size, a.head_dim)
         self.attn_backend = backend_cls(
@@ -286,6 +292,8 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             try:
                 self.requests[new.req_id] = self._new_state(new)
+            except LoRAAdapterError as e:  # the request's own: an adapter that cannot load
+                failed[new.req_id] = RequestFailure(str(e), internal=False)
             except Exception as e:  # this request only (e.g. a seed its generator refuses)
                 logger.warning("request %s: its runner state failed", new.req_id, exc_info=True)
                 failed[new.req_id] = RequestFailure(f"{type(e).__name__}: {e}")
@@ -299,6 +307,13 @@ class ModelRunner:
         return failed
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        lora_id = slot = 0
+        if new.lora_request is not None:  # first: a failure here leaves nothing half-made
+            if self.lora is None:
+                raise LoRAAdapterError("a LoRA adapter was requested but LoRA is not enabled")
+            in_use = {s.lora_int_id for s in self.requests.values() if s.lora_int_id}
+            slot = self.lora.activate(new.lora_request, in_use)
+            lora_id = new.lora_request.lora_int_id
         p = new.sampling_params
         gen = self._paused_generators.pop(new.req_id, None)
         if gen is None and p.seed is not None:
@@ -312,6 +327,8 @@ class ModelRunner:
             gen,
             new.num_computed_tokens,
             list(new.token_ids[new.num_prompt_tokens :]),
+            lora_int_id=lora_id,
+            lora_slot=slot,
         )
 
     @torch.inference_mode()
@@ -333,6 +350,7 @@ class ModelRunner:
                 )
             )
         ids, positions, seqs, sample_idx, sample_reqs = [], [], [], [], []
+        token_slots: list[int] = []  # each row's LoRA slot (0: the base model)
         row_starts: dict[str, int] = {}  # req_id -> its first row in the flat batch
         spec_rows: list[int] = []  # speculative decoding: every row of a request's step
         spec_reqs: list[tuple[CachedRequestState, list[int]]] = []
@@ -354,11 +372,15 @@ class ModelRunner:
                 ids += state.token_ids[start : start + n]
                 seqs.append((start, n, state.block_ids))
             positions += range(start, start + n)
+            token_slots += [state.lora_slot] * n
             if not drafts and start + n >= len(state.token_ids):  # the end: sample a token
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
         hidden = None
-        if self.decode_graphs is not None:  # a decode-only step of a captured size
+        if self.lora is not None:
+            self.lora.set_token_slots(token_slots, self.device)
+        # Graphs were captured without adapters: a step with one runs eagerly.
+        if self.decode_graphs is not None and not any(token_slots):
             hidden = self.decode_graphs.run(ids, positions, seqs)
         if hidden is None:
             meta = self.attn_backend.build_metadata(seqs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm.config import (
     CacheConfig,
+    LoRAConfig,
     PolicyConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -33,8 +34,10 @@ def make_scheduler(
     job_admission: bool = False,
     pins_yield_to_tier: bool = True,
     speculative: dict | None = None,
+    max_loras: int = 0,
 ) -> Scheduler:
     config = VllmConfig(
+        lora_config=LoRAConfig(enable_lora=max_loras > 0, max_loras=max(max_loras, 1)),
         speculative_config=SpeculativeConfig(speculative),
         cache_config=CacheConfig(block_size=BLOCK),
         scheduler_config=SchedulerConfig(

@@ -206,3 +206,38 @@ def test_duplicate_request_id_rejected():
     s.add_request(make_request([1, 2], request_id="x"))
     with pytest.raises(ValueError, match="request_id"):
         s.add_request(make_request([1, 2], request_id="x"))
+
+
+def test_at_most_max_loras_adapters_run_and_the_skipped_keep_their_places():
+    """As vLLM: a waiting request whose adapter would be one too many waits, and requests
+    behind it (the base model, an adapter already running) go ahead."""
+    from vllm.lora.request import LoRARequest
+
+    s = make_scheduler(max_loras=2)
+    lora = {i: LoRARequest(f"a{i}", i, "/adapters") for i in (1, 2, 3)}
+    reqs = [
+        make_request([1, 2, 3, 4], lora_request=lora[1], max_tokens=3),
+        make_request([1, 2, 3, 4], lora_request=lora[2], max_tokens=3),
+        make_request([5, 6, 7, 8], lora_request=lora[3], max_tokens=3),  # a third: waits
+        make_request([9, 10, 11, 12], max_tokens=3),  # the base model: runs
+        make_request([1, 2, 3, 4], lora_request=lora[1], max_tokens=3),  # a1 runs: runs
+        make_request([5, 6, 7, 9], lora_request=lora[3], max_tokens=3),  # behind the other a3
+    ]
+    for r in reqs:
+        s.add_request(r)
+    so, _ = step(s)
+    assert [r.req_id for r in so.scheduled_new_reqs] == [reqs[i].request_id for i in (0, 1, 3, 4)]
+    assert [r.request_id for r in s.waiting] == [reqs[2].request_id, reqs[5].request_id]
+    seen_together = []
+    while s.requests:
+        so, _ = step(s)
+        running = {r.lora_request.lora_int_id for r in s.running if r.lora_request}
+        assert len(running) <= 2
+        seen_together.append(running)
+    assert any(3 in ids for ids in seen_together)  # a3 ran once a slot freed
+    # The adapter's name keys the prefix cache: the same tokens under another adapter
+    # (or none) share no block.
+    assert reqs[0].block_hashes[0] != reqs[1].block_hashes[0]
+    base = make_request([1, 2, 3, 4])
+    assert base.block_hashes[0] not in (reqs[0].block_hashes[0], reqs[1].block_hashes[0])
+    assert make_request([1, 2, 3, 4], lora_request=lora[1]).block_hashes == reqs[0].block_hashes

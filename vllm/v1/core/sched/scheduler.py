@@ -69,6 +69,8 @@ class Scheduler:
         self.max_ttl_s = vllm_config.policy_config.max_ttl_s  # caps a client's pin floor
         cache = vllm_config.cache_config
         self.block_size = cache.block_size
+        lora = vllm_config.lora_config
+        self.max_loras = lora.max_loras if lora.enable_lora else 0  # distinct adapters running
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks,
             cache.block_size,
@@ -270,10 +272,16 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: TokenBudget, step: _Step, now: float) -> None:
         kv = self.kv_cache_manager
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        skipped: list[Request] = []  # waiting for a LoRA slot: back in their places after
         while (
             self.waiting and budget.remaining > 0 and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek_request()
+            lora = request.lora_request
+            if lora and lora.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.pop_request())  # as vLLM: later ones may run
+                continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_loaded = self._offloaded_hit(request, num_hit, step)
             num_new = request.num_tokens - num_hit - num_loaded
@@ -293,12 +301,16 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop_request()
+            if lora:
+                adapters.add(lora.lora_int_id)
             kv.record_prefix_cache_query(request.num_tokens, num_hit, num_loaded)
             self._admit(request, num_hit + num_loaded, now)
             step.num_loaded += num_loaded
             step.new.append(request)
             step.num_tokens[request.request_id] = num_new
             budget.consume(num_new)
+        for request in reversed(skipped):
+            self.waiting.prepend_request(request)
 
     def _offloaded_hit(self, request: Request, num_hit: int, step: _Step) -> int:
         """Tokens of ``request`` to load from the CPU KV tier after its pool hit (0 without
@@ -333,6 +345,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                lora_request=r.lora_request,
             )
             for r in step.new
         ]

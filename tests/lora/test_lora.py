@@ -1,0 +1,265 @@
+"""LoRA adapters (``vllm/lora``): a PEFT checkpoint written here for a tiny Llama gives the
+logits and greedy tokens of transformers' model with the adapter merged into its weights
+(W + scaling * B @ A), alone or mixed with other adapters and the base model in one batch;
+slots are reused as adapters come and go; the prefix cache never shares blocks between
+adapters; what cannot be applied is refused with the reason."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from vllm.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    VllmConfig,
+)
+from vllm.exceptions import VLLMValidationError
+from vllm.lora.request import LoRARequest
+
+VOCAB = 49152  # the embedded model's tokenizer, for the engine tests
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHAPES = {  # (out, in) of each target in TINY_LLAMA
+    "q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+    "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96),
+}  # fmt: skip
+
+
+def write_adapter(path, seed: int, targets=ALL, r=4, alpha=8, layers=(0, 1), **config):
+    """A PEFT checkpoint: random A (r, in) and B (out, r) for each target of each layer."""
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in layers:
+        for t in targets:
+            out, inp = SHAPES[t]
+            block = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{i}.{block}.{t}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, inp, generator=g) * 0.2
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=g) * 0.2
+    save_file(tensors, path / "adapter_model.safetensors")
+    meta = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "bias": "none",
+            "target_modules": list(targets), **config}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(meta))
+    return path
+
+
+def merged(hf, adapter_dir) -> torch.nn.Module:
+    """transformers' model with the adapter merged into its weights, as PEFT merges."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    model = copy.deepcopy(hf)
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    params = dict(model.named_parameters())
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        b = tensors[key.replace("lora_A", "lora_B")]
+        module = key.removeprefix("base_model.model.").split(".lora_A")[0]
+        r = a.shape[0]
+        scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+        with torch.no_grad():
+            params[f"{module}.weight"] += scale * (b @ a)
+    return model
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny Llama with the embedded model's vocabulary and tokenizer: (folder, hf)."""
+    from vllm.model_executor.model_loader import resolve_model
+
+    path = tmp_path_factory.mktemp("lora-base")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": VOCAB,
+                                         "max_position_embeddings": 256})  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(path)
+    tokenizer_dir = resolve_model(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", path / name)
+    return path, hf
+
+
+def lora_runner(path, max_loras=2, max_rank=8):
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(path), max_model_len=256),
+        cache_config=CacheConfig(block_size=16),
+        lora_config=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_rank),
+    )
+    runner = load_cpu_runner(config)
+    runner.initialize_kv_cache(20)
+    return runner
+
+
+def test_a_mixed_batch_gives_each_row_its_adapters_logits(base, tmp_path):
+    """One forward: adapter a (rank 4, every target), the base model, adapter b (rank 8,
+    attention only, rsLoRA): each request's logits equal its merged model's."""
+    path, hf = base
+    a = write_adapter(tmp_path / "a", seed=1)
+    b = write_adapter(tmp_path / "b", seed=2, targets=ALL[:4], r=8, alpha=4, use_rslora=True)
+    runner = lora_runner(path)
+    slot_a = runner.lora.activate(LoRARequest("a", 1, str(a)), set())
+    slot_b = runner.lora.activate(LoRARequest("b", 2, str(b)), set())
+    assert {slot_a, slot_b} == {1, 2}
+    g = torch.Generator().manual_seed(3)
+    lengths = (12, 7, 20)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    ids = torch.cat(prompts)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    blocks = [[1, 2], [3, 4], [5, 6]]
+    meta = runner.attn_backend.build_metadata(
+        [(0, n, blk) for n, blk in zip(lengths, blocks, strict=True)]
+    )
+    slots = [slot_a] * 12 + [0] * 7 + [slot_b] * 20
+    runner.lora.set_token_slots(slots, "cpu")
+    with torch.inference_mode():
+        logits = runner.model.compute_logits(runner.model(ids, positions, meta, runner.kv_caches))
+        refs = [merged(hf, a), hf, merged(hf, b)]
+        start = 0
+        for prompt, ref_model in zip(prompts, refs, strict=True):
+            ref = ref_model(prompt[None]).logits[0].float()
+            ours = logits[start : start + len(prompt)]
+            assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+            start += len(prompt)
+        base_logits = hf(prompts[0][None]).logits[0]
+    assert (logits[:12] - base_logits).abs().max() > 1e-2  # the adapter changes something
+
+
+def test_engine_greedy_tokens_follow_each_requests_adapter(base, tmp_path):
+    """Through the engine (one slot for two adapters: they take turns), prefix caching on:
+    every request's greedy tokens equal its merged model's; a prompt cached under one
+    adapter is recomputed under another."""
+    from vllm import LLM, SamplingParams
+
+    path, hf = base
+    a = write_adapter(tmp_path / "a", seed=1)
+    b = write_adapter(tmp_path / "b", seed=2, targets=("q_proj", "v_proj", "down_proj"))
+    lora_a, lora_b = LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 5, 2)]
+    loras = [lora_a, lora_b, None, lora_a]
+    refs = {None: hf, "a": merged(hf, a), "b": merged(hf, b)}
+    with torch.inference_mode():
+        expected = [
+            refs[lora.lora_name if lora else None]
+            .generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :]
+            .tolist()
+            for p, lora in zip(prompts, loras, strict=True)
+        ]
+    llm = LLM(model=str(path), enable_lora=True, max_loras=1, max_lora_rank=8,
+              kv_cache_memory="16MiB", enable_prefix_caching=True)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        # A new prompt cached under a: a hit for a, none for b nor the base model.
+        fresh = {"prompt_token_ids": torch.randint(0, VOCAB, (40,), generator=g).tolist()}
+        llm.generate(fresh, params, lora_request=lora_a)
+        hits = [llm.generate(fresh, params, lora_request=lora)[0].num_cached_tokens
+                for lora in (lora_a, lora_b, None)]  # fmt: skip
+        assert hits == [32, 0, 0]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(r=32), "rank 32 is greater than max_lora_rank 8"),
+        (dict(bias="all"), "adapter biases are not supported"),
+        (dict(use_dora=True), "DoRA"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(peft_type="IA3"), "peft_type is 'IA3'"),
+    ],
+)
+def test_an_adapter_config_the_engine_cannot_apply_is_refused(base, tmp_path, change, match):
+    from vllm.v1.engine.processor import Processor
+
+    adapter = write_adapter(tmp_path / "x", seed=1, targets=("q_proj",))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    vllm_config = VllmConfig(lora_config=LoRAConfig(enable_lora=True, max_lora_rank=8))
+    processor = Processor(vllm_config, transformers.AutoTokenizer.from_pretrained(base[0]), 2)
+    from vllm import SamplingParams
+
+    with pytest.raises(VLLMValidationError, match=match) as e:
+        processor.process(
+            [1, 2, 3], SamplingParams(), lora_request=LoRARequest("x", 1, str(adapter))
+        )
+    assert e.value.param == "lora_request"
+
+
+def test_lora_requests_need_enable_lora_and_a_real_adapter(base, tmp_path):
+    from vllm import SamplingParams
+    from vllm.v1.engine.processor import Processor
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base[0])
+    lora = LoRARequest("x", 1, str(tmp_path / "nowhere"))
+    off = Processor(VllmConfig(), tokenizer, 2)
+    with pytest.raises(VLLMValidationError, match="LoRA is not enabled"):
+        off.process([1, 2], SamplingParams(), lora_request=lora)
+    on = Processor(VllmConfig(lora_config=LoRAConfig(enable_lora=True)), tokenizer, 2)
+    with pytest.raises(VLLMValidationError, match="has no adapter_config.json"):
+        on.process([1, 2], SamplingParams(), lora_request=lora)
+    with pytest.raises(ValueError, match="lora_int_id must be >= 1"):
+        LoRARequest("x", 0, "/p")
+    with pytest.raises(ValueError, match="lora_path"):
+        LoRARequest("x", 1, "")
+    assert LoRARequest("x", 1, "/p") == LoRARequest("x", 2, "/q")  # by name, as vLLM
+
+
+def test_adapter_weights_the_model_cannot_take_fail_the_request_alone(base, tmp_path):
+    """Checked when a slot loads them: a target the engine does not apply, a shape that is
+    not the model's. The runner fails that request (400) and the batch goes on."""
+    from vllm.lora.peft import load_adapter
+
+    embed = write_adapter(tmp_path / "e", seed=1, targets=("q_proj",))
+    tensors = {"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(4, 10)}
+    save_file(tensors, embed / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="embed_tokens.*does not apply"):
+        load_adapter("e", str(embed), 8)
+    runner = lora_runner(base[0], max_loras=1)
+    wide = write_adapter(tmp_path / "w", seed=1, targets=("q_proj",), layers=(0,))
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    bad = {f"{key}.lora_A.weight": torch.zeros(4, 65), f"{key}.lora_B.weight": torch.zeros(64, 4)}
+    save_file(bad, wide / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="layer 0's q_proj is \\(64, 65\\)"):
+        runner.lora.activate(LoRARequest("w", 1, str(wide)), set())
+    deep = write_adapter(tmp_path / "d", seed=1, targets=("q_proj",), layers=(5,))
+    with pytest.raises(ValueError, match="layer 5's q_proj"):
+        runner.lora.activate(LoRARequest("d", 2, str(deep)), set())
+    good = write_adapter(tmp_path / "g", seed=1, targets=("q_proj",))
+    assert runner.lora.activate(LoRARequest("g", 3, str(good)), set()) == 1
+    other = write_adapter(tmp_path / "o", seed=2, targets=("q_proj",))
+    with pytest.raises(RuntimeError, match="no LoRA slot free"):
+        runner.lora.activate(LoRARequest("o", 4, str(other)), in_use={3})
+    assert runner.lora.activate(LoRARequest("o", 4, str(other)), in_use=set()) == 1
+
+
+def test_without_lora_tokens_the_layers_add_nothing(base):
+    """A step with no adapter token adds no LoRA work (token_slots None) and matches the
+    base model exactly."""
+    path, hf = base
+    runner = lora_runner(path)
+    runner.lora.set_token_slots([0, 0, 0], "cpu")
+    assert runner.lora.batch.token_slots is None
+    ids = torch.tensor([5, 6, 7])
+    meta = runner.attn_backend.build_metadata([(0, 3, [1])])
+    with torch.inference_mode():
+        ours = runner.model.compute_logits(
+            runner.model(ids, torch.arange(3), meta, runner.kv_caches)
+        )
+        ref = hf(ids[None]).logits[0]
+    assert torch.allclose(ours, ref, atol=1e-5)
