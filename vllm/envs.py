@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     VLLM_CPU_GGUF_DECODE_ACT: str
     VLLM_USE_UVLOOP: bool
     VLLM_LOG_STATS_INTERVAL: float
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
     RUN_OUTPUT_DIR: str | None
@@ -100,6 +101,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds between the server's throughput log lines (vllm/v1/metrics/loggers.py;
     # --disable-log-stats: none). Default 10, as vLLM.
     "VLLM_LOG_STATS_INTERVAL": lambda: float(os.getenv("VLLM_LOG_STATS_INTERVAL") or 10.0),
+    # "1"/"true": the server takes /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    # switch: anyone who reaches the server can then make it read a folder). Default off.
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: (
+        os.getenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+    ),
     # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
     "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
     # libgomp's spin count / wait policy: when the user sets either, the engine process

@@ -82,6 +82,9 @@ class ConfigArg:
         kwargs = {"dest": self.dest, "default": self.default, "help": self.help.replace("%", "%%")}
         if kind is bool:
             return kwargs | {"action": argparse.BooleanOptionalAction}
+        if get_origin(kind) is tuple:  # one or more values, each parsed on its own
+            kwargs["nargs"] = "+"
+            kind = get_args(kind)[0]
         choices = self.choices() if callable(self.choices) else self.choices
         if choices is not None or literal is not None:
             kwargs["choices"] = list(choices if choices is not None else literal)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from vllm.config import LoRAConfig
 from vllm.entrypoints.cli.main import make_parser
 from vllm.entrypoints.launcher import ServerShuttingDownError, ServerState
 from vllm.entrypoints.openai.api_server import ServerMiddleware, build_app, health_status
@@ -235,7 +236,9 @@ def test_health_status():
 
 def _app_parts(**limits) -> tuple:
     config = SimpleNamespace(
-        model_config=SimpleNamespace(name="m"), scheduler_config=SimpleNamespace(max_model_len=64)
+        model_config=SimpleNamespace(name="m"),
+        scheduler_config=SimpleNamespace(max_model_len=64),
+        lora_config=LoRAConfig(),
     )
     stats = SimpleNamespace(registry=None)
     return config, FrontendArgs(**limits), _FakeEngine(), stats

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.datastructures import Headers
 
+from vllm.config import LoRAConfig
 from vllm.entrypoints.openai.api_server import INSTANCE_HEADER, build_app, instance_id
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.job_identity import PROGRAM_ID_PARAM, name_the_job
@@ -187,7 +188,9 @@ def _get(app, path: str) -> tuple[int, bytes]:
 
 def _app(engine=None, instance: str | None = None):
     config = SimpleNamespace(
-        model_config=SimpleNamespace(name="m"), scheduler_config=SimpleNamespace(max_model_len=64)
+        model_config=SimpleNamespace(name="m"),
+        scheduler_config=SimpleNamespace(max_model_len=64),
+        lora_config=LoRAConfig(),
     )
     engine = engine or _FakeEngine()
     return build_app(config, FrontendArgs(), engine, SimpleNamespace(registry=None), None, instance)
@@ -246,7 +249,7 @@ def test_render_returns_the_prompt_token_ids_for_the_router_s_cache_aware():
     assert engine.calls == [False]  # the template wrote the special tokens
     wrong = json.dumps({"model": "other", "messages": MESSAGES}).encode()
     status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", wrong)
-    assert status == 400 and json.loads(payload)["error"]["code"] == "model_not_found"
+    assert status == 404 and json.loads(payload)["error"]["code"] == "model_not_found"
     # Checked as for generation: the server's limits apply (here --max-stop-strings).
     stops = json.dumps({"messages": MESSAGES, "stop": ["x"] * 33}).encode()
     status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", stops)

@@ -487,7 +487,6 @@ def test_store_false_is_not_retrievable_nor_continuable(client):
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
-        ({"model": "gpt-5"}, "model"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "xml"}}}, "text"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -497,6 +496,13 @@ def test_refusals_name_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{"model": MODEL, "input": "Hi", **kw})
     assert e.value.body["param"] == param
+
+
+@pytest.mark.slow
+def test_an_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="gpt-5", input="Hi")
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
 
 
 @pytest.mark.slow

@@ -64,6 +64,20 @@ def build_config(args: argparse.Namespace):
     return config
 
 
+def check_lora_modules(frontend: FrontendArgs, vllm_config) -> None:
+    """--lora-modules checked before the engine starts: --enable-lora, each adapter's
+    config readable and within --max-lora-rank (ValueError naming the problem)."""
+    from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+    lora = vllm_config.lora_config
+    OpenAIServingModels(
+        vllm_config.model_config.name,
+        lora_modules=frontend.lora_modules or (),
+        enable_lora=lora.enable_lora,
+        max_lora_rank=lora.max_lora_rank,
+    )
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so a busy port fails in a second, not after it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -88,6 +102,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     try:
         frontend = FrontendArgs.from_cli_args(args)
         vllm_config = build_config(args)
+        check_lora_modules(frontend, vllm_config)
     except ValueError as e:
         parser.exit(2, f"vllm serve: error: {e}\n")
     try:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm import __version__
+from vllm import __version__, envs
 from vllm.config import VllmConfig
 from vllm.entrypoints.launcher import ServerShuttingDownError, ServerState, serve_http
 from vllm.entrypoints.openai import openapi
@@ -25,12 +25,14 @@ from vllm.entrypoints.openai.job_identity import name_the_job
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
+    UnloadLoRAAdapterRequest,
     loggable,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from vllm.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest,
@@ -68,11 +70,17 @@ def error_response(
     )
 
 
+NOT_FOUND_CODES = ("model_not_found", "not_found")
+
+
 def bad_request(exc: ValueError) -> JSONResponse:
-    """The one place a rejected request becomes its OpenAI-style 400."""
+    """The one place a rejected request becomes its OpenAI-style 400 (404 for a model or
+    an adapter the server does not have, as vLLM answers)."""
     param = code = None
     if isinstance(exc, VLLMValidationError):
         param, code = exc.param, exc.code
+    if code in NOT_FOUND_CODES:
+        return error_response(404, str(exc), "NotFoundError", param, code)
     return error_response(400, str(exc), "BadRequestError", param, code)
 
 
@@ -201,16 +209,26 @@ def build_app(
     (``instance_id``) names the server on each /v1 response."""
     state = state or ServerState()
     model_name = vllm_config.model_config.name
-    chat_serving = OpenAIServingChat(engine, model_name, stats, args, state)
+    lora = vllm_config.lora_config
+    models = OpenAIServingModels(
+        model_name,
+        vllm_config.scheduler_config.max_model_len,
+        args.lora_modules or (),
+        lora.enable_lora,
+        lora.max_lora_rank,
+    )
+    chat_serving = OpenAIServingChat(engine, model_name, stats, args, state, models)
     chat_serving.tool_config = ToolCallingConfig.from_args(args)
-    completion_serving = OpenAIServingCompletion(engine, model_name, stats, args, state)
+    completion_serving = OpenAIServingCompletion(engine, model_name, stats, args, state, models)
     log_requests = not args.disable_log_requests
 
     app = FastAPI(title="vllm-continuum", version=__version__)
     app.add_middleware(ServerMiddleware, args=args, state=state, instance=instance)
     _add_error_handlers(app)
 
-    _add_info_routes(app, vllm_config, args, engine, stats, state)
+    _add_info_routes(app, vllm_config, args, engine, stats, state, models)
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        _add_lora_routes(app, models)
 
     @app.post("/v1/chat/completions", responses=openapi.GENERATE_RESPONSES)
     async def chat(request: ChatCompletionRequest, raw: Request):
@@ -251,9 +269,8 @@ def build_app(
     return app
 
 
-def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state) -> None:
+def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state, models) -> None:
     """/health, /version, /metrics, /v1/models and the router's /get_load."""
-    model_name = vllm_config.model_config.name
 
     @app.get("/health", response_class=PlainTextResponse, responses=openapi.HEALTH_RESPONSES)
     async def health():
@@ -278,9 +295,21 @@ def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state) -> N
         return {"load": engine.num_unfinished_requests}
 
     @app.get("/v1/models", responses=openapi.ERROR_RESPONSES)
-    async def models():
-        card = ModelCard(id=model_name, max_model_len=vllm_config.scheduler_config.max_model_len)
-        return ModelList(data=[card]).model_dump()
+    async def list_models():
+        return ModelList(data=models.model_cards()).model_dump()
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """vLLM's runtime adapter routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING): plain-text
+    success messages, OpenAI-style errors (400; 404 for an adapter not loaded)."""
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+        return models.load_lora_adapter(request.lora_name, request.lora_path)
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+        return models.unload_lora_adapter(request.lora_name)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -355,6 +384,7 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
         vllm_config.model_config.name,
         max_model_len=scheduler.max_model_len,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        max_loras=lora.max_loras if (lora := vllm_config.lora_config).enable_lora else 0,
     )
     periodic = None if args.disable_log_stats else LoggingStatLogger()
     loggers = [stats] if periodic is None else [stats, periodic]

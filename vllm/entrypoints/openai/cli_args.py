@@ -104,6 +104,12 @@ class FrontendArgs:
         "(qwen3, deepseek_r1).",
         choices=lambda: _reasoning_parser_names(),
     )
+    lora_modules: tuple[Any, ...] | None = config_field(
+        None,
+        "LoRA adapters to serve (with --enable-lora), each under its own model name: "
+        'name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}.',
+        parse=lambda text: _parse_lora_module(text),
+    )
     keep_alive_on_engine_death: bool = config_field(
         False,
         "Keep the API server up (answering 503/500) when the engine process died, instead of "
@@ -112,6 +118,10 @@ class FrontendArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.lora_modules is not None:
+            modules = [_parse_lora_module(m) if isinstance(m, str) else m
+                       for m in self.lora_modules]  # fmt: skip
+            object.__setattr__(self, "lora_modules", tuple(modules))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         positive = (
@@ -152,6 +162,12 @@ class FrontendArgs:
                 value = arg.parse(value)
             values[arg.field] = value
         return cls(**values)
+
+
+def _parse_lora_module(text: str):
+    from vllm.entrypoints.openai.serving_models import parse_lora_module
+
+    return parse_lora_module(text)
 
 
 def _tool_parser_names() -> tuple[str, ...]:

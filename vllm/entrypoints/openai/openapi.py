@@ -72,6 +72,10 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
     400: _error("Invalid request; error.param names the field."),
     **_AUTH,
+    404: _error(
+        "The request's model is neither the served model nor a LoRA adapter it serves "
+        "(NotFoundError, code model_not_found)."
+    ),
     413: _error("The body is larger than --max-request-body-size."),
     500: _error(
         "The engine failed while serving this request (InternalServerError; the server "
@@ -97,7 +101,7 @@ RENDER_RESPONSES: dict[int | str, dict[str, Any]] = {
             }
         },
     },
-    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 413, 503)},
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 503)},
 }
 
 
@@ -118,14 +122,14 @@ TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
         ["count", "max_model_len", "tokens", "token_strs"],
     ),
-    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 413, 503)},
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 503)},
 }
 
 DETOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _json_object(
         "The token ids' text (vLLM's /detokenize).", {"prompt": {"type": "string"}}, ["prompt"]
     ),
-    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 413, 503)},
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 503)},
 }
 
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {

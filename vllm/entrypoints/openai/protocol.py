@@ -648,7 +648,26 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now_s)
     owned_by: str = "vllm-continuum"
+    root: str | None = None  # a LoRA adapter's folder (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; ``lora_int_id`` is accepted and unused:
+    the name identifies the adapter)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str | None = None
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

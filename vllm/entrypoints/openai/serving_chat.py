@@ -110,6 +110,7 @@ class OpenAIServingChat(OpenAIServing):
                 request.priority,
                 add_special_tokens=False,
                 cache_salt=request.cache_salt,
+                lora_request=self.check_model(request),
             )
         except VLLMValidationError as e:
             if e.param == "prompt":  # this endpoint's prompt is its messages
@@ -122,7 +123,8 @@ class OpenAIServingChat(OpenAIServing):
         would run with, nothing generated; checked as for generation. vllm-router's
         cache_aware asks every replica for them and routes a chat by its longest token
         prefix (docs/router.md)."""
-        return {"model": self.model_name, "token_ids": await self.prompt_token_ids(request)}
+        token_ids = await self.prompt_token_ids(request)
+        return {"model": self.response_model(request.model), "token_ids": token_ids}
 
     async def prompt_token_ids(
         self, request: ChatCompletionRequest, add_special_tokens: bool = False
@@ -176,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
                 "id": request_id,
                 "object": "chat.completion",
                 "created": created,
-                "model": self.model_name,
+                "model": self.response_model(request.model),
                 "choices": choices,
                 "usage": usage,
                 "prompt_logprobs": self.prompt_logprobs(final.prompt_logprobs),  # vLLM's
@@ -218,7 +220,7 @@ class OpenAIServingChat(OpenAIServing):
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": self.model_name,
+            "model": self.response_model(request.model),
         }
 
         streamers = [plan.streamer() for _ in range(request.n)]  # None: plain content

@@ -75,14 +75,19 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         created = now_s()
         stream = await self.add_request(
-            prompt, params, request_id, request.priority, cache_salt=request.cache_salt
+            prompt,
+            params,
+            request_id,
+            request.priority,
+            cache_salt=request.cache_salt,
+            lora_request=self.check_model(request),
         )
         echo = self._echo_text(prompt) if request.echo else ""
         base = {
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.response_model(request.model),
         }
         if request.stream:
             events = self._stream(request, stream, base, echo, received)

@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.entrypoints.launcher import ServerState
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.exceptions import VLLMValidationError
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 from vllm.v1.outputs import TokenLogprobs
@@ -94,9 +96,12 @@ class OpenAIServing:
         stat_logger=None,
         args: FrontendArgs | None = None,
         state: ServerState | None = None,
+        models: OpenAIServingModels | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        # The names served: the base model and any LoRA adapters.
+        self.models = models or OpenAIServingModels(model_name)
         self.stat_logger = stat_logger
         self.args = args or FrontendArgs()
         self.state = state or ServerState()
@@ -171,11 +176,14 @@ class OpenAIServing:
             self.stat_logger.observe_overhead(max(server_s - engine_s, 0.0))
         return {SERVER_LATENCY_HEADER: f"{server_s:.6f}", ENGINE_LATENCY_HEADER: f"{engine_s:.6f}"}
 
-    def check_model(self, request: _SamplingFields) -> None:
-        if request.model is not None and request.model != self.model_name:
-            raise VLLMValidationError(
-                f"The model `{request.model}` does not exist.", "model", code="model_not_found"
-            )
+    def check_model(self, request: _SamplingFields) -> LoRARequest | None:
+        """The LoRA adapter ``request.model`` names (None: the base model); a 404
+        ``model_not_found`` for a name this server does not serve."""
+        return self.models.lora_request(request.model)
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter's name, else the served model's."""
+        return model if self.models.lora_request(model) is not None else self.model_name
 
     def prompt_logprobs(self, lps: list[TokenLogprobs | None] | None) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs`` in a response: per prompt token None (the first) or

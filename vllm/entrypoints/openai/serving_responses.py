@@ -227,7 +227,7 @@ class OpenAIServingResponses:
             "max_output_tokens": r.max_output_tokens,
             "max_tool_calls": r.max_tool_calls,
             "metadata": r.metadata or {},
-            "model": self.chat.model_name,
+            "model": self.chat.response_model(r.model),
             "output": output,
             "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id,

@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.exceptions import GenerationError
+from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader import default_sampling_params, eos_token_ids
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -197,6 +198,7 @@ class AsyncLLM:
         priority: int = 0,
         executor: Executor | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue now (ValueError / EngineDeadError raise here), stream later.
 
@@ -216,6 +218,7 @@ class AsyncLLM:
             cache_salt=cache_salt,
             add_special_tokens=add_special_tokens,
             structured_outputs_checked=True,
+            lora_request=lora_request,
         )
         if executor is None:
             _, core_reqs = process()

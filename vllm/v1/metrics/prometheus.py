@@ -294,6 +294,7 @@ FRONTEND_METRICS = (
     ),
 )
 
+LORA_INFO = "vllm:lora_requests_info"
 _CLASSES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 _UPDATES = {"counter": "inc", "gauge": "set", "histogram": "observe"}
 
@@ -354,8 +355,10 @@ class PrometheusStatLogger:
         registry: CollectorRegistry | None = None,
         max_model_len: int = 8192,
         max_num_batched_tokens: int = 2048,
+        max_loras: int = 0,
     ) -> None:
-        """``max_model_len`` and ``max_num_batched_tokens`` size the token-count buckets."""
+        """``max_model_len`` and ``max_num_batched_tokens`` size the token-count buckets;
+        ``max_loras`` > 0 (--enable-lora): vLLM's ``vllm:lora_requests_info``."""
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model_name}
         self._policy_specs = policy_metrics()
@@ -368,6 +371,18 @@ class PrometheusStatLogger:
         )
         self.series[ENGINE_ALIVE].child.set(1)
         self._engine_dead = False
+        self.max_loras = max_loras
+        self.lora_info = None
+        if max_loras:
+            # As vLLM: the labels say which adapters run and wait (names joined by
+            # commas), the value is when that was last so (seconds since the epoch); a
+            # LoRA-aware router reads the newest series.
+            self.lora_info = Gauge(
+                LORA_INFO,
+                "Running stats on LoRA requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
 
     def __getitem__(self, name: str) -> Any:
         """The child of an unlabelled series, e.g. ``stats["vllm:num_requests_running"]``."""
@@ -405,6 +420,12 @@ class PrometheusStatLogger:
             if s.policy_stats is not None:
                 for spec in self._policy_specs.get(s.policy_name, ()):
                     self.series[spec.name].update(s.policy_stats)
+            if self.lora_info is not None:
+                self.lora_info.labels(
+                    str(self.max_loras),
+                    ",".join(s.waiting_lora_adapters),
+                    ",".join(s.running_lora_adapters),
+                ).set_to_current_time()
         self[GENERATION_TOKENS].inc(sum(len(o.new_token_ids) for o in core.outputs))
         for seconds in inter_token_latencies or ():
             self[ITL].observe(seconds)

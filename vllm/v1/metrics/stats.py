@@ -63,3 +63,6 @@ class SchedulerStats:
     # Tokens the step computed (prompt chunks and decodes); 0: a report without a step.
     num_scheduled_tokens: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None  # None: no speculative decoding
+    # --enable-lora: adapter name -> its requests, running and waiting (vLLM's fields).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)

@@ -228,6 +228,9 @@ def test_at_most_max_loras_adapters_run_and_the_skipped_keep_their_places():
     so, _ = step(s)
     assert [r.req_id for r in so.scheduled_new_reqs] == [reqs[i].request_id for i in (0, 1, 3, 4)]
     assert [r.request_id for r in s.waiting] == [reqs[2].request_id, reqs[5].request_id]
+    stats = s.make_stats()  # vLLM's vllm:lora_requests_info fields
+    assert stats.running_lora_adapters == {"a1": 2, "a2": 1}
+    assert stats.waiting_lora_adapters == {"a3": 2}
     seen_together = []
     while s.requests:
         so, _ = step(s)

@@ -508,6 +508,9 @@ class Scheduler:
             stats.connector_prefix_cache_stats, stats.offload_stats = offload.make_stats()
         if self.proposer is not None:
             stats.spec_decoding_stats, self._spec_stats = self._spec_stats, SpecDecodingStats()
+        if self.max_loras:
+            stats.running_lora_adapters = _count_adapters(self.running)
+            stats.waiting_lora_adapters = _count_adapters(self.waiting)
         self._num_preemptions = 0
         return stats
 
@@ -533,3 +536,12 @@ class Scheduler:
             ), f"{request} has fewer slots than computed tokens"
         for request in self.waiting:
             assert kv.get_num_blocks(request.request_id) == 0, f"waiting {request} holds blocks"
+
+
+def _count_adapters(requests) -> dict[str, int]:
+    """Adapter name -> how many of ``requests`` run with it."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts
