@@ -74,21 +74,27 @@ def merged(hf, adapter_dir) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A tiny Llama with the embedded model's vocabulary and tokenizer: (folder, hf)."""
+def save_base(path):
+    """A tiny Llama (seed 0) with the embedded model's vocabulary, tokenizer and chat
+    template, saved in ``path``; returns transformers' model."""
     from vllm.model_executor.model_loader import resolve_model
 
-    path = tmp_path_factory.mktemp("lora-base")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": VOCAB,
                                          "max_position_embeddings": 256})  # fmt: skip
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(path)
     tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(f"{tokenizer_dir}/{name}", path / name)
-    return path, hf
+    return hf
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """``save_base``'s folder and model: (folder, hf)."""
+    path = tmp_path_factory.mktemp("lora-base")
+    return path, save_base(path)
 
 
 def lora_runner(path, max_loras=2, max_rank=8):

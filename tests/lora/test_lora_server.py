@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from tests.lora.test_lora import VOCAB, merged, write_adapter
+from tests.lora.test_lora import merged, save_base, write_adapter
 from vllm.benchmarks.server import RemoteServer
 
 pytestmark = pytest.mark.slow
@@ -24,24 +24,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """The base folder (tiny Llama with the embedded tokenizer), two adapters, a server."""
-    import shutil
-
-    import transformers
-
-    from tests.tiny_models import TINY_LLAMA
-    from vllm.config import DEFAULT_MODEL
-    from vllm.model_executor.model_loader import resolve_model
-
     root = tmp_path_factory.mktemp("lora-server")
     base = root / "base"
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": VOCAB,
-                                         "max_position_embeddings": 256})  # fmt: skip
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(base)
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{tokenizer_dir}/{name}", base / name)
+    hf = save_base(base)
     sql = write_adapter(root / "sql", seed=1)
     other = write_adapter(root / "other", seed=2, targets=("q_proj", "v_proj"))
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
