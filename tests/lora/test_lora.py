@@ -269,3 +269,26 @@ def test_without_lora_tokens_the_layers_add_nothing(base):
         )
         ref = hf(ids[None]).logits[0]
     assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_a_layer_that_keeps_bf16_products_gets_its_update_in_bf16():
+    """The gguf path's bf16 prefill: gate_up_proj returns bf16 and down_proj takes it; the
+    LoRA update (kept in the model's fp32) is added in the base layer's dtype."""
+    from vllm.lora.layers import LoRABatch, LoRALinear
+
+    g = torch.Generator().manual_seed(0)
+    w, a, b = (torch.randn(*shape, generator=g) for shape in ((6, 8), (2, 8), (6, 2)))
+
+    class Bf16Linear(torch.nn.Module):
+        def forward(self, x):
+            return (x.float() @ w.t()).bfloat16()
+
+    batch = LoRABatch()
+    layer = LoRALinear(Bf16Linear(), 8, [6], 1, 2, batch, torch.float32, torch.device("cpu"))
+    layer.set_slot(1, [(a, b)])
+    x = torch.randn(3, 8, generator=g).bfloat16()
+    batch.set([1, 0, 1], "cpu")
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    delta = (x.float() @ a.t() @ b.t()) * torch.tensor([[1.0], [0.0], [1.0]])
+    torch.testing.assert_close(out.float(), x.float() @ w.t() + delta, atol=0.1, rtol=0.02)

@@ -4,14 +4,16 @@ For ``max_loras`` slots of rank up to ``R`` over a layer fused from ``n`` slices
 3, gate/up: 2), the layer keeps::
 
     lora_a      (max_loras * n * R, in)    every slot's A matrices, stacked
-    lora_b      (out, max_loras * n * R)   every slot's B, each slice's in its own rows
+    lora_bt     (max_loras * n * R, out)   every slot's B transposed, each slice's B in
+                                           its own columns
     column_slot (max_loras * n * R,)       the slot (1..max_loras) of each column
 
-and a step computes ``y = base(x) + ((x @ lora_a.T) * mask) @ lora_b.T`` with ``mask``
+and a step computes ``y = base(x) + ((x @ lora_a.T) * mask) @ lora_bt`` with ``mask``
 keeping, on each token's row, the columns of that token's slot (slot 0: the base model,
-no column). Two GEMMs for any mix of adapters, no gather and no per-adapter loop: the
-extra width is ``max_loras * n * R`` columns (64 for one rank-16 q/k/v adapter), small
-beside the layer's own. Unused rows of a slot (rank below ``R``) are zero.
+no column). Two GEMMs for any mix of adapters, no gather and no per-adapter loop, over
+the columns of the slots the step uses only (``n * R`` per slot: 48 for a rank-16 q/k/v
+adapter), and no mask when every token of the step has the same adapter. Unused rows of
+a slot (rank below ``R``) are zero.
 """
 
 from __future__ import annotations
@@ -22,11 +24,36 @@ from torch import nn
 
 class LoRABatch:
     """The step's adapter slot of every token, shared by all ``LoRALinear`` layers of a
-    model: ``token_slots`` ``(num_tokens,)`` int64 on the device, or None when no token of
-    the step has an adapter (the layers then add nothing)."""
+    model (``set``). ``token_slots`` ``(num_tokens,)`` int64 on the device, or None when no
+    token of the step has an adapter (the layers then add nothing); the layers compute only
+    the slots ``lo..hi`` the step uses, and need no mask when every token has one adapter
+    (``uniform``)."""
 
     def __init__(self) -> None:
         self.token_slots: torch.Tensor | None = None
+        self.lo = self.hi = 0
+        self.uniform = False
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def set(self, slots: list[int], device) -> None:
+        self._masks.clear()
+        used = set(slots)
+        active = used - {0}
+        if not active:
+            self.token_slots = None
+            return
+        self.token_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.lo, self.hi = min(active), max(active)
+        self.uniform = len(used) == 1
+
+    def mask(self, width: int, column_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(num_tokens, columns)``: 1 where a column belongs to the token's slot; one per
+        step and slot width (q/k/v, gate/up and single layers differ), shared by layers."""
+        key = (width, dtype)
+        if key not in self._masks:
+            assert self.token_slots is not None
+            self._masks[key] = (self.token_slots[:, None] == column_slot[None, :]).to(dtype)
+        return self._masks[key]
 
 
 class LoRALinear(nn.Module):
@@ -54,18 +81,23 @@ class LoRALinear(nn.Module):
         self.slot_width = width
         cols = max_loras * width
         self.register_buffer("lora_a", torch.zeros(cols, in_features, dtype=dtype, device=device))
-        self.register_buffer("lora_b", torch.zeros(sum(slices), cols, dtype=dtype, device=device))
+        self.register_buffer("lora_bt", torch.zeros(cols, sum(slices), dtype=dtype, device=device))
         slot_of_col = torch.arange(1, max_loras + 1, device=device).repeat_interleave(width)
         self.register_buffer("column_slot", slot_of_col)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        slots = self.batch.token_slots
-        if slots is None:
+        b = self.batch
+        if b.token_slots is None:
             return y
-        t = x @ self.lora_a.t()  # (T, cols)
-        t = t * (slots[:, None] == self.column_slot[None, :]).to(t.dtype)
-        return torch.addmm(y, t, self.lora_b.t())
+        cols = slice((b.lo - 1) * self.slot_width, b.hi * self.slot_width)  # slots used
+        a = self.lora_a[cols]
+        t = x.to(a.dtype) @ a.t()  # (T, cols); x may be a bf16 prefill product (gguf)
+        if not b.uniform:
+            t = t * b.mask(self.slot_width, self.column_slot[cols], t.dtype)
+        if y.dtype != t.dtype:  # a gguf layer keeping its bf16 prefill product
+            return y + (t @ self.lora_bt[cols]).to(y.dtype)
+        return torch.addmm(y, t, self.lora_bt[cols])
 
     @torch.no_grad()
     def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
@@ -73,7 +105,7 @@ class LoRALinear(nn.Module):
         for slice ``i`` (None: that slice has no update); the rest of the slot is zeroed."""
         start = (slot - 1) * self.slot_width
         self.lora_a[start : start + self.slot_width].zero_()
-        self.lora_b[:, start : start + self.slot_width].zero_()
+        self.lora_bt[start : start + self.slot_width].zero_()
         for i, pair in enumerate(weights):
             if pair is None:
                 continue
@@ -81,5 +113,5 @@ class LoRALinear(nn.Module):
             r = a.shape[0]
             col = start + i * self.max_rank
             self.lora_a[col : col + r].copy_(a)
-            rows = slice(self.offsets[i], self.offsets[i] + self.slices[i])
-            self.lora_b[rows, col : col + r].copy_(b)
+            out = slice(self.offsets[i], self.offsets[i] + self.slices[i])
+            self.lora_bt[col : col + r, out].copy_(b.t())

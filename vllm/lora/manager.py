@@ -135,7 +135,4 @@ class LoRAManager:
 
     def set_token_slots(self, slots: list[int], device) -> None:
         """The step's slot of every token row (0: the base model); all zero: no update."""
-        if any(slots):
-            self.batch.token_slots = torch.tensor(slots, dtype=torch.int64, device=device)
-        else:
-            self.batch.token_slots = None
+        self.batch.set(slots, device)
