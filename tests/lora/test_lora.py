@@ -292,3 +292,32 @@ def test_a_layer_that_keeps_bf16_products_gets_its_update_in_bf16():
     assert out.dtype == torch.bfloat16
     delta = (x.float() @ a.t() @ b.t()) * torch.tensor([[1.0], [0.0], [1.0]])
     torch.testing.assert_close(out.float(), x.float() @ w.t() + delta, atol=0.1, rtol=0.02)
+
+
+def test_adapters_with_speculative_decoding_and_a_bad_adapter_among_good_ones(base, tmp_path):
+    """n-gram drafts check an adapter's own tokens (greedy: the merged model's); an adapter
+    whose config reads but whose weights do not fit fails its request alone
+    (finish_reason error) while the others in the batch finish."""
+    from vllm import LLM, SamplingParams
+
+    path, hf = base
+    a = write_adapter(tmp_path / "a", seed=1)
+    bad = write_adapter(tmp_path / "bad", seed=2, targets=("q_proj",), layers=(7,))  # no layer 7
+    pattern = [300 + t for t in range(10)]
+    prompts = [pattern * 3, [5, 6, 7] * 9]
+    with torch.inference_mode():
+        ref = merged(hf, a)
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :]
+                    .tolist() for p in prompts]  # fmt: skip
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    llm = LLM(model=str(path), enable_lora=True, max_loras=2, max_lora_rank=8,
+              kv_cache_memory="16MiB", speculative_config=spec)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        lora_a, lora_bad = LoRARequest("a", 1, str(a)), LoRARequest("bad", 2, str(bad))
+        outs = llm.generate([{"prompt_token_ids": p} for p in [*prompts, prompts[0]]], params,
+                            lora_request=[lora_a, lora_a, lora_bad])  # fmt: skip
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs[:2]] == expected
+    assert outs[2].outputs[0].finish_reason == "error" and not outs[2].outputs[0].token_ids

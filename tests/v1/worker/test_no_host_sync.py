@@ -242,6 +242,27 @@ def test_moe_forward_has_no_host_sync(cuda_code_path, dtype):
     check_forward_has_no_host_sync(model)
 
 
+@pytest.mark.parametrize("slots", [[1] * 13, [1, 0, 2] * 4 + [0]], ids=["one", "mixed"])
+def test_lora_forward_has_no_host_sync(cuda_code_path, slots):
+    """LoRA layers (vllm/lora): the step's slots are uploaded before the forward, as the
+    runner does; the updates read nothing back."""
+    from vllm.config import LoRAConfig
+    from vllm.lora.manager import LoRAManager
+
+    model = _model(torch.float32)
+    config = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=4)
+    lora = LoRAManager(model, config, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for layer in lora.layers.values():
+        for slot in (1, 2):
+            in_features = layer.lora_a.shape[1]
+            layer.set_slot(slot, [(torch.randn(4, in_features, generator=g) * 0.1,
+                                   torch.randn(width, 4, generator=g) * 0.1)
+                                  for width in layer.slices])  # fmt: skip
+    lora.set_token_slots(slots, "cpu")  # 13 rows: check_forward's batch
+    check_forward_has_no_host_sync(model)
+
+
 def check_forward_has_no_host_sync(model) -> None:
     backend = ReferenceBackend()
     model.set_attention_backend(backend)
