@@ -89,8 +89,10 @@ class ModelConfig:
         DEFAULT_MODEL, 'Model: the embedded "SmolLM2-135M-Instruct", a .gguf file or an HF folder.'
     )
     tokenizer: str | None = config_field(None, "Tokenizer source; None: the model's own.")
-    served_model_name: str | None = config_field(
-        None, "Model name the API reports and accepts, and the metrics label; None: the model."
+    served_model_name: tuple[str, ...] | None = config_field(
+        None,
+        "Model names the API accepts (one or more, as vLLM); the first is the one responses "
+        "and the metrics label report. None: the model.",
     )
     max_model_len: int | None = config_field(
         None, "Maximum prompt + output tokens; None: the model's max_position_embeddings."
@@ -154,6 +156,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise bad_value("model", self.model, "must be a non-empty name or path")
+        names = self.served_model_name
+        if isinstance(names, str):  # LLM(served_model_name="x"), as vLLM takes it
+            names = (names,)
+        if names is not None:
+            names = tuple(names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise bad_value("served_model_name", self.served_model_name,
+                                "must be one or more non-empty names")  # fmt: skip
+            object.__setattr__(self, "served_model_name", names)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad_value("max_model_len", self.max_model_len, "must be >= 1")
         if self.dtype not in get_args(Dtype):
@@ -188,7 +199,13 @@ class ModelConfig:
 
     @property
     def name(self) -> str:
-        return self.served_model_name or self.model
+        """The name responses and metrics report: the first served name, else the model."""
+        return self.served_model_name[0] if self.served_model_name else self.model
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's ``model`` may give for the base model."""
+        return self.served_model_name or (self.model,)
 
 
 @dataclass(frozen=True)

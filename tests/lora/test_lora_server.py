@@ -31,7 +31,8 @@ def setup(tmp_path_factory):
     other = write_adapter(root / "other", seed=2, targets=("q_proj", "v_proj"))
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     server = RemoteServer(
-        str(base), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+        str(base), "--served-model-name", "tiny", "tiny-alias",
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
         "--lora-modules", f"sql={sql}",
         json.dumps({"name": "other", "path": str(other), "base_model_name": "base"}),
         "--kv-cache-memory", "16MiB", env=env,
@@ -46,8 +47,8 @@ def test_adapters_are_models_with_their_own_tokens(setup):
     server, hf, base, sql, _ = setup
     client = server.client()
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {str(base), "sql", "other"}
-    assert cards["sql"].parent == str(base) and cards["sql"].root == str(sql)
+    assert set(cards) == {"tiny", "sql", "other"}
+    assert cards["sql"].parent == "tiny" and cards["sql"].root == str(sql)
     assert cards["other"].parent == "base"
     prompt = [17, 2000, 31337, 5, 123, 4567, 89]
     with torch.inference_mode():
@@ -55,16 +56,17 @@ def test_adapters_are_models_with_their_own_tokens(setup):
             name: model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[
                 0, len(prompt) :
             ].tolist()
-            for name, model in ((str(base), hf), ("sql", merged(hf, sql)))
+            for name, model in (("tiny", hf), ("sql", merged(hf, sql)))
         }
-    assert want[str(base)] != want["sql"]
-    for name in (str(base), "sql"):
+    assert want["tiny"] != want["sql"]
+    # --served-model-name's names all serve the base model; responses name the first.
+    for name, reported in (("tiny", "tiny"), ("tiny-alias", "tiny"), ("sql", "sql")):
         out = client.completions.create(
             model=name, prompt=prompt, max_tokens=6, temperature=0.0,
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )  # fmt: skip
-        assert out.model == name
-        assert out.choices[0].token_ids == want[name]
+        assert out.model == reported
+        assert out.choices[0].token_ids == want[reported]
     chat = client.chat.completions.create(
         model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
@@ -106,7 +108,7 @@ def test_adapters_load_and_unload_at_run_time(setup, tmp_path):
         client.completions.create(model="late", prompt=prompt, max_tokens=1)
     missing = post("unload_lora_adapter", lora_name="late")
     assert missing.status_code == 404 and "cannot be found" in missing.json()["error"]["message"]
-    assert {m.id for m in client.models.list().data} == {str(base), "sql", "other"}
+    assert {m.id for m in client.models.list().data} == {"tiny", "sql", "other"}
 
 
 def test_bad_lora_flags_fail_before_the_engine_starts(tmp_path):

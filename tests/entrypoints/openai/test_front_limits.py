@@ -236,7 +236,7 @@ def test_health_status():
 
 def _app_parts(**limits) -> tuple:
     config = SimpleNamespace(
-        model_config=SimpleNamespace(name="m"),
+        model_config=SimpleNamespace(name="m", served_names=("m",)),
         scheduler_config=SimpleNamespace(max_model_len=64),
         lora_config=LoRAConfig(),
     )

@@ -188,7 +188,7 @@ def _get(app, path: str) -> tuple[int, bytes]:
 
 def _app(engine=None, instance: str | None = None):
     config = SimpleNamespace(
-        model_config=SimpleNamespace(name="m"),
+        model_config=SimpleNamespace(name="m", served_names=("m",)),
         scheduler_config=SimpleNamespace(max_model_len=64),
         lora_config=LoRAConfig(),
     )

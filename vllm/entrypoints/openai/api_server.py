@@ -216,6 +216,7 @@ def build_app(
         args.lora_modules or (),
         lora.enable_lora,
         lora.max_lora_rank,
+        vllm_config.model_config.served_names,
     )
     chat_serving = OpenAIServingChat(engine, model_name, stats, args, state, models)
     chat_serving.tool_config = ToolCallingConfig.from_args(args)

@@ -55,8 +55,11 @@ class OpenAIServingModels:
         lora_modules: tuple[LoRAModulePath, ...] = (),
         enable_lora: bool = False,
         max_lora_rank: int = 16,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         self.base_model_name = base_model_name
+        # Every name of the base model (--served-model-name may give several).
+        self.base_names = {base_model_name, *aliases}
         self.max_model_len = max_model_len
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
@@ -68,7 +71,7 @@ class OpenAIServingModels:
             self._add(module.name, module.path, module.base_model_name)
 
     def _add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
-        if name == self.base_model_name or name in self.lora_requests:
+        if name in self.base_names or name in self.lora_requests:
             raise VLLMValidationError(
                 f"The lora adapter '{name}' has already been loaded.", "lora_name"
             )
@@ -81,7 +84,7 @@ class OpenAIServingModels:
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names; None for the base model (or no model given).
         404 ``model_not_found`` for a name this server does not serve."""
-        if model is None or model == self.base_model_name:
+        if model is None or model in self.base_names:
             return None
         lora = self.lora_requests.get(model)
         if lora is None:
