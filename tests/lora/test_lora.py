@@ -321,3 +321,25 @@ def test_adapters_with_speculative_decoding_and_a_bad_adapter_among_good_ones(ba
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs[:2]] == expected
     assert outs[2].outputs[0].finish_reason == "error" and not outs[2].outputs[0].token_ids
+
+
+def test_decode_steps_with_adapters_replay_in_cuda_graphs(tmp_path, monkeypatch):
+    """With LoRA, the captured decode steps compute every slot, masked by a fixed buffer of
+    row slots: steps mixing two adapters and the base model replay (stand-in graphs on the
+    CPU, tests/v1/worker/test_cuda_graph.py) and give the eager runner's tokens, which
+    differ from the base model's."""
+    from tests.tiny_models import save_tiny_llama
+    from tests.v1.worker.test_cuda_graph import ReplayingGraph, make_runner, run_steps
+
+    save_tiny_llama(tmp_path / "m")
+    a = write_adapter(tmp_path / "a", seed=1, r=4)
+    b = write_adapter(tmp_path / "b", seed=2, targets=("q_proj", "down_proj"), r=2)
+    loras = {"a": LoRARequest("a", 1, str(a)), "c": LoRARequest("b", 2, str(b))}
+    config = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=4)
+    eager = make_runner(tmp_path / "m", monkeypatch, lora=config, enforce_eager=True)
+    expected = run_steps(eager, loras)
+    assert expected != run_steps(make_runner(tmp_path / "m", monkeypatch))  # adapters matter
+    runner = make_runner(tmp_path / "m", monkeypatch, lora=config)
+    runner.capture_model(graph_factory=ReplayingGraph)
+    assert run_steps(runner, loras) == expected
+    assert runner.decode_graphs.num_replays == 6  # every decode step, adapters and all

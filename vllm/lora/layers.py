@@ -29,11 +29,13 @@ class LoRABatch:
     the slots ``lo..hi`` the step uses, and need no mask when every token has one adapter
     (``uniform``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_loras: int = 1) -> None:
+        self.max_loras = max_loras
         self.token_slots: torch.Tensor | None = None
         self.lo = self.hi = 0
         self.uniform = False
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._graph_slots: torch.Tensor | None = None  # CUDA graphs' fixed slots buffer
 
     def set(self, slots: list[int], device) -> None:
         self._masks.clear()
@@ -45,6 +47,22 @@ class LoRABatch:
         self.token_slots = torch.tensor(slots, dtype=torch.int64, device=device)
         self.lo, self.hi = min(active), max(active)
         self.uniform = len(used) == 1
+
+    def use_graph_rows(self, size: int, max_size: int, device) -> None:
+        """The state a captured decode step of ``size`` rows records and replays: every
+        slot computed, masked by the slots in a fixed buffer (``fill_graph_rows``) so the
+        same kernels serve any mix of adapters and base-model rows."""
+        if self._graph_slots is None or self._graph_slots.shape[0] < max_size:
+            self._graph_slots = torch.zeros(max_size, dtype=torch.int64, device=device)
+        self._masks.clear()
+        self.token_slots = self._graph_slots.narrow(0, 0, size)
+        self.lo, self.hi, self.uniform = 1, self.max_loras, False
+
+    def fill_graph_rows(self, slots: list[int]) -> None:
+        """A replayed step's slot per row (padding rows: 0), into the fixed buffer."""
+        assert self._graph_slots is not None, "use_graph_rows first"
+        host = torch.tensor(slots, dtype=torch.int64)
+        self._graph_slots.narrow(0, 0, len(slots)).copy_(host, non_blocking=True)
 
     def mask(self, width: int, column_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``(num_tokens, columns)``: 1 where a column belongs to the token's slot; one per

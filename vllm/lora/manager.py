@@ -38,7 +38,7 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, device, dtype) -> None:
         a = model.arch
         self.config = config
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(config.max_loras)
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         dims = {  # layer attribute: (in_features, slice widths)
             "qkv_proj": (a.hidden_size, [q, kv, kv]),

@@ -23,7 +23,7 @@ from tests.tiny_models import TINY_LLAMA, load_cpu_runner, save_tiny_llama
 from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
 from tests.v1.attention.test_triton_decode import emulated_kernel
 from tests.v1.worker.test_model_runner_inputs import new_req, sched_out
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends import triton_decode
 from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
@@ -90,9 +90,10 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def make_runner(checkpoint, monkeypatch, **model) -> ModelRunner:
+def make_runner(checkpoint, monkeypatch, lora=None, **model) -> ModelRunner:
     """A CPU runner on the tiny Llama whose layers attend with TORCH_FLASH_ATTN, decode
-    rows through the (emulated) Triton kernel, prompts through an emulated varlen_attn."""
+    rows through the (emulated) Triton kernel, prompts through an emulated varlen_attn.
+    ``lora``: its ``LoRAConfig``."""
     install(monkeypatch, ref_varlen_attn)
     monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated_kernel([]))
     config = VllmConfig(
@@ -101,6 +102,7 @@ def make_runner(checkpoint, monkeypatch, **model) -> ModelRunner:
         scheduler_config=SchedulerConfig(
             max_model_len=MAX_LEN, max_num_batched_tokens=96, max_num_seqs=8
         ),
+        lora_config=lora or LoRAConfig(),
     )
     runner = load_cpu_runner(config)
     a = runner.arch
@@ -203,16 +205,17 @@ def test_a_backend_without_graphs_is_refused(checkpoint, monkeypatch):
 
 
 # -- the runner ------------------------------------------------------------------------------
-def run_steps(runner: ModelRunner) -> list[dict[str, list[int]]]:
+def run_steps(runner: ModelRunner, loras: dict | None = None) -> list[dict[str, list[int]]]:
     """Three requests: prompts (eager), then greedy decodes (replayed where captured), one
-    finishing midway so the batch shrinks from 3 to 2."""
+    finishing midway so the batch shrinks from 3 to 2. ``loras``: request -> its
+    ``LoRARequest``."""
     prompts = {"a": [5, 6, 7, 8, 9], "b": [11, 12, 13], "c": list(range(20, 33))}
     blocks = {"a": [3, 9, 4, 20], "b": [7, 30, 31], "c": [12, 2, 15, 16, 40, 41]}
+    new = [new_req(r, p, blocks[r], 0) for r, p in prompts.items()]
+    for req in new:
+        req.lora_request = (loras or {}).get(req.req_id)
     out = runner.execute_model(
-        sched_out(
-            new=[new_req(r, p, blocks[r], 0) for r, p in prompts.items()],
-            num_scheduled={r: len(p) for r, p in prompts.items()},
-        )
+        sched_out(new=new, num_scheduled={r: len(p) for r, p in prompts.items()})
     )
     tokens = [out.sampled_token_ids]
     computed = {r: len(p) for r, p in prompts.items()}

@@ -101,7 +101,10 @@ class DecodeGraphs:
         max_blocks: int,
         device: torch.device,
         graph_factory: Callable[[], Graph] | None = None,
+        lora: Any = None,
     ) -> None:
+        """``lora``: the model's ``LoRABatch`` (--enable-lora): the graphs then compute
+        every adapter slot, masked per row by the slots ``run`` is given."""
         if not backend.supports_decode_graphs:
             raise ValueError(f"{backend.name} cannot capture decode steps in CUDA graphs")
         if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] < 1:
@@ -124,6 +127,7 @@ class DecodeGraphs:
         self._hidden: torch.Tensor | None = None  # (max_size, hidden): every graph's output
         self._graphs: dict[int, Graph] = {}
         self.num_replays = 0
+        self.lora = lora
 
     def _forward(self, size: int) -> torch.Tensor:
         """The step the graph of ``size`` records: the model over the first ``size`` rows
@@ -149,6 +153,8 @@ class DecodeGraphs:
         warm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         for size in reversed(self.sizes):
             ids, pos = self._ids.narrow(0, 0, size), self._positions.narrow(0, 0, size)
+            if self.lora is not None:
+                self.lora.use_graph_rows(size, self.max_size, self.device)
             if warm_stream is not None:  # as torch's docs ask: warm up on a side stream
                 warm_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(warm_stream):
@@ -163,6 +169,8 @@ class DecodeGraphs:
             graph = self._graph_factory()
             graph.capture(lambda size=size: self._forward(size))
             self._graphs[size] = graph
+        if self.lora is not None:
+            self.lora.set([], self.device)  # eager steps set their own
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info(
@@ -181,13 +189,23 @@ class DecodeGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
     def run(
-        self, ids: list[int], positions: list[int], seqs: list[SeqLayout]
+        self,
+        ids: list[int],
+        positions: list[int],
+        seqs: list[SeqLayout],
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor | None:
+        """``lora_slots``: each row's adapter slot, when the graphs were captured with
+        LoRA (None or all 0: the base model)."""
         size = self.padded_size(seqs)
         if size is None:
             return None
         n = len(seqs)
         pad = size - n
+        if self.lora is not None:
+            # The state the graph recorded (what a stand-in graph re-runs in Python).
+            self.lora.use_graph_rows(size, self.max_size, self.device)
+            self.lora.fill_graph_rows((lora_slots or [0] * n) + [0] * pad)
         step = self.backend.build_metadata(seqs + [(0, 1, [0])] * pad)
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad], dtype=torch.long)
         self._meta.narrow(size).copy_(step)

@@ -261,6 +261,7 @@ class ModelRunner:
             max_blocks,
             self.device,
             graph_factory,
+            lora=None if self.lora is None else self.lora.batch,
         )
         graphs.capture()
         if self.device.type == "cuda":
@@ -379,9 +380,8 @@ class ModelRunner:
         hidden = None
         if self.lora is not None:
             self.lora.set_token_slots(token_slots, self.device)
-        # Graphs were captured without adapters: a step with one runs eagerly.
-        if self.decode_graphs is not None and not any(token_slots):
-            hidden = self.decode_graphs.run(ids, positions, seqs)
+        if self.decode_graphs is not None:  # a decode-only step of a captured size
+            hidden = self.decode_graphs.run(ids, positions, seqs, token_slots)
         if hidden is None:
             meta = self.attn_backend.build_metadata(seqs)
             hidden = self.model(
