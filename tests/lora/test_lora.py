@@ -343,3 +343,42 @@ def test_decode_steps_with_adapters_replay_in_cuda_graphs(tmp_path, monkeypatch)
     runner.capture_model(graph_factory=ReplayingGraph)
     assert run_steps(runner, loras) == expected
     assert runner.decode_graphs.num_replays == 6  # every decode step, adapters and all
+
+
+def test_preempted_adapter_requests_resume_with_their_adapter(base, tmp_path):
+    """A pool too small for every request preempts some (recompute); resumed, each takes
+    its adapter's slot again, and every request's tokens are its merged model's."""
+    from vllm import LLM, SamplingParams
+
+    path, hf = base
+    a = write_adapter(tmp_path / "a", seed=1)
+    b = write_adapter(tmp_path / "b", seed=2, targets=("o_proj", "up_proj"))
+    loras = [LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))] * 2
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, VOCAB, (40,), generator=g).tolist() for _ in loras]
+    refs = {"a": merged(hf, a), "b": merged(hf, b)}
+    with torch.inference_mode():
+        expected = [
+            refs[lora.lora_name].generate(torch.tensor([p]), max_new_tokens=40,
+                                          do_sample=False)[0, 40:].tolist()
+            for p, lora in zip(prompts, loras, strict=True)
+        ]  # fmt: skip
+    llm = LLM(model=str(path), enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_gpu_blocks_override=14, enable_prefix_caching=False)  # fmt: skip
+    preemptions = []
+    step = llm.engine_core.step
+
+    def counting():
+        out = step()
+        if out.scheduler_stats is not None:
+            preemptions.append(out.scheduler_stats.num_preemptions)
+        return out
+
+    llm.engine_core.step = counting
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    finally:
+        llm.shutdown()
+    assert sum(preemptions) > 0  # 4 requests of 80 tokens in 13 blocks of 16
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
