@@ -39,6 +39,7 @@ class Processor:
         # the API server), cut to what the context leaves; None: until the context limit.
         self.default_max_tokens: int | None = None
         self.lora_config = vllm_config.lora_config
+        self._checked_adapters: set[tuple[int, str]] = set()  # configs read and accepted
 
     def set_kv_capacity(self, num_gpu_blocks: int) -> None:
         """The engine's KV pool: a request that cannot fit it is refused (a 400 naming the
@@ -233,10 +234,16 @@ class Processor:
                 "(--enable-lora)",
                 "lora_request",
             )
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key in self._checked_adapters:
+            return
         try:
             read_adapter_config(lora_request.lora_path, self.lora_config.max_lora_rank)
         except ValueError as e:
             raise VLLMValidationError(str(e), "lora_request") from e
+        if len(self._checked_adapters) >= 1024:  # bounded: ids are the caller's to invent
+            self._checked_adapters.clear()
+        self._checked_adapters.add(key)
 
     @property
     def _limit_text(self) -> str:
