@@ -32,6 +32,7 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 SHAPES = {  # (out, in) of each target in TINY_LLAMA
     "q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
     "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96),
+    "qkv_proj": (128, 64), "gate_up_proj": (192, 64),
 }  # fmt: skip
 
 
@@ -43,7 +44,8 @@ def write_adapter(path, seed: int, targets=ALL, r=4, alpha=8, layers=(0, 1), **c
     for i in layers:
         for t in targets:
             out, inp = SHAPES[t]
-            block = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            attention = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+            block = "self_attn" if t in attention else "mlp"
             key = f"base_model.model.model.layers.{i}.{block}.{t}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(r, inp, generator=g) * 0.2
             tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=g) * 0.2
@@ -382,3 +384,28 @@ def test_preempted_adapter_requests_resume_with_their_adapter(base, tmp_path):
         llm.shutdown()
     assert sum(preemptions) > 0  # 4 requests of 80 tokens in 13 blocks of 16
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_fused_targets_of_a_phi3_adapter_give_the_merged_models_logits(tmp_path):
+    """Phi-3's checkpoints fuse q/k/v and gate/up, and so do its adapters (qkv_proj,
+    gate_up_proj): their B is split over our slices."""
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY_LLAMA, pad_token_id=0))
+    hf.eval().save_pretrained(tmp_path / "phi3")
+    adapter = write_adapter(tmp_path / "a", seed=3, targets=("qkv_proj", "o_proj", "gate_up_proj"))
+    runner = lora_runner(tmp_path / "phi3", max_loras=1)
+    assert type(runner.model).__name__ == "Phi3ForCausalLM"
+    slot = runner.lora.activate(LoRARequest("a", 1, str(adapter)), set())
+    ids = torch.randint(
+        0, TINY_LLAMA["vocab_size"], (30,), generator=torch.Generator().manual_seed(2)
+    )
+    runner.lora.set_token_slots([slot] * 30, "cpu")
+    meta = runner.attn_backend.build_metadata([(0, 30, [1, 2])])
+    with torch.inference_mode():
+        ours = runner.model.compute_logits(
+            runner.model(ids, torch.arange(30), meta, runner.kv_caches)
+        )
+        ref = merged(hf, adapter)(ids[None]).logits[0].float()
+        base = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    assert (ref - base).abs().max() > 1e-2

@@ -106,3 +106,30 @@ def test_registered_architecture_loads_and_matches_transformers(arch, tmp_path):
         )
         ref = hf(ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+def test_phi3_checkpoints_with_fused_projections_match_transformers(tmp_path):
+    """Phi-3/Phi-4: q/k/v and gate/up fused in the checkpoint, read as they are."""
+    import transformers
+
+    from vllm.config import ModelConfig
+    from vllm.model_executor.models.llama import Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY, pad_token_id=0)).eval()
+    hf.save_pretrained(tmp_path)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path)))
+    assert type(runner.model) is Phi3ForCausalLM
+    runner.initialize_kv_cache(4)
+    ids = torch.randint(0, TINY["vocab_size"], (20,), generator=torch.Generator().manual_seed(1))
+    meta = runner.attn_backend.build_metadata([(0, len(ids), [1, 2])])
+    with torch.inference_mode():
+        ours = runner.model.compute_logits(
+            runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
+        )
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        Phi3ForCausalLM.arch_from_hf(
+            transformers.Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.75)
+        )

@@ -104,11 +104,32 @@ class LoRAManager:
             self._read.move_to_end(lid)
             return self._read[lid]
         adapter = load_adapter(request.lora_name, request.lora_path, self.config.max_lora_rank)
+        self._split_fused(adapter, request)
         self._check_fits(adapter, request)
         self._read[lid] = adapter
         while len(self._read) > self.config.num_cpu_loras:
             self._read.popitem(last=False)
         return adapter
+
+    def _split_fused(self, adapter: LoRAAdapter, request: LoRARequest) -> None:
+        """An adapter of a checkpoint that fuses q/k/v or gate/up (Phi-3 targets
+        ``qkv_proj``, ``gate_up_proj``): its B split by the model's slices, each slice
+        with the same A (``B @ A`` restricted to the slice's rows)."""
+        for i, target in [k for k in adapter.weights if k[1] in ("qkv_proj", "gate_up_proj")]:
+            a, b = adapter.weights.pop((i, target))
+            layer = self.layers.get((i, target))
+            if layer is None or b.shape[0] != sum(layer.slices):
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r}: layer {i}'s {target} "
+                    f"({b.shape[0]} outputs) does not match the model"
+                )
+            for part, rows in zip(_FUSED[target], b.split(layer.slices), strict=True):
+                if (i, part) in adapter.weights:
+                    raise ValueError(
+                        f"LoRA adapter {request.lora_name!r} targets layer {i}'s {target} "
+                        f"and its {part}"
+                    )
+                adapter.weights[(i, part)] = (a, rows)
 
     def _check_fits(self, adapter: LoRAAdapter, request: LoRARequest) -> None:
         wrapped = {(i, t): self.layers[(i, attr)] for (i, attr) in self.layers

@@ -7,7 +7,8 @@ Each targeted module ``m`` of layer ``i`` holds ``lora_A`` ``(r, in)`` and ``lor
 where ``rank_pattern`` / ``alpha_pattern`` say so. The scaling is folded into B here.
 
 Supported targets: the attention's q/k/v/o projections and the dense MLP's gate/up/down
-projections. Anything else an adapter changes (embeddings, the output head, biases,
+projections (fused ``qkv_proj`` and ``gate_up_proj`` too, where the model's checkpoint
+fuses them, as Phi-3's does). Anything else an adapter changes (embeddings, the output head, biases,
 DoRA magnitudes, MoE experts, ``modules_to_save``) is refused with a ``ValueError`` that
 names it: an adapter served without part of itself would answer wrongly.
 """
@@ -22,7 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)  # the last two: checkpoints that fuse them (Phi-3)
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>(?:model\.)?layers\.(?P<layer>\d+)\."
     r"(?:self_attn|mlp)\.(?P<target>\w+))\.lora_(?P<ab>[AB])(?:\.default)?\.weight$"

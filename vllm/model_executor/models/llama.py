@@ -1,10 +1,12 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat packed batch.
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/Phi-4) over a flat packed
+batch.
 
 One forward computes all scheduled tokens of all requests: ``input_ids`` and
 ``positions`` are flat ``(num_tokens,)``; attention reads and writes the paged KV cache
 through the attention backend the model runner installs (``set_attention_backend``) and
 the step's metadata it built. Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q and k.
-Registered for all four HF architectures in ``registry.py``.
+Phi-3's checkpoints hold q/k/v and gate/up already fused, as our layers do. Registered for
+the HF architectures in ``registry.py``.
 """
 
 from __future__ import annotations
@@ -249,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
                 p = f"layers.{i}."
                 att = p + "self_attn."
                 layer.qkv_proj.weight.copy_(
-                    torch.cat([sd[att + f"{n}_proj.weight"] for n in "qkv"])
+                    self.fused(sd, att, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
                 )
                 if self.arch.attention_bias:
                     layer.qkv_proj.bias.copy_(
@@ -258,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
                 if layer.mlp is None:
                     layer.gate_up_proj.weight.copy_(
-                        torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+                        self.fused(sd, p + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
                     )
                     layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
                 else:
@@ -271,6 +273,22 @@ class LlamaForCausalLM(nn.Module):
                     layer.q_norm.weight.copy_(sd[att + "q_norm.weight"])
                     layer.k_norm.weight.copy_(sd[att + "k_norm.weight"])
 
+    @staticmethod
+    def fused(sd, prefix: str, parts: tuple[str, ...], fused: str) -> torch.Tensor:
+        """The weight of our fused layer ``fused`` (q/k/v, gate/up): the checkpoint's own
+        fused tensor where it has one (Phi-3), else its ``parts`` concatenated."""
+        if prefix + fused + ".weight" in sd:
+            return sd[prefix + fused + ".weight"]
+        return torch.cat([sd[f"{prefix}{part}.weight"] for part in parts])
+
     def load_mlp(self, mlp: nn.Module, sd: dict[str, torch.Tensor], prefix: str) -> None:
         """Fill a ``make_mlp`` module from the checkpoint tensors of the layer ``prefix``."""
         raise NotImplementedError(f"{type(self).__name__} makes no feed-forward module")
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4 (``Phi3ForCausalLM``): Llama's layer, with checkpoints that fuse
+    q/k/v and gate/up (``fused`` reads them). Partial rotary (Phi-4-mini) and longrope
+    (the 128k variants) are refused by the rotary parameters, with their names."""
+
+    gguf_layout: ClassVar[Any] = None  # llama.cpp's phi3 tensors are fused differently

@@ -30,14 +30,15 @@ from typing import Any
 _PACKAGE = "vllm.model_executor.models"
 
 # HF architecture: (HF model_type, module under vllm.model_executor.models, class).
-# Mistral, Qwen2 and Qwen3 share the Llama implementation (Qwen2's q/k/v biases and
-# Qwen3's q/k norms are flags of its LlamaArch); the mixtures of experts add their
-# experts to it (moe.py).
+# Mistral, Qwen2, Qwen3 and Phi-3 share the Llama implementation (Qwen2's q/k/v biases
+# and Qwen3's q/k norms are flags of its LlamaArch; Phi-3's class reads fused
+# checkpoints); the mixtures of experts add their experts to it (moe.py).
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "llama", "Phi3ForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "moe", "MoeForCausalLM"),
