@@ -23,6 +23,7 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n<]+)>(.*?)(?:</function>|\Z)", re.D
 _XML_PARAM = re.compile(
     r"<parameter=([^>\n<]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL
 )
+_JSON_CALL_TAGS = ("<|python_tag|>", "<|tool_call|>", "<tool_call>")
 _ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PREFIXES = {"sudo", "time", "nohup", "env", "exec", "command", "builtin", "nice"}
 # Tools whose first argument names what really runs ("git status", "pip install").
@@ -129,8 +130,14 @@ class ToolCallParser:
 
     def _from_tool_calls_json(self, text: str) -> ToolCall | None:
         """A JSON call object, an OpenAI message with ``tool_calls``, or a list of calls
-        (what guided decoding writes for tool_choice "required")."""
+        (what guided decoding writes for tool_choice "required"), after a tag some models
+        write first (Llama 3.1's ``<|python_tag|>``, Granite's ``<|tool_call|>`` or
+        ``<tool_call>``)."""
         stripped = text.strip()
+        for tag in _JSON_CALL_TAGS:
+            if stripped.startswith(tag):
+                stripped = stripped[len(tag) :].lstrip()
+                break
         if not stripped.startswith(("{", "[")):
             return None
         try:

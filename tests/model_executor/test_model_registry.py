@@ -133,3 +133,46 @@ def test_phi3_checkpoints_with_fused_projections_match_transformers(tmp_path):
         Phi3ForCausalLM.arch_from_hf(
             transformers.Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.75)
         )
+
+
+@pytest.mark.parametrize(
+    "arch, fields",
+    [
+        # Granite's four scalars, none of them 1.
+        ("Granite", dict(embedding_multiplier=12.0, attention_multiplier=0.1,
+                         residual_multiplier=0.22, logits_scaling=8.0)),
+        ("Granite", dict(attention_bias=True, attention_multiplier=0.2)),
+        # Llama's attention_bias covers o_proj too (Qwen2's covers q/k/v only).
+        ("Llama", dict(attention_bias=True)),
+    ],
+)  # fmt: skip
+def test_granite_scalars_and_attention_biases_match_transformers(arch, fields, tmp_path):
+    import transformers
+
+    from vllm.config import ModelConfig
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(**TINY, **fields)
+    hf = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    with torch.no_grad():  # transformers initialises biases to zero: make them count
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path)))
+    runner.initialize_kv_cache(4)
+    ids = torch.randint(0, TINY["vocab_size"], (20,), generator=torch.Generator().manual_seed(1))
+    meta = runner.attn_backend.build_metadata([(0, len(ids), [1, 2])])
+    with torch.inference_mode():
+        ours = runner.model.compute_logits(
+            runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
+        )
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+def test_mlp_biases_are_refused():
+    import transformers
+
+    with pytest.raises(ValueError, match="mlp_bias is not supported"):
+        LlamaForCausalLM.arch_from_hf(transformers.LlamaConfig(**TINY, mlp_bias=True))

@@ -92,6 +92,10 @@ CASES = [
         "</function>\n</tool_call>",
         "str_replace_editor",
     ),
+    # Granite 3.x (--tool-call-parser granite) and Llama 3.1 tag their JSON calls.
+    ('<|tool_call|>[{"name": "bash", "arguments": {"command": "make test"}}]', "make test"),
+    ('<tool_call>[{"name": "str_replace_editor", "arguments": {}}]', "str_replace_editor"),
+    ('<|python_tag|>{"name": "bash", "arguments": {"command": "ls"}}', "ls"),
     ("<function=bash>\n<parameter=command>\ngit status", "git status"),  # cut by max_tokens
     ("<think>plan</think>\n<function=bash><parameter=command>ls</parameter></function>", "ls"),
     ("I think the bug is in the parser. No command needed.", None),

@@ -110,6 +110,14 @@ def test_json_parser_forms():
         assert calls("json", text) == (text, []), text
 
 
+def test_granite_parser_reads_both_tags_and_none():
+    want = [("get_weather", {"city": "Paris"})]
+    for tag in ("<|tool_call|>", "<tool_call>", ""):
+        assert calls("granite", tag + REQUIRED) == (None, want), tag
+    assert calls("granite", PLAIN) == (PLAIN, [])
+    assert calls("granite", "<tool_call>not json") == ("<tool_call>not json", [])
+
+
 def test_message_shape_and_finish_reason():
     plan = ToolPlan(parser=get_tool_parser("hermes"))
     message, finish = plan.message(ONE_CALL, "stop")
@@ -159,6 +167,8 @@ def assemble(parser: str, text: str, pieces: list[str]) -> tuple[str, list[tuple
         ("json", NAMED),
         ("json", PLAIN),
         ("json", '[{"name": "a", "arguments": {"s": "}]\\"{"}}, {"name": "b", "arguments": {}}]'),
+        ("granite", "<|tool_call|>" + REQUIRED),
+        ("granite", "<tool_call>" + REQUIRED),
     ],
 )
 def test_stream_assembles_to_the_non_streaming_message(parser, text):

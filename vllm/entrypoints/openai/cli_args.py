@@ -93,8 +93,9 @@ class FrontendArgs:
     tool_call_parser: str | None = config_field(
         None,
         "How the model writes tool calls (hermes: <tool_call>{json}</tool_call>; json / "
-        "llama3_json: the output is the JSON call or a list of them; qwen3_coder / "
-        "qwen3_xml: <tool_call><function=NAME><parameter=KEY>...).",
+        "llama3_json: the output is the JSON call or a list of them; granite: that list "
+        "after <|tool_call|> or <tool_call>; qwen3_coder / qwen3_xml: "
+        "<tool_call><function=NAME><parameter=KEY>...).",
         choices=lambda: _tool_parser_names(),
     )
     reasoning_parser: str | None = config_field(

@@ -43,6 +43,14 @@ class LlamaArch:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
+    o_bias: bool = False  # o_proj's bias (Llama's and Qwen3's attention_bias; not Qwen2's)
+    # Granite's scalars: embeddings times embedding_multiplier, attention scaled by
+    # attention_multiplier (None: 1 / sqrt(head_dim)), each sublayer's output times
+    # residual_multiplier before the residual sum, logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # rotary_embedding.rope_parameters' dict (type, theta, scaling); None: default, theta
     rope_parameters: dict[str, Any] | None = None
 
@@ -51,6 +59,12 @@ class LlamaArch:
         rope = rope_parameters(config)
         family = config.model_type.removesuffix("_moe")  # qwen2_moe, qwen3_moe: same attention
         heads = config.num_attention_heads
+        if getattr(config, "mlp_bias", False):
+            raise ValueError(f"mlp_bias is not supported ({config.model_type} config)")
+        bias = bool(
+            getattr(config, "attention_bias", getattr(config, "qkv_bias", family == "qwen2"))
+        )
+        granite = family == "granite"
         return cls(
             hidden_size=config.hidden_size,
             num_layers=config.num_hidden_layers,
@@ -63,11 +77,14 @@ class LlamaArch:
             rope_theta=rope["rope_theta"],
             max_position_embeddings=max_positions(config.max_position_embeddings, rope),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=bool(
-                getattr(config, "attention_bias", getattr(config, "qkv_bias", family == "qwen2"))
-            ),
+            attention_bias=bias,
             qk_norm=family == "qwen3",
+            o_bias=bias and family in ("llama", "qwen3", "granite"),
             rope_parameters=rope,
+            embedding_multiplier=config.embedding_multiplier if granite else 1.0,
+            attention_multiplier=config.attention_multiplier if granite else None,
+            residual_multiplier=config.residual_multiplier if granite else 1.0,
+            logits_scaling=config.logits_scaling if granite else 1.0,
         )
 
     @property
@@ -116,11 +133,11 @@ class LlamaLayer(nn.Module):
         self.a = a
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
-        self.scale = 1.0 / math.sqrt(a.head_dim)
+        self.scale = a.attention_multiplier or 1.0 / math.sqrt(a.head_dim)
         self.qkv_proj = nn.Linear(
             a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias)
         self.mlp = mlp
         if mlp is None:
             self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
@@ -163,12 +180,15 @@ class LlamaLayer(nn.Module):
             meta,
             self.scale,
         )  # (num_tokens, heads, head_dim)
-        h, residual = self.post_attention_layernorm(
-            self.o_proj(attn.reshape(-1, self.q_size)), residual
-        )
+        out = self.o_proj(attn.reshape(-1, self.q_size))
+        if a.residual_multiplier != 1.0:
+            out = out * a.residual_multiplier
+        h, residual = self.post_attention_layernorm(out, residual)
         if self.mlp is not None:
-            return self.mlp(h), residual
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
+            out = self.mlp(h)
+        else:
+            out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+        return (out * a.residual_multiplier if a.residual_multiplier != 1.0 else out), residual
 
 
 def _no_attention_backend(*args: Any) -> torch.Tensor:
@@ -218,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
         """(num_tokens,) ids -> (num_tokens, hidden) final hidden states."""
         x = self.embed_tokens(input_ids)
+        if self.arch.embedding_multiplier != 1.0:
+            x = x * self.arch.embedding_multiplier
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, self.rope, meta, kv_cache)
@@ -225,7 +247,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.arch.logits_scaling == 1.0 else logits / self.arch.logits_scaling
 
     def init_buffers(self) -> None:
         """What no checkpoint holds: the rotary table, computed in fp32 on the CPU and moved
@@ -258,6 +281,8 @@ class LlamaForCausalLM(nn.Module):
                         torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
                     )
                 layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
+                if self.arch.o_bias:
+                    layer.o_proj.bias.copy_(sd[att + "o_proj.bias"])
                 if layer.mlp is None:
                     layer.gate_up_proj.weight.copy_(
                         self.fused(sd, p + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")

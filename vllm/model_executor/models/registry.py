@@ -39,6 +39,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "llama", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "moe", "MoeForCausalLM"),

@@ -20,14 +20,19 @@ PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open its calls with it
 @register_tool_parser("json", "llama3_json")
 class JsonToolParser(ToolParser):
     """Output that does not start with ``{`` or ``[`` is content; output that does but is
-    not a valid list of calls is content too (returned whole at the end)."""
+    not a valid list of calls is content too (returned whole at the end). ``PREFIXES``:
+    tags a model may write before its calls."""
+
+    PREFIXES: tuple[str, ...] = (PYTHON_TAG,)
 
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         start = skip_ws(text, 0)
-        if text.startswith(PYTHON_TAG, start):
-            start = skip_ws(text, start + len(PYTHON_TAG))
+        for prefix in self.PREFIXES:
+            if text.startswith(prefix, start):
+                start = skip_ws(text, start + len(prefix))
+                break
         if start >= len(text) or text[start] not in "[{":
-            if not final and PYTHON_TAG.startswith(text[start:]):
+            if not final and any(p.startswith(text[start:]) for p in self.PREFIXES):
                 return ExtractedToolCalls("", [])  # maybe the tag, maybe a call
             content = text.strip()
             return ExtractedToolCalls(content or (None if final else ""), [])
@@ -68,3 +73,12 @@ class JsonToolParser(ToolParser):
                 raise Malformed(f"unexpected {text[i]!r} at {i}")
             i = skip_ws(text, i + 1)
         return calls, None
+
+
+@register_tool_parser("granite")
+class GraniteToolParser(JsonToolParser):
+    """IBM Granite 3.x: a JSON list of calls after ``<|tool_call|>`` (3.0) or
+    ``<tool_call>`` (3.1 and later); the tag is optional (a special token the
+    detokenizer may have dropped)."""
+
+    PREFIXES = ("<|tool_call|>", "<tool_call>")
