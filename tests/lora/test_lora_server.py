@@ -141,3 +141,37 @@ def test_runtime_adapter_routes_exist_only_when_allowed(monkeypatch):
         _app(), "/v1/unload_lora_adapter", "POST", json.dumps({"lora_name": "x"}).encode()
     )
     assert status == 404 and json.loads(payload)["error"]["code"] == "not_found"
+
+
+def test_an_agent_job_on_an_adapter_is_pinned_between_turns(setup):
+    """Continuum with LoRA: a job's turns on one adapter hit their pinned context; the same
+    history on the base model shares none of it (the adapter keys the blocks)."""
+    _, _, base, sql, _ = setup
+    server = RemoteServer(
+        str(base), "--scheduling-policy", "continuum", "--continuum-default-ttl", "5",
+        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={sql}",
+        "--kv-cache-memory", "16MiB",
+    )  # fmt: skip
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "List the files. " * 6}]
+
+        def turn(model: str, last: bool):
+            return client.chat.completions.create(
+                model=model, messages=messages, max_tokens=8, temperature=0.0,
+                extra_body={"job_id": f"job-{model}", "is_last_step": last},
+            )  # fmt: skip
+
+        first = turn("sql", False)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Output:\nmain.py utils.py README.md"},
+        ]
+        second = turn("sql", True)
+        assert second.usage.prompt_tokens_details.cached_tokens >= 16
+        on_base = turn(str(base), True)
+        assert on_base.usage.prompt_tokens_details.cached_tokens == 0
+        metrics = server.metrics()
+        assert metrics["vllm:pins_total"] >= 1 and metrics["vllm:pin_hits_total"] >= 1
+    finally:
+        server.stop()
