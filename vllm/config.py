@@ -27,6 +27,8 @@ from vllm_continuum.tier import auto_tier_bytes, available_host_memory
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
+Runner = Literal["auto", "generate", "pooling"]
+POOLING_TYPES = ("LAST",)  # the pooled row: a causal model's last (its whole-prompt summary)
 
 
 def scheduling_policy_names() -> Sequence[str]:
@@ -141,6 +143,19 @@ class ModelConfig:
         "Accepted as in vLLM's launch commands; nothing changes: no code from the model "
         "folder is ever run here (architectures come from this engine's model registry).",
     )
+    runner: Runner = config_field(
+        "auto",
+        "generate: text generation (auto's choice); pooling: embeddings of prompts "
+        "(/v1/embeddings, LLM.embed) from the model's last hidden state, as vLLM's pooling "
+        "runner serves a causal model converted to embeddings (Qwen3-Embedding, "
+        "e5-mistral, gte-Qwen2).",
+    )
+    pooler_config: dict[str, Any] | None = config_field(
+        None,
+        'JSON object, vLLM\'s: {"pooling_type": "LAST", "normalize": true} (the defaults '
+        "for a causal model: the last token's hidden state, L2-normalised).",
+        parse=lambda text: parse_json_object(text, "pooler_config"),
+    )
     enforce_eager: bool = config_field(
         False,
         "Always run the model eagerly: on CUDA, no CUDA graphs of decode steps (the CPU "
@@ -192,6 +207,22 @@ class ModelConfig:
             raise bad_value(
                 "quantization", self.quantization, "gguf reads the GGUF's weights; dummy has none"
             )
+        if self.runner not in get_args(Runner):
+            raise bad_value("runner", self.runner, f"must be one of {get_args(Runner)}")
+        pooler = self.pooler_config
+        if pooler is not None:
+            if not isinstance(pooler, dict):
+                raise bad_value("pooler_config", pooler, "must be a JSON object")
+            unknown = sorted(set(pooler) - {"pooling_type", "normalize"})
+            if unknown:
+                raise bad_value("pooler_config", unknown, "has keys this engine does not take")
+            if pooler.get("pooling_type", "LAST") not in POOLING_TYPES:
+                raise bad_value("pooler_config.pooling_type", pooler["pooling_type"],
+                                f"must be one of {POOLING_TYPES} (a causal model's)")  # fmt: skip
+            if not isinstance(pooler.get("normalize", True), bool):
+                raise bad_value("pooler_config.normalize", pooler["normalize"], "must be a bool")
+            if self.runner != "pooling":
+                raise bad_value("pooler_config", pooler, "needs --runner pooling")
         if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
             raise bad_value(
                 "max_cudagraph_capture_size", self.max_cudagraph_capture_size, "must be >= 1"
@@ -201,6 +232,14 @@ class ModelConfig:
     def name(self) -> str:
         """The name responses and metrics report: the first served name, else the model."""
         return self.served_model_name[0] if self.served_model_name else self.model
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
+
+    @property
+    def pooler_normalize(self) -> bool:
+        return bool((self.pooler_config or {}).get("normalize", True))
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -551,6 +590,8 @@ class VllmConfig:
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.model_config.is_pooling and self.speculative_config.enabled:
+            raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
         if self.offload_config.enabled and not self.cache_config.enable_prefix_caching:
             # The tier finds blocks by their prefix hash: without one it would hold nothing,
             # and a policy would offload into nothing.

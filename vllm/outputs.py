@@ -72,3 +72,27 @@ class RequestOutput:
     # context predicts it); each the logprob of the prompt's token, its rank and the top-n.
     # Complete once the first output token exists (all at once, also in DELTA mode).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # --runner pooling: the prompt's embedding (vLLM's PoolingRequestOutput data), once
+    # finished; such a request generates no token.
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result for one prompt (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

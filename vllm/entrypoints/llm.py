@@ -16,7 +16,7 @@ from vllm.model_executor.model_loader import (
     get_model_config,
     model_max_len,
 )
-from vllm.outputs import RequestOutput
+from vllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -83,6 +83,23 @@ class LLM:
         items = [(*_unpack_prompt(p), True, _cache_salt(p)) for p in prompts]
         return self._run(items, sampling_params, use_tqdm, lora_request)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt (needs ``runner="pooling"``, as vLLM's)."""
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        items = [(*_unpack_prompt(p), True, _cache_salt(p)) for p in prompts]
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        results = self._run(items, params, use_tqdm, lora_request, pooling=True)
+        return [
+            EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.pooled))
+            for r in results
+        ]
+
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
@@ -127,6 +144,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling: bool = False,
     ) -> list[RequestOutput]:
         """items: (prompt, prompt text for the output, add_special_tokens, cache_salt)."""
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -157,7 +175,7 @@ class LLM:
             request_id = str(self._request_counter)
             self._request_counter += 1
             _, core_reqs = self.processor.process(
-                ids, params, request_id, cache_salt=salt, lora_request=lora
+                ids, params, request_id, cache_salt=salt, lora_request=lora, pooling=pooling
             )
             batch.append((request_id, text, core_reqs))
         self._add_to_engine(batch)

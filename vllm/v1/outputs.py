@@ -51,6 +51,9 @@ class ModelRunnerOutput:
     # req_id -> why it failed this step (no token for it); the scheduler finishes it with
     # an error. The runner keeps its state until the id comes back in finished_req_ids.
     errors: dict[str, RequestFailure] = field(default_factory=dict)
+    # --runner pooling: req_id -> its prompt's embedding, once its prompt is computed (the
+    # scheduler then finishes it; it samples nothing).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids={})

@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.job_identity import name_the_job
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelList,
     UnloadLoRAAdapterRequest,
@@ -32,6 +33,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from vllm.entrypoints.openai.serving_tokenize import (
@@ -250,6 +252,16 @@ def build_app(
         if log_requests:
             _log_request("completion", request, "")
         return await completion_serving.create_completion(
+            request, raw.scope.get(RECEIVED_KEY), raw.receive
+        )
+
+    embedding_serving = OpenAIServingEmbedding(engine, model_name, stats, args, state, models)
+
+    @app.post("/v1/embeddings", responses=openapi.EMBEDDING_RESPONSES)
+    async def embeddings(request: EmbeddingRequest, raw: Request):
+        if log_requests:
+            logger.info("embedding request: inputs=%d", len(request.prompts()))
+        return await embedding_serving.create_embedding(
             request, raw.scope.get(RECEIVED_KEY), raw.receive
         )
 

@@ -132,6 +132,39 @@ DETOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 503)},
 }
 
+EMBEDDING_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "The inputs' embeddings in input order (--runner pooling), floats or base64 of "
+        "little-endian float32.",
+        {
+            "id": {"type": "string"},
+            "object": {"type": "string"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "object": {"type": "string"},
+                        "index": {"type": "integer"},
+                        "embedding": {
+                            "anyOf": [
+                                {"type": "array", "items": {"type": "number"}},
+                                {"type": "string"},
+                            ]
+                        },
+                    },
+                    "required": ["object", "index", "embedding"],
+                },
+            },
+            "usage": {"type": "object"},
+        },
+        ["object", "data", "model", "usage"],
+    ),
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 500, 503)},
+}
+
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _text("Healthy: empty body."),
     503: _text("Unhealthy: engine dead, stalled (--engine-stall-timeout) or shutting down."),

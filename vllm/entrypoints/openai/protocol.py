@@ -673,3 +673,27 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's body, and vLLM's ``add_special_tokens`` and
+    ``priority``). ``dimensions`` is refused (this engine's embeddings are the model's
+    whole hidden state); an unknown field is a 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """The inputs, one per embedding: a string, token ids, or a list of either."""
+        items = self.input
+        if isinstance(items, str):
+            return [items]
+        if items and all(isinstance(t, int) for t in items):
+            return [items]
+        return list(items)

@@ -81,6 +81,7 @@ class EngineCoreOutput:
     # and the prompt's length (the throughput log counts each prompt once, from it).
     queue_time_s: float | None = None
     num_prompt_tokens: int | None = None
+    pooled: list[float] | None = None  # --runner pooling: the prompt's embedding
 
     @property
     def finished(self) -> bool:

@@ -199,6 +199,7 @@ class AsyncLLM:
         executor: Executor | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling: bool = False,
     ) -> RequestStream:
         """Validate and queue now (ValueError / EngineDeadError raise here), stream later.
 
@@ -219,6 +220,7 @@ class AsyncLLM:
             add_special_tokens=add_special_tokens,
             structured_outputs_checked=True,
             lora_request=lora_request,
+            pooling=pooling,
         )
         if executor is None:
             _, core_reqs = process()

@@ -24,6 +24,7 @@ class _Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    pooled: list[float] | None = None  # --runner pooling: the prompt's embedding
     _sent_tokens: int = 0  # DELTA: tokens already handed out
 
     @property
@@ -32,6 +33,8 @@ class _Sequence:
 
     def update(self, out: EngineCoreOutput) -> bool:
         """Apply one engine output; True if a stop string ended the sequence here."""
+        if out.pooled is not None:
+            self.pooled = out.pooled
         self.token_ids.extend(out.new_token_ids)
         for lp in out.new_logprobs or ():
             self.logprobs.append(lp)
@@ -237,4 +240,5 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             prompt_logprobs=prompt_logprobs,
+            pooled=next(iter(state.sequences.values())).pooled,
         )

@@ -39,6 +39,7 @@ class Processor:
         # the API server), cut to what the context leaves; None: until the context limit.
         self.default_max_tokens: int | None = None
         self.lora_config = vllm_config.lora_config
+        self.is_pooling = vllm_config.model_config.is_pooling  # --runner pooling
         self._checked_adapters: set[tuple[int, str]] = set()  # configs read and accepted
 
     def set_kv_capacity(self, num_gpu_blocks: int) -> None:
@@ -165,6 +166,7 @@ class Processor:
         arrival_wall_time: float | None = None,
         structured_outputs_checked: bool = False,
         lora_request: LoRARequest | None = None,
+        pooling: bool = False,
     ) -> tuple[str, list[EngineCoreRequest]]:
         """Validate and fan out: ``(request_id, [EngineCoreRequest, ...])``.
 
@@ -178,6 +180,13 @@ class Processor:
                 f"sampling_params must be a SamplingParams, got {params!r}", "sampling_params"
             )
         self._check_lora(lora_request)
+        if pooling != self.is_pooling:
+            raise VLLMValidationError(
+                "this model serves embeddings (--runner pooling): /v1/embeddings, LLM.embed"
+                if self.is_pooling
+                else "embeddings need a model served with --runner pooling",
+                "model",
+            )
         if params.structured_outputs is not None and not structured_outputs_checked:
             # A bad grammar is a 400 here, never an engine error or unconstrained output.
             self.structured_outputs.validate(params.structured_outputs)

@@ -241,6 +241,8 @@ class ModelRunner:
         mc, sc = self.model_config, self.config.scheduler_config
         if mc.enforce_eager or (graph_factory is None and self.device.type != "cuda"):
             return
+        if mc.is_pooling:  # every step is a prompt: no decode step to replay
+            return
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache first: the graphs record the cache's address")
         if not self.attn_backend.supports_decode_graphs:
@@ -391,12 +393,26 @@ class ModelRunner:
                 self.kv_caches,
             )
         output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
+        if self.model_config.is_pooling:  # embeddings: the prompt's last row, no token
+            if sample_reqs:
+                output.pooled = self._pool(hidden[sample_idx], sample_reqs)
+            return output
         output.prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
         if sample_reqs:
             self._sample(hidden[sample_idx], sample_reqs, output)
         if spec_reqs:
             self._verify_drafts(hidden[spec_rows], spec_reqs, output)
         return output
+
+    def _pool(self, rows: torch.Tensor, reqs: list[CachedRequestState]) -> dict[str, list[float]]:
+        """--runner pooling (LAST): each request's last prompt row, the final norm's output
+        as transformers' ``last_hidden_state``, in fp32, L2-normalised unless the pooler
+        config says not."""
+        pooled = rows.float()
+        if self.model_config.pooler_normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        values = pooled.cpu().tolist()
+        return {state.req_id: v for state, v in zip(reqs, values, strict=True)}
 
     def _verify_drafts(
         self,

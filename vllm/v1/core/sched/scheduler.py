@@ -384,6 +384,10 @@ class Scheduler:
                 continue  # aborted meanwhile
             if req_id in runner_output.prompt_logprobs:  # kept until the first token
                 request.add_prompt_logprobs(runner_output.prompt_logprobs[req_id])
+            pooled = runner_output.pooled.get(req_id)
+            if pooled is not None:  # an embedding: done once its prompt is
+                outputs.append(self._finish_pooled(request, pooled, now))
+                continue
             if not new_tokens:
                 continue  # a partial prefill chunk
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -429,6 +433,22 @@ class Scheduler:
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         return EngineCoreOutputs(outputs, stats, errors=errors)
+
+    def _finish_pooled(self, request: Request, pooled: list[float], now: float) -> EngineCoreOutput:
+        """A pooling request whose prompt is computed: finished (the policy decides its
+        blocks, as for any request), its embedding the output."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finished_reason(),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            queue_time_s=(request.scheduled_time or now) - request.arrival_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            pooled=pooled,
+        )
+        self._finish(request, now)
+        return output
 
     def _fail_requests(self, failures: dict[str, RequestFailure]) -> list[EngineCoreRequestError]:
         """Finish the requests that failed in this step, through the abort path (their
