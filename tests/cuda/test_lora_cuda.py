@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lora.test_lora import merged, save_base, write_adapter
+from tests.lora.test_lora import greedy_reference, save_base, write_adapter
 from vllm.lora.request import LoRARequest
 
 pytestmark = [
@@ -30,14 +30,7 @@ def test_adapters_batched_on_cuda_give_the_merged_models_tokens(tmp_path, enforc
     loras = [LoRARequest("a", 1, str(a)), None, LoRARequest("b", 2, str(b))]
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (11, 30, 7)]
-    refs = {None: hf, "a": merged(hf, a), "b": merged(hf, b)}
-    with torch.inference_mode():
-        expected = [
-            refs[lora.lora_name if lora else None]
-            .generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :]
-            .tolist()
-            for p, lora in zip(prompts, loras, strict=True)
-        ]
+    expected = greedy_reference(hf, prompts, loras, 12)
     llm = LLM(model=str(tmp_path / "base"), dtype="float32", enable_lora=True, max_loras=2,
               max_lora_rank=8, max_num_seqs=4, enforce_eager=enforce_eager)  # fmt: skip
     try:

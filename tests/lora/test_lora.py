@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +75,22 @@ def merged(hf, adapter_dir) -> torch.nn.Module:
         with torch.no_grad():
             params[f"{module}.weight"] += scale * (b @ a)
     return model
+
+
+def greedy_reference(hf, prompts, loras, max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, with its adapter (a ``LoRARequest`` or
+    None) merged into ``hf``'s weights."""
+    models = {None: hf}
+    out = []
+    with torch.inference_mode():
+        for prompt, lora in zip(prompts, loras, strict=True):
+            name = lora.lora_name if lora else None
+            if name not in models:
+                models[name] = merged(hf, Path(lora.lora_path))
+            ids = models[name].generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                        do_sample=False)  # fmt: skip
+            out.append(ids[0, len(prompt) :].tolist())
+    return out
 
 
 def save_base(path):
@@ -158,14 +175,7 @@ def test_engine_greedy_tokens_follow_each_requests_adapter(base, tmp_path):
     shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 5, 2)]
     loras = [lora_a, lora_b, None, lora_a]
-    refs = {None: hf, "a": merged(hf, a), "b": merged(hf, b)}
-    with torch.inference_mode():
-        expected = [
-            refs[lora.lora_name if lora else None]
-            .generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :]
-            .tolist()
-            for p, lora in zip(prompts, loras, strict=True)
-        ]
+    expected = greedy_reference(hf, prompts, loras, 6)
     llm = LLM(model=str(path), enable_lora=True, max_loras=1, max_lora_rank=8,
               kv_cache_memory="16MiB", enable_prefix_caching=True)  # fmt: skip
     try:
@@ -307,10 +317,7 @@ def test_adapters_with_speculative_decoding_and_a_bad_adapter_among_good_ones(ba
     bad = write_adapter(tmp_path / "bad", seed=2, targets=("q_proj",), layers=(7,))  # no layer 7
     pattern = [300 + t for t in range(10)]
     prompts = [pattern * 3, [5, 6, 7] * 9]
-    with torch.inference_mode():
-        ref = merged(hf, a)
-        expected = [ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :]
-                    .tolist() for p in prompts]  # fmt: skip
+    expected = greedy_reference(hf, prompts, [LoRARequest("a", 1, str(a))] * 2, 12)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
     llm = LLM(model=str(path), enable_lora=True, max_loras=2, max_lora_rank=8,
               kv_cache_memory="16MiB", speculative_config=spec)  # fmt: skip
@@ -358,13 +365,7 @@ def test_preempted_adapter_requests_resume_with_their_adapter(base, tmp_path):
     loras = [LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))] * 2
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, VOCAB, (40,), generator=g).tolist() for _ in loras]
-    refs = {"a": merged(hf, a), "b": merged(hf, b)}
-    with torch.inference_mode():
-        expected = [
-            refs[lora.lora_name].generate(torch.tensor([p]), max_new_tokens=40,
-                                          do_sample=False)[0, 40:].tolist()
-            for p, lora in zip(prompts, loras, strict=True)
-        ]  # fmt: skip
+    expected = greedy_reference(hf, prompts, loras, 40)
     llm = LLM(model=str(path), enable_lora=True, max_loras=2, max_lora_rank=8,
               num_gpu_blocks_override=14, enable_prefix_caching=False)  # fmt: skip
     preemptions = []

@@ -86,6 +86,19 @@ def _tiny_checkpoint(arch: str, path) -> torch.nn.Module:
     return model
 
 
+def assert_logits_match(runner, hf) -> None:
+    """The runner's logits over 20 random tokens equal transformers' ``hf`` (atol 1e-4)."""
+    runner.initialize_kv_cache(4)
+    ids = torch.randint(0, TINY["vocab_size"], (20,), generator=torch.Generator().manual_seed(1))
+    meta = runner.attn_backend.build_metadata([(0, len(ids), [1, 2])])
+    with torch.inference_mode():
+        ours = runner.model.compute_logits(
+            runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
+        )
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_registered_architecture_loads_and_matches_transformers(arch, tmp_path):
     from vllm.config import ModelConfig
@@ -97,15 +110,7 @@ def test_registered_architecture_loads_and_matches_transformers(arch, tmp_path):
         arch == "Qwen2ForCausalLM",
         arch == "Qwen3ForCausalLM",
     )
-    runner.initialize_kv_cache(4)
-    ids = torch.randint(0, TINY["vocab_size"], (20,), generator=torch.Generator().manual_seed(1))
-    meta = runner.attn_backend.build_metadata([(0, len(ids), [1, 2])])
-    with torch.inference_mode():
-        ours = runner.model.compute_logits(
-            runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
-        )
-        ref = hf(ids[None]).logits[0].float()
-    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    assert_logits_match(runner, hf)
 
 
 def test_phi3_checkpoints_with_fused_projections_match_transformers(tmp_path):
@@ -120,15 +125,7 @@ def test_phi3_checkpoints_with_fused_projections_match_transformers(tmp_path):
     hf.save_pretrained(tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path)))
     assert type(runner.model) is Phi3ForCausalLM
-    runner.initialize_kv_cache(4)
-    ids = torch.randint(0, TINY["vocab_size"], (20,), generator=torch.Generator().manual_seed(1))
-    meta = runner.attn_backend.build_metadata([(0, len(ids), [1, 2])])
-    with torch.inference_mode():
-        ours = runner.model.compute_logits(
-            runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
-        )
-        ref = hf(ids[None]).logits[0].float()
-    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    assert_logits_match(runner, hf)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         Phi3ForCausalLM.arch_from_hf(
             transformers.Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.75)
@@ -160,15 +157,7 @@ def test_granite_scalars_and_attention_biases_match_transformers(arch, fields, t
                 p.normal_(0, 0.5)
     hf.save_pretrained(tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path)))
-    runner.initialize_kv_cache(4)
-    ids = torch.randint(0, TINY["vocab_size"], (20,), generator=torch.Generator().manual_seed(1))
-    meta = runner.attn_backend.build_metadata([(0, len(ids), [1, 2])])
-    with torch.inference_mode():
-        ours = runner.model.compute_logits(
-            runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
-        )
-        ref = hf(ids[None]).logits[0].float()
-    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    assert_logits_match(runner, hf)
 
 
 def test_mlp_biases_are_refused():
