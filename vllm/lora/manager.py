@@ -62,9 +62,6 @@ class LoRAManager:
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self._read: OrderedDict[int, LoRAAdapter] = OrderedDict()  # host copies, LRU first
 
-    def slot_of(self, lora_int_id: int) -> int:
-        return self._slots[lora_int_id]
-
     def activate(self, request: LoRARequest, in_use: set[int]) -> int:
         """The slot holding ``request``'s adapter, loading it if needed (into a free slot,
         else the least recently used one whose adapter is not in ``in_use``).
@@ -92,11 +89,6 @@ class LoRAManager:
         self._fill(slot, adapter)
         self._slots[lid] = slot
         return slot
-
-    def remove(self, lora_int_id: int) -> None:
-        """Forget an adapter (unloaded by the server): its slot and host copy."""
-        self._slots.pop(lora_int_id, None)
-        self._read.pop(lora_int_id, None)
 
     def _adapter(self, request: LoRARequest) -> LoRAAdapter:
         lid = request.lora_int_id
