@@ -2,7 +2,8 @@
 
 ``ToolCallParser`` finds the tool call in a finished turn's text (```bash blocks, OpenAI
 ``tool_calls`` JSON, ``<tool_call>{json}</tool_call>``, Qwen3-Coder's
-``<function=NAME><parameter=KEY>``; anything inside ``<think>`` is ignored) and names
+``<function=NAME><parameter=KEY>``, Mistral's ``[TOOL_CALLS]name[ARGS]{json}``; anything
+inside ``<think>`` is ignored) and names
 the tool the way the estimator and the predictors key on it (``normalize_tool_name``:
 "cd x && git status" -> "git status").
 """
@@ -23,7 +24,12 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n<]+)>(.*?)(?:</function>|\Z)", re.D
 _XML_PARAM = re.compile(
     r"<parameter=([^>\n<]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL
 )
-_JSON_CALL_TAGS = ("<|python_tag|>", "<|tool_call|>", "<tool_call>")
+_JSON_CALL_TAGS = ("<|python_tag|>", "<|tool_call|>", "<tool_call>", "[TOOL_CALLS]")
+# Mistral's calls from its v11 tokenizers on: [TOOL_CALLS]name[ARGS]{json}, repeated.
+_MISTRAL_CALL = re.compile(
+    r"\[TOOL_CALLS\]\s*([^\[\]\s]+)\s*(?:\[CALL_ID\][^\[]*)?\[ARGS\](.*?)(?=\[TOOL_CALLS\]|\Z)",
+    re.DOTALL,
+)
 _ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PREFIXES = {"sudo", "time", "nohup", "env", "exec", "command", "builtin", "nice"}
 # Tools whose first argument names what really runs ("git status", "pip install").
@@ -104,10 +110,22 @@ class ToolCallParser:
             text = text.rsplit("</think>", 1)[-1]
         return (
             self._from_tool_calls_json(text)
+            or self._from_mistral(text)
             or self._from_tool_tag(text)
             or self._from_xml_function(text)
             or self._from_fence(text)
         )
+
+    def _from_mistral(self, text: str) -> ToolCall | None:
+        calls = _MISTRAL_CALL.findall(text)
+        if not calls:
+            return None
+        name, args = calls[-1]
+        try:
+            arguments = json.loads(args)
+        except json.JSONDecodeError:
+            arguments = {}
+        return self._from_function({"name": name, "arguments": arguments})
 
     def _from_xml_function(self, text: str) -> ToolCall | None:
         functions = _XML_FUNCTION.findall(text)

@@ -96,6 +96,10 @@ CASES = [
     ('<|tool_call|>[{"name": "bash", "arguments": {"command": "make test"}}]', "make test"),
     ('<tool_call>[{"name": "str_replace_editor", "arguments": {}}]', "str_replace_editor"),
     ('<|python_tag|>{"name": "bash", "arguments": {"command": "ls"}}', "ls"),
+    # Mistral (--tool-call-parser mistral keeps its special tokens in the text).
+    ('Checking.[TOOL_CALLS]bash[ARGS]{"command": "git status"}', "git status"),
+    ('[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]bash[CALL_ID]x1[ARGS]{"command": "ls"}', "ls"),
+    ('[TOOL_CALLS][{"name": "bash", "arguments": {"command": "pytest -x"}}]', "pytest"),
     ("<function=bash>\n<parameter=command>\ngit status", "git status"),  # cut by max_tokens
     ("<think>plan</think>\n<function=bash><parameter=command>ls</parameter></function>", "ls"),
     ("I think the bug is in the parser. No command needed.", None),

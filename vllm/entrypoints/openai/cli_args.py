@@ -94,7 +94,8 @@ class FrontendArgs:
         None,
         "How the model writes tool calls (hermes: <tool_call>{json}</tool_call>; json / "
         "llama3_json: the output is the JSON call or a list of them; granite: that list "
-        "after <|tool_call|> or <tool_call>; qwen3_coder / qwen3_xml: "
+        "after <|tool_call|> or <tool_call>; mistral: [TOOL_CALLS]name[ARGS]{json}; "
+        "qwen3_coder / qwen3_xml: "
         "<tool_call><function=NAME><parameter=KEY>...).",
         choices=lambda: _tool_parser_names(),
     )

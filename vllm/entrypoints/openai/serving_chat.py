@@ -91,6 +91,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, logprobs, request.stream, self.default_sampling_params
         )
         params.structured_outputs = plan.structured_outputs
+        if plan.keep_special_tokens:  # the parser's markers are special tokens
+            params.skip_special_tokens = False
         return plan, prompt, params
 
     async def start_generation(

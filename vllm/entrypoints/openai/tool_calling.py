@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser, tool_parser_names
+from vllm.entrypoints.openai.tool_parsers import (
+    ToolParser,
+    get_tool_parser,
+    tool_parser_class,
+    tool_parser_names,
+)
 from vllm.exceptions import VLLMValidationError
 from vllm.reasoning import (
     ReasoningParser,
@@ -82,6 +86,10 @@ class ToolPlan:
     reasoning: ReasoningParser | None = None  # None: no reasoning is split off
     include_reasoning: bool = True  # False: the reasoning is dropped from the response
     stream_reasoning: bool = True  # False: streamed in one piece once it is over
+    # The configured parser's call ids, and whether its markers are special tokens the
+    # output's text must keep (Mistral's [TOOL_CALLS]).
+    call_id: Callable[[], str] = ToolParser.new_call_id
+    keep_special_tokens: bool = False
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The non-streaming ``message`` and its ``finish_reason``."""
@@ -121,7 +129,7 @@ class ToolPlan:
             content = None
         if not found:
             return {"role": "assistant", "content": text}, finish_reason
-        calls = [_call_dict(c.name, c.arguments) for c in found]
+        calls = [_call_dict(c.name, c.arguments, self.call_id()) for c in found]
         message = {"role": "assistant", "content": content, "tool_calls": calls}
         return message, self.finish_reason(finish_reason, True)
 
@@ -134,17 +142,13 @@ class ToolPlan:
         """A choice's stream reader; None when the text is all plain content."""
         if self.parser is None and self.reasoning is None:
             return None
-        tools = ToolCallStreamer(self.parser) if self.parser is not None else None
+        tools = ToolCallStreamer(self.parser, self.call_id) if self.parser is not None else None
         return OutputStreamer(self, tools)
 
 
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _call_dict(name: str, arguments: str) -> dict:
+def _call_dict(name: str, arguments: str, call_id: str) -> dict:
     return {
-        "id": _call_id(),
+        "id": call_id,
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
@@ -157,6 +161,7 @@ class ToolCallStreamer:
     ``arguments``, whose pieces concatenate to the non-streaming response's string."""
 
     parser: ToolParser
+    call_id: Callable[[], str] = ToolParser.new_call_id
     text: str = ""
     sent_content: str = ""
     sent_calls: list[int] = field(default_factory=list)  # per call: argument chars sent
@@ -174,7 +179,7 @@ class ToolCallStreamer:
             if i == len(self.sent_calls):
                 if call.name is None:
                     break  # its header needs the name; later calls wait behind it
-                pieces.append({"index": i, **_call_dict(call.name, call.arguments)})
+                pieces.append({"index": i, **_call_dict(call.name, call.arguments, self.call_id())})
                 self.sent_calls.append(len(call.arguments))
             elif len(call.arguments) > self.sent_calls[i]:
                 piece = call.arguments[self.sent_calls[i] :]
@@ -245,6 +250,8 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
                 f'tool_choice "{choice}" needs tools', "tool_choice", code="invalid_tool_choice"
             )
         plan = ToolPlan(template_tools=request.tools or None)
+        if config.tool_call_parser is not None:
+            plan.call_id = tool_parser_class(config.tool_call_parser).new_call_id
         if choice == "auto":
             if not config.enable_auto_tool_choice:
                 raise VLLMValidationError(
@@ -253,6 +260,7 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
                     "tool_choice",
                 )
             plan.parser = get_tool_parser(config.tool_call_parser, functions)
+            plan.keep_special_tokens = plan.parser.keeps_special_tokens
         elif choice == "required":
             plan.parser, plan.guided = get_tool_parser("json"), True
             schema = _required_schema(functions, request.parallel_tool_calls is not False)
@@ -260,6 +268,8 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
     else:
         name = _named_choice(choice, functions)
         plan = ToolPlan(request.tools, get_tool_parser("json"), forced_name=name, guided=True)
+        if config.tool_call_parser is not None:
+            plan.call_id = tool_parser_class(config.tool_call_parser).new_call_id
         plan.structured_outputs = StructuredOutputsParams(json=_call_schema(name, functions[name]))
     if response_format is not None:
         if plan.structured_outputs is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
     hermes_tool_parser,
     json_tool_parser,
+    mistral_tool_parser,
     qwen3coder_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
@@ -17,6 +18,7 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ToolParser,
     get_tool_parser,
     register_tool_parser,
+    tool_parser_class,
     tool_parser_names,
 )
 
@@ -26,5 +28,6 @@ __all__ = [
     "ToolParser",
     "get_tool_parser",
     "register_tool_parser",
+    "tool_parser_class",
     "tool_parser_names",
 ]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object
 from vllm.utils.registry import ClassRegistry
@@ -17,6 +19,10 @@ _REGISTRY: ClassRegistry[type[ToolParser]] = ClassRegistry("tool parser", "tool_
 # Class decorator: the parser is offered to ``--tool-call-parser`` under the given names.
 register_tool_parser = _REGISTRY.register
 tool_parser_names = _REGISTRY.names
+
+
+def tool_parser_class(name: str) -> type[ToolParser]:
+    return _REGISTRY.get(name)
 
 
 def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None) -> ToolParser:
@@ -48,8 +54,18 @@ class ToolParser(ABC):
     whole output each time). Subclasses implement ``extract_tool_calls``; callers use
     ``extract``, which never raises."""
 
+    # The requests it reads keep special tokens in their text (its markers are special
+    # tokens, as Mistral's [TOOL_CALLS]).
+    keeps_special_tokens: ClassVar[bool] = False
+
     def __init__(self, functions: Mapping[str, dict] | None = None) -> None:
         self.functions: Mapping[str, dict] = functions or {}
+
+    @staticmethod
+    def new_call_id() -> str:
+        """The id of a call in a response (the model's chat template may constrain the
+        ids sent back to it: Mistral's take 9 alphanumeric characters)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def extract(self, text: str, final: bool) -> ExtractedToolCalls:
         """``extract_tool_calls``, except that a parser that fails (a bug, or output nested
