@@ -98,6 +98,15 @@ class ToolParser(ABC):
         are reported as far as they go. Both fields only grow as the text does."""
 
 
+def held_back(text: str, *tags: str) -> int:
+    """Length of the longest suffix of ``text`` that could begin one of ``tags`` (held
+    back from streamed content until the next characters tell)."""
+    for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
+        if any(tag.startswith(text[-n:]) for tag in tags):
+            return n
+    return 0
+
+
 def call_at(text: str, start: int) -> tuple[ParsedToolCall, int | None]:
     """The call object ``{"name": ..., "arguments"|"parameters": {...}}`` opening at
     ``text[start] == '{'``, and the end of the object (None while open). ``Malformed``

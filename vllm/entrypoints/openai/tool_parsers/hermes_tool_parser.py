@@ -7,20 +7,13 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedToolCall,
     ToolParser,
     call_at,
+    held_back,
     is_valid_call,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
-def _held_back(text: str) -> int:
-    """Length of the longest suffix of ``text`` that could begin ``<tool_call>``."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @register_tool_parser("hermes")
@@ -36,7 +29,7 @@ class HermesToolParser(ToolParser):
             j = text.find(OPEN, i)
             if j < 0:
                 tail = text[i:]
-                content.append(tail if final else tail[: len(tail) - _held_back(tail)])
+                content.append(tail if final else tail[: len(tail) - held_back(tail, OPEN)])
                 break
             content.append(text[i:j])
             close = text.find(CLOSE, j + len(OPEN))

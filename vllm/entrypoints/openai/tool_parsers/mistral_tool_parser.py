@@ -22,6 +22,7 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
+    held_back,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object, skip_ws
@@ -30,14 +31,6 @@ from vllm.entrypoints.openai.tool_parsers.json_tool_parser import JsonToolParser
 BOT, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARS = string.ascii_letters + string.digits
 _rng = random.SystemRandom()
-
-
-def _held_back(text: str) -> int:
-    """Length of the longest suffix of ``text`` that could begin ``[TOOL_CALLS]``."""
-    for n in range(min(len(BOT) - 1, len(text)), 0, -1):
-        if BOT.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @register_tool_parser("mistral")
@@ -51,7 +44,7 @@ class MistralToolParser(ToolParser):
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         start = text.find(BOT)
         if start < 0:
-            content = text if final else text[: len(text) - _held_back(text)]
+            content = text if final else text[: len(text) - held_back(text, BOT)]
             content = content.strip()
             return ExtractedToolCalls(content or (None if final else ""), [])
         content = text[:start].strip()

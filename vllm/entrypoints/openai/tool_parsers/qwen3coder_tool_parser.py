@@ -37,6 +37,7 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
+    held_back,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
@@ -45,14 +46,6 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FN_OPEN, FN_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 _STARTS = (TOOL_OPEN, FN_OPEN)
-
-
-def _held_back(text: str) -> int:
-    """Length of the longest suffix of ``text`` that could begin a call."""
-    for n in range(min(len(TOOL_OPEN) - 1, len(text)), 0, -1):
-        if any(tag.startswith(text[-n:]) for tag in _STARTS):
-            return n
-    return 0
 
 
 def _is_prefix_of_any(text: str, tags: tuple[str, ...]) -> bool:
@@ -77,7 +70,7 @@ class Qwen3CoderToolParser(ToolParser):
             starts = [j for j in (text.find(tag, i) for tag in _STARTS) if j >= 0]
             if not starts:
                 tail = text[i:]
-                content.append(tail if final else tail[: len(tail) - _held_back(tail)])
+                content.append(tail if final else tail[: len(tail) - held_back(tail, *_STARTS)])
                 break
             j = min(starts)
             content.append(text[i:j])
