@@ -7,6 +7,7 @@ import signal
 import socket
 import time
 
+import anthropic
 import openai
 import psutil
 import pytest
@@ -270,6 +271,23 @@ def test_invalid_json_long_prompt_and_api_key(server, client):
     bad = server.client(api_key="wrong")
     with pytest.raises(openai.AuthenticationError):
         chat(bad, max_tokens=2)
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(server):
+    messages = [{"role": "user", "content": "Hi"}]
+    good = anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0)
+    assert good.messages.create(model=MODEL, max_tokens=2, messages=messages).content
+    bad = anthropic.Anthropic(base_url=server.base, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model=MODEL, max_tokens=2, messages=messages)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    # The bearer form works on every route, x-api-key too.
+    r = requests.post(
+        server.base + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+        headers={"x-api-key": API_KEY},
+    )
+    assert r.status_code == 200
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client):

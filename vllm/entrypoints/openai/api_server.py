@@ -18,6 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm import __version__, envs
 from vllm.config import VllmConfig
+from vllm.entrypoints.anthropic.serving import (
+    AnthropicServingMessages,
+    add_messages_routes,
+    as_anthropic,
+    is_messages_path,
+)
 from vllm.entrypoints.launcher import ServerShuttingDownError, ServerState, serve_http
 from vllm.entrypoints.openai import openapi
 from vllm.entrypoints.openai.cli_args import FrontendArgs
@@ -145,6 +151,7 @@ class ServerMiddleware:
     ) -> None:
         self.app = app
         self.expected = f"Bearer {args.api_key}".encode() if args.api_key else None
+        self.key = args.api_key.encode() if args.api_key else None
         self.limit = args.max_request_body_size
         self.state = state
         self.instance = (INSTANCE_HEADER.encode(), instance.encode()) if instance else None
@@ -157,6 +164,8 @@ class ServerMiddleware:
             send = self._naming(send)
         refusal = self._refusal(dict(scope["headers"]))
         if refusal is not None:
+            if is_messages_path(scope["path"]):
+                refusal = as_anthropic(refusal)
             return await refusal(scope, receive, send)
         self.state.active += 1
         try:
@@ -174,7 +183,9 @@ class ServerMiddleware:
 
     def _refusal(self, headers: dict[bytes, bytes]) -> Response | None:
         if self.expected is not None:
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            # OpenAI clients send the key as a bearer token, Anthropic's as x-api-key.
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 return error_response(
                     401, "Invalid API key.", "AuthenticationError", code="invalid_api_key"
                 )
@@ -278,6 +289,7 @@ def build_app(
         return await tokenization.detokenize(request)
 
     add_responses_routes(app, OpenAIServingResponses(chat_serving), RECEIVED_KEY)
+    add_messages_routes(app, AnthropicServingMessages(chat_serving), RECEIVED_KEY)
     openapi.document_api(app, args)
     return app
 
@@ -326,20 +338,32 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error in the OpenAI shape ``{"error": {message, type, param, code}}``."""
+    """Every error in the OpenAI shape ``{"error": {message, type, param, code}}``; on
+    /v1/messages, in Anthropic's (``as_anthropic``)."""
 
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError):
+    def handler(kind: type[Exception]):
+        def register(build):
+            async def handle(request: Request, exc: Exception):
+                response = build(exc)
+                return as_anthropic(response) if is_messages_path(request.url.path) else response
+
+            app.add_exception_handler(kind, handle)
+            return build
+
+        return register
+
+    @handler(RequestValidationError)
+    def on_validation_error(exc: RequestValidationError):
         return validation_error_response(exc.errors())
 
-    @app.exception_handler(ValueError)
-    async def on_value_error(request: Request, exc: ValueError):
+    @handler(ValueError)
+    def on_value_error(exc: ValueError):
         # VLLMValidationError (a ValueError) from SamplingParams, the processor or the
         # serving layer; a bare ValueError is an engine-side rejection of the request.
         return bad_request(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException):
+    @handler(StarletteHTTPException)
+    def on_http_error(exc: StarletteHTTPException):
         # E.g. a body json.loads cannot parse (too deep for its recursion limit, an integer
         # with too many digits), a body over the limit, 404 and 405.
         err_type = _HTTP_ERROR_TYPES.get(exc.status_code)
@@ -347,21 +371,21 @@ def _add_error_handlers(app: FastAPI) -> None:
             err_type = HTTPStatus(exc.status_code).phrase.replace(" ", "") + "Error"
         return error_response(exc.status_code, str(exc.detail), err_type)
 
-    @app.exception_handler(GenerationError)
-    async def on_generation_error(request: Request, exc: GenerationError):
+    @handler(GenerationError)
+    def on_generation_error(exc: GenerationError):
         # The engine logged the traceback; this request alone failed.
         return error_response(exc.status, str(exc), exc.err_type)
 
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, exc: EngineDeadError):
+    @handler(EngineDeadError)
+    def on_engine_dead(exc: EngineDeadError):
         return error_response(500, f"Engine is dead: {exc}", "InternalServerError")
 
-    @app.exception_handler(ServerShuttingDownError)
-    async def on_shutting_down(request: Request, exc: ServerShuttingDownError):
+    @handler(ServerShuttingDownError)
+    def on_shutting_down(exc: ServerShuttingDownError):
         return error_response(exc.status, str(exc), exc.err_type)
 
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception):
+    @handler(Exception)
+    def on_unexpected(exc: Exception):
         # A bug: a JSON 500 (never starlette's plain text); starlette re-raises the
         # exception after this response, so uvicorn logs its traceback. Its message may
         # hold internals: the client gets the type only.

@@ -7,10 +7,11 @@ The schema fuzzer in tests/entrypoints/openai/test_openapi_fuzz.py holds the ser
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.protocol import MAX_CHAT_MESSAGES, ErrorResponse
@@ -163,6 +164,57 @@ EMBEDDING_RESPONSES: dict[int | str, dict[str, Any]] = {
         ["object", "data", "model", "usage"],
     ),
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 500, 503)},
+}
+
+
+class _AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error of /v1/messages, in Anthropic's shape."""
+
+    type: Literal["error"]
+    error: _AnthropicErrorDetail
+
+
+def _anthropic_error(description: str) -> dict[str, Any]:
+    return {"model": AnthropicErrorResponse, "description": description}
+
+
+_ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _anthropic_error("Invalid request (invalid_request_error); the message names the field."),
+    401: _anthropic_error(
+        "Missing or wrong API key (authentication_error): --api-key, sent "
+        "as x-api-key or Authorization: Bearer."
+    ),
+    404: _anthropic_error("The request's model is not served (not_found_error)."),
+    413: _anthropic_error("The body is larger than --max-request-body-size (request_too_large)."),
+    500: _anthropic_error("The engine failed while serving this request (api_error)."),
+    503: _anthropic_error("The server is shutting down (overloaded_error)."),
+}
+
+ANTHROPIC_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The message as JSON, or as Anthropic's server-sent events when stream "
+        "is true (message_start, content_block_start/delta/stop, message_delta, "
+        "message_stop; a failure after the first event is an error event).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    },
+    **_ANTHROPIC_ERRORS,
+}
+
+COUNT_TOKENS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "The prompt's token count (Anthropic's count_tokens).",
+        {"input_tokens": {"type": "integer"}},
+        ["input_tokens"],
+    ),
+    **_ANTHROPIC_ERRORS,
 }
 
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
@@ -21,6 +23,19 @@ from vllm.v1.engine.async_llm import RequestStream
 
 class OpenAIServingChat(OpenAIServing):
     tool_config = ToolCallingConfig()  # the server's tool flags (build_app sets them)
+
+    @functools.cached_property
+    def cache_block(self) -> int:
+        """The prompt's full blocks are written to the prefix cache (0: caching is off).
+        Read on first use: the app is built (and its schema served) before any engine."""
+        cache = self.engine.config.cache_config
+        return cache.block_size if cache.enable_prefix_caching else 0
+
+    def cache_writes(self, prompt: int, cached: int) -> int:
+        """The prompt tokens a request wrote to the prefix cache: those of its full KV
+        blocks (every full block of every prompt is kept) that it did not read from it."""
+        full = prompt // self.cache_block * self.cache_block if self.cache_block else 0
+        return max(full - cached, 0)
 
     async def _prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> str:
         if request.chat_template is not None and not self.args.trust_request_chat_template:

@@ -22,7 +22,6 @@ policy parses the output's tool call).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -76,13 +75,6 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
         self.store = store or ResponseStore()
-
-    @functools.cached_property
-    def cache_block(self) -> int:
-        """The prompt's full blocks are written to the prefix cache (0: caching is off).
-        Read on first use: the app is built (and its schema served) before any engine."""
-        cache = self.chat.engine.config.cache_config
-        return cache.block_size if cache.enable_prefix_caching else 0
 
     # -- create ---------------------------------------------------------------------------
     async def create_response(
@@ -192,15 +184,14 @@ class OpenAIServingResponses:
 
     def usage(self, prompt: int, output: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
         """OpenAI's Responses usage. ``cached``: prompt tokens served from the KV cache
-        (as chat's ``cached_tokens``); the cache writes are the prompt's other tokens in
-        full KV blocks (those the prefix cache keeps). ``reasoning``: the output's
+        (as chat's ``cached_tokens``); the cache writes: ``OpenAIServingChat.cache_writes``.
+        ``reasoning``: the output's
         reasoning tokens (with --reasoning-parser)."""
-        full = prompt // self.cache_block * self.cache_block if self.cache_block else 0
         return {
             "input_tokens": prompt,
             "input_tokens_details": {
                 "cached_tokens": cached,
-                "cache_write_tokens": max(full - cached, 0),
+                "cache_write_tokens": self.chat.cache_writes(prompt, cached),
             },
             "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": reasoning},

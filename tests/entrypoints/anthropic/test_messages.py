@@ -1,0 +1,606 @@
+"""/v1/messages (the Anthropic Messages API): block conversion, refusals, job identity and
+the event stream (no server), then end to end with the official anthropic client
+(``slow``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import anthropic
+import pytest
+import requests
+from anthropic.types import Message, RawMessageStreamEvent
+from pydantic import TypeAdapter, ValidationError
+
+from vllm.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_usage,
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    content_blocks,
+    stop_reason,
+    thinking_template_kwargs,
+    to_chat,
+)
+from vllm.entrypoints.anthropic.serving import (
+    _BlockEvents,
+    _merge_system,
+    as_anthropic,
+    claude_code_session,
+)
+from vllm.entrypoints.openai.api_server import error_response
+from vllm.exceptions import VLLMValidationError
+
+from ...utils import RemoteServer
+from ..openai.test_tool_calling_e2e import MODEL, TEMPLATE
+
+EVENT = TypeAdapter(RawMessageStreamEvent)
+
+
+def request(**kw) -> MessagesRequest:
+    body = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
+    return MessagesRequest.model_validate({**body, **kw})
+
+
+def param_of(exc: pytest.ExceptionInfo) -> str | None:
+    err = exc.value
+    if isinstance(err, ValidationError):  # raised in a model validator
+        err = err.errors()[0]["ctx"]["error"]
+    return err.param
+
+
+# -- blocks -> chat messages --------------------------------------------------------------
+def test_a_tool_loop_becomes_chat_messages():
+    conv = to_chat(
+        request(
+            system=[
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=ab12"},
+                {
+                    "type": "text",
+                    "text": "You are an agent.",
+                    "cache_control": {"type": "ephemeral"},
+                },
+            ],
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "List files."}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "Use ls.", "signature": "sig"},
+                        {"type": "text", "text": "Running ls."},
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_1",
+                            "name": "bash",
+                            "input": {"cmd": "ls"},
+                        },
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [{"type": "text", "text": "a.py"}],
+                            "cache_control": {"type": "ephemeral", "ttl": "1h"},
+                        },
+                        {"type": "text", "text": "Now read it."},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t2", "name": "cat", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t2",
+                            "content": "no",
+                            "is_error": True,
+                        }
+                    ],
+                },
+            ],
+        )
+    )
+    # The billing header (a per-request hash) is dropped: the prompt's head stays cacheable.
+    assert conv.messages == [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "List files."},
+        {
+            "role": "assistant",
+            "content": "Running ls.",
+            "reasoning": "Use ls.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": '{"cmd": "ls"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py"},
+        {"role": "user", "content": "Now read it."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "t2", "type": "function", "function": {"name": "cat", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "t2", "content": "no", "is_error": True},
+    ]
+    assert conv.cache_ttls == [300.0, 3600.0]  # 5 minutes unless given
+
+
+def test_the_requests_own_cache_control_and_the_tools_are_breakpoints():
+    tool = {"name": "f", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}
+    conv = to_chat(request(tools=[tool], cache_control={"type": "ephemeral", "ttl": "1h"}))
+    assert conv.cache_ttls == [300.0, 3600.0]
+
+
+def test_inline_system_messages_are_kept_or_merged():
+    conv = to_chat(
+        request(
+            system="S",
+            messages=[
+                {"role": "user", "content": "a"},
+                {"role": "system", "content": [{"type": "text", "text": "reminder"}]},
+                {"role": "user", "content": "b"},
+            ],
+        )
+    )
+    assert [m["role"] for m in conv.messages] == ["system", "user", "system", "user"]
+    assert _merge_system(conv.messages) == [
+        {"role": "system", "content": "S\n\nreminder"},
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}],
+        [{"role": "user", "content": [{"type": "document", "source": {}}]}],
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "w"}]},
+        ],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "first"},
+                    {"type": "tool_result", "tool_use_id": "t", "content": "late"},
+                ],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "x", "cache_control": {"type": "x"}}],
+            }
+        ],
+        [{"role": "user", "content": "x", "name": "bob"}],
+        [{"role": "tool", "content": "x"}],
+        [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t", "name": "f", "input": 3}],
+            }
+        ],
+    ],
+)
+def test_blocks_this_server_cannot_take_are_400s_naming_messages(messages):
+    with pytest.raises(VLLMValidationError) as e:
+        to_chat(request(messages=messages))
+    assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("container", "cntr_1", "container"),
+        ("mcp_servers", [{"type": "url", "url": "http://x"}], "mcp_servers"),
+        ("speed", "fast", "speed"),
+        ("diagnostics", {"previous_message_id": None}, "diagnostics"),
+        (
+            "context_management",
+            {"edits": [{"type": "clear_tool_uses_20250919"}]},
+            "context_management",
+        ),
+        ("thinking", {"type": "enabled", "budget_tokens": 512}, "thinking.budget_tokens"),
+        ("thinking", {"type": "enabled", "budget_tokens": 2048}, "thinking.budget_tokens"),
+        ("thinking", {"type": "sometimes"}, "thinking"),
+        ("thinking", {"type": "disabled", "display": "omitted"}, "thinking"),
+    ],
+)
+def test_unimplemented_or_bad_fields_are_refused_by_name(field, value, param):
+    with pytest.raises((VLLMValidationError, ValidationError)) as e:
+        request(**{field: value})  # max_tokens 16: no budget fits
+    assert param_of(e) == param
+
+
+def test_what_claude_code_sends_by_default_passes():
+    r = request(
+        service_tier="auto",
+        speed="standard",
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        user_profile_id="u",
+        thinking={"type": "adaptive", "display": "summarized"},
+        metadata={"user_id": "x"},
+        some_new_field=1,  # unknown: ignored (logged), as chat
+    )
+    assert r.thinking == {"type": "adaptive", "display": "summarized"}
+    assert CountTokensRequest.model_validate({"model": MODEL, "messages": r.messages})
+
+
+def test_tools_and_choices_become_chats():
+    tools = [
+        {
+            "name": "bash",
+            "description": "Run",
+            "input_schema": {"properties": {"cmd": {"type": "string"}}},
+            "eager_input_streaming": True,
+            "cache_control": {"type": "ephemeral"},
+        }
+    ]
+    assert chat_tools(tools) == [
+        {
+            "type": "function",
+            "function": {
+                "name": "bash",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+                "description": "Run",
+            },
+        }
+    ]
+    for bad in (
+        [{"type": "web_search_20250305", "name": "web_search"}],
+        [{"type": "bash_20250124", "name": "bash"}],
+        [{"name": "f", "input_schema": {}, "input_examples": [{"a": 1}]}],
+        [{"name": "f", "input_schema": {}, "defer_loading": True}],
+        [{"name": "f"}],
+    ):
+        with pytest.raises(VLLMValidationError) as e:
+            chat_tools(bad)
+        assert e.value.param == "tools"
+    assert chat_tool_choice({"type": "any"}) == ("required", None)
+    assert chat_tool_choice({"type": "auto", "disable_parallel_tool_use": True}) == ("auto", False)
+    assert chat_tool_choice({"type": "tool", "name": "bash"}) == (
+        {"type": "function", "function": {"name": "bash"}},
+        None,
+    )
+    for bad in ({"type": "tool"}, {"type": "some"}, {"type": "auto", "name": "x"}):
+        with pytest.raises(VLLMValidationError) as e:
+            chat_tool_choice(bad)
+        assert e.value.param == "tool_choice"
+
+
+def test_output_format_and_thinking_switch():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert chat_response_format({"format": {"type": "json_schema", "schema": schema}}) == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }
+    for bad in ({"effort": "high"}, {"format": {"type": "json_schema"}}, {"verbosity": 1}):
+        with pytest.raises(VLLMValidationError):
+            chat_response_format(bad)
+    assert thinking_template_kwargs({"type": "disabled"}, None) == {"enable_thinking": False}
+    assert thinking_template_kwargs({"type": "adaptive"}, {"x": 1}) == {
+        "x": 1,
+        "enable_thinking": True,
+    }
+    # The request's own switch wins.
+    kept = {"enable_thinking": True}
+    assert thinking_template_kwargs({"type": "disabled"}, kept) is kept
+    assert thinking_template_kwargs(None, None) is None
+
+
+# -- chat output -> blocks ----------------------------------------------------------------
+def test_a_chat_message_becomes_content_blocks():
+    message = {
+        "role": "assistant",
+        "reasoning": "think",
+        "content": "text",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"a": '}},
+        ],
+    }
+    blocks = content_blocks(message)
+    assert blocks == [
+        {"type": "thinking", "thinking": "think", "signature": ""},
+        {"type": "text", "text": "text"},
+        {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}},
+        {"type": "text", "text": '{"a": '},  # not runnable: kept as text, not dropped
+    ]
+    body = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": MODEL,
+        "content": blocks,
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": anthropic_usage(40, 5, 16, 16),
+    }
+    assert Message.model_validate(body).usage.input_tokens == 8
+
+
+def test_stop_reasons():
+    assert stop_reason("length", None, True) == ("max_tokens", None)
+    assert stop_reason("stop", None, True) == ("tool_use", None)
+    assert stop_reason("stop", "END", False) == ("stop_sequence", "END")
+    assert stop_reason("stop", 2, False) == ("end_turn", None)  # a stop token id
+    assert stop_reason("stop", None, False) == ("end_turn", None)
+
+
+def test_block_events_follow_anthropics_types():
+    blocks = _BlockEvents()
+    events = []
+    for delta in (
+        {"reasoning": "Let me"},
+        {"reasoning": " see."},
+        {"content": "Calling."},
+        {"tool_calls": [{"index": 0, "id": "c0", "function": {"name": "f", "arguments": '{"a"'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+        {"tool_calls": [{"index": 1, "id": "c1", "function": {"name": "g", "arguments": ""}}]},
+        {},
+    ):
+        events += blocks.delta(delta)
+    events += blocks.close()
+    parsed = []
+    for e in events:
+        kind, data = e.split("\n")[:2]
+        payload = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {payload['type']}"
+        parsed.append(EVENT.validate_python(payload))
+    kinds = [(p.type, getattr(p, "index", None)) for p in parsed]
+    assert kinds == [
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_stop", 1),
+        ("content_block_start", 2),
+        ("content_block_delta", 2),
+        ("content_block_delta", 2),
+        ("content_block_stop", 2),
+        ("content_block_start", 3),
+        ("content_block_stop", 3),
+    ]
+    assert blocks.called
+    args = "".join(
+        p.delta.partial_json for p in parsed if p.type == "content_block_delta" and p.index == 2
+    )
+    assert json.loads(args) == {"a": 1}
+
+
+def test_claude_code_sessions():
+    sid = "54c1eb09-bc4c-4d2f-98eb-6d2ab2d5e2fe"
+    json_form = {"user_id": json.dumps({"device_id": "d", "account_uuid": "", "session_id": sid})}
+    legacy = {"user_id": f"user_{'ab' * 32}_account__session_{sid}"}
+    assert claude_code_session({}, json_form) == sid
+    assert claude_code_session({}, legacy) == sid
+    assert claude_code_session({"x-claude-code-session-id": "h"}, legacy) == "h"
+    for metadata in (None, {}, {"user_id": "alice"}, {"user_id": "{not json"}, {"user_id": 3}):
+        assert claude_code_session({}, metadata) is None
+
+
+def test_errors_are_reshaped():
+    shaped = as_anthropic(error_response(404, "The model `x` does not exist.", "NotFoundError"))
+    assert shaped.status_code == 404
+    assert json.loads(shaped.body) == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "The model `x` does not exist."},
+    }
+    assert json.loads(as_anthropic(error_response(500, "boom", "X")).body)["error"]["type"] == (
+        "api_error"
+    )
+
+
+# -- end to end ---------------------------------------------------------------------------
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    },
+}
+SYSTEM = "You are a weather assistant. Call get_weather to learn the weather of a city."
+GREEDY = {"temperature": 0}
+# Guided to one call: left to itself, the 135M model repeats calls until max_tokens.
+ONE_CALL = {
+    "type": "any",
+    "disable_parallel_tool_use": True,
+}  # the 2.x anthropic client has no temperature argument
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    out = tmp_path_factory.mktemp("messages")
+    srv = RemoteServer(
+        "--scheduling-policy",
+        "continuum",
+        "--continuum-default-ttl",
+        "5",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--chat-template",
+        TEMPLATE,
+        log_path=str(out / "server.log"),
+        env={**os.environ, "RUN_OUTPUT_DIR": str(out)},
+    )
+    srv.out_dir = out
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.base, api_key="unused", max_retries=0)
+
+
+def ask(client, text="What is the capital of France?", **kw):
+    kw = {"max_tokens": 24, "extra_body": GREEDY, **kw}
+    return client.messages.create(model=MODEL, messages=[{"role": "user", "content": text}], **kw)
+
+
+def call_weather(client, city="Paris", **kw):
+    messages = kw.pop("messages", [{"role": "user", "content": f"What is the weather in {city}?"}])
+    return client.messages.create(
+        model=MODEL,
+        system=SYSTEM,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice=kw.pop("tool_choice", ONE_CALL),
+        max_tokens=kw.pop("max_tokens", 40),
+        extra_body=GREEDY,
+        **kw,
+    )
+
+
+@pytest.mark.slow
+def test_a_text_answer_is_anthropics_message(server, client):
+    msg = ask(client)
+    assert msg.id.startswith("msg_") and msg.type == "message" and msg.role == "assistant"
+    assert msg.model == MODEL and msg.stop_reason == "end_turn" and msg.stop_sequence is None
+    (block,) = msg.content
+    assert block.type == "text" and block.text
+    u = msg.usage
+    assert 0 < u.output_tokens <= 24
+    prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+    assert (
+        client.messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}]
+        ).input_tokens
+        == prompt
+    )
+    # The second time, the prompt's full blocks are read from the cache.
+    again = ask(client).usage
+    assert (
+        again.cache_read_input_tokens == prompt // 16 * 16
+        and again.cache_creation_input_tokens == 0
+    )
+
+
+@pytest.mark.slow
+def test_max_tokens_and_stop_sequences(client):
+    assert (
+        ask(client, "Write a long story about a dragon.", max_tokens=8).stop_reason == "max_tokens"
+    )
+    text = ask(client).content[0].text
+    word = text.split()[2]
+    cut = ask(client, stop_sequences=[word])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == word
+    assert word not in cut.content[0].text
+
+
+@pytest.mark.slow
+def test_the_stream_assembles_the_non_streamed_message(client):
+    want = ask(client)
+    with client.messages.stream(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        extra_body=GREEDY,
+    ) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.content[0].text == want.content[0].text
+    assert (
+        final.stop_reason == want.stop_reason
+        and final.usage.output_tokens == want.usage.output_tokens
+    )
+
+
+@pytest.mark.slow
+def test_any_tool_choice_gives_tool_use_blocks_streamed_alike(client):
+    msg = call_weather(client)
+    assert msg.stop_reason == "tool_use"
+    calls = [(b.name, b.input) for b in msg.content if b.type == "tool_use"]
+    assert calls and all(name == "get_weather" and set(args) == {"city"} for name, args in calls)
+    with client.messages.stream(
+        model=MODEL,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice=ONE_CALL,
+        max_tokens=40,
+        extra_body=GREEDY,
+    ) as stream:
+        final = stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == calls
+    assert final.stop_reason == "tool_use"
+
+
+@pytest.mark.slow
+def test_a_claude_code_session_is_one_job_pinned_between_turns(server, client):
+    sid = "5f1d8a52-0c55-4a64-9a5e-0a7c2c0d3c11"
+    metadata = {"user_id": json.dumps({"device_id": "d", "account_uuid": "", "session_id": sid})}
+    before = server.metrics()
+    question = {"role": "user", "content": "What is the weather in Oslo?"}
+    first = call_weather(client, messages=[question], metadata=metadata)
+    call = next(b for b in first.content if b.type == "tool_use")
+    second = call_weather(
+        client,
+        messages=[
+            question,
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in first.content],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Rain"}],
+            },
+        ],
+        metadata=metadata,
+        tool_choice={"type": "none"},
+        max_tokens=12,
+    )
+    after = server.metrics()
+    assert after["vllm:pin_hits_total"] - before["vllm:pin_hits_total"] == 1
+    assert second.usage.cache_read_input_tokens > first.usage.input_tokens // 2
+    log = (server.out_dir / "server.log").read_text()
+    # The job: the session and a digest of the system prompt. Turn 1 called a tool and was
+    # pinned; turn 2 answered in text and ended the job (no pin decision logged).
+    job = f"{sid}/"
+    assert log.count(f"job '{job}") and "func_call=get_weather -> pin" in log
+    assert f"messages request {second.id}: job_id='{job}" in log
+
+
+@pytest.mark.slow
+def test_errors_are_anthropics(server, client):
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(
+            model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "x"}]
+        )
+    assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ask(client, max_tokens=0)
+    assert e.value.body["type"] == "error" and "max_tokens" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="container"):
+        ask(client, container="cntr_1")
+    r = requests.post(
+        server.base + "/v1/messages", data="{not json", headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # The prompt is over the context: a 400, and the server goes on.
+    with pytest.raises(anthropic.BadRequestError, match="maximum context length"):
+        ask(client, "word " * 9000)
+    assert ask(client, max_tokens=2).stop_reason == "max_tokens"

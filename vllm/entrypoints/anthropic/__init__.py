@@ -1,0 +1,1 @@
+"""The Anthropic Messages API (``/v1/messages``) on the chat machinery."""

@@ -1,0 +1,570 @@
+"""The Anthropic Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``): the
+request model, the fields refused, and the conversion of a Messages request into a chat
+request (the endpoint runs on the chat machinery: ``serving.py``).
+
+What a Messages request becomes:
+
+- ``system`` (a string or text blocks) is the leading system message. Claude Code's
+  ``x-anthropic-billing-header`` block is dropped: it holds a hash that changes with
+  every request, and kept first in the prompt it would miss the prefix cache every turn.
+- A ``user`` message's ``tool_result`` blocks (first in the message, as Anthropic
+  requires) become ``tool`` messages, in order; its text blocks one user message after
+  them.
+- An ``assistant`` message's text blocks are its content, its ``thinking`` blocks its
+  ``reasoning`` (vLLM's field: templates that keep reasoning read it), its ``tool_use``
+  blocks its ``tool_calls``.
+- ``cache_control`` (``{"type": "ephemeral", "ttl": "5m" | "1h"}``) on any block or tool
+  is a prompt-cache breakpoint: its ttl (5 minutes unless given) is a floor on the turn's
+  KV pin, as OpenAI's ``prompt_cache_options.ttl`` (``vllm_continuum.cache_hints``).
+- ``tools`` are function tools (``input_schema`` the parameters); ``tool_choice``
+  ``auto`` / ``any`` / ``tool`` / ``none`` is chat's ``auto`` / ``required`` / named /
+  ``none``; ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
+- ``thinking``: ``disabled`` sets the template's ``enable_thinking`` false (Qwen3's
+  switch, which the qwen3 reasoning parser follows); ``enabled`` / ``adaptive`` leave
+  the model thinking (``budget_tokens`` is the request's thinking budget).
+- ``output_config.format`` (a JSON schema) is chat's ``response_format``.
+
+Images, documents, server tools (web search, code execution, ...), MCP servers and
+containers are refused with a 400 naming the field: the models served are text-only and
+no server tool runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+
+from vllm.entrypoints.openai.protocol import (
+    MAX_CHAT_MESSAGES,
+    MAX_LOGGED_FIELDS,
+    _check_nesting,
+    _is_off,
+    loggable,
+    parse_cache_ttl,
+)
+from vllm.exceptions import VLLMValidationError
+
+logger = logging.getLogger("vllm.entrypoints.anthropic.protocol")
+
+BILLING_HEADER = "x-anthropic-billing-header"
+DEFAULT_CACHE_TTL = "5m"  # Anthropic's ephemeral cache lifetime
+CACHE_TTLS = ("5m", "1h")
+MAX_STOP_SEQUENCES = 64
+
+
+def _context_management_off(value: Any) -> bool:
+    """Claude Code sends ``{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}``
+    with every request: keeping all thinking asks for nothing. Any other edit would be
+    silently not done."""
+    if _is_off(value):
+        return True
+    edits = value.get("edits") if isinstance(value, dict) and set(value) == {"edits"} else None
+    return isinstance(edits, list) and all(
+        isinstance(e, dict) and e == {"type": "clear_thinking_20251015", "keep": "all"}
+        for e in edits
+    )
+
+
+# Messages parameters this server does not implement, and the values that ask for nothing
+# (clients sending defaults still work). Anything else is a 400 naming the field.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "service_tier": lambda v: v in (None, "auto", "standard_only"),
+    "container": _is_off,
+    "mcp_servers": _is_off,
+    "context_management": _context_management_off,
+    "inference_geo": _is_off,
+    "speed": lambda v: v in (None, "standard"),
+    "diagnostics": _is_off,
+}
+# Tool keys with nothing to do here at these values (a tool is called directly by the
+# model, its schema always loaded; the input streams as it is written anyway).
+TOOL_KEYS_HARMLESS: dict[str, Callable[[Any], bool]] = {
+    "eager_input_streaming": lambda v: True,
+    "allowed_callers": lambda v: v is None or v == ["direct"],
+    "defer_loading": lambda v: v in (None, False),
+    "input_examples": _is_off,
+}
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+
+
+class MessagesRequest(BaseModel):
+    """``POST /v1/messages``. ``job_id`` / ``is_last_step`` / ``priority`` /
+    ``chat_template_kwargs`` / ``cache_salt`` / ``vllm_xargs`` are this server's extras
+    (the anthropic client's ``extra_body``); without a job, the job is the router's
+    identity or the Claude Code session's (``serving.py``)."""
+
+    FIELD_NAMES: ClassVar[dict[str, str]] = {  # chat request field -> this request's
+        "max_completion_tokens": "max_tokens",
+        "stop": "stop_sequences",
+        "response_format": "output_config.format",
+        "prompt": "messages",
+    }
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: StrictStr
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+    stop_sequences: list[StrictStr] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    # A breakpoint on the last cacheable block: here, on the prompt as a whole.
+    cache_control: dict[str, Any] | None = None
+    # Attribution for Anthropic's billing; one server is one workspace: nothing to do.
+    user_profile_id: StrictStr | None = None
+    workspace_id: StrictStr | None = None
+    # This server's extras.
+    job_id: StrictStr | None = None
+    is_last_step: StrictBool | None = None
+    priority: int = 0
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: StrictStr | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bound(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_nesting(data)
+            messages = data.get("messages")
+            if isinstance(messages, list) and len(messages) > MAX_CHAT_MESSAGES:
+                raise VLLMValidationError(
+                    f"messages must hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}",
+                    "messages",
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> MessagesRequest:
+        refuse_unsupported(self.model_extra or {}, "Messages")
+        thinking_budget(self.thinking, self.max_tokens)
+        return self
+
+
+class CountTokensRequest(BaseModel):
+    """``POST /v1/messages/count_tokens``: what a Messages request would send, less its
+    sampling; the answer is the prompt's token count."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: StrictStr
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bound(cls, data: Any) -> Any:
+        return MessagesRequest._bound(data)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> CountTokensRequest:
+        refuse_unsupported(self.model_extra or {}, "count_tokens")
+        thinking_budget(self.thinking, None)
+        return self
+
+
+def refuse_unsupported(extra: dict[str, Any], kind: str) -> None:
+    for name, harmless in UNSUPPORTED.items():
+        if name in extra and not harmless(extra[name]):
+            raise VLLMValidationError(
+                f"{name}={loggable(extra[name])} is not supported by this server", name
+            )
+    unknown = [k for k in extra if k not in UNSUPPORTED]
+    if unknown:  # as chat (and vLLM): ignored, and the log says so
+        shown = ", ".join(loggable(k, 40) for k in unknown[:MAX_LOGGED_FIELDS])
+        logger.warning("%s request fields ignored (not recognised): %s", kind, shown)
+
+
+def thinking_budget(thinking: dict[str, Any] | None, max_tokens: int | None) -> int | None:
+    """The request's thinking budget in tokens (``thinking.budget_tokens`` when enabled),
+    None when it sets none; ``VLLMValidationError`` naming ``thinking`` if malformed."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    keys = {"type"} | ({"display"} if kind in ("enabled", "adaptive") else set())
+    keys |= {"budget_tokens"} if kind == "enabled" else set()
+    if (
+        kind not in THINKING_TYPES
+        or set(thinking) - keys
+        or thinking.get("display") not in (None, "summarized", "omitted")
+    ):
+        raise VLLMValidationError(
+            'thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "disabled"}, '
+            '{"type": "adaptive"} or {"type": "between_tools"} (enabled and adaptive may set '
+            f'display "summarized" or "omitted"), got {loggable(thinking)}',
+            "thinking",
+        )
+    if kind != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+        raise VLLMValidationError(
+            f"thinking.budget_tokens must be an integer >= 1024, got {loggable(budget)}",
+            "thinking.budget_tokens",
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise VLLMValidationError(
+            f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+            "thinking.budget_tokens",
+        )
+    return budget
+
+
+# -- request -> chat ----------------------------------------------------------------------
+class ChatConversion:
+    """A Messages request's chat messages, tools and choices, and the ttls of its
+    ``cache_control`` breakpoints (seconds, in order of appearance)."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.cache_ttls: list[float] = []
+
+    def mark(self, block: dict[str, Any], where: str = "") -> None:
+        """Record ``block``'s ``cache_control`` breakpoint, if any (``where``: the
+        block's path, empty for the request's own)."""
+        control = block.get("cache_control")
+        if control is None:
+            return
+        name = f"{where}.cache_control" if where else "cache_control"
+        if (
+            not isinstance(control, dict)
+            or control.get("type") != "ephemeral"
+            or set(control) - {"type", "ttl"}
+            or control.get("ttl", DEFAULT_CACHE_TTL) not in CACHE_TTLS
+        ):
+            raise VLLMValidationError(
+                f'{name} must be {{"type": "ephemeral"}} with an optional ttl of '
+                f"{' or '.join(map(repr, CACHE_TTLS))}, got {loggable(control)}",
+                name.split(".")[0],
+            )
+        self.cache_ttls.append(parse_cache_ttl(control.get("ttl", DEFAULT_CACHE_TTL), name))
+
+
+def to_chat(request: MessagesRequest | CountTokensRequest) -> ChatConversion:
+    """The chat messages of ``request`` (system first) and its breakpoints;
+    ``VLLMValidationError`` naming ``system`` / ``messages`` / ``tools`` for a block this
+    server cannot take."""
+    conv = ChatConversion()
+    system = _system_text(request.system, conv)
+    if system:
+        conv.messages.append({"role": "system", "content": system})
+    for i, message in enumerate(request.messages):
+        _convert_message(message, f"messages.{i}", conv)
+    for i, tool in enumerate(request.tools or []):
+        conv.mark(tool, f"tools.{i}")
+    conv.mark({"cache_control": getattr(request, "cache_control", None)})
+    return conv
+
+
+def _system_text(system: str | list[dict[str, Any]] | None, conv: ChatConversion) -> str:
+    if system is None or isinstance(system, str):
+        return "" if system is None or system.startswith(BILLING_HEADER) else system
+    texts = []
+    for i, block in enumerate(system):
+        text = _text_of(block, f"system.{i}", "system")
+        conv.mark(block, f"system.{i}")
+        if not text.startswith(BILLING_HEADER):
+            texts.append(text)
+    return "\n\n".join(t for t in texts if t)
+
+
+def _text_of(block: Any, where: str, param: str) -> str:
+    if (
+        not isinstance(block, dict)
+        or block.get("type") != "text"
+        or not isinstance(block.get("text"), str)
+    ):
+        raise VLLMValidationError(
+            f"{where} must be a text block {{'type': 'text', 'text': <string>}}, got "
+            f"{loggable(block)}",
+            param,
+        )
+    return block["text"]
+
+
+def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in ("user", "assistant", "system") or set(message) - {"role", "content"}:
+        raise VLLMValidationError(
+            f"{where} must be {{'role': 'user' | 'assistant', 'content': ...}}, got "
+            f"{loggable(message)}",
+            "messages",
+        )
+    content = message.get("content")
+    if isinstance(content, str):
+        conv.messages.append({"role": role, "content": content})
+        return
+    if not isinstance(content, list):
+        raise VLLMValidationError(
+            f"{where}.content must be a string or a list of content blocks", "messages"
+        )
+    if role == "system":  # an inline system message (Claude Code's reminders): text only
+        texts = [_text_of(b, f"{where}.content.{j}", "messages") for j, b in enumerate(content)]
+        for j, block in enumerate(content):
+            conv.mark(block, f"{where}.content.{j}")
+        conv.messages.append({"role": "system", "content": "".join(texts)})
+        return
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        allowed = _BLOCKS[role]
+        if kind not in allowed:
+            raise VLLMValidationError(
+                f"{at}: a {role} message may hold {', '.join(allowed)} blocks; got "
+                f"{loggable(kind)}"
+                + (" (the models served are text-only)" if kind in ("image", "document") else ""),
+                "messages",
+            )
+        conv.mark(block, at)
+        if kind == "text":
+            texts.append(_text_of(block, at, "messages"))
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise VLLMValidationError(f"{at}.thinking must be a string", "messages")
+            thinking.append(block["thinking"])
+        elif kind == "tool_use":
+            calls.append(_tool_call(block, at))
+        elif kind == "tool_result":
+            if texts:  # as Anthropic: the results answer the calls right before them
+                raise VLLMValidationError(
+                    f"{at}: tool_result blocks must come before any text in a message",
+                    "messages",
+                )
+            conv.messages.append(_tool_message(block, at, conv))
+        # redacted_thinking: opaque (Anthropic's encrypted reasoning): nothing to show
+    if role == "user":
+        if texts or not content:
+            conv.messages.append({"role": "user", "content": "".join(texts)})
+        return
+    out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if thinking:
+        out["reasoning"] = "".join(thinking)
+    if calls:
+        out["tool_calls"] = calls
+    if out["content"] is None and not calls:
+        out["content"] = ""
+    conv.messages.append(out)
+
+
+_BLOCKS = {
+    "user": ("text", "tool_result"),
+    "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
+}
+
+
+def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
+    if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, dict):
+        raise VLLMValidationError(
+            f"{where}: a tool_use block needs a string id and name and an object input",
+            "messages",
+        )
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+    }
+
+
+def _tool_message(block: dict[str, Any], where: str, conv: ChatConversion) -> dict[str, Any]:
+    call_id, content = block.get("tool_use_id"), block.get("content", "")
+    if not isinstance(call_id, str):
+        raise VLLMValidationError(f"{where}.tool_use_id must be a string", "messages")
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            parts.append(_text_of(part, f"{where}.content.{k}", "messages"))
+            conv.mark(part, f"{where}.content.{k}")
+        content = "\n".join(parts)
+    elif not isinstance(content, str):
+        raise VLLMValidationError(
+            f"{where}.content must be a string or a list of text blocks", "messages"
+        )
+    message = {"role": "tool", "tool_call_id": call_id, "content": content}
+    if block.get("is_error") is True:  # for templates that render it
+        message["is_error"] = True
+    return message
+
+
+TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict")
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Custom tools as chat function tools; a server or Anthropic-defined tool (``type``
+    other than ``custom``: web search, bash, text editor, ...) is a 400 naming ``tools``."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type", "custom")
+        if kind != "custom":
+            raise VLLMValidationError(
+                f"tools.{i}: only custom tools (name, description, input_schema) are "
+                f"supported, got type {loggable(kind)}",
+                "tools",
+            )
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not isinstance(schema, dict):
+            raise VLLMValidationError(
+                f"tools.{i} needs a string name and an object input_schema", "tools"
+            )
+        for key, value in tool.items():
+            harmless = TOOL_KEYS_HARMLESS.get(key)
+            if key not in TOOL_KEYS and (harmless is None or not harmless(value)):
+                raise VLLMValidationError(
+                    f"tools.{i}.{key}={loggable(value)} is not supported by this server", "tools"
+                )
+        fn: dict[str, Any] = {"name": name, "parameters": {"type": "object", **schema}}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        if tool.get("strict") is True:
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
+    """``tool_choice`` as chat's ``tool_choice`` and ``parallel_tool_calls``."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    keys = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
+    if kind not in ("auto", "any", "tool", "none") or set(choice) - keys:
+        raise VLLMValidationError(
+            'tool_choice must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": '
+            f"...}}, optionally with disable_parallel_tool_use; got {loggable(choice)}",
+            "tool_choice",
+        )
+    parallel = (
+        None
+        if "disable_parallel_tool_use" not in choice
+        else not choice["disable_parallel_tool_use"]
+    )
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise VLLMValidationError("tool_choice.name must be a string", "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    return {"any": "required"}.get(kind, kind), parallel
+
+
+def chat_response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``output_config.format`` (``{"type": "json_schema", "schema": {...}}``) as chat's
+    ``response_format``; ``effort`` is refused (no effort can be set for the models
+    served)."""
+    if output_config is None:
+        return None
+    if set(output_config) - {"format", "effort"} or output_config.get("effort") is not None:
+        raise VLLMValidationError(
+            "output_config supports only format (effort is not supported by this server)",
+            "output_config",
+        )
+    fmt = output_config.get("format")
+    if fmt is None:
+        return None
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+        or set(fmt) - {"type", "schema"}
+    ):
+        raise VLLMValidationError(
+            'output_config.format must be {"type": "json_schema", "schema": {...}}, got '
+            f"{loggable(fmt)}",
+            "output_config.format",
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def thinking_template_kwargs(
+    thinking: dict[str, Any] | None, kwargs: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The request's ``chat_template_kwargs`` with ``enable_thinking`` set by ``thinking``
+    (unless the request sets it itself)."""
+    if thinking is None or (kwargs and "enable_thinking" in kwargs):
+        return kwargs
+    return {**(kwargs or {}), "enable_thinking": thinking["type"] != "disabled"}
+
+
+# -- chat output -> content blocks --------------------------------------------------------
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat ``message`` (``ToolPlan.message``) as content blocks: its reasoning as a
+    ``thinking`` block, its text as a ``text`` block (each none when empty), then one
+    ``tool_use`` block per call (a call whose arguments are not a JSON object is kept
+    as text: the client could not run it)."""
+    blocks: list[dict[str, Any]] = []
+    if message.get("reasoning"):
+        blocks.append(thinking_block(message["reasoning"]))
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or []:
+        fn = call["function"]
+        args = tool_input(fn["arguments"])
+        if args is None:
+            blocks.append({"type": "text", "text": fn["arguments"]})
+        else:
+            blocks.append({"type": "tool_use", "id": call["id"], "name": fn["name"], "input": args})
+    return blocks
+
+
+def thinking_block(text: str) -> dict[str, Any]:
+    # The signature is Anthropic's check that a thinking block came from its API; this
+    # server checks none (clients send it back; it is ignored), so it is empty.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def tool_input(arguments: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def stop_reason(
+    finish_reason: str | None, matched: int | str | None, called: bool
+) -> tuple[StopReason | None, str | None]:
+    """The engine's finish (``finish_reason``, ``matched``: the stop string it matched,
+    if any) as Anthropic's ``stop_reason`` and ``stop_sequence``."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    if finish_reason is None:
+        return None, None
+    return "end_turn", None
+
+
+def anthropic_usage(prompt: int, output: int, cached: int, written: int) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens neither read from the
+    cache (``cached``) nor written to it (``written``)."""
+    return {
+        "input_tokens": prompt - cached - written,
+        "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output,
+    }

@@ -1,0 +1,469 @@
+"""POST /v1/messages (the Anthropic Messages API) and /v1/messages/count_tokens, on the
+chat machinery: the request becomes a ``ChatCompletionRequest`` (``protocol.to_chat``),
+runs through ``OpenAIServingChat.start_generation`` (same template, tool parsing, guided
+decoding, reasoning parser and engine path as /v1/chat/completions), and its chat message
+is converted back into content blocks. Claude Code, the Claude Agent SDK and the official
+``anthropic`` client talk to it with ``ANTHROPIC_BASE_URL`` pointing at the server.
+
+Job identity (Continuum): the request's ``job_id`` (this server's extra), else the
+router's identity (``vllm_xargs.agentic_context.program_id``, the ``X-Session-ID``
+header), else the Claude Code session: the ``X-Claude-Code-Session-Id`` header, or the
+``session_id`` inside ``metadata.user_id`` (a JSON string in Claude Code 2.1.78+, a
+``user_..._session_<id>`` string before). One Claude Code session runs several
+conversations (the main agent, its subagents, short side requests such as title
+generation), each with its own system prompt, so the job is the session plus a digest of
+the system prompt: each conversation is pinned for itself. Without ``is_last_step``, a
+turn that calls a tool is pinned for the tool's duration and one that answers in text
+ends the job (``last_step_unless_tool_call``), as for /v1/responses.
+
+Errors are Anthropic's: ``{"type": "error", "error": {"type": ..., "message": ...}}``
+(``anthropic_error``), in-band as an ``error`` event once a stream has started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from vllm.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    content_blocks,
+    thinking_block,
+    thinking_budget,
+    thinking_template_kwargs,
+    to_chat,
+)
+from vllm.entrypoints.anthropic.protocol import anthropic_usage as usage_of
+from vllm.entrypoints.anthropic.protocol import stop_reason as stop_reason_of
+from vllm.entrypoints.openai.job_identity import name_the_job
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, loggable
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, Receive
+from vllm.entrypoints.openai.tool_calling import ToolPlan
+from vllm.exceptions import VLLMValidationError
+from vllm.outputs import RequestOutput
+from vllm.v1.engine.async_llm import RequestStream
+from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL
+
+logger = logging.getLogger(__name__)
+
+MESSAGES_PATH = "/v1/messages"
+CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"
+_LEGACY_SESSION = re.compile(r"_session_([A-Za-z0-9-]+)$")
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"type": "error", "error": {"type": error_type(status), "message": message}},
+    )
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def is_messages_path(path: str) -> bool:
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def as_anthropic(response: Response) -> Response:
+    """An OpenAI-shaped error response (``{"error": {"message", ...}}``) in Anthropic's
+    shape, same status; any other response as it is."""
+    try:
+        message = json.loads(response.body)["error"]["message"]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return response
+    return anthropic_error(response.status_code, message)
+
+
+def claude_code_session(headers: Mapping[str, str], metadata: dict[str, Any] | None) -> str | None:
+    """The Claude Code session a request belongs to, if it says (see the module doc)."""
+    header = headers.get(CLAUDE_CODE_SESSION_HEADER)
+    if header:
+        return header
+    user_id = (metadata or {}).get("user_id")
+    if not isinstance(user_id, str):
+        return None
+    if user_id.startswith("{"):
+        try:
+            session = json.loads(user_id).get("session_id")
+        except (ValueError, AttributeError, RecursionError):
+            return None
+        return session if isinstance(session, str) and session else None
+    match = _LEGACY_SESSION.search(user_id)
+    return match[1] if match else None
+
+
+class AnthropicServingMessages:
+    """The Messages endpoints over ``chat`` (its engine, model and tool flags)."""
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+        self._inline_system: bool | None = None  # the template takes later system messages
+
+    # -- create ---------------------------------------------------------------------------
+    async def create_message(
+        self,
+        request: MessagesRequest,
+        headers: Mapping[str, str],
+        received: float | None = None,
+        receive: Receive | None = None,
+    ) -> Response:
+        """The message (JSON), or its events (SSE) if ``request.stream``;
+        ``VLLMValidationError`` naming the Messages field for a request refused."""
+        message_id = f"msg_{uuid.uuid4().hex}"
+        chat_request = await self._chat_request(request, headers)
+        logger.info(
+            "messages request %s: job_id=%s messages=%d tools=%d stream=%s",
+            message_id,
+            loggable(chat_request.job_id),
+            len(request.messages),
+            len(request.tools or ()),
+            request.stream,
+        )
+        try:
+            plan, stream = await self.chat.start_generation(chat_request, message_id)
+        except VLLMValidationError as e:
+            raise _renamed(e) from e
+        model = self.chat.response_model(request.model)
+        if request.stream:
+            events = self._stream(message_id, model, chat_request, plan, stream, received)
+            return EngineStreamingResponse(events, stream)
+        final = await self.chat.collect(stream, receive)
+        if final is None:
+            return Response(status_code=499)  # the client left
+        body = self._message(message_id, model, chat_request, plan, final)
+        return JSONResponse(body, headers=self.chat.timing(received, stream))
+
+    async def count_tokens(self, request: CountTokensRequest) -> dict[str, int]:
+        """``{"input_tokens": N}``: the prompt the request would run with, checked as for
+        generation."""
+        chat_request = await self._chat_request(request, {})
+        try:
+            token_ids = await self.chat.prompt_token_ids(chat_request)
+        except VLLMValidationError as e:
+            raise _renamed(e) from e
+        return {"input_tokens": len(token_ids)}
+
+    async def _chat_request(
+        self, request: MessagesRequest | CountTokensRequest, headers: Mapping[str, str]
+    ) -> ChatCompletionRequest:
+        conv = to_chat(request)
+        messages = conv.messages
+        if any(m["role"] == "system" for m in messages[1:]) and not await self._takes_inline():
+            messages = _merge_system(messages)
+        choice, parallel = chat_tool_choice(request.tool_choice)
+        tools = chat_tools(request.tools)
+        if tools is not None and choice is None:
+            choice = "auto"  # Anthropic's default with tools
+        fields: dict[str, Any] = {
+            "model": request.model,
+            "messages": messages,
+            "tools": tools,
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+            "response_format": chat_response_format(request.output_config),
+            "chat_template_kwargs": thinking_template_kwargs(
+                request.thinking, request.chat_template_kwargs
+            ),
+        }
+        if (request.thinking or {}).get("display") == "omitted":
+            fields["include_reasoning"] = False  # no thinking block in the answer
+        if isinstance(request, MessagesRequest):
+            if thinking_budget(request.thinking, request.max_tokens) is not None:
+                raise VLLMValidationError(
+                    "thinking.budget_tokens is not supported yet: send "
+                    '{"type": "adaptive"} to let the model think',
+                    "thinking.budget_tokens",
+                )
+            job = self._job(request, headers, messages)
+            fields |= {
+                "max_completion_tokens": request.max_tokens,
+                "stop": request.stop_sequences,
+                "stream": request.stream,
+                "temperature": request.temperature,
+                "top_p": request.top_p,
+                "top_k": request.top_k,
+                "priority": request.priority,
+                "cache_salt": request.cache_salt,
+                "job_id": job,
+                "is_last_step": bool(request.is_last_step),
+                # Unless the client says: the job ends with a turn that calls no tool.
+                "vllm_xargs": {
+                    **(request.vllm_xargs or {}),
+                    **({LAST_UNLESS_TOOL_CALL: True} if request.is_last_step is None else {}),
+                },
+            }
+        try:
+            chat_request = ChatCompletionRequest.model_validate(
+                {k: v for k, v in fields.items() if v is not None}
+            )
+        except ValidationError as e:
+            raise _messages_error(e) from e
+        chat_request.cache_breakpoints = list(conv.cache_ttls)
+        return chat_request
+
+    def _job(
+        self, request: MessagesRequest, headers: Mapping[str, str], messages: list[dict]
+    ) -> str | None:
+        """The job ``request`` belongs to (see the module doc); None: a job of its own."""
+        limit = self.chat.args.max_job_id_length
+        if name_the_job(request, headers, limit) is not None and request.job_id is not None:
+            return request.job_id
+        session = claude_code_session(headers, request.metadata)
+        if session is None:
+            return None
+        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
+        digest = hashlib.sha256(system.encode()).hexdigest()[:12]
+        job = f"{session}/{digest}"
+        if len(job) > limit:
+            raise VLLMValidationError(
+                f"The Claude Code session id names the job and must be at most "
+                f"{limit - 13} characters (--max-job-id-length), got {len(session)}",
+                "metadata.user_id",
+            )
+        return job
+
+    async def _takes_inline(self) -> bool:
+        """Whether the chat template takes system messages after the first (Qwen's
+        refuses them); probed once with a stand-in conversation."""
+        if self._inline_system is None:
+            probe = [
+                {"role": "system", "content": "a"},
+                {"role": "user", "content": "b"},
+                {"role": "system", "content": "c"},
+                {"role": "user", "content": "d"},
+            ]
+            engine = self.chat.engine
+
+            def render() -> None:
+                engine.apply_chat_template(probe, None, True, None, None)
+
+            try:
+                await self.chat.in_thread(render)
+                self._inline_system = True
+            except (jinja2.TemplateError, ValueError) as e:
+                logger.warning(
+                    "The chat template refuses system messages after the first (%s): those "
+                    "of /v1/messages requests (Claude Code's reminders) are merged into the "
+                    "leading system prompt, which then changes from turn to turn and misses "
+                    "the prefix cache. A --chat-template that takes them avoids this.",
+                    e,
+                )
+                self._inline_system = False
+        return self._inline_system
+
+    # -- results --------------------------------------------------------------------------
+    def _message(
+        self,
+        message_id: str,
+        model: str,
+        chat_request: ChatCompletionRequest,
+        plan: ToolPlan,
+        final: RequestOutput,
+    ) -> dict[str, Any]:
+        c = final.outputs[0]
+        message, _ = plan.message(c.text, c.finish_reason)
+        blocks = content_blocks(message)
+        called = any(b["type"] == "tool_use" for b in blocks)
+        reason, sequence = stop_reason_of(c.finish_reason, c.stop_reason, called)
+        prompt, cached = len(final.prompt_token_ids), final.num_cached_tokens
+        return {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": blocks,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage_of(
+                prompt, len(c.token_ids), cached, self.chat.cache_writes(prompt, cached)
+            ),
+        }
+
+    async def _stream(
+        self,
+        message_id: str,
+        model: str,
+        chat_request: ChatCompletionRequest,
+        plan: ToolPlan,
+        stream: RequestStream,
+        received: float | None,
+    ) -> AsyncIterator[str]:
+        blocks = _BlockEvents()
+        streamer = plan.streamer()  # None: the output is plain text
+        prompt, cached, output = len(stream.prompt_token_ids), 0, 0
+        finish, matched, started = None, None, False
+        try:
+            async for out in stream:
+                prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                c = out.outputs[0]
+                if not started:  # after the prefill: the cache counts are known
+                    started = True
+                    usage = usage_of(prompt, 0, cached, self.chat.cache_writes(prompt, cached))
+                    yield event(
+                        "message_start",
+                        message={
+                            "id": message_id,
+                            "type": "message",
+                            "role": "assistant",
+                            "model": model,
+                            "content": [],
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": usage,
+                        },
+                    )
+                output += len(c.token_ids)
+                finish, matched = c.finish_reason, c.stop_reason
+                delta = {"content": c.text} if c.text else {}
+                if streamer is not None:
+                    delta = streamer.delta(c.text, c.finish_reason is not None)
+                for chunk in blocks.delta(delta):
+                    yield chunk
+            for chunk in blocks.close():
+                yield chunk
+            reason, sequence = stop_reason_of(finish, matched, blocks.called)
+            usage = usage_of(prompt, output, cached, self.chat.cache_writes(prompt, cached))
+            yield event(
+                "message_delta",
+                delta={"stop_reason": reason, "stop_sequence": sequence},
+                usage=usage,
+            )
+            yield event("message_stop")
+            self.chat.timing(received, stream)
+        except Exception as e:  # the status line is sent: the error goes in-band
+            logger.warning("messages stream %s failed: %r", message_id, e)
+            status = getattr(e, "status", 400 if isinstance(e, ValueError) else 500)
+            yield event("error", error={"type": error_type(status), "message": str(e)})
+        finally:
+            await stream.aclose()  # a client that left: abort its request in the engine
+
+
+def event(kind: str, **fields: Any) -> str:
+    payload = {"type": kind, **fields}
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _BlockEvents:
+    """The content-block events of one streamed message, from chat deltas (``content``,
+    ``reasoning``, ``tool_calls`` pieces): a block starts when its kind of output does and
+    stops when the next one starts or the message ends."""
+
+    def __init__(self) -> None:
+        self.count = 0  # blocks started
+        self.open: str | None = None  # "text" / "thinking" / "tool_use:<call index>"
+        self.calls: dict[int, int] = {}  # tool call index -> block index
+
+    @property
+    def called(self) -> bool:
+        return bool(self.calls)
+
+    def delta(self, delta: dict[str, Any]) -> list[str]:
+        out = []
+        if delta.get("reasoning"):
+            out += self._text("thinking", thinking_block(""), "thinking_delta", delta["reasoning"])
+        if delta.get("content"):
+            out += self._text("text", {"type": "text", "text": ""}, "text_delta", delta["content"])
+        for piece in delta.get("tool_calls") or []:
+            out += self._call(piece)
+        return out
+
+    def _text(self, kind: str, block: dict, delta_type: str, text: str) -> list[str]:
+        out = [] if self.open == kind else self._start(kind, block)
+        field = "thinking" if kind == "thinking" else "text"
+        out.append(self._delta(self.count - 1, {"type": delta_type, field: text}))
+        return out
+
+    def _call(self, piece: dict[str, Any]) -> list[str]:
+        out = []
+        index, args = piece["index"], piece["function"].get("arguments") or ""
+        if index not in self.calls:
+            fn = piece["function"]
+            block = {"type": "tool_use", "id": piece["id"], "name": fn["name"], "input": {}}
+            out += self._start(f"tool_use:{index}", block)
+            self.calls[index] = self.count - 1
+        if args:
+            delta = {"type": "input_json_delta", "partial_json": args}
+            out.append(self._delta(self.calls[index], delta))
+        return out
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        out = self.close()
+        out.append(event("content_block_start", index=self.count, content_block=block))
+        self.open, self.count = kind, self.count + 1
+        return out
+
+    def _delta(self, index: int, delta: dict[str, Any]) -> str:
+        return event("content_block_delta", index=index, delta=delta)
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", index=self.count - 1)]
+
+
+def _merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system messages after the first merged into a leading one (in order)."""
+    system = [m["content"] for m in messages if m["role"] == "system" and m["content"]]
+    rest = [m for m in messages if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest] if system else rest
+
+
+def _renamed(e: VLLMValidationError) -> VLLMValidationError:
+    e.param = MessagesRequest.FIELD_NAMES.get(e.param, e.param)
+    return e
+
+
+def _messages_error(e: ValidationError) -> VLLMValidationError:
+    """The chat request's validation error, naming the Messages field it came from."""
+    first = e.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, VLLMValidationError):
+        return _renamed(cause)
+    loc = [str(p) for p in first.get("loc", ())]
+    param = MessagesRequest.FIELD_NAMES.get(loc[0], loc[0]) if loc else None
+    return VLLMValidationError(f"{param}: {first['msg']}", param)
+
+
+# -- routes -------------------------------------------------------------------------------
+def add_messages_routes(app: FastAPI, serving: AnthropicServingMessages, received_key: str) -> None:
+    """POST /v1/messages and /v1/messages/count_tokens. Their errors are reshaped by the
+    app's handlers (``as_anthropic``)."""
+    from vllm.entrypoints.openai import openapi
+
+    @app.post(MESSAGES_PATH, responses=openapi.ANTHROPIC_RESPONSES)
+    async def create_message(request: MessagesRequest, raw: Request):
+        return await serving.create_message(
+            request, raw.headers, raw.scope.get(received_key), raw.receive
+        )
+
+    @app.post(MESSAGES_PATH + "/count_tokens", responses=openapi.COUNT_TOKENS_RESPONSES)
+    async def count_tokens(request: CountTokensRequest):
+        return await serving.count_tokens(request)
