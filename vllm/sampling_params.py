@@ -115,6 +115,14 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the front end from ``bad_words`` (the tokenizer's ids of each variant).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # vLLM's: at most this many output tokens of reasoning; then the reasoning's end is
+    # forced. None (or -1, vLLM's "unlimited"): no budget. Needs the reasoning's end
+    # sequences, which the server fills from --reasoning-parser (``thinking_end_token_ids``:
+    # the first is forced; any of them ends the reasoning).
+    thinking_token_budget: int | None = None
+    thinking_end_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # The sampler's record of how far the output was searched for those (engine-side).
+    thinking_scan: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +131,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.thinking_token_budget == -1 and _is_int(self.thinking_token_budget):
+            self.thinking_token_budget = None
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -186,6 +196,11 @@ class SamplingParams:
             or any(not isinstance(w, str) or not w.strip() for w in words)
         ):
             raise _bad("bad_words", words, "must be a list of non-blank strings")
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            raise _bad(
+                "thinking_token_budget", budget, "must be an integer >= 0, or -1 for no budget"
+            )
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or k < 1):
             raise _bad("truncate_prompt_tokens", k, "must be an integer >= 1")

@@ -600,6 +600,9 @@ def test_errors_are_anthropics(server, client):
         server.base + "/v1/messages", data="{not json", headers={"Content-Type": "application/json"}
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # A thinking budget needs --reasoning-parser (this server has none).
+    with pytest.raises(anthropic.BadRequestError, match="--reasoning-parser"):
+        ask(client, max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024})
     # The prompt is over the context: a 400, and the server goes on.
     with pytest.raises(anthropic.BadRequestError, match="maximum context length"):
         ask(client, "word " * 9000)

@@ -15,6 +15,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import requests
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -492,5 +493,27 @@ def test_server_returns_reasoning_when_the_block_is_never_closed(tmp_path):
         )
         assert guided.choices[0].finish_reason == "length"
         assert guided.choices[0].message.content is None and guided.choices[0].message.reasoning
+        # With a thinking budget the reasoning ends after 4 tokens (its end tag forced),
+        # and the answer, held to the grammar from there, is JSON.
+        budgeted = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is 2+2?"}],
+            max_tokens=40,
+            temperature=0,
+            response_format={"type": "json_object"},
+            extra_body={"thinking_token_budget": 4},
+        )
+        choice = budgeted.choices[0]
+        assert choice.message.reasoning == message.reasoning[: len(choice.message.reasoning)]
+        # The usage counts up to the tag's last token (with a one-token tag, as in thinking
+        # models' vocabularies, exactly the budget); here the tag is several tokens.
+        tag = requests.post(
+            server.base + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}
+        ).json()["count"]
+        assert budgeted.usage.completion_tokens_details.reasoning_tokens == 4 + tag - 1
+        if choice.finish_reason == "stop":
+            json.loads(choice.message.content)
+        else:
+            assert choice.message.content.lstrip().startswith("{")
     finally:
         server.stop()

@@ -479,3 +479,50 @@ def test_bad_words_ban_the_token_that_would_complete_one():
     assert sample(strong_one, [r]).token_ids == [4]  # 1 completes [6, 2, 1]; 3 banned
     r.params.bad_words_token_ids = []
     assert sample(strong_one, [r]).token_ids == [1]
+
+
+# -- thinking_token_budget ----------------------------------------------------------------
+def _greedy_run(r: SamplingRow, steps: int, favourite: int = 1) -> list[int]:
+    """``steps`` greedy tokens of ``r`` over logits that always prefer ``favourite``."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, favourite] = 5.0
+    for _ in range(steps):
+        r.output_token_ids.append(sample(logits.clone(), [r]).token_ids[0])
+    return r.output_token_ids
+
+
+def test_a_spent_thinking_budget_forces_the_end_sequence_then_lets_go():
+    r = row(temperature=0, thinking_token_budget=3, thinking_end_token_ids=[[6, 7], [5]])
+    # 3 tokens of reasoning, then the end sequence 6 7, then the model's own choice again.
+    assert _greedy_run(r, 8) == [1, 1, 1, 6, 7, 1, 1, 1]
+
+
+def test_an_end_sequence_already_begun_is_completed_and_any_end_counts():
+    r = row(temperature=0, thinking_token_budget=2, thinking_end_token_ids=[[6, 7, 4]])
+    r.output_token_ids.extend([1, 1, 6])  # the model began the end itself at the budget
+    assert _greedy_run(r, 3) == [1, 1, 6, 7, 4, 1]
+    # An alternative end (Qwen3's <tool_call>) before the budget: nothing is forced.
+    r = row(temperature=0, thinking_token_budget=4, thinking_end_token_ids=[[6, 7], [5]])
+    r.output_token_ids.extend([1, 5])
+    assert _greedy_run(r, 6)[2:] == [1] * 6
+    # A budget of 0: the reasoning ends at once.
+    r = row(temperature=0, thinking_token_budget=0, thinking_end_token_ids=[[6]])
+    assert _greedy_run(r, 2) == [6, 1]
+
+
+def test_a_thinking_budget_holds_for_sampled_rows_in_a_mixed_batch():
+    budget = row(seed=3, temperature=1.0, thinking_token_budget=1, thinking_end_token_ids=[[7]])
+    free = row(temperature=0)
+    budget.output_token_ids.append(2)
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 0] = 3.0
+    tokens = sample(logits, [budget, free]).token_ids
+    assert tokens == [7, 0]
+
+
+@pytest.mark.parametrize("value", [-2, 1.5, "3", True])
+def test_a_bad_thinking_budget_names_itself(value):
+    with pytest.raises(ValueError, match="thinking_token_budget") as e:
+        SamplingParams(thinking_token_budget=value)
+    assert e.value.param == "thinking_token_budget"
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None

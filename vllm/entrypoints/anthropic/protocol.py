@@ -21,7 +21,8 @@ What a Messages request becomes:
   ``none``; ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
 - ``thinking``: ``disabled`` sets the template's ``enable_thinking`` false (Qwen3's
   switch, which the qwen3 reasoning parser follows); ``enabled`` / ``adaptive`` leave
-  the model thinking (``budget_tokens`` is the request's thinking budget).
+  the model thinking; ``budget_tokens`` is vLLM's ``thinking_token_budget`` (the
+  reasoning's end is forced after that many tokens; needs ``--reasoning-parser``).
 - ``output_config.format`` (a JSON schema) is chat's ``response_format``.
 
 Images, documents, server tools (web search, code execution, ...), MCP servers and
@@ -102,6 +103,7 @@ class MessagesRequest(BaseModel):
         "stop": "stop_sequences",
         "response_format": "output_config.format",
         "prompt": "messages",
+        "thinking_token_budget": "thinking.budget_tokens",
     }
 
     model_config = ConfigDict(extra="allow", strict=True)

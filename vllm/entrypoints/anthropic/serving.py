@@ -195,14 +195,9 @@ class AnthropicServingMessages:
         if (request.thinking or {}).get("display") == "omitted":
             fields["include_reasoning"] = False  # no thinking block in the answer
         if isinstance(request, MessagesRequest):
-            if thinking_budget(request.thinking, request.max_tokens) is not None:
-                raise VLLMValidationError(
-                    "thinking.budget_tokens is not supported yet: send "
-                    '{"type": "adaptive"} to let the model think',
-                    "thinking.budget_tokens",
-                )
             job = self._job(request, headers, messages)
             fields |= {
+                "thinking_token_budget": thinking_budget(request.thinking, request.max_tokens),
                 "max_completion_tokens": request.max_tokens,
                 "stop": request.stop_sequences,
                 "stream": request.stream,

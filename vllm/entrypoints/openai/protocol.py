@@ -86,6 +86,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "separate_reasoning": lambda v: v is None or isinstance(v, bool),
     "stream_reasoning": lambda v: v is None or isinstance(v, bool),
     "include_reasoning": lambda v: v is None or isinstance(v, bool),
+    # Chat's (with --reasoning-parser); completions split no reasoning off.
+    "thinking_token_budget": lambda v: v is None or v == -1,
 }
 MAX_LOGGED_FIELDS = 8
 # Most messages one chat request may hold. vLLM and OpenAI document no such bound (OpenAI
@@ -522,6 +524,7 @@ class ChatCompletionRequest(_SamplingFields):
             "include_reasoning",
             "separate_reasoning",
             "stream_reasoning",
+            "thinking_token_budget",
         }
     )
     messages: list[ChatMessage] = Field(min_length=1)
@@ -544,6 +547,9 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool | None = None
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
+    # vLLM's: at most this many output tokens of reasoning, then its end tag is forced
+    # (with --reasoning-parser); -1 or None: no budget.
+    thinking_token_budget: int | None = Field(default=None, ge=-1)
     # Filled from the messages' prompt_cache_breakpoint marks by _bound_messages (a value
     # sent under this name is replaced); never serialized.
     cache_breakpoints: list[float | None] = Field(default_factory=list, exclude=True)

@@ -108,7 +108,29 @@ class OpenAIServingChat(OpenAIServing):
         params.structured_outputs = plan.structured_outputs
         if plan.keep_special_tokens:  # the parser's markers are special tokens
             params.skip_special_tokens = False
+        budget = request.thinking_token_budget
+        if budget is not None and budget != -1:
+            await self._budget_thinking(params, plan, budget)
         return plan, prompt, params
+
+    async def _budget_thinking(self, params, plan: ToolPlan, budget: int) -> None:
+        """``params`` end the reasoning after ``budget`` tokens: its end tag (or a tag that
+        ends it, such as Qwen3's ``<tool_call>``) as token ids for the sampler."""
+        reasoning = plan.reasoning
+        if reasoning is None:
+            raise VLLMValidationError(
+                "thinking_token_budget needs a reasoning parser: start the server with "
+                "--reasoning-parser (and leave separate_reasoning true)",
+                "thinking_token_budget",
+            )
+        end = reasoning.end_of_reasoning
+        if end is None:
+            return  # this request does not reason (e.g. enable_thinking: false)
+        tags = [end, *getattr(reasoning, "content_starts", ())]
+        tokenize = self.engine.tokenize
+        ids = [await self.in_thread(tokenize, tag, False) for tag in tags]
+        params.thinking_token_budget = budget
+        params.thinking_end_token_ids = [i for i in ids if i]
 
     async def start_generation(
         self, request: ChatCompletionRequest, request_id: str

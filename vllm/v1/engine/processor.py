@@ -195,6 +195,12 @@ class Processor:
         self._check_length(ids, params)
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        if params.thinking_token_budget is not None and not params.thinking_end_token_ids:
+            raise VLLMValidationError(
+                "thinking_token_budget needs the token ids that end the reasoning: the server "
+                "fills them from --reasoning-parser; offline, set thinking_end_token_ids",
+                "thinking_token_budget",
+            )
         if params.max_tokens is None and self.default_max_tokens is not None:
             left = self.context_limit - len(ids)
             params.max_tokens = max(min(self.default_max_tokens, left), params.min_tokens)

@@ -60,8 +60,9 @@ class PrefixView(Sequence[int]):
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """What vLLM's sampler applies before penalties and temperature, in its order:
-    ``allowed_token_ids`` (every other token -inf); ``bad_words`` (-inf for the token that
-    would complete one, given the output so far); ``min_tokens`` (a row with fewer
+    ``allowed_token_ids`` (every other token -inf; a row whose ``thinking_token_budget``
+    is spent may sample only the next token of its reasoning's end: ``thinking_forced``);
+    ``bad_words`` (-inf for the token that would complete one, given the output so far); ``min_tokens`` (a row with fewer
     outputs cannot sample a stop token: EOS unless ``ignore_eos``, the generation config's
     other EOS ids, ``stop_token_ids``); ``logit_bias`` (added). A copy, built with one
     index copy per kind to the logits' device for the whole batch; ``logits`` itself when
@@ -73,7 +74,11 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     bias: tuple[list[int], list[int], list[float]] = ([], [], [])
     for i, row in enumerate(rows):
         p = row.params
-        if p.allowed_token_ids:
+        forced = thinking_forced(row) if p.thinking_token_budget is not None else None
+        if forced is not None and forced < vocab:
+            allowed[0].append(i)
+            allowed[1].append(forced)
+        elif p.allowed_token_ids:
             allowed[0].extend([i] * len(p.allowed_token_ids))
             allowed[1].extend(p.allowed_token_ids)
         banned = _banned_words_next(row, vocab) if p.bad_words_token_ids else []
@@ -104,6 +109,50 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> to
         values = torch.tensor(bias[2], dtype=x.dtype, device=device)
         x.index_put_((index[0], index[1]), values, accumulate=True)
     return x
+
+
+class _ThinkingScan:
+    """How far a request's output has been searched for the end of its reasoning."""
+
+    __slots__ = ("ended", "scanned")
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.scanned = 0
+
+
+def thinking_forced(row: SamplingRow) -> int | None:
+    """The token a row with a ``thinking_token_budget`` must sample now: once its output
+    holds that many tokens and none of ``thinking_end_token_ids`` yet, the next token of
+    the first end sequence (continuing a part of it already written); None otherwise. The
+    output is searched incrementally (the new tokens and an end sequence's length before
+    them), so a long output costs nothing per step once its reasoning ended."""
+    p, out = row.params, row.output_token_ids
+    ends = p.thinking_end_token_ids
+    if not ends:
+        return None
+    scan = p.thinking_scan
+    if scan is None:
+        scan = p.thinking_scan = _ThinkingScan()
+    if not scan.ended:
+        longest = max(len(e) for e in ends)
+        start = max(scan.scanned - longest + 1, 0)
+        scan.ended = any(_contains(out, e, start) for e in ends)
+        scan.scanned = len(out)
+    if scan.ended or len(out) < p.thinking_token_budget:
+        return None
+    end = ends[0]
+    done = max((k for k in range(len(end)) if k == 0 or out[-k:] == end[:k]), default=0)
+    return end[done]
+
+
+def _contains(seq: list[int], part: list[int], start: int) -> bool:
+    n = len(part)
+    first = part[0]
+    for i in range(start, len(seq) - n + 1):
+        if seq[i] == first and seq[i : i + n] == part:
+            return True
+    return False
 
 
 def _banned_words_next(row: SamplingRow, vocab: int) -> list[int]:

@@ -24,8 +24,8 @@ from vllm.sampling_params import SamplingParams
 def drafts_allowed(params: SamplingParams) -> bool:
     """Whether a request's next token depends on its logits alone: greedy, or sampled with
     a temperature and top-k / top-p / min-p; no penalty, no logit control (bias, allowed
-    ids, bad words, min_tokens), no grammar (logprobs are fine: each kept token's row
-    gives them). Only such a request gets drafts:
+    ids, bad words, min_tokens, a thinking budget), no grammar (logprobs are fine: each
+    kept token's row gives them). Only such a request gets drafts:
     checking one then needs each position's logits alone (the argmax, or
     ``rejection_sampler.verify_sampled``). Every other request decodes as without
     speculation."""
@@ -37,6 +37,7 @@ def drafts_allowed(params: SamplingParams) -> bool:
         and params.allowed_token_ids is None
         and not params.bad_words
         and params.min_tokens == 0
+        and params.thinking_token_budget is None
         and params.structured_outputs is None
     )
 
