@@ -62,12 +62,13 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     """What vLLM's sampler applies before penalties and temperature, in its order:
     ``allowed_token_ids`` (every other token -inf; a row whose ``thinking_token_budget``
     is spent may sample only the next token of its reasoning's end: ``thinking_forced``);
-    ``bad_words`` (-inf for the token that would complete one, given the output so far); ``min_tokens`` (a row with fewer
-    outputs cannot sample a stop token: EOS unless ``ignore_eos``, the generation config's
-    other EOS ids, ``stop_token_ids``); ``logit_bias`` (added). A copy, built with one
-    index copy per kind to the logits' device for the whole batch; ``logits`` itself when
-    no row asks for any. Stop ids past the logits' vocabulary (a tokenizer larger than the
-    model's head) are left out; the front end refuses such ids in the other two."""
+    ``bad_words`` (-inf for the token that would complete one, given the output so far);
+    ``min_tokens`` (a row with fewer outputs cannot sample a stop token: EOS unless
+    ``ignore_eos``, the generation config's other EOS ids, ``stop_token_ids``);
+    ``logit_bias`` (added). A copy, built with one index copy per kind to the logits'
+    device for the whole batch; ``logits`` itself when no row asks for any. Stop ids past
+    the logits' vocabulary (a tokenizer larger than the model's head) are left out; the
+    front end refuses such ids in the other two."""
     vocab = logits.shape[-1]
     allowed: tuple[list[int], list[int]] = ([], [])  # (row, token) pairs
     masked: tuple[list[int], list[int]] = ([], [])  # bad words' next tokens, early stops
