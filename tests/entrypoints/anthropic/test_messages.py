@@ -22,7 +22,7 @@ from vllm.entrypoints.anthropic.protocol import (
     chat_tools,
     content_blocks,
     stop_reason,
-    thinking_template_kwargs,
+    template_kwargs,
     to_chat,
 )
 from vllm.entrypoints.anthropic.serving import (
@@ -290,18 +290,20 @@ def test_output_format_and_thinking_switch():
         "type": "json_schema",
         "json_schema": {"name": "output", "schema": schema},
     }
-    for bad in ({"effort": "high"}, {"format": {"type": "json_schema"}}, {"verbosity": 1}):
+    for bad in ({"effort": "extreme"}, {"format": {"type": "json_schema"}}, {"verbosity": 1}):
         with pytest.raises(VLLMValidationError):
             chat_response_format(bad)
-    assert thinking_template_kwargs({"type": "disabled"}, None) == {"enable_thinking": False}
-    assert thinking_template_kwargs({"type": "adaptive"}, {"x": 1}) == {
+    assert chat_response_format({"effort": "high"}) is None
+    assert template_kwargs({"type": "disabled"}, None, None) == {"enable_thinking": False}
+    assert template_kwargs({"type": "adaptive"}, {"effort": "high"}, {"x": 1}) == {
         "x": 1,
         "enable_thinking": True,
+        "reasoning_effort": "high",
     }
-    # The request's own switch wins.
-    kept = {"enable_thinking": True}
-    assert thinking_template_kwargs({"type": "disabled"}, kept) is kept
-    assert thinking_template_kwargs(None, None) is None
+    # The request's own variables win.
+    kept = {"enable_thinking": True, "reasoning_effort": "low"}
+    assert template_kwargs({"type": "disabled"}, {"effort": "max"}, kept) == kept
+    assert template_kwargs(None, None, None) is None
 
 
 # -- chat output -> blocks ----------------------------------------------------------------

@@ -37,12 +37,14 @@ def test_too_long_prompt_is_rejected_not_truncated(processor):
     assert info.value.param == "min_tokens"
 
 
-def test_explicit_max_tokens_must_fit_beside_the_prompt(processor):
-    processor.process([1] * 48, SamplingParams(max_tokens=16))  # 48 + 16 = 64
-    with pytest.raises(VLLMValidationError, match=r"length \(max_model_len\) is 64") as info:
-        processor.process([1] * 49, SamplingParams(max_tokens=16))
-    assert (info.value.param, info.value.value) == ("max_tokens", 16)
-    assert "49 in the prompt, 16 in the completion" in str(info.value)
+def test_a_max_tokens_past_the_context_is_capped_at_what_is_left(processor):
+    # As vLLM (get_max_tokens): not refused, capped; the output ends "length" there.
+    params = SamplingParams(max_tokens=16)
+    processor.process([1] * 48, params)  # 48 + 16 = 64: fits
+    assert params.max_tokens == 16
+    params = SamplingParams(max_tokens=32000, min_tokens=4)
+    processor.process([1] * 49, params)
+    assert params.max_tokens == 15
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,8 @@ What a Messages request becomes:
   switch, which the qwen3 reasoning parser follows); ``enabled`` / ``adaptive`` leave
   the model thinking; ``budget_tokens`` is vLLM's ``thinking_token_budget`` (the
   reasoning's end is forced after that many tokens; needs ``--reasoning-parser``).
-- ``output_config.format`` (a JSON schema) is chat's ``response_format``.
+- ``output_config.format`` (a JSON schema) is chat's ``response_format``;
+  ``output_config.effort`` reaches the chat template as ``reasoning_effort``.
 
 Images, documents, server tools (web search, code execution, ...), MCP servers and
 containers are refused with a 400 naming the field: the models served are text-only and
@@ -469,15 +470,21 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
     return {"any": "required"}.get(kind, kind), parallel
 
 
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
 def chat_response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
     """``output_config.format`` (``{"type": "json_schema", "schema": {...}}``) as chat's
-    ``response_format``; ``effort`` is refused (no effort can be set for the models
-    served)."""
+    ``response_format`` (``effort``: ``template_kwargs``)."""
     if output_config is None:
         return None
-    if set(output_config) - {"format", "effort"} or output_config.get("effort") is not None:
+    if set(output_config) - {"format", "effort"} or output_config.get("effort") not in (
+        None,
+        *EFFORTS,
+    ):
         raise VLLMValidationError(
-            "output_config supports only format (effort is not supported by this server)",
+            f"output_config takes format and effort ({', '.join(EFFORTS)}), got "
+            f"{loggable(output_config)}",
             "output_config",
         )
     fmt = output_config.get("format")
@@ -497,14 +504,23 @@ def chat_response_format(output_config: dict[str, Any] | None) -> dict[str, Any]
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def thinking_template_kwargs(
-    thinking: dict[str, Any] | None, kwargs: dict[str, Any] | None
+def template_kwargs(
+    thinking: dict[str, Any] | None,
+    output_config: dict[str, Any] | None,
+    kwargs: dict[str, Any] | None,
 ) -> dict[str, Any] | None:
-    """The request's ``chat_template_kwargs`` with ``enable_thinking`` set by ``thinking``
-    (unless the request sets it itself)."""
-    if thinking is None or (kwargs and "enable_thinking" in kwargs):
-        return kwargs
-    return {**(kwargs or {}), "enable_thinking": thinking["type"] != "disabled"}
+    """The request's ``chat_template_kwargs`` with what ``thinking`` and
+    ``output_config.effort`` say, unless the request sets those variables itself:
+    ``enable_thinking`` (false for ``disabled``: Qwen3's switch) and
+    ``reasoning_effort`` (the effort, as vLLM passes it: gpt-oss's template and others
+    read it; a template without the variable renders as without it)."""
+    out = dict(kwargs or {})
+    if thinking is not None:
+        out.setdefault("enable_thinking", thinking["type"] != "disabled")
+    effort = (output_config or {}).get("effort")
+    if effort is not None:
+        out.setdefault("reasoning_effort", effort)
+    return out if out or kwargs is not None else None
 
 
 # -- chat output -> content blocks --------------------------------------------------------

@@ -42,9 +42,9 @@ from vllm.entrypoints.anthropic.protocol import (
     chat_tool_choice,
     chat_tools,
     content_blocks,
+    template_kwargs,
     thinking_block,
     thinking_budget,
-    thinking_template_kwargs,
     to_chat,
 )
 from vllm.entrypoints.anthropic.protocol import anthropic_usage as usage_of
@@ -188,8 +188,8 @@ class AnthropicServingMessages:
             "tool_choice": choice,
             "parallel_tool_calls": parallel,
             "response_format": chat_response_format(request.output_config),
-            "chat_template_kwargs": thinking_template_kwargs(
-                request.thinking, request.chat_template_kwargs
+            "chat_template_kwargs": template_kwargs(
+                request.thinking, request.output_config, request.chat_template_kwargs
             ),
         }
         if (request.thinking or {}).get("display") == "omitted":

@@ -272,23 +272,17 @@ class Processor:
         )
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> None:
-        # The prompt plus at least one generated token must fit, and so must an explicit
-        # max_tokens (max_tokens None: generate until the context limit, finish_reason
-        # "length"). The limit is max_model_len, or the KV pool when it holds less.
+        # The prompt plus at least one generated token must fit. A max_tokens past the
+        # context is capped at what is left, as vLLM does (its get_max_tokens): the output
+        # ends with finish_reason "length" there (agents such as Claude Code ask for 32k
+        # tokens whatever the model's context). The limit is max_model_len, or the KV pool
+        # when it holds less.
         limit, num_prompt = self.context_limit, len(ids)
         if num_prompt + 1 > limit:
             raise VLLMValidationError(
                 f"{self._limit_text} However, the prompt has {num_prompt} tokens, which "
                 "leaves no room for a generated token. Please reduce the length of the prompt.",
                 "prompt",
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
-            raise VLLMValidationError(
-                f"{self._limit_text} However, you requested {num_prompt + params.max_tokens} "
-                f"tokens ({num_prompt} in the prompt, {params.max_tokens} in the completion). "
-                "Please reduce the length of the prompt or completion.",
-                "max_tokens",
-                params.max_tokens,
             )
         if params.min_tokens and num_prompt + params.min_tokens > limit:
             raise VLLMValidationError(
@@ -297,6 +291,8 @@ class Processor:
                 "min_tokens",
                 params.min_tokens,
             )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
+            params.max_tokens = limit - num_prompt
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or ()),
