@@ -609,3 +609,68 @@ def test_errors_are_anthropics(server, client):
     with pytest.raises(anthropic.BadRequestError, match="maximum context length"):
         ask(client, "word " * 9000)
     assert ask(client, max_tokens=2).stop_reason == "max_tokens"
+
+
+@pytest.mark.slow
+def test_a_request_shaped_as_claude_codes_streams(server):
+    """The fields and headers Claude Code 2.1.328 sends with every turn (captured from the
+    real CLI against a recording server; the texts here are our own)."""
+    sid = "3960bc4c-2743-42f6-b94e-6150c2bacf35"
+    user_id = json.dumps({"device_id": "0bf6", "account_uuid": "", "session_id": sid})
+    body = {
+        "model": MODEL,
+        "max_tokens": 32000,  # more than the model's context: capped, as vLLM does
+        "stream": True,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328; cch=1;"},
+            {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>Be brief.</system-reminder>"},
+                    {"type": "text", "text": "What is the capital of France?"},
+                ],
+            },
+            {
+                "role": "system",
+                "content": [
+                    {
+                        "type": "text",
+                        "text": "# Environment\nLinux",
+                        "cache_control": {"type": "ephemeral"},
+                    }
+                ],
+            },
+        ],
+        "tools": [WEATHER],
+        "metadata": {"user_id": user_id},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "temperature": 0,
+    }
+    headers = {
+        "x-api-key": "EMPTY",
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,context-management-2025-06-27,effort-2025-11-24",
+        "X-Claude-Code-Session-Id": sid,
+    }
+    r = requests.post(
+        server.base + "/v1/messages?beta=true", json=body, headers=headers, stream=True, timeout=120
+    )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: "):
+            events.append(EVENT.validate_python(json.loads(line[6:])))
+        if events and events[-1].type == "content_block_delta":
+            break  # the client leaves mid-answer (the model would write up to the context)
+    r.close()
+    assert [e.type for e in events[:2]] == ["message_start", "content_block_start"]
+    assert events[0].message.usage.input_tokens > 0
+    # The request is aborted in the engine and its blocks are freed or pinned: nothing runs.
+    assert server.wait_metric("vllm:num_requests_running", 0.0) == 0.0
+    log = (server.out_dir / "server.log").read_text()
+    assert f"job_id='{sid}/" in log
