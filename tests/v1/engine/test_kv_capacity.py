@@ -26,7 +26,7 @@ def test_an_exact_block_count_is_taken_as_asked_with_a_warning(caplog):
     assert "112 tokens" in caplog.text and "longer requests are refused" in caplog.text
 
 
-def test_with_an_exact_pool_a_request_that_cannot_fit_it_is_refused_not_cut(tokenizer):
+def test_with_an_exact_pool_max_tokens_is_capped_at_the_pool(tokenizer):
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.processor import Processor
@@ -37,10 +37,10 @@ def test_with_an_exact_pool_a_request_that_cannot_fit_it_is_refused_not_cut(toke
     assert processor.context_limit == 112
     prompt = list(range(100, 200))  # 100 tokens
     processor.process(prompt, SamplingParams(max_tokens=12), "fits")
-    with pytest.raises(VLLMValidationError, match="KV cache holds at most 112 tokens") as info:
-        processor.process(prompt, SamplingParams(max_tokens=13), "over")
-    assert info.value.param == "max_tokens"
-    with pytest.raises(VLLMValidationError, match="112"):
+    over = SamplingParams(max_tokens=13)
+    processor.process(prompt, over, "over")  # capped at what the pool leaves, as vLLM caps
+    assert over.max_tokens == 12
+    with pytest.raises(VLLMValidationError, match="KV cache holds at most 112 tokens"):
         processor.process(list(range(100, 212)), SamplingParams(), "no room for one token")
 
 
