@@ -154,3 +154,44 @@ def test_pin_verification_with_the_openai_client(server):
         f"\npin verification: pinned {pinned_blocks:.0f} blocks, usage {usage_pinned:.4f} "
         f"through the gap; turn 2 prompt {r2.usage.prompt_tokens} tokens, {cached} cached"
     )
+
+
+def test_a_claude_code_session_on_upstreams_messages_route_is_a_job(server):
+    """Upstream's own /v1/messages with the plugin's middleware: Claude Code's session
+    header names the job, no job field is sent. Only a named job is ever pinned, so the
+    pin and its hit show the job was named."""
+    import json as json_module
+
+    url, _ = server
+    sid = "5f1d8a52-0c55-4a64-9a5e-0a7c2c0d3c11"
+    messages = [{"role": "user", "content": "List the files in the current directory."}]
+
+    def turn(last: bool) -> dict:
+        body = {
+            "model": "smollm2",
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "system": [{"type": "text", "text": SYSTEM}],
+            "messages": messages,
+            "is_last_step": last,  # a text answer would end the job: keep it for turn 2
+        }
+        request = urllib.request.Request(
+            url + "/v1/messages",
+            data=json_module.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "X-Claude-Code-Session-Id": sid},
+        )
+        return json_module.loads(urllib.request.urlopen(request, timeout=120).read())
+
+    before = metrics(url)
+    first = turn(last=False)
+    assert first["type"] == "message" and first["content"]
+    pinned = settled(url, "vllm:num_pinned_requests", lambda v: v == 1)
+    assert pinned["vllm:num_pinned_requests"] == 1
+    messages += [
+        {"role": "assistant", "content": first["content"]},
+        {"role": "user", "content": "Now count them."},
+    ]
+    turn(last=True)
+    after = settled(url, "vllm:kv_cache_usage_perc", lambda v: v == 0)
+    assert after["vllm:pin_hits_total"] - before.get("vllm:pin_hits_total", 0) == 1
+    assert after["vllm:num_pinned_requests"] == 0

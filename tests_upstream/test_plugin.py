@@ -170,3 +170,36 @@ def test_request_info_reads_last_step_unless_tool_call_from_vllm_xargs():
     params = SimpleNamespace(extra_args={"job_id": "j", "last_step_unless_tool_call": 1})
     info = request_info(SimpleNamespace(request_id="r", sampling_params=params), 0.0)
     assert info.last_unless_tool_call and not info.is_last_step
+
+
+def test_middleware_names_a_claude_code_turn_on_upstreams_messages_route():
+    import hashlib
+
+    sid = "3960bc4c-2743-42f6-b94e-6150c2bacf35"
+    system = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328; cch=7;"},
+        {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+    ]
+    body = {"model": "m", "max_tokens": 8, "system": system, "messages": []}
+    digest = hashlib.sha256(b"You are an agent.").hexdigest()[:12]
+
+    def moved(payload, headers, path="/v1/messages"):
+        out = move_fields(json.dumps(payload).encode(), path, headers)
+        return None if out is None else json.loads(out)["vllm_xargs"]
+
+    header = {"x-claude-code-session-id": sid}
+    assert moved(body, header) == {
+        "job_id": f"{sid}/{digest}",
+        "last_step_unless_tool_call": 1,
+    }
+    user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": sid})
+    assert moved({**body, "metadata": {"user_id": user_id}}, {})["job_id"] == f"{sid}/{digest}"
+    # The client's own job and last-step flag win; other routes and session-less turns
+    # are left alone.
+    assert moved({**body, "job_id": "j"}, header) == {"job_id": "j"}
+    assert moved({**body, "is_last_step": False}, header) == {
+        "job_id": f"{sid}/{digest}",
+        "is_last_step": 0,
+    }
+    assert moved(body, header, "/v1/chat/completions") is None
+    assert moved(body, {}) is None

@@ -8,31 +8,42 @@ works without the middleware). A pure ASGI middleware: only JSON POST bodies tha
 one of the fields are rewritten; streaming responses pass through untouched. A ``job_id``
 that breaks the job-key rule (``vllm_continuum.jobs``: empty, or not a string), at the top
 level or in ``vllm_xargs``, is a 400 in OpenAI's error shape, as on our own server.
+Claude Code's turns on upstream's ``/v1/messages`` get their job from its session
+(``move_fields``): Claude Code with upstream vLLM and this plugin is served as on ours.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-from vllm_continuum.jobs import validate_job_id
+from vllm_continuum import claude_code
+from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL, validate_job_id
 
 FIELDS = ("job_id", "is_last_step")
 CACHE_KEY = "prompt_cache_key"
+MESSAGES_PATH = "/v1/messages"  # upstream's Anthropic Messages route
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-def move_fields(body: bytes) -> bytes | None:
+def move_fields(
+    body: bytes, path: str = "", headers: Mapping[str, str] | None = None
+) -> bytes | None:
     """The rewritten body, or None when there is nothing to move.
 
     OpenAI's own ``prompt_cache_key`` names the job when no ``job_id`` is given (as on our
-    server; upstream still sees the key). ``ValueError`` naming ``job_id`` if the body's
-    job_id breaks the job-key rule."""
-    if not any(f.encode() in body for f in (*FIELDS, CACHE_KEY)):
+    server; upstream still sees the key). On upstream's ``/v1/messages`` (the Anthropic
+    API), a Claude Code turn without a job names the job by its session and conversation
+    (``vllm_continuum.claude_code``, as on our server; ``headers`` by lower-case name), and
+    unless it says ``is_last_step`` it ends the job only if it calls no tool
+    (``last_step_unless_tool_call``). ``ValueError`` naming ``job_id`` if the body's job_id
+    breaks the job-key rule."""
+    messages = path == MESSAGES_PATH
+    if not messages and not any(f.encode() in body for f in (*FIELDS, CACHE_KEY)):
         return None
     try:
         payload = json.loads(body)
@@ -46,8 +57,15 @@ def move_fields(body: bytes) -> bytes | None:
     job_id = validate_job_id(payload.get("job_id", xargs.get("job_id")))
     key = payload.get(CACHE_KEY)
     by_key = job_id is None and isinstance(key, str) and key != ""
-    if not by_key and not any(f in payload for f in FIELDS):
+    session_job = None
+    if messages and job_id is None and not by_key:
+        session_job = claude_code.job_id(headers or {}, payload)
+    if not by_key and session_job is None and not any(f in payload for f in FIELDS):
         return None
+    if session_job is not None:
+        xargs["job_id"] = session_job
+        if "is_last_step" not in payload and "is_last_step" not in xargs:
+            xargs[LAST_UNLESS_TOOL_CALL] = 1
     for field in FIELDS:
         if field in payload:
             value = payload.pop(field)
@@ -77,8 +95,9 @@ class JobFieldsMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        named = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            rewritten = move_fields(body)
+            rewritten = move_fields(body, scope.get("path", ""), named)
         except ValueError as e:
             await _bad_request(send, str(e), "job_id")
             return

@@ -25,14 +25,10 @@ from vllm.entrypoints.anthropic.protocol import (
     template_kwargs,
     to_chat,
 )
-from vllm.entrypoints.anthropic.serving import (
-    _BlockEvents,
-    _merge_system,
-    as_anthropic,
-    claude_code_session,
-)
+from vllm.entrypoints.anthropic.serving import _BlockEvents, _merge_system, as_anthropic
 from vllm.entrypoints.openai.api_server import error_response
 from vllm.exceptions import VLLMValidationError
+from vllm_continuum import claude_code
 
 from ...utils import RemoteServer
 from ..openai.test_tool_calling_e2e import MODEL, TEMPLATE
@@ -388,15 +384,31 @@ def test_block_events_follow_anthropics_types():
     assert json.loads(args) == {"a": 1}
 
 
-def test_claude_code_sessions():
+def test_claude_code_sessions_and_their_conversations():
     sid = "54c1eb09-bc4c-4d2f-98eb-6d2ab2d5e2fe"
     json_form = {"user_id": json.dumps({"device_id": "d", "account_uuid": "", "session_id": sid})}
     legacy = {"user_id": f"user_{'ab' * 32}_account__session_{sid}"}
-    assert claude_code_session({}, json_form) == sid
-    assert claude_code_session({}, legacy) == sid
-    assert claude_code_session({"x-claude-code-session-id": "h"}, legacy) == "h"
+    assert claude_code.session_id({}, json_form) == sid
+    assert claude_code.session_id({}, legacy) == sid
+    assert claude_code.session_id({"x-claude-code-session-id": "h"}, legacy) == "h"
     for metadata in (None, {}, {"user_id": "alice"}, {"user_id": "{not json"}, {"user_id": 3}):
-        assert claude_code_session({}, metadata) is None
+        assert claude_code.session_id({}, metadata) is None
+    # One job per conversation: the billing header (new every request) does not count;
+    # another system prompt (a subagent, a side request) is another job.
+    main = [
+        {"type": "text", "text": f"{claude_code.BILLING_HEADER}: cch=1;"},
+        {"type": "text", "text": "A"},
+    ]
+    again = [
+        {"type": "text", "text": f"{claude_code.BILLING_HEADER}: cch=2;"},
+        {"type": "text", "text": "A"},
+    ]
+    job = claude_code.job_id({}, {"system": main, "metadata": json_form})
+    assert job.startswith(f"{sid}/") and len(job) == len(sid) + 13
+    assert claude_code.job_id({}, {"system": again, "metadata": json_form}) == job
+    assert claude_code.job_id({}, {"system": "A", "metadata": json_form}) == job
+    assert claude_code.job_id({}, {"system": "B", "metadata": json_form}) != job
+    assert claude_code.job_id({}, {"system": "A"}) is None
 
 
 def test_errors_are_reshaped():

@@ -49,10 +49,10 @@ from vllm.entrypoints.openai.protocol import (
     parse_cache_ttl,
 )
 from vllm.exceptions import VLLMValidationError
+from vllm_continuum.claude_code import BILLING_HEADER
 
 logger = logging.getLogger("vllm.entrypoints.anthropic.protocol")
 
-BILLING_HEADER = "x-anthropic-billing-header"
 DEFAULT_CACHE_TTL = "5m"  # Anthropic's ephemeral cache lifetime
 CACHE_TTLS = ("5m", "1h")
 MAX_STOP_SEQUENCES = 64

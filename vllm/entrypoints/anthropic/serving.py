@@ -7,12 +7,9 @@ is converted back into content blocks. Claude Code, the Claude Agent SDK and the
 
 Job identity (Continuum): the request's ``job_id`` (this server's extra), else the
 router's identity (``vllm_xargs.agentic_context.program_id``, the ``X-Session-ID``
-header), else the Claude Code session: the ``X-Claude-Code-Session-Id`` header, or the
-``session_id`` inside ``metadata.user_id`` (a JSON string in Claude Code 2.1.78+, a
-``user_..._session_<id>`` string before). One Claude Code session runs several
-conversations (the main agent, its subagents, short side requests such as title
-generation), each with its own system prompt, so the job is the session plus a digest of
-the system prompt: each conversation is pinned for itself. Without ``is_last_step``, a
+header), else the Claude Code session and conversation (``vllm_continuum.claude_code``:
+the session id Claude Code sends, plus a digest of the top-level system prompt, so the
+main agent, its subagents and side requests are each a job). Without ``is_last_step``, a
 turn that calls a tool is pinned for the tool's duration and one that answers in text
 ends the job (``last_step_unless_tool_call``), as for /v1/responses.
 
@@ -22,10 +19,8 @@ Errors are Anthropic's: ``{"type": "error", "error": {"type": ..., "message": ..
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -57,13 +52,12 @@ from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.async_llm import RequestStream
+from vllm_continuum import claude_code
 from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL
 
 logger = logging.getLogger(__name__)
 
 MESSAGES_PATH = "/v1/messages"
-CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"
-_LEGACY_SESSION = re.compile(r"_session_([A-Za-z0-9-]+)$")
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -99,24 +93,6 @@ def as_anthropic(response: Response) -> Response:
     except (AttributeError, KeyError, TypeError, ValueError):
         return response
     return anthropic_error(response.status_code, message)
-
-
-def claude_code_session(headers: Mapping[str, str], metadata: dict[str, Any] | None) -> str | None:
-    """The Claude Code session a request belongs to, if it says (see the module doc)."""
-    header = headers.get(CLAUDE_CODE_SESSION_HEADER)
-    if header:
-        return header
-    user_id = (metadata or {}).get("user_id")
-    if not isinstance(user_id, str):
-        return None
-    if user_id.startswith("{"):
-        try:
-            session = json.loads(user_id).get("session_id")
-        except (ValueError, AttributeError, RecursionError):
-            return None
-        return session if isinstance(session, str) and session else None
-    match = _LEGACY_SESSION.search(user_id)
-    return match[1] if match else None
 
 
 class AnthropicServingMessages:
@@ -195,7 +171,7 @@ class AnthropicServingMessages:
         if (request.thinking or {}).get("display") == "omitted":
             fields["include_reasoning"] = False  # no thinking block in the answer
         if isinstance(request, MessagesRequest):
-            job = self._job(request, headers, messages)
+            job = self._job(request, headers)
             fields |= {
                 "thinking_token_budget": thinking_budget(request.thinking, request.max_tokens),
                 "max_completion_tokens": request.max_tokens,
@@ -223,23 +199,16 @@ class AnthropicServingMessages:
         chat_request.cache_breakpoints = list(conv.cache_ttls)
         return chat_request
 
-    def _job(
-        self, request: MessagesRequest, headers: Mapping[str, str], messages: list[dict]
-    ) -> str | None:
+    def _job(self, request: MessagesRequest, headers: Mapping[str, str]) -> str | None:
         """The job ``request`` belongs to (see the module doc); None: a job of its own."""
         limit = self.chat.args.max_job_id_length
         if name_the_job(request, headers, limit) is not None and request.job_id is not None:
             return request.job_id
-        session = claude_code_session(headers, request.metadata)
-        if session is None:
-            return None
-        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
-        digest = hashlib.sha256(system.encode()).hexdigest()[:12]
-        job = f"{session}/{digest}"
-        if len(job) > limit:
+        job = claude_code.job_id(headers, {"system": request.system, "metadata": request.metadata})
+        if job is not None and len(job) > limit:
             raise VLLMValidationError(
                 f"The Claude Code session id names the job and must be at most "
-                f"{limit - 13} characters (--max-job-id-length), got {len(session)}",
+                f"{limit - 13} characters (--max-job-id-length), got {len(job) - 13}",
                 "metadata.user_id",
             )
         return job
