@@ -675,8 +675,9 @@ def test_a_request_shaped_as_claude_codes_streams(server):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = []
     for line in r.iter_lines():
-        if line.startswith(b"data: "):
-            events.append(EVENT.validate_python(json.loads(line[6:])))
+        payload = json.loads(line[6:]) if line.startswith(b"data: ") else {"type": "ping"}
+        if payload["type"] != "ping":  # the anthropic client's reader skips pings too
+            events.append(EVENT.validate_python(payload))
         if events and events[-1].type == "content_block_delta":
             break  # the client leaves mid-answer (the model would write up to the context)
     r.close()
@@ -686,3 +687,52 @@ def test_a_request_shaped_as_claude_codes_streams(server):
     assert server.wait_metric("vllm:num_requests_running", 0.0) == 0.0
     log = (server.out_dir / "server.log").read_text()
     assert f"job_id='{sid}/" in log
+
+
+def test_a_stream_that_waits_sends_pings_then_its_message(monkeypatch):
+    """A request held in the queue (behind another job's turn, or in a long prefill)
+    keeps its connection busy with Anthropic's ping events."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.anthropic import serving as serving_module
+    from vllm.entrypoints.openai.tool_calling import ToolPlan
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    monkeypatch.setattr(serving_module, "PING_INTERVAL_S", 0.05)
+
+    class SlowStream:
+        prompt_token_ids = [1] * 40
+        closed = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if getattr(self, "sent", False):
+                raise StopAsyncIteration
+            await asyncio.sleep(0.22)  # about four intervals in the queue
+            self.sent = True
+            out = CompletionOutput(0, "Paris.", [5, 6], finish_reason="stop")
+            return RequestOutput("r", None, self.prompt_token_ids, [out], True, 32)
+
+        async def aclose(self):
+            self.closed = True
+
+    chat = SimpleNamespace(cache_writes=lambda prompt, cached: 0, timing=lambda *a: {})
+    serving = serving_module.AnthropicServingMessages(chat)
+    stream = SlowStream()
+
+    async def collect():
+        gen = serving._stream("msg_1", MODEL, None, ToolPlan(), stream, None)
+        return [e async for e in gen]
+
+    events = [json.loads(e.split("\n")[1][6:]) for e in asyncio.run(collect())]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[1] == "ping"
+    assert 2 <= kinds.count("ping") <= 6
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert events[-2]["usage"]["cache_read_input_tokens"] == 32 and stream.closed
+    for e in events:
+        if e["type"] != "ping":  # the SDK's reader skips pings before its event types
+            EVENT.validate_python(e)

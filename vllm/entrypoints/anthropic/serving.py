@@ -19,6 +19,8 @@ Errors are Anthropic's: ``{"type": "error", "error": {"type": ..., "message": ..
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -58,6 +60,8 @@ from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL
 logger = logging.getLogger(__name__)
 
 MESSAGES_PATH = "/v1/messages"
+# Seconds without output after which a stream sends a ping event (Anthropic's keep-alive).
+PING_INTERVAL_S = 10.0
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -282,34 +286,38 @@ class AnthropicServingMessages:
         blocks = _BlockEvents()
         streamer = plan.streamer()  # None: the output is plain text
         prompt, cached, output = len(stream.prompt_token_ids), 0, 0
-        finish, matched, started = None, None, False
+        finish, matched = None, None
+        # At once, as Anthropic's API: the prompt's usage so far (what the cache held is
+        # known after the prefill: message_delta carries the whole usage, which clients
+        # take over the start's).
+        yield event(
+            "message_start",
+            message={
+                "id": message_id,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": usage_of(prompt, 0, 0, 0),
+            },
+        )
         try:
-            async for out in stream:
-                prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
-                c = out.outputs[0]
-                if not started:  # after the prefill: the cache counts are known
-                    started = True
-                    usage = usage_of(prompt, 0, cached, self.chat.cache_writes(prompt, cached))
-                    yield event(
-                        "message_start",
-                        message={
-                            "id": message_id,
-                            "type": "message",
-                            "role": "assistant",
-                            "model": model,
-                            "content": [],
-                            "stop_reason": None,
-                            "stop_sequence": None,
-                            "usage": usage,
-                        },
-                    )
-                output += len(c.token_ids)
-                finish, matched = c.finish_reason, c.stop_reason
-                delta = {"content": c.text} if c.text else {}
-                if streamer is not None:
-                    delta = streamer.delta(c.text, c.finish_reason is not None)
-                for chunk in blocks.delta(delta):
-                    yield chunk
+            async with contextlib.aclosing(_with_pings(stream, PING_INTERVAL_S)) as outputs:
+                async for out in outputs:
+                    if out is None:  # queued or prefilling: tell the client we are here
+                        yield event("ping")
+                        continue
+                    prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                    c = out.outputs[0]
+                    output += len(c.token_ids)
+                    finish, matched = c.finish_reason, c.stop_reason
+                    delta = {"content": c.text} if c.text else {}
+                    if streamer is not None:
+                        delta = streamer.delta(c.text, c.finish_reason is not None)
+                    for chunk in blocks.delta(delta):
+                        yield chunk
             for chunk in blocks.close():
                 yield chunk
             reason, sequence = stop_reason_of(finish, matched, blocks.called)
@@ -327,6 +335,32 @@ class AnthropicServingMessages:
             yield event("error", error={"type": error_type(status), "message": str(e)})
         finally:
             await stream.aclose()  # a client that left: abort its request in the engine
+
+
+async def _with_pings(
+    stream: AsyncIterator[RequestOutput], interval_s: float
+) -> AsyncIterator[RequestOutput | None]:
+    """``stream``'s outputs, and None each time ``interval_s`` seconds pass without one (a
+    request waiting in the queue, behind a job's turn, or in a long prefill): the SSE
+    connection stays busy, so no client or proxy closes it as idle."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(stream))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            try:
+                out = finished.result()
+            except StopAsyncIteration:
+                return
+            yield out
+    finally:
+        if pending is not None:
+            pending.cancel()
 
 
 def event(kind: str, **fields: Any) -> str:
