@@ -736,3 +736,54 @@ def test_a_stream_that_waits_sends_pings_then_its_message(monkeypatch):
     for e in events:
         if e["type"] != "ping":  # the SDK's reader skips pings before its event types
             EVENT.validate_python(e)
+
+
+@pytest.mark.slow
+def test_a_side_request_of_the_session_leaves_the_main_conversations_pin(server, client):
+    """Claude Code sends short side requests (title generation, ...) in the same session,
+    with their own system prompt, while a tool runs. Each conversation is its own job, so
+    the side request neither takes nor ends the main conversation's pin."""
+    sid = "0b7e1d0a-5d0f-4b1e-8c47-6f3b2f9d1a20"
+    headers = {"X-Claude-Code-Session-Id": sid}
+    question = {"role": "user", "content": "What is the weather in Bergen?"}
+    before = server.metrics()
+    first = call_weather(client, messages=[question], extra_headers=headers)
+    call = next(b for b in first.content if b.type == "tool_use")
+    pinned = server.wait_metric("vllm:num_pinned_requests", 1.0)
+    assert pinned == 1.0
+    side = client.messages.create(
+        model=MODEL,
+        system="Write a 3-word title for this conversation.",
+        messages=[{"role": "user", "content": "What is the weather in Bergen?"}],
+        max_tokens=6,
+        extra_headers=headers,
+        extra_body=GREEDY,
+    )
+    assert side.content
+    second = call_weather(
+        client,
+        messages=[
+            question,
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in first.content],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Snow"}],
+            },
+        ],
+        extra_headers=headers,
+        tool_choice={"type": "none"},
+        max_tokens=8,
+    )
+    after = server.metrics()
+    assert after["vllm:pin_hits_total"] - before["vllm:pin_hits_total"] == 1
+    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens // 2
+    log = (server.out_dir / "server.log").read_text()
+    jobs = {
+        line.split("job_id=")[1].split()[0]
+        for line in log.splitlines()
+        if sid in line and "messages request" in line
+    }
+    assert len(jobs) == 2  # the main conversation and the side request
