@@ -181,7 +181,7 @@ def test_middleware_names_a_claude_code_turn_on_upstreams_messages_route():
         {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
     ]
     body = {"model": "m", "max_tokens": 8, "system": system, "messages": []}
-    digest = hashlib.sha256(b"You are an agent.").hexdigest()[:12]
+    digest = hashlib.sha256(b"\0You are an agent.").hexdigest()[:12]  # no agent id: main
 
     def moved(payload, headers, path="/v1/messages"):
         out = move_fields(json.dumps(payload).encode(), path, headers)

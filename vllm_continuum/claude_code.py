@@ -6,10 +6,13 @@ Claude Code (and the Claude Agent SDK, which runs it) sends its session id with 
 ``session_id`` inside ``metadata.user_id`` (a JSON string since 2.1.78, a
 ``user_<hash>_account_<id>_session_<uuid>`` string before). One session runs several
 conversations (the main agent, its subagents, short side requests such as title
-generation), each with its own system prompt, so a job is the session plus a digest of
-the request's top-level system prompt: ``<session>/<12 hex digits of its SHA-256>``. The
-digest leaves out the ``x-anthropic-billing-header`` block, which changes with every
-request, and the system messages inside ``messages`` (per-turn reminders).
+generation), each with its own system prompt, and since 2.1.139 each subagent's requests
+carry ``X-Claude-Code-Agent-Id`` (the main agent's carry none). A job is the session plus
+a digest of the agent id and the request's top-level system prompt:
+``<session>/<12 hex digits of their SHA-256>``, so two subagents of one type (one system
+prompt) running side by side are two jobs. The digest leaves out the
+``x-anthropic-billing-header`` block, which changes with every request, and the system
+messages inside ``messages`` (per-turn reminders).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 SESSION_HEADER = "x-claude-code-session-id"
+AGENT_HEADER = "x-claude-code-agent-id"
 BILLING_HEADER = "x-anthropic-billing-header"
 _LEGACY_SESSION = re.compile(r"_session_([A-Za-z0-9-]+)$")
 
@@ -65,5 +69,7 @@ def job_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
     session = session_id(headers, body.get("metadata"))
     if session is None:
         return None
-    digest = hashlib.sha256(system_text(body.get("system")).encode()).hexdigest()[:12]
+    agent = headers.get(AGENT_HEADER) or ""
+    conversation = f"{agent}\0{system_text(body.get('system'))}"
+    digest = hashlib.sha256(conversation.encode()).hexdigest()[:12]
     return f"{session}/{digest}"

@@ -409,6 +409,10 @@ def test_claude_code_sessions_and_their_conversations():
     assert claude_code.job_id({}, {"system": "A", "metadata": json_form}) == job
     assert claude_code.job_id({}, {"system": "B", "metadata": json_form}) != job
     assert claude_code.job_id({}, {"system": "A"}) is None
+    # Two subagents with one system prompt (Claude Code 2.1.139+ names each): two jobs.
+    sub = [{"x-claude-code-agent-id": f"a{i}", "x-claude-code-session-id": sid} for i in (1, 2)]
+    jobs = {claude_code.job_id(h, {"system": "A"}) for h in sub}
+    assert len(jobs) == 2 and job not in jobs
 
 
 def test_errors_are_reshaped():
