@@ -791,3 +791,20 @@ def test_a_side_request_of_the_session_leaves_the_main_conversations_pin(server,
         if sid in line and "messages request" in line
     }
     assert len(jobs) == 2  # the main conversation and the side request
+
+
+@pytest.mark.slow
+def test_models_in_each_clients_shape(server, client):
+    page = client.models.list()
+    (info,) = page.data
+    assert info.id == MODEL and info.type == "model" and info.max_input_tokens == 8192
+    assert client.models.retrieve(MODEL).max_tokens == 8192
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["error"]["type"] == "not_found_error"
+    # Without anthropic-version: OpenAI's shapes, on the same routes.
+    openai_client = server.client()
+    assert openai_client.models.retrieve(MODEL).id == MODEL
+    assert [m.id for m in openai_client.models.list()] == [MODEL]
+    r = requests.get(server.base + "/v1/models/no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
@@ -585,4 +586,31 @@ def anthropic_usage(prompt: int, output: int, cached: int, written: int) -> dict
         "cache_creation_input_tokens": written,
         "cache_read_input_tokens": cached,
         "output_tokens": output,
+    }
+
+
+# -- models -------------------------------------------------------------------------------
+def model_info(card: Any) -> dict[str, Any]:
+    """A ``/v1/models`` card (``ModelCard``) as Anthropic's ``ModelInfo``: its context as
+    ``max_input_tokens`` and ``max_tokens`` (a prompt and its output share it)."""
+    created = datetime.fromtimestamp(card.created, UTC)
+    return {
+        "type": "model",
+        "id": card.id,
+        "display_name": card.id,
+        "created_at": created.isoformat().replace("+00:00", "Z"),
+        "lifecycle": "active",
+        "max_input_tokens": card.max_model_len,
+        "max_tokens": card.max_model_len,
+    }
+
+
+def model_list(cards: list[Any]) -> dict[str, Any]:
+    """Anthropic's page of models: all of them, in one page."""
+    data = [model_info(c) for c in cards]
+    return {
+        "data": data,
+        "has_more": False,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
     }

@@ -18,9 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm import __version__, envs
 from vllm.config import VllmConfig
+from vllm.entrypoints.anthropic import protocol as anthropic_models
 from vllm.entrypoints.anthropic.serving import (
     AnthropicServingMessages,
     add_messages_routes,
+    anthropic_error,
     as_anthropic,
     is_messages_path,
 )
@@ -105,7 +107,9 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
     return error_response(400, f"{'.'.join(loc)}: {msg}", "BadRequestError", loc[0])
 
 
-RECEIVED_KEY = "vllm.received"  # ASGI scope key: time.monotonic() at arrival
+RECEIVED_KEY = "vllm.received"
+# The anthropic client sends it with every request: /v1/models answers in its shape.
+ANTHROPIC_VERSION = "anthropic-version"  # ASGI scope key: time.monotonic() at arrival
 
 
 def instance_id(sock) -> str:
@@ -320,8 +324,22 @@ def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state, mode
         return {"load": engine.num_unfinished_requests}
 
     @app.get("/v1/models", responses=openapi.ERROR_RESPONSES)
-    async def list_models():
-        return ModelList(data=models.model_cards()).model_dump()
+    async def list_models(raw: Request):
+        cards = models.model_cards()
+        if ANTHROPIC_VERSION in raw.headers:  # the anthropic client's list
+            return anthropic_models.model_list(cards)
+        return ModelList(data=cards).model_dump()
+
+    @app.get("/v1/models/{model_id:path}", responses=openapi.MODEL_RESPONSES)
+    async def retrieve_model(model_id: str, raw: Request):
+        anthropic = ANTHROPIC_VERSION in raw.headers
+        card = next((c for c in models.model_cards() if c.id == model_id), None)
+        if card is None:
+            message = f"The model `{model_id}` does not exist."
+            if anthropic:
+                return anthropic_error(404, message)
+            return error_response(404, message, "NotFoundError", "model", "model_not_found")
+        return anthropic_models.model_info(card) if anthropic else card.model_dump()
 
 
 def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:

@@ -217,6 +217,20 @@ COUNT_TOKENS_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_ANTHROPIC_ERRORS,
 }
 
+MODEL_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "The model card (OpenAI's Model; Anthropic's ModelInfo when the request carries "
+        "anthropic-version).",
+        {"id": {"type": "string"}},
+        ["id"],
+    ),
+    404: {
+        "description": "No model of this id is served (NotFoundError; not_found_error).",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+    **ERROR_RESPONSES,
+}
+
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _text("Healthy: empty body."),
     503: _text("Unhealthy: engine dead, stalled (--engine-stall-timeout) or shutting down."),
