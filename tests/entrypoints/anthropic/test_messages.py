@@ -206,7 +206,6 @@ def test_blocks_this_server_cannot_take_are_400s_naming_messages(messages):
         ("container", "cntr_1", "container"),
         ("mcp_servers", [{"type": "url", "url": "http://x"}], "mcp_servers"),
         ("speed", "fast", "speed"),
-        ("diagnostics", {"previous_message_id": None}, "diagnostics"),
         (
             "context_management",
             {"edits": [{"type": "clear_tool_uses_20250919"}]},
@@ -808,3 +807,104 @@ def test_models_in_each_clients_shape(server, client):
     assert [m.id for m in openai_client.models.list()] == [MODEL]
     r = requests.get(server.base + "/v1/models/no-such-model")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+# -- cache diagnostics --------------------------------------------------------------------
+def _fingerprint(prompt, model=MODEL, **kw):
+    from vllm.entrypoints.anthropic.diagnostics import Fingerprint
+
+    return Fingerprint.of(request(**kw), model, prompt)
+
+
+def test_cache_miss_reasons_in_anthropics_order():
+    user = {"role": "user", "content": "a"}
+    reply = {"role": "assistant", "content": "b"}
+    earlier = _fingerprint([1, 2, 3, 4], system="S", messages=[user])
+    # Appended: the earlier prompt is this one's start (cache_control marks moved, and the
+    # billing header changed: neither counts).
+    marked = {"role": "user", "content": [{"type": "text", "text": "a"}]}
+    same = _fingerprint(
+        [1, 2, 3, 4, 5, 6],
+        system=[
+            {"type": "text", "text": "x-anthropic-billing-header: cch=9;"},
+            {"type": "text", "text": "S", "cache_control": {"type": "ephemeral"}},
+        ],
+        messages=[user, reply, {"role": "user", "content": "c"}],
+    )
+    assert same.miss_reason(earlier) is None
+    assert (
+        _fingerprint([1, 2], system="S", messages=[marked]).miss_reason(
+            _fingerprint([1, 2], system="S", messages=[marked | {"cache_control": None}])
+        )
+        is None
+    )
+    assert same.miss_reason(None) == {"type": "previous_message_not_found"}
+    cases = {
+        "model_changed": _fingerprint([1, 2, 9], "other", system="S", messages=[user, reply]),
+        "system_changed": _fingerprint([1, 9], system="T", messages=[user, reply]),
+        "tools_changed": _fingerprint(
+            [1, 2, 3, 9],
+            system="S",
+            messages=[user, reply],
+            tools=[{"name": "f", "input_schema": {}}],
+        ),
+        "messages_changed": _fingerprint([1, 2, 3, 4], system="S", messages=[reply]),
+    }
+    # What would have been read: the earlier prompt past the prefix both share.
+    missed = {"model_changed": 2, "system_changed": 3, "tools_changed": 1, "messages_changed": 0}
+    for kind, fp in cases.items():
+        assert fp.miss_reason(earlier) == {"type": kind, "cache_missed_input_tokens": missed[kind]}
+    # Everything alike, the tokens not (a template that rewrites an earlier turn).
+    rewritten = _fingerprint([1, 2, 7, 4, 5], system="S", messages=[user, reply])
+    assert rewritten.miss_reason(earlier) == {"type": "unavailable"}
+
+
+def test_fingerprints_are_bounded_in_number_and_tokens():
+    from vllm.entrypoints.anthropic.diagnostics import Fingerprints
+
+    store = Fingerprints(max_messages=3, max_tokens=10)
+    for i in range(4):
+        store.put(f"m{i}", _fingerprint([1, 2]))
+    assert len(store) == 3 and store.get("m0") is None and store.tokens == 6
+    store.get("m1")  # used: the least recently used is now m2
+    store.put("m4", _fingerprint(list(range(6))))
+    assert store.get("m2") is None and store.get("m1") is not None and store.tokens <= 10
+    store.put("huge", _fingerprint(list(range(11))))
+    assert store.get("huge") is None
+
+
+@pytest.mark.parametrize("value", [{"previous_message_id": 3}, {"x": 1}])
+def test_bad_diagnostics_are_refused(value):
+    with pytest.raises(ValidationError) as e:
+        request(diagnostics=value)
+    assert param_of(e) == "diagnostics"
+
+
+@pytest.mark.slow
+def test_cache_diagnostics_end_to_end(client):
+    question = {"role": "user", "content": "What is the capital of Norway?"}
+    kw = {"max_tokens": 8, "extra_body": GREEDY, "system": "You answer in one word."}
+    first = client.messages.create(
+        model=MODEL, messages=[question], diagnostics={"previous_message_id": None}, **kw
+    )
+    assert first.diagnostics.cache_miss_reason is None
+    turn = [question, {"role": "assistant", "content": first.content[0].text}]
+    turn.append({"role": "user", "content": "And of Sweden?"})
+    second = client.messages.create(
+        model=MODEL, messages=turn, diagnostics={"previous_message_id": first.id}, **kw
+    )
+    assert second.diagnostics.cache_miss_reason is None
+    assert second.usage.cache_read_input_tokens > 0
+    changed = client.messages.create(
+        model=MODEL,
+        messages=turn,
+        diagnostics={"previous_message_id": second.id},
+        **{**kw, "system": "You answer in French."},
+    )
+    reason = changed.diagnostics.cache_miss_reason
+    assert reason.type == "system_changed" and reason.cache_missed_input_tokens > 0
+    with client.messages.stream(
+        model=MODEL, messages=turn, diagnostics={"previous_message_id": "msg_unknown"}, **kw
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.diagnostics.cache_miss_reason.type == "previous_message_not_found"

@@ -81,7 +81,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "context_management": _context_management_off,
     "inference_geo": _is_off,
     "speed": lambda v: v in (None, "standard"),
-    "diagnostics": _is_off,
 }
 # Tool keys with nothing to do here at these values (a tool is called directly by the
 # model, its schema always loaded; the input streams as it is written anyway).
@@ -126,6 +125,8 @@ class MessagesRequest(BaseModel):
     output_config: dict[str, Any] | None = None
     # A breakpoint on the last cacheable block: here, on the prompt as a whole.
     cache_control: dict[str, Any] | None = None
+    # Anthropic's cache diagnostics (``diagnostics.py``): {"previous_message_id": id | null}.
+    diagnostics: dict[str, Any] | None = None
     # Attribution for Anthropic's billing; one server is one workspace: nothing to do.
     user_profile_id: StrictStr | None = None
     workspace_id: StrictStr | None = None
@@ -154,6 +155,16 @@ class MessagesRequest(BaseModel):
     def _refuse_unsupported(self) -> MessagesRequest:
         refuse_unsupported(self.model_extra or {}, "Messages")
         thinking_budget(self.thinking, self.max_tokens)
+        diagnostics = self.diagnostics
+        if diagnostics is not None and (
+            set(diagnostics) - {"previous_message_id"}
+            or not isinstance(diagnostics.get("previous_message_id", ""), str | None)
+        ):
+            raise VLLMValidationError(
+                'diagnostics must be {"previous_message_id": <message id or null>}, got '
+                f"{loggable(diagnostics)}",
+                "diagnostics",
+            )
         return self
 
 

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from vllm.entrypoints.anthropic.diagnostics import Fingerprint, Fingerprints
 from vllm.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -105,6 +106,7 @@ class AnthropicServingMessages:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
         self._inline_system: bool | None = None  # the template takes later system messages
+        self.fingerprints = Fingerprints()  # of the requests that opted in to diagnostics
 
     # -- create ---------------------------------------------------------------------------
     async def create_message(
@@ -131,14 +133,32 @@ class AnthropicServingMessages:
         except VLLMValidationError as e:
             raise _renamed(e) from e
         model = self.chat.response_model(request.model)
+        diagnostics = self._diagnose(request, message_id, model, stream.prompt_token_ids)
         if request.stream:
-            events = self._stream(message_id, model, chat_request, plan, stream, received)
+            events = self._stream(message_id, model, diagnostics, plan, stream, received)
             return EngineStreamingResponse(events, stream)
         final = await self.chat.collect(stream, receive)
         if final is None:
             return Response(status_code=499)  # the client left
-        body = self._message(message_id, model, chat_request, plan, final)
+        body = self._message(message_id, model, plan, final)
+        if diagnostics is not None:
+            body["diagnostics"] = diagnostics
         return JSONResponse(body, headers=self.chat.timing(received, stream))
+
+    def _diagnose(
+        self, request: MessagesRequest, message_id: str, model: str, prompt: list[int]
+    ) -> dict[str, Any] | None:
+        """``diagnostics`` for a request that opted in (``diagnostics.py``); None else. Its
+        own fingerprint is kept for the next turn to name."""
+        if request.diagnostics is None:
+            return None
+        fingerprint = Fingerprint.of(request, model, prompt)
+        previous = request.diagnostics.get("previous_message_id")
+        reason = None
+        if previous is not None:
+            reason = fingerprint.miss_reason(self.fingerprints.get(previous))
+        self.fingerprints.put(message_id, fingerprint)
+        return {"cache_miss_reason": reason}
 
     async def count_tokens(self, request: CountTokensRequest) -> dict[str, int]:
         """``{"input_tokens": N}``: the prompt the request would run with, checked as for
@@ -248,12 +268,7 @@ class AnthropicServingMessages:
 
     # -- results --------------------------------------------------------------------------
     def _message(
-        self,
-        message_id: str,
-        model: str,
-        chat_request: ChatCompletionRequest,
-        plan: ToolPlan,
-        final: RequestOutput,
+        self, message_id: str, model: str, plan: ToolPlan, final: RequestOutput
     ) -> dict[str, Any]:
         c = final.outputs[0]
         message, _ = plan.message(c.text, c.finish_reason)
@@ -278,7 +293,7 @@ class AnthropicServingMessages:
         self,
         message_id: str,
         model: str,
-        chat_request: ChatCompletionRequest,
+        diagnostics: dict[str, Any] | None,
         plan: ToolPlan,
         stream: RequestStream,
         received: float | None,
@@ -290,19 +305,19 @@ class AnthropicServingMessages:
         # At once, as Anthropic's API: the prompt's usage so far (what the cache held is
         # known after the prefill: message_delta carries the whole usage, which clients
         # take over the start's).
-        yield event(
-            "message_start",
-            message={
-                "id": message_id,
-                "type": "message",
-                "role": "assistant",
-                "model": model,
-                "content": [],
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": usage_of(prompt, 0, 0, 0),
-            },
-        )
+        start = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage_of(prompt, 0, 0, 0),
+        }
+        if diagnostics is not None:
+            start["diagnostics"] = diagnostics
+        yield event("message_start", message=start)
         try:
             async with contextlib.aclosing(_with_pings(stream, PING_INTERVAL_S)) as outputs:
                 async for out in outputs:
