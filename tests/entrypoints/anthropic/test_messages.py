@@ -206,9 +206,15 @@ def test_blocks_this_server_cannot_take_are_400s_naming_messages(messages):
         ("container", "cntr_1", "container"),
         ("mcp_servers", [{"type": "url", "url": "http://x"}], "mcp_servers"),
         ("speed", "fast", "speed"),
+        ("context_management", {"edits": [{"type": "compact_20260112"}]}, "context_management"),
         (
             "context_management",
-            {"edits": [{"type": "clear_tool_uses_20250919"}]},
+            {"edits": [{"type": "clear_tool_uses_20250919", "keep": 3}]},
+            "context_management",
+        ),
+        (
+            "context_management",
+            {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "all", "x": 1}}]},
             "context_management",
         ),
         ("thinking", {"type": "enabled", "budget_tokens": 512}, "thinking.budget_tokens"),
@@ -727,7 +733,7 @@ def test_a_stream_that_waits_sends_pings_then_its_message(monkeypatch):
     stream = SlowStream()
 
     async def collect():
-        gen = serving._stream("msg_1", MODEL, None, ToolPlan(), stream, None)
+        gen = serving._stream("msg_1", MODEL, None, None, ToolPlan(), stream, None)
         return [e async for e in gen]
 
     events = [json.loads(e.split("\n")[1][6:]) for e in asyncio.run(collect())]
@@ -908,3 +914,101 @@ def test_cache_diagnostics_end_to_end(client):
     ) as stream:
         final = stream.get_final_message()
     assert final.diagnostics.cache_miss_reason.type == "previous_message_not_found"
+
+
+# -- context editing ----------------------------------------------------------------------
+def _tool_loop(n: int, with_thinking: bool = False) -> list[dict]:
+    """A conversation of ``n`` tool uses (bash, then read), each answered, then a question."""
+    messages = [{"role": "user", "content": "Look around."}]
+    for i in range(n):
+        name = "read" if i % 2 else "bash"
+        blocks = [{"type": "thinking", "thinking": f"step {i}", "signature": ""}] * with_thinking
+        blocks.append({"type": "tool_use", "id": f"t{i}", "name": name, "input": {"arg": f"a{i}"}})
+        messages.append({"role": "assistant", "content": blocks})
+        result = {"type": "tool_result", "tool_use_id": f"t{i}", "content": f"output {i} " * 20}
+        messages.append({"role": "user", "content": [result]})
+    return messages
+
+
+def _apply(messages, config, tokens=None):
+    import asyncio
+
+    from vllm.entrypoints.anthropic.context_edits import apply_edits, parse_edits
+
+    async def count(msgs):  # a stand-in tokenizer: a token per 4 characters
+        return len(json.dumps(msgs)) // 4
+
+    return asyncio.run(apply_edits(messages, parse_edits(config), count))
+
+
+def test_clear_tool_uses_keeps_the_last_ones_and_the_excluded_tools():
+    messages = _tool_loop(5)
+    edit = {
+        "type": "clear_tool_uses_20250919",
+        "trigger": {"type": "tool_uses", "value": 4},
+        "keep": {"type": "tool_uses", "value": 2},
+        "exclude_tools": ["read"],
+        "clear_tool_inputs": True,
+    }
+    edited, applied = _apply(messages, {"edits": [edit]})
+    results = [b["content"] for m in edited[2::2] for b in m["content"]]
+    # t0 and t2 (bash, older than the last two) are cleared; t1 is a read (excluded).
+    assert results[0] == results[2] == "[tool result cleared]"
+    assert results[1].startswith("output 1") and results[3].startswith("output 3")
+    assert [m["content"][0]["input"] for m in edited[1::2]] == [
+        {},
+        {"arg": "a1"},
+        {},
+        {"arg": "a3"},
+        {"arg": "a4"},
+    ]
+    (report,) = applied
+    assert report["type"] == "clear_tool_uses_20250919" and report["cleared_tool_uses"] == 2
+    assert report["cleared_input_tokens"] > 0
+    assert messages == _tool_loop(5)  # the request's own messages are left as they are
+    # Below the trigger, or unable to clear clear_at_least tokens: nothing changes.
+    assert (
+        _apply(messages, {"edits": [{**edit, "trigger": {"type": "tool_uses", "value": 5}}]})[1]
+        == []
+    )
+    tight = {**edit, "clear_at_least": {"type": "input_tokens", "value": 10**6}}
+    assert _apply(messages, {"edits": [tight]}) == (messages, [])
+    # The default trigger is 100k input tokens.
+    assert _apply(messages, {"edits": [{"type": "clear_tool_uses_20250919"}]})[1] == []
+
+
+def test_clear_thinking_keeps_the_last_turns():
+    messages = _tool_loop(3, with_thinking=True)
+    edited, applied = _apply(messages, {"edits": [{"type": "clear_thinking_20251015"}]})
+    kinds = [[b["type"] for b in m["content"]] for m in edited[1::2]]
+    assert kinds == [["tool_use"], ["tool_use"], ["thinking", "tool_use"]]  # keep 1 by default
+    assert applied[0]["cleared_thinking_turns"] == 2
+    keep_all = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    assert _apply(messages, keep_all) == (messages, [])
+
+
+@pytest.mark.slow
+def test_context_editing_end_to_end(client):
+    edit = {
+        "type": "clear_tool_uses_20250919",
+        "trigger": {"type": "tool_uses", "value": 2},
+        "keep": {"type": "tool_uses", "value": 1},
+    }
+    messages = _tool_loop(4)
+    tools = [
+        {"name": n, "input_schema": {"type": "object", "properties": {"arg": {"type": "string"}}}}
+        for n in ("bash", "read")
+    ]
+    kw = {"model": MODEL, "messages": messages, "tools": tools}
+    extra = {"context_management": {"edits": [edit]}}
+    count = client.messages.count_tokens(**kw, extra_body=extra)
+    plain = client.messages.count_tokens(**kw)
+    assert count.input_tokens < plain.input_tokens
+    assert count.model_dump()["context_management"]["original_input_tokens"] == plain.input_tokens
+    msg = client.messages.create(**kw, max_tokens=4, extra_body={**extra, **GREEDY})
+    (report,) = msg.model_dump()["context_management"]["applied_edits"]
+    assert report["cleared_tool_uses"] == 3
+    assert report["cleared_input_tokens"] == plain.input_tokens - count.input_tokens
+    with client.messages.stream(**kw, max_tokens=4, extra_body={**extra, **GREEDY}) as stream:
+        events = [e for e in stream if e.type == "message_delta"]
+    assert events[-1].model_dump()["context_management"]["applied_edits"] == [report]

@@ -41,6 +41,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
+from vllm.entrypoints.anthropic.context_edits import parse_edits
 from vllm.entrypoints.openai.protocol import (
     MAX_CHAT_MESSAGES,
     MAX_LOGGED_FIELDS,
@@ -59,26 +60,12 @@ CACHE_TTLS = ("5m", "1h")
 MAX_STOP_SEQUENCES = 64
 
 
-def _context_management_off(value: Any) -> bool:
-    """Claude Code sends ``{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}``
-    with every request: keeping all thinking asks for nothing. Any other edit would be
-    silently not done."""
-    if _is_off(value):
-        return True
-    edits = value.get("edits") if isinstance(value, dict) and set(value) == {"edits"} else None
-    return isinstance(edits, list) and all(
-        isinstance(e, dict) and e == {"type": "clear_thinking_20251015", "keep": "all"}
-        for e in edits
-    )
-
-
 # Messages parameters this server does not implement, and the values that ask for nothing
 # (clients sending defaults still work). Anything else is a 400 naming the field.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "service_tier": lambda v: v in (None, "auto", "standard_only"),
     "container": _is_off,
     "mcp_servers": _is_off,
-    "context_management": _context_management_off,
     "inference_geo": _is_off,
     "speed": lambda v: v in (None, "standard"),
 }
@@ -127,6 +114,8 @@ class MessagesRequest(BaseModel):
     cache_control: dict[str, Any] | None = None
     # Anthropic's cache diagnostics (``diagnostics.py``): {"previous_message_id": id | null}.
     diagnostics: dict[str, Any] | None = None
+    # Anthropic's context editing (``context_edits.py``).
+    context_management: dict[str, Any] | None = None
     # Attribution for Anthropic's billing; one server is one workspace: nothing to do.
     user_profile_id: StrictStr | None = None
     workspace_id: StrictStr | None = None
@@ -155,6 +144,7 @@ class MessagesRequest(BaseModel):
     def _refuse_unsupported(self) -> MessagesRequest:
         refuse_unsupported(self.model_extra or {}, "Messages")
         thinking_budget(self.thinking, self.max_tokens)
+        parse_edits(self.context_management)
         diagnostics = self.diagnostics
         if diagnostics is not None and (
             set(diagnostics) - {"previous_message_id"}
@@ -182,6 +172,7 @@ class CountTokensRequest(BaseModel):
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -192,6 +183,7 @@ class CountTokensRequest(BaseModel):
     def _refuse_unsupported(self) -> CountTokensRequest:
         refuse_unsupported(self.model_extra or {}, "count_tokens")
         thinking_budget(self.thinking, None)
+        parse_edits(self.context_management)
         return self
 
 
@@ -272,15 +264,17 @@ class ChatConversion:
         self.cache_ttls.append(parse_cache_ttl(control.get("ttl", DEFAULT_CACHE_TTL), name))
 
 
-def to_chat(request: MessagesRequest | CountTokensRequest) -> ChatConversion:
-    """The chat messages of ``request`` (system first) and its breakpoints;
-    ``VLLMValidationError`` naming ``system`` / ``messages`` / ``tools`` for a block this
-    server cannot take."""
+def to_chat(
+    request: MessagesRequest | CountTokensRequest, messages: list[dict[str, Any]] | None = None
+) -> ChatConversion:
+    """The chat messages of ``request`` (system first; ``messages`` in place of its own,
+    when given) and its breakpoints; ``VLLMValidationError`` naming ``system`` /
+    ``messages`` / ``tools`` for a block this server cannot take."""
     conv = ChatConversion()
     system = _system_text(request.system, conv)
     if system:
         conv.messages.append({"role": "system", "content": system})
-    for i, message in enumerate(request.messages):
+    for i, message in enumerate(request.messages if messages is None else messages):
         _convert_message(message, f"messages.{i}", conv)
     for i, tool in enumerate(request.tools or []):
         conv.mark(tool, f"tools.{i}")

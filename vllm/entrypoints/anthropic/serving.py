@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from vllm.entrypoints.anthropic.context_edits import apply_edits, needs_work, parse_edits
 from vllm.entrypoints.anthropic.diagnostics import Fingerprint, Fingerprints
 from vllm.entrypoints.anthropic.protocol import (
     CountTokensRequest,
@@ -119,7 +120,8 @@ class AnthropicServingMessages:
         """The message (JSON), or its events (SSE) if ``request.stream``;
         ``VLLMValidationError`` naming the Messages field for a request refused."""
         message_id = f"msg_{uuid.uuid4().hex}"
-        chat_request = await self._chat_request(request, headers)
+        chat_request, applied = await self._edited_chat_request(request, headers)
+        edited = None if applied is None else {"applied_edits": applied}
         logger.info(
             "messages request %s: job_id=%s messages=%d tools=%d stream=%s",
             message_id,
@@ -135,7 +137,7 @@ class AnthropicServingMessages:
         model = self.chat.response_model(request.model)
         diagnostics = self._diagnose(request, message_id, model, stream.prompt_token_ids)
         if request.stream:
-            events = self._stream(message_id, model, diagnostics, plan, stream, received)
+            events = self._stream(message_id, model, diagnostics, edited, plan, stream, received)
             return EngineStreamingResponse(events, stream)
         final = await self.chat.collect(stream, receive)
         if final is None:
@@ -143,6 +145,8 @@ class AnthropicServingMessages:
         body = self._message(message_id, model, plan, final)
         if diagnostics is not None:
             body["diagnostics"] = diagnostics
+        if edited is not None:
+            body["context_management"] = edited
         return JSONResponse(body, headers=self.chat.timing(received, stream))
 
     def _diagnose(
@@ -160,20 +164,50 @@ class AnthropicServingMessages:
         self.fingerprints.put(message_id, fingerprint)
         return {"cache_miss_reason": reason}
 
-    async def count_tokens(self, request: CountTokensRequest) -> dict[str, int]:
+    async def count_tokens(self, request: CountTokensRequest) -> dict[str, Any]:
         """``{"input_tokens": N}``: the prompt the request would run with, checked as for
-        generation."""
-        chat_request = await self._chat_request(request, {})
+        generation; with ``context_management``, after its edits, and the count before
+        them as ``context_management.original_input_tokens``."""
+        chat_request, applied = await self._edited_chat_request(request, {})
+        count = await self._count(chat_request)
+        if applied is None:
+            return {"input_tokens": count}
+        cleared = sum(edit["cleared_input_tokens"] for edit in applied)
+        return {
+            "input_tokens": count,
+            "context_management": {"original_input_tokens": count + cleared},
+        }
+
+    async def _count(self, chat_request: ChatCompletionRequest) -> int:
         try:
-            token_ids = await self.chat.prompt_token_ids(chat_request)
+            return len(await self.chat.prompt_token_ids(chat_request))
         except VLLMValidationError as e:
             raise _renamed(e) from e
-        return {"input_tokens": len(token_ids)}
+
+    async def _edited_chat_request(
+        self, request: MessagesRequest | CountTokensRequest, headers: Mapping[str, str]
+    ) -> tuple[ChatCompletionRequest, list[dict[str, Any]] | None]:
+        """The chat request of ``request`` after its ``context_management`` edits, and what
+        they cleared (None: the request asked for no editing)."""
+        edits = parse_edits(request.context_management)
+        if not edits:
+            return await self._chat_request(request, headers), None
+        messages, applied = request.messages, []
+        if needs_work(edits):
+
+            async def count(edited: list[dict[str, Any]]) -> int:
+                return await self._count(await self._chat_request(request, headers, edited))
+
+            messages, applied = await apply_edits(messages, edits, count)
+        return await self._chat_request(request, headers, messages), applied
 
     async def _chat_request(
-        self, request: MessagesRequest | CountTokensRequest, headers: Mapping[str, str]
+        self,
+        request: MessagesRequest | CountTokensRequest,
+        headers: Mapping[str, str],
+        messages: list[dict[str, Any]] | None = None,
     ) -> ChatCompletionRequest:
-        conv = to_chat(request)
+        conv = to_chat(request, messages)
         messages = conv.messages
         if any(m["role"] == "system" for m in messages[1:]) and not await self._takes_inline():
             messages = _merge_system(messages)
@@ -294,6 +328,7 @@ class AnthropicServingMessages:
         message_id: str,
         model: str,
         diagnostics: dict[str, Any] | None,
+        edited: dict[str, Any] | None,
         plan: ToolPlan,
         stream: RequestStream,
         received: float | None,
@@ -337,11 +372,9 @@ class AnthropicServingMessages:
                 yield chunk
             reason, sequence = stop_reason_of(finish, matched, blocks.called)
             usage = usage_of(prompt, output, cached, self.chat.cache_writes(prompt, cached))
-            yield event(
-                "message_delta",
-                delta={"stop_reason": reason, "stop_sequence": sequence},
-                usage=usage,
-            )
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            extra = {} if edited is None else {"context_management": edited}
+            yield event("message_delta", delta=delta, usage=usage, **extra)
             yield event("message_stop")
             self.chat.timing(received, stream)
         except Exception as e:  # the status line is sent: the error goes in-band
