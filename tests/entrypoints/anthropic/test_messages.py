@@ -5,7 +5,6 @@ the event stream (no server), then end to end with the official anthropic client
 from __future__ import annotations
 
 import json
-import os
 
 import anthropic
 import pytest
@@ -30,8 +29,7 @@ from vllm.entrypoints.openai.api_server import error_response
 from vllm.exceptions import VLLMValidationError
 from vllm_continuum import claude_code
 
-from ...utils import RemoteServer
-from ..openai.test_tool_calling_e2e import MODEL, TEMPLATE
+from ..openai.test_tool_calling_e2e import MODEL, agent_server
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
 
@@ -443,31 +441,15 @@ WEATHER = {
     },
 }
 SYSTEM = "You are a weather assistant. Call get_weather to learn the weather of a city."
-GREEDY = {"temperature": 0}
+GREEDY = {"temperature": 0}  # extra_body: the 2.x anthropic client has no temperature argument
 # Guided to one call: left to itself, the 135M model repeats calls until max_tokens.
-ONE_CALL = {
-    "type": "any",
-    "disable_parallel_tool_use": True,
-}  # the 2.x anthropic client has no temperature argument
+ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("messages")
-    srv = RemoteServer(
-        "--scheduling-policy",
-        "continuum",
-        "--continuum-default-ttl",
-        "5",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--chat-template",
-        TEMPLATE,
-        log_path=str(out / "server.log"),
-        env={**os.environ, "RUN_OUTPUT_DIR": str(out)},
-    )
-    srv.out_dir = out
+    srv = agent_server(out)
     yield srv
     srv.stop()
 
@@ -492,6 +474,26 @@ def call_weather(client, city="Paris", **kw):
         tool_choice=kw.pop("tool_choice", ONE_CALL),
         max_tokens=kw.pop("max_tokens", 40),
         extra_body=GREEDY,
+        **kw,
+    )
+
+
+def answer_call(client, question, first, call, result: str, **kw):
+    """The turn after ``first`` called ``call``: its result, and no further call."""
+    return call_weather(
+        client,
+        messages=[
+            question,
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in first.content],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}],
+            },
+        ],
+        tool_choice={"type": "none"},
         **kw,
     )
 
@@ -579,23 +581,7 @@ def test_a_claude_code_session_is_one_job_pinned_between_turns(server, client):
     question = {"role": "user", "content": "What is the weather in Oslo?"}
     first = call_weather(client, messages=[question], metadata=metadata)
     call = next(b for b in first.content if b.type == "tool_use")
-    second = call_weather(
-        client,
-        messages=[
-            question,
-            {
-                "role": "assistant",
-                "content": [b.model_dump(exclude_none=True) for b in first.content],
-            },
-            {
-                "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Rain"}],
-            },
-        ],
-        metadata=metadata,
-        tool_choice={"type": "none"},
-        max_tokens=12,
-    )
+    second = answer_call(client, question, first, call, "Rain", metadata=metadata, max_tokens=12)
     after = server.metrics()
     assert after["vllm:pin_hits_total"] - before["vllm:pin_hits_total"] == 1
     assert second.usage.cache_read_input_tokens > first.usage.input_tokens // 2
@@ -769,23 +755,7 @@ def test_a_side_request_of_the_session_leaves_the_main_conversations_pin(server,
         extra_body=GREEDY,
     )
     assert side.content
-    second = call_weather(
-        client,
-        messages=[
-            question,
-            {
-                "role": "assistant",
-                "content": [b.model_dump(exclude_none=True) for b in first.content],
-            },
-            {
-                "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Snow"}],
-            },
-        ],
-        extra_headers=headers,
-        tool_choice={"type": "none"},
-        max_tokens=8,
-    )
+    second = answer_call(client, question, first, call, "Snow", extra_headers=headers, max_tokens=8)
     after = server.metrics()
     assert after["vllm:pin_hits_total"] - before["vllm:pin_hits_total"] == 1
     assert second.usage.cache_read_input_tokens >= first.usage.input_tokens // 2

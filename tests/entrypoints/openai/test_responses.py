@@ -4,7 +4,6 @@ then end to end with the official openai client (``slow``)."""
 from __future__ import annotations
 
 import json
-import os
 
 import openai
 import pytest
@@ -24,8 +23,7 @@ from vllm.entrypoints.openai.responses_store import ResponseStore, StoredRespons
 from vllm.entrypoints.openai.responses_stream import ResponseEvents
 from vllm.exceptions import VLLMValidationError
 
-from ...utils import RemoteServer
-from .test_tool_calling_e2e import MODEL, TEMPLATE
+from .test_tool_calling_e2e import MODEL, agent_server
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -298,20 +296,7 @@ INSTRUCTIONS = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("responses")
-    srv = RemoteServer(
-        "--scheduling-policy",
-        "continuum",
-        "--continuum-default-ttl",
-        "5",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--chat-template",
-        TEMPLATE,
-        log_path=str(out / "server.log"),
-        env={**os.environ, "RUN_OUTPUT_DIR": str(out)},
-    )
-    srv.out_dir = out
+    srv = agent_server(out)
     yield srv
     srv.stop()
 

@@ -55,6 +55,26 @@ REPEAT = [{"role": "user", "content": "Repeat this text exactly:\n" + CALL}]
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def agent_server(out) -> RemoteServer:
+    """A server for agent turns: Continuum (5 s default pins), hermes tool calls, its log
+    and run records in ``out`` (``srv.out_dir``)."""
+    srv = RemoteServer(
+        "--scheduling-policy",
+        "continuum",
+        "--continuum-default-ttl",
+        "5",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--chat-template",
+        TEMPLATE,
+        log_path=str(out / "server.log"),
+        env={**os.environ, "RUN_OUTPUT_DIR": str(out)},
+    )
+    srv.out_dir = out
+    return srv
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("tools")

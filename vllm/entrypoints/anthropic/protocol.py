@@ -43,10 +43,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_
 
 from vllm.entrypoints.anthropic.context_edits import parse_edits
 from vllm.entrypoints.openai.protocol import (
-    MAX_CHAT_MESSAGES,
     MAX_LOGGED_FIELDS,
     _check_nesting,
     _is_off,
+    check_count,
     loggable,
     parse_cache_ttl,
 )
@@ -132,12 +132,7 @@ class MessagesRequest(BaseModel):
     def _bound(cls, data: Any) -> Any:
         if isinstance(data, dict):
             _check_nesting(data)
-            messages = data.get("messages")
-            if isinstance(messages, list) and len(messages) > MAX_CHAT_MESSAGES:
-                raise VLLMValidationError(
-                    f"messages must hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}",
-                    "messages",
-                )
+            check_count(data, "messages", "messages")
         return data
 
     @model_validator(mode="after")

@@ -271,6 +271,16 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
     return [m.for_template() for m in parsed]
 
 
+def check_count(data: Any, field: str, noun: str) -> None:
+    """``VLLMValidationError`` naming ``field`` if ``data[field]`` (a raw request body's
+    list) holds more than MAX_CHAT_MESSAGES ``noun``; counted before any is validated."""
+    items = data.get(field) if isinstance(data, dict) else None
+    if isinstance(items, list) and len(items) > MAX_CHAT_MESSAGES:
+        raise VLLMValidationError(
+            f"{field} must hold at most {MAX_CHAT_MESSAGES} {noun}, got {len(items)}", field
+        )
+
+
 # Tool schemas nest a dozen levels; hundreds only serve to blow the stack of whatever
 # recurses into the value later (deepcopy, pickle to the engine, the chat template).
 MAX_NESTING = 64
@@ -571,14 +581,9 @@ class ChatCompletionRequest(_SamplingFields):
     def _bound_messages(cls, data: Any) -> Any:
         # Runs before the parent's validators and the field's: 250k messages are refused
         # without building 250k models (seconds on the event loop, a GiB of memory).
-        messages = data.get("messages") if isinstance(data, dict) else None
-        if isinstance(messages, list) and len(messages) > MAX_CHAT_MESSAGES:
-            raise VLLMValidationError(
-                f"messages must hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}",
-                "messages",
-            )
+        check_count(data, "messages", "messages")
         if isinstance(data, dict):
-            messages, marks = _take_cache_breakpoints(messages)
+            messages, marks = _take_cache_breakpoints(data.get("messages"))
             data = {**data, "messages": messages, "cache_breakpoints": marks}
         return data
 

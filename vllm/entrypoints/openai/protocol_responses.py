@@ -17,10 +17,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from vllm.entrypoints.openai.protocol import (
-    MAX_CHAT_MESSAGES,
     MAX_LOGGED_FIELDS,
     _check_nesting,
     _is_off,
+    check_count,
     loggable,
 )
 from vllm.exceptions import VLLMValidationError
@@ -118,12 +118,7 @@ class ResponsesRequest(BaseModel):
     def _bound(cls, data: Any) -> Any:
         if isinstance(data, dict):
             _check_nesting(data)
-            items = data.get("input")
-            if isinstance(items, list) and len(items) > MAX_CHAT_MESSAGES:
-                raise VLLMValidationError(
-                    f"input must hold at most {MAX_CHAT_MESSAGES} items, got {len(items)}",
-                    "input",
-                )
+            check_count(data, "input", "items")
         return data
 
     @model_validator(mode="after")
