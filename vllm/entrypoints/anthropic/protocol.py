@@ -43,13 +43,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_
 
 from vllm.entrypoints.anthropic.context_edits import parse_edits
 from vllm.entrypoints.openai.protocol import (
-    MAX_LOGGED_FIELDS,
     _check_nesting,
     _is_off,
     check_count,
     loggable,
     parse_cache_ttl,
 )
+from vllm.entrypoints.openai.protocol_responses import refuse_extras
 from vllm.exceptions import VLLMValidationError
 from vllm_continuum.claude_code import BILLING_HEADER
 
@@ -137,7 +137,7 @@ class MessagesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> MessagesRequest:
-        refuse_unsupported(self.model_extra or {}, "Messages")
+        refuse_extras(self.model_extra or {}, UNSUPPORTED, "Messages")
         thinking_budget(self.thinking, self.max_tokens)
         parse_edits(self.context_management)
         diagnostics = self.diagnostics
@@ -176,22 +176,10 @@ class CountTokensRequest(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> CountTokensRequest:
-        refuse_unsupported(self.model_extra or {}, "count_tokens")
+        refuse_extras(self.model_extra or {}, UNSUPPORTED, "count_tokens")
         thinking_budget(self.thinking, None)
         parse_edits(self.context_management)
         return self
-
-
-def refuse_unsupported(extra: dict[str, Any], kind: str) -> None:
-    for name, harmless in UNSUPPORTED.items():
-        if name in extra and not harmless(extra[name]):
-            raise VLLMValidationError(
-                f"{name}={loggable(extra[name])} is not supported by this server", name
-            )
-    unknown = [k for k in extra if k not in UNSUPPORTED]
-    if unknown:  # as chat (and vLLM): ignored, and the log says so
-        shown = ", ".join(loggable(k, 40) for k in unknown[:MAX_LOGGED_FIELDS])
-        logger.warning("%s request fields ignored (not recognised): %s", kind, shown)
 
 
 def thinking_budget(thinking: dict[str, Any] | None, max_tokens: int | None) -> int | None:

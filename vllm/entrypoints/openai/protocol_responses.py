@@ -123,16 +123,7 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
-        extra = self.model_extra or {}
-        for name, harmless in UNSUPPORTED.items():
-            if name in extra and not harmless(extra[name]):
-                raise VLLMValidationError(
-                    f"{name}={loggable(extra[name])} is not supported by this server", name
-                )
-        unknown = [k for k in extra if k not in UNSUPPORTED]
-        if unknown:  # as chat (and vLLM): ignored, and the log says so
-            shown = ", ".join(loggable(k, 40) for k in unknown[:MAX_LOGGED_FIELDS])
-            logger.warning("Responses request fields ignored (not recognised): %s", shown)
+        refuse_extras(self.model_extra or {}, UNSUPPORTED, "Responses")
         if self.metadata is not None:
             _check_metadata(self.metadata)
         return self
@@ -140,6 +131,23 @@ class ResponsesRequest(BaseModel):
     @property
     def stored(self) -> bool:
         return self.store is not False  # OpenAI's default: stored
+
+
+def refuse_extras(
+    extra: dict[str, Any], unsupported: dict[str, Callable[[Any], bool]], kind: str
+) -> None:
+    """A request's fields beyond its model's (``extra``): a 400 naming the first of
+    ``unsupported`` whose value asks for something; the unknown ones are ignored, as chat
+    (and vLLM) does, and the log names them."""
+    for name, harmless in unsupported.items():
+        if name in extra and not harmless(extra[name]):
+            raise VLLMValidationError(
+                f"{name}={loggable(extra[name])} is not supported by this server", name
+            )
+    unknown = [k for k in extra if k not in unsupported]
+    if unknown:
+        shown = ", ".join(loggable(k, 40) for k in unknown[:MAX_LOGGED_FIELDS])
+        logger.warning("%s request fields ignored (not recognised): %s", kind, shown)
 
 
 def _check_metadata(metadata: dict[str, str]) -> None:
