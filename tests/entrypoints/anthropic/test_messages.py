@@ -908,7 +908,8 @@ def _apply(messages, config, tokens=None):
     async def count(msgs):  # a stand-in tokenizer: a token per 4 characters
         return len(json.dumps(msgs)) // 4
 
-    return asyncio.run(apply_edits(messages, parse_edits(config), count))
+    edited, applied, _ = asyncio.run(apply_edits(messages, parse_edits(config), count))
+    return edited, applied
 
 
 def test_clear_tool_uses_keeps_the_last_ones_and_the_excluded_tools():

@@ -122,9 +122,10 @@ async def apply_edits(
     messages: list[dict[str, Any]],
     edits: list[dict[str, Any]],
     count_tokens: Callable[[list[dict[str, Any]]], Awaitable[int]],
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The edited messages (a copy; ``messages`` is left as it is) and the applied edits'
-    reports. ``count_tokens(messages)``: the prompt's tokens with these messages."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """The edited messages (a copy; ``messages`` is left as it is), the applied edits'
+    reports, and the prompt's tokens with the edited messages. ``count_tokens(messages)``:
+    the prompt's tokens with these messages."""
     tokens = await count_tokens(messages)
     applied = []
     for edit in edits:
@@ -148,7 +149,7 @@ async def apply_edits(
         report["cleared_input_tokens"] = tokens - after
         messages, tokens = edited, after
         applied.append(report)
-    return messages, applied
+    return messages, applied, tokens
 
 
 def _assistant_turns(messages: list[dict[str, Any]]) -> list[int]:

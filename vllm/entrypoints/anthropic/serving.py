@@ -120,7 +120,7 @@ class AnthropicServingMessages:
         """The message (JSON), or its events (SSE) if ``request.stream``;
         ``VLLMValidationError`` naming the Messages field for a request refused."""
         message_id = f"msg_{uuid.uuid4().hex}"
-        chat_request, applied = await self._edited_chat_request(request, headers)
+        chat_request, applied, _ = await self._edited_chat_request(request, headers)
         edited = None if applied is None else {"applied_edits": applied}
         logger.info(
             "messages request %s: job_id=%s messages=%d tools=%d stream=%s",
@@ -168,8 +168,9 @@ class AnthropicServingMessages:
         """``{"input_tokens": N}``: the prompt the request would run with, checked as for
         generation; with ``context_management``, after its edits, and the count before
         them as ``context_management.original_input_tokens``."""
-        chat_request, applied = await self._edited_chat_request(request, {})
-        count = await self._count(chat_request)
+        chat_request, applied, count = await self._edited_chat_request(request, {})
+        if count is None:  # not counted while editing
+            count = await self._count(chat_request)
         if applied is None:
             return {"input_tokens": count}
         cleared = sum(edit["cleared_input_tokens"] for edit in applied)
@@ -186,20 +187,21 @@ class AnthropicServingMessages:
 
     async def _edited_chat_request(
         self, request: MessagesRequest | CountTokensRequest, headers: Mapping[str, str]
-    ) -> tuple[ChatCompletionRequest, list[dict[str, Any]] | None]:
-        """The chat request of ``request`` after its ``context_management`` edits, and what
-        they cleared (None: the request asked for no editing)."""
+    ) -> tuple[ChatCompletionRequest, list[dict[str, Any]] | None, int | None]:
+        """The chat request of ``request`` after its ``context_management`` edits, what
+        they cleared (None: the request asked for no editing) and its prompt's tokens if
+        the editing counted them (None otherwise)."""
         edits = parse_edits(request.context_management)
         if not edits:
-            return await self._chat_request(request, headers), None
-        messages, applied = request.messages, []
+            return await self._chat_request(request, headers), None, None
+        messages, applied, tokens = request.messages, [], None
         if needs_work(edits):
 
             async def count(edited: list[dict[str, Any]]) -> int:
                 return await self._count(await self._chat_request(request, headers, edited))
 
-            messages, applied = await apply_edits(messages, edits, count)
-        return await self._chat_request(request, headers, messages), applied
+            messages, applied, tokens = await apply_edits(messages, edits, count)
+        return await self._chat_request(request, headers, messages), applied, tokens
 
     async def _chat_request(
         self,

@@ -127,10 +127,20 @@ class OpenAIServingChat(OpenAIServing):
         if end is None:
             return  # this request does not reason (e.g. enable_thinking: false)
         tags = [end, *getattr(reasoning, "content_starts", ())]
-        tokenize = self.engine.tokenize
-        ids = [await self.in_thread(tokenize, tag, False) for tag in tags]
         params.thinking_token_budget = budget
-        params.thinking_end_token_ids = [i for i in ids if i]
+        ends = [await self._tag_ids(tag) for tag in tags]
+        params.thinking_end_token_ids = [ids for ids in ends if ids]
+
+    @functools.cached_property
+    def _tag_id_cache(self) -> dict[str, list[int]]:
+        return {}
+
+    async def _tag_ids(self, tag: str) -> list[int]:
+        """The token ids of a reasoning parser's tag, tokenized once per server."""
+        cache = self._tag_id_cache
+        if tag not in cache:
+            cache[tag] = await self.in_thread(self.engine.tokenize, tag, False)
+        return cache[tag]
 
     async def start_generation(
         self, request: ChatCompletionRequest, request_id: str
