@@ -51,7 +51,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.protocol_responses import refuse_extras
 from vllm.exceptions import VLLMValidationError
-from vllm_continuum.claude_code import BILLING_HEADER
+from vllm_continuum.claude_code import system_text
 
 logger = logging.getLogger("vllm.entrypoints.anthropic.protocol")
 
@@ -266,15 +266,12 @@ def to_chat(
 
 
 def _system_text(system: str | list[dict[str, Any]] | None, conv: ChatConversion) -> str:
-    if system is None or isinstance(system, str):
-        return "" if system is None or system.startswith(BILLING_HEADER) else system
-    texts = []
-    for i, block in enumerate(system):
-        text = _text_of(block, f"system.{i}", "system")
+    """The system prompt's text, as the Claude Code job digest reads it (billing header
+    left out), once its blocks are checked and their breakpoints recorded."""
+    for i, block in enumerate(system if isinstance(system, list) else []):
+        _text_of(block, f"system.{i}", "system")
         conv.mark(block, f"system.{i}")
-        if not text.startswith(BILLING_HEADER):
-            texts.append(text)
-    return "\n\n".join(t for t in texts if t)
+    return system_text(system)
 
 
 def _text_of(block: Any, where: str, param: str) -> str:

@@ -8,10 +8,11 @@ is converted back into content blocks. Claude Code, the Claude Agent SDK and the
 Job identity (Continuum): the request's ``job_id`` (this server's extra), else the
 router's identity (``vllm_xargs.agentic_context.program_id``, the ``X-Session-ID``
 header), else the Claude Code session and conversation (``vllm_continuum.claude_code``:
-the session id Claude Code sends, plus a digest of the top-level system prompt, so the
-main agent, its subagents and side requests are each a job). Without ``is_last_step``, a
-turn that calls a tool is pinned for the tool's duration and one that answers in text
-ends the job (``last_step_unless_tool_call``), as for /v1/responses.
+the session id Claude Code sends, plus a digest of the subagent's id and the top-level
+system prompt, so the main agent, its subagents and side requests are each a job).
+Without ``is_last_step``, a turn that calls a tool is pinned for the tool's duration and
+one that answers in text ends the job (``last_step_unless_tool_call``), as for
+/v1/responses.
 
 Errors are Anthropic's: ``{"type": "error", "error": {"type": ..., "message": ...}}``
 (``anthropic_error``), in-band as an ``error`` event once a stream has started.
@@ -50,8 +51,16 @@ from vllm.entrypoints.anthropic.protocol import anthropic_usage as usage_of
 from vllm.entrypoints.anthropic.protocol import stop_reason as stop_reason_of
 from vllm.entrypoints.openai.job_identity import name_the_job
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, loggable
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, Receive
+from vllm.entrypoints.openai.serving_chat import (
+    OpenAIServingChat,
+    converted_request_error,
+    renamed,
+)
+from vllm.entrypoints.openai.serving_engine import (
+    EngineStreamingResponse,
+    Receive,
+    error_event,
+)
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
@@ -133,7 +142,7 @@ class AnthropicServingMessages:
         try:
             plan, stream = await self.chat.start_generation(chat_request, message_id)
         except VLLMValidationError as e:
-            raise _renamed(e) from e
+            raise renamed(e, MessagesRequest.FIELD_NAMES) from e
         model = self.chat.response_model(request.model)
         diagnostics = self._diagnose(request, message_id, model, stream.prompt_token_ids)
         if request.stream:
@@ -183,7 +192,7 @@ class AnthropicServingMessages:
         try:
             return len(await self.chat.prompt_token_ids(chat_request))
         except VLLMValidationError as e:
-            raise _renamed(e) from e
+            raise renamed(e, MessagesRequest.FIELD_NAMES) from e
 
     async def _edited_chat_request(
         self, request: MessagesRequest | CountTokensRequest, headers: Mapping[str, str]
@@ -255,7 +264,7 @@ class AnthropicServingMessages:
                 {k: v for k, v in fields.items() if v is not None}
             )
         except ValidationError as e:
-            raise _messages_error(e) from e
+            raise converted_request_error(e, MessagesRequest.FIELD_NAMES) from e
         chat_request.cache_breakpoints = list(conv.cache_ttls)
         return chat_request
 
@@ -381,8 +390,8 @@ class AnthropicServingMessages:
             self.chat.timing(received, stream)
         except Exception as e:  # the status line is sent: the error goes in-band
             logger.warning("messages stream %s failed: %r", message_id, e)
-            status = getattr(e, "status", 400 if isinstance(e, ValueError) else 500)
-            yield event("error", error={"type": error_type(status), "message": str(e)})
+            error = error_event(e)["error"]
+            yield event("error", error={"type": error_type(error["code"]), "message": str(e)})
         finally:
             await stream.aclose()  # a client that left: abort its request in the engine
 
@@ -482,22 +491,6 @@ def _merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     system = [m["content"] for m in messages if m["role"] == "system" and m["content"]]
     rest = [m for m in messages if m["role"] != "system"]
     return [{"role": "system", "content": "\n\n".join(system)}, *rest] if system else rest
-
-
-def _renamed(e: VLLMValidationError) -> VLLMValidationError:
-    e.param = MessagesRequest.FIELD_NAMES.get(e.param, e.param)
-    return e
-
-
-def _messages_error(e: ValidationError) -> VLLMValidationError:
-    """The chat request's validation error, naming the Messages field it came from."""
-    first = e.errors()[0]
-    cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, VLLMValidationError):
-        return _renamed(cause)
-    loc = [str(p) for p in first.get("loc", ())]
-    param = MessagesRequest.FIELD_NAMES.get(loc[0], loc[0]) if loc else None
-    return VLLMValidationError(f"{param}: {first['msg']}", param)
 
 
 # -- routes -------------------------------------------------------------------------------

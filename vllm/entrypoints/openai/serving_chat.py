@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+
+from pydantic import ValidationError
 
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
@@ -333,3 +336,22 @@ class OpenAIServingChat(OpenAIServing):
             continuous_usage,
             every_output=token_ids,
         )
+
+
+# -- endpoints that convert their request into a chat request ----------------------------
+def renamed(e: VLLMValidationError, names: Mapping[str, str]) -> VLLMValidationError:
+    """``e`` naming the field of the request the chat request was converted from
+    (``names``: chat field -> that request's)."""
+    e.param = names.get(e.param, e.param)
+    return e
+
+
+def converted_request_error(e: ValidationError, names: Mapping[str, str]) -> VLLMValidationError:
+    """A converted chat request's validation error, naming the original request's field."""
+    first = e.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, VLLMValidationError):
+        return renamed(cause, names)
+    loc = [str(p) for p in first.get("loc", ())]
+    param = names.get(loc[0], loc[0]) if loc else None
+    return VLLMValidationError(f"{param}: {first['msg']}", param)

@@ -47,7 +47,11 @@ from vllm.entrypoints.openai.protocol_responses import (
 )
 from vllm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from vllm.entrypoints.openai.responses_stream import ResponseEvents
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_chat import (
+    OpenAIServingChat,
+    converted_request_error,
+    renamed,
+)
 from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, Receive
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.exceptions import VLLMValidationError
@@ -106,8 +110,7 @@ class OpenAIServingResponses:
         try:
             plan, stream = await self.chat.start_generation(chat_request, response_id)
         except VLLMValidationError as e:
-            e.param = ResponsesRequest.FIELD_NAMES.get(e.param, e.param)
-            raise
+            raise renamed(e, ResponsesRequest.FIELD_NAMES) from e
         turn = _Turn(request, response_id, int(time.time()), items, job_id, chat_request)
         if request.stream:
             return EngineStreamingResponse(self._stream(turn, plan, stream, received), stream)
@@ -161,7 +164,7 @@ class OpenAIServingResponses:
                 {k: v for k, v in fields.items() if v is not None}
             )
         except ValidationError as e:
-            raise _responses_error(e) from e
+            raise converted_request_error(e, ResponsesRequest.FIELD_NAMES) from e
 
     # -- results --------------------------------------------------------------------------
     def _finish(self, turn: _Turn, plan: ToolPlan, final: RequestOutput) -> dict[str, Any]:
@@ -348,18 +351,6 @@ def _delta_events(events: ResponseEvents, delta: dict[str, Any]) -> list[str]:
     for piece in delta.get("tool_calls") or []:
         out += events.tool_call(piece)
     return out
-
-
-def _responses_error(e: ValidationError) -> VLLMValidationError:
-    """The chat request's validation error, naming the Responses field it came from."""
-    first = e.errors()[0]
-    cause = (first.get("ctx") or {}).get("error")
-    loc = [str(p) for p in first.get("loc", ())]
-    param = ResponsesRequest.FIELD_NAMES.get(loc[0], loc[0]) if loc else None
-    if isinstance(cause, VLLMValidationError):
-        cause.param = ResponsesRequest.FIELD_NAMES.get(cause.param, cause.param)
-        return cause
-    return VLLMValidationError(f"{param}: {first['msg']}", param)
 
 
 # -- routes -------------------------------------------------------------------------------
