@@ -107,9 +107,9 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
     return error_response(400, f"{'.'.join(loc)}: {msg}", "BadRequestError", loc[0])
 
 
-RECEIVED_KEY = "vllm.received"
+RECEIVED_KEY = "vllm.received"  # ASGI scope key: time.monotonic() at arrival
 # The anthropic client sends it with every request: /v1/models answers in its shape.
-ANTHROPIC_VERSION = "anthropic-version"  # ASGI scope key: time.monotonic() at arrival
+ANTHROPIC_VERSION = "anthropic-version"
 
 
 def instance_id(sock) -> str:
