@@ -4,7 +4,8 @@
 #   scripts/gpu/run.sh STEP [ARGS...] [STEP [ARGS...]]...
 #
 # Steps (each word after a step that is not a step name is that step's argument):
-#   test [PYTEST ARGS]   pytest -m cuda tests, a per-test timeout (GPU_TEST_TIMEOUT, 120 s)
+#   test [PYTEST ARGS]   pytest -m cuda tests, a per-test timeout (GPU_TEST_TIMEOUT, 120 s);
+#                        GPU_TEST_PATHS names the test paths, in order (default tests)
 #   bench [BENCH ARGS]   benchmarks/benchmark_gpu.py ARGS --json-out $OUT/bench-K.json
 #   serve-smoke [ARGS]   scripts/gpu/serve_smoke.py: vllm serve, default and continuum
 #   offload [ARGS]       benchmarks/benchmark_offload.py ARGS --json-out $OUT/offload-K.json
@@ -96,8 +97,10 @@ run_step() {
     echo "[run] === $step $* ($(left) s of the budget left)"
     case $step in
     test)
-        limited "${GPU_TEST_STEP_TIMEOUT:-300}" "$PYTHON" -m pytest -m cuda tests -q -rs \
-            -p no:cacheprovider --continue-on-collection-errors \
+        # GPU_TEST_PATHS: which tests, in that order (default: all of tests/).
+        # shellcheck disable=SC2086
+        limited "${GPU_TEST_STEP_TIMEOUT:-300}" "$PYTHON" -m pytest -m cuda ${GPU_TEST_PATHS:-tests} \
+            -q -rs --durations=12 -p no:cacheprovider --continue-on-collection-errors \
             --timeout "${GPU_TEST_TIMEOUT:-120}" --junitxml "$OUT/test.xml" "$@"
         local rc=$?
         # 5: nothing collected (no cuda test matched); not a failure of the code.
