@@ -490,6 +490,56 @@ def context_probe(bench: Bench, llm, recorder: StepRecorder) -> dict:
     return out
 
 
+def forward_probe(bench: Bench, llm, iters: int = 20) -> dict:
+    """Where a decode step's time goes, for each N of the sweep that has a captured graph:
+    the device time of the graph's replay alone (CUDA events over ``iters`` replays), and
+    the wall time of the runner's ``DecodeGraphs.run`` (metadata, input copies, replay)
+    with a sync. Against the step's TPOT, the rest is the engine's host work around the
+    forward (scheduling, sampling, outputs). The rows are padding rows over the null
+    block at the sweep's mean context (the KV read comes from one cached block: the
+    weights dominate), so no request's cache is touched."""
+    graphs = llm.engine_core.model_runner.decode_graphs
+    if graphs is None:
+        return {}
+    context = int(bench.mean_context)
+    block = llm.engine_core.model_runner.block_size
+    out = {}
+    for n in bench.args.num_requests:
+        size = graphs.padded_size([(context - 1, 1, [0])] * n)
+        if size is None:
+            continue
+        seqs = [(context - 1, 1, [0] * -(-context // block))] * n
+        ids, positions = [0] * n, [context - 1] * n
+        for _ in range(3):
+            graphs.run(ids, positions, seqs)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            graphs.run(ids, positions, seqs)
+            torch.cuda.synchronize()
+        run_ms = (time.perf_counter() - start) / iters * 1e3
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(iters):
+            graphs._graphs[size].replay()
+        end.record()
+        end.synchronize()
+        replay_ms = begin.elapsed_time(end) / iters
+        hbm = None
+        if bench.bandwidth:
+            seconds = bench.facts.step_bytes(n, bench.mean_context) / (bench.bandwidth * 1e9)
+            hbm = seconds * 1e3 / replay_ms
+        out[str(n)] = {"graph_size": size, "replay_ms": replay_ms, "run_ms": run_ms,
+                       "replay_hbm_fraction": hbm}  # fmt: skip
+        print(
+            f"forward of N={n} (graph {size}): replay {replay_ms:.2f} ms on the device"
+            + (f" ({hbm:.1%} of the HBM limit)" if hbm else "")
+            + f", DecodeGraphs.run + sync {run_ms:.2f} ms",
+            flush=True,
+        )
+    return out
+
+
 def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") -> None:
     """Our engine's figures under ``engine``: ``ours`` as configured, ``ours-eager`` the
     same with ``enforce_eager`` (no CUDA graphs)."""
@@ -516,6 +566,12 @@ def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") 
                 n,
                 lambda p=prompts: run_ours(llm, recorder, p, a.max_tokens, a.detokenize),
             )
+        if engine == "ours" and torch.cuda.is_available():
+            try:
+                bench.results["forward_probe"] = forward_probe(bench, llm)
+            except Exception as e:  # noqa: BLE001 - the sweep's figures are in already
+                print(f"forward probe failed: {type(e).__name__}: {e}", flush=True)
+            bench.save()
     finally:
         llm.shutdown()
 

@@ -3,10 +3,13 @@
 For each context length, the median over repeats of: the prefill of the whole context as
 the engine would run it (chunks of ``--chunk-tokens``, each attending to the chunks before
 it: what a miss costs), its load from the tier into the KV cache (what a tier hit costs;
-``consecutive``: one run of blocks on both sides, the common case; ``scattered``: every
-block its own copy), and its save. Per-block figures divide by the context's blocks; the
-ratio is recompute / load measured in the same run, and the load's bandwidth is the
-context's KV bytes over its time.
+``load``: one run of blocks on both sides; ``scattered``: the device blocks in reverse
+order, as a pool that has churned hands them out, by the handler's own path (staged on
+CUDA: a few host copies and one indexed copy per layer and K/V); ``unstaged``: the same
+with one copy per block, layer and K/V, the baseline), and its save (``scat.save``: from
+reversed device blocks). Per-block figures divide by the context's blocks; the ratios are
+recompute / load (consecutive and scattered) measured in the same run, and the load's
+bandwidth is the context's KV bytes over its time.
 
 The model: the embedded default (fp32 on CPU, ``--shape default``), or a random-weight
 model of a named shape (benchmarks/benchmark_gpu.py's: tiny, smollm2-135m, llama-3.2-1b,
@@ -120,17 +123,29 @@ def measure(runner: ModelRunner, tokens: int, chunk: int, repeats: int) -> dict[
     consecutive = KVOffloadTransfers(loads=list(zip(range(n), gpu, strict=True)))
     scattered = KVOffloadTransfers(loads=list(zip(range(n), reversed(gpu), strict=True)))
     save = KVOffloadTransfers(saves=list(zip(gpu, range(n), strict=True)))
+    scattered_save = KVOffloadTransfers(saves=list(zip(reversed(gpu), range(n), strict=True)))
     load = median_time(lambda: handler.transfer(consecutive), repeats, device)
-    return {
+    m = {
         "tokens": tokens,
         "blocks": n,
         "chunks": len(steps),
         "prefill_s": median_time(prefill, repeats, device),
         "load_s": load,
+        # the handler's own path: staged on CUDA (kv_offload/worker.py), per block on CPU
         "load_scattered_s": median_time(lambda: handler.transfer(scattered), repeats, device),
         "save_s": median_time(lambda: handler.transfer(save), repeats, device),
+        "save_scattered_s": median_time(lambda: handler.transfer(scattered_save), repeats, device),
         "load_gb_per_s": n * handler.block_bytes / load / 1e9,
     }
+    staged = handler.staged
+    handler.staged = False  # the baseline: one copy per block, layer and K/V
+    try:
+        m["load_scattered_unstaged_s"] = median_time(
+            lambda: handler.transfer(scattered), repeats, device
+        )
+    finally:
+        handler.staged = staged
+    return m
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -179,20 +194,23 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; threads: {torch.get_num_threads()}" if device.type == "cpu" else ""),
           flush=True)  # fmt: skip
     header = (
-        f"{'tokens':>7} {'prefill ms':>11} {'load ms':>8} {'scattered':>10} {'save ms':>8} "
-        f"{'prefill/blk':>12} {'load/blk':>9} {'load GB/s':>9} {'ratio':>7}"
+        f"{'tokens':>7} {'prefill ms':>11} {'load ms':>8} {'scattered':>10} {'unstaged':>9} "
+        f"{'save ms':>8} {'scat.save':>9} {'load/blk':>9} {'load GB/s':>9} {'ratio':>7} "
+        f"{'scat.ratio':>10}"
     )
     print(header, flush=True)
     for tokens in args.contexts:
         m = measure(runner, tokens, chunk, args.repeats)
         m["ratio"] = m["prefill_s"] / m["load_s"]
+        m["scattered_ratio"] = m["prefill_s"] / m["load_scattered_s"]
         results["rows"].append(m)
         n = m["blocks"]
         print(
             f"{tokens:>7} {m['prefill_s'] * 1e3:>11.1f} {m['load_s'] * 1e3:>8.2f} "
-            f"{m['load_scattered_s'] * 1e3:>10.2f} {m['save_s'] * 1e3:>8.2f} "
-            f"{m['prefill_s'] / n * 1e3:>12.2f} {m['load_s'] / n * 1e3:>9.3f} "
-            f"{m['load_gb_per_s']:>9.1f} {m['ratio']:>6.0f}x",
+            f"{m['load_scattered_s'] * 1e3:>10.2f} {m['load_scattered_unstaged_s'] * 1e3:>9.2f} "
+            f"{m['save_s'] * 1e3:>8.2f} {m['save_scattered_s'] * 1e3:>9.2f} "
+            f"{m['load_s'] / n * 1e3:>9.3f} {m['load_gb_per_s']:>9.1f} {m['ratio']:>6.0f}x "
+            f"{m['scattered_ratio']:>9.1f}x",
             flush=True,
         )
         if args.json_out:  # after every row: a run stopped by a time limit keeps them

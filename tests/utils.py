@@ -28,10 +28,11 @@ def load_script(path: Path) -> ModuleType:
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def copy_benchmark_tokenizer(path: Path) -> None:
+def copy_benchmark_tokenizer(path: Path, chat_template: bool = False) -> None:
     """SmolLM2's tokenizer files into the model folder ``path``: the copy ``make
     gpu-wheels`` carries (the GPU machine has no embedded model), else the embedded
-    model's; the calling test is skipped when neither exists."""
+    model's; the calling test is skipped when neither exists. ``chat_template``: its
+    ``chat_template.jinja`` too."""
     import shutil
 
     import pytest
@@ -41,5 +42,6 @@ def copy_benchmark_tokenizer(path: Path) -> None:
         tokenizer_dir = bench.default_tokenizer_dir()
     except SystemExit as e:
         pytest.skip(str(e))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    names = ["tokenizer.json", "tokenizer_config.json"]
+    for name in names + ["chat_template.jinja"] * chat_template:
         shutil.copy(tokenizer_dir / name, path / name)

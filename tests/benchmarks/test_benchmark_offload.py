@@ -32,7 +32,8 @@ def check(result: dict, device: str) -> None:
     assert [r["blocks"] for r in rows] == [4, 16]
     assert [r["chunks"] for r in rows] == [1, 2]  # 256 tokens in chunks of 128
     for r in rows:
-        for key in ("prefill_s", "load_s", "load_scattered_s", "save_s", "load_gb_per_s"):
+        for key in ("prefill_s", "load_s", "load_scattered_s", "load_scattered_unstaged_s",
+                    "save_s", "save_scattered_s", "load_gb_per_s", "scattered_ratio"):  # fmt: skip
             assert r[key] > 0, key
         assert r["ratio"] == pytest.approx(r["prefill_s"] / r["load_s"])
         expected_gbps = r["blocks"] * result["kv_block_bytes"] / r["load_s"] / 1e9

@@ -59,6 +59,30 @@ def test_a_save_sees_the_compute_streams_last_write_and_a_load_is_seen_by_the_ne
         assert a.item() == expected and b.item() == expected
 
 
+def test_staged_scattered_copies_equal_per_block_copies_on_cuda():
+    """A plan scattered on the device side goes through the staging buffer (a few host
+    copies, one indexed copy per layer and K/V) and leaves cache and tier bitwise as the
+    per-block copies do; read right after, with no host sync."""
+    g = torch.Generator().manual_seed(4)
+    device_blocks = torch.randperm(64, generator=g).tolist()
+    plan = KVOffloadTransfers(
+        saves=list(zip(device_blocks[:20], range(20), strict=True)),
+        loads=list(zip(range(20, 44), device_blocks[20:44], strict=True)),
+    )
+    results = []
+    for staged in (False, True):
+        torch.manual_seed(5)
+        kv = caches()
+        handler = CPUOffloadingHandler(kv, 64, staged=staged)
+        for i, tier in enumerate(handler.cpu_caches):
+            tier.copy_(torch.full(tier.shape, float(i)).to(tier.dtype) + kv[i].cpu()[:, :1])
+        handler.transfer(plan)
+        results.append(([layer.clone() for layer in kv], [t.clone() for t in handler.cpu_caches]))
+    torch.cuda.synchronize()
+    for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
 def test_round_trip_is_bitwise_for_every_layer_and_dtype():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         kv = caches(dtype=dtype)

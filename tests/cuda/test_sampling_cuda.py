@@ -13,11 +13,13 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.utils import copy_benchmark_tokenizer
 from tests.v1.structured_output.test_guided_decoding import WEATHER  # the CPU tests' schema
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.sample.sampler import SamplingRow, apply_penalties, sample, token_logprobs
@@ -145,18 +147,19 @@ class _Req:
 
 
 @pytest.fixture(scope="module")
-def grammar_setup():
+def grammar_setup(tmp_path_factory):
     from vllm.model_executor.model_loader import resolve_model
     from vllm.transformers_utils.tokenizer import get_tokenizer
     from vllm.v1.structured_output import StructuredOutputManager
 
     pytest.importorskip("llguidance")
-    model = os.environ.get("VLLM_TEST_MODEL", "SmolLM2-135M-Instruct")
-    try:
+    model = os.environ.get("VLLM_TEST_MODEL")
+    if model is None:  # SmolLM2's tokenizer: the embedded model's, or the GPU kit's copy
+        path = str(tmp_path_factory.mktemp("grammar-tokenizer"))
+        copy_benchmark_tokenizer(Path(path))
+    else:
         path = resolve_model(model)
-        tokenizer = get_tokenizer(path)
-    except Exception as e:  # no embedded model and no folder given
-        pytest.skip(f"no tokenizer for the grammar test ({model}): {e}")
+    tokenizer = get_tokenizer(path)
     config = SimpleNamespace(
         model_config=SimpleNamespace(model=path, tokenizer=None, chat_template=None)
     )

@@ -98,3 +98,16 @@ def test_detokenize_false_returns_token_ids_without_text(llm):
     assert stopped.outputs[0].token_ids[-1] == stop and stopped.outputs[0].finish_reason == "stop"
     with pytest.raises(ValueError, match="stop strings need detokenize"):
         greedy(detokenize=False, stop=["x"])
+
+
+def test_shutdown_gives_the_weights_and_the_kv_cache_back(tmp_path):
+    """An LLM shut down drops its runner's weights, KV cache and graphs (on CUDA the
+    device memory goes back too), so a second LLM in the process sizes its pool from
+    memory that is really free; the outputs already returned stay readable."""
+    engine = LLM(model=tiny_model(tmp_path), kv_cache_memory="16MiB")
+    out = engine.generate(PROMPT, greedy(ignore_eos=True))
+    runner = engine.engine_core.model_runner
+    assert runner.kv_caches and runner.model is not None
+    engine.shutdown()
+    assert runner.kv_caches == [] and runner.model is None and runner.kv_offload is None
+    assert len(out[0].outputs[0].token_ids) == 6

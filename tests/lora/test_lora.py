@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,8 @@ import transformers
 from safetensors.torch import save_file
 
 from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from tests.utils import copy_benchmark_tokenizer
 from vllm.config import (
-    DEFAULT_MODEL,
     CacheConfig,
     LoRAConfig,
     ModelConfig,
@@ -96,16 +95,12 @@ def greedy_reference(hf, prompts, loras, max_new_tokens: int) -> list[list[int]]
 def save_base(path):
     """A tiny Llama (seed 0) with the embedded model's vocabulary, tokenizer and chat
     template, saved in ``path``; returns transformers' model."""
-    from vllm.model_executor.model_loader import resolve_model
-
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": VOCAB,
                                          "max_position_embeddings": 256})  # fmt: skip
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(path)
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{tokenizer_dir}/{name}", path / name)
+    copy_benchmark_tokenizer(path, chat_template=True)  # the GPU machine has no embedded model
     return hf
 
 

@@ -28,3 +28,66 @@ def test_saves_run_before_loads_and_copies_do_not_alias():
         assert torch.all(layer[:, 4] == 4) and torch.all(layer[:, 2] == 5)
     caches[0][:, 2] = -1  # the tier keeps its own copy
     assert torch.all(handler.cpu_caches[0][:, 1] == 5)
+
+
+def _random_caches(num_layers=3, num_blocks=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, num_blocks, 4, 2, 3, generator=g) for _ in range(num_layers)]
+
+
+def test_host_runs_index_each_run_of_consecutive_ids():
+    from vllm.v1.kv_offload.worker import host_runs
+
+    assert host_runs([3, 4, 5, 9, 2, 3]) == [(3, 0, 3), (9, 3, 1), (2, 4, 2)]
+    assert host_runs([]) == []
+
+
+def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch):
+    """Device blocks in shuffled order, tier blocks in runs: the staged path (forced on
+    CPU; on CUDA it is the default) leaves the cache and the tier bitwise as the per-run
+    copies do, across several staging chunks, for saves and loads in one plan."""
+    import vllm.v1.kv_offload.worker as worker
+
+    monkeypatch.setattr(worker, "STAGE_BLOCKS", 5)  # 12 and 16 pairs: chunks of 5
+    g = torch.Generator().manual_seed(1)
+    device_blocks = torch.randperm(40, generator=g).tolist()
+    saves = list(zip(device_blocks[:12], [20 + i for i in range(12)], strict=True))
+    host = [2 + i for i in range(8)] + [30 + i for i in range(8)]  # two runs
+    loads = list(zip(host, device_blocks[12:28], strict=True))
+    results = []
+    for staged in (False, True):
+        caches = _random_caches()
+        handler = CPUOffloadingHandler(caches, 40, staged=staged)
+        for tier in handler.cpu_caches:
+            tier.copy_(torch.randn(tier.shape, generator=torch.Generator().manual_seed(2)))
+        calls = []
+        monkeypatch.setattr(handler, "_staged_copy", _spy(handler._staged_copy, calls))
+        handler.transfer(KVOffloadTransfers(saves=saves, loads=loads))
+        assert len(calls) == (2 if staged else 0)  # saves and loads are both scattered
+        results.append((caches, handler.cpu_caches))
+    (plain_cache, plain_tier), (staged_cache, staged_tier) = results
+    for a, b in zip(plain_cache + plain_tier, staged_cache + staged_tier, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_consecutive_and_host_scattered_plans_are_not_staged(monkeypatch):
+    caches = _random_caches()
+    handler = CPUOffloadingHandler(caches, 40, staged=True)
+    calls = []
+    monkeypatch.setattr(handler, "_staged_copy", _spy(handler._staged_copy, calls))
+    handler.transfer(KVOffloadTransfers(loads=[(i, 10 + i) for i in range(20)]))  # one run
+    # Scattered on both sides: staging would not make the host side's copies fewer.
+    g = torch.Generator().manual_seed(3)
+    host, device = torch.randperm(40, generator=g)[:12], torch.randperm(40, generator=g)[:12]
+    handler.transfer(
+        KVOffloadTransfers(loads=list(zip(host.tolist(), device.tolist(), strict=True)))
+    )
+    assert calls == []
+
+
+def _spy(fn, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+
+    return wrapped

@@ -259,6 +259,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        self.model_runner.release()
 
 
 def _brief(error: Exception, limit: int = 200) -> str:

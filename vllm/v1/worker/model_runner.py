@@ -6,6 +6,7 @@ is the null block and is never written).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -97,6 +98,21 @@ class ModelRunner:
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
         if self.device.type == "cpu":
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
+
+    def release(self) -> None:
+        """Drop the graphs, the CPU tier, the KV cache and the weights, and give the device
+        memory back (``EngineCore.shutdown``): an ``LLM`` shut down frees its GPU, so the
+        next one in the process sizes its pool from what is really free."""
+        self.decode_graphs = None
+        self.kv_offload = None
+        self.kv_caches = []
+        self.model = None
+        self.lora = None
+        self.requests.clear()
+        self._paused_generators.clear()
+        if self.device.type == "cuda":
+            gc.collect()  # the graphs' and the model's reference cycles
+            torch.cuda.empty_cache()
 
     # -- start-up -------------------------------------------------------------------------
     def install_attention_backend(self) -> None:
@@ -223,13 +239,16 @@ class ModelRunner:
         from vllm.v1.kv_offload.registry import get_offloading_backend_class
 
         backend = self.config.offload_config.kv_offloading_backend
+        start = time.monotonic()
         self.kv_offload = get_offloading_backend_class(backend)(self.kv_caches, num_cpu_blocks)
         logger.info(
-            "CPU KV tier (%s): %d blocks x %d tokens (%.2f GiB); %d tokens",
+            "CPU KV tier (%s): %d blocks x %d tokens (%.2f GiB%s, allocated in %.1f s); %d tokens",
             backend,
             num_cpu_blocks,
             self.block_size,
             self.kv_offload.size_bytes / 2**30,
+            " pinned" if self.device.type == "cuda" else "",
+            time.monotonic() - start,
             num_cpu_blocks * self.block_size,
         )
 
