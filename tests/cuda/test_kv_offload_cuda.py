@@ -1,7 +1,7 @@
 """The host-memory KV tier's CUDA path (issue 28): pinned host tensors, copies on a side
 stream ordered against the compute stream, and an engine that reloads evicted prefixes
-from the tier with the same greedy tokens. Never run here (no GPU); the CPU path's tests
-are tests/v1/kv_offload/."""
+from the tier with the same greedy tokens. Run on an H200 (2026-11-27); the CPU path's
+tests are tests/v1/kv_offload/."""
 
 from __future__ import annotations
 

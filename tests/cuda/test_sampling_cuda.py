@@ -13,12 +13,11 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.tiny_models import save_tiny_llama
 from tests.utils import copy_benchmark_tokenizer
 from tests.v1.structured_output.test_guided_decoding import WEATHER  # the CPU tests' schema
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -155,15 +154,16 @@ def grammar_setup(tmp_path_factory):
     pytest.importorskip("llguidance")
     model = os.environ.get("VLLM_TEST_MODEL")
     if model is None:  # SmolLM2's tokenizer: the embedded model's, or the GPU kit's copy
-        path = str(tmp_path_factory.mktemp("grammar-tokenizer"))
-        copy_benchmark_tokenizer(Path(path))
+        path = tmp_path_factory.mktemp("grammar-tokenizer")
+        save_tiny_llama(path, vocab_size=49152)  # a model folder: config.json, tokenizer
+        copy_benchmark_tokenizer(path)
+        path = str(path)
     else:
         path = resolve_model(model)
     tokenizer = get_tokenizer(path)
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(model=path, tokenizer=None, chat_template=None)
-    )
-    return StructuredOutputManager(config), tokenizer
+    from vllm.config import ModelConfig, VllmConfig
+
+    return StructuredOutputManager(VllmConfig(model_config=ModelConfig(model=path))), tokenizer
 
 
 def test_grammar_masked_sampling_on_cuda_gives_schema_valid_json(grammar_setup, device):

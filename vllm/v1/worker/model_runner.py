@@ -239,6 +239,10 @@ class ModelRunner:
         from vllm.v1.kv_offload.registry import get_offloading_backend_class
 
         backend = self.config.offload_config.kv_offloading_backend
+        if self.device.type == "cuda":  # the kernel locks every page: can take a minute
+            logger.info(
+                "Pinning the CPU KV tier's host memory (--kv-offloading-size sets its size)"
+            )
         start = time.monotonic()
         self.kv_offload = get_offloading_backend_class(backend)(self.kv_caches, num_cpu_blocks)
         logger.info(
