@@ -91,6 +91,7 @@ class ModelFacts:
     num_params: int
     weight_bytes_read: int  # every weight but the input embedding table (tied: counted once)
     kv_bytes_per_token: int  # K and V, all layers
+    lm_head_bytes: int = 0  # the output projection (read after the forward's last norm)
 
     def step_bytes(self, batch: float, mean_context: float) -> float:
         return self.weight_bytes_read + batch * mean_context * self.kv_bytes_per_token
@@ -126,7 +127,8 @@ def model_facts(model) -> ModelFacts:
     read = num - (0 if embed is model.get_output_embeddings().weight else embed.numel())
     c = model.config
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
-    return ModelFacts(num, read * itemsize, kv)
+    lm_head = model.get_output_embeddings().weight.numel() * itemsize
+    return ModelFacts(num, read * itemsize, kv, lm_head)
 
 
 def default_tokenizer_dir() -> Path:
@@ -494,10 +496,11 @@ def forward_probe(bench: Bench, llm, iters: int = 20) -> dict:
     """Where a decode step's time goes, for each N of the sweep that has a captured graph:
     the device time of the graph's replay alone (CUDA events over ``iters`` replays), and
     the wall time of the runner's ``DecodeGraphs.run`` (metadata, input copies, replay)
-    with a sync. Against the step's TPOT, the rest is the engine's host work around the
-    forward (scheduling, sampling, outputs). The rows are padding rows over the null
-    block at the sweep's mean context (the KV read comes from one cached block: the
-    weights dominate), so no request's cache is touched."""
+    with a sync. The graph holds the forward up to the final norm; its HBM fraction counts
+    every weight the step reads but the lm_head. Against the step's TPOT, the rest is the
+    lm_head, sampling and the engine's host work (scheduling, outputs). The rows are
+    padding rows over the null block at the sweep's mean context (the KV read comes from
+    one cached block: the weights dominate), so no request's cache is touched."""
     graphs = llm.engine_core.model_runner.decode_graphs
     if graphs is None:
         return {}
@@ -527,7 +530,8 @@ def forward_probe(bench: Bench, llm, iters: int = 20) -> dict:
         replay_ms = begin.elapsed_time(end) / iters
         hbm = None
         if bench.bandwidth:
-            seconds = bench.facts.step_bytes(n, bench.mean_context) / (bench.bandwidth * 1e9)
+            graph_bytes = bench.facts.step_bytes(n, bench.mean_context) - bench.facts.lm_head_bytes
+            seconds = graph_bytes / (bench.bandwidth * 1e9)
             hbm = seconds * 1e3 / replay_ms
         out[str(n)] = {"graph_size": size, "replay_ms": replay_ms, "run_ms": run_ms,
                        "replay_hbm_fraction": hbm}  # fmt: skip
