@@ -18,6 +18,11 @@ Medians over the decode steps of ``--max-tokens`` tokens, for each ``--num-reque
 The figures are this CPU's; the GPU machine's host CPU is another.
 
     .venv/bin/python benchmarks/benchmark_host_overhead.py [--num-requests 1 16 64 256]
+
+``--ab-sampler K``: for each N, K runs with the runner's bare-greedy path (the argmax of
+each row, no per-row sampler work) interleaved with K runs without it (every request
+through ``sample``), in one process so the machine's drift hits both alike; prints the
+medians of the host time and their ratio.
 """
 
 from __future__ import annotations
@@ -97,12 +102,37 @@ def measure(llm, timers: list[Timed], n: int, prompt_len: int, max_tokens: int) 
     }
 
 
+def ab_sampler(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
+    """Host ms per N with the bare-greedy path and without it, interleaved."""
+    import vllm.v1.worker.model_runner as model_runner
+
+    real = model_runner.is_bare_greedy
+    print(f"{'N':>5} {'bare-greedy host ms':>20} {'general host ms':>16} {'ratio':>7}")
+    out = {}
+    try:
+        for n in args.num_requests:
+            host: dict[bool, list[float]] = {True: [], False: []}
+            for i in range(2 * args.ab_sampler):
+                bare = i % 2 == 0
+                model_runner.is_bare_greedy = real if bare else (lambda p: False)
+                row = measure(llm, timers, n, args.prompt_len, args.max_tokens)
+                host[bare].append(row["host_ms"])
+            fast, general = statistics.median(host[True]), statistics.median(host[False])
+            out[str(n)] = {"bare_greedy_host_ms": host[True], "general_host_ms": host[False]}
+            print(f"{n:>5} {fast:>20.3f} {general:>16.3f} {general / fast:>6.2f}x", flush=True)
+    finally:
+        model_runner.is_bare_greedy = real
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--ab-sampler", type=int, default=0, metavar="K",
+                    help="K interleaved runs with and without the bare-greedy path")  # fmt: skip
     args = ap.parse_args(argv)
     if min(args.num_requests) < 1 or args.max_tokens < 2:
         ap.error("--num-requests >= 1 and --max-tokens >= 2")
@@ -138,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     timers = [Timed(model, "forward"), Timed(model, "compute_logits")]
     try:
         measure(llm, timers, 1, args.prompt_len, 4)  # warm-up
+        if args.ab_sampler:
+            results["ab_sampler"] = ab_sampler(llm, timers, args)
+            if args.json_out:
+                args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+            return 0
         for n in args.num_requests:
             row = measure(llm, timers, n, args.prompt_len, args.max_tokens)
             results["rows"].append(row)

@@ -25,3 +25,17 @@ def test_tiny_run_writes_a_row_per_batch_size(tmp_path, capsys):
         per_request = r["host_us_per_request"] * r["num_requests"]
         assert abs(per_request - r["host_ms"] * 1e3) < 1e-6
     assert "host us/req" in capsys.readouterr().out
+
+
+def test_ab_sampler_interleaves_both_paths_and_restores_the_flag(tmp_path, capsys):
+    import vllm.v1.worker.model_runner as model_runner
+
+    real = model_runner.is_bare_greedy
+    module = load_script(SCRIPT)
+    out = tmp_path / "ab.json"
+    argv = ["--num-requests", "2", "--prompt-len", "16", "--max-tokens", "4", "--ab-sampler", "2"]
+    assert module.main([*argv, "--json-out", str(out)]) == 0
+    row = json.loads(out.read_text())["ab_sampler"]["2"]
+    assert len(row["bare_greedy_host_ms"]) == len(row["general_host_ms"]) == 2
+    assert model_runner.is_bare_greedy is real
+    assert "bare-greedy host ms" in capsys.readouterr().out

@@ -368,3 +368,39 @@ def test_a_request_whose_state_cannot_be_built_fails_alone(runner):
     assert set(out.errors) == {"bad"} and "Error" in out.errors["bad"].message
     assert out.req_ids == ["ok"] and len(out.sampled_token_ids["ok"]) == 1
     assert set(runner.requests) == {"ok"}
+
+
+class NaNRowModel(RecordingModel):
+    """Row logits as RecordingModel's, the second sampled row all NaN."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if len(logits) > 1:
+            logits[1] = float("nan")
+        return logits
+
+
+def test_bare_greedy_rows_take_the_argmax_and_a_nan_row_fails_alone(runner, monkeypatch):
+    """A step of bare greedy requests (nothing but the argmax) skips ``sample``; it gives
+    the general path's tokens, and a row with non-finite logits fails its request alone.
+    A request with anything more (here logprobs) takes the general path."""
+    import vllm.v1.worker.model_runner as model_runner
+
+    runner.attn_backend = FLASH_BUILDER
+    runner.model = NaNRowModel()
+    calls = []
+    real = model_runner.sample
+    monkeypatch.setattr(model_runner, "sample", lambda *a: calls.append(1) or real(*a))
+    so = sched_out(
+        new=[new_req("A", [1, 2], [1], 0), new_req("B", [3], [2], 0), new_req("C", [4], [3], 0)],
+        num_scheduled={"A": 2, "B": 1, "C": 1},
+    )
+    out = runner.execute_model(so)
+    assert calls == [] and all(s.bare_greedy for s in runner.requests.values())
+    # The sampled rows: A's last (flat row 1), B's (row 2: NaN), C's (row 3).
+    assert set(out.errors) == {"B"} and out.errors["B"].internal
+    assert out.sampled_token_ids == {"A": [101], "B": [], "C": [103]}
+    assert runner.requests["C"].output_token_ids == [103]
+    so = sched_out(new=[new_req("D", [5], [4], 0, logprobs=1)], num_scheduled={"D": 1})
+    out = runner.execute_model(so)
+    assert calls == [1] and not runner.requests["D"].bare_greedy

@@ -389,6 +389,22 @@ def _is_plain_random(p: SamplingParams) -> bool:
     )
 
 
+def is_bare_greedy(p: SamplingParams) -> bool:
+    """A greedy request that nothing else touches (no penalty, logits processor, grammar,
+    thinking budget or logprobs): its token is the argmax of the model's logits, which the
+    runner takes for a batch of such rows in one copy, without ``sample``'s per-row work."""
+    return (
+        _is_plain_greedy(p)
+        and p.logprobs is None
+        and p.allowed_token_ids is None
+        and not p.bad_words_token_ids
+        and p.min_tokens == 0
+        and not p.logit_bias
+        and p.thinking_token_budget is None
+        and p.structured_outputs is None
+    )
+
+
 def _is_plain_greedy(p: SamplingParams) -> bool:
     return (
         p.sampling_type_greedy

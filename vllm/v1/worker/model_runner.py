@@ -31,6 +31,7 @@ from vllm.v1.sample.sampler import (
     PrefixView,
     SamplingRow,
     finite_and_argmax,
+    is_bare_greedy,
     sample,
     token_logprobs,
 )
@@ -64,6 +65,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     lora_int_id: int = 0  # its adapter's id (0: the base model)
     lora_slot: int = 0  # the adapter's slot (LoRAManager), fixed while the request runs
+    bare_greedy: bool = False  # sampler.is_bare_greedy(sampling_params): the argmax alone
 
 
 class ModelRunner:
@@ -355,6 +357,7 @@ class ModelRunner:
             list(new.token_ids[new.num_prompt_tokens :]),
             lora_int_id=lora_id,
             lora_slot=slot,
+            bare_greedy=is_bare_greedy(p),
         )
 
     @torch.inference_mode()
@@ -480,6 +483,16 @@ class ModelRunner:
         """Sample one token per request of ``sample_reqs`` (``hidden``: their last rows)
         into ``out``; a row that cannot be sampled fails its request alone."""
         logits = self.model.compute_logits(hidden)
+        if all(s.bare_greedy for s in sample_reqs):  # the argmax of each row, one copy
+            finite, argmax = finite_and_argmax(logits, list(range(len(sample_reqs))))
+            for state, ok, token in zip(sample_reqs, finite, argmax, strict=True):
+                if not ok:
+                    out.errors[state.req_id] = NON_FINITE_LOGITS
+                    continue
+                state.token_ids.append(token)
+                state.output_token_ids.append(token)
+                out.sampled_token_ids[state.req_id] = [token]
+            return
         rows = [
             SamplingRow(
                 s.sampling_params,
