@@ -544,6 +544,55 @@ def forward_probe(bench: Bench, llm, iters: int = 20) -> dict:
     return out
 
 
+def forward_profile(bench: Bench, llm, iters: int = 5, rows: int = 14) -> dict:
+    """``--profile``: which kernels a decode forward spends its time in (torch.profiler),
+    for the smallest and the largest N of the sweep: ``iters`` eager forwards of padding
+    rows at the mean context (each op under its own name), and where graphs were captured
+    ``iters`` replays of the graph (the kernels as the engine runs them). Each table lists
+    the ``rows`` ops with the most self time on the device (the host on a CPU), with the
+    time per forward in its title."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = llm.engine_core.model_runner
+    cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    context = int(bench.mean_context)
+    blocks = [0] * -(-context // runner.block_size)  # the null block, read and written
+    graphs = runner.decode_graphs
+    out = {}
+    for n in sorted({min(bench.args.num_requests), max(bench.args.num_requests)}):
+        seqs = [(context - 1, 1, blocks)] * n
+        ids = torch.zeros(n, dtype=torch.long, device=runner.device)
+        positions = torch.full((n,), context - 1, dtype=torch.long, device=runner.device)
+        meta = runner.attn_backend.build_metadata(seqs)
+        runs = {"eager": lambda i=ids, p=positions, m=meta: runner.model(i, p, m, runner.kv_caches)}
+        size = graphs.padded_size(seqs) if graphs is not None else None
+        if size is not None:
+            graphs.run([0] * n, [context - 1] * n, seqs)  # the graph's buffers: these rows
+            runs[f"graph {size}"] = graphs._graphs[size].replay
+        for label, fn in runs.items():
+            with torch.inference_mode():
+                fn()  # warm
+                sync(runner.device)
+                with profile(activities=activities) as prof:
+                    for _ in range(iters):
+                        fn()
+                    sync(runner.device)
+            events = prof.key_averages()
+            if cuda:  # the kernels' own rows (an op's row counts its kernels' time too)
+                kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+                total = sum(e.self_device_time_total for e in kernels)
+            else:
+                total = sum(e.self_cpu_time_total for e in events)
+            where = "device" if cuda else "host"
+            title = f"N={n}, {label}: {total / iters / 1e3:.2f} ms of {where} time a forward"
+            table = events.table(sort_by=sort, row_limit=rows)
+            print(f"{title}\n{table}", flush=True)
+            out[f"{n} {label}"] = {"ms_per_forward": total / iters / 1e3, "table": table}
+    return out
+
+
 def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") -> None:
     """Our engine's figures under ``engine``: ``ours`` as configured, ``ours-eager`` the
     same with ``enforce_eager`` (no CUDA graphs)."""
@@ -575,6 +624,12 @@ def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") 
                 bench.results["forward_probe"] = forward_probe(bench, llm)
             except Exception as e:  # noqa: BLE001 - the sweep's figures are in already
                 print(f"forward probe failed: {type(e).__name__}: {e}", flush=True)
+            bench.save()
+        if engine == "ours" and a.profile:
+            try:
+                bench.results["forward_profile"] = forward_profile(bench, llm)
+            except Exception as e:  # noqa: BLE001 - the sweep's figures are in already
+                print(f"forward profile failed: {type(e).__name__}: {e}", flush=True)
             bench.save()
     finally:
         llm.shutdown()
@@ -626,6 +681,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="our engine only, on dummy weights (no checkpoint written)")
     ap.add_argument("--detokenize", action="store_true",
                     help="our engine also makes the text (default: token ids only, as generate)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the sweep: the top kernels of a decode forward (torch.profiler)")
     ap.add_argument("--eager-too", action="store_true",
                     help="also our engine with enforce_eager (no CUDA graphs): 'ours-eager'")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,

@@ -63,6 +63,7 @@ def test_8b_step_bytes_and_bandwidth_by_card_name(bench):
     assert facts.kv_bytes_per_token == 128 * 1024
     # 256 requests at the mean context 512 + 128 / 2: 15.0 GB of weights + 19.3 GB of KV.
     assert facts.step_bytes(256, 576) == facts.weight_bytes_read + 256 * 576 * 128 * 1024
+    assert facts.lm_head_bytes == 2 * 128256 * 4096  # outside the decode graph
     assert bench.default_bandwidth("NVIDIA H100 80GB HBM3") == 3350
     assert bench.default_bandwidth("NVIDIA H100 PCIe") == 2000
     assert bench.default_bandwidth("NVIDIA H200") == 4800
@@ -118,11 +119,16 @@ def test_tiny_run_end_to_end_writes_every_figure(bench, tmp_path, capsys):
 def test_skip_hf_runs_our_engine_on_dummy_weights_with_no_checkpoint(bench, tmp_path):
     out, folder = tmp_path / "gpu.json", tmp_path / "model"
     argv = TINY_RUN + ["--skip-hf", "--bandwidth-gbs", "20", "--model-dir", str(folder)]
-    assert bench.main(argv + ["--json-out", str(out)]) == 0
+    assert bench.main(argv + ["--profile", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     check_run(result, device, dtype, engines=("ours",))
+    # --profile: an eager forward's ops for the smallest and the largest N (and, on CUDA,
+    # the graph's replay).
+    profiled = result["forward_profile"]
+    assert {"1 eager", "2 eager"} <= set(profiled)
+    assert all(p["ms_per_forward"] > 0 and "Name" in p["table"] for p in profiled.values())
     assert result["load_format"] == "dummy" and "hf" not in result["engines"]
     # The byte counts come from the shape (counted on the meta device), not from weights.
     assert result["model"]["weight_bytes_read"] > 0
@@ -138,6 +144,8 @@ def test_tiny_run_on_cuda(bench, tmp_path):
     result = json.loads(out.read_text())
     check_run(result, "cuda", "bfloat16")
     assert result["machine"]["device_name"] == torch.cuda.get_device_name()
+    probe = result["forward_probe"]  # each N's graph replay, timed on the device
+    assert set(probe) == {"1", "2"} and all(p["replay_ms"] > 0 for p in probe.values())
     assert result["peak_gpu_memory_gib_ours"] > 0
 
 
