@@ -26,11 +26,15 @@ def caches(num_layers=3, num_blocks=64, block=16, heads=2, dim=64, dtype=torch.b
     return [torch.randn(shape, device=CUDA).to(dtype) for _ in range(num_layers)]
 
 
-def test_tier_is_pinned_and_copies_on_its_own_stream():
+def test_tier_is_pinned_in_the_background_and_copies_on_its_own_stream():
     kv = caches()
     handler = CPUOffloadingHandler(kv, 32)
+    assert handler.pinner is not None and handler.pinner.done.wait(60)
+    assert handler.pinner.error is None
     assert all(t.is_pinned() and t.device.type == "cpu" for t in handler.cpu_caches)
     assert handler.stream is not None and handler.stream != torch.cuda.current_stream()
+    handler.close()  # unlocked: the tensors are plain memory again
+    assert not any(t.is_pinned() for t in handler.cpu_caches)
 
 
 def test_a_save_sees_the_compute_streams_last_write_and_a_load_is_seen_by_the_next():

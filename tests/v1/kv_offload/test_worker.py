@@ -91,3 +91,80 @@ def _spy(fn, calls):
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+class FakeHostRegister:
+    """Records page-locking calls; each lock takes ``delay`` seconds."""
+
+    def __init__(self, delay: float = 0.0, fail_at: int | None = None) -> None:
+        import threading
+
+        self.delay, self.fail_at = delay, fail_at
+        self.locked: dict[int, int] = {}
+        self.unlocked: list[int] = []
+        self.started = threading.Event()
+
+    def register(self, address: int, size: int) -> None:
+        import time
+
+        self.started.set()
+        if self.fail_at is not None and len(self.locked) == self.fail_at:
+            raise RuntimeError("cudaHostRegister: out of memory")
+        time.sleep(self.delay)
+        assert address not in self.locked
+        self.locked[address] = size
+
+    def unregister(self, address: int) -> None:
+        self.unlocked.append(address)
+
+    @property
+    def pair(self):
+        return self.register, self.unregister
+
+
+def test_the_tier_is_page_locked_in_the_background_and_unlocked_on_close():
+    caches = _random_caches()
+    fake = FakeHostRegister(delay=0.01)
+    handler = CPUOffloadingHandler(caches, 40, host_register=fake.pair)
+    # Copies work while it locks (pageable memory is only slower).
+    handler.transfer(KVOffloadTransfers(saves=[(3, 0)], loads=[(0, 5)]))
+    assert handler.pinner.done.wait(10) and handler.pinner.error is None
+    tiers = {t.data_ptr(): t.numel() * t.element_size() for t in handler.cpu_caches}
+    assert fake.locked == tiers  # every layer's tensor, whole, once
+    for layer in caches:
+        assert torch.equal(layer[:, 5], layer[:, 3])
+    handler.close()
+    handler.close()  # once only
+    assert sorted(fake.unlocked) == sorted(tiers)
+
+
+def test_closing_while_locking_stops_and_unlocks_only_what_was_locked():
+    fake = FakeHostRegister(delay=0.2)
+    handler = CPUOffloadingHandler(_random_caches(num_layers=6), 8, host_register=fake.pair)
+    assert fake.started.wait(5)
+    handler.close()
+    assert 1 <= len(fake.locked) < 6 and sorted(fake.unlocked) == sorted(fake.locked)
+
+
+def test_a_failed_lock_leaves_the_tier_working_and_pageable(caplog):
+    fake = FakeHostRegister(fail_at=1)
+    caches = _random_caches()
+    handler = CPUOffloadingHandler(caches, 40, host_register=fake.pair)
+    assert handler.pinner.done.wait(10)
+    assert "out of memory" in str(handler.pinner.error) and len(fake.locked) == 1
+    assert "page-locking stopped" in caplog.text
+    handler.transfer(KVOffloadTransfers(saves=[(2, 7)]))
+    assert torch.equal(handler.cpu_caches[0][:, 7], caches[0][:, 2])
+    handler.close()
+    assert fake.unlocked == list(fake.locked)
+
+
+def test_a_dropped_handler_unlocks_its_tier():
+    import gc
+
+    fake = FakeHostRegister()
+    handler = CPUOffloadingHandler(_random_caches(), 8, host_register=fake.pair)
+    handler.pinner.done.wait(10)
+    del handler
+    gc.collect()
+    assert len(fake.unlocked) == len(fake.locked) == 3

@@ -106,6 +106,9 @@ class ModelRunner:
         memory back (``EngineCore.shutdown``): an ``LLM`` shut down frees its GPU, so the
         next one in the process sizes its pool from what is really free."""
         self.decode_graphs = None
+        close = getattr(self.kv_offload, "close", None)
+        if close is not None:
+            close()  # unlock the tier's pages before they are freed
         self.kv_offload = None
         self.kv_caches = []
         self.model = None
@@ -241,20 +244,16 @@ class ModelRunner:
         from vllm.v1.kv_offload.registry import get_offloading_backend_class
 
         backend = self.config.offload_config.kv_offloading_backend
-        if self.device.type == "cuda":  # the kernel locks every page: can take a minute
-            logger.info(
-                "Pinning the CPU KV tier's host memory (--kv-offloading-size sets its size)"
-            )
         start = time.monotonic()
         self.kv_offload = get_offloading_backend_class(backend)(self.kv_caches, num_cpu_blocks)
         logger.info(
-            "CPU KV tier (%s): %d blocks x %d tokens (%.2f GiB%s, allocated in %.1f s); %d tokens",
+            "CPU KV tier (%s): %d blocks x %d tokens (%.2f GiB, allocated in %.1f s%s); %d tokens",
             backend,
             num_cpu_blocks,
             self.block_size,
             self.kv_offload.size_bytes / 2**30,
-            " pinned" if self.device.type == "cuda" else "",
             time.monotonic() - start,
+            ", page-locked in the background" if getattr(self.kv_offload, "pinner", None) else "",
             num_cpu_blocks * self.block_size,
         )
 
