@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm.v1.core.sched.output import KVOffloadTransfers
@@ -168,3 +169,45 @@ def test_a_dropped_handler_unlocks_its_tier():
     del handler
     gc.collect()
     assert len(fake.unlocked) == len(fake.locked) == 3
+
+
+def test_cuda_host_register_checks_each_call_through_torchs_bindings(monkeypatch):
+    """The CUDA calls, against a stand-in for ``torch.cuda.cudart()``: portable locking on
+    the tier's device, an error code raised with the driver's message."""
+    import contextlib
+    import enum
+
+    from vllm.v1.kv_offload.worker import cuda_host_register
+
+    class Error(enum.Enum):
+        success = 0
+        already = 712
+
+    calls = []
+
+    class Cudart:
+        cudaError = Error
+
+        def cudaHostRegister(self, address, size, flags):
+            calls.append(("register", address, size, flags))
+            return Error.already if address == 0xBAD else Error.success
+
+        def cudaHostUnregister(self, address):
+            calls.append(("unregister", address))
+            return Error.success
+
+        def cudaGetErrorString(self, err):
+            return "part of the range is already page-locked"
+
+    devices = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(
+        torch.cuda, "device", lambda d: devices.append(d) or contextlib.nullcontext()
+    )
+    register, unregister = cuda_host_register(torch.device("cuda", 1))
+    register(0x1000, 4096)
+    unregister(0x1000)
+    assert calls == [("register", 0x1000, 4096, 1), ("unregister", 0x1000)]
+    assert devices == [torch.device("cuda", 1)]
+    with pytest.raises(RuntimeError, match="cudaHostRegister: part of the range"):
+        register(0xBAD, 4096)
