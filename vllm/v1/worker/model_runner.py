@@ -424,7 +424,9 @@ class ModelRunner:
             return output
         output.prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
         if sample_reqs:
-            self._sample(hidden[sample_idx], sample_reqs, output)
+            # A decode-only step samples every row: a view, no index copied to the device.
+            rows = hidden if len(sample_idx) == hidden.shape[0] else hidden[sample_idx]
+            self._sample(rows, sample_reqs, output)
         if spec_reqs:
             self._verify_drafts(hidden[spec_rows], spec_reqs, output)
         return output
