@@ -180,7 +180,7 @@ class CPUOffloadingHandler:
         if host_register is not None:
             self.pinner = BackgroundPinner(self.cpu_caches, host_register)
             # Unlocked before the tensors are freed, also when the handler is just dropped.
-            self._unpin = weakref.finalize(self, self.pinner.close)
+            self._unpin = weakref.finalize(self, _unpin, self.stream, self.pinner)
         self.block_bytes = sum(t[:, 0].numel() * t.element_size() for t in self.cpu_caches)
         self.staged = self.stream is not None if staged is None else staged
 
@@ -252,6 +252,13 @@ class CPUOffloadingHandler:
                                 tier[kv, h0 : h0 + n], non_blocking=non_blocking
                             )
                         cache[kv].index_copy_(0, device_ids, staging)
+
+
+def _unpin(stream: torch.cuda.Stream | None, pinner: BackgroundPinner) -> None:
+    """The tier's copies in flight end before its pages are unlocked."""
+    if stream is not None:
+        stream.synchronize()
+    pinner.close()
 
 
 def host_runs(ids: Sequence[int]) -> list[Run]:
