@@ -486,27 +486,23 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if all(s.bare_greedy for s in sample_reqs):  # the argmax of each row, one copy
             finite, argmax = finite_and_argmax(logits, list(range(len(sample_reqs))))
-            for state, ok, token in zip(sample_reqs, finite, argmax, strict=True):
-                if not ok:
-                    out.errors[state.req_id] = NON_FINITE_LOGITS
-                    continue
-                state.token_ids.append(token)
-                state.output_token_ids.append(token)
-                out.sampled_token_ids[state.req_id] = [token]
-            return
-        rows = [
-            SamplingRow(
-                s.sampling_params,
-                s.generator,
-                PrefixView(s.token_ids, s.num_prompt_tokens),
-                s.output_token_ids,
-            )
-            for s in sample_reqs
-        ]
-        grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
-        tokens, lps, row_errors = sample(logits, rows)
-        for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
-            tokens[i], row_errors[i] = None, failure
+            tokens = [t if f else None for f, t in zip(finite, argmax, strict=True)]
+            lps: list = [None] * len(tokens)
+            row_errors = {i: NON_FINITE_LOGITS for i, f in enumerate(finite) if not f}
+        else:
+            rows = [
+                SamplingRow(
+                    s.sampling_params,
+                    s.generator,
+                    PrefixView(s.token_ids, s.num_prompt_tokens),
+                    s.output_token_ids,
+                )
+                for s in sample_reqs
+            ]
+            grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
+            tokens, lps, row_errors = sample(logits, rows)
+            for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
+                tokens[i], row_errors[i] = None, failure
         for i, failure in row_errors.items():
             out.errors[sample_reqs[i].req_id] = failure
         ok = [
