@@ -492,6 +492,18 @@ def context_probe(bench: Bench, llm, recorder: StepRecorder) -> dict:
     return out
 
 
+def padding_rows(bench: Bench, runner, n: int) -> list:
+    """``n`` decode rows at the sweep's mean context, every block the null block (read,
+    and written at the last position), so that no request's cache is touched."""
+    context = int(bench.mean_context)
+    return [(context - 1, 1, [0] * -(-context // runner.block_size))] * n
+
+
+def graph_replay(graphs, size: int):
+    """The captured graph of ``size``, replayed on whatever its buffers hold."""
+    return graphs._graphs[size].replay
+
+
 def forward_probe(bench: Bench, llm, iters: int = 20) -> dict:
     """Where a decode step's time goes, for each N of the sweep that has a captured graph:
     the device time of the graph's replay alone (CUDA events over ``iters`` replays), and
@@ -501,18 +513,17 @@ def forward_probe(bench: Bench, llm, iters: int = 20) -> dict:
     lm_head, sampling and the engine's host work (scheduling, outputs). The rows are
     padding rows over the null block at the sweep's mean context (the KV read comes from
     one cached block: the weights dominate), so no request's cache is touched."""
-    graphs = llm.engine_core.model_runner.decode_graphs
+    runner = llm.engine_core.model_runner
+    graphs = runner.decode_graphs
     if graphs is None:
         return {}
-    context = int(bench.mean_context)
-    block = llm.engine_core.model_runner.block_size
     out = {}
     for n in bench.args.num_requests:
-        size = graphs.padded_size([(context - 1, 1, [0])] * n)
+        seqs = padding_rows(bench, runner, n)
+        size = graphs.padded_size(seqs)
         if size is None:
             continue
-        seqs = [(context - 1, 1, [0] * -(-context // block))] * n
-        ids, positions = [0] * n, [context - 1] * n
+        ids, positions = [0] * n, [seqs[0][0]] * n
         for _ in range(3):
             graphs.run(ids, positions, seqs)
         torch.cuda.synchronize()
@@ -523,8 +534,9 @@ def forward_probe(bench: Bench, llm, iters: int = 20) -> dict:
         run_ms = (time.perf_counter() - start) / iters * 1e3
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
+        replay = graph_replay(graphs, size)
         for _ in range(iters):
-            graphs._graphs[size].replay()
+            replay()
         end.record()
         end.synchronize()
         replay_ms = begin.elapsed_time(end) / iters
@@ -557,20 +569,19 @@ def forward_profile(bench: Bench, llm, iters: int = 5, rows: int = 14) -> dict:
     cuda = runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    context = int(bench.mean_context)
-    blocks = [0] * -(-context // runner.block_size)  # the null block, read and written
     graphs = runner.decode_graphs
     out = {}
     for n in sorted({min(bench.args.num_requests), max(bench.args.num_requests)}):
-        seqs = [(context - 1, 1, blocks)] * n
+        seqs = padding_rows(bench, runner, n)
+        position = seqs[0][0]
         ids = torch.zeros(n, dtype=torch.long, device=runner.device)
-        positions = torch.full((n,), context - 1, dtype=torch.long, device=runner.device)
+        positions = torch.full((n,), position, dtype=torch.long, device=runner.device)
         meta = runner.attn_backend.build_metadata(seqs)
         runs = {"eager": lambda i=ids, p=positions, m=meta: runner.model(i, p, m, runner.kv_caches)}
         size = graphs.padded_size(seqs) if graphs is not None else None
         if size is not None:
-            graphs.run([0] * n, [context - 1] * n, seqs)  # the graph's buffers: these rows
-            runs[f"graph {size}"] = graphs._graphs[size].replay
+            graphs.run([0] * n, [position] * n, seqs)  # the graph's buffers: these rows
+            runs[f"graph {size}"] = graph_replay(graphs, size)
         for label, fn in runs.items():
             with torch.inference_mode():
                 fn()  # warm
