@@ -604,14 +604,23 @@ def forward_profile(bench: Bench, llm, iters: int = 5, rows: int = 14) -> dict:
     return out
 
 
+# Our engine's variants: LLM arguments over engine_kwargs'.
+ENGINE_VARIANTS = {
+    "ours": {},
+    "ours-eager": {"enforce_eager": True},
+    "ours-async": {"async_scheduling": True},
+}
+
+
 def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") -> None:
     """Our engine's figures under ``engine``: ``ours`` as configured, ``ours-eager`` the
-    same with ``enforce_eager`` (no CUDA graphs)."""
+    same with ``enforce_eager`` (no CUDA graphs), ``ours-async`` with
+    ``async_scheduling`` (the next step scheduled while the device runs the last)."""
     from vllm import LLM
 
     a = bench.args
     start = time.perf_counter()
-    kwargs = engine_kwargs(a, dtype) | ({"enforce_eager": True} if engine == "ours-eager" else {})
+    kwargs = engine_kwargs(a, dtype) | ENGINE_VARIANTS[engine]
     llm = LLM(model=str(model_dir), **kwargs)
     bench.results["timings_s"][f"{engine} start-up"] = time.perf_counter() - start
     recorder = StepRecorder(llm)
@@ -656,6 +665,11 @@ def ratios(results: dict) -> dict:
             if ours.get("output_tok_per_s") and theirs.get("output_tok_per_s"):
                 ratio = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
                 out.setdefault(n, {})[f"vs_{base.removeprefix('ours-')}"] = ratio
+    for n, fast in engines.get("ours-async", {}).items():
+        ours = engines.get("ours", {}).get(n, {})
+        if fast.get("output_tok_per_s") and ours.get("output_tok_per_s"):
+            ratio = fast["output_tok_per_s"] / ours["output_tok_per_s"]
+            out.setdefault(n, {})["async_vs_sync"] = ratio
     return out
 
 
@@ -669,7 +683,13 @@ def print_summary(bench: Bench) -> None:
     for n in map(str, a.num_requests):
         for engine, by_n in r["engines"].items():
             if n in by_n:
-                vs = r["ratios"].get(n, {}) if engine == "ours" else {}
+                # "ours" against the baselines, "ours-async" against "ours".
+                vs = {
+                    k: v
+                    for k, v in r["ratios"].get(n, {}).items()
+                    if engine in ("ours", "ours-async")
+                    and (k == "async_vs_sync") == (engine == "ours-async")
+                }
                 extra = ", ".join(f"{v:.2f}x {k}" for k, v in vs.items())
                 print(format_row(engine, int(n), by_n[n]) + (f"  {extra}" if extra else ""))
     bench.save()
@@ -696,6 +716,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="after the sweep: the top kernels of a decode forward (torch.profiler)")
     ap.add_argument("--eager-too", action="store_true",
                     help="also our engine with enforce_eager (no CUDA graphs): 'ours-eager'")
+    ap.add_argument("--async-too", action="store_true",
+                    help="also our engine with async_scheduling: 'ours-async', its ratio to 'ours'")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,
                     help="peak memory bandwidth; default by card name (H100 SXM 3350, H200 4800)")
     ap.add_argument("--engine-args", default=None,
@@ -774,9 +796,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     ours_phase(bench, model_dir, args.dtype)
-    if args.eager_too:
-        gc.collect()
-        ours_phase(bench, model_dir, args.dtype, engine="ours-eager")
+    for flag, engine in ((args.eager_too, "ours-eager"), (args.async_too, "ours-async")):
+        if flag:
+            gc.collect()
+            ours_phase(bench, model_dir, args.dtype, engine=engine)
     if device.type == "cuda":
         bench.results["peak_gpu_memory_gib_ours"] = torch.cuda.max_memory_allocated() / 2**30
     print_summary(bench)

@@ -312,6 +312,14 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = config_field(
         0, "A prefill chunk is at most this many tokens (0: no limit beyond the budget)."
     )
+    async_scheduling: bool = config_field(
+        False,
+        "Schedule the next step while the device runs this one (vLLM's async scheduling): "
+        "a step whose sampled rows are all plain greedy keeps its tokens on the device, "
+        "the next step reads them there, and the host's scheduling and input building "
+        "overlap the forward. Other steps (sampling parameters, grammars, logprobs) run "
+        "as without it.",
+    )
     policy: str = config_field(
         "fcfs",
         "Which policy orders waiting requests, picks victims, and decides pins.",
@@ -592,6 +600,12 @@ class VllmConfig:
     def __post_init__(self) -> None:
         if self.model_config.is_pooling and self.speculative_config.enabled:
             raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
+        if self.scheduler_config.async_scheduling and self.speculative_config.enabled:
+            # A draft is proposed from the tokens so far, which a step scheduled ahead of
+            # the device's result does not have yet.
+            raise ValueError(
+                "--async-scheduling cannot be combined with --speculative-config: drop one"
+            )
         if self.offload_config.enabled and not self.cache_config.enable_prefix_caching:
             # The tier finds blocks by their prefix hash: without one it would hold nothing,
             # and a policy would offload into nothing.

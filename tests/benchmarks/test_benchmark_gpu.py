@@ -119,11 +119,16 @@ def test_tiny_run_end_to_end_writes_every_figure(bench, tmp_path, capsys):
 def test_skip_hf_runs_our_engine_on_dummy_weights_with_no_checkpoint(bench, tmp_path):
     out, folder = tmp_path / "gpu.json", tmp_path / "model"
     argv = TINY_RUN + ["--skip-hf", "--bandwidth-gbs", "20", "--model-dir", str(folder)]
-    assert bench.main(argv + ["--profile", "--json-out", str(out)]) == 0
+    assert bench.main(argv + ["--profile", "--async-too", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
-    check_run(result, device, dtype, engines=("ours",))
+    check_run(result, device, dtype, engines=("ours", "ours-async"))
+    # --async-too: the same sweep with async scheduling, and its ratio to the plain one.
+    assert {n: set(r) for n, r in result["ratios"].items()} == {
+        "1": {"async_vs_sync"},
+        "2": {"async_vs_sync"},
+    }
     # --profile: an eager forward's ops for the smallest and the largest N (and, on CUDA,
     # the graph's replay).
     profiled = result["forward_profile"]

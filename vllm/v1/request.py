@@ -82,6 +82,10 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # --async-scheduling: tokens sampled by steps still on the device, which the
+        # scheduler counts as this request's (their positions are scheduled) before it
+        # knows them.
+        self.num_output_placeholders = 0
         # Prompt tokens served from the prefix cache at first scheduling (-1: not yet).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -129,6 +133,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """The tokens so far and those that steps still on the device sample."""
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

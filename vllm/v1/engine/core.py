@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from vllm.config import VllmConfig
 from vllm.utils.clock import Clock, monotonic_clock
@@ -20,6 +21,9 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, Reques
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output.ahead import PendingGrammars
 from vllm_continuum.policy import get_policy_class
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.model_runner import DeferredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +103,14 @@ class EngineCore:
         self._undelivered_finished: set[str] = set()
         self._undelivered_preempted: set[str] = set()
         self._num_failed_steps = 0  # in a row
+        # --async-scheduling: the step whose tokens are still on the device.
+        self.async_scheduling = vllm_config.scheduler_config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, DeferredOutput] | None = None
+        if self.async_scheduling and self.model_runner.device.type == "cpu":
+            logger.warning(
+                "--async-scheduling on the CPU: the forward runs on the engine's own thread, "
+                "so nothing overlaps it, and each token reaches the client a step later"
+            )
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks%s, policy %s",
             time.monotonic() - start,
@@ -174,6 +186,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. A request that fails inside the step is finished
         with an error (``EngineCoreOutputs.errors``); the engine goes on."""
+        if self.async_scheduling:
+            return self._step_async()
         errors = self._schedule_compiled()
         scheduler_output = self.scheduler.schedule()
         try:
@@ -187,6 +201,46 @@ class EngineCore:
         outputs.errors.extend(errors)
         return outputs
 
+    def _step_async(self) -> EngineCoreOutputs:
+        """--async-scheduling: schedule and launch a step, then finish the one before it,
+        whose tokens stayed on the device meanwhile (the scheduler counted them as
+        placeholders). The host's work of this step overlaps the device's of the last."""
+        errors = self._schedule_compiled()
+        scheduler_output = self.scheduler.schedule()
+        try:
+            result = self._execute(scheduler_output, defer=True)
+        except Exception as e:
+            result = self._failed_step(scheduler_output, e)
+        else:
+            if not scheduler_output.is_empty:
+                self._num_failed_steps = 0
+        ready = isinstance(result, ModelRunnerOutput)  # else a DeferredOutput
+        outputs = None
+        if self._in_flight is not None:  # first: steps are updated in their order
+            outputs = self._finish_in_flight(with_stats=not ready)
+        if not ready:
+            self._in_flight = (scheduler_output, result)
+            if outputs is None:  # nothing finished in this step
+                outputs = EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        else:
+            now = self.scheduler.update_from_output(scheduler_output, result)
+            if outputs is not None:
+                now.outputs[:0] = outputs.outputs
+                now.errors[:0] = outputs.errors
+            outputs = now
+        outputs.errors.extend(errors)
+        return outputs
+
+    def _finish_in_flight(self, with_stats: bool = True) -> EngineCoreOutputs:
+        """Wait for the step on the device and apply its tokens."""
+        scheduler_output, deferred = self._in_flight
+        self._in_flight = None
+        try:
+            runner_output = deferred.result()
+        except Exception as e:  # a device error surfaces when its copy is waited for
+            runner_output = self._failed_step(scheduler_output, e)
+        return self.scheduler.update_from_output(scheduler_output, runner_output, with_stats)
+
     def _schedule_compiled(self) -> list[EngineCoreRequestError]:
         """Hand the requests whose grammar is ready to the scheduler. With nothing else to
         run, wait a little for one (no busy loop while grammars compile)."""
@@ -199,8 +253,11 @@ class EngineCore:
                 errors.append(EngineCoreRequestError(request.request_id, str(e)))
         return errors
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the model, unless nothing is scheduled (pins expiring, all waiting blocked)."""
+    def _execute(
+        self, scheduler_output: SchedulerOutput, defer: bool = False
+    ) -> ModelRunnerOutput | DeferredOutput:
+        """Run the model, unless nothing is scheduled (pins expiring, all waiting blocked).
+        ``defer``: the runner may leave the sampled tokens on the device."""
         if scheduler_output.is_empty:
             if scheduler_output.kv_transfers:  # saves of freed blocks: run them now
                 self.model_runner.transfer_kv(scheduler_output.kv_transfers)
@@ -211,6 +268,8 @@ class EngineCore:
         scheduler_output.finished_req_ids |= self._undelivered_finished
         scheduler_output.preempted_req_ids |= self._undelivered_preempted
         self._undelivered_finished, self._undelivered_preempted = set(), set()
+        if defer:
+            return self.model_runner.execute_model(scheduler_output, defer=True)
         return self.model_runner.execute_model(scheduler_output)
 
     def _undeliver(self, scheduler_output: SchedulerOutput) -> None:
@@ -243,7 +302,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has anything to do: requests scheduled or waiting, or held
         while their grammar compiles (pinned blocks alone are no work)."""
-        return self.scheduler.has_unfinished_requests() or len(self.grammars) > 0
+        return (
+            self.scheduler.has_unfinished_requests()
+            or len(self.grammars) > 0
+            or self._in_flight is not None
+        )
 
     def next_wakeup(self) -> float | None:
         """Clock time of the earliest pin deadline (an idle engine may sleep until then)."""
@@ -258,6 +321,7 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self._in_flight = None  # its tokens are no one's now
         self.scheduler.shutdown()
         self.model_runner.release()
 

@@ -194,9 +194,12 @@ class DecodeGraphs:
         positions: list[int],
         seqs: list[SeqLayout],
         lora_slots: list[int] | None = None,
+        tokens_ahead: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """``lora_slots``: each row's adapter slot, when the graphs were captured with
-        LoRA (None or all 0: the base model)."""
+        LoRA (None or all 0: the base model). ``tokens_ahead``: (rows, tokens) on the
+        device, input tokens that a step still on the device sampled (--async-scheduling),
+        written over those rows of ``ids``."""
         size = self.padded_size(seqs)
         if size is None:
             return None
@@ -211,6 +214,8 @@ class DecodeGraphs:
         self._meta.narrow(size).copy_(step)
         self._ids.narrow(0, 0, size).copy_(host[0], non_blocking=True)
         self._positions.narrow(0, 0, size).copy_(host[1], non_blocking=True)
+        if tokens_ahead is not None:
+            self._ids.index_copy_(0, *tokens_ahead)
         self._graphs[size].replay()
         self.num_replays += 1
         return self._hidden.narrow(0, 0, n)

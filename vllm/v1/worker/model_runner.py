@@ -68,6 +68,51 @@ class CachedRequestState:
     bare_greedy: bool = False  # sampler.is_bare_greedy(sampling_params): the argmax alone
 
 
+class DeferredOutput:
+    """A step whose sampled tokens are still on the device (``--async-scheduling``): the
+    engine schedules and launches the next step, then takes this one's ``result()``.
+
+    The sampled rows are plain greedy: each row's finiteness and argmax are copied to
+    the host behind the forward (into pinned memory on CUDA, an event marks the copy's
+    end); ``result()`` waits for them and appends the tokens to the requests' states."""
+
+    def __init__(
+        self,
+        output: ModelRunnerOutput,
+        states: list[CachedRequestState],
+        packed: torch.Tensor,
+        event: torch.cuda.Event | None,
+    ) -> None:
+        self._output = output
+        self._states = states
+        self._packed = packed  # host: each row's finiteness, then each row's argmax
+        self._event = event
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output, once the device is done with it (idempotent)."""
+        if self._done:
+            return self._output
+        if self._event is not None:
+            self._event.synchronize()
+        values = self._packed.tolist()
+        n = len(self._states)
+        out = self._output
+        for state, finite, token in zip(self._states, values[:n], values[n:], strict=True):
+            if not finite:
+                out.errors[state.req_id] = NON_FINITE_LOGITS
+                continue
+            state.token_ids.append(token)
+            state.output_token_ids.append(token)
+            out.sampled_token_ids[state.req_id] = [token]
+        self._done = True
+        return out
+
+
 class ModelRunner:
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str | None = None):
         self.config = vllm_config
@@ -98,6 +143,12 @@ class ModelRunner:
         self.attn_backend: AttentionBackend | None = None  # chosen in load_model
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
+        # --async-scheduling: the last deferred step (tokens not yet on the host), its
+        # sampled tokens on the device and each sampling request's row in them (the next
+        # step's input for a request whose last token is not known here yet).
+        self._deferred: list[DeferredOutput] = []
+        self._device_tokens: torch.Tensor | None = None
+        self._device_token_rows: dict[str, tuple[CachedRequestState, int]] = {}
         if self.device.type == "cpu":
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
 
@@ -106,6 +157,7 @@ class ModelRunner:
         memory back (``EngineCore.shutdown``): an ``LLM`` shut down frees its GPU, so the
         next one in the process sizes its pool from what is really free."""
         self.decode_graphs = None
+        self._deferred, self._device_tokens, self._device_token_rows = [], None, {}
         close = getattr(self.kv_offload, "close", None)
         if close is not None:
             close()  # unlock the tier's pages before they are freed
@@ -359,8 +411,77 @@ class ModelRunner:
             bare_greedy=is_bare_greedy(p),
         )
 
+    def _resolve_deferred(self) -> None:
+        """The deferred steps' tokens onto the host, in order (before a step that samples
+        on the host appends its own)."""
+        for deferred in self._deferred:
+            deferred.result()
+        self._deferred = []
+
+    def _tokens_ahead(self, ahead: list[tuple[int, CachedRequestState]]) -> tuple | None:
+        """Rows of the step's input whose token the deferred step samples on the device:
+        (row indices, tokens), both on the device; None when there are none."""
+        if not ahead:
+            return None
+        src = []
+        for _, state in ahead:
+            known = self._device_token_rows.get(state.req_id)
+            if known is None or known[0] is not state or self._device_tokens is None:
+                raise RuntimeError(
+                    f"request {state.req_id} needs a token that no step on the device samples"
+                )
+            src.append(known[1])
+        rows = [row for row, _ in ahead]
+        tokens = self._device_tokens
+        if src != list(range(tokens.shape[0])):  # not the whole previous batch, in order
+            tokens = tokens[torch.tensor(src, device=self.device)]
+        return torch.tensor(rows, device=self.device), tokens
+
+    def _deferrable(self, so: SchedulerOutput, sample_reqs: list[CachedRequestState]) -> bool:
+        """Whether this step's sampling may stay on the device (--async-scheduling): plain
+        greedy rows only (no penalties, grammar, logprobs, processors), no drafts, no
+        prompt logprobs, no pooling."""
+        return (
+            not so.scheduled_spec_decode_tokens
+            and not self.model_config.is_pooling
+            and all(s.bare_greedy for s in sample_reqs)
+            and not any(
+                self.requests[r].sampling_params.prompt_logprobs is not None
+                for r in so.num_scheduled_tokens
+                if r in self.requests
+            )
+        )
+
+    def _sample_deferred(
+        self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
+    ) -> DeferredOutput:
+        """Sample plain greedy rows without waiting for the device: the argmax stays there
+        for the next step's input, a copy goes to the host behind the forward."""
+        logits = self.model.compute_logits(hidden)
+        tokens = logits.argmax(-1)
+        packed = torch.cat([torch.isfinite(logits.amax(-1)).long(), tokens])
+        event = None
+        if self.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = packed
+        self._device_tokens = tokens
+        self._device_token_rows = {s.req_id: (s, i) for i, s in enumerate(sample_reqs)}
+        deferred = DeferredOutput(out, sample_reqs, host, event)
+        self._deferred = [d for d in self._deferred if not d.done] + [deferred]
+        return deferred
+
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, so: SchedulerOutput, defer: bool = False
+    ) -> ModelRunnerOutput | DeferredOutput:
+        """Run one step. ``defer`` (--async-scheduling): a step whose sampled rows are all
+        plain greedy returns a ``DeferredOutput`` at once, its tokens still on the device;
+        other steps return their output, as without it. A request whose last token a
+        deferred step samples reads it from the device."""
         failed = self._update_states(so)
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
@@ -382,6 +503,7 @@ class ModelRunner:
         row_starts: dict[str, int] = {}  # req_id -> its first row in the flat batch
         spec_rows: list[int] = []  # speculative decoding: every row of a request's step
         spec_reqs: list[tuple[CachedRequestState, list[int]]] = []
+        ahead: list[tuple[int, CachedRequestState]] = []  # (row, request): token on device
         for req_id in order:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
@@ -397,7 +519,11 @@ class ModelRunner:
                 # decode steps) serve them instead of a prefill chunk.
                 seqs += [(start + i, 1, state.block_ids) for i in range(n)]
             else:
-                ids += state.token_ids[start : start + n]
+                known = state.token_ids[start : start + n]
+                ids += known
+                if len(known) < n:  # the last one: sampled by a step still on the device
+                    ahead.append((len(ids), state))
+                    ids.append(0)
                 seqs.append((start, n, state.block_ids))
             positions += range(start, start + n)
             token_slots += [state.lora_slot] * n
@@ -405,17 +531,18 @@ class ModelRunner:
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
         hidden = None
+        patch = self._tokens_ahead(ahead)
         if self.lora is not None:
             self.lora.set_token_slots(token_slots, self.device)
         if self.decode_graphs is not None:  # a decode-only step of a captured size
-            hidden = self.decode_graphs.run(ids, positions, seqs, token_slots)
+            hidden = self.decode_graphs.run(ids, positions, seqs, token_slots, patch)
         if hidden is None:
             meta = self.attn_backend.build_metadata(seqs)
+            input_ids = torch.tensor(ids, device=self.device)
+            if patch is not None:
+                input_ids.index_copy_(0, *patch)
             hidden = self.model(
-                torch.tensor(ids, device=self.device),
-                torch.tensor(positions, device=self.device),
-                meta,
-                self.kv_caches,
+                input_ids, torch.tensor(positions, device=self.device), meta, self.kv_caches
             )
         output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
         if self.model_config.is_pooling:  # embeddings: the prompt's last row, no token
@@ -426,6 +553,9 @@ class ModelRunner:
         if sample_reqs:
             # A decode-only step samples every row: a view, no index copied to the device.
             rows = hidden if len(sample_idx) == hidden.shape[0] else hidden[sample_idx]
+            if defer and self._deferrable(so, sample_reqs):
+                return self._sample_deferred(rows, sample_reqs, output)
+            self._resolve_deferred()  # earlier steps' tokens land before this one's
             self._sample(rows, sample_reqs, output)
         if spec_reqs:
             self._verify_drafts(hidden[spec_rows], spec_reqs, output)

@@ -10,6 +10,7 @@ in ``pinned.py``.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -103,6 +104,12 @@ class Scheduler:
         self._spec_max_batch = spec.disable_by_batch_size
         # Finish events decided inside schedule(), delivered by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
+        # --async-scheduling: the engine may schedule a step before the previous one's
+        # update. Each schedule() leaves here the requests it scheduled (the objects: an
+        # id may be reused once its request finished) and those that took a placeholder
+        # for the token they sample; update_from_output takes them back in order.
+        self.async_scheduling = self.config.async_scheduling
+        self._scheduled: deque[tuple[dict[str, Request], list[Request]]] = deque()
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -165,7 +172,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget.remaining > 0:
             request = self.running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens_with_placeholders - request.num_computed_tokens
+            if request.num_output_placeholders and self._surely_done(request):
+                i += 1  # its step on the device ends it: the next would be wasted
+                continue
             drafts = self._drafts(request, budget) if num_new == 1 else []
             num_new = budget.clip(num_new + len(drafts))
             if num_new == 0:
@@ -184,6 +194,15 @@ class Scheduler:
             budget.consume(num_new)
             # A victim scheduled earlier in this step shifts the list (rare: look it up).
             i = i + 1 if len(self.running) == num_running else self.running.index(request) + 1
+
+    def _surely_done(self, request: Request) -> bool:
+        """Whether ``request`` stops at the latest with the tokens its steps on the device
+        sample (max_tokens or max_model_len reached; an EOS is not known before)."""
+        ahead = request.num_output_placeholders
+        max_tokens = request.max_tokens
+        return request.num_tokens + ahead >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens + ahead >= max_tokens
+        )
 
     def _drafts(self, request: Request, budget: TokenBudget) -> list[int]:
         """Draft tokens for a decoding request (speculative decoding; [] without it, for
@@ -245,6 +264,9 @@ class Scheduler:
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        # A token its step on the device samples is dropped (the request is no longer
+        # running when that step's update comes); recomputed, it is sampled again.
+        victim.num_output_placeholders = 0
         victim.num_preemptions += 1
         self._num_preemptions += 1
         step.preempted.add(victim.request_id)
@@ -368,20 +390,48 @@ class Scheduler:
         # As in vLLM: the scheduled tokens count as computed from now on.
         for req_id, n in step.num_tokens.items():
             self.requests[req_id].num_computed_tokens += n
+        if self.async_scheduling:
+            self._take_placeholders(step)
         return output
+
+    def _take_placeholders(self, step: _Step) -> None:
+        """--async-scheduling: each request of the step that samples a token takes a
+        placeholder for it (the next step may be scheduled before it is known); the
+        step's requests and those are kept for its update."""
+        scheduled = {req_id: self.requests[req_id] for req_id in step.num_tokens}
+        sampling = []
+        for request in scheduled.values():
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1
+                sampling.append(request)
+        self._scheduled.append((scheduled, sampling))
 
     # -- results --------------------------------------------------------------------------
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        with_stats: bool = True,
     ) -> EngineCoreOutputs:
+        """Apply a step's results to its requests (in the order the steps were scheduled);
+        ``with_stats`` False: no ``scheduler_stats`` (the counters carry over to the next
+        update that makes them: --async-scheduling may update two steps at once)."""
         now = self.clock()
+        scheduled, sampling = self._scheduled.popleft() if self._scheduled else ({}, [])
+        for request in sampling:  # its token is known now (or never will be)
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
         outputs, self._pending_outputs = self._pending_outputs, []
-        errors = self._fail_requests(runner_output.errors)
+        errors = self._fail_requests(runner_output.errors, scheduled)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             new_tokens = runner_output.sampled_token_ids.get(req_id) or []
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted meanwhile
+            if (
+                request is None
+                or request.status != RequestStatus.RUNNING
+                or request is not scheduled.get(req_id, request)
+            ):
+                continue  # aborted, preempted or finished meanwhile (its id maybe reused)
             if req_id in runner_output.prompt_logprobs:  # kept until the first token
                 request.add_prompt_logprobs(runner_output.prompt_logprobs[req_id])
             pooled = runner_output.pooled.get(req_id)
@@ -430,6 +480,8 @@ class Scheduler:
             if stopped:
                 self._finish(request, now)
             outputs.append(output)
+        if not with_stats:
+            return EngineCoreOutputs(outputs, None, errors=errors)
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         return EngineCoreOutputs(outputs, stats, errors=errors)
@@ -450,7 +502,9 @@ class Scheduler:
         self._finish(request, now)
         return output
 
-    def _fail_requests(self, failures: dict[str, RequestFailure]) -> list[EngineCoreRequestError]:
+    def _fail_requests(
+        self, failures: dict[str, RequestFailure], scheduled: dict[str, Request]
+    ) -> list[EngineCoreRequestError]:
         """Finish the requests that failed in this step, through the abort path (their
         blocks freed, the policy told), with status ``FINISHED_ERROR``.
 
@@ -461,7 +515,11 @@ class Scheduler:
         errors = []
         for req_id, failure in failures.items():
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if (
+                request is None
+                or request.status != RequestStatus.RUNNING
+                or request is not scheduled.get(req_id, request)
+            ):
                 continue
             logger.warning("request %s failed in its step: %s", req_id, failure.message)
             request.num_computed_tokens = 0

@@ -1,0 +1,238 @@
+"""--async-scheduling: the next step is scheduled and launched before the last one's tokens
+reach the host (they stay on the device, the scheduler counts them as placeholders).
+
+On the CPU nothing overlaps (the forward runs on the calling thread), but the pipeline is
+the one that runs on a GPU: every test compares an engine with it against one without it
+on the embedded model (fp32), token for token, and checks that steps were deferred."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.engine import EngineCoreRequest, FinishReason
+from vllm.v1.worker.model_runner import DeferredOutput
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3,",
+    "Once upon a time, in a land far away, there lived a young girl who loved to",
+    "Here is a list of the ten most popular programming languages in 2024:\n1.",
+    "The quick brown fox",
+]
+
+
+def make_llm(async_scheduling: bool, **kw) -> LLM:
+    # A pool of 15 usable blocks (240 tokens) for 6 requests growing to ~80 tokens each:
+    # requests are preempted and recomputed; a step budget of 32 chunks the prompts.
+    args = dict(
+        num_gpu_blocks_override=16,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        quantization="fp32",
+        async_scheduling=async_scheduling,
+    )
+    return LLM(**{**args, **kw})
+
+
+class Counts:
+    """Wraps an LLM's runner and scheduler to count deferred steps and preemptions."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.deferred = self.steps = self.preemptions = 0
+        core = llm.engine_core
+        runner, sched = core.model_runner, core.scheduler
+        execute, preempt = runner.execute_model, sched._preempt
+
+        def counted_execute(so, *args, **kwargs):
+            out = execute(so, *args, **kwargs)
+            self.steps += 1
+            self.deferred += isinstance(out, DeferredOutput)
+            return out
+
+        def counted_preempt(*args):
+            self.preemptions += 1
+            return preempt(*args)
+
+        runner.execute_model = counted_execute
+        sched._preempt = counted_preempt
+
+
+@pytest.fixture(scope="module")
+def llms():
+    pair = {mode: make_llm(mode) for mode in (False, True)}
+    yield pair
+    for llm in pair.values():
+        llm.shutdown()
+
+
+def run(llm: LLM, prompts, params):
+    counts = Counts(llm)
+    outs = llm.generate(prompts, params)
+    core = llm.engine_core
+    if core._in_flight is not None:
+        # A step launched before its requests stopped (on a stop token): its tokens are
+        # no one's, the next step drops them.
+        assert core.has_unfinished_requests()
+        out = core.step()
+        assert not out.outputs and not out.errors
+    sched = core.scheduler
+    sched.check_invariants()
+    assert sched.kv_cache_manager.usage == 0.0  # every block back
+    assert not any(r.num_output_placeholders for r in sched.requests.values())
+    assert llm.engine_core._in_flight is None
+    return outs, counts
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_greedy_tokens_equal_under_preemption_and_chunked_prefill(llms):
+    params = [greedy(30 + 12 * i) for i in range(len(PROMPTS))]
+    sync, _ = run(llms[False], PROMPTS, params)
+    ahead, counts = run(llms[True], PROMPTS, params)
+    for a, b in zip(sync, ahead, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason == "length"
+    assert counts.preemptions > 0  # the pool binds: placeholders were dropped and redone
+    assert counts.deferred > counts.steps // 2  # most steps left their tokens on the device
+
+
+def test_stop_token_ends_the_request_where_it_does_without(llms):
+    probe, _ = run(llms[False], PROMPTS[:3], greedy(12))
+    # Each request's 4th token stops it (max_tokens alone would end it at 12).
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[o.outputs[0].token_ids[3]])
+        for o in probe
+    ]
+    sync, _ = run(llms[False], PROMPTS[:3], params)
+    ahead, counts = run(llms[True], PROMPTS[:3], params)
+    for a, b in zip(sync, ahead, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.outputs[0].token_ids) <= 4
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason == "stop"
+    assert counts.deferred > 0
+
+
+def test_sampled_rows_logprobs_and_prompt_logprobs_beside_greedy_ones(llms):
+    # Steps with any of these run as without async scheduling; the greedy requests of the
+    # steps around them leave their tokens on the device.
+    params = [
+        greedy(20),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True),
+        greedy(20, logprobs=2),
+        greedy(6, prompt_logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+        greedy(30),
+    ]
+    sync, _ = run(llms[False], PROMPTS, params)
+    ahead, counts = run(llms[True], PROMPTS, params)
+    for a, b in zip(sync, ahead, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        if a.outputs[0].logprobs is not None:
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert (y.token_id, y.rank) == (x.token_id, x.rank)
+                assert y.logprob == pytest.approx(x.logprob, abs=1e-5)
+                assert [t for t, _ in y.top] == [t for t, _ in x.top]
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+    assert counts.deferred > 0
+
+
+def core_request(request_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=greedy(max_tokens),
+        eos_token_id=None,
+    )
+
+
+def drive(core, outputs: dict[str, list[int]], finished: dict[str, str], limit: int = 500):
+    for _ in range(limit):
+        if not core.has_unfinished_requests():
+            return
+        out = core.step()
+        assert not out.errors
+        for o in out.outputs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                finished[o.request_id] = o.finish_reason
+    raise AssertionError("the engine did not finish")
+
+
+def test_abort_and_an_id_reused_while_a_step_is_on_the_device(llms):
+    tok = llms[False].get_tokenizer()
+    a, b = (tok.encode(p) for p in PROMPTS[:2])
+    expect = {}
+    for rid, prompt in (("a", a), ("b", b)):
+        outs = llms[False].generate({"prompt_token_ids": prompt}, greedy(24))
+        expect[rid] = outs[0].outputs[0].token_ids
+    core = llms[True].engine_core
+    core.add_request(core_request("a", a, 24))
+    core.add_request(core_request("b", b, 24))
+    outputs: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    while len(outputs.get("a", [])) < 3:  # both decode; a step is on the device
+        for o in core.step().outputs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert core._in_flight is not None
+    core.abort_requests(["a"])
+    # The same id again at once: the step on the device still carries the old "a"'s row,
+    # whose token must not reach the new request.
+    core.add_request(core_request("a", b, 24))
+    outputs["a"] = []
+    drive(core, outputs, finished)
+    assert outputs["b"] == expect["b"]
+    assert outputs["a"] == expect["b"]  # the new "a" has b's prompt
+    assert finished == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
+    core.scheduler.check_invariants()
+    assert core.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_continuum_pins_equal_without_async_scheduling():
+    # Two turns of one job: the first's blocks are pinned, the second hits them.
+    turns = [PROMPTS[3], PROMPTS[3] + " run and"]
+    results = {}
+    for mode in (False, True):
+        llm = make_llm(mode, scheduling_policy="continuum", kv_offloading_size=0)
+        try:
+            counts = Counts(llm)
+            outs = []
+            for i, prompt in enumerate(turns):
+                extra = {"job_id": "job", "is_last_step": i == len(turns) - 1}
+                params = greedy(10, extra_args=extra)
+                outs.append(llm.generate(prompt, params)[0])
+            results[mode] = outs
+            sched = llm.engine_core.scheduler
+            sched.check_invariants()
+            assert sched.kv_cache_manager.usage == 0.0  # the last step's blocks are freed
+        finally:
+            llm.shutdown()
+        assert counts.deferred > 0 or not mode
+    for a, b in zip(results[False], results[True], strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.num_cached_tokens == a.num_cached_tokens
+    assert results[True][1].num_cached_tokens > 0  # the pin was hit
+
+
+def test_async_scheduling_refuses_speculative_decoding():
+    args = EngineArgs(
+        async_scheduling=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+    )
+    with pytest.raises(ValueError, match="--async-scheduling"):
+        args.create_engine_config()
+
+
+def test_the_flag_reaches_the_scheduler_config():
+    import argparse
+
+    parsed = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--async-scheduling"])
+    config = EngineArgs.from_cli_args(parsed).create_engine_config()
+    assert config.scheduler_config.async_scheduling
+    assert not EngineArgs().create_engine_config().scheduler_config.async_scheduling
