@@ -29,7 +29,7 @@ from vllm.v1.attention.backends import triton_decode
 from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 from vllm.v1.worker.cuda_graph import DecodeGraphs, cudagraph_capture_sizes
-from vllm.v1.worker.model_runner import ModelRunner
+from vllm.v1.worker.model_runner import DeferredOutput, ModelRunner
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -205,34 +205,46 @@ def test_a_backend_without_graphs_is_refused(checkpoint, monkeypatch):
 
 
 # -- the runner ------------------------------------------------------------------------------
-def run_steps(runner: ModelRunner, loras: dict | None = None) -> list[dict[str, list[int]]]:
+def run_steps(
+    runner: ModelRunner, loras: dict | None = None, defer: bool = False
+) -> list[dict[str, list[int]]]:
     """Three requests: prompts (eager), then greedy decodes (replayed where captured), one
     finishing midway so the batch shrinks from 3 to 2. ``loras``: request -> its
-    ``LoRARequest``."""
+    ``LoRARequest``. ``defer`` (--async-scheduling): each step is launched before the
+    last one's tokens are taken (its decodes read them on the device)."""
     prompts = {"a": [5, 6, 7, 8, 9], "b": [11, 12, 13], "c": list(range(20, 33))}
     blocks = {"a": [3, 9, 4, 20], "b": [7, 30, 31], "c": [12, 2, 15, 16, 40, 41]}
     new = [new_req(r, p, blocks[r], 0) for r, p in prompts.items()]
     for req in new:
         req.lora_request = (loras or {}).get(req.req_id)
-    out = runner.execute_model(
-        sched_out(new=new, num_scheduled={r: len(p) for r, p in prompts.items()})
-    )
-    tokens = [out.sampled_token_ids]
+    tokens: list[dict[str, list[int]]] = []
+    pending: list[DeferredOutput] = []
+
+    def execute(so) -> None:
+        out = runner.execute_model(so, defer=defer)
+        if defer:
+            assert isinstance(out, DeferredOutput)
+            tokens.extend(d.result().sampled_token_ids for d in pending)
+            pending[:] = [out]
+        else:
+            tokens.append(out.sampled_token_ids)
+
+    execute(sched_out(new=new, num_scheduled={r: len(p) for r, p in prompts.items()}))
     computed = {r: len(p) for r, p in prompts.items()}
     live = list(prompts)
     for step in range(6):
         finished = ["b"] if step == 3 else []
         live = [r for r in live if r not in finished]
-        out = runner.execute_model(
+        execute(
             sched_out(
                 cached=[(r, [], computed[r]) for r in live],
                 num_scheduled={r: 1 for r in live},
                 finished=finished,
             )
         )
-        tokens.append(out.sampled_token_ids)
         for r in live:
             computed[r] += 1
+    tokens.extend(d.result().sampled_token_ids for d in pending)
     return tokens
 
 
@@ -260,6 +272,18 @@ def test_runner_replays_decode_steps_with_the_eager_tokens(checkpoint, monkeypat
     runner.capture_model(graph_factory=ReplayingGraph)
     assert runner.decode_graphs is None
     assert run_steps(runner) == expected
+
+
+def test_deferred_steps_replay_with_input_tokens_from_the_device(checkpoint, monkeypatch):
+    # --async-scheduling: each decode step's input is the token the step before sampled,
+    # still on the device: written over the graph's input rows (or the eager input).
+    expected = run_steps(make_runner(checkpoint, monkeypatch))
+    runner = make_runner(checkpoint, monkeypatch)
+    runner.capture_model(graph_factory=ReplayingGraph)
+    assert run_steps(runner, defer=True) == expected
+    assert runner.decode_graphs.num_replays == 6
+    eager = make_runner(checkpoint, monkeypatch)
+    assert run_steps(eager, defer=True) == expected
 
 
 def run_spec_steps(runner: ModelRunner) -> list[dict[str, list[int]]]:
