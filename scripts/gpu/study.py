@@ -25,6 +25,7 @@ the 8B shape in bf16); ``+autotier`` lets the engine size it.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_smoke import DUMMY, load_benchmark, make_model  # noqa: E402
 
 SWEEP = REPO / "our_experiments" / "scripts" / "run_sweep.py"
+COMMITTED = "our_experiments/results"  # where a study's folder is committed
 
 
 def default_label(shape: str) -> str:
@@ -58,8 +60,24 @@ def kv_block_bytes(shape: str, block_size: int = 16) -> int:
     return 2 * c["num_hidden_layers"] * block_size * heads_dim * itemsize
 
 
+def as_committed(results: Path) -> None:
+    """Each sweep config of ``results`` names the folder it is committed under
+    (``our_experiments/results``), not the device machine's: committed configs name no
+    machine path (tests/our_experiments/test_run_sweep.py). The device's folder is kept
+    as ``results_dir_on_device``."""
+    for path in results.glob("sweep_config*.json"):
+        config = json.loads(path.read_text())
+        where = config.get("results_dir")
+        if where is None or not Path(where).is_absolute():
+            continue
+        config["results_dir"] = COMMITTED
+        config["results_dir_on_device"] = where
+        path.write_text(json.dumps(config, indent=1) + "\n")
+
+
 def pack(results: Path, tarball: Path) -> None:
     """``results`` into ``tarball`` (written aside, then renamed: never half a file)."""
+    as_committed(results)
     partial = tarball.with_name(tarball.name + ".partial")
     with tarfile.open(partial, "w:gz") as tar:
         tar.add(results, arcname=results.name)
