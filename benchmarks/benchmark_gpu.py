@@ -430,9 +430,12 @@ def format_row(engine: str, n: int, f: dict) -> str:
 
 
 def measure(bench: Bench, engine: str, n: int, run_once) -> None:
-    """``run_once()`` ``--repeats`` times; a failure (out of memory, say) is recorded for
-    this engine and N, and the run goes on with the next."""
+    """``run_once()`` ``--warmup`` times unmeasured, then ``--repeats`` times; a failure
+    (out of memory, say) is recorded for this engine and N, and the run goes on with the
+    next."""
     try:
+        for _ in range(bench.args.warmup):  # kernels compiled for the shapes, caches filled
+            run_once()
         runs = [bench.summary(n, run_once()) for _ in range(bench.args.repeats)]
         bench.record(engine, n, median_run(runs))
     except Exception as e:  # noqa: BLE001 - the other measurements are still worth having
@@ -705,6 +708,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="runs per engine and N (median)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="unmeasured runs per engine and N first (an engine run later in the "
+                         "process otherwise finds the Triton kernels compiled for its shapes)")
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
     ap.add_argument("--hf-static", action="store_true",
                     help="also transformers with its static cache (compiles per N)")
@@ -731,6 +737,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if min(args.num_requests) < 1 or args.prompt_len < 1 or args.max_tokens < 2:
         ap.error("--num-requests >= 1, --prompt-len >= 1 and --max-tokens >= 2")
+    if args.warmup < 0 or args.repeats < 1:
+        ap.error("--warmup >= 0 and --repeats >= 1")
     return args
 
 

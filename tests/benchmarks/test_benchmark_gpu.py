@@ -116,10 +116,18 @@ def test_tiny_run_end_to_end_writes_every_figure(bench, tmp_path, capsys):
     assert "first-seen context lengths" in printed and "x vs_hf" in printed
 
 
-def test_skip_hf_runs_our_engine_on_dummy_weights_with_no_checkpoint(bench, tmp_path):
+def test_skip_hf_runs_our_engine_on_dummy_weights_with_no_checkpoint(bench, tmp_path, monkeypatch):
     out, folder = tmp_path / "gpu.json", tmp_path / "model"
     argv = TINY_RUN + ["--skip-hf", "--bandwidth-gbs", "20", "--model-dir", str(folder)]
-    assert bench.main(argv + ["--profile", "--async-too", "--json-out", str(out)]) == 0
+    batches = []  # the number of prompts of each run of our engine
+    run_ours = bench.run_ours
+    monkeypatch.setattr(
+        bench, "run_ours", lambda *a, **k: batches.append(len(a[2])) or run_ours(*a, **k)
+    )
+    argv += ["--profile", "--async-too", "--warmup", "1", "--json-out", str(out)]
+    assert bench.main(argv) == 0
+    # N=2, in each of the two engines: a warm-up run, then the measured one.
+    assert batches.count(2) == 2 * 2
     result = json.loads(out.read_text())
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")

@@ -119,12 +119,27 @@ def test_stop_token_ends_the_request_where_it_does_without(llms):
     assert counts.deferred > 0
 
 
+def test_seeded_temperature_rows_are_left_on_the_device_with_the_same_tokens(llms):
+    # Random rows with a temperature only are drawn on the device (one uniform number from
+    # each row's generator): seeded, they give the tokens they give without async
+    # scheduling, and their steps are deferred like greedy ones.
+    params = [
+        SamplingParams(temperature=0.7 + 0.1 * i, seed=11 + i, max_tokens=24, ignore_eos=True)
+        for i in range(len(PROMPTS) - 1)
+    ] + [greedy(24)]
+    sync, _ = run(llms[False], PROMPTS, params)
+    ahead, counts = run(llms[True], PROMPTS, params)
+    for a, b in zip(sync, ahead, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert counts.deferred > counts.steps // 2
+
+
 def test_sampled_rows_logprobs_and_prompt_logprobs_beside_greedy_ones(llms):
     # Steps with any of these run as without async scheduling; the greedy requests of the
     # steps around them leave their tokens on the device.
     params = [
         greedy(20),
-        SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True, top_p=0.9),
         greedy(20, logprobs=2),
         greedy(6, prompt_logprobs=1),
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),

@@ -20,7 +20,9 @@ from vllm.v1.sample.sampler import (
     apply_penalties,
     draw,
     filter_logits,
+    is_bare,
     sample,
+    sample_bare_on_device,
     token_logprobs,
 )
 
@@ -526,3 +528,46 @@ def test_a_bad_thinking_budget_names_itself(value):
         SamplingParams(thinking_token_budget=value)
     assert e.value.param == "thinking_token_budget"
     assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+
+
+def test_bare_rows_sampled_on_the_device_equal_sample():
+    # --async-scheduling's sampler: greedy and temperature-only rows, drawn with their own
+    # generators in row order, give sample()'s tokens; a non-finite row is flagged.
+    torch.manual_seed(3)
+    logits = torch.randn(5, VOCAB) * 3
+    logits[3] = float("nan")
+
+    def rows():
+        return [
+            row(temperature=0.0),
+            row(seed=1, temperature=0.7),
+            row(seed=2, temperature=1.3),
+            row(seed=4, temperature=0.9),
+            row(temperature=0.0),
+        ]
+
+    for _ in range(5):
+        expected = sample(logits.clone(), rows())
+        tokens, finite = sample_bare_on_device(logits.clone(), rows())
+        assert finite.tolist() == [True, True, True, False, True]
+        got = tokens.tolist()
+        assert [got[i] for i in (0, 1, 2, 4)] == [expected.token_ids[i] for i in (0, 1, 2, 4)]
+        assert expected.token_ids[3] is None
+        logits = torch.randn(5, VOCAB) * 3
+        logits[3] = float("nan")
+
+
+def test_bare_means_the_logits_and_the_generator_alone():
+    assert is_bare(SamplingParams(temperature=0.0))
+    assert is_bare(SamplingParams(temperature=0.8, seed=1))
+    for params in (
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=0.8, top_k=5),
+        dict(temperature=0.8, min_p=0.1),
+        dict(temperature=0.0, repetition_penalty=1.2),
+        dict(temperature=0.8, presence_penalty=0.5),
+        dict(temperature=0.0, logprobs=1),
+        dict(temperature=0.0, min_tokens=2),
+        dict(temperature=0.0, logit_bias={1: 2.0}),
+    ):
+        assert not is_bare(SamplingParams(**params)), params

@@ -393,9 +393,21 @@ def is_bare_greedy(p: SamplingParams) -> bool:
     """A greedy request that nothing else touches (no penalty, logits processor, grammar,
     thinking budget or logprobs): its token is the argmax of the model's logits, which the
     runner takes for a batch of such rows in one copy, without ``sample``'s per-row work."""
+    return _is_plain_greedy(p) and _untouched(p)
+
+
+def is_bare(p: SamplingParams) -> bool:
+    """A request whose token needs the model's logits and its own generator alone: bare
+    greedy, or random with a temperature only and nothing else touching it. Such rows are
+    sampled on the device by ``sample_bare_on_device``, which needs nothing of their
+    history (what --async-scheduling needs of a step it leaves on the device)."""
+    return (_is_plain_greedy(p) or _is_plain_random(p)) and _untouched(p)
+
+
+def _untouched(p: SamplingParams) -> bool:
+    """No logprobs, logits processor, grammar or thinking budget."""
     return (
-        _is_plain_greedy(p)
-        and p.logprobs is None
+        p.logprobs is None
         and p.allowed_token_ids is None
         and not p.bad_words_token_ids
         and p.min_tokens == 0
@@ -403,6 +415,28 @@ def is_bare_greedy(p: SamplingParams) -> bool:
         and p.thinking_token_budget is None
         and p.structured_outputs is None
     )
+
+
+def sample_bare_on_device(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, whether each row is finite), both on ``logits``' device, for rows that are
+    all ``is_bare``: greedy rows take the argmax, random ones ``_draw_rows_on_device``'s
+    draw (one uniform number from each row's generator, in row order: the tokens that
+    ``sample`` gives them). Nothing is copied to the host."""
+    finite = torch.isfinite(logits.amax(-1))
+    tokens = logits.argmax(-1)
+    drawn = [i for i, r in enumerate(rows) if not r.params.sampling_type_greedy]
+    if drawn:
+        if len(drawn) == len(rows):
+            tokens, ok = _draw_rows_on_device(logits, rows)
+            finite = finite & ok
+        else:
+            idx = torch.tensor(drawn, device=logits.device)
+            sampled, ok = _draw_rows_on_device(logits[idx], [rows[i] for i in drawn])
+            tokens = tokens.index_copy(0, idx, sampled)
+            finite = finite.index_copy(0, idx, finite[idx] & ok)
+    return tokens, finite
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:

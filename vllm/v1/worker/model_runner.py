@@ -31,8 +31,10 @@ from vllm.v1.sample.sampler import (
     PrefixView,
     SamplingRow,
     finite_and_argmax,
+    is_bare,
     is_bare_greedy,
     sample,
+    sample_bare_on_device,
     token_logprobs,
 )
 from vllm.v1.spec_decode.ngram_proposer import verify_greedy
@@ -66,14 +68,15 @@ class CachedRequestState:
     lora_int_id: int = 0  # its adapter's id (0: the base model)
     lora_slot: int = 0  # the adapter's slot (LoRAManager), fixed while the request runs
     bare_greedy: bool = False  # sampler.is_bare_greedy(sampling_params): the argmax alone
+    bare: bool = False  # sampler.is_bare: sampled on the device from the logits alone
 
 
 class DeferredOutput:
     """A step whose sampled tokens are still on the device (``--async-scheduling``): the
     engine schedules and launches the next step, then takes this one's ``result()``.
 
-    The sampled rows are plain greedy: each row's finiteness and argmax are copied to
-    the host behind the forward (into pinned memory on CUDA, an event marks the copy's
+    The sampled rows are bare (``sampler.is_bare``): each row's finiteness and token are
+    copied to the host behind the forward (into pinned memory on CUDA, an event marks the copy's
     end); ``result()`` waits for them and appends the tokens to the requests' states."""
 
     def __init__(
@@ -409,6 +412,7 @@ class ModelRunner:
             lora_int_id=lora_id,
             lora_slot=slot,
             bare_greedy=is_bare_greedy(p),
+            bare=is_bare(p),
         )
 
     def _resolve_deferred(self) -> None:
@@ -438,13 +442,13 @@ class ModelRunner:
         return torch.tensor(rows, device=self.device), tokens
 
     def _deferrable(self, so: SchedulerOutput, sample_reqs: list[CachedRequestState]) -> bool:
-        """Whether this step's sampling may stay on the device (--async-scheduling): plain
-        greedy rows only (no penalties, grammar, logprobs, processors), no drafts, no
-        prompt logprobs, no pooling."""
+        """Whether this step's sampling may stay on the device (--async-scheduling): bare
+        rows only (greedy, or random with a temperature only; no penalties, grammar,
+        logprobs, processors), no drafts, no prompt logprobs, no pooling."""
         return (
             not so.scheduled_spec_decode_tokens
             and not self.model_config.is_pooling
-            and all(s.bare_greedy for s in sample_reqs)
+            and all(s.bare for s in sample_reqs)
             and not any(
                 self.requests[r].sampling_params.prompt_logprobs is not None
                 for r in so.num_scheduled_tokens
@@ -455,11 +459,12 @@ class ModelRunner:
     def _sample_deferred(
         self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
     ) -> DeferredOutput:
-        """Sample plain greedy rows without waiting for the device: the argmax stays there
-        for the next step's input, a copy goes to the host behind the forward."""
+        """Sample bare rows without waiting for the device: the tokens stay there for the
+        next step's input, a copy goes to the host behind the forward."""
         logits = self.model.compute_logits(hidden)
-        tokens = logits.argmax(-1)
-        packed = torch.cat([torch.isfinite(logits.amax(-1)).long(), tokens])
+        rows = [SamplingRow(s.sampling_params, s.generator, (), []) for s in sample_reqs]
+        tokens, finite = sample_bare_on_device(logits, rows)
+        packed = torch.cat([finite.long(), tokens])
         event = None
         if self.device.type == "cuda":
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -479,9 +484,9 @@ class ModelRunner:
         self, so: SchedulerOutput, defer: bool = False
     ) -> ModelRunnerOutput | DeferredOutput:
         """Run one step. ``defer`` (--async-scheduling): a step whose sampled rows are all
-        plain greedy returns a ``DeferredOutput`` at once, its tokens still on the device;
-        other steps return their output, as without it. A request whose last token a
-        deferred step samples reads it from the device."""
+        bare (greedy or temperature only) returns a ``DeferredOutput`` at once, its
+        tokens still on the device; other steps return their output, as without it. A
+        request whose last token a deferred step samples reads it from the device."""
         failed = self._update_states(so)
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
