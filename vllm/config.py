@@ -315,10 +315,10 @@ class SchedulerConfig:
     async_scheduling: bool = config_field(
         False,
         "Schedule the next step while the device runs this one (vLLM's async scheduling): "
-        "a step whose sampled rows are all greedy or random with a temperature only keeps "
-        "its tokens on the device, the next step reads them there, and the host's "
+        "a step whose sampled rows are greedy or random (temperature, top-k, top-p, min-p) "
+        "keeps its tokens on the device, the next step reads them there, and the host's "
         "scheduling and input building overlap the forward. Other steps (penalties, "
-        "top-k/top-p/min-p, grammars, logprobs, logits processors) run as without it.",
+        "grammars, logprobs, logits processors) run as without it.",
     )
     policy: str = config_field(
         "fcfs",

@@ -119,13 +119,14 @@ def test_stop_token_ends_the_request_where_it_does_without(llms):
     assert counts.deferred > 0
 
 
-def test_seeded_temperature_rows_are_left_on_the_device_with_the_same_tokens(llms):
-    # Random rows with a temperature only are drawn on the device (one uniform number from
-    # each row's generator): seeded, they give the tokens they give without async
-    # scheduling, and their steps are deferred like greedy ones.
+def test_seeded_random_rows_are_left_on_the_device_with_the_same_tokens(llms):
+    # Random rows (temperature, top-k, top-p, min-p) are filtered and drawn on the device,
+    # one uniform number from each row's generator: seeded, they give the tokens they give
+    # without async scheduling, and their steps are deferred like greedy ones.
+    filters = [{}, {"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}, {"top_k": 50, "top_p": 0.8}]
     params = [
-        SamplingParams(temperature=0.7 + 0.1 * i, seed=11 + i, max_tokens=24, ignore_eos=True)
-        for i in range(len(PROMPTS) - 1)
+        SamplingParams(temperature=0.7 + 0.1 * i, seed=11 + i, max_tokens=24, ignore_eos=True, **f)
+        for i, f in enumerate(filters)
     ] + [greedy(24)]
     sync, _ = run(llms[False], PROMPTS, params)
     ahead, counts = run(llms[True], PROMPTS, params)

@@ -531,40 +531,42 @@ def test_a_bad_thinking_budget_names_itself(value):
 
 
 def test_bare_rows_sampled_on_the_device_equal_sample():
-    # --async-scheduling's sampler: greedy and temperature-only rows, drawn with their own
-    # generators in row order, give sample()'s tokens; a non-finite row is flagged.
+    # --async-scheduling's sampler: greedy rows and random ones with their filters, drawn
+    # with their own generators in row order, give sample()'s tokens (which filters and
+    # draws row by row); a non-finite row is flagged.
     torch.manual_seed(3)
-    logits = torch.randn(5, VOCAB) * 3
-    logits[3] = float("nan")
 
     def rows():
         return [
-            row(temperature=0.0),
+            row(temperature=0.0, top_p=0.5),  # greedy: the filters change nothing
             row(seed=1, temperature=0.7),
-            row(seed=2, temperature=1.3),
+            row(seed=2, temperature=1.3, top_k=3),
             row(seed=4, temperature=0.9),
-            row(temperature=0.0),
+            row(seed=5, temperature=1.0, top_p=0.8),
+            row(seed=6, temperature=1.2, min_p=0.2),
+            row(seed=7, temperature=0.8, top_k=4, top_p=0.7, min_p=0.05),
+            row(seed=8, temperature=1.0, top_k=VOCAB),  # k = vocabulary: no mask
         ]
 
-    for _ in range(5):
+    ok = [i for i in range(8) if i != 3]
+    for _ in range(20):
+        logits = torch.randn(8, VOCAB) * 3
+        logits[3] = float("nan")
         expected = sample(logits.clone(), rows())
         tokens, finite = sample_bare_on_device(logits.clone(), rows())
-        assert finite.tolist() == [True, True, True, False, True]
+        assert finite.tolist() == [i != 3 for i in range(8)]
         got = tokens.tolist()
-        assert [got[i] for i in (0, 1, 2, 4)] == [expected.token_ids[i] for i in (0, 1, 2, 4)]
+        assert [got[i] for i in ok] == [expected.token_ids[i] for i in ok]
         assert expected.token_ids[3] is None
-        logits = torch.randn(5, VOCAB) * 3
-        logits[3] = float("nan")
 
 
 def test_bare_means_the_logits_and_the_generator_alone():
     assert is_bare(SamplingParams(temperature=0.0))
     assert is_bare(SamplingParams(temperature=0.8, seed=1))
+    assert is_bare(SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1))
     for params in (
-        dict(temperature=0.8, top_p=0.9),
-        dict(temperature=0.8, top_k=5),
-        dict(temperature=0.8, min_p=0.1),
         dict(temperature=0.0, repetition_penalty=1.2),
+        dict(temperature=0.8, frequency_penalty=0.5),
         dict(temperature=0.8, presence_penalty=0.5),
         dict(temperature=0.0, logprobs=1),
         dict(temperature=0.0, min_tokens=2),

@@ -357,13 +357,44 @@ def _draw_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int | None
     return [t if ok else None for t, ok in zip(values[:n], values[n:], strict=True)]
 
 
+def _filter_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``filter_logits`` of every row at once, each with its own temperature, top-k, top-p
+    and min-p (random rows): the same masks as row by row, in batched ops on ``logits``'
+    device. A filter no row asks for costs nothing."""
+    device, dtype = logits.device, logits.dtype
+    params = [r.params for r in rows]
+    temps = torch.tensor([p.temperature for p in params], dtype=dtype, device=device)
+    x = logits / temps[:, None]
+    vocab = x.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):  # each row's k-th largest value (-inf: no top-k)
+        top = torch.topk(x, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device)[:, None])
+        has_k = torch.tensor([k > 0 for k in ks], device=device)[:, None]
+        x = x.masked_fill(x < torch.where(has_k, kth, float("-inf")), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1).double()  # float64, as filter_logits
+        before = probs.cumsum(-1) - probs
+        top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+        drop = before >= torch.tensor(top_p, dtype=torch.float64, device=device)[:, None]
+        drop[:, 0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        probs = x.softmax(-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+        x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    return x
+
+
 def _draw_rows_on_device(
     logits: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_draw_rows``' work on ``logits``' device: (tokens, whether each row is finite)."""
+    """``_draw_rows``' work on ``logits``' device, for random rows without penalties
+    (their filters applied by ``_filter_rows_on_device``): (tokens, whether each row's
+    filtered logits are finite)."""
     device = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
-    x = logits / temps[:, None]
+    x = _filter_rows_on_device(logits, rows)
     finite = torch.isfinite(x.amax(-1))
     cdf = x.softmax(-1).double().cumsum(-1)  # (rows, vocab)
     uniform = torch.stack(
@@ -397,11 +428,16 @@ def is_bare_greedy(p: SamplingParams) -> bool:
 
 
 def is_bare(p: SamplingParams) -> bool:
-    """A request whose token needs the model's logits and its own generator alone: bare
-    greedy, or random with a temperature only and nothing else touching it. Such rows are
-    sampled on the device by ``sample_bare_on_device``, which needs nothing of their
-    history (what --async-scheduling needs of a step it leaves on the device)."""
-    return (_is_plain_greedy(p) or _is_plain_random(p)) and _untouched(p)
+    """A request whose token needs the model's logits and its own generator alone: greedy
+    or random (temperature, top-k, top-p, min-p), without penalties and with nothing else
+    touching it. Such rows are sampled on the device by ``sample_bare_on_device``, which
+    needs nothing of their history (what --async-scheduling needs of a step it leaves on
+    the device)."""
+    return _no_penalties(p) and _untouched(p)
+
+
+def _no_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
 
 
 def _untouched(p: SamplingParams) -> bool:
@@ -421,9 +457,9 @@ def sample_bare_on_device(
     logits: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, whether each row is finite), both on ``logits``' device, for rows that are
-    all ``is_bare``: greedy rows take the argmax, random ones ``_draw_rows_on_device``'s
-    draw (one uniform number from each row's generator, in row order: the tokens that
-    ``sample`` gives them). Nothing is copied to the host."""
+    all ``is_bare``: greedy rows take the argmax, random ones their filters and
+    ``_draw_rows_on_device``'s draw (one uniform number from each row's generator, in row
+    order: the tokens that ``sample`` gives them). Nothing is copied to the host."""
     finite = torch.isfinite(logits.amax(-1))
     tokens = logits.argmax(-1)
     drawn = [i for i, r in enumerate(rows) if not r.params.sampling_type_greedy]

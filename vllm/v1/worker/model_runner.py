@@ -443,8 +443,8 @@ class ModelRunner:
 
     def _deferrable(self, so: SchedulerOutput, sample_reqs: list[CachedRequestState]) -> bool:
         """Whether this step's sampling may stay on the device (--async-scheduling): bare
-        rows only (greedy, or random with a temperature only; no penalties, grammar,
-        logprobs, processors), no drafts, no prompt logprobs, no pooling."""
+        rows only (greedy, or random with temperature, top-k, top-p, min-p; no penalties,
+        grammar, logprobs, processors), no drafts, no prompt logprobs, no pooling."""
         return (
             not so.scheduled_spec_decode_tokens
             and not self.model_config.is_pooling
@@ -484,7 +484,7 @@ class ModelRunner:
         self, so: SchedulerOutput, defer: bool = False
     ) -> ModelRunnerOutput | DeferredOutput:
         """Run one step. ``defer`` (--async-scheduling): a step whose sampled rows are all
-        bare (greedy or temperature only) returns a ``DeferredOutput`` at once, its
+        bare (``sampler.is_bare``) returns a ``DeferredOutput`` at once, its
         tokens still on the device; other steps return their output, as without it. A
         request whose last token a deferred step samples reads it from the device."""
         failed = self._update_states(so)
