@@ -76,8 +76,9 @@ class DeferredOutput:
     engine schedules and launches the next step, then takes this one's ``result()``.
 
     The sampled rows are bare (``sampler.is_bare``): each row's finiteness and token are
-    copied to the host behind the forward (into pinned memory on CUDA, an event marks the copy's
-    end); ``result()`` waits for them and appends the tokens to the requests' states."""
+    copied to the host behind the forward (into pinned memory on CUDA, an event marks the
+    copy's end); ``result()`` waits for them and appends the tokens to the requests'
+    states."""
 
     def __init__(
         self,
@@ -88,7 +89,7 @@ class DeferredOutput:
     ) -> None:
         self._output = output
         self._states = states
-        self._packed = packed  # host: each row's finiteness, then each row's argmax
+        self._packed = packed  # host: each row's finiteness, then each row's token
         self._event = event
         self._done = False
 
@@ -146,9 +147,9 @@ class ModelRunner:
         self.attn_backend: AttentionBackend | None = None  # chosen in load_model
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
-        # --async-scheduling: the last deferred step (tokens not yet on the host), its
-        # sampled tokens on the device and each sampling request's row in them (the next
-        # step's input for a request whose last token is not known here yet).
+        # --async-scheduling: the deferred steps whose tokens may not be on the host yet,
+        # and the last one's sampled tokens on the device with each sampling request's row
+        # in them (the next step's input for a request whose last token is not known here).
         self._deferred: list[DeferredOutput] = []
         self._device_tokens: torch.Tensor | None = None
         self._device_token_rows: dict[str, tuple[CachedRequestState, int]] = {}
