@@ -288,20 +288,26 @@ class StepTimes:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_hf(model, prompts: list[list[int]], max_tokens: int, static: bool) -> tuple:
+def run_hf(
+    model, prompts: list[list[int]], max_tokens: int, static: bool,
+    temperature: float = 0.0, top_p: float = 1.0,
+) -> tuple:  # fmt: skip
     """One batch of N through ``generate`` (equal lengths: no padding): (elapsed, TTFT,
-    [(seconds, N)] of each decode step)."""
+    [(seconds, N)] of each decode step). ``temperature`` > 0: sampled, with ``top_p``."""
     from transformers import StoppingCriteriaList
 
     device = model.device
     ids = torch.tensor(prompts, device=device)
     timer = StepTimes(device)
     extra = {"cache_implementation": "static"} if static else {}
+    extra |= {"do_sample": False}
+    if temperature > 0:
+        extra |= {"do_sample": True, "temperature": temperature, "top_p": top_p}
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            input_ids=ids, attention_mask=torch.ones_like(ids),
             max_new_tokens=max_tokens, min_new_tokens=max_tokens,
             stopping_criteria=StoppingCriteriaList([timer]), **extra,
         )  # fmt: skip
@@ -344,15 +350,18 @@ class StepRecorder:
 
 
 def run_ours(
-    llm, recorder: StepRecorder, prompts: list[list[int]], max_tokens: int, detokenize=False
-) -> tuple:
+    llm, recorder: StepRecorder, prompts: list[list[int]], max_tokens: int, detokenize=False,
+    temperature: float = 0.0, top_p: float = 1.0,
+) -> tuple:  # fmt: skip
     """(elapsed, mean TTFT, decode steps) of one ``generate`` over ``prompts``; token ids
-    only unless ``detokenize`` (transformers' ``generate`` makes no text either)."""
+    only unless ``detokenize`` (transformers' ``generate`` makes no text either); greedy
+    unless ``temperature`` > 0 (then sampled, with ``top_p``)."""
     from vllm import SamplingParams
 
     params = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=detokenize
-    )
+        temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True,
+        detokenize=detokenize,
+    )  # fmt: skip
     llm.reset_prefix_cache()
     recorder.steps.clear()
     start = time.perf_counter()
@@ -363,6 +372,11 @@ def run_ours(
         raise RuntimeError(f"our engine made {sorted(lengths)} tokens, not {max_tokens}")
     ttft = statistics.fmean(o.metrics.time_to_first_token for o in outs)
     return elapsed, ttft, recorder.decode_steps()
+
+
+def sampling(args: argparse.Namespace) -> dict:
+    """``--temperature`` and ``--top-p``, for ``run_ours`` and ``run_hf``."""
+    return {"temperature": args.temperature, "top_p": args.top_p}
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -453,12 +467,14 @@ def hf_phase(bench: Bench, model, static: bool) -> None:
         if static:  # the static cache compiles per batch shape: pay it outside the timing
             start = time.perf_counter()
             try:
-                run_hf(model, prompts, m, static)
+                run_hf(model, prompts, m, static, **sampling(bench.args))
             except Exception as e:  # noqa: BLE001
                 bench.record(engine, n, {"error": f"warm-up: {type(e).__name__}: {e}"[:300]})
                 continue
             bench.results["timings_s"][f"hf-static compile N={n}"] = time.perf_counter() - start
-        measure(bench, engine, n, lambda p=prompts: run_hf(model, p, m, static))
+        measure(
+            bench, engine, n, lambda p=prompts: run_hf(model, p, m, static, **sampling(bench.args))
+        )
 
 
 def engine_kwargs(args: argparse.Namespace, dtype: str) -> dict:
@@ -481,7 +497,8 @@ def context_probe(bench: Bench, llm, recorder: StepRecorder) -> dict:
     out = {}
     for label, salt in (("first_seen", 1), ("seen", 2)):
         a = bench.args
-        _, _, steps = run_ours(llm, recorder, bench.prompts(1, salt), a.max_tokens, a.detokenize)
+        prompts = bench.prompts(1, salt)
+        _, _, steps = run_ours(llm, recorder, prompts, a.max_tokens, a.detokenize, **sampling(a))
         times = [s for s, _ in steps]
         out[f"{label}_ms"] = statistics.fmean(times) * 1e3
         out[f"{label}_max_ms"] = max(times) * 1e3
@@ -640,7 +657,9 @@ def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") 
                 bench,
                 engine,
                 n,
-                lambda p=prompts: run_ours(llm, recorder, p, a.max_tokens, a.detokenize),
+                lambda p=prompts: run_ours(
+                    llm, recorder, p, a.max_tokens, a.detokenize, **sampling(a)
+                ),
             )
         if engine == "ours" and torch.cuda.is_available():
             try:
@@ -712,6 +731,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="unmeasured runs per engine and N first (an engine run later in the "
                          "process otherwise finds the Triton kernels compiled for its shapes)")
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (default); above: every engine samples, with --top-p")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--hf-static", action="store_true",
                     help="also transformers with its static cache (compiles per N)")
     ap.add_argument("--skip-hf", action="store_true",
@@ -739,6 +761,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--num-requests >= 1, --prompt-len >= 1 and --max-tokens >= 2")
     if args.warmup < 0 or args.repeats < 1:
         ap.error("--warmup >= 0 and --repeats >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        ap.error("--temperature >= 0 and 0 < --top-p <= 1")
     return args
 
 
