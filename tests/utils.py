@@ -11,7 +11,7 @@ from types import ModuleType
 
 from vllm.benchmarks.server import RemoteServer
 
-__all__ = ["RemoteServer", "copy_benchmark_tokenizer", "load_script"]
+__all__ = ["RemoteServer", "copy_benchmark_tokenizer", "load_script", "save_smollm_vocab_llama"]
 
 
 def load_script(path: Path) -> ModuleType:
@@ -45,3 +45,13 @@ def copy_benchmark_tokenizer(path: Path, chat_template: bool = False) -> None:
     names = ["tokenizer.json", "tokenizer_config.json"]
     for name in names + ["chat_template.jinja"] * chat_template:
         shutil.copy(tokenizer_dir / name, path / name)
+
+
+def save_smollm_vocab_llama(path: Path, **overrides) -> None:
+    """A tiny random Llama (``tests.tiny_models``) with SmolLM2's vocabulary and tokenizer
+    in ``path``: a model folder ``LLM`` serves on any machine (the tokenizer from
+    ``copy_benchmark_tokenizer``); ``overrides``: config fields."""
+    from tests.tiny_models import save_tiny_llama
+
+    save_tiny_llama(path, **{"vocab_size": 49152, "max_position_embeddings": 512, **overrides})
+    copy_benchmark_tokenizer(path)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_llama
-from tests.utils import copy_benchmark_tokenizer
+from tests.utils import save_smollm_vocab_llama
 
 pytestmark = [
     pytest.mark.cuda,
@@ -25,8 +24,7 @@ def test_greedy_tokens_equal_through_graphs_and_preemption_on_cuda(tmp_path):
     from vllm import LLM, SamplingParams
     from vllm.v1.worker.model_runner import DeferredOutput
 
-    save_tiny_llama(tmp_path, vocab_size=49152, max_position_embeddings=512)
-    copy_benchmark_tokenizer(tmp_path)
+    save_smollm_vocab_llama(tmp_path)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (8 + 9 * i,), generator=gen).tolist() for i in range(12)]
     params = [

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_llama
-from tests.utils import copy_benchmark_tokenizer
+from tests.utils import save_smollm_vocab_llama
 from tests.v1.structured_output.test_guided_decoding import WEATHER  # the CPU tests' schema
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.sample.sampler import SamplingRow, apply_penalties, sample, token_logprobs
@@ -155,8 +154,7 @@ def grammar_setup(tmp_path_factory):
     model = os.environ.get("VLLM_TEST_MODEL")
     if model is None:  # SmolLM2's tokenizer: the embedded model's, or the GPU kit's copy
         path = tmp_path_factory.mktemp("grammar-tokenizer")
-        save_tiny_llama(path, vocab_size=49152)  # a model folder: config.json, tokenizer
-        copy_benchmark_tokenizer(path)
+        save_smollm_vocab_llama(path, max_position_embeddings=128)  # config.json, tokenizer
         path = str(path)
     else:
         path = resolve_model(model)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_llama
-from tests.utils import copy_benchmark_tokenizer
+from tests.utils import save_smollm_vocab_llama
 
 pytestmark = [
     pytest.mark.cuda,
@@ -22,8 +21,7 @@ pytestmark = [
 def test_greedy_tokens_equal_plain_decoding_on_cuda(tmp_path):
     from vllm import LLM, SamplingParams
 
-    save_tiny_llama(tmp_path, vocab_size=49152, max_position_embeddings=512)
-    copy_benchmark_tokenizer(tmp_path)
+    save_smollm_vocab_llama(tmp_path)
     pattern = [300 + t for t in range(12)]
     prompts = [pattern * 4, pattern[::-1] * 3 + pattern, [7, 8, 9] * 20]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
