@@ -63,15 +63,12 @@ def kv_block_bytes(shape: str, block_size: int = 16) -> int:
 def as_committed(results: Path) -> None:
     """Each sweep config of ``results`` names the folder it is committed under
     (``our_experiments/results``), not the device machine's: committed configs name no
-    machine path (tests/our_experiments/test_run_sweep.py). The device's folder is kept
-    as ``results_dir_on_device``."""
+    machine path (tests/our_experiments/test_run_sweep.py)."""
     for path in results.glob("sweep_config*.json"):
         config = json.loads(path.read_text())
-        where = config.get("results_dir")
-        if where is None or not Path(where).is_absolute():
+        if not Path(config.get("results_dir") or COMMITTED).is_absolute():
             continue
         config["results_dir"] = COMMITTED
-        config["results_dir_on_device"] = where
         path.write_text(json.dumps(config, indent=1) + "\n")
 
 
