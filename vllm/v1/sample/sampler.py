@@ -411,9 +411,7 @@ def _is_plain_random(p: SamplingParams) -> bool:
     """Random sampling with a temperature only: no penalty, top-k, top-p or min-p."""
     return (
         not p.sampling_type_greedy
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
+        and _no_penalties(p)
         and p.top_k <= 0
         and p.top_p >= 1.0
         and p.min_p <= 0.0
@@ -461,24 +459,18 @@ def sample_bare_on_device(
     ``_draw_rows_on_device``'s draw (one uniform number from each row's generator, in row
     order: the tokens that ``sample`` gives them). Nothing is copied to the host."""
     finite = torch.isfinite(logits.amax(-1))
-    tokens = logits.argmax(-1)
     drawn = [i for i, r in enumerate(rows) if not r.params.sampling_type_greedy]
+    if drawn and len(drawn) == len(rows):  # no greedy row: no argmax
+        tokens, ok = _draw_rows_on_device(logits, rows)
+        return tokens, finite & ok
+    tokens = logits.argmax(-1)
     if drawn:
-        if len(drawn) == len(rows):
-            tokens, ok = _draw_rows_on_device(logits, rows)
-            finite = finite & ok
-        else:
-            idx = torch.tensor(drawn, device=logits.device)
-            sampled, ok = _draw_rows_on_device(logits[idx], [rows[i] for i in drawn])
-            tokens = tokens.index_copy(0, idx, sampled)
-            finite = finite.index_copy(0, idx, finite[idx] & ok)
+        idx = torch.tensor(drawn, device=logits.device)
+        sampled, ok = _draw_rows_on_device(logits[idx], [rows[i] for i in drawn])
+        tokens = tokens.index_copy(0, idx, sampled)
+        finite = finite.index_copy(0, idx, finite[idx] & ok)
     return tokens, finite
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:
-    return (
-        p.sampling_type_greedy
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-    )
+    return p.sampling_type_greedy and _no_penalties(p)
