@@ -1,7 +1,8 @@
 """--async-scheduling on CUDA: a random tiny Llama (bf16, SmolLM2's vocabulary and
-tokenizer) gives the same greedy tokens with the next step scheduled while the device runs
-the last one, through CUDA graphs (the next step's input tokens written into the graph's
-buffer on the device), chunked prefill and preemption. The CPU tests are
+tokenizer) gives the same tokens (greedy; then penalised, seeded and with logits
+processors) with the next step scheduled while the device runs the last one, through
+CUDA graphs (the next step's input tokens written into the graph's buffer on the
+device), chunked prefill and preemption. The CPU tests are
 tests/v1/engine/test_async_scheduling.py.
 
 Run with ``pytest -m cuda tests`` on a CUDA machine; skipped without one.
@@ -20,16 +21,31 @@ pytestmark = [
 ]
 
 
-def test_greedy_tokens_equal_through_graphs_and_preemption_on_cuda(tmp_path):
-    from vllm import LLM, SamplingParams
+def _params(i: int, mix: str):
+    from vllm import SamplingParams
+
+    common = dict(max_tokens=24 + 4 * i, ignore_eos=True)
+    if mix == "greedy" or i % 3 == 2:
+        return SamplingParams(temperature=0.0, **common)
+    if i % 3 == 0:  # penalties and processors read the output: the step before lands first
+        return SamplingParams(
+            temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, min_tokens=4,
+            logit_bias={1000 + i: 3.0}, **common,
+        )  # fmt: skip
+    return SamplingParams(
+        temperature=0.8, seed=i, top_p=0.9, frequency_penalty=0.5, **common
+    )  # seeded and penalised: drawn on the device with its own generator
+
+
+@pytest.mark.parametrize("mix", ["greedy", "penalised"])
+def test_tokens_equal_through_graphs_and_preemption_on_cuda(tmp_path, mix):
+    from vllm import LLM
     from vllm.v1.worker.model_runner import DeferredOutput
 
     save_smollm_vocab_llama(tmp_path)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (8 + 9 * i,), generator=gen).tolist() for i in range(12)]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(12)
-    ]
+    params = [_params(i, mix) for i in range(12)]
     # 40 blocks of 16 for 12 requests growing to 100-190 tokens: preemption; a budget of
     # 64 tokens chunks the longer prompts.
     kwargs = dict(

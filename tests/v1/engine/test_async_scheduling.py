@@ -135,9 +135,38 @@ def test_seeded_random_rows_are_left_on_the_device_with_the_same_tokens(llms):
     assert counts.deferred > counts.steps // 2
 
 
+def test_penalties_and_logits_processors_stay_on_the_device_with_the_same_tokens(llms):
+    # Penalties, min_tokens, logit_bias, bad words and allowed ids read a request's
+    # output: a deferred step of such rows first takes the tokens of the step before it
+    # (already ahead of its forward), then samples on the device. Same tokens as without
+    # async scheduling, and the steps are still deferred.
+    tok = llms[False].get_tokenizer()
+    probe, _ = run(llms[False], PROMPTS[:1], greedy(3))
+    first = probe[0].outputs[0].token_ids[0]  # what the first request says first, greedily
+    params = [
+        greedy(24, repetition_penalty=1.3, min_tokens=3, stop_token_ids=[first]),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True,
+                       frequency_penalty=0.8, top_p=0.9),
+        greedy(24, presence_penalty=1.5, logit_bias={tok.encode(" the")[0]: 4.0}),
+        greedy(24, bad_words=[" and", " the"], repetition_penalty=1.1),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=24, ignore_eos=True,
+                       allowed_token_ids=list(range(100, 400))),
+        greedy(24),
+    ]  # fmt: skip
+    sync, _ = run(llms[False], PROMPTS, params)
+    ahead, counts = run(llms[True], PROMPTS, params)
+    for a, b in zip(sync, ahead, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    # The penalties bit: without them the first request would stop at its first token.
+    assert len(sync[0].outputs[0].token_ids) >= 3
+    assert all(100 <= t < 400 for t in sync[4].outputs[0].token_ids)
+    assert counts.deferred > counts.steps // 2
+
+
 def test_sampled_rows_logprobs_and_prompt_logprobs_beside_greedy_ones(llms):
-    # Steps with any of these run as without async scheduling; the greedy requests of the
-    # steps around them leave their tokens on the device.
+    # Steps with logprobs or prompt logprobs run as without async scheduling; the other
+    # requests of the steps around them leave their tokens on the device.
     params = [
         greedy(20),
         SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True, top_p=0.9),

@@ -18,11 +18,13 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.sampler import (
     SamplingRow,
     apply_penalties,
+    apply_penalties_to_rows,
     draw,
     filter_logits,
     is_bare,
     sample,
-    sample_bare_on_device,
+    sample_on_device,
+    samples_on_device,
     token_logprobs,
 )
 
@@ -248,6 +250,74 @@ def test_repetition_penalty_with_no_history_is_a_no_op():
     assert sample(logits, [row(temperature=0.0, repetition_penalty=1.3)])[0] == [1]
 
 
+def _penalised_by_hand(logits: list[float], r: SamplingRow) -> list[float]:
+    """The penalties as their definitions read, one token at a time (the reference)."""
+    p, out = r.params, list(r.output_token_ids)
+    seen = set(r.prompt_token_ids) | set(out)
+    x = list(logits)
+    for t in range(len(x)):
+        if p.repetition_penalty != 1.0 and t in seen:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        if out.count(t):
+            x[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    return x
+
+
+def test_penalties_of_a_batch_equal_each_row_by_hand():
+    # Rows with one penalty, all three, none, and one with no output yet, together.
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(4)) * 3
+    rows = [
+        row(repetition_penalty=1.5, prompt=[0, 1], output=[1, 6]),
+        row(presence_penalty=0.5, frequency_penalty=0.25, prompt=[2], output=[3, 3, 7, 3]),
+        row(prompt=[0, 1, 2], output=[4, 4]),
+        row(repetition_penalty=0.8, presence_penalty=-0.3, frequency_penalty=1.0,
+            prompt=[5, 5], output=[2, 5, 2]),
+        row(presence_penalty=2.0, prompt=[1, 2, 3]),
+    ]  # fmt: skip
+    got = apply_penalties_to_rows(logits, rows)
+    assert got is not logits and torch.equal(logits, logits.clone())  # a copy
+    for i, r in enumerate(rows):
+        expected = torch.tensor(_penalised_by_hand(logits[i].tolist(), r))
+        torch.testing.assert_close(got[i], expected, rtol=1e-6, atol=1e-6)
+    plain = [row(prompt=[1], output=[2])]
+    assert torch.equal(apply_penalties_to_rows(logits[:1], plain), logits[:1])
+
+
+def test_rows_with_penalties_filters_and_processors_sample_as_each_row_alone():
+    # Every kind of row in one batch (sampled together) gives the token it gets alone:
+    # penalised greedy and seeded random rows, filters, min_tokens, logit_bias, bad words.
+    def rows():
+        return [
+            row(temperature=0.0, repetition_penalty=1.4, prompt=[0, 1], output=[2, 3]),
+            row(seed=1, temperature=0.9, frequency_penalty=0.6, output=[4, 4, 5]),
+            row(seed=2, temperature=1.1, top_k=4, presence_penalty=0.8, output=[6]),
+            row(seed=3, temperature=0.8, top_p=0.7, repetition_penalty=0.9, prompt=[7]),
+            row(temperature=0.0),
+            row(seed=4, temperature=1.0, min_p=0.1),
+            row(seed=5, temperature=1.0, min_tokens=3, stop_token_ids=[1], output=[2]),
+            row(temperature=0.0, logit_bias={3: 5.0}, frequency_penalty=0.2, output=[3]),
+            row(seed=6, temperature=0.7, bad_words_token_ids=[[2, 5]], output=[2]),
+        ]
+
+    for seed in range(10):
+        logits = torch.randn(9, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+        together = sample(logits.clone(), rows())
+        assert not together.errors
+        alone = [sample(logits[[i]].clone(), [r]).token_ids[0] for i, r in enumerate(rows())]
+        assert together.token_ids == alone
+        got = sample_on_device(logits.clone(), rows())
+        assert got[0].tolist() == alone and all(got[1].tolist()) and all(got[2].tolist())
+
+
+def test_samples_on_device_means_no_logprobs_and_no_grammar():
+    assert samples_on_device(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert samples_on_device(SamplingParams(temperature=0.8, min_tokens=3, logit_bias={1: 1}))
+    assert not samples_on_device(SamplingParams(temperature=0.0, logprobs=0))
+    guided = SamplingParams(temperature=0.0)
+    object.__setattr__(guided, "structured_outputs", object())
+    assert not samples_on_device(guided)
+
+
 # -- logprobs ------------------------------------------------------------------------------
 def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top_n():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0]])
@@ -389,14 +459,20 @@ def test_temperature_rows_sampled_together_equal_row_by_row():
     assert len(set(together)) > 8  # a real draw, not a constant
 
 
-def test_a_temperature_row_that_overflows_fails_alone_among_batched_rows():
-    logits = torch.zeros(3, 64)
+@pytest.mark.parametrize("with_greedy", [False, True])
+def test_a_temperature_row_that_overflows_fails_alone_among_batched_rows(with_greedy):
+    logits = torch.zeros(4, 64)
     logits[1, 5] = 3e38  # / 0.5 = inf: the tempered logits are not finite
+    logits[3, 9] = 1.0
     rows = [row(seed=1, temperature=1.0), row(seed=2, temperature=0.5), row(seed=3)]
-    tokens, _, errors = sample(logits, rows)
-    alone = sample(logits[[0, 2]].clone(), [row(seed=1, temperature=1.0), row(seed=3)])
+    others = [row(seed=1, temperature=1.0), row(seed=3)]
+    if with_greedy:  # the random rows are drawn apart from the argmax of the greedy one
+        rows.append(row(temperature=0.0))
+        others.append(row(temperature=0.0))
+    tokens, _, errors = sample(logits[: len(rows)], rows)
+    alone = sample(logits[[0, 2, 3][: len(others)]].clone(), others)
     assert tokens[1] is None and set(errors) == {1} and not errors[1].internal
-    assert [tokens[0], tokens[2]] == alone.token_ids
+    assert [t for i, t in enumerate(tokens) if i != 1] == alone.token_ids
 
 
 def test_batched_rows_fall_back_to_one_by_one_when_the_batch_raises():
@@ -553,8 +629,8 @@ def test_bare_rows_sampled_on_the_device_equal_sample():
         logits = torch.randn(8, VOCAB) * 3
         logits[3] = float("nan")
         expected = sample(logits.clone(), rows())
-        tokens, finite = sample_bare_on_device(logits.clone(), rows())
-        assert finite.tolist() == [i != 3 for i in range(8)]
+        tokens, logits_ok, ok = sample_on_device(logits.clone(), rows())
+        assert logits_ok.tolist() == [i != 3 for i in range(8)]
         got = tokens.tolist()
         assert [got[i] for i in ok] == [expected.token_ids[i] for i in ok]
         assert expected.token_ids[3] is None

@@ -123,6 +123,21 @@ def test_penalties_index_on_the_device(penalty, caplog):
     )
 
 
+def test_a_batch_of_every_kind_of_row_is_sampled_together_on_the_device(caplog):
+    # Penalties, processors and filters in one batch: one sampling pass on the device
+    # (what --async-scheduling leaves there), nothing built on the host.
+    _same_on_device(
+        [
+            {"temperature": 0.0, "repetition_penalty": 1.2, "logit_bias": {3: 2.0}},
+            {"seed": 1, "temperature": 0.9, "top_p": 0.8, "frequency_penalty": 0.5},
+            {"seed": 2, "temperature": 1.1, "top_k": 7, "min_tokens": 5, "stop_token_ids": [9]},
+            {"temperature": 0.7, "min_p": 0.02, "presence_penalty": 0.3, "logprobs": 2},
+            {"temperature": 0.0, "allowed_token_ids": [1, 4, 5, 9]},
+        ],
+        caplog,
+    )
+
+
 def test_prompt_logprobs_stay_on_the_device():
     logits = _logits(6)
     expected = token_logprobs(logits, [3, 0, 256, 7, 7, 100], 4)

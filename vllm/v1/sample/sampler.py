@@ -169,24 +169,73 @@ def _banned_words_next(row: SamplingRow, vocab: int) -> list[int]:
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """``logits`` (one row) penalised in place: repetition (prompt and output tokens),
-    presence and frequency (output tokens only)."""
-    p = row.params
-    device = logits.device
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
-            dtype=torch.long,
-            device=device,
+    """``logits`` (one row) penalised: ``apply_penalties_to_rows`` of that row alone."""
+    return apply_penalties_to_rows(logits[None], [row])[0]
+
+
+def apply_penalties_to_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The penalties of every row that has any, together on ``logits``' device (vLLM's
+    order): repetition (a token seen in the prompt or the output: positive logits divided
+    by it, negative ones multiplied), then frequency and presence (a token's count in the
+    output times the one, plus the other if it occurs at all). A copy; ``logits`` itself
+    when no row has a penalty. One copy of the rows' token ids to the device per kind,
+    no copy back (with --async-scheduling a step with penalties stays on the device)."""
+    penalised = [i for i, r in enumerate(rows) if not _no_penalties(r.params)]
+    if not penalised:
+        return logits
+    device, dtype = logits.device, logits.dtype
+    x = logits.clone()
+    repeating = [i for i in penalised if rows[i].params.repetition_penalty != 1.0]
+    if repeating:
+        where, ids = _token_positions(
+            [(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in repeating]
         )
-        vals = logits[seen]
-        logits[seen] = torch.where(
-            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        seen = torch.zeros((len(repeating), x.shape[-1]), dtype=torch.bool, device=device)
+        seen[_index(where, device), _index(ids, device)] = True
+        factor = torch.tensor(
+            [rows[i].params.repetition_penalty for i in repeating], dtype=dtype, device=device
+        )[:, None]
+        index = torch.tensor(repeating, device=device)
+        vals = x[index]
+        scaled = torch.where(vals > 0, vals / factor, vals * factor)
+        x.index_copy_(0, index, torch.where(seen, scaled, vals))
+    counting = [
+        i
+        for i in penalised
+        if (rows[i].params.presence_penalty or rows[i].params.frequency_penalty)
+        and rows[i].output_token_ids
+    ]
+    if counting:
+        where, ids = _token_positions([(rows[i].output_token_ids,) for i in counting])
+        counts = torch.zeros((len(counting), x.shape[-1]), dtype=dtype, device=device)
+        counts.index_put_(
+            (_index(where, device), _index(ids, device)),
+            torch.ones(len(ids), dtype=dtype, device=device),
+            accumulate=True,
         )
-    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-        ids, counts = torch.tensor(row.output_token_ids, device=device).unique(return_counts=True)
-        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
-    return logits
+        p = [rows[i].params for i in counting]
+        frequency = torch.tensor([q.frequency_penalty for q in p], dtype=dtype, device=device)
+        presence = torch.tensor([q.presence_penalty for q in p], dtype=dtype, device=device)
+        index = torch.tensor(counting, device=device)
+        penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0)
+        x.index_copy_(0, index, x[index] - penalty)
+    return x
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _token_positions(rows: list[tuple[Sequence[int], ...]]) -> tuple[list[int], list[int]]:
+    """(row, token) pairs of every token of each row's sequences, as two flat lists."""
+    where: list[int] = []
+    ids: list[int] = []
+    for j, seqs in enumerate(rows):
+        start = len(ids)
+        for seq in seqs:
+            ids.extend(seq)
+        where.extend([j] * (len(ids) - start))
+    return where, ids
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -248,46 +297,54 @@ _NON_FINITE_PROBS = RequestFailure(
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """``logits``: (num_rows, vocab) float32, on any device.
 
-    A row that cannot be sampled (non-finite logits from the model, or penalties and
-    temperature that make them so, or any error while sampling it) fails alone: the other
-    rows are sampled as if it were not in the batch (seeded rows use their own generator).
-    Greedy rows and rows with a temperature only cost one copy to the host each, together.
-    ``allowed_token_ids``, ``min_tokens`` and ``logit_bias`` apply to a copy
-    (``apply_logits_processors``); the logprobs are those of ``logits`` as given.
+    Every row together (``sample_on_device``), then one copy to the host. A row that
+    cannot be sampled (non-finite logits from the model, or penalties and temperature that
+    make them so) fails alone: the other rows are sampled as if it were not in the batch
+    (seeded rows use their own generator). Should the batch raise, the rows are sampled one
+    by one, each failing alone. ``allowed_token_ids``, ``min_tokens``, ``logit_bias`` and
+    the penalties apply to a copy; the logprobs are those of ``logits`` as given.
     """
-    raw = logits  # the logprobs are the model's (vLLM's raw_logprobs)
-    x = apply_logits_processors(logits, rows)
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
-    greedy = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
-    finite, argmax = finite_and_argmax(x, greedy)
-    errors.update((i, NON_FINITE_LOGITS) for i, ok in enumerate(finite) if not ok)
-    for i, t in zip(greedy, argmax, strict=True):
-        if i not in errors:
-            tokens[i] = t
-    plain = [i for i, r in enumerate(rows) if _is_plain_random(r.params) and i not in errors]
-    if len(plain) > 1:
-        try:
-            for i, t in zip(plain, _draw_rows(x[plain], [rows[i] for i in plain]), strict=True):
-                tokens[i] = t
-                if t is None:
-                    errors[i] = _NON_FINITE_PROBS
-        except Exception:  # the rows are sampled one by one below, each failing alone
-            logger.warning("sampling rows together failed; sampling them one by one", exc_info=True)
-            for i in plain:
-                tokens[i] = None
-                errors.pop(i, None)
-    for i, row in enumerate(rows):
-        if tokens[i] is not None or i in errors:
-            continue
-        try:
-            tokens[i] = _sample_row(x[i], row)
-        except Exception as e:  # this row only; the traceback is in the engine's log
-            logger.warning("sampling a row failed", exc_info=True)
-            errors[i] = RequestFailure(f"sampling failed: {type(e).__name__}: {e}")
-        if tokens[i] is None and i not in errors:
-            errors[i] = _NON_FINITE_PROBS
-    return SamplerOutput(tokens, _sampled_logprobs(raw, rows, tokens), errors)
+    try:
+        for i, result in enumerate(_to_host(*sample_on_device(logits, rows))):
+            if isinstance(result, RequestFailure):
+                errors[i] = result
+            else:
+                tokens[i] = result
+    except Exception:  # the rows are sampled one by one below, each failing alone
+        logger.warning("sampling rows together failed; sampling them one by one", exc_info=True)
+        errors.clear()
+        for i, row in enumerate(rows):
+            try:
+                (result,) = _to_host(*sample_on_device(logits[i : i + 1], [row]))
+            except Exception as e:  # this row only; the traceback is in the engine's log
+                logger.warning("sampling a row failed", exc_info=True)
+                result = RequestFailure(f"sampling failed: {type(e).__name__}: {e}")
+            if isinstance(result, RequestFailure):
+                errors[i] = result
+            else:
+                tokens[i] = result
+    return SamplerOutput(tokens, _sampled_logprobs(logits, rows, tokens), errors)
+
+
+def _to_host(
+    tokens: torch.Tensor, logits_ok: torch.Tensor, ok: torch.Tensor
+) -> list[int | RequestFailure]:
+    """``sample_on_device``'s result on the host, one copy: each row's token, or why it
+    has none."""
+    values = torch.cat([tokens, logits_ok.long(), ok.long()]).tolist()
+    n = len(tokens)
+    return [
+        row_failure(bool(values[n + i]), bool(values[2 * n + i])) or values[i] for i in range(n)
+    ]
+
+
+def row_failure(logits_ok: bool, ok: bool) -> RequestFailure | None:
+    """Why a row sampled by ``sample_on_device`` has no token (its two flags), if so."""
+    if not logits_ok:
+        return NON_FINITE_LOGITS
+    return None if ok else _NON_FINITE_PROBS
 
 
 def finite_and_argmax(raw: torch.Tensor, greedy: list[int]) -> tuple[list[bool], list[int]]:
@@ -319,17 +376,6 @@ def _sampled_logprobs(
     return out
 
 
-def _sample_row(raw: torch.Tensor, row: SamplingRow) -> int | None:
-    """One row's token, or None if its penalised / filtered logits are not finite."""
-    x = apply_penalties(raw.clone(), row)
-    if row.params.sampling_type_greedy:
-        return int(x.argmax()) if torch.isfinite(x.amax()) else None
-    filtered = filter_logits(x, row.params)
-    if not torch.isfinite(filtered.amax()):
-        return None
-    return draw(filtered.softmax(-1), row.generator)
-
-
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token from the categorical distribution ``probs`` (finite, >= 0, some > 0): the
     inverse of its CDF (float64) at one uniform number from ``generator`` (None: the global
@@ -342,19 +388,6 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     if token == len(cdf):  # target rounded up to the total: the last token with mass
         token = int(torch.searchsorted(cdf, cdf[-1]))  # (the first at the total)
     return token
-
-
-def _draw_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int | None]:
-    """``draw`` for rows (``logits``: one per row) with a temperature and nothing else
-    (``_is_plain_random``), all at once: the same tokens as row by row (each row's float32
-    tempered softmax and float64 CDF, one uniform number from each row's generator, drawn
-    in row order), with a few batched ops instead of ~8 per row (a 16-stream decode step
-    spent ~7% of its time there) and one copy to the host. None for a row whose tempered
-    logits are not finite."""
-    tokens, finite = _draw_rows_on_device(logits, rows)
-    values = torch.cat([tokens, finite.long()]).tolist()
-    n = len(rows)
-    return [t if ok else None for t, ok in zip(values[:n], values[n:], strict=True)]
 
 
 def _filter_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -390,9 +423,12 @@ def _filter_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> tor
 def _draw_rows_on_device(
     logits: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_draw_rows``' work on ``logits``' device, for random rows without penalties
-    (their filters applied by ``_filter_rows_on_device``): (tokens, whether each row's
-    filtered logits are finite)."""
+    """One token per random row (``logits``: penalised, not yet filtered), all on the
+    device: each row's filters (``_filter_rows_on_device``), its float32 softmax and
+    float64 CDF, one uniform number from its generator (None: the device's global RNG),
+    drawn in row order; the inverse CDF at it, as ``draw`` (the same tokens as ``draw`` row
+    by row, in a few batched ops instead of ~8 per row). Returns (tokens, whether each
+    row's filtered logits are finite)."""
     device = logits.device
     x = _filter_rows_on_device(logits, rows)
     finite = torch.isfinite(x.amax(-1))
@@ -407,17 +443,6 @@ def _draw_rows_on_device(
     return torch.where(tokens == cdf.shape[1], at_total, tokens), finite
 
 
-def _is_plain_random(p: SamplingParams) -> bool:
-    """Random sampling with a temperature only: no penalty, top-k, top-p or min-p."""
-    return (
-        not p.sampling_type_greedy
-        and _no_penalties(p)
-        and p.top_k <= 0
-        and p.top_p >= 1.0
-        and p.min_p <= 0.0
-    )
-
-
 def is_bare_greedy(p: SamplingParams) -> bool:
     """A greedy request that nothing else touches (no penalty, logits processor, grammar,
     thinking budget or logprobs): its token is the argmax of the model's logits, which the
@@ -428,10 +453,17 @@ def is_bare_greedy(p: SamplingParams) -> bool:
 def is_bare(p: SamplingParams) -> bool:
     """A request whose token needs the model's logits and its own generator alone: greedy
     or random (temperature, top-k, top-p, min-p), without penalties and with nothing else
-    touching it. Such rows are sampled on the device by ``sample_bare_on_device``, which
-    needs nothing of their history (what --async-scheduling needs of a step it leaves on
-    the device)."""
+    touching it: ``sample_on_device`` needs nothing of its history, so a step of such rows
+    leaves the device without waiting for the steps before it (--async-scheduling)."""
     return _no_penalties(p) and _untouched(p)
+
+
+def samples_on_device(p: SamplingParams) -> bool:
+    """A request that ``sample_on_device`` samples whole: anything but logprobs (copied to
+    the host with the token) and a grammar (its mask is built from the token before). Its
+    penalties and logits processors read its output, so a step of such rows that are not
+    ``is_bare`` waits, before sampling, for the tokens of the steps before it."""
+    return p.logprobs is None and p.structured_outputs is None
 
 
 def _no_penalties(p: SamplingParams) -> bool:
@@ -451,25 +483,33 @@ def _untouched(p: SamplingParams) -> bool:
     )
 
 
-def sample_bare_on_device(
+def sample_on_device(
     logits: torch.Tensor, rows: list[SamplingRow]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, whether each row is finite), both on ``logits``' device, for rows that are
-    all ``is_bare``: greedy rows take the argmax, random ones their filters and
-    ``_draw_rows_on_device``'s draw (one uniform number from each row's generator, in row
-    order: the tokens that ``sample`` gives them). Nothing is copied to the host."""
-    finite = torch.isfinite(logits.amax(-1))
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's token without a copy to the host: (tokens, whether each row's logits
+    are finite after the logits processors, whether its penalised and filtered logits
+    are), all on ``logits``' device. The processors (``apply_logits_processors``) and the
+    penalties (``apply_penalties_to_rows``) apply to a copy; greedy rows take the argmax,
+    random ones their temperature, top-k, top-p and min-p and one uniform number each
+    from their generator, in row order (``_draw_rows_on_device``). A grammar's mask, if
+    any, is already in ``logits``. With --async-scheduling this is the whole sampling of a
+    deferred step, and the processors and penalties need each row's output up to the step
+    (the runner lands the earlier deferred steps first)."""
+    processed = apply_logits_processors(logits, rows)
+    logits_ok = torch.isfinite(processed.amax(-1))
+    x = apply_penalties_to_rows(processed, rows)
+    ok = logits_ok if x is processed else torch.isfinite(x.amax(-1))
     drawn = [i for i, r in enumerate(rows) if not r.params.sampling_type_greedy]
     if drawn and len(drawn) == len(rows):  # no greedy row: no argmax
-        tokens, ok = _draw_rows_on_device(logits, rows)
-        return tokens, finite & ok
-    tokens = logits.argmax(-1)
+        tokens, drawn_ok = _draw_rows_on_device(x, rows)
+        return tokens, logits_ok, ok & drawn_ok
+    tokens = x.argmax(-1)
     if drawn:
-        idx = torch.tensor(drawn, device=logits.device)
-        sampled, ok = _draw_rows_on_device(logits[idx], [rows[i] for i in drawn])
-        tokens = tokens.index_copy(0, idx, sampled)
-        finite = finite.index_copy(0, idx, finite[idx] & ok)
-    return tokens, finite
+        index = torch.tensor(drawn, device=logits.device)
+        sampled, drawn_ok = _draw_rows_on_device(x[index], [rows[i] for i in drawn])
+        tokens = tokens.index_copy(0, index, sampled)
+        ok = ok.index_copy(0, index, ok[index] & drawn_ok)
+    return tokens, logits_ok, ok
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:

@@ -33,8 +33,10 @@ from vllm.v1.sample.sampler import (
     finite_and_argmax,
     is_bare,
     is_bare_greedy,
+    row_failure,
     sample,
-    sample_bare_on_device,
+    sample_on_device,
+    samples_on_device,
     token_logprobs,
 )
 from vllm.v1.spec_decode.ngram_proposer import verify_greedy
@@ -69,16 +71,17 @@ class CachedRequestState:
     lora_slot: int = 0  # the adapter's slot (LoRAManager), fixed while the request runs
     bare_greedy: bool = False  # sampler.is_bare_greedy(sampling_params): the argmax alone
     bare: bool = False  # sampler.is_bare: sampled on the device from the logits alone
+    on_device: bool = False  # sampler.samples_on_device: a step may leave it there
 
 
 class DeferredOutput:
     """A step whose sampled tokens are still on the device (``--async-scheduling``): the
     engine schedules and launches the next step, then takes this one's ``result()``.
 
-    The sampled rows are bare (``sampler.is_bare``): each row's finiteness and token are
-    copied to the host behind the forward (into pinned memory on CUDA, an event marks the
-    copy's end); ``result()`` waits for them and appends the tokens to the requests'
-    states."""
+    The sampled rows are sampled whole on the device (``sampler.samples_on_device``):
+    each row's token and its two finiteness flags are copied to the host behind the
+    forward (into pinned memory on CUDA, an event marks the copy's end); ``result()``
+    waits for them and appends the tokens to the requests' states."""
 
     def __init__(
         self,
@@ -89,7 +92,7 @@ class DeferredOutput:
     ) -> None:
         self._output = output
         self._states = states
-        self._packed = packed  # host: each row's finiteness, then each row's token
+        self._packed = packed  # host: the rows' tokens, then their two flags (row_failure)
         self._event = event
         self._done = False
 
@@ -106,9 +109,11 @@ class DeferredOutput:
         values = self._packed.tolist()
         n = len(self._states)
         out = self._output
-        for state, finite, token in zip(self._states, values[:n], values[n:], strict=True):
-            if not finite:
-                out.errors[state.req_id] = NON_FINITE_LOGITS
+        for i, state in enumerate(self._states):
+            token = values[i]
+            failure = row_failure(bool(values[n + i]), bool(values[2 * n + i]))
+            if failure is not None:
+                out.errors[state.req_id] = failure
                 continue
             state.token_ids.append(token)
             state.output_token_ids.append(token)
@@ -414,6 +419,7 @@ class ModelRunner:
             lora_slot=slot,
             bare_greedy=is_bare_greedy(p),
             bare=is_bare(p),
+            on_device=samples_on_device(p),
         )
 
     def _resolve_deferred(self) -> None:
@@ -443,13 +449,13 @@ class ModelRunner:
         return torch.tensor(rows, device=self.device), tokens
 
     def _deferrable(self, so: SchedulerOutput, sample_reqs: list[CachedRequestState]) -> bool:
-        """Whether this step's sampling may stay on the device (--async-scheduling): bare
-        rows only (greedy, or random with temperature, top-k, top-p, min-p; no penalties,
-        grammar, logprobs, processors), no drafts, no prompt logprobs, no pooling."""
+        """Whether this step's sampling may stay on the device (--async-scheduling): rows
+        that ``sample_on_device`` samples whole (no grammar, no logprobs), no drafts, no
+        prompt logprobs, no pooling."""
         return (
             not so.scheduled_spec_decode_tokens
             and not self.model_config.is_pooling
-            and all(s.bare for s in sample_reqs)
+            and all(s.on_device for s in sample_reqs)
             and not any(
                 self.requests[r].sampling_params.prompt_logprobs is not None
                 for r in so.num_scheduled_tokens
@@ -460,12 +466,15 @@ class ModelRunner:
     def _sample_deferred(
         self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
     ) -> DeferredOutput:
-        """Sample bare rows without waiting for the device: the tokens stay there for the
-        next step's input, a copy goes to the host behind the forward."""
+        """Sample the rows without waiting for this step's forward: the tokens stay on the
+        device for the next step's input, a copy goes to the host behind the forward. Rows
+        whose penalties or logits processors read their output wait first for the tokens
+        of the steps before (already ahead of this forward on the device)."""
+        if not all(s.bare for s in sample_reqs):
+            self._resolve_deferred()
         logits = self.model.compute_logits(hidden)
-        rows = [SamplingRow(s.sampling_params, s.generator, (), []) for s in sample_reqs]
-        tokens, finite = sample_bare_on_device(logits, rows)
-        packed = torch.cat([finite.long(), tokens])
+        tokens, logits_ok, ok = sample_on_device(logits, self._sampling_rows(sample_reqs))
+        packed = torch.cat([tokens, logits_ok.long(), ok.long()])
         event = None
         if self.device.type == "cuda":
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -485,9 +494,10 @@ class ModelRunner:
         self, so: SchedulerOutput, defer: bool = False
     ) -> ModelRunnerOutput | DeferredOutput:
         """Run one step. ``defer`` (--async-scheduling): a step whose sampled rows are all
-        bare (``sampler.is_bare``) returns a ``DeferredOutput`` at once, its
-        tokens still on the device; other steps return their output, as without it. A
-        request whose last token a deferred step samples reads it from the device."""
+        sampled whole on the device (``sampler.samples_on_device``: no grammar, no
+        logprobs) returns a ``DeferredOutput`` at once, its tokens still on the device;
+        other steps return their output, as without it. A request whose last token a
+        deferred step samples reads it from the device."""
         failed = self._update_states(so)
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
@@ -626,15 +636,7 @@ class ModelRunner:
             lps: list = [None] * len(tokens)
             row_errors = {i: NON_FINITE_LOGITS for i, f in enumerate(finite) if not f}
         else:
-            rows = [
-                SamplingRow(
-                    s.sampling_params,
-                    s.generator,
-                    PrefixView(s.token_ids, s.num_prompt_tokens),
-                    s.output_token_ids,
-                )
-                for s in sample_reqs
-            ]
+            rows = self._sampling_rows(sample_reqs)
             grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
             tokens, lps, row_errors = sample(logits, rows)
             for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
@@ -651,6 +653,18 @@ class ModelRunner:
             out.sampled_token_ids[state.req_id] = [token]
             if lp is not None:
                 out.logprobs[state.req_id] = [lp]
+
+    @staticmethod
+    def _sampling_rows(sample_reqs: list[CachedRequestState]) -> list[SamplingRow]:
+        return [
+            SamplingRow(
+                s.sampling_params,
+                s.generator,
+                PrefixView(s.token_ids, s.num_prompt_tokens),
+                s.output_token_ids,
+            )
+            for s in sample_reqs
+        ]
 
     def _prompt_logprobs(
         self, so: SchedulerOutput, hidden: torch.Tensor, row_starts: dict[str, int]
