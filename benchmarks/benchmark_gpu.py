@@ -290,10 +290,11 @@ class StepTimes:
 
 def run_hf(
     model, prompts: list[list[int]], max_tokens: int, static: bool,
-    temperature: float = 0.0, top_p: float = 1.0,
+    temperature: float = 0.0, top_p: float = 1.0, repetition_penalty: float = 1.0,
 ) -> tuple:  # fmt: skip
     """One batch of N through ``generate`` (equal lengths: no padding): (elapsed, TTFT,
-    [(seconds, N)] of each decode step). ``temperature`` > 0: sampled, with ``top_p``."""
+    [(seconds, N)] of each decode step). ``temperature`` > 0: sampled, with ``top_p``;
+    ``repetition_penalty`` (prompt and output tokens, as ours) either way."""
     from transformers import StoppingCriteriaList
 
     device = model.device
@@ -303,6 +304,8 @@ def run_hf(
     extra |= {"do_sample": False}
     if temperature > 0:
         extra |= {"do_sample": True, "temperature": temperature, "top_p": top_p}
+    if repetition_penalty != 1.0:
+        extra |= {"repetition_penalty": repetition_penalty}
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -351,16 +354,17 @@ class StepRecorder:
 
 def run_ours(
     llm, recorder: StepRecorder, prompts: list[list[int]], max_tokens: int, detokenize=False,
-    temperature: float = 0.0, top_p: float = 1.0,
+    temperature: float = 0.0, top_p: float = 1.0, repetition_penalty: float = 1.0,
 ) -> tuple:  # fmt: skip
     """(elapsed, mean TTFT, decode steps) of one ``generate`` over ``prompts``; token ids
     only unless ``detokenize`` (transformers' ``generate`` makes no text either); greedy
-    unless ``temperature`` > 0 (then sampled, with ``top_p``)."""
+    unless ``temperature`` > 0 (then sampled, with ``top_p``); ``repetition_penalty``
+    either way."""
     from vllm import SamplingParams
 
     params = SamplingParams(
         temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True,
-        detokenize=detokenize,
+        detokenize=detokenize, repetition_penalty=repetition_penalty,
     )  # fmt: skip
     llm.reset_prefix_cache()
     recorder.steps.clear()
@@ -375,8 +379,13 @@ def run_ours(
 
 
 def sampling(args: argparse.Namespace) -> dict:
-    """``--temperature`` and ``--top-p``, for ``run_ours`` and ``run_hf``."""
-    return {"temperature": args.temperature, "top_p": args.top_p}
+    """``--temperature``, ``--top-p`` and ``--repetition-penalty``, for ``run_ours`` and
+    ``run_hf``."""
+    return {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "repetition_penalty": args.repetition_penalty,
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -734,6 +743,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy (default); above: every engine samples, with --top-p")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="every engine penalises the prompt's and output's tokens (1: off); "
+                         "with --async-too: async scheduling's steps with penalties")
     ap.add_argument("--hf-static", action="store_true",
                     help="also transformers with its static cache (compiles per N)")
     ap.add_argument("--skip-hf", action="store_true",
@@ -763,6 +775,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--warmup >= 0 and --repeats >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         ap.error("--temperature >= 0 and 0 < --top-p <= 1")
+    if args.repetition_penalty <= 0:
+        ap.error("--repetition-penalty must be > 0")
     return args
 
 

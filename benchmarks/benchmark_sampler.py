@@ -10,7 +10,7 @@ on the same logits, and checks they give the same tokens (seeded rows).
 
     .venv/bin/python benchmarks/benchmark_sampler.py [--num-requests 1 16 64 256]
         [--vocab 128256] [--prompt-len 512] [--output-len 128] [--device cpu|cuda]
-        [--mix penalties|filters|both] [--repeats 5] [--json FILE]
+        [--mix penalties|filters|both] [--repeats 5] [--json-out FILE]
 
 Medians of ``--repeats`` timed calls after one warm-up. The figures are this machine's:
 name its CPU (or GPU) with them.
@@ -95,7 +95,7 @@ def measure(n: int, args: argparse.Namespace, device: torch.device) -> dict:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--vocab", type=int, default=128256, help="Llama-3's by default")
@@ -104,8 +104,8 @@ def main() -> None:
     ap.add_argument("--mix", choices=sorted(MIXES), default="both")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", help="write the results here too")
-    args = ap.parse_args()
+    ap.add_argument("--json-out", help="write the results here too")
+    args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     device = torch.device(args.device)
@@ -123,11 +123,12 @@ def main() -> None:
         results.append(r)
         print(f"| {n} | {r['together_ms']} | {r['row_by_row_ms']} | {r['speedup']}x "
               f"| {r['same_tokens']} |", flush=True)  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.json_out:
+        with open(args.json_out, "w") as f:
             json.dump(dict(device=str(device), machine=machine, args=vars(args),
                            results=results), f, indent=1)  # fmt: skip
+    return 0 if all(r["same_tokens"] for r in results) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

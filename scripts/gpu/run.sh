@@ -12,6 +12,8 @@
 #                        (the KV tier's load against recompute; --shape llama-3.1-8b)
 #   moe [ARGS]           benchmarks/benchmark_moe.py ARGS --json-out $OUT/moe-K.json
 #                        (one MoE layer's experts: grouped GEMM, loop, dense)
+#   sampler [ARGS]       benchmarks/benchmark_sampler.py ARGS --json-out $OUT/sampler-K.json
+#                        (a batch's sampling together against row by row)
 #   study [ARGS]         scripts/gpu/study.py: the agent workload on a random-weight
 #                        model (run_sweep.py ARGS), $OUT/study-LABEL.tar.gz
 # e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
@@ -31,7 +33,7 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-570}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-STEPS="test bench serve-smoke offload moe study"
+STEPS="test bench serve-smoke offload moe sampler study"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -91,6 +93,7 @@ PY
 BENCH_RUNS=0
 OFFLOAD_RUNS=0
 MOE_RUNS=0
+SAMPLER_RUNS=0
 run_step() {
     local step=$1
     shift
@@ -121,6 +124,11 @@ run_step() {
         MOE_RUNS=$((MOE_RUNS + 1))
         limited "${GPU_MOE_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_moe.py \
             --json-out "$OUT/moe-$MOE_RUNS.json" "$@"
+        ;;
+    sampler)
+        SAMPLER_RUNS=$((SAMPLER_RUNS + 1))
+        limited "${GPU_SAMPLER_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_sampler.py \
+            --json-out "$OUT/sampler-$SAMPLER_RUNS.json" "$@"
         ;;
     serve-smoke)
         limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"

@@ -118,23 +118,29 @@ def test_tiny_run_end_to_end_writes_every_figure(bench, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sampled_run_samples_in_every_engine(bench, tmp_path, monkeypatch):
-    # --temperature: both engines sample (with --top-p), still max_tokens each.
+    # --temperature: both engines sample (with --top-p and --repetition-penalty), still
+    # max_tokens each.
     seen = []
     sampling_params = bench.sampling
     monkeypatch.setattr(bench, "sampling", lambda a: seen.append(1) or sampling_params(a))
     out = tmp_path / "gpu.json"
-    argv = TINY_RUN + ["--temperature", "0.8", "--top-p", "0.9", "--model-dir", str(tmp_path / "m")]
+    argv = TINY_RUN + ["--temperature", "0.8", "--top-p", "0.9", "--repetition-penalty", "1.2",
+                       "--model-dir", str(tmp_path / "m")]  # fmt: skip
     assert bench.main(argv + ["--bandwidth-gbs", "20", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     check_run(result, "cpu", "float32")
     assert result["args"]["temperature"] == 0.8 and result["args"]["top_p"] == 0.9
+    assert result["args"]["repetition_penalty"] == 1.2
     assert seen  # the runs asked for the sampling settings
     assert bench.sampling(bench.parse_args(["--temperature", "0.5"])) == {
         "temperature": 0.5,
         "top_p": 1.0,
+        "repetition_penalty": 1.0,
     }
     with pytest.raises(SystemExit):
         bench.parse_args(["--top-p", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repetition-penalty", "0"])
 
 
 def test_skip_hf_runs_our_engine_on_dummy_weights_with_no_checkpoint(bench, tmp_path, monkeypatch):

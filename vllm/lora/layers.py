@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.utils.device import pinned, to_device
+
 
 class LoRABatch:
     """The step's adapter slot of every token, shared by all ``LoRALinear`` layers of a
@@ -44,7 +46,7 @@ class LoRABatch:
         if not active:
             self.token_slots = None
             return
-        self.token_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.token_slots = to_device(slots, torch.int64, device)
         self.lo, self.hi = min(active), max(active)
         self.uniform = len(used) == 1
 
@@ -61,7 +63,7 @@ class LoRABatch:
     def fill_graph_rows(self, slots: list[int]) -> None:
         """A replayed step's slot per row (padding rows: 0), into the fixed buffer."""
         assert self._graph_slots is not None, "use_graph_rows first"
-        host = torch.tensor(slots, dtype=torch.int64)
+        host = pinned(torch.tensor(slots, dtype=torch.int64))
         self._graph_slots.narrow(0, 0, len(slots)).copy_(host, non_blocking=True)
 
     def mask(self, width: int, column_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

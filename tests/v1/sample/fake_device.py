@@ -15,7 +15,12 @@ living on ``cuda:0``, and raises ``DeviceMismatch`` where eager CUDA raises:
 
 It also records every tensor made from nothing on the host (``host_tensors``: a factory
 call without ``device=``), which on a GPU would be a host tensor plus a copy, or a
-mismatch. ``torch.from_numpy`` is exempt: host data by definition.
+mismatch. ``torch.from_numpy`` is exempt: host data by definition. And it records every
+copy of host data to the device that CUDA makes the host wait for (``blocking_uploads``):
+``torch.tensor(data, device="cuda")``, ``host.to("cuda")`` or ``.cuda()`` without
+``non_blocking=True``, ``device_tensor.copy_(host)`` likewise. From pageable memory such a
+copy synchronizes the stream, which --async-scheduling cannot afford
+(``vllm/utils/device.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class FakeDevice(TorchFunctionMode):
         super().__init__()
         self._device_generators: set[int] = set()
         self.host_tensors: list[str] = []  # "func at file:line" of host-made tensors
+        self.blocking_uploads: list[str] = []  # "func at file:line" of waiting copies
 
     # -- inputs ---------------------------------------------------------------------------
     @staticmethod
@@ -103,6 +109,8 @@ class FakeDevice(TorchFunctionMode):
         if func in (torch.Tensor.numpy, torch.Tensor.__array__) and _on(args[0]):
             raise DeviceMismatch("can't convert cuda:0 device type tensor to numpy")
         target = self._target(func, args, kwargs)
+        if target == DEVICE and self._uploads_blocking(func, args, kwargs):
+            self._record(func, self.blocking_uploads)
         self._check_generator(kwargs.get("generator"), target)
         kwargs = {k: (HOST if k == "device" else v) for k, v in kwargs.items()}
         args = tuple(HOST if _is_cuda(a) else a for a in args)
@@ -145,6 +153,16 @@ class FakeDevice(TorchFunctionMode):
         return DEVICE
 
     @staticmethod
+    def _uploads_blocking(func, args: tuple, kwargs: dict) -> bool:
+        """Whether ``func`` (its result on the device) copies host data there and waits."""
+        if func in (torch.tensor, torch.as_tensor):
+            return not _on(args[0]) if isinstance(args[0], torch.Tensor) else True
+        if func in _TRANSFERS and func is not torch.Tensor.cpu:
+            source = args[1] if func is torch.Tensor.copy_ else args[0]
+            return not _on(source) and not kwargs.get("non_blocking", False)
+        return False
+
+    @staticmethod
     def _check_indexing(func, args: tuple) -> torch.device:
         """``t[idx]`` / ``t[idx] = v``: host index tensors are fine on a device tensor (as in
         eager); device indices on a host tensor are not; an assigned value must be on
@@ -168,13 +186,13 @@ class FakeDevice(TorchFunctionMode):
                 f"Expected a '{target.type}' device type for generator but found '{gen}'"
             )
 
-    def _record(self, func) -> None:
+    def _record(self, func, into: list[str] | None = None) -> None:
         frame = next(
             (f for f in reversed(traceback.extract_stack()[:-3]) if "/vllm/" in f.filename),
             None,
         )
         where = f" at {frame.filename.split('/vllm/')[-1]}:{frame.lineno}" if frame else ""
-        self.host_tensors.append(f"{_name(func)}{where}")
+        (self.host_tensors if into is None else into).append(f"{_name(func)}{where}")
 
     @staticmethod
     def _wrap(x: object, target: torch.device) -> object:

@@ -382,7 +382,14 @@ def test_all_masked_logits_fail_the_row():
     assert set(errors) == {0}
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "seed": 1},
+        {"temperature": 0.0, "logit_bias": {2: 0.5}},  # penalised in the processors' copy
+    ],
+)
 def test_penalties_that_overflow_fail_the_row_as_the_request_s_fault(params):
     # A repetition penalty of 1e-300 divides positive logits into inf: the probabilities
     # are NaN. Issue 16: this ended the engine process.

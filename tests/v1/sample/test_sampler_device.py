@@ -72,6 +72,7 @@ def _same_on_device(specs: list[dict], caplog) -> FakeDevice:
     assert not got.errors, {i: f.message for i, f in got.errors.items()}
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert dev.host_tensors == []
+    assert dev.blocking_uploads == []  # every host value went up without waiting
     assert got.token_ids == expected.token_ids
     assert got.logprobs == expected.logprobs
     return dev
@@ -144,7 +145,7 @@ def test_prompt_logprobs_stay_on_the_device():
     dev = FakeDevice()
     with dev:
         got = token_logprobs(dev.tensor(logits), [3, 0, 256, 7, 7, 100], 4)
-    assert got == expected and dev.host_tensors == []
+    assert got == expected and dev.host_tensors == [] and dev.blocking_uploads == []
 
 
 # -- the fake itself: it must catch what CUDA raises, or the tests above prove nothing ------
@@ -168,6 +169,23 @@ def test_fake_device_raises_where_cuda_raises():
     # Made without a device: zeros (the input), ones(4), tensor(0.5), tensor([1, 2]),
     # tensor(2.0), ones(2).
     assert dev.host_tensors == ["zeros", "ones", "tensor", "tensor", "tensor", "ones"]
+
+
+def test_fake_device_records_copies_to_it_that_wait():
+    dev = FakeDevice()
+    with dev:
+        x = dev.tensor(torch.zeros(4))
+        host = torch.ones(4)
+        torch.tensor([1, 2], device=x.device)  # waits on CUDA
+        host.to(x.device)  # waits
+        x.copy_(host)  # waits
+        assert dev.blocking_uploads == ["tensor", "to", "copy_"]
+        host.to(x.device, non_blocking=True)
+        x.copy_(host, non_blocking=True)
+        x.to(x.device)  # already there
+        x.cpu()
+        torch.zeros(3, device=x.device)  # nothing copied
+    assert dev.blocking_uploads == ["tensor", "to", "copy_"]
 
 
 def test_min_tokens_masks_stop_tokens_on_the_device(caplog):

@@ -13,6 +13,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.utils.device import upload
 from vllm.v1.outputs import RequestFailure
 from vllm.v1.structured_output.grammar import compile_grammar, excerpt, new_matcher
 from vllm.v1.structured_output.thread import grammar_thread
@@ -164,7 +165,7 @@ class StructuredOutputManager:
             masked.append(i)
             masks.append(allowed)
         if masks:
-            forbidden = ~torch.stack(masks).to(logits.device)  # (len(masked), vocab)
+            forbidden = ~upload(torch.stack(masks), logits.device)  # (len(masked), vocab)
             for j, i in enumerate(masked):
                 logits[i].masked_fill_(forbidden[j], float("-inf"))
         return failures

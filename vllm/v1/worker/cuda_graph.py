@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm.utils.device import pinned
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class DecodeGraphs:
             self.lora.use_graph_rows(size, self.max_size, self.device)
             self.lora.fill_graph_rows((lora_slots or [0] * n) + [0] * pad)
         step = self.backend.build_metadata(seqs + [(0, 1, [0])] * pad)
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad], dtype=torch.long)
+        host = pinned(torch.tensor([ids + [0] * pad, positions + [0] * pad], dtype=torch.long))
         self._meta.narrow(size).copy_(step)
         self._ids.narrow(0, 0, size).copy_(host[0], non_blocking=True)
         self._positions.narrow(0, 0, size).copy_(host[1], non_blocking=True)

@@ -21,6 +21,7 @@ from vllm.lora.manager import LoRAAdapterError, LoRAManager
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
+from vllm.utils.device import to_device
 from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
@@ -445,8 +446,8 @@ class ModelRunner:
         rows = [row for row, _ in ahead]
         tokens = self._device_tokens
         if src != list(range(tokens.shape[0])):  # not the whole previous batch, in order
-            tokens = tokens[torch.tensor(src, device=self.device)]
-        return torch.tensor(rows, device=self.device), tokens
+            tokens = tokens[to_device(src, torch.long, self.device)]
+        return to_device(rows, torch.long, self.device), tokens
 
     def _deferrable(self, so: SchedulerOutput, sample_reqs: list[CachedRequestState]) -> bool:
         """Whether this step's sampling may stay on the device (--async-scheduling): rows
@@ -554,11 +555,11 @@ class ModelRunner:
             hidden = self.decode_graphs.run(ids, positions, seqs, token_slots, patch)
         if hidden is None:
             meta = self.attn_backend.build_metadata(seqs)
-            input_ids = torch.tensor(ids, device=self.device)
+            input_ids = to_device(ids, torch.long, self.device)
             if patch is not None:
                 input_ids.index_copy_(0, *patch)
             hidden = self.model(
-                input_ids, torch.tensor(positions, device=self.device), meta, self.kv_caches
+                input_ids, to_device(positions, torch.long, self.device), meta, self.kv_caches
             )
         output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
         if self.model_config.is_pooling:  # embeddings: the prompt's last row, no token

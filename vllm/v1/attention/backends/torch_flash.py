@@ -45,12 +45,12 @@ import torch
 
 from vllm import envs
 from vllm._custom_ops import reshape_and_cache_torch
+from vllm.utils.device import upload
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout, block_array
 from vllm.v1.attention.backends.varlen_metadata import (
     FlashAttentionLimits,
     VarlenMetadata,
     build_varlen_metadata,
-    upload,
 )
 
 logger = logging.getLogger(__name__)

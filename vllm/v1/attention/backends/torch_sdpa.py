@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from vllm import _custom_ops as ops
 from vllm._custom_ops import reshape_and_cache
+from vllm.utils.device import to_device
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
 
 
@@ -103,23 +104,23 @@ def build_metadata(
             chunk = PrefillChunk(offset, new)
             if computed > 0:
                 ctx = computed + new
-                chunk.context_slots = torch.tensor(
-                    _slots(block_ids, 0, ctx, block_size), dtype=torch.long, device=device
+                chunk.context_slots = to_device(
+                    _slots(block_ids, 0, ctx, block_size), torch.long, device
                 )
             prefills.append(chunk)
         offset += new
     meta = AttentionMetadata(
-        torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        to_device(slot_mapping, torch.long, device),
         len(decode_lens),
         block_size,
         prefills=prefills,
     )
     if decode_lens:
         width = max(len(t) for t in decode_tables)
-        meta.decode_block_table = torch.tensor(
-            [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=device
+        meta.decode_block_table = to_device(
+            [t + [0] * (width - len(t)) for t in decode_tables], torch.long, device
         )
-        meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+        meta.decode_seq_lens = to_device(decode_lens, torch.long, device)
         meta.decode_max_len = max(decode_lens)
     return meta
 

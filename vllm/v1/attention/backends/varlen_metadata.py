@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.utils.device import upload
 from vllm.v1.attention.backends.abstract import SeqLayout, block_array
 
 # FlashAttention-2's kernels (the flash-attn package's and torch's own) take head sizes that
@@ -92,16 +93,6 @@ def _pack(parts32: list[np.ndarray], parts64: list[np.ndarray]) -> torch.Tensor:
     flat64 = np.concatenate([p.reshape(-1).astype(np.int64) for p in parts64])
     pad = np.zeros(4 * (flat32.size % 2), dtype=np.uint8)
     return torch.from_numpy(np.concatenate([flat32.view(np.uint8), pad, flat64.view(np.uint8)]))
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device`` in one copy: from pinned memory without blocking on CUDA
-    (the caching host allocator keeps the pinned block until the copy has run)."""
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda" and torch.cuda.is_available():
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def build_varlen_metadata(

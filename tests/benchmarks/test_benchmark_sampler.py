@@ -1,0 +1,39 @@
+"""benchmarks/benchmark_sampler.py: a batch sampled together against row by row, with the
+same tokens, on a small vocabulary; and the GPU kit's step that runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.utils import load_script
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_sampler.py"
+TINY = ["--num-requests", "1", "5", "--vocab", "300", "--prompt-len", "20",
+        "--output-len", "6", "--repeats", "1", "--device", "cpu"]  # fmt: skip
+
+
+def test_rows_together_and_alone_give_the_same_tokens(tmp_path, capsys):
+    bench = load_script(SCRIPT)
+    out = tmp_path / "sampler.json"
+    assert bench.main(TINY + ["--mix", "both", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["num_requests"] for r in report["results"]] == [1, 5]
+    for r in report["results"]:
+        assert r["same_tokens"] is True
+        assert r["speedup"] == round(r["row_by_row_ms"] / r["together_ms"], 2)
+    assert report["machine"]["cpu_count"] and report["args"]["mix"] == "both"
+    assert "| 5 |" in capsys.readouterr().out
+
+
+def test_gpu_kit_runs_the_sampler_step(tmp_path):
+    kit = SCRIPT.parents[1] / "scripts" / "gpu" / "run.sh"
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    done = subprocess.run([str(kit), "sampler", *TINY], env=env, timeout=120, capture_output=True)
+    assert done.returncode == 0, done.stdout.decode()[-2000:]
+    report = json.loads((tmp_path / "sampler-1.json").read_text())
+    assert report["results"][1]["num_requests"] == 5
+    assert "=== sampler: exit status 0" in (tmp_path / "run.log").read_text()
