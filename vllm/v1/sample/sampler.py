@@ -429,6 +429,9 @@ def _filter_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> tor
     return x
 
 
+_CPU_DRAW_ROWS = 4  # rows drawn together on a CPU (measured: 2, 4 and 8 alike, 1 and all slower)
+
+
 def _draw_rows_on_device(
     logits: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,8 +440,16 @@ def _draw_rows_on_device(
     float64 CDF, one uniform number from its generator (None: the device's global RNG),
     drawn in row order; the inverse CDF at it, as ``draw`` (the same tokens as ``draw`` row
     by row, in a few batched ops instead of ~8 per row). Returns (tokens, whether each
-    row's filtered logits are finite)."""
+    row's filtered logits are finite). On a CPU, 4 rows at a time: a row's float64 CDF
+    stays in cache (256 rows of 128k tokens: 43 ms in chunks against 238 ms at once, on
+    this project's 2-core EPYC), drawn in the same order."""
     device = logits.device
+    if device.type == "cpu" and len(rows) > _CPU_DRAW_ROWS:
+        parts = [
+            _draw_rows_on_device(logits[i : i + _CPU_DRAW_ROWS], rows[i : i + _CPU_DRAW_ROWS])
+            for i in range(0, len(rows), _CPU_DRAW_ROWS)
+        ]
+        return torch.cat([t for t, _ in parts]), torch.cat([f for _, f in parts])
     x = _filter_rows_on_device(logits, rows)
     finite = torch.isfinite(x.amax(-1))
     cdf = x.softmax(-1).double().cumsum(-1)  # (rows, vocab)
