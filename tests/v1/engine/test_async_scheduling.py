@@ -239,6 +239,41 @@ def test_abort_and_an_id_reused_while_a_step_is_on_the_device(llms):
     assert core.scheduler.kv_cache_manager.usage == 0.0
 
 
+def test_a_row_that_fails_on_the_device_fails_its_request_alone(llms):
+    # "a" has a repetition penalty that turns its logits into inf (past validation): its
+    # row fails on the device, in a deferred step, and the step scheduled ahead embeds
+    # whatever token the device drew for it (an id in range). "a" fails with the
+    # request's own error; "b" in the same steps is untouched.
+    tok = llms[False].get_tokenizer()
+    a, b = (tok.encode(p) for p in PROMPTS[:2])
+    expect = llms[False].generate({"prompt_token_ids": b}, greedy(16))[0].outputs[0].token_ids
+    core = llms[True].engine_core
+    bad = SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True)
+    object.__setattr__(bad, "repetition_penalty", 1e-300)
+    core.add_request(
+        EngineCoreRequest(request_id="a", prompt_token_ids=a, sampling_params=bad,
+                          eos_token_id=None)
+    )  # fmt: skip
+    core.add_request(core_request("b", b, 16))
+    counts = Counts(llms[True])
+    outputs: dict[str, list[int]] = {}
+    errors = []
+    for _ in range(200):
+        if not core.has_unfinished_requests():
+            break
+        out = core.step()
+        errors += out.errors
+        for o in out.outputs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not core.has_unfinished_requests()
+    assert [e.request_id for e in errors] == ["a"]
+    assert "sampling parameters" in errors[0].message and not errors[0].internal
+    assert outputs["b"] == expect and not outputs.get("a")
+    assert counts.deferred > 0
+    core.scheduler.check_invariants()
+    assert core.scheduler.kv_cache_manager.usage == 0.0
+
+
 def test_continuum_pins_equal_without_async_scheduling():
     # Two turns of one job: the first's blocks are pinned, the second hits them.
     turns = [PROMPTS[3], PROMPTS[3] + " run and"]

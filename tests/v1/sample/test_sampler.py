@@ -309,6 +309,21 @@ def test_rows_with_penalties_filters_and_processors_sample_as_each_row_alone():
         assert got[0].tolist() == alone and all(got[1].tolist()) and all(got[2].tolist())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_that_fails_on_the_device_still_gets_a_token_id_in_range(bad):
+    # With --async-scheduling the next step may already embed this token before the row's
+    # failure reaches the host: an id past the vocabulary would crash it (on CUDA).
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits[1, 2] = bad
+    logits[3] = bad
+    rows = [row(seed=i, temperature=1.0, top_p=0.9 if i % 2 else 1.0) for i in range(4)]
+    tokens, logits_ok, ok = sample_on_device(logits, rows)
+    assert logits_ok.tolist() == [True, False, True, False]
+    assert all(0 <= t < VOCAB for t in tokens.tolist())
+    greedy = sample_on_device(logits, [row(temperature=0.0)] * 2 + rows[2:])[0]
+    assert all(0 <= t < VOCAB for t in greedy.tolist())
+
+
 def test_samples_on_device_means_no_logprobs_and_no_grammar():
     assert samples_on_device(SamplingParams(temperature=0.0, repetition_penalty=1.2))
     assert samples_on_device(SamplingParams(temperature=0.8, min_tokens=3, logit_bias={1: 1}))

@@ -460,7 +460,11 @@ def _draw_rows_on_device(
     tokens = torch.searchsorted(cdf, uniform[:, None] * total, right=True)[:, 0]
     # A target rounded up to the total falls past the end: the first token at the total.
     at_total = torch.searchsorted(cdf, total)[:, 0]
-    return torch.where(tokens == cdf.shape[1], at_total, tokens), finite
+    tokens = torch.where(tokens == cdf.shape[1], at_total, tokens)
+    # A row that is not finite (flagged) searches a NaN CDF and lands past the end: a
+    # token id the model does not have, which a step scheduled ahead would embed (on CUDA
+    # a device-side assert, fatal to the process). Any id in range will do there.
+    return tokens.clamp_(max=cdf.shape[1] - 1), finite
 
 
 def is_bare_greedy(p: SamplingParams) -> bool:
