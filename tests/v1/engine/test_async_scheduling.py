@@ -164,9 +164,36 @@ def test_penalties_and_logits_processors_stay_on_the_device_with_the_same_tokens
     assert counts.deferred > counts.steps // 2
 
 
+def assert_same_logprobs(a, b):
+    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+        assert (y.token_id, y.rank) == (x.token_id, x.rank)
+        assert y.logprob == pytest.approx(x.logprob, abs=1e-5)
+        assert [t for t, _ in y.top] == [t for t, _ in x.top]
+        assert [v for _, v in y.top] == pytest.approx([v for _, v in x.top], abs=1e-5)
+
+
+def test_logprobs_are_computed_on_the_device_in_deferred_steps(llms):
+    # Each sampled token's logprobs (rank, top n) ride the deferred copy to the host.
+    params = [
+        greedy(20, logprobs=3),
+        SamplingParams(temperature=0.8, seed=9, max_tokens=20, ignore_eos=True, logprobs=0),
+        greedy(20, logprobs=3, presence_penalty=0.7),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=20, ignore_eos=True, top_k=30),
+    ]
+    sync, _ = run(llms[False], PROMPTS[:4], params)
+    ahead, counts = run(llms[True], PROMPTS[:4], params)
+    for a, b in zip(sync, ahead, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert (a.outputs[0].logprobs is None) == (b.outputs[0].logprobs is None)
+        if a.outputs[0].logprobs is not None:
+            assert_same_logprobs(a, b)
+    assert len(ahead[0].outputs[0].logprobs[0].top) == 3
+    assert counts.deferred > counts.steps // 2
+
+
 def test_sampled_rows_logprobs_and_prompt_logprobs_beside_greedy_ones(llms):
-    # Steps with logprobs or prompt logprobs run as without async scheduling; the other
-    # requests of the steps around them leave their tokens on the device.
+    # Steps with prompt logprobs run as without async scheduling; the other requests of
+    # the steps around them leave their tokens on the device.
     params = [
         greedy(20),
         SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True, top_p=0.9),
@@ -180,10 +207,7 @@ def test_sampled_rows_logprobs_and_prompt_logprobs_beside_greedy_ones(llms):
     for a, b in zip(sync, ahead, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         if a.outputs[0].logprobs is not None:
-            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-                assert (y.token_id, y.rank) == (x.token_id, x.rank)
-                assert y.logprob == pytest.approx(x.logprob, abs=1e-5)
-                assert [t for t, _ in y.top] == [t for t, _ in x.top]
+            assert_same_logprobs(a, b)
         assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
     assert counts.deferred > 0
 

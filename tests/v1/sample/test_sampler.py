@@ -22,8 +22,10 @@ from vllm.v1.sample.sampler import (
     draw,
     filter_logits,
     is_bare,
+    logprobs_from_host,
     sample,
     sample_on_device,
+    sampled_logprobs_on_device,
     samples_on_device,
     token_logprobs,
 )
@@ -324,10 +326,35 @@ def test_a_row_that_fails_on_the_device_still_gets_a_token_id_in_range(bad):
     assert all(0 <= t < VOCAB for t in greedy.tolist())
 
 
-def test_samples_on_device_means_no_logprobs_and_no_grammar():
+def test_logprobs_on_the_device_equal_those_of_sample():
+    # --async-scheduling's logprobs: of the tokens still on the device, grouped by the
+    # number of top logprobs; the same entries as sample() gives.
+    def rows():
+        return [
+            row(temperature=0.0, logprobs=2),
+            row(seed=1, temperature=0.9, logprobs=0),
+            row(seed=2, temperature=1.0),
+            row(temperature=0.0, logprobs=2, repetition_penalty=1.3, output=[1]),
+            row(seed=3, temperature=0.7, top_k=3, logprobs=5),
+        ]
+
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    expected = sample(logits.clone(), rows())
+    r = rows()
+    tokens, _, _ = sample_on_device(logits, r)
+    groups = sampled_logprobs_on_device(logits, r, tokens)
+    assert sorted(i for idx, _, _ in groups for i in idx) == [0, 1, 3, 4]
+    got = {}
+    for idx, ints, floats in groups:
+        ids = [tokens.tolist()[i] for i in idx]
+        got.update(zip(idx, logprobs_from_host(ids, ints.tolist(), floats.tolist()), strict=True))
+    assert [got.get(i) for i in range(5)] == expected.logprobs
+
+
+def test_samples_on_device_means_no_grammar():
     assert samples_on_device(SamplingParams(temperature=0.0, repetition_penalty=1.2))
     assert samples_on_device(SamplingParams(temperature=0.8, min_tokens=3, logit_bias={1: 1}))
-    assert not samples_on_device(SamplingParams(temperature=0.0, logprobs=0))
+    assert samples_on_device(SamplingParams(temperature=0.0, logprobs=0))
     guided = SamplingParams(temperature=0.0)
     object.__setattr__(guided, "structured_outputs", object())
     assert not samples_on_device(guided)
@@ -662,11 +689,11 @@ def test_bare_means_the_logits_and_the_generator_alone():
     assert is_bare(SamplingParams(temperature=0.0))
     assert is_bare(SamplingParams(temperature=0.8, seed=1))
     assert is_bare(SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1))
+    assert is_bare(SamplingParams(temperature=0.0, logprobs=1))  # of the logits alone too
     for params in (
         dict(temperature=0.0, repetition_penalty=1.2),
         dict(temperature=0.8, frequency_penalty=0.5),
         dict(temperature=0.8, presence_penalty=0.5),
-        dict(temperature=0.0, logprobs=1),
         dict(temperature=0.0, min_tokens=2),
         dict(temperature=0.0, logit_bias={1: 2.0}),
     ):

@@ -273,17 +273,54 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[T
     rank and the top ``n`` (the raw distribution: no penalty, temperature or filter).
     Used for prompt logprobs, where every row is a prompt position, and for the logprobs
     of sampled tokens. Two copies to the host for all the rows (integers, then floats)."""
+    targets = to_device(token_ids, torch.long, logits.device)
+    ints, floats = token_logprobs_on_device(logits, targets, n)
+    return logprobs_from_host(token_ids, ints.tolist(), floats.tolist())
+
+
+def token_logprobs_on_device(
+    logits: torch.Tensor, targets: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs``' work without a copy to the host, for ``targets`` (rows,) on the
+    device: (ints (rows, 1 + n): the rank, then the top ids; floats (rows, 1 + n): the
+    logprob, then the top ones), for ``logprobs_from_host``."""
     lp = logits.float().log_softmax(-1)
-    targets = to_device(token_ids, torch.long, lp.device)[:, None]
+    targets = targets[:, None]
     chosen = lp.gather(1, targets)  # (rows, 1)
     ranks = (lp > chosen).sum(-1, keepdim=True) + 1  # (rows, 1)
     vals, ids = lp.topk(n, dim=-1) if n > 0 else (chosen[:, :0], targets[:, :0])
-    ints = torch.cat([ranks, ids], 1).tolist()  # (rows, 1 + n): rank, then top ids
-    floats = torch.cat([chosen, vals], 1).tolist()  # (rows, 1 + n): logprob, then top's
+    return torch.cat([ranks, ids], 1), torch.cat([chosen, vals], 1)
+
+
+def logprobs_from_host(
+    token_ids: Sequence[int], ints: list[list[int]], floats: list[list[float]]
+) -> list[TokenLogprobs]:
+    """``token_logprobs_on_device``'s rows, on the host, as ``TokenLogprobs``."""
     return [
         TokenLogprobs(t, f[0], i[0], list(zip(i[1:], f[1:], strict=True)))
         for t, i, f in zip(token_ids, ints, floats, strict=True)
     ]
+
+
+def sampled_logprobs_on_device(
+    logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor
+) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """The raw logprobs of the rows that ask for them, of their tokens still on the
+    device (``sample_on_device``'s), without a copy to the host: per number of top
+    logprobs asked, (the rows, ints, floats) as ``token_logprobs_on_device`` gives them.
+    A failed row's entry is computed too (its token id is in range) and must be dropped."""
+    by_n: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.params.logprobs is not None:
+            by_n.setdefault(r.params.logprobs, []).append(i)
+    groups = []
+    for n, idx in by_n.items():
+        if len(idx) == len(rows):
+            groups.append((idx, *token_logprobs_on_device(logits, tokens, n)))
+            continue
+        index = to_device(idx, torch.long, logits.device)
+        groups.append((idx, *token_logprobs_on_device(logits[index], tokens[index], n)))
+    return groups
 
 
 class SamplerOutput(NamedTuple):
@@ -476,18 +513,19 @@ def is_bare_greedy(p: SamplingParams) -> bool:
 
 def is_bare(p: SamplingParams) -> bool:
     """A request whose token needs the model's logits and its own generator alone: greedy
-    or random (temperature, top-k, top-p, min-p), without penalties and with nothing else
-    touching it: ``sample_on_device`` needs nothing of its history, so a step of such rows
-    leaves the device without waiting for the steps before it (--async-scheduling)."""
-    return _no_penalties(p) and _untouched(p)
+    or random (temperature, top-k, top-p, min-p), without penalties, logits processors,
+    grammar or thinking budget (logprobs are of the logits alone too):
+    ``sample_on_device`` needs nothing of its history, so a step of such rows leaves the
+    device without waiting for the steps before it (--async-scheduling)."""
+    return _no_penalties(p) and _unprocessed(p)
 
 
 def samples_on_device(p: SamplingParams) -> bool:
-    """A request that ``sample_on_device`` samples whole: anything but logprobs (copied to
-    the host with the token) and a grammar (its mask is built from the token before). Its
-    penalties and logits processors read its output, so a step of such rows that are not
-    ``is_bare`` waits, before sampling, for the tokens of the steps before it."""
-    return p.logprobs is None and p.structured_outputs is None
+    """A request that ``sample_on_device`` (and ``sampled_logprobs_on_device``) sample
+    whole: anything but a grammar, whose mask is built on the host from the token before.
+    Its penalties and logits processors read its output, so a step of such rows that are
+    not ``is_bare`` waits, before sampling, for the tokens of the steps before it."""
+    return p.structured_outputs is None
 
 
 def _no_penalties(p: SamplingParams) -> bool:
@@ -496,9 +534,13 @@ def _no_penalties(p: SamplingParams) -> bool:
 
 def _untouched(p: SamplingParams) -> bool:
     """No logprobs, logits processor, grammar or thinking budget."""
+    return p.logprobs is None and _unprocessed(p)
+
+
+def _unprocessed(p: SamplingParams) -> bool:
+    """No logits processor, grammar or thinking budget."""
     return (
-        p.logprobs is None
-        and p.allowed_token_ids is None
+        p.allowed_token_ids is None
         and not p.bad_words_token_ids
         and p.min_tokens == 0
         and not p.logit_bias

@@ -34,9 +34,11 @@ from vllm.v1.sample.sampler import (
     finite_and_argmax,
     is_bare,
     is_bare_greedy,
+    logprobs_from_host,
     row_failure,
     sample,
     sample_on_device,
+    sampled_logprobs_on_device,
     samples_on_device,
     token_logprobs,
 )
@@ -80,20 +82,23 @@ class DeferredOutput:
     engine schedules and launches the next step, then takes this one's ``result()``.
 
     The sampled rows are sampled whole on the device (``sampler.samples_on_device``):
-    each row's token and its two finiteness flags are copied to the host behind the
-    forward (into pinned memory on CUDA, an event marks the copy's end); ``result()``
-    waits for them and appends the tokens to the requests' states."""
+    each row's token and its two finiteness flags, and the logprobs of the rows that ask
+    for them, are copied to the host behind the forward (into pinned memory on CUDA, an
+    event marks the copies' end); ``result()`` waits for them and appends the tokens to
+    the requests' states."""
 
     def __init__(
         self,
         output: ModelRunnerOutput,
         states: list[CachedRequestState],
         packed: torch.Tensor,
+        logprobs: list[tuple[list[int], torch.Tensor, torch.Tensor]],
         event: torch.cuda.Event | None,
     ) -> None:
         self._output = output
         self._states = states
         self._packed = packed  # host: the rows' tokens, then their two flags (row_failure)
+        self._logprobs = logprobs  # host: sampler.sampled_logprobs_on_device's groups
         self._event = event
         self._done = False
 
@@ -119,6 +124,12 @@ class DeferredOutput:
             state.token_ids.append(token)
             state.output_token_ids.append(token)
             out.sampled_token_ids[state.req_id] = [token]
+        for rows, ints, floats in self._logprobs:
+            entries = logprobs_from_host([values[i] for i in rows], ints.tolist(), floats.tolist())
+            for i, entry in zip(rows, entries, strict=True):
+                req_id = self._states[i].req_id
+                if req_id in out.sampled_token_ids:  # not a failed row's
+                    out.logprobs[req_id] = [entry]
         self._done = True
         return out
 
@@ -451,8 +462,8 @@ class ModelRunner:
 
     def _deferrable(self, so: SchedulerOutput, sample_reqs: list[CachedRequestState]) -> bool:
         """Whether this step's sampling may stay on the device (--async-scheduling): rows
-        that ``sample_on_device`` samples whole (no grammar, no logprobs), no drafts, no
-        prompt logprobs, no pooling."""
+        that ``sample_on_device`` samples whole (no grammar), no drafts, no prompt
+        logprobs, no pooling."""
         return (
             not so.scheduled_spec_decode_tokens
             and not self.model_config.is_pooling
@@ -474,31 +485,41 @@ class ModelRunner:
         if not all(s.bare for s in sample_reqs):
             self._resolve_deferred()
         logits = self.model.compute_logits(hidden)
-        tokens, logits_ok, ok = sample_on_device(logits, self._sampling_rows(sample_reqs))
-        packed = torch.cat([tokens, logits_ok.long(), ok.long()])
+        rows = self._sampling_rows(sample_reqs)
+        tokens, logits_ok, ok = sample_on_device(logits, rows)
+        packed = self._to_host(torch.cat([tokens, logits_ok.long(), ok.long()]))
+        logprobs = [
+            (idx, self._to_host(ints), self._to_host(floats))
+            for idx, ints, floats in sampled_logprobs_on_device(logits, rows, tokens)
+        ]
         event = None
         if self.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            host = packed
         self._device_tokens = tokens
         self._device_token_rows = {s.req_id: (s, i) for i, s in enumerate(sample_reqs)}
-        deferred = DeferredOutput(out, sample_reqs, host, event)
+        deferred = DeferredOutput(out, sample_reqs, packed, logprobs, event)
         self._deferred = [d for d in self._deferred if not d.done] + [deferred]
         return deferred
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of device tensor ``t`` into pinned host memory, queued behind the work
+        before it (read it after an event recorded later); ``t`` itself on the CPU."""
+        if self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
 
     @torch.inference_mode()
     def execute_model(
         self, so: SchedulerOutput, defer: bool = False
     ) -> ModelRunnerOutput | DeferredOutput:
         """Run one step. ``defer`` (--async-scheduling): a step whose sampled rows are all
-        sampled whole on the device (``sampler.samples_on_device``: no grammar, no
-        logprobs) returns a ``DeferredOutput`` at once, its tokens still on the device;
-        other steps return their output, as without it. A request whose last token a
-        deferred step samples reads it from the device."""
+        sampled whole on the device (``sampler.samples_on_device``: no grammar) returns a
+        ``DeferredOutput`` at once, its tokens still on the device; other steps return
+        their output, as without it. A request whose last token a deferred step samples
+        reads it from the device."""
         failed = self._update_states(so)
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
