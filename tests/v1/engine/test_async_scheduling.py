@@ -7,10 +7,13 @@ on the embedded model (fp32), token for token, and checks that steps were deferr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine import EngineCoreRequest, FinishReason
 from vllm.v1.worker.model_runner import DeferredOutput
 
@@ -188,6 +191,43 @@ def test_logprobs_are_computed_on_the_device_in_deferred_steps(llms):
         if a.outputs[0].logprobs is not None:
             assert_same_logprobs(a, b)
     assert len(ahead[0].outputs[0].logprobs[0].top) == 3
+    assert counts.deferred > counts.steps // 2
+
+
+def test_grammar_rows_stay_on_the_device_and_their_text_follows_the_grammar(llms):
+    # A grammar's mask for the next token is built on the host from the matcher after the
+    # last token: a deferred step with grammar rows first takes the step before (its
+    # tokens advance the matchers), then masks, samples and stays on the device.
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40,
+                       structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=40,
+                       structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.0, max_tokens=8,
+                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        greedy(30),
+    ]  # fmt: skip
+    prompts = [
+        "Weather in Paris for 3 days as JSON:",
+        "Rome, 2 days:",
+        "Is it raining?",
+        PROMPTS[0],
+    ]
+    sync, _ = run(llms[False], prompts, params)
+    ahead, counts = run(llms[True], prompts, params)
+    for a, b in zip(sync, ahead, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    for out in ahead[:2]:
+        if out.outputs[0].finish_reason == "stop":  # a complete object
+            assert set(json.loads(out.outputs[0].text)) == {"city", "days"}
+    assert ahead[2].outputs[0].text in ("yes", "no")
     assert counts.deferred > counts.steps // 2
 
 

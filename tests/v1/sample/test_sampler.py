@@ -26,7 +26,6 @@ from vllm.v1.sample.sampler import (
     sample,
     sample_on_device,
     sampled_logprobs_on_device,
-    samples_on_device,
     token_logprobs,
 )
 
@@ -349,15 +348,6 @@ def test_logprobs_on_the_device_equal_those_of_sample():
         ids = [tokens.tolist()[i] for i in idx]
         got.update(zip(idx, logprobs_from_host(ids, ints.tolist(), floats.tolist()), strict=True))
     assert [got.get(i) for i in range(5)] == expected.logprobs
-
-
-def test_samples_on_device_means_no_grammar():
-    assert samples_on_device(SamplingParams(temperature=0.0, repetition_penalty=1.2))
-    assert samples_on_device(SamplingParams(temperature=0.8, min_tokens=3, logit_bias={1: 1}))
-    assert samples_on_device(SamplingParams(temperature=0.0, logprobs=0))
-    guided = SamplingParams(temperature=0.0)
-    object.__setattr__(guided, "structured_outputs", object())
-    assert not samples_on_device(guided)
 
 
 # -- logprobs ------------------------------------------------------------------------------

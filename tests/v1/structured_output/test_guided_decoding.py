@@ -186,6 +186,7 @@ def test_masks_reach_the_logits_device(manager):
     assert torch.equal(on_device.as_subclass(torch.Tensor), expected)
     assert torch.isinf(expected[1:]).sum() > VOCAB  # the two constrained rows were masked
     assert dev.host_tensors == []  # the masks come from numpy, then one copy
+    assert dev.blocking_uploads == []  # that does not wait (--async-scheduling)
     manager.remove(["dev-json", "dev-choice"])
 
 

@@ -520,14 +520,6 @@ def is_bare(p: SamplingParams) -> bool:
     return _no_penalties(p) and _unprocessed(p)
 
 
-def samples_on_device(p: SamplingParams) -> bool:
-    """A request that ``sample_on_device`` (and ``sampled_logprobs_on_device``) sample
-    whole: anything but a grammar, whose mask is built on the host from the token before.
-    Its penalties and logits processors read its output, so a step of such rows that are
-    not ``is_bare`` waits, before sampling, for the tokens of the steps before it."""
-    return p.structured_outputs is None
-
-
 def _no_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
 

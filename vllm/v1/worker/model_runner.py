@@ -39,7 +39,6 @@ from vllm.v1.sample.sampler import (
     sample,
     sample_on_device,
     sampled_logprobs_on_device,
-    samples_on_device,
     token_logprobs,
 )
 from vllm.v1.spec_decode.ngram_proposer import verify_greedy
@@ -74,18 +73,17 @@ class CachedRequestState:
     lora_slot: int = 0  # the adapter's slot (LoRAManager), fixed while the request runs
     bare_greedy: bool = False  # sampler.is_bare_greedy(sampling_params): the argmax alone
     bare: bool = False  # sampler.is_bare: sampled on the device from the logits alone
-    on_device: bool = False  # sampler.samples_on_device: a step may leave it there
 
 
 class DeferredOutput:
     """A step whose sampled tokens are still on the device (``--async-scheduling``): the
     engine schedules and launches the next step, then takes this one's ``result()``.
 
-    The sampled rows are sampled whole on the device (``sampler.samples_on_device``):
-    each row's token and its two finiteness flags, and the logprobs of the rows that ask
-    for them, are copied to the host behind the forward (into pinned memory on CUDA, an
-    event marks the copies' end); ``result()`` waits for them and appends the tokens to
-    the requests' states."""
+    The rows are sampled on the device (``sampler.sample_on_device``): each row's token
+    and its two finiteness flags, and the logprobs of the rows that ask for them, are
+    copied to the host behind the forward (into pinned memory on CUDA, an event marks the
+    copies' end); ``result()`` waits for them, appends the tokens to the requests' states
+    and advances their grammars (``accept``)."""
 
     def __init__(
         self,
@@ -94,12 +92,16 @@ class DeferredOutput:
         packed: torch.Tensor,
         logprobs: list[tuple[list[int], torch.Tensor, torch.Tensor]],
         event: torch.cuda.Event | None,
+        grammar_errors: dict[int, RequestFailure],
+        accept: Callable[[list[CachedRequestState], list[int]], None],
     ) -> None:
         self._output = output
         self._states = states
         self._packed = packed  # host: the rows' tokens, then their two flags (row_failure)
         self._logprobs = logprobs  # host: sampler.sampled_logprobs_on_device's groups
         self._event = event
+        self._grammar_errors = grammar_errors  # rows whose grammar failed (all -inf)
+        self._accept = accept  # StructuredOutputManager.accept
         self._done = False
 
     @property
@@ -115,15 +117,20 @@ class DeferredOutput:
         values = self._packed.tolist()
         n = len(self._states)
         out = self._output
+        sampled: list[CachedRequestState] = []
         for i, state in enumerate(self._states):
             token = values[i]
-            failure = row_failure(bool(values[n + i]), bool(values[2 * n + i]))
+            failure = self._grammar_errors.get(i) or row_failure(
+                bool(values[n + i]), bool(values[2 * n + i])
+            )
             if failure is not None:
                 out.errors[state.req_id] = failure
                 continue
             state.token_ids.append(token)
             state.output_token_ids.append(token)
             out.sampled_token_ids[state.req_id] = [token]
+            sampled.append(state)
+        self._accept(sampled, [s.output_token_ids[-1] for s in sampled])
         for rows, ints, floats in self._logprobs:
             entries = logprobs_from_host([values[i] for i in rows], ints.tolist(), floats.tolist())
             for i, entry in zip(rows, entries, strict=True):
@@ -431,7 +438,6 @@ class ModelRunner:
             lora_slot=slot,
             bare_greedy=is_bare_greedy(p),
             bare=is_bare(p),
-            on_device=samples_on_device(p),
         )
 
     def _resolve_deferred(self) -> None:
@@ -461,13 +467,11 @@ class ModelRunner:
         return to_device(rows, torch.long, self.device), tokens
 
     def _deferrable(self, so: SchedulerOutput, sample_reqs: list[CachedRequestState]) -> bool:
-        """Whether this step's sampling may stay on the device (--async-scheduling): rows
-        that ``sample_on_device`` samples whole (no grammar), no drafts, no prompt
-        logprobs, no pooling."""
+        """Whether this step's sampling may stay on the device (--async-scheduling): no
+        drafts, no prompt logprobs, no pooling."""
         return (
             not so.scheduled_spec_decode_tokens
             and not self.model_config.is_pooling
-            and all(s.on_device for s in sample_reqs)
             and not any(
                 self.requests[r].sampling_params.prompt_logprobs is not None
                 for r in so.num_scheduled_tokens
@@ -480,11 +484,13 @@ class ModelRunner:
     ) -> DeferredOutput:
         """Sample the rows without waiting for this step's forward: the tokens stay on the
         device for the next step's input, a copy goes to the host behind the forward. Rows
-        whose penalties or logits processors read their output wait first for the tokens
-        of the steps before (already ahead of this forward on the device)."""
+        whose penalties, logits processors or grammar read their output wait first for
+        the tokens of the steps before (already ahead of this forward on the device): a
+        grammar's mask is built on the host once its matcher has taken the last token."""
         if not all(s.bare for s in sample_reqs):
             self._resolve_deferred()
         logits = self.model.compute_logits(hidden)
+        grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
         rows = self._sampling_rows(sample_reqs)
         tokens, logits_ok, ok = sample_on_device(logits, rows)
         packed = self._to_host(torch.cat([tokens, logits_ok.long(), ok.long()]))
@@ -498,7 +504,10 @@ class ModelRunner:
             event.record()
         self._device_tokens = tokens
         self._device_token_rows = {s.req_id: (s, i) for i, s in enumerate(sample_reqs)}
-        deferred = DeferredOutput(out, sample_reqs, packed, logprobs, event)
+        deferred = DeferredOutput(
+            out, sample_reqs, packed, logprobs, event, grammar_errors,
+            self.structured_output.accept,
+        )  # fmt: skip
         self._deferred = [d for d in self._deferred if not d.done] + [deferred]
         return deferred
 
@@ -516,7 +525,7 @@ class ModelRunner:
         self, so: SchedulerOutput, defer: bool = False
     ) -> ModelRunnerOutput | DeferredOutput:
         """Run one step. ``defer`` (--async-scheduling): a step whose sampled rows are all
-        sampled whole on the device (``sampler.samples_on_device``: no grammar) returns a
+        sampled on the device (all but steps with drafts or prompt logprobs) returns a
         ``DeferredOutput`` at once, its tokens still on the device; other steps return
         their output, as without it. A request whose last token a deferred step samples
         reads it from the device."""
