@@ -338,6 +338,39 @@ def test_a_row_that_fails_on_the_device_fails_its_request_alone(llms):
     assert core.scheduler.kv_cache_manager.usage == 0.0
 
 
+def test_a_row_that_raises_on_the_device_fails_alone_on_the_host(llms, caplog):
+    # "a"'s generator is broken after its first step: sampling its step on the device
+    # raises, the step is sampled on the host instead, row by row, and only "a" fails.
+    tok = llms[False].get_tokenizer()
+    a, b = (tok.encode(p) for p in PROMPTS[:2])
+    expect = llms[False].generate({"prompt_token_ids": b}, greedy(12))[0].outputs[0].token_ids
+    core = llms[True].engine_core
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    core.add_request(
+        EngineCoreRequest(request_id="a", prompt_token_ids=a, sampling_params=seeded,
+                          eos_token_id=None)
+    )  # fmt: skip
+    core.add_request(core_request("b", b, 12))
+    outputs: dict[str, list[int]] = {}
+    errors = []
+    for _ in range(200):
+        if not core.has_unfinished_requests():
+            break
+        state = core.model_runner.requests.get("a")
+        if state is not None and state.generator is not None and outputs.get("a"):
+            state.generator = "not a generator"
+        out = core.step()
+        errors += out.errors
+        for o in out.outputs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not core.has_unfinished_requests()
+    assert [e.request_id for e in errors] == ["a"] and errors[0].internal
+    assert outputs["b"] == expect
+    assert "sampling on the device failed" in caplog.text
+    core.scheduler.check_invariants()
+    assert core.scheduler.kv_cache_manager.usage == 0.0
+
+
 def test_continuum_pins_equal_without_async_scheduling():
     # Two turns of one job: the first's blocks are pinned, the second hits them.
     turns = [PROMPTS[3], PROMPTS[3] + " run and"]

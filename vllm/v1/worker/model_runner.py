@@ -481,23 +481,30 @@ class ModelRunner:
 
     def _sample_deferred(
         self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
-    ) -> DeferredOutput:
+    ) -> DeferredOutput | ModelRunnerOutput:
         """Sample the rows without waiting for this step's forward: the tokens stay on the
         device for the next step's input, a copy goes to the host behind the forward. Rows
         whose penalties, logits processors or grammar read their output wait first for
         the tokens of the steps before (already ahead of this forward on the device): a
-        grammar's mask is built on the host once its matcher has taken the last token."""
+        grammar's mask is built on the host once its matcher has taken the last token.
+        Should sampling on the device raise, the step samples on the host as without
+        async scheduling (each row failing alone) and returns its output."""
         if not all(s.bare for s in sample_reqs):
             self._resolve_deferred()
         logits = self.model.compute_logits(hidden)
         grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
         rows = self._sampling_rows(sample_reqs)
-        tokens, logits_ok, ok = sample_on_device(logits, rows)
+        try:
+            tokens, logits_ok, ok = sample_on_device(logits, rows)
+            groups = sampled_logprobs_on_device(logits, rows, tokens)
+        except Exception:  # as sample() does: the rows one by one, each failing alone
+            logger.warning("sampling on the device failed; this step samples on the host",
+                           exc_info=True)  # fmt: skip
+            self._resolve_deferred()
+            self._sample_on_host(logits, sample_reqs, grammar_errors, out)
+            return out
         packed = self._to_host(torch.cat([tokens, logits_ok.long(), ok.long()]))
-        logprobs = [
-            (idx, self._to_host(ints), self._to_host(floats))
-            for idx, ints, floats in sampled_logprobs_on_device(logits, rows, tokens)
-        ]
+        logprobs = [(idx, self._to_host(ints), self._to_host(fl)) for idx, ints, fl in groups]
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -666,12 +673,33 @@ class ModelRunner:
             tokens = [t if f else None for f, t in zip(finite, argmax, strict=True)]
             lps: list = [None] * len(tokens)
             row_errors = {i: NON_FINITE_LOGITS for i, f in enumerate(finite) if not f}
+            self._take_sampled(sample_reqs, tokens, lps, row_errors, out)
         else:
-            rows = self._sampling_rows(sample_reqs)
             grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
-            tokens, lps, row_errors = sample(logits, rows)
-            for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
-                tokens[i], row_errors[i] = None, failure
+            self._sample_on_host(logits, sample_reqs, grammar_errors, out)
+
+    def _sample_on_host(
+        self,
+        logits: torch.Tensor,
+        sample_reqs: list[CachedRequestState],
+        grammar_errors: dict[int, RequestFailure],
+        out: ModelRunnerOutput,
+    ) -> None:
+        """``sampler.sample`` of ``logits`` (grammar masks applied), a row that cannot be
+        sampled failing alone, into ``out``."""
+        tokens, lps, row_errors = sample(logits, self._sampling_rows(sample_reqs))
+        for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
+            tokens[i], row_errors[i] = None, failure
+        self._take_sampled(sample_reqs, tokens, lps, row_errors, out)
+
+    def _take_sampled(
+        self,
+        sample_reqs: list[CachedRequestState],
+        tokens: list[int | None],
+        lps: list,
+        row_errors: dict[int, RequestFailure],
+        out: ModelRunnerOutput,
+    ) -> None:
         for i, failure in row_errors.items():
             out.errors[sample_reqs[i].req_id] = failure
         ok = [
