@@ -232,8 +232,8 @@ def test_grammar_rows_stay_on_the_device_and_their_text_follows_the_grammar(llms
 
 
 def test_sampled_rows_logprobs_and_prompt_logprobs_beside_greedy_ones(llms):
-    # Steps with prompt logprobs run as without async scheduling; the other requests of
-    # the steps around them leave their tokens on the device.
+    # Prompt logprobs are computed on the device too (from the prompt's own tokens) and
+    # ride the deferred copy to the host with the sampled tokens.
     params = [
         greedy(20),
         SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True, top_p=0.9),
@@ -249,7 +249,16 @@ def test_sampled_rows_logprobs_and_prompt_logprobs_beside_greedy_ones(llms):
         if a.outputs[0].logprobs is not None:
             assert_same_logprobs(a, b)
         assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
-    assert counts.deferred > 0
+        if a.prompt_logprobs is not None:
+            assert len(b.prompt_logprobs) == len(a.prompt_logprobs) > 1
+            for x, y in zip(a.prompt_logprobs, b.prompt_logprobs, strict=True):
+                if x is None:  # the first prompt token has none
+                    assert y is None
+                    continue
+                assert (y.token_id, y.rank) == (x.token_id, x.rank)
+                assert y.logprob == pytest.approx(x.logprob, abs=1e-5)
+                assert [t for t, _ in y.top] == [t for t, _ in x.top]
+    assert counts.deferred > counts.steps // 2
 
 
 def core_request(request_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:

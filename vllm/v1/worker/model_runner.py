@@ -40,6 +40,7 @@ from vllm.v1.sample.sampler import (
     sample_on_device,
     sampled_logprobs_on_device,
     token_logprobs,
+    token_logprobs_on_device,
 )
 from vllm.v1.spec_decode.ngram_proposer import verify_greedy
 from vllm.v1.structured_output import StructuredOutputManager
@@ -75,15 +76,37 @@ class CachedRequestState:
     bare: bool = False  # sampler.is_bare: sampled on the device from the logits alone
 
 
+@dataclass
+class PendingPromptLogprobs:
+    """One request's prompt logprobs of a step, as ``token_logprobs_on_device`` left them
+    (one (ints, floats) pair per chunk of rows), on the device or copied to the host."""
+
+    req_id: str
+    start: int
+    targets: list[int]
+    parts: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def prompt_logprobs_from(pending: list[PendingPromptLogprobs]) -> dict[str, PromptLogprobs]:
+    """The host's ``PromptLogprobs`` of each request (its tensors read, a sync if on a
+    device)."""
+    result = {}
+    for p in pending:
+        ints = [row for a, _ in p.parts for row in a.tolist()]
+        floats = [row for _, f in p.parts for row in f.tolist()]
+        result[p.req_id] = PromptLogprobs(p.start, logprobs_from_host(p.targets, ints, floats))
+    return result
+
+
 class DeferredOutput:
     """A step whose sampled tokens are still on the device (``--async-scheduling``): the
     engine schedules and launches the next step, then takes this one's ``result()``.
 
     The rows are sampled on the device (``sampler.sample_on_device``): each row's token
-    and its two finiteness flags, and the logprobs of the rows that ask for them, are
-    copied to the host behind the forward (into pinned memory on CUDA, an event marks the
-    copies' end); ``result()`` waits for them, appends the tokens to the requests' states
-    and advances their grammars (``accept``)."""
+    and its two finiteness flags, the logprobs of the rows that ask for them and the
+    step's prompt logprobs are copied to the host behind the forward (into pinned memory
+    on CUDA, an event marks the copies' end); ``result()`` waits for them, appends the
+    tokens to the requests' states and advances their grammars (``accept``)."""
 
     def __init__(
         self,
@@ -91,6 +114,7 @@ class DeferredOutput:
         states: list[CachedRequestState],
         packed: torch.Tensor,
         logprobs: list[tuple[list[int], torch.Tensor, torch.Tensor]],
+        prompt_logprobs: list[PendingPromptLogprobs],
         event: torch.cuda.Event | None,
         grammar_errors: dict[int, RequestFailure],
         accept: Callable[[list[CachedRequestState], list[int]], None],
@@ -99,6 +123,7 @@ class DeferredOutput:
         self._states = states
         self._packed = packed  # host: the rows' tokens, then their two flags (row_failure)
         self._logprobs = logprobs  # host: sampler.sampled_logprobs_on_device's groups
+        self._prompt_logprobs = prompt_logprobs  # host: the step's prompt logprobs
         self._event = event
         self._grammar_errors = grammar_errors  # rows whose grammar failed (all -inf)
         self._accept = accept  # StructuredOutputManager.accept
@@ -131,6 +156,7 @@ class DeferredOutput:
             out.sampled_token_ids[state.req_id] = [token]
             sampled.append(state)
         self._accept(sampled, [s.output_token_ids[-1] for s in sampled])
+        out.prompt_logprobs = prompt_logprobs_from(self._prompt_logprobs)
         for rows, ints, floats in self._logprobs:
             entries = logprobs_from_host([values[i] for i in rows], ints.tolist(), floats.tolist())
             for i, entry in zip(rows, entries, strict=True):
@@ -466,21 +492,12 @@ class ModelRunner:
             tokens = tokens[to_device(src, torch.long, self.device)]
         return to_device(rows, torch.long, self.device), tokens
 
-    def _deferrable(self, so: SchedulerOutput, sample_reqs: list[CachedRequestState]) -> bool:
-        """Whether this step's sampling may stay on the device (--async-scheduling): no
-        drafts, no prompt logprobs, no pooling."""
-        return (
-            not so.scheduled_spec_decode_tokens
-            and not self.model_config.is_pooling
-            and not any(
-                self.requests[r].sampling_params.prompt_logprobs is not None
-                for r in so.num_scheduled_tokens
-                if r in self.requests
-            )
-        )
-
     def _sample_deferred(
-        self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
+        self,
+        hidden: torch.Tensor,
+        sample_reqs: list[CachedRequestState],
+        out: ModelRunnerOutput,
+        prompt_logprobs: list[PendingPromptLogprobs],
     ) -> DeferredOutput | ModelRunnerOutput:
         """Sample the rows without waiting for this step's forward: the tokens stay on the
         device for the next step's input, a copy goes to the host behind the forward. Rows
@@ -502,9 +519,12 @@ class ModelRunner:
                            exc_info=True)  # fmt: skip
             self._resolve_deferred()
             self._sample_on_host(logits, sample_reqs, grammar_errors, out)
+            out.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
             return out
         packed = self._to_host(torch.cat([tokens, logits_ok.long(), ok.long()]))
         logprobs = [(idx, self._to_host(ints), self._to_host(fl)) for idx, ints, fl in groups]
+        for p in prompt_logprobs:
+            p.parts = [(self._to_host(ints), self._to_host(fl)) for ints, fl in p.parts]
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -512,7 +532,7 @@ class ModelRunner:
         self._device_tokens = tokens
         self._device_token_rows = {s.req_id: (s, i) for i, s in enumerate(sample_reqs)}
         deferred = DeferredOutput(
-            out, sample_reqs, packed, logprobs, event, grammar_errors,
+            out, sample_reqs, packed, logprobs, prompt_logprobs, event, grammar_errors,
             self.structured_output.accept,
         )  # fmt: skip
         self._deferred = [d for d in self._deferred if not d.done] + [deferred]
@@ -532,7 +552,7 @@ class ModelRunner:
         self, so: SchedulerOutput, defer: bool = False
     ) -> ModelRunnerOutput | DeferredOutput:
         """Run one step. ``defer`` (--async-scheduling): a step whose sampled rows are all
-        sampled on the device (all but steps with drafts or prompt logprobs) returns a
+        sampled on the device (all but steps with drafts) returns a
         ``DeferredOutput`` at once, its tokens still on the device; other steps return
         their output, as without it. A request whose last token a deferred step samples
         reads it from the device."""
@@ -603,14 +623,15 @@ class ModelRunner:
             if sample_reqs:
                 output.pooled = self._pool(hidden[sample_idx], sample_reqs)
             return output
-        output.prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
+        prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
         if sample_reqs:
             # A decode-only step samples every row: a view, no index copied to the device.
             rows = hidden if len(sample_idx) == hidden.shape[0] else hidden[sample_idx]
-            if defer and self._deferrable(so, sample_reqs):
-                return self._sample_deferred(rows, sample_reqs, output)
+            if defer and not drafted:  # drafts are verified on the host
+                return self._sample_deferred(rows, sample_reqs, output, prompt_logprobs)
             self._resolve_deferred()  # earlier steps' tokens land before this one's
             self._sample(rows, sample_reqs, output)
+        output.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
         if spec_reqs:
             self._verify_drafts(hidden[spec_rows], spec_reqs, output)
         return output
@@ -727,10 +748,11 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, so: SchedulerOutput, hidden: torch.Tensor, row_starts: dict[str, int]
-    ) -> dict[str, PromptLogprobs]:
+    ) -> list[PendingPromptLogprobs]:
         """For requests with ``prompt_logprobs``: the logprobs of the prompt tokens this
-        step's chunk predicts (the row of position p predicts prompt token p + 1)."""
-        result = {}
+        step's chunk predicts (the row of position p predicts prompt token p + 1), still
+        on the device (``prompt_logprobs_from``)."""
+        result = []
         for req_id, row in row_starts.items():
             state = self.requests[req_id]
             num_top = state.sampling_params.prompt_logprobs
@@ -739,12 +761,13 @@ class ModelRunner:
             if num_top is None or end <= start:
                 continue
             targets = state.token_ids[start + 1 : end + 1]
-            entries = []
+            parts = []
             for i in range(0, end - start, PROMPT_LOGPROBS_ROWS):  # bounds the logits' size
                 rows = hidden[row + i : row + min(i + PROMPT_LOGPROBS_ROWS, end - start)]
                 logits = self.model.compute_logits(rows)
-                entries += token_logprobs(logits, targets[i : i + len(rows)], num_top)
-            result[req_id] = PromptLogprobs(start + 1, entries)
+                chunk = to_device(targets[i : i + len(rows)], torch.long, self.device)
+                parts.append(token_logprobs_on_device(logits, chunk, num_top))
+            result.append(PendingPromptLogprobs(req_id, start + 1, targets, parts))
         return result
 
     # -- profiling ------------------------------------------------------------------------
