@@ -92,3 +92,50 @@ def test_tokens_equal_through_graphs_and_preemption_on_cuda(tmp_path, mix):
     assert same >= len(prompts) - 2, (same, len(prompts))
     assert num_deferred > 0
     assert replays > 0  # decode steps replayed graphs with tokens from the device
+
+
+@pytest.mark.parametrize("mix", ["greedy", "penalised"])
+def test_deferred_steps_make_the_host_wait_for_nothing(tmp_path, mix):
+    # torch's sync debug mode warns on every operation that makes the host wait for the
+    # device (a blocking copy to or from it, .item(), nonzero...). A deferred step must
+    # have none: the step before is still running, and waiting for it throws the overlap
+    # away (a blocking upload in _tokens_ahead did, before session 21). Waiting for the
+    # step before on purpose (an event, for rows whose penalties read its token) is not
+    # such an operation.
+    import warnings
+
+    from vllm import LLM
+    from vllm.v1.worker.model_runner import DeferredOutput
+
+    save_smollm_vocab_llama(tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (8 + 5 * i,), generator=gen).tolist() for i in range(6)]
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+              async_scheduling=True)  # fmt: skip
+    runner = llm.engine_core.model_runner
+    execute = runner.execute_model
+    waits: list[str] = []
+    deferred = []
+
+    def watched(so, *args, **kw):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = execute(so, *args, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if isinstance(out, DeferredOutput):
+            deferred.append(out)
+            waits.extend(f"{w.filename}:{w.lineno}: {w.message}" for w in caught)
+        return out
+
+    runner.execute_model = watched
+    try:
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [_params(i, mix) for i in range(6)])  # fmt: skip
+    finally:
+        llm.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 24 + 4 * i for i, o in enumerate(got))
+    assert len(deferred) > 20
+    assert waits == []
