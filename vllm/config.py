@@ -315,10 +315,10 @@ class SchedulerConfig:
     async_scheduling: bool = config_field(
         False,
         "Schedule the next step while the device runs this one (vLLM's async scheduling): "
-        "a step whose sampled rows are greedy or random (temperature, top-k, top-p, min-p) "
-        "keeps its tokens on the device, the next step reads them there, and the host's "
-        "scheduling and input building overlap the forward. Other steps (penalties, "
-        "grammars, logprobs, logits processors) run as without it.",
+        "each step samples on the device and keeps its tokens there (penalties, logits "
+        "processors, logprobs, prompt logprobs and grammars included), the next step reads "
+        "them there, and the host's scheduling and input building overlap the forward. "
+        "Off by default here (vLLM turns it on for GPUs); refused with speculative decoding.",
     )
     policy: str = config_field(
         "fcfs",
