@@ -29,14 +29,21 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def test_tiny_pool_with_tier_matches_a_pool_that_never_evicts():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tiny_pool_with_tier_matches_a_pool_that_never_evicts(async_scheduling):
     # fp32 both: tokens are compared across two batch histories (the exactness reference).
+    # With --async-scheduling the tier's copies run while a step may still be on the
+    # device: the same tokens, the same hits.
     big = LLM(num_gpu_blocks_override=64, max_model_len=512, quantization="fp32")
     expected = [big.generate(PROMPTS[i], greedy())[0].outputs[0].token_ids for i in ORDER]
     del big
     # 7 usable blocks of 16 tokens: one ~50-token prompt and its output at a time.
     llm = LLM(
-        num_gpu_blocks_override=8, max_model_len=512, kv_offloading_size=0.02, quantization="fp32"
+        num_gpu_blocks_override=8,
+        max_model_len=512,
+        kv_offloading_size=0.02,
+        quantization="fp32",
+        async_scheduling=async_scheduling,
     )
     runner = llm.engine_core.model_runner
     loads = []
