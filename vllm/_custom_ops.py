@@ -389,6 +389,37 @@ def rotary_embedding(
         rotary_embedding_torch(positions, query, key, head_size, cos_sin_cache)
 
 
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``rotary_embedding`` of query and key (in place), then key and value (T, kv_heads *
+    head_size) into their cache slots as ``reshape_and_cache_torch(..., padded=False)``
+    writes them (every slot >= 0): one Triton launch for CUDA tensors
+    (``triton_ops.rotary_embedding_and_cache``), else the two ops."""
+    fused = _fused(query)
+    if fused is not None and query.dim() == key.dim() == value.dim() == 2:
+        fused.rotary_embedding_and_cache(
+            positions, query, key, value, head_size, cos_sin_cache, kv_cache, slot_mapping
+        )
+        return
+    rotary_embedding(positions, query, key, head_size, cos_sin_cache)
+    kv_heads = key.shape[-1] // head_size
+    reshape_and_cache_torch(
+        key.view(-1, kv_heads, head_size),
+        value.view(-1, kv_heads, head_size),
+        kv_cache,
+        slot_mapping,
+        padded=False,
+    )
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for x (..., 2d), as a new (..., d) tensor. A bf16 x
     (the gguf path's bf16 prefill) is computed in fp32 and rounded to bf16 once."""

@@ -34,6 +34,7 @@ CASES = {
         ("rms_norm", (64, 100)),
         ("fused_add_rms_norm", (64, 100)),
         ("rotary", (8, 16)),
+        ("rotary_cache", (8, 16)),
         ("silu_and_mul", (40, 1500)),
     )
     for size in sizes
@@ -91,6 +92,31 @@ def run_case(spec: dict, device: str) -> dict:
             errs[name] = _max_rel_err(q if name == "q" else k, ref)
         v_cols = slice((q_heads + k_heads) * head, None)
         errs["v untouched"] = float(not torch.equal(qkv[:, v_cols], before[:, v_cols]))
+    elif op == "rotary_cache":
+        # rotary_embedding_and_cache: the same rotation as rotary_embedding (its own
+        # kernel, which the case above holds to float64), and the rotated k and v in their
+        # slots of a paged cache, bit for bit; every other slot untouched.
+        head, q_heads, k_heads, tokens, blocks, block = size, 4, 2, 6, 5, 4
+        qkv = rand(tokens, (q_heads + 2 * k_heads) * head)
+        ref = qkv.clone()
+        split = [q_heads * head, k_heads * head, k_heads * head]
+        q, k, v = qkv.split(split, dim=-1)
+        rq, rk, rv = ref.split(split, dim=-1)
+        positions = torch.tensor([7, 0, 3, 30, 2, 19], device=device)
+        slots = torch.tensor([9, 2, 17, 3, 10, 0], device=device)  # out of order, gaps
+        inv = 1.0 / 10000 ** (torch.arange(0, head, 2, dtype=torch.float64) / head)
+        freqs = torch.outer(torch.arange(32, dtype=torch.float64), inv)
+        cache = torch.cat((freqs.cos(), freqs.sin()), -1).to(dtype).to(device)
+        kv_cache = rand(2, blocks, block, k_heads, head)
+        expected = kv_cache.clone()
+        triton_ops.rotary_embedding_and_cache(positions, q, k, v, head, cache, kv_cache, slots)
+        triton_ops.rotary_embedding(positions, rq, rk, head, cache)
+        ops.reshape_and_cache_torch(
+            rk.reshape(tokens, k_heads, head), rv.reshape(tokens, k_heads, head), expected,
+            slots, padded=False,
+        )  # fmt: skip
+        errs["q and k as rotary_embedding"] = float(not torch.equal(qkv, ref))
+        errs["cache as rotary then reshape_and_cache"] = float(not torch.equal(kv_cache, expected))
     else:
         x = rand(3, 2 * size)
         out = triton_ops.silu_and_mul(x)
@@ -166,7 +192,11 @@ def test_cuda_tensors_go_to_the_fused_ops(monkeypatch):
     qkv = torch.randn(4, 64, dtype=torch.bfloat16)
     ops.rotary_embedding(torch.arange(4), qkv[:, :32], qkv[:, 32:48], 16, torch.ones(8, 16))
     ops.silu_and_mul(x)
-    assert fused.calls == ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
+    ops.rotary_embedding_and_cache(torch.arange(4), qkv[:, :32], qkv[:, 32:48], qkv[:, 48:],
+                                   16, torch.ones(8, 16), torch.zeros(2, 2, 4, 1, 16),
+                                   torch.arange(4))  # fmt: skip
+    assert fused.calls == ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+                           "rotary_embedding_and_cache"]  # fmt: skip
     # A 3-d input (qwen3's per-head q/k norm) or a strided one stays on pure torch.
     fused.calls.clear()
     ops.rms_norm(x.view(4, 2, 16), w[:16], 1e-6)

@@ -145,6 +145,8 @@ class LlamaLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # (q, k, v, kv_cache, meta, scale) -> (num_tokens, heads, head_dim)
         self.attn_forward: Callable[..., torch.Tensor] = _no_attention_backend
+        # The backend leaves this step's K/V write to the rotary op (one fused kernel).
+        self.rope_writes_kv = False
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
@@ -171,14 +173,16 @@ class LlamaLayer(nn.Module):
         if a.qk_norm:  # per-head norms with their own weights, before the rotation
             q = self.q_norm(q.reshape(-1, a.num_heads, a.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, a.num_kv_heads, a.head_dim)).view(-1, self.kv_size)
-        rope(positions, q, k)  # in place: strided views of qkv
+        if self.rope_writes_kv:  # rotate q and k, and write k and v to the cache: 1 kernel
+            ops.rotary_embedding_and_cache(
+                positions, q, k, v, a.head_dim, rope.cos_sin_cache, kv_cache, meta.slot_mapping
+            )
+            k3 = v3 = None  # in the cache already
+        else:
+            rope(positions, q, k)  # in place: strided views of qkv
+            k3, v3 = k.view(-1, a.num_kv_heads, a.head_dim), v.view(-1, a.num_kv_heads, a.head_dim)
         attn = self.attn_forward(
-            q.view(-1, a.num_heads, a.head_dim),
-            k.view(-1, a.num_kv_heads, a.head_dim),
-            v.view(-1, a.num_kv_heads, a.head_dim),
-            kv_cache,
-            meta,
-            self.scale,
+            q.view(-1, a.num_heads, a.head_dim), k3, v3, kv_cache, meta, self.scale
         )  # (num_tokens, heads, head_dim)
         out = self.o_proj(attn.reshape(-1, self.q_size))
         if a.residual_multiplier != 1.0:
@@ -231,8 +235,10 @@ class LlamaForCausalLM(nn.Module):
 
     def set_attention_backend(self, backend: Any) -> None:
         """Every layer attends with ``backend`` (an ``AttentionBackend`` instance)."""
+        fused_write = getattr(backend, "writes_kv_with_rotary", False)
         for layer in self.layers:
             layer.attn_forward = backend.forward
+            layer.rope_writes_kv = fused_write
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:

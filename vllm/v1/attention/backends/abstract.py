@@ -172,6 +172,14 @@ class AttentionBackend(ABC):
         as padding: one token at slot 0 (the null block, which no sequence reads)."""
         raise NotImplementedError(f"{self.name} does not capture decode steps in CUDA graphs")
 
+    @property
+    def writes_kv_with_rotary(self) -> bool:
+        """The model may write this step's K/V into the cache itself, with the rotary
+        embedding (``ops.rotary_embedding_and_cache``, one kernel), and call ``forward``
+        with ``k`` and ``v`` None: the backend reads K/V from the cache only, at
+        ``meta.slot_mapping``'s slots (every slot >= 0)."""
+        return False
+
     # -- per step ---------------------------------------------------------------------------
     @abstractmethod
     def build_metadata(self, seqs: list[SeqLayout]) -> Any:
@@ -188,6 +196,7 @@ class AttentionBackend(ABC):
         meta: Any,
         scale: float,
     ) -> torch.Tensor:
-        """Write this step's K/V into ``kv_cache`` at ``meta``'s slots (the only mutation),
-        then attend each token over its request's context up to itself; returns
+        """Write this step's K/V into ``kv_cache`` at ``meta``'s slots (the only mutation;
+        none when ``k`` and ``v`` are None, see ``writes_kv_with_rotary``), then attend
+        each token over its request's context up to itself; returns
         ``(num_tokens, num_heads, head_size)``."""

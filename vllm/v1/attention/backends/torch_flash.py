@@ -315,6 +315,13 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
             prefill=None,
         )
 
+    @property
+    def writes_kv_with_rotary(self) -> bool:
+        # Every path here reads K/V from the cache; the fused op exists for CUDA tensors.
+        from vllm import _custom_ops as ops
+
+        return self.device.type == "cuda" and ops._fused_module() is not None
+
     def build_metadata(self, seqs: list[SeqLayout]) -> VarlenMetadata | TritonDecodeMetadata:
         if self.decode_kernel == "triton" and any(n == 1 for _, n, _ in seqs):
             return build_triton_decode_metadata(seqs, self.block_size, self.device, self.paged)
@@ -329,8 +336,9 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
         meta: VarlenMetadata | TritonDecodeMetadata,
         scale: float,
     ) -> torch.Tensor:
-        # The metadata's slots come from block ids: none is padding.
-        reshape_and_cache_torch(k, v, kv_cache, meta.slot_mapping, padded=False)
+        if k is not None:  # None: written with the rotary embedding (writes_kv_with_rotary)
+            # The metadata's slots come from block ids: none is padding.
+            reshape_and_cache_torch(k, v, kv_cache, meta.slot_mapping, padded=False)
         if isinstance(meta, VarlenMetadata):
             return self._varlen(q, kv_cache, meta, scale)
         from vllm.v1.attention.backends import triton_decode
