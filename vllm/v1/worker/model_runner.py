@@ -551,11 +551,10 @@ class ModelRunner:
     def execute_model(
         self, so: SchedulerOutput, defer: bool = False
     ) -> ModelRunnerOutput | DeferredOutput:
-        """Run one step. ``defer`` (--async-scheduling): a step whose sampled rows are all
-        sampled on the device (all but steps with drafts) returns a
-        ``DeferredOutput`` at once, its tokens still on the device; other steps return
-        their output, as without it. A request whose last token a deferred step samples
-        reads it from the device."""
+        """Run one step. ``defer`` (--async-scheduling): a step that samples (and has no
+        drafts) returns a ``DeferredOutput`` at once, its tokens still on the device; a
+        step that samples nothing returns its output, as without it. A request whose last
+        token a deferred step samples reads it from the device."""
         failed = self._update_states(so)
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
