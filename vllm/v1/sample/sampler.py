@@ -2,10 +2,13 @@
 allowed_token_ids, bad_words, min_tokens (stop tokens masked until then), logit_bias.
 
 A row that cannot be sampled fails alone (``SamplerOutput.errors``), never the batch.
-Every tensor built here lives on the logits' device, and every random number comes from
-that device (a seeded row's generator is created there by the runner): on CUDA a CPU index
-or uniform next to CUDA logits fails (tests/v1/sample/test_sampler_device.py checks this
-on CPU, tests/cuda/test_sampling_cuda.py on a GPU)."""
+Every row is sampled in one pass on the logits' device (``sample_on_device``), read back
+once by ``sample``, or left there by --async-scheduling's deferred steps. Every tensor
+built here lives on the logits' device and goes up without making the host wait
+(``vllm/utils/device.py``), and every random number comes from that device (a seeded
+row's generator is created there by the runner): on CUDA a CPU index or uniform next to
+CUDA logits fails (tests/v1/sample/test_sampler_device.py checks this on CPU,
+tests/cuda/test_sampling_cuda.py on a GPU)."""
 
 from __future__ import annotations
 
