@@ -93,9 +93,9 @@ def run_case(spec: dict, device: str) -> dict:
         v_cols = slice((q_heads + k_heads) * head, None)
         errs["v untouched"] = float(not torch.equal(qkv[:, v_cols], before[:, v_cols]))
     elif op == "rotary_cache":
-        # rotary_embedding_and_cache: the same rotation as rotary_embedding (its own
-        # kernel, which the case above holds to float64), and the rotated k and v in their
-        # slots of a paged cache, bit for bit; every other slot untouched.
+        # rotary_embedding_and_cache: the same rotation as rotary_embedding (one kernel
+        # serves both; the case above holds it to float64), and the rotated k and v in
+        # their slots of a paged cache, bit for bit; every other slot untouched.
         head, q_heads, k_heads, tokens, blocks, block = size, 4, 2, 6, 5, 4
         qkv = rand(tokens, (q_heads + 2 * k_heads) * head)
         ref = qkv.clone()

@@ -95,11 +95,12 @@ def rotary_embedding(
     if cos_sin_cache.shape[1] != head_size or head_size % 2:
         raise ValueError(f"cos_sin_cache {tuple(cos_sin_cache.shape)} for head size {head_size}")
     q_heads, k_heads = query.shape[-1] // head_size, key.shape[-1] // head_size
-    if tokens:
-        _rotary_kernel[(tokens, q_heads + k_heads)](
-            positions, query, key, cos_sin_cache,
-            query.stride(0), key.stride(0), cos_sin_cache.stride(0), q_heads,
-            HALF=head_size // 2, HALF_PAD=_block(head_size // 2), num_warps=1,
+    if tokens:  # the cache kernel without its cache: no v head, no slot (unread pointers)
+        _rotary_cache_kernel[(tokens, q_heads + k_heads)](
+            positions, query, key, key, cos_sin_cache, key, positions,
+            query.stride(0), key.stride(0), 0, cos_sin_cache.stride(0), 0, q_heads, k_heads,
+            HALF=head_size // 2, HALF_PAD=_block(head_size // 2), WRITE_KV=False,
+            num_warps=1,
         )  # fmt: skip
 
 
@@ -117,7 +118,8 @@ def rotary_embedding_and_cache(
     ``value`` (T, kv_heads * head_size) written into their paged cache slots: what
     ``rotary_embedding`` then ``reshape_and_cache_torch(..., padded=False)`` do, in one
     launch instead of three (the cache's two ``index_copy_`` took 0.15 of a batch-1 decode
-    step's 4.38 ms on an H200). ``kv_cache``: (2, num_blocks, block_size, kv_heads,
+    step's 4.38 ms on an H200). ``rotary_embedding`` is the same kernel without the
+    cache. ``kv_cache``: (2, num_blocks, block_size, kv_heads,
     head_size), contiguous; ``slot_mapping``: (T,) int64, every slot >= 0 (from block ids;
     a CUDA graph's padding rows write slot 0 of the null block)."""
     tokens = positions.shape[0]
@@ -141,7 +143,7 @@ def rotary_embedding_and_cache(
             positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping,
             query.stride(0), key.stride(0), value.stride(0), cos_sin_cache.stride(0),
             kv_cache.stride(0), q_heads, kv_heads,
-            HALF=head_size // 2, HALF_PAD=_block(head_size // 2), num_warps=1,
+            HALF=head_size // 2, HALF_PAD=_block(head_size // 2), WRITE_KV=True, num_warps=1,
         )  # fmt: skip
 
 
@@ -181,43 +183,18 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(
-        pos_ptr, q_ptr, k_ptr, cache_ptr,
-        stride_q, stride_k, stride_cache, q_heads,
-        HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    ):  # fmt: skip
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        pos = tl.load(pos_ptr + token).to(tl.int64)
-        d = tl.arange(0, HALF_PAD)
-        mask = d < HALF
-        cos = tl.load(cache_ptr + pos * stride_cache + d, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=mask, other=0.0)
-        sin = sin.to(tl.float32)
-        if head < q_heads:
-            base = q_ptr + token * stride_q + head * (2 * HALF)
-        else:
-            base = k_ptr + token * stride_k + (head - q_heads) * (2 * HALF)
-        x1 = tl.load(base + d, mask=mask, other=0.0)
-        x2 = tl.load(base + HALF + d, mask=mask, other=0.0)
-        out_ty = x1.dtype
-        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(base + d, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-        tl.store(base + HALF + d, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
-
-    @triton.jit
     def _rotary_cache_kernel(
         pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, kv_ptr, slot_ptr,
         stride_q, stride_k, stride_v, stride_cache, stride_kv, q_heads, kv_heads,
-        HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
     ):  # fmt: skip
-        # Programs (token, head): q heads rotate in place; k heads rotate in place and into
-        # the K half of the token's slot; v heads copy into the V half.
+        # Programs (token, head): q heads rotate in place; k heads rotate in place and,
+        # with WRITE_KV, into the K half of the token's slot; v heads (WRITE_KV only: the
+        # grid has none otherwise) copy into the V half.
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         d = tl.arange(0, HALF_PAD)
         mask = d < HALF
-        slot = tl.load(slot_ptr + token).to(tl.int64)
         if head < q_heads + kv_heads:
             pos = tl.load(pos_ptr + token).to(tl.int64)
             cos = tl.load(cache_ptr + pos * stride_cache + d, mask=mask, other=0.0)
@@ -235,11 +212,14 @@ if triton is not None:
             y2 = (x2 * cos + x1 * sin).to(out_ty)
             tl.store(base + d, y1, mask=mask)
             tl.store(base + HALF + d, y2, mask=mask)
-            if head >= q_heads:
-                dst = kv_ptr + (slot * kv_heads + (head - q_heads)) * (2 * HALF)
-                tl.store(dst + d, y1, mask=mask)
-                tl.store(dst + HALF + d, y2, mask=mask)
-        else:
+            if WRITE_KV:
+                if head >= q_heads:
+                    slot = tl.load(slot_ptr + token).to(tl.int64)
+                    dst = kv_ptr + (slot * kv_heads + (head - q_heads)) * (2 * HALF)
+                    tl.store(dst + d, y1, mask=mask)
+                    tl.store(dst + HALF + d, y2, mask=mask)
+        elif WRITE_KV:
+            slot = tl.load(slot_ptr + token).to(tl.int64)
             j = head - q_heads - kv_heads
             src = v_ptr + token * stride_v + j * (2 * HALF)
             dst = kv_ptr + stride_kv + (slot * kv_heads + j) * (2 * HALF)
@@ -257,4 +237,4 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 else:
-    _rms_norm_kernel = _rotary_kernel = _silu_and_mul_kernel = None
+    _rms_norm_kernel = _rotary_cache_kernel = _silu_and_mul_kernel = None
