@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.sample.sampler import SamplingRow, sample
+from vllm.v1.sample.sampler import PrefixView, SamplingRow, sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark_gpu  # noqa: E402  (the machine's description)
@@ -46,10 +46,11 @@ def make_rows(n: int, args: argparse.Namespace, device: torch.device) -> list[Sa
     rows = []
     for i in range(n):
         params = SamplingParams(seed=i, max_tokens=args.output_len, **MIXES[args.mix])
-        prompt = [rng.randrange(args.vocab) for _ in range(args.prompt_len)]
         output = [rng.randrange(args.vocab) for _ in range(args.output_len)]
+        tokens = [rng.randrange(args.vocab) for _ in range(args.prompt_len)] + output
         gen = torch.Generator(device=device).manual_seed(i)
-        rows.append(SamplingRow(params, gen, prompt, output))
+        # As the runner builds them: the prompt a view into the request's token list.
+        rows.append(SamplingRow(params, gen, PrefixView(tokens, args.prompt_len), output))
     return rows
 
 

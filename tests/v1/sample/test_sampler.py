@@ -16,6 +16,7 @@ import torch
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.sampler import (
+    PrefixView,
     SamplingRow,
     apply_penalties,
     apply_penalties_to_rows,
@@ -282,6 +283,23 @@ def test_penalties_of_a_batch_equal_each_row_by_hand():
         torch.testing.assert_close(got[i], expected, rtol=1e-6, atol=1e-6)
     plain = [row(prompt=[1], output=[2])]
     assert torch.equal(apply_penalties_to_rows(logits[:1], plain), logits[:1])
+
+
+def test_a_prompt_view_gives_the_penalty_of_its_prompt_and_reads_it_once():
+    # The runner's prompt is a view into the request's growing token list; the
+    # repetition penalty reads its distinct ids, computed at the first step only.
+    tokens = [5, 1, 5, 2, 7, 7]  # a prompt of 4, then 2 outputs
+    view = PrefixView(tokens, 4)
+    params = SamplingParams(repetition_penalty=1.5)
+    as_view = SamplingRow(params, None, view, tokens[4:])
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(8)).repeat(2, 1)
+    got = apply_penalties_to_rows(
+        logits, [as_view, row(repetition_penalty=1.5, prompt=tokens[:4], output=tokens[4:])]
+    )
+    assert torch.equal(got[0], got[1]) and not torch.equal(got[0], logits[0])
+    first = view.unique_ids()
+    tokens.append(3)  # the request grows past its prompt
+    assert view.unique_ids() is first and first.tolist() == [1, 2, 5]
 
 
 def test_rows_with_penalties_filters_and_processors_sample_as_each_row_alone():

@@ -74,6 +74,12 @@ class CachedRequestState:
     lora_slot: int = 0  # the adapter's slot (LoRAManager), fixed while the request runs
     bare_greedy: bool = False  # sampler.is_bare_greedy(sampling_params): the argmax alone
     bare: bool = False  # sampler.is_bare: sampled on the device from the logits alone
+    # The prompt inside token_ids, one view for the request's life (it caches the
+    # prompt's distinct ids for the repetition penalty).
+    prompt_view: PrefixView = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_view = PrefixView(self.token_ids, self.num_prompt_tokens)
 
 
 @dataclass
@@ -736,12 +742,7 @@ class ModelRunner:
     @staticmethod
     def _sampling_rows(sample_reqs: list[CachedRequestState]) -> list[SamplingRow]:
         return [
-            SamplingRow(
-                s.sampling_params,
-                s.generator,
-                PrefixView(s.token_ids, s.num_prompt_tokens),
-                s.output_token_ids,
-            )
+            SamplingRow(s.sampling_params, s.generator, s.prompt_view, s.output_token_ids)
             for s in sample_reqs
         ]
 
