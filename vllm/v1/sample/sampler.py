@@ -218,7 +218,7 @@ def apply_penalties_to_rows(
             vocab,
             device,
         )  # fmt: skip
-        factor = _per_row([r.params.repetition_penalty for r in rows], dtype, device)[where]
+        factor = to_device([r.params.repetition_penalty for r in rows], dtype, device)[where]
         vals = flat_x[flat]  # an entry seen twice is written twice, with the same value
         flat_x[flat] = torch.where(vals > 0, vals / factor, vals * factor)
     counting = [
@@ -232,14 +232,10 @@ def apply_penalties_to_rows(
                                vocab, device)  # fmt: skip
         ordered = flat.sort().values
         count = torch.searchsorted(ordered, flat, right=True) - torch.searchsorted(ordered, flat)
-        frequency = _per_row([r.params.frequency_penalty for r in rows], dtype, device)[where]
-        presence = _per_row([r.params.presence_penalty for r in rows], dtype, device)[where]
+        frequency = to_device([r.params.frequency_penalty for r in rows], dtype, device)[where]
+        presence = to_device([r.params.presence_penalty for r in rows], dtype, device)[where]
         flat_x[flat] = flat_x[flat] - (frequency * count.to(dtype) + presence)
     return x
-
-
-def _per_row(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return to_device(values, dtype, device)
 
 
 def _ids(seq: Sequence[int]) -> np.ndarray:
@@ -373,7 +369,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
     try:
-        for i, result in enumerate(_to_host(*sample_on_device(logits, rows))):
+        for i, result in enumerate(_read_results(*sample_on_device(logits, rows))):
             if isinstance(result, RequestFailure):
                 errors[i] = result
             else:
@@ -383,7 +379,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         errors.clear()
         for i, row in enumerate(rows):
             try:
-                (result,) = _to_host(*sample_on_device(logits[i : i + 1], [row]))
+                (result,) = _read_results(*sample_on_device(logits[i : i + 1], [row]))
             except Exception as e:  # this row only; the traceback is in the engine's log
                 logger.warning("sampling a row failed", exc_info=True)
                 result = RequestFailure(f"sampling failed: {type(e).__name__}: {e}")
@@ -394,7 +390,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     return SamplerOutput(tokens, _sampled_logprobs(logits, rows, tokens), errors)
 
 
-def _to_host(
+def _read_results(
     tokens: torch.Tensor, logits_ok: torch.Tensor, ok: torch.Tensor
 ) -> list[int | RequestFailure]:
     """``sample_on_device``'s result on the host, one copy: each row's token, or why it
@@ -429,16 +425,18 @@ def finite_and_argmax(raw: torch.Tensor, greedy: list[int]) -> tuple[list[bool],
 def _sampled_logprobs(
     raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int | None]
 ) -> list[TokenLogprobs | None]:
-    """The raw logprobs of each sampled token whose request asks for them: the rows that
-    ask for the same number of top logprobs together."""
-    by_n: dict[int, list[int]] = {}
-    for i, (r, t) in enumerate(zip(rows, tokens, strict=True)):
-        if r.params.logprobs is not None and t is not None:
-            by_n.setdefault(r.params.logprobs, []).append(i)
+    """The raw logprobs of each sampled token whose request asks for them
+    (``sampled_logprobs_on_device``, read back); None for the others and failed rows."""
     out: list[TokenLogprobs | None] = [None] * len(rows)
-    for n, idx in by_n.items():
-        for i, lp in zip(idx, token_logprobs(raw[idx], [tokens[i] for i in idx], n), strict=True):
-            out[i] = lp
+    if all(r.params.logprobs is None for r in rows):
+        return out
+    ids = [0 if t is None else t for t in tokens]  # a failed row's entry is dropped
+    groups = sampled_logprobs_on_device(raw, rows, to_device(ids, torch.long, raw.device))
+    for idx, ints, floats in groups:
+        entries = logprobs_from_host([ids[i] for i in idx], ints.tolist(), floats.tolist())
+        for i, entry in zip(idx, entries, strict=True):
+            if tokens[i] is not None:
+                out[i] = entry
     return out
 
 
