@@ -526,7 +526,7 @@ def is_bare_greedy(p: SamplingParams) -> bool:
     """A greedy request that nothing else touches (no penalty, logits processor, grammar,
     thinking budget or logprobs): its token is the argmax of the model's logits, which the
     runner takes for a batch of such rows in one copy, without ``sample``'s per-row work."""
-    return _is_plain_greedy(p) and _untouched(p)
+    return p.sampling_type_greedy and p.logprobs is None and is_bare(p)
 
 
 def is_bare(p: SamplingParams) -> bool:
@@ -540,11 +540,6 @@ def is_bare(p: SamplingParams) -> bool:
 
 def _no_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-
-
-def _untouched(p: SamplingParams) -> bool:
-    """No logprobs, logits processor, grammar or thinking budget."""
-    return p.logprobs is None and _unprocessed(p)
 
 
 def _unprocessed(p: SamplingParams) -> bool:
@@ -587,7 +582,3 @@ def sample_on_device(
         tokens = tokens.index_copy(0, index, sampled)
         ok = ok.index_copy(0, index, ok[index] & drawn_ok)
     return tokens, logits_ok, ok
-
-
-def _is_plain_greedy(p: SamplingParams) -> bool:
-    return p.sampling_type_greedy and _no_penalties(p)
