@@ -18,9 +18,16 @@ call without ``device=``), which on a GPU would be a host tensor plus a copy, or
 mismatch. ``torch.from_numpy`` is exempt: host data by definition. And it records every
 copy of host data to the device that CUDA makes the host wait for (``blocking_uploads``):
 ``torch.tensor(data, device="cuda")``, ``host.to("cuda")`` or ``.cuda()`` without
-``non_blocking=True``, ``device_tensor.copy_(host)`` likewise. From pageable memory such a
-copy synchronizes the stream, which --async-scheduling cannot afford
-(``vllm/utils/device.py``).
+``non_blocking=True``, ``device_tensor.copy_(host)`` likewise, and indexing a device tensor
+with a Python list or a host index tensor (eager copies the index up the same way). From
+pageable memory such a copy synchronizes the stream, which --async-scheduling cannot
+afford (``vllm/utils/device.py``). Every read that makes the host wait for a device value
+goes to ``device_reads``: ``.item()``, ``.tolist()``, ``bool()``/``int()``/``float()`` of a
+device tensor, a copy of one to the host without ``non_blocking=True``, and the ops whose
+output shape depends on device values (``nonzero``, one-argument ``where``, boolean-mask
+indexing, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
+``output_size``). These are the operations torch's CUDA sync debug mode
+(``torch.cuda.set_sync_debug_mode``) reports.
 """
 
 from __future__ import annotations
@@ -38,6 +45,16 @@ _STRICT = {torch.cat, torch.concat, torch.stack, torch.searchsorted}  # no 0-dim
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 _TRANSFERS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.copy_}
 _NO_HOST_RECORD = {torch.from_numpy}
+_READS = {  # a device value read on the host
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+    torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__complex__,
+}  # fmt: skip
+_SHAPE_FROM_VALUES = {  # the output's size is read from the device first
+    torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere,
+    torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
+    torch.unique_consecutive, torch.Tensor.unique_consecutive, torch.bincount,
+    torch.Tensor.bincount,
+}  # fmt: skip
 
 
 class OnDevice(torch.Tensor):
@@ -82,6 +99,7 @@ class FakeDevice(TorchFunctionMode):
         self._device_generators: set[int] = set()
         self.host_tensors: list[str] = []  # "func at file:line" of host-made tensors
         self.blocking_uploads: list[str] = []  # "func at file:line" of waiting copies
+        self.device_reads: list[str] = []  # "func at file:line" of reads that wait
 
     # -- inputs ---------------------------------------------------------------------------
     @staticmethod
@@ -108,6 +126,8 @@ class FakeDevice(TorchFunctionMode):
             return _on(args[0])
         if func in (torch.Tensor.numpy, torch.Tensor.__array__) and _on(args[0]):
             raise DeviceMismatch("can't convert cuda:0 device type tensor to numpy")
+        if self._reads_device(func, args, kwargs):
+            self._record(func, self.device_reads)
         target = self._target(func, args, kwargs)
         if target == DEVICE and self._uploads_blocking(func, args, kwargs):
             self._record(func, self.blocking_uploads)
@@ -153,8 +173,37 @@ class FakeDevice(TorchFunctionMode):
         return DEVICE
 
     @staticmethod
+    def _reads_device(func, args: tuple, kwargs: dict) -> bool:
+        """Whether ``func`` makes the host wait for a value on the device."""
+        first = args[0] if args else None
+        if func in _READS or func in _SHAPE_FROM_VALUES:
+            return _on(first)
+        if func is torch.where and len(args) + len(kwargs) == 1:
+            return _on(first)
+        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            return _on(repeats) and kwargs.get("output_size") is None
+        if func in _INDEXING and _on(first):  # a boolean mask: its nonzero first
+            return any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1]))
+        if func in _TRANSFERS and not kwargs.get("non_blocking", False):
+            if func is torch.Tensor.copy_:
+                return not _on(first) and _on(args[1])
+            if func is torch.Tensor.cpu:
+                return _on(first)
+            if func is torch.Tensor.to and _on(first):
+                devices = [_as_device(a) for a in (*args[1:], kwargs.get("device"))]
+                return any(d is not None and d.type == "cpu" for d in devices)
+        return False
+
+    @staticmethod
     def _uploads_blocking(func, args: tuple, kwargs: dict) -> bool:
         """Whether ``func`` (its result on the device) copies host data there and waits."""
+        if func in _INDEXING:  # a list or a host tensor as an index goes up first
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return any(
+                isinstance(i, list) or (isinstance(i, torch.Tensor) and not _on(i) and i.dim())
+                for i in index
+            )
         if func in (torch.tensor, torch.as_tensor):
             return not _on(args[0]) if isinstance(args[0], torch.Tensor) else True
         if func in _TRANSFERS and func is not torch.Tensor.cpu:
@@ -188,7 +237,7 @@ class FakeDevice(TorchFunctionMode):
 
     def _record(self, func, into: list[str] | None = None) -> None:
         frame = next(
-            (f for f in reversed(traceback.extract_stack()[:-3]) if "/vllm/" in f.filename),
+            (f for f in reversed(traceback.extract_stack()[:-2]) if "/vllm/" in f.filename),
             None,
         )
         where = f" at {frame.filename.split('/vllm/')[-1]}:{frame.lineno}" if frame else ""

@@ -626,20 +626,28 @@ class ModelRunner:
         output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
         if self.model_config.is_pooling:  # embeddings: the prompt's last row, no token
             if sample_reqs:
-                output.pooled = self._pool(hidden[sample_idx], sample_reqs)
+                output.pooled = self._pool(self._rows(hidden, sample_idx), sample_reqs)
             return output
         prompt_logprobs = self._prompt_logprobs(so, hidden, row_starts)
         if sample_reqs:
-            # A decode-only step samples every row: a view, no index copied to the device.
-            rows = hidden if len(sample_idx) == hidden.shape[0] else hidden[sample_idx]
+            rows = self._rows(hidden, sample_idx)
             if defer and not drafted:  # drafts are verified on the host
                 return self._sample_deferred(rows, sample_reqs, output, prompt_logprobs)
             self._resolve_deferred()  # earlier steps' tokens land before this one's
             self._sample(rows, sample_reqs, output)
         output.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
         if spec_reqs:
-            self._verify_drafts(hidden[spec_rows], spec_reqs, output)
+            self._verify_drafts(self._rows(hidden, spec_rows), spec_reqs, output)
         return output
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``hidden[rows]`` without waiting for the device: a list index is copied up from
+        pageable memory, which synchronizes the stream on CUDA (the step before is still
+        running under --async-scheduling); this index goes up from pinned memory. A
+        decode-only step samples every row: ``hidden`` itself, no index at all."""
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+            return hidden
+        return hidden.index_select(0, to_device(rows, torch.long, self.device))
 
     def _pool(self, rows: torch.Tensor, reqs: list[CachedRequestState]) -> dict[str, list[float]]:
         """--runner pooling (LAST): each request's last prompt row, the final norm's output
