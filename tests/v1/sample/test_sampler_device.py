@@ -29,6 +29,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.sampler import (
     SamplingRow,
     sample,
+    sample_on_device,
+    sampled_logprobs_on_device,
     token_logprobs,
 )
 
@@ -75,6 +77,15 @@ def _same_on_device(specs: list[dict], caplog) -> FakeDevice:
     assert dev.blocking_uploads == []  # every host value went up without waiting
     assert got.token_ids == expected.token_ids
     assert got.logprobs == expected.logprobs
+    # What a deferred step (--async-scheduling) runs of it reads nothing back (``sample``
+    # reads the results once, after).
+    dev.device_reads.clear()
+    with dev:
+        torch.manual_seed(0)
+        rows, on_device = _rows(specs, dev), dev.tensor(logits)
+        tokens, _, _ = sample_on_device(on_device, rows)
+        sampled_logprobs_on_device(on_device, rows, tokens)
+    assert dev.device_reads == []
     return dev
 
 

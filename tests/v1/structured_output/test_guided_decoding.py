@@ -187,6 +187,7 @@ def test_masks_reach_the_logits_device(manager):
     assert torch.isinf(expected[1:]).sum() > VOCAB  # the two constrained rows were masked
     assert dev.host_tensors == []  # the masks come from numpy, then one copy
     assert dev.blocking_uploads == []  # that does not wait (--async-scheduling)
+    assert dev.device_reads == []  # and nothing is read back from the device
     manager.remove(["dev-json", "dev-choice"])
 
 
