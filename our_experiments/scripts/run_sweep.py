@@ -245,6 +245,60 @@ def start_point(args, policy: str, log: Path, routing: str | None = None):
     return RemoteServer(*server_args(args, policy), log_path=str(log))
 
 
+# A fresh server compiles kernels as it meets new shapes (Triton specialises each kernel
+# on its sizes; on a GPU machine the first server of a call finds the compile caches
+# empty). Unwarmed, the first point of a GPU study paid it inside its measured window:
+# its first 10 s ran 110-755 prompt tokens/s against 3,500-4,300 for the points after it
+# (H200, docs/experiments.md), so it started behind and queued. The warm-up sends prompts
+# of spread lengths (8 at once: mixed prefill batches), then the same prompts extended
+# (prefills over cached contexts), outside the workload: the counters a result reports are
+# deltas taken after it, and its prompts share no prefix with the workload's.
+WARMUP_MAX_TOKENS = 8
+
+
+def warmup_prompts(n: int, max_model_len: int) -> list[str]:
+    """``n`` prompts of spread lengths (about 30 to a third of ``max_model_len`` tokens),
+    distinct from their first word on."""
+    longest = max(32, max_model_len // 3)
+    return [
+        f"warm-up {i}: " + " ".join(f"w{(i * 7919 + j) % 997}" for j in range(length // 2))
+        for i, length in enumerate(
+            int(30 + (longest - 30) * (k / max(1, n - 1)) ** 2) for k in range(n)
+        )
+    ]
+
+
+def warm_up(base_urls: list[str], n: int, max_model_len: int) -> float:
+    """Send the warm-up to each server (see WARMUP_MAX_TOKENS); the seconds it took."""
+    import asyncio
+
+    import openai
+
+    from vllm.benchmarks.utils import openai_base_url
+
+    prompts = warmup_prompts(n, max_model_len)
+
+    async def one_server(url: str) -> None:
+        client = openai.AsyncOpenAI(base_url=openai_base_url(url), api_key="EMPTY", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        limit = asyncio.Semaphore(8)
+
+        async def send(prompt: str) -> None:
+            async with limit:
+                await client.completions.create(
+                    model=model, prompt=prompt, max_tokens=WARMUP_MAX_TOKENS, temperature=0.0
+                )
+
+        for suffix in ("", " and then some more words to extend it"):
+            await asyncio.gather(*(send(p + suffix) for p in prompts))
+        await client.close()
+
+    start = time.monotonic()
+    for url in base_urls:
+        asyncio.run(one_server(url))
+    return time.monotonic() - start
+
+
 def bench_args(args, base_url: str, policy: str, jps: float, out: Path) -> list[str]:
     argv = [
         "--base-url", base_url,
@@ -283,6 +337,14 @@ def make_parser() -> argparse.ArgumentParser:
         "(default: SmolLM2-135M's in fp32, 720 KiB)",
     )
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=16 if _has_cuda() else 0,
+        help="prompts of spread lengths sent to each fresh server (twice: then extended) "
+        "before the workload, so that no point pays for compiling kernels in its window "
+        "(default: 16 where CUDA is present, 0 on a CPU, which compiles nothing at run time)",
+    )
     ap.add_argument("--drain-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--machine", default=None, help="results subfolder (default: cpu-<n>core)")
@@ -341,6 +403,8 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     """Refuse (``ap.error``) what cannot run, before any point starts."""
     if args.replicas < 1:
         ap.error(f"--replicas must be at least 1, got {args.replicas}")
+    if args.warmup_requests < 0:
+        ap.error(f"--warmup-requests must be at least 0, got {args.warmup_requests}")
     if args.replicas > 1 and (args.engine != "ours" or args.identity not in ROUTER_IDENTITIES):
         # The router hashes no body field of a chat request: with job_id or
         # prompt_cache_key alone every job would land on one replica.
@@ -369,6 +433,13 @@ def run_point(args, out_dir: Path, policy: str, jps: float, routing: str | None)
     for replica in getattr(server, "replicas", ()):
         argv += ["--metrics-url", replica.base]
     try:
+        if args.warmup_requests > 0:
+            urls = [r.base for r in getattr(server, "replicas", ())] or [server.base]
+            try:
+                took = warm_up(urls, args.warmup_requests, args.max_model_len)
+            except Exception as e:  # the server answers nothing: the point cannot run
+                raise SystemExit(f"the warm-up failed: {e!r}") from e
+            print(f"{label} jps={jps:g}: warmed up in {took:.1f} s", flush=True)
         result = ab_benchmark.main(argv)
         if routing is not None:
             result["router"] = router_record(args, routing, server)

@@ -63,3 +63,20 @@ def test_ab_benchmark_smoke(server, tmp_path):
     assert m["generation_tokens"] <= 8 * 3 * summary["num_jobs"]
     assert summary["prefix_hit_rate"] > 0.3 and summary["kv_usage_max"] > 0
     assert summary["per_turn_avg_cached_tokens"]["3"] > 0
+
+
+def test_the_sweep_s_warm_up_reaches_the_server_before_the_workload(server):
+    # run_sweep's warm-up (kernels compiled before a point's window): distinct prompts of
+    # spread lengths, each sent twice (then extended); the workload's counters are deltas
+    # taken after it.
+    from our_experiments.scripts import run_sweep
+    from vllm.benchmarks.metrics_reader import scrape_metrics
+
+    prompts = run_sweep.warmup_prompts(3, 600)
+    assert len({p.split(":")[0] for p in prompts}) == 3
+    assert len(prompts[0]) < len(prompts[1]) < len(prompts[2])
+    before = scrape_metrics(server.base)
+    took = run_sweep.warm_up([server.base], 3, 600)
+    after = scrape_metrics(server.base)
+    done = "vllm:e2e_request_latency_seconds_count"
+    assert after[done] - before.get(done, 0) == 6 and took > 0
