@@ -526,3 +526,84 @@ def test_decode_reference_agrees_with_the_sdpa_reference():
     ref = decode_reference(q, cache, table, lens, 0.3)
     expected = sdpa_reference(seqs, q, cache, 0.3, 16)
     torch.testing.assert_close(torch.stack([ref[i] for i in range(len(seqs))]), expected)
+
+
+# -- the start-up warm-up: every variant a step can launch, compiled before requests -----------
+def test_split_variants_cover_every_batch_size(monkeypatch):
+    # An H200's 132 SMs, Llama-3-8B's 8 KV heads: 1-16 decodes launch 16, 8, 4 or 2 splits.
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = torch.device("cuda", 0)
+    variants = triton_decode.split_variants(16, 8, cuda)
+    assert variants == {16: 1, 8: 3, 4: 5, 2: 9}
+    assert {triton_decode.default_num_splits(n, 8, cuda) for n in range(1, 17)} == set(variants)
+    assert triton_decode.split_variants(64, 8, cuda)[1] == 17  # 136 programs fill the card
+
+
+def test_warm_up_launches_each_variant_with_and_without_rows(monkeypatch):
+    launched = []
+
+    def record(q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None):
+        assert block_table.dtype == seq_lens.dtype == torch.int32  # the metadata's dtypes
+        assert rows is None or (rows.dtype == torch.int32 and rows.shape == (q.shape[0],))
+        assert q.dtype == kv_cache.dtype and q.shape[1:] == (8, 16)
+        launched.append((num_splits, q.shape[0], rows is not None))
+
+    monkeypatch.setattr(triton_decode, "paged_decode_attention", record)
+    monkeypatch.setattr(triton_decode, "default_num_splits", lambda n, h, d: 4 if n < 3 else 1)
+    cache = torch.zeros(2, 3, 16, 2, 16, dtype=torch.bfloat16)
+    assert triton_decode.warm_up(cache, 8, 6) == 4
+    assert launched == [(4, 1, False), (4, 1, True), (1, 3, False), (1, 3, True)]
+
+
+def test_the_backend_warms_the_triton_decode_kernel_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(triton_decode, "warm_up", lambda *a: calls.append(a) or 7)
+    backend = TorchFlashAttentionBackend(8, 2, 16, torch.float32, "cpu", 16)
+    cache = [torch.zeros(2, 3, 16, 2, 16)]
+    assert backend.decode_kernel != "triton" and backend.warm_up(cache, 4) == 0
+    backend.decode_kernel = "triton"
+    assert backend.warm_up(cache, 4) == 7 and calls == [(cache[0], 8, 4)]
+    assert backend.warm_up([], 4) == 0
+
+
+def _compiled(fn) -> int:
+    """How many variants of Triton kernel ``fn`` are compiled (in this process)."""
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in fn.cache.values())
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_after_the_warm_up_no_decode_step_compiles_a_kernel():
+    # Mixed steps (query rows), decode-only eager steps, 1 to 16 decodes, block tables of
+    # 1 to 33 blocks: every launch finds its kernel compiled by ``warm_up``.
+    heads, kv_heads, dim, block_size = 32, 8, 128, 16
+    cache = torch.zeros(2, 80, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    triton_decode.warm_up(cache, heads, 16)
+    before = (
+        _compiled(triton_decode._decode_kernel),
+        _compiled(triton_decode._combine_splits_kernel),
+    )
+    for n in range(1, 17):
+        for width in (1, 3, 16, 33):
+            q = torch.randn(n + 5, heads, dim, dtype=torch.bfloat16, device="cuda")
+            table = torch.randint(1, 80, (n, width), dtype=torch.int32, device="cuda")
+            lens = torch.full((n,), width * block_size, dtype=torch.int32, device="cuda")
+            rows = torch.arange(5, n + 5, dtype=torch.int32, device="cuda")
+            triton_decode.paged_decode_attention(q, cache, table, lens, 0.1, rows=rows)
+            triton_decode.paged_decode_attention(q[:n].contiguous(), cache, table, lens, 0.1)
+    torch.cuda.synchronize()
+    after = (
+        _compiled(triton_decode._decode_kernel),
+        _compiled(triton_decode._combine_splits_kernel),
+    )
+    assert after == before
+    # The count does count variants: fp32 is one no step of a bf16 model launches.
+    f32 = cache[:, :4].float()
+    triton_decode.paged_decode_attention(
+        q[:1].float(), f32, table[:1, :1] % 4, lens[:1] * 0 + 1, 0.1
+    )
+    assert _compiled(triton_decode._decode_kernel) > after[0]

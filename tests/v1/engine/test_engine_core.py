@@ -40,6 +40,9 @@ class FakeRunner:
     def profile_prefill(self) -> list[tuple[int, float]]:
         return [(16, 0.01), (64, 0.05)]
 
+    def warm_up_kernels(self) -> None:
+        pass
+
     def capture_model(self) -> None:
         # The graphs record the KV cache's address: it must exist first.
         self.captured_over_blocks = self.num_blocks

@@ -13,6 +13,7 @@ steps are captured with real CUDA graphs in ``tests/cuda/test_cuda_graph_cuda.py
 
 from __future__ import annotations
 
+import logging
 import random
 from itertools import pairwise
 
@@ -202,6 +203,18 @@ def test_a_backend_without_graphs_is_refused(checkpoint, monkeypatch):
     # The runner logs it and stays eager.
     runner.capture_model(graph_factory=ReplayingGraph)
     assert runner.decode_graphs is None
+
+
+def test_the_runner_warms_the_decode_kernel_up_on_its_cache(checkpoint, monkeypatch, caplog):
+    # Start-up compiles what a step would (ModelRunner.warm_up_kernels, before the graphs):
+    # on a CPU the kernel takes one number of splits, with and without query rows.
+    runner = make_runner(checkpoint, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        runner.warm_up_kernels()
+    assert "Warmed up 2 attention kernel variants" in caplog.text
+    runner.kv_caches = []
+    with pytest.raises(RuntimeError, match="initialize_kv_cache first"):
+        runner.warm_up_kernels()
 
 
 # -- the runner ------------------------------------------------------------------------------

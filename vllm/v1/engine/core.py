@@ -91,6 +91,7 @@ class EngineCore:
             vllm_config, decode=self._decode, clock=clock, has_kv_tier=self.num_cpu_blocks > 0
         )
         policy.prepare(self.model_runner.profile_prefill)
+        self.model_runner.warm_up_kernels()  # compiled now, not in a request's step
         self.model_runner.capture_model()  # CUDA graphs of decode steps (not on CPU)
         # Constrained requests wait here while their grammar compiles (not in a step).
         self.grammars = PendingGrammars(self.model_runner.structured_output)

@@ -369,6 +369,22 @@ class ModelRunner:
             num_cpu_blocks * self.block_size,
         )
 
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile the attention backend's kernel variants before the first request
+        (``AttentionBackend.warm_up``): a step that met one first would wait for it."""
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache first: the kernels run on the cache")
+        start = time.perf_counter()
+        sc = self.config.scheduler_config
+        launches = self.attn_backend.warm_up(self.kv_caches, sc.max_num_seqs)
+        if launches:
+            logger.info(
+                "Warmed up %d attention kernel variants in %.1f s",
+                launches,
+                time.perf_counter() - start,
+            )
+
     def capture_model(self, graph_factory: Callable[[], Graph] | None = None) -> None:
         """Capture decode steps in CUDA graphs over the KV cache (``cuda_graph.py``): on
         CUDA, unless ``--enforce-eager`` or the attention backend cannot replay a decode

@@ -172,6 +172,12 @@ class AttentionBackend(ABC):
         as padding: one token at slot 0 (the null block, which no sequence reads)."""
         raise NotImplementedError(f"{self.name} does not capture decode steps in CUDA graphs")
 
+    def warm_up(self, kv_caches: list[torch.Tensor], max_num_seqs: int) -> int:
+        """Compile at start-up the kernels a step would otherwise compile on first use
+        (kernels specialised per launch configuration), on the real cache; the launches
+        made (0: nothing to compile)."""
+        return 0
+
     @property
     def writes_kv_with_rotary(self) -> bool:
         """The model may write this step's K/V into the cache itself, with the rotary

@@ -298,6 +298,13 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
             detail = f"decode rows: Triton paged kernel; other rows: {detail}"
         return detail
 
+    def warm_up(self, kv_caches: list[torch.Tensor], max_num_seqs: int) -> int:
+        if self.decode_kernel != "triton" or not kv_caches:
+            return 0
+        from vllm.v1.attention.backends import triton_decode
+
+        return triton_decode.warm_up(kv_caches[0], self.num_heads, max_num_seqs)
+
     @property
     def supports_decode_graphs(self) -> bool:
         # varlen_attn's gathered K/V change shape every step; the Triton kernel's do not.

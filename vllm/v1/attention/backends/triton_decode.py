@@ -78,6 +78,37 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
     return min(MAX_SPLITS, _next_power_of_2(-(-sms // programs)))
 
 
+def split_variants(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> dict[int, int]:
+    """Each number of splits that a batch of 1 to ``max_num_seqs`` decodes launches with
+    (``default_num_splits``), and the smallest such batch."""
+    variants: dict[int, int] = {}
+    for n in range(1, max(max_num_seqs, 1) + 1):
+        variants.setdefault(default_num_splits(n, num_kv_heads, device), n)
+    return variants
+
+
+def warm_up(kv_cache: torch.Tensor, num_heads: int, max_num_seqs: int) -> int:
+    """Compile the kernel (and the combine of split-K) before the first request needs it:
+    Triton compiles a kernel per set of constexprs on its first launch, here one per
+    number of splits and with or without query rows (a mixed step's decodes; a CUDA graph
+    captures decode-only steps of its ladder's sizes alone). On a fresh machine each took
+    about a second inside the first steps that met it: a study's first server ran 110
+    prompt tokens/s in its first 10 s against ~4,000 for the next (H200,
+    docs/experiments.md). One small launch per variant on ``kv_cache``'s null block 0 (read,
+    never written). Returns the number of launches."""
+    device, kv_heads, dim = kv_cache.device, kv_cache.shape[3], kv_cache.shape[4]
+    launches = 0
+    for splits, n in split_variants(max_num_seqs, kv_heads, device).items():
+        q = torch.zeros(n, num_heads, dim, dtype=kv_cache.dtype, device=device)
+        table = torch.zeros(n, 1, dtype=torch.int32, device=device)  # the metadata's dtypes
+        lens = torch.ones(n, dtype=torch.int32, device=device)
+        out = torch.empty_like(q)
+        for rows in (None, torch.arange(n, dtype=torch.int32, device=device)):
+            paged_decode_attention(q, kv_cache, table, lens, 1.0, out, rows, splits)
+            launches += 1
+    return launches
+
+
 def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits) -> None:
     """Shapes, dtypes and layouts (host metadata only: no device read)."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -170,8 +201,10 @@ def paged_decode_attention(
 
 
 if triton is not None:
-
-    @triton.jit
+    # The block table's row stride is its width, the longest context's blocks: Triton
+    # would compile a variant for each of its divisibility classes (by 16 or not) in eager
+    # steps; the address arithmetic gains nothing measurable from knowing it.
+    @triton.jit(do_not_specialize=["stride_bt_seq"])
     def _decode_kernel(
         q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, rows_ptr, out_ptr,
         m_ptr, l_ptr, acc_ptr,
