@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -83,3 +85,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """``VLLM_TEST_PRINT_FAILURES=1`` (scripts/gpu/run.sh sets it): each failure's report
+    printed when it happens, not at the session's end, which a run killed at its time
+    limit never reaches (a GPU session lost two failures' reports so)."""
+    if report.failed and os.environ.get("VLLM_TEST_PRINT_FAILURES") == "1":
+        print(f"\n[failure] {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)

@@ -102,6 +102,9 @@ run_step() {
     test)
         # GPU_TEST_PATHS: which tests, in that order (default: all of tests/).
         # shellcheck disable=SC2086
+        # Each failure's report printed as it happens (tests/conftest.py): a step killed
+        # at its limit never reaches pytest's summary.
+        VLLM_TEST_PRINT_FAILURES=1 \
         limited "${GPU_TEST_STEP_TIMEOUT:-300}" "$PYTHON" -m pytest -m cuda ${GPU_TEST_PATHS:-tests} \
             -q -rs --durations=12 -p no:cacheprovider --continue-on-collection-errors \
             --timeout "${GPU_TEST_TIMEOUT:-120}" --junitxml "$OUT/test.xml" "$@"
