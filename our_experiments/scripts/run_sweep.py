@@ -256,27 +256,37 @@ def start_point(args, policy: str, log: Path, routing: str | None = None):
 WARMUP_MAX_TOKENS = 8
 
 
-def warmup_prompts(n: int, max_model_len: int) -> list[str]:
-    """``n`` prompts of spread lengths (about 30 to a third of ``max_model_len`` tokens),
+WORD_TOKENS = 4  # at most, for a word "w<number>" and its space (SmolLM2's tokenizer: ~3.9)
+
+
+def warmup_prompts(n: int, max_tokens: int) -> list[str]:
+    """``n`` prompts of spread lengths, the longest at most about ``max_tokens`` tokens,
     distinct from their first word on."""
-    longest = max(32, max_model_len // 3)
+    longest = max(8, max_tokens // WORD_TOKENS)  # words
     return [
-        f"warm-up {i}: " + " ".join(f"w{(i * 7919 + j) % 997}" for j in range(length // 2))
-        for i, length in enumerate(
-            int(30 + (longest - 30) * (k / max(1, n - 1)) ** 2) for k in range(n)
+        f"warm-up {i}: " + " ".join(f"w{(i * 7919 + j) % 997}" for j in range(words))
+        for i, words in enumerate(
+            int(8 + (longest - 8) * (k / max(1, n - 1)) ** 2) for k in range(n)
         )
     ]
 
 
-def warm_up(base_urls: list[str], n: int, max_model_len: int) -> float:
-    """Send the warm-up to each server (see WARMUP_MAX_TOKENS); the seconds it took."""
+def warmup_tokens(args) -> int:
+    """The longest warm-up prompt: a quarter of what one request may hold (the model's
+    length or the whole pool), so that 8 at once fit beside one another."""
+    return min(args.max_model_len, args.num_gpu_blocks * BLOCK_TOKENS) // 4
+
+
+def warm_up(base_urls: list[str], n: int, max_tokens: int) -> float:
+    """Send the warm-up to each server (see WARMUP_MAX_TOKENS; prompts of up to about
+    ``max_tokens`` tokens); the seconds it took."""
     import asyncio
 
     import openai
 
     from vllm.benchmarks.utils import openai_base_url
 
-    prompts = warmup_prompts(n, max_model_len)
+    prompts = warmup_prompts(n, max_tokens)
 
     async def one_server(url: str) -> None:
         client = openai.AsyncOpenAI(base_url=openai_base_url(url), api_key="EMPTY", max_retries=0)
@@ -436,10 +446,10 @@ def run_point(args, out_dir: Path, policy: str, jps: float, routing: str | None)
         if args.warmup_requests > 0:
             urls = [r.base for r in getattr(server, "replicas", ())] or [server.base]
             try:
-                took = warm_up(urls, args.warmup_requests, args.max_model_len)
-            except Exception as e:  # the server answers nothing: the point cannot run
-                raise SystemExit(f"the warm-up failed: {e!r}") from e
-            print(f"{label} jps={jps:g}: warmed up in {took:.1f} s", flush=True)
+                took = warm_up(urls, args.warmup_requests, warmup_tokens(args))
+                print(f"{label} jps={jps:g}: warmed up in {took:.1f} s", flush=True)
+            except Exception as e:  # the workload then meets the server as it is
+                print(f"{label} jps={jps:g}: the warm-up failed: {e!r}", file=sys.stderr)
         result = ab_benchmark.main(argv)
         if routing is not None:
             result["router"] = router_record(args, routing, server)

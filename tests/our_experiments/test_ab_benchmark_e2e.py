@@ -80,3 +80,20 @@ def test_the_sweep_s_warm_up_reaches_the_server_before_the_workload(server):
     after = scrape_metrics(server.base)
     done = "vllm:e2e_request_latency_seconds_count"
     assert after[done] - before.get(done, 0) == 6 and took > 0
+    # The longest prompt stays within its token budget (the served tokenizer counts).
+    prompt_tokens = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    assert prompt_tokens <= 2 * 3 * 600
+
+
+def test_the_warm_up_fits_the_pool_and_the_model_length():
+    # A pool of 200 blocks (3,200 tokens) under max_model_len 6,144: the longest prompt is a
+    # quarter of the pool (it once asked 3,992 tokens of a 3,184-token pool: the CPU study
+    # smoke run, session 22).
+    from our_experiments.scripts import run_sweep
+
+    args = run_sweep.make_parser().parse_args(["--num-gpu-blocks", "200"])
+    assert run_sweep.warmup_tokens(args) == 800
+    args = run_sweep.make_parser().parse_args(["--num-gpu-blocks", "1000"])
+    assert run_sweep.warmup_tokens(args) == 1536
+    longest = run_sweep.warmup_prompts(16, 800)[-1]
+    assert len(longest.split()) * run_sweep.WORD_TOKENS <= 800 + 3 * run_sweep.WORD_TOKENS
