@@ -101,9 +101,11 @@ def test_round_trip_is_bitwise_for_every_layer_and_dtype():
             assert torch.equal(layer[:, 5:13], old), dtype
 
 
-def test_engine_reloads_evicted_prefixes_from_the_tier_on_cuda(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_reloads_evicted_prefixes_from_the_tier_on_cuda(tmp_path, async_scheduling):
     # A small random model (dummy weights in bf16) and a pool of 7 usable blocks: each
-    # prompt evicts the others; the second round finds them in the tier.
+    # prompt evicts the others; the second round finds them in the tier (async: the
+    # tier's copies planned for a step launched while the last one runs).
     from vllm import LLM, SamplingParams
 
     config_only_folder(tmp_path, vocab_size=49152, max_position_embeddings=512)
@@ -116,7 +118,8 @@ def test_engine_reloads_evicted_prefixes_from_the_tier_on_cuda(tmp_path):
                 for p in prompts * 2]  # fmt: skip
     big.shutdown()
     del big
-    llm = LLM(**kwargs, num_gpu_blocks_override=8, kv_offloading_size=0.05)
+    llm = LLM(**kwargs, num_gpu_blocks_override=8, kv_offloading_size=0.05,
+              async_scheduling=async_scheduling)  # fmt: skip
     try:
         assert llm.engine_core.model_runner.kv_offload.stream is not None
         got = [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts * 2]

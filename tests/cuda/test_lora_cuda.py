@@ -20,8 +20,14 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_adapters_batched_on_cuda_give_the_merged_models_tokens(tmp_path, enforce_eager):
+@pytest.mark.parametrize(
+    "enforce_eager, async_scheduling",
+    [(False, False), (True, False), (False, True)],
+    ids=["graphs", "eager", "async"],  # async: each step's slots set while the last runs
+)
+def test_adapters_batched_on_cuda_give_the_merged_models_tokens(
+    tmp_path, enforce_eager, async_scheduling
+):
     from vllm import LLM, SamplingParams
 
     hf = save_base(tmp_path / "base")
@@ -32,7 +38,8 @@ def test_adapters_batched_on_cuda_give_the_merged_models_tokens(tmp_path, enforc
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (11, 30, 7)]
     expected = greedy_reference(hf, prompts, loras, 12)
     llm = LLM(model=str(tmp_path / "base"), dtype="float32", enable_lora=True, max_loras=2,
-              max_lora_rank=8, max_num_seqs=4, enforce_eager=enforce_eager)  # fmt: skip
+              max_lora_rank=8, max_num_seqs=4, enforce_eager=enforce_eager,
+              async_scheduling=async_scheduling)  # fmt: skip
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
