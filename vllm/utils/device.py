@@ -1,4 +1,4 @@
-"""Host values onto the device without waiting for it.
+"""Host values onto the device, and device values back, without waiting for it.
 
 On CUDA a plain copy from pageable host memory (``torch.tensor(values, device="cuda")``,
 ``host.to("cuda")``) synchronizes the stream: the host waits until every kernel queued
@@ -37,3 +37,15 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     device (``upload``). Built through numpy: the same values (Python floats rounded to
     ``dtype`` once), and a host array, not a host tensor made from nothing."""
     return upload(torch.from_numpy(np.asarray(values)).to(dtype), torch.device(device))
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor ``t`` on the host without waiting for the device: into
+    page-locked memory where CUDA is present, queued behind the work before it, so read
+    it only after an event recorded later (--async-scheduling's deferred steps);
+    ``t`` itself when it is on the CPU."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(t, non_blocking=True)
+    return host

@@ -52,12 +52,6 @@ class _LogitsModel:
         return logits.scatter(1, token[:, None], 5.0)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:  # the runner's, without pinned memory here
-    host = torch.empty(t.shape, dtype=t.dtype)
-    host.copy_(t, non_blocking=True)
-    return host
-
-
 SPECS = {
     "greedy": {},
     "random": {"temperature": 0.8, "top_p": 0.9},
@@ -86,7 +80,6 @@ def test_deferred_steps_read_nothing_from_the_device(monkeypatch, kinds):
         runner.attn_backend = TorchFlashAttentionBackend(
             1, 1, 8, torch.bfloat16, torch.device("cuda"), BLOCK
         )
-        monkeypatch.setattr(runner, "_to_host", _to_host)
         prompts = {k: [7 + i, 30 + i, 50 + i, 11 * i + 3][: 2 + i] for i, k in enumerate(kinds)}
         reqs = [new_req(k, p, [i + 1], 0, **SPECS[k]) for i, (k, p) in enumerate(prompts.items())]
         steps = [sched_out(new=reqs, num_scheduled={k: len(p) for k, p in prompts.items()})]

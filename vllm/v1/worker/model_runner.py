@@ -21,7 +21,7 @@ from vllm.lora.manager import LoRAAdapterError, LoRAManager
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
-from vllm.utils.device import to_device
+from vllm.utils.device import to_device, to_host
 from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
@@ -543,10 +543,10 @@ class ModelRunner:
             self._sample_on_host(logits, sample_reqs, grammar_errors, out)
             out.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
             return out
-        packed = self._to_host(torch.cat([tokens, logits_ok.long(), ok.long()]))
-        logprobs = [(idx, self._to_host(ints), self._to_host(fl)) for idx, ints, fl in groups]
+        packed = to_host(torch.cat([tokens, logits_ok.long(), ok.long()]))
+        logprobs = [(idx, to_host(ints), to_host(fl)) for idx, ints, fl in groups]
         for p in prompt_logprobs:
-            p.parts = [(self._to_host(ints), self._to_host(fl)) for ints, fl in p.parts]
+            p.parts = [(to_host(ints), to_host(fl)) for ints, fl in p.parts]
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -559,15 +559,6 @@ class ModelRunner:
         )  # fmt: skip
         self._deferred = [d for d in self._deferred if not d.done] + [deferred]
         return deferred
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of device tensor ``t`` into pinned host memory, queued behind the work
-        before it (read it after an event recorded later); ``t`` itself on the CPU."""
-        if self.device.type != "cuda":
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
 
     @torch.inference_mode()
     def execute_model(
