@@ -254,8 +254,6 @@ def start_point(args, policy: str, log: Path, routing: str | None = None):
 # (prefills over cached contexts), outside the workload: the counters a result reports are
 # deltas taken after it, and its prompts share no prefix with the workload's.
 WARMUP_MAX_TOKENS = 8
-
-
 WORD_TOKENS = 4  # at most, for a word "w<number>" and its space (SmolLM2's tokenizer: ~3.9)
 
 

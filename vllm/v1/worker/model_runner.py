@@ -650,9 +650,10 @@ class ModelRunner:
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]`` without waiting for the device: a list index is copied up from
         pageable memory, which synchronizes the stream on CUDA (the step before is still
-        running under --async-scheduling); this index goes up from pinned memory. A
-        decode-only step samples every row: ``hidden`` itself, no index at all."""
-        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+        running under --async-scheduling); this index goes up from pinned memory.
+        ``rows`` ascend without repeats, so as many as ``hidden`` has are all of them (a
+        decode-only step samples every row): ``hidden`` itself, no index at all."""
+        if len(rows) == hidden.shape[0]:
             return hidden
         return hidden.index_select(0, to_device(rows, torch.long, self.device))
 
