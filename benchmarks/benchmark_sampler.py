@@ -12,6 +12,18 @@ on the same logits, and checks they give the same tokens (seeded rows).
         [--vocab 128256] [--prompt-len 512] [--output-len 128] [--device cpu|cuda]
         [--mix penalties|filters|both] [--repeats 5] [--json-out FILE]
 
+``--top-p-ab`` times something else: top-p's two ways of ranking each row's probabilities
+(``sampler.apply_top_p``), ``torch.sort`` (which orders the token ids too; until session
+23 the sampler's only way) against the CPU's default, numpy's ranking of the values alone,
+as ``sample`` on rows with a temperature and a top-p, interleaved in one run, and checks
+that both draw the same tokens. ``--logits real`` takes the rows from the embedded model
+(SmolLM2-135M-Instruct, vocabulary 49,152) while it writes text, as a served model's
+nuclei are, and adds ``LLM.chat`` end to end; ``random`` is standard-normal logits, a far
+wider nucleus (the worst case).
+
+    .venv/bin/python benchmarks/benchmark_sampler.py --top-p-ab [--logits real|random]
+        [--temperature 0.7] [--top-p 0.9] [--num-requests 1 16 64 256]
+
 Medians of ``--repeats`` timed calls after one warm-up. The figures are this machine's:
 name its CPU (or GPU) with them.
 """
@@ -29,6 +41,7 @@ from pathlib import Path
 import torch
 
 from vllm.sampling_params import SamplingParams
+from vllm.v1.sample import sampler
 from vllm.v1.sample.sampler import PrefixView, SamplingRow, sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,6 +111,149 @@ def measure(n: int, args: argparse.Namespace, device: torch.device) -> dict:
     )
 
 
+REAL_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash map works and when to use one.",
+    "List five ideas for a weekend trip near the mountains, with reasons.",
+    "Describe the water cycle to a ten-year-old.",
+    "What are the pros and cons of working from home?",
+    "Write a poem about autumn leaves.",
+    "Summarize the plot of a detective novel you would like to read.",
+    "Give advice to someone learning to play the guitar.",
+]
+
+
+def real_logits(llm, count: int, args: argparse.Namespace) -> torch.Tensor:
+    """``count`` rows of ``llm``'s logits, one per token it wrote (sampled with the A/B's
+    own temperature and top-p), captured from ``compute_logits``."""
+    model = llm.engine_core.model_runner.model
+    captured: list[torch.Tensor] = []
+    compute = model.compute_logits
+
+    def capture(hidden):
+        out = compute(hidden)
+        captured.append(out.detach().clone())
+        return out
+
+    model.compute_logits = capture
+    try:
+        per_prompt = -(-count // len(REAL_PROMPTS)) + 1
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0,
+                                max_tokens=per_prompt, ignore_eos=True)  # fmt: skip
+        llm.chat([[{"role": "user", "content": p}] for p in REAL_PROMPTS], params)
+    finally:
+        model.compute_logits = compute
+    rows = torch.cat(captured)
+    return rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))][:count]
+
+
+def nucleus_by(numpy_sort: bool | None):
+    """``sampler.apply_top_p`` with its way fixed, for a ``with`` block."""
+    default = sampler.apply_top_p
+
+    class Fixed:
+        def __enter__(self):
+            sampler.apply_top_p = lambda x, top_p: default(x, top_p, numpy_sort=numpy_sort)
+
+        def __exit__(self, *exc):
+            sampler.apply_top_p = default
+
+    return Fixed()
+
+
+def end_to_end(llm, args: argparse.Namespace) -> dict:
+    """``llm.chat`` of ``len(REAL_PROMPTS) * 2`` chats, 64 tokens each, sampled with the
+    temperature and top-p: output tok/s ranked by ``torch.sort`` and by numpy's,
+    interleaved (medians)."""
+    prompts = [[{"role": "user", "content": p}] for p in REAL_PROMPTS * 2]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=1,
+                            max_tokens=64, ignore_eos=True)  # fmt: skip
+    rates: dict[str, list[float]] = {"torch": [], "numpy": []}
+    for _ in range(max(args.repeats // 2, 1)):
+        for name, numpy_sort in (("torch", False), ("numpy", None)):
+            with nucleus_by(numpy_sort):
+                start = time.perf_counter()
+                outs = llm.chat(prompts, params)
+                elapsed = time.perf_counter() - start
+            rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    torch_rate = round(statistics.median(rates["torch"]), 1)
+    numpy_rate = round(statistics.median(rates["numpy"]), 1)
+    return dict(requests=len(prompts), max_tokens=64, torch_sort_tok_per_s=torch_rate,
+                numpy_sort_tok_per_s=numpy_rate,
+                speedup=round(numpy_rate / torch_rate, 2))  # fmt: skip
+
+
+def top_p_ab(n: int, logits: torch.Tensor, args: argparse.Namespace) -> dict:
+    """``sample`` on ``n`` rows with a temperature and a top-p, ranked by ``torch.sort``
+    and by numpy's (``apply_top_p``), interleaved; the same tokens; nucleus sizes."""
+    device = logits.device
+    x = logits[:n].to(device)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
+    rows = [SamplingRow(params, torch.Generator(device=device), [], []) for _ in range(n)]
+
+    def run(numpy_sort: bool | None):
+        with nucleus_by(numpy_sort):
+            reseed(rows)
+            return sample(x, rows).token_ids
+
+    same = run(False) == run(None)  # also the warm-up of both
+    t_torch, t_numpy = [], []
+    for _ in range(args.repeats):
+        t_torch.append(timed(lambda: run(False), device))
+        t_numpy.append(timed(lambda: run(None), device))
+    top_p = torch.full((n,), args.top_p, dtype=torch.float64, device=device)
+    kept = torch.isfinite(sampler.apply_top_p(x / args.temperature, top_p)).sum(-1).float()
+    torch_ms = round(statistics.median(t_torch) * 1e3, 3)
+    numpy_ms = round(statistics.median(t_numpy) * 1e3, 3)
+    return dict(
+        num_requests=n,
+        torch_sort_ms=torch_ms,
+        numpy_sort_ms=numpy_ms,
+        speedup=round(torch_ms / numpy_ms, 2),
+        same_tokens=same,
+        nucleus_median=int(kept.median()),
+        nucleus_max=int(kept.max()),
+    )
+
+
+def main_top_p(args: argparse.Namespace, device: torch.device, machine: dict) -> int:
+    count = max(args.num_requests)
+    llm, e2e = None, None
+    if args.logits == "real":
+        from vllm import LLM
+
+        llm = LLM(max_num_seqs=len(REAL_PROMPTS) * 2)
+        try:
+            logits = real_logits(llm, count, args)
+            if device.type == "cpu":  # the engine's own device
+                e2e = end_to_end(llm, args)
+        finally:
+            llm.shutdown()
+    else:
+        logits = torch.randn(count, args.vocab, generator=torch.Generator().manual_seed(0))
+    print(f"# {machine['device_name']} ({machine.get('vector_extensions', device.type)}), "
+          f"{torch.get_num_threads()} threads, {args.logits} logits, vocab {logits.shape[1]}, "
+          f"temperature {args.temperature}, top_p {args.top_p}")  # fmt: skip
+    print("| N | torch.sort ms | numpy sort ms | speedup | same tokens | nucleus median / max |")
+    print("|---|---|---|---|---|---|")
+    results = []
+    for n in args.num_requests:
+        r = top_p_ab(n, logits, args)
+        results.append(r)
+        print(f"| {n} | {r['torch_sort_ms']} | {r['numpy_sort_ms']} | {r['speedup']}x | "
+              f"{r['same_tokens']} | {r['nucleus_median']} / {r['nucleus_max']} |",
+              flush=True)  # fmt: skip
+    if e2e is not None:
+        print(f"end to end: {e2e['requests']} chats x {e2e['max_tokens']} tokens, "
+              f"{e2e['torch_sort_tok_per_s']} tok/s by torch.sort, "
+              f"{e2e['numpy_sort_tok_per_s']} by numpy's ({e2e['speedup']}x)")  # fmt: skip
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(dict(device=str(device), machine=machine, args=vars(args),
+                           top_p_ab=results, end_to_end=e2e), f, indent=1)  # fmt: skip
+    return 0 if all(r["same_tokens"] for r in results) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -108,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json-out", help="write the results here too")
+    ap.add_argument(
+        "--top-p-ab", action="store_true", help="torch.sort against numpy for top-p (module doc)"
+    )
+    ap.add_argument(
+        "--logits",
+        choices=["real", "random"],
+        default="real",
+        help="--top-p-ab's rows: the embedded model's, or standard normal",
+    )
+    ap.add_argument("--temperature", type=float, default=0.7, help="--top-p-ab's")
+    ap.add_argument("--top-p", type=float, default=0.9, help="--top-p-ab's")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -115,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = benchmark_gpu.machine_info(device)
     if device.type == "cpu":
         machine["vector_extensions"] = benchmark_gpu.vector_extensions()
+    if args.top_p_ab:
+        return main_top_p(args, device, machine)
     print(f"# {machine['device_name']} ({machine.get('vector_extensions', device.type)}), "
           f"{torch.get_num_threads()} threads, vocab {args.vocab}, "
           f"mix {args.mix}: {MIXES[args.mix]}")  # fmt: skip

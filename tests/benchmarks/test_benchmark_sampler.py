@@ -37,3 +37,20 @@ def test_gpu_kit_runs_the_sampler_step(tmp_path):
     report = json.loads((tmp_path / "sampler-1.json").read_text())
     assert report["results"][1]["num_requests"] == 5
     assert "=== sampler: exit status 0" in (tmp_path / "run.log").read_text()
+
+
+def test_top_p_ab_ranks_by_both_sorts_with_the_same_tokens(tmp_path, capsys):
+    bench = load_script(SCRIPT)
+    out = tmp_path / "top-p.json"
+    argv = ["--top-p-ab", "--logits", "random", "--vocab", "3000", "--num-requests", "1", "6",
+            "--repeats", "1", "--device", "cpu", "--json-out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    rows = report["top_p_ab"]
+    assert [r["num_requests"] for r in rows] == [1, 6]
+    for r in rows:
+        assert r["same_tokens"] is True
+        assert r["speedup"] == round(r["torch_sort_ms"] / r["numpy_sort_ms"], 2)
+        assert 1 <= r["nucleus_median"] <= r["nucleus_max"] <= 3000
+    assert report["end_to_end"] is None  # only with the embedded model's logits
+    assert "| 6 |" in capsys.readouterr().out

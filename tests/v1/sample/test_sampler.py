@@ -20,6 +20,7 @@ from vllm.v1.sample.sampler import (
     SamplingRow,
     apply_penalties,
     apply_penalties_to_rows,
+    apply_top_p,
     draw,
     filter_logits,
     is_bare,
@@ -147,6 +148,63 @@ def test_top_p_below_float32_resolution_keeps_the_top_token(top_p):
     ]
     out = sample(logits[None, :].clone(), [row(seed=0, temperature=1.0, top_p=top_p)])
     assert out.token_ids == [1] and not out.errors
+
+
+def test_top_p_keeps_every_tie_of_the_token_crossing_it():
+    # probs 0.4, 0.2, 0.2, 0.2: the first 0.2 crosses 0.5 and is kept, and so are the
+    # other two, as likely as it (whichever a sort would have put first), as top-k keeps
+    # ties with its k-th.
+    logits = torch.tensor([0.2, 0.4, 0.2, 0.2, 0.0]).clamp(min=1e-9).log()
+    for numpy_sort in (True, False):
+        out = apply_top_p(logits[None], torch.tensor([0.5], dtype=torch.float64), numpy_sort)
+        assert torch.isfinite(out[0]).tolist() == [True, True, True, True, False]
+    assert torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.5))).sum() == 4
+
+
+def _nucleus_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of every shape a nucleus takes: peaked, flat, a wide band of equal logits at
+    the edge, -inf entries (top-k before), no top-p, top_p near 0 and 1, a NaN row."""
+    gen = torch.Generator().manual_seed(0)
+    rows, top_p = [], []
+    for scale, p in [(8.0, 0.9), (1.0, 0.95), (0.1, 0.5), (4.0, 0.999), (3.0, 1e-300), (2.0, 0.7)]:
+        rows.append(torch.randn(vocab, generator=gen) * scale)
+        top_p.append(p)
+    band = torch.full((vocab,), -5.0)
+    band[7] = 3.0
+    band[10:60] = 1.0  # 50 ties: the edge ties with every candidate past the first
+    rows.append(band)
+    top_p.append(0.6)
+    topk = torch.randn(vocab, generator=gen) * 2
+    topk[topk < topk.quantile(0.9)] = float("-inf")
+    rows += [topk, torch.randn(vocab, generator=gen)]
+    top_p += [0.8, float("inf")]
+    nan = torch.randn(vocab, generator=gen)
+    nan[3] = float("nan")
+    rows.append(nan)
+    top_p.append(0.9)
+    return torch.stack(rows), torch.tensor(top_p, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("candidates", [1, 8, 64, 1024])
+def test_top_p_ranked_by_numpy_equals_torch_s_sort_alone_and_in_a_batch(monkeypatch, candidates):
+    # On a CPU numpy ranks the probabilities (values only): each row's most likely
+    # candidates first, all of them for the rows whose nucleus is wider (1: every row
+    # with more than one token kept; 1024: more than the vocabulary, one sort). Elsewhere
+    # torch sorts every row. All give exactly the same mask, in a batch and row by row.
+    from vllm.v1.sample import sampler
+
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
+    x, top_p = _nucleus_rows(300)
+    by_torch = apply_top_p(x, top_p, numpy_sort=False)
+    by_numpy = apply_top_p(x, top_p)
+    assert torch.equal(by_torch[:-1], by_numpy[:-1])
+    assert torch.isnan(by_numpy[-1]).any() and torch.isnan(by_torch[-1]).any()  # fails
+    for i in range(len(x) - 1):
+        assert torch.equal(apply_top_p(x[i : i + 1], top_p[i : i + 1])[0], by_numpy[i])
+    kept = torch.isfinite(by_numpy).sum(-1).tolist()
+    assert kept[6] == 51 and kept[7] <= 30 and kept[8] == 300  # the band, top-k, no top-p
+    assert kept[4] == 1  # top_p below float32's resolution: the top token alone
+    assert kept[0] == 1 and 1 < kept[5] < kept[1] < 300  # peaked rows narrower than flat ones
 
 
 def test_top_k_then_top_p_compose():
