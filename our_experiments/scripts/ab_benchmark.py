@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> dict:
         choices=TOOL_MIXES,
         default="fork",
         help="fork: the research fork's per-turn tool table; slow: 30%% of tools are builds, "
-        "installs or whole test suites (10-60 s) and each turn's command is hinted",
+        "installs or whole test suites (10-60 s) and each turn's command is hinted and "
+        "called through guided decoding; guided: the fork table's tools called that way "
+        "(for random-weight models)",
     )
     ap.add_argument("--corpus", type=Path, default=None, help="tool-output corpus JSON")
     ap.add_argument("--seed", type=int, default=0)

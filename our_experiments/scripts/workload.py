@@ -70,11 +70,15 @@ SLOW_TOOLS: list[tuple[str, float, float, str]] = [
     ("test_suite", 15.0, 60.0, "test_log"),
 ]
 SLOW_SHARE = 0.3
-TOOL_MIXES = ("fork", "slow")
+TOOL_MIXES = ("fork", "slow", "guided")
 # The "slow" mix's agent calls its shell through OpenAI function calling (as most agent
 # frameworks do), and each turn's command is the one whose time the simulation waits:
 # the `bash` tool's schema allows exactly that command, so guided decoding writes it
 # (SmolLM2-135M does not follow a written hint), and the policy parses the real call.
+# The "guided" mix is the fork mix's tools called that way: for a random-weight model
+# (the GPU study's), whose own text names no command, so that ContextServe judges the
+# commands the simulation runs instead of calling every turn UNCERTAIN.
+HINTED_MIXES = ("slow", "guided")
 HINTS = {
     "listing": "find . -name '*.py' | head -50",
     "source": "cat src/cache.py",
@@ -206,7 +210,8 @@ def make_job(
 ) -> JobSpec:
     """A synthetic job: a task, then per-turn tools from ``TOOL_TABLE`` (mix "fork"), or
     from that table with ``SLOW_SHARE`` of them slow and each turn's command hinted to
-    the agent (mix "slow")."""
+    the agent (mix "slow"), or the fork mix's tools with the commands hinted (mix
+    "guided")."""
     if turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
     if mix not in TOOL_MIXES:
@@ -218,7 +223,7 @@ def make_job(
         if i < turns - 1:
             kind, seconds, corpus_kind = _pick_tool(i, mix, rng)
             turn.tool_kind, turn.tool_s = kind, seconds
-            if mix == "slow":
+            if mix in HINTED_MIXES:
                 turn.command = HINTS[kind]
                 turn.user_content += f"\nNext, run: {turn.command}"
             chars = rng.randint(*SIZE_CHARS[corpus_kind])

@@ -43,12 +43,27 @@ SWEEP = REPO / "our_experiments" / "scripts" / "run_sweep.py"
 COMMITTED = "our_experiments/results"  # where a study's folder is committed
 
 
-def default_label(shape: str) -> str:
+def default_label(shape: str, sweep_args: list[str] = ()) -> str:
+    """card-shape, and -MIX for a tool mix other than the fork mix (its points must not
+    share a folder, or a name, with the fork mix's)."""
+    mix = tool_mix(list(sweep_args))
+    suffix = "" if mix == "fork" else f"-{mix}"
     if not torch.cuda.is_available():
-        return f"cpu-{shape}"
+        return f"cpu-{shape}{suffix}"
     name = torch.cuda.get_device_name().lower()
     card = next((c for c in ("h200", "h100", "a100", "l40s", "rtx") if c in name), "gpu")
-    return f"{card}-{shape}"
+    return f"{card}-{shape}{suffix}"
+
+
+def tool_mix(sweep_args: list[str]) -> str:
+    """The sweep's ``--tool-mix`` (run_sweep's default: fork)."""
+    mix = "fork"
+    for i, a in enumerate(sweep_args):
+        if a == "--tool-mix" and i + 1 < len(sweep_args):
+            mix = sweep_args[i + 1]
+        elif a.startswith("--tool-mix="):
+            mix = a.split("=", 1)[1]
+    return mix
 
 
 def kv_block_bytes(shape: str, block_size: int = 16) -> int:
@@ -90,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a.split("=")[0] in ("--machine", "--results-dir") for a in sweep_args):
         ap.error("--label and --out place the results; --machine/--results-dir are set here")
     shape = args.shape or ("llama-3.1-8b" if torch.cuda.is_available() else "tiny")
-    label = args.label or default_label(shape)
+    label = args.label or default_label(shape, sweep_args)
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = make_model(shape, Path("/tmp/vllm-study-models"))
     if not any(a.split("=")[0] == "--kv-block-bytes" for a in sweep_args):

@@ -265,6 +265,19 @@ def test_study_sizes_tiers_in_the_shapes_blocks():
     assert study.kv_block_bytes("llama-3.1-8b") == 16 * 65_536 * itemsize
 
 
+def test_study_labels_a_tool_mix_other_than_fork_apart():
+    sys.path.insert(0, str(KIT))
+    try:
+        import study
+    finally:
+        sys.path.remove(str(KIT))
+    base = study.default_label("tiny")
+    assert study.default_label("tiny", ["--jps", "1.5"]) == base
+    assert study.default_label("tiny", ["--tool-mix", "fork"]) == base
+    assert study.default_label("tiny", ["--tool-mix", "guided", "--jps", "1"]) == f"{base}-guided"
+    assert study.default_label("tiny", ["--tool-mix=slow"]) == f"{base}-slow"
+
+
 def test_run_sh_refuses_an_unknown_step(tmp_path):
     env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "OUT": str(tmp_path)}
     done = subprocess.run([str(KIT / "run.sh"), "benchmark"], env=env, timeout=60)

@@ -364,6 +364,22 @@ def test_slow_mix_hints_each_command_and_makes_a_share_of_tools_slow(corpus):
         make_job("x", 0, 2, 16, corpus, random.Random(0), mix="fast")
 
 
+def test_guided_mix_is_the_fork_mix_with_each_command_hinted_and_called(corpus):
+    # For a random-weight model: the fork mix's tools, times and outputs, and the command
+    # each turn runs written through a guided tool call, so that ContextServe judges it.
+    for i in range(10):
+        fork = make_job(f"j{i}", 0, 8, 16, corpus, random.Random(i))
+        guided = make_job(f"j{i}", 0, 8, 16, corpus, random.Random(i), mix="guided")
+        for f, g in zip(fork.turns, guided.turns, strict=True):
+            assert (g.tool_kind, g.tool_s) == (f.tool_kind, f.tool_s)
+            if f.tool_kind is None:  # the last turn runs no tool
+                assert g.command is None and g.user_content == f.user_content
+                continue
+            assert f.command is None and g.command == HINTS[f.tool_kind]
+            assert g.user_content == f"{f.user_content}\nNext, run: {g.command}"
+            assert shell_tool_call(g.command)["tool_choice"]["function"]["name"] == "bash"
+
+
 def test_labelled_delta_keeps_what_moved_including_series_born_mid_run():
     before = {"a{speed=fast}": 2.0, "a{speed=slow}": 1.0}
     after = {"a{speed=fast}": 5.0, "a{speed=slow}": 1.0, "a{speed=uncertain}": 3.0}
