@@ -82,6 +82,18 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def interleaved(a, b, repeats: int, device: torch.device) -> tuple[bool, float, float]:
+    """Whether ``a()`` and ``b()`` give the same (also their warm-up), and each one's
+    median ms over ``repeats`` interleaved calls (drift hits both alike), rounded as
+    printed, so that a ratio of the two agrees with the record."""
+    same = a() == b()
+    t_a, t_b = [], []
+    for _ in range(repeats):
+        t_a.append(timed(a, device))
+        t_b.append(timed(b, device))
+    return (same, round(statistics.median(t_a) * 1e3, 3), round(statistics.median(t_b) * 1e3, 3))
+
+
 def measure(n: int, args: argparse.Namespace, device: torch.device) -> dict:
     logits = torch.randn(n, args.vocab, generator=torch.Generator().manual_seed(n)).to(device)
     rows = make_rows(n, args, device)
@@ -94,14 +106,7 @@ def measure(n: int, args: argparse.Namespace, device: torch.device) -> dict:
         reseed(rows)
         return [sample(logits[i : i + 1], [r]).token_ids[0] for i, r in enumerate(rows)]
 
-    same = together() == alone()  # also the warm-up of both
-    t_batch, t_rows = [], []
-    for _ in range(args.repeats):  # interleaved: drift hits both alike
-        t_batch.append(timed(together, device))
-        t_rows.append(timed(alone, device))
-    # The ratio of the figures as printed, so that the record agrees with itself.
-    batch_ms = round(statistics.median(t_batch) * 1e3, 3)
-    rows_ms = round(statistics.median(t_rows) * 1e3, 3)
+    same, batch_ms, rows_ms = interleaved(together, alone, args.repeats, device)
     return dict(
         num_requests=n,
         together_ms=batch_ms,
@@ -109,6 +114,18 @@ def measure(n: int, args: argparse.Namespace, device: torch.device) -> dict:
         speedup=round(rows_ms / batch_ms, 2),
         same_tokens=same,
     )
+
+
+def table(header: list[str], cells: list, rows) -> list[dict]:
+    """Print a markdown table, a line per result of ``rows`` as it comes (``cells``: one
+    function per column), and return the results."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    results = []
+    for r in rows:
+        results.append(r)
+        print("| " + " | ".join(str(cell(r)) for cell in cells) + " |", flush=True)
+    return results
 
 
 REAL_PROMPTS = [
@@ -196,15 +213,11 @@ def top_p_ab(n: int, logits: torch.Tensor, args: argparse.Namespace) -> dict:
             reseed(rows)
             return sample(x, rows).token_ids
 
-    same = run(False) == run(None)  # also the warm-up of both
-    t_torch, t_numpy = [], []
-    for _ in range(args.repeats):
-        t_torch.append(timed(lambda: run(False), device))
-        t_numpy.append(timed(lambda: run(None), device))
+    same, torch_ms, numpy_ms = interleaved(
+        lambda: run(False), lambda: run(None), args.repeats, device
+    )
     top_p = torch.full((n,), args.top_p, dtype=torch.float64, device=device)
     kept = torch.isfinite(sampler.apply_top_p(x / args.temperature, top_p)).sum(-1).float()
-    torch_ms = round(statistics.median(t_torch) * 1e3, 3)
-    numpy_ms = round(statistics.median(t_numpy) * 1e3, 3)
     return dict(
         num_requests=n,
         torch_sort_ms=torch_ms,
@@ -234,15 +247,13 @@ def main_top_p(args: argparse.Namespace, device: torch.device, machine: dict) ->
     print(f"# {machine['device_name']} ({machine.get('vector_extensions', device.type)}), "
           f"{torch.get_num_threads()} threads, {args.logits} logits, vocab {logits.shape[1]}, "
           f"temperature {args.temperature}, top_p {args.top_p}")  # fmt: skip
-    print("| N | torch.sort ms | numpy sort ms | speedup | same tokens | nucleus median / max |")
-    print("|---|---|---|---|---|---|")
-    results = []
-    for n in args.num_requests:
-        r = top_p_ab(n, logits, args)
-        results.append(r)
-        print(f"| {n} | {r['torch_sort_ms']} | {r['numpy_sort_ms']} | {r['speedup']}x | "
-              f"{r['same_tokens']} | {r['nucleus_median']} / {r['nucleus_max']} |",
-              flush=True)  # fmt: skip
+    results = table(
+        ["N", "torch.sort ms", "numpy sort ms", "speedup", "same tokens", "nucleus median / max"],
+        [lambda r: r["num_requests"], lambda r: r["torch_sort_ms"], lambda r: r["numpy_sort_ms"],
+         lambda r: f"{r['speedup']}x", lambda r: r["same_tokens"],
+         lambda r: f"{r['nucleus_median']} / {r['nucleus_max']}"],
+        (top_p_ab(n, logits, args) for n in args.num_requests),
+    )  # fmt: skip
     if e2e is not None:
         print(f"end to end: {e2e['requests']} chats x {e2e['max_tokens']} tokens, "
               f"{e2e['torch_sort_tok_per_s']} tok/s by torch.sort, "
@@ -287,14 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {machine['device_name']} ({machine.get('vector_extensions', device.type)}), "
           f"{torch.get_num_threads()} threads, vocab {args.vocab}, "
           f"mix {args.mix}: {MIXES[args.mix]}")  # fmt: skip
-    print("| N | together ms | row by row ms | speedup | same tokens |")
-    print("|---|---|---|---|---|")
-    results = []
-    for n in args.num_requests:
-        r = measure(n, args, device)
-        results.append(r)
-        print(f"| {n} | {r['together_ms']} | {r['row_by_row_ms']} | {r['speedup']}x "
-              f"| {r['same_tokens']} |", flush=True)  # fmt: skip
+    results = table(
+        ["N", "together ms", "row by row ms", "speedup", "same tokens"],
+        [lambda r: r["num_requests"], lambda r: r["together_ms"], lambda r: r["row_by_row_ms"],
+         lambda r: f"{r['speedup']}x", lambda r: r["same_tokens"]],
+        (measure(n, args, device) for n in args.num_requests),
+    )  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(dict(device=str(device), machine=machine, args=vars(args),
