@@ -2,9 +2,12 @@
 bf16 on AMX) against the fp32 model: logits at every position, perplexity, and greedy
 outputs, each activation type with its own measured bounds (slow).
 
-Bounds from measurements on the fixed inputs, with a margin (docs/kernels.md):
-- int8: 256 positions of docs/design.md, 16 a forward, gave max |logit diff| 3.8 and top-1
-  240/256; perplexity on 512 tokens 107.02 against fp32's 107.22; greedy 24 tokens, 6/8
+Bounds from measurements on the fixed inputs, with a margin (docs/kernels.md). The text
+is the start of docs/design.md as it was then, frozen in data/perplexity_text.md (the
+live file drifted: test_gguf_quantization.ACCURACY_TEXT):
+- int8: 256 positions of that text, 16 a forward, gave max |logit diff| 3.8 and top-1
+  240/256; perplexity on 512 tokens 107.02 against fp32's 107.22 (107.85 on a
+  Sapphire Rapids-class Xeon with AMX, session 23: +0.58%); greedy 24 tokens, 6/8
   outputs identical with SDPA as the prefill attention, 3/8 with the native prefill kernel
   (top-1 then 244/256): the prompts' hidden states move by float rounding (<= 8e-5), and
   int8 decode's near-ties flip on that.

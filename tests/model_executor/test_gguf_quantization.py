@@ -10,6 +10,8 @@ own tolerances in test_gguf_bf16_prefill.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,12 +129,20 @@ def chunked_logits(runner, ids: list[int], tokens_per_step: int) -> torch.Tensor
     return torch.cat(out)
 
 
+# The accuracy tests' text: the start of docs/design.md as it was when their bounds were
+# measured (7f440d2), frozen here. eval_perplexity's default is the live docs/design.md,
+# which sessions edit: by session 23 its first 512 tokens had a perplexity of 76.9
+# against 107.2, and the int8 decode path's ratio to fp32 had moved from +0.6% to +1.05%
+# on the same Xeon, past the 1% bound, with no change to any kernel.
+ACCURACY_TEXT = Path(__file__).resolve().parent / "data" / "perplexity_text.md"
+
+
 def decode_act_vs_fp32(
     monkeypatch, act: str, tokens_per_step: int = 16, num_tokens: int = 256
 ) -> tuple[float, float]:
     """Max |logit difference| and top-1 agreement of the gguf model loaded with
     ``VLLM_CPU_GGUF_DECODE_ACT=act`` (every layer checked to take it) against fp32, at every
-    position of eval_perplexity's text's first ``num_tokens`` tokens, ``tokens_per_step`` a
+    position of ``ACCURACY_TEXT``'s first ``num_tokens`` tokens, ``tokens_per_step`` a
     forward."""
     from tests.benchmarks.test_eval_perplexity import SCRIPT
     from tests.utils import load_script
@@ -140,7 +150,7 @@ def decode_act_vs_fp32(
 
     monkeypatch.setenv("VLLM_CPU_GGUF_DECODE_ACT", act)
     script = load_script(SCRIPT)
-    ids = script.text_tokens(script.DEFAULT_TEXT, num_tokens)
+    ids = script.text_tokens(ACCURACY_TEXT, num_tokens)
     runner = load_runner(len(ids))
     fp32 = chunked_logits(runner, ids, tokens_per_step)
     quantize(runner)
@@ -151,13 +161,13 @@ def decode_act_vs_fp32(
 
 
 def gguf_perplexities(tokens_per_step: int, num_tokens: int = 512) -> dict[str, float]:
-    """eval_perplexity's fp32 and gguf perplexities on its shipped text, ``tokens_per_step``
+    """eval_perplexity's fp32 and gguf perplexities on ``ACCURACY_TEXT``, ``tokens_per_step``
     tokens a forward (the gguf switches as the environment sets them)."""
     from tests.benchmarks.test_eval_perplexity import SCRIPT
     from tests.utils import load_script
 
     script = load_script(SCRIPT)
-    ids = script.text_tokens(script.DEFAULT_TEXT, num_tokens)
+    ids = script.text_tokens(ACCURACY_TEXT, num_tokens)
     ppl = script.perplexities(ids, tokens_per_step=tokens_per_step)
     print(f"perplexity on {num_tokens} tokens, {tokens_per_step} per forward: {ppl}")
     return ppl
