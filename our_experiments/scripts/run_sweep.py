@@ -4,7 +4,8 @@ For each JPS value and each policy (interleaved, so that machine drift hits ever
 alike) a `vllm serve` starts on a free loopback port with the same KV pool and flags,
 ab_benchmark plays the workload against it, and the result JSON lands in
 `our_experiments/results/<machine>/<policy>_jps<jps>.json` (server logs in `logs/`).
-A point whose file exists is skipped unless --force, so an interrupted sweep resumes.
+A point whose file exists is skipped unless --force, so an interrupted sweep resumes; one
+that exists from another workload (tool mix, seed, arrival window) stops the sweep.
 
     .venv/bin/python our_experiments/scripts/run_sweep.py --policies fcfs continuum \\
         --jps 0.02 0.04 0.06 0.08 --duration 120 --num-gpu-blocks 400
@@ -428,11 +429,35 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         upstream_python(args.upstream_venv)
 
 
+def workload_mismatch(result: dict, args) -> str | None:
+    """How an existing point's workload differs from the one this sweep would play (its
+    tool mix, seed or arrival window), or None: a resumed sweep skips only its own points,
+    never, say, a fork-mix point of the same policy and load when it asks the guided mix.
+    A field the result does not record (older results) is not compared."""
+    wanted = {
+        "tool_mix": None if args.trace else args.tool_mix,
+        "seed": args.seed,
+        "duration_s": args.duration,
+    }
+    diffs = [
+        f"{key} {result[key]!r}, not {value!r}"
+        for key, value in wanted.items()
+        if key in result and result[key] != value
+    ]
+    return "; ".join(diffs) or None
+
+
 def run_point(args, out_dir: Path, policy: str, jps: float, routing: str | None) -> None:
     """One point: fresh server(s), the workload, the result JSON (skipped if it exists)."""
     label = point_label(args, policy, routing)
     out = result_path(out_dir, label, jps)
     if out.exists() and not args.force:
+        why = workload_mismatch(json.loads(out.read_text()), args)
+        if why:
+            raise SystemExit(
+                f"{out} exists from another workload ({why}): --force replaces it, "
+                "--machine gives this sweep's points a folder of their own"
+            )
         print(f"skip {out.name} (exists)")
         return
     log = out_dir / "logs" / f"{label}_jps{jps:g}.log"

@@ -185,3 +185,21 @@ def test_routings_and_policies_are_interleaved_at_each_load(monkeypatch, tmp_pat
     assert config["routing_policy"] == ["round_robin", "program"]
     assert config["router_arg"] == ["--log-level", "debug"]
     assert config["program_scheduling"]["token_capacity_per_dp_rank"] == 400 * 16
+
+
+def test_a_resumed_sweep_skips_its_own_points_only(monkeypatch, tmp_path, capsys):
+    # A point written by another workload (here the fork mix, where the sweep asks the
+    # guided one) is not taken for this sweep's: the sweep stops and says why.
+    args = run_sweep.make_parser().parse_args(["--tool-mix", "guided", "--duration", "60"])
+    started = []
+    monkeypatch.setattr(run_sweep, "start_point", lambda *a: started.append(a))
+    out = run_sweep.result_path(tmp_path, "continuum", 1.5)
+    out.write_text(json.dumps({"tool_mix": "fork", "seed": 0, "duration_s": 60.0}))
+    with pytest.raises(SystemExit, match="tool_mix 'fork', not 'guided'"):
+        run_sweep.run_point(args, tmp_path, "continuum", 1.5, None)
+    out.write_text(json.dumps({"tool_mix": "guided", "seed": 0, "duration_s": 60.0}))
+    run_sweep.run_point(args, tmp_path, "continuum", 1.5, None)  # its own: skipped
+    assert "skip" in capsys.readouterr().out
+    out.write_text(json.dumps({"policy": "continuum"}))  # an older result: nothing to compare
+    run_sweep.run_point(args, tmp_path, "continuum", 1.5, None)
+    assert started == []
