@@ -31,6 +31,7 @@ name its CPU (or GPU) with them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -164,18 +165,15 @@ def real_logits(llm, count: int, args: argparse.Namespace) -> torch.Tensor:
     return rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))][:count]
 
 
+@contextlib.contextmanager
 def nucleus_by(numpy_sort: bool | None):
-    """``sampler.apply_top_p`` with its way fixed, for a ``with`` block."""
+    """``sampler.apply_top_p`` with its way fixed, inside the ``with`` block."""
     default = sampler.apply_top_p
-
-    class Fixed:
-        def __enter__(self):
-            sampler.apply_top_p = lambda x, top_p: default(x, top_p, numpy_sort=numpy_sort)
-
-        def __exit__(self, *exc):
-            sampler.apply_top_p = default
-
-    return Fixed()
+    sampler.apply_top_p = lambda x, top_p: default(x, top_p, numpy_sort=numpy_sort)
+    try:
+        yield
+    finally:
+        sampler.apply_top_p = default
 
 
 def end_to_end(llm, args: argparse.Namespace) -> dict:
@@ -231,7 +229,7 @@ def top_p_ab(n: int, logits: torch.Tensor, args: argparse.Namespace) -> dict:
 
 def main_top_p(args: argparse.Namespace, device: torch.device, machine: dict) -> int:
     count = max(args.num_requests)
-    llm, e2e = None, None
+    e2e = None
     if args.logits == "real":
         from vllm import LLM
 

@@ -56,14 +56,12 @@ def default_label(shape: str, sweep_args: list[str] = ()) -> str:
 
 
 def tool_mix(sweep_args: list[str]) -> str:
-    """The sweep's ``--tool-mix`` (run_sweep's default: fork)."""
-    mix = "fork"
-    for i, a in enumerate(sweep_args):
-        if a == "--tool-mix" and i + 1 < len(sweep_args):
-            mix = sweep_args[i + 1]
-        elif a.startswith("--tool-mix="):
-            mix = a.split("=", 1)[1]
-    return mix
+    """The sweep's ``--tool-mix``, as run_sweep's own parser reads it (its default, its
+    abbreviations)."""
+    sys.path.insert(0, str(REPO))
+    from our_experiments.scripts.run_sweep import make_parser
+
+    return make_parser().parse_known_args(sweep_args)[0].tool_mix
 
 
 def kv_block_bytes(shape: str, block_size: int = 16) -> int:

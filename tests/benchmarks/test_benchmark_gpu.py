@@ -276,6 +276,7 @@ def test_study_labels_a_tool_mix_other_than_fork_apart():
     assert study.default_label("tiny", ["--tool-mix", "fork"]) == base
     assert study.default_label("tiny", ["--tool-mix", "guided", "--jps", "1"]) == f"{base}-guided"
     assert study.default_label("tiny", ["--tool-mix=slow"]) == f"{base}-slow"
+    assert study.default_label("tiny", ["--tool-m", "guided"]) == f"{base}-guided"  # as argparse
 
 
 def test_run_sh_refuses_an_unknown_step(tmp_path):
