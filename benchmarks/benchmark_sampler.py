@@ -24,6 +24,17 @@ wider nucleus (the worst case).
     .venv/bin/python benchmarks/benchmark_sampler.py --top-p-ab [--logits real|random]
         [--temperature 0.7] [--top-p 0.9] [--num-requests 1 16 64 256]
 
+``--penalty-table-ab`` times the penalties' two sources: the rows' histories, built
+into (row, token) entries on the host each step (``apply_penalties_to_rows``'s sparse
+way, the runner's until session 24), against the runner's per-request token tables on the
+device (``penalty_table.PenaltyTable``), as ``sample`` on N rows of
+``--mix``, interleaved, checking the same tokens; it also times the sparse way's host work
+alone (building the entries), which a GPU step pays on the host every step and the tables
+never.
+
+    .venv/bin/python benchmarks/benchmark_sampler.py --penalty-table-ab [--mix penalties]
+        [--vocab 49152] [--num-requests 1 16 64 256]
+
 Medians of ``--repeats`` timed calls after one warm-up. The figures are this machine's:
 name its CPU (or GPU) with them.
 """
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -43,6 +55,7 @@ import torch
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample import sampler
+from vllm.v1.sample.penalty_table import PenaltyTable, has_penalty
 from vllm.v1.sample.sampler import PrefixView, SamplingRow, sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -114,6 +127,41 @@ def measure(n: int, args: argparse.Namespace, device: torch.device) -> dict:
         row_by_row_ms=rows_ms,
         speedup=round(rows_ms / batch_ms, 2),
         same_tokens=same,
+    )
+
+
+def penalty_table_ab(n: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """``sample`` on ``n`` rows of ``--mix``, penalised from their histories and from a
+    ``PenaltyTable``, interleaved; the same tokens; the sparse way's entries alone."""
+    logits = torch.randn(n, args.vocab, generator=torch.Generator().manual_seed(n)).to(device)
+    rows = make_rows(n, args, device)
+    tables = PenaltyTable(args.vocab, device)
+    with_tables = [
+        dataclasses.replace(r, penalty_slot=tables.add(r.prompt_token_ids, r.output_token_ids))
+        for r in rows
+    ]  # the same generators: reseed() serves both
+
+    def histories():
+        reseed(rows)
+        return sample(logits, rows).token_ids
+
+    def from_tables():
+        reseed(rows)
+        return sample(logits, with_tables, tables).token_ids
+
+    same, sparse_ms, dense_ms = interleaved(histories, from_tables, args.repeats, device)
+    parts = [(i, [sampler._ids(r.prompt_token_ids), sampler._ids(r.output_token_ids)])
+             for i, r in enumerate(rows)]  # fmt: skip
+    entries = [timed(lambda: sampler._entries(parts, args.vocab, device), device)
+               for _ in range(args.repeats)]  # fmt: skip
+    return dict(
+        num_requests=n,
+        histories_ms=sparse_ms,
+        tables_ms=dense_ms,
+        ratio=round(sparse_ms / dense_ms, 2),
+        same_tokens=same,
+        host_entries_ms=round(statistics.median(entries) * 1e3, 3),
+        table_mib=round(tables.capacity * args.vocab * 5 / 2**20, 2),
     )
 
 
@@ -282,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         default="real",
         help="--top-p-ab's rows: the embedded model's, or standard normal",
     )
+    ap.add_argument(
+        "--penalty-table-ab",
+        action="store_true",
+        help="penalties from the rows' histories against device token tables (module doc)",
+    )
     ap.add_argument("--temperature", type=float, default=0.7, help="--top-p-ab's")
     ap.add_argument("--top-p", type=float, default=0.9, help="--top-p-ab's")
     args = ap.parse_args(argv)
@@ -293,15 +346,28 @@ def main(argv: list[str] | None = None) -> int:
         machine["vector_extensions"] = benchmark_gpu.vector_extensions()
     if args.top_p_ab:
         return main_top_p(args, device, machine)
+    if args.penalty_table_ab and not has_penalty(SamplingParams(**MIXES[args.mix])):
+        ap.error(f"--penalty-table-ab needs a --mix with penalties, not {args.mix}")
     print(f"# {machine['device_name']} ({machine.get('vector_extensions', device.type)}), "
           f"{torch.get_num_threads()} threads, vocab {args.vocab}, "
           f"mix {args.mix}: {MIXES[args.mix]}")  # fmt: skip
-    results = table(
-        ["N", "together ms", "row by row ms", "speedup", "same tokens"],
-        [lambda r: r["num_requests"], lambda r: r["together_ms"], lambda r: r["row_by_row_ms"],
-         lambda r: f"{r['speedup']}x", lambda r: r["same_tokens"]],
-        (measure(n, args, device) for n in args.num_requests),
-    )  # fmt: skip
+    if args.penalty_table_ab:
+        results = table(
+            ["N", "histories ms", "tables ms", "ratio", "same tokens", "host entries ms",
+             "tables MiB"],
+            [lambda r: r["num_requests"], lambda r: r["histories_ms"], lambda r: r["tables_ms"],
+             lambda r: f"{r['ratio']}x", lambda r: r["same_tokens"],
+             lambda r: r["host_entries_ms"], lambda r: r["table_mib"]],
+            (penalty_table_ab(n, args, device) for n in args.num_requests),
+        )  # fmt: skip
+    else:
+        results = table(
+            ["N", "together ms", "row by row ms", "speedup", "same tokens"],
+            [lambda r: r["num_requests"], lambda r: r["together_ms"],
+             lambda r: r["row_by_row_ms"], lambda r: f"{r['speedup']}x",
+             lambda r: r["same_tokens"]],
+            (measure(n, args, device) for n in args.num_requests),
+        )  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(dict(device=str(device), machine=machine, args=vars(args),

@@ -54,3 +54,23 @@ def test_top_p_ab_ranks_by_both_sorts_with_the_same_tokens(tmp_path, capsys):
         assert 1 <= r["nucleus_median"] <= r["nucleus_max"] <= 3000
     assert report["end_to_end"] is None  # only with the embedded model's logits
     assert "| 6 |" in capsys.readouterr().out
+
+
+def test_penalty_table_ab_samples_the_same_tokens_both_ways(tmp_path, capsys):
+    bench = load_script(SCRIPT)
+    out = tmp_path / "penalties.json"
+    assert bench.main(TINY + ["--penalty-table-ab", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["num_requests"] for r in rows] == [1, 5]
+    for r in rows:
+        assert r["same_tokens"] is True
+        assert r["ratio"] == round(r["histories_ms"] / r["tables_ms"], 2)
+        assert r["host_entries_ms"] > 0 and r["table_mib"] > 0
+    assert "| 5 |" in capsys.readouterr().out
+    try:
+        bench.main(TINY + ["--penalty-table-ab", "--mix", "filters"])
+    except SystemExit as e:  # argparse's error: a mix without penalties has nothing to time
+        assert e.code == 2
+    else:
+        raise AssertionError("--penalty-table-ab --mix filters was accepted")
+    assert "needs a --mix with penalties" in capsys.readouterr().err

@@ -208,6 +208,8 @@ def test_grammar_mask_on_cuda_equals_the_cpu_mask(grammar_setup, device):
 
 # -- the runner: generators on its device, one step end to end ---------------------------
 def test_runner_samples_seeded_penalised_and_batched_rows_on_cuda(device, caplog):
+    from types import SimpleNamespace
+
     from tests.v1.worker.test_model_runner_inputs import FLASH_BUILDER, new_req, sched_out
     from vllm.config import CacheConfig, VllmConfig
     from vllm.v1.worker.model_runner import ModelRunner
@@ -220,9 +222,12 @@ def test_runner_samples_seeded_penalised_and_batched_rows_on_cuda(device, caplog
             g = torch.Generator(device=hidden.device).manual_seed(0)
             return torch.randn(len(hidden), 512, device=hidden.device, generator=g)
 
-    def run() -> dict[str, list[int]]:
+    def run(tables: bool = True) -> dict[str, list[int]]:
         runner = ModelRunner(VllmConfig(cache_config=CacheConfig(block_size=4)), device=device)
         runner.model, runner.attn_backend = RandomLogitsModel(), FLASH_BUILDER
+        runner.arch = SimpleNamespace(vocab_size=512)
+        assert runner.use_penalty_tables  # the default: penalties from device tables
+        runner.use_penalty_tables = tables
         specs = {
             "seeded": {"seed": 3, "temperature": 1.0},
             "seeded2": {"seed": 4, "temperature": 0.7},
@@ -246,6 +251,12 @@ def test_runner_samples_seeded_penalised_and_batched_rows_on_cuda(device, caplog
             for r, t in out.sampled_token_ids.items():
                 tokens[r] += t
         assert runner.requests["seeded"].generator.device.type == "cuda"
+        table = runner.penalty_table
+        if tables:  # the penalised request's row: its prompt, its output counted on CUDA
+            assert table.counts.device.type == "cuda" and table.num_used == 1
+            assert int(table.counts.sum()) == len(tokens["penalised"])
+        else:
+            assert table is None
         return tokens
 
     with caplog.at_level(logging.WARNING, logger="vllm"):
@@ -253,3 +264,4 @@ def test_runner_samples_seeded_penalised_and_batched_rows_on_cuda(device, caplog
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert all(len(t) == 4 for t in first.values())
     assert run() == first  # seeded rows (and greedy) are reproducible on CUDA
+    assert run(tables=False) == first  # the sparse way's penalties: the same tokens

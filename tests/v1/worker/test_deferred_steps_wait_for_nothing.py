@@ -7,10 +7,14 @@ torch's sync debug mode; here the runner runs on ``FakeDevice``'s pretend ``cuda
 (tests/v1/sample/fake_device.py), which records the same operations, with a stand-in
 model (its logits on the device) and the CUDA attention backend's metadata. Steps cover a
 prefill batch (sampled rows picked out of the hidden states), decodes whose input tokens
-are still on the device, greedy, random, logprob and penalised rows.
+are still on the device, greedy, random, logprob and penalised rows. Penalised rows take
+their histories from the device's token tables (``PenaltyTable``, the runner's way), so
+only a grammar's rows make a step land the one before it first.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,6 +81,7 @@ def test_deferred_steps_read_nothing_from_the_device(monkeypatch, kinds):
     with dev:
         runner = ModelRunner(VllmConfig(cache_config=CacheConfig(block_size=BLOCK)), "cuda")
         runner.model = _LogitsModel()
+        runner.arch = SimpleNamespace(vocab_size=VOCAB)
         runner.attn_backend = TorchFlashAttentionBackend(
             1, 1, 8, torch.bfloat16, torch.device("cuda"), BLOCK
         )
@@ -90,13 +95,14 @@ def test_deferred_steps_read_nothing_from_the_device(monkeypatch, kinds):
             )
             for j in range(4)
         ]
-        outputs, waits = [], []
+        outputs, waits, landed = [], [], []
         for so in steps:
             dev.device_reads.clear()
             dev.blocking_uploads.clear()
             out = runner.execute_model(so, defer=True)
             assert isinstance(out, DeferredOutput)
             waits += [f"step {len(outputs)}: {w}" for w in dev.device_reads + dev.blocking_uploads]
+            landed += [outputs[-1].done] if outputs else []
             outputs.append(out)
         tokens = {k: [] for k in prompts}
         for out in outputs:
@@ -106,6 +112,10 @@ def test_deferred_steps_read_nothing_from_the_device(monkeypatch, kinds):
                 tokens[k] += t
     torch.set_num_threads(threads)
     assert waits == []
+    # A grammar's mask needs the step before's token on the host; nothing else does.
+    assert landed == [("grammar" in kinds)] * (len(steps) - 1)
+    if "penalised" in kinds:
+        assert runner.penalty_table is not None and runner.penalty_table.num_used == 1
     assert all(len(t) == 5 for t in tokens.values())
     if "greedy" in tokens:  # the stand-in's logits: the prompt's last token, then its own
         assert tokens["greedy"][0] == 100 + prompts["greedy"][-1] % 300

@@ -22,6 +22,8 @@ step 2
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -70,6 +72,7 @@ def runner():
     threads = torch.get_num_threads()  # the constructor sets the CPU thread count
     r = ModelRunner(VllmConfig(cache_config=CacheConfig(block_size=BLOCK)), device="cpu")
     r.model = RecordingModel()
+    r.arch = SimpleNamespace(vocab_size=VOCAB)  # the penalties' token tables
     yield r
     torch.set_num_threads(threads)
 
@@ -238,6 +241,9 @@ def test_resumed_request_recomputes_and_keeps_its_outputs(runner):
     assert call["meta"].slot_mapping.tolist() == [8, 9, 10]  # block 2 -> 8..10
     assert runner.requests["R"].output_token_ids == [60, 61, 102]
     assert out.sampled_token_ids == {"R": [102]}
+    table, slot = runner.penalty_table, runner.requests["R"].penalty_slot
+    assert table.counts[slot, [60, 61, 102]].tolist() == [1, 1, 1]
+    assert table.in_prompt[slot].nonzero()[:, 0].tolist() == [1, 2, 3, 4, 5]
 
 
 def test_finished_and_preempted_requests_are_dropped(runner):

@@ -24,6 +24,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.device import to_device, upload
 from vllm.v1.outputs import RequestFailure, TokenLogprobs
+from vllm.v1.sample.penalty_table import PenaltyTable, has_penalty
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int]  # read only by the repetition penalty
     output_token_ids: list[int]
+    # The request's row in the runner's PenaltyTable (penalties from the device's tables
+    # instead of the two lists above), None without one.
+    penalty_slot: int | None = None
 
 
 class PrefixView(Sequence[int]):
@@ -187,7 +191,10 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
 
 
 def apply_penalties_to_rows(
-    logits: torch.Tensor, rows: list[SamplingRow], in_place: bool = False
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    in_place: bool = False,
+    table: PenaltyTable | None = None,
 ) -> torch.Tensor:
     """The penalties of every row that has any, together on ``logits``' device (vLLM's
     order): repetition (a token seen in the prompt or the output: positive logits divided
@@ -198,7 +205,9 @@ def apply_penalties_to_rows(
     Sparse: only the (row, token) entries of the rows' histories are read and written
     (one copy of their ids to the device per kind; a token's count in its row by a sort
     of the entries, not a (rows, vocab) table), and nothing is read back: with
-    --async-scheduling a step with penalties stays on the device."""
+    --async-scheduling a step with penalties stays on the device. With a ``table``
+    (``penalty_table.PenaltyTable``: every penalised row has its ``penalty_slot``) the
+    histories come from the device's tables instead, the same values to the bit."""
     penalised = [i for i, r in enumerate(rows) if not _no_penalties(r.params)]
     if not penalised:
         return logits
@@ -208,6 +217,11 @@ def apply_penalties_to_rows(
         if in_place and logits.is_contiguous()
         else logits.clone(memory_format=torch.contiguous_format)
     )
+    if table is not None:
+        slots = [rows[i].penalty_slot for i in penalised]
+        if None in slots:
+            raise ValueError("every penalised row needs its penalty_slot with a table")
+        return table.apply(x, penalised, slots, [rows[i].params for i in penalised])
     flat_x = x.view(-1)
     vocab = x.shape[-1]
     repeating = [i for i in penalised if rows[i].params.repetition_penalty != 1.0]
@@ -420,7 +434,9 @@ _NON_FINITE_PROBS = RequestFailure(
 )
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], penalties: PenaltyTable | None = None
+) -> SamplerOutput:
     """``logits``: (num_rows, vocab) float32, on any device.
 
     Every row together (``sample_on_device``), then one copy to the host. A row that
@@ -428,12 +444,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     make them so) fails alone: the other rows are sampled as if it were not in the batch
     (seeded rows use their own generator). Should the batch raise, the rows are sampled one
     by one, each failing alone. ``allowed_token_ids``, ``min_tokens``, ``logit_bias`` and
-    the penalties apply to a copy; the logprobs are those of ``logits`` as given.
+    the penalties apply to a copy (from ``penalties``' tables where given: the rows'
+    ``penalty_slot``); the logprobs are those of ``logits`` as given.
     """
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
     try:
-        for i, result in enumerate(_read_results(*sample_on_device(logits, rows))):
+        for i, result in enumerate(_read_results(*sample_on_device(logits, rows, penalties))):
             if isinstance(result, RequestFailure):
                 errors[i] = result
             else:
@@ -443,7 +460,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         errors.clear()
         for i, row in enumerate(rows):
             try:
-                (result,) = _read_results(*sample_on_device(logits[i : i + 1], [row]))
+                (result,) = _read_results(*sample_on_device(logits[i : i + 1], [row], penalties))
             except Exception as e:  # this row only; the traceback is in the engine's log
                 logger.warning("sampling a row failed", exc_info=True)
                 result = RequestFailure(f"sampling failed: {type(e).__name__}: {e}")
@@ -594,14 +611,14 @@ def is_bare(p: SamplingParams) -> bool:
     grammar or thinking budget (logprobs are of the logits alone too):
     ``sample_on_device`` needs nothing of its history, so a step of such rows leaves the
     device without waiting for the steps before it (--async-scheduling)."""
-    return _no_penalties(p) and _unprocessed(p)
+    return _no_penalties(p) and unprocessed(p)
 
 
 def _no_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+    return not has_penalty(p)
 
 
-def _unprocessed(p: SamplingParams) -> bool:
+def unprocessed(p: SamplingParams) -> bool:
     """No logits processor, grammar or thinking budget."""
     return (
         p.allowed_token_ids is None
@@ -614,7 +631,7 @@ def _unprocessed(p: SamplingParams) -> bool:
 
 
 def sample_on_device(
-    logits: torch.Tensor, rows: list[SamplingRow]
+    logits: torch.Tensor, rows: list[SamplingRow], penalties: PenaltyTable | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every row's token without a copy to the host: (tokens, whether each row's logits
     are finite after the logits processors, whether its penalised and filtered logits
@@ -623,11 +640,12 @@ def sample_on_device(
     random ones their temperature, top-k, top-p and min-p and one uniform number each
     from their generator, in row order (``_draw_rows_on_device``). A grammar's mask, if
     any, is already in ``logits``. With --async-scheduling this is the whole sampling of a
-    deferred step, and the processors and penalties need each row's output up to the step
-    (the runner lands the earlier deferred steps first)."""
+    deferred step; the processors, and the penalties without ``penalties``' tables, need
+    each row's output up to the step (the runner lands the earlier deferred steps first),
+    the tables count the tokens of the steps before on the device."""
     processed = apply_logits_processors(logits, rows)
     logits_ok = torch.isfinite(processed.amax(-1))
-    x = apply_penalties_to_rows(processed, rows, in_place=processed is not logits)
+    x = apply_penalties_to_rows(processed, rows, processed is not logits, penalties)
     penalised = any(not _no_penalties(r.params) for r in rows)
     ok = torch.isfinite(x.amax(-1)) if penalised else logits_ok
     drawn = [i for i, r in enumerate(rows) if not r.params.sampling_type_greedy]

@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
+from vllm.v1.sample.penalty_table import PenaltyTable, has_penalty
 from vllm.v1.sample.rejection_sampler import verify_sampled
 from vllm.v1.sample.sampler import (
     NON_FINITE_LOGITS,
@@ -41,6 +42,7 @@ from vllm.v1.sample.sampler import (
     sampled_logprobs_on_device,
     token_logprobs,
     token_logprobs_on_device,
+    unprocessed,
 )
 from vllm.v1.spec_decode.ngram_proposer import verify_greedy
 from vllm.v1.structured_output import StructuredOutputManager
@@ -73,7 +75,10 @@ class CachedRequestState:
     lora_int_id: int = 0  # its adapter's id (0: the base model)
     lora_slot: int = 0  # the adapter's slot (LoRAManager), fixed while the request runs
     bare_greedy: bool = False  # sampler.is_bare_greedy(sampling_params): the argmax alone
-    bare: bool = False  # sampler.is_bare: sampled on the device from the logits alone
+    # Sampled on the device without its output on the host: sampler.is_bare, or
+    # penalised only, with the penalties from the runner's PenaltyTable.
+    bare: bool = False
+    penalty_slot: int | None = None  # its row in ModelRunner.penalty_table, if any
     # The prompt inside token_ids, one view for the request's life (it caches the
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
@@ -209,6 +214,12 @@ class ModelRunner:
         self._deferred: list[DeferredOutput] = []
         self._device_tokens: torch.Tensor | None = None
         self._device_token_rows: dict[str, tuple[CachedRequestState, int]] = {}
+        # Penalties from per-request token tables on the device (penalty_table.py), not
+        # from histories built on the host each step: no per-step host work, and a
+        # deferred step (--async-scheduling) with penalised rows waits for nothing. Off:
+        # the sampler's sparse way (the same values; tests compare the two).
+        self.use_penalty_tables = True
+        self.penalty_table: PenaltyTable | None = None  # made for the first such request
         if self.device.type == "cpu":
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
 
@@ -218,6 +229,7 @@ class ModelRunner:
         next one in the process sizes its pool from what is really free."""
         self.decode_graphs = None
         self._deferred, self._device_tokens, self._device_token_rows = [], None, {}
+        self.penalty_table = None
         close = getattr(self.kv_offload, "close", None)
         if close is not None:
             close()  # unlock the tier's pages before they are freed
@@ -435,13 +447,13 @@ class ModelRunner:
         built (left out of the batch, failed alone)."""
         self.structured_output.remove(so.preempted_req_ids | so.finished_req_ids)
         for req_id in so.preempted_req_ids:
-            state = self.requests.pop(req_id, None)
+            state = self._drop_state(req_id)
             if state is not None and state.generator is not None:
                 # As vLLM: a seeded request resumes its random stream where it stopped, so
                 # its tokens do not depend on whether memory pressure preempted it.
                 self._paused_generators[req_id] = state.generator
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._drop_state(req_id)
             self._paused_generators.pop(req_id, None)
         failed: dict[str, RequestFailure] = {}
         for new in so.scheduled_new_reqs:
@@ -461,6 +473,14 @@ class ModelRunner:
             state.num_computed_tokens = computed
         return failed
 
+    def _drop_state(self, req_id: str) -> CachedRequestState | None:
+        """Forget a request (finished, aborted or preempted): its state, its penalty row."""
+        state = self.requests.pop(req_id, None)
+        if state is not None and state.penalty_slot is not None and self.penalty_table is not None:
+            self.penalty_table.remove(state.penalty_slot)
+            state.penalty_slot = None
+        return state
+
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         lora_id = slot = 0
         if new.lora_request is not None:  # first: a failure here leaves nothing half-made
@@ -473,7 +493,8 @@ class ModelRunner:
         gen = self._paused_generators.pop(new.req_id, None)
         if gen is None and p.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(p.seed)
-        return CachedRequestState(
+        tabled = self.use_penalty_tables and has_penalty(p)
+        state = CachedRequestState(
             new.req_id,
             list(new.token_ids),
             new.num_prompt_tokens,
@@ -485,8 +506,15 @@ class ModelRunner:
             lora_int_id=lora_id,
             lora_slot=slot,
             bare_greedy=is_bare_greedy(p),
-            bare=is_bare(p),
+            bare=is_bare(p) or (tabled and unprocessed(p)),
         )
+        if tabled:
+            if self.penalty_table is None:
+                self.penalty_table = PenaltyTable(self.arch.vocab_size, self.device)
+            state.penalty_slot = self.penalty_table.add(
+                state.prompt_view.unique_ids(), state.output_token_ids
+            )
+        return state
 
     def _resolve_deferred(self) -> None:
         """The deferred steps' tokens onto the host, in order (before a step that samples
@@ -534,7 +562,7 @@ class ModelRunner:
         grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
         rows = self._sampling_rows(sample_reqs)
         try:
-            tokens, logits_ok, ok = sample_on_device(logits, rows)
+            tokens, logits_ok, ok = sample_on_device(logits, rows, self.penalty_table)
             groups = sampled_logprobs_on_device(logits, rows, tokens)
         except Exception:  # as sample() does: the rows one by one, each failing alone
             logger.warning("sampling on the device failed; this step samples on the host",
@@ -543,6 +571,7 @@ class ModelRunner:
             self._sample_on_host(logits, sample_reqs, grammar_errors, out)
             out.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
             return out
+        self._count_penalised(sample_reqs, tokens, logits_ok & ok)
         packed = to_host(torch.cat([tokens, logits_ok.long(), ok.long()]))
         logprobs = [(idx, to_host(ints), to_host(fl)) for idx, ints, fl in groups]
         for p in prompt_logprobs:
@@ -729,7 +758,8 @@ class ModelRunner:
     ) -> None:
         """``sampler.sample`` of ``logits`` (grammar masks applied), a row that cannot be
         sampled failing alone, into ``out``."""
-        tokens, lps, row_errors = sample(logits, self._sampling_rows(sample_reqs))
+        rows = self._sampling_rows(sample_reqs)
+        tokens, lps, row_errors = sample(logits, rows, self.penalty_table)
         for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
             tokens[i], row_errors[i] = None, failure
         self._take_sampled(sample_reqs, tokens, lps, row_errors, out)
@@ -748,6 +778,9 @@ class ModelRunner:
             (s, t, lp) for s, t, lp in zip(sample_reqs, tokens, lps, strict=True) if t is not None
         ]
         self.structured_output.accept([s for s, _, _ in ok], [t for _, t, _ in ok])
+        counted = [(s.penalty_slot, t) for s, t, _ in ok if s.penalty_slot is not None]
+        if counted:
+            self.penalty_table.record(*zip(*counted, strict=True))
         for state, token, lp in ok:
             state.token_ids.append(token)
             state.output_token_ids.append(token)
@@ -755,10 +788,26 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[state.req_id] = [lp]
 
+    def _count_penalised(
+        self, sample_reqs: list[CachedRequestState], tokens: torch.Tensor, ok: torch.Tensor
+    ) -> None:
+        """Count a deferred step's tokens, still on the device, in the penalty rows of its
+        requests that have one (a failed row's token is not counted)."""
+        rows = [i for i, s in enumerate(sample_reqs) if s.penalty_slot is not None]
+        if not rows:
+            return
+        slots = [sample_reqs[i].penalty_slot for i in rows]
+        if len(rows) < len(sample_reqs):
+            index = to_device(rows, torch.long, self.device)
+            tokens, ok = tokens.index_select(0, index), ok.index_select(0, index)
+        self.penalty_table.record_on_device(slots, tokens, ok)
+
     @staticmethod
     def _sampling_rows(sample_reqs: list[CachedRequestState]) -> list[SamplingRow]:
         return [
-            SamplingRow(s.sampling_params, s.generator, s.prompt_view, s.output_token_ids)
+            SamplingRow(
+                s.sampling_params, s.generator, s.prompt_view, s.output_token_ids, s.penalty_slot
+            )
             for s in sample_reqs
         ]
 
