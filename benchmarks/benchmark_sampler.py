@@ -33,7 +33,10 @@ alone (building the entries), which a GPU step pays on the host every step and t
 never.
 
     .venv/bin/python benchmarks/benchmark_sampler.py --penalty-table-ab [--mix penalties]
-        [--vocab 49152] [--num-requests 1 16 64 256]
+        [--vocab 49152] [--num-requests 1 16 64 256] [--end-to-end]
+
+``--end-to-end`` adds ``LLM.chat`` of 16 greedy penalised chats with the embedded model,
+the runner's penalties from its tables against the histories (CPU).
 
 Medians of ``--repeats`` timed calls after one warm-up. The figures are this machine's:
 name its CPU (or GPU) with them.
@@ -163,6 +166,38 @@ def penalty_table_ab(n: int, args: argparse.Namespace, device: torch.device) -> 
         host_entries_ms=round(statistics.median(entries) * 1e3, 3),
         table_mib=round(tables.capacity * args.vocab * 5 / 2**20, 2),
     )
+
+
+def penalty_end_to_end(args: argparse.Namespace) -> dict:
+    """``LLM.chat`` of ``len(REAL_PROMPTS) * 2`` greedy chats of 64 tokens with a
+    repetition and a frequency penalty, the runner's penalties from its tables and from
+    the rows' histories (``ModelRunner.use_penalty_tables``), interleaved after a warm-up:
+    output tok/s (medians) and whether both wrote the same tokens."""
+    from vllm import LLM
+
+    llm = LLM(max_num_seqs=len(REAL_PROMPTS) * 2)
+    try:
+        runner = llm.engine_core.model_runner
+        prompts = [[{"role": "user", "content": p}] for p in REAL_PROMPTS * 2]
+        params = SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.3,
+                                max_tokens=64, ignore_eos=True)  # fmt: skip
+        llm.chat(prompts, params)
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        tokens: dict[bool, list] = {}
+        for _ in range(max(args.repeats // 2, 1)):
+            for tables in (False, True):
+                runner.use_penalty_tables = tables
+                start = time.perf_counter()
+                outs = llm.chat(prompts, params)
+                elapsed = time.perf_counter() - start
+                rates[tables].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+                tokens[tables] = [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+    histories, tables = (round(statistics.median(rates[t]), 1) for t in (False, True))
+    return dict(requests=len(prompts), max_tokens=64, histories_tok_per_s=histories,
+                tables_tok_per_s=tables, ratio=round(tables / histories, 2),
+                same_tokens=tokens[False] == tokens[True])  # fmt: skip
 
 
 def table(header: list[str], cells: list, rows) -> list[dict]:
@@ -335,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="penalties from the rows' histories against device token tables (module doc)",
     )
+    ap.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="--penalty-table-ab: also LLM.chat with the embedded model, both ways (CPU)",
+    )
     ap.add_argument("--temperature", type=float, default=0.7, help="--top-p-ab's")
     ap.add_argument("--top-p", type=float, default=0.9, help="--top-p-ab's")
     args = ap.parse_args(argv)
@@ -348,9 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         return main_top_p(args, device, machine)
     if args.penalty_table_ab and not has_penalty(SamplingParams(**MIXES[args.mix])):
         ap.error(f"--penalty-table-ab needs a --mix with penalties, not {args.mix}")
+    if args.end_to_end and not (args.penalty_table_ab and device.type == "cpu"):
+        ap.error("--end-to-end goes with --penalty-table-ab on the CPU (the engine's device)")
     print(f"# {machine['device_name']} ({machine.get('vector_extensions', device.type)}), "
           f"{torch.get_num_threads()} threads, vocab {args.vocab}, "
           f"mix {args.mix}: {MIXES[args.mix]}")  # fmt: skip
+    e2e = None
     if args.penalty_table_ab:
         results = table(
             ["N", "histories ms", "tables ms", "ratio", "same tokens", "host entries ms",
@@ -360,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
              lambda r: r["host_entries_ms"], lambda r: r["table_mib"]],
             (penalty_table_ab(n, args, device) for n in args.num_requests),
         )  # fmt: skip
+        if args.end_to_end:
+            e2e = penalty_end_to_end(args)
+            print(f"end to end: {e2e['requests']} chats x {e2e['max_tokens']} tokens, "
+                  f"{e2e['histories_tok_per_s']} tok/s from histories, "
+                  f"{e2e['tables_tok_per_s']} from tables ({e2e['ratio']}x), "
+                  f"same tokens {e2e['same_tokens']}")  # fmt: skip
     else:
         results = table(
             ["N", "together ms", "row by row ms", "speedup", "same tokens"],
@@ -371,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(dict(device=str(device), machine=machine, args=vars(args),
-                           results=results), f, indent=1)  # fmt: skip
-    return 0 if all(r["same_tokens"] for r in results) else 1
+                           results=results, end_to_end=e2e), f, indent=1)  # fmt: skip
+    checked = results + ([e2e] if e2e else [])
+    return 0 if all(r["same_tokens"] for r in checked) else 1
 
 
 if __name__ == "__main__":

@@ -74,3 +74,9 @@ def test_penalty_table_ab_samples_the_same_tokens_both_ways(tmp_path, capsys):
     else:
         raise AssertionError("--penalty-table-ab --mix filters was accepted")
     assert "needs a --mix with penalties" in capsys.readouterr().err
+    try:
+        bench.main(TINY + ["--end-to-end"])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("--end-to-end without --penalty-table-ab was accepted")

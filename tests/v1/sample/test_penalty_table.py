@@ -68,6 +68,16 @@ def test_table_gives_the_sparse_values_to_the_bit(seed):
     assert table.num_used == 5 and table.capacity == 8
 
 
+def test_rows_without_a_row_in_the_table_take_the_sparse_way_beside_it():
+    rng = np.random.default_rng(9)
+    rows = _rows(rng)
+    x = _logits(rng, len(rows))
+    sparse = apply_penalties_to_rows(x, rows)
+    table = PenaltyTable(VOCAB, "cpu")
+    _with_table(rows[:3], table)  # rows 3..5 have none (the runner's tables turned off)
+    assert torch.equal(_bits(apply_penalties_to_rows(x, rows, table=table)), _bits(sparse))
+
+
 def test_rows_are_kept_apart_in_any_batch_order():
     rng = np.random.default_rng(7)
     rows = _rows(rng)
@@ -158,9 +168,6 @@ def test_bad_input_is_refused_and_takes_no_row():
     row = SamplingRow(SamplingParams(repetition_penalty=1.5), None, [1], [], penalty_slot=slot)
     with pytest.raises(ValueError, match="logits have 301 tokens, the table 300"):
         apply_penalties_to_rows(torch.zeros(1, VOCAB + 1), [row], table=table)
-    no_slot = SamplingRow(SamplingParams(repetition_penalty=1.5), None, [1], [])
-    with pytest.raises(ValueError, match="penalty_slot"):
-        apply_penalties_to_rows(torch.zeros(1, VOCAB), [no_slot], table=table)
     with pytest.raises(ValueError, match="vocab must be positive"):
         PenaltyTable(0, "cpu")
 

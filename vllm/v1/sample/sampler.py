@@ -206,8 +206,8 @@ def apply_penalties_to_rows(
     (one copy of their ids to the device per kind; a token's count in its row by a sort
     of the entries, not a (rows, vocab) table), and nothing is read back: with
     --async-scheduling a step with penalties stays on the device. With a ``table``
-    (``penalty_table.PenaltyTable``: every penalised row has its ``penalty_slot``) the
-    histories come from the device's tables instead, the same values to the bit."""
+    (``penalty_table.PenaltyTable``) the rows that have their ``penalty_slot`` take
+    their histories from the device's tables instead, the same values to the bit."""
     penalised = [i for i, r in enumerate(rows) if not _no_penalties(r.params)]
     if not penalised:
         return logits
@@ -218,10 +218,11 @@ def apply_penalties_to_rows(
         else logits.clone(memory_format=torch.contiguous_format)
     )
     if table is not None:
-        slots = [rows[i].penalty_slot for i in penalised]
-        if None in slots:
-            raise ValueError("every penalised row needs its penalty_slot with a table")
-        return table.apply(x, penalised, slots, [rows[i].params for i in penalised])
+        tabled = [i for i in penalised if rows[i].penalty_slot is not None]
+        if tabled:
+            slots = [rows[i].penalty_slot for i in tabled]
+            table.apply(x, tabled, slots, [rows[i].params for i in tabled])
+            penalised = [i for i in penalised if rows[i].penalty_slot is None]
     flat_x = x.view(-1)
     vocab = x.shape[-1]
     repeating = [i for i in penalised if rows[i].params.repetition_penalty != 1.0]
