@@ -12,17 +12,19 @@ on the same logits, and checks they give the same tokens (seeded rows).
         [--vocab 128256] [--prompt-len 512] [--output-len 128] [--device cpu|cuda]
         [--mix penalties|filters|both] [--repeats 5] [--json-out FILE]
 
-``--top-p-ab`` times something else: top-p's two ways of ranking each row's probabilities
-(``sampler.apply_top_p``), ``torch.sort`` (which orders the token ids too; until session
-23 the sampler's only way) against the CPU's default, numpy's ranking of the values alone,
-as ``sample`` on rows with a temperature and a top-p, interleaved in one run, and checks
-that both draw the same tokens. ``--logits real`` takes the rows from the embedded model
-(SmolLM2-135M-Instruct, vocabulary 49,152) while it writes text, as a served model's
-nuclei are, and adds ``LLM.chat`` end to end; ``random`` is standard-normal logits, a far
-wider nucleus (the worst case).
+``--top-p-ab`` times something else: two of top-p's methods of finding each row's nucleus
+(``sampler.apply_top_p``, ``--top-p-methods``), by default ``torch.sort`` (which orders the
+token ids too; until session 23 the sampler's only way) against the CPU's default,
+numpy's ranking of the values alone, or on a GPU against the Triton search over the
+probabilities' bits (``triton_top_p``), as ``sample`` on rows with a temperature and a
+top-p, interleaved in one run, and checks that both draw the same tokens. ``--logits
+real`` takes the rows from the embedded model (SmolLM2-135M-Instruct, vocabulary 49,152)
+while it writes text, as a served model's nuclei are, and adds ``LLM.chat`` end to end
+(on a CPU); ``random`` is standard-normal logits, a far wider nucleus (the worst case).
 
     .venv/bin/python benchmarks/benchmark_sampler.py --top-p-ab [--logits real|random]
         [--temperature 0.7] [--top-p 0.9] [--num-requests 1 16 64 256]
+        [--top-p-methods sort numpy|triton]
 
 ``--penalty-table-ab`` times the penalties' two sources: the rows' histories, built
 into (row, token) entries on the host each step (``apply_penalties_to_rows``'s sparse
@@ -249,10 +251,10 @@ def real_logits(llm, count: int, args: argparse.Namespace) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def nucleus_by(numpy_sort: bool | None):
-    """``sampler.apply_top_p`` with its way fixed, inside the ``with`` block."""
+def nucleus_by(method: str):
+    """``sampler.apply_top_p`` with its method fixed, inside the ``with`` block."""
     default = sampler.apply_top_p
-    sampler.apply_top_p = lambda x, top_p: default(x, top_p, numpy_sort=numpy_sort)
+    sampler.apply_top_p = lambda x, top_p: default(x, top_p, method=method)
     try:
         yield
     finally:
@@ -261,56 +263,58 @@ def nucleus_by(numpy_sort: bool | None):
 
 def end_to_end(llm, args: argparse.Namespace) -> dict:
     """``llm.chat`` of ``len(REAL_PROMPTS) * 2`` chats, 64 tokens each, sampled with the
-    temperature and top-p: output tok/s ranked by ``torch.sort`` and by numpy's,
-    interleaved (medians)."""
+    temperature and top-p: output tok/s by each of the two methods, interleaved
+    (medians)."""
     prompts = [[{"role": "user", "content": p}] for p in REAL_PROMPTS * 2]
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=1,
                             max_tokens=64, ignore_eos=True)  # fmt: skip
-    rates: dict[str, list[float]] = {"torch": [], "numpy": []}
+    a, b = args.top_p_methods
+    rates: dict[str, list[float]] = {a: [], b: []}
     for _ in range(max(args.repeats // 2, 1)):
-        for name, numpy_sort in (("torch", False), ("numpy", None)):
-            with nucleus_by(numpy_sort):
+        for method in (a, b):
+            with nucleus_by(method):
                 start = time.perf_counter()
                 outs = llm.chat(prompts, params)
                 elapsed = time.perf_counter() - start
-            rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-    torch_rate = round(statistics.median(rates["torch"]), 1)
-    numpy_rate = round(statistics.median(rates["numpy"]), 1)
-    return dict(requests=len(prompts), max_tokens=64, torch_sort_tok_per_s=torch_rate,
-                numpy_sort_tok_per_s=numpy_rate,
-                speedup=round(numpy_rate / torch_rate, 2))  # fmt: skip
+            rates[method].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    rate = {m: round(statistics.median(r), 1) for m, r in rates.items()}
+    return dict(requests=len(prompts), max_tokens=64, methods=[a, b],
+                **{f"{m}_tok_per_s": rate[m] for m in (a, b)},
+                speedup=round(rate[b] / rate[a], 2))  # fmt: skip
 
 
 def top_p_ab(n: int, logits: torch.Tensor, args: argparse.Namespace) -> dict:
-    """``sample`` on ``n`` rows with a temperature and a top-p, ranked by ``torch.sort``
-    and by numpy's (``apply_top_p``), interleaved; the same tokens; nucleus sizes."""
+    """``sample`` on ``n`` rows with a temperature and a top-p, the nucleus found by each
+    of the two methods (``apply_top_p``), interleaved; the same tokens; nucleus sizes."""
     device = logits.device
     x = logits[:n].to(device)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
     rows = [SamplingRow(params, torch.Generator(device=device), [], []) for _ in range(n)]
 
-    def run(numpy_sort: bool | None):
-        with nucleus_by(numpy_sort):
+    def run(method: str):
+        with nucleus_by(method):
             reseed(rows)
             return sample(x, rows).token_ids
 
-    same, torch_ms, numpy_ms = interleaved(
-        lambda: run(False), lambda: run(None), args.repeats, device
-    )
+    a, b = args.top_p_methods
+    same, a_ms, b_ms = interleaved(lambda: run(a), lambda: run(b), args.repeats, device)
     top_p = torch.full((n,), args.top_p, dtype=torch.float64, device=device)
     kept = torch.isfinite(sampler.apply_top_p(x / args.temperature, top_p)).sum(-1).float()
-    return dict(
-        num_requests=n,
-        torch_sort_ms=torch_ms,
-        numpy_sort_ms=numpy_ms,
-        speedup=round(torch_ms / numpy_ms, 2),
-        same_tokens=same,
-        nucleus_median=int(kept.median()),
-        nucleus_max=int(kept.max()),
-    )
+    return {
+        "num_requests": n,
+        f"{a}_ms": a_ms,
+        f"{b}_ms": b_ms,
+        "speedup": round(a_ms / b_ms, 2),
+        "same_tokens": same,
+        "nucleus_median": int(kept.median()),
+        "nucleus_max": int(kept.max()),
+    }
 
 
 def main_top_p(args: argparse.Namespace, device: torch.device, machine: dict) -> int:
+    if args.top_p_methods is None:  # the CPU's and the GPU's candidate against the sort
+        args.top_p_methods = ["sort", "numpy" if device.type == "cpu" else "triton"]
+    a, b = args.top_p_methods
     count = max(args.num_requests)
     e2e = None
     if args.logits == "real":
@@ -329,16 +333,16 @@ def main_top_p(args: argparse.Namespace, device: torch.device, machine: dict) ->
           f"{torch.get_num_threads()} threads, {args.logits} logits, vocab {logits.shape[1]}, "
           f"temperature {args.temperature}, top_p {args.top_p}")  # fmt: skip
     results = table(
-        ["N", "torch.sort ms", "numpy sort ms", "speedup", "same tokens", "nucleus median / max"],
-        [lambda r: r["num_requests"], lambda r: r["torch_sort_ms"], lambda r: r["numpy_sort_ms"],
+        ["N", f"{a} ms", f"{b} ms", f"speedup of {b}", "same tokens", "nucleus median / max"],
+        [lambda r: r["num_requests"], lambda r: r[f"{a}_ms"], lambda r: r[f"{b}_ms"],
          lambda r: f"{r['speedup']}x", lambda r: r["same_tokens"],
          lambda r: f"{r['nucleus_median']} / {r['nucleus_max']}"],
         (top_p_ab(n, logits, args) for n in args.num_requests),
     )  # fmt: skip
     if e2e is not None:
         print(f"end to end: {e2e['requests']} chats x {e2e['max_tokens']} tokens, "
-              f"{e2e['torch_sort_tok_per_s']} tok/s by torch.sort, "
-              f"{e2e['numpy_sort_tok_per_s']} by numpy's ({e2e['speedup']}x)")  # fmt: skip
+              f"{e2e[f'{a}_tok_per_s']} tok/s by {a}, "
+              f"{e2e[f'{b}_tok_per_s']} by {b} ({e2e['speedup']}x)")  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(dict(device=str(device), machine=machine, args=vars(args),
@@ -374,6 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         "--end-to-end",
         action="store_true",
         help="--penalty-table-ab: also LLM.chat with the embedded model, both ways (CPU)",
+    )
+    ap.add_argument(
+        "--top-p-methods",
+        nargs=2,
+        choices=sampler.TOP_P_METHODS,
+        default=None,
+        help="--top-p-ab's two methods (default: sort and numpy on a CPU, sort and triton "
+        "on a GPU)",
     )
     ap.add_argument("--temperature", type=float, default=0.7, help="--top-p-ab's")
     ap.add_argument("--top-p", type=float, default=0.9, help="--top-p-ab's")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     VLLM_ATTENTION_BACKEND: str | None
     VLLM_CUDA_DECODE_ATTENTION: str
     VLLM_CUDA_FUSED_OPS: bool
+    VLLM_TOP_P_METHOD: str
     VLLM_CPU_THREADS: int
     VLLM_CPU_ENGINE_NICE: int
     VLLM_ENGINE_ORPHAN_GRACE_S: float
@@ -73,6 +74,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # kernel each (model_executor/layers/triton_ops.py) where triton imports; 0: pure
     # torch (several kernels each), to compare. Read once, at the first such op.
     "VLLM_CUDA_FUSED_OPS": lambda: os.getenv("VLLM_CUDA_FUSED_OPS", "1") != "0",
+    # How top-p finds each row's nucleus (vllm/v1/sample/sampler.py, apply_top_p): auto =
+    # numpy's ranking of the probabilities on a CPU, torch.sort elsewhere; numpy; sort;
+    # triton (a search over the probabilities' bits, vllm/v1/sample/triton_top_p.py: CUDA
+    # tensors, no sort; to be timed against sort on a GPU before it becomes the default).
+    "VLLM_TOP_P_METHOD": _choice("VLLM_TOP_P_METHOD", ("auto", "numpy", "sort", "triton")),
     # torch intra-op threads of the CPU model runner. Default: every core.
     "VLLM_CPU_THREADS": lambda: int(os.getenv("VLLM_CPU_THREADS") or os.cpu_count() or 1),
     # How much the CPU engine process lowers its priority (nice increment) so the API

@@ -155,8 +155,8 @@ def test_top_p_keeps_every_tie_of_the_token_crossing_it():
     # other two, as likely as it (whichever a sort would have put first), as top-k keeps
     # ties with its k-th.
     logits = torch.tensor([0.2, 0.4, 0.2, 0.2, 0.0]).clamp(min=1e-9).log()
-    for numpy_sort in (True, False):
-        out = apply_top_p(logits[None], torch.tensor([0.5], dtype=torch.float64), numpy_sort)
+    for method in ("numpy", "sort"):
+        out = apply_top_p(logits[None], torch.tensor([0.5], dtype=torch.float64), method)
         assert torch.isfinite(out[0]).tolist() == [True, True, True, True, False]
     assert torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.5))).sum() == 4
 
@@ -195,7 +195,7 @@ def test_top_p_ranked_by_numpy_equals_torch_s_sort_alone_and_in_a_batch(monkeypa
 
     monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
     x, top_p = _nucleus_rows(300)
-    by_torch = apply_top_p(x, top_p, numpy_sort=False)
+    by_torch = apply_top_p(x, top_p, method="sort")
     by_numpy = apply_top_p(x, top_p)
     assert torch.equal(by_torch[:-1], by_numpy[:-1])
     assert torch.isnan(by_numpy[-1]).any() and torch.isnan(by_torch[-1]).any()  # fails
@@ -764,3 +764,19 @@ def test_bare_means_the_logits_and_the_generator_alone():
         dict(temperature=0.0, logit_bias={1: 2.0}),
     ):
         assert not is_bare(SamplingParams(**params)), params
+
+
+def test_top_p_method_is_chosen_by_name_and_a_bad_one_refused(monkeypatch):
+    x, top_p = _nucleus_rows(300)
+    x, top_p = x[:-1], top_p[:-1]  # no NaN row
+    by_sort = apply_top_p(x, top_p, method="sort")
+    # triton takes CUDA rows only (or the interpreter's): here the sort's mask.
+    assert torch.equal(apply_top_p(x, top_p, method="triton"), by_sort)
+    for name in ("numpy", "sort", "triton", "auto"):
+        monkeypatch.setenv("VLLM_TOP_P_METHOD", name)
+        assert torch.equal(apply_top_p(x, top_p), by_sort)
+    with pytest.raises(ValueError, match="method must be one of numpy, sort, triton"):
+        apply_top_p(x, top_p, method="bisect")
+    monkeypatch.setenv("VLLM_TOP_P_METHOD", "bisect")
+    with pytest.raises(ValueError, match="VLLM_TOP_P_METHOD='bisect'"):
+        apply_top_p(x, top_p)

@@ -21,9 +21,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from vllm import envs
 from vllm.sampling_params import SamplingParams
 from vllm.utils.device import to_device, upload
 from vllm.v1.outputs import RequestFailure, TokenLogprobs
+from vllm.v1.sample import triton_top_p
 from vllm.v1.sample.penalty_table import PenaltyTable, has_penalty
 
 logger = logging.getLogger(__name__)
@@ -297,9 +299,10 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 TOP_P_CANDIDATES = 1024
 
 
-def apply_top_p(
-    x: torch.Tensor, top_p: torch.Tensor, numpy_sort: bool | None = None
-) -> torch.Tensor:
+TOP_P_METHODS = ("numpy", "sort", "triton")
+
+
+def apply_top_p(x: torch.Tensor, top_p: torch.Tensor, method: str | None = None) -> torch.Tensor:
     """``x`` (rows, vocab) with every token outside each row's nucleus at -inf: the fewest
     most likely tokens whose probabilities (float32 softmax of ``x``) reach ``top_p``
     (float64, one per row; inf leaves a row alone), and every token as likely as the
@@ -311,18 +314,38 @@ def apply_top_p(
     not on the order of ties, so a row gives the same tokens alone or in a batch, and
     whichever sort ordered it.
 
-    Only the values are ranked, never the token ids. ``numpy_sort`` None: numpy ranks
-    them where ``x`` is on a CPU (``_nucleus_edge_on_host``); torch sorts every row
-    elsewhere (nothing read back to the host). True / False: that choice on a CPU
-    (benchmarks/benchmark_sampler.py's ``--top-p-ab``)."""
+    Only the values are ranked, never the token ids. ``method`` (None:
+    ``VLLM_TOP_P_METHOD``, whose ``auto`` is numpy on a CPU, sort elsewhere): ``numpy``
+    ranks them on the host (``_nucleus_edge_on_host``; CPU tensors, else sort);
+    ``sort``, ``torch.sort`` of every row, reading nothing back to the host; ``triton``,
+    a search over the probabilities' bits (``triton_top_p``; float32 CUDA rows, else
+    sort), to be timed against sort on a GPU (benchmarks/benchmark_sampler.py's
+    ``--top-p-ab`` compares any two)."""
     probs = x.softmax(-1)
-    if numpy_sort is None:
-        numpy_sort = x.device.type == "cpu"
-    if numpy_sort and probs.dtype in (torch.float32, torch.float64):
+    if method is None:
+        method = envs.VLLM_TOP_P_METHOD
+        if method == "auto":
+            method = "numpy" if x.device.type == "cpu" else "sort"
+    elif method not in TOP_P_METHODS:
+        raise ValueError(f"method must be one of {', '.join(TOP_P_METHODS)}, got {method!r}")
+    if method == "numpy" and x.device.type == "cpu" and probs.dtype in _HOST_DTYPES:
         edge = _nucleus_edge_on_host(probs, top_p)
+    elif method == "triton" and _triton_top_p_runs(probs):
+        edge = triton_top_p.nucleus_edge(probs, top_p)
     else:
         edge, _ = _nucleus_edge(probs.sort(dim=-1, descending=True).values, top_p)
     return x.masked_fill(probs < edge[:, None], float("-inf"))  # edge 0: the row alone
+
+
+_HOST_DTYPES = (torch.float32, torch.float64)
+
+
+def _triton_top_p_runs(probs: torch.Tensor) -> bool:
+    """Whether the Triton search takes these rows: float32 on CUDA (or on a CPU inside
+    Triton's interpreter, the tests' way), with triton installed."""
+    if probs.dtype != torch.float32 or not triton_top_p.available():
+        return False
+    return probs.device.type == "cuda" or triton_top_p.interpreted()
 
 
 def _nucleus_edge(ranked: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
