@@ -27,7 +27,10 @@ def _params(i: int, mix: str):
     common = dict(max_tokens=24 + 4 * i, ignore_eos=True)
     if mix == "greedy" or i % 3 == 2:
         return SamplingParams(temperature=0.0, **common)
-    if i % 3 == 0:  # penalties and processors read the output: the step before lands first
+    if mix == "penalties" and i % 3 == 0:  # from the device's tables: nothing lands
+        return SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5,
+                              **common)  # fmt: skip
+    if i % 3 == 0:  # processors read the output: the step before lands first
         return SamplingParams(
             temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, min_tokens=4,
             logit_bias={1000 + i: 3.0}, **common,
@@ -94,7 +97,7 @@ def test_tokens_equal_through_graphs_and_preemption_on_cuda(tmp_path, mix):
     assert replays > 0  # decode steps replayed graphs with tokens from the device
 
 
-@pytest.mark.parametrize("mix", ["greedy", "penalised"])
+@pytest.mark.parametrize("mix", ["greedy", "penalised", "penalties"])
 def test_deferred_steps_make_the_host_wait_for_nothing(tmp_path, mix):
     # torch's sync debug mode warns on every operation that makes the host wait for the
     # device (a blocking copy to or from it, .item(), nonzero...). A deferred step must
@@ -103,8 +106,10 @@ def test_deferred_steps_make_the_host_wait_for_nothing(tmp_path, mix):
     # session 22 this test failed, its report cut off, and the CPU twin,
     # tests/v1/worker/test_deferred_steps_wait_for_nothing.py, then found a prefill
     # step's list index into the hidden states). Waiting for the step before on purpose
-    # (an event, for rows whose penalties read its token) is not such an operation. Only
-    # the sync warnings count: a step may warn about other things (a kernel compiled).
+    # (an event, for rows whose logits processors read its token) is not such an
+    # operation. Only the sync warnings count: a step may warn about other things (a
+    # kernel compiled). With penalties alone (the runner's device tables, session 24) no
+    # step lands the one before it at all.
     import warnings
 
     from vllm import LLM
@@ -119,6 +124,8 @@ def test_deferred_steps_make_the_host_wait_for_nothing(tmp_path, mix):
     execute = runner.execute_model
     waits: list[str] = []
     deferred = []
+    landed: list[bool] = []  # whether the step before had landed when a step returned
+    last: list = [None]  # the output of the step before
 
     def watched(so, *args, **kw):
         with warnings.catch_warnings(record=True) as caught:
@@ -129,12 +136,15 @@ def test_deferred_steps_make_the_host_wait_for_nothing(tmp_path, mix):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         if isinstance(out, DeferredOutput):
+            if isinstance(last[0], DeferredOutput):  # the engine takes it after this launch
+                landed.append(last[0].done)
             deferred.append(out)
             waits.extend(
                 f"{w.filename}:{w.lineno}: {w.message}"
                 for w in caught
                 if "synchronizing" in str(w.message)  # "called a synchronizing CUDA operation"
             )
+        last[0] = out
         return out
 
     runner.execute_model = watched
@@ -146,6 +156,8 @@ def test_deferred_steps_make_the_host_wait_for_nothing(tmp_path, mix):
     assert all(len(o.outputs[0].token_ids) == 24 + 4 * i for i, o in enumerate(got))
     assert len(deferred) > 20
     assert waits == []
+    if mix == "penalties":
+        assert landed and not any(landed), landed
 
 
 def test_grammar_rows_through_deferred_steps_on_cuda(tmp_path):
