@@ -172,6 +172,7 @@ def _cuda_runner(monkeypatch, fake: FakeCuda, **cache) -> ModelRunner:
     runner.arch = Arch()
     runner.dtype = torch.bfloat16
     runner.memory_before_load = measure_before_load(CUDA)
+    monkeypatch.setattr(runner, "reserve_penalty_table", lambda: None)  # no real device
     return runner
 
 
@@ -184,11 +185,31 @@ def test_runner_sizes_from_memory_after_its_profile_run(monkeypatch):
     fake.alloc(100 << 20)  # the weights
     steps = []
     monkeypatch.setattr(runner, "profile_run", lambda: steps.append(fake.alloc(10 << 20)))
+    # The penalty tables' rows, allocated for good before the profile (simulated here).
+    monkeypatch.setattr(runner, "reserve_penalty_table", lambda: steps.append(fake.alloc(3 << 20)))
     assert runner.get_kv_cache_bytes_per_block() == PER_BLOCK
-    # 512 MiB - 100 MiB weights - 10 MiB the profile step left allocated (counted as
-    # consumed, its peak over what stays is 0).
-    assert runner.determine_num_blocks() == ((512 - 110) << 20) // PER_BLOCK
-    assert len(steps) == 1
+    # 512 MiB - 100 MiB weights - 3 MiB penalty tables - 10 MiB the profile step left
+    # allocated (counted as consumed, its peak over what stays is 0).
+    assert runner.determine_num_blocks() == ((512 - 113) << 20) // PER_BLOCK
+    assert len(steps) == 2
+
+
+def test_penalty_table_is_reserved_for_every_sequence(monkeypatch):
+    threads = torch.get_num_threads()
+    config = VllmConfig(cache_config=CacheConfig(block_size=16))
+    runner = ModelRunner(config, device="cpu")
+    torch.set_num_threads(threads)
+    runner.arch = type("A", (), {"vocab_size": 1000})()
+    runner.reserve_penalty_table()
+    table = runner.penalty_table
+    sc = config.scheduler_config
+    assert table.capacity == sc.max_num_seqs and table.vocab == 1000
+    assert table.met.shape[1] == min(sc.max_model_len, 4096)
+    runner.reserve_penalty_table()  # once
+    assert runner.penalty_table is table
+    runner.penalty_table, runner.use_penalty_tables = None, False
+    runner.reserve_penalty_table()  # tables off: nothing
+    assert runner.penalty_table is None
 
 
 @pytest.mark.parametrize(
