@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,18 @@ def run_interpreted(module: str, stdin: str | None = None, timeout: float = 540)
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def print_case_results(
+    interpreted: object, cases: Iterable[str], run: Callable[[str], dict]
+) -> None:
+    """The child's side: ``run(case_id)`` of each case (its traceback where it raises) and
+    ``interpreted`` (what says the kernels ran in the interpreter), as the one JSON line
+    ``run_interpreted`` reads."""
+    results = {"interpreted": interpreted}
+    for case_id in cases:
+        try:
+            results[case_id] = run(case_id)
+        except Exception:
+            results[case_id] = {"error": traceback.format_exc()}
+    print(json.dumps(results))

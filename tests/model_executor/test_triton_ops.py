@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import traceback
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import print_case_results, run_interpreted
 from vllm import _custom_ops as ops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,13 +136,9 @@ def interpreter_main() -> None:
     """The child: every case's errors as one JSON line (TRITON_INTERPRET=1 set)."""
     from vllm.model_executor.layers import triton_ops
 
-    results = {"interpreted": triton_ops._interpreted()}
-    for case_id, spec in CASES.items():
-        try:
-            results[case_id] = run_case(spec, "cpu")
-        except Exception:
-            results[case_id] = {"error": traceback.format_exc()}
-    print(json.dumps(results))
+    print_case_results(
+        triton_ops._interpreted(), CASES, lambda case_id: run_case(CASES[case_id], "cpu")
+    )
 
 
 @pytest.fixture(scope="module")

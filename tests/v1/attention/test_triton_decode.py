@@ -25,14 +25,13 @@ import json
 import random
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import print_case_results, run_interpreted
 from tests.v1.attention.test_torch_flash import (
     BATCHES,
     check_against_float64,
@@ -210,13 +209,11 @@ def check_result(result: dict, spec: dict) -> None:
 def interpreter_main() -> None:
     """The child: the case ids on stdin, one JSON line of results on stdout. The parent set
     TRITON_INTERPRET=1 before anything imported triton."""
-    results = {"interpreted": type(triton_decode._decode_kernel).__name__}
-    for case_id in json.load(sys.stdin):
-        try:
-            results[case_id] = run_case(CASES[case_id], "cpu")
-        except Exception:
-            results[case_id] = {"error": traceback.format_exc()}
-    print(json.dumps(results))
+    print_case_results(
+        type(triton_decode._decode_kernel).__name__,
+        json.load(sys.stdin),
+        lambda case_id: run_case(CASES[case_id], "cpu"),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,11 @@ process (tests/triton_interpreter.py); the same cases on CUDA under the ``cuda``
 from __future__ import annotations
 
 import importlib.util
-import json
-import traceback
 
 import pytest
 import torch
 
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import print_case_results, run_interpreted
 
 VOCAB = 1500  # three blocks of 512: a partial last block
 
@@ -65,13 +63,11 @@ def interpreter_main() -> None:
     """The child: every case's result as one JSON line (TRITON_INTERPRET=1 set)."""
     from vllm.v1.sample import triton_top_p
 
-    results = {"interpreted": type(triton_top_p._top_p_pass).__name__}
-    for case_id, (seed, splits) in CASES.items():
-        try:
-            results[case_id] = run_case(seed, splits, "cpu")
-        except Exception:
-            results[case_id] = {"error": traceback.format_exc()}
-    print(json.dumps(results))
+    print_case_results(
+        type(triton_top_p._top_p_pass).__name__,
+        CASES,
+        lambda case_id: run_case(*CASES[case_id], "cpu"),
+    )
 
 
 @pytest.fixture(scope="module")
