@@ -13,7 +13,7 @@ import torch
 
 from tests.triton_interpreter import print_case_results, run_interpreted
 
-VOCAB = 1500  # three blocks of 512: a partial last block
+VOCAB = 1500  # six blocks of 256: a partial last block
 
 
 def _logits(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ except ImportError:  # CPU-only installs without triton: the sort path only
 
 THRESHOLDS = 16  # bit patterns tried per pass: 16^8 = 2^32 >= the 2^31 to search
 PASSES = 8
-BLOCK = 512  # elements a program reads at a time
+BLOCK = 256  # elements a program reads at a time: a (256, 16) float64 tile, 32 a thread
 _TOP = 0x7F800000  # +inf's bits: the mass above it is 0, below any top_p > 0
 
 
