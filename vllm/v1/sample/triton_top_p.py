@@ -41,7 +41,6 @@ except ImportError:  # CPU-only installs without triton: the sort path only
 THRESHOLDS = 16  # bit patterns tried per pass: 16^8 = 2^32 >= the 2^31 to search
 PASSES = 8
 BLOCK = 256  # elements a program reads at a time: a (256, 16) float64 tile, 32 a thread
-_TOP = 0x7F800000  # +inf's bits: the mass above it is 0, below any top_p > 0
 
 
 def available() -> bool:
@@ -63,7 +62,7 @@ if triton is not None:
         at first), from pass PASS - 1's interval and summed pieces."""
         if PASS == 0:
             lo = -1
-            hi = 0x7F800000
+            hi = 0x7F800000  # +inf's bits: the mass above it is 0, below any top_p > 0
         else:
             base = ((PASS - 1) * num_rows + row) * 2
             lo = tl.load(state_ptr + base)
