@@ -644,12 +644,14 @@ ENGINE_VARIANTS = {
 def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") -> None:
     """Our engine's figures under ``engine``: ``ours`` as configured, ``ours-eager`` the
     same with ``enforce_eager`` (no CUDA graphs), ``ours-async`` with
-    ``async_scheduling`` (the next step scheduled while the device runs the last)."""
+    ``async_scheduling`` (the next step scheduled while the device runs the last),
+    ``ours-top-p-METHOD`` with top-p's nucleus found by METHOD (``VLLM_TOP_P_METHOD``,
+    read by the sampler at each step, set around the phase)."""
     from vllm import LLM
 
     a = bench.args
     start = time.perf_counter()
-    kwargs = engine_kwargs(a, dtype) | ENGINE_VARIANTS[engine]
+    kwargs = engine_kwargs(a, dtype) | ENGINE_VARIANTS.get(engine, {})
     llm = LLM(model=str(model_dir), **kwargs)
     bench.results["timings_s"][f"{engine} start-up"] = time.perf_counter() - start
     recorder = StepRecorder(llm)
@@ -686,8 +688,13 @@ def ours_phase(bench: Bench, model_dir: Path, dtype: str, engine: str = "ours") 
         llm.shutdown()
 
 
+def top_p_engine(args: argparse.Namespace) -> str:
+    return f"ours-top-p-{args.top_p_method_too}"
+
+
 def ratios(results: dict) -> dict:
-    """Our tok/s over each transformers variant's (and over our eager run's), per N."""
+    """Our tok/s over each transformers variant's (and over our eager run's), per N; an
+    async or a top-p method's run over ours as configured."""
     engines = results["engines"]
     out: dict = {}
     for n, ours in engines.get("ours", {}).items():
@@ -696,11 +703,16 @@ def ratios(results: dict) -> dict:
             if ours.get("output_tok_per_s") and theirs.get("output_tok_per_s"):
                 ratio = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
                 out.setdefault(n, {})[f"vs_{base.removeprefix('ours-')}"] = ratio
-    for n, fast in engines.get("ours-async", {}).items():
-        ours = engines.get("ours", {}).get(n, {})
-        if fast.get("output_tok_per_s") and ours.get("output_tok_per_s"):
-            ratio = fast["output_tok_per_s"] / ours["output_tok_per_s"]
-            out.setdefault(n, {})["async_vs_sync"] = ratio
+    variants = [("ours-async", "async_vs_sync")] + [
+        (e, f"{e.removeprefix('ours-').replace('-', '_')}_vs_default")
+        for e in engines
+        if e.startswith("ours-top-p-")
+    ]
+    for engine, key in variants:
+        for n, other in engines.get(engine, {}).items():
+            ours = engines.get("ours", {}).get(n, {})
+            if other.get("output_tok_per_s") and ours.get("output_tok_per_s"):
+                out.setdefault(n, {})[key] = other["output_tok_per_s"] / ours["output_tok_per_s"]
     return out
 
 
@@ -714,13 +726,15 @@ def print_summary(bench: Bench) -> None:
     for n in map(str, a.num_requests):
         for engine, by_n in r["engines"].items():
             if n in by_n:
-                # "ours" against the baselines, "ours-async" against "ours".
+                # "ours" against the baselines, a variant of ours against "ours".
                 vs = {
                     k: v
                     for k, v in r["ratios"].get(n, {}).items()
-                    if engine in ("ours", "ours-async")
-                    and (k == "async_vs_sync") == (engine == "ours-async")
-                }
+                    if (engine == "ours" and k.startswith("vs_"))
+                    or (engine == "ours-async" and k == "async_vs_sync")
+                    or (engine.startswith("ours-top-p-")
+                        and k == f"{engine.removeprefix('ours-').replace('-', '_')}_vs_default")
+                }  # fmt: skip
                 extra = ", ".join(f"{v:.2f}x {k}" for k, v in vs.items())
                 print(format_row(engine, int(n), by_n[n]) + (f"  {extra}" if extra else ""))
     bench.save()
@@ -758,6 +772,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also our engine with enforce_eager (no CUDA graphs): 'ours-eager'")
     ap.add_argument("--async-too", action="store_true",
                     help="also our engine with async_scheduling: 'ours-async', its ratio to 'ours'")
+    ap.add_argument("--top-p-method-too", choices=("numpy", "sort", "triton"), default=None,
+                    help="also our engine with VLLM_TOP_P_METHOD set to this: "
+                         "'ours-top-p-METHOD', its ratio to 'ours' (needs --temperature > 0 "
+                         "and --top-p < 1)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,
                     help="peak memory bandwidth; default by card name (H100 SXM 3350, H200 4800)")
     ap.add_argument("--engine-args", default=None,
@@ -777,6 +795,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--temperature >= 0 and 0 < --top-p <= 1")
     if args.repetition_penalty <= 0:
         ap.error("--repetition-penalty must be > 0")
+    if args.top_p_method_too and not (args.temperature > 0 and args.top_p < 1):
+        ap.error("--top-p-method-too needs --temperature > 0 and --top-p < 1 (top-p rows)")
     return args
 
 
@@ -846,6 +866,17 @@ def main(argv: list[str] | None = None) -> int:
         if flag:
             gc.collect()
             ours_phase(bench, model_dir, args.dtype, engine=engine)
+    if args.top_p_method_too:
+        gc.collect()
+        before = os.environ.get("VLLM_TOP_P_METHOD")
+        os.environ["VLLM_TOP_P_METHOD"] = args.top_p_method_too
+        try:
+            ours_phase(bench, model_dir, args.dtype, engine=top_p_engine(args))
+        finally:
+            if before is None:
+                os.environ.pop("VLLM_TOP_P_METHOD")
+            else:
+                os.environ["VLLM_TOP_P_METHOD"] = before
     if device.type == "cuda":
         bench.results["peak_gpu_memory_gib_ours"] = torch.cuda.max_memory_allocated() / 2**30
     print_summary(bench)

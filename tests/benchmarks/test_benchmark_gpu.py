@@ -143,6 +143,35 @@ def test_sampled_run_samples_in_every_engine(bench, tmp_path, monkeypatch):
         bench.parse_args(["--repetition-penalty", "0"])
 
 
+@pytest.mark.slow
+def test_top_p_method_too_runs_ours_again_with_that_method(bench, tmp_path, monkeypatch):
+    # --top-p-method-too: the sweep again with VLLM_TOP_P_METHOD set, which the sampler
+    # reads at each step (so the second engine's top-p rows used it), and its ratio.
+    from vllm import envs
+    from vllm.v1.sample import sampler
+
+    monkeypatch.delenv("VLLM_TOP_P_METHOD", raising=False)
+    methods = []
+    apply_top_p = sampler.apply_top_p
+    monkeypatch.setattr(sampler, "apply_top_p", lambda *a, **k: methods.append(
+        envs.VLLM_TOP_P_METHOD) or apply_top_p(*a, **k))  # fmt: skip
+    out = tmp_path / "gpu.json"
+    argv = TINY_RUN + ["--skip-hf", "--temperature", "0.8", "--top-p", "0.9",
+                       "--top-p-method-too", "sort", "--bandwidth-gbs", "20",
+                       "--model-dir", str(tmp_path / "m"), "--json-out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    check_run(result, "cpu", "float32", engines=("ours", "ours-top-p-sort"))
+    assert {n: set(r) for n, r in result["ratios"].items()} == {
+        "1": {"top_p_sort_vs_default"},
+        "2": {"top_p_sort_vs_default"},
+    }
+    assert methods[0] == "auto" and methods[-1] == "sort" and set(methods) == {"auto", "sort"}
+    assert "VLLM_TOP_P_METHOD" not in os.environ  # set around the phase only
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--top-p-method-too", "triton"])  # greedy: no top-p rows
+
+
 def test_skip_hf_runs_our_engine_on_dummy_weights_with_no_checkpoint(bench, tmp_path, monkeypatch):
     out, folder = tmp_path / "gpu.json", tmp_path / "model"
     argv = TINY_RUN + ["--skip-hf", "--bandwidth-gbs", "20", "--model-dir", str(folder)]
