@@ -170,36 +170,51 @@ def penalty_table_ab(n: int, args: argparse.Namespace, device: torch.device) -> 
     )
 
 
-def penalty_end_to_end(args: argparse.Namespace) -> dict:
-    """``LLM.chat`` of ``len(REAL_PROMPTS) * 2`` greedy chats of 64 tokens with a
-    repetition and a frequency penalty, the runner's penalties from its tables and from
-    the rows' histories (``ModelRunner.use_penalty_tables``), interleaved after a warm-up:
-    output tok/s (medians) and whether both wrote the same tokens."""
-    from vllm import LLM
-
-    llm = LLM(max_num_seqs=len(REAL_PROMPTS) * 2)
-    try:
-        runner = llm.engine_core.model_runner
-        prompts = [[{"role": "user", "content": p}] for p in REAL_PROMPTS * 2]
-        params = SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.3,
-                                max_tokens=64, ignore_eos=True)  # fmt: skip
-        llm.chat(prompts, params)
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        tokens: dict[bool, list] = {}
-        for _ in range(max(args.repeats // 2, 1)):
-            for tables in (False, True):
-                runner.use_penalty_tables = tables
+def chat_ab(llm, params: SamplingParams, arms: dict, repeats: int) -> tuple[dict, dict]:
+    """``llm.chat`` of ``len(REAL_PROMPTS) * 2`` chats with ``params`` inside each arm's
+    context manager (``arms``: name -> a function making one), interleaved, ``repeats //
+    2`` rounds (at least one): each arm's median output tok/s, and its last run's tokens."""
+    prompts = [[{"role": "user", "content": p}] for p in REAL_PROMPTS * 2]
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    tokens: dict[str, list] = {}
+    for _ in range(max(repeats // 2, 1)):
+        for name, arm in arms.items():
+            with arm():
                 start = time.perf_counter()
                 outs = llm.chat(prompts, params)
                 elapsed = time.perf_counter() - start
-                rates[tables].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-                tokens[tables] = [o.outputs[0].token_ids for o in outs]
+            rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    return {name: round(statistics.median(r), 1) for name, r in rates.items()}, tokens
+
+
+def penalty_end_to_end(args: argparse.Namespace) -> dict:
+    """``chat_ab`` of greedy chats of 64 tokens with a repetition and a frequency
+    penalty, the runner's penalties from the rows' histories and from its tables
+    (``ModelRunner.use_penalty_tables``), after a warm-up: output tok/s (medians) and
+    whether both wrote the same tokens."""
+    from vllm import LLM
+
+    llm = LLM(max_num_seqs=len(REAL_PROMPTS) * 2)
+    runner = llm.engine_core.model_runner
+
+    @contextlib.contextmanager
+    def tables(on: bool):
+        runner.use_penalty_tables = on
+        yield
+
+    try:
+        params = SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.3,
+                                max_tokens=64, ignore_eos=True)  # fmt: skip
+        llm.chat([[{"role": "user", "content": p}] for p in REAL_PROMPTS * 2], params)
+        arms = {"histories": lambda: tables(False), "tables": lambda: tables(True)}
+        rate, tokens = chat_ab(llm, params, arms, args.repeats)
     finally:
         llm.shutdown()
-    histories, tables = (round(statistics.median(rates[t]), 1) for t in (False, True))
-    return dict(requests=len(prompts), max_tokens=64, histories_tok_per_s=histories,
-                tables_tok_per_s=tables, ratio=round(tables / histories, 2),
-                same_tokens=tokens[False] == tokens[True])  # fmt: skip
+    return dict(requests=len(REAL_PROMPTS) * 2, max_tokens=64,
+                histories_tok_per_s=rate["histories"], tables_tok_per_s=rate["tables"],
+                ratio=round(rate["tables"] / rate["histories"], 2),
+                same_tokens=tokens["histories"] == tokens["tables"])  # fmt: skip
 
 
 def table(header: list[str], cells: list, rows) -> list[dict]:
@@ -262,23 +277,14 @@ def nucleus_by(method: str):
 
 
 def end_to_end(llm, args: argparse.Namespace) -> dict:
-    """``llm.chat`` of ``len(REAL_PROMPTS) * 2`` chats, 64 tokens each, sampled with the
-    temperature and top-p: output tok/s by each of the two methods, interleaved
-    (medians)."""
-    prompts = [[{"role": "user", "content": p}] for p in REAL_PROMPTS * 2]
+    """``chat_ab`` of chats of 64 tokens sampled with the temperature and top-p: output
+    tok/s by each of the two methods (medians)."""
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=1,
                             max_tokens=64, ignore_eos=True)  # fmt: skip
     a, b = args.top_p_methods
-    rates: dict[str, list[float]] = {a: [], b: []}
-    for _ in range(max(args.repeats // 2, 1)):
-        for method in (a, b):
-            with nucleus_by(method):
-                start = time.perf_counter()
-                outs = llm.chat(prompts, params)
-                elapsed = time.perf_counter() - start
-            rates[method].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-    rate = {m: round(statistics.median(r), 1) for m, r in rates.items()}
-    return dict(requests=len(prompts), max_tokens=64, methods=[a, b],
+    arms = {m: lambda m=m: nucleus_by(m) for m in (a, b)}
+    rate, _ = chat_ab(llm, params, arms, args.repeats)
+    return dict(requests=len(REAL_PROMPTS) * 2, max_tokens=64, methods=[a, b],
                 **{f"{m}_tok_per_s": rate[m] for m in (a, b)},
                 speedup=round(rate[b] / rate[a], 2))  # fmt: skip
 

@@ -210,7 +210,7 @@ def apply_penalties_to_rows(
     --async-scheduling a step with penalties stays on the device. With a ``table``
     (``penalty_table.PenaltyTable``) the rows that have their ``penalty_slot`` take
     their histories from the device's tables instead, the same values to the bit."""
-    penalised = [i for i, r in enumerate(rows) if not _no_penalties(r.params)]
+    penalised = [i for i, r in enumerate(rows) if has_penalty(r.params)]
     if not penalised:
         return logits
     device, dtype = logits.device, logits.dtype
@@ -635,11 +635,7 @@ def is_bare(p: SamplingParams) -> bool:
     grammar or thinking budget (logprobs are of the logits alone too):
     ``sample_on_device`` needs nothing of its history, so a step of such rows leaves the
     device without waiting for the steps before it (--async-scheduling)."""
-    return _no_penalties(p) and unprocessed(p)
-
-
-def _no_penalties(p: SamplingParams) -> bool:
-    return not has_penalty(p)
+    return not has_penalty(p) and unprocessed(p)
 
 
 def unprocessed(p: SamplingParams) -> bool:
@@ -670,7 +666,7 @@ def sample_on_device(
     processed = apply_logits_processors(logits, rows)
     logits_ok = torch.isfinite(processed.amax(-1))
     x = apply_penalties_to_rows(processed, rows, processed is not logits, penalties)
-    penalised = any(not _no_penalties(r.params) for r in rows)
+    penalised = any(has_penalty(r.params) for r in rows)
     ok = torch.isfinite(x.amax(-1)) if penalised else logits_ok
     drawn = [i for i, r in enumerate(rows) if not r.params.sampling_type_greedy]
     if drawn and len(drawn) == len(rows):  # no greedy row: no argmax

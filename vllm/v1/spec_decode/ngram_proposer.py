@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vllm.sampling_params import SamplingParams
+from vllm.v1.sample.penalty_table import has_penalty
 
 
 def drafts_allowed(params: SamplingParams) -> bool:
@@ -30,9 +31,7 @@ def drafts_allowed(params: SamplingParams) -> bool:
     ``rejection_sampler.verify_sampled``). Every other request decodes as without
     speculation."""
     return (
-        params.repetition_penalty == 1.0
-        and not params.presence_penalty
-        and not params.frequency_penalty
+        not has_penalty(params)
         and not params.logit_bias
         and params.allowed_token_ids is None
         and not params.bad_words

@@ -491,7 +491,7 @@ class ModelRunner:
     def _drop_state(self, req_id: str) -> CachedRequestState | None:
         """Forget a request (finished, aborted or preempted): its state, its penalty row."""
         state = self.requests.pop(req_id, None)
-        if state is not None and state.penalty_slot is not None and self.penalty_table is not None:
+        if state is not None and state.penalty_slot is not None:  # a slot: the table exists
             self.penalty_table.remove(state.penalty_slot)
             state.penalty_slot = None
         return state
