@@ -23,11 +23,20 @@ The figures are this CPU's; the GPU machine's host CPU is another.
 each row, no per-row sampler work) interleaved with K runs without it (every request
 through ``sample``), in one process so the machine's drift hits both alike; prints the
 medians of the host time and their ratio.
+
+Each row also counts the garbage collections during its ``generate`` (the full ones,
+generation 2, and their longest pause) and the slowest decode step: medians hide a pause
+that stalls one step in a hundred. ``--gc-ab K``: for each N, K sessions of ``--gc-runs``
+generates in a row with the engine's start-up heap frozen out of collections (its
+default, vllm/utils/gc_utils.py) interleaved with K sessions with it thawed
+(``gc.unfreeze`` and a full collection: a process that never froze it); prints each arm's
+median wall time, full collections (count, total and longest pause) and longest step.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -59,6 +68,30 @@ class Timed:
         setattr(obj, name, timed)
 
 
+class GCPauses:
+    """A ``gc.callbacks`` entry while in a ``with``: each collection's (generation, ms)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+    def full(self) -> list[float]:
+        return [ms for generation, ms in self.pauses if generation == 2]
+
+
 def measure(llm, timers: list[Timed], n: int, prompt_len: int, max_tokens: int) -> dict:
     """One ``generate`` of ``n`` requests; ``timers``: the model's forward and logits."""
     from vllm import SamplingParams
@@ -87,11 +120,15 @@ def measure(llm, timers: list[Timed], n: int, prompt_len: int, max_tokens: int) 
         prompts = benchmark_gpu.make_prompts(n, prompt_len, SHAPE["vocab_size"], seed=n)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.reset_prefix_cache()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        with GCPauses() as collections:
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            wall = time.perf_counter() - start
     finally:
         core.scheduler.schedule, core.step = schedule, step
     steps = [s for s, _ in rows]
     host = [s - m for s, m in rows]
+    full = collections.full()
     return {
         "num_requests": n,
         "decode_steps": len(rows),
@@ -99,6 +136,12 @@ def measure(llm, timers: list[Timed], n: int, prompt_len: int, max_tokens: int) 
         "model_ms": statistics.median(m for _, m in rows) * 1e3,
         "host_ms": statistics.median(host) * 1e3,
         "host_us_per_request": statistics.median(host) * 1e6 / n,
+        "max_step_ms": max(steps) * 1e3,
+        "generate_s": wall,
+        "collections": len(collections.pauses),
+        "full_collections": len(full),
+        "full_collection_ms": sum(full),
+        "max_full_collection_ms": max(full, default=0.0),
     }
 
 
@@ -125,6 +168,65 @@ def ab_sampler(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
     return out
 
 
+def gc_arm_line(n: int, arm: str, sessions: list[dict]) -> str:
+    """One arm's line: medians over its sessions of the wall time, the full collections,
+    their total and longest pause and the longest step; the median decode host time."""
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in sessions)
+
+    return (
+        f"{n:>5} {arm:>7} {median('generate_s'):>11.3f} {median('full_collections'):>9.1f} "
+        f"{median('full_collection_ms'):>11.1f} {median('max_full_collection_ms'):>11.1f} "
+        f"{median('max_step_ms'):>12.2f} {median('host_ms'):>8.3f}"
+    )
+
+
+def gc_session(llm, timers: list[Timed], n: int, args: argparse.Namespace) -> dict:
+    """``--gc-runs`` generates in a row: what a collection's timing depends on (the objects
+    that reach the oldest generation) builds up over many requests, not within one run."""
+    rows = [measure(llm, timers, n, args.prompt_len, args.max_tokens) for _ in range(args.gc_runs)]
+    return {
+        "generate_s": sum(r["generate_s"] for r in rows),
+        "full_collections": sum(r["full_collections"] for r in rows),
+        "full_collection_ms": sum(r["full_collection_ms"] for r in rows),
+        "max_full_collection_ms": max(r["max_full_collection_ms"] for r in rows),
+        "max_step_ms": max(r["max_step_ms"] for r in rows),
+        "host_ms": statistics.median(r["host_ms"] for r in rows),
+    }
+
+
+def ab_gc(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
+    """Per N: sessions with the engine's start-up heap frozen (as it starts) and thawed (a
+    process that never froze it, right after a full collection), interleaved."""
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    core = llm.engine_core
+    print(f"{'N':>5} {'heap':>7} {'generate s':>11} {'full GCs':>9} {'GC ms sum':>11} "
+          f"{'longest GC':>11} {'max step ms':>12} {'host ms':>8}")  # fmt: skip
+    out = {}
+    try:
+        for n in args.num_requests:
+            arms: dict[str, list[dict]] = {"frozen": [], "thawed": []}
+            for i in range(2 * args.gc_ab):
+                arm = "frozen" if i % 2 == 0 else "thawed"
+                core._gc_freeze.release()
+                if arm == "frozen":
+                    core._gc_freeze = freeze_gc_heap("engine core")
+                else:
+                    gc.collect()
+                arms[arm].append(gc_session(llm, timers, n, args))
+            for arm, sessions in arms.items():
+                print(gc_arm_line(n, arm, sessions), flush=True)
+            frozen, thawed = (statistics.median(r["generate_s"] for r in arms[a]) for a in arms)
+            print(f"{n:>5} thawed/frozen generate time: {thawed / frozen:.3f}x", flush=True)
+            out[str(n)] = arms
+    finally:
+        core._gc_freeze.release()
+        core._gc_freeze = freeze_gc_heap("engine core")  # as the engine left start-up
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -133,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--ab-sampler", type=int, default=0, metavar="K",
                     help="K interleaved runs with and without the bare-greedy path")  # fmt: skip
+    ap.add_argument("--gc-ab", type=int, default=0, metavar="K",
+                    help="K interleaved sessions, start-up heap frozen and thawed")  # fmt: skip
+    ap.add_argument("--gc-runs", type=int, default=8, metavar="R",
+                    help="--gc-ab: generates in a row per session (default 8)")  # fmt: skip
     args = ap.parse_args(argv)
     if min(args.num_requests) < 1 or args.max_tokens < 2:
         ap.error("--num-requests >= 1 and --max-tokens >= 2")
@@ -168,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     timers = [Timed(model, "forward"), Timed(model, "compute_logits")]
     try:
         measure(llm, timers, 1, args.prompt_len, 4)  # warm-up
+        if args.gc_ab:
+            results["ab_gc"] = ab_gc(llm, timers, args)
+            if args.json_out:
+                args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+            return 0
         if args.ab_sampler:
             results["ab_sampler"] = ab_sampler(llm, timers, args)
             if args.json_out:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     VLLM_USE_UVLOOP: bool
     VLLM_LOG_STATS_INTERVAL: float
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
+    VLLM_GC_DEBUG: str | None
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
     RUN_OUTPUT_DIR: str | None
@@ -112,6 +113,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: (
         os.getenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
     ),
+    # vLLM's variable: "1" logs each garbage collection of the engine and API processes
+    # (generation, duration, objects freed); '{"top_objects": N}' adds the N commonest types
+    # examined. Unset: no log (vllm/utils/gc_utils.py).
+    "VLLM_GC_DEBUG": lambda: (os.getenv("VLLM_GC_DEBUG") or "").strip() or None,
     # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
     "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
     # libgomp's spin count / wait policy: when the user sets either, the engine process

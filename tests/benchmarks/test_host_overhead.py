@@ -39,3 +39,23 @@ def test_ab_sampler_interleaves_both_paths_and_restores_the_flag(tmp_path, capsy
     assert len(row["bare_greedy_host_ms"]) == len(row["general_host_ms"]) == 2
     assert model_runner.is_bare_greedy is real
     assert "bare-greedy host ms" in capsys.readouterr().out
+
+
+def test_gc_ab_interleaves_frozen_and_thawed_sessions_and_gives_the_hold_back(tmp_path, capsys):
+    import gc
+
+    from vllm.utils import gc_utils
+
+    module = load_script(SCRIPT)
+    out = tmp_path / "gc.json"
+    argv = ["--num-requests", "2", "--prompt-len", "16", "--max-tokens", "4", "--gc-ab", "2"]
+    assert module.main([*argv, "--gc-runs", "3", "--json-out", str(out)]) == 0
+    arms = json.loads(out.read_text())["ab_gc"]["2"]
+    assert set(arms) == {"frozen", "thawed"}
+    for sessions in arms.values():
+        assert len(sessions) == 2
+        for s in sessions:
+            assert s["generate_s"] > 0 and s["max_step_ms"] > 0
+            assert s["full_collection_ms"] >= s["max_full_collection_ms"] >= 0
+    assert gc_utils._holds == 0 and gc.get_freeze_count() == 0  # the LLM shut down
+    assert "thawed/frozen generate time" in capsys.readouterr().out

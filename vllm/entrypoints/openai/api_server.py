@@ -52,6 +52,7 @@ from vllm.entrypoints.openai.serving_tokenize import (
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, VLLMValidationError
+from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
 from vllm.v1.metrics.loggers import LoggingStatLogger
@@ -444,7 +445,8 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
     periodic = None if args.disable_log_stats else LoggingStatLogger()
     loggers = [stats] if periodic is None else [stats, periodic]
     engine = AsyncLLM(vllm_config, stat_loggers=loggers, engine_factory=engine_factory)
-    log_task = None
+    log_task = gc_freeze = None
+    maybe_attach_gc_debug_callback()
     try:
         info = await engine.start()
         logger.info(
@@ -467,8 +469,12 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
         logger.info("Starting vLLM API server on http://%s:%d", host, port)
         if periodic is not None:  # the throughput line (--disable-log-stats: none)
             log_task = asyncio.create_task(periodic.run())
+        # The event loop streams every request: no full collection over start-up's heap.
+        gc_freeze = freeze_gc_heap("API server")
         return await serve_http(app, sock, engine, args, state)
     finally:
+        if gc_freeze is not None:
+            gc_freeze.release()
         if log_task is not None:
             log_task.cancel()
         engine.shutdown()
