@@ -5,11 +5,13 @@ the engine would run it (chunks of ``--chunk-tokens``, each attending to the chu
 it: what a miss costs), its load from the tier into the KV cache (what a tier hit costs;
 ``load``: one run of blocks on both sides; ``scattered``: the device blocks in reverse
 order, as a pool that has churned hands them out, by the handler's own path (staged on
-CUDA: a few host copies and one indexed copy per layer and K/V); ``unstaged``: the same
-with one copy per block, layer and K/V, the baseline), and its save (``scat.save``: from
-reversed device blocks). Per-block figures divide by the context's blocks; the ratios are
-recompute / load (consecutive and scattered) measured in the same run, and the load's
-bandwidth is the context's KV bytes over its time.
+CUDA: a few host copies and one indexed copy per layer and K/V, the two on their own
+streams so that they overlap; ``1 stream``: the same staging with both on the tier's
+stream, as before they overlapped); ``unstaged``: the same with one copy per block, layer
+and K/V, the baseline), and its save (``scat.save``: from reversed device blocks).
+Per-block figures divide by the context's blocks; the ratios are recompute / load
+(consecutive and scattered) measured in the same run, and the load's bandwidth is the
+context's KV bytes over its time.
 
 The model: the embedded default (fp32 on CPU, ``--shape default``), or a random-weight
 model of a named shape (benchmarks/benchmark_gpu.py's: tiny, smollm2-135m, llama-3.2-1b,
@@ -137,6 +139,15 @@ def measure(runner: ModelRunner, tokens: int, chunk: int, repeats: int) -> dict[
         "save_scattered_s": median_time(lambda: handler.transfer(scattered_save), repeats, device),
         "load_gb_per_s": n * handler.block_bytes / load / 1e9,
     }
+    if handler.index_stream is not None:  # CUDA: the staged copy's two stages on one stream
+        index_stream, handler.index_stream = handler.index_stream, handler.stream
+        try:
+            for kind, plan in (("load", scattered), ("save", scattered_save)):
+                m[f"{kind}_scattered_one_stream_s"] = median_time(
+                    lambda plan=plan: handler.transfer(plan), repeats, device
+                )
+        finally:
+            handler.index_stream = index_stream
     staged = handler.staged
     handler.staged = False  # the baseline: one copy per block, layer and K/V
     try:
@@ -201,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; tier page-locked in {pinner.seconds:.1f} s" if results["pin_s"] else ""),
           flush=True)  # fmt: skip
     header = (
-        f"{'tokens':>7} {'prefill ms':>11} {'load ms':>8} {'scattered':>10} {'unstaged':>9} "
-        f"{'save ms':>8} {'scat.save':>9} {'load/blk':>9} {'load GB/s':>9} {'ratio':>7} "
-        f"{'scat.ratio':>10}"
+        f"{'tokens':>7} {'prefill ms':>11} {'load ms':>8} {'scattered':>10} {'1 stream':>9} "
+        f"{'unstaged':>9} {'save ms':>8} {'scat.save':>9} {'1 stream':>9} {'load/blk':>9} "
+        f"{'load GB/s':>9} {'ratio':>7} {'scat.ratio':>10}"
     )
     print(header, flush=True)
     for tokens in args.contexts:
@@ -212,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         m["scattered_ratio"] = m["prefill_s"] / m["load_scattered_s"]
         results["rows"].append(m)
         n = m["blocks"]
+        one = {k: f"{m[f'{k}_scattered_one_stream_s'] * 1e3:.2f}" for k in ("load", "save")
+               if f"{k}_scattered_one_stream_s" in m}  # fmt: skip
         print(
             f"{tokens:>7} {m['prefill_s'] * 1e3:>11.1f} {m['load_s'] * 1e3:>8.2f} "
-            f"{m['load_scattered_s'] * 1e3:>10.2f} {m['load_scattered_unstaged_s'] * 1e3:>9.2f} "
+            f"{m['load_scattered_s'] * 1e3:>10.2f} {one.get('load', '-'):>9} "
+            f"{m['load_scattered_unstaged_s'] * 1e3:>9.2f} "
             f"{m['save_s'] * 1e3:>8.2f} {m['save_scattered_s'] * 1e3:>9.2f} "
+            f"{one.get('save', '-'):>9} "
             f"{m['load_s'] / n * 1e3:>9.3f} {m['load_gb_per_s']:>9.1f} {m['ratio']:>6.0f}x "
             f"{m['scattered_ratio']:>9.1f}x",
             flush=True,

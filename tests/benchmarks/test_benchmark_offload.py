@@ -35,6 +35,11 @@ def check(result: dict, device: str) -> None:
         for key in ("prefill_s", "load_s", "load_scattered_s", "load_scattered_unstaged_s",
                     "save_s", "save_scattered_s", "load_gb_per_s", "scattered_ratio"):  # fmt: skip
             assert r[key] > 0, key
+        one_stream = {"load_scattered_one_stream_s", "save_scattered_one_stream_s"}
+        if device == "cuda":  # the staged pipeline against its two stages on one stream
+            assert all(r[key] > 0 for key in one_stream)
+        else:
+            assert not one_stream & set(r)  # one path on the CPU: nothing to compare
         assert r["ratio"] == pytest.approx(r["prefill_s"] / r["load_s"])
         expected_gbps = r["blocks"] * result["kv_block_bytes"] / r["load_s"] / 1e9
         assert r["load_gb_per_s"] == pytest.approx(expected_gbps)

@@ -87,6 +87,39 @@ def test_staged_scattered_copies_equal_per_block_copies_on_cuda():
         assert torch.equal(a.cpu(), b.cpu())
 
 
+def test_the_staged_pipeline_waits_for_the_compute_stream_and_is_waited_for(monkeypatch):
+    """Scattered saves and loads through the two-stream staged pipeline (small chunks, so
+    both buffers are reused many times): the gathers see the compute stream's last writes
+    behind a long kernel, and the compute stream's reads right after see the scatters."""
+    import vllm.v1.kv_offload.worker as worker
+
+    monkeypatch.setattr(worker, "STAGE_BLOCKS", 4)
+    kv = caches(num_layers=4, num_blocks=64)
+    handler = CPUOffloadingHandler(kv, 64)
+    assert handler.staged and handler.index_stream is not None
+    staged = []
+    real = handler._staged_copy
+    monkeypatch.setattr(handler, "_staged_copy", lambda *a: staged.append(a[1]) or real(*a))
+    blocks = torch.randperm(64, generator=torch.Generator().manual_seed(6)).tolist()
+    saved, loaded = blocks[:16], blocks[16:32]
+    # Device indices made first: a list index would copy from pageable memory, a sync.
+    saved_idx, loaded_idx = (torch.tensor(b, device=CUDA) for b in (saved, loaded))
+    torch.cuda.synchronize()
+    big = torch.randn(4096, 4096, device=CUDA)
+    for _ in range(20):
+        big = big @ big / 64
+    for i, layer in enumerate(kv):
+        layer.index_fill_(1, saved_idx, float(i + 1))  # behind the long kernel
+    handler.transfer(KVOffloadTransfers(saves=list(zip(saved, range(16), strict=True))))
+    handler.transfer(KVOffloadTransfers(loads=list(zip(range(16), loaded, strict=True))))
+    sums = [layer.index_select(1, loaded_idx).float().sum() for layer in kv]  # no sync
+    torch.cuda.synchronize()
+    assert staged == [True, False]  # both plans went through the pipeline
+    for i, (tier, total) in enumerate(zip(handler.cpu_caches, sums, strict=True)):
+        assert torch.all(tier[:, :16] == i + 1)
+        assert total.item() == (i + 1) * kv[i][:, loaded].numel()
+
+
 def test_round_trip_is_bitwise_for_every_layer_and_dtype():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         kv = caches(dtype=dtype)

@@ -71,6 +71,77 @@ def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch):
         assert torch.equal(a, b)
 
 
+class AdversarialStreams:
+    """Stand-in CUDA streams on the CPU: each stream's work is queued, and ``drain`` runs
+    one stream as far as its waits allow before the other, bound by the events alone. A
+    missing wait then lets a buffer be refilled before it was read, or read before it was
+    filled, and the copies come out wrong."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, list[tuple[str, object]]] = {}
+
+    def run(self, stream, fn) -> None:
+        self.queues.setdefault(stream, []).append(("run", fn))
+
+    def record(self, stream):
+        event = {"done": False}
+        self.queues.setdefault(stream, []).append(("record", event))
+        return event
+
+    def wait(self, stream, event) -> None:
+        if event is not None:
+            self.queues.setdefault(stream, []).append(("wait", event))
+
+    def drain(self, first: str) -> None:
+        order = sorted(self.queues, key=lambda name: name != first)
+        while any(self.queues.values()):
+            progressed = False
+            for name in order:
+                queue = self.queues[name]
+                while queue and not (queue[0][0] == "wait" and not queue[0][1]["done"]):
+                    kind, item = queue.pop(0)
+                    if kind == "run":
+                        item()
+                    elif kind == "record":
+                        item["done"] = True
+                    progressed = True
+                if progressed:
+                    break  # back to the first stream: it runs ahead whenever it can
+            assert progressed, "the streams wait for each other"
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["loads", "saves"])
+@pytest.mark.parametrize("first", ["copy", "index"])
+def test_staged_copies_overlap_only_where_the_events_allow(monkeypatch, save, first):
+    """The staged pipeline (two buffers, host copies on one stream, indexed copies on
+    another) run in the worst order its events allow gives the per-run copies' bytes."""
+    import vllm.v1.kv_offload.worker as worker
+
+    monkeypatch.setattr(worker, "STAGE_BLOCKS", 4)  # 14 pairs x 3 layers x K/V: 24 units
+    g = torch.Generator().manual_seed(7)
+    device_blocks = torch.randperm(40, generator=g)[:14].tolist()
+    host = [3 + i for i in range(7)] + [25 + i for i in range(7)]
+    sides = (device_blocks, host) if save else (host, device_blocks)
+    pairs = list(zip(*sides, strict=True))
+    results = []
+    for staged in (False, True):
+        caches = _random_caches(seed=8)
+        handler = CPUOffloadingHandler(caches, 40, staged=staged)
+        for tier in handler.cpu_caches:
+            tier.copy_(torch.randn(tier.shape, generator=torch.Generator().manual_seed(9)))
+        if staged:
+            handler.stream, handler.index_stream = "copy", "index"
+            handler.streams = AdversarialStreams()
+            handler._staged_copy(sorted(pairs, key=lambda p: p[1 if save else 0]), save, False)
+            assert len(handler.streams.queues["index"]) > 24  # queued, nothing run yet
+            handler.streams.drain(first)
+        else:
+            handler._copy(pairs, save=save, non_blocking=False)
+        results.append(caches + handler.cpu_caches)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_consecutive_and_host_scattered_plans_are_not_staged(monkeypatch):
     caches = _random_caches()
     handler = CPUOffloadingHandler(caches, 40, staged=True)

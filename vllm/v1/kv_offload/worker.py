@@ -12,7 +12,10 @@ an H200 a 32k-token context's 131k copies of 32 KiB took 1.52 s against 78 ms in
 as long as recomputing it. Such a plan is *staged* on CUDA: the pairs are ordered by
 their host block, so the host side moves in a few large copies between the tier and a
 device staging buffer, and one ``index_copy_`` / ``index_select`` per layer and K/V
-scatters or gathers the device side.
+scatters or gathers the device side. The two halves run on two streams over two
+buffers, so that each layer's indexed copy overlaps the next one's transfer over the
+host link (staged on one stream, a 32k-token load took 88 ms on the H200 against 78 ms
+for the same bytes in runs).
 
 On CPU the tier is plain memory and a copy is a memcpy, done before the forward pass.
 On CUDA the tier is page-locked (pinned) in the background (``BackgroundPinner``): the
@@ -163,8 +166,11 @@ class CPUOffloadingHandler:
         self.num_blocks = num_blocks
         device = self.gpu_caches[0].device
         self.stream: torch.cuda.Stream | None = None
+        self.index_stream: torch.cuda.Stream | None = None  # staged copies' indexed half
+        self.streams = StagingStreams()
         if device.type == "cuda" and torch.cuda.is_available():
             self.stream = torch.cuda.Stream(device=device)
+            self.index_stream = torch.cuda.Stream(device=device)
             if host_register is None:
                 try:
                     host_register = cuda_host_register(device)
@@ -226,32 +232,109 @@ class CPUOffloadingHandler:
     def _staged_copy(self, pairs: list[tuple[int, int]], save: bool, non_blocking: bool) -> None:
         """``pairs`` ordered by host block, STAGE_BLOCKS at a time: the host side's runs
         move between the tier and a staging buffer on the device, which one indexed copy
-        per layer and K/V scatters into (loads) or gathers from (saves) the KV cache."""
+        per layer and K/V scatters into (loads) or gathers from (saves) the KV cache.
+
+        A pipeline of two stages over (chunk, layer, K/V) units and two staging buffers:
+        the host copies run on the tier's stream and the indexed copies on a second one,
+        so unit u's scatter (or gather) overlaps unit u+1's transfer over the host link.
+        Each buffer's next producer waits for its last consumer (an event), each
+        consumer for its producer, and the tier's stream ends waiting for both."""
         device = self.gpu_caches[0].device
+        streams, copy_stream, index_stream = self.streams, self.stream, self.index_stream
+        producer, consumer = (index_stream, copy_stream) if save else (copy_stream, index_stream)
+        streams.wait(index_stream, streams.record(copy_stream))  # after the compute stream
+        buffers: dict[tuple, list[torch.Tensor]] = {}  # two per (block shape, dtype)
+        freed: list[object] = [None, None]  # per buffer: its last consumer's event
+        # The chunks' device ids and the buffers live until this returns, after the tier's
+        # stream waits for the indexed copies: no later allocation reuses them early.
+        kept: list[torch.Tensor] = []
+        unit = 0
         for c in range(0, len(pairs), STAGE_BLOCKS):
             chunk = pairs[c : c + STAGE_BLOCKS]
-            host_ids = [p[1] if save else p[0] for p in chunk]
-            device_ids = torch.tensor([p[0] if save else p[1] for p in chunk])
-            if device.type == "cuda":  # from pinned memory: no host sync
-                device_ids = device_ids.pin_memory().to(device, non_blocking=True)
-            runs = host_runs(host_ids)
+            runs = host_runs([p[1] if save else p[0] for p in chunk])
+            ids = self._device_ids([p[0] if save else p[1] for p in chunk], index_stream)
+            kept.append(ids)
             for cache, tier in zip(self.gpu_caches, self.cpu_caches, strict=True):
-                staging = torch.empty(
-                    (len(chunk), *cache.shape[2:]), dtype=cache.dtype, device=device
-                )
+                key = (tuple(cache.shape[2:]), cache.dtype)
+                if key not in buffers:
+                    size = (min(STAGE_BLOCKS, len(pairs)), *cache.shape[2:])
+                    buffers[key] = [
+                        torch.empty(size, dtype=cache.dtype, device=device) for _ in "ab"
+                    ]
                 for kv in range(cache.shape[0]):
-                    if save:
-                        torch.index_select(cache[kv], 0, device_ids, out=staging)
-                        for h0, at, n in runs:
-                            tier[kv, h0 : h0 + n].copy_(
-                                staging[at : at + n], non_blocking=non_blocking
-                            )
-                    else:
-                        for h0, at, n in runs:
-                            staging[at : at + n].copy_(
-                                tier[kv, h0 : h0 + n], non_blocking=non_blocking
-                            )
-                        cache[kv].index_copy_(0, device_ids, staging)
+                    b = unit % 2
+                    staging = buffers[key][b][: len(chunk)]
+                    host = _host_copies(tier[kv], staging, runs, save, non_blocking)
+                    index = _indexed_copy(cache[kv], staging, ids, save)
+                    produce, consume = (index, host) if save else (host, index)
+                    streams.wait(producer, freed[b])
+                    streams.run(producer, produce)
+                    streams.wait(consumer, streams.record(producer))
+                    streams.run(consumer, consume)
+                    freed[b] = streams.record(consumer)
+                    unit += 1
+        streams.wait(copy_stream, streams.record(index_stream))
+
+    def _device_ids(self, ids: list[int], stream: object) -> torch.Tensor:
+        """``ids`` on the cache's device, uploaded on ``stream`` (from pinned memory on
+        CUDA: no host sync)."""
+        host = torch.tensor(ids)
+        device = self.gpu_caches[0].device
+        if device.type != "cuda":
+            return host
+        out: list[torch.Tensor] = []
+        self.streams.run(
+            stream, lambda: out.append(host.pin_memory().to(device, non_blocking=True))
+        )
+        return out[0]
+
+
+def _host_copies(
+    tier: torch.Tensor, staging: torch.Tensor, runs: list[Run], save: bool, non_blocking: bool
+) -> Callable[[], None]:
+    """The copies between one layer's K or V in the tier and the staging buffer."""
+
+    def run() -> None:
+        for h0, at, n in runs:
+            if save:
+                tier[h0 : h0 + n].copy_(staging[at : at + n], non_blocking=non_blocking)
+            else:
+                staging[at : at + n].copy_(tier[h0 : h0 + n], non_blocking=non_blocking)
+
+    return run
+
+
+def _indexed_copy(
+    cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor, save: bool
+) -> Callable[[], None]:
+    """The gather from (saves) or the scatter into (loads) one layer's K or V blocks."""
+    if save:
+        return lambda: torch.index_select(cache, 0, ids, out=staging)
+    return lambda: cache.index_copy_(0, ids, staging)
+
+
+class StagingStreams:
+    """Where the staged copy's stages run: CUDA streams and events, or, for a ``None``
+    stream (the CPU), at once and in program order. Tests put a stand-in here that runs
+    each stream's work in an adversarial order, bound only by the events."""
+
+    def run(self, stream: torch.cuda.Stream | None, fn: Callable[[], object]) -> None:
+        if stream is None:
+            fn()
+            return
+        with torch.cuda.stream(stream):
+            fn()
+
+    def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: torch.cuda.Stream | None, event: object) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
 
 
 def _unpin(stream: torch.cuda.Stream | None, pinner: BackgroundPinner) -> None:
