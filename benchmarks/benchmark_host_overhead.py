@@ -201,7 +201,6 @@ def ab_gc(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
     process that never froze it, right after a full collection), interleaved."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    core = llm.engine_core
     print(f"{'N':>5} {'heap':>7} {'generate s':>11} {'full GCs':>9} {'GC ms sum':>11} "
           f"{'longest GC':>11} {'max step ms':>12} {'host ms':>8}")  # fmt: skip
     out = {}
@@ -210,9 +209,9 @@ def ab_gc(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
             arms: dict[str, list[dict]] = {"frozen": [], "thawed": []}
             for i in range(2 * args.gc_ab):
                 arm = "frozen" if i % 2 == 0 else "thawed"
-                core._gc_freeze.release()
+                llm._gc_freeze.release()
                 if arm == "frozen":
-                    core._gc_freeze = freeze_gc_heap("engine core")
+                    llm._gc_freeze = freeze_gc_heap("LLM engine")
                 else:
                     gc.collect()
                 arms[arm].append(gc_session(llm, timers, n, args))
@@ -222,8 +221,8 @@ def ab_gc(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
             print(f"{n:>5} thawed/frozen generate time: {thawed / frozen:.3f}x", flush=True)
             out[str(n)] = arms
     finally:
-        core._gc_freeze.release()
-        core._gc_freeze = freeze_gc_heap("engine core")  # as the engine left start-up
+        llm._gc_freeze.release()
+        llm._gc_freeze = freeze_gc_heap("LLM engine")  # as the LLM left start-up
     return out
 
 

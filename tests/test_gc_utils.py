@@ -1,5 +1,6 @@
 """The start-up heap frozen out of collections (vllm/utils/gc_utils.py): holds, what a
-frozen cycle waits for, VLLM_GC_DEBUG, and the engine core taking and giving back its hold."""
+frozen cycle waits for, VLLM_GC_DEBUG, and an in-process ``LLM`` taking and giving back
+its hold (the server's two processes: tests/entrypoints/openai/test_gc_freeze_e2e.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ class Node:
 
 @pytest.fixture(autouse=True)
 def thawed():
-    """Each test starts and ends with no hold and nothing frozen."""
-    assert gc_utils._holds == 0
+    """Each test starts with no hold and nothing frozen; holds from before (an engine of
+    another test still alive) are put back after."""
+    held, gc_utils._holds = gc_utils._holds, 0
     gc.unfreeze()
     yield
-    left, gc_utils._holds = gc_utils._holds, 0
+    left, gc_utils._holds = gc_utils._holds, held
     gc.unfreeze()
+    if held:
+        gc.freeze()
     assert left == 0, "a test left a hold"
 
 
@@ -37,7 +41,7 @@ def test_a_frozen_cycle_waits_for_the_last_hold():
     alive = weakref.ref(node)
     first = freeze_gc_heap("test")
     assert first.num_frozen > 0 and gc.get_freeze_count() > 0
-    assert not any(o is node for o in gc.get_objects())  # in the permanent generation: never examined
+    assert not any(o is node for o in gc.get_objects())  # permanent: never examined
     second = freeze_gc_heap("test")  # a second engine in the process
     del node
     gc.collect()
@@ -142,7 +146,7 @@ def test_the_debugger_logs_each_collection(caplog):
     assert int(lines[0].split("ms, ")[1].split(" collected")[0]) >= 50
 
 
-def test_the_engine_core_holds_a_freeze_until_shutdown(monkeypatch):
+def test_an_llm_holds_a_freeze_until_shutdown(monkeypatch):
     from vllm import LLM, SamplingParams
 
     monkeypatch.setenv("VLLM_GC_DEBUG", "1")
@@ -160,3 +164,18 @@ def test_the_engine_core_holds_a_freeze_until_shutdown(monkeypatch):
         for callback in [c for c in gc.callbacks if isinstance(c, GCDebugger)]:
             gc.callbacks.remove(callback)
     assert gc_utils._holds == 0 and gc.get_freeze_count() == 0
+    llm.shutdown()  # again: nothing more to give back
+
+
+def test_an_llm_dropped_without_shutdown_gives_its_hold_back():
+    """A notebook that rebuilds its ``LLM``: the old engine's cycles (and its device
+    memory) are collected, not frozen for good."""
+    from vllm import LLM
+
+    llm = LLM(max_model_len=256, num_gpu_blocks_override=32)
+    core = weakref.ref(llm.engine_core)
+    assert gc_utils._holds == 1
+    del llm
+    assert gc_utils._holds == 0 and gc.get_freeze_count() == 0
+    gc.collect()
+    assert core() is None

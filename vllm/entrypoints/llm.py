@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from vllm.model_executor.model_loader import (
 )
 from vllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -53,6 +55,12 @@ class LLM:
             model_max_len(hf_config), UsageContext.LLM_CLASS
         )
         self.engine_core = EngineCore(self.vllm_config)
+        # generate() steps the engine in this process: keep start-up's heap out of the
+        # collections it would pause for (vllm/utils/gc_utils.py). Given back at shutdown,
+        # or when this object is dropped without one.
+        maybe_attach_gc_debug_callback()
+        self._gc_freeze = freeze_gc_heap("LLM engine")
+        self._thaw = weakref.finalize(self, self._gc_freeze.release)
         self.tokenizer = self.engine_core.tokenizer
         self.processor = Processor(self.vllm_config, self.tokenizer, self.engine_core.eos_token_id)
         self.processor.set_kv_capacity(self.engine_core.num_gpu_blocks)
@@ -136,6 +144,7 @@ class LLM:
         return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self._gc_freeze.release()  # first: the engine's cycles can then be collected
         self.engine_core.shutdown()
 
     def _run(

@@ -6,17 +6,19 @@ that the cyclic collector tracks. Each full (generation 2) collection walks all 
 engine step (every request waits) or of the API server's event loop (every stream
 waits). Generating 128 tokens for 256 requests allocates enough to trigger one such pause
 a second. vLLM freezes the heap once start-up is done (``gc.freeze``: what exists then
-moves to a permanent generation that collections skip); so do we, in the engine core
-(``EngineCore``, after the model, the KV cache, the warm-up and the CUDA graphs) and in
-the API server (after the app is built). Objects made later are collected as before.
+moves to a permanent generation that collections skip); so do we: the engine core's
+process once its engine is built (the model, the KV cache, the warm-up, the CUDA graphs),
+before it reports ready; the API server once its app is built; and ``LLM``, whose
+``generate`` steps the engine in the caller's process. Objects made later are collected
+as before.
 
 Frozen objects that become unreachable are still freed by reference counting; only
-reference cycles among them wait. An engine in the user's own process (``LLM``) would hold
-such cycles (its runner's, the CUDA graphs') after its shutdown, so a freeze is a hold:
-``freeze_gc_heap`` returns one and ``release`` gives it back, and the last hold given back
-unfreezes the heap (``gc.unfreeze``), so the next collection can free them; so does the
-interpreter's exit, for an engine never shut down (else the collection at exit would skip
-its cycles, and libraries that count their objects at exit, Triton's bindings, complain).
+reference cycles among them wait. An ``LLM`` shut down or dropped leaves such cycles (its
+engine's, the CUDA graphs'), so a freeze is a hold: ``freeze_gc_heap`` returns one and
+``release`` gives it back (``LLM.shutdown``, or a finalizer when the ``LLM`` is dropped),
+and the last hold given back unfreezes the heap (``gc.unfreeze``), so the next collection
+can free them; so does the interpreter's exit (else the collection at exit would skip
+them, and libraries that count their objects at exit, Triton's bindings, complain).
 
 ``VLLM_GC_DEBUG`` (vLLM's variable): ``1`` logs each collection of this process with its
 generation, duration and what it freed; a JSON object ``{"top_objects": N}`` adds the N

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from vllm.config import VllmConfig
 from vllm.utils.clock import Clock, monotonic_clock
-from vllm.utils.gc_utils import GCFreeze, freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
@@ -113,9 +112,6 @@ class EngineCore:
                 "--async-scheduling on the CPU: the forward runs on the engine's own thread, "
                 "so nothing overlaps it, and each token reaches the client a step later"
             )
-        # Last: what start-up built stays out of every later collection (gc_utils.py).
-        maybe_attach_gc_debug_callback()
-        self._gc_freeze: GCFreeze | None = freeze_gc_heap("engine core")
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks%s, policy %s",
             time.monotonic() - start,
@@ -328,9 +324,6 @@ class EngineCore:
     def shutdown(self) -> None:
         self._in_flight = None  # its tokens are no one's now
         self.scheduler.shutdown()
-        if self._gc_freeze is not None:  # the runner's cycles become collectable again
-            self._gc_freeze.release()
-            self._gc_freeze = None
         self.model_runner.release()
 
 

@@ -38,6 +38,7 @@ import zmq
 
 from vllm import envs
 from vllm.config import VllmConfig
+from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine import (
     EngineCoreOutputs,
     EngineCoreOutputType,
@@ -89,7 +90,11 @@ class EngineCoreProc:
         output_addr: str,
         engine_factory: EngineFactory | None = None,
         death_pipe: Connection | None = None,
+        freeze_gc: bool = False,
     ) -> None:
+        """``freeze_gc``: once the engine is built, freeze the process's heap out of
+        garbage collections before READY (``run_engine_core``: the process is the
+        engine's; vllm/utils/gc_utils.py)."""
         self.ctx = zmq.Context()
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.connect(output_addr)
@@ -111,6 +116,8 @@ class EngineCoreProc:
             self._close()
             self._stopped.set()
             raise
+        if freeze_gc:  # for the process's life: its exit ends the hold
+            freeze_gc_heap("engine core")
         ready = EngineCoreReady(num_gpu_blocks=self.engine.num_gpu_blocks, pid=os.getpid())
         self._send(EngineCoreOutputType.READY, ready)
         self.running = True
@@ -277,8 +284,11 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lower_cpu_priority()
+    maybe_attach_gc_debug_callback()
     try:
-        EngineCoreProc(vllm_config, input_addr, output_addr, engine_factory, death_pipe).run()
+        EngineCoreProc(
+            vllm_config, input_addr, output_addr, engine_factory, death_pipe, freeze_gc=True
+        ).run()
     except Exception:
         logger.exception("engine core failed")
         sys.exit(1)  # logged once; multiprocessing would print the traceback again
