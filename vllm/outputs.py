@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from vllm.v1.outputs import TokenLogprobs
@@ -75,6 +76,32 @@ class RequestOutput:
     # --runner pooling: the prompt's embedding (vLLM's PoolingRequestOutput data), once
     # finished; such a request generates no token.
     pooled: list[float] | None = None
+
+
+def merge_delta(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """DELTA outputs ``first`` and ``then`` of one request as one new output that says
+    what both said (vLLM's output collector does the same when a stream's reader falls
+    behind): each sequence's text, tokens and logprobs appended, the rest (finish reason,
+    metrics, cached tokens) ``then``'s; the prompt's logprobs, sent once, wherever they
+    came. Neither argument is changed (the stats loggers still read them)."""
+    merged = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        old = merged.get(c.index)
+        if old is not None:
+            c = dataclasses.replace(
+                c,
+                text=old.text + c.text,
+                token_ids=old.token_ids + c.token_ids,
+                logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs,
+            )
+        merged[c.index] = c
+    return dataclasses.replace(
+        then,
+        outputs=[merged[i] for i in sorted(merged)],
+        prompt_logprobs=first.prompt_logprobs
+        if then.prompt_logprobs is None
+        else then.prompt_logprobs,
+    )
 
 
 @dataclass

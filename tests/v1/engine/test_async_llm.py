@@ -119,3 +119,48 @@ def test_a_message_breaking_the_protocol_is_an_engine_error(frames, reason):
         assert not engine.is_alive
 
     run(scenario)
+
+
+def test_a_reader_behind_the_engine_gets_what_arrived_meanwhile_as_one_output():
+    async def scenario(engine: AsyncLLM) -> None:
+        stream = await engine.add_request([1, 2, 3], params(6), "slow")
+        first = await stream.__anext__()
+        assert first.outputs[0].token_ids == [7]
+        await asyncio.sleep(1.0)  # the engine finishes the other 5 steps meanwhile
+        rest = [o async for o in stream]
+        assert len(rest) == 1 and rest[0].finished  # five deltas, merged
+        assert rest[0].outputs[0].token_ids == [7] * 5
+        assert rest[0].outputs[0].finish_reason == "length"
+        # Cumulative outputs: the newest replaces the ones not read.
+        kind = RequestOutputKind.CUMULATIVE
+        sampling = SamplingParams(max_tokens=4, output_kind=kind, ignore_eos=True)
+        stream = await engine.add_request([1], sampling, "cumulative")
+        await asyncio.sleep(1.0)
+        outs = [o async for o in stream]
+        assert len(outs) == 1 and outs[0].outputs[0].token_ids == [7] * 4
+
+    run(scenario)
+
+
+def test_an_error_is_not_merged_away():
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.v1.engine.async_llm import RequestStream
+
+    async def main() -> None:
+        stream = RequestStream(None, "r", ["r"], [1], RequestOutputKind.DELTA)
+        for text in "ab":
+            stream.put(RequestOutput("r", None, [1], [CompletionOutput(0, text, [2])], False))
+        stream.put(GenerationError("boom"))
+        stream.put(RequestOutput("r", None, [1], [CompletionOutput(0, "c", [3])], True))
+        merged = await stream.__anext__()
+        assert merged.outputs[0].text == "ab" and merged.outputs[0].token_ids == [2, 2]
+        stream._engine = _NoAbort()
+        with pytest.raises(GenerationError):
+            await stream.__anext__()
+
+    asyncio.run(main())
+
+
+class _NoAbort:
+    async def abort(self, request_id: str) -> None:
+        pass

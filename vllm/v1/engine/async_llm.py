@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
@@ -15,8 +16,8 @@ from vllm.config import VllmConfig
 from vllm.exceptions import GenerationError
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader import default_sampling_params, eos_token_ids
-from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.outputs import RequestOutput, merge_delta
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import (
     EngineCoreOutputs,
@@ -40,6 +41,11 @@ class RequestStream:
     in the engine (frees its KV blocks); it is safe to call more than once.
     ``engine_latency_s``: once finished, seconds the request spent in the engine process
     (receipt of its first sample to the message that finished it).
+
+    A reader that falls behind the engine (a slow client, an event loop busy with many
+    streams) gets what arrived meanwhile as one output, as in vLLM: DELTA outputs are
+    merged (``merge_delta``), a CUMULATIVE one replaces the one before. So a loaded
+    server sends fewer, larger chunks instead of queueing one per token and step.
     """
 
     def __init__(
@@ -48,14 +54,17 @@ class RequestStream:
         request_id: str,
         child_ids: list[str],
         prompt_token_ids: list[int] | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         self.request_id = request_id
         self.child_ids = child_ids
         self.prompt_token_ids = prompt_token_ids or []  # as processed (template, truncation)
         self.engine_arrival: float | None = None  # time.monotonic() in the engine process
         self.engine_latency_s: float | None = None
+        self.output_kind = output_kind
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._ready = asyncio.Event()
         self._done = False
 
     def __aiter__(self) -> RequestStream:
@@ -64,7 +73,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._pending.popleft()
         if isinstance(item, BaseException):
             await self.aclose()
             raise item
@@ -78,7 +90,14 @@ class RequestStream:
             await self._engine.abort(self.request_id)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        last = self._pending[-1] if self._pending else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            # DELTA: both, merged; otherwise everything so far: the newer says it all.
+            delta = self.output_kind == RequestOutputKind.DELTA
+            self._pending[-1] = merge_delta(last, item) if delta else item
+        else:
+            self._pending.append(item)
+        self._ready.set()
 
 
 class AsyncLLM:
@@ -235,6 +254,7 @@ class AsyncLLM:
             request_id,
             [r.request_id for r in core_reqs],
             list(core_reqs[0].prompt_token_ids) if core_reqs else None,
+            sampling_params.output_kind,
         )
         if not self._streams:  # an idle engine owes no progress until now
             self._last_progress = time.monotonic()
