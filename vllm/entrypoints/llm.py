@@ -54,11 +54,11 @@ class LLM:
         self.vllm_config = args.create_engine_config(
             model_max_len(hf_config), UsageContext.LLM_CLASS
         )
+        maybe_attach_gc_debug_callback()  # before the engine: a bad VLLM_GC_DEBUG fails fast
         self.engine_core = EngineCore(self.vllm_config)
         # generate() steps the engine in this process: keep start-up's heap out of the
         # collections it would pause for (vllm/utils/gc_utils.py). Given back at shutdown,
         # or when this object is dropped without one.
-        maybe_attach_gc_debug_callback()
         self._gc_freeze = freeze_gc_heap("LLM engine")
         self._thaw = weakref.finalize(self, self._gc_freeze.release)
         self.tokenizer = self.engine_core.tokenizer
