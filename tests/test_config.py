@@ -31,6 +31,8 @@ from vllm.sampling_params import SamplingParams
         (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
         (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (lambda: SchedulerConfig(policy="lifo"), "scheduling_policy"),
+        (lambda: SchedulerConfig(stream_interval=0), "stream_interval"),
+        (lambda: SamplingParams(stream_interval=0), "stream_interval"),
         (
             lambda: SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=16),
             "max_num_batched_tokens",
@@ -139,6 +141,7 @@ def test_flags_keep_their_vllm_names():
 def test_flags_reach_the_configs():
     argv = "--no-enable-chunked-prefill --max-model-len 4096 --kv-cache-memory 1.5GiB "
     argv += "--scheduling-policy continuum --continuum-max-ttl 3 --max-wait-time 7 --dtype float16"
+    argv += " --stream-interval 8"
     args = _engine_parser().parse_args(argv.split())
     cfg = EngineArgs.from_cli_args(args).create_engine_config(8192)
     assert cfg.cache_config.kv_cache_memory_bytes == int(1.5 * 2**30)
@@ -149,6 +152,7 @@ def test_flags_reach_the_configs():
     assert cfg.scheduler_config.max_model_len == cfg.model_config.max_model_len == 4096
     assert cfg.policy_config.max_ttl_s == 3 and cfg.policy_config.max_wait_s == 7
     assert cfg.model_config.dtype == "float16"
+    assert cfg.scheduler_config.stream_interval == 8
 
 
 @pytest.mark.parametrize(

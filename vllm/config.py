@@ -320,6 +320,14 @@ class SchedulerConfig:
         "them there, and the host's scheduling and input building overlap the forward. "
         "Off by default here (vLLM turns it on for GPUs); refused with speculative decoding.",
     )
+    stream_interval: int = config_field(
+        1,
+        "Tokens a streamed request gathers before its next output (vLLM's): 1 sends each "
+        "step's tokens at once; N > 1 sends the first token at once, then every N new "
+        "tokens, and the last output when the request ends, which cuts the API server's "
+        "work per token (one SSE chunk per N tokens). A request's own stream_interval may "
+        "raise it, never lower it.",
+    )
     policy: str = config_field(
         "fcfs",
         "Which policy orders waiting requests, picks victims, and decides pins.",
@@ -331,6 +339,9 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise bad_value(name, getattr(self, name), "must be >= 1")
+        interval = self.stream_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise bad_value("stream_interval", interval, "must be an integer >= 1")
         if self.long_prefill_token_threshold < 0:
             raise bad_value(
                 "long_prefill_token_threshold", self.long_prefill_token_threshold, "must be >= 0"

@@ -100,6 +100,10 @@ class SamplingParams:
     detokenize: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: new tokens gathered into each streamed output (the first and the last are
+    # sent at once); raises the engine's --stream-interval for this request, never lowers
+    # it. None: the engine's.
+    stream_interval: int | None = None
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # Added to the token's logit before sampling (OpenAI's logit_bias, values in [-100, 100]).
@@ -201,6 +205,9 @@ class SamplingParams:
             raise _bad(
                 "thinking_token_budget", budget, "must be an integer >= 0, or -1 for no budget"
             )
+        interval = self.stream_interval
+        if interval is not None and (not _is_int(interval) or interval < 1):
+            raise _bad("stream_interval", interval, "must be an integer >= 1")
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or k < 1):
             raise _bad("truncate_prompt_tokens", k, "must be an integer >= 1")

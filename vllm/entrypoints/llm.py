@@ -64,7 +64,9 @@ class LLM:
         self.tokenizer = self.engine_core.tokenizer
         self.processor = Processor(self.vllm_config, self.tokenizer, self.engine_core.eos_token_id)
         self.processor.set_kv_capacity(self.engine_core.num_gpu_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.vllm_config.scheduler_config.stream_interval
+        )
         self._default_sampling = default_sampling_params(self.vllm_config.model_config)
         self._request_counter = 0
 

@@ -71,6 +71,7 @@ def test_help_lists_the_flags_without_importing_torch():
         (("--enable-chunked-prefill=yes",), "--enable-chunked-prefill"),
         (("--scheduling-policy", "lifo"), "--scheduling-policy"),
         (("--max-num-seqs", "0"), "max_num_seqs"),
+        (("--stream-interval", "0"), "stream_interval"),
         (("--chat-template", "/no/such/template.jinja"), "chat_template"),
         (("/no/such/model",), "not found"),
         (("--kv-offloading-size", "0.01", "--no-enable-prefix-caching"), "--kv-offloading-size"),

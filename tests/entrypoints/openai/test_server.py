@@ -145,6 +145,38 @@ def test_return_token_ids_on_completions(client, tokenizer):
     assert [t for c in chunks for t in c.token_ids] == choice.token_ids
 
 
+@pytest.mark.parametrize("route", ["chat", "completion"])
+def test_stream_interval_gathers_tokens_into_fewer_chunks(client, route):
+    # vLLM's per-request stream_interval: the first token at once, then every 5, then the
+    # rest at the end; the same tokens and text as a stream of every step's.
+    def stream(interval):
+        extra = {"return_token_ids": True, "ignore_eos": True}
+        if interval is not None:
+            extra["stream_interval"] = interval
+        kw = {"max_tokens": 14, "temperature": 0, "stream": True, "extra_body": extra}
+        if route == "chat":
+            chunks = chat(client, "Count from one to ten.", **kw)
+            texts = lambda c: c.delta.content or ""  # noqa: E731
+        else:
+            chunks = client.completions.create(model=MODEL, prompt="One, two,", **kw)
+            texts = lambda c: c.text  # noqa: E731
+        choices = [ch for c in chunks for ch in c.choices if getattr(ch, "token_ids", None)]
+        return [ch.token_ids for ch in choices], "".join(texts(ch) for ch in choices)
+
+    ids_one, text_one = stream(None)
+    ids_five, text_five = stream(5)
+    assert [len(ids) for ids in ids_one] == [1] * 14
+    assert [len(ids) for ids in ids_five] == [1, 5, 5, 3]
+    assert sum(ids_five, []) == sum(ids_one, []) and text_five == text_one
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])
+def test_bad_stream_interval_is_a_400_naming_it(client, bad):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=4, stream=True, extra_body={"stream_interval": bad})
+    assert "stream_interval" in str(e.value)
+
+
 @pytest.mark.parametrize(
     "options", [{"include_obfuscation": True}, {"include_usage": True, "bogus": 1}]
 )

@@ -178,3 +178,125 @@ def test_engine_error_finishes_a_sequence_with_finish_reason_error(tokenizer):
     )
     assert result.finished and result.outputs[0].finish_reason == "error"
     assert result.prompt_logprobs is None  # not asked for
+
+
+LONG = "One two three four five six seven eight nine ten eleven twelve thirteen."
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+@pytest.mark.parametrize("engine_interval, request_interval", [(4, None), (1, 4), (4, 2)])
+def test_stream_interval_sends_first_every_n_and_last(
+    tokenizer, kind, engine_interval, request_interval
+):
+    # The engine's interval, raised (never lowered) by the request's: the first token at
+    # once, then an output each time 4 new tokens are in, and the last one when it ends.
+    processor = OutputProcessor(tokenizer, stream_interval=engine_interval)
+    params = {"output_kind": kind, "stream_interval": request_interval}
+    processor.add_request("r", None, [make_request("r", **params)])
+    ids = tokenizer(LONG, add_special_tokens=False).input_ids
+    assert len(ids) % 4 != 1  # the last output is a short one
+    steps = []  # per engine output: whether it made a RequestOutput
+    results = []
+    for out in token_outputs(tokenizer, "r", LONG):
+        got, _ = processor.process_outputs([out])
+        steps.append(bool(got))
+        results += got
+    expected = [i == 0 or i % 4 == 0 or i == len(ids) - 1 for i in range(len(ids))]
+    assert steps == expected
+    assert results[-1].finished and not any(r.finished for r in results[:-1])
+    if kind == RequestOutputKind.DELTA:
+        assert [len(r.outputs[0].token_ids) for r in results[:2]] == [1, 4]
+        assert "".join(r.outputs[0].text for r in results) == LONG
+        assert [t for r in results for t in r.outputs[0].token_ids] == ids
+    else:
+        assert [len(r.outputs[0].token_ids) for r in results[:3]] == [1, 5, 9]
+        assert results[-1].outputs[0].text == LONG and results[-1].outputs[0].token_ids == ids
+
+
+def test_stream_interval_outputs_equal_the_unbatched_stream(tokenizer):
+    # Logprobs and the first token's prompt logprobs come through batching unchanged.
+    def stream(interval):
+        processor = OutputProcessor(tokenizer, stream_interval=interval)
+        params = {"output_kind": RequestOutputKind.DELTA, "logprobs": 0, "prompt_logprobs": 0}
+        processor.add_request("r", None, [make_request("r", **params)])
+        outs = token_outputs(tokenizer, "r", LONG)
+        for i, out in enumerate(outs):
+            out.new_logprobs = [TokenLogprobs(out.new_token_ids[0], -0.1 * i, 1, {})]
+        outs[0].new_prompt_logprobs = [TokenLogprobs(2, -1.0, 1, {}), TokenLogprobs(3, -2.0, 1, {})]
+        return run(processor, outs)
+
+    one, four = stream(1), stream(4)
+    assert len(one) == 14 and len(four) == 5  # tokens 1, 2-5, 6-9, 10-13, 14
+    for field_of in (lambda c: c.token_ids, lambda c: c.logprobs):
+        assert [x for r in four for x in field_of(r.outputs[0])] == [
+            x for r in one for x in field_of(r.outputs[0])
+        ]
+    assert [r.prompt_logprobs for r in four if r.prompt_logprobs] == [
+        r.prompt_logprobs for r in one if r.prompt_logprobs
+    ]
+    assert four[-1].outputs[0].cumulative_logprob == one[-1].outputs[0].cumulative_logprob
+
+
+def test_stream_interval_ends_at_a_stop_string_at_once(tokenizer):
+    processor = OutputProcessor(tokenizer, stream_interval=16)
+    params = {"output_kind": RequestOutputKind.DELTA, "stop": ["five"]}
+    processor.add_request("r", None, [make_request("r", **params)])
+    results, aborts = [], []
+    for out in token_outputs(tokenizer, "r", LONG):
+        got, stop = processor.process_outputs([out])
+        results += got
+        aborts += stop
+        if got and got[-1].finished:
+            break
+    assert len(results) == 2 and aborts == ["r"]
+    assert "".join(r.outputs[0].text for r in results) == "One two three four "
+    assert results[-1].outputs[0].finish_reason == "stop"
+
+
+def test_stream_interval_with_n_children(tokenizer):
+    # DELTA reports every child that moved since the last output, each child's first
+    # tokens and its finish go out at once, and the texts add up.
+    processor = OutputProcessor(tokenizer, stream_interval=3)
+    kids = [make_request(f"{i}_r", output_kind=RequestOutputKind.DELTA) for i in range(2)]
+    processor.add_request("r", None, kids)
+    a = token_outputs(tokenizer, "0_r", "Yes, surely.", FinishReason.STOP)
+    b = token_outputs(tokenizer, "1_r", LONG)
+    assert len(a) < len(b)
+    results = []
+    for step in range(len(b)):
+        results += processor.process_outputs(a[step : step + 1] + [b[step]])[0]
+    texts, finishes = {0: "", 1: ""}, {0: [], 1: []}
+    for r in results:
+        for c in r.outputs:
+            texts[c.index] += c.text
+            finishes[c.index].append(c.finish_reason)
+    assert texts == {0: "Yes, surely", 1: LONG}
+    assert finishes[0][-1] == "stop" and finishes[0].count("stop") == 1
+    assert finishes[1][-1] == "length" and results[-1].finished
+    assert len(results) < len(b) / 2 + 2
+
+
+def test_stream_interval_is_validated():
+    from vllm.config import SchedulerConfig
+
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            SamplingParams(stream_interval=bad)
+        with pytest.raises(ValueError, match="stream_interval"):
+            SchedulerConfig(stream_interval=bad)
+
+
+def test_stream_interval_reports_a_child_held_since_an_earlier_step(tokenizer):
+    # Child 0's second token is held; it then gets no output (preempted, say) while child
+    # 1's tokens fill the interval: that output carries child 0's held token too.
+    processor = OutputProcessor(tokenizer, stream_interval=3)
+    kids = [make_request(f"{i}_r", output_kind=RequestOutputKind.DELTA) for i in range(2)]
+    processor.add_request("r", None, kids)
+    a = token_outputs(tokenizer, "0_r", "Yes, surely not.")
+    b = token_outputs(tokenizer, "1_r", LONG)
+    first, _ = processor.process_outputs([a[0], b[0]])  # first tokens: at once
+    assert [len(c.token_ids) for c in first[0].outputs] == [1, 1]
+    assert processor.process_outputs([a[1], b[1]]) == ([], [])
+    assert processor.process_outputs([b[2]]) == ([], [])
+    (due,), _ = processor.process_outputs([b[3]])
+    assert {c.index: len(c.token_ids) for c in due.outputs} == {0: 1, 1: 3}

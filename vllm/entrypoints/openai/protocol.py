@@ -364,6 +364,10 @@ class _SamplingFields(BaseModel):
     # vLLM's: the prompt's and the output's token ids in the response (agent tracing, RL).
     return_token_ids: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's: new tokens gathered into each streamed chunk (the first and the last are sent
+    # at once); raises the server's --stream-interval for this request, never lowers it.
+    # A non-streaming request has one response whatever it is.
+    stream_interval: int | None = Field(default=None, ge=1)
     user: str | None = None
     priority: int = 0
     job_id: StrictStr | None = None
@@ -516,6 +520,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            stream_interval=self.stream_interval,
             extra_args=self.extra_args(),
         )
 

@@ -124,7 +124,9 @@ class AsyncLLM:
             raise
         self.processor = Processor(vllm_config, self.tokenizer, eos)
         self.processor.default_max_tokens = self.default_sampling_params.get("max_tokens")
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, vllm_config.scheduler_config.stream_interval
+        )
         self.stat_loggers = stat_loggers or []
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}

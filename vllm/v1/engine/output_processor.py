@@ -25,7 +25,7 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     pooled: list[float] | None = None  # --runner pooling: the prompt's embedding
-    _sent_tokens: int = 0  # DELTA: tokens already handed out
+    _sent_tokens: int = 0  # tokens already handed out (DELTA: where the next output starts)
 
     @property
     def finished(self) -> bool:
@@ -54,11 +54,17 @@ class _Sequence:
             self.finish_reason, self.stop_reason = str(out.finish_reason), out.stop_reason
         return False
 
+    def due(self, interval: int) -> bool:
+        """Whether this sequence's output goes out now under a stream interval: its first
+        tokens, its last output, or ``interval`` tokens since the last one sent."""
+        if self.finished or (self._sent_tokens == 0 and self.token_ids):
+            return True
+        return len(self.token_ids) - self._sent_tokens >= interval
+
     def completion(self, delta: bool) -> CompletionOutput:
         text = self.detok.get_next_output_text(self.finished, delta)
         start = self._sent_tokens if delta else 0
-        if delta:
-            self._sent_tokens = len(self.token_ids)
+        self._sent_tokens = len(self.token_ids)
         want_logprobs = self.params.logprobs is not None
         return CompletionOutput(
             index=self.index,
@@ -83,6 +89,9 @@ class _RequestState:
     # [None] + the prompt's logprobs when asked for (from the first sequence only).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     _sent_prompt_logprobs: bool = False  # DELTA: handed out once
+    stream_interval: int = 1  # tokens gathered into each output (first and last at once)
+    # With a stream interval: the sequences updated since the last output, by index.
+    _held: dict[int, _Sequence] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -97,8 +106,10 @@ class OutputProcessor:
     Times in ``RequestOutput.metrics`` are wall-clock (``time.time()``) seconds.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
+        """``stream_interval``: the engine's --stream-interval (a request may raise it)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._states: dict[str, _RequestState] = {}
         self._seq_to_request: dict[str, str] = {}
         # The last ``process_outputs`` call's: for each request that got tokens and had
@@ -140,6 +151,7 @@ class OutputProcessor:
                 max_tokens=first.sampling_params.max_tokens,
             ),
             prompt_logprobs=None if first.sampling_params.prompt_logprobs is None else [None],
+            stream_interval=max(first.sampling_params.stream_interval or 1, self.stream_interval),
         )
         for r in core_requests:
             self._seq_to_request[r.request_id] = request_id
@@ -220,6 +232,13 @@ class OutputProcessor:
         kind = state.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if state.stream_interval > 1:
+            # Held back until a sequence is due; DELTA then reports every sequence that
+            # moved since the last output (``updated`` is this call's only).
+            state._held.update((s.index, s) for s in updated)
+            if not finished and not any(s.due(state.stream_interval) for s in updated):
+                return None
+            updated, state._held = list(state._held.values()), {}
         delta = kind == RequestOutputKind.DELTA
         # DELTA reports only the sequences that moved, so a finished one is reported once.
         seqs = sorted(updated, key=lambda s: s.index) if delta else state.sequences.values()

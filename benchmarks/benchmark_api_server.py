@@ -1,0 +1,213 @@
+"""The API server's own CPU per streamed token: what one `vllm serve` front end can carry.
+
+`vllm serve` runs two processes: the engine core (scheduling, the model) and the API
+server (HTTP, the chat template, detokenizing, one SSE chunk per engine output). On a GPU
+the engine can outrun the API server: 256 requests decoding on the H200 produce ~20k
+tokens a second (benchmarks.md), and a front end that spends 60 us of CPU on a token tops
+out near 16k. This measures that CPU time where the engine is cheap: a one-layer, 64-wide
+random Llama with SmolLM2's 49k-token vocabulary and tokenizer (`--load-format dummy`,
+fp32), so detokenizing is real.
+
+N concurrent streaming greedy chat completions (``ignore_eos``, ``--max-tokens`` each) go
+through a lean client of raw HTTP/1.1 (no openai/httpx stack, which would cost as much CPU
+as the server on a 2-core machine); it counts the SSE events and reads the usage. The API
+server's and the engine core's CPU time (user + system, ``psutil``) over the run, divided
+by the tokens streamed, are the figures (the CPU times tick at 10 ms: runs of a few
+seconds, as here, make them exact to about 1%). "events/token" is SSE chunks per token: below 1
+where a stream interval gathers tokens, or where the server merged outputs that a stream
+had not yet sent (its reader behind).
+
+    .venv/bin/python benchmarks/benchmark_api_server.py [--num-requests 64 256] [--repeats 3]
+        [--stream-intervals 1 4 16]
+
+``--stream-intervals``: each request asks that ``stream_interval`` (vLLM's: the first token
+at once, then a chunk every K tokens, the rest at the end); several values run
+interleaved against one server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark_gpu  # noqa: E402
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=32, intermediate_size=64, vocab_size=49152, tie_word_embeddings=True,
+             rope_theta=10000.0, rms_norm_eps=1e-5)  # fmt: skip
+MODEL_DIR = Path("/tmp/vllm-api-server-model")
+WORDS = "agent tool call shell file cache block token model queue job turn output".split()
+
+
+def make_model(folder: Path) -> None:
+    """The random model's config and SmolLM2's tokenizer files in ``folder``."""
+    from transformers import LlamaConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fields = dict(SHAPE)
+    theta = fields.pop("rope_theta")
+    config = LlamaConfig(**fields, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": theta})  # fmt: skip
+    config.save_pretrained(folder)
+    tokenizer = benchmark_gpu.default_tokenizer_dir()
+    for name in benchmark_gpu.TOKENIZER_FILES:
+        if (tokenizer / name).exists():
+            (folder / name).write_bytes((tokenizer / name).read_bytes())
+
+
+async def read_chunked(reader: asyncio.StreamReader):
+    """The body of a chunked HTTP/1.1 response, chunk by chunk."""
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            await reader.readline()
+            return
+        data = await reader.readexactly(size + 2)
+        yield data[:-2]
+
+
+async def one_stream(port: int, body: bytes) -> tuple[int, int]:
+    """One streaming chat completion over its own connection: (SSE events with a delta,
+    the first one, the role's, not counted; completion tokens from the usage chunk)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"server answered {status!r}: {await reader.read(2000)!r}")
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        chunked |= line.lower().startswith(b"transfer-encoding: chunked")
+    if not chunked:
+        raise RuntimeError("expected a chunked SSE body")
+    events = tokens = 0
+    buf = b""
+    async for data in read_chunked(reader):
+        buf += data
+        *complete, buf = buf.split(b"\n\n")
+        for event in complete:
+            if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                continue
+            if b'"completion_tokens"' in event:
+                tokens = json.loads(event[6:])["usage"]["completion_tokens"]
+            if b'"delta":' in event:
+                events += 1
+    writer.close()
+    return events - 1, tokens
+
+
+async def run_streams(
+    port: int, model: str, n: int, max_tokens: int, tag: str, interval: int
+) -> tuple[int, int]:
+    async def one(i: int) -> tuple[int, int]:
+        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(24))
+        body = json.dumps({
+            "model": model, "messages": [{"role": "user", "content": f"{tag}{i}: {words}"}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "stream_interval": interval,
+        }).encode()  # fmt: skip
+        return await one_stream(port, body)
+
+    got = await asyncio.gather(*(one(i) for i in range(n)))
+    return sum(e for e, _ in got), sum(t for _, t in got)
+
+
+def cpu_seconds(proc) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def measure(server, api, engine, n: int, max_tokens: int, tag: str, interval: int = 1) -> dict:
+    api0, engine0 = cpu_seconds(api), cpu_seconds(engine)
+    start = time.perf_counter()
+    events, tokens = asyncio.run(run_streams(server.port, "model", n, max_tokens, tag, interval))
+    wall = time.perf_counter() - start
+    api_s, engine_s = cpu_seconds(api) - api0, cpu_seconds(engine) - engine0
+    if tokens != n * max_tokens:
+        raise RuntimeError(f"{tokens} tokens streamed, expected {n * max_tokens}")
+    return {
+        "num_requests": n,
+        "stream_interval": interval,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_per_s": tokens / wall,
+        "api_us_per_token": api_s * 1e6 / tokens,
+        "engine_us_per_token": engine_s * 1e6 / tokens,
+        "api_busy": api_s / wall,
+        "events_per_token": events / tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-requests", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1], metavar="K",
+                    help="each request's stream_interval; several: interleaved runs")  # fmt: skip
+    ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="where the model is made")
+    ap.add_argument("--server-log", default=None)
+    args = ap.parse_args(argv)
+    if min(args.num_requests) < 1 or args.max_tokens < 2 or args.repeats < 1:
+        ap.error("--num-requests >= 1, --max-tokens >= 2, --repeats >= 1")
+    if min(args.stream_intervals) < 1:
+        ap.error("--stream-intervals >= 1")
+    import psutil
+    import torch
+
+    from vllm.benchmarks.server import RemoteServer
+
+    make_model(args.model_dir)
+    top = max(args.num_requests)
+    serve_args = [
+        str(args.model_dir), "--served-model-name", "model", "--load-format", "dummy",
+        "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(top),
+        "--max-num-batched-tokens", str(max(2048, top * 64)),
+    ]  # fmt: skip
+    machine = benchmark_gpu.machine_info(torch.device("cpu"))
+    print(f"machine: {machine['cpu']}, {machine['cpu_count']} cores; "
+          f"{args.max_tokens} tokens a stream", flush=True)  # fmt: skip
+    results: dict = {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()},
+                     "rows": []}  # fmt: skip
+    with RemoteServer(*serve_args, log_path=args.server_log) as server:
+        api = psutil.Process(server.proc.pid)
+        engines = [p for p in api.children(recursive=True)
+                   if "resource_tracker" not in " ".join(p.cmdline())]  # fmt: skip
+        if len(engines) != 1:
+            raise RuntimeError(f"expected one engine core process, found {engines}")
+        engine = engines[0]
+        measure(server, api, engine, 8, 8, "warm.")
+        print(f"{'N':>5} {'interval':>8} {'tok/s':>8} {'API us/tok':>11} {'engine us/tok':>14} "
+              f"{'API busy':>9} {'events/tok':>11}")  # fmt: skip
+        for n in args.num_requests:
+            runs: dict[int, list[dict]] = {k: [] for k in args.stream_intervals}
+            for r in range(args.repeats):  # interleaved: the machine's drift hits all alike
+                for k in args.stream_intervals:
+                    runs[k].append(measure(server, api, engine, n, args.max_tokens,
+                                           f"{n}.{k}.{r}.", k))  # fmt: skip
+            for k, rows in runs.items():
+                med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+                results["rows"].append({"num_requests": n, "stream_interval": k,
+                                        "median": med, "runs": rows})  # fmt: skip
+                print(f"{n:>5} {k:>8} {med['tok_per_s']:>8.0f} {med['api_us_per_token']:>11.1f} "
+                      f"{med['engine_us_per_token']:>14.1f} {med['api_busy']:>9.2f} "
+                      f"{med['events_per_token']:>11.3f}", flush=True)  # fmt: skip
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

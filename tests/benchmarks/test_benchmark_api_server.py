@@ -1,0 +1,34 @@
+"""benchmarks/benchmark_api_server.py end to end on a tiny run: a real `vllm serve`, both
+processes' CPU per token, and stream intervals interleaved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.utils import load_script
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_api_server.py"
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_run_measures_both_processes_per_interval(tmp_path, capsys):
+    module = load_script(SCRIPT)
+    out = tmp_path / "api.json"
+    argv = ["--num-requests", "2", "--max-tokens", "6", "--repeats", "1",
+            "--stream-intervals", "1", "4", "--model-dir", str(tmp_path / "model")]  # fmt: skip
+    assert module.main([*argv, "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["num_requests"], r["stream_interval"]) for r in rows] == [(2, 1), (2, 4)]
+    for r in rows:
+        med = r["median"]
+        assert med["tokens"] == 12  # the run checks the usage chunks add up to this
+        # CPU times tick at 10 ms: a run this short may read 0 for either process.
+        assert med["api_us_per_token"] >= 0 and med["engine_us_per_token"] >= 0
+        assert med["wall_s"] > 0 and med["tok_per_s"] > 0
+    one, four = (r["median"]["events_per_token"] for r in rows)
+    # Interval 4 of 6 tokens: the first at once, the next 4, then the last: 3 chunks.
+    assert 0 < four <= 0.5 and four < one <= 1.0
+    assert "API us/tok" in capsys.readouterr().out
