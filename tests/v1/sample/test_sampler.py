@@ -780,3 +780,23 @@ def test_top_p_method_is_chosen_by_name_and_a_bad_one_refused(monkeypatch):
     monkeypatch.setenv("VLLM_TOP_P_METHOD", "bisect")
     with pytest.raises(ValueError, match="VLLM_TOP_P_METHOD='bisect'"):
         apply_top_p(x, top_p)
+
+
+def test_finite_and_argmax_flags_each_row_and_takes_the_first_maximum():
+    from vllm.v1.sample.sampler import finite_and_argmax
+
+    inf, nan = float("inf"), float("nan")
+    raw = torch.tensor(
+        [
+            [0.5, 2.0, 2.0, -1.0],  # a tie: the first maximum, as argmax
+            [0.0, nan, 1.0, 3.0],
+            [inf, 0.0, 1.0, 2.0],
+            [-inf, -inf, -inf, -inf],
+            [-inf, -3.0, -inf, -5.0],  # -inf entries beside finite ones are fine
+        ]
+    )
+    finite, argmax = finite_and_argmax(raw, list(range(5)))
+    assert finite == [True, False, False, False, True]
+    assert argmax[0] == 1 and argmax[4] == 1
+    assert finite_and_argmax(raw, [0, 4]) == (finite, [1, 1])
+    assert finite_and_argmax(raw, []) == (finite, [])

@@ -365,6 +365,27 @@ def test_prompt_logprobs_of_each_chunk_come_from_its_rows(runner):
     assert third.prompt_logprobs == {}
 
 
+def test_prompt_logprobs_after_requests_that_asked_for_them_come_and_go(runner):
+    # The runner skips the prompt-logprob pass while no request it holds asks for them:
+    # its count follows the requests through preemption and finishing, and a later one
+    # still gets them.
+    runner.attn_backend = FLASH_BUILDER
+    runner.model = RowLogitsModel()
+    prompt = list(range(10, 16))
+    asks = lambda rid: new_req(rid, prompt, [1, 2], 0, prompt_logprobs=1)  # noqa: E731
+    out = runner.execute_model(sched_out(new=[asks("P"), new_req("Q", prompt, [3, 4], 0)],
+                                         num_scheduled={"P": 6, "Q": 6}))  # fmt: skip
+    assert set(out.prompt_logprobs) == {"P"} and runner._num_prompt_logprobs == 1
+    runner.execute_model(sched_out(cached=[("Q", [], 6)], num_scheduled={"Q": 1}, preempted={"P"}))
+    assert runner._num_prompt_logprobs == 0
+    out = runner.execute_model(sched_out(new=[asks("P")], num_scheduled={"P": 6}, finished={"Q"}))
+    assert set(out.prompt_logprobs) == {"P"} and runner._num_prompt_logprobs == 1
+    runner.execute_model(sched_out(new=[asks("R")], num_scheduled={"R": 6}, finished={"P"}))
+    assert runner._num_prompt_logprobs == 1  # R's
+    runner.execute_model(sched_out(finished={"R"}))
+    assert runner._num_prompt_logprobs == 0
+
+
 def test_a_request_whose_state_cannot_be_built_fails_alone(runner):
     runner.attn_backend = FLASH_BUILDER
     bad = new_req("bad", [1, 2], [1], 0, temperature=1.0)

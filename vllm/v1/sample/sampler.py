@@ -518,12 +518,17 @@ def finite_and_argmax(raw: torch.Tensor, greedy: list[int]) -> tuple[list[bool],
     """Whether each row of ``raw`` is finite, and the argmax of the ``greedy`` rows: one
     copy to the host. The max of a row is NaN if any entry is, +inf if any is, -inf if
     all are."""
-    finite = torch.isfinite(raw.amax(-1)).long()
+    # One pass over the logits gives both: each row's max (NaN or inf if any entry is) and
+    # where it is (the first maximal entry, as argmax; a row that is not finite has no
+    # token anyway).
+    maxima, argmax = raw.max(-1)
+    finite = torch.isfinite(maxima).long()
     if not greedy:
         return [bool(f) for f in finite.tolist()], []
-    rows = raw if len(greedy) == raw.shape[0] else raw[greedy]
-    values = torch.cat([finite, rows.argmax(-1)]).tolist()
     n = raw.shape[0]
+    if len(greedy) < n:
+        argmax = argmax[greedy]
+    values = torch.cat([finite, argmax]).tolist()
     return [bool(f) for f in values[:n]], values[n:]
 
 

@@ -219,6 +219,7 @@ class ModelRunner:
         # deferred step (--async-scheduling) with penalised rows waits for nothing. Off:
         # the sampler's sparse way (the same values; tests compare the two).
         self.use_penalty_tables = True
+        self._num_prompt_logprobs = 0  # requests held here that ask for prompt logprobs
         self.penalty_table: PenaltyTable | None = None  # made for the first such request
         if self.device.type == "cpu":
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
@@ -238,6 +239,7 @@ class ModelRunner:
         self.model = None
         self.lora = None
         self.requests.clear()
+        self._num_prompt_logprobs = 0
         self._paused_generators.clear()
         if self.device.type == "cuda":
             gc.collect()  # the graphs' and the model's reference cycles
@@ -473,7 +475,9 @@ class ModelRunner:
         failed: dict[str, RequestFailure] = {}
         for new in so.scheduled_new_reqs:
             try:
-                self.requests[new.req_id] = self._new_state(new)
+                state = self.requests[new.req_id] = self._new_state(new)
+                if state.sampling_params.prompt_logprobs is not None:
+                    self._num_prompt_logprobs += 1  # given back by _drop_state
             except LoRAAdapterError as e:  # the request's own: an adapter that cannot load
                 failed[new.req_id] = RequestFailure(str(e), internal=False)
             except Exception as e:  # this request only (e.g. a seed its generator refuses)
@@ -491,6 +495,8 @@ class ModelRunner:
     def _drop_state(self, req_id: str) -> CachedRequestState | None:
         """Forget a request (finished, aborted or preempted): its state, its penalty row."""
         state = self.requests.pop(req_id, None)
+        if state is not None and state.sampling_params.prompt_logprobs is not None:
+            self._num_prompt_logprobs -= 1
         if state is not None and state.penalty_slot is not None:  # a slot: the table exists
             self.penalty_table.remove(state.penalty_slot)
             state.penalty_slot = None
@@ -833,6 +839,8 @@ class ModelRunner:
         step's chunk predicts (the row of position p predicts prompt token p + 1), still
         on the device (``prompt_logprobs_from``)."""
         result = []
+        if not self._num_prompt_logprobs:  # the common step: no request asks for them
+            return result
         for req_id, row in row_starts.items():
             state = self.requests[req_id]
             num_top = state.sampling_params.prompt_logprobs
