@@ -24,11 +24,12 @@ def collect_garbage():
     gc.collect()  # see test_core_proc.collect_garbage
 
 
-def run(scenario) -> None:
+def run(scenario, **engine_args) -> None:
     async def main() -> None:
         # 255 usable blocks of 16: room for the 2,000-token requests that must outlast
         # their test (a request that cannot fit the pool is refused up front).
-        config = EngineArgs(num_gpu_blocks_override=256).create_engine_config(2048)
+        args = EngineArgs(num_gpu_blocks_override=256, **engine_args)
+        config = args.create_engine_config(2048)
         engine = AsyncLLM(config, engine_factory=fake_engine_factory)
         try:
             await engine.start()
@@ -164,3 +165,22 @@ def test_an_error_is_not_merged_away():
 class _NoAbort:
     async def abort(self, request_id: str) -> None:
         pass
+
+
+def test_the_engines_stream_interval_gathers_tokens_and_a_request_may_raise_it():
+    # --stream-interval 3 reaches the output processor: the first token at once, then
+    # every 3, the rest at the end; a request's own interval of 4 raises it, 2 does not
+    # lower it.
+    async def scenario(engine: AsyncLLM) -> None:
+        async def sizes(request_id: str, interval: int | None) -> list[int]:
+            p = params(8)
+            p.stream_interval = interval
+            return [
+                len(o.outputs[0].token_ids) async for o in engine.generate([1, 2], p, request_id)
+            ]
+
+        assert await sizes("a", None) == [1, 3, 3, 1]
+        assert await sizes("b", 4) == [1, 4, 3]
+        assert await sizes("c", 2) == [1, 3, 3, 1]
+
+    run(scenario, stream_interval=3)
