@@ -6,7 +6,10 @@ the engine can outrun the API server: 256 requests decoding on the H200 produce 
 tokens a second (benchmarks.md), and a front end that spends 60 us of CPU on a token tops
 out near 16k. This measures that CPU time where the engine is cheap: a one-layer, 64-wide
 random Llama with SmolLM2's 49k-token vocabulary and tokenizer (`--load-format dummy`,
-fp32), so detokenizing is real.
+fp32), so detokenizing is real. ``--shape`` serves one of benchmark_gpu's shapes instead
+(random weights made by the engine), e.g. on a GPU, where the question is whether one API
+process keeps up with the engine: ``--shape llama-3.1-8b --dtype bfloat16 --serve-args
+"--async-scheduling"``.
 
 N concurrent streaming greedy chat completions (``ignore_eos``, ``--max-tokens`` each) go
 through a lean client of raw HTTP/1.1 (no openai/httpx stack, which would cost as much CPU
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -41,24 +45,10 @@ import benchmark_gpu  # noqa: E402
 SHAPE = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
              head_dim=32, intermediate_size=64, vocab_size=49152, tie_word_embeddings=True,
              rope_theta=10000.0, rms_norm_eps=1e-5)  # fmt: skip
+# The default shape, made in benchmark_gpu's way (its other shapes serve too: --shape).
+benchmark_gpu.SHAPES.setdefault("api-tiny", SHAPE)
 MODEL_DIR = Path("/tmp/vllm-api-server-model")
 WORDS = "agent tool call shell file cache block token model queue job turn output".split()
-
-
-def make_model(folder: Path) -> None:
-    """The random model's config and SmolLM2's tokenizer files in ``folder``."""
-    from transformers import LlamaConfig
-
-    folder.mkdir(parents=True, exist_ok=True)
-    fields = dict(SHAPE)
-    theta = fields.pop("rope_theta")
-    config = LlamaConfig(**fields, max_position_embeddings=4096,
-                         rope_parameters={"rope_type": "default", "rope_theta": theta})  # fmt: skip
-    config.save_pretrained(folder)
-    tokenizer = benchmark_gpu.default_tokenizer_dir()
-    for name in benchmark_gpu.TOKENIZER_FILES:
-        if (tokenizer / name).exists():
-            (folder / name).write_bytes((tokenizer / name).read_bytes())
 
 
 async def read_chunked(reader: asyncio.StreamReader):
@@ -158,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="each request's stream_interval; several: interleaved runs")  # fmt: skip
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="where the model is made")
+    ap.add_argument(
+        "--shape",
+        default="api-tiny",
+        choices=list(benchmark_gpu.SHAPES),
+        help="the random model's shape (benchmark_gpu's), e.g. llama-3.1-8b on a GPU",
+    )
+    ap.add_argument("--dtype", default="float32", choices=list(benchmark_gpu.DTYPES))
+    ap.add_argument("--serve-args", default="", help="more `vllm serve` flags, one string")
     ap.add_argument("--server-log", default=None)
     args = ap.parse_args(argv)
     if min(args.num_requests) < 1 or args.max_tokens < 2 or args.repeats < 1:
@@ -169,15 +167,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm.benchmarks.server import RemoteServer
 
-    make_model(args.model_dir)
+    benchmark_gpu.write_config_dir(
+        args.shape, args.model_dir, benchmark_gpu.default_tokenizer_dir()
+    )
     top = max(args.num_requests)
     serve_args = [
         str(args.model_dir), "--served-model-name", "model", "--load-format", "dummy",
-        "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(top),
-        "--max-num-batched-tokens", str(max(2048, top * 64)),
+        "--dtype", args.dtype, "--max-model-len", "512", "--max-num-seqs", str(top),
+        "--max-num-batched-tokens", str(max(2048, top * 64)), *shlex.split(args.serve_args),
     ]  # fmt: skip
-    machine = benchmark_gpu.machine_info(torch.device("cpu"))
-    print(f"machine: {machine['cpu']}, {machine['cpu_count']} cores; "
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    machine = benchmark_gpu.machine_info(device)
+    print(f"machine: {machine['device_name']} (host {machine['cpu']}, "
+          f"{machine['cpu_count']} cores); {args.shape} {args.dtype}; "
           f"{args.max_tokens} tokens a stream", flush=True)  # fmt: skip
     results: dict = {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()},
                      "rows": []}  # fmt: skip

@@ -14,6 +14,8 @@
 #                        (one MoE layer's experts: grouped GEMM, loop, dense)
 #   sampler [ARGS]       benchmarks/benchmark_sampler.py ARGS --json-out $OUT/sampler-K.json
 #                        (a batch's sampling together against row by row)
+#   api [ARGS]           benchmarks/benchmark_api_server.py ARGS --json-out $OUT/api-K.json
+#                        (the API server's CPU per streamed token; --shape llama-3.1-8b)
 #   study [ARGS]         scripts/gpu/study.py: the agent workload on a random-weight
 #                        model (run_sweep.py ARGS), $OUT/study-LABEL.tar.gz
 # e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
@@ -33,7 +35,7 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-570}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-STEPS="test bench serve-smoke offload moe sampler study"
+STEPS="test bench serve-smoke offload moe sampler api study"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -94,6 +96,7 @@ BENCH_RUNS=0
 OFFLOAD_RUNS=0
 MOE_RUNS=0
 SAMPLER_RUNS=0
+API_RUNS=0
 run_step() {
     local step=$1
     shift
@@ -132,6 +135,11 @@ run_step() {
         SAMPLER_RUNS=$((SAMPLER_RUNS + 1))
         limited "${GPU_SAMPLER_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_sampler.py \
             --json-out "$OUT/sampler-$SAMPLER_RUNS.json" "$@"
+        ;;
+    api)
+        API_RUNS=$((API_RUNS + 1))
+        limited "${GPU_API_TIMEOUT:-240}" "$PYTHON" benchmarks/benchmark_api_server.py \
+            --json-out "$OUT/api-$API_RUNS.json" "$@"
         ;;
     serve-smoke)
         limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"

@@ -18,7 +18,8 @@ def test_tiny_run_measures_both_processes_per_interval(tmp_path, capsys):
     module = load_script(SCRIPT)
     out = tmp_path / "api.json"
     argv = ["--num-requests", "2", "--max-tokens", "6", "--repeats", "1",
-            "--stream-intervals", "1", "4", "--model-dir", str(tmp_path / "model")]  # fmt: skip
+            "--stream-intervals", "1", "4", "--model-dir", str(tmp_path / "model"),
+            "--shape", "tiny", "--serve-args", "--max-num-seqs 3"]  # fmt: skip
     assert module.main([*argv, "--json-out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["num_requests"], r["stream_interval"]) for r in rows] == [(2, 1), (2, 4)]
@@ -31,4 +32,20 @@ def test_tiny_run_measures_both_processes_per_interval(tmp_path, capsys):
     one, four = (r["median"]["events_per_token"] for r in rows)
     # Interval 4 of 6 tokens: the first at once, the next 4, then the last: 3 chunks.
     assert 0 < four <= 0.5 and four < one <= 1.0
-    assert "API us/tok" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "API us/tok" in printed and "tiny float32" in printed
+
+
+def test_gpu_kit_runs_the_api_step(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    kit = SCRIPT.parents[1] / "scripts" / "gpu" / "run.sh"
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    argv = ["api", "--shape", "tiny", "--num-requests", "2", "--max-tokens", "4", "--repeats",
+            "1", "--model-dir", str(tmp_path / "model")]  # fmt: skip
+    done = subprocess.run([str(kit), *argv], env=env, timeout=180, capture_output=True)
+    assert done.returncode == 0, done.stdout.decode()[-2000:]
+    assert json.loads((tmp_path / "api-1.json").read_text())["rows"][0]["median"]["tokens"] == 8
+    assert "=== api: exit status 0" in (tmp_path / "run.log").read_text()
