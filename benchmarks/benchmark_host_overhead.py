@@ -31,6 +31,13 @@ generates in a row with the engine's start-up heap frozen out of collections (it
 default, vllm/utils/gc_utils.py) interleaved with K sessions with it thawed
 (``gc.unfreeze`` and a full collection: a process that never froze it); prints each arm's
 median wall time, full collections (count, total and longest pause) and longest step.
+
+"front ms": the output processor's time per step (``LLM.generate`` runs it in process,
+after each engine step: detokenizing, stop strings, the outputs), which on a GPU adds to
+every synchronous step as the host time above does. ``--ab-detok K``: for each N, K
+generates whose final-only detokenizers decode the text once at the end (their default)
+interleaved with K that decode every token as it comes; prints the medians of the front
+end's ms per step and of the wall time.
 """
 
 from __future__ import annotations
@@ -56,9 +63,11 @@ class Timed:
 
     def __init__(self, obj, name: str) -> None:
         self.seconds = 0.0
+        self.calls = 0
         inner = getattr(obj, name)
 
         def timed(*args, **kwargs):
+            self.calls += 1
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
@@ -115,6 +124,7 @@ def measure(llm, timers: list[Timed], n: int, prompt_len: int, max_tokens: int) 
             rows.append((elapsed, sum(t.seconds for t in timers) - before))
         return out
 
+    front = Timed(llm.output_processor, "process_outputs")  # after each step, in process
     core.scheduler.schedule, core.step = recorded_schedule, timed_step
     try:
         prompts = benchmark_gpu.make_prompts(n, prompt_len, SHAPE["vocab_size"], seed=n)
@@ -126,6 +136,7 @@ def measure(llm, timers: list[Timed], n: int, prompt_len: int, max_tokens: int) 
             wall = time.perf_counter() - start
     finally:
         core.scheduler.schedule, core.step = schedule, step
+        del llm.output_processor.process_outputs  # the class's again
     steps = [s for s, _ in rows]
     host = [s - m for s, m in rows]
     full = collections.full()
@@ -138,6 +149,8 @@ def measure(llm, timers: list[Timed], n: int, prompt_len: int, max_tokens: int) 
         "host_us_per_request": statistics.median(host) * 1e6 / n,
         "max_step_ms": max(steps) * 1e3,
         "generate_s": wall,
+        # The output processor (detokenizing, stop strings, outputs): its mean per step.
+        "front_ms_per_step": front.seconds * 1e3 / max(front.calls, 1),
         "collections": len(collections.pauses),
         "full_collections": len(full),
         "full_collection_ms": sum(full),
@@ -165,6 +178,42 @@ def ab_sampler(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
             print(f"{n:>5} {fast:>20.3f} {general:>16.3f} {general / fast:>6.2f}x", flush=True)
     finally:
         model_runner.is_bare_greedy = real
+    return out
+
+
+def ab_detok(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
+    """Per N: generates whose detokenizers decode once at the end (``lazy``: FINAL_ONLY
+    without stop strings, as ``LLM.generate`` asks) interleaved with ones that decode every
+    token as it comes (lazy forced off); the front end's ms per step and the wall time."""
+    import vllm.v1.engine.detokenizer as detokenizer
+
+    real = detokenizer.IncrementalDetokenizer.__init__
+
+    def eager(self, *a, **kw):
+        real(self, *a, **kw)
+        self.lazy = False
+
+    print(f"{'N':>5} {'front ms lazy':>14} {'front ms eager':>15} {'generate s lazy':>16} "
+          f"{'generate s eager':>17}")  # fmt: skip
+    out = {}
+    try:
+        for n in args.num_requests:
+            arms: dict[str, list[dict]] = {"lazy": [], "eager": []}
+            for i in range(2 * args.ab_detok):
+                arm = "lazy" if i % 2 == 0 else "eager"
+                detokenizer.IncrementalDetokenizer.__init__ = real if arm == "lazy" else eager
+                arms[arm].append(measure(llm, timers, n, args.prompt_len, args.max_tokens))
+            med = {
+                (arm, key): statistics.median(r[key] for r in rows)
+                for arm, rows in arms.items()
+                for key in ("front_ms_per_step", "generate_s")
+            }
+            out[str(n)] = arms
+            print(f"{n:>5} {med['lazy', 'front_ms_per_step']:>14.3f} "
+                  f"{med['eager', 'front_ms_per_step']:>15.3f} {med['lazy', 'generate_s']:>16.3f} "
+                  f"{med['eager', 'generate_s']:>17.3f}", flush=True)  # fmt: skip
+    finally:
+        detokenizer.IncrementalDetokenizer.__init__ = real
     return out
 
 
@@ -234,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--ab-sampler", type=int, default=0, metavar="K",
                     help="K interleaved runs with and without the bare-greedy path")  # fmt: skip
+    ap.add_argument("--ab-detok", type=int, default=0, metavar="K",
+                    help="K interleaved runs: text decoded at the end / per token")  # fmt: skip
     ap.add_argument("--gc-ab", type=int, default=0, metavar="K",
                     help="K interleaved sessions, start-up heap frozen and thawed")  # fmt: skip
     ap.add_argument("--gc-runs", type=int, default=8, metavar="R",
@@ -267,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
           f"threads {torch.get_num_threads()}", flush=True)  # fmt: skip
     print(
         f"{'N':>5} {'steps':>6} {'step ms':>8} {'model ms':>9} {'host ms':>8} {'host us/req':>12}"
+        f" {'front ms':>9}"
     )
     results = {"machine": machine, "args": vars(args) | {"json_out": None}, "rows": []}
     model = llm.engine_core.model_runner.model
@@ -275,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         measure(llm, timers, 1, args.prompt_len, 4)  # warm-up
         if args.gc_ab:
             results["ab_gc"] = ab_gc(llm, timers, args)
+            if args.json_out:
+                args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+            return 0
+        if args.ab_detok:
+            results["ab_detok"] = ab_detok(llm, timers, args)
             if args.json_out:
                 args.json_out.write_text(json.dumps(results, indent=1) + "\n")
             return 0
@@ -289,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             line = (
                 f"{n:>5} {row['decode_steps']:>6} {row['step_ms']:>8.3f} "
                 f"{row['model_ms']:>9.3f} {row['host_ms']:>8.3f} "
-                f"{row['host_us_per_request']:>12.1f}"
+                f"{row['host_us_per_request']:>12.1f} {row['front_ms_per_step']:>9.3f}"
             )
             print(line, flush=True)
             if args.json_out:

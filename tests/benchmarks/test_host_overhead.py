@@ -24,6 +24,7 @@ def test_tiny_run_writes_a_row_per_batch_size(tmp_path, capsys):
         assert r["host_ms"] > 0
         per_request = r["host_us_per_request"] * r["num_requests"]
         assert abs(per_request - r["host_ms"] * 1e3) < 1e-6
+        assert r["front_ms_per_step"] > 0
     assert "host us/req" in capsys.readouterr().out
 
 
@@ -59,3 +60,18 @@ def test_gc_ab_interleaves_frozen_and_thawed_sessions_and_gives_the_hold_back(tm
             assert s["full_collection_ms"] >= s["max_full_collection_ms"] >= 0
     assert gc_utils._holds == 0 and gc.get_freeze_count() == 0  # the LLM shut down
     assert "thawed/frozen generate time" in capsys.readouterr().out
+
+
+def test_ab_detok_interleaves_both_decodes_and_restores_the_detokenizer(tmp_path, capsys):
+    import vllm.v1.engine.detokenizer as detokenizer
+
+    real = detokenizer.IncrementalDetokenizer.__init__
+    module = load_script(SCRIPT)
+    out = tmp_path / "detok.json"
+    argv = ["--num-requests", "2", "--prompt-len", "16", "--max-tokens", "4", "--ab-detok", "2"]
+    assert module.main([*argv, "--json-out", str(out)]) == 0
+    arms = json.loads(out.read_text())["ab_detok"]["2"]
+    assert len(arms["lazy"]) == len(arms["eager"]) == 2
+    assert all(r["front_ms_per_step"] > 0 for rows in arms.values() for r in rows)
+    assert detokenizer.IncrementalDetokenizer.__init__ is real
+    assert "front ms lazy" in capsys.readouterr().out

@@ -152,3 +152,46 @@ def test_fast_decoder_keeps_the_wrapper_when_it_cleans_up_spaces():
             return f"cleaned {ids} {skip_special_tokens}"
 
     assert fast_decoder(CleaningTokenizer())([1, 2], True) == "cleaned [1, 2] True"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_final_only_without_stop_strings_decodes_once_to_the_same_text(tokenizer, skip):
+    # LLM.generate and non-streaming requests read the text only at the end: it is decoded
+    # once then, and equals what the incremental decode adds up to (EOS's text left out).
+    from vllm.sampling_params import RequestOutputKind
+
+    rng = random.Random(1)
+    eos = tokenizer.eos_token_id
+    for _ in range(20):
+        token_ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))] + [eos]
+        kw = {"skip_special_tokens": skip}
+        lazy = IncrementalDetokenizer(
+            tokenizer, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **kw)
+        )
+        eager = IncrementalDetokenizer(tokenizer, SamplingParams(**kw))
+        calls = []
+        decode = lazy._decode_fn
+        lazy._decode_fn = lambda ids, s: calls.append(len(ids)) or decode(ids, s)
+        assert lazy.lazy and not eager.lazy
+        for i in range(0, len(token_ids), 3):
+            chunk = token_ids[i : i + 3]
+            end = i + 3 >= len(token_ids)
+            for d in (lazy, eager):
+                assert d.update(chunk, stop_terminated=end) is None
+        assert calls == []
+        for d in (lazy, eager):
+            d.flush()
+        assert calls == [len(token_ids) - 1]  # one decode, without the EOS
+        assert lazy.output_text == eager.output_text
+        assert lazy.get_next_output_text(True, delta=False) == eager.output_text
+        assert lazy.num_output_tokens == eager.num_output_tokens == len(token_ids)
+
+
+def test_final_only_with_stop_strings_still_decodes_as_it_goes(tokenizer):
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, stop=[" nice"])
+    detok = IncrementalDetokenizer(tokenizer, params)
+    assert not detok.lazy
+    assert detok.update(ids_of(tokenizer, "Paris is nice.")) == " nice"
+    assert detok.output_text == "Paris is"

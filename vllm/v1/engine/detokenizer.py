@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 # What a tokenizer decodes an incomplete UTF-8 sequence to.
 _REPLACEMENT_CHAR = "\ufffd"
@@ -39,6 +39,11 @@ class IncrementalDetokenizer:
     ``include_stop_str_in_output``) and ``stop_reason`` names it. A text suffix that
     could still grow into a stop string is held back from ``get_next_output_text``, so
     streamed text never has to be retracted.
+
+    A sequence whose text is read only once it ends (``FINAL_ONLY``: ``LLM.generate``, a
+    non-streaming request) and that has no stop strings is decoded once, at ``flush()``:
+    the same text (a full decode is what the incremental one adds up to), without two
+    decodes of every token on the way (``lazy``).
     """
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
@@ -49,6 +54,7 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.detokenize = params.detokenize  # False: token ids only, no text (vLLM's)
+        self.lazy = params.output_kind == RequestOutputKind.FINAL_ONLY and not self.stop
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.stop_buffer_length = (
             self._max_stop_len - 1 if self.stop and not self.include_stop_str_in_output else 0
@@ -82,6 +88,10 @@ class IncrementalDetokenizer:
         if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
             last -= 1
             self.num_output_tokens += 1  # the stop token counts, its text does not
+        if self.lazy:  # no text before the end, and no stop string to look for
+            self.token_ids += new_token_ids[:last]
+            self.num_output_tokens += last
+            return None
         for i in range(last):
             # Token by token (several arrive at once with speculative decoding): a stop
             # string ends the text at the token that completed it, as when they come
@@ -100,6 +110,10 @@ class IncrementalDetokenizer:
         """At the end of the sequence: emit text held back for an incomplete character."""
         if self.stopped or self._read_offset == len(self.token_ids) or not self.detokenize:
             return self.stop_reason
+        if self.lazy:
+            self.output_text = self._decode(self.token_ids)
+            self._prefix_offset = self._read_offset = len(self.token_ids)
+            return None
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self.token_ids[self._prefix_offset :])
         old_len = len(self.output_text)
