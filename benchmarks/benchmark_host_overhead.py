@@ -182,16 +182,17 @@ def ab_sampler(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
 
 
 def ab_detok(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
-    """Per N: generates whose detokenizers decode once at the end (``lazy``: FINAL_ONLY
-    without stop strings, as ``LLM.generate`` asks) interleaved with ones that decode every
-    token as it comes (lazy forced off); the front end's ms per step and the wall time."""
+    """Per N: generates whose detokenizers decode once at the end (``deferred``: no stop
+    strings, and ``LLM.generate`` reads the text only then; "lazy") interleaved with ones
+    that decode every token as it comes (``deferred`` forced off, as with stop strings:
+    "eager"); the front end's ms per step and the wall time."""
     import vllm.v1.engine.detokenizer as detokenizer
 
     real = detokenizer.IncrementalDetokenizer.__init__
 
     def eager(self, *a, **kw):
         real(self, *a, **kw)
-        self.lazy = False
+        self.deferred = False
 
     print(f"{'N':>5} {'front ms lazy':>14} {'front ms eager':>15} {'generate s lazy':>16} "
           f"{'generate s eager':>17}")  # fmt: skip

@@ -154,10 +154,20 @@ def test_fast_decoder_keeps_the_wrapper_when_it_cleans_up_spaces():
     assert fast_decoder(CleaningTokenizer())([1, 2], True) == "cleaned [1, 2] True"
 
 
+def counting(decode, calls: list[int]):
+    """``decode``, recording each call's number of token ids in ``calls``."""
+
+    def counted(ids, skip):
+        calls.append(len(ids))
+        return decode(ids, skip)
+
+    return counted
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_final_only_without_stop_strings_decodes_once_to_the_same_text(tokenizer, skip):
     # LLM.generate and non-streaming requests read the text only at the end: it is decoded
-    # once then, and equals what the incremental decode adds up to (EOS's text left out).
+    # once then, and equals the token-by-token decode's (EOS's text left out).
     from vllm.sampling_params import RequestOutputKind
 
     rng = random.Random(1)
@@ -165,33 +175,54 @@ def test_final_only_without_stop_strings_decodes_once_to_the_same_text(tokenizer
     for _ in range(20):
         token_ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))] + [eos]
         kw = {"skip_special_tokens": skip}
-        lazy = IncrementalDetokenizer(
+        final = IncrementalDetokenizer(
             tokenizer, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **kw)
         )
         eager = IncrementalDetokenizer(tokenizer, SamplingParams(**kw))
-        calls = []
-        decode = lazy._decode_fn
-        lazy._decode_fn = lambda ids, s: calls.append(len(ids)) or decode(ids, s)
-        assert lazy.lazy and not eager.lazy
+        eager.deferred = False  # every token decoded as it comes, as with stop strings
+        calls: list[int] = []
+        final._decode_fn = counting(final._decode_fn, calls)
         for i in range(0, len(token_ids), 3):
             chunk = token_ids[i : i + 3]
             end = i + 3 >= len(token_ids)
-            for d in (lazy, eager):
+            for d in (final, eager):
                 assert d.update(chunk, stop_terminated=end) is None
         assert calls == []
-        for d in (lazy, eager):
+        for d in (final, eager):
             d.flush()
         assert calls == [len(token_ids) - 1]  # one decode, without the EOS
-        assert lazy.output_text == eager.output_text
-        assert lazy.get_next_output_text(True, delta=False) == eager.output_text
-        assert lazy.num_output_tokens == eager.num_output_tokens == len(token_ids)
+        assert final.output_text == eager.output_text
+        assert final.get_next_output_text(True, delta=False) == eager.output_text
+        assert final.num_output_tokens == eager.num_output_tokens == len(token_ids)
 
 
-def test_final_only_with_stop_strings_still_decodes_as_it_goes(tokenizer):
+@pytest.mark.parametrize("text", TRICKY)
+def test_a_stream_read_every_few_tokens_decodes_once_a_read(tokenizer, text):
+    # A stream_interval's reads: the tokens since the last read are decoded together (two
+    # decodes a read, not two a token), the deltas never carry a split character, and they
+    # add up to the full text.
+    token_ids = ids_of(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    assert detok.deferred
+    calls: list[int] = []
+    detok._decode_fn = counting(detok._decode_fn, calls)
+    deltas = []
+    for i, token in enumerate(token_ids):
+        detok.update([token])
+        if i % 4 == 3:
+            deltas.append(detok.get_next_output_text(False, delta=True))
+    detok.flush()
+    deltas.append(detok.get_next_output_text(True, delta=True))
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert len(calls) <= 2 * (len(token_ids) // 4 + 1)
+
+
+def test_stop_strings_decode_token_by_token(tokenizer):
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, stop=[" nice"])
     detok = IncrementalDetokenizer(tokenizer, params)
-    assert not detok.lazy
+    assert not detok.deferred
     assert detok.update(ids_of(tokenizer, "Paris is nice.")) == " nice"
     assert detok.output_text == "Paris is"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import SamplingParams
 
 # What a tokenizer decodes an incomplete UTF-8 sequence to.
 _REPLACEMENT_CHAR = "\ufffd"
@@ -40,10 +40,12 @@ class IncrementalDetokenizer:
     could still grow into a stop string is held back from ``get_next_output_text``, so
     streamed text never has to be retracted.
 
-    A sequence whose text is read only once it ends (``FINAL_ONLY``: ``LLM.generate``, a
-    non-streaming request) and that has no stop strings is decoded once, at ``flush()``:
-    the same text (a full decode is what the incremental one adds up to), without two
-    decodes of every token on the way (``lazy``).
+    Without stop strings (``deferred``) nothing needs the text before it is read: the
+    tokens are decoded when ``get_next_output_text`` or ``flush`` asks, all those since
+    the last read at once. The same text (the incremental decode adds up to the full
+    one), with fewer decodes: a ``FINAL_ONLY`` sequence (``LLM.generate``, a
+    non-streaming request) is decoded once, at the end; a stream with
+    ``stream_interval`` N once an output, not twice a token.
     """
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
@@ -54,7 +56,7 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.detokenize = params.detokenize  # False: token ids only, no text (vLLM's)
-        self.lazy = params.output_kind == RequestOutputKind.FINAL_ONLY and not self.stop
+        self.deferred = not self.stop  # no stop string to look for: decode when read
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.stop_buffer_length = (
             self._max_stop_len - 1 if self.stop and not self.include_stop_str_in_output else 0
@@ -62,11 +64,18 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []  # tokens whose text is (or will be) in output_text
         self.num_output_tokens = 0  # every token seen, the skipped stop token included
         self.num_unused_tokens = 0  # the last update's tokens after its stop string
-        self.output_text = ""
+        self._text = ""  # ``output_text``, up to the last token decoded
         self.stop_reason: str | None = None
         self._prefix_offset = 0
         self._read_offset = 0
         self._last_output_offset = 0  # DELTA: characters already handed out
+
+    @property
+    def output_text(self) -> str:
+        """The text so far: the tokens since the last read decoded first (``deferred``)."""
+        if self.deferred and self._read_offset < len(self.token_ids):
+            self._text += self._decode_next()
+        return self._text
 
     @property
     def stopped(self) -> bool:
@@ -88,7 +97,7 @@ class IncrementalDetokenizer:
         if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
             last -= 1
             self.num_output_tokens += 1  # the stop token counts, its text does not
-        if self.lazy:  # no text before the end, and no stop string to look for
+        if self.deferred:
             self.token_ids += new_token_ids[:last]
             self.num_output_tokens += last
             return None
@@ -96,10 +105,10 @@ class IncrementalDetokenizer:
             # Token by token (several arrive at once with speculative decoding): a stop
             # string ends the text at the token that completed it, as when they come
             # one at a time; the tokens after it are ``num_unused_tokens``.
-            old_len = len(self.output_text)
+            old_len = len(self._text)
             self.token_ids.append(new_token_ids[i])
             self.num_output_tokens += 1
-            self.output_text += self._decode_next()
+            self._text += self._decode_next()
             stop = self._check_stop(old_len)
             if stop is not None:
                 self.num_unused_tokens = len(new_token_ids) - i - 1
@@ -110,31 +119,27 @@ class IncrementalDetokenizer:
         """At the end of the sequence: emit text held back for an incomplete character."""
         if self.stopped or self._read_offset == len(self.token_ids) or not self.detokenize:
             return self.stop_reason
-        if self.lazy:
-            self.output_text = self._decode(self.token_ids)
-            self._prefix_offset = self._read_offset = len(self.token_ids)
-            return None
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self.token_ids[self._prefix_offset :])
-        old_len = len(self.output_text)
-        self.output_text += full_text[len(prefix_text) :]
+        old_len = len(self._text)
+        self._text += full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset = len(self.token_ids)
         return self._check_stop(old_len)
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The whole text so far, or (``delta``) what was not handed out yet."""
-        end = len(self.output_text) - (0 if finished else self._num_held_back())
+        text = self.output_text  # every token since the last read decoded (deferred)
+        end = len(text) - (0 if finished else self._num_held_back())
         if not delta:
-            return self.output_text[:end]
+            return text[:end]
         if end <= self._last_output_offset:
             return ""
-        text = self.output_text[self._last_output_offset : end]
-        self._last_output_offset = end
-        return text
+        start, self._last_output_offset = self._last_output_offset, end
+        return text[start:end]
 
     def _num_held_back(self) -> int:
         """Length of the longest text suffix that may still grow into a stop string."""
-        text = self.output_text
+        text = self._text
         for k in range(min(self.stop_buffer_length, len(text)), 0, -1):
             suffix = text[-k:]
             if any(stop.startswith(suffix) for stop in self.stop):
@@ -162,19 +167,19 @@ class IncrementalDetokenizer:
         """Cut the text at the earliest stop string that ends in the new text."""
         if not self.stop or self.num_output_tokens <= self.min_tokens:
             return None
-        if len(self.output_text) == old_len:
+        if len(self._text) == old_len:
             return None
         # A stop string ending in the new text starts at most len(stop) - 1 chars earlier.
         search_from = max(old_len - self._max_stop_len + 1, 0)
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            i = self.output_text.find(stop, search_from)
+            i = self._text.find(stop, search_from)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         if best is None:
             return None
         i, stop = best
         end = i + len(stop) if self.include_stop_str_in_output else i
-        self.output_text = self.output_text[:end]
+        self._text = self._text[:end]
         self.stop_reason = stop
         return stop
