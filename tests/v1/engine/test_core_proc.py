@@ -335,6 +335,34 @@ def test_every_message_type_has_a_payload_type_and_round_trips():
     )
 
 
+def test_an_engine_output_round_trips_every_field():
+    # EngineCoreOutput pickles as its constructor's positional arguments: every field,
+    # in order, none left behind (a field added later included).
+    import dataclasses
+
+    from vllm.v1.outputs import TokenLogprobs
+
+    values = {
+        "request_id": "r-1",
+        "new_token_ids": [5, 6],
+        "new_logprobs": [TokenLogprobs(5, -0.5, 1, {5: -0.5})],
+        "new_prompt_logprobs": [TokenLogprobs(2, -1.0, 3, {})],
+        "finish_reason": FinishReason.STOP,
+        "stop_reason": "###",
+        "num_cached_tokens": 16,
+        "queue_time_s": 0.25,
+        "num_prompt_tokens": 9,
+        "pooled": [0.5, -0.5],
+    }
+    assert set(values) == {f.name for f in dataclasses.fields(EngineCoreOutput)}
+    out = EngineCoreOutput(**values)
+    stamped = StampedOutputs(EngineCoreOutputs([out, EngineCoreOutput("r-2", [])]), 1.0, {})
+    _, got = decode_message(
+        EngineCoreOutputType, encode_message(EngineCoreOutputType.OUTPUTS, stamped)
+    )
+    assert got.outputs.outputs == [out, EngineCoreOutput("r-2", [])]
+
+
 @pytest.mark.parametrize("frames", INVALID_INPUTS.values(), ids=INVALID_INPUTS.keys())
 def test_decode_rejects_what_breaks_the_contract(frames):
     with pytest.raises(ProtocolError):
