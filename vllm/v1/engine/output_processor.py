@@ -93,9 +93,15 @@ class _RequestState:
     # With a stream interval: the sequences updated since the last output, by index.
     _held: dict[int, _Sequence] = field(default_factory=dict)
 
+    # Sequences not finished yet (``OutputProcessor.process_outputs`` counts them down).
+    num_unfinished: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = len(self.sequences)
+
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.sequences.values())
+        return self.num_unfinished == 0
 
 
 class OutputProcessor:
@@ -198,6 +204,8 @@ class OutputProcessor:
                 state.prompt_logprobs.extend(out.new_prompt_logprobs)
             if seq.update(out) and not out.finished:
                 reqs_to_stop.append(out.request_id)  # the engine core must stop it too
+            if seq.finished:
+                state.num_unfinished -= 1
             m = state.metrics
             m.max_num_generation_tokens = max(m.max_num_generation_tokens, len(seq.token_ids))
             updated.setdefault(request_id, []).append(seq)
@@ -235,8 +243,11 @@ class OutputProcessor:
         if state.stream_interval > 1:
             # Held back until a sequence is due; DELTA then reports every sequence that
             # moved since the last output (``updated`` is this call's only).
-            state._held.update((s.index, s) for s in updated)
-            if not finished and not any(s.due(state.stream_interval) for s in updated):
+            due = finished
+            for seq in updated:
+                state._held[seq.index] = seq
+                due = due or seq.due(state.stream_interval)
+            if not due:
                 return None
             updated, state._held = list(state._held.values()), {}
         delta = kind == RequestOutputKind.DELTA
