@@ -118,10 +118,14 @@ def cpu_seconds(proc) -> float:
     return t.user + t.system
 
 
-def measure(server, api, engine, n: int, max_tokens: int, tag: str, interval: int = 1) -> dict:
+def measure(
+    server, api, engine, n: int, max_tokens: int, tag: str, interval: int = 1, timeout_s=600.0
+) -> dict:
+    """One run of ``n`` streams; ``TimeoutError`` past ``timeout_s`` (a stalled server)."""
     api0, engine0 = cpu_seconds(api), cpu_seconds(engine)
     start = time.perf_counter()
-    events, tokens = asyncio.run(run_streams(server.port, "model", n, max_tokens, tag, interval))
+    streams = run_streams(server.port, "model", n, max_tokens, tag, interval)
+    events, tokens = asyncio.run(asyncio.wait_for(streams, timeout_s))
     wall = time.perf_counter() - start
     api_s, engine_s = cpu_seconds(api) - api0, cpu_seconds(engine) - engine0
     if tokens != n * max_tokens:
