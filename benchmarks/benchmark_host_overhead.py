@@ -43,6 +43,7 @@ end's ms per step and of the wall time.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -158,23 +159,35 @@ def measure(llm, timers: list[Timed], n: int, prompt_len: int, max_tokens: int) 
     }
 
 
+def interleaved(k: int, arms: tuple[str, str], enter, run) -> dict[str, list]:
+    """``k`` runs of each of the two ``arms``, alternating, so that the machine's drift
+    hits both alike: ``enter(arm)`` sets an arm up, ``run()`` is one run's result."""
+    results: dict[str, list] = {arm: [] for arm in arms}
+    for i in range(2 * k):
+        arm = arms[i % 2]
+        enter(arm)
+        results[arm].append(run())
+    return results
+
+
 def ab_sampler(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
     """Host ms per N with the bare-greedy path and without it, interleaved."""
     import vllm.v1.worker.model_runner as model_runner
 
     real = model_runner.is_bare_greedy
+
+    def enter(arm: str) -> None:
+        model_runner.is_bare_greedy = real if arm == "bare" else (lambda p: False)
+
     print(f"{'N':>5} {'bare-greedy host ms':>20} {'general host ms':>16} {'ratio':>7}")
     out = {}
     try:
         for n in args.num_requests:
-            host: dict[bool, list[float]] = {True: [], False: []}
-            for i in range(2 * args.ab_sampler):
-                bare = i % 2 == 0
-                model_runner.is_bare_greedy = real if bare else (lambda p: False)
-                row = measure(llm, timers, n, args.prompt_len, args.max_tokens)
-                host[bare].append(row["host_ms"])
-            fast, general = statistics.median(host[True]), statistics.median(host[False])
-            out[str(n)] = {"bare_greedy_host_ms": host[True], "general_host_ms": host[False]}
+            run = functools.partial(measure, llm, timers, n, args.prompt_len, args.max_tokens)
+            rows = interleaved(args.ab_sampler, ("bare", "general"), enter, run)
+            host = {arm: [r["host_ms"] for r in arm_rows] for arm, arm_rows in rows.items()}
+            fast, general = statistics.median(host["bare"]), statistics.median(host["general"])
+            out[str(n)] = {"bare_greedy_host_ms": host["bare"], "general_host_ms": host["general"]}
             print(f"{n:>5} {fast:>20.3f} {general:>16.3f} {general / fast:>6.2f}x", flush=True)
     finally:
         model_runner.is_bare_greedy = real
@@ -194,16 +207,16 @@ def ab_detok(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
         real(self, *a, **kw)
         self.deferred = False
 
+    def enter(arm: str) -> None:
+        detokenizer.IncrementalDetokenizer.__init__ = real if arm == "lazy" else eager
+
     print(f"{'N':>5} {'front ms lazy':>14} {'front ms eager':>15} {'generate s lazy':>16} "
           f"{'generate s eager':>17}")  # fmt: skip
     out = {}
     try:
         for n in args.num_requests:
-            arms: dict[str, list[dict]] = {"lazy": [], "eager": []}
-            for i in range(2 * args.ab_detok):
-                arm = "lazy" if i % 2 == 0 else "eager"
-                detokenizer.IncrementalDetokenizer.__init__ = real if arm == "lazy" else eager
-                arms[arm].append(measure(llm, timers, n, args.prompt_len, args.max_tokens))
+            run = functools.partial(measure, llm, timers, n, args.prompt_len, args.max_tokens)
+            arms = interleaved(args.ab_detok, ("lazy", "eager"), enter, run)
             med = {
                 (arm, key): statistics.median(r[key] for r in rows)
                 for arm, rows in arms.items()
@@ -251,20 +264,20 @@ def ab_gc(llm, timers: list[Timed], args: argparse.Namespace) -> dict:
     process that never froze it, right after a full collection), interleaved."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
+    def enter(arm: str) -> None:
+        llm._gc_freeze.release()
+        if arm == "frozen":
+            llm._gc_freeze = freeze_gc_heap("LLM engine")
+        else:
+            gc.collect()  # a process that never froze its heap
+
     print(f"{'N':>5} {'heap':>7} {'generate s':>11} {'full GCs':>9} {'GC ms sum':>11} "
           f"{'longest GC':>11} {'max step ms':>12} {'host ms':>8}")  # fmt: skip
     out = {}
     try:
         for n in args.num_requests:
-            arms: dict[str, list[dict]] = {"frozen": [], "thawed": []}
-            for i in range(2 * args.gc_ab):
-                arm = "frozen" if i % 2 == 0 else "thawed"
-                llm._gc_freeze.release()
-                if arm == "frozen":
-                    llm._gc_freeze = freeze_gc_heap("LLM engine")
-                else:
-                    gc.collect()
-                arms[arm].append(gc_session(llm, timers, n, args))
+            run = functools.partial(gc_session, llm, timers, n, args)
+            arms = interleaved(args.gc_ab, ("frozen", "thawed"), enter, run)
             for arm, sessions in arms.items():
                 print(gc_arm_line(n, arm, sessions), flush=True)
             frozen, thawed = (statistics.median(r["generate_s"] for r in arms[a]) for a in arms)
