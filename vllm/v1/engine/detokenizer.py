@@ -15,9 +15,9 @@ def fast_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     ``tokenizer.decode``, calling the Rust backend directly when that is equivalent.
 
     transformers' ``decode`` wrapper costs ~30 us a call against ~1 us for the backend;
-    incremental detokenization calls it twice per token per sequence on the server's
-    event loop. The wrapper only adds ``clean_up_tokenization_spaces``, so the backend is
-    used when that is off.
+    incremental detokenization calls it twice per read of a sequence's text (per token
+    with stop strings) on the server's event loop. The wrapper only adds
+    ``clean_up_tokenization_spaces``, so the backend is used when that is off.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -28,7 +28,7 @@ def fast_decoder(tokenizer) -> Callable[[list[int], bool], str]:
 class IncrementalDetokenizer:
     """Turns one sequence's new tokens into new text and finds stop strings.
 
-    Decoding uses a prefix offset and a read offset, as vLLM does: each step decodes
+    Decoding uses a prefix offset and a read offset, as vLLM does: each decode takes
     the few tokens from ``prefix_offset`` twice, without and with the new tokens, and
     the difference is the new text. Text ending in an incomplete UTF-8 sequence (a
     character split across byte-level tokens) is held back until it completes, so

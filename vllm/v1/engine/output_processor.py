@@ -94,7 +94,7 @@ class _RequestState:
     _held: dict[int, _Sequence] = field(default_factory=dict)
 
     # Sequences not finished yet (``OutputProcessor.process_outputs`` counts them down).
-    num_unfinished: int = 0
+    num_unfinished: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.num_unfinished = len(self.sequences)
