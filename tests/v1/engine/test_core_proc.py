@@ -84,6 +84,8 @@ class FakeEngine:
         for request_id in ids:
             self.requests.pop(request_id, None)
 
+    stop_requests = abort_requests  # finished without an output, as EngineCore does
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

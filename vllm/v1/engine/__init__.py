@@ -6,6 +6,12 @@ The wire between ``AsyncMPClient`` (front end, ``core_client.py``) and ``EngineC
     input   front end PUSH (bind) ──▶ engine PULL (connect)   EngineCoreRequestType
     output  engine PUSH (connect) ──▶ front end PULL (bind)   EngineCoreOutputType
 
+With ``vllm serve --api-server-count N`` there are N front ends (API server processes),
+each with its own pair; the engine's one PULL socket connects to all N inputs, and it has
+one PUSH socket per front end. A request's ``client_index`` says whose it is: its
+outputs, its errors and the arrivals of its ids go to that front end alone; READY, FATAL
+and every step's scheduler stats go to all of them.
+
 Every message is two frames, ``[type.value, pickle(payload)]``: the one-byte type first,
 as in vLLM, so a receiver rejects an unknown type before unpickling anything. Each type
 has one payload type (``PAYLOAD_TYPES``):
@@ -65,6 +71,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    client_index: int = 0  # the front end it came from (--api-server-count), set by its client
 
 
 @dataclass

@@ -26,7 +26,7 @@ from vllm.v1.engine import (
     EngineCoreRequestType,
     StampedOutputs,
 )
-from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, last_line
+from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, EngineLink, last_line
 from vllm.v1.engine.core_proc import EngineFactory
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
@@ -108,11 +108,14 @@ class AsyncLLM:
         vllm_config: VllmConfig,
         stat_loggers: list | None = None,
         engine_factory: EngineFactory | None = None,
+        link: EngineLink | None = None,
     ) -> None:
+        """``link``: attach to an engine another process started (one of several API
+        servers, ``AsyncMPClient``); None: start this front end's own."""
         mc = vllm_config.model_config
         self.config = vllm_config
         # Start the engine process first: its model load overlaps the tokenizer load here.
-        self.client = AsyncMPClient(vllm_config, engine_factory=engine_factory)
+        self.client = AsyncMPClient(vllm_config, engine_factory=engine_factory, link=link)
         try:
             self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
             eos = eos_token_ids(mc, self.tokenizer)[0]
@@ -131,6 +134,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}
         self._loop_task: asyncio.Task | None = None
+        self._engine_requests = 0  # running + waiting in the engine, by its latest stats
         # time.monotonic() of the last engine message, or of the moment work arrived at an
         # idle engine: what "no progress for N seconds" is measured from.
         self._last_progress = time.monotonic()
@@ -176,7 +180,17 @@ class AsyncLLM:
 
     @property
     def num_unfinished_requests(self) -> int:
+        """This front end's requests not finished yet."""
         return len(self._streams)
+
+    @property
+    def engine_load(self) -> int:
+        """The requests the engine holds, running or waiting: this front end's own, or,
+        when it shares the engine with other API servers, all of them as of the engine's
+        latest step."""
+        if self.client.proc is not None:
+            return len(self._streams)
+        return self._engine_requests
 
     def stalled_for(self) -> float:
         """Seconds the engine has sent nothing while requests are pending (0 if none are).
@@ -265,6 +279,7 @@ class AsyncLLM:
             self._by_child[r.request_id] = stream
         try:
             for r in core_reqs:
+                r.client_index = self.client.client_index
                 await self.client.send(EngineCoreRequestType.ADD, r)
         except BaseException:
             await self.abort(request_id)
@@ -331,6 +346,8 @@ class AsyncLLM:
 
     async def _deliver_outputs(self, msg: StampedOutputs) -> None:
         core_outputs, sent_at = msg.outputs, msg.sent_at
+        if (stats := core_outputs.scheduler_stats) is not None:
+            self._engine_requests = stats.num_running_reqs + stats.num_waiting_reqs
         for core_id, received in msg.arrivals.items():
             stream = self._by_child.get(core_id)
             if stream is not None and (

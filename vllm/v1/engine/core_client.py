@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
@@ -87,6 +89,51 @@ def last_line(traceback_text: str) -> str:
     return lines[-1] if lines else "unknown error"
 
 
+@dataclass
+class EngineLink:
+    """How an API server reaches an engine process it did not start (``vllm serve
+    --api-server-count N``, N > 1: the parent process starts the engine and the API
+    servers): its own pair of addresses, which it binds as a lone front end would; its
+    index among the front ends, which its requests carry; and the read end of the
+    engine's keepalive pipe, EOF once the engine process is gone."""
+
+    input_addr: str
+    output_addr: str
+    client_index: int
+    engine_alive: Connection
+
+
+def start_engine_process(
+    vllm_config: VllmConfig,
+    input_addrs: list[str],
+    output_addrs: list[str],
+    engine_factory: EngineFactory | None = None,
+    keepalive: Connection | None = None,
+) -> tuple[multiprocessing.process.BaseProcess, Connection]:
+    """Spawn the engine core for these front ends' addresses; the process and the write
+    end of its death pipe (closing it, or this process's exit, ends the engine)."""
+    spawn = multiprocessing.get_context("spawn")  # torch + fork is unsafe
+    death_reader, death_writer = spawn.Pipe(duplex=False)
+    proc = spawn.Process(
+        target=run_engine_core,
+        args=(
+            vllm_config,
+            input_addrs,
+            output_addrs,
+            logging.getLogger("vllm").getEffectiveLevel(),
+            engine_factory,
+            death_reader,
+            keepalive,
+        ),
+        name="EngineCore",
+        daemon=True,
+    )
+    with _environ(engine_process_env()):  # read by libgomp when torch loads
+        proc.start()
+    death_reader.close()  # the child has its copy; EOF must come from our end alone
+    return proc, death_writer
+
+
 class AsyncMPClient:
     """Starts the engine core in a spawned process and exchanges typed messages with it.
 
@@ -97,6 +144,11 @@ class AsyncMPClient:
     write end only this process holds, closed by ``mark_dead`` and ``shutdown`` (and by
     the kernel if this process dies); ``shutdown`` then reaps it, killing it if it has
     not exited within its grace period.
+
+    With ``link`` the engine is another process's (one of several API servers): this
+    client binds the link's addresses, starts nothing, knows the engine is gone by the
+    keepalive pipe's EOF, and its ``shutdown`` leaves the engine to the process that
+    started it.
     """
 
     def __init__(
@@ -104,36 +156,49 @@ class AsyncMPClient:
         vllm_config: VllmConfig,
         startup_timeout_s: float = 600.0,
         engine_factory: EngineFactory | None = None,
+        link: EngineLink | None = None,
     ) -> None:
-        self._dir = tempfile.mkdtemp(prefix="vllm-continuum-")
-        in_addr = f"ipc://{os.path.join(self._dir, 'input')}"
-        out_addr = self.output_addr = f"ipc://{os.path.join(self._dir, 'output')}"
+        self._dir = None if link is not None else tempfile.mkdtemp(prefix="vllm-continuum-")
+        if link is None:
+            in_addr = f"ipc://{os.path.join(self._dir, 'input')}"
+            out_addr = f"ipc://{os.path.join(self._dir, 'output')}"
+        else:
+            in_addr, out_addr = link.input_addr, link.output_addr
+        self.output_addr = out_addr
+        self.client_index = 0 if link is None else link.client_index
         self.ctx = zmq.asyncio.Context()
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.bind(in_addr)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(out_addr)
-        spawn = multiprocessing.get_context("spawn")  # torch + fork is unsafe
-        death_reader, self._death_writer = spawn.Pipe(duplex=False)
-        self.proc = spawn.Process(
-            target=run_engine_core,
-            args=(
-                vllm_config,
-                in_addr,
-                out_addr,
-                logging.getLogger("vllm").getEffectiveLevel(),
-                engine_factory,
-                death_reader,
-            ),
-            name="EngineCore",
-            daemon=True,
-        )
-        with _environ(engine_process_env()):  # read by libgomp when torch loads
-            self.proc.start()
-        death_reader.close()  # the child has its copy; EOF must come from our end alone
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self._death_writer: Connection | None = None
+        self._engine_alive = None if link is None else link.engine_alive
+        self._engine_gone = False
+        if link is None:
+            self.proc, self._death_writer = start_engine_process(
+                vllm_config, [in_addr], [out_addr], engine_factory
+            )
         self.startup_timeout_s = startup_timeout_s
         self.dead_reason: str | None = None
         self.info: EngineCoreReady | None = None
+
+    def _engine_running(self) -> bool:
+        if self.proc is not None:
+            return self.proc.is_alive()
+        if not self._engine_gone:
+            try:
+                self._engine_gone = self._engine_alive.poll()  # readable only at EOF
+            except OSError:
+                self._engine_gone = True
+        return not self._engine_gone
+
+    @property
+    def exit_description(self) -> str:
+        """How the engine process ended, for messages."""
+        if self.proc is not None:
+            return f"exit code {self.proc.exitcode}"
+        return "its process exited"
 
     async def wait_ready(self) -> EngineCoreReady:
         """Wait for the engine's READY (model loaded, KV cache allocated)."""
@@ -158,29 +223,31 @@ class AsyncMPClient:
                         )
                     case _:
                         raise EngineStartupError(f"engine core sent {msg_type.name} before READY")
-            if not self.proc.is_alive():
-                raise EngineStartupError(f"engine core exited with code {self.proc.exitcode}")
+            if not self._engine_running():
+                raise EngineStartupError(f"engine core exited ({self.exit_description})")
             if asyncio.get_running_loop().time() > deadline:
                 raise EngineStartupError("engine core did not start in time")
 
     @property
     def is_alive(self) -> bool:
-        return self.dead_reason is None and self.proc.is_alive()
+        return self.dead_reason is None and self._engine_running()
 
     def _check_alive(self) -> None:
         if not self.is_alive:
             raise EngineDeadError(
-                self.dead_reason or f"the engine core process died (exit code {self.proc.exitcode})"
+                self.dead_reason or f"the engine core process died ({self.exit_description})"
             )
 
     def mark_dead(self, reason: str) -> EngineDeadError:
         """Record why the engine is unusable (``is_alive`` turns false); the error to raise.
 
         The process is told to go (the death pipe closes): a live engine this side no
-        longer trusts must not keep its memory. ``shutdown`` reaps it.
+        longer trusts must not keep its memory. ``shutdown`` reaps it. (An engine this
+        client did not start is its starter's to end: this API server exits instead.)
         """
         self.dead_reason = reason
-        self._death_writer.close()
+        if self._death_writer is not None:
+            self._death_writer.close()
         return EngineDeadError(reason)
 
     async def send(self, msg_type: EngineCoreRequestType, payload: Any) -> None:
@@ -199,9 +266,9 @@ class AsyncMPClient:
             # poll can miss messages that queued up behind the one just read.
             frames = await asyncio.wait_for(self.output.recv_multipart(), timeout_s)
         except TimeoutError:
-            if not self.proc.is_alive():
+            if not self._engine_running():
                 raise self.mark_dead(
-                    f"the engine core process died (exit code {self.proc.exitcode})"
+                    f"the engine core process died ({self.exit_description})"
                 ) from None
             return None
         try:
@@ -214,8 +281,12 @@ class AsyncMPClient:
 
         Returns once the process is gone. Its SIGTERM is ignored by design (the front end
         owns the signals), so a process that outlives both the message and the death pipe
-        is killed.
+        is killed. With a ``link`` only the sockets close: the engine serves other API
+        servers, and the process that started it ends it.
         """
+        if self.proc is None:
+            self._close_sockets()
+            return
         if self.proc.is_alive():
             try:
                 frames = encode_message(EngineCoreRequestType.SHUTDOWN, None)
@@ -235,7 +306,11 @@ class AsyncMPClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -73,6 +73,10 @@ def _default_factory(vllm_config: VllmConfig):
     return EngineCore(vllm_config)
 
 
+def _as_list(addr: str | Sequence[str]) -> list[str]:
+    return [addr] if isinstance(addr, str) else list(addr)
+
+
 class EngineCoreProc:
     """Runs an ``EngineCore`` (or anything with its interface) behind two ZMQ sockets.
 
@@ -86,19 +90,30 @@ class EngineCoreProc:
     def __init__(
         self,
         vllm_config: VllmConfig,
-        input_addr: str,
-        output_addr: str,
+        input_addr: str | Sequence[str],
+        output_addr: str | Sequence[str],
         engine_factory: EngineFactory | None = None,
         death_pipe: Connection | None = None,
         freeze_gc: bool = False,
     ) -> None:
-        """``freeze_gc``: once the engine is built, freeze the process's heap out of
-        garbage collections before READY (``run_engine_core``: the process is the
-        engine's; vllm/utils/gc_utils.py)."""
+        """One input and one output address per front end (``--api-server-count``; the
+        i-th pair is front end i's). ``freeze_gc``: once the engine is built, freeze the
+        process's heap out of garbage collections before READY (``run_engine_core``: the
+        process is the engine's; vllm/utils/gc_utils.py)."""
         self.ctx = zmq.Context()
-        self.output = self.ctx.socket(zmq.PUSH)
-        self.output.connect(output_addr)
-        self.input_addr = input_addr
+        self.outputs: list[zmq.Socket] = []
+        for addr in _as_list(output_addr):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            self.outputs.append(sock)
+        self.input_addrs = _as_list(input_addr)
+        if len(self.input_addrs) != len(self.outputs):
+            raise ValueError(
+                f"{len(self.input_addrs)} input and {len(self.outputs)} output addresses"
+            )
+        # Request id -> the index of the front end that sent it, with several front ends
+        # (from its ADD until its last output, error or abort).
+        self._owners: dict[str, int] = {}
         self.inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._stopped = threading.Event()  # set once the loop has ended and cleaned up
         if death_pipe is not None:
@@ -122,8 +137,13 @@ class EngineCoreProc:
         self._send(EngineCoreOutputType.READY, ready)
         self.running = True
 
-    def _send(self, msg_type: EngineCoreOutputType, payload: Any) -> None:
-        self.output.send_multipart(encode_message(msg_type, payload))
+    def _send(
+        self, msg_type: EngineCoreOutputType, payload: Any, client: int | None = None
+    ) -> None:
+        """To front end ``client``; None: to every front end."""
+        frames = encode_message(msg_type, payload)
+        for sock in self.outputs if client is None else (self.outputs[client],):
+            sock.send_multipart(frames)
 
     def _watch_front_end(self, death_pipe: Connection) -> None:
         """Thread: wait for the death pipe's EOF, stop the loop, end the process if stuck."""
@@ -142,7 +162,8 @@ class EngineCoreProc:
     def _input_loop(self) -> None:
         """Thread: socket -> inbox, stamping each message's receipt time."""
         sock = self.ctx.socket(zmq.PULL)
-        sock.connect(self.input_addr)
+        for addr in self.input_addrs:  # fair-queued across front ends
+            sock.connect(addr)
         try:
             while True:
                 frames = sock.recv_multipart()
@@ -168,16 +189,24 @@ class EngineCoreProc:
         msg_type, payload, received = item
         match msg_type:
             case EngineCoreRequestType.ADD:
+                client = payload.client_index
+                if not 0 <= client < len(self.outputs):
+                    raise ProtocolError(f"ADD from front end {client} of {len(self.outputs)}")
                 try:
                     self.engine.add_request(payload)
                     self._arrivals[payload.request_id] = received
+                    if len(self.outputs) > 1:
+                        self._owners[payload.request_id] = client
                 except ValueError as e:
                     error = EngineCoreRequestError(payload.request_id, str(e))
-                    self._send(EngineCoreOutputType.REQUEST_ERROR, error)
-            case EngineCoreRequestType.ABORT:
-                self.engine.abort_requests(payload)
-            case EngineCoreRequestType.STOP:
-                self.engine.stop_requests(payload)
+                    self._send(EngineCoreOutputType.REQUEST_ERROR, error, client)
+            case EngineCoreRequestType.ABORT | EngineCoreRequestType.STOP:
+                if msg_type is EngineCoreRequestType.ABORT:
+                    self.engine.abort_requests(payload)
+                else:
+                    self.engine.stop_requests(payload)
+                for request_id in payload:  # their front end has forgotten them
+                    self._owners.pop(request_id, None)
             case EngineCoreRequestType.SHUTDOWN:
                 self.running = False
             case _:  # a type added to the enum but not handled here
@@ -209,12 +238,49 @@ class EngineCoreProc:
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
         # Requests that failed in the step first: the front end fails their streams.
         errors, outputs.errors = outputs.errors, []
+        arrivals, self._arrivals = self._arrivals, {}
+        if len(self.outputs) > 1:
+            self._send_split(outputs, errors, arrivals)
+            return
         for error in errors:
             self._send(EngineCoreOutputType.REQUEST_ERROR, error)
-        arrivals, self._arrivals = self._arrivals, {}
         self._send(
             EngineCoreOutputType.OUTPUTS, StampedOutputs(outputs, time.monotonic(), arrivals)
         )
+
+    def _send_split(
+        self,
+        outputs: EngineCoreOutputs,
+        errors: list[EngineCoreRequestError],
+        arrivals: dict[str, float],
+    ) -> None:
+        """One step's outputs, errors and arrivals, each to the front end of its request;
+        the scheduler stats to all (each front end's load and gauges read them). An
+        output of a request no front end owns any more (aborted during the step) is
+        dropped."""
+        owners = self._owners
+        split_arrivals: list[dict[str, float]] = [{} for _ in self.outputs]
+        for request_id, received in arrivals.items():  # before a finish forgets the owner
+            client = owners.get(request_id)
+            if client is not None:
+                split_arrivals[client][request_id] = received
+        for error in errors:
+            client = owners.pop(error.request_id, None)
+            if client is not None:
+                self._send(EngineCoreOutputType.REQUEST_ERROR, error, client)
+        split = [EngineCoreOutputs(scheduler_stats=outputs.scheduler_stats) for _ in self.outputs]
+        for out in outputs.outputs:
+            if out.finished:
+                client = owners.pop(out.request_id, None)
+            else:
+                client = owners.get(out.request_id)
+            if client is not None:
+                split[client].outputs.append(out)
+        sent_at = time.monotonic()
+        for client, part in enumerate(split):
+            if part.outputs or split_arrivals[client] or part.scheduler_stats is not None:
+                stamped = StampedOutputs(part, sent_at, split_arrivals[client])
+                self._send(EngineCoreOutputType.OUTPUTS, stamped, client)
 
     def run(self) -> None:
         """Drain inputs, step while there is work, sleep otherwise."""
@@ -243,7 +309,8 @@ class EngineCoreProc:
             self._stopped.set()
 
     def _close(self) -> None:
-        self.output.close(linger=1000)
+        for sock in self.outputs:
+            sock.close(linger=1000)
         self.ctx.term()  # ends the input thread's recv (ContextTerminated)
 
 
@@ -268,13 +335,15 @@ def lower_cpu_priority() -> None:
 
 def run_engine_core(
     vllm_config: VllmConfig,
-    input_addr: str,
-    output_addr: str,
+    input_addr: str | Sequence[str],
+    output_addr: str | Sequence[str],
     log_level: int = logging.INFO,
     engine_factory: EngineFactory | None = None,
     death_pipe: Connection | None = None,
+    keepalive: Connection | None = None,
 ) -> None:
-    """Process entry point (spawn)."""
+    """Process entry point (spawn). ``keepalive``: a pipe end this process holds and never
+    writes, so that its peers (API servers that did not start it) see EOF when it exits."""
     logging.basicConfig(
         level=log_level, format="%(levelname)s %(asctime)s [engine] %(name)s: %(message)s"
     )
@@ -292,3 +361,6 @@ def run_engine_core(
     except Exception:
         logger.exception("engine core failed")
         sys.exit(1)  # logged once; multiprocessing would print the traceback again
+    finally:
+        if keepalive is not None:
+            keepalive.close()
