@@ -32,6 +32,29 @@ WATCHDOG_INTERVAL_S = 1.0  # how often engine death is checked
 FLUSH_TIMEOUT_S = 5
 
 
+@contextlib.contextmanager
+def stop_on_signal_while_starting() -> Iterator[list[signal.Signals]]:
+    """SIGINT/SIGTERM during start-up (the engine may take minutes to load) cancel the
+    current task; the signals received are in the list yielded.
+
+    On the event loop itself, not ``signal.signal``: uvloop runs a Python-level handler
+    from a loop callback, where an exception it raises is logged and dropped, and the
+    server went on starting. ``serve_http`` installs its own handlers over these."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not received:
+            logger.info("%s received while starting: stopping", sig.name)
+        received.append(sig)
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    yield received
+
+
 class ServerShuttingDownError(RuntimeError):
     """The request was cut short because the server is shutting down (503)."""
 
@@ -284,7 +307,7 @@ async def _watchdog(server: uvicorn.Server, engine: AsyncLLM, args, state: Serve
     restarted by its supervisor."""
     while engine.is_alive:
         await asyncio.sleep(WATCHDOG_INTERVAL_S)
-    reason = engine.client.dead_reason or f"exit code {engine.client.proc.exitcode}"
+    reason = engine.client.dead_reason or engine.client.exit_description
     if args.keep_alive_on_engine_death:
         logger.error("The engine core died (%s); serving 503/500 as asked", reason)
         return

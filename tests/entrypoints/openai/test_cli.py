@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -72,6 +73,9 @@ def test_help_lists_the_flags_without_importing_torch():
         (("--scheduling-policy", "lifo"), "--scheduling-policy"),
         (("--max-num-seqs", "0"), "max_num_seqs"),
         (("--stream-interval", "0"), "stream_interval"),
+        (("--api-server-count", "0"), "api_server_count"),
+        (("-asc", "-2"), "api_server_count"),
+        (("--api-server-count", "two"), "--api-server-count"),
         (("--chat-template", "/no/such/template.jinja"), "chat_template"),
         (("/no/such/model",), "not found"),
         (("--kv-offloading-size", "0.01", "--no-enable-prefix-caching"), "--kv-offloading-size"),
@@ -95,6 +99,17 @@ def test_bad_flags_give_one_line_and_exit_2(args, needle):
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.startswith("vllm serve: error:")]
     assert len(lines) == 1 and needle in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_several_api_servers_refuse_runtime_lora_updating():
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "-asc", "2"]
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2
+    assert "--api-server-count > 1 cannot be used with VLLM_ALLOW_RUNTIME_LORA_UPDATING" in (
+        out.stderr
+    )
     assert "Traceback" not in out.stderr
 
 

@@ -149,6 +149,7 @@ def test_what_the_router_would_ask_beyond_its_defaults_is_refused(field, value):
 class _FakeEngine:
     is_alive = True
     num_unfinished_requests = 3
+    engine_load = 3  # what /get_load reports
     config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True)
     )

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 import requests
 
@@ -79,3 +80,30 @@ def test_sigterm_drains_then_ends_streams_with_an_error_event(tmp_path):
     assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
     text = log.read_text()
     assert "Traceback" not in text and "Ending 1 request(s) still running" in text
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_sigterm_while_the_engine_loads_stops_the_server(tmp_path, api_servers):
+    """A signal before the server serves stops it (uvloop used to log the start-up
+    handler's exception and go on starting)."""
+    log = tmp_path / "server.log"
+    server = RemoteServer("--api-server-count", str(api_servers), log_path=str(log), wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while "Starting the engine core" not in log.read_text():
+            assert time.monotonic() < deadline and server.proc.poll() is None
+            time.sleep(0.1)
+        time.sleep(1.0)  # inside the event loop, the engine loading
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        assert len(children) >= api_servers  # engine and API servers (and a tracker)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "Traceback" not in text and "Exception in callback" not in text
+    # One API server: its start-up handler; several: the parent's, forwarded.
+    assert "SIGTERM received" in text
+    assert "Starting vLLM API server" not in text

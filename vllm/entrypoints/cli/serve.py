@@ -103,6 +103,12 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         frontend = FrontendArgs.from_cli_args(args)
         vllm_config = build_config(args)
         check_lora_modules(frontend, vllm_config)
+        if frontend.api_server_count > 1 and envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+            raise ValueError(
+                "--api-server-count > 1 cannot be used with VLLM_ALLOW_RUNTIME_LORA_UPDATING: "
+                "an adapter loaded at run time would be known to one API server only "
+                "(serve adapters with --lora-modules instead)"
+            )
     except ValueError as e:
         parser.exit(2, f"vllm serve: error: {e}\n")
     try:
@@ -124,6 +130,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     # While the engine starts, SIGTERM is an exception (like KeyboardInterrupt for SIGINT)
     # so run_server's cleanup runs; once serving, the launcher drains on either signal.
     signal.signal(signal.SIGTERM, _raise_terminated)
+    if frontend.api_server_count > 1:
+        sys.exit(_run_multi(vllm_config, frontend, sock))
     try:
         factory = event_loop_factory()
         logger.info("Event loop: %s", "uvloop" if factory else "asyncio")
@@ -136,6 +144,18 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         status = 0
     logger.info("Shut down")
     sys.exit(status)
+
+
+def _run_multi(vllm_config, frontend: FrontendArgs, sock: socket.socket) -> int:
+    """--api-server-count > 1: this process supervises (multi_server.py); the status."""
+    from vllm.entrypoints.openai.multi_server import run_multi_api_server
+
+    try:
+        status = run_multi_api_server(vllm_config, frontend, sock, frontend.api_server_count)
+    except (KeyboardInterrupt, _Terminated):  # a signal before the API servers started
+        status = 0
+    logger.info("Shut down")
+    return status
 
 
 def raise_fd_limit() -> None:

@@ -13,7 +13,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm import __version__, envs
@@ -26,7 +26,12 @@ from vllm.entrypoints.anthropic.serving import (
     as_anthropic,
     is_messages_path,
 )
-from vllm.entrypoints.launcher import ServerShuttingDownError, ServerState, serve_http
+from vllm.entrypoints.launcher import (
+    ServerShuttingDownError,
+    ServerState,
+    serve_http,
+    stop_on_signal_while_starting,
+)
 from vllm.entrypoints.openai import openapi
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.job_identity import name_the_job
@@ -39,6 +44,7 @@ from vllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     loggable,
 )
+from vllm.entrypoints.openai.responses_store import ResponseStore, SharedResponseStore
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -54,7 +60,7 @@ from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.core_client import EngineDeadError
+from vllm.v1.engine.core_client import EngineDeadError, EngineLink
 from vllm.v1.metrics.loggers import LoggingStatLogger
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
 
@@ -222,9 +228,11 @@ def build_app(
     stats: PrometheusStatLogger,
     state: ServerState | None = None,
     instance: str | None = None,
+    response_store: ResponseStore | SharedResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI app over a started ``engine`` whose outputs feed ``stats``; ``instance``
-    (``instance_id``) names the server on each /v1 response."""
+    (``instance_id``) names the server on each /v1 response; ``response_store``: where
+    ``/v1/responses`` keeps stored responses (None: a new in-memory one)."""
     state = state or ServerState()
     model_name = vllm_config.model_config.name
     lora = vllm_config.lora_config
@@ -293,7 +301,7 @@ def build_app(
     async def detokenize(request: DetokenizeRequest):
         return await tokenization.detokenize(request)
 
-    add_responses_routes(app, OpenAIServingResponses(chat_serving), RECEIVED_KEY)
+    add_responses_routes(app, OpenAIServingResponses(chat_serving, response_store), RECEIVED_KEY)
     add_messages_routes(app, AnthropicServingMessages(chat_serving), RECEIVED_KEY)
     openapi.document_api(app, args)
     return app
@@ -315,14 +323,13 @@ def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state, mode
     async def metrics():
         if not engine.is_alive:  # kept alive after the engine died: no frozen gauges
             stats.mark_engine_dead()
-        # Always the classic text format: an OpenMetrics scrape would escape the colons.
-        return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(stats.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/get_load")
     async def get_load():
         # vllm-router's power_of_two polls it and reads the integer "load" (its
         # get_worker_load_static): the requests this engine holds, running or waiting.
-        return {"load": engine.num_unfinished_requests}
+        return {"load": engine.engine_load}
 
     @app.get("/v1/models", responses=openapi.ERROR_RESPONSES)
     async def list_models(raw: Request):
@@ -428,25 +435,55 @@ def _log_request(kind: str, request, detail: str) -> None:
     )
 
 
-async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_factory=None) -> int:
+async def run_server(
+    vllm_config: VllmConfig,
+    args: FrontendArgs,
+    sock,
+    engine_factory=None,
+    link: EngineLink | None = None,
+    response_store: str | None = None,
+) -> int:
     """Start the engine process, then serve HTTP on ``sock`` until SIGINT/SIGTERM (after
     the drain) or the engine's death; the exit status (1: the engine died).
 
     ``EngineStartupError`` if the engine cannot start; the engine is shut down on exit.
+    One of several API servers (multi_server.py) attaches to the engine by ``link``
+    instead and keeps the Responses API's stored responses in the SQLite file
+    ``response_store``, which the others share.
     """
     disable_created_metrics()  # no *_created series, as in vLLM
-    scheduler = vllm_config.scheduler_config
-    stats = PrometheusStatLogger(
-        vllm_config.model_config.name,
-        max_model_len=scheduler.max_model_len,
-        max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        max_loras=lora.max_loras if (lora := vllm_config.lora_config).enable_lora else 0,
-    )
-    periodic = None if args.disable_log_stats else LoggingStatLogger()
-    loggers = [stats] if periodic is None else [stats, periodic]
-    engine = AsyncLLM(vllm_config, stat_loggers=loggers, engine_factory=engine_factory)
+    with stop_on_signal_while_starting() as signals:
+        scheduler = vllm_config.scheduler_config
+        stats = PrometheusStatLogger(
+            vllm_config.model_config.name,
+            max_model_len=scheduler.max_model_len,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            max_loras=lora.max_loras if (lora := vllm_config.lora_config).enable_lora else 0,
+            engine_stats=link is None or link.client_index == 0,
+            multiprocess=link is not None,
+        )
+        periodic = None if args.disable_log_stats else LoggingStatLogger()
+        loggers = [stats] if periodic is None else [stats, periodic]
+        maybe_attach_gc_debug_callback()
+        engine = AsyncLLM(vllm_config, loggers, engine_factory=engine_factory, link=link)
+        store = None
+        try:
+            if response_store is not None:
+                store = SharedResponseStore(response_store)
+            return await _start_and_serve(vllm_config, args, sock, engine, stats, store, periodic)
+        except asyncio.CancelledError:
+            if not signals:
+                raise
+            return 0  # a signal while starting: stopped as asked
+        finally:
+            engine.shutdown()
+            if store is not None:
+                store.close()
+
+
+async def _start_and_serve(vllm_config, args, sock, engine, stats, store, periodic) -> int:
+    """``run_server`` once its engine exists: wait for READY, build the app, serve."""
     log_task = gc_freeze = None
-    maybe_attach_gc_debug_callback()
     try:
         info = await engine.start()
         logger.info(
@@ -464,7 +501,7 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
                 engine.default_sampling_params,
             )
         state = ServerState()
-        app = build_app(vllm_config, args, engine, stats, state, instance_id(sock))
+        app = build_app(vllm_config, args, engine, stats, state, instance_id(sock), store)
         host, port = sock.getsockname()[:2]
         logger.info("Starting vLLM API server on http://%s:%d", host, port)
         if periodic is not None:  # the throughput line (--disable-log-stats: none)
@@ -477,7 +514,6 @@ async def run_server(vllm_config: VllmConfig, args: FrontendArgs, sock, engine_f
             gc_freeze.release()
         if log_task is not None:
             log_task.cancel()
-        engine.shutdown()
 
 
 def dump_config(vllm_config: VllmConfig) -> str:

@@ -112,6 +112,14 @@ class FrontendArgs:
         'name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}.',
         parse=lambda text: _parse_lora_module(text),
     )
+    api_server_count: int = config_field(
+        1,
+        "API server processes in front of the one engine, each with its own event loop, "
+        "sharing the port (vLLM's flag): one process spends tens of microseconds of CPU "
+        "per streamed token, so many concurrent streams can outrun it. Metrics and stored "
+        "responses are shared; any process's death stops the server.",
+        aliases=("-asc",),
+    )
     keep_alive_on_engine_death: bool = config_field(
         False,
         "Keep the API server up (answering 503/500) when the engine process died, instead of "
@@ -136,6 +144,8 @@ class FrontendArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if isinstance(self.api_server_count, bool) or self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         for name in ("max_stop_strings", "max_job_id_length"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

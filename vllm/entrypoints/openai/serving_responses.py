@@ -45,7 +45,11 @@ from vllm.entrypoints.openai.protocol_responses import (
     normalize_input,
     output_items,
 )
-from vllm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from vllm.entrypoints.openai.responses_store import (
+    ResponseStore,
+    SharedResponseStore,
+    StoredResponse,
+)
 from vllm.entrypoints.openai.responses_stream import ResponseEvents
 from vllm.entrypoints.openai.serving_chat import (
     OpenAIServingChat,
@@ -76,9 +80,11 @@ class OpenAIServingResponses:
     """The Responses endpoints over ``chat`` (its engine, model and tool flags), with the
     stored responses in ``store``."""
 
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
+    def __init__(
+        self, chat: OpenAIServingChat, store: ResponseStore | SharedResponseStore | None = None
+    ) -> None:
         self.chat = chat
-        self.store = store or ResponseStore()
+        self.store = ResponseStore() if store is None else store  # an empty store is falsy
 
     # -- create ---------------------------------------------------------------------------
     async def create_response(

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vllm.outputs import RequestOutput
 from vllm.v1.engine import EngineCoreOutputs
@@ -306,7 +306,11 @@ class MetricSeries:
         self, spec: MetricSpec, registry: CollectorRegistry, engine_labels: dict[str, str]
     ) -> None:
         self.spec = spec
-        extra = {"buckets": spec.buckets} if spec.buckets is not None else {}
+        extra: dict[str, Any] = {"buckets": spec.buckets} if spec.buckets is not None else {}
+        if spec.kind == "gauge":
+            # Several API servers (prometheus_client's multiprocess mode): a gauge reads
+            # the value last set by any of them. Ignored in one process.
+            extra["multiprocess_mode"] = "mostrecent"
         self.metric = _CLASSES[spec.kind](
             spec.name,
             spec.documentation,
@@ -356,10 +360,20 @@ class PrometheusStatLogger:
         max_model_len: int = 8192,
         max_num_batched_tokens: int = 2048,
         max_loras: int = 0,
+        engine_stats: bool = True,
+        multiprocess: bool = False,
     ) -> None:
         """``max_model_len`` and ``max_num_batched_tokens`` size the token-count buckets;
-        ``max_loras`` > 0 (--enable-lora): vLLM's ``vllm:lora_requests_info``."""
+        ``max_loras`` > 0 (--enable-lora): vLLM's ``vllm:lora_requests_info``.
+
+        Several API servers on one engine (``--api-server-count``) each get every step's
+        stats but count only their own requests: one of them (``engine_stats``) records
+        the engine's series, so those are counted once. ``multiprocess``: the values live
+        in prometheus_client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, set
+        before it was imported), and ``exposition`` sums every server's."""
         self.registry = registry or CollectorRegistry()
+        self.engine_stats = engine_stats
+        self.multiprocess = multiprocess
         self.labels = {"model_name": model_name}
         self._policy_specs = policy_metrics()
         policy_specs = merge_specs(self._policy_specs.values())
@@ -382,7 +396,20 @@ class PrometheusStatLogger:
                 "Running stats on LoRA requests.",
                 ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                 registry=self.registry,
+                multiprocess_mode="mostrecent",
             )
+
+    def exposition(self) -> bytes:
+        """The classic text format of every series (an OpenMetrics scrape would escape
+        the colons): this registry's, or with ``multiprocess`` every server's, counters
+        and histograms summed."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
 
     def __getitem__(self, name: str) -> Any:
         """The child of an unlabelled series, e.g. ``stats["vllm:num_requests_running"]``."""
@@ -411,7 +438,7 @@ class PrometheusStatLogger:
     ) -> None:
         """One engine message: its step's stats, the finished requests' timings, and the
         front end's ``inter_token_latencies`` for it (``OutputProcessor``'s)."""
-        s = core.scheduler_stats
+        s = core.scheduler_stats if self.engine_stats else None
         if s is not None:
             for spec in SCHEDULER_METRICS:
                 self.series[spec.name].update(s)
