@@ -25,7 +25,9 @@ had not yet sent (its reader behind).
 
 ``--stream-intervals``: each request asks that ``stream_interval`` (vLLM's: the first token
 at once, then a chunk every K tokens, the rest at the end); several values run
-interleaved against one server.
+interleaved against one server. ``--api-server-counts``: one server per value, with that
+many API server processes (``vllm serve --api-server-count``); "API us/tok" is then the CPU
+of all of them (and of the process that supervises them) per token.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -113,15 +116,31 @@ async def run_streams(
     return sum(e for e, _ in got), sum(t for _, t in got)
 
 
-def cpu_seconds(proc) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
+def cpu_seconds(procs) -> float:
+    """User + system CPU seconds of ``procs`` (threads included)."""
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
+def server_processes(server, log_path: Path) -> tuple[list, list]:
+    """The API side (the `vllm serve` process and any API servers it started) and the
+    engine core (named by its pid in the log), multiprocessing's resource tracker aside."""
+    import psutil
+
+    top = psutil.Process(server.proc.pid)
+    pid = int(re.search(r"Engine core ready: .*\(pid (\d+)\)", log_path.read_text()).group(1))
+    tree = [top, *top.children(recursive=True)]
+    tree = [p for p in tree if "resource_tracker" not in " ".join(p.cmdline())]
+    engine = [p for p in tree if p.pid == pid]
+    if len(engine) != 1:
+        raise RuntimeError(f"engine core pid {pid} not among {tree}")
+    return [p for p in tree if p.pid != pid], engine
 
 
 def measure(
     server, api, engine, n: int, max_tokens: int, tag: str, interval: int = 1, timeout_s=600.0
 ) -> dict:
-    """One run of ``n`` streams; ``TimeoutError`` past ``timeout_s`` (a stalled server)."""
+    """One run of ``n`` streams; ``TimeoutError`` past ``timeout_s`` (a stalled server).
+    ``api`` and ``engine``: lists of processes whose CPU is counted."""
     api0, engine0 = cpu_seconds(api), cpu_seconds(engine)
     start = time.perf_counter()
     streams = run_streams(server.port, "model", n, max_tokens, tag, interval)
@@ -143,6 +162,25 @@ def measure(
     }
 
 
+def run_counts(server, api, engine, count: int, args, results: dict) -> None:
+    """Every ``--num-requests`` on one server, the intervals interleaved; prints medians."""
+    for n in args.num_requests:
+        runs: dict[int, list[dict]] = {k: [] for k in args.stream_intervals}
+        for r in range(args.repeats):  # interleaved: the machine's drift hits all alike
+            for k in args.stream_intervals:
+                runs[k].append(measure(server, api, engine, n, args.max_tokens,
+                                       f"{count}.{n}.{k}.{r}.", k))  # fmt: skip
+        for k, rows in runs.items():
+            med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+            results["rows"].append({"api_server_count": count, "num_requests": n,
+                                    "stream_interval": k, "median": med,
+                                    "runs": rows})  # fmt: skip
+            print(f"{count:>11} {n:>5} {k:>8} {med['tok_per_s']:>8.0f} "
+                  f"{med['api_us_per_token']:>11.1f} {med['engine_us_per_token']:>14.1f} "
+                  f"{med['api_busy']:>9.2f} {med['events_per_token']:>11.3f}",
+                  flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, nargs="+", default=[64, 256])
@@ -150,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1], metavar="K",
                     help="each request's stream_interval; several: interleaved runs")  # fmt: skip
+    ap.add_argument("--api-server-counts", type=int, nargs="+", default=[1], metavar="N",
+                    help="API server processes (--api-server-count); several: one server "
+                    "each, in turn")  # fmt: skip
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="where the model is made")
     ap.add_argument(
@@ -166,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--num-requests >= 1, --max-tokens >= 2, --repeats >= 1")
     if min(args.stream_intervals) < 1:
         ap.error("--stream-intervals >= 1")
-    import psutil
+    if min(args.api_server_counts) < 1:
+        ap.error("--api-server-counts >= 1")
+    import tempfile
+
     import torch
 
     from vllm.benchmarks.server import RemoteServer
@@ -187,29 +231,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_tokens} tokens a stream", flush=True)  # fmt: skip
     results: dict = {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()},
                      "rows": []}  # fmt: skip
-    with RemoteServer(*serve_args, log_path=args.server_log) as server:
-        api = psutil.Process(server.proc.pid)
-        engines = [p for p in api.children(recursive=True)
-                   if "resource_tracker" not in " ".join(p.cmdline())]  # fmt: skip
-        if len(engines) != 1:
-            raise RuntimeError(f"expected one engine core process, found {engines}")
-        engine = engines[0]
-        measure(server, api, engine, 8, 8, "warm.")
-        print(f"{'N':>5} {'interval':>8} {'tok/s':>8} {'API us/tok':>11} {'engine us/tok':>14} "
-              f"{'API busy':>9} {'events/tok':>11}")  # fmt: skip
-        for n in args.num_requests:
-            runs: dict[int, list[dict]] = {k: [] for k in args.stream_intervals}
-            for r in range(args.repeats):  # interleaved: the machine's drift hits all alike
-                for k in args.stream_intervals:
-                    runs[k].append(measure(server, api, engine, n, args.max_tokens,
-                                           f"{n}.{k}.{r}.", k))  # fmt: skip
-            for k, rows in runs.items():
-                med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-                results["rows"].append({"num_requests": n, "stream_interval": k,
-                                        "median": med, "runs": rows})  # fmt: skip
-                print(f"{n:>5} {k:>8} {med['tok_per_s']:>8.0f} {med['api_us_per_token']:>11.1f} "
-                      f"{med['engine_us_per_token']:>14.1f} {med['api_busy']:>9.2f} "
-                      f"{med['events_per_token']:>11.3f}", flush=True)  # fmt: skip
+    print(f"{'API servers':>11} {'N':>5} {'interval':>8} {'tok/s':>8} {'API us/tok':>11} "
+          f"{'engine us/tok':>14} {'API busy':>9} {'events/tok':>11}")  # fmt: skip
+    for count in args.api_server_counts:
+        with tempfile.TemporaryDirectory() as tmp:
+            log = Path(args.server_log or Path(tmp) / "server.log")
+            with RemoteServer(*serve_args, "--api-server-count", str(count),
+                              log_path=str(log)) as server:  # fmt: skip
+                api, engine = server_processes(server, log)
+                measure(server, api, engine, 8, 8, "warm.")
+                run_counts(server, api, engine, count, args, results)
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
