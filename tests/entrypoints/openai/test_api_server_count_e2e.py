@@ -11,11 +11,15 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 import requests
+
+from vllm.entrypoints.utils import get_open_port
 
 from ...utils import RemoteServer
 
@@ -160,3 +164,39 @@ def test_a_killed_vllm_serve_leaves_no_process(tmp_path):
                 p.kill()
     text = log.read_text()
     assert "front end closed its death pipe" in text
+
+
+def test_an_engine_that_fails_to_start_is_one_error_line_and_status_1():
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "-asc", "2",
+           "--port", str(get_open_port()), "--kv-cache-memory", "1KiB"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.splitlines() if line.startswith("vllm serve: error:")]
+    assert len(lines) == 1 and "kv_cache_memory too small" in lines[0], out.stderr
+
+
+def test_kept_alive_api_servers_answer_503_after_the_engine_dies(tmp_path):
+    log = tmp_path / "server.log"
+    server = RemoteServer(*ARGS, "--keep-alive-on-engine-death", log_path=str(log))
+    try:
+        children = _children(server)
+        engine = psutil.Process(_engine_pid(log.read_text()))
+        engine.kill()
+        engine.wait(10)
+        time.sleep(2)  # the API servers notice (keepalive pipe), the parent logs it
+        for _ in range(4):  # whichever server answers
+            assert requests.get(server.base + "/health", timeout=5).status_code == 503
+            r = requests.post(server.base + "/v1/completions", json={"prompt": "hi"}, timeout=5)
+            assert r.status_code in (500, 503), r.text
+        assert server.proc.poll() is None  # the parent neither exits nor spins
+        parent = psutil.Process(server.proc.pid)
+        busy = parent.cpu_times()
+        time.sleep(2)
+        spent = sum(parent.cpu_times()[:2]) - sum(busy[:2])
+        assert spent < 0.5
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        assert _gone(children, 10)
+    finally:
+        server.stop()
+    assert "The engine core exited" in log.read_text()
