@@ -27,7 +27,9 @@ had not yet sent (its reader behind).
 at once, then a chunk every K tokens, the rest at the end); several values run
 interleaved against one server. ``--api-server-counts``: one server per value, with that
 many API server processes (``vllm serve --api-server-count``); "API us/tok" is then the CPU
-of all of them (and of the process that supervises them) per token.
+of all of them (and of the process that supervises them) per token. ``--upstream-venv``
+(``make setup-upstream``'s virtualenv): upstream vLLM's server on the same model folder
+and requests afterwards, its API process and engine core counted the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import re
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -162,8 +165,9 @@ def measure(
     }
 
 
-def run_counts(server, api, engine, count: int, args, results: dict) -> None:
-    """Every ``--num-requests`` on one server, the intervals interleaved; prints medians."""
+def run_counts(server, api, engine, count: int, args, results: dict, label=None) -> None:
+    """Every ``--num-requests`` on one server, the intervals interleaved; prints medians
+    (the first column: the API server count, or ``label``)."""
     for n in args.num_requests:
         runs: dict[int, list[dict]] = {k: [] for k in args.stream_intervals}
         for r in range(args.repeats):  # interleaved: the machine's drift hits all alike
@@ -175,10 +179,39 @@ def run_counts(server, api, engine, count: int, args, results: dict) -> None:
             results["rows"].append({"api_server_count": count, "num_requests": n,
                                     "stream_interval": k, "median": med,
                                     "runs": rows})  # fmt: skip
-            print(f"{count:>11} {n:>5} {k:>8} {med['tok_per_s']:>8.0f} "
+            print(f"{label or count:>11} {n:>5} {k:>8} {med['tok_per_s']:>8.0f} "
                   f"{med['api_us_per_token']:>11.1f} {med['engine_us_per_token']:>14.1f} "
                   f"{med['api_busy']:>9.2f} {med['events_per_token']:>11.3f}",
                   flush=True)  # fmt: skip
+
+
+def run_upstream(args, serve_args: list[str], results: dict) -> None:
+    """Upstream vLLM's server, same model folder, limits and requests; its rows are
+    labelled ``"server": "upstream"``. Its engine core is the child whose title says so."""
+    import psutil
+
+    from vllm.benchmarks.upstream_server import UPSTREAM_BLOCK, UpstreamServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(args.server_log or Path(tmp) / "upstream.log").with_name("upstream.log")
+        upstream_args = [*serve_args, "--block-size", str(UPSTREAM_BLOCK),
+                         "--uvicorn-log-level", "warning"]  # fmt: skip
+        server = UpstreamServer(args.upstream_venv, upstream_args, log)
+        try:
+            top = psutil.Process(server.proc.pid)
+            tree = [p for p in top.children(recursive=True)
+                    if "resource_tracker" not in " ".join(p.cmdline())]  # fmt: skip
+            engine = [p for p in tree if "EngineCore" in " ".join(p.cmdline())]
+            if len(engine) != 1:
+                raise RuntimeError(f"upstream: no single EngineCore among {tree}")
+            api = [top, *(p for p in tree if p.pid != engine[0].pid)]
+            measure(server, api, engine, 8, 8, "warm.")
+            start = len(results["rows"])
+            run_counts(server, api, engine, 1, args, results, label="upstream")
+            for row in results["rows"][start:]:
+                row["server"] = "upstream"
+        finally:
+            server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-server-counts", type=int, nargs="+", default=[1], metavar="N",
                     help="API server processes (--api-server-count); several: one server "
                     "each, in turn")  # fmt: skip
+    ap.add_argument("--upstream-venv", type=Path, default=None,
+                    help="also upstream vLLM's server, from this virtualenv")  # fmt: skip
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="where the model is made")
     ap.add_argument(
@@ -209,8 +244,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--stream-intervals >= 1")
     if min(args.api_server_counts) < 1:
         ap.error("--api-server-counts >= 1")
-    import tempfile
-
     import torch
 
     from vllm.benchmarks.server import RemoteServer
@@ -241,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 api, engine = server_processes(server, log)
                 measure(server, api, engine, 8, 8, "warm.")
                 run_counts(server, api, engine, count, args, results)
+    if args.upstream_venv is not None:
+        run_upstream(args, serve_args, results)
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
