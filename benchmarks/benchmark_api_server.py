@@ -187,24 +187,27 @@ def run_counts(server, api, engine, count: int, args, results: dict, label=None)
 
 def run_upstream(args, serve_args: list[str], results: dict) -> None:
     """Upstream vLLM's server, same model folder, limits and requests; its rows are
-    labelled ``"server": "upstream"``. Its engine core is the child whose title says so."""
+    labelled ``"server": "upstream"``. Its engine side is the child titled EngineCore
+    with its own children (the CPU build runs the model in a Worker process of it)."""
     import psutil
 
     from vllm.benchmarks.upstream_server import UPSTREAM_BLOCK, UpstreamServer
 
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(args.server_log or Path(tmp) / "upstream.log").with_name("upstream.log")
-        upstream_args = [*serve_args, "--block-size", str(UPSTREAM_BLOCK),
+        # Its api_server module takes the model by --model (`vllm serve`'s positional).
+        upstream_args = ["--model", *serve_args, "--block-size", str(UPSTREAM_BLOCK),
                          "--uvicorn-log-level", "warning"]  # fmt: skip
         server = UpstreamServer(args.upstream_venv, upstream_args, log)
         try:
             top = psutil.Process(server.proc.pid)
             tree = [p for p in top.children(recursive=True)
                     if "resource_tracker" not in " ".join(p.cmdline())]  # fmt: skip
-            engine = [p for p in tree if "EngineCore" in " ".join(p.cmdline())]
-            if len(engine) != 1:
+            cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline())]
+            if len(cores) != 1:
                 raise RuntimeError(f"upstream: no single EngineCore among {tree}")
-            api = [top, *(p for p in tree if p.pid != engine[0].pid)]
+            engine = [cores[0], *cores[0].children(recursive=True)]
+            api = [top, *(p for p in tree if p not in engine)]
             measure(server, api, engine, 8, 8, "warm.")
             start = len(results["rows"])
             run_counts(server, api, engine, 1, args, results, label="upstream")
