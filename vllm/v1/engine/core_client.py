@@ -158,11 +158,12 @@ class AsyncMPClient:
         engine_factory: EngineFactory | None = None,
         link: EngineLink | None = None,
     ) -> None:
-        self._dir = None if link is not None else tempfile.mkdtemp(prefix="vllm-continuum-")
         if link is None:
+            self._dir: str | None = tempfile.mkdtemp(prefix="vllm-continuum-")
             in_addr = f"ipc://{os.path.join(self._dir, 'input')}"
             out_addr = f"ipc://{os.path.join(self._dir, 'output')}"
         else:
+            self._dir = None  # the addresses live in the starter's folder
             in_addr, out_addr = link.input_addr, link.output_addr
         self.output_addr = out_addr
         self.client_index = 0 if link is None else link.client_index
