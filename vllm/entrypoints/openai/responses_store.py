@@ -71,7 +71,7 @@ class ResponseStore:
     def put(self, entry: StoredResponse) -> bool:
         """Store ``entry`` (most recent), evicting the least recently used ones past the
         bounds; False (nothing stored) if it alone is over ``max_bytes``."""
-        if not _measure(entry, self.max_bytes):
+        if _serialize(entry, self.max_bytes) is None:
             return False
         self.delete(entry.id)
         self._entries[entry.id] = entry
@@ -174,10 +174,10 @@ class SharedResponseStore:
     def put(self, entry: StoredResponse) -> bool:
         """Store ``entry`` (most recent), evicting the least recently used ones past the
         bounds; False (nothing stored) if it alone is over ``max_bytes``."""
-        if not _measure(entry, self.max_bytes):
+        serialized = _serialize(entry, self.max_bytes)
+        if serialized is None:
             return False
-        response = json.dumps(entry.response, ensure_ascii=False)
-        input_items = json.dumps(entry.input_items, ensure_ascii=False)
+        response, input_items = serialized
         with self._transaction() as conn:
             conn.execute(
                 "INSERT OR REPLACE INTO responses"
@@ -254,9 +254,13 @@ def _check_bounds(max_responses: int, max_bytes: int) -> None:
         raise ValueError(f"bounds must be positive, got {max_responses}, {max_bytes}")
 
 
-def _measure(entry: StoredResponse, max_bytes: int) -> bool:
-    """Set ``entry.nbytes``; False (with a warning) if it alone is over ``max_bytes``."""
-    entry.nbytes = len(json.dumps([entry.response, entry.input_items], ensure_ascii=False))
+def _serialize(entry: StoredResponse, max_bytes: int) -> tuple[str, str] | None:
+    """The entry's response and input items as JSON (serialized once: the shared store
+    writes them), with ``entry.nbytes`` set to their size as one JSON array, what the
+    bounds count; None, with a warning, if that alone is over ``max_bytes``."""
+    response = json.dumps(entry.response, ensure_ascii=False)
+    input_items = json.dumps(entry.input_items, ensure_ascii=False)
+    entry.nbytes = len(response) + len(input_items) + len("[, ]")
     if entry.nbytes > max_bytes:
         logger.warning(
             "Response %s not stored: %d bytes, over the store's %d",
@@ -264,8 +268,8 @@ def _measure(entry: StoredResponse, max_bytes: int) -> bool:
             entry.nbytes,
             max_bytes,
         )
-        return False
-    return True
+        return None
+    return response, input_items
 
 
 def _walk_chain(
