@@ -144,19 +144,18 @@ class _Supervisor:
         while True:
             running = [s for s in servers if s.is_alive()]
             if not running:
-                failed = [s for s in servers if s.exitcode != 0]
-                if failed and not self.signals:
-                    return 1
-                return 1 if engine_dead_at is not None and not self.signals else 0
+                failed = any(s.exitcode != 0 for s in servers) or engine_dead_at is not None
+                return 1 if failed and not self.signals else 0
             if engine_dead_at is None and not engine.is_alive():
                 engine_dead_at = time.monotonic()
                 if not self.signals:
                     logger.error("The engine core exited (exit code %s)", engine.exitcode)
-            if engine_dead_at is not None and not keep_alive_on_engine_death:
-                # They exit by themselves (their watchdog); this only bounds the wait.
-                if time.monotonic() - engine_dead_at > ENGINE_DEATH_GRACE_S:
-                    self._terminate(running)
-                    self._terminate(running)
+            if (
+                engine_dead_at is not None
+                and not keep_alive_on_engine_death
+                and time.monotonic() - engine_dead_at > ENGINE_DEATH_GRACE_S
+            ):
+                return 1  # they exit by themselves (their watchdog); ``stop`` ends the rest
             if not self.signals and len(running) < len(servers):
                 for s in servers:
                     if not s.is_alive():
@@ -171,7 +170,6 @@ class _Supervisor:
         """Drain what still runs, then end it: SIGTERM, a second SIGTERM, SIGKILL."""
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)  # the stop below must not be cut short
-        deadline = time.monotonic() + STOP_TIMEOUT_S
         for attempt in range(3):
             running = [s for s in servers if s.is_alive()]
             if not running:
@@ -182,9 +180,9 @@ class _Supervisor:
                 for s in running:
                     logger.warning("%s did not stop; killing it", s.name)
                     s.kill()
+            deadline = time.monotonic() + STOP_TIMEOUT_S
             for s in running:
                 s.join(max(deadline - time.monotonic(), 0.1))
-            deadline = time.monotonic() + STOP_TIMEOUT_S
 
 
 def run_api_server_process(
