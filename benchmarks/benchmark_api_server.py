@@ -124,19 +124,26 @@ def cpu_seconds(procs) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
-def server_processes(server, log_path: Path) -> tuple[list, list]:
-    """The API side (the `vllm serve` process and any API servers it started) and the
-    engine core (named by its pid in the log), multiprocessing's resource tracker aside."""
+def server_processes(server, is_engine) -> tuple[list, list]:
+    """A server's processes, multiprocessing's resource tracker aside, as (the API side,
+    the engine side): the engine side is the one process ``is_engine`` picks and its
+    own children (upstream's CPU build runs the model in a Worker under its EngineCore),
+    the API side all the others (a `vllm serve` process and the API servers it started)."""
     import psutil
 
     top = psutil.Process(server.proc.pid)
-    pid = int(re.search(r"Engine core ready: .*\(pid (\d+)\)", log_path.read_text()).group(1))
-    tree = [top, *top.children(recursive=True)]
-    tree = [p for p in tree if "resource_tracker" not in " ".join(p.cmdline())]
-    engine = [p for p in tree if p.pid == pid]
-    if len(engine) != 1:
-        raise RuntimeError(f"engine core pid {pid} not among {tree}")
-    return [p for p in tree if p.pid != pid], engine
+    tree = [p for p in (top, *top.children(recursive=True))
+            if "resource_tracker" not in " ".join(p.cmdline())]  # fmt: skip
+    roots = [p for p in tree if is_engine(p)]
+    if len(roots) != 1:
+        raise RuntimeError(f"no single engine core among {tree}")
+    engine = [roots[0], *roots[0].children(recursive=True)]
+    return [p for p in tree if p not in engine], engine
+
+
+def engine_pid(log_path: Path) -> int:
+    """Our engine core's pid, as the API server logs it once the engine is ready."""
+    return int(re.search(r"Engine core ready: .*\(pid (\d+)\)", log_path.read_text()).group(1))
 
 
 def measure(
@@ -165,9 +172,9 @@ def measure(
     }
 
 
-def run_counts(server, api, engine, count: int, args, results: dict, label=None) -> None:
+def run_counts(server, api, engine, count: int, args, results: dict, name="ours") -> None:
     """Every ``--num-requests`` on one server, the intervals interleaved; prints medians
-    (the first column: the API server count, or ``label``)."""
+    (the first column: the API server count, or the server's ``name`` if not ours)."""
     for n in args.num_requests:
         runs: dict[int, list[dict]] = {k: [] for k in args.stream_intervals}
         for r in range(args.repeats):  # interleaved: the machine's drift hits all alike
@@ -176,10 +183,11 @@ def run_counts(server, api, engine, count: int, args, results: dict, label=None)
                                        f"{count}.{n}.{k}.{r}.", k))  # fmt: skip
         for k, rows in runs.items():
             med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-            results["rows"].append({"api_server_count": count, "num_requests": n,
-                                    "stream_interval": k, "median": med,
+            results["rows"].append({"server": name, "api_server_count": count,
+                                    "num_requests": n, "stream_interval": k, "median": med,
                                     "runs": rows})  # fmt: skip
-            print(f"{label or count:>11} {n:>5} {k:>8} {med['tok_per_s']:>8.0f} "
+            label = count if name == "ours" else name
+            print(f"{label:>11} {n:>5} {k:>8} {med['tok_per_s']:>8.0f} "
                   f"{med['api_us_per_token']:>11.1f} {med['engine_us_per_token']:>14.1f} "
                   f"{med['api_busy']:>9.2f} {med['events_per_token']:>11.3f}",
                   flush=True)  # fmt: skip
@@ -188,9 +196,7 @@ def run_counts(server, api, engine, count: int, args, results: dict, label=None)
 def run_upstream(args, serve_args: list[str], results: dict) -> None:
     """Upstream vLLM's server, same model folder, limits and requests; its rows are
     labelled ``"server": "upstream"``. Its engine side is the child titled EngineCore
-    with its own children (the CPU build runs the model in a Worker process of it)."""
-    import psutil
-
+    and the Worker under it."""
     from vllm.benchmarks.upstream_server import UPSTREAM_BLOCK, UpstreamServer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -200,19 +206,9 @@ def run_upstream(args, serve_args: list[str], results: dict) -> None:
                          "--uvicorn-log-level", "warning"]  # fmt: skip
         server = UpstreamServer(args.upstream_venv, upstream_args, log)
         try:
-            top = psutil.Process(server.proc.pid)
-            tree = [p for p in top.children(recursive=True)
-                    if "resource_tracker" not in " ".join(p.cmdline())]  # fmt: skip
-            cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline())]
-            if len(cores) != 1:
-                raise RuntimeError(f"upstream: no single EngineCore among {tree}")
-            engine = [cores[0], *cores[0].children(recursive=True)]
-            api = [top, *(p for p in tree if p not in engine)]
+            api, engine = server_processes(server, lambda p: "EngineCore" in " ".join(p.cmdline()))
             measure(server, api, engine, 8, 8, "warm.")
-            start = len(results["rows"])
-            run_counts(server, api, engine, 1, args, results, label="upstream")
-            for row in results["rows"][start:]:
-                row["server"] = "upstream"
+            run_counts(server, api, engine, 1, args, results, name="upstream")
         finally:
             server.stop()
 
@@ -274,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             log = Path(args.server_log or Path(tmp) / "server.log")
             with RemoteServer(*serve_args, "--api-server-count", str(count),
                               log_path=str(log)) as server:  # fmt: skip
-                api, engine = server_processes(server, log)
+                ours = engine_pid(log)
+                api, engine = server_processes(server, lambda p, pid=ours: p.pid == pid)
                 measure(server, api, engine, 8, 8, "warm.")
                 run_counts(server, api, engine, count, args, results)
     if args.upstream_venv is not None:
