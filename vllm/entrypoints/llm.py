@@ -120,9 +120,11 @@ class LLM:
         tools: list | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Chat with one conversation (a list of messages) or a list of conversations;
-        ``lora_request`` as ``generate``'s.
+        ``lora_request`` as ``generate``'s. ``continue_final_message`` (vLLM's): the
+        model goes on with the last message (with ``add_generation_prompt=False``).
 
         Messages are validated as the server validates them (``VLLMValidationError``)."""
         if not messages:
@@ -137,6 +139,7 @@ class LLM:
                 add_generation_prompt,
                 tools,
                 chat_template_kwargs,
+                continue_final_message,
             )
             # The template already wrote the special tokens (BOS etc.): add none.
             items.append((text, text, False, None))

@@ -71,7 +71,13 @@ BAD = [
     # OpenAI: "logprobs must be set to true if top_logprobs is used".
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
-    ("chat", {"echo": True}, "echo"),  # a completions parameter
+    ("chat", {"echo": "yes"}, "echo"),
+    ("chat", {"continue_final_message": True}, "continue_final_message"),  # with a new turn
+    ("completions", {"prompt": ["a", [1]]}, "prompt"),  # text and token ids in one batch
+    ("completions", {"prompt": [[1], []]}, "prompt"),  # an empty prompt in a batch
+    ("completions", {"prompt": ["a"] * 129}, "prompt"),  # past --max-n-sequences
+    ("completions", {"structured_outputs": {"lua": "x"}}, "structured_outputs"),
+    ("completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}] * 4097}, "messages"),
 ]
 
@@ -118,6 +124,7 @@ def test_bad_inputs_are_400s_naming_the_field(server):
         {"top_k": 10**6, "top_p": 1e-9, "min_p": 1.0},
         {"top_p": 1e-300, "temperature": 1},  # below float32's resolution; an int temperature
         {"prompt": [1, 2, 3], "echo": False},
+        {"prompt": [[1, 2], [3]], "n": 2, "echo": True},
         {"extra_body": {"stream": True, "stream_options": {"include_usage": True}}},
     ],
 )

@@ -78,9 +78,9 @@ def test_loggable_escapes_and_bounds():
         ({"best_of": 2}, "best_of"),
         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
         # Implemented on chat (tool_calling.py), refused on completions:
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"extra_body": {"include_reasoning": "yes"}}, "include_reasoning"),
     ],
 )
 def test_unsupported_parameters_are_refused_naming_them(fields, param):
@@ -283,7 +283,9 @@ def test_chat_templating_runs_in_the_tokenizer_thread():
 
     threads = []
 
-    def apply_chat_template(messages, template, add_generation_prompt, tools, kwargs=None):
+    def apply_chat_template(
+        messages, template, add_generation_prompt, tools, kwargs=None, cont=False
+    ):
         threads.append(threading.current_thread().name)
         return f"{len(messages)} messages, tools {tools}"
 

@@ -230,7 +230,9 @@ class _RenderEngine(_FakeEngine):
     def __init__(self) -> None:
         self.calls = []
 
-    def apply_chat_template(self, messages, template, add_generation_prompt, tools, kwargs=None):
+    def apply_chat_template(
+        self, messages, template, add_generation_prompt, tools, kwargs=None, cont=False
+    ):
         return "|".join(m["content"] for m in messages) + ("|>" * add_generation_prompt)
 
     def tokenize(self, prompt, add_special_tokens=True):

@@ -47,7 +47,7 @@ REFUSED = [
     ("chat", {"logit_bias": {"forty-two": 5}}, 400, "logit_bias"),
     ("chat", {"logit_bias": {"99999999": 5}}, 400, "logit_bias"),
     ("completions", {"allowed_token_ids": [99999999]}, 400, "allowed_token_ids"),
-    ("completions", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("completions", {"response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("completions", {"best_of": 3}, 400, "best_of"),
     ("completions", {"suffix": "end"}, 400, "suffix"),
     ("completions", {"echo": True, "logprobs": 1, "stream": True}, 400, "echo"),

@@ -95,3 +95,37 @@ def test_a_request_failed_in_the_engine_is_a_500_and_the_server_goes_on():
             engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_one_prompt_of_a_batch_failing_fails_the_batch_and_aborts_the_rest():
+    # /v1/completions with a batch of prompts: one engine request each. One failing in
+    # the engine is the whole response's error, and its siblings stop at once.
+    async def scenario() -> None:
+        config = EngineArgs(num_gpu_blocks_override=32).create_engine_config(2048)
+        stats = PrometheusStatLogger("m", registry=CollectorRegistry())
+        engine = AsyncLLM(config, stat_loggers=[stats], engine_factory=fake_engine_factory)
+        try:
+            await engine.start()
+            app = build_app(config, FrontendArgs(), engine, stats)
+            batch = {"prompt": [[1, 2], [POISON_TOKEN, 2], [3]], "max_tokens": 1000}
+            status, body = await post(app, "/v1/completions", batch)
+            assert status == 500 and "poisoned" in json.loads(body)["error"]["message"]
+            assert engine.num_unfinished_requests == 0  # the others aborted, not run out
+            status, body = await post(app, "/v1/completions", {**batch, "stream": True})
+            events = [line[6:] for line in body.decode().splitlines() if line.startswith("data:")]
+            assert status == 200 and events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == 500
+            assert engine.num_unfinished_requests == 0
+            ok = {"prompt": [[1, 2], [3]], "max_tokens": 3, "n": 2}
+            status, body = await post(app, "/v1/completions", ok)
+            reply = json.loads(body)
+            assert status == 200 and [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
+            assert reply["usage"] == {
+                "prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }  # fmt: skip
+            assert engine.is_alive and engine.num_unfinished_requests == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())

@@ -440,3 +440,145 @@ def test_metrics_names_and_text_format(server, client):
     assert m["vllm:inter_token_latency_seconds_count"] >= 3
     assert m["vllm:iteration_tokens_total_count"] >= 2
     assert m["vllm:request_params_max_tokens_count"] >= 1
+
+
+BATCH = ["One, two, three,", "The capital of France is", "def add(a, b):"]
+
+
+def _completion(client, prompt, **kw):
+    return client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+
+
+def test_batched_prompts_answer_as_their_single_prompts_do(client, tokenizer):
+    # vLLM's numbering: prompt i's choice j is choice i * n + j; the usage counts them all.
+    singles = [_completion(client, p, max_tokens=6, echo=True) for p in BATCH]
+    batch = _completion(client, BATCH, max_tokens=6, n=2, echo=True)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for i, single in enumerate(singles):
+        for c in batch.choices[2 * i : 2 * i + 2]:
+            assert c.text == single.choices[0].text and c.text.startswith(BATCH[i])
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+    # Token-id prompts batch too; each choice carries its own prompt's ids.
+    ids = [tokenizer.encode(p) for p in BATCH[:2]]
+    by_ids = _completion(client, ids, max_tokens=6, extra_body={"return_token_ids": True})
+    assert [c.prompt_token_ids for c in by_ids.choices] == ids
+    assert [c.text for c in by_ids.choices] == [
+        s.choices[0].text[len(p) :] for s, p in zip(singles[:2], BATCH[:2], strict=True)
+    ]
+
+
+def test_a_batch_streams_each_choice_under_its_index(client):
+    options = {"include_usage": True}
+    plain = _completion(client, BATCH, max_tokens=8, n=2)
+    stream = _completion(
+        client, BATCH, max_tokens=8, n=2, stream=True, stream_options=options,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    firsts: dict[int, list[int] | None] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            firsts.setdefault(c.index, c.prompt_token_ids)
+    assert texts == {c.index: c.text for c in plain.choices}
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+    assert usage.completion_tokens == plain.usage.completion_tokens
+    # Each choice's first chunk names its own prompt's ids.
+    assert firsts[0] == firsts[1] != firsts[2] == firsts[3] != firsts[4]
+
+
+def test_bad_batches_are_400s_and_leave_nothing_queued(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(prompt, **kw):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **kw}
+        return requests.post(server.base + "/v1/completions", json=body, headers=headers)
+
+    r = post(["a"] * 65, n=2)  # 130 sequences, past --max-n-sequences (128)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "--max-n-sequences" in r.json()["error"]["message"]
+    # The last prompt is past the context: the batch fails before any of it runs.
+    before = server.metrics()["vllm:prompt_tokens_total"]
+    r = post(["Hello", "Hi there", "word " * 1500], max_tokens=900, ignore_eos=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"].startswith("prompt 2: ")
+    _assert_engine_idle(server)
+    assert server.metrics()["vllm:prompt_tokens_total"] == before
+    r = post(["Hello", [1, 2]])  # text and token ids in one batch
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_a_batch_aborts_every_prompt(server, stream):
+    body = json.dumps(
+        {"prompt": BATCH, "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        sock.sendall(head + body)
+        assert server.wait_metric("vllm:num_requests_running", 3.0) == 3.0
+    finally:
+        sock.close()
+    _assert_engine_idle(server)
+
+
+PREFILL = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is"},
+]
+
+
+def test_continue_final_message_goes_on_with_the_assistant_turn(server, client, tokenizer):
+    # vLLM's continue_final_message: the model continues the turn the client began; the
+    # prompt is the template's text up to that turn's content (no end of turn).
+    kw = {"max_tokens": 6, "temperature": 0}
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    rendered = requests.post(
+        server.base + "/v1/chat/completions/render",
+        json={"messages": PREFILL, **cont},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    text = tokenizer.decode(rendered["token_ids"])
+    assert text.endswith("assistant\nThe capital of France is")
+    plain = client.completions.create(model=MODEL, prompt=rendered["token_ids"], **kw)
+    reply = client.chat.completions.create(model=MODEL, messages=PREFILL, extra_body=cont, **kw)
+    assert reply.choices[0].message.content == plain.choices[0].text
+    assert reply.usage.prompt_tokens == len(rendered["token_ids"])
+    # echo: the reply leads with the turn's given start, streamed or not.
+    echoed = client.chat.completions.create(
+        model=MODEL, messages=PREFILL, extra_body={**cont, "echo": True}, **kw
+    )
+    whole = PREFILL[-1]["content"] + plain.choices[0].text
+    assert echoed.choices[0].message.content == whole
+    stream = client.chat.completions.create(
+        model=MODEL, messages=PREFILL, stream=True, extra_body={**cont, "echo": True}, **kw
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+    # echo after a user message has nothing of the assistant's to repeat.
+    asked = chat(client, max_tokens=6, temperature=0, extra_body={"echo": True})
+    assert (
+        asked.choices[0].message.content
+        == chat(client, max_tokens=6, temperature=0).choices[0].message.content
+    )
+
+
+def test_continue_final_message_needs_add_generation_prompt_off(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=PREFILL, extra_body={"continue_final_message": True}
+        )
+    assert e.value.body["param"] == "continue_final_message"
+    with pytest.raises(openai.BadRequestError) as e:  # still a chat field only
+        client.completions.create(
+            model=MODEL, prompt="Hi", extra_body={"continue_final_message": True}
+        )
+    assert e.value.body["param"] == "continue_final_message"

@@ -56,6 +56,13 @@ def test_chat_messages_tokenize_as_the_chat_route_renders_them(served):
     assert body["tokens"] == rendered["token_ids"] and body["count"] == len(body["tokens"])
     bare = post(server, "tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
     assert len(bare.json()["tokens"]) < body["count"]
+    # vLLM's continue_final_message: the last message left open (no end-of-turn tokens).
+    begun = [*MESSAGES, {"role": "assistant", "content": "The Nile,"}]
+    cont = {"messages": begun, "add_generation_prompt": False, "continue_final_message": True}
+    opened = post(server, "tokenize", cont).json()["tokens"]
+    closed = post(server, "tokenize", {**cont, "continue_final_message": False}).json()["tokens"]
+    assert opened == post(server, "v1/chat/completions/render", cont).json()["token_ids"]
+    assert closed[: len(opened)] == opened and len(closed) > len(opened)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +71,12 @@ def test_chat_messages_tokenize_as_the_chat_route_renders_them(served):
         ("tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
         ("tokenize", {}, "prompt"),
         ("tokenize", {"prompt": "a", "tools": []}, "tools"),
+        ("tokenize", {"prompt": "a", "continue_final_message": True}, "continue_final_message"),
+        (
+            "tokenize",
+            {"messages": MESSAGES, "continue_final_message": True},
+            "continue_final_message",
+        ),
         ("tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate"),
         ("tokenize", {"messages": []}, "messages"),
         (

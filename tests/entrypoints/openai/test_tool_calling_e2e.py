@@ -242,7 +242,41 @@ def test_bad_tool_requests_are_400s(client):
             )
 
 
-def test_policy_logs_the_tool_name(server):
+def test_completions_follow_structured_outputs_and_response_format(client):
+    # vLLM serves guided decoding on /v1/completions too; each prompt of a batch follows it.
+    choice = client.completions.create(
+        model=MODEL,
+        prompt=["The sky is", "Grass is"],
+        max_tokens=5,
+        extra_body={"structured_outputs": {"choice": ["blue", "green", "red"]}},
+    )
+    assert [c.text for c in choice.choices] and all(
+        c.text in ("blue", "green", "red") for c in choice.choices
+    )
+    regex = client.completions.create(
+        model=MODEL, prompt="My phone number is", max_tokens=12, temperature=0,
+        extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}},
+    )  # fmt: skip
+    assert len(regex.choices[0].text) == 8 and regex.choices[0].text[3] == "-"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    stream = client.completions.create(
+        model=MODEL, prompt="A JSON object:", max_tokens=20, temperature=0, stream=True,
+        extra_body={"response_format": fmt},  # not among the client's completion arguments
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert isinstance(json.loads(text)["n"], int)
+    for extra, param in (
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+        ({"structured_outputs": {"lua": "x"}}, "structured_outputs"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="Hi", extra_body=extra)
+        assert e.value.body["param"] == param
+
+
+def test_policy_logs_the_tool_name(server):  # last: it stops the module's server
     server.stop()  # flushes scheduler_timestamps.json
     log = (server.out_dir / "server.log").read_text()
     assert "job 'job_tools': func_call=git status" in log

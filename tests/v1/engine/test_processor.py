@@ -96,3 +96,21 @@ def test_chat_template(processor):
         chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}",
     )
     assert custom == "[user] Hi!"
+
+
+def test_continue_final_message_leaves_the_last_message_open(processor):
+    # vLLM's continue_final_message: the text stops inside the assistant turn the client
+    # began, with no end-of-turn token, so the model goes on with it.
+    messages = [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! I am"},
+    ]
+    text = processor.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.endswith("<|im_start|>assistant\nHello! I am")
+    closed = processor.apply_chat_template(messages, add_generation_prompt=False)
+    assert closed.startswith(text) and closed[len(text) :].startswith("<|im_end|>")
+    with pytest.raises(VLLMValidationError) as e:
+        processor.apply_chat_template(messages, continue_final_message=True)
+    assert e.value.param == "continue_final_message"

@@ -74,7 +74,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _is_off,
     "guided_grammar": _is_off,
     "structured_outputs": _is_off,
-    "echo": _is_off,  # served by /v1/completions only
+    "echo": _is_off,  # completions' and chat's (IMPLEMENTED)
     # vllm-router re-serializes every chat / completion body it forwards from its typed
     # request, adding these SGLang fields at their defaults (docs/router.md): at those
     # values they ask for nothing, so a routed request logs no unknown field. The
@@ -527,8 +527,7 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """``messages`` holds at most MAX_CHAT_MESSAGES, counted before any is validated;
-    ``top_logprobs`` needs ``logprobs: true`` (as OpenAI); ``echo`` is a completions
-    parameter (vLLM's chat echo is not implemented): refused unless false."""
+    ``top_logprobs`` needs ``logprobs: true`` (as OpenAI)."""
 
     # Implemented on this endpoint (tool_calling.py), though in UNSUPPORTED for the other.
     IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
@@ -540,6 +539,8 @@ class ChatCompletionRequest(_SamplingFields):
             "separate_reasoning",
             "stream_reasoning",
             "thinking_token_budget",
+            "continue_final_message",
+            "echo",
         }
     )
     messages: list[ChatMessage] = Field(min_length=1)
@@ -553,6 +554,12 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extra: {"json": ...}, ...
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the last message (an assistant turn the client began),
+    # which the model goes on with; needs add_generation_prompt: false.
+    continue_final_message: bool = False
+    # vLLM's: a reply leads with the last message's content when that is the assistant's
+    # (with continue_final_message: the whole assistant turn, as given plus as generated).
+    echo: bool = False
     chat_template: str | None = None
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -603,6 +610,22 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     @model_validator(mode="after")
+    def _continue_or_add_a_turn(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise VLLMValidationError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the last message",
+                "continue_final_message",
+            )
+        return self
+
+    def echoed_text(self) -> str:
+        """What ``echo`` puts before each choice's content: the last message's, when the
+        reply continues or follows an assistant message ("" otherwise)."""
+        last = self.messages[-1]
+        return (last.content or "") if self.echo and last.role == "assistant" else ""
+
+    @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise VLLMValidationError(
@@ -619,11 +642,16 @@ _NO_CACHING = (
 
 
 class CompletionRequest(_SamplingFields):
-    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo"})
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
+        {"echo", "response_format", "structured_outputs"}
+    )
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    # Guided decoding, as on chat (vLLM takes both on completions too).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json": ...}, ...
 
     @model_validator(mode="after")
     def _explicit_mode_needs_a_breakpoint(self) -> CompletionRequest:

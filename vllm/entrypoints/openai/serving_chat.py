@@ -60,6 +60,7 @@ class OpenAIServingChat(OpenAIServing):
                 request.add_generation_prompt,
                 plan.template_tools,
                 request.chat_template_kwargs,
+                request.continue_final_message,
             )
 
         try:
@@ -208,9 +209,12 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         hide = plan.hides_reasoning
+        echo = request.echoed_text()
 
         def choice(c: CompletionOutput) -> dict:
             message, finish_reason = plan.message(c.text, c.finish_reason)
+            if echo:  # as vLLM: a tool-call reply's null content becomes the echo
+                message["content"] = echo + (message.get("content") or "")
             out = {
                 "index": c.index,
                 "message": message,
@@ -318,6 +322,18 @@ class OpenAIServingChat(OpenAIServing):
         ]
         if request.return_token_ids:
             first[0]["prompt_token_ids"] = stream.prompt_token_ids  # in the first chunk only
+        echo = request.echoed_text()
+        if echo:  # vLLM's: a chunk of it for each choice, after the role chunks
+            first += [
+                {
+                    **base,
+                    "choices": [
+                        {"index": i, "delta": {"content": echo}, "logprobs": None,
+                         "finish_reason": None}
+                    ],
+                }
+                for i in range(request.n)
+            ]  # fmt: skip
         include_usage, continuous_usage = request.stream_usage()
 
         def usage(u) -> dict:

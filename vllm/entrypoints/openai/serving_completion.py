@@ -1,28 +1,42 @@
-"""POST /v1/completions."""
+"""POST /v1/completions.
+
+``prompt`` is a string, token ids, or a batch of either (OpenAI's and vLLM's API): each
+prompt of a batch is one engine request, and its choices are numbered ``i * n + j``
+(prompt ``i``, choice ``j``), as vLLM numbers them; the usage counts them all. A batch
+streams its prompts' chunks as they come. A prompt the engine refuses fails the whole
+request (those already queued are aborted), and a client that leaves aborts them all.
+"""
 
 from __future__ import annotations
+
+from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
+    StreamBatch,
 )
+from vllm.entrypoints.openai.tool_calling import guided_params
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.outputs import TokenLogprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _prompt(self, request: CompletionRequest) -> str | list[int]:
+    def _prompts(self, request: CompletionRequest) -> list[str | list[int]]:
         p = request.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p = p[0]  # a batch of one
-        if isinstance(p, list) and p and not isinstance(p[0], int):
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # one prompt: text, or token ids
+        total = len(p) * request.n
+        if total > self.args.max_n_sequences:
             raise VLLMValidationError(
-                "batched prompts are not supported; send one per request", "prompt"
+                f"a batch of {len(p)} prompts with n={request.n} asks for {total} "
+                f"sequences; at most {self.args.max_n_sequences} (--max-n-sequences)",
+                "prompt",
             )
-        return p
+        return list(p)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         """``echo``: the prompt as text (token ids decoded) that leads each choice."""
@@ -59,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_request(request)
-        prompt = self._prompt(request)
+        prompts = self._prompts(request)
         echo_logprobs = request.echo and request.logprobs is not None
         if echo_logprobs and request.stream:
             raise VLLMValidationError(
@@ -67,22 +81,28 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         # OpenAI's default for completions; 0 is refused as on chat, not replaced.
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        params = request.to_sampling_params(
-            max_tokens, request.logprobs, request.stream, self.default_sampling_params
-        )
-        if echo_logprobs and params.prompt_logprobs is None:
-            params.prompt_logprobs = request.logprobs  # as vLLM: the echoed prompt's logprobs
+        guided = guided_params(request)
+
+        def params():  # one each: the engine caps a prompt's max_tokens to its context
+            params = request.to_sampling_params(
+                max_tokens, request.logprobs, request.stream, self.default_sampling_params
+            )
+            if echo_logprobs and params.prompt_logprobs is None:
+                params.prompt_logprobs = request.logprobs  # as vLLM: the prompt's logprobs
+            params.structured_outputs = guided
+            return params
+
         request_id = random_id("cmpl")
         created = now_s()
-        stream = await self.add_request(
-            prompt,
+        streams = await self.add_requests(
+            prompts,
             params,
             request_id,
             request.priority,
             cache_salt=request.cache_salt,
             lora_request=self.check_model(request),
         )
-        echo = self._echo_text(prompt) if request.echo else ""
+        echoes = [self._echo_text(p) if request.echo else "" for p in prompts]
         base = {
             "id": request_id,
             "object": "text_completion",
@@ -90,26 +110,29 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": self.response_model(request.model),
         }
         if request.stream:
-            events = self._stream(request, stream, base, echo, received)
+            stream = streams[0] if len(streams) == 1 else StreamBatch(streams, request.n)
+            events = self._stream(request, stream, streams, base, echoes, received)
             return EngineStreamingResponse(events, stream)
-
-        def body(final: RequestOutput) -> dict:
+        finals = await self.collect_all(streams, receive)
+        if finals is None:
+            return Response(status_code=499)  # the client left; every request aborted
+        choices = []
+        for i, final in enumerate(finals):
             prompt_logprobs = self.prompt_logprobs(final.prompt_logprobs)
-            choices = [
-                {
-                    "index": c.index,
-                    "text": echo + c.text,
-                    "logprobs": self._logprobs(c, final if echo_logprobs else None),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                    "prompt_logprobs": prompt_logprobs,  # vLLM's: in every choice
-                    **self._token_ids(request, final.prompt_token_ids, c.token_ids),
-                }
-                for c in final.outputs
-            ]
-            return {**base, "choices": choices, "usage": self.usage([final]).model_dump()}
-
-        return await self.respond_json(stream, body, received, receive)
+            for c in final.outputs:
+                choices.append(
+                    {
+                        "index": i * request.n + c.index,
+                        "text": echoes[i] + c.text,
+                        "logprobs": self._logprobs(c, final if echo_logprobs else None),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                        "prompt_logprobs": prompt_logprobs,  # vLLM's: in every choice
+                        **self._token_ids(request, final.prompt_token_ids, c.token_ids),
+                    }
+                )
+        body = {**base, "choices": choices, "usage": self.usage(finals).model_dump()}
+        return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))
 
     @staticmethod
     def _token_ids(request, prompt_ids: list[int] | None, ids: list[int]) -> dict:
@@ -119,16 +142,19 @@ class OpenAIServingCompletion(OpenAIServing):
             return {}
         return {"prompt_token_ids": prompt_ids, "token_ids": ids}
 
-    def _stream(self, request, stream, base: dict, echo: str, received: float | None):
+    def _stream(self, request, stream, streams, base: dict, echoes: list[str], received):
+        """``stream``: what is read (one request's, or a batch's ``StreamBatch``, whose
+        choices are numbered across the batch); ``streams``: its requests, in order."""
         echoed: set[int] = set()
         started: set[int] = set()
 
         def chunk(c: CompletionOutput) -> dict:
+            prompt = c.index // request.n  # its position in the batch
             text = c.text
-            if echo and c.index not in echoed:  # the prompt leads each choice's text
+            if echoes[prompt] and c.index not in echoed:  # the prompt leads each choice
                 echoed.add(c.index)
-                text = echo + text
-            prompt_ids = None if c.index in started else stream.prompt_token_ids
+                text = echoes[prompt] + text
+            prompt_ids = None if c.index in started else streams[prompt].prompt_token_ids
             started.add(c.index)
             choice = {
                 "index": c.index,

@@ -9,14 +9,13 @@ client that disconnects aborts them all.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 
 from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.protocol import EmbeddingRequest, now_s, random_id
-from vllm.entrypoints.openai.serving_engine import OpenAIServing
+from vllm.entrypoints.openai.serving_engine import OpenAIServing, StreamBatch
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
@@ -48,32 +47,17 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "input",
             )
         request_id = random_id("embd")
-        streams = []
-        try:
-            for i, prompt in enumerate(prompts):
-                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-                streams.append(
-                    await self.add_request(
-                        prompt,
-                        params,
-                        f"{request_id}-{i}",
-                        request.priority,
-                        add_special_tokens=request.add_special_tokens,
-                        lora_request=lora,
-                        pooling=True,
-                    )
-                )
-        except BaseException:
-            for stream in streams:
-                await stream.aclose()
-            raise
-        try:
-            finals = await asyncio.gather(*(self.collect(s, receive) for s in streams))
-        except BaseException:  # one failed (engine error, cancelled): end the others too
-            for stream in streams:
-                await stream.aclose()
-            raise
-        if any(f is None for f in finals):
+        streams = await self.add_requests(
+            prompts,
+            lambda: SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+            request_id,
+            request.priority,
+            add_special_tokens=request.add_special_tokens,
+            lora_request=lora,
+            pooling=True,
+        )
+        finals = await self.collect_all(streams, receive)
+        if finals is None:
             return Response(status_code=499)  # the client left; every request aborted
         tokens = sum(len(f.prompt_token_ids) for f in finals)
         data = [
@@ -89,4 +73,4 @@ class OpenAIServingEmbedding(OpenAIServing):
             "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
-        return JSONResponse(body, headers=self.timing(received, streams[0]))
+        return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,12 +40,21 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
-async def _put_on_disconnect(receive: Receive, stream: RequestStream) -> None:
+async def _put_on_disconnect(receive: Receive, streams: Sequence[RequestStream]) -> None:
     # Once the body is read, the next ASGI message is http.disconnect (the client left,
     # or the response completed; by then this watcher has been cancelled).
     while (await receive())["type"] != "http.disconnect":
         pass
-    stream.put(ClientDisconnected())
+    for stream in streams:
+        stream.put(ClientDisconnected())
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for out in stream:
+        final = out
+    assert final is not None
+    return final
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -63,6 +73,69 @@ class EngineStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.engine_stream.aclose()  # no-op if the request finished
+
+
+class StreamBatch:
+    """Several requests' streams read as one (a batched completion's prompts): outputs in
+    the order they come, each choice's index offset by its request's position times
+    ``n`` (vLLM's numbering: prompt ``i``'s choice ``j`` is ``i * n + j``). Iteration
+    ends once every request has finished; an error in one ends it and aborts them all,
+    as ``aclose()`` does. ``prompt_token_ids``: every prompt's, one after another (the
+    batch's prompt tokens); ``engine_latency_s``: the slowest request's."""
+
+    def __init__(self, streams: Sequence[RequestStream], n: int = 1) -> None:
+        self.streams = list(streams)
+        self.n = n
+        self.prompt_token_ids = [t for s in self.streams for t in s.prompt_token_ids]
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = (
+            asyncio.Queue()
+        )
+        self._pumps: list[asyncio.Task] = []
+        self._running = len(self.streams)
+
+    @property
+    def engine_latency_s(self) -> float | None:
+        latencies = [s.engine_latency_s for s in self.streams]
+        return None if None in latencies else max(latencies)  # type: ignore[type-var]
+
+    async def _pump(self, position: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait((position, out))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
+            self._queue.put_nowait(e)
+        finally:
+            self._queue.put_nowait(None)
+
+    def __aiter__(self) -> StreamBatch:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._pumps and self._running:
+            self._pumps = [
+                asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self.streams)
+            ]
+        while self._running:
+            item = await self._queue.get()
+            if item is None:
+                self._running -= 1
+                continue
+            if isinstance(item, BaseException):
+                await self.aclose()
+                raise item
+            position, out = item
+            offset = position * self.n
+            outputs = [dataclasses.replace(c, index=c.index + offset) for c in out.outputs]
+            return dataclasses.replace(out, outputs=outputs)
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Aborts every request that has not finished; safe to call more than once."""
+        self._running = 0
+        for pump in self._pumps:
+            pump.cancel()
+        for stream in self.streams:
+            await stream.aclose()
 
 
 def error_event(e: Exception) -> dict:
@@ -166,7 +239,49 @@ class OpenAIServing:
                 "stop",
             )
 
-    def timing(self, received: float | None, stream: RequestStream) -> dict[str, str]:
+    async def add_requests(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: Callable[[], Any],
+        request_id: str,
+        priority: int,
+        **kw: Any,
+    ) -> list[RequestStream]:
+        """One engine request per prompt, each with its own ``params()``: ``request_id``
+        for a lone prompt, ``{request_id}-{i}`` for prompt ``i`` of several. Every prompt
+        is checked and tokenized before any is queued, so a bad one (too long, say; the
+        error names its position) fails the batch with nothing run."""
+        if len(prompts) == 1:
+            return [await self.add_request(prompts[0], params(), request_id, priority, **kw)]
+        self.state.check_open()
+        prepared = []
+        for i, prompt in enumerate(prompts):
+            executor = self.executor() if len(prompt) >= OFFLOAD_CHARS else None
+            try:
+                prepared.append(
+                    await self.engine.prepare_request(
+                        prompt,
+                        params(),
+                        f"{request_id}-{i}",
+                        priority=priority,
+                        executor=executor,
+                        **kw,
+                    )
+                )
+            except VLLMValidationError as e:
+                raise VLLMValidationError(f"prompt {i}: {e}", e.param, e.value, e.code) from e
+        self.state.check_open()  # the drain began while the prompts were tokenized
+        streams: list[RequestStream] = []
+        try:
+            for request in prepared:
+                streams.append(await self.engine.submit_request(request))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams
+
+    def timing(self, received: float | None, stream: RequestStream | StreamBatch) -> dict[str, str]:
         """Record the request's overhead; returns the timing headers (empty if unknown)."""
         engine_s = stream.engine_latency_s
         if received is None or engine_s is None:
@@ -226,19 +341,31 @@ class OpenAIServing:
         """The final output, or None if the client disconnected first (``receive``: the
         request's ASGI receive, watched for that). The request is aborted in the engine
         if it did not finish (disconnect, or this task cancelled)."""
-        watcher = asyncio.ensure_future(_put_on_disconnect(receive, stream)) if receive else None
-        final = None
+        finals = await self.collect_all([stream], receive)
+        return None if finals is None else finals[0]
+
+    async def collect_all(
+        self, streams: Sequence[RequestStream], receive: Receive | None = None
+    ) -> list[RequestOutput] | None:
+        """``collect`` for several requests read at once: their final outputs in order,
+        or None if the client disconnected first. One failing (an engine error, this
+        task cancelled) ends and aborts them all."""
+        watcher = asyncio.ensure_future(_put_on_disconnect(receive, streams)) if receive else None
+        readers: list[asyncio.Future] = []
         try:
-            async for out in stream:
-                final = out
+            if len(streams) == 1:  # no task of its own: the common case stays cheap
+                return [await _last(streams[0])]
+            readers = [asyncio.ensure_future(_last(s)) for s in streams]
+            return list(await asyncio.gather(*readers))
         except ClientDisconnected:
             return None
         finally:
+            for reader in readers:
+                reader.cancel()
             if watcher is not None:
                 watcher.cancel()
-            await stream.aclose()
-        assert final is not None
-        return final
+            for stream in streams:
+                await stream.aclose()
 
     async def respond_json(
         self,
@@ -256,7 +383,7 @@ class OpenAIServing:
 
     async def stream_events(
         self,
-        stream: RequestStream,
+        stream: RequestStream | StreamBatch,
         chunk: Callable[[CompletionOutput], dict],
         first_chunks: list[dict],
         include_usage: bool,
@@ -271,7 +398,8 @@ class OpenAIServing:
         ``continuous_usage``: every chunk carries the usage so far (vLLM's
         ``stream_options.continuous_usage_stats``). ``every_output``: a chunk for every
         output with new tokens, text or not (``return_token_ids``)."""
-        prompt_tokens, completion, cached = len(stream.prompt_token_ids), 0, 0
+        prompt_tokens, completion = len(stream.prompt_token_ids), 0
+        cached: dict[str, int] = {}  # by request (a batch's several)
 
         def event(payload: dict) -> str:
             if continuous_usage:
@@ -287,7 +415,7 @@ class OpenAIServing:
             for first in first_chunks:
                 yield event(first)
             async for out in stream:
-                prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                cached[out.request_id] = out.num_cached_tokens
                 for c in out.outputs:
                     completion += len(c.token_ids)
                     if observe is not None:
@@ -302,7 +430,7 @@ class OpenAIServing:
                             prompt_tokens=prompt_tokens,
                             completion_tokens=completion,
                             total_tokens=prompt_tokens + completion,
-                            prompt_tokens_details={"cached_tokens": cached},
+                            prompt_tokens_details={"cached_tokens": sum(cached.values())},
                         )
                     )
                 )

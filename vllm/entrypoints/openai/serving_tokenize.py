@@ -30,6 +30,7 @@ class TokenizeRequest(BaseModel):
     messages: list[Any] | None = None  # checked as a chat request's
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's, as on chat
     tools: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -40,6 +41,10 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise VLLMValidationError("give either prompt or messages", "prompt")
         chat_only = ("tools", "chat_template", "chat_template_kwargs")
+        if self.prompt is not None and self.continue_final_message:
+            raise VLLMValidationError(
+                "continue_final_message goes with messages, not prompt", "continue_final_message"
+            )
         if self.prompt is not None and any(getattr(self, f) is not None for f in chat_only):
             field = next(f for f in chat_only if getattr(self, f) is not None)
             raise VLLMValidationError(f"{field} goes with messages, not prompt", field)
@@ -86,6 +91,7 @@ class OpenAIServingTokenization:
             "chat_template": request.chat_template,
             "chat_template_kwargs": request.chat_template_kwargs,
             "add_generation_prompt": request.add_generation_prompt,
+            "continue_final_message": request.continue_final_message,
         }
         try:
             chat = ChatCompletionRequest.model_validate(

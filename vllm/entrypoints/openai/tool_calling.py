@@ -241,9 +241,7 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
     choice = request.tool_choice
     if choice is None:
         choice = "auto" if functions else "none"
-    response_format = _response_format(request.response_format) or structured_outputs_from(
-        request.structured_outputs
-    )
+    response_format = guided_params(request)
     if isinstance(choice, str) and choice in ("none", "auto", "required"):
         if choice != "none" and not functions:
             raise VLLMValidationError(
@@ -346,7 +344,8 @@ def _required_schema(functions: dict[str, dict], parallel: bool) -> dict:
     return schema if parallel else {**schema, "maxItems": 1}
 
 
-def _response_format(fmt: Any) -> StructuredOutputsParams | None:
+def response_format_params(fmt: Any) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format`` as the grammar it asks for (None: plain text)."""
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -367,6 +366,14 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(json=schema)
     raise VLLMValidationError(
         'response_format.type must be "text", "json_object" or "json_schema"', "response_format"
+    )
+
+
+def guided_params(request: Any) -> StructuredOutputsParams | None:
+    """What a request's ``response_format`` or, without one, vLLM's ``structured_outputs``
+    field asks the output to follow (chat and completions)."""
+    return response_format_params(request.response_format) or structured_outputs_from(
+        request.structured_outputs
     )
 
 

@@ -22,6 +22,7 @@ from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import (
     EngineCoreOutputs,
     EngineCoreOutputType,
+    EngineCoreRequest,
     EngineCoreRequestError,
     EngineCoreRequestType,
     StampedOutputs,
@@ -32,6 +33,17 @@ from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PreparedRequest:
+    """A request checked, tokenized and fanned out (``AsyncLLM.prepare_request``), not
+    yet queued: dropping it leaves nothing behind."""
+
+    request_id: str
+    prompt_text: str | None
+    core_reqs: list[EngineCoreRequest]  # one per sample (n)
+    output_kind: RequestOutputKind
 
 
 class RequestStream:
@@ -163,11 +175,17 @@ class AsyncLLM:
         add_generation_prompt: bool,
         tools: list[dict] | None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text of a conversation (blocking: callers run it in the tokenizer
         thread, its cost grows with the messages and tools)."""
         return self.processor.apply_chat_template(
-            messages, chat_template, add_generation_prompt, tools, template_kwargs
+            messages,
+            chat_template,
+            add_generation_prompt,
+            tools,
+            template_kwargs,
+            continue_final_message,
         )
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -241,6 +259,34 @@ class AsyncLLM:
         ``executor``: tokenize and validate there, off the event loop (a long prompt would
         hold the loop, and every other request and /health, for its whole tokenization).
         """
+        prepared = await self.prepare_request(
+            prompt,
+            sampling_params,
+            request_id,
+            add_special_tokens,
+            priority,
+            executor,
+            cache_salt,
+            lora_request,
+            pooling,
+        )
+        return await self.submit_request(prepared)
+
+    async def prepare_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        add_special_tokens: bool = True,
+        priority: int = 0,
+        executor: Executor | None = None,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        pooling: bool = False,
+    ) -> PreparedRequest:
+        """``add_request``'s first half: every check, the tokenization and validation,
+        nothing queued or held (a batch of prompts is prepared whole, so that one bad
+        prompt fails it before any runs); ``submit_request`` queues it."""
         self._check_can_add(request_id)
         # A grammar compiles in its own thread, within a time budget (a 400 past it).
         await self.processor.check_structured_outputs(sampling_params)
@@ -261,16 +307,24 @@ class AsyncLLM:
             _, core_reqs = process()
         else:
             _, core_reqs = await asyncio.get_running_loop().run_in_executor(executor, process)
-            self._check_can_add(request_id)  # again: other requests ran meanwhile
-        self.output_processor.add_request(
-            request_id, prompt if isinstance(prompt, str) else None, core_reqs
+        return PreparedRequest(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            core_reqs,
+            sampling_params.output_kind,
         )
+
+    async def submit_request(self, prepared: PreparedRequest) -> RequestStream:
+        """Queue a prepared request in the engine; its outputs come on the stream."""
+        request_id, core_reqs = prepared.request_id, prepared.core_reqs
+        self._check_can_add(request_id)  # again: other requests ran meanwhile
+        self.output_processor.add_request(request_id, prepared.prompt_text, core_reqs)
         stream = RequestStream(
             self,
             request_id,
             [r.request_id for r in core_reqs],
             list(core_reqs[0].prompt_token_ids) if core_reqs else None,
-            sampling_params.output_kind,
+            prepared.output_kind,
         )
         if not self._streams:  # an idle engine owes no progress until now
             self._last_progress = time.monotonic()

@@ -74,10 +74,19 @@ class Processor:
         add_generation_prompt: bool = True,
         tools: list | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The conversation (validated messages) as prompt text, holding its own special
         tokens; ``template_kwargs``: more variables for the template (vLLM's
-        ``chat_template_kwargs``)."""
+        ``chat_template_kwargs``). ``continue_final_message`` (vLLM's): the text ends
+        inside the last message, left open for the model to go on with (an assistant
+        turn's start given by the client); it excludes ``add_generation_prompt``."""
+        if continue_final_message and add_generation_prompt:
+            raise VLLMValidationError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the last message",
+                "continue_final_message",
+            )
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise VLLMValidationError(
                 "chat_template is required: the tokenizer has none", "chat_template"
@@ -88,6 +97,7 @@ class Processor:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             tools=tools,
+            continue_final_message=continue_final_message,
             **(template_kwargs or {}),
         )
 
