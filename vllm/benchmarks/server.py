@@ -35,6 +35,8 @@ class RemoteServer:
     Output goes to ``log_path`` if given, else to this process's stdout (nowhere under
     CI, whose logs it would flood). ``stop()`` ends the server's whole process group (the
     API server and its engine core), also when used as a context manager.
+    ``ssl_ca``: the server serves HTTPS (``--ssl-certfile``) with a certificate this CA
+    file verifies; ``base`` is then ``https://...``.
     """
 
     def __init__(
@@ -44,10 +46,12 @@ class RemoteServer:
         log_path: str | None = None,
         env: dict[str, str] | None = None,
         wait: bool = True,
+        ssl_ca: str | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.port = get_open_port()
-        self.base = f"http://{LOOPBACK}:{self.port}"
+        self.verify: str | bool = ssl_ca or True
+        self.base = f"{'https' if ssl_ca else 'http'}://{LOOPBACK}:{self.port}"
         cmd = [
             sys.executable,
             "-m",
@@ -81,7 +85,8 @@ class RemoteServer:
                 self.stop()
                 raise RuntimeError(f"server exited with {self.proc.returncode}")
             try:
-                if requests.get(self.base + "/health", timeout=1).status_code == 200:
+                health = requests.get(self.base + "/health", timeout=1, verify=self.verify)
+                if health.status_code == 200:
                     return
             except requests.RequestException:
                 pass

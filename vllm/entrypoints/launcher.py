@@ -253,8 +253,12 @@ async def serve_http(
         app,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
-        access_log=not args.disable_log_requests,
+        access_log=not (args.disable_log_requests or args.disable_uvicorn_access_log),
         http=http_protocol(args),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
         # Only used by h11 (without httptools): its own bound on a request's head.
         h11_max_incomplete_event_size=args.max_request_header_size,
     )

@@ -8,6 +8,7 @@ import json
 import logging
 import socket
 import time
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, HTTPException, Request
@@ -15,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from vllm import __version__, envs
 from vllm.config import VllmConfig
@@ -155,7 +157,10 @@ class ServerMiddleware:
     """Pure ASGI (BaseHTTPMiddleware would cost per request and break disconnect
     detection): stamps the arrival time into the scope, checks the API key of /v1, bounds
     the body, refuses new /v1 requests while draining and counts those in flight; names
-    the server (``INSTANCE_HEADER``) on each /v1 response when ``instance`` is given."""
+    the server (``INSTANCE_HEADER``) on each /v1 response when ``instance`` is given, and
+    (``--enable-request-id-headers``) every response with its ``X-Request-Id``. A path
+    is judged without the ``--root-path`` prefix a proxy may have left on it, as the
+    routes match it: ``/llm/v1/models`` is ``/v1/models`` behind ``--root-path /llm``."""
 
     def __init__(
         self, app, args: FrontendArgs, state: ServerState, instance: str | None = None
@@ -166,16 +171,25 @@ class ServerMiddleware:
         self.limit = args.max_request_body_size
         self.state = state
         self.instance = (INSTANCE_HEADER.encode(), instance.encode()) if instance else None
+        self.request_ids = args.enable_request_id_headers
+        self.root_path = args.root_path
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.root_path:  # as uvicorn's --root-path would set it; the routes strip it
+            scope["root_path"] = self.root_path
+        if self.request_ids:
+            send = _with_request_id(send, dict(scope["headers"]))
+        path = route_path(scope)
+        if not path.startswith("/v1"):
             return await self.app(scope, receive, send)
         scope[RECEIVED_KEY] = time.monotonic()
         if self.instance is not None:
             send = self._naming(send)
         refusal = self._refusal(dict(scope["headers"]))
         if refusal is not None:
-            if is_messages_path(scope["path"]):
+            if is_messages_path(path):
                 refusal = as_anthropic(refusal)
             return await refusal(scope, receive, send)
         self.state.active += 1
@@ -206,6 +220,29 @@ class ServerMiddleware:
         if not length.isdigit() or int(length) > self.limit:
             return error_response(413, str(BodyTooLarge(self.limit).detail), "RequestTooLargeError")
         return None
+
+
+def route_path(scope: dict) -> str:
+    """The path the routes match: without the ``root_path`` prefix, when it carries one."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+def _with_request_id(send, headers: dict[bytes, bytes]):
+    """``send`` adding ``X-Request-Id`` to the response: the request's (as vLLM), or new."""
+    header = (REQUEST_ID_HEADER, headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex.encode())
+
+    async def send_with_id(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), header]}
+        await send(message)
+
+    return send_with_id
 
 
 def health_status(engine: AsyncLLM, args: FrontendArgs, state: ServerState) -> str | None:
@@ -249,8 +286,20 @@ def build_app(
     completion_serving = OpenAIServingCompletion(engine, model_name, stats, args, state, models)
     log_requests = not args.disable_log_requests
 
-    app = FastAPI(title="vllm-continuum", version=__version__)
+    # --disable-fastapi-docs: no schema, no docs pages (None turns each route off).
+    off = ("openapi_url", "docs_url", "redoc_url")
+    docs = dict.fromkeys(off) if args.disable_fastapi_docs else {}
+    app = FastAPI(title="vllm-continuum", version=__version__, **docs)
     app.add_middleware(ServerMiddleware, args=args, state=state, instance=instance)
+    # Outermost (added last): a browser's preflight is answered before the API key is
+    # asked for, and every response, a refusal too, carries the CORS headers it needs.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(args.allowed_origins),
+        allow_methods=list(args.allowed_methods),
+        allow_headers=list(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+    )
     _add_error_handlers(app)
 
     _add_info_routes(app, vllm_config, args, engine, stats, state, models)
@@ -503,7 +552,8 @@ async def _start_and_serve(vllm_config, args, sock, engine, stats, store, period
         state = ServerState()
         app = build_app(vllm_config, args, engine, stats, state, instance_id(sock), store)
         host, port = sock.getsockname()[:2]
-        logger.info("Starting vLLM API server on http://%s:%d", host, port)
+        scheme = "https" if args.ssl_certfile else "http"
+        logger.info("Starting vLLM API server on %s://%s:%d", scheme, host, port)
         if periodic is not None:  # the throughput line (--disable-log-stats: none)
             log_task = asyncio.create_task(periodic.run())
         # The event loop streams every request: no full collection over start-up's heap.

@@ -8,7 +8,9 @@ config modules are imported here: ``vllm serve --help`` must stay instant.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_type_hints
 
@@ -18,6 +20,31 @@ from vllm.engine.arg_utils import ConfigArg
 KiB = 1 << 10
 MiB = 1 << 20
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def parse_str_list(text: str) -> list[str]:
+    """One value of a list flag: a JSON list of strings (vLLM's form, ``'["*"]'``) or one
+    bare string."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        values = json.loads(text)
+    except ValueError:
+        raise ValueError(f"expected a JSON list of strings, got {text!r}") from None
+    if not all(isinstance(v, str) for v in values):
+        raise ValueError(f"expected a JSON list of strings, got {text!r}")
+    return values
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag, e.g. ``'{"enable_thinking": false}'``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def parse_size(text: str | int) -> int:
@@ -36,6 +63,63 @@ class FrontendArgs:
     host: str = config_field("127.0.0.1", "Host to bind.")
     port: int = config_field(8000, "Port to bind.")
     api_key: str | None = config_field(None, "Require this key as a Bearer token on /v1.")
+    ssl_keyfile: str | None = config_field(None, "Serve HTTPS with this private key file (PEM).")
+    ssl_certfile: str | None = config_field(
+        None, "Serve HTTPS with this certificate file (PEM; with --ssl-keyfile)."
+    )
+    ssl_ca_certs: str | None = config_field(
+        None, "CA certificates to check client certificates against (with --ssl-cert-reqs)."
+    )
+    ssl_cert_reqs: int = config_field(
+        0,
+        "Client certificates (Python's ssl.VerifyMode): 0 not asked, 1 checked if given, "
+        "2 required.",
+        choices=(0, 1, 2),
+    )
+    root_path: str | None = config_field(
+        None,
+        "The path prefix a path-routing proxy serves this server under (FastAPI's "
+        "root_path, e.g. /llm): routes answer with or without it, and the API docs' URLs "
+        "carry it.",
+    )
+    allowed_origins: tuple[str, ...] = config_field(
+        ("*",),
+        "CORS: the origins a web page may call the server from (vLLM's flag; a JSON list or "
+        "values; default any). The API key is still required where it is set.",
+        parse=parse_str_list,
+    )
+    allowed_methods: tuple[str, ...] = config_field(
+        ("*",), "CORS: the methods a web page may use (a JSON list or values).",
+        parse=parse_str_list,
+    )  # fmt: skip
+    allowed_headers: tuple[str, ...] = config_field(
+        ("*",), "CORS: the request headers a web page may send (a JSON list or values).",
+        parse=parse_str_list,
+    )  # fmt: skip
+    allow_credentials: bool = config_field(
+        False, "CORS: let web pages send credentials (cookies, HTTP auth) with their calls."
+    )
+    enable_request_id_headers: bool = config_field(
+        False,
+        "Put an X-Request-Id header on every response: the request's own, or a new one.",
+    )
+    disable_uvicorn_access_log: bool = config_field(
+        False, "No access log line per HTTP request (the request log stays)."
+    )
+    disable_fastapi_docs: bool = config_field(
+        False, "Serve no OpenAPI schema (/openapi.json) and no docs pages (/docs, /redoc)."
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = config_field(
+        None,
+        "Chat template variables every chat request gets unless it sets them itself in "
+        "chat_template_kwargs (a JSON object, e.g. '{\"enable_thinking\": false}').",
+        parse=parse_json_object,
+    )
+    enable_force_include_usage: bool = config_field(
+        False,
+        "Every streamed response ends with a usage chunk, as if it asked for "
+        "stream_options.include_usage.",
+    )
     disable_log_requests: bool = config_field(
         False, "Do not log each request (nor the engine's per-job lines)."
     )
@@ -128,6 +212,36 @@ class FrontendArgs:
     )
 
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)  # a flag's values: each a list, or one string
+            if isinstance(values, str):
+                raise ValueError(f"{name} must be a list of strings, got {values!r}")
+            flat = [v for item in values for v in (item if isinstance(item, list) else [item])]
+            if not all(isinstance(v, str) for v in flat):
+                raise ValueError(f"{name} must be strings, got {values!r}")
+            object.__setattr__(self, name, tuple(flat))
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: give both or neither")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file: {path!r}")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs!r}")
+        if self.ssl_cert_reqs and self.ssl_keyfile is None:
+            raise ValueError("ssl_cert_reqs asks for client certificates: it needs HTTPS")
+        root = self.root_path
+        if root is not None and (not root.startswith("/") or root.endswith("/")):
+            raise ValueError(f"root_path must start with / and not end with one, got {root!r}")
+        if self.default_chat_template_kwargs is not None:
+            from vllm.entrypoints.openai.protocol import RESERVED_TEMPLATE_VARIABLES
+
+            reserved = sorted(set(self.default_chat_template_kwargs) & RESERVED_TEMPLATE_VARIABLES)
+            if reserved:
+                raise ValueError(
+                    f"default_chat_template_kwargs may not set {', '.join(reserved)}: they "
+                    "are request fields of their own"
+                )
         if self.lora_modules is not None:
             modules = [_parse_lora_module(m) if isinstance(m, str) else m
                        for m in self.lora_modules]  # fmt: skip

@@ -380,14 +380,14 @@ class _SamplingFields(BaseModel):
     vllm_xargs: dict[str, Any] | None = None  # without job_id / is_last_step once validated
     extra_body: dict[str, Any] | None = None  # emptied by _normalize
 
-    def stream_usage(self) -> tuple[bool, bool]:
-        """Whether a stream ends with a usage chunk, and whether every chunk carries the
-        usage so far (``continuous_usage_stats`` counts only with ``include_usage``, as in
+    def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
+        """Whether a stream ends with a usage chunk (``force``: whatever it asked, the
+        server's --enable-force-include-usage), and whether every chunk carries the usage
+        so far (``continuous_usage_stats`` counts only with ``include_usage``, as in
         vLLM)."""
         options = self.stream_options
-        if options is None or not options.include_usage:
-            return False, False
-        return True, options.continuous_usage_stats
+        include = force or (options is not None and options.include_usage)
+        return include, include and options is not None and options.continuous_usage_stats
 
     @model_validator(mode="before")
     @classmethod

@@ -99,6 +99,9 @@ class OpenAIServingChat(OpenAIServing):
     async def _prepare(self, request: ChatCompletionRequest):
         """The checked request's tool plan, prompt text and sampling params."""
         self.check_request(request)
+        defaults = self.args.default_chat_template_kwargs  # the request's own win
+        if defaults:
+            request.chat_template_kwargs = {**defaults, **(request.chat_template_kwargs or {})}
         plan = plan_tool_calls(request, self.tool_config)
         prompt = await self._prompt(request, plan)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -334,7 +337,7 @@ class OpenAIServingChat(OpenAIServing):
                 }
                 for i in range(request.n)
             ]  # fmt: skip
-        include_usage, continuous_usage = request.stream_usage()
+        include_usage, continuous_usage = request.stream_usage(self.args.enable_force_include_usage)
 
         def usage(u) -> dict:
             out = u.model_dump()

@@ -165,7 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
             }
             return {**base, "choices": [choice]}
 
-        include_usage, continuous_usage = request.stream_usage()
+        include_usage, continuous_usage = request.stream_usage(self.args.enable_force_include_usage)
         return self.stream_events(
             stream,
             chunk,

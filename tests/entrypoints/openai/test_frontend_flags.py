@@ -1,0 +1,244 @@
+"""vLLM's front-end flags that shape the HTTP server: CORS (``--allowed-origins`` and
+its kin), ``--root-path``, HTTPS (``--ssl-*``), ``--enable-request-id-headers``,
+``--disable-fastapi-docs``, ``--default-chat-template-kwargs`` and
+``--enable-force-include-usage``. The app is driven through ASGI with a fake engine; one
+end-to-end test serves HTTPS behind a root path with the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import ssl
+import subprocess
+from types import SimpleNamespace
+
+import openai
+import pytest
+import requests
+
+from vllm.config import LoRAConfig
+from vllm.entrypoints.cli.main import make_parser
+from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.cli_args import FrontendArgs
+from vllm.entrypoints.openai.protocol import CompletionRequest
+
+from ...utils import RemoteServer
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+class _Engine:
+    is_alive = True
+    num_unfinished_requests = 0
+    engine_load = 0
+    chat_template = "{{ messages }}"
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True)
+    )
+
+    def __init__(self) -> None:
+        self.template_kwargs: list[dict | None] = []
+
+    def stalled_for(self) -> float:
+        return 0.0
+
+    def apply_chat_template(
+        self, messages, template, add_generation_prompt, tools, kwargs=None, cont=False
+    ):
+        self.template_kwargs.append(kwargs)
+        return "|".join(m["content"] for m in messages)
+
+    def tokenize(self, prompt, add_special_tokens=True):
+        return [ord(c) for c in prompt]
+
+
+def _app(engine=None, **flags):
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(name="m", served_names=("m",)),
+        scheduler_config=SimpleNamespace(max_model_len=64),
+        lora_config=LoRAConfig(),
+    )
+    return build_app(
+        config, FrontendArgs(**flags), engine or _Engine(), SimpleNamespace(registry=None)
+    )
+
+
+def _call(app, path: str, method: str = "GET", headers: dict | None = None, body: bytes = b""):
+    """(status, body, headers) of one request to ``app``."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    raw += [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    scope = {"type": "http", "method": method, "path": path, "headers": raw, "query_string": b""}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    response_headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    payload = b"".join(m.get("body", b"") for m in sent if "body" in m)
+    return start["status"], payload, response_headers
+
+
+def test_the_flags_take_vllm_s_forms():
+    args = make_parser().parse_args([
+        "serve",
+        "--allowed-origins", '["https://a.example", "https://b.example"]',
+        "--allowed-methods", "GET", "POST",
+        "--allow-credentials",
+        "--root-path", "/llm",
+        "--default-chat-template-kwargs", '{"enable_thinking": false}',
+        "--enable-request-id-headers",
+        "--enable-force-include-usage",
+        "--disable-fastapi-docs",
+        "--disable-uvicorn-access-log",
+    ])  # fmt: skip
+    front = FrontendArgs.from_cli_args(args)
+    assert front.allowed_origins == ("https://a.example", "https://b.example")
+    assert front.allowed_methods == ("GET", "POST") and front.allowed_headers == ("*",)
+    assert front.allow_credentials and front.root_path == "/llm"
+    assert front.default_chat_template_kwargs == {"enable_thinking": False}
+    assert front.enable_request_id_headers and front.enable_force_include_usage
+    assert front.disable_fastapi_docs and front.disable_uvicorn_access_log
+    for bad in (
+        ["--default-chat-template-kwargs", "[1]"],
+        ["--default-chat-template-kwargs", "{nope"],
+        ["--allowed-origins", "[1]"],
+        ["--ssl-cert-reqs", "3"],
+    ):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["serve", *bad])
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"ssl_keyfile": __file__}, "ssl_keyfile and ssl_certfile"),
+        ({"ssl_keyfile": __file__, "ssl_certfile": "/no/such.pem"}, "ssl_certfile"),
+        ({"ssl_cert_reqs": 2}, "needs HTTPS"),
+        ({"root_path": "llm"}, "root_path"),
+        ({"root_path": "/llm/"}, "root_path"),
+        ({"default_chat_template_kwargs": {"messages": []}}, "default_chat_template_kwargs"),
+        ({"allowed_origins": "*"}, "allowed_origins"),
+    ],
+)
+def test_bad_flag_values_are_refused_naming_them(fields, message):
+    with pytest.raises(ValueError, match=message):
+        FrontendArgs(**fields)
+
+
+def test_cors_answers_preflights_before_the_api_key_and_marks_refusals():
+    app = _app(api_key="k")
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+    status, _, headers = _call(app, "/v1/chat/completions", "OPTIONS", preflight)
+    assert status == 200 and headers["access-control-allow-origin"] == "*"
+    # A browser reads the 401 only if it carries the CORS header too.
+    status, _, headers = _call(app, "/v1/models", headers={"Origin": "https://ui.example"})
+    assert status == 401 and headers["access-control-allow-origin"] == "*"
+    keyed = {"Origin": "https://ui.example", "Authorization": "Bearer k"}
+    assert _call(app, "/v1/models", headers=keyed)[0] == 200
+
+    narrow = _app(allowed_origins=("https://ui.example",))
+    status, _, headers = _call(narrow, "/v1/models", headers={"Origin": "https://ui.example"})
+    assert status == 200 and headers["access-control-allow-origin"] == "https://ui.example"
+    evil = {**preflight, "Origin": "https://evil.example"}
+    assert _call(narrow, "/v1/chat/completions", "OPTIONS", evil)[0] == 400
+    status, _, headers = _call(narrow, "/v1/models", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in headers
+
+
+def test_root_path_routes_with_or_without_the_prefix_and_keeps_the_key():
+    app = _app(root_path="/llm", api_key="k")
+    key = {"Authorization": "Bearer k"}
+    # A proxy that leaves the prefix on: still /v1, still behind the key.
+    assert _call(app, "/llm/v1/models")[0] == 401
+    assert _call(app, "/llm/v1/models", headers=key)[0] == 200
+    assert _call(app, "/v1/models", headers=key)[0] == 200
+    assert _call(app, "/llm/health")[0] == 200
+    schema = json.loads(_call(app, "/openapi.json")[1])
+    assert schema["servers"] == [{"url": "/llm"}]
+
+
+def test_request_id_headers_echo_the_client_s_or_make_one():
+    app = _app(enable_request_id_headers=True)
+    status, _, headers = _call(app, "/v1/models", headers={"X-Request-Id": "abc-1"})
+    assert status == 200 and headers["x-request-id"] == "abc-1"
+    made = _call(app, "/health")[2]["x-request-id"]
+    assert len(made) == 32 and made != _call(app, "/health")[2]["x-request-id"]
+    assert "x-request-id" not in _call(_app(), "/v1/models")[2]
+
+
+def test_docs_can_be_turned_off():
+    assert _call(_app(), "/openapi.json")[0] == 200
+    app = _app(disable_fastapi_docs=True)
+    assert [_call(app, p)[0] for p in ("/openapi.json", "/docs", "/redoc")] == [404] * 3
+    assert _call(app, "/v1/models")[0] == 200
+
+
+def test_default_chat_template_kwargs_give_way_to_the_request_s():
+    engine = _Engine()
+    app = _app(engine, default_chat_template_kwargs={"enable_thinking": False, "style": "a"})
+    for own in (None, {"style": "b"}):
+        body = {"messages": MESSAGES, **({"chat_template_kwargs": own} if own else {})}
+        status, payload, _ = _call(
+            app, "/v1/chat/completions/render", "POST", body=json.dumps(body).encode()
+        )
+        assert status == 200, payload
+    assert engine.template_kwargs == [
+        {"enable_thinking": False, "style": "a"},
+        {"enable_thinking": False, "style": "b"},
+    ]
+
+
+def test_force_include_usage_ends_every_stream_with_usage():
+    def usage(options, force):
+        body = {"prompt": "hi", "stream": True, "stream_options": options}
+        return CompletionRequest.model_validate(body).stream_usage(force)
+
+    assert usage(None, False) == (False, False)
+    assert usage(None, True) == (True, False)
+    assert usage({"include_usage": False}, True) == (True, False)
+    assert usage({"include_usage": True, "continuous_usage_stats": True}, False) == (True, True)
+    assert usage({"include_usage": False, "continuous_usage_stats": True}, True) == (True, True)
+
+
+@pytest.mark.slow
+def test_https_behind_a_root_path_end_to_end(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test's certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server = RemoteServer(
+        "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/llm",
+        "--api-key", "k", "--enable-force-include-usage", "--enable-request-id-headers",
+        "--num-gpu-blocks-override", "64", "--max-model-len", "512",
+        ssl_ca=str(cert),
+    )  # fmt: skip
+    try:
+        assert server.base.startswith("https://")
+        client = openai.OpenAI(
+            api_key="k",
+            base_url=server.base + "/llm/v1",
+            http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=cert)),
+            max_retries=0,
+        )
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=4, stream=True
+        )
+        chunks = list(stream)  # no stream_options: the server adds the usage anyway
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        r = requests.get(server.base + "/llm/v1/models", verify=str(cert))
+        assert r.status_code == 401 and len(r.headers["x-request-id"]) == 32
+        with pytest.raises(requests.ConnectionError):  # plain HTTP is not served
+            requests.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
+    finally:
+        server.stop()
