@@ -349,16 +349,15 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client):
 def _raw_chat(server, stream: bool) -> socket.socket:
     """A chat request on a bare socket (nothing read back): 900 tokens, EOS ignored, so
     only an abort frees the engine before the test times out."""
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": "Write a very long story about dragons."}],
-            "max_tokens": 900,
-            "ignore_eos": True,
-            "stream": stream,
-        }
-    ).encode()
+    story = [{"role": "user", "content": "Write a very long story about dragons."}]
+    return _raw_post(server, "/v1/chat/completions", {"messages": story, "stream": stream})
+
+
+def _raw_post(server, path: str, fields: dict) -> socket.socket:
+    """``fields`` posted to ``path`` on a bare socket, 900 tokens and EOS ignored."""
+    body = json.dumps({"max_tokens": 900, "ignore_eos": True, **fields}).encode()
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
         f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
@@ -514,17 +513,8 @@ def test_bad_batches_are_400s_and_leave_nothing_queued(server, client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_leaving_a_batch_aborts_every_prompt(server, stream):
-    body = json.dumps(
-        {"prompt": BATCH, "max_tokens": 900, "ignore_eos": True, "stream": stream}
-    ).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock = _raw_post(server, "/v1/completions", {"prompt": BATCH, "stream": stream})
     try:
-        sock.sendall(head + body)
         assert server.wait_metric("vllm:num_requests_running", 3.0) == 3.0
     finally:
         sock.close()

@@ -1,4 +1,5 @@
-"""The ``vllm`` command: ``vllm serve [MODEL] [flags]``."""
+"""The ``vllm`` command: ``vllm serve [MODEL] [flags]``, ``vllm bench serve [flags]``, and
+the terminal clients ``vllm chat`` / ``vllm complete``."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import sys
 
 def make_parser() -> argparse.ArgumentParser:
     from vllm import __version__
+    from vllm.entrypoints.cli.benchmark import add_bench_parser
+    from vllm.entrypoints.cli.clients import add_client_parsers
     from vllm.entrypoints.cli.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="vllm", description="vllm-continuum CLI")
     parser.add_argument("-v", "--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", metavar="{serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,chat,complete}")
     add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_client_parsers(sub)
     return parser
 
 

@@ -394,7 +394,9 @@ class OpenAIServing:
         every_output: bool = False,
     ) -> AsyncIterator[str]:
         """SSE events; an error mid-stream becomes an error event, then [DONE].
-        ``observe``: called with every output, those that make no chunk included.
+        ``first_chunks`` (chat's role chunks) go out with the first output, as vLLM
+        sends them, not before the prefill. ``observe``: called with every output,
+        those that make no chunk included.
         ``continuous_usage``: every chunk carries the usage so far (vLLM's
         ``stream_options.continuous_usage_stats``). ``every_output``: a chunk for every
         output with new tokens, text or not (``return_token_ids``)."""
@@ -412,9 +414,12 @@ class OpenAIServing:
             return sse(payload)
 
         try:
-            for first in first_chunks:
-                yield event(first)
             async for out in stream:
+                if first_chunks:  # with the first output, as vLLM: a client that times
+                    # the first event (vllm bench serve does) reads the time to first token
+                    for first in first_chunks:
+                        yield event(first)
+                    first_chunks = []
                 cached[out.request_id] = out.num_cached_tokens
                 for c in out.outputs:
                     completion += len(c.token_ids)

@@ -234,7 +234,11 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs until the request finishes; cancelling the caller aborts it."""
         stream = await self.add_request(
-            prompt, sampling_params, request_id, add_special_tokens, priority
+            prompt,
+            sampling_params,
+            request_id,
+            add_special_tokens=add_special_tokens,
+            priority=priority,
         )
         try:
             async for out in stream:
@@ -247,29 +251,11 @@ class AsyncLLM:
         prompt: str | list[int],
         sampling_params: SamplingParams,
         request_id: str,
-        add_special_tokens: bool = True,
-        priority: int = 0,
-        executor: Executor | None = None,
-        cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
-        pooling: bool = False,
+        **options: Any,
     ) -> RequestStream:
-        """Validate and queue now (ValueError / EngineDeadError raise here), stream later.
-
-        ``executor``: tokenize and validate there, off the event loop (a long prompt would
-        hold the loop, and every other request and /health, for its whole tokenization).
-        """
-        prepared = await self.prepare_request(
-            prompt,
-            sampling_params,
-            request_id,
-            add_special_tokens,
-            priority,
-            executor,
-            cache_salt,
-            lora_request,
-            pooling,
-        )
+        """Validate and queue now (ValueError / EngineDeadError raise here), stream later:
+        ``prepare_request`` (``options``: its keywords), then ``submit_request``."""
+        prepared = await self.prepare_request(prompt, sampling_params, request_id, **options)
         return await self.submit_request(prepared)
 
     async def prepare_request(
@@ -286,7 +272,9 @@ class AsyncLLM:
     ) -> PreparedRequest:
         """``add_request``'s first half: every check, the tokenization and validation,
         nothing queued or held (a batch of prompts is prepared whole, so that one bad
-        prompt fails it before any runs); ``submit_request`` queues it."""
+        prompt fails it before any runs); ``submit_request`` queues it. ``executor``:
+        tokenize and validate there, off the event loop (a long prompt would hold the
+        loop, and every other request and /health, for its whole tokenization)."""
         self._check_can_add(request_id)
         # A grammar compiles in its own thread, within a time budget (a 400 past it).
         await self.processor.check_structured_outputs(sampling_params)

@@ -1,0 +1,140 @@
+"""``vllm bench serve`` (vllm/benchmarks/serve.py): its datasets, arrivals and figures on
+made-up results, then the command against the real server; with it, on the same server,
+the CLI's other clients of a running server, ``vllm chat`` and ``vllm complete``."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from vllm.benchmarks.serve import (
+    RequestResult,
+    arrival_gaps,
+    compute_metrics,
+    custom_requests,
+    random_requests,
+    sharegpt_requests,
+)
+from vllm.entrypoints.cli.main import make_parser
+
+from ..utils import RemoteServer
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_random_prompts_have_the_drawn_lengths_and_share_the_prefix(tokenizer):
+    reqs = random_requests(tokenizer, 20, 50, 10, 0.2, 16, seed=3)
+    assert all(40 <= r.prompt_len - 16 <= 60 and 8 <= r.expected_output_len <= 12 for r in reqs)
+    ids = [tokenizer.encode(r.prompt, add_special_tokens=False) for r in reqs]
+    assert len({tuple(i[:12]) for i in ids}) == 1  # the shared prefix (cut short of a merge)
+    assert len({r.prompt for r in reqs}) == 20
+    again = random_requests(tokenizer, 20, 50, 10, 0.2, 16, seed=3)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]  # the seed fixes them
+    with pytest.raises(ValueError, match="range-ratio"):
+        random_requests(tokenizer, 1, 50, 10, 1.0, 0, seed=0)
+
+
+def test_custom_and_sharegpt_files(tokenizer, tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"prompt": "Hello there", "output_tokens": 7}\n\n{"prompt": "Bye"}\n')
+    reqs = custom_requests(tokenizer, str(path), 3, 5, seed=0)
+    assert sorted((r.prompt, r.expected_output_len) for r in reqs[:2]) == [
+        ("Bye", 5), ("Hello there", 7)
+    ]  # fmt: skip
+    assert len(reqs) == 3  # cycled past the file's two
+    path.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match=":1:"):
+        custom_requests(tokenizer, str(path), 1, 5, seed=0)
+    share = tmp_path / "s.json"
+    share.write_text(json.dumps([
+        {"conversations": [{"value": "Tell me a story."}, {"value": "Once upon a time there was"}]},
+        {"conversations": [{"value": "Hi"}, {"value": "Yo"}]},  # a reply too short to count
+        {"conversations": [{"value": "alone"}]},
+    ]))  # fmt: skip
+    reqs = sharegpt_requests(tokenizer, str(share), 2, None, seed=0)
+    assert {r.prompt for r in reqs} == {"Tell me a story."}
+    assert reqs[0].expected_output_len == len(tokenizer.encode("Once upon a time there was"))
+
+
+def test_arrivals_all_at_once_or_at_the_asked_rate():
+    assert arrival_gaps(5, math.inf, 1.0, 0) == [0.0] * 5
+    gaps = arrival_gaps(4000, 10.0, 1.0, 0)
+    assert abs(statistics.fmean(gaps) - 0.1) < 0.01
+    bursty = arrival_gaps(4000, 10.0, 0.25, 0)  # same mean, more spread
+    assert abs(statistics.fmean(bursty) - 0.1) < 0.015
+    assert statistics.pstdev(bursty) > 1.5 * statistics.pstdev(gaps)
+    for rate, burst in ((0.0, 1.0), (-1.0, 1.0), (1.0, 0.0)):
+        with pytest.raises(ValueError):
+            arrival_gaps(1, rate, burst, 0)
+
+
+def test_figures_of_known_results():
+    a = RequestResult(True, "x", 10, 5, ttft=0.1, itl=[0.02] * 4, latency=0.18, start_time=0.0)
+    b = RequestResult(True, "y", 20, 1, ttft=0.3, itl=[], latency=0.3, start_time=0.05)
+    failed = RequestResult(False, error="HTTP 500")
+    m = compute_metrics([a, b, failed], 2.0, [50, 99], ["ttft", "tpot", "itl", "e2el"])
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (30, 6)
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 3.0
+    assert m["total_token_throughput"] == 18.0
+    assert m["mean_ttft_ms"] == pytest.approx(200.0) and m["p50_ttft_ms"] == pytest.approx(200.0)
+    assert m["mean_tpot_ms"] == pytest.approx(20.0)  # b has one token: no TPOT
+    assert m["median_itl_ms"] == pytest.approx(20.0) and m["std_itl_ms"] == pytest.approx(0.0)
+    assert m["p99_e2el_ms"] == pytest.approx(180 + 0.99 * 120)
+    assert m["max_concurrent_requests"] == 2 and m["max_output_tokens_per_s"] == 6
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer("--num-gpu-blocks-override", "128", "--max-model-len", "512") as srv:
+        yield srv
+
+
+def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, input=stdin)
+
+
+@pytest.mark.slow
+def test_bench_serve_against_the_server(server, tmp_path):
+    from vllm.benchmarks.serve import main
+
+    for backend in ("openai", "openai-chat"):
+        args = make_parser().parse_args([
+            "bench", "serve", "--base-url", server.base, "--backend", backend,
+            "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "8",
+            "--ignore-eos", "--max-concurrency", "3", "--disable-tqdm", "--save-result",
+            "--result-dir", str(tmp_path), "--result-filename", f"{backend}.json",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        ])  # fmt: skip
+        assert main(args) == 0
+        result = json.loads((tmp_path / f"{backend}.json").read_text())
+        assert result["completed"] == 6 and result["failed"] == 0
+        assert result["total_output_tokens"] == 48 and result["output_lens"] == [8] * 6
+        assert result["max_concurrent_requests"] <= 3 and result["model_id"] == MODEL
+        assert all(t > 0 for t in result["ttfts"]) and result["p99_e2el_ms"] > 0
+        assert all(len(itl) >= 1 for itl in result["itls"]) and all(result["generated_texts"])
+    cmd = ["bench", "serve", "--base-url", server.base, "--num-prompts", "2",
+           "--random-input-len", "8", "--random-output-len", "2", "--disable-tqdm"]  # fmt: skip
+    nobody = cli(*cmd, "--model", "nope", "--tokenizer", MODEL)
+    assert nobody.returncode == 1 and "model_not_found" in nobody.stderr
+    bad = cli(*cmd, "--percentile-metrics", "ttft,foo")
+    assert bad.returncode == 2 and "vllm bench serve: error: --percentile-metrics" in bad.stderr
+
+
+@pytest.mark.slow
+def test_chat_and_complete_talk_to_the_server(server):
+    url = server.url_for_openai
+    quick = cli("complete", "--url", url, "--max-tokens", "5", "-q", "The capital of France is")
+    assert quick.returncode == 0 and quick.stdout.strip()  # sampled: any text
+    # Two turns typed, then end of input: a prompt for each, and one more at the end.
+    talk = cli("chat", "--url", url, "--system-prompt", "Be brief.", stdin="Hi\nName a color.\n")
+    assert talk.returncode == 0 and talk.stdout.count("> ") == 3 and len(talk.stdout) > 20
+    assert cli("chat", "--url", url, "--model-name", "nope", "-q", "hi").returncode == 1
+    down = cli("chat", "--url", "http://127.0.0.1:1/v1", "-q", "hi")
+    assert down.returncode == 1 and "vllm chat: error:" in down.stderr
