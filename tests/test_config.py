@@ -47,7 +47,7 @@ from vllm.sampling_params import SamplingParams
         (lambda: SamplingParams(max_tokens=0), "max_tokens"),
         (lambda: SamplingParams(min_tokens=5, max_tokens=2), "min_tokens"),
         (lambda: SamplingParams(n=0), "n"),
-        (lambda: SamplingParams(logprobs=99), "logprobs"),
+        (lambda: SamplingParams(logprobs=-5), "logprobs"),
         (lambda: SamplingParams(stop=[""]), "stop"),
         (lambda: SamplingParams(extra_args={"job_id": 5}), "job_id"),
         (lambda: SamplingParams(extra_args={"job_id": "j", "is_last_step": "yes"}), "is_last_step"),

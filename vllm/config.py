@@ -156,6 +156,11 @@ class ModelConfig:
         "for a causal model: the last token's hidden state, L2-normalised).",
         parse=lambda text: parse_json_object(text, "pooler_config"),
     )
+    max_logprobs: int = config_field(
+        20,
+        "Most logprobs (and prompt logprobs) a request may ask for per token, vLLM's flag; "
+        "-1: the whole vocabulary (a request's -1 asks for all of it).",
+    )
     enforce_eager: bool = config_field(
         False,
         "Always run the model eagerly: on CUDA, no CUDA graphs of decode steps (the CPU "
@@ -182,6 +187,12 @@ class ModelConfig:
             object.__setattr__(self, "served_model_name", names)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad_value("max_model_len", self.max_model_len, "must be >= 1")
+        if (
+            isinstance(self.max_logprobs, bool)
+            or not isinstance(self.max_logprobs, int)
+            or (self.max_logprobs < -1)
+        ):
+            raise bad_value("max_logprobs", self.max_logprobs, "must be an integer >= -1")
         if self.dtype not in get_args(Dtype):
             raise bad_value("dtype", self.dtype, "must be auto, float32, bfloat16 or float16")
         if self.quantization not in (None, *get_args(Quantization)):

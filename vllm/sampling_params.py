@@ -176,9 +176,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
+            # The bound is the engine's (--max-logprobs, checked by the Processor).
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= 20):
-                raise _bad(name, value, "must be an integer in [0, 20]")
+            if value is not None and (not _is_int(value) or value < -1):
+                raise _bad(name, value, "must be an integer >= 0, or -1 for the whole vocabulary")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise _bad("stop", self.stop, "must be non-empty strings")
         if self.stop and not self.detokenize:

@@ -145,7 +145,8 @@ def test_prompt_logprobs_reach_sampling_params_but_not_in_a_stream():
         with pytest.raises(VLLMValidationError) as info:
             request.to_sampling_params(4, None, stream=True)  # as vLLM
         assert info.value.param == "prompt_logprobs"
-    request = CompletionRequest.model_validate({"prompt": "p", "prompt_logprobs": 21})
+    # Past -1 is no count at all (the bound above is the engine's --max-logprobs).
+    request = CompletionRequest.model_validate({"prompt": "p", "prompt_logprobs": -2})
     with pytest.raises(VLLMValidationError, match="prompt_logprobs"):
         request.to_sampling_params(4, None, stream=False)
 
@@ -266,7 +267,13 @@ def test_openapi_documents_errors_limits_and_content_types():
     assert {"type": "string", "minLength": 1} in completion["prompt"]["anyOf"]
     assert any(o.get("maxLength") == 9 for o in completion["job_id"]["anyOf"])
     assert any(o.get("maxItems") == 3 for o in completion["stop"]["anyOf"])
+    batches = [o for o in completion["prompt"]["anyOf"] if o.get("type") == "array"]
+    assert [o.get("maxItems") for o in batches] == [7, None, 7]  # texts, ids, id lists
+    logprobs = next(o for o in completion["logprobs"]["anyOf"] if o.get("type") == "integer")
+    assert logprobs == {"type": "integer", "minimum": -1, "maximum": 20}
     chat = comps["ChatCompletionRequest"]["properties"]
+    top = next(o for o in chat["top_logprobs"]["anyOf"] if o.get("type") == "integer")
+    assert top["maximum"] == 20 and chat["logprobs"]["type"] == "boolean"
     assert chat["chat_template"]["type"] == "null"
     assert chat["messages"]["minItems"] == 1
     trusted = _openapi(trust_request_chat_template=True)["components"]["schemas"]

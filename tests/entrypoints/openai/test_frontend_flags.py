@@ -220,7 +220,7 @@ def test_https_behind_a_root_path_end_to_end(tmp_path):
     server = RemoteServer(
         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/llm",
         "--api-key", "k", "--enable-force-include-usage", "--enable-request-id-headers",
-        "--num-gpu-blocks-override", "64", "--max-model-len", "512",
+        "--num-gpu-blocks-override", "64", "--max-model-len", "512", "--max-logprobs", "40",
         ssl_ca=str(cert),
     )  # fmt: skip
     try:
@@ -236,6 +236,14 @@ def test_https_behind_a_root_path_end_to_end(tmp_path):
         )
         chunks = list(stream)  # no stream_options: the server adds the usage anyway
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        # --max-logprobs (an engine flag, here too): 30 top logprobs a token, past the
+        # default 20; the whole vocabulary (-1) is past 40.
+        reply = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2, logprobs=30, temperature=0
+        )
+        assert [len(t) for t in reply.choices[0].logprobs.top_logprobs] == [30, 30]
+        with pytest.raises(openai.BadRequestError, match="max-logprobs"):
+            client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", logprobs=-1)
         r = requests.get(server.base + "/llm/v1/models", verify=str(cert))
         assert r.status_code == 401 and len(r.headers["x-request-id"]) == 32
         with pytest.raises(requests.ConnectionError):  # plain HTTP is not served

@@ -114,3 +114,25 @@ def test_continue_final_message_leaves_the_last_message_open(processor):
     with pytest.raises(VLLMValidationError) as e:
         processor.apply_chat_template(messages, continue_final_message=True)
     assert e.value.param == "continue_final_message"
+
+
+def test_logprobs_are_bounded_by_max_logprobs(tokenizer):
+    # vLLM's --max-logprobs (20 by default); -1 in a request asks for the whole vocabulary,
+    # which only a server started with --max-logprobs -1 gives.
+    processor = Processor(EngineArgs(max_model_len=64).create_engine_config(), tokenizer, 2)
+    processor.process([1, 2], SamplingParams(logprobs=20, prompt_logprobs=20))
+    for name in ("logprobs", "prompt_logprobs"):
+        for value in (21, -1):
+            with pytest.raises(VLLMValidationError, match="--max-logprobs") as info:
+                processor.process([1, 2], SamplingParams(**{name: value}))
+            assert info.value.param == name
+    config = EngineArgs(max_model_len=64, max_logprobs=-1).create_engine_config()
+    unbounded = Processor(config, tokenizer, 2)
+    params = SamplingParams(logprobs=-1, prompt_logprobs=100)
+    _, reqs = unbounded.process([1, 2], params)
+    assert reqs[0].sampling_params.logprobs == len(tokenizer)
+    assert reqs[0].sampling_params.prompt_logprobs == 100
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-2)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        EngineArgs(max_logprobs=-2).create_engine_config()

@@ -352,7 +352,8 @@ def build_app(
 
     add_responses_routes(app, OpenAIServingResponses(chat_serving, response_store), RECEIVED_KEY)
     add_messages_routes(app, AnthropicServingMessages(chat_serving), RECEIVED_KEY)
-    openapi.document_api(app, args)
+    max_logprobs = getattr(vllm_config.model_config, "max_logprobs", 20)
+    openapi.document_api(app, args, max_logprobs)
     return app
 
 

@@ -31,10 +31,9 @@ SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
     "frequency_penalty": {"minimum": -2, "maximum": 2},
     "repetition_penalty": {"minimum": MIN_REPETITION_PENALTY, "maximum": 2},
     "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
-    "top_logprobs": {"minimum": 0, "maximum": 20},
-    "logprobs": {"minimum": 0, "maximum": 20},  # completions' (chat's is a boolean)
-    "prompt_logprobs": {"minimum": 0, "maximum": 20},
 }
+# -1: the whole vocabulary; the maximum is the server's --max-logprobs (_add_limits).
+LOGPROB_FIELDS = ("top_logprobs", "logprobs", "prompt_logprobs")  # completions' logprobs
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -241,14 +240,15 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def document_api(app: FastAPI, args: FrontendArgs) -> None:
-    """Make ``app.openapi()`` describe the error responses and ``args``' limits."""
+def document_api(app: FastAPI, args: FrontendArgs, max_logprobs: int = 20) -> None:
+    """Make ``app.openapi()`` describe the error responses, ``args``' limits and the
+    engine's ``--max-logprobs`` (-1: no bound but the vocabulary)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _drop_422(schema)
-            _add_limits(schema.get("components", {}).get("schemas", {}), args)
+            _add_limits(schema.get("components", {}).get("schemas", {}), args, max_logprobs)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -265,12 +265,18 @@ def _drop_422(schema: dict[str, Any]) -> None:
         components.pop(name, None)
 
 
-def _add_limits(components: dict[str, Any], args: FrontendArgs) -> None:
+def _add_limits(components: dict[str, Any], args: FrontendArgs, max_logprobs: int) -> None:
+    logprob_bounds = {"minimum": -1}
+    if max_logprobs != -1:
+        logprob_bounds["maximum"] = max_logprobs
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = components.get(name, {}).get("properties", {})
         for field, bounds in SAMPLING_BOUNDS.items():
             if field in props:
                 _each_number(props[field], bounds)
+        for field in LOGPROB_FIELDS:
+            if field in props:  # chat's boolean logprobs is left alone
+                _each_number(props[field], logprob_bounds)
         if "n" in props:
             props["n"]["maximum"] = args.max_n_sequences
         if "job_id" in props:
@@ -281,7 +287,7 @@ def _add_limits(components: dict[str, Any], args: FrontendArgs) -> None:
                 if option.get("type") == "array":
                     option["maxItems"] = args.max_stop_strings
         if "prompt" in props:
-            _document_prompt(props["prompt"])
+            _document_prompt(props["prompt"], args.max_n_sequences)
         if "messages" in props:
             props["messages"]["maxItems"] = MAX_CHAT_MESSAGES
         if "chat_template" in props and not args.trust_request_chat_template:
@@ -308,19 +314,20 @@ def _each_number(prop: dict[str, Any], bounds: dict[str, Any]) -> None:
             option.update(bounds)
 
 
-def _document_prompt(prop: dict[str, Any]) -> None:
-    """Non-empty text or token ids, one prompt per request (a batch of one is accepted)."""
+def _document_prompt(prop: dict[str, Any], max_prompts: int) -> None:
+    """Non-empty text or token ids, or a batch of up to ``max_prompts`` of them (with
+    ``n``: prompts times n sequences at most, --max-n-sequences)."""
     for option in prop.get("anyOf", [prop]):
         items = option.get("items", {})
         if option.get("type") == "string":
             option["minLength"] = 1
         elif items.get("type") == "string":
-            option.update(minItems=1, maxItems=1)
+            option.update(minItems=1, maxItems=max_prompts)
             items["minLength"] = 1
         elif items.get("type") == "integer":
             option["minItems"] = 1
             items["minimum"] = 0
         elif items.get("type") == "array":
-            option.update(minItems=1, maxItems=1)
+            option.update(minItems=1, maxItems=max_prompts)
             items["minItems"] = 1
             items.get("items", {})["minimum"] = 0

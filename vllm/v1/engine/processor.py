@@ -34,6 +34,8 @@ class Processor:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
         self.vocab_size = len(tokenizer)
+        max_logprobs = vllm_config.model_config.max_logprobs
+        self.max_logprobs = self.vocab_size if max_logprobs == -1 else max_logprobs
         self._structured_outputs = None  # its validator, built by the first request using it
         # max_tokens for a request that sets none (the model's max_new_tokens, served by
         # the API server), cut to what the context leaves; None: until the context limit.
@@ -197,6 +199,7 @@ class Processor:
                 else "embeddings need a model served with --runner pooling",
                 "model",
             )
+        self._check_logprobs(params)
         if params.structured_outputs is not None and not structured_outputs_checked:
             # A bad grammar is a 400 here, never an engine error or unconstrained output.
             self.structured_outputs.validate(params.structured_outputs)
@@ -243,6 +246,21 @@ class Processor:
                 )  # fmt: skip
             )
         return request_id, children
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """Logprobs within ``--max-logprobs``; -1 (the whole vocabulary, vLLM's) becomes
+        the vocabulary's size in ``params``."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value == -1:
+                value = self.vocab_size
+                setattr(params, name, value)
+            if value is not None and value > self.max_logprobs:
+                raise VLLMValidationError(
+                    f"{name} must be at most {self.max_logprobs} (the server's "
+                    f"--max-logprobs), got {value}",
+                    name,
+                )
 
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         """A LoRA request needs --enable-lora and an adapter the engine can apply (its
