@@ -221,7 +221,7 @@ def test_https_behind_a_root_path_end_to_end(tmp_path):
         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/llm",
         "--api-key", "k", "--enable-force-include-usage", "--enable-request-id-headers",
         "--num-gpu-blocks-override", "64", "--max-model-len", "512", "--max-logprobs", "40",
-        ssl_ca=str(cert),
+        "--response-role", "bot", ssl_ca=str(cert),
     )  # fmt: skip
     try:
         assert server.base.startswith("https://")
@@ -236,6 +236,14 @@ def test_https_behind_a_root_path_end_to_end(tmp_path):
         )
         chunks = list(stream)  # no stream_options: the server adds the usage anyway
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        assert chunks[0].choices[0].delta.role == "bot"  # --response-role
+        # SageMaker's /invocations, behind the key and the root path like /v1.
+        body = {"messages": MESSAGES, "max_tokens": 3}
+        r = requests.post(server.base + "/llm/invocations", json=body, verify=str(cert),
+                          headers={"Authorization": "Bearer k"})  # fmt: skip
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        assert r.json()["choices"][0]["message"]["role"] == "bot"
+        assert requests.get(server.base + "/llm/ping", verify=str(cert)).status_code == 200
         # --max-logprobs (an engine flag, here too): 30 top logprobs a token, past the
         # default 20; the whole vocabulary (-1) is past 40.
         reply = client.completions.create(
@@ -250,3 +258,46 @@ def test_https_behind_a_root_path_end_to_end(tmp_path):
             requests.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
     finally:
         server.stop()
+
+
+def test_sagemaker_ping_and_invocations():
+    app = _app(api_key="k")
+    assert [_call(app, "/ping", m)[0] for m in ("GET", "POST")] == [200, 200]
+    assert _call(app, "/invocations", "POST", body=b'{"prompt": "hi"}')[0] == 401  # keyed
+    key = {"Authorization": "Bearer k"}
+
+    def invoke(body: bytes) -> tuple[int, dict]:
+        status, payload, _ = _call(app, "/invocations", "POST", key, body)
+        return status, json.loads(payload)["error"]
+
+    # The body's fields pick the API; each is validated as on its own route.
+    assert invoke(b'{"messages": []}')[1]["param"] == "messages"
+    assert invoke(b'{"prompt": [1, 2.5]}')[1]["param"] == "prompt"
+    assert invoke(b'{"input": 5}')[1]["param"] == "input"
+    status, error = invoke(b'{"model": "m"}')
+    assert status == 400 and "chat (messages)" in error["message"]
+    assert invoke(b"{nope")[1]["message"] == "Invalid JSON in the request body."
+
+
+def test_tools_left_out_with_tool_choice_none_and_the_reply_role():
+    from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.tool_calling import ToolCallingConfig, plan_tool_calls
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    request = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": [tool], "tool_choice": "none"}
+    )
+    assert plan_tool_calls(request, ToolCallingConfig()).template_tools == [tool]
+    hidden = ToolCallingConfig(exclude_tools_when_tool_choice_none=True)
+    assert plan_tool_calls(request, hidden).template_tools is None
+    plain = ChatCompletionRequest.model_validate({"messages": MESSAGES})
+    plan = plan_tool_calls(plain, ToolCallingConfig(response_role="bot"))
+    assert plan.message("hello", "stop")[0] == {"role": "bot", "content": "hello"}
+    args = FrontendArgs.from_cli_args(
+        make_parser().parse_args(["serve", "--exclude-tools-when-tool-choice-none",
+                                  "--response-role", "bot"])
+    )  # fmt: skip
+    config = ToolCallingConfig.from_args(args)
+    assert config.exclude_tools_when_tool_choice_none and config.response_role == "bot"
+    with pytest.raises(ValueError, match="response_role"):
+        FrontendArgs(response_role="")

@@ -15,6 +15,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -182,7 +183,7 @@ class ServerMiddleware:
         if self.request_ids:
             send = _with_request_id(send, dict(scope["headers"]))
         path = route_path(scope)
-        if not path.startswith("/v1"):
+        if not (path.startswith("/v1") or path == INVOCATIONS):  # the API's routes
             return await self.app(scope, receive, send)
         scope[RECEIVED_KEY] = time.monotonic()
         if self.instance is not None:
@@ -220,6 +221,9 @@ class ServerMiddleware:
         if not length.isdigit() or int(length) > self.limit:
             return error_response(413, str(BodyTooLarge(self.limit).detail), "RequestTooLargeError")
         return None
+
+
+INVOCATIONS = "/invocations"  # SageMaker's route to the API: guarded as /v1 is
 
 
 def route_path(scope: dict) -> str:
@@ -338,6 +342,29 @@ def build_app(
             request, raw.scope.get(RECEIVED_KEY), raw.receive
         )
 
+    routes = (("messages", ChatCompletionRequest, chat), ("prompt", CompletionRequest, completion),
+              ("input", EmbeddingRequest, embeddings))  # fmt: skip
+
+    @app.post(INVOCATIONS, responses=openapi.GENERATE_RESPONSES)
+    async def invocations(raw: Request):
+        """SageMaker's route, as vLLM serves it: the body's fields name the API (messages:
+        chat, prompt: completions, input: embeddings). Behind --api-key, unlike vLLM's."""
+        try:
+            body = await raw.json()
+        except ValueError:
+            raise RequestValidationError([{"type": "json_invalid"}]) from None
+        for field, model, route in routes:
+            if isinstance(body, dict) and field in body:
+                try:
+                    request = model.model_validate(body)
+                except ValidationError as e:  # a 400 naming the field, as on its route
+                    raise RequestValidationError(e.errors()) from None
+                return await route(request, raw)
+        raise VLLMValidationError(
+            "the body must be a chat (messages), completion (prompt) or embedding (input) request",
+            None,
+        )
+
     tokenization = OpenAIServingTokenization(
         chat_serving, vllm_config.scheduler_config.max_model_len
     )
@@ -358,12 +385,17 @@ def build_app(
 
 
 def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state, models) -> None:
-    """/health, /version, /metrics, /v1/models and the router's /get_load."""
+    """/health (and SageMaker's /ping), /version, /metrics, /v1/models and the router's
+    /get_load."""
 
     @app.get("/health", response_class=PlainTextResponse, responses=openapi.HEALTH_RESPONSES)
     async def health():
         reason = health_status(engine, args, state)
         return PlainTextResponse(reason or "", status_code=200 if reason is None else 503)
+
+    # SageMaker's health check (vLLM serves it too): /health's answer, GET or POST.
+    app.get("/ping", response_class=PlainTextResponse, responses=openapi.HEALTH_RESPONSES)(health)
+    app.post("/ping", response_class=PlainTextResponse, responses=openapi.HEALTH_RESPONSES)(health)
 
     @app.get("/version")
     async def version():

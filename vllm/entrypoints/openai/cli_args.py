@@ -183,6 +183,14 @@ class FrontendArgs:
         "<tool_call><function=NAME><parameter=KEY>...).",
         choices=lambda: _tool_parser_names(),
     )
+    exclude_tools_when_tool_choice_none: bool = config_field(
+        False,
+        'A request with tool_choice "none" renders no tools in its prompt (vLLM\'s flag); '
+        "by default the template still sees them, only the output is not read as calls.",
+    )
+    response_role: str = config_field(
+        "assistant", "The role chat replies name (vLLM's flag; their message.role)."
+    )
     reasoning_parser: str | None = config_field(
         None,
         "Split a thinking model's reasoning (<think>...</think>) from its answer: chat "
@@ -226,6 +234,8 @@ class FrontendArgs:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file: {path!r}")
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError(f"response_role must be a non-empty name, got {self.response_role!r}")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs!r}")
         if self.ssl_cert_reqs and self.ssl_keyfile is None:

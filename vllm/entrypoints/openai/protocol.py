@@ -619,11 +619,11 @@ class ChatCompletionRequest(_SamplingFields):
             )
         return self
 
-    def echoed_text(self) -> str:
-        """What ``echo`` puts before each choice's content: the last message's, when the
-        reply continues or follows an assistant message ("" otherwise)."""
+    def echoed_text(self, role: str = "assistant") -> str:
+        """What ``echo`` puts before each choice's content: the last message's, when it
+        has the reply's ``role`` (the reply continues or follows it; "" otherwise)."""
         last = self.messages[-1]
-        return (last.content or "") if self.echo and last.role == "assistant" else ""
+        return (last.content or "") if self.echo and last.role == role else ""
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -212,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         hide = plan.hides_reasoning
-        echo = request.echoed_text()
+        echo = request.echoed_text(plan.role)
 
         def choice(c: CompletionOutput) -> dict:
             message, finish_reason = plan.message(c.text, c.finish_reason)
@@ -315,7 +315,7 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": plan.role, "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -325,7 +325,7 @@ class OpenAIServingChat(OpenAIServing):
         ]
         if request.return_token_ids:
             first[0]["prompt_token_ids"] = stream.prompt_token_ids  # in the first chunk only
-        echo = request.echoed_text()
+        echo = request.echoed_text(plan.role)
         if echo:  # vLLM's: a chunk of it for each choice, after the role chunks
             first += [
                 {

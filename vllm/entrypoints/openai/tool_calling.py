@@ -48,6 +48,8 @@ class ToolCallingConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False  # the template gets no tools then
+    response_role: str = "assistant"  # the role of the replies
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -71,6 +73,8 @@ class ToolCallingConfig:
             bool(getattr(args, "enable_auto_tool_choice", False)),
             getattr(args, "tool_call_parser", None),
             getattr(args, "reasoning_parser", None),
+            bool(getattr(args, "exclude_tools_when_tool_choice_none", False)),
+            getattr(args, "response_role", None) or "assistant",
         )
 
 
@@ -90,6 +94,7 @@ class ToolPlan:
     # output's text must keep (Mistral's [TOOL_CALLS]).
     call_id: Callable[[], str] = ToolParser.new_call_id
     keep_special_tokens: bool = False
+    role: str = "assistant"  # the reply's (--response-role)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The non-streaming ``message`` and its ``finish_reason``."""
@@ -119,7 +124,7 @@ class ToolPlan:
 
     def _content_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         if self.parser is None:
-            return {"role": "assistant", "content": text}, finish_reason
+            return {"role": self.role, "content": text}, finish_reason
         extracted = self.parser.extract(text, final=True)
         found, content = extracted.calls, extracted.content
         if not found and self.guided:
@@ -128,9 +133,9 @@ class ToolPlan:
             found = [c for c in self.parser.extract(text, False).calls if c.complete and c.name]
             content = None
         if not found:
-            return {"role": "assistant", "content": text}, finish_reason
+            return {"role": self.role, "content": text}, finish_reason
         calls = [_call_dict(c.name, c.arguments, self.call_id()) for c in found]
-        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        message = {"role": self.role, "content": content, "tool_calls": calls}
         return message, self.finish_reason(finish_reason, True)
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
@@ -247,7 +252,8 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
             raise VLLMValidationError(
                 f'tool_choice "{choice}" needs tools', "tool_choice", code="invalid_tool_choice"
             )
-        plan = ToolPlan(template_tools=request.tools or None)
+        hidden = choice == "none" and config.exclude_tools_when_tool_choice_none
+        plan = ToolPlan(template_tools=None if hidden else request.tools or None)
         if config.tool_call_parser is not None:
             plan.call_id = tool_parser_class(config.tool_call_parser).new_call_id
         if choice == "auto":
@@ -269,6 +275,7 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
         if config.tool_call_parser is not None:
             plan.call_id = tool_parser_class(config.tool_call_parser).new_call_id
         plan.structured_outputs = StructuredOutputsParams(json=_call_schema(name, functions[name]))
+    plan.role = config.response_role
     if response_format is not None:
         if plan.structured_outputs is not None:
             raise VLLMValidationError(
