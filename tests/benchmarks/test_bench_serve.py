@@ -138,3 +138,30 @@ def test_chat_and_complete_talk_to_the_server(server):
     assert cli("chat", "--url", url, "--model-name", "nope", "-q", "hi").returncode == 1
     down = cli("chat", "--url", "http://127.0.0.1:1/v1", "-q", "hi")
     assert down.returncode == 1 and "vllm chat: error:" in down.stderr
+
+
+@pytest.mark.slow
+def test_bench_latency_and_throughput_run_the_engine_in_process(tmp_path):
+    from tests.entrypoints.test_generation_config import tiny_model
+    from vllm.benchmarks import offline
+
+    model = str(tiny_model(tmp_path / "tiny"))
+    engine = ["--model", model, "--max-model-len", "256", "--num-gpu-blocks-override", "64"]
+    out = tmp_path / "throughput.json"
+    args = make_parser().parse_args([
+        "bench", "throughput", *engine, "--num-prompts", "6", "--input-len", "20",
+        "--output-len", "5", "--n", "2", "--output-json", str(out),
+    ])  # fmt: skip
+    result = offline.throughput(args)
+    assert result == json.loads(out.read_text())
+    assert result["num_requests"] == 6 and result["total_num_output_tokens"] == 6 * 2 * 5
+    assert result["total_num_tokens"] - 60 >= 6 * 15  # the prompts, about 20 tokens each
+    args = make_parser().parse_args([
+        "bench", "latency", *engine, "--batch-size", "3", "--input-len", "8",
+        "--output-len", "4", "--num-iters-warmup", "1", "--num-iters", "3",
+    ])  # fmt: skip
+    result = offline.latency(args)
+    assert len(result["latencies"]) == 3 and result["avg_latency"] > 0
+    assert result["percentiles"]["10"] <= result["percentiles"]["99"]
+    bad = cli("bench", "throughput", "--dataset-name", "custom", *engine)
+    assert bad.returncode == 2 and "needs --dataset-path" in bad.stderr

@@ -1,5 +1,7 @@
 """``vllm bench serve``: vLLM's serving benchmark against a running server
-(``vllm/benchmarks/serve.py``). Only argparse is imported at parse time."""
+(``vllm/benchmarks/serve.py``); ``vllm bench latency`` / ``throughput``: its offline ones,
+the engine in process (``vllm/benchmarks/offline.py``). Only argparse and the config
+modules are imported at parse time."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
         help="Benchmark a running server (vllm bench serve).",
         description="Benchmarks, with vLLM's flags and result format.",
     )
-    kinds = p.add_subparsers(dest="bench_command", metavar="{serve}", required=True)
+    kinds = p.add_subparsers(
+        dest="bench_command", metavar="{serve,latency,throughput}", required=True
+    )
     serve = kinds.add_parser(
         "serve",
         help="Online serving benchmark: request rate, concurrency, TTFT / TPOT / ITL.",
@@ -24,6 +28,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
 
     add_cli_args(serve)
     serve.set_defaults(func=run_bench_serve)
+    add_offline_parsers(kinds)
     return p
 
 
@@ -36,3 +41,29 @@ def run_bench_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         print(f"vllm bench serve: error: {e}", file=sys.stderr)
         status = 2
     sys.exit(status)
+
+
+def add_offline_parsers(kinds) -> None:
+    """``vllm bench latency`` and ``vllm bench throughput`` (vllm/benchmarks/offline.py)."""
+    from vllm.benchmarks import offline
+
+    for name, add_args, what in (
+        ("latency", offline.add_latency_args, "Latency of one batch, the engine in process."),
+        ("throughput", offline.add_throughput_args, "Offline throughput, the engine in process."),
+    ):
+        p = kinds.add_parser(
+            name,
+            help=what,
+            description=what,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        add_args(p)
+        p.set_defaults(func=run_offline, bench_run=getattr(offline, name))
+
+
+def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        args.bench_run(args)
+    except ValueError as e:
+        print(f"vllm bench {args.bench_command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
