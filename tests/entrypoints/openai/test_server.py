@@ -572,3 +572,70 @@ def test_continue_final_message_needs_add_generation_prompt_off(client):
             model=MODEL, prompt="Hi", extra_body={"continue_final_message": True}
         )
     assert e.value.body["param"] == "continue_final_message"
+
+
+def test_beam_search_on_completions_and_chat(client):
+    # vLLM's use_beam_search: n beams, best first. One beam with EOS ignored is greedy.
+    beam = {"use_beam_search": True, "ignore_eos": True}
+    greedy = _completion(client, BATCH[1], max_tokens=6, extra_body={"ignore_eos": True})
+    one = client.completions.create(
+        model=MODEL, prompt=BATCH[1], max_tokens=6, n=1, extra_body=beam
+    )
+    assert one.choices[0].text == greedy.choices[0].text
+    three = client.completions.create(
+        model=MODEL, prompt=BATCH[:2], max_tokens=6, n=3, extra_body={"use_beam_search": True}
+    )
+    assert [c.index for c in three.choices] == list(range(6))
+    for i in (0, 1):
+        texts = [c.text for c in three.choices[3 * i : 3 * i + 3]]
+        assert len(set(texts)) == 3 and all(texts)
+    assert three.usage.prompt_tokens == sum(
+        _completion(client, p, max_tokens=1).usage.prompt_tokens for p in BATCH[:2]
+    )
+    reply = chat(client, max_tokens=8, n=2, extra_body={"use_beam_search": True})
+    assert len({c.message.content for c in reply.choices}) == 2
+    assert all(c.message.role == "assistant" for c in reply.choices)
+    # A stream gets the whole response as one chunk, as vLLM sends it.
+    chunks = list(
+        chat(client, max_tokens=4, n=2, stream=True, extra_body={"use_beam_search": True})
+    )
+    assert len(chunks) == 1 and [c.index for c in chunks[0].choices] == [0, 1]
+    assert chunks[0].choices[0].delta.content
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stop": ["x"]}, "stop"),
+        ({"n": 11}, "n"),  # 22 logprobs a step, past --max-logprobs
+        ({"job_id": "j"}, "job_id"),
+        ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    ],
+)
+def test_beam_search_refuses_what_it_does_not_do(server, fields, param):
+    body = {"model": MODEL, "prompt": "Hi", "use_beam_search": True, **fields}
+    r = requests.post(
+        server.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_client_leaving_a_beam_search_stops_it(server):
+    # 900 steps of one-token requests, 3 at a time; the search is under way after 3 steps.
+    before = server.metrics()["vllm:generation_tokens_total"]
+    body = {"prompt": "Once upon a time", "use_beam_search": True, "n": 3}
+    sock = _raw_post(server, "/v1/completions", body)
+    try:
+        deadline = time.monotonic() + 30
+        while server.metrics()["vllm:generation_tokens_total"] < before + 9:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        sock.close()
+    # Between two steps the engine looks idle; the search notices the client at its next
+    # step (tens of ms): look once that is surely past.
+    time.sleep(1.0)
+    _assert_engine_idle(server)
+    assert server.metrics()["vllm:generation_tokens_total"] - before < 3 * 100

@@ -368,6 +368,10 @@ class _SamplingFields(BaseModel):
     # at once); raises the server's --stream-interval for this request, never lowers it.
     # A non-streaming request has one response whatever it is.
     stream_interval: int | None = Field(default=None, ge=1)
+    # vLLM's beam search (chat and completions, beam_search.py): n beams; length_penalty
+    # divides a beam's cumulative logprob by its length to that power.
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
     user: str | None = None
     priority: int = 0
     job_id: StrictStr | None = None
@@ -541,6 +545,7 @@ class ChatCompletionRequest(_SamplingFields):
             "thinking_token_budget",
             "continue_final_message",
             "echo",
+            "use_beam_search",
         }
     )
     messages: list[ChatMessage] = Field(min_length=1)
@@ -643,7 +648,7 @@ _NO_CACHING = (
 
 class CompletionRequest(_SamplingFields):
     IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
-        {"echo", "response_format", "structured_outputs"}
+        {"echo", "response_format", "structured_outputs", "use_beam_search"}
     )
 
     prompt: str | list[str] | list[int] | list[list[int]]

@@ -5,13 +5,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
+from fastapi.responses import Response
 from pydantic import ValidationError
 
+from vllm.entrypoints.openai import beam_search as beams
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
+    one_event_or_json,
 )
 from vllm.entrypoints.openai.tool_calling import (
     ToolCallingConfig,
@@ -205,6 +208,8 @@ class OpenAIServingChat(OpenAIServing):
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         request_id = random_id("chatcmpl")
         created = now_s()
+        if request.use_beam_search:
+            return await self._beam_search(request, request_id, created, receive)
         plan, stream = await self.start_generation(request, request_id)
         if request.stream:
             return EngineStreamingResponse(
@@ -247,6 +252,60 @@ class OpenAIServingChat(OpenAIServing):
             return out
 
         return await self.respond_json(stream, body, received, receive)
+
+    async def _beam_search(self, request: ChatCompletionRequest, request_id, created, receive):
+        """vLLM's beam search (beam_search.py): ``n`` replies, best first, each read as a
+        reply is (tool calls, reasoning); a stream gets it all as one chunk, as vLLM."""
+        beams.check_request(request, self.engine.processor.max_logprobs)
+        plan, prompt, _ = await self._prepare(request)
+        if plan.structured_outputs is not None:  # a required or named tool_choice
+            raise VLLMValidationError(
+                "a guided reply does not go with use_beam_search", "tool_choice"
+            )
+        ids = await self.in_thread(self.engine.tokenize, prompt, False)
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        results = await beams.search_all(
+            self, [ids], max_tokens, request_id, width=request.n,
+            eos_ids=[self.engine.processor.eos_token_id], ignore_eos=request.ignore_eos,
+            length_penalty=request.length_penalty, priority=request.priority,
+            receive=receive, cache_salt=request.cache_salt,
+            lora_request=self.check_model(request),
+        )  # fmt: skip
+        if results is None:
+            return Response(status_code=499)  # the client left; every step aborted
+        echo = request.echoed_text(plan.role)
+        skip_special = request.skip_special_tokens and not plan.keep_special_tokens
+        choices, generated = [], 0
+        for j, beam in enumerate(results[0]):
+            drop_eos = beam.ended and not request.include_stop_str_in_output
+            text = self.engine.decode(beam.tokens[:-1] if drop_eos else beam.tokens, skip_special)
+            message, finish = plan.message(text, "stop" if beam.ended else "length")
+            if echo:
+                message["content"] = echo + (message.get("content") or "")
+            if request.stream:  # one chunk: the message as its delta
+                if message.get("tool_calls"):  # a delta's calls carry their index
+                    calls = message["tool_calls"]
+                    message["tool_calls"] = [{**c, "index": k} for k, c in enumerate(calls)]
+                choices.append({"index": j, "delta": message, "finish_reason": finish})
+            else:
+                choices.append({"index": j, "message": message, "logprobs": None,
+                                "finish_reason": finish, "stop_reason": None})  # fmt: skip
+            generated += len(beam.tokens)
+        body = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if request.stream else "chat.completion",
+            "created": created,
+            "model": self.response_model(request.model),
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": generated,
+                "total_tokens": len(ids) + generated,
+            },  # fmt: skip
+        }
+        return one_event_or_json(body, request.stream)
 
     def reasoning_tokens(
         self, request: ChatCompletionRequest, plan: ToolPlan, outputs: list[list[int]]

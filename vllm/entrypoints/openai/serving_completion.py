@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, Response
 
+from vllm.entrypoints.openai import beam_search as beams
 from vllm.entrypoints.openai.protocol import CompletionRequest, now_s, random_id
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
     StreamBatch,
+    one_event_or_json,
 )
 from vllm.entrypoints.openai.tool_calling import guided_params
 from vllm.exceptions import VLLMValidationError
@@ -74,6 +76,8 @@ class OpenAIServingCompletion(OpenAIServing):
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_request(request)
         prompts = self._prompts(request)
+        if request.use_beam_search:
+            return await self._beam_search(request, prompts, received, receive)
         echo_logprobs = request.echo and request.logprobs is not None
         if echo_logprobs and request.stream:
             raise VLLMValidationError(
@@ -133,6 +137,57 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         body = {**base, "choices": choices, "usage": self.usage(finals).model_dump()}
         return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))
+
+    async def _beam_search(self, request: CompletionRequest, prompts, received, receive):
+        """vLLM's beam search (beam_search.py): the choices, best first per prompt; a
+        stream gets the whole response as one event, as vLLM sends it."""
+        beams.check_request(request, self.engine.processor.max_logprobs)
+        ids = [
+            list(p) if isinstance(p, list) else await self.in_thread(self.engine.tokenize, p)
+            for p in prompts
+        ]
+        request_id = random_id("cmpl")
+        results = await beams.search_all(
+            self, ids, 16 if request.max_tokens is None else request.max_tokens, request_id,
+            width=request.n, eos_ids=[self.engine.processor.eos_token_id],
+            ignore_eos=request.ignore_eos, length_penalty=request.length_penalty,
+            priority=request.priority, receive=receive, cache_salt=request.cache_salt,
+            lora_request=self.check_model(request),
+        )  # fmt: skip
+        if results is None:
+            return Response(status_code=499)  # the client left; every step aborted
+        choices, generated = [], 0
+        for i, found in enumerate(results):
+            echo = self._echo_text(prompts[i]) if request.echo else ""
+            for j, beam in enumerate(found):
+                keep = (
+                    beam.tokens[:-1]
+                    if beam.ended and not request.include_stop_str_in_output
+                    else beam.tokens
+                )
+                choices.append(
+                    {
+                        "index": i * request.n + j,
+                        "text": echo + self.engine.decode(keep, request.skip_special_tokens),
+                        "logprobs": None,
+                        "finish_reason": "stop" if beam.ended else "length",
+                        "stop_reason": None,
+                        **self._token_ids(request, ids[i], beam.tokens),
+                    }
+                )
+                generated += len(beam.tokens)
+        prompt_tokens = sum(len(p) for p in ids)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                 "total_tokens": prompt_tokens + generated}  # fmt: skip
+        body = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": now_s(),
+            "model": self.response_model(request.model),
+            "choices": choices,
+            "usage": usage,
+        }
+        return one_event_or_json(body, request.stream)
 
     @staticmethod
     def _token_ids(request, prompt_ids: list[int] | None, ids: list[int]) -> dict:

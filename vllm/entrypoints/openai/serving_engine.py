@@ -145,6 +145,19 @@ def error_event(e: Exception) -> dict:
     return {"error": {"message": str(e), "type": err_type, "param": None, "code": code}}
 
 
+def one_event_or_json(body: dict, stream: bool) -> Response:
+    """``body`` as JSON, or for a stream as one SSE event and ``[DONE]``: what vLLM sends
+    for a result it does not stream (beam search)."""
+    if not stream:
+        return JSONResponse(body)
+
+    async def events() -> AsyncIterator[str]:
+        yield sse(body)
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"

@@ -1,0 +1,155 @@
+"""Beam search: vLLM's ``use_beam_search`` on chat and completions, over the engine.
+
+As vLLM runs it, in the serving layer: each step sends every live beam (the prompt and
+the beam's tokens) to the engine as a one-token request asking for ``2 * width`` top
+logprobs, extends each beam by each of those tokens, and keeps the ``width`` best by
+score, ``cumulative logprob / length ** length_penalty`` (the length counts the prompt,
+and not a final EOS). A beam that ends with EOS (unless ``ignore_eos``) is set aside as
+done. After ``max_tokens`` steps, the ``width`` best of the done and the live beams are
+the choices, best first. The prefix cache makes each step compute only the new tokens.
+
+Beam search is deterministic: a request that also asks to sample (temperature > 0,
+top-p, top-k, min-p, a seed), for penalties, logit biases, stop strings, logprobs or a
+grammar is refused (400) rather than served with those ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class Beam:
+    tokens: list[int] = field(default_factory=list)  # generated, EOS included if it ended
+    logprob: float = 0.0  # cumulative
+    ended: bool = False  # by EOS
+
+
+def score(beam: Beam, prompt_len: int, length_penalty: float) -> float:
+    length = prompt_len + len(beam.tokens) - (1 if beam.ended else 0)
+    return beam.logprob / (max(length, 1) ** length_penalty)
+
+
+# Request fields that ask for what beam search does not do, with the value that asks for
+# nothing: anything else is a 400 naming the field.
+_NOT_WITH_BEAMS: dict[str, Any] = {
+    "top_p": (None, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0.0),
+    "seed": (None,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (None, 1.0),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "min_tokens": (0,),
+    "stop": (None, [], ""),
+    "stop_token_ids": (None, []),
+    "prompt_logprobs": (None,),
+    "structured_outputs": (None,),
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "stream_interval": (None,),
+}
+
+
+def check_request(request: Any, max_logprobs: int) -> None:
+    """``VLLMValidationError`` naming the field a beam-search request may not set. A job
+    (``job_id``) is refused too: Continuum would take each one-token step for a turn."""
+    if request.job_id is not None or request.is_last_step is not None:
+        raise VLLMValidationError("use_beam_search does not go with a job (job_id)", "job_id")
+    if request.temperature not in (None, 0.0, 0):
+        raise VLLMValidationError(
+            "use_beam_search is deterministic: temperature must be 0 or unset", "temperature"
+        )
+    for name, harmless in _NOT_WITH_BEAMS.items():
+        if getattr(request, name, None) not in harmless:
+            raise VLLMValidationError(f"{name} does not go with use_beam_search", name)
+    fmt = getattr(request, "response_format", None)
+    if fmt not in (None, {"type": "text"}):
+        raise VLLMValidationError(
+            "response_format does not go with use_beam_search", "response_format"
+        )
+    if 2 * request.n > max_logprobs:
+        raise VLLMValidationError(
+            f"use_beam_search with n={request.n} needs {2 * request.n} logprobs a step, past "
+            f"the server's --max-logprobs ({max_logprobs})",
+            "n",
+        )
+    if request.length_penalty is not None and not isinstance(request.length_penalty, float | int):
+        raise VLLMValidationError("length_penalty must be a number", "length_penalty")
+
+
+async def beam_search(
+    serving,
+    prompt_ids: list[int],
+    width: int,
+    max_tokens: int,
+    eos_ids: Sequence[int],
+    ignore_eos: bool,
+    length_penalty: float,
+    request_id: str,
+    priority: int,
+    receive=None,
+    **kw: Any,
+) -> list[Beam] | None:
+    """The ``width`` best beams, best first; None if the client disconnected."""
+    beams, ended = [Beam()], []
+
+    def params() -> SamplingParams:
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        )  # fmt: skip
+
+    for step in range(max_tokens):
+        prompts = [prompt_ids + b.tokens for b in beams]
+        streams = await serving.add_requests(
+            prompts, params, f"{request_id}-{step}", priority, **kw
+        )
+        finals = await serving.collect_all(streams, receive)
+        if finals is None:
+            return None
+        grown = []
+        for beam, final in zip(beams, finals, strict=True):
+            for token, logprob in final.outputs[0].logprobs[0].top:
+                child = Beam(beam.tokens + [token], beam.logprob + logprob)
+                if token in eos_ids and not ignore_eos:
+                    child.ended = True
+                    ended.append(child)
+                else:
+                    grown.append(child)
+        grown.sort(key=lambda b: score(b, len(prompt_ids), length_penalty), reverse=True)
+        beams = grown[:width]
+        if not beams:
+            break
+    best = sorted(ended + beams, key=lambda b: score(b, len(prompt_ids), length_penalty),
+                  reverse=True)  # fmt: skip
+    return best[:width]
+
+
+async def search_all(
+    serving, prompts: list[list[int]], max_tokens: int | None, request_id: str, **kw: Any
+) -> list[list[Beam]] | None:
+    """``beam_search`` of several prompts side by side (a batched completion), each for
+    ``max_tokens`` steps or until its context is full (None: until then)."""
+    limit = serving.engine.processor.context_limit
+    runs = [
+        beam_search(
+            serving,
+            p,
+            max_tokens=max(1, min(max_tokens or limit, limit - len(p))),
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+            **kw,
+        )  # fmt: skip
+        for i, p in enumerate(prompts)
+    ]
+    results = await asyncio.gather(*runs)
+    return None if any(r is None for r in results) else list(results)
