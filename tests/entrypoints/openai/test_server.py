@@ -612,6 +612,7 @@ def test_beam_search_on_completions_and_chat(client):
         ({"n": 11}, "n"),  # 22 logprobs a step, past --max-logprobs
         ({"job_id": "j"}, "job_id"),
         ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+        ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
     ],
 )
 def test_beam_search_refuses_what_it_does_not_do(server, fields, param):

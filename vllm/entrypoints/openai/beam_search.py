@@ -16,6 +16,7 @@ grammar is refused (400) rather than served with those ignored.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,8 +84,8 @@ def check_request(request: Any, max_logprobs: int) -> None:
             f"the server's --max-logprobs ({max_logprobs})",
             "n",
         )
-    if request.length_penalty is not None and not isinstance(request.length_penalty, float | int):
-        raise VLLMValidationError("length_penalty must be a number", "length_penalty")
+    if not math.isfinite(request.length_penalty):
+        raise VLLMValidationError("length_penalty must be a finite number", "length_penalty")
 
 
 async def beam_search(
@@ -151,5 +152,10 @@ async def search_all(
         )  # fmt: skip
         for i, p in enumerate(prompts)
     ]
-    results = await asyncio.gather(*runs)
+    tasks = [asyncio.ensure_future(run) for run in runs]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:  # one failed (a prompt too long) or this request was cancelled: stop the rest
+        for task in tasks:
+            task.cancel()
     return None if any(r is None for r in results) else list(results)

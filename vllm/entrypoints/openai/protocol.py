@@ -429,6 +429,14 @@ class _SamplingFields(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _length_penalty_needs_beams(self) -> _SamplingFields:
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise VLLMValidationError(
+                "length_penalty only applies with use_beam_search", "length_penalty"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _prompt_cache_key_names_the_job(self) -> _SamplingFields:
         if self.prompt_cache_key == "":
             raise VLLMValidationError("prompt_cache_key must not be empty", "prompt_cache_key")
