@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request)
         prompts = self._prompts(request)
         if request.use_beam_search:
-            return await self._beam_search(request, prompts, received, receive)
+            return await self._beam_search(request, prompts, receive)
         echo_logprobs = request.echo and request.logprobs is not None
         if echo_logprobs and request.stream:
             raise VLLMValidationError(
@@ -138,7 +138,7 @@ class OpenAIServingCompletion(OpenAIServing):
         body = {**base, "choices": choices, "usage": self.usage(finals).model_dump()}
         return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))
 
-    async def _beam_search(self, request: CompletionRequest, prompts, received, receive):
+    async def _beam_search(self, request: CompletionRequest, prompts, receive):
         """vLLM's beam search (beam_search.py): the choices, best first per prompt; a
         stream gets the whole response as one event, as vLLM sends it."""
         beams.check_request(request, self.engine.processor.max_logprobs)
