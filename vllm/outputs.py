@@ -123,3 +123,21 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of ``LLM.beam_search``, as vLLM's: ``tokens`` the prompt's and then the
+    generated ones, ``text`` all of them decoded, ``cum_logprob`` the generated tokens'."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -287,3 +287,27 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search``'s parameters, vLLM's: ``beam_width`` beams of up to
+    ``max_tokens`` tokens, scored by cumulative logprob / length ** ``length_penalty``.
+    Beam search is deterministic: ``temperature`` must stay 0."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise _bad("beam_width", self.beam_width, "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.temperature != 0:
+            raise _bad("temperature", self.temperature, "must be 0: beam search does not sample")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise _bad("length_penalty", self.length_penalty, "must be a finite number")

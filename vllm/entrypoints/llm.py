@@ -17,8 +17,14 @@ from vllm.model_executor.model_loader import (
     get_model_config,
     model_max_len,
 )
-from vllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -144,6 +150,54 @@ class LLM:
             # The template already wrote the special tokens (BOS etc.): add none.
             items.append((text, text, False, None))
         return self._run(items, sampling_params, use_tqdm, lora_request)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (the server's ``use_beam_search``): each step runs
+        every live beam of every prompt as one batch of one-token requests with the
+        ``2 * beam_width`` top logprobs (``openai/beam_search.py``). Prompts as
+        ``generate`` takes them; each output's sequences are best first."""
+        from vllm.entrypoints.openai.beam_search import BeamSet
+
+        if not isinstance(params, BeamSearchParams):
+            raise VLLMValidationError(
+                f"params must be a BeamSearchParams, got {params!r}", "params"
+            )
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        eos = [self.processor.eos_token_id]
+        searches = []
+        for prompt in prompts:
+            source = _unpack_prompt(prompt)[0]
+            ids = self.processor.tokenize(source) if isinstance(source, str) else list(source)
+            searches.append(
+                BeamSet(ids, params.beam_width, eos, params.ignore_eos, params.length_penalty)
+            )
+        limit = self.processor.context_limit
+        for step in range(params.max_tokens):
+            live = [s for s in searches if s.beams and len(s.prompt_ids) + step < limit]
+            if not live:
+                break
+            batch = [p for s in live for p in s.prompts()]
+            step_params = [s.params() for s in live for _ in s.beams]
+            outputs = iter(self.generate([{"prompt_token_ids": p} for p in batch], step_params,
+                                         use_tqdm=use_tqdm))  # fmt: skip
+            for s in live:
+                s.grow([next(outputs).outputs[0].logprobs[0].top for _ in s.beams])
+        results = []
+        for s in searches:
+            sequences = []
+            for beam in s.best():
+                keep = beam.tokens
+                if beam.ended and not params.include_stop_str_in_output:
+                    keep = keep[:-1]
+                tokens = s.prompt_ids + beam.tokens
+                text = self.tokenizer.decode(s.prompt_ids + keep, skip_special_tokens=True)
+                reason = "stop" if beam.ended else "length"
+                sequences.append(BeamSearchSequence(tokens, beam.logprob, text, reason))
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

@@ -88,6 +88,56 @@ def check_request(request: Any, max_logprobs: int) -> None:
         raise VLLMValidationError("length_penalty must be a finite number", "length_penalty")
 
 
+class BeamSet:
+    """One prompt's search: its live beams and those ended, stepped by ``grow``. Pure
+    bookkeeping, shared by the server (``beam_search``) and ``LLM.beam_search``."""
+
+    def __init__(
+        self, prompt_ids: list[int], width: int, eos_ids: Sequence[int], ignore_eos: bool,
+        length_penalty: float,
+    ) -> None:  # fmt: skip
+        self.prompt_ids = prompt_ids
+        self.width = width
+        self.eos_ids = set(eos_ids)
+        self.ignore_eos = ignore_eos
+        self.length_penalty = length_penalty
+        self.beams, self.ended = [Beam()], []
+
+    def params(self) -> SamplingParams:
+        """A step's request: one token, greedy, with the ``2 * width`` top logprobs."""
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, logprobs=2 * self.width, ignore_eos=True,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        )  # fmt: skip
+
+    def prompts(self) -> list[list[int]]:
+        """A step's prompts: the prompt and each live beam."""
+        return [self.prompt_ids + b.tokens for b in self.beams]
+
+    def _score(self, beam: Beam) -> float:
+        return score(beam, len(self.prompt_ids), self.length_penalty)
+
+    def grow(self, tops: Sequence[Sequence[tuple[int, float]]]) -> bool:
+        """Each live beam extended by each of its ``(token, logprob)`` top tokens (one list
+        per beam, in order); the ``width`` best kept. Whether any beam is still live."""
+        grown = []
+        for beam, top in zip(self.beams, tops, strict=True):
+            for token, logprob in top:
+                child = Beam(beam.tokens + [token], beam.logprob + logprob)
+                if token in self.eos_ids and not self.ignore_eos:
+                    child.ended = True
+                    self.ended.append(child)
+                else:
+                    grown.append(child)
+        grown.sort(key=self._score, reverse=True)
+        self.beams = grown[: self.width]
+        return bool(self.beams)
+
+    def best(self) -> list[Beam]:
+        """The ``width`` best of the ended and the live beams, best first."""
+        return sorted(self.ended + self.beams, key=self._score, reverse=True)[: self.width]
+
+
 async def beam_search(
     serving,
     prompt_ids: list[int],
@@ -102,38 +152,17 @@ async def beam_search(
     **kw: Any,
 ) -> list[Beam] | None:
     """The ``width`` best beams, best first; None if the client disconnected."""
-    beams, ended = [Beam()], []
-
-    def params() -> SamplingParams:
-        return SamplingParams(
-            max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True,
-            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-        )  # fmt: skip
-
+    search = BeamSet(prompt_ids, width, eos_ids, ignore_eos, length_penalty)
     for step in range(max_tokens):
-        prompts = [prompt_ids + b.tokens for b in beams]
         streams = await serving.add_requests(
-            prompts, params, f"{request_id}-{step}", priority, **kw
+            search.prompts(), search.params, f"{request_id}-{step}", priority, **kw
         )
         finals = await serving.collect_all(streams, receive)
         if finals is None:
             return None
-        grown = []
-        for beam, final in zip(beams, finals, strict=True):
-            for token, logprob in final.outputs[0].logprobs[0].top:
-                child = Beam(beam.tokens + [token], beam.logprob + logprob)
-                if token in eos_ids and not ignore_eos:
-                    child.ended = True
-                    ended.append(child)
-                else:
-                    grown.append(child)
-        grown.sort(key=lambda b: score(b, len(prompt_ids), length_penalty), reverse=True)
-        beams = grown[:width]
-        if not beams:
+        if not search.grow([f.outputs[0].logprobs[0].top for f in finals]):
             break
-    best = sorted(ended + beams, key=lambda b: score(b, len(prompt_ids), length_penalty),
-                  reverse=True)  # fmt: skip
-    return best[:width]
+    return search.best()
 
 
 async def search_all(
