@@ -640,3 +640,20 @@ def test_a_client_leaving_a_beam_search_stops_it(server):
     time.sleep(1.0)
     _assert_engine_idle(server)
     assert server.metrics()["vllm:generation_tokens_total"] - before < 3 * 100
+
+
+def test_completion_logprobs_carry_text_offsets(client):
+    # OpenAI's legacy text_offset, as vLLM counts it: each token's start in the choice's
+    # text, its decoded tokens' lengths added up; streamed, continued across chunks.
+    kw = {"max_tokens": 8, "logprobs": 1}  # greedy (_completion)
+    plain = _completion(client, "One, two,", **kw).choices[0].logprobs
+    starts = [0]
+    for token in plain.tokens[:-1]:
+        starts.append(starts[-1] + len(token))
+    assert plain.text_offset == starts and len(starts) == 8
+    chunks = [c.choices[0].logprobs for c in _completion(client, "One, two,", stream=True, **kw)]
+    assert [o for lp in chunks if lp for o in lp.text_offset] == starts
+    echoed = _completion(client, "One, two,", echo=True, **kw).choices[0].logprobs
+    assert echoed.text_offset[0] == 0 and echoed.text_offset[-8:] == [
+        o + len("One, two,") for o in starts
+    ]

@@ -46,9 +46,13 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt
         return self.engine.decode(prompt)
 
-    def _logprobs(self, c: CompletionOutput, echoed: RequestOutput | None = None) -> dict | None:
+    def _logprobs(
+        self, c: CompletionOutput, echoed: RequestOutput | None = None, offset: int = 0
+    ) -> dict | None:
         """OpenAI's legacy logprobs object. ``echoed`` (echo): the request whose prompt
-        tokens and prompt logprobs lead it, the first token with null ones (as in vLLM)."""
+        tokens and prompt logprobs lead it, the first token with null ones (as in vLLM).
+        ``text_offset``: each token's position in the choice's text, as vLLM counts it
+        (its decoded tokens' lengths added up from ``offset``, the text before them)."""
         if c.logprobs is None:
             return None
         decode = self.engine.decode
@@ -57,13 +61,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if echoed is not None and echoed.prompt_logprobs is not None:
             ids = echoed.prompt_token_ids + ids
             lps = echoed.prompt_logprobs + lps
+        tokens = [decode([t]) for t in ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
         return {
-            "tokens": [decode([t]) for t in ids],
+            "tokens": tokens,
             "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
             "top_logprobs": [
                 None if lp is None else {decode([t]): v for t, v in lp.top} for lp in lps
             ],
-            "text_offset": [],
+            "text_offset": offsets,
         }
 
     async def create_completion(
@@ -202,6 +211,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices are numbered across the batch); ``streams``: its requests, in order."""
         echoed: set[int] = set()
         started: set[int] = set()
+        sent: dict[int, int] = {}  # each choice's text so far (characters)
 
         def chunk(c: CompletionOutput) -> dict:
             prompt = c.index // request.n  # its position in the batch
@@ -211,10 +221,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = echoes[prompt] + text
             prompt_ids = None if c.index in started else streams[prompt].prompt_token_ids
             started.add(c.index)
+            before = sent.get(c.index, 0) + len(text) - len(c.text)  # the echo leads
+            sent[c.index] = sent.get(c.index, 0) + len(text)
             choice = {
                 "index": c.index,
                 "text": text,
-                "logprobs": self._logprobs(c),
+                "logprobs": self._logprobs(c, offset=before),
                 "finish_reason": c.finish_reason,
                 **self._token_ids(request, prompt_ids, c.token_ids),
             }
