@@ -1,5 +1,5 @@
 """The ``vllm`` command: ``vllm serve [MODEL] [flags]``, ``vllm bench serve [flags]``, and
-the terminal clients ``vllm chat`` / ``vllm complete``."""
+the terminal clients ``vllm chat`` / ``vllm complete``, and ``vllm run-batch``."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ def make_parser() -> argparse.ArgumentParser:
     from vllm import __version__
     from vllm.entrypoints.cli.benchmark import add_bench_parser
     from vllm.entrypoints.cli.clients import add_client_parsers
+    from vllm.entrypoints.cli.run_batch import add_run_batch_parser
     from vllm.entrypoints.cli.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="vllm", description="vllm-continuum CLI")
     parser.add_argument("-v", "--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,chat,complete}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,chat,complete,run-batch}")
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_client_parsers(sub)
+    add_run_batch_parser(sub)
     return parser
 
 
