@@ -53,8 +53,10 @@ def test_api_conforms_to_its_schema(server, mode):
         "POST /v1/completions",
     }
     for operation in operations:
-        if mode is GenerationMode.NEGATIVE and operation.method.upper() != "POST":
-            continue  # nothing to get wrong in a GET without parameters
+        if mode is GenerationMode.NEGATIVE and (
+            operation.method.upper() != "POST" or not len(operation.body)
+        ):
+            continue  # nothing to get wrong in a GET, or a POST without a body (/ping)
 
         @seed(16)
         @settings(

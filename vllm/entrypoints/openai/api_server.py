@@ -345,7 +345,9 @@ def build_app(
     routes = (("messages", ChatCompletionRequest, chat), ("prompt", CompletionRequest, completion),
               ("input", EmbeddingRequest, embeddings))  # fmt: skip
 
-    @app.post(INVOCATIONS, responses=openapi.GENERATE_RESPONSES)
+    @app.post(
+        INVOCATIONS, responses=openapi.GENERATE_RESPONSES, openapi_extra=openapi.ANY_OBJECT_BODY
+    )
     async def invocations(raw: Request):
         """SageMaker's route, as vLLM serves it: the body's fields name the API (messages:
         chat, prompt: completions, input: embeddings). Behind --api-key, unlike vLLM's."""

@@ -36,6 +36,16 @@ SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
 LOGPROB_FIELDS = ("top_logprobs", "logprobs", "prompt_logprobs")  # completions' logprobs
 
 
+# A route that reads its own JSON body (/invocations: a chat, completion or embedding
+# request, told apart by its fields).
+ANY_OBJECT_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
+}
+
+
 def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorResponse, "description": description}
 
