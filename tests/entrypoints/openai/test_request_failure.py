@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.openai.api_server import build_app
 from vllm.entrypoints.openai.cli_args import FrontendArgs
+from vllm.entrypoints.openai.run_batch import asgi_post as post  # the app in process
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
 
@@ -30,42 +31,6 @@ from ...v1.engine.test_core_proc import POISON_TOKEN, fake_engine_factory
 def collect_garbage():
     yield
     gc.collect()  # see test_core_proc.collect_garbage
-
-
-async def post(app, path: str, body: dict) -> tuple[int, bytes]:
-    """One HTTP request through the ASGI app; the client stays until the response ends."""
-    raw = json.dumps(body).encode()
-    scope = {
-        "type": "http",
-        "http_version": "1.1",
-        "method": "POST",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "scheme": "http",
-        "root_path": "",
-        "server": ("test", 80),
-        "client": ("test", 1234),
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(raw))],
-    }
-    done = asyncio.Event()
-    sent: list[dict] = []
-    messages = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive() -> dict:
-        if messages:
-            return messages.pop(0)
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-        if message["type"] == "http.response.body" and not message.get("more_body"):
-            done.set()
-
-    await app(scope, receive, send)
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
 def serve(scenario) -> None:

@@ -46,8 +46,9 @@ def parse_line(line: str) -> tuple[dict | None, str | None]:
     return item, None
 
 
-async def call(app, path: str, body: dict) -> tuple[int, Any]:
-    """POST ``body`` to ``path`` of the ASGI ``app``: (status, the JSON answer)."""
+async def asgi_post(app, path: str, body: dict) -> tuple[int, bytes]:
+    """POST ``body`` (JSON) to ``path`` of the ASGI ``app`` in this process: (status, the
+    whole response body). The client stays until the response ends."""
     raw = json.dumps(body).encode()
     scope = {
         "type": "http", "http_version": "1.1", "method": "POST", "path": path,
@@ -73,7 +74,12 @@ async def call(app, path: str, body: dict) -> tuple[int, Any]:
 
     await app(scope, receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+async def call(app, path: str, body: dict) -> tuple[int, Any]:
+    """``asgi_post``, its answer parsed: (status, the JSON, or the text if it is none)."""
+    status, payload = await asgi_post(app, path, body)
     try:
         return status, json.loads(payload)
     except ValueError:
