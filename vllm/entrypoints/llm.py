@@ -189,13 +189,10 @@ class LLM:
         for s in searches:
             sequences = []
             for beam in s.best():
-                keep = beam.tokens
-                if beam.ended and not params.include_stop_str_in_output:
-                    keep = keep[:-1]
-                tokens = s.prompt_ids + beam.tokens
+                keep = beam.text_tokens(params.include_stop_str_in_output)
                 text = self.tokenizer.decode(s.prompt_ids + keep, skip_special_tokens=True)
-                reason = "stop" if beam.ended else "length"
-                sequences.append(BeamSearchSequence(tokens, beam.logprob, text, reason))
+                tokens = s.prompt_ids + beam.tokens
+                sequences.append(BeamSearchSequence(tokens, beam.logprob, text, beam.finish_reason))
             results.append(BeamSearchOutput(sequences))
         return results
 

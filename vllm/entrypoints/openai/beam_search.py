@@ -31,6 +31,15 @@ class Beam:
     logprob: float = 0.0  # cumulative
     ended: bool = False  # by EOS
 
+    def text_tokens(self, include_stop_str_in_output: bool) -> list[int]:
+        """The tokens its text shows: without the final EOS unless asked for."""
+        drop = self.ended and not include_stop_str_in_output
+        return self.tokens[:-1] if drop else self.tokens
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.ended else "length"
+
 
 def score(beam: Beam, prompt_len: int, length_penalty: float) -> float:
     length = prompt_len + len(beam.tokens) - (1 if beam.ended else 0)

@@ -279,9 +279,10 @@ class OpenAIServingChat(OpenAIServing):
         skip_special = request.skip_special_tokens and not plan.keep_special_tokens
         choices, generated = [], 0
         for j, beam in enumerate(results[0]):
-            drop_eos = beam.ended and not request.include_stop_str_in_output
-            text = self.engine.decode(beam.tokens[:-1] if drop_eos else beam.tokens, skip_special)
-            message, finish = plan.message(text, "stop" if beam.ended else "length")
+            keep = beam.text_tokens(request.include_stop_str_in_output)
+            message, finish = plan.message(
+                self.engine.decode(keep, skip_special), beam.finish_reason
+            )
             if echo:
                 message["content"] = echo + (message.get("content") or "")
             if request.stream:  # one chunk: the message as its delta

@@ -169,17 +169,13 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, found in enumerate(results):
             echo = self._echo_text(prompts[i]) if request.echo else ""
             for j, beam in enumerate(found):
-                keep = (
-                    beam.tokens[:-1]
-                    if beam.ended and not request.include_stop_str_in_output
-                    else beam.tokens
-                )
+                keep = beam.text_tokens(request.include_stop_str_in_output)
                 choices.append(
                     {
                         "index": i * request.n + j,
                         "text": echo + self.engine.decode(keep, request.skip_special_tokens),
                         "logprobs": None,
-                        "finish_reason": "stop" if beam.ended else "length",
+                        "finish_reason": beam.finish_reason,
                         "stop_reason": None,
                         **self._token_ids(request, ids[i], beam.tokens),
                     }
