@@ -62,6 +62,47 @@ class StructuredOutputsParams:
             )
 
 
+# The longest n-gram repetition_detection looks for: its check runs after every token,
+# and costs up to a pattern's length per size looked at.
+MAX_REPETITION_PATTERN = 1024
+
+
+@dataclass
+class RepetitionDetectionParams:
+    """vLLM's: end a request (finish_reason ``"repetition"``, stop_reason
+    ``"repetition_detected"``) once its output ends in an n-gram of ``min_pattern_size``
+    to ``max_pattern_size`` tokens (a min of 0 means 1) repeated ``min_count`` times in a
+    row, such as a model looping on one line. ``max_pattern_size`` 0: off. Checked after
+    every token once ``min_tokens`` are out."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        name = "repetition_detection"
+        sizes = (self.max_pattern_size, self.min_pattern_size, self.min_count)
+        if not all(_is_int(v) and v >= 0 for v in sizes):
+            raise _bad(name, self, "sizes and min_count must be integers >= 0")
+        if self.min_pattern_size > self.max_pattern_size:
+            raise _bad(name, self, "min_pattern_size must be <= max_pattern_size")
+        if self.max_pattern_size > MAX_REPETITION_PATTERN:
+            raise _bad(name, self, f"max_pattern_size must be <= {MAX_REPETITION_PATTERN}")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise _bad(name, self, "min_count must be >= 2 (or max_pattern_size 0: off)")
+
+    def repeats(self, token_ids: list[int]) -> bool:
+        """Whether ``token_ids`` ends in a pattern repeated ``min_count`` times."""
+        count = self.min_count
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            if size * count > len(token_ids):
+                return False
+            tail = token_ids[-size:]
+            if all(token_ids[-size * (k + 1) : -size * k] == tail for k in range(1, count)):
+                return True
+        return False
+
+
 class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new
@@ -113,8 +154,15 @@ class SamplingParams:
     # Words the output may not contain (vLLM's extra): their token sequences, with and
     # without a leading space, are filled in by the front end (``bad_words_token_ids``).
     bad_words: list[str] | None = None
-    # Keep only the prompt's last k tokens (vLLM's left truncation); None: never truncate.
+    # Keep only k of the prompt's tokens (-1: max_model_len), its last ones unless
+    # truncation_side is "right" (vLLM's); None: never truncate.
     truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
+    # vLLM's: slow tokenizers put a space between special tokens they decode; fast ones
+    # (those with a Rust backend) put none either way.
+    spaces_between_special_tokens: bool = True
+    # vLLM's: stop on a repeated n-gram (RepetitionDetectionParams; a dict is taken too).
+    repetition_detection: RepetitionDetectionParams | None = None
     # Filled by the engine: every stop token id (EOS included unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the front end from ``bad_words`` (the tokenizer's ids of each variant).
@@ -210,8 +258,19 @@ class SamplingParams:
         if interval is not None and (not _is_int(interval) or interval < 1):
             raise _bad("stream_interval", interval, "must be an integer >= 1")
         k = self.truncate_prompt_tokens
-        if k is not None and (not _is_int(k) or k < 1):
-            raise _bad("truncate_prompt_tokens", k, "must be an integer >= 1")
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise _bad("truncate_prompt_tokens", k, "must be an integer >= 1, or -1")
+        if self.truncation_side not in ("left", "right"):
+            raise _bad("truncation_side", self.truncation_side, "must be 'left' or 'right'")
+        detection = self.repetition_detection
+        if isinstance(detection, dict):
+            try:
+                detection = RepetitionDetectionParams(**detection)
+            except TypeError as e:
+                raise _bad("repetition_detection", detection, f"is malformed ({e})") from None
+            self.repetition_detection = detection
+        if detection is not None and not isinstance(detection, RepetitionDetectionParams):
+            raise _bad("repetition_detection", detection, "must be RepetitionDetectionParams")
         allowed = self.allowed_token_ids
         if allowed is not None and (
             not isinstance(allowed, list)

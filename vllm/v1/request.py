@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
     FINISHED_ERROR = enum.auto()  # failed inside a step (the model runner or the sampler)
+    FINISHED_REPETITION = enum.auto()  # the output ended in a repeated n-gram (vLLM's)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -40,6 +41,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
 }
 
 

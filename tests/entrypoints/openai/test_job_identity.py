@@ -19,7 +19,12 @@ from starlette.datastructures import Headers
 from vllm.config import LoRAConfig
 from vllm.entrypoints.openai.api_server import INSTANCE_HEADER, build_app, instance_id
 from vllm.entrypoints.openai.cli_args import FrontendArgs
-from vllm.entrypoints.openai.job_identity import PROGRAM_ID_PARAM, name_the_job
+from vllm.entrypoints.openai.job_identity import (
+    PROGRAM_ID_PARAM,
+    XARGS_SESSION_PARAM,
+    name_the_job,
+    read_headers,
+)
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from vllm.exceptions import VLLMValidationError
@@ -81,11 +86,16 @@ PROGRAM_TURN = {
         ({"prompt_cache_key": "k", "vllm_xargs": AGENTIC}, {}, ("prompt_cache_key", "k")),
         ({"job_id": "j", "prompt_cache_key": "k"}, {"X-Session-ID": "s"}, ("job_id", "j")),
         ({"vllm_xargs": {"job_id": "j"}}, {"X-Session-ID": "s"}, ("job_id", "j")),
+        # vLLM's own session identity: the body's, then the header, then vllm_xargs'.
+        ({"session_id": "b", "vllm_xargs": AGENTIC}, {"X-Session-ID": "h"}, ("session_id", "b")),
+        ({"prompt_cache_key": "k", "session_id": "b"}, {}, ("prompt_cache_key", "k")),
+        ({"vllm_xargs": {"session_id": "x"}}, {"X-Session-ID": "h"}, ("X-Session-ID", "h")),
+        ({"vllm_xargs": {"session_id": "x"}}, {}, (XARGS_SESSION_PARAM, "x")),
         # Keys of a user, a tenant or one request are not jobs: never pinned by.
         ({"user": "u"}, {"X-User-ID": "u", "X-Request-ID": "r"}, (None, None)),
     ],
 )
-def test_precedence_job_id_then_cache_key_then_program_then_session(fields, headers, expected):
+def test_precedence_job_id_then_cache_key_then_session_then_program(fields, headers, expected):
     assert named(chat(**fields), headers) == expected
 
 
@@ -113,6 +123,30 @@ def test_a_malformed_program_identity_is_refused_naming_it(xargs):
     assert info.value.param.startswith("vllm_xargs.agentic_context")
 
 
+@pytest.mark.parametrize(
+    "fields, param",
+    [({"session_id": ""}, "session_id"), ({"vllm_xargs": {"session_id": 3}}, XARGS_SESSION_PARAM)],
+)
+def test_a_malformed_session_id_is_refused_naming_it(fields, param):
+    with pytest.raises(ValueError, match=param):
+        named(chat(**fields))
+
+
+def test_vllm_s_request_headers_name_the_request_and_set_its_priority():
+    request = chat(request_id="body-id", priority=1, session_id="s")
+    headers = {"X-Request-Id": "header-id", "X-Vllm-Priority": "-3"}
+    assert read_headers(request, Headers(headers), 256) == "session_id"
+    assert (request.request_id, request.priority, request.job_id) == ("header-id", -3, "s")
+    plain = chat(request_id="body-id", priority=1)
+    read_headers(plain, Headers({}), 256)
+    assert (plain.request_id, plain.priority, plain.job_id) == ("body-id", 1, None)
+    for bad, param in (({"X-Vllm-Priority": "high"}, "X-Vllm-Priority"),
+                       ({"X-Request-Id": "r" * 257}, "X-Request-Id")):  # fmt: skip
+        with pytest.raises(VLLMValidationError) as info:
+            read_headers(chat(), Headers(bad), 256)
+        assert info.value.param == param
+
+
 def test_the_job_id_length_bound_applies_naming_the_source():
     with pytest.raises(VLLMValidationError, match="max-job-id-length") as info:
         named(chat(), {"X-Session-ID": "s" * 9}, max_length=8)
@@ -128,6 +162,8 @@ def test_responses_keep_prompt_cache_key_for_the_chain_and_take_the_session():
     assert named(keyed, {"X-Session-ID": "s"}) == ("prompt_cache_key", None)
     plain = ResponsesRequest.model_validate({"input": "hi"})
     assert named(plain, {"X-Session-ID": "s"}) == ("X-Session-ID", "s")
+    session = ResponsesRequest.model_validate({"input": "hi", "session_id": "b"})
+    assert named(session, {"X-Session-ID": "s"}) == ("session_id", "b")
 
 
 def test_the_fields_the_router_adds_are_accepted_without_a_warning(caplog):

@@ -231,7 +231,7 @@ def _scripted_engine(tokenizer, text: str):
         return _ScriptedStream(outputs)
 
     def apply_chat_template(messages, *args):
-        seen["messages"] = messages
+        seen["messages"], seen["template_kwargs"] = messages, args[3]
         return "prompt"
 
     engine = SimpleNamespace(
@@ -517,3 +517,14 @@ def test_server_returns_reasoning_when_the_block_is_never_closed(tmp_path):
             assert choice.message.content.lstrip().startswith("{")
     finally:
         server.stop()
+
+
+def test_responses_reasoning_effort_reaches_the_template_as_chat_s_does(tokenizer):
+    serving, seen = _responses(tokenizer, TEXTS[0])
+    body = _respond(serving, {"input": "2+2?", "reasoning": {"effort": "low"}})
+    assert seen["template_kwargs"] == {"reasoning_effort": "low", "enable_thinking": True}
+    assert body["reasoning"] == {"effort": "low", "summary": None}
+    _respond(serving, {"input": "2+2?", "reasoning": {"effort": "none"}})
+    assert seen["template_kwargs"] == {"reasoning_effort": "none", "enable_thinking": False}
+    _respond(serving, {"input": "2+2?"})
+    assert seen["template_kwargs"] is None

@@ -120,8 +120,8 @@ def test_an_output_without_its_call_is_a_400():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("reasoning", {"effort": "high"}),
         ("reasoning", {"effort": None, "summary": "auto"}),
+        ("reasoning", {"effort": "low", "generate_summary": "concise"}),
         ("include", ["message.output_text.logprobs"]),
         ("background", True),
         ("conversation", "conv_1"),
@@ -468,7 +468,7 @@ def test_store_false_is_not_retrievable_nor_continuable(client):
     "kw, param",
     [
         ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),

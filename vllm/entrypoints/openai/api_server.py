@@ -37,7 +37,7 @@ from vllm.entrypoints.launcher import (
 )
 from vllm.entrypoints.openai import openapi
 from vllm.entrypoints.openai.cli_args import FrontendArgs
-from vllm.entrypoints.openai.job_identity import name_the_job
+from vllm.entrypoints.openai.job_identity import read_headers
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -312,7 +312,7 @@ def build_app(
 
     @app.post("/v1/chat/completions", responses=openapi.GENERATE_RESPONSES)
     async def chat(request: ChatCompletionRequest, raw: Request):
-        name_the_job(request, raw.headers, args.max_job_id_length)
+        read_headers(request, raw.headers, args.max_job_id_length)
         if log_requests:
             _log_request("chat", request, f"messages={len(request.messages)}")
         return await chat_serving.create_chat_completion(
@@ -325,7 +325,7 @@ def build_app(
 
     @app.post("/v1/completions", responses=openapi.GENERATE_RESPONSES)
     async def completion(request: CompletionRequest, raw: Request):
-        name_the_job(request, raw.headers, args.max_job_id_length)
+        read_headers(request, raw.headers, args.max_job_id_length)
         if log_requests:
             _log_request("completion", request, "")
         return await completion_serving.create_completion(

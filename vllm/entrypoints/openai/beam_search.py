@@ -67,6 +67,8 @@ _NOT_WITH_BEAMS: dict[str, Any] = {
     "logprobs": (None, False),
     "top_logprobs": (None,),
     "stream_interval": (None,),
+    "truncate_prompt_tokens": (None,),
+    "repetition_detection": (None,),
 }
 
 

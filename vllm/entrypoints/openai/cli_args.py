@@ -120,6 +120,12 @@ class FrontendArgs:
         "Every streamed response ends with a usage chunk, as if it asked for "
         "stream_options.include_usage.",
     )
+    return_tokens_as_token_ids: bool = config_field(
+        False,
+        "Logprobs name their tokens 'token_id:<id>' (tokens JSON cannot hold, such as a "
+        "partial UTF-8 character, stay identifiable); a request's "
+        "return_tokens_as_token_ids overrides it.",
+    )
     disable_log_requests: bool = config_field(
         False, "Do not log each request (nor the engine's per-job lines)."
     )

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from vllm.exceptions import VLLMValidationError
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vllm.entrypoints.openai.protocol")
 
@@ -88,6 +88,21 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "include_reasoning": lambda v: v is None or isinstance(v, bool),
     # Chat's (with --reasoning-parser); completions split no reasoning off.
     "thinking_token_budget": lambda v: v is None or v == -1,
+    # vLLM's, for what this engine does not have (a KV connector, multimodal inputs,
+    # watermarks, prompt embeddings, MoE routing traces, logprobs of chosen token ids, the
+    # render routes' offsets): accepted at the values that ask for nothing.
+    "logprob_token_ids": _is_off,
+    "kv_transfer_params": _is_off,
+    "ec_transfer_params": _is_off,
+    "mm_payload": lambda v: v is None or v == "tensors",
+    "media_io_kwargs": _is_off,
+    "mm_processor_kwargs": _is_off,
+    "return_mm_kwargs": _is_off,
+    "routed_experts_prompt_start": lambda v: v is None or v == 0,
+    "watermarking": _is_off,
+    "prompt_embeds": _is_off,
+    "return_prompt_text": _is_off,
+    "return_token_offsets": _is_off,
 }
 MAX_LOGGED_FIELDS = 8
 # Most messages one chat request may hold. vLLM and OpenAI document no such bound (OpenAI
@@ -165,6 +180,21 @@ def _breakpoint_ttl(mark: Any) -> float | None:
         )
     ttl = mark.get("ttl")
     return None if ttl is None else parse_cache_ttl(ttl, "prompt_cache_breakpoint.ttl")
+
+
+# Longest request_id a client may name its request by (vLLM sets no bound; the id is
+# logged and echoed in every chunk).
+MAX_REQUEST_ID = 256
+
+
+class RepetitionDetection(BaseModel):
+    """vLLM's ``repetition_detection`` (``SamplingParams.repetition_detection``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
 
 
 class StreamOptions(BaseModel):
@@ -361,6 +391,20 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: the tokenizer adds its special tokens (BOS) to the prompt; None: the
+    # endpoint's default (completions: true; chat: false, the template wrote them).
+    add_special_tokens: bool | None = None
+    # vLLM's. Kept for the slow tokenizers that put spaces between special tokens: the
+    # fast tokenizers this engine loads put none either way (vLLM's fast path ignores it).
+    spaces_between_special_tokens: bool = True
+    # vLLM's: which end truncate_prompt_tokens cuts (None, "left": keep the last tokens).
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: logprobs' tokens as "token_id:<id>" (tokens JSON cannot hold, e.g. partial
+    # UTF-8); the server's --return-tokens-as-token-ids turns it on for every request.
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: stop once the output ends in an n-gram repeated min_count times
+    # (finish_reason "repetition").
+    repetition_detection: RepetitionDetection | None = None
     # vLLM's: the prompt's and the output's token ids in the response (agent tracing, RL).
     return_token_ids: bool = False
     include_stop_str_in_output: bool = False
@@ -373,7 +417,13 @@ class _SamplingFields(BaseModel):
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
     user: str | None = None
-    priority: int = 0
+    priority: int = 0  # vLLM's X-Vllm-Priority header, when sent, replaces it
+    # vLLM's: the response's id is chatcmpl-<request_id> (cmpl- on completions); an
+    # X-Request-Id header wins (job_identity.read_headers). serving_engine.request_ids.
+    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID)
+    # vLLM's: a stable identity shared by related requests (a conversation, an agent
+    # session): names the job when neither job_id nor prompt_cache_key does.
+    session_id: StrictStr | None = Field(default=None, min_length=1)
     job_id: StrictStr | None = None
     is_last_step: StrictBool | None = None
     # OpenAI's own prompt-caching fields: the key names the job when no job_id is given;
@@ -488,6 +538,12 @@ class _SamplingFields(BaseModel):
             bias[int(key)] = min(100.0, max(-100.0, float(value)))
         return bias
 
+    def _repetition_detection(self) -> RepetitionDetectionParams | None:
+        detection = self.repetition_detection
+        if detection is None or detection.max_pattern_size == 0:
+            return None  # off
+        return RepetitionDetectionParams(**detection.model_dump())
+
     def to_sampling_params(
         self,
         max_tokens: int | None,
@@ -524,6 +580,9 @@ class _SamplingFields(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            repetition_detection=self._repetition_detection(),
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -576,6 +635,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for a template that renders them (RAG; e.g. {"title", "text"}
+    # each); a template that does not ignores them.
+    documents: list[dict[str, str]] | None = None
+    # OpenAI's, as vLLM serves it: the template variable reasoning_effort, and
+    # enable_thinking (false for "none") unless chat_template_kwargs sets it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
     # With --reasoning-parser (None: true). vLLM's include_reasoning: false drops the
     # reasoning from the response; SGLang's separate_reasoning: false leaves it in the
     # content, stream_reasoning: false streams it in one piece once it is over.

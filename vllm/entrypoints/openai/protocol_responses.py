@@ -31,22 +31,6 @@ ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")  # "text": as chat's own parts
 
 
-def _reasoning_off(v: Any) -> bool:
-    # No effort can be set for the models served (a thinking model reasons as its chat
-    # template says; --reasoning-parser returns that as a reasoning item): none given, or
-    # "none" as clients send by default, asks for nothing; anything else would be silently
-    # not done.
-    if _is_off(v):
-        return True
-    return (
-        isinstance(v, dict)
-        and set(v) <= {"effort", "summary", "generate_summary"}
-        and v.get("effort") in (None, "none")
-        and v.get("summary") is None
-        and v.get("generate_summary") is None
-    )
-
-
 # Responses parameters this server does not implement, and the values that ask for
 # nothing (clients sending defaults still work). Anything else is a 400 naming the field.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
@@ -54,7 +38,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "background_options": _is_off,
     "conversation": _is_off,
     "include": _is_off,
-    "reasoning": _reasoning_off,
     "truncation": lambda v: v is None or v == "disabled",
     "prompt": _is_off,  # stored prompt templates
     "top_logprobs": lambda v: v is None or v == 0,
@@ -70,6 +53,29 @@ MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, 64-char keys, 512-ch
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ReasoningParams(BaseModel):
+    """The Responses API's ``reasoning``: its ``effort`` reaches the chat template as
+    chat's ``reasoning_effort`` does (vLLM's mapping). No summary can be written (a
+    thinking model's reasoning comes back whole, with --reasoning-parser): asking for one
+    is a 400."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Any = None
+    generate_summary: Any = None
+
+    @model_validator(mode="after")
+    def _no_summary(self) -> ReasoningParams:
+        if self.summary is not None or self.generate_summary is not None:
+            raise VLLMValidationError(
+                "reasoning.summary is not supported: no summary is written (with "
+                "--reasoning-parser the reasoning comes back whole, as a reasoning item)",
+                "reasoning",
+            )
+        return self
 
 
 class ResponsesRequest(BaseModel):
@@ -112,6 +118,10 @@ class ResponsesRequest(BaseModel):
     job_id: StrictStr | None = None
     is_last_step: StrictBool | None = None
     priority: int = 0
+    # vLLM's: a stable identity shared by related requests; names the job when neither
+    # job_id nor prompt_cache_key does (job_identity.py).
+    session_id: StrictStr | None = Field(default=None, min_length=1)
+    reasoning: ReasoningParams | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from vllm.entrypoints.openai import beam_search as beams
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s, random_id
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
@@ -75,36 +75,35 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # jinja errors from malformed conversations
             raise VLLMValidationError(f"chat template failed: {e}", "messages") from e
 
-    def _logprobs(self, c: CompletionOutput) -> dict | None:
+    def _logprobs(self, c: CompletionOutput, as_ids: bool = False) -> dict | None:
+        """OpenAI's logprobs object; ``as_ids``: tokens named ``token_id:<id>`` (their
+        ``bytes`` are still the text's)."""
         if c.logprobs is None:
             return None
-        decode = self.engine.decode
-        content = []
-        for lp in c.logprobs:
-            text = decode([lp.token_id])
-            content.append(
-                {
-                    "token": text,
-                    "logprob": lp.logprob,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": decode([t]),
-                            "logprob": v,
-                            "bytes": list(decode([t]).encode()),
-                        }
-                        for t, v in lp.top
-                    ],
-                }
-            )
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.engine.decode([token_id])
+            token = f"token_id:{token_id}" if as_ids else text
+            return {"token": token, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in c.logprobs
+        ]
         return {"content": content}
 
     async def _prepare(self, request: ChatCompletionRequest):
         """The checked request's tool plan, prompt text and sampling params."""
         self.check_request(request)
         defaults = self.args.default_chat_template_kwargs  # the request's own win
-        if defaults:
-            request.chat_template_kwargs = {**defaults, **(request.chat_template_kwargs or {})}
+        kwargs = {**(defaults or {}), **(request.chat_template_kwargs or {})}
+        if request.documents is not None:
+            kwargs["documents"] = request.documents
+        if request.reasoning_effort is not None:  # as vLLM: the field wins, not the flag
+            kwargs["reasoning_effort"] = request.reasoning_effort
+            if "enable_thinking" not in (request.chat_template_kwargs or {}):
+                kwargs["enable_thinking"] = request.reasoning_effort != "none"
+        request.chat_template_kwargs = kwargs or None
         plan = plan_tool_calls(request, self.tool_config)
         prompt = await self._prompt(request, plan)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -161,13 +160,14 @@ class OpenAIServingChat(OpenAIServing):
         raises ``VLLMValidationError`` naming the chat field (the prompt is ``messages``)."""
         plan, prompt, params = await self._prepare(request)
         try:
-            # The template wrote the special tokens (BOS etc.): the tokenizer adds none.
+            # The template wrote the special tokens (BOS etc.): by default the tokenizer
+            # adds none (vLLM's add_special_tokens: true adds them too).
             stream = await self.add_request(
                 prompt,
                 params,
                 request_id,
                 request.priority,
-                add_special_tokens=False,
+                add_special_tokens=bool(request.add_special_tokens),
                 cache_salt=request.cache_salt,
                 lora_request=self.check_model(request),
             )
@@ -182,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
         would run with, nothing generated; checked as for generation. vllm-router's
         cache_aware asks every replica for them and routes a chat by its longest token
         prefix (docs/router.md)."""
-        token_ids = await self.prompt_token_ids(request)
+        token_ids = await self.prompt_token_ids(request, bool(request.add_special_tokens))
         return {"model": self.response_model(request.model), "token_ids": token_ids}
 
     async def prompt_token_ids(
@@ -206,17 +206,17 @@ class OpenAIServingChat(OpenAIServing):
     ):
         """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
-        request_id = random_id("chatcmpl")
+        request_id, engine_id = self.request_ids(request, "chatcmpl")
         created = now_s()
         if request.use_beam_search:
-            return await self._beam_search(request, request_id, created, receive)
-        plan, stream = await self.start_generation(request, request_id)
+            return await self._beam_search(request, request_id, engine_id, created, receive)
+        plan, stream = await self.start_generation(request, engine_id)
         if request.stream:
             return EngineStreamingResponse(
                 self._stream(request, plan, stream, request_id, created, received), stream
             )
 
-        hide = plan.hides_reasoning
+        hide, as_ids = plan.hides_reasoning, self.tokens_as_ids(request)
         echo = request.echoed_text(plan.role)
 
         def choice(c: CompletionOutput) -> dict:
@@ -226,7 +226,7 @@ class OpenAIServingChat(OpenAIServing):
             out = {
                 "index": c.index,
                 "message": message,
-                "logprobs": None if hide else self._logprobs(c),
+                "logprobs": None if hide else self._logprobs(c, as_ids),
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -253,7 +253,9 @@ class OpenAIServingChat(OpenAIServing):
 
         return await self.respond_json(stream, body, received, receive)
 
-    async def _beam_search(self, request: ChatCompletionRequest, request_id, created, receive):
+    async def _beam_search(
+        self, request: ChatCompletionRequest, request_id, engine_id, created, receive
+    ):
         """vLLM's beam search (beam_search.py): ``n`` replies, best first, each read as a
         reply is (tool calls, reasoning); a stream gets it all as one chunk, as vLLM."""
         beams.check_request(request, self.engine.processor.max_logprobs)
@@ -262,12 +264,12 @@ class OpenAIServingChat(OpenAIServing):
             raise VLLMValidationError(
                 "a guided reply does not go with use_beam_search", "tool_choice"
             )
-        ids = await self.in_thread(self.engine.tokenize, prompt, False)
+        ids = await self.in_thread(self.engine.tokenize, prompt, bool(request.add_special_tokens))
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
         results = await beams.search_all(
-            self, [ids], max_tokens, request_id, width=request.n,
+            self, [ids], max_tokens, engine_id, width=request.n,
             eos_ids=[self.engine.processor.eos_token_id], ignore_eos=request.ignore_eos,
             length_penalty=request.length_penalty, priority=request.priority,
             receive=receive, cache_salt=request.cache_salt,
@@ -350,7 +352,7 @@ class OpenAIServingChat(OpenAIServing):
         def observe(c: CompletionOutput) -> None:
             output_ids[c.index] += c.token_ids
 
-        hide = plan.hides_reasoning
+        hide, as_ids = plan.hides_reasoning, self.tokens_as_ids(request)
         token_ids = request.return_token_ids and not hide
 
         def chunk(c: CompletionOutput) -> dict:
@@ -362,7 +364,7 @@ class OpenAIServingChat(OpenAIServing):
             out = {
                 "index": c.index,
                 "delta": delta,
-                "logprobs": None if hide else self._logprobs(c),
+                "logprobs": None if hide else self._logprobs(c, as_ids),
                 "finish_reason": finish_reason,
             }
             if token_ids:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai import beam_search as beams
-from vllm.entrypoints.openai.protocol import CompletionRequest, now_s, random_id
+from vllm.entrypoints.openai.protocol import CompletionRequest, now_s
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
@@ -47,12 +47,17 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.engine.decode(prompt)
 
     def _logprobs(
-        self, c: CompletionOutput, echoed: RequestOutput | None = None, offset: int = 0
+        self,
+        c: CompletionOutput,
+        echoed: RequestOutput | None = None,
+        offset: int = 0,
+        as_ids: bool = False,
     ) -> dict | None:
         """OpenAI's legacy logprobs object. ``echoed`` (echo): the request whose prompt
         tokens and prompt logprobs lead it, the first token with null ones (as in vLLM).
         ``text_offset``: each token's position in the choice's text, as vLLM counts it
-        (its decoded tokens' lengths added up from ``offset``, the text before them)."""
+        (its decoded tokens' lengths added up from ``offset``, the text before them).
+        ``as_ids``: tokens named ``token_id:<id>`` (the offsets still count the text)."""
         if c.logprobs is None:
             return None
         decode = self.engine.decode
@@ -61,17 +66,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if echoed is not None and echoed.prompt_logprobs is not None:
             ids = echoed.prompt_token_ids + ids
             lps = echoed.prompt_logprobs + lps
-        tokens = [decode([t]) for t in ids]
+        texts = [decode([t]) for t in ids]
         offsets = []
-        for token in tokens:
+        for text in texts:
             offsets.append(offset)
-            offset += len(token)
+            offset += len(text)
+
+        def name(t: int) -> str:
+            return self.logprob_token(t, as_ids)
+
         return {
-            "tokens": tokens,
+            "tokens": [f"token_id:{t}" for t in ids] if as_ids else texts,
             "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-            "top_logprobs": [
-                None if lp is None else {decode([t]): v for t, v in lp.top} for lp in lps
-            ],
+            "top_logprobs": [None if lp is None else {name(t): v for t, v in lp.top} for lp in lps],
             "text_offset": offsets,
         }
 
@@ -105,13 +112,14 @@ class OpenAIServingCompletion(OpenAIServing):
             params.structured_outputs = guided
             return params
 
-        request_id = random_id("cmpl")
+        request_id, engine_id = self.request_ids(request, "cmpl")
         created = now_s()
         streams = await self.add_requests(
             prompts,
             params,
-            request_id,
+            engine_id,
             request.priority,
+            add_special_tokens=request.add_special_tokens is not False,  # vLLM's default: true
             cache_salt=request.cache_salt,
             lora_request=self.check_model(request),
         )
@@ -129,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await self.collect_all(streams, receive)
         if finals is None:
             return Response(status_code=499)  # the client left; every request aborted
-        choices = []
+        choices, as_ids = [], self.tokens_as_ids(request)
         for i, final in enumerate(finals):
             prompt_logprobs = self.prompt_logprobs(final.prompt_logprobs)
             for c in final.outputs:
@@ -137,7 +145,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     {
                         "index": i * request.n + c.index,
                         "text": echoes[i] + c.text,
-                        "logprobs": self._logprobs(c, final if echo_logprobs else None),
+                        "logprobs": self._logprobs(
+                            c, final if echo_logprobs else None, as_ids=as_ids
+                        ),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                         "prompt_logprobs": prompt_logprobs,  # vLLM's: in every choice
@@ -151,13 +161,16 @@ class OpenAIServingCompletion(OpenAIServing):
         """vLLM's beam search (beam_search.py): the choices, best first per prompt; a
         stream gets the whole response as one event, as vLLM sends it."""
         beams.check_request(request, self.engine.processor.max_logprobs)
+        special = request.add_special_tokens is not False  # vLLM's default: true
         ids = [
-            list(p) if isinstance(p, list) else await self.in_thread(self.engine.tokenize, p)
+            list(p)
+            if isinstance(p, list)
+            else await self.in_thread(self.engine.tokenize, p, special)
             for p in prompts
         ]
-        request_id = random_id("cmpl")
+        request_id, engine_id = self.request_ids(request, "cmpl")
         results = await beams.search_all(
-            self, ids, 16 if request.max_tokens is None else request.max_tokens, request_id,
+            self, ids, 16 if request.max_tokens is None else request.max_tokens, engine_id,
             width=request.n, eos_ids=[self.engine.processor.eos_token_id],
             ignore_eos=request.ignore_eos, length_penalty=request.length_penalty,
             priority=request.priority, receive=receive, cache_salt=request.cache_salt,
@@ -207,6 +220,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices are numbered across the batch); ``streams``: its requests, in order."""
         echoed: set[int] = set()
         started: set[int] = set()
+        as_ids = self.tokens_as_ids(request)
         sent: dict[int, int] = {}  # each choice's text so far (characters)
 
         def chunk(c: CompletionOutput) -> dict:
@@ -222,7 +236,7 @@ class OpenAIServingCompletion(OpenAIServing):
             choice = {
                 "index": c.index,
                 "text": text,
-                "logprobs": self._logprobs(c, offset=before),
+                "logprobs": self._logprobs(c, offset=before, as_ids=as_ids),
                 "finish_reason": c.finish_reason,
                 **self._token_ids(request, prompt_ids, c.token_ids),
             }

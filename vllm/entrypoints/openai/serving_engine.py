@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm.entrypoints.launcher import ServerState
 from vllm.entrypoints.openai.cli_args import FrontendArgs
-from vllm.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from vllm.entrypoints.openai.protocol import UsageInfo, _SamplingFields, random_id
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
@@ -221,6 +222,28 @@ class OpenAIServing:
             await stream.aclose()
             self.state.check_open()
         return stream
+
+    def tokens_as_ids(self, request: _SamplingFields) -> bool:
+        """Whether ``request``'s logprobs name tokens ``token_id:<id>`` (vLLM's
+        ``return_tokens_as_token_ids``: the request's own, else the server's flag)."""
+        own = request.return_tokens_as_token_ids
+        return self.args.return_tokens_as_token_ids if own is None else own
+
+    def logprob_token(self, token_id: int, as_id: bool) -> str:
+        """A logprob entry's ``token``: its text, or (``as_id``) ``token_id:<id>``."""
+        return f"token_id:{token_id}" if as_id else self.engine.decode([token_id])
+
+    @staticmethod
+    def request_ids(request: _SamplingFields, prefix: str) -> tuple[str, str]:
+        """The response's ``id`` and the engine's request id. A request the client named
+        (vLLM's ``request_id`` field, or its ``X-Request-Id`` header) answers as
+        ``{prefix}-{name}``, and runs in the engine under that plus a random suffix, as in
+        vLLM: two requests of one name never collide. Otherwise one new id for both."""
+        if request.request_id is None:
+            new = random_id(prefix)
+            return new, new
+        response_id = f"{prefix}-{request.request_id}"
+        return response_id, f"{response_id}-{uuid.uuid4().hex[:8]}"
 
     def check_request(self, request: _SamplingFields) -> None:
         """The model, and the limits of ``args`` (``VLLMValidationError`` naming the field)."""

@@ -9,10 +9,11 @@ engine path as /v1/chat/completions), and its chat message is converted back int
 items.
 
 Job identity (Continuum): a chain of responses is one job. Its id is the request's
-``job_id`` (this server's extra), else ``prompt_cache_key``, else the router's identity
-(``job_identity.py``: ``vllm_xargs.agentic_context.program_id``, the ``X-Session-ID``
-header), else the job of the previous response, else (a chain's first response) the
-response's own id; it is stored with each response, so the whole chain carries it.
+``job_id`` (this server's extra), else ``prompt_cache_key``, else the session's identity
+(``job_identity.py``: vLLM's ``session_id``, ``vllm_xargs.agentic_context.program_id``,
+the ``X-Session-ID`` header), else the job of the previous response, else (a chain's
+first response) the response's own id; it is stored with each response, so the whole
+chain carries it.
 Whether a turn ends the job is known only after its output, so unless the client sends
 ``is_last_step`` each turn is marked ``last_step_unless_tool_call``: a turn whose output
 calls a function is pinned for the tool's duration (the agent comes back with its
@@ -152,6 +153,7 @@ class OpenAIServingResponses:
             "tool_choice": chat_tool_choice(request.tool_choice),
             "parallel_tool_calls": request.parallel_tool_calls,
             "response_format": chat_response_format(request.text),
+            "reasoning_effort": request.reasoning.effort if request.reasoning else None,
             "stream": request.stream,
             "user": request.user,
             "priority": request.priority,
@@ -233,7 +235,7 @@ class OpenAIServingResponses:
             "previous_response_id": r.previous_response_id,
             "prompt_cache_key": r.prompt_cache_key,
             "prompt_cache_retention": r.prompt_cache_retention,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
             "safety_identifier": r.safety_identifier,
             "store": r.stored,
             "temperature": DEFAULT_TEMPERATURE if r.temperature is None else r.temperature,

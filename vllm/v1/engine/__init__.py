@@ -54,9 +54,10 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1  # max_tokens or max_model_len
     ABORT = 2  # aborted by the client or the front end
     ERROR = 3  # failed inside the engine (vLLM's "error"; the server answers an error)
+    REPETITION = 4  # the output ended in a repeated n-gram (vLLM's repetition_detection)
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort", "error")[self.value]
+        return ("stop", "length", "abort", "error", "repetition")[self.value]
 
 
 @dataclass

@@ -126,10 +126,13 @@ class Processor:
         return ids
 
     def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM's left truncation)."""
+        """``truncate_prompt_tokens`` of the prompt's tokens (-1: ``max_model_len``): its
+        last ones, or its first with ``truncation_side`` "right" (vLLM's)."""
         k = params.truncate_prompt_tokens
         if k is None:
             return ids
+        if k == -1:
+            k = self.max_model_len
         if k > self.max_model_len:
             raise VLLMValidationError(
                 f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
@@ -137,7 +140,7 @@ class Processor:
                 "truncate_prompt_tokens",
                 k,
             )
-        return ids[-k:]
+        return ids[:k] if params.truncation_side == "right" else ids[-k:]
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as vLLM derives them: the word without its leading

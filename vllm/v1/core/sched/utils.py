@@ -31,7 +31,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """Set the finished status (and ``stop_reason``) if the last token ends the request.
 
     EOS and stop token ids count only after ``min_tokens`` outputs; EOS gives
-    ``stop_reason`` None, a stop token id gives that id (as in vLLM).
+    ``stop_reason`` None, a stop token id gives that id (as in vLLM). A repeated n-gram
+    (``repetition_detection``) ends it too, after those and the length limits.
     """
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens and request.output_token_ids:
@@ -45,5 +46,15 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         max_tokens is not None and request.num_output_tokens >= max_tokens
     ):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    detection = params.repetition_detection
+    if (
+        detection is not None
+        and detection.max_pattern_size
+        and request.num_output_tokens >= params.min_tokens
+        and detection.repeats(request.output_token_ids)
+    ):
+        request.status = RequestStatus.FINISHED_REPETITION
+        request.stop_reason = "repetition_detected"  # vLLM's
         return True
     return False
