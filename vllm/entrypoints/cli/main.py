@@ -17,7 +17,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm", description="vllm-continuum CLI")
     parser.add_argument("-v", "--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="{serve,bench,chat,complete,run-batch}")
-    add_serve_parser(sub)
+    parser.serve_parser = add_serve_parser(sub)
     add_bench_parser(sub)
     add_client_parsers(sub)
     add_run_batch_parser(sub)
@@ -25,7 +25,15 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from vllm.entrypoints.cli.config_file import expand
+
     parser = make_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # vLLM's --config FILE.yaml: the file's flags
+        try:
+            argv = ["serve", *expand(argv[1:], parser.serve_parser)]
+        except ValueError as e:
+            parser.serve_parser.error(str(e))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

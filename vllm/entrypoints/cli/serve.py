@@ -36,6 +36,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         metavar="model",
         help="Model: the embedded name, a .gguf file, or an HF folder; overrides --model.",
     )
+    p.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="Flags from a YAML file (vLLM's): keys are flag names, e.g. 'port: 8000' or "
+        "'max_model_len: 4096'; true/false set or clear a switch, a list gives several "
+        "values, a mapping a JSON config. The command line wins over the file.",
+    )
     FrontendArgs.add_cli_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
