@@ -126,6 +126,25 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's ``ScoringOutput``): here the cosine similarity of the
+    pair's embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result for one pair (vLLM's ``ScoringRequestOutput``):
+    ``prompt_token_ids`` are the pair's two prompts' tokens, one after the other."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class BeamSearchSequence:
     """One beam of ``LLM.beam_search``, as vLLM's: ``tokens`` the prompt's and then the
     generated ones, ``text`` all of them decoded, ``cum_logprob`` the generated tokens'."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs, UsageContext
 from vllm.entrypoints.openai.protocol import parse_messages
+from vllm.entrypoints.score_utils import check_pairing, pair_scores
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader import (
@@ -23,6 +24,8 @@ from vllm.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
@@ -114,6 +117,32 @@ class LLM:
         return [
             EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.pooled))
             for r in results
+        ]
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` on an embedding model (``runner="pooling"``): each pair's
+        cosine similarity, ``data_1`` paired with ``data_2`` 1:1, 1:N or N:N, as the
+        server's ``/score`` (``score_utils``)."""
+        first = [data_1] if _is_single_prompt(data_1) else list(data_1)
+        second = [data_2] if _is_single_prompt(data_2) else list(data_2)
+        check_pairing(first, second, ("data_1", "data_2"))
+        embedded = self.embed([*first, *second], use_tqdm, lora_request)
+        vectors = [e.outputs.embedding for e in embedded]
+        scores = pair_scores(vectors[: len(first)], vectors[len(first) :])
+        lead = embedded[: len(first)] * (len(second) if len(first) == 1 else 1)
+        return [
+            ScoringRequestOutput(
+                f"{a.request_id}_{b.request_id}",
+                a.prompt_token_ids + b.prompt_token_ids,
+                ScoringOutput(score),
+            )
+            for a, b, score in zip(lead, embedded[len(first) :], scores, strict=True)
         ]
 
     def chat(

@@ -53,6 +53,13 @@ from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
+from vllm.entrypoints.openai.serving_score import (
+    RERANK_PATHS,
+    SCORE_PATHS,
+    OpenAIServingScore,
+    RerankRequest,
+    ScoreRequest,
+)
 from vllm.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest,
     OpenAIServingTokenization,
@@ -183,7 +190,7 @@ class ServerMiddleware:
         if self.request_ids:
             send = _with_request_id(send, dict(scope["headers"]))
         path = route_path(scope)
-        if not (path.startswith("/v1") or path == INVOCATIONS):  # the API's routes
+        if not (path.startswith("/v1") or path in GUARDED):  # the API's routes
             return await self.app(scope, receive, send)
         scope[RECEIVED_KEY] = time.monotonic()
         if self.instance is not None:
@@ -224,6 +231,9 @@ class ServerMiddleware:
 
 
 INVOCATIONS = "/invocations"  # SageMaker's route to the API: guarded as /v1 is
+# The API's routes outside /v1 that run the model: behind --api-key and the drain as /v1
+# is (vLLM guards /v1 alone).
+GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS})
 
 
 def route_path(scope: dict) -> str:
@@ -341,6 +351,19 @@ def build_app(
         return await embedding_serving.create_embedding(
             request, raw.scope.get(RECEIVED_KEY), raw.receive
         )
+
+    scoring = OpenAIServingScore(engine, model_name, stats, args, state, models)
+
+    async def score(request: ScoreRequest, raw: Request):
+        return await scoring.create_score(request, raw.scope.get(RECEIVED_KEY), raw.receive)
+
+    async def rerank(request: RerankRequest, raw: Request):
+        return await scoring.create_rerank(request, raw.scope.get(RECEIVED_KEY), raw.receive)
+
+    for path in SCORE_PATHS:  # vLLM's: /score, and /v1/score
+        app.post(path, responses=openapi.SCORE_RESPONSES)(score)
+    for path in RERANK_PATHS:  # /rerank (Jina's), /v1/rerank, /v2/rerank (Cohere's)
+        app.post(path, responses=openapi.RERANK_RESPONSES)(rerank)
 
     routes = (("messages", ChatCompletionRequest, chat), ("prompt", CompletionRequest, completion),
               ("input", EmbeddingRequest, embeddings))  # fmt: skip

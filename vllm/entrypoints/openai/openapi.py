@@ -142,6 +142,59 @@ DETOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 503)},
 }
 
+_USAGE = {"type": "object"}
+SCORE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "Each pair's score: the cosine similarity of its two embeddings (vLLM's /score "
+        "on an embedding model, --runner pooling).",
+        {
+            "id": {"type": "string"},
+            "object": {"type": "string"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "index": {"type": "integer"},
+                        "object": {"type": "string"},
+                        "score": {"type": "number"},
+                    },
+                    "required": ["index", "object", "score"],
+                },
+            },
+            "usage": _USAGE,
+        },
+        ["id", "object", "data", "model", "usage"],
+    ),
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 500, 503)},
+}
+RERANK_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "The documents, most relevant first (the Jina / Cohere rerank API, as vLLM's).",
+        {
+            "id": {"type": "string"},
+            "model": {"type": "string"},
+            "usage": _USAGE,
+            "results": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "index": {"type": "integer"},
+                        "document": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                        "relevance_score": {"type": "number"},
+                    },
+                    "required": ["index", "document", "relevance_score"],
+                },
+            },
+        },
+        ["id", "model", "usage", "results"],
+    ),
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 500, 503)},
+}
+
 EMBEDDING_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _json_object(
         "The inputs' embeddings in input order (--runner pooling), floats or base64 of "

@@ -197,9 +197,10 @@ class Processor:
         self._check_lora(lora_request)
         if pooling != self.is_pooling:
             raise VLLMValidationError(
-                "this model serves embeddings (--runner pooling): /v1/embeddings, LLM.embed"
+                "this model serves embeddings (--runner pooling): /v1/embeddings, /score, "
+                "/rerank, LLM.embed"
                 if self.is_pooling
-                else "embeddings need a model served with --runner pooling",
+                else "embeddings and scores need a model served with --runner pooling",
                 "model",
             )
         self._check_logprobs(params)
