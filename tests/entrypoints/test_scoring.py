@@ -89,6 +89,9 @@ def test_rerank_returns_the_documents_best_first(server, route):
     assert [r["relevance_score"] for r in full["results"]] == pytest.approx(
         [scores[i]["score"] for i in order], abs=1e-6
     )
+    if route == "/rerank":  # SageMaker's route takes a rerank body too
+        via = post(server, "/invocations", {"query": QUERY, "documents": DOCS}).json()
+        assert [r["index"] for r in via["results"]] == order
     top = post(server, route, {"query": QUERY, "documents": DOCS, "top_n": 2,
                                "return_documents": False}).json()  # fmt: skip
     assert [r["index"] for r in top["results"]] == order[:2]

@@ -274,6 +274,8 @@ def test_sagemaker_ping_and_invocations():
     assert invoke(b'{"messages": []}')[1]["param"] == "messages"
     assert invoke(b'{"prompt": [1, 2.5]}')[1]["param"] == "prompt"
     assert invoke(b'{"input": 5}')[1]["param"] == "input"
+    assert invoke(b'{"query": "q", "documents": [3]}')[1]["param"] == "documents"
+    assert invoke(b'{"text_1": "a", "text_2": 4}')[1]["param"] == "text_2"
     status, error = invoke(b'{"model": "m"}')
     assert status == 400 and "chat (messages)" in error["message"]
     assert invoke(b"{nope")[1]["message"] == "Invalid JSON in the request body."

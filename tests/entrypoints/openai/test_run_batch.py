@@ -25,7 +25,7 @@ def line(custom_id="a", url="/v1/chat/completions", body=None, **extra) -> str:
         ("[1]", "JSON object"),
         (line(custom_id=5), "custom_id"),
         (line(method="GET"), "method"),
-        (line(url="/v1/score"), "url"),
+        (line(url="/v1/tokenize"), "url"),
         (line(body=[1]), "body"),
         (line(body={**CHAT, "stream": True}), "stream"),
     ],

@@ -365,15 +365,18 @@ def build_app(
     for path in RERANK_PATHS:  # /rerank (Jina's), /v1/rerank, /v2/rerank (Cohere's)
         app.post(path, responses=openapi.RERANK_RESPONSES)(rerank)
 
+    scores = [(side, ScoreRequest, score) for side in ("text_1", "data_1", "queries")]
     routes = (("messages", ChatCompletionRequest, chat), ("prompt", CompletionRequest, completion),
-              ("input", EmbeddingRequest, embeddings))  # fmt: skip
+              ("input", EmbeddingRequest, embeddings), ("query", RerankRequest, rerank),
+              *scores)  # fmt: skip
 
     @app.post(
         INVOCATIONS, responses=openapi.GENERATE_RESPONSES, openapi_extra=openapi.ANY_OBJECT_BODY
     )
     async def invocations(raw: Request):
         """SageMaker's route, as vLLM serves it: the body's fields name the API (messages:
-        chat, prompt: completions, input: embeddings). Behind --api-key, unlike vLLM's."""
+        chat, prompt: completions, input: embeddings, query: rerank, text_1 / data_1 /
+        queries: score). Behind --api-key, unlike vLLM's."""
         try:
             body = await raw.json()
         except ValueError:
@@ -386,7 +389,8 @@ def build_app(
                     raise RequestValidationError(e.errors()) from None
                 return await route(request, raw)
         raise VLLMValidationError(
-            "the body must be a chat (messages), completion (prompt) or embedding (input) request",
+            "the body must be a chat (messages), completion (prompt), embedding (input), "
+            "rerank (query) or score (text_1) request",
             None,
         )
 

@@ -1,11 +1,12 @@
 """``vllm run-batch``: OpenAI's batch file format, served offline, as vLLM's command does.
 
 Each input line is a request, ``{"custom_id": ..., "method": "POST", "url":
-"/v1/chat/completions", "body": {...}}`` (``/v1/completions`` and ``/v1/embeddings``
-too); each output line, in input order, is ``{"id", "custom_id", "response":
-{"status_code", "request_id", "body"}, "error"}``. The requests run through the server's
-own app in this process (every check, limit and error of ``vllm serve``), side by side
-up to ``--max-concurrency``, over an engine process started for the run. A request the
+"/v1/chat/completions", "body": {...}}`` (``/v1/completions``, ``/v1/embeddings`` and
+the scoring routes ``/score``, ``/rerank`` too, as vLLM's); each output line, in input
+order, is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
+"error"}``. The requests run through the server's own app in this process (every
+check, limit and error of ``vllm serve``), side by side up to ``--max-concurrency``,
+over an engine process started for the run. A request the
 server refuses gets its status and error body; a line that is not a request at all gets
 ``response: null`` and an ``error``. Streaming is not a batch's: ``stream: true`` is
 refused on its line.
@@ -22,7 +23,8 @@ import uuid
 from typing import Any
 
 logger = logging.getLogger("vllm.run_batch")
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/score", "/v1/score",
+        "/rerank", "/v1/rerank", "/v2/rerank")  # fmt: skip
 
 
 def parse_line(line: str) -> tuple[dict | None, str | None]:
