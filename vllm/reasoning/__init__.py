@@ -6,7 +6,11 @@ decorated with ``@register_reasoning_parser("name")`` in a module imported here.
 
 from __future__ import annotations
 
-from vllm.reasoning import deepseek_r1_reasoning_parser, qwen3_reasoning_parser  # noqa: F401
+from vllm.reasoning import (  # noqa: F401
+    deepseek_r1_reasoning_parser,
+    granite_reasoning_parser,
+    qwen3_reasoning_parser,
+)
 from vllm.reasoning.abs_reasoning_parsers import (
     ExtractedReasoning,
     ReasoningParser,
