@@ -44,6 +44,18 @@ def test_reserved_template_variables_and_empty_salts_are_refused_naming_the_fiel
             request()
 
 
+def tiny_server(tmp_path, model: str, template: str, *flags: str):
+    """``vllm serve`` of ``model`` as "tiny" with this chat template (a RemoteServer)."""
+    from tests.utils import RemoteServer
+
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    return RemoteServer(
+        "--model", model, "--served-model-name", "tiny", "--max-model-len", "512",
+        "--chat-template", str(path), *flags, log_path=str(tmp_path / "server.log"),
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_offline_template_variables_and_salted_prefix_cache(tmp_path):
     from vllm import LLM, SamplingParams
@@ -75,15 +87,8 @@ def test_offline_template_variables_and_salted_prefix_cache(tmp_path):
 def test_server_renders_template_kwargs_and_salts_the_cache(tmp_path):
     import requests
 
-    from tests.utils import RemoteServer
-
-    template = tmp_path / "template.jinja"
-    template.write_text(TEMPLATE)
     model = tiny_model(tmp_path / "model")
-    server = RemoteServer(
-        "--model", model, "--served-model-name", "tiny", "--max-model-len", "512",
-        "--chat-template", str(template), log_path=str(tmp_path / "server.log"),
-    )  # fmt: skip
+    server = tiny_server(tmp_path, model, TEMPLATE)
     try:
         body = {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"greeting": "YO"}}
         rendered = requests.post(f"{server.base}/v1/chat/completions/render", json=body).json()
@@ -243,17 +248,10 @@ def bos_tiny_model(path) -> str:
 def test_server_takes_vllm_s_request_fields(tmp_path):
     import requests
 
-    from tests.utils import RemoteServer
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    template = tmp_path / "template.jinja"
-    template.write_text(EXTRAS_TEMPLATE)
     model = bos_tiny_model(tmp_path / "model")
-    server = RemoteServer(
-        "--model", model, "--served-model-name", "tiny", "--max-model-len", "512",
-        "--chat-template", str(template), "--return-tokens-as-token-ids",
-        log_path=str(tmp_path / "server.log"),
-    )  # fmt: skip
+    server = tiny_server(tmp_path, model, EXTRAS_TEMPLATE, "--return-tokens-as-token-ids")
     decode = get_tokenizer(model).decode
     try:
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.test_reasoning import _stream
+from tests.entrypoints.openai.test_reasoning import _stream, assert_readings_grow
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.entrypoints.openai.tool_parsers import get_tool_parser
 from vllm.reasoning import count_reasoning_tokens, get_reasoning_parser, reasoning_parser_names
@@ -39,15 +39,7 @@ def test_final_split(kwargs, text, reasoning, content):
 @pytest.mark.parametrize("text", [FULL, SHORT, CUT, PLAIN])
 def test_streamed_readings_only_grow_and_end_at_the_final_one(text):
     parser = get_reasoning_parser("granite", ON)
-    final = parser.extract(text, final=True)
-    previous = parser.extract("", final=False)
-    for k in range(1, len(text) + 1):
-        now = parser.extract(text[:k], final=False)
-        assert (now.reasoning or "").startswith(previous.reasoning or "")
-        assert now.content.startswith(previous.content)
-        assert (final.reasoning or "").startswith(now.reasoning or "")
-        assert final.content.startswith(now.content)
-        previous = now
+    assert_readings_grow(parser, text)
     assert "Here is my res" not in (parser.extract(FULL[:60], False).reasoning or "")
 
 

@@ -4,11 +4,10 @@ whole and streamed."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
-from tests.entrypoints.openai.test_qwen3coder_parser import _assemble
+from tests.entrypoints.openai.test_qwen3coder_parser import _assemble, chunkings
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.entrypoints.openai.tool_parsers import get_tool_parser
 
@@ -57,12 +56,7 @@ def test_stream_assembles_to_the_message():
     message, finish = plan.message(text, "stop")
     assert finish == "tool_calls"
     want = [[c["function"]["name"], c["function"]["arguments"]] for c in message["tool_calls"]]
-    rng = random.Random(0)
-    chunkings = [list(text), [text]]
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 8)))
-        chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
-    for pieces in chunkings:
+    for pieces in chunkings(text):
         got = _assemble(text, pieces, plan)
         assert [got["calls"][i] for i in sorted(got["calls"])] == want
         assert got["content"] == ""

@@ -134,6 +134,16 @@ def test_cut_after_a_parameter_is_a_call():
     assert extract(cut)[1] == [("bash", {"command": "ls -la\n| grep <b>"})]
 
 
+def chunkings(text: str) -> list[list[str]]:
+    """``text`` cut into pieces: a character at a time, whole, and 20 random cuttings."""
+    rng = random.Random(0)
+    out = [list(text), [text]]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 8)))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    return out
+
+
 def _assemble(text: str, pieces: list[str], plan: ToolPlan) -> dict:
     streamer = plan.streamer()
     got: dict = {"content": "", "reasoning": "", "calls": {}}
@@ -164,12 +174,7 @@ def test_stream_assembles_to_the_message(text):
     want = [
         [c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])
     ]
-    rng = random.Random(0)
-    chunkings = [list(text), [text]]
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 8)))
-        chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
-    for pieces in chunkings:
+    for pieces in chunkings(text):
         got = _assemble(text, pieces, plan)
         assert [got["calls"][i] for i in sorted(got["calls"])] == want
         assert got["content"] == (message["content"] or "")

@@ -80,6 +80,14 @@ def test_final_split(name, kwargs, text, reasoning, content):
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_readings_only_grow_and_end_at_the_final_one(name, text):
     parser = get_reasoning_parser(name)
+    assert_readings_grow(parser, text)
+    # Nothing that could be a tag is shown before it is known not to be one.
+    assert "</thi" not in (parser.extract(TEXTS[0][:30], False).reasoning or "")
+
+
+def assert_readings_grow(parser, text: str) -> None:
+    """Each prefix's reading of ``text`` extends the one before and leads to the final
+    reading; once ended, it stays ended."""
     final = parser.extract(text, final=True)
     previous = parser.extract("", final=False)
     for k in range(1, len(text) + 1):
@@ -90,8 +98,6 @@ def test_streamed_readings_only_grow_and_end_at_the_final_one(name, text):
         assert final.content.startswith(now.content)
         assert now.ended or not previous.ended
         previous = now
-    # Nothing that could be a tag is shown before it is known not to be one.
-    assert "</thi" not in (parser.extract(TEXTS[0][:30], False).reasoning or "")
 
 
 def _stream(plan: ToolPlan, text: str, step: int) -> dict:

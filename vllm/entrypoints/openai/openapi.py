@@ -142,33 +142,65 @@ DETOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 503)},
 }
 
+
+def _objects(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    """An array of objects with these properties."""
+    item = {"type": "object", "properties": properties, "required": required}
+    return {"type": "array", "items": item}
+
+
+# The pooling routes' list envelope (OpenAI's embeddings shape) and their errors.
+_LIST = {"id": {"type": "string"}, "object": {"type": "string"},
+         "created": {"type": "integer"}, "model": {"type": "string"}}  # fmt: skip
 _USAGE = {"type": "object"}
+_POOLING_ERRORS = {
+    k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 500, 503)
+}
+
+EMBEDDING_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "The inputs' embeddings in input order (--runner pooling), floats or base64 of "
+        "little-endian float32.",
+        {
+            **_LIST,
+            "data": _objects(
+                {
+                    "object": {"type": "string"},
+                    "index": {"type": "integer"},
+                    "embedding": {
+                        "anyOf": [
+                            {"type": "array", "items": {"type": "number"}},
+                            {"type": "string"},
+                        ]
+                    },
+                },
+                ["object", "index", "embedding"],
+            ),
+            "usage": _USAGE,
+        },
+        ["object", "data", "model", "usage"],
+    ),
+    **_POOLING_ERRORS,
+}
 SCORE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _json_object(
         "Each pair's score: the cosine similarity of its two embeddings (vLLM's /score "
         "on an embedding model, --runner pooling).",
         {
-            "id": {"type": "string"},
-            "object": {"type": "string"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "object": {"type": "string"},
-                        "score": {"type": "number"},
-                    },
-                    "required": ["index", "object", "score"],
+            **_LIST,
+            "data": _objects(
+                {
+                    "index": {"type": "integer"},
+                    "object": {"type": "string"},
+                    "score": {"type": "number"},
                 },
-            },
+                ["index", "object", "score"],
+            ),  # fmt: skip
             "usage": _USAGE,
         },
         ["id", "object", "data", "model", "usage"],
     ),
-    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 500, 503)},
+    **_POOLING_ERRORS,
 }
 RERANK_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _json_object(
@@ -177,55 +209,18 @@ RERANK_RESPONSES: dict[int | str, dict[str, Any]] = {
             "id": {"type": "string"},
             "model": {"type": "string"},
             "usage": _USAGE,
-            "results": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "document": {"anyOf": [{"type": "object"}, {"type": "null"}]},
-                        "relevance_score": {"type": "number"},
-                    },
-                    "required": ["index", "document", "relevance_score"],
+            "results": _objects(
+                {
+                    "index": {"type": "integer"},
+                    "document": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                    "relevance_score": {"type": "number"},
                 },
-            },
+                ["index", "document", "relevance_score"],
+            ),  # fmt: skip
         },
         ["id", "model", "usage", "results"],
     ),
-    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 500, 503)},
-}
-
-EMBEDDING_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: _json_object(
-        "The inputs' embeddings in input order (--runner pooling), floats or base64 of "
-        "little-endian float32.",
-        {
-            "id": {"type": "string"},
-            "object": {"type": "string"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "object": {"type": "string"},
-                        "index": {"type": "integer"},
-                        "embedding": {
-                            "anyOf": [
-                                {"type": "array", "items": {"type": "number"}},
-                                {"type": "string"},
-                            ]
-                        },
-                    },
-                    "required": ["object", "index", "embedding"],
-                },
-            },
-            "usage": {"type": "object"},
-        },
-        ["object", "data", "model", "usage"],
-    ),
-    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 500, 503)},
+    **_POOLING_ERRORS,
 }
 
 
