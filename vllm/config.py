@@ -605,6 +605,71 @@ class LoRAConfig:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
+# --profiler-config's keys (vLLM's names), with their defaults.
+PROFILER_DEFAULTS: dict[str, Any] = {
+    "profiler": None,
+    "torch_profiler_dir": "",
+    "torch_profiler_with_stack": True,
+    "torch_profiler_with_flops": False,
+    "torch_profiler_use_gzip": True,
+    "torch_profiler_record_shapes": False,
+    "torch_profiler_with_memory": False,
+}
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """torch.profiler traces on demand (vLLM's --profiler-config): POST /start_profile and
+    /stop_profile (or LLM.start_profile / stop_profile) record the engine process (CPU,
+    and CUDA kernels on a GPU) and the API server, and write a Chrome trace each."""
+
+    profiler_config: dict[str, Any] | None = config_field(
+        None,
+        'JSON object, vLLM\'s: {"profiler": "torch", "torch_profiler_dir": "/abs/dir"} and '
+        "optionally torch_profiler_with_stack (true), torch_profiler_with_flops (false), "
+        "torch_profiler_use_gzip (true), torch_profiler_record_shapes (false), "
+        "torch_profiler_with_memory (false). Unset: no profiler and no profiling routes.",
+        parse=lambda text: parse_json_object(text, "profiler_config"),
+    )
+
+    def __post_init__(self) -> None:
+        spec = self.profiler_config
+        if spec is None:
+            return
+        if not isinstance(spec, dict):
+            raise bad_value("profiler_config", spec, "must be a JSON object")
+        unknown = sorted(set(spec) - set(PROFILER_DEFAULTS))
+        if unknown:
+            raise bad_value(
+                "profiler_config", unknown,
+                f"has keys this engine does not take; it takes {list(PROFILER_DEFAULTS)}",
+            )  # fmt: skip
+        options = self.options
+        if options["profiler"] not in (None, "torch"):
+            raise bad_value(
+                "profiler_config.profiler", options["profiler"], "must be 'torch' (or null)"
+            )
+        for key, default in PROFILER_DEFAULTS.items():
+            if isinstance(default, bool) and not isinstance(options[key], bool):
+                raise bad_value(f"profiler_config.{key}", options[key], "must be true or false")
+        path = options["torch_profiler_dir"]
+        if options["profiler"] == "torch" and (not isinstance(path, str) or not path):
+            raise bad_value(
+                "profiler_config.torch_profiler_dir", path, "is needed with profiler 'torch'"
+            )
+        if path and not Path(path).is_absolute():
+            raise bad_value("profiler_config.torch_profiler_dir", path, "must be an absolute path")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Every key, the unset ones at their defaults."""
+        return {**PROFILER_DEFAULTS, **(self.profiler_config or {})}
+
+    @property
+    def enabled(self) -> bool:
+        return self.options["profiler"] == "torch"
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """All engine configs; each field's type is one group of CLI flags."""
@@ -618,6 +683,7 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     def __post_init__(self) -> None:
         if self.model_config.is_pooling and self.speculative_config.enabled:

@@ -119,6 +119,15 @@ class LLM:
             for r in results
         ]
 
+    def start_profile(self) -> None:
+        """--profiler-config (``LLM(profiler_config=...)``): record the engine's steps
+        (vLLM's); ``ValueError`` without a profiler."""
+        self.engine_core.profile(True)
+
+    def stop_profile(self) -> None:
+        """Stop recording and write the trace into the configured folder."""
+        self.engine_core.profile(False)
+
     def score(
         self,
         data_1: Prompt | Sequence[Prompt],

@@ -233,7 +233,8 @@ class ServerMiddleware:
 INVOCATIONS = "/invocations"  # SageMaker's route to the API: guarded as /v1 is
 # The API's routes outside /v1 that run the model: behind --api-key and the drain as /v1
 # is (vLLM guards /v1 alone).
-GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS})
+PROFILE_PATHS = ("/start_profile", "/stop_profile")  # with --profiler-config
+GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS})
 
 
 def route_path(scope: dict) -> str:
@@ -393,6 +394,20 @@ def build_app(
             "rerank (query) or score (text_1) request",
             None,
         )
+
+    if vllm_config.profiler_config.enabled:  # as vLLM: the routes exist with a profiler
+
+        @app.post(PROFILE_PATHS[0], responses=openapi.PROFILE_RESPONSES)
+        async def start_profile():
+            """The engine core starts recording its steps (torch.profiler)."""
+            await engine.start_profile()
+            return Response(status_code=200)
+
+        @app.post(PROFILE_PATHS[1], responses=openapi.PROFILE_RESPONSES)
+        async def stop_profile():
+            """The engine core stops recording and writes the trace (moments later)."""
+            await engine.stop_profile()
+            return Response(status_code=200)
 
     tokenization = OpenAIServingTokenization(
         chat_serving, vllm_config.scheduler_config.max_model_len

@@ -143,6 +143,12 @@ DETOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Sent to the engine core (--profiler-config)."},
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (401, 503)},
+}
+
+
 def _objects(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
     """An array of objects with these properties."""
     item = {"type": "object", "properties": properties, "required": required}

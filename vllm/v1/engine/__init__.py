@@ -22,6 +22,8 @@ has one payload type (``PAYLOAD_TYPES``):
                                          end's detokenizer saw it): finish them as
                                          stopped, so the policy decides their blocks
     SHUTDOWN       None                  finish the loop and exit
+    PROFILE        bool                  --profiler-config: start (True) or stop (False)
+                                         recording the steps; stopping writes the trace
     READY          EngineCoreReady       once, first: the engine is built
     OUTPUTS        StampedOutputs        one step's outputs (or fresh stats while idle)
     REQUEST_ERROR  EngineCoreRequestError  a request the engine cannot serve: ADD rejected,
@@ -137,6 +139,7 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     SHUTDOWN = b"\x02"
     STOP = b"\x03"
+    PROFILE = b"\x04"
 
 
 class EngineCoreOutputType(enum.Enum):
@@ -184,6 +187,7 @@ PAYLOAD_TYPES: dict[enum.Enum, type] = {
     EngineCoreRequestType.ABORT: list,
     EngineCoreRequestType.STOP: list,
     EngineCoreRequestType.SHUTDOWN: type(None),
+    EngineCoreRequestType.PROFILE: bool,
     EngineCoreOutputType.READY: EngineCoreReady,
     EngineCoreOutputType.OUTPUTS: StampedOutputs,
     EngineCoreOutputType.REQUEST_ERROR: EngineCoreRequestError,

@@ -334,6 +334,21 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
+    async def start_profile(self) -> None:
+        """--profiler-config: the engine core starts recording its steps (vLLM's
+        ``start_profile``); ``ValueError`` without a profiler."""
+        await self._profile(True)
+
+    async def stop_profile(self) -> None:
+        """The engine core stops recording and writes the trace into the configured folder
+        (moments later: the message is sent, the engine writes it between steps)."""
+        await self._profile(False)
+
+    async def _profile(self, start: bool) -> None:
+        if not self.config.profiler_config.enabled:
+            raise ValueError("no profiler: start the server with --profiler-config")
+        await self.client.send(EngineCoreRequestType.PROFILE, start)
+
     async def abort(self, request_id: str) -> None:
         """Stop ``request_id`` (no-op if unknown or finished) and free its blocks."""
         child_ids = self.output_processor.abort_request(request_id)

@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from vllm.config import VllmConfig
+from vllm.profiler import TorchProfiler
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -107,6 +108,7 @@ class EngineCore:
         # --async-scheduling: the step whose tokens are still on the device.
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, DeferredOutput] | None = None
+        self._profiler: TorchProfiler | None = None  # --profiler-config, made on first use
         if self.async_scheduling and self.model_runner.device.type == "cpu":
             logger.warning(
                 "--async-scheduling on the CPU: the forward runs on the engine's own thread, "
@@ -321,7 +323,23 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def profile(self, start: bool) -> None:
+        """--profiler-config: begin recording the steps, or end it and write the trace
+        (``vllm.profiler``); ``ValueError`` when no profiler is configured."""
+        if self._profiler is None:
+            config = self.vllm_config.profiler_config
+            if not config.enabled:
+                raise ValueError("no profiler: start the engine with --profiler-config")
+            self._profiler = TorchProfiler(config.options, "engine_core")
+        if start:
+            self._profiler.start()
+        else:
+            self._profiler.stop()
+
     def shutdown(self) -> None:
+        profiler = getattr(self, "_profiler", None)
+        if profiler is not None and profiler.active:
+            profiler.stop()  # what was recorded is still written
         self._in_flight = None  # its tokens are no one's now
         self.scheduler.shutdown()
         self.model_runner.release()

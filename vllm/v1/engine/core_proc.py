@@ -209,6 +209,11 @@ class EngineCoreProc:
                     self._owners.pop(request_id, None)
             case EngineCoreRequestType.SHUTDOWN:
                 self.running = False
+            case EngineCoreRequestType.PROFILE:
+                try:
+                    self.engine.profile(payload)
+                except Exception:  # a failed trace must not take the engine down
+                    logger.exception("profiling failed")
             case _:  # a type added to the enum but not handled here
                 raise ProtocolError(f"no handler for {msg_type.name}")
 
