@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
 
 import pytest
 
@@ -90,16 +89,41 @@ def test_the_server_routes_behind_the_key(tmp_path):
         assert requests.post(server.base + "/start_profile", headers=key, timeout=30).ok
         body = {"model": model, "prompt": "One, two,", "max_tokens": 4}
         assert requests.post(server.base + "/v1/completions", json=body, headers=key).ok
-        assert requests.post(server.base + "/stop_profile", headers=key, timeout=30).ok
-        deadline = time.monotonic() + 60
-        while not list((tmp_path / "traces").glob("*.gz")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        (trace,) = (tmp_path / "traces").glob("*.gz")  # renamed in place once whole
+        assert requests.post(server.base + "/stop_profile", headers=key, timeout=60).ok
+        (trace,) = (tmp_path / "traces").glob("*.gz")  # written when the route answers
         assert any(name.startswith("aten::") for name in ops(read_trace(trace)))
     finally:
         server.stop()
     plain = RemoteServer("--model", model, log_path=str(tmp_path / "plain.log"))
-    try:  # without a profiler the routes do not exist, as in vLLM
+    try:  # without a profiler (or dev mode) the routes do not exist, as in vLLM
         assert requests.post(plain.base + "/start_profile", timeout=30).status_code == 404
+        assert requests.post(plain.base + "/reset_prefix_cache", timeout=30).status_code == 404
     finally:
         plain.stop()
+
+
+@pytest.mark.slow
+def test_dev_mode_resets_the_prefix_cache(tmp_path):
+    import requests
+
+    from tests.entrypoints.test_generation_config import tiny_model
+    from tests.utils import RemoteServer
+
+    model = tiny_model(tmp_path / "tiny")
+    server = RemoteServer("--model", model, log_path=str(tmp_path / "server.log"),
+                          env={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
+    prompt = "The tide came in over the flats while the gulls argued about the light. " * 4
+    try:
+
+        def cached() -> int:
+            body = {"model": model, "prompt": prompt, "max_tokens": 1}
+            usage = requests.post(server.base + "/v1/completions", json=body).json()["usage"]
+            return usage["prompt_tokens_details"]["cached_tokens"]
+
+        cached()
+        assert cached() >= 16
+        reset = requests.post(server.base + "/reset_prefix_cache", timeout=30)
+        assert reset.json() == {"success": True}
+        assert cached() == 0
+    finally:
+        server.stop()

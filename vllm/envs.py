@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     VLLM_USE_UVLOOP: bool
     VLLM_LOG_STATS_INTERVAL: float
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
+    VLLM_SERVER_DEV_MODE: bool
     VLLM_GC_DEBUG: str | None
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
@@ -112,6 +113,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # switch: anyone who reaches the server can then make it read a folder). Default off.
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: (
         os.getenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+    ),
+    # "1"/"true": vLLM's development routes (here POST /reset_prefix_cache). Default off.
+    "VLLM_SERVER_DEV_MODE": lambda: (
+        os.getenv("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true")
     ),
     # vLLM's variable: "1" logs each garbage collection of the engine and API processes
     # (generation, duration, objects freed); '{"top_objects": N}' adds the N commonest types

@@ -184,3 +184,18 @@ def test_the_engines_stream_interval_gathers_tokens_and_a_request_may_raise_it()
         assert await sizes("c", 2) == [1, 3, 3, 1]
 
     run(scenario, stream_interval=3)
+
+
+def test_utility_calls_answer_with_results_errors_and_a_dead_engine():
+    async def scenario(engine: AsyncLLM) -> None:
+        assert await engine.reset_prefix_cache() is True
+        with pytest.raises(ValueError, match="no profiler here"):
+            await engine.call_utility("profile", True)  # the engine goes on
+        assert await engine.call_utility("reset_prefix_cache") is True
+        # A method the engine does not offer breaks the protocol: the engine stops, and
+        # the call fails as every pending request does.
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(engine.call_utility("shutdown"), 30)
+        assert not engine.is_alive
+
+    run(scenario)

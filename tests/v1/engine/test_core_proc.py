@@ -118,6 +118,12 @@ class FakeEngine:
     def make_stats(self):
         return self.scheduler.make_stats()
 
+    def reset_prefix_cache(self) -> bool:  # a utility method: refused while requests run
+        return not self.requests
+
+    def profile(self, start: bool) -> None:  # a utility method that raises
+        raise ValueError("no profiler here")
+
     def shutdown(self) -> None:
         self.shut_down = True
 

@@ -234,7 +234,9 @@ INVOCATIONS = "/invocations"  # SageMaker's route to the API: guarded as /v1 is
 # The API's routes outside /v1 that run the model: behind --api-key and the drain as /v1
 # is (vLLM guards /v1 alone).
 PROFILE_PATHS = ("/start_profile", "/stop_profile")  # with --profiler-config
-GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS})
+RESET_PREFIX_CACHE = "/reset_prefix_cache"  # with VLLM_SERVER_DEV_MODE=1
+GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS,
+                     RESET_PREFIX_CACHE})  # fmt: skip
 
 
 def route_path(scope: dict) -> str:
@@ -405,9 +407,17 @@ def build_app(
 
         @app.post(PROFILE_PATHS[1], responses=openapi.PROFILE_RESPONSES)
         async def stop_profile():
-            """The engine core stops recording and writes the trace (moments later)."""
+            """The engine core stops recording and writes the trace."""
             await engine.stop_profile()
             return Response(status_code=200)
+
+    if envs.VLLM_SERVER_DEV_MODE:  # vLLM's development route
+
+        @app.post(RESET_PREFIX_CACHE, responses=openapi.RESET_RESPONSES)
+        async def reset_prefix_cache():
+            """Empty the prefix cache: {"success": false} while blocks are in use."""
+            logger.info("Resetting the prefix cache")
+            return {"success": await engine.reset_prefix_cache()}
 
     tokenization = OpenAIServingTokenization(
         chat_serving, vllm_config.scheduler_config.max_model_len

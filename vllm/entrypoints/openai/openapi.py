@@ -144,7 +144,15 @@ DETOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "Sent to the engine core (--profiler-config)."},
+    200: {"description": "Done by the engine core (--profiler-config)."},
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (401, 503)},
+}
+RESET_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "Whether the prefix cache was emptied (false while blocks are in use).",
+        {"success": {"type": "boolean"}},
+        ["success"],
+    ),
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (401, 503)},
 }
 

@@ -22,14 +22,16 @@ has one payload type (``PAYLOAD_TYPES``):
                                          end's detokenizer saw it): finish them as
                                          stopped, so the policy decides their blocks
     SHUTDOWN       None                  finish the loop and exit
-    PROFILE        bool                  --profiler-config: start (True) or stop (False)
-                                         recording the steps; stopping writes the trace
+    UTILITY        UtilityCall           run one of the engine's utility methods
+                                         (``UTILITY_METHODS``) between steps; its result
+                                         goes back to the caller as UTILITY_RESULT
     READY          EngineCoreReady       once, first: the engine is built
     OUTPUTS        StampedOutputs        one step's outputs (or fresh stats while idle)
     REQUEST_ERROR  EngineCoreRequestError  a request the engine cannot serve: ADD rejected,
                                          or it failed inside a step (its blocks are freed;
                                          the front end answers 400, or 500 if internal)
     FATAL          str (a traceback)     last message: the engine failed and exits
+    UTILITY_RESULT UtilityResult         a UTILITY call's return value, or its error
 
 A message that breaks this contract (unknown type, wrong frame count, undecodable or
 mistyped payload) is a ``ProtocolError``, never skipped: both ends are this package, so
@@ -139,7 +141,7 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     SHUTDOWN = b"\x02"
     STOP = b"\x03"
-    PROFILE = b"\x04"
+    UTILITY = b"\x04"
 
 
 class EngineCoreOutputType(enum.Enum):
@@ -153,6 +155,27 @@ class EngineCoreOutputType(enum.Enum):
     OUTPUTS = b"\x01"
     REQUEST_ERROR = b"\x02"
     FATAL = b"\x03"
+    UTILITY_RESULT = b"\x04"
+
+
+# The engine methods a front end may call by name (vLLM's utility calls): the prefix
+# cache's reset, and --profiler-config's start and stop.
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "profile"})
+
+
+@dataclass
+class UtilityCall:
+    call_id: int  # the caller's, to match the result
+    client_index: int  # the front end the result goes to
+    method: str  # one of UTILITY_METHODS
+    args: tuple = ()
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: Any = None
+    error: str | None = None  # the method raised: its message
 
 
 @dataclass
@@ -187,11 +210,12 @@ PAYLOAD_TYPES: dict[enum.Enum, type] = {
     EngineCoreRequestType.ABORT: list,
     EngineCoreRequestType.STOP: list,
     EngineCoreRequestType.SHUTDOWN: type(None),
-    EngineCoreRequestType.PROFILE: bool,
+    EngineCoreRequestType.UTILITY: UtilityCall,
     EngineCoreOutputType.READY: EngineCoreReady,
     EngineCoreOutputType.OUTPUTS: StampedOutputs,
     EngineCoreOutputType.REQUEST_ERROR: EngineCoreRequestError,
     EngineCoreOutputType.FATAL: str,
+    EngineCoreOutputType.UTILITY_RESULT: UtilityResult,
 }
 
 

@@ -26,6 +26,7 @@ from vllm.v1.engine import (
     EngineCoreRequestError,
     EngineCoreRequestType,
     StampedOutputs,
+    UtilityCall,
 )
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, EngineLink, last_line
 from vllm.v1.engine.core_proc import EngineFactory
@@ -145,6 +146,8 @@ class AsyncLLM:
         self.stat_loggers = stat_loggers or []
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}
+        self._utility_calls: dict[int, asyncio.Future] = {}  # call id -> its result
+        self._next_call_id = 0
         self._loop_task: asyncio.Task | None = None
         self._engine_requests = 0  # running + waiting in the engine, by its latest stats
         # time.monotonic() of the last engine message, or of the moment work arrived at an
@@ -220,9 +223,13 @@ class AsyncLLM:
         return time.monotonic() - self._last_progress
 
     def fail_all(self, error: BaseException) -> None:
-        """End every pending request with ``error`` (each handler aborts its own)."""
+        """End every pending request with ``error`` (each handler aborts its own), and
+        every pending utility call."""
         for stream in list(self._streams.values()):
             stream.put(error)
+        for future in list(self._utility_calls.values()):
+            if not future.done():
+                future.set_exception(error)
 
     async def generate(
         self,
@@ -340,14 +347,35 @@ class AsyncLLM:
         await self._profile(True)
 
     async def stop_profile(self) -> None:
-        """The engine core stops recording and writes the trace into the configured folder
-        (moments later: the message is sent, the engine writes it between steps)."""
+        """The engine core stops recording and writes the trace into the configured
+        folder; returns once it is written."""
         await self._profile(False)
 
     async def _profile(self, start: bool) -> None:
         if not self.config.profiler_config.enabled:
             raise ValueError("no profiler: start the server with --profiler-config")
-        await self.client.send(EngineCoreRequestType.PROFILE, start)
+        await self.call_utility("profile", start)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache (vLLM's); False while blocks are in use
+        (running requests, pinned jobs): nothing is reset then, and the caller may retry."""
+        return bool(await self.call_utility("reset_prefix_cache"))
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run the engine's ``method`` (one of ``UTILITY_METHODS``) between its steps and
+        return its result; ``ValueError`` with its message if it raised,
+        ``EngineDeadError`` if the engine dies first."""
+        self.client._check_alive()
+        self._next_call_id += 1
+        call_id = self._next_call_id
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        try:
+            call = UtilityCall(call_id, self.client.client_index, method, args)
+            await self.client.send(EngineCoreRequestType.UTILITY, call)
+            return await future
+        finally:
+            self._utility_calls.pop(call_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Stop ``request_id`` (no-op if unknown or finished) and free its blocks."""
@@ -387,6 +415,13 @@ class AsyncLLM:
                 self._fail_request(payload)
             case EngineCoreOutputType.FATAL:
                 raise self.client.mark_dead(f"the engine core failed: {last_line(payload)}")
+            case EngineCoreOutputType.UTILITY_RESULT:
+                future = self._utility_calls.get(payload.call_id)
+                if future is not None and not future.done():  # else its caller left
+                    if payload.error is None:
+                        future.set_result(payload.result)
+                    else:
+                        future.set_exception(ValueError(payload.error))
             case _:  # READY again, or a type added to the enum but not handled here
                 raise self.client.mark_dead(
                     f"protocol error from the engine core: unexpected {msg_type.name}"

@@ -40,6 +40,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine import (
+    UTILITY_METHODS,
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreReady,
@@ -47,6 +48,8 @@ from vllm.v1.engine import (
     EngineCoreRequestType,
     ProtocolError,
     StampedOutputs,
+    UtilityCall,
+    UtilityResult,
     decode_message,
     encode_message,
 )
@@ -209,13 +212,25 @@ class EngineCoreProc:
                     self._owners.pop(request_id, None)
             case EngineCoreRequestType.SHUTDOWN:
                 self.running = False
-            case EngineCoreRequestType.PROFILE:
-                try:
-                    self.engine.profile(payload)
-                except Exception:  # a failed trace must not take the engine down
-                    logger.exception("profiling failed")
+            case EngineCoreRequestType.UTILITY:
+                self._utility(payload)
             case _:  # a type added to the enum but not handled here
                 raise ProtocolError(f"no handler for {msg_type.name}")
+
+    def _utility(self, call: UtilityCall) -> None:
+        """Run a utility method between steps and send its result to its caller; a
+        method that raises answers with the error (the engine goes on)."""
+        if not 0 <= call.client_index < len(self.outputs):
+            raise ProtocolError(f"UTILITY from front end {call.client_index}")
+        if call.method not in UTILITY_METHODS:
+            raise ProtocolError(f"UTILITY method {call.method!r} is not one of the engine's")
+        reply = UtilityResult(call.call_id)
+        try:
+            reply.result = getattr(self.engine, call.method)(*call.args)
+        except Exception as e:
+            logger.warning("utility %s failed: %s", call.method, e, exc_info=True)
+            reply.error = f"{type(e).__name__}: {e}"
+        self._send(EngineCoreOutputType.UTILITY_RESULT, reply, call.client_index)
 
     def _wait_s(self) -> float:
         """How long the loop may block for input: 0 with work, else until a deadline."""
