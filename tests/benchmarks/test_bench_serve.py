@@ -17,6 +17,8 @@ from vllm.benchmarks.serve import (
     arrival_gaps,
     compute_metrics,
     custom_requests,
+    parse_goodput,
+    ramp_rate,
     random_requests,
     sharegpt_requests,
 )
@@ -73,6 +75,41 @@ def test_arrivals_all_at_once_or_at_the_asked_rate():
             arrival_gaps(1, rate, burst, 0)
 
 
+def test_a_ramped_rate_and_the_slo_figures():
+    gaps = arrival_gaps(3000, math.inf, 1.0, 0, ramp=("linear", 5.0, 50.0))
+    early, late = statistics.fmean(gaps[:300]), statistics.fmean(gaps[-300:])
+    assert 0.13 < early < 0.22 and 0.017 < late < 0.026  # ~1/6 s, then ~1/49 s
+    assert ramp_rate("exponential", 2.0, 32.0, 2, 5) == pytest.approx(8.0)
+    assert parse_goodput(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
+    for bad in (["ttft"], ["speed:5"], ["e2el:-1"], ["tpot:x"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput(bad)
+    fast = RequestResult(True, "x", 10, 5, ttft=0.1, itl=[0.02] * 4, latency=0.18)
+    slow = RequestResult(True, "y", 10, 5, ttft=0.9, itl=[0.02] * 4, latency=0.98)
+    m = compute_metrics([fast, slow], 2.0, [50], ["ttft"], {"ttft": 500, "tpot": 20})
+    assert m["request_goodput"] == 0.5  # fast meets both, slow's TTFT is over
+    assert "request_goodput" not in compute_metrics([fast], 1.0, [50], ["ttft"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ramp-up-strategy", "linear"], "--ramp-up-start-rps"),
+        (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "2",
+          "--request-rate", "3"], "--request-rate"),
+        (["--ramp-up-strategy", "exponential", "--ramp-up-start-rps", "0",
+          "--ramp-up-end-rps", "2"], "> 0"),
+        (["--metadata", "nokey"], "KEY=VALUE"),
+    ],
+)  # fmt: skip
+def test_bad_ramps_and_metadata_are_flag_errors(flags, message):
+    from vllm.benchmarks.serve import _check
+
+    args = make_parser().parse_args(["bench", "serve", *flags])
+    with pytest.raises(ValueError, match=message):
+        _check(args)
+
+
 def test_figures_of_known_results():
     a = RequestResult(True, "x", 10, 5, ttft=0.1, itl=[0.02] * 4, latency=0.18, start_time=0.0)
     b = RequestResult(True, "y", 20, 1, ttft=0.3, itl=[], latency=0.3, start_time=0.05)
@@ -111,6 +148,7 @@ def test_bench_serve_against_the_server(server, tmp_path):
             "--ignore-eos", "--max-concurrency", "3", "--disable-tqdm", "--save-result",
             "--result-dir", str(tmp_path), "--result-filename", f"{backend}.json",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-detailed",
         ])  # fmt: skip
         assert main(args) == 0
         result = json.loads((tmp_path / f"{backend}.json").read_text())
@@ -125,6 +163,22 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert nobody.returncode == 1 and "model_not_found" in nobody.stderr
     bad = cli(*cmd, "--percentile-metrics", "ttft,foo")
     assert bad.returncode == 2 and "vllm bench serve: error: --percentile-metrics" in bad.stderr
+    # vLLM's other flags: SLO goodput, a ramped rate, warm-ups, appended results, metadata.
+    path = tmp_path / "runs.jsonl"
+    for _ in range(2):
+        args = make_parser().parse_args([*cmd, "--goodput", "e2el:600000", "ttft:0",
+                                         "--ramp-up-strategy", "linear", "--ramp-up-start-rps",
+                                         "20", "--ramp-up-end-rps", "40", "--num-warmups", "2",
+                                         "--append-result", "--result-filename", str(path),
+                                         "--metadata", "machine=ci", "--request-id-prefix",
+                                         "run-"])  # fmt: skip
+        assert main(args) == 0
+    runs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(runs) == 2 and all(r["machine"] == "ci" for r in runs)
+    assert runs[0]["request_goodput"] == 0.0  # no TTFT is 0 ms
+    assert runs[0]["ramp_up_strategy"] == "linear" and "ttfts" not in runs[0]
+    profiled = cli(*cmd, "--profile")  # the server has no --profiler-config
+    assert profiled.returncode == 1 and "/start_profile: HTTP 404" in profiled.stderr
 
 
 @pytest.mark.slow

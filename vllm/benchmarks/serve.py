@@ -25,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -223,18 +224,31 @@ async def send_request(
     return result
 
 
-def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
+def ramp_rate(strategy: str, start: float, end: float, index: int, num: int) -> float:
+    """vLLM's ramp-up: request ``index``'s rate, from ``start`` (the first request's) to
+    ``end`` (the last one's), linearly or geometrically in the request's position."""
+    progress = index / max(num - 1, 1)
+    if strategy == "linear":
+        return start + (end - start) * progress
+    return start * (end / start) ** progress
+
+
+def arrival_gaps(
+    num: int, rate: float, burstiness: float, seed: int,
+    ramp: tuple[str, float, float] | None = None,
+) -> list[float]:  # fmt: skip
     """Seconds to wait before each request: all at once for an infinite rate, otherwise
-    gamma-distributed gaps of mean ``1 / rate`` (``burstiness`` 1: Poisson; lower: burstier)."""
+    gamma-distributed gaps of mean ``1 / rate`` (``burstiness`` 1: Poisson; lower: burstier).
+    ``ramp`` (strategy, start, end): each gap's rate is ``ramp_rate``'s instead."""
     if burstiness <= 0:
         raise ValueError(f"--burstiness must be > 0, got {burstiness}")
-    if math.isinf(rate):
+    if ramp is None and math.isinf(rate):
         return [0.0] * num
-    if rate <= 0:
+    if ramp is None and rate <= 0:
         raise ValueError(f"--request-rate must be > 0, got {rate}")
     rng = random.Random(seed)
-    theta = 1.0 / (rate * burstiness)
-    return [rng.gammavariate(burstiness, theta) for _ in range(num)]
+    rates = [rate if ramp is None else ramp_rate(*ramp, i, num) for i in range(num)]
+    return [rng.gammavariate(burstiness, 1.0 / (r * burstiness)) for r in rates]
 
 
 async def run_requests(
@@ -242,7 +256,10 @@ async def run_requests(
 ) -> tuple[list[RequestResult], float]:
     import aiohttp
 
-    gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness, args.seed)
+    ramp = None
+    if args.ramp_up_strategy is not None:
+        ramp = (args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps)
+    gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness, args.seed, ramp)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
     progress = None
@@ -251,37 +268,61 @@ async def run_requests(
 
         progress = tqdm(total=len(samples))
 
-    async def one(session, req: SampleRequest) -> RequestResult:
+    async def one(session, req: SampleRequest, index: int, bar=progress) -> RequestResult:
         body = request_body(args, backend, model, req)
+        named = {**headers, "X-Request-Id": f"{args.request_id_prefix}{index}"}
         async with limit if limit is not None else contextlib.nullcontext():
-            result = await send_request(session, url, headers, body, req)
-        if progress is not None:
-            progress.update(1)
+            result = await send_request(session, url, named, body, req)
+        if bar is not None:
+            bar.update(1)
         return result
 
     connector = aiohttp.TCPConnector(limit=0, ssl=False if args.insecure else None)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=connector, trust_env=True
     ) as session:
+        if args.num_warmups:  # vLLM's: the first request, unmeasured, that many times
+            print(f"Warming up with {args.num_warmups} requests...")
+            warmups = [one(session, samples[0], -1 - i, None) for i in range(args.num_warmups)]
+            failed = [r.error for r in await asyncio.gather(*warmups) if not r.success]
+            if failed:
+                raise RuntimeError(f"a warm-up request failed: {failed[0]}")
+        root = server_root(url)
+        if args.profile:
+            await _profile(session, root + "/start_profile", headers)
         start = time.perf_counter()
         tasks = []
-        for gap, req in zip(gaps, samples, strict=True):
+        for index, (gap, req) in enumerate(zip(gaps, samples, strict=True)):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(session, req)))
+            tasks.append(asyncio.create_task(one(session, req, index)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        if args.profile:
+            await _profile(session, root + "/stop_profile", headers)
     if progress is not None:
         progress.close()
     return list(results), duration
 
 
+async def _profile(session, url: str, headers: dict) -> None:
+    """--profile: POST the server's profiling route (it needs --profiler-config)."""
+    async with session.post(url, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(
+                f"{url}: HTTP {response.status} (start the server with --profiler-config)"
+            )
+    print(f"{url.rsplit('/', 1)[1]}: done")
+
+
 # -- the figures ------------------------------------------------------------------------
 def compute_metrics(
     results: Sequence[RequestResult], duration: float, percentiles: Sequence[float],
-    selected: Sequence[str],
+    selected: Sequence[str], goodput: dict[str, float] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """vLLM's result keys: counts, throughputs and, per metric, mean/median/std/pNN in ms."""
+    """vLLM's result keys: counts, throughputs and, per metric, mean/median/std/pNN in ms.
+    ``goodput`` (--goodput, SLOs in ms of ttft / tpot / e2el): ``request_goodput``, the
+    completed requests per second that met every one (a one-token output's TPOT is 0)."""
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
@@ -302,6 +343,10 @@ def compute_metrics(
         "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
         **_peaks(ok),
     }
+    if goodput:
+        good = sum(all(_slo_value(r, name) * 1000 <= limit for name, limit in goodput.items())
+                   for r in ok)  # fmt: skip
+        out["request_goodput"] = good / duration if duration else 0.0
     for name in selected:
         ms = [v * 1000 for v in values[name]]
         out[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else 0.0
@@ -310,6 +355,33 @@ def compute_metrics(
         for p in percentiles:
             out[f"p{_label(p)}_{name}_ms"] = percentile(ms, p) if ms else 0.0
     return out
+
+
+def _slo_value(r: RequestResult, name: str) -> float:
+    if name == "ttft":
+        return r.ttft
+    if name == "tpot":
+        return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+    return r.latency
+
+
+def parse_goodput(items: Sequence[str]) -> dict[str, float]:
+    """--goodput's KEY:VALUE pairs (ttft, tpot, e2el; milliseconds, >= 0); ``ValueError``
+    naming the flag."""
+    slos = {}
+    for item in items:
+        name, sep, value = item.partition(":")
+        try:
+            limit = float(value)
+        except ValueError:
+            limit = -1.0
+        if not sep or name not in ("ttft", "tpot", "e2el") or limit < 0:
+            raise ValueError(
+                f"--goodput takes KEY:VALUE pairs, a metric (ttft, tpot, e2el) and its "
+                f"limit in ms (>= 0), got {item!r}"
+            )
+        slos[name] = limit
+    return slos
 
 
 def _peaks(ok: Sequence[RequestResult]) -> dict[str, float]:
@@ -350,6 +422,11 @@ def report(metrics: dict[str, Any], selected: Sequence[str], percentiles: Sequen
         f"{'Total input tokens:':<40}{metrics['total_input_tokens']:<10}",
         f"{'Total generated tokens:':<40}{metrics['total_output_tokens']:<10}",
         f"{'Request throughput (req/s):':<40}{metrics['request_throughput']:<10.2f}",
+        *(
+            [f"{'Request goodput (req/s):':<40}{metrics['request_goodput']:<10.2f}"]
+            if "request_goodput" in metrics
+            else []
+        ),  # fmt: skip
         f"{'Output token throughput (tok/s):':<40}{metrics['output_throughput']:<10.2f}",
         f"{'Peak output token throughput (tok/s):':<40}{metrics['max_output_tokens_per_s']:<10.2f}",
         f"{'Peak concurrent requests:':<40}{metrics['max_concurrent_requests']:<10}",
@@ -383,6 +460,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="The served model (default: the first /v1/models lists)."
     )
     p.add_argument("--tokenizer", default=None, help="The tokenizer (default: the model's).")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="The name the requests give as their model (default: --model's).",
+    )
     p.add_argument("--dataset-name", choices=("random", "custom", "sharegpt"), default="random")
     p.add_argument(
         "--dataset-path", default=None, help="The custom (JSONL) or ShareGPT (JSON) file."
@@ -401,6 +483,37 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="Requests per second (Poisson, shaped by --burstiness); inf: all at once.",
     )
     p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument(
+        "--ramp-up-strategy",
+        choices=("linear", "exponential"),
+        default=None,
+        help="vLLM's: the request rate goes from --ramp-up-start-rps (the first request's) to "
+        "--ramp-up-end-rps (the last one's) over the run, instead of --request-rate.",
+    )
+    p.add_argument("--ramp-up-start-rps", type=float, default=None)
+    p.add_argument("--ramp-up-end-rps", type=float, default=None)
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:VALUE",
+        help="Service-level objectives in ms (ttft, tpot, e2el), e.g. 'ttft:500 tpot:50': "
+        "also report the requests per second that met all of them.",
+    )
+    p.add_argument(
+        "--num-warmups", type=int, default=0, help="Unmeasured requests sent first (vLLM's)."
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="Profile the run: POST /start_profile before it and /stop_profile after (the "
+        "server needs --profiler-config).",
+    )
+    p.add_argument(
+        "--request-id-prefix",
+        default=f"bench-{uuid.uuid4().hex[:8]}-",
+        help="Each request's X-Request-Id is this and its position.",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
@@ -427,6 +540,23 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", default=None)
     p.add_argument("--result-filename", default=None)
     p.add_argument("--label", default=None)
+    p.add_argument(
+        "--append-result",
+        action="store_true",
+        help="Append the result as one JSON line to the result file (else it is rewritten).",
+    )
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="Keep each request's lengths, times, text and error in the result file.",
+    )
+    p.add_argument(
+        "--metadata",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="More fields for the result file (the machine, the commit...).",
+    )
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument(
         "--insecure", action="store_true", help="Do not verify an HTTPS server's certificate."
@@ -456,6 +586,19 @@ def _check(args) -> tuple[list[str], list[float]]:
         raise ValueError("--num-prompts must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    if args.ramp_up_strategy is not None:
+        if not math.isinf(args.request_rate):
+            raise ValueError("--ramp-up-strategy sets the rate: leave --request-rate out")
+        start, end = args.ramp_up_start_rps, args.ramp_up_end_rps
+        if start is None or end is None:
+            raise ValueError("--ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps")
+        if start <= 0 or end <= 0:
+            raise ValueError("--ramp-up-start-rps and --ramp-up-end-rps must be > 0")
+    if args.num_warmups < 0:
+        raise ValueError("--num-warmups must be >= 0")
+    for item in args.metadata or ():
+        if "=" not in item:
+            raise ValueError(f"--metadata takes KEY=VALUE, got {item!r}")
     if args.dataset_name != "random" and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
@@ -499,6 +642,7 @@ def _wait_ready(root: str, timeout_s: int, verify: bool) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 if any request succeeded (1: none did)."""
     selected, percentiles = _check(args)
+    goodput = parse_goodput(args.goodput) if args.goodput else None
     headers = _headers(args)
     root = server_root(args.base_url or f"http://{args.host}:{args.port}")
     verify = not args.insecure
@@ -519,15 +663,20 @@ def main(args: argparse.Namespace) -> int:
         samples = sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts,
                                      args.sharegpt_output_len, args.seed)  # fmt: skip
     url = root + (args.endpoint or BACKENDS[args.backend])
-    print(f"Benchmarking {model} at {url}: {len(samples)} requests, rate {args.request_rate}, "
+    rate = args.request_rate
+    if args.ramp_up_strategy is not None:
+        rate = (f"{args.ramp_up_strategy} ramp-up from {args.ramp_up_start_rps} to "
+                f"{args.ramp_up_end_rps}")  # fmt: skip
+    served = args.served_model_name or model
+    print(f"Benchmarking {served} at {url}: {len(samples)} requests, rate {rate}, "
           f"max concurrency {args.max_concurrency}")  # fmt: skip
-    results, duration = asyncio.run(run_requests(args, url, headers, model, args.backend, samples))
-    metrics = compute_metrics(results, duration, percentiles, selected)
+    results, duration = asyncio.run(run_requests(args, url, headers, served, args.backend, samples))
+    metrics = compute_metrics(results, duration, percentiles, selected, goodput)
     print(report(metrics, selected, percentiles))
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"{len(errors)} requests failed; the first: {errors[0]}", file=sys.stderr)
-    if args.save_result:
+    if args.save_result or args.append_result:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         name = (
             args.result_filename
@@ -540,15 +689,27 @@ def main(args: argparse.Namespace) -> int:
             "tokenizer_id": args.tokenizer or model, "num_prompts": args.num_prompts,
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
             "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+            **dict(item.split("=", 1) for item in args.metadata or ()),
             **metrics,
-            "input_lens": [r.prompt_len for r in results],
-            "output_lens": [r.output_tokens for r in results],
-            "ttfts": [r.ttft for r in results],
-            "itls": [r.itl for r in results],
-            "generated_texts": [r.generated_text for r in results],
-            "errors": [r.error for r in results],
         }  # fmt: skip
-        with open(path, "w") as f:
-            json.dump(record, f, indent=2)
+        if args.ramp_up_strategy is not None:
+            record.update(ramp_up_strategy=args.ramp_up_strategy,
+                          ramp_up_start_rps=args.ramp_up_start_rps,
+                          ramp_up_end_rps=args.ramp_up_end_rps)  # fmt: skip
+        if args.save_detailed:  # vLLM's: per request, only when asked
+            record.update(
+                input_lens=[r.prompt_len for r in results],
+                output_lens=[r.output_tokens for r in results],
+                ttfts=[r.ttft for r in results],
+                itls=[r.itl for r in results],
+                generated_texts=[r.generated_text for r in results],
+                errors=[r.error for r in results],
+            )
+        if args.append_result:  # one JSON line per run
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        else:
+            with open(path, "w") as f:
+                json.dump(record, f, indent=2)
         print(f"Results: {path}")
     return 0 if metrics["completed"] else 1

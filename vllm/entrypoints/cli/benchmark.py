@@ -40,6 +40,9 @@ def run_bench_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     except ValueError as e:  # a bad flag value or dataset: one line, as argparse's
         print(f"vllm bench serve: error: {e}", file=sys.stderr)
         status = 2
+    except RuntimeError as e:  # the server refused a warm-up or the profiler: one line
+        print(f"vllm bench serve: error: {e}", file=sys.stderr)
+        status = 1
     sys.exit(status)
 
 
