@@ -62,9 +62,10 @@ class StructuredOutputsParams:
             )
 
 
-# The longest n-gram repetition_detection looks for: its check runs after every token,
-# and costs up to a pattern's length per size looked at.
+# The longest n-gram repetition_detection looks for, and the longest tail it may compare
+# (max_pattern_size * min_count): its check runs after every token of the request.
 MAX_REPETITION_PATTERN = 1024
+MAX_REPETITION_SPAN = 16384
 
 
 @dataclass
@@ -88,17 +89,24 @@ class RepetitionDetectionParams:
             raise _bad(name, self, "min_pattern_size must be <= max_pattern_size")
         if self.max_pattern_size > MAX_REPETITION_PATTERN:
             raise _bad(name, self, f"max_pattern_size must be <= {MAX_REPETITION_PATTERN}")
+        if self.max_pattern_size * self.min_count > MAX_REPETITION_SPAN:
+            raise _bad(name, self, f"max_pattern_size * min_count must be <= {MAX_REPETITION_SPAN}")
         if self.max_pattern_size > 0 and self.min_count < 2:
             raise _bad(name, self, "min_count must be >= 2 (or max_pattern_size 0: off)")
 
     def repeats(self, token_ids: list[int]) -> bool:
-        """Whether ``token_ids`` ends in a pattern repeated ``min_count`` times."""
-        count = self.min_count
+        """Whether ``token_ids`` ends in a pattern repeated ``min_count`` times. Token by
+        token from the end, stopping at the first difference: a tail that does not
+        repeat costs a comparison or two per size."""
+        ids, n, count = token_ids, len(token_ids), self.min_count
         for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
-            if size * count > len(token_ids):
+            if size * count > n:
                 return False
-            tail = token_ids[-size:]
-            if all(token_ids[-size * (k + 1) : -size * k] == tail for k in range(1, count)):
+            if all(
+                ids[n - 1 - j] == ids[n - 1 - j - size * k]
+                for k in range(1, count)
+                for j in range(size)
+            ):
                 return True
         return False
 

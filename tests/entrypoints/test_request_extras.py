@@ -145,6 +145,7 @@ def test_repetition_detection_finds_a_repeated_tail(ids, sizes, count):
     [({"max_pattern_size": 4, "min_count": 1}, "min_count"),
      ({"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}, "min_pattern_size"),
      ({"max_pattern_size": 5000, "min_count": 2}, "1024"),
+     ({"max_pattern_size": 1000, "min_count": 20}, "16384"),
      ({"max_pattern_size": -1}, ">= 0"), ({"max_pattern_size": 2, "count": 2}, "malformed")],
 )  # fmt: skip
 def test_bad_repetition_detection_is_refused_naming_it(fields, why):
