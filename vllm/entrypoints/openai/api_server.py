@@ -397,7 +397,8 @@ def build_app(
             None,
         )
 
-    if vllm_config.profiler_config.enabled:  # as vLLM: the routes exist with a profiler
+    profiler = getattr(vllm_config, "profiler_config", None)  # (a test's config may lack it)
+    if profiler is not None and profiler.enabled:  # as vLLM: the routes exist with a profiler
 
         @app.post(PROFILE_PATHS[0], responses=openapi.PROFILE_RESPONSES)
         async def start_profile():
