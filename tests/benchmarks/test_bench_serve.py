@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from vllm.benchmarks.serve import (
     compute_metrics,
     custom_requests,
     parse_goodput,
+    prefix_repetition_requests,
     ramp_rate,
     random_requests,
     sharegpt_requests,
@@ -39,6 +41,20 @@ def test_random_prompts_have_the_drawn_lengths_and_share_the_prefix(tokenizer):
     assert [r.prompt for r in again] == [r.prompt for r in reqs]  # the seed fixes them
     with pytest.raises(ValueError, match="range-ratio"):
         random_requests(tokenizer, 1, 50, 10, 1.0, 0, seed=0)
+
+
+def test_prefix_repetition_groups_prompts_behind_shared_prefixes(tokenizer):
+    reqs = prefix_repetition_requests(tokenizer, 13, 32, 8, 3, 5, seed=1)
+    assert len(reqs) == 12 and all(r.expected_output_len == 5 for r in reqs)  # 13 // 3 each
+    heads = [tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[:24]) for r in reqs]
+    assert sorted(heads.count(h) for h in set(heads)) == [4, 4, 4]
+    assert heads[:4] != [heads[0]] * 4 or heads[4:8] != [heads[4]] * 4  # shuffled
+    assert all(36 <= r.prompt_len <= 44 for r in reqs)
+    assert [r.prompt for r in prefix_repetition_requests(tokenizer, 13, 32, 8, 3, 5, seed=1)] == [
+        r.prompt for r in reqs
+    ]  # the seed fixes them
+    with pytest.raises(ValueError, match="num-prefixes"):
+        prefix_repetition_requests(tokenizer, 2, 32, 8, 3, 5, seed=1)
 
 
 def test_custom_and_sharegpt_files(tokenizer, tmp_path):
@@ -177,6 +193,12 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert len(runs) == 2 and all(r["machine"] == "ci" for r in runs)
     assert runs[0]["request_goodput"] == 0.0  # no TTFT is 0 ms
     assert runs[0]["ramp_up_strategy"] == "linear" and "ttfts" not in runs[0]
+    shared = cli("bench", "serve", "--base-url", server.base, "--disable-tqdm",
+                 "--dataset-name", "prefix_repetition", "--num-prompts", "4",
+                 "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-prefix-len",
+                 "32", "--prefix-repetition-suffix-len", "4", "--prefix-repetition-output-len",
+                 "2")  # fmt: skip
+    assert shared.returncode == 0 and re.search(r"Successful requests:\s+4\s", shared.stdout)
     profiled = cli(*cmd, "--profile")  # the server has no --profiler-config
     assert profiled.returncode == 1 and "/start_profile: HTTP 404" in profiled.stderr
 

@@ -96,6 +96,41 @@ def random_requests(
     return out
 
 
+def prefix_repetition_requests(
+    tokenizer, num: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
+    seed: int,
+) -> list[SampleRequest]:  # fmt: skip
+    """vLLM's ``prefix_repetition`` dataset: ``num_prefixes`` random prefixes, each shared
+    by ``num // num_prefixes`` prompts that go on with their own random suffix, shuffled
+    (a prefix cache's workload: every group but its first prompt can hit). Tokens are
+    random vocabulary ids, re-encoded as ``random_requests``' are."""
+    if num_prefixes < 1 or num < num_prefixes:
+        raise ValueError(
+            f"--num-prompts ({num}) must be >= --prefix-repetition-num-prefixes "
+            f"({num_prefixes}), which must be >= 1"
+        )
+    if prefix_len < 0 or suffix_len < 1 or output_len < 1:
+        raise ValueError("--prefix-repetition-suffix-len and -output-len must be >= 1")
+    rng = random.Random(seed)
+    vocab = _vocab_ids(tokenizer)
+
+    def text_of(n: int) -> str:  # n random tokens as text that encodes back to n tokens
+        ids = tokenizer.encode(
+            tokenizer.decode([rng.choice(vocab) for _ in range(n)]), add_special_tokens=False
+        )[:n]
+        return tokenizer.decode(ids)
+
+    out = []
+    for _ in range(num_prefixes):
+        prefix = text_of(prefix_len) if prefix_len else ""
+        for _ in range(num // num_prefixes):
+            prompt = prefix + text_of(suffix_len)
+            length = len(tokenizer.encode(prompt, add_special_tokens=False))
+            out.append(SampleRequest(prompt, length, output_len))
+    rng.shuffle(out)
+    return out
+
+
 def custom_requests(
     tokenizer, path: str, num: int, output_len: int, seed: int
 ) -> list[SampleRequest]:
@@ -465,7 +500,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="The name the requests give as their model (default: --model's).",
     )
-    p.add_argument("--dataset-name", choices=("random", "custom", "sharegpt"), default="random")
+    p.add_argument(
+        "--dataset-name",
+        choices=("random", "custom", "sharegpt", "prefix_repetition"),
+        default="random",
+    )
     p.add_argument(
         "--dataset-path", default=None, help="The custom (JSONL) or ShareGPT (JSON) file."
     )
@@ -475,6 +514,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--random-prefix-len", type=int, default=0)
     p.add_argument("--custom-output-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument(
         "--request-rate",
@@ -599,7 +642,7 @@ def _check(args) -> tuple[list[str], list[float]]:
     for item in args.metadata or ():
         if "=" not in item:
             raise ValueError(f"--metadata takes KEY=VALUE, got {item!r}")
-    if args.dataset_name != "random" and not args.dataset_path:
+    if args.dataset_name not in ("random", "prefix_repetition") and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
@@ -656,6 +699,12 @@ def main(args: argparse.Namespace) -> int:
         samples = random_requests(tokenizer, args.num_prompts, args.random_input_len,
                                    args.random_output_len, args.random_range_ratio,
                                    args.random_prefix_len, args.seed)  # fmt: skip
+    elif args.dataset_name == "prefix_repetition":
+        samples = prefix_repetition_requests(
+            tokenizer, args.num_prompts, args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len, args.seed,
+        )  # fmt: skip
     elif args.dataset_name == "custom":
         samples = custom_requests(tokenizer, args.dataset_path, args.num_prompts,
                                    args.custom_output_len, args.seed)  # fmt: skip
