@@ -60,6 +60,15 @@ _UNITS = {"": 1, "b": 1} | {
 }
 
 
+def _check_json_config(name: str, spec: Any, keys: Sequence[str]) -> None:
+    """A JSON-object flag's value: a dict of only ``keys`` (``ValueError`` naming it)."""
+    if not isinstance(spec, dict):
+        raise bad_value(name, spec, "must be a JSON object")
+    unknown = sorted(set(spec) - set(keys))
+    if unknown:
+        raise bad_value(name, unknown, f"has keys this engine does not take; it takes {list(keys)}")
+
+
 def parse_json_object(text: str | dict, name: str) -> dict[str, Any]:
     """A flag's JSON object (a dict passes through); ValueError naming ``name``."""
     if isinstance(text, dict):
@@ -483,14 +492,7 @@ class SpeculativeConfig:
         spec = self.speculative_config
         if spec is None:
             return
-        if not isinstance(spec, dict):
-            raise bad_value("speculative_config", spec, "must be a JSON object")
-        unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
-        if unknown:
-            raise bad_value(
-                "speculative_config", unknown, f"has keys this engine does not take; it takes "
-                f"{list(_SPECULATIVE_KEYS)}",
-            )  # fmt: skip
+        _check_json_config("speculative_config", spec, _SPECULATIVE_KEYS)
         if spec.get("method") not in SPECULATIVE_METHODS:
             raise bad_value(
                 "speculative_config.method",
@@ -636,14 +638,7 @@ class ProfilerConfig:
         spec = self.profiler_config
         if spec is None:
             return
-        if not isinstance(spec, dict):
-            raise bad_value("profiler_config", spec, "must be a JSON object")
-        unknown = sorted(set(spec) - set(PROFILER_DEFAULTS))
-        if unknown:
-            raise bad_value(
-                "profiler_config", unknown,
-                f"has keys this engine does not take; it takes {list(PROFILER_DEFAULTS)}",
-            )  # fmt: skip
+        _check_json_config("profiler_config", spec, tuple(PROFILER_DEFAULTS))
         options = self.options
         if options["profiler"] not in (None, "torch"):
             raise bad_value(
