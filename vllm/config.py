@@ -622,8 +622,8 @@ PROFILER_DEFAULTS: dict[str, Any] = {
 @dataclass(frozen=True)
 class ProfilerConfig:
     """torch.profiler traces on demand (vLLM's --profiler-config): POST /start_profile and
-    /stop_profile (or LLM.start_profile / stop_profile) record the engine process (CPU,
-    and CUDA kernels on a GPU) and the API server, and write a Chrome trace each."""
+    /stop_profile (or LLM.start_profile / stop_profile) record the engine core's steps
+    (CPU, and CUDA kernels on a GPU) and write a Chrome trace of them."""
 
     profiler_config: dict[str, Any] | None = config_field(
         None,
