@@ -12,11 +12,14 @@ from vllm.exceptions import VLLMValidationError
 
 
 def check_pairing(first: Sequence, second: Sequence, names: tuple[str, str]) -> None:
-    """``VLLMValidationError`` naming the side unless ``first`` and ``second`` pair 1:1,
-    1:N (the one first text against each second one) or N:N (in order)."""
+    """``VLLMValidationError`` naming the side unless both hold texts, none empty, and
+    ``first`` and ``second`` pair 1:1, 1:N (the one first text against each second one)
+    or N:N (in order)."""
     for side, name in zip((first, second), names, strict=True):
         if not side:
             raise VLLMValidationError(f"{name} must hold at least one text", name)
+        if any(not text for text in side):
+            raise VLLMValidationError(f"{name} must not hold an empty text", name)
     if len(first) > 1 and len(first) != len(second):
         raise VLLMValidationError(
             f"{names[0]} and {names[1]} must pair 1:1, 1:N or N:N, got {len(first)}:{len(second)}",

@@ -83,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def entry(token_id: int, logprob: float) -> dict:
             text = self.engine.decode([token_id])
-            token = f"token_id:{token_id}" if as_ids else text
+            token = self.logprob_token(token_id, as_ids, text)
             return {"token": token, "logprob": logprob, "bytes": list(text.encode())}
 
         content = [

@@ -71,14 +71,13 @@ class OpenAIServingCompletion(OpenAIServing):
         for text in texts:
             offsets.append(offset)
             offset += len(text)
-
-        def name(t: int) -> str:
-            return self.logprob_token(t, as_ids)
-
+        name = self.logprob_token
         return {
-            "tokens": [f"token_id:{t}" for t in ids] if as_ids else texts,
+            "tokens": [name(t, as_ids, text) for t, text in zip(ids, texts, strict=True)],
             "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-            "top_logprobs": [None if lp is None else {name(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [
+                None if lp is None else {name(t, as_ids): v for t, v in lp.top} for lp in lps
+            ],
             "text_offset": offsets,
         }
 

@@ -229,9 +229,12 @@ class OpenAIServing:
         own = request.return_tokens_as_token_ids
         return self.args.return_tokens_as_token_ids if own is None else own
 
-    def logprob_token(self, token_id: int, as_id: bool) -> str:
-        """A logprob entry's ``token``: its text, or (``as_id``) ``token_id:<id>``."""
-        return f"token_id:{token_id}" if as_id else self.engine.decode([token_id])
+    def logprob_token(self, token_id: int, as_id: bool, text: str | None = None) -> str:
+        """A logprob entry's ``token``: its text (``text``, else decoded here), or
+        (``as_id``) ``token_id:<id>``."""
+        if as_id:
+            return f"token_id:{token_id}"
+        return self.engine.decode([token_id]) if text is None else text
 
     @staticmethod
     def request_ids(request: _SamplingFields, prefix: str) -> tuple[str, str]:

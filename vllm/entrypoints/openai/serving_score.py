@@ -36,13 +36,6 @@ def _as_list(texts: Texts | None) -> list[str]:
     return [texts] if isinstance(texts, str) else list(texts or [])
 
 
-def _check_texts(texts: list[str], name: str) -> None:
-    if not texts:
-        raise VLLMValidationError(f"{name} must hold at least one text", name)
-    if any(not t for t in texts):
-        raise VLLMValidationError(f"{name} must not hold an empty text", name)
-
-
 class _ScoringFields(BaseModel):
     """What /score and /rerank share (vLLM's scoring fields, text inputs only). A field
     for a cross-encoder's template or activation asks for something a bi-encoder does
@@ -124,8 +117,6 @@ class OpenAIServingScore(OpenAIServing):
     ) -> Response:
         first, second, names = request.sides()
         check_pairing(first, second, names)
-        _check_texts(first, names[0])
-        _check_texts(second, names[1])
         scored = await self._scores(request, first, second, received, receive, "score")
         if isinstance(scored, Response):
             return scored
@@ -144,8 +135,7 @@ class OpenAIServingScore(OpenAIServing):
         self, request: RerankRequest, received: float | None = None, receive=None
     ) -> Response:
         documents = _as_list(request.documents)
-        _check_texts([request.query], "query")
-        _check_texts(documents, "documents")
+        check_pairing([request.query], documents, ("query", "documents"))
         scored = await self._scores(
             request, [request.query], documents, received, receive, "rerank"
         )
