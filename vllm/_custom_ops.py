@@ -17,6 +17,8 @@ another exp).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -71,6 +73,25 @@ def _load_native():
     return _native
 
 
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """One build of the cache folder at a time, under an ``flock`` that the kernel drops
+    when its holder dies. torch's own lock is a bare file (``out/lock``) that a build killed
+    midway (a server stopped while it compiles, a test run cut short) leaves behind, and
+    every later build then waits on it forever; under our lock no build of ours is running,
+    so such a file is stale and is removed."""
+    with open(out / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = out / "lock"
+            if stale.exists():
+                logger.warning("Removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(verbose: bool = False) -> Path:
     """JIT-compile the native kernels into the cache folder (needs a C++ compiler)."""
     from torch.utils.cpp_extension import load
@@ -79,15 +100,16 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(f"no kernel sources in {_CSRC}")
     out = _cache_dir()
     out.mkdir(parents=True, exist_ok=True)
-    load(
-        name=_jit_name(),
-        sources=[str(src) for src in _SOURCES],
-        extra_cflags=["-O3", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(out),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with _build_lock(out):
+        load(
+            name=_jit_name(),
+            sources=[str(src) for src in _SOURCES],
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(out),
+            is_python_module=False,
+            verbose=verbose,
+        )
     global _tried
     _tried = False
     _ops.clear()

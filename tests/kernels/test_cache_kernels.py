@@ -1,12 +1,16 @@
-"""The native reshape_and_cache equals the pure-torch one (the native build is slow: marked)."""
+"""The native reshape_and_cache equals the pure-torch one; a killed build never blocks the next."""
 
 from __future__ import annotations
 
-import shutil
+import fcntl
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.kernels.conftest import require_native
 from vllm import _custom_ops as ops
 
 
@@ -33,11 +37,8 @@ def test_torch_fallback_writes_each_token_to_its_slot():
     assert int(written.sum()) == int((slots >= 0).sum())
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_native_kernel_matches_fallback():
-    ops.build()
-    assert ops.has_native_kernels()
+    require_native(ops.has_native_kernels)  # built by `make kernels`, else here (slow)
     key, value, cache, slots = _random_case()
     expected = cache.clone()
     ops.reshape_and_cache_torch(key, value, expected, slots)
@@ -100,3 +101,49 @@ def test_no_host_sync_on_cuda_tensors():
         ops.reshape_and_cache(key, value, cache, slots)  # the dispatcher takes it on CUDA
         with pytest.raises(DataDependentOutputException):
             bool((slots >= 0).all())
+
+
+def _fake_load(seen: list):
+    """torch's ``cpp_extension.load`` as the build sees it: records whether torch's lock
+    file is there when it would take it, and writes the library the build names."""
+
+    def load(name, build_directory, **_):
+        seen.append((Path(build_directory) / "lock").exists())
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    return load
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
+    """A killed build leaves torch's bare lock file; the next build removes it (under our
+    flock no build of ours runs) instead of waiting on it forever."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    seen: list[bool] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", _fake_load(seen))
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "lock").touch()  # what a SIGKILLed torch build leaves
+    assert ops.build() == tmp_path / "kernels" / f"{ops._jit_name()}.so"
+    assert seen == [False]
+
+
+def test_a_live_build_is_waited_for(tmp_path, monkeypatch):
+    """While another process holds the build flock, a build waits; it goes on when the
+    holder releases it (or dies: the kernel drops an flock with its process)."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    seen: list[bool] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", _fake_load(seen))
+    (tmp_path / "kernels").mkdir()
+    holder = open(tmp_path / "kernels" / "build.flock", "a")  # another open file: flocks conflict
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    t = threading.Thread(target=ops.build)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and seen == []
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    holder.close()
+    t.join(timeout=10)
+    assert not t.is_alive() and seen == [False]
