@@ -15,8 +15,9 @@ GIB = 2**30
 
 
 def engine_args_for(*flags):
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     return AsyncEngineArgs.from_cli_args(parser.parse_args(list(flags)))
@@ -83,7 +84,6 @@ def test_upstreams_cpu_build_runs_without_a_tier_and_says_why(caplog):
 
 def test_the_policy_knows_whether_upstream_has_a_tier(vllm_config, monkeypatch):
     from vllm.config import KVTransferConfig
-
     from vllm_continuum.context_serve.config import ContextServeConfig
 
     assert not make_scheduler(vllm_config).agent_policy.has_tier

@@ -665,6 +665,84 @@ class ProfilerConfig:
         return self.options["profiler"] == "torch"
 
 
+# --kv-events-config's keys (vLLM's names), with their defaults; "publisher" defaults to
+# "zmq" when events are on, "null" otherwise.
+KV_EVENTS_DEFAULTS: dict[str, Any] = {
+    "enable_kv_cache_events": False,
+    "publisher": None,
+    "endpoint": "tcp://*:5557",
+    "replay_endpoint": None,
+    "buffer_steps": 10_000,
+    "hwm": 100_000,
+    "max_queue_size": 100_000,
+    "topic": "",
+}
+_ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events (vLLM's --kv-events-config): each step's changes to the set of
+    prefix-cache blocks the engine holds (stored, removed, all cleared; in the KV cache
+    and in the host-memory tier) published on a ZeroMQ PUB socket in vLLM's msgpack
+    format, for KV-aware routers."""
+
+    kv_events_config: dict[str, Any] | None = config_field(
+        None,
+        'JSON object, vLLM\'s: {"enable_kv_cache_events": true} publishes on tcp://*:5557; '
+        'optionally "publisher" ("zmq" or "null"), "endpoint" (a ZeroMQ address: bound when '
+        'it has * or is ipc/inproc, else connected to), "replay_endpoint" (a ROUTER socket '
+        'that resends missed batches), "buffer_steps" (10000 batches kept for replay), '
+        '"hwm" (100000), "max_queue_size" (100000), "topic" (""). Unset: no events.',
+        parse=lambda text: parse_json_object(text, "kv_events_config"),
+    )
+
+    def __post_init__(self) -> None:
+        spec = self.kv_events_config
+        if spec is None:
+            return
+        _check_json_config("kv_events_config", spec, tuple(KV_EVENTS_DEFAULTS))
+        options = self.options
+        if not isinstance(options["enable_kv_cache_events"], bool):
+            raise bad_value(
+                "kv_events_config.enable_kv_cache_events",
+                options["enable_kv_cache_events"],
+                "must be true or false",
+            )
+        if options["publisher"] not in ("zmq", "null"):
+            raise bad_value(
+                "kv_events_config.publisher", options["publisher"], "must be 'zmq' or 'null'"
+            )
+        for key in ("endpoint", "replay_endpoint"):
+            value = options[key]
+            if value is None and key == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or not value.startswith(_ZMQ_TRANSPORTS):
+                raise bad_value(
+                    f"kv_events_config.{key}", value, f"must be a ZeroMQ address {_ZMQ_TRANSPORTS}"
+                )
+        for key, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise bad_value(f"kv_events_config.{key}", value, f"must be an integer >= {low}")
+        if not isinstance(options["topic"], str):
+            raise bad_value("kv_events_config.topic", options["topic"], "must be a string")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Every key, the unset ones at their defaults (the publisher resolved)."""
+        options = {**KV_EVENTS_DEFAULTS, **(self.kv_events_config or {})}
+        if options["publisher"] is None:
+            options["publisher"] = "zmq" if options["enable_kv_cache_events"] is True else "null"
+        return options
+
+    @property
+    def enabled(self) -> bool:
+        """Events are recorded and published (vLLM: both the switch and a real publisher)."""
+        options = self.options
+        return options["enable_kv_cache_events"] is True and options["publisher"] == "zmq"
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """All engine configs; each field's type is one group of CLI flags."""
@@ -679,6 +757,7 @@ class VllmConfig:
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         if self.model_config.is_pooling and self.speculative_config.enabled:
@@ -696,4 +775,11 @@ class VllmConfig:
                 "--kv-offloading-size needs prefix caching (the tier finds blocks by their "
                 "prefix hash): drop --no-enable-prefix-caching or --kv-offloading-size "
                 "(--enable-prefix-caching is the default)"
+            )
+        if self.kv_events_config.enabled and not self.cache_config.enable_prefix_caching:
+            # The events name prefix-cache blocks: without prefix caching there are none.
+            # (vLLM only warns and publishes nothing.)
+            raise ValueError(
+                "--kv-events-config needs prefix caching (its events name prefix-cache "
+                "blocks): drop --no-enable-prefix-caching or the events"
             )

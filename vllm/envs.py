@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     VLLM_SERVER_DEV_MODE: bool
     VLLM_GC_DEBUG: str | None
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: bool
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
     RUN_OUTPUT_DIR: str | None
@@ -122,6 +123,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (generation, duration, objects freed); '{"top_objects": N}' adds the N commonest types
     # examined. Unset: no log (vllm/utils/gc_utils.py).
     "VLLM_GC_DEBUG": lambda: (os.getenv("VLLM_GC_DEBUG") or "").strip() or None,
+    # vLLM's variable: KV cache events name blocks by a 64-bit integer (the low 64 bits
+    # of the hash); "0": by the whole 32-byte sha256 digest.
+    "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": lambda: (
+        os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+    ),
     # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
     "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
     # libgomp's spin count / wait policy: when the user sets either, the engine process

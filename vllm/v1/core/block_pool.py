@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVEventLog
     from vllm.v1.request import Request
 
 
@@ -54,7 +56,14 @@ class BlockPool:
     A free block may still hold a hash ("cached"): it is evicted lazily when popped.
     """
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool = True,
+        kv_events: KVEventLog | None = None,
+    ) -> None:
+        """``kv_events``: where to record each hash this pool starts or stops holding
+        (--kv-events-config); None records nothing."""
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
         self.num_gpu_blocks = num_gpu_blocks
@@ -68,6 +77,7 @@ class BlockPool:
         # Called with a cached block just before its hash is evicted for reuse (its data is
         # still intact): the CPU tier copies it there.
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        self.kv_events = kv_events
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get_one_block(block_hash)
@@ -98,10 +108,13 @@ class BlockPool:
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Drop ``block``'s hash (it must hold one): its data is no longer what it names."""
-        assert block.block_hash is not None
-        self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+        block_hash = block.block_hash
+        assert block_hash is not None
+        self.cached_block_hash_to_block.pop(block_hash, block.block_id)
         block.reset_hash()
         self.num_cached_blocks -= 1
+        if self.kv_events is not None and self.get_cached_block(block_hash) is None:
+            self.kv_events.removed(block_hash, MEDIUM_GPU)  # no block holds it any more
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference; a free (cached) block leaves the free queue.
@@ -148,13 +161,48 @@ class BlockPool:
         hashes = request.block_hashes
         if len(hashes) < num_full_blocks:
             raise ValueError(f"{request.request_id}: {len(hashes)} hashes < {num_full_blocks}")
+        events = self.kv_events
+        run_start = None  # the first block of a run of hashes new to the pool (events)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
-                continue  # already cached (a prefix hit)
-            block.block_hash = hashes[i]
-            self.cached_block_hash_to_block.insert(hashes[i], block)
-            self.num_cached_blocks += 1
+                new = False  # already cached (a prefix hit)
+            else:
+                new = events is not None and self.get_cached_block(hashes[i]) is None
+                block.block_hash = hashes[i]
+                self.cached_block_hash_to_block.insert(hashes[i], block)
+                self.num_cached_blocks += 1
+            if new and run_start is None:
+                run_start = i
+            elif not new and run_start is not None:
+                self._record_stored(request, run_start, i, block_size)
+                run_start = None
+        if run_start is not None:
+            self._record_stored(request, run_start, num_full_blocks, block_size)
+
+    def _record_stored(self, request: Request, start: int, end: int, block_size: int | None):
+        """One ``BlockStored`` for the request's blocks ``start:end``, hashes new to the
+        pool: their tokens, and the hash of the block before them as the parent."""
+        if block_size is None:
+            raise ValueError("KV cache events need cache_full_blocks' block_size")
+        hashes = request.block_hashes
+        lora = request.lora_request
+        extra_keys = None
+        if start == 0 and (lora is not None or request.cache_salt is not None):
+            # What entered the first block's hash besides its tokens (kv_cache_utils).
+            names = (None if lora is None else lora.lora_name, request.cache_salt)
+            first = tuple(k for k in names if k is not None)
+            extra_keys = [first] + [None] * (end - start - 1)
+        self.kv_events.stored(
+            hashes[start:end],
+            hashes[start - 1] if start else None,
+            request.all_token_ids[start * block_size : end * block_size],
+            block_size,
+            MEDIUM_GPU,
+            lora,
+            extra_keys,
+            request.job_id,
+        )
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -171,6 +219,8 @@ class BlockPool:
             block.reset_hash()
         self.cached_block_hash_to_block.clear()
         self.num_cached_blocks = 0
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
 
     def check_invariants(self) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import KVOffloadTransfers
 from vllm.v1.kv_offload.manager import OffloadManager
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVEventLog
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,11 +40,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         num_cpu_blocks: int = 0,
         cpu_block_bytes: int = 0,
+        kv_events: KVEventLog | None = None,
     ) -> None:
+        """``kv_events``: the log both pools record their held hashes' changes into
+        (--kv-events-config)."""
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Blocks of each request that already carry their hash.
         self._num_cached_blocks: dict[str, int] = {}
@@ -47,7 +55,7 @@ class KVCacheManager:
         # Without prefix caching no block has a hash, so the tier could hold nothing.
         self.offload: OffloadManager | None = None
         if num_cpu_blocks > 0 and enable_caching:
-            self.offload = OffloadManager(num_cpu_blocks, cpu_block_bytes)
+            self.offload = OffloadManager(num_cpu_blocks, cpu_block_bytes, kv_events)
             self.block_pool.on_evict = self.offload.save
 
     # -- lookups ------------------------------------------------------------------------
@@ -257,9 +265,13 @@ class KVCacheManager:
             self.offload.discard_saves(transfers)
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
+        """Forget every hash, in the KV cache and the tier, or (False) change nothing."""
+        if self.offload is not None and not self.offload.can_reset():
+            return False
+        ok = self.block_pool.reset_prefix_cache()  # records AllBlocksCleared: both media
         if ok and self.offload is not None:
             ok = self.offload.reset()
+            assert ok, "the tier refused a reset it allowed"
         if ok:
             self.prefix_cache_stats.reset = True
         return ok

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from vllm.distributed.kv_events import MEDIUM_CPU
 from vllm.v1.core.kv_cache_utils import BlockHash
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVEventLog
 
 
 class CPUBlockPool:
@@ -27,10 +32,13 @@ class CPUBlockPool:
     maps to exactly one block and back; ``ref_cnt == 0`` iff the block is not loading.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, kv_events: KVEventLog | None = None) -> None:
+        """``kv_events``: where to record each hash the tier starts or stops holding
+        (medium ``"CPU"``; the tier knows a block's hash, not its tokens)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.kv_events = kv_events
         self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._hash_to_id: dict[BlockHash, int] = {}
         self._id_to_hash: dict[int, BlockHash] = {}
@@ -100,11 +108,15 @@ class CPUBlockPool:
         elif self._lru:
             old_hash, block_id = self._lru.popitem(last=False)
             del self._hash_to_id[old_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(old_hash, MEDIUM_CPU)
         else:
             return None
         self._hash_to_id[block_hash] = block_id
         self._id_to_hash[block_id] = block_hash
         self._lru[block_hash] = block_id
+        if self.kv_events is not None:
+            self.kv_events.stored([block_hash], None, [], 0, MEDIUM_CPU)  # vLLM's placeholder
         return block_id
 
     def discard(self, block_ids: Sequence[int]) -> None:
@@ -119,12 +131,14 @@ class CPUBlockPool:
             del self._hash_to_id[block_hash]
             self._lru.pop(block_hash, None)
             self._free_ids.append(block_id)
+            if self.kv_events is not None:
+                self.kv_events.removed(block_hash, MEDIUM_CPU)
 
     def reset(self) -> bool:
         """Forget every hash; refused (False) while a load holds a block."""
         if self._ref_cnt:
             return False
-        self.__init__(self.num_blocks)  # type: ignore[misc]
+        self.__init__(self.num_blocks, self.kv_events)  # type: ignore[misc]
         return True
 
     def check_invariants(self) -> None:

@@ -17,11 +17,15 @@ of the same step can overwrite it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from vllm.v1.core.sched.output import KVOffloadTransfers
 from vllm.v1.kv_offload.cpu_pool import CPUBlockPool
 from vllm.v1.metrics.stats import OffloadStats, PrefixCacheStats
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVEventLog
 
 
 class OffloadManager:
@@ -31,8 +35,10 @@ class OffloadManager:
     the last ``make_stats``. Invariant between steps: no tier block is held.
     """
 
-    def __init__(self, num_blocks: int, block_bytes: int = 0) -> None:
-        self.pool = CPUBlockPool(num_blocks)
+    def __init__(
+        self, num_blocks: int, block_bytes: int = 0, kv_events: KVEventLog | None = None
+    ) -> None:
+        self.pool = CPUBlockPool(num_blocks, kv_events)
         self.block_bytes = block_bytes  # bytes of one block, for the bytes-moved metric
         self._transfers = KVOffloadTransfers()
         self._held: list[int] = []
@@ -101,8 +107,12 @@ class OffloadManager:
         self.num_saved = self.num_loaded = 0
         return external, stats
 
+    def can_reset(self) -> bool:
+        """No load of this step holds a tier block (between steps: always)."""
+        return not self._held
+
     def reset(self) -> bool:
-        return not self._held and self.pool.reset()
+        return self.can_reset() and self.pool.reset()
 
     @property
     def usage(self) -> float:

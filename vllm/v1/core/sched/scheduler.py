@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm.config import VllmConfig
+from vllm.distributed.kv_events import KVEventLog, ZmqEventPublisher
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -72,6 +73,9 @@ class Scheduler:
         self.block_size = cache.block_size
         lora = vllm_config.lora_config
         self.max_loras = lora.max_loras if lora.enable_lora else 0  # distinct adapters running
+        # --kv-events-config: the pools record, each step's end publishes.
+        events = vllm_config.kv_events_config
+        self.kv_events = KVEventLog() if events.enabled else None
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks,
             cache.block_size,
@@ -79,7 +83,9 @@ class Scheduler:
             cache.enable_prefix_caching,
             num_cpu_blocks,
             cpu_block_bytes,
+            self.kv_events,
         )
+        self.kv_event_publisher = ZmqEventPublisher(events.options) if events.enabled else None
         if policy.has_tier != (self.kv_cache_manager.offload is not None):
             raise ValueError(
                 f"the policy was built with has_kv_tier={policy.has_tier}, but the KV cache "
@@ -481,6 +487,7 @@ class Scheduler:
                 self._finish(request, now)
             outputs.append(output)
         if not with_stats:
+            self.publish_kv_events()
             return EngineCoreOutputs(outputs, None, errors=errors)
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
@@ -590,14 +597,25 @@ class Scheduler:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters(self.waiting)
         self._num_preemptions = 0
+        self.publish_kv_events()  # with the step's figures (or an idle engine's)
         return stats
 
+    def publish_kv_events(self) -> None:
+        """--kv-events-config: the KV cache's changes since the last call, as one batch."""
+        if self.kv_events is not None and self.kv_events.events:
+            self.kv_event_publisher.publish(self.kv_events.take())
+
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        self.publish_kv_events()
+        return ok
 
     def shutdown(self) -> None:
         self.pins.release_all(self.clock())
         self.policy.shutdown()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.shutdown()
 
     def check_invariants(self) -> None:
         """Block conservation and ownership; raises AssertionError on a violation."""
