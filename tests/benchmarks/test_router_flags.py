@@ -56,3 +56,94 @@ def test_refused(policy, config):
 def test_the_launcher_offers_the_router_s_policies_and_program():
     choices = next(a for a in make_parser()._actions if a.dest == "policy").choices
     assert tuple(choices) == (*ROUTING_POLICIES, "program")
+
+
+def test_replicas_get_their_own_kv_event_sockets():
+    from vllm.benchmarks.router import replica_kv_events
+
+    assert replica_kv_events(["--block-size", "32"], 1) == (["--block-size", "32"], None)
+    config = '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:6000"}'
+    for form in (["--kv-events-config", config], [f"--kv-events-config={config}"]):
+        args, got = replica_kv_events(["--max-num-seqs", "4", *form], 2)
+        assert args[:2] == ["--max-num-seqs", "4"] and args[2] == "--kv-events-config"
+        assert json.loads(args[3]) == got  # vLLM's data-parallel rule: port + index
+        assert got["endpoint"] == "tcp://*:5559" and got["replay_endpoint"] == "tcp://*:6002"
+    # kv_aware without a config of the user's: each replica on Unix sockets of its own
+    # (bound: vLLM binds tcp only on a wildcard host, which would reach other machines).
+    (_, a), (_, b) = (replica_kv_events([], i, required=True) for i in range(2))
+    assert a["enable_kv_cache_events"] and a["endpoint"].startswith("ipc://")
+    assert len({a["endpoint"], b["endpoint"], a["replay_endpoint"], b["replay_endpoint"]}) == 4
+
+
+@pytest.mark.parametrize(
+    "config, required, match",
+    [
+        ('{"enable_kv_cache_events": false}', True, "kv_aware routing needs"),
+        ('{"enable_kv_cache_events": true, "endpoint": "inproc://x"}', False, "tcp:// or ipc://"),
+        ("[1]", False, "must be a JSON object"),
+    ],
+)
+def test_kv_event_configs_replicas_cannot_share_are_refused(config, required, match):
+    from vllm.benchmarks.router import replica_kv_events
+
+    with pytest.raises(ValueError, match=match):
+        replica_kv_events(["--kv-events-config", config], 1, required=required)
+
+
+def test_kv_aware_routing_subscribes_the_router_to_every_replica():
+    from vllm.benchmarks.router import kv_event_sources
+
+    replicas = [
+        ("http://127.0.0.1:1", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600"),
+        ("http://127.0.0.1:2", "tcp://127.0.0.1:5558", None),
+    ]
+    assert kv_event_sources(replicas, "m", 32) == [
+        "--kv-event-model", "m", "--kv-event-block-size", "32",
+        "--kv-event-source", "http://127.0.0.1:1=tcp://127.0.0.1:5557",
+        "--kv-event-replay-source", "http://127.0.0.1:1=tcp://127.0.0.1:5600",
+        "--kv-event-source", "http://127.0.0.1:2=tcp://127.0.0.1:5558",
+    ]  # fmt: skip
+
+
+def test_a_forwarder_republishes_a_unix_socket_on_loopback_tcp(tmp_path):
+    """vllm-router reads TCP sources only; a replica's events on a Unix socket reach it
+    through an EventForwarder (subscriptions go upstream, batches come down)."""
+    import time
+
+    import zmq
+
+    from vllm.benchmarks.router import EventForwarder
+    from vllm.distributed.kv_events import KVEventLog, ZmqEventPublisher
+
+    options = {
+        "enable_kv_cache_events": True, "publisher": "zmq",
+        "endpoint": f"ipc://{tmp_path}/events", "replay_endpoint": None,
+        "buffer_steps": 10, "hwm": 1000, "max_queue_size": 10, "topic": "",
+    }  # fmt: skip
+    publisher = ZmqEventPublisher(options)
+    forwarder = EventForwarder(options["endpoint"])
+    ctx = zmq.Context()
+    try:
+        assert forwarder.endpoint.startswith("tcp://127.0.0.1:")
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        sub.connect(forwarder.endpoint)
+        log = KVEventLog()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the subscription has travelled up
+            log.stored([b"\x07" * 32], None, [1, 2], 2, "GPU")
+            publisher.publish(log.take())
+            try:
+                topic, seq, payload = sub.recv_multipart()
+                break
+            except zmq.Again:
+                continue
+        else:
+            raise AssertionError("nothing came through the forwarder")
+        assert topic == b"" and len(seq) == 8 and b"BlockStored" in payload
+    finally:
+        forwarder.stop()
+        publisher.shutdown()
+        ctx.destroy(linger=0)
+    assert not forwarder._thread.is_alive()

@@ -19,14 +19,18 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
 import requests
+import zmq
 
 from vllm.benchmarks.server import RemoteServer, stop_session
+from vllm.config import CacheConfig, field_default
 from vllm.entrypoints.utils import LOOPBACK, get_open_port
 
 # The router's load-balancing policies in vllm-router 0.1.17 (its --policy choices).
@@ -107,6 +111,146 @@ def router_flags(
     return ["--policy", policy, *FAST_FAILOVER, *program, *router_args]
 
 
+KV_EVENTS_FLAG = "--kv-events-config"
+KV_AWARE = "kv_aware"
+DEFAULT_BLOCK_SIZE = field_default(CacheConfig, "block_size")
+
+
+def _take_flag(args: Sequence[str], flag: str) -> tuple[str | None, list[str]]:
+    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last wins) and
+    ``args`` without it."""
+    value, rest, i = None, [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == flag and i + 1 < len(args):
+            value, i = args[i + 1], i + 2
+            continue
+        if arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return value, rest
+
+
+def _replica_endpoint(endpoint: str, index: int) -> str:
+    """Replica ``index``'s own ZeroMQ address, vLLM's rule for data-parallel ranks: a TCP
+    port plus the index (port 0 becomes a free port, so the router can be told it);
+    an ipc path gets a suffix; inproc cannot reach another process."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        port_n = int(port) + index if int(port) else get_open_port()
+        return f"tcp://{host}:{port_n}"
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}_{index}" if index else endpoint
+    raise ValueError(f"{KV_EVENTS_FLAG} endpoint {endpoint!r}: replicas need tcp:// or ipc://")
+
+
+def _connect_address(endpoint: str) -> str:
+    """Where a subscriber on this machine reaches a bound ``endpoint``."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{LOOPBACK}:{endpoint[len(wildcard) :]}"
+    return endpoint
+
+
+def replica_kv_events(
+    serve_args: Sequence[str], index: int, required: bool = False
+) -> tuple[list[str], dict | None]:
+    """Replica ``index``'s serve arguments and its KV events' config (None: no events).
+
+    Replicas cannot share one event socket: a ``--kv-events-config`` in ``serve_args``
+    gets per-replica endpoints (``_replica_endpoint``). ``required`` (the ``kv_aware``
+    routing): without one, each replica publishes on a Unix socket of its own, with a
+    replay socket; events switched off are an error (the router would see no cache)."""
+    value, rest = _take_flag(serve_args, KV_EVENTS_FLAG)
+    if value is None:
+        if not required:
+            return list(serve_args), None
+        # Unix sockets: bound by the replica (vLLM binds tcp only on a wildcard host, which
+        # would publish the prompts' tokens beyond this machine) and reachable only here.
+        folder = tempfile.mkdtemp(prefix="vllm-kv-events-")
+        config = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"ipc://{folder}/events",
+            "replay_endpoint": f"ipc://{folder}/replay",
+        }
+    else:
+        try:
+            config = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{KV_EVENTS_FLAG} must be a JSON object: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{KV_EVENTS_FLAG} must be a JSON object, got {value!r}")
+        if required and config.get("enable_kv_cache_events") is not True:
+            raise ValueError(
+                f"the {KV_AWARE} routing needs the replicas' KV events: drop {KV_EVENTS_FLAG} "
+                'or set "enable_kv_cache_events": true'
+            )
+        config["endpoint"] = _replica_endpoint(config.get("endpoint", "tcp://*:5557"), index)
+        if config.get("replay_endpoint"):
+            config["replay_endpoint"] = _replica_endpoint(config["replay_endpoint"], index)
+    return [*rest, KV_EVENTS_FLAG, json.dumps(config)], config
+
+
+class EventForwarder:
+    """Republishes one replica's KV events from its Unix socket on a loopback TCP port.
+
+    vllm-router subscribes to TCP sources only, and vLLM's rule binds a TCP publisher only
+    on a wildcard host (every interface: the prompts' tokens would leave the machine).
+    So a replica binds a Unix socket and this forwards it (XSUB -> XPUB, subscriptions
+    upstream) on 127.0.0.1 alone. The replay protocol (a direct request, three frames)
+    does not cross a broker: the router gets no replay source through one.
+    """
+
+    def __init__(self, source: str) -> None:
+        self._ctx = zmq.Context()
+        xsub, xpub = self._ctx.socket(zmq.XSUB), self._ctx.socket(zmq.XPUB)
+        xsub.connect(source)
+        self.endpoint = f"tcp://{LOOPBACK}:{xpub.bind_to_random_port(f'tcp://{LOOPBACK}')}"
+        control = f"inproc://kv-events-forwarder-{id(self)}"
+        self._control = self._ctx.socket(zmq.PAIR)
+        self._control.bind(control)
+        peer = self._ctx.socket(zmq.PAIR)
+        peer.connect(control)
+        self._thread = threading.Thread(
+            target=self._run, args=(xpub, xsub, peer), name="kv-events-forwarder", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _run(xpub: zmq.Socket, xsub: zmq.Socket, control: zmq.Socket) -> None:
+        try:
+            zmq.proxy_steerable(xpub, xsub, None, control)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            for sock in (xpub, xsub, control):
+                sock.close(linger=0)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._control.send(b"TERMINATE")
+            self._thread.join(5)
+        self._control.close(linger=0)
+        if not self._thread.is_alive():  # else its sockets are still open: leave the context
+            self._ctx.term()
+
+
+def kv_event_sources(
+    replicas: Sequence[tuple[str, str, str | None]], model: str, block_size: int
+) -> list[str]:
+    """vllm-router's flags that feed its ``kv_aware`` policy: each replica's (URL, event
+    address, replay address or None) as a static event source, the served model, the
+    block size."""
+    flags = ["--kv-event-model", model, "--kv-event-block-size", str(block_size)]
+    for url, endpoint, replay in replicas:
+        flags += ["--kv-event-source", f"{url}={endpoint}"]
+        if replay is not None:
+            flags += ["--kv-event-replay-source", f"{url}={replay}"]
+    return flags
+
+
 def router_installed() -> bool:
     """Whether the ``vllm-router`` wheel (``pip install vllm-router==0.1.17``) is here."""
     return importlib.util.find_spec("vllm_router") is not None
@@ -143,25 +287,49 @@ class ReplicaSet:
         self.replicas: list[RemoteServer] = []
         self.router: subprocess.Popen | None = None
         self._log: IO[str] | None = None
+        self._forwarders: list[EventForwarder] = []
         env = {**os.environ, "VLLM_CPU_THREADS": str(threads_per_replica)}
         logs = Path(log_dir) if log_dir else None
         if logs:
             logs.mkdir(parents=True, exist_ok=True)
+        kv_aware = policy == KV_AWARE
+        events: list[dict | None] = []
         try:
             for i in range(replicas):  # all load at once
                 log = str(logs / f"replica{i}.log") if logs else None
-                server = RemoteServer(
-                    *serve_args, timeout_s=timeout_s, log_path=log, env=env, wait=False
-                )
+                args, config = replica_kv_events(serve_args, i, required=kv_aware)
+                events.append(config)
+                server = RemoteServer(*args, timeout_s=timeout_s, log_path=log, env=env, wait=False)
                 self.replicas.append(server)
             for server in self.replicas:
                 server.wait_healthy()
+            if kv_aware:  # the router subscribes to every replica's events
+                block, _ = _take_flag(serve_args, "--block-size")
+                model = self.replicas[0].served_model(_take_flag(serve_args, "--api-key")[0])
+                pairs = zip(self.replicas, events, strict=True)
+                sources = [self._event_source(replica, config) for replica, config in pairs]
+                flags = kv_event_sources(sources, model, int(block or DEFAULT_BLOCK_SIZE))
+                self.router_args = [*self.router_args, *flags]
             self.port = port or get_open_port()
             self.base = f"http://{LOOPBACK}:{self.port}"
             self._start_router(logs, timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def _event_source(self, replica: RemoteServer, config: dict) -> tuple[str, str, str | None]:
+        """(URL, event address, replay address) of a replica for the router: its own TCP
+        addresses, or a forwarder's for a Unix socket."""
+        if config.get("topic"):
+            raise ValueError(f"the {KV_AWARE} routing reads no topic: drop the events' topic")
+        endpoint, replay = config["endpoint"], config.get("replay_endpoint")
+        if endpoint.startswith("tcp://"):
+            if not (replay and replay.startswith("tcp://")):
+                replay = None
+            return replica.base, _connect_address(endpoint), replay and _connect_address(replay)
+        forwarder = EventForwarder(endpoint)
+        self._forwarders.append(forwarder)
+        return replica.base, forwarder.endpoint, None
 
     def _start_router(self, logs: Path | None, timeout_s: float) -> None:
         cmd = [
@@ -200,6 +368,9 @@ class ReplicaSet:
             self._log = None
         for server in self.replicas:
             server.stop()
+        for forwarder in self._forwarders:
+            forwarder.stop()
+        self._forwarders = []
 
     def __enter__(self) -> ReplicaSet:
         return self

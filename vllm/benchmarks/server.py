@@ -111,6 +111,15 @@ class RemoteServer:
             **kw,
         )
 
+    def served_model(self, api_key: str | None = None) -> str:
+        """The first model name /v1/models lists (the served model)."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        models = requests.get(
+            self.base + "/v1/models", headers=headers, timeout=10, verify=self.verify
+        )
+        models.raise_for_status()
+        return models.json()["data"][0]["id"]
+
     def metrics(self) -> dict[str, float]:
         """Sample name -> value (labels dropped; one model per server)."""
         return scrape_metrics(self.base)

@@ -1,12 +1,14 @@
 """Two replicas behind vLLM's router (``vllm-router``) in the routings run_sweep compares
 beyond ``consistent_hash`` (test_router_e2e.py): the router's Program layer
-(``--enable-program-scheduling``, run_sweep's ``--routing-policy program``) and
-``cache_aware``. Each turn's replica is the ``x-vllm-instance`` header of its response,
-which the router passes through."""
+(``--enable-program-scheduling``, run_sweep's ``--routing-policy program``),
+``cache_aware``, and ``kv_aware`` fed by the replicas' KV cache events. Each turn's
+replica is the ``x-vllm-instance`` header of its response, which the router passes
+through."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -57,6 +59,16 @@ def cache_aware_fleet(tmp_path_factory):
     log_dir = _log_dir(tmp_path_factory, "cache_aware")
     with ReplicaSet(
         2, SERVE, policy="cache_aware", router_args=["--log-level", "debug"], log_dir=str(log_dir)
+    ) as fleet:
+        yield fleet, log_dir
+
+
+@pytest.fixture(scope="module")
+def kv_aware_fleet(tmp_path_factory):
+    # Each replica publishes its KV cache events; the router subscribes to them all.
+    log_dir = _log_dir(tmp_path_factory, "kv_aware")
+    with ReplicaSet(
+        2, SERVE, policy="kv_aware", router_args=["--log-level", "debug"], log_dir=str(log_dir)
     ) as fleet:
         yield fleet, log_dir
 
@@ -179,3 +191,41 @@ def test_ab_benchmark_reports_where_each_turn_ran(program_fleet, tmp_path):
     ]
     assert sum(row["turns"] for row in rows) == 3 * jobs
     assert sum(row["pins"] for row in rows) == summary["metrics"]["pins"] == 2 * jobs
+
+
+def test_kv_aware_follows_the_replicas_kv_cache_events(kv_aware_fleet):
+    # A prefix computed on replica 1 (sent there directly, not through the router) is
+    # announced by its BlockStored events; requests that share it then go to replica 1
+    # through the router, and hit its cache. Without the events the router's tie-break
+    # sends every new request to replica 0 (tests/benchmarks/test_router_flags.py).
+    fleet, log_dir = kv_aware_fleet
+    system = "You are a release engineer. Answer with the exact command to run, nothing else."
+    for home in (1, 0):
+        messages = [{"role": "system", "content": f"{system} Team {home}." * 3}]
+        messages.append({"role": "user", "content": "Tag the release."})
+        direct = fleet.replicas[home].client().chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0
+        )
+        assert direct.usage.prompt_tokens >= 48
+        time.sleep(1.0)  # the step's events reach the router
+        for question in ("Build the wheel.", "Publish it."):
+            turn = [*messages[:1], {"role": "user", "content": question}]
+            raw = client(fleet).chat.completions.with_raw_response.create(
+                model=MODEL, messages=turn, max_tokens=4, temperature=0
+            )
+            cached = raw.parse().usage.prompt_tokens_details.cached_tokens
+            assert replica_index(fleet, raw.headers[INSTANCE_HEADER]) == home
+            assert cached >= 32, cached
+    log = (log_dir / "router.log").read_text()
+    assert "kv_index subscriber for" in log and "credited_prefix_tokens" in log
+
+
+def test_a_job_routed_by_kv_events_stays_home_and_is_pinned(kv_aware_fleet):
+    # An agent job: each turn extends the last, so the events of its previous turn draw it
+    # back to its replica, where Continuum pinned its KV between turns.
+    fleet, _ = kv_aware_fleet
+    hits = pin_hits(fleet)
+    served = run_job(fleet, "kv-job", "job_id")
+    (home,) = {replica for replica, _ in served}
+    assert all(cached > 0 for _, cached in served[1:]), served
+    assert pin_hits(fleet)[home] - hits[home] == 2
