@@ -70,9 +70,7 @@ def subscriber(ctx: zmq.Context, endpoint: str, topic: bytes = b"") -> zmq.Socke
 def test_publisher_sends_numbered_batches_and_replays_them():
     port, replay_port = get_open_port(), get_open_port()
     publisher = ZmqEventPublisher(
-        options(
-            endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}", topic="kv"
-        )
+        options(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}", topic="kv")
     )
     ctx = zmq.Context()
     try:

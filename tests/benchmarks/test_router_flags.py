@@ -70,24 +70,24 @@ def test_replicas_get_their_own_kv_event_sockets():
         assert got["endpoint"] == "tcp://*:5559" and got["replay_endpoint"] == "tcp://*:6002"
     # kv_aware without a config of the user's: each replica on Unix sockets of its own
     # (bound: vLLM binds tcp only on a wildcard host, which would reach other machines).
-    (_, a), (_, b) = (replica_kv_events([], i, required=True) for i in range(2))
-    assert a["enable_kv_cache_events"] and a["endpoint"].startswith("ipc://")
+    (_, a), (_, b) = (replica_kv_events([], i, "/run/x") for i in range(2))
+    assert a["enable_kv_cache_events"] and a["endpoint"] == "ipc:///run/x/replica0-events"
     assert len({a["endpoint"], b["endpoint"], a["replay_endpoint"], b["replay_endpoint"]}) == 4
 
 
 @pytest.mark.parametrize(
-    "config, required, match",
+    "config, socket_dir, match",
     [
-        ('{"enable_kv_cache_events": false}', True, "kv_aware routing needs"),
-        ('{"enable_kv_cache_events": true, "endpoint": "inproc://x"}', False, "tcp:// or ipc://"),
-        ("[1]", False, "must be a JSON object"),
+        ('{"enable_kv_cache_events": false}', "/run/x", "kv_aware routing needs"),
+        ('{"enable_kv_cache_events": true, "endpoint": "inproc://x"}', None, "tcp:// or ipc://"),
+        ("[1]", None, "must be a JSON object"),
     ],
 )
-def test_kv_event_configs_replicas_cannot_share_are_refused(config, required, match):
+def test_kv_event_configs_replicas_cannot_share_are_refused(config, socket_dir, match):
     from vllm.benchmarks.router import replica_kv_events
 
     with pytest.raises(ValueError, match=match):
-        replica_kv_events(["--kv-events-config", config], 1, required=required)
+        replica_kv_events(["--kv-events-config", config], 1, socket_dir)
 
 
 def test_kv_aware_routing_subscribes_the_router_to_every_replica():

@@ -16,6 +16,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,25 +156,26 @@ def _connect_address(endpoint: str) -> str:
 
 
 def replica_kv_events(
-    serve_args: Sequence[str], index: int, required: bool = False
+    serve_args: Sequence[str], index: int, socket_dir: str | None = None
 ) -> tuple[list[str], dict | None]:
     """Replica ``index``'s serve arguments and its KV events' config (None: no events).
 
     Replicas cannot share one event socket: a ``--kv-events-config`` in ``serve_args``
-    gets per-replica endpoints (``_replica_endpoint``). ``required`` (the ``kv_aware``
-    routing): without one, each replica publishes on a Unix socket of its own, with a
-    replay socket; events switched off are an error (the router would see no cache)."""
+    gets per-replica endpoints (``_replica_endpoint``). ``socket_dir`` (the ``kv_aware``
+    routing, which needs the events): without one, each replica publishes on Unix sockets
+    of its own there, with a replay socket; events switched off are an error (the router
+    would see no cache)."""
+    required = socket_dir is not None
     value, rest = _take_flag(serve_args, KV_EVENTS_FLAG)
     if value is None:
         if not required:
             return list(serve_args), None
         # Unix sockets: bound by the replica (vLLM binds tcp only on a wildcard host, which
         # would publish the prompts' tokens beyond this machine) and reachable only here.
-        folder = tempfile.mkdtemp(prefix="vllm-kv-events-")
         config = {
             "enable_kv_cache_events": True,
-            "endpoint": f"ipc://{folder}/events",
-            "replay_endpoint": f"ipc://{folder}/replay",
+            "endpoint": f"ipc://{socket_dir}/replica{index}-events",
+            "replay_endpoint": f"ipc://{socket_dir}/replica{index}-replay",
         }
     else:
         try:
@@ -288,16 +290,19 @@ class ReplicaSet:
         self.router: subprocess.Popen | None = None
         self._log: IO[str] | None = None
         self._forwarders: list[EventForwarder] = []
+        self._socket_dir: str | None = None
         env = {**os.environ, "VLLM_CPU_THREADS": str(threads_per_replica)}
         logs = Path(log_dir) if log_dir else None
         if logs:
             logs.mkdir(parents=True, exist_ok=True)
         kv_aware = policy == KV_AWARE
+        if kv_aware:  # the replicas' event sockets (removed by stop())
+            self._socket_dir = tempfile.mkdtemp(prefix="vllm-kv-events-")
         events: list[dict | None] = []
         try:
             for i in range(replicas):  # all load at once
                 log = str(logs / f"replica{i}.log") if logs else None
-                args, config = replica_kv_events(serve_args, i, required=kv_aware)
+                args, config = replica_kv_events(serve_args, i, self._socket_dir)
                 events.append(config)
                 server = RemoteServer(*args, timeout_s=timeout_s, log_path=log, env=env, wait=False)
                 self.replicas.append(server)
@@ -371,6 +376,9 @@ class ReplicaSet:
         for forwarder in self._forwarders:
             forwarder.stop()
         self._forwarders = []
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
 
     def __enter__(self) -> ReplicaSet:
         return self

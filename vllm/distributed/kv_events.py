@@ -264,7 +264,8 @@ class ZmqEventPublisher:
                 pass
             self._thread.join(self.SHUTDOWN_S)
         if self._thread.is_alive():
-            logger.warning("KV events: the publisher did not stop; %d batches unsent",
-                           self._queue.qsize())
+            logger.warning(
+                "KV events: the publisher did not stop; %d batches unsent", self._queue.qsize()
+            )
             return  # its sockets are its own until it ends (a daemon thread)
         self._ctx.destroy(linger=int(self.SHUTDOWN_S * 1000))

@@ -203,8 +203,10 @@ def test_kv_aware_follows_the_replicas_kv_cache_events(kv_aware_fleet):
     for home in (1, 0):
         messages = [{"role": "system", "content": f"{system} Team {home}." * 3}]
         messages.append({"role": "user", "content": "Tag the release."})
-        direct = fleet.replicas[home].client().chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=4, temperature=0
+        direct = (
+            fleet.replicas[home]
+            .client()
+            .chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
         )
         assert direct.usage.prompt_tokens >= 48
         time.sleep(1.0)  # the step's events reach the router
