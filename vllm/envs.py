@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     VLLM_SERVER_DEV_MODE: bool
     VLLM_GC_DEBUG: str | None
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: bool
+    VLLM_LOGGING_LEVEL: str
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
     RUN_OUTPUT_DIR: str | None
@@ -123,6 +124,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (generation, duration, objects freed); '{"top_objects": N}' adds the N commonest types
     # examined. Unset: no log (vllm/utils/gc_utils.py).
     "VLLM_GC_DEBUG": lambda: (os.getenv("VLLM_GC_DEBUG") or "").strip() or None,
+    # vLLM's variable: the level of vllm serve's logs (--log-level wins). Default INFO.
+    "VLLM_LOGGING_LEVEL": lambda: (os.getenv("VLLM_LOGGING_LEVEL") or "INFO").strip(),
     # vLLM's variable: KV cache events name blocks by a 64-bit integer (the low 64 bits
     # of the hash); "0": by the whole 32-byte sha256 digest.
     "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": lambda: (

@@ -35,11 +35,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     from vllm.entrypoints.cli.serve import build_config
+    from vllm.entrypoints.logger import set_log_level
 
     try:
         if args.max_concurrency < 1:
             raise ValueError("--max-concurrency must be at least 1")
         frontend = FrontendArgs.from_cli_args(args)
+        set_log_level(frontend.log_level)
         vllm_config = build_config(args)
     except ValueError as e:
         parser.exit(2, f"vllm run-batch: error: {e}\n")

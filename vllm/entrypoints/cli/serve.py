@@ -102,12 +102,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from vllm.entrypoints.logger import set_log_level
+
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     start = time.monotonic()
     try:
         frontend = FrontendArgs.from_cli_args(args)
+        set_log_level(frontend.log_level)  # before the engine starts: it inherits it
         vllm_config = build_config(args)
         check_lora_modules(frontend, vllm_config)
         if frontend.api_server_count > 1 and envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:

@@ -20,6 +20,7 @@ from vllm.engine.arg_utils import ConfigArg
 KiB = 1 << 10
 MiB = 1 << 20
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
 def parse_str_list(text: str) -> list[str]:
@@ -128,6 +129,32 @@ class FrontendArgs:
     )
     disable_log_requests: bool = config_field(
         False, "Do not log each request (nor the engine's per-job lines)."
+    )
+    enable_log_requests: bool = config_field(
+        False,
+        "Log each engine request as it is added (vLLM's): its id, sampling parameters and "
+        "LoRA adapter at INFO; its prompt and prompt token ids at DEBUG (--log-level "
+        "debug), cut to --max-log-len.",
+    )
+    enable_log_outputs: bool = config_field(
+        False,
+        "Log each request's output when it finishes (vLLM's): its text and finish reason "
+        "at INFO, its token ids at DEBUG, cut to --max-log-len; a stream's deltas too, "
+        "unless --no-enable-log-deltas.",
+    )
+    enable_log_deltas: bool = config_field(
+        True,
+        "With --enable-log-outputs, log each streamed delta, not only the complete output.",
+    )
+    max_log_len: int | None = config_field(
+        None,
+        "Most characters of a prompt or output, and most token ids, that the request and "
+        "output logs print (unset: all).",
+    )
+    log_level: LogLevel | None = config_field(
+        None,
+        "Level of this server's and its engine's logs (vLLM's; the default is info, or "
+        "VLLM_LOGGING_LEVEL).",
     )
     disable_log_stats: bool = config_field(
         False,
@@ -276,6 +303,8 @@ class FrontendArgs:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if isinstance(self.api_server_count, bool) or self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         for name in ("max_stop_strings", "max_job_id_length"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm.entrypoints.launcher import ServerState
+from vllm.entrypoints.logger import RequestLogger
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.protocol import UsageInfo, _SamplingFields, random_id
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -192,6 +193,13 @@ class OpenAIServing:
         self.stat_logger = stat_logger
         self.args = args or FrontendArgs()
         self.state = state or ServerState()
+        a = self.args
+        self.request_logger = (
+            RequestLogger(a.enable_log_requests, a.enable_log_outputs, a.enable_log_deltas,
+                          a.max_log_len)
+            if a.enable_log_requests or a.enable_log_outputs
+            else None
+        )  # fmt: skip
 
     @property
     def default_sampling_params(self) -> dict[str, Any]:
@@ -221,7 +229,17 @@ class OpenAIServing:
         if self.state.closing:  # the drain ended while the prompt was being tokenized
             await stream.aclose()
             self.state.check_open()
+        self._log_request(stream, prompt, params, kw.get("lora_request"))
         return stream
+
+    def _log_request(self, stream: RequestStream, prompt, params, lora_request) -> None:
+        """--enable-log-requests / --enable-log-outputs: the request as the engine took it,
+        and an observer that logs its outputs."""
+        log = self.request_logger
+        if log is None:
+            return
+        log.log_inputs(stream.request_id, prompt, stream.prompt_token_ids, params, lora_request)
+        stream.on_output = log.output_observer(stream.request_id, stream.output_kind)
 
     def tokens_as_ids(self, request: _SamplingFields) -> bool:
         """Whether ``request``'s logprobs name tokens ``token_id:<id>`` (vLLM's
@@ -293,14 +311,15 @@ class OpenAIServing:
         if len(prompts) == 1:
             return [await self.add_request(prompts[0], params(), request_id, priority, **kw)]
         self.state.check_open()
-        prepared = []
+        prepared, used = [], []
         for i, prompt in enumerate(prompts):
             executor = self.executor() if len(prompt) >= OFFLOAD_CHARS else None
+            used.append(params())
             try:
                 prepared.append(
                     await self.engine.prepare_request(
                         prompt,
-                        params(),
+                        used[-1],
                         f"{request_id}-{i}",
                         priority=priority,
                         executor=executor,
@@ -318,6 +337,8 @@ class OpenAIServing:
             for stream in streams:
                 await stream.aclose()
             raise
+        for prompt, request_params, stream in zip(prompts, used, streams, strict=True):
+            self._log_request(stream, prompt, request_params, kw.get("lora_request"))
         return streams
 
     def timing(self, received: float | None, stream: RequestStream | StreamBatch) -> dict[str, str]:

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -79,6 +79,8 @@ class RequestStream:
         self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._ready = asyncio.Event()
         self._done = False
+        # Called with each output as the reader takes it (--enable-log-outputs).
+        self.on_output: Callable[[RequestOutput], None] | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -95,6 +97,8 @@ class RequestStream:
             raise item
         if item.finished:
             self._done = True
+        if self.on_output is not None:
+            self.on_output(item)
         return item
 
     async def aclose(self) -> None:
