@@ -147,6 +147,13 @@ class ModelConfig:
         "'{\"temperature\": 0.5}'.",
         parse=lambda text: parse_json_object(text, "override_generation_config"),
     )
+    hf_overrides: dict[str, Any] | None = config_field(
+        None,
+        "JSON object of fields set on the model's HF config before anything reads it "
+        "(vLLM's), e.g. '{\"max_position_embeddings\": 4096}' or, with --load-format dummy, "
+        "'{\"num_hidden_layers\": 2}'; a nested object updates a sub-config.",
+        parse=lambda text: parse_json_object(text, "hf_overrides"),
+    )
     trust_remote_code: bool = config_field(
         False,
         "Accepted as in vLLM's launch commands; nothing changes: no code from the model "
@@ -217,6 +224,8 @@ class ModelConfig:
             raise bad_value(
                 "generation_config", self.generation_config, "must be auto, vllm or a folder"
             )
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise bad_value("hf_overrides", self.hf_overrides, "must be a dict")
         if self.override_generation_config is not None and not isinstance(
             self.override_generation_config, dict
         ):

@@ -160,10 +160,7 @@ class EngineArgs:
         ``usage_context``: who asks (the CUDA step budget's default depends on it)."""
         values: dict[str, dict[str, Any]] = {g: {} for g in get_type_hints(VllmConfig)}
         for arg in config_args():
-            value = getattr(self, arg.dest)
-            if arg.parse is not None and isinstance(value, str):
-                value = arg.parse(value)
-            values[arg.group][arg.field] = value
+            values[arg.group][arg.field] = self._parse(arg)
         max_model_len = self._max_model_len(model_max_len)
         values["model_config"]["max_model_len"] = max_model_len
         scheduler = values["scheduler_config"]
@@ -178,6 +175,17 @@ class EngineArgs:
             scheduler["max_num_batched_tokens"] = budget
         configs = get_type_hints(VllmConfig)
         return VllmConfig(**{g: configs[g](**kwargs) for g, kwargs in values.items()})
+
+    def _parse(self, arg: ConfigArg) -> Any:
+        value = getattr(self, arg.dest)
+        if arg.parse is not None and isinstance(value, str):
+            value = arg.parse(value)
+        return value
+
+    def parsed(self, dest: str) -> Any:
+        """One argument's value as its config field takes it (a flag's JSON text parsed),
+        for what is read before the config exists (the model's HF config)."""
+        return self._parse(next(arg for arg in config_args() if arg.dest == dest))
 
     def _max_model_len(self, model_max_len: int | None) -> int:
         """The flag, else the model's limit, else SchedulerConfig's default."""

@@ -59,7 +59,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine arguments {unknown}; see EngineArgs")
         args = EngineArgs(model=model, **kwargs)
-        hf_config = get_model_config(model)
+        hf_config = get_model_config(model, args.parsed("hf_overrides"))
         self.vllm_config = args.create_engine_config(
             model_max_len(hf_config), UsageContext.LLM_CLASS
         )

@@ -256,11 +256,40 @@ def apply_quantization(model: nn.Module, model_config) -> str:
     return choice
 
 
-def get_model_config(model: str):
-    """The HF config (max_position_embeddings, eos, shapes) of ``model``."""
+def get_model_config(model: str, hf_overrides: dict[str, Any] | None = None):
+    """The HF config (max_position_embeddings, eos, shapes) of ``model``, with
+    ``hf_overrides`` (--hf-overrides) applied."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model(model), **OFFLINE)
+    config = AutoConfig.from_pretrained(resolve_model(model), **OFFLINE)
+    if hf_overrides:
+        apply_hf_overrides(config, hf_overrides)
+        logger.debug("HF config of %s overridden with %s", model, hf_overrides)
+    return config
+
+
+def hf_config_of(model_config):
+    """The HF config of ``model_config``'s model, its ``hf_overrides`` applied: what every
+    reader of the config (the loader, the limits, the grammars' vocabulary) sees."""
+    return get_model_config(model_config.model, getattr(model_config, "hf_overrides", None))
+
+
+def apply_hf_overrides(config, overrides: dict[str, Any], where: str = "hf_overrides") -> None:
+    """Set each field of ``overrides`` on ``config`` (vLLM's --hf-overrides): a nested
+    object updates a sub-config (``text_config``...), any other value replaces the field.
+    A field the config does not have is added, with a warning (no model code may read it)."""
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            apply_hf_overrides(current, value, f"{where}.{key}")
+            continue
+        if not hasattr(config, key):
+            logger.warning(
+                "%s.%s: %s has no such field; set anyway", where, key, type(config).__name__
+            )
+        setattr(config, key, value)
 
 
 def model_max_len(hf_config) -> int | None:
@@ -361,7 +390,7 @@ def eos_token_ids(model_config, tokenizer) -> tuple[int | None, frozenset[int]]:
     lists <|end_of_text|> and <|eom_id|> as well."""
     listed = load_generation_config(model_config).get("eos_token_id")
     if listed is None:
-        listed = getattr(get_model_config(model_config.model), "eos_token_id", None)
+        listed = getattr(hf_config_of(model_config), "eos_token_id", None)
     listed = [listed] if isinstance(listed, int) else list(listed or [])
     primary = getattr(tokenizer, "eos_token_id", None)
     if primary is None and listed:

@@ -61,7 +61,7 @@ def build_config(args: argparse.Namespace):
     from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 
     ToolCallingConfig.from_args(args)  # --enable-auto-tool-choice needs a parser
-    hf_config = get_model_config(engine_args.model)
+    hf_config = get_model_config(engine_args.model, engine_args.parsed("hf_overrides"))
     config = engine_args.create_engine_config(
         model_max_len(hf_config), UsageContext.OPENAI_API_SERVER
     )

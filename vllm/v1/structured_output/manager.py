@@ -70,9 +70,9 @@ class StructuredOutputManager:
     def vocab_size(self) -> int:
         """Rows of the logits the matchers mask: the model's vocabulary."""
         if self._vocab_size is None:
-            from vllm.model_executor.model_loader import get_model_config
+            from vllm.model_executor.model_loader import hf_config_of
 
-            self._vocab_size = get_model_config(self.model_config.model).vocab_size
+            self._vocab_size = hf_config_of(self.model_config).vocab_size
         return self._vocab_size
 
     def _build(self, grammar: str) -> tuple[str, object]:

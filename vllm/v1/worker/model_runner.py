@@ -263,11 +263,11 @@ class ModelRunner:
         )
 
     def load_model(self) -> None:
-        from transformers import AutoConfig
+        from vllm.model_executor.model_loader import hf_config_of
 
         start = time.monotonic()
         path = resolve_model(self.model_config.model)
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = hf_config_of(self.model_config)
         model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
         torch.manual_seed(self.model_config.seed)
         if self.device.type == "cuda":
