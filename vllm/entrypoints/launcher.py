@@ -70,6 +70,7 @@ class ServerState:
     draining: bool = False  # refuse new requests; health 503
     closing: bool = False  # the drain is over: running requests end with an error
     active: int = 0
+    load: int = 0  # --enable-server-load-tracking: model requests in flight (GET /load)
     exit_code: int = 0
 
     def check_open(self) -> None:

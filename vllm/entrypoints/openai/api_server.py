@@ -181,6 +181,7 @@ class ServerMiddleware:
         self.instance = (INSTANCE_HEADER.encode(), instance.encode()) if instance else None
         self.request_ids = args.enable_request_id_headers
         self.root_path = args.root_path
+        self.track_load = getattr(args, "enable_server_load_tracking", False)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -200,11 +201,14 @@ class ServerMiddleware:
             if is_messages_path(path):
                 refusal = as_anthropic(refusal)
             return await refusal(scope, receive, send)
+        load = self.track_load and is_load_path(path)
         self.state.active += 1
+        self.state.load += load
         try:
             await self.app(scope, _limited(receive, self.limit), send)
         finally:
             self.state.active -= 1
+            self.state.load -= load
 
     def _naming(self, send):
         async def send_named(message: dict) -> None:
@@ -237,6 +241,17 @@ PROFILE_PATHS = ("/start_profile", "/stop_profile")  # with --profiler-config
 RESET_PREFIX_CACHE = "/reset_prefix_cache"  # with VLLM_SERVER_DEV_MODE=1
 GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS,
                      RESET_PREFIX_CACHE})  # fmt: skip
+
+
+# The routes that run the model (--enable-server-load-tracking counts them, as vLLM's).
+LOAD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                        "/v1/messages", INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS})  # fmt: skip
+
+
+def is_load_path(path: str) -> bool:
+    """A model route: one of ``LOAD_PATHS``, or the Responses API's (its create, retrieve
+    and cancel, as vLLM counts them)."""
+    return path in LOAD_PATHS or path == "/v1/responses" or path.startswith("/v1/responses/")
 
 
 def route_path(scope: dict) -> str:
@@ -461,6 +476,12 @@ def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state, mode
         if not engine.is_alive:  # kept alive after the engine died: no frozen gauges
             stats.mark_engine_dead()
         return Response(stats.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/load")
+    async def server_load():
+        # vLLM's: this API server's model requests in flight (--enable-server-load-tracking;
+        # 0 without it). With --api-server-count N, each process counts its own.
+        return {"server_load": state.load}
 
     @app.get("/get_load")
     async def get_load():

@@ -156,6 +156,13 @@ class FrontendArgs:
         "Level of this server's and its engine's logs (vLLM's; the default is info, or "
         "VLLM_LOGGING_LEVEL).",
     )
+    enable_server_load_tracking: bool = config_field(
+        False,
+        "Count the requests in flight on the routes that run the model (chat, completions, "
+        "responses, messages, embeddings, score, rerank, invocations), from arrival to the "
+        "end of the response, and serve the count at GET /load (vLLM's); off: /load "
+        "answers 0.",
+    )
     disable_log_stats: bool = config_field(
         False,
         "Do not log the throughput line (prompt and generation tokens/s, queues, KV cache "
