@@ -7,10 +7,14 @@ errors are instant; torch, transformers and FastAPI load once the flags are vali
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
+import stat
 import sys
 import time
 
@@ -101,6 +105,32 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix_socket(path: str) -> socket.socket:
+    """--uds: a listening Unix socket at ``path``. A socket file there that nothing
+    answers on (a killed server's) is replaced; a live server's, or any other file, is an
+    ``OSError``."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # stale
+        else:
+            raise OSError(f"a server is already listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from vllm.entrypoints.logger import set_log_level
 
@@ -122,9 +152,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     except ValueError as e:
         parser.exit(2, f"vllm serve: error: {e}\n")
     try:
-        sock = bind_socket(frontend.host, frontend.port)
+        if frontend.uds is not None:
+            sock = bind_unix_socket(frontend.uds)
+        else:
+            sock = bind_socket(frontend.host, frontend.port)
     except OSError as e:
-        print(f"vllm serve: error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
+        where = frontend.uds or f"{args.host}:{args.port}"
+        print(f"vllm serve: error: cannot bind {where}: {e}", file=sys.stderr)
         sys.exit(1)
     raise_fd_limit()
 
@@ -140,6 +174,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     # While the engine starts, SIGTERM is an exception (like KeyboardInterrupt for SIGINT)
     # so run_server's cleanup runs; once serving, the launcher drains on either signal.
     signal.signal(signal.SIGTERM, _raise_terminated)
+    if frontend.uds is not None:  # the socket file goes with the server, however it ends
+        atexit.register(_unlink_socket, frontend.uds, os.stat(frontend.uds).st_ino)
     if frontend.api_server_count > 1:
         sys.exit(_run_multi(vllm_config, frontend, sock))
     try:
@@ -154,6 +190,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         status = 0
     logger.info("Shut down")
     sys.exit(status)
+
+
+def _unlink_socket(path: str, inode: int) -> None:
+    """Remove --uds's socket file, if it is still the one this server bound (``inode``),
+    not one a later server bound at the same path."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
 
 
 def _run_multi(vllm_config, frontend: FrontendArgs, sock: socket.socket) -> int:

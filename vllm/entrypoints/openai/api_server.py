@@ -130,7 +130,10 @@ ANTHROPIC_VERSION = "anthropic-version"
 
 
 def instance_id(sock) -> str:
-    """``host:port`` of the listening socket; the host name when bound to every address."""
+    """``host:port`` of the listening socket; the host name when bound to every address;
+    ``unix:<path>`` for a Unix socket (--uds)."""
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{sock.getsockname()}"
     host, port = sock.getsockname()[:2]
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
@@ -660,9 +663,12 @@ async def _start_and_serve(vllm_config, args, sock, engine, stats, store, period
             )
         state = ServerState()
         app = build_app(vllm_config, args, engine, stats, state, instance_id(sock), store)
-        host, port = sock.getsockname()[:2]
         scheme = "https" if args.ssl_certfile else "http"
-        logger.info("Starting vLLM API server on %s://%s:%d", scheme, host, port)
+        if sock.family == socket.AF_UNIX:
+            logger.info("Starting vLLM API server on %s over unix:%s", scheme, sock.getsockname())
+        else:
+            host, port = sock.getsockname()[:2]
+            logger.info("Starting vLLM API server on %s://%s:%d", scheme, host, port)
         if periodic is not None:  # the throughput line (--disable-log-stats: none)
             log_task = asyncio.create_task(periodic.run())
         # The event loop streams every request: no full collection over start-up's heap.

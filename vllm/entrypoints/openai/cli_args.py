@@ -63,6 +63,11 @@ class FrontendArgs:
 
     host: str = config_field("127.0.0.1", "Host to bind.")
     port: int = config_field(8000, "Port to bind.")
+    uds: str | None = config_field(
+        None,
+        "Serve on this Unix domain socket path instead of --host/--port (vLLM's); a stale "
+        "socket file left by a killed server is replaced, a live one refused.",
+    )
     api_key: str | None = config_field(None, "Require this key as a Bearer token on /v1.")
     ssl_keyfile: str | None = config_field(None, "Serve HTTPS with this private key file (PEM).")
     ssl_certfile: str | None = config_field(
