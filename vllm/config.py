@@ -147,6 +147,13 @@ class ModelConfig:
         "'{\"temperature\": 0.5}'.",
         parse=lambda text: parse_json_object(text, "override_generation_config"),
     )
+    logits_processors: tuple[str, ...] | None = config_field(
+        None,
+        "Custom logits processors (vLLM's): fully qualified names of LogitsProcessor "
+        "subclasses (package.module:Class), applied in order to every step's logits; "
+        "LLM(logits_processors=...) takes the classes too. Not with --speculative-config "
+        "or --runner pooling.",
+    )
     hf_overrides: dict[str, Any] | None = config_field(
         None,
         "JSON object of fields set on the model's HF config before anything reads it "
@@ -201,6 +208,13 @@ class ModelConfig:
                 raise bad_value("served_model_name", self.served_model_name,
                                 "must be one or more non-empty names")  # fmt: skip
             object.__setattr__(self, "served_model_name", names)
+        if self.logits_processors is not None:
+            from vllm.v1.sample.logits_processor import load_logits_processors
+
+            specs = self.logits_processors
+            specs = tuple([specs] if isinstance(specs, str | type) else specs)
+            load_logits_processors(specs)  # each must load: a ValueError names it
+            object.__setattr__(self, "logits_processors", specs or None)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad_value("max_model_len", self.max_model_len, "must be >= 1")
         if (
@@ -771,6 +785,12 @@ class VllmConfig:
     def __post_init__(self) -> None:
         if self.model_config.is_pooling and self.speculative_config.enabled:
             raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
+        if self.model_config.logits_processors and self.model_config.is_pooling:
+            raise ValueError("--logits-processors: a pooling model (--runner pooling) has none")
+        if self.model_config.logits_processors and self.speculative_config.enabled:
+            raise ValueError(  # vLLM refuses the pair too
+                "--logits-processors cannot be combined with --speculative-config: drop one"
+            )
         if self.scheduler_config.async_scheduling and self.speculative_config.enabled:
             # A draft is proposed from the tokens so far, which a step scheduled ahead of
             # the device's result does not have yet.

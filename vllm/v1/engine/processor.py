@@ -13,6 +13,10 @@ from vllm.lora.peft import read_adapter_config
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.sample.logits_processor import (
+    load_logits_processors,
+    validate_logits_processors_parameters,
+)
 
 
 class Processor:
@@ -42,6 +46,10 @@ class Processor:
         self.default_max_tokens: int | None = None
         self.lora_config = vllm_config.lora_config
         self.is_pooling = vllm_config.model_config.is_pooling  # --runner pooling
+        # --logits-processors: each class's validate_params judges every request here.
+        self.logits_processor_classes = load_logits_processors(
+            vllm_config.model_config.logits_processors
+        )
         self._checked_adapters: set[tuple[int, str]] = set()  # configs read and accepted
 
     def set_kv_capacity(self, num_gpu_blocks: int) -> None:
@@ -204,6 +212,7 @@ class Processor:
                 "model",
             )
         self._check_logprobs(params)
+        validate_logits_processors_parameters(self.logits_processor_classes, params)
         if params.structured_outputs is not None and not structured_outputs_checked:
             # A bad grammar is a 400 here, never an engine error or unconstrained output.
             self.structured_outputs.validate(params.structured_outputs)

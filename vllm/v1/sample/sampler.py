@@ -459,7 +459,10 @@ _NON_FINITE_PROBS = RequestFailure(
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow], penalties: PenaltyTable | None = None
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    penalties: PenaltyTable | None = None,
+    raw: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """``logits``: (num_rows, vocab) float32, on any device.
 
@@ -469,7 +472,8 @@ def sample(
     (seeded rows use their own generator). Should the batch raise, the rows are sampled one
     by one, each failing alone. ``allowed_token_ids``, ``min_tokens``, ``logit_bias`` and
     the penalties apply to a copy (from ``penalties``' tables where given: the rows'
-    ``penalty_slot``); the logprobs are those of ``logits`` as given.
+    ``penalty_slot``); the logprobs are those of ``raw`` (the model's logits before
+    custom logits processors) when given, else of ``logits`` as given.
     """
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
@@ -492,7 +496,8 @@ def sample(
                 errors[i] = result
             else:
                 tokens[i] = result
-    return SamplerOutput(tokens, _sampled_logprobs(logits, rows, tokens), errors)
+    raw = logits if raw is None else raw
+    return SamplerOutput(tokens, _sampled_logprobs(raw, rows, tokens), errors)
 
 
 def _read_results(

@@ -26,6 +26,8 @@ from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
+from vllm.v1.sample.logits_processor import build_logits_processors
+from vllm.v1.sample.logits_processor.state import PersistentBatch
 from vllm.v1.sample.penalty_table import PenaltyTable, has_penalty
 from vllm.v1.sample.rejection_sampler import verify_sampled
 from vllm.v1.sample.sampler import (
@@ -208,6 +210,14 @@ class ModelRunner:
         self.attn_backend: AttentionBackend | None = None  # chosen in load_model
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
+        # --logits-processors: vLLM's custom processors, over a persistent batch of their
+        # own (logits_processor/state.py); built here, so a bad one fails the start.
+        self.logitsprocs = []
+        if self.model_config.logits_processors:
+            self.logitsprocs = build_logits_processors(
+                self.model_config.logits_processors, vllm_config, self.device
+            )
+        self.logitsprocs_batch = PersistentBatch()
         # --async-scheduling: the deferred steps whose tokens may not be on the host yet,
         # and the last one's sampled tokens on the device with each sampling request's row
         # in them (the next step's input for a request whose last token is not known here).
@@ -577,19 +587,20 @@ class ModelRunner:
         grammar's mask is built on the host once its matcher has taken the last token.
         Should sampling on the device raise, the step samples on the host as without
         async scheduling (each row failing alone) and returns its output."""
-        if not all(s.bare for s in sample_reqs):
-            self._resolve_deferred()
-        logits = self.model.compute_logits(hidden)
+        if self.logitsprocs or not all(s.bare for s in sample_reqs):
+            self._resolve_deferred()  # custom processors read the output ids too
+        raw = self.model.compute_logits(hidden)
+        logits = self._process_logits(raw, sample_reqs)
         grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
         rows = self._sampling_rows(sample_reqs)
         try:
             tokens, logits_ok, ok = sample_on_device(logits, rows, self.penalty_table)
-            groups = sampled_logprobs_on_device(logits, rows, tokens)
+            groups = sampled_logprobs_on_device(raw, rows, tokens)
         except Exception:  # as sample() does: the rows one by one, each failing alone
             logger.warning("sampling on the device failed; this step samples on the host",
                            exc_info=True)  # fmt: skip
             self._resolve_deferred()
-            self._sample_on_host(logits, sample_reqs, grammar_errors, out)
+            self._sample_on_host(logits, sample_reqs, grammar_errors, out, raw)
             out.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
             return out
         self._count_penalised(sample_reqs, tokens, logits_ok & ok)
@@ -622,6 +633,10 @@ class ModelRunner:
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
         order = [r for r in so.num_scheduled_tokens if r not in failed]
+        if self.logitsprocs:  # before the forward pass, as vLLM: the batch's changes
+            update = self.logitsprocs_batch.update([self.requests[r] for r in order])
+            for processor in self.logitsprocs:
+                processor.update_state(update)
         if not order:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={}, errors=failed)
         drafted = so.scheduled_spec_decode_tokens
@@ -759,7 +774,8 @@ class ModelRunner:
     ) -> None:
         """Sample one token per request of ``sample_reqs`` (``hidden``: their last rows)
         into ``out``; a row that cannot be sampled fails its request alone."""
-        logits = self.model.compute_logits(hidden)
+        raw = self.model.compute_logits(hidden)
+        logits = self._process_logits(raw, sample_reqs)
         if all(s.bare_greedy for s in sample_reqs):  # the argmax of each row, one copy
             finite, argmax = finite_and_argmax(logits, list(range(len(sample_reqs))))
             tokens = [t if f else None for f, t in zip(finite, argmax, strict=True)]
@@ -768,7 +784,29 @@ class ModelRunner:
             self._take_sampled(sample_reqs, tokens, lps, row_errors, out)
         else:
             grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
-            self._sample_on_host(logits, sample_reqs, grammar_errors, out)
+            self._sample_on_host(logits, sample_reqs, grammar_errors, out, raw)
+
+    def _process_logits(
+        self, logits: torch.Tensor, sample_reqs: list[CachedRequestState]
+    ) -> torch.Tensor:
+        """The custom logits processors' output for the sampling rows (``logits`` itself
+        without any). They see vLLM's layout: a row per scheduled request, in their
+        persistent batch's order; a request that samples nothing this step (a prefill
+        chunk) gets a row of zeros. ``logits`` is left as it was (the raw logprobs)."""
+        if not self.logitsprocs:
+            return logits
+        batch = self.logitsprocs_batch
+        rows = [batch.index[s.req_id] for s in sample_reqs]
+        in_place = rows == list(range(batch.batch_size))  # every row samples, in order
+        if in_place:
+            full = logits.clone()
+        else:
+            index = to_device(rows, torch.long, self.device)
+            full = logits.new_zeros((batch.batch_size, logits.shape[1]))
+            full.index_copy_(0, index, logits)
+        for processor in self.logitsprocs:
+            full = processor.apply(full)
+        return full if in_place else full.index_select(0, index)
 
     def _sample_on_host(
         self,
@@ -776,11 +814,13 @@ class ModelRunner:
         sample_reqs: list[CachedRequestState],
         grammar_errors: dict[int, RequestFailure],
         out: ModelRunnerOutput,
+        raw: torch.Tensor | None = None,
     ) -> None:
         """``sampler.sample`` of ``logits`` (grammar masks applied), a row that cannot be
-        sampled failing alone, into ``out``."""
+        sampled failing alone, into ``out``; logprobs from ``raw`` (the model's logits,
+        before custom processors) when given."""
         rows = self._sampling_rows(sample_reqs)
-        tokens, lps, row_errors = sample(logits, rows, self.penalty_table)
+        tokens, lps, row_errors = sample(logits, rows, self.penalty_table, raw)
         for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
             tokens[i], row_errors[i] = None, failure
         self._take_sampled(sample_reqs, tokens, lps, row_errors, out)
