@@ -31,7 +31,7 @@ import requests
 import zmq
 
 from vllm.benchmarks.server import RemoteServer, stop_session
-from vllm.config import CacheConfig, field_default
+from vllm.config import CacheConfig, field_default, parse_json_object
 from vllm.entrypoints.utils import LOOPBACK, get_open_port
 
 # The router's load-balancing policies in vllm-router 0.1.17 (its --policy choices).
@@ -178,12 +178,7 @@ def replica_kv_events(
             "replay_endpoint": f"ipc://{socket_dir}/replica{index}-replay",
         }
     else:
-        try:
-            config = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{KV_EVENTS_FLAG} must be a JSON object: {e}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{KV_EVENTS_FLAG} must be a JSON object, got {value!r}")
+        config = parse_json_object(value, KV_EVENTS_FLAG)
         if required and config.get("enable_kv_cache_events") is not True:
             raise ValueError(
                 f"the {KV_AWARE} routing needs the replicas' KV events: drop {KV_EVENTS_FLAG} "

@@ -53,24 +53,25 @@ def program_fleet(tmp_path_factory):
         yield fleet
 
 
-@pytest.fixture(scope="module")
-def cache_aware_fleet(tmp_path_factory):
-    # Debug logging: the router says per request how cache_aware decided.
-    log_dir = _log_dir(tmp_path_factory, "cache_aware")
+def _debug_fleet(tmp_path_factory, policy: str):
+    """Two replicas behind the router with ``policy``, its debug log (where it says per
+    request how it decided) kept: (the fleet, the log folder)."""
+    log_dir = _log_dir(tmp_path_factory, policy)
     with ReplicaSet(
-        2, SERVE, policy="cache_aware", router_args=["--log-level", "debug"], log_dir=str(log_dir)
+        2, SERVE, policy=policy, router_args=["--log-level", "debug"], log_dir=str(log_dir)
     ) as fleet:
         yield fleet, log_dir
+
+
+@pytest.fixture(scope="module")
+def cache_aware_fleet(tmp_path_factory):
+    yield from _debug_fleet(tmp_path_factory, "cache_aware")
 
 
 @pytest.fixture(scope="module")
 def kv_aware_fleet(tmp_path_factory):
     # Each replica publishes its KV cache events; the router subscribes to them all.
-    log_dir = _log_dir(tmp_path_factory, "kv_aware")
-    with ReplicaSet(
-        2, SERVE, policy="kv_aware", router_args=["--log-level", "debug"], log_dir=str(log_dir)
-    ) as fleet:
-        yield fleet, log_dir
+    yield from _debug_fleet(tmp_path_factory, "kv_aware")
 
 
 def client(fleet: ReplicaSet):

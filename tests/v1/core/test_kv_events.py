@@ -19,10 +19,9 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
-from .conftest import make_request
+from .conftest import apply_random_op, make_request
 
 BS = 4
-PROMPTS = [list(range(n)) for n in (3, 9, 13, 17, 22)] + [list(range(50, 61))]
 
 
 class Replay:
@@ -55,31 +54,6 @@ def held_by_pools(m: KVCacheManager, log: KVEventLog) -> dict[str, set]:
     return {"GPU": gpu, "CPU": cpu}
 
 
-def _add(m: KVCacheManager, arg: int):
-    """Admit a request as the scheduler does: its KV cache hit, then its tier hit."""
-    req = make_request(list(PROMPTS[arg % len(PROMPTS)]), block_size=BS)
-    hit, n_hit = m.get_computed_blocks(req)
-    n_ext = m.get_num_offloaded_tokens(req, n_hit)
-    remaining = req.num_tokens - n_hit - n_ext
-    chunk = remaining if (arg // len(PROMPTS)) % 2 else min(1 + arg % 8, remaining)
-    if m.allocate_slots(req, chunk, hit, n_hit, num_external_computed_tokens=n_ext) is None:
-        return None
-    req.num_computed_tokens = n_hit + n_ext + chunk
-    return req
-
-
-def _step(m: KVCacheManager, req, arg: int) -> bool:
-    if req.num_computed_tokens < req.num_tokens:
-        num_new = min(1 + arg % 6, req.num_tokens - req.num_computed_tokens)
-    else:
-        req.append_output_token_ids(arg)
-        num_new = 1
-    if m.allocate_slots(req, num_new) is None:
-        return False
-    req.num_computed_tokens += num_new
-    return True
-
-
 ops = st.lists(
     st.tuples(
         st.sampled_from(["add", "step", "step", "free", "offload", "reset"]), st.integers(0, 30)
@@ -105,19 +79,7 @@ def test_replayed_events_are_the_pools_hashes(seq, num_cpu_blocks, int_hashes):
     m = KVCacheManager(9, BS, 64, num_cpu_blocks=num_cpu_blocks, kv_events=log)
     replay, live = Replay(), []
     for op, arg in seq:
-        if op == "add":
-            req = _add(m, arg)
-            if req is not None:
-                live.append(req)
-        elif op == "step" and live:
-            req = live[arg % len(live)]
-            if not _step(m, req, arg):
-                m.free(req)
-                live.remove(req)
-        elif op in ("free", "offload") and live:
-            m.free(live.pop(arg % len(live)), offload=op == "offload")
-        elif op == "reset":
-            m.reset_prefix_cache()
+        apply_random_op(m, live, op, arg, BS)
         m.take_kv_transfers()  # the step's end: the tier's held blocks are released
         replay.apply(log.take())
         assert replay.held == held_by_pools(m, log)
