@@ -85,7 +85,6 @@ class Scheduler:
             cpu_block_bytes,
             self.kv_events,
         )
-        self.kv_event_publisher = ZmqEventPublisher(events.options) if events.enabled else None
         if policy.has_tier != (self.kv_cache_manager.offload is not None):
             raise ValueError(
                 f"the policy was built with has_kv_tier={policy.has_tier}, but the KV cache "
@@ -116,6 +115,8 @@ class Scheduler:
         # for the token they sample; update_from_output takes them back in order.
         self.async_scheduling = self.config.async_scheduling
         self._scheduled: deque[tuple[dict[str, Request], list[Request]]] = deque()
+        # Last: its socket and thread are not left behind by a constructor that failed.
+        self.kv_event_publisher = ZmqEventPublisher(events.options) if events.enabled else None
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
