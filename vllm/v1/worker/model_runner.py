@@ -590,8 +590,8 @@ class ModelRunner:
         if self.logitsprocs or not all(s.bare for s in sample_reqs):
             self._resolve_deferred()  # custom processors read the output ids too
         raw = self.model.compute_logits(hidden)
+        grammar_errors = self.structured_output.mask_logits(raw, sample_reqs)
         logits = self._process_logits(raw, sample_reqs)
-        grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
         rows = self._sampling_rows(sample_reqs)
         try:
             tokens, logits_ok, ok = sample_on_device(logits, rows, self.penalty_table)
@@ -775,15 +775,18 @@ class ModelRunner:
         """Sample one token per request of ``sample_reqs`` (``hidden``: their last rows)
         into ``out``; a row that cannot be sampled fails its request alone."""
         raw = self.model.compute_logits(hidden)
-        logits = self._process_logits(raw, sample_reqs)
         if all(s.bare_greedy for s in sample_reqs):  # the argmax of each row, one copy
+            logits = self._process_logits(raw, sample_reqs)
             finite, argmax = finite_and_argmax(logits, list(range(len(sample_reqs))))
             tokens = [t if f else None for f, t in zip(finite, argmax, strict=True)]
             lps: list = [None] * len(tokens)
             row_errors = {i: NON_FINITE_LOGITS for i, f in enumerate(finite) if not f}
             self._take_sampled(sample_reqs, tokens, lps, row_errors, out)
         else:
-            grammar_errors = self.structured_output.mask_logits(logits, sample_reqs)
+            # As vLLM: the grammar masks first (the raw logprobs are of masked logits),
+            # then the custom processors, then the sampler's own steps.
+            grammar_errors = self.structured_output.mask_logits(raw, sample_reqs)
+            logits = self._process_logits(raw, sample_reqs)
             self._sample_on_host(logits, sample_reqs, grammar_errors, out, raw)
 
     def _process_logits(

@@ -4,9 +4,10 @@ A processor is a ``LogitsProcessor`` subclass, named by its fully qualified clas
 (``package.module:Class``; ``package.module.Class`` is taken too) or given as the class
 (``LLM`` only). Each is built once in the engine with ``(vllm_config, device,
 is_pin_memory)``, follows the batch through ``update_state`` and changes the logits in
-``apply``, before this engine's own processing (allowed tokens, ``min_tokens``,
-``logit_bias``, penalties, temperature, top-k/p/min-p, grammars). Logprobs stay the
-model's raw ones, vLLM's default (``raw_logprobs``). A request's own arguments for a
+``apply``: after a grammar's mask, before this engine's own processing (allowed tokens,
+``min_tokens``, ``logit_bias``, penalties, temperature, top-k/p/min-p), as in vLLM.
+Logprobs are those of the logits before the processors, vLLM's default
+(``raw_logprobs``). A request's own arguments for a
 processor travel in ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP); the class's
 ``validate_params`` can refuse them (a 400). Not with speculative decoding or a pooling
 model, as in vLLM.
