@@ -98,6 +98,8 @@ def test_the_server_routes_behind_the_key(tmp_path):
     try:  # without a profiler (or dev mode) the routes do not exist, as in vLLM
         assert requests.post(plain.base + "/start_profile", timeout=30).status_code == 404
         assert requests.post(plain.base + "/reset_prefix_cache", timeout=30).status_code == 404
+        # Nor vLLM's other opt-in route (--enable-tokenizer-info-endpoint).
+        assert requests.get(plain.base + "/tokenizer_info", timeout=30).status_code == 404
     finally:
         plain.stop()
 

@@ -20,7 +20,7 @@ def served(tmp_path_factory):
     model = tiny_model(path / "model")
     server = RemoteServer(
         "--model", model, "--served-model-name", "tiny", "--max-model-len", "300",
-        log_path=str(path / "server.log"),
+        "--enable-tokenizer-info-endpoint", log_path=str(path / "server.log"),
     )  # fmt: skip
     try:
         yield server, get_tokenizer(model)
@@ -95,3 +95,12 @@ def test_bad_requests_are_400s_naming_the_field(served, route, body, param):
     r = post(server, route, body)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_tokenizer_info_shows_the_configuration_and_template(served):
+    server, tokenizer = served
+    info = requests.get(f"{server.base}/tokenizer_info", timeout=30).json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["chat_template"] == tokenizer.chat_template
+    assert info["eos_token"] == tokenizer.eos_token  # a special token: by its text
+    assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)

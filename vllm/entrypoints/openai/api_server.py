@@ -450,6 +450,12 @@ def build_app(
     async def detokenize(request: DetokenizeRequest):
         return await tokenization.detokenize(request)
 
+    if getattr(args, "enable_tokenizer_info_endpoint", False):  # opt-in, as vLLM's
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            return tokenization.tokenizer_info()
+
     add_responses_routes(app, OpenAIServingResponses(chat_serving, response_store), RECEIVED_KEY)
     add_messages_routes(app, AnthropicServingMessages(chat_serving), RECEIVED_KEY)
     max_logprobs = getattr(vllm_config.model_config, "max_logprobs", 20)

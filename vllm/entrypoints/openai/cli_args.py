@@ -161,6 +161,12 @@ class FrontendArgs:
         "Level of this server's and its engine's logs (vLLM's; the default is info, or "
         "VLLM_LOGGING_LEVEL).",
     )
+    enable_tokenizer_info_endpoint: bool = config_field(
+        False,
+        "Serve GET /tokenizer_info (vLLM's): the tokenizer's configuration, class and the "
+        "chat template, for clients that tokenize themselves. Off by default: it shows "
+        "how the server renders prompts.",
+    )
     enable_server_load_tracking: bool = config_field(
         False,
         "Count the requests in flight on the routes that run the model (chat, completions, "

@@ -101,6 +101,23 @@ class OpenAIServingTokenization:
             raise RequestValidationError(e.errors()) from None
         return await self.chat.prompt_token_ids(chat, bool(request.add_special_tokens))
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """--enable-tokenizer-info-endpoint (vLLM's GET /tokenizer_info): the tokenizer's
+        configuration as it was loaded (file paths left out; special tokens by their
+        text), its class, and the chat template the server applies."""
+        tokenizer = self.engine.tokenizer
+        config = {
+            k: v
+            for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+            if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+        }
+        info = _json_safe(config)
+        info["tokenizer_class"] = type(tokenizer).__name__
+        template = self.engine.chat_template
+        if template:
+            info["chat_template"] = template
+        return info
+
     async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         self.chat.check_model(request)
         vocab = self.engine.processor.vocab_size
@@ -110,3 +127,16 @@ class OpenAIServingTokenization:
                 f"tokens {bad[:8]} are outside the vocabulary [0, {vocab})", "tokens"
             )
         return {"prompt": await self.chat.in_thread(self.engine.decode, request.tokens)}
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` in JSON's types: an added token by its text, other objects as text."""
+    if hasattr(value, "content"):  # tokenizers' AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
