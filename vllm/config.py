@@ -28,6 +28,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 Runner = Literal["auto", "generate", "pooling"]
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 POOLING_TYPES = ("LAST",)  # the pooled row: a causal model's last (its whole-prompt summary)
 
 
@@ -154,6 +155,14 @@ class ModelConfig:
         "LLM(logits_processors=...) takes the classes too. Not with --speculative-config "
         "or --runner pooling.",
     )
+    logprobs_mode: LogprobsMode = config_field(
+        "raw_logprobs",
+        "What logprobs report (vLLM's): raw_logprobs (the model's, before any processing), "
+        "raw_logits (its logits), processed_logprobs / processed_logits (of the logits "
+        "the token was drawn from: after logits processors and penalties, and for a "
+        "sampled request its temperature, top-k, top-p and min-p). Prompt logprobs are "
+        "raw either way.",
+    )
     hf_overrides: dict[str, Any] | None = config_field(
         None,
         "JSON object of fields set on the model's HF config before anything reads it "
@@ -252,6 +261,10 @@ class ModelConfig:
             )
         if self.runner not in get_args(Runner):
             raise bad_value("runner", self.runner, f"must be one of {get_args(Runner)}")
+        if self.logprobs_mode not in get_args(LogprobsMode):
+            raise bad_value(
+                "logprobs_mode", self.logprobs_mode, f"must be one of {get_args(LogprobsMode)}"
+            )
         pooler = self.pooler_config
         if pooler is not None:
             if not isinstance(pooler, dict):
@@ -787,6 +800,13 @@ class VllmConfig:
             raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
         if self.model_config.logits_processors and self.model_config.is_pooling:
             raise ValueError("--logits-processors: a pooling model (--runner pooling) has none")
+        if self.model_config.logprobs_mode.startswith("processed") and (
+            self.speculative_config.enabled
+        ):
+            raise ValueError(
+                "--logprobs-mode processed_* cannot be combined with --speculative-config "
+                "(drafts are verified on the raw logits): use raw_logprobs or raw_logits"
+            )
         if self.model_config.logits_processors and self.speculative_config.enabled:
             raise ValueError(  # vLLM refuses the pair too
                 "--logits-processors cannot be combined with --speculative-config: drop one"

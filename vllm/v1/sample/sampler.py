@@ -386,23 +386,27 @@ def _descending(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.sort(values, axis=-1)[:, ::-1].copy())
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], n: int, as_logits: bool = False
+) -> list[TokenLogprobs]:
     """Per row of ``logits`` (rows, vocab): the logprob of ``token_ids[row]``, its 1-based
     rank and the top ``n`` (the raw distribution: no penalty, temperature or filter).
     Used for prompt logprobs, where every row is a prompt position, and for the logprobs
-    of sampled tokens. Two copies to the host for all the rows (integers, then floats)."""
+    of sampled tokens. Two copies to the host for all the rows (integers, then floats).
+    ``as_logits``: the logits' values instead (--logprobs-mode raw_logits)."""
     targets = to_device(token_ids, torch.long, logits.device)
-    ints, floats = token_logprobs_on_device(logits, targets, n)
+    ints, floats = token_logprobs_on_device(logits, targets, n, as_logits)
     return logprobs_from_host(token_ids, ints.tolist(), floats.tolist())
 
 
 def token_logprobs_on_device(
-    logits: torch.Tensor, targets: torch.Tensor, n: int
+    logits: torch.Tensor, targets: torch.Tensor, n: int, as_logits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs``' work without a copy to the host, for ``targets`` (rows,) on the
     device: (ints (rows, 1 + n): the rank, then the top ids; floats (rows, 1 + n): the
-    logprob, then the top ones), for ``logprobs_from_host``."""
-    lp = logits.float().log_softmax(-1)
+    logprob, then the top ones), for ``logprobs_from_host``. ``as_logits``: the logits'
+    own values (the ranks are the same)."""
+    lp = logits.float() if as_logits else logits.float().log_softmax(-1)
     targets = targets[:, None]
     chosen = lp.gather(1, targets)  # (rows, 1)
     ranks = (lp > chosen).sum(-1, keepdim=True) + 1  # (rows, 1)
@@ -421,7 +425,7 @@ def logprobs_from_host(
 
 
 def sampled_logprobs_on_device(
-    logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor
+    logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor, as_logits: bool = False
 ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """The raw logprobs of the rows that ask for them, of their tokens still on the
     device (``sample_on_device``'s), without a copy to the host: per number of top
@@ -434,11 +438,48 @@ def sampled_logprobs_on_device(
     groups = []
     for n, idx in by_n.items():
         if len(idx) == len(rows):
-            groups.append((idx, *token_logprobs_on_device(logits, tokens, n)))
+            groups.append((idx, *token_logprobs_on_device(logits, tokens, n, as_logits)))
             continue
         index = to_device(idx, torch.long, logits.device)
-        groups.append((idx, *token_logprobs_on_device(logits[index], tokens[index], n)))
+        groups.append((idx, *token_logprobs_on_device(logits[index], tokens[index], n, as_logits)))
     return groups
+
+
+# --logprobs-mode (vLLM's): what a sampled token's logprobs are taken from.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def logprobs_source(
+    mode: str,
+    raw: torch.Tensor,
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    penalties: PenaltyTable | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """(the logits a step's logprobs come from, whether they are reported as logits) for
+    ``mode``: raw (the model's, before any processing) or processed (``processed_logits``
+    of ``logits``; call it before the step's tokens enter ``penalties``' tables)."""
+    if mode.startswith("processed"):
+        return processed_logits(logits, rows, penalties), mode.endswith("_logits")
+    return raw, mode.endswith("_logits")
+
+
+def processed_logits(
+    logits: torch.Tensor, rows: list[SamplingRow], penalties: PenaltyTable | None = None
+) -> torch.Tensor:
+    """The logits each row's token was drawn from, as vLLM's ``processed_*`` logprobs
+    modes report them: after the logits processors and the penalties, and for a random
+    row its temperature, top-k, top-p and min-p (what they filter out: -inf). The same
+    ops as ``sample_on_device``, which draws no number here: recomputed, not kept, so
+    the common mode costs nothing."""
+    x = apply_logits_processors(logits, rows)
+    x = apply_penalties_to_rows(x, rows, x is not logits, penalties)
+    drawn = [i for i, r in enumerate(rows) if not r.params.sampling_type_greedy]
+    if drawn:
+        index = to_device(drawn, torch.long, x.device)
+        filtered = _filter_rows_on_device(x.index_select(0, index), [rows[i] for i in drawn])
+        x = x.index_copy(0, index, filtered)
+    return x
 
 
 class SamplerOutput(NamedTuple):
@@ -463,6 +504,7 @@ def sample(
     rows: list[SamplingRow],
     penalties: PenaltyTable | None = None,
     raw: torch.Tensor | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """``logits``: (num_rows, vocab) float32, on any device.
 
@@ -473,7 +515,9 @@ def sample(
     by one, each failing alone. ``allowed_token_ids``, ``min_tokens``, ``logit_bias`` and
     the penalties apply to a copy (from ``penalties``' tables where given: the rows'
     ``penalty_slot``); the logprobs are those of ``raw`` (the model's logits before
-    custom logits processors) when given, else of ``logits`` as given.
+    custom logits processors) when given, else of ``logits`` as given; or, by
+    ``logprobs_mode`` (vLLM's --logprobs-mode), the processed logits, or logits instead of
+    logprobs.
     """
     tokens: list[int | None] = [None] * len(rows)
     errors: dict[int, RequestFailure] = {}
@@ -497,7 +541,10 @@ def sample(
             else:
                 tokens[i] = result
     raw = logits if raw is None else raw
-    return SamplerOutput(tokens, _sampled_logprobs(raw, rows, tokens), errors)
+    if all(r.params.logprobs is None for r in rows):
+        return SamplerOutput(tokens, [None] * len(rows), errors)
+    source, as_logits = logprobs_source(logprobs_mode, raw, logits, rows, penalties)
+    return SamplerOutput(tokens, _sampled_logprobs(source, rows, tokens, as_logits), errors)
 
 
 def _read_results(
@@ -538,15 +585,14 @@ def finite_and_argmax(raw: torch.Tensor, greedy: list[int]) -> tuple[list[bool],
 
 
 def _sampled_logprobs(
-    raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int | None]
+    source: torch.Tensor, rows: list[SamplingRow], tokens: list[int | None], as_logits: bool
 ) -> list[TokenLogprobs | None]:
-    """The raw logprobs of each sampled token whose request asks for them
+    """The logprobs (of ``source``) of each sampled token whose request asks for them
     (``sampled_logprobs_on_device``, read back); None for the others and failed rows."""
     out: list[TokenLogprobs | None] = [None] * len(rows)
-    if all(r.params.logprobs is None for r in rows):
-        return out
     ids = [0 if t is None else t for t in tokens]  # a failed row's entry is dropped
-    groups = sampled_logprobs_on_device(raw, rows, to_device(ids, torch.long, raw.device))
+    targets = to_device(ids, torch.long, source.device)
+    groups = sampled_logprobs_on_device(source, rows, targets, as_logits)
     for idx, ints, floats in groups:
         entries = logprobs_from_host([ids[i] for i in idx], ints.tolist(), floats.tolist())
         for i, entry in zip(idx, entries, strict=True):

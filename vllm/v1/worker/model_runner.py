@@ -38,6 +38,7 @@ from vllm.v1.sample.sampler import (
     is_bare,
     is_bare_greedy,
     logprobs_from_host,
+    logprobs_source,
     row_failure,
     sample,
     sample_on_device,
@@ -218,6 +219,7 @@ class ModelRunner:
                 self.model_config.logits_processors, vllm_config, self.device
             )
         self.logitsprocs_batch = PersistentBatch()
+        self.logprobs_mode = getattr(self.model_config, "logprobs_mode", "raw_logprobs")
         # --async-scheduling: the deferred steps whose tokens may not be on the host yet,
         # and the last one's sampled tokens on the device with each sampling request's row
         # in them (the next step's input for a request whose last token is not known here).
@@ -595,7 +597,12 @@ class ModelRunner:
         rows = self._sampling_rows(sample_reqs)
         try:
             tokens, logits_ok, ok = sample_on_device(logits, rows, self.penalty_table)
-            groups = sampled_logprobs_on_device(raw, rows, tokens)
+            groups = []
+            if any(r.params.logprobs is not None for r in rows):  # before the tables count
+                source, as_logits = logprobs_source(
+                    self.logprobs_mode, raw, logits, rows, self.penalty_table
+                )
+                groups = sampled_logprobs_on_device(source, rows, tokens, as_logits)
         except Exception:  # as sample() does: the rows one by one, each failing alone
             logger.warning("sampling on the device failed; this step samples on the host",
                            exc_info=True)  # fmt: skip
@@ -767,7 +774,8 @@ class ModelRunner:
             num_top = state.sampling_params.logprobs
             if num_top is not None:  # the model's raw logprobs, as the sampler reports
                 kept = logits[rows.start : rows.start + len(tokens)]
-                out.logprobs[state.req_id] = token_logprobs(kept, tokens, num_top)
+                as_logits = self.logprobs_mode == "raw_logits"  # processed: refused
+                out.logprobs[state.req_id] = token_logprobs(kept, tokens, num_top, as_logits)
 
     def _sample(
         self, hidden: torch.Tensor, sample_reqs: list[CachedRequestState], out: ModelRunnerOutput
@@ -823,7 +831,7 @@ class ModelRunner:
         sampled failing alone, into ``out``; logprobs from ``raw`` (the model's logits,
         before custom processors) when given."""
         rows = self._sampling_rows(sample_reqs)
-        tokens, lps, row_errors = sample(logits, rows, self.penalty_table, raw)
+        tokens, lps, row_errors = sample(logits, rows, self.penalty_table, raw, self.logprobs_mode)
         for i, failure in grammar_errors.items():  # all -inf rows: none was sampled
             tokens[i], row_errors[i] = None, failure
         self._take_sampled(sample_reqs, tokens, lps, row_errors, out)
@@ -897,7 +905,9 @@ class ModelRunner:
                 rows = hidden[row + i : row + min(i + PROMPT_LOGPROBS_ROWS, end - start)]
                 logits = self.model.compute_logits(rows)
                 chunk = to_device(targets[i : i + len(rows)], torch.long, self.device)
-                parts.append(token_logprobs_on_device(logits, chunk, num_top))
+                # A prompt token passes no sampling step: raw and processed agree (vLLM).
+                as_logits = self.logprobs_mode.endswith("_logits")
+                parts.append(token_logprobs_on_device(logits, chunk, num_top, as_logits))
             result.append(PendingPromptLogprobs(req_id, start + 1, targets, parts))
         return result
 
