@@ -265,3 +265,24 @@ def test_runner_samples_seeded_penalised_and_batched_rows_on_cuda(device, caplog
     assert all(len(t) == 4 for t in first.values())
     assert run() == first  # seeded rows (and greedy) are reproducible on CUDA
     assert run(tables=False) == first  # the sparse way's penalties: the same tokens
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs"])
+def test_logprobs_modes_on_cuda_match_the_cpu(device, mode):
+    # --logprobs-mode: greedy rows (penalised) and sampled ones (temperature, top-k,
+    # top-p): the reported values agree across devices (tokens of greedy rows too).
+    logits = _logits(3, torch.device("cpu"), seed=4)
+    specs = [
+        {"temperature": 0.0, "repetition_penalty": 1.3, "output": [5, 5], "logprobs": 3},
+        {"temperature": 0.7, "top_k": 20, "seed": 1, "logprobs": 3},
+        {"temperature": 1.0, "top_p": 0.8, "seed": 2, "logprobs": 3},
+    ]
+    got = {}
+    for dev in (device, torch.device("cpu")):
+        out = sample(logits.to(dev), [_row(dev, **s) for s in specs], logprobs_mode=mode)
+        assert not out.errors
+        got[dev.type] = out
+    assert got["cuda"].token_ids[0] == got["cpu"].token_ids[0]
+    cuda_top = dict(got["cuda"].logprobs[0].top)
+    cpu_top = dict(got["cpu"].logprobs[0].top)
+    assert cuda_top == pytest.approx(cpu_top, rel=1e-4, abs=1e-4)
