@@ -39,6 +39,13 @@ def scheduling_policy_names() -> Sequence[str]:
     return policy_names()
 
 
+def attention_backend_names() -> Sequence[str]:
+    """The accepted ``--attention-backend`` values: the attention backend registry's."""
+    from vllm.v1.attention.backends.registry import backend_names
+
+    return backend_names()
+
+
 def offloading_backend_names() -> Sequence[str]:
     """The accepted ``--kv-offloading-backend`` values: the offloading backend registry's."""
     from vllm.v1.kv_offload.registry import offloading_backend_names as names
@@ -193,6 +200,14 @@ class ModelConfig:
         "Most logprobs (and prompt logprobs) a request may ask for per token, vLLM's flag; "
         "-1: the whole vocabulary (a request's -1 asks for all of it).",
     )
+    attention_backend: str | None = config_field(
+        None,
+        "Force this attention backend (vLLM's flag; VLLM_ATTENTION_BACKEND too, the flag "
+        "wins): one that cannot run here stops the start instead of falling back. Unset: "
+        "the best that can run (torch's FlashAttention on CUDA in fp16/bf16, SDPA "
+        "otherwise).",
+        choices=attention_backend_names,
+    )
     enforce_eager: bool = config_field(
         False,
         "Always run the model eagerly: on CUDA, no CUDA graphs of decode steps (the CPU "
@@ -261,6 +276,11 @@ class ModelConfig:
             )
         if self.runner not in get_args(Runner):
             raise bad_value("runner", self.runner, f"must be one of {get_args(Runner)}")
+        backend = self.attention_backend
+        if backend is not None and backend not in attention_backend_names():
+            raise bad_value(
+                "attention_backend", backend, f"must be one of {list(attention_backend_names())}"
+            )
         if self.logprobs_mode not in get_args(LogprobsMode):
             raise bad_value(
                 "logprobs_mode", self.logprobs_mode, f"must be one of {get_args(LogprobsMode)}"

@@ -181,3 +181,27 @@ def test_forcing_a_registered_backend_names_why_it_cannot_run(toy_registered, mo
 def test_register_backend_checks_the_name():
     with pytest.raises(ValueError, match="upper case"):
         registry.register_backend("toy", ToyBackend)
+
+
+def test_the_flag_forces_a_backend_over_the_variable(fake_cuda, monkeypatch):
+    monkeypatch.setenv(selector.ENV_VAR, "FLASH_ATTN")
+    pick = selector.select_attention_backend
+    assert pick(CUDA, torch.bfloat16, 16, 128) is FlashAttentionBackend  # the variable
+    assert pick(CUDA, torch.bfloat16, 16, 128, "TORCH_SDPA") is TorchSDPABackend  # the flag
+    with pytest.raises(ValueError, match="--attention-backend=TORCH_FLASH_ATTN but"):
+        pick(CPU, torch.float32, 16, 64, "TORCH_FLASH_ATTN")  # cannot run: no fallback
+
+
+@pytest.mark.slow
+def test_an_engine_runs_the_backend_its_flag_names(tmp_path):
+    from tests.entrypoints.test_generation_config import tiny_model
+    from vllm import LLM
+
+    model = tiny_model(tmp_path / "tiny")
+    llm = LLM(model=model, kv_cache_memory="16MiB", attention_backend="TORCH_SDPA")
+    try:
+        assert llm.engine_core.model_runner.attn_backend.name == "TORCH_SDPA"
+    finally:
+        llm.shutdown()
+    with pytest.raises(Exception, match="--attention-backend=TORCH_FLASH_ATTN but"):
+        LLM(model=model, kv_cache_memory="16MiB", attention_backend="TORCH_FLASH_ATTN")

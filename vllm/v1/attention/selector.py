@@ -5,7 +5,8 @@ finds nothing wrong. With the three built in: torch's own FlashAttention
 torch's cannot run and the package is installed, torch SDPA otherwise (CPU, and fp32 on
 CUDA: the exactness reference).
 
-``VLLM_ATTENTION_BACKEND`` (vLLM's variable) forces a registered name instead: a backend
+``--attention-backend`` (or ``VLLM_ATTENTION_BACKEND``, vLLM's variable; the flag wins)
+forces a registered name instead: a backend
 that cannot run here raises rather than silently falling back, so a forced benchmark
 never measures the wrong kernel (``TORCH_SDPA`` can always run).
 """
@@ -26,18 +27,24 @@ ENV_VAR = "VLLM_ATTENTION_BACKEND"
 
 
 def select_attention_backend(
-    device: torch.device, dtype: torch.dtype, block_size: int, head_size: int
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    head_size: int,
+    forced: str | None = None,
 ) -> type[AttentionBackend]:
     """The backend class for this device/dtype/block size/head size; see the module
-    docstring. ValueError when the forced backend is unknown or cannot run here."""
-    forced = envs.VLLM_ATTENTION_BACKEND
+    docstring. ``forced``: --attention-backend (else ``VLLM_ATTENTION_BACKEND``).
+    ValueError when the forced backend is unknown or cannot run here."""
+    source = "--attention-backend" if forced is not None else ENV_VAR
+    forced = forced if forced is not None else envs.VLLM_ATTENTION_BACKEND
     if forced is not None:
         if forced not in backend_names():
-            raise ValueError(f"{ENV_VAR}={forced!r}: expected one of {', '.join(backend_names())}")
+            raise ValueError(f"{source}={forced!r}: expected one of {', '.join(backend_names())}")
         cls = get_backend_class(forced)
         reasons = cls.validate_configuration(device, dtype, block_size, head_size)
         if reasons:
-            raise ValueError(f"{ENV_VAR}={forced} but {'; '.join(reasons)}")
+            raise ValueError(f"{source}={forced} but {'; '.join(reasons)}")
         return cls
     classes = sorted(map(get_backend_class, backend_names()), key=lambda c: -c.priority)
     skipped = []

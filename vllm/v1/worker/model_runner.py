@@ -302,7 +302,10 @@ class ModelRunner:
         if self.config.lora_config.enable_lora:  # wraps the linear layers, as quantized
             self.lora = LoRAManager(self.model, self.config.lora_config, self.device, self.dtype)
         a = self.arch
-        backend_cls = select_attention_backend(self.device, self.dtype, self.block_size, a.head_dim)
+        backend_cls = select_attention_backend(
+            self.device, self.dtype, self.block_size, a.head_dim,
+            getattr(self.model_config, "attention_backend", None),
+        )  # fmt: skip
         self.attn_backend = backend_cls(
             a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.block_size
         )
