@@ -36,7 +36,10 @@ def _bad(name: str, value: Any, why: str) -> VLLMValidationError:
 class StructuredOutputsParams:
     """Constrain a request's output (vLLM's name): exactly one of ``json`` (a JSON schema,
     dict or string), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
-    strings) or ``grammar`` (Lark syntax, llguidance's dialect). The grammar is checked
+    strings), ``grammar`` (Lark syntax, llguidance's dialect) or ``structural_tag``
+    (vLLM's: free text in which each ``{"begin", "schema", "end"}`` structure, once the
+    output reaches one of its ``triggers``, must follow its JSON schema up to its end
+    tag; a dict or its JSON text). The grammar is checked
     at the front end (``vllm.v1.structured_output.validate``) and enforced by a token mask
     before every sampling step.
 
@@ -50,10 +53,11 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
     after_reasoning: str | None = None
 
     def __post_init__(self) -> None:
-        kinds = ("json", "json_object", "regex", "choice", "grammar")
+        kinds = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
         given = [k for k in kinds if getattr(self, k)]
         if len(given) != 1:
             raise VLLMValidationError(

@@ -78,6 +78,17 @@ BAD = [
     ("completions", {"prompt": ["a"] * 129}, "prompt"),  # past --max-n-sequences
     ("completions", {"structured_outputs": {"lua": "x"}}, "structured_outputs"),
     ("completions", {"response_format": {"type": "xml"}}, "response_format"),
+    (
+        "chat",
+        {
+            "response_format": {
+                "type": "structural_tag",
+                "triggers": ["<f="],
+                "structures": [{"begin": "<g>", "schema": {}, "end": ""}],
+            }
+        },
+        "structured_outputs",
+    ),
     ("chat", {"messages": [{"role": "user", "content": "hi"}] * 4097}, "messages"),
 ]
 
@@ -113,6 +124,11 @@ def test_bad_inputs_are_400s_naming_the_field(server):
     assert requests.get(server.base + "/health").status_code == 200
     ok = post(server, "chat", {**CHAT, "max_tokens": 4, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+    tag = {"type": "structural_tag", "triggers": ["<function="],
+           "structures": [{"begin": "<function=f>", "schema": {"type": "object"},
+                           "end": "</function>"}]}  # fmt: skip
+    tagged = post(server, "chat", {**CHAT, "max_tokens": 4, "response_format": tag})
+    assert tagged.status_code == 200, tagged.text
 
 
 @pytest.mark.parametrize(

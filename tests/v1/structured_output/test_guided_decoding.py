@@ -200,3 +200,61 @@ def test_a_mask_narrower_than_the_logits_fails_its_row_only(manager):
     assert set(failures) == {1} and "not 49408" in failures[1].message
     assert torch.isinf(logits[1]).all() and torch.equal(logits[0], torch.zeros(VOCAB + 256))
     manager.remove(["wide"])
+
+
+TOOL_TAG = {
+    "triggers": ["<function="],
+    "structures": [
+        {"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"},
+        {"begin": "<function=get_time>", "schema": {"type": "object"}, "end": "</function>"},
+    ],
+}
+
+
+def _follow(manager, tokenizer, r: Row, text: str) -> int | None:
+    """Feed ``text``'s tokens under the mask; the index of the first it forbids, or None."""
+    for i, token in enumerate(tokenizer.encode(text)):
+        if not allowed(manager, r)[token]:
+            return i
+        manager.accept([r], [token])
+    return None
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_structural_tag_leaves_text_free_and_holds_tagged_calls_to_their_schema(
+    manager, tokenizer, as_text
+):
+    tag = json.dumps(TOOL_TAG) if as_text else TOOL_TAG
+    good = ('Let me check. <function=get_weather>{"city": "Paris", "unit": "celsius", '
+            '"days": 2}</function> Anything after, <b>even markup</b>.')  # fmt: skip
+    r = row(StructuredOutputsParams(structural_tag=tag), f"tag-ok-{as_text}")
+    assert _follow(manager, tokenizer, r, good) is None
+    assert allowed(manager, r)[EOS]  # free text again: it may end
+    bad = 'Sure <function=get_weather>{"city": "Paris", "unit": "kelvin"'
+    r = row(StructuredOutputsParams(structural_tag=tag), f"tag-bad-{as_text}")
+    stop = _follow(manager, tokenizer, r, bad)
+    assert stop is not None  # the schema's enum forbids "kelvin"
+    assert tokenizer.decode(tokenizer.encode(bad)[:stop]).endswith('"unit": "')
+
+
+@pytest.mark.parametrize(
+    "tag, message",
+    [
+        ({"triggers": [], "structures": TOOL_TAG["structures"]}, "triggers must be"),
+        ({"triggers": ["<tool>"], "structures": TOOL_TAG["structures"]}, "none of the triggers"),
+        ({"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": 3, "end": ""}]},
+         "schema must be a JSON schema object"),
+        ({"format": {"type": "triggered_tags"}}, "not supported yet"),
+        ("{not json", "is not JSON"),
+    ],
+)  # fmt: skip
+def test_bad_structural_tags_are_400s_naming_the_problem(tag, message):
+    with pytest.raises(VLLMValidationError, match=message):
+        validate_structured_outputs(StructuredOutputsParams(structural_tag=tag))
+
+
+def test_response_format_takes_vllms_structural_tag_type():
+    from vllm.entrypoints.openai.tool_calling import response_format_params
+
+    params = response_format_params({"type": "structural_tag", **TOOL_TAG})
+    assert params.structural_tag == TOOL_TAG

@@ -371,8 +371,13 @@ def response_format_params(fmt: Any) -> StructuredOutputsParams | None:
         if not schema:  # any object (a strict empty object schema would allow only {})
             return StructuredOutputsParams(json_object=True)
         return StructuredOutputsParams(json=schema)
+    if kind == "structural_tag":  # vLLM's: {"type", "structures", "triggers"}
+        tag = {k: v for k, v in fmt.items() if k != "type"}
+        return StructuredOutputsParams(structural_tag=tag)
     raise VLLMValidationError(
-        'response_format.type must be "text", "json_object" or "json_schema"', "response_format"
+        'response_format.type must be "text", "json_object", "json_schema" or '
+        '"structural_tag"',
+        "response_format",
     )
 
 
@@ -386,10 +391,11 @@ def guided_params(request: Any) -> StructuredOutputsParams | None:
 
 def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:
     """vLLM's ``structured_outputs`` request field (``{"json": ...}``, ``{"regex": ...}``,
-    ``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": true}``)."""
+    ``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": true}``,
+    ``{"structural_tag": ...}``)."""
     if value is None:
         return None
-    kinds = ("json", "json_object", "regex", "choice", "grammar")
+    kinds = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
     if not isinstance(value, dict) or set(value) - set(kinds):
         raise VLLMValidationError(
             f"structured_outputs must be an object with one of {kinds}", "structured_outputs"

@@ -86,6 +86,8 @@ def check_limits(params: StructuredOutputsParams) -> None:
         size = sum(len(c.encode("utf-8", "surrogatepass")) for c in choice)
         if size > MAX_CHOICE_BYTES:
             raise _too_big("choice", size, MAX_CHOICE_BYTES, "bytes")
+    elif params.structural_tag is not None:
+        structural_tag_spec(params.structural_tag)  # its shape and sizes
     elif params.json is not None:
         if not isinstance(params.json, dict | str):
             raise VLLMValidationError(
@@ -117,6 +119,54 @@ def check_limits(params: StructuredOutputsParams) -> None:
             f"{MAX_REASONING_TAG_CHARS} characters",
             "structured_outputs",
         )
+
+
+MAX_STRUCTURES = 64
+"""Most structures one structural tag may hold (a tool per structure, typically)."""
+
+
+def structural_tag_spec(value: dict[str, Any] | str) -> tuple[list[dict], list[str]]:
+    """vLLM's structural tag, checked: (structures, triggers). Each structure is
+    ``{"begin": str, "schema": JSON schema object, "end": str}`` whose ``begin`` starts
+    with one of the non-empty ``triggers``; the schemas together within the JSON schema
+    size limit. ``VLLMValidationError`` naming what is wrong."""
+
+    def bad(why: str) -> VLLMValidationError:
+        return VLLMValidationError(f"structural_tag {why}", "structured_outputs")
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad(f"is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise bad("must be an object with structures and triggers")
+    if "format" in value:  # xgrammar's newer form, which llguidance does not take
+        raise bad('in the "format" form is not supported yet: use structures and triggers')
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(triggers, list) or not triggers:
+        raise bad("triggers must be a non-empty list of non-empty strings")
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise bad("triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise bad("structures must be a non-empty list")
+    if len(structures) > MAX_STRUCTURES:
+        raise _too_big("structural_tag", len(structures), MAX_STRUCTURES, "structures")
+    size = 0
+    for i, item in enumerate(structures):
+        if not isinstance(item, dict) or set(item) - {"begin", "schema", "end"}:
+            raise bad(f"structures[{i}] must be an object with begin, schema and end")
+        begin, schema, end = item.get("begin"), item.get("schema"), item.get("end")
+        if not (isinstance(begin, str) and begin and isinstance(end, str)):
+            raise bad(f"structures[{i}].begin and .end must be strings (begin non-empty)")
+        if not isinstance(schema, dict):
+            raise bad(f"structures[{i}].schema must be a JSON schema object")
+        if not any(begin.startswith(t) for t in triggers):
+            raise bad(f"structures[{i}].begin {begin!r} starts with none of the triggers")
+        size += _schema_bytes(schema)
+    if size > MAX_JSON_SCHEMA_BYTES:
+        raise _too_big("structural_tag", size, MAX_JSON_SCHEMA_BYTES, "bytes of schemas")
+    return structures, triggers
 
 
 MAX_REASONING_TAG_CHARS = 64
@@ -182,6 +232,22 @@ def _compile_constraint(params: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if params.regex is not None:
         return LLMatcher.grammar_from_regex(params.regex)
+    if params.structural_tag is not None:
+        from llguidance import StructTag
+
+        structures, triggers = structural_tag_spec(params.structural_tag)
+        # The schema itself, its options inside (``x-guidance``): a compiled grammar in
+        # its place would be read as a schema of unknown keywords, which any JSON meets.
+        tags = [
+            StructTag(
+                trigger=next(t for t in triggers if s["begin"].startswith(t)),
+                begin=s["begin"],
+                grammar={**strict_json_schema(s["schema"]), "x-guidance": JSON_OPTIONS},
+                end=s["end"],
+            )
+            for s in structures
+        ]
+        return StructTag.to_grammar(tags)
     if params.choice is not None:
         # One terminal (one lexeme, a union of literals) rather than one rule with an
         # alternative per choice: llguidance's Earley rows hold at most 2,000 items, and
