@@ -67,11 +67,11 @@ def assert_nothing_left(llm, failed_ids: list[str]) -> None:
 def test_nan_logits_fail_one_request_and_its_batch_goes_on(llm, expected, monkeypatch):
     sample = model_runner_module.sample
 
-    def nan_for_marked(logits, rows, penalties=None):
+    def nan_for_marked(logits, rows, *args):
         for i, row in enumerate(rows):
             if row.prompt_token_ids[0] == MARK:
                 logits[i, 0] = float("nan")
-        return sample(logits, rows, penalties)
+        return sample(logits, rows, *args)
 
     monkeypatch.setattr(model_runner_module, "sample", nan_for_marked)
     first_id = llm._request_counter
