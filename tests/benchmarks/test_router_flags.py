@@ -79,6 +79,7 @@ def test_replicas_get_their_own_kv_event_sockets():
     "config, socket_dir, match",
     [
         ('{"enable_kv_cache_events": false}', "/run/x", "kv_aware routing needs"),
+        ('{"enable_kv_cache_events": true, "topic": "kv"}', "/run/x", "reads no topic"),
         ('{"enable_kv_cache_events": true, "endpoint": "inproc://x"}', None, "tcp:// or ipc://"),
         ("[1]", None, "must be a JSON object"),
     ],

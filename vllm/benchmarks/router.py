@@ -184,6 +184,8 @@ def replica_kv_events(
                 f"the {KV_AWARE} routing needs the replicas' KV events: drop {KV_EVENTS_FLAG} "
                 'or set "enable_kv_cache_events": true'
             )
+        if required and config.get("topic"):  # before any replica starts
+            raise ValueError(f"the {KV_AWARE} routing reads no topic: drop the events' topic")
         config["endpoint"] = _replica_endpoint(config.get("endpoint", "tcp://*:5557"), index)
         if config.get("replay_endpoint"):
             config["replay_endpoint"] = _replica_endpoint(config["replay_endpoint"], index)
@@ -320,8 +322,6 @@ class ReplicaSet:
     def _event_source(self, replica: RemoteServer, config: dict) -> tuple[str, str, str | None]:
         """(URL, event address, replay address) of a replica for the router: its own TCP
         addresses, or a forwarder's for a Unix socket."""
-        if config.get("topic"):
-            raise ValueError(f"the {KV_AWARE} routing reads no topic: drop the events' topic")
         endpoint, replay = config["endpoint"], config.get("replay_endpoint")
         if endpoint.startswith("tcp://"):
             if not (replay and replay.startswith("tcp://")):

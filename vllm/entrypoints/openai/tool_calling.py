@@ -375,8 +375,7 @@ def response_format_params(fmt: Any) -> StructuredOutputsParams | None:
         tag = {k: v for k, v in fmt.items() if k != "type"}
         return StructuredOutputsParams(structural_tag=tag)
     raise VLLMValidationError(
-        'response_format.type must be "text", "json_object", "json_schema" or '
-        '"structural_tag"',
+        'response_format.type must be "text", "json_object", "json_schema" or "structural_tag"',
         "response_format",
     )
 

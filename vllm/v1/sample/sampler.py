@@ -445,10 +445,6 @@ def sampled_logprobs_on_device(
     return groups
 
 
-# --logprobs-mode (vLLM's): what a sampled token's logprobs are taken from.
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-
-
 def logprobs_source(
     mode: str,
     raw: torch.Tensor,
@@ -457,8 +453,9 @@ def logprobs_source(
     penalties: PenaltyTable | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """(the logits a step's logprobs come from, whether they are reported as logits) for
-    ``mode``: raw (the model's, before any processing) or processed (``processed_logits``
-    of ``logits``; call it before the step's tokens enter ``penalties``' tables)."""
+    ``mode`` (--logprobs-mode, ``config.LogprobsMode``): raw (the model's, before any
+    processing) or processed (``processed_logits`` of ``logits``; call it before the
+    step's tokens enter ``penalties``' tables)."""
     if mode.startswith("processed"):
         return processed_logits(logits, rows, penalties), mode.endswith("_logits")
     return raw, mode.endswith("_logits")
