@@ -98,34 +98,3 @@ def test_tiny_checkpoint_logits_equal_transformers_past_the_original_length(name
         ours = runner.model.compute_logits(hidden)
         ref = hf(ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
-
-
-@pytest.mark.parametrize(
-    "arch, fields, expected",
-    [
-        ("Mistral", dict(sliding_window=48), 48),  # Mistral v0.1: every layer slides
-        ("Mistral", dict(sliding_window=None), 128),  # v0.3
-        ("Mistral", dict(sliding_window=4096), 128),  # wider than the context: no cap
-        ("Qwen2", dict(sliding_window=48, use_sliding_window=False), 128),
-        ("Qwen2Moe", dict(sliding_window=0), 128),
-        ("Llama", {}, 128),
-    ],
-)
-def test_model_max_len_stops_at_a_sliding_window(arch, fields, expected):
-    """Our attention sees the whole context: equal to sliding-window attention only while the
-    context fits in the window."""
-    c = getattr(transformers, f"{arch}Config")(**{**TINY_LLAMA, "max_position_embeddings": 128})
-    for key, value in fields.items():
-        setattr(c, key, value)
-    assert model_max_len(c) == expected
-
-
-def test_max_model_len_past_the_window_is_refused(tmp_path):
-    from vllm.engine.arg_utils import EngineArgs
-
-    c = transformers.MistralConfig(**TINY_LLAMA, sliding_window=48)
-    args = EngineArgs(model=str(tmp_path), max_model_len=64)
-    with pytest.raises(ValueError, match="64 exceeds the model's longest context 48"):
-        args.create_engine_config(model_max_len(c))
-    config = EngineArgs(model=str(tmp_path)).create_engine_config(model_max_len(c))
-    assert config.scheduler_config.max_model_len == 48

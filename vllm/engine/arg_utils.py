@@ -196,7 +196,7 @@ class EngineArgs:
         if model_max_len is not None and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's longest context "
-                f"{model_max_len} (its max_position_embeddings, or its sliding window)"
+                f"{model_max_len} (its max_position_embeddings, times a linear rope factor)"
             )
         return self.max_model_len
 

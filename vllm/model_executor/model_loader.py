@@ -294,27 +294,18 @@ def apply_hf_overrides(config, overrides: dict[str, Any], where: str = "hf_overr
 
 def model_max_len(hf_config) -> int | None:
     """The longest context ``hf_config``'s model takes: ``max_position_embeddings``, times
-    the factor of a ``linear`` rope scaling (as vLLM; ``rotary_embedding.max_positions``),
-    and no longer than its attention window (``sliding_window``); None if the config names
-    no length. ``ValueError`` for a rope type not supported."""
+    the factor of a ``linear`` rope scaling (as vLLM; ``rotary_embedding.max_positions``;
+    not for Gemma 3, whose length counts it already, as vLLM reads it); None if the config
+    names no length. ``ValueError`` for a rope type not supported. A sliding attention
+    window does not limit it: those layers attend to their window (``layer_sliding_windows``)."""
     from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 
     trained = getattr(hf_config, "max_position_embeddings", None)
     if trained is None:
         return None
-    limit = max_positions(trained, rope_parameters(hf_config))
-    window = sliding_window(hf_config)
-    if window is not None and window < limit:
-        logger.warning(
-            "the model attends to a sliding window of %d tokens; this engine's attention "
-            "sees the whole context, which is the same only up to the window: contexts are "
-            "limited to %d tokens (max_position_embeddings %d)",
-            window,
-            window,
-            limit,
-        )
-        return window
-    return limit
+    if "gemma3" in getattr(hf_config, "model_type", ""):
+        return trained
+    return max_positions(trained, rope_parameters(hf_config))
 
 
 def sliding_window(hf_config) -> int | None:
@@ -328,6 +319,24 @@ def sliding_window(hf_config) -> int | None:
     if layer_types and "sliding_attention" not in layer_types:
         return None
     return int(window)
+
+
+def layer_sliding_windows(hf_config) -> tuple[int | None, ...]:
+    """Per decoder layer, the window of positions it attends to (each token sees itself
+    and the ``window - 1`` before it, as HF's masks), None for the whole context: the
+    layers ``layer_types`` marks ``sliding_attention`` (Gemma 2 and 3, Qwen2 past
+    ``max_window_layers``), or every layer when the config names a window and no layer
+    types (Mistral v0.1)."""
+    n = hf_config.num_hidden_layers
+    window = sliding_window(hf_config)
+    if window is None:
+        return (None,) * n
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not layer_types:
+        return (window,) * n
+    if len(layer_types) != n:
+        raise ValueError(f"layer_types lists {len(layer_types)} layers, the model has {n}")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
 # The generation-config fields vLLM takes as default sampling parameters (HF's

@@ -32,11 +32,19 @@ import torch
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+# The layer types a config's ``rope_parameters`` may be keyed by (Gemma 3: one rotation
+# for its sliding-window layers, another for its global ones).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
     """The config's rotary parameters as one dict with ``rope_type`` and ``rope_theta``
-    (from ``rope_parameters``, else ``rope_scaling`` plus ``rope_theta``); ``ValueError``
+    (from ``rope_parameters``, else ``rope_scaling`` plus ``rope_theta``), those of the
+    layers of ``layer_type`` where the config gives one set per layer type; ``ValueError``
     for a type this engine does not compute."""
     raw = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if raw and set(raw) & set(LAYER_TYPES):
+        raw = raw.get(layer_type) or raw.get("full_attention")
     params = dict(raw or {})
     rope_type = params.pop("type", None)  # the old name of the key
     params["rope_type"] = params.get("rope_type") or rope_type or "default"

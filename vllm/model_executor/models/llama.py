@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -53,9 +54,14 @@ class LlamaArch:
     logits_scaling: float = 1.0
     # rotary_embedding.rope_parameters' dict (type, theta, scaling); None: default, theta
     rope_parameters: dict[str, Any] | None = None
+    # Per layer, the sliding attention window (model_loader.layer_sliding_windows); empty
+    # or None: the whole context.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(cls, config) -> LlamaArch:
+        from vllm.model_executor.model_loader import layer_sliding_windows
+
         rope = rope_parameters(config)
         family = config.model_type.removesuffix("_moe")  # qwen2_moe, qwen3_moe: same attention
         heads = config.num_attention_heads
@@ -85,6 +91,7 @@ class LlamaArch:
             attention_multiplier=config.attention_multiplier if granite else None,
             residual_multiplier=config.residual_multiplier if granite else 1.0,
             logits_scaling=config.logits_scaling if granite else 1.0,
+            sliding_windows=layer_sliding_windows(config),
         )
 
     @property
@@ -199,6 +206,25 @@ def _no_attention_backend(*args: Any) -> torch.Tensor:
     raise RuntimeError("no attention backend: call set_attention_backend first")
 
 
+def attention_features(
+    sliding_windows: tuple[int | None, ...], logits_soft_cap: float | None = None
+) -> frozenset[str]:
+    """The ``AttentionBackend.supported_features`` a model with these layers needs."""
+    features = set()
+    if any(w is not None for w in sliding_windows):
+        features.add("sliding_window")
+    if logits_soft_cap is not None:
+        features.add("logits_soft_cap")
+    return frozenset(features)
+
+
+def layer_attention(backend: Any, **features: Any) -> Callable[..., torch.Tensor]:
+    """``backend.forward`` with a layer's own keyword arguments (its sliding window, its
+    soft cap) bound; the plain method when it has none (every backend takes that)."""
+    features = {k: v for k, v in features.items() if v is not None}
+    return partial(backend.forward, **features) if features else backend.forward
+
+
 class LlamaForCausalLM(nn.Module):
     # llama.cpp's tensors for our fused layers. Its converter interleaves the q/k rotary
     # halves for its "llama" architecture (Llama, Mistral, SmolLM2), not for qwen2/qwen3.
@@ -233,11 +259,19 @@ class LlamaForCausalLM(nn.Module):
         """Layer ``layer``'s feed-forward module, None for the dense MLP (every layer here)."""
         return None
 
+    @property
+    def attention_features(self) -> frozenset[str]:
+        """What the layers ask of the attention backend beyond causal attention
+        (``AttentionBackend.supported_features``): the selector picks one that has it."""
+        return attention_features(self.arch.sliding_windows)
+
     def set_attention_backend(self, backend: Any) -> None:
-        """Every layer attends with ``backend`` (an ``AttentionBackend`` instance)."""
+        """Every layer attends with ``backend`` (an ``AttentionBackend`` instance), a
+        sliding-window layer with its window."""
         fused_write = getattr(backend, "writes_kv_with_rotary", False)
-        for layer in self.layers:
-            layer.attn_forward = backend.forward
+        windows = self.arch.sliding_windows or (None,) * len(self.layers)
+        for layer, window in zip(self.layers, windows, strict=True):
+            layer.attn_forward = layer_attention(backend, sliding_window=window)
             layer.rope_writes_kv = fused_write
 
     @torch.inference_mode()

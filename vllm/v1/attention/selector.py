@@ -32,24 +32,31 @@ def select_attention_backend(
     block_size: int,
     head_size: int,
     forced: str | None = None,
+    features: frozenset[str] = frozenset(),
 ) -> type[AttentionBackend]:
-    """The backend class for this device/dtype/block size/head size; see the module
-    docstring. ``forced``: --attention-backend (else ``VLLM_ATTENTION_BACKEND``).
+    """The backend class for this device/dtype/block size/head size and the attention
+    ``features`` the model's layers use (``AttentionBackend.supported_features``); see the
+    module docstring. ``forced``: --attention-backend (else ``VLLM_ATTENTION_BACKEND``).
     ValueError when the forced backend is unknown or cannot run here."""
+
+    def why_not(cls: type[AttentionBackend]) -> list[str]:
+        reasons = cls.validate_configuration(device, dtype, block_size, head_size)
+        return reasons + cls.unsupported_features(frozenset(features))
+
     source = "--attention-backend" if forced is not None else ENV_VAR
     forced = forced if forced is not None else envs.VLLM_ATTENTION_BACKEND
     if forced is not None:
         if forced not in backend_names():
             raise ValueError(f"{source}={forced!r}: expected one of {', '.join(backend_names())}")
         cls = get_backend_class(forced)
-        reasons = cls.validate_configuration(device, dtype, block_size, head_size)
+        reasons = why_not(cls)
         if reasons:
             raise ValueError(f"{source}={forced} but {'; '.join(reasons)}")
         return cls
     classes = sorted(map(get_backend_class, backend_names()), key=lambda c: -c.priority)
     skipped = []
     for cls in classes:
-        reasons = cls.validate_configuration(device, dtype, block_size, head_size)
+        reasons = why_not(cls)
         if not reasons:
             # A backend meant for this device that could not run deserves a warning
             # (FlashAttention on CUDA in fp32, say); one for another device does not.

@@ -305,6 +305,7 @@ class ModelRunner:
         backend_cls = select_attention_backend(
             self.device, self.dtype, self.block_size, a.head_dim,
             getattr(self.model_config, "attention_backend", None),
+            getattr(self.model, "attention_features", frozenset()),
         )  # fmt: skip
         self.attn_backend = backend_cls(
             a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.block_size

@@ -91,6 +91,10 @@ class AttentionBackend(ABC):
         torch.float16,
         torch.bfloat16,
     )
+    # What a model's layers may ask of ``forward`` beyond plain causal attention, each a
+    # keyword argument of it: ``sliding_window`` (the layer attends to its last N
+    # positions) and ``logits_soft_cap`` (scores become ``cap * tanh(s / cap)``).
+    supported_features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -143,6 +147,15 @@ class AttentionBackend(ABC):
         if not cls.supports_block_size(block_size):
             reasons.append(f"block size {block_size} is not supported by {cls.name}")
         return reasons
+
+    @classmethod
+    def unsupported_features(cls, features: frozenset[str]) -> list[str]:
+        """Why the backend cannot attend for a model whose layers need ``features`` (see
+        ``supported_features``); empty when it can."""
+        return [
+            f"{name.replace('_', ' ')} attention is not supported by {cls.name}"
+            for name in sorted(features - cls.supported_features)
+        ]
 
     # -- per model --------------------------------------------------------------------------
     def use_prefill_dtype(self, dtype: torch.dtype | None) -> None:
@@ -201,8 +214,11 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_size)
         meta: Any,
         scale: float,
+        **features: Any,
     ) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` at ``meta``'s slots (the only mutation;
         none when ``k`` and ``v`` are None, see ``writes_kv_with_rotary``), then attend
         each token over its request's context up to itself; returns
-        ``(num_tokens, num_heads, head_size)``."""
+        ``(num_tokens, num_heads, head_size)``. ``features``: the layer's keyword
+        arguments among ``supported_features`` (only a backend that supports them is
+        installed for a model that passes them)."""

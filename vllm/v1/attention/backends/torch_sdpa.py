@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,26 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # (num_decodes,) int64: context incl. the new
     decode_max_len: int = 0  # max of decode_seq_lens, kept on the host (no device read-back)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Per sliding window: the decodes' (slots, mask) over their last `window` positions,
+    # built by the first layer with that window and reused by the others.
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def decode_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_decodes, width) int64 slots of each decode's last ``window`` positions
+        (``width = min(window, decode_max_len)``, padded with slot 0) and the
+        (num_decodes, 1, 1, width) bool mask of the real ones."""
+        if window not in self.windowed:
+            lens = self.decode_seq_lens
+            width = min(window, self.decode_max_len)
+            start = (lens - window).clamp(min=0)
+            pos = start.unsqueeze(1) + torch.arange(width, device=lens.device)
+            valid = pos < lens.unsqueeze(1)
+            pos.masked_fill_(valid.logical_not(), 0)
+            slots = self.decode_block_table.gather(1, pos // self.block_size) * self.block_size
+            slots += pos % self.block_size
+            slots.masked_fill_(valid.logical_not(), 0)
+            self.windowed[window] = (slots, valid.view(self.num_decodes, 1, 1, width))
+        return self.windowed[window]
 
     @cached_property
     def decode_slots(self) -> torch.Tensor | None:
@@ -170,6 +191,99 @@ def native_prefill_attention(
     return op(out, query, keys, values, scale, keys.shape[0] - query.shape[0], bf16)
 
 
+# Query rows the eager (soft-capped) path scores at once: bounds its (heads, rows,
+# context) fp32 scores to 512 rows' worth however long the prefill chunk is.
+_EAGER_QUERY_ROWS = 512
+
+
+def _eager_attention(
+    q: torch.Tensor,  # (batch, heads, len_q, dim)
+    k: torch.Tensor,  # (batch, kv_heads, len_k, dim)
+    v: torch.Tensor,
+    mask: torch.Tensor,  # bool, broadcast to (batch, heads, len_q, len_k): True = attend
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention written out, for what SDPA cannot do: scores soft-capped to
+    ``softcap * tanh(s / softcap)`` (Gemma 2) before the mask, in fp32; output in q's
+    dtype, (batch, heads, len_q, dim)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for s in range(0, q.shape[2], _EAGER_QUERY_ROWS):
+        e = min(s + _EAGER_QUERY_ROWS, q.shape[2])
+        scores = torch.matmul(q[:, :, s:e].float(), k.transpose(-1, -2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        rows = mask[..., s:e, :] if mask.shape[-2] > 1 else mask
+        scores.masked_fill_(rows.logical_not(), float("-inf"))
+        out[:, :, s:e] = torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out
+
+
+def _attend(q, k, v, mask, scale, softcap) -> torch.Tensor:
+    """(batch, heads, len_q, dim) attention of ``q`` over ``k``/``v`` under the bool
+    ``mask``: SDPA, or the eager path when the scores are soft-capped."""
+    if softcap is not None:
+        return _eager_attention(q, k, v, mask, scale, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def _masked_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``paged_attention`` for a layer with a sliding window (each token sees the last
+    ``window`` positions, itself included: keys ``j`` with ``i - window < j <= i``, as HF's
+    masks and vLLM's ``window_size = (window - 1, 0)``) and/or soft-capped scores. Decodes
+    gather only their window's slots; prefill chunks are cut to the keys their window
+    reaches. Same inputs and output as ``paged_attention``; K/V written by the caller."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    flat_k = kv_cache[0].view(-1, kv_heads, head_dim)
+    flat_v = kv_cache[1].view(-1, kv_heads, head_dim)
+    n = meta.num_decodes
+    if n:
+        if window is not None:
+            slots, mask = meta.decode_window(window)
+        else:
+            slots, mask = meta.decode_slots, meta.decode_mask
+        keys = flat_k[slots].transpose(1, 2)  # (n, kv_heads, width, dim)
+        values = flat_v[slots].transpose(1, 2)
+        out[:n] = _attend(q[:n].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
+    for chunk in meta.prefills:
+        s, e = chunk.start, chunk.start + chunk.num_tokens
+        if chunk.context_slots is None:
+            keys, values, computed = k[s:e], v[s:e], 0
+        else:
+            keys, values = flat_k[chunk.context_slots], flat_v[chunk.context_slots]
+            computed = chunk.context_slots.shape[0] - chunk.num_tokens
+        first = 0 if window is None else max(0, computed - window + 1)
+        keys, values = keys[first:], values[first:]
+        q_pos = torch.arange(computed, computed + chunk.num_tokens, device=q.device)
+        k_pos = torch.arange(first, first + keys.shape[0], device=q.device)
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        if window is not None:
+            mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window
+        o = _attend(
+            q[s:e].transpose(0, 1).unsqueeze(0),  # (1, heads, len, dim)
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            mask,
+            scale,
+            softcap,
+        )
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, heads, head_dim)
     k: torch.Tensor,  # (num_tokens, kv_heads, head_dim)
@@ -178,11 +292,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     prefill_bf16: bool = False,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim).
     ``prefill_bf16``: prefill chunks may run the native kernel's bf16 products (for models
-    whose prefill already computes in bf16); decodes and the SDPA fallback stay fp32."""
+    whose prefill already computes in bf16); decodes and the SDPA fallback stay fp32.
+    ``sliding_window`` / ``logits_soft_cap``: the layer's (``_masked_paged_attention``)."""
     reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+    if sliding_window is not None or logits_soft_cap is not None:
+        return _masked_paged_attention(
+            q, k, v, kv_cache, meta, scale, sliding_window, logits_soft_cap
+        )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decodes
     native = (
@@ -236,6 +357,7 @@ class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
     priority = 0
     decodes_first = True
+    supported_features: ClassVar[frozenset[str]] = frozenset({"sliding_window", "logits_soft_cap"})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -259,5 +381,9 @@ class TorchSDPABackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, meta, scale, self.prefill_bf16)
+        return paged_attention(
+            q, k, v, kv_cache, meta, scale, self.prefill_bf16, sliding_window, logits_soft_cap
+        )

@@ -1,0 +1,108 @@
+"""Sliding-window attention per layer (``model_loader.layer_sliding_windows``, the torch
+backend's masked path): which layers slide for each config, contexts no longer capped at the
+window, and Mistral v0.1 / Qwen2 checkpoints whose logits and greedy tokens past the window
+equal transformers'."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from vllm.config import DEFAULT_MODEL, ModelConfig
+from vllm.model_executor.model_loader import layer_sliding_windows, model_max_len
+
+
+@pytest.mark.parametrize(
+    "arch, fields, expected",
+    [
+        ("Mistral", dict(sliding_window=48), (48, 48)),  # Mistral v0.1: every layer slides
+        ("Mistral", dict(sliding_window=None), (None, None)),  # v0.3
+        ("Qwen2", dict(sliding_window=48, use_sliding_window=True, max_window_layers=1),
+         (None, 48)),  # layers from max_window_layers on
+        ("Qwen2", dict(sliding_window=48, use_sliding_window=False), (None, None)),
+        ("Gemma2", dict(sliding_window=48), (48, None)),  # alternating
+        ("Llama", {}, (None, None)),
+    ],
+)  # fmt: skip
+def test_which_layers_slide(arch, fields, expected):
+    c = getattr(transformers, f"{arch}Config")(**{**TINY_LLAMA, "max_position_embeddings": 128},
+                                               **fields)  # fmt: skip
+    assert layer_sliding_windows(c) == expected
+    assert model_max_len(c) == 128  # the window no longer caps the context
+
+
+def test_layer_types_must_cover_the_layers():
+    c = transformers.Gemma2Config(**TINY_LLAMA)
+    c.layer_types = ["sliding_attention"]
+    with pytest.raises(ValueError, match="layer_types lists 1 layers, the model has 2"):
+        layer_sliding_windows(c)
+
+
+def save(arch: str, path, **fields) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(**{**TINY_LLAMA, **fields})
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize(
+    "arch, fields",
+    [("Mistral", dict(sliding_window=16)),
+     ("Qwen2", dict(sliding_window=16, use_sliding_window=True, max_window_layers=1))],
+)  # fmt: skip
+def test_logits_past_the_window_equal_transformers(arch, fields, tmp_path):
+    hf = save(arch, tmp_path, **fields)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    assert runner.attn_backend.name == "TORCH_SDPA"
+    runner.initialize_kv_cache(9)
+    n = 100
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (n,), generator=g)
+    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(n), meta, runner.kv_caches)
+        ours = runner.model.compute_logits(hidden)
+        ref = hf(ids[None]).logits[0].float()
+        # The window matters here: the same model attending to everything differs.
+        hf.config.sliding_window = None
+        hf.config.layer_types = ["full_attention"] * hf.config.num_hidden_layers
+        full = type(hf)(hf.config).eval()
+        full.load_state_dict(hf.state_dict())
+        unwindowed = full(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    assert (unwindowed[20:] - ref[20:]).abs().max() > 1e-3
+
+
+def test_engine_greedy_tokens_past_the_window_equal_transformers_generate(tmp_path):
+    """Chunked prefill (16-token chunks over a 12-token window), batched decodes and a prefix
+    hit on a Mistral v0.1-style checkpoint: transformers' greedy tokens."""
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import resolve_model
+
+    hf = save("Mistral", tmp_path, sliding_window=12, vocab_size=49152, max_position_embeddings=256)
+    tokenizer_dir = resolve_model(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
+              enable_prefix_caching=True)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
