@@ -108,6 +108,14 @@ class ModelConfig:
         DEFAULT_MODEL, 'Model: the embedded "SmolLM2-135M-Instruct", a .gguf file or an HF folder.'
     )
     tokenizer: str | None = config_field(None, "Tokenizer source; None: the model's own.")
+    skip_tokenizer_init: bool = config_field(
+        False,
+        "Load no tokenizer and detokenize nothing (vLLM's): prompts must be token ids "
+        "(prompt_token_ids, or a list of ints in /v1/completions) and outputs carry token "
+        "ids with empty text. What needs a tokenizer (text prompts, chat and its template, "
+        "stop strings, bad_words, structured outputs, /tokenize and /detokenize, decoded "
+        "logprob tokens) is refused. EOS ids come from the model's generation config.",
+    )
     served_model_name: tuple[str, ...] | None = config_field(
         None,
         "Model names the API accepts (one or more, as vLLM); the first is the one responses "
@@ -299,6 +307,11 @@ class ModelConfig:
                 raise bad_value("pooler_config.normalize", pooler["normalize"], "must be a bool")
             if self.runner != "pooling":
                 raise bad_value("pooler_config", pooler, "needs --runner pooling")
+        if self.skip_tokenizer_init:
+            for name in ("tokenizer", "chat_template"):  # read by nothing without a tokenizer
+                if getattr(self, name) is not None:
+                    raise bad_value(name, getattr(self, name), "is never read with "
+                                    "skip_tokenizer_init (no tokenizer is loaded)")  # fmt: skip
         if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
             raise bad_value(
                 "max_cudagraph_capture_size", self.max_cudagraph_capture_size, "must be >= 1"

@@ -80,6 +80,8 @@ class LLM:
         self._request_counter = 0
 
     def get_tokenizer(self):
+        """The tokenizer; ``ValueError`` with ``skip_tokenizer_init=True`` (vLLM's)."""
+        self.processor.require_tokenizer("get_tokenizer()", "skip_tokenizer_init")
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -228,7 +230,9 @@ class LLM:
             sequences = []
             for beam in s.best():
                 keep = beam.text_tokens(params.include_stop_str_in_output)
-                text = self.tokenizer.decode(s.prompt_ids + keep, skip_special_tokens=True)
+                text = ""  # no text without a tokenizer (skip_tokenizer_init), as generate's
+                if self.tokenizer is not None:
+                    text = self.tokenizer.decode(s.prompt_ids + keep, skip_special_tokens=True)
                 tokens = s.prompt_ids + beam.tokens
                 sequences.append(BeamSearchSequence(tokens, beam.logprob, text, beam.finish_reason))
             results.append(BeamSearchOutput(sequences))

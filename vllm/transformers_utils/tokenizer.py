@@ -19,3 +19,15 @@ def get_tokenizer(model: str, tokenizer: str | None = None, chat_template: str |
         path = Path(chat_template)
         tok.chat_template = path.read_text() if path.exists() else chat_template
     return tok
+
+
+NO_TOKENIZER = "no tokenizer is loaded (skip_tokenizer_init=True / --skip-tokenizer-init)"
+
+
+def init_tokenizer_from_config(model_config):
+    """``model_config``'s tokenizer, or None with ``skip_tokenizer_init`` (vLLM's): then
+    nothing reads the model folder's tokenizer files, which need not exist."""
+    if getattr(model_config, "skip_tokenizer_init", False):
+        return None
+    mc = model_config
+    return get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)

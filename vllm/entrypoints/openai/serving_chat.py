@@ -94,6 +94,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _prepare(self, request: ChatCompletionRequest):
         """The checked request's tool plan, prompt text and sampling params."""
+        # Every chat-shaped route (chat, render, /tokenize's messages, responses, Anthropic
+        # messages) comes here: its template needs the tokenizer.
+        self.require_tokenizer("chat messages (the chat template)", "messages")
         self.check_request(request)
         defaults = self.args.default_chat_template_kwargs  # the request's own win
         kwargs = {**(defaults or {}), **(request.chat_template_kwargs or {})}

@@ -60,12 +60,13 @@ class OpenAIServingCompletion(OpenAIServing):
         ``as_ids``: tokens named ``token_id:<id>`` (the offsets still count the text)."""
         if c.logprobs is None:
             return None
-        decode = self.engine.decode
         ids = [lp.token_id for lp in c.logprobs]
         lps: list[TokenLogprobs | None] = list(c.logprobs)
         if echoed is not None and echoed.prompt_logprobs is not None:
             ids = echoed.prompt_token_ids + ids
             lps = echoed.prompt_logprobs + lps
+        # Without a tokenizer the choice's text is empty: every token starts at its end.
+        decode = self.engine.decode if self.has_tokenizer else lambda _: ""
         texts = [decode([t]) for t in ids]
         offsets = []
         for text in texts:
@@ -90,6 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """The response (JSON or SSE); ``received``: monotonic arrival time, for timing;
         ``receive``: the ASGI receive, to abort the request if the client disconnects."""
         self.check_request(request)
+        self._check_without_tokenizer(request)
         prompts = self._prompts(request)
         if request.use_beam_search:
             return await self._beam_search(request, prompts, receive)
@@ -156,6 +158,19 @@ class OpenAIServingCompletion(OpenAIServing):
         body = {**base, "choices": choices, "usage": self.usage(finals).model_dump()}
         return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))
 
+    def _check_without_tokenizer(self, request: CompletionRequest) -> None:
+        """--skip-tokenizer-init: what would need text is a 400 before anything runs (a
+        text prompt is refused when it is tokenized)."""
+        if self.has_tokenizer:
+            return
+        if request.echo:
+            self.require_tokenizer("echo (the prompt as text)", "echo")
+        if request.logprobs is not None and not self.tokens_as_ids(request):
+            self.require_tokenizer(
+                "logprobs' tokens as text (return_tokens_as_token_ids=true names them by id)",
+                "logprobs",
+            )
+
     async def _beam_search(self, request: CompletionRequest, prompts, receive):
         """vLLM's beam search (beam_search.py): the choices, best first per prompt; a
         stream gets the whole response as one event, as vLLM sends it."""
@@ -185,7 +200,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(
                     {
                         "index": i * request.n + j,
-                        "text": echo + self.engine.decode(keep, request.skip_special_tokens),
+                        "text": echo + self._text(keep, request.skip_special_tokens),
                         "logprobs": None,
                         "finish_reason": beam.finish_reason,
                         "stop_reason": None,
@@ -206,11 +221,21 @@ class OpenAIServingCompletion(OpenAIServing):
         }
         return one_event_or_json(body, request.stream)
 
-    @staticmethod
-    def _token_ids(request, prompt_ids: list[int] | None, ids: list[int]) -> dict:
+    def _text(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """A choice's text: "" without a tokenizer (--skip-tokenizer-init)."""
+        if not self.has_tokenizer:
+            return ""
+        return self.engine.decode(token_ids, skip_special_tokens)
+
+    def _returns_token_ids(self, request: CompletionRequest) -> bool:
+        """vLLM's ``return_token_ids``; always on without a tokenizer, where the token
+        ids are the whole output (the text is empty)."""
+        return request.return_token_ids or not self.has_tokenizer
+
+    def _token_ids(self, request, prompt_ids: list[int] | None, ids: list[int]) -> dict:
         """vLLM's ``return_token_ids`` fields of a choice (the prompt's: None after a
         choice's first chunk)."""
-        if not request.return_token_ids:
+        if not self._returns_token_ids(request):
             return {}
         return {"prompt_token_ids": prompt_ids, "token_ids": ids}
 
@@ -250,5 +275,5 @@ class OpenAIServingCompletion(OpenAIServing):
             lambda u: {**base, "choices": [], "usage": u.model_dump()},
             received,
             continuous_usage=continuous_usage,
-            every_output=request.return_token_ids,
+            every_output=self._returns_token_ids(request),
         )

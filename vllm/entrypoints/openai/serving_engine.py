@@ -21,6 +21,7 @@ from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.transformers_utils.tokenizer import NO_TOKENIZER
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 from vllm.v1.outputs import TokenLogprobs
 
@@ -207,6 +208,16 @@ class OpenAIServing:
         an engine that has no model config, e.g. a test's)."""
         return getattr(self.engine, "default_sampling_params", None) or {}
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """False with --skip-tokenizer-init (an engine that does not say has one)."""
+        return getattr(self.engine, "has_tokenizer", True)
+
+    def require_tokenizer(self, what: str, param: str | None) -> None:
+        """A 400 naming ``param`` when ``what`` needs the tokenizer the server skipped."""
+        if not self.has_tokenizer:
+            raise VLLMValidationError(f"{what} cannot be used: {NO_TOKENIZER}", param)
+
     @classmethod
     def executor(cls) -> ThreadPoolExecutor:
         if cls._executor is None:
@@ -363,14 +374,16 @@ class OpenAIServing:
     def prompt_logprobs(self, lps: list[TokenLogprobs | None] | None) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs`` in a response: per prompt token None (the first) or
         ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt's own token first,
-        then the top-n (one entry when it is among them). -inf is -9999.0, as in vLLM."""
+        then the top-n (one entry when it is among them). -inf is -9999.0, as in vLLM.
+        ``decoded_token`` is null without a tokenizer (--skip-tokenizer-init), as vLLM's."""
         if lps is None:
             return None
-        decoded: dict[int, str] = {}
+        decoded: dict[int, str | None] = {}
+        has_tokenizer = self.has_tokenizer
 
         def entry(token_id: int, logprob: float, rank: int) -> dict:
             if token_id not in decoded:
-                decoded[token_id] = self.engine.decode([token_id])
+                decoded[token_id] = self.engine.decode([token_id]) if has_tokenizer else None
             value = max(logprob, -9999.0)
             return {"logprob": value, "rank": rank, "decoded_token": decoded[token_id]}
 

@@ -105,6 +105,7 @@ class OpenAIServingTokenization:
         """--enable-tokenizer-info-endpoint (vLLM's GET /tokenizer_info): the tokenizer's
         configuration as it was loaded (file paths left out; special tokens by their
         text), its class, and the chat template the server applies."""
+        self.chat.require_tokenizer("GET /tokenizer_info", None)
         tokenizer = self.engine.tokenizer
         config = {
             k: v

@@ -18,7 +18,7 @@ from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader import default_sampling_params, eos_token_ids
 from vllm.outputs import RequestOutput, merge_delta
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.transformers_utils.tokenizer import init_tokenizer_from_config
 from vllm.v1.engine import (
     EngineCoreOutputs,
     EngineCoreOutputType,
@@ -134,7 +134,7 @@ class AsyncLLM:
         # Start the engine process first: its model load overlaps the tokenizer load here.
         self.client = AsyncMPClient(vllm_config, engine_factory=engine_factory, link=link)
         try:
-            self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
+            self.tokenizer = init_tokenizer_from_config(mc)  # None: --skip-tokenizer-init
             eos = eos_token_ids(mc, self.tokenizer)[0]
             # What a request that leaves a sampling parameter unset gets (the model's
             # generation_config.json, as vLLM); the API server applies them.
@@ -171,9 +171,14 @@ class AsyncLLM:
 
     # -- text, for the serving layer (which never reaches into the tokenizer) --------------
     @property
+    def has_tokenizer(self) -> bool:
+        """False with --skip-tokenizer-init: prompts are token ids, outputs have no text."""
+        return self.tokenizer is not None
+
+    @property
     def chat_template(self) -> str | None:
         """The chat template in use (--chat-template, else the tokenizer's)."""
-        return self.tokenizer.chat_template
+        return getattr(self.tokenizer, "chat_template", None)
 
     def apply_chat_template(
         self,
@@ -200,7 +205,9 @@ class AsyncLLM:
         return self.processor.tokenize(prompt, add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Token ids as text (special tokens kept unless asked)."""
+        """Token ids as text (special tokens kept unless asked); ``VLLMValidationError``
+        without a tokenizer."""
+        self.processor.require_tokenizer("detokenization", "tokens")
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @property

@@ -72,15 +72,16 @@ class EngineCore:
 
     def __init__(self, vllm_config: VllmConfig, clock: Clock = monotonic_clock) -> None:
         from vllm.model_executor.model_loader import eos_token_ids
-        from vllm.transformers_utils.tokenizer import get_tokenizer
+        from vllm.transformers_utils.tokenizer import init_tokenizer_from_config
         from vllm.v1.worker.model_runner import ModelRunner
 
         start = time.monotonic()
         self.vllm_config = vllm_config
         self.clock = clock
         mc = vllm_config.model_config
-        self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
-        # The EOS id, and the generation config's other EOS ids (stops too, as vLLM).
+        self.tokenizer = init_tokenizer_from_config(mc)  # None: --skip-tokenizer-init
+        # The EOS id, and the generation config's other EOS ids (stops too, as vLLM);
+        # without a tokenizer, the generation config's (else config.json's) first is it.
         self.eos_token_id, self.extra_eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self.model_runner = ModelRunner(vllm_config)
         self.model_runner.load_model()
@@ -154,7 +155,11 @@ class EngineCore:
     def config(self) -> VllmConfig:
         return self.vllm_config
 
-    def _decode(self, token_ids: list[int]) -> str:
+    def _decode(self, token_ids: list[int]) -> str | None:
+        """The policies' view of an output as text; None without a tokenizer (a policy
+        then reads no tool call from it, as the upstream plugin does)."""
+        if self.tokenizer is None:
+            return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def add_request(self, request: EngineCoreRequest) -> None:

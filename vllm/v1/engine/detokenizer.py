@@ -61,7 +61,8 @@ class IncrementalDetokenizer:
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
-        self.detokenize = params.detokenize  # False: token ids only, no text (vLLM's)
+        # False: token ids only, no text (vLLM's); always so without a tokenizer.
+        self.detokenize = params.detokenize and tokenizer is not None
         self.deferred = not self.stop  # no stop string to look for: decode when read
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.stop_buffer_length = (

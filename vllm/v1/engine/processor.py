@@ -12,6 +12,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.lora.peft import read_adapter_config
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import NO_TOKENIZER
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.sample.logits_processor import (
     load_logits_processors,
@@ -27,6 +28,9 @@ class Processor:
     vocabulary, lengths against ``max_model_len``), for the server and ``LLM`` alike. Bad
     input raises ``VLLMValidationError`` naming the argument, before anything reaches the
     engine core; the chat messages themselves are validated by their caller (protocol.py).
+
+    ``tokenizer`` None (``skip_tokenizer_init``): prompts must be token ids, and whatever
+    needs text (chat templates, stop strings, bad words, grammars) is refused here.
     """
 
     def __init__(self, vllm_config: VllmConfig, tokenizer, eos_token_id: int | None) -> None:
@@ -36,8 +40,10 @@ class Processor:
         # KV pool holds fewer tokens (set_kv_capacity, once the engine has sized it).
         self.context_limit = self.max_model_len
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
-        self.vocab_size = len(tokenizer)
+        if eos_token_id is None:
+            eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_id = eos_token_id
+        self.vocab_size = _vocab_size(vllm_config, tokenizer)
         max_logprobs = vllm_config.model_config.max_logprobs
         self.max_logprobs = self.vocab_size if max_logprobs == -1 else max_logprobs
         self._structured_outputs = None  # its validator, built by the first request using it
@@ -75,7 +81,13 @@ class Processor:
         ``structured_outputs_checked=True`` to ``process``."""
         so = getattr(params, "structured_outputs", None)
         if so is not None:
+            self.require_tokenizer("structured outputs", "structured_outputs")
             await self.structured_outputs.validate_async(so)
+
+    def require_tokenizer(self, what: str, param: str) -> None:
+        """``VLLMValidationError`` naming ``param`` when no tokenizer is loaded."""
+        if self.tokenizer is None:
+            raise VLLMValidationError(f"{what} cannot be used: {NO_TOKENIZER}", param)
 
     def apply_chat_template(
         self,
@@ -97,6 +109,7 @@ class Processor:
                 "add_generation_prompt to false to continue the last message",
                 "continue_final_message",
             )
+        self.require_tokenizer("chat messages (the chat template)", "messages")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise VLLMValidationError(
                 "chat_template is required: the tokenizer has none", "chat_template"
@@ -116,6 +129,12 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise VLLMValidationError("prompt must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise VLLMValidationError(
+                    f"text prompts cannot be used: {NO_TOKENIZER}; pass token ids "
+                    "(prompt_token_ids, or a list of ints as the prompt)",
+                    "prompt",
+                )
             # Chat-templated text already holds its special tokens: pass False for it.
             return self._encode(prompt, add_special_tokens)
         if not isinstance(prompt, Sequence):
@@ -213,6 +232,7 @@ class Processor:
             )
         self._check_logprobs(params)
         validate_logits_processors_parameters(self.logits_processor_classes, params)
+        self._check_needs_tokenizer(params)
         if params.structured_outputs is not None and not structured_outputs_checked:
             # A bad grammar is a 400 here, never an engine error or unconstrained output.
             self.structured_outputs.validate(params.structured_outputs)
@@ -259,6 +279,19 @@ class Processor:
                 )  # fmt: skip
             )
         return request_id, children
+
+    def _check_needs_tokenizer(self, params: SamplingParams) -> None:
+        """Without a tokenizer, the parameters that only work on text are refused (vLLM
+        ignores stop strings then; a request that relies on them must not run unbounded)."""
+        if self.tokenizer is None:
+            if params.stop:
+                raise VLLMValidationError(
+                    f"stop strings cannot be used: {NO_TOKENIZER}; stop_token_ids can", "stop"
+                )
+            if params.bad_words:
+                self.require_tokenizer("bad_words", "bad_words")
+            if params.structured_outputs is not None:
+                self.require_tokenizer("structured outputs", "structured_outputs")
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         """Logprobs within ``--max-logprobs``; -1 (the whole vocabulary, vLLM's) becomes
@@ -346,3 +379,12 @@ class Processor:
                     f"(size {self.vocab_size})",
                     name,
                 )
+
+
+def _vocab_size(vllm_config: VllmConfig, tokenizer) -> int:
+    """The ids a prompt may hold: the tokenizer's, else (no tokenizer) the model's."""
+    if tokenizer is not None:
+        return len(tokenizer)
+    from vllm.model_executor.model_loader import hf_config_of
+
+    return hf_config_of(vllm_config.model_config).vocab_size

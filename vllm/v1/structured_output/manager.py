@@ -58,10 +58,12 @@ class StructuredOutputManager:
     def _tokenizer(self, vocab_size: int):
         if self._ll_tokenizer is None:
             from vllm.model_executor.model_loader import eos_token_ids
-            from vllm.transformers_utils.tokenizer import get_tokenizer
+            from vllm.transformers_utils.tokenizer import NO_TOKENIZER, init_tokenizer_from_config
 
             mc = self.model_config
-            tok = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
+            tok = init_tokenizer_from_config(mc)
+            if tok is None:  # the front end refuses such requests first
+                raise ValueError(f"structured outputs need a tokenizer: {NO_TOKENIZER}")
             eos = eos_token_ids(mc, tok)[0]
             self._ll_tokenizer = build_ll_tokenizer(tok, vocab_size, eos)
         return self._ll_tokenizer
