@@ -18,6 +18,10 @@ What the runner and the loader need from a model class (``llama.py`` is the exam
   fills every parameter with random values);
 - ``set_attention_backend(backend)``; ``forward(input_ids, positions, meta, kv_caches)``
   -> ``(num_tokens, hidden)``; ``compute_logits(hidden)`` -> fp32 ``(rows, vocab)``;
+- optionally ``check_dtype(hf_config, dtype)`` (static): ``ValueError`` before loading for
+  a dtype the family cannot run in (Gemma 2/3 in float16);
+- optionally ``attention_features`` (``AttentionBackend.supported_features`` its layers
+  pass to ``forward``, e.g. a sliding window): the selector installs a backend with them;
 - optionally ``gguf_layout`` (``layers/quantization/gguf.py``'s ``GGUFLayout``): where
   its linear layers are in a llama.cpp GGUF, for ``--quantization gguf``.
 """
@@ -32,7 +36,9 @@ _PACKAGE = "vllm.model_executor.models"
 # HF architecture: (HF model_type, module under vllm.model_executor.models, class).
 # Mistral, Qwen2, Qwen3 and Phi-3 share the Llama implementation (Qwen2's q/k/v biases
 # and Qwen3's q/k norms are flags of its LlamaArch; Phi-3's class reads fused
-# checkpoints); the mixtures of experts add their experts to it (moe.py).
+# checkpoints); the mixtures of experts add their experts to it (moe.py). The Gemma
+# family has its own (gemma.py: scaled embeddings, 1 + weight norms, sandwich norms, soft
+# caps, two rotations).
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -43,6 +49,9 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "MixtralForCausalLM": ("mixtral", "moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "moe", "MoeForCausalLM"),
+    "GemmaForCausalLM": ("gemma", "gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3_text", "gemma", "GemmaForCausalLM"),
 }
 
 

@@ -281,6 +281,8 @@ class ModelRunner:
         path = resolve_model(self.model_config.model)
         hf_config = hf_config_of(self.model_config)
         model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
+        if hasattr(model_cls, "check_dtype"):  # a family that cannot run in some dtype
+            model_cls.check_dtype(hf_config, self.dtype)
         torch.manual_seed(self.model_config.seed)
         if self.device.type == "cuda":
             self.memory_before_load = measure_before_load(self.device)

@@ -1,0 +1,166 @@
+"""The Gemma family (``models/gemma.py``): tiny Gemma, Gemma 2 and Gemma 3 checkpoints
+written by transformers give transformers' logits past their sliding windows (soft caps,
+sandwich norms, q/k norms and Gemma 3's two rotations included), in fp32 and bf16; the
+engine's greedy tokens (chunked prefill, batched decodes, a prefix hit) equal transformers'
+``generate``."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from vllm.config import DEFAULT_MODEL, ModelConfig
+from vllm.model_executor.models.gemma import GemmaForCausalLM
+from vllm.model_executor.models.registry import ModelRegistry
+
+TINY_GEMMA = {**TINY_LLAMA, "head_dim": 16, "tie_word_embeddings": True}
+GEMMA = {
+    "GemmaForCausalLM": dict(),
+    "Gemma2ForCausalLM": dict(sliding_window=12, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=0.2),
+    "Gemma3ForCausalLM": dict(sliding_window=12, query_pre_attn_scalar=24, num_hidden_layers=3,
+                              layer_types=["sliding_attention", "full_attention",
+                                           "sliding_attention"],
+                              rope_parameters={
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": 100.0},
+                                  "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                     "rope_theta": 10000.0}}),
+}  # fmt: skip
+
+
+def gemma_config(arch: str, **overrides):
+    name = arch.replace("ForCausalLM", "TextConfig" if arch.startswith("Gemma3") else "Config")
+    return getattr(transformers, name)(**{**TINY_GEMMA, **GEMMA[arch], **overrides})
+
+
+def save_checkpoint(arch: str, path, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(gemma_config(arch, **overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # transformers starts them at 0 (a scale of 1)
+                p.uniform_(-0.5, 0.5)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):  # scores past the cap
+                p.mul_(30)
+    model.save_pretrained(path)
+    return model
+
+
+def forward_logits(runner, ids: torch.Tensor) -> torch.Tensor:
+    runner.initialize_kv_cache(9)
+    meta = runner.attn_backend.build_metadata([(0, len(ids), list(range(1, 9)))])
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("arch", list(GEMMA))
+def test_gemma_architecture_resolves_to_the_gemma_implementation(arch):
+    assert ModelRegistry.resolve_model_cls(gemma_config(arch))[0] is GemmaForCausalLM
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", list(GEMMA))
+def test_gemma_checkpoint_logits_equal_transformers(arch, dtype, tmp_path):
+    hf = save_checkpoint(arch, tmp_path).to(getattr(torch, dtype))
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128, dtype=dtype))
+    a = runner.arch
+    expected_windows = {
+        "GemmaForCausalLM": (None, None),
+        "Gemma2ForCausalLM": (12, None),
+        "Gemma3ForCausalLM": (12, None, 12),
+    }[arch]
+    assert a.sliding_windows == expected_windows
+    assert runner.attn_backend.name == "TORCH_SDPA"
+    ids = torch.randint(
+        0, TINY_GEMMA["vocab_size"], (100,), generator=torch.Generator().manual_seed(1)
+    )
+    ours = forward_logits(runner, ids)
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0].float()
+    if dtype == "float32":
+        assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    else:  # bf16 rounding along 2-3 layers: close, and the same greedy choice almost always
+        assert (ours - ref).abs().max() < 0.1 * ref.abs().max(), (ours - ref).abs().max()
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+
+
+def test_each_gemma_feature_changes_the_logits(tmp_path):
+    """The features the test above checks are live in its configs: turning one off in the
+    reference moves its logits (so a model that ignored it would fail)."""
+    hf = save_checkpoint("Gemma2ForCausalLM", tmp_path)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    ids = torch.arange(100) % TINY_GEMMA["vocab_size"]
+    ours = forward_logits(runner, ids)
+    assert ours.abs().max() <= 0.2  # the final soft cap
+    for field, value in [("attn_logit_softcapping", None), ("sliding_window", 4096),
+                         ("query_pre_attn_scalar", 16)]:  # fmt: skip
+        changed = gemma_config("Gemma2ForCausalLM", **{field: value})
+        other = transformers.Gemma2ForCausalLM(changed).eval()
+        other.load_state_dict(hf.state_dict())
+        with torch.inference_mode():
+            ref = other(ids[None]).logits[0].float()
+        assert (ours - ref).abs().max() > 1e-3, field
+
+
+def test_gemma3_layers_rotate_by_their_own_theta(tmp_path):
+    save_checkpoint("Gemma3ForCausalLM", tmp_path)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    model = runner.model
+    assert not torch.equal(model.rope_local.cos_sin_cache, model.rope_global.cos_sin_cache)
+    assert runner.arch.qk_norm and runner.arch.sandwich_norms
+    assert runner.arch.max_position_embeddings == 256  # the global layers' linear factor 2
+
+
+def test_float16_gemma2_is_refused_before_loading(tmp_path):
+    save_checkpoint("Gemma2ForCausalLM", tmp_path)
+    with pytest.raises(ValueError, match="dtype float16 is not supported for gemma2"):
+        load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128, dtype="float16"))
+
+
+def test_unsupported_gemma_configs_are_refused():
+    config = gemma_config("Gemma2ForCausalLM", hidden_activation="silu")
+    with pytest.raises(ValueError, match="hidden_activation 'silu'"):
+        GemmaForCausalLM.arch_from_hf(config)
+    with torch.device("meta"):
+        model = GemmaForCausalLM(GemmaForCausalLM.arch_from_hf(gemma_config("GemmaForCausalLM")))
+    from vllm.model_executor.layers.quantization.gguf import model_gguf_layout
+
+    with pytest.raises(ValueError, match="GemmaForCausalLM declares no gguf_layout"):
+        model_gguf_layout(model)
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
+    """Gemma 3 through the engine: 16-token chunks over 12-token windows, batched decodes,
+    a prefix hit; transformers' greedy tokens (the embedded model's tokenizer)."""
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import resolve_model
+
+    hf = save_checkpoint("Gemma3ForCausalLM", tmp_path, vocab_size=49152,
+                         max_position_embeddings=128)  # fmt: skip
+    tokenizer_dir = resolve_model(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
+              enable_prefix_caching=True)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32

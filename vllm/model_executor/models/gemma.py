@@ -1,0 +1,295 @@
+"""The Gemma family (Gemma, Gemma 2, Gemma 3's text models) over a flat packed batch.
+
+Llama's shape (``llama.py``: fused q/k/v and gate/up projections, a paged KV cache through
+the attention backend) with Gemma's differences, as transformers computes them:
+
+- embeddings scaled by ``sqrt(hidden_size)`` (rounded to the weights' dtype), output head
+  tied to them;
+- RMS norms that scale by ``1 + weight`` in fp32 (``GemmaRMSNorm``), the checkpoint holding
+  the offset from 1;
+- a GeLU (tanh approximation) gated MLP;
+- Gemma 2 and 3: a norm after attention and around the MLP ("sandwich" norms), attention
+  scaled by ``query_pre_attn_scalar ** -0.5``, and every other (Gemma 2) or five of six
+  (Gemma 3) layers attending to a sliding window (``layer_types``);
+- Gemma 2: attention scores and final logits soft-capped (``cap * tanh(x / cap)``);
+- Gemma 3: q and k RMS-normalised per head, and two rotations: the sliding layers' (theta
+  10,000) and the global layers' (theta 1,000,000, with its scaling).
+
+The windows and the soft cap are attention features (``AttentionBackend.supported_features``):
+the selector installs a backend that has them (the torch backend; docs/models.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
+from vllm.model_executor.models.llama import (
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    _no_attention_backend,
+    attention_features,
+    layer_attention,
+)
+
+# hidden_activation / hidden_act values that mean GeLU's tanh approximation (Gemma 1's
+# configs say "gelu" and mean it, as transformers reads them).
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
+
+
+@dataclass(frozen=True)
+class GemmaArch:
+    family: str  # "gemma", "gemma2" or "gemma3"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int  # the rotary tables' length
+    tie_word_embeddings: bool
+    scale: float  # of the attention scores
+    sliding_windows: tuple[int | None, ...]
+    rope_global: dict[str, Any]  # rotary_embedding.rope_parameters' dicts
+    rope_local: dict[str, Any]  # the sliding layers' (Gemma 3); else rope_global
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    attention_bias: bool = False
+
+    @property
+    def sandwich_norms(self) -> bool:
+        return self.family != "gemma"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "gemma3"
+
+    @classmethod
+    def from_hf(cls, config) -> GemmaArch:
+        from vllm.model_executor.model_loader import layer_sliding_windows
+
+        family = config.model_type.removesuffix("_text")
+        if family not in ("gemma", "gemma2", "gemma3"):
+            raise ValueError(f"model_type {config.model_type!r} is not a Gemma text model")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if act not in _GELU_TANH:
+            raise ValueError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rope_global = rope_parameters(config, "full_attention")
+        rope_local = rope_parameters(config, "sliding_attention")
+        scalar = getattr(config, "query_pre_attn_scalar", None) if family != "gemma" else None
+        return cls(
+            family=family,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=max(
+                max_positions(config.max_position_embeddings, rope_global),
+                max_positions(config.max_position_embeddings, rope_local),
+            ),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+            scale=(scalar or head_dim) ** -0.5,
+            sliding_windows=layer_sliding_windows(config),
+            rope_global=rope_global,
+            rope_local=rope_local,
+            attn_logit_softcapping=getattr(config, "attn_logit_softcapping", None),
+            final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+        )
+
+
+class GemmaRMSNorm(nn.Module):
+    """``x / rms(x) * (1 + weight)``, computed in fp32 and returned in x's dtype (the weight
+    stays the checkpoint's offset from 1: adding 1 in bf16 would round most of it away)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, a: GemmaArch, window: int | None) -> None:
+        super().__init__()
+        self.a = a
+        self.window = window
+        self.q_size = a.num_heads * a.head_dim
+        self.kv_size = a.num_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(
+            a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias)
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.input_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+        if a.sandwich_norms:
+            self.pre_feedforward_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+            self.post_feedforward_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+        if a.qk_norm:
+            self.q_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps)
+        self.attn_forward = _no_attention_backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: Any,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        a = self.a
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if a.qk_norm:  # per-head norms with their own weights, before the rotation
+            q = self.q_norm(q.reshape(-1, a.num_heads, a.head_dim)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, a.num_kv_heads, a.head_dim)).view(-1, self.kv_size)
+        rope(positions, q, k)  # in place
+        attn = self.attn_forward(
+            q.view(-1, a.num_heads, a.head_dim),
+            k.view(-1, a.num_kv_heads, a.head_dim),
+            v.view(-1, a.num_kv_heads, a.head_dim),
+            kv_cache,
+            meta,
+            a.scale,
+        )
+        out = self.o_proj(attn.reshape(-1, self.q_size))
+        if a.sandwich_norms:
+            x = x + self.post_attention_layernorm(out)
+            h = self.pre_feedforward_layernorm(x)
+        else:
+            x = x + out
+            h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        if a.sandwich_norms:
+            out = self.post_feedforward_layernorm(out)
+        return x + out
+
+
+class GemmaForCausalLM(nn.Module):
+    """Gemma (``GemmaForCausalLM``), Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3's text
+    models (``Gemma3ForCausalLM``: gemma-3-1b, or the text tower of a larger checkpoint
+    saved on its own). No llama.cpp layout: ``--quantization gguf`` is refused."""
+
+    gguf_layout: ClassVar[Any] = None
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> GemmaArch:
+        return GemmaArch.from_hf(hf_config)
+
+    @staticmethod
+    def check_dtype(hf_config: Any, dtype: torch.dtype) -> None:
+        """Gemma 2 and 3 overflow float16 (their activations grow past 65,504), as vLLM
+        refuses them: ``ValueError`` naming the dtypes that work."""
+        if dtype == torch.float16 and hf_config.model_type.startswith(("gemma2", "gemma3")):
+            raise ValueError(
+                f"dtype float16 is not supported for {hf_config.model_type} (numerical "
+                "instability); use bfloat16 or float32"
+            )
+
+    def __init__(self, arch: GemmaArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(GemmaLayer(arch, w) for w in arch.sliding_windows)
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rope_global = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_global
+        )
+        self.rope_local = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_local
+        )
+
+    @property
+    def attention_features(self) -> frozenset[str]:
+        return attention_features(self.arch.sliding_windows, self.arch.attn_logit_softcapping)
+
+    def set_attention_backend(self, backend: Any) -> None:
+        for layer in self.layers:
+            layer.attn_forward = layer_attention(
+                backend,
+                sliding_window=layer.window,
+                logits_soft_cap=self.arch.attn_logit_softcapping,
+            )
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # transformers rounds the scale to the weights' dtype first (bf16: 8 bits).
+        x = x * torch.tensor(math.sqrt(self.arch.hidden_size), dtype=x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            rope = self.rope_local if layer.window is not None else self.rope_global
+            x = layer(positions, x, rope, meta, kv_cache)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def init_buffers(self) -> None:
+        a = self.arch
+        weight = self.embed_tokens.weight
+        for name, params in (("rope_global", a.rope_global), ("rope_local", a.rope_local)):
+            rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, params)
+            setattr(self, name, rope.to(weight.dtype).to(weight.device))
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy HF checkpoint tensors in, fusing q/k/v and gate/up, after ``init_buffers``."""
+        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        self.init_buffers()
+        fused = LlamaForCausalLM.fused
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
+            self.norm.weight.copy_(sd["norm.weight"])
+            if not self.arch.tie_word_embeddings:
+                self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["embed_tokens.weight"]))
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                att = p + "self_attn."
+                qkv = fused(sd, att, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+                layer.qkv_proj.weight.copy_(qkv)
+                layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
+                if self.arch.attention_bias:
+                    layer.qkv_proj.bias.copy_(
+                        torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
+                    )
+                    layer.o_proj.bias.copy_(sd[att + "o_proj.bias"])
+                gate_up = fused(sd, p + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
+                layer.gate_up_proj.weight.copy_(gate_up)
+                layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                norms = ["input_layernorm", "post_attention_layernorm"]
+                if self.arch.sandwich_norms:
+                    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+                for norm in norms:
+                    getattr(layer, norm).weight.copy_(sd[p + norm + ".weight"])
+                if self.arch.qk_norm:
+                    layer.q_norm.weight.copy_(sd[att + "q_norm.weight"])
+                    layer.k_norm.weight.copy_(sd[att + "k_norm.weight"])
