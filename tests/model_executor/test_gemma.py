@@ -164,3 +164,35 @@ def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (a tiny vision tower beside the text
+    model, tensors under ``language_model.model.``): text-only logits equal transformers',
+    and the context length comes from its text config."""
+    from vllm.model_executor.model_loader import model_max_len
+    from vllm.model_executor.models.gemma import Gemma3ForConditionalGeneration
+
+    text = {**TINY_GEMMA, **GEMMA["Gemma3ForCausalLM"]}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95,
+        boi_token_index=93, eoi_token_index=94,
+    )  # fmt: skip
+    assert model_max_len(config) == 128
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    hf.save_pretrained(tmp_path)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    assert type(runner.model) is Gemma3ForConditionalGeneration
+    assert runner.arch.sliding_windows == (12, None, 12)
+    ids = torch.randint(0, 93, (60,), generator=torch.Generator().manual_seed(1))
+    ours = forward_logits(runner, ids)
+    with torch.inference_mode():
+        ref = hf(input_ids=ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

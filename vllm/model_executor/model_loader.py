@@ -300,6 +300,8 @@ def model_max_len(hf_config) -> int | None:
     window does not limit it: those layers attend to their window (``layer_sliding_windows``)."""
     from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 
+    if hasattr(hf_config, "get_text_config"):  # a multimodal config's language model
+        hf_config = hf_config.get_text_config()
     trained = getattr(hf_config, "max_position_embeddings", None)
     if trained is None:
         return None

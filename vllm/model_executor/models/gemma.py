@@ -293,3 +293,32 @@ class GemmaForCausalLM(nn.Module):
                 if self.arch.qk_norm:
                     layer.q_norm.weight.copy_(sd[att + "q_norm.weight"])
                     layer.k_norm.weight.copy_(sd[att + "k_norm.weight"])
+
+
+class Gemma3ForConditionalGeneration(GemmaForCausalLM):
+    """Gemma 3's multimodal checkpoints (4B, 12B, 27B: ``Gemma3ForConditionalGeneration``)
+    served as text models: the language model of ``text_config``, its tensors read from
+    under ``language_model.model.`` (the Hub's layout) or ``model.language_model.``
+    (transformers 5's); the vision tower and projector are not loaded, and a request with an
+    image part is refused as for any model here (a 400 naming the part)."""
+
+    _PREFIXES = ("language_model.model.", "model.language_model.")
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> GemmaArch:
+        return GemmaArch.from_hf(hf_config.get_text_config())
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        text = {}
+        for key, tensor in sd.items():
+            prefix = next((p for p in self._PREFIXES if key.startswith(p)), None)
+            if prefix is not None:
+                text["model." + key.removeprefix(prefix)] = tensor
+            elif key in ("lm_head.weight", "language_model.lm_head.weight"):
+                text["lm_head.weight"] = tensor
+        if not text:
+            raise ValueError(
+                "no language-model tensors in the checkpoint (looked under "
+                f"{' and '.join(self._PREFIXES)})"
+            )
+        super().load_weights(text)

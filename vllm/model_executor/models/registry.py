@@ -52,6 +52,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "GemmaForCausalLM": ("gemma", "gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3_text", "gemma", "GemmaForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "gemma", "Gemma3ForConditionalGeneration"),
 }
 
 
