@@ -83,6 +83,14 @@ class EngineCore:
         # The EOS id, and the generation config's other EOS ids (stops too, as vLLM);
         # without a tokenizer, the generation config's (else config.json's) first is it.
         self.eos_token_id, self.extra_eos_token_ids = eos_token_ids(mc, self.tokenizer)
+        if self.eos_token_id is None:
+            logger.warning(
+                "No EOS token id (%s): requests end at max_tokens, a stop_token_id or the "
+                "context limit",
+                "no tokenizer, and none in the model's configs"
+                if self.tokenizer is None
+                else "none in the tokenizer or the model's configs",
+            )
         self.model_runner = ModelRunner(vllm_config)
         self.model_runner.load_model()
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
