@@ -384,9 +384,12 @@ def rotary_embedding_torch(
     head_size: int,
     cos_sin_cache: torch.Tensor,
 ) -> None:
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, head_size/2)
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, rot_dim/2)
+    rot_dim = cos_sin_cache.shape[-1]
     for x in (query, key):
         heads = x.view(x.shape[0], -1, head_size)
+        if rot_dim != head_size:  # partial rotary: the leading rot_dim dimensions only
+            heads = heads[..., :rot_dim]
         x1, x2 = heads.chunk(2, dim=-1)
         heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 
@@ -400,7 +403,12 @@ def rotary_embedding(
 ) -> None:
     """Neox-style rotary embedding of every head of ``query`` (T, heads * head_size) and
     ``key`` (T, kv_heads * head_size), in place; rows may be strided views. cos_sin_cache:
-    (max_position, head_size) = [cos | sin]. Native and fallback are bit-identical."""
+    (max_position, rot_dim) = [cos | sin]; the first ``rot_dim`` dimensions of each head
+    rotate (all of them but for a partial rotary embedding, which takes the torch path).
+    Native and fallback are bit-identical."""
+    if cos_sin_cache.shape[-1] != head_size:
+        rotary_embedding_torch(positions, query, key, head_size, cos_sin_cache)
+        return
     native = _op("rotary_embedding") if query.device.type == "cpu" else None
     fused = _fused(query)
     if native is not None and query.dtype == torch.float32:
@@ -426,7 +434,8 @@ def rotary_embedding_and_cache(
     writes them (every slot >= 0): one Triton launch for CUDA tensors
     (``triton_ops.rotary_embedding_and_cache``), else the two ops."""
     fused = _fused(query)
-    if fused is not None and query.dim() == key.dim() == value.dim() == 2:
+    whole = cos_sin_cache.shape[-1] == head_size  # the fused kernel rotates whole heads
+    if fused is not None and whole and query.dim() == key.dim() == value.dim() == 2:
         fused.rotary_embedding_and_cache(
             positions, query, key, value, head_size, cos_sin_cache, kv_cache, slot_mapping
         )

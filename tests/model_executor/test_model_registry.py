@@ -126,10 +126,11 @@ def test_phi3_checkpoints_with_fused_projections_match_transformers(tmp_path):
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path)))
     assert type(runner.model) is Phi3ForCausalLM
     assert_logits_match(runner, hf)
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        Phi3ForCausalLM.arch_from_hf(
-            transformers.Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.75)
-        )
+    # Phi-4-mini's partial rotary is read (its logits: test_rope_scaling.py).
+    arch = Phi3ForCausalLM.arch_from_hf(
+        transformers.Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.75)
+    )
+    assert arch.rope["partial_rotary_factor"] == 0.75
 
 
 @pytest.mark.parametrize(

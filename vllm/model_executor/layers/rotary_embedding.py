@@ -17,9 +17,18 @@ Supported ``rope_type`` values, with the semantics transformers and vLLM give th
   by an attention factor (``attention_factor``, or ``0.1 ln(factor) + 1``, or the
   ``mscale``/``mscale_all_dim`` ratio).
 
-For ``llama3`` and ``yarn`` ``max_position_embeddings`` already counts the extension (as
-vLLM reads those configs). ``dynamic`` (NTK scaling recomputed per sequence length),
-``longrope`` and partial rotary dimensions are not supported and raise ``ValueError``.
+- ``longrope`` (Phi-3/3.5/4-mini's long-context variants): each pair's frequency divided
+  by its own factor, from ``long_factor`` when the engine's ``max_model_len`` exceeds
+  ``original_max_position_embeddings`` and from ``short_factor`` otherwise (vLLM's static
+  choice; transformers switches per sequence length), cos and sin scaled by
+  ``attention_factor`` or ``sqrt(1 + ln(s) / ln(original))``, ``s`` the extension ratio.
+
+``partial_rotary_factor`` below 1 rotates only the first ``head_dim * factor`` dimensions
+of each head (Phi-4-mini; ``rotary_dim``), the frequencies computed over those.
+
+For ``llama3``, ``yarn`` and ``longrope`` ``max_position_embeddings`` already counts the
+extension (as vLLM reads those configs). ``dynamic`` (NTK scaling recomputed per sequence
+length) is not supported and raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 # The layer types a config's ``rope_parameters`` may be keyed by (Gemma 3: one rotation
@@ -57,9 +66,13 @@ def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[
             f"{', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {partial} is not supported yet (only 1.0)")
-    if params["rope_type"] != "default":
+    partial = 1.0 if partial is None else float(partial)
+    if not 0.0 < partial <= 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} must be in (0, 1]")
+    params["partial_rotary_factor"] = partial
+    if params["rope_type"] == "longrope":
+        _longrope_parameters(params, hf_config)
+    elif params["rope_type"] != "default":
         _require(params, "factor")
     if params["rope_type"] in ("llama3", "yarn"):
         _require(params, "original_max_position_embeddings")
@@ -68,6 +81,48 @@ def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[
         if params["high_freq_factor"] <= params["low_freq_factor"]:
             raise ValueError("llama3 rope: high_freq_factor must exceed low_freq_factor")
     return params
+
+
+def _longrope_parameters(params: dict[str, Any], hf_config: Any) -> None:
+    """Complete a longrope dict in place: the original and extended lengths (from the
+    config where the dict lacks them) and ``long_rope``, whether the long factors apply
+    (``use_long_rope`` sets it from the engine's ``max_model_len``; by default the model's
+    whole length decides)."""
+    params.setdefault(
+        "original_max_position_embeddings",
+        getattr(hf_config, "original_max_position_embeddings", None),
+    )
+    params.setdefault(
+        "max_position_embeddings", getattr(hf_config, "max_position_embeddings", None)
+    )
+    _require(params, "short_factor", "long_factor", "original_max_position_embeddings")
+    if len(params["short_factor"]) != len(params["long_factor"]):
+        raise ValueError("longrope rope parameters: short_factor and long_factor differ in length")
+    if "long_rope" not in params:
+        extended = params["max_position_embeddings"] or params["original_max_position_embeddings"]
+        params["long_rope"] = extended > params["original_max_position_embeddings"]
+
+
+def use_long_rope(hf_config: Any, max_model_len: int) -> None:
+    """Tell a longrope config which factors the engine serves with: the long ones when
+    ``max_model_len`` exceeds the original context (as vLLM decides, once, at start-up),
+    the short ones otherwise. A no-op for every other rope type."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        raw = getattr(hf_config, attr, None)
+        if not isinstance(raw, dict):
+            continue
+        if (raw.get("rope_type") or raw.get("type")) == "longrope":
+            original = raw.get("original_max_position_embeddings") or getattr(
+                hf_config, "original_max_position_embeddings", None
+            )
+            if original is not None:
+                raw["long_rope"] = max_model_len > original
+            return
+
+
+def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
+    """How many leading dimensions of each head rotate (``partial_rotary_factor``)."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
 
 
 def _require(params: dict[str, Any], *keys: str) -> None:
@@ -86,18 +141,37 @@ def max_positions(max_position_embeddings: int, params: dict[str, Any]) -> int:
 
 def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
     """(fp32 ``(head_dim // 2,)`` inverse frequencies, the factor cos and sin are scaled by)
-    for ``params`` (``rope_parameters``' dict)."""
+    for ``params`` (``rope_parameters``' dict); ``head_dim``: the dimensions that rotate
+    (``rotary_dim``)."""
     base = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / params["rope_theta"] ** base
     rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq, 1.0
+    if rope_type == "longrope":
+        return _longrope(inv_freq, params)
     factor = float(params["factor"])
     if rope_type == "linear":
         return inv_freq / factor, 1.0
     if rope_type == "llama3":
         return _llama3(inv_freq, factor, params), 1.0
     return _yarn(inv_freq, head_dim, factor, params)
+
+
+def _longrope(inv_freq: torch.Tensor, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    factors = params["long_factor"] if params["long_rope"] else params["short_factor"]
+    if len(factors) != inv_freq.numel():
+        raise ValueError(
+            f"longrope rope parameters: {len(factors)} factors for {inv_freq.numel()} rotated pairs"
+        )
+    inv = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    if params.get("attention_factor") is not None:
+        return inv, float(params["attention_factor"])
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or (params["max_position_embeddings"] or original) / original
+    if factor <= 1.0:
+        return inv, 1.0
+    return inv, math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3(inv_freq: torch.Tensor, factor: float, params: dict[str, Any]) -> torch.Tensor:
@@ -147,8 +221,9 @@ def _yarn_attention_factor(factor: float, params: dict[str, Any]) -> float:
 
 
 def cos_sin_cache(head_dim: int, num_positions: int, params: dict[str, Any]) -> torch.Tensor:
-    """fp32 ``(num_positions, head_dim)`` table of ``[cos | sin]`` rows by position (vLLM's
-    layout), each scaled by the type's attention factor."""
-    inv_freq, attention_factor = inverse_frequencies(head_dim, params)
+    """fp32 ``(num_positions, rotary_dim)`` table of ``[cos | sin]`` rows by position
+    (vLLM's layout), each scaled by the type's attention factor; ``rotary_dim`` is
+    ``head_dim`` unless the rotation is partial."""
+    inv_freq, attention_factor = inverse_frequencies(rotary_dim(head_dim, params), params)
     angles = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
     return torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor

@@ -117,7 +117,9 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half), as HF Llama checkpoints expect."""
+    """Neox-style rotary embedding (rotate_half), as HF Llama checkpoints expect; of the
+    first ``rotary_dim(head_dim, params)`` dimensions of each head (all but for a partial
+    rotary embedding, the table's width)."""
 
     def __init__(self, head_dim: int, max_pos: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -352,8 +354,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 and Phi-4 (``Phi3ForCausalLM``): Llama's layer, with checkpoints that fuse
-    q/k/v and gate/up (``fused`` reads them). Partial rotary (Phi-4-mini) and longrope
-    (the 128k variants) are refused by the rotary parameters, with their names."""
+    """Phi-3, Phi-3.5 and Phi-4 (``Phi3ForCausalLM``): Llama's layer, with checkpoints that
+    fuse q/k/v and gate/up (``fused`` reads them); the 128k variants' longrope and
+    Phi-4-mini's partial rotary come from ``rotary_embedding``."""
 
     gguf_layout: ClassVar[Any] = None  # llama.cpp's phi3 tensors are fused differently

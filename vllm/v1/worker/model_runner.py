@@ -275,11 +275,15 @@ class ModelRunner:
         )
 
     def load_model(self) -> None:
+        from vllm.model_executor.layers.rotary_embedding import use_long_rope
         from vllm.model_executor.model_loader import hf_config_of
 
         start = time.monotonic()
         path = resolve_model(self.model_config.model)
         hf_config = hf_config_of(self.model_config)
+        # longrope's factors follow the served length (vLLM's choice at start-up)
+        served = self.model_config.max_model_len or self.config.scheduler_config.max_model_len
+        use_long_rope(hf_config, served)
         model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
         if hasattr(model_cls, "check_dtype"):  # a family that cannot run in some dtype
             model_cls.check_dtype(hf_config, self.dtype)
