@@ -47,10 +47,12 @@ def ref_varlen_attn(
     block_table=None,
     num_splits=None,
 ):
-    """torch 2.13's ``varlen_attn`` forward in plain torch (float64 inside)."""
+    """torch 2.13's ``varlen_attn`` forward in plain torch (float64 inside). ``window_size``
+    ``(left, right)``: -1 unbounded; ``right`` 0 is causal, ``left`` >= 0 a sliding window."""
     assert isinstance(window_size, tuple)  # varlen_attn compares it to the tuple (-1, 0)
-    assert window_size in ((-1, -1), (-1, 0))
-    causal = window_size == (-1, 0)
+    left, right = window_size
+    assert right in (-1, 0) and left >= -1 and (left == -1 or right == 0)
+    causal = right == 0
     assert query.dtype == key.dtype == value.dtype
     assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
@@ -83,8 +85,10 @@ def ref_varlen_attn(
         scores = torch.einsum("qhd,khd->hqk", query[qs:qe].double(), keys) * scale
         if causal:  # bottom-right: query row j sees keys [0, len_k - len_q + j]
             rows = torch.arange(qe - qs, device=query.device)[:, None] + (len_k - (qe - qs))
-            future = torch.arange(len_k, device=query.device)[None, :] > rows
-            scores = scores.masked_fill(future, float("-inf"))
+            keys_at = torch.arange(len_k, device=query.device)[None, :]
+            scores = scores.masked_fill(keys_at > rows, float("-inf"))
+            if left >= 0:  # and not before row - left
+                scores = scores.masked_fill(keys_at < rows - left, float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
     return out
 
@@ -95,9 +99,10 @@ def ref_varlen_attn_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_
     return ref_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window)
 
 
-def sdpa_reference(seqs, q, kv_cache, scale, block_size):
+def sdpa_reference(seqs, q, kv_cache, scale, block_size, window=None):
     """Float64 SDPA per sequence over its context read back from ``kv_cache`` (after the
-    step's writes) through its block ids, with an explicit bottom-right causal mask."""
+    step's writes) through its block ids, with an explicit bottom-right causal mask (and
+    the last ``window`` positions only, when given)."""
     out, start = torch.empty(q.shape, dtype=torch.float64, device=q.device), 0
     for computed, new, block_ids in seqs:
         total = computed + new
@@ -106,6 +111,8 @@ def sdpa_reference(seqs, q, kv_cache, scale, block_size):
         flat = kv_cache.flatten(1, 2).double()  # (2, num_blocks * block_size, kv_heads, dim)
         keys, values = flat[0][index].transpose(0, 1), flat[1][index].transpose(0, 1)
         mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(computed)
+        if window is not None:
+            mask = mask.triu(computed - window + 1)
         o = F.scaled_dot_product_attention(
             q[start : start + new].double().transpose(0, 1),
             keys,
@@ -289,9 +296,10 @@ def test_unavailable_reason_on_this_build(monkeypatch):
 # -- on a GPU ---------------------------------------------------------------------------
 
 
-def check_against_float64(kind, dtype, block_size, paged, heads, kv_heads, device):
+def check_against_float64(kind, dtype, block_size, paged, heads, kv_heads, device, window=None):
     """The backend's output within the dtype's rounding of the float64 SDPA reference, and
-    each new token's K/V at its slot bit for bit (nothing else in the cache touched)."""
+    each new token's K/V at its slot bit for bit (nothing else in the cache touched); with
+    ``window``, as a sliding-window layer."""
     dim, scale = 128, 128**-0.5
     seqs, q, k, v, cache = make_batch(
         kind, block_size, heads, kv_heads, dim, seed=3, device=device, dtype=dtype
@@ -301,9 +309,10 @@ def check_against_float64(kind, dtype, block_size, paged, heads, kv_heads, devic
         pytest.skip("this torch's varlen_attn has no block_table")
     backend.paged = paged  # gathered at 256 too: both paths on the same data
     written = cache.clone()
-    out = backend.forward(q, k, v, written, backend.build_metadata(seqs), scale)
+    features = {} if window is None else {"sliding_window": window}
+    out = backend.forward(q, k, v, written, backend.build_metadata(seqs), scale, **features)
     assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
-    ref = sdpa_reference(seqs, q, written, scale, block_size)
+    ref = sdpa_reference(seqs, q, written, scale, block_size, window)
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     expected, start = cache.clone(), 0
@@ -323,6 +332,45 @@ def test_the_gpu_check_itself_with_the_emulation(monkeypatch, kind, block_size, 
     # The GPU test below, run here with the emulated kernel (so its own logic is tested).
     install(monkeypatch, ref_varlen_attn)
     check_against_float64(kind, torch.bfloat16, block_size, paged, 32, 8, "cpu")
+
+
+@pytest.mark.parametrize("kind", list(BATCHES))
+@pytest.mark.parametrize(("block_size", "paged"), [(16, False), (256, True)])
+def test_sliding_window_with_the_emulation(monkeypatch, kind, block_size, paged):
+    """A sliding-window layer asks varlen_attn for window_size=(w - 1, 0): the float64
+    reference's window, and the torch backend's, within rounding."""
+    calls = install(monkeypatch, ref_varlen_attn)
+    check_against_float64(kind, torch.float32, block_size, paged, 6, 2, "cpu", window=5)
+    assert {c["window_size"] for c in calls} == {(4, 0)}
+    seqs, q, k, v, cache = make_batch(kind, block_size, 6, 2, 8, seed=1)
+    backend = TorchFlashAttentionBackend(6, 2, 8, torch.float32, "cpu", block_size)
+    out = backend.forward(q, k, v, cache.clone(), backend.build_metadata(seqs), 0.3,
+                          sliding_window=5)  # fmt: skip
+    starts = [sum(n for _, n, _ in seqs[:i]) for i in range(len(seqs))]
+    order = sorted(range(len(seqs)), key=lambda i: not (seqs[i][1] == 1 and seqs[i][0]))
+    perm = torch.cat([torch.arange(starts[i], starts[i] + seqs[i][1]) for i in order])
+    tmeta = torch_sdpa.build_metadata([seqs[i] for i in order], block_size, "cpu")
+    torch_out = torch_sdpa.paged_attention(
+        q[perm], k[perm], v[perm], cache.clone(), tmeta, 0.3, sliding_window=5
+    )
+    torch.testing.assert_close(out[perm], torch_out, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_needs_a_varlen_attn_with_window_size(monkeypatch):
+    window = frozenset({"sliding_window"})
+    install(monkeypatch, ref_varlen_attn)
+    assert TorchFlashAttentionBackend.unsupported_features(window) == []
+    assert TorchFlashAttentionBackend.unsupported_features(frozenset({"logits_soft_cap"}))
+    install(monkeypatch, ref_varlen_attn_old)
+    assert "window_size" in TorchFlashAttentionBackend.unsupported_features(window)[0]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("kind", list(BATCHES))
+@pytest.mark.parametrize(("block_size", "paged"), [(16, False), (256, True)])
+def test_real_kernel_sliding_window_matches_float64_sdpa(kind, block_size, paged):
+    check_against_float64(kind, torch.bfloat16, block_size, paged, 32, 8, "cuda", window=40)
 
 
 @pytest.mark.cuda

@@ -57,9 +57,10 @@ UNTOUCHED = 7.0  # what ``out`` holds where no sequence writes
 
 
 # -- the float64 reference and the cases ------------------------------------------------------
-def decode_reference(q, kv_cache, block_table, seq_lens, scale, rows=None):
+def decode_reference(q, kv_cache, block_table, seq_lens, scale, rows=None, window=0):
     """{row: (heads, head_dim) float64}: sequence i's query ``q[rows[i]]`` over the first
-    ``seq_lens[i]`` slots of its blocks; zeros for a sequence of length 0."""
+    ``seq_lens[i]`` slots of its blocks (the last ``window`` of them when ``window`` > 0);
+    zeros for a sequence of length 0."""
     heads, kv_heads, block_size = q.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     out = {}
     for i, length in enumerate(seq_lens.tolist()):
@@ -73,6 +74,8 @@ def decode_reference(q, kv_cache, block_table, seq_lens, scale, rows=None):
             half[pages].flatten(0, 1)[:length].double().repeat_interleave(heads // kv_heads, 1)
             for half in kv_cache.unbind(0)
         )
+        first = max(0, length - window) if window else 0
+        keys, values = keys[first:], values[first:]
         scores = torch.einsum("hd,khd->hk", q[row].double(), keys) * scale
         out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
     return out
@@ -124,6 +127,17 @@ def _cases() -> dict[str, dict]:
     cases["fp16-bs16-gqa4-dim128"] = dict(
         block_size=16, ratio=4, lens=lens_for(4, 16), dim=128, dtype="float16"
     )
+    # Sliding windows: inside a tile, across tiles and blocks, wider than some contexts,
+    # of one position; with splits (some empty) and query rows.
+    cases["fp32-bs8-gqa4-window40"] = dict(block_size=8, ratio=4, lens=lens_for(8, 8), window=40)
+    cases["fp32-bs16-gqa1-window1"] = dict(block_size=16, ratio=1, lens=lens_for(3, 16), window=1)
+    cases["fp16-bs16-gqa4-window100-split4-rows"] = dict(
+        block_size=16, ratio=4, lens=[0, 300, 5, 129], window=100, splits=4, rows=True,
+        dtype="float16",
+    )  # fmt: skip
+    cases["fp32-bs32-gqa8-window17-split16"] = dict(
+        block_size=32, ratio=8, lens=lens_for(2, 32), window=17, splits=16
+    )
     return cases
 
 
@@ -155,9 +169,10 @@ def build_case(spec: dict, device: str, seed: int = 0) -> dict:
     random.Random(seed).shuffle(ids)
     table = torch.zeros(len(lens), max(needs, default=0) + 2, dtype=torch.int32)
     valid = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    window = spec.get("window", 0)
     for i, (n, need) in enumerate(zip(lens, needs, strict=True)):
         table[i, :need] = torch.tensor([ids.pop() for _ in range(need)], dtype=torch.int32)
-        for p in range(n):
+        for p in range(max(0, n - window) if window else 0, n):  # NaN before a window too
             valid[table[i, p // block_size], p % block_size] = True
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)
     cache[:, ~valid] = float("nan")
@@ -180,14 +195,15 @@ def run_case(spec: dict, device: str) -> dict:
     finite and whether the rows no sequence owns kept their contents."""
     t = build_case(spec, device)
     args = (t["q"], t["cache"], t["table"], t["lens"], t["scale"])
+    window = spec.get("window", 0)
     out = triton_decode.paged_decode_attention(
-        *args, out=t["out"], rows=t["rows"], num_splits=spec.get("splits")
+        *args, out=t["out"], rows=t["rows"], num_splits=spec.get("splits"), window=window
     )
     assert out is t["out"]
     out = out.cpu()
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in t.items()}
     ref = decode_reference(
-        cpu["q"], cpu["cache"], cpu["table"], cpu["lens"], t["scale"], cpu["rows"]
+        cpu["q"], cpu["cache"], cpu["table"], cpu["lens"], t["scale"], cpu["rows"], window
     )
     err = max(float((out[row].double() - r).abs().max()) for row, r in ref.items())
     others = [r for r in range(out.shape[0]) if r not in ref]
@@ -231,9 +247,12 @@ def test_interpreted_kernel_matches_float64(interpreted, case_id):
 def test_the_checks_catch_a_wrong_kernel(monkeypatch):
     # The reference and the checks on their own, with an emulated kernel (no Triton): one
     # that reads the whole last block, and one that writes every row, fail them.
-    def emulated(q, kv_cache, block_table, seq_lens, scale, out, rows=None, num_splits=None):
+    def emulated(q, kv_cache, block_table, seq_lens, scale, out, rows=None, num_splits=None,
+                 window=0):  # fmt: skip
         full = seq_lens if not read_past else -(-seq_lens // kv_cache.shape[2]) * kv_cache.shape[2]
-        for row, o in decode_reference(q, kv_cache, block_table, full, scale, rows).items():
+        window = 0 if read_before else window
+        ref = decode_reference(q, kv_cache, block_table, full, scale, rows, window)
+        for row, o in ref.items():
             out[row] = o.to(out.dtype)
         if write_all:
             out[:] = out[0 if rows is None else int(rows[0])].clone()
@@ -241,12 +260,17 @@ def test_the_checks_catch_a_wrong_kernel(monkeypatch):
 
     monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated)
     spec = CASES["fp32-bs32-gqa1-split2-rows"]
-    read_past = write_all = False
+    read_past = write_all = read_before = False
     check_result(run_case(spec, "cpu"), spec)
     read_past = True
     assert not run_case(spec, "cpu")["finite"]
     read_past, write_all = False, True
     assert not run_case(spec, "cpu")["untouched"]
+    # One that reads before a sliding window.
+    spec, write_all, read_before = CASES["fp32-bs8-gqa4-window40"], False, False
+    check_result(run_case(spec, "cpu"), spec)
+    read_before = True
+    assert not run_case(spec, "cpu")["finite"]
 
 
 # -- the kernel on a GPU -------------------------------------------------------------------------
@@ -322,22 +346,26 @@ def emulated_kernel(calls: list):
     """``paged_decode_attention`` in float64 torch, checking the arguments the real one
     takes (int32 tables on q's device, a preallocated ``out``)."""
 
-    def kernel(q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None):
+    def kernel(
+        q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None, window=0
+    ):
         assert block_table.dtype == seq_lens.dtype == torch.int32
         assert rows is None or rows.dtype == torch.int32
         tensors = [q, kv_cache, block_table, seq_lens, out] + ([] if rows is None else [rows])
         assert {t.device for t in tensors} == {q.device} and out.shape == q.shape
-        calls.append(dict(num_seqs=len(seq_lens), rows=rows))
-        for row, o in decode_reference(q, kv_cache, block_table, seq_lens, scale, rows).items():
+        calls.append(dict(num_seqs=len(seq_lens), rows=rows, window=window))
+        ref = decode_reference(q, kv_cache, block_table, seq_lens, scale, rows, window)
+        for row, o in ref.items():
             out[row] = o.to(out.dtype)
         return out
 
     return kernel
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("kind", list(BATCHES))
 @pytest.mark.parametrize("block_size", [4, 16, 256])
-def test_decode_rows_go_to_the_triton_kernel(monkeypatch, kind, block_size):
+def test_decode_rows_go_to_the_triton_kernel(monkeypatch, kind, block_size, window):
     varlen_calls = install(monkeypatch, ref_varlen_attn)
     decode_calls: list = []
     monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated_kernel(decode_calls))
@@ -349,13 +377,14 @@ def test_decode_rows_go_to_the_triton_kernel(monkeypatch, kind, block_size):
 
     written = cache.clone()
     meta = backend.build_metadata(seqs)
-    out = backend.forward(q, k, v, written, meta, scale)
+    features = {} if window is None else {"sliding_window": window}
+    out = backend.forward(q, k, v, written, meta, scale, **features)
     num_decodes = sum(n == 1 for _, n, _ in seqs)
     assert [c["num_seqs"] for c in decode_calls] == ([num_decodes] if num_decodes else [])
+    assert all(c["window"] == (window or 0) for c in decode_calls)
     assert len(varlen_calls) == (1 if num_decodes < len(seqs) else 0)
-    torch.testing.assert_close(
-        out.double(), sdpa_reference(seqs, q, written, scale, block_size), rtol=1e-5, atol=1e-5
-    )
+    ref = sdpa_reference(seqs, q, written, scale, block_size, window)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     # The step's K/V at the slots the varlen builder computes, nothing else changed.
     expected = cache.clone()
     slots = build_varlen_metadata(seqs, block_size, "cpu", False).slot_mapping
@@ -421,7 +450,8 @@ def test_split_forward_on_fake_cuda_tensors(monkeypatch):
     # tensor on the device, and no device value read on the host (it would raise here).
     seen = []
 
-    def launch(q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None):
+    def launch(q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None,
+               window=0):  # fmt: skip
         tensors = [q, kv_cache, block_table, seq_lens, out] + ([] if rows is None else [rows])
         seen.append({t.device for t in tensors})
         return out

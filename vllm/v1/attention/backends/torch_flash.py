@@ -23,6 +23,11 @@ Older signatures are met too: causal through ``is_causal=`` where there is no
 ``window_size=``, the scale folded into the query where there is no ``scale=``, K/V heads
 repeated where there is no ``enable_gqa=``.
 
+A sliding-window layer (``forward(..., sliding_window=w)``: Mistral v0.1, Gemma 2/3) asks
+``varlen_attn`` for ``window_size=(w - 1, 0)`` (the query and the ``w - 1`` positions
+before it) and the Triton decode kernel for its ``window``; a torch whose ``varlen_attn``
+has no ``window_size=`` cannot run such a model (the selector passes over the backend).
+
 Decode rows (one new token over its cached context) go to the Triton paged decode kernel
 (``triton_decode``) where it can run (CUDA, triton importable) unless
 ``VLLM_CUDA_DECODE_ATTENTION=varlen``: it reads the cache in place through the block
@@ -261,6 +266,7 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
     priority = 20  # ahead of FLASH_ATTN (the flash-attn package) and TORCH_SDPA
     decodes_first = False
     supported_dtypes = SUPPORTED_DTYPES
+    supported_features = frozenset({"sliding_window"})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -283,6 +289,15 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
             reason = flash_unavailable_reason(device)
             if reason:
                 reasons.append(reason)
+        return reasons
+
+    @classmethod
+    def unsupported_features(cls, features: frozenset[str]) -> list[str]:
+        reasons = super().unsupported_features(features)
+        fn = load_varlen_attn()
+        if "sliding_window" in features and fn is not None:
+            if VarlenFeatures.of(fn).causal != "window_size":
+                reasons.append("sliding window attention needs varlen_attn's window_size=")
         return reasons
 
     @property
@@ -342,23 +357,26 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_size)
         meta: VarlenMetadata | TritonDecodeMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if k is not None:  # None: written with the rotary embedding (writes_kv_with_rotary)
             # The metadata's slots come from block ids: none is padding.
             reshape_and_cache_torch(k, v, kv_cache, meta.slot_mapping, padded=False)
         if isinstance(meta, VarlenMetadata):
-            return self._varlen(q, kv_cache, meta, scale)
+            return self._varlen(q, kv_cache, meta, scale, sliding_window)
         from vllm.v1.attention.backends import triton_decode
 
         out = torch.empty_like(q)
         triton_decode.paged_decode_attention(
-            q, kv_cache, meta.block_table, meta.seq_lens, scale, out=out, rows=meta.decode_rows
-        )
+            q, kv_cache, meta.block_table, meta.seq_lens, scale, out=out, rows=meta.decode_rows,
+            window=sliding_window or 0,
+        )  # fmt: skip
         if meta.prefill is not None:
             rows = meta.prefill_rows  # (num_prefill_tokens,): q's rows, packed for varlen
-            out.index_copy_(
-                0, rows, self._varlen(q.index_select(0, rows), kv_cache, meta.prefill, scale)
+            prefill = self._varlen(
+                q.index_select(0, rows), kv_cache, meta.prefill, scale, sliding_window
             )
+            out.index_copy_(0, rows, prefill)
         return out
 
     def _varlen(
@@ -367,11 +385,14 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
         kv_cache: torch.Tensor,
         meta: VarlenMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``varlen_attn`` over ``meta``'s sequences, whose K/V are in the cache already."""
         kwargs = dict(self._kwargs)
         if self.features.causal == "is_causal":
             kwargs["is_causal"] = True
+        elif sliding_window is not None:  # causal, the window's w - 1 positions to the left
+            kwargs["window_size"] = (sliding_window - 1, 0)
         elif meta.max_q > 1:
             kwargs["window_size"] = (-1, 0)  # causal; a tuple: varlen_attn compares to one
         else:

@@ -8,6 +8,8 @@ tile is read once per group. It walks its sequence in tiles of ``TILE_N`` token 
 each position's block looked up in the block table (so a tile may span blocks, and any
 block size works), with an online softmax in fp32; positions at or past ``seq_len`` are
 masked, never read, so padded or null block-table entries past the context are harmless.
+A sliding window (``window > 0``: the query sees its last ``window`` positions, itself
+included) starts the walk at the window's first tile and masks the positions before it.
 
 The launch grid is ``(num_seqs, kv_heads, num_splits)``, fixed by the batch's shape: the
 context lengths are read by the kernel from device memory, never by the host, so a call
@@ -109,7 +111,7 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, max_num_seqs: int) -> int:
     return launches
 
 
-def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits) -> None:
+def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits, window=0) -> None:
     """Shapes, dtypes and layouts (host metadata only: no device read)."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)}: bad rank")
@@ -134,6 +136,8 @@ def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits) -> No
         raise ValueError("block_table needs contiguous rows")
     if num_splits < 1 or num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: a power of two up to {MAX_SPLITS}")
+    if window < 0:
+        raise ValueError(f"window={window}: 0 (the whole context) or a positive length")
 
 
 def paged_decode_attention(
@@ -145,18 +149,20 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of sequence ``i``'s one query, ``q[rows[i]]`` (``q[i]`` when ``rows`` is
-    None), over its ``seq_lens[i]`` cached keys; written to ``out`` at the same row, which
-    is returned (allocated like ``q`` when None). Other rows of ``out`` are not touched; a
-    sequence of length 0 (a padding row) gets zeros. Reads no device value on the host."""
+    None), over its ``seq_lens[i]`` cached keys (its last ``window`` of them when ``window``
+    > 0); written to ``out`` at the same row, which is returned (allocated like ``q`` when
+    None). Other rows of ``out`` are not touched; a sequence of length 0 (a padding row)
+    gets zeros. Reads no device value on the host."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton (pip install triton)")
     out = torch.empty_like(q) if out is None else out
     num_seqs, kv_heads = block_table.shape[0], kv_cache.shape[3]
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, kv_heads, q.device)
-    _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits)
+    _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits, window)
     if num_seqs == 0:
         return out
     heads, dim, block_size = q.shape[1], q.shape[2], kv_cache.shape[2]
@@ -172,7 +178,7 @@ def paged_decode_attention(
     rows_arg = seq_lens if rows is None else rows  # unused pointer without rows
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
         q, kv_cache, block_table, seq_lens, rows_arg, out, m_part, l_part, acc_part,
-        scale * LOG2E,
+        scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
@@ -204,11 +210,13 @@ if triton is not None:
     # The block table's row stride is its width, the longest context's blocks: Triton
     # would compile a variant for each of its divisibility classes (by 16 or not) in eager
     # steps; the address arithmetic gains nothing measurable from knowing it.
-    @triton.jit(do_not_specialize=["stride_bt_seq"])
+    # ``window`` likewise: one compiled variant serves every layer, windowed or not.
+    @triton.jit(do_not_specialize=["stride_bt_seq", "window"])
     def _decode_kernel(
         q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, rows_ptr, out_ptr,
         m_ptr, l_ptr, acc_ptr,
         qk_scale,  # the softmax scale times log2(e): the softmax runs in base 2
+        window,  # > 0: the last `window` positions only; 0: the whole context
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_kv_half, stride_kv_block, stride_kv_slot, stride_kv_head,
         stride_bt_seq,
@@ -235,11 +243,15 @@ if triton is not None:
         q_off = row * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
         q = tl.load(q_ptr + q_off, mask=gd_mask, other=0.0).to(tl.float32)
 
-        # This split's tiles: [tile_lo, tile_hi) of the sequence's cdiv(seq_len, TILE_N).
-        num_tiles = tl.cdiv(seq_len, TILE_N)
+        # The positions it attends to: [first, seq_len). Its tiles, from the one holding
+        # `first` to cdiv(seq_len, TILE_N), are shared among the splits; this split's are
+        # [tile_lo, tile_hi). Each holds at least one position of the range.
+        first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+        first_tile = first // TILE_N
+        num_tiles = tl.cdiv(seq_len, TILE_N) - first_tile
         per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+        tile_lo = first_tile + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, first_tile + num_tiles)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -249,7 +261,7 @@ if triton is not None:
         offs = tl.arange(0, TILE_N)
         for t in range(tile_lo, tile_hi):
             pos = t * TILE_N + offs
-            valid = pos < seq_len  # every tile has one: t * TILE_N < seq_len
+            valid = (pos < seq_len) & (pos >= first)  # every tile has one
             block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             slot = block * stride_kv_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_kv_slot
             kv_off = slot[:, None] + d[None, :]
