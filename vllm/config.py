@@ -221,6 +221,13 @@ class ModelConfig:
         "Always run the model eagerly: on CUDA, no CUDA graphs of decode steps (the CPU "
         "always runs eagerly).",
     )
+    enable_sleep_mode: bool = config_field(
+        False,
+        "Allow sleep() and wake_up() (vLLM's; LLM.sleep, POST /sleep with "
+        "VLLM_SERVER_DEV_MODE=1): level 1 frees the KV cache and moves the weights to host "
+        "memory (on the CPU they stay where they are), level 2 frees the weights too and "
+        "wake_up reloads them from the checkpoint. Unlike vLLM's, it works on the CPU.",
+    )
     max_cudagraph_capture_size: int | None = config_field(
         None,
         "Largest decode batch (sequences of one new token) replayed from a CUDA graph; "

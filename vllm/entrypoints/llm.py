@@ -241,6 +241,22 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``LLM(enable_sleep_mode=True)``, else ``ValueError``): level 1
+        frees the KV cache and moves the weights to host memory (on the CPU they stay
+        where they are); level 2 frees the weights too. The prefix cache is emptied.
+        ``generate`` refuses (``ValueError``) until ``wake_up``."""
+        self.engine_core.sleep(level)  # nothing runs between generate calls: none aborted
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: all): the weights from host
+        memory or, after level 2, from the checkpoint; a KV cache of as many blocks as
+        before. Returns whether the engine is fully awake."""
+        return self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
     def shutdown(self) -> None:
         self._gc_freeze.release()  # first: the engine's cycles can then be collected
         self.engine_core.shutdown()
@@ -300,6 +316,8 @@ class LLM:
         return params
 
     def _add_to_engine(self, batch: list[tuple[str, str | None, list[EngineCoreRequest]]]) -> None:
+        if self.engine_core.is_sleeping():  # offline nothing could wake it: the run would hang
+            raise ValueError("the engine is sleeping: call LLM.wake_up() first")
         added: list[str] = []
         try:
             for request_id, text, core_reqs in batch:

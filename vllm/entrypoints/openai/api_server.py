@@ -10,8 +10,9 @@ import socket
 import time
 import uuid
 from http import HTTPStatus
+from typing import Annotated
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
@@ -437,6 +438,24 @@ def build_app(
             """Empty the prefix cache: {"success": false} while blocks are in use."""
             logger.info("Resetting the prefix cache")
             return {"success": await engine.reset_prefix_cache()}
+
+        @app.post("/sleep", responses=openapi.SLEEP_RESPONSES)
+        async def sleep(level: Annotated[int, Query(ge=0, le=2)] = 1):
+            """vLLM's sleep mode (--enable-sleep-mode): running requests are aborted; those
+            sent while asleep wait for /wake_up. 400 without the flag."""
+            await engine.sleep(level)
+            return {"status": "sleeping", "level": level}
+
+        @app.post("/wake_up", responses=openapi.SLEEP_RESPONSES)
+        async def wake_up(tags: Annotated[list[str] | None, Query()] = None):
+            """Bring back ``tags`` (weights, kv_cache; none: all); scheduling resumes once
+            the engine is fully awake."""
+            awake = await engine.wake_up(tags or None)
+            return {"status": "awake" if awake else "sleeping", "tags": tags or None}
+
+        @app.get("/is_sleeping", responses=openapi.SLEEP_RESPONSES)
+        async def is_sleeping():
+            return {"is_sleeping": await engine.is_sleeping()}
 
     tokenization = OpenAIServingTokenization(
         chat_serving, vllm_config.scheduler_config.max_model_len

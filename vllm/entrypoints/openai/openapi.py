@@ -147,6 +147,10 @@ PROFILE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "Done by the engine core (--profiler-config)."},
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (401, 503)},
 }
+SLEEP_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Sleep mode's state after the call (VLLM_SERVER_DEV_MODE=1)."},
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 503)},
+}
 RESET_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _json_object(
         "Whether the prefix cache was emptied (false while blocks are in use).",

@@ -159,8 +159,8 @@ class EngineCoreOutputType(enum.Enum):
 
 
 # The engine methods a front end may call by name (vLLM's utility calls): the prefix
-# cache's reset, and --profiler-config's start and stop.
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "profile"})
+# cache's reset, --profiler-config's start and stop, and sleep mode's three.
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "profile", "sleep", "wake_up", "is_sleeping"})
 
 
 @dataclass

@@ -152,6 +152,7 @@ class AsyncLLM:
         self._by_child: dict[str, RequestStream] = {}
         self._utility_calls: dict[int, asyncio.Future] = {}  # call id -> its result
         self._next_call_id = 0
+        self._asleep = False  # put to sleep by this front end, until it woke the engine
         self._loop_task: asyncio.Task | None = None
         self._engine_requests = 0  # running + waiting in the engine, by its latest stats
         # time.monotonic() of the last engine message, or of the moment work arrived at an
@@ -229,7 +230,7 @@ class AsyncLLM:
 
         Every engine step sends a message, so a long silence with work pending means a hung
         engine process (stopped, deadlocked, or stuck in one step)."""
-        if not self._streams:
+        if not self._streams or self._asleep:  # asleep: requests wait on purpose
             return 0.0
         return time.monotonic() - self._last_progress
 
@@ -371,6 +372,34 @@ class AsyncLLM:
         """Empty the engine's prefix cache (vLLM's); False while blocks are in use
         (running requests, pinned jobs): nothing is reset then, and the caller may retry."""
         return bool(await self.call_utility("reset_prefix_cache"))
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep ("abort" mode): the engine aborts every unfinished request (their
+        streams end with finish_reason abort), empties the prefix cache and frees its KV
+        cache (level 1) and weights (level 2). Requests sent while it sleeps wait for
+        ``wake_up``. ``ValueError`` without --enable-sleep-mode."""
+        await self.call_utility("sleep", level)
+        self._asleep = True
+        self._record_sleep_state(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: all); whether fully awake."""
+        awake = bool(await self.call_utility("wake_up", tags))
+        if awake:
+            self._asleep = False
+            self._last_progress = time.monotonic()  # the waiting requests' wait starts now
+            self._record_sleep_state()
+        return awake
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.call_utility("is_sleeping"))
+
+    def _record_sleep_state(self, level: int | None = None) -> None:
+        """The sleep-state gauge: ``level`` asleep, None awake."""
+        for stat_logger in self.stat_loggers:
+            record = getattr(stat_logger, "record_sleep_state", None)
+            if record is not None:
+                record(level is not None, level or 0)
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run the engine's ``method`` (one of ``UTILITY_METHODS``) between its steps and

@@ -16,11 +16,18 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestError
+from vllm.v1.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestError,
+    FinishReason,
+)
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output.ahead import PendingGrammars
+from vllm.v1.worker.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_up_tags
 from vllm_continuum.policy import get_policy_class
 
 if TYPE_CHECKING:
@@ -118,6 +125,10 @@ class EngineCore:
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, DeferredOutput] | None = None
         self._profiler: TorchProfiler | None = None  # --profiler-config, made on first use
+        # Sleep mode: scheduling paused (any level), what is off the device (levels 1-2).
+        self._paused = False
+        self.sleeping_tags: set[str] = set()
+        self.sleep_level = 0  # of the last sleep, while asleep
         if self.async_scheduling and self.model_runner.device.type == "cpu":
             logger.warning(
                 "--async-scheduling on the CPU: the forward runs on the engine's own thread, "
@@ -202,6 +213,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. A request that fails inside the step is finished
         with an error (``EngineCoreOutputs.errors``); the engine goes on."""
+        if self._paused:  # requests added while asleep wait for wake_up
+            return EngineCoreOutputs(scheduler_stats=self.make_stats())
         if self.async_scheduling:
             return self._step_async()
         errors = self._schedule_compiled()
@@ -335,6 +348,61 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    # -- sleep mode (--enable-sleep-mode) -------------------------------------------------
+    def sleep(self, level: int = 1) -> EngineCoreOutputs:
+        """vLLM's sleep in its default "abort" mode: every unfinished request is aborted
+        (returned: their outputs, finish_reason abort) and scheduling pauses (level 0);
+        level 1 also releases Continuum's pins, empties the prefix cache, frees the KV
+        cache and moves the weights off the device (on the CPU they stay); level 2 frees
+        the weights too. Requests added while asleep wait, unscheduled, until ``wake_up``.
+        ``ValueError`` without --enable-sleep-mode or for a level not in 0-2."""
+        if not self.vllm_config.model_config.enable_sleep_mode:
+            raise ValueError(
+                "sleep mode is off: start the engine with --enable-sleep-mode "
+                "(LLM(enable_sleep_mode=True))"
+            )
+        check_sleep_level(level)
+        if self.is_sleeping():
+            logger.warning("sleep: the engine is already sleeping (level %d)", self.sleep_level)
+            return EngineCoreOutputs(scheduler_stats=self.make_stats())
+        outputs = self._finish_in_flight() if self._in_flight is not None else EngineCoreOutputs()
+        aborted = [*self.scheduler.requests, *self.grammars._held]
+        self.abort_requests(aborted)
+        abort = FinishReason.ABORT
+        outputs.outputs += [EngineCoreOutput(r, [], finish_reason=abort) for r in aborted]
+        self._paused, self.sleep_level = True, level
+        if level >= 1:
+            self.scheduler.pins.release_all(self.clock())
+            if not self.reset_prefix_cache():  # nothing holds a block now
+                raise RuntimeError("sleep: the prefix cache could not be reset")
+            self.model_runner.sleep(level)
+            self.sleeping_tags = set(SLEEP_TAGS)
+        outputs.scheduler_stats = self.make_stats()
+        logger.info("Engine asleep (level %d); %d request(s) aborted", level, len(aborted))
+        return outputs
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: all): the KV cache with as many
+        blocks as before, the weights from host memory or the checkpoint. Scheduling
+        resumes ("scheduling", vLLM's level-0 tag) once both are back; returns whether the
+        engine is fully awake. Waking what is awake is a no-op, as vLLM's. ``ValueError``
+        for an unknown tag."""
+        wake = [t for t in check_wake_up_tags(tags) if t in self.sleeping_tags]
+        if not self.is_sleeping():
+            logger.warning("wake_up: the engine is not sleeping")
+            return True
+        if wake:
+            self.model_runner.wake_up(tuple(wake), self.num_gpu_blocks, self.num_cpu_blocks)
+            self.sleeping_tags -= set(wake)
+        if not self.sleeping_tags:
+            self._paused, self.sleep_level = False, 0
+        logger.info("Engine woke %s: %s", wake, "asleep" if self.is_sleeping() else "awake")
+        return not self.is_sleeping()
+
+    def is_sleeping(self) -> bool:
+        """Asleep at any level (scheduling paused); requests wait until fully awake."""
+        return self._paused
 
     def profile(self, start: bool) -> None:
         """--profiler-config: begin recording the steps, or end it and write the trace

@@ -227,6 +227,9 @@ class EngineCoreProc:
         reply = UtilityResult(call.call_id)
         try:
             reply.result = getattr(self.engine, call.method)(*call.args)
+            if call.method == "sleep":  # the aborted requests end before sleep returns
+                self._send_outputs(reply.result)
+                reply.result = None
         except Exception as e:
             logger.warning("utility %s failed: %s", call.method, e, exc_info=True)
             reply.error = f"{type(e).__name__}: {e}"
@@ -234,11 +237,18 @@ class EngineCoreProc:
 
     def _wait_s(self) -> float:
         """How long the loop may block for input: 0 with work, else until a deadline."""
-        if self.engine.has_unfinished_requests():
+        if self._has_work():
             return 0.0
         wake = self.engine.next_wakeup()
         wait = IDLE_POLL_S if wake is None else min(IDLE_POLL_S, wake - time.monotonic())
         return max(wait, 0.0)
+
+    def _has_work(self) -> bool:
+        """Requests to step; none while the engine sleeps (they wait for wake_up)."""
+        if not self.engine.has_unfinished_requests():
+            return False
+        is_sleeping = getattr(self.engine, "is_sleeping", None)  # (tests' engines lack it)
+        return is_sleeping is None or not is_sleeping()
 
     def _drain_inputs(self, wait_s: float) -> bool:
         """Handle every queued message (waiting up to ``wait_s`` for the first)."""
@@ -312,7 +322,7 @@ class EngineCoreProc:
                     break
                 wake = self.engine.next_wakeup()
                 pin_due = wake is not None and wake <= time.monotonic()
-                if self.engine.has_unfinished_requests() or pin_due:
+                if self._has_work() or pin_due:
                     self._send_outputs(self.engine.step())
                 elif handled:
                     # An abort left the engine idle: publish the freed blocks now, since no

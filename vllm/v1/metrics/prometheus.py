@@ -195,6 +195,8 @@ SCHEDULER_METRICS = (
 # Series the logger feeds itself (liveness, finished requests' timings, the front end's
 # overhead): declared here, updated by name.
 ENGINE_ALIVE = "vllm:engine_alive"
+ENGINE_SLEEP_STATE = "vllm:engine_sleep_state"
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # awake, level 1, level 2
 PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
 SUCCESS = "vllm:request_success"
@@ -274,6 +276,13 @@ FRONTEND_METRICS = (
         "gauge",
         "1 while the engine process serves; 0 once it died (the gauges of its state are 0 "
         "from then on).",
+    ),
+    MetricSpec(
+        ENGINE_SLEEP_STATE,
+        "gauge",
+        "Engine sleep state (vLLM's): awake = 1 while awake; weights_offloaded = 1 asleep at "
+        "level 1; discard_all = 1 asleep at level 2.",
+        labels=("sleep_state",),
     ),
     MetricSpec(PROMPT_TOKENS, "counter", "Prefill tokens processed."),
     MetricSpec(PROMPT_TOKENS_CACHED, "counter", "Prompt tokens served from the prefix cache."),
@@ -384,6 +393,7 @@ class PrometheusStatLogger:
             self.labels,
         )
         self.series[ENGINE_ALIVE].child.set(1)
+        self.record_sleep_state(False)
         self._engine_dead = False
         self.max_loras = max_loras
         self.lora_info = None
@@ -414,6 +424,12 @@ class PrometheusStatLogger:
     def __getitem__(self, name: str) -> Any:
         """The child of an unlabelled series, e.g. ``stats["vllm:num_requests_running"]``."""
         return self.series[name].child
+
+    def record_sleep_state(self, sleeping: bool, level: int = 0) -> None:
+        """Sleep mode (vLLM's gauge): asleep at level 0 (paused) all three read 0."""
+        values = (0, int(level == 1), int(level == 2)) if sleeping else (1, 0, 0)
+        for state, value in zip(SLEEP_STATES, values, strict=True):
+            self.series[ENGINE_SLEEP_STATE].labels(state).set(value)
 
     def observe_overhead(self, seconds: float) -> None:
         self[OVERHEAD].observe(seconds)

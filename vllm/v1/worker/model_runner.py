@@ -55,6 +55,7 @@ from vllm.v1.worker.gpu_memory import (
     measure_before_load,
     profile_kv_cache_budget,
 )
+from vllm.v1.worker.sleep_mode import move_module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,7 @@ class ModelRunner:
         self._paused_generators: dict[str, torch.Generator] = {}
         self.attn_backend: AttentionBackend | None = None  # chosen in load_model
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
+        self._weights_on_host = False  # sleep level 1 on a device: wake_up moves them back
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
         # --logits-processors: vLLM's custom processors, over a persistent batch of their
         # own (logits_processor/state.py); built here, so a bad one fails the start.
@@ -473,6 +475,60 @@ class ModelRunner:
             used = free_before - torch.cuda.mem_get_info(self.device)[0]
             logger.info("CUDA graphs' memory: %.0f MiB (--enforce-eager: none)", used / 2**20)
         self.decode_graphs = graphs
+
+    # -- sleep mode (EngineCore.sleep / wake_up) -----------------------------------------
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (and the CPU tier: the contents of both are forgotten) and, at
+        level 1, move the weights to host memory (on the CPU they already are: kept as
+        they are), at level 2 drop them. The engine has finished or aborted every request
+        first. The CUDA graphs recorded the cache's and the weights' addresses: dropped
+        here, recaptured by the ``wake_up`` that makes the runner whole again."""
+        self.decode_graphs = None
+        self._deferred, self._device_tokens, self._device_token_rows = [], None, {}
+        if self.kv_offload is not None:
+            close = getattr(self.kv_offload, "close", None)
+            if close is not None:
+                close()
+            self.kv_offload = None
+        self.kv_caches = []
+        if level >= 2:
+            self.model, self.lora = None, None  # load_model makes both again
+        elif self.device.type != "cpu":
+            moved = move_module_tensors(self.model, torch.device("cpu"))
+            self._weights_on_host = True
+            logger.info("Sleep: %.2f GiB of weights moved to host memory", moved / 2**30)
+        else:
+            logger.info("Sleep level 1 on the CPU: the weights stay where they are")
+        if self.device.type == "cuda":
+            gc.collect()  # the graphs' reference cycles
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: tuple[str, ...], num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Bring back the ``tags`` ("weights", "kv_cache"): the weights from host memory,
+        or (level 2) from the checkpoint through ``load_model``, the start-up path (same
+        load format, seed, quantization and attention backend); a zeroed KV cache of
+        ``num_blocks`` (and a CPU tier of ``num_cpu_blocks``, if any). Once both are back,
+        the kernels are warmed up and the CUDA graphs recaptured over the new addresses,
+        as at start-up (the CPU has none)."""
+        if "weights" in tags:
+            if self.model is None:
+                self.load_model()
+            elif self._weights_on_host:
+                move_module_tensors(self.model, self.device)
+                self._weights_on_host = False
+                self.install_attention_backend()
+        if "kv_cache" in tags and not self.kv_caches:
+            self.initialize_kv_cache(num_blocks)
+            if num_cpu_blocks:
+                self.initialize_kv_offload(num_cpu_blocks)
+        if self.is_awake:
+            self.warm_up_kernels()
+            self.capture_model()
+
+    @property
+    def is_awake(self) -> bool:
+        """Weights on the device and a KV cache: the runner can run a step."""
+        return self.model is not None and not self._weights_on_host and bool(self.kv_caches)
 
     def transfer_kv(self, plan: KVOffloadTransfers) -> None:
         """Run the step's copies to and from the CPU tier (before its forward pass)."""
