@@ -1,11 +1,14 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/Phi-4) over a flat packed
-batch.
+"""The Llama family (Llama, SmolLM2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3/Phi-4,
+Granite, OLMo 2/3) over a flat packed batch.
 
 One forward computes all scheduled tokens of all requests: ``input_ids`` and
 ``positions`` are flat ``(num_tokens,)``; attention reads and writes the paged KV cache
 through the attention backend the model runner installs (``set_attention_backend``) and
-the step's metadata it built. Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q and k.
-Phi-3's checkpoints hold q/k/v and gate/up already fused, as our layers do. Registered for
+the step's metadata it built. Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q and k per head,
+OLMo 2/3 over the whole projection and normalise each sublayer's output instead of its
+input; SmolLM3 leaves every fourth layer unrotated (``no_rope_layers``); OLMo 3 rotates its
+sliding-window layers by their own parameters. Phi-3's checkpoints hold q/k/v and gate/up
+already fused, as our layers do. Registered for
 the HF architectures in ``registry.py``.
 """
 
@@ -57,13 +60,25 @@ class LlamaArch:
     # Per layer, the sliding attention window (model_loader.layer_sliding_windows); empty
     # or None: the whole context.
     sliding_windows: tuple[int | None, ...] = ()
+    # The sliding layers' own rotary parameters where the config gives them apart and they
+    # differ (OLMo 3); None: every layer rotates by rope_parameters.
+    rope_local_parameters: dict[str, Any] | None = None
+    # Per layer, whether it rotates q and k (SmolLM3's no_rope_layers); empty: all do.
+    rope_layers: tuple[bool, ...] = ()
+    # OLMo 2/3: q and k RMS-normalised over the whole projection (not per head), and each
+    # sublayer's output normalised before the residual sum, its input not at all.
+    qk_norm_full: bool = False
+    post_norms: bool = False
 
     @classmethod
     def from_hf(cls, config) -> LlamaArch:
         from vllm.model_executor.model_loader import layer_sliding_windows
 
         rope = rope_parameters(config)
+        local = rope_parameters(config, "sliding_attention")
         family = config.model_type.removesuffix("_moe")  # qwen2_moe, qwen3_moe: same attention
+        olmo = family in ("olmo2", "olmo3")
+        no_rope = getattr(config, "no_rope_layers", None) if family == "smollm3" else None
         heads = config.num_attention_heads
         if getattr(config, "mlp_bias", False):
             raise ValueError(f"mlp_bias is not supported ({config.model_type} config)")
@@ -81,18 +96,33 @@ class LlamaArch:
             vocab_size=config.vocab_size,
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=rope["rope_theta"],
-            max_position_embeddings=max_positions(config.max_position_embeddings, rope),
+            max_position_embeddings=max(
+                max_positions(config.max_position_embeddings, rope),
+                max_positions(config.max_position_embeddings, local),
+            ),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bias,
             qk_norm=family == "qwen3",
-            o_bias=bias and family in ("llama", "qwen3", "granite"),
+            o_bias=bias and family in ("llama", "qwen3", "granite", "olmo2", "olmo3", "smollm3"),
             rope_parameters=rope,
             embedding_multiplier=config.embedding_multiplier if granite else 1.0,
             attention_multiplier=config.attention_multiplier if granite else None,
             residual_multiplier=config.residual_multiplier if granite else 1.0,
             logits_scaling=config.logits_scaling if granite else 1.0,
             sliding_windows=layer_sliding_windows(config),
+            rope_local_parameters=local if local != rope else None,
+            rope_layers=tuple(bool(r) for r in no_rope) if no_rope else (),
+            qk_norm_full=olmo,
+            post_norms=olmo,
         )
+
+    def layer_rope(self, layer: int) -> str | None:
+        """Which rotary table layer ``layer`` uses: "global", "local" (a sliding layer with
+        its own parameters) or None (it does not rotate)."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return None
+        windowed = self.sliding_windows and self.sliding_windows[layer] is not None
+        return "local" if windowed and self.rope_local_parameters is not None else "global"
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -151,49 +181,43 @@ class LlamaLayer(nn.Module):
         if mlp is None:
             self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
             self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        if not a.post_norms:  # OLMo 2/3 normalise outputs, not inputs
+            self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # (q, k, v, kv_cache, meta, scale) -> (num_tokens, heads, head_dim)
         self.attn_forward: Callable[..., torch.Tensor] = _no_attention_backend
         # The backend leaves this step's K/V write to the rotary op (one fused kernel).
         self.rope_writes_kv = False
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        if a.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        elif a.qk_norm_full:
+            self.q_norm = RMSNorm(self.q_size, a.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, a.rms_norm_eps)
 
     def forward(
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        rope: RotaryEmbedding,
+        rope: RotaryEmbedding | None,
         meta: Any,
         kv_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, residual) -> (x, residual): the layer's output is ``x + residual`` (the sum is
-        left to the next norm, which fuses it). ``residual`` None: x is the embedding."""
+        left to the next norm, which fuses it). ``residual`` None: x is the embedding (or,
+        with post-norms, the whole residual stream: such a layer returns it whole, with
+        None). ``rope`` None: the layer does not rotate q and k."""
         a = self.a
+        if a.post_norms:
+            return self._forward_post_norms(positions, x, rope, meta, kv_cache), None
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        qkv = self.qkv_proj(h)  # (num_tokens, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if a.qk_norm:  # per-head norms with their own weights, before the rotation
-            q = self.q_norm(q.reshape(-1, a.num_heads, a.head_dim)).view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, a.num_kv_heads, a.head_dim)).view(-1, self.kv_size)
-        if self.rope_writes_kv:  # rotate q and k, and write k and v to the cache: 1 kernel
-            ops.rotary_embedding_and_cache(
-                positions, q, k, v, a.head_dim, rope.cos_sin_cache, kv_cache, meta.slot_mapping
-            )
-            k3 = v3 = None  # in the cache already
-        else:
-            rope(positions, q, k)  # in place: strided views of qkv
-            k3, v3 = k.view(-1, a.num_kv_heads, a.head_dim), v.view(-1, a.num_kv_heads, a.head_dim)
-        attn = self.attn_forward(
-            q.view(-1, a.num_heads, a.head_dim), k3, v3, kv_cache, meta, self.scale
-        )  # (num_tokens, heads, head_dim)
-        out = self.o_proj(attn.reshape(-1, self.q_size))
+        out = self._attention(positions, h, rope, meta, kv_cache)
         if a.residual_multiplier != 1.0:
             out = out * a.residual_multiplier
         h, residual = self.post_attention_layernorm(out, residual)
@@ -202,6 +226,38 @@ class LlamaLayer(nn.Module):
         else:
             out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
         return (out * a.residual_multiplier if a.residual_multiplier != 1.0 else out), residual
+
+    def _forward_post_norms(self, positions, x, rope, meta, kv_cache) -> torch.Tensor:
+        """OLMo 2/3: ``x + norm(attention(x))``, then ``+ norm(mlp(.))``."""
+        x = x + self.post_attention_layernorm(self._attention(positions, x, rope, meta, kv_cache))
+        out = self.mlp(x) if self.mlp is not None else (
+            self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        )  # fmt: skip
+        return x + self.post_feedforward_layernorm(out)
+
+    def _attention(self, positions, h, rope, meta, kv_cache) -> torch.Tensor:
+        """o_proj(attention(h)): (num_tokens, hidden)."""
+        a = self.a
+        qkv = self.qkv_proj(h)  # (num_tokens, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if a.qk_norm:  # per-head norms with their own weights, before the rotation
+            q = self.q_norm(q.reshape(-1, a.num_heads, a.head_dim)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, a.num_kv_heads, a.head_dim)).view(-1, self.kv_size)
+        elif a.qk_norm_full:  # one norm over all heads
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.rope_writes_kv and rope is not None:  # rotate q, k; write k, v: 1 kernel
+            ops.rotary_embedding_and_cache(
+                positions, q, k, v, a.head_dim, rope.cos_sin_cache, kv_cache, meta.slot_mapping
+            )
+            k3 = v3 = None  # in the cache already
+        else:
+            if rope is not None:
+                rope(positions, q, k)  # in place: strided views of qkv
+            k3, v3 = k.view(-1, a.num_kv_heads, a.head_dim), v.view(-1, a.num_kv_heads, a.head_dim)
+        attn = self.attn_forward(
+            q.view(-1, a.num_heads, a.head_dim), k3, v3, kv_cache, meta, self.scale
+        )  # (num_tokens, heads, head_dim)
+        return self.o_proj(attn.reshape(-1, self.q_size))
 
 
 def _no_attention_backend(*args: Any) -> torch.Tensor:
@@ -256,6 +312,12 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        self.rope_local = None  # the sliding layers' table, where they have their own
+        if arch.rope_local_parameters is not None:
+            self.rope_local = RotaryEmbedding(
+                arch.head_dim, arch.max_position_embeddings, arch.rope_local_parameters
+            )
+        self._layer_ropes = [arch.layer_rope(i) for i in range(arch.num_layers)]
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         """Layer ``layer``'s feed-forward module, None for the dense MLP (every layer here)."""
@@ -283,8 +345,9 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.embedding_multiplier != 1.0:
             x = x * self.arch.embedding_multiplier
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, self.rope, meta, kv_cache)
+        ropes = {"global": self.rope, "local": self.rope_local, None: None}
+        for layer, kv_cache, kind in zip(self.layers, kv_caches, self._layer_ropes, strict=True):
+            x, residual = layer(positions, x, residual, ropes[kind], meta, kv_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     @torch.inference_mode()
@@ -299,6 +362,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight
         rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope)
         self.rope = rope.to(weight.dtype).to(weight.device)
+        if a.rope_local_parameters is not None:
+            local = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_local_parameters)
+            self.rope_local = local.to(weight.dtype).to(weight.device)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -332,11 +398,13 @@ class LlamaForCausalLM(nn.Module):
                     layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
                 else:
                     self.load_mlp(layer.mlp, sd, p)
-                layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
-                layer.post_attention_layernorm.weight.copy_(
-                    sd[p + "post_attention_layernorm.weight"]
-                )
-                if self.arch.qk_norm:
+                norms = ["post_attention_layernorm"]
+                norms += ["post_feedforward_layernorm"] if self.arch.post_norms else (
+                    ["input_layernorm"]
+                )  # fmt: skip
+                for norm in norms:
+                    getattr(layer, norm).weight.copy_(sd[p + norm + ".weight"])
+                if self.arch.qk_norm or self.arch.qk_norm_full:
                     layer.q_norm.weight.copy_(sd[att + "q_norm.weight"])
                     layer.k_norm.weight.copy_(sd[att + "k_norm.weight"])
 

@@ -34,8 +34,9 @@ from typing import Any
 _PACKAGE = "vllm.model_executor.models"
 
 # HF architecture: (HF model_type, module under vllm.model_executor.models, class).
-# Mistral, Qwen2, Qwen3 and Phi-3 share the Llama implementation (Qwen2's q/k/v biases
-# and Qwen3's q/k norms are flags of its LlamaArch; Phi-3's class reads fused
+# Mistral, Ministral, Qwen2, Qwen3, SmolLM3, OLMo 2/3 and Phi-3 share the Llama
+# implementation (Qwen2's q/k/v biases, Qwen3's and OLMo's q/k norms, OLMo's post-norms,
+# SmolLM3's unrotated layers are flags of its LlamaArch; Phi-3's class reads fused
 # checkpoints); the mixtures of experts add their experts to it (moe.py). The Gemma
 # family has its own (gemma.py: scaled embeddings, 1 + weight norms, sandwich norms, soft
 # caps, two rotations).
@@ -49,6 +50,10 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "MixtralForCausalLM": ("mixtral", "moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "moe", "MoeForCausalLM"),
+    "MinistralForCausalLM": ("ministral", "llama", "LlamaForCausalLM"),
+    "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
+    "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),
     "GemmaForCausalLM": ("gemma", "gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3_text", "gemma", "GemmaForCausalLM"),

@@ -1,0 +1,137 @@
+"""Architectures the Llama implementation runs through its flags (``models/llama.py``):
+SmolLM3 (unrotated layers), Ministral (sliding windows), OLMo 2 (q/k norms over the whole
+projection, output norms) and OLMo 3 (that, with sliding layers rotated by their own
+theta). Tiny checkpoints written by transformers give its logits past the windows, and
+OLMo 3's greedy tokens through the engine equal transformers' ``generate``."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from vllm.config import DEFAULT_MODEL, ModelConfig
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.registry import ModelRegistry
+
+ROPES = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}  # fmt: skip
+VARIANTS = {
+    "SmolLM3": dict(no_rope_layer_interval=2, num_hidden_layers=3),
+    "Ministral": dict(sliding_window=12, num_hidden_layers=3, head_dim=16),
+    "Olmo2": dict(),
+    "Olmo3": dict(sliding_window=12, num_hidden_layers=3, rope_parameters=ROPES,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}  # fmt: skip
+
+
+def variant_config(name: str, **overrides):
+    fields = {**TINY_LLAMA, "pad_token_id": 0, **VARIANTS[name], **overrides}
+    return getattr(transformers, f"{name}Config")(**fields)
+
+
+def save(name: str, path, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(variant_config(name, **overrides))
+    with torch.no_grad():  # norms away from 1, so that a misplaced one shows
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.eval().save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_logits_equal_transformers(name, tmp_path):
+    hf = save(name, tmp_path)
+    assert ModelRegistry.resolve_model_cls(hf.config)[0] is LlamaForCausalLM
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    a = runner.arch
+    expected = {
+        "SmolLM3": dict(rope_layers=(True, False, True), sliding_windows=(None,) * 3),
+        "Ministral": dict(sliding_windows=(12, 12, 12)),
+        "Olmo2": dict(qk_norm_full=True, post_norms=True),
+        "Olmo3": dict(sliding_windows=(12, None, 12), post_norms=True),
+    }[name]
+    for field, value in expected.items():
+        assert getattr(a, field) == value, field
+    assert (a.rope_local_parameters is not None) == (name == "Olmo3")
+    runner.initialize_kv_cache(9)
+    n = 100
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (n,), generator=g)
+    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(n), meta, runner.kv_caches)
+        ours = runner.model.compute_logits(hidden)
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+def test_each_flag_is_live(tmp_path):
+    """Turning a flag off in our arch moves the logits away from transformers' (so a model
+    that ignored it would fail the test above)."""
+    import dataclasses
+
+    from vllm.model_executor.models.llama import LlamaArch
+
+    cases = {
+        "SmolLM3": dict(rope_layers=()),
+        "Olmo3": dict(rope_local_parameters=None),
+        "Olmo2": dict(qk_norm=True, qk_norm_full=False, post_norms=False),
+    }
+    for name, change in cases.items():
+        hf = save(name, tmp_path / name)
+        arch = dataclasses.replace(LlamaArch.from_hf(hf.config), **change)
+        model = LlamaForCausalLM(arch)
+        sd = hf.state_dict()
+        if name == "Olmo2":  # per-head norms and input norms of the right shapes
+            for key in list(sd):
+                if key.endswith(("q_norm.weight", "k_norm.weight")):
+                    sd[key] = sd[key][: arch.head_dim]
+                elif key.endswith("post_feedforward_layernorm.weight"):
+                    sd[key.replace("post_feedforward", "input")] = sd.pop(key)
+        model.load_weights(sd)
+        from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
+
+        backend = TorchSDPABackend(4, 2, 16, torch.float32, "cpu", 16)
+        model.set_attention_backend(backend)
+        caches = [torch.zeros(2, 9, 16, 2, 16) for _ in model.layers]
+        ids = torch.arange(60) % TINY_LLAMA["vocab_size"]
+        meta = backend.build_metadata([(0, 60, list(range(1, 9)))])
+        with torch.inference_mode():
+            ours = model.compute_logits(model(ids, torch.arange(60), meta, caches))
+            ref = hf(ids[None]).logits[0].float()
+        assert (ours - ref).abs().max() > 1e-3, name
+
+
+def test_olmo3_engine_greedy_tokens_equal_transformers_generate(tmp_path):
+    """Chunked prefill over 12-token windows, batched decodes and a prefix hit."""
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import resolve_model
+
+    hf = save("Olmo3", tmp_path, vocab_size=49152, max_position_embeddings=256)
+    tokenizer_dir = resolve_model(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
+              enable_prefix_caching=True)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
