@@ -98,6 +98,9 @@ def test_the_server_routes_behind_the_key(tmp_path):
     try:  # without a profiler (or dev mode) the routes do not exist, as in vLLM
         assert requests.post(plain.base + "/start_profile", timeout=30).status_code == 404
         assert requests.post(plain.base + "/reset_prefix_cache", timeout=30).status_code == 404
+        for route in ("/sleep", "/wake_up"):  # sleep mode's, dev mode's too
+            assert requests.post(plain.base + route, timeout=30).status_code == 404
+        assert requests.get(plain.base + "/is_sleeping", timeout=30).status_code == 404
         # Nor vLLM's other opt-in route (--enable-tokenizer-info-endpoint).
         assert requests.get(plain.base + "/tokenizer_info", timeout=30).status_code == 404
     finally:

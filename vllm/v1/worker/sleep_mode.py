@@ -34,28 +34,26 @@ def check_sleep_level(level: int) -> None:
 
 
 def move_module_tensors(model: nn.Module, device: torch.device) -> int:
-    """Move every tensor ``model`` holds to ``device`` in place; returns the bytes moved.
-    Host copies are page-locked when going off a CUDA device (the way back is faster)."""
+    """Move every tensor ``model`` holds to ``device`` in place (``swap_tensors``: each
+    Parameter, buffer and tensor attribute stays the same Python object, so tied weights
+    and whatever else refers to them follow); returns the bytes moved. Host copies are
+    page-locked when leaving a CUDA device (the way back is faster)."""
     pin = device.type == "cpu" and torch.cuda.is_available()
     moved = 0
     seen: set[int] = set()
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        nonlocal moved
-        moved += t.numel() * t.element_size()
-        out = t.to(device)
-        return out.pin_memory() if pin else out
-
     for module in model.modules():
-        for name, value in list(vars(module).items()):
-            if name in ("_parameters", "_buffers"):
+        attrs = [v for k, v in vars(module).items() if k not in ("_parameters", "_buffers")]
+        for tensor in (*module._parameters.values(), *module._buffers.values(), *attrs):
+            if not isinstance(tensor, torch.Tensor) or tensor.device == device:
                 continue
-            if isinstance(value, torch.Tensor) and value.device != device and id(value) not in seen:
-                seen.add(id(value))
-                setattr(module, name, move(value))
-        for tensor in (*module._parameters.values(), *module._buffers.values()):
-            if tensor is None or tensor.device == device or id(tensor) in seen:
+            if id(tensor) in seen:  # tied weights move once
                 continue
-            seen.add(id(tensor))  # tied weights move once
-            tensor.data = move(tensor.data)
+            seen.add(id(tensor))
+            moved += tensor.numel() * tensor.element_size()
+            new = tensor.detach().to(device)
+            if pin:
+                new = new.pin_memory()
+            if isinstance(tensor, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+            torch.utils.swap_tensors(tensor, new)
     return moved
