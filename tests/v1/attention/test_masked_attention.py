@@ -18,7 +18,7 @@ from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
 
 
-def reference(q_seq, k_seq, v_seq, computed, scale, window, softcap) -> torch.Tensor:
+def reference(q_seq, k_seq, v_seq, computed, scale, window, softcap, sinks=None) -> torch.Tensor:
     """One sequence's new tokens over its whole context, in float64, a query at a time."""
     out = torch.empty(q_seq.shape, dtype=torch.float64)
     group = HEADS // KV_HEADS
@@ -30,11 +30,17 @@ def reference(q_seq, k_seq, v_seq, computed, scale, window, softcap) -> torch.Te
         scores = torch.einsum("hd,khd->hk", q_seq[i].double(), k[lo : pos + 1]) * scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo : pos + 1])
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:  # exp(s) / (sum exp(s) + exp(sink)), per head
+            e = torch.exp(scores - scores.max(-1, keepdim=True).values)
+            sink = torch.exp(sinks.double() - scores.max(-1).values)
+            probs = e / (e.sum(-1) + sink).unsqueeze(-1)
+        out[i] = torch.einsum("hk,khd->hd", probs, v[lo : pos + 1])
     return out
 
 
-def run_batch(layout, window, softcap, seed=0):
+def run_batch(layout, window, softcap, seed=0, sinks=None):
     """``layout``: per sequence (cached tokens, new tokens), decodes first. Returns (ours,
     reference) over the flat batch of new tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -55,11 +61,11 @@ def run_batch(layout, window, softcap, seed=0):
         qs.append(q)
         ks.append(k[computed:])
         vs.append(v[computed:])
-        refs.append(reference(q, k, v, computed, scale, window, softcap))
+        refs.append(reference(q, k, v, computed, scale, window, softcap, sinks))
     meta = torch_sdpa.build_metadata(seqs, BLOCK, "cpu")
     out = torch_sdpa.paged_attention(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, scale,
-        sliding_window=window, logits_soft_cap=softcap,
+        sliding_window=window, logits_soft_cap=softcap, sinks=sinks,
     )  # fmt: skip
     return out, torch.cat(refs)
 
@@ -76,6 +82,16 @@ LAYOUTS = [
 def test_masked_attention_equals_the_written_out_reference(layout, window, softcap):
     ours, ref = run_batch(layout, window, softcap)
     torch.testing.assert_close(ours.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("window", [None, 8])
+def test_attention_sinks_equal_the_written_out_reference(layout, window):
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])  # per head
+    ours, ref = run_batch(layout, window, None, sinks=sinks)
+    torch.testing.assert_close(ours.double(), ref, atol=2e-5, rtol=2e-5)
+    plain, _ = run_batch(layout, window, None)
+    assert (ours - plain).abs().max() > 1e-2  # the sinks take weight off every row
 
 
 def test_the_reference_tells_a_window_from_the_whole_context():

@@ -1,11 +1,16 @@
 """Mixture-of-experts feed-forward over a flat batch of tokens, as vLLM's ``FusedMoE``.
 
 A router scores every expert for every token; each token goes to its ``top_k`` experts,
-each a SiLU-gated MLP, and its output is their sum weighted by the router's probabilities.
+each a gated MLP, and its output is their sum weighted by the router's probabilities.
 Every expert's weights live stacked in two parameters::
 
     w13  (num_experts, 2 * intermediate, hidden)   [gate; up], as one linear layer
     w2   (num_experts, hidden, intermediate)       down
+
+The gate is SiLU (``activation="silu"``), or gpt-oss's clamped SwiGLU (``"swigluoai"``,
+vLLM's name: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``),
+whose experts also add biases (``has_bias``: ``w13_bias (num_experts, 2 * intermediate)``,
+``w2_bias (num_experts, hidden)``).
 
 The experts run as two grouped GEMMs (``torch.nn.functional.grouped_mm``) over the
 ``num_tokens * top_k`` (token, expert) pairs sorted by expert: one kernel per projection
@@ -70,6 +75,31 @@ def _grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
+def swiglu_oai(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gate over ``h (rows, 2I)`` = [gate | up]: ``(rows, I)``, in fp32 inside."""
+    gate, up = h.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return ((up + 1) * gate * torch.sigmoid(gate * alpha)).to(h.dtype)
+
+
+class Activation:
+    """A gated activation over [gate | up] halves: SiLU, or gpt-oss's clamped SwiGLU."""
+
+    def __init__(self, name: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> None:
+        if name not in ("silu", "swigluoai"):
+            raise ValueError(f"activation {name!r} is not supported (silu, swigluoai)")
+        self.name, self.alpha, self.limit = name, alpha, limit
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.name == "silu":
+            return ops.silu_and_mul(h)
+        return swiglu_oai(h, self.alpha, self.limit)
+
+
+SILU = Activation()
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -80,19 +110,29 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    activation: Activation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(num_tokens, hidden)``: each row of ``x`` through its experts ``topk_ids``, summed
     with ``topk_weights`` (fp32, accumulated in fp32)."""
     num_tokens, top_k = topk_ids.shape
+    biases = (w13_bias, w2_bias)
     if not grouped_mm_supported(x, w13) and _capturing(x.device):
-        return _dense_experts(x, w13, w2, topk_weights, topk_ids)
+        return _dense_experts(x, w13, w2, topk_weights, topk_ids, activation, *biases)
     flat = topk_ids.reshape(-1)  # pair p = token * top_k + slot
     order = torch.argsort(flat, stable=True)  # pairs sorted by expert
     counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)  # end of each expert's group
     h = _grouped_linear(x.index_select(0, order // top_k), w13, offs)  # (pairs, 2I)
-    y = _grouped_linear(ops.silu_and_mul(h), w2, offs)  # (pairs, hidden), by expert
+    has_bias = w13_bias is not None or w2_bias is not None
+    experts = flat.index_select(0, order) if has_bias else None  # each pair's expert
+    if w13_bias is not None:
+        h = h + w13_bias.index_select(0, experts)
+    y = _grouped_linear(activation(h), w2, offs)  # (pairs, hidden), by expert
+    if w2_bias is not None:
+        y = y + w2_bias.index_select(0, experts)
     by_pair = torch.empty_like(y).index_copy_(0, order, y)  # back in token order
     out = torch.bmm(  # (num_tokens, 1, top_k) x (num_tokens, top_k, hidden)
         topk_weights.unsqueeze(1), by_pair.view(num_tokens, top_k, -1).float()
@@ -100,7 +140,9 @@ def fused_experts(
     return out.view(num_tokens, -1).to(x.dtype)
 
 
-def _dense_experts(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def _dense_experts(
+    x, w13, w2, topk_weights, topk_ids, activation=SILU, w13_bias=None, w2_bias=None
+) -> torch.Tensor:
     """Every expert on every token, each weighted by its routing weight (zero where not
     chosen): fixed shapes and no host sync, for CUDA-graph capture without grouped GEMM."""
     num_experts = w13.shape[0]
@@ -108,7 +150,12 @@ def _dense_experts(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     dense.scatter_(1, topk_ids, topk_weights)  # (num_tokens, num_experts)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(num_experts):
-        y = torch.mm(ops.silu_and_mul(torch.mm(x, w13[e].t())), w2[e].t())
+        h = torch.mm(x, w13[e].t())
+        if w13_bias is not None:
+            h = h + w13_bias[e]
+        y = torch.mm(activation(h), w2[e].t())
+        if w2_bias is not None:
+            y = y + w2_bias[e]
         out.add_(y.float() * dense[:, e : e + 1])
     return out.to(x.dtype)
 
@@ -125,6 +172,8 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         renormalize: bool,
+        activation: Activation = SILU,
+        has_bias: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -133,12 +182,19 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_bias = self.w2_bias = None
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return fused_experts(x, self.w13, self.w2, weights, ids)
+        return fused_experts(
+            x, self.w13, self.w2, weights, ids, self.activation, self.w13_bias, self.w2_bias
+        )
 
     @torch.no_grad()
     def load_expert(

@@ -103,7 +103,8 @@ class LlamaArch:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bias,
             qk_norm=family == "qwen3",
-            o_bias=bias and family in ("llama", "qwen3", "granite", "olmo2", "olmo3", "smollm3"),
+            o_bias=bias
+            and family in ("llama", "qwen3", "granite", "olmo2", "olmo3", "smollm3", "gpt_oss"),
             rope_parameters=rope,
             embedding_multiplier=config.embedding_multiplier if granite else 1.0,
             attention_multiplier=config.attention_multiplier if granite else None,

@@ -54,6 +54,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "gpt_oss", "GptOssForCausalLM"),
     "GemmaForCausalLM": ("gemma", "gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3_text", "gemma", "GemmaForCausalLM"),

@@ -93,7 +93,8 @@ class AttentionBackend(ABC):
     )
     # What a model's layers may ask of ``forward`` beyond plain causal attention, each a
     # keyword argument of it: ``sliding_window`` (the layer attends to its last N
-    # positions) and ``logits_soft_cap`` (scores become ``cap * tanh(s / cap)``).
+    # positions), ``logits_soft_cap`` (scores become ``cap * tanh(s / cap)``) and
+    # ``sinks`` (a (heads,) tensor of logits that join each softmax and are dropped).
     supported_features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(

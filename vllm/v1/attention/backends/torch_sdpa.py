@@ -203,10 +203,12 @@ def _eager_attention(
     mask: torch.Tensor,  # bool, broadcast to (batch, heads, len_q, len_k): True = attend
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # (heads,): each head's sink logit
 ) -> torch.Tensor:
     """Attention written out, for what SDPA cannot do: scores soft-capped to
-    ``softcap * tanh(s / softcap)`` (Gemma 2) before the mask, in fp32; output in q's
-    dtype, (batch, heads, len_q, dim)."""
+    ``softcap * tanh(s / softcap)`` (Gemma 2) before the mask, and/or a per-head sink
+    logit that joins every row's softmax and is dropped after it (gpt-oss: the row's
+    weights sum to less than 1), in fp32; output in q's dtype, (batch, heads, len_q, dim)."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
@@ -218,15 +220,20 @@ def _eager_attention(
             scores = torch.tanh(scores / softcap) * softcap
         rows = mask[..., s:e, :] if mask.shape[-2] > 1 else mask
         scores.masked_fill_(rows.logical_not(), float("-inf"))
-        out[:, :, s:e] = torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        out[:, :, s:e] = torch.matmul(probs, v).to(q.dtype)
     return out
 
 
-def _attend(q, k, v, mask, scale, softcap) -> torch.Tensor:
+def _attend(q, k, v, mask, scale, softcap, sinks=None) -> torch.Tensor:
     """(batch, heads, len_q, dim) attention of ``q`` over ``k``/``v`` under the bool
-    ``mask``: SDPA, or the eager path when the scores are soft-capped."""
-    if softcap is not None:
-        return _eager_attention(q, k, v, mask, scale, softcap)
+    ``mask``: SDPA, or the eager path when the scores are soft-capped or sunk."""
+    if softcap is not None or sinks is not None:
+        return _eager_attention(q, k, v, mask, scale, softcap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -239,10 +246,12 @@ def _masked_paged_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` for a layer with a sliding window (each token sees the last
     ``window`` positions, itself included: keys ``j`` with ``i - window < j <= i``, as HF's
-    masks and vLLM's ``window_size = (window - 1, 0)``) and/or soft-capped scores. Decodes
+    masks and vLLM's ``window_size = (window - 1, 0)``) and/or soft-capped scores and/or
+    attention sinks. Decodes
     gather only their window's slots; prefill chunks are cut to the keys their window
     reaches. Same inputs and output as ``paged_attention``; K/V written by the caller."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -257,7 +266,8 @@ def _masked_paged_attention(
             slots, mask = meta.decode_slots, meta.decode_mask
         keys = flat_k[slots].transpose(1, 2)  # (n, kv_heads, width, dim)
         values = flat_v[slots].transpose(1, 2)
-        out[:n] = _attend(q[:n].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
+        o = _attend(q[:n].unsqueeze(2), keys, values, mask, scale, softcap, sinks)
+        out[:n] = o.squeeze(2)
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.start + chunk.num_tokens
         if chunk.context_slots is None:
@@ -279,6 +289,7 @@ def _masked_paged_attention(
             mask,
             scale,
             softcap,
+            sinks,
         )
         out[s:e] = o[0].transpose(0, 1)
     return out
@@ -294,15 +305,17 @@ def paged_attention(
     prefill_bf16: bool = False,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim).
     ``prefill_bf16``: prefill chunks may run the native kernel's bf16 products (for models
     whose prefill already computes in bf16); decodes and the SDPA fallback stay fp32.
-    ``sliding_window`` / ``logits_soft_cap``: the layer's (``_masked_paged_attention``)."""
+    ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: the layer's
+    (``_masked_paged_attention``)."""
     reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-    if sliding_window is not None or logits_soft_cap is not None:
+    if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
         return _masked_paged_attention(
-            q, k, v, kv_cache, meta, scale, sliding_window, logits_soft_cap
+            q, k, v, kv_cache, meta, scale, sliding_window, logits_soft_cap, sinks
         )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decodes
@@ -357,7 +370,9 @@ class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
     priority = 0
     decodes_first = True
-    supported_features: ClassVar[frozenset[str]] = frozenset({"sliding_window", "logits_soft_cap"})
+    supported_features: ClassVar[frozenset[str]] = frozenset(
+        {"sliding_window", "logits_soft_cap", "sinks"}
+    )
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -383,7 +398,9 @@ class TorchSDPABackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_attention(
-            q, k, v, kv_cache, meta, scale, self.prefill_bf16, sliding_window, logits_soft_cap
-        )
+            q, k, v, kv_cache, meta, scale, self.prefill_bf16, sliding_window, logits_soft_cap,
+            sinks,
+        )  # fmt: skip
