@@ -9,6 +9,10 @@ call. Metadata is built once per step (``build_metadata``) and reused by every l
 decodes' per-position gather indices are derived (in torch, once) only when the fallback
 needs them, so a decode step's Python work grows with its blocks, not its tokens.
 
+A layer with a sliding window, soft-capped scores (Gemma 2) or attention sinks (gpt-oss)
+takes a masked path instead (``_masked_paged_attention``): windowed gathers and explicit
+masks, SDPA, or an eager fp32 softmax where SDPA cannot express the scores.
+
 Prefill chunks on CPU in fp32 take the native flash-style kernel (``prefill_attention``,
 csrc/cpu/prefill_attention.cpp: AVX-512, head_dim a multiple of 64) when it is built, in
 fp32 (equal to SDPA up to float rounding) or, when the caller asks (``prefill_bf16``), with
@@ -191,7 +195,7 @@ def native_prefill_attention(
     return op(out, query, keys, values, scale, keys.shape[0] - query.shape[0], bf16)
 
 
-# Query rows the eager (soft-capped) path scores at once: bounds its (heads, rows,
+# Query rows the eager path (soft caps, sinks) scores at once: bounds its (heads, rows,
 # context) fp32 scores to 512 rows' worth however long the prefill chunk is.
 _EAGER_QUERY_ROWS = 512
 
@@ -251,9 +255,9 @@ def _masked_paged_attention(
     """``paged_attention`` for a layer with a sliding window (each token sees the last
     ``window`` positions, itself included: keys ``j`` with ``i - window < j <= i``, as HF's
     masks and vLLM's ``window_size = (window - 1, 0)``) and/or soft-capped scores and/or
-    attention sinks. Decodes
-    gather only their window's slots; prefill chunks are cut to the keys their window
-    reaches. Same inputs and output as ``paged_attention``; K/V written by the caller."""
+    attention sinks. Decodes gather only their window's slots; prefill chunks are cut to
+    the keys their window reaches. Same inputs and output as ``paged_attention``; K/V
+    written by the caller."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     flat_k = kv_cache[0].view(-1, kv_heads, head_dim)
