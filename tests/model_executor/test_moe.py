@@ -26,6 +26,9 @@ MOE = {
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
     "Qwen2MoeForCausalLM": dict(moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    # OLMoE: q/k norms over the whole projection, q/k/v clipped (0.5 binds here).
+    "OlmoeForCausalLM": dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                             clip_qkv=0.5),
 }  # fmt: skip
 
 
@@ -63,6 +66,7 @@ def test_moe_checkpoint_logits_equal_transformers(arch, tmp_path):
     assert sparse == ([True, False] if arch.startswith("Qwen3") else [True, True])
     assert runner.arch.attention_bias == arch.startswith("Qwen2")
     assert runner.arch.qk_norm == arch.startswith("Qwen3")
+    assert runner.arch.qk_norm_full == (runner.arch.clip_qkv == 0.5) == arch.startswith("Olmoe")
     ids = torch.randint(
         0, TINY_LLAMA["vocab_size"], (100,), generator=torch.Generator().manual_seed(1)
     )

@@ -69,6 +69,7 @@ class LlamaArch:
     # sublayer's output normalised before the residual sum, its input not at all.
     qk_norm_full: bool = False
     post_norms: bool = False
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] (after the norms)
 
     @classmethod
     def from_hf(cls, config) -> LlamaArch:
@@ -77,7 +78,7 @@ class LlamaArch:
         rope = rope_parameters(config)
         local = rope_parameters(config, "sliding_attention")
         family = config.model_type.removesuffix("_moe")  # qwen2_moe, qwen3_moe: same attention
-        olmo = family in ("olmo2", "olmo3")
+        olmo = family in ("olmo2", "olmo3")  # and OLMoE, whose norms are Llama's
         no_rope = getattr(config, "no_rope_layers", None) if family == "smollm3" else None
         heads = config.num_attention_heads
         if getattr(config, "mlp_bias", False):
@@ -113,8 +114,9 @@ class LlamaArch:
             sliding_windows=layer_sliding_windows(config),
             rope_local_parameters=local if local != rope else None,
             rope_layers=tuple(bool(r) for r in no_rope) if no_rope else (),
-            qk_norm_full=olmo,
+            qk_norm_full=olmo or family == "olmoe",
             post_norms=olmo,
+            clip_qkv=getattr(config, "clip_qkv", None) if family == "olmoe" else None,
         )
 
     def layer_rope(self, layer: int) -> str | None:
@@ -246,6 +248,8 @@ class LlamaLayer(nn.Module):
             k = self.k_norm(k.reshape(-1, a.num_kv_heads, a.head_dim)).view(-1, self.kv_size)
         elif a.qk_norm_full:  # one norm over all heads
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if self.rope_writes_kv and rope is not None:  # rotate q, k; write k, v: 1 kernel
             ops.rotary_embedding_and_cache(
                 positions, q, k, v, a.head_dim, rope.cos_sin_cache, kv_cache, meta.slot_mapping

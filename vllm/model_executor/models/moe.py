@@ -38,6 +38,10 @@ class MoeArch(LlamaArch):
             num_experts, intermediate = config.num_local_experts, config.intermediate_size
             sparse = tuple(range(base.num_layers))
             norm, shared, prefix = True, 0, "block_sparse_moe"
+        elif config.model_type == "olmoe":
+            num_experts, intermediate = config.num_experts, config.intermediate_size
+            sparse = tuple(range(base.num_layers))
+            norm, shared, prefix = bool(config.norm_topk_prob), 0, "mlp"
         else:  # qwen2_moe, qwen3_moe
             num_experts, intermediate = config.num_experts, config.moe_intermediate_size
             step = getattr(config, "decoder_sparse_step", 1) or 1

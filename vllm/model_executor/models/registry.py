@@ -50,6 +50,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "MixtralForCausalLM": ("mixtral", "moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "moe", "MoeForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "moe", "MoeForCausalLM"),
     "MinistralForCausalLM": ("ministral", "llama", "LlamaForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
