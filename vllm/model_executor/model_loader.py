@@ -323,6 +323,14 @@ def sliding_window(hf_config) -> int | None:
     return int(window)
 
 
+def sliding_layer_types(hf_config) -> tuple[bool, ...]:
+    """Per decoder layer, whether the config types it ``sliding_attention``: such a layer
+    rotates by the sliding layers' own rotary parameters where the config gives them (Gemma
+    3, OLMo 3) even when its window is off (``--disable-sliding-window``, as vLLM)."""
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    return tuple(t == "sliding_attention" for t in layer_types)
+
+
 def layer_sliding_windows(hf_config) -> tuple[int | None, ...]:
     """Per decoder layer, the window of positions it attends to (each token sees itself
     and the ``window - 1`` before it, as HF's masks), None for the whole context: the

@@ -58,6 +58,7 @@ class GemmaArch:
     tie_word_embeddings: bool
     scale: float  # of the attention scores
     sliding_windows: tuple[int | None, ...]
+    sliding_layers: tuple[bool, ...]  # typed sliding_attention: they rotate by rope_local
     rope_global: dict[str, Any]  # rotary_embedding.rope_parameters' dicts
     rope_local: dict[str, Any]  # the sliding layers' (Gemma 3); else rope_global
     attn_logit_softcapping: float | None = None
@@ -74,7 +75,7 @@ class GemmaArch:
 
     @classmethod
     def from_hf(cls, config) -> GemmaArch:
-        from vllm.model_executor.model_loader import layer_sliding_windows
+        from vllm.model_executor.model_loader import layer_sliding_windows, sliding_layer_types
 
         family = config.model_type.removesuffix("_text")
         if family not in ("gemma", "gemma2", "gemma3"):
@@ -106,6 +107,7 @@ class GemmaArch:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
             scale=(scalar or head_dim) ** -0.5,
             sliding_windows=layer_sliding_windows(config),
+            sliding_layers=sliding_layer_types(config) or (False,) * config.num_hidden_layers,
             rope_global=rope_global,
             rope_local=rope_local,
             attn_logit_softcapping=getattr(config, "attn_logit_softcapping", None),
@@ -215,6 +217,7 @@ class GemmaForCausalLM(nn.Module):
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(GemmaLayer(arch, w) for w in arch.sliding_windows)
+        self._local = arch.sliding_layers
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope_global = RotaryEmbedding(
@@ -241,8 +244,8 @@ class GemmaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weights' dtype first (bf16: 8 bits).
         x = x * torch.tensor(math.sqrt(self.arch.hidden_size), dtype=x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            rope = self.rope_local if layer.window is not None else self.rope_global
+        for layer, kv_cache, local in zip(self.layers, kv_caches, self._local, strict=True):
+            rope = self.rope_local if local else self.rope_global
             x = layer(positions, x, rope, meta, kv_cache)
         return self.norm(x)
 

@@ -61,8 +61,10 @@ class LlamaArch:
     # or None: the whole context.
     sliding_windows: tuple[int | None, ...] = ()
     # The sliding layers' own rotary parameters where the config gives them apart and they
-    # differ (OLMo 3); None: every layer rotates by rope_parameters.
+    # differ (OLMo 3); None: every layer rotates by rope_parameters. Which layers are the
+    # sliding ones: model_loader.sliding_layer_types (empty: none).
     rope_local_parameters: dict[str, Any] | None = None
+    sliding_layers: tuple[bool, ...] = ()
     # Per layer, whether it rotates q and k (SmolLM3's no_rope_layers); empty: all do.
     rope_layers: tuple[bool, ...] = ()
     # OLMo 2/3: q and k RMS-normalised over the whole projection (not per head), and each
@@ -73,7 +75,7 @@ class LlamaArch:
 
     @classmethod
     def from_hf(cls, config) -> LlamaArch:
-        from vllm.model_executor.model_loader import layer_sliding_windows
+        from vllm.model_executor.model_loader import layer_sliding_windows, sliding_layer_types
 
         rope = rope_parameters(config)
         local = rope_parameters(config, "sliding_attention")
@@ -113,6 +115,7 @@ class LlamaArch:
             logits_scaling=config.logits_scaling if granite else 1.0,
             sliding_windows=layer_sliding_windows(config),
             rope_local_parameters=local if local != rope else None,
+            sliding_layers=sliding_layer_types(config),
             rope_layers=tuple(bool(r) for r in no_rope) if no_rope else (),
             qk_norm_full=olmo or family == "olmoe",
             post_norms=olmo,
@@ -124,8 +127,8 @@ class LlamaArch:
         its own parameters) or None (it does not rotate)."""
         if self.rope_layers and not self.rope_layers[layer]:
             return None
-        windowed = self.sliding_windows and self.sliding_windows[layer] is not None
-        return "local" if windowed and self.rope_local_parameters is not None else "global"
+        sliding = self.sliding_layers and self.sliding_layers[layer]
+        return "local" if sliding and self.rope_local_parameters is not None else "global"
 
     @property
     def rope(self) -> dict[str, Any]:
