@@ -430,11 +430,30 @@ class SchedulerConfig:
         flag="--scheduling-policy",
         choices=scheduling_policy_names,
     )
+    max_num_queued_reqs: int | None = config_field(
+        None,
+        "Maximum requests in flight (waiting or running; n > 1 counts n) at once, None for "
+        "no limit (vLLM's). A request past it is refused at the API server with HTTP 503 "
+        "before it reaches the engine, so a client can retry elsewhere. Counted across all "
+        "API servers of one engine (--api-server-count).",
+    )
+    max_num_queued_tokens: int | None = config_field(
+        None,
+        "Maximum total prompt tokens of requests still in prefill (no output yet), None for "
+        "no limit (vLLM's TTFT valve: about target TTFT x prefill throughput). Once the "
+        "backlog reaches it, new requests are refused with HTTP 503. Counts a request's "
+        "whole prompt until its first output (chunked progress and prefix-cache hits are "
+        "not subtracted), per API server.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise bad_value(name, getattr(self, name), "must be >= 1")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            limit = getattr(self, name)
+            if limit is not None and (isinstance(limit, bool) or limit < 0):
+                raise bad_value(name, limit, "must be >= 0 or None")
         interval = self.stream_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise bad_value("stream_interval", interval, "must be an integer >= 1")

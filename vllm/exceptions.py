@@ -33,3 +33,34 @@ class GenerationError(RuntimeError):
 
     status = 500
     err_type = "InternalServerError"
+
+
+class GracefulHTTPError(RuntimeError):
+    """An expected refusal that the server answers with its own HTTP status (vLLM's name):
+    ``status`` and ``err_type`` (``HTTPStatus(status).phrase``, as vLLM writes it) go into
+    ``{"error": {"message", "type", "param", "code"}}``. Raised before the request holds
+    anything, so a client may simply retry."""
+
+    status = 503
+    err_type = "Service Unavailable"
+
+
+class QueueOverflowError(GracefulHTTPError):
+    """``--max-num-queued-reqs`` would be exceeded: 503, so that load balancers and client
+    SDKs retry on another instance."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The engine is currently busy and cannot accept new requests. "
+            "Please try again later or on a different instance."
+        )
+
+
+class MaxQueuedTokensError(GracefulHTTPError):
+    """``--max-num-queued-tokens`` reached (the prefill backlog, in prompt tokens): 503."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The engine has reached its prefill token backlog limit. "
+            "Please try again later or on a different instance."
+        )

@@ -68,7 +68,7 @@ from vllm.entrypoints.openai.serving_tokenize import (
 )
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 from vllm.entrypoints.utils import INSTANCE_HEADER
-from vllm.exceptions import GenerationError, VLLMValidationError
+from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMValidationError
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError, EngineLink
@@ -586,6 +586,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @handler(GenerationError)
     def on_generation_error(exc: GenerationError):
         # The engine logged the traceback; this request alone failed.
+        return error_response(exc.status, str(exc), exc.err_type)
+
+    @handler(GracefulHTTPError)
+    def on_graceful(exc: GracefulHTTPError):
+        # A queue limit (--max-num-queued-reqs/-tokens): 503, nothing was queued.
         return error_response(exc.status, str(exc), exc.err_type)
 
     @handler(EngineDeadError)

@@ -44,6 +44,7 @@ from multiprocessing.connection import Connection, wait
 from vllm.config import VllmConfig
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.responses_store import SharedResponseStore
+from vllm.v1.engine.admission_control import SharedAdmissionStats
 from vllm.v1.engine.core_client import EngineLink, start_engine_process
 
 logger = logging.getLogger("vllm.serve")
@@ -80,9 +81,14 @@ def run_multi_api_server(
         )
         # Read by prometheus_client when it is imported: the API servers' alone.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        # The queued-request limit is global (vLLM's rule): the servers publish their
+        # counts in shared memory. The token limit is each server's own.
+        counters = None
+        if vllm_config.scheduler_config.max_num_queued_reqs is not None:
+            counters = spawn.RawArray("q", SharedAdmissionStats.num_counters(count))
         for i in range(count):
             reader, writer = spawn.Pipe(duplex=False)
-            link = EngineLink(inputs[i], outputs[i], i, alive_reader)
+            link = EngineLink(inputs[i], outputs[i], i, alive_reader, counters, count)
             server = spawn.Process(
                 target=run_api_server_process,
                 args=(vllm_config, frontend, sock, link, store_path, reader, log_level),

@@ -28,6 +28,7 @@ from vllm.v1.engine import (
     StampedOutputs,
     UtilityCall,
 )
+from vllm.v1.engine.admission_control import AdmissionControl, SharedAdmissionStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, EngineLink, last_line
 from vllm.v1.engine.core_proc import EngineFactory
 from vllm.v1.engine.output_processor import OutputProcessor
@@ -148,6 +149,7 @@ class AsyncLLM:
             self.tokenizer, vllm_config.scheduler_config.stream_interval
         )
         self.stat_loggers = stat_loggers or []
+        self.admission = self._make_admission(vllm_config, link)
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}
         self._utility_calls: dict[int, asyncio.Future] = {}  # call id -> its result
@@ -158,6 +160,34 @@ class AsyncLLM:
         # time.monotonic() of the last engine message, or of the moment work arrived at an
         # idle engine: what "no progress for N seconds" is measured from.
         self._last_progress = time.monotonic()
+
+    def _make_admission(self, config: VllmConfig, link: EngineLink | None) -> AdmissionControl:
+        sc, op = config.scheduler_config, self.output_processor
+        shared = None
+        if link is not None and link.admission_counters is not None:
+            shared = SharedAdmissionStats(
+                link.admission_counters, link.client_count, link.client_index
+            )
+        return AdmissionControl(
+            sc.max_num_queued_reqs,
+            sc.max_num_queued_tokens,
+            op.get_num_queued_requests,
+            op.get_num_queued_tokens,
+            shared,
+            self._record_admission_rejection,
+        )
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """vLLM's queue limits (``admission_control.py``): ``QueueOverflowError`` /
+        ``MaxQueuedTokensError`` (HTTP 503) if a request of ``n`` samples may not be
+        admitted now. ``prepare_request`` and ``submit_request`` call it."""
+        self.admission.check(n, request_id)
+
+    def _record_admission_rejection(self, reason: str) -> None:
+        for stat_logger in self.stat_loggers:
+            record = getattr(stat_logger, "record_admission_rejection", None)
+            if record is not None:
+                record(reason)
 
     async def start(self) -> dict:
         """Wait until the engine is ready; returns its info (num_gpu_blocks, pid)."""
@@ -295,6 +325,8 @@ class AsyncLLM:
         tokenize and validate there, off the event loop (a long prompt would hold the
         loop, and every other request and /health, for its whole tokenization)."""
         self._check_can_add(request_id)
+        # Before any work, as vLLM's preflight; submit_request checks again.
+        self.check_admission(sampling_params.n, request_id)
         # A grammar compiles in its own thread, within a time budget (a 400 past it).
         await self.processor.check_structured_outputs(sampling_params)
         self._check_can_add(request_id)  # again: other requests ran meanwhile
@@ -325,7 +357,10 @@ class AsyncLLM:
         """Queue a prepared request in the engine; its outputs come on the stream."""
         request_id, core_reqs = prepared.request_id, prepared.core_reqs
         self._check_can_add(request_id)  # again: other requests ran meanwhile
+        # No await from this check to the registration: concurrent submits see each other.
+        self.check_admission(len(core_reqs), request_id)
         self.output_processor.add_request(request_id, prepared.prompt_text, core_reqs)
+        self.admission.publish()
         stream = RequestStream(
             self,
             request_id,
@@ -421,6 +456,7 @@ class AsyncLLM:
         """Stop ``request_id`` (no-op if unknown or finished) and free its blocks."""
         child_ids = self.output_processor.abort_request(request_id)
         self._forget(request_id)
+        self.admission.publish()
         if child_ids and self.client.is_alive:
             await self.client.send(EngineCoreRequestType.ABORT, child_ids)
 
@@ -487,6 +523,7 @@ class AsyncLLM:
             ):
                 stream.engine_arrival = received
         results, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
+        self.admission.publish()
         if to_stop:
             await self.client.send(EngineCoreRequestType.STOP, to_stop)
         for out in results:

@@ -95,12 +95,16 @@ class EngineLink:
     --api-server-count N``, N > 1: the parent process starts the engine and the API
     servers): its own pair of addresses, which it binds as a lone front end would; its
     index among the front ends, which its requests carry; and the read end of the
-    engine's keepalive pipe, EOF once the engine process is gone."""
+    engine's keepalive pipe, EOF once the engine process is gone. ``admission_counters``:
+    the shared array of every server's queued-request count (``SharedAdmissionStats``),
+    when ``--max-num-queued-reqs`` is set; ``client_count``: how many front ends."""
 
     input_addr: str
     output_addr: str
     client_index: int
     engine_alive: Connection
+    admission_counters: Any = None
+    client_count: int = 1
 
 
 def start_engine_process(

@@ -25,6 +25,7 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     pooled: list[float] | None = None  # --runner pooling: the prompt's embedding
+    prefilling: bool = True  # no engine output yet (vLLM's ``is_prefilling``)
     _sent_tokens: int = 0  # tokens already handed out (DELTA: where the next output starts)
 
     @property
@@ -121,6 +122,19 @@ class OutputProcessor:
         # The last ``process_outputs`` call's: for each request that got tokens and had
         # some before, the seconds since its previous ones (vLLM's inter-token latency).
         self.inter_token_latencies: list[float] = []
+        # The queue limits' counts (``admission_control.py``): sequences not finished, and
+        # the prompt tokens of those with no output yet.
+        self._num_queued_seqs = 0
+        self._num_queued_tokens = 0
+
+    def get_num_queued_requests(self) -> int:
+        """Engine-core requests (samples) not finished: waiting or running."""
+        return self._num_queued_seqs
+
+    def get_num_queued_tokens(self) -> int:
+        """Prompt tokens of the samples that have had no engine output yet (the whole
+        prompt: chunked progress and prefix-cache hits are not known here)."""
+        return self._num_queued_tokens
 
     def add_request(
         self,
@@ -161,6 +175,8 @@ class OutputProcessor:
         )
         for r in core_requests:
             self._seq_to_request[r.request_id] = request_id
+        self._num_queued_seqs += len(core_requests)
+        self._num_queued_tokens += len(first.prompt_token_ids) * len(core_requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
@@ -178,9 +194,17 @@ class OutputProcessor:
         state = self._states.pop(request_id, None)
         if state is None:
             return []
-        for seq_id in state.sequences:
+        for seq_id, seq in state.sequences.items():
             self._seq_to_request.pop(seq_id, None)
+            if not seq.finished:
+                self._num_queued_seqs -= 1
+                self._end_prefill(state, seq)
         return list(state.sequences)
+
+    def _end_prefill(self, state: _RequestState, seq: _Sequence) -> None:
+        if seq.prefilling:
+            seq.prefilling = False
+            self._num_queued_tokens -= len(state.prompt_token_ids)
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
@@ -199,6 +223,7 @@ class OutputProcessor:
             seq = state.sequences[out.request_id]
             if seq.finished:
                 continue
+            self._end_prefill(state, seq)
             self._update_metrics(state, out, now)
             if out.new_prompt_logprobs and state.prompt_logprobs is not None and seq.index == 0:
                 state.prompt_logprobs.extend(out.new_prompt_logprobs)
@@ -206,6 +231,7 @@ class OutputProcessor:
                 reqs_to_stop.append(out.request_id)  # the engine core must stop it too
             if seq.finished:
                 state.num_unfinished -= 1
+                self._num_queued_seqs -= 1
             m = state.metrics
             m.max_num_generation_tokens = max(m.max_num_generation_tokens, len(seq.token_ids))
             updated.setdefault(request_id, []).append(seq)

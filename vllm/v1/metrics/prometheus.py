@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from vllm.outputs import RequestOutput
 from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine.admission_control import ADMISSION_REASONS
 from vllm_continuum.metrics import MetricSpec, Reader, Sample, merge_specs
 from vllm_continuum.pins import PIN_METRICS
 from vllm_continuum.policy.registry import policy_metrics
@@ -217,6 +218,7 @@ PARAMS_N = "vllm:request_params_n"
 PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"
 PROMPT_TOKENS_CACHED = "vllm:prompt_tokens_cached"
 ITERATION_TOKENS = "vllm:iteration_tokens_total"
+ADMISSION_REJECTIONS = "vllm:admission_rejections"
 
 
 def request_metrics(max_model_len: int, max_num_batched_tokens: int) -> tuple[MetricSpec, ...]:
@@ -283,6 +285,12 @@ FRONTEND_METRICS = (
         "Engine sleep state (vLLM's): awake = 1 while awake; weights_offloaded = 1 asleep at "
         "level 1; discard_all = 1 asleep at level 2.",
         labels=("sleep_state",),
+    ),
+    MetricSpec(
+        ADMISSION_REJECTIONS,
+        "counter",
+        "Number of admission attempts rejected by a queue limit, by reason.",
+        labels=("reason",),
     ),
     MetricSpec(PROMPT_TOKENS, "counter", "Prefill tokens processed."),
     MetricSpec(PROMPT_TOKENS_CACHED, "counter", "Prompt tokens served from the prefix cache."),
@@ -394,6 +402,8 @@ class PrometheusStatLogger:
         )
         self.series[ENGINE_ALIVE].child.set(1)
         self.record_sleep_state(False)
+        for reason in ADMISSION_REASONS:  # both series exist from the start, at 0
+            self.series[ADMISSION_REJECTIONS].labels(reason)
         self._engine_dead = False
         self.max_loras = max_loras
         self.lora_info = None
@@ -430,6 +440,11 @@ class PrometheusStatLogger:
         values = (0, int(level == 1), int(level == 2)) if sleeping else (1, 0, 0)
         for state, value in zip(SLEEP_STATES, values, strict=True):
             self.series[ENGINE_SLEEP_STATE].labels(state).set(value)
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """One request refused by ``--max-num-queued-reqs`` / ``--max-num-queued-tokens``
+        (``reason``: the flag's field name, one of ``ADMISSION_REASONS``)."""
+        self.series[ADMISSION_REJECTIONS].labels(reason).inc()
 
     def observe_overhead(self, seconds: float) -> None:
         self[OVERHEAD].observe(seconds)
