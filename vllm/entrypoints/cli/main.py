@@ -34,6 +34,17 @@ def main(argv: list[str] | None = None) -> None:
             argv = ["serve", *expand(argv[1:], parser.serve_parser)]
         except ValueError as e:
             parser.serve_parser.error(str(e))
+        # Parsers registered by plugins are choices of --tool-call-parser: import
+        # them, then build the parser again.
+        from vllm.entrypoints.openai.parser_plugins import import_parser_plugin, plugin_paths
+
+        if paths := plugin_paths(argv[1:]):
+            try:
+                for path in paths:
+                    import_parser_plugin(path)
+            except ValueError as e:
+                parser.serve_parser.error(str(e))
+            parser = make_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

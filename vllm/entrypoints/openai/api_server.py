@@ -39,6 +39,7 @@ from vllm.entrypoints.launcher import (
 from vllm.entrypoints.openai import openapi
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.job_identity import read_headers
+from vllm.entrypoints.openai.parser_plugins import load_parser_plugins
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -643,6 +644,7 @@ async def run_server(
     ``response_store``, which the others share.
     """
     disable_created_metrics()  # no *_created series, as in vLLM
+    load_parser_plugins(args)  # imported already unless this is a spawned API server
     with stop_on_signal_while_starting() as signals:
         scheduler = vllm_config.scheduler_config
         stats = PrometheusStatLogger(

@@ -234,6 +234,11 @@ class FrontendArgs:
         "<tool_call><function=NAME><parameter=KEY>...).",
         choices=lambda: _tool_parser_names(),
     )
+    tool_parser_plugin: str | None = config_field(
+        None,
+        "A Python file (or module name) whose import registers more tool parsers "
+        '(@register_tool_parser("name")); --tool-call-parser can then name them (vLLM\'s).',
+    )
     exclude_tools_when_tool_choice_none: bool = config_field(
         False,
         'A request with tool_choice "none" renders no tools in its prompt (vLLM\'s flag); '
@@ -248,6 +253,11 @@ class FrontendArgs:
         "returns it as message.reasoning, the content and tool calls are read from the rest "
         "(qwen3, deepseek_r1).",
         choices=lambda: _reasoning_parser_names(),
+    )
+    reasoning_parser_plugin: str | None = config_field(
+        None,
+        "A Python file (or module name) whose import registers more reasoning parsers "
+        '(@register_reasoning_parser("name")); --reasoning-parser can then name them.',
     )
     lora_modules: tuple[Any, ...] | None = config_field(
         None,
