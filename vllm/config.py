@@ -124,6 +124,11 @@ class ModelConfig:
     max_model_len: int | None = config_field(
         None, "Maximum prompt + output tokens; None: the model's max_position_embeddings."
     )
+    disable_sliding_window: bool = config_field(
+        False,
+        "Sliding-window layers attend to the whole context instead, and max_model_len is "
+        "capped at the window (vLLM's): the same outputs, as far as the window goes.",
+    )
     dtype: Dtype = config_field(
         "auto", "Weight/activation dtype; auto: float32 on CPU, bfloat16 on CUDA."
     )

@@ -106,3 +106,49 @@ def test_engine_greedy_tokens_past_the_window_equal_transformers_generate(tmp_pa
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+
+
+def test_disable_sliding_window_caps_the_context_and_keeps_the_layers_rotations(tmp_path):
+    """vLLM's --disable-sliding-window: every layer attends to everything, the context
+    stops at the window, and Gemma 3's sliding layers keep their own rotation."""
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import hf_config_of
+    from vllm.model_executor.models.gemma import GemmaForCausalLM
+
+    mistral = transformers.MistralConfig(**{**TINY_LLAMA, "max_position_embeddings": 128},
+                                         sliding_window=48)  # fmt: skip
+    assert model_max_len(mistral) == 128 and model_max_len(mistral, True) == 48
+    assert model_max_len(transformers.LlamaConfig(**TINY_LLAMA), True) == 128  # no window
+
+    torch.manual_seed(0)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+    config = transformers.Gemma3TextConfig(
+        **{**TINY_LLAMA, "head_dim": 16, "max_position_embeddings": 128}, sliding_window=40,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
+    )  # fmt: skip
+    hf = transformers.Gemma3ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    args = EngineArgs(model=str(tmp_path), disable_sliding_window=True)
+    vllm_config: VllmConfig = args.create_engine_config(model_max_len(config, True))
+    assert vllm_config.scheduler_config.max_model_len == 40
+    model_config = vllm_config.model_config
+    assert hf_config_of(model_config).sliding_window is None
+    runner = load_cpu_runner(vllm_config)
+    assert isinstance(runner.model, GemmaForCausalLM)
+    assert runner.arch.sliding_windows == (None, None)
+    assert runner.arch.sliding_layers == (True, False)
+    assert runner.model.attention_features == frozenset()
+    runner.initialize_kv_cache(9)
+    n = 40
+    ids = torch.randint(
+        0, TINY_LLAMA["vocab_size"], (n,), generator=torch.Generator().manual_seed(2)
+    )
+    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    with torch.inference_mode():
+        ours = runner.model.compute_logits(
+            runner.model(ids, torch.arange(n), meta, runner.kv_caches)
+        )
+        ref = hf(ids[None]).logits[0].float()  # within the window: the same attention
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

@@ -61,7 +61,7 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         hf_config = get_model_config(model, args.parsed("hf_overrides"))
         self.vllm_config = args.create_engine_config(
-            model_max_len(hf_config), UsageContext.LLM_CLASS
+            model_max_len(hf_config, args.disable_sliding_window), UsageContext.LLM_CLASS
         )
         maybe_attach_gc_debug_callback()  # before the engine: a bad VLLM_GC_DEBUG fails fast
         self.engine_core = EngineCore(self.vllm_config)

@@ -269,9 +269,15 @@ def get_model_config(model: str, hf_overrides: dict[str, Any] | None = None):
 
 
 def hf_config_of(model_config):
-    """The HF config of ``model_config``'s model, its ``hf_overrides`` applied: what every
-    reader of the config (the loader, the limits, the grammars' vocabulary) sees."""
-    return get_model_config(model_config.model, getattr(model_config, "hf_overrides", None))
+    """The HF config of ``model_config``'s model, its ``hf_overrides`` applied and, with
+    ``disable_sliding_window``, its attention window removed (every layer attends to the
+    whole context, which ``model_max_len`` caps at the window): what every reader of the
+    config (the loader, the limits, the grammars' vocabulary) sees."""
+    config = get_model_config(model_config.model, getattr(model_config, "hf_overrides", None))
+    if getattr(model_config, "disable_sliding_window", False):
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text.sliding_window = None
+    return config
 
 
 def apply_hf_overrides(config, overrides: dict[str, Any], where: str = "hf_overrides") -> None:
@@ -292,12 +298,14 @@ def apply_hf_overrides(config, overrides: dict[str, Any], where: str = "hf_overr
         setattr(config, key, value)
 
 
-def model_max_len(hf_config) -> int | None:
+def model_max_len(hf_config, disable_sliding_window: bool = False) -> int | None:
     """The longest context ``hf_config``'s model takes: ``max_position_embeddings``, times
     the factor of a ``linear`` rope scaling (as vLLM; ``rotary_embedding.max_positions``;
     not for Gemma 3, whose length counts it already, as vLLM reads it); None if the config
     names no length. ``ValueError`` for a rope type not supported. A sliding attention
-    window does not limit it: those layers attend to their window (``layer_sliding_windows``)."""
+    window does not limit it (those layers attend to their window:
+    ``layer_sliding_windows``) unless ``disable_sliding_window`` (vLLM's flag): then every
+    layer attends to the whole context, which is the same only as far as the window."""
     from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 
     if hasattr(hf_config, "get_text_config"):  # a multimodal config's language model
@@ -306,8 +314,11 @@ def model_max_len(hf_config) -> int | None:
     if trained is None:
         return None
     if "gemma3" in getattr(hf_config, "model_type", ""):
-        return trained
-    return max_positions(trained, rope_parameters(hf_config))
+        limit = trained
+    else:
+        limit = max_positions(trained, rope_parameters(hf_config))
+    window = sliding_window(hf_config) if disable_sliding_window else None
+    return limit if window is None else min(limit, window)
 
 
 def sliding_window(hf_config) -> int | None:

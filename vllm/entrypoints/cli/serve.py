@@ -67,7 +67,8 @@ def build_config(args: argparse.Namespace):
     ToolCallingConfig.from_args(args)  # --enable-auto-tool-choice needs a parser
     hf_config = get_model_config(engine_args.model, engine_args.parsed("hf_overrides"))
     config = engine_args.create_engine_config(
-        model_max_len(hf_config), UsageContext.OPENAI_API_SERVER
+        model_max_len(hf_config, engine_args.disable_sliding_window),
+        UsageContext.OPENAI_API_SERVER,
     )
     if args.disable_log_requests:  # the engine's per-job lines are request logs too
         policy = dataclasses.replace(config.policy_config, log_jobs=False)
