@@ -135,3 +135,30 @@ def test_olmo3_engine_greedy_tokens_equal_transformers_generate(tmp_path):
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+
+
+def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Mistral-Small-3.x's layout: a vision tower beside the Mistral text model, its tensors
+    under ``language_model.``; text-only logits equal transformers'."""
+    from vllm.model_executor.model_loader import model_max_len
+    from vllm.model_executor.models.llama import Mistral3ForConditionalGeneration
+
+    text = {**TINY_LLAMA, "head_dim": 16, "model_type": "mistral", "sliding_window": None}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision,
+                                         image_token_index=95)  # fmt: skip
+    assert model_max_len(config) == TINY_LLAMA["max_position_embeddings"]
+    torch.manual_seed(0)
+    hf = transformers.Mistral3ForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    assert type(runner.model) is Mistral3ForConditionalGeneration
+    runner.initialize_kv_cache(9)
+    ids = torch.randint(0, 90, (60,), generator=torch.Generator().manual_seed(1))
+    meta = runner.attn_backend.build_metadata([(0, 60, list(range(1, 9)))])
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(60), meta, runner.kv_caches)
+        ours = runner.model.compute_logits(hidden)
+        ref = hf(input_ids=ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

@@ -37,6 +37,7 @@ from vllm.model_executor.models.llama import (
     attention_features,
     layer_attention,
 )
+from vllm.model_executor.models.utils import language_model_tensors
 
 # hidden_activation / hidden_act values that mean GeLU's tanh approximation (Gemma 1's
 # configs say "gelu" and mean it, as transformers reads them).
@@ -305,23 +306,9 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
     (transformers 5's); the vision tower and projector are not loaded, and a request with an
     image part is refused as for any model here (a 400 naming the part)."""
 
-    _PREFIXES = ("language_model.model.", "model.language_model.")
-
     @staticmethod
     def arch_from_hf(hf_config: Any) -> GemmaArch:
         return GemmaArch.from_hf(hf_config.get_text_config())
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        text = {}
-        for key, tensor in sd.items():
-            prefix = next((p for p in self._PREFIXES if key.startswith(p)), None)
-            if prefix is not None:
-                text["model." + key.removeprefix(prefix)] = tensor
-            elif key in ("lm_head.weight", "language_model.lm_head.weight"):
-                text["lm_head.weight"] = tensor
-        if not text:
-            raise ValueError(
-                "no language-model tensors in the checkpoint (looked under "
-                f"{' and '.join(self._PREFIXES)})"
-            )
-        super().load_weights(text)
+        super().load_weights(language_model_tensors(sd))

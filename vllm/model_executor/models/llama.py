@@ -435,3 +435,21 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     Phi-4-mini's partial rotary come from ``rotary_embedding``."""
 
     gguf_layout: ClassVar[Any] = None  # llama.cpp's phi3 tensors are fused differently
+
+
+class Mistral3ForConditionalGeneration(LlamaForCausalLM):
+    """Mistral 3's multimodal checkpoints (Mistral-Small-3.1/3.2, Magistral-Small:
+    ``Mistral3ForConditionalGeneration``) served as text models: the Mistral language model
+    of ``text_config``, its tensors read from under ``language_model.model.``; the vision
+    tower is not loaded and image parts are refused as for any model here."""
+
+    gguf_layout: ClassVar[Any] = None
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> LlamaArch:
+        return LlamaArch.from_hf(hf_config.get_text_config())
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import language_model_tensors
+
+        super().load_weights(language_model_tensors(sd))

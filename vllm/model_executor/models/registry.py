@@ -52,6 +52,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "moe", "MoeForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "moe", "MoeForCausalLM"),
     "MinistralForCausalLM": ("ministral", "llama", "LlamaForCausalLM"),
+    "Mistral3ForConditionalGeneration": ("mistral3", "llama", "Mistral3ForConditionalGeneration"),
     "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),
