@@ -247,12 +247,14 @@ class ChatMessage(BaseModel):
         message = {**(self.model_extra or {}), "role": self.role, "content": self.content or ""}
         # An assistant turn's reasoning, as a client sends it back (vLLM's ``reasoning``,
         # or its older ``reasoning_content``): templates read ``reasoning_content`` (Qwen3's
-        # keeps the reasoning of the turns after the last user message).
+        # keeps the reasoning of the turns after the last user message), gpt-oss's
+        # ``thinking`` (its analysis before a tool call).
         reasoning = message.get("reasoning")
         if reasoning is None:
             reasoning = message.get("reasoning_content")
         if isinstance(reasoning, str):
             message["reasoning"] = message["reasoning_content"] = reasoning
+            message.setdefault("thinking", reasoning)
         calls = message.get("tool_calls")
         if self.role == "assistant" and isinstance(calls, list):
             message["tool_calls"] = [_call_for_template(c) for c in calls]

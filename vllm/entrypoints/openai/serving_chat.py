@@ -9,6 +9,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from vllm.entrypoints.openai import beam_search as beams
+from vllm.entrypoints.openai.harmony_plan import plan_harmony, uses_harmony
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
@@ -36,6 +37,13 @@ class OpenAIServingChat(OpenAIServing):
         Read on first use: the app is built (and its schema served) before any engine."""
         cache = self.engine.config.cache_config
         return cache.block_size if cache.enable_prefix_caching else 0
+
+    @functools.cached_property
+    def harmony(self) -> bool:
+        """The model answers in OpenAI's harmony format (gpt-oss): its replies are read by
+        the harmony plan (harmony_plan.py). Read by the first request, as ``cache_block``."""
+        model_config = getattr(getattr(self.engine, "config", None), "model_config", None)
+        return uses_harmony(model_config, self.tool_config)
 
     def cache_writes(self, prompt: int, cached: int) -> int:
         """The prompt tokens a request wrote to the prefix cache: those of its full KV
@@ -107,7 +115,9 @@ class OpenAIServingChat(OpenAIServing):
             if "enable_thinking" not in (request.chat_template_kwargs or {}):
                 kwargs["enable_thinking"] = request.reasoning_effort != "none"
         request.chat_template_kwargs = kwargs or None
-        plan = plan_tool_calls(request, self.tool_config)
+        if "harmony" not in self.__dict__:  # read the HF config once, off the event loop
+            await self.in_thread(lambda: self.harmony)
+        plan = (plan_harmony if self.harmony else plan_tool_calls)(request, self.tool_config)
         prompt = await self._prompt(request, plan)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         # max_completion_tokens (OpenAI's newer name) wins; None: until max_model_len.
@@ -316,15 +326,22 @@ class OpenAIServingChat(OpenAIServing):
     def reasoning_tokens(
         self, request: ChatCompletionRequest, plan: ToolPlan, outputs: list[list[int]]
     ) -> int | None:
-        """With --reasoning-parser, the reasoning's tokens in every choice's output ids (0
-        when the request split none off); None without one."""
-        if self.tool_config.reasoning_parser is None:
+        """With --reasoning-parser (or a harmony model), the reasoning's tokens in every
+        choice's output ids (0 when the request split none off); None without one."""
+        if not self.counts_reasoning:
             return None
+        skip = request.skip_special_tokens and not plan.keep_special_tokens
 
         def decode(ids) -> str:
-            return self.engine.decode(list(ids), request.skip_special_tokens)
+            return self.engine.decode(list(ids), skip)
 
         return sum(plan.reasoning_tokens(ids, decode) for ids in outputs)
+
+    @property
+    def counts_reasoning(self) -> bool:
+        """Usage reports reasoning tokens: with --reasoning-parser, as vLLM; a harmony
+        model always has one (vLLM gives gpt-oss ``openai_gptoss`` by default)."""
+        return self.tool_config.reasoning_parser is not None or self.harmony
 
     def _count_reasoning(
         self,
@@ -349,7 +366,7 @@ class OpenAIServingChat(OpenAIServing):
 
         streamers = [plan.streamer() for _ in range(request.n)]  # None: plain content
         # Each choice's output ids, for the usage's reasoning tokens.
-        counted = self.tool_config.reasoning_parser is not None and plan.reasoning is not None
+        counted = self.counts_reasoning and plan.reasoning is not None
         output_ids: list[list[int]] = [[] for _ in range(request.n)]
 
         def observe(c: CompletionOutput) -> None:
