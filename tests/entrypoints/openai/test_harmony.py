@@ -490,3 +490,27 @@ def test_plan_harmony_checks_like_every_chat_request():
     )
     with pytest.raises(VLLMValidationError, match="needs tools"):
         plan_harmony(bad, ToolCallingConfig())
+
+
+def test_responses_stream_reasoning_then_the_call(harmony_tokenizer, oss_model):
+    engine, _ = scripted_engine(harmony_tokenizer, REASONING_THEN_CALL, oss_model)
+    serving = OpenAIServingResponses(OpenAIServingChat(engine, "m"))
+    serving.chat.tool_config = ToolCallingConfig()
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    request = ResponsesRequest.model_validate(
+        {"input": "Weather in Oslo?", "tools": [tool], "stream": True}
+    )
+
+    async def run():
+        response = await serving.create_response(request)
+        return [json.loads(e.split("data: ", 1)[1]) async for e in response.body_iterator]
+
+    events = asyncio.run(run())
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    args = "".join(
+        e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+    )
+    assert thought == THOUGHT and json.loads(args) == {"location": "Oslo"}
+    done = Response.model_validate(events[-1]["response"])
+    assert [item.type for item in done.output] == ["reasoning", "function_call"]
+    assert not any("<|" in json.dumps(e) for e in events)
