@@ -29,6 +29,12 @@ MOE = {
     # OLMoE: q/k norms over the whole projection, q/k/v clipped (0.5 binds here).
     "OlmoeForCausalLM": dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
                              clip_qkv=0.5),
+    # GLM-4.5: sigmoid routing within the best 2 of 4 groups, a dense first layer, an
+    # ungated shared expert, q/k norms, half the head rotated, q/k/v biases.
+    "Glm4MoeForCausalLM": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                               n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                               use_qk_norm=True, attention_bias=True, head_dim=16),
 }  # fmt: skip
 
 
@@ -40,6 +46,10 @@ def moe_config(arch: str, **overrides):
 def save_checkpoint(arch: str, path, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     model = getattr(transformers, arch)(moe_config(arch, **overrides)).eval()
+    with torch.no_grad():  # GLM's routing correction starts at 0: make it choose
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
 
@@ -63,9 +73,10 @@ def test_moe_checkpoint_logits_equal_transformers(arch, tmp_path):
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     model = runner.model
     sparse = [layer.mlp is not None for layer in model.layers]
-    assert sparse == ([True, False] if arch.startswith("Qwen3") else [True, True])
-    assert runner.arch.attention_bias == arch.startswith("Qwen2")
-    assert runner.arch.qk_norm == arch.startswith("Qwen3")
+    glm = arch.startswith("Glm")
+    assert sparse == ([True, False] if arch.startswith("Qwen3") else [not glm, True])
+    assert runner.arch.attention_bias == (arch.startswith("Qwen2") or glm)
+    assert runner.arch.qk_norm == (arch.startswith("Qwen3") or glm)
     assert runner.arch.qk_norm_full == (runner.arch.clip_qkv == 0.5) == arch.startswith("Olmoe")
     ids = torch.randint(
         0, TINY_LLAMA["vocab_size"], (100,), generator=torch.Generator().manual_seed(1)
@@ -74,9 +85,10 @@ def test_moe_checkpoint_logits_equal_transformers(arch, tmp_path):
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
-    # The routing is not trivial: the tokens of the first layer reach every expert.
+    # The routing is not trivial: the tokens of the first sparse layer reach every expert.
+    mlp = next(layer.mlp for layer in model.layers if layer.mlp is not None)
     with torch.inference_mode():
-        logits = model.layers[0].mlp.gate(torch.randn(100, TINY_LLAMA["hidden_size"]))
+        logits = mlp.gate(torch.randn(100, TINY_LLAMA["hidden_size"]))
     _, chosen = select_experts(logits, 2, True)
     assert chosen.unique().numel() == model.arch.num_experts
 

@@ -47,6 +47,33 @@ def select_experts(
     return weights, ids
 
 
+def select_experts_grouped(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3-style routing (GLM-4.5's): sigmoid scores; the experts are chosen by
+    score plus ``correction_bias`` among the ``topk_groups`` groups (of ``num_groups``)
+    whose two best experts score highest, weighted by their plain scores (divided by their
+    sum when ``renormalize``), times ``scaling``. (weights fp32, ids int64)."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    if num_groups > 1:
+        grouped = choice.view(choice.shape[0], num_groups, -1)
+        best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_groups, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), -torch.inf)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def grouped_mm_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the grouped GEMM takes ``a (rows, K)`` against ``w (groups, N, K)``: on
     the CPU any float dtype, on CUDA bf16 from sm80; every row 16-byte aligned."""
@@ -191,7 +218,11 @@ class FusedMoE(nn.Module):
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        """Route by the softmax of ``router_logits`` (``select_experts``), then ``apply``."""
+        return self.apply(x, *select_experts(router_logits, self.top_k, self.renormalize))
+
+    def apply(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token through the experts ``ids`` chose for it, weighted by ``weights``."""
         return fused_experts(
             x, self.w13, self.w2, weights, ids, self.activation, self.w13_bias, self.w2_bias
         )

@@ -105,7 +105,7 @@ class LlamaArch:
             ),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family == "qwen3" or bool(getattr(config, "use_qk_norm", False)),
             o_bias=bias
             and family in ("llama", "qwen3", "granite", "olmo2", "olmo3", "smollm3", "gpt_oss"),
             rope_parameters=rope,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
-from vllm.model_executor.layers.fused_moe import FusedMoE
+from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts_grouped
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
 
 
@@ -30,14 +30,33 @@ class MoeArch(LlamaArch):
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: tuple[int, ...] = ()  # layers whose feed-forward is the experts
     checkpoint_prefix: str = "mlp"  # the block's name in the checkpoint (Mixtral's differs)
+    # Qwen2-MoE gates its shared expert by a sigmoid (``shared_expert_gate``); GLM-4.5 does
+    # not, and names it ``shared_experts``.
+    shared_expert_gated: bool = True
+    # GLM-4.5's routing (fused_moe.select_experts_grouped): sigmoid scores plus a learned
+    # correction bias, chosen within the best groups, scaled; "softmax": the others'.
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_hf(cls, config) -> MoeArch:
         base = LlamaArch.from_hf(config)
+        glm: dict = {}
         if config.model_type == "mixtral":
             num_experts, intermediate = config.num_local_experts, config.intermediate_size
             sparse = tuple(range(base.num_layers))
             norm, shared, prefix = True, 0, "block_sparse_moe"
+        elif config.model_type == "glm4_moe":
+            num_experts, intermediate = config.n_routed_experts, config.moe_intermediate_size
+            first_sparse = config.first_k_dense_replace
+            sparse = tuple(range(first_sparse, base.num_layers))
+            norm, prefix = bool(config.norm_topk_prob), "mlp"
+            shared = config.moe_intermediate_size * config.n_shared_experts
+            glm = dict(shared_expert_gated=False, scoring="sigmoid", num_groups=config.n_group,
+                       topk_groups=config.topk_group,
+                       routed_scaling_factor=config.routed_scaling_factor)  # fmt: skip
         elif config.model_type == "olmoe":
             num_experts, intermediate = config.num_experts, config.intermediate_size
             sparse = tuple(range(base.num_layers))
@@ -66,16 +85,21 @@ class MoeArch(LlamaArch):
             shared_expert_intermediate_size=shared,
             sparse_layers=sparse,
             checkpoint_prefix=prefix,
+            **glm,
         )
 
 
 class SparseMoeBlock(nn.Module):
     """``(num_tokens, hidden) -> (num_tokens, hidden)``: the routed experts' weighted sum,
-    plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where there is one."""
+    plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where there is one (without
+    the gate for GLM-4.5's)."""
 
     def __init__(self, a: MoeArch) -> None:
         super().__init__()
+        self.a = a
         self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)  # the router
+        if a.scoring == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts))
         self.experts = FusedMoE(
             a.num_experts,
             a.num_experts_per_tok,
@@ -88,13 +112,23 @@ class SparseMoeBlock(nn.Module):
             width = a.shared_expert_intermediate_size
             self.shared_gate_up_proj = nn.Linear(a.hidden_size, 2 * width, bias=False)
             self.shared_down_proj = nn.Linear(width, a.hidden_size, bias=False)
-            self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+            if a.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        a = self.a
+        if a.scoring == "sigmoid":
+            out = self.experts.apply(x, *select_experts_grouped(
+                self.gate(x), self.e_score_correction_bias, a.num_experts_per_tok, a.num_groups,
+                a.topk_groups, a.norm_topk_prob, a.routed_scaling_factor,
+            ))  # fmt: skip
+        else:
+            out = self.experts(x, self.gate(x))
         if self.shared:
             shared = self.shared_down_proj(ops.silu_and_mul(self.shared_gate_up_proj(x)))
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            if a.shared_expert_gated:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
 
 
@@ -117,10 +151,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         for e in range(self.arch.num_experts):
             gate, up, down = (sd[f"{p}experts.{e}.{n}.weight"] for n in names)
             mlp.experts.load_expert(e, gate, up, down)
+        if self.arch.scoring == "sigmoid":
+            mlp.e_score_correction_bias.copy_(sd[p + "gate.e_score_correction_bias"])
         if mlp.shared:
-            s = p + "shared_expert."
+            s = p + ("shared_expert." if self.arch.shared_expert_gated else "shared_experts.")
             mlp.shared_gate_up_proj.weight.copy_(
                 torch.cat([sd[s + "gate_proj.weight"], sd[s + "up_proj.weight"]])
             )
             mlp.shared_down_proj.weight.copy_(sd[s + "down_proj.weight"])
-            mlp.shared_expert_gate.weight.copy_(sd[p + "shared_expert_gate.weight"])
+            if self.arch.shared_expert_gated:
+                mlp.shared_expert_gate.weight.copy_(sd[p + "shared_expert_gate.weight"])
