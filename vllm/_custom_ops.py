@@ -394,6 +394,27 @@ def rotary_embedding_torch(
         heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 
 
+def rotary_embedding_interleaved(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """GPT-J-style rotary embedding (Cohere's, vLLM's ``is_neox_style=False``): dimensions
+    ``(2i, 2i + 1)`` of the first ``rot_dim`` of each head rotate as a pair by pair ``i``'s
+    angle, where Neox style pairs ``i`` with ``i + rot_dim / 2``. Same arguments as
+    ``rotary_embedding``; in place, computed in fp32 (as transformers computes Cohere's)."""
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    rot_dim = cos_sin_cache.shape[-1]
+    for x in (query, key):
+        heads = x.view(x.shape[0], -1, head_size)[..., :rot_dim]
+        pairs = heads.float().unflatten(-1, (-1, 2))
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        heads.copy_(rotated.flatten(-2))
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,

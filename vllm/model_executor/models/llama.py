@@ -157,16 +157,20 @@ class RotaryEmbedding(nn.Module):
     first ``rotary_dim(head_dim, params)`` dimensions of each head (all but for a partial
     rotary embedding, the table's width)."""
 
-    def __init__(self, head_dim: int, max_pos: int, params: dict[str, Any]) -> None:
+    def __init__(
+        self, head_dim: int, max_pos: int, params: dict[str, Any], neox: bool = True
+    ) -> None:
         super().__init__()
         # (max_pos, head_dim) = [cos | sin], vLLM's layout: the op gathers rows by position.
         cache = cos_sin_cache(head_dim, max_pos, params)  # params: rope_parameters' dict
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.head_dim = head_dim
+        self.neox = neox  # False: GPT-J style, adjacent dimensions paired (Cohere)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotate q (T, heads * head_dim) and k (T, kv_heads * head_dim) in place."""
-        ops.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin_cache)
+        rotate = ops.rotary_embedding if self.neox else ops.rotary_embedding_interleaved
+        rotate(positions, q, k, self.head_dim, self.cos_sin_cache)
 
 
 class LlamaLayer(nn.Module):

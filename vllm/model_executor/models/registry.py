@@ -58,6 +58,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "gpt_oss", "GptOssForCausalLM"),
+    "CohereForCausalLM": ("cohere", "cohere", "CohereForCausalLM"),
+    "Cohere2ForCausalLM": ("cohere2", "cohere", "CohereForCausalLM"),
     "GemmaForCausalLM": ("gemma", "gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3_text", "gemma", "GemmaForCausalLM"),
