@@ -298,8 +298,10 @@ class AsyncMPClient:
                 sent = self.input.send_multipart(frames, flags=zmq.NOBLOCK)
                 if isinstance(sent, asyncio.Future) and sent.done():
                     sent.exception()  # retrieved: no "exception never retrieved" noise
-            except zmq.ZMQError:
-                pass  # not connected yet, or gone: the death pipe below still ends it
+            except (zmq.ZMQError, RuntimeError):
+                # Not connected yet, or gone; or an asyncio socket shut down with no event
+                # loop to make its send's future in: the death pipe below still ends it.
+                pass
         # The message normally ends it within a step; the death pipe then ends the rest.
         self.proc.join(min(SHUTDOWN_MESSAGE_WAIT_S, timeout_s))
         self._death_writer.close()
