@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from vllm.reasoning import (  # noqa: F401
     deepseek_r1_reasoning_parser,
+    glm47_moe_reasoning_parser,
     gptoss_reasoning_parser,
     granite_reasoning_parser,
     qwen3_reasoning_parser,

@@ -1,0 +1,163 @@
+"""GLM-4.5 / 4.6 / 4.7's calls (vLLM's ``glm45`` and ``glm47``, one reading)::
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    <arg_key>days</arg_key>
+    <arg_value>3</arg_value>
+    </tool_call>
+
+GLM-4.7 writes the same without the newlines. The name runs from ``<tool_call>`` to the
+first ``<arg_key>`` (or ``</tool_call>``: a call without arguments) and is stripped; keys
+are stripped, values kept verbatim. Any number of calls; the text outside them is the
+content.
+
+Values are text, typed by the tool's JSON schema as for Qwen3-Coder (``typed_value``):
+an ``integer`` parameter's ``"3"`` becomes ``3``, an ``object`` one's JSON an object; a
+value that does not convert, and every parameter the schema does not type, stays a
+string. A key given twice keeps its first value.
+
+When the request has tools, a call to a name that is none of them is not a call (vLLM
+drops it; here the text stays content). Text that breaks the format (stray text between
+arguments, a key without a value, a call cut inside its name or a value) is content too;
+a call cut after a whole value (a stop string) holds.
+
+The markers are special tokens in GLM's tokenizer, so requests read by this parser keep
+special tokens in their text, as vLLM does. Streamed, a call appears once its name is
+complete, and its ``arguments`` JSON grows a whole parameter at a time, ``}`` when the
+call closes; each is a prefix of the final text.
+"""
+
+from __future__ import annotations
+
+import json
+
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ParsedToolCall,
+    ToolParser,
+    held_back,
+    register_tool_parser,
+)
+from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
+from vllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import typed_value
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
+VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
+
+
+class _Open(Exception):
+    """The call goes on past the end of the text; args[0]: the call so far, or None."""
+
+
+class _NotACall(Exception):
+    """The text at a call's start is not one (the user sees it as content)."""
+
+
+def _could_be(text: str, *tags: str) -> bool:
+    """Whether ``text`` (the rest of the output) may still become one of ``tags``."""
+    return any(tag.startswith(text) for tag in tags)
+
+
+@register_tool_parser("glm45", "glm47")
+class Glm47MoeToolParser(ToolParser):
+    keeps_special_tokens = True
+
+    def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
+        content: list[str] = []
+        calls: list[ParsedToolCall] = []
+        i = 0
+        while True:
+            j = text.find(TOOL_OPEN, i)
+            if j < 0:
+                tail = text[i:]
+                content.append(tail if final else tail[: len(tail) - held_back(tail, TOOL_OPEN)])
+                break
+            content.append(text[i:j])
+            try:
+                call, end = self._call(text, j + len(TOOL_OPEN), final)
+            except _Open as partial:
+                if partial.args[0] is not None:
+                    calls.append(partial.args[0])
+                break  # everything after waits for the call to close
+            except _NotACall:
+                if not final:
+                    break  # held back until the output ends (content only grows)
+                close = text.find(TOOL_CLOSE, j)
+                end = len(text) if close < 0 else close + len(TOOL_CLOSE)
+                content.append(text[j:end])
+                i = end
+                continue
+            calls.append(call)
+            i = end
+        joined = "".join(content).strip()
+        return ExtractedToolCalls(joined or (None if final else ""), calls)
+
+    def _call(self, text: str, pos: int, final: bool) -> tuple[ParsedToolCall, int]:
+        """The call whose name starts at ``pos`` and where it ends (after its closing
+        tag). Raises ``_Open`` while the text may go on inside it, ``_NotACall``."""
+        ends = [at for tag in (KEY_OPEN, TOOL_CLOSE) if (at := text.find(tag, pos)) >= 0]
+        if not ends:
+            if final:
+                raise _NotACall
+            raise _Open(None)
+        name = text[pos : min(ends)].strip()
+        if not name or "<" in name or (self.functions and name not in self.functions):
+            raise _NotACall
+        pos = min(ends)
+        args: list[tuple[str, str]] = []
+        while not text.startswith(TOOL_CLOSE, pos):
+            if pos >= len(text) and final:  # cut after a whole value (a stop string)
+                return self._parsed(name, args, closed=True), pos
+            arg, pos = self._arg(text, pos, final)
+            if arg is None:
+                raise _Open(self._parsed(name, args, closed=False))
+            args.append(arg)
+            pos = skip_ws(text, pos)
+        return self._parsed(name, args, closed=True), pos + len(TOOL_CLOSE)
+
+    @staticmethod
+    def _arg(text: str, pos: int, final: bool) -> tuple[tuple[str, str] | None, int]:
+        """The ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pair at ``pos`` and the
+        position after it; (None, pos) while the text may still complete it (not
+        ``final``). ``_NotACall`` if it breaks the format."""
+        rest = text[pos:]
+        if not final and _could_be(rest, KEY_OPEN, TOOL_CLOSE):
+            return None, pos
+        if not rest.startswith(KEY_OPEN):
+            raise _NotACall  # stray text inside the call
+        key_end = text.find(KEY_CLOSE, pos)
+        if key_end < 0:
+            if final:
+                raise _NotACall
+            return None, pos
+        key = text[pos + len(KEY_OPEN) : key_end].strip()
+        if not key or "<" in key:
+            raise _NotACall
+        value_at = skip_ws(text, key_end + len(KEY_CLOSE))
+        if not text.startswith(VALUE_OPEN, value_at):
+            if final or not _could_be(text[value_at:], VALUE_OPEN):
+                raise _NotACall  # a key without a value
+            return None, pos
+        value_end = text.find(VALUE_CLOSE, value_at)
+        if value_end < 0:
+            if final:
+                raise _NotACall  # cut inside a value: it may be incomplete
+            return None, pos
+        value = text[value_at + len(VALUE_OPEN) : value_end]
+        return (key, value), value_end + len(VALUE_CLOSE)
+
+    def _parsed(self, name: str, args: list[tuple[str, str]], closed: bool) -> ParsedToolCall:
+        fn = self.functions.get(name) or {}
+        schema = fn.get("parameters") if isinstance(fn, dict) else None
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        props = props if isinstance(props, dict) else {}
+        parts, seen = [], set()
+        for key, raw in args:
+            if key in seen:
+                continue
+            seen.add(key)
+            value = json.dumps(typed_value(raw, props.get(key)), ensure_ascii=False)
+            parts.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+        return ParsedToolCall(name, "{" + ", ".join(parts) + ("}" if closed else ""), closed)
