@@ -11,6 +11,7 @@ from vllm.reasoning import (  # noqa: F401
     glm47_moe_reasoning_parser,
     gptoss_reasoning_parser,
     granite_reasoning_parser,
+    olmo3_reasoning_parser,
     qwen3_reasoning_parser,
 )
 from vllm.reasoning.abs_reasoning_parsers import (

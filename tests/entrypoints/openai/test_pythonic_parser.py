@@ -67,3 +67,12 @@ def test_plain_text_streams_as_content():
     text = "Tokyo is sunny [source: 1]."
     got = _assemble(text, list(text), plan)
     assert got == {"content": text, "reasoning": "", "calls": {}}
+
+
+def test_json_literal_names_are_read_as_vllm_reads_them():
+    text = "[f(a=true, b=false, c=null, d=[true, {'k': null}])]"
+    assert extract(text) == (
+        None,
+        [("f", {"a": True, "b": False, "c": None, "d": [True, {"k": None}]})],
+    )
+    assert extract("[f(a=yes)]") == ("[f(a=yes)]", [])

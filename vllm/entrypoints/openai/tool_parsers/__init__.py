@@ -11,6 +11,7 @@ from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
     hermes_tool_parser,
     json_tool_parser,
     mistral_tool_parser,
+    olmo3_tool_parser,
     openai_tool_parser,
     pythonic_tool_parser,
     qwen3coder_tool_parser,

@@ -5,8 +5,9 @@ format, as vLLM's example template does)::
     [get_weather(city="Tokyo", days=3), bash(command="ls -la")]
 
 The whole output is a Python list of calls with keyword arguments whose values are
-literals (strings, numbers, booleans, None, lists, dicts); they become the calls'
-JSON arguments. Output that is not such a list is content, whole.
+literals (strings, numbers, booleans, None, lists, dicts; JSON's ``true``, ``false``
+and ``null`` too, as vLLM reads them); they become the calls' JSON arguments. Output
+that is not such a list is content, whole.
 
 Streamed, a call appears once its name is written (arguments empty) and gets all its
 arguments when its closing parenthesis comes: a call's JSON is only known whole.
@@ -28,7 +29,7 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
 _NAME = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")
 
 
-class _NotCalls(Exception):
+class _NotCalls(ValueError):
     """The text is not a list of calls."""
 
 
@@ -72,8 +73,20 @@ def _elements(text: str, start: int) -> tuple[list[str], str | None, bool]:
     return elements, rest if rest.strip() else None, False
 
 
-def _call(element: str) -> ParsedToolCall:
-    """A complete element as a call; ``_NotCalls`` if it is not one."""
+# Names some models write for JSON's literals (vLLM reads them as these values too).
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+class _JsonNames(ast.NodeTransformer):
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in _JSON_NAMES:
+            return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+        return node
+
+
+def parse_call(element: str) -> ParsedToolCall:
+    """A complete call ``name(key=literal, ...)`` (literals as Python writes them, or
+    JSON's ``true``/``false``/``null``); ``ValueError`` (``_NotCalls``) if it is not one."""
     try:
         node = ast.parse(element.strip(), mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -86,7 +99,7 @@ def _call(element: str) -> ParsedToolCall:
         if keyword.arg is None:  # **kwargs
             raise _NotCalls
         try:
-            arguments[keyword.arg] = ast.literal_eval(keyword.value)
+            arguments[keyword.arg] = ast.literal_eval(_JsonNames().visit(keyword.value))
         except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
             raise _NotCalls from None
     try:
@@ -112,7 +125,7 @@ class PythonicToolParser(ToolParser):
             return ExtractedToolCalls(text.strip() or (None if final else ""), [])
         try:
             elements, open_element, closed = _elements(body, 0)
-            calls = [_call(e) for e in elements]
+            calls = [parse_call(e) for e in elements]
             if final:
                 if not closed or not calls:
                     raise _NotCalls
