@@ -47,3 +47,54 @@ def load_cpu_runner(config, block_size: int = 16):
     finally:
         torch.set_num_threads(threads)
     return runner
+
+
+def runner_logits(runner, ids):
+    """fp32 logits of one whole prompt ``ids`` through ``runner``'s model (its KV cache
+    made here: 9 blocks, the prompt in blocks 1-8), as the engine's forward computes them."""
+    import torch
+
+    runner.initialize_kv_cache(9)
+    meta = runner.attn_backend.build_metadata([(0, len(ids), list(range(1, 9)))])
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden)
+
+
+def check_engine_greedy_matches(hf, path, max_tokens: int = 10, prefix_hit: bool = True):
+    """The engine on the checkpoint in ``path`` (written from ``hf``, vocab 49,152; the
+    embedded model's tokenizer copied in): three prompts sharing a 40-token prefix, in
+    16-token chunks, decoded together, then the last again (a prefix hit): each one's
+    greedy tokens equal transformers' ``generate``."""
+    import shutil
+
+    import torch
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import DEFAULT_MODEL
+    from vllm.model_executor.model_loader import resolve_model
+
+    tokenizer_dir = resolve_model(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", Path(path) / name)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
+              enable_prefix_caching=True)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0] if prefix_hit else None
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    if again is not None:
+        assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32

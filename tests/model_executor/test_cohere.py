@@ -5,14 +5,17 @@ rotation pairs adjacent dimensions; the engine's greedy tokens equal transformer
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import transformers
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner
-from vllm.config import DEFAULT_MODEL, ModelConfig
+from tests.tiny_models import (
+    TINY_LLAMA,
+    check_engine_greedy_matches,
+    load_cpu_runner,
+    runner_logits,
+)
+from vllm.config import ModelConfig
 from vllm.model_executor.models.cohere import CohereForCausalLM
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -48,16 +51,12 @@ def test_cohere_logits_equal_transformers(name, tmp_path):
         assert a.rope_layers == (True, True, True, False)
     else:
         assert a.qk_norm and a.rope_layers == (True, True)
-    runner.initialize_kv_cache(9)
     n = 100
     ids = torch.randint(
         0, TINY_LLAMA["vocab_size"], (n,), generator=torch.Generator().manual_seed(1)
     )
-    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
-        ours = runner.model.compute_logits(
-            runner.model(ids, torch.arange(n), meta, runner.kv_caches)
-        )
         ref = hf(ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
 
@@ -77,26 +76,5 @@ def test_interleaved_rotation_pairs_adjacent_dimensions():
 
 
 def test_cohere2_engine_greedy_tokens_equal_transformers_generate(tmp_path):
-    from vllm import LLM, SamplingParams
-    from vllm.model_executor.model_loader import resolve_model
-
     hf = save("Cohere2", tmp_path, vocab_size=49152, max_position_embeddings=256)
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for fname in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{fname}", tmp_path / fname)
-    g = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    check_engine_greedy_matches(hf, tmp_path, prefix_hit=False)

@@ -6,14 +6,17 @@ engine's greedy tokens (chunked prefill, batched decodes, a prefix hit) equal tr
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import transformers
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner
-from vllm.config import DEFAULT_MODEL, ModelConfig
+from tests.tiny_models import (
+    TINY_LLAMA,
+    check_engine_greedy_matches,
+    load_cpu_runner,
+    runner_logits,
+)
+from vllm.config import ModelConfig
 from vllm.model_executor.models.gemma import GemmaForCausalLM
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -51,14 +54,6 @@ def save_checkpoint(arch: str, path, **overrides) -> torch.nn.Module:
     return model
 
 
-def forward_logits(runner, ids: torch.Tensor) -> torch.Tensor:
-    runner.initialize_kv_cache(9)
-    meta = runner.attn_backend.build_metadata([(0, len(ids), list(range(1, 9)))])
-    with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
-        return runner.model.compute_logits(hidden)
-
-
 @pytest.mark.parametrize("arch", list(GEMMA))
 def test_gemma_architecture_resolves_to_the_gemma_implementation(arch):
     assert ModelRegistry.resolve_model_cls(gemma_config(arch))[0] is GemmaForCausalLM
@@ -80,7 +75,7 @@ def test_gemma_checkpoint_logits_equal_transformers(arch, dtype, tmp_path):
     ids = torch.randint(
         0, TINY_GEMMA["vocab_size"], (100,), generator=torch.Generator().manual_seed(1)
     )
-    ours = forward_logits(runner, ids)
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0].float()
     if dtype == "float32":
@@ -96,7 +91,7 @@ def test_each_gemma_feature_changes_the_logits(tmp_path):
     hf = save_checkpoint("Gemma2ForCausalLM", tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     ids = torch.arange(100) % TINY_GEMMA["vocab_size"]
-    ours = forward_logits(runner, ids)
+    ours = runner_logits(runner, ids)
     assert ours.abs().max() <= 0.2  # the final soft cap
     for field, value in [("attn_logit_softcapping", None), ("sliding_window", 4096),
                          ("query_pre_attn_scalar", 16)]:  # fmt: skip
@@ -138,32 +133,9 @@ def test_unsupported_gemma_configs_are_refused():
 def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
     """Gemma 3 through the engine: 16-token chunks over 12-token windows, batched decodes,
     a prefix hit; transformers' greedy tokens (the embedded model's tokenizer)."""
-    from vllm import LLM, SamplingParams
-    from vllm.model_executor.model_loader import resolve_model
-
     hf = save_checkpoint("Gemma3ForCausalLM", tmp_path, vocab_size=49152,
                          max_position_embeddings=128)  # fmt: skip
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
-    g = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected
-    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+    check_engine_greedy_matches(hf, tmp_path)
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
@@ -192,7 +164,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     assert type(runner.model) is Gemma3ForConditionalGeneration
     assert runner.arch.sliding_windows == (12, None, 12)
     ids = torch.randint(0, 93, (60,), generator=torch.Generator().manual_seed(1))
-    ours = forward_logits(runner, ids)
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
         ref = hf(input_ids=ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

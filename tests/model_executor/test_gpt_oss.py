@@ -7,15 +7,19 @@ equal transformers' ``generate``."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner
-from vllm.config import DEFAULT_MODEL, ModelConfig
+from tests.tiny_models import (
+    TINY_LLAMA,
+    check_engine_greedy_matches,
+    load_cpu_runner,
+    runner_logits,
+)
+from vllm.config import ModelConfig
 from vllm.model_executor.models.gpt_oss import GptOssForCausalLM, deinterleave, dequantize_mxfp4
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -48,14 +52,6 @@ def hf_model(**overrides) -> torch.nn.Module:
     return model
 
 
-def forward_logits(runner, ids: torch.Tensor) -> torch.Tensor:
-    runner.initialize_kv_cache(9)
-    meta = runner.attn_backend.build_metadata([(0, len(ids), list(range(1, 9)))])
-    with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
-        return runner.model.compute_logits(hidden)
-
-
 IDS = torch.randint(0, TINY_LLAMA["vocab_size"], (100,), generator=torch.Generator().manual_seed(1))
 
 
@@ -66,7 +62,7 @@ def test_gpt_oss_checkpoint_logits_equal_transformers(tmp_path):
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     assert runner.arch.sliding_windows == (12, None)
     assert runner.attn_backend.name == "TORCH_SDPA"
-    ours = forward_logits(runner, IDS)
+    ours = runner_logits(runner, IDS)
     with torch.inference_mode():
         ref = hf(IDS[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
@@ -139,7 +135,7 @@ def test_mxfp4_checkpoint_gives_the_logits_of_its_expanded_weights(tmp_path):
         f.unlink()
     save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "model.safetensors")
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
-    ours = forward_logits(runner, IDS)
+    ours = runner_logits(runner, IDS)
     with torch.inference_mode():
         ref = hf(IDS[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
@@ -147,31 +143,8 @@ def test_mxfp4_checkpoint_gives_the_logits_of_its_expanded_weights(tmp_path):
 
 def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
     """Chunked prefill over the 12-token windows, batched decodes, a prefix hit."""
-    from vllm import LLM, SamplingParams
-    from vllm.model_executor.model_loader import resolve_model
-
     hf = hf_model(vocab_size=49152)
     hf.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["GptOssForCausalLM"]
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
-    g = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected
-    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+    check_engine_greedy_matches(hf, tmp_path)

@@ -6,14 +6,17 @@ OLMo 3's greedy tokens through the engine equal transformers' ``generate``."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import transformers
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner
-from vllm.config import DEFAULT_MODEL, ModelConfig
+from tests.tiny_models import (
+    TINY_LLAMA,
+    check_engine_greedy_matches,
+    load_cpu_runner,
+    runner_logits,
+)
+from vllm.config import ModelConfig
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -59,14 +62,11 @@ def test_variant_logits_equal_transformers(name, tmp_path):
     for field, value in expected.items():
         assert getattr(a, field) == value, field
     assert (a.rope_local_parameters is not None) == (name == "Olmo3")
-    runner.initialize_kv_cache(9)
     n = 100
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (n,), generator=g)
-    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(n), meta, runner.kv_caches)
-        ours = runner.model.compute_logits(hidden)
         ref = hf(ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
 
@@ -110,31 +110,8 @@ def test_each_flag_is_live(tmp_path):
 
 def test_olmo3_engine_greedy_tokens_equal_transformers_generate(tmp_path):
     """Chunked prefill over 12-token windows, batched decodes and a prefix hit."""
-    from vllm import LLM, SamplingParams
-    from vllm.model_executor.model_loader import resolve_model
-
     hf = save("Olmo3", tmp_path, vocab_size=49152, max_position_embeddings=256)
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
-    g = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected
-    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+    check_engine_greedy_matches(hf, tmp_path)
 
 
 def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
@@ -154,11 +131,8 @@ def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     hf.save_pretrained(tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     assert type(runner.model) is Mistral3ForConditionalGeneration
-    runner.initialize_kv_cache(9)
     ids = torch.randint(0, 90, (60,), generator=torch.Generator().manual_seed(1))
-    meta = runner.attn_backend.build_metadata([(0, 60, list(range(1, 9)))])
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(60), meta, runner.kv_caches)
-        ours = runner.model.compute_logits(hidden)
         ref = hf(input_ids=ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

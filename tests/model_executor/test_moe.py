@@ -5,14 +5,17 @@ engine's greedy tokens equal transformers' ``generate``."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import transformers
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner
-from vllm.config import DEFAULT_MODEL, ModelConfig
+from tests.tiny_models import (
+    TINY_LLAMA,
+    check_engine_greedy_matches,
+    load_cpu_runner,
+    runner_logits,
+)
+from vllm.config import ModelConfig
 from vllm.model_executor.layers import fused_moe
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.models.moe import MoeForCausalLM
@@ -54,14 +57,6 @@ def save_checkpoint(arch: str, path, **overrides) -> torch.nn.Module:
     return model
 
 
-def forward_logits(runner, ids: torch.Tensor) -> torch.Tensor:
-    runner.initialize_kv_cache(9)
-    meta = runner.attn_backend.build_metadata([(0, len(ids), list(range(1, 9)))])
-    with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
-        return runner.model.compute_logits(hidden)
-
-
 @pytest.mark.parametrize("arch", list(MOE))
 def test_moe_architecture_resolves_to_the_moe_implementation(arch):
     assert ModelRegistry.resolve_model_cls(moe_config(arch))[0] is MoeForCausalLM
@@ -81,7 +76,7 @@ def test_moe_checkpoint_logits_equal_transformers(arch, tmp_path):
     ids = torch.randint(
         0, TINY_LLAMA["vocab_size"], (100,), generator=torch.Generator().manual_seed(1)
     )
-    ours = forward_logits(runner, ids)
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
@@ -101,7 +96,7 @@ def test_decoder_sparse_step_keeps_the_other_layers_dense(tmp_path):
     ids = torch.arange(40) % TINY_LLAMA["vocab_size"]
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0].float()
-    assert torch.allclose(forward_logits(runner, ids), ref, atol=1e-4)
+    assert torch.allclose(runner_logits(runner, ids), ref, atol=1e-4)
 
 
 def reference_experts(x, w13, w2, weights, ids) -> torch.Tensor:
@@ -197,30 +192,7 @@ def test_dummy_weights_fill_the_experts(tmp_path):
 def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
     """The engine (chunked prefill, a batch of decodes, a prefix hit) on a Qwen3-MoE
     checkpoint with the embedded model's tokenizer: transformers' greedy tokens."""
-    from vllm import LLM, SamplingParams
-    from vllm.model_executor.model_loader import resolve_model
-
     hf = save_checkpoint(
         "Qwen3MoeForCausalLM", tmp_path, vocab_size=49152, max_position_embeddings=256
     )
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
-    g = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=32,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected
-    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+    check_engine_greedy_matches(hf, tmp_path)

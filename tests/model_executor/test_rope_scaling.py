@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner, runner_logits
 from vllm.model_executor.layers.rotary_embedding import (
     inverse_frequencies,
     rope_parameters,
@@ -90,15 +90,12 @@ def test_tiny_checkpoint_logits_equal_transformers_past_the_original_length(name
     hf = getattr(transformers, f"{arch}ForCausalLM")(config(name, arch)).eval()
     hf.save_pretrained(tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
-    runner.initialize_kv_cache(9)
     n = 120  # well past the original 32 positions
     ids = torch.randint(
         0, TINY_LLAMA["vocab_size"], (n,), generator=torch.Generator().manual_seed(1)
     )
-    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(n), meta, runner.kv_caches)
-        ours = runner.model.compute_logits(hidden)
         ref = hf(ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
 
@@ -160,13 +157,10 @@ def test_phi3_longrope_partial_checkpoint_logits_equal_transformers(max_model_le
     hf.save_pretrained(tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=max_model_len))
     assert runner.arch.rope["long_rope"] is (max_model_len > 32)
-    runner.initialize_kv_cache(9)
     ids = torch.randint(
         0, TINY_LLAMA["vocab_size"], (n,), generator=torch.Generator().manual_seed(1)
     )
-    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(n), meta, runner.kv_caches)
-        ours = runner.model.compute_logits(hidden)
         ref = hf(ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

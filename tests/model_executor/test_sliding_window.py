@@ -5,14 +5,17 @@ equal transformers'."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import transformers
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner
-from vllm.config import DEFAULT_MODEL, ModelConfig
+from tests.tiny_models import (
+    TINY_LLAMA,
+    check_engine_greedy_matches,
+    load_cpu_runner,
+    runner_logits,
+)
+from vllm.config import ModelConfig
 from vllm.model_executor.model_loader import layer_sliding_windows, model_max_len
 
 
@@ -59,14 +62,11 @@ def test_logits_past_the_window_equal_transformers(arch, fields, tmp_path):
     hf = save(arch, tmp_path, **fields)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     assert runner.attn_backend.name == "TORCH_SDPA"
-    runner.initialize_kv_cache(9)
     n = 100
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (n,), generator=g)
-    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(n), meta, runner.kv_caches)
-        ours = runner.model.compute_logits(hidden)
         ref = hf(ids[None]).logits[0].float()
         # The window matters here: the same model attending to everything differs.
         hf.config.sliding_window = None
@@ -81,31 +81,8 @@ def test_logits_past_the_window_equal_transformers(arch, fields, tmp_path):
 def test_engine_greedy_tokens_past_the_window_equal_transformers_generate(tmp_path):
     """Chunked prefill (16-token chunks over a 12-token window), batched decodes and a prefix
     hit on a Mistral v0.1-style checkpoint: transformers' greedy tokens."""
-    from vllm import LLM, SamplingParams
-    from vllm.model_executor.model_loader import resolve_model
-
     hf = save("Mistral", tmp_path, sliding_window=12, vocab_size=49152, max_position_embeddings=256)
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", tmp_path / name)
-    g = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, 49152, (40,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        again = llm.generate({"prompt_token_ids": prompts[2]}, params)[0]
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected
-    assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+    check_engine_greedy_matches(hf, tmp_path)
 
 
 def test_disable_sliding_window_caps_the_context_and_keeps_the_layers_rotations(tmp_path):
@@ -140,15 +117,11 @@ def test_disable_sliding_window_caps_the_context_and_keeps_the_layers_rotations(
     assert runner.arch.sliding_windows == (None, None)
     assert runner.arch.sliding_layers == (True, False)
     assert runner.model.attention_features == frozenset()
-    runner.initialize_kv_cache(9)
     n = 40
     ids = torch.randint(
         0, TINY_LLAMA["vocab_size"], (n,), generator=torch.Generator().manual_seed(2)
     )
-    meta = runner.attn_backend.build_metadata([(0, n, list(range(1, 9)))])
+    ours = runner_logits(runner, ids)
     with torch.inference_mode():
-        ours = runner.model.compute_logits(
-            runner.model(ids, torch.arange(n), meta, runner.kv_caches)
-        )
         ref = hf(ids[None]).logits[0].float()  # within the window: the same attention
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
