@@ -13,6 +13,7 @@ from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
     mistral_tool_parser,
     olmo3_tool_parser,
     openai_tool_parser,
+    phi4mini_tool_parser,
     pythonic_tool_parser,
     qwen3coder_tool_parser,
 )
