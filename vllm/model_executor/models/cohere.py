@@ -25,11 +25,11 @@ from torch import nn
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 from vllm.model_executor.models.llama import (
-    LlamaForCausalLM,
     RotaryEmbedding,
     _no_attention_backend,
     attention_features,
     layer_attention,
+    load_projections,
 )
 
 
@@ -196,7 +196,6 @@ class CohereForCausalLM(nn.Module):
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
         self.init_buffers()
-        fused = LlamaForCausalLM.fused
         with torch.no_grad():
             self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
             self.norm.weight.copy_(sd["norm.weight"])
@@ -204,18 +203,8 @@ class CohereForCausalLM(nn.Module):
                 self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["embed_tokens.weight"]))
             for i, layer in enumerate(self.layers):
                 p, att = f"layers.{i}.", f"layers.{i}.self_attn."
-                layer.qkv_proj.weight.copy_(
-                    fused(sd, att, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-                )
-                layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
-                if self.arch.attention_bias:
-                    layer.qkv_proj.bias.copy_(
-                        torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
-                    )
-                    layer.o_proj.bias.copy_(sd[att + "o_proj.bias"])
-                gate_up = fused(sd, p + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
-                layer.gate_up_proj.weight.copy_(gate_up)
-                layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                bias = self.arch.attention_bias
+                load_projections(layer, sd, p, bias, bias)
                 layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
                 if self.arch.qk_norm:
                     layer.q_norm.weight.copy_(sd[att + "q_norm.weight"])

@@ -31,11 +31,11 @@ from torch.nn import functional as F
 
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 from vllm.model_executor.models.llama import (
-    LlamaForCausalLM,
     RotaryEmbedding,
     _no_attention_backend,
     attention_features,
     layer_attention,
+    load_projections,
 )
 from vllm.model_executor.models.utils import language_model_tensors
 
@@ -269,7 +269,6 @@ class GemmaForCausalLM(nn.Module):
         """Copy HF checkpoint tensors in, fusing q/k/v and gate/up, after ``init_buffers``."""
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
         self.init_buffers()
-        fused = LlamaForCausalLM.fused
         with torch.no_grad():
             self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
             self.norm.weight.copy_(sd["norm.weight"])
@@ -278,17 +277,8 @@ class GemmaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"layers.{i}."
                 att = p + "self_attn."
-                qkv = fused(sd, att, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-                layer.qkv_proj.weight.copy_(qkv)
-                layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
-                if self.arch.attention_bias:
-                    layer.qkv_proj.bias.copy_(
-                        torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
-                    )
-                    layer.o_proj.bias.copy_(sd[att + "o_proj.bias"])
-                gate_up = fused(sd, p + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
-                layer.gate_up_proj.weight.copy_(gate_up)
-                layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                bias = self.arch.attention_bias
+                load_projections(layer, sd, p, bias, bias)
                 norms = ["input_layernorm", "post_attention_layernorm"]
                 if self.arch.sandwich_norms:
                     norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]

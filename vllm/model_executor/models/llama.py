@@ -272,6 +272,31 @@ class LlamaLayer(nn.Module):
         return self.o_proj(attn.reshape(-1, self.q_size))
 
 
+def load_projections(
+    layer: nn.Module,
+    sd: dict[str, torch.Tensor],
+    prefix: str,
+    qkv_bias: bool,
+    o_bias: bool,
+    mlp: bool = True,
+) -> None:
+    """Fill a layer's fused ``qkv_proj`` (and its bias), ``o_proj`` (and its bias) and,
+    with ``mlp``, its fused ``gate_up_proj`` and ``down_proj``, from the HF checkpoint
+    tensors of the layer ``prefix`` (``layers.N.``): the families' shared projections."""
+    att = prefix + "self_attn."
+    fused = LlamaForCausalLM.fused
+    layer.qkv_proj.weight.copy_(fused(sd, att, ("q_proj", "k_proj", "v_proj"), "qkv_proj"))
+    if qkv_bias:
+        layer.qkv_proj.bias.copy_(torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"]))
+    layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
+    if o_bias:
+        layer.o_proj.bias.copy_(sd[att + "o_proj.bias"])
+    if mlp:
+        gate_up = fused(sd, prefix + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
+        layer.gate_up_proj.weight.copy_(gate_up)
+        layer.down_proj.weight.copy_(sd[prefix + "mlp.down_proj.weight"])
+
+
 def _no_attention_backend(*args: Any) -> torch.Tensor:
     raise RuntimeError("no attention backend: call set_attention_backend first")
 
@@ -393,22 +418,9 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"layers.{i}."
                 att = p + "self_attn."
-                layer.qkv_proj.weight.copy_(
-                    self.fused(sd, att, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-                )
-                if self.arch.attention_bias:
-                    layer.qkv_proj.bias.copy_(
-                        torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
-                    )
-                layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
-                if self.arch.o_bias:
-                    layer.o_proj.bias.copy_(sd[att + "o_proj.bias"])
-                if layer.mlp is None:
-                    layer.gate_up_proj.weight.copy_(
-                        self.fused(sd, p + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
-                    )
-                    layer.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
-                else:
+                a = self.arch
+                load_projections(layer, sd, p, a.attention_bias, a.o_bias, layer.mlp is None)
+                if layer.mlp is not None:
                     self.load_mlp(layer.mlp, sd, p)
                 norms = ["post_attention_layernorm"]
                 norms += ["post_feedforward_layernorm"] if self.arch.post_norms else (
