@@ -383,15 +383,27 @@ def rotary_embedding_torch(
     key: torch.Tensor,
     head_size: int,
     cos_sin_cache: torch.Tensor,
+    neox: bool = True,
 ) -> None:
+    """``rotary_embedding`` in torch. ``neox`` False: GPT-J style (Cohere's, vLLM's
+    ``is_neox_style=False``): dimensions ``(2i, 2i + 1)`` rotate as a pair by pair ``i``'s
+    angle, where Neox style pairs ``i`` with ``i + rot_dim / 2``; computed in fp32, as
+    transformers computes Cohere's."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, rot_dim/2)
     rot_dim = cos_sin_cache.shape[-1]
+    if not neox:
+        cos, sin = cos.float(), sin.float()
     for x in (query, key):
         heads = x.view(x.shape[0], -1, head_size)
         if rot_dim != head_size:  # partial rotary: the leading rot_dim dimensions only
             heads = heads[..., :rot_dim]
-        x1, x2 = heads.chunk(2, dim=-1)
-        heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        if neox:
+            x1, x2 = heads.chunk(2, dim=-1)
+            heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        else:
+            x1, x2 = heads.float().unflatten(-1, (-1, 2)).unbind(-1)
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            heads.copy_(rotated.flatten(-2))
 
 
 def rotary_embedding_interleaved(
@@ -401,18 +413,8 @@ def rotary_embedding_interleaved(
     head_size: int,
     cos_sin_cache: torch.Tensor,
 ) -> None:
-    """GPT-J-style rotary embedding (Cohere's, vLLM's ``is_neox_style=False``): dimensions
-    ``(2i, 2i + 1)`` of the first ``rot_dim`` of each head rotate as a pair by pair ``i``'s
-    angle, where Neox style pairs ``i`` with ``i + rot_dim / 2``. Same arguments as
-    ``rotary_embedding``; in place, computed in fp32 (as transformers computes Cohere's)."""
-    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
-    rot_dim = cos_sin_cache.shape[-1]
-    for x in (query, key):
-        heads = x.view(x.shape[0], -1, head_size)[..., :rot_dim]
-        pairs = heads.float().unflatten(-1, (-1, 2))
-        x1, x2 = pairs[..., 0], pairs[..., 1]
-        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        heads.copy_(rotated.flatten(-2))
+    """GPT-J-style ``rotary_embedding`` (``rotary_embedding_torch(..., neox=False)``)."""
+    rotary_embedding_torch(positions, query, key, head_size, cos_sin_cache, neox=False)
 
 
 def rotary_embedding(
