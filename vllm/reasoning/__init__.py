@@ -7,6 +7,7 @@ decorated with ``@register_reasoning_parser("name")`` in a module imported here.
 from __future__ import annotations
 
 from vllm.reasoning import (  # noqa: F401
+    cohere_command_reasoning_parser,
     deepseek_r1_reasoning_parser,
     glm47_moe_reasoning_parser,
     gptoss_reasoning_parser,

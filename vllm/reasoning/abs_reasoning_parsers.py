@@ -62,6 +62,10 @@ def held_back(text: str, tags: tuple[str, ...]) -> int:
 class ReasoningParser(ABC):
     """Splits a model's output into reasoning and content."""
 
+    # The requests it reads keep special tokens in their text (its markers are special
+    # tokens, as Cohere's <|START_THINKING|>).
+    keeps_special_tokens: bool = False
+
     def __init__(self, chat_template_kwargs: Mapping[str, Any]) -> None:
         self.chat_template_kwargs = chat_template_kwargs
 

@@ -133,7 +133,7 @@ class ToolPlan:
             found = [c for c in self.parser.extract(text, False).calls if c.complete and c.name]
             content = None
         if not found:
-            return {"role": self.role, "content": text}, finish_reason
+            return {"role": self.role, "content": self.parser.plain_content(text)}, finish_reason
         calls = [_call_dict(c.name, c.arguments, self.call_id()) for c in found]
         message = {"role": self.role, "content": content, "tool_calls": calls}
         return message, self.finish_reason(finish_reason, True)
@@ -285,6 +285,7 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
         plan.structured_outputs = response_format
     if config.reasoning_parser is not None and request.separate_reasoning is not False:
         plan.reasoning = get_reasoning_parser(config.reasoning_parser, request.chat_template_kwargs)
+        plan.keep_special_tokens |= plan.reasoning.keeps_special_tokens
         plan.include_reasoning = request.include_reasoning is not False
         plan.stream_reasoning = request.stream_reasoning is not False
         end = plan.reasoning.end_of_reasoning

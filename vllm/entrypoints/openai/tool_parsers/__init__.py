@@ -7,6 +7,7 @@ decorated with ``@register_tool_parser("name")`` in a module imported here.
 from __future__ import annotations
 
 from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
+    cohere_command_tool_parser,
     glm47_moe_tool_parser,
     hermes_tool_parser,
     json_tool_parser,

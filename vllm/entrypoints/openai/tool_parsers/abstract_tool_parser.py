@@ -87,6 +87,11 @@ class ToolParser(ABC):
                 return ExtractedToolCalls(text.strip() or None, [])
             return ExtractedToolCalls("", [])
 
+    def plain_content(self, text: str) -> str:
+        """The content of a whole output in which no call was found (default: the text
+        as the model wrote it; a format whose markers frame every answer drops them)."""
+        return text
+
     @abstractmethod
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         """``final``: the whole output. Every call returned is then complete and valid
@@ -107,31 +112,34 @@ def held_back(text: str, *tags: str) -> int:
     return 0
 
 
-def call_at(text: str, start: int) -> tuple[ParsedToolCall, int | None]:
+def call_at(
+    text: str, start: int, name_key: str = "name", args_key: str = "arguments"
+) -> tuple[ParsedToolCall, int | None]:
     """The call object ``{"name": ..., "arguments"|"parameters": {...}}`` opening at
     ``text[start] == '{'``, and the end of the object (None while open). ``Malformed``
-    if it is not JSON; a complete call is further checked by ``is_valid_call``."""
+    if it is not JSON; a complete call is further checked by ``is_valid_call``. Other
+    formats name the keys (Cohere's ``tool_name`` and ``parameters``)."""
     scan = scan_object(text, start)
     name = None
-    if scan.complete("name"):
-        raw = json.loads(scan.raw(text, "name"))
+    if scan.complete(name_key):
+        raw = json.loads(scan.raw(text, name_key))
         if not isinstance(raw, str):
             raise Malformed("name must be a string")
         name = raw
-    key = "arguments" if "arguments" in scan.members else "parameters"
+    key = args_key if args_key in scan.members else "parameters"
     args = scan.raw(text, key)
     if args is None:  # not there yet, or a call without arguments
         args = "{}" if scan.end is not None else ""
     return ParsedToolCall(name, args, scan.end is not None), scan.end
 
 
-def is_valid_call(obj_text: str) -> bool:
+def is_valid_call(obj_text: str, name_key: str = "name", args_key: str = "arguments") -> bool:
     """Whether a complete call object is valid JSON with a name and object arguments."""
     try:
         obj = json.loads(obj_text)
     except (ValueError, RecursionError):  # RecursionError: nested past the stack
         return False
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+    if not isinstance(obj, dict) or not isinstance(obj.get(name_key), str) or not obj[name_key]:
         return False
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = obj.get(args_key, obj.get("parameters", {}))
     return isinstance(args, dict)
