@@ -57,7 +57,8 @@ def runner_logits(runner, ids):
     runner.initialize_kv_cache(9)
     meta = runner.attn_backend.build_metadata([(0, len(ids), list(range(1, 9)))])
     with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(len(ids)), meta, runner.kv_caches)
+        positions = torch.arange(len(ids), device=ids.device)
+        hidden = runner.model(ids, positions, meta, runner.kv_caches)
         return runner.model.compute_logits(hidden)
 
 

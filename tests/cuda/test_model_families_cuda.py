@@ -1,0 +1,70 @@
+"""The model families added on the CPU (Gemma 2/3, Cohere 2, OLMo 3, gpt-oss), run on CUDA
+in bf16: each tiny checkpoint's logits over 100 tokens (past its 12-token windows) within
+rounding of the same engine's bf16 logits on the CPU (whose fp32 logits the CPU tests hold
+to transformers' within 1e-4; bf16 alone moves gpt-oss's tiny logits by half their size
+against fp32, routing included, transformers' as much as ours), on the backend the selector
+picks for its
+attention features: torch's FlashAttention for sliding windows alone, the torch backend
+for soft caps (Gemma 2) and sinks (gpt-oss). The CPU tests are in tests/model_executor.
+
+Run with ``pytest -m cuda tests`` on a CUDA machine; skipped without one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner, runner_logits
+from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.worker.model_runner import ModelRunner
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def save_family(family: str, path) -> torch.nn.Module:
+    if family.startswith("Gemma"):
+        from tests.model_executor.test_gemma import save_checkpoint
+
+        return save_checkpoint(f"{family}ForCausalLM", path)
+    if family == "Cohere2":
+        from tests.model_executor.test_cohere import save
+
+        return save("Cohere2", path)
+    if family == "Olmo3":
+        from tests.model_executor.test_llama_variants import save
+
+        return save("Olmo3", path)
+    from tests.model_executor.test_gpt_oss import hf_model
+
+    hf = hf_model()
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize(
+    "family, backend",
+    [("Gemma3", "TORCH_FLASH_ATTN"), ("Cohere2", "TORCH_FLASH_ATTN"),
+     ("Olmo3", "TORCH_FLASH_ATTN"), ("Gemma2", "TORCH_SDPA"), ("GptOss", "TORCH_SDPA")],
+)  # fmt: skip
+def test_family_logits_on_cuda_match_the_cpu(family, backend, tmp_path):
+    save_family(family, tmp_path)
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=128),
+        scheduler_config=SchedulerConfig(max_model_len=128, max_num_batched_tokens=128),
+    )
+    runner = ModelRunner(config, device="cuda")
+    runner.load_model()
+    assert runner.attn_backend.name == backend
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (100,), generator=g)
+    ours = runner_logits(runner, ids.cuda()).float().cpu()
+    cpu = load_cpu_runner(ModelConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=128))
+    ref = runner_logits(cpu, ids).float()
+    err = (ours - ref).abs().max()
+    assert err < 0.05 * ref.abs().max(), (err, ref.abs().max())
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    runner.release()
