@@ -36,23 +36,19 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
-    held_back,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
 from vllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import typed_value
+from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
+    CallOpen,
+    NotACall,
+    scan_tagged_calls,
+)
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
 VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
-
-
-class _Open(Exception):
-    """The call goes on past the end of the text; args[0]: the call so far, or None."""
-
-
-class _NotACall(Exception):
-    """The text at a call's start is not one (the user sees it as content)."""
 
 
 def _could_be(text: str, *tags: str) -> bool:
@@ -65,46 +61,20 @@ class Glm47MoeToolParser(ToolParser):
     keeps_special_tokens = True
 
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
-        content: list[str] = []
-        calls: list[ParsedToolCall] = []
-        i = 0
-        while True:
-            j = text.find(TOOL_OPEN, i)
-            if j < 0:
-                tail = text[i:]
-                content.append(tail if final else tail[: len(tail) - held_back(tail, TOOL_OPEN)])
-                break
-            content.append(text[i:j])
-            try:
-                call, end = self._call(text, j + len(TOOL_OPEN), final)
-            except _Open as partial:
-                if partial.args[0] is not None:
-                    calls.append(partial.args[0])
-                break  # everything after waits for the call to close
-            except _NotACall:
-                if not final:
-                    break  # held back until the output ends (content only grows)
-                close = text.find(TOOL_CLOSE, j)
-                end = len(text) if close < 0 else close + len(TOOL_CLOSE)
-                content.append(text[j:end])
-                i = end
-                continue
-            calls.append(call)
-            i = end
-        joined = "".join(content).strip()
-        return ExtractedToolCalls(joined or (None if final else ""), calls)
+        return scan_tagged_calls(text, final, (TOOL_OPEN,), TOOL_CLOSE, self._call)
 
-    def _call(self, text: str, pos: int, final: bool) -> tuple[ParsedToolCall, int]:
-        """The call whose name starts at ``pos`` and where it ends (after its closing
-        tag). Raises ``_Open`` while the text may go on inside it, ``_NotACall``."""
+    def _call(self, text: str, start: int, final: bool) -> tuple[ParsedToolCall, int]:
+        """The call whose ``<tool_call>`` is at ``start`` and where it ends (after its
+        closing tag). Raises ``CallOpen`` while the text may go on inside it, ``NotACall``."""
+        pos = start + len(TOOL_OPEN)
         ends = [at for tag in (KEY_OPEN, TOOL_CLOSE) if (at := text.find(tag, pos)) >= 0]
         if not ends:
             if final:
-                raise _NotACall
-            raise _Open(None)
+                raise NotACall
+            raise CallOpen(None)
         name = text[pos : min(ends)].strip()
         if not name or "<" in name or (self.functions and name not in self.functions):
-            raise _NotACall
+            raise NotACall
         pos = min(ends)
         args: list[tuple[str, str]] = []
         while not text.startswith(TOOL_CLOSE, pos):
@@ -112,7 +82,7 @@ class Glm47MoeToolParser(ToolParser):
                 return self._parsed(name, args, closed=True), pos
             arg, pos = self._arg(text, pos, final)
             if arg is None:
-                raise _Open(self._parsed(name, args, closed=False))
+                raise CallOpen(self._parsed(name, args, closed=False))
             args.append(arg)
             pos = skip_ws(text, pos)
         return self._parsed(name, args, closed=True), pos + len(TOOL_CLOSE)
@@ -121,29 +91,29 @@ class Glm47MoeToolParser(ToolParser):
     def _arg(text: str, pos: int, final: bool) -> tuple[tuple[str, str] | None, int]:
         """The ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pair at ``pos`` and the
         position after it; (None, pos) while the text may still complete it (not
-        ``final``). ``_NotACall`` if it breaks the format."""
+        ``final``). ``NotACall`` if it breaks the format."""
         rest = text[pos:]
         if not final and _could_be(rest, KEY_OPEN, TOOL_CLOSE):
             return None, pos
         if not rest.startswith(KEY_OPEN):
-            raise _NotACall  # stray text inside the call
+            raise NotACall  # stray text inside the call
         key_end = text.find(KEY_CLOSE, pos)
         if key_end < 0:
             if final:
-                raise _NotACall
+                raise NotACall
             return None, pos
         key = text[pos + len(KEY_OPEN) : key_end].strip()
         if not key or "<" in key:
-            raise _NotACall
+            raise NotACall
         value_at = skip_ws(text, key_end + len(KEY_CLOSE))
         if not text.startswith(VALUE_OPEN, value_at):
             if final or not _could_be(text[value_at:], VALUE_OPEN):
-                raise _NotACall  # a key without a value
+                raise NotACall  # a key without a value
             return None, pos
         value_end = text.find(VALUE_CLOSE, value_at)
         if value_end < 0:
             if final:
-                raise _NotACall  # cut inside a value: it may be incomplete
+                raise NotACall  # cut inside a value: it may be incomplete
             return None, pos
         value = text[value_at + len(VALUE_OPEN) : value_end]
         return (key, value), value_end + len(VALUE_CLOSE)

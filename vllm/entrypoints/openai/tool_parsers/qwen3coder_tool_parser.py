@@ -37,10 +37,14 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
-    held_back,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
+from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
+    CallOpen,
+    NotACall,
+    scan_tagged_calls,
+)
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FN_OPEN, FN_CLOSE = "<function=", "</function>"
@@ -52,65 +56,29 @@ def _is_prefix_of_any(text: str, tags: tuple[str, ...]) -> bool:
     return any(tag.startswith(text) for tag in tags)
 
 
-class _Open(Exception):
-    """The call goes on past the end of the text (streaming: wait for more)."""
-
-
-class _NotACall(Exception):
-    """The text at a call's start is not one (the user sees it as content)."""
-
-
 @register_tool_parser("qwen3_coder", "qwen3_xml")
 class Qwen3CoderToolParser(ToolParser):
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
-        content: list[str] = []
-        calls: list[ParsedToolCall] = []
-        i = 0
-        while True:
-            starts = [j for j in (text.find(tag, i) for tag in _STARTS) if j >= 0]
-            if not starts:
-                tail = text[i:]
-                content.append(tail if final else tail[: len(tail) - held_back(tail, *_STARTS)])
-                break
-            j = min(starts)
-            content.append(text[i:j])
-            try:
-                call, end = self._call(text, j, final)
-            except _Open as partial:
-                if partial.args and partial.args[0] is not None:
-                    calls.append(partial.args[0])
-                break  # everything after waits for the call to close
-            except _NotACall:
-                if not final:
-                    break  # held back until the output ends (content only grows)
-                end = text.find(TOOL_CLOSE, j)
-                end = len(text) if end < 0 else end + len(TOOL_CLOSE)
-                content.append(text[j:end])
-                i = end
-                continue
-            calls.append(call)
-            i = end
-        joined = "".join(content).strip()
-        return ExtractedToolCalls(joined or (None if final else ""), calls)
+        return scan_tagged_calls(text, final, _STARTS, TOOL_CLOSE, self._call)
 
     def _call(self, text: str, start: int, final: bool) -> tuple[ParsedToolCall, int]:
-        """The call starting at ``start`` and where it ends. Raises ``_Open`` (with the
+        """The call starting at ``start`` and where it ends. Raises ``CallOpen`` (with the
         call so far, or None before its name is complete) when the text ends inside it and
-        more may come, ``_NotACall`` when it is not one."""
+        more may come, ``NotACall`` when it is not one."""
         wrapped = text.startswith(TOOL_OPEN, start)
         pos = skip_ws(text, start + len(TOOL_OPEN)) if wrapped else start
         if not text.startswith(FN_OPEN, pos):
             if _is_prefix_of_any(text[pos:], (FN_OPEN,)) and not final:
-                raise _Open(None)
-            raise _NotACall
+                raise CallOpen(None)
+            raise NotACall
         name_end = text.find(">", pos + len(FN_OPEN))
         if name_end < 0:
             if final:
-                raise _NotACall
-            raise _Open(None)
+                raise NotACall
+            raise CallOpen(None)
         name = text[pos + len(FN_OPEN) : name_end].strip()
         if not name or "\n" in name or "<" in name:
-            raise _NotACall
+            raise NotACall
         params: list[tuple[str, str]] = []
         pos = name_end + 1
         while True:
@@ -121,20 +89,20 @@ class Qwen3CoderToolParser(ToolParser):
             if text.startswith(PARAM_OPEN, pos):
                 param, pos = self._param(text, pos, final)
                 if param is None:
-                    raise _Open(self._parsed(name, params, closed=False))
+                    raise CallOpen(self._parsed(name, params, closed=False))
                 params.append(param)
                 continue
             if pos >= len(text) or _is_prefix_of_any(text[pos:], (FN_CLOSE, PARAM_OPEN)):
                 if final:  # cut at a parameter's end (a stop string): the call holds
                     return self._parsed(name, params, closed=True), len(text)
-                raise _Open(self._parsed(name, params, closed=False))
-            raise _NotACall  # stray text inside the function
+                raise CallOpen(self._parsed(name, params, closed=False))
+            raise NotACall  # stray text inside the function
         if wrapped:
             after = skip_ws(text, end)
             if text.startswith(TOOL_CLOSE, after):
                 end = after + len(TOOL_CLOSE)
             elif not final and _is_prefix_of_any(text[after:], (TOOL_CLOSE,)):
-                raise _Open(self._parsed(name, params, closed=True))
+                raise CallOpen(self._parsed(name, params, closed=True))
         return self._parsed(name, params, closed=True), end
 
     @staticmethod
@@ -145,11 +113,11 @@ class Qwen3CoderToolParser(ToolParser):
         key_end = text.find(">", pos + len(PARAM_OPEN))
         if key_end < 0:
             if final:
-                raise _NotACall
+                raise NotACall
             return None, pos
         key = text[pos + len(PARAM_OPEN) : key_end].strip()
         if not key or "\n" in key or "<" in key:
-            raise _NotACall
+            raise NotACall
         start = key_end + 1
         ends = [
             (at, len(tag))
@@ -158,7 +126,7 @@ class Qwen3CoderToolParser(ToolParser):
         ]
         if not ends:
             if final:
-                raise _NotACall  # cut inside a value: it may be incomplete
+                raise NotACall  # cut inside a value: it may be incomplete
             return None, pos
         at, size = min(ends)
         after = at + size if text.startswith(PARAM_CLOSE, at) else at
