@@ -28,6 +28,9 @@ VARIANTS = {
     "Olmo2": dict(),
     "Olmo3": dict(sliding_window=12, num_hidden_layers=3, rope_parameters=ROPES,
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # EXAONE 4: output norms, per-head q/k norms, the global layer unrotated.
+    "Exaone4": dict(sliding_window=12, num_hidden_layers=3, head_dim=16,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }  # fmt: skip
 
 
@@ -58,6 +61,12 @@ def test_variant_logits_equal_transformers(name, tmp_path):
         "Ministral": dict(sliding_windows=(12, 12, 12)),
         "Olmo2": dict(qk_norm_full=True, post_norms=True),
         "Olmo3": dict(sliding_windows=(12, None, 12), post_norms=True),
+        "Exaone4": dict(
+            sliding_windows=(12, 12, None),
+            post_norms=True,
+            qk_norm=True,
+            rope_layers=(True, True, False),
+        ),
     }[name]
     for field, value in expected.items():
         assert getattr(a, field) == value, field

@@ -1,12 +1,13 @@
 """The Llama family (Llama, SmolLM2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3/Phi-4,
-Granite, OLMo 2/3) over a flat packed batch.
+Granite, OLMo 2/3, EXAONE 4) over a flat packed batch.
 
 One forward computes all scheduled tokens of all requests: ``input_ids`` and
 ``positions`` are flat ``(num_tokens,)``; attention reads and writes the paged KV cache
 through the attention backend the model runner installs (``set_attention_backend``) and
 the step's metadata it built. Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q and k per head,
 OLMo 2/3 over the whole projection and normalise each sublayer's output instead of its
-input; SmolLM3 leaves every fourth layer unrotated (``no_rope_layers``); OLMo 3 rotates its
+input (EXAONE 4 too, with per-head q/k norms, and only its sliding-window layers rotate);
+SmolLM3 leaves every fourth layer unrotated (``no_rope_layers``); OLMo 3 rotates its
 sliding-window layers by their own parameters. Phi-3's checkpoints hold q/k/v and gate/up
 already fused, as our layers do. Registered for
 the HF architectures in ``registry.py``.
@@ -81,7 +82,10 @@ class LlamaArch:
         local = rope_parameters(config, "sliding_attention")
         family = config.model_type.removesuffix("_moe")  # qwen2_moe, qwen3_moe: same attention
         olmo = family in ("olmo2", "olmo3")  # and OLMoE, whose norms are Llama's
+        n_layers = config.num_hidden_layers
         no_rope = getattr(config, "no_rope_layers", None) if family == "smollm3" else None
+        if family == "exaone4" and layer_sliding_windows(config) != (None,) * n_layers:
+            no_rope = sliding_layer_types(config)  # its global layers do not rotate
         heads = config.num_attention_heads
         if getattr(config, "mlp_bias", False):
             raise ValueError(f"mlp_bias is not supported ({config.model_type} config)")
@@ -105,7 +109,7 @@ class LlamaArch:
             ),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bias,
-            qk_norm=family == "qwen3" or bool(getattr(config, "use_qk_norm", False)),
+            qk_norm=family in ("qwen3", "exaone4") or bool(getattr(config, "use_qk_norm", False)),
             o_bias=bias
             and family in ("llama", "qwen3", "granite", "olmo2", "olmo3", "smollm3", "gpt_oss"),
             rope_parameters=rope,
@@ -118,7 +122,7 @@ class LlamaArch:
             sliding_layers=sliding_layer_types(config),
             rope_layers=tuple(bool(r) for r in no_rope) if no_rope else (),
             qk_norm_full=olmo or family == "olmoe",
-            post_norms=olmo,
+            post_norms=olmo or family == "exaone4",
             clip_qkv=getattr(config, "clip_qkv", None) if family == "olmoe" else None,
         )
 

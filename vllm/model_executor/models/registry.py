@@ -57,6 +57,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),
+    "Exaone4ForCausalLM": ("exaone4", "llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "gpt_oss", "GptOssForCausalLM"),
     "CohereForCausalLM": ("cohere", "cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "cohere", "CohereForCausalLM"),
