@@ -145,3 +145,43 @@ def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     with torch.inference_mode():
         ref = hf(input_ids=ids[None]).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+QWEN_VL_VISION = {
+    "Qwen2_5_VL": dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=2,
+                       out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, fullatt_block_indexes=[0], window_size=56),
+    "Qwen3VL": dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=2,
+                    out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                    temporal_patch_size=2, num_position_embeddings=64,
+                    deepstack_visual_indexes=[0]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(QWEN_VL_VISION))
+def test_qwen_vl_checkpoint_serves_its_language_model(name, tmp_path):
+    """Qwen2.5-VL's layout (the language model under ``model.``, the vision tower beside it,
+    M-RoPE in the text config) and Qwen3-VL's (under ``model.language_model.``): text-only
+    logits equal transformers', the multimodal rotation being the plain one for text."""
+    from vllm.model_executor.models.llama import QwenVLForConditionalGeneration
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    if name == "Qwen3VL":
+        rope["mrope_interleaved"] = True
+    text = {**TINY_LLAMA, "head_dim": 16, "rope_parameters": rope}
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config=QWEN_VL_VISION[name], image_token_id=95,
+        video_token_id=94, vision_start_token_id=93,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
+    hf.save_pretrained(tmp_path)
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    assert type(runner.model) is QwenVLForConditionalGeneration
+    assert runner.arch.attention_bias == (name == "Qwen2_5_VL")
+    assert runner.arch.qk_norm == (name == "Qwen3VL")
+    ids = torch.randint(0, 90, (60,), generator=torch.Generator().manual_seed(1))
+    ours = runner_logits(runner, ids)
+    with torch.inference_mode():
+        ref = hf(input_ids=ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

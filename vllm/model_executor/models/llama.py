@@ -473,3 +473,34 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
         from vllm.model_executor.models.utils import language_model_tensors
 
         super().load_weights(language_model_tensors(sd))
+
+
+class QwenVLForConditionalGeneration(LlamaForCausalLM):
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL's dense checkpoints served as text models: the Qwen2
+    or Qwen3 language model of ``text_config`` (its tensors under ``model.``, beside the
+    vision tower's, or under ``model.language_model.``). Their multimodal rotation (M-RoPE)
+    gives every text token one position in all its sections, where it is the plain rotation
+    this computes; image and video parts are refused as for any model here."""
+
+    gguf_layout: ClassVar[Any] = None
+    _TEXT_FAMILIES: ClassVar[dict[str, str]] = {
+        "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
+    }  # fmt: skip
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> LlamaArch:
+        import copy
+
+        text = copy.copy(hf_config.get_text_config())
+        family = QwenVLForConditionalGeneration._TEXT_FAMILIES.get(text.model_type)
+        if family is None:
+            raise ValueError(f"model_type {text.model_type!r} is not a Qwen-VL language model")
+        text.model_type = family  # its attention: Qwen2's biases, Qwen3's q/k norms
+        return LlamaArch.from_hf(text)
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import language_model_tensors
+
+        if any(key.startswith("model.language_model.") for key in sd):
+            sd = language_model_tensors(sd)
+        super().load_weights(sd)

@@ -54,6 +54,13 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Glm4MoeForCausalLM": ("glm4_moe", "moe", "MoeForCausalLM"),
     "MinistralForCausalLM": ("ministral", "llama", "LlamaForCausalLM"),
     "Mistral3ForConditionalGeneration": ("mistral3", "llama", "Mistral3ForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "llama", "QwenVLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "qwen2_5_vl",
+        "llama",
+        "QwenVLForConditionalGeneration",
+    ),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "llama", "QwenVLForConditionalGeneration"),
     "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),
