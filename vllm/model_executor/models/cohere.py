@@ -29,6 +29,7 @@ from vllm.model_executor.models.llama import (
     _no_attention_backend,
     attention_features,
     layer_attention,
+    load_embeddings_and_head,
     load_projections,
 )
 
@@ -197,10 +198,7 @@ class CohereForCausalLM(nn.Module):
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
         self.init_buffers()
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
-            self.norm.weight.copy_(sd["norm.weight"])
-            if not self.arch.tie_word_embeddings:
-                self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["embed_tokens.weight"]))
+            load_embeddings_and_head(self, sd)
             for i, layer in enumerate(self.layers):
                 p, att = f"layers.{i}.", f"layers.{i}.self_attn."
                 bias = self.arch.attention_bias

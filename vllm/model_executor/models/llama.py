@@ -276,6 +276,16 @@ class LlamaLayer(nn.Module):
         return self.o_proj(attn.reshape(-1, self.q_size))
 
 
+def load_embeddings_and_head(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Fill ``model``'s ``embed_tokens``, final ``norm`` and (untied) ``lm_head`` from HF
+    checkpoint tensors named without their ``model.`` prefix (a checkpoint without an
+    ``lm_head`` ties it)."""
+    model.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
+    model.norm.weight.copy_(sd["norm.weight"])
+    if not model.arch.tie_word_embeddings:
+        model.lm_head.weight.copy_(sd.get("lm_head.weight", sd["embed_tokens.weight"]))
+
+
 def load_projections(
     layer: nn.Module,
     sd: dict[str, torch.Tensor],
@@ -415,10 +425,7 @@ class LlamaForCausalLM(nn.Module):
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
         self.init_buffers()
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
-            self.norm.weight.copy_(sd["norm.weight"])
-            if not self.arch.tie_word_embeddings:
-                self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["embed_tokens.weight"]))
+            load_embeddings_and_head(self, sd)
             for i, layer in enumerate(self.layers):
                 p = f"layers.{i}."
                 att = p + "self_attn."
