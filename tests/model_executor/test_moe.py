@@ -32,6 +32,10 @@ MOE = {
     # OLMoE: q/k norms over the whole projection, q/k/v clipped (0.5 binds here).
     "OlmoeForCausalLM": dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
                              clip_qkv=0.5),
+    # Granite MoE: Granite's four scalars, none of them 1; experts stored stacked.
+    "GraniteMoeForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2,
+                                  embedding_multiplier=12.0, attention_multiplier=0.1,
+                                  residual_multiplier=0.22, logits_scaling=8.0),
     # GLM-4.5: sigmoid routing within the best 2 of 4 groups, a dense first layer, an
     # ungated shared expert, q/k norms, half the head rotated, q/k/v biases.
     "Glm4MoeForCausalLM": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -92,7 +92,7 @@ class LlamaArch:
         bias = bool(
             getattr(config, "attention_bias", getattr(config, "qkv_bias", family == "qwen2"))
         )
-        granite = family == "granite"
+        granite = family in ("granite", "granitemoe")  # its four scalars
         return cls(
             hidden_size=config.hidden_size,
             num_layers=config.num_hidden_layers,

@@ -57,6 +57,10 @@ class MoeArch(LlamaArch):
             glm = dict(shared_expert_gated=False, scoring="sigmoid", num_groups=config.n_group,
                        topk_groups=config.topk_group,
                        routed_scaling_factor=config.routed_scaling_factor)  # fmt: skip
+        elif config.model_type == "granitemoe":  # Granite's scalars, Mixtral's routing
+            num_experts, intermediate = config.num_local_experts, config.intermediate_size
+            sparse = tuple(range(base.num_layers))
+            norm, shared, prefix = True, 0, "block_sparse_moe"
         elif config.model_type == "olmoe":
             num_experts, intermediate = config.num_experts, config.intermediate_size
             sparse = tuple(range(base.num_layers))
@@ -144,6 +148,11 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def load_mlp(self, mlp: nn.Module, sd: dict[str, torch.Tensor], prefix: str) -> None:
         p = f"{prefix}{self.arch.checkpoint_prefix}."
+        if p + "input_linear.weight" in sd:  # Granite MoE: the experts stacked already
+            mlp.gate.weight.copy_(sd[p + "router.layer.weight"])
+            mlp.experts.w13.copy_(sd[p + "input_linear.weight"])  # [gate; up] per expert
+            mlp.experts.w2.copy_(sd[p + "output_linear.weight"])
+            return
         mlp.gate.weight.copy_(sd[p + "gate.weight"])
         names = ("w1", "w3", "w2") if self.arch.checkpoint_prefix == "block_sparse_moe" else (
             "gate_proj", "up_proj", "down_proj"

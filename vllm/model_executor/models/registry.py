@@ -51,6 +51,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "moe", "MoeForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "moe", "MoeForCausalLM"),
+    "GraniteMoeForCausalLM": ("granitemoe", "moe", "MoeForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "moe", "MoeForCausalLM"),
     "MinistralForCausalLM": ("ministral", "llama", "LlamaForCausalLM"),
     "Mistral3ForConditionalGeneration": ("mistral3", "llama", "Mistral3ForConditionalGeneration"),
