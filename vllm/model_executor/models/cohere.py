@@ -28,6 +28,7 @@ from vllm.model_executor.models.llama import (
     RotaryEmbedding,
     _no_attention_backend,
     attention_features,
+    init_projections,
     layer_attention,
     load_embeddings_and_head,
     load_projections,
@@ -110,14 +111,7 @@ class CohereLayer(nn.Module):
         self.a = a
         self.window = window
         self.rotates = rotates
-        self.q_size = a.num_heads * a.head_dim
-        self.kv_size = a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(
-            a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias)
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        init_projections(self, a, a.attention_bias, a.attention_bias)
         self.input_layernorm = CohereLayerNorm(a.hidden_size, a.layer_norm_eps)
         if a.qk_norm:
             self.q_norm = CohereLayerNorm((a.num_heads, a.head_dim), a.layer_norm_eps)

@@ -34,6 +34,7 @@ from vllm.model_executor.models.llama import (
     RotaryEmbedding,
     _no_attention_backend,
     attention_features,
+    init_projections,
     layer_attention,
     load_embeddings_and_head,
     load_projections,
@@ -138,14 +139,7 @@ class GemmaLayer(nn.Module):
         super().__init__()
         self.a = a
         self.window = window
-        self.q_size = a.num_heads * a.head_dim
-        self.kv_size = a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(
-            a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias)
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        init_projections(self, a, a.attention_bias, a.attention_bias)
         self.input_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.sandwich_norms:

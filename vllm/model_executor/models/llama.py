@@ -184,17 +184,9 @@ class LlamaLayer(nn.Module):
     def __init__(self, a: LlamaArch, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.a = a
-        self.q_size = a.num_heads * a.head_dim
-        self.kv_size = a.num_kv_heads * a.head_dim
         self.scale = a.attention_multiplier or 1.0 / math.sqrt(a.head_dim)
-        self.qkv_proj = nn.Linear(
-            a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias)
+        init_projections(self, a, a.attention_bias, a.o_bias, mlp is None)
         self.mlp = mlp
-        if mlp is None:
-            self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-            self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
         if not a.post_norms:  # OLMo 2/3 normalise outputs, not inputs
             self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # (q, k, v, kv_cache, meta, scale) -> (num_tokens, heads, head_dim)
@@ -274,6 +266,22 @@ class LlamaLayer(nn.Module):
             q.view(-1, a.num_heads, a.head_dim), k3, v3, kv_cache, meta, self.scale
         )  # (num_tokens, heads, head_dim)
         return self.o_proj(attn.reshape(-1, self.q_size))
+
+
+def init_projections(
+    layer: nn.Module, a: Any, qkv_bias: bool, o_bias: bool, mlp: bool = True
+) -> None:
+    """Give ``layer`` the families' shared projections, shaped by the arch ``a`` (its
+    ``hidden_size``, heads, ``head_dim``, ``intermediate_size``): ``q_size``, ``kv_size``,
+    the fused ``qkv_proj`` and ``o_proj`` (with their biases) and, with ``mlp``, the fused
+    ``gate_up_proj`` and ``down_proj``; ``load_projections`` fills them."""
+    layer.q_size = a.num_heads * a.head_dim
+    layer.kv_size = a.num_kv_heads * a.head_dim
+    layer.qkv_proj = nn.Linear(a.hidden_size, layer.q_size + 2 * layer.kv_size, bias=qkv_bias)
+    layer.o_proj = nn.Linear(layer.q_size, a.hidden_size, bias=o_bias)
+    if mlp:
+        layer.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        layer.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
 
 def load_embeddings_and_head(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:

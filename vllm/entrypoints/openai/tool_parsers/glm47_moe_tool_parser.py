@@ -43,17 +43,13 @@ from vllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import typed_va
 from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     CallOpen,
     NotACall,
+    could_become,
     scan_tagged_calls,
 )
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
 VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
-
-
-def _could_be(text: str, *tags: str) -> bool:
-    """Whether ``text`` (the rest of the output) may still become one of ``tags``."""
-    return any(tag.startswith(text) for tag in tags)
 
 
 @register_tool_parser("glm45", "glm47")
@@ -93,7 +89,7 @@ class Glm47MoeToolParser(ToolParser):
         position after it; (None, pos) while the text may still complete it (not
         ``final``). ``NotACall`` if it breaks the format."""
         rest = text[pos:]
-        if not final and _could_be(rest, KEY_OPEN, TOOL_CLOSE):
+        if not final and could_become(rest, KEY_OPEN, TOOL_CLOSE):
             return None, pos
         if not rest.startswith(KEY_OPEN):
             raise NotACall  # stray text inside the call
@@ -107,7 +103,7 @@ class Glm47MoeToolParser(ToolParser):
             raise NotACall
         value_at = skip_ws(text, key_end + len(KEY_CLOSE))
         if not text.startswith(VALUE_OPEN, value_at):
-            if final or not _could_be(text[value_at:], VALUE_OPEN):
+            if final or not could_become(text[value_at:], VALUE_OPEN):
                 raise NotACall  # a key without a value
             return None, pos
         value_end = text.find(VALUE_CLOSE, value_at)

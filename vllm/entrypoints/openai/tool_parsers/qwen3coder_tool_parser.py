@@ -43,6 +43,7 @@ from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
 from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     CallOpen,
     NotACall,
+    could_become,
     scan_tagged_calls,
 )
 
@@ -50,10 +51,6 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FN_OPEN, FN_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 _STARTS = (TOOL_OPEN, FN_OPEN)
-
-
-def _is_prefix_of_any(text: str, tags: tuple[str, ...]) -> bool:
-    return any(tag.startswith(text) for tag in tags)
 
 
 @register_tool_parser("qwen3_coder", "qwen3_xml")
@@ -68,7 +65,7 @@ class Qwen3CoderToolParser(ToolParser):
         wrapped = text.startswith(TOOL_OPEN, start)
         pos = skip_ws(text, start + len(TOOL_OPEN)) if wrapped else start
         if not text.startswith(FN_OPEN, pos):
-            if _is_prefix_of_any(text[pos:], (FN_OPEN,)) and not final:
+            if could_become(text[pos:], FN_OPEN) and not final:
                 raise CallOpen(None)
             raise NotACall
         name_end = text.find(">", pos + len(FN_OPEN))
@@ -92,7 +89,7 @@ class Qwen3CoderToolParser(ToolParser):
                     raise CallOpen(self._parsed(name, params, closed=False))
                 params.append(param)
                 continue
-            if pos >= len(text) or _is_prefix_of_any(text[pos:], (FN_CLOSE, PARAM_OPEN)):
+            if pos >= len(text) or could_become(text[pos:], FN_CLOSE, PARAM_OPEN):
                 if final:  # cut at a parameter's end (a stop string): the call holds
                     return self._parsed(name, params, closed=True), len(text)
                 raise CallOpen(self._parsed(name, params, closed=False))
@@ -101,7 +98,7 @@ class Qwen3CoderToolParser(ToolParser):
             after = skip_ws(text, end)
             if text.startswith(TOOL_CLOSE, after):
                 end = after + len(TOOL_CLOSE)
-            elif not final and _is_prefix_of_any(text[after:], (TOOL_CLOSE,)):
+            elif not final and could_become(text[after:], TOOL_CLOSE):
                 raise CallOpen(self._parsed(name, params, closed=True))
         return self._parsed(name, params, closed=True), end
 

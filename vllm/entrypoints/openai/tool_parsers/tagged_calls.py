@@ -22,6 +22,11 @@ class NotACall(Exception):
     """The text at a call's start is not one (the user sees it as content)."""
 
 
+def could_become(text: str, *tags: str) -> bool:
+    """Whether ``text`` (the rest of the output) may still become one of ``tags``."""
+    return any(tag.startswith(text) for tag in tags)
+
+
 def scan_tagged_calls(
     text: str,
     final: bool,
