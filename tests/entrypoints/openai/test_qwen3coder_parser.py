@@ -144,6 +144,36 @@ def chunkings(text: str) -> list[list[str]]:
     return out
 
 
+def assert_stream_assembles(text: str, plan: ToolPlan) -> list[list[str]]:
+    """Every cutting of ``text`` (``chunkings``) streamed through ``plan`` adds up to the
+    whole message's calls, content and reasoning; returns the calls' [name, arguments]."""
+    message, _ = plan.message(text, "stop")
+    want = [
+        [c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])
+    ]
+    for pieces in chunkings(text):
+        got = _assemble(text, pieces, plan)
+        assert [got["calls"][i] for i in sorted(got["calls"])] == want
+        assert got["content"] == (message["content"] or "")
+        assert got["reasoning"] == message.get("reasoning", "")
+    return want
+
+
+def assert_readings_only_grow(parser, text: str) -> None:
+    """Cut anywhere, ``parser``'s reading of ``text`` is safe (a final reading does not
+    raise) and, streaming, only grows: content and each call's arguments extend the last
+    reading's, calls are never taken back."""
+    before = parser.extract("", final=False)
+    for i in range(1, len(text) + 1):
+        parser.extract(text[:i], final=True)
+        now = parser.extract(text[:i], final=False)
+        assert now.content.startswith(before.content)
+        for old, new in zip(before.calls, now.calls, strict=False):
+            assert new.arguments.startswith(old.arguments) and new.name == old.name
+        assert len(now.calls) >= len(before.calls)
+        before = now
+
+
 def _assemble(text: str, pieces: list[str], plan: ToolPlan) -> dict:
     streamer = plan.streamer()
     got: dict = {"content": "", "reasoning": "", "calls": {}}
@@ -170,15 +200,7 @@ def _assemble(text: str, pieces: list[str], plan: ToolPlan) -> dict:
 def test_stream_assembles_to_the_message(text):
     reasoning = get_reasoning_parser("qwen3") if text.startswith("<think>") else None
     plan = ToolPlan(parser=get_tool_parser("qwen3_coder", FUNCTIONS), reasoning=reasoning)
-    message, _ = plan.message(text, "stop")
-    want = [
-        [c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])
-    ]
-    for pieces in chunkings(text):
-        got = _assemble(text, pieces, plan)
-        assert [got["calls"][i] for i in sorted(got["calls"])] == want
-        assert got["content"] == (message["content"] or "")
-        assert got["reasoning"] == message.get("reasoning", "")
+    assert_stream_assembles(text, plan)
 
 
 def test_a_requests_tools_type_its_calls():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.entrypoints.openai.test_qwen3coder_parser import _assemble, chunkings
+from tests.entrypoints.openai.test_qwen3coder_parser import assert_stream_assembles
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig, ToolPlan, plan_tool_calls
 from vllm.entrypoints.openai.tool_parsers import get_tool_parser, tool_parser_names
@@ -75,16 +75,8 @@ def test_stream_assembles_to_the_message(text, reasoning):
         parser=get_tool_parser("cohere_command3"),
         reasoning=get_reasoning_parser(reasoning) if reasoning else None,
     )
-    message, _ = plan.message(text, "stop")
-    want = [
-        [c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])
-    ]
+    want = assert_stream_assembles(text, plan)
     assert bool(want) == ("ACTION" in text)
-    for pieces in chunkings(text):
-        got = _assemble(text, pieces, plan)
-        assert [got["calls"][i] for i in sorted(got["calls"])] == want
-        assert got["content"] == (message["content"] or "")
-        assert got["reasoning"] == message.get("reasoning", "")
 
 
 def test_reasoning_parser_and_special_tokens():

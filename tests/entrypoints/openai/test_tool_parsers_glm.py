@@ -8,7 +8,10 @@ import json
 
 import pytest
 
-from tests.entrypoints.openai.test_qwen3coder_parser import _assemble, chunkings
+from tests.entrypoints.openai.test_qwen3coder_parser import (
+    assert_readings_only_grow,
+    assert_stream_assembles,
+)
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.entrypoints.openai.tool_parsers import (
     get_tool_parser,
@@ -126,15 +129,7 @@ def test_cut_after_a_whole_value_is_a_call():
 
 def test_every_cut_point_is_safe_and_only_grows():
     parser = get_tool_parser("glm45", FUNCTIONS)
-    before = parser.extract("", final=False)
-    for i in range(1, len(TWO) + 1):
-        parser.extract(TWO[:i], final=True)
-        now = parser.extract(TWO[:i], final=False)
-        assert now.content.startswith(before.content)
-        for old, new in zip(before.calls, now.calls, strict=False):
-            assert new.arguments.startswith(old.arguments) and new.name == old.name
-        assert len(now.calls) >= len(before.calls)
-        before = now
+    assert_readings_only_grow(parser, TWO)
 
 
 @pytest.mark.parametrize(
@@ -153,15 +148,7 @@ def test_every_cut_point_is_safe_and_only_grows():
 def test_stream_assembles_to_the_message(text):
     reasoning = get_reasoning_parser("glm45") if "think" in text.lower() else None
     plan = ToolPlan(parser=get_tool_parser("glm45", FUNCTIONS), reasoning=reasoning)
-    message, _ = plan.message(text, "stop")
-    want = [
-        [c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])
-    ]
-    for pieces in chunkings(text):
-        got = _assemble(text, pieces, plan)
-        assert [got["calls"][i] for i in sorted(got["calls"])] == want
-        assert got["content"] == (message["content"] or "")
-        assert got["reasoning"] == message.get("reasoning", "")
+    assert_stream_assembles(text, plan)
 
 
 def test_reasoning_split_and_switch():

@@ -7,7 +7,11 @@ import json
 
 import pytest
 
-from tests.entrypoints.openai.test_qwen3coder_parser import _assemble, chunkings
+from tests.entrypoints.openai.test_qwen3coder_parser import (
+    _assemble,
+    assert_readings_only_grow,
+    assert_stream_assembles,
+)
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.entrypoints.openai.tool_parsers import get_tool_parser, tool_parser_names
 from vllm.reasoning import get_reasoning_parser, reasoning_parser_names
@@ -66,15 +70,7 @@ def test_anything_else_is_content_whole(text):
 def test_every_cut_point_is_safe_and_only_grows():
     parser = get_tool_parser("olmo3")
     text = "I will check.\n" + BLOCK + "\nDone."
-    before = parser.extract("", final=False)
-    for i in range(1, len(text) + 1):
-        parser.extract(text[:i], final=True)
-        now = parser.extract(text[:i], final=False)
-        assert now.content.startswith(before.content)
-        for old, new in zip(before.calls, now.calls, strict=False):
-            assert new.arguments.startswith(old.arguments) and new.name == old.name
-        assert len(now.calls) >= len(before.calls)
-        before = now
+    assert_readings_only_grow(parser, text)
 
 
 @pytest.mark.parametrize(
@@ -91,16 +87,8 @@ def test_every_cut_point_is_safe_and_only_grows():
 def test_stream_assembles_to_the_message(text):
     reasoning = get_reasoning_parser("olmo3") if "think>" in text else None
     plan = ToolPlan(parser=get_tool_parser("olmo3"), reasoning=reasoning)
-    message, _ = plan.message(text, "stop")
-    want = [
-        [c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])
-    ]
+    want = assert_stream_assembles(text, plan)
     assert want or "no calls" in text
-    for pieces in chunkings(text):
-        got = _assemble(text, pieces, plan)
-        assert [got["calls"][i] for i in sorted(got["calls"])] == want
-        assert got["content"] == (message["content"] or "")
-        assert got["reasoning"] == message.get("reasoning", "")
 
 
 def test_prose_that_opens_like_a_call_is_never_streamed_as_one():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.entrypoints.openai.test_qwen3coder_parser import _assemble, chunkings
+from tests.entrypoints.openai.test_qwen3coder_parser import assert_stream_assembles
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.entrypoints.openai.tool_parsers import get_tool_parser, tool_parser_names
 
@@ -68,12 +68,5 @@ def test_anything_else_is_content_whole(text):
 )
 def test_stream_assembles_to_the_message(text):
     plan = ToolPlan(parser=get_tool_parser("phi4_mini_json"))
-    message, _ = plan.message(text, "stop")
-    want = [
-        [c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])
-    ]
+    want = assert_stream_assembles(text, plan)
     assert bool(want) == ("[" in text)
-    for pieces in chunkings(text):
-        got = _assemble(text, pieces, plan)
-        assert [got["calls"][i] for i in sorted(got["calls"])] == want
-        assert got["content"] == (message["content"] or "")
