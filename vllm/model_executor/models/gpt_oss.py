@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.fused_moe import Activation, FusedMoE
-from vllm.model_executor.models.llama import LlamaArch, attention_features, layer_attention
+from vllm.model_executor.models.llama import LlamaArch, attention_features
 from vllm.model_executor.models.moe import MoeArch, MoeForCausalLM
 
 # E2M1: the 16 values a 4-bit code stands for (sign bit high).
@@ -120,12 +120,8 @@ class GptOssForCausalLM(MoeForCausalLM):
     def attention_features(self) -> frozenset[str]:
         return attention_features(self.arch.sliding_windows) | {"sinks"}
 
-    def set_attention_backend(self, backend: Any) -> None:
-        super().set_attention_backend(backend)
-        fused_write = getattr(backend, "writes_kv_with_rotary", False)
-        for layer, window in zip(self.layers, self.arch.sliding_windows, strict=True):
-            layer.attn_forward = layer_attention(backend, sliding_window=window, sinks=layer.sinks)
-            layer.rope_writes_kv = fused_write
+    def layer_attention_features(self, layer: nn.Module) -> dict[str, Any]:
+        return {"sinks": layer.sinks}
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         super().load_weights(sd)

@@ -394,8 +394,13 @@ class LlamaForCausalLM(nn.Module):
         fused_write = getattr(backend, "writes_kv_with_rotary", False)
         windows = self.arch.sliding_windows or (None,) * len(self.layers)
         for layer, window in zip(self.layers, windows, strict=True):
-            layer.attn_forward = layer_attention(backend, sliding_window=window)
+            features = self.layer_attention_features(layer)
+            layer.attn_forward = layer_attention(backend, sliding_window=window, **features)
             layer.rope_writes_kv = fused_write
+
+    def layer_attention_features(self, layer: nn.Module) -> dict[str, Any]:
+        """A layer's attention keyword arguments besides its window (gpt-oss: its sinks)."""
+        return {}
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
