@@ -145,3 +145,17 @@ def test_selector_passes_over_a_backend_without_the_models_features(monkeypatch)
             cpu, torch.float32, 16, 64, "PLAIN_TEST", frozenset({"logits_soft_cap"})
         )
     assert TorchSDPABackend.unsupported_features(frozenset({"sliding_window"})) == []
+
+
+def test_a_prefill_chunk_builds_each_windows_mask_once():
+    meta = torch_sdpa.build_metadata([(17, 9, list(range(1, 8)))], BLOCK, "cpu")
+    chunk = meta.prefills[0]
+    first, mask = chunk.window_mask(8, torch.device("cpu"))
+    assert chunk.window_mask(8, torch.device("cpu"))[1] is mask  # every layer's
+    # Positions 17..25 with a window of 8 reach back to position 10; each sees 8 keys.
+    assert first == 10 and mask.shape == (9, 16)
+    assert mask.sum(1).tolist() == [8] * 9
+    whole_first, whole = chunk.window_mask(None, torch.device("cpu"))
+    assert (
+        whole_first == 0 and whole.shape == (9, 26) and whole.sum(1).tolist() == list(range(18, 27))
+    )

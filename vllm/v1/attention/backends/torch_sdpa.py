@@ -41,6 +41,31 @@ class PrefillChunk:
     # Slots of the whole context (cached prefix + this chunk), or None when the chunk is
     # the whole context (no prefix): then the chunk's own K/V are used directly.
     context_slots: torch.Tensor | None = None
+    # Per window (None: the whole context) of a masked layer: (first key, mask), built by
+    # the first layer with that window and reused by the others (``window_mask``).
+    windowed: dict[int | None, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens of the context before this chunk (its cached prefix)."""
+        if self.context_slots is None:
+            return 0
+        return self.context_slots.shape[0] - self.num_tokens
+
+    def window_mask(self, window: int | None, device: torch.device) -> tuple[int, torch.Tensor]:
+        """(first, mask): the first context position any query of the chunk reaches, and
+        the (num_tokens, context_len - first) bool mask of the keys each query sees from
+        there, causal and, with ``window``, the last ``window`` positions only."""
+        if window not in self.windowed:
+            computed = self.num_computed
+            first = 0 if window is None else max(0, computed - window + 1)
+            q_pos = torch.arange(computed, computed + self.num_tokens, device=device)
+            k_pos = torch.arange(first, computed + self.num_tokens, device=device)
+            mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+            if window is not None:
+                mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window
+            self.windowed[window] = (first, mask)
+        return self.windowed[window]
 
     @cached_property
     def mask(self) -> torch.Tensor | None:
@@ -274,18 +299,12 @@ def _masked_paged_attention(
         out[:n] = o.squeeze(2)
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.start + chunk.num_tokens
-        if chunk.context_slots is None:
-            keys, values, computed = k[s:e], v[s:e], 0
-        else:
-            keys, values = flat_k[chunk.context_slots], flat_v[chunk.context_slots]
-            computed = chunk.context_slots.shape[0] - chunk.num_tokens
-        first = 0 if window is None else max(0, computed - window + 1)
-        keys, values = keys[first:], values[first:]
-        q_pos = torch.arange(computed, computed + chunk.num_tokens, device=q.device)
-        k_pos = torch.arange(first, first + keys.shape[0], device=q.device)
-        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-        if window is not None:
-            mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window
+        first, mask = chunk.window_mask(window, q.device)
+        if chunk.context_slots is None:  # no prefix: first is 0
+            keys, values = k[s:e], v[s:e]
+        else:  # only the keys the window reaches are gathered
+            slots = chunk.context_slots[first:]
+            keys, values = flat_k[slots], flat_v[slots]
         o = _attend(
             q[s:e].transpose(0, 1).unsqueeze(0),  # (1, heads, len, dim)
             keys.transpose(0, 1).unsqueeze(0),
