@@ -242,14 +242,8 @@ class ModelRunner:
         """Drop the graphs, the CPU tier, the KV cache and the weights, and give the device
         memory back (``EngineCore.shutdown``): an ``LLM`` shut down frees its GPU, so the
         next one in the process sizes its pool from what is really free."""
-        self.decode_graphs = None
-        self._deferred, self._device_tokens, self._device_token_rows = [], None, {}
+        self._drop_caches()
         self.penalty_table = None
-        close = getattr(self.kv_offload, "close", None)
-        if close is not None:
-            close()  # unlock the tier's pages before they are freed
-        self.kv_offload = None
-        self.kv_caches = []
         self.model = None
         self.lora = None
         self.requests.clear()
@@ -476,6 +470,17 @@ class ModelRunner:
             logger.info("CUDA graphs' memory: %.0f MiB (--enforce-eager: none)", used / 2**20)
         self.decode_graphs = graphs
 
+    def _drop_caches(self) -> None:
+        """Forget the graphs, the deferred step's device state, the CPU tier and the KV
+        cache (``release`` and ``sleep``); the memory goes back once nothing holds it."""
+        self.decode_graphs = None
+        self._deferred, self._device_tokens, self._device_token_rows = [], None, {}
+        close = getattr(self.kv_offload, "close", None)
+        if close is not None:
+            close()  # unlock the tier's pages before they are freed
+        self.kv_offload = None
+        self.kv_caches = []
+
     # -- sleep mode (EngineCore.sleep / wake_up) -----------------------------------------
     def sleep(self, level: int) -> None:
         """Free the KV cache (and the CPU tier: the contents of both are forgotten) and, at
@@ -483,14 +488,7 @@ class ModelRunner:
         they are), at level 2 drop them. The engine has finished or aborted every request
         first. The CUDA graphs recorded the cache's and the weights' addresses: dropped
         here, recaptured by the ``wake_up`` that makes the runner whole again."""
-        self.decode_graphs = None
-        self._deferred, self._device_tokens, self._device_token_rows = [], None, {}
-        if self.kv_offload is not None:
-            close = getattr(self.kv_offload, "close", None)
-            if close is not None:
-                close()
-            self.kv_offload = None
-        self.kv_caches = []
+        self._drop_caches()
         if level >= 2:
             self.model, self.lora = None, None  # load_model makes both again
         elif self.device.type != "cpu":
