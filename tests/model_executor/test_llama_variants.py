@@ -1,8 +1,9 @@
 """Architectures the Llama implementation runs through its flags (``models/llama.py``):
 SmolLM3 (unrotated layers), Ministral (sliding windows), OLMo 2 (q/k norms over the whole
-projection, output norms) and OLMo 3 (that, with sliding layers rotated by their own
-theta). Tiny checkpoints written by transformers give its logits past the windows, and
-OLMo 3's greedy tokens through the engine equal transformers' ``generate``."""
+projection, output norms), OLMo 3 (that, with sliding layers rotated by their own theta)
+and Seed-OSS (q/k/v biases, o_proj's under its own flag, a head_dim of its own). Tiny
+checkpoints written by transformers give its logits past the windows, and OLMo 3's and
+Seed-OSS's greedy tokens through the engine equal transformers' ``generate``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ VARIANTS = {
     # EXAONE 4: output norms, per-head q/k norms, the global layer unrotated.
     "Exaone4": dict(sliding_window=12, num_hidden_layers=3, head_dim=16,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # Seed-OSS: q/k/v biases (attention_bias) and o_proj's (attention_out_bias), 4 heads of
+    # 24 over a hidden size of 64.
+    "SeedOss": dict(head_dim=24, attention_bias=True, attention_out_bias=True),
 }  # fmt: skip
 
 
@@ -42,10 +46,12 @@ def variant_config(name: str, **overrides):
 def save(name: str, path, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     model = getattr(transformers, f"{name}ForCausalLM")(variant_config(name, **overrides))
-    with torch.no_grad():  # norms away from 1, so that a misplaced one shows
+    with torch.no_grad():  # norms away from 1 and biases from 0, so that a misplaced one shows
         for param_name, p in model.named_parameters():
             if param_name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif param_name.endswith("bias"):
+                p.normal_(0.0, 0.5)
     model.eval().save_pretrained(path)
     return model
 
@@ -67,6 +73,7 @@ def test_variant_logits_equal_transformers(name, tmp_path):
             qk_norm=True,
             rope_layers=(True, True, False),
         ),
+        "SeedOss": dict(head_dim=24, attention_bias=True, o_bias=True, qk_norm=False),
     }[name]
     for field, value in expected.items():
         assert getattr(a, field) == value, field
@@ -91,6 +98,7 @@ def test_each_flag_is_live(tmp_path):
         "SmolLM3": dict(rope_layers=()),
         "Olmo3": dict(rope_local_parameters=None),
         "Olmo2": dict(qk_norm=True, qk_norm_full=False, post_norms=False),
+        "SeedOss": dict(o_bias=False),
     }
     for name, change in cases.items():
         hf = save(name, tmp_path / name)
@@ -106,9 +114,9 @@ def test_each_flag_is_live(tmp_path):
         model.load_weights(sd)
         from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 
-        backend = TorchSDPABackend(4, 2, 16, torch.float32, "cpu", 16)
+        backend = TorchSDPABackend(4, 2, arch.head_dim, torch.float32, "cpu", 16)
         model.set_attention_backend(backend)
-        caches = [torch.zeros(2, 9, 16, 2, 16) for _ in model.layers]
+        caches = [torch.zeros(2, 9, 16, 2, arch.head_dim) for _ in model.layers]
         ids = torch.arange(60) % TINY_LLAMA["vocab_size"]
         meta = backend.build_metadata([(0, 60, list(range(1, 9)))])
         with torch.inference_mode():
@@ -120,6 +128,11 @@ def test_each_flag_is_live(tmp_path):
 def test_olmo3_engine_greedy_tokens_equal_transformers_generate(tmp_path):
     """Chunked prefill over 12-token windows, batched decodes and a prefix hit."""
     hf = save("Olmo3", tmp_path, vocab_size=49152, max_position_embeddings=256)
+    check_engine_greedy_matches(hf, tmp_path)
+
+
+def test_seed_oss_engine_greedy_tokens_equal_transformers_generate(tmp_path):
+    hf = save("SeedOss", tmp_path, vocab_size=49152, max_position_embeddings=256)
     check_engine_greedy_matches(hf, tmp_path)
 
 

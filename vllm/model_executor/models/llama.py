@@ -1,5 +1,5 @@
 """The Llama family (Llama, SmolLM2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3/Phi-4,
-Granite, OLMo 2/3, EXAONE 4) over a flat packed batch.
+Granite, OLMo 2/3, EXAONE 4, Seed-OSS) over a flat packed batch.
 
 One forward computes all scheduled tokens of all requests: ``input_ids`` and
 ``positions`` are flat ``(num_tokens,)``; attention reads and writes the paged KV cache
@@ -8,9 +8,10 @@ the step's metadata it built. Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q an
 OLMo 2/3 over the whole projection and normalise each sublayer's output instead of its
 input (EXAONE 4 too, with per-head q/k norms, and only its sliding-window layers rotate);
 SmolLM3 leaves every fourth layer unrotated (``no_rope_layers``); OLMo 3 rotates its
-sliding-window layers by their own parameters. Phi-3's checkpoints hold q/k/v and gate/up
-already fused, as our layers do. Registered for
-the HF architectures in ``registry.py``.
+sliding-window layers by their own parameters. Seed-OSS is Qwen2's attention (q/k/v
+biases) with o_proj's bias under a flag of its own (``attention_out_bias``). Phi-3's
+checkpoints hold q/k/v and gate/up already fused, as our layers do. Registered for the HF
+architectures in ``registry.py``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ class LlamaArch:
             getattr(config, "attention_bias", getattr(config, "qkv_bias", family == "qwen2"))
         )
         granite = family in ("granite", "granitemoe")  # its four scalars
+        o_bias = bias and family in (
+            "llama", "qwen3", "granite", "olmo2", "olmo3", "smollm3", "gpt_oss"
+        )  # fmt: skip
+        if family == "seed_oss":  # its own flag, apart from q/k/v's
+            o_bias = bool(config.attention_out_bias)
         return cls(
             hidden_size=config.hidden_size,
             num_layers=config.num_hidden_layers,
@@ -110,8 +116,7 @@ class LlamaArch:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bias,
             qk_norm=family in ("qwen3", "exaone4") or bool(getattr(config, "use_qk_norm", False)),
-            o_bias=bias
-            and family in ("llama", "qwen3", "granite", "olmo2", "olmo3", "smollm3", "gpt_oss"),
+            o_bias=o_bias,
             rope_parameters=rope,
             embedding_multiplier=config.embedding_multiplier if granite else 1.0,
             attention_multiplier=config.attention_multiplier if granite else None,

@@ -34,7 +34,7 @@ from typing import Any
 _PACKAGE = "vllm.model_executor.models"
 
 # HF architecture: (HF model_type, module under vllm.model_executor.models, class).
-# Mistral, Ministral, Qwen2, Qwen3, SmolLM3, OLMo 2/3 and Phi-3 share the Llama
+# Mistral, Ministral, Qwen2, Qwen3, SmolLM3, OLMo 2/3, Seed-OSS and Phi-3 share the Llama
 # implementation (Qwen2's q/k/v biases, Qwen3's and OLMo's q/k norms, OLMo's post-norms,
 # SmolLM3's unrotated layers are flags of its LlamaArch; Phi-3's class reads fused
 # checkpoints); the mixtures of experts add their experts to it (moe.py). The Gemma
@@ -66,6 +66,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "llama", "LlamaForCausalLM"),
+    "SeedOssForCausalLM": ("seed_oss", "llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "gpt_oss", "GptOssForCausalLM"),
     "CohereForCausalLM": ("cohere", "cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "cohere", "CohereForCausalLM"),
