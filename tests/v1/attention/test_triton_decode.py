@@ -57,9 +57,12 @@ UNTOUCHED = 7.0  # what ``out`` holds where no sequence writes
 
 
 # -- the float64 reference and the cases ------------------------------------------------------
-def decode_reference(q, kv_cache, block_table, seq_lens, scale, rows=None, window=0):
+def decode_reference(
+    q, kv_cache, block_table, seq_lens, scale, rows=None, window=0, soft_cap=0.0, sinks=None
+):
     """{row: (heads, head_dim) float64}: sequence i's query ``q[rows[i]]`` over the first
-    ``seq_lens[i]`` slots of its blocks (the last ``window`` of them when ``window`` > 0);
+    ``seq_lens[i]`` slots of its blocks (the last ``window`` of them when ``window`` > 0),
+    scores soft-capped at ``soft_cap`` (> 0) and each head's ``sinks`` logit in its softmax;
     zeros for a sequence of length 0."""
     heads, kv_heads, block_size = q.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     out = {}
@@ -77,7 +80,14 @@ def decode_reference(q, kv_cache, block_table, seq_lens, scale, rows=None, windo
         first = max(0, length - window) if window else 0
         keys, values = keys[first:], values[first:]
         scores = torch.einsum("hd,khd->hk", q[row].double(), keys) * scale
-        out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        if sinks is not None:  # a column of the sink logit, dropped after the softmax
+            sunk = torch.cat([scores, sinks.double().view(-1, 1)], dim=1).softmax(-1)
+            probs = sunk[:, :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[row] = torch.einsum("hk,khd->hd", probs, values)
     return out
 
 
@@ -138,6 +148,24 @@ def _cases() -> dict[str, dict]:
     cases["fp32-bs32-gqa8-window17-split16"] = dict(
         block_size=32, ratio=8, lens=lens_for(2, 32), window=17, splits=16
     )
+    # Soft caps (Gemma 2's 50, and one of 2 that flattens the scores) and sinks (gpt-oss),
+    # alone and together, with windows, splits (some empty), rows and a padding row.
+    cases["fp32-bs16-gqa4-softcap50"] = dict(
+        block_size=16, ratio=4, lens=lens_for(5, 16), soft_cap=50.0, qscale=8.0
+    )
+    cases["bf16-bs8-gqa2-softcap2-window40-split4"] = dict(
+        block_size=8, ratio=2, lens=lens_for(4, 8), soft_cap=2.0, window=40, splits=4,
+        dtype="bfloat16", qscale=8.0,
+    )  # fmt: skip
+    cases["fp32-bs16-gqa8-sinks"] = dict(block_size=16, ratio=8, lens=lens_for(6, 16), sinks=True)
+    cases["fp16-bs8-gqa4-sinks-window20-split4-rows"] = dict(
+        block_size=8, ratio=4, lens=[0, 300, 5, 129], window=20, splits=4, rows=True,
+        sinks=True, dtype="float16",
+    )  # fmt: skip
+    cases["fp32-bs32-gqa1-sinks-softcap5-split16-padding"] = dict(
+        block_size=32, ratio=1, lens=[0, 64, 257], sinks=True, soft_cap=5.0, splits=16,
+        rows=True,
+    )  # fmt: skip
     return cases
 
 
@@ -177,8 +205,10 @@ def build_case(spec: dict, device: str, seed: int = 0) -> dict:
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)
     cache[:, ~valid] = float("nan")
     num_rows = len(lens) + (3 if spec.get("rows") else 0)
-    q = torch.randn(num_rows, heads, dim, generator=gen)
+    q = torch.randn(num_rows, heads, dim, generator=gen) * spec.get("qscale", 1.0)
     rows = torch.randperm(num_rows, generator=gen)[: len(lens)].int() if spec.get("rows") else None
+    # Sink logits around the scores' range: some heads barely sunk, some mostly.
+    sinks = torch.randn(heads, generator=gen) * 3 if spec.get("sinks") else None
     return dict(
         q=q.to(device, dtype),
         cache=cache.to(device, dtype),
@@ -187,6 +217,7 @@ def build_case(spec: dict, device: str, seed: int = 0) -> dict:
         rows=None if rows is None else rows.to(device),
         out=torch.full((num_rows, heads, dim), UNTOUCHED, dtype=dtype, device=device),
         scale=dim**-0.5,
+        sinks=None if sinks is None else sinks.to(device, dtype),
     )
 
 
@@ -195,16 +226,18 @@ def run_case(spec: dict, device: str) -> dict:
     finite and whether the rows no sequence owns kept their contents."""
     t = build_case(spec, device)
     args = (t["q"], t["cache"], t["table"], t["lens"], t["scale"])
-    window = spec.get("window", 0)
+    window, soft_cap = spec.get("window", 0), spec.get("soft_cap", 0.0)
     out = triton_decode.paged_decode_attention(
-        *args, out=t["out"], rows=t["rows"], num_splits=spec.get("splits"), window=window
-    )
+        *args, out=t["out"], rows=t["rows"], num_splits=spec.get("splits"), window=window,
+        soft_cap=soft_cap, sinks=t["sinks"],
+    )  # fmt: skip
     assert out is t["out"]
     out = out.cpu()
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in t.items()}
     ref = decode_reference(
-        cpu["q"], cpu["cache"], cpu["table"], cpu["lens"], t["scale"], cpu["rows"], window
-    )
+        cpu["q"], cpu["cache"], cpu["table"], cpu["lens"], t["scale"], cpu["rows"], window,
+        soft_cap, cpu["sinks"],
+    )  # fmt: skip
     err = max(float((out[row].double() - r).abs().max()) for row, r in ref.items())
     others = [r for r in range(out.shape[0]) if r not in ref]
     return dict(
@@ -246,12 +279,15 @@ def test_interpreted_kernel_matches_float64(interpreted, case_id):
 
 def test_the_checks_catch_a_wrong_kernel(monkeypatch):
     # The reference and the checks on their own, with an emulated kernel (no Triton): one
-    # that reads the whole last block, and one that writes every row, fail them.
+    # that reads the whole last block, one that writes every row, one that reads before a
+    # window, one without the soft cap and one without the sinks fail them.
     def emulated(q, kv_cache, block_table, seq_lens, scale, out, rows=None, num_splits=None,
-                 window=0):  # fmt: skip
+                 window=0, soft_cap=0.0, sinks=None):  # fmt: skip
         full = seq_lens if not read_past else -(-seq_lens // kv_cache.shape[2]) * kv_cache.shape[2]
         window = 0 if read_before else window
-        ref = decode_reference(q, kv_cache, block_table, full, scale, rows, window)
+        soft_cap = 0.0 if drop_cap else soft_cap
+        sinks = None if drop_sinks else sinks
+        ref = decode_reference(q, kv_cache, block_table, full, scale, rows, window, soft_cap, sinks)
         for row, o in ref.items():
             out[row] = o.to(out.dtype)
         if write_all:
@@ -260,7 +296,7 @@ def test_the_checks_catch_a_wrong_kernel(monkeypatch):
 
     monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated)
     spec = CASES["fp32-bs32-gqa1-split2-rows"]
-    read_past = write_all = read_before = False
+    read_past = write_all = read_before = drop_cap = drop_sinks = False
     check_result(run_case(spec, "cpu"), spec)
     read_past = True
     assert not run_case(spec, "cpu")["finite"]
@@ -271,6 +307,14 @@ def test_the_checks_catch_a_wrong_kernel(monkeypatch):
     check_result(run_case(spec, "cpu"), spec)
     read_before = True
     assert not run_case(spec, "cpu")["finite"]
+    read_before = False
+    for spec, flag in (("fp32-bs16-gqa4-softcap50", "cap"), ("fp32-bs16-gqa8-sinks", "sinks")):
+        spec = CASES[spec]
+        check_result(run_case(spec, "cpu"), spec)
+        drop_cap, drop_sinks = flag == "cap", flag == "sinks"
+        with pytest.raises(AssertionError, match="max_err"):
+            check_result(run_case(spec, "cpu"), spec)
+        drop_cap = drop_sinks = False
 
 
 # -- the kernel on a GPU -------------------------------------------------------------------------
@@ -347,14 +391,19 @@ def emulated_kernel(calls: list):
     takes (int32 tables on q's device, a preallocated ``out``)."""
 
     def kernel(
-        q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None, window=0
-    ):
+        q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None, window=0,
+        soft_cap=0.0, sinks=None,
+    ):  # fmt: skip
         assert block_table.dtype == seq_lens.dtype == torch.int32
         assert rows is None or rows.dtype == torch.int32
         tensors = [q, kv_cache, block_table, seq_lens, out] + ([] if rows is None else [rows])
         assert {t.device for t in tensors} == {q.device} and out.shape == q.shape
-        calls.append(dict(num_seqs=len(seq_lens), rows=rows, window=window))
-        ref = decode_reference(q, kv_cache, block_table, seq_lens, scale, rows, window)
+        calls.append(
+            dict(num_seqs=len(seq_lens), rows=rows, window=window, soft_cap=soft_cap, sinks=sinks)
+        )
+        ref = decode_reference(
+            q, kv_cache, block_table, seq_lens, scale, rows, window, soft_cap, sinks
+        )
         for row, o in ref.items():
             out[row] = o.to(out.dtype)
         return out

@@ -10,6 +10,10 @@ block size works), with an online softmax in fp32; positions at or past ``seq_le
 masked, never read, so padded or null block-table entries past the context are harmless.
 A sliding window (``window > 0``: the query sees its last ``window`` positions, itself
 included) starts the walk at the window's first tile and masks the positions before it.
+Soft-capped scores (``soft_cap > 0``, Gemma 2: ``cap * tanh(s / cap)`` before the mask)
+and attention sinks (``sinks``, gpt-oss: one logit per query head that joins the softmax's
+denominator and contributes no value) are each a compile-time variant, so a model without
+them runs the kernel it always ran.
 
 The launch grid is ``(num_seqs, kv_heads, num_splits)``, fixed by the batch's shape: the
 context lengths are read by the kernel from device memory, never by the host, so a call
@@ -111,6 +115,20 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, max_num_seqs: int) -> int:
     return launches
 
 
+def check_features(q: torch.Tensor, soft_cap: float, sinks: torch.Tensor | None) -> None:
+    """``soft_cap`` and ``sinks`` as the kernels take them (host metadata only)."""
+    if not soft_cap >= 0 or math.isinf(soft_cap):
+        raise ValueError(f"soft_cap={soft_cap}: 0 (none) or a positive finite cap")
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],) or sinks.device != q.device:
+            raise ValueError(
+                f"sinks {tuple(sinks.shape)} on {sinks.device}: one per query head "
+                f"({q.shape[1]}) on {q.device}"
+            )
+        if sinks.stride(0) != 1:
+            raise ValueError("sinks must be contiguous")
+
+
 def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits, window=0) -> None:
     """Shapes, dtypes and layouts (host metadata only: no device read)."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -150,12 +168,15 @@ def paged_decode_attention(
     rows: torch.Tensor | None = None,
     num_splits: int | None = None,
     window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # (num_heads,): each query head's sink logit
 ) -> torch.Tensor:
     """Attention of sequence ``i``'s one query, ``q[rows[i]]`` (``q[i]`` when ``rows`` is
     None), over its ``seq_lens[i]`` cached keys (its last ``window`` of them when ``window``
-    > 0); written to ``out`` at the same row, which is returned (allocated like ``q`` when
-    None). Other rows of ``out`` are not touched; a sequence of length 0 (a padding row)
-    gets zeros. Reads no device value on the host."""
+    > 0), scores soft-capped at ``soft_cap`` when it is > 0 and each head's ``sinks`` logit
+    joining its softmax; written to ``out`` at the same row, which is returned (allocated
+    like ``q`` when None). Other rows of ``out`` are not touched; a sequence of length 0 (a
+    padding row) gets zeros. Reads no device value on the host."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton (pip install triton)")
     out = torch.empty_like(q) if out is None else out
@@ -163,6 +184,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, kv_heads, q.device)
     _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits, window)
+    check_features(q, soft_cap, sinks)
     if num_seqs == 0:
         return out
     heads, dim, block_size = q.shape[1], q.shape[2], kv_cache.shape[2]
@@ -176,9 +198,10 @@ def paged_decode_attention(
     else:
         m_part = l_part = acc_part = out  # unused pointers
     rows_arg = seq_lens if rows is None else rows  # unused pointer without rows
+    sinks_arg = seq_lens if sinks is None else sinks  # unused pointer without sinks
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
-        q, kv_cache, block_table, seq_lens, rows_arg, out, m_part, l_part, acc_part,
-        scale * LOG2E, window,
+        q, kv_cache, block_table, seq_lens, rows_arg, sinks_arg, out, m_part, l_part, acc_part,
+        scale * LOG2E, window, soft_cap * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
@@ -190,40 +213,66 @@ def paged_decode_attention(
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
         HAS_ROWS=rows is not None,
+        HAS_SOFT_CAP=soft_cap > 0,
+        HAS_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, heads)](
-            m_part, l_part, acc_part, rows_arg, out,
+            m_part, l_part, acc_part, rows_arg, sinks_arg, out,
             out.stride(0), out.stride(1),
             HEAD_DIM=dim,
             HEAD_DIM_PAD=dim_pad,
             NUM_SPLITS=num_splits,
             HAS_ROWS=rows is not None,
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )  # fmt: skip
     return out
 
 
 if triton is not None:
+
+    @triton.jit
+    def soft_capped(s, cap2):
+        """Base-2 scores ``s`` (natural scores times log2(e)) soft-capped at ``cap2`` (the
+        cap times log2(e)): ``cap * tanh(x / cap)`` in natural units, whose tanh is
+        ``1 - 2 / (e^(2t) + 1)`` (exp2's overflow to inf gives exactly 1)."""
+        e2t = tl.exp2(s / cap2 * 2.885390081777927)  # e^(2t), t = x / cap: 2 log2(e)
+        return cap2 * (1.0 - 2.0 / (e2t + 1.0))
+
+    @triton.jit
+    def sunk(m_i, l_i, acc, sinks_ptr, heads, mask):
+        """(m, l, acc) with each head's sink logit joined to the softmax's running max and
+        denominator (natural logits; the state is base 2); the sink adds no value."""
+        sink = tl.load(sinks_ptr + heads, mask=mask, other=float("-inf")).to(tl.float32)
+        sink *= 1.4426950408889634  # log2(e)
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        l_new = l_i * alpha + tl.exp2(sink - m_safe)
+        return m_new, l_new, acc * alpha[:, None]
+
     # The block table's row stride is its width, the longest context's blocks: Triton
     # would compile a variant for each of its divisibility classes (by 16 or not) in eager
     # steps; the address arithmetic gains nothing measurable from knowing it.
     # ``window`` likewise: one compiled variant serves every layer, windowed or not.
     @triton.jit(do_not_specialize=["stride_bt_seq", "window"])
     def _decode_kernel(
-        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, rows_ptr, out_ptr,
+        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, rows_ptr, sinks_ptr, out_ptr,
         m_ptr, l_ptr, acc_ptr,
         qk_scale,  # the softmax scale times log2(e): the softmax runs in base 2
         window,  # > 0: the last `window` positions only; 0: the whole context
+        soft_cap2,  # the soft cap times log2(e) (HAS_SOFT_CAP)
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_kv_half, stride_kv_block, stride_kv_slot, stride_kv_head,
         stride_bt_seq,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr,
+        HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -269,6 +318,8 @@ if triton is not None:
             k = tl.load(kv_head_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(kv_head_ptr + stride_kv_half + kv_off, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (G, TILE_N)
+            if HAS_SOFT_CAP:
+                s = soft_capped(s, soft_cap2)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
@@ -279,6 +330,8 @@ if triton is not None:
             m_i = m_new
 
         if NUM_SPLITS == 1:
+            if HAS_SINKS:
+                m_i, l_i, acc = sunk(m_i, l_i, acc, sinks_ptr, heads, g_mask)
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0: zeros
             o_off = row * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
             tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
@@ -291,10 +344,10 @@ if triton is not None:
 
     @triton.jit
     def _combine_splits_kernel(
-        m_ptr, l_ptr, acc_ptr, rows_ptr, out_ptr,
+        m_ptr, l_ptr, acc_ptr, rows_ptr, sinks_ptr, out_ptr,
         stride_o_tok, stride_o_head,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -307,9 +360,14 @@ if triton is not None:
         part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + sp
         m = tl.load(m_ptr + part)
         m_max = tl.max(m, axis=0)
+        if HAS_SINKS:  # the head's sink joins the max and the denominator (base 2)
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            m_max = tl.maximum(m_max, sink)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0: every split empty
         w = tl.exp2(m - m_max)  # an empty split weighs 0
         denom = tl.sum(w * tl.load(l_ptr + part), axis=0)
+        if HAS_SINKS:
+            denom += tl.exp2(sink - m_max)
         acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :])
         out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
         o_off = row * stride_o_tok + head * stride_o_head + d
