@@ -1,5 +1,7 @@
 """Mixture-of-experts models with Llama's attention: Mixtral, Qwen2-MoE (Qwen1.5-MoE),
-Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B).
+Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B); and the routings the
+mixtures with their own attention share (DeepSeek-V2's ``select_experts_group_limited``,
+used by ``deepseek_v2.py`` beside ``fused_moe.select_experts_grouped``).
 
 A layer is ``LlamaLayer``'s attention (Qwen2's q/k/v biases, Qwen3's q/k norms as in
 ``llama.py``) with a ``SparseMoeBlock`` for the feed-forward: a router (``gate``), the
@@ -91,6 +93,32 @@ class MoeArch(LlamaArch):
             checkpoint_prefix=prefix,
             **glm,
         )
+
+
+def select_experts_group_limited(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's routing (``topk_method`` greedy, or group_limited_greedy when
+    ``num_groups > 1``): softmax over all experts in fp32; grouped, only the experts of the
+    ``topk_groups`` groups (of ``num_groups``) whose best expert scores highest compete.
+    The ``top_k`` largest probabilities weight their experts (divided by their sum when
+    ``renormalize``), times ``scaling``. (weights fp32, ids int64), ``(num_tokens, top_k)``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    choice = probs
+    if num_groups > 1:
+        grouped = probs.view(probs.shape[0], num_groups, -1)
+        best_groups = grouped.amax(dim=-1).topk(topk_groups, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = probs.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), 0.0)
+    weights, ids = choice.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 class SparseMoeBlock(nn.Module):

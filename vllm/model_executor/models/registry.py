@@ -39,7 +39,8 @@ _PACKAGE = "vllm.model_executor.models"
 # SmolLM3's unrotated layers are flags of its LlamaArch; Phi-3's class reads fused
 # checkpoints); the mixtures of experts add their experts to it (moe.py). The Gemma
 # family has its own (gemma.py: scaled embeddings, 1 + weight norms, sandwich norms, soft
-# caps, two rotations).
+# caps, two rotations), and DeepSeek-V2/V3 theirs (deepseek_v2.py: latent attention
+# cached as one latent head, DeepSeek's routings).
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -68,6 +69,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Exaone4ForCausalLM": ("exaone4", "llama", "LlamaForCausalLM"),
     "SeedOssForCausalLM": ("seed_oss", "llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek_v2", "DeepseekV3ForCausalLM"),
     "CohereForCausalLM": ("cohere", "cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "cohere", "CohereForCausalLM"),
     "GemmaForCausalLM": ("gemma", "gemma", "GemmaForCausalLM"),
