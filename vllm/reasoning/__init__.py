@@ -9,11 +9,14 @@ from __future__ import annotations
 from vllm.reasoning import (  # noqa: F401
     cohere_command_reasoning_parser,
     deepseek_r1_reasoning_parser,
+    deepseek_v3_reasoning_parser,
     glm47_moe_reasoning_parser,
     gptoss_reasoning_parser,
     granite_reasoning_parser,
+    kimi_k2_reasoning_parser,
     olmo3_reasoning_parser,
     qwen3_reasoning_parser,
+    seed_oss_reasoning_parser,
 )
 from vllm.reasoning.abs_reasoning_parsers import (
     ExtractedReasoning,

@@ -134,7 +134,7 @@ class ToolPlan:
             content = None
         if not found:
             return {"role": self.role, "content": self.parser.plain_content(text)}, finish_reason
-        calls = [_call_dict(c.name, c.arguments, self.call_id()) for c in found]
+        calls = [_call_dict(c.name, c.arguments, c.id or self.call_id()) for c in found]
         message = {"role": self.role, "content": content, "tool_calls": calls}
         return message, self.finish_reason(finish_reason, True)
 
@@ -184,7 +184,8 @@ class ToolCallStreamer:
             if i == len(self.sent_calls):
                 if call.name is None:
                     break  # its header needs the name; later calls wait behind it
-                pieces.append({"index": i, **_call_dict(call.name, call.arguments, self.call_id())})
+                call_id = call.id or self.call_id()
+                pieces.append({"index": i, **_call_dict(call.name, call.arguments, call_id)})
                 self.sent_calls.append(len(call.arguments))
             elif len(call.arguments) > self.sent_calls[i]:
                 piece = call.arguments[self.sent_calls[i] :]

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
     cohere_command_tool_parser,
+    deepseek_tool_parser,
     glm47_moe_tool_parser,
     hermes_tool_parser,
     json_tool_parser,
+    kimi_k2_tool_parser,
     mistral_tool_parser,
     olmo3_tool_parser,
     openai_tool_parser,
     phi4mini_tool_parser,
     pythonic_tool_parser,
     qwen3coder_tool_parser,
+    seed_oss_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,

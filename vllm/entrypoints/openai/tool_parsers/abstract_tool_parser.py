@@ -36,11 +36,13 @@ def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None) -> T
 class ParsedToolCall:
     """One call in the output. While streaming, ``name`` is None until its string is
     complete, and ``arguments`` is the raw JSON text so far: each version is a prefix of
-    the next, and of the final one."""
+    the next, and of the final one. ``id``: the id the model wrote for it (Kimi-K2's
+    ``functions.NAME:IDX``), which the response keeps; None: the server makes one."""
 
     name: str | None
     arguments: str
     complete: bool
+    id: str | None = None
 
 
 @dataclass

@@ -31,7 +31,7 @@ from __future__ import annotations
 import ast
 import json
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
@@ -50,20 +50,24 @@ from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FN_OPEN, FN_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
-_STARTS = (TOOL_OPEN, FN_OPEN)
 
 
 @register_tool_parser("qwen3_coder", "qwen3_xml")
 class Qwen3CoderToolParser(ToolParser):
+    # The wrapper of a call (Seed-OSS writes the same XML in ``<seed:tool_call>``).
+    tool_open: ClassVar[str] = TOOL_OPEN
+    tool_close: ClassVar[str] = TOOL_CLOSE
+
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
-        return scan_tagged_calls(text, final, _STARTS, TOOL_CLOSE, self._call)
+        starts = (self.tool_open, FN_OPEN)
+        return scan_tagged_calls(text, final, starts, self.tool_close, self._call)
 
     def _call(self, text: str, start: int, final: bool) -> tuple[ParsedToolCall, int]:
         """The call starting at ``start`` and where it ends. Raises ``CallOpen`` (with the
         call so far, or None before its name is complete) when the text ends inside it and
         more may come, ``NotACall`` when it is not one."""
-        wrapped = text.startswith(TOOL_OPEN, start)
-        pos = skip_ws(text, start + len(TOOL_OPEN)) if wrapped else start
+        wrapped = text.startswith(self.tool_open, start)
+        pos = skip_ws(text, start + len(self.tool_open)) if wrapped else start
         if not text.startswith(FN_OPEN, pos):
             if could_become(text[pos:], FN_OPEN) and not final:
                 raise CallOpen(None)
@@ -96,9 +100,9 @@ class Qwen3CoderToolParser(ToolParser):
             raise NotACall  # stray text inside the function
         if wrapped:
             after = skip_ws(text, end)
-            if text.startswith(TOOL_CLOSE, after):
-                end = after + len(TOOL_CLOSE)
-            elif not final and could_become(text[after:], TOOL_CLOSE):
+            if text.startswith(self.tool_close, after):
+                end = after + len(self.tool_close)
+            elif not final and could_become(text[after:], self.tool_close):
                 raise CallOpen(self._parsed(name, params, closed=True))
         return self._parsed(name, params, closed=True), end
 
