@@ -4,8 +4,11 @@ rounding of the same engine's bf16 logits on the CPU (whose fp32 logits the CPU 
 to transformers' within 1e-4; bf16 alone moves gpt-oss's tiny logits by half their size
 against fp32, routing included, transformers' as much as ours), on the backend the selector
 picks for its
-attention features: torch's FlashAttention for sliding windows alone, the torch backend
-for soft caps (Gemma 2) and sinks (gpt-oss). The CPU tests are in tests/model_executor.
+attention features: torch's FlashAttention with the Triton kernels (soft caps and sinks are
+Triton's, sinks in prefills ``varlen_attn``'s log-sum-exp), and the torch backend forced
+for Gemma 2 and gpt-oss. The same logits teacher-forced one decode step at a time (the
+Triton decode kernel: windows, soft caps, sinks) match too. The CPU tests are in
+tests/model_executor.
 
 Run with ``pytest -m cuda tests`` on a CUDA machine; skipped without one.
 """
@@ -45,15 +48,35 @@ def save_family(family: str, path) -> torch.nn.Module:
     return hf
 
 
+def decoded_logits(runner, ids, prefix: int) -> torch.Tensor:
+    """fp32 logits of ``ids[prefix:]`` decoded one token a step (teacher-forced) after a
+    prefill of ``ids[:prefix]``, in ``runner_logits``' cache layout (blocks 1-8)."""
+    blocks = list(range(1, 9))
+    steps = [(0, prefix)] + [(p, 1) for p in range(prefix, len(ids))]
+    rows = []
+    with torch.inference_mode():
+        for start, n in steps:
+            meta = runner.attn_backend.build_metadata([(start, n, blocks)])
+            positions = torch.arange(start, start + n, device=ids.device)
+            hidden = runner.model(ids[start : start + n], positions, meta, runner.kv_caches)
+            rows.append(runner.model.compute_logits(hidden)[-1:])
+    return torch.cat(rows[1:]).float().cpu()
+
+
 @pytest.mark.parametrize(
-    "family, backend",
-    [("Gemma3", "TORCH_FLASH_ATTN"), ("Cohere2", "TORCH_FLASH_ATTN"),
-     ("Olmo3", "TORCH_FLASH_ATTN"), ("Gemma2", "TORCH_SDPA"), ("GptOss", "TORCH_SDPA")],
+    "family, backend, forced",
+    [("Gemma3", "TORCH_FLASH_ATTN", None), ("Cohere2", "TORCH_FLASH_ATTN", None),
+     ("Olmo3", "TORCH_FLASH_ATTN", None), ("Gemma2", "TORCH_FLASH_ATTN", None),
+     ("GptOss", "TORCH_FLASH_ATTN", None), ("Gemma2", "TORCH_SDPA", "TORCH_SDPA"),
+     ("GptOss", "TORCH_SDPA", "TORCH_SDPA")],
 )  # fmt: skip
-def test_family_logits_on_cuda_match_the_cpu(family, backend, tmp_path):
+def test_family_logits_on_cuda_match_the_cpu(family, backend, forced, tmp_path):
     save_family(family, tmp_path)
+    model_config = ModelConfig(
+        model=str(tmp_path), dtype="bfloat16", max_model_len=128, attention_backend=forced
+    )
     config = VllmConfig(
-        model_config=ModelConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=128),
+        model_config=model_config,
         scheduler_config=SchedulerConfig(max_model_len=128, max_num_batched_tokens=128),
     )
     runner = ModelRunner(config, device="cuda")
@@ -62,9 +85,11 @@ def test_family_logits_on_cuda_match_the_cpu(family, backend, tmp_path):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (100,), generator=g)
     ours = runner_logits(runner, ids.cuda()).float().cpu()
+    decoded = decoded_logits(runner, ids.cuda(), 60)
     cpu = load_cpu_runner(ModelConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=128))
     ref = runner_logits(cpu, ids).float()
-    err = (ours - ref).abs().max()
-    assert err < 0.05 * ref.abs().max(), (err, ref.abs().max())
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    for got, want in ((ours, ref), (decoded, ref[60:])):
+        err = (got - want).abs().max()
+        assert err < 0.05 * want.abs().max(), (err, want.abs().max())
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     runner.release()

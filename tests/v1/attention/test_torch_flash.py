@@ -48,7 +48,9 @@ def ref_varlen_attn(
     num_splits=None,
 ):
     """torch 2.13's ``varlen_attn`` forward in plain torch (float64 inside). ``window_size``
-    ``(left, right)``: -1 unbounded; ``right`` 0 is causal, ``left`` >= 0 a sliding window."""
+    ``(left, right)``: -1 unbounded; ``right`` 0 is causal, ``left`` >= 0 a sliding window.
+    ``return_aux`` with ``lse``: also the rows' natural log-sum-exp of the scaled scores,
+    (heads, tokens) float32 as FlashAttention returns it."""
     assert isinstance(window_size, tuple)  # varlen_attn compares it to the tuple (-1, 0)
     left, right = window_size
     assert right in (-1, 0) and left >= -1 and (left == -1 or right == 0)
@@ -69,6 +71,7 @@ def ref_varlen_attn(
     assert heads == kv_heads or (enable_gqa and heads % kv_heads == 0)
     scale = scale if scale is not None else 1 / math.sqrt(head_dim)
     out = torch.zeros_like(query)
+    lse = torch.zeros(heads, query.shape[0], dtype=torch.float32, device=query.device)
     for i in range(len(cu_seq_q) - 1):
         qs, qe = int(cu_seq_q[i]), int(cu_seq_q[i + 1])
         len_k = int(seqused_k[i]) if seqused_k is not None else int(cu_seq_k[i + 1] - cu_seq_k[i])
@@ -90,6 +93,9 @@ def ref_varlen_attn(
             if left >= 0:  # and not before row - left
                 scores = scores.masked_fill(keys_at < rows - left, float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
+        lse[:, qs:qe] = scores.logsumexp(-1).float()
+    if return_aux is not None and return_aux.lse:
+        return out, lse
     return out
 
 
@@ -99,10 +105,12 @@ def ref_varlen_attn_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_
     return ref_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window)
 
 
-def sdpa_reference(seqs, q, kv_cache, scale, block_size, window=None):
+def sdpa_reference(seqs, q, kv_cache, scale, block_size, window=None, soft_cap=None,
+                   sinks=None):  # fmt: skip
     """Float64 SDPA per sequence over its context read back from ``kv_cache`` (after the
     step's writes) through its block ids, with an explicit bottom-right causal mask (and
-    the last ``window`` positions only, when given)."""
+    the last ``window`` positions only, when given); with ``soft_cap`` or ``sinks``, the
+    same attention written out (scores capped, each head's sink logit in its softmax)."""
     out, start = torch.empty(q.shape, dtype=torch.float64, device=q.device), 0
     for computed, new, block_ids in seqs:
         total = computed + new
@@ -113,14 +121,24 @@ def sdpa_reference(seqs, q, kv_cache, scale, block_size, window=None):
         mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(computed)
         if window is not None:
             mask = mask.triu(computed - window + 1)
-        o = F.scaled_dot_product_attention(
-            q[start : start + new].double().transpose(0, 1),
-            keys,
-            values,
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
+        query = q[start : start + new].double().transpose(0, 1)
+        if soft_cap is None and sinks is None:
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        else:
+            group = query.shape[0] // keys.shape[0]
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+            scores = query @ keys.transpose(1, 2) * scale
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            if sinks is not None:
+                sink = sinks.double().view(-1, 1, 1).expand(*scores.shape[:2], 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            o = probs @ values
         out[start : start + new] = o.transpose(0, 1)
         start += new
     return out
@@ -171,7 +189,9 @@ def install(monkeypatch, fn):
 
 
 def test_features_are_read_from_the_signature():
-    assert VarlenFeatures.of(ref_varlen_attn) == VarlenFeatures(True, True, True, "window_size")
+    assert VarlenFeatures.of(ref_varlen_attn) == VarlenFeatures(
+        True, True, True, "window_size", lse=True
+    )
     assert VarlenFeatures.of(ref_varlen_attn_old) == VarlenFeatures(
         False, False, False, "is_causal"
     )
@@ -296,23 +316,33 @@ def test_unavailable_reason_on_this_build(monkeypatch):
 # -- on a GPU ---------------------------------------------------------------------------
 
 
-def check_against_float64(kind, dtype, block_size, paged, heads, kv_heads, device, window=None):
+def check_against_float64(kind, dtype, block_size, paged, heads, kv_heads, device, window=None,
+                          soft_cap=None, sinks=False):  # fmt: skip
     """The backend's output within the dtype's rounding of the float64 SDPA reference, and
     each new token's K/V at its slot bit for bit (nothing else in the cache touched); with
-    ``window``, as a sliding-window layer."""
+    ``window``, as a sliding-window layer; with ``soft_cap`` and ``sinks`` (random sink
+    logits per head), as Gemma 2's and gpt-oss's layers."""
     dim, scale = 128, 128**-0.5
     seqs, q, k, v, cache = make_batch(
         kind, block_size, heads, kv_heads, dim, seed=3, device=device, dtype=dtype
     )
+    if soft_cap is not None:  # scores wide enough for the cap to bend them
+        q = q * 8
+    gen = torch.Generator().manual_seed(4)
+    sink_logits = (torch.randn(heads, generator=gen) * 3).to(device, dtype) if sinks else None
     backend = TorchFlashAttentionBackend(heads, kv_heads, dim, dtype, device, block_size)
     if paged and not backend.paged:
         pytest.skip("this torch's varlen_attn has no block_table")
     backend.paged = paged  # gathered at 256 too: both paths on the same data
     written = cache.clone()
     features = {} if window is None else {"sliding_window": window}
+    if soft_cap is not None:
+        features["logits_soft_cap"] = soft_cap
+    if sinks:
+        features["sinks"] = sink_logits
     out = backend.forward(q, k, v, written, backend.build_metadata(seqs), scale, **features)
     assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
-    ref = sdpa_reference(seqs, q, written, scale, block_size, window)
+    ref = sdpa_reference(seqs, q, written, scale, block_size, window, soft_cap, sink_logits)
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     expected, start = cache.clone(), 0
@@ -360,7 +390,7 @@ def test_sliding_window_needs_a_varlen_attn_with_window_size(monkeypatch):
     window = frozenset({"sliding_window"})
     install(monkeypatch, ref_varlen_attn)
     assert TorchFlashAttentionBackend.unsupported_features(window) == []
-    assert TorchFlashAttentionBackend.unsupported_features(frozenset({"logits_soft_cap"}))
+    assert TorchFlashAttentionBackend.unsupported_features(frozenset({"dual_chunk"}))
     install(monkeypatch, ref_varlen_attn_old)
     assert "window_size" in TorchFlashAttentionBackend.unsupported_features(window)[0]
 

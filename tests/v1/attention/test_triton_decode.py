@@ -41,7 +41,7 @@ from tests.v1.attention.test_torch_flash import (
     sdpa_reference,
 )
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backends import torch_flash, triton_decode
+from vllm.v1.attention.backends import torch_flash, triton_decode, triton_prefill
 from vllm.v1.attention.backends.torch_flash import (
     TorchFlashAttentionBackend,
     TritonDecodeMetadata,
@@ -493,19 +493,28 @@ def test_copy_takes_another_step_into_the_captured_tensors():
         wide.copy_(mixed)
 
 
-def test_split_forward_on_fake_cuda_tensors(monkeypatch):
+@pytest.mark.parametrize("features", ["none", "sinks", "soft_cap"])
+def test_split_forward_on_fake_cuda_tensors(monkeypatch, features):
     # The whole forward of a mixed step on fake cuda:0 tensors, torch's own varlen_attn
-    # (its fake kernel) for the prefill rows and a stand-in for the Triton launch: every
-    # tensor on the device, and no device value read on the host (it would raise here).
+    # (its fake kernel, asked for its log-sum-exp for sinks) for the prefill rows and
+    # stand-ins for the Triton launches: every tensor on the device, and no device value
+    # read on the host (it would raise here).
     seen = []
 
     def launch(q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None,
-               window=0):  # fmt: skip
+               window=0, soft_cap=0.0, sinks=None):  # fmt: skip
         tensors = [q, kv_cache, block_table, seq_lens, out] + ([] if rows is None else [rows])
+        tensors += [] if sinks is None else [sinks]
         seen.append({t.device for t in tensors})
         return out
 
+    def prefill_launch(q, kv_cache, block_table, seq_lens, cu_seq_q, max_q, scale, out=None,
+                       window=0, soft_cap=0.0, sinks=None):  # fmt: skip
+        seen.append({t.device for t in (q, kv_cache, block_table, seq_lens, cu_seq_q)})
+        return torch.empty_like(q)
+
     monkeypatch.setattr(triton_decode, "paged_decode_attention", launch)
+    monkeypatch.setattr(triton_prefill, "paged_prefill_attention", prefill_launch)
     heads, kv_heads, dim, block_size, dtype = 8, 2, 64, 16, torch.bfloat16
     lens = BATCHES["mixed"]
     dev = torch.device("cuda", 0)
@@ -522,9 +531,15 @@ def test_split_forward_on_fake_cuda_tensors(monkeypatch):
         k = torch.empty(tokens, kv_heads, dim, dtype=dtype, device=dev)
         v = torch.empty(tokens, kv_heads, dim, dtype=dtype, device=dev)
         cache = torch.empty(2, num_blocks, block_size, kv_heads, dim, dtype=dtype, device=dev)
-        out = backend.forward(q, k, v, cache, meta, dim**-0.5)
+        extra = {
+            "none": {},
+            "sinks": {"sinks": torch.zeros(heads, dtype=dtype, device=dev)},
+            "soft_cap": {"logits_soft_cap": 30.0},
+        }[features]
+        out = backend.forward(q, k, v, cache, meta, dim**-0.5, **extra)
         assert out.shape == q.shape and out.dtype == dtype and out.device == dev
-    assert seen == [{dev}]
+    # The decode launch; the prefill kernel's for soft caps (varlen_attn's otherwise).
+    assert seen == [{dev}] * (2 if features == "soft_cap" else 1)
 
 
 # -- the choice ------------------------------------------------------------------------------------
@@ -616,30 +631,41 @@ def test_split_variants_cover_every_batch_size(monkeypatch):
     assert triton_decode.split_variants(64, 8, cuda)[1] == 17  # 136 programs fill the card
 
 
-def test_warm_up_launches_each_variant_with_and_without_rows(monkeypatch):
+@pytest.mark.parametrize("features", [(False, False), (True, False), (False, True)])
+def test_warm_up_launches_each_variant_with_and_without_rows(monkeypatch, features):
     launched = []
+    soft_cap, sinks = features
 
-    def record(q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None):
+    def record(q, kv_cache, block_table, seq_lens, scale, out=None, rows=None, num_splits=None,
+               soft_cap=0.0, sinks=None):  # fmt: skip
         assert block_table.dtype == seq_lens.dtype == torch.int32  # the metadata's dtypes
         assert rows is None or (rows.dtype == torch.int32 and rows.shape == (q.shape[0],))
         assert q.dtype == kv_cache.dtype and q.shape[1:] == (8, 16)
+        # The model's variant: capped or not, sinks of the cache's dtype or none.
+        assert (soft_cap > 0) == features[0]
+        assert sinks is None if not features[1] else sinks.shape == (8,)
+        assert sinks is None or sinks.dtype == kv_cache.dtype
         launched.append((num_splits, q.shape[0], rows is not None))
 
     monkeypatch.setattr(triton_decode, "paged_decode_attention", record)
     monkeypatch.setattr(triton_decode, "default_num_splits", lambda n, h, d: 4 if n < 3 else 1)
     cache = torch.zeros(2, 3, 16, 2, 16, dtype=torch.bfloat16)
-    assert triton_decode.warm_up(cache, 8, 6) == 4
+    assert triton_decode.warm_up(cache, 8, 6, soft_cap=soft_cap, sinks=sinks) == 4
     assert launched == [(4, 1, False), (4, 1, True), (1, 3, False), (1, 3, True)]
 
 
 def test_the_backend_warms_the_triton_decode_kernel_only(monkeypatch):
     calls = []
-    monkeypatch.setattr(triton_decode, "warm_up", lambda *a: calls.append(a) or 7)
+    monkeypatch.setattr(triton_decode, "warm_up", lambda *a, **kw: calls.append((a, kw)) or 7)
     backend = TorchFlashAttentionBackend(8, 2, 16, torch.float32, "cpu", 16)
     cache = [torch.zeros(2, 3, 16, 2, 16)]
     assert backend.decode_kernel != "triton" and backend.warm_up(cache, 4) == 0
     backend.decode_kernel = "triton"
-    assert backend.warm_up(cache, 4) == 7 and calls == [(cache[0], 8, 4)]
+    assert backend.warm_up(cache, 4) == 7
+    assert calls == [((cache[0], 8, 4), {"soft_cap": False, "sinks": False})]
+    backend.model_features = frozenset({"sinks", "sliding_window"})  # as the runner sets it
+    backend.warm_up(cache, 4)
+    assert calls[-1][1] == {"soft_cap": False, "sinks": True}
     assert backend.warm_up([], 4) == 0
 
 
@@ -653,12 +679,19 @@ def _compiled(fn) -> int:
 
 @pytest.mark.cuda
 @needs_cuda
-def test_after_the_warm_up_no_decode_step_compiles_a_kernel():
+@pytest.mark.parametrize("features", ["none", "soft_cap+sinks"])
+def test_after_the_warm_up_no_decode_step_compiles_a_kernel(features):
     # Mixed steps (query rows), decode-only eager steps, 1 to 16 decodes, block tables of
-    # 1 to 33 blocks: every launch finds its kernel compiled by ``warm_up``.
+    # 1 to 33 blocks: every launch finds its kernel compiled by ``warm_up`` (a Gemma 2- or
+    # gpt-oss-like layer's too: soft-capped, with bf16 sinks).
     heads, kv_heads, dim, block_size = 32, 8, 128, 16
     cache = torch.zeros(2, 80, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
-    triton_decode.warm_up(cache, heads, 16)
+    both = features != "none"
+    triton_decode.warm_up(cache, heads, 16, soft_cap=both, sinks=both)
+    extra = {}
+    if both:
+        sinks = torch.randn(heads, dtype=torch.bfloat16, device="cuda")
+        extra = {"soft_cap": 50.0, "sinks": sinks}
     before = (
         _compiled(triton_decode._decode_kernel),
         _compiled(triton_decode._combine_splits_kernel),
@@ -669,8 +702,10 @@ def test_after_the_warm_up_no_decode_step_compiles_a_kernel():
             table = torch.randint(1, 80, (n, width), dtype=torch.int32, device="cuda")
             lens = torch.full((n,), width * block_size, dtype=torch.int32, device="cuda")
             rows = torch.arange(5, n + 5, dtype=torch.int32, device="cuda")
-            triton_decode.paged_decode_attention(q, cache, table, lens, 0.1, rows=rows)
-            triton_decode.paged_decode_attention(q[:n].contiguous(), cache, table, lens, 0.1)
+            triton_decode.paged_decode_attention(q, cache, table, lens, 0.1, rows=rows, **extra)
+            triton_decode.paged_decode_attention(
+                q[:n].contiguous(), cache, table, lens, 0.1, **extra
+            )
     torch.cuda.synchronize()
     after = (
         _compiled(triton_decode._decode_kernel),

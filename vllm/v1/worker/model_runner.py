@@ -304,14 +304,15 @@ class ModelRunner:
         if self.config.lora_config.enable_lora:  # wraps the linear layers, as quantized
             self.lora = LoRAManager(self.model, self.config.lora_config, self.device, self.dtype)
         a = self.arch
+        features = getattr(self.model, "attention_features", frozenset())
         backend_cls = select_attention_backend(
             self.device, self.dtype, self.block_size, a.head_dim,
-            getattr(self.model_config, "attention_backend", None),
-            getattr(self.model, "attention_features", frozenset()),
+            getattr(self.model_config, "attention_backend", None), features,
         )  # fmt: skip
         self.attn_backend = backend_cls(
             a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.block_size
         )
+        self.attn_backend.model_features = frozenset(features)
         self.install_attention_backend()
         logger.info(
             "Loaded %s (%s: %s) in %.1f s",

@@ -96,6 +96,9 @@ class AttentionBackend(ABC):
     # positions), ``logits_soft_cap`` (scores become ``cap * tanh(s / cap)``) and
     # ``sinks`` (a (heads,) tensor of logits that join each softmax and are dropped).
     supported_features: ClassVar[frozenset[str]] = frozenset()
+    # The features the served model's layers use (set by the model runner after it builds
+    # the backend): what ``warm_up`` compiles for.
+    model_features: frozenset[str] = frozenset()
 
     def __init__(
         self,

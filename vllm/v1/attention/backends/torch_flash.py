@@ -28,6 +28,14 @@ A sliding-window layer (``forward(..., sliding_window=w)``: Mistral v0.1, Gemma 
 before it) and the Triton decode kernel for its ``window``; a torch whose ``varlen_attn``
 has no ``window_size=`` cannot run such a model (the selector passes over the backend).
 
+Soft-capped scores (Gemma 2) and attention sinks (gpt-oss), which FlashAttention's kernels
+do not compute, are Triton's: decode rows take them in the decode kernel; the other rows
+of a soft-capped layer go to the Triton paged prefill kernel (``triton_prefill``), and
+those of a layer with sinks to ``varlen_attn`` asked for its log-sum-exp (``return_aux``),
+each output row then scaled by ``sigmoid(lse - sink)`` (the share of the softmax the sink
+leaves: exact), or to the prefill kernel where this torch returns no log-sum-exp. Both
+need triton installed (the selector passes over the backend otherwise).
+
 Decode rows (one new token over its cached context) go to the Triton paged decode kernel
 (``triton_decode``) where it can run (CUDA, triton importable) unless
 ``VLLM_CUDA_DECODE_ATTENTION=varlen``: it reads the cache in place through the block
@@ -39,6 +47,7 @@ decodes is built and run exactly as without Triton.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -83,6 +92,7 @@ class VarlenFeatures:
     gqa: bool  # enable_gqa=
     scale: bool  # scale=
     causal: str | None  # the keyword that asks for a causal mask: window_size / is_causal
+    lse: bool = False  # return_aux=: also returns the rows' log-sum-exp
 
     @classmethod
     def of(cls, fn: Callable[..., Any]) -> VarlenFeatures:
@@ -93,6 +103,7 @@ class VarlenFeatures:
             gqa="enable_gqa" in params,
             scale="scale" in params,
             causal=causal,
+            lse="return_aux" in params,
         )
 
 
@@ -110,6 +121,24 @@ def flash_unavailable_reason(device: torch.device) -> str | None:
     if capability < MIN_CAPABILITY:
         return f"FlashAttention needs compute capability >= 8.0, the GPU has {capability}"
     return None
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def sink_scaled(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``varlen_attn``'s ``out`` (tokens, heads, dim) as if each head's sink logit had
+    joined its softmax: the softmax's sum ``e^lse`` becomes ``e^lse + e^sink``, so every
+    row scales by ``sigmoid(lse - sink)``. ``lse``: natural log-sum-exp of the scaled
+    scores, (heads, tokens) as FlashAttention returns it, or (tokens, heads)."""
+    tokens, heads = out.shape[0], out.shape[1]
+    if lse.shape == (heads, tokens):
+        lse = lse.t()
+    elif lse.shape != (tokens, heads):
+        raise RuntimeError(f"varlen_attn's log-sum-exp {tuple(lse.shape)} for {tuple(out.shape)}")
+    share = torch.sigmoid(lse.float() - sinks.float())
+    return (out.float() * share.unsqueeze(-1)).to(out.dtype)
 
 
 def choose_decode_kernel(device: torch.device) -> str:
@@ -266,7 +295,7 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
     priority = 20  # ahead of FLASH_ATTN (the flash-attn package) and TORCH_SDPA
     decodes_first = False
     supported_dtypes = SUPPORTED_DTYPES
-    supported_features = frozenset({"sliding_window"})
+    supported_features = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -298,6 +327,11 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
         if "sliding_window" in features and fn is not None:
             if VarlenFeatures.of(fn).causal != "window_size":
                 reasons.append("sliding window attention needs varlen_attn's window_size=")
+        if features & {"logits_soft_cap", "sinks"} and not triton_installed():
+            names = " and ".join(
+                sorted(f.replace("_", " ") for f in features & {"logits_soft_cap", "sinks"})
+            )
+            reasons.append(f"{names} need triton's kernels (triton is not installed)")
         return reasons
 
     @property
@@ -318,7 +352,13 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
             return 0
         from vllm.v1.attention.backends import triton_decode
 
-        return triton_decode.warm_up(kv_caches[0], self.num_heads, max_num_seqs)
+        return triton_decode.warm_up(
+            kv_caches[0],
+            self.num_heads,
+            max_num_seqs,
+            soft_cap="logits_soft_cap" in self.model_features,
+            sinks="sinks" in self.model_features,
+        )
 
     @property
     def supports_decode_graphs(self) -> bool:
@@ -358,26 +398,48 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
         meta: VarlenMetadata | TritonDecodeMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if k is not None:  # None: written with the rotary embedding (writes_kv_with_rotary)
             # The metadata's slots come from block ids: none is padding.
             reshape_and_cache_torch(k, v, kv_cache, meta.slot_mapping, padded=False)
+        extra = (sliding_window, logits_soft_cap, sinks)
         if isinstance(meta, VarlenMetadata):
-            return self._varlen(q, kv_cache, meta, scale, sliding_window)
+            return self._rows(q, kv_cache, meta, scale, *extra)
         from vllm.v1.attention.backends import triton_decode
 
         out = torch.empty_like(q)
         triton_decode.paged_decode_attention(
             q, kv_cache, meta.block_table, meta.seq_lens, scale, out=out, rows=meta.decode_rows,
-            window=sliding_window or 0,
+            window=sliding_window or 0, soft_cap=logits_soft_cap or 0.0, sinks=sinks,
         )  # fmt: skip
         if meta.prefill is not None:
             rows = meta.prefill_rows  # (num_prefill_tokens,): q's rows, packed for varlen
-            prefill = self._varlen(
-                q.index_select(0, rows), kv_cache, meta.prefill, scale, sliding_window
-            )
+            prefill = self._rows(q.index_select(0, rows), kv_cache, meta.prefill, scale, *extra)
             out.index_copy_(0, rows, prefill)
         return out
+
+    def _rows(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_size): meta's rows
+        kv_cache: torch.Tensor,
+        meta: VarlenMetadata,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of ``meta``'s rows: ``varlen_attn`` (its log-sum-exp scaling the rows
+        of a layer with sinks), or the Triton prefill kernel where soft caps need it."""
+        if logits_soft_cap is not None or (sinks is not None and not self.features.lse):
+            from vllm.v1.attention.backends import triton_prefill
+
+            return triton_prefill.paged_prefill_attention(
+                q, kv_cache, meta.block_table, meta.seqused_k, meta.cu_seq_q, meta.max_q, scale,
+                window=sliding_window or 0, soft_cap=logits_soft_cap or 0.0, sinks=sinks,
+            )  # fmt: skip
+        return self._varlen(q, kv_cache, meta, scale, sliding_window, sinks)
 
     def _varlen(
         self,
@@ -386,8 +448,10 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
         meta: VarlenMetadata,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``varlen_attn`` over ``meta``'s sequences, whose K/V are in the cache already."""
+        """``varlen_attn`` over ``meta``'s sequences, whose K/V are in the cache already
+        (with ``sinks``: asked for its log-sum-exp, see ``sink_scaled``)."""
         kwargs = dict(self._kwargs)
         if self.features.causal == "is_causal":
             kwargs["is_causal"] = True
@@ -414,6 +478,14 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
                 group = self.num_heads // self.num_kv_heads
                 keys = keys.repeat_interleave(group, dim=1)
                 values = values.repeat_interleave(group, dim=1)
-        return self._attn(
+        if sinks is not None:
+            from torch.nn.attention.varlen import AuxRequest  # where return_aux= exists
+
+            kwargs["return_aux"] = AuxRequest(lse=True)
+        out = self._attn(
             q, keys, values, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k, **kwargs
         )
+        if sinks is None:
+            return out
+        out, lse = out
+        return sink_scaled(out, lse, sinks)

@@ -93,7 +93,13 @@ def split_variants(max_num_seqs: int, num_kv_heads: int, device: torch.device) -
     return variants
 
 
-def warm_up(kv_cache: torch.Tensor, num_heads: int, max_num_seqs: int) -> int:
+def warm_up(
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    max_num_seqs: int,
+    soft_cap: bool = False,
+    sinks: bool = False,
+) -> int:
     """Compile the kernel (and the combine of split-K) before the first request needs it:
     Triton compiles a kernel per set of constexprs on its first launch, here one per
     number of splits and with or without query rows (a mixed step's decodes; a CUDA graph
@@ -101,8 +107,12 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, max_num_seqs: int) -> int:
     about a second inside the first steps that met it: a study's first server ran 110
     prompt tokens/s in its first 10 s against ~4,000 for the next (H200,
     docs/experiments.md). One small launch per variant on ``kv_cache``'s null block 0 (read,
-    never written). Returns the number of launches."""
+    never written), soft-capped and with sinks (in the cache's dtype) where the model's
+    layers use them. Returns the number of launches."""
     device, kv_heads, dim = kv_cache.device, kv_cache.shape[3], kv_cache.shape[4]
+    extra = {"soft_cap": 1.0 if soft_cap else 0.0}
+    if sinks:
+        extra["sinks"] = torch.zeros(num_heads, dtype=kv_cache.dtype, device=device)
     launches = 0
     for splits, n in split_variants(max_num_seqs, kv_heads, device).items():
         q = torch.zeros(n, num_heads, dim, dtype=kv_cache.dtype, device=device)
@@ -110,7 +120,7 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, max_num_seqs: int) -> int:
         lens = torch.ones(n, dtype=torch.int32, device=device)
         out = torch.empty_like(q)
         for rows in (None, torch.arange(n, dtype=torch.int32, device=device)):
-            paged_decode_attention(q, kv_cache, table, lens, 1.0, out, rows, splits)
+            paged_decode_attention(q, kv_cache, table, lens, 1.0, out, rows, splits, **extra)
             launches += 1
     return launches
 
