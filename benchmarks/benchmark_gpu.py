@@ -1,8 +1,9 @@
 """GPU benchmark: our engine against transformers ``generate``, same random weights, one process.
 
-Builds a random-weight Llama-family model of a named shape directly on the device, in the
-target dtype, seeded (``--shape``: smollm2-135m, llama-3.2-1b, llama-3.1-8b; ``tiny`` for
-CPU smoke runs), and writes it as an HF folder (config, SmolLM2's tokenizer files, the
+Builds a random-weight model of a named shape directly on the device, in the target
+dtype, seeded (``--shape``: smollm2-135m, llama-3.2-1b, llama-3.1-8b; gpt-oss-20b and
+gemma-2-9b, whose layers need sinks, soft caps and windows; ``tiny`` and ``tiny-gpt-oss``
+for CPU smoke runs), and writes it as an HF folder (config, SmolLM2's tokenizer files, the
 weights) that ``LLM(model=DIR)`` loads; with ``--skip-hf`` the folder has no weights and
 our engine makes its own random ones on the device (``--load-format dummy``). No weights
 are downloaded: GPU machines have no network. Then, for each N in ``--num-requests``
@@ -18,8 +19,10 @@ Per engine and N it prints output tok/s, TPOT (mean decode-step time: our pure-d
 engine steps; transformers' intervals between tokens), TTFT (ours: mean over requests,
 queueing included; transformers: the batch's first token), the ratio to transformers, and
 the fraction of the HBM limit: bytes a decode step reads (the weights except the input
-embedding table, which is gathered by row, plus every request's KV at the mean context
-``prompt + max_tokens / 2``) / step time / ``--bandwidth-gbs`` (default from the card's
+embedding table, which is gathered by row; of a mixture of experts, the share of the
+experts a step's tokens reach when routed at random, ``1 - (1 - k/E)^N``; plus every
+request's KV at the mean context ``prompt + max_tokens / 2``, at most a window of a
+sliding-window layer's) / step time / ``--bandwidth-gbs`` (default from the card's
 name). Also the first-seen context-length cost: one request's mean decode step over
 context lengths the engine has never run, against the same lengths again.
 
@@ -78,6 +81,23 @@ SHAPES: dict[str, dict] = {
                          vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
                          rms_norm_eps=1e-5, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
                          max_position_embeddings=131072),
+    # Other families (``model_type``; their configs' own rotary defaults are the models'):
+    # gpt-oss-20b (sinks, 128-token windows on every other layer, 32 experts, top 4; its
+    # MXFP4 experts as bf16 here) and Gemma-2-9B (soft caps, 4,096-token windows).
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                        vocab_size=201088, sliding_window=128, tie_word_embeddings=False,
+                        rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "gemma-2-9b": dict(model_type="gemma2", hidden_size=3584, num_hidden_layers=42,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                       intermediate_size=14336, vocab_size=256000, sliding_window=4096,
+                       query_pre_attn_scalar=256),
+    "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                         vocab_size=49152, sliding_window=8, tie_word_embeddings=False,
+                         max_position_embeddings=131072),
 }  # fmt: skip
 # Peak HBM bandwidth (GB/s) by a substring of torch.cuda.get_device_name(); first match.
 BANDWIDTH_GBS = (("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350))
@@ -92,24 +112,43 @@ class ModelFacts:
     weight_bytes_read: int  # every weight but the input embedding table (tied: counted once)
     kv_bytes_per_token: int  # K and V, all layers
     lm_head_bytes: int = 0  # the output projection (read after the forward's last norm)
+    expert_bytes: int = 0  # of weight_bytes_read: the routed experts' weights
+    experts_per_token: int = 0  # top-k of num_experts (0: a dense model)
+    num_experts: int = 0
+    # (window, KV bytes per token of the layers with that window): a decode reads at most
+    # `window` positions of those layers.
+    windowed_kv: tuple[tuple[int, int], ...] = ()
+
+    def expert_share(self, batch: float) -> float:
+        """The expected share of the experts a step of ``batch`` tokens reads, each token
+        routed to ``experts_per_token`` of them at random (random weights route so):
+        ``1 - (1 - k / E) ** batch``."""
+        if not self.num_experts:
+            return 1.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** batch
 
     def step_bytes(self, batch: float, mean_context: float) -> float:
-        return self.weight_bytes_read + batch * mean_context * self.kv_bytes_per_token
+        weights = self.weight_bytes_read - self.expert_bytes * (1 - self.expert_share(batch))
+        beyond = sum(b * max(0.0, mean_context - w) for w, b in self.windowed_kv)
+        return weights + batch * (mean_context * self.kv_bytes_per_token - beyond)
 
 
 # -- the model ---------------------------------------------------------------------------
 def shape_config(shape: str):
-    from transformers import LlamaConfig
+    from transformers import AutoConfig, LlamaConfig
 
     fields = dict(SHAPES[shape])
+    model_type = fields.pop("model_type", "llama")
+    if model_type != "llama":
+        return AutoConfig.for_model(model_type, **{**_COMMON, **fields})
     rope = {"rope_type": "default", **fields.pop("rope_scaling", {})}
     rope["rope_theta"] = fields.pop("rope_theta")
     return LlamaConfig(**{**_COMMON, **fields}, rope_parameters=rope)
 
 
 def build_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int):
-    """transformers' LlamaForCausalLM with random weights, created on ``device`` in ``dtype``
-    (no fp32 staging, no copy from the host)."""
+    """transformers' model of the shape's family with random weights, created on
+    ``device`` in ``dtype`` (no fp32 staging, no copy from the host)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -126,9 +165,23 @@ def model_facts(model) -> ModelFacts:
     embed = model.get_input_embeddings().weight
     read = num - (0 if embed is model.get_output_embeddings().weight else embed.numel())
     c = model.config
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
+    layer_kv = 2 * c.num_key_value_heads * c.head_dim * itemsize
     lm_head = model.get_output_embeddings().weight.numel() * itemsize
-    return ModelFacts(num, read * itemsize, kv, lm_head)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    windows: dict[int, int] = {}
+    for kind in getattr(c, "layer_types", None) or ():
+        if kind == "sliding_attention":
+            windows[c.sliding_window] = windows.get(c.sliding_window, 0) + layer_kv
+    return ModelFacts(
+        num,
+        read * itemsize,
+        c.num_hidden_layers * layer_kv,
+        lm_head,
+        expert_bytes=experts * itemsize,
+        experts_per_token=getattr(c, "num_experts_per_tok", 0) if experts else 0,
+        num_experts=getattr(c, "num_local_experts", 0) if experts else 0,
+        windowed_kv=tuple(sorted(windows.items())),
+    )
 
 
 def default_tokenizer_dir() -> Path:

@@ -312,3 +312,56 @@ def test_run_sh_refuses_an_unknown_step(tmp_path):
     env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "OUT": str(tmp_path)}
     done = subprocess.run([str(KIT / "run.sh"), "benchmark"], env=env, timeout=60)
     assert done.returncode == 2
+
+
+@pytest.mark.parametrize(
+    "shape, params, tied",
+    # gpt-oss-20b's published 20.91 B (its experts in bf16 here) and Gemma-2-9B's 9.24 B.
+    [("gpt-oss-20b", 20_914_757_184, False), ("gemma-2-9b", 9_241_705_984, True)],
+)
+def test_other_families_have_the_real_models_sizes(bench, shape, params, tied):
+    test_shapes_have_the_real_models_sizes(bench, shape, params, tied)
+
+
+def test_moe_and_window_step_bytes(bench):
+    model = bench.build_model("gpt-oss-20b", torch.bfloat16, torch.device("meta"), seed=0)
+    facts = bench.model_facts(model)
+    # 24 layers x 8 KV heads x 64 x (K, V) x 2 bytes; half the layers see 128 tokens.
+    layer_kv = 8 * 64 * 2 * 2
+    assert facts.kv_bytes_per_token == 24 * layer_kv
+    assert facts.windowed_kv == ((128, 12 * layer_kv),)
+    # Experts: 24 layers x 32 x (2880 x 5760 + 5760 + 2880 x 2880 + 2880), in bf16.
+    per_expert = 2880 * 5760 + 5760 + 2880 * 2880 + 2880
+    assert facts.expert_bytes == 2 * 24 * 32 * per_expert
+    assert (facts.experts_per_token, facts.num_experts) == (4, 32)
+    dense = facts.weight_bytes_read - facts.expert_bytes
+    # One token reads 4 of the 32 experts; 256 tokens reach nearly all of them.
+    assert facts.step_bytes(1, 100) == pytest.approx(
+        dense + facts.expert_bytes * 4 / 32 + 100 * 24 * layer_kv
+    )
+    at_576 = 576 * 24 * layer_kv - (576 - 128) * 12 * layer_kv
+    expected = dense + facts.expert_bytes * (1 - (28 / 32) ** 256) + 256 * at_576
+    assert facts.step_bytes(256, 576) == pytest.approx(expected)
+    # A dense model with no windows is unchanged (the Llama shape's test above).
+    gemma = bench.model_facts(
+        bench.build_model("gemma-2-9b", torch.bfloat16, torch.device("meta"), seed=0)
+    )
+    assert gemma.expert_bytes == 0 and gemma.expert_share(64) == 1.0
+    assert gemma.windowed_kv == ((4096, 21 * 8 * 256 * 2 * 2),)
+
+
+def test_tiny_gpt_oss_runs_on_our_engine(bench, tmp_path):
+    # The other families' path end to end on CPU: the folder from the shape's config, our
+    # engine's dummy weights (sinks and windows through its attention backend).
+    out = tmp_path / "oss.json"
+    argv = ["--shape", "tiny-gpt-oss", "--skip-hf", "--num-requests", "1", "2",
+            "--prompt-len", "16", "--max-tokens", "4", "--warmup", "0",
+            "--model-dir", str(tmp_path / "model"), "--json-out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["load_format"] == "dummy"
+    ours = result["engines"]["ours"]
+    assert set(ours) == {"1", "2"}
+    assert all(r["output_tok_per_s"] > 0 for r in ours.values())
+    assert result["model"]["shape"] == "tiny-gpt-oss"
+    assert result["model"]["num_experts"] == 4 and result["model"]["windowed_kv"]
