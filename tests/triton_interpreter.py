@@ -43,6 +43,14 @@ def run_interpreted(module: str, stdin: str | None = None, timeout: float = 540)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def interpreted_cases(module: str, case_ids: Iterable[str]) -> dict:
+    """``run_interpreted`` of ``module`` with ``case_ids`` on its standard input, after
+    checking that the kernels really ran in the interpreter (not compiled)."""
+    results = run_interpreted(module, stdin=json.dumps(list(case_ids)))
+    assert results["interpreted"] == "InterpretedFunction", results["interpreted"]
+    return results
+
+
 def print_case_results(
     interpreted: object, cases: Iterable[str], run: Callable[[str], dict]
 ) -> None:

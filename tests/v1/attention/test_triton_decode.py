@@ -31,7 +31,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.triton_interpreter import print_case_results, run_interpreted
+from tests.triton_interpreter import interpreted_cases, print_case_results
 from tests.v1.attention.test_torch_flash import (
     BATCHES,
     check_against_float64,
@@ -267,9 +267,7 @@ def interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    results = run_interpreted(__name__, stdin=json.dumps(list(CASES)))
-    assert results["interpreted"] == "InterpretedFunction", results["interpreted"]
-    return results
+    return interpreted_cases(__name__, CASES)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.triton_interpreter import print_case_results, run_interpreted
+from tests.triton_interpreter import interpreted_cases, print_case_results
 from vllm.v1.attention.backends import triton_prefill
 
 HAS_CUDA = torch.cuda.is_available()
@@ -197,9 +197,7 @@ def interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    results = run_interpreted(__name__, stdin=json.dumps(list(CASES)))
-    assert results["interpreted"] == "InterpretedFunction", results["interpreted"]
-    return results
+    return interpreted_cases(__name__, CASES)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

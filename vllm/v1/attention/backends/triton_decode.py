@@ -139,8 +139,10 @@ def check_features(q: torch.Tensor, soft_cap: float, sinks: torch.Tensor | None)
             raise ValueError("sinks must be contiguous")
 
 
-def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits, window=0) -> None:
-    """Shapes, dtypes and layouts (host metadata only: no device read)."""
+def check_paged_args(q, kv_cache, block_table, seq_lens, out, window, **indices) -> None:
+    """What the paged kernels (this one, ``triton_prefill``'s) share: shapes, dtypes and
+    layouts of q / the cache / out / the block table and lengths, the int dtypes of the
+    named ``indices`` too, and the window (host metadata only: no device read)."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)}: bad rank")
     heads, kv_heads, dim = q.shape[1], kv_cache.shape[3], q.shape[2]
@@ -151,21 +153,27 @@ def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits, windo
     num_seqs = block_table.shape[0]
     if block_table.dim() != 2 or seq_lens.shape != (num_seqs,):
         raise ValueError(f"block_table {tuple(block_table.shape)}, seq_lens {seq_lens.shape}")
-    if rows is not None and rows.shape != (num_seqs,):
-        raise ValueError(f"rows {tuple(rows.shape)} for {num_seqs} sequences")
-    if rows is None and num_seqs > q.shape[0]:
-        raise ValueError(f"{num_seqs} sequences but {q.shape[0]} query rows")
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("rows", rows)):
+    for name, t in {"block_table": block_table, "seq_lens": seq_lens, **indices}.items():
         if t is not None and t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, not {t.dtype}")
     if any(t.stride(-1) != 1 for t in (q, kv_cache, out)):
         raise ValueError("q, kv_cache and out need a contiguous last dimension")
     if block_table.shape[1] and block_table.stride(-1) != 1:
         raise ValueError("block_table needs contiguous rows")
-    if num_splits < 1 or num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
-        raise ValueError(f"num_splits={num_splits}: a power of two up to {MAX_SPLITS}")
     if window < 0:
         raise ValueError(f"window={window}: 0 (the whole context) or a positive length")
+
+
+def _check_args(q, kv_cache, block_table, seq_lens, out, rows, num_splits, window=0) -> None:
+    """``check_paged_args``, the query rows and the splits."""
+    check_paged_args(q, kv_cache, block_table, seq_lens, out, window, rows=rows)
+    num_seqs = block_table.shape[0]
+    if rows is not None and rows.shape != (num_seqs,):
+        raise ValueError(f"rows {tuple(rows.shape)} for {num_seqs} sequences")
+    if rows is None and num_seqs > q.shape[0]:
+        raise ValueError(f"{num_seqs} sequences but {q.shape[0]} query rows")
+    if num_splits < 1 or num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits}: a power of two up to {MAX_SPLITS}")
 
 
 def paged_decode_attention(

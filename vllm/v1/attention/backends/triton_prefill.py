@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.triton_decode import (
     MIN_DOT,
     _next_power_of_2,
     check_features,
+    check_paged_args,
     triton,
     triton_unavailable_reason,
 )
@@ -48,28 +49,10 @@ TILE_ELEMENTS = 4096  # one K (or V) tile of TILE_N x head_dim, widened to fp32
 
 
 def _check_args(q, kv_cache, block_table, seq_lens, cu_seq_q, out, window) -> None:
-    """Shapes, dtypes and layouts (host metadata only: no device read)."""
-    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)}: bad rank")
-    heads, kv_heads, dim = q.shape[1], kv_cache.shape[3], q.shape[2]
-    if heads % kv_heads or kv_cache.shape[4] != dim:
-        raise ValueError(f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
-    if q.dtype != kv_cache.dtype or out.dtype != q.dtype or out.shape != q.shape:
-        raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype} differ")
-    num_seqs = block_table.shape[0]
-    if block_table.dim() != 2 or seq_lens.shape != (num_seqs,):
-        raise ValueError(f"block_table {tuple(block_table.shape)}, seq_lens {seq_lens.shape}")
-    if cu_seq_q.shape != (num_seqs + 1,):
-        raise ValueError(f"cu_seq_q {tuple(cu_seq_q.shape)} for {num_seqs} sequences")
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("cu_seq_q", cu_seq_q)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, not {t.dtype}")
-    if any(t.stride(-1) != 1 for t in (q, kv_cache, out)):
-        raise ValueError("q, kv_cache and out need a contiguous last dimension")
-    if block_table.shape[1] and block_table.stride(-1) != 1:
-        raise ValueError("block_table needs contiguous rows")
-    if window < 0:
-        raise ValueError(f"window={window}: 0 (the whole context) or a positive length")
+    """``check_paged_args`` and the chunks' offsets (host metadata only)."""
+    check_paged_args(q, kv_cache, block_table, seq_lens, out, window, cu_seq_q=cu_seq_q)
+    if cu_seq_q.shape != (block_table.shape[0] + 1,):
+        raise ValueError(f"cu_seq_q {tuple(cu_seq_q.shape)} for {block_table.shape[0]} sequences")
 
 
 def paged_prefill_attention(
