@@ -138,7 +138,15 @@ def reshape_and_cache_torch(
     the slot of the first real token with that token's K/V, so every write to one slot
     carries the same bytes and ``index_copy_``'s order among duplicates does not matter;
     with no real token at all, slot 0 gets its own contents back. ``padded=False``: the
-    caller knows every slot is >= 0 (built from block ids), so the plain copies suffice."""
+    caller knows every slot is >= 0 (built from block ids), so the plain copies suffice.
+    An FP8 cache gets the values saturated and cast (``kv_cache_dtype.to_cache``), copied
+    as bytes (torch has no ``index_copy_`` for FP8 types)."""
+    if key.dtype != kv_cache.dtype:
+        from vllm.v1.attention.kv_cache_dtype import to_cache
+
+        key, value = to_cache(key, kv_cache.dtype), to_cache(value, kv_cache.dtype)
+    if kv_cache.element_size() == 1:
+        kv_cache, key, value = (t.view(torch.uint8) for t in (kv_cache, key, value))
     # unbind, not flat[0]: Python indexing cannot run on FakeTensorMode's CUDA tensors on a
     # CPU-only build, which is how tests check this path's devices and syncs.
     keys, values = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4]).unbind(0)
@@ -172,8 +180,10 @@ def _redirect_padding(
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write K/V of each token into ``kv_cache[:, slot // bs, slot % bs]`` (slot < 0: skip)."""
-    native = _op("reshape_and_cache") if kv_cache.device.type == "cpu" else None
+    """Write K/V of each token into ``kv_cache[:, slot // bs, slot % bs]`` (slot < 0: skip);
+    an FP8 cache (the native op writes the model's dtype only) through the torch version."""
+    cpu = kv_cache.device.type == "cpu" and kv_cache.dtype == key.dtype
+    native = _op("reshape_and_cache") if cpu else None
     if native is not None:
         native(key, value, kv_cache, slot_mapping)
     else:

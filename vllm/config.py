@@ -348,14 +348,19 @@ class ModelConfig:
         return self.served_model_name or (self.model,)
 
 
+# --kv-cache-dtype (vllm/v1/attention/kv_cache_dtype.py maps them to torch dtypes).
+CacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size, prefix caching and how much memory it gets."""
 
     block_size: int = config_field(16, "Tokens per KV block.")
-    cache_dtype: Literal["auto"] = config_field(
+    cache_dtype: CacheDtype = config_field(
         "auto",
-        "Data type of the KV cache: auto, the model's (--dtype). fp8 caches are not supported yet.",
+        "Data type of the KV cache: auto (the model's, --dtype), or fp8 (= fp8_e4m3) / "
+        "fp8_e5m2: one byte an element, twice the tokens in the same memory (scale 1.0).",
         flag="--kv-cache-dtype",
     )
     enable_prefix_caching: bool = config_field(
@@ -375,10 +380,9 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.cache_dtype != "auto":
-            raise bad_value(
-                "kv_cache_dtype", self.cache_dtype, "must be auto (fp8 is not supported yet)"
-            )
+        if self.cache_dtype not in get_args(CacheDtype):
+            choices = ", ".join(get_args(CacheDtype))
+            raise bad_value("kv_cache_dtype", self.cache_dtype, f"must be one of {choices}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise bad_value("block_size", self.block_size, "must be a power of two in [1, 256]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:

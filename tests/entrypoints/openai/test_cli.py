@@ -85,7 +85,7 @@ def test_help_lists_the_flags_without_importing_torch():
         # vLLM's flags for one device: 1 is what this engine runs; more is refused.
         (("-tp", "2"), "tensor_parallel_size"),
         (("--pipeline-parallel-size", "4"), "pipeline_parallel_size"),
-        (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype"),
+        (("--kv-cache-dtype", "fp8_inc"), "--kv-cache-dtype"),
         (("--load-format", "pt"), "--load-format"),
         (("--generation-config", "/no/such/folder"), "generation_config"),
         (("--override-generation-config", "[1]"), "override_generation_config"),
@@ -123,6 +123,11 @@ def test_vllm_s_one_device_flags_are_accepted():
     assert config.parallel_config.tensor_parallel_size == 1
     assert config.model_config.trust_remote_code is True
     assert config.cache_config.cache_dtype == "auto"
+    for kind in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # FP8 KV caches
+        args = make_parser().parse_args(["serve", "--kv-cache-dtype", kind])
+        assert EngineArgs.from_cli_args(args).create_engine_config().cache_config.cache_dtype == (
+            kind
+        )
 
 
 def test_busy_port_fails_before_loading_the_model():

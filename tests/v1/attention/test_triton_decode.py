@@ -162,6 +162,19 @@ def _cases() -> dict[str, dict]:
         block_size=8, ratio=4, lens=[0, 300, 5, 129], window=20, splits=4, rows=True,
         sinks=True, dtype="float16",
     )  # fmt: skip
+    # FP8 caches (--kv-cache-dtype): e4m3fn and e5m2 bytes decoded in the kernel, under fp32
+    # and bf16 queries, with a window, splits, rows, a soft cap and sinks.
+    cases["fp32-kv-fp8e4m3-bs16-gqa4"] = dict(
+        block_size=16, ratio=4, lens=lens_for(6, 16), kv="float8_e4m3fn"
+    )
+    cases["bf16-kv-fp8e5m2-bs8-gqa2-window40-split4-rows"] = dict(
+        block_size=8, ratio=2, lens=[0, 300, 5, 129], window=40, splits=4, rows=True,
+        dtype="bfloat16", kv="float8_e5m2",
+    )  # fmt: skip
+    cases["fp32-kv-fp8e4m3-bs32-gqa8-sinks-softcap30"] = dict(
+        block_size=32, ratio=8, lens=lens_for(3, 32), sinks=True, soft_cap=30.0,
+        kv="float8_e4m3fn",
+    )  # fmt: skip
     cases["fp32-bs32-gqa1-sinks-softcap5-split16-padding"] = dict(
         block_size=32, ratio=1, lens=[0, 64, 257], sinks=True, soft_cap=5.0, splits=16,
         rows=True,
@@ -203,6 +216,8 @@ def build_case(spec: dict, device: str, seed: int = 0) -> dict:
         for p in range(max(0, n - window) if window else 0, n):  # NaN before a window too
             valid[table[i, p // block_size], p % block_size] = True
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)
+    if spec.get("kv"):  # an FP8 cache: magnitudes from 2^-12 (subnormals) to 2^4
+        cache *= torch.exp2(torch.randint(-10, 3, cache.shape, generator=gen).float())
     cache[:, ~valid] = float("nan")
     num_rows = len(lens) + (3 if spec.get("rows") else 0)
     q = torch.randn(num_rows, heads, dim, generator=gen) * spec.get("qscale", 1.0)
@@ -211,7 +226,7 @@ def build_case(spec: dict, device: str, seed: int = 0) -> dict:
     sinks = torch.randn(heads, generator=gen) * 3 if spec.get("sinks") else None
     return dict(
         q=q.to(device, dtype),
-        cache=cache.to(device, dtype),
+        cache=cache.to(device, getattr(torch, spec["kv"]) if spec.get("kv") else dtype),
         table=table.to(device),
         lens=torch.tensor(lens, dtype=torch.int32, device=device),
         rows=None if rows is None else rows.to(device),

@@ -23,6 +23,7 @@ from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
 from vllm.utils.device import to_device, to_host
 from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
+from vllm.v1.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
@@ -199,6 +200,8 @@ class ModelRunner:
             # emulates bf16 (expected slower than fp32; no such CPU measured here).
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
+        # --kv-cache-dtype: the model's dtype or an FP8 type (attention/kv_cache_dtype.py)
+        self.kv_cache_dtype = kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, self.dtype)
         self.model = None  # a class of the model registry, built in load_model
         self.arch = None  # the model's shapes (model.arch)
         self.kv_caches: list[torch.Tensor] = []
@@ -304,7 +307,9 @@ class ModelRunner:
         if self.config.lora_config.enable_lora:  # wraps the linear layers, as quantized
             self.lora = LoRAManager(self.model, self.config.lora_config, self.device, self.dtype)
         a = self.arch
-        features = getattr(self.model, "attention_features", frozenset())
+        features = frozenset(getattr(self.model, "attention_features", frozenset()))
+        if is_fp8(self.kv_cache_dtype):  # a backend that reads FP8 caches
+            features |= {"fp8_kv_cache"}
         backend_cls = select_attention_backend(
             self.device, self.dtype, self.block_size, a.head_dim,
             getattr(self.model_config, "attention_backend", None), features,
@@ -324,7 +329,7 @@ class ModelRunner:
 
     def get_kv_cache_bytes_per_block(self) -> int:
         a = self.arch
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
 
     def determine_num_blocks(self) -> int:
@@ -396,7 +401,8 @@ class ModelRunner:
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(a.num_layers)
         ]
 
     def initialize_kv_offload(self, num_cpu_blocks: int) -> None:
@@ -991,7 +997,7 @@ class ModelRunner:
         sc = self.config.scheduler_config
         a = self.arch
         shape = (2, 2, self.block_size, a.num_kv_heads, a.head_dim)
-        scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device)] * a.num_layers
+        scratch = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)] * a.num_layers
         blocks = [1] * -(-sc.max_model_len // self.block_size)
         seqs, positions, left = [], [], sc.max_num_batched_tokens
         while left > 0:

@@ -94,7 +94,9 @@ class AttentionBackend(ABC):
     # What a model's layers may ask of ``forward`` beyond plain causal attention, each a
     # keyword argument of it: ``sliding_window`` (the layer attends to its last N
     # positions), ``logits_soft_cap`` (scores become ``cap * tanh(s / cap)``) and
-    # ``sinks`` (a (heads,) tensor of logits that join each softmax and are dropped).
+    # ``sinks`` (a (heads,) tensor of logits that join each softmax and are dropped);
+    # and one of the cache, not a keyword: ``fp8_kv_cache`` (``--kv-cache-dtype fp8``: the
+    # KV cache holds FP8 values, which ``forward`` writes and reads).
     supported_features: ClassVar[frozenset[str]] = frozenset()
     # The features the served model's layers use (set by the model runner after it builds
     # the backend): what ``warm_up`` compiles for.

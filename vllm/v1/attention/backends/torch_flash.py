@@ -36,6 +36,10 @@ each output row then scaled by ``sigmoid(lse - sink)`` (the share of the softmax
 leaves: exact), or to the prefill kernel where this torch returns no log-sum-exp. Both
 need triton installed (the selector passes over the backend otherwise).
 
+An FP8 KV cache (``--kv-cache-dtype fp8``: the ``fp8_kv_cache`` feature) is gathered and
+widened to the query's dtype for ``varlen_attn`` (never paged: torch's FlashAttention-2
+reads no FP8), and read as bytes, decoded in registers, by the Triton kernels.
+
 Decode rows (one new token over its cached context) go to the Triton paged decode kernel
 (``triton_decode``) where it can run (CUDA, triton importable) unless
 ``VLLM_CUDA_DECODE_ATTENTION=varlen``: it reads the cache in place through the block
@@ -295,7 +299,7 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
     priority = 20  # ahead of FLASH_ATTN (the flash-attn package) and TORCH_SDPA
     decodes_first = False
     supported_dtypes = SUPPORTED_DTYPES
-    supported_features = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
+    supported_features = frozenset({"sliding_window", "logits_soft_cap", "sinks", "fp8_kv_cache"})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -304,7 +308,7 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
             raise RuntimeError(f"{self.name}: this torch has no varlen_attn")
         self._attn = attn
         self.features = VarlenFeatures.of(attn)
-        self.paged = self.features.paged and self.block_size % PAGED_BLOCK_MULTIPLE == 0
+        self._paged = self.features.paged and self.block_size % PAGED_BLOCK_MULTIPLE == 0
         # Keyword arguments every call shares (the mask and the scale are added per call).
         self._kwargs: dict[str, Any] = {"enable_gqa": True} if self.features.gqa else {}
         self.decode_kernel = choose_decode_kernel(self.device)
@@ -335,11 +339,24 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
         return reasons
 
     @property
+    def paged(self) -> bool:
+        """``varlen_attn`` reads the cache through ``block_table`` (else gathered): where
+        torch and the block size allow, and the cache is in the model's dtype (an FP8
+        cache is gathered and widened: torch's FlashAttention-2 reads no FP8)."""
+        return self._paged and "fp8_kv_cache" not in self.model_features
+
+    @paged.setter
+    def paged(self, value: bool) -> None:
+        self._paged = value
+
+    @property
     def detail(self) -> str:
         if self.paged:
             return f"paged KV through block_table (block size {self.block_size})"
         if not self.features.paged:
             why = "this torch's varlen_attn has no block_table"
+        elif "fp8_kv_cache" in self.model_features:
+            why = "the KV cache is FP8"
         else:
             why = f"block size {self.block_size} is not a multiple of {PAGED_BLOCK_MULTIPLE}"
         detail = f"{why}: contexts are gathered per step"
@@ -379,10 +396,12 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
 
     @property
     def writes_kv_with_rotary(self) -> bool:
-        # Every path here reads K/V from the cache; the fused op exists for CUDA tensors.
+        # Every path here reads K/V from the cache; the fused op exists for CUDA tensors
+        # (and writes the model's dtype: an FP8 cache is written by reshape_and_cache).
         from vllm import _custom_ops as ops
 
-        return self.device.type == "cuda" and ops._fused_module() is not None
+        fp8 = "fp8_kv_cache" in self.model_features
+        return self.device.type == "cuda" and not fp8 and ops._fused_module() is not None
 
     def build_metadata(self, seqs: list[SeqLayout]) -> VarlenMetadata | TritonDecodeMetadata:
         if self.decode_kernel == "triton" and any(n == 1 for _, n, _ in seqs):
@@ -474,6 +493,8 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
             flat_k, flat_v = kv_cache.view(2, -1, *kv_cache.shape[3:]).unbind(0)
             keys = flat_k.index_select(0, meta.gather_slots)  # (total_k, kv_heads, dim)
             values = flat_v.index_select(0, meta.gather_slots)
+            if keys.dtype != q.dtype:  # an FP8 cache: its values, exactly, in q's dtype
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             if not self.features.gqa and self.num_heads != self.num_kv_heads:
                 group = self.num_heads // self.num_kv_heads
                 keys = keys.repeat_interleave(group, dim=1)

@@ -9,6 +9,9 @@ call. Metadata is built once per step (``build_metadata``) and reused by every l
 decodes' per-position gather indices are derived (in torch, once) only when the fallback
 needs them, so a decode step's Python work grows with its blocks, not its tokens.
 
+An FP8 KV cache (``--kv-cache-dtype fp8``) is read by the gathers, widened to the
+query's dtype; its decodes skip the native kernel (which reads the model's dtype).
+
 A layer with a sliding window, soft-capped scores (Gemma 2) or attention sinks (gpt-oss)
 takes a masked path instead (``_masked_paged_attention``): windowed gathers and explicit
 masks, SDPA, or an eager fp32 softmax where SDPA cannot express the scores.
@@ -32,6 +35,7 @@ from vllm import _custom_ops as ops
 from vllm._custom_ops import reshape_and_cache
 from vllm.utils.device import to_device
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout
+from vllm.v1.attention.kv_cache_dtype import as_stored, is_fp8
 
 
 @dataclass
@@ -183,12 +187,18 @@ def _decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """The fallback: gather each decode's whole context (padded), one SDPA call."""
-    keys = flat_k[meta.decode_slots].transpose(1, 2)  # (n, kv_heads, max_len, dim)
-    values = flat_v[meta.decode_slots].transpose(1, 2)
+    keys = _read(flat_k, meta.decode_slots, q.dtype).transpose(1, 2)  # (n, kv_heads, len, dim)
+    values = _read(flat_v, meta.decode_slots, q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
     )  # (n, heads, 1, dim)
     return o.squeeze(2)
+
+
+def _read(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's rows at ``slots``, in ``dtype`` (an FP8 cache's values widened)."""
+    rows = flat[slots]
+    return rows if rows.dtype == dtype else rows.to(dtype)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -293,8 +303,8 @@ def _masked_paged_attention(
             slots, mask = meta.decode_window(window)
         else:
             slots, mask = meta.decode_slots, meta.decode_mask
-        keys = flat_k[slots].transpose(1, 2)  # (n, kv_heads, width, dim)
-        values = flat_v[slots].transpose(1, 2)
+        keys = _read(flat_k, slots, q.dtype).transpose(1, 2)  # (n, kv_heads, width, dim)
+        values = _read(flat_v, slots, q.dtype).transpose(1, 2)
         o = _attend(q[:n].unsqueeze(2), keys, values, mask, scale, softcap, sinks)
         out[:n] = o.squeeze(2)
     for chunk in meta.prefills:
@@ -304,7 +314,7 @@ def _masked_paged_attention(
             keys, values = k[s:e], v[s:e]
         else:  # only the keys the window reaches are gathered
             slots = chunk.context_slots[first:]
-            keys, values = flat_k[slots], flat_v[slots]
+            keys, values = _read(flat_k, slots, q.dtype), _read(flat_v, slots, q.dtype)
         o = _attend(
             q[s:e].transpose(0, 1).unsqueeze(0),  # (1, heads, len, dim)
             keys.transpose(0, 1).unsqueeze(0),
@@ -336,6 +346,9 @@ def paged_attention(
     ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: the layer's
     (``_masked_paged_attention``)."""
     reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+    fp8 = is_fp8(kv_cache.dtype)
+    if fp8:  # a chunk's own K/V as the cache holds them, as later steps will read them
+        k, v = as_stored(k, kv_cache.dtype), as_stored(v, kv_cache.dtype)
     if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
         return _masked_paged_attention(
             q, k, v, kv_cache, meta, scale, sliding_window, logits_soft_cap, sinks
@@ -343,7 +356,7 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decodes
     native = (
-        n > 0 and q.device.type == "cpu" and q.dtype == torch.float32
+        n > 0 and q.device.type == "cpu" and q.dtype == torch.float32 and not fp8
     ) and ops.has_paged_decode_attention()
     if native:
         whole = n == q.shape[0]  # a pure decode step: no slicing
@@ -367,7 +380,8 @@ def paged_attention(
         if chunk.context_slots is None:
             keys, values = k[s:e], v[s:e]
         else:
-            keys, values = flat_k[chunk.context_slots], flat_v[chunk.context_slots]
+            slots = chunk.context_slots
+            keys, values = _read(flat_k, slots, q.dtype), _read(flat_v, slots, q.dtype)
         if native_prefill_attention(out[s:e], q[s:e], keys, values, scale, prefill_bf16):
             continue
         o = F.scaled_dot_product_attention(
@@ -394,7 +408,7 @@ class TorchSDPABackend(AttentionBackend):
     priority = 0
     decodes_first = True
     supported_features: ClassVar[frozenset[str]] = frozenset(
-        {"sliding_window", "logits_soft_cap", "sinks"}
+        {"sliding_window", "logits_soft_cap", "sinks", "fp8_kv_cache"}
     )
 
     def __init__(self, *args, **kwargs) -> None:

@@ -13,7 +13,8 @@ included) starts the walk at the window's first tile and masks the positions bef
 Soft-capped scores (``soft_cap > 0``, Gemma 2: ``cap * tanh(s / cap)`` before the mask)
 and attention sinks (``sinks``, gpt-oss: one logit per query head that joins the softmax's
 denominator and contributes no value) are each a compile-time variant, so a model without
-them runs the kernel it always ran.
+them runs the kernel it always ran. An FP8 cache (``--kv-cache-dtype``) is read as its
+bytes and decoded in registers (``KV_FP8``: e4m3fn's or e5m2's bits into fp32, exactly).
 
 The launch grid is ``(num_seqs, kv_heads, num_splits)``, fixed by the batch's shape: the
 context lengths are read by the kernel from device memory, never by the host, so a call
@@ -38,6 +39,8 @@ import functools
 import math
 
 import torch
+
+from vllm.v1.attention.kv_cache_dtype import fp8_kind, is_fp8
 
 try:
     import triton
@@ -125,6 +128,12 @@ def warm_up(
     return launches
 
 
+def kv_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernels take it: an FP8 cache as its bytes (``KV_FP8`` decodes
+    them), any other as it is."""
+    return kv_cache.view(torch.uint8) if is_fp8(kv_cache.dtype) else kv_cache
+
+
 def check_features(q: torch.Tensor, soft_cap: float, sinks: torch.Tensor | None) -> None:
     """``soft_cap`` and ``sinks`` as the kernels take them (host metadata only)."""
     if not soft_cap >= 0 or math.isinf(soft_cap):
@@ -148,7 +157,8 @@ def check_paged_args(q, kv_cache, block_table, seq_lens, out, window, **indices)
     heads, kv_heads, dim = q.shape[1], kv_cache.shape[3], q.shape[2]
     if heads % kv_heads or kv_cache.shape[4] != dim:
         raise ValueError(f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
-    if q.dtype != kv_cache.dtype or out.dtype != q.dtype or out.shape != q.shape:
+    cache_ok = kv_cache.dtype == q.dtype or is_fp8(kv_cache.dtype)  # FP8: read as bytes
+    if not cache_ok or out.dtype != q.dtype or out.shape != q.shape:
         raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype} differ")
     num_seqs = block_table.shape[0]
     if block_table.dim() != 2 or seq_lens.shape != (num_seqs,):
@@ -218,7 +228,8 @@ def paged_decode_attention(
     rows_arg = seq_lens if rows is None else rows  # unused pointer without rows
     sinks_arg = seq_lens if sinks is None else sinks  # unused pointer without sinks
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
-        q, kv_cache, block_table, seq_lens, rows_arg, sinks_arg, out, m_part, l_part, acc_part,
+        q, kv_bytes(kv_cache), block_table, seq_lens, rows_arg, sinks_arg, out,
+        m_part, l_part, acc_part,
         scale * LOG2E, window, soft_cap * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -233,6 +244,7 @@ def paged_decode_attention(
         HAS_ROWS=rows is not None,
         HAS_SOFT_CAP=soft_cap > 0,
         HAS_SINKS=sinks is not None,
+        KV_FP8=fp8_kind(kv_cache.dtype),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
     )  # fmt: skip
@@ -259,6 +271,23 @@ if triton is not None:
         ``1 - 2 / (e^(2t) + 1)`` (exp2's overflow to inf gives exactly 1)."""
         e2t = tl.exp2(s / cap2 * 2.885390081777927)  # e^(2t), t = x / cap: 2 log2(e)
         return cap2 * (1.0 - 2.0 / (e2t + 1.0))
+
+    @triton.jit
+    def kv_values(ptrs, mask, KV_FP8: tl.constexpr):
+        """K or V elements at ``ptrs`` as fp32 (0 where masked): loaded, or with ``KV_FP8``
+        the cache's bytes decoded exactly: 1, e4m3fn (bias 7; its exponent 0 is subnormal,
+        m x 2^-9); 2, e5m2 (the high byte of an fp16). Stored values are never NaN."""
+        if KV_FP8 == 0:
+            return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        if KV_FP8 == 1:
+            sign = (b >> 7) << 31
+            e = (b >> 3) & 15
+            m = b & 7
+            normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+            sub = m.to(tl.float32) * 0.001953125  # m x 2^-9
+            return tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
+        return (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def sunk(m_i, l_i, acc, sinks_ptr, heads, mask):
@@ -290,7 +319,8 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr,
-        HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -333,8 +363,8 @@ if triton is not None:
             slot = block * stride_kv_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_kv_slot
             kv_off = slot[:, None] + d[None, :]
             kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(kv_head_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(kv_head_ptr + stride_kv_half + kv_off, mask=kv_mask, other=0.0)
+            k = kv_values(kv_head_ptr + kv_off, kv_mask, KV_FP8)
+            v = kv_values(kv_head_ptr + stride_kv_half + kv_off, kv_mask, KV_FP8)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (G, TILE_N)
             if HAS_SOFT_CAP:
                 s = soft_capped(s, soft_cap2)
@@ -343,7 +373,7 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            pv = tl.dot(p, v, input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 

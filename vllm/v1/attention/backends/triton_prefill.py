@@ -34,14 +34,16 @@ from vllm.v1.attention.backends.triton_decode import (
     _next_power_of_2,
     check_features,
     check_paged_args,
+    kv_bytes,
     triton,
     triton_unavailable_reason,
 )
+from vllm.v1.attention.kv_cache_dtype import fp8_kind
 
 if triton is not None:
     import triton.language as tl
 
-    from vllm.v1.attention.backends.triton_decode import soft_capped, sunk
+    from vllm.v1.attention.backends.triton_decode import kv_values, soft_capped, sunk
 
 __all__ = ["paged_prefill_attention", "triton_unavailable_reason"]
 
@@ -86,7 +88,7 @@ def paged_prefill_attention(
     sinks_arg = seq_lens if sinks is None else sinks  # unused pointer without sinks
     grid = (num_seqs, triton.cdiv(max_q, block_m), heads)
     _prefill_kernel[grid](
-        q, kv_cache, block_table, seq_lens, cu_seq_q, sinks_arg, out,
+        q, kv_bytes(kv_cache), block_table, seq_lens, cu_seq_q, sinks_arg, out,
         scale * LOG2E, window, soft_cap * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -99,6 +101,7 @@ def paged_prefill_attention(
         TILE_N=tile_n,
         HAS_SOFT_CAP=soft_cap > 0,
         HAS_SINKS=sinks is not None,
+        KV_FP8=fp8_kind(kv_cache.dtype),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
     )  # fmt: skip
@@ -118,7 +121,8 @@ if triton is not None:
         stride_bt_seq,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0)
         m0 = tl.program_id(1) * BLOCK_M
@@ -156,8 +160,8 @@ if triton is not None:
                 slot = block * stride_kv_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_kv_slot
                 kv_off = slot[:, None] + d[None, :]
                 kv_mask = readable[:, None] & d_mask[None, :]
-                k = tl.load(kv_head_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-                v = tl.load(kv_head_ptr + stride_kv_half + kv_off, mask=kv_mask, other=0.0)
+                k = kv_values(kv_head_ptr + kv_off, kv_mask, KV_FP8)
+                v = kv_values(kv_head_ptr + stride_kv_half + kv_off, kv_mask, KV_FP8)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N)
                 if HAS_SOFT_CAP:
                     s = soft_capped(s, soft_cap2)
@@ -170,7 +174,7 @@ if triton is not None:
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+                pv = tl.dot(p, v, input_precision=PRECISION)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
 
