@@ -140,11 +140,14 @@ class ModelConfig:
     )
     quantization: Quantization | None = config_field(
         None,
-        "Weight format of the linear layers. fp32: dense weights in --dtype (a GGUF is "
-        "dequantized at load; the exactness reference). gguf: keep a GGUF model's Q4_1/Q8_0 "
-        "blocks and multiply with the native CPU kernels (float32 only). None (auto): gguf "
-        "for a .gguf model (the embedded one included) on CPU in float32 when the native "
-        "kernels are built, fp32 otherwise.",
+        "Weight format of the linear layers. fp32: dense weights in --dtype (a GGUF or an "
+        "FP8 checkpoint is dequantized at load; the exactness reference). gguf: keep a GGUF "
+        "model's Q4_1/Q8_0 blocks and multiply with the native CPU kernels (float32 only). "
+        "fp8: FP8 weights with per-channel scales multiplied in FP8 (an FP8 checkpoint's own, "
+        "or a bf16/fp16/fp32 model's quantized at load; CPU or CUDA compute capability >= "
+        "8.9). None (auto): fp8 for an FP8 checkpoint on such a GPU, gguf for a .gguf model "
+        "(the embedded one included) on CPU in float32 when the native kernels are built, "
+        "fp32 otherwise.",
     )
 
     load_format: LoadFormat = config_field(
@@ -270,7 +273,7 @@ class ModelConfig:
         if self.dtype not in get_args(Dtype):
             raise bad_value("dtype", self.dtype, "must be auto, float32, bfloat16 or float16")
         if self.quantization not in (None, *get_args(Quantization)):
-            raise bad_value("quantization", self.quantization, "must be None, fp32 or gguf")
+            raise bad_value("quantization", self.quantization, "must be None, fp32, gguf or fp8")
         if self.quantization == "gguf" and self.dtype not in ("auto", "float32"):
             raise bad_value("quantization", self.quantization, "gguf needs dtype float32")
         if self.load_format not in get_args(LoadFormat):

@@ -140,7 +140,7 @@ def test_group_limited_routing_keeps_to_the_best_groups():
         (dict(topk_method="noaux_tc"), "topk_method 'noaux_tc' with scoring_func 'softmax'"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(n_group=3, topk_group=1, topk_method="group_limited_greedy"), "n_group 3"),
-        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+        (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
     ],
 )
 def test_unsupported_configs_are_refused(overrides, message):

@@ -145,6 +145,13 @@ def load_model_weights(
     import torch
     from safetensors.torch import load_file
 
+    from vllm.model_executor.layers.quantization.fp8_checkpoint import (
+        Fp8CheckpointFormat,
+        convert_loaded_fp8,
+        prepare_fp8_state,
+    )
+
+    fp8_format = Fp8CheckpointFormat.from_config(getattr(hf_config, "quantization_config", None))
     arch = model_cls.arch_from_hf(hf_config)
     with torch.device("meta"):
         model = model_cls(arch)
@@ -163,10 +170,22 @@ def load_model_weights(
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(os.path.join(path, name)))
+    fp8 = prepare_fp8_state(state, fp8_format, dtype)
     model.load_weights(state)
     # A no-op for a model that honours the contract (buffers made in its weights' dtype);
     # a safety net for one that does not.
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if fp8 is not None:
+        converted, kept = convert_loaded_fp8(model, fp8)
+        logger.info(
+            "FP8 checkpoint (%s%s): %d linear layers keep their FP8 weights, %d dequantized "
+            "(output head, routers, shapes the device's FP8 GEMM refuses)",
+            fp8_format.method,
+            f", {list(fp8_format.block_size)} blocks dequantized" if fp8_format.block_size else "",
+            converted,
+            kept,
+        )
+    return model
 
 
 def initialize_dummy_weights(model: nn.Module, seed: int, bound: float = DUMMY_WEIGHT_BOUND):
@@ -190,10 +209,14 @@ def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return weight.device, weight.dtype
 
 
-def resolve_quantization(model_config, device, dtype: torch.dtype) -> tuple[str, str]:
-    """(``"gguf"`` or ``"fp32"``, why) for ``model_config.quantization``. None is auto:
-    gguf for a GGUF model on CPU in float32 when the native quantized kernels are built
-    (the fast way), fp32 (dense, the exactness reference) for anything else."""
+def resolve_quantization(
+    model_config, device, dtype: torch.dtype, fp8_checkpoint: bool = False
+) -> tuple[str, str]:
+    """(``"gguf"``, ``"fp8"`` or ``"fp32"``, why) for ``model_config.quantization``. None is
+    auto: an FP8 checkpoint (``fp8_checkpoint``) keeps its FP8 weights where the device
+    multiplies FP8 and it pays (``fp8_auto``); gguf for a GGUF model on CPU in float32 when
+    the native quantized kernels are built (the fast way); fp32 (dense, the exactness
+    reference) for anything else."""
     import torch
 
     from vllm import _custom_ops as ops
@@ -201,6 +224,8 @@ def resolve_quantization(model_config, device, dtype: torch.dtype) -> tuple[str,
     if model_config.quantization is not None:
         return model_config.quantization, "--quantization"
     device = torch.device(device)
+    if fp8_checkpoint:
+        return fp8_auto(device)
     if model_config.load_format == "dummy":
         why = "dummy weights"
     elif gguf_file(model_config.model) is None:
@@ -216,15 +241,33 @@ def resolve_quantization(model_config, device, dtype: torch.dtype) -> tuple[str,
     return "fp32", f"auto: {why}"
 
 
+# Whether an FP8 checkpoint keeps its FP8 weights on the CPU by default: torch's CPU
+# _scaled_mm is slower than a dense GEMM on the dequantized weights
+# (benchmarks/benchmark_fp8.py; the figures in docs/design.md).
+CPU_FP8_BY_DEFAULT = False
+
+
+def fp8_auto(device: torch.device) -> tuple[str, str]:
+    """The auto format of an FP8 checkpoint on ``device``: fp8 on CUDA devices with FP8
+    GEMMs, fp32 (dequantized, exact) elsewhere."""
+    from vllm.model_executor.layers.quantization.fp8 import fp8_supported
+
+    if device.type == "cpu":
+        if CPU_FP8_BY_DEFAULT:
+            return "fp8", "auto: an FP8 checkpoint on CPU"
+        return "fp32", "auto: an FP8 checkpoint on CPU, dequantized (faster than CPU FP8 GEMMs)"
+    ok, why = fp8_supported(device)
+    if ok:
+        return "fp8", f"auto: an FP8 checkpoint on {device.type}"
+    return "fp32", f"auto: an FP8 checkpoint, dequantized ({why})"
+
+
 def apply_quantization(model: nn.Module, model_config) -> str:
-    """Switch ``model``'s linear layers (loaded dense) to ``model_config.quantization``'s
-    format in place, None choosing on ``model``'s device and dtype (``resolve_quantization``).
-    Returns the format used: fp32 leaves the model as it is."""
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.quantization.gguf import (
-        apply_gguf_quantization,
-        quantized_weight_bytes,
-    )
+    """Switch ``model``'s linear layers (loaded dense, or an FP8 checkpoint's ``Fp8Linear``)
+    to ``model_config.quantization``'s format in place, None choosing on ``model``'s device
+    and dtype (``resolve_quantization``). Returns the format used: fp32 leaves a dense model
+    as it is and dequantizes an FP8 one; fp8 quantizes a dense model's linear layers."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Linear
 
     path = gguf_file(model_config.model)
     if path is None and model_config.quantization == "gguf":
@@ -232,10 +275,52 @@ def apply_quantization(model: nn.Module, model_config) -> str:
             f"quantization='gguf' needs a .gguf model (or {DEFAULT_MODEL!r}); "
             f"got {model_config.model!r}"
         )
-    choice, why = resolve_quantization(model_config, *_model_device_dtype(model))
+    fp8_checkpoint = any(isinstance(m, Fp8Linear) for m in model.modules())
+    device, dtype = _model_device_dtype(model)
+    choice, why = resolve_quantization(model_config, device, dtype, fp8_checkpoint)
     logger.info("Quantization: %s (%s)", choice, why)
-    if choice == "fp32":
-        return choice
+    if choice == "fp8":
+        _apply_fp8(model, fp8_checkpoint)
+    elif choice == "fp32" and fp8_checkpoint:
+        from vllm.model_executor.layers.quantization.fp8 import dequantize_model_fp8
+
+        logger.info(
+            "FP8 weights dequantized to %s: %d layers", dtype, dequantize_model_fp8(model, dtype)
+        )
+    elif choice == "gguf":
+        _apply_gguf(model, path)
+    return choice
+
+
+def _apply_fp8(model: nn.Module, fp8_checkpoint: bool) -> None:
+    from vllm.model_executor.layers.quantization.fp8 import (
+        fp8_supported,
+        fp8_weight_bytes,
+        quantize_model_fp8,
+    )
+
+    device, dtype = _model_device_dtype(model)
+    ok, why = fp8_supported(device)
+    if not ok:
+        raise ValueError(f"quantization='fp8' cannot run here: {why}")
+    dense = sum(fp8_weight_bytes(model))
+    count = 0 if fp8_checkpoint else quantize_model_fp8(model)
+    fp8, rest = fp8_weight_bytes(model)
+    logger.info(
+        "FP8 weights: %s, %.0f -> %.0f MB of linear weights read per decode step",
+        "the checkpoint's" if fp8_checkpoint else f"{count} linear layers quantized per channel",
+        dense / 1e6,
+        (fp8 + rest) / 1e6,
+    )
+
+
+def _apply_gguf(model: nn.Module, path: Path) -> None:
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.gguf import (
+        apply_gguf_quantization,
+        quantized_weight_bytes,
+    )
+
     start = time.monotonic()
     dense = quantized_weight_bytes(model)
     counts = apply_gguf_quantization(model, path)
@@ -253,7 +338,6 @@ def apply_quantization(model: nn.Module, model_config) -> str:
         quantized_weight_bytes(model) / 1e6,
         time.monotonic() - start,
     )
-    return choice
 
 
 def get_model_config(model: str, hf_overrides: dict[str, Any] | None = None):

@@ -45,6 +45,7 @@ from torch import nn
 
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts_grouped
+from vllm.model_executor.layers.quantization.fp8_checkpoint import FP8_METHODS
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 from vllm.model_executor.models.llama import (
     RMSNorm,
@@ -110,11 +111,13 @@ class DeepseekV2Arch:
     def from_hf(cls, config) -> DeepseekV2Arch:
         v3 = config.model_type == "deepseek_v3"
         quant = getattr(config, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        method = (
+            (quant.get("quant_method") if isinstance(quant, dict) else quant) if quant else None
+        )
+        if method is not None and method not in FP8_METHODS:  # FP8: the loader reads them
             raise ValueError(
                 f"quantization_config ({method!r}) is not supported for {config.model_type}: "
-                "serve a checkpoint in bf16/fp16/fp32"
+                f"serve a checkpoint in bf16/fp16/fp32 or FP8 ({', '.join(FP8_METHODS)})"
             )
         for field, ok in (("hidden_act", "silu"), ("mlp_bias", False)):
             if getattr(config, field, ok) != ok:

@@ -1,9 +1,12 @@
 """Weight formats (``--quantization``): which implementation runs the linear layers.
 
-``"fp32"``: dense weights in the model's dtype, dequantized from a GGUF at load (the
-exactness reference). ``"gguf"``: a GGUF model's quantized blocks stay in memory and the
-native kernels multiply by them (see ``gguf.py``). ``None`` (the default) chooses at load
-(``model_loader.resolve_quantization``): gguf for a GGUF model on CPU in float32 when the
+``"fp32"``: dense weights in the model's dtype, dequantized from a GGUF or an FP8
+checkpoint at load (the exactness reference). ``"gguf"``: a GGUF model's quantized blocks
+stay in memory and the native kernels multiply by them (see ``gguf.py``). ``"fp8"``:
+float8_e4m3fn weights with per-channel scales, multiplied in FP8 (``fp8.py``): an FP8
+checkpoint's own (``fp8_checkpoint.py``) or a dense model's quantized at load. ``None``
+(the default) chooses at load (``model_loader.resolve_quantization``): fp8 for an FP8
+checkpoint on a GPU with FP8 GEMMs, gguf for a GGUF model on CPU in float32 when the
 native kernels are built, fp32 for anything else.
 """
 
@@ -11,4 +14,4 @@ from __future__ import annotations
 
 from typing import Literal
 
-Quantization = Literal["fp32", "gguf"]
+Quantization = Literal["fp32", "gguf", "fp8"]

@@ -1,0 +1,333 @@
+"""FP8 checkpoints: their ``quantization_config`` read (``Fp8CheckpointFormat.from_config``)
+and their tensors recognised in the state dict before the model class sees it
+(``prepare_fp8_state``), so the model classes load them as dense checkpoints.
+
+Three formats, their conventions as transformers and vLLM read them:
+
+- ``quant_method: "fp8"`` (transformers' fine-grained FP8, DeepSeek-V3, Qwen3 FP8): ``weight``
+  float8_e4m3fn (out, in) and ``weight_scale_inv`` fp32, one per ``weight_block_size``
+  block (ceil(out / b0), ceil(in / b1)); the name notwithstanding, it multiplies. Without
+  a block size the scale is one per tensor (``weight_scale_inv``, or vLLM's
+  ``weight_scale``), with a static ``activation_scale`` / ``input_scale``.
+- ``compressed-tensors`` (``float-quantized``, llm-compressor's FP8 and FP8_DYNAMIC):
+  ``weight_scale`` per tensor (1,), per channel (out, 1) or per block, multiplying; an
+  ``input_scale`` per tensor for static activations, none for dynamic ones (per token or
+  per tensor). No ``input_activations``: weight-only FP8, served dequantized.
+- ``fbgemm_fp8``: ``weight_scale`` (out, 1), multiplying; activations per row, their
+  absmax capped at ``activation_scale_ub``.
+
+Modules left unquantized (``modules_to_not_convert``, ``ignore``) are simply tensors in
+another dtype: the dtype of each weight decides. Block-scaled weights are dequantized to
+the model's dtype here (no block-scaled GEMM in torch for this path); per-tensor/channel/row
+ones become ``_Fp8Weight`` tensors that remember their FP8 values and row scales through the
+model's own ``torch.cat`` and ``copy_`` calls, after which ``convert_loaded_fp8`` turns each
+linear layer filled whole by one into an ``Fp8Linear`` (anything else sees dequantized values).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from vllm.model_executor.layers.quantization.fp8 import (
+    FP8_DTYPE,
+    KEEP_DENSE,
+    Fp8Linear,
+    fp8_shape_ok,
+    replace_linears,
+)
+
+logger = logging.getLogger(__name__)
+
+FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+# Methods a model class reads itself (gpt-oss expands its MXFP4 experts at load).
+MODEL_METHODS = ("mxfp4",)
+
+
+@dataclass(frozen=True)
+class Fp8CheckpointFormat:
+    """How an FP8 checkpoint's tensors are to be read. ``activation``: "token", "tensor" or
+    "static" (``Fp8Linear``'s schemes), None for weight-only FP8 (served dequantized)."""
+
+    method: str
+    block_size: tuple[int, int] | None
+    activation: str | None
+    activation_scale_ub: float | None = None
+
+    @property
+    def weight_scale_names(self) -> tuple[str, ...]:
+        return ("weight_scale_inv", "weight_scale") if self.method == "fp8" else ("weight_scale",)
+
+    @property
+    def input_scale_names(self) -> tuple[str, ...]:
+        return ("input_scale", "activation_scale") if self.method == "fp8" else ("input_scale",)
+
+    @classmethod
+    def from_config(cls, quant: Any) -> Fp8CheckpointFormat | None:
+        """The format of an HF config's ``quantization_config`` (a dict or transformers'
+        object); None for none or a method a model reads itself. ``ValueError`` naming the
+        field for anything not implemented."""
+        if not quant:
+            return None
+        if not isinstance(quant, dict):
+            quant = quant.to_dict()
+        method = quant.get("quant_method")
+        if method in MODEL_METHODS:
+            return None
+        if method == "fp8":
+            return _fine_grained(quant)
+        if method == "compressed-tensors":
+            return _compressed_tensors(quant)
+        if method == "fbgemm_fp8":
+            _check_keys(quant, {"quant_method", "activation_scale_ub", "modules_to_not_convert"})
+            ub = quant.get("activation_scale_ub")
+            return cls("fbgemm_fp8", None, "token", None if ub is None else float(ub))
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported "
+            f"(FP8 checkpoints: {', '.join(FP8_METHODS)})"
+        )
+
+
+def _bad(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"quantization_config.{field} {value!r} is not supported: {why}")
+
+
+def _check_keys(config: dict, known: set[str], where: str = "") -> None:
+    for key in config:
+        if key not in known:
+            raise _bad(where + key, config[key], "unknown field")
+
+
+def _fine_grained(q: dict) -> Fp8CheckpointFormat:
+    known = {"quant_method", "activation_scheme", "weight_block_size", "modules_to_not_convert",
+             "ignored_layers", "fmt", "scale_fmt", "expert_dtype", "modules_to_convert",
+             "dequantize"}  # fmt: skip
+    _check_keys(q, known)
+    for key, ok in (("fmt", "e4m3"), ("scale_fmt", "float"), ("expert_dtype", "fp8")):
+        if q.get(key) not in (None, ok):
+            raise _bad(key, q[key], f"only {ok!r}")
+    if q.get("modules_to_convert"):
+        raise _bad("modules_to_convert", q["modules_to_convert"], "embeddings stay unquantized")
+    if q.get("dequantize"):
+        raise _bad("dequantize", q["dequantize"], "use --quantization fp32 to dequantize")
+    scheme = q.get("activation_scheme", "dynamic")
+    block = q.get("weight_block_size")
+    if block is not None and (len(block) != 2 or min(block) <= 0):
+        raise _bad("weight_block_size", block, "two positive integers")
+    if scheme not in ("dynamic", "static") or (scheme == "static" and block is not None):
+        raise _bad("activation_scheme", scheme, "dynamic, or static with per-tensor scales")
+    block = tuple(int(b) for b in block) if block is not None else None
+    return Fp8CheckpointFormat("fp8", block, "static" if scheme == "static" else "token")
+
+
+def _compressed_tensors(q: dict) -> Fp8CheckpointFormat:
+    known = {"quant_method", "config_groups", "ignore", "format", "quantization_status",
+             "kv_cache_scheme", "sparsity_config", "transform_config", "global_compression_ratio",
+             "version", "provider"}  # fmt: skip
+    _check_keys(q, known)
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if q.get(key):
+            raise _bad(key, q[key], "not implemented")
+    if q.get("format") not in (None, "float-quantized"):
+        raise _bad("format", q["format"], "only 'float-quantized' (FP8 weights)")
+    groups = list((q.get("config_groups") or {}).items())
+    if len(groups) != 1:
+        raise _bad("config_groups", [n for n, _ in groups], "exactly one group")
+    name, group = groups[0]
+    where = f"config_groups.{name}."
+    _check_keys(group, {"targets", "weights", "input_activations", "output_activations",
+                        "format"}, where)  # fmt: skip
+    if group.get("output_activations"):
+        raise _bad(where + "output_activations", group["output_activations"], "not implemented")
+    if group.get("format") not in (None, "float-quantized"):
+        raise _bad(where + "format", group["format"], "only 'float-quantized'")
+    w = group.get("weights") or {}
+    for key, ok in (("num_bits", 8), ("type", "float"), ("symmetric", True),
+                    ("dynamic", False), ("group_size", None), ("actorder", None)):  # fmt: skip
+        if w.get(key, ok) != ok:
+            raise _bad(f"{where}weights.{key}", w[key], f"only {ok!r}")
+    strategy = w.get("strategy")
+    block = None
+    if strategy == "block":
+        block = tuple(int(b) for b in w.get("block_structure") or ())
+        if len(block) != 2:
+            raise _bad(f"{where}weights.block_structure", w.get("block_structure"), "2 ints")
+    elif strategy not in ("tensor", "channel"):
+        raise _bad(f"{where}weights.strategy", strategy, "tensor, channel or block")
+    return Fp8CheckpointFormat("compressed-tensors", block, _ct_activation(group, where))
+
+
+def _ct_activation(group: dict, where: str) -> str | None:
+    a = group.get("input_activations")
+    if not a:
+        return None  # weight-only
+    for key, ok in (("num_bits", 8), ("type", "float"), ("symmetric", True),
+                    ("group_size", None)):  # fmt: skip
+        if a.get(key, ok) != ok:
+            raise _bad(f"{where}input_activations.{key}", a[key], f"only {ok!r}")
+    key = (a.get("strategy"), bool(a.get("dynamic")))
+    schemes = {("token", True): "token", ("tensor", True): "tensor", ("tensor", False): "static"}
+    if key not in schemes:
+        raise _bad(f"{where}input_activations", a, "token/dynamic, tensor/dynamic or static")
+    return schemes[key]
+
+
+class _Fp8Weight(torch.Tensor):
+    """A checkpoint's FP8 weight (out, in) with its row scales (out,) and static input scale,
+    as a tensor the model's loader can ``torch.cat`` (along rows) and ``copy_`` into a
+    linear layer's weight: the copy writes the dequantized values and records, in ``sink``,
+    the FP8 values and scales that reached that parameter. Any other use sees the dequantized
+    weight (fp32)."""
+
+    @staticmethod
+    def __new__(cls, data, row_scale, input_scale, sink):
+        t = torch.Tensor._make_subclass(cls, data)
+        t.fp8, t.row_scale, t.input_scale, t.sink = data, row_scale, input_scale, sink
+        return t
+
+    def dequantized(self) -> torch.Tensor:
+        return self.fp8.float() * self.row_scale[:, None]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if getattr(func, "__name__", "") in ("__get__", "size", "dim", "numel", "__len__"):
+                return func(*args, **kwargs)  # metadata (shape, dtype...): the FP8 tensor's
+            if func is torch.cat and cls._row_cat(args, kwargs):
+                parts = args[0]
+                scales = [p.input_scale for p in parts]
+                return cls(
+                    torch.cat([p.fp8 for p in parts]),
+                    torch.cat([p.row_scale for p in parts]),
+                    None if scales[0] is None else torch.stack(scales).amax(),
+                    parts[0].sink,
+                )
+            if func is torch.Tensor.copy_ and isinstance(args[1], cls) and len(args) == 2:
+                dst, src = args
+                src.sink[id(dst)] = (dst, src.fp8, src.row_scale, src.input_scale)
+                return dst.copy_(src.dequantized())
+            plain = tree_map(lambda t: t.dequantized() if isinstance(t, cls) else t, (args, kwargs))
+            return func(*plain[0], **plain[1])
+
+    @classmethod
+    def _row_cat(cls, args, kwargs) -> bool:
+        parts = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        static = {p.input_scale is None for p in parts if isinstance(p, cls)}
+        same = len({id(p.sink) for p in parts if isinstance(p, cls)}) == 1
+        return dim == 0 and all(isinstance(p, cls) for p in parts) and len(static) == 1 and same
+
+
+@dataclass
+class Fp8Loading:
+    """An FP8 checkpoint being loaded: its format and, by ``id`` of the parameter each was
+    copied into, (parameter, FP8 values, row scales, input scale) of its ``_Fp8Weight``s."""
+
+    fmt: Fp8CheckpointFormat
+    records: dict[int, tuple] = field(default_factory=dict)
+
+
+def prepare_fp8_state(
+    state: dict[str, torch.Tensor], fmt: Fp8CheckpointFormat | None, dtype: torch.dtype
+) -> Fp8Loading | None:
+    """Rewrite ``state`` in place for a dense model's loader: each FP8 weight and its scales
+    become one tensor, block-scaled or weight-only ones dequantized to ``dtype``, the others
+    an ``_Fp8Weight``. Returns what ``convert_loaded_fp8`` reads after loading (None without
+    a format). ``ValueError`` for FP8 tensors without a quantization_config or a scale."""
+    names = [k for k, v in state.items() if v.dtype == FP8_DTYPE]
+    if names and fmt is None:
+        raise ValueError(f"{names[0]} is {FP8_DTYPE} but the config has no FP8 quantization_config")
+    if fmt is None:
+        return None
+    loading = Fp8Loading(fmt)
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        weight = state[name]
+        if leaf != "weight" or weight.dim() != 2:
+            raise ValueError(f"FP8 tensor {name}: only 2-D linear weights are read as FP8")
+        scale = _pop_any(state, prefix, fmt.weight_scale_names, name)
+        input_scale = _pop_any(state, prefix, fmt.input_scale_names, None)
+        if (input_scale is not None) != (fmt.activation == "static"):
+            raise ValueError(
+                f"{name}: activation scheme {fmt.activation!r} with "
+                f"{'an' if input_scale is not None else 'no'} input scale in the checkpoint"
+            )
+        if fmt.block_size is not None:
+            state[name] = dequantize_blocks(weight, scale, fmt.block_size).to(dtype)
+            continue
+        rows = _row_scale(scale.float(), weight.shape[0], name)
+        if fmt.activation is None:  # weight-only FP8: activations stay unquantized
+            state[name] = (weight.float() * rows[:, None]).to(dtype)
+        else:
+            state[name] = _Fp8Weight(weight, rows, input_scale, loading.records)
+    return loading
+
+
+def _pop_any(state: dict, prefix: str, names: tuple[str, ...], needed_by: str | None):
+    for n in names:
+        if f"{prefix}.{n}" in state:
+            return state.pop(f"{prefix}.{n}").float()
+    if needed_by is not None:
+        raise ValueError(f"{needed_by} is FP8 but {prefix}.{names[0]} is missing")
+    return None
+
+
+def _row_scale(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    if scale.numel() == 1:
+        return scale.reshape(1).expand(rows).contiguous()
+    if scale.numel() == rows and scale.shape[0] == rows:
+        return scale.reshape(rows)
+    raise ValueError(
+        f"{name}: scale of shape {tuple(scale.shape)} is neither per tensor nor per row "
+        f"({rows}); a block-scaled checkpoint names its weight_block_size"
+    )
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
+    """``weight`` (out, in) FP8 times ``scale`` (ceil(out / b0), ceil(in / b1)) per block,
+    in fp32."""
+    out, inp = weight.shape
+    expected = (math.ceil(out / block[0]), math.ceil(inp / block[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"block scale of shape {tuple(scale.shape)} for a {tuple(weight.shape)} weight "
+            f"in {list(block)} blocks (expected {expected})"
+        )
+    full = scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
+    return weight.float() * full
+
+
+def convert_loaded_fp8(model: nn.Module, loading: Fp8Loading) -> tuple[int, int]:
+    """Each ``nn.Linear`` whose weight was filled whole from FP8 checkpoint tensors becomes an
+    ``Fp8Linear`` of those values and scales (not the output head nor routers: ``KEEP_DENSE``;
+    not a shape ``_scaled_mm`` refuses on the device). Returns (converted, kept dense)."""
+    kept = 0
+
+    def make(name: str, mod: nn.Module) -> nn.Module | None:
+        nonlocal kept
+        record = loading.records.get(id(getattr(mod, "weight", None)))
+        if not isinstance(mod, nn.Linear) or record is None or record[0] is not mod.weight:
+            return None
+        dst, fp8, rows, input_scale = record
+        if name.rpartition(".")[2] in KEEP_DENSE or fp8.shape != dst.shape:
+            kept += 1
+            return None
+        if not fp8_shape_ok(dst):
+            kept += 1
+            return None
+        device = dst.device
+        return Fp8Linear(
+            fp8.to(device), rows.to(device), mod.bias,
+            loading.fmt.activation, input_scale, loading.fmt.activation_scale_ub,
+        )  # fmt: skip
+
+    with torch.no_grad():
+        count = replace_linears(model, make)
+    return count, kept
