@@ -31,9 +31,9 @@ def test_saves_run_before_loads_and_copies_do_not_alias():
     assert torch.all(handler.cpu_caches[0][:, 1] == 5)
 
 
-def _random_caches(num_layers=3, num_blocks=40, seed=0):
+def _random_caches(num_layers=3, num_blocks=40, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, num_blocks, 4, 2, 3, generator=g) for _ in range(num_layers)]
+    return [torch.randn(2, num_blocks, 4, 2, 3, generator=g).to(dtype) for _ in range(num_layers)]
 
 
 def test_host_runs_index_each_run_of_consecutive_ids():
@@ -43,10 +43,12 @@ def test_host_runs_index_each_run_of_consecutive_ids():
     assert host_runs([]) == []
 
 
-def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch, dtype):
     """Device blocks in shuffled order, tier blocks in runs: the staged path (forced on
     CPU; on CUDA it is the default) leaves the cache and the tier bitwise as the per-run
-    copies do, across several staging chunks, for saves and loads in one plan."""
+    copies do, across several staging chunks, for saves and loads in one plan; an FP8
+    cache (--kv-cache-dtype fp8) too, copied as bytes."""
     import vllm.v1.kv_offload.worker as worker
 
     monkeypatch.setattr(worker, "STAGE_BLOCKS", 5)  # 12 and 16 pairs: chunks of 5
@@ -57,9 +59,10 @@ def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch):
     loads = list(zip(host, device_blocks[12:28], strict=True))
     results = []
     for staged in (False, True):
-        caches = _random_caches()
+        caches = _random_caches(dtype=dtype)
         handler = CPUOffloadingHandler(caches, 40, staged=staged)
         for tier in handler.cpu_caches:
+            assert tier.dtype == dtype
             tier.copy_(torch.randn(tier.shape, generator=torch.Generator().manual_seed(2)))
         calls = []
         monkeypatch.setattr(handler, "_staged_copy", _spy(handler._staged_copy, calls))
@@ -68,7 +71,11 @@ def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch):
         results.append((caches, handler.cpu_caches))
     (plain_cache, plain_tier), (staged_cache, staged_tier) = results
     for a, b in zip(plain_cache + plain_tier, staged_cache + staged_tier, strict=True):
-        assert torch.equal(a, b)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # The loads did land: each loaded device block now holds its tier block's bytes.
+    for cache, tier in zip(staged_cache, staged_tier, strict=True):
+        for h, d in loads:
+            assert torch.equal(cache[:, d].view(torch.uint8), tier[:, h].view(torch.uint8))
 
 
 class AdversarialStreams:

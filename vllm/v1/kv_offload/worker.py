@@ -307,7 +307,10 @@ def _host_copies(
 def _indexed_copy(
     cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor, save: bool
 ) -> Callable[[], None]:
-    """The gather from (saves) or the scatter into (loads) one layer's K or V blocks."""
+    """The gather from (saves) or the scatter into (loads) one layer's K or V blocks (an
+    FP8 cache's as bytes: torch has no ``index_copy_`` for FP8 types)."""
+    if cache.element_size() == 1:
+        cache, staging = cache.view(torch.uint8), staging.view(torch.uint8)
     if save:
         return lambda: torch.index_select(cache, 0, ids, out=staging)
     return lambda: cache.index_copy_(0, ids, staging)
