@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     VLLM_ATTENTION_BACKEND: str | None
     VLLM_CUDA_DECODE_ATTENTION: str
     VLLM_CUDA_FUSED_OPS: bool
+    VLLM_MXFP4_MOE: str
     VLLM_TOP_P_METHOD: str
     VLLM_CPU_THREADS: int
     VLLM_CPU_ENGINE_NICE: int
@@ -78,6 +79,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # kernel each (model_executor/layers/triton_ops.py) where triton imports; 0: pure
     # torch (several kernels each), to compare. Read once, at the first such op.
     "VLLM_CUDA_FUSED_OPS": lambda: os.getenv("VLLM_CUDA_FUSED_OPS", "1") != "0",
+    # gpt-oss's MXFP4 experts: auto = kept packed as the checkpoint stores them and run by
+    # the Triton kernel of model_executor/layers/triton_mxfp4_moe.py where triton imports
+    # and CUDA is available (about a fourth of bf16's bytes), else expanded to the model's
+    # dtype at load; dequantize = always expanded (the bf16 grouped GEMM), to compare.
+    # Read when the model is built.
+    "VLLM_MXFP4_MOE": _choice("VLLM_MXFP4_MOE", ("auto", "dequantize")),
     # How top-p finds each row's nucleus (vllm/v1/sample/sampler.py, apply_top_p): auto =
     # numpy's ranking of the probabilities on a CPU, torch.sort elsewhere; numpy; sort;
     # triton (a search over the probabilities' bits, vllm/v1/sample/triton_top_p.py: CUDA

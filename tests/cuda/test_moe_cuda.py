@@ -1,8 +1,11 @@
 """Mixture-of-experts on CUDA (``layers/fused_moe.py``): the grouped GEMM in bf16, the loop
 in fp32 (the dense path under capture), each captured in a CUDA graph and replayed over
 new tokens and routing, and a Qwen3-MoE checkpoint served in fp32 with graphs giving
-transformers' greedy tokens. The CPU tests
-are tests/model_executor/test_moe.py.
+transformers' greedy tokens. Packed MXFP4 experts (gpt-oss): ``FusedMoE`` on the Triton
+kernel against the same experts expanded to bf16 (the grouped GEMM), eager and captured
+in a CUDA graph; a tiny gpt-oss MXFP4 checkpoint's logits packed against expanded, the
+memory its experts take, and the engine with graphs giving transformers' greedy tokens.
+The CPU tests are tests/model_executor/test_moe.py and test_triton_mxfp4_moe.py.
 
 Run with ``pytest -m cuda tests`` on a CUDA machine; skipped without one.
 """
@@ -12,7 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_executor.test_moe import random_experts, reference_experts, save_checkpoint
+from tests.model_executor.test_gpt_oss import IDS, save_mxfp4_checkpoint
+from tests.model_executor.test_moe import (
+    packed_experts,
+    random_experts,
+    reference_experts,
+    save_checkpoint,
+)
+from tests.tiny_models import runner_logits
 from tests.utils import copy_benchmark_tokenizer
 from vllm.model_executor.layers import fused_moe
 
@@ -71,6 +81,102 @@ def test_qwen3_moe_served_with_graphs_gives_transformers_greedy_tokens(tmp_path)
             for p in prompts
         ]
     llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=512, max_num_seqs=4)
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [e.tolist() for e in expected]
+
+
+def capture(fn):
+    """``fn()`` captured in a CUDA graph after a warm-up on a side stream: (graph, out)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles the Triton kernel outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_packed_mxfp4_experts_equal_the_expanded_bf16_ones_eager_and_replayed(num_tokens):
+    packed, dense, x, logits = packed_experts(num_tokens, torch.bfloat16)
+    packed, dense, x, logits = packed.cuda(), dense.cuda(), x.cuda(), logits.cuda()
+    assert packed.w13_blocks.is_cuda and fused_moe.grouped_mm_supported(x, dense.w13)
+    with torch.inference_mode():
+        ref = dense(x, logits).float()
+        err = (packed(x, logits).float() - ref).abs().max()
+        assert err <= 2e-2 * ref.abs().max(), (err, ref.abs().max())  # bf16 h, ~1 ulp
+        graph, out = capture(lambda: packed(x, logits))
+        _, _, x2, logits2 = packed_experts(num_tokens, torch.bfloat16, seed=1)
+        x.copy_(x2)
+        logits.copy_(logits2)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = dense(x, logits).float()
+        err = (out.float() - ref).abs().max()
+        assert err <= 2e-2 * ref.abs().max(), (err, ref.abs().max())
+
+
+def _cuda_runner(path, monkeypatch, mode: str):
+    """A bf16 runner on CUDA with gpt-oss's experts ``VLLM_MXFP4_MOE=mode``, loaded."""
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.worker.model_runner import ModelRunner
+
+    monkeypatch.setenv("VLLM_MXFP4_MOE", mode)
+    model_config = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=128)
+    runner = ModelRunner(VllmConfig(model_config=model_config), device="cuda")
+    runner.load_model()
+    return runner
+
+
+def test_gpt_oss_mxfp4_checkpoint_packed_gives_the_expanded_logits(tmp_path, monkeypatch):
+    save_mxfp4_checkpoint(tmp_path)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    packed = _cuda_runner(tmp_path, monkeypatch, "auto")
+    packed_bytes = torch.cuda.memory_allocated() - before
+    experts = packed.model.layers[0].mlp.experts
+    assert experts.mxfp4 and experts.w13_blocks.is_cuda
+    ours = runner_logits(packed, IDS.cuda()).float().cpu()
+    packed.release()
+    del packed, experts
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    dense = _cuda_runner(tmp_path, monkeypatch, "dequantize")
+    dense_bytes = torch.cuda.memory_allocated() - before
+    assert not dense.model.layers[0].mlp.experts.mxfp4
+    ref = runner_logits(dense, IDS.cuda()).float().cpu()
+    dense.release()
+    err = (ours - ref).abs().max()
+    assert err < 0.05 * ref.abs().max(), (err, ref.abs().max())
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    # Per layer the bf16 experts take 2 * E * (3 * I * H) bytes, the packed ones 17/32 of a
+    # byte a value (half a byte, plus a scale byte per 32): ~3.8x less.
+    assert packed_bytes < dense_bytes, (packed_bytes, dense_bytes)
+
+
+def test_gpt_oss_mxfp4_served_with_graphs_gives_transformers_greedy_tokens(tmp_path):
+    """fp32 (so that greedy tokens cannot flip on rounding): the packed experts in every
+    step, captured decode steps included, against transformers on the expanded values."""
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.models.gpt_oss import keep_mxfp4_packed
+
+    assert keep_mxfp4_packed(), "VLLM_MXFP4_MOE=dequantize or no triton: nothing to test"
+    hf = save_mxfp4_checkpoint(tmp_path, vocab_size=49152)
+    copy_benchmark_tokenizer(tmp_path)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (9, 33, 70)]
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :]
+            for p in prompts
+        ]
+    llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4)
     try:
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

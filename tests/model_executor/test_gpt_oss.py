@@ -110,12 +110,13 @@ def test_mxfp4_expands_as_transformers_expands_it():
         dequantize_mxfp4(blocks, scales[:, :, :1])
 
 
-def test_mxfp4_checkpoint_gives_the_logits_of_its_expanded_weights(tmp_path):
-    """The released checkpoints' layout: experts as ``*_blocks`` / ``*_scales``."""
+def save_mxfp4_checkpoint(path, **overrides) -> torch.nn.Module:
+    """The tiny model saved in ``path`` with its experts as the released checkpoints hold
+    them (``*_blocks`` / ``*_scales``); returned with the values they expand to."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    hf = hf_model()
-    hf.save_pretrained(tmp_path)
+    hf = hf_model(**overrides)
+    hf.save_pretrained(path)
     sd = {k: v.clone() for k, v in hf.state_dict().items()}
     c = hf.config
     hidden, inter, experts = c.hidden_size, c.intermediate_size, c.num_local_experts
@@ -131,10 +132,55 @@ def test_mxfp4_checkpoint_gives_the_logits_of_its_expanded_weights(tmp_path):
                 getattr(layer.mlp.experts, name).copy_(expanded)
                 del sd[p + name]
                 sd[p + name + "_blocks"], sd[p + name + "_scales"] = blocks, scales
-    for f in tmp_path.glob("*.safetensors"):
+    for f in path.glob("*.safetensors"):
         f.unlink()
-    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in sd.items()}, path / "model.safetensors")
+    return hf
+
+
+def test_mxfp4_checkpoint_gives_the_logits_of_its_expanded_weights(tmp_path):
+    """The released checkpoints' layout: experts as ``*_blocks`` / ``*_scales``, expanded
+    on the CPU (packed on CUDA: tests/cuda/test_moe_cuda.py)."""
+    hf = save_mxfp4_checkpoint(tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    assert not runner.model.layers[0].mlp.experts.mxfp4
+    ours = runner_logits(runner, IDS)
+    with torch.inference_mode():
+        ref = hf(IDS[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+def test_mxfp4_experts_are_built_packed_only_with_cuda_and_triton(monkeypatch):
+    from vllm.model_executor.layers import triton_mxfp4_moe
+    from vllm.model_executor.models import gpt_oss
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_mxfp4_moe, "triton", object())
+    monkeypatch.delenv("VLLM_MXFP4_MOE", raising=False)
+    assert gpt_oss.keep_mxfp4_packed()
+    monkeypatch.setenv("VLLM_MXFP4_MOE", "dequantize")
+    assert not gpt_oss.keep_mxfp4_packed()
+    monkeypatch.setenv("VLLM_MXFP4_MOE", "AUTO")
+    assert gpt_oss.keep_mxfp4_packed()
+    monkeypatch.setattr(triton_mxfp4_moe, "triton", None)
+    assert not gpt_oss.keep_mxfp4_packed()
+    monkeypatch.setenv("VLLM_MXFP4_MOE", "packed")
+    with pytest.raises(ValueError, match="VLLM_MXFP4_MOE"):
+        gpt_oss.keep_mxfp4_packed()
+
+
+def test_packed_experts_loaded_on_the_cpu_are_expanded(tmp_path, monkeypatch):
+    """Built packed (a machine with CUDA) but loaded on the CPU, where the kernel cannot
+    run: expanded as the load starts, the logits those of the expanded weights."""
+    from vllm.model_executor.models import gpt_oss
+
+    hf = save_mxfp4_checkpoint(tmp_path)
+    monkeypatch.setattr(gpt_oss, "keep_mxfp4_packed", lambda: True)
+    with torch.device("meta"):
+        built = GptOssForCausalLM(GptOssForCausalLM.arch_from_hf(hf.config))
+    assert built.layers[0].mlp.experts.mxfp4
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    assert not any(layer.mlp.experts.mxfp4 for layer in runner.model.layers)
     ours = runner_logits(runner, IDS)
     with torch.inference_mode():
         ref = hf(IDS[None]).logits[0].float()

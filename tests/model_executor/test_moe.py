@@ -200,3 +200,102 @@ def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
         "Qwen3MoeForCausalLM", tmp_path, vocab_size=49152, max_position_embeddings=256
     )
     check_engine_greedy_matches(hf, tmp_path)
+
+
+def packed_experts(num_tokens: int, dtype: torch.dtype, seed: int = 0):
+    """A gpt-oss-style layer (swigluoai, biases) over random MXFP4 experts, the same layer
+    with them expanded, and a batch: (packed, dense, x, logits)."""
+    from vllm.model_executor.layers.fused_moe import Activation
+    from vllm.model_executor.models.gpt_oss import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(seed)
+    packed, dense = (
+        FusedMoE(8, 3, 64, 96, True, Activation("swigluoai"), True, mxfp4=m).to(dtype)
+        for m in (True, False)
+    )
+    with torch.no_grad():
+        for name in ("w13", "w2"):
+            blocks, scales = getattr(packed, name + "_blocks"), getattr(packed, name + "_scales")
+            blocks.copy_(torch.randint(0, 256, blocks.shape, generator=g))
+            scales.copy_(torch.randint(121, 125, scales.shape, generator=g))
+            getattr(dense, name).copy_(dequantize_mxfp4(blocks, scales))
+        for name in ("w13_bias", "w2_bias"):
+            bias = torch.randn(getattr(packed, name).shape, generator=g)
+            getattr(packed, name).copy_(bias)
+            getattr(dense, name).copy_(bias)
+    x = torch.randn(num_tokens, 64, generator=g).to(dtype)
+    return packed, dense, x, torch.randn(num_tokens, 8, generator=g)
+
+
+def emulated_mxfp4_kernel(calls: list):
+    """``mxfp4_grouped_linear`` in float64 (the expanded weights, each row through the
+    expert whose range holds it), checking the kernel's contract, its calls recorded."""
+    from vllm.model_executor.models.gpt_oss import dequantize_mxfp4
+
+    def kernel(x, blocks, scales, expert_ends, bias=None):
+        assert expert_ends.dtype == torch.int32 and expert_ends.shape == (blocks.shape[0],)
+        assert x.shape[1] == blocks.shape[2] * 32 and x.is_contiguous()
+        calls.append((x.shape[0], blocks.shape[1], expert_ends.tolist()))
+        w = dequantize_mxfp4(blocks, scales, torch.float64)
+        out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+        start = 0
+        for e, end in enumerate(expert_ends.tolist()):
+            out[start:end] = x[start:end].double() @ w[e].T
+            if bias is not None:
+                out[start:end] += bias[e].double()
+            start = end
+        return out.to(x.dtype)
+
+    return kernel
+
+
+@pytest.mark.parametrize("num_tokens", [1, 6, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_run_both_gemms_in_the_mxfp4_kernel(num_tokens, dtype, monkeypatch):
+    from vllm.model_executor.layers import triton_mxfp4_moe
+
+    calls = []
+    monkeypatch.setattr(triton_mxfp4_moe, "mxfp4_grouped_linear", emulated_mxfp4_kernel(calls))
+    packed, dense, x, logits = packed_experts(num_tokens, dtype)
+    assert packed.w13 is None and packed.w2 is None and "w13_blocks" in packed.state_dict()
+    with torch.inference_mode():
+        out, ref = packed(x, logits), dense(x, logits)
+    pairs = num_tokens * packed.top_k
+    _, ids = select_experts(logits, packed.top_k, packed.renormalize)
+    ends = torch.bincount(ids.flatten(), minlength=8).cumsum(0).tolist()
+    assert calls == [(pairs, 2 * 96, ends), (pairs, 64, ends)]  # gate/up, then down
+    assert out.dtype == dtype
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def test_packed_experts_trade_for_dense_weights():
+    packed, _, _, _ = packed_experts(1, torch.bfloat16)
+    packed.use_dense_weights(torch.bfloat16)
+    assert not packed.mxfp4 and not any(n.endswith(("_blocks", "_scales")) for n, _ in
+                                        packed.named_buffers())  # fmt: skip
+    assert packed.w13.shape == (8, 192, 64) and packed.w2.dtype == torch.bfloat16
+    assert sorted(n for n, _ in packed.named_parameters()) == ["w13", "w13_bias", "w2", "w2_bias"]
+    with pytest.raises(ValueError, match="multiples of 32"):
+        FusedMoE(4, 2, 48, 64, True, mxfp4=True)
+
+
+def test_packed_experts_read_nothing_on_the_host(monkeypatch):
+    """On FakeTensorMode's CUDA tensors (no data: any host read raises) the routing, the
+    sort and the combine around the kernel: a decode step can be captured."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vllm.model_executor.layers import triton_mxfp4_moe
+    from vllm.model_executor.layers.fused_moe import Activation
+
+    seen = []
+
+    def launch(x, blocks, scales, expert_ends, bias=None):
+        seen.append(expert_ends.device.type)
+        return x.new_empty(x.shape[0], blocks.shape[1])
+
+    monkeypatch.setattr(triton_mxfp4_moe, "mxfp4_grouped_linear", launch)
+    with FakeTensorMode(), torch.device("cuda", 0):
+        packed = FusedMoE(8, 3, 64, 96, True, Activation("swigluoai"), True, mxfp4=True)
+        out = packed(torch.randn(4, 64), torch.randn(4, 8))
+    assert out.shape == (4, 64) and out.device.type == "cuda" and seen == ["cuda", "cuda"]

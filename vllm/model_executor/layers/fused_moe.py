@@ -20,6 +20,16 @@ grouped GEMM does not take the operands (CUDA in fp16 or fp32, rows not 16-byte 
 a loop over the experts hit does the same products, one pair of GEMMs each; that loop
 reads the group sizes on the host, so under CUDA-graph capture it computes every expert
 for every token instead (exact, ``num_experts / top_k`` times the work).
+
+``FusedMoE(..., mxfp4=True)`` (gpt-oss on CUDA) holds the experts packed as MXFP4
+checkpoints store them, in buffers instead of ``w13`` / ``w2``::
+
+    w13_blocks (num_experts, 2 * intermediate, hidden / 32, 16)  uint8, two E2M1 a byte
+    w13_scales (num_experts, 2 * intermediate, hidden / 32)      uint8, E8M0
+    w2_blocks  (num_experts, hidden, intermediate / 32, 16), w2_scales likewise
+
+and the two grouped GEMMs are the Triton kernel of ``triton_mxfp4_moe.py``, which expands
+each weight tile in registers and adds the biases (a fixed grid: CUDA graphs capture it).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
+from vllm.model_executor.layers import triton_mxfp4_moe
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None
@@ -131,6 +142,28 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """(order, ends) of the ``num_tokens * top_k`` (token, expert) pairs, pair
+    ``p = token * top_k + slot``: the pairs sorted by expert, and each expert's end in that
+    order (int32, counted on the device)."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, counts.cumsum(0, dtype=torch.int32)
+
+
+def _combine(y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``y (pairs, hidden)`` sorted by expert -> ``(num_tokens, hidden)``: each token's
+    pairs summed with ``topk_weights`` in fp32, in ``y``'s dtype."""
+    num_tokens, top_k = topk_weights.shape
+    by_pair = torch.empty_like(y).index_copy_(0, order, y)  # back in token order
+    out = torch.bmm(  # (num_tokens, 1, top_k) x (num_tokens, top_k, hidden)
+        topk_weights.unsqueeze(1), by_pair.view(num_tokens, top_k, -1).float()
+    )
+    return out.view(num_tokens, -1).to(y.dtype)
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -143,28 +176,39 @@ def fused_experts(
 ) -> torch.Tensor:
     """``(num_tokens, hidden)``: each row of ``x`` through its experts ``topk_ids``, summed
     with ``topk_weights`` (fp32, accumulated in fp32)."""
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     biases = (w13_bias, w2_bias)
     if not grouped_mm_supported(x, w13) and _capturing(x.device):
         return _dense_experts(x, w13, w2, topk_weights, topk_ids, activation, *biases)
-    flat = topk_ids.reshape(-1)  # pair p = token * top_k + slot
-    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
-    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)  # end of each expert's group
+    order, offs = _sort_by_expert(topk_ids, w13.shape[0])
     h = _grouped_linear(x.index_select(0, order // top_k), w13, offs)  # (pairs, 2I)
     has_bias = w13_bias is not None or w2_bias is not None
-    experts = flat.index_select(0, order) if has_bias else None  # each pair's expert
+    # each sorted pair's expert, for the biases
+    experts = topk_ids.reshape(-1).index_select(0, order) if has_bias else None
     if w13_bias is not None:
         h = h + w13_bias.index_select(0, experts)
     y = _grouped_linear(activation(h), w2, offs)  # (pairs, hidden), by expert
     if w2_bias is not None:
         y = y + w2_bias.index_select(0, experts)
-    by_pair = torch.empty_like(y).index_copy_(0, order, y)  # back in token order
-    out = torch.bmm(  # (num_tokens, 1, top_k) x (num_tokens, top_k, hidden)
-        topk_weights.unsqueeze(1), by_pair.view(num_tokens, top_k, -1).float()
+    return _combine(y, order, topk_weights)
+
+
+def fused_experts_mxfp4(
+    x: torch.Tensor,
+    moe: FusedMoE,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_experts`` over ``moe``'s packed MXFP4 experts: both grouped GEMMs (biases
+    included) in ``triton_mxfp4_moe``'s kernel. No host sync, fixed launch shapes."""
+    top_k = topk_ids.shape[1]
+    order, ends = _sort_by_expert(topk_ids, moe.num_experts)
+    linear = triton_mxfp4_moe.mxfp4_grouped_linear
+    h = linear(  # (pairs, 2I), by expert
+        x.index_select(0, order // top_k), moe.w13_blocks, moe.w13_scales, ends, moe.w13_bias
     )
-    return out.view(num_tokens, -1).to(x.dtype)
+    y = linear(moe.activation(h), moe.w2_blocks, moe.w2_scales, ends, moe.w2_bias)
+    return _combine(y, order, topk_weights)
 
 
 def _dense_experts(
@@ -189,8 +233,9 @@ def _dense_experts(
 
 class FusedMoE(nn.Module):
     """The routed experts of one layer: ``forward(x, router_logits)`` ->
-    ``(num_tokens, hidden)``. Parameters ``w13`` and ``w2`` as the module docstring lays out;
-    ``load_expert`` fills one expert from a checkpoint's separate gate/up/down tensors."""
+    ``(num_tokens, hidden)``. Parameters ``w13`` and ``w2`` as the module docstring lays out,
+    or with ``mxfp4`` the packed buffers (``use_dense_weights`` trades them for ``w13`` /
+    ``w2``); ``load_expert`` fills one expert from a checkpoint's gate/up/down tensors."""
 
     def __init__(
         self,
@@ -201,21 +246,56 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         activation: Activation = SILU,
         has_bias: bool = False,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        group = triton_mxfp4_moe.MXFP4_GROUP
+        if mxfp4 and (hidden_size % group or intermediate_size % group):
+            raise ValueError(
+                f"mxfp4 experts need hidden_size ({hidden_size}) and intermediate_size "
+                f"({intermediate_size}) in multiples of {group}"
+            )
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.mxfp4 = mxfp4
+        self.w13 = self.w2 = None
+        if mxfp4:
+            for name, rows, cols in (
+                ("w13", 2 * intermediate_size, hidden_size),
+                ("w2", hidden_size, intermediate_size),
+            ):
+                shape = (num_experts, rows, cols // group)
+                self.register_buffer(name + "_blocks", torch.empty(*shape, group // 2,
+                                                                   dtype=torch.uint8))  # fmt: skip
+                self.register_buffer(name + "_scales", torch.empty(shape, dtype=torch.uint8))
+        else:
+            self._make_dense_weights()
         self.w13_bias = self.w2_bias = None
         if has_bias:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def _make_dense_weights(self, **kwargs) -> None:
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **kwargs))
+        self.w2 = nn.Parameter(torch.empty(e, h, i, **kwargs))
+
+    def use_dense_weights(self, dtype: torch.dtype) -> None:
+        """Trade the packed buffers for empty ``w13`` / ``w2`` in ``dtype`` on their device
+        (where the kernel cannot run, or the checkpoint's experts are not MXFP4)."""
+        if not self.mxfp4:
+            return
+        device = self.w13_blocks.device
+        for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+            delattr(self, name)
+        self.mxfp4 = False
+        self._make_dense_weights(dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route by the softmax of ``router_logits`` (``select_experts``), then ``apply``."""
@@ -223,6 +303,8 @@ class FusedMoE(nn.Module):
 
     def apply(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token through the experts ``ids`` chose for it, weighted by ``weights``."""
+        if self.mxfp4:
+            return fused_experts_mxfp4(x, self, weights, ids)
         return fused_experts(
             x, self.w13, self.w2, weights, ids, self.activation, self.w13_bias, self.w2_bias
         )

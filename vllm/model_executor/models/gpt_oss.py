@@ -12,10 +12,13 @@ shape) and gpt-oss's own parts, as transformers computes them:
   checkpoint interleaving gate and up columns (de-interleaved here into our [gate; up]).
 
 The released checkpoints hold the experts in MXFP4 (``*_blocks``: two 4-bit E2M1 values a
-byte, low nibble first; ``*_scales``: one E8M0 exponent per 32 values): they are expanded
-to the model's dtype as they load (``dequantize_mxfp4``; the 20B model's experts take
-about 40 GB in bf16). The OpenAI "harmony" response format (reasoning and tool calls in
-channels) is the chat template's; parsing it out of the output is not built yet.
+byte, low nibble first; ``*_scales``: one E8M0 exponent per 32 values). On CUDA with
+triton (``VLLM_MXFP4_MOE=auto``) they stay so on the device, only their gate/up rows
+de-interleaved, and ``FusedMoE`` runs them with the Triton MXFP4 kernel (the 120B model's
+experts: ~61 GB instead of ~234 GB in bf16); elsewhere, or for a checkpoint whose experts
+are not MXFP4, they are expanded to the model's dtype as they load (``dequantize_mxfp4``).
+The OpenAI "harmony" response format (reasoning and tool calls in channels) is the chat
+template's; parsing it out of the output is not built yet.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm import envs
+from vllm.model_executor.layers import triton_mxfp4_moe
 from vllm.model_executor.layers.fused_moe import Activation, FusedMoE
 from vllm.model_executor.models.llama import LlamaArch, attention_features
 from vllm.model_executor.models.moe import MoeArch, MoeForCausalLM
@@ -33,6 +38,20 @@ from vllm.model_executor.models.moe import MoeArch, MoeForCausalLM
 # E2M1: the 16 values a 4-bit code stands for (sign bit high).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
+# --load-format dummy's packed experts: random codes times 2^-13, so |w| <= 6 * 2^-13, under
+# the loader's dense dummy bound (1e-3).
+DUMMY_MXFP4_SCALE = 127 - 13
+
+
+def keep_mxfp4_packed() -> bool:
+    """Whether gpt-oss's MXFP4 experts are built packed: ``VLLM_MXFP4_MOE=auto`` with
+    triton and a CUDA device. The model is built on the meta device, before its device is
+    known; ``init_buffers`` expands them if it lands elsewhere."""
+    return (
+        envs.VLLM_MXFP4_MOE == "auto"
+        and triton_mxfp4_moe.triton is not None
+        and torch.cuda.is_available()
+    )
 
 
 def dequantize_mxfp4(
@@ -97,6 +116,7 @@ class GptOssMoeBlock(nn.Module):
             renormalize=True,
             activation=Activation("swigluoai", a.swiglu_alpha, a.swiglu_limit),
             has_bias=True,
+            mxfp4=keep_mxfp4_packed(),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +143,24 @@ class GptOssForCausalLM(MoeForCausalLM):
     def layer_attention_features(self, layer: nn.Module) -> dict[str, Any]:
         return {"sinks": layer.sinks}
 
+    def init_buffers(self) -> None:
+        """Also the packed experts (``keep_mxfp4_packed``): expanded to empty ``w13`` /
+        ``w2`` off CUDA, else given random codes (``--load-format dummy`` serves them; a
+        checkpoint's load overwrites them)."""
+        super().init_buffers()
+        weight = self.embed_tokens.weight
+        for layer in self.layers:
+            experts = layer.mlp.experts
+            if not experts.mxfp4:
+                continue
+            if triton_mxfp4_moe.triton_unavailable_reason(weight.device) is not None:
+                experts.use_dense_weights(weight.dtype)
+                continue
+            for name in ("w13", "w2"):
+                blocks = getattr(experts, name + "_blocks")
+                blocks.copy_(torch.randint_like(blocks, 0, 256))
+                getattr(experts, name + "_scales").fill_(DUMMY_MXFP4_SCALE)
+
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         super().load_weights(sd)
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
@@ -135,14 +173,27 @@ class GptOssForCausalLM(MoeForCausalLM):
         mlp.router.weight.copy_(sd[p + "router.weight"])
         mlp.router.bias.copy_(sd[p + "router.bias"])
         e = p + "experts."
-        if e + "gate_up_proj_blocks" in sd:  # MXFP4: (E, 2I, H) and (E, H, I) rows
-            gate_up = dequantize_mxfp4(sd[e + "gate_up_proj_blocks"], sd[e + "gate_up_proj_scales"])
-            down = dequantize_mxfp4(sd[e + "down_proj_blocks"], sd[e + "down_proj_scales"])
-        else:  # transformers' layout: (E, H, 2I) and (E, I, H)
-            gate_up = sd[e + "gate_up_proj"].transpose(1, 2)
-            down = sd[e + "down_proj"].transpose(1, 2)
         experts = mlp.experts
-        experts.w13.copy_(deinterleave(gate_up, 1))
+        packed = e + "gate_up_proj_blocks" in sd  # MXFP4: (E, 2I, H) and (E, H, I) rows
+        if experts.mxfp4 and not packed:
+            experts.use_dense_weights(experts.w13_bias.dtype)
+        if experts.mxfp4:  # kept packed; only the gate/up rows de-interleaved
+            for ours, theirs in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+                for part in ("blocks", "scales"):
+                    t = sd[f"{e}{theirs}_{part}"]
+                    getattr(experts, f"{ours}_{part}").copy_(
+                        deinterleave(t, 1) if ours == "w13" else t
+                    )
+        else:
+            if packed:
+                gate_up = dequantize_mxfp4(
+                    sd[e + "gate_up_proj_blocks"], sd[e + "gate_up_proj_scales"]
+                )
+                down = dequantize_mxfp4(sd[e + "down_proj_blocks"], sd[e + "down_proj_scales"])
+            else:  # transformers' layout: (E, H, 2I) and (E, I, H)
+                gate_up = sd[e + "gate_up_proj"].transpose(1, 2)
+                down = sd[e + "down_proj"].transpose(1, 2)
+            experts.w13.copy_(deinterleave(gate_up, 1))
+            experts.w2.copy_(down)
         experts.w13_bias.copy_(deinterleave(sd[e + "gate_up_proj_bias"], 1))
-        experts.w2.copy_(down)
         experts.w2_bias.copy_(sd[e + "down_proj_bias"])
