@@ -47,7 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -181,6 +181,20 @@ def model_facts(model) -> ModelFacts:
         experts_per_token=getattr(c, "num_experts_per_tok", 0) if experts else 0,
         num_experts=getattr(c, "num_local_experts", 0) if experts else 0,
         windowed_kv=tuple(sorted(windows.items())),
+    )
+
+
+def cache_facts(facts: ModelFacts, args: argparse.Namespace) -> ModelFacts:
+    """``facts`` with the KV bytes of the cache the engine will hold: an FP8 cache
+    (``--engine-args '{"kv_cache_dtype": "fp8"}'``) stores one byte an element."""
+    extra = json.loads(args.engine_args) if args.engine_args else {}
+    if extra.get("kv_cache_dtype", "auto") == "auto":
+        return facts
+    itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    return replace(
+        facts,
+        kv_bytes_per_token=facts.kv_bytes_per_token // itemsize,
+        windowed_kv=tuple((w, b // itemsize) for w, b in facts.windowed_kv),
     )
 
 
@@ -867,7 +881,7 @@ def prepare(args: argparse.Namespace, device: torch.device) -> tuple[Bench, obje
     where = torch.device("meta") if args.skip_hf else device
     model = build_model(args.shape, DTYPES[args.dtype], where, args.seed)
     sync(device)
-    bench = Bench(args, model_facts(model), info)
+    bench = Bench(args, cache_facts(model_facts(model), args), info)
     bench.results["timings_s"]["build"] = time.perf_counter() - start
     kind = "dummy" if args.skip_hf else f"seed{args.seed}"
     model_dir = args.model_dir or Path(f"/tmp/vllm-bench-models/{args.shape}-{args.dtype}-{kind}")

@@ -365,3 +365,15 @@ def test_tiny_gpt_oss_runs_on_our_engine(bench, tmp_path):
     assert all(r["output_tok_per_s"] > 0 for r in ours.values())
     assert result["model"]["shape"] == "tiny-gpt-oss"
     assert result["model"]["num_experts"] == 4 and result["model"]["windowed_kv"]
+
+
+def test_an_fp8_cache_halves_the_kv_bytes(bench):
+    model = bench.build_model("gpt-oss-20b", torch.bfloat16, torch.device("meta"), seed=0)
+    facts = bench.model_facts(model)
+    args = bench.parse_args(["--shape", "gpt-oss-20b", "--dtype", "bfloat16"])
+    assert bench.cache_facts(facts, args) == facts
+    args.engine_args = '{"kv_cache_dtype": "fp8"}'
+    fp8 = bench.cache_facts(facts, args)
+    assert fp8.kv_bytes_per_token * 2 == facts.kv_bytes_per_token
+    assert fp8.windowed_kv == ((128, facts.windowed_kv[0][1] // 2),)
+    assert fp8.weight_bytes_read == facts.weight_bytes_read
