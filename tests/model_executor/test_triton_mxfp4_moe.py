@@ -286,6 +286,41 @@ def test_arguments_are_checked_before_any_launch():
             f(x, blocks, scales, ends, bias)
 
 
+@pytest.mark.parametrize(
+    "dtype, precision, has_bias, block_m, capability",
+    [("bf16", "tf32", True, 16, 90), ("fp32", "ieee", False, 64, 80)],
+)
+def test_the_kernel_compiles_for_cuda_without_a_gpu(
+    dtype, precision, has_bias, block_m, capability
+):
+    """What the interpreter does not check: the kernel lowers to a cubin (Hopper and
+    Ampere), with Triton's CUDA backend and its ptxas."""
+    if triton_mxfp4_moe.triton is None:
+        pytest.skip("triton is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = triton_mxfp4_moe._mxfp4_grouped_kernel
+    if not hasattr(kernel, "arg_names"):
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    pointers = dict(x_ptr=dtype, blocks_ptr="u8", scales_ptr="u8", ends_ptr="i32",
+                    bias_ptr=dtype, out_ptr=dtype)  # fmt: skip
+    signature = {name: "*" + t for name, t in pointers.items()}
+    signature.update((name, "i32") for name in kernel.arg_names[6:13])
+    tiles = dict(BLOCK_N=triton_mxfp4_moe.BLOCK_N, BLOCK_K=triton_mxfp4_moe.BLOCK_K, BLOCK_E=32)
+    constants = dict(BLOCK_M=block_m, **tiles, HAS_BIAS=has_bias, PRECISION=precision)
+    signature.update((name, "constexpr") for name in constants)
+    try:
+        compiled = triton_mxfp4_moe.triton.compile(
+            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32)
+        )
+    except RuntimeError as e:  # no ptxas in this install
+        if "ptxas" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert compiled.asm["cubin"]
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("case_id", list(CASES) + list(GPU_CASES))

@@ -154,7 +154,7 @@ if triton is not None:
         bits = tl.where(scale == 0, 1 << 22, scale << 23)
         return bits.to(tl.float32, bitcast=True)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows"])  # one compile for every batch's rows
     def _mxfp4_grouped_kernel(
         x_ptr, blocks_ptr, scales_ptr, ends_ptr, bias_ptr, out_ptr,
         num_rows, N, K, num_experts, stride_xm, stride_xk, stride_om,
