@@ -178,7 +178,9 @@ def test_packed_experts_loaded_on_the_cpu_are_expanded(tmp_path, monkeypatch):
     monkeypatch.setattr(gpt_oss, "keep_mxfp4_packed", lambda: True)
     with torch.device("meta"):
         built = GptOssForCausalLM(GptOssForCausalLM.arch_from_hf(hf.config))
+        odd = GptOssForCausalLM(GptOssForCausalLM.arch_from_hf(gpt_oss_config(hidden_size=48)))
     assert built.layers[0].mlp.experts.mxfp4
+    assert not odd.layers[0].mlp.experts.mxfp4  # no MXFP4 checkpoint has rows of 48
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     assert not any(layer.mlp.experts.mxfp4 for layer in runner.model.layers)
     ours = runner_logits(runner, IDS)

@@ -116,7 +116,8 @@ class GptOssMoeBlock(nn.Module):
             renormalize=True,
             activation=Activation("swigluoai", a.swiglu_alpha, a.swiglu_limit),
             has_bias=True,
-            mxfp4=keep_mxfp4_packed(),
+            # MXFP4 rows are whole groups of 32: other sizes cannot come packed
+            mxfp4=keep_mxfp4_packed() and a.hidden_size % 32 == a.moe_intermediate_size % 32 == 0,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,8 +158,7 @@ class GptOssForCausalLM(MoeForCausalLM):
                 experts.use_dense_weights(weight.dtype)
                 continue
             for name in ("w13", "w2"):
-                blocks = getattr(experts, name + "_blocks")
-                blocks.copy_(torch.randint_like(blocks, 0, 256))
+                getattr(experts, name + "_blocks").random_(0, 256)
                 getattr(experts, name + "_scales").fill_(DUMMY_MXFP4_SCALE)
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
