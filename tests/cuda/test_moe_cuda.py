@@ -4,7 +4,8 @@ new tokens and routing, and a Qwen3-MoE checkpoint served in fp32 with graphs gi
 transformers' greedy tokens. Packed MXFP4 experts (gpt-oss): ``FusedMoE`` on the Triton
 kernel against the same experts expanded to bf16 (the grouped GEMM), eager and captured
 in a CUDA graph; a tiny gpt-oss MXFP4 checkpoint's logits packed against expanded, the
-memory its experts take, and the engine with graphs giving transformers' greedy tokens.
+memory its experts take, its decode steps replayed from the runner's graphs against the
+eager step, and the engine in fp32 giving transformers' greedy tokens.
 The CPU tests are tests/model_executor/test_moe.py and test_triton_mxfp4_moe.py.
 
 Run with ``pytest -m cuda tests`` on a CUDA machine; skipped without one.
@@ -160,9 +161,54 @@ def test_gpt_oss_mxfp4_checkpoint_packed_gives_the_expanded_logits(tmp_path, mon
     assert packed_bytes < dense_bytes, (packed_bytes, dense_bytes)
 
 
-def test_gpt_oss_mxfp4_served_with_graphs_gives_transformers_greedy_tokens(tmp_path):
-    """fp32 (so that greedy tokens cannot flip on rounding): the packed experts in every
-    step, captured decode steps included, against transformers on the expanded values."""
+@torch.inference_mode()
+def test_gpt_oss_packed_decode_steps_replay_as_the_eager_padded_step(tmp_path):
+    """bf16 on TORCH_FLASH_ATTN (sinks and windows in the Triton decode kernel): decode
+    steps of 3, 1, 8 and 5 sequences through the packed experts, replayed from the
+    runner's graphs, equal the eager forward of the same padded batch."""
+    from tests.v1.worker.test_cuda_graph import random_decodes
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.worker.model_runner import ModelRunner
+
+    save_mxfp4_checkpoint(tmp_path)
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), dtype="bfloat16"),
+        cache_config=CacheConfig(block_size=4),  # random_decodes' layout
+        scheduler_config=SchedulerConfig(
+            max_model_len=96, max_num_batched_tokens=96, max_num_seqs=8
+        ),
+    )
+    runner = ModelRunner(config, device="cuda")
+    runner.load_model()
+    assert runner.model.layers[0].mlp.experts.mxfp4
+    assert runner.attn_backend.name == "TORCH_FLASH_ATTN", runner.attn_backend.name
+    runner.initialize_kv_cache(64)
+    for cache in runner.kv_caches:
+        cache.normal_()
+    runner.capture_model()
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    eager_caches = [c.clone() for c in runner.kv_caches]
+    for step, n in enumerate([3, 1, 8, 5]):
+        ids, positions, seqs = random_decodes(n, seed=step)
+        replayed = graphs.run(ids, positions, seqs).clone()
+        pad = graphs.padded_size(seqs) - n
+        meta = runner.attn_backend.build_metadata(seqs + [(0, 1, [0])] * pad)
+        eager = runner.model(
+            torch.tensor(ids + [0] * pad, device="cuda"),
+            torch.tensor(positions + [0] * pad, device="cuda"),
+            meta,
+            eager_caches,
+        )[:n]
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-2)
+    assert graphs.num_replays == 4
+    runner.release()
+
+
+def test_gpt_oss_mxfp4_served_gives_transformers_greedy_tokens(tmp_path):
+    """fp32 (so that greedy tokens cannot flip on rounding; FlashAttention takes no fp32,
+    so these steps run eagerly on TORCH_SDPA): the packed experts in every step against
+    transformers on the expanded values."""
     from vllm import LLM, SamplingParams
     from vllm.model_executor.models.gpt_oss import keep_mxfp4_packed
 
