@@ -3,9 +3,10 @@
 Cases: several experts with uneven groups, empty groups (first, middle, last), one expert
 over many row tiles, rows past the last group (zeros), row tiles of 16 and 64 spanning up
 to four experts, a group's last row first in a tile, N and K not multiples of the tiles
-(K a multiple of 32, as MXFP4 is), with and without bias, fp32/fp16/bf16 inputs, scales
-from 2^-27 to 2^13. On CPU the kernel runs in Triton's interpreter (a child process, as
-in test_triton_prefill.py), and so do ``FusedMoE`` over packed experts and gpt-oss loading
+(K a multiple of 32, as MXFP4 is), (M, N, K) tiles of 16 x 16 x 32 and 32 x 32 x 256
+besides the defaults, with and without bias, fp32/fp16/bf16 inputs, scales from 2^-27 to
+2^13. On CPU the kernel runs in Triton's interpreter (a child process, as in
+test_triton_prefill.py), and so do ``FusedMoE`` over packed experts and gpt-oss loading
 an MXFP4 checkpoint packed (``keep_mxfp4_packed`` forced) against the same checkpoint
 expanded; the real kernel on these cases and gpt-oss-20b-sized ones is marked ``cuda``.
 """
@@ -38,6 +39,17 @@ CASES = {
     ),  # fmt: skip
     # a tile's first row the last of its expert (rows 16, 32 with tiles of 16)
     "fp32-a-group-ends-on-a-tile-start": dict(counts=[17, 16, 1], n=16, k=32, bias=True),
+    "fp32-tiles-16x16-k32": dict(
+        counts=[9, 0, 21], n=40, k=96, bias=True, tiles=dict(block_m=16, block_n=16, block_k=32)
+    ),  # fmt: skip
+    "bf16-tiles-32x32-k256": dict(
+        counts=[30, 3, 11],
+        n=70,
+        k=288,
+        bias=True,
+        dtype="bfloat16",
+        tiles=dict(block_m=32, block_n=32, block_k=256),
+    ),  # fmt: skip
     "fp32-wide-scales": dict(counts=[6, 11], n=24, k=96, scales=(100, 140)),
     "bf16-bias": dict(counts=[3, 17, 0, 12], n=100, k=160, bias=True, dtype="bfloat16"),
     "bf16-decode-4-experts": dict(
@@ -101,8 +113,8 @@ def grouped_reference(x, blocks, scales, ends, bias=None) -> tuple[torch.Tensor,
 def run_case(spec: dict, device: str, kernel=None) -> dict:
     t = build_case(spec, device)
     kernel = kernel or triton_mxfp4_moe.mxfp4_grouped_linear
-    kwargs = {"block_m": spec["block_m"]} if "block_m" in spec else {}
-    out = kernel(t["x"], t["blocks"], t["scales"], t["ends"], t["bias"], **kwargs)
+    tiles = spec.get("tiles", {"block_m": spec["block_m"]} if "block_m" in spec else {})
+    out = kernel(t["x"], t["blocks"], t["scales"], t["ends"], t["bias"], **tiles)
     ref, size = grouped_reference(t["x"], t["blocks"], t["scales"], t["ends"], t["bias"])
     out = out.cpu()
     excess = (out.double() - ref).abs() - TOLERANCE[spec.get("dtype", "float32")] * size
@@ -241,7 +253,7 @@ def test_the_checks_catch_a_wrong_kernel():
     # off by one in the scale's bias, one without the bias, one that gives the first row
     # of each group the previous expert, and one that rounds fp32 to bf16 fail.
     def emulated(mistake):
-        def kernel(x, blocks, scales, ends, bias=None, block_m=None):
+        def kernel(x, blocks, scales, ends, bias=None, **tiles):
             if mistake == "nibbles":
                 blocks = (blocks << 4) | (blocks >> 4)
             if mistake == "scale":
@@ -281,18 +293,21 @@ def test_arguments_are_checked_before_any_launch():
         f(x, blocks.int(), scales, ends, bias)
     with pytest.raises(ValueError, match="x must be"):
         f(x.long(), blocks, scales, ends, bias)
+    with pytest.raises(ValueError, match="block_k=48"):
+        f(x, blocks, scales, ends, bias, block_k=48)
+    with pytest.raises(ValueError, match="block_n=8"):
+        f(x, blocks, scales, ends, bias, block_n=8)
     if triton_mxfp4_moe.triton is not None:  # this process is not interpreted: refused
         with pytest.raises(RuntimeError, match="runs on CUDA"):
             f(x, blocks, scales, ends, bias)
 
 
 @pytest.mark.parametrize(
-    "dtype, precision, has_bias, block_m, capability",
-    [("bf16", "tf32", True, 16, 90), ("fp32", "ieee", False, 64, 80)],
-)
-def test_the_kernel_compiles_for_cuda_without_a_gpu(
-    dtype, precision, has_bias, block_m, capability
-):
+    "dtype, precision, has_bias, tiles, capability",
+    [("bf16", "tf32", True, (16, 64, 64), 90), ("fp32", "ieee", False, (64, 64, 64), 80),
+     ("bf16", "tf32", True, (32, 32, 256), 90)],
+)  # fmt: skip
+def test_the_kernel_compiles_for_cuda_without_a_gpu(dtype, precision, has_bias, tiles, capability):
     """What the interpreter does not check: the kernel lowers to a cubin (Hopper and
     Ampere), with Triton's CUDA backend and its ptxas."""
     if triton_mxfp4_moe.triton is None:
@@ -307,8 +322,8 @@ def test_the_kernel_compiles_for_cuda_without_a_gpu(
                     bias_ptr=dtype, out_ptr=dtype)  # fmt: skip
     signature = {name: "*" + t for name, t in pointers.items()}
     signature.update((name, "i32") for name in kernel.arg_names[6:13])
-    tiles = dict(BLOCK_N=triton_mxfp4_moe.BLOCK_N, BLOCK_K=triton_mxfp4_moe.BLOCK_K, BLOCK_E=32)
-    constants = dict(BLOCK_M=block_m, **tiles, HAS_BIAS=has_bias, PRECISION=precision)
+    blocks = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), tiles, strict=True), BLOCK_E=32)
+    constants = dict(**blocks, HAS_BIAS=has_bias, PRECISION=precision)
     signature.update((name, "constexpr") for name in constants)
     try:
         compiled = triton_mxfp4_moe.triton.compile(

@@ -49,6 +49,8 @@ except ImportError:  # CPU-only installs: gpt-oss's experts are expanded at load
 MXFP4_GROUP = 32  # values per E8M0 scale
 BLOCK_N = 64
 BLOCK_K = 64  # two scale groups a step: 32 even and 32 odd columns
+TILE_SIZES = (16, 32, 64, 128)  # what block_m / block_n may be
+BLOCK_K_SIZES = (32, 64, 128, 256)  # whole scale groups, at least tl.dot's K of 16 a half
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -109,12 +111,21 @@ def mxfp4_grouped_linear(
     expert_ends: torch.Tensor,
     bias: torch.Tensor | None = None,
     block_m: int | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
 ) -> torch.Tensor:
     """``(rows, N)`` in ``x``'s dtype: row ``r`` of ``x (rows, K)`` times ``W_e^T`` (plus
     ``bias[e]``), ``e`` the expert whose range ``[expert_ends[e - 1], expert_ends[e])``
     holds ``r`` (``expert_ends`` int32, non-decreasing, on the device; rows past its last
-    entry get zeros). The launch depends on the shapes only."""
+    entry get zeros). The launch depends on the shapes only. The tile sizes default to
+    ``default_block_m``, ``BLOCK_N`` and ``BLOCK_K`` (unmeasured on a GPU: to be tuned)."""
     check_mxfp4_args(x, blocks, scales, expert_ends, bias)
+    block_m = block_m or default_block_m(x.shape[0])
+    if block_m not in TILE_SIZES or block_n not in TILE_SIZES or block_k not in BLOCK_K_SIZES:
+        raise ValueError(
+            f"tiles block_m={block_m}, block_n={block_n} must be in {TILE_SIZES} and "
+            f"block_k={block_k} in {BLOCK_K_SIZES}"
+        )
     reason = triton_unavailable_reason(x.device)
     if reason is not None:
         raise RuntimeError(f"mxfp4_grouped_linear: {reason}")
@@ -123,12 +134,11 @@ def mxfp4_grouped_linear(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
-    block_m = block_m or default_block_m(rows)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     _mxfp4_grouped_kernel[grid](
         x, blocks, scales, expert_ends, x if bias is None else bias, out,
         rows, n, groups * MXFP4_GROUP, num_experts, x.stride(0), x.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_E=triton.next_power_of_2(num_experts), HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
