@@ -192,7 +192,7 @@ if triton is not None:
             start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
             end = tl.load(ends_ptr + e)
             if end > start:
-                in_expert = (rows >= start) & (rows < end)
+                in_expert = (rows >= start) & (rows < tl.minimum(end, num_rows))
                 # Row of W_e in the stacked (E * N) rows; int64 offsets past it (120B: 1e9 bytes)
                 w_rows = cols.to(tl.int64) + e * N
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
