@@ -23,6 +23,7 @@ template's; parsing it out of the output is not built yet.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 # --load-format dummy's packed experts: random codes times 2^-13, so |w| <= 6 * 2^-13, under
 # the loader's dense dummy bound (1e-3).
 DUMMY_MXFP4_SCALE = 127 - 13
+
+logger = logging.getLogger(__name__)
 
 
 def keep_mxfp4_packed() -> bool:
@@ -150,6 +153,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         checkpoint's load overwrites them)."""
         super().init_buffers()
         weight = self.embed_tokens.weight
+        packed = 0
         for layer in self.layers:
             experts = layer.mlp.experts
             if not experts.mxfp4:
@@ -160,6 +164,12 @@ class GptOssForCausalLM(MoeForCausalLM):
             for name in ("w13", "w2"):
                 getattr(experts, name + "_blocks").random_(0, 256)
                 getattr(experts, name + "_scales").fill_(DUMMY_MXFP4_SCALE)
+                packed += sum(b.nbytes for n, b in experts.named_buffers() if n.startswith(name))
+        if packed:
+            logger.info(
+                "gpt-oss experts kept in MXFP4 on %s: %.2f GiB (VLLM_MXFP4_MOE=dequantize "
+                "expands them)", weight.device, packed / 2**30,
+            )  # fmt: skip
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         super().load_weights(sd)
