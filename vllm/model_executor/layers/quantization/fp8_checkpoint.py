@@ -181,9 +181,9 @@ def _ct_activation(group: dict, where: str) -> str | None:
 class _Fp8Weight(torch.Tensor):
     """A checkpoint's FP8 weight (out, in) with its row scales (out,) and static input scale,
     as a tensor the model's loader can ``torch.cat`` (along rows) and ``copy_`` into a
-    linear layer's weight: the copy writes the dequantized values and records, in ``sink``,
-    the FP8 values and scales that reached that parameter. Any other use sees the dequantized
-    weight (fp32)."""
+    linear layer's weight: the copy writes the dequantized values and records, in ``sink``
+    (``Fp8Loading.records``), the FP8 values and scales that reached that parameter. Any
+    other use sees the dequantized weight (fp32)."""
 
     @staticmethod
     def __new__(cls, data, row_scale, input_scale, sink):
@@ -323,10 +323,15 @@ def convert_loaded_fp8(model: nn.Module, loading: Fp8Loading) -> tuple[int, int]
             kept += 1
             return None
         device = dst.device
-        return Fp8Linear(
+        layer = Fp8Linear(
             fp8.to(device), rows.to(device), mod.bias,
             loading.fmt.activation, input_scale, loading.fmt.activation_scale_ub,
         )  # fmt: skip
+        # The weight must still hold these values (not overwritten by a later copy).
+        if not torch.equal(layer.dequantized_weight(dst.dtype), dst):
+            kept += 1
+            return None
+        return layer
 
     with torch.no_grad():
         count = replace_linears(model, make)
