@@ -184,18 +184,42 @@ def model_facts(model) -> ModelFacts:
     )
 
 
-def cache_facts(facts: ModelFacts, args: argparse.Namespace) -> ModelFacts:
-    """``facts`` with the KV bytes of the cache the engine will hold: an FP8 cache
-    (``--engine-args '{"kv_cache_dtype": "fp8"}'``) stores one byte an element."""
+# MXFP4: 32 values in 16 bytes of codes and one byte of scale.
+MXFP4_BYTES_PER_VALUE = 17 / 32
+
+
+def cache_facts(facts: ModelFacts, args: argparse.Namespace, packed: bool = False) -> ModelFacts:
+    """``facts`` as the engine will hold the model: the KV bytes of an FP8 cache
+    (``--engine-args '{"kv_cache_dtype": "fp8"}'``: one byte an element), and with
+    ``packed`` (gpt-oss's experts kept in MXFP4 on CUDA, ``VLLM_MXFP4_MOE=auto``) the
+    experts' weights at MXFP4's 17 bytes per 32 values (their biases counted so too: a
+    rounding of well under 1%)."""
     extra = json.loads(args.engine_args) if args.engine_args else {}
+    itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    if packed and facts.expert_bytes:
+        packed_bytes = int(facts.expert_bytes / itemsize * MXFP4_BYTES_PER_VALUE)
+        facts = replace(
+            facts,
+            weight_bytes_read=facts.weight_bytes_read - facts.expert_bytes + packed_bytes,
+            expert_bytes=packed_bytes,
+        )
     if extra.get("kv_cache_dtype", "auto") == "auto":
         return facts
-    itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     return replace(
         facts,
         kv_bytes_per_token=facts.kv_bytes_per_token // itemsize,
         windowed_kv=tuple((w, b // itemsize) for w, b in facts.windowed_kv),
     )
+
+
+def experts_packed(shape: str, device: torch.device) -> bool:
+    """Whether our engine keeps this shape's experts in MXFP4 (gpt-oss on CUDA, see
+    ``gpt_oss.keep_mxfp4_packed``)."""
+    if SHAPES[shape].get("model_type") != "gpt_oss" or device.type != "cuda":
+        return False
+    from vllm.model_executor.models.gpt_oss import keep_mxfp4_packed
+
+    return keep_mxfp4_packed()
 
 
 def default_tokenizer_dir() -> Path:
@@ -881,7 +905,8 @@ def prepare(args: argparse.Namespace, device: torch.device) -> tuple[Bench, obje
     where = torch.device("meta") if args.skip_hf else device
     model = build_model(args.shape, DTYPES[args.dtype], where, args.seed)
     sync(device)
-    bench = Bench(args, cache_facts(model_facts(model), args), info)
+    packed = experts_packed(args.shape, device)
+    bench = Bench(args, cache_facts(model_facts(model), args, packed), info)
     bench.results["timings_s"]["build"] = time.perf_counter() - start
     kind = "dummy" if args.skip_hf else f"seed{args.seed}"
     model_dir = args.model_dir or Path(f"/tmp/vllm-bench-models/{args.shape}-{args.dtype}-{kind}")

@@ -377,3 +377,16 @@ def test_an_fp8_cache_halves_the_kv_bytes(bench):
     assert fp8.kv_bytes_per_token * 2 == facts.kv_bytes_per_token
     assert fp8.windowed_kv == ((128, facts.windowed_kv[0][1] // 2),)
     assert fp8.weight_bytes_read == facts.weight_bytes_read
+
+
+def test_packed_mxfp4_experts_are_counted_at_their_size(bench):
+    model = bench.build_model("gpt-oss-20b", torch.bfloat16, torch.device("meta"), seed=0)
+    facts = bench.model_facts(model)
+    args = bench.parse_args(["--shape", "gpt-oss-20b", "--dtype", "bfloat16"])
+    packed = bench.cache_facts(facts, args, packed=True)
+    values = facts.expert_bytes // 2
+    assert packed.expert_bytes == int(values * 17 / 32)  # ~4.25 bits a value
+    dense = facts.weight_bytes_read - facts.expert_bytes
+    assert packed.weight_bytes_read == dense + packed.expert_bytes
+    assert not bench.experts_packed("gpt-oss-20b", torch.device("cpu"))
+    assert not bench.experts_packed("llama-3.1-8b", torch.device("cuda"))
