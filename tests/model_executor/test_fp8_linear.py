@@ -180,6 +180,11 @@ def test_fp8_tensors_without_a_config_or_a_scale_are_refused(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight_scale"):
         load_cpu_runner(ModelConfig(model=str(tmp_path)))
+    state["model.layers.1.mlp.down_proj.weight_scale"] = torch.ones(64, 1)
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 96)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"down_proj\.weight_scale: a scale for a weight"):
+        load_cpu_runner(ModelConfig(model=str(tmp_path)))
 
 
 def test_a_dense_model_with_another_quantization_config_is_refused(tmp_path):

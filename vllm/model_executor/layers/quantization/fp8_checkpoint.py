@@ -267,6 +267,10 @@ def prepare_fp8_state(
             state[name] = (weight.float() * rows[:, None]).to(dtype)
         else:
             state[name] = _Fp8Weight(weight, rows, input_scale, loading.records)
+    scales = (*fmt.weight_scale_names, *fmt.input_scale_names)
+    stray = [k for k in state if k.rpartition(".")[2] in scales]
+    if stray:  # a scale whose weight is not FP8: nothing would read it
+        raise ValueError(f"{stray[0]}: a scale for a weight that is not {FP8_DTYPE}")
     return loading
 
 
