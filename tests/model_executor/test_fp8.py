@@ -181,3 +181,42 @@ def test_quantization_fp32_dequantizes_an_fp8_checkpoint_and_fp8_keeps_it(tmp_pa
         dense.model.layers[0].down_proj.weight,
         fp8.model.layers[0].down_proj.dequantized_weight(torch.float32),
     )
+
+
+def test_fp8_layers_never_exist_dense_on_the_device(tmp_path, monkeypatch):
+    """Loaded onto the meta device (standing in for a GPU, as test_load_dtype.py does), in
+    bf16: the layers kept in FP8 are made FP8 before any storage exists (the loader's meta
+    dry run), so the storage given to the model (to_empty) is its dense parameters and
+    buffers in bf16 and the FP8 weights, never those weights dequantized."""
+    from tests.model_executor.test_load_dtype import DeviceDtypes
+    from vllm.model_executor.layers.quantization import fp8_checkpoint
+    from vllm.model_executor.model_loader import get_model_config, load_model_weights
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    write_fp8_checkpoint(save_model("llama"), tmp_path, "ct_channel_dynamic")
+    recorder = DeviceDtypes("meta")
+    plan = fp8_checkpoint.plan_fp8_linears
+
+    def unrecorded_plan(*args):  # the dry run is on meta on a GPU machine too: no storage
+        recorder.recording = False
+        try:
+            return plan(*args)
+        finally:
+            recorder.recording = True
+
+    monkeypatch.setattr(fp8_checkpoint, "plan_fp8_linears", unrecorded_plan)
+    with recorder:
+        model = load_model_weights(
+            LlamaForCausalLM, get_model_config(str(tmp_path)), str(tmp_path), "meta",
+            torch.bfloat16,
+        )  # fmt: skip
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(fp8) == 8 and all(m.weight.dtype == FP8_DTYPE for m in fp8)
+    # What to_empty allocated (empty_like): the storage the model holds on the device.
+    allocated = {}
+    for dtype, numel, op in recorder.outputs:
+        if "empty_like" in op:
+            allocated[dtype] = allocated.get(dtype, 0) + numel
+    dense = [*model.parameters(), *(b for b in model.buffers() if b.dtype != FP8_DTYPE)]
+    assert allocated[torch.bfloat16] == sum(t.numel() for t in dense if t.dtype == torch.bfloat16)
+    assert allocated[FP8_DTYPE] == sum(m.weight.numel() for m in fp8)

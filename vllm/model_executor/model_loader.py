@@ -147,16 +147,17 @@ def load_model_weights(
 
     from vllm.model_executor.layers.quantization.fp8_checkpoint import (
         Fp8CheckpointFormat,
-        convert_loaded_fp8,
+        fill_fp8_linears,
+        plan_fp8_linears,
         prepare_fp8_state,
     )
 
     fp8_format = Fp8CheckpointFormat.from_config(getattr(hf_config, "quantization_config", None))
     arch = model_cls.arch_from_hf(hf_config)
     with torch.device("meta"):
-        model = model_cls(arch)
-    model = model.to(dtype).to_empty(device=device)  # floating-point tensors only
+        model = model_cls(arch).to(dtype)
     if load_format == "dummy":
+        model = model.to_empty(device=device)  # floating-point tensors only
         model.init_buffers()
         initialize_dummy_weights(model, seed)
         return model.to(dtype).eval()
@@ -171,19 +172,20 @@ def load_model_weights(
     for name in files:
         state.update(load_file(os.path.join(path, name)))
     fp8 = prepare_fp8_state(state, fp8_format, dtype)
+    if fp8 is not None:  # layers kept in FP8 are made so before any storage exists
+        planned = plan_fp8_linears(model, state, fp8, device)
+    model = model.to_empty(device=device)
     model.load_weights(state)
     # A no-op for a model that honours the contract (buffers made in its weights' dtype);
     # a safety net for one that does not.
     model = model.to(dtype).eval()
     if fp8 is not None:
-        converted, kept = convert_loaded_fp8(model, fp8)
+        fill_fp8_linears(model, fp8)
         logger.info(
-            "FP8 checkpoint (%s%s): %d linear layers keep their FP8 weights, %d dequantized "
-            "(output head, routers, shapes the device's FP8 GEMM refuses)",
+            "FP8 checkpoint (%s%s): %d linear layers keep their FP8 weights",
             fp8_format.method,
             f", {list(fp8_format.block_size)} blocks dequantized" if fp8_format.block_size else "",
-            converted,
-            kept,
+            planned,
         )
     return model
 

@@ -144,13 +144,16 @@ class Fp8Linear(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         # Module.to(dtype) casts every floating-point tensor, FP8 ones included: the FP8
-        # weight and the fp32 scales only follow device moves.
-        kept = {n: b for n, b in self._buffers.items() if b is not None}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
+        # weight and the fp32 scales only follow device moves. A zero-size probe tells a
+        # cast (never applied to them, not even transiently) from a move or to_empty.
+        probe = fn(torch.empty(0, dtype=FP8_DTYPE, device=self.weight.device))
+        if probe.dtype == FP8_DTYPE:
+            return super()._apply(fn, recurse)
+        buffers = dict(self._buffers)
+        self._buffers.clear()
+        super()._apply(fn, recurse)  # the bias
+        for name, buf in buffers.items():
+            self._buffers[name] = None if buf is None else buf.to(probe.device)
         return self
 
     def extra_repr(self) -> str:
@@ -206,9 +209,10 @@ def quantize_model_fp8(model: nn.Module) -> int:
         return replace_linears(model, make)
 
 
-def fp8_shape_ok(weight: torch.Tensor) -> bool:
-    """Whether ``torch._scaled_mm`` takes a weight of this shape on its device."""
-    if weight.device.type != "cuda":
+def fp8_shape_ok(weight: torch.Tensor, device: torch.device | None = None) -> bool:
+    """Whether ``torch._scaled_mm`` takes a weight of this shape on ``device`` (default:
+    the weight's)."""
+    if (device or weight.device).type != "cuda":
         return True
     return all(n % CUDA_ALIGNMENT == 0 for n in weight.shape)
 

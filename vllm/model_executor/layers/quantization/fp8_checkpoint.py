@@ -19,9 +19,12 @@ Three formats, their conventions as transformers and vLLM read them:
 Modules left unquantized (``modules_to_not_convert``, ``ignore``) are simply tensors in
 another dtype: the dtype of each weight decides. Block-scaled weights are dequantized to
 the model's dtype here (no block-scaled GEMM in torch for this path); per-tensor/channel/row
-ones become ``_Fp8Weight`` tensors that remember their FP8 values and row scales through the
-model's own ``torch.cat`` and ``copy_`` calls, after which ``convert_loaded_fp8`` turns each
-linear layer filled whole by one into an ``Fp8Linear`` (anything else sees dequantized values).
+ones become ``_Fp8Weight`` tensors that keep their FP8 values and row scales through the
+model's own ``torch.cat`` and ``copy_`` calls. The model's loader runs once on the meta
+device first (``plan_fp8_linears``): each linear layer an ``_Fp8Weight`` fills whole becomes
+an ``Fp8Linear`` before any storage exists, so the device never holds its dense weight;
+the real load copies the FP8 bytes in and ``fill_fp8_linears`` adds the scales (any other
+use of an ``_Fp8Weight`` sees dequantized values).
 """
 
 from __future__ import annotations
@@ -212,7 +215,8 @@ class _Fp8Weight(torch.Tensor):
             if func is torch.Tensor.copy_ and isinstance(args[1], cls) and len(args) == 2:
                 dst, src = args
                 src.sink[id(dst)] = (dst, src.fp8, src.row_scale, src.input_scale)
-                return dst.copy_(src.dequantized())
+                # An Fp8Linear's weight (planned by plan_fp8_linears) takes the stored bytes.
+                return dst.copy_(src.fp8 if dst.dtype == FP8_DTYPE else src.dequantized())
             plain = tree_map(lambda t: t.dequantized() if isinstance(t, cls) else t, (args, kwargs))
             return func(*plain[0], **plain[1])
 
@@ -308,35 +312,62 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
     return weight.float() * full
 
 
-def convert_loaded_fp8(model: nn.Module, loading: Fp8Loading) -> tuple[int, int]:
-    """Each ``nn.Linear`` whose weight was filled whole from FP8 checkpoint tensors becomes an
-    ``Fp8Linear`` of those values and scales (not the output head nor routers: ``KEEP_DENSE``;
-    not a shape ``_scaled_mm`` refuses on the device). Returns (converted, kept dense)."""
-    kept = 0
+def plan_fp8_linears(model: nn.Module, state: dict, loading: Fp8Loading, device) -> int:
+    """Before ``model`` (on the meta device) gets storage: run its ``load_weights`` on meta
+    copies of ``state`` to learn which ``nn.Linear`` layers an ``_Fp8Weight`` fills whole,
+    and make those (not ``KEEP_DENSE``, not a shape ``_scaled_mm`` refuses on ``device``)
+    ``Fp8Linear`` shells, so their dense weights never exist on the device. Returns how
+    many."""
+    dry = Fp8Loading(loading.fmt)
+    meta = {k: _meta_copy(v, dry.records) for k, v in state.items()}
+    with torch.no_grad():
+        model.load_weights(meta)
+    device = torch.device(device)
 
     def make(name: str, mod: nn.Module) -> nn.Module | None:
-        nonlocal kept
-        record = loading.records.get(id(getattr(mod, "weight", None)))
+        record = dry.records.get(id(getattr(mod, "weight", None)))
         if not isinstance(mod, nn.Linear) or record is None or record[0] is not mod.weight:
             return None
-        dst, fp8, rows, input_scale = record
-        if name.rpartition(".")[2] in KEEP_DENSE or fp8.shape != dst.shape:
-            kept += 1
+        _, fp8, rows, input_scale = record
+        leaf = name.rpartition(".")[2]
+        if leaf in KEEP_DENSE or fp8.shape != mod.weight.shape or not fp8_shape_ok(fp8, device):
             return None
-        if not fp8_shape_ok(dst):
-            kept += 1
-            return None
-        device = dst.device
-        layer = Fp8Linear(
-            fp8.to(device), rows.to(device), mod.bias,
-            loading.fmt.activation, input_scale, loading.fmt.activation_scale_ub,
-        )  # fmt: skip
-        # The weight must still hold these values (not overwritten by a later copy).
-        if not torch.equal(layer.dequantized_weight(dst.dtype), dst):
-            kept += 1
-            return None
-        return layer
+        activation = loading.fmt.activation
+        return Fp8Linear(fp8, rows, mod.bias, activation, input_scale,
+                         loading.fmt.activation_scale_ub)  # fmt: skip
 
+    return replace_linears(model, make)
+
+
+def _meta_copy(t: torch.Tensor, records: dict) -> torch.Tensor:
+    if not isinstance(t, _Fp8Weight):
+        return torch.empty_like(t, device="meta")
+    scale = None if t.input_scale is None else torch.empty_like(t.input_scale, device="meta")
+    return _Fp8Weight(
+        torch.empty_like(t.fp8, device="meta"),
+        torch.empty_like(t.row_scale, device="meta"),
+        scale,
+        records,
+    )
+
+
+def fill_fp8_linears(model: nn.Module, loading: Fp8Loading) -> int:
+    """After ``load_weights``: each planned ``Fp8Linear`` (holding the stored FP8 bytes its
+    ``_Fp8Weight`` copied in) takes that weight's row scales and input scale. A layer no
+    ``_Fp8Weight`` filled, or filled with other bytes since, is a ``RuntimeError`` (a model
+    loader that the plan misread). Returns how many layers."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
     with torch.no_grad():
-        count = replace_linears(model, make)
-    return count, kept
+        for name, mod in layers:
+            record = loading.records.get(id(mod.weight))
+            if record is None or record[0] is not mod.weight:
+                raise RuntimeError(f"{name}: planned as FP8 but no FP8 weight was copied in")
+            _, fp8, rows, input_scale = record
+            if not mod.weight.is_meta and not torch.equal(
+                mod.weight.view(torch.uint8), fp8.to(mod.weight.device).view(torch.uint8)
+            ):
+                raise RuntimeError(f"{name}: its FP8 weight was overwritten after loading")
+            mod.weight_scale.copy_(rows.reshape(1, -1))
+            if input_scale is not None:
+                mod.input_scale.copy_(input_scale.reshape(1, 1))
+    return len(layers)
