@@ -179,6 +179,7 @@ def load_model_weights(
     # A no-op for a model that honours the contract (buffers made in its weights' dtype);
     # a safety net for one that does not.
     model = model.to(dtype).eval()
+    model.fp8_format = fp8_format  # apply_quantization: never re-quantize a checkpoint
     if fp8 is not None:
         fill_fp8_linears(model, fp8)
         logger.info(
@@ -281,6 +282,14 @@ def apply_quantization(model: nn.Module, model_config) -> str:
     device, dtype = _model_device_dtype(model)
     choice, why = resolve_quantization(model_config, device, dtype, fp8_checkpoint)
     logger.info("Quantization: %s (%s)", choice, why)
+    fmt = getattr(model, "fp8_format", None)
+    if choice == "fp8" and fmt is not None and not fp8_checkpoint:
+        raise ValueError(
+            f"quantization='fp8': this {fmt.method} checkpoint's FP8 weights are "
+            f"{'block-scaled' if fmt.block_size else 'weight-only'} and served dequantized "
+            "(no such FP8 GEMM here); re-quantizing them would lose the checkpoint's "
+            "values: use the default or fp32"
+        )
     if choice == "fp8":
         _apply_fp8(model, fp8_checkpoint)
     elif choice == "fp32" and fp8_checkpoint:
