@@ -228,3 +228,28 @@ def test_quantization_fp8_refuses_to_requantize_a_block_scaled_checkpoint(tmp_pa
     write_fp8_checkpoint(save_model("llama"), tmp_path, "fp8_block")
     with pytest.raises(ValueError, match="quantization='fp8': this fp8 checkpoint's FP8 weights"):
         load_cpu_runner(ModelConfig(model=str(tmp_path), quantization="fp8"))
+
+
+@pytest.mark.cuda
+def test_auto_keeps_an_fp8_checkpoint_in_fp8_on_a_gpu_with_fp8_gemms(tmp_path):
+    from vllm.model_executor.layers.quantization.fp8 import fp8_supported
+    from vllm.model_executor.model_loader import (
+        apply_quantization,
+        get_model_config,
+        load_model_weights,
+    )
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    ok, why = fp8_supported("cuda")
+    if not ok:
+        pytest.skip(why)
+    write_fp8_checkpoint(save_model("llama"), tmp_path, "ct_channel_dynamic")
+    config = get_model_config(str(tmp_path))
+    model = load_model_weights(LlamaForCausalLM, config, str(tmp_path), "cuda", torch.bfloat16)
+    assert apply_quantization(model, ModelConfig(model=str(tmp_path))) == "fp8"
+    layer = model.layers[0].qkv_proj
+    assert isinstance(layer, Fp8Linear) and layer.weight.is_cuda
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ours, ref = layer(x).float(), _reference_forward(layer, x.float())
+    assert torch.allclose(ours, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
