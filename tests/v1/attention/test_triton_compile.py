@@ -1,0 +1,99 @@
+"""The attention Triton kernels lower to CUDA cubins (Ampere sm80, Hopper sm90) on a
+machine without a GPU: what Triton's interpreter does not check (types the GPU backend
+refuses, bitcasts, constexpr branches that never ran there). Each variant a served model
+can launch: windowed or not, soft-capped, with sinks, an FP8 cache of either kind, fp32 /
+bf16 / fp16 queries, split-K with its combine kernel. Skipped without triton, or where its
+CUDA backend has no ptxas.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.v1.attention.backends import triton_decode, triton_prefill
+
+DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def _compile(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict,
+             capability: int):  # fmt: skip
+    if triton_decode.triton is None:
+        pytest.skip("triton is not installed")
+    if not hasattr(kernel, "arg_names"):
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "*" + t for name, t in pointers.items()}
+    signature.update(scalars)
+    signature.update((name, "constexpr") for name in constants)
+    assert list(signature) == kernel.arg_names  # every argument, in order
+    try:
+        compiled = triton_decode.triton.compile(
+            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32)
+        )
+    except RuntimeError as e:  # no ptxas in this install
+        if "ptxas" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert compiled.asm["cubin"]
+
+
+def _strides(names: list[str]) -> dict[str, str]:
+    # The cache's strides may pass 2^31 elements on a large card; the others are small.
+    return {n: "i64" if n in ("stride_kv_half", "stride_kv_block") else "i32" for n in names}
+
+
+# (q dtype, KV_FP8, soft cap, sinks, splits, capability)
+DECODE_VARIANTS = [
+    ("bf16", 0, False, False, 1, 90),
+    ("bf16", 1, True, True, 4, 90),
+    ("fp16", 2, False, True, 16, 80),
+    ("fp32", 1, True, False, 1, 80),
+    ("bf16", 2, True, True, 1, 90),
+]
+
+
+@pytest.mark.parametrize("dtype, kv_fp8, soft_cap, sinks, splits, capability", DECODE_VARIANTS)
+def test_decode_kernel_compiles(dtype, kv_fp8, soft_cap, sinks, splits, capability):
+    kv = "u8" if kv_fp8 else dtype
+    pointers = dict(q_ptr=dtype, kv_ptr=kv, block_table_ptr="i32", seq_lens_ptr="i32",
+                    rows_ptr="i32", sinks_ptr=dtype if sinks else "i32", out_ptr=dtype,
+                    m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32")  # fmt: skip
+    scalars = {"qk_scale": "fp32", "window": "i32", "soft_cap2": "fp32"}
+    scalars |= _strides(triton_decode._decode_kernel.arg_names[13:22])
+    constants = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
+                     TILE_N=64, NUM_SPLITS=splits, HAS_ROWS=True, HAS_SOFT_CAP=soft_cap,
+                     HAS_SINKS=sinks, KV_FP8=kv_fp8,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    _compile(triton_decode._decode_kernel, pointers, scalars, constants, capability)
+    if splits > 1:
+        pointers = dict(m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32", rows_ptr="i32",
+                        sinks_ptr=dtype if sinks else "i32", out_ptr=dtype)  # fmt: skip
+        scalars = {"stride_o_tok": "i32", "stride_o_head": "i32"}
+        constants = dict(HEAD_DIM=64, HEAD_DIM_PAD=64, NUM_SPLITS=splits, HAS_ROWS=True,
+                         HAS_SINKS=sinks)  # fmt: skip
+        _compile(triton_decode._combine_splits_kernel, pointers, scalars, constants, capability)
+
+
+# (q dtype, KV_FP8, soft cap, sinks, head dim, capability)
+PREFILL_VARIANTS = [
+    ("bf16", 0, True, False, 256, 90),  # Gemma 2
+    ("bf16", 0, False, True, 64, 90),  # gpt-oss without varlen_attn's log-sum-exp
+    ("fp16", 1, True, True, 128, 80),
+    ("fp32", 2, False, False, 64, 80),
+]
+
+
+@pytest.mark.parametrize("dtype, kv_fp8, soft_cap, sinks, dim, capability", PREFILL_VARIANTS)
+def test_prefill_kernel_compiles(dtype, kv_fp8, soft_cap, sinks, dim, capability):
+    kv = "u8" if kv_fp8 else dtype
+    pointers = dict(q_ptr=dtype, kv_ptr=kv, block_table_ptr="i32", seq_lens_ptr="i32",
+                    cu_q_ptr="i32", sinks_ptr=dtype if sinks else "i32", out_ptr=dtype)  # fmt: skip
+    scalars = {"qk_scale": "fp32", "window": "i32", "soft_cap2": "fp32"}
+    scalars |= _strides(triton_prefill._prefill_kernel.arg_names[10:19])
+    block = max(16, min(64, triton_prefill.TILE_ELEMENTS // dim))
+    constants = dict(GROUP=2, HEAD_DIM=dim, HEAD_DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=block,
+                     TILE_N=block, HAS_SOFT_CAP=soft_cap, HAS_SINKS=sinks, KV_FP8=kv_fp8,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    _compile(triton_prefill._prefill_kernel, pointers, scalars, constants, capability)
