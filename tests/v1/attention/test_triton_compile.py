@@ -97,3 +97,25 @@ def test_prefill_kernel_compiles(dtype, kv_fp8, soft_cap, sinks, dim, capability
                      TILE_N=block, HAS_SOFT_CAP=soft_cap, HAS_SINKS=sinks, KV_FP8=kv_fp8,
                      PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
     _compile(triton_prefill._prefill_kernel, pointers, scalars, constants, capability)
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_top_p_kernels_compile(capability):
+    # The sampler's Triton top-p search (vllm/v1/sample/triton_top_p.py), never run on a
+    # GPU yet: its first and a later pass, and the edge.
+    from vllm.v1.sample import triton_top_p as t
+
+    scalars = {"vocab": "i32", "chunk": "i32", "num_rows": "i32", "splits": "i32"}
+    for p in (0, t.PASSES - 1):
+        pointers = dict(probs_ptr="fp32")
+        _compile(
+            t._top_p_pass,
+            pointers,
+            {"stride": "i32", "top_p_ptr": "*fp64", "state_ptr": "*i32", "parts_ptr": "*fp64"}
+            | scalars,
+            dict(PASS=p, T=t.THRESHOLDS, BLOCK=t.BLOCK),
+            capability,
+        )
+    pointers = dict(top_p_ptr="fp64", state_ptr="i32", parts_ptr="fp64", edge_ptr="fp32")
+    _compile(t._top_p_edge, pointers, {"num_rows": "i32", "splits": "i32"},
+             dict(PASS=t.PASSES, T=t.THRESHOLDS), capability)  # fmt: skip
