@@ -243,7 +243,7 @@ def prepare_fp8_state(
 ) -> Fp8Loading | None:
     """Rewrite ``state`` in place for a dense model's loader: each FP8 weight and its scales
     become one tensor, block-scaled or weight-only ones dequantized to ``dtype``, the others
-    an ``_Fp8Weight``. Returns what ``convert_loaded_fp8`` reads after loading (None without
+    an ``_Fp8Weight``. Returns what ``plan_fp8_linears`` and ``fill_fp8_linears`` read (None without
     a format). ``ValueError`` for FP8 tensors without a quantization_config or a scale."""
     names = [k for k, v in state.items() if v.dtype == FP8_DTYPE]
     if names and fmt is None:
