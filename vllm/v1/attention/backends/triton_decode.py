@@ -290,6 +290,21 @@ if triton is not None:
         return (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def kv_tile(kv_head_ptr, bt_row, pos, readable, d, d_mask,
+                stride_kv_half, stride_kv_block, stride_kv_slot,
+                BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
+        """(K, V) fp32 tiles (positions x head dims) of one KV head at positions ``pos``,
+        each looked up in the sequence's block table row ``bt_row``; zeros where not
+        ``readable`` (never loaded)."""
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=readable, other=0).to(tl.int64)
+        slot = block * stride_kv_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_kv_slot
+        kv_off = slot[:, None] + d[None, :]
+        kv_mask = readable[:, None] & d_mask[None, :]
+        k = kv_values(kv_head_ptr + kv_off, kv_mask, KV_FP8)
+        v = kv_values(kv_head_ptr + stride_kv_half + kv_off, kv_mask, KV_FP8)
+        return k, v
+
+    @triton.jit
     def sunk(m_i, l_i, acc, sinks_ptr, heads, mask):
         """(m, l, acc) with each head's sink logit joined to the softmax's running max and
         denominator (natural logits; the state is base 2); the sink adds no value."""
@@ -359,12 +374,8 @@ if triton is not None:
         for t in range(tile_lo, tile_hi):
             pos = t * TILE_N + offs
             valid = (pos < seq_len) & (pos >= first)  # every tile has one
-            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            slot = block * stride_kv_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_kv_slot
-            kv_off = slot[:, None] + d[None, :]
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = kv_values(kv_head_ptr + kv_off, kv_mask, KV_FP8)
-            v = kv_values(kv_head_ptr + stride_kv_half + kv_off, kv_mask, KV_FP8)
+            k, v = kv_tile(kv_head_ptr, bt_row, pos, valid, d, d_mask, stride_kv_half,
+                           stride_kv_block, stride_kv_slot, BLOCK_SIZE, KV_FP8)  # fmt: skip
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (G, TILE_N)
             if HAS_SOFT_CAP:
                 s = soft_capped(s, soft_cap2)

@@ -43,7 +43,7 @@ from vllm.v1.attention.kv_cache_dtype import fp8_kind
 if triton is not None:
     import triton.language as tl
 
-    from vllm.v1.attention.backends.triton_decode import kv_values, soft_capped, sunk
+    from vllm.v1.attention.backends.triton_decode import kv_tile, soft_capped, sunk
 
 __all__ = ["paged_prefill_attention", "triton_unavailable_reason"]
 
@@ -156,12 +156,8 @@ if triton is not None:
             for t in range(first // TILE_N, tl.cdiv(last, TILE_N)):
                 pos = t * TILE_N + offs_n
                 readable = (pos >= first) & (pos < last)
-                block = tl.load(bt_row + pos // BLOCK_SIZE, mask=readable, other=0).to(tl.int64)
-                slot = block * stride_kv_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_kv_slot
-                kv_off = slot[:, None] + d[None, :]
-                kv_mask = readable[:, None] & d_mask[None, :]
-                k = kv_values(kv_head_ptr + kv_off, kv_mask, KV_FP8)
-                v = kv_values(kv_head_ptr + stride_kv_half + kv_off, kv_mask, KV_FP8)
+                k, v = kv_tile(kv_head_ptr, bt_row, pos, readable, d, d_mask, stride_kv_half,
+                               stride_kv_block, stride_kv_slot, BLOCK_SIZE, KV_FP8)  # fmt: skip
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N)
                 if HAS_SOFT_CAP:
                     s = soft_capped(s, soft_cap2)
