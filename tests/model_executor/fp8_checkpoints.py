@@ -61,7 +61,9 @@ def is_quantized(name: str, w: torch.Tensor) -> bool:
     )
 
 
-def quantize(w: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    w: torch.Tensor, granularity: str, block: tuple[int, int] = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 values, scale as the checkpoint stores it) with w ~ values * scale."""
     w = w.float()
     if granularity == "tensor":
@@ -70,35 +72,41 @@ def quantize(w: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Ten
     if granularity == "row":
         scale = w.abs().amax(dim=1, keepdim=True) / 448  # (out, 1)
         return (w / scale).to(FP8), scale
-    rows, cols = math.ceil(w.shape[0] / BLOCK[0]), math.ceil(w.shape[1] / BLOCK[1])
+    b0, b1 = block
+    rows, cols = math.ceil(w.shape[0] / b0), math.ceil(w.shape[1] / b1)
     scale = torch.empty(rows, cols)
     q = torch.empty(w.shape, dtype=FP8)
     for i in range(rows):
         for j in range(cols):
-            blk = w[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]]
+            blk = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
             scale[i, j] = blk.abs().amax() / 448
-            q[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]] = (
-                blk / scale[i, j]
-            ).to(FP8)
+            q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (blk / scale[i, j]).to(FP8)
     return q, scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, granularity: str) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, granularity: str, block: tuple[int, int] = BLOCK
+) -> torch.Tensor:
     if granularity != "block":
         return q.float() * scale
     out = torch.empty(q.shape)
     for i in range(scale.shape[0]):
         for j in range(scale.shape[1]):
-            rows = slice(i * BLOCK[0], (i + 1) * BLOCK[0])
-            cols = slice(j * BLOCK[1], (j + 1) * BLOCK[1])
+            rows = slice(i * block[0], (i + 1) * block[0])
+            cols = slice(j * block[1], (j + 1) * block[1])
             out[rows, cols] = q[rows, cols].float() * scale[i, j]
     return out
 
 
-def write_fp8_checkpoint(hf: torch.nn.Module, path: Path, scheme: str) -> torch.nn.Module:
+def write_fp8_checkpoint(
+    hf: torch.nn.Module, path: Path, scheme: str, block: tuple[int, int] = BLOCK
+) -> torch.nn.Module:
     """``hf``'s weights saved into ``path`` as an FP8 checkpoint of ``scheme`` (config.json
-    with its quantization_config); returns transformers' model of the dequantized weights."""
+    with its quantization_config; ``block``: the blocks of a block-scaled one); returns
+    transformers' model of the dequantized weights."""
     config, scale_name, granularity, static = SCHEMES[scheme]
+    if granularity == "block":
+        config = {**config, "weight_block_size": list(block)}
     path = Path(path)
     hf.save_pretrained(path)
     state = load_file(path / "model.safetensors")
@@ -108,13 +116,13 @@ def write_fp8_checkpoint(hf: torch.nn.Module, path: Path, scheme: str) -> torch.
         if not is_quantized(name, w):
             stored[name] = dense[name] = w
             continue
-        q, scale = quantize(w, granularity)
+        q, scale = quantize(w, granularity, block)
         prefix = name.removesuffix("weight")
         stored[name], stored[prefix + scale_name] = q, scale
         if static:  # per layer, so fused layers take the largest
             name_in = "activation_scale" if scheme.startswith("fp8") else "input_scale"
             stored[prefix + name_in] = (0.01 + 0.01 * torch.rand((), generator=g)).reshape(())
-        dense[name] = dequantize(q, scale, granularity)
+        dense[name] = dequantize(q, scale, granularity, block)
     save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
     with open(path / "config.json") as f:
         saved = json.load(f)

@@ -11,14 +11,21 @@ The forward quantizes each activation row by its own absmax / 448 (or a static p
 input scale where the checkpoint gives one) and calls ``torch._scaled_mm`` with row-wise
 scales: no host read, so decode steps replay in CUDA graphs. It runs on this torch's CPU
 and on CUDA devices of compute capability 8.9 and up (Ada, Hopper); ``fp8_supported``.
+
+Block-scaled checkpoints (one scale per 128 x 128 block: DeepSeek-V3, Qwen3-*-FP8) keep
+their FP8 weights on CUDA in ``Fp8BlockLinear``: weight-only, the weight widened in
+registers by the Triton GEMM of ``triton_fp8_gemm.py``; elsewhere they are dequantized.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
+
+from vllm.model_executor.layers import triton_fp8_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +167,92 @@ class Fp8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, activation={self.activation}"
+        )
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``weight`` (out, in) FP8 times ``scale`` (ceil(out / b0), ceil(in / b1)) per block,
+    in fp32. ``ValueError`` for a scale of another shape."""
+    out, inp = weight.shape
+    expected = (math.ceil(out / block[0]), math.ceil(inp / block[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"block scale of shape {tuple(scale.shape)} for a {tuple(weight.shape)} weight "
+            f"in {list(block)} blocks (expected {expected})"
+        )
+    full = scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
+    return weight.float() * full
+
+
+def block_fp8_supported(device: torch.device | str) -> tuple[bool, str]:
+    """(whether ``Fp8BlockLinear``'s Triton kernel runs on ``device``, why not). CUDA
+    only: on the CPU a dense GEMM of the dequantized weight is faster."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"the block-scaled FP8 GEMM is a CUDA kernel, not for {device.type}"
+    reason = triton_fp8_gemm.triton_unavailable_reason(device)
+    return reason is None, reason or ""
+
+
+class Fp8BlockLinear(Fp8Linear):
+    """``y = x @ (weight * weight_scale per block)^T + bias``, ``y`` in ``x``'s dtype, from
+    a block-scaled checkpoint's ``weight`` (out, in) float8_e4m3fn and ``weight_scale``
+    (ceil(out / b0), ceil(in / b1)) fp32, kept as stored. Weight-only (W8A16): ``x`` is
+    not quantized; ``triton_fp8_gemm.fp8_block_linear`` widens the weight in registers
+    (CUDA; ``block_fp8_supported``). An ``Fp8Linear`` for the loader and
+    ``dequantize_model_fp8``; its buffers keep their dtypes through ``Module.to(dtype)``."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        block_size: tuple[int, int],
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+            raise ValueError(f"Fp8BlockLinear takes a 2-D {FP8_DTYPE} weight, got {weight.dtype}")
+        block_size = (int(block_size[0]), int(block_size[1]))
+        if triton_fp8_gemm.default_block_k(block_size) is None or block_size[0] <= 0:
+            raise ValueError(f"block_size {list(block_size)}: columns must be a multiple of 16")
+        out, inp = weight.shape
+        expected = (-(-out // block_size[0]), -(-inp // block_size[1]))
+        if tuple(weight_scale.shape) != expected:
+            raise ValueError(
+                f"weight_scale of shape {tuple(weight_scale.shape)} for a {(out, inp)} weight "
+                f"in {list(block_size)} blocks (expected {expected})"
+            )
+        self.out_features, self.in_features = out, inp
+        self.block_size = block_size
+        self.activation, self.activation_scale_ub = None, None  # weight-only
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().contiguous())
+        self.register_buffer("input_scale", None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8_blocks(self.weight, self.weight_scale, self.block_size).to(dtype)
+
+    def quantize_input(self, x: torch.Tensor):
+        raise NotImplementedError("Fp8BlockLinear is weight-only: its input is not quantized")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = triton_fp8_gemm.fp8_block_linear(
+            x.reshape(-1, self.in_features).contiguous(),
+            self.weight,
+            self.weight_scale,
+            self.block_size,
+            None if self.bias is None else self.bias.to(x.dtype),
+        )
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, block_size={list(self.block_size)} (weight-only)"
         )
 
 

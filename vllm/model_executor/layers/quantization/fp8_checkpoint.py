@@ -18,13 +18,15 @@ Three formats, their conventions as transformers and vLLM read them:
 
 Modules left unquantized (``modules_to_not_convert``, ``ignore``) are simply tensors in
 another dtype: the dtype of each weight decides. Block-scaled weights are dequantized to
-the model's dtype here (no block-scaled GEMM in torch for this path); per-tensor/channel/row
-ones become ``_Fp8Weight`` tensors that keep their FP8 values and row scales through the
-model's own ``torch.cat`` and ``copy_`` calls. The model's loader runs once on the meta
-device first (``plan_fp8_linears``): each linear layer an ``_Fp8Weight`` fills whole becomes
-an ``Fp8Linear`` before any storage exists, so the device never holds its dense weight;
-the real load copies the FP8 bytes in and ``fill_fp8_linears`` adds the scales (any other
-use of an ``_Fp8Weight`` sees dequantized values).
+the model's dtype as they are copied in, except on CUDA with triton, where they become
+``Fp8BlockLinear`` layers (weight-only: the Triton GEMM of ``triton_fp8_gemm.py``); they
+and the per-tensor/channel/row ones are ``_Fp8Weight`` tensors that keep their FP8 values
+and scales through the model's own ``torch.cat`` and ``copy_`` calls. The model's loader
+runs once on the meta device first (``plan_fp8_linears``): each linear layer an
+``_Fp8Weight`` fills whole becomes an ``Fp8Linear`` before any storage exists, so the
+device never holds its dense weight; the real load copies the FP8 bytes in and
+``fill_fp8_linears`` adds the scales (any other use of an ``_Fp8Weight`` sees dequantized
+values).
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from vllm.model_executor.layers import triton_fp8_gemm
 from vllm.model_executor.layers.quantization.fp8 import (
     FP8_DTYPE,
     KEEP_DENSE,
+    Fp8BlockLinear,
     Fp8Linear,
+    block_fp8_supported,
+    dequantize_fp8_blocks,
     fp8_shape_ok,
     replace_linears,
 )
@@ -182,20 +188,24 @@ def _ct_activation(group: dict, where: str) -> str | None:
 
 
 class _Fp8Weight(torch.Tensor):
-    """A checkpoint's FP8 weight (out, in) with its row scales (out,) and static input scale,
-    as a tensor the model's loader can ``torch.cat`` (along rows) and ``copy_`` into a
-    linear layer's weight: the copy writes the dequantized values and records, in ``sink``
+    """A checkpoint's FP8 weight (out, in) with its scales (row scales (out,), or with
+    ``block`` its block scales (ceil(out / b0), ceil(in / b1))) and static input scale, as
+    a tensor the model's loader can ``torch.cat`` (along rows; block-scaled parts only
+    where each but the last ends on a block) and ``copy_`` into a linear layer's weight:
+    the copy writes the dequantized values and records, in ``sink``
     (``Fp8Loading.records``), the FP8 values and scales that reached that parameter. Any
     other use sees the dequantized weight (fp32)."""
 
     @staticmethod
-    def __new__(cls, data, row_scale, input_scale, sink):
+    def __new__(cls, data, scale, input_scale, sink, block=None):
         t = torch.Tensor._make_subclass(cls, data)
-        t.fp8, t.row_scale, t.input_scale, t.sink = data, row_scale, input_scale, sink
+        t.fp8, t.scale, t.input_scale, t.sink, t.block = data, scale, input_scale, sink, block
         return t
 
     def dequantized(self) -> torch.Tensor:
-        return self.fp8.float() * self.row_scale[:, None]
+        if self.block is not None:
+            return dequantize_fp8_blocks(self.fp8, self.scale, self.block)
+        return self.fp8.float() * self.scale[:, None]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -208,13 +218,14 @@ class _Fp8Weight(torch.Tensor):
                 scales = [p.input_scale for p in parts]
                 return cls(
                     torch.cat([p.fp8 for p in parts]),
-                    torch.cat([p.row_scale for p in parts]),
+                    torch.cat([p.scale for p in parts]),
                     None if scales[0] is None else torch.stack(scales).amax(),
                     parts[0].sink,
+                    parts[0].block,
                 )
             if func is torch.Tensor.copy_ and isinstance(args[1], cls) and len(args) == 2:
                 dst, src = args
-                src.sink[id(dst)] = (dst, src.fp8, src.row_scale, src.input_scale)
+                src.sink[id(dst)] = (dst, src.fp8, src.scale, src.input_scale)
                 # An Fp8Linear's weight (planned by plan_fp8_linears) takes the stored bytes.
                 return dst.copy_(src.fp8 if dst.dtype == FP8_DTYPE else src.dequantized())
             plain = tree_map(lambda t: t.dequantized() if isinstance(t, cls) else t, (args, kwargs))
@@ -226,7 +237,11 @@ class _Fp8Weight(torch.Tensor):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         static = {p.input_scale is None for p in parts if isinstance(p, cls)}
         same = len({id(p.sink) for p in parts if isinstance(p, cls)}) == 1
-        return dim == 0 and all(isinstance(p, cls) for p in parts) and len(static) == 1 and same
+        if not (dim == 0 and all(isinstance(p, cls) for p in parts) and len(static) == 1):
+            return False
+        block = parts[0].block  # a block-scaled part ending inside a block: dequantized
+        whole = block is None or all(p.shape[0] % block[0] == 0 for p in parts[:-1])
+        return same and whole and len({p.block for p in parts}) == 1
 
 
 @dataclass
@@ -242,9 +257,10 @@ def prepare_fp8_state(
     state: dict[str, torch.Tensor], fmt: Fp8CheckpointFormat | None, dtype: torch.dtype
 ) -> Fp8Loading | None:
     """Rewrite ``state`` in place for a dense model's loader: each FP8 weight and its scales
-    become one tensor, block-scaled or weight-only ones dequantized to ``dtype``, the others
-    an ``_Fp8Weight``. Returns what ``plan_fp8_linears`` and ``fill_fp8_linears`` read (None without
-    a format). ``ValueError`` for FP8 tensors without a quantization_config or a scale."""
+    become one tensor, weight-only per-tensor/channel ones dequantized to ``dtype``, the
+    others (block-scaled ones included) an ``_Fp8Weight``. Returns what
+    ``plan_fp8_linears`` and ``fill_fp8_linears`` read (None without a format).
+    ``ValueError`` for FP8 tensors without a quantization_config or a scale."""
     names = [k for k, v in state.items() if v.dtype == FP8_DTYPE]
     if names and fmt is None:
         raise ValueError(f"{names[0]} is {FP8_DTYPE} but the config has no FP8 quantization_config")
@@ -263,8 +279,9 @@ def prepare_fp8_state(
                 f"{name}: activation scheme {fmt.activation!r} with "
                 f"{'an' if input_scale is not None else 'no'} input scale in the checkpoint"
             )
-        if fmt.block_size is not None:
-            state[name] = dequantize_blocks(weight, scale, fmt.block_size).to(dtype)
+        if fmt.block_size is not None:  # weight-only on the GPU (Fp8BlockLinear): no input scale
+            _check_block_scale(weight, scale, fmt.block_size, name)
+            state[name] = _Fp8Weight(weight, scale, input_scale, loading.records, fmt.block_size)
             continue
         rows = _row_scale(scale.float(), weight.shape[0], name)
         if fmt.activation is None:  # weight-only FP8: activations stay unquantized
@@ -298,45 +315,59 @@ def _row_scale(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     )
 
 
-def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
-    """``weight`` (out, in) FP8 times ``scale`` (ceil(out / b0), ceil(in / b1)) per block,
-    in fp32."""
-    out, inp = weight.shape
-    expected = (math.ceil(out / block[0]), math.ceil(inp / block[1]))
+def _check_block_scale(weight, scale, block: tuple[int, int], name: str) -> None:
+    expected = (math.ceil(weight.shape[0] / block[0]), math.ceil(weight.shape[1] / block[1]))
     if tuple(scale.shape) != expected:
         raise ValueError(
-            f"block scale of shape {tuple(scale.shape)} for a {tuple(weight.shape)} weight "
-            f"in {list(block)} blocks (expected {expected})"
+            f"{name}: block scale of shape {tuple(scale.shape)} for a {tuple(weight.shape)} "
+            f"weight in {list(block)} blocks (expected {expected})"
         )
-    full = scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
-    return weight.float() * full
+
+
+# The block-wise dequantization, under its earlier name.
+dequantize_blocks = dequantize_fp8_blocks
 
 
 def plan_fp8_linears(model: nn.Module, state: dict, loading: Fp8Loading, device) -> int:
     """Before ``model`` (on the meta device) gets storage: run its ``load_weights`` on meta
     copies of ``state`` to learn which ``nn.Linear`` layers an ``_Fp8Weight`` fills whole,
     and make those (not ``KEEP_DENSE``, not a shape ``_scaled_mm`` refuses on ``device``)
-    ``Fp8Linear`` shells, so their dense weights never exist on the device. Returns how
-    many."""
+    ``Fp8Linear`` shells, so their dense weights never exist on the device; block-scaled
+    ones become ``Fp8BlockLinear`` where its kernel runs (``block_fp8_supported``: CUDA
+    with triton), and elsewhere stay dense (their copies write dequantized values).
+    Returns how many."""
     dry = Fp8Loading(loading.fmt)
     meta = {k: _meta_copy(v, dry.records) for k, v in state.items()}
     with torch.no_grad():
         model.load_weights(meta)
     device = torch.device(device)
+    block = loading.fmt.block_size
+    if block is not None:
+        ok, why = block_fp8_supported(device)
+        if ok and triton_fp8_gemm.default_block_k(block) is None:
+            ok, why = False, f"no K step of the kernel divides {list(block)} blocks"
+        if not ok:
+            logger.info("FP8 weights in %s blocks dequantized: %s", list(block), why)
+            return 0
 
     def make(name: str, mod: nn.Module) -> nn.Module | None:
         record = dry.records.get(id(getattr(mod, "weight", None)))
         if not isinstance(mod, nn.Linear) or record is None or record[0] is not mod.weight:
             return None
-        _, fp8, rows, input_scale = record
-        leaf = name.rpartition(".")[2]
-        if leaf in KEEP_DENSE or fp8.shape != mod.weight.shape or not fp8_shape_ok(fp8, device):
+        _, fp8, scale, input_scale = record
+        if name.rpartition(".")[2] in KEEP_DENSE or fp8.shape != mod.weight.shape:
             return None
-        activation = loading.fmt.activation
-        return Fp8Linear(fp8, rows, mod.bias, activation, input_scale,
+        if block is not None:
+            return Fp8BlockLinear(fp8, scale, block, mod.bias)
+        if not fp8_shape_ok(fp8, device):
+            return None
+        return Fp8Linear(fp8, scale, mod.bias, loading.fmt.activation, input_scale,
                          loading.fmt.activation_scale_ub)  # fmt: skip
 
-    return replace_linears(model, make)
+    count = replace_linears(model, make)
+    if block is not None:
+        logger.info("FP8 weights in %s blocks: %d linear layers kept in FP8", list(block), count)
+    return count
 
 
 def _meta_copy(t: torch.Tensor, records: dict) -> torch.Tensor:
@@ -345,15 +376,17 @@ def _meta_copy(t: torch.Tensor, records: dict) -> torch.Tensor:
     scale = None if t.input_scale is None else torch.empty_like(t.input_scale, device="meta")
     return _Fp8Weight(
         torch.empty_like(t.fp8, device="meta"),
-        torch.empty_like(t.row_scale, device="meta"),
+        torch.empty_like(t.scale, device="meta"),
         scale,
         records,
+        t.block,
     )
 
 
 def fill_fp8_linears(model: nn.Module, loading: Fp8Loading) -> int:
     """After ``load_weights``: each planned ``Fp8Linear`` (holding the stored FP8 bytes its
-    ``_Fp8Weight`` copied in) takes that weight's row scales and input scale. A layer no
+    ``_Fp8Weight`` copied in) takes that weight's scales (per row or per block) and input
+    scale. A layer no
     ``_Fp8Weight`` filled, or filled with other bytes since, is a ``RuntimeError`` (a model
     loader that the plan misread). Returns how many layers."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
@@ -362,12 +395,12 @@ def fill_fp8_linears(model: nn.Module, loading: Fp8Loading) -> int:
             record = loading.records.get(id(mod.weight))
             if record is None or record[0] is not mod.weight:
                 raise RuntimeError(f"{name}: planned as FP8 but no FP8 weight was copied in")
-            _, fp8, rows, input_scale = record
+            _, fp8, scale, input_scale = record
             if not mod.weight.is_meta and not torch.equal(
                 mod.weight.view(torch.uint8), fp8.to(mod.weight.device).view(torch.uint8)
             ):
                 raise RuntimeError(f"{name}: its FP8 weight was overwritten after loading")
-            mod.weight_scale.copy_(rows.reshape(1, -1))
-            if input_scale is not None:
+            mod.weight_scale.copy_(scale.reshape(mod.weight_scale.shape))
+            if input_scale is not None and mod.input_scale is not None:
                 mod.input_scale.copy_(input_scale.reshape(1, 1))
     return len(layers)

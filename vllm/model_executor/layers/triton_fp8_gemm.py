@@ -1,0 +1,191 @@
+"""A block-scaled FP8 GEMM in Triton, for FP8 checkpoints kept in FP8 on CUDA (W8A16).
+
+``fp8_block_linear(x, weight, scale, block_size, bias)`` is ``x @ W^T (+ bias)`` with ``W
+(N, K)`` as block-wise FP8 checkpoints store it (DeepSeek-V3, Qwen3-*-FP8)::
+
+    weight  (N, K)                       float8_e4m3fn, read as its bytes (uint8)
+    scale   (ceil(N / b0), ceil(K / b1)) fp32, multiplying each (b0, b1) block
+
+Weight-only: ``x`` stays in the model's dtype. Each program decodes its weight tile's
+e4m3fn bits in registers (sign, 4-bit exponent of bias 7, 3-bit mantissa; exponent 0 is
+subnormal, m x 2^-9), exactly as ``triton_decode.kv_values`` does, so the kernel runs in
+Triton's interpreter as on any GPU (no FP8 type needed: Ampere too). Every e4m3fn value is
+exact in fp16 and bf16, so on CUDA a 16-bit ``x`` multiplies the decoded tile in its own
+dtype (``tl.dot`` accumulating in fp32: the products are exact); fp32 ``x``, and every
+``x`` in the interpreter (numpy has no bf16 product), multiplies widened to fp32 at IEEE
+precision. A K step never crosses a scale block (``block_k`` divides ``b1``), so each
+step's partial sums are multiplied by their column's block scale in fp32 and added to an
+fp32 accumulator; one rounding to ``x``'s dtype at the store.
+
+One program per (tile of ``block_m`` rows, tile of ``block_n`` output columns): the grid
+depends on the shapes only and nothing is read on the host, so decode steps replay in CUDA
+graphs. Triton is optional: without it this module imports (``triton_unavailable_reason``
+says why the kernel cannot run); tests run it on CPU tensors in Triton's interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: block-scaled checkpoints are dequantized at load
+    triton = None
+    tl = None
+
+BLOCK_N = 64
+TILE_SIZES = (16, 32, 64, 128)  # what block_m / block_n may be
+BLOCK_K_SIZES = (128, 64, 32, 16)  # the largest dividing b1 is the default; 16: tl.dot's least
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernel cannot run on ``device`` (None: it can). CPU tensors run only in
+    Triton's interpreter (the tests)."""
+    if triton is None:
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device is available"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"the Triton FP8 GEMM runs on CUDA, not {device.type}"
+
+
+def default_block_k(block_size: tuple[int, int]) -> int | None:
+    """The K step for ``block_size``: the largest of ``BLOCK_K_SIZES`` dividing its columns
+    (None: none does, and the kernel cannot take these blocks)."""
+    return next((k for k in BLOCK_K_SIZES if block_size[1] % k == 0), None)
+
+
+def default_block_m(num_rows: int) -> int:
+    """Rows a program takes: 16 (``tl.dot``'s least) for decode-sized batches, 64 above."""
+    return 16 if num_rows <= 256 else 64
+
+
+def check_fp8_block_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None,
+) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or device does not fit."""
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be 2-d fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+    if weight.dim() != 2 or weight.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"weight must be 2-d float8_e4m3fn, got {weight.dtype}")
+    if not weight.is_contiguous() or not scale.is_contiguous() or x.stride(1) != 1:
+        raise ValueError("weight, scale and x's rows must be contiguous")
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
+    b0, b1 = block_size
+    expected = (-(-n // b0), -(-k // b1))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale must be fp32 {expected} for {(n, k)} in {list(block_size)} blocks, got "
+            f"{scale.dtype} {tuple(scale.shape)}"
+        )
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
+    tensors = (weight, scale) + (() if bias is None else (bias,))
+    if any(t.device != x.device for t in tensors):
+        raise ValueError("x, weight, scale and bias must share a device")
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """``(rows, N)`` in ``x``'s dtype: ``x (rows, K) @ (weight * scale per block)^T (+ bias)``.
+    The launch depends on the shapes only. Tiles default to ``default_block_m``, ``BLOCK_N``
+    and ``default_block_k`` (unmeasured on a GPU: to be tuned)."""
+    check_fp8_block_args(x, weight, scale, block_size, bias)
+    block_m = block_m or default_block_m(x.shape[0])
+    block_k = block_k or default_block_k(block_size)
+    if (
+        block_m not in TILE_SIZES
+        or block_n not in TILE_SIZES
+        or block_k not in BLOCK_K_SIZES
+        or block_size[1] % block_k
+    ):
+        raise ValueError(
+            f"tiles block_m={block_m}, block_n={block_n} must be in {TILE_SIZES} and "
+            f"block_k={block_k} in {BLOCK_K_SIZES}, dividing the blocks' {block_size[1]} columns"
+        )
+    reason = triton_unavailable_reason(x.device)
+    if reason is not None:
+        raise RuntimeError(f"fp8_block_linear: {reason}")
+    rows, (n, k) = x.shape[0], weight.shape
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
+    widen = x.dtype == torch.float32 or not x.is_cuda
+    _fp8_block_gemm_kernel[grid](
+        x, weight.view(torch.uint8), scale, x if bias is None else bias, out,
+        rows, n, k, x.stride(0), out.stride(0),
+        B0=block_size[0], B1=block_size[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, WIDEN=widen,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def e4m3fn_values(b):
+        """fp32 values of float8_e4m3fn bytes (int32 0-255), exactly (weights are never
+        NaN): the bits of an fp32 with the exponent rebiased, or m x 2^-9 when subnormal."""
+        sign = (b >> 7) << 31
+        e = (b >> 3) & 15
+        m = b & 7
+        normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125  # m x 2^-9
+        return tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
+
+    @triton.jit(do_not_specialize=["num_rows"])  # one compile for every batch's rows
+    def _fp8_block_gemm_kernel(
+        x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+        num_rows, N, K, stride_xm, stride_om,
+        B0: tl.constexpr, B1: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < num_rows
+        col_mask = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        x_rows = rows.to(tl.int64) * stride_xm  # int64: rows * K may pass 2^31 in a prefill
+        w_rows = cols.to(tl.int64) * K
+        scale_cols = (K + B1 - 1) // B1
+        scale_rows = (cols // B0) * scale_cols  # each column's row of block scales
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_mask = k < K
+            x_mask = row_mask[:, None] & k_mask[None, :]
+            xt = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=x_mask, other=0.0)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            b = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=w_mask, other=0)
+            w = e4m3fn_values(b.to(tl.int32))  # (BLOCK_N, BLOCK_K)
+            if WIDEN:
+                part = tl.dot(xt.to(tl.float32), tl.trans(w), input_precision="ieee")
+            else:  # exact: every e4m3fn value is a bf16 / fp16 value
+                part = tl.dot(xt, tl.trans(w.to(xt.dtype)))
+            s = tl.load(scale_ptr + scale_rows + k0 // B1, mask=col_mask, other=0.0)
+            acc += part * s[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + (rows.to(tl.int64) * stride_om)[:, None] + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
