@@ -140,8 +140,9 @@ class ModelConfig:
     )
     quantization: Quantization | None = config_field(
         None,
-        "Weight format of the linear layers. fp32: dense weights in --dtype (a GGUF or an "
-        "FP8 checkpoint is dequantized at load; the exactness reference). gguf: keep a GGUF "
+        "Weight format of the linear layers. fp32: dense weights in --dtype (a GGUF, an FP8 "
+        "or an AWQ/GPTQ/compressed-tensors int4/int8 checkpoint is dequantized at load; the "
+        "exactness reference). gguf: keep a GGUF "
         "model's Q4_1/Q8_0 blocks and multiply with the native CPU kernels (float32 only). "
         "fp8: FP8 weights with per-channel scales multiplied in FP8 (an FP8 checkpoint's own, "
         "or a bf16/fp16/fp32 model's quantized at load; CPU or CUDA compute capability >= "

@@ -151,8 +151,15 @@ def load_model_weights(
         plan_fp8_linears,
         prepare_fp8_state,
     )
+    from vllm.model_executor.layers.quantization.wna16_checkpoint import (
+        WNA16CheckpointFormat,
+        prepare_wna16_state,
+    )
 
-    fp8_format = Fp8CheckpointFormat.from_config(getattr(hf_config, "quantization_config", None))
+    quant = getattr(hf_config, "quantization_config", None)
+    # AWQ, GPTQ and compressed-tensors pack-quantized first: the FP8 reader refuses them.
+    wna16_format = WNA16CheckpointFormat.from_config(quant)
+    fp8_format = None if wna16_format else Fp8CheckpointFormat.from_config(quant)
     arch = model_cls.arch_from_hf(hf_config)
     with torch.device("meta"):
         model = model_cls(arch).to(dtype)
@@ -171,6 +178,7 @@ def load_model_weights(
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(os.path.join(path, name)))
+    unpacked = prepare_wna16_state(state, wna16_format, dtype)
     fp8 = prepare_fp8_state(state, fp8_format, dtype)
     if fp8 is not None:  # layers kept in FP8 are made so before any storage exists
         planned = plan_fp8_linears(model, state, fp8, device)
@@ -180,6 +188,12 @@ def load_model_weights(
     # a safety net for one that does not.
     model = model.to(dtype).eval()
     model.fp8_format = fp8_format  # apply_quantization: never re-quantize a checkpoint
+    model.wna16_format = wna16_format
+    if wna16_format is not None:
+        logger.info(
+            "%s checkpoint (%d bits, groups of %d): %d weights dequantized to %s",
+            wna16_format.method, wna16_format.bits, wna16_format.group_size, unpacked, dtype,
+        )  # fmt: skip
     if fp8 is not None:
         fill_fp8_linears(model, fp8)
         logger.info(
@@ -288,6 +302,13 @@ def apply_quantization(model: nn.Module, model_config) -> str:
             f"quantization='fp8': this {fmt.method} checkpoint's FP8 weights are "
             f"{'block-scaled' if fmt.block_size else 'weight-only'} and served dequantized "
             "(no such FP8 GEMM here); re-quantizing them would lose the checkpoint's "
+            "values: use the default or fp32"
+        )
+    wna16 = getattr(model, "wna16_format", None)
+    if choice == "fp8" and wna16 is not None:
+        raise ValueError(
+            f"quantization='fp8': this {wna16.method} checkpoint's {wna16.bits}-bit weights "
+            "are served dequantized; re-quantizing them to FP8 would lose the checkpoint's "
             "values: use the default or fp32"
         )
     if choice == "fp8":

@@ -1,6 +1,7 @@
 """Weight formats (``--quantization``): which implementation runs the linear layers.
 
-``"fp32"``: dense weights in the model's dtype, dequantized from a GGUF or an FP8
+``"fp32"``: dense weights in the model's dtype, dequantized from a GGUF, an FP8 or an
+integer-weight (AWQ, GPTQ, compressed-tensors pack-quantized: ``wna16_checkpoint.py``)
 checkpoint at load (the exactness reference). ``"gguf"``: a GGUF model's quantized blocks
 stay in memory and the native kernels multiply by them (see ``gguf.py``). ``"fp8"``:
 float8_e4m3fn weights with per-channel scales, multiplied in FP8 (``fp8.py``): an FP8
