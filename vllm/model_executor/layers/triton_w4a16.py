@@ -1,0 +1,165 @@
+"""A W4A16 GEMM in Triton: 16-bit (or fp32) activations times 4-bit integer weights kept
+packed, for AWQ, GPTQ and compressed-tensors int4 checkpoints (``quantization/int4.py``).
+
+``w4a16_linear(x, qweight, scales, zeros, group_size)``: ``x (M, K) @ W (K, N)``, where
+``W`` is read from one layout, whichever the checkpoint's (repacked at load)::
+
+    qweight (K / 8, N) int32   eight 4-bit values a word along K, value k % 8 from bit 4(k % 8)
+    scales  (G, N)     fp32    G = ceil(K / group_size)
+    zeros   (G, N)     uint8   unsigned, so W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]
+
+with ``g = k // group_size``. The weight is expanded in registers, tile by tile: each
+``(BLOCK_K, BLOCK_N)`` tile loads its words (one per 8 rows; the repeats hit the cache),
+shifts out its nibbles, subtracts the zeros and multiplies the scales in fp32 (exact: a
+small integer times a checkpoint's fp16 scale), then rounds the weight once to ``x``'s
+dtype, as a model of the dequantized weights holds it. Products accumulate in fp32 and the
+output is ``x``'s dtype. ``WIDEN`` (fp32 inputs, and the interpreter, which cannot multiply
+bf16 tiles) multiplies fp32 tiles at IEEE precision; on a GPU 16-bit tiles go to the tensor
+cores as they are. The scale and zero of each row come from its group (a gather along the
+tile's K rows), so any group size, a partial last group and ``K`` or ``N`` not multiples of
+the tiles are all one path.
+
+One program per (``BLOCK_M`` rows, ``BLOCK_N`` columns); the grid depends on the shapes
+only and nothing is read on the host, so decode steps stay capturable in CUDA graphs.
+Triton is optional: without it this module imports (``triton_unavailable_reason``). Tests
+run the kernel on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` set before
+this module is imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the weights are dequantized at load instead
+    triton = None
+    tl = None
+
+PACK = 8  # 4-bit values per int32 word
+BLOCK_N = 64
+BLOCK_K = 64
+TILE_SIZES = (16, 32, 64, 128)  # what block_m / block_n / block_k may be
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernel cannot run on ``device`` (None: it can). CPU tensors run only in
+    Triton's interpreter (the tests)."""
+    if triton is None:
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device is available"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"the Triton W4A16 kernel runs on CUDA, not {device.type}"
+
+
+def default_block_m(num_rows: int) -> int:
+    """Rows a program takes: 16 (``tl.dot``'s least) for decode-sized batches, 64 above."""
+    return 16 if num_rows <= 64 else 64
+
+
+def check_w4a16_args(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or device does not fit."""
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be 2-d fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be 2-d int32, got {qweight.dtype}")
+    k, n = qweight.shape[0] * PACK, qweight.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, qweight packs {k} rows")
+    if group_size <= 0:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    groups = -(-k // group_size)
+    if scales.shape != (groups, n) or scales.dtype != torch.float32:
+        raise ValueError(f"scales must be ({groups}, {n}) fp32, got {tuple(scales.shape)}")
+    if zeros.shape != (groups, n) or zeros.dtype != torch.uint8:
+        raise ValueError(f"zeros must be ({groups}, {n}) uint8, got {tuple(zeros.shape)}")
+    if not all(t.is_contiguous() for t in (qweight, scales, zeros)):
+        raise ValueError("qweight, scales and zeros must be contiguous")
+    if any(t.device != x.device for t in (qweight, scales, zeros)):
+        raise ValueError("x, qweight, scales and zeros must share a device")
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    block_m: int | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """``(M, N)`` in ``x``'s dtype: ``x (M, K)`` times the weight the module docstring
+    describes. The tile sizes default to ``default_block_m``, ``BLOCK_N`` and ``BLOCK_K``
+    (unmeasured on a GPU: to be tuned)."""
+    check_w4a16_args(x, qweight, scales, zeros, group_size)
+    block_m = block_m or default_block_m(x.shape[0])
+    if not {block_m, block_n, block_k} <= set(TILE_SIZES):
+        raise ValueError(f"tiles {block_m}, {block_n}, {block_k} must be in {TILE_SIZES}")
+    reason = triton_unavailable_reason(x.device)
+    if reason is not None:
+        raise RuntimeError(f"w4a16_linear: {reason}")
+    m, n, k = x.shape[0], qweight.shape[1], x.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    interpreted = x.device.type == "cpu"
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w4a16_kernel[grid](
+        x, qweight, scales, zeros, out, m, n, k, group_size,
+        x.stride(0), x.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        WIDEN=interpreted or x.dtype == torch.float32,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])  # one compile for every batch's rows
+    def _w4a16_kernel(
+        x_ptr, qw_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, group_size,
+        stride_xm, stride_xk, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        WIDEN: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < M
+        col_mask = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        x_rows = rows.to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_mask = k < K
+            a = tl.load(
+                x_ptr + x_rows[:, None] + (k * stride_xk)[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            w_mask = k_mask[:, None] & col_mask[None, :]
+            word_off = (k // 8).to(tl.int64)[:, None] * N + cols[None, :]
+            words = tl.load(qw_ptr + word_off, mask=w_mask, other=0)
+            q = (words >> ((k % 8) * 4)[:, None]) & 15
+            group_off = (k // group_size).to(tl.int64)[:, None] * N + cols[None, :]
+            s = tl.load(scales_ptr + group_off, mask=w_mask, other=0.0)
+            z = tl.load(zeros_ptr + group_off, mask=w_mask, other=0).to(tl.int32)
+            w = ((q - z).to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # (BLOCK_K, BLOCK_N)
+            if WIDEN:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+        out = out_ptr + (rows.to(tl.int64) * stride_om)[:, None] + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
