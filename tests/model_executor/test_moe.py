@@ -5,6 +5,8 @@ engine's greedy tokens equal transformers' ``generate``."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -299,3 +301,109 @@ def test_packed_experts_read_nothing_on_the_host(monkeypatch):
         packed = FusedMoE(8, 3, 64, 96, True, Activation("swigluoai"), True, mxfp4=True)
         out = packed(torch.randn(4, 64), torch.randn(4, 8))
     assert out.shape == (4, 64) and out.device.type == "cuda" and seen == ["cuda", "cuda"]
+
+
+def fp8_experts(num_tokens: int, dtype: torch.dtype, block, seed: int = 0):
+    """A SiLU layer over random FP8 experts (``block`` scales, or per row with None), the
+    same layer with them dequantized, and a batch: (fp8, dense, x, logits)."""
+    g = torch.Generator().manual_seed(seed)
+    fp8 = FusedMoE(8, 3, 64, 96, True)
+    fp8.use_fp8_weights(block)
+    fp8 = fp8.to(dtype)
+    with torch.no_grad():
+        for name in ("w13", "w2"):
+            weight, scale = getattr(fp8, name + "_weight"), getattr(fp8, name + "_scale")
+            b = torch.randint(0, 256, weight.shape, generator=g, dtype=torch.uint8)
+            b[(b & 0x7F) == 0x7F] = 0  # no NaNs
+            weight.copy_(b.view(torch.float8_e4m3fn))
+            scale.copy_(torch.rand(scale.shape, generator=g) * 2e-3 + 1e-3)
+    dense = copy.deepcopy(fp8)
+    dense.dequantize_fp8_weights(dtype)
+    x = torch.randn(num_tokens, 64, generator=g).to(dtype)
+    return fp8, dense, x, torch.randn(num_tokens, 8, generator=g)
+
+
+def emulated_fp8_grouped_kernel(calls: list):
+    """``fp8_grouped_linear`` in float64 (each row through the expert whose range holds it,
+    the weight times its block or row scales), checking the kernel's contract."""
+
+    def kernel(x, weight, scale, block, expert_ends):
+        assert expert_ends.dtype == torch.int32 and expert_ends.shape == (weight.shape[0],)
+        assert x.shape[1] == weight.shape[2] and x.is_contiguous()
+        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        calls.append((x.shape[0], weight.shape[1], expert_ends.tolist()))
+        b0, b1 = block or (1, weight.shape[2])
+        out = torch.zeros(x.shape[0], weight.shape[1], dtype=torch.float64)
+        start = 0
+        for e, end in enumerate(expert_ends.tolist()):
+            s = scale[e].double().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+            w = weight[e].double() * s[: weight.shape[1], : weight.shape[2]]
+            out[start:end] = x[start:end].double() @ w.T
+            start = end
+        return out.to(x.dtype)
+
+    return kernel
+
+
+@pytest.mark.parametrize("block", [(32, 32), (16, 64), None])
+@pytest.mark.parametrize("num_tokens", [1, 6, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_run_both_gemms_in_the_fp8_kernel(num_tokens, dtype, block, monkeypatch):
+    from vllm.model_executor.layers import triton_fp8_gemm
+
+    calls = []
+    monkeypatch.setattr(triton_fp8_gemm, "fp8_grouped_linear", emulated_fp8_grouped_kernel(calls))
+    fp8, dense, x, logits = fp8_experts(num_tokens, dtype, block)
+    assert fp8.w13 is None and fp8.w13_weight.dtype == torch.float8_e4m3fn
+    assert fp8.w13_scale.dtype == torch.float32  # kept through .to(dtype)
+    assert not dense.fp8 and dense.w13.dtype == dtype and "w13_weight" not in dense.state_dict()
+    with torch.inference_mode():
+        out, ref = fp8(x, logits), dense(x, logits)
+    pairs = num_tokens * fp8.top_k
+    _, ids = select_experts(logits, fp8.top_k, fp8.renormalize)
+    ends = torch.bincount(ids.flatten(), minlength=8).cumsum(0).tolist()
+    assert calls == [(pairs, 2 * 96, ends), (pairs, 64, ends)]  # gate/up, then down
+    assert out.dtype == dtype
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def test_fp8_experts_dequantize_exactly_and_refuse_what_they_cannot_hold():
+    fp8, dense, _, _ = fp8_experts(1, torch.float32, (32, 32))
+    w = fp8.w13_weight[2].float()
+    s = fp8.w13_scale[2].repeat_interleave(32, 0).repeat_interleave(32, 1)
+    assert torch.equal(dense.w13[2], w * s)  # (192, 64) in 6 x 2 blocks
+    rows, rows_dense, _, _ = fp8_experts(1, torch.float32, None)
+    assert rows.w2_scale.shape == (8, 64, 1)
+    assert torch.equal(rows_dense.w2[5], rows.w2_weight[5].float() * rows.w2_scale[5])
+    assert FusedMoE(4, 2, 64, 96, True).fp8_unsupported_reason((64, 64)) is not None
+    with pytest.raises(ValueError, match="ends inside a 64-row block"):
+        FusedMoE(4, 2, 64, 96, True).use_fp8_weights((64, 64))
+    with pytest.raises(ValueError, match="packed or biased"):
+        FusedMoE(4, 2, 64, 96, True, has_bias=True).use_fp8_weights(None)
+    with pytest.raises(ValueError, match="FP8 checkpoint's weights"):
+        rows.load_expert(0, torch.zeros(96, 64), torch.zeros(96, 64), torch.zeros(64, 96))
+
+
+def test_fp8_experts_read_nothing_on_the_host(monkeypatch):
+    """On FakeTensorMode's CUDA tensors (any host read raises): the routing, sort and
+    combine around the FP8 kernel, so a decode step can be captured."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vllm.model_executor.layers import triton_fp8_gemm
+
+    seen = []
+
+    def launch(x, weight, scale, block, expert_ends):
+        seen.append((expert_ends.device.type, block))
+        return x.new_empty(x.shape[0], weight.shape[1])
+
+    monkeypatch.setattr(triton_fp8_gemm, "fp8_grouped_linear", launch)
+    from vllm.model_executor.layers.fused_moe import Activation
+
+    with FakeTensorMode(), torch.device("cuda", 0):  # torch's gate: SiLU's is a Triton op
+        fp8 = FusedMoE(8, 3, 64, 96, True, Activation("swigluoai"))
+        fp8.use_fp8_weights((32, 32))
+        out = fp8(torch.randn(4, 64), torch.randn(4, 8))
+    assert out.shape == (4, 64) and out.device.type == "cuda"
+    assert seen == [("cuda", (32, 32))] * 2

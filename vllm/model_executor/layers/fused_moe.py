@@ -30,6 +30,16 @@ checkpoints store them, in buffers instead of ``w13`` / ``w2``::
 
 and the two grouped GEMMs are the Triton kernel of ``triton_mxfp4_moe.py``, which expands
 each weight tile in registers and adds the biases (a fixed grid: CUDA graphs capture it).
+
+``use_fp8_weights(block_size)`` (an FP8 checkpoint's experts on CUDA, planned by
+``fp8_checkpoint.py``) holds them as the checkpoint stores them, float8_e4m3fn with fp32
+scales per block (``block_size``) or per row (per-tensor and per-channel checkpoints)::
+
+    w13_weight (num_experts, 2 * intermediate, hidden)  w13_scale (E, 2I / b0, hidden / b1)
+    w2_weight  (num_experts, hidden, intermediate)      w2_scale  (E, hidden / b0, I / b1)
+
+(per row: ``(E, rows, 1)``), and both grouped GEMMs are ``triton_fp8_gemm``'s grouped
+kernel, weight-only: the activations stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -38,7 +48,10 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
-from vllm.model_executor.layers import triton_mxfp4_moe
+from vllm.model_executor.layers import triton_fp8_gemm, triton_mxfp4_moe
+from vllm.model_executor.layers.quantization.fp8 import FP8_DTYPE, dequantize_fp8_blocks
+
+FP8_BUFFERS = ("w13_weight", "w13_scale", "w2_weight", "w2_scale")
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None
@@ -211,6 +224,24 @@ def fused_experts_mxfp4(
     return _combine(y, order, topk_weights)
 
 
+def fused_experts_fp8(
+    x: torch.Tensor,
+    moe: FusedMoE,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_experts`` over ``moe``'s FP8 experts: both grouped GEMMs in
+    ``triton_fp8_gemm``'s grouped kernel. No host sync, fixed launch shapes."""
+    top_k = topk_ids.shape[1]
+    order, ends = _sort_by_expert(topk_ids, moe.num_experts)
+    linear = triton_fp8_gemm.fp8_grouped_linear
+    h = linear(  # (pairs, 2I), by expert
+        x.index_select(0, order // top_k), moe.w13_weight, moe.w13_scale, moe.fp8_block, ends
+    )
+    y = linear(moe.activation(h), moe.w2_weight, moe.w2_scale, moe.fp8_block, ends)
+    return _combine(y, order, topk_weights)
+
+
 def _dense_experts(
     x, w13, w2, topk_weights, topk_ids, activation=SILU, w13_bias=None, w2_bias=None
 ) -> torch.Tensor:
@@ -264,6 +295,8 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.mxfp4 = mxfp4
+        self.fp8 = False  # use_fp8_weights
+        self.fp8_block: tuple[int, int] | None = None
         self.w13 = self.w2 = None
         if mxfp4:
             for name, rows, cols in (
@@ -297,6 +330,59 @@ class FusedMoE(nn.Module):
         self.mxfp4 = False
         self._make_dense_weights(dtype=dtype, device=device)
 
+    def fp8_unsupported_reason(self, block_size: tuple[int, int] | None) -> str | None:
+        """Why ``use_fp8_weights(block_size)`` cannot hold these experts (None: it can)."""
+        if self.mxfp4 or self.fp8 or self.w13_bias is not None:
+            return "packed or biased experts"
+        if block_size is None:
+            return None
+        if self.intermediate_size % block_size[0]:
+            i, b0 = self.intermediate_size, block_size[0]
+            return f"intermediate size {i} ends inside a {b0}-row block"
+        if triton_fp8_gemm.default_block_k(block_size) is None:
+            return f"no K step of the kernel divides {list(block_size)} blocks"
+        return None
+
+    def use_fp8_weights(self, block_size: tuple[int, int] | None) -> None:
+        """Trade ``w13`` / ``w2`` for empty FP8 buffers and fp32 scales, per block of
+        ``block_size`` or per row (None), on their device: ``load_expert`` then takes an FP8
+        checkpoint's tensors (``ValueError`` where ``fp8_unsupported_reason`` says why not)."""
+        reason = self.fp8_unsupported_reason(block_size)
+        if reason is not None:
+            raise ValueError(f"FP8 experts: {reason}")
+        device = self.w13.device
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        del self.w13, self.w2
+        self.w13 = self.w2 = None
+        b0, b1 = block_size or (1, None)
+        for name, rows, cols in (("w13", 2 * i, h), ("w2", h, i)):
+            weight = torch.empty(e, rows, cols, dtype=FP8_DTYPE, device=device)
+            scale_cols = 1 if b1 is None else -(-cols // b1)
+            scale = torch.empty(e, -(-rows // b0), scale_cols, device=device)
+            self.register_buffer(name + "_weight", weight)
+            self.register_buffer(name + "_scale", scale)
+        self.fp8, self.fp8_block = True, block_size
+
+    def dequantize_fp8_weights(self, dtype: torch.dtype) -> None:
+        """Back to dense ``w13`` / ``w2`` in ``dtype``, the FP8 experts dequantized (exact)."""
+        if not self.fp8:
+            return
+        dense = []
+        for name in ("w13", "w2"):
+            weight, scale = getattr(self, name + "_weight"), getattr(self, name + "_scale")
+            if self.fp8_block is None:
+                dense.append((weight.float() * scale).to(dtype))
+            else:
+                dense.append(torch.stack([
+                    dequantize_fp8_blocks(w, s, self.fp8_block).to(dtype)
+                    for w, s in zip(weight, scale, strict=True)
+                ]))  # fmt: skip
+        for name in FP8_BUFFERS:
+            delattr(self, name)
+        self.fp8, self.fp8_block = False, None
+        self.w13 = nn.Parameter(dense[0], requires_grad=False)
+        self.w2 = nn.Parameter(dense[1], requires_grad=False)
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route by the softmax of ``router_logits`` (``select_experts``), then ``apply``."""
         return self.apply(x, *select_experts(router_logits, self.top_k, self.renormalize))
@@ -305,6 +391,8 @@ class FusedMoE(nn.Module):
         """Each token through the experts ``ids`` chose for it, weighted by ``weights``."""
         if self.mxfp4:
             return fused_experts_mxfp4(x, self, weights, ids)
+        if self.fp8:
+            return fused_experts_fp8(x, self, weights, ids)
         return fused_experts(
             x, self.w13, self.w2, weights, ids, self.activation, self.w13_bias, self.w2_bias
         )
@@ -314,6 +402,41 @@ class FusedMoE(nn.Module):
         self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
     ) -> None:
         i = self.intermediate_size
+        if self.fp8:
+            return self._load_fp8_expert(expert, gate, up, down)
         self.w13[expert, :i].copy_(gate)
         self.w13[expert, i:].copy_(up)
         self.w2[expert].copy_(down)
+
+    def _load_fp8_expert(self, expert: int, *parts: torch.Tensor) -> None:
+        """An FP8 checkpoint's gate / up / down (``fp8_checkpoint``'s tensors: their stored
+        ``fp8`` bytes and ``scale``, per row or per ``block``) into the FP8 buffers."""
+        for t in parts:
+            if getattr(t, "fp8", None) is None or getattr(t, "block", None) != self.fp8_block:
+                raise ValueError(
+                    f"expert {expert}: FP8 experts in blocks {self.fp8_block} take an FP8 "
+                    "checkpoint's weights of those blocks"
+                )
+        gate, up, down = parts
+        i = self.intermediate_size
+        r = i if self.fp8_block is None else i // self.fp8_block[0]  # gate's rows of scales
+        self.w13_weight[expert, :i].copy_(gate.fp8)
+        self.w13_weight[expert, i:].copy_(up.fp8)
+        self.w2_weight[expert].copy_(down.fp8)
+        self.w13_scale[expert, :r].copy_(gate.scale.reshape(r, -1))
+        self.w13_scale[expert, r:].copy_(up.scale.reshape(r, -1))
+        self.w2_scale[expert].copy_(down.scale.reshape(self.w2_scale.shape[1:]))
+
+    def _apply(self, fn, recurse: bool = True):
+        # As Fp8Linear: Module.to(dtype) casts the FP8 experts and their fp32 scales too;
+        # they only follow device moves (a zero-size probe tells a cast from a move).
+        if not self.fp8:
+            return super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, dtype=FP8_DTYPE, device=self.w13_weight.device))
+        if probe.dtype == FP8_DTYPE:
+            return super()._apply(fn, recurse)
+        kept = {name: self._buffers.pop(name) for name in FP8_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, buf in kept.items():
+            self._buffers[name] = buf.to(probe.device)
+        return self

@@ -19,8 +19,18 @@ fp32 accumulator; one rounding to ``x``'s dtype at the store.
 
 One program per (tile of ``block_m`` rows, tile of ``block_n`` output columns): the grid
 depends on the shapes only and nothing is read on the host, so decode steps replay in CUDA
-graphs. Triton is optional: without it this module imports (``triton_unavailable_reason``
-says why the kernel cannot run); tests run it on CPU tensors in Triton's interpreter
+graphs.
+
+``fp8_grouped_linear(x, weight, scale, block_size, expert_ends)`` is the same product over
+a MoE layer's stacked FP8 experts ``weight (E, N, K)``, the rows of ``x`` sorted by expert
+(expert ``e`` owning rows ``[expert_ends[e - 1], expert_ends[e])``), as
+``triton_mxfp4_moe.py`` does for MXFP4: a row tile walks the experts its rows span (read
+from ``expert_ends`` on the device), each one's products kept for its own rows. Scales per
+block ``(E, ceil(N / b0), ceil(K / b1))`` or, with ``block_size=None``, per row
+``(E, N, 1)`` (per-tensor and per-channel checkpoints).
+
+Triton is optional: without it this module imports (``triton_unavailable_reason`` says why
+the kernels cannot run); tests run them on CPU tensors in Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported).
 """
 
@@ -140,6 +150,88 @@ def fp8_block_linear(
     return out
 
 
+def check_fp8_grouped_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int] | None,
+    expert_ends: torch.Tensor,
+) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or device does not fit."""
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be 2-d fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+    if weight.dim() != 3 or weight.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"weight must be (E, N, K) float8_e4m3fn, got {weight.dtype}")
+    if not weight.is_contiguous() or not scale.is_contiguous() or x.stride(1) != 1:
+        raise ValueError("weight, scale and x's rows must be contiguous")
+    num_experts, n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, the weights {k}")
+    b0, b1 = block_size or (1, None)
+    expected = (num_experts, -(-n // b0), 1 if b1 is None else -(-k // b1))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale must be fp32 {expected} for {tuple(weight.shape)} in blocks "
+            f"{block_size}, got {scale.dtype} {tuple(scale.shape)}"
+        )
+    if expert_ends.shape != (num_experts,) or expert_ends.dtype != torch.int32:
+        raise ValueError(
+            f"expert_ends must be ({num_experts},) int32, got "
+            f"{tuple(expert_ends.shape)} {expert_ends.dtype}"
+        )
+    if any(t.device != x.device for t in (weight, scale, expert_ends)):
+        raise ValueError("x, weight, scale and expert_ends must share a device")
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int] | None,
+    expert_ends: torch.Tensor,
+    block_m: int | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """``(rows, N)`` in ``x``'s dtype: row ``r`` of ``x (rows, K)`` times ``W_e^T``, ``e`` the
+    expert whose range ``[expert_ends[e - 1], expert_ends[e])`` holds ``r`` (``expert_ends``
+    int32, non-decreasing, on the device; rows past its last entry get zeros). ``W_e`` is
+    ``weight[e]`` times ``scale[e]`` per block, or per row with ``block_size=None``. The
+    launch depends on the shapes only."""
+    check_fp8_grouped_args(x, weight, scale, block_size, expert_ends)
+    block_m = block_m or default_block_m(x.shape[0])
+    block_k = block_k or (64 if block_size is None else default_block_k(block_size))
+    if (
+        block_m not in TILE_SIZES
+        or block_n not in TILE_SIZES
+        or block_k not in BLOCK_K_SIZES
+        or (block_size is not None and block_size[1] % block_k)
+    ):
+        raise ValueError(
+            f"tiles block_m={block_m}, block_n={block_n} must be in {TILE_SIZES} and "
+            f"block_k={block_k} in {BLOCK_K_SIZES}, dividing the blocks' columns ({block_size})"
+        )
+    reason = triton_unavailable_reason(x.device)
+    if reason is not None:
+        raise RuntimeError(f"fp8_grouped_linear: {reason}")
+    num_experts, n, k = weight.shape
+    rows = x.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    # Per row: one "block" as wide as K rounded up to the K step, so every step reads it.
+    b0, b1 = block_size or (1, triton.cdiv(k, block_k) * block_k)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
+    _fp8_grouped_gemm_kernel[grid](
+        x, weight.view(torch.uint8), scale, expert_ends, out,
+        rows, n, k, num_experts, x.stride(0), out.stride(0),
+        B0=b0, B1=b1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        WIDEN=x.dtype == torch.float32 or not x.is_cuda,
+    )  # fmt: skip
+    return out
+
+
 if triton is not None:
 
     @triton.jit
@@ -165,16 +257,34 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < num_rows
         col_mask = cols < N
-        ks = tl.arange(0, BLOCK_K)
         x_rows = rows.to(tl.int64) * stride_xm  # int64: rows * K may pass 2^31 in a prefill
         w_rows = cols.to(tl.int64) * K
-        scale_cols = (K + B1 - 1) // B1
-        scale_rows = (cols // B0) * scale_cols  # each column's row of block scales
+        scale_rows = (cols // B0) * ((K + B1 - 1) // B1)  # each column's row of block scales
+        acc = _fp8_tile_product(
+            x_ptr, x_rows, row_mask, w_ptr, w_rows, col_mask, scale_ptr, scale_rows, K,
+            B1, BLOCK_M, BLOCK_N, BLOCK_K, WIDEN,
+        )  # fmt: skip
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + (rows.to(tl.int64) * stride_om)[:, None] + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+    @triton.jit
+    def _fp8_tile_product(
+        x_ptr, x_rows, x_mask_rows, w_ptr, w_rows, col_mask, scale_ptr, scale_rows, K,
+        B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        WIDEN: tl.constexpr,
+    ):  # fmt: skip
+        """fp32 ``(BLOCK_M, BLOCK_N)``: the rows ``x_rows`` (offsets; ``x_mask_rows``) of
+        ``x`` times the FP8 weight rows ``w_rows`` (offsets of their first byte), each K
+        step's sums times its column's block scale (``scale_rows``: offsets of each
+        column's row of scales)."""
+        ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
             k_mask = k < K
-            x_mask = row_mask[:, None] & k_mask[None, :]
+            x_mask = x_mask_rows[:, None] & k_mask[None, :]
             xt = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=x_mask, other=0.0)
             w_mask = col_mask[:, None] & k_mask[None, :]
             b = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=w_mask, other=0)
@@ -185,7 +295,45 @@ if triton is not None:
                 part = tl.dot(xt, tl.trans(w.to(xt.dtype)))
             s = tl.load(scale_ptr + scale_rows + k0 // B1, mask=col_mask, other=0.0)
             acc += part * s[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        return acc
+
+    @triton.jit(do_not_specialize=["num_rows"])  # one compile for every batch's rows
+    def _fp8_grouped_gemm_kernel(
+        x_ptr, w_ptr, scale_ptr, ends_ptr, out_ptr,
+        num_rows, N, K, num_experts, stride_xm, stride_om,
+        B0: tl.constexpr, B1: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_E: tl.constexpr, WIDEN: tl.constexpr,
+    ):  # fmt: skip
+        first_row = tl.program_id(0) * BLOCK_M
+        rows = first_row + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        # The experts this tile's rows belong to: those ending past its first row, up to
+        # the one holding its last row.
+        experts = tl.arange(0, BLOCK_E)
+        ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=2147483647)
+        last_row = tl.minimum(first_row + BLOCK_M, num_rows) - 1
+        first_expert = tl.sum((ends <= first_row).to(tl.int32))
+        last_expert = tl.minimum(tl.sum((ends <= last_row).to(tl.int32)), num_experts - 1)
+        x_rows = rows.to(tl.int64) * stride_xm  # int64: rows * K may pass 2^31 in a prefill
+        scale_cols = (K + B1 - 1) // B1
+        scale_n = (N + B0 - 1) // B0
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for e in range(first_expert, last_expert + 1):
+            start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+            end = tl.load(ends_ptr + e)
+            if end > start:
+                in_expert = (rows >= start) & (rows < tl.minimum(end, num_rows))
+                # int64: the stacked experts pass 2^31 bytes in large models (E * N * K)
+                w_rows = (cols.to(tl.int64) + e * N) * K
+                scale_rows = ((cols // B0).to(tl.int64) + e * scale_n) * scale_cols
+                part = _fp8_tile_product(
+                    x_ptr, x_rows, in_expert, w_ptr, w_rows, col_mask, scale_ptr, scale_rows,
+                    K, B1, BLOCK_M, BLOCK_N, BLOCK_K, WIDEN,
+                )  # fmt: skip
+                # Rows of other experts multiplied zeros: keep only this expert's rows.
+                acc = tl.where(in_expert[:, None], part, acc)
         out = out_ptr + (rows.to(tl.int64) * stride_om)[:, None] + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        out_mask = (rows < num_rows)[:, None] & col_mask[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -312,8 +312,13 @@ def fp8_shape_ok(weight: torch.Tensor, device: torch.device | None = None) -> bo
 
 def dequantize_model_fp8(model: nn.Module, dtype: torch.dtype) -> int:
     """Every ``Fp8Linear`` back to an ``nn.Linear`` of its dequantized weight in ``dtype``
-    (exact); returns how many."""
+    and every ``FusedMoE``'s FP8 experts to dense ones (exact); returns how many layers."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+
     with torch.no_grad():
-        return replace_linears(
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.fp8]
+        for moe in experts:
+            moe.dequantize_fp8_weights(dtype)
+        return len(experts) + replace_linears(
             model, lambda _, mod: mod.to_dense(dtype) if isinstance(mod, Fp8Linear) else None
         )

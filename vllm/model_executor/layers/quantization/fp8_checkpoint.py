@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,13 +343,15 @@ def plan_fp8_linears(model: nn.Module, state: dict, loading: Fp8Loading, device)
         model.load_weights(meta)
     device = torch.device(device)
     block = loading.fmt.block_size
-    if block is not None:
-        ok, why = block_fp8_supported(device)
-        if ok and triton_fp8_gemm.default_block_k(block) is None:
-            ok, why = False, f"no K step of the kernel divides {list(block)} blocks"
-        if not ok:
-            logger.info("FP8 weights in %s blocks dequantized: %s", list(block), why)
-            return 0
+    ok, why = block_fp8_supported(device)  # the Triton kernels: block layers and experts
+    if ok and block is not None and triton_fp8_gemm.default_block_k(block) is None:
+        ok, why = False, f"no K step of the kernel divides {list(block)} blocks"
+    if ok:
+        experts = _plan_fp8_experts(model, dry.records, block)
+        logger.info("FP8 experts kept in FP8 in %d MoE layers", experts)
+    if block is not None and not ok:
+        logger.info("FP8 weights in %s blocks dequantized: %s", list(block), why)
+        return 0
 
     def make(name: str, mod: nn.Module) -> nn.Module | None:
         record = dry.records.get(id(getattr(mod, "weight", None)))
@@ -367,6 +370,29 @@ def plan_fp8_linears(model: nn.Module, state: dict, loading: Fp8Loading, device)
     count = replace_linears(model, make)
     if block is not None:
         logger.info("FP8 weights in %s blocks: %d linear layers kept in FP8", list(block), count)
+    return count
+
+
+def _plan_fp8_experts(model: nn.Module, records: dict, block: tuple[int, int] | None) -> int:
+    """Each ``FusedMoE`` whose every expert the dry run filled from ``_Fp8Weight``s (its
+    gate and up into ``w13``, its down into ``w2``) and that can hold them
+    (``fp8_unsupported_reason``) trades its dense weights for FP8 ones; returns how many."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+
+    filled = Counter(id(r[0]._base) for r in records.values() if r[0]._base is not None)
+    count = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, FusedMoE) or mod.w13 is None:
+            continue
+        e = mod.num_experts
+        if filled[id(mod.w13)] != 2 * e or filled[id(mod.w2)] != e:
+            continue
+        reason = mod.fp8_unsupported_reason(block)
+        if reason is not None:
+            logger.info("%s: FP8 experts dequantized (%s)", name, reason)
+            continue
+        mod.use_fp8_weights(block)
+        count += 1
     return count
 
 
