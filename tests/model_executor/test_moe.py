@@ -385,6 +385,16 @@ def test_fp8_experts_dequantize_exactly_and_refuse_what_they_cannot_hold():
         rows.load_expert(0, torch.zeros(96, 64), torch.zeros(96, 64), torch.zeros(64, 96))
 
 
+def test_fp8_weight_bytes_counts_fp8_and_dense_experts():
+    from vllm.model_executor.layers.quantization.fp8 import fp8_weight_bytes
+
+    fp8, dense, _, _ = fp8_experts(1, torch.bfloat16, (32, 32))
+    weights = 8 * (192 * 64 + 64 * 96)  # bytes of the FP8 experts
+    scales = 4 * 8 * (6 * 2 + 2 * 3)  # (192, 64) in 6 x 2 blocks, (64, 96) in 2 x 3
+    assert fp8_weight_bytes(fp8) == (weights + scales, 0)
+    assert fp8_weight_bytes(dense) == (0, 2 * weights)
+
+
 def test_fp8_experts_read_nothing_on_the_host(monkeypatch):
     """On FakeTensorMode's CUDA tensors (any host read raises): the routing, sort and
     combine around the FP8 kernel, so a decode step can be captured."""

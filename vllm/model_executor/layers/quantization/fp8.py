@@ -257,13 +257,21 @@ class Fp8BlockLinear(Fp8Linear):
 
 
 def fp8_weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of FP8 weights and their scales, bytes of dense linear weights) in ``model``."""
+    """(bytes of FP8 weights and their scales, bytes of dense linear weights) in ``model``;
+    a ``FusedMoE``'s experts count as either."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+
     fp8 = dense = 0
     for mod in model.modules():
         if isinstance(mod, Fp8Linear):
             fp8 += mod.weight.numel() + mod.weight_scale.numel() * 4
         elif isinstance(mod, nn.Linear):
             dense += mod.weight.numel() * mod.weight.element_size()
+        elif isinstance(mod, FusedMoE) and mod.fp8:
+            fp8 += sum(getattr(mod, n).numel() * getattr(mod, n).element_size()
+                       for n in ("w13_weight", "w13_scale", "w2_weight", "w2_scale"))  # fmt: skip
+        elif isinstance(mod, FusedMoE) and mod.w13 is not None:
+            dense += (mod.w13.numel() + mod.w2.numel()) * mod.w13.element_size()
     return fp8, dense
 
 
