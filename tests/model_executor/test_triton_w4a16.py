@@ -13,7 +13,13 @@ import sys
 import pytest
 import torch
 
-from tests.model_executor.wna16_checkpoints import SCHEMES, make_g_idx, quantize, store
+from tests.model_executor.wna16_checkpoints import (
+    SCHEMES,
+    make_g_idx,
+    quantize,
+    store,
+    write_wna16_checkpoint,
+)
 from tests.triton_interpreter import interpreted_cases, print_case_results
 from vllm.model_executor.layers import triton_w4a16
 from vllm.model_executor.layers.quantization import int4
@@ -172,6 +178,27 @@ def test_weights_the_kernel_cannot_take_are_not_repacked():
     assert int4.act_order_permutation(torch.tensor([0, 0, 1, 1]), 2) is None
 
 
+def test_parts_in_different_input_orders_are_not_fused():
+    a, _, _ = act_order_layer("gptq4_asym_act_order")
+    cfg, (bits, group, asym, _) = SCHEMES["gptq4_asym_act_order"]
+    qw = pop_quantized_weights(
+        {f"l.{k}": v for k, v in store("gptq", cfg, *_quantized(bits, group, asym)).items()},
+        WNA16CheckpointFormat.from_config(cfg),
+    )["l.weight"]
+    assert Int4Linear.from_parts([qw, qw], group) is not None
+    other = pop_quantized_weights(
+        {f"l.{k}": v for k, v in store("gptq", cfg, *_quantized(bits, group, asym, 1)).items()},
+        WNA16CheckpointFormat.from_config(cfg),
+    )["l.weight"]
+    assert a is not None and Int4Linear.from_parts([qw, other], group) is None
+
+
+def _quantized(bits, group, asym, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    g_idx = make_g_idx(64, group, True, gen)
+    return (*quantize(torch.randn(16, 64, generator=gen), bits, group, asym, g_idx), g_idx)
+
+
 def test_bad_arguments_are_refused():
     t = build_case(CASES["fp32-g32-uneven"], "cpu")
     f = triton_w4a16.w4a16_linear
@@ -241,3 +268,53 @@ def test_real_int4_linear_in_a_cuda_graph_equals_the_dequantized_layer():
             y = layer(x)
         graph.replay()
         assert torch.allclose(y.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def _packed_where_the_kernel_runs(monkeypatch) -> None:
+    """The CUDA path on the CPU: the kernel 'runs' here, as its float64 emulation."""
+    monkeypatch.setattr(triton_w4a16, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(triton_w4a16, "w4a16_linear", emulated_w4a16)
+
+
+@pytest.mark.parametrize(
+    "family, scheme, packed",
+    [("llama", "awq_g32", 8), ("llama", "gptq4_asym_act_order", 8), ("llama", "ct_w4_g64_sym", 8),
+     ("qwen3_moe", "gptq4_sym_g32", 4)],
+)  # fmt: skip
+def test_a_checkpoint_kept_packed_gives_the_dequantized_models_logits(
+    family, scheme, packed, tmp_path, monkeypatch
+):
+    """Where the kernel runs, the loader plans Int4Linear layers (q/k/v and gate/up fused;
+    experts, routers and the head dense): their logits equal the dequantized model's, and
+    --quantization fp32 dequantizes them."""
+    from tests.model_executor.wna16_checkpoints import IDS, hf_logits, save_model
+    from tests.tiny_models import load_cpu_runner, runner_logits
+    from vllm.config import ModelConfig
+
+    _packed_where_the_kernel_runs(monkeypatch)
+    ref = hf_logits(write_wna16_checkpoint(save_model(family), tmp_path, scheme), IDS)
+    for quantization, layers in ((None, packed), ("fp32", 0)):
+        config = ModelConfig(model=str(tmp_path), max_model_len=128, quantization=quantization)
+        runner = load_cpu_runner(config)
+        found = [m for m in runner.model.modules() if isinstance(m, Int4Linear)]
+        assert len(found) == layers
+        if layers:
+            # the MoE's experts are dequantized: only its attention (64 inputs) stays packed
+            assert {m.in_features for m in found} == ({64} if family == "qwen3_moe" else {64, 96})
+            assert all(m.scales.dtype == torch.float32 for m in found)
+        ours = runner_logits(runner, IDS)
+        assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+def test_packed_layers_never_exist_dense(tmp_path, monkeypatch):
+    """No linear weight of the decoder layers gets storage: only the packed buffers do."""
+    from tests.model_executor.wna16_checkpoints import save_model
+    from tests.tiny_models import load_cpu_runner
+    from vllm.config import ModelConfig
+
+    _packed_where_the_kernel_runs(monkeypatch)
+    write_wna16_checkpoint(save_model("llama"), tmp_path, "awq_g32")
+    runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
+    dense = [n for n, p in runner.model.named_parameters() if ".layers." in n and p.dim() == 2]
+    assert dense == []
+    assert all(m.weight.is_meta for m in runner.model.modules() if isinstance(m, Int4Linear))

@@ -162,6 +162,10 @@ def make_g_idx(n_in: int, group: int, act_order: bool, gen: torch.Generator) -> 
     return g_idx
 
 
+SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+              "up_proj": "gate_up"}  # fmt: skip
+
+
 def write_wna16_checkpoint(hf: torch.nn.Module, path: Path, scheme: str) -> torch.nn.Module:
     """``hf``'s weights saved into ``path`` as a checkpoint of ``scheme`` (config.json with
     its quantization_config); returns transformers' model of the dequantized weights."""
@@ -171,12 +175,18 @@ def write_wna16_checkpoint(hf: torch.nn.Module, path: Path, scheme: str) -> torc
     hf.save_pretrained(path)
     state = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(5)
-    stored, dense = {}, {}
+    stored, dense, orders = {}, {}, {}
     for name, w in state.items():
         if not is_quantized(name, w):
             stored[name] = dense[name] = w
             continue
-        g_idx = make_g_idx(w.shape[1], group, act_order, gen)
+        # Layers reading the same input (q/k/v, gate/up) share GPTQ's act-order, as real
+        # checkpoints do: it sorts the inputs by their Hessian's diagonal.
+        module, _, leaf = name.removesuffix(".weight").rpartition(".")
+        key = (module, SAME_INPUT.get(leaf, leaf))
+        if key not in orders:
+            orders[key] = make_g_idx(w.shape[1], group, act_order, gen)
+        g_idx = orders[key]
         q, zeros, scales = quantize(w, bits, group, asym, g_idx)
         prefix = name.removesuffix("weight")
         for leaf, t in store(method, cfg, q, zeros, scales, g_idx).items():

@@ -145,11 +145,16 @@ def load_model_weights(
     import torch
     from safetensors.torch import load_file
 
+    from vllm.model_executor.layers import triton_w4a16
     from vllm.model_executor.layers.quantization.fp8_checkpoint import (
         Fp8CheckpointFormat,
         fill_fp8_linears,
         plan_fp8_linears,
         prepare_fp8_state,
+    )
+    from vllm.model_executor.layers.quantization.int4 import (
+        fill_int4_linears,
+        plan_int4_linears,
     )
     from vllm.model_executor.layers.quantization.wna16_checkpoint import (
         WNA16CheckpointFormat,
@@ -178,10 +183,17 @@ def load_model_weights(
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(os.path.join(path, name)))
-    unpacked = prepare_wna16_state(state, wna16_format, dtype)
+    # 4-bit weights stay packed where the W4A16 kernel runs (CUDA with triton).
+    keep_packed = (
+        wna16_format is not None
+        and wna16_format.bits == 4
+        and triton_w4a16.triton_unavailable_reason(torch.device(device)) is None
+    )
+    unpacked = prepare_wna16_state(state, wna16_format, dtype, keep_packed)
     fp8 = prepare_fp8_state(state, fp8_format, dtype)
     if fp8 is not None:  # layers kept in FP8 are made so before any storage exists
         planned = plan_fp8_linears(model, state, fp8, device)
+    int4 = plan_int4_linears(model, state, wna16_format.group_size) if keep_packed else {}
     model = model.to_empty(device=device)
     model.load_weights(state)
     # A no-op for a model that honours the contract (buffers made in its weights' dtype);
@@ -190,9 +202,12 @@ def load_model_weights(
     model.fp8_format = fp8_format  # apply_quantization: never re-quantize a checkpoint
     model.wna16_format = wna16_format
     if wna16_format is not None:
+        kept = fill_int4_linears(model, int4)
         logger.info(
-            "%s checkpoint (%d bits, groups of %d): %d weights dequantized to %s",
-            wna16_format.method, wna16_format.bits, wna16_format.group_size, unpacked, dtype,
+            "%s checkpoint (%d bits, groups of %d): %d weights, %d linear layers kept packed "
+            "(Int4Linear), the rest dequantized to %s",
+            wna16_format.method, wna16_format.bits, wna16_format.group_size, unpacked, kept,
+            dtype,
         )  # fmt: skip
     if fp8 is not None:
         fill_fp8_linears(model, fp8)
@@ -283,8 +298,10 @@ def apply_quantization(model: nn.Module, model_config) -> str:
     """Switch ``model``'s linear layers (loaded dense, or an FP8 checkpoint's ``Fp8Linear``)
     to ``model_config.quantization``'s format in place, None choosing on ``model``'s device
     and dtype (``resolve_quantization``). Returns the format used: fp32 leaves a dense model
-    as it is and dequantizes an FP8 one; fp8 quantizes a dense model's linear layers."""
+    as it is and dequantizes an FP8 one (and a 4-bit checkpoint's ``Int4Linear`` layers,
+    which auto keeps); fp8 quantizes a dense model's linear layers."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8Linear
+    from vllm.model_executor.layers.quantization.int4 import Int4Linear, dequantize_model_int4
 
     path = gguf_file(model_config.model)
     if path is None and model_config.quantization == "gguf":
@@ -292,6 +309,11 @@ def apply_quantization(model: nn.Module, model_config) -> str:
             f"quantization='gguf' needs a .gguf model (or {DEFAULT_MODEL!r}); "
             f"got {model_config.model!r}"
         )
+    wna16 = getattr(model, "wna16_format", None)
+    int4_layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if int4_layers and model_config.quantization is None:
+        logger.info("Quantization: auto, %s's 4-bit weights kept packed (Int4Linear)", wna16.method)
+        return wna16.method
     fp8_checkpoint = any(isinstance(m, Fp8Linear) for m in model.modules())
     device, dtype = _model_device_dtype(model)
     choice, why = resolve_quantization(model_config, device, dtype, fp8_checkpoint)
@@ -304,12 +326,15 @@ def apply_quantization(model: nn.Module, model_config) -> str:
             "(no such FP8 GEMM here); re-quantizing them would lose the checkpoint's "
             "values: use the default or fp32"
         )
-    wna16 = getattr(model, "wna16_format", None)
+    if choice == "fp32" and int4_layers:
+        logger.info("4-bit weights dequantized to %s: %d layers", dtype,
+                    dequantize_model_int4(model, dtype))  # fmt: skip
     if choice == "fp8" and wna16 is not None:
         raise ValueError(
             f"quantization='fp8': this {wna16.method} checkpoint's {wna16.bits}-bit weights "
-            "are served dequantized; re-quantizing them to FP8 would lose the checkpoint's "
-            "values: use the default or fp32"
+            "are served as they are (packed where the W4A16 kernel runs, else dequantized); "
+            "re-quantizing them to FP8 would lose the checkpoint's values: use the default "
+            "or fp32"
         )
     if choice == "fp8":
         _apply_fp8(model, fp8_checkpoint)

@@ -14,13 +14,21 @@ dequantized).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from vllm.model_executor.layers import triton_w4a16
 from vllm.model_executor.layers.quantization.wna16_checkpoint import QuantizedWeight
 
+logger = logging.getLogger(__name__)
+
 PACK = triton_w4a16.PACK
+# Layers a checkpoint may quantize that stay dense here (fp8.py's KEEP_DENSE: the output
+# head, which the sampler reads as a weight, and the MoE routers).
+KEEP_DENSE = ("lm_head", "gate", "shared_expert_gate")
 
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
@@ -91,6 +99,45 @@ class Int4Linear(nn.Module):
         q = qw.q if perm is None else qw.q[:, perm]
         return cls(pack_rows(q.t()), qw.scales.t().float(), qw.zeros.t(), size, perm, bias)
 
+    @classmethod
+    def from_parts(
+        cls, parts: list[QuantizedWeight], group_size: int, bias: torch.Tensor | None = None
+    ) -> Int4Linear | None:
+        """One layer of ``parts`` stacked along the outputs (a fused q/k/v or gate/up); None
+        if a part cannot be repacked or their input orders differ."""
+        layers = [cls.from_quantized(p, group_size) for p in parts]
+        if any(layer is None for layer in layers):
+            return None
+        perms = [layer.perm for layer in layers]
+        if any((p is None) != (perms[0] is None) or (p is not None and not torch.equal(p, perms[0]))
+               for p in perms):  # fmt: skip
+            return None
+        cat = [torch.cat([getattr(layer, n) for layer in layers], 1)
+               for n in ("qweight", "scales", "zeros")]  # fmt: skip
+        return cls(*cat, layers[0].group_size, perms[0], bias)
+
+    def _apply(self, fn, recurse: bool = True):
+        # Module.to(dtype) casts every floating-point tensor: the fp32 scales only follow
+        # device moves. A zero-size probe tells a cast from a move or to_empty.
+        probe = fn(torch.empty(0, dtype=torch.float32, device=self.qweight.device))
+        if probe.dtype == torch.float32:
+            return super()._apply(fn, recurse)
+        buffers = dict(self._buffers)
+        self._buffers.clear()
+        super()._apply(fn, recurse)  # the bias
+        for name, buf in buffers.items():
+            self._buffers[name] = None if buf is None else buf.to(probe.device)
+        return self
+
+    def to_dense(self, dtype: torch.dtype) -> nn.Linear:
+        """An ``nn.Linear`` of the dequantized weight (exact: the checkpoint's values)."""
+        with torch.device("meta"):
+            linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = nn.Parameter(self.dequantized_weight(dtype), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
+        return linear
+
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """(out, in) in the checkpoint's input order, computed in fp32, in ``dtype``."""
         shifts = torch.arange(0, 32, 4, device=self.qweight.device)
@@ -118,3 +165,113 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, act_order={self.perm is not None}"
         )
+
+
+class PackedWeight(torch.Tensor):
+    """A checkpoint's packed weight(s) as the dense ``(out, in)`` tensor a model's loader
+    expects, without its values: a meta tensor holding the ``QuantizedWeight`` parts. The
+    loader's ``torch.cat`` along rows (q/k/v, gate/up) stacks the parts; its ``copy_`` into
+    a parameter records, in ``sink``, which parts reached it (the dry run of
+    ``plan_int4_linears``) and writes the dequantized values (nothing into a meta tensor:
+    an ``Int4Linear``'s ``weight``). Any other use (the experts' stacking) sees the
+    dequantized weight in ``dtype``."""
+
+    @staticmethod
+    def __new__(cls, parts, dtype, sink):
+        rows = sum(p.q.shape[0] for p in parts)
+        data = torch.empty(rows, parts[0].q.shape[1], dtype=dtype, device="meta")
+        t = torch.Tensor._make_subclass(cls, data)
+        t.parts, t.sink = tuple(parts), sink
+        return t
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantize(self.dtype) for p in self.parts])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if getattr(func, "__name__", "") in ("__get__", "size", "dim", "numel", "__len__"):
+                return func(*args, **kwargs)
+            if func is torch.cat and cls._row_cat(args, kwargs):
+                parts = args[0]
+                return cls([q for p in parts for q in p.parts], parts[0].dtype, parts[0].sink)
+            if func is torch.Tensor.copy_ and len(args) == 2 and isinstance(args[1], cls):
+                dst, src = args
+                src.sink[id(dst)] = (dst, src.parts)
+                return dst if dst.is_meta else dst.copy_(src.dequantized())
+            plain = tree_map(lambda t: t.dequantized() if isinstance(t, cls) else t, (args, kwargs))
+            return func(*plain[0], **plain[1])
+
+    @classmethod
+    def _row_cat(cls, args, kwargs) -> bool:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        return dim == 0 and all(isinstance(p, cls) for p in args[0])
+
+
+def plan_int4_linears(model: nn.Module, state: dict, group_size: int) -> dict[int, tuple]:
+    """Before ``model`` (on the meta device) gets storage: run its ``load_weights`` on meta
+    copies of ``state`` (its packed weights ``PackedWeight``s) to learn which ``nn.Linear``
+    layers they fill whole, and make those ``Int4Linear``s (not ``KEEP_DENSE``; those
+    whose weights repack), so their dense weights never exist on the device. Returns, by
+    ``id`` of each new layer, its packed tensors (on the CPU) for ``fill_int4_linears``."""
+    from vllm.model_executor.layers.quantization.fp8 import replace_linears
+
+    sink: dict[int, tuple] = {}
+    meta = {
+        k: PackedWeight(v.parts, v.dtype, sink)
+        if isinstance(v, PackedWeight)
+        else torch.empty_like(v, device="meta")
+        for k, v in state.items()
+    }
+    with torch.no_grad():
+        model.load_weights(meta)
+    filled: dict[int, tuple] = {}
+
+    def make(name: str, mod: nn.Module) -> nn.Module | None:
+        record = sink.get(id(getattr(mod, "weight", None)))
+        if not isinstance(mod, nn.Linear) or record is None or record[0] is not mod.weight:
+            return None
+        if name.rpartition(".")[2] in KEEP_DENSE:
+            return None
+        layer = Int4Linear.from_parts(list(record[1]), group_size)
+        if layer is None or (layer.out_features, layer.in_features) != mod.weight.shape:
+            return None
+        tensors = {n: b for n, b in layer.named_buffers()}
+        with torch.device("meta"):
+            shell = Int4Linear(*(torch.empty_like(tensors[n], device="meta")
+                                 for n in ("qweight", "scales", "zeros")), layer.group_size,
+                               None if layer.perm is None else torch.empty_like(
+                                   layer.perm, device="meta"), mod.bias)  # fmt: skip
+        # What the model's loader copies the fused weight into: nothing is kept.
+        shell.weight = torch.empty(mod.weight.shape, dtype=mod.weight.dtype, device="meta")
+        filled[id(shell)] = tensors
+        return shell
+
+    replace_linears(model, make)
+    return filled
+
+
+def fill_int4_linears(model: nn.Module, filled: dict[int, tuple]) -> int:
+    """Copy each planned ``Int4Linear``'s packed tensors in (after ``to_empty``); returns
+    how many layers."""
+    count = 0
+    with torch.no_grad():
+        for mod in model.modules():
+            tensors = filled.get(id(mod))
+            if tensors is None:
+                continue
+            for name, t in tensors.items():
+                getattr(mod, name).copy_(t)
+            count += 1
+    if count != len(filled):
+        raise RuntimeError(f"{len(filled)} Int4Linear layers planned, {count} found")
+    return count
+
+
+def dequantize_model_int4(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every ``Int4Linear`` by the ``nn.Linear`` of its dequantized weight."""
+    from vllm.model_executor.layers.quantization.fp8 import replace_linears
+
+    return replace_linears(model, lambda _, m: m.to_dense(dtype) if isinstance(m, Int4Linear)
+                           else None)  # fmt: skip

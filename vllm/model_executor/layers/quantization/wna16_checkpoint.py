@@ -313,17 +313,28 @@ def _check_shapes(qw: QuantizedWeight, fmt: WNA16CheckpointFormat, name: str) ->
 
 
 def prepare_wna16_state(
-    state: dict[str, torch.Tensor], fmt: WNA16CheckpointFormat | None, dtype: torch.dtype
+    state: dict[str, torch.Tensor],
+    fmt: WNA16CheckpointFormat | None,
+    dtype: torch.dtype,
+    keep_packed: bool = False,
 ) -> int:
     """Rewrite ``state`` in place for a dense model's loader: each packed weight and its
-    zeros, scales and group indices become one dense ``weight`` in ``dtype``. Returns how
-    many (0 without a format). ``ValueError`` for packed tensors without a format."""
+    zeros, scales and group indices become one dense ``weight`` in ``dtype`` or, with
+    ``keep_packed``, a ``PackedWeight`` (``int4.py``: its values dequantized only where a
+    loader uses them as dense). Returns how many (0 without a format). ``ValueError`` for
+    packed tensors without a format."""
     if fmt is None:
         marks = [k for k in state if k.rpartition(".")[2] in ("qweight", "weight_packed")]
         if marks:
             raise ValueError(f"{marks[0]} is packed but the config has no quantization_config")
         return 0
     found = pop_quantized_weights(state, fmt)
+    if keep_packed:
+        from vllm.model_executor.layers.quantization.int4 import PackedWeight
+
+        for name, qw in found.items():
+            state[name] = PackedWeight([qw], dtype, {})
+        return len(found)
     for name, qw in found.items():
         state[name] = qw.dequantize(dtype)
     return len(found)
