@@ -245,7 +245,37 @@ def fused_moe_case() -> dict:
     return errors
 
 
-EXTRA_CASES = {"linear": linear_case, "fused_moe": fused_moe_case}
+def model_case() -> dict:
+    """A tiny Qwen3-MoE checkpoint in 32 x 32 blocks loaded with the CUDA-only gate opened
+    (both kernels interpreted: its linear layers and experts kept FP8) against the same
+    checkpoint dequantized (``--quantization fp32``): fp32 logits."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.model_executor.fp8_checkpoints import write_fp8_checkpoint
+    from tests.model_executor.test_fp8 import IDS, save_model
+    from tests.tiny_models import load_cpu_runner, runner_logits
+    from vllm.config import ModelConfig
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.model_executor.layers.quantization import fp8_checkpoint
+    from vllm.model_executor.layers.quantization.fp8 import Fp8BlockLinear
+
+    fp8_checkpoint.block_fp8_supported = lambda device: (True, "")
+    with tempfile.TemporaryDirectory() as tmp:
+        write_fp8_checkpoint(save_model("qwen3_moe"), Path(tmp), "fp8_block", (32, 32))
+        runs = {q: load_cpu_runner(ModelConfig(model=tmp, max_model_len=128, quantization=q))
+                for q in ("fp8", "fp32")}  # fmt: skip
+    model = runs["fp8"].model
+    logits = {q: runner_logits(r, IDS) for q, r in runs.items()}
+    return dict(
+        linear=sum(isinstance(m, Fp8BlockLinear) for m in model.modules()),
+        experts=sum(isinstance(m, FusedMoE) and m.fp8 for m in model.modules()),
+        err=float((logits["fp8"] - logits["fp32"]).abs().max()),
+        scale=float(logits["fp32"].abs().max()),
+    )
+
+
+EXTRA_CASES = {"linear": linear_case, "fused_moe": fused_moe_case, "model": model_case}
 
 
 def interpreter_main() -> None:
@@ -334,6 +364,13 @@ def test_interpreted_fused_moe_over_fp8_experts_equals_the_dequantized_layer(int
         # bf16: h is rounded to bf16 before the gate on both paths, products in other orders
         assert err <= (1e-5 if "float32" in key else 2e-2), (key, err)
     assert len(result) == 4
+
+
+def test_interpreted_block_fp8_qwen3_moe_gives_the_dequantized_logits(interpreted):
+    result = interpreted["model"]
+    assert "error" not in result, result.get("error")
+    assert (result["linear"], result["experts"]) == (4, 2), result
+    assert result["err"] <= 1e-4 and result["scale"] > 0.1, result
 
 
 def test_the_checks_catch_a_wrong_kernel():
