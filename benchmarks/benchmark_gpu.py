@@ -189,13 +189,22 @@ MXFP4_BYTES_PER_VALUE = 17 / 32
 
 
 def cache_facts(facts: ModelFacts, args: argparse.Namespace, packed: bool = False) -> ModelFacts:
-    """``facts`` as the engine will hold the model: the KV bytes of an FP8 cache
-    (``--engine-args '{"kv_cache_dtype": "fp8"}'``: one byte an element), and with
+    """``facts`` as the engine will hold the model: with ``--engine-args
+    '{"quantization": "fp8"}'`` its linear weights in one byte (the head as it is; norms
+    and biases counted so too, well under 1%), the KV bytes of an FP8 cache
+    (``'{"kv_cache_dtype": "fp8"}'``: one byte an element), and with
     ``packed`` (gpt-oss's experts kept in MXFP4 on CUDA, ``VLLM_MXFP4_MOE=auto``) the
     experts' weights at MXFP4's 17 bytes per 32 values (their biases counted so too: a
     rounding of well under 1%)."""
     extra = json.loads(args.engine_args) if args.engine_args else {}
     itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    if extra.get("quantization") == "fp8":  # every linear weight but the head in one byte
+        body = facts.weight_bytes_read - facts.lm_head_bytes
+        facts = replace(
+            facts,
+            weight_bytes_read=body // itemsize + facts.lm_head_bytes,
+            expert_bytes=facts.expert_bytes // itemsize,
+        )
     if packed and facts.expert_bytes:
         packed_bytes = int(facts.expert_bytes / itemsize * MXFP4_BYTES_PER_VALUE)
         facts = replace(

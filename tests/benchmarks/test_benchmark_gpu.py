@@ -390,3 +390,14 @@ def test_packed_mxfp4_experts_are_counted_at_their_size(bench):
     assert packed.weight_bytes_read == dense + packed.expert_bytes
     assert not bench.experts_packed("gpt-oss-20b", torch.device("cpu"))
     assert not bench.experts_packed("llama-3.1-8b", torch.device("cuda"))
+
+
+def test_fp8_weights_halve_the_body_not_the_head(bench):
+    model = bench.build_model("llama-3.1-8b", torch.bfloat16, torch.device("meta"), seed=0)
+    facts = bench.model_facts(model)
+    args = bench.parse_args(["--shape", "llama-3.1-8b", "--dtype", "bfloat16"])
+    args.engine_args = '{"quantization": "fp8"}'
+    fp8 = bench.cache_facts(facts, args)
+    body = facts.weight_bytes_read - facts.lm_head_bytes
+    assert fp8.weight_bytes_read == body // 2 + facts.lm_head_bytes
+    assert fp8.kv_bytes_per_token == facts.kv_bytes_per_token
