@@ -126,7 +126,7 @@ def act_order_layer(scheme: str, n_in: int = 96, out: int = 40, bias: bool = Tru
     state = {f"l.{leaf}": t for leaf, t in store(cfg["quant_method"], cfg, q, zeros, scales,
                                                  g_idx).items()}  # fmt: skip
     fmt = WNA16CheckpointFormat.from_config(cfg)
-    qw = pop_quantized_weights(state, fmt)["l.weight"]
+    qw = pop_quantized_weights(state, fmt)["l.weight"].read()
     b = torch.randn(out, generator=gen) if bias else None
     layer = Int4Linear.from_quantized(qw, fmt.group_size, b)
     dense = torch.nn.Linear(n_in, out, bias=bias)
@@ -184,12 +184,12 @@ def test_parts_in_different_input_orders_are_not_fused():
     qw = pop_quantized_weights(
         {f"l.{k}": v for k, v in store("gptq", cfg, *_quantized(bits, group, asym)).items()},
         WNA16CheckpointFormat.from_config(cfg),
-    )["l.weight"]
+    )["l.weight"].read()
     assert Int4Linear.from_parts([qw, qw], group) is not None
     other = pop_quantized_weights(
         {f"l.{k}": v for k, v in store("gptq", cfg, *_quantized(bits, group, asym, 1)).items()},
         WNA16CheckpointFormat.from_config(cfg),
-    )["l.weight"]
+    )["l.weight"].read()
     assert a is not None and Int4Linear.from_parts([qw, other], group) is None
 
 

@@ -22,6 +22,7 @@ from tests.tiny_models import check_engine_greedy_matches, load_cpu_runner, runn
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.quantization.wna16_checkpoint import (
     WNA16CheckpointFormat,
+    pop_quantized_weights,
     prepare_wna16_state,
 )
 
@@ -59,6 +60,18 @@ def test_each_dequantized_weight_equals_the_written_values(scheme, tmp_path):
     assert state.keys() == dense.keys()
     for name, w in dense.items():
         assert torch.equal(state[name], w), name
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_a_stored_weight_knows_its_dense_shape_before_it_is_read(scheme, tmp_path):
+    from safetensors.torch import load_file
+
+    write_wna16_checkpoint(save_model("llama"), tmp_path, scheme)
+    state = load_file(tmp_path / "model.safetensors")
+    dense = load_file(tmp_path / "dequantized" / "model.safetensors")
+    fmt = WNA16CheckpointFormat.from_config(SCHEMES[scheme][0])
+    for name, stored in pop_quantized_weights(state, fmt).items():
+        assert stored.shape == dense[name].shape == stored.read().q.shape, name
 
 
 def _rewrite_config(path, **changes) -> None:

@@ -169,7 +169,8 @@ class Int4Linear(nn.Module):
 
 class PackedWeight(torch.Tensor):
     """A checkpoint's packed weight(s) as the dense ``(out, in)`` tensor a model's loader
-    expects, without its values: a meta tensor holding the ``QuantizedWeight`` parts. The
+    expects, without its values: a meta tensor holding the parts (``StoredWeight``s, read
+    one layer at a time). The
     loader's ``torch.cat`` along rows (q/k/v, gate/up) stacks the parts; its ``copy_`` into
     a parameter records, in ``sink``, which parts reached it (the dry run of
     ``plan_int4_linears``) and writes the dequantized values (nothing into a meta tensor:
@@ -178,14 +179,14 @@ class PackedWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, parts, dtype, sink):
-        rows = sum(p.q.shape[0] for p in parts)
-        data = torch.empty(rows, parts[0].q.shape[1], dtype=dtype, device="meta")
+        rows = sum(p.shape[0] for p in parts)
+        data = torch.empty(rows, parts[0].shape[1], dtype=dtype, device="meta")
         t = torch.Tensor._make_subclass(cls, data)
         t.parts, t.sink = tuple(parts), sink
         return t
 
     def dequantized(self) -> torch.Tensor:
-        return torch.cat([p.dequantize(self.dtype) for p in self.parts])
+        return torch.cat([p.read().dequantize(self.dtype) for p in self.parts])
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -234,7 +235,7 @@ def plan_int4_linears(model: nn.Module, state: dict, group_size: int) -> dict[in
             return None
         if name.rpartition(".")[2] in KEEP_DENSE:
             return None
-        layer = Int4Linear.from_parts(list(record[1]), group_size)
+        layer = Int4Linear.from_parts([p.read() for p in record[1]], group_size)
         if layer is None or (layer.out_features, layer.in_features) != mod.weight.shape:
             return None
         tensors = {n: b for n, b in layer.named_buffers()}

@@ -267,17 +267,44 @@ _LAYOUTS = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class StoredWeight:
+    """One packed weight's tensors as the checkpoint stores them (by leaf name), read only
+    when asked (``read``: its values unpacked take 4 bytes each, 8x the packed bytes)."""
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+    fmt: WNA16CheckpointFormat
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense weight's (out, in)."""
+        t, bits = self.tensors, self.fmt.bits
+        if self.fmt.method == "awq":
+            return t["qweight"].shape[1] * 8, t["qweight"].shape[0]
+        if self.fmt.method == "gptq":
+            return t["qweight"].shape[1], t["qweight"].shape[0] * 32 // bits
+        out, n_in = (int(v) for v in t["weight_shape"])
+        return out, n_in
+
+    def read(self) -> QuantizedWeight:
+        """The values unpacked; ``ValueError`` for shapes that do not fit."""
+        qw = _LAYOUTS[self.fmt.method][2](self.tensors, self.fmt)
+        _check_shapes(qw, self.fmt, self.name)
+        return qw
+
+
 def pop_quantized_weights(
     state: dict[str, torch.Tensor], fmt: WNA16CheckpointFormat
-) -> dict[str, QuantizedWeight]:
-    """Remove each packed weight's tensors from ``state``; returns them read, by the
-    name of the dense weight they make (``prefix.weight``). ``ValueError`` for a missing
-    tensor, a shape that does not match, or one left without its weight."""
-    required, optional, reader = _LAYOUTS[fmt.method]
+) -> dict[str, StoredWeight]:
+    """Remove each packed weight's tensors from ``state``; returns them, by the name of
+    the dense weight they make (``prefix.weight``). ``ValueError`` for a missing tensor or
+    one left without its weight."""
+    required, optional, _ = _LAYOUTS[fmt.method]
     if fmt.zero_point and fmt.method == "compressed-tensors":
         required = (*required, "weight_zero_point")
     marker = required[0]
-    found: dict[str, QuantizedWeight] = {}
+    found: dict[str, StoredWeight] = {}
     for name in [k for k in state if k.rpartition(".")[2] == marker]:
         prefix = name.rpartition(".")[0]
         parts = {}
@@ -287,9 +314,7 @@ def pop_quantized_weights(
                 parts[leaf] = state.pop(key)
             elif leaf in required:
                 raise ValueError(f"{name} is {fmt.method}-packed but {key} is missing")
-        qw = reader(parts, fmt)
-        _check_shapes(qw, fmt, name)
-        found[f"{prefix}.weight"] = qw
+        found[f"{prefix}.weight"] = StoredWeight(name, parts, fmt)
     leaves = set(required) | set(optional)
     stray = [k for k in state if k.rpartition(".")[2] in leaves]
     if stray:
@@ -332,9 +357,9 @@ def prepare_wna16_state(
     if keep_packed:
         from vllm.model_executor.layers.quantization.int4 import PackedWeight
 
-        for name, qw in found.items():
-            state[name] = PackedWeight([qw], dtype, {})
+        for name, stored in found.items():
+            state[name] = PackedWeight([stored], dtype, {})
         return len(found)
-    for name, qw in found.items():
-        state[name] = qw.dequantize(dtype)
+    for name, stored in found.items():
+        state[name] = stored.read().dequantize(dtype)
     return len(found)
