@@ -192,9 +192,9 @@ def test_a_dense_model_with_another_quantization_config_is_refused(tmp_path):
 
     save_tiny_llama(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'"):
         load_cpu_runner(ModelConfig(model=str(tmp_path)))
 
 

@@ -346,8 +346,8 @@ def plan_fp8_linears(model: nn.Module, state: dict, loading: Fp8Loading, device)
     ok, why = block_fp8_supported(device)  # the Triton kernels: block layers and experts
     if ok and block is not None and triton_fp8_gemm.default_block_k(block) is None:
         ok, why = False, f"no K step of the kernel divides {list(block)} blocks"
-    if ok:
-        experts = _plan_fp8_experts(model, dry.records, block)
+    experts = _plan_fp8_experts(model, dry.records, block) if ok else 0
+    if experts:
         logger.info("FP8 experts kept in FP8 in %d MoE layers", experts)
     if block is not None and not ok:
         logger.info("FP8 weights in %s blocks dequantized: %s", list(block), why)
