@@ -146,9 +146,12 @@ class ModelConfig:
         "model's Q4_1/Q8_0 blocks and multiply with the native CPU kernels (float32 only). "
         "fp8: FP8 weights with per-channel scales multiplied in FP8 (an FP8 checkpoint's own, "
         "or a bf16/fp16/fp32 model's quantized at load; CPU or CUDA compute capability >= "
-        "8.9). None (auto): fp8 for an FP8 checkpoint on such a GPU, gguf for a .gguf model "
-        "(the embedded one included) on CPU in float32 when the native kernels are built, "
-        "fp32 otherwise.",
+        "8.9). awq / gptq: an AWQ / GPTQ checkpoint (an error for any other), its 4-bit "
+        "layers kept packed and multiplied by the Triton W4A16 kernel on CUDA, dequantized "
+        "elsewhere. None (auto): fp8 for an FP8 checkpoint on such a GPU, the packed 4-bit "
+        "layers of an AWQ/GPTQ/compressed-tensors checkpoint where the kernel runs, gguf for "
+        "a .gguf model (the embedded one included) on CPU in float32 when the native kernels "
+        "are built, fp32 otherwise.",
     )
 
     load_format: LoadFormat = config_field(
@@ -274,7 +277,9 @@ class ModelConfig:
         if self.dtype not in get_args(Dtype):
             raise bad_value("dtype", self.dtype, "must be auto, float32, bfloat16 or float16")
         if self.quantization not in (None, *get_args(Quantization)):
-            raise bad_value("quantization", self.quantization, "must be None, fp32, gguf or fp8")
+            raise bad_value(
+                "quantization", self.quantization, "must be None, fp32, gguf, fp8, awq or gptq"
+            )
         if self.quantization == "gguf" and self.dtype not in ("auto", "float32"):
             raise bad_value("quantization", self.quantization, "gguf needs dtype float32")
         if self.load_format not in get_args(LoadFormat):
@@ -297,6 +302,10 @@ class ModelConfig:
         if self.quantization == "gguf" and self.load_format == "dummy":
             raise bad_value(
                 "quantization", self.quantization, "gguf reads the GGUF's weights; dummy has none"
+            )
+        if self.quantization in ("awq", "gptq") and self.load_format == "dummy":
+            raise bad_value(
+                "quantization", self.quantization, "names a checkpoint's method; dummy has none"
             )
         if self.runner not in get_args(Runner):
             raise bad_value("runner", self.runner, f"must be one of {get_args(Runner)}")

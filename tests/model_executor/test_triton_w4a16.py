@@ -293,7 +293,9 @@ def test_a_checkpoint_kept_packed_gives_the_dequantized_models_logits(
 
     _packed_where_the_kernel_runs(monkeypatch)
     ref = hf_logits(write_wna16_checkpoint(save_model(family), tmp_path, scheme), IDS)
-    for quantization, layers in ((None, packed), ("fp32", 0)):
+    method = SCHEMES[scheme][0]["quant_method"]
+    named = [(method, packed)] if method in ("awq", "gptq") else []
+    for quantization, layers in [(None, packed), *named, ("fp32", 0)]:
         config = ModelConfig(model=str(tmp_path), max_model_len=128, quantization=quantization)
         runner = load_cpu_runner(config)
         found = [m for m in runner.model.modules() if isinstance(m, Int4Linear)]

@@ -157,3 +157,25 @@ def test_quantization_fp8_refuses_to_requantize_a_4_bit_checkpoint(tmp_path):
     config = ModelConfig(model=str(tmp_path), max_model_len=128, quantization="fp8")
     with pytest.raises(ValueError, match="re-quantizing them to FP8"):
         load_cpu_runner(config)
+
+
+def test_quantization_awq_and_gptq_name_the_checkpoints_method(tmp_path):
+    """vLLM's --quantization awq / gptq: the checkpoint's own method (here on CPU: served
+    dequantized, the dequantized model's logits); any other checkpoint is an error."""
+    reference = write_wna16_checkpoint(save_model("llama"), tmp_path / "awq", "awq_g32")
+    runner = load_cpu_runner(
+        ModelConfig(model=str(tmp_path / "awq"), max_model_len=128, quantization="awq")
+    )
+    ours, ref = runner_logits(runner, IDS), hf_logits(reference, IDS)
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    with pytest.raises(ValueError, match="this checkpoint's is 'awq'"):
+        load_cpu_runner(
+            ModelConfig(model=str(tmp_path / "awq"), max_model_len=128, quantization="gptq")
+        )
+    save_model("llama").save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match="this checkpoint's is none"):
+        load_cpu_runner(
+            ModelConfig(model=str(tmp_path / "dense"), max_model_len=128, quantization="awq")
+        )
+    with pytest.raises(ValueError, match="quantization"):
+        ModelConfig(model=str(tmp_path / "awq"), quantization="gptq", load_format="dummy")

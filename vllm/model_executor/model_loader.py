@@ -273,6 +273,10 @@ def resolve_quantization(
     return "fp32", f"auto: {why}"
 
 
+# --quantization values naming an integer-weight checkpoint's method (vLLM's).
+WNA16_CHOICES = ("awq", "gptq")
+
+
 # Whether an FP8 checkpoint keeps its FP8 weights on the CPU by default: torch's CPU
 # _scaled_mm is slower than a dense GEMM on the dequantized weights
 # (benchmarks/benchmark_fp8.py; the figures in docs/design.md).
@@ -311,8 +315,15 @@ def apply_quantization(model: nn.Module, model_config) -> str:
         )
     wna16 = getattr(model, "wna16_format", None)
     int4_layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    if int4_layers and model_config.quantization is None:
-        logger.info("Quantization: auto, %s's 4-bit weights kept packed (Int4Linear)", wna16.method)
+    asked = model_config.quantization
+    if asked in WNA16_CHOICES and (wna16 is None or wna16.method != asked):
+        raise ValueError(
+            f"quantization={asked!r} names the checkpoint's method, and this checkpoint's is "
+            f"{'none' if wna16 is None else repr(wna16.method)}"
+        )
+    if asked in WNA16_CHOICES or (int4_layers and asked is None):
+        how = "kept packed (Int4Linear)" if int4_layers else "dequantized (no W4A16 kernel)"
+        logger.info("Quantization: %s, its %d-bit weights %s", wna16.method, wna16.bits, how)
         return wna16.method
     fp8_checkpoint = any(isinstance(m, Fp8Linear) for m in model.modules())
     device, dtype = _model_device_dtype(model)
