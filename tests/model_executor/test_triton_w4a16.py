@@ -320,3 +320,39 @@ def test_packed_layers_never_exist_dense(tmp_path, monkeypatch):
     dense = [n for n, p in runner.model.named_parameters() if ".layers." in n and p.dim() == 2]
     assert dense == []
     assert all(m.weight.is_meta for m in runner.model.modules() if isinstance(m, Int4Linear))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family, scheme", [("llama", "awq_g32"),
+                                            ("qwen3_moe", "gptq4_asym_act_order")])  # fmt: skip
+def test_real_packed_model_on_cuda_equals_the_dequantized_one(family, scheme, tmp_path):
+    """On CUDA auto keeps the 4-bit layers packed: each one's output on bf16 inputs equals
+    its dequantized twin's, and the engine's greedy tokens (fp32) equal ``generate``."""
+    from tests.model_executor.wna16_checkpoints import save_model
+    from tests.tiny_models import check_engine_greedy_matches
+    from vllm.config import ModelConfig
+    from vllm.model_executor.model_loader import (
+        apply_quantization,
+        get_model_config,
+        load_model_weights,
+    )
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    if not torch.cuda.is_available() or triton_w4a16.triton is None:
+        pytest.skip("needs a CUDA device and triton")
+    write_wna16_checkpoint(save_model(family), tmp_path, scheme)
+    config = get_model_config(str(tmp_path))
+    model_cls, _ = ModelRegistry.resolve_model_cls(config)
+    model = load_model_weights(model_cls, config, str(tmp_path), "cuda", torch.bfloat16)
+    apply_quantization(model, ModelConfig(model=str(tmp_path)))
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.qweight.is_cuda for m in layers)
+    for layer in layers:
+        x = torch.randn(5, layer.in_features, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            ours = layer(x).float()
+            ref = layer.to_dense(torch.bfloat16)(x).float()
+        assert torch.allclose(ours, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
+    hf = save_model(family, vocab_size=49152, max_position_embeddings=256)
+    reference = write_wna16_checkpoint(hf, tmp_path / "engine", scheme)
+    check_engine_greedy_matches(reference, tmp_path / "engine", max_tokens=6)
