@@ -253,3 +253,23 @@ def test_auto_keeps_an_fp8_checkpoint_in_fp8_on_a_gpu_with_fp8_gemms(tmp_path):
     with torch.inference_mode():
         ours, ref = layer(x).float(), _reference_forward(layer, x.float())
     assert torch.allclose(ours, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_auto_on_an_ampere_card_keeps_block_scaled_layers_only(monkeypatch):
+    # sm80 has no FP8 tensor cores (torch._scaled_mm), but the block-scaled layers' Triton
+    # kernels widen FP8 weights there: a block-scaled checkpoint stays FP8, a row-scaled
+    # one is dequantized. (The device checks stubbed: no GPU here.)
+    from vllm.model_executor import model_loader
+    from vllm.model_executor.layers.quantization import fp8
+
+    monkeypatch.setattr(fp8, "fp8_supported", lambda d: (False, "compute capability 8.0"))
+    monkeypatch.setattr(fp8, "block_fp8_supported", lambda d: (True, ""))
+    cuda = torch.device("cuda")
+    assert model_loader.fp8_auto(cuda, scaled_mm=False)[0] == "fp8"
+    choice, why = model_loader.fp8_auto(cuda, scaled_mm=True)
+    assert choice == "fp32" and "8.0" in why
+    monkeypatch.setattr(fp8, "block_fp8_supported", lambda d: (False, "triton is not installed"))
+    assert model_loader.fp8_auto(cuda, scaled_mm=False) == (
+        "fp32",
+        "auto: an FP8 checkpoint, dequantized (triton is not installed)",
+    )

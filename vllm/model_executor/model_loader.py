@@ -212,10 +212,12 @@ def load_model_weights(
     if fp8 is not None:
         fill_fp8_linears(model, fp8)
         logger.info(
-            "FP8 checkpoint (%s%s): %d linear layers keep their FP8 weights",
+            "FP8 checkpoint (%s%s): %d linear layers keep their FP8 weights (the rest, and "
+            "every one where no FP8 kernel runs here, dequantized to %s)",
             fp8_format.method,
-            f", {list(fp8_format.block_size)} blocks dequantized" if fp8_format.block_size else "",
+            f", blocks of {list(fp8_format.block_size)}" if fp8_format.block_size else "",
             planned,
+            dtype,
         )
     return model
 
@@ -242,7 +244,11 @@ def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
 
 
 def resolve_quantization(
-    model_config, device, dtype: torch.dtype, fp8_checkpoint: bool = False
+    model_config,
+    device,
+    dtype: torch.dtype,
+    fp8_checkpoint: bool = False,
+    fp8_scaled_mm: bool = True,
 ) -> tuple[str, str]:
     """(``"gguf"``, ``"fp8"`` or ``"fp32"``, why) for ``model_config.quantization``. None is
     auto: an FP8 checkpoint (``fp8_checkpoint``) keeps its FP8 weights where the device
@@ -257,7 +263,7 @@ def resolve_quantization(
         return model_config.quantization, "--quantization"
     device = torch.device(device)
     if fp8_checkpoint:
-        return fp8_auto(device)
+        return fp8_auto(device, fp8_scaled_mm)
     if model_config.load_format == "dummy":
         why = "dummy weights"
     elif gguf_file(model_config.model) is None:
@@ -283,16 +289,19 @@ WNA16_CHOICES = ("awq", "gptq")
 CPU_FP8_BY_DEFAULT = False
 
 
-def fp8_auto(device: torch.device) -> tuple[str, str]:
-    """The auto format of an FP8 checkpoint on ``device``: fp8 on CUDA devices with FP8
-    GEMMs, fp32 (dequantized, exact) elsewhere."""
-    from vllm.model_executor.layers.quantization.fp8 import fp8_supported
+def fp8_auto(device: torch.device, scaled_mm: bool = True) -> tuple[str, str]:
+    """The auto format of an FP8 checkpoint on ``device``: fp8 on CUDA devices that run its
+    layers, fp32 (dequantized, exact) elsewhere. ``scaled_mm``: some layers multiply in
+    FP8 (``Fp8Linear``: compute capability >= 8.9); else every layer kept is block-scaled
+    (``Fp8BlockLinear``, FP8 experts: Triton kernels that widen the weights, any CUDA
+    card with triton)."""
+    from vllm.model_executor.layers.quantization.fp8 import block_fp8_supported, fp8_supported
 
     if device.type == "cpu":
         if CPU_FP8_BY_DEFAULT:
             return "fp8", "auto: an FP8 checkpoint on CPU"
         return "fp32", "auto: an FP8 checkpoint on CPU, dequantized (faster than CPU FP8 GEMMs)"
-    ok, why = fp8_supported(device)
+    ok, why = (fp8_supported if scaled_mm else block_fp8_supported)(device)
     if ok:
         return "fp8", f"auto: an FP8 checkpoint on {device.type}"
     return "fp32", f"auto: an FP8 checkpoint, dequantized ({why})"
@@ -304,7 +313,7 @@ def apply_quantization(model: nn.Module, model_config) -> str:
     and dtype (``resolve_quantization``). Returns the format used: fp32 leaves a dense model
     as it is and dequantizes an FP8 one (and a 4-bit checkpoint's ``Int4Linear`` layers,
     which auto keeps); fp8 quantizes a dense model's linear layers."""
-    from vllm.model_executor.layers.quantization.fp8 import Fp8Linear
+    from vllm.model_executor.layers.quantization.fp8 import Fp8BlockLinear, Fp8Linear
     from vllm.model_executor.layers.quantization.int4 import Int4Linear, dequantize_model_int4
 
     path = gguf_file(model_config.model)
@@ -325,9 +334,12 @@ def apply_quantization(model: nn.Module, model_config) -> str:
         how = "kept packed (Int4Linear)" if int4_layers else "dequantized (no W4A16 kernel)"
         logger.info("Quantization: %s, its %d-bit weights %s", wna16.method, wna16.bits, how)
         return wna16.method
-    fp8_checkpoint = any(isinstance(m, Fp8Linear) for m in model.modules())
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    fp8_checkpoint = bool(fp8_layers)
+    # Block-scaled layers run Triton kernels; the others torch._scaled_mm (sm89+).
+    scaled_mm = any(not isinstance(m, Fp8BlockLinear) for m in fp8_layers)
     device, dtype = _model_device_dtype(model)
-    choice, why = resolve_quantization(model_config, device, dtype, fp8_checkpoint)
+    choice, why = resolve_quantization(model_config, device, dtype, fp8_checkpoint, scaled_mm)
     logger.info("Quantization: %s (%s)", choice, why)
     fmt = getattr(model, "fp8_format", None)
     if choice == "fp8" and fmt is not None and not fp8_checkpoint:
@@ -348,7 +360,7 @@ def apply_quantization(model: nn.Module, model_config) -> str:
             "or fp32"
         )
     if choice == "fp8":
-        _apply_fp8(model, fp8_checkpoint)
+        _apply_fp8(model, fp8_checkpoint, scaled_mm)
     elif choice == "fp32" and fp8_checkpoint:
         from vllm.model_executor.layers.quantization.fp8 import dequantize_model_fp8
 
@@ -360,7 +372,7 @@ def apply_quantization(model: nn.Module, model_config) -> str:
     return choice
 
 
-def _apply_fp8(model: nn.Module, fp8_checkpoint: bool) -> None:
+def _apply_fp8(model: nn.Module, fp8_checkpoint: bool, scaled_mm: bool = True) -> None:
     from vllm.model_executor.layers.quantization.fp8 import (
         fp8_supported,
         fp8_weight_bytes,
@@ -368,7 +380,10 @@ def _apply_fp8(model: nn.Module, fp8_checkpoint: bool) -> None:
     )
 
     device, dtype = _model_device_dtype(model)
-    ok, why = fp8_supported(device)
+    # Block-scaled layers alone were kept by the loader only where their Triton kernels
+    # run; the others need FP8 GEMMs here.
+    block_only = fp8_checkpoint and not scaled_mm
+    ok, why = (True, "") if block_only else fp8_supported(device)
     if not ok:
         raise ValueError(f"quantization='fp8' cannot run here: {why}")
     dense = sum(fp8_weight_bytes(model))
