@@ -64,3 +64,35 @@ def print_case_results(
         except Exception:
             results[case_id] = {"error": traceback.format_exc()}
     print(json.dumps(results))
+
+
+def compile_for_cuda(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict,
+                     capability: int) -> None:  # fmt: skip
+    """Lower the Triton kernel ``kernel`` to a cubin for compute capability ``capability``
+    (80: Ampere, 90: Hopper) with Triton's CUDA backend and its ptxas, on a machine without
+    a GPU: what the interpreter does not check. ``pointers``: argument -> element type
+    (``"bf16"``, ``"u8"``...); ``scalars``: argument -> type (``"i32"``, ``"fp32"``, or a
+    pointer spelled ``"*fp64"``); ``constants``: the constexprs. Together they must name
+    every argument, in order. Skips without triton, in an interpreted process, or where
+    the install has no ptxas."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("triton is not installed")
+    if not hasattr(kernel, "arg_names"):
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    signature = {name: "*" + t for name, t in pointers.items()}
+    signature.update(scalars)
+    signature.update((name, "constexpr") for name in constants)
+    assert list(signature) == kernel.arg_names  # every argument, in order
+    try:
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32)
+        )
+    except RuntimeError as e:  # no ptxas in this install
+        if "ptxas" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert compiled.asm["cubin"]

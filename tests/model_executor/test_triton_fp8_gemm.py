@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.triton_interpreter import interpreted_cases, print_case_results
+from tests.triton_interpreter import compile_for_cuda, interpreted_cases, print_case_results
 from vllm.model_executor.layers import triton_fp8_gemm
 
 HAS_CUDA = torch.cuda.is_available()
@@ -447,28 +447,12 @@ def test_the_kernel_compiles_for_cuda_without_a_gpu(dtype, widen, has_bias, tile
     backend and its ptxas."""
     if triton_fp8_gemm.triton is None:
         pytest.skip("triton is not installed")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kernel = triton_fp8_gemm._fp8_block_gemm_kernel
-    if not hasattr(kernel, "arg_names"):
-        pytest.skip("TRITON_INTERPRET is set in this process")
     pointers = dict(x_ptr=dtype, w_ptr="u8", scale_ptr="fp32", bias_ptr=dtype, out_ptr=dtype)
-    signature = {name: "*" + t for name, t in pointers.items()}
-    signature.update((name, "i32") for name in kernel.arg_names[5:10])
     constants = dict(B0=block[0], B1=block[1], BLOCK_M=tiles[0], BLOCK_N=tiles[1],
                      BLOCK_K=tiles[2], HAS_BIAS=has_bias, WIDEN=widen)  # fmt: skip
-    signature.update((name, "constexpr") for name in constants)
-    assert list(signature) == kernel.arg_names
-    try:
-        compiled = triton_fp8_gemm.triton.compile(
-            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32)
-        )
-    except RuntimeError as e:  # no ptxas in this install
-        if "ptxas" in str(e):
-            pytest.skip(str(e))
-        raise
-    assert compiled.asm["cubin"]
+    scalars = {name: "i32" for name in kernel.arg_names[5:10]}
+    compile_for_cuda(kernel, pointers, scalars, constants, capability)
 
 
 @pytest.mark.parametrize(
@@ -481,28 +465,12 @@ def test_the_grouped_kernel_compiles_for_cuda_without_a_gpu(dtype, widen, tiles,
                                                              capability):  # fmt: skip
     if triton_fp8_gemm.triton is None:
         pytest.skip("triton is not installed")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kernel = triton_fp8_gemm._fp8_grouped_gemm_kernel
-    if not hasattr(kernel, "arg_names"):
-        pytest.skip("TRITON_INTERPRET is set in this process")
     pointers = dict(x_ptr=dtype, w_ptr="u8", scale_ptr="fp32", ends_ptr="i32", out_ptr=dtype)
-    signature = {name: "*" + t for name, t in pointers.items()}
-    signature.update((name, "i32") for name in kernel.arg_names[5:11])
     constants = dict(B0=block[0], B1=block[1], BLOCK_M=tiles[0], BLOCK_N=tiles[1],
                      BLOCK_K=tiles[2], BLOCK_E=128, WIDEN=widen)  # fmt: skip
-    signature.update((name, "constexpr") for name in constants)
-    assert list(signature) == kernel.arg_names
-    try:
-        compiled = triton_fp8_gemm.triton.compile(
-            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32)
-        )
-    except RuntimeError as e:  # no ptxas in this install
-        if "ptxas" in str(e):
-            pytest.skip(str(e))
-        raise
-    assert compiled.asm["cubin"]
+    scalars = {name: "i32" for name in kernel.arg_names[5:11]}
+    compile_for_cuda(kernel, pointers, scalars, constants, capability)
 
 
 @pytest.mark.cuda

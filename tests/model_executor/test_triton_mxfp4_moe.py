@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from tests.triton_interpreter import interpreted_cases, print_case_results
+from tests.triton_interpreter import compile_for_cuda, interpreted_cases, print_case_results
 from vllm.model_executor.layers import triton_mxfp4_moe
 from vllm.model_executor.models.gpt_oss import dequantize_mxfp4
 
@@ -312,28 +312,13 @@ def test_the_kernel_compiles_for_cuda_without_a_gpu(dtype, precision, has_bias, 
     Ampere), with Triton's CUDA backend and its ptxas."""
     if triton_mxfp4_moe.triton is None:
         pytest.skip("triton is not installed")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kernel = triton_mxfp4_moe._mxfp4_grouped_kernel
-    if not hasattr(kernel, "arg_names"):
-        pytest.skip("TRITON_INTERPRET is set in this process")
     pointers = dict(x_ptr=dtype, blocks_ptr="u8", scales_ptr="u8", ends_ptr="i32",
                     bias_ptr=dtype, out_ptr=dtype)  # fmt: skip
-    signature = {name: "*" + t for name, t in pointers.items()}
-    signature.update((name, "i32") for name in kernel.arg_names[6:13])
     blocks = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), tiles, strict=True), BLOCK_E=32)
     constants = dict(**blocks, HAS_BIAS=has_bias, PRECISION=precision)
-    signature.update((name, "constexpr") for name in constants)
-    try:
-        compiled = triton_mxfp4_moe.triton.compile(
-            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32)
-        )
-    except RuntimeError as e:  # no ptxas in this install
-        if "ptxas" in str(e):
-            pytest.skip(str(e))
-        raise
-    assert compiled.asm["cubin"]
+    scalars = {name: "i32" for name in kernel.arg_names[6:13]}
+    compile_for_cuda(kernel, pointers, scalars, constants, capability)
 
 
 @pytest.mark.cuda

@@ -10,33 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.triton_interpreter import compile_for_cuda
 from vllm.v1.attention.backends import triton_decode, triton_prefill
 
 DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
-
-
-def _compile(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict,
-             capability: int):  # fmt: skip
-    if triton_decode.triton is None:
-        pytest.skip("triton is not installed")
-    if not hasattr(kernel, "arg_names"):
-        pytest.skip("TRITON_INTERPRET is set in this process")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {name: "*" + t for name, t in pointers.items()}
-    signature.update(scalars)
-    signature.update((name, "constexpr") for name in constants)
-    assert list(signature) == kernel.arg_names  # every argument, in order
-    try:
-        compiled = triton_decode.triton.compile(
-            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32)
-        )
-    except RuntimeError as e:  # no ptxas in this install
-        if "ptxas" in str(e):
-            pytest.skip(str(e))
-        raise
-    assert compiled.asm["cubin"]
 
 
 def _strides(names: list[str]) -> dict[str, str]:
@@ -66,14 +43,15 @@ def test_decode_kernel_compiles(dtype, kv_fp8, soft_cap, sinks, splits, capabili
                      TILE_N=64, NUM_SPLITS=splits, HAS_ROWS=True, HAS_SOFT_CAP=soft_cap,
                      HAS_SINKS=sinks, KV_FP8=kv_fp8,
                      PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
-    _compile(triton_decode._decode_kernel, pointers, scalars, constants, capability)
+    compile_for_cuda(triton_decode._decode_kernel, pointers, scalars, constants, capability)
     if splits > 1:
         pointers = dict(m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32", rows_ptr="i32",
                         sinks_ptr=dtype if sinks else "i32", out_ptr=dtype)  # fmt: skip
         scalars = {"stride_o_tok": "i32", "stride_o_head": "i32"}
         constants = dict(HEAD_DIM=64, HEAD_DIM_PAD=64, NUM_SPLITS=splits, HAS_ROWS=True,
                          HAS_SINKS=sinks)  # fmt: skip
-        _compile(triton_decode._combine_splits_kernel, pointers, scalars, constants, capability)
+        combine = triton_decode._combine_splits_kernel
+        compile_for_cuda(combine, pointers, scalars, constants, capability)
 
 
 # (q dtype, KV_FP8, soft cap, sinks, head dim, capability)
@@ -96,7 +74,7 @@ def test_prefill_kernel_compiles(dtype, kv_fp8, soft_cap, sinks, dim, capability
     constants = dict(GROUP=2, HEAD_DIM=dim, HEAD_DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=block,
                      TILE_N=block, HAS_SOFT_CAP=soft_cap, HAS_SINKS=sinks, KV_FP8=kv_fp8,
                      PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
-    _compile(triton_prefill._prefill_kernel, pointers, scalars, constants, capability)
+    compile_for_cuda(triton_prefill._prefill_kernel, pointers, scalars, constants, capability)
 
 
 @pytest.mark.parametrize("capability", [80, 90])
@@ -108,7 +86,7 @@ def test_top_p_kernels_compile(capability):
     scalars = {"vocab": "i32", "chunk": "i32", "num_rows": "i32", "splits": "i32"}
     for p in (0, t.PASSES - 1):
         pointers = dict(probs_ptr="fp32")
-        _compile(
+        compile_for_cuda(
             t._top_p_pass,
             pointers,
             {"stride": "i32", "top_p_ptr": "*fp64", "state_ptr": "*i32", "parts_ptr": "*fp64"}
@@ -117,5 +95,5 @@ def test_top_p_kernels_compile(capability):
             capability,
         )
     pointers = dict(top_p_ptr="fp64", state_ptr="i32", parts_ptr="fp64", edge_ptr="fp32")
-    _compile(t._top_p_edge, pointers, {"num_rows": "i32", "splits": "i32"},
+    compile_for_cuda(t._top_p_edge, pointers, {"num_rows": "i32", "splits": "i32"},
              dict(PASS=t.PASSES, T=t.THRESHOLDS), capability)  # fmt: skip
