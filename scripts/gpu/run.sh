@@ -18,6 +18,8 @@
 #                        (the API server's CPU per streamed token; --shape llama-3.1-8b)
 #   study [ARGS]         scripts/gpu/study.py: the agent workload on a random-weight
 #                        model (run_sweep.py ARGS), $OUT/study-LABEL.tar.gz
+#   fp8gemm [ARGS]       benchmarks/benchmark_fp8_gemm.py ARGS --json-out $OUT/fp8gemm-K.json
+#                        (block-scaled FP8 layers and experts against their bf16 twins)
 # e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
 #
 # Run from the repository root with .whl/ carried (`make gpu-wheels` fills it). Writes
@@ -35,7 +37,7 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-570}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-STEPS="test bench serve-smoke offload moe sampler api study"
+STEPS="test bench serve-smoke offload moe sampler api study fp8gemm"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -97,6 +99,7 @@ OFFLOAD_RUNS=0
 MOE_RUNS=0
 SAMPLER_RUNS=0
 API_RUNS=0
+FP8GEMM_RUNS=0
 run_step() {
     local step=$1
     shift
@@ -140,6 +143,11 @@ run_step() {
         API_RUNS=$((API_RUNS + 1))
         limited "${GPU_API_TIMEOUT:-240}" "$PYTHON" benchmarks/benchmark_api_server.py \
             --json-out "$OUT/api-$API_RUNS.json" "$@"
+        ;;
+    fp8gemm)
+        FP8GEMM_RUNS=$((FP8GEMM_RUNS + 1))
+        limited "${GPU_FP8GEMM_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_fp8_gemm.py \
+            --json-out "$OUT/fp8gemm-$FP8GEMM_RUNS.json" "$@"
         ;;
     serve-smoke)
         limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"

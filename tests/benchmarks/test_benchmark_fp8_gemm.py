@@ -36,3 +36,19 @@ def test_tiny_shape_rows_interpreted(tmp_path):
         assert row["ratio"] == pytest.approx(row["fp8_ms"] / row["dense_ms"])
         assert row["fp8_gb_s"] == pytest.approx(row["weight_bytes"] / row["fp8_ms"] / 1e6)
     assert "fp8/dense" in done.stdout
+
+
+def test_gpu_kit_runs_the_fp8gemm_step(tmp_path):
+    # scripts/gpu/run.sh's fp8gemm step on the CPU (its kernels interpreted): the JSON and
+    # the step's status land under $OUT.
+    pytest.importorskip("triton")
+    kit = REPO / "scripts" / "gpu" / "run.sh"
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
+                        "TRITON_INTERPRET": "1"}  # fmt: skip
+    argv = ["fp8gemm", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens",
+            "3", "--repeats", "1"]  # fmt: skip
+    done = subprocess.run([str(kit), *argv], env=env, timeout=300, capture_output=True)
+    assert done.returncode == 0, done.stdout.decode()[-2000:]
+    rows = json.loads((tmp_path / "fp8gemm-1.json").read_text())["rows"]
+    assert {r["tokens"] for r in rows} == {3}
+    assert "=== fp8gemm: exit status 0" in (tmp_path / "run.log").read_text()
