@@ -21,6 +21,14 @@ the tiles are all one path.
 
 One program per (``BLOCK_M`` rows, ``BLOCK_N`` columns); the grid depends on the shapes
 only and nothing is read on the host, so decode steps stay capturable in CUDA graphs.
+
+``w4a16_grouped_linear(x, qweight, scales, zeros, group_size, expert_ends)`` is the same
+product over a MoE layer's stacked 4-bit experts (``qweight (E, K / 8, N)``, ``scales`` and
+``zeros (E, G, N)``: each expert in the layout above), the rows of ``x`` sorted by expert
+(expert ``e`` owning rows ``[expert_ends[e - 1], expert_ends[e])``), as
+``triton_fp8_gemm.fp8_grouped_linear`` does for FP8: a row tile walks the experts its rows
+span (read from ``expert_ends`` on the device), each one's products kept for its own rows;
+the tile product is the dense kernel's.
 Triton is optional: without it this module imports (``triton_unavailable_reason``). Tests
 run the kernel on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` set before
 this module is imported).
@@ -125,28 +133,92 @@ def w4a16_linear(
     return out
 
 
+def check_w4a16_grouped_args(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    expert_ends: torch.Tensor,
+) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or device does not fit:
+    ``qweight (E, K / 8, N)``, ``scales`` / ``zeros (E, G, N)``, ``expert_ends (E,)``."""
+    if qweight.dim() != 3 or scales.dim() != 3 or zeros.dim() != 3:
+        raise ValueError("qweight, scales and zeros must be 3-d (one per expert)")
+    num_experts = qweight.shape[0]
+    if scales.shape[0] != num_experts or zeros.shape[0] != num_experts:
+        raise ValueError(f"scales and zeros must hold {num_experts} experts, as qweight")
+    if x.dim() == 2 and x.stride(1) != 1:
+        raise ValueError("x's rows must be contiguous")
+    check_w4a16_args(x, qweight[0], scales[0], zeros[0], group_size)
+    if expert_ends.shape != (num_experts,) or expert_ends.dtype != torch.int32:
+        raise ValueError(
+            f"expert_ends must be ({num_experts},) int32, got "
+            f"{tuple(expert_ends.shape)} {expert_ends.dtype}"
+        )
+    if expert_ends.device != x.device:
+        raise ValueError("x and expert_ends must share a device")
+
+
+def w4a16_grouped_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    expert_ends: torch.Tensor,
+    block_m: int | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """``(rows, N)`` in ``x``'s dtype: row ``r`` of ``x (rows, K)`` times expert ``e``'s
+    weight (``qweight[e]``, ``scales[e]``, ``zeros[e]`` in the module docstring's layout),
+    ``e`` the expert whose range ``[expert_ends[e - 1], expert_ends[e])`` holds ``r``
+    (``expert_ends`` int32, non-decreasing, on the device; rows past its last entry get
+    zeros). The launch depends on the shapes only."""
+    check_w4a16_grouped_args(x, qweight, scales, zeros, group_size, expert_ends)
+    block_m = block_m or default_block_m(x.shape[0])
+    if not {block_m, block_n, block_k} <= set(TILE_SIZES):
+        raise ValueError(f"tiles {block_m}, {block_n}, {block_k} must be in {TILE_SIZES}")
+    reason = triton_unavailable_reason(x.device)
+    if reason is not None:
+        raise RuntimeError(f"w4a16_grouped_linear: {reason}")
+    num_experts, _, n = qweight.shape
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
+    _w4a16_grouped_kernel[grid](
+        x, qweight, scales, zeros, expert_ends, out,
+        rows, n, k, scales.shape[1], group_size, num_experts, x.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        WIDEN=x.device.type == "cpu" or x.dtype == torch.float32,
+    )  # fmt: skip
+    return out
+
+
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["M"])  # one compile for every batch's rows
-    def _w4a16_kernel(
-        x_ptr, qw_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, group_size,
-        stride_xm, stride_xk, stride_om,
+    @triton.jit
+    def _w4a16_tile_product(
+        x_ptr, x_rows, x_mask_rows, qw_ptr, scales_ptr, zeros_ptr, cols, col_mask,
+        N, K, group_size, stride_xk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         WIDEN: tl.constexpr,
     ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < M
-        col_mask = cols < N
+        """fp32 ``(BLOCK_M, BLOCK_N)``: the rows ``x_rows`` (offsets; ``x_mask_rows``) of
+        ``x`` times the columns ``cols`` of one packed weight (``qw_ptr``, ``scales_ptr``
+        and ``zeros_ptr`` at its first word, scale and zero), expanded tile by tile."""
         ks = tl.arange(0, BLOCK_K)
-        x_rows = rows.to(tl.int64) * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
             k_mask = k < K
             a = tl.load(
                 x_ptr + x_rows[:, None] + (k * stride_xk)[None, :],
-                mask=row_mask[:, None] & k_mask[None, :],
+                mask=x_mask_rows[:, None] & k_mask[None, :],
                 other=0.0,
             )
             w_mask = k_mask[:, None] & col_mask[None, :]
@@ -161,5 +233,59 @@ if triton is not None:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(a, w)
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])  # one compile for every batch's rows
+    def _w4a16_kernel(
+        x_ptr, qw_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, group_size,
+        stride_xm, stride_xk, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        WIDEN: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < M
+        col_mask = cols < N
+        acc = _w4a16_tile_product(
+            x_ptr, rows.to(tl.int64) * stride_xm, row_mask, qw_ptr, scales_ptr, zeros_ptr,
+            cols, col_mask, N, K, group_size, stride_xk, BLOCK_M, BLOCK_N, BLOCK_K, WIDEN,
+        )  # fmt: skip
         out = out_ptr + (rows.to(tl.int64) * stride_om)[:, None] + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+    @triton.jit(do_not_specialize=["num_rows"])  # one compile for every batch's rows
+    def _w4a16_grouped_kernel(
+        x_ptr, qw_ptr, scales_ptr, zeros_ptr, ends_ptr, out_ptr,
+        num_rows, N, K, num_groups, group_size, num_experts, stride_xm, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_E: tl.constexpr, WIDEN: tl.constexpr,
+    ):  # fmt: skip
+        first_row = tl.program_id(0) * BLOCK_M
+        rows = first_row + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        # The experts this tile's rows belong to: those ending past its first row, up to
+        # the one holding its last row (read on the device: no host sync).
+        experts = tl.arange(0, BLOCK_E)
+        ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=2147483647)
+        last_row = tl.minimum(first_row + BLOCK_M, num_rows) - 1
+        first_expert = tl.sum((ends <= first_row).to(tl.int32))
+        last_expert = tl.minimum(tl.sum((ends <= last_row).to(tl.int32)), num_experts - 1)
+        x_rows = rows.to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for e in range(first_expert, last_expert + 1):
+            start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+            end = tl.load(ends_ptr + e)
+            if end > start:
+                in_expert = (rows >= start) & (rows < tl.minimum(end, num_rows))
+                e64 = tl.cast(e, tl.int64)  # the stacked experts may pass 2^31 elements
+                part = _w4a16_tile_product(
+                    x_ptr, x_rows, in_expert, qw_ptr + e64 * (K // 8) * N,
+                    scales_ptr + e64 * num_groups * N, zeros_ptr + e64 * num_groups * N,
+                    cols, col_mask, N, K, group_size, 1, BLOCK_M, BLOCK_N, BLOCK_K, WIDEN,
+                )  # fmt: skip
+                # Rows of other experts loaded zeros (in_expert masks x): their sums are 0.
+                acc += part
+        out = out_ptr + (rows.to(tl.int64) * stride_om)[:, None] + cols[None, :]
+        out_mask = (rows < num_rows)[:, None] & col_mask[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
