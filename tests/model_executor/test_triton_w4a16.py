@@ -146,6 +146,17 @@ def emulated_w4a16(x, qweight, scales, zeros, group_size, **tiles):
     return (x.double() @ w.double()).to(x.dtype)
 
 
+def emulated_w4a16_grouped(x, qweight, scales, zeros, group_size, expert_ends, **tiles):
+    """The grouped kernel's contract in float64, expert by expert (reads the ends on the
+    host: the emulation only)."""
+    out = torch.zeros(x.shape[0], qweight.shape[2], dtype=x.dtype)
+    start = 0
+    for e, end in enumerate(expert_ends.tolist()):
+        out[start:end] = emulated_w4a16(x[start:end], qweight[e], scales[e], zeros[e], group_size)
+        start = end
+    return out
+
+
 W4_SCHEMES = [s for s, (_, (bits, *_)) in SCHEMES.items() if bits == 4]
 
 
@@ -274,6 +285,7 @@ def _packed_where_the_kernel_runs(monkeypatch) -> None:
     """The CUDA path on the CPU: the kernel 'runs' here, as its float64 emulation."""
     monkeypatch.setattr(triton_w4a16, "triton_unavailable_reason", lambda device: None)
     monkeypatch.setattr(triton_w4a16, "w4a16_linear", emulated_w4a16)
+    monkeypatch.setattr(triton_w4a16, "w4a16_grouped_linear", emulated_w4a16_grouped)
 
 
 @pytest.mark.parametrize(
@@ -285,8 +297,8 @@ def test_a_checkpoint_kept_packed_gives_the_dequantized_models_logits(
     family, scheme, packed, tmp_path, monkeypatch
 ):
     """Where the kernel runs, the loader plans Int4Linear layers (q/k/v and gate/up fused;
-    experts, routers and the head dense): their logits equal the dequantized model's, and
-    --quantization fp32 dequantizes them."""
+    routers and the head dense; the experts packed in FusedMoE): their logits equal the
+    dequantized model's, and --quantization fp32 dequantizes them."""
     from tests.model_executor.wna16_checkpoints import IDS, hf_logits, save_model
     from tests.tiny_models import load_cpu_runner, runner_logits
     from vllm.config import ModelConfig
@@ -301,7 +313,7 @@ def test_a_checkpoint_kept_packed_gives_the_dequantized_models_logits(
         found = [m for m in runner.model.modules() if isinstance(m, Int4Linear)]
         assert len(found) == layers
         if layers:
-            # the MoE's experts are dequantized: only its attention (64 inputs) stays packed
+            # Int4Linear: the attention (64 inputs); the experts are packed in FusedMoE
             assert {m.in_features for m in found} == ({64} if family == "qwen3_moe" else {64, 96})
             assert all(m.scales.dtype == torch.float32 for m in found)
         ours = runner_logits(runner, IDS)

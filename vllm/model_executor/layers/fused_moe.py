@@ -40,6 +40,17 @@ scales per block (``block_size``) or per row (per-tensor and per-channel checkpo
 
 (per row: ``(E, rows, 1)``), and both grouped GEMMs are ``triton_fp8_gemm``'s grouped
 kernel, weight-only: the activations stay in the model's dtype.
+
+``use_int4_weights(group_size)`` (a 4-bit AWQ / GPTQ / compressed-tensors checkpoint's
+experts on CUDA, planned by ``int4.plan_int4_linears``) holds them packed in the layout
+``Int4Linear`` holds (``triton_w4a16.py``; ``K`` each projection's inputs, ``G`` its
+groups)::
+
+    w13_qweight (E, hidden / 8, 2 * intermediate) int32   w13_scales / w13_zeros (E, G, 2I)
+    w2_qweight  (E, intermediate / 8, hidden)     int32   w2_scales / w2_zeros   (E, G, hidden)
+
+(scales fp32, zeros uint8), and both grouped GEMMs are ``triton_w4a16``'s grouped kernel.
+GPTQ act-order experts (a permutation of each expert's inputs) are not held so.
 """
 
 from __future__ import annotations
@@ -48,10 +59,11 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
-from vllm.model_executor.layers import triton_fp8_gemm, triton_mxfp4_moe
+from vllm.model_executor.layers import triton_fp8_gemm, triton_mxfp4_moe, triton_w4a16
 from vllm.model_executor.layers.quantization.fp8 import FP8_DTYPE, dequantize_fp8_blocks
 
 FP8_BUFFERS = ("w13_weight", "w13_scale", "w2_weight", "w2_scale")
+INT4_BUFFERS = tuple(f"{w}_{t}" for w in ("w13", "w2") for t in ("qweight", "scales", "zeros"))
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None
@@ -242,6 +254,27 @@ def fused_experts_fp8(
     return _combine(y, order, topk_weights)
 
 
+def fused_experts_int4(
+    x: torch.Tensor,
+    moe: FusedMoE,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_experts`` over ``moe``'s packed 4-bit experts: both grouped GEMMs in
+    ``triton_w4a16``'s grouped kernel. No host sync, fixed launch shapes."""
+    top_k = topk_ids.shape[1]
+    order, ends = _sort_by_expert(topk_ids, moe.num_experts)
+    linear = triton_w4a16.w4a16_grouped_linear
+    g13, g2 = moe.int4_group
+    h = linear(  # (pairs, 2I), by expert
+        x.index_select(0, order // top_k), moe.w13_qweight, moe.w13_scales, moe.w13_zeros,
+        g13, ends,
+    )  # fmt: skip
+    y = linear(moe.activation(h).contiguous(), moe.w2_qweight, moe.w2_scales, moe.w2_zeros,
+               g2, ends)  # fmt: skip
+    return _combine(y, order, topk_weights)
+
+
 def _dense_experts(
     x, w13, w2, topk_weights, topk_ids, activation=SILU, w13_bias=None, w2_bias=None
 ) -> torch.Tensor:
@@ -297,6 +330,7 @@ class FusedMoE(nn.Module):
         self.mxfp4 = mxfp4
         self.fp8 = False  # use_fp8_weights
         self.fp8_block: tuple[int, int] | None = None
+        self.int4_group: tuple[int, int] | None = None  # use_int4_weights: (w13's, w2's)
         self.w13 = self.w2 = None
         if mxfp4:
             for name, rows, cols in (
@@ -383,6 +417,55 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(dense[0], requires_grad=False)
         self.w2 = nn.Parameter(dense[1], requires_grad=False)
 
+    def int4_unsupported_reason(self) -> str | None:
+        """Why ``use_int4_weights`` cannot hold these experts (None: it can)."""
+        if self.mxfp4 or self.fp8 or self.int4_group or self.w13_bias is not None:
+            return "packed or biased experts"
+        if self.hidden_size % triton_w4a16.PACK or self.intermediate_size % triton_w4a16.PACK:
+            return f"hidden or intermediate size not a multiple of {triton_w4a16.PACK}"
+        return None
+
+    def use_int4_weights(self, group_size: int) -> None:
+        """Trade ``w13`` / ``w2`` for empty packed 4-bit buffers (the module docstring's
+        layout, groups of ``group_size`` inputs, -1: one group) on their device; they are
+        filled by ``int4.fill_int4_linears``, not ``load_expert``."""
+        reason = self.int4_unsupported_reason()
+        if reason is not None:
+            raise ValueError(f"4-bit experts: {reason}")
+        device = self.w13.device
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        del self.w13, self.w2
+        self.w13 = self.w2 = None
+        groups = []
+        for name, n, k in (("w13", 2 * i, h), ("w2", h, i)):
+            size = k if group_size == -1 else group_size
+            g = -(-k // size)
+            self.register_buffer(name + "_qweight", torch.empty(
+                e, k // triton_w4a16.PACK, n, dtype=torch.int32, device=device))  # fmt: skip
+            self.register_buffer(name + "_scales", torch.empty(e, g, n, device=device))
+            self.register_buffer(name + "_zeros", torch.empty(e, g, n, dtype=torch.uint8,
+                                                              device=device))  # fmt: skip
+            groups.append(size)
+        self.int4_group = (groups[0], groups[1])
+
+    def dequantize_int4_weights(self, dtype: torch.dtype) -> None:
+        """Back to dense ``w13`` / ``w2`` in ``dtype``, the 4-bit experts dequantized
+        (exact: the checkpoint's values)."""
+        if not self.int4_group:
+            return
+        from vllm.model_executor.layers.quantization.int4 import dequantize_packed
+
+        dense = []
+        for name, group in zip(("w13", "w2"), self.int4_group, strict=True):
+            packed = [getattr(self, f"{name}_{t}") for t in ("qweight", "scales", "zeros")]
+            experts = zip(*packed, strict=True)  # one (qweight, scales, zeros) per expert
+            dense.append(torch.stack([dequantize_packed(*p, group, dtype) for p in experts]))
+        for name in INT4_BUFFERS:
+            delattr(self, name)
+        self.int4_group = None
+        self.w13 = nn.Parameter(dense[0], requires_grad=False)
+        self.w2 = nn.Parameter(dense[1], requires_grad=False)
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route by the softmax of ``router_logits`` (``select_experts``), then ``apply``."""
         return self.apply(x, *select_experts(router_logits, self.top_k, self.renormalize))
@@ -393,6 +476,8 @@ class FusedMoE(nn.Module):
             return fused_experts_mxfp4(x, self, weights, ids)
         if self.fp8:
             return fused_experts_fp8(x, self, weights, ids)
+        if self.int4_group:
+            return fused_experts_int4(x, self, weights, ids)
         return fused_experts(
             x, self.w13, self.w2, weights, ids, self.activation, self.w13_bias, self.w2_bias
         )
@@ -404,6 +489,11 @@ class FusedMoE(nn.Module):
         i = self.intermediate_size
         if self.fp8:
             return self._load_fp8_expert(expert, gate, up, down)
+        if self.int4_group:  # fill_int4_linears copies the packed values in
+            if not all(hasattr(t, "parts") for t in (gate, up, down)):
+                raise ValueError(f"expert {expert}: 4-bit experts take a checkpoint's packed "
+                                 "weights (int4.PackedWeight)")  # fmt: skip
+            return None
         self.w13[expert, :i].copy_(gate)
         self.w13[expert, i:].copy_(up)
         self.w2[expert].copy_(down)
@@ -430,12 +520,15 @@ class FusedMoE(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         # As Fp8Linear: Module.to(dtype) casts the FP8 experts and their fp32 scales too;
         # they only follow device moves (a zero-size probe tells a cast from a move).
-        if not self.fp8:
+        # 4-bit experts likewise keep their int32 / fp32 / uint8 buffers.
+        if not self.fp8 and not self.int4_group:
             return super()._apply(fn, recurse)
-        probe = fn(torch.empty(0, dtype=FP8_DTYPE, device=self.w13_weight.device))
-        if probe.dtype == FP8_DTYPE:
+        first = self.w13_weight if self.fp8 else self.w13_scales
+        probe = fn(torch.empty(0, dtype=first.dtype, device=first.device))
+        if probe.dtype == first.dtype:
             return super()._apply(fn, recurse)
-        kept = {name: self._buffers.pop(name) for name in FP8_BUFFERS}
+        kept = {name: self._buffers.pop(name)
+                for name in (FP8_BUFFERS if self.fp8 else INT4_BUFFERS)}  # fmt: skip
         super()._apply(fn, recurse)
         for name, buf in kept.items():
             self._buffers[name] = buf.to(probe.device)

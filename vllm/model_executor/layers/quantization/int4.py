@@ -39,6 +39,22 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def dequantize_packed(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(out, in)`` in ``dtype`` (computed in fp32: exact) of one weight in the repacked
+    layout (``qweight (in / 8, out)``, ``scales`` / ``zeros (groups, out)``), inputs in the
+    packed order."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device)
+    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, qweight.shape[1])
+    g = torch.arange(q.shape[0], device=q.device) // group_size
+    return ((q - zeros[g].int()).float() * scales[g]).t().to(dtype)
+
+
 def act_order_permutation(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
     """The input order that makes ``g_idx``'s groups contiguous runs of ``group_size``
     (None: it already is); ``ValueError`` if no order does."""
@@ -140,12 +156,8 @@ class Int4Linear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """(out, in) in the checkpoint's input order, computed in fp32, in ``dtype``."""
-        shifts = torch.arange(0, 32, 4, device=self.qweight.device)
-        q = ((self.qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(
-            -1, self.out_features
-        )
-        g = torch.arange(self.in_features, device=q.device) // self.group_size
-        w = ((q - self.zeros[g].int()).float() * self.scales[g]).t()  # (out, in) sorted
+        w = dequantize_packed(self.qweight, self.scales, self.zeros, self.group_size,
+                              torch.float32)  # (out, in) sorted  # fmt: skip
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w.to(dtype)
@@ -214,8 +226,9 @@ def plan_int4_linears(model: nn.Module, state: dict, group_size: int) -> dict[in
     """Before ``model`` (on the meta device) gets storage: run its ``load_weights`` on meta
     copies of ``state`` (its packed weights ``PackedWeight``s) to learn which ``nn.Linear``
     layers they fill whole, and make those ``Int4Linear``s (not ``KEEP_DENSE``; those
-    whose weights repack), so their dense weights never exist on the device. Returns, by
-    ``id`` of each new layer, its packed tensors (on the CPU) for ``fill_int4_linears``."""
+    whose weights repack), and each ``FusedMoE`` whose experts repack hold them packed
+    (``_plan_int4_experts``), so their dense weights never exist on the device. Returns, by
+    ``id`` of each such layer, its packed tensors (on the CPU) for ``fill_int4_linears``."""
     from vllm.model_executor.layers.quantization.fp8 import replace_linears
 
     sink: dict[int, tuple] = {}
@@ -250,12 +263,69 @@ def plan_int4_linears(model: nn.Module, state: dict, group_size: int) -> dict[in
         return shell
 
     replace_linears(model, make)
+    filled.update(_plan_int4_experts(model, sink, group_size))
     return filled
 
 
+def _expert_records(moe: nn.Module, sink: dict) -> dict | None:
+    """``{(expert, projection): parts}`` (projection 0 gate, 1 up, 2 down) of every
+    ``PackedWeight`` the dry run copied into ``moe``'s ``w13`` / ``w2`` (None: not every
+    expert's three were)."""
+    i, h = moe.intermediate_size, moe.hidden_size
+    found = {}
+    for dst, parts in sink.values():
+        if dst._base is moe.w13:
+            e, rest = divmod(dst.storage_offset(), 2 * i * h)
+            found[(e, rest // (i * h))] = parts
+        elif dst._base is moe.w2:
+            found[(dst.storage_offset() // (h * i), 2)] = parts
+    return found if len(found) == 3 * moe.num_experts else None
+
+
+def _plan_int4_experts(model: nn.Module, sink: dict, group_size: int) -> dict[int, dict]:
+    """Each ``FusedMoE`` whose every expert the dry run filled from ``PackedWeight``s, and
+    whose experts all repack without a permutation of their inputs (GPTQ act-order
+    experts stay dense: the grouped kernel reads each expert's inputs in one order), trades
+    its dense weights for packed buffers (``use_int4_weights``). Returns, by ``id`` of each
+    such layer, its stacked packed tensors (on the CPU) for ``fill_int4_linears``."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+
+    planned: dict[int, dict] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, FusedMoE) or mod.w13 is None or mod.int4_unsupported_reason():
+            continue
+        records = _expert_records(mod, sink)
+        if records is None:
+            continue
+        tensors = _repack_experts(mod, records, group_size)
+        if tensors is None:
+            logger.info("%s: 4-bit experts dequantized (act-order or not repackable)", name)
+            continue
+        mod.use_int4_weights(group_size)
+        if any(tensors[n].shape != getattr(mod, n).shape for n in tensors):
+            raise RuntimeError(f"{name}: repacked experts do not fit the planned buffers")
+        planned[id(mod)] = tensors
+    return planned
+
+
+def _repack_experts(moe: nn.Module, records: dict, group_size: int) -> dict | None:
+    """The experts' ``w13`` (gate and up fused) and ``w2`` repacked and stacked, by buffer
+    name; None if one does not repack or needs a permutation of its inputs."""
+    stacked: dict[str, list] = {}
+    for e in range(moe.num_experts):
+        for proj, keys in (("w13", (0, 1)), ("w2", (2,))):
+            parts = [p.read() for k in keys for p in records[(e, k)]]
+            layer = Int4Linear.from_parts(parts, group_size)
+            if layer is None or layer.perm is not None:
+                return None
+            for t in ("qweight", "scales", "zeros"):
+                stacked.setdefault(f"{proj}_{t}", []).append(getattr(layer, t))
+    return {n: torch.stack(ts) for n, ts in stacked.items()}
+
+
 def fill_int4_linears(model: nn.Module, filled: dict[int, tuple]) -> int:
-    """Copy each planned ``Int4Linear``'s packed tensors in (after ``to_empty``); returns
-    how many layers."""
+    """Copy each planned ``Int4Linear``'s (and packed ``FusedMoE``'s) tensors in (after
+    ``to_empty``); returns how many layers."""
     count = 0
     with torch.no_grad():
         for mod in model.modules():
@@ -271,8 +341,14 @@ def fill_int4_linears(model: nn.Module, filled: dict[int, tuple]) -> int:
 
 
 def dequantize_model_int4(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every ``Int4Linear`` by the ``nn.Linear`` of its dequantized weight."""
+    """Replace every ``Int4Linear`` by the ``nn.Linear`` of its dequantized weight and
+    dequantize every ``FusedMoE``'s packed 4-bit experts; returns how many layers."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE
     from vllm.model_executor.layers.quantization.fp8 import replace_linears
 
-    return replace_linears(model, lambda _, m: m.to_dense(dtype) if isinstance(m, Int4Linear)
-                           else None)  # fmt: skip
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.int4_group]
+    for moe in experts:
+        moe.dequantize_int4_weights(dtype)
+    return len(experts) + replace_linears(
+        model, lambda _, m: m.to_dense(dtype) if isinstance(m, Int4Linear) else None
+    )
