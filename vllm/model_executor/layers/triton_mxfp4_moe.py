@@ -35,9 +35,10 @@ it cannot run). Tests run the kernel on CPU tensors in Triton's interpreter
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from vllm.model_executor.layers.triton_gemm import default_block_m as shared_block_m
+from vllm.model_executor.layers.triton_gemm import gemm_unavailable_reason
 
 try:
     import triton
@@ -54,21 +55,13 @@ BLOCK_K_SIZES = (32, 64, 128, 256)  # whole scale groups, at least tl.dot's K of
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
-    """Why the kernel cannot run on ``device`` (None: it can). CPU tensors run only in
-    Triton's interpreter (the tests)."""
-    if triton is None:
-        return "triton is not installed"
-    if device.type == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device is available"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return f"the Triton MXFP4 kernel runs on CUDA, not {device.type}"
+    """Why the kernel cannot run on ``device`` (None: it can; ``gemm_unavailable_reason``)."""
+    return gemm_unavailable_reason(device, "MXFP4 kernel")
 
 
 def default_block_m(num_rows: int) -> int:
-    """Rows a program takes: 16 (``tl.dot``'s least) for decode-sized batches, 64 above,
-    where most tiles lie within one expert."""
-    return 16 if num_rows <= 256 else 64
+    """Rows a program takes (``triton_gemm.default_block_m``, decode-sized up to 256)."""
+    return shared_block_m(num_rows, 256)
 
 
 def check_mxfp4_args(
