@@ -42,6 +42,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from vllm.model_executor.layers import triton_fp8_gemm
+from vllm.model_executor.layers.quantization.checkpoint_config import (
+    bad_field,
+    check_keys,
+    compressed_tensors_group,
+)
 from vllm.model_executor.layers.quantization.fp8 import (
     FP8_DTYPE,
     KEEP_DENSE,
@@ -95,7 +100,7 @@ class Fp8CheckpointFormat:
         if method == "compressed-tensors":
             return _compressed_tensors(quant)
         if method == "fbgemm_fp8":
-            _check_keys(quant, {"quant_method", "activation_scale_ub", "modules_to_not_convert"})
+            check_keys(quant, {"quant_method", "activation_scale_ub", "modules_to_not_convert"})
             ub = quant.get("activation_scale_ub")
             return cls("fbgemm_fp8", None, "token", None if ub is None else float(ub))
         raise ValueError(
@@ -104,72 +109,53 @@ class Fp8CheckpointFormat:
         )
 
 
-def _bad(field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"quantization_config.{field} {value!r} is not supported: {why}")
-
-
-def _check_keys(config: dict, known: set[str], where: str = "") -> None:
-    for key in config:
-        if key not in known:
-            raise _bad(where + key, config[key], "unknown field")
-
-
 def _fine_grained(q: dict) -> Fp8CheckpointFormat:
     known = {"quant_method", "activation_scheme", "weight_block_size", "modules_to_not_convert",
              "ignored_layers", "fmt", "scale_fmt", "expert_dtype", "modules_to_convert",
              "dequantize"}  # fmt: skip
-    _check_keys(q, known)
+    check_keys(q, known)
     for key, ok in (("fmt", "e4m3"), ("scale_fmt", "float"), ("expert_dtype", "fp8")):
         if q.get(key) not in (None, ok):
-            raise _bad(key, q[key], f"only {ok!r}")
+            raise bad_field(key, q[key], f"only {ok!r}")
     if q.get("modules_to_convert"):
-        raise _bad("modules_to_convert", q["modules_to_convert"], "embeddings stay unquantized")
+        raise bad_field(
+            "modules_to_convert", q["modules_to_convert"], "embeddings stay unquantized"
+        )
     if q.get("dequantize"):
-        raise _bad("dequantize", q["dequantize"], "use --quantization fp32 to dequantize")
+        raise bad_field("dequantize", q["dequantize"], "use --quantization fp32 to dequantize")
     scheme = q.get("activation_scheme", "dynamic")
     block = q.get("weight_block_size")
     if block is not None and (len(block) != 2 or min(block) <= 0):
-        raise _bad("weight_block_size", block, "two positive integers")
+        raise bad_field("weight_block_size", block, "two positive integers")
     if scheme not in ("dynamic", "static") or (scheme == "static" and block is not None):
-        raise _bad("activation_scheme", scheme, "dynamic, or static with per-tensor scales")
+        raise bad_field("activation_scheme", scheme, "dynamic, or static with per-tensor scales")
     block = tuple(int(b) for b in block) if block is not None else None
     return Fp8CheckpointFormat("fp8", block, "static" if scheme == "static" else "token")
 
 
 def _compressed_tensors(q: dict) -> Fp8CheckpointFormat:
-    known = {"quant_method", "config_groups", "ignore", "format", "quantization_status",
-             "kv_cache_scheme", "sparsity_config", "transform_config", "global_compression_ratio",
-             "version", "provider"}  # fmt: skip
-    _check_keys(q, known)
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if q.get(key):
-            raise _bad(key, q[key], "not implemented")
     if q.get("format") not in (None, "float-quantized"):
-        raise _bad("format", q["format"], "only 'float-quantized' (FP8 weights)")
-    groups = list((q.get("config_groups") or {}).items())
-    if len(groups) != 1:
-        raise _bad("config_groups", [n for n, _ in groups], "exactly one group")
-    name, group = groups[0]
-    where = f"config_groups.{name}."
-    _check_keys(group, {"targets", "weights", "input_activations", "output_activations",
-                        "format"}, where)  # fmt: skip
+        raise bad_field("format", q["format"], "only 'float-quantized' (FP8 weights)")
+    group, where = compressed_tensors_group(q)
     if group.get("output_activations"):
-        raise _bad(where + "output_activations", group["output_activations"], "not implemented")
+        raise bad_field(
+            where + "output_activations", group["output_activations"], "not implemented"
+        )
     if group.get("format") not in (None, "float-quantized"):
-        raise _bad(where + "format", group["format"], "only 'float-quantized'")
+        raise bad_field(where + "format", group["format"], "only 'float-quantized'")
     w = group.get("weights") or {}
     for key, ok in (("num_bits", 8), ("type", "float"), ("symmetric", True),
                     ("dynamic", False), ("group_size", None), ("actorder", None)):  # fmt: skip
         if w.get(key, ok) != ok:
-            raise _bad(f"{where}weights.{key}", w[key], f"only {ok!r}")
+            raise bad_field(f"{where}weights.{key}", w[key], f"only {ok!r}")
     strategy = w.get("strategy")
     block = None
     if strategy == "block":
         block = tuple(int(b) for b in w.get("block_structure") or ())
         if len(block) != 2:
-            raise _bad(f"{where}weights.block_structure", w.get("block_structure"), "2 ints")
+            raise bad_field(f"{where}weights.block_structure", w.get("block_structure"), "2 ints")
     elif strategy not in ("tensor", "channel"):
-        raise _bad(f"{where}weights.strategy", strategy, "tensor, channel or block")
+        raise bad_field(f"{where}weights.strategy", strategy, "tensor, channel or block")
     return Fp8CheckpointFormat("compressed-tensors", block, _ct_activation(group, where))
 
 
@@ -180,11 +166,11 @@ def _ct_activation(group: dict, where: str) -> str | None:
     for key, ok in (("num_bits", 8), ("type", "float"), ("symmetric", True),
                     ("group_size", None)):  # fmt: skip
         if a.get(key, ok) != ok:
-            raise _bad(f"{where}input_activations.{key}", a[key], f"only {ok!r}")
+            raise bad_field(f"{where}input_activations.{key}", a[key], f"only {ok!r}")
     key = (a.get("strategy"), bool(a.get("dynamic")))
     schemes = {("token", True): "token", ("tensor", True): "tensor", ("tensor", False): "static"}
     if key not in schemes:
-        raise _bad(f"{where}input_activations", a, "token/dynamic, tensor/dynamic or static")
+        raise bad_field(f"{where}input_activations", a, "token/dynamic, tensor/dynamic or static")
     return schemes[key]
 
 

@@ -37,6 +37,12 @@ from typing import Any
 
 import torch
 
+from vllm.model_executor.layers.quantization.checkpoint_config import (
+    bad_field,
+    check_keys,
+    compressed_tensors_group,
+)
+
 logger = logging.getLogger(__name__)
 
 WNA16_METHODS = ("awq", "gptq", "compressed-tensors")
@@ -87,41 +93,31 @@ class WNA16CheckpointFormat:
         return None
 
 
-def _bad(field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"quantization_config.{field} {value!r} is not supported: {why}")
-
-
-def _check_keys(config: dict, known: set[str], where: str = "") -> None:
-    for key in config:
-        if key not in known:
-            raise _bad(where + key, config[key], "unknown field")
-
-
 def _awq(q: dict) -> WNA16CheckpointFormat:
-    _check_keys(q, _AWQ_INERT | {"bits", "group_size", "zero_point", "version"})
+    check_keys(q, _AWQ_INERT | {"bits", "group_size", "zero_point", "version"})
     if q.get("bits") != 4:
-        raise _bad("bits", q.get("bits"), "AWQ checkpoints of 4 bits only")
+        raise bad_field("bits", q.get("bits"), "AWQ checkpoints of 4 bits only")
     if str(q.get("version", "gemm")).lower() != "gemm":
-        raise _bad("version", q["version"], "only 'gemm' (the others pack differently)")
+        raise bad_field("version", q["version"], "only 'gemm' (the others pack differently)")
     if q.get("zero_point", True) is not True:
-        raise _bad("zero_point", q["zero_point"], "AWQ GEMM checkpoints store zeros")
+        raise bad_field("zero_point", q["zero_point"], "AWQ GEMM checkpoints store zeros")
     if q.get("do_fuse"):
-        raise _bad("do_fuse", q["do_fuse"], "transformers' fused modules are not used here")
+        raise bad_field("do_fuse", q["do_fuse"], "transformers' fused modules are not used here")
     return WNA16CheckpointFormat("awq", 4, _group_size(q.get("group_size"), "group_size"), True)
 
 
 def _gptq(q: dict) -> WNA16CheckpointFormat:
-    _check_keys(q, _GPTQ_INERT | {"bits", "group_size", "sym", "desc_act", "checkpoint_format",
+    check_keys(q, _GPTQ_INERT | {"bits", "group_size", "sym", "desc_act", "checkpoint_format",
                                   "dynamic"})  # fmt: skip
     if q.get("bits") not in (4, 8):
-        raise _bad("bits", q.get("bits"), "GPTQ checkpoints of 4 or 8 bits only")
+        raise bad_field("bits", q.get("bits"), "GPTQ checkpoints of 4 or 8 bits only")
     fmt = q.get("checkpoint_format") or "gptq"
     if fmt not in GPTQ_FORMATS:
-        raise _bad("checkpoint_format", fmt, f"only {GPTQ_FORMATS} (the others repack)")
+        raise bad_field("checkpoint_format", fmt, f"only {GPTQ_FORMATS} (the others repack)")
     if q.get("format") not in (None, *GPTQ_FORMATS) or q.get("format", fmt) != fmt:
-        raise _bad("format", q["format"], f"only {fmt!r}, as checkpoint_format")
+        raise bad_field("format", q["format"], f"only {fmt!r}, as checkpoint_format")
     if q.get("dynamic"):
-        raise _bad("dynamic", q["dynamic"], "per-module overrides are not implemented")
+        raise bad_field("dynamic", q["dynamic"], "per-module overrides are not implemented")
     group = _group_size(q.get("group_size"), "group_size")
     # desc_act needs no flag: g_idx (saved whenever it is set) maps every input to its group.
     return WNA16CheckpointFormat("gptq", q["bits"], group, True, gptq_v1=fmt == "gptq")
@@ -129,7 +125,7 @@ def _gptq(q: dict) -> WNA16CheckpointFormat:
 
 def _group_size(value: Any, field: str) -> int:
     if not isinstance(value, int) or (value <= 0 and value != -1):
-        raise _bad(field, value, "a positive integer or -1 (one group)")
+        raise bad_field(field, value, "a positive integer or -1 (one group)")
     return value
 
 
@@ -139,45 +135,32 @@ def _is_pack_quantized(q: dict) -> bool:
 
 
 def _compressed_tensors(q: dict) -> WNA16CheckpointFormat:
-    known = {"quant_method", "config_groups", "ignore", "format", "quantization_status",
-             "kv_cache_scheme", "sparsity_config", "transform_config", "global_compression_ratio",
-             "version", "provider"}  # fmt: skip
-    _check_keys(q, known)
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if q.get(key):
-            raise _bad(key, q[key], "not implemented")
     if q.get("quantization_status") not in (None, "compressed"):
-        raise _bad("quantization_status", q["quantization_status"], "only 'compressed'")
-    groups = list((q.get("config_groups") or {}).items())
-    if len(groups) != 1:
-        raise _bad("config_groups", [n for n, _ in groups], "exactly one group")
-    name, group = groups[0]
-    where = f"config_groups.{name}."
-    _check_keys(group, {"targets", "weights", "input_activations", "output_activations",
-                        "format"}, where)  # fmt: skip
+        raise bad_field("quantization_status", q["quantization_status"], "only 'compressed'")
+    group, where = compressed_tensors_group(q)
     for key in ("input_activations", "output_activations"):
         if group.get(key):
-            raise _bad(where + key, group[key], "weight-only (W4A16/W8A16) only")
+            raise bad_field(where + key, group[key], "weight-only (W4A16/W8A16) only")
     if group.get("format", q.get("format")) != "pack-quantized":
-        raise _bad(where + "format", group.get("format"), "only 'pack-quantized'")
+        raise bad_field(where + "format", group.get("format"), "only 'pack-quantized'")
     w = group.get("weights") or {}
-    _check_keys(w, {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure",
+    check_keys(w, {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure",
                     "dynamic", "actorder", "observer", "observer_kwargs", "scale_dtype",
                     "zp_dtype"}, where + "weights.")  # fmt: skip
     if w.get("num_bits") not in (4, 8):
-        raise _bad(where + "weights.num_bits", w.get("num_bits"), "4 or 8")
+        raise bad_field(where + "weights.num_bits", w.get("num_bits"), "4 or 8")
     for key, ok in (("type", "int"), ("dynamic", False), ("block_structure", None)):
         if w.get(key, ok) != ok:
-            raise _bad(f"{where}weights.{key}", w[key], f"only {ok!r}")
+            raise bad_field(f"{where}weights.{key}", w[key], f"only {ok!r}")
     if w.get("actorder") not in (None, "group", "weight", "dynamic", "static"):
-        raise _bad(where + "weights.actorder", w["actorder"], "group, weight or none")
+        raise bad_field(where + "weights.actorder", w["actorder"], "group, weight or none")
     strategy = w.get("strategy")
     if strategy == "group":
         size = _group_size(w.get("group_size"), where + "weights.group_size")
     elif strategy == "channel":
         size = -1
     else:
-        raise _bad(where + "weights.strategy", strategy, "group or channel")
+        raise bad_field(where + "weights.strategy", strategy, "group or channel")
     zero_point = not w.get("symmetric", True)
     return WNA16CheckpointFormat("compressed-tensors", w["num_bits"], size, zero_point)
 
