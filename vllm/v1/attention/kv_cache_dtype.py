@@ -5,9 +5,9 @@ An FP8 cache (``fp8`` = ``fp8_e4m3``: float8_e4m3fn, max 448, 3 mantissa bits;
 bf16 cache, so twice the tokens fit in the same memory, and a decode step reads half the
 context bytes. As vLLM does without calibrated scales, values are stored with a scale of
 1.0: cast to the FP8 type after saturating at its largest finite value (a plain cast to
-e5m2 turns the rare larger value into an infinity), and read back exactly (every FP8 value is a bf16,
-fp16 and fp32 value). Attention always sees the stored values: a prompt's own attention
-reads its K/V through the same rounding as every later step.
+e5m2 turns the rare larger value into an infinity), and read back exactly (every FP8
+value is a bf16, fp16 and fp32 value). Attention always sees the stored values: a
+prompt's own attention reads its K/V through the same rounding as every later step.
 """
 
 from __future__ import annotations
