@@ -91,12 +91,15 @@ def test_only_the_cuda_flash_backend_with_the_fused_ops_writes_with_the_rotary(m
     from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
 
     fused = TorchFlashAttentionBackend.writes_kv_with_rotary.fget
+    none = frozenset()
     cuda, cpu = (
-        SimpleNamespace(device=torch.device("cuda")),
-        SimpleNamespace(device=torch.device("cpu")),
+        SimpleNamespace(device=torch.device("cuda"), model_features=none),
+        SimpleNamespace(device=torch.device("cpu"), model_features=none),
     )
+    # An FP8 KV cache is written by reshape_and_cache (the fused op writes the model's dtype).
+    fp8 = SimpleNamespace(device=torch.device("cuda"), model_features=frozenset({"fp8_kv_cache"}))
     monkeypatch.setattr(ops, "_fused_module", lambda: object())  # triton there, ops on
-    assert fused(cuda) is True and fused(cpu) is False
+    assert fused(cuda) is True and fused(cpu) is False and fused(fp8) is False
     monkeypatch.setattr(ops, "_fused_module", lambda: None)  # VLLM_CUDA_FUSED_OPS=0, no triton
     assert fused(cuda) is False
     assert AttentionBackend.writes_kv_with_rotary.fget(cuda) is False  # the default
