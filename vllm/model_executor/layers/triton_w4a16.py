@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.layers.triton_gemm import default_block_m as shared_block_m
-from vllm.model_executor.layers.triton_gemm import gemm_unavailable_reason
+from vllm.model_executor.layers.triton_gemm import gemm_unavailable_reason, tile_experts
 
 try:
     import triton
@@ -258,13 +258,9 @@ if triton is not None:
         rows = first_row + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        # The experts this tile's rows belong to: those ending past its first row, up to
-        # the one holding its last row (read on the device: no host sync).
-        experts = tl.arange(0, BLOCK_E)
-        ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=2147483647)
-        last_row = tl.minimum(first_row + BLOCK_M, num_rows) - 1
-        first_expert = tl.sum((ends <= first_row).to(tl.int32))
-        last_expert = tl.minimum(tl.sum((ends <= last_row).to(tl.int32)), num_experts - 1)
+        first_expert, last_expert = tile_experts(
+            ends_ptr, first_row, num_rows, num_experts, BLOCK_M, BLOCK_E
+        )
         x_rows = rows.to(tl.int64) * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for e in range(first_expert, last_expert + 1):
