@@ -39,7 +39,11 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.layers.triton_gemm import default_block_m as shared_block_m
-from vllm.model_executor.layers.triton_gemm import gemm_unavailable_reason, tile_experts
+from vllm.model_executor.layers.triton_gemm import (
+    gemm_unavailable_reason,
+    start_gemm,
+    tile_experts,
+)
 
 try:
     import triton
@@ -49,13 +53,13 @@ except ImportError:  # CPU-only installs: block-scaled checkpoints are dequantiz
     tl = None
 
 BLOCK_N = 64
-TILE_SIZES = (16, 32, 64, 128)  # what block_m / block_n may be
+KERNEL = "FP8 GEMM"
 BLOCK_K_SIZES = (128, 64, 32, 16)  # the largest dividing b1 is the default; 16: tl.dot's least
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can; ``gemm_unavailable_reason``)."""
-    return gemm_unavailable_reason(device, "FP8 GEMM")
+    return gemm_unavailable_reason(device, KERNEL)
 
 
 def default_block_k(block_size: tuple[int, int]) -> int | None:
@@ -116,24 +120,11 @@ def fp8_block_linear(
     check_fp8_block_args(x, weight, scale, block_size, bias)
     block_m = block_m or default_block_m(x.shape[0])
     block_k = block_k or default_block_k(block_size)
-    if (
-        block_m not in TILE_SIZES
-        or block_n not in TILE_SIZES
-        or block_k not in BLOCK_K_SIZES
-        or block_size[1] % block_k
-    ):
-        raise ValueError(
-            f"tiles block_m={block_m}, block_n={block_n} must be in {TILE_SIZES} and "
-            f"block_k={block_k} in {BLOCK_K_SIZES}, dividing the blocks' {block_size[1]} columns"
-        )
-    reason = triton_unavailable_reason(x.device)
-    if reason is not None:
-        raise RuntimeError(f"fp8_block_linear: {reason}")
     rows, (n, k) = x.shape[0], weight.shape
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if rows == 0 or n == 0:
+    tiles = (block_m, block_n, block_k)
+    out, grid = start_gemm("fp8_block_linear", KERNEL, x, n, tiles, BLOCK_K_SIZES, block_size[1])
+    if grid is None:
         return out
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     widen = x.dtype == torch.float32 or not x.is_cuda
     _fp8_block_gemm_kernel[grid](
         x, weight.view(torch.uint8), scale, x if bias is None else bias, out,
@@ -195,27 +186,15 @@ def fp8_grouped_linear(
     check_fp8_grouped_args(x, weight, scale, block_size, expert_ends)
     block_m = block_m or default_block_m(x.shape[0])
     block_k = block_k or (64 if block_size is None else default_block_k(block_size))
-    if (
-        block_m not in TILE_SIZES
-        or block_n not in TILE_SIZES
-        or block_k not in BLOCK_K_SIZES
-        or (block_size is not None and block_size[1] % block_k)
-    ):
-        raise ValueError(
-            f"tiles block_m={block_m}, block_n={block_n} must be in {TILE_SIZES} and "
-            f"block_k={block_k} in {BLOCK_K_SIZES}, dividing the blocks' columns ({block_size})"
-        )
-    reason = triton_unavailable_reason(x.device)
-    if reason is not None:
-        raise RuntimeError(f"fp8_grouped_linear: {reason}")
     num_experts, n, k = weight.shape
     rows = x.shape[0]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if rows == 0 or n == 0:
+    columns = None if block_size is None else block_size[1]
+    tiles = (block_m, block_n, block_k)
+    out, grid = start_gemm("fp8_grouped_linear", KERNEL, x, n, tiles, BLOCK_K_SIZES, columns)
+    if grid is None:
         return out
     # Per row: one "block" as wide as K rounded up to the K step, so every step reads it.
     b0, b1 = block_size or (1, triton.cdiv(k, block_k) * block_k)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     _fp8_grouped_gemm_kernel[grid](
         x, weight.view(torch.uint8), scale, expert_ends, out,
         rows, n, k, num_experts, x.stride(0), out.stride(0),

@@ -38,7 +38,11 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.layers.triton_gemm import default_block_m as shared_block_m
-from vllm.model_executor.layers.triton_gemm import gemm_unavailable_reason, tile_experts
+from vllm.model_executor.layers.triton_gemm import (
+    gemm_unavailable_reason,
+    start_gemm,
+    tile_experts,
+)
 
 try:
     import triton
@@ -50,13 +54,13 @@ except ImportError:  # CPU-only installs: gpt-oss's experts are expanded at load
 MXFP4_GROUP = 32  # values per E8M0 scale
 BLOCK_N = 64
 BLOCK_K = 64  # two scale groups a step: 32 even and 32 odd columns
-TILE_SIZES = (16, 32, 64, 128)  # what block_m / block_n may be
+KERNEL = "MXFP4 kernel"
 BLOCK_K_SIZES = (32, 64, 128, 256)  # whole scale groups, at least tl.dot's K of 16 a half
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can; ``gemm_unavailable_reason``)."""
-    return gemm_unavailable_reason(device, "MXFP4 kernel")
+    return gemm_unavailable_reason(device, KERNEL)
 
 
 def default_block_m(num_rows: int) -> int:
@@ -114,20 +118,12 @@ def mxfp4_grouped_linear(
     ``default_block_m``, ``BLOCK_N`` and ``BLOCK_K`` (unmeasured on a GPU: to be tuned)."""
     check_mxfp4_args(x, blocks, scales, expert_ends, bias)
     block_m = block_m or default_block_m(x.shape[0])
-    if block_m not in TILE_SIZES or block_n not in TILE_SIZES or block_k not in BLOCK_K_SIZES:
-        raise ValueError(
-            f"tiles block_m={block_m}, block_n={block_n} must be in {TILE_SIZES} and "
-            f"block_k={block_k} in {BLOCK_K_SIZES}"
-        )
-    reason = triton_unavailable_reason(x.device)
-    if reason is not None:
-        raise RuntimeError(f"mxfp4_grouped_linear: {reason}")
     num_experts, n, groups = scales.shape
     rows = x.shape[0]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if rows == 0 or n == 0:
+    tiles = (block_m, block_n, block_k)
+    out, grid = start_gemm("mxfp4_grouped_linear", KERNEL, x, n, tiles, BLOCK_K_SIZES)
+    if grid is None:
         return out
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     _mxfp4_grouped_kernel[grid](
         x, blocks, scales, expert_ends, x if bias is None else bias, out,
         rows, n, groups * MXFP4_GROUP, num_experts, x.stride(0), x.stride(1), out.stride(0),

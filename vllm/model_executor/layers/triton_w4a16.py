@@ -38,8 +38,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm.model_executor.layers.triton_gemm import (
+    TILE_SIZES,
+    gemm_unavailable_reason,
+    start_gemm,
+    tile_experts,
+)
 from vllm.model_executor.layers.triton_gemm import default_block_m as shared_block_m
-from vllm.model_executor.layers.triton_gemm import gemm_unavailable_reason, tile_experts
 
 try:
     import triton
@@ -51,12 +56,12 @@ except ImportError:  # CPU-only installs: the weights are dequantized at load in
 PACK = 8  # 4-bit values per int32 word
 BLOCK_N = 64
 BLOCK_K = 64
-TILE_SIZES = (16, 32, 64, 128)  # what block_m / block_n / block_k may be
+KERNEL = "W4A16 kernel"  # its block_m / block_n / block_k: any of TILE_SIZES
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can; ``gemm_unavailable_reason``)."""
-    return gemm_unavailable_reason(device, "W4A16 kernel")
+    return gemm_unavailable_reason(device, KERNEL)
 
 
 def default_block_m(num_rows: int) -> int:
@@ -107,17 +112,12 @@ def w4a16_linear(
     (unmeasured on a GPU: to be tuned)."""
     check_w4a16_args(x, qweight, scales, zeros, group_size)
     block_m = block_m or default_block_m(x.shape[0])
-    if not {block_m, block_n, block_k} <= set(TILE_SIZES):
-        raise ValueError(f"tiles {block_m}, {block_n}, {block_k} must be in {TILE_SIZES}")
-    reason = triton_unavailable_reason(x.device)
-    if reason is not None:
-        raise RuntimeError(f"w4a16_linear: {reason}")
     m, n, k = x.shape[0], qweight.shape[1], x.shape[1]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    tiles = (block_m, block_n, block_k)
+    out, grid = start_gemm("w4a16_linear", KERNEL, x, n, tiles, TILE_SIZES)
+    if grid is None:
         return out
     interpreted = x.device.type == "cpu"
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, out, m, n, k, group_size,
         x.stride(0), x.stride(1), out.stride(0),
@@ -172,17 +172,12 @@ def w4a16_grouped_linear(
     zeros). The launch depends on the shapes only."""
     check_w4a16_grouped_args(x, qweight, scales, zeros, group_size, expert_ends)
     block_m = block_m or default_block_m(x.shape[0])
-    if not {block_m, block_n, block_k} <= set(TILE_SIZES):
-        raise ValueError(f"tiles {block_m}, {block_n}, {block_k} must be in {TILE_SIZES}")
-    reason = triton_unavailable_reason(x.device)
-    if reason is not None:
-        raise RuntimeError(f"w4a16_grouped_linear: {reason}")
     num_experts, _, n = qweight.shape
     rows, k = x.shape
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if rows == 0 or n == 0:
+    tiles = (block_m, block_n, block_k)
+    out, grid = start_gemm("w4a16_grouped_linear", KERNEL, x, n, tiles, TILE_SIZES)
+    if grid is None:
         return out
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     _w4a16_grouped_kernel[grid](
         x, qweight, scales, zeros, expert_ends, out,
         rows, n, k, scales.shape[1], group_size, num_experts, x.stride(0), out.stride(0),
