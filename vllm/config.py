@@ -362,7 +362,7 @@ class ModelConfig:
 
 
 # --kv-cache-dtype (vllm/v1/attention/kv_cache_dtype.py maps them to torch dtypes).
-CacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+CacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 @dataclass(frozen=True)
@@ -372,8 +372,10 @@ class CacheConfig:
     block_size: int = config_field(16, "Tokens per KV block.")
     cache_dtype: CacheDtype = config_field(
         "auto",
-        "Data type of the KV cache: auto (the model's, --dtype), or fp8 (= fp8_e4m3) / "
-        "fp8_e5m2: one byte an element, twice the tokens in the same memory (scale 1.0).",
+        "Data type of the KV cache: auto (the model's, --dtype; fp8 for a checkpoint with an "
+        "FP8 kv_cache_scheme), the model's dtype by name (which overrides such a checkpoint), "
+        "or fp8 (= fp8_e4m3) / fp8_e5m2: one byte an element, twice the tokens in the same "
+        "memory (the checkpoint's k/v scales, else 1.0).",
         flag="--kv-cache-dtype",
     )
     enable_prefix_caching: bool = config_field(

@@ -134,7 +134,7 @@ def _ct(**group) -> dict:
         ({"quant_method": "fp8", "modules_to_convert": ["embed_tokens"]}, "modules_to_convert"),
         ({"quant_method": "fp8", "some_new_field": 1}, "some_new_field"),
         ({"quant_method": "fbgemm_fp8", "extra": True}, "extra"),
-        ({**_ct(), "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
+        ({**_ct(), "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
         ({**_ct(), "format": "pack-quantized"}, "format"),
         (_ct(weights={"num_bits": 4, "type": "int"}), r"weights\.num_bits"),
         (_ct(weights={"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}),
@@ -158,6 +158,11 @@ def test_supported_configs_read_their_activation_schemes():
     assert read(SCHEMES["ct_channel_dynamic"][0]).activation == "token"
     assert read(SCHEMES["fbgemm"][0]).activation_scale_ub == 1200.0
     assert read(_ct(input_activations=None)).activation is None  # weight-only
+    # An FP8 KV-cache scheme (read by kv_scales.py) beside FP8 weights, or alone.
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+    assert read({**_ct(), "kv_cache_scheme": kv}).activation == "token"
+    kv_only = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": kv}
+    assert read(kv_only) is None  # dense weights
     assert read({"quant_method": "mxfp4"}) is None  # gpt-oss reads its own
 
 

@@ -156,12 +156,17 @@ def load_model_weights(
         fill_int4_linears,
         plan_int4_linears,
     )
+    from vllm.model_executor.layers.quantization.kv_scales import (
+        kv_cache_scheme_of,
+        pop_kv_scales,
+    )
     from vllm.model_executor.layers.quantization.wna16_checkpoint import (
         WNA16CheckpointFormat,
         prepare_wna16_state,
     )
 
     quant = getattr(hf_config, "quantization_config", None)
+    kv_cache_scheme_of(quant)  # refuses a KV-cache scheme other than FP8 per tensor / head
     # AWQ, GPTQ and compressed-tensors pack-quantized first: the FP8 reader refuses them.
     wna16_format = WNA16CheckpointFormat.from_config(quant)
     fp8_format = None if wna16_format else Fp8CheckpointFormat.from_config(quant)
@@ -183,6 +188,7 @@ def load_model_weights(
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(os.path.join(path, name)))
+    kv_scales = pop_kv_scales(state)  # FP8 KV-cache scales: for the runner, not the layers
     # 4-bit weights stay packed where the W4A16 kernel runs (CUDA with triton).
     keep_packed = (
         wna16_format is not None
@@ -200,6 +206,7 @@ def load_model_weights(
     # a safety net for one that does not.
     model = model.to(dtype).eval()
     model.fp8_format = fp8_format  # apply_quantization: never re-quantize a checkpoint
+    model.kv_scales = kv_scales  # the runner applies them to an FP8 KV cache (kv_scales.py)
     model.wna16_format = wna16_format
     if wna16_format is not None:
         kept = fill_int4_linears(model, int4)

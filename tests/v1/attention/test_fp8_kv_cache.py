@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
 from vllm.v1.attention.kv_cache_dtype import (
     FP8_KV_DTYPES,
+    MODEL_KV_DTYPES,
     as_stored,
     is_fp8,
     kv_cache_torch_dtype,
@@ -52,7 +53,10 @@ def test_names_and_saturation():
 
     from vllm.config import CacheDtype
 
-    assert set(get_args(CacheDtype)) == {"auto", *FP8_KV_DTYPES}
+    assert set(get_args(CacheDtype)) == {"auto", *MODEL_KV_DTYPES, *FP8_KV_DTYPES}
+    assert kv_cache_torch_dtype("bfloat16", torch.bfloat16) is torch.bfloat16  # the model's
+    with pytest.raises(ValueError, match="kv_cache_dtype='float16': the model runs in"):
+        kv_cache_torch_dtype("float16", torch.bfloat16)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(cache_dtype="int8")
     # A plain cast to e5m2 turns out-of-range values into infinities; the cache saturates.

@@ -3,11 +3,13 @@
 An FP8 cache (``fp8`` = ``fp8_e4m3``: float8_e4m3fn, max 448, 3 mantissa bits;
 ``fp8_e5m2``: max 57,344, 2 mantissa bits) holds each K and V element in one byte: half a
 bf16 cache, so twice the tokens fit in the same memory, and a decode step reads half the
-context bytes. As vLLM does without calibrated scales, values are stored with a scale of
-1.0: cast to the FP8 type after saturating at its largest finite value (a plain cast to
-e5m2 turns the rare larger value into an infinity), and read back exactly (every FP8
-value is a bf16, fp16 and fp32 value). Attention always sees the stored values: a
-prompt's own attention reads its K/V through the same rounding as every later step.
+context bytes. Values are stored divided by the checkpoint's calibrated scales where it has
+them (``quantization/kv_scales.py``, applied around the backends), else, as vLLM does
+without scales, with a scale of 1.0: cast to the FP8 type after saturating at its largest
+finite value (a plain cast to e5m2 turns the rare larger value into an infinity), and read
+back exactly (every FP8 value is a bf16, fp16 and fp32 value). Attention always sees the
+stored values: a prompt's own attention reads its K/V through the same rounding as every
+later step.
 """
 
 from __future__ import annotations
@@ -20,12 +22,22 @@ FP8_KV_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES)
+# The model's dtype named (vLLM's way to keep an FP8-KV checkpoint's cache unquantized).
+MODEL_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_CACHE_DTYPES = ("auto", *MODEL_KV_DTYPES, *FP8_KV_DTYPES)
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The storage dtype of ``--kv-cache-dtype cache_dtype`` for a model in ``model_dtype``."""
+    """The storage dtype of ``--kv-cache-dtype cache_dtype`` for a model in ``model_dtype``.
+    A dtype named must be the model's: a cache in another unquantized dtype is not built."""
     if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype in MODEL_KV_DTYPES:
+        if MODEL_KV_DTYPES[cache_dtype] != model_dtype:
+            raise ValueError(
+                f"kv_cache_dtype={cache_dtype!r}: the model runs in {model_dtype}; a cache in "
+                "another unquantized dtype is not implemented (auto, the model's dtype or fp8)"
+            )
         return model_dtype
     if cache_dtype not in FP8_KV_DTYPES:
         raise ValueError(f"kv_cache_dtype={cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")

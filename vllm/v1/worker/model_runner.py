@@ -264,22 +264,29 @@ class ModelRunner:
         bf16 products too (docs/kernels.md); fp32 models keep fp32 attention. Called again
         after the model's weight format changes."""
         from vllm.model_executor.layers.quantization.gguf import model_prefill_dtype
+        from vllm.model_executor.layers.quantization.kv_scales import apply_kv_scales
 
         self.decode_graphs = None  # captured over the previous forward, if any
         self.attn_backend.use_prefill_dtype(model_prefill_dtype(self.model))
         self.model.set_attention_backend(self.attn_backend)
+        # An FP8-KV checkpoint's scales, around each layer's attention (kv_scales.py).
+        apply_kv_scales(self.model, is_fp8(self.kv_cache_dtype), self.dtype)
         detail = self.attn_backend.detail
         logger.info(
             "Attention backend: %s%s", self.attn_backend.name, f" ({detail})" if detail else ""
         )
 
     def load_model(self) -> None:
+        from vllm.model_executor.layers.quantization.kv_scales import resolve_cache_dtype
         from vllm.model_executor.layers.rotary_embedding import use_long_rope
         from vllm.model_executor.model_loader import hf_config_of
 
         start = time.monotonic()
         path = resolve_model(self.model_config.model)
         hf_config = hf_config_of(self.model_config)
+        # An FP8-KV checkpoint's kv_cache_scheme turns --kv-cache-dtype auto into fp8.
+        cache_dtype = resolve_cache_dtype(self.config.cache_config.cache_dtype, hf_config)
+        self.kv_cache_dtype = kv_cache_torch_dtype(cache_dtype, self.dtype)
         # longrope's factors follow the served length (vLLM's choice at start-up)
         served = self.model_config.max_model_len or self.config.scheduler_config.max_model_len
         use_long_rope(hf_config, served)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-# compressed-tensors' top-level fields; the three after the first line are refused when set.
+# compressed-tensors' top-level fields; sparsity and transform configs are refused when set
+# (the KV-cache scheme is read by kv_scales.py).
 CT_FIELDS = {"quant_method", "config_groups", "ignore", "format", "quantization_status",
              "kv_cache_scheme", "sparsity_config", "transform_config",
              "global_compression_ratio", "version", "provider"}  # fmt: skip
-CT_NOT_IMPLEMENTED = ("kv_cache_scheme", "sparsity_config", "transform_config")
+CT_NOT_IMPLEMENTED = ("sparsity_config", "transform_config")
 CT_GROUP_FIELDS = {"targets", "weights", "input_activations", "output_activations", "format"}
 
 
@@ -28,8 +29,8 @@ def check_keys(config: dict, known: set[str], where: str = "") -> None:
 
 def compressed_tensors_group(q: dict) -> tuple[dict, str]:
     """A compressed-tensors config's one config group and its field prefix, after the
-    checks both readers make: known fields, no KV-cache / sparsity / transform scheme,
-    exactly one group, known group fields."""
+    checks both readers make: known fields, no sparsity / transform scheme, exactly one
+    group, known group fields."""
     check_keys(q, CT_FIELDS)
     for key in CT_NOT_IMPLEMENTED:
         if q.get(key):

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_map
 
 from vllm.model_executor.layers import triton_fp8_gemm
 from vllm.model_executor.layers.quantization.checkpoint_config import (
+    CT_FIELDS,
     bad_field,
     check_keys,
     compressed_tensors_group,
@@ -98,6 +99,9 @@ class Fp8CheckpointFormat:
         if method == "fp8":
             return _fine_grained(quant)
         if method == "compressed-tensors":
+            if not quant.get("config_groups") and quant.get("kv_cache_scheme"):
+                check_keys(quant, CT_FIELDS)
+                return None  # only the KV cache is quantized (kv_scales.py): dense weights
             return _compressed_tensors(quant)
         if method == "fbgemm_fp8":
             check_keys(quant, {"quant_method", "activation_scale_ub", "modules_to_not_convert"})
