@@ -163,3 +163,26 @@ def test_deepseek_engine_greedy_tokens_equal_transformers_generate(name, tmp_pat
     passed)."""
     hf = save(name, tmp_path, vocab_size=49152, max_position_embeddings=256, initializer_range=0.1)
     check_engine_greedy_matches(hf, tmp_path)
+
+
+def test_deepseek_fp8_latent_cache(tmp_path):
+    """--kv-cache-dtype fp8: the one latent row a token in one byte a value (a quarter of
+    fp32's bytes per block), read back by TORCH_SDPA's latent paths; the logits stay near
+    transformers' (the rows rounded to 3 mantissa bits)."""
+    from vllm.config import CacheConfig, VllmConfig
+
+    hf = save("v2_lite", tmp_path)
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), max_model_len=128),
+        cache_config=CacheConfig(block_size=16, cache_dtype="fp8"),
+    )
+    runner = load_cpu_runner(config)
+    a = runner.arch
+    assert runner.get_kv_cache_bytes_per_block() == 3 * 16 * a.head_dim
+    ids = torch.randint(0, TINY["vocab_size"], (100,), generator=torch.Generator().manual_seed(1))
+    ours = runner_logits(runner, ids)
+    assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert runner.kv_caches[0].shape == (1, 9, 16, 1, a.head_dim)
+    ref = hf_logits(hf, ids)
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
