@@ -127,12 +127,14 @@ def _op(name: str):
 
 def reshape_and_cache_torch(
     key: torch.Tensor,
-    value: torch.Tensor,
+    value: torch.Tensor | None,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     padded: bool = True,
 ) -> None:
     """Pure-torch version. key/value: (num_tokens, kv_heads, head_size); slots int64.
+    ``value`` None: a latent cache ``(1, num_blocks, ...)``, keys only (MLA: a value is
+    its key's first dims, backends/abstract.py).
 
     No host sync (CUDA graphs can capture it). A padding token (slot < 0) is written to
     the slot of the first real token with that token's K/V, so every write to one slot
@@ -141,28 +143,29 @@ def reshape_and_cache_torch(
     caller knows every slot is >= 0 (built from block ids), so the plain copies suffice.
     An FP8 cache gets the values saturated and cast (``kv_cache_dtype.to_cache``), copied
     as bytes (torch has no ``index_copy_`` for FP8 types)."""
+    new = [key] if value is None else [key, value]
+    if kv_cache.shape[0] != len(new):
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} for {len(new)} of K and V")
     if key.dtype != kv_cache.dtype:
         from vllm.v1.attention.kv_cache_dtype import to_cache
 
-        key, value = to_cache(key, kv_cache.dtype), to_cache(value, kv_cache.dtype)
+        new = [to_cache(t, kv_cache.dtype) for t in new]
     if kv_cache.element_size() == 1:
-        kv_cache, key, value = (t.view(torch.uint8) for t in (kv_cache, key, value))
+        kv_cache, new = kv_cache.view(torch.uint8), [t.view(torch.uint8) for t in new]
     # unbind, not flat[0]: Python indexing cannot run on FakeTensorMode's CUDA tensors on a
     # CPU-only build, which is how tests check this path's devices and syncs.
-    keys, values = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4]).unbind(0)
+    halves = kv_cache.view(len(new), -1, kv_cache.shape[3], kv_cache.shape[4]).unbind(0)
     if padded and slot_mapping.numel():  # a shape: known on the host
-        key, value, slot_mapping = _redirect_padding(key, value, keys, values, slot_mapping)
-    keys.index_copy_(0, slot_mapping, key)
-    values.index_copy_(0, slot_mapping, value)
+        new, slot_mapping = _redirect_padding(new, halves, slot_mapping)
+    for cached, rows in zip(halves, new, strict=True):
+        cached.index_copy_(0, slot_mapping, rows)
 
 
 def _redirect_padding(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    keys: torch.Tensor,  # (slots, kv_heads, head_size): the cache's K half
-    values: torch.Tensor,
+    new: list[torch.Tensor],  # the step's K (and V): (num_tokens, kv_heads, head_size)
+    halves: tuple[torch.Tensor, ...],  # (slots, kv_heads, head_size): the cache's halves
     slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``reshape_and_cache_torch``'s padding rule, in device ops only (see there)."""
     keep = slot_mapping >= 0
     first = keep.int().argmax().view(1)  # the first real token; 0 when there is none
@@ -171,18 +174,22 @@ def _redirect_padding(
     slots = torch.where(keep, slot_mapping, target)
     rows = keep.view(-1, 1, 1)
     out = []
-    for new, cached in ((key, keys), (value, values)):
-        fill = torch.where(has_real, new.index_select(0, first), cached.index_select(0, target))
-        out.append(torch.where(rows, new, fill))
-    return out[0], out[1], slots
+    for t, cached in zip(new, halves, strict=True):
+        fill = torch.where(has_real, t.index_select(0, first), cached.index_select(0, target))
+        out.append(torch.where(rows, t, fill))
+    return out, slots
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Write K/V of each token into ``kv_cache[:, slot // bs, slot % bs]`` (slot < 0: skip);
-    an FP8 cache (the native op writes the model's dtype only) through the torch version."""
-    cpu = kv_cache.device.type == "cpu" and kv_cache.dtype == key.dtype
+    an FP8 cache (the native op writes the model's dtype only) and a latent one (``value``
+    None: keys only; the native op writes two halves) through the torch version."""
+    cpu = kv_cache.device.type == "cpu" and kv_cache.dtype == key.dtype and value is not None
     native = _op("reshape_and_cache") if cpu else None
     if native is not None:
         native(key, value, kv_cache, slot_mapping)

@@ -82,9 +82,11 @@ def test_deepseek_logits_equal_transformers(name, tmp_path):
     hf = save(name, tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     a, fields = runner.arch, VARIANTS[name][1]
-    # The cache holds one latent "head" per token: [c_kv | k_pe] and [c_kv | 0].
+    # The cache holds one latent "head" per token, [c_kv | k_pe], and no V half: a value is
+    # the key's first kv_lora_rank dims.
     latent = fields.get("kv_lora_rank", TINY["kv_lora_rank"])
     assert (a.num_kv_heads, a.head_dim) == (1, latent + fields.get("qk_rope_head_dim", 8))
+    assert a.latent_value_size == latent and runner.attn_backend.value_size == latent
     first_sparse = fields.get("first_k_dense_replace", 0)
     assert [layer.mlp.__class__.__name__ for layer in runner.model.layers] == [
         "DeepseekMoE" if i >= first_sparse else "DenseMLP" for i in range(3)
@@ -93,7 +95,9 @@ def test_deepseek_logits_equal_transformers(name, tmp_path):
     ids = torch.randint(0, TINY["vocab_size"], (100,), generator=torch.Generator().manual_seed(1))
     ours = runner_logits(runner, ids)
     ref = hf_logits(hf, ids)
-    assert runner.kv_caches[0].shape[3:] == (1, a.head_dim)
+    assert runner.kv_caches[0].shape == (1, 9, 16, 1, a.head_dim)
+    # Half of what K and V halves of the latent's width took per block.
+    assert runner.get_kv_cache_bytes_per_block() == 3 * 16 * a.head_dim * 4
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
 
 
@@ -112,9 +116,11 @@ def test_each_arch_field_is_live(change, tmp_path):
     assert getattr(arch, change) != getattr(DeepseekV2Arch.from_hf(hf.config), change)
     model = DeepseekV2ForCausalLM(arch)
     model.load_weights(hf.state_dict())
-    backend = TorchSDPABackend(4, 1, arch.head_dim, torch.float32, "cpu", 16)
+    backend = TorchSDPABackend(
+        4, 1, arch.head_dim, torch.float32, "cpu", 16, value_size=arch.latent_value_size
+    )
     model.set_attention_backend(backend)
-    caches = [torch.zeros(2, 9, 16, 1, arch.head_dim) for _ in model.layers]
+    caches = [torch.zeros(backend.kv_cache_shape(9)) for _ in model.layers]
     ids = torch.arange(60) % TINY["vocab_size"]
     meta = backend.build_metadata([(0, 60, list(range(1, 9)))])
     with torch.inference_mode():
@@ -157,3 +163,26 @@ def test_deepseek_engine_greedy_tokens_equal_transformers_generate(name, tmp_pat
     passed)."""
     hf = save(name, tmp_path, vocab_size=49152, max_position_embeddings=256, initializer_range=0.1)
     check_engine_greedy_matches(hf, tmp_path)
+
+
+def test_deepseek_fp8_latent_cache(tmp_path):
+    """--kv-cache-dtype fp8: the one latent row a token in one byte a value (a quarter of
+    fp32's bytes per block), read back by TORCH_SDPA's latent paths; the logits stay near
+    transformers' (the rows rounded to 3 mantissa bits)."""
+    from vllm.config import CacheConfig, VllmConfig
+
+    hf = save("v2_lite", tmp_path)
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), max_model_len=128),
+        cache_config=CacheConfig(block_size=16, cache_dtype="fp8"),
+    )
+    runner = load_cpu_runner(config)
+    a = runner.arch
+    assert runner.get_kv_cache_bytes_per_block() == 3 * 16 * a.head_dim
+    ids = torch.randint(0, TINY["vocab_size"], (100,), generator=torch.Generator().manual_seed(1))
+    ours = runner_logits(runner, ids)
+    assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert runner.kv_caches[0].shape == (1, 9, 16, 1, a.head_dim)
+    ref = hf_logits(hf, ids)
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9

@@ -13,6 +13,7 @@ from vllm.v1.attention.backends.abstract import AttentionBackend
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
+from vllm.v1.attention.backends.triton_mla import TritonMLABackend
 
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it
 CPU = torch.device("cpu")
@@ -40,12 +41,16 @@ def no_torch_flash(monkeypatch):
     )
 
 
+BUILT_IN = "TORCH_FLASH_ATTN, FLASH_ATTN, TRITON_MLA, TORCH_SDPA"
+
+
 def test_registry_names_the_built_in_backends():
-    assert registry.backend_names() == ("TORCH_FLASH_ATTN", "FLASH_ATTN", "TORCH_SDPA")
+    assert registry.backend_names() == tuple(BUILT_IN.split(", "))
     assert registry.get_backend_class("TORCH_FLASH_ATTN") is TorchFlashAttentionBackend
     assert registry.get_backend_class("TORCH_SDPA") is TorchSDPABackend
     assert registry.get_backend_class("FLASH_ATTN") is FlashAttentionBackend
-    with pytest.raises(ValueError, match="XFORMERS.*TORCH_FLASH_ATTN, FLASH_ATTN, TORCH_SDPA"):
+    assert registry.get_backend_class("TRITON_MLA") is TritonMLABackend
+    with pytest.raises(ValueError, match=f"XFORMERS.*{BUILT_IN}"):
         registry.get_backend_class("XFORMERS")
 
 
@@ -61,6 +66,23 @@ def test_cuda_fp32_keeps_the_torch_backend(fake_cuda, caplog):
     # fp32 is the exactness reference: neither FlashAttention runs it.
     assert selector.select_attention_backend(CUDA, torch.float32, 16, 128) is TorchSDPABackend
     assert "Not using TORCH_FLASH_ATTN: dtype torch.float32" in caplog.text
+
+
+def test_mla_models_on_cuda_take_triton_mla_and_no_other_model_does(fake_cuda, caplog):
+    # The latent cache (MLA: 576-wide keys, values their first 512 dims) goes to TRITON_MLA
+    # ahead of everything, silently; a model without it never hears of TRITON_MLA.
+    latent = frozenset({"latent_kv"})
+    for dtype in (torch.bfloat16, torch.float32):
+        cls = selector.select_attention_backend(CUDA, dtype, 16, 576, features=latent)
+        assert cls is TritonMLABackend and cls.decodes_first
+    fp8 = latent | {"fp8_kv_cache"}
+    assert selector.select_attention_backend(CUDA, torch.bfloat16, 16, 576, features=fp8) is (
+        TritonMLABackend
+    )
+    assert "Not using" not in caplog.text
+    for dtype in (torch.bfloat16, torch.float32):
+        selector.select_attention_backend(CUDA, dtype, 16, 128)
+    assert "TRITON_MLA" not in caplog.text
 
 
 def test_torch_flash_attn_reasons(fake_cuda):
@@ -129,7 +151,7 @@ def test_env_forcing_flash_attn_fails_loudly_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="needs CUDA"):
         selector.select_attention_backend(CPU, torch.float32, 16, 64)
     monkeypatch.setenv(selector.ENV_VAR, "XFORMERS")
-    with pytest.raises(ValueError, match="XFORMERS.*TORCH_FLASH_ATTN, FLASH_ATTN, TORCH_SDPA"):
+    with pytest.raises(ValueError, match=f"XFORMERS.*{BUILT_IN}"):
         selector.select_attention_backend(CPU, torch.float32, 16, 64)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.triton_interpreter import compile_for_cuda
-from vllm.v1.attention.backends import triton_decode, triton_prefill
+from vllm.v1.attention.backends import triton_decode, triton_mla_decode, triton_prefill
 
 DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -50,6 +50,36 @@ def test_decode_kernel_compiles(dtype, kv_fp8, soft_cap, sinks, splits, capabili
         scalars = {"stride_o_tok": "i32", "stride_o_head": "i32"}
         constants = dict(HEAD_DIM=64, HEAD_DIM_PAD=64, NUM_SPLITS=splits, HAS_ROWS=True,
                          HAS_SINKS=sinks)  # fmt: skip
+        combine = triton_decode._combine_splits_kernel
+        compile_for_cuda(combine, pointers, scalars, constants, capability)
+
+
+# (q dtype, KV_FP8, splits, capability): DeepSeek's latent (512 + 64), V2-Lite's 16 heads.
+MLA_DECODE_VARIANTS = [
+    ("bf16", 0, 1, 90),
+    ("bf16", 1, 4, 90),
+    ("fp16", 2, 16, 80),
+    ("fp32", 0, 2, 80),
+]
+
+
+@pytest.mark.parametrize("dtype, kv_fp8, splits, capability", MLA_DECODE_VARIANTS)
+def test_mla_decode_kernel_compiles(dtype, kv_fp8, splits, capability):
+    kernel = triton_mla_decode._mla_decode_kernel
+    kv = "u8" if kv_fp8 else dtype
+    pointers = dict(q_ptr=dtype, kv_ptr=kv, block_table_ptr="i32", seq_lens_ptr="i32",
+                    out_ptr=dtype, m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32")  # fmt: skip
+    scalars = {"qk_scale": "fp32"} | _strides(kernel.arg_names[9:16])
+    constants = dict(NUM_HEADS=16, BLOCK_H=16, LATENT=512, LATENT_PAD=512, ROPE=64,
+                     ROPE_PAD=64, BLOCK_SIZE=16, TILE_N=16, NUM_SPLITS=splits, KV_FP8=kv_fp8,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    compile_for_cuda(kernel, pointers, scalars, constants, capability)
+    if splits > 1:  # triton_decode's combine over 512-wide partials
+        pointers = dict(m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32", rows_ptr="i32",
+                        sinks_ptr="i32", out_ptr=dtype)  # fmt: skip
+        scalars = {"stride_o_tok": "i32", "stride_o_head": "i32"}
+        constants = dict(HEAD_DIM=512, HEAD_DIM_PAD=512, NUM_SPLITS=splits, HAS_ROWS=False,
+                         HAS_SINKS=False)  # fmt: skip
         combine = triton_decode._combine_splits_kernel
         compile_for_cuda(combine, pointers, scalars, constants, capability)
 

@@ -31,9 +31,11 @@ def test_saves_run_before_loads_and_copies_do_not_alias():
     assert torch.all(handler.cpu_caches[0][:, 1] == 5)
 
 
-def _random_caches(num_layers=3, num_blocks=40, seed=0, dtype=torch.float32):
+def _random_caches(num_layers=3, num_blocks=40, seed=0, dtype=torch.float32, halves=2):
+    """``halves`` 2: K and V; 1: a latent cache (MLA: keys only)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, num_blocks, 4, 2, 3, generator=g).to(dtype) for _ in range(num_layers)]
+    shape = (halves, num_blocks, 4, 2, 3)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(num_layers)]
 
 
 def test_host_runs_index_each_run_of_consecutive_ids():
@@ -43,12 +45,13 @@ def test_host_runs_index_each_run_of_consecutive_ids():
     assert host_runs([]) == []
 
 
+@pytest.mark.parametrize("halves", [2, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch, dtype):
+def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch, dtype, halves):
     """Device blocks in shuffled order, tier blocks in runs: the staged path (forced on
     CPU; on CUDA it is the default) leaves the cache and the tier bitwise as the per-run
     copies do, across several staging chunks, for saves and loads in one plan; an FP8
-    cache (--kv-cache-dtype fp8) too, copied as bytes."""
+    cache (--kv-cache-dtype fp8) too, copied as bytes, and a latent cache of one half."""
     import vllm.v1.kv_offload.worker as worker
 
     monkeypatch.setattr(worker, "STAGE_BLOCKS", 5)  # 12 and 16 pairs: chunks of 5
@@ -59,10 +62,11 @@ def test_staged_copies_equal_per_run_copies_for_scattered_plans(monkeypatch, dty
     loads = list(zip(host, device_blocks[12:28], strict=True))
     results = []
     for staged in (False, True):
-        caches = _random_caches(dtype=dtype)
+        caches = _random_caches(dtype=dtype, halves=halves)
         handler = CPUOffloadingHandler(caches, 40, staged=staged)
+        assert handler.block_bytes == 3 * halves * 4 * 2 * 3 * caches[0].element_size()
         for tier in handler.cpu_caches:
-            assert tier.dtype == dtype
+            assert tier.dtype == dtype and tier.shape[0] == halves
             tier.copy_(torch.randn(tier.shape, generator=torch.Generator().manual_seed(2)))
         calls = []
         monkeypatch.setattr(handler, "_staged_copy", _spy(handler._staged_copy, calls))

@@ -6,19 +6,23 @@ shared latent ``c_kv`` (``kv_lora_rank`` wide, RMS-normalised) plus one rotated 
 ``k_pe`` (``qk_rope_head_dim``) shared by all heads; a head's key and value are ``c_kv``
 through its slices of ``kv_b_proj`` (``W_UK``, ``W_UV``). As vLLM does, the cache keeps
 the latent, not the expanded heads, and the heads' matrices are absorbed into the query
-and the output, so attention runs as multi-query attention over the latent, through the
-ordinary paged backends (one KV head of ``kv_lora_rank + qk_rope_head_dim`` = 576 dims):
+and the output, so attention runs as multi-query attention over the latent (one KV head
+of ``kv_lora_rank + qk_rope_head_dim`` = 576 dims):
 
-- key   ``[c_kv | rotated k_pe]``, value ``[c_kv | 0]``;
+- key   ``[c_kv | rotated k_pe]``, the only thing cached: one row per token per layer;
+- value ``c_kv``: the key's first ``kv_lora_rank`` dims, read from the cached key (the
+  arch's ``latent_value_size``; the backend's latent cache, ``backends/abstract.py``);
 - query of head h ``[q_nope_h @ W_UK_h | rotated q_pe_h]`` (so ``q . k`` is the head's
   ``q_nope . k_nope + q_pe . k_pe``);
-- the backend's output of head h, its first ``kv_lora_rank`` dims, through ``W_UV_h``
-  gives the head's ``v_head_dim`` output; heads concatenated, then ``o_proj``.
+- the backend's ``kv_lora_rank``-wide output of head h, through ``W_UV_h``, gives the
+  head's ``v_head_dim`` output; heads concatenated, then ``o_proj``.
 
-Our cache layout stores K and V apart (``(2, blocks, block_size, kv_heads, head_dim)``), so
-the V half holds ``c_kv`` a second time and 64 zeros: twice vLLM's single latent per token
-(1,152 values a token a layer instead of 576), still far below the expanded heads
-(V3: 128 heads x (192 + 128)). The softmax scale is ``qk_head_dim ** -0.5``, times yarn's
+The cache is ``(1, blocks, block_size, 1, 576)`` per layer: 576 values a token a layer, as
+vLLM's (before, a V half held ``c_kv`` again plus 64 zeros: twice that), far below the
+expanded heads (V3: 128 heads x (192 + 128)). On CUDA the ``TRITON_MLA`` backend attends:
+its Triton decode kernel (``triton_mla_decode``) reads the latent rows in place and can be
+captured in CUDA graphs; prefill chunks take SDPA over gathered rows. On CPU, TORCH_SDPA.
+The softmax scale is ``qk_head_dim ** -0.5``, times yarn's
 ``mscale(factor, mscale_all_dim) ** 2`` where the rotary scaling names ``mscale_all_dim``.
 The rotation pairs adjacent dimensions (V2 always; V3 with ``rope_interleave``).
 
@@ -102,6 +106,12 @@ class DeepseekV2Arch:
     def head_dim(self) -> int:
         """The cache's and the backend's head size: the latent plus the rotated key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def latent_value_size(self) -> int:
+        """Values are the cached keys' first ``kv_lora_rank`` dims (``c_kv``): the cache
+        holds keys only (the runner's ``kv_cache_shape``, the ``latent_kv`` feature)."""
+        return self.kv_lora_rank
 
     @property
     def qk_head_dim(self) -> int:
@@ -279,7 +289,7 @@ class MLAttention(nn.Module):
         self.w_uk = nn.Parameter(torch.empty(heads, a.qk_nope_head_dim, a.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(heads, a.kv_lora_rank, a.v_head_dim))
         self.o_proj = nn.Linear(heads * a.v_head_dim, a.hidden_size, bias=bias)
-        # (q, k, v, kv_cache, meta, scale) -> (num_tokens, heads, head_dim)
+        # (q, k, None, kv_cache, meta, scale) -> (num_tokens, heads, kv_lora_rank)
         self.attn_forward = _no_attention_backend
 
     def forward(self, positions, h, rope: RotaryEmbedding, meta, kv_cache) -> torch.Tensor:
@@ -299,9 +309,9 @@ class MLAttention(nn.Module):
         # (n, heads, rank + r): what each head asks of the latent and of the rotated key
         query = torch.cat((q_latent.transpose(0, 1), q_pe.view(n, heads, r)), dim=-1)
         key = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # (n, 1, rank + r)
-        value = F.pad(latent, (0, r)).unsqueeze(1)  # [c_kv | 0]
-        out = self.attn_forward(query, key, value, kv_cache, meta, a.softmax_scale)
-        o = torch.bmm(out[..., :rank].transpose(0, 1), self.w_uv)  # (heads, n, v_head_dim)
+        # No value: the backend reads c_kv, the key's first `rank` dims, from the cache.
+        out = self.attn_forward(query, key, None, kv_cache, meta, a.softmax_scale)
+        o = torch.bmm(out.transpose(0, 1), self.w_uv)  # (heads, n, v_head_dim)
         return self.o_proj(o.transpose(0, 1).reshape(n, heads * a.v_head_dim))
 
     @torch.no_grad()
@@ -378,7 +388,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def set_attention_backend(self, backend: Any) -> None:
         """Every layer attends with ``backend``: multi-query attention over the latent
-        (``arch.num_kv_heads`` 1, ``arch.head_dim`` the latent plus the rotated key)."""
+        (``arch.num_kv_heads`` 1, ``arch.head_dim`` the latent plus the rotated key), its
+        values the keys' first ``arch.latent_value_size`` dims."""
         for layer in self.layers:
             layer.self_attn.attn_forward = layer_attention(backend)
 

@@ -9,6 +9,9 @@ CUDA: the exactness reference).
 forces a registered name instead: a backend
 that cannot run here raises rather than silently falling back, so a forced benchmark
 never measures the wrong kernel (``TORCH_SDPA`` can always run).
+
+A backend written for one kind of model (``required_features``: ``TRITON_MLA`` serves MLA's
+latent cache only) is not a candidate for the others, so it raises no warning there.
 """
 
 from __future__ import annotations
@@ -39,9 +42,15 @@ def select_attention_backend(
     module docstring. ``forced``: --attention-backend (else ``VLLM_ATTENTION_BACKEND``).
     ValueError when the forced backend is unknown or cannot run here."""
 
+    features = frozenset(features)
+
     def why_not(cls: type[AttentionBackend]) -> list[str]:
         reasons = cls.validate_configuration(device, dtype, block_size, head_size)
-        return reasons + cls.unsupported_features(frozenset(features))
+        missing = sorted(cls.required_features - features)
+        if missing:
+            names = ", ".join(f.replace("_", " ") for f in missing)
+            reasons.append(f"{cls.name} serves only models whose attention uses {names}")
+        return reasons + cls.unsupported_features(features)
 
     source = "--attention-backend" if forced is not None else ENV_VAR
     forced = forced if forced is not None else envs.VLLM_ATTENTION_BACKEND
@@ -54,6 +63,7 @@ def select_attention_backend(
             raise ValueError(f"{source}={forced} but {'; '.join(reasons)}")
         return cls
     classes = sorted(map(get_backend_class, backend_names()), key=lambda c: -c.priority)
+    classes = [c for c in classes if c.required_features <= features]
     skipped = []
     for cls in classes:
         reasons = why_not(cls)

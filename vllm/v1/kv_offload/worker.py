@@ -1,8 +1,9 @@
 """The runner's side of the CPU KV tier: the tier's tensors and the block copies.
 
 The tier mirrors the KV cache's layout, one tensor per layer of shape
-``[2, num_cpu_blocks, block_size, num_kv_heads, head_size]``, so a block is two
-contiguous chunks (K and V) per layer on both sides. Copies are grouped into runs of
+``[2, num_cpu_blocks, block_size, num_kv_heads, head_size]`` (``[1, ...]`` for a latent
+cache, keys only: MLA), so a block is two contiguous chunks (K and V), or one, per layer
+on both sides. Copies are grouped into runs of
 consecutive block ids on both sides, one ``copy_`` per run, layer and K/V: a request's
 blocks are mostly consecutive, so a context moves in a few large copies.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,12 @@ from vllm.model_executor.model_loader import apply_quantization, load_model_weig
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
 from vllm.utils.device import to_device, to_host
-from vllm.v1.attention.backends.abstract import AttentionBackend, BlockIds
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    BlockIds,
+    kv_cache_shape,
+    latent_value_size,
+)
 from vllm.v1.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
@@ -317,13 +323,17 @@ class ModelRunner:
         features = frozenset(getattr(self.model, "attention_features", frozenset()))
         if is_fp8(self.kv_cache_dtype):  # a backend that reads FP8 caches
             features |= {"fp8_kv_cache"}
+        value_size = latent_value_size(a)
+        if value_size is not None:  # MLA: one latent per token, values read from the keys
+            features |= {"latent_kv"}
         backend_cls = select_attention_backend(
             self.device, self.dtype, self.block_size, a.head_dim,
             getattr(self.model_config, "attention_backend", None), features,
         )  # fmt: skip
         self.attn_backend = backend_cls(
-            a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.block_size
-        )
+            a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.block_size,
+            value_size=value_size,
+        )  # fmt: skip
         self.attn_backend.model_features = frozenset(features)
         self.install_attention_backend()
         logger.info(
@@ -334,10 +344,16 @@ class ModelRunner:
             time.monotonic() - start,
         )
 
-    def get_kv_cache_bytes_per_block(self) -> int:
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's cache of ``num_blocks``: K and V halves, or the K half alone when
+        the arch reads values from the keys (MLA's latent, ``latent_value_size``)."""
         a = self.arch
+        latent = latent_value_size(a) is not None
+        return kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim, latent)
+
+    def get_kv_cache_bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+        return self.arch.num_layers * math.prod(self.kv_cache_shape(1)) * itemsize
 
     def determine_num_blocks(self) -> int:
         """KV blocks from --num-gpu-blocks-override, else --kv-cache-memory, else on CUDA
@@ -405,11 +421,10 @@ class ModelRunner:
             self.penalty_table = PenaltyTable(self.arch.vocab_size, self.device, rows, width)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        a = self.arch
-        shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(a.num_layers)
+            for _ in range(self.arch.num_layers)
         ]
 
     def initialize_kv_offload(self, num_cpu_blocks: int) -> None:
@@ -1003,7 +1018,7 @@ class ModelRunner:
         by what the pool holds, which is what is being sized)."""
         sc = self.config.scheduler_config
         a = self.arch
-        shape = (2, 2, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = self.kv_cache_shape(2)
         scratch = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)] * a.num_layers
         blocks = [1] * -(-sc.max_model_len // self.block_size)
         seqs, positions, left = [], [], sc.max_num_batched_tokens

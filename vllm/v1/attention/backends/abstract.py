@@ -14,6 +14,17 @@ One step, as the model runner drives it::
 
 ``forward`` writes the step's K/V at ``meta``'s slot mapping and attends; ``meta`` is only
 valid for the step it was built for (it holds that step's slots and block tables).
+
+Two cache layouts per layer (``kv_cache_shape``), block ids always along dimension 1 (so
+the CPU tier, sleep mode and the sizing treat both alike)::
+
+    (2, num_blocks, block_size, kv_heads, head_size)   K and V cached apart
+    (1, num_blocks, block_size, kv_heads, head_size)   latent: keys only (``value_size``)
+
+The latent layout is multi-head latent attention's (DeepSeek's MLA): each token caches one
+latent row, which is its key, and its value is the key's first ``value_size`` dims, so
+storing a V half would hold the same numbers twice. A backend that reads it lists the
+``latent_kv`` feature; its ``forward`` gets ``v`` None and returns ``value_size``-wide rows.
 """
 
 from __future__ import annotations
@@ -29,6 +40,21 @@ import torch
 # tokens are positions [num_computed, num_computed + num_new); block_ids cover them (a
 # list, or the runner's ``BlockIds``, a list that also keeps them as a numpy array).
 SeqLayout = tuple[int, int, Sequence[int]]
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, latent: bool
+) -> tuple[int, int, int, int, int]:
+    """One layer's KV cache shape (the module docstring): a K and a V half, or for a
+    ``latent`` cache (values read from the keys) the K half alone."""
+    return (1 if latent else 2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def latent_value_size(arch: Any) -> int | None:
+    """A model arch's ``latent_value_size``: set by an arch whose values are its keys'
+    first dims (MLA: ``kv_lora_rank``), so its cache holds keys only; None (absent) for
+    an arch whose K and V are cached apart."""
+    return getattr(arch, "latent_value_size", None)
 
 
 class BlockIds(list):
@@ -73,7 +99,8 @@ def block_array(ids: Sequence[int]) -> np.ndarray:
 
 class AttentionBackend(ABC):
     """Paged attention over the KV cache layout ``(2, num_blocks, block_size, kv_heads,
-    head_size)`` per layer.
+    head_size)`` per layer, or the latent ``(1, ...)`` one (``value_size``, the module
+    docstring).
 
     Subclasses set ``name`` (the ``VLLM_ATTENTION_BACKEND`` value), ``priority`` (the
     selector tries higher first; the universal fallback is 0), ``device_types`` and
@@ -95,9 +122,14 @@ class AttentionBackend(ABC):
     # keyword argument of it: ``sliding_window`` (the layer attends to its last N
     # positions), ``logits_soft_cap`` (scores become ``cap * tanh(s / cap)``) and
     # ``sinks`` (a (heads,) tensor of logits that join each softmax and are dropped);
-    # and one of the cache, not a keyword: ``fp8_kv_cache`` (``--kv-cache-dtype fp8``: the
-    # KV cache holds FP8 values, which ``forward`` writes and reads).
+    # and two of the cache, not keywords: ``fp8_kv_cache`` (``--kv-cache-dtype fp8``: the
+    # KV cache holds FP8 values, which ``forward`` writes and reads) and ``latent_kv`` (the
+    # cache holds keys only and values are their first ``value_size`` dims: MLA).
     supported_features: ClassVar[frozenset[str]] = frozenset()
+    # Features a model must use for the backend to serve it (a backend written for one
+    # kind of model only: TRITON_MLA needs ``latent_kv``). The selector passes over the
+    # backend, without a warning, for a model that lacks one.
+    required_features: ClassVar[frozenset[str]] = frozenset()
     # The features the served model's layers use (set by the model runner after it builds
     # the backend): what ``warm_up`` compiles for.
     model_features: frozenset[str] = frozenset()
@@ -110,13 +142,30 @@ class AttentionBackend(ABC):
         dtype: torch.dtype,
         device: torch.device | str,
         block_size: int,
+        value_size: int | None = None,
     ) -> None:
+        """``value_size``: None for a cache of K and V halves; for a latent cache (the
+        ``latent_kv`` feature) the width of a value, the keys' first ``value_size`` dims."""
+        if value_size is not None and not 0 < value_size <= head_size:
+            raise ValueError(f"value_size={value_size}: 1 to head_size ({head_size})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
+        self.value_size = value_size
+
+    @property
+    def latent(self) -> bool:
+        """The cache holds keys only; values are their first ``value_size`` dims."""
+        return self.value_size is not None
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """The shape of one layer's cache of ``num_blocks`` blocks that this backend reads."""
+        return kv_cache_shape(
+            num_blocks, self.block_size, self.num_kv_heads, self.head_size, self.latent
+        )
 
     # -- where it runs (the selector asks before constructing) ----------------------------
     @classmethod
@@ -216,8 +265,8 @@ class AttentionBackend(ABC):
         self,
         q: torch.Tensor,  # (num_tokens, num_heads, head_size)
         k: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_size)
+        v: torch.Tensor | None,  # None for a latent cache
+        kv_cache: torch.Tensor,  # (2 or 1, num_blocks, block_size, num_kv_heads, head_size)
         meta: Any,
         scale: float,
         **features: Any,
@@ -225,6 +274,7 @@ class AttentionBackend(ABC):
         """Write this step's K/V into ``kv_cache`` at ``meta``'s slots (the only mutation;
         none when ``k`` and ``v`` are None, see ``writes_kv_with_rotary``), then attend
         each token over its request's context up to itself; returns
-        ``(num_tokens, num_heads, head_size)``. ``features``: the layer's keyword
+        ``(num_tokens, num_heads, head_size)``, or ``value_size`` wide for a latent cache
+        (``v`` None: the values are the keys' first dims). ``features``: the layer's keyword
         arguments among ``supported_features`` (only a backend that supports them is
         installed for a model that passes them)."""

@@ -19,6 +19,8 @@ _REGISTRY: dict[str, str | type[AttentionBackend]] = {
     "TORCH_FLASH_ATTN": "vllm.v1.attention.backends.torch_flash:TorchFlashAttentionBackend",
     # The flash-attn package's varlen kernel (CUDA, fp16/bf16), for those who have it.
     "FLASH_ATTN": "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",
+    # MLA models (DeepSeek-V2/V3) on CUDA: the Triton latent decode kernel, SDPA prefill.
+    "TRITON_MLA": "vllm.v1.attention.backends.triton_mla:TritonMLABackend",
     # torch SDPA + the native CPU kernels: runs anywhere (the fallback).
     "TORCH_SDPA": "vllm.v1.attention.backends.torch_sdpa:TorchSDPABackend",
 }

@@ -12,6 +12,11 @@ needs them, so a decode step's Python work grows with its blocks, not its tokens
 An FP8 KV cache (``--kv-cache-dtype fp8``) is read by the gathers, widened to the
 query's dtype; its decodes skip the native kernel (which reads the model's dtype).
 
+A latent cache (``latent_kv``, MLA: keys only, a value is its key's first ``value_size``
+dims) is read through a view of the K half as the values, so every path below serves it
+unchanged but the native kernels (which read two halves of equal width): its decodes take
+the gather and SDPA, its prefill chunks SDPA, and the output is ``value_size`` wide.
+
 A layer with a sliding window, soft-capped scores (Gemma 2) or attention sinks (gpt-oss)
 takes a masked path instead (``_masked_paged_attention``): windowed gathers and explicit
 masks, SDPA, or an eager fp32 softmax where SDPA cannot express the scores.
@@ -293,10 +298,8 @@ def _masked_paged_attention(
     attention sinks. Decodes gather only their window's slots; prefill chunks are cut to
     the keys their window reaches. Same inputs and output as ``paged_attention``; K/V
     written by the caller."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    flat_k = kv_cache[0].view(-1, kv_heads, head_dim)
-    flat_v = kv_cache[1].view(-1, kv_heads, head_dim)
+    out = q.new_empty(q.shape[:2] + v.shape[2:])
+    flat_k, flat_v = cache_views(kv_cache, v.shape[2])
     n = meta.num_decodes
     if n:
         if window is not None:
@@ -328,19 +331,32 @@ def _masked_paged_attention(
     return out
 
 
+def cache_views(kv_cache: torch.Tensor, value_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache as (slots, kv_heads, head_size) keys and (slots, kv_heads, value_size)
+    values: its two halves, or for a latent cache (one half) the keys' first ``value_size``
+    dims, a view (no copy)."""
+    kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    flat_k = kv_cache[0].view(-1, kv_heads, head_dim)
+    if kv_cache.shape[0] == 1:
+        return flat_k, flat_k[..., :value_size]
+    return flat_k, kv_cache[1].view(-1, kv_heads, head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, heads, head_dim)
     k: torch.Tensor,  # (num_tokens, kv_heads, head_dim)
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, kv_heads, head_dim)
+    v: torch.Tensor | None,  # None: a latent cache, values read from the keys
+    kv_cache: torch.Tensor,  # (2 or 1, num_blocks, block_size, kv_heads, head_dim)
     meta: AttentionMetadata,
     scale: float,
     prefill_bf16: bool = False,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    value_size: int | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim).
+    """Write this step's K/V into the cache, then attend; returns (num_tokens, heads, dim),
+    ``value_size`` wide for a latent cache (``v`` None, ``kv_cache`` of one half).
     ``prefill_bf16``: prefill chunks may run the native kernel's bf16 products (for models
     whose prefill already computes in bf16); decodes and the SDPA fallback stay fp32.
     ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: the layer's
@@ -348,15 +364,21 @@ def paged_attention(
     reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
     fp8 = is_fp8(kv_cache.dtype)
     if fp8:  # a chunk's own K/V as the cache holds them, as later steps will read them
-        k, v = as_stored(k, kv_cache.dtype), as_stored(v, kv_cache.dtype)
+        k = as_stored(k, kv_cache.dtype)
+        v = None if v is None else as_stored(v, kv_cache.dtype)
+    latent = v is None
+    if latent:
+        if value_size is None:
+            raise ValueError("a latent cache (v None) needs value_size")
+        v = k[..., :value_size]  # a view: the values are the keys' first dims
     if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
         return _masked_paged_attention(
             q, k, v, kv_cache, meta, scale, sliding_window, logits_soft_cap, sinks
         )
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = q.new_empty(q.shape[:2] + v.shape[2:])
     n = meta.num_decodes
     native = (
-        n > 0 and q.device.type == "cpu" and q.dtype == torch.float32 and not fp8
+        n > 0 and q.device.type == "cpu" and q.dtype == torch.float32 and not fp8 and not latent
     ) and ops.has_paged_decode_attention()
     if native:
         whole = n == q.shape[0]  # a pure decode step: no slicing
@@ -370,19 +392,37 @@ def paged_attention(
         )
     if native and not meta.prefills:
         return out
-    kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    flat_k = kv_cache[0].view(-1, kv_heads, head_dim)
-    flat_v = kv_cache[1].view(-1, kv_heads, head_dim)
+    flat_k, flat_v = cache_views(kv_cache, v.shape[2])
     if n and not native:
         out[:n] = _decode_attention(q[:n], flat_k, flat_v, meta, scale)
-    for chunk in meta.prefills:
+    prefill_attention(out, q, k, v, flat_k, flat_v, meta.prefills, scale, prefill_bf16)
+    return out
+
+
+def prefill_attention(
+    out: torch.Tensor,  # (num_tokens, heads, value dim): the chunks' rows written
+    q: torch.Tensor,  # (num_tokens, heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, kv_heads, head_dim): the step's own, as stored
+    v: torch.Tensor,  # (num_tokens, kv_heads, value dim)
+    flat_k: torch.Tensor,  # the cache's keys and values (``cache_views``)
+    flat_v: torch.Tensor,
+    prefills: list[PrefillChunk],
+    scale: float,
+    prefill_bf16: bool = False,
+) -> None:
+    """Causal attention of each prefill chunk over its cached prefix and itself: the
+    native kernel where it runs (fp32 on CPU, values as wide as keys), SDPA otherwise."""
+    for chunk in prefills:
         s, e = chunk.start, chunk.start + chunk.num_tokens
         if chunk.context_slots is None:
             keys, values = k[s:e], v[s:e]
         else:
             slots = chunk.context_slots
             keys, values = _read(flat_k, slots, q.dtype), _read(flat_v, slots, q.dtype)
-        if native_prefill_attention(out[s:e], q[s:e], keys, values, scale, prefill_bf16):
+        same_width = values.shape[2] == keys.shape[2]
+        if same_width and native_prefill_attention(
+            out[s:e], q[s:e], keys, values, scale, prefill_bf16
+        ):
             continue
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1).unsqueeze(0),  # (1, heads, len, dim)
@@ -394,7 +434,6 @@ def paged_attention(
             enable_gqa=True,
         )
         out[s:e] = o[0].transpose(0, 1)
-    return out
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -408,7 +447,7 @@ class TorchSDPABackend(AttentionBackend):
     priority = 0
     decodes_first = True
     supported_features: ClassVar[frozenset[str]] = frozenset(
-        {"sliding_window", "logits_soft_cap", "sinks", "fp8_kv_cache"}
+        {"sliding_window", "logits_soft_cap", "sinks", "fp8_kv_cache", "latent_kv"}
     )
 
     def __init__(self, *args, **kwargs) -> None:
@@ -429,7 +468,7 @@ class TorchSDPABackend(AttentionBackend):
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -439,5 +478,5 @@ class TorchSDPABackend(AttentionBackend):
     ) -> torch.Tensor:
         return paged_attention(
             q, k, v, kv_cache, meta, scale, self.prefill_bf16, sliding_window, logits_soft_cap,
-            sinks,
+            sinks, self.value_size,
         )  # fmt: skip
