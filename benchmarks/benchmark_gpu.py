@@ -1,14 +1,15 @@
 """GPU benchmark: our engine against transformers ``generate``, same random weights, one process.
 
-Builds a random-weight model of a named shape directly on the device, in the target
-dtype, seeded (``--shape``: smollm2-135m, llama-3.2-1b, llama-3.1-8b; gpt-oss-20b and
-gemma-2-9b, whose layers need sinks, soft caps and windows; ``tiny`` and ``tiny-gpt-oss``
-for CPU smoke runs), and writes it as an HF folder (config, SmolLM2's tokenizer files, the
-weights) that ``LLM(model=DIR)`` loads; with ``--skip-hf`` the folder has no weights and
-our engine makes its own random ones on the device (``--load-format dummy``). No weights
-are downloaded: GPU machines have no network. Then, for each N in ``--num-requests``
-(default 1 16 64 256), N random-token prompts of ``--prompt-len`` tokens generate
-``--max-tokens`` tokens each, greedy, EOS ignored, through:
+Builds a random-weight model of a named shape directly on the device, in the target dtype,
+seeded (``--shape``: smollm2-135m, llama-3.2-1b, llama-3.1-8b; gpt-oss-20b and gemma-2-9b,
+whose layers need sinks, soft caps and windows; deepseek-v2-lite, MLA's latent cache;
+``tiny``, ``tiny-gpt-oss`` and ``tiny-deepseek-v2`` for CPU smoke runs), and writes it as
+an HF folder (config, SmolLM2's tokenizer files, the weights) that ``LLM(model=DIR)``
+loads; with ``--skip-hf`` the folder has no weights and our engine makes its own random
+ones on the device (``--load-format dummy``). No weights are downloaded: GPU machines have
+no network. Then, for each N in ``--num-requests`` (default 1 16 64 256), N random-token
+prompts of ``--prompt-len`` tokens generate ``--max-tokens`` tokens each, greedy, EOS
+ignored, through:
 
 - transformers ``generate`` on the model just built, one batch of N (dynamic cache; with
   ``--hf-static`` also the static cache, which compiles its own decode step; one warm-up
@@ -93,6 +94,23 @@ SHAPES: dict[str, dict] = {
                        num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                        intermediate_size=14336, vocab_size=256000, sliding_window=4096,
                        query_pre_attn_scalar=256),
+    # DeepSeek-V2-Lite (MLA: one 576-wide latent cached per token and layer, 64 routed
+    # experts, top 6, 2 shared; its first layer dense) and a tiny one for the kit's CPU check.
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+                             q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+                             n_shared_experts=2, moe_intermediate_size=1408,
+                             intermediate_size=10944, first_k_dense_replace=1,
+                             vocab_size=102400, tie_word_embeddings=False,
+                             max_position_embeddings=163840),
+    "tiny-deepseek-v2": dict(model_type="deepseek_v2", hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                             q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                             n_shared_experts=1, moe_intermediate_size=32,
+                             intermediate_size=128, first_k_dense_replace=1, vocab_size=49152,
+                             tie_word_embeddings=False, max_position_embeddings=4096),
     "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
@@ -166,6 +184,8 @@ def model_facts(model) -> ModelFacts:
     read = num - (0 if embed is model.get_output_embeddings().weight else embed.numel())
     c = model.config
     layer_kv = 2 * c.num_key_value_heads * c.head_dim * itemsize
+    if getattr(c, "kv_lora_rank", None):  # MLA: the latent and the rotated key, cached once
+        layer_kv = (c.kv_lora_rank + c.qk_rope_head_dim) * itemsize
     lm_head = model.get_output_embeddings().weight.numel() * itemsize
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     windows: dict[int, int] = {}
@@ -179,7 +199,9 @@ def model_facts(model) -> ModelFacts:
         lm_head,
         expert_bytes=experts * itemsize,
         experts_per_token=getattr(c, "num_experts_per_tok", 0) if experts else 0,
-        num_experts=getattr(c, "num_local_experts", 0) if experts else 0,
+        num_experts=(getattr(c, "num_local_experts", None) or getattr(c, "n_routed_experts", 0))
+        if experts
+        else 0,
         windowed_kv=tuple(sorted(windows.items())),
     )
 

@@ -367,6 +367,27 @@ def test_tiny_gpt_oss_runs_on_our_engine(bench, tmp_path):
     assert result["model"]["num_experts"] == 4 and result["model"]["windowed_kv"]
 
 
+def test_deepseek_v2_lite_counts_one_latent_a_token_and_its_routed_experts(bench):
+    model = bench.build_model("deepseek-v2-lite", torch.bfloat16, torch.device("meta"), seed=0)
+    facts = bench.model_facts(model)
+    assert 15.0e9 < facts.num_params < 16.5e9  # DeepSeek-V2-Lite: 15.7B
+    assert facts.kv_bytes_per_token == 27 * (512 + 64) * 2  # not the 16 expanded heads
+    assert (facts.experts_per_token, facts.num_experts) == (6, 64)
+    # 26 MoE layers x 64 routed experts x 3 projections of 2048 x 1408, in bf16.
+    assert facts.expert_bytes == 2 * 26 * 64 * 3 * 2048 * 1408
+
+
+def test_tiny_deepseek_v2_runs_on_our_engine(bench, tmp_path):
+    out = tmp_path / "ds.json"
+    argv = ["--shape", "tiny-deepseek-v2", "--skip-hf", "--num-requests", "1", "2",
+            "--prompt-len", "16", "--max-tokens", "4", "--warmup", "0",
+            "--model-dir", str(tmp_path / "model"), "--json-out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert all(r["output_tok_per_s"] > 0 for r in result["engines"]["ours"].values())
+    assert result["model"]["kv_bytes_per_token"] == 2 * (32 + 8) * 4  # fp32 on the CPU
+
+
 def test_an_fp8_cache_halves_the_kv_bytes(bench):
     model = bench.build_model("gpt-oss-20b", torch.bfloat16, torch.device("meta"), seed=0)
     facts = bench.model_facts(model)
