@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import load_cpu_runner, runner_logits, save_tiny_llama
+from tests.v1.attention.test_fp8_kv_cache import greedy_on_cuda
 from tests.v1.attention.test_torch_flash import BATCHES, make_batch
 from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.model_executor.layers.quantization.kv_scales import (
@@ -230,20 +231,9 @@ def test_engine_on_cuda_with_checkpoint_scales_and_graphs(tmp_path):
     """The wrapped layers on the backend CUDA picks, replayed from CUDA graphs: the
     checkpoint's scales against a bf16 cache, first tokens held (a random model's near-tied
     logits may flip a later one)."""
-    from vllm import LLM, SamplingParams
-
     scales = {f"model.layers.{i}.self_attn.{kv}_scale": 0.05 for i in range(2) for kv in "kv"}
     _checkpoint_with_scales(tmp_path, KV_ONLY, scales)
-    outs = {}
-    for kv in ("bfloat16", "auto"):  # auto: the scheme's FP8 cache
-        llm = LLM(model=str(tmp_path), dtype="bfloat16", kv_cache_dtype=kv, max_model_len=128,
-                  skip_tokenizer_init=True, num_gpu_blocks_override=64)  # fmt: skip
-        try:
-            prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(4)]
-            res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
-            outs[kv] = [r.outputs[0].token_ids for r in res]
-        finally:
-            llm.shutdown()
+    outs = greedy_on_cuda(tmp_path, ("bfloat16", "auto"))  # auto: the scheme's FP8 cache
     assert all(len(t) == 12 for t in outs["auto"])
     firsts = sum(a[0] == b[0] for a, b in zip(outs["bfloat16"], outs["auto"], strict=True))
     assert firsts >= 3, outs

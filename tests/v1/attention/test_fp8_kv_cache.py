@@ -200,6 +200,24 @@ def test_engine_serves_with_an_fp8_cache(tmp_path):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def greedy_on_cuda(model_dir, cache_dtypes) -> dict[str, list]:
+    """Per ``--kv-cache-dtype``: the greedy tokens of four 37-token prompts (12 each) from a
+    bf16 engine on CUDA with its graphs over ``model_dir``, one engine after the other."""
+    from vllm import LLM, SamplingParams
+
+    outs = {}
+    for kv in cache_dtypes:
+        llm = LLM(model=str(model_dir), dtype="bfloat16", kv_cache_dtype=kv, max_model_len=128,
+                  skip_tokenizer_init=True, num_gpu_blocks_override=64)  # fmt: skip
+        try:
+            prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(4)]
+            res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+            outs[kv] = [r.outputs[0].token_ids for r in res]
+        finally:
+            llm.shutdown()
+    return outs
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("kv_dtype", FP8)
@@ -229,19 +247,8 @@ def test_real_flash_backend_reads_the_stored_values(monkeypatch, kind, mode, kv_
 @needs_cuda
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
 def test_engine_on_cuda_with_an_fp8_cache_and_graphs(tmp_path, cache_dtype):
-    from vllm import LLM, SamplingParams
-
     save_tiny_llama(tmp_path)
-    outs = {}
-    for kv in ("auto", cache_dtype):
-        llm = LLM(model=str(tmp_path), dtype="bfloat16", kv_cache_dtype=kv, max_model_len=128,
-                  skip_tokenizer_init=True, num_gpu_blocks_override=64)  # fmt: skip
-        try:
-            prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(4)]
-            res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
-            outs[kv] = [r.outputs[0].token_ids for r in res]
-        finally:
-            llm.shutdown()
+    outs = greedy_on_cuda(tmp_path, ("auto", cache_dtype))
     # It serves (graphs captured over the FP8 cache) and starts as the bf16 cache does: a
     # random model's near-tied logits may flip a later token, so only the first are held.
     assert all(len(t) == 12 for t in outs[cache_dtype])
