@@ -452,6 +452,13 @@ def test_load_format_dummy_gives_the_draft_random_weights_too():
     assert draft[name].abs().max() <= 1e-3  # the dummy bound, not the checkpoint's values
     assert torch.equal(draft[name], target[name])  # the same seed, the same rule
     assert runner.drafter.max_model_len == 256
+    # The draft's layers cache in the same blocks and travel to the CPU tier with the
+    # target's: one block's bytes count both, in the pool and in the tier.
+    runner.initialize_kv_cache(8)
+    runner.initialize_kv_offload(4)
+    num_layers = runner.arch.num_layers + runner.drafter.arch.num_layers
+    assert len(runner.kv_offload.cpu_caches) == num_layers
+    assert runner.kv_offload.block_bytes == runner.get_kv_cache_bytes_per_block()
 
 
 @pytest.mark.cuda
