@@ -8,10 +8,11 @@ Invalid values raise ``ValueError`` naming the field and the bad value.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -580,30 +581,54 @@ class OffloadConfig:
         return n
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Keys per method (vLLM's names), beyond "method", "num_speculative_tokens" and
+# "disable_by_batch_size", which every method takes. A key of the other method is refused
+# rather than ignored.
+_SPECULATIVE_METHOD_KEYS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "draft_model": ("model", "quantization", "max_model_len", "draft_tensor_parallel_size"),
+}
+_NGRAM_MODEL_NAMES = ("ngram", "[ngram]")  # vLLM's "model" values that name n-gram lookup
 _SPECULATIVE_KEYS = (
     "method",
     "num_speculative_tokens",
-    "prompt_lookup_min",
-    "prompt_lookup_max",
     "disable_by_batch_size",
+    *(key for keys in _SPECULATIVE_METHOD_KEYS.values() for key in keys),
 )
+
+
+def _speculative_method(spec: dict[str, Any]) -> str:
+    """The method ``spec`` names, or vLLM's inference: ``model`` without a method is a draft
+    model (``"ngram"`` as the model names n-gram lookup)."""
+    method = spec.get("method")
+    if method is None and spec.get("model") is not None:
+        method = "ngram" if spec["model"] in _NGRAM_MODEL_NAMES else "draft_model"
+    if method not in SPECULATIVE_METHODS:
+        raise bad_value(
+            "speculative_config.method", method, f"must be one of {SPECULATIVE_METHODS}"
+        )
+    return method
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's --speculative-config): n-gram prompt lookup proposes
-    the tokens that followed the sequence's last n-gram where it occurred before; one
-    forward checks them all (docs/spec_decode.md)."""
+    the tokens that followed the sequence's last n-gram where it occurred before; a draft
+    model (a small model of the same vocabulary) proposes its greedy continuation; one
+    forward of the target checks them all (docs/spec_decode.md)."""
 
     speculative_config: dict[str, Any] | None = config_field(
         None,
         'JSON object, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K} and '
         "optionally prompt_lookup_min / prompt_lookup_max (n-gram sizes; both 5 when "
-        "neither is given) and disable_by_batch_size (no drafts in a step with more running "
-        "requests). Requests without penalties, logit controls, min_tokens or a grammar "
-        "get drafts (greedy: checked exactly; sampled: rejection sampling); every "
-        "other request decodes as without it.",
+        'neither is given); or {"model": DRAFT, "num_speculative_tokens": K} (method '
+        "draft_model: a model of the target's vocabulary, loaded like --model, with "
+        "optionally quantization, max_model_len and draft_tensor_parallel_size 1). Both "
+        "take disable_by_batch_size (no drafts in a step with more running requests). "
+        "Requests without penalties, logit controls, min_tokens or a grammar get drafts "
+        "(greedy: checked exactly; sampled: rejection sampling); every other request "
+        "decodes as without it.",
         parse=lambda text: parse_json_object(text, "speculative_config"),
     )
 
@@ -612,42 +637,35 @@ class SpeculativeConfig:
         if spec is None:
             return
         _check_json_config("speculative_config", spec, _SPECULATIVE_KEYS)
-        if spec.get("method") not in SPECULATIVE_METHODS:
-            raise bad_value(
-                "speculative_config.method",
-                spec.get("method"),
-                f"must be one of {SPECULATIVE_METHODS}",
-            )
+        method = _speculative_method(spec)
+        if method == "ngram" and spec.get("model") in _NGRAM_MODEL_NAMES:
+            spec = {key: value for key, value in spec.items() if key != "model"}
+        for other, keys in _SPECULATIVE_METHOD_KEYS.items():
+            for key in keys:
+                if other != method and key in spec:
+                    raise bad_value(
+                        f"speculative_config.{key}", spec[key], f"is a key of method {other}"
+                    )
         k = spec.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
             raise bad_value(
                 "speculative_config.num_speculative_tokens", k, "must be an integer in [1, 32]"
             )
-        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        batch = spec.get("disable_by_batch_size")
-        for name, value in (
-            ("prompt_lookup_min", lo),
-            ("prompt_lookup_max", hi),
-            ("disable_by_batch_size", batch),
-        ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise bad_value(f"speculative_config.{name}", value, "must be an integer >= 1")
-        if lo is None and hi is None:
-            lo = hi = 5  # vLLM's defaults
-        lo = hi if lo is None else lo
-        hi = lo if hi is None else hi
-        if lo > hi:
-            raise bad_value(
-                "speculative_config.prompt_lookup_min", lo, f"must be <= prompt_lookup_max={hi}"
-            )
-        object.__setattr__(self, "speculative_config", {**spec, "prompt_lookup_min": lo,
-                                                        "prompt_lookup_max": hi})  # fmt: skip
+        _check_positive("disable_by_batch_size", spec.get("disable_by_batch_size"))
+        if method == "ngram":
+            spec = _ngram_sizes(spec)
+        else:
+            _check_draft_keys(spec)
+        object.__setattr__(self, "speculative_config", {**spec, "method": method})
 
     @property
     def enabled(self) -> bool:
         return self.speculative_config is not None
+
+    @property
+    def method(self) -> str | None:
+        """``ngram`` or ``draft_model``; None without speculative decoding."""
+        return self.speculative_config["method"] if self.enabled else None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -655,16 +673,84 @@ class SpeculativeConfig:
 
     @property
     def prompt_lookup_min(self) -> int:
-        return self.speculative_config["prompt_lookup_min"] if self.enabled else 0
+        return self.speculative_config.get("prompt_lookup_min", 0) if self.enabled else 0
 
     @property
     def prompt_lookup_max(self) -> int:
-        return self.speculative_config["prompt_lookup_max"] if self.enabled else 0
+        return self.speculative_config.get("prompt_lookup_max", 0) if self.enabled else 0
 
     @property
     def disable_by_batch_size(self) -> int | None:
         """No drafts in a step with more running requests than this (None: any)."""
         return self.speculative_config.get("disable_by_batch_size") if self.enabled else None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past the tokens the target computes in a step (vLLM's
+        ``num_lookahead_tokens``): a draft model writes its KV ahead, up to k positions
+        past them (``vllm/v1/spec_decode/draft_model.py``); n-gram lookup writes none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    def draft_model_config(self, target: ModelConfig) -> ModelConfig:
+        """The draft's ``ModelConfig``: the target's device, dtype, seed, load format and
+        attention backend, with the draft's model, quantization (None: auto, as
+        --quantization's default) and length, and no tokenizer or HF overrides of its own
+        (vLLM's: a dict of --hf-overrides is the target's alone)."""
+        spec = self.speculative_config
+        try:
+            return replace(
+                target,
+                model=spec["model"],
+                quantization=spec.get("quantization"),
+                max_model_len=spec.get("max_model_len"),
+                tokenizer=None,
+                served_model_name=None,
+                hf_overrides=None,
+                chat_template=None,
+                logits_processors=None,
+            )
+        except ValueError as e:  # the pair is wrong, e.g. gguf with --load-format dummy
+            raise bad_value("speculative_config.quantization", spec.get("quantization"),
+                            f"does not fit the draft model ({e})") from None  # fmt: skip
+
+
+def _check_positive(key: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise bad_value(f"speculative_config.{key}", value, "must be an integer >= 1")
+
+
+def _ngram_sizes(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with both n-gram sizes (vLLM's defaults: 5 and 5; one given, both it)."""
+    lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    _check_positive("prompt_lookup_min", lo)
+    _check_positive("prompt_lookup_max", hi)
+    if lo is None and hi is None:
+        lo = hi = 5
+    lo = hi if lo is None else lo
+    hi = lo if hi is None else hi
+    if lo > hi:
+        raise bad_value(
+            "speculative_config.prompt_lookup_min", lo, f"must be <= prompt_lookup_max={hi}"
+        )
+    return {**spec, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+
+
+def _check_draft_keys(spec: dict[str, Any]) -> None:
+    """A draft model's own keys, as far as they can be checked without its files (the
+    vocabulary and the lengths are checked with the target's: ``check_draft_model``)."""
+    model = spec.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_value("speculative_config.model", model, "must be a non-empty name or path")
+    quantization = spec.get("quantization")
+    if quantization not in (None, *get_args(Quantization)):
+        raise bad_value("speculative_config.quantization", quantization,
+                        f"must be None or one of {get_args(Quantization)}")  # fmt: skip
+    _check_positive("max_model_len", spec.get("max_model_len"))
+    tp = spec.get("draft_tensor_parallel_size", 1)
+    if tp != 1 or isinstance(tp, bool):
+        raise bad_value(
+            "speculative_config.draft_tensor_parallel_size", tp, "must be 1: one device"
+        )
 
 
 @dataclass(frozen=True)
@@ -879,6 +965,8 @@ class VllmConfig:
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
+        if self.speculative_config.method == "draft_model":
+            self.draft_model_config  # noqa: B018 - checked (and cached) now, not at load
         if self.model_config.is_pooling and self.speculative_config.enabled:
             raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
         if self.model_config.logits_processors and self.model_config.is_pooling:
@@ -915,3 +1003,51 @@ class VllmConfig:
                 "--kv-events-config needs prefix caching (its events name prefix-cache "
                 "blocks): drop --no-enable-prefix-caching or the events"
             )
+
+    @functools.cached_property
+    def draft_model_config(self) -> ModelConfig | None:
+        """The draft model's config (``--speculative-config``'s method draft_model), its
+        files read once: ValueError naming ``speculative_config.model`` for a model not
+        found or of another vocabulary (vLLM's rule: the target checks token ids of the
+        draft's vocabulary), ``speculative_config.max_model_len`` for a length past the
+        draft's or the target's. Its max_model_len is resolved: the key, else the shorter
+        of the draft's own limit and the target's max_model_len. None for other methods."""
+        spec = self.speculative_config
+        if spec.method != "draft_model":
+            return None
+        from vllm.model_executor.model_loader import get_model_config, hf_config_of
+        from vllm.model_executor.model_loader import model_max_len as limit_of
+
+        draft = spec.speculative_config["model"]
+        try:
+            draft_hf = get_model_config(draft)
+        except (OSError, ValueError) as e:
+            raise bad_value("speculative_config.model", draft, f"cannot be read: {e}") from None
+        target_vocab = _vocab_size(hf_config_of(self.model_config))
+        draft_vocab = _vocab_size(draft_hf)
+        if draft_vocab != target_vocab:
+            raise bad_value(
+                "speculative_config.model",
+                draft,
+                f"must have the target's vocabulary ({target_vocab} tokens), not {draft_vocab}",
+            )
+        target_len = self.scheduler_config.max_model_len
+        own = limit_of(draft_hf)
+        asked = spec.speculative_config.get("max_model_len")
+        if asked is None:
+            length = target_len if own is None else min(own, target_len)
+        elif asked > target_len or (own is not None and asked > own):
+            raise bad_value(
+                "speculative_config.max_model_len",
+                asked,
+                f"must be <= the target's max_model_len ({target_len}) and the draft's "
+                f"longest context ({own})",
+            )
+        else:
+            length = asked
+        return replace(spec.draft_model_config(self.model_config), max_model_len=length)
+
+
+def _vocab_size(hf_config) -> int | None:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return getattr(text, "vocab_size", None)

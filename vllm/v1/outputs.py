@@ -54,6 +54,9 @@ class ModelRunnerOutput:
     # --runner pooling: req_id -> its prompt's embedding, once its prompt is computed (the
     # scheduler then finishes it; it samples nothing).
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding with a draft model: req_id -> the draft tokens it proposed
+    # after this step's tokens (the scheduler's drafts for the request's next step).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids={})

@@ -88,6 +88,9 @@ class Request:
         # scheduler counts as this request's (their positions are scheduled) before it
         # knows them.
         self.num_output_placeholders = 0
+        # Draft tokens a draft model proposed in the step that made this request's last
+        # token (speculative decoding, method draft_model): the next step's drafts.
+        self.spec_token_ids: list[int] = []
         # Prompt tokens served from the prefix cache at first scheduling (-1: not yet).
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -54,7 +54,8 @@ from vllm.v1.sample.sampler import (
     token_logprobs_on_device,
     unprocessed,
 )
-from vllm.v1.spec_decode.ngram_proposer import verify_greedy
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.ngram_proposer import drafts_allowed, verify_greedy
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.cuda_graph import DecodeGraphs, Graph, cudagraph_capture_sizes
 from vllm.v1.worker.gpu_memory import (
@@ -90,6 +91,12 @@ class CachedRequestState:
     # penalised only, with the penalties from the runner's PenaltyTable.
     bare: bool = False
     penalty_slot: int | None = None  # its row in ModelRunner.penalty_table, if any
+    # A draft model's bookkeeping (draft_model.py): positions whose draft KV holds this
+    # request's tokens (None: its first pass starts at its computed prefix), the drafts
+    # fed past them in the last pass, and whether it may get drafts at all.
+    draft_valid: int | None = None
+    draft_ahead: list[int] = field(default_factory=list)
+    draft_allowed: bool = False
     # The prompt inside token_ids, one view for the request's life (it caches the
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
@@ -219,6 +226,8 @@ class ModelRunner:
         # Generators of seeded requests preempted (recompute) and not yet resumed.
         self._paused_generators: dict[str, torch.Generator] = {}
         self.attn_backend: AttentionBackend | None = None  # chosen in load_model
+        # --speculative-config's draft_model: the draft, its KV tensors, its passes.
+        self.drafter: DraftModelProposer | None = None
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
         self._weights_on_host = False  # sleep level 1 on a device: wake_up moves them back
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
@@ -254,6 +263,7 @@ class ModelRunner:
         self._drop_caches()
         self.penalty_table = None
         self.model = None
+        self.drafter = None
         self.lora = None
         self.requests.clear()
         self._num_prompt_logprobs = 0
@@ -283,58 +293,24 @@ class ModelRunner:
         )
 
     def load_model(self) -> None:
+        """The target model, its attention backend and, with a draft model
+        (``--speculative-config``'s draft_model), the draft (``_load_drafter``)."""
         from vllm.model_executor.layers.quantization.kv_scales import resolve_cache_dtype
-        from vllm.model_executor.layers.rotary_embedding import use_long_rope
         from vllm.model_executor.model_loader import hf_config_of
 
         start = time.monotonic()
-        path = resolve_model(self.model_config.model)
-        hf_config = hf_config_of(self.model_config)
         # An FP8-KV checkpoint's kv_cache_scheme turns --kv-cache-dtype auto into fp8.
+        hf_config = hf_config_of(self.model_config)
         cache_dtype = resolve_cache_dtype(self.config.cache_config.cache_dtype, hf_config)
         self.kv_cache_dtype = kv_cache_torch_dtype(cache_dtype, self.dtype)
-        # longrope's factors follow the served length (vLLM's choice at start-up)
-        served = self.model_config.max_model_len or self.config.scheduler_config.max_model_len
-        use_long_rope(hf_config, served)
-        model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
-        if hasattr(model_cls, "check_dtype"):  # a family that cannot run in some dtype
-            model_cls.check_dtype(hf_config, self.dtype)
-        torch.manual_seed(self.model_config.seed)
         if self.device.type == "cuda":
             self.memory_before_load = measure_before_load(self.device)
-        self.model = load_model_weights(
-            model_cls,
-            hf_config,
-            path,
-            self.device,
-            self.dtype,
-            self.model_config.load_format,
-            self.model_config.seed,
-        )
+        served = self.model_config.max_model_len or self.config.scheduler_config.max_model_len
+        self.model, architecture, model_cls = self._load_weights(self.model_config, served)
         self.arch = self.model.arch
-        if self.device.type == "cpu":
-            # Norm, rotary, SiLU and decode-attention kernels: JIT-built once when missing
-            # (then cached); without a compiler the pure-torch fallbacks run.
-            ops.ensure_native_kernels()
-        apply_quantization(self.model, self.model_config)
         if self.config.lora_config.enable_lora:  # wraps the linear layers, as quantized
             self.lora = LoRAManager(self.model, self.config.lora_config, self.device, self.dtype)
-        a = self.arch
-        features = frozenset(getattr(self.model, "attention_features", frozenset()))
-        if is_fp8(self.kv_cache_dtype):  # a backend that reads FP8 caches
-            features |= {"fp8_kv_cache"}
-        value_size = latent_value_size(a)
-        if value_size is not None:  # MLA: one latent per token, values read from the keys
-            features |= {"latent_kv"}
-        backend_cls = select_attention_backend(
-            self.device, self.dtype, self.block_size, a.head_dim,
-            getattr(self.model_config, "attention_backend", None), features,
-        )  # fmt: skip
-        self.attn_backend = backend_cls(
-            a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.block_size,
-            value_size=value_size,
-        )  # fmt: skip
-        self.attn_backend.model_features = frozenset(features)
+        self.attn_backend = self._make_attention_backend(self.model, self.model_config)
         self.install_attention_backend()
         logger.info(
             "Loaded %s (%s: %s) in %.1f s",
@@ -342,6 +318,93 @@ class ModelRunner:
             architecture,
             model_cls.__name__,
             time.monotonic() - start,
+        )
+        draft_config = self.config.draft_model_config
+        if draft_config is not None:
+            self.drafter = self._load_drafter(draft_config)
+
+    def _load_weights(self, model_config, served_len: int) -> tuple[torch.nn.Module, str, type]:
+        """``model_config``'s model on this runner's device in its dtype, in the weight
+        format its quantization asks for: (model, architecture, class). The target and
+        a draft model load the same way."""
+        from vllm.model_executor.layers.rotary_embedding import use_long_rope
+        from vllm.model_executor.model_loader import hf_config_of
+
+        path = resolve_model(model_config.model)
+        hf_config = hf_config_of(model_config)
+        # longrope's factors follow the served length (vLLM's choice at start-up)
+        use_long_rope(hf_config, served_len)
+        model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
+        if hasattr(model_cls, "check_dtype"):  # a family that cannot run in some dtype
+            model_cls.check_dtype(hf_config, self.dtype)
+        torch.manual_seed(model_config.seed)
+        model = load_model_weights(
+            model_cls,
+            hf_config,
+            path,
+            self.device,
+            self.dtype,
+            model_config.load_format,
+            model_config.seed,
+        )
+        if self.device.type == "cpu":
+            # Norm, rotary, SiLU and decode-attention kernels: JIT-built once when missing
+            # (then cached); without a compiler the pure-torch fallbacks run.
+            ops.ensure_native_kernels()
+        apply_quantization(model, model_config)
+        return model, architecture, model_cls
+
+    def _make_attention_backend(self, model: torch.nn.Module, model_config) -> AttentionBackend:
+        """The attention backend for ``model``'s shapes and features on this device."""
+        a = model.arch
+        features = frozenset(getattr(model, "attention_features", frozenset()))
+        if is_fp8(self.kv_cache_dtype):  # a backend that reads FP8 caches
+            features |= {"fp8_kv_cache"}
+        value_size = latent_value_size(a)
+        if value_size is not None:  # MLA: one latent per token, values read from the keys
+            features |= {"latent_kv"}
+        backend_cls = select_attention_backend(
+            self.device, self.dtype, self.block_size, a.head_dim,
+            getattr(model_config, "attention_backend", None), features,
+        )  # fmt: skip
+        backend = backend_cls(
+            a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.block_size,
+            value_size=value_size,
+        )  # fmt: skip
+        backend.model_features = frozenset(features)
+        return backend
+
+    def _load_drafter(self, draft_config) -> DraftModelProposer:
+        """The draft model, loaded as the target (same device, dtype, load format and
+        seed: ``--load-format dummy`` gives it random weights too), with its own
+        attention backend (its shapes may differ) and KV tensors in the target's blocks."""
+        from vllm.model_executor.layers.quantization.gguf import model_prefill_dtype
+        from vllm.model_executor.layers.quantization.kv_scales import apply_kv_scales
+
+        start = time.monotonic()
+        model, architecture, _ = self._load_weights(draft_config, draft_config.max_model_len)
+        backend = self._make_attention_backend(model, draft_config)
+        backend.use_prefill_dtype(model_prefill_dtype(model))
+        model.set_attention_backend(backend)
+        apply_kv_scales(model, is_fp8(self.kv_cache_dtype), self.dtype)  # its checkpoint's
+        spec = self.config.speculative_config
+        logger.info(
+            "Loaded draft model %s (%s, %d layers; %d draft tokens, eager) in %.1f s",
+            draft_config.model,
+            architecture,
+            model.arch.num_layers,
+            spec.num_speculative_tokens,
+            time.monotonic() - start,
+        )
+        return DraftModelProposer(
+            model,
+            backend,
+            spec.num_speculative_tokens,
+            self.block_size,
+            draft_config.max_model_len,
+            self.config.scheduler_config.max_model_len,
+            self.kv_cache_dtype,
+            self.device,
         )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -352,8 +415,12 @@ class ModelRunner:
         return kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim, latent)
 
     def get_kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one KV block over every layer: the target's and a draft model's (whose
+        layers cache in the same blocks), so sizing and --num-gpu-blocks-override hold."""
         itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return self.arch.num_layers * math.prod(self.kv_cache_shape(1)) * itemsize
+        target = self.arch.num_layers * math.prod(self.kv_cache_shape(1)) * itemsize
+        draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
+        return target + draft
 
     def determine_num_blocks(self) -> int:
         """KV blocks from --num-gpu-blocks-override, else --kv-cache-memory, else on CUDA
@@ -426,6 +493,8 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(self.arch.num_layers)
         ]
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
 
     def initialize_kv_offload(self, num_cpu_blocks: int) -> None:
         """Allocate the CPU KV tier (``--kv-offloading-backend``) after the KV cache."""
@@ -433,7 +502,10 @@ class ModelRunner:
 
         backend = self.config.offload_config.kv_offloading_backend
         start = time.monotonic()
-        self.kv_offload = get_offloading_backend_class(backend)(self.kv_caches, num_cpu_blocks)
+        # A draft model's layers travel with the target's: a block loaded back from the
+        # tier drafts as well as it did before it left.
+        layers = self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
+        self.kv_offload = get_offloading_backend_class(backend)(layers, num_cpu_blocks)
         logger.info(
             "CPU KV tier (%s): %d blocks x %d tokens (%.2f GiB, allocated in %.1f s%s); %d tokens",
             backend,
@@ -454,6 +526,8 @@ class ModelRunner:
         start = time.perf_counter()
         sc = self.config.scheduler_config
         launches = self.attn_backend.warm_up(self.kv_caches, sc.max_num_seqs)
+        if self.drafter is not None:
+            launches += self.drafter.attn_backend.warm_up(self.drafter.kv_caches, sc.max_num_seqs)
         if launches:
             logger.info(
                 "Warmed up %d attention kernel variants in %.1f s",
@@ -509,6 +583,8 @@ class ModelRunner:
             close()  # unlock the tier's pages before they are freed
         self.kv_offload = None
         self.kv_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_caches = []
 
     # -- sleep mode (EngineCore.sleep / wake_up) -----------------------------------------
     def sleep(self, level: int) -> None:
@@ -519,9 +595,11 @@ class ModelRunner:
         here, recaptured by the ``wake_up`` that makes the runner whole again."""
         self._drop_caches()
         if level >= 2:
-            self.model, self.lora = None, None  # load_model makes both again
+            self.model, self.lora, self.drafter = None, None, None  # load_model remakes them
         elif self.device.type != "cpu":
             moved = move_module_tensors(self.model, torch.device("cpu"))
+            if self.drafter is not None:
+                moved += move_module_tensors(self.drafter.model, torch.device("cpu"))
             self._weights_on_host = True
             logger.info("Sleep: %.2f GiB of weights moved to host memory", moved / 2**30)
         else:
@@ -542,6 +620,9 @@ class ModelRunner:
                 self.load_model()
             elif self._weights_on_host:
                 move_module_tensors(self.model, self.device)
+                if self.drafter is not None:
+                    move_module_tensors(self.drafter.model, self.device)
+                    self.drafter.model.set_attention_backend(self.drafter.attn_backend)
                 self._weights_on_host = False
                 self.install_attention_backend()
         if "kv_cache" in tags and not self.kv_caches:
@@ -633,6 +714,7 @@ class ModelRunner:
             lora_slot=slot,
             bare_greedy=is_bare_greedy(p),
             bare=is_bare(p) or (tabled and unprocessed(p)),
+            draft_allowed=drafts_allowed(p),
         )
         if tabled:
             if self.penalty_table is None:
@@ -810,7 +892,30 @@ class ModelRunner:
         output.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
         if spec_reqs:
             self._verify_drafts(self._rows(hidden, spec_rows), spec_reqs, output)
+        if self.drafter is not None:
+            output.draft_token_ids = self._propose_drafts(so, order, output)
         return output
+
+    def _propose_drafts(
+        self, so: SchedulerOutput, order: list[str], out: ModelRunnerOutput
+    ) -> dict[str, list[int]]:
+        """The draft model's pass over the step's requests, after the target's tokens are
+        known (``DraftModelProposer``): a prefill chunk's tokens catch up, a request that
+        got tokens catches up and proposes. A request that failed this step has none."""
+        reqs = []
+        for req_id in order:
+            if req_id in out.errors:
+                continue
+            state = self.requests[req_id]
+            sampled = bool(out.sampled_token_ids.get(req_id))
+            if sampled:
+                end = len(state.token_ids)
+            else:
+                end = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
+            planned = self.drafter.plan(state, end, sampled)
+            if planned is not None:
+                reqs.append(planned)
+        return self.drafter.propose(reqs) if reqs else {}
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]`` without waiting for the device: a list index is copied up from
@@ -1031,6 +1136,8 @@ class ModelRunner:
         pos = torch.cat(positions).to(self.device)
         ids = torch.zeros_like(pos)
         hidden = self.model(ids, pos, meta, scratch)
+        if self.drafter is not None:  # its catch-up pass over the same tokens
+            self.drafter.profile_run(seqs, sc.max_num_batched_tokens)
         rows = min(sc.max_num_seqs, hidden.shape[0])
         return torch.softmax(self.model.compute_logits(hidden[-rows:]), dim=-1)
 

@@ -98,13 +98,18 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._num_preemptions = 0
         spec = vllm_config.speculative_config
+        # n-gram drafts are proposed here, on the host; a draft model's come back in the
+        # runner's output (Request.spec_token_ids) and write their KV ahead of the step's
+        # tokens, in the lookahead slots every allocation adds.
+        self.spec_method = spec.method
         self.proposer = (
             NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
-            if spec.enabled
+            if spec.method == "ngram"
             else None
         )
+        self.num_lookahead_tokens = spec.num_lookahead_tokens
         self._spec_stats = SpecDecodingStats()
         self._spec_max_batch = spec.disable_by_batch_size
         # Finish events decided inside schedule(), delivered by the next update.
@@ -213,9 +218,10 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: TokenBudget) -> list[int]:
         """Draft tokens for a decoding request (speculative decoding; [] without it, for
-        a request whose sampling needs more than the argmax, or when nothing matches),
-        at most what the step's budget, max_tokens and max_model_len leave room for."""
-        if self.proposer is None or not drafts_allowed(request.sampling_params):
+        a request whose sampling needs more than the argmax, or when nothing matches or
+        was proposed), at most what the step's budget, max_tokens and max_model_len leave
+        room for: n-gram lookup's, or those the draft model proposed in the last step."""
+        if self.spec_method is None or not drafts_allowed(request.sampling_params):
             return []
         if self._spec_max_batch is not None and len(self.running) > self._spec_max_batch:
             return []  # a batch this large is better served by plain decode steps
@@ -224,14 +230,29 @@ class Scheduler:
             self.max_model_len - request.num_tokens,
             (request.max_tokens or self.max_model_len) - request.num_output_tokens - 1,
         )
+        if self.proposer is None:
+            return request.spec_token_ids[: max(limit, 0)]
         return self.proposer.propose(request.request_id, request.all_token_ids, limit)
+
+    def _lookahead(self, num_tokens: int) -> int:
+        """KV slots to allocate past a request's first ``num_tokens`` for the positions a
+        draft model writes ahead (vLLM's lookahead slots; 0 without one). Fewer where the
+        whole pool could not hold them: a request that fits alone must still be served
+        (the runner drafts only into slots its request holds)."""
+        if not self.num_lookahead_tokens:
+            return 0
+        capacity = (self.kv_cache_manager.block_pool.num_gpu_blocks - 1) * self.block_size
+        return max(0, min(self.num_lookahead_tokens, capacity - num_tokens))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, budget: TokenBudget, step: _Step, now: float
     ) -> list[int] | None:
         """Allocate for a running request: release pins first, then preempt victims."""
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=lookahead
+            )
             if new_block_ids is not None:
                 return new_block_ids
             if self.pins.release_for_pressure(request, now):
@@ -274,6 +295,7 @@ class Scheduler:
         # A token its step on the device samples is dropped (the request is no longer
         # running when that step's update comes); recomputed, it is sampled again.
         victim.num_output_placeholders = 0
+        victim.spec_token_ids = []  # proposed for the KV it no longer has
         victim.num_preemptions += 1
         self._num_preemptions += 1
         step.preempted.add(victim.request_id)
@@ -321,7 +343,12 @@ class Scheduler:
                 break
             num_new = budget.clip(num_new)
             new_block_ids = kv.allocate_slots(
-                request, num_new, hit_blocks, num_hit, num_external_computed_tokens=num_loaded
+                request,
+                num_new,
+                hit_blocks,
+                num_hit,
+                num_lookahead_tokens=self._lookahead(num_hit + num_loaded + num_new),
+                num_external_computed_tokens=num_loaded,
             )
             if new_block_ids is None:
                 if self._may_release_pins_for(request, now) and (
@@ -445,6 +472,8 @@ class Scheduler:
             if pooled is not None:  # an embedding: done once its prompt is
                 outputs.append(self._finish_pooled(request, pooled, now))
                 continue
+            # The draft model's proposals from this step (none for an n-gram engine's).
+            request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
             if not new_tokens:
                 continue  # a partial prefill chunk
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -592,7 +621,7 @@ class Scheduler:
         offload = self.kv_cache_manager.offload
         if offload is not None:
             stats.connector_prefix_cache_stats, stats.offload_stats = offload.make_stats()
-        if self.proposer is not None:
+        if self.spec_method is not None:
             stats.spec_decoding_stats, self._spec_stats = self._spec_stats, SpecDecodingStats()
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)

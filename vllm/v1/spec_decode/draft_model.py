@@ -1,0 +1,209 @@
+"""Draft-model speculative decoding (vLLM's ``draft_model`` method), in the model runner.
+
+A small model of the target's vocabulary guesses the next k tokens greedily; the target
+checks them in its next step exactly as it checks n-gram drafts (``verify_greedy``, or
+rejection sampling for a sampled request: a greedy draft is a certain guess, so the
+one-hot test of ``rejection_sampler.py`` is exact). The drafts only decide how many
+tokens a step gives, never which.
+
+The draft's KV lives in the target's blocks: one extra tensor per draft layer, indexed by
+the same block ids and slots (positions are the same in both models), so the scheduler's
+block tables, prefix caching, preemption and freeing need nothing of their own. Each
+step, after the target's tokens are known, one pass per request:
+
+```
+ positions:  ... v-1 | v ... end-1 | end   end+1 ... end+k-2 | end+k-1
+ draft KV:   valid   | catch-up    | fed d1, d2 ...  d(k-1)  | (d_k: not fed)
+ proposes:                    d1 ^   d2 ^  ...       d_k ^
+```
+
+``v`` (``draft_valid``): positions whose draft KV holds the request's own tokens. The
+catch-up computes ``[v, end)`` in one forward for every request of the step (a prefill
+chunk's tokens, or what the target just accepted plus its new token), its last row gives
+d1; then k - 1 single-token forwards feed d1... and give d2... The fed drafts' KV stays:
+next step, those the target kept are the request's tokens at those positions, so ``v``
+moves past them (``draft_ahead``); the rejected ones' slots are overwritten, in both
+models, by the next pass. The draft writes up to position end + k - 2, which the
+scheduler's lookahead slots (``SpeculativeConfig.num_lookahead_tokens``) cover; a pass
+never writes past the slots its request holds.
+
+Every generating request catches up (also one whose drafts are not allowed), so a block
+that prefix caching shares carries the draft's KV of its tokens too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.utils.device import to_device
+
+
+@dataclass
+class DraftRequest:
+    """One request's part in a drafting pass (``DraftModelProposer.plan``)."""
+
+    state: Any  # the runner's CachedRequestState (token_ids, block_ids, draft_* fields)
+    end: int  # after the pass, draft KV holds the request's tokens [0, end)
+    num_drafts: int  # drafts to propose after them (0: catch up only)
+
+
+class DraftModelProposer:
+    """The draft model, its KV cache tensors and the drafting passes."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend: Any,
+        num_speculative_tokens: int,
+        block_size: int,
+        max_model_len: int,
+        target_max_model_len: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """``max_model_len``: the draft's (``speculative_config.max_model_len``): a
+        request drafts nothing once it is longer; ``target_max_model_len``: no draft is
+        proposed at a position the target can never reach."""
+        self.model = model
+        self.arch = model.arch
+        self.attn_backend = attn_backend
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.target_max_model_len = target_max_model_len
+        self.kv_cache_dtype = kv_cache_dtype
+        self.device = device
+        self.kv_caches: list[torch.Tensor] = []
+
+    # -- the KV cache -----------------------------------------------------------------
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One draft layer's cache, as its backend reads it (K and V halves, or MLA's
+        latent alone)."""
+        return self.attn_backend.kv_cache_shape(num_blocks)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """The draft layers' share of a KV block (the runner adds it to the target's)."""
+        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return self.arch.num_layers * math.prod(self.layer_shape(1)) * itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = self.layer_shape(num_blocks)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(self.arch.num_layers)
+        ]
+
+    # -- a step's pass ----------------------------------------------------------------
+    def plan(self, state: Any, end: int, sampled: bool) -> DraftRequest | None:
+        """The pass of a request whose tokens ``[0, end)`` have target KV or a token from
+        this step (``sampled``: it got tokens, so ``end`` is its length and it may
+        propose); None when there is nothing to compute. Mutates ``state``'s draft
+        bookkeeping: the drafts fed last step that the target kept become valid."""
+        if state.draft_valid is None:
+            # A new (or resumed) request starts after its prefix hit: those blocks' draft
+            # KV was written with their target KV (see the module docstring).
+            state.draft_valid = state.num_computed_tokens
+        tokens, ahead = state.token_ids, state.draft_ahead
+        kept = 0
+        while (
+            kept < len(ahead)
+            and state.draft_valid + kept < len(tokens)
+            and tokens[state.draft_valid + kept] == ahead[kept]
+        ):
+            kept += 1
+        state.draft_valid += kept
+        state.draft_ahead = []
+        # Slots the request holds, and the draft's own length limit.
+        limit = min(len(state.block_ids) * self.block_size, self.max_model_len)
+        num_drafts = 0
+        if sampled and end <= limit and state.draft_allowed:
+            # d_i sits at position end + i - 1; d_1 .. d_(n-1) are fed (their KV written).
+            num_drafts = min(self.k, limit - end + 1, self.target_max_model_len - end)
+            max_tokens = state.sampling_params.max_tokens
+            if max_tokens is not None:
+                num_drafts = min(num_drafts, max_tokens - len(state.output_token_ids) - 1)
+            num_drafts = max(num_drafts, 0)
+        if num_drafts:
+            # The last token's row gives d1: compute it even when its KV is already right
+            # (a fed draft that the target's next token happened to equal).
+            state.draft_valid = min(state.draft_valid, end - 1)
+        end = min(end, limit)
+        if end <= state.draft_valid:
+            return None
+        return DraftRequest(state, end, num_drafts)
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[DraftRequest]) -> dict[str, list[int]]:
+        """Run the passes of ``reqs`` (one catch-up forward for all, then up to k - 1
+        single-token forwards); req_id -> its drafts, for those with ``num_drafts``."""
+        if self.attn_backend.decodes_first:
+            reqs = sorted(reqs, key=lambda r: not self._as_decode_rows(r))
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[tuple[int, int, Any]] = []
+        last_rows: list[int] = []
+        for r in reqs:
+            state, start = r.state, r.state.draft_valid
+            ids += state.token_ids[start : r.end]
+            positions += range(start, r.end)
+            if self._as_decode_rows(r):
+                # One decode row per token, as the target's drafted steps: row i attends
+                # to the context through position start + i (written before attending).
+                seqs += [(start + i, 1, state.block_ids) for i in range(r.end - start)]
+            else:
+                seqs.append((start, r.end - start, state.block_ids))
+            state.draft_valid = r.end
+            if r.num_drafts:
+                last_rows.append(len(ids) - 1)
+        hidden = self._forward(ids, positions, seqs)
+        live = [r for r in reqs if r.num_drafts]
+        if not live:
+            return {}
+        drafts = {r.state.req_id: [t] for r, t in zip(live, self._argmax(hidden, last_rows),
+                                                      strict=True)}  # fmt: skip
+        for j in range(1, self.k):
+            live = [r for r in live if r.num_drafts > j]
+            if not live:
+                break
+            fed = [drafts[r.state.req_id][-1] for r in live]
+            positions = [r.end + j - 1 for r in live]
+            seqs = [(p, 1, r.state.block_ids) for p, r in zip(positions, live, strict=True)]
+            for r, token in zip(live, fed, strict=True):
+                r.state.draft_ahead.append(token)
+            hidden = self._forward(fed, positions, seqs)
+            for r, token in zip(live, self._argmax(hidden, None), strict=True):
+                drafts[r.state.req_id].append(token)
+        return drafts
+
+    def _as_decode_rows(self, r: DraftRequest) -> bool:
+        """Whether a pass's tokens go as decode rows (a few tokens after a context) rather
+        than as a chunk (a prompt's chunk, or a context's first tokens)."""
+        start = r.state.draft_valid
+        return start > 0 and r.end - start <= self.k + 1
+
+    def _forward(self, ids: list[int], positions: list[int], seqs: list) -> torch.Tensor:
+        meta = self.attn_backend.build_metadata(seqs)
+        input_ids = to_device(ids, torch.long, self.device)
+        pos = to_device(positions, torch.long, self.device)
+        return self.model(input_ids, pos, meta, self.kv_caches)
+
+    def _argmax(self, hidden: torch.Tensor, rows: list[int] | None) -> list[int]:
+        """The greedy token of each of ``hidden``'s ``rows`` (None: every row)."""
+        if rows is not None and len(rows) != hidden.shape[0]:
+            hidden = hidden.index_select(0, to_device(rows, torch.long, self.device))
+        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def profile_run(self, seqs: list, num_tokens: int) -> None:
+        """One catch-up forward of ``num_tokens`` tokens laid out as ``seqs`` on a scratch
+        cache of two blocks (the runner's memory profile of its largest step)."""
+        scratch = torch.zeros(self.layer_shape(2), dtype=self.kv_cache_dtype, device=self.device)
+        meta = self.attn_backend.build_metadata(seqs)
+        positions = torch.cat([torch.arange(s, s + n) for s, n, _ in seqs]).to(self.device)
+        assert positions.numel() == num_tokens
+        ids = torch.zeros_like(positions)
+        self.model(ids, positions, meta, [scratch] * self.arch.num_layers)
