@@ -63,7 +63,7 @@ if triton is not None:
 
     from vllm.v1.attention.backends.triton_decode import kv_values
 
-__all__ = ["mla_prefill_attention", "prefill_unavailable_reason", "tile_shape"]
+__all__ = ["mla_prefill_attention", "prefill_unavailable_reason", "tile_shape", "warm_up"]
 
 # The tiles, chosen on ptxas's report (no GPU timed them yet: docs/gpu.md's MLA item).
 # 32 (query row, head) pairs x 512 fp32 accumulators, 16 key rows a step, 8 warps: the
@@ -156,6 +156,18 @@ def mla_prefill_attention(
         num_stages=NUM_STAGES[dot16],
     )  # fmt: skip
     return out
+
+
+def warm_up(kv_cache: torch.Tensor, num_heads: int, value_size: int, dtype: torch.dtype) -> None:
+    """Compile the kernel for the model's queries (``dtype``) and this cache before the
+    first prompt needs it: one launch of a one-row chunk over the null block 0 (read,
+    never written)."""
+    device = kv_cache.device
+    q = torch.zeros(1, num_heads, kv_cache.shape[4], dtype=dtype, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)  # the metadata's dtypes
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    mla_prefill_attention(q, kv_cache, table, lens, cu, 1, 1.0, value_size)
 
 
 if triton is not None:
