@@ -107,7 +107,15 @@ def emulated_kernel(calls: list):
         assert block_table.dtype == seq_lens.dtype == torch.int32 and out is not None
         assert kv_cache.shape[0] == 1 and out.shape[2] == value_size
         calls.append(len(seq_lens))
-        for i, o in mla_reference(q, kv_cache, block_table, seq_lens, scale, value_size).items():
+        # A captured graph's padding rows hold whatever memory held: subnormal float64
+        # products in them took ~8 ms a softmax (80 s a test) where the memory had some.
+        flush = torch.set_flush_denormal(True)
+        try:
+            ref = mla_reference(q, kv_cache, block_table, seq_lens, scale, value_size)
+        finally:
+            if flush:
+                torch.set_flush_denormal(False)
+        for i, o in ref.items():
             out[i] = o.to(out.dtype)
         return out
 
@@ -179,14 +187,33 @@ def replayed_logits(runner: ModelRunner, ids: torch.Tensor, prefix: int) -> torc
     return torch.cat(rows).float().cpu()
 
 
+@torch.inference_mode()
+def chunked_logits(runner: ModelRunner, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """fp32 logits of ``ids`` prefilled in ``chunks`` (each over the cached rows of the
+    ones before it; blocks 1-8, as ``runner_logits``)."""
+    blocks, rows, start = list(range(1, 9)), [], 0
+    for n in chunks:
+        meta = runner.attn_backend.build_metadata([(start, n, blocks)])
+        pos = torch.arange(start, start + n, device=ids.device)
+        hidden = runner.model(ids[start : start + n], pos, meta, runner.kv_caches)
+        rows.append(runner.model.compute_logits(hidden))
+        start += n
+    assert start == len(ids)
+    return torch.cat(rows).float().cpu()
+
+
 def test_a_runner_replays_deepseek_decode_steps(monkeypatch, tmp_path):
     # The CUDA test's flow (tests/cuda/test_deepseek_mla_cuda.py) on the CPU: stand-in
-    # graphs and the emulated kernel; TRITON_MLA installed by hand (the selector keeps it
-    # to CUDA). Its prompt and replayed decode logits equal TORCH_SDPA's.
+    # graphs and the emulated kernels; TRITON_MLA installed by hand (the selector keeps it
+    # to CUDA). Its prompt, chunked prompt and replayed decode logits equal TORCH_SDPA's.
     from tests.v1.worker.test_cuda_graph import ReplayingGraph
     from vllm.config import ModelConfig
 
     monkeypatch.setattr(triton_mla_decode, "mla_decode_attention", emulated_kernel([]))
+    prefill_calls = []
+    monkeypatch.setattr(
+        triton_mla_prefill, "mla_prefill_attention", emulated_prefill_kernel(prefill_calls)
+    )
     save("v2_lite", tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     ids = torch.randint(0, TINY["vocab_size"], (80,), generator=torch.Generator().manual_seed(1))
@@ -195,12 +222,18 @@ def test_a_runner_replays_deepseek_decode_steps(monkeypatch, tmp_path):
     runner.attn_backend = TritonMLABackend(
         a.num_heads, 1, a.head_dim, runner.dtype, "cpu", 16, value_size=a.latent_value_size
     )
+    runner.attn_backend.prefill_kernel = True  # as on CUDA
     runner.install_attention_backend()
     ours = runner_logits(runner, ids)
+    chunked = chunked_logits(runner, ids, [30, 33, 17])
     runner.capture_model(graph_factory=ReplayingGraph)
     decoded = replayed_logits(runner, ids, 60)
     assert (ours - ref).abs().max() < 1e-4
+    assert (chunked - ref).abs().max() < 1e-4
     assert (decoded - ref[60:]).abs().max() < 1e-4
+    layers = TINY["num_hidden_layers"]
+    assert [c[0] for c in prefill_calls[: 4 * layers : layers]] == [(0, 80), (0, 30), (30, 33),
+                                                                     (63, 17)]  # fmt: skip
 
 
 def test_a_deepseek_decode_step_reads_nothing_back_to_the_host(monkeypatch):
