@@ -66,15 +66,20 @@ def print_case_results(
     print(json.dumps(results))
 
 
+# Shared memory a block may use (opt-in maximum): A100 (sm80) 163 KiB, H100 (sm90) 227 KiB.
+MAX_SHARED = {80: 166912, 90: 232448}
+
+
 def compile_for_cuda(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict,
-                     capability: int) -> None:  # fmt: skip
+                     capability: int, **options) -> None:  # fmt: skip
     """Lower the Triton kernel ``kernel`` to a cubin for compute capability ``capability``
     (80: Ampere, 90: Hopper) with Triton's CUDA backend and its ptxas, on a machine without
     a GPU: what the interpreter does not check. ``pointers``: argument -> element type
     (``"bf16"``, ``"u8"``...); ``scalars``: argument -> type (``"i32"``, ``"fp32"``, or a
     pointer spelled ``"*fp64"``); ``constants``: the constexprs. Together they must name
-    every argument, in order. Skips without triton, in an interpreted process, or where
-    the install has no ptxas."""
+    every argument, in order; ``options``: the launch's (``num_warps``, ``num_stages``).
+    The cubin's shared memory must fit the capability's (``MAX_SHARED``). Skips without
+    triton, in an interpreted process, or where the install has no ptxas."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -89,10 +94,13 @@ def compile_for_cuda(kernel, pointers: dict[str, str], scalars: dict[str, str], 
     assert list(signature) == kernel.arg_names  # every argument, in order
     try:
         compiled = triton.compile(
-            ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32)
+            ASTSource(kernel, signature, constants),
+            target=GPUTarget("cuda", capability, 32),
+            options=options or None,
         )
     except RuntimeError as e:  # no ptxas in this install
         if "ptxas" in str(e):
             pytest.skip(str(e))
         raise
     assert compiled.asm["cubin"]
+    assert compiled.metadata.shared <= MAX_SHARED[capability], compiled.metadata.shared

@@ -118,3 +118,42 @@ def test_a_latent_only_backend_is_never_offered_to_other_models(caplog):
         select_attention_backend(
             cpu, torch.float32, 16, 64, forced="TORCH_FLASH_ATTN", features={"latent_kv"}
         )
+
+
+def test_latent_prefill_chunks_take_the_native_kernel_through_whole_rows(monkeypatch):
+    # The native prefill kernel takes values as wide as keys: a latent chunk goes in with
+    # its whole rows as values (a prefix gathered once), and the first LATENT dims of the
+    # output are kept; still float64's (run_steps), with every chunk on the kernel.
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends import torch_sdpa
+
+    if ops._op("prefill_attention") is None:
+        pytest.skip("the native prefill kernel is not built")
+    calls = []
+    native = torch_sdpa.native_prefill_attention
+
+    def counting(out, query, keys, values, scale, bf16=False):
+        ok = native(out, query, keys, values, scale, bf16)
+        calls.append((ok, keys.data_ptr() == values.data_ptr(), values.shape[2]))
+        return ok
+
+    monkeypatch.setattr(torch_sdpa, "native_prefill_attention", counting)
+    backend = TorchSDPABackend(HEADS, 1, DIM, torch.float32, "cpu", BLOCK, value_size=LATENT)
+    assert run_steps(backend, torch.float32, STEPS) < 1e-5
+    # DIM 32 is no multiple of 64: the kernel declines and SDPA takes over.
+    assert calls and all(same and width == DIM and not ok for ok, same, width in calls)
+    calls.clear()
+    wide = TorchSDPABackend(2, 1, 128, torch.float32, "cpu", BLOCK, value_size=96)
+    cache = torch.zeros(wide.kv_cache_shape(8))
+    q, k = torch.randn(9, 2, 128), torch.randn(9, 1, 128)
+    for computed, n in ((0, 5), (5, 4)):  # a prompt, then a chunk over its prefix
+        meta = wide.build_metadata([(computed, n, [3, 1, 6])])
+        out = wide.forward(q[computed : computed + n], k[computed : computed + n], None,
+                           cache, meta, 0.1)  # fmt: skip
+        keys = k[: computed + n, 0].double()
+        pos = torch.arange(computed, computed + n)
+        scores = torch.einsum("qhd,kd->qhk", q[computed : computed + n].double(), keys) * 0.1
+        scores = scores.masked_fill(torch.arange(computed + n) > pos[:, None, None], -torch.inf)
+        ref = scores.softmax(-1) @ keys[:, :96]
+        assert (out.double() - ref).abs().max() < 1e-5
+    assert calls == [(True, True, 128)] * 2

@@ -11,7 +11,12 @@ from __future__ import annotations
 import pytest
 
 from tests.triton_interpreter import compile_for_cuda
-from vllm.v1.attention.backends import triton_decode, triton_mla_decode, triton_prefill
+from vllm.v1.attention.backends import (
+    triton_decode,
+    triton_mla_decode,
+    triton_mla_prefill,
+    triton_prefill,
+)
 
 DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -82,6 +87,36 @@ def test_mla_decode_kernel_compiles(dtype, kv_fp8, splits, capability):
                          HAS_SINKS=False)  # fmt: skip
         combine = triton_decode._combine_splits_kernel
         compile_for_cuda(combine, pointers, scalars, constants, capability)
+
+
+# (q dtype, KV_FP8, DOT16, heads, capability): the MLA prefill kernel as the backend
+# launches it on CUDA (16-bit queries multiply in their type, fp32 widened), V2-Lite's
+# 16 heads and V3's 128.
+MLA_PREFILL_VARIANTS = [
+    ("bf16", 0, True, 16, 90),
+    ("bf16", 1, True, 128, 90),
+    ("fp16", 2, True, 16, 80),
+    ("bf16", 0, True, 128, 80),
+    ("fp32", 0, False, 16, 80),
+    ("fp32", 1, False, 16, 90),
+]
+
+
+@pytest.mark.parametrize("dtype, kv_fp8, dot16, heads, capability", MLA_PREFILL_VARIANTS)
+def test_mla_prefill_kernel_compiles(dtype, kv_fp8, dot16, heads, capability):
+    kernel = triton_mla_prefill._mla_prefill_kernel
+    kv = "u8" if kv_fp8 else dtype
+    pointers = dict(q_ptr=dtype, kv_ptr=kv, block_table_ptr="i32", seq_lens_ptr="i32",
+                    cu_q_ptr="i32", out_ptr=dtype)  # fmt: skip
+    scalars = {"qk_scale": "fp32"} | _strides(kernel.arg_names[7:14])
+    block_q, block_h = triton_mla_prefill.tile_shape(heads)
+    constants = dict(NUM_HEADS=heads, BLOCK_Q=block_q, BLOCK_H=block_h, LATENT=512,
+                     LATENT_PAD=512, ROPE=64, ROPE_PAD=64, BLOCK_SIZE=16,
+                     TILE_N=triton_mla_prefill.TILE_N, KV_FP8=kv_fp8, DOT16=dot16,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    compile_for_cuda(kernel, pointers, scalars, constants, capability,
+                     num_warps=triton_mla_prefill.NUM_WARPS,
+                     num_stages=triton_mla_prefill.NUM_STAGES[dot16])  # fmt: skip
 
 
 # (q dtype, KV_FP8, soft cap, sinks, head dim, capability)

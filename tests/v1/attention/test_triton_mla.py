@@ -1,12 +1,14 @@
 """``TRITON_MLA`` (``backends/triton_mla.py``): MLA's decode rows through the Triton latent
-kernel, prefill chunks through TORCH_SDPA's path, over the latent cache.
+decode kernel, prefill chunks through the Triton latent prefill kernel (or, where Triton
+cannot run, TORCH_SDPA's path), over the latent cache.
 
-On CPU: the step metadata's layout (leading one-token rows are decodes, a one-token prompt
-and a graph's padding row included), the CUDA-graph contract (``graph_metadata``,
-``narrow``, ``copy_``), and the backend over decodes, prompts and chunks against float64,
-with the kernel emulated in float64 (checking the arguments the real one takes) and with
-the real kernel in Triton's interpreter (a child process), where a tiny DeepSeek-V2 also
-gives TORCH_SDPA's logits through it. The selector offers it to MLA models only. On a GPU
+On CPU: the step metadata's layout in both forms (leading one-token rows are decodes, a
+one-token prompt and a graph's padding row included), the CUDA-graph contract
+(``graph_metadata``, ``narrow``, ``copy_``), and the backend over decodes, prompts and
+chunks against float64, with the kernels emulated in float64 (checking the arguments the
+real ones take) and with the real kernels in Triton's interpreter (a child process, where
+the backend takes the prefill kernel), where a tiny DeepSeek-V2 also gives TORCH_SDPA's
+logits through them. The selector offers it to MLA models only. On a GPU
 (``cuda``): tests/cuda/test_deepseek_mla_cuda.py.
 """
 
@@ -23,14 +25,18 @@ from tests.tiny_models import load_cpu_runner, runner_logits
 from tests.triton_interpreter import interpreted_cases, print_case_results
 from tests.v1.attention.test_latent_kv import BLOCK, DIM, HEADS, LATENT, STEPS, run_steps
 from tests.v1.attention.test_triton_mla_decode import mla_reference
-from vllm.v1.attention.backends import triton_mla_decode
+from tests.v1.attention.test_triton_mla_prefill import mla_prefill_reference
+from vllm.v1.attention.backends import triton_mla_decode, triton_mla_prefill
 from vllm.v1.attention.backends.triton_mla import MLAMetadata, TritonMLABackend
 from vllm.v1.attention.selector import select_attention_backend
 from vllm.v1.worker.model_runner import ModelRunner
 
 
-def backend(device="cpu", block_size=BLOCK) -> TritonMLABackend:
-    return TritonMLABackend(HEADS, 1, DIM, torch.float32, device, block_size, value_size=LATENT)
+def backend(device="cpu", block_size=BLOCK, prefill_kernel=None) -> TritonMLABackend:
+    b = TritonMLABackend(HEADS, 1, DIM, torch.float32, device, block_size, value_size=LATENT)
+    if prefill_kernel is not None:
+        b.prefill_kernel = prefill_kernel
+    return b
 
 
 def test_metadata_layout():
@@ -41,8 +47,8 @@ def test_metadata_layout():
         (0, 3, [11]),  # a prompt
         (2, 1, [12]),  # one token after a chunk: a prefill chunk
     ]
-    meta = backend(block_size=4).build_metadata(seqs)
-    assert meta.num_decodes == 2
+    meta = backend(block_size=4, prefill_kernel=False).build_metadata(seqs)
+    assert meta.num_decodes == 2 and meta.prefill is None
     assert meta.block_table.dtype == meta.seq_lens.dtype == torch.int32
     assert meta.block_table.tolist() == [[3, 7], [4, 0]] and meta.seq_lens.tolist() == [6, 1]
     assert meta.slot_mapping.tolist() == [29, 16, 24, 25, 26, 27, 44, 45, 46, 50]
@@ -54,6 +60,18 @@ def test_metadata_layout():
     assert contexts == [[8, 9, 10, 11, 36, 37, 38, 39, 24, 25, 26, 27], None, [48, 49, 50]]
     with pytest.raises(ValueError, match="cannot hold"):
         backend(block_size=4).build_metadata([(4, 1, [3])])
+    # The same step for the Triton prefill kernel: the chunks' tables, lengths and rows.
+    meta = backend(block_size=4, prefill_kernel=True).build_metadata(seqs)
+    assert meta.num_decodes == 2 and not meta.prefills and meta.has_prefills
+    assert meta.block_table.tolist() == [[3, 7], [4, 0]] and meta.seq_lens.tolist() == [6, 1]
+    assert meta.slot_mapping.tolist() == [29, 16, 24, 25, 26, 27, 44, 45, 46, 50]
+    p = meta.prefill
+    assert p.block_table.dtype == p.seq_lens.dtype == p.cu_seq_q.dtype == torch.int32
+    assert p.block_table.tolist() == [[2, 9, 6], [11, 0, 0], [12, 0, 0]]
+    assert p.seq_lens.tolist() == [12, 3, 3] and p.cu_seq_q.tolist() == [2, 6, 9, 10]
+    assert p.max_q == 4
+    decodes_only = backend(block_size=4, prefill_kernel=True).build_metadata(seqs[:2])
+    assert decodes_only.prefill is None and not decodes_only.has_prefills
 
 
 def test_graph_metadata_takes_a_decode_step_in_place():
@@ -74,6 +92,11 @@ def test_graph_metadata_takes_a_decode_step_in_place():
         view.copy_(b.build_metadata([(0, 1, [0]), (0, 1, [0]), (0, 2, [0])]))
     with pytest.raises(ValueError, match="decode-only"):
         b.build_metadata([(0, 2, [1])]).narrow(1)
+    b.prefill_kernel = True
+    with pytest.raises(ValueError, match="decode-only"):
+        b.build_metadata([(0, 2, [1])]).narrow(1)
+    with pytest.raises(ValueError, match="decode-only"):
+        view.copy_(b.build_metadata([(0, 1, [0]), (0, 1, [0]), (0, 2, [0])]))
     assert isinstance(b.graph_metadata(1, 1), MLAMetadata) and b.supports_decode_graphs
 
 
@@ -84,19 +107,54 @@ def emulated_kernel(calls: list):
         assert block_table.dtype == seq_lens.dtype == torch.int32 and out is not None
         assert kv_cache.shape[0] == 1 and out.shape[2] == value_size
         calls.append(len(seq_lens))
-        for i, o in mla_reference(q, kv_cache, block_table, seq_lens, scale, value_size).items():
+        # A captured graph's padding rows hold whatever memory held: subnormal float64
+        # products in them took ~8 ms a softmax (80 s a test) where the memory had some.
+        flush = torch.set_flush_denormal(True)
+        try:
+            ref = mla_reference(q, kv_cache, block_table, seq_lens, scale, value_size)
+        finally:
+            if flush:
+                torch.set_flush_denormal(False)
+        for i, o in ref.items():
             out[i] = o.to(out.dtype)
         return out
 
     return kernel
 
 
+def emulated_prefill_kernel(calls: list):
+    """``mla_prefill_attention`` in float64, checking the arguments the real one takes
+    (the chunks' own rows must be in the cache already)."""
+
+    def kernel(q, kv_cache, block_table, seq_lens, cu_seq_q, max_q, scale, value_size, out):
+        assert block_table.dtype == seq_lens.dtype == cu_seq_q.dtype == torch.int32
+        assert kv_cache.shape[0] == 1 and out.shape[2] == value_size
+        cu = cu_seq_q.tolist()
+        seqs = [
+            (n - (b - a), b - a) for n, a, b in zip(seq_lens.tolist(), cu[:-1], cu[1:], strict=True)
+        ]
+        assert max_q == max(n for _, n in seqs)
+        calls.append(seqs)
+        ref = mla_prefill_reference(q, kv_cache, block_table, seqs, cu, scale, value_size)
+        for i, r in ref.items():
+            out[cu[i] : cu[i + 1]] = r.to(out.dtype)
+        return out
+
+    return kernel
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
-def test_backend_with_an_emulated_kernel_equals_float64(monkeypatch, cache_dtype):
-    calls = []
+@pytest.mark.parametrize("prefill_kernel", [False, True])
+def test_backend_with_emulated_kernels_equals_float64(monkeypatch, cache_dtype, prefill_kernel):
+    calls, prefill_calls = [], []
     monkeypatch.setattr(triton_mla_decode, "mla_decode_attention", emulated_kernel(calls))
-    assert run_steps(backend(), cache_dtype, STEPS) < 1e-5
+    monkeypatch.setattr(
+        triton_mla_prefill, "mla_prefill_attention", emulated_prefill_kernel(prefill_calls)
+    )
+    assert run_steps(backend(prefill_kernel=prefill_kernel), cache_dtype, STEPS) < 1e-5
     assert calls == [2, 1, 3]  # the decodes of each step that has some
+    # (prefix, chunk) of each step's chunks: sequence 0's second prompt chunk is a decode.
+    assert prefill_calls == ([[(0, 5), (0, 3)], [(0, 6)], [(6, 4)]] if prefill_kernel else [])
 
 
 def test_the_selector_offers_it_to_mla_models_only():
@@ -129,14 +187,33 @@ def replayed_logits(runner: ModelRunner, ids: torch.Tensor, prefix: int) -> torc
     return torch.cat(rows).float().cpu()
 
 
+@torch.inference_mode()
+def chunked_logits(runner: ModelRunner, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """fp32 logits of ``ids`` prefilled in ``chunks`` (each over the cached rows of the
+    ones before it; blocks 1-8, as ``runner_logits``)."""
+    blocks, rows, start = list(range(1, 9)), [], 0
+    for n in chunks:
+        meta = runner.attn_backend.build_metadata([(start, n, blocks)])
+        pos = torch.arange(start, start + n, device=ids.device)
+        hidden = runner.model(ids[start : start + n], pos, meta, runner.kv_caches)
+        rows.append(runner.model.compute_logits(hidden))
+        start += n
+    assert start == len(ids)
+    return torch.cat(rows).float().cpu()
+
+
 def test_a_runner_replays_deepseek_decode_steps(monkeypatch, tmp_path):
     # The CUDA test's flow (tests/cuda/test_deepseek_mla_cuda.py) on the CPU: stand-in
-    # graphs and the emulated kernel; TRITON_MLA installed by hand (the selector keeps it
-    # to CUDA). Its prompt and replayed decode logits equal TORCH_SDPA's.
+    # graphs and the emulated kernels; TRITON_MLA installed by hand (the selector keeps it
+    # to CUDA). Its prompt, chunked prompt and replayed decode logits equal TORCH_SDPA's.
     from tests.v1.worker.test_cuda_graph import ReplayingGraph
     from vllm.config import ModelConfig
 
     monkeypatch.setattr(triton_mla_decode, "mla_decode_attention", emulated_kernel([]))
+    prefill_calls = []
+    monkeypatch.setattr(
+        triton_mla_prefill, "mla_prefill_attention", emulated_prefill_kernel(prefill_calls)
+    )
     save("v2_lite", tmp_path)
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     ids = torch.randint(0, TINY["vocab_size"], (80,), generator=torch.Generator().manual_seed(1))
@@ -145,12 +222,18 @@ def test_a_runner_replays_deepseek_decode_steps(monkeypatch, tmp_path):
     runner.attn_backend = TritonMLABackend(
         a.num_heads, 1, a.head_dim, runner.dtype, "cpu", 16, value_size=a.latent_value_size
     )
+    runner.attn_backend.prefill_kernel = True  # as on CUDA
     runner.install_attention_backend()
     ours = runner_logits(runner, ids)
+    chunked = chunked_logits(runner, ids, [30, 33, 17])
     runner.capture_model(graph_factory=ReplayingGraph)
     decoded = replayed_logits(runner, ids, 60)
     assert (ours - ref).abs().max() < 1e-4
+    assert (chunked - ref).abs().max() < 1e-4
     assert (decoded - ref[60:]).abs().max() < 1e-4
+    layers = TINY["num_hidden_layers"]
+    assert [c[0] for c in prefill_calls[: 4 * layers : layers]] == [(0, 80), (0, 30), (30, 33),
+                                                                     (63, 17)]  # fmt: skip
 
 
 def test_a_deepseek_decode_step_reads_nothing_back_to_the_host(monkeypatch):
@@ -224,9 +307,15 @@ def _deepseek_logits_diff() -> float:
     return float((logits[0] - logits[1]).abs().max())
 
 
+def _interpreted_steps(cache_dtype: torch.dtype) -> float:
+    b = backend()
+    assert b.prefill_kernel, "in the interpreter the backend takes the Triton prefill kernel"
+    return run_steps(b, cache_dtype, STEPS)
+
+
 INTERPRETED = {
-    "steps-fp32": lambda: run_steps(backend(), torch.float32, STEPS),
-    "steps-fp8e5m2": lambda: run_steps(backend(), torch.float8_e5m2, STEPS),
+    "steps-fp32": lambda: _interpreted_steps(torch.float32),
+    "steps-fp8e5m2": lambda: _interpreted_steps(torch.float8_e5m2),
     "deepseek-v2-lite-logits": _deepseek_logits_diff,
 }
 

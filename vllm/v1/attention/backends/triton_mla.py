@@ -11,10 +11,16 @@ over a gather of every decode's context per layer, no CUDA graphs. Here:
   table on a grid fixed by the number of decodes: a decode-only step gathers nothing,
   reads no device value on the host, and is captured in CUDA graphs
   (``supports_decode_graphs``, ``graph_metadata``);
-- **prefill rows** (prompts, chunks over a cached prefix) stay on TORCH_SDPA's path:
-  SDPA per chunk, its cached prefix gathered (``torch_sdpa.prefill_attention``). The
-  Triton prefill kernel reads K and V halves of one width, not a latent row whose value
-  is its prefix; such steps are not graphed either way.
+- **prefill rows** (prompts, chunks over a cached prefix) go to the Triton MLA prefill
+  kernel (``triton_mla_prefill``): causal attention of each chunk's rows, all heads
+  absorbed (576 wide), over the sequence's latent rows read in place through its block
+  table (the chunk's own rows are written first), a program per tile of query rows x
+  heads so that one key tile serves them all, an online softmax; nothing gathered and no
+  scores materialised (SDPA at head size 576 has no FlashAttention kernel and built the
+  scores: GBs for a long agent context in 8k-token chunks). Where Triton cannot run
+  prefill (``prefill_kernel`` False: CPU tensors outside Triton's interpreter, as the
+  tests' emulated decode kernel), the chunks take TORCH_SDPA's path, SDPA per chunk over
+  its gathered prefix (``torch_sdpa.prefill_attention``). Such steps are not graphed.
 
 Decodes come first in the batch (``decodes_first``; the runner orders them so): a leading
 row of one new token is a decode whatever its cached context (a one-token prompt, or a
@@ -42,19 +48,38 @@ from vllm.v1.attention.kv_cache_dtype import as_stored
 
 
 @dataclass
+class MLAPrefillMetadata:
+    """A step's prefill chunks as the Triton prefill kernel takes them: chunk ``i`` is
+    rows ``cu_seq_q[i]:cu_seq_q[i+1]`` of the batch (after the decodes), over its
+    ``seq_lens[i]`` keys (prefix and chunk) in blocks ``block_table[i]``."""
+
+    block_table: torch.Tensor  # (num_chunks, max_blocks) int32, padded with block 0
+    seq_lens: torch.Tensor  # (num_chunks,) int32
+    cu_seq_q: torch.Tensor  # (num_chunks + 1,) int32: absolute rows of q and out
+    max_q: int  # the longest chunk: a host integer, the kernel's grid
+
+
+@dataclass
 class MLAMetadata:
     """One step: decodes ``0..num_decodes-1`` are its first rows, decode ``i`` with
-    ``seq_lens[i]`` keys in blocks ``block_table[i]``; ``prefills`` the other rows."""
+    ``seq_lens[i]`` keys in blocks ``block_table[i]``; the other rows are prefill chunks,
+    described for the Triton prefill kernel (``prefill``) or, where it cannot run, for
+    SDPA over gathered rows (``prefills``); one of the two, never both."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64: every new token's slot, batch order
     block_table: torch.Tensor  # (num_decodes, max_blocks) int32, padded with block 0
     seq_lens: torch.Tensor  # (num_decodes,) int32
     num_decodes: int  # a host integer: the kernel's grid
     prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill: MLAPrefillMetadata | None = None
+
+    @property
+    def has_prefills(self) -> bool:
+        return bool(self.prefills) or self.prefill is not None
 
     def narrow(self, num_seqs: int) -> MLAMetadata:
         """The first ``num_seqs`` decodes of a decode-only step, as views of these tensors."""
-        if self.prefills:
+        if self.has_prefills:
             raise ValueError("only a decode-only step's metadata can be narrowed")
         return MLAMetadata(
             slot_mapping=self.slot_mapping.narrow(0, 0, num_seqs),
@@ -67,7 +92,7 @@ class MLAMetadata:
         """Take ``src``'s step into these tensors (the mutation), so that a CUDA graph
         captured with this metadata replays ``src``'s step: both decode-only with as many
         decodes, ``src``'s table no wider (the rest of each row becomes block 0)."""
-        if self.prefills or src.prefills:
+        if self.has_prefills or src.has_prefills:
             raise ValueError("only a decode-only step's metadata can be copied")
         width = src.block_table.shape[1]
         if src.num_decodes != self.num_decodes or width > self.block_table.shape[1]:
@@ -89,42 +114,58 @@ def _slots(computed: int, end: int, block_ids, block_size: int) -> np.ndarray:
 
 
 def build_mla_metadata(
-    seqs: list[SeqLayout], block_size: int, device: torch.device | str
+    seqs: list[SeqLayout], block_size: int, device: torch.device | str, prefill_kernel: bool = False
 ) -> MLAMetadata:
     """``seqs`` in batch order, the decodes (one new token) leading; one host-to-device
-    copy for the whole step."""
+    copy for the whole step. ``prefill_kernel``: the chunks as the Triton prefill kernel
+    takes them (``MLAMetadata.prefill``), else as SDPA's (``prefills``)."""
     device = torch.device(device)
     num_decodes = next((i for i, (_, n, _) in enumerate(seqs) if n != 1), len(seqs))
-    lens = np.array([c + 1 for c, _, _ in seqs[:num_decodes]], dtype=np.int64)
+    lens = np.array([c + n for c, n, _ in seqs], dtype=np.int64)
     needs = -(-lens // block_size)
-    table = np.zeros((num_decodes, int(needs.max(initial=0))), dtype=np.int64)
+    table = np.zeros((len(seqs), int(needs.max(initial=0))), dtype=np.int64)
     new_slots: list[np.ndarray] = []  # per sequence, its new tokens' slots
     contexts: list[np.ndarray] = []  # the whole context's slots of a chunk with a prefix
     chunks: list[PrefillChunk] = []
     with_prefix: list[PrefillChunk] = []
-    start = 0
+    starts = [0]
     for i, (computed, new, ids) in enumerate(seqs):
-        if i < num_decodes:
-            new_slots.append(_slots(computed, computed + 1, ids, block_size))
+        if i < num_decodes or prefill_kernel:
+            new_slots.append(_slots(computed, computed + new, ids, block_size))
             table[i, : needs[i]] = block_array(ids)[: needs[i]]
         else:
-            chunks.append(PrefillChunk(start, new))
+            chunks.append(PrefillChunk(starts[-1], new))
             context = _slots(0, computed + new, ids, block_size)
             new_slots.append(context[computed:])
             if computed:
                 contexts.append(context)
                 with_prefix.append(chunks[-1])
-        start += new
+        starts.append(starts[-1] + new)
+    decode_table = table[:num_decodes, : int(needs[:num_decodes].max(initial=0))]
+    parts32 = [decode_table, lens[:num_decodes]]
+    num_chunks = len(seqs) - num_decodes
+    if prefill_kernel and num_chunks:
+        parts32 += [table[num_decodes:], lens[num_decodes:], np.array(starts[num_decodes:])]
     parts64 = [np.concatenate(new_slots or [np.zeros(0, dtype=np.int64)]), *contexts]
-    (table_t, lens_t), (slot_mapping, *context_t) = _upload([table, lens], parts64, device)
+    (table_t, lens_t, *chunk_t), (slot_mapping, *context_t) = _upload(parts32, parts64, device)
     for chunk, slots in zip(with_prefix, context_t, strict=True):
         chunk.context_slots = slots
+    prefill = None
+    if chunk_t:
+        chunk_table, chunk_lens, cu_seq_q = chunk_t
+        prefill = MLAPrefillMetadata(
+            block_table=chunk_table.view(num_chunks, table.shape[1]),
+            seq_lens=chunk_lens,
+            cu_seq_q=cu_seq_q,
+            max_q=max(n for _, n, _ in seqs[num_decodes:]),
+        )
     return MLAMetadata(
         slot_mapping=slot_mapping,
-        block_table=table_t.view(table.shape),
+        block_table=table_t.view(decode_table.shape),
         seq_lens=lens_t,
         num_decodes=num_decodes,
         prefills=chunks,
+        prefill=prefill,
     )
 
 
@@ -145,6 +186,11 @@ class TritonMLABackend(AttentionBackend):
             raise ValueError(f"{self.name} reads a latent cache: value_size < head_size")
         if self.num_kv_heads != 1:
             raise ValueError(f"{self.name}: one latent head per token, not {self.num_kv_heads}")
+        from vllm.v1.attention.backends import triton_mla_prefill
+
+        # Where Triton cannot run prefill (CPU tensors outside its interpreter: the tests'
+        # emulated decode kernel), chunks take SDPA over gathered rows.
+        self.prefill_kernel = triton_mla_prefill.prefill_unavailable_reason(self.device) is None
 
     @classmethod
     def supports_device(cls, device: torch.device) -> bool:
@@ -165,16 +211,23 @@ class TritonMLABackend(AttentionBackend):
 
     @property
     def detail(self) -> str:
-        return "decode rows: Triton MLA kernel; prefill chunks: SDPA over gathered rows"
+        prefill = "Triton MLA prefill kernel" if self.prefill_kernel else "SDPA over gathered rows"
+        return f"decode rows: Triton MLA kernel; prefill chunks: {prefill}"
 
     def warm_up(self, kv_caches: list[torch.Tensor], max_num_seqs: int) -> int:
+        """Compile the decode kernel's split variants and the prefill kernel (one launch of
+        a one-row chunk on the null block 0) before the first request meets them."""
         if not kv_caches:
             return 0
-        from vllm.v1.attention.backends import triton_mla_decode
+        from vllm.v1.attention.backends import triton_mla_decode, triton_mla_prefill
 
-        return triton_mla_decode.warm_up(
+        launches = triton_mla_decode.warm_up(
             kv_caches[0], self.num_heads, self.value_size, max_num_seqs
         )
+        if self.prefill_kernel:
+            triton_mla_prefill.warm_up(kv_caches[0], self.num_heads, self.value_size, self.dtype)
+            launches += 1
+        return launches
 
     @property
     def supports_decode_graphs(self) -> bool:
@@ -189,7 +242,7 @@ class TritonMLABackend(AttentionBackend):
         )
 
     def build_metadata(self, seqs: list[SeqLayout]) -> MLAMetadata:
-        return build_mla_metadata(seqs, self.block_size, self.device)
+        return build_mla_metadata(seqs, self.block_size, self.device, self.prefill_kernel)
 
     def forward(
         self,
@@ -202,7 +255,7 @@ class TritonMLABackend(AttentionBackend):
     ) -> torch.Tensor:
         """Write the step's latent rows, then attend; returns (num_tokens, heads,
         value_size)."""
-        from vllm.v1.attention.backends import triton_mla_decode
+        from vllm.v1.attention.backends import triton_mla_decode, triton_mla_prefill
 
         if v is not None:
             raise ValueError(f"{self.name} caches keys only: v must be None")
@@ -213,6 +266,12 @@ class TritonMLABackend(AttentionBackend):
             triton_mla_decode.mla_decode_attention(
                 q, kv_cache, meta.block_table, meta.seq_lens, scale, self.value_size, out=out
             )
+        if meta.prefill is not None:  # the chunks' own rows are in the cache already
+            p = meta.prefill
+            triton_mla_prefill.mla_prefill_attention(
+                q, kv_cache, p.block_table, p.seq_lens, p.cu_seq_q, p.max_q, scale,
+                self.value_size, out=out,
+            )  # fmt: skip
         if meta.prefills:  # a chunk's own rows as the cache holds them (FP8: rounded)
             k = as_stored(k, kv_cache.dtype)
             flat_k, flat_v = cache_views(kv_cache, self.value_size)
