@@ -3,7 +3,9 @@
 // paged_decode_attention(out, query, kv_cache, block_table, seq_lens, scale):
 //   query, out  [num_seqs, num_heads, head_size] fp32, one query token per sequence (rows
 //               may be strided: the q columns of a fused qkv output);
-//   kv_cache    [2, num_blocks, block_size, num_kv_heads, head_size] fp32, contiguous;
+//   kv_cache    [2, num_blocks, block_size, num_kv_heads, head_size] fp32, contiguous: K
+//               and V halves; or [1, ...]: a latent cache (MLA), whose values are its keys'
+//               rows (the caller keeps the output's first value_size dims);
 //   block_table int64 [num_seqs, max_blocks]; seq_lens int64 [num_seqs]: the context
 //               length including this step's token, whose K/V are already written.
 //
@@ -232,9 +234,10 @@ void check_heads(const torch::Tensor& t, int64_t n, int64_t heads, int64_t D, co
 void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
                             const torch::Tensor& kv_cache, const torch::Tensor& block_table,
                             const torch::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.scalar_type() == torch::kFloat,
-              "kv_cache must be contiguous float32 [2, num_blocks, block_size, kv_heads, size]");
+  TORCH_CHECK(kv_cache.dim() == 5 && (kv_cache.size(0) == 2 || kv_cache.size(0) == 1) &&
+                  kv_cache.is_contiguous() && kv_cache.scalar_type() == torch::kFloat,
+              "kv_cache must be contiguous float32 [2 or 1, num_blocks, block_size, kv_heads, "
+              "size]");
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2);
   const int64_t kv_heads = kv_cache.size(3), D = kv_cache.size(4);
   const int64_t n = query.size(0), heads = query.size(1);
@@ -269,7 +272,9 @@ void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
   // parallel region costs more than their work, and much more when a core is busy).
   const int64_t grain = std::max<int64_t>(1, 2048 / (std::min(longest, kChunk) * heads));
   const float* k_plane = kv_cache.data_ptr<float>();
-  const float* v_plane = k_plane + num_blocks * bs * kv_heads * D;
+  // A latent cache (one plane): the values are the keys' own rows.
+  const float* v_plane = kv_cache.size(0) == 2 ? k_plane + num_blocks * bs * kv_heads * D
+                                               : k_plane;
   const float* qp = query.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t q_stride = query.stride(0), o_stride = out.stride(0);

@@ -157,3 +157,25 @@ def test_latent_prefill_chunks_take_the_native_kernel_through_whole_rows(monkeyp
         ref = scores.softmax(-1) @ keys[:, :96]
         assert (out.double() - ref).abs().max() < 1e-5
     assert calls == [(True, True, 128)] * 2
+
+
+def test_latent_decodes_take_the_native_kernel_through_whole_rows(monkeypatch):
+    # The native decode kernel reads a one-plane cache's keys as its values: decode rows
+    # (every step after the first here) go to it, and the output's first LATENT dims are
+    # float64's (run_steps) like the rest.
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends import torch_sdpa
+
+    if not ops.has_paged_decode_attention():
+        pytest.skip("the native decode kernel is not built")
+    calls = []
+    native = ops.paged_decode_attention
+
+    def counting(out, query, kv_cache, block_table, seq_lens, scale):
+        calls.append((kv_cache.shape[0], out.shape[-1]))
+        return native(out, query, kv_cache, block_table, seq_lens, scale)
+
+    monkeypatch.setattr(torch_sdpa.ops, "paged_decode_attention", counting)
+    backend = TorchSDPABackend(HEADS, 1, DIM, torch.float32, "cpu", BLOCK, value_size=LATENT)
+    assert run_steps(backend, torch.float32, STEPS) < 1e-5
+    assert calls == [(1, DIM)] * 3  # the three steps with decode rows, whole rows out

@@ -14,8 +14,10 @@ query's dtype; its decodes skip the native kernel (which reads the model's dtype
 
 A latent cache (``latent_kv``, MLA: keys only, a value is its key's first ``value_size``
 dims) is read through a view of the K half as the values, so every path below serves it
-unchanged but the native kernels (which read two halves of equal width): its decodes take
-the gather and SDPA, its prefill chunks SDPA, and the output is ``value_size`` wide.
+unchanged; the native kernels, which read values as wide as the keys, take the whole
+latent rows as the values and the output keeps their first ``value_size`` dims (the
+decode kernel reads a one-plane cache's K plane as its V plane). The output is
+``value_size`` wide.
 
 A layer with a sliding window, soft-capped scores (Gemma 2) or attention sinks (gpt-oss)
 takes a masked path instead (``_masked_paged_attention``): windowed gathers and explicit
@@ -402,18 +404,22 @@ def paged_attention(
     out = q.new_empty(q.shape[:2] + v.shape[2:])
     n = meta.num_decodes
     native = (
-        n > 0 and q.device.type == "cpu" and q.dtype == torch.float32 and not fp8 and not latent
+        n > 0 and q.device.type == "cpu" and q.dtype == torch.float32 and not fp8
     ) and ops.has_paged_decode_attention()
     if native:
         whole = n == q.shape[0]  # a pure decode step: no slicing
+        # A latent cache: the kernel's values are the whole rows; the first dims are kept.
+        dst = q.new_empty(n, *q.shape[1:]) if latent else out if whole else out[:n]
         ops.paged_decode_attention(
-            out if whole else out[:n],
+            dst,
             q if whole else q[:n],
             kv_cache,
             meta.decode_block_table,
             meta.decode_seq_lens,
             scale,
         )
+        if latent:
+            out[:n] = dst[..., : v.shape[2]]
     if native and not meta.prefills:
         return out
     flat_k, flat_v = cache_views(kv_cache, v.shape[2])
