@@ -75,6 +75,19 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def split_partials(
+    out: torch.Tensor, num_seqs: int, heads: int, num_splits: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A split-K decode's fp32 partials, combined after the splits: each (sequence, head,
+    split)'s running max and denominator and its unscaled ``width``-wide output; ``out``
+    three times (unused pointers) when the kernel does not split."""
+    if num_splits == 1:
+        return out, out, out
+    m_part = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=out.device)
+    acc_part = torch.empty(*m_part.shape, width, dtype=torch.float32, device=out.device)
+    return m_part, torch.empty_like(m_part), acc_part
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits per context so that the grid has about one program per SM: a power of two
     up to ``MAX_SPLITS``, from the batch's shape only (so a captured graph stays valid)."""
@@ -219,12 +232,7 @@ def paged_decode_attention(
     group = heads // kv_heads
     dim_pad = max(MIN_DOT, _next_power_of_2(dim))
     tile_n = max(MIN_DOT, min(64, TILE_ELEMENTS // dim_pad))
-    if num_splits > 1:  # fp32 partials: (num_seqs, heads, splits) and the unscaled outputs
-        m_part = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
-        l_part = torch.empty_like(m_part)
-        acc_part = torch.empty(*m_part.shape, dim_pad, dtype=torch.float32, device=q.device)
-    else:
-        m_part = l_part = acc_part = out  # unused pointers
+    m_part, l_part, acc_part = split_partials(out, num_seqs, heads, num_splits, dim_pad)
     rows_arg = seq_lens if rows is None else rows  # unused pointer without rows
     sinks_arg = seq_lens if sinks is None else sinks  # unused pointer without sinks
     _decode_kernel[(num_seqs, kv_heads, num_splits)](

@@ -43,6 +43,7 @@ from vllm.v1.attention.backends.triton_decode import (
     _next_power_of_2,
     default_num_splits,
     kv_bytes,
+    split_partials,
     split_variants,
     triton,
     triton_unavailable_reason,
@@ -117,12 +118,7 @@ def mla_decode_attention(
     rope = q.shape[2] - value_size
     latent_pad = max(MIN_DOT, _next_power_of_2(value_size))
     tile_n = max(MIN_DOT, min(64, TILE_ELEMENTS // latent_pad))
-    if num_splits > 1:  # fp32 partials: (num_seqs, heads, splits) and the unscaled outputs
-        m_part = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
-        l_part = torch.empty_like(m_part)
-        acc_part = torch.empty(*m_part.shape, latent_pad, dtype=torch.float32, device=q.device)
-    else:
-        m_part = l_part = acc_part = out  # unused pointers
+    m_part, l_part, acc_part = split_partials(out, num_seqs, heads, num_splits, latent_pad)
     _mla_decode_kernel[(num_seqs, head_tiles, num_splits)](
         q, kv_bytes(kv_cache), block_table, seq_lens, out, m_part, l_part, acc_part,
         scale * LOG2E,
