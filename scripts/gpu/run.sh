@@ -20,6 +20,9 @@
 #                        model (run_sweep.py ARGS), $OUT/study-LABEL.tar.gz
 #   fp8gemm [ARGS]       benchmarks/benchmark_fp8_gemm.py ARGS --json-out $OUT/fp8gemm-K.json
 #                        (block-scaled FP8 layers and experts against their bf16 twins)
+#   mla-decode [ARGS]    benchmarks/benchmark_mla_decode.py ARGS --json-out $OUT/mla-decode-K.json
+#   mla-prefill [ARGS]   benchmarks/benchmark_mla_prefill.py ARGS --json-out $OUT/mla-prefill-K.json
+#                        (one MLA layer's step: the Triton latent kernels against SDPA)
 # e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
 #
 # Run from the repository root with .whl/ carried (`make gpu-wheels` fills it). Writes
@@ -37,7 +40,7 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-570}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-STEPS="test bench serve-smoke offload moe sampler api study fp8gemm"
+STEPS="test bench serve-smoke offload moe sampler api study fp8gemm mla-decode mla-prefill"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -100,6 +103,8 @@ MOE_RUNS=0
 SAMPLER_RUNS=0
 API_RUNS=0
 FP8GEMM_RUNS=0
+MLA_DECODE_RUNS=0
+MLA_PREFILL_RUNS=0
 run_step() {
     local step=$1
     shift
@@ -148,6 +153,16 @@ run_step() {
         FP8GEMM_RUNS=$((FP8GEMM_RUNS + 1))
         limited "${GPU_FP8GEMM_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_fp8_gemm.py \
             --json-out "$OUT/fp8gemm-$FP8GEMM_RUNS.json" "$@"
+        ;;
+    mla-decode)
+        MLA_DECODE_RUNS=$((MLA_DECODE_RUNS + 1))
+        limited "${GPU_MLA_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_mla_decode.py \
+            --json-out "$OUT/mla-decode-$MLA_DECODE_RUNS.json" "$@"
+        ;;
+    mla-prefill)
+        MLA_PREFILL_RUNS=$((MLA_PREFILL_RUNS + 1))
+        limited "${GPU_MLA_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_mla_prefill.py \
+            --json-out "$OUT/mla-prefill-$MLA_PREFILL_RUNS.json" "$@"
         ;;
     serve-smoke)
         limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"

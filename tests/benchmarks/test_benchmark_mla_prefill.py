@@ -49,3 +49,23 @@ def test_tiny_shape_rows_interpreted(tmp_path, kv_cache_dtype):
         assert row["triton_tflop_s"] == pytest.approx(flops / row["triton_ms"] / 1e9)
         assert row["triton_peak_mb"] == row["sdpa_peak_mb"] == 0.0  # not measured on CPU
     assert "triton/sdpa" in done.stdout
+
+
+def test_gpu_kit_runs_the_mla_steps(tmp_path):
+    # scripts/gpu/run.sh's mla-decode and mla-prefill steps on the CPU (the kernels
+    # interpreted): each step's JSON and status land under $OUT.
+    pytest.importorskip("triton")
+    kit = REPO / "scripts" / "gpu" / "run.sh"
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
+                        "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
+    argv = ["mla-decode", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+            "--batches", "2", "--contexts", "20", "--repeats", "1",
+            "mla-prefill", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+            "--chunks", "5", "--prefixes", "3", "--repeats", "1"]  # fmt: skip
+    done = subprocess.run([str(kit), *argv], env=env, timeout=300, capture_output=True)
+    assert done.returncode == 0, done.stdout.decode()[-2000:]
+    decode = json.loads((tmp_path / "mla-decode-1.json").read_text())
+    prefill = json.loads((tmp_path / "mla-prefill-1.json").read_text())
+    assert decode and [(r["chunk"], r["prefix"]) for r in prefill] == [(5, 3)]
+    log = (tmp_path / "run.log").read_text()
+    assert "=== mla-decode: exit status 0" in log and "=== mla-prefill: exit status 0" in log
