@@ -13,6 +13,7 @@ tests/cuda/test_draft_model_cuda.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +28,6 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backends import triton_decode
 from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
-
 
 # -- host syncs of a pass ---------------------------------------------------------------------
 VOCAB = 512
@@ -175,21 +175,26 @@ def _recording(llm):
         runner.execute_model, runner.drafter._forward = execute, forward
 
 
-def test_replayed_draft_steps_propose_as_eager_ones(monkeypatch, models):
+def test_replayed_draft_steps_propose_as_eager_ones(monkeypatch, models, caplog):
     target, draft = models
     plain = _engine(monkeypatch, target)
     base = _generate(plain)
     plain.shutdown()
     proposals, replays = {}, {}
     for graphs in (False, True):
-        llm = _engine(monkeypatch, target, draft, graphs=graphs)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vllm"):
+            llm = _engine(monkeypatch, target, draft, graphs=graphs)
         drafter = llm.engine_core.model_runner.drafter
+        logged = "Captured 3 draft model's decode CUDA graphs (batch sizes 1-4)" in caplog.text
+        assert logged == graphs
         try:
             with _recording(llm) as (steps, forwards):
                 assert _generate(llm) == base
             replays[graphs] = drafter.graphs and (drafter.graphs.sizes, drafter.graphs.num_replays)
         finally:
             llm.shutdown()
+        assert drafter.graphs is None  # freed with the KV cache they recorded
         proposals[graphs] = [drafts for _, drafts in steps]
     assert replays[False] is None  # --enforce-eager: nothing captured, nothing replayed
     # Every draft forward of one row a request, at most 4 rows, replayed: the k - 1
