@@ -29,17 +29,37 @@ never writes past the slots its request holds.
 
 Every generating request catches up (also one whose drafts are not allowed), so a block
 that prefix caching shares carries the draft's KV of its tokens too.
+
+**CUDA graphs.** A small draft run eagerly is bound by kernel launches, not by its
+weights. ``capture`` records the draft's decode step over the target's ladder of batch
+sizes (``DecodeGraphs``, the class the target's graphs use, over the draft's model,
+backend and KV tensors). The k - 1 single-token forwards always have one new token a
+request: they replay (up to the largest captured size). So does the catch-up whenever every
+request's rows go as decode rows (``_as_decode_rows``): after a step whose drafts the
+target did not all keep, a request has exactly one row (its new token; the kept drafts'
+KV is already there), and after one whose drafts it kept entirely, two (the last draft,
+never fed, and the bonus token); only a prompt's chunks, or a first pass after a long
+gap, make the catch-up run eagerly.
+
+**No host round trips.** Each forward's argmax stays on the device and is the next
+forward's input; the pass reads its drafts back once, at its end (one ``tolist`` of
+every step's tokens): one host sync a pass instead of one per forward.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm.utils.device import to_device
+from vllm.v1.worker.cuda_graph import DecodeGraphs, Graph
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,6 +98,7 @@ class DraftModelProposer:
         self.kv_cache_dtype = kv_cache_dtype
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None  # capture (CUDA, or stand-ins in tests)
 
     # -- the KV cache -----------------------------------------------------------------
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -91,18 +112,22 @@ class DraftModelProposer:
         return self.arch.num_layers * math.prod(self.layer_shape(1)) * itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.graphs = None  # they recorded the old tensors' addresses
         shape = self.layer_shape(num_blocks)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(self.arch.num_layers)
         ]
 
-    # -- a step's pass ----------------------------------------------------------------
-    def plan(self, state: Any, end: int, sampled: bool) -> DraftRequest | None:
+    # -- planning a step's pass --------------------------------------------------------
+    def plan(
+        self, state: Any, end: int, sampled: bool, may_propose: bool = True
+    ) -> DraftRequest | None:
         """The pass of a request whose tokens ``[0, end)`` have target KV or a token from
         this step (``sampled``: it got tokens, so ``end`` is its length and it may
-        propose); None when there is nothing to compute. Mutates ``state``'s draft
-        bookkeeping: the drafts fed last step that the target kept become valid."""
+        propose, unless ``may_propose`` is False: the scheduler would drop the drafts);
+        None when there is nothing to compute. Mutates ``state``'s draft bookkeeping:
+        the drafts fed last step that the target kept become valid."""
         if state.draft_valid is None:
             # A new (or resumed) request starts after its prefix hit: those blocks' draft
             # KV was written with their target KV (see the module docstring).
@@ -120,7 +145,7 @@ class DraftModelProposer:
         # Slots the request holds, and the draft's own length limit.
         limit = min(len(state.block_ids) * self.block_size, self.max_model_len)
         num_drafts = 0
-        if sampled and end <= limit and state.draft_allowed:
+        if sampled and may_propose and end <= limit and state.draft_allowed:
             # d_i sits at position end + i - 1; d_1 .. d_(n-1) are fed (their KV written).
             num_drafts = min(self.k, limit - end + 1, self.target_max_model_len - end)
             max_tokens = state.sampling_params.max_tokens
@@ -136,10 +161,34 @@ class DraftModelProposer:
             return None
         return DraftRequest(state, end, num_drafts)
 
+    # -- CUDA graphs -------------------------------------------------------------------
+    def capture(
+        self, sizes: list[int], max_blocks: int, graph_factory: Callable[[], Graph] | None = None
+    ) -> None:
+        """Capture the draft's decode step at each batch size of ``sizes`` over its KV
+        tensors (``ModelRunner.capture_model``, after the target's); the passes then
+        replay them. Nothing when the draft's backend cannot replay a decode step."""
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache first: the graphs record the cache's address")
+        if not self.attn_backend.supports_decode_graphs:
+            logger.info(
+                "No CUDA graphs of the draft model: the %s backend cannot replay decode steps",
+                self.attn_backend.name,
+            )
+            return
+        graphs = DecodeGraphs(
+            self.model, self.attn_backend, self.kv_caches, sizes, max_blocks, self.device,
+            graph_factory, name="draft model's decode",
+        )  # fmt: skip
+        graphs.capture()
+        self.graphs = graphs
+
+    # -- a step's pass ------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest]) -> dict[str, list[int]]:
         """Run the passes of ``reqs`` (one catch-up forward for all, then up to k - 1
-        single-token forwards); req_id -> its drafts, for those with ``num_drafts``."""
+        single-token forwards); req_id -> its drafts, for those with ``num_drafts``.
+        Each forward's drafts feed the next on the device; one read at the end."""
         if self.attn_backend.decodes_first:
             reqs = sorted(reqs, key=lambda r: not self._as_decode_rows(r))
         ids: list[int] = []
@@ -163,20 +212,28 @@ class DraftModelProposer:
         live = [r for r in reqs if r.num_drafts]
         if not live:
             return {}
-        drafts = {r.state.req_id: [t] for r, t in zip(live, self._argmax(hidden, last_rows),
-                                                      strict=True)}  # fmt: skip
+        tokens = self._argmax(hidden, last_rows)  # (len(live),) on the device: d1 each
+        steps = [(live, tokens)]
         for j in range(1, self.k):
+            fed_by = live
             live = [r for r in live if r.num_drafts > j]
             if not live:
                 break
-            fed = [drafts[r.state.req_id][-1] for r in live]
+            if len(live) < len(fed_by):  # the requests still drafting keep their rows
+                keep = [i for i, r in enumerate(fed_by) if r.num_drafts > j]
+                tokens = tokens.index_select(0, to_device(keep, torch.long, self.device))
+            # d_j of each request at position end + j - 1: its KV, and d_(j+1).
             positions = [r.end + j - 1 for r in live]
             seqs = [(p, 1, r.state.block_ids) for p, r in zip(positions, live, strict=True)]
-            for r, token in zip(live, fed, strict=True):
-                r.state.draft_ahead.append(token)
-            hidden = self._forward(fed, positions, seqs)
-            for r, token in zip(live, self._argmax(hidden, None), strict=True):
-                drafts[r.state.req_id].append(token)
+            tokens = self._argmax(self._forward(tokens, positions, seqs), None)
+            steps.append((live, tokens))
+        flat = iter(torch.cat([t for _, t in steps]).tolist())  # the pass's one host read
+        drafts: dict[str, list[int]] = {r.state.req_id: [] for r in steps[0][0]}
+        for step_reqs, _ in steps:
+            for r in step_reqs:
+                drafts[r.state.req_id].append(next(flat))
+        for r in steps[0][0]:  # d_1 .. d_(n-1) were fed: their KV is written ahead
+            r.state.draft_ahead = drafts[r.state.req_id][: r.num_drafts - 1]
         return drafts
 
     def _as_decode_rows(self, r: DraftRequest) -> bool:
@@ -185,17 +242,28 @@ class DraftModelProposer:
         start = r.state.draft_valid
         return start > 0 and r.end - start <= self.k + 1
 
-    def _forward(self, ids: list[int], positions: list[int], seqs: list) -> torch.Tensor:
+    def _forward(
+        self, ids: list[int] | torch.Tensor, positions: list[int], seqs: list
+    ) -> torch.Tensor:
+        """The draft over ``seqs``; ``ids`` on the host or already on the device. A
+        decode-only batch of a captured size replays its graph (the hidden states are
+        then a view of the graphs' output, valid until the next replay)."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(ids, positions, seqs)
+            if hidden is not None:
+                return hidden
         meta = self.attn_backend.build_metadata(seqs)
-        input_ids = to_device(ids, torch.long, self.device)
+        if not isinstance(ids, torch.Tensor):
+            ids = to_device(ids, torch.long, self.device)
         pos = to_device(positions, torch.long, self.device)
-        return self.model(input_ids, pos, meta, self.kv_caches)
+        return self.model(ids, pos, meta, self.kv_caches)
 
-    def _argmax(self, hidden: torch.Tensor, rows: list[int] | None) -> list[int]:
-        """The greedy token of each of ``hidden``'s ``rows`` (None: every row)."""
+    def _argmax(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+        """The greedy token of each of ``hidden``'s ``rows`` (None: every row), on the
+        device."""
         if rows is not None and len(rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, to_device(rows, torch.long, self.device))
-        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        return self.model.compute_logits(hidden).argmax(dim=-1)
 
     @torch.inference_mode()
     def profile_run(self, seqs: list, num_tokens: int) -> None:

@@ -17,6 +17,10 @@ H100. A graph launches them all at once. What makes a step replayable:
   backend's ``supports_decode_graphs``; ``tests/v1/worker/test_no_host_sync.py``), so the
   kernels' launch shapes depend on ``B`` only.
 
+A draft model's single-token steps (``vllm/v1/spec_decode/draft_model.py``) are captured
+the same way, by a second ``DecodeGraphs`` over the draft's model, backend and KV tensors;
+their input ids may come straight from the device (the previous step's argmax).
+
 The sizes are vLLM's ladder: 1, 2, 4, multiples of 8 below 256, multiples of 16 from 256,
 up to ``--max-cudagraph-capture-size`` (default ``min(max_num_seqs, 512)``), which is
 captured too when it is off the ladder. Larger decode batches, and every step with a
@@ -103,9 +107,11 @@ class DecodeGraphs:
         device: torch.device,
         graph_factory: Callable[[], Graph] | None = None,
         lora: Any = None,
+        name: str = "decode",
     ) -> None:
         """``lora``: the model's ``LoRABatch`` (--enable-lora): the graphs then compute
-        every adapter slot, masked per row by the slots ``run`` is given."""
+        every adapter slot, masked per row by the slots ``run`` is given. ``name``: what
+        the start-up log calls these graphs (the target's, a draft model's)."""
         if not backend.supports_decode_graphs:
             raise ValueError(f"{backend.name} cannot capture decode steps in CUDA graphs")
         if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] < 1:
@@ -129,6 +135,7 @@ class DecodeGraphs:
         self._graphs: dict[int, Graph] = {}
         self.num_replays = 0
         self.lora = lora
+        self.name = name
 
     def _forward(self, size: int) -> torch.Tensor:
         """The step the graph of ``size`` records: the model over the first ``size`` rows
@@ -175,8 +182,9 @@ class DecodeGraphs:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info(
-            "Captured %d decode CUDA graphs (batch sizes %d-%d) in %.1f s",
+            "Captured %d %s CUDA graphs (batch sizes %d-%d) in %.1f s",
             len(self.sizes),
+            self.name,
             self.sizes[0],
             self.max_size,
             time.monotonic() - start,
@@ -191,30 +199,38 @@ class DecodeGraphs:
 
     def run(
         self,
-        ids: list[int],
+        ids: list[int] | torch.Tensor,
         positions: list[int],
         seqs: list[SeqLayout],
         lora_slots: list[int] | None = None,
         tokens_ahead: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
-        """``lora_slots``: each row's adapter slot, when the graphs were captured with
-        LoRA (None or all 0: the base model). ``tokens_ahead``: (rows, tokens) on the
-        device, input tokens that a step still on the device sampled (--async-scheduling),
-        written over those rows of ``ids``."""
+        """``ids``: the rows' input tokens, on the host or (a tensor of ``len(seqs)``) on
+        the device, copied there without a host round trip (a draft model feeding its
+        last step's argmax). ``lora_slots``: each row's adapter slot, when the graphs
+        were captured with LoRA (None or all 0: the base model). ``tokens_ahead``: (rows,
+        tokens) on the device, input tokens that a step still on the device sampled
+        (--async-scheduling), written over those rows of ``ids``."""
         size = self.padded_size(seqs)
         if size is None:
             return None
         n = len(seqs)
         pad = size - n
+        on_device = isinstance(ids, torch.Tensor)
+        if on_device and ids.shape != (n,):
+            raise ValueError(f"{n} rows, {tuple(ids.shape)} input ids")
         if self.lora is not None:
             # The state the graph recorded (what a stand-in graph re-runs in Python).
             self.lora.use_graph_rows(size, self.max_size, self.device)
             self.lora.fill_graph_rows((lora_slots or [0] * n) + [0] * pad)
         step = self.backend.build_metadata(seqs + [(0, 1, [0])] * pad)
-        host = pinned(torch.tensor([ids + [0] * pad, positions + [0] * pad], dtype=torch.long))
+        host_ids = [0] * size if on_device else ids + [0] * pad
+        host = pinned(torch.tensor([host_ids, positions + [0] * pad], dtype=torch.long))
         self._meta.narrow(size).copy_(step)
         self._ids.narrow(0, 0, size).copy_(host[0], non_blocking=True)
         self._positions.narrow(0, 0, size).copy_(host[1], non_blocking=True)
+        if on_device:  # after the padding's zeros, on the same stream
+            self._ids.narrow(0, 0, n).copy_(ids)
         if tokens_ahead is not None:
             self._ids.index_copy_(0, *tokens_ahead)
         self._graphs[size].replay()

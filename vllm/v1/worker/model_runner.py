@@ -57,7 +57,7 @@ from vllm.v1.sample.sampler import (
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.ngram_proposer import drafts_allowed, verify_greedy
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.cuda_graph import DecodeGraphs, Graph, cudagraph_capture_sizes
+from vllm.v1.worker.cuda_graph import CUDAGraph, DecodeGraphs, Graph, cudagraph_capture_sizes
 from vllm.v1.worker.gpu_memory import (
     MemorySnapshot,
     measure_before_load,
@@ -389,7 +389,7 @@ class ModelRunner:
         apply_kv_scales(model, is_fp8(self.kv_cache_dtype), self.dtype)  # its checkpoint's
         spec = self.config.speculative_config
         logger.info(
-            "Loaded draft model %s (%s, %d layers; %d draft tokens, eager) in %.1f s",
+            "Loaded draft model %s (%s, %d layers; %d draft tokens) in %.1f s",
             draft_config.model,
             architecture,
             model.arch.num_layers,
@@ -538,8 +538,9 @@ class ModelRunner:
     def capture_model(self, graph_factory: Callable[[], Graph] | None = None) -> None:
         """Capture decode steps in CUDA graphs over the KV cache (``cuda_graph.py``): on
         CUDA, unless ``--enforce-eager`` or the attention backend cannot replay a decode
-        step (``supports_decode_graphs``). ``graph_factory``: stand-in graphs (tests), which
-        also run on the CPU."""
+        step (``supports_decode_graphs``); then a draft model's single-token steps, over
+        the same ladder (``DraftModelProposer.capture``). ``graph_factory``: stand-in
+        graphs (tests), which also run on the CPU."""
         mc, sc = self.model_config, self.config.scheduler_config
         if mc.enforce_eager or (graph_factory is None and self.device.type != "cuda"):
             return
@@ -547,31 +548,38 @@ class ModelRunner:
             return
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache first: the graphs record the cache's address")
-        if not self.attn_backend.supports_decode_graphs:
+        sizes = cudagraph_capture_sizes(sc.max_num_seqs, mc.max_cudagraph_capture_size)
+        max_blocks = -(-sc.max_model_len // self.block_size)
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        if graph_factory is None:
+            # One pool for the target's graphs and the draft's: they replay one after the
+            # other on one stream, never at once, so the draft's reuse the target's blocks.
+            pool = torch.cuda.graph_pool_handle()
+            graph_factory = lambda: CUDAGraph(pool)  # noqa: E731
+        if self.attn_backend.supports_decode_graphs:
+            graphs = DecodeGraphs(
+                self.model,
+                self.attn_backend,
+                self.kv_caches,
+                sizes,
+                max_blocks,
+                self.device,
+                graph_factory,
+                lora=None if self.lora is None else self.lora.batch,
+            )
+            graphs.capture()
+            self.decode_graphs = graphs
+        else:
             logger.info(
                 "No CUDA graphs: the %s backend cannot replay decode steps (%s)",
                 self.attn_backend.name,
                 self.attn_backend.detail or "eager only",
             )
-            return
-        sizes = cudagraph_capture_sizes(sc.max_num_seqs, mc.max_cudagraph_capture_size)
-        max_blocks = -(-sc.max_model_len // self.block_size)
-        free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-        graphs = DecodeGraphs(
-            self.model,
-            self.attn_backend,
-            self.kv_caches,
-            sizes,
-            max_blocks,
-            self.device,
-            graph_factory,
-            lora=None if self.lora is None else self.lora.batch,
-        )
-        graphs.capture()
+        if self.drafter is not None:  # its positions never pass the target's max_model_len
+            self.drafter.capture(sizes, max_blocks, graph_factory)
         if self.device.type == "cuda":
             used = free_before - torch.cuda.mem_get_info(self.device)[0]
             logger.info("CUDA graphs' memory: %.0f MiB (--enforce-eager: none)", used / 2**20)
-        self.decode_graphs = graphs
 
     def _drop_caches(self) -> None:
         """Forget the graphs, the deferred step's device state, the CPU tier and the KV
@@ -584,7 +592,7 @@ class ModelRunner:
         self.kv_offload = None
         self.kv_caches = []
         if self.drafter is not None:
-            self.drafter.kv_caches = []
+            self.drafter.kv_caches, self.drafter.graphs = [], None
 
     # -- sleep mode (EngineCore.sleep / wake_up) -----------------------------------------
     def sleep(self, level: int) -> None:
@@ -901,7 +909,17 @@ class ModelRunner:
     ) -> dict[str, list[int]]:
         """The draft model's pass over the step's requests, after the target's tokens are
         known (``DraftModelProposer``): a prefill chunk's tokens catch up, a request that
-        got tokens catches up and proposes. A request that failed this step has none."""
+        got tokens catches up and proposes. A request that failed this step has none.
+
+        With ``disable_by_batch_size`` N, the scheduler drops every draft of a step it
+        schedules with more than N running requests. It decides before admitting anyone,
+        so that step's running requests are at most those held here now: with more than
+        N here, nobody proposes (the k - 1 single-token forwards and the read-back are
+        skipped). The catch-up still runs: a block that prefix caching shares must hold
+        the draft's KV of its tokens. When requests finish in this step's update and the
+        batch falls to N, the next step has no drafts yet (one step late, never wrong)."""
+        max_batch = self.config.speculative_config.disable_by_batch_size
+        may_propose = max_batch is None or len(self.requests) <= max_batch
         reqs = []
         for req_id in order:
             if req_id in out.errors:
@@ -912,7 +930,7 @@ class ModelRunner:
                 end = len(state.token_ids)
             else:
                 end = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
-            planned = self.drafter.plan(state, end, sampled)
+            planned = self.drafter.plan(state, end, sampled, may_propose)
             if planned is not None:
                 reqs.append(planned)
         return self.drafter.propose(reqs) if reqs else {}
