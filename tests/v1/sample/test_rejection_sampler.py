@@ -61,3 +61,96 @@ def test_non_finite_logits_fail_the_request():
     params = SamplingParams(temperature=1.0)
     logits = torch.tensor([[0.0, float("nan")], [0.0, 1.0]])
     assert verify_sampled(logits, [1], params, None) is None
+
+
+# -- drafts drawn from the drafter's own distribution q --------------------------------
+LOGITS = torch.tensor(
+    [[2.0, 1.5, 0.5, 0.0, -1.0], [0.0, 1.0, 2.0, 0.5, 0.0], [1.0, 1.0, 1.0, 3.0, 0.0]]
+)
+# The drafter's q for the two drafted positions: unlike p (too sure of token 1 first,
+# of token 0 next; token 4 it never proposes at the first position).
+DRAFT_Q = torch.tensor([[0.1, 0.6, 0.1, 0.2, 0.0], [0.5, 0.1, 0.2, 0.1, 0.1]])
+
+
+def _broken_residual(logits, drafts, params, gen, q):
+    """The ratio test, but the point mass's residual (p without d) after a rejection."""
+    for i, d in enumerate(drafts):
+        p = target_probs(logits[i], params)
+        if torch.rand((), dtype=torch.float64, generator=gen).item() * q[i, d] < p[d]:
+            continue
+        p = p.clone()
+        p[d] = 0.0
+        return [*drafts[:i], int(torch.multinomial(p, 1, generator=gen))]
+    p = target_probs(logits[len(drafts)], params)
+    return [*drafts, int(torch.multinomial(p, 1, generator=gen))]
+
+
+def _broken_ratio(logits, drafts, params, gen, q):
+    """The point mass's test (keep d with probability p(d)), with the residual p - q."""
+    for i, d in enumerate(drafts):
+        p = target_probs(logits[i], params)
+        if torch.rand((), dtype=torch.float64, generator=gen).item() < p[d]:
+            continue
+        residual = (p - q[i]).clamp(min=0.0)
+        return [*drafts[:i], int(torch.multinomial(residual, 1, generator=gen))]
+    p = target_probs(logits[len(drafts)], params)
+    return [*drafts, int(torch.multinomial(p, 1, generator=gen))]
+
+
+def _q_mismatch(verify, params, seed=0) -> float:
+    """The largest gap, over the three positions and five tokens, between the frequencies
+    of ``verify``'s tokens (drafts drawn from DRAFT_Q) and the target's distribution; each
+    later position is conditioned on the drafts before it kept, and its gap scaled by
+    sqrt(share of draws reaching it) so one tolerance fits all three."""
+    gen = torch.Generator().manual_seed(seed)
+    positions: list[list[int]] = [[], [], []]
+    for _ in range(TRIALS):
+        drafts = [int(torch.multinomial(row, 1, generator=gen)) for row in DRAFT_Q]
+        tokens = verify(LOGITS, drafts, params, gen, DRAFT_Q)
+        for i, token in enumerate(tokens):
+            positions[i].append(token)
+            if i < len(drafts) and token != drafts[i]:
+                break
+    gaps = []
+    for i, values in enumerate(positions):
+        if len(values) < 1000:
+            continue
+        p = target_probs(LOGITS[i], params).double()
+        share = len(values) / TRIALS
+        gaps.append((frequencies(values, 5) - p).abs().max().item() * share**0.5)
+    return max(gaps)
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)]
+)
+def test_drafts_drawn_from_q_leave_each_position_the_target_distribution(params):
+    assert _q_mismatch(verify_sampled, params) < TOLERANCE
+    # The check has the power to see a wrong residual or a wrong acceptance ratio.
+    assert _q_mismatch(_broken_residual, params) > 2 * TOLERANCE
+    assert _q_mismatch(_broken_ratio, params) > 2 * TOLERANCE
+
+
+def test_q_equal_to_p_keeps_every_draft_and_the_ratio_test_keeps_more():
+    params = SamplingParams(temperature=0.8, top_k=4)
+    p = torch.stack([target_probs(row, params) for row in LOGITS[:2]])
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2000):
+        drafts = [int(torch.multinomial(row, 1, generator=gen)) for row in p]
+        tokens = verify_sampled(LOGITS, drafts, params, gen, p)
+        assert tokens[:2] == drafts and len(tokens) == 3
+    # The same q-drawn drafts, checked as point masses (exact too), keep far fewer.
+    kept = 0
+    for _ in range(2000):
+        drafts = [int(torch.multinomial(row, 1, generator=gen)) for row in p]
+        kept += len(verify_sampled(LOGITS, drafts, params, gen)) - 1
+    assert kept < 0.6 * 2 * 2000
+
+
+def test_a_draft_q_could_not_have_drawn_is_rejected():
+    params = SamplingParams(temperature=1.0)
+    q = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0], [0.2] * 5])
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(200):  # q(0) = 0: draft 0 never kept; the residual p - q lacks token 1
+        tokens = verify_sampled(LOGITS, [0, 1], params, gen, q)
+        assert len(tokens) == 1 and tokens[0] != 1
