@@ -659,8 +659,26 @@ def _draw_rows_on_device(
         ]
         return torch.cat([t for t, _ in parts]), torch.cat([f for _, f in parts])
     x = _filter_rows_on_device(logits, rows)
-    finite = torch.isfinite(x.amax(-1))
-    cdf = x.softmax(-1).double().cumsum(-1)  # (rows, vocab)
+    return _inverse_cdf(x.softmax(-1), rows), torch.isfinite(x.amax(-1))
+
+
+def draw_with_probs_on_device(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_draw_rows_on_device`` (without its CPU chunks) that also returns the
+    distributions drawn from: (tokens, probs (rows, vocab), whether each row's filtered
+    logits are finite), all on the device. A drafter needs its q for speculative
+    sampling's ratio test (``rejection_sampler.verify_sampled``)."""
+    x = _filter_rows_on_device(logits, rows)
+    probs = x.softmax(-1)
+    return _inverse_cdf(probs, rows), probs, torch.isfinite(x.amax(-1))
+
+
+def _inverse_cdf(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row of ``probs`` at one uniform number from each row's generator,
+    in row order (as ``draw``, batched)."""
+    device = probs.device
+    cdf = probs.double().cumsum(-1)  # (rows, vocab)
     uniform = torch.stack(
         [torch.rand((), dtype=torch.float64, generator=r.generator, device=device) for r in rows]
     )
@@ -672,7 +690,7 @@ def _draw_rows_on_device(
     # A row that is not finite (flagged) searches a NaN CDF and lands past the end: a
     # token id the model does not have, which a step scheduled ahead would embed (on CUDA
     # a device-side assert, fatal to the process). Any id in range will do there.
-    return tokens.clamp_(max=cdf.shape[1] - 1), finite
+    return tokens.clamp_(max=cdf.shape[1] - 1)
 
 
 def is_bare_greedy(p: SamplingParams) -> bool:

@@ -1,10 +1,15 @@
 """Draft-model speculative decoding (vLLM's ``draft_model`` method), in the model runner.
 
-A small model of the target's vocabulary guesses the next k tokens greedily; the target
-checks them in its next step exactly as it checks n-gram drafts (``verify_greedy``, or
-rejection sampling for a sampled request: a greedy draft is a certain guess, so the
-one-hot test of ``rejection_sampler.py`` is exact). The drafts only decide how many
-tokens a step gives, never which.
+A small model of the target's vocabulary guesses the next k tokens; the target checks
+them in its next step. For a greedy request the draft proposes its argmax and the target
+keeps the drafts its own argmax agrees with (``verify_greedy``). For a sampled request
+the draft samples each proposal from its own distribution q (the request's temperature,
+top-k, top-p and min-p over the draft's logits; a seeded request's generator, so it stays
+reproducible) and keeps q on the device, in the request's state, until the target's next
+step checks the drafts by speculative sampling (``rejection_sampler.verify_sampled``:
+keep d with min(1, p(d) / q(d)), else draw from max(0, p - q)). A draft equal to the
+target keeps every draft; the drafts only decide how many tokens a step gives, never
+their distribution.
 
 The draft's KV lives in the target's blocks: one extra tensor per draft layer, indexed by
 the same block ids and slots (positions are the same in both models), so the scheduler's
@@ -41,9 +46,10 @@ KV is already there), and after one whose drafts it kept entirely, two (the last
 never fed, and the bonus token); only a prompt's chunks, or a first pass after a long
 gap, make the catch-up run eagerly.
 
-**No host round trips.** Each forward's argmax stays on the device and is the next
-forward's input; the pass reads its drafts back once, at its end (one ``tolist`` of
-every step's tokens): one host sync a pass instead of one per forward.
+**No host round trips.** Each forward's tokens (argmax, or drawn from q after the
+replay) stay on the device and are the next forward's input; the pass reads its drafts
+back once, at its end (one ``tolist`` of every step's tokens): one host sync a pass
+instead of one per forward. The q rows never leave the device.
 """
 
 from __future__ import annotations
@@ -52,14 +58,32 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from vllm.utils.device import to_device
+from vllm.v1.sample.sampler import SamplingRow, draw_with_probs_on_device
 from vllm.v1.worker.cuda_graph import DecodeGraphs, Graph
 
 logger = logging.getLogger(__name__)
+
+
+class DraftDistribution(NamedTuple):
+    """The drafts a pass proposed to a sampled request and the q each was drawn from
+    (``probs``: (len(tokens), vocab), on the device). The runner keeps it in the request's
+    state until its next step verifies the drafts; dropped with the state (finished,
+    preempted) or replaced by the next pass."""
+
+    tokens: list[int]
+    probs: torch.Tensor
+
+    def for_drafts(self, drafts: list[int]) -> torch.Tensor | None:
+        """q of the scheduled ``drafts``: a prefix of the proposed ones (the scheduler
+        cuts, never edits); None for drafts this pass did not propose."""
+        if drafts != self.tokens[: len(drafts)]:
+            return None
+        return self.probs[: len(drafts)]
 
 
 @dataclass
@@ -188,7 +212,9 @@ class DraftModelProposer:
     def propose(self, reqs: list[DraftRequest]) -> dict[str, list[int]]:
         """Run the passes of ``reqs`` (one catch-up forward for all, then up to k - 1
         single-token forwards); req_id -> its drafts, for those with ``num_drafts``.
-        Each forward's drafts feed the next on the device; one read at the end."""
+        Each forward's drafts feed the next on the device; one read at the end. A sampled
+        request's drafts are drawn from q, which lands in its state's ``draft_probs``
+        (a ``DraftDistribution``; None for the others of the pass)."""
         if self.attn_backend.decodes_first:
             reqs = sorted(reqs, key=lambda r: not self._as_decode_rows(r))
         ids: list[int] = []
@@ -209,10 +235,13 @@ class DraftModelProposer:
             if r.num_drafts:
                 last_rows.append(len(ids) - 1)
         hidden = self._forward(ids, positions, seqs)
+        for r in reqs:
+            r.state.draft_probs = None  # a q of drafts verified or dropped by now
         live = [r for r in reqs if r.num_drafts]
         if not live:
             return {}
-        tokens = self._argmax(hidden, last_rows)  # (len(live),) on the device: d1 each
+        q_rows: dict[str, list[torch.Tensor]] = {}  # sampled requests: q of each draft
+        tokens = self._next_tokens(hidden, last_rows, live, q_rows)  # d1 each, on device
         steps = [(live, tokens)]
         for j in range(1, self.k):
             fed_by = live
@@ -225,7 +254,7 @@ class DraftModelProposer:
             # d_j of each request at position end + j - 1: its KV, and d_(j+1).
             positions = [r.end + j - 1 for r in live]
             seqs = [(p, 1, r.state.block_ids) for p, r in zip(positions, live, strict=True)]
-            tokens = self._argmax(self._forward(tokens, positions, seqs), None)
+            tokens = self._next_tokens(self._forward(tokens, positions, seqs), None, live, q_rows)
             steps.append((live, tokens))
         flat = iter(torch.cat([t for _, t in steps]).tolist())  # the pass's one host read
         drafts: dict[str, list[int]] = {r.state.req_id: [] for r in steps[0][0]}
@@ -234,6 +263,9 @@ class DraftModelProposer:
                 drafts[r.state.req_id].append(next(flat))
         for r in steps[0][0]:  # d_1 .. d_(n-1) were fed: their KV is written ahead
             r.state.draft_ahead = drafts[r.state.req_id][: r.num_drafts - 1]
+            if r.state.req_id in q_rows:
+                probs = torch.stack(q_rows[r.state.req_id])
+                r.state.draft_probs = DraftDistribution(drafts[r.state.req_id], probs)
         return drafts
 
     def _as_decode_rows(self, r: DraftRequest) -> bool:
@@ -258,12 +290,40 @@ class DraftModelProposer:
         pos = to_device(positions, torch.long, self.device)
         return self.model(ids, pos, meta, self.kv_caches)
 
-    def _argmax(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
-        """The greedy token of each of ``hidden``'s ``rows`` (None: every row), on the
-        device."""
+    def _next_tokens(
+        self,
+        hidden: torch.Tensor,
+        rows: list[int] | None,
+        reqs: list[DraftRequest],
+        q_rows: dict[str, list[torch.Tensor]],
+    ) -> torch.Tensor:
+        """The next draft of each request of ``reqs`` from ``hidden``'s ``rows`` (None:
+        every row), on the device: a greedy request's argmax; a sampled one's drawn from
+        q, whose row is appended to ``q_rows[req_id]``. A sampled row whose filtered
+        logits are not finite gets a point mass on the token it got instead (the
+        verifier's point-mass rule is exact for any draft it did not choose)."""
         if rows is not None and len(rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, to_device(rows, torch.long, self.device))
-        return self.model.compute_logits(hidden).argmax(dim=-1)
+        logits = self.model.compute_logits(hidden)
+        tokens = logits.argmax(dim=-1)
+        sampled = [
+            i for i, r in enumerate(reqs) if not r.state.sampling_params.sampling_type_greedy
+        ]
+        if not sampled:
+            return tokens
+        index = to_device(sampled, torch.long, self.device)
+        if len(sampled) < len(reqs):
+            logits = logits.index_select(0, index)
+        sampling_rows = [
+            SamplingRow(reqs[i].state.sampling_params, reqs[i].state.generator, (), [])
+            for i in sampled
+        ]
+        drawn, probs, finite = draw_with_probs_on_device(logits, sampling_rows)
+        point = torch.nn.functional.one_hot(drawn, probs.shape[-1]).to(probs.dtype)
+        probs = torch.where(finite[:, None], probs, point)
+        for j, i in enumerate(sampled):
+            q_rows.setdefault(reqs[i].state.req_id, []).append(probs[j])
+        return tokens.index_copy_(0, index, drawn)
 
     @torch.inference_mode()
     def profile_run(self, seqs: list, num_tokens: int) -> None:

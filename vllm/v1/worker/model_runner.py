@@ -54,7 +54,7 @@ from vllm.v1.sample.sampler import (
     token_logprobs_on_device,
     unprocessed,
 )
-from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.draft_model import DraftDistribution, DraftModelProposer
 from vllm.v1.spec_decode.ngram_proposer import drafts_allowed, verify_greedy
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.cuda_graph import CUDAGraph, DecodeGraphs, Graph, cudagraph_capture_sizes
@@ -93,10 +93,13 @@ class CachedRequestState:
     penalty_slot: int | None = None  # its row in ModelRunner.penalty_table, if any
     # A draft model's bookkeeping (draft_model.py): positions whose draft KV holds this
     # request's tokens (None: its first pass starts at its computed prefix), the drafts
-    # fed past them in the last pass, and whether it may get drafts at all.
+    # fed past them in the last pass, and whether it may get drafts at all; a sampled
+    # request's last proposals with the q each was drawn from (on the device, until
+    # the next step verifies them; gone with the state when it finishes or is preempted).
     draft_valid: int | None = None
     draft_ahead: list[int] = field(default_factory=list)
     draft_allowed: bool = False
+    draft_probs: DraftDistribution | None = None
     # The prompt inside token_ids, one view for the request's life (it caches the
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
@@ -963,7 +966,8 @@ class ModelRunner:
     ) -> None:
         """Requests with drafts (``hidden``: each one's rows, its last token's then one per
         draft). Greedy: the drafts the argmax agrees with, then the argmax after them
-        (``verify_greedy``); sampled: rejection sampling (``verify_sampled``). Their next
+        (``verify_greedy``); sampled: rejection sampling (``verify_sampled``), with the q
+        a draft model drew them from, or as point masses (n-gram drafts). Their next
         token depends on the logits alone (``drafts_allowed``), so either gives plain
         decoding's tokens (greedy) or distribution (sampled); logprobs, when asked for,
         are each kept token's row's. A request whose rows are not finite fails alone."""
@@ -974,13 +978,15 @@ class ModelRunner:
             rows = range(row, row + len(drafts) + 1)
             row = rows.stop
             tokens = None
+            proposed, state.draft_probs = state.draft_probs, None  # verified: freed
             if all(finite[i] for i in rows):
                 params = state.sampling_params
                 if params.sampling_type_greedy:
                     tokens = verify_greedy([argmax[i] for i in rows], drafts)
                 else:
                     block = logits[rows.start : rows.stop]
-                    tokens = verify_sampled(block, drafts, params, state.generator)
+                    q = None if proposed is None else proposed.for_drafts(drafts)
+                    tokens = verify_sampled(block, drafts, params, state.generator, q)
             if tokens is None:
                 out.errors[state.req_id] = NON_FINITE_LOGITS
                 continue
