@@ -395,6 +395,31 @@ def test_sampled_requests_take_drafts_by_rejection_sampling(engines):
     _assert_no_leaks(fast)
 
 
+def test_drafts_sampled_from_the_drafts_q_are_all_but_always_kept(engines):
+    # The draft is the target: each draft drawn from q ~= p passes min(1, p / q). Kept as
+    # point masses (with probability p(d)) about a third were (docs/spec_decode.md).
+    _, fast = engines
+    params = SamplingParams(temperature=0.8, max_tokens=32, seed=7, ignore_eos=True)
+    # Both runs compute whole prompts: a prefix hit changes the steps (so how many
+    # drafts, and uniforms, each pass takes) and the GGUF kernels' rounding.
+    assert fast.reset_prefix_cache()
+    with counting(fast) as counts:
+        first = _chat(fast, params, *TEXTS)
+    assert counts["draft_tokens"] > 60
+    assert counts["accepted"] >= 0.9 * counts["draft_tokens"]
+    assert [len(ids) for ids, _, _ in first] == [32] * 3
+    # Seeded: the same tokens run to run (drafts and checks draw from its generator).
+    assert fast.reset_prefix_cache()
+    assert _chat(fast, params, *TEXTS) == first
+    # A max_tokens cut inside a step's drafts.
+    cut = SamplingParams(temperature=0.8, max_tokens=7, seed=3, ignore_eos=True)
+    assert [len(ids) for ids, _, _ in _chat(fast, cut, *TEXTS)] == [7] * 3
+    # A finished request's state (its q with it) goes at the runner's next step; a
+    # request at its max_tokens proposes nothing, so what is left holds no q.
+    assert all(s.draft_probs is None for s in fast.engine_core.model_runner.requests.values())
+    _assert_no_leaks(fast)
+
+
 def test_a_random_draft_keeps_the_output_with_few_drafts_kept(engines, random_draft):
     from vllm import LLM
 
@@ -434,6 +459,15 @@ def test_preemption_in_a_tiny_kv_pool_keeps_the_outputs():
         with counting(llm) as counts:
             assert _chat(llm, params, *TEXTS) == base
         assert counts["preemptions"] > 0 and counts["accepted"] > 0
+        _assert_no_leaks(llm)
+        # Sampled from q, preempted (its q dropped with its state, its drafts too): the
+        # whole outputs, nearly every draft kept, no block left.
+        hot = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=5)
+        with counting(llm) as counts:
+            out = _chat(llm, hot, *TEXTS)
+        assert [len(ids) for ids, _, _ in out] == [32] * 3
+        assert counts["preemptions"] > 0
+        assert counts["accepted"] >= 0.8 * counts["draft_tokens"] > 0
         _assert_no_leaks(llm)
     finally:
         llm.shutdown()

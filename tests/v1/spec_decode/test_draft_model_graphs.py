@@ -226,3 +226,42 @@ def test_no_proposals_in_steps_the_scheduler_would_drop_them(monkeypatch, models
     assert any(drafts for held, drafts in steps if held <= 2)
     # A crowded step's pass is its catch-up forward alone.
     assert len(forwards) < len(steps) + 2 * sum(1 for _, d in steps if d)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_sampled_drafts_are_drawn_on_the_device_and_keep_their_q(monkeypatch, graphs):
+    # r0 sampled (temperature 2: the chain's token has e^2.5 / (e^2.5 + 511) of q, so
+    # most drafts are other tokens), r1 greedy: still one read a pass, r0's q of each
+    # draft kept on the device in its state, r1 without one.
+    k = 3
+    dev = FakeDevice()
+    with dev, _no_streams(monkeypatch):
+        backend = TorchFlashAttentionBackend(1, 1, 8, torch.bfloat16, torch.device("cuda"), BLOCK)
+        backend.decode_kernel = "triton"
+        cuda = torch.device("cuda")
+        p = DraftModelProposer(_ChainModel(), backend, k, BLOCK, 64, 64, torch.bfloat16, cuda)
+        p.initialize_kv_cache(16)
+        if graphs:
+            p.capture([1, 2, 4], 16, ReplayingGraph)
+        states = [_state(0, None), _state(1, None)]
+        states[0].sampling_params = SamplingParams(temperature=2.0)
+        for s in states:
+            s.generator, s.draft_probs = None, "stale"
+        reqs = [p.plan(s, 10, sampled=True) for s in states]
+        dev.device_reads.clear()
+        torch.manual_seed(0)
+        drafts = p.propose(reqs)
+    assert [r.split(" at")[0] for r in dev.device_reads] == ["tolist"]
+    sampled, greedy = states
+    assert greedy.draft_probs is None and len(drafts["r1"]) == k
+    q = sampled.draft_probs
+    assert q.tokens == drafts["r0"] and q.probs.shape == (k, VOCAB)
+    assert torch.allclose(q.probs.sum(-1).float().cpu(), torch.ones(k))
+    # Each q is the chain's row at temperature 2 after the draft before it (fed on).
+    token = sampled.token_ids[-1]
+    for j, d in enumerate(drafts["r0"]):
+        top = (3 * token + 9 + j) % VOCAB
+        assert q.probs[j].argmax().item() == top
+        token = d
+    assert drafts["r0"] != [] and q.for_drafts(drafts["r0"][:1]) is not None
+    assert q.for_drafts([VOCAB - 1 - drafts["r0"][0]]) is None  # drafts it did not propose
