@@ -299,17 +299,16 @@ class ModelRunner:
         """The target model, its attention backend and, with a draft model
         (``--speculative-config``'s draft_model), the draft (``_load_drafter``)."""
         from vllm.model_executor.layers.quantization.kv_scales import resolve_cache_dtype
-        from vllm.model_executor.model_loader import hf_config_of
 
         start = time.monotonic()
-        # An FP8-KV checkpoint's kv_cache_scheme turns --kv-cache-dtype auto into fp8.
-        hf_config = hf_config_of(self.model_config)
-        cache_dtype = resolve_cache_dtype(self.config.cache_config.cache_dtype, hf_config)
-        self.kv_cache_dtype = kv_cache_torch_dtype(cache_dtype, self.dtype)
         if self.device.type == "cuda":
             self.memory_before_load = measure_before_load(self.device)
         served = self.model_config.max_model_len or self.config.scheduler_config.max_model_len
-        self.model, architecture, model_cls = self._load_weights(self.model_config, served)
+        loaded = self._load_weights(self.model_config, served)
+        self.model, architecture, model_cls, hf_config = loaded
+        # An FP8-KV checkpoint's kv_cache_scheme turns --kv-cache-dtype auto into fp8.
+        cache_dtype = resolve_cache_dtype(self.config.cache_config.cache_dtype, hf_config)
+        self.kv_cache_dtype = kv_cache_torch_dtype(cache_dtype, self.dtype)
         self.arch = self.model.arch
         if self.config.lora_config.enable_lora:  # wraps the linear layers, as quantized
             self.lora = LoRAManager(self.model, self.config.lora_config, self.device, self.dtype)
@@ -326,10 +325,12 @@ class ModelRunner:
         if draft_config is not None:
             self.drafter = self._load_drafter(draft_config)
 
-    def _load_weights(self, model_config, served_len: int) -> tuple[torch.nn.Module, str, type]:
+    def _load_weights(
+        self, model_config, served_len: int
+    ) -> tuple[torch.nn.Module, str, type, object]:
         """``model_config``'s model on this runner's device in its dtype, in the weight
-        format its quantization asks for: (model, architecture, class). The target and
-        a draft model load the same way."""
+        format its quantization asks for: (model, architecture, class, HF config). The
+        target and a draft model load the same way."""
         from vllm.model_executor.layers.rotary_embedding import use_long_rope
         from vllm.model_executor.model_loader import hf_config_of
 
@@ -355,7 +356,7 @@ class ModelRunner:
             # (then cached); without a compiler the pure-torch fallbacks run.
             ops.ensure_native_kernels()
         apply_quantization(model, model_config)
-        return model, architecture, model_cls
+        return model, architecture, model_cls, hf_config
 
     def _make_attention_backend(self, model: torch.nn.Module, model_config) -> AttentionBackend:
         """The attention backend for ``model``'s shapes and features on this device."""
@@ -385,7 +386,7 @@ class ModelRunner:
         from vllm.model_executor.layers.quantization.kv_scales import apply_kv_scales
 
         start = time.monotonic()
-        model, architecture, _ = self._load_weights(draft_config, draft_config.max_model_len)
+        model, architecture, _, _ = self._load_weights(draft_config, draft_config.max_model_len)
         backend = self._make_attention_backend(model, draft_config)
         backend.use_prefill_dtype(model_prefill_dtype(model))
         model.set_attention_backend(backend)
