@@ -49,13 +49,24 @@ def load_cpu_runner(config, block_size: int = 16):
     return runner
 
 
+def cache_layout(runner, blocks: int = 8):
+    """A fresh KV cache for one sequence of ``blocks`` blocks, and its block table: blocks
+    1..``blocks``, or with the hybrid KV cache's groups (``runner.kv_groups``) a table per
+    group, each over its own blocks (groups share the cache tensors)."""
+    groups = runner.kv_groups.num_groups
+    runner.initialize_kv_cache(1 + blocks * groups)
+    tables = tuple(list(range(1 + blocks * g, 1 + blocks * (g + 1))) for g in range(groups))
+    return tables[0] if groups == 1 else tables
+
+
 def runner_logits(runner, ids):
     """fp32 logits of one whole prompt ``ids`` through ``runner``'s model (its KV cache
-    made here: 9 blocks, the prompt in blocks 1-8), as the engine's forward computes them."""
+    made here: ``cache_layout``, the prompt in 8 blocks), as the engine's forward computes
+    them."""
     import torch
 
-    runner.initialize_kv_cache(9)
-    meta = runner.attn_backend.build_metadata([(0, len(ids), list(range(1, 9)))])
+    table = cache_layout(runner)
+    meta = runner.metadata_builder.build_metadata([(0, len(ids), table)])
     with torch.inference_mode():
         positions = torch.arange(len(ids), device=ids.device)
         hidden = runner.model(ids, positions, meta, runner.kv_caches)

@@ -470,6 +470,13 @@ class SchedulerConfig:
         "whole prompt until its first output (chunked progress and prefix-cache hits are "
         "not subtracted), per API server.",
     )
+    disable_hybrid_kv_cache_manager: bool = config_field(
+        False,
+        "Keep every KV block of every layer (vLLM's flag). By default a model with "
+        "sliding-window layers (gpt-oss, Gemma 2/3, Cohere 2, Mistral v0.1) gets the hybrid "
+        "KV cache: its sliding layers hold only their window's blocks, so a long context "
+        "takes a fraction of the memory. It is also off with a CPU KV tier or a draft model.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner, runner_logits
+from tests.tiny_models import TINY_LLAMA, cache_layout, load_cpu_runner, runner_logits
 from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.worker.model_runner import ModelRunner
 
@@ -50,13 +50,14 @@ def save_family(family: str, path) -> torch.nn.Module:
 
 def decoded_logits(runner, ids, prefix: int) -> torch.Tensor:
     """fp32 logits of ``ids[prefix:]`` decoded one token a step (teacher-forced) after a
-    prefill of ``ids[:prefix]``, in ``runner_logits``' cache layout (blocks 1-8)."""
-    blocks = list(range(1, 9))
+    prefill of ``ids[:prefix]``, in a fresh cache of ``runner_logits``' layout (the hybrid
+    KV cache's groups each in their own blocks)."""
+    blocks = cache_layout(runner)
     steps = [(0, prefix)] + [(p, 1) for p in range(prefix, len(ids))]
     rows = []
     with torch.inference_mode():
         for start, n in steps:
-            meta = runner.attn_backend.build_metadata([(start, n, blocks)])
+            meta = runner.metadata_builder.build_metadata([(start, n, blocks)])
             positions = torch.arange(start, start + n, device=ids.device)
             hidden = runner.model(ids[start : start + n], positions, meta, runner.kv_caches)
             rows.append(runner.model.compute_logits(hidden)[-1:])

@@ -18,7 +18,8 @@ def admit(m: KVCacheManager, req) -> list[int]:
     assert new is not None
     m.record_prefix_cache_query(req.num_tokens, n_hit)
     req.num_computed_tokens = req.num_tokens
-    return m.get_block_ids(req.request_id)
+    (ids,) = m.get_block_ids(req.request_id)  # one KV cache group
+    return ids
 
 
 def test_prefix_hit_on_shared_prompt_never_whole_prompt():
@@ -28,7 +29,7 @@ def test_prefix_hit_on_shared_prompt_never_whole_prompt():
     assert len(a_blocks) == 3
     b = make_request(list(range(10)) + [99])  # same 10 tokens + 1
     hit, n_hit = m.get_computed_blocks(b)
-    assert [x.block_id for x in hit] == a_blocks[:2] and n_hit == 8  # partial block not shared
+    assert [x.block_id for x in hit[0]] == a_blocks[:2] and n_hit == 8  # partial block not shared
     c = make_request(list(range(8)))  # exactly the 2 cached blocks: keep one token to compute
     hit, n_hit = m.get_computed_blocks(c)
     assert n_hit == 4
@@ -71,7 +72,7 @@ def test_revived_cached_block_counts_against_free():
     big = make_request(list(range(8)) + [60] * 12)
     big_hit, n_big = m.get_computed_blocks(big)
     assert n_big == 8 and m.allocate_slots(big, 12, big_hit, n_big) is None
-    assert m.num_free_blocks == 4 and all(x.ref_cnt == 0 for x in big_hit)
+    assert m.num_free_blocks == 4 and all(x.ref_cnt == 0 for x in big_hit[0])
     m.check_invariants()
     # Needs 2 new + revives 2 free cached blocks = all 4 free blocks: fits exactly.
     assert m.allocate_slots(b, 7, hit, n_hit) is not None
@@ -125,11 +126,11 @@ def test_decode_growth_allocates_on_block_boundary():
     a = make_request(list(range(4)))
     admit(m, a)  # 4 tokens = 1 block
     a.append_output_token_ids(7)
-    assert m.allocate_slots(a, 1) != []  # token 5 opens block 2
+    assert m.allocate_slots(a, 1) != ([],)  # token 5 opens block 2
     a.num_computed_tokens += 1
     for t in range(3):
         a.append_output_token_ids(t)
-        assert m.allocate_slots(a, 1) == []  # tokens 6..8 fit in block 2
+        assert m.allocate_slots(a, 1) == ([],)  # tokens 6..8 fit in block 2
         a.num_computed_tokens += 1
     assert m.block_pool.num_cached_blocks == 2  # both blocks full and hashed
     m.free(a)
@@ -147,7 +148,7 @@ def test_free_keeps_blocks_referenced_by_another_holder():
     m.free(a)  # a's own tail block is freed; the shared 2 stay with b
     assert [m.block_pool.blocks[i].ref_cnt for i in b_ids[:2]] == [1, 1]
     assert m.num_free_blocks == 10 - 3 and m.num_requests == 1
-    assert m.get_block_ids(b.request_id) == b_ids and a_ids[:2] == b_ids[:2]
+    assert m.get_block_ids(b.request_id) == (b_ids,) and a_ids[:2] == b_ids[:2]
     m.free(a)  # unknown id now: a no-op
     m.check_invariants()
     m.free(b)
@@ -158,10 +159,10 @@ def test_free_keeps_blocks_referenced_by_another_holder():
 def test_chunked_prefill_caches_only_computed_full_blocks():
     m = manager()
     a = make_request(list(range(10)))
-    assert len(m.allocate_slots(a, 6)) == 2  # tokens 0..5: blocks of 4 + 2
+    assert len(m.allocate_slots(a, 6)[0]) == 2  # tokens 0..5: blocks of 4 + 2
     assert m.block_pool.num_cached_blocks == 1  # only the first block is full
     a.num_computed_tokens = 6
-    assert len(m.allocate_slots(a, 4)) == 1  # tokens 6..9: a third block
+    assert len(m.allocate_slots(a, 4)[0]) == 1  # tokens 6..9: a third block
     assert m.block_pool.num_cached_blocks == 2  # tokens 0..7 complete two blocks
     m.check_invariants()
 
@@ -169,7 +170,7 @@ def test_chunked_prefill_caches_only_computed_full_blocks():
 def test_lookahead_allocates_ahead_without_caching_unknown_tokens():
     m = manager()
     a = make_request(list(range(12)))  # 3 full blocks, all hashed up front
-    assert len(m.allocate_slots(a, 4, num_lookahead_tokens=4)) == 2  # 8 slots
+    assert len(m.allocate_slots(a, 4, num_lookahead_tokens=4)[0]) == 2  # 8 slots
     # Only tokens 0..3 are computed this step: the second block's KV is not written yet,
     # so it must not be offered to other requests.
     assert m.block_pool.num_cached_blocks == 1

@@ -40,7 +40,7 @@ class FakeKV:
         kv = self.sched.kv_cache_manager
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[req_id]
-            blocks = kv.get_block_ids(req_id)
+            (blocks,) = kv.get_block_ids(req_id)  # one KV cache group
             tokens = req.all_token_ids
             for pos in range(req.num_computed_tokens - n, req.num_computed_tokens):
                 slots = self.gpu.setdefault(blocks[pos // BLOCK], [None] * BLOCK)

@@ -83,7 +83,7 @@ def new_req(req_id, tokens, blocks, computed, num_prompt=None, **params) -> NewR
         tokens,
         len(tokens) if num_prompt is None else num_prompt,
         SamplingParams(**{"temperature": 0.0, **params}),
-        blocks,
+        blocks if isinstance(blocks, tuple) else (blocks,),  # one KV cache group
         computed,
     )
 
@@ -92,7 +92,7 @@ def sched_out(new=(), cached=(), num_scheduled=None, finished=(), preempted=()):
     c = CachedRequestData()
     for req_id, blocks, computed in cached:
         c.req_ids.append(req_id)
-        c.new_block_ids.append(blocks)
+        c.new_block_ids.append(blocks if isinstance(blocks, tuple) else (blocks,))
         c.num_computed_tokens.append(computed)
     num_scheduled = num_scheduled or {}
     return SchedulerOutput(
@@ -176,7 +176,7 @@ def test_mixed_step_flash_metadata_in_scheduler_order(runner):
     assert runner.model.logits_inputs[1] == [6, 7, 8, 10]
     assert out.req_ids == ["B", "C", "A", "D"]
     assert out.sampled_token_ids == {"B": [106], "C": [107], "A": [108], "D": [110]}
-    assert runner.requests["B"].block_ids == [5, 6, 12]
+    assert runner.requests["B"].block_ids == ([5, 6, 12],)
     assert runner.requests["A"].token_ids == PROMPT_A + [101, 108]
 
 

@@ -33,6 +33,7 @@ from vllm.model_executor.models.llama import (
     load_embeddings_and_head,
     load_projections,
 )
+from vllm.v1.attention.backends.abstract import layer_metadata
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,9 @@ class CohereForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, self.rope, meta, kv_cache)
+        metas = layer_metadata(meta, len(self.layers))  # the hybrid KV cache's groups
+        for layer, kv_cache, m in zip(self.layers, kv_caches, metas, strict=True):
+            x = layer(positions, x, self.rope, m, kv_cache)
         return self.norm(x)
 
     @torch.inference_mode()

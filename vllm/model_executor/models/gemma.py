@@ -40,6 +40,7 @@ from vllm.model_executor.models.llama import (
     load_projections,
 )
 from vllm.model_executor.models.utils import language_model_tensors
+from vllm.v1.attention.backends.abstract import layer_metadata
 
 # hidden_activation / hidden_act values that mean GeLU's tanh approximation (Gemma 1's
 # configs say "gelu" and mean it, as transformers reads them).
@@ -240,9 +241,12 @@ class GemmaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weights' dtype first (bf16: 8 bits).
         x = x * torch.tensor(math.sqrt(self.arch.hidden_size), dtype=x.dtype)
-        for layer, kv_cache, local in zip(self.layers, kv_caches, self._local, strict=True):
+        metas = layer_metadata(meta, len(self.layers))  # the hybrid KV cache's groups
+        for layer, kv_cache, local, m in zip(
+            self.layers, kv_caches, self._local, metas, strict=True
+        ):
             rope = self.rope_local if local else self.rope_global
-            x = layer(positions, x, rope, meta, kv_cache)
+            x = layer(positions, x, rope, m, kv_cache)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -32,6 +32,7 @@ from vllm.model_executor.layers.rotary_embedding import (
     max_positions,
     rope_parameters,
 )
+from vllm.v1.attention.backends.abstract import layer_metadata
 
 
 @dataclass(frozen=True)
@@ -415,8 +416,11 @@ class LlamaForCausalLM(nn.Module):
             x = x * self.arch.embedding_multiplier
         residual = None
         ropes = {"global": self.rope, "local": self.rope_local, None: None}
-        for layer, kv_cache, kind in zip(self.layers, kv_caches, self._layer_ropes, strict=True):
-            x, residual = layer(positions, x, residual, ropes[kind], meta, kv_cache)
+        metas = layer_metadata(meta, len(self.layers))  # the hybrid KV cache's groups
+        for layer, kv_cache, kind, m in zip(
+            self.layers, kv_caches, self._layer_ropes, metas, strict=True
+        ):
+            x, residual = layer(positions, x, residual, ropes[kind], m, kv_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     @torch.inference_mode()

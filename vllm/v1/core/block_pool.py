@@ -13,6 +13,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def group_key(block_hash: BlockHash, group: int) -> BlockHash | tuple[int, BlockHash]:
+    """The prefix-cache key of a block of KV cache group ``group``: the hash itself for
+    the first group (so one group's keys, the KV events and the CPU tier are unchanged),
+    ``(group, hash)`` for the others, whose blocks hold other layers' K/V."""
+    return block_hash if group == 0 else (group, block_hash)
+
+
 class BlockHashToBlockMap:
     """block hash -> {block_id: block}. Several blocks may hold the same hash (v1's block
     tables are append-only, so a duplicate computed concurrently is kept, not merged)."""
@@ -79,8 +86,10 @@ class BlockPool:
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
         self.kv_events = kv_events
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get_one_block(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        """A block holding ``block_hash`` for KV cache group ``group`` (the hybrid KV
+        cache: each group's layers live in blocks of their own), or None."""
+        return self.cached_block_hash_to_block.get_one_block(group_key(block_hash, group))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` from the head of the free queue (evicting their hashes).
@@ -113,7 +122,11 @@ class BlockPool:
         self.cached_block_hash_to_block.pop(block_hash, block.block_id)
         block.reset_hash()
         self.num_cached_blocks -= 1
-        if self.kv_events is not None and self.get_cached_block(block_hash) is None:
+        if (
+            self.kv_events is not None
+            and isinstance(block_hash, bytes)  # events speak of the first group only
+            and self.get_cached_block(block_hash) is None
+        ):
             self.kv_events.removed(block_hash, MEDIUM_GPU)  # no block holds it any more
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -148,29 +161,33 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int | None = None,
+        group: int = 0,
     ) -> None:
         """Give ``blocks[num_cached_blocks:num_full_blocks]`` their hashes.
 
         The hashes are ``request.block_hashes[i]`` (the request's hasher fixes the block
-        size, so ``block_size`` is accepted for vLLM's signature but not needed). A block
-        that already holds a hash (a prefix hit) is skipped; a block whose hash another
-        block already holds is still inserted (both stay in the map).
+        size, so ``block_size`` is accepted for vLLM's signature but not needed), keyed by
+        KV cache ``group`` (``group_key``; KV events record the first group's). A block
+        that already holds a hash (a prefix hit) and the null block (a sliding window's
+        freed place) are skipped; a block whose hash another block already holds is still
+        inserted (both stay in the map).
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
         hashes = request.block_hashes
         if len(hashes) < num_full_blocks:
             raise ValueError(f"{request.request_id}: {len(hashes)} hashes < {num_full_blocks}")
-        events = self.kv_events
+        events = self.kv_events if group == 0 else None
         run_start = None  # the first block of a run of hashes new to the pool (events)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
                 new = False  # already cached (a prefix hit)
             else:
+                key = group_key(hashes[i], group)
                 new = events is not None and self.get_cached_block(hashes[i]) is None
-                block.block_hash = hashes[i]
-                self.cached_block_hash_to_block.insert(hashes[i], block)
+                block.block_hash = key
+                self.cached_block_hash_to_block.insert(key, block)
                 self.num_cached_blocks += 1
             if new and run_start is None:
                 run_start = i

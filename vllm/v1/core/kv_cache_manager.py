@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, cdiv, kv_capacity_tokens
 from vllm.v1.core.sched.output import KVOffloadTransfers
 from vllm.v1.kv_offload.manager import OffloadManager
 from vllm.v1.metrics.stats import PrefixCacheStats
@@ -14,9 +14,8 @@ from vllm.v1.request import Request
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVEventLog
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+# A request's blocks, one list per KV cache group (vLLM's tuple of per-group block lists).
+GroupBlocks = tuple[list[KVCacheBlock], ...]
 
 
 class KVCacheManager:
@@ -25,11 +24,24 @@ class KVCacheManager:
     A request keeps its blocks until ``free`` is called, so a finished request that the
     policy pins simply is not freed yet: its blocks keep their references.
 
+    **KV cache groups** (``kv_cache_windows``, one entry a group: None for full
+    attention, else the group's sliding window). A model whose layers all attend to the
+    whole context has one group; a hybrid model (gpt-oss, Gemma 2/3, Cohere 2: some
+    layers slide over a window) has a group per kind of layer, all drawing blocks from
+    the one pool (the runner lays each group's layers over the same tensors, vLLM's
+    hybrid KV cache manager). A request holds a list of blocks per group, aligned by
+    position; a sliding group frees the blocks its window has passed (they become the
+    null block in the list and keep their hash, evictable) before each allocation, so it
+    holds about ``window + chunk`` tokens of blocks however long the context. A prefix
+    hit must hold in every group: the full groups' leading blocks, and in each sliding
+    group the ``window - 1`` positions before the hit's end.
+
     With ``num_cpu_blocks`` (and prefix caching) a second tier in host memory backs the
     pool: a hashed block is saved there when it is evicted for reuse or freed with
     ``offload=True``, and a prefix that misses the pool but hits the tier is loaded back
     into newly allocated blocks (``num_external_computed_tokens``). The copies are planned
-    here and run by the runner (``take_kv_transfers``).
+    here and run by the runner (``take_kv_transfers``). The tier takes one full-attention
+    group only.
     """
 
     def __init__(
@@ -41,15 +53,33 @@ class KVCacheManager:
         num_cpu_blocks: int = 0,
         cpu_block_bytes: int = 0,
         kv_events: KVEventLog | None = None,
+        kv_cache_windows: tuple[int | None, ...] = (None,),
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """``kv_events``: the log both pools record their held hashes' changes into
-        (--kv-events-config)."""
+        (--kv-events-config). ``kv_cache_windows``: the KV cache groups (above).
+        ``max_num_batched_tokens``: the most tokens one step computes (a sliding group's
+        peak holding; None: a whole sequence in one step)."""
+        windows = tuple(kv_cache_windows)
+        if not windows:
+            raise ValueError("kv_cache_windows must name at least one KV cache group")
+        for w in windows:
+            if w is not None and (not isinstance(w, int) or w < 1):
+                raise ValueError(f"kv_cache_windows: a window must be an int >= 1, got {w!r}")
+        if num_cpu_blocks > 0 and enable_caching and windows != (None,):
+            raise ValueError(
+                f"the CPU KV tier takes one full-attention KV cache group, got windows {windows} "
+                "(the runner turns the hybrid KV cache off when a tier is configured)"
+            )
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.windows = windows
+        self.num_groups = len(windows)
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, kv_events)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Blocks of each request that already carry their hash.
+        self.req_to_blocks: dict[str, GroupBlocks] = {}
+        # Blocks of each request that already carry their hash (the same in every group).
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         # Without prefix caching no block has a hash, so the tier could hold nothing.
@@ -58,9 +88,19 @@ class KVCacheManager:
             self.offload = OffloadManager(num_cpu_blocks, cpu_block_bytes, kv_events)
             self.block_pool.on_evict = self.offload.save
 
+    def _num_skipped_blocks(self, group: int, num_computed_tokens: int) -> int:
+        """Leading blocks of ``group`` that no token from ``num_computed_tokens`` on
+        attends to (0 for full attention): those before the next token's window."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed_tokens - window + 1) // self.block_size
+
     # -- lookups ------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks prefixing the request; does not touch them.
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """Longest run of cached full blocks prefixing the request in every group, and
+        its length in tokens; does not touch them. A sliding group's list holds the null
+        block where its window does not reach.
 
         Never the whole prompt: the last token is always computed, to get its logits.
         Records no stats: a waiting request is looked up again every step until it fits,
@@ -69,15 +109,60 @@ class KVCacheManager:
         prompt logprobs).
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
+            return tuple([] for _ in self.windows), 0
+        length = (request.num_tokens - 1) // self.block_size  # in blocks
+        hashes = request.block_hashes
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.windows]
+        sliding = []
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                sliding.append(g)
+                continue
+            blocks = hits[g] = self._full_hit(g, hashes, length)
+            length = len(blocks)
+        # A sliding group's hit at a shorter length is not a prefix of its longer one:
+        # search again until every group agrees (lengths only shrink).
+        settled = not sliding
+        while not settled:
+            settled = True
+            for g in sliding:
+                hits[g] = self._sliding_hit(g, hashes, length)
+                if len(hits[g]) < length:
+                    length, settled = len(hits[g]), False
+        return tuple(h[:length] for h in hits), length * self.block_size
+
+    def _full_hit(self, group: int, hashes: list, max_blocks: int) -> list[KVCacheBlock]:
         blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+        pool = self.block_pool
+        for block_hash in hashes[:max_blocks]:
+            block = pool.get_cached_block(block_hash, group)
             if block is None:
                 break
             blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        return blocks
+
+    def _sliding_hit(self, group: int, hashes: list, max_blocks: int) -> list[KVCacheBlock]:
+        """The longest hit of at most ``max_blocks`` blocks for a sliding group: its last
+        ``cdiv(window - 1, block_size)`` blocks cached (the window of the first token
+        after it), or a run from the start; the null block before them (vLLM's
+        right-to-left search)."""
+        window = self.windows[group]
+        assert window is not None
+        need = cdiv(window - 1, self.block_size)
+        pool = self.block_pool
+        null = pool.null_block
+        if need == 0:
+            return [null] * max_blocks
+        run: list[KVCacheBlock] = []  # cached blocks, right to left
+        for i in range(max_blocks - 1, -1, -1):
+            block = pool.get_cached_block(hashes[i], group)
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) == need:
+                return [null] * i + run[::-1]
+        return run[::-1]  # a run that reaches the first block: all of it is a hit
 
     def get_num_offloaded_tokens(
         self, request: Request, num_computed_tokens: int, max_tokens: int | None = None
@@ -106,27 +191,42 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.record_query(num_tokens, num_external_hit_tokens)
 
+    def token_capacity(self, num_blocks: int | None = None) -> int:
+        """The longest sequence ``num_blocks`` usable blocks hold over every group (the
+        whole pool by default; for one full-attention group, blocks x block size)."""
+        if num_blocks is None:
+            num_blocks = self.block_pool.num_gpu_blocks - 1
+        return kv_capacity_tokens(
+            num_blocks, self.block_size, self.windows, self.max_num_batched_tokens
+        )
+
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` fits the pool at all."""
-        return cdiv(num_tokens, self.block_size) <= self.block_pool.num_gpu_blocks - 1
+        return num_tokens <= self.token_capacity()
+
+    @property
+    def free_tokens(self) -> int:
+        """Tokens of a new sequence the free (and evictable) blocks hold."""
+        return self.token_capacity(self.block_pool.get_num_free_blocks())
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: GroupBlocks | None = None,
         num_new_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-    ) -> list[int] | None:
+    ) -> tuple[list[int], ...] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
         ``new_computed_blocks`` (a prefix hit from ``get_computed_blocks``) are touched
         and appended first. ``num_external_computed_tokens`` (a new request's hit in the
         CPU tier, from ``get_num_offloaded_tokens``) follow: blocks are allocated for them
-        and their loads planned, so they count as computed. Returns the ids of the newly
-        allocated blocks, or None (with nothing changed) when the pool is short.
+        and their loads planned, so they count as computed. A sliding group first frees
+        the blocks its window has passed. Returns the ids of the newly allocated blocks,
+        per group, or None (with nothing else changed) when the pool is short.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -138,23 +238,29 @@ class KVCacheManager:
         if total > self.max_model_len:
             total = self.max_model_len
         req_blocks = self.req_to_blocks.get(req_id)
-        if req_blocks is None or new_computed_blocks or num_external:
+        has_hits = new_computed_blocks is not None and any(new_computed_blocks)
+        if req_blocks is None or has_hits or num_external:
             new_ids = self._allocate_with_hits(
-                request, req_blocks, total, new_computed_blocks, num_external
+                request, req_blocks, total, num_computed, new_computed_blocks, num_external
             )
             if new_ids is None:
                 return None
             req_blocks = self.req_to_blocks[req_id]
         else:
             # The decode fast path: a running request, usually no new block this step.
-            num_new_blocks = (total + bs - 1) // bs - len(req_blocks)
-            new_ids = []
-            if num_new_blocks > 0:
-                if num_new_blocks > self.block_pool.free_block_queue.num_free_blocks:
+            if self.num_groups > 1 or self.windows[0] is not None:
+                self._free_skipped(req_blocks, num_computed)
+            num_needed = cdiv(total, bs)
+            num_new = [max(num_needed - len(blocks), 0) for blocks in req_blocks]
+            new_ids = tuple([] for _ in req_blocks)
+            if any(num_new):
+                if sum(num_new) > self.block_pool.free_block_queue.num_free_blocks:
                     return None
-                new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-                req_blocks.extend(new_blocks)
-                new_ids = [b.block_id for b in new_blocks]
+                for blocks, ids, n in zip(req_blocks, new_ids, num_new, strict=True):
+                    if n:
+                        new_blocks = self.block_pool.get_new_blocks(n)
+                        blocks.extend(new_blocks)
+                        ids.extend(b.block_id for b in new_blocks)
         if self.enable_caching:
             # Cache only blocks whose every token has KV after this step; block_hashes
             # covers exactly the full blocks of the known tokens, so it bounds the rest.
@@ -164,47 +270,83 @@ class KVCacheManager:
                 num_full = num_hashes
             num_cached = self._num_cached_blocks.get(req_id, 0)
             if num_full > num_cached:
-                self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full, bs)
+                for g, blocks in enumerate(req_blocks):
+                    self.block_pool.cache_full_blocks(
+                        request, blocks, num_cached, num_full, bs, group=g
+                    )
                 self._num_cached_blocks[req_id] = num_full
         return new_ids
+
+    def _free_skipped(self, req_blocks: GroupBlocks, num_computed: int) -> None:
+        """Free each sliding group's blocks before the window of the token after
+        ``num_computed`` (they keep their hash: evictable, a later prefix may hit them),
+        in their places the null block; newest first, so the oldest are evicted first."""
+        null = self.block_pool.null_block
+        for g, blocks in enumerate(req_blocks):
+            skip = min(self._num_skipped_blocks(g, num_computed), len(blocks))
+            freed = []
+            for i in range(skip - 1, -1, -1):
+                if blocks[i].is_null:
+                    break  # freed by an earlier step, and all before it
+                freed.append(blocks[i])
+                blocks[i] = null
+            if freed:
+                self.block_pool.free_blocks(freed)
 
     def _allocate_with_hits(
         self,
         request: Request,
-        req_blocks: list[KVCacheBlock] | None,
+        req_blocks: GroupBlocks | None,
         total: int,
-        new_computed_blocks: list[KVCacheBlock] | None,
+        num_computed: int,
+        new_computed_blocks: GroupBlocks | None,
         num_external: int,
-    ) -> list[int] | None:
-        """The general path: a new request and/or prefix-hit blocks to take over."""
-        hits = new_computed_blocks or []
-        num_held = len(req_blocks) if req_blocks is not None else 0
-        num_new_blocks = cdiv(total, self.block_size) - num_held - len(hits)
-        # The pitfall: a hit block with ref_cnt 0 sits in the free queue, so touching it
-        # takes a free block just as allocating one does.
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
+    ) -> tuple[list[int], ...] | None:
+        """The general path: a new request and/or prefix-hit blocks to take over. A
+        sliding group's hit blocks before its window stay unreferenced (the null block
+        takes their place)."""
+        bs = self.block_size
         pool = self.block_pool
-        if max(num_new_blocks, 0) + num_revived > pool.get_num_free_blocks():
+        null = pool.null_block
+        groups = range(self.num_groups)
+        hits = new_computed_blocks or tuple([] for _ in groups)
+        held = req_blocks if req_blocks is not None else tuple([] for _ in groups)
+        taken: list[list[KVCacheBlock]] = []  # per group: hits to reference, null before
+        num_new: list[int] = []
+        num_revived = 0
+        for g in groups:
+            skip = self._num_skipped_blocks(g, num_computed)
+            group_hits = list(hits[g])
+            for i in range(max(0, min(skip - len(held[g]), len(group_hits)))):
+                group_hits[i] = null
+            taken.append(group_hits)
+            # A hit reaches the window's start (skip <= hit blocks): the places stay aligned.
+            num_new.append(max(cdiv(total, bs) - len(held[g]) - len(group_hits), 0))
+            # The pitfall: a hit block with ref_cnt 0 sits in the free queue, so touching
+            # it takes a free block just as allocating one does.
+            num_revived += sum(1 for b in group_hits if b.ref_cnt == 0 and not b.is_null)
+        if sum(num_new) + num_revived > pool.get_num_free_blocks():
             return None  # nothing was changed
         if req_blocks is None:
-            req_blocks = self.req_to_blocks[request.request_id] = []
+            req_blocks = self.req_to_blocks[request.request_id] = tuple([] for _ in groups)
         cpu_ids = []
         if num_external:
             # Held before allocating: the saves this allocation's evictions trigger must
             # not evict the tier blocks about to be loaded.
-            assert self.offload is not None and num_external % self.block_size == 0
-            start = len(req_blocks) + len(hits)
-            hashes = request.block_hashes[start : start + num_external // self.block_size]
+            assert self.offload is not None and num_external % bs == 0
+            start = len(req_blocks[0]) + len(taken[0])
+            hashes = request.block_hashes[start : start + num_external // bs]
             cpu_ids = self.offload.acquire(hashes)
-        pool.touch(hits)
-        req_blocks.extend(hits)
-        if num_new_blocks <= 0:
-            return []
-        new_blocks = pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
-        new_ids = [b.block_id for b in new_blocks]
+        new_ids: tuple[list[int], ...] = tuple([] for _ in groups)
+        for g in groups:
+            pool.touch(taken[g])
+            req_blocks[g].extend(taken[g])
+            if num_new[g] > 0:
+                new_blocks = pool.get_new_blocks(num_new[g])
+                req_blocks[g].extend(new_blocks)
+                new_ids[g].extend(b.block_id for b in new_blocks)
         if cpu_ids:
-            self.offload.plan_loads(cpu_ids, new_ids[: len(cpu_ids)])
+            self.offload.plan_loads(cpu_ids, new_ids[0][: len(cpu_ids)])
         return new_ids
 
     def free(self, request: Request, offload: bool = False) -> None:
@@ -216,25 +358,39 @@ class KVCacheManager:
         tier). Blocks hashed for tokens the request has not computed (it was scheduled and
         preempted in the same step) lose their hash: their data is not what it names.
         """
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        groups = self.req_to_blocks.pop(request.request_id, None)
         num_cached = self._num_cached_blocks.pop(request.request_id, 0)
-        if not blocks:
+        if not groups:
             return
-        for block in blocks[request.num_computed_tokens // self.block_size : num_cached]:
-            if block.block_hash is not None:
-                self.block_pool.uncache(block)
+        first_uncomputed = request.num_computed_tokens // self.block_size
+        for blocks in groups:
+            for block in blocks[first_uncomputed:num_cached]:
+                if block.block_hash is not None:
+                    self.block_pool.uncache(block)
         if offload and self.offload is not None:
-            for block in blocks:
+            for block in groups[0]:
                 if block.block_hash is not None:
                     self.offload.save(block)
-        self.block_pool.free_blocks(reversed(blocks))
+        for blocks in reversed(groups):
+            self.block_pool.free_blocks(reversed(blocks))
 
     # -- views ----------------------------------------------------------------------------
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group (0: the null block)."""
+        groups = self.req_to_blocks.get(request_id)
+        if groups is None:
+            return tuple([] for _ in self.windows)
+        return tuple([b.block_id for b in blocks] for blocks in groups)
 
     def get_num_blocks(self, request_id: str) -> int:
-        return len(self.req_to_blocks.get(request_id, []))
+        """The blocks the request holds over every group (the null block not counted)."""
+        groups = self.req_to_blocks.get(request_id, ())
+        return sum(sum(1 for b in blocks if not b.is_null) for blocks in groups)
+
+    def get_num_slots(self, request_id: str) -> int:
+        """Token positions the request's block table covers (in every group)."""
+        groups = self.req_to_blocks.get(request_id)
+        return len(groups[0]) * self.block_size if groups else 0
 
     @property
     def num_requests(self) -> int:
@@ -281,10 +437,15 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.check_invariants()
         holders: dict[int, int] = {}
-        for req_id, blocks in self.req_to_blocks.items():
-            for block in blocks:
-                assert block.ref_cnt >= 1, f"{req_id} holds a free block {block}"
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for req_id, groups in self.req_to_blocks.items():
+            assert len(groups) == self.num_groups, f"{req_id}: {len(groups)} groups"
+            assert len({len(b) for b in groups}) == 1, f"{req_id}: groups of unequal length"
+            for blocks in groups:
+                for block in blocks:
+                    if block.is_null:
+                        continue
+                    assert block.ref_cnt >= 1, f"{req_id} holds a free block {block}"
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
         # Every reference is held by exactly one request entry (pins keep their entry).
         for block in self.block_pool.blocks[1:]:
             n = holders.get(block.block_id, 0)

@@ -92,7 +92,9 @@ class KVCacheBlock:
         self.block_hash = None
 
     def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash else None
+        h = self.block_hash
+        if h is not None:  # a group's key (group, hash) beyond the first group
+            h = h.hex()[:8] if isinstance(h, bytes) else f"{h[0]}:{h[1].hex()[:8]}"
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
@@ -158,3 +160,55 @@ class FreeKVCacheBlockQueue:
             out.append(block)
             block = block.next_free_block
         return out
+
+
+# -- KV cache groups (the hybrid KV cache: sliding-window layers free what they passed) --
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def group_peak_blocks(
+    num_tokens: int, block_size: int, window: int | None, max_chunk: int | None
+) -> int:
+    """The most blocks one KV cache group holds for a sequence of ``num_tokens``
+    computed in steps of at most ``max_chunk`` tokens (None: all at once). A
+    full-attention group (``window`` None) holds every block; a sliding-window group
+    holds the blocks of a step's tokens and of the ``window - 1`` positions before the
+    step's first (the blocks behind them are freed as the window passes), plus one for
+    a window that does not start on a block boundary."""
+    full = cdiv(num_tokens, block_size)
+    if window is None:
+        return full
+    chunk = num_tokens if max_chunk is None else min(max_chunk, num_tokens)
+    return min(full, cdiv(window - 1 + chunk, block_size) + 1)
+
+
+def blocks_for_sequence(
+    num_tokens: int, block_size: int, windows: Sequence[int | None], max_chunk: int | None
+) -> int:
+    """Blocks a sequence of ``num_tokens`` needs at its peak, over every group."""
+    return sum(group_peak_blocks(num_tokens, block_size, w, max_chunk) for w in windows)
+
+
+def kv_capacity_tokens(
+    num_blocks: int,
+    block_size: int,
+    windows: Sequence[int | None] = (None,),
+    max_chunk: int | None = None,
+    limit: int = 1 << 40,
+) -> int:
+    """The longest sequence (at most ``limit`` tokens) whose blocks fit ``num_blocks``
+    usable blocks (the null block excluded) over the groups of ``windows``. One
+    full-attention group: ``num_blocks * block_size``."""
+    if num_blocks <= 0:
+        return 0
+    if all(w is None for w in windows):  # the common case, exact and O(1)
+        return min(limit, (num_blocks // len(windows)) * block_size)
+    lo, hi = 0, limit  # blocks_for_sequence grows with the length: bisect it
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_for_sequence(mid, block_size, windows, max_chunk) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

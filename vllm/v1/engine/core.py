@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from vllm.config import VllmConfig
 from vllm.profiler import TorchProfiler
 from vllm.utils.clock import Clock, monotonic_clock
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, kv_capacity_tokens
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -38,15 +38,39 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.05  # an idle step waits this long for a compiling grammar
 
 
-def check_kv_capacity(vllm_config: VllmConfig, num_gpu_blocks: int) -> None:
+def kv_tier_wanted(vllm_config: VllmConfig) -> bool:
+    """Whether the engine makes a CPU KV tier: ``--kv-offloading-size`` > 0, or unset
+    with a policy that keeps jobs' contexts (``Policy.wants_kv_tier``) and prefix caching
+    on (the tier finds blocks by their prefix hash). VllmConfig refuses a tier without
+    prefix caching."""
+    offload = vllm_config.offload_config
+    if offload.enabled:
+        return True
+    policy_cls = get_policy_class(vllm_config.scheduler_config.policy)
+    return (
+        offload.auto and policy_cls.wants_kv_tier and vllm_config.cache_config.enable_prefix_caching
+    )
+
+
+def check_kv_capacity(
+    vllm_config: VllmConfig,
+    num_gpu_blocks: int,
+    kv_cache_windows: tuple[int | None, ...] = (None,),
+) -> None:
     """``ValueError`` naming --max-model-len when one request of max_model_len tokens
     cannot fit the KV pool sized from memory (as vLLM refuses to start): the request
-    would otherwise be cut at the pool's size and reported as ``length``.
+    would otherwise be cut at the pool's size and reported as ``length``. The KV cache
+    groups' windows (the hybrid KV cache) count what a sliding group holds.
 
     An exact --num-gpu-blocks-override is taken as asked (tests and experiments shrink
     the pool on purpose), with a warning; vLLM too checks only the memory-derived size."""
     block_size = vllm_config.cache_config.block_size
-    capacity = (num_gpu_blocks - 1) * block_size  # the null block holds no tokens
+    capacity = kv_capacity_tokens(  # the null block holds no tokens
+        num_gpu_blocks - 1,
+        block_size,
+        kv_cache_windows,
+        vllm_config.scheduler_config.max_num_batched_tokens,
+    )
     max_model_len = vllm_config.scheduler_config.max_model_len
     if max_model_len <= capacity:
         return
@@ -100,8 +124,10 @@ class EngineCore:
             )
         self.model_runner = ModelRunner(vllm_config)
         self.model_runner.load_model()
+        # The hybrid KV cache (sliding-window models) is off with a CPU tier.
+        self.model_runner.plan_kv_cache_groups(with_tier=kv_tier_wanted(vllm_config))
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
-        check_kv_capacity(vllm_config, self.num_gpu_blocks)
+        check_kv_capacity(vllm_config, self.num_gpu_blocks, self.model_runner.kv_cache_windows)
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
         self.num_cpu_blocks, block_bytes = self._init_kv_offload()
         policy = create_policy(
@@ -113,7 +139,13 @@ class EngineCore:
         # Constrained requests wait here while their grammar compiles (not in a step).
         self.grammars = PendingGrammars(self.model_runner.structured_output)
         self.scheduler = Scheduler(
-            vllm_config, self.num_gpu_blocks, policy, clock, self.num_cpu_blocks, block_bytes
+            vllm_config,
+            self.num_gpu_blocks,
+            policy,
+            clock,
+            self.num_cpu_blocks,
+            block_bytes,
+            self.model_runner.kv_cache_windows,
         )
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
         # Finished/preempted ids of steps the runner did not see (empty or failed steps),
@@ -150,11 +182,9 @@ class EngineCore:
         caching is on (the tier finds blocks by their prefix hash); others get none."""
         offload = self.vllm_config.offload_config
         policy_cls = get_policy_class(self.vllm_config.scheduler_config.policy)
-        auto = offload.auto and (
-            policy_cls.wants_kv_tier and self.vllm_config.cache_config.enable_prefix_caching
-        )
-        if not (auto or offload.enabled):  # (VllmConfig refuses a tier without prefix caching)
+        if not kv_tier_wanted(self.vllm_config):
             return 0, 0
+        auto = not offload.enabled
         block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
         auto_bytes = None
         if auto:

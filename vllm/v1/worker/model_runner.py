@@ -31,6 +31,7 @@ from vllm.v1.attention.backends.abstract import (
 )
 from vllm.v1.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from vllm.v1.attention.selector import select_attention_backend
+from vllm.v1.core.kv_cache_utils import blocks_for_sequence, kv_capacity_tokens
 from vllm.v1.core.sched.output import KVOffloadTransfers, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
 from vllm.v1.sample.logits_processor import build_logits_processors
@@ -63,6 +64,7 @@ from vllm.v1.worker.gpu_memory import (
     measure_before_load,
     profile_kv_cache_budget,
 )
+from vllm.v1.worker.kv_cache_groups import GroupedBuilder, KVCacheGroups, plan_kv_cache_groups
 from vllm.v1.worker.sleep_mode import move_module_tensors
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,9 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: BlockIds  # a list that keeps a numpy copy for the metadata builders
+    # One list per KV cache group (kv_cache_groups.py; a BlockIds keeps a numpy copy for
+    # the metadata builders); a plain list is taken as the one group's.
+    block_ids: tuple[BlockIds, ...]
     generator: torch.Generator | None
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -103,9 +107,15 @@ class CachedRequestState:
     # The prompt inside token_ids, one view for the request's life (it caches the
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
+    # What a step's sequence layout carries: the one group's BlockIds, or the tuple of
+    # every group's (the hybrid KV cache's GroupedBuilder takes it apart).
+    table: BlockIds | tuple[BlockIds, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_view = PrefixView(self.token_ids, self.num_prompt_tokens)
+        groups = self.block_ids if isinstance(self.block_ids, tuple) else (self.block_ids,)
+        self.block_ids = tuple(i if isinstance(i, BlockIds) else BlockIds(i) for i in groups)
+        self.table = self.block_ids[0] if len(self.block_ids) == 1 else self.block_ids
 
 
 @dataclass
@@ -229,6 +239,10 @@ class ModelRunner:
         # Generators of seeded requests preempted (recompute) and not yet resumed.
         self._paused_generators: dict[str, torch.Generator] = {}
         self.attn_backend: AttentionBackend | None = None  # chosen in load_model
+        # The KV cache groups (kv_cache_groups.py: the hybrid KV cache of sliding-window
+        # models), planned in load_model (or on first use).
+        self._kv_groups: KVCacheGroups | None = None
+        self._planned_with_tier = False  # the engine's last word (a reload keeps it)
         # --speculative-config's draft_model: the draft, its KV tensors, its passes.
         self.drafter: DraftModelProposer | None = None
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
@@ -324,6 +338,53 @@ class ModelRunner:
         draft_config = self.config.draft_model_config
         if draft_config is not None:
             self.drafter = self._load_drafter(draft_config)
+        with_tier = self._planned_with_tier or self.config.offload_config.enabled
+        self.plan_kv_cache_groups(with_tier)
+
+    def plan_kv_cache_groups(self, with_tier: bool) -> KVCacheGroups:
+        """The KV cache groups (``kv_cache_groups.py``), before the cache is sized: the
+        hybrid KV cache for a model with sliding-window layers, unless
+        --disable-hybrid-kv-cache-manager, a CPU KV tier (``with_tier``: the engine knows
+        whether its policy sizes one) or a draft model turns it off."""
+        windows = tuple(getattr(self.arch, "sliding_windows", ()) or ())
+        windows = windows or (None,) * self.arch.num_layers
+        off = None
+        if self.config.scheduler_config.disable_hybrid_kv_cache_manager:
+            off = "--disable-hybrid-kv-cache-manager"
+        elif with_tier:
+            off = "a CPU KV tier (--kv-offloading-size 0 turns it off)"
+        elif self.drafter is not None:
+            off = "a draft model"
+        groups = plan_kv_cache_groups(windows, hybrid=off is None)
+        self._planned_with_tier = with_tier
+        if off is not None and any(w is not None for w in windows):
+            logger.info("Hybrid KV cache off (%s): every layer keeps every block", off)
+        elif groups.hybrid:
+            logger.info("Hybrid KV cache: %s", groups.describe())
+        self._kv_groups = groups
+        return groups
+
+    @property
+    def kv_groups(self) -> KVCacheGroups:
+        """The KV cache groups, planned from the model's arch on first use when nothing
+        planned them (a runner whose model came from elsewhere)."""
+        if self._kv_groups is None:
+            return self.plan_kv_cache_groups(self.config.offload_config.enabled)
+        return self._kv_groups
+
+    @property
+    def metadata_builder(self) -> AttentionBackend | GroupedBuilder:
+        """What builds a step's attention metadata: the backend, or with several KV cache
+        groups the backend once per group over its block tables."""
+        groups = self._kv_groups
+        if groups is None or groups.num_groups == 1:
+            return self.attn_backend
+        return GroupedBuilder(self.attn_backend, groups)
+
+    @property
+    def kv_cache_windows(self) -> tuple[int | None, ...]:
+        """Each KV cache group's window (None: full attention), for the scheduler."""
+        return self.kv_groups.windows
 
     def _load_weights(
         self, model_config, served_len: int
@@ -419,10 +480,11 @@ class ModelRunner:
         return kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim, latent)
 
     def get_kv_cache_bytes_per_block(self) -> int:
-        """Bytes of one KV block over every layer: the target's and a draft model's (whose
-        layers cache in the same blocks), so sizing and --num-gpu-blocks-override hold."""
+        """Bytes of one KV block over every cache tensor (one a layer, or with the hybrid
+        KV cache one a layer of a group): the target's and a draft model's (whose layers
+        cache in the same blocks), so sizing and --num-gpu-blocks-override hold."""
         itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        target = self.arch.num_layers * math.prod(self.kv_cache_shape(1)) * itemsize
+        target = self.kv_groups.num_tensors * math.prod(self.kv_cache_shape(1)) * itemsize
         draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
         return target + draft
 
@@ -442,8 +504,17 @@ class ModelRunner:
             num_blocks = max(budget, 0) // per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory too small: {num_blocks} blocks of {per_block} bytes")
-        max_len = self.config.scheduler_config.max_model_len
-        tokens = (num_blocks - 1) * self.block_size
+        sc = self.config.scheduler_config
+        max_len = sc.max_model_len
+        windows = self.kv_groups.windows
+        # A request's blocks over every group at its longest (the hybrid KV cache's
+        # sliding groups hold their window and a step's tokens).
+        per_request = blocks_for_sequence(
+            max_len, self.block_size, windows, sc.max_num_batched_tokens
+        )
+        tokens = kv_capacity_tokens(
+            num_blocks - 1, self.block_size, windows, sc.max_num_batched_tokens
+        )
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f KiB per block, %.2f GiB); %d tokens; "
             "maximum concurrency for %d tokens per request: %.2fx",
@@ -453,7 +524,7 @@ class ModelRunner:
             num_blocks * per_block / 2**30,
             tokens,
             max_len,
-            tokens / max_len,
+            (num_blocks - 1) / per_request,
         )
         return num_blocks
 
@@ -492,11 +563,15 @@ class ModelRunner:
             self.penalty_table = PenaltyTable(self.arch.vocab_size, self.device, rows, width)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One cache tensor per layer, or with the hybrid KV cache one per layer of a
+        group, each layer's the tensor its place in its group names (a block id is one
+        group's)."""
         shape = self.kv_cache_shape(num_blocks)
-        self.kv_caches = [
+        tensors = [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(self.arch.num_layers)
+            for _ in range(self.kv_groups.num_tensors)
         ]
+        self.kv_caches = [tensors[t] for t in self.kv_groups.layer_tensor]
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
 
@@ -563,7 +638,7 @@ class ModelRunner:
         if self.attn_backend.supports_decode_graphs:
             graphs = DecodeGraphs(
                 self.model,
-                self.attn_backend,
+                self.metadata_builder,
                 self.kv_caches,
                 sizes,
                 max_blocks,
@@ -686,7 +761,8 @@ class ModelRunner:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
             state = self.requests[req_id]
-            state.block_ids.extend(blocks)
+            for ids, new_ids in zip(state.block_ids, blocks, strict=True):
+                ids.extend(new_ids)
             state.num_computed_tokens = computed
         return failed
 
@@ -718,7 +794,7 @@ class ModelRunner:
             list(new.token_ids),
             new.num_prompt_tokens,
             p,
-            BlockIds(new.block_ids),
+            new.block_ids,
             gen,
             new.num_computed_tokens,
             list(new.token_ids[new.num_prompt_tokens :]),
@@ -862,14 +938,14 @@ class ModelRunner:
                 # start + i, whose K/V this step writes first (every backend writes the
                 # step's K/V, then attends). The decode kernels (and CUDA graphs of
                 # decode steps) serve them instead of a prefill chunk.
-                seqs += [(start + i, 1, state.block_ids) for i in range(n)]
+                seqs += [(start + i, 1, state.table) for i in range(n)]
             else:
                 known = state.token_ids[start : start + n]
                 ids += known
                 if len(known) < n:  # the last one: sampled by a step still on the device
                     ahead.append((len(ids), state))
                     ids.append(0)
-                seqs.append((start, n, state.block_ids))
+                seqs.append((start, n, state.table))
             positions += range(start, start + n)
             token_slots += [state.lora_slot] * n
             if not drafts and start + n >= len(state.token_ids):  # the end: sample a token
@@ -882,7 +958,7 @@ class ModelRunner:
         if self.decode_graphs is not None:  # a decode-only step of a captured size
             hidden = self.decode_graphs.run(ids, positions, seqs, token_slots, patch)
         if hidden is None:
-            meta = self.attn_backend.build_metadata(seqs)
+            meta = self.metadata_builder.build_metadata(seqs)
             input_ids = to_device(ids, torch.long, self.device)
             if patch is not None:
                 input_ids.index_copy_(0, *patch)

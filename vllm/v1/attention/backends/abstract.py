@@ -92,6 +92,38 @@ class BlockIds(list):
         return self._array[: len(self)]
 
 
+class GroupedMetadata:
+    """A step's metadata per KV cache group (the hybrid KV cache:
+    ``vllm/v1/worker/kv_cache_groups.py``): ``groups[g]`` is the backend's metadata over
+    group ``g``'s block tables, and ``layers[i]`` the one layer ``i`` attends with
+    (``layer_metadata``). ``narrow`` and ``copy_`` act on every group, as a CUDA graph's
+    buffers need."""
+
+    __slots__ = ("groups", "layer_group", "layers")
+
+    def __init__(self, groups: list[Any], layer_group: Sequence[int]) -> None:
+        self.groups = groups
+        self.layer_group = layer_group
+        self.layers = [groups[g] for g in layer_group]
+
+    def narrow(self, num_seqs: int) -> GroupedMetadata:
+        return GroupedMetadata([m.narrow(num_seqs) for m in self.groups], self.layer_group)
+
+    def copy_(self, src: GroupedMetadata) -> None:
+        for dst, one in zip(self.groups, src.groups, strict=True):
+            dst.copy_(one)
+
+
+def layer_metadata(meta: Any, num_layers: int) -> list[Any]:
+    """The metadata each of a model's ``num_layers`` layers attends with: its KV cache
+    group's (``GroupedMetadata``), else the step's one for all."""
+    if isinstance(meta, GroupedMetadata):
+        if len(meta.layers) != num_layers:
+            raise ValueError(f"metadata for {len(meta.layers)} layers, the model has {num_layers}")
+        return meta.layers
+    return [meta] * num_layers
+
+
 def block_array(ids: Sequence[int]) -> np.ndarray:
     """``ids`` as an int64 numpy array: ``BlockIds``' own, else converted."""
     return ids.array if isinstance(ids, BlockIds) else np.asarray(ids, dtype=np.int64)

@@ -14,14 +14,16 @@ class NewRequestData:
 
     ``token_ids`` is every token known so far (prompt, then outputs already generated
     before a preemption); ``num_computed_tokens`` of them already have KV in
-    ``block_ids`` (prefix-cache hit), so the runner computes from there.
+    ``block_ids`` (prefix-cache hit), so the runner computes from there. ``block_ids``
+    holds a list per KV cache group (one for most models; a hybrid model's sliding groups
+    hold block 0, the null block, where their window no longer reaches).
     """
 
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
 
@@ -30,12 +32,13 @@ class NewRequestData:
 class CachedRequestData:
     """Requests the runner already holds; per-index lists.
 
-    ``new_block_ids[i]`` are blocks appended to request i's block table this step
-    (empty when none). ``num_computed_tokens[i]`` is the count before this step.
+    ``new_block_ids[i]`` are blocks appended to request i's block tables this step, a
+    list per KV cache group (empty when none). ``num_computed_tokens[i]`` is the count
+    before this step.
     """
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 

@@ -44,7 +44,7 @@ class _Step:
 
     new: list[Request] = field(default_factory=list)
     cached: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)  # per group
     num_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
     num_loaded: int = 0  # tokens loaded from the CPU KV tier
@@ -60,10 +60,12 @@ class Scheduler:
         clock: Clock = monotonic_clock,
         num_cpu_blocks: int = 0,
         cpu_block_bytes: int = 0,
+        kv_cache_windows: tuple[int | None, ...] = (None,),
     ) -> None:
         """``policy``: built by ``create_policy`` (the one place policies are built).
         ``num_cpu_blocks``: size of the CPU KV tier (0: none), blocks of
-        ``cpu_block_bytes`` bytes each (for the bytes-moved metric)."""
+        ``cpu_block_bytes`` bytes each (for the bytes-moved metric).
+        ``kv_cache_windows``: the runner's KV cache groups (``KVCacheManager``)."""
         self.config = vllm_config.scheduler_config
         self.max_model_len = self.config.max_model_len
         self.clock = clock
@@ -84,6 +86,8 @@ class Scheduler:
             num_cpu_blocks,
             cpu_block_bytes,
             self.kv_events,
+            kv_cache_windows,
+            self.config.max_num_batched_tokens,
         )
         if policy.has_tier != (self.kv_cache_manager.offload is not None):
             raise ValueError(
@@ -131,11 +135,13 @@ class Scheduler:
         end knows the config); the pool's size is known only here."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if not self.kv_cache_manager.can_fit(request.num_prompt_tokens + 1):
+        kv = self.kv_cache_manager
+        if not kv.can_fit(request.num_prompt_tokens + 1):
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens, more than the KV cache "
-                f"holds ({self.kv_cache_manager.block_pool.num_gpu_blocks - 1} blocks of "
-                f"{self.block_size}); raise --kv-cache-memory or --num-gpu-blocks-override"
+                f"holds ({kv.token_capacity()} tokens in {kv.block_pool.num_gpu_blocks - 1} "
+                f"blocks of {self.block_size}); raise --kv-cache-memory or "
+                "--num-gpu-blocks-override"
             )
         self.requests[request.request_id] = request
         self.policy.on_arrival(request, self.clock())
@@ -241,12 +247,12 @@ class Scheduler:
         (the runner drafts only into slots its request holds)."""
         if not self.num_lookahead_tokens:
             return 0
-        capacity = (self.kv_cache_manager.block_pool.num_gpu_blocks - 1) * self.block_size
+        capacity = self.kv_cache_manager.token_capacity()
         return max(0, min(self.num_lookahead_tokens, capacity - num_tokens))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, budget: TokenBudget, step: _Step, now: float
-    ) -> list[int] | None:
+    ) -> tuple[list[int], ...] | None:
         """Allocate for a running request: release pins first, then preempt victims."""
         while True:
             lookahead = self._lookahead(request.num_computed_tokens + num_new)
@@ -338,7 +344,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit - num_loaded
             if not self.config.enable_chunked_prefill and num_new > budget.remaining:
                 break
-            free_tokens = kv.num_free_blocks * self.block_size
+            free_tokens = kv.free_tokens
             if not self.policy.may_admit(request, num_new, free_tokens, now):
                 break
             num_new = budget.clip(num_new)
@@ -657,9 +663,9 @@ class Scheduler:
             f"blocks held by unknown requests: {set(kv.req_to_blocks) - holders}"
         )
         for request in self.running:
-            assert kv.get_num_blocks(request.request_id) * self.block_size >= (
-                request.num_computed_tokens
-            ), f"{request} has fewer slots than computed tokens"
+            assert kv.get_num_slots(request.request_id) >= request.num_computed_tokens, (
+                f"{request} has fewer slots than computed tokens"
+            )
         for request in self.waiting:
             assert kv.get_num_blocks(request.request_id) == 0, f"waiting {request} holds blocks"
 

@@ -1,0 +1,320 @@
+"""The hybrid KV cache's runner side (``vllm/v1/worker/kv_cache_groups.py``): how a
+model's layers form groups over shared tensors, a step's metadata built per group (eager
+and replayed from stand-in CUDA graphs) giving the tokens of a cache that keeps every
+block, and engines on sliding-window checkpoints (Qwen2, Gemma 3 with seven sliding
+groups, gpt-oss) whose greedy tokens equal transformers' while their sliding layers'
+blocks are freed and reused."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
+from tests.v1.attention.test_triton_decode import emulated_kernel
+from tests.v1.worker.test_cuda_graph import ReplayingGraph
+from tests.v1.worker.test_model_runner_inputs import new_req, sched_out
+from vllm import LLM, SamplingParams
+from vllm.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.model_executor.model_loader import resolve_model
+from vllm.v1.attention.backends import triton_decode
+from vllm.v1.attention.backends.abstract import GroupedMetadata, layer_metadata
+from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
+from vllm.v1.worker.kv_cache_groups import plan_kv_cache_groups
+
+BLOCK = 4
+WINDOW = 8
+
+
+# -- the plan -------------------------------------------------------------------------------
+def test_groups_of_each_kind_of_model():
+    # gpt-oss: sliding and full layers alternate, 12 of each -> 2 groups over 12 tensors.
+    g = plan_kv_cache_groups((128, None) * 12)
+    assert g.windows == (None, 128) and g.num_tensors == 12
+    assert g.layer_group == (1, 0) * 12 and g.layer_tensor == tuple(i // 2 for i in range(24))
+    # Gemma 3 (26 layers, every sixth full): 4 full layers -> groups of 4, the 22 sliding
+    # layers in six groups (the last of two), 4 tensors instead of 26.
+    windows = tuple(None if i % 6 == 5 else 1024 for i in range(26))
+    g = plan_kv_cache_groups(windows)
+    assert g.windows == (None,) + (1024,) * 6 and g.num_tensors == 4
+    assert [g.layer_group.count(k) for k in range(7)] == [4, 4, 4, 4, 4, 4, 2]
+    assert all(g.layer_tensor[i] == j for j, i in enumerate((5, 11, 17, 23)))
+    # Every layer sliding (Mistral v0.1): one group that frees, a tensor a layer.
+    g = plan_kv_cache_groups((16,) * 4)
+    assert g.windows == (16,) and g.num_tensors == 4 and g.layer_tensor == (0, 1, 2, 3)
+    # Two windows and full layers: a group per kind, full first.
+    assert plan_kv_cache_groups((None, 8, 16, 8, 16, None)).windows == (None, 8, 16)
+    # Off, or nothing slides: one group of every layer.
+    for windows, hybrid in (((128, None) * 2, False), ((None,) * 3, True)):
+        g = plan_kv_cache_groups(windows, hybrid)
+        assert g.windows == (None,) and g.num_tensors == len(windows) and not g.hybrid
+    with pytest.raises(ValueError, match="no attention layers"):
+        plan_kv_cache_groups(())
+
+
+def test_layer_metadata():
+    assert layer_metadata("m", 3) == ["m"] * 3
+    grouped = GroupedMetadata(["full", "slide"], (1, 0, 1))
+    assert layer_metadata(grouped, 3) == ["slide", "full", "slide"]
+    with pytest.raises(ValueError, match="metadata for 3 layers, the model has 2"):
+        layer_metadata(grouped, 2)
+
+
+# -- the runner over two groups ---------------------------------------------------------------
+def save_qwen2(path, **fields) -> torch.nn.Module:
+    """Layer 0 attends to everything, layer 1 to a window of ``WINDOW``."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        **{**TINY_LLAMA, **fields}, sliding_window=WINDOW, use_sliding_window=True,
+        max_window_layers=1,
+    )  # fmt: skip
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hybrid-qwen2")
+    save_qwen2(path)
+    return path
+
+
+def make_runner(path, monkeypatch, hybrid: bool):
+    """A CPU runner with TORCH_FLASH_ATTN's decode path (the Triton kernel emulated)."""
+    install(monkeypatch, ref_varlen_attn)
+    monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated_kernel([]))
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(path)),
+        cache_config=CacheConfig(block_size=BLOCK),
+        scheduler_config=SchedulerConfig(
+            max_model_len=96, max_num_batched_tokens=96, max_num_seqs=8,
+            disable_hybrid_kv_cache_manager=not hybrid,
+        ),
+    )  # fmt: skip
+    runner = load_cpu_runner(config)
+    a = runner.arch
+    backend = TorchFlashAttentionBackend(
+        a.num_heads, a.num_kv_heads, a.head_dim, torch.float32, "cpu", BLOCK
+    )
+    backend.decode_kernel = "triton"
+    runner.attn_backend = backend
+    runner.install_attention_backend()
+    runner.initialize_kv_cache(64)
+    return runner
+
+
+PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [11, 12, 13], "c": list(range(20, 41))}
+FULL = {"a": [3, 9], "b": [7], "c": [12, 2, 15, 16, 40, 41]}
+SLIDE = {"a": [20, 21], "b": [22], "c": [23, 24, 25, 26, 27, 28]}
+
+
+def run_steps(runner, hybrid: bool) -> list[dict[str, list[int]]]:
+    """Three prompts, then six decode steps (blocks opened as positions need them): with
+    two groups each request has a table per group; the sliding group's blocks behind
+    the window are overwritten with garbage after the prompts (another request's K/V),
+    which no later step may read."""
+    full, slide = {r: list(v) for r, v in FULL.items()}, {r: list(v) for r, v in SLIDE.items()}
+    extra = iter(range(44, 64))
+
+    def tables(r, ids_full, ids_slide):
+        return (ids_full, ids_slide) if hybrid else ids_full
+
+    new = [new_req(r, p, tables(r, full[r], slide[r]), 0) for r, p in PROMPTS.items()]
+    tokens = [runner.execute_model(sched_out(new=new, num_scheduled={
+        r: len(p) for r, p in PROMPTS.items()})).sampled_token_ids]  # fmt: skip
+    if hybrid:  # c's positions 0..11 are behind every later token's window (13 - 8 + 1 = 6..)
+        for block in (23,):
+            runner.kv_caches[1][:, block] = 1e4 * torch.randn_like(runner.kv_caches[1][:, block])
+    computed = {r: len(p) for r, p in PROMPTS.items()}
+    for _ in range(6):
+        cached = []
+        for r in PROMPTS:
+            new_full, new_slide = [], []
+            if computed[r] % BLOCK == 0 and computed[r] // BLOCK >= len(full[r]):
+                new_full, new_slide = [next(extra)], [next(extra)]
+                full[r] += new_full
+                slide[r] += new_slide
+            cached.append((r, tables(r, new_full, new_slide), computed[r]))
+        tokens.append(
+            runner.execute_model(
+                sched_out(cached=cached, num_scheduled={r: 1 for r in PROMPTS})
+            ).sampled_token_ids
+        )
+        for r in PROMPTS:
+            computed[r] += 1
+    return tokens
+
+
+def test_grouped_steps_eager_and_replayed_equal_one_group(qwen2, monkeypatch):
+    one = make_runner(qwen2, monkeypatch, hybrid=False)
+    assert one.kv_groups.windows == (None,) and one.kv_caches[0] is not one.kv_caches[1]
+    expected = run_steps(one, hybrid=False)
+
+    eager = make_runner(qwen2, monkeypatch, hybrid=True)
+    groups = eager.kv_groups
+    assert groups.windows == (None, WINDOW) and groups.layer_group == (0, 1)
+    assert eager.kv_caches[0] is eager.kv_caches[1]  # one tensor: a block is one group's
+    assert eager.get_kv_cache_bytes_per_block() * 2 == one.get_kv_cache_bytes_per_block()
+    assert run_steps(eager, hybrid=True) == expected
+
+    replayed = make_runner(qwen2, monkeypatch, hybrid=True)
+    replayed.capture_model(graph_factory=ReplayingGraph)
+    assert run_steps(replayed, hybrid=True) == expected
+    assert replayed.decode_graphs.num_replays == 6
+
+
+def test_hybrid_is_off_with_a_tier_a_draft_or_the_flag(qwen2, monkeypatch):
+    runner = make_runner(qwen2, monkeypatch, hybrid=True)
+    assert runner.plan_kv_cache_groups(with_tier=True).windows == (None,)
+    assert runner.plan_kv_cache_groups(with_tier=False).windows == (None, WINDOW)
+    assert make_runner(qwen2, monkeypatch, hybrid=False).kv_cache_windows == (None,)
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(qwen2)),
+        speculative_config=SpeculativeConfig(
+            {"method": "draft_model", "model": str(qwen2), "num_speculative_tokens": 2}
+        ),
+    )
+    assert load_cpu_runner(config).kv_cache_windows == (None,)
+
+
+# -- engines ----------------------------------------------------------------------------------
+def copy_tokenizer(path) -> None:
+    tokenizer_dir = resolve_model(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", f"{path}/{name}")
+
+
+def engine_tokens(path, prompts, max_tokens: int, **engine) -> tuple[list, dict]:
+    """Greedy tokens of ``prompts`` (together, then the last again: a prefix hit), the
+    peak KV bytes in use, the hit, and the preemptions; every step's invariants checked."""
+    llm = LLM(model=str(path), block_size=BLOCK, max_num_batched_tokens=16, max_model_len=160,
+              enable_prefix_caching=True, **engine)  # fmt: skip
+    try:
+        sched = llm.engine_core.scheduler
+        kv = sched.kv_cache_manager
+        bytes_per_block = llm.engine_core.model_runner.get_kv_cache_bytes_per_block()
+        seen = {"peak": 0, "preempted": 0, "windows": kv.windows}
+        schedule = sched.schedule
+
+        def checked_schedule():
+            out = schedule()
+            sched.check_invariants()
+            used = kv.block_pool.num_gpu_blocks - 1 - kv.num_free_blocks
+            seen["peak"] = max(seen["peak"], used * bytes_per_block)
+            seen["preempted"] += len(out.preempted_req_ids)
+            return out
+
+        sched.schedule = checked_schedule
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        again = llm.generate({"prompt_token_ids": prompts[-1]}, params)[0]
+        seen["hit"] = again.num_cached_tokens
+        tokens = [list(o.outputs[0].token_ids) for o in outs] + [list(again.outputs[0].token_ids)]
+        assert kv.usage == 0.0  # nothing leaked (cached blocks are free)
+    finally:
+        llm.shutdown()
+    return tokens, seen
+
+
+def check_against_transformers(hf, path, lengths, kv_bytes: str, max_tokens: int = 12) -> dict:
+    copy_tokenizer(path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    expected.append(expected[-1])
+    runs = {}
+    for hybrid in (True, False):
+        tokens, seen = engine_tokens(
+            path, prompts, max_tokens, kv_cache_memory=kv_bytes,
+            disable_hybrid_kv_cache_manager=not hybrid,
+        )  # fmt: skip
+        assert tokens == expected, f"hybrid={hybrid}"
+        assert seen["hit"] >= 32
+        runs[hybrid] = seen
+    return runs
+
+
+def test_qwen2_engine_frees_the_sliding_layers_blocks(tmp_path):
+    """Both engines get the same 96 KiB of KV (1 KiB a layer's block): the hybrid one
+    holds the sliding layer's window only, so three long prompts run together where the
+    one that keeps every block must preempt one of them."""
+    hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
+    runs = check_against_transformers(hf, tmp_path, (90, 60, 110), kv_bytes="96KiB")
+    assert runs[True]["windows"] == (None, WINDOW) and runs[False]["windows"] == (None,)
+    assert runs[True]["preempted"] == 0 < runs[False]["preempted"]
+
+
+def test_gemma3_engine_over_seven_sliding_groups(tmp_path):
+    """Gemma 3's pattern on 8 layers (the sixth full): a full group and seven sliding
+    groups of one layer each over one tensor."""
+    from tests.model_executor.test_gemma import save_checkpoint
+
+    layer_types = ["full_attention" if i == 5 else "sliding_attention" for i in range(8)]
+    hf = save_checkpoint(
+        "Gemma3ForCausalLM", tmp_path, vocab_size=49152, num_hidden_layers=8,
+        layer_types=layer_types, sliding_window=WINDOW, max_position_embeddings=256,
+    )  # fmt: skip
+    runs = check_against_transformers(hf, tmp_path, (70, 45), kv_bytes="512KiB", max_tokens=8)
+    assert runs[True]["windows"] == (None,) + (WINDOW,) * 7
+    assert runs[True]["peak"] < 0.5 * runs[False]["peak"]
+
+
+def test_gpt_oss_engine_with_sinks_over_two_groups(tmp_path):
+    from tests.model_executor.test_gpt_oss import hf_model
+
+    hf = hf_model(vocab_size=49152, sliding_window=WINDOW, max_position_embeddings=256)
+    hf.save_pretrained(tmp_path)
+    runs = check_against_transformers(hf, tmp_path, (80, 50, 100), kv_bytes="256KiB")
+    assert runs[True]["windows"] == (None, WINDOW)
+
+
+def test_continuum_pins_and_async_scheduling_over_two_groups(tmp_path):
+    """Two turns of one job under Continuum (no CPU tier, so the hybrid KV cache is on):
+    the first turn's blocks stay pinned, the second hits its context (the full group's
+    blocks and the sliding group's window); async scheduling gives the same tokens."""
+    hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
+    del hf
+    copy_tokenizer(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(0, 49152, (70,), generator=g).tolist()
+    results = {}
+    for hybrid, mode in ((True, False), (True, True), (False, False)):
+        llm = LLM(model=str(tmp_path), block_size=BLOCK, max_num_batched_tokens=16,
+                  max_model_len=160, scheduling_policy="continuum", kv_offloading_size=0,
+                  async_scheduling=mode, disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
+        try:
+            sched = llm.engine_core.scheduler
+            assert sched.kv_cache_manager.windows == ((None, WINDOW) if hybrid else (None,))
+            outs, prompt = [], first
+            for turn in range(2):
+                extra = {"job_id": "job", "is_last_step": turn == 1}
+                params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                        extra_args=extra)  # fmt: skip
+                out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+                outs.append((list(out.outputs[0].token_ids), out.num_cached_tokens))
+                sched.check_invariants()
+                prompt = prompt + list(out.outputs[0].token_ids) + [7, 8, 9]
+            assert sched.kv_cache_manager.usage == 0.0  # the last step's blocks are freed
+        finally:
+            llm.shutdown()
+        results[(hybrid, mode)] = outs
+    assert results[(True, False)] == results[(True, True)] == results[(False, False)]
+    assert results[(True, False)][1][1] >= 76  # the pinned context: 79 tokens, whole blocks
