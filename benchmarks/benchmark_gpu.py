@@ -727,7 +727,7 @@ def forward_profile(bench: Bench, llm, iters: int = 5, rows: int = 14) -> dict:
         position = seqs[0][0]
         ids = torch.zeros(n, dtype=torch.long, device=runner.device)
         positions = torch.full((n,), position, dtype=torch.long, device=runner.device)
-        meta = runner.attn_backend.build_metadata(seqs)
+        meta = runner.metadata_builder.build_metadata(seqs)  # per KV cache group
         runs = {"eager": lambda i=ids, p=positions, m=meta: runner.model(i, p, m, runner.kv_caches)}
         size = graphs.padded_size(seqs) if graphs is not None else None
         if size is not None:
