@@ -1,17 +1,21 @@
 """benchmarks/benchmark_draft_pass.py: its rows from an engine's figures, and a whole run on
 the CPU with the tiny target and draft (no CUDA graphs there: the graphs column is null,
-the target's step eager)."""
+the target's step eager), directly and as scripts/gpu/run.sh's draft-pass step."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.utils import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_draft_pass.py"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "benchmark_draft_pass.py"
 TINY_RUN = ["--target-shape", "tiny", "--draft-shape", "tiny-draft", "--num-spec-tokens", "2",
             "--batches", "1", "2", "--prompt-len", "16", "--repeats", "3",
             "--warmup", "1"]  # fmt: skip
@@ -84,3 +88,18 @@ def test_tiny_run_on_the_cpu(bench, tmp_path, capsys):
     assert code == 0
     check_cpu_run(json.loads(out.read_text()))
     assert "graphs/(k*tgt)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gpu_kit_runs_the_draft_pass_step(tmp_path):
+    kit = REPO / "scripts" / "gpu" / "run.sh"
+    env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
+                        "PYTHONPATH": str(REPO)}  # fmt: skip
+    argv = ["draft-pass", *TINY_RUN, "--model-dir", str(tmp_path / "models")]
+    done = subprocess.run([str(kit), *argv], env=env, timeout=300, capture_output=True)
+    log = (tmp_path / "run.log").read_text()
+    if "no tokenizer files" in log:
+        pytest.skip("no tokenizer files on this machine")
+    assert done.returncode == 0, done.stdout.decode()[-3000:]
+    check_cpu_run(json.loads((tmp_path / "draft-pass-1.json").read_text()))
+    assert "=== draft-pass: exit status 0" in log
