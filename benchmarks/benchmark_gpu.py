@@ -3,7 +3,8 @@
 Builds a random-weight model of a named shape directly on the device, in the target dtype,
 seeded (``--shape``: smollm2-135m, llama-3.2-1b, llama-3.1-8b; gpt-oss-20b and gemma-2-9b,
 whose layers need sinks, soft caps and windows; deepseek-v2-lite, MLA's latent cache;
-``tiny``, ``tiny-gpt-oss`` and ``tiny-deepseek-v2`` for CPU smoke runs), and writes it as
+``tiny``, ``tiny-gpt-oss`` and ``tiny-deepseek-v2`` for CPU smoke runs; ``tiny-draft``,
+a draft of ``tiny``'s vocabulary), and writes it as
 an HF folder (config, SmolLM2's tokenizer files, the weights) that ``LLM(model=DIR)``
 loads; with ``--skip-hf`` the folder has no weights and our engine makes its own random
 ones on the device (``--load-format dummy``). No weights are downloaded: GPU machines have
@@ -68,6 +69,11 @@ SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=49152,
                  tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5),
+    # A draft for tiny (its vocabulary, one narrower layer): benchmark_draft_pass.py's CPU run.
+    "tiny-draft": dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                       vocab_size=49152, tie_word_embeddings=True, rope_theta=10000.0,
+                       rms_norm_eps=1e-5),
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, intermediate_size=1536,
                          vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,

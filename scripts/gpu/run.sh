@@ -23,6 +23,8 @@
 #   mla-decode [ARGS]    benchmarks/benchmark_mla_decode.py ARGS --json-out $OUT/mla-decode-K.json
 #   mla-prefill [ARGS]   benchmarks/benchmark_mla_prefill.py ARGS --json-out $OUT/mla-prefill-K.json
 #                        (one MLA layer's step: the Triton latent kernels against SDPA)
+#   draft-pass [ARGS]    benchmarks/benchmark_draft_pass.py ARGS --json-out $OUT/draft-pass-K.json
+#                        (a draft model's pass, graphs and eager, against a target step)
 # e.g.  scripts/gpu/run.sh test bench --shape llama-3.1-8b --hf-static serve-smoke
 #
 # Run from the repository root with .whl/ carried (`make gpu-wheels` fills it). Writes
@@ -40,7 +42,7 @@ OUT=${OUT:-/tmp/gpu-out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-570}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-STEPS="test bench serve-smoke offload moe sampler api study fp8gemm mla-decode mla-prefill"
+STEPS="test bench serve-smoke offload moe sampler api study fp8gemm mla-decode mla-prefill draft-pass"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -105,6 +107,7 @@ API_RUNS=0
 FP8GEMM_RUNS=0
 MLA_DECODE_RUNS=0
 MLA_PREFILL_RUNS=0
+DRAFT_PASS_RUNS=0
 run_step() {
     local step=$1
     shift
@@ -163,6 +166,11 @@ run_step() {
         MLA_PREFILL_RUNS=$((MLA_PREFILL_RUNS + 1))
         limited "${GPU_MLA_TIMEOUT:-120}" "$PYTHON" benchmarks/benchmark_mla_prefill.py \
             --json-out "$OUT/mla-prefill-$MLA_PREFILL_RUNS.json" "$@"
+        ;;
+    draft-pass)
+        DRAFT_PASS_RUNS=$((DRAFT_PASS_RUNS + 1))
+        limited "${GPU_DRAFT_TIMEOUT:-150}" "$PYTHON" benchmarks/benchmark_draft_pass.py \
+            --json-out "$OUT/draft-pass-$DRAFT_PASS_RUNS.json" "$@"
         ;;
     serve-smoke)
         limited "${GPU_SMOKE_TIMEOUT:-240}" "$PYTHON" scripts/gpu/serve_smoke.py --out "$OUT" "$@"
