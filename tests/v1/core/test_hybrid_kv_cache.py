@@ -61,8 +61,6 @@ def test_windows_are_checked():
         KVCacheManager(10, BS, 64, kv_cache_windows=())
     with pytest.raises(ValueError, match="kv_cache_windows: a window must be an int >= 1"):
         KVCacheManager(10, BS, 64, kv_cache_windows=(None, 0))
-    with pytest.raises(ValueError, match="CPU KV tier takes one full-attention"):
-        KVCacheManager(10, BS, 64, num_cpu_blocks=4, cpu_block_bytes=1, kv_cache_windows=(None, 6))
 
 
 def test_sliding_group_frees_what_its_window_passed():
@@ -147,16 +145,32 @@ PROMPTS = [list(range(n)) for n in (5, 13, 21, 30)] + [list(range(50, 75))]
 
 
 class KVModel:
-    """What each (group, block) slot holds: the identity of the token prefix whose last
-    K/V was written there. A step checks that every position its tokens attend to (the
-    window's, or all before for full attention) holds the request's own K/V."""
+    """What each slot of each KV cache block holds (a block id's storage serves whichever
+    group holds it): the group and the token prefix whose last K/V was written there; and
+    the CPU tier's blocks, moved by the planned copies. A step checks that every position
+    its tokens attend to (the window's, or all before for full attention) holds the
+    request's own K/V for that group."""
 
     def __init__(self, m: KVCacheManager) -> None:
         self.m = m
-        self.slots: dict[tuple[int, int, int], tuple] = {}
+        self.slots: dict[tuple[int, int], tuple] = {}
+        self.cpu: dict[int, dict[int, tuple]] = {}
+
+    def transfer(self) -> None:
+        """The step's copies, as the runner runs them: saves, then loads."""
+        plan = self.m.take_kv_transfers()
+        if plan is None:
+            return
+        bs = self.m.block_size
+        for gpu, cpu in plan.saves:
+            self.cpu[cpu] = {i: self.slots.get((gpu, i)) for i in range(bs)}
+        for cpu, gpu in plan.loads:
+            for i, held in self.cpu[cpu].items():
+                self.slots[(gpu, i)] = held
 
     def step(self, req, num_new: int) -> None:
         m, bs = self.m, self.m.block_size
+        self.transfer()
         tokens = req.all_token_ids
         groups = m.get_block_ids(req.request_id)
         start = req.num_computed_tokens
@@ -167,12 +181,12 @@ class KVModel:
                 for q in range(first, start):  # computed before this step: must be intact
                     block = ids[q // bs]
                     assert block != 0, f"group {g}: position {q} (for {p}) was freed"
-                    held = self.slots.get((g, block, q % bs))
-                    assert held == tuple(tokens[: q + 1]), f"group {g}: position {q} lost"
+                    held = self.slots.get((block, q % bs))
+                    assert held == (g, tuple(tokens[: q + 1])), f"group {g}: position {q} lost"
             for p in range(start, start + num_new):
                 block = ids[p // bs]
                 assert block != 0
-                self.slots[(g, block, p % bs)] = tuple(tokens[: p + 1])
+                self.slots[(block, p % bs)] = (g, tuple(tokens[: p + 1]))
 
 
 def run_random(m: KVCacheManager, seq) -> None:
@@ -180,15 +194,15 @@ def run_random(m: KVCacheManager, seq) -> None:
     live = []
     for op, arg in seq:
         if op == "add":
-            req = make_request(list(PROMPTS[arg % len(PROMPTS)]) + [arg], BS)
+            req = make_request(list(PROMPTS[arg % len(PROMPTS)]) + [arg % 3], BS)
             hit, n_hit = m.get_computed_blocks(req)
-            chunk = min(1 + arg % 9, req.num_tokens - n_hit)
-            req.num_computed_tokens = 0
-            if m.allocate_slots(req, chunk, hit, n_hit) is None:
+            n_ext = m.get_num_offloaded_tokens(req, n_hit)
+            chunk = min(1 + arg % 9, req.num_tokens - n_hit - n_ext)
+            if m.allocate_slots(req, chunk, hit, n_hit, num_external_computed_tokens=n_ext) is None:
                 continue
-            req.num_computed_tokens = n_hit
+            req.num_computed_tokens = n_hit + n_ext
             model.step(req, chunk)
-            req.num_computed_tokens = n_hit + chunk
+            req.num_computed_tokens += chunk
             live.append(req)
         elif op == "step" and live:
             req = live[arg % len(live)]
@@ -200,11 +214,13 @@ def run_random(m: KVCacheManager, seq) -> None:
             if req.num_computed_tokens + n > m.max_model_len or m.allocate_slots(req, n) is None:
                 m.free(req)  # a recompute preemption
                 live.remove(req)
+                model.transfer()
                 continue
             model.step(req, n)
             req.num_computed_tokens += n
-        elif op == "free" and live:
-            m.free(live.pop(arg % len(live)))
+        elif op in ("free", "offload") and live:
+            m.free(live.pop(arg % len(live)), offload=op == "offload")
+            model.transfer()
         m.check_invariants()
     for req in live:
         m.free(req)
@@ -213,14 +229,22 @@ def run_random(m: KVCacheManager, seq) -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["add", "step", "step", "step", "free"]), st.integers(0, 40)),
+    st.tuples(
+        st.sampled_from(["add", "add", "step", "step", "step", "free", "offload"]),
+        st.integers(0, 40),
+    ),
     min_size=1,
     max_size=80,
 )
 
 
 @pytest.mark.parametrize("windows", [(None, 6), (None, 5, 5), (6,), (None,), (None, 1)])
+@pytest.mark.parametrize("tier", [0, 12])
 @settings(max_examples=150, deadline=None)
 @given(seq=ops)
-def test_random_workloads_never_read_lost_kv(windows, seq):
-    run_random(manager(num_blocks=24, windows=windows, chunk=9), seq)
+def test_random_workloads_never_read_lost_kv(windows, tier, seq):
+    m = KVCacheManager(
+        24, BS, max_model_len=256, num_cpu_blocks=tier, cpu_block_bytes=1,
+        kv_cache_windows=windows, max_num_batched_tokens=9,
+    )  # fmt: skip
+    run_random(m, seq)

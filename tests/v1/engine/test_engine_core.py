@@ -31,8 +31,7 @@ class FakeRunner:
     def load_model(self) -> None:
         pass
 
-    def plan_kv_cache_groups(self, with_tier: bool) -> None:
-        self.kv_cache_windows = (None,)  # one full-attention group, whatever the tier
+    kv_cache_windows = (None,)  # one full-attention KV cache group
 
     def determine_num_blocks(self) -> int:
         return self.config.cache_config.num_gpu_blocks_override

@@ -175,10 +175,8 @@ def test_grouped_steps_eager_and_replayed_equal_one_group(qwen2, monkeypatch):
     assert replayed.decode_graphs.num_replays == 6
 
 
-def test_hybrid_is_off_with_a_tier_a_draft_or_the_flag(qwen2, monkeypatch):
-    runner = make_runner(qwen2, monkeypatch, hybrid=True)
-    assert runner.plan_kv_cache_groups(with_tier=True).windows == (None,)
-    assert runner.plan_kv_cache_groups(with_tier=False).windows == (None, WINDOW)
+def test_hybrid_is_off_with_a_draft_or_the_flag(qwen2, monkeypatch):
+    assert make_runner(qwen2, monkeypatch, hybrid=True).kv_cache_windows == (None, WINDOW)
     assert make_runner(qwen2, monkeypatch, hybrid=False).kv_cache_windows == (None,)
     config = VllmConfig(
         model_config=ModelConfig(model=str(qwen2)),
@@ -287,22 +285,25 @@ def test_gpt_oss_engine_with_sinks_over_two_groups(tmp_path):
 
 
 def test_continuum_pins_and_async_scheduling_over_two_groups(tmp_path):
-    """Two turns of one job under Continuum (no CPU tier, so the hybrid KV cache is on):
-    the first turn's blocks stay pinned, the second hits its context (the full group's
-    blocks and the sliding group's window); async scheduling gives the same tokens."""
+    """Two turns of one job under Continuum: the first turn's blocks stay pinned, the
+    second hits its context (the full group's blocks and the sliding group's window);
+    async scheduling, the policy's automatic CPU tier and one group give the same
+    tokens."""
     hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
     del hf
     copy_tokenizer(tmp_path)
     g = torch.Generator().manual_seed(5)
     first = torch.randint(0, 49152, (70,), generator=g).tolist()
     results = {}
-    for hybrid, mode in ((True, False), (True, True), (False, False)):
+    for hybrid, mode, tier in ((True, False, 0), (True, True, 0), (True, False, None),
+                               (False, False, 0)):  # fmt: skip
         llm = LLM(model=str(tmp_path), block_size=BLOCK, max_num_batched_tokens=16,
-                  max_model_len=160, scheduling_policy="continuum", kv_offloading_size=0,
+                  max_model_len=160, scheduling_policy="continuum", kv_offloading_size=tier,
                   async_scheduling=mode, disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
         try:
             sched = llm.engine_core.scheduler
             assert sched.kv_cache_manager.windows == ((None, WINDOW) if hybrid else (None,))
+            assert (sched.kv_cache_manager.offload is not None) == (tier is None)
             outs, prompt = [], first
             for turn in range(2):
                 extra = {"job_id": "job", "is_last_step": turn == 1}
@@ -315,6 +316,56 @@ def test_continuum_pins_and_async_scheduling_over_two_groups(tmp_path):
             assert sched.kv_cache_manager.usage == 0.0  # the last step's blocks are freed
         finally:
             llm.shutdown()
-        results[(hybrid, mode)] = outs
-    assert results[(True, False)] == results[(True, True)] == results[(False, False)]
-    assert results[(True, False)][1][1] >= 76  # the pinned context: 79 tokens, whole blocks
+        results[(hybrid, mode, tier)] = outs
+    first = results[(True, False, 0)]
+    assert all(outs == first for outs in results.values())
+    assert first[1][1] >= 76  # the pinned context: 79 tokens, whole blocks
+
+
+def test_cpu_tier_loads_every_groups_blocks_back(tmp_path, monkeypatch):
+    """A pool too small to keep a context (96 KiB) with a CPU tier: the first prompt's
+    blocks are evicted by the next ones (saved to the tier, each group's under its own
+    key) and loaded back for its second run, whose tokens stay transformers'."""
+    from vllm.v1.kv_offload.manager import OffloadManager
+
+    loads = []
+    plan_loads = OffloadManager.plan_loads
+
+    def counted(self, cpu_ids, gpu_ids):
+        loads.append(len(cpu_ids))
+        plan_loads(self, cpu_ids, gpu_ids)
+
+    monkeypatch.setattr(OffloadManager, "plan_loads", counted)
+    hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
+    copy_tokenizer(tmp_path)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (100, 90, 110)]
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(tmp_path), block_size=BLOCK, max_num_batched_tokens=16,
+              max_model_len=160, kv_cache_memory="96KiB", kv_offloading_size=0.01)  # fmt: skip
+    try:
+        kv = llm.engine_core.scheduler.kv_cache_manager
+        assert kv.windows == (None, WINDOW) and kv.offload is not None
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        got = [list(llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids)
+               for p in prompts]  # fmt: skip
+        assert kv.get_computed_blocks(make_request_for(prompts[0]))[1] == 0  # evicted
+        again = llm.generate({"prompt_token_ids": prompts[0]}, params)[0]
+        llm.engine_core.scheduler.check_invariants()
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert list(again.outputs[0].token_ids) == expected[0]
+    assert again.num_cached_tokens >= 96 and sum(loads) > 0
+
+
+def make_request_for(prompt):
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    return Request("probe", prompt, SamplingParams(max_tokens=1), eos_token_id=None,
+                   block_hasher=get_request_block_hasher(BLOCK))  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.block_pool import BlockPool, group_key
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, cdiv, kv_capacity_tokens
 from vllm.v1.core.sched.output import KVOffloadTransfers
 from vllm.v1.kv_offload.manager import OffloadManager
@@ -40,8 +40,10 @@ class KVCacheManager:
     pool: a hashed block is saved there when it is evicted for reuse or freed with
     ``offload=True``, and a prefix that misses the pool but hits the tier is loaded back
     into newly allocated blocks (``num_external_computed_tokens``). The copies are planned
-    here and run by the runner (``take_kv_transfers``). The tier takes one full-attention
-    group only.
+    here and run by the runner (``take_kv_transfers``). With several groups the tier
+    holds each group's blocks under its own key (a tier block is a KV cache block's
+    bytes, whichever group's), and a tier hit holds in every group as a prefix hit does:
+    the full groups' blocks, and the sliding groups' blocks of the window before its end.
     """
 
     def __init__(
@@ -66,11 +68,6 @@ class KVCacheManager:
         for w in windows:
             if w is not None and (not isinstance(w, int) or w < 1):
                 raise ValueError(f"kv_cache_windows: a window must be an int >= 1, got {w!r}")
-        if num_cpu_blocks > 0 and enable_caching and windows != (None,):
-            raise ValueError(
-                f"the CPU KV tier takes one full-attention KV cache group, got windows {windows} "
-                "(the runner turns the hybrid KV cache off when a tier is configured)"
-            )
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -177,7 +174,41 @@ class KVCacheManager:
         end = (request.num_tokens - 1) // bs
         if max_tokens is not None:
             end = min(end, start + max_tokens // bs)
-        return self.offload.lookup(request.block_hashes[start:end]) * bs
+        hashes = request.block_hashes
+        sliding = []
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                sliding.append(g)
+            elif end > start:
+                keys = [group_key(h, g) for h in hashes[start:end]]
+                end = start + self.offload.lookup(keys)
+        settled = not sliding
+        while not settled:  # lengths only shrink, as in get_computed_blocks
+            settled = True
+            for g in sliding:
+                group_end = self._sliding_tier_end(g, hashes, start, end)
+                if group_end < end:
+                    end, settled = group_end, False
+        return (end - start) * bs
+
+    def _sliding_tier_end(self, group: int, hashes: list, start: int, end: int) -> int:
+        """The furthest block end at most ``end`` whose window the tier holds in sliding
+        ``group`` from block ``start`` on (the blocks before ``start`` come from the pool's
+        hit, which holds the window before ``start``)."""
+        window = self.windows[group]
+        assert window is not None and self.offload is not None
+        need = cdiv(window - 1, self.block_size)
+        if need == 0:
+            return end
+        run = 0
+        for i in range(end - 1, start - 1, -1):
+            if self.offload.lookup([group_key(hashes[i], group)]):
+                run += 1
+                if run == need:
+                    return i + need
+            else:
+                run = 0
+        return start + run  # a run from the hit's end: every block after it is loaded
 
     def record_prefix_cache_query(
         self, num_tokens: int, num_hit_tokens: int, num_external_hit_tokens: int = 0
@@ -319,8 +350,10 @@ class KVCacheManager:
             group_hits = list(hits[g])
             for i in range(max(0, min(skip - len(held[g]), len(group_hits)))):
                 group_hits[i] = null
+            # The tier's tokens may take a sliding group's window past the pool's hit:
+            # the places between them and the window's start hold nothing.
+            group_hits += [null] * max(0, skip - len(held[g]) - len(group_hits))
             taken.append(group_hits)
-            # A hit reaches the window's start (skip <= hit blocks): the places stay aligned.
             num_new.append(max(cdiv(total, bs) - len(held[g]) - len(group_hits), 0))
             # The pitfall: a hit block with ref_cnt 0 sits in the free queue, so touching
             # it takes a free block just as allocating one does.
@@ -329,24 +362,28 @@ class KVCacheManager:
             return None  # nothing was changed
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = tuple([] for _ in groups)
-        cpu_ids = []
+        cpu_ids: list[list[int]] = [[] for _ in groups]
         if num_external:
             # Held before allocating: the saves this allocation's evictions trigger must
-            # not evict the tier blocks about to be loaded.
+            # not evict the tier blocks about to be loaded. Each group loads the blocks
+            # after its places so far (a sliding group: its window's only).
             assert self.offload is not None and num_external % bs == 0
-            start = len(req_blocks[0]) + len(taken[0])
-            hashes = request.block_hashes[start : start + num_external // bs]
-            cpu_ids = self.offload.acquire(hashes)
+            end = num_computed // bs
+            for g in groups:
+                start = len(held[g]) + len(taken[g])
+                keys = [group_key(h, g) for h in request.block_hashes[start:end]]
+                cpu_ids[g] = self.offload.acquire(keys)
+        for g in groups:  # every group's hits first: one group's new blocks must not be
+            pool.touch(taken[g])  # popped from another's hits still in the free queue
+            req_blocks[g].extend(taken[g])
         new_ids: tuple[list[int], ...] = tuple([] for _ in groups)
         for g in groups:
-            pool.touch(taken[g])
-            req_blocks[g].extend(taken[g])
             if num_new[g] > 0:
                 new_blocks = pool.get_new_blocks(num_new[g])
                 req_blocks[g].extend(new_blocks)
                 new_ids[g].extend(b.block_id for b in new_blocks)
-        if cpu_ids:
-            self.offload.plan_loads(cpu_ids, new_ids[0][: len(cpu_ids)])
+            if cpu_ids[g]:
+                self.offload.plan_loads(cpu_ids[g], new_ids[g][: len(cpu_ids[g])])
         return new_ids
 
     def free(self, request: Request, offload: bool = False) -> None:
@@ -368,9 +405,10 @@ class KVCacheManager:
                 if block.block_hash is not None:
                     self.block_pool.uncache(block)
         if offload and self.offload is not None:
-            for block in groups[0]:
-                if block.block_hash is not None:
-                    self.offload.save(block)
+            for blocks in groups:
+                for block in blocks:
+                    if block.block_hash is not None:
+                        self.offload.save(block)
         for blocks in reversed(groups):
             self.block_pool.free_blocks(reversed(blocks))
 

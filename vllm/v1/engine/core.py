@@ -38,20 +38,6 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.05  # an idle step waits this long for a compiling grammar
 
 
-def kv_tier_wanted(vllm_config: VllmConfig) -> bool:
-    """Whether the engine makes a CPU KV tier: ``--kv-offloading-size`` > 0, or unset
-    with a policy that keeps jobs' contexts (``Policy.wants_kv_tier``) and prefix caching
-    on (the tier finds blocks by their prefix hash). VllmConfig refuses a tier without
-    prefix caching."""
-    offload = vllm_config.offload_config
-    if offload.enabled:
-        return True
-    policy_cls = get_policy_class(vllm_config.scheduler_config.policy)
-    return (
-        offload.auto and policy_cls.wants_kv_tier and vllm_config.cache_config.enable_prefix_caching
-    )
-
-
 def check_kv_capacity(
     vllm_config: VllmConfig,
     num_gpu_blocks: int,
@@ -124,8 +110,6 @@ class EngineCore:
             )
         self.model_runner = ModelRunner(vllm_config)
         self.model_runner.load_model()
-        # The hybrid KV cache (sliding-window models) is off with a CPU tier.
-        self.model_runner.plan_kv_cache_groups(with_tier=kv_tier_wanted(vllm_config))
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
         check_kv_capacity(vllm_config, self.num_gpu_blocks, self.model_runner.kv_cache_windows)
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
@@ -182,9 +166,11 @@ class EngineCore:
         caching is on (the tier finds blocks by their prefix hash); others get none."""
         offload = self.vllm_config.offload_config
         policy_cls = get_policy_class(self.vllm_config.scheduler_config.policy)
-        if not kv_tier_wanted(self.vllm_config):
+        auto = offload.auto and (
+            policy_cls.wants_kv_tier and self.vllm_config.cache_config.enable_prefix_caching
+        )
+        if not (auto or offload.enabled):  # (VllmConfig refuses a tier without prefix caching)
             return 0, 0
-        auto = not offload.enabled
         block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
         auto_bytes = None
         if auto:

@@ -34,7 +34,8 @@ class CPUBlockPool:
 
     def __init__(self, num_blocks: int, kv_events: KVEventLog | None = None) -> None:
         """``kv_events``: where to record each hash the tier starts or stops holding
-        (medium ``"CPU"``; the tier knows a block's hash, not its tokens)."""
+        (medium ``"CPU"``; the tier knows a block's hash, not its tokens), the first KV
+        cache group's only (the hybrid KV cache keys the others ``(group, hash)``)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -108,14 +109,14 @@ class CPUBlockPool:
         elif self._lru:
             old_hash, block_id = self._lru.popitem(last=False)
             del self._hash_to_id[old_hash]
-            if self.kv_events is not None:
+            if self.kv_events is not None and isinstance(old_hash, bytes):
                 self.kv_events.removed(old_hash, MEDIUM_CPU)
         else:
             return None
         self._hash_to_id[block_hash] = block_id
         self._id_to_hash[block_id] = block_hash
         self._lru[block_hash] = block_id
-        if self.kv_events is not None:
+        if self.kv_events is not None and isinstance(block_hash, bytes):
             self.kv_events.stored([block_hash], None, [], 0, MEDIUM_CPU)  # vLLM's placeholder
         return block_id
 
@@ -131,7 +132,7 @@ class CPUBlockPool:
             del self._hash_to_id[block_hash]
             self._lru.pop(block_hash, None)
             self._free_ids.append(block_id)
-            if self.kv_events is not None:
+            if self.kv_events is not None and isinstance(block_hash, bytes):
                 self.kv_events.removed(block_hash, MEDIUM_CPU)
 
     def reset(self) -> bool:

@@ -18,11 +18,12 @@ its blocks evenly, a long one mostly in the full-attention groups. A block costs
 layers' worth of bytes instead of the model's ``num_layers``.
 
 The runner builds each step's attention metadata once per group (``GroupedBuilder``)
-and the model's layers each take their group's (``layer_metadata``). The hybrid cache
-is off (one group of every layer, every block kept, the windows applied in attention
-only) with ``--disable-hybrid-kv-cache-manager``, with a CPU KV tier (its blocks are
-whole layers' blocks of one group) and with a draft model (its KV shares the target's
-block table).
+and the model's layers each take their group's (``layer_metadata``). The CPU KV tier
+copies a block id's bytes over the ``G`` tensors, whichever group holds it, and keys
+it by group (``KVCacheManager``). The hybrid cache is off (one group of every layer,
+every block kept, the windows applied in attention only) with
+``--disable-hybrid-kv-cache-manager`` and with a draft model (its KV shares the
+target's block table).
 """
 
 from __future__ import annotations

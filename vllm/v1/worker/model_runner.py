@@ -242,7 +242,6 @@ class ModelRunner:
         # The KV cache groups (kv_cache_groups.py: the hybrid KV cache of sliding-window
         # models), planned in load_model (or on first use).
         self._kv_groups: KVCacheGroups | None = None
-        self._planned_with_tier = False  # the engine's last word (a reload keeps it)
         # --speculative-config's draft_model: the draft, its KV tensors, its passes.
         self.drafter: DraftModelProposer | None = None
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
@@ -338,25 +337,20 @@ class ModelRunner:
         draft_config = self.config.draft_model_config
         if draft_config is not None:
             self.drafter = self._load_drafter(draft_config)
-        with_tier = self._planned_with_tier or self.config.offload_config.enabled
-        self.plan_kv_cache_groups(with_tier)
+        self.plan_kv_cache_groups()
 
-    def plan_kv_cache_groups(self, with_tier: bool) -> KVCacheGroups:
+    def plan_kv_cache_groups(self) -> KVCacheGroups:
         """The KV cache groups (``kv_cache_groups.py``), before the cache is sized: the
         hybrid KV cache for a model with sliding-window layers, unless
-        --disable-hybrid-kv-cache-manager, a CPU KV tier (``with_tier``: the engine knows
-        whether its policy sizes one) or a draft model turns it off."""
+        --disable-hybrid-kv-cache-manager or a draft model turns it off."""
         windows = tuple(getattr(self.arch, "sliding_windows", ()) or ())
         windows = windows or (None,) * self.arch.num_layers
         off = None
         if self.config.scheduler_config.disable_hybrid_kv_cache_manager:
             off = "--disable-hybrid-kv-cache-manager"
-        elif with_tier:
-            off = "a CPU KV tier (--kv-offloading-size 0 turns it off)"
         elif self.drafter is not None:
             off = "a draft model"
         groups = plan_kv_cache_groups(windows, hybrid=off is None)
-        self._planned_with_tier = with_tier
         if off is not None and any(w is not None for w in windows):
             logger.info("Hybrid KV cache off (%s): every layer keeps every block", off)
         elif groups.hybrid:
@@ -369,7 +363,7 @@ class ModelRunner:
         """The KV cache groups, planned from the model's arch on first use when nothing
         planned them (a runner whose model came from elsewhere)."""
         if self._kv_groups is None:
-            return self.plan_kv_cache_groups(self.config.offload_config.enabled)
+            return self.plan_kv_cache_groups()
         return self._kv_groups
 
     @property
@@ -582,8 +576,10 @@ class ModelRunner:
         backend = self.config.offload_config.kv_offloading_backend
         start = time.monotonic()
         # A draft model's layers travel with the target's: a block loaded back from the
-        # tier drafts as well as it did before it left.
-        layers = self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
+        # tier drafts as well as it did before it left. The hybrid KV cache's layers share
+        # tensors: each is copied once (a block is one group's, whichever it is).
+        layers = list({id(t): t for t in self.kv_caches}.values())
+        layers += self.drafter.kv_caches if self.drafter is not None else []
         self.kv_offload = get_offloading_backend_class(backend)(layers, num_cpu_blocks)
         logger.info(
             "CPU KV tier (%s): %d blocks x %d tokens (%.2f GiB, allocated in %.1f s%s); %d tokens",
