@@ -73,6 +73,19 @@ def runner_logits(runner, ids):
         return runner.model.compute_logits(hidden)
 
 
+def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate`` of each prompt alone: its new tokens."""
+    import torch
+
+    with torch.inference_mode():
+        return [
+            hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+
+
 def check_engine_greedy_matches(hf, path, max_tokens: int = 10, prefix_hit: bool = True):
     """The engine on the checkpoint in ``path`` (written from ``hf``, vocab 49,152; the
     embedded model's tokenizer copied in): three prompts sharing a 40-token prefix, in
@@ -92,13 +105,7 @@ def check_engine_greedy_matches(hf, path, max_tokens: int = 10, prefix_hit: bool
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(0, 49152, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts
-        ]
+    expected = hf_greedy(hf, prompts, max_tokens)
     llm = LLM(model=str(path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
               enable_prefix_caching=True)  # fmt: skip
     try:

@@ -7,27 +7,24 @@ blocks are freed and reused."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import transformers
 
-from tests.tiny_models import TINY_LLAMA, load_cpu_runner
+from tests.tiny_models import TINY_LLAMA, hf_greedy, load_cpu_runner
+from tests.utils import copy_benchmark_tokenizer
 from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
 from tests.v1.attention.test_triton_decode import emulated_kernel
 from tests.v1.worker.test_cuda_graph import ReplayingGraph
 from tests.v1.worker.test_model_runner_inputs import new_req, sched_out
 from vllm import LLM, SamplingParams
 from vllm.config import (
-    DEFAULT_MODEL,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
 )
-from vllm.model_executor.model_loader import resolve_model
 from vllm.v1.attention.backends import triton_decode
 from vllm.v1.attention.backends.abstract import GroupedMetadata, layer_metadata
 from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
@@ -188,12 +185,6 @@ def test_hybrid_is_off_with_a_draft_or_the_flag(qwen2, monkeypatch):
 
 
 # -- engines ----------------------------------------------------------------------------------
-def copy_tokenizer(path) -> None:
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", f"{path}/{name}")
-
-
 def engine_tokens(path, prompts, max_tokens: int, **engine) -> tuple[list, dict]:
     """Greedy tokens of ``prompts`` (together, then the last again: a prefix hit), the
     peak KV bytes in use, the hit, and the preemptions; every step's invariants checked."""
@@ -227,16 +218,10 @@ def engine_tokens(path, prompts, max_tokens: int, **engine) -> tuple[list, dict]
 
 
 def check_against_transformers(hf, path, lengths, kv_bytes: str, max_tokens: int = 12) -> dict:
-    copy_tokenizer(path)
+    copy_benchmark_tokenizer(path)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts
-        ]
+    expected = hf_greedy(hf, prompts, max_tokens)
     expected.append(expected[-1])
     runs = {}
     for hybrid in (True, False):
@@ -291,7 +276,7 @@ def test_continuum_pins_and_async_scheduling_over_two_groups(tmp_path):
     tokens."""
     hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
     del hf
-    copy_tokenizer(tmp_path)
+    copy_benchmark_tokenizer(tmp_path)
     g = torch.Generator().manual_seed(5)
     first = torch.randint(0, 49152, (70,), generator=g).tolist()
     results = {}
@@ -337,14 +322,10 @@ def test_cpu_tier_loads_every_groups_blocks_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(OffloadManager, "plan_loads", counted)
     hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
-    copy_tokenizer(tmp_path)
+    copy_benchmark_tokenizer(tmp_path)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (100, 90, 110)]
-    with torch.inference_mode():
-        expected = [
-            hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    expected = hf_greedy(hf, prompts, 8)
     llm = LLM(model=str(tmp_path), block_size=BLOCK, max_num_batched_tokens=16,
               max_model_len=160, kv_cache_memory="96KiB", kv_offloading_size=0.01)  # fmt: skip
     try:
