@@ -96,7 +96,7 @@ def target_step(runner, states: list, ends: list[int]) -> Callable[[], None]:
 
     ids = [s.token_ids[end - 1] for s, end in zip(states, ends, strict=True)]
     positions = [end - 1 for end in ends]
-    seqs = [(end - 1, 1, s.table) for s, end in zip(states, ends, strict=True)]
+    seqs = [(end - 1, 1, s.full_table) for s, end in zip(states, ends, strict=True)]
 
     def run() -> None:
         graphs = runner.decode_graphs

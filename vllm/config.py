@@ -475,7 +475,7 @@ class SchedulerConfig:
         "Keep every KV block of every layer (vLLM's flag). By default a model with "
         "sliding-window layers (gpt-oss, Gemma 2/3, Cohere 2, Mistral v0.1) gets the hybrid "
         "KV cache: its sliding layers hold only their window's blocks, so a long context "
-        "takes a fraction of the memory. It is also off with a draft model.",
+        "takes a fraction of the memory.",
     )
 
     def __post_init__(self) -> None:

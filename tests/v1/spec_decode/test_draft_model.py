@@ -204,7 +204,7 @@ def _state(tokens, num_blocks, computed, max_tokens=None, outputs=0, allowed=Tru
         req_id="r",
         token_ids=list(tokens),
         output_token_ids=list(tokens[len(tokens) - outputs :]) if outputs else [],
-        table=list(range(1, num_blocks + 1)),
+        full_table=list(range(1, num_blocks + 1)),
         num_computed_tokens=computed,
         sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
         draft_valid=None,

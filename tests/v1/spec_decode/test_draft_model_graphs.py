@@ -63,7 +63,7 @@ def _state(i: int, max_tokens: int | None) -> SimpleNamespace:
     tokens = list(range(10 + i, 20 + i))  # 10 tokens; the last one new this step
     return SimpleNamespace(
         req_id=f"r{i}", token_ids=tokens, output_token_ids=tokens[-1:],
-        table=[1 + 4 * i, 2 + 4 * i, 3 + 4 * i, 4 + 4 * i], num_computed_tokens=9,
+        full_table=[1 + 4 * i, 2 + 4 * i, 3 + 4 * i, 4 + 4 * i], num_computed_tokens=9,
         sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
         draft_valid=9, draft_ahead=[], draft_allowed=True,
     )  # fmt: skip

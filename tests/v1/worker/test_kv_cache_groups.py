@@ -172,16 +172,24 @@ def test_grouped_steps_eager_and_replayed_equal_one_group(qwen2, monkeypatch):
     assert replayed.decode_graphs.num_replays == 6
 
 
-def test_hybrid_is_off_with_a_draft_or_the_flag(qwen2, monkeypatch):
+def test_hybrid_with_a_draft_unless_every_layer_slides(qwen2, tmp_path, monkeypatch):
     assert make_runner(qwen2, monkeypatch, hybrid=True).kv_cache_windows == (None, WINDOW)
     assert make_runner(qwen2, monkeypatch, hybrid=False).kv_cache_windows == (None,)
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(qwen2)),
-        speculative_config=SpeculativeConfig(
-            {"method": "draft_model", "model": str(qwen2), "num_speculative_tokens": 2}
-        ),
-    )
-    assert load_cpu_runner(config).kv_cache_windows == (None,)
+
+    def with_draft(target) -> tuple:
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(target)),
+            speculative_config=SpeculativeConfig(
+                {"method": "draft_model", "model": str(qwen2), "num_speculative_tokens": 2}
+            ),
+        )
+        return load_cpu_runner(config).kv_cache_windows
+
+    assert with_draft(qwen2) == (None, WINDOW)  # the draft caches in the full group's blocks
+    torch.manual_seed(0)
+    mistral = transformers.MistralConfig(**TINY_LLAMA, sliding_window=WINDOW)
+    transformers.MistralForCausalLM(mistral).save_pretrained(tmp_path)
+    assert with_draft(tmp_path) == (None,)  # no group holds every position
 
 
 # -- engines ----------------------------------------------------------------------------------
@@ -350,3 +358,39 @@ def make_request_for(prompt):
 
     return Request("probe", prompt, SamplingParams(max_tokens=1), eos_token_id=None,
                    block_hasher=get_request_block_hasher(BLOCK))  # fmt: skip
+
+
+def test_draft_model_over_two_groups(tmp_path):
+    """A hybrid target as its own draft (its layers cached at the full group's block ids):
+    the tokens of plain decoding, nearly every draft kept, a tight pool's blocks reused."""
+    hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
+    copy_benchmark_tokenizer(tmp_path)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (70, 40, 90)]
+    expected = hf_greedy(hf, prompts, 16)
+    llm = LLM(model=str(tmp_path), block_size=BLOCK, max_num_batched_tokens=32,
+              max_model_len=160, kv_cache_memory="160KiB",
+              speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3})  # fmt: skip
+    try:
+        sched = llm.engine_core.scheduler
+        assert sched.kv_cache_manager.windows == (None, WINDOW)
+        drafted = [0, 0]  # drafts, kept: the scheduler's per-report deltas summed
+        make_stats = sched.make_stats
+
+        def summed(*args, **kwargs):
+            stats = make_stats(*args, **kwargs)
+            spec = stats.spec_decoding_stats
+            drafted[0] += spec.num_draft_tokens
+            drafted[1] += spec.num_accepted_tokens
+            return stats
+
+        sched.make_stats = summed
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        make_stats()
+        sched.check_invariants()
+        assert sched.kv_cache_manager.usage == 0.0
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert drafted[0] > 0 and drafted[1] >= 0.9 * drafted[0], drafted

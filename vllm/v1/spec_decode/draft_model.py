@@ -90,7 +90,7 @@ class DraftDistribution(NamedTuple):
 class DraftRequest:
     """One request's part in a drafting pass (``DraftModelProposer.plan``)."""
 
-    state: Any  # the runner's CachedRequestState (token_ids, table, draft_* fields)
+    state: Any  # the runner's CachedRequestState (token_ids, full_table, draft_* fields)
     end: int  # after the pass, draft KV holds the request's tokens [0, end)
     num_drafts: int  # drafts to propose after them (0: catch up only)
 
@@ -167,7 +167,7 @@ class DraftModelProposer:
         state.draft_valid += kept
         state.draft_ahead = []
         # Slots the request holds, and the draft's own length limit.
-        limit = min(len(state.table) * self.block_size, self.max_model_len)
+        limit = min(len(state.full_table) * self.block_size, self.max_model_len)
         num_drafts = 0
         if sampled and may_propose and end <= limit and state.draft_allowed:
             # d_i sits at position end + i - 1; d_1 .. d_(n-1) are fed (their KV written).
@@ -228,9 +228,9 @@ class DraftModelProposer:
             if self._as_decode_rows(r):
                 # One decode row per token, as the target's drafted steps: row i attends
                 # to the context through position start + i (written before attending).
-                seqs += [(start + i, 1, state.table) for i in range(r.end - start)]
+                seqs += [(start + i, 1, state.full_table) for i in range(r.end - start)]
             else:
-                seqs.append((start, r.end - start, state.table))
+                seqs.append((start, r.end - start, state.full_table))
             state.draft_valid = r.end
             if r.num_drafts:
                 last_rows.append(len(ids) - 1)
@@ -253,7 +253,7 @@ class DraftModelProposer:
                 tokens = tokens.index_select(0, to_device(keep, torch.long, self.device))
             # d_j of each request at position end + j - 1: its KV, and d_(j+1).
             positions = [r.end + j - 1 for r in live]
-            seqs = [(p, 1, r.state.table) for p, r in zip(positions, live, strict=True)]
+            seqs = [(p, 1, r.state.full_table) for p, r in zip(positions, live, strict=True)]
             tokens = self._next_tokens(self._forward(tokens, positions, seqs), None, live, q_rows)
             steps.append((live, tokens))
         flat = iter(torch.cat([t for _, t in steps]).tolist())  # the pass's one host read

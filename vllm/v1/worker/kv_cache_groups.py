@@ -20,10 +20,11 @@ layers' worth of bytes instead of the model's ``num_layers``.
 The runner builds each step's attention metadata once per group (``GroupedBuilder``)
 and the model's layers each take their group's (``layer_metadata``). The CPU KV tier
 copies a block id's bytes over the ``G`` tensors, whichever group holds it, and keys
-it by group (``KVCacheManager``). The hybrid cache is off (one group of every layer,
-every block kept, the windows applied in attention only) with
-``--disable-hybrid-kv-cache-manager`` and with a draft model (its KV shares the
-target's block table).
+it by group (``KVCacheManager``). A draft model caches its layers (its own tensors) at
+the block ids of the first group, a full-attention one, which holds every position.
+The hybrid cache is off (one group of every layer, every block kept, the windows
+applied in attention only) with ``--disable-hybrid-kv-cache-manager``, and with a
+draft model over a target whose every layer slides (no group holds every position).
 """
 
 from __future__ import annotations

@@ -108,14 +108,18 @@ class CachedRequestState:
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
     # What a step's sequence layout carries: the one group's BlockIds, or the tuple of
-    # every group's (the hybrid KV cache's GroupedBuilder takes it apart).
+    # every group's (the hybrid KV cache's GroupedBuilder takes it apart); and the first
+    # group's, which holds every position when any group does (full attention comes
+    # first): a draft model's table.
     table: BlockIds | tuple[BlockIds, ...] = field(init=False)
+    full_table: BlockIds = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_view = PrefixView(self.token_ids, self.num_prompt_tokens)
         groups = self.block_ids if isinstance(self.block_ids, tuple) else (self.block_ids,)
         self.block_ids = tuple(i if isinstance(i, BlockIds) else BlockIds(i) for i in groups)
         self.table = self.block_ids[0] if len(self.block_ids) == 1 else self.block_ids
+        self.full_table = self.block_ids[0]
 
 
 @dataclass
@@ -342,14 +346,16 @@ class ModelRunner:
     def plan_kv_cache_groups(self) -> KVCacheGroups:
         """The KV cache groups (``kv_cache_groups.py``), before the cache is sized: the
         hybrid KV cache for a model with sliding-window layers, unless
-        --disable-hybrid-kv-cache-manager or a draft model turns it off."""
+        --disable-hybrid-kv-cache-manager turns it off, or a draft model would find no
+        full-attention group to cache its layers in the blocks of."""
         windows = tuple(getattr(self.arch, "sliding_windows", ()) or ())
         windows = windows or (None,) * self.arch.num_layers
         off = None
         if self.config.scheduler_config.disable_hybrid_kv_cache_manager:
             off = "--disable-hybrid-kv-cache-manager"
-        elif self.drafter is not None:
-            off = "a draft model"
+        elif self.drafter is not None and None not in windows:
+            # The draft caches every position in the blocks of a full-attention group.
+            off = "a draft model over a target whose every layer slides"
         groups = plan_kv_cache_groups(windows, hybrid=off is None)
         if off is not None and any(w is not None for w in windows):
             logger.info("Hybrid KV cache off (%s): every layer keeps every block", off)
