@@ -311,7 +311,8 @@ class KVCacheManager:
     def _free_skipped(self, req_blocks: GroupBlocks, num_computed: int) -> None:
         """Free each sliding group's blocks before the window of the token after
         ``num_computed`` (they keep their hash: evictable, a later prefix may hit them),
-        in their places the null block; newest first, so the oldest are evicted first."""
+        in their places the null block; newest first, as ``free`` frees a request's tail
+        first (the free queue evicts in that order)."""
         null = self.block_pool.null_block
         for g, blocks in enumerate(req_blocks):
             skip = min(self._num_skipped_blocks(g, num_computed), len(blocks))
