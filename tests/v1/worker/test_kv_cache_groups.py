@@ -394,3 +394,29 @@ def test_draft_model_over_two_groups(tmp_path):
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert drafted[0] > 0 and drafted[1] >= 0.9 * drafted[0], drafted
+
+
+def test_start_up_log_counts_what_the_groups_hold(qwen2, tmp_path, caplog):
+    """One sequence's capacity and the concurrency the log prints count a sliding group's
+    window, not the context; with every layer sliding, any length fits."""
+    import logging
+
+    torch.manual_seed(0)
+    mistral = transformers.MistralConfig(**TINY_LLAMA, sliding_window=WINDOW)
+    transformers.MistralForCausalLM(mistral).save_pretrained(tmp_path)
+    # Two groups, 40 usable blocks of 4, steps of 64: the window's group holds at most
+    # cdiv(7 + 64, 4) + 1 = 19 blocks, so one sequence takes 84 tokens (21 + 19 blocks); a
+    # 64-token request needs 16 + 16 blocks: 1.25 of them fit.
+    cases = ((qwen2, "; 84 tokens; maximum concurrency for 64 tokens per request: 1.25x"),
+             (tmp_path, "; a sequence of any length; "))  # fmt: skip
+    for path, expected in cases:
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(path)),
+            cache_config=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=41),
+            scheduler_config=SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
+        )
+        runner = load_cpu_runner(config)
+        with caplog.at_level(logging.INFO, logger="vllm.v1.worker.model_runner"):
+            assert runner.determine_num_blocks() == 41
+        assert expected in caplog.text, caplog.text
+        caplog.clear()

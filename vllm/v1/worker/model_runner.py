@@ -512,17 +512,19 @@ class ModelRunner:
         per_request = blocks_for_sequence(
             max_len, self.block_size, windows, sc.max_num_batched_tokens
         )
+        # The longest one sequence the pool holds (unbounded when every group slides).
+        unbounded = 1 << 40
         tokens = kv_capacity_tokens(
-            num_blocks - 1, self.block_size, windows, sc.max_num_batched_tokens
+            num_blocks - 1, self.block_size, windows, sc.max_num_batched_tokens, unbounded
         )
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f KiB per block, %.2f GiB); %d tokens; "
+            "KV cache: %d blocks x %d tokens (%.1f KiB per block, %.2f GiB); %s; "
             "maximum concurrency for %d tokens per request: %.2fx",
             num_blocks,
             self.block_size,
             per_block / 1024,
             num_blocks * per_block / 2**30,
-            tokens,
+            "a sequence of any length" if tokens >= unbounded else f"{tokens} tokens",
             max_len,
             (num_blocks - 1) / per_request,
         )
