@@ -55,7 +55,6 @@ instead of one per forward. The q rows never leave the device.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -63,6 +62,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm.utils.device import to_device
+from vllm.v1.attention.backends.abstract import kv_cache_bytes
 from vllm.v1.sample.sampler import SamplingRow, draw_with_probs_on_device
 from vllm.v1.worker.cuda_graph import DecodeGraphs, Graph
 
@@ -132,8 +132,7 @@ class DraftModelProposer:
 
     def kv_cache_bytes_per_block(self) -> int:
         """The draft layers' share of a KV block (the runner adds it to the target's)."""
-        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return self.arch.num_layers * math.prod(self.layer_shape(1)) * itemsize
+        return kv_cache_bytes(self.layer_shape(1), self.kv_cache_dtype, self.arch.num_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None  # they recorded the old tensors' addresses

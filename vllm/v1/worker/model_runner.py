@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from vllm.utils.device import to_device, to_host
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     BlockIds,
+    kv_cache_bytes,
     kv_cache_shape,
     latent_value_size,
 )
@@ -483,8 +483,8 @@ class ModelRunner:
         """Bytes of one KV block over every cache tensor (one a layer, or with the hybrid
         KV cache one a layer of a group): the target's and a draft model's (whose layers
         cache in the same blocks), so sizing and --num-gpu-blocks-override hold."""
-        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        target = self.kv_groups.num_tensors * math.prod(self.kv_cache_shape(1)) * itemsize
+        tensors = self.kv_groups.num_tensors
+        target = kv_cache_bytes(self.kv_cache_shape(1), self.kv_cache_dtype, tensors)
         draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
         return target + draft
 

@@ -29,6 +29,7 @@ storing a V half would hold the same numbers twice. A backend that reads it list
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
@@ -48,6 +49,12 @@ def kv_cache_shape(
     """One layer's KV cache shape (the module docstring): a K and a V half, or for a
     ``latent`` cache (values read from the keys) the K half alone."""
     return (1 if latent else 2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def kv_cache_bytes(block_shape: tuple[int, ...], dtype: torch.dtype, num_tensors: int) -> int:
+    """Bytes of one KV block over ``num_tensors`` cache tensors whose one-block shape is
+    ``block_shape`` (``kv_cache_shape(1, ...)``), elements of ``dtype``."""
+    return num_tensors * math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def latent_value_size(arch: Any) -> int | None:
