@@ -44,10 +44,9 @@ tensors in Triton's interpreter (``tests/v1/attention/test_triton_mla_prefill.py
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm.model_executor.layers.triton_gemm import gemm_unavailable_reason
 from vllm.v1.attention.backends.triton_decode import (
     LOG2E,
     MIN_DOT,
@@ -78,14 +77,9 @@ NUM_STAGES = {True: 2, False: 1}  # by DOT16: fp32 tiles at 2 stages pass sm80's
 
 def prefill_unavailable_reason(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can): CUDA with triton, or CPU
-    tensors in Triton's interpreter (the tests). The backend falls back to SDPA."""
-    if triton is None:
-        return "triton is not installed"
-    if device.type == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device is available"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return f"the Triton MLA prefill kernel runs on CUDA, not {device.type}"
+    tensors in Triton's interpreter (the tests; ``gemm_unavailable_reason``). The backend
+    falls back to SDPA."""
+    return gemm_unavailable_reason(device, "MLA prefill kernel")
 
 
 def tile_shape(num_heads: int) -> tuple[int, int]:
