@@ -15,6 +15,7 @@ from tests.tiny_models import TINY_LLAMA, hf_greedy, load_cpu_runner
 from tests.utils import copy_benchmark_tokenizer
 from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
 from tests.v1.attention.test_triton_decode import emulated_kernel
+from tests.v1.core.conftest import make_request
 from tests.v1.worker.test_cuda_graph import ReplayingGraph
 from tests.v1.worker.test_model_runner_inputs import new_req, sched_out
 from vllm import LLM, SamplingParams
@@ -225,10 +226,22 @@ def engine_tokens(path, prompts, max_tokens: int, **engine) -> tuple[list, dict]
     return tokens, seen
 
 
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    """Prompts of these lengths over SmolLM2's 49,152 token ids, from one seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+def served_qwen2(path) -> torch.nn.Module:
+    """``save_qwen2`` with SmolLM2's vocabulary and tokenizer: a folder ``LLM`` serves."""
+    hf = save_qwen2(path, vocab_size=49152, max_position_embeddings=256)
+    copy_benchmark_tokenizer(path)
+    return hf
+
+
 def check_against_transformers(hf, path, lengths, kv_bytes: str, max_tokens: int = 12) -> dict:
     copy_benchmark_tokenizer(path)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+    prompts = random_prompts(lengths, 3)
     expected = hf_greedy(hf, prompts, max_tokens)
     expected.append(expected[-1])
     runs = {}
@@ -282,11 +295,8 @@ def test_continuum_pins_and_async_scheduling_over_two_groups(tmp_path):
     second hits its context (the full group's blocks and the sliding group's window);
     async scheduling, the policy's automatic CPU tier and one group give the same
     tokens."""
-    hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
-    del hf
-    copy_benchmark_tokenizer(tmp_path)
-    g = torch.Generator().manual_seed(5)
-    first = torch.randint(0, 49152, (70,), generator=g).tolist()
+    served_qwen2(tmp_path)
+    (first,) = random_prompts((70,), 5)
     results = {}
     for hybrid, mode, tier in ((True, False, 0), (True, True, 0), (True, False, None),
                                (False, False, 0)):  # fmt: skip
@@ -329,10 +339,8 @@ def test_cpu_tier_loads_every_groups_blocks_back(tmp_path, monkeypatch):
         plan_loads(self, cpu_ids, gpu_ids)
 
     monkeypatch.setattr(OffloadManager, "plan_loads", counted)
-    hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
-    copy_benchmark_tokenizer(tmp_path)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (100, 90, 110)]
+    hf = served_qwen2(tmp_path)
+    prompts = random_prompts((100, 90, 110), 7)
     expected = hf_greedy(hf, prompts, 8)
     llm = LLM(model=str(tmp_path), block_size=BLOCK, max_num_batched_tokens=16,
               max_model_len=160, kv_cache_memory="96KiB", kv_offloading_size=0.01)  # fmt: skip
@@ -342,7 +350,7 @@ def test_cpu_tier_loads_every_groups_blocks_back(tmp_path, monkeypatch):
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         got = [list(llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids)
                for p in prompts]  # fmt: skip
-        assert kv.get_computed_blocks(make_request_for(prompts[0]))[1] == 0  # evicted
+        assert kv.get_computed_blocks(make_request(prompts[0], BLOCK))[1] == 0  # evicted
         again = llm.generate({"prompt_token_ids": prompts[0]}, params)[0]
         llm.engine_core.scheduler.check_invariants()
     finally:
@@ -352,21 +360,11 @@ def test_cpu_tier_loads_every_groups_blocks_back(tmp_path, monkeypatch):
     assert again.num_cached_tokens >= 96 and sum(loads) > 0
 
 
-def make_request_for(prompt):
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request
-
-    return Request("probe", prompt, SamplingParams(max_tokens=1), eos_token_id=None,
-                   block_hasher=get_request_block_hasher(BLOCK))  # fmt: skip
-
-
 def test_draft_model_over_two_groups(tmp_path):
     """A hybrid target as its own draft (its layers cached at the full group's block ids):
     the tokens of plain decoding, nearly every draft kept, a tight pool's blocks reused."""
-    hf = save_qwen2(tmp_path, vocab_size=49152, max_position_embeddings=256)
-    copy_benchmark_tokenizer(tmp_path)
-    g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (70, 40, 90)]
+    hf = served_qwen2(tmp_path)
+    prompts = random_prompts((70, 40, 90), 9)
     expected = hf_greedy(hf, prompts, 16)
     llm = LLM(model=str(tmp_path), block_size=BLOCK, max_num_batched_tokens=32,
               max_model_len=160, kv_cache_memory="160KiB",
