@@ -6,18 +6,17 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_GPU
-from vllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    first_group_key,
+    group_key,
+)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVEventLog
     from vllm.v1.request import Request
-
-
-def group_key(block_hash: BlockHash, group: int) -> BlockHash | tuple[int, BlockHash]:
-    """The prefix-cache key of a block of KV cache group ``group``: the hash itself for
-    the first group (so one group's keys, the KV events and the CPU tier are unchanged),
-    ``(group, hash)`` for the others, whose blocks hold other layers' K/V."""
-    return block_hash if group == 0 else (group, block_hash)
 
 
 class BlockHashToBlockMap:
@@ -124,7 +123,7 @@ class BlockPool:
         self.num_cached_blocks -= 1
         if (
             self.kv_events is not None
-            and isinstance(block_hash, bytes)  # events speak of the first group only
+            and first_group_key(block_hash)  # events speak of the first group only
             and self.get_cached_block(block_hash) is None
         ):
             self.kv_events.removed(block_hash, MEDIUM_GPU)  # no block holds it any more

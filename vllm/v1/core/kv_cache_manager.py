@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm.v1.core.block_pool import BlockPool, group_key
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, cdiv, kv_capacity_tokens
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, cdiv, group_key, kv_capacity_tokens
 from vllm.v1.core.sched.output import KVOffloadTransfers
 from vllm.v1.kv_offload.manager import OffloadManager
 from vllm.v1.metrics.stats import PrefixCacheStats

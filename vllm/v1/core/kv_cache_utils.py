@@ -16,6 +16,18 @@ BlockHash = bytes
 NONE_HASH: BlockHash = hashlib.sha256(b"vllm-continuum-root").digest()
 
 
+def group_key(block_hash: BlockHash, group: int) -> BlockHash | tuple[int, BlockHash]:
+    """The prefix-cache key of a block of KV cache group ``group``: the hash itself for
+    the first group (so one group's keys, the KV events and the CPU tier are unchanged),
+    ``(group, hash)`` for the others, whose blocks hold other layers' K/V."""
+    return block_hash if group == 0 else (group, block_hash)
+
+
+def first_group_key(key: BlockHash | tuple[int, BlockHash]) -> bool:
+    """Whether ``key`` (``group_key``'s) is the first group's: the keys KV events name."""
+    return isinstance(key, bytes)
+
+
 def hash_block_tokens(
     parent_hash: BlockHash | None,
     token_ids: Sequence[int],
@@ -94,7 +106,7 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         h = self.block_hash
         if h is not None:  # a group's key (group, hash) beyond the first group
-            h = h.hex()[:8] if isinstance(h, bytes) else f"{h[0]}:{h[1].hex()[:8]}"
+            h = h.hex()[:8] if first_group_key(h) else f"{h[0]}:{h[1].hex()[:8]}"
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_CPU
-from vllm.v1.core.kv_cache_utils import BlockHash
+from vllm.v1.core.kv_cache_utils import BlockHash, first_group_key
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVEventLog
@@ -109,14 +109,14 @@ class CPUBlockPool:
         elif self._lru:
             old_hash, block_id = self._lru.popitem(last=False)
             del self._hash_to_id[old_hash]
-            if self.kv_events is not None and isinstance(old_hash, bytes):
+            if self.kv_events is not None and first_group_key(old_hash):
                 self.kv_events.removed(old_hash, MEDIUM_CPU)
         else:
             return None
         self._hash_to_id[block_hash] = block_id
         self._id_to_hash[block_id] = block_hash
         self._lru[block_hash] = block_id
-        if self.kv_events is not None and isinstance(block_hash, bytes):
+        if self.kv_events is not None and first_group_key(block_hash):
             self.kv_events.stored([block_hash], None, [], 0, MEDIUM_CPU)  # vLLM's placeholder
         return block_id
 
@@ -132,7 +132,7 @@ class CPUBlockPool:
             del self._hash_to_id[block_hash]
             self._lru.pop(block_hash, None)
             self._free_ids.append(block_id)
-            if self.kv_events is not None and isinstance(block_hash, bytes):
+            if self.kv_events is not None and first_group_key(block_hash):
                 self.kv_events.removed(block_hash, MEDIUM_CPU)
 
     def reset(self) -> bool:
