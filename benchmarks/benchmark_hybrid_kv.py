@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark_gpu  # noqa: E402  (the shapes' helpers and machine facts)
 import torch  # noqa: E402
 
+from vllm.v1.attention.backends.abstract import kv_cache_bytes, kv_cache_shape  # noqa: E402
 from vllm.v1.core.kv_cache_utils import blocks_for_sequence  # noqa: E402
 from vllm.v1.worker.kv_cache_groups import plan_kv_cache_groups  # noqa: E402
 
 BLOCK = 16
-BF16 = 2
 # Each model's attention shape as its config.json gives it (model_type, layers, KV heads,
 # head size, the window and which layers slide).
 SHAPES: dict[str, dict] = {
@@ -70,7 +70,8 @@ def request_bytes(shape: str, chunk: int, kv_gib: float) -> list[dict]:
     """Per context: one request's KV bytes at its peak, both ways, and how many fit."""
     f = SHAPES[shape]
     windows = layer_windows(shape)
-    layer_block = 2 * f["num_key_value_heads"] * f["head_dim"] * BF16 * BLOCK  # K and V
+    one_block = kv_cache_shape(1, BLOCK, f["num_key_value_heads"], f["head_dim"], latent=False)
+    layer_block = kv_cache_bytes(one_block, torch.bfloat16, 1)  # one layer's K and V
     uniform = plan_kv_cache_groups(windows, hybrid=False)
     hybrid = plan_kv_cache_groups(windows)
     rows = []
