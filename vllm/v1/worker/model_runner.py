@@ -82,8 +82,8 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    # One list per KV cache group (kv_cache_groups.py; a BlockIds keeps a numpy copy for
-    # the metadata builders); a plain list is taken as the one group's.
+    # One list per KV cache group (kv_cache_groups.py), each made a BlockIds (it keeps a
+    # numpy copy for the metadata builders).
     block_ids: tuple[BlockIds, ...]
     generator: torch.Generator | None
     num_computed_tokens: int = 0
@@ -116,8 +116,7 @@ class CachedRequestState:
 
     def __post_init__(self) -> None:
         self.prompt_view = PrefixView(self.token_ids, self.num_prompt_tokens)
-        groups = self.block_ids if isinstance(self.block_ids, tuple) else (self.block_ids,)
-        self.block_ids = tuple(i if isinstance(i, BlockIds) else BlockIds(i) for i in groups)
+        self.block_ids = tuple(BlockIds(ids) for ids in self.block_ids)
         self.table = self.block_ids[0] if len(self.block_ids) == 1 else self.block_ids
         self.full_table = self.block_ids[0]
 
