@@ -30,7 +30,7 @@ from typing import IO
 import requests
 import zmq
 
-from vllm.benchmarks.server import RemoteServer, stop_session
+from vllm.benchmarks.server import RemoteServer, popen_session, stop_session
 from vllm.config import CacheConfig, field_default, parse_json_object
 from vllm.entrypoints.utils import LOOPBACK, get_open_port
 
@@ -343,9 +343,7 @@ class ReplicaSet:
             *self.router_args,
         ]  # fmt: skip
         self._log = open(logs / "router.log", "w") if logs else open(os.devnull, "w")
-        self.router = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.router = popen_session(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.router.poll() is not None:

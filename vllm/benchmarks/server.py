@@ -15,6 +15,32 @@ from vllm.benchmarks.metrics_reader import scrape_metrics
 from vllm.benchmarks.utils import openai_base_url
 from vllm.entrypoints.utils import LOOPBACK, get_open_port
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _term_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the thread that started it dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), so that a server outlives no test run or benchmark
+    killed without its clean-ups (SIGKILL, or pytest ended by SIGTERM); the server's own
+    death pipes then end its engine and API processes. Elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl: it will not tell us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def popen_session(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` of a server in a session (process group) of its own, which
+    ``stop_session`` ends whole, and which is sent SIGTERM if this process dies first.
+
+    Call it from a thread that lives as long as the server (the main thread): Linux sends
+    the signal when the starting thread exits."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_term_with_parent, **kwargs)
+
 
 def stop_session(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM to the process group a server was started in (``start_new_session``), then
@@ -69,9 +95,7 @@ class RemoteServer:
         elif os.environ.get("CI"):
             self.log = open(os.devnull, "w")
         # A session of its own, so that stop() reaches the engine core too.
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
+        self.proc = popen_session(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         if wait:
             self.wait_healthy()
 

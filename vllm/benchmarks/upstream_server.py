@@ -17,7 +17,7 @@ from pathlib import Path
 
 import requests
 
-from vllm.benchmarks.server import stop_session
+from vllm.benchmarks.server import popen_session, stop_session
 from vllm.entrypoints.utils import LOOPBACK, get_open_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -85,10 +85,9 @@ class UpstreamServer:
         self.log = open(log_path, "w")
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", LOOPBACK,
                "--port", str(self.port), *args]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=upstream_env(), cwd=log_path.parent,
-        )  # fmt: skip
+        self.proc = popen_session(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=upstream_env(), cwd=log_path.parent
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:

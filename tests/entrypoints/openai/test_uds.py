@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from vllm.benchmarks.server import popen_session
 from vllm.entrypoints.cli.serve import bind_unix_socket
 
 
@@ -66,7 +67,7 @@ def test_serve_answers_over_the_socket_and_removes_it(tmp_path):
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--model", model,
            "--uds", str(path), "--api-server-count", "2"]  # fmt: skip
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = popen_session(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
