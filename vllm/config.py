@@ -588,13 +588,16 @@ class OffloadConfig:
         return n
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# The methods whose drafts come from a model in the runner (its KV in the target's blocks).
+DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+_DRAFT_KEYS = ("model", "quantization", "max_model_len", "draft_tensor_parallel_size")
 # Keys per method (vLLM's names), beyond "method", "num_speculative_tokens" and
-# "disable_by_batch_size", which every method takes. A key of the other method is refused
-# rather than ignored.
+# "disable_by_batch_size", which every method takes. A key of another method only is
+# refused rather than ignored.
 _SPECULATIVE_METHOD_KEYS = {
     "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
-    "draft_model": ("model", "quantization", "max_model_len", "draft_tensor_parallel_size"),
+    **{method: _DRAFT_KEYS for method in DRAFT_MODEL_METHODS},
 }
 _NGRAM_MODEL_NAMES = ("ngram", "[ngram]")  # vLLM's "model" values that name n-gram lookup
 _SPECULATIVE_KEYS = (
@@ -622,8 +625,9 @@ def _speculative_method(spec: dict[str, Any]) -> str:
 class SpeculativeConfig:
     """Speculative decoding (vLLM's --speculative-config): n-gram prompt lookup proposes
     the tokens that followed the sequence's last n-gram where it occurred before; a draft
-    model (a small model of the same vocabulary) proposes its greedy continuation; one
-    forward of the target checks them all (docs/spec_decode.md)."""
+    model (a small model of the same vocabulary) proposes its greedy continuation; an EAGLE
+    head proposes from the target's own hidden states; one forward of the target checks
+    them all (docs/spec_decode.md)."""
 
     speculative_config: dict[str, Any] | None = config_field(
         None,
@@ -631,8 +635,11 @@ class SpeculativeConfig:
         "optionally prompt_lookup_min / prompt_lookup_max (n-gram sizes; both 5 when "
         'neither is given); or {"model": DRAFT, "num_speculative_tokens": K} (method '
         "draft_model: a model of the target's vocabulary, loaded like --model, with "
-        "optionally quantization, max_model_len and draft_tensor_parallel_size 1). Both "
-        "take disable_by_batch_size (no drafts in a step with more running requests). "
+        "optionally quantization, max_model_len and draft_tensor_parallel_size 1); or "
+        '{"method": "eagle" or "eagle3", "model": HEAD, "num_speculative_tokens": K} (an '
+        "EAGLE-1 / EAGLE-3 head trained on the target's hidden states, same keys as "
+        "draft_model). All take disable_by_batch_size (no drafts in a step with more "
+        "running requests). "
         "Requests without penalties, logit controls, min_tokens or a grammar get drafts "
         "(greedy: checked exactly; sampled: rejection sampling); every other request "
         "decodes as without it.",
@@ -647,9 +654,10 @@ class SpeculativeConfig:
         method = _speculative_method(spec)
         if method == "ngram" and spec.get("model") in _NGRAM_MODEL_NAMES:
             spec = {key: value for key, value in spec.items() if key != "model"}
+        own = _SPECULATIVE_METHOD_KEYS[method]
         for other, keys in _SPECULATIVE_METHOD_KEYS.items():
             for key in keys:
-                if other != method and key in spec:
+                if key not in own and key in spec:
                     raise bad_value(
                         f"speculative_config.{key}", spec[key], f"is a key of method {other}"
                     )
@@ -671,7 +679,8 @@ class SpeculativeConfig:
 
     @property
     def method(self) -> str | None:
-        """``ngram`` or ``draft_model``; None without speculative decoding."""
+        """``ngram``, ``draft_model``, ``eagle`` or ``eagle3``; None without speculative
+        decoding."""
         return self.speculative_config["method"] if self.enabled else None
 
     @property
@@ -696,7 +705,13 @@ class SpeculativeConfig:
         """KV slots a request needs past the tokens the target computes in a step (vLLM's
         ``num_lookahead_tokens``): a draft model writes its KV ahead, up to k positions
         past them (``vllm/v1/spec_decode/draft_model.py``); n-gram lookup writes none."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        return self.num_speculative_tokens if self.uses_draft_model else 0
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Whether a model in the runner proposes the drafts (a draft model, an EAGLE
+        head), rather than n-gram lookup in the scheduler."""
+        return self.method in DRAFT_MODEL_METHODS
 
     def draft_model_config(self, target: ModelConfig) -> ModelConfig:
         """The draft's ``ModelConfig``: the target's device, dtype, seed, load format and
@@ -972,7 +987,7 @@ class VllmConfig:
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
-        if self.speculative_config.method == "draft_model":
+        if self.speculative_config.uses_draft_model:
             self.draft_model_config  # noqa: B018 - checked (and cached) now, not at load
         if self.model_config.is_pooling and self.speculative_config.enabled:
             raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
@@ -1020,7 +1035,7 @@ class VllmConfig:
         draft's or the target's. Its max_model_len is resolved: the key, else the shorter
         of the draft's own limit and the target's max_model_len. None for other methods."""
         spec = self.speculative_config
-        if spec.method != "draft_model":
+        if not spec.uses_draft_model:
             return None
         from vllm.model_executor.model_loader import get_model_config, hf_config_of
         from vllm.model_executor.model_loader import model_max_len as limit_of
@@ -1039,7 +1054,9 @@ class VllmConfig:
                 f"must have the target's vocabulary ({target_vocab} tokens), not {draft_vocab}",
             )
         target_len = self.scheduler_config.max_model_len
-        own = limit_of(draft_hf)
+        # An EAGLE head drafts at any of the target's positions (vLLM raises its
+        # max_position_embeddings to the target's length): no limit of its own.
+        own = limit_of(draft_hf) if spec.method == "draft_model" else None
         asked = spec.speculative_config.get("max_model_len")
         if asked is None:
             length = target_len if own is None else min(own, target_len)

@@ -67,8 +67,24 @@ def test_dummy_weights_are_made_in_the_target_dtype(tmp_path, dtype):
 
 def test_a_folder_without_weights_names_the_dummy_format(tmp_path):
     config = config_only_folder(tmp_path)
-    with pytest.raises(ValueError, match=r"no \.safetensors files.*load_format='dummy'"):
+    with pytest.raises(ValueError, match=r"no \.safetensors or pytorch_model.*load_format='dummy'"):
         load_model_weights(LlamaForCausalLM, config, str(tmp_path), "cpu", torch.float32)
+
+
+def test_a_pytorch_pickle_folder_loads_as_its_safetensors_twin(tmp_path):
+    """Folders with ``pytorch_model.bin`` only (EAGLE heads often ship so) load the same
+    weights, read as tensors only."""
+    config = save_tiny_llama(tmp_path / "st")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "st")
+    (tmp_path / "bin").mkdir()
+    shutil.copy(tmp_path / "st" / "config.json", tmp_path / "bin")
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    models = [
+        load_model_weights(LlamaForCausalLM, config, str(tmp_path / d), "cpu", torch.float32)
+        for d in ("st", "bin")
+    ]
+    a, b = (dict(m.named_parameters()) for m in models)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_load_format_is_validated():

@@ -179,15 +179,21 @@ def load_model_weights(
         initialize_dummy_weights(model, seed)
         return model.to(dtype).eval()
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
+    # PyTorch pickles where a folder has no safetensors (EAGLE heads often ship as
+    # pytorch_model.bin), read as tensors only (weights_only: no code runs).
+    pickles = sorted(n for n in os.listdir(path) if n.startswith("pytorch_model"))
+    pickles = [n for n in pickles if n.endswith(".bin")]
+    if not files and not pickles:
         raise ValueError(
-            f"model folder {path} has no .safetensors files (load_format={load_format!r}); "
-            "load_format='dummy' (--load-format dummy) serves random weights from its "
-            "config.json"
+            f"model folder {path} has no .safetensors or pytorch_model*.bin files "
+            f"(load_format={load_format!r}); load_format='dummy' (--load-format dummy) "
+            "serves random weights from its config.json"
         )
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(os.path.join(path, name)))
+    for name in pickles if not files else ():
+        state.update(torch.load(os.path.join(path, name), map_location="cpu", weights_only=True))
     kv_scales = pop_kv_scales(state)  # FP8 KV-cache scales: for the runner, not the layers
     # 4-bit weights stay packed where the W4A16 kernel runs (CUDA with triton).
     keep_packed = (

@@ -115,16 +115,20 @@ def models(tmp_path_factory):
     return str(target), str(draft)
 
 
-def _engine(monkeypatch, target, draft=None, graphs=False, k=3, **kwargs):
+def _engine(monkeypatch, target, draft=None, graphs=False, k=3, method=None, **kwargs):
     """An engine whose target (and draft) attend with TORCH_FLASH_ATTN and the emulated
-    Triton decode kernel; ``graphs``: capture with stand-in graphs."""
+    Triton decode kernel; ``graphs``: capture with stand-in graphs. ``method``: the
+    draft's (None: a draft model)."""
     from vllm import LLM
 
     install(monkeypatch, ref_varlen_attn)
     monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated_kernel([]))
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k, **kwargs}
+    if spec is not None and method is not None:
+        spec["method"] = method
     llm = LLM(model=target, kv_cache_memory="16MiB", max_num_seqs=4, max_model_len=256,
-              enforce_eager=not graphs, speculative_config=spec)  # fmt: skip
+              enforce_eager=not graphs, speculative_config=spec,
+              skip_tokenizer_init=True)  # fmt: skip
     runner = llm.engine_core.model_runner
     parts = [(runner, runner.model)]
     if runner.drafter is not None:

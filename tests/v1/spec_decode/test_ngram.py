@@ -88,7 +88,7 @@ def test_requests_whose_token_depends_on_the_logits_alone_get_drafts(params, all
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [
-        ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
+        ({"method": "medusa", "num_speculative_tokens": 3}, "method"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),

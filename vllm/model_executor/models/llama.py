@@ -383,6 +383,10 @@ class LlamaForCausalLM(nn.Module):
                 arch.head_dim, arch.max_position_embeddings, arch.rope_local_parameters
             )
         self._layer_ropes = [arch.layer_rope(i) for i in range(arch.num_layers)]
+        # EAGLE-3 (spec_decode/eagle.py): the residual stream after each of these many
+        # layers, concatenated in ``aux_hidden`` by every forward.
+        self.aux_hidden_layers: frozenset[int] = frozenset()
+        self.aux_hidden: torch.Tensor | None = None
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         """Layer ``layer``'s feed-forward module, None for the dense MLP (every layer here)."""
@@ -417,10 +421,15 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         ropes = {"global": self.rope, "local": self.rope_local, None: None}
         metas = layer_metadata(meta, len(self.layers))  # the hybrid KV cache's groups
-        for layer, kv_cache, kind, m in zip(
-            self.layers, kv_caches, self._layer_ropes, metas, strict=True
+        aux = [x.clone()] if 0 in self.aux_hidden_layers else []
+        for i, (layer, kv_cache, kind, m) in enumerate(
+            zip(self.layers, kv_caches, self._layer_ropes, metas, strict=True)
         ):
             x, residual = layer(positions, x, residual, ropes[kind], m, kv_cache)
+            if i + 1 in self.aux_hidden_layers:  # a new tensor: the next norm works in place
+                aux.append(x.clone() if residual is None else x + residual)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     @torch.inference_mode()

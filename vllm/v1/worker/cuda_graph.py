@@ -108,10 +108,15 @@ class DecodeGraphs:
         graph_factory: Callable[[], Graph] | None = None,
         lora: Any = None,
         name: str = "decode",
+        hidden_input: tuple[int, torch.dtype] | None = None,
     ) -> None:
         """``lora``: the model's ``LoRABatch`` (--enable-lora): the graphs then compute
         every adapter slot, masked per row by the slots ``run`` is given. ``name``: what
-        the start-up log calls these graphs (the target's, a draft model's)."""
+        the start-up log calls these graphs (the target's, a draft model's).
+        ``hidden_input``: (width, dtype) of a per-row input the model takes as
+        ``hidden_states`` besides the tokens (an EAGLE head's), given to ``run``.
+        A model whose forward leaves ``aux_hidden`` (``aux_hidden_layers``, EAGLE-3's
+        target) gets it back after each replay, a view of a buffer of the graphs."""
         if not backend.supports_decode_graphs:
             raise ValueError(f"{backend.name} cannot capture decode steps in CUDA graphs")
         if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] < 1:
@@ -132,6 +137,11 @@ class DecodeGraphs:
         self._positions = torch.zeros(self.max_size, dtype=torch.long, device=self.device)
         self._meta = backend.graph_metadata(self.max_size, max_blocks)
         self._hidden: torch.Tensor | None = None  # (max_size, hidden): every graph's output
+        self._hidden_in: torch.Tensor | None = None
+        if hidden_input is not None:
+            width, dtype = hidden_input
+            self._hidden_in = torch.zeros(self.max_size, width, dtype=dtype, device=self.device)
+        self._aux: torch.Tensor | None = None  # the model's aux_hidden, when it leaves one
         self._graphs: dict[int, Graph] = {}
         self.num_replays = 0
         self.lora = lora
@@ -140,17 +150,27 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         """The step the graph of ``size`` records: the model over the first ``size`` rows
         of the buffers, its hidden states copied into the shared output."""
-        hidden = self.model(
-            self._ids.narrow(0, 0, size),
-            self._positions.narrow(0, 0, size),
-            self._meta.narrow(size),
-            self.kv_caches,
-        )
+        hidden = self._call(size)
         if self._hidden is None:
             raise RuntimeError("capture() allocates the output before recording")
         out = self._hidden.narrow(0, 0, size)
         out.copy_(hidden)
+        if self._aux is not None:
+            self._aux.narrow(0, 0, size).copy_(self.model.aux_hidden)
         return out
+
+    def _call(self, size: int) -> torch.Tensor:
+        """The model over the first ``size`` rows of the input buffers."""
+        kwargs = {}
+        if self._hidden_in is not None:
+            kwargs["hidden_states"] = self._hidden_in.narrow(0, 0, size)
+        return self.model(
+            self._ids.narrow(0, 0, size),
+            self._positions.narrow(0, 0, size),
+            self._meta.narrow(size),
+            self.kv_caches,
+            **kwargs,
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -159,21 +179,26 @@ class DecodeGraphs:
         on the padding the buffers hold, which writes only the null block."""
         start = time.monotonic()
         warm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        aux_layers = getattr(self.model, "aux_hidden_layers", None)
         for size in reversed(self.sizes):
-            ids, pos = self._ids.narrow(0, 0, size), self._positions.narrow(0, 0, size)
             if self.lora is not None:
                 self.lora.use_graph_rows(size, self.max_size, self.device)
             if warm_stream is not None:  # as torch's docs ask: warm up on a side stream
                 warm_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(warm_stream):
-                    warm = self.model(ids, pos, self._meta.narrow(size), self.kv_caches)
+                    warm = self._call(size)
                 torch.cuda.current_stream().wait_stream(warm_stream)
             else:
-                warm = self.model(ids, pos, self._meta.narrow(size), self.kv_caches)
+                warm = self._call(size)
             if self._hidden is None:
                 self._hidden = torch.zeros(
                     self.max_size, *warm.shape[1:], dtype=warm.dtype, device=self.device
                 )
+                if aux_layers:
+                    aux = self.model.aux_hidden
+                    self._aux = torch.zeros(
+                        self.max_size, *aux.shape[1:], dtype=aux.dtype, device=self.device
+                    )
             graph = self._graph_factory()
             graph.capture(lambda size=size: self._forward(size))
             self._graphs[size] = graph
@@ -204,13 +229,15 @@ class DecodeGraphs:
         seqs: list[SeqLayout],
         lora_slots: list[int] | None = None,
         tokens_ahead: tuple[torch.Tensor, torch.Tensor] | None = None,
+        hidden_in: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """``ids``: the rows' input tokens, on the host or (a tensor of ``len(seqs)``) on
         the device, copied there without a host round trip (a draft model feeding its
         last step's argmax). ``lora_slots``: each row's adapter slot, when the graphs
         were captured with LoRA (None or all 0: the base model). ``tokens_ahead``: (rows,
         tokens) on the device, input tokens that a step still on the device sampled
-        (--async-scheduling), written over those rows of ``ids``."""
+        (--async-scheduling), written over those rows of ``ids``. ``hidden_in``: the rows'
+        ``hidden_states`` input (graphs captured with ``hidden_input``)."""
         size = self.padded_size(seqs)
         if size is None:
             return None
@@ -233,6 +260,12 @@ class DecodeGraphs:
             self._ids.narrow(0, 0, n).copy_(ids)
         if tokens_ahead is not None:
             self._ids.index_copy_(0, *tokens_ahead)
+        if self._hidden_in is not None:
+            if hidden_in is None or hidden_in.shape[0] != n:
+                raise ValueError(f"{n} rows need their hidden_states input")
+            self._hidden_in.narrow(0, 0, n).copy_(hidden_in)
         self._graphs[size].replay()
         self.num_replays += 1
+        if self._aux is not None:
+            self.model.aux_hidden = self._aux.narrow(0, 0, n)
         return self._hidden.narrow(0, 0, n)

@@ -56,6 +56,7 @@ from vllm.v1.sample.sampler import (
     unprocessed,
 )
 from vllm.v1.spec_decode.draft_model import DraftDistribution, DraftModelProposer
+from vllm.v1.spec_decode.eagle import EagleProposer, check_eagle_head, eagle_head_class
 from vllm.v1.spec_decode.ngram_proposer import drafts_allowed, verify_greedy
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.cuda_graph import CUDAGraph, DecodeGraphs, Graph, cudagraph_capture_sizes
@@ -386,11 +387,12 @@ class ModelRunner:
         return self.kv_groups.windows
 
     def _load_weights(
-        self, model_config, served_len: int
+        self, model_config, served_len: int, model_cls: type | None = None
     ) -> tuple[torch.nn.Module, str, type, object]:
         """``model_config``'s model on this runner's device in its dtype, in the weight
         format its quantization asks for: (model, architecture, class, HF config). The
-        target and a draft model load the same way."""
+        target and a draft model load the same way; ``model_cls`` overrides the class the
+        config's architecture names (an EAGLE head's, chosen by the method)."""
         from vllm.model_executor.layers.rotary_embedding import use_long_rope
         from vllm.model_executor.model_loader import hf_config_of
 
@@ -398,7 +400,12 @@ class ModelRunner:
         hf_config = hf_config_of(model_config)
         # longrope's factors follow the served length (vLLM's choice at start-up)
         use_long_rope(hf_config, served_len)
-        model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
+        if model_cls is None:
+            model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
+        else:  # an EAGLE head: its rotary table covers every position the target serves
+            architecture = model_cls.__name__
+            own = getattr(hf_config, "max_position_embeddings", None) or served_len
+            hf_config.max_position_embeddings = max(own, served_len)
         if hasattr(model_cls, "check_dtype"):  # a family that cannot run in some dtype
             model_cls.check_dtype(hf_config, self.dtype)
         torch.manual_seed(model_config.seed)
@@ -446,21 +453,28 @@ class ModelRunner:
         from vllm.model_executor.layers.quantization.kv_scales import apply_kv_scales
 
         start = time.monotonic()
-        model, architecture, _, _ = self._load_weights(draft_config, draft_config.max_model_len)
+        spec = self.config.speculative_config
+        eagle_cls = eagle_head_class(spec.method, self.model)
+        model, architecture, _, hf_config = self._load_weights(
+            draft_config, draft_config.max_model_len, eagle_cls
+        )
+        if eagle_cls is not None:
+            check_eagle_head(model, hf_config, self.model)
         backend = self._make_attention_backend(model, draft_config)
         backend.use_prefill_dtype(model_prefill_dtype(model))
         model.set_attention_backend(backend)
         apply_kv_scales(model, is_fp8(self.kv_cache_dtype), self.dtype)  # its checkpoint's
-        spec = self.config.speculative_config
         logger.info(
-            "Loaded draft model %s (%s, %d layers; %d draft tokens) in %.1f s",
+            "Loaded %s %s (%s, %d layers; %d draft tokens) in %.1f s",
+            "draft model" if eagle_cls is None else f"{spec.method} head",
             draft_config.model,
             architecture,
             model.arch.num_layers,
             spec.num_speculative_tokens,
             time.monotonic() - start,
         )
-        return DraftModelProposer(
+        proposer_cls = DraftModelProposer if eagle_cls is None else EagleProposer
+        return proposer_cls(
             model,
             backend,
             spec.num_speculative_tokens,
@@ -983,7 +997,9 @@ class ModelRunner:
         output.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
         if spec_reqs:
             self._verify_drafts(self._rows(hidden, spec_rows), spec_reqs, output)
-        if self.drafter is not None:
+        if isinstance(self.drafter, EagleProposer):
+            output.draft_token_ids = self._propose_eagle(so, order, output, hidden, row_starts)
+        elif self.drafter is not None:
             output.draft_token_ids = self._propose_drafts(so, order, output)
         return output
 
@@ -1017,6 +1033,37 @@ class ModelRunner:
             if planned is not None:
                 reqs.append(planned)
         return self.drafter.propose(reqs) if reqs else {}
+
+    def _propose_eagle(
+        self,
+        so: SchedulerOutput,
+        order: list[str],
+        out: ModelRunnerOutput,
+        hidden: torch.Tensor,
+        row_starts: dict[str, int],
+    ) -> dict[str, list[int]]:
+        """The EAGLE head's pass (``spec_decode/eagle.py``) over the step's rows: the
+        target's last hidden states (EAGLE-1) or its auxiliary ones (EAGLE-3), each
+        request's from its first row; ``disable_by_batch_size`` as ``_propose_drafts``."""
+        max_batch = self.config.speculative_config.disable_by_batch_size
+        may_propose = max_batch is None or len(self.requests) <= max_batch
+        target = self.model.aux_hidden if self.drafter.model.eagle3 else hidden
+        reqs = []
+        for req_id in order:
+            if req_id in out.errors:
+                continue
+            state = self.requests[req_id]
+            planned = self.drafter.plan_step(
+                state,
+                state.num_computed_tokens,
+                so.num_scheduled_tokens[req_id],
+                row_starts[req_id],
+                bool(out.sampled_token_ids.get(req_id)),
+                may_propose,
+            )
+            if planned is not None:
+                reqs.append(planned)
+        return self.drafter.propose_step(reqs, target) if reqs else {}
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]`` without waiting for the device: a list index is copied up from
