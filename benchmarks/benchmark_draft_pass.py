@@ -27,6 +27,14 @@ two device syncs; the states' draft bookkeeping is put back afterwards, and the 
 finishes its requests. The question (docs/gpu.md, item (11)): whether a pass costs well
 under k target steps, and how much the draft's graphs save over its eager pass.
 
+``--method eagle`` / ``eagle3`` times an EAGLE head's pass instead
+(vllm/v1/spec_decode/eagle.py, ``EagleProposer.propose_step``): a one-layer head of the
+target's shape (its config written next to the target's; EAGLE-3's with a 32,000-token
+draft vocabulary where the target's is larger, as the public Llama-3.1-8B head), random
+weights; the catch-up row reads a hidden state of the target's width a request (EAGLE-3:
+three, through the head's ``fc``), then k - 1 single-token forwards. ``--draft-shape`` is
+then unused.
+
     python benchmarks/benchmark_draft_pass.py --json-out /tmp/draft-pass.json   # CUDA
     python benchmarks/benchmark_draft_pass.py --target-shape tiny --draft-shape tiny-draft \\
         --num-spec-tokens 2 --batches 1 2 --prompt-len 16 --repeats 3    # CPU, seconds
@@ -73,7 +81,11 @@ def median_ms(
 def draft_pass(runner, states: list, ends: list[int], k: int) -> tuple[Callable, Callable]:
     """(prepare, run) of the draft's pass of ``k`` drafts over ``states``: each request's
     draft KV valid up to its last token (the rejected drafts' case: one catch-up row)."""
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
     drafter, reqs = runner.drafter, []
+    if isinstance(drafter, EagleProposer):
+        return eagle_pass(drafter, states, ends, k)
 
     def prepare() -> None:
         reqs.clear()
@@ -86,6 +98,47 @@ def draft_pass(runner, states: list, ends: list[int], k: int) -> tuple[Callable,
             reqs.append(planned)
 
     return prepare, lambda: drafter.propose(reqs)
+
+
+def eagle_pass(drafter, states: list, ends: list[int], k: int) -> tuple[Callable, Callable]:
+    """(prepare, run) of an EAGLE head's pass of ``k`` drafts: the catch-up of each
+    request's last computed row (position end - 2, whose next token the step sampled)
+    from a target hidden state of the right width (random: its values change no
+    timing), then k - 1 single-token forwards."""
+    model, reqs = drafter.model, []
+    width, dtype = model.target_hidden_width, model.fc.weight.dtype
+    hidden = torch.randn(len(states), width, dtype=dtype, device=drafter.device)
+
+    def prepare() -> None:
+        reqs.clear()
+        for row, (state, end) in enumerate(zip(states, ends, strict=True)):
+            state.draft_probs = None
+            planned = drafter.plan_step(state, end - 2, 1, row, sampled=True)
+            if planned is None or planned.num_drafts != k:
+                got = None if planned is None else planned.num_drafts
+                raise RuntimeError(f"request {state.req_id} would propose {got}, not {k}")
+            reqs.append(planned)
+
+    return prepare, lambda: drafter.propose_step(reqs, hidden)
+
+
+def write_eagle_dir(target_dir: Path, out: Path, method: str) -> Path:
+    """An EAGLE head's config folder for the target's shape (random weights: no files):
+    one layer; EAGLE-3 with the public Llama-3.1-8B head's 32,000-token draft
+    vocabulary where the target's is larger."""
+    config = json.loads((target_dir / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    config["num_hidden_layers"] = 1
+    if method == "eagle3":
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        config["draft_vocab_size"] = min(32000, config["vocab_size"])
+        if len({2, n // 2, n - 3}) < 3 or n < 5:  # the default layers (a tiny target)
+            config["eagle_aux_hidden_state_layer_ids"] = [0, n // 2, n]
+    else:
+        config["architectures"] = ["LlamaForCausalLM"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def target_step(runner, states: list, ends: list[int]) -> Callable[[], None]:
@@ -150,10 +203,11 @@ def measure_in_decode(llm, prompts: list[list[int]], args: argparse.Namespace) -
     from vllm import SamplingParams
 
     runner, found = llm.engine_core.model_runner, {}
-    original = runner._propose_drafts
+    hook = "_propose_drafts" if args.method == "draft_model" else "_propose_eagle"
+    original = getattr(runner, hook)
 
-    def propose_then_measure(so, order, out):
-        drafts = original(so, order, out)
+    def propose_then_measure(so, order, out, *rest):
+        drafts = original(so, order, out, *rest)
         states = [runner.requests[r] for r in order if r not in out.errors]
         decoding = len(states) == len(prompts) and all(
             out.sampled_token_ids.get(s.req_id) and len(s.output_token_ids) >= 2 for s in states
@@ -175,11 +229,11 @@ def measure_in_decode(llm, prompts: list[list[int]], args: argparse.Namespace) -
     # request's drafts max_tokens short).
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
                             detokenize=False)  # fmt: skip
-    runner._propose_drafts = propose_then_measure
+    setattr(runner, hook, propose_then_measure)
     try:
         llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     finally:
-        del runner._propose_drafts  # the class's method again
+        delattr(runner, hook)  # the class's method again
     if not found:
         raise RuntimeError(f"no step decoded all {len(prompts)} requests at once")
     return found
@@ -191,7 +245,7 @@ def engine_phase(args: argparse.Namespace, dirs: dict[str, Path], engine: str, r
 
     kw = gpu.engine_kwargs(engine_args_namespace(args), args.dtype)
     kw["speculative_config"] = {
-        "method": "draft_model",
+        "method": args.method,
         "model": str(dirs["draft"]),
         "num_speculative_tokens": max(args.num_spec_tokens),
     }
@@ -311,6 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # fmt: off
     ap.add_argument("--target-shape", choices=sorted(gpu.SHAPES), default="llama-3.1-8b")
     ap.add_argument("--draft-shape", choices=sorted(gpu.SHAPES), default="llama-3.2-1b")
+    ap.add_argument("--method", choices=("draft_model", "eagle", "eagle3"),
+                    default="draft_model",
+                    help="eagle/eagle3: an EAGLE head of the target's shape, not a draft")
     ap.add_argument("--dtype", choices=("auto", *gpu.DTYPES), default="auto",
                     help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--num-spec-tokens", type=int, nargs="+", default=[2, 4, 6],
@@ -335,7 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1 or args.warmup < 0:
         ap.error("--repeats >= 1 and --warmup >= 0")
     vocab = {gpu.SHAPES[s]["vocab_size"] for s in (args.target_shape, args.draft_shape)}
-    if len(vocab) != 1:
+    if len(vocab) != 1 and args.method == "draft_model":
         ap.error(f"the draft needs the target's vocabulary, not {sorted(vocab)}")
     args.num_spec_tokens = sorted(set(args.num_spec_tokens))
     args.batches = sorted(set(args.batches))
@@ -358,10 +415,17 @@ def main(argv: list[str] | None = None) -> int:
         role: gpu.write_config_dir(shape, args.model_dir / f"{shape}-{args.dtype}-dummy",
                                    tokenizer_dir)
         for role, shape in (("target", args.target_shape), ("draft", args.draft_shape))
+        if role == "target" or args.method == "draft_model"
     }  # fmt: skip
+    if args.method != "draft_model":
+        dirs["draft"] = write_eagle_dir(
+            dirs["target"], args.model_dir / f"{args.target_shape}-{args.method}-head",
+            args.method,
+        )  # fmt: skip
     results: dict = {
         "machine": machine, "args": vars(args), "target_shape": args.target_shape,
-        "draft_shape": args.draft_shape, "dtype": args.dtype, "timings_s": {}, "graphs": {},
+        "draft_shape": args.draft_shape if args.method == "draft_model" else args.method,
+        "method": args.method, "dtype": args.dtype, "timings_s": {}, "graphs": {},
         "engines": {}, "rows": [],
     }  # fmt: skip
     for engine in ENGINES:

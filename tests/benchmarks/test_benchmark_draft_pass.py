@@ -91,6 +91,26 @@ def test_tiny_run_on_the_cpu(bench, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tiny_eagle_run_on_the_cpu(bench, tmp_path, method):
+    """--method eagle/eagle3: a one-layer head of the target's shape instead of the draft
+    (EAGLE-3's over a 32,000-token draft vocabulary), timed the same way."""
+    out = tmp_path / "eagle.json"
+    try:
+        code = bench.main([*TINY_RUN, "--method", method, "--model-dir", str(tmp_path),
+                           "--json-out", str(out)])  # fmt: skip
+    except SystemExit as e:  # no tokenizer files on this machine
+        pytest.skip(str(e))
+    assert code == 0
+    result = json.loads(out.read_text())
+    check_cpu_run(result)
+    assert result["method"] == method == result["draft_shape"]
+    head = json.loads((tmp_path / f"tiny-{method}-head" / "config.json").read_text())
+    assert head["num_hidden_layers"] == 1
+    assert head.get("draft_vocab_size") == (32000 if method == "eagle3" else None)
+
+
+@pytest.mark.slow
 def test_gpu_kit_runs_the_draft_pass_step(tmp_path):
     kit = REPO / "scripts" / "gpu" / "run.sh"
     env = os.environ | {"GPU_RUN_NO_WHEELS": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
