@@ -363,3 +363,26 @@ def test_eagle3_over_a_family_without_auxiliary_states_is_refused(tmp_path):
     target = tmp_path
     with pytest.raises(ValueError, match=r"speculative_config\.method: eagle3 reads"):
         _engine(target, target, "eagle3", load_format="dummy", max_model_len=128)
+
+
+@pytest.mark.parametrize("variant", ["eagle", "eagle3"])
+def test_the_memory_profile_runs_the_heads_catch_up(checkpoints, variant):
+    """The runner's profile run (CUDA's memory sizing) ends with the head's catch-up over
+    the largest step, its hidden-state input of the target's width."""
+    llm = _engine(checkpoints / "target", checkpoints / variant, VARIANTS[variant][0])
+    try:
+        runner = llm.engine_core.model_runner
+        calls = []
+        forward = runner.drafter.model.forward
+
+        def recorded(*args, hidden_states, **kwargs):
+            calls.append(tuple(hidden_states.shape))
+            return forward(*args, hidden_states=hidden_states, **kwargs)
+
+        runner.drafter.model.forward = recorded
+        probs = runner.profile_run()
+        budget = llm.engine_core.vllm_config.scheduler_config.max_num_batched_tokens
+        assert calls == [(budget, runner.drafter.model.arch.hidden_size)]
+        assert torch.isfinite(probs).all()
+    finally:
+        llm.shutdown()

@@ -114,7 +114,7 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
         """The target's ``lm_head`` (and its logits scaling) and, when the checkpoint has
         none, its ``embed_tokens``."""
         self.lm_head = target.lm_head
-        self.logits_scaling = target.arch.logits_scaling
+        self.logits_scaling = getattr(target.arch, "logits_scaling", 1.0)
         if self.shares_embed_tokens:
             self.embed_tokens = target.embed_tokens
 
@@ -156,7 +156,9 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        """The checkpoint's tensors (EAGLE-3's ``midlayer.`` read as ``layers.0.``); its
+        ``embed_tokens`` when it has them (else the target's are shared later)."""
+        sd = {k.removeprefix("model.").replace("midlayer.", "layers.0."): v for k, v in sd.items()}
         self.init_buffers()
         self.shares_embed_tokens = "embed_tokens.weight" not in sd
         with torch.no_grad():
@@ -164,6 +166,10 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
                 self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
             self.fc.weight.copy_(sd["fc.weight"])
             self._load_layers(sd)
+            self._load_own(sd)
+
+    def _load_own(self, sd: dict[str, torch.Tensor]) -> None:
+        """What a head has beyond embeddings, ``fc`` and its layers (EAGLE-1: nothing)."""
 
     def _load_layers(self, sd: dict[str, torch.Tensor]) -> None:
         a = self.arch
@@ -314,28 +320,22 @@ class Eagle3LlamaForCausalLM(EagleLlamaForCausalLM):
         full = logits.new_full((logits.shape[0], self.arch.vocab_size), float("-inf"))
         return full.index_copy_(1, self.draft_to_target, logits)
 
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        sd = {k.removeprefix("model.").replace("midlayer.", "layers.0."): v for k, v in sd.items()}
-        self.init_buffers()
-        self.shares_embed_tokens = "embed_tokens.weight" not in sd
-        with torch.no_grad():
-            if not self.shares_embed_tokens:
-                self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
-            self.fc.weight.copy_(sd["fc.weight"])
-            self.norm.weight.copy_(sd["norm.weight"])
-            self.lm_head.weight.copy_(sd["lm_head.weight"])
-            if self.input_norm is not None:
-                self.input_norm.weight.copy_(sd["input_norm.weight"])
-            for i, norm in enumerate(self.fc_norm or ()):
-                norm.weight.copy_(sd[f"fc_norm.{i}.weight"])
-            self.layers[0].hidden_norm.weight.copy_(sd["layers.0.hidden_norm.weight"])
-            self._load_layers(sd)
-            if self.draft_to_target is not None:
-                if "d2t" not in sd:
-                    raise ValueError(
-                        "speculative_config.model: an EAGLE-3 head with draft_vocab_size "
-                        f"{self.arch.draft_vocab_size} < vocab_size {self.arch.vocab_size} "
-                        "needs its d2t tensor"
-                    )
-                ids = torch.arange(self.arch.draft_vocab_size) + sd["d2t"].long().cpu()
-                self.draft_to_target.copy_(ids)
+    def _load_own(self, sd: dict[str, torch.Tensor]) -> None:
+        """The final norm, the head, the optional norms of ``fc``'s input, layer 0's
+        ``hidden_norm`` and the draft vocabulary's map."""
+        self.norm.weight.copy_(sd["norm.weight"])
+        self.lm_head.weight.copy_(sd["lm_head.weight"])
+        if self.input_norm is not None:
+            self.input_norm.weight.copy_(sd["input_norm.weight"])
+        for i, norm in enumerate(self.fc_norm or ()):
+            norm.weight.copy_(sd[f"fc_norm.{i}.weight"])
+        self.layers[0].hidden_norm.weight.copy_(sd["layers.0.hidden_norm.weight"])
+        if self.draft_to_target is not None:
+            if "d2t" not in sd:
+                raise ValueError(
+                    "speculative_config.model: an EAGLE-3 head with draft_vocab_size "
+                    f"{self.arch.draft_vocab_size} < vocab_size {self.arch.vocab_size} "
+                    "needs its d2t tensor"
+                )
+            ids = torch.arange(self.arch.draft_vocab_size) + sd["d2t"].long().cpu()
+            self.draft_to_target.copy_(ids)

@@ -165,16 +165,8 @@ class DraftModelProposer:
             kept += 1
         state.draft_valid += kept
         state.draft_ahead = []
-        # Slots the request holds, and the draft's own length limit.
-        limit = min(len(state.full_table) * self.block_size, self.max_model_len)
-        num_drafts = 0
-        if sampled and may_propose and end <= limit and state.draft_allowed:
-            # d_i sits at position end + i - 1; d_1 .. d_(n-1) are fed (their KV written).
-            num_drafts = min(self.k, limit - end + 1, self.target_max_model_len - end)
-            max_tokens = state.sampling_params.max_tokens
-            if max_tokens is not None:
-                num_drafts = min(num_drafts, max_tokens - len(state.output_token_ids) - 1)
-            num_drafts = max(num_drafts, 0)
+        limit = self._limit(state)
+        num_drafts = self._num_drafts(state, end, limit, sampled and may_propose)
         if num_drafts:
             # The last token's row gives d1: compute it even when its KV is already right
             # (a fed draft that the target's next token happened to equal).
@@ -183,6 +175,24 @@ class DraftModelProposer:
         if end <= state.draft_valid:
             return None
         return DraftRequest(state, end, num_drafts)
+
+    def _limit(self, state: Any) -> int:
+        """Positions the pass may write for ``state``: the slots its request holds, and
+        the draft's own length limit."""
+        return min(len(state.full_table) * self.block_size, self.max_model_len)
+
+    def _num_drafts(self, state: Any, end: int, limit: int, may_propose: bool) -> int:
+        """How many drafts a request of length ``end`` may get: none unless it may
+        propose and is allowed drafts; at most k, none past ``limit`` (d_i sits at
+        position end + i - 1, d_1 .. d_(n-1) are fed, their KV written) or the target's
+        max_model_len, and none its max_tokens could not keep."""
+        if not (may_propose and end <= limit and state.draft_allowed):
+            return 0
+        num_drafts = min(self.k, limit - end + 1, self.target_max_model_len - end)
+        max_tokens = state.sampling_params.max_tokens
+        if max_tokens is not None:
+            num_drafts = min(num_drafts, max_tokens - len(state.output_token_ids) - 1)
+        return max(num_drafts, 0)
 
     # -- CUDA graphs -------------------------------------------------------------------
     def capture(
@@ -255,13 +265,23 @@ class DraftModelProposer:
             seqs = [(p, 1, r.state.full_table) for p, r in zip(positions, live, strict=True)]
             tokens = self._next_tokens(self._forward(tokens, positions, seqs), None, live, q_rows)
             steps.append((live, tokens))
+        drafts = self._read_drafts(steps, q_rows)
+        for r in steps[0][0]:  # d_1 .. d_(n-1) were fed: their KV is written ahead
+            r.state.draft_ahead = drafts[r.state.req_id][: r.num_drafts - 1]
+        return drafts
+
+    @staticmethod
+    def _read_drafts(
+        steps: list[tuple[list, torch.Tensor]], q_rows: dict[str, list[torch.Tensor]]
+    ) -> dict[str, list[int]]:
+        """req_id -> its drafts, from each forward's (requests, tokens on the device) in
+        one host read; a sampled request's q rows go to its state's ``draft_probs``."""
         flat = iter(torch.cat([t for _, t in steps]).tolist())  # the pass's one host read
         drafts: dict[str, list[int]] = {r.state.req_id: [] for r in steps[0][0]}
         for step_reqs, _ in steps:
             for r in step_reqs:
                 drafts[r.state.req_id].append(next(flat))
-        for r in steps[0][0]:  # d_1 .. d_(n-1) were fed: their KV is written ahead
-            r.state.draft_ahead = drafts[r.state.req_id][: r.num_drafts - 1]
+        for r in steps[0][0]:
             if r.state.req_id in q_rows:
                 probs = torch.stack(q_rows[r.state.req_id])
                 r.state.draft_probs = DraftDistribution(drafts[r.state.req_id], probs)
@@ -274,20 +294,26 @@ class DraftModelProposer:
         return start > 0 and r.end - start <= self.k + 1
 
     def _forward(
-        self, ids: list[int] | torch.Tensor, positions: list[int], seqs: list
+        self,
+        ids: list[int] | torch.Tensor,
+        positions: list[int],
+        seqs: list,
+        hidden_in: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The draft over ``seqs``; ``ids`` on the host or already on the device. A
-        decode-only batch of a captured size replays its graph (the hidden states are
-        then a view of the graphs' output, valid until the next replay)."""
+        """The draft over ``seqs``; ``ids`` on the host or already on the device;
+        ``hidden_in``: the rows' hidden-state input (an EAGLE head's). A decode-only
+        batch of a captured size replays its graph (the hidden states are then a view of
+        the graphs' output, valid until the next replay)."""
+        kwargs = {} if hidden_in is None else {"hidden_states": hidden_in}
         if self.graphs is not None:
-            hidden = self.graphs.run(ids, positions, seqs)
+            hidden = self.graphs.run(ids, positions, seqs, hidden_in=hidden_in)
             if hidden is not None:
                 return hidden
         meta = self.attn_backend.build_metadata(seqs)
         if not isinstance(ids, torch.Tensor):
             ids = to_device(ids, torch.long, self.device)
         pos = to_device(positions, torch.long, self.device)
-        return self.model(ids, pos, meta, self.kv_caches)
+        return self.model(ids, pos, meta, self.kv_caches, **kwargs)
 
     def _next_tokens(
         self,
@@ -333,4 +359,14 @@ class DraftModelProposer:
         positions = torch.cat([torch.arange(s, s + n) for s, n, _ in seqs]).to(self.device)
         assert positions.numel() == num_tokens
         ids = torch.zeros_like(positions)
-        self.model(ids, positions, meta, [scratch] * self.arch.num_layers)
+        self.model(
+            ids,
+            positions,
+            meta,
+            [scratch] * self.arch.num_layers,
+            **self._profile_inputs(num_tokens),
+        )
+
+    def _profile_inputs(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        """The model's inputs besides ids, positions and caches in a profile run."""
+        return {}

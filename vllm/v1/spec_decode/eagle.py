@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from vllm.utils.device import to_device
-from vllm.v1.spec_decode.draft_model import DraftDistribution, DraftModelProposer
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.worker.cuda_graph import DecodeGraphs
 
 
@@ -71,17 +71,11 @@ class EagleProposer(DraftModelProposer):
         step, so it may propose unless ``may_propose`` is False); None when the head has
         nothing to compute."""
         end = len(state.token_ids)
-        limit = min(len(state.full_table) * self.block_size, self.max_model_len)
+        limit = self._limit(state)
         stop = min(end - 1, start + scheduled, limit)
-        num_drafts = 0
-        if sampled and may_propose and end <= limit and state.draft_allowed:
-            # d_i sits at position end + i - 1; d_1 .. d_(n-1) are fed at stop .. (their
-            # KV one position lower than a draft model's: within its slots).
-            num_drafts = min(self.k, limit - end + 1, self.target_max_model_len - end)
-            max_tokens = state.sampling_params.max_tokens
-            if max_tokens is not None:
-                num_drafts = min(num_drafts, max_tokens - len(state.output_token_ids) - 1)
-            num_drafts = max(num_drafts, 0)
+        # d_1 .. d_(n-1) are fed at stop ..: their KV one position lower than a draft
+        # model's, within the same limit.
+        num_drafts = self._num_drafts(state, end, limit, sampled and may_propose)
         if stop <= start:
             return None
         return EagleRequest(state, start, stop, row, num_drafts if stop == end - 1 else 0)
@@ -158,44 +152,13 @@ class EagleProposer(DraftModelProposer):
             hidden = ahead.clone()
             tokens = self._next_tokens(for_logits, None, live, q_rows)
             steps.append((live, tokens))
-        flat = iter(torch.cat([t for _, t in steps]).tolist())  # the pass's one host read
-        drafts: dict[str, list[int]] = {r.state.req_id: [] for r in steps[0][0]}
-        for step_reqs, _ in steps:
-            for r in step_reqs:
-                drafts[r.state.req_id].append(next(flat))
-        for r in steps[0][0]:
-            if r.state.req_id in q_rows:
-                probs = torch.stack(q_rows[r.state.req_id])
-                r.state.draft_probs = DraftDistribution(drafts[r.state.req_id], probs)
-        return drafts
+        return self._read_drafts(steps, q_rows)
 
-    def _forward(self, ids, positions, seqs, hidden_in: torch.Tensor) -> torch.Tensor:
-        """The head over ``seqs`` with its hidden-state input; a decode-only batch of a
-        captured size replays its graph (the output then a view of the graphs' buffer)."""
-        if self.graphs is not None:
-            out = self.graphs.run(ids, positions, seqs, hidden_in=hidden_in)
-            if out is not None:
-                return out
-        meta = self.attn_backend.build_metadata(seqs)
-        if not isinstance(ids, torch.Tensor):
-            ids = to_device(ids, torch.long, self.device)
-        pos = to_device(positions, torch.long, self.device)
-        return self.model(ids, pos, meta, self.kv_caches, hidden_states=hidden_in)
-
-    @torch.inference_mode()
-    def profile_run(self, seqs: list, num_tokens: int) -> None:
-        """One catch-up forward of ``num_tokens`` tokens (the runner's memory profile)."""
-        scratch = torch.zeros(self.layer_shape(2), dtype=self.kv_cache_dtype, device=self.device)
-        meta = self.attn_backend.build_metadata(seqs)
-        positions = torch.cat([torch.arange(s, s + n) for s, n, _ in seqs]).to(self.device)
-        assert positions.numel() == num_tokens
+    def _profile_inputs(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        """A catch-up's hidden-state input (the runner's memory profile)."""
         width, dtype = self.model.target_hidden_width, self.model.fc.weight.dtype
         target = torch.zeros(num_tokens, width, dtype=dtype, device=self.device)
-        hidden = self.model.combine_hidden_states(target)
-        self.model(
-            torch.zeros_like(positions), positions, meta,
-            [scratch] * self.arch.num_layers, hidden_states=hidden,
-        )  # fmt: skip
+        return {"hidden_states": self.model.combine_hidden_states(target)}
 
 
 def eagle_head_class(method: str | None, target: torch.nn.Module) -> type | None:
