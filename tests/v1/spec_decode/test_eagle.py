@@ -386,3 +386,75 @@ def test_the_memory_profile_runs_the_heads_catch_up(checkpoints, variant):
         assert torch.isfinite(probs).all()
     finally:
         llm.shutdown()
+
+
+# -- over a mixture of experts with sliding windows and sinks --------------------------------
+def save_random_eagle3(path: Path, target_config, aux_layer_ids: list[int], seed: int = 0):
+    """A random EAGLE-3 head (upstream's names) for ``target_config``'s shapes."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    c = target_config
+    h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    inter, vocab = 2 * h, c.vocab_size
+
+    def rand(*shape, scale=0.15):
+        return torch.randn(*shape, generator=g) * scale
+
+    def norm():
+        return 1 + rand(h, scale=0.1)
+
+    tensors = {
+        "midlayer.self_attn.q_proj.weight": rand(heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, heads * d),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+        "midlayer.input_layernorm.weight": norm(),
+        "midlayer.hidden_norm.weight": norm(),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "fc.weight": rand(h, 3 * h, scale=0.1),
+        "norm.weight": norm(),
+        "lm_head.weight": rand(vocab, h, scale=0.5),
+    }
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": d, "num_hidden_layers": 1,
+        "vocab_size": vocab, "draft_vocab_size": vocab, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids},
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_eagle3_over_gpt_oss_proposes_as_the_reference(tmp_path):
+    """gpt-oss (a mixture of experts, sliding-window layers in their own KV cache group,
+    attention sinks) exposes its residual stream like the Llama family: a random EAGLE-3
+    head over it proposes exactly the reference's drafts, the outputs are transformers'
+    greedy tokens, and the head caches in the full-attention group's blocks."""
+    from tests.model_executor.test_gpt_oss import hf_model
+
+    hf = hf_model(sliding_window=12)
+    hf.save_pretrained(tmp_path / "target")
+    save_random_eagle3(tmp_path / "head", hf.config, [0, 1, 2])
+    ref = RefHead(tmp_path / "head", hf, "eagle3")
+    prompts = [[3 + (5 * i) % 90 for i in range(30)], [7, 8, 9, 10] * 5]
+    expected = [ref_spec_decode(ref, p, 20, K) for p in prompts]
+    llm = _engine(tmp_path / "target", tmp_path / "head", "eagle3", max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    try:
+        runner = llm.engine_core.model_runner
+        assert runner.kv_cache_windows == (None, 12)  # the hybrid KV cache stays on
+        with recording_proposals(llm) as proposals:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        llm.engine_core.scheduler.check_invariants()
+    finally:
+        llm.shutdown()
+    for out, (tokens, steps) in zip(outs, expected, strict=True):
+        assert list(out.outputs[0].token_ids) == tokens
+        assert proposals[out.request_id] == [s for s in steps if s]
