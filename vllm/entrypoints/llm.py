@@ -38,6 +38,7 @@ from vllm.v1.engine import (
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
+from vllm.v1.metrics.reader import EngineTotals, Metric
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,17 @@ class LLM:
         )
         self._default_sampling = default_sampling_params(self.vllm_config.model_config)
         self._request_counter = 0
+        self._totals = EngineTotals()  # get_metrics()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges since this ``LLM`` was made, as vLLM's
+        ``LLM.get_metrics``: ``Counter`` / ``Gauge`` / ``Vector`` objects named as on
+        /metrics (without ``_total``), e.g. ``vllm:spec_decode_num_accepted_tokens`` and,
+        per draft position, ``vllm:spec_decode_num_accepted_tokens_per_pos``."""
+        labels = {"model_name": self.vllm_config.model_config.served_model_name
+                  or self.vllm_config.model_config.model}  # fmt: skip
+        k = self.vllm_config.speculative_config.num_speculative_tokens
+        return self._totals.metrics(labels, k)
 
     def get_tokenizer(self):
         """The tokenizer; ``ValueError`` with ``skip_tokenizer_init=True`` (vLLM's)."""
@@ -339,6 +351,8 @@ class LLM:
                 if not self.engine_core.has_unfinished_requests():
                     raise RuntimeError("the engine core lost track of unfinished requests")
                 outputs = self.engine_core.step()
+                generated = sum(len(o.new_token_ids) for o in outputs.outputs)
+                self._totals.record(outputs.scheduler_stats, generated)
                 results, reqs_to_stop = self.output_processor.process_outputs(
                     outputs.outputs + _failed_outputs(outputs.errors)
                 )

@@ -117,3 +117,27 @@ def test_disable_log_stats_is_a_server_flag():
 
     assert FrontendArgs().disable_log_stats is False
     assert FrontendArgs(disable_log_stats=True).disable_log_stats is True
+
+
+def test_spec_decoding_line_has_the_per_position_rates(caplog):
+    from vllm.v1.metrics.stats import SpecDecodingStats
+
+    clock = Clock()
+    stat = LoggingStatLogger(interval_s=10.0, clock=clock)
+    first, second = SpecDecodingStats(), SpecDecodingStats()
+    first.observe(3, 2)  # kept the first two of three
+    first.observe(3, 0)
+    second.observe(2, 1)  # a step cut to two drafts
+    second.observe(3, 3)
+    assert first.num_accepted_tokens_per_pos == [1, 1, 0]
+    with caplog.at_level(logging.INFO, logger=NAME):
+        for spec in (first, second):
+            stat.record(step({"a": 1}, SchedulerStats(spec_decoding_stats=spec)), [])
+        stat.log_if_active()
+    spec_line = next(line for line in lines(caplog) if line.startswith("SpecDecoding"))
+    # 4 steps with drafts, 11 drafted, 6 kept: [3, 2, 1] by position.
+    assert spec_line == (
+        "SpecDecoding metrics: Mean acceptance length: 2.50, Accepted: 6 tokens, Drafted: "
+        "11 tokens, Draft acceptance rate: 54.5%, Per-position acceptance rate: 0.750, "
+        "0.500, 0.250"
+    )

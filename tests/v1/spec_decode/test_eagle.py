@@ -151,14 +151,15 @@ class RefHead:
 
 
 def ref_spec_decode(head: RefHead, prompt: list[int], max_tokens: int, k: int):
-    """Greedy speculative decoding as the engine steps it: (tokens, each step's drafts)."""
+    """Greedy speculative decoding as the engine steps it: (tokens, each step's drafts,
+    how many of them were kept)."""
     target = head.target
 
     def argmaxes(tokens):
         with torch.no_grad():
             return target(torch.tensor([tokens])).logits[0].argmax(-1).tolist()
 
-    tokens, steps = list(prompt), []
+    tokens, steps, kept_counts = list(prompt), [], []
     tokens.append(argmaxes(tokens)[-1])
     while len(tokens) - len(prompt) < max_tokens:
         n = min(k, max_tokens - (len(tokens) - len(prompt)) - 1)
@@ -169,7 +170,8 @@ def ref_spec_decode(head: RefHead, prompt: list[int], max_tokens: int, k: int):
         while kept < len(drafts) and drafts[kept] == best[kept]:
             kept += 1
         tokens += drafts[:kept] + [best[kept]]
-    return tokens[len(prompt) :][:max_tokens], steps
+        kept_counts.append(kept)
+    return tokens[len(prompt) :][:max_tokens], steps, kept_counts
 
 
 # -- engines against the reference ---------------------------------------------------------------
@@ -261,9 +263,19 @@ def test_every_proposal_equals_the_reference_and_the_output_plain_decoding(check
         llm.engine_core.scheduler.check_invariants()
     finally:
         llm.shutdown()
-    for out, (tokens, steps) in zip(outs, expected, strict=True):
+    for out, (tokens, steps, _) in zip(outs, expected, strict=True):
         assert list(out.outputs[0].token_ids) == tokens
         assert proposals[out.request_id] == [s for s in steps if s]
+    # LLM.get_metrics (vLLM's): the counters, and the drafts kept at each position.
+    metrics = {m.name: m for m in llm.get_metrics()}
+    assert metrics["vllm:spec_decode_num_draft_tokens"].value == counts["draft_tokens"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == counts["accepted"]
+    per_pos = [0] * K
+    for _, _, kept_counts in expected:
+        for kept in kept_counts:
+            for i in range(kept):
+                per_pos[i] += 1
+    assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values == per_pos
     kept = counts["accepted"] / counts["draft_tokens"]
     if VARIANTS[variant][1]["noise"] < 1:  # both kept and rejected drafts
         assert 0.1 < kept < 0.95, counts
@@ -455,6 +467,6 @@ def test_eagle3_over_gpt_oss_proposes_as_the_reference(tmp_path):
         llm.engine_core.scheduler.check_invariants()
     finally:
         llm.shutdown()
-    for out, (tokens, steps) in zip(outs, expected, strict=True):
+    for out, (tokens, steps, _) in zip(outs, expected, strict=True):
         assert list(out.outputs[0].token_ids) == tokens
         assert proposals[out.request_id] == [s for s in steps if s]

@@ -351,6 +351,14 @@ def test_server_with_speculative_decoding(tmp_path):
         metrics = server.metrics()
         assert metrics["vllm:spec_decode_num_drafts_total"] > 0
         proposed = metrics["vllm:spec_decode_num_draft_tokens_total"]
-        assert 0 < metrics["vllm:spec_decode_num_accepted_tokens_total"] <= proposed
+        accepted = metrics["vllm:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted <= proposed
+        # Per position (vLLM's series): a draft is kept only after every one before it.
+        from vllm.benchmarks.metrics_reader import scrape_labelled
+
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+        per_pos = scrape_labelled(server.base, name)
+        counts = [per_pos.get(f"{name}_total{{position={i}}}", 0) for i in range(3)]
+        assert sum(counts) == accepted and counts == sorted(counts, reverse=True), per_pos
     finally:
         server.stop()

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from vllm import envs
 from vllm.outputs import RequestOutput
 from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.metrics.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class LoggingStatLogger:
         self._prompt_tokens = self._generation_tokens = 0
         self._queries = self._hits = 0
         self._tier_queries = self._tier_hits = 0
-        self._spec: list[int] | None = None  # drafts, draft tokens, accepted tokens
+        self._spec: SpecDecodingStats | None = None  # summed over the interval
 
     def record(
         self,
@@ -74,10 +75,14 @@ class LoggingStatLogger:
                 self._tier_usage = s.offload_stats.usage
             spec = s.spec_decoding_stats
             if spec is not None and spec.num_drafts:
-                self._spec = self._spec or [0, 0, 0]
-                self._spec[0] += spec.num_drafts
-                self._spec[1] += spec.num_draft_tokens
-                self._spec[2] += spec.num_accepted_tokens
+                self._spec = self._spec or SpecDecodingStats()
+                self._spec.num_drafts += spec.num_drafts
+                self._spec.num_draft_tokens += spec.num_draft_tokens
+                self._spec.num_accepted_tokens += spec.num_accepted_tokens
+                per_pos = self._spec.num_accepted_tokens_per_pos
+                per_pos.extend([0] * (len(spec.num_accepted_tokens_per_pos) - len(per_pos)))
+                for i, n in enumerate(spec.num_accepted_tokens_per_pos):
+                    per_pos[i] += n
         self._active = True
 
     async def run(self) -> None:
@@ -112,14 +117,21 @@ class LoggingStatLogger:
             )
         logger.info("%s", line)
         if self._spec is not None:
-            drafts, proposed, accepted = self._spec
+            spec = self._spec
+            drafts, proposed, accepted = (
+                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+            )  # fmt: skip
+            # vLLM's: each position's kept drafts over the steps that had drafts.
+            per_pos = ", ".join(f"{n / drafts:.3f}" for n in spec.num_accepted_tokens_per_pos)
             logger.info(
                 "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
-                "Drafted: %d tokens, Draft acceptance rate: %.1f%%",
+                "Drafted: %d tokens, Draft acceptance rate: %.1f%%, Per-position acceptance "
+                "rate: %s",
                 1 + accepted / drafts,
                 accepted,
                 proposed,
                 _rate(accepted, proposed),
+                per_pos,
             )
         self._reset(now)
 

@@ -219,6 +219,7 @@ PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"
 PROMPT_TOKENS_CACHED = "vllm:prompt_tokens_cached"
 ITERATION_TOKENS = "vllm:iteration_tokens_total"
 ADMISSION_REJECTIONS = "vllm:admission_rejections"
+SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def request_metrics(max_model_len: int, max_num_batched_tokens: int) -> tuple[MetricSpec, ...]:
@@ -291,6 +292,12 @@ FRONTEND_METRICS = (
         "counter",
         "Number of admission attempts rejected by a queue limit, by reason.",
         labels=("reason",),
+    ),
+    MetricSpec(
+        SPEC_ACCEPTED_PER_POS,
+        "counter",
+        "Draft tokens accepted, by their position in the step's drafts (0: the first).",
+        labels=("position",),
     ),
     MetricSpec(PROMPT_TOKENS, "counter", "Prefill tokens processed."),
     MetricSpec(PROMPT_TOKENS_CACHED, "counter", "Prompt tokens served from the prefix cache."),
@@ -475,6 +482,10 @@ class PrometheusStatLogger:
                 self.series[spec.name].update(s)
             if s.num_scheduled_tokens > 0:
                 self[ITERATION_TOKENS].observe(s.num_scheduled_tokens)
+            if s.spec_decoding_stats is not None:
+                per_pos = s.spec_decoding_stats.num_accepted_tokens_per_pos
+                for pos, n in enumerate(per_pos):
+                    self.series[SPEC_ACCEPTED_PER_POS].labels(str(pos)).inc(n)
             if s.policy_stats is not None:
                 for spec in self._policy_specs.get(s.policy_name, ()):
                     self.series[spec.name].update(s.policy_stats)

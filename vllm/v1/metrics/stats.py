@@ -44,6 +44,19 @@ class SpecDecodingStats:
     num_drafts: int = 0  # request-steps that carried drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # [i]: drafts kept at position i of their step (vLLM's accepted tokens per position).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafts: int, accepted: int) -> None:
+        """One request-step with ``num_drafts`` drafts of which the first ``accepted``
+        were kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for i in range(accepted):
+            per_pos[i] += 1
 
 
 @dataclass

@@ -488,9 +488,7 @@ class Scheduler:
                 # next step computes from the last token kept.
                 accepted = len(new_tokens) - 1
                 request.num_computed_tokens -= len(drafts) - accepted
-                self._spec_stats.num_drafts += 1
-                self._spec_stats.num_draft_tokens += len(drafts)
-                self._spec_stats.num_accepted_tokens += accepted
+                self._spec_stats.observe(len(drafts), accepted)
             first = request.first_token_time is None
             stopped = False
             for i, token in enumerate(new_tokens):
