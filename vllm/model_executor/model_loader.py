@@ -441,11 +441,53 @@ def get_model_config(model: str, hf_overrides: dict[str, Any] | None = None):
     ``hf_overrides`` (--hf-overrides) applied."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(resolve_model(model), **OFFLINE)
+    path = resolve_model(model)
+    config = speculators_eagle3_config(path)
+    if config is None:
+        config = AutoConfig.from_pretrained(path, **OFFLINE)
     if hf_overrides:
         apply_hf_overrides(config, hf_overrides)
         logger.debug("HF config of %s overridden with %s", model, hf_overrides)
     return config
+
+
+def speculators_eagle3_config(path: str):
+    """The HF config of a speculators-format EAGLE-3 head (the ``speculators`` library's
+    checkpoints, e.g. RedHatAI's ``*.speculator.eagle3``: a ``transformer_layer_config``
+    and the head's fields beside it, ``norm_before_residual`` true unless it says
+    otherwise, as vLLM reads them), as the Llama config our head reads; None for a folder
+    of another format. ValueError for a speculators model other than a Llama EAGLE-3."""
+    import json
+
+    from transformers import LlamaConfig
+
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        spec = json.load(f)
+    kind = spec.get("speculators_model_type") if isinstance(spec, dict) else None
+    if kind is None:
+        return None
+    layer = dict(spec.get("transformer_layer_config") or {})
+    if kind != "eagle3" or layer.get("model_type", "llama") != "llama":
+        raise ValueError(
+            f"{path}: a speculators-format {kind!r} model over a "
+            f"{layer.get('model_type')!r} layer; only Llama EAGLE-3 heads are supported"
+        )
+    layer.pop("model_type", None)
+    layer.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        draft_vocab_size=spec.get("draft_vocab_size"),
+        norm_before_residual=spec.get("norm_before_residual", True),
+        norm_before_fc=spec.get("norm_before_fc", False),
+        fc_norm=spec.get("fc_norm", False),
+        norm_output=spec.get("norm_output", False),
+    )
+    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if spec.get(key) is not None:
+            layer[key] = spec[key]
+    return LlamaConfig(**layer)
 
 
 def hf_config_of(model_config):

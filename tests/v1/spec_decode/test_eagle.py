@@ -193,6 +193,7 @@ VARIANTS = {
     "eagle3-default-layers": ("eagle3", {"noise": 0.3, "aux_layer_ids": None}),
     "eagle-noisy": ("eagle", {"noise": 3.0}),
     "eagle-short": ("eagle", {"noise": 0.3}),  # the "eagle" head, its config cut to 32
+    "eagle3-speculators": ("eagle3", {"noise": 0.3}),  # the "eagle3" head, speculators' format
     "eagle3-noisy": ("eagle3", {"noise": 3.0}),
 }
 
@@ -202,7 +203,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     save_tiny_target(root / "target")
     for name, (method, options) in VARIANTS.items():
-        if name == "eagle-short":
+        if name in ("eagle-short", "eagle3-speculators"):
             continue
         save_eagle(root / name, root / "target", method, **options)
     # A head whose config says 32 positions drafts at every position the target serves
@@ -212,7 +213,31 @@ def checkpoints(tmp_path_factory):
     (short / "model.safetensors").symlink_to(root / "eagle" / "model.safetensors")
     config = json.loads((root / "eagle" / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    save_as_speculators(root / "eagle3", root / "eagle3-speculators")
     return root
+
+
+def save_as_speculators(head: Path, out: Path) -> None:
+    """``head`` (an EAGLE-3 head in the EAGLE repository's format) in the ``speculators``
+    library's: the layer's config nested, the head's fields beside it (norm_before_residual
+    written: its default there is true), ``layers.0.`` for ``midlayer.``."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((head / "config.json").read_text())
+    aux = config.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]
+    fields = {"draft_vocab_size": config.pop("draft_vocab_size")}
+    layer = {k: v for k, v in config.items() if k not in ("architectures", "eagle_checkpoints")}
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer, "eagle_aux_hidden_state_layer_ids": aux,
+        "norm_before_residual": False, **fields,
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": K}],
+                               "verifier": {"name_or_path": "target"}},
+    }))  # fmt: skip
+    tensors = load_file(head / "model.safetensors")
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()},
+              str(out / "model.safetensors"))  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -253,7 +278,8 @@ def test_every_proposal_equals_the_reference_and_the_output_plain_decoding(check
 
     method, _ = VARIANTS[variant]
     target = LlamaForCausalLM.from_pretrained(checkpoints / "target", torch_dtype=torch.float32)
-    ref = RefHead(checkpoints / variant, target.eval(), method)
+    same = {"eagle3-speculators": "eagle3"}.get(variant, variant)  # one head, two formats
+    ref = RefHead(checkpoints / same, target.eval(), method)
     expected = [ref_spec_decode(ref, p, n, K) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     llm = _engine(checkpoints / "target", checkpoints / variant, method)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
