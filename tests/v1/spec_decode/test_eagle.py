@@ -259,6 +259,21 @@ def recording_proposals(llm):
         drafter.propose_step = propose
 
 
+def generate_as_the_reference(llm, prompts, max_tokens, expected) -> None:
+    """Greedy outputs of ``llm`` (shut down after) equal ``expected``'s tokens (from
+    ``ref_spec_decode``), and every request's proposals, step by step, its drafts."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    try:
+        with recording_proposals(llm) as proposals:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        llm.engine_core.scheduler.check_invariants()
+    finally:
+        llm.shutdown()
+    for out, (tokens, steps, _) in zip(outs, expected, strict=True):
+        assert list(out.outputs[0].token_ids) == tokens
+        assert proposals[out.request_id] == [s for s in steps if s]
+
+
 def _engine(target: Path, head: Path | None, method: str, **kwargs):
     from vllm import LLM
 
@@ -282,16 +297,8 @@ def test_every_proposal_equals_the_reference_and_the_output_plain_decoding(check
     ref = RefHead(checkpoints / same, target.eval(), method)
     expected = [ref_spec_decode(ref, p, n, K) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     llm = _engine(checkpoints / "target", checkpoints / variant, method)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    try:
-        with recording_proposals(llm) as proposals, counting(llm) as counts:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        llm.engine_core.scheduler.check_invariants()
-    finally:
-        llm.shutdown()
-    for out, (tokens, steps, _) in zip(outs, expected, strict=True):
-        assert list(out.outputs[0].token_ids) == tokens
-        assert proposals[out.request_id] == [s for s in steps if s]
+    with counting(llm) as counts:
+        generate_as_the_reference(llm, PROMPTS, MAX_TOKENS, expected)
     # LLM.get_metrics (vLLM's): the counters, and the drafts kept at each position.
     metrics = {m.name: m for m in llm.get_metrics()}
     assert metrics["vllm:spec_decode_num_draft_tokens"].value == counts["draft_tokens"]
@@ -484,15 +491,5 @@ def test_eagle3_over_gpt_oss_proposes_as_the_reference(tmp_path):
     prompts = [[3 + (5 * i) % 90 for i in range(30)], [7, 8, 9, 10] * 5]
     expected = [ref_spec_decode(ref, p, 20, K) for p in prompts]
     llm = _engine(tmp_path / "target", tmp_path / "head", "eagle3", max_model_len=128)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    try:
-        runner = llm.engine_core.model_runner
-        assert runner.kv_cache_windows == (None, 12)  # the hybrid KV cache stays on
-        with recording_proposals(llm) as proposals:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        llm.engine_core.scheduler.check_invariants()
-    finally:
-        llm.shutdown()
-    for out, (tokens, steps, _) in zip(outs, expected, strict=True):
-        assert list(out.outputs[0].token_ids) == tokens
-        assert proposals[out.request_id] == [s for s in steps if s]
+    assert llm.engine_core.model_runner.kv_cache_windows == (None, 12)  # hybrid KV stays on
+    generate_as_the_reference(llm, prompts, (20, 20), expected)
