@@ -27,9 +27,10 @@ the target's blocks).
   and ``fc_norm.N.weight`` (``fc_norm``).
 
 A head without ``embed_tokens`` shares the target's (``share_target_weights``), as vLLM
-does; EAGLE-1 always uses the target's ``lm_head``. ``forward`` returns ``(num_tokens,
-2H)``: the rows for the logits, then the next step's hidden state (``split``), one tensor
-so that a CUDA graph's output buffer holds both.
+does; EAGLE-1 always uses the target's ``lm_head``. ``forward`` returns the rows for the
+logits and the next step's hidden states as one tensor, so that a CUDA graph's output
+buffer holds both: ``(num_tokens, H)`` where they are the same (EAGLE-1; EAGLE-3 with
+``norm_output``), else ``(num_tokens, 2H)``, the logits' rows first (``split``).
 
 The layout and names follow upstream vLLM's ``llama_eagle.py`` / ``llama_eagle3.py`` and
 the EAGLE checkpoints they load (facts, not code).
@@ -137,17 +138,18 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
     def forward(
         self, input_ids, positions, meta: Any, kv_caches, hidden_states: torch.Tensor
     ) -> torch.Tensor:
-        """(num_tokens,) ids and (num_tokens, H) hidden states -> (num_tokens, 2H): the
-        rows for the logits, then the next step's hidden states (here the same)."""
+        """(num_tokens,) ids and (num_tokens, H) hidden states -> (num_tokens, H): the
+        rows for the logits, which are also the next step's hidden states."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden_states], dim=-1))
         x, residual = self._layers(x, None, positions, meta, kv_caches)
-        out = x + residual
-        return torch.cat([out, out], dim=-1)
+        return x + residual
 
-    @staticmethod
-    def split(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward``'s output -> (rows for the logits, the next step's hidden states)."""
-        h = out.shape[-1] // 2
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s output -> (rows for the logits, the next step's hidden states):
+        one tensor twice when it is H wide, else its two halves."""
+        h = self.arch.hidden_size
+        if out.shape[-1] == h:
+            return out, out
         return out[..., :h], out[..., h:]
 
     @torch.inference_mode()
@@ -309,7 +311,7 @@ class Eagle3LlamaForCausalLM(EagleLlamaForCausalLM):
         for layer, kv_cache, m in zip(self.layers[1:], kv_caches[1:], metas[1:], strict=True):
             x, residual = layer(positions, x, residual, self.rope, m, kv_cache)
         normed, stream = self.norm(x, residual)
-        return torch.cat([normed, normed if self.arch.norm_output else stream], dim=-1)
+        return normed if self.arch.norm_output else torch.cat([normed, stream], dim=-1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
