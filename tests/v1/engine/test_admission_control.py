@@ -18,7 +18,7 @@ from vllm.v1.engine.admission_control import AdmissionControl, SharedAdmissionSt
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.output_processor import OutputProcessor
 
-from .test_core_proc import POISON_TOKEN, fake_engine_factory
+from .test_core_proc import ENDLESS_TOKEN, POISON_TOKEN, fake_engine_factory
 
 PROMPT = [1, 2, 3]  # 3 tokens
 
@@ -153,8 +153,8 @@ def queued(engine: AsyncLLM) -> int:
 
 def test_async_llm_refuses_past_the_request_limit_and_leaves_nothing():
     async def scenario(engine: AsyncLLM, stats: FakeStatLogger) -> None:
-        a = await engine.add_request([1, 2], params(2000), "a")
-        b = await engine.add_request([1, 2], params(2000), "b")
+        a = await engine.add_request([ENDLESS_TOKEN, 2], params(2000), "a")
+        b = await engine.add_request([ENDLESS_TOKEN, 2], params(2000), "b")
         with pytest.raises(QueueOverflowError):
             await engine.add_request([1, 2], params(2), "c")
         assert stats.rejections == ["max_num_queued_reqs"]
@@ -183,7 +183,7 @@ def test_async_llm_refuses_past_the_request_limit_and_leaves_nothing():
 
 def test_async_llm_token_limit_counts_prompts_until_their_first_output():
     async def scenario(engine: AsyncLLM, stats: FakeStatLogger) -> None:
-        long = await engine.add_request(list(range(1, 9)), params(2000), "long")
+        long = await engine.add_request([ENDLESS_TOKEN, *range(2, 9)], params(2000), "long")
         # Almost always no output yet (the engine's round trip outlasts this); if the
         # first token already came, the rejection cannot be shown and is skipped.
         if engine.output_processor.get_num_queued_tokens() == 8:

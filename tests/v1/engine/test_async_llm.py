@@ -15,7 +15,7 @@ from vllm.v1.engine import EngineCoreOutputType, EngineCoreReady, encode_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
 
-from .test_core_proc import POISON_TOKEN, fake_engine_factory, inject
+from .test_core_proc import ENDLESS_TOKEN, POISON_TOKEN, fake_engine_factory, inject
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +63,7 @@ def test_generate_streams_deltas_and_times_the_engine():
 
 def test_closing_a_stream_aborts_the_request():
     async def scenario(engine: AsyncLLM) -> None:
-        stream = await engine.add_request([1, 2], params(2000), "long")
+        stream = await engine.add_request([ENDLESS_TOKEN, 2], params(2000), "long")
         await stream.__anext__()
         await stream.aclose()
         assert not engine.output_processor.has_unfinished_requests()
@@ -72,6 +72,38 @@ def test_closing_a_stream_aborts_the_request():
         assert outs[-1].finished
 
     run(scenario)
+
+
+def test_the_output_loop_ends_at_shutdown_even_when_a_cancel_is_swallowed():
+    # Python 3.11's asyncio.wait_for returns the message instead of raising when a cancel
+    # lands as it arrives: the loop must still stop, not recv on the closed sockets.
+    async def main() -> None:
+        config = EngineArgs(num_gpu_blocks_override=256).create_engine_config(2048)
+        engine = AsyncLLM(config, engine_factory=fake_engine_factory)
+        await engine.start()
+        received = swallowed = 0
+
+        async def recv_ignoring_a_cancel(timeout_s: float = 1.0):
+            nonlocal received, swallowed
+            received += 1
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1  # as wait_for does when its future completed meanwhile
+            return None
+
+        engine.client.recv = recv_ignoring_a_cancel
+        await asyncio.sleep(0.05)  # the loop is now in the replaced recv
+        engine.shutdown()
+        calls = received
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+        assert swallowed == 1 and engine._loop_task.done()
+        assert received == calls  # no recv after shutdown
+
+    asyncio.run(main())
 
 
 def test_a_request_failed_in_the_engine_raises_generation_error_alone():
@@ -112,7 +144,7 @@ def test_engine_failure_fails_pending_requests_and_health():
 )
 def test_a_message_breaking_the_protocol_is_an_engine_error(frames, reason):
     async def scenario(engine: AsyncLLM) -> None:
-        stream = await engine.add_request([1], params(2000), "long")
+        stream = await engine.add_request([ENDLESS_TOKEN], params(2000), "long")
         inject(engine.client.output_addr, frames)
         with pytest.raises(EngineDeadError, match=reason):
             async for _ in stream:

@@ -55,11 +55,15 @@ class _FakeScheduler:
 
 
 POISON_TOKEN = 666
+# A request whose prompt starts with it never finishes by itself: it runs until aborted
+# (however fast the fake engine steps, a slow test still finds it running).
+ENDLESS_TOKEN = 777
 
 
 class FakeEngine:
     """One token (id 7) per request per step until max_tokens; records the steps. A request
-    whose prompt starts with POISON_TOKEN fails in its first step."""
+    whose prompt starts with POISON_TOKEN fails in its first step; one whose prompt starts
+    with ENDLESS_TOKEN runs until aborted."""
 
     num_gpu_blocks = 32
 
@@ -76,7 +80,10 @@ class FakeEngine:
     def add_request(self, request: EngineCoreRequest) -> None:
         if not request.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        self.requests[request.request_id] = [0, request.sampling_params.max_tokens]
+        max_tokens = request.sampling_params.max_tokens
+        if request.prompt_token_ids[0] == ENDLESS_TOKEN:
+            max_tokens = float("inf")
+        self.requests[request.request_id] = [0, max_tokens]
         if request.prompt_token_ids[0] == POISON_TOKEN:
             self.poisoned.add(request.request_id)
 

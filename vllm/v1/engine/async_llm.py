@@ -156,6 +156,7 @@ class AsyncLLM:
         self._next_call_id = 0
         self._asleep = False  # put to sleep by this front end, until it woke the engine
         self._loop_task: asyncio.Task | None = None
+        self._shut_down = False  # set by shutdown(): the output loop must not go on
         self._engine_requests = 0  # running + waiting in the engine, by its latest stats
         # time.monotonic() of the last engine message, or of the moment work arrived at an
         # idle engine: what "no progress for N seconds" is measured from.
@@ -468,9 +469,11 @@ class AsyncLLM:
 
     async def _output_loop(self) -> None:
         try:
-            while True:
+            # Python 3.11's wait_for can swallow a cancel that lands as its message
+            # arrives; the flag ends the loop then instead of a recv on closed sockets.
+            while not self._shut_down:
                 msg = await self.client.recv()
-                if msg is not None:
+                if msg is not None and not self._shut_down:
                     self._last_progress = time.monotonic()
                     await self._handle(*msg)
         except asyncio.CancelledError:
@@ -553,6 +556,7 @@ class AsyncLLM:
             stat_logger.record(core_outputs, results, inter_token_latencies)
 
     def shutdown(self) -> None:
+        self._shut_down = True
         if self._loop_task is not None:
             self._loop_task.cancel()
         self.client.shutdown()
