@@ -176,6 +176,29 @@ class EngineArgs:
         configs = get_type_hints(VllmConfig)
         return VllmConfig(**{g: configs[g](**kwargs) for g, kwargs in values.items()})
 
+    def serve_speculators_head(self) -> None:
+        """vLLM's speculators models: when ``model`` is a ``speculators``-format head
+        (``vllm serve RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3``), serve the
+        verifier its config names, with the head as its speculative model and the
+        head's method and draft count. ``speculative_config`` may add to that or change
+        ``num_speculative_tokens``; a ``method`` or ``model`` of its own that differs is a
+        ValueError. Called before the model's HF config is read (``LLM``, ``vllm serve``)."""
+        from vllm.model_executor.model_loader import speculators_verifier
+
+        found = speculators_verifier(self.model)
+        if found is None:
+            return
+        verifier, implied = found
+        given = self.parsed("speculative_config") or {}
+        for key in ("method", "model"):
+            if key in given and given[key] != implied[key]:
+                raise ValueError(
+                    f"speculative_config.{key}: {given[key]!r}, but the model {self.model} "
+                    f"is a speculators {implied['method']} head ({key} {implied[key]!r})"
+                )
+        self.speculative_config = {**implied, **given}
+        self.model = verifier
+
     def _parse(self, arg: ConfigArg) -> Any:
         value = getattr(self, arg.dest)
         if arg.parse is not None and isinstance(value, str):

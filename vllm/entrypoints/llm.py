@@ -60,7 +60,8 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine arguments {unknown}; see EngineArgs")
         args = EngineArgs(model=model, **kwargs)
-        hf_config = get_model_config(model, args.parsed("hf_overrides"))
+        args.serve_speculators_head()
+        hf_config = get_model_config(args.model, args.parsed("hf_overrides"))
         self.vllm_config = args.create_engine_config(
             model_max_len(hf_config, args.disable_sliding_window), UsageContext.LLM_CLASS
         )

@@ -451,6 +451,37 @@ def get_model_config(model: str, hf_overrides: dict[str, Any] | None = None):
     return config
 
 
+def speculators_verifier(model: str) -> tuple[str, dict[str, Any]] | None:
+    """A ``speculators``-format head served as the model (vLLM's ``vllm serve
+    RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3``): its verifier (the target model
+    its config names) and the speculative config it implies (its method, its first
+    proposal method's ``speculative_tokens``, the head itself as the draft model). None
+    for any other model. ValueError naming ``model`` for a malformed speculators config."""
+    import json
+
+    file = os.path.join(resolve_model(model), "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        config = json.load(f)
+    spec = config.get("speculators_config") if isinstance(config, dict) else None
+    if spec is None:
+        return None
+    try:
+        verifier = spec["verifier"]["name_or_path"]
+        tokens = spec["proposal_methods"][0]["speculative_tokens"]
+        method = config["speculators_model_type"]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(
+            f"model: {model} has a speculators_config without {e} (it needs "
+            "verifier.name_or_path, proposal_methods[0].speculative_tokens and "
+            "speculators_model_type)"
+        ) from None
+    if not isinstance(verifier, str) or not verifier:
+        raise ValueError(f"model: {model}'s verifier.name_or_path is not a model name")
+    return verifier, {"method": method, "model": model, "num_speculative_tokens": tokens}
+
+
 def speculators_eagle3_config(path: str):
     """The HF config of a speculators-format EAGLE-3 head (the ``speculators`` library's
     checkpoints, e.g. RedHatAI's ``*.speculator.eagle3``: a ``transformer_layer_config``

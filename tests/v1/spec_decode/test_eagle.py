@@ -390,6 +390,82 @@ def test_prefix_hits_preemption_and_sampling_keep_the_outputs(checkpoints):
             llm.shutdown()
 
 
+# -- a speculators head as the model ---------------------------------------------------------------
+def _speculators_model(checkpoints: Path, out: Path, **speculators_config) -> Path:
+    """The "eagle3-speculators" head, its verifier the target's absolute path (as a hub
+    head names its target), ``speculators_config`` replacing keys of its own."""
+    out.mkdir()
+    head = checkpoints / "eagle3-speculators"
+    (out / "model.safetensors").symlink_to(head / "model.safetensors")
+    config = json.loads((head / "config.json").read_text())
+    verifier = {"name_or_path": str(checkpoints / "target")}
+    spec = {**config["speculators_config"], "verifier": verifier}
+    config["speculators_config"] = {**spec, **speculators_config}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_speculators_head_as_the_model_serves_its_verifier_with_it(checkpoints, tmp_path):
+    """vLLM's ``vllm serve RedHatAI/...speculator.eagle3``: the verifier named in the
+    head's config is served, the head drafting its ``speculative_tokens``; the same
+    outputs and drafts as the explicit --speculative-config."""
+    from tests.v1.spec_decode.test_draft_model import counting
+    from vllm import LLM
+
+    served = _speculators_model(checkpoints, tmp_path / "head")
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    results = []
+    for llm in (
+        lambda: _engine(checkpoints / "target", checkpoints / "eagle3-speculators", "eagle3"),
+        lambda: LLM(
+            model=str(served),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            kv_cache_memory="8MiB",
+            max_model_len=256,
+        ),  # fmt: skip
+    ):
+        engine = llm()
+        try:
+            with counting(engine) as counts:
+                outs = engine.generate(prompts, params)
+            results.append(([list(o.outputs[0].token_ids) for o in outs], dict(counts)))
+            config = engine.vllm_config
+        finally:
+            engine.shutdown()
+    assert config.model_config.model == str(checkpoints / "target")
+    assert config.speculative_config.speculative_config == {
+        "method": "eagle3", "model": str(served), "num_speculative_tokens": K,
+    }  # fmt: skip
+    assert results[0] == results[1] and results[1][1]["accepted"] > 0
+
+
+def test_a_speculators_model_takes_a_draft_count_and_refuses_another_method(checkpoints, tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.main import make_parser
+    from vllm.entrypoints.cli.serve import build_config
+
+    served = _speculators_model(checkpoints, tmp_path / "head")
+    args = make_parser().parse_args(
+        ["serve", str(served), "--speculative-config", '{"num_speculative_tokens": 2}']
+    )
+    config = build_config(args)
+    assert config.model_config.model == str(checkpoints / "target")
+    assert config.speculative_config.speculative_config["num_speculative_tokens"] == 2
+    assert config.speculative_config.speculative_config["model"] == str(served)
+    for given in ({"method": "ngram"}, {"model": str(checkpoints / "eagle3")}):
+        key = next(iter(given))
+        with pytest.raises(ValueError, match=rf"speculative_config\.{key}: .*speculators eagle3"):
+            EngineArgs(model=str(served), speculative_config=given).serve_speculators_head()
+    broken = _speculators_model(checkpoints, tmp_path / "broken", proposal_methods=[])
+    with pytest.raises(ValueError, match=r"model: .*speculators_config without"):
+        EngineArgs(model=str(broken)).serve_speculators_head()
+    plain = EngineArgs(model=str(checkpoints / "target"))
+    plain.serve_speculators_head()  # not a speculators model: nothing changes
+    assert plain.model == str(checkpoints / "target") and plain.speculative_config is None
+
+
 # -- what is refused ------------------------------------------------------------------------------
 def test_a_head_of_another_hidden_size_is_refused_naming_the_model(checkpoints, tmp_path):
     config = json.loads((checkpoints / "eagle3" / "config.json").read_text())

@@ -61,6 +61,7 @@ def build_config(args: argparse.Namespace):
     if args.model_tag is not None:
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
+    engine_args.serve_speculators_head()
     check_chat_template(engine_args.chat_template)
     from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 
