@@ -451,20 +451,26 @@ def get_model_config(model: str, hf_overrides: dict[str, Any] | None = None):
     return config
 
 
+def _config_json(path: str) -> dict[str, Any]:
+    """The JSON object in the folder's config.json ({} without one, or if not an object)."""
+    import json
+
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        config = json.load(f)
+    return config if isinstance(config, dict) else {}
+
+
 def speculators_verifier(model: str) -> tuple[str, dict[str, Any]] | None:
     """A ``speculators``-format head served as the model (vLLM's ``vllm serve
     RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3``): its verifier (the target model
     its config names) and the speculative config it implies (its method, its first
     proposal method's ``speculative_tokens``, the head itself as the draft model). None
     for any other model. ValueError naming ``model`` for a malformed speculators config."""
-    import json
-
-    file = os.path.join(resolve_model(model), "config.json")
-    if not os.path.isfile(file):
-        return None
-    with open(file) as f:
-        config = json.load(f)
-    spec = config.get("speculators_config") if isinstance(config, dict) else None
+    config = _config_json(resolve_model(model))
+    spec = config.get("speculators_config")
     if spec is None:
         return None
     try:
@@ -488,16 +494,10 @@ def speculators_eagle3_config(path: str):
     and the head's fields beside it, ``norm_before_residual`` true unless it says
     otherwise, as vLLM reads them), as the Llama config our head reads; None for a folder
     of another format. ValueError for a speculators model other than a Llama EAGLE-3."""
-    import json
-
     from transformers import LlamaConfig
 
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        return None
-    with open(file) as f:
-        spec = json.load(f)
-    kind = spec.get("speculators_model_type") if isinstance(spec, dict) else None
+    spec = _config_json(path)
+    kind = spec.get("speculators_model_type")
     if kind is None:
         return None
     layer = dict(spec.get("transformer_layer_config") or {})
