@@ -40,6 +40,16 @@ never.
 ``--end-to-end`` adds ``LLM.chat`` of 16 greedy penalised chats with the embedded model,
 the runner's penalties from its tables against the histories (CPU).
 
+``--rejection-ab`` times speculative decoding's verification of sampled requests
+(``rejection_sampler``): a step's N requests with K drafts each (drawn from a q near the
+target's p, half of them checked against that q, half as point masses), all verified
+together (``verify_sampled_batch``, one read from the device) against each request alone
+(``verify_sampled``: the runner's way until session 36, whose row-by-row loop read ~4
+values a draft from the device), checking the same tokens (seeded requests).
+
+    .venv/bin/python benchmarks/benchmark_sampler.py --rejection-ab [--num-spec-tokens 3]
+        [--vocab 128256] [--num-requests 1 16 64 256]
+
 Medians of ``--repeats`` timed calls after one warm-up. The figures are this machine's:
 name its CPU (or GPU) with them.
 """
@@ -61,6 +71,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample import sampler
 from vllm.v1.sample.penalty_table import PenaltyTable, has_penalty
+from vllm.v1.sample.rejection_sampler import SampledDrafts, verify_sampled, verify_sampled_batch
 from vllm.v1.sample.sampler import PrefixView, SamplingRow, sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -131,6 +142,45 @@ def measure(n: int, args: argparse.Namespace, device: torch.device) -> dict:
         together_ms=batch_ms,
         row_by_row_ms=rows_ms,
         speedup=round(rows_ms / batch_ms, 2),
+        same_tokens=same,
+    )
+
+
+def rejection_ab(n: int, args: argparse.Namespace, device: torch.device) -> dict:
+    k, vocab = args.num_spec_tokens, args.vocab
+    rng = torch.Generator().manual_seed(n)
+    logits = torch.randn(n * (k + 1), vocab, generator=rng).to(device)
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    reqs = []
+    for i in range(n):
+        block = logits[i * (k + 1) : (i + 1) * (k + 1)]
+        # The drafter's q: the target's rows, a little off.
+        noise = torch.randn(k, vocab, generator=rng).to(device) * 0.5
+        q = ((block[:k] + noise) / params.temperature).softmax(-1)
+        drafts = torch.multinomial(q, 1, generator=None).view(-1).tolist()
+        gen = torch.Generator(device=device).manual_seed(i)
+        reqs.append(SampledDrafts(block, drafts, params, gen, q if i % 2 else None))
+
+    def reseeded():
+        for i, r in enumerate(reqs):
+            r.generator.manual_seed(i)
+        return reqs
+
+    def together():
+        return verify_sampled_batch(reseeded())
+
+    def alone():
+        return [verify_sampled(*r) for r in reseeded()]
+
+    same, batch_ms, rows_ms = interleaved(together, alone, args.repeats, device)
+    kept = sum(len(t) - 1 for t in together() if t is not None)
+    return dict(
+        num_requests=n,
+        num_spec_tokens=k,
+        together_ms=batch_ms,
+        row_by_row_ms=rows_ms,
+        speedup=round(rows_ms / batch_ms, 2),
+        kept_per_request=round(kept / n, 2),
         same_tokens=same,
     )
 
@@ -393,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--top-p-ab's two methods (default: sort and numpy on a CPU, sort and triton "
         "on a GPU)",
     )
+    ap.add_argument(
+        "--rejection-ab",
+        action="store_true",
+        help="spec decode's verification of sampled requests, batched against alone",
+    )
+    ap.add_argument("--num-spec-tokens", type=int, default=3, help="--rejection-ab's K")
     ap.add_argument("--temperature", type=float, default=0.7, help="--top-p-ab's")
     ap.add_argument("--top-p", type=float, default=0.9, help="--top-p-ab's")
     args = ap.parse_args(argv)
@@ -408,11 +464,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--penalty-table-ab needs a --mix with penalties, not {args.mix}")
     if args.end_to_end and not (args.penalty_table_ab and device.type == "cpu"):
         ap.error("--end-to-end goes with --penalty-table-ab on the CPU (the engine's device)")
+    what = f"mix {args.mix}: {MIXES[args.mix]}"
+    if args.rejection_ab:
+        what = f"{args.num_spec_tokens} drafts a request, temperature 0.8, top-p 0.95"
     print(f"# {machine['device_name']} ({machine.get('vector_extensions', device.type)}), "
-          f"{torch.get_num_threads()} threads, vocab {args.vocab}, "
-          f"mix {args.mix}: {MIXES[args.mix]}")  # fmt: skip
+          f"{torch.get_num_threads()} threads, vocab {args.vocab}, {what}")  # fmt: skip
     e2e = None
-    if args.penalty_table_ab:
+    if args.rejection_ab:
+        results = table(
+            ["N", "K", "together ms", "one by one ms", "speedup", "kept a request",
+             "same tokens"],
+            [lambda r: r["num_requests"], lambda r: r["num_spec_tokens"],
+             lambda r: r["together_ms"], lambda r: r["row_by_row_ms"],
+             lambda r: f"{r['speedup']}x", lambda r: r["kept_per_request"],
+             lambda r: r["same_tokens"]],
+            (rejection_ab(n, args, device) for n in args.num_requests),
+        )  # fmt: skip
+    elif args.penalty_table_ab:
         results = table(
             ["N", "histories ms", "tables ms", "ratio", "same tokens", "host entries ms",
              "tables MiB"],

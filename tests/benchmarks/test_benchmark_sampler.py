@@ -80,3 +80,16 @@ def test_penalty_table_ab_samples_the_same_tokens_both_ways(tmp_path, capsys):
         assert e.code == 2
     else:
         raise AssertionError("--end-to-end without --penalty-table-ab was accepted")
+
+
+def test_rejection_ab_verifies_the_same_tokens_together_and_alone(tmp_path, capsys):
+    bench = load_script(SCRIPT)
+    out = tmp_path / "rejection.json"
+    args = ["--rejection-ab", "--num-spec-tokens", "2", "--json-out", str(out)]
+    assert bench.main(TINY + args) == 0
+    report = json.loads(out.read_text())
+    assert [r["num_requests"] for r in report["results"]] == [1, 5]
+    for r in report["results"]:
+        assert r["same_tokens"] is True and r["num_spec_tokens"] == 2
+        assert 0 <= r["kept_per_request"] <= 2
+    assert "| 5 | 2 |" in capsys.readouterr().out

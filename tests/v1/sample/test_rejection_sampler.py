@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.sample.rejection_sampler import target_probs, verify_sampled
+from vllm.v1.sample.rejection_sampler import (
+    SampledDrafts,
+    target_probs,
+    verify_sampled,
+    verify_sampled_batch,
+)
 
 TRIALS = 20_000
 TOLERANCE = 0.015  # about 5 standard errors of a frequency near 0.5 at 20,000 draws
@@ -154,3 +159,60 @@ def test_a_draft_q_could_not_have_drawn_is_rejected():
     for _ in range(200):  # q(0) = 0: draft 0 never kept; the residual p - q lacks token 1
         tokens = verify_sampled(LOGITS, [0, 1], params, gen, q)
         assert len(tokens) == 1 and tokens[0] != 1
+
+
+# -- a step's sampled requests, verified together ---------------------------------------
+def _mixed_requests(num: int, seed: int = 0) -> list[SampledDrafts]:
+    """Requests of different filters, 0-2 drafts, q or point masses, some with a row
+    that is not finite; each with its own generator seeded by its index."""
+    rng = torch.Generator().manual_seed(seed)
+    kinds = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, min_p=0.2),
+    ]
+    reqs = []
+    for i in range(num):
+        n = int(torch.randint(0, 3, (), generator=rng))
+        logits = LOGITS[: n + 1].clone()
+        if i % 7 == 3:
+            logits[int(torch.randint(0, n + 1, (), generator=rng)), 2] = float("nan")
+        drafts = [int(torch.randint(0, 5, (), generator=rng)) for _ in range(n)]
+        q = DRAFT_Q[:n] if n and i % 2 else None
+        gen = torch.Generator().manual_seed(i)
+        reqs.append(SampledDrafts(logits, drafts, kinds[i % len(kinds)], gen, q))
+    return reqs
+
+
+def test_a_batch_verifies_each_request_as_it_would_be_alone():
+    # A request's random numbers are its own generator's, drawn in the same order.
+    batch = verify_sampled_batch(_mixed_requests(60))
+    alone = [verify_sampled(*r) for r in _mixed_requests(60)]
+    assert batch == alone
+    assert any(t is None for t in batch)  # a row it needed was not finite
+    assert any(t is not None and len(t) > 1 for t in batch)  # drafts kept
+    assert verify_sampled_batch([]) == []
+
+
+def test_a_batch_leaves_each_position_the_target_distribution():
+    # One batch of TRIALS requests, half with q-drawn drafts, half with the same drafts as
+    # point masses, all on one generator: each position has the target's distribution.
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    gen = torch.Generator().manual_seed(5)
+    reqs = []
+    for i in range(TRIALS):
+        drafts = [int(torch.multinomial(row, 1, generator=gen)) for row in DRAFT_Q]
+        reqs.append(SampledDrafts(LOGITS, drafts, params, gen, DRAFT_Q if i % 2 else None))
+    out = verify_sampled_batch(reqs)
+    for parity in (0, 1):
+        positions: list[list[int]] = [[], []]
+        for r, tokens in zip(reqs[parity::2], out[parity::2], strict=True):
+            positions[0].append(tokens[0])
+            if tokens[0] == r.drafts[0]:
+                positions[1].append(tokens[1])
+        for i, values in enumerate(positions):
+            p = target_probs(LOGITS[i], params).double()
+            share = (len(values) / (TRIALS / 2)) ** 0.5
+            gap = (frequencies(values, 5) - p).abs().max().item() * share
+            assert gap < 1.5 * TOLERANCE, (parity, i, gap)

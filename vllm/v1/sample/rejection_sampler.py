@@ -14,16 +14,24 @@ chosen: P(x) = P(d = x) p(x) + sum over d != x of P(d) (1 - p(d)) p(x) / (1 - p(
 It keeps fewer drafts than the ratio test when the drafts really were drawn from a q.
 The random numbers come from the request's generator (seeded requests stay
 reproducible, though not token-for-token equal to plain decoding).
+
+``verify_sampled_batch`` checks every sampled request of a step at once, on the logits'
+device, and reads the result to the host once (row by row it took four reads a draft:
+on a GPU each waits for the device). A point mass is the ratio test with q = one-hot(d):
+q(d) = 1 keeps d with probability p(d), and max(0, p - q) is p without d.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.sample.sampler import draw, filter_logits
+from vllm.utils.device import to_device
+from vllm.v1.sample.sampler import SamplingRow, filter_logits, filter_rows_on_device, inverse_cdf
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
@@ -35,6 +43,16 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor |
     return filtered.softmax(-1)
 
 
+class SampledDrafts(NamedTuple):
+    """One sampled request's drafts to verify."""
+
+    logits: torch.Tensor  # (len(drafts) + 1, vocab): row i after the first i drafts
+    drafts: Sequence[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    draft_probs: torch.Tensor | None = None  # (len(drafts), vocab): q; None: point masses
+
+
 def verify_sampled(
     logits: torch.Tensor,
     drafts: Sequence[int],
@@ -42,26 +60,81 @@ def verify_sampled(
     generator: torch.Generator | None,
     draft_probs: torch.Tensor | None = None,
 ) -> list[int] | None:
-    """The tokens of one request's step: ``logits`` (len(drafts) + 1, vocab), row i the
-    distribution after the first i drafts; ``draft_probs`` (len(drafts), vocab): the q each
-    draft was drawn from (None: point masses). None when a row needed is not finite."""
-    for i, draft in enumerate(drafts):
-        p = target_probs(logits[i], params)
-        if p is None:
-            return None
-        q = None if draft_probs is None else draft_probs[i].to(p.device, p.dtype)
-        q_draft = 1.0 if q is None else q[draft].item()
-        uniform = torch.rand((), dtype=torch.float64, generator=generator, device=p.device)
+    """The tokens of one request's step (``SampledDrafts``'s fields); None when a row
+    needed is not finite."""
+    return verify_sampled_batch([SampledDrafts(logits, drafts, params, generator, draft_probs)])[0]
+
+
+def verify_sampled_batch(reqs: Sequence[SampledDrafts]) -> list[list[int] | None]:
+    """Each request's tokens (its kept drafts, then one drawn token), or None when one of
+    the rows it needed (those up to its first rejection) is not finite. Every request's
+    random numbers come from its generator, in request order: a uniform number per draft,
+    then one for the drawn token. One read from the device in all."""
+    if not reqs:
+        return []
+    device = reqs[0].logits.device
+    logits = torch.cat([r.logits for r in reqs]) if len(reqs) > 1 else reqs[0].logits
+    counts = [len(r.drafts) for r in reqs]
+    first_draft = list(itertools.accumulate(counts, initial=0))  # in the flat draft list
+    starts = [f + i for i, f in enumerate(first_draft[:-1])]  # each request's first row
+    rows = [SamplingRow(r.params, r.generator, (), []) for r in reqs]
+    x = filter_rows_on_device(
+        logits, [row for row, n in zip(rows, counts, strict=True) for _ in range(n + 1)]
+    )
+    finite = torch.isfinite(x.amax(-1))
+    p = x.softmax(-1)
+    most = max(counts)
+    kept = torch.zeros(len(reqs), dtype=torch.long, device=device)  # drafts kept
+    q_rows = None
+    if most:
+        drafts = to_device([d for r in reqs for d in r.drafts], torch.long, device)
+        # Every draft's q row; a point mass is one-hot(d).
+        q_rows = torch.cat(
+            [
+                r.draft_probs[: len(r.drafts)].to(device, p.dtype)
+                if r.draft_probs is not None
+                else torch.nn.functional.one_hot(drafts[f : f + len(r.drafts)], p.shape[-1]).to(
+                    p.dtype
+                )
+                for r, f in zip(reqs, first_draft[:-1], strict=True)
+                if r.drafts
+            ]
+        )
+        draft_rows = [s + j for s, n in zip(starts, counts, strict=True) for j in range(n)]
+        p_d = p[to_device(draft_rows, torch.long, device), drafts].double()
+        q_d = q_rows.gather(1, drafts[:, None])[:, 0].double()
+        uniform = torch.cat(
+            [
+                torch.rand(len(r.drafts), dtype=torch.float64, generator=r.generator, device=device)
+                for r in reqs
+                if r.drafts
+            ]
+        )
         # u < p(d) / q(d), without dividing; a q(d) of 0 (q cannot have drawn d) rejects.
-        if q_draft > 0.0 and uniform.item() * q_draft < p[draft].item():
-            continue  # kept
-        if q is None:
-            residual = p.clone()
-            residual[draft] = 0.0
-        else:
-            residual = (p - q).clamp_(min=0.0)
-            if not residual.sum().item() > 0.0:  # p == q up to rounding: rejection had
-                residual = p  # probability ~0; p is then the residual's limit
-        return [*drafts[:i], draw(residual, generator)]
-    p = target_probs(logits[len(drafts)], params)
-    return None if p is None else [*drafts, draw(p, generator)]
+        accept = torch.cat(
+            [(q_d > 0) & (uniform * q_d < p_d), drafts.new_zeros(1, dtype=torch.bool)]
+        )
+        pad = len(draft_rows)  # the False appended: past a request's own drafts
+        grid = [
+            [f + j if j < n else pad for j in range(most)]
+            for f, n in zip(first_draft[:-1], counts, strict=True)
+        ]
+        kept = accept[to_device(grid, torch.long, device)].long().cumprod(1).sum(1)
+    at = to_device(starts, torch.long, device) + kept  # the row the drawn token comes from
+    target = p[at]
+    if q_rows is not None:
+        rejected = kept < to_device(counts, torch.long, device)
+        q_at = q_rows[(to_device(first_draft[:-1], torch.long, device) + kept).clamp(max=pad - 1)]
+        residual = (target - torch.where(rejected[:, None], q_at, 0.0)).clamp(min=0.0)
+        # p == q up to rounding: rejection had probability ~0; p is then the residual's limit.
+        target = torch.where((residual.sum(-1) > 0)[:, None], residual, target)
+    drawn = inverse_cdf(target, rows)
+    # Failed: a row up to the drawn token's is not finite.
+    span = [[s + min(j, n) for j in range(most + 1)] for s, n in zip(starts, counts, strict=True)]
+    upto = torch.arange(most + 1, device=device)[None] <= kept[:, None]
+    bad = (~finite[to_device(span, torch.long, device)] & upto).any(1)
+    host = torch.stack([kept, drawn, bad.long()]).tolist()
+    return [
+        None if failed else [*r.drafts[:n], token]
+        for r, n, token, failed in zip(reqs, *host, strict=True)
+    ]

@@ -474,7 +474,7 @@ def processed_logits(
     drawn = [i for i, r in enumerate(rows) if not r.params.sampling_type_greedy]
     if drawn:
         index = to_device(drawn, torch.long, x.device)
-        filtered = _filter_rows_on_device(x.index_select(0, index), [rows[i] for i in drawn])
+        filtered = filter_rows_on_device(x.index_select(0, index), [rows[i] for i in drawn])
         x = x.index_copy(0, index, filtered)
     return x
 
@@ -612,7 +612,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     return token
 
 
-def _filter_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def filter_rows_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """``filter_logits`` of every row at once, each with its own temperature, top-k, top-p
     and min-p (random rows): the same masks as row by row, in batched ops on ``logits``'
     device. A filter no row asks for costs nothing."""
@@ -644,7 +644,7 @@ def _draw_rows_on_device(
     logits: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per random row (``logits``: penalised, not yet filtered), all on the
-    device: each row's filters (``_filter_rows_on_device``), its float32 softmax and
+    device: each row's filters (``filter_rows_on_device``), its float32 softmax and
     float64 CDF, one uniform number from its generator (None: the device's global RNG),
     drawn in row order; the inverse CDF at it, as ``draw`` (the same tokens as ``draw`` row
     by row, in a few batched ops instead of ~8 per row). Returns (tokens, whether each
@@ -658,8 +658,8 @@ def _draw_rows_on_device(
             for i in range(0, len(rows), _CPU_DRAW_ROWS)
         ]
         return torch.cat([t for t, _ in parts]), torch.cat([f for _, f in parts])
-    x = _filter_rows_on_device(logits, rows)
-    return _inverse_cdf(x.softmax(-1), rows), torch.isfinite(x.amax(-1))
+    x = filter_rows_on_device(logits, rows)
+    return inverse_cdf(x.softmax(-1), rows), torch.isfinite(x.amax(-1))
 
 
 def draw_with_probs_on_device(
@@ -669,12 +669,12 @@ def draw_with_probs_on_device(
     distributions drawn from: (tokens, probs (rows, vocab), whether each row's filtered
     logits are finite), all on the device. A drafter needs its q for speculative
     sampling's ratio test (``rejection_sampler.verify_sampled``)."""
-    x = _filter_rows_on_device(logits, rows)
+    x = filter_rows_on_device(logits, rows)
     probs = x.softmax(-1)
-    return _inverse_cdf(probs, rows), probs, torch.isfinite(x.amax(-1))
+    return inverse_cdf(probs, rows), probs, torch.isfinite(x.amax(-1))
 
 
-def _inverse_cdf(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """One token per row of ``probs`` at one uniform number from each row's generator,
     in row order (as ``draw``, batched)."""
     device = probs.device

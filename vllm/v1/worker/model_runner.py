@@ -37,7 +37,7 @@ from vllm.v1.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure
 from vllm.v1.sample.logits_processor import build_logits_processors
 from vllm.v1.sample.logits_processor.state import PersistentBatch
 from vllm.v1.sample.penalty_table import PenaltyTable, has_penalty
-from vllm.v1.sample.rejection_sampler import verify_sampled
+from vllm.v1.sample.rejection_sampler import SampledDrafts, verify_sampled_batch
 from vllm.v1.sample.sampler import (
     NON_FINITE_LOGITS,
     PrefixView,
@@ -1093,27 +1093,38 @@ class ModelRunner:
     ) -> None:
         """Requests with drafts (``hidden``: each one's rows, its last token's then one per
         draft). Greedy: the drafts the argmax agrees with, then the argmax after them
-        (``verify_greedy``); sampled: rejection sampling (``verify_sampled``), with the q
-        a draft model drew them from, or as point masses (n-gram drafts). Their next
+        (``verify_greedy``); sampled: rejection sampling (``verify_sampled_batch``, all of
+        them at once), with the q a draft model drew them from, or as point masses
+        (n-gram drafts). Their next
         token depends on the logits alone (``drafts_allowed``), so either gives plain
         decoding's tokens (greedy) or distribution (sampled); logprobs, when asked for,
         are each kept token's row's. A request whose rows are not finite fails alone."""
         logits = self.model.compute_logits(hidden)
         finite, argmax = finite_and_argmax(logits, list(range(logits.shape[0])))
         row = 0
+        results: dict[str, list[int] | None] = {}
+        blocks: dict[str, range] = {}
+        sampled: list[tuple[str, SampledDrafts]] = []
         for state, drafts in spec_reqs:
-            rows = range(row, row + len(drafts) + 1)
+            rows = blocks[state.req_id] = range(row, row + len(drafts) + 1)
             row = rows.stop
-            tokens = None
             proposed, state.draft_probs = state.draft_probs, None  # verified: freed
-            if all(finite[i] for i in rows):
-                params = state.sampling_params
-                if params.sampling_type_greedy:
-                    tokens = verify_greedy([argmax[i] for i in rows], drafts)
-                else:
-                    block = logits[rows.start : rows.stop]
-                    q = None if proposed is None else proposed.for_drafts(drafts)
-                    tokens = verify_sampled(block, drafts, params, state.generator, q)
+            params = state.sampling_params
+            if not all(finite[i] for i in rows):
+                results[state.req_id] = None
+            elif params.sampling_type_greedy:
+                results[state.req_id] = verify_greedy([argmax[i] for i in rows], drafts)
+            else:
+                q = None if proposed is None else proposed.for_drafts(drafts)
+                block = logits[rows.start : rows.stop]
+                sampled.append(
+                    (state.req_id, SampledDrafts(block, drafts, params, state.generator, q))
+                )
+        # Every sampled request at once: one read from the device.
+        verified = verify_sampled_batch([s for _, s in sampled])
+        results.update(zip([req_id for req_id, _ in sampled], verified, strict=True))
+        for state, _ in spec_reqs:
+            tokens = results[state.req_id]
             if tokens is None:
                 out.errors[state.req_id] = NON_FINITE_LOGITS
                 continue
@@ -1122,6 +1133,7 @@ class ModelRunner:
             out.sampled_token_ids[state.req_id] = tokens
             num_top = state.sampling_params.logprobs
             if num_top is not None:  # the model's raw logprobs, as the sampler reports
+                rows = blocks[state.req_id]
                 kept = logits[rows.start : rows.start + len(tokens)]
                 as_logits = self.logprobs_mode == "raw_logits"  # processed: refused
                 out.logprobs[state.req_id] = token_logprobs(kept, tokens, num_top, as_logits)
