@@ -569,3 +569,38 @@ def test_eagle3_over_gpt_oss_proposes_as_the_reference(tmp_path):
     llm = _engine(tmp_path / "target", tmp_path / "head", "eagle3", max_model_len=128)
     assert llm.engine_core.model_runner.kv_cache_windows == (None, 12)  # hybrid KV stays on
     generate_as_the_reference(llm, prompts, (20, 20), expected)
+
+
+def _save_family(family: str, path: Path):
+    """A tiny transformers model of ``family``, saved at ``path``; returns it."""
+    if family == "gemma3":  # sliding-window layers in their own group, embeddings scaled
+        from tests.model_executor.test_gemma import save_checkpoint
+
+        return save_checkpoint("Gemma3ForCausalLM", path)
+    if family == "cohere2":  # parallel attention and MLP, layer norms, sliding layers
+        from tests.model_executor.test_cohere import save
+
+        return save("Cohere2", path)
+    from tests.model_executor.test_deepseek import save  # MLA, experts, yarn
+
+    return save("v3", path)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "cohere2", "deepseek_v3"])
+def test_eagle3_over_other_families_proposes_as_the_reference(tmp_path, family):
+    """Gemma 3, Cohere 2 and DeepSeek-V3 expose their residual stream (the embeddings as
+    the model scales them, then the stream after each layer) as the Llama family does: a
+    random EAGLE-3 head over each proposes exactly the reference's drafts and the outputs
+    are transformers' greedy tokens."""
+    from types import SimpleNamespace
+
+    hf = _save_family(family, tmp_path / "target")
+    h = hf.config.hidden_size
+    shape = SimpleNamespace(hidden_size=h, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=h // 4, vocab_size=hf.config.vocab_size)  # fmt: skip
+    save_random_eagle3(tmp_path / "head", shape, [0, 1, 2])
+    ref = RefHead(tmp_path / "head", hf, "eagle3")
+    prompts = [[3 + (5 * i) % 90 for i in range(30)], [7, 8, 9, 10] * 5]
+    expected = [ref_spec_decode(ref, p, 20, K) for p in prompts]
+    llm = _engine(tmp_path / "target", tmp_path / "head", "eagle3", max_model_len=128)
+    generate_as_the_reference(llm, prompts, (20, 20), expected)

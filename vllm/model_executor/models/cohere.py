@@ -161,6 +161,10 @@ class CohereForCausalLM(nn.Module):
         self.norm = CohereLayerNorm(arch.hidden_size, arch.layer_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope, False)
+        # EAGLE-3 (spec_decode/eagle.py): the residual stream after each of these many
+        # layers, concatenated in ``aux_hidden`` by every forward.
+        self.aux_hidden_layers: frozenset[int] = frozenset()
+        self.aux_hidden: torch.Tensor | None = None
 
     @property
     def attention_features(self) -> frozenset[str]:
@@ -174,8 +178,13 @@ class CohereForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         metas = layer_metadata(meta, len(self.layers))  # the hybrid KV cache's groups
-        for layer, kv_cache, m in zip(self.layers, kv_caches, metas, strict=True):
+        aux = [x.clone()] if 0 in self.aux_hidden_layers else []
+        for i, (layer, kv_cache, m) in enumerate(zip(self.layers, kv_caches, metas, strict=True)):
             x = layer(positions, x, self.rope, m, kv_cache)
+            if i + 1 in self.aux_hidden_layers:
+                aux.append(x.clone())
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -374,6 +374,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope = self._make_rope()
+        # EAGLE-3 (spec_decode/eagle.py): the residual stream after each of these many
+        # layers, concatenated in ``aux_hidden`` by every forward.
+        self.aux_hidden_layers: frozenset[int] = frozenset()
+        self.aux_hidden: torch.Tensor | None = None
 
     def _make_rope(self) -> RotaryEmbedding:
         a = self.arch
@@ -397,8 +401,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
         """(num_tokens,) ids -> (num_tokens, hidden) final hidden states."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux = [x.clone()] if 0 in self.aux_hidden_layers else []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(positions, x, residual, self.rope, meta, kv_cache)
+            if i + 1 in self.aux_hidden_layers:  # a new tensor: the next norm works in place
+                aux.append(x + residual)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm(x, residual)[0]
 
     @torch.inference_mode()

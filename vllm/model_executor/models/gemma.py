@@ -223,6 +223,10 @@ class GemmaForCausalLM(nn.Module):
         self.rope_local = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_local
         )
+        # EAGLE-3 (spec_decode/eagle.py): the residual stream after each of these many
+        # layers, concatenated in ``aux_hidden`` by every forward.
+        self.aux_hidden_layers: frozenset[int] = frozenset()
+        self.aux_hidden: torch.Tensor | None = None
 
     @property
     def attention_features(self) -> frozenset[str]:
@@ -242,11 +246,16 @@ class GemmaForCausalLM(nn.Module):
         # transformers rounds the scale to the weights' dtype first (bf16: 8 bits).
         x = x * torch.tensor(math.sqrt(self.arch.hidden_size), dtype=x.dtype)
         metas = layer_metadata(meta, len(self.layers))  # the hybrid KV cache's groups
-        for layer, kv_cache, local, m in zip(
-            self.layers, kv_caches, self._local, metas, strict=True
+        aux = [x.clone()] if 0 in self.aux_hidden_layers else []
+        for i, (layer, kv_cache, local, m) in enumerate(
+            zip(self.layers, kv_caches, self._local, metas, strict=True)
         ):
             rope = self.rope_local if local else self.rope_global
             x = layer(positions, x, rope, m, kv_cache)
+            if i + 1 in self.aux_hidden_layers:
+                aux.append(x.clone())
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm(x)
 
     @torch.inference_mode()
