@@ -493,20 +493,26 @@ def speculators_eagle3_config(path: str):
     checkpoints, e.g. RedHatAI's ``*.speculator.eagle3``: a ``transformer_layer_config``
     and the head's fields beside it, ``norm_before_residual`` true unless it says
     otherwise, as vLLM reads them), as the Llama config our head reads; None for a folder
-    of another format. ValueError for a speculators model other than a Llama EAGLE-3."""
-    from transformers import LlamaConfig
+    of another format. Its layer is a Llama one, or a Qwen3 one (``model_type`` qwen3: q
+    and k normed per head, vLLM's ``Eagle3Qwen3ForCausalLM``). ValueError for another
+    speculators model."""
+    from transformers import LlamaConfig, Qwen3Config
 
     spec = _config_json(path)
     kind = spec.get("speculators_model_type")
     if kind is None:
         return None
     layer = dict(spec.get("transformer_layer_config") or {})
-    if kind != "eagle3" or layer.get("model_type", "llama") != "llama":
+    layer_classes = {"llama": LlamaConfig, "qwen3": Qwen3Config}
+    model_type = layer.pop("model_type", "llama")
+    if kind != "eagle3" or model_type not in layer_classes:
         raise ValueError(
-            f"{path}: a speculators-format {kind!r} model over a "
-            f"{layer.get('model_type')!r} layer; only Llama EAGLE-3 heads are supported"
+            f"{path}: a speculators-format {kind!r} model over a {model_type!r} layer; "
+            f"only EAGLE-3 heads of {sorted(layer_classes)} layers are supported"
         )
-    layer.pop("model_type", None)
+    if "head_dim" not in layer and "hidden_size" in layer and "num_attention_heads" in layer:
+        # vLLM reads a missing head_dim as hidden / heads; Qwen3Config would say 128.
+        layer["head_dim"] = layer["hidden_size"] // layer["num_attention_heads"]
     layer.update(
         architectures=["LlamaForCausalLMEagle3"],
         draft_vocab_size=spec.get("draft_vocab_size"),
@@ -518,7 +524,7 @@ def speculators_eagle3_config(path: str):
     for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
         if spec.get(key) is not None:
             layer[key] = spec[key]
-    return LlamaConfig(**layer)
+    return layer_classes[model_type](**layer)
 
 
 def hf_config_of(model_config):

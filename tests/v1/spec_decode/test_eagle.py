@@ -103,6 +103,9 @@ class RefHead:
         q = (h @ self.sd[p + "q_proj.weight"].T).view(t, heads, d).transpose(0, 1)
         k = (h @ self.sd[p + "k_proj.weight"].T).view(t, kv_heads, d).transpose(0, 1)
         v = (h @ self.sd[p + "v_proj.weight"].T).view(t, kv_heads, d).transpose(0, 1)
+        if p + "q_norm.weight" in self.sd:  # a Qwen3 layer: each head's q and k normed
+            q = _rms(q, self.sd[p + "q_norm.weight"], self.eps)
+            k = _rms(k, self.sd[p + "k_norm.weight"], self.eps)
         cos, sin = self.rotary(v[None], torch.arange(t)[None])
         q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
         rep = heads // kv_heads
@@ -194,6 +197,8 @@ VARIANTS = {
     "eagle-noisy": ("eagle", {"noise": 3.0}),
     "eagle-short": ("eagle", {"noise": 0.3}),  # the "eagle" head, its config cut to 32
     "eagle3-speculators": ("eagle3", {"noise": 0.3}),  # the "eagle3" head, speculators' format
+    # The "eagle3-qk" head (q/k norms added) as speculators' Qwen3 head.
+    "eagle3-speculators-qwen3": ("eagle3", {"noise": 0.3}),
     "eagle3-noisy": ("eagle3", {"noise": 3.0}),
 }
 
@@ -203,7 +208,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     save_tiny_target(root / "target")
     for name, (method, options) in VARIANTS.items():
-        if name in ("eagle-short", "eagle3-speculators"):
+        if name in ("eagle-short", "eagle3-speculators", "eagle3-speculators-qwen3"):
             continue
         save_eagle(root / name, root / "target", method, **options)
     # A head whose config says 32 positions drafts at every position the target serves
@@ -214,19 +219,39 @@ def checkpoints(tmp_path_factory):
     config = json.loads((root / "eagle" / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
     save_as_speculators(root / "eagle3", root / "eagle3-speculators")
+    add_qk_norms(root / "eagle3", root / "eagle3-qk")
+    save_as_speculators(root / "eagle3-qk", root / "eagle3-speculators-qwen3", "qwen3")
     return root
 
 
-def save_as_speculators(head: Path, out: Path) -> None:
+def add_qk_norms(head: Path, out: Path) -> None:
+    """``head`` with per-head q and k norm weights away from 1 (a Qwen3 layer's), its
+    config unchanged (only RefHead and save_as_speculators read this folder)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(head / "model.safetensors")
+    cfg = json.loads((head / "config.json").read_text())
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    g = torch.Generator().manual_seed(7)
+    for name in ("q_norm", "k_norm"):
+        tensors[f"midlayer.self_attn.{name}.weight"] = 1 + 0.5 * torch.randn(d, generator=g)
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+def save_as_speculators(head: Path, out: Path, model_type: str = "llama") -> None:
     """``head`` (an EAGLE-3 head in the EAGLE repository's format) in the ``speculators``
-    library's: the layer's config nested, the head's fields beside it (norm_before_residual
-    written: its default there is true), ``layers.0.`` for ``midlayer.``."""
+    library's: the layer's config nested (of ``model_type``), the head's fields beside it
+    (norm_before_residual written: its default there is true), ``layers.0.`` for
+    ``midlayer.``."""
     from safetensors.torch import load_file, save_file
 
     config = json.loads((head / "config.json").read_text())
     aux = config.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]
     fields = {"draft_vocab_size": config.pop("draft_vocab_size")}
     layer = {k: v for k, v in config.items() if k not in ("architectures", "eagle_checkpoints")}
+    layer["model_type"] = model_type
     out.mkdir()
     (out / "config.json").write_text(json.dumps({
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -293,7 +318,9 @@ def test_every_proposal_equals_the_reference_and_the_output_plain_decoding(check
 
     method, _ = VARIANTS[variant]
     target = LlamaForCausalLM.from_pretrained(checkpoints / "target", torch_dtype=torch.float32)
-    same = {"eagle3-speculators": "eagle3"}.get(variant, variant)  # one head, two formats
+    # One head, two formats.
+    same = {"eagle3-speculators": "eagle3", "eagle3-speculators-qwen3": "eagle3-qk"}
+    same = same.get(variant, variant)
     ref = RefHead(checkpoints / same, target.eval(), method)
     expected = [ref_spec_decode(ref, p, n, K) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     llm = _engine(checkpoints / "target", checkpoints / variant, method)

@@ -179,6 +179,9 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
             p = f"layers.{i}."
             load_projections(layer, sd, p, a.attention_bias, a.o_bias)
             layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+            if a.qk_norm:  # a Qwen3 layer's (speculators' Qwen3 heads)
+                layer.q_norm.weight.copy_(sd[p + "self_attn.q_norm.weight"])
+                layer.k_norm.weight.copy_(sd[p + "self_attn.k_norm.weight"])
             if isinstance(layer.input_layernorm, RMSNorm):
                 layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
 
