@@ -41,11 +41,12 @@ never.
 the runner's penalties from its tables against the histories (CPU).
 
 ``--rejection-ab`` times speculative decoding's verification of sampled requests
-(``rejection_sampler``): a step's N requests with K drafts each (drawn from a q near the
-target's p, half of them checked against that q, half as point masses), all verified
-together (``verify_sampled_batch``, one read from the device) against each request alone
-(``verify_sampled``: the runner's way until session 36, whose row-by-row loop read ~4
-values a draft from the device), checking the same tokens (seeded requests).
+(``rejection_sampler.verify_sampled_batch``): a step's N requests with K drafts each
+(drawn from a q near the target's p, half of them checked against that q, half as point
+masses), all verified together on the device with one read to the host (the default off
+a CPU) against request by request, each row filtered only when reached (a CPU's default,
+and every device's before session 36: ~4 reads a draft), checking the same tokens
+(seeded requests).
 
     .venv/bin/python benchmarks/benchmark_sampler.py --rejection-ab [--num-spec-tokens 3]
         [--vocab 128256] [--num-requests 1 16 64 256]
@@ -71,7 +72,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample import sampler
 from vllm.v1.sample.penalty_table import PenaltyTable, has_penalty
-from vllm.v1.sample.rejection_sampler import SampledDrafts, verify_sampled, verify_sampled_batch
+from vllm.v1.sample.rejection_sampler import SampledDrafts, verify_sampled_batch
 from vllm.v1.sample.sampler import PrefixView, SamplingRow, sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -167,10 +168,10 @@ def rejection_ab(n: int, args: argparse.Namespace, device: torch.device) -> dict
         return reqs
 
     def together():
-        return verify_sampled_batch(reseeded())
+        return verify_sampled_batch(reseeded(), together=True)
 
     def alone():
-        return [verify_sampled(*r) for r in reseeded()]
+        return verify_sampled_batch(reseeded(), together=False)
 
     same, batch_ms, rows_ms = interleaved(together, alone, args.repeats, device)
     kept = sum(len(t) - 1 for t in together() if t is not None)

@@ -185,17 +185,19 @@ def _mixed_requests(num: int, seed: int = 0) -> list[SampledDrafts]:
     return reqs
 
 
-def test_a_batch_verifies_each_request_as_it_would_be_alone():
-    # A request's random numbers are its own generator's, drawn in the same order.
-    batch = verify_sampled_batch(_mixed_requests(60))
-    alone = [verify_sampled(*r) for r in _mixed_requests(60)]
-    assert batch == alone
-    assert any(t is None for t in batch)  # a row it needed was not finite
-    assert any(t is not None and len(t) > 1 for t in batch)  # drafts kept
+def test_all_at_once_gives_each_request_the_tokens_it_gets_alone():
+    # A request's random numbers are its own generator's, drawn in the same order either
+    # way: the batch on the device (a GPU's way) equals the row-by-row check (a CPU's).
+    together = verify_sampled_batch(_mixed_requests(60), together=True)
+    alone = verify_sampled_batch(_mixed_requests(60), together=False)
+    assert together == alone
+    assert any(t is None for t in together)  # a row it needed was not finite
+    assert any(t is not None and len(t) > 1 for t in together)  # drafts kept
     assert verify_sampled_batch([]) == []
 
 
-def test_a_batch_leaves_each_position_the_target_distribution():
+@pytest.mark.parametrize("together", [True, False], ids=["together", "alone"])
+def test_a_batch_leaves_each_position_the_target_distribution(together):
     # One batch of TRIALS requests, half with q-drawn drafts, half with the same drafts as
     # point masses, all on one generator: each position has the target's distribution.
     params = SamplingParams(temperature=0.8, top_p=0.9)
@@ -204,7 +206,7 @@ def test_a_batch_leaves_each_position_the_target_distribution():
     for i in range(TRIALS):
         drafts = [int(torch.multinomial(row, 1, generator=gen)) for row in DRAFT_Q]
         reqs.append(SampledDrafts(LOGITS, drafts, params, gen, DRAFT_Q if i % 2 else None))
-    out = verify_sampled_batch(reqs)
+    out = verify_sampled_batch(reqs, together=together)
     for parity in (0, 1):
         positions: list[list[int]] = [[], []]
         for r, tokens in zip(reqs[parity::2], out[parity::2], strict=True):

@@ -15,10 +15,14 @@ It keeps fewer drafts than the ratio test when the drafts really were drawn from
 The random numbers come from the request's generator (seeded requests stay
 reproducible, though not token-for-token equal to plain decoding).
 
-``verify_sampled_batch`` checks every sampled request of a step at once, on the logits'
-device, and reads the result to the host once (row by row it took four reads a draft:
-on a GPU each waits for the device). A point mass is the ratio test with q = one-hot(d):
-q(d) = 1 keeps d with probability p(d), and max(0, p - q) is p without d.
+``verify_sampled_batch`` checks a step's sampled requests in one of two ways that give
+the same tokens (each request's random numbers drawn alike: a uniform number per draft,
+then one for the drawn token). On a GPU, all at once on the device with one read to
+the host (request by request took about four reads a draft, each a wait for the device);
+a point mass is then the ratio test with q = one-hot(d): q(d) = 1 keeps d with
+probability p(d), and max(0, p - q) is p without d. On a CPU, request by request, each
+row filtered only when reached (a 128k-token row's filters cost more than the reads
+they would save: measured in ``benchmarks/benchmark_sampler.py --rejection-ab``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ import torch
 
 from vllm.sampling_params import SamplingParams
 from vllm.utils.device import to_device
-from vllm.v1.sample.sampler import SamplingRow, filter_logits, filter_rows_on_device, inverse_cdf
+from vllm.v1.sample.sampler import (
+    SamplingRow,
+    draw,
+    filter_logits,
+    filter_rows_on_device,
+    inverse_cdf,
+)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
@@ -65,14 +75,44 @@ def verify_sampled(
     return verify_sampled_batch([SampledDrafts(logits, drafts, params, generator, draft_probs)])[0]
 
 
-def verify_sampled_batch(reqs: Sequence[SampledDrafts]) -> list[list[int] | None]:
+def _verify_one(r: SampledDrafts) -> list[int] | None:
+    """One request, row by row, each row filtered only when reached."""
+    device = r.logits.device
+    uniforms = torch.rand(len(r.drafts), dtype=torch.float64, generator=r.generator, device=device)
+    for i, draft in enumerate(r.drafts):
+        p = target_probs(r.logits[i], r.params)
+        if p is None:
+            return None
+        q = None if r.draft_probs is None else r.draft_probs[i].to(p.device, p.dtype)
+        q_draft = 1.0 if q is None else q[draft].item()
+        # u < p(d) / q(d), without dividing; a q(d) of 0 (q cannot have drawn d) rejects.
+        if q_draft > 0.0 and uniforms[i].item() * q_draft < p[draft].item():
+            continue  # kept
+        if q is None:
+            residual = p.clone()
+            residual[draft] = 0.0
+        else:
+            residual = (p - q).clamp_(min=0.0)
+            if not residual.sum().item() > 0.0:  # p == q up to rounding: rejection had
+                residual = p  # probability ~0; p is then the residual's limit
+        return [*r.drafts[:i], draw(residual, r.generator)]
+    p = target_probs(r.logits[len(r.drafts)], r.params)
+    return None if p is None else [*r.drafts, draw(p, r.generator)]
+
+
+def verify_sampled_batch(
+    reqs: Sequence[SampledDrafts], together: bool | None = None
+) -> list[list[int] | None]:
     """Each request's tokens (its kept drafts, then one drawn token), or None when one of
     the rows it needed (those up to its first rejection) is not finite. Every request's
-    random numbers come from its generator, in request order: a uniform number per draft,
-    then one for the drawn token. One read from the device in all."""
+    random numbers come from its generator: a uniform number per draft, then one for the
+    drawn token. ``together``: all requests at once, one read from the device (None: off
+    a CPU); else request by request."""
     if not reqs:
         return []
     device = reqs[0].logits.device
+    if not (device.type != "cpu" if together is None else together):
+        return [_verify_one(r) for r in reqs]
     logits = torch.cat([r.logits for r in reqs]) if len(reqs) > 1 else reqs[0].logits
     counts = [len(r.drafts) for r in reqs]
     first_draft = list(itertools.accumulate(counts, initial=0))  # in the flat draft list
