@@ -504,13 +504,18 @@ def test_a_head_of_another_hidden_size_is_refused_naming_the_model(checkpoints, 
         _engine(checkpoints / "target", head, "eagle3", load_format="dummy")
 
 
-def test_eagle3_over_a_family_without_auxiliary_states_is_refused(tmp_path):
-    from tests.model_executor.test_gemma import save_checkpoint
+def test_eagle3_over_a_model_without_auxiliary_states_is_refused():
+    # Every family here keeps them; a model class that does not is refused by name.
+    from vllm.v1.spec_decode.eagle import eagle_head_class
 
-    save_checkpoint("Gemma3ForCausalLM", tmp_path, vocab_size=256)
-    target = tmp_path
-    with pytest.raises(ValueError, match=r"speculative_config\.method: eagle3 reads"):
-        _engine(target, target, "eagle3", load_format="dummy", max_model_len=128)
+    class NoAux(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens, self.lm_head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8)
+
+    with pytest.raises(ValueError, match=r"speculative_config\.method: eagle3 reads .*NoAux"):
+        eagle_head_class("eagle3", NoAux())
+    assert eagle_head_class("eagle", NoAux()).__name__ == "EagleLlamaForCausalLM"
 
 
 @pytest.mark.parametrize("variant", ["eagle", "eagle3"])
