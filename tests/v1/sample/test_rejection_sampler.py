@@ -191,6 +191,12 @@ def test_all_at_once_gives_each_request_the_tokens_it_gets_alone():
     together = verify_sampled_batch(_mixed_requests(60), together=True)
     alone = verify_sampled_batch(_mixed_requests(60), together=False)
     assert together == alone
+    # Last, a request whose q is p: every draft kept (its q rows end the stack).
+    params = SamplingParams(temperature=0.8, top_k=4)
+    p = torch.stack([target_probs(row, params) for row in LOGITS[:2]])
+    for together_ in (True, False):
+        reqs = _mixed_requests(5) + [SampledDrafts(LOGITS, [1, 2], params, None, p)]
+        assert verify_sampled_batch(reqs, together=together_)[-1][:2] == [1, 2]
     assert any(t is None for t in together)  # a row it needed was not finite
     assert any(t is not None and len(t) > 1 for t in together)  # drafts kept
     assert verify_sampled_batch([]) == []

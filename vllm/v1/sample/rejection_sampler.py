@@ -124,25 +124,21 @@ def verify_sampled_batch(
     finite = torch.isfinite(x.amax(-1))
     p = x.softmax(-1)
     most = max(counts)
-    kept = torch.zeros(len(reqs), dtype=torch.long, device=device)  # drafts kept
-    q_rows = None
-    if most:
+    starts_t = to_device(starts, torch.long, device)
+    if not most:
+        target, kept = p[starts_t], torch.zeros(len(reqs), dtype=torch.long, device=device)
+    else:
         drafts = to_device([d for r in reqs for d in r.drafts], torch.long, device)
-        # Every draft's q row; a point mass is one-hot(d).
-        q_rows = torch.cat(
-            [
-                r.draft_probs[: len(r.drafts)].to(device, p.dtype)
-                if r.draft_probs is not None
-                else torch.nn.functional.one_hot(drafts[f : f + len(r.drafts)], p.shape[-1]).to(
-                    p.dtype
-                )
-                for r, f in zip(reqs, first_draft[:-1], strict=True)
-                if r.drafts
-            ]
-        )
         draft_rows = [s + j for s, n in zip(starts, counts, strict=True) for j in range(n)]
         p_d = p[to_device(draft_rows, torch.long, device), drafts].double()
-        q_d = q_rows.gather(1, drafts[:, None])[:, 0].double()
+        # The requests with a q: their rows stacked; the others' drafts are point masses.
+        with_q = [i for i, r in enumerate(reqs) if r.drafts and r.draft_probs is not None]
+        q_d = torch.ones_like(p_d)
+        if with_q:
+            q = torch.cat([reqs[i].draft_probs[: counts[i]].to(device, p.dtype) for i in with_q])
+            flat = [first_draft[i] + j for i in with_q for j in range(counts[i])]
+            flat_t = to_device(flat, torch.long, device)
+            q_d[flat_t] = q.gather(1, drafts[flat_t, None])[:, 0].double()
         uniform = torch.cat(
             [
                 torch.rand(len(r.drafts), dtype=torch.float64, generator=r.generator, device=device)
@@ -160,12 +156,20 @@ def verify_sampled_batch(
             for f, n in zip(first_draft[:-1], counts, strict=True)
         ]
         kept = accept[to_device(grid, torch.long, device)].long().cumprod(1).sum(1)
-    at = to_device(starts, torch.long, device) + kept  # the row the drawn token comes from
-    target = p[at]
-    if q_rows is not None:
+        target = p[starts_t + kept]  # the drawn token's row
+        # A rejected draft d: the residual max(0, p - q), q = one-hot(d) for a point mass.
         rejected = kept < to_device(counts, torch.long, device)
-        q_at = q_rows[(to_device(first_draft[:-1], torch.long, device) + kept).clamp(max=pad - 1)]
-        residual = (target - torch.where(rejected[:, None], q_at, 0.0)).clamp(min=0.0)
+        at = (to_device(first_draft[:-1], torch.long, device) + kept).clamp(max=pad - 1)
+        residual = target.clone()
+        if with_q:
+            q_first = list(itertools.accumulate((counts[i] for i in with_q), initial=0))[:-1]
+            rows_q = to_device(with_q, torch.long, device)
+            last = to_device([counts[i] - 1 for i in with_q], torch.long, device)
+            q_at = q[to_device(q_first, torch.long, device) + torch.minimum(kept[rows_q], last)]
+            residual[rows_q] -= q_at * rejected[rows_q, None]
+        point = to_device([r.draft_probs is None for r in reqs], torch.bool, device)
+        residual.scatter_add_(1, drafts[at, None], -(point & rejected).to(p.dtype)[:, None])
+        residual.clamp_(min=0.0)
         # p == q up to rounding: rejection had probability ~0; p is then the residual's limit.
         target = torch.where((residual.sum(-1) > 0)[:, None], residual, target)
     drawn = inverse_cdf(target, rows)
