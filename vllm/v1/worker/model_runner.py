@@ -1093,10 +1093,10 @@ class ModelRunner:
     ) -> None:
         """Requests with drafts (``hidden``: each one's rows, its last token's then one per
         draft). Greedy: the drafts the argmax agrees with, then the argmax after them
-        (``verify_greedy``); sampled: rejection sampling (``verify_sampled_batch``, all of
-        them at once), with the q a draft model drew them from, or as point masses
-        (n-gram drafts). Their next
-        token depends on the logits alone (``drafts_allowed``), so either gives plain
+        (``verify_greedy``); sampled: rejection sampling (``verify_sampled_batch``: on a
+        GPU all of them at once), with the q a draft model drew them from, or as point
+        masses (n-gram drafts). Their next token depends on the logits alone
+        (``drafts_allowed``), so either gives plain
         decoding's tokens (greedy) or distribution (sampled); logprobs, when asked for,
         are each kept token's row's. A request whose rows are not finite fails alone."""
         logits = self.model.compute_logits(hidden)
@@ -1120,7 +1120,7 @@ class ModelRunner:
                 sampled.append(
                     (state.req_id, SampledDrafts(block, drafts, params, state.generator, q))
                 )
-        # Every sampled request at once: one read from the device.
+        # The sampled requests together (on a GPU: one read from the device).
         verified = verify_sampled_batch([s for _, s in sampled])
         results.update(zip([req_id for req_id, _ in sampled], verified, strict=True))
         for state, _ in spec_reqs:
