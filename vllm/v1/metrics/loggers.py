@@ -76,13 +76,7 @@ class LoggingStatLogger:
             spec = s.spec_decoding_stats
             if spec is not None and spec.num_drafts:
                 self._spec = self._spec or SpecDecodingStats()
-                self._spec.num_drafts += spec.num_drafts
-                self._spec.num_draft_tokens += spec.num_draft_tokens
-                self._spec.num_accepted_tokens += spec.num_accepted_tokens
-                per_pos = self._spec.num_accepted_tokens_per_pos
-                per_pos.extend([0] * (len(spec.num_accepted_tokens_per_pos) - len(per_pos)))
-                for i, n in enumerate(spec.num_accepted_tokens_per_pos):
-                    per_pos[i] += n
+                self._spec.add(spec)
         self._active = True
 
     async def run(self) -> None:

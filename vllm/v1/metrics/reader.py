@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.metrics.stats import SchedulerStats, SpecDecodingStats
 
 
 @dataclass
@@ -37,10 +37,9 @@ class Vector(Metric):
 class EngineTotals:
     """What ``LLM.get_metrics`` reports, fed one engine step at a time (``record``)."""
 
-    speculative: bool = False
     counters: dict[str, int] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
-    accepted_per_pos: list[int] = field(default_factory=list)
+    spec: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     def record(self, stats: SchedulerStats | None, generated_tokens: int) -> None:
         def add(name: str, n: int) -> None:
@@ -55,15 +54,8 @@ class EngineTotals:
         add("vllm:num_preemptions", stats.num_preemptions)
         add("vllm:prefix_cache_queries", stats.prefix_cache_stats.queries)
         add("vllm:prefix_cache_hits", stats.prefix_cache_stats.hits)
-        spec = stats.spec_decoding_stats
-        if spec is not None:
-            add("vllm:spec_decode_num_drafts", spec.num_drafts)
-            add("vllm:spec_decode_num_draft_tokens", spec.num_draft_tokens)
-            add("vllm:spec_decode_num_accepted_tokens", spec.num_accepted_tokens)
-            per_pos = self.accepted_per_pos
-            per_pos.extend([0] * (len(spec.num_accepted_tokens_per_pos) - len(per_pos)))
-            for i, n in enumerate(spec.num_accepted_tokens_per_pos):
-                per_pos[i] += n
+        if stats.spec_decoding_stats is not None:
+            self.spec.add(stats.spec_decoding_stats)
 
     def metrics(self, labels: dict[str, str], num_spec_tokens: int) -> list[Metric]:
         """Every series; with speculative decoding (``num_spec_tokens`` > 0) the
@@ -73,9 +65,10 @@ class EngineTotals:
             out.append(Counter(name, dict(labels), value))
         if num_spec_tokens:
             for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-                if f"vllm:spec_decode_{name}" not in self.counters:
-                    out.append(Counter(f"vllm:spec_decode_{name}", dict(labels), 0))
-            per_pos = (self.accepted_per_pos + [0] * num_spec_tokens)[:num_spec_tokens]
+                value = getattr(self.spec, name)
+                out.append(Counter(f"vllm:spec_decode_{name}", dict(labels), value))
+            per_pos = self.spec.num_accepted_tokens_per_pos
+            per_pos = (per_pos + [0] * num_spec_tokens)[:num_spec_tokens]
             name = "vllm:spec_decode_num_accepted_tokens_per_pos"
             out.append(Vector(name, dict(labels), per_pos))
         return out

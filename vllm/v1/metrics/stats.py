@@ -58,6 +58,16 @@ class SpecDecodingStats:
         for i in range(accepted):
             per_pos[i] += 1
 
+    def add(self, other: SpecDecodingStats) -> None:
+        """Sum ``other`` (another step's, or interval's) into these."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[i] += n
+
 
 @dataclass
 class SchedulerStats:
