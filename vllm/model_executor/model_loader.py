@@ -468,8 +468,10 @@ def speculators_verifier(model: str) -> tuple[str, dict[str, Any]] | None:
     RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3``): its verifier (the target model
     its config names) and the speculative config it implies (its method, its first
     proposal method's ``speculative_tokens``, the head itself as the draft model). None
-    for any other model. ValueError naming ``model`` for a malformed speculators config."""
-    config = _config_json(resolve_model(model))
+    for any other model. ValueError naming ``model`` for a malformed speculators config.
+    Only a folder can be one: the embedded model and a GGUF file are not resolved here
+    (``get_model_config`` does that once)."""
+    config = _config_json(os.path.expanduser(model))
     spec = config.get("speculators_config")
     if spec is None:
         return None
