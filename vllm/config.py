@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
@@ -588,9 +589,11 @@ class OffloadConfig:
         return n
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The methods whose drafts come from a model in the runner (its KV in the target's blocks).
-DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# vLLM's older names of methods, still taken (with a warning, as vLLM does).
+_SPECULATIVE_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 _DRAFT_KEYS = ("model", "quantization", "max_model_len", "draft_tensor_parallel_size")
 # Keys per method (vLLM's names), beyond "method", "num_speculative_tokens" and
 # "disable_by_batch_size", which every method takes. A key of another method only is
@@ -614,6 +617,12 @@ def _speculative_method(spec: dict[str, Any]) -> str:
     method = spec.get("method")
     if method is None and spec.get("model") is not None:
         method = "ngram" if spec["model"] in _NGRAM_MODEL_NAMES else "draft_model"
+    if method in _SPECULATIVE_METHOD_ALIASES:
+        new = _SPECULATIVE_METHOD_ALIASES[method]
+        logging.getLogger(__name__).warning(
+            "speculative_config.method %r is deprecated: it is %r", method, new
+        )
+        method = new
     if method not in SPECULATIVE_METHODS:
         raise bad_value(
             "speculative_config.method", method, f"must be one of {SPECULATIVE_METHODS}"
@@ -638,7 +647,9 @@ class SpeculativeConfig:
         "optionally quantization, max_model_len and draft_tensor_parallel_size 1); or "
         '{"method": "eagle" or "eagle3", "model": HEAD, "num_speculative_tokens": K} (an '
         "EAGLE-1 / EAGLE-3 head trained on the target's hidden states, same keys as "
-        "draft_model). All take disable_by_batch_size (no drafts in a step with more "
+        'draft_model); or {"method": "mtp", "num_speculative_tokens": K} (DeepSeek-V3\'s '
+        "own multi-token-prediction layer, read from the target's checkpoint unless model "
+        "names another). All take disable_by_batch_size (no drafts in a step with more "
         "running requests). "
         "Requests without penalties, logit controls, min_tokens or a grammar get drafts "
         "(greedy: checked exactly; sampled: rejection sampling); every other request "
@@ -670,7 +681,7 @@ class SpeculativeConfig:
         if method == "ngram":
             spec = _ngram_sizes(spec)
         else:
-            _check_draft_keys(spec)
+            _check_draft_keys(spec, method)
         object.__setattr__(self, "speculative_config", {**spec, "method": method})
 
     @property
@@ -679,8 +690,8 @@ class SpeculativeConfig:
 
     @property
     def method(self) -> str | None:
-        """``ngram``, ``draft_model``, ``eagle`` or ``eagle3``; None without speculative
-        decoding."""
+        """``ngram``, ``draft_model``, ``eagle``, ``eagle3`` or ``mtp``; None without
+        speculative decoding."""
         return self.speculative_config["method"] if self.enabled else None
 
     @property
@@ -713,17 +724,25 @@ class SpeculativeConfig:
         head), rather than n-gram lookup in the scheduler."""
         return self.method in DRAFT_MODEL_METHODS
 
+    def draft_model_name(self, target: ModelConfig) -> str:
+        """The model the drafts come from: the ``model`` key; for ``mtp`` without one, the
+        target (its checkpoint holds the MTP layer)."""
+        return self.speculative_config.get("model") or target.model
+
     def draft_model_config(self, target: ModelConfig) -> ModelConfig:
         """The draft's ``ModelConfig``: the target's device, dtype, seed, load format and
         attention backend, with the draft's model, quantization (None: auto, as
         --quantization's default) and length, and no tokenizer or HF overrides of its own
         (vLLM's: a dict of --hf-overrides is the target's alone)."""
         spec = self.speculative_config
+        quantization = spec.get("quantization")
+        if self.method == "mtp" and quantization is None:  # the target's own layer
+            quantization = target.quantization
         try:
             return replace(
                 target,
-                model=spec["model"],
-                quantization=spec.get("quantization"),
+                model=self.draft_model_name(target),
+                quantization=quantization,
                 max_model_len=spec.get("max_model_len"),
                 tokenizer=None,
                 served_model_name=None,
@@ -757,11 +776,14 @@ def _ngram_sizes(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
 
 
-def _check_draft_keys(spec: dict[str, Any]) -> None:
+def _check_draft_keys(spec: dict[str, Any], method: str) -> None:
     """A draft model's own keys, as far as they can be checked without its files (the
-    vocabulary and the lengths are checked with the target's: ``check_draft_model``)."""
+    vocabulary and the lengths are checked with the target's: ``check_draft_model``).
+    ``mtp`` needs no ``model``: the target holds its layer."""
     model = spec.get("model")
-    if not isinstance(model, str) or not model:
+    if method == "mtp" and model is None:
+        pass
+    elif not isinstance(model, str) or not model:
         raise bad_value("speculative_config.model", model, "must be a non-empty name or path")
     quantization = spec.get("quantization")
     if quantization not in (None, *get_args(Quantization)):
@@ -1040,11 +1062,15 @@ class VllmConfig:
         from vllm.model_executor.model_loader import get_model_config, hf_config_of
         from vllm.model_executor.model_loader import model_max_len as limit_of
 
-        draft = spec.speculative_config["model"]
+        draft = spec.draft_model_name(self.model_config)
         try:
             draft_hf = get_model_config(draft)
         except (OSError, ValueError) as e:
             raise bad_value("speculative_config.model", draft, f"cannot be read: {e}") from None
+        if spec.method == "mtp":
+            from vllm.model_executor.models.deepseek_mtp import DeepseekMTP
+
+            DeepseekMTP.arch_from_hf(draft_hf)  # a model without an MTP layer: ValueError
         target_vocab = _vocab_size(hf_config_of(self.model_config))
         draft_vocab = _vocab_size(draft_hf)
         if draft_vocab != target_vocab:

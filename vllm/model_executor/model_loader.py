@@ -143,7 +143,6 @@ def load_model_weights(
     tensors stay on the CPU and are cast one at a time as ``load_weights`` copies them in.
     """
     import torch
-    from safetensors.torch import load_file
 
     from vllm.model_executor.layers import triton_w4a16
     from vllm.model_executor.layers.quantization.fp8_checkpoint import (
@@ -189,11 +188,16 @@ def load_model_weights(
             f"(load_format={load_format!r}); load_format='dummy' (--load-format dummy) "
             "serves random weights from its config.json"
         )
+    # A head inside its target's files (DeepSeek's MTP layer) reads only its own tensors.
+    prefixes = getattr(model_cls, "checkpoint_prefixes", None)
+    prefixes = prefixes(hf_config) if prefixes is not None else None
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(os.path.join(path, name)))
+        state.update(_read_safetensors(os.path.join(path, name), prefixes))
     for name in pickles if not files else ():
         state.update(torch.load(os.path.join(path, name), map_location="cpu", weights_only=True))
+    if prefixes is not None:
+        state = {k: v for k, v in state.items() if k.startswith(prefixes)}
     kv_scales = pop_kv_scales(state)  # FP8 KV-cache scales: for the runner, not the layers
     # 4-bit weights stay packed where the W4A16 kernel runs (CUDA with triton).
     keep_packed = (
@@ -233,6 +237,18 @@ def load_model_weights(
             dtype,
         )
     return model
+
+
+def _read_safetensors(file: str, prefixes: tuple[str, ...] | None) -> dict:
+    """A safetensors file's tensors, on the CPU; with ``prefixes`` only those whose names
+    start with one (the others are never read)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if prefixes is None:
+        return load_file(file)
+    with safe_open(file, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefixes)}
 
 
 def initialize_dummy_weights(model: nn.Module, seed: int, bound: float = DUMMY_WEIGHT_BOUND):

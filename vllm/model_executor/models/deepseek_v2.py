@@ -70,6 +70,16 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def is_sparse_layer(config: Any, i: int) -> bool:
+    """Whether layer ``i``'s feed-forward is the routed experts: from
+    ``first_k_dense_replace`` on, every ``moe_layer_freq``-th (V3's multi-token-prediction
+    layer, index ``num_hidden_layers``, by the same rule)."""
+    num_experts = getattr(config, "n_routed_experts", None) or 0
+    freq = getattr(config, "moe_layer_freq", 1) or 1
+    first_sparse = getattr(config, "first_k_dense_replace", 0) or 0
+    return bool(num_experts) and i >= first_sparse and i % freq == 0
+
+
 @dataclass(frozen=True)
 class DeepseekV2Arch:
     hidden_size: int
@@ -138,12 +148,7 @@ class DeepseekV2Arch:
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
             scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
         n_layers = config.num_hidden_layers
-        num_experts = getattr(config, "n_routed_experts", None) or 0
-        freq = getattr(config, "moe_layer_freq", 1) or 1
-        first_sparse = getattr(config, "first_k_dense_replace", 0) or 0
-        sparse = tuple(
-            i for i in range(n_layers) if num_experts and i >= first_sparse and i % freq == 0
-        )
+        sparse = tuple(i for i in range(n_layers) if is_sparse_layer(config, i))
         return cls(
             hidden_size=config.hidden_size,
             num_layers=n_layers,
@@ -163,11 +168,11 @@ class DeepseekV2Arch:
             rope_interleave=bool(getattr(config, "rope_interleave", True)) if v3 else True,
             softmax_scale=scale,
             sparse_layers=sparse,
-            **(cls._experts_from_hf(config, v3) if sparse else {}),
+            **(cls.experts_from_hf(config, v3) if sparse else {}),
         )
 
     @staticmethod
-    def _experts_from_hf(config, v3: bool) -> dict[str, Any]:
+    def experts_from_hf(config, v3: bool) -> dict[str, Any]:
         method = getattr(config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
         scoring = getattr(config, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
         if (method, scoring) not in ROUTINGS:

@@ -124,6 +124,11 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
         """The width of the target's hidden states the head reads (a row's)."""
         return self.arch.hidden_size
 
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states the head reads."""
+        return self.fc.weight.dtype
+
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden states as the head's input (EAGLE-1: as they are)."""
         return hidden

@@ -92,7 +92,7 @@ class EagleProposer(DraftModelProposer):
         graphs = DecodeGraphs(
             self.model, self.attn_backend, self.kv_caches, sizes, max_blocks, self.device,
             graph_factory, name="EAGLE head's decode",
-            hidden_input=(self.model.arch.hidden_size, self.model.fc.weight.dtype),
+            hidden_input=(self.model.arch.hidden_size, self.model.hidden_dtype),
         )  # fmt: skip
         graphs.capture()
         self.graphs = graphs
@@ -156,14 +156,25 @@ class EagleProposer(DraftModelProposer):
 
     def _profile_inputs(self, num_tokens: int) -> dict[str, torch.Tensor]:
         """A catch-up's hidden-state input (the runner's memory profile)."""
-        width, dtype = self.model.target_hidden_width, self.model.fc.weight.dtype
+        width, dtype = self.model.target_hidden_width, self.model.hidden_dtype
         target = torch.zeros(num_tokens, width, dtype=dtype, device=self.device)
         return {"hidden_states": self.model.combine_hidden_states(target)}
 
 
 def eagle_head_class(method: str | None, target: torch.nn.Module) -> type | None:
-    """The head class of an EAGLE method (None for other methods); ValueError naming
+    """The head class of an EAGLE method or of ``mtp`` (DeepSeek's multi-token-prediction
+    layer, which drafts as an EAGLE-1 head does); None for other methods. ValueError naming
     ``speculative_config.method`` for a target it cannot read hidden states of."""
+    if method == "mtp":
+        from vllm.model_executor.models.deepseek_mtp import DeepseekMTP
+        from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+        if not isinstance(target, DeepseekV2ForCausalLM):
+            raise ValueError(
+                f"speculative_config.method: mtp drafts from DeepSeek-V3's hidden states; "
+                f"the target is {type(target).__name__}"
+            )
+        return DeepseekMTP
     if method not in ("eagle", "eagle3"):
         return None
     from vllm.model_executor.models.llama_eagle import (
