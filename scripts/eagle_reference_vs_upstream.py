@@ -25,6 +25,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def step_as_upstream(head, argmaxes, prompt: list[int], k: int, max_tokens: int):
+    """Greedy speculative decoding of ``prompt`` as upstream vLLM 0.32 steps it: k drafts
+    from ``head.drafts(tokens, k)`` every step, counted when verified against
+    ``argmaxes(tokens)`` (the target's argmax at every position), the output cut at
+    ``max_tokens``. Returns (output, upstream's counters for it)."""
+    tokens = list(prompt) + [argmaxes(prompt)[-1]]
+    counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+              "accepted_per_pos": [0] * k}  # fmt: skip
+    while len(tokens) - len(prompt) < max_tokens:
+        drafts = head.drafts(tokens, k)
+        best = argmaxes(tokens + drafts)[len(tokens) - 1 :]
+        kept = 0
+        while kept < k and drafts[kept] == best[kept]:
+            counts["accepted_per_pos"][kept] += 1
+            kept += 1
+        counts["num_drafts"] += 1
+        counts["num_draft_tokens"] += k
+        counts["num_accepted_tokens"] += kept
+        tokens += drafts[:kept] + [best[kept]]
+    return tokens[len(prompt) :][:max_tokens], counts
+
+
 def main(path: str) -> int:
     from transformers import LlamaForCausalLM
 
@@ -39,27 +61,10 @@ def main(path: str) -> int:
         with torch.no_grad():
             return target(torch.tensor([tokens])).logits[0].argmax(-1).tolist()
 
-    def as_upstream(head: RefHead, prompt: list[int]):
-        tokens = list(prompt) + [argmaxes(prompt)[-1]]
-        counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                  "accepted_per_pos": [0] * k}  # fmt: skip
-        while len(tokens) - len(prompt) < max_tokens:
-            drafts = head.drafts(tokens, k)
-            best = argmaxes(tokens + drafts)[len(tokens) - 1 :]
-            kept = 0
-            while kept < k and drafts[kept] == best[kept]:
-                counts["accepted_per_pos"][kept] += 1
-                kept += 1
-            counts["num_drafts"] += 1
-            counts["num_draft_tokens"] += k
-            counts["num_accepted_tokens"] += kept
-            tokens += drafts[:kept] + [best[kept]]
-        return tokens[len(prompt) :][:max_tokens], counts
-
     failed = False
     for name, variant in up["variants"].items():
         head = RefHead(Path(variant["draft"]), target, variant["method"])
-        ours = [as_upstream(head, p) for p in up["prompts"]]
+        ours = [step_as_upstream(head, argmaxes, p, k, max_tokens) for p in up["prompts"]]
         theirs = variant["one_by_one"]["metrics"]
         same_out = [o for o, _ in ours] == variant["outputs"]
         same = [c == u for (_, c), u in zip(ours, theirs, strict=True)]

@@ -89,6 +89,7 @@ def run_upstream(target: Path, k: int, max_tokens: int, json_out: Path) -> None:
 def compare(target: Path, up: dict) -> bool:
     """The reference stepped as upstream steps, against upstream's record."""
     import torch
+    from eagle_reference_vs_upstream import step_as_upstream  # this folder's
     from safetensors.torch import load_file
     from transformers import DeepseekV3ForCausalLM
 
@@ -105,24 +106,7 @@ def compare(target: Path, up: dict) -> bool:
         with torch.no_grad():
             return model(torch.tensor([tokens])).logits[0].argmax(-1).tolist()
 
-    def as_upstream(prompt: list[int]):
-        tokens = list(prompt) + [argmaxes(prompt)[-1]]
-        counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                  "accepted_per_pos": [0] * k}  # fmt: skip
-        while len(tokens) - len(prompt) < max_tokens:
-            drafts = head.drafts(tokens, k)
-            best = argmaxes(tokens + drafts)[len(tokens) - 1 :]
-            kept = 0
-            while kept < k and drafts[kept] == best[kept]:
-                counts["accepted_per_pos"][kept] += 1
-                kept += 1
-            counts["num_drafts"] += 1
-            counts["num_draft_tokens"] += k
-            counts["num_accepted_tokens"] += kept
-            tokens += drafts[:kept] + [best[kept]]
-        return tokens[len(prompt) :][:max_tokens], counts
-
-    ours = [as_upstream(p) for p in PROMPTS]
+    ours = [step_as_upstream(head, argmaxes, p, k, max_tokens) for p in PROMPTS]
     same_out = [o for o, _ in ours] == up["outputs"] == up["baseline"]
     same = [c == u for (_, c), u in zip(ours, up["metrics"], strict=True)]
     print(f"upstream vLLM {up['upstream_vllm']}, k = {k}, {max_tokens} tokens a prompt")

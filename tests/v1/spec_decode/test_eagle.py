@@ -375,28 +375,26 @@ def test_replayed_head_steps_propose_as_eager_ones(monkeypatch, checkpoints, var
 
 
 # -- prefix hits, preemption, sampling ------------------------------------------------------------
-def test_prefix_hits_preemption_and_sampling_keep_the_outputs(checkpoints):
-    """A tiny pool (requests preempted and recomputed); the prompts again in a larger one
-    (prefix hits: the head drafts over cached blocks' KV); sampled requests (drafts from
-    the head's q, rejection sampling). Greedy outputs equal plain decoding's; nothing
-    leaks."""
+def check_pressure_prefix_hits_and_sampling(plain, make_engine, tiny: dict, prompts) -> None:
+    """Greedy outputs of ``make_engine(**tiny)`` (a tiny pool: requests preempted and
+    recomputed) and of ``make_engine()`` (then the prompts again: prefix hits, the head
+    drafting over cached blocks' KV) equal those of ``plain`` (an engine without drafts;
+    both shut down here); seeded sampled requests (drafts from the head's q, rejection
+    sampling) are reproducible; drafts are kept; nothing leaks."""
     from tests.v1.spec_decode.test_draft_model import _assert_no_leaks, counting
 
-    target = checkpoints / "target"
-    tiny = {"num_gpu_blocks_override": 9, "max_num_seqs": 3, "max_model_len": 128}
-    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * len(PROMPTS)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * len(prompts)
+    prompts = [{"prompt_token_ids": p} for p in prompts]
 
     def tokens(outs):
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    plain = _engine(target, None, "eagle", **tiny)
     try:
         base = tokens(plain.generate(prompts, params))
     finally:
         plain.shutdown()
     for pool in (tiny, {}):
-        llm = _engine(target, checkpoints / "eagle3", "eagle3", **pool)
+        llm = make_engine(**pool)
         try:
             with counting(llm) as counts:
                 assert tokens(llm.generate(prompts, params)) == base
@@ -409,12 +407,22 @@ def test_prefix_hits_preemption_and_sampling_keep_the_outputs(checkpoints):
             _assert_no_leaks(llm)
             hot = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=3)
             with counting(llm) as counts:
-                runs = [tokens(llm.generate(prompts, [hot] * 3)) for _ in range(2)]
+                runs = [tokens(llm.generate(prompts, [hot] * len(prompts))) for _ in range(2)]
             assert runs[0] == runs[1]  # seeded: reproducible under the same schedule
-            assert [len(t) for t in runs[0]] == [32] * 3 and counts["accepted"] > 0
+            assert [len(t) for t in runs[0]] == [32] * len(prompts) and counts["accepted"] > 0
             _assert_no_leaks(llm)
         finally:
             llm.shutdown()
+
+
+def test_prefix_hits_preemption_and_sampling_keep_the_outputs(checkpoints):
+    target = checkpoints / "target"
+    tiny = {"num_gpu_blocks_override": 9, "max_num_seqs": 3, "max_model_len": 128}
+    plain = _engine(target, None, "eagle", **tiny)
+    check_pressure_prefix_hits_and_sampling(
+        plain, lambda **pool: _engine(target, checkpoints / "eagle3", "eagle3", **pool), tiny,
+        PROMPTS,
+    )  # fmt: skip
 
 
 # -- a speculators head as the model ---------------------------------------------------------------

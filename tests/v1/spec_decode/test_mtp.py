@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.v1.spec_decode.test_eagle import generate_as_the_reference, ref_spec_decode
+from tests.v1.spec_decode.test_eagle import (
+    check_pressure_prefix_hits_and_sampling,
+    generate_as_the_reference,
+    ref_spec_decode,
+)
 from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
 
@@ -253,47 +257,17 @@ def test_replayed_mtp_steps_propose_as_eager_ones(monkeypatch, tmp_path):
 
 
 def test_prefix_hits_preemption_and_sampling_keep_the_outputs(tmp_path):
-    """A tiny pool (requests preempted and recomputed), the prompts again (prefix hits:
-    the layer drafts over cached blocks' latents) and seeded sampled requests (drafts
-    from the layer's q, rejection sampling): greedy outputs equal plain decoding's;
-    nothing leaks."""
-    from tests.v1.spec_decode.test_draft_model import _assert_no_leaks, counting
+    """Under a tiny pool, with prefix hits (the layer drafting over cached blocks'
+    latents) and seeded sampled requests: test_eagle.py's check."""
     from vllm import LLM
 
     save_target_with_mtp(tmp_path)
     tiny = {"num_gpu_blocks_override": 7, "max_num_seqs": 3}
-    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * len(PROMPTS)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-
-    def tokens(outs):
-        return [list(o.outputs[0].token_ids) for o in outs]
-
     plain = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32",
                 max_model_len=128, **tiny)  # fmt: skip
-    try:
-        base = tokens(plain.generate(prompts, params))
-    finally:
-        plain.shutdown()
-    for pool in (tiny, {}):
-        llm = _engine(tmp_path, **pool)
-        try:
-            with counting(llm) as counts:
-                assert tokens(llm.generate(prompts, params)) == base
-                assert counts["accepted"] > 0
-                if pool:
-                    assert counts["preemptions"] > 0
-                    continue
-                again = llm.generate(prompts, params)
-            assert tokens(again) == base and min(o.num_cached_tokens for o in again) >= 16
-            _assert_no_leaks(llm)
-            hot = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=3)
-            with counting(llm) as counts:
-                runs = [tokens(llm.generate(prompts, [hot] * 3)) for _ in range(2)]
-            assert runs[0] == runs[1]  # seeded: reproducible under the same schedule
-            assert [len(t) for t in runs[0]] == [32] * 3 and counts["accepted"] > 0
-            _assert_no_leaks(llm)
-        finally:
-            llm.shutdown()
+    check_pressure_prefix_hits_and_sampling(
+        plain, lambda **pool: _engine(tmp_path, **pool), tiny, PROMPTS
+    )
 
 
 # -- what is refused ------------------------------------------------------------------------------

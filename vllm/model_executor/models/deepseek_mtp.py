@@ -40,9 +40,10 @@ from torch import nn
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2Arch,
     DeepseekV2Layer,
+    deepseek_rope,
     is_sparse_layer,
 )
-from vllm.model_executor.models.llama import RMSNorm, RotaryEmbedding, layer_attention
+from vllm.model_executor.models.llama import RMSNorm, layer_attention
 from vllm.v1.attention.backends.abstract import layer_metadata
 
 # The model types whose checkpoints carry MTP layers that this head reads.
@@ -115,17 +116,10 @@ class DeepseekMTP(nn.Module):
         self.eh_proj = nn.Linear(2 * arch.hidden_size, arch.hidden_size, bias=False)
         self.layers = nn.ModuleList([DeepseekV2Layer(arch, 0 in arch.sparse_layers)])
         self.shared_head = SharedHead(arch)
-        self.rope = self._make_rope()
+        self.rope = deepseek_rope(arch)
         # Until a checkpoint brings its own, the target's (share_target_weights).
         self.shares_embed_tokens = True
         self.shares_head = True
-
-    def _make_rope(self) -> RotaryEmbedding:
-        a = self.arch
-        return RotaryEmbedding(
-            a.qk_rope_head_dim, a.max_position_embeddings, a.rope_parameters,
-            neox=not a.rope_interleave,
-        )  # fmt: skip
 
     @property
     def attention_features(self) -> frozenset[str]:
@@ -148,7 +142,7 @@ class DeepseekMTP(nn.Module):
     def init_buffers(self) -> None:
         """The rotary table, in the weights' dtype on their device."""
         weight = self.eh_proj.weight
-        self.rope = self._make_rope().to(weight.dtype).to(weight.device)
+        self.rope = deepseek_rope(self.arch).to(weight.dtype).to(weight.device)
 
     def share_target_weights(self, target: nn.Module) -> None:
         """The target's ``embed_tokens`` and ``lm_head`` where the checkpoint has no copy."""

@@ -202,6 +202,15 @@ class DeepseekV2Arch:
         )
 
 
+def deepseek_rope(a: DeepseekV2Arch) -> RotaryEmbedding:
+    """The rotary embedding of the keys' and queries' ``qk_rope_head_dim`` part (fp32 on
+    the CPU; ``init_buffers`` moves it)."""
+    return RotaryEmbedding(
+        a.qk_rope_head_dim, a.max_position_embeddings, a.rope_parameters,
+        neox=not a.rope_interleave,
+    )  # fmt: skip
+
+
 class DenseMLP(nn.Module):
     """SiLU-gated MLP with fused gate/up: the dense layers' and the shared experts'."""
 
@@ -378,18 +387,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rope = self._make_rope()
+        self.rope = deepseek_rope(self.arch)
         # EAGLE-3 (spec_decode/eagle.py): the residual stream after each of these many
         # layers, concatenated in ``aux_hidden`` by every forward.
         self.aux_hidden_layers: frozenset[int] = frozenset()
         self.aux_hidden: torch.Tensor | None = None
-
-    def _make_rope(self) -> RotaryEmbedding:
-        a = self.arch
-        return RotaryEmbedding(
-            a.qk_rope_head_dim, a.max_position_embeddings, a.rope_parameters,
-            neox=not a.rope_interleave,
-        )  # fmt: skip
 
     @property
     def attention_features(self) -> frozenset[str]:
@@ -423,7 +425,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         """The rotary table (fp32 on the CPU, then moved in the weights' dtype) and the
         tied output head."""
         weight = self.embed_tokens.weight
-        self.rope = self._make_rope().to(weight.dtype).to(weight.device)
+        self.rope = deepseek_rope(self.arch).to(weight.dtype).to(weight.device)
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
