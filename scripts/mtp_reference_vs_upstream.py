@@ -1,10 +1,11 @@
-"""Check tests/v1/spec_decode/test_mtp.py's reference for DeepSeek's MTP layer against
-upstream vLLM 0.32 (its CPU build, ``make setup-upstream``).
+"""Check tests/v1/spec_decode/test_mtp.py's reference for MTP layers (DeepSeek-V3's,
+GLM-4.5's) against upstream vLLM 0.32 (its CPU build, ``make setup-upstream``).
 
 The test checks that our engine proposes exactly the reference's drafts. This script
 closes the loop, as ``eagle_reference_vs_upstream.py`` does for EAGLE heads:
 
-1. (our venv) writes the test's tiny DeepSeek-V3 with an MTP layer into ``--out-dir``;
+1. (our venv) writes the test's tiny target of ``--family`` with an MTP layer into
+   ``--out-dir``;
 2. (upstream's venv, this file again with ``--upstream``) runs upstream's ``vllm.LLM``
    greedily over six token-id prompts, without speculative decoding and with
    ``{"method": "mtp", "num_speculative_tokens": k}``, each prompt alone, recording the
@@ -13,7 +14,8 @@ closes the loop, as ``eagle_reference_vs_upstream.py`` does for EAGLE heads:
    verified, the request cut at max_tokens) and compares, prompt by prompt, the outputs
    and the counters (drafts, draft tokens, accepted, accepted per position).
 
-    .venv/bin/python scripts/mtp_reference_vs_upstream.py --out-dir /tmp/mtp-parity [--k 3]
+    .venv/bin/python scripts/mtp_reference_vs_upstream.py --out-dir /tmp/mtp-parity \\
+        [--family deepseek_v3|glm4_moe] [--k 3]
 
 Exits 1 on any difference. About a minute per engine on 2 cores.
 """
@@ -39,17 +41,20 @@ PROMPTS = [
 ]
 
 
-def build(out_dir: Path) -> Path:
-    """The test's checkpoint; its config names the V3 routing explicitly (upstream reads
-    a missing ``topk_method`` as greedy, transformers and we as V3's ``noaux_tc``)."""
+def build(out_dir: Path, family: str) -> Path:
+    """The test's checkpoint; a DeepSeek config names the V3 routing explicitly (upstream
+    reads a missing ``topk_method`` as greedy, transformers and we as V3's ``noaux_tc``)."""
     sys.path.insert(0, str(REPO))
     from tests.v1.spec_decode.test_mtp import save_target_with_mtp
 
     target = out_dir / "target"
-    save_target_with_mtp(target)
-    config = json.loads((target / "config.json").read_text())
-    config.update(topk_method="noaux_tc", scoring_func="sigmoid")
-    (target / "config.json").write_text(json.dumps(config, indent=1))
+    # GLM: upstream's CPU attention takes no head of 16 (the test's), so 32
+    overrides = {} if family == "deepseek_v3" else {"head_dim": 32}
+    save_target_with_mtp(target, family, own_copies=family == "deepseek_v3", **overrides)
+    if family == "deepseek_v3":
+        config = json.loads((target / "config.json").read_text())
+        config.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        (target / "config.json").write_text(json.dumps(config, indent=1))
     return target
 
 
@@ -91,13 +96,13 @@ def compare(target: Path, up: dict) -> bool:
     import torch
     from eagle_reference_vs_upstream import step_as_upstream  # this folder's
     from safetensors.torch import load_file
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from tests.v1.spec_decode.test_mtp import RefMTP
 
     torch.set_num_threads(1)
     k, max_tokens = up["k"], up["max_tokens"]
-    model = DeepseekV3ForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     prefix = f"model.layers.{model.config.num_hidden_layers}."
     layer = load_file(str(target / "mtp.safetensors"))
     head = RefMTP(model, {name.removeprefix(prefix): t for name, t in layer.items()})
@@ -109,7 +114,10 @@ def compare(target: Path, up: dict) -> bool:
     ours = [step_as_upstream(head, argmaxes, p, k, max_tokens) for p in PROMPTS]
     same_out = [o for o, _ in ours] == up["outputs"] == up["baseline"]
     same = [c == u for (_, c), u in zip(ours, up["metrics"], strict=True)]
-    print(f"upstream vLLM {up['upstream_vllm']}, k = {k}, {max_tokens} tokens a prompt")
+    print(
+        f"upstream vLLM {up['upstream_vllm']}, {model.config.model_type}, k = {k}, "
+        f"{max_tokens} tokens a prompt"
+    )
     print(f"outputs equal (reference, upstream with MTP, upstream without): {same_out}")
     print(f"counters equal per prompt: {same}")
     for (_, c), u in zip(ours, up["metrics"], strict=True):
@@ -120,6 +128,7 @@ def compare(target: Path, up: dict) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", required=True, type=Path)
+    parser.add_argument("--family", choices=["deepseek_v3", "glm4_moe"], default="deepseek_v3")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
@@ -130,7 +139,7 @@ def main() -> int:
         run_upstream(out_dir / "target", args.k, args.max_tokens, record)
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = build(out_dir)
+    target = build(out_dir, args.family)
     python = REPO / ".venv-upstream" / "bin" / "python"
     cmd = [str(python), __file__, "--upstream", "--out-dir", str(out_dir), "--k", str(args.k)]
     cmd += ["--max-tokens", str(args.max_tokens)]

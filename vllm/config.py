@@ -647,10 +647,10 @@ class SpeculativeConfig:
         "optionally quantization, max_model_len and draft_tensor_parallel_size 1); or "
         '{"method": "eagle" or "eagle3", "model": HEAD, "num_speculative_tokens": K} (an '
         "EAGLE-1 / EAGLE-3 head trained on the target's hidden states, same keys as "
-        'draft_model); or {"method": "mtp", "num_speculative_tokens": K} (DeepSeek-V3\'s '
-        "own multi-token-prediction layer, read from the target's checkpoint unless model "
-        "names another). All take disable_by_batch_size (no drafts in a step with more "
-        "running requests). "
+        'draft_model); or {"method": "mtp", "num_speculative_tokens": K} (the model\'s own '
+        "multi-token-prediction layer, DeepSeek-V3's or GLM-4.5's, read from the target's "
+        "checkpoint unless model names another). All take disable_by_batch_size (no "
+        "drafts in a step with more running requests). "
         "Requests without penalties, logit controls, min_tokens or a grammar get drafts "
         "(greedy: checked exactly; sampled: rejection sampling); every other request "
         "decodes as without it.",
@@ -1068,9 +1068,9 @@ class VllmConfig:
         except (OSError, ValueError) as e:
             raise bad_value("speculative_config.model", draft, f"cannot be read: {e}") from None
         if spec.method == "mtp":
-            from vllm.model_executor.models.deepseek_mtp import DeepseekMTP
+            from vllm.model_executor.models.mtp import mtp_head_class
 
-            DeepseekMTP.arch_from_hf(draft_hf)  # a model without an MTP layer: ValueError
+            mtp_head_class(draft_hf).arch_from_hf(draft_hf)  # no MTP layer: ValueError
         target_vocab = _vocab_size(hf_config_of(self.model_config))
         draft_vocab = _vocab_size(draft_hf)
         if draft_vocab != target_vocab:

@@ -43,24 +43,49 @@ def test_mtp_needs_no_model_and_takes_vllms_old_name(caplog):
 
 
 # -- the checkpoint and the reference ---------------------------------------------------------
-def save_target_with_mtp(path: Path, noise: float = 0.1, own_copies: bool = True, seed: int = 1):
-    """A tiny DeepSeek-V3 (``tests/model_executor/test_deepseek.py``'s "v3") with one MTP
-    layer in its checkpoint (``mtp.safetensors`` beside the model's file, DeepSeek's names,
-    one tensor per expert); returns (transformers model, the MTP layer's tensors).
+def _family(name: str):
+    """(transformers' decoder layer and rotary classes, the target's saver, whether the
+    next step reads the normed state) of an MTP family."""
+    import transformers.models.deepseek_v3.modeling_deepseek_v3 as deepseek
+    import transformers.models.glm4_moe.modeling_glm4_moe as glm
+
+    from tests.model_executor.test_deepseek import save
+    from tests.model_executor.test_moe import save_checkpoint
+
+    if name == "deepseek_v3":  # MLA, experts, yarn
+        return (deepseek.DeepseekV3DecoderLayer, deepseek.DeepseekV3RotaryEmbedding,
+                lambda path, **kw: save("v3", path, **kw), True)  # fmt: skip
+    # GLM-4.5: q/k/v biases, q/k norms, half the head rotated, experts from layer 1 on
+    return (glm.Glm4MoeDecoderLayer, glm.Glm4MoeRotaryEmbedding,
+            lambda path, **kw: save_checkpoint("Glm4MoeForCausalLM", path, **kw),
+            False)  # fmt: skip
+
+
+def save_target_with_mtp(
+    path: Path,
+    family: str = "deepseek_v3",
+    noise: float = 0.1,
+    own_copies: bool = True,
+    seed: int = 1,
+    **overrides,
+):
+    """A tiny target of ``family`` (deepseek_v3: ``tests/model_executor/test_deepseek.py``'s
+    "v3"; glm4_moe: ``test_moe.py``'s GLM-4.5) with one MTP layer in its checkpoint
+    (``mtp.safetensors`` beside the model's file, the families' names, one tensor per
+    expert); returns (transformers model, the MTP layer's tensors).
 
     The layer: ``eh_proj`` passes the hidden half through plus a random map of the
     embeddings' half of size ``noise``; its attention and experts' outputs are rescaled to
     about ``noise``; ``shared_head.head`` (and ``embed_tokens``) are the target's, written
-    as copies with ``own_copies``, else left out (shared)."""
+    as copies with ``own_copies`` (DeepSeek's files), else left out (shared; GLM's).
+    ``overrides``: HF config fields of the target."""
     from safetensors.torch import save_file
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
-    from tests.model_executor.test_deepseek import save
-
-    hf = save("v3", path)
+    layer_cls, _, save, _ = _family(family)
+    hf = save(path, **overrides)
     config, n, h = hf.config, hf.config.num_hidden_layers, hf.config.hidden_size
     g = torch.Generator().manual_seed(seed)
-    layer = DeepseekV3DecoderLayer(config, n).float()
+    layer = layer_cls(config, n).float()
     tensors = {}
     for name, p in layer.state_dict().items():
         if name.endswith("norm.weight"):
@@ -74,7 +99,7 @@ def save_target_with_mtp(path: Path, noise: float = 0.1, own_copies: bool = True
         tensors[name] = value
     gate_up, down = tensors.pop("mlp.experts.gate_up_proj"), tensors.pop("mlp.experts.down_proj")
     inter = config.moe_intermediate_size
-    for e in range(config.n_routed_experts):  # DeepSeek's files: one tensor per expert
+    for e in range(config.n_routed_experts):  # the files: one tensor per expert
         tensors[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
         tensors[f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, inter:]
         tensors[f"mlp.experts.{e}.down_proj.weight"] = down[e]
@@ -97,18 +122,14 @@ def save_target_with_mtp(path: Path, noise: float = 0.1, own_copies: bool = True
 
 
 class RefMTP:
-    """The MTP layer over whole sequences, from its tensors and transformers' layer
-    (the ``RefHead`` interface ``ref_spec_decode`` steps)."""
+    """The MTP layer over whole sequences, from its tensors and transformers' layer of
+    the target's family (the ``RefHead`` interface ``ref_spec_decode`` steps)."""
 
     def __init__(self, target, tensors: dict[str, torch.Tensor]) -> None:
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            DeepseekV3DecoderLayer,
-            DeepseekV3RotaryEmbedding,
-        )
-
         config = target.config
+        layer_cls, rotary_cls, _, self.recycles_normed = _family(config.model_type)
         self.target, self.sd = target, tensors
-        self.layer = DeepseekV3DecoderLayer(config, config.num_hidden_layers).float().eval()
+        self.layer = layer_cls(config, config.num_hidden_layers).float().eval()
         mtp_only = ("enorm.", "hnorm.", "eh_proj.", "embed_tokens.", "shared_head.", "mlp.experts.")
         own = {k: v for k, v in tensors.items() if not k.startswith(mtp_only)}
         e = config.n_routed_experts
@@ -120,7 +141,7 @@ class RefMTP:
             [tensors[f"mlp.experts.{i}.down_proj.weight"] for i in range(e)]
         )
         self.layer.load_state_dict(own)
-        self.rotary = DeepseekV3RotaryEmbedding(config)
+        self.rotary = rotary_cls(config)
         self.embed = tensors.get("embed_tokens.weight", target.model.embed_tokens.weight.detach())
         self.head = tensors.get("shared_head.head.weight", target.lm_head.weight.detach())
         self.eps = config.rms_norm_eps
@@ -147,7 +168,7 @@ class RefMTP:
         x = self.layer(x, attention_mask=mask, position_ids=positions,
                        position_embeddings=self.rotary(x, positions))[0]  # fmt: skip
         out = self._norm(x, "shared_head.norm.weight")
-        return out @ self.head.T, out
+        return out @ self.head.T, (out if self.recycles_normed else x)
 
     def drafts(self, tokens: list[int], k: int) -> list[int]:
         """The k greedy drafts after ``tokens`` (each recomputing every position)."""
@@ -172,29 +193,38 @@ PROMPTS = [[3 + (5 * i) % 90 for i in range(30)], [7, 8, 9, 10] * 5, list(range(
 MAX_TOKENS = (20, 24, 16)
 
 
-@pytest.mark.parametrize("own_copies", [True, False])
-def test_every_proposal_equals_the_reference_and_the_output_plain_decoding(tmp_path, own_copies):
+HEADS = {"deepseek_v3": "DeepseekMTP", "glm4_moe": "Glm4MoeMTP"}
+
+
+@pytest.mark.parametrize(
+    "family, own_copies", [("deepseek_v3", True), ("deepseek_v3", False), ("glm4_moe", False)]
+)
+def test_every_proposal_equals_the_reference_and_the_output_plain_decoding(
+    tmp_path, family, own_copies
+):
     """The MTP layer's drafts, step by step, are the reference's; the outputs are the
     target's greedy tokens; kept and rejected drafts both happen. Without copies of the
     embeddings and head in the layer's tensors the target's are used."""
     from tests.v1.spec_decode.test_draft_model import counting
 
-    hf, tensors = save_target_with_mtp(tmp_path, own_copies=own_copies)
+    hf, tensors = save_target_with_mtp(tmp_path, family, own_copies=own_copies)
     ref = RefMTP(hf, tensors)
     expected = [ref_spec_decode(ref, p, n, K) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     llm = _engine(tmp_path)
     drafter = llm.engine_core.model_runner.drafter
     shared = drafter.model.embed_tokens is llm.engine_core.model_runner.model.embed_tokens
-    assert shared == (not own_copies) and type(drafter.model).__name__ == "DeepseekMTP"
+    assert shared == (not own_copies) and type(drafter.model).__name__ == HEADS[family]
     with counting(llm) as counts:
         generate_as_the_reference(llm, PROMPTS, MAX_TOKENS, expected)
-    assert 0.1 < counts["accepted"] / counts["draft_tokens"] < 0.95, counts
+    assert 0.05 < counts["accepted"] / counts["draft_tokens"] < 0.95, counts
 
 
-def test_the_layers_logits_equal_the_references_at_every_position(tmp_path):
+@pytest.mark.parametrize("family", list(HEADS))
+def test_the_layers_logits_and_states_equal_the_references_at_every_position(tmp_path, family):
     """One catch-up over a whole prompt (position 0 included, its embedding masked): the
-    engine's MTP logits at every position are the reference's."""
-    hf, tensors = save_target_with_mtp(tmp_path)
+    engine's MTP logits and next-step hidden states at every position are the
+    reference's (DeepSeek's normed, GLM's before the norm)."""
+    hf, tensors = save_target_with_mtp(tmp_path, family)
     ref = RefMTP(hf, tensors)
     llm = _engine(tmp_path)
     try:
@@ -204,27 +234,64 @@ def test_the_layers_logits_equal_the_references_at_every_position(tmp_path):
         hidden = ref.target_hidden(tokens)[:n]
         table = list(range(-(-n // drafter.block_size)))  # idle engine: any blocks will do
         out = drafter._forward(tokens[1:], list(range(n)), [(0, n, table)], hidden)
-        logits = drafter.model.compute_logits(out)
+        rows, states = drafter.model.split(out)
+        logits = drafter.model.compute_logits(rows)
     finally:
         llm.shutdown()
-    expected, _ = ref.forward(tokens[1:], hidden)
+    expected, expected_states = ref.forward(tokens[1:], hidden)
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(states, expected_states, atol=2e-4, rtol=1e-4)
 
 
-def test_replayed_mtp_steps_propose_as_eager_ones(monkeypatch, tmp_path):
-    """TRITON_MLA (CUDA's backend, its kernels emulated) under the target and the MTP
-    layer, stand-in graphs captured: the layer's single-token steps and decode-row
-    catch-ups replay graphs whose hidden-state input is a buffer. Proposals and outputs
-    equal the eager engine's."""
-    from tests.v1.attention.test_triton_mla import emulated_kernel, emulated_prefill_kernel
-    from tests.v1.spec_decode.test_eagle import recording_proposals
-    from tests.v1.worker.test_cuda_graph import ReplayingGraph
-    from vllm.v1.attention.backends import triton_mla_decode, triton_mla_prefill
+def _cuda_backends(monkeypatch, family: str):
+    """A factory of the backend CUDA would run for ``family``'s arch, on the CPU with its
+    kernels emulated: TRITON_MLA for DeepSeek's latent cache, TORCH_FLASH_ATTN with the
+    Triton decode kernel for GLM."""
+    from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
+    from tests.v1.attention.test_triton_decode import emulated_kernel
+    from tests.v1.attention.test_triton_mla import emulated_kernel as emulated_mla
+    from tests.v1.attention.test_triton_mla import emulated_prefill_kernel
+    from vllm.v1.attention.backends import triton_decode, triton_mla_decode, triton_mla_prefill
+    from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
     from vllm.v1.attention.backends.triton_mla import TritonMLABackend
 
-    monkeypatch.setattr(triton_mla_decode, "mla_decode_attention", emulated_kernel([]))
-    monkeypatch.setattr(triton_mla_prefill, "mla_prefill_attention", emulated_prefill_kernel([]))
-    save_target_with_mtp(tmp_path)
+    if family == "deepseek_v3":
+        monkeypatch.setattr(triton_mla_decode, "mla_decode_attention", emulated_mla([]))
+        monkeypatch.setattr(
+            triton_mla_prefill, "mla_prefill_attention", emulated_prefill_kernel([])
+        )
+
+        def make(a):
+            backend = TritonMLABackend(a.num_heads, 1, a.head_dim, torch.float32, "cpu", 16,
+                                       value_size=a.latent_value_size)  # fmt: skip
+            backend.prefill_kernel = True  # as on CUDA
+            return backend
+
+        return make
+    install(monkeypatch, ref_varlen_attn)
+    monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated_kernel([]))
+
+    def make(a):
+        backend = TorchFlashAttentionBackend(
+            a.num_heads, a.num_kv_heads, a.head_dim, torch.float32, "cpu", 16
+        )
+        backend.decode_kernel = "triton"
+        return backend
+
+    return make
+
+
+@pytest.mark.parametrize("family", list(HEADS))
+def test_replayed_mtp_steps_propose_as_eager_ones(monkeypatch, tmp_path, family):
+    """CUDA's backend under the target and the MTP layer (kernels emulated), stand-in
+    graphs captured: the layer's single-token steps and decode-row catch-ups replay
+    graphs whose hidden-state input is a buffer. Proposals and outputs equal the eager
+    engine's."""
+    from tests.v1.spec_decode.test_eagle import recording_proposals
+    from tests.v1.worker.test_cuda_graph import ReplayingGraph
+
+    make_backend = _cuda_backends(monkeypatch, family)
+    save_target_with_mtp(tmp_path, family)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     results = {}
@@ -232,14 +299,8 @@ def test_replayed_mtp_steps_propose_as_eager_ones(monkeypatch, tmp_path):
         llm = _engine(tmp_path, enforce_eager=not graphs, max_num_seqs=4)
         runner = llm.engine_core.model_runner
         for owner, model in ((runner, runner.model), (runner.drafter, runner.drafter.model)):
-            a = model.arch
-            backend = TritonMLABackend(
-                a.num_heads, 1, a.head_dim, torch.float32, "cpu", 16,
-                value_size=a.latent_value_size,
-            )  # fmt: skip
-            backend.prefill_kernel = True  # as on CUDA
-            owner.attn_backend = backend
-            model.set_attention_backend(backend)
+            owner.attn_backend = make_backend(model.arch)
+            model.set_attention_backend(owner.attn_backend)
         runner.capture_model(graph_factory=ReplayingGraph)
         try:
             with recording_proposals(llm) as proposals:

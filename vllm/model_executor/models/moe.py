@@ -175,26 +175,32 @@ class MoeForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock(self.arch) if layer in self.arch.sparse_layers else None
 
     def load_mlp(self, mlp: nn.Module, sd: dict[str, torch.Tensor], prefix: str) -> None:
-        p = f"{prefix}{self.arch.checkpoint_prefix}."
-        if p + "input_linear.weight" in sd:  # Granite MoE: the experts stacked already
-            mlp.gate.weight.copy_(sd[p + "router.layer.weight"])
-            mlp.experts.w13.copy_(sd[p + "input_linear.weight"])  # [gate; up] per expert
-            mlp.experts.w2.copy_(sd[p + "output_linear.weight"])
-            return
-        mlp.gate.weight.copy_(sd[p + "gate.weight"])
-        names = ("w1", "w3", "w2") if self.arch.checkpoint_prefix == "block_sparse_moe" else (
-            "gate_proj", "up_proj", "down_proj"
-        )  # fmt: skip
-        for e in range(self.arch.num_experts):
-            gate, up, down = (sd[f"{p}experts.{e}.{n}.weight"] for n in names)
-            mlp.experts.load_expert(e, gate, up, down)
-        if self.arch.scoring == "sigmoid":
-            mlp.e_score_correction_bias.copy_(sd[p + "gate.e_score_correction_bias"])
-        if mlp.shared:
-            s = p + ("shared_expert." if self.arch.shared_expert_gated else "shared_experts.")
-            mlp.shared_gate_up_proj.weight.copy_(
-                torch.cat([sd[s + "gate_proj.weight"], sd[s + "up_proj.weight"]])
-            )
-            mlp.shared_down_proj.weight.copy_(sd[s + "down_proj.weight"])
-            if self.arch.shared_expert_gated:
-                mlp.shared_expert_gate.weight.copy_(sd[p + "shared_expert_gate.weight"])
+        load_moe_block(self.arch, mlp, sd, prefix)
+
+
+def load_moe_block(a: MoeArch, mlp: nn.Module, sd: dict[str, torch.Tensor], prefix: str) -> None:
+    """Fill a ``SparseMoeBlock`` of arch ``a`` from the checkpoint tensors of the layer
+    ``prefix`` (``layers.N.``)."""
+    p = f"{prefix}{a.checkpoint_prefix}."
+    if p + "input_linear.weight" in sd:  # Granite MoE: the experts stacked already
+        mlp.gate.weight.copy_(sd[p + "router.layer.weight"])
+        mlp.experts.w13.copy_(sd[p + "input_linear.weight"])  # [gate; up] per expert
+        mlp.experts.w2.copy_(sd[p + "output_linear.weight"])
+        return
+    mlp.gate.weight.copy_(sd[p + "gate.weight"])
+    names = ("w1", "w3", "w2") if a.checkpoint_prefix == "block_sparse_moe" else (
+        "gate_proj", "up_proj", "down_proj"
+    )  # fmt: skip
+    for e in range(a.num_experts):
+        gate, up, down = (sd[f"{p}experts.{e}.{n}.weight"] for n in names)
+        mlp.experts.load_expert(e, gate, up, down)
+    if a.scoring == "sigmoid":
+        mlp.e_score_correction_bias.copy_(sd[p + "gate.e_score_correction_bias"])
+    if mlp.shared:
+        s = p + ("shared_expert." if a.shared_expert_gated else "shared_experts.")
+        mlp.shared_gate_up_proj.weight.copy_(
+            torch.cat([sd[s + "gate_proj.weight"], sd[s + "up_proj.weight"]])
+        )
+        mlp.shared_down_proj.weight.copy_(sd[s + "down_proj.weight"])
+        if a.shared_expert_gated:
+            mlp.shared_expert_gate.weight.copy_(sd[p + "shared_expert_gate.weight"])

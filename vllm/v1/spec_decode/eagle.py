@@ -161,20 +161,23 @@ class EagleProposer(DraftModelProposer):
         return {"hidden_states": self.model.combine_hidden_states(target)}
 
 
-def eagle_head_class(method: str | None, target: torch.nn.Module) -> type | None:
-    """The head class of an EAGLE method or of ``mtp`` (DeepSeek's multi-token-prediction
-    layer, which drafts as an EAGLE-1 head does); None for other methods. ValueError naming
-    ``speculative_config.method`` for a target it cannot read hidden states of."""
+def eagle_head_class(
+    method: str | None, target: torch.nn.Module, draft_hf_config: Any = None
+) -> type | None:
+    """The head class of an EAGLE method or of ``mtp`` (a multi-token-prediction layer of
+    the draft's HF config, ``draft_hf_config``, which drafts as an EAGLE-1 head does); None
+    for other methods. ValueError naming ``speculative_config.method`` for a target it
+    cannot read hidden states of."""
     if method == "mtp":
-        from vllm.model_executor.models.deepseek_mtp import DeepseekMTP
-        from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+        from vllm.model_executor.models.mtp import mtp_head_class
 
-        if not isinstance(target, DeepseekV2ForCausalLM):
+        head = mtp_head_class(draft_hf_config)
+        if not (hasattr(target, "embed_tokens") and hasattr(target, "lm_head")):
             raise ValueError(
-                f"speculative_config.method: mtp drafts from DeepSeek-V3's hidden states; "
-                f"the target is {type(target).__name__}"
+                f"speculative_config.method: mtp needs the target's embeddings and output "
+                f"head, which {type(target).__name__} does not have as such"
             )
-        return DeepseekMTP
+        return head
     if method not in ("eagle", "eagle3"):
         return None
     from vllm.model_executor.models.llama_eagle import (

@@ -451,10 +451,11 @@ class ModelRunner:
         attention backend (its shapes may differ) and KV tensors in the target's blocks."""
         from vllm.model_executor.layers.quantization.gguf import model_prefill_dtype
         from vllm.model_executor.layers.quantization.kv_scales import apply_kv_scales
+        from vllm.model_executor.model_loader import hf_config_of
 
         start = time.monotonic()
         spec = self.config.speculative_config
-        eagle_cls = eagle_head_class(spec.method, self.model)
+        eagle_cls = eagle_head_class(spec.method, self.model, hf_config_of(draft_config))
         model, architecture, _, hf_config = self._load_weights(
             draft_config, draft_config.max_model_len, eagle_cls
         )
