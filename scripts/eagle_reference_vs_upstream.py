@@ -63,7 +63,9 @@ def main(path: str) -> int:
 
     failed = False
     for name, variant in up["variants"].items():
-        head = RefHead(Path(variant["draft"]), target, variant["method"])
+        # A speculators-format draft: the reference reads the same head in EAGLE's format.
+        folder = variant.get("reference_draft", variant["draft"])
+        head = RefHead(Path(folder), target, variant["method"])
         ours = [step_as_upstream(head, argmaxes, p, k, max_tokens) for p in up["prompts"]]
         theirs = variant["one_by_one"]["metrics"]
         same_out = [o for o, _ in ours] == variant["outputs"]

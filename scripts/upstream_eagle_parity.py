@@ -13,6 +13,10 @@ Builds, or reuses when present with the same options, a tiny random Llama target
                 target's: upstream shares them)
     eagle3_d2t  EAGLE-3, draft_vocab_size 128 with d2t/t2d
     eagle3_nbr  EAGLE-3, norm_before_residual, no aux layer key (upstream's default ids)
+    eagle3_qwen3_speculators
+                the eagle3 head with per-head q/k norms (a Qwen3 layer), in the
+                speculators library's format (upstream: Eagle3Qwen3ForCausalLM); the
+                reference reads the same head in the EAGLE format (``reference_draft``)
 
 then runs upstream's ``vllm.LLM`` greedily (temperature 0, ignore_eos) over fixed token-id
 prompts: once without speculative decoding (the baseline), and per variant with
@@ -51,7 +55,11 @@ VARIANTS = {
     "eagle3": ("eagle3", {"with_embed_tokens": True}),
     "eagle3_d2t": ("eagle3", {"draft_vocab_size": 128}),
     "eagle3_nbr": ("eagle3", {"norm_before_residual": True, "aux_layer_ids": None}),
+    "eagle3_qwen3_speculators": ("eagle3", {"with_embed_tokens": True}),
 }
+# Variants written in the speculators format over a layer of this model_type, from the
+# head built with the variant's options.
+SPECULATORS = {"eagle3_qwen3_speculators": "qwen3"}
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -106,7 +114,8 @@ def folder_hashes(folder: Path) -> dict:
 
 
 def build(ec, out_dir: Path, names: list[str], seed: int, noise, rebuild: bool) -> dict:
-    """Build or reuse the target and the drafts; returns {name: (folder, method, options)}."""
+    """Build or reuse the target and the drafts; returns {name: (folder, method, options,
+    the folder the reference reads)}."""
     target = out_dir / "target"
     if rebuild or not ec.checkpoint_ready(target):
         print(f"building {target}", file=sys.stderr)
@@ -131,8 +140,26 @@ def build(ec, out_dir: Path, names: list[str], seed: int, noise, rebuild: bool) 
         if not current:
             print(f"building {folder}", file=sys.stderr)
             ec.save_eagle(folder, target, method, **options)
-        built[name] = (folder, method, options)
+        built[name] = (folder, method, options, folder)
+        if name in SPECULATORS:  # derived each run: cheap, and never stale
+            qk = out_dir / f"{name}_eagle_format"
+            speculators = out_dir / f"{name}_speculators"
+            built[name] = _speculators_variant(
+                ec, folder, qk, speculators, SPECULATORS[name], method, options
+            )
     return built
+
+
+def _speculators_variant(ec, head: Path, qk: Path, out: Path, model_type: str, method, options):
+    """``head`` with per-head q/k norms (``qk``, EAGLE format: the reference's) and the
+    same in the speculators format over a ``model_type`` layer (``out``: upstream's)."""
+    import shutil
+
+    for folder in (qk, out):
+        shutil.rmtree(folder, ignore_errors=True)
+    ec.add_qk_norms(head, qk)
+    ec.save_as_speculators(qk, out, model_type)
+    return out, method, options, qk
 
 
 def spec_metrics(llm) -> dict:
@@ -334,7 +361,7 @@ def main() -> int:
         report["failures"].append("baseline: batched and one-by-one outputs differ")
 
     for name in names:
-        folder, method, options = built[name]
+        folder, method, options, reference = built[name]
         spec = {"method": method, "model": str(folder), "num_speculative_tokens": args.k}
         print(f"{name}: {spec}", file=sys.stderr)
         outputs, counters, singles, single_counters, extra = run_engine(
@@ -347,6 +374,7 @@ def main() -> int:
         entry = {
             "method": method,
             "draft": str(folder),
+            "reference_draft": str(reference),
             "options": {k: v for k, v in options.items()},
             "draft_config": config,
             "files_sha256": folder_hashes(folder),

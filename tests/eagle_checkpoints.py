@@ -424,6 +424,49 @@ def save_eagle(
     return _save(path, config, tensors)
 
 
+def add_qk_norms(head: Path, out: Path) -> None:
+    """``head`` with per-head q and k norm weights away from 1 (a Qwen3 layer's), its
+    config unchanged (only RefHead and save_as_speculators read this folder)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(head / "model.safetensors")
+    cfg = json.loads((head / "config.json").read_text())
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    g = torch.Generator().manual_seed(7)
+    for name in ("q_norm", "k_norm"):
+        tensors[f"midlayer.self_attn.{name}.weight"] = 1 + 0.5 * torch.randn(d, generator=g)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+def save_as_speculators(
+    head: Path, out: Path, model_type: str = "llama", speculative_tokens: int = 3
+) -> None:
+    """``head`` (an EAGLE-3 head in the EAGLE repository's format) in the ``speculators``
+    library's: the layer's config nested (of ``model_type``), the head's fields beside it
+    (norm_before_residual written: its default there is true), ``layers.0.`` for
+    ``midlayer.``; its verifier named "target" and ``speculative_tokens`` drafts."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((head / "config.json").read_text())
+    aux = config.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]
+    fields = {"draft_vocab_size": config.pop("draft_vocab_size")}
+    layer = {k: v for k, v in config.items() if k not in ("architectures", "eagle_checkpoints")}
+    layer["model_type"] = model_type
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer, "eagle_aux_hidden_state_layer_ids": aux,
+        "norm_before_residual": False, **fields,
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": speculative_tokens}],
+                               "verifier": {"name_or_path": "target"}},
+    }))  # fmt: skip
+    tensors = load_file(head / "model.safetensors")
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()},
+              str(out / "model.safetensors"))  # fmt: skip
+
+
 def checkpoint_ready(path) -> bool:
     """Whether ``path`` holds a saved checkpoint (config.json and model.safetensors)."""
     return all((Path(path) / name).is_file() for name in CHECKPOINT_FILES)
