@@ -9,6 +9,7 @@ Blocks of 16 tokens. A first turn of 31 prompt tokens + 2 outputs has KV for 32 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from conftest import make_request
@@ -156,3 +157,57 @@ def test_context_serve_is_a_scheduling_policy_with_its_own_settings():
         context_serve_config_from({"context_serve": {"fast_pin_s": -1}})
     with pytest.raises(ValueError, match="unknown keys"):
         context_serve_config_from({"context_serve": {"offload_slower": True}})
+
+
+def _series(vllm_config):
+    """A sample reader of the default registry, for this engine's labels."""
+    from prometheus_client import REGISTRY
+
+    engine = {"model_name": vllm_config.model_config.served_model_name, "engine": "0"}
+    return lambda name, **labels: REGISTRY.get_sample_value(name, {**engine, **labels}) or 0.0
+
+
+def test_context_serve_series_reach_prometheus_once_each(vllm_config):
+    """ContextServe's own series (our engine's ``vllm:context_serve_*``) through upstream's
+    stats channel: the verdict and the FAST pin's hit, each counted once though every
+    report carries the totals."""
+    from vllm_continuum.upstream.metrics import POLICY_PREFIX, PinStatLogger
+
+    says = {"text": bash("ls -la")}  # the rule table: ls is fast
+    s = context_serve(vllm_config, says)
+    t1 = make_request(range(31), job="a")
+    s.add_request(t1)
+    run_until_done(s)
+    s.clock.advance(1.0)
+    s.add_request(make_request([*t1.all_token_ids, 40, 41], job="a", last=True))
+    run_until_done(s)
+    logger, value = PinStatLogger(vllm_config, 0), _series(vllm_config)
+    names = [("vllm:context_serve_decisions_total", {"speed": "fast", "layer": "rules"}),
+             ("vllm:context_serve_fast_pins_total", {"outcome": "hit"})]  # fmt: skip
+    before = [value(name, **labels) for name, labels in names]
+    for _ in range(3):
+        stats = s.make_stats()
+        logger.record(stats, None, engine_idx=0)
+        assert not any(k.startswith(POLICY_PREFIX) for k in stats.num_kv_fetch_reqs_by_stage)
+    after = [value(name, **labels) for name, labels in names]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+
+
+def test_a_histogram_observation_is_observed_once_of_the_reports_that_carry_it(vllm_config):
+    from vllm_continuum.context_serve.stats import CONTEXT_SERVE_METRICS, ContextServeStats
+    from vllm_continuum.upstream.metrics import OBSERVATION_REPORTS, PinStatLogger, PolicyStatTotals
+
+    totals, logger = PolicyStatTotals(CONTEXT_SERVE_METRICS), PinStatLogger(vllm_config, 0)
+    value = _series(vllm_config)
+    name = "vllm:context_serve_prediction_error_seconds"
+    count, total = value(name + "_count"), value(name + "_sum")
+    totals.add(ContextServeStats(prediction_errors_s=[0.25, 1.5]))
+    carried = 0
+    for _ in range(OBSERVATION_REPORTS + 2):
+        by_stage: dict[str, int] = {}
+        totals.write(by_stage)
+        carried += len(by_stage)
+        logger.record(SimpleNamespace(num_kv_fetch_reqs_by_stage=by_stage), None)
+    assert carried == 2 * OBSERVATION_REPORTS and not totals.observations
+    assert value(name + "_count") - count == 2 and value(name + "_sum") - total == 1.75
+    assert value(name + "_bucket", le="0.25") >= 1

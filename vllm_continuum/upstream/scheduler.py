@@ -49,6 +49,7 @@ from vllm_continuum.context_serve.config import ContextServeConfig
 from vllm_continuum.pins import PinEntry
 from vllm_continuum.policy import Pin, Policy, PolicySettings, create_policy
 from vllm_continuum.upstream.compat import check_upstream
+from vllm_continuum.upstream.metrics import PolicyStatTotals
 from vllm_continuum.upstream.pins import UpstreamPinManager, pin_stats
 from vllm_continuum.upstream.queue import JobOrderRequestQueue
 from vllm_continuum.upstream.request_info import RequestInfo, request_info
@@ -122,6 +123,7 @@ class PolicyScheduler(Scheduler):
             name, settings, decode=self.decode, clock=self.clock, has_kv_tier=self.has_kv_tier
         )
         self.policy_config = self.agent_policy.config
+        self.policy_stats = PolicyStatTotals(type(self.agent_policy).metrics())
         self.infos: dict[str, RequestInfo] = {}
         self._holding: set[str] = set()  # admitted, KV held: ids the policy counts running
         self.pin_manager = UpstreamPinManager(self)
@@ -198,14 +200,16 @@ class PolicyScheduler(Scheduler):
         self.infos.pop(rid, None)
 
     def make_stats(self, *args: Any, **kwargs: Any):
-        # The policy's own counters are deltas for a metrics exporter; the plugin exports
-        # none yet, so they are drained here (else they would grow without bound).
-        self.agent_policy.make_stats()
+        # The policy's own series (deltas each call) are summed here, whether or not
+        # upstream reports this step (else they would be lost).
+        self.policy_stats.add(self.agent_policy.make_stats())
         stats = super().make_stats(*args, **kwargs)
         if stats is not None:
             # SchedulerStats has no field for plugins; this str->int dict reaches the front
             # end intact, where our stat logger takes its keys out (metrics.py).
-            stats.num_kv_fetch_reqs_by_stage.update(pin_stats(self.pins, self.pin_counters))
+            by_stage = stats.num_kv_fetch_reqs_by_stage
+            by_stage.update(pin_stats(self.pins, self.pin_counters))
+            self.policy_stats.write(by_stage)
         return stats
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
