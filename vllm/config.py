@@ -781,9 +781,8 @@ def _check_draft_keys(spec: dict[str, Any], method: str) -> None:
     vocabulary and the lengths are checked with the target's: ``check_draft_model``).
     ``mtp`` needs no ``model``: the target holds its layer."""
     model = spec.get("model")
-    if method == "mtp" and model is None:
-        pass
-    elif not isinstance(model, str) or not model:
+    optional = method == "mtp" and model is None
+    if not optional and (not isinstance(model, str) or not model):
         raise bad_value("speculative_config.model", model, "must be a non-empty name or path")
     quantization = spec.get("quantization")
     if quantization not in (None, *get_args(Quantization)):
