@@ -656,9 +656,20 @@ class SpeculativeConfig:
         "decodes as without it.",
         parse=lambda text: parse_json_object(text, "speculative_config"),
     )
+    # vLLM's shortcuts for three of its keys (each folded into speculative_config, where
+    # the same key given twice is an error, as in vLLM).
+    spec_method: str | None = config_field(
+        None, "speculative_config's method (vLLM's shortcut), e.g. mtp, eagle3, ngram."
+    )
+    spec_model: str | None = config_field(
+        None, "speculative_config's model (vLLM's shortcut): the draft model or head."
+    )
+    spec_tokens: int | None = config_field(
+        None, "speculative_config's num_speculative_tokens (vLLM's shortcut)."
+    )
 
     def __post_init__(self) -> None:
-        spec = self.speculative_config
+        spec = self._with_shortcuts()
         if spec is None:
             return
         _check_json_config("speculative_config", spec, _SPECULATIVE_KEYS)
@@ -683,6 +694,27 @@ class SpeculativeConfig:
         else:
             _check_draft_keys(spec, method)
         object.__setattr__(self, "speculative_config", {**spec, "method": method})
+
+    def _with_shortcuts(self) -> dict[str, Any] | None:
+        """``speculative_config`` with the ``--spec-*`` flags folded in (and cleared, so a
+        ``replace`` does not fold them twice); ValueError for a key given both ways."""
+        spec = self.speculative_config
+        for flag, key, value in (
+            ("--spec-method", "method", self.spec_method),
+            ("--spec-model", "model", self.spec_model),
+            ("--spec-tokens", "num_speculative_tokens", self.spec_tokens),
+        ):
+            if value is None:
+                continue
+            spec = dict(spec or {})
+            if key in spec:
+                raise ValueError(
+                    f"{flag} and speculative_config.{key} are mutually exclusive (given "
+                    f"{value!r} and {spec[key]!r})"
+                )
+            spec[key] = value
+            object.__setattr__(self, flag.removeprefix("--").replace("-", "_"), None)
+        return spec
 
     @property
     def enabled(self) -> bool:

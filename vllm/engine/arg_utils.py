@@ -189,7 +189,18 @@ class EngineArgs:
         if found is None:
             return
         verifier, implied = found
-        given = self.parsed("speculative_config") or {}
+        given = dict(self.parsed("speculative_config") or {})
+        shortcuts = {"method": "spec_method", "model": "spec_model",
+                     "num_speculative_tokens": "spec_tokens"}  # fmt: skip
+        for key, dest in shortcuts.items():  # --spec-*: as the key, said once
+            if getattr(self, dest) is not None:
+                if key in given:
+                    raise ValueError(
+                        f"--{dest.replace('_', '-')} and speculative_config.{key} are "
+                        "mutually exclusive"
+                    )
+                given[key] = getattr(self, dest)
+                setattr(self, dest, None)
         for key in ("method", "model"):
             if key in given and given[key] != implied[key]:
                 raise ValueError(

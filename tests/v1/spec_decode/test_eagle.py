@@ -455,6 +455,8 @@ def test_a_speculators_model_takes_a_draft_count_and_refuses_another_method(chec
     assert config.model_config.model == str(checkpoints / "target")
     assert config.speculative_config.speculative_config["num_speculative_tokens"] == 2
     assert config.speculative_config.speculative_config["model"] == str(served)
+    short = build_config(make_parser().parse_args(["serve", str(served), "--spec-tokens", "2"]))
+    assert short.speculative_config == config.speculative_config  # vLLM's shortcut flag
     for given in ({"method": "ngram"}, {"model": str(checkpoints / "eagle3")}):
         key = next(iter(given))
         with pytest.raises(ValueError, match=rf"speculative_config\.{key}: .*speculators eagle3"):

@@ -359,3 +359,28 @@ def test_the_head_reads_only_its_own_tensors(tmp_path):
     save_file({"model.layers.3.a": torch.ones(2), "model.layers.2.b": torch.zeros(2)}, str(file))
     assert list(_read_safetensors(str(file), ("model.layers.3.",))) == ["model.layers.3.a"]
     assert len(_read_safetensors(str(file), None)) == 2
+
+
+def test_vllms_spec_flags_fill_the_speculative_config(tmp_path):
+    """``--spec-method``, ``--spec-model``, ``--spec-tokens`` (vLLM 0.32's shortcuts) are
+    three of speculative_config's keys; a key given both ways is an error."""
+    from vllm.entrypoints.cli.main import make_parser
+    from vllm.entrypoints.cli.serve import build_config
+
+    save_target_with_mtp(tmp_path)
+    parse = make_parser().parse_args
+    config = build_config(parse(["serve", str(tmp_path), "--spec-method", "mtp",
+                                 "--spec-tokens", "2"]))  # fmt: skip
+    assert config.speculative_config.speculative_config == {
+        "method": "mtp", "num_speculative_tokens": 2,
+    }  # fmt: skip
+    assert config.draft_model_config.model == str(tmp_path)
+    both = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    with pytest.raises(ValueError, match=r"--spec-tokens and speculative_config\.num_spec"):
+        build_config(parse(["serve", str(tmp_path), *both, "--spec-tokens", "3"]))
+    ngram = build_config(parse(["serve", str(tmp_path), "--spec-model", "[ngram]",
+                                "--spec-tokens", "3"]))  # fmt: skip
+    assert ngram.speculative_config.method == "ngram"
+    assert SpeculativeConfig(spec_method="eagle3", spec_model="/h", spec_tokens=4) == (
+        SpeculativeConfig({"method": "eagle3", "model": "/h", "num_speculative_tokens": 4})
+    )
