@@ -107,9 +107,22 @@ class ModelConfig:
     """The model, its tokenizer and numerics."""
 
     model: str = config_field(
-        DEFAULT_MODEL, 'Model: the embedded "SmolLM2-135M-Instruct", a .gguf file or an HF folder.'
+        DEFAULT_MODEL,
+        'Model: the embedded "SmolLM2-135M-Instruct", a .gguf file, an HF folder, or a '
+        "Hugging Face Hub id (org/name: downloaded into the HF cache unless it is there; "
+        "HF_HUB_OFFLINE=1 reads the cache only).",
     )
     tokenizer: str | None = config_field(None, "Tokenizer source; None: the model's own.")
+    revision: str | None = config_field(
+        None,
+        "The Hub revision of a model given as a Hugging Face Hub id (a branch, tag or "
+        "commit; None: main).",
+    )
+    download_dir: str | None = config_field(
+        None,
+        "Where a Hub model is downloaded and looked for (None: the Hugging Face cache, "
+        "HF_HUB_CACHE).",
+    )
     skip_tokenizer_init: bool = config_field(
         False,
         "Load no tokenizer and detokenize nothing (vLLM's): prompts must be token ids "
@@ -774,6 +787,8 @@ class SpeculativeConfig:
             return replace(
                 target,
                 model=self.draft_model_name(target),
+                # the target's revision is its own; mtp reads the target's files
+                revision=target.revision if self.method == "mtp" else None,
                 quantization=quantization,
                 max_model_len=spec.get("max_model_len"),
                 tokenizer=None,
@@ -1095,7 +1110,10 @@ class VllmConfig:
 
         draft = spec.draft_model_name(self.model_config)
         try:
-            draft_hf = get_model_config(draft)
+            draft_config = spec.draft_model_config(self.model_config)
+            draft_hf = get_model_config(
+                draft, None, draft_config.revision, draft_config.download_dir
+            )
         except (OSError, ValueError) as e:
             raise bad_value("speculative_config.model", draft, f"cannot be read: {e}") from None
         if spec.method == "mtp":

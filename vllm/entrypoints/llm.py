@@ -61,7 +61,9 @@ class LLM:
             raise ValueError(f"unknown engine arguments {unknown}; see EngineArgs")
         args = EngineArgs(model=model, **kwargs)
         args.serve_speculators_head()
-        hf_config = get_model_config(args.model, args.parsed("hf_overrides"))
+        hf_config = get_model_config(
+            args.model, args.parsed("hf_overrides"), args.revision, args.download_dir
+        )
         self.vllm_config = args.create_engine_config(
             model_max_len(hf_config, args.disable_sliding_window), UsageContext.LLM_CLASS
         )

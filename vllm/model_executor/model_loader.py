@@ -10,10 +10,12 @@ and every later load reads that folder (~2 s). Nothing here touches the network.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -93,17 +95,15 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     logger.info("Converted in %.1f s into %s", time.monotonic() - start, out_dir)
 
 
-def resolve_model(model: str) -> str:
-    """An HF folder for ``model``: the embedded name, a GGUF file, or an HF folder."""
+def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """An HF folder for ``model``: the embedded name, a GGUF file, an HF folder, or a
+    Hugging Face Hub repository id (``hub_snapshot``: ``revision``, ``download_dir``)."""
     if model == DEFAULT_MODEL:
         path = embedded_model_path()
     else:
         path = Path(model).expanduser()
         if not path.exists():
-            raise ValueError(
-                f"model {model!r} not found: pass {DEFAULT_MODEL!r}, a .gguf file or a "
-                "folder with config.json and safetensors (no hub downloads here)"
-            )
+            path = Path(hub_snapshot(model, revision, download_dir))
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"model folder {path} has no config.json")
@@ -114,6 +114,51 @@ def resolve_model(model: str) -> str:
     if not (out_dir / "config.json").exists():
         _convert_gguf(path, out_dir)
     return str(out_dir)
+
+
+# A Hub repository's files the engine reads: configs, tokenizers, chat templates and
+# safetensors weights (pytorch_model*.bin only where a repository has no safetensors).
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja",
+                "tokenizer*")  # fmt: skip
+_REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def _hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as huggingface_hub reads it, read now (not at its import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+@functools.lru_cache(maxsize=32)
+def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The local folder of the Hugging Face Hub repository ``repo_id`` at ``revision``
+    (a branch, tag or commit; None: main), as vLLM serves ``vllm serve org/name``: its
+    weights, configs and tokenizer files downloaded into the HF cache (``download_dir``
+    when given) unless they are there; with ``HF_HUB_OFFLINE=1`` only the cache is read.
+    The token is huggingface_hub's (``HF_TOKEN``, or ``hf auth login``). ValueError naming
+    ``model`` when neither the Hub nor the cache has it."""
+    from huggingface_hub import snapshot_download
+
+    if not _REPO_ID.match(repo_id) or repo_id.startswith((".", "/")):
+        raise ValueError(
+            f"model {repo_id!r} not found: pass {DEFAULT_MODEL!r}, a .gguf file, a folder "
+            "with config.json and safetensors, or a Hugging Face Hub repository id (org/name)"
+        )
+    offline = _hub_offline()
+    kwargs = dict(revision=revision, cache_dir=download_dir, local_files_only=offline)
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=list(HUB_PATTERNS), **kwargs)
+        if not offline and not any(Path(folder).glob("*.safetensors")):
+            folder = snapshot_download(
+                repo_id, allow_patterns=[*HUB_PATTERNS, "pytorch_model*.bin"], **kwargs
+            )
+    except Exception as e:  # huggingface_hub's errors: not found, gated, offline, ...
+        where = "the local HF cache (HF_HUB_OFFLINE)" if offline else "the Hugging Face Hub"
+        raise ValueError(
+            f"model {repo_id!r} is not a local path, and {where} gave "
+            f"{type(e).__name__}: {e}".rstrip()
+        ) from None
+    logger.info("Model %s (revision %s): %s", repo_id, revision or "main", folder)
+    return folder
 
 
 def gguf_file(model: str) -> Path | None:
@@ -452,12 +497,17 @@ def _apply_gguf(model: nn.Module, path: Path) -> None:
     )
 
 
-def get_model_config(model: str, hf_overrides: dict[str, Any] | None = None):
-    """The HF config (max_position_embeddings, eos, shapes) of ``model``, with
-    ``hf_overrides`` (--hf-overrides) applied."""
+def get_model_config(
+    model: str,
+    hf_overrides: dict[str, Any] | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+):
+    """The HF config (max_position_embeddings, eos, shapes) of ``model`` (at ``revision``
+    for a Hub id), with ``hf_overrides`` (--hf-overrides) applied."""
     from transformers import AutoConfig
 
-    path = resolve_model(model)
+    path = resolve_model(model, revision, download_dir)
     config = speculators_eagle3_config(path)
     if config is None:
         config = AutoConfig.from_pretrained(path, **OFFLINE)
@@ -479,7 +529,9 @@ def _config_json(path: str) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def speculators_verifier(model: str) -> tuple[str, dict[str, Any]] | None:
+def speculators_verifier(
+    model: str, revision: str | None = None, download_dir: str | None = None
+) -> tuple[str, dict[str, Any]] | None:
     """A ``speculators``-format head served as the model (vLLM's ``vllm serve
     RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3``): its verifier (the target model
     its config names) and the speculative config it implies (its method, its first
@@ -487,7 +539,10 @@ def speculators_verifier(model: str) -> tuple[str, dict[str, Any]] | None:
     for any other model. ValueError naming ``model`` for a malformed speculators config.
     Only a folder can be one: the embedded model and a GGUF file are not resolved here
     (``get_model_config`` does that once)."""
-    config = _config_json(os.path.expanduser(model))
+    folder = os.path.expanduser(model)
+    if model != DEFAULT_MODEL and not os.path.exists(folder) and _REPO_ID.match(model):
+        folder = hub_snapshot(model, revision, download_dir)  # a Hub head, e.g. RedHatAI's
+    config = _config_json(folder)
     spec = config.get("speculators_config")
     if spec is None:
         return None
@@ -550,7 +605,12 @@ def hf_config_of(model_config):
     ``disable_sliding_window``, its attention window removed (every layer attends to the
     whole context, which ``model_max_len`` caps at the window): what every reader of the
     config (the loader, the limits, the grammars' vocabulary) sees."""
-    config = get_model_config(model_config.model, getattr(model_config, "hf_overrides", None))
+    config = get_model_config(
+        model_config.model,
+        getattr(model_config, "hf_overrides", None),
+        getattr(model_config, "revision", None),
+        getattr(model_config, "download_dir", None),
+    )
     if getattr(model_config, "disable_sliding_window", False):
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         text.sliding_window = None
@@ -656,7 +716,9 @@ def load_generation_config(model_config) -> dict[str, Any]:
     from transformers import AutoConfig, GenerationConfig
 
     source = model_config.generation_config
-    folder = resolve_model(model_config.model) if source in ("auto", "vllm") else source
+    folder = source
+    if source in ("auto", "vllm"):
+        folder = resolve_model(model_config.model, model_config.revision, model_config.download_dir)
     try:
         config = GenerationConfig.from_pretrained(folder, **OFFLINE)
     except OSError:

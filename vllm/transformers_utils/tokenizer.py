@@ -9,11 +9,21 @@ from vllm.model_executor.model_loader import resolve_model
 
 
 @lru_cache(maxsize=4)
-def get_tokenizer(model: str, tokenizer: str | None = None, chat_template: str | None = None):
-    """A HF fast tokenizer; ``chat_template`` is a Jinja file path or template text."""
+def get_tokenizer(
+    model: str,
+    tokenizer: str | None = None,
+    chat_template: str | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+):
+    """A HF fast tokenizer; ``chat_template`` is a Jinja file path or template text;
+    ``revision`` and ``download_dir`` the model's (a Hub id's), not a separate tokenizer's."""
     from transformers import AutoTokenizer
 
-    source = resolve_model(tokenizer or model)
+    if tokenizer is None:
+        source = resolve_model(model, revision, download_dir)
+    else:
+        source = resolve_model(tokenizer, None, download_dir)
     tok = AutoTokenizer.from_pretrained(source)
     if chat_template:
         path = Path(chat_template)
@@ -30,4 +40,4 @@ def init_tokenizer_from_config(model_config):
     if getattr(model_config, "skip_tokenizer_init", False):
         return None
     mc = model_config
-    return get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
+    return get_tokenizer(mc.model, mc.tokenizer, mc.chat_template, mc.revision, mc.download_dir)

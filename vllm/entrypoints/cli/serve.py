@@ -66,7 +66,12 @@ def build_config(args: argparse.Namespace):
     from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 
     ToolCallingConfig.from_args(args)  # --enable-auto-tool-choice needs a parser
-    hf_config = get_model_config(engine_args.model, engine_args.parsed("hf_overrides"))
+    hf_config = get_model_config(
+        engine_args.model,
+        engine_args.parsed("hf_overrides"),
+        engine_args.revision,
+        engine_args.download_dir,
+    )
     config = engine_args.create_engine_config(
         model_max_len(hf_config, engine_args.disable_sliding_window),
         UsageContext.OPENAI_API_SERVER,
