@@ -118,6 +118,10 @@ class ModelConfig:
         "The Hub revision of a model given as a Hugging Face Hub id (a branch, tag or "
         "commit; None: main).",
     )
+    tokenizer_revision: str | None = config_field(
+        None,
+        "The Hub revision of a --tokenizer given as a Hugging Face Hub id (None: main).",
+    )
     download_dir: str | None = config_field(
         None,
         "Where a Hub model is downloaded and looked for (None: the Hugging Face cache, "
@@ -792,6 +796,7 @@ class SpeculativeConfig:
                 quantization=quantization,
                 max_model_len=spec.get("max_model_len"),
                 tokenizer=None,
+                tokenizer_revision=None,
                 served_model_name=None,
                 hf_overrides=None,
                 chat_template=None,

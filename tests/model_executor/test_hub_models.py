@@ -101,3 +101,27 @@ def test_vllm_serve_takes_the_revision_and_download_dir_flags(hub, tmp_path):
     assert served.speculative_config == {
         "method": "eagle3", "model": "tiny-org/head", "num_speculative_tokens": 2,
     }  # fmt: skip
+
+
+def test_a_hub_tokenizer_is_read_at_its_own_revision(hub, tmp_path):
+    """``--tokenizer org/name --tokenizer-revision v2``: the tokenizer's snapshot at v2
+    (main has no tokenizer files), whatever the model's revision."""
+    from tests.utils import copy_benchmark_tokenizer
+    from vllm.config import ModelConfig
+    from vllm.transformers_utils.tokenizer import init_tokenizer_from_config
+
+    repo = hub / "models--tiny-org--tok"
+    (repo / "snapshots" / MAIN).mkdir(parents=True)
+    (repo / "snapshots" / V2).mkdir(parents=True)
+    copy_benchmark_tokenizer(repo / "snapshots" / V2)
+    for commit in (MAIN, V2):  # a folder the resolver takes has a config.json
+        config = hub / "models--tiny-org--tiny-llama" / "snapshots" / MAIN / "config.json"
+        shutil.copy(config, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(MAIN)
+    (repo / "refs" / "v2").write_text(V2)
+    base = dict(model=REPO, tokenizer="tiny-org/tok", download_dir=str(hub))
+    tok = init_tokenizer_from_config(ModelConfig(**base, tokenizer_revision="v2"))
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    with pytest.raises((OSError, ValueError)):  # main: no tokenizer files
+        init_tokenizer_from_config(ModelConfig(**base))

@@ -15,15 +15,17 @@ def get_tokenizer(
     chat_template: str | None = None,
     revision: str | None = None,
     download_dir: str | None = None,
+    tokenizer_revision: str | None = None,
 ):
-    """A HF fast tokenizer; ``chat_template`` is a Jinja file path or template text;
-    ``revision`` and ``download_dir`` the model's (a Hub id's), not a separate tokenizer's."""
+    """A HF fast tokenizer; ``chat_template`` is a Jinja file path or template text.
+    Hub ids: the model's at ``revision``, a separate ``tokenizer``'s at
+    ``tokenizer_revision``."""
     from transformers import AutoTokenizer
 
     if tokenizer is None:
         source = resolve_model(model, revision, download_dir)
     else:
-        source = resolve_model(tokenizer, None, download_dir)
+        source = resolve_model(tokenizer, tokenizer_revision, download_dir)
     tok = AutoTokenizer.from_pretrained(source)
     if chat_template:
         path = Path(chat_template)
@@ -40,4 +42,7 @@ def init_tokenizer_from_config(model_config):
     if getattr(model_config, "skip_tokenizer_init", False):
         return None
     mc = model_config
-    return get_tokenizer(mc.model, mc.tokenizer, mc.chat_template, mc.revision, mc.download_dir)
+    return get_tokenizer(
+        mc.model, mc.tokenizer, mc.chat_template, mc.revision, mc.download_dir,
+        mc.tokenizer_revision,
+    )  # fmt: skip
