@@ -1113,9 +1113,9 @@ class VllmConfig:
         from vllm.model_executor.model_loader import get_model_config, hf_config_of
         from vllm.model_executor.model_loader import model_max_len as limit_of
 
-        draft = spec.draft_model_name(self.model_config)
+        draft_config = spec.draft_model_config(self.model_config)
+        draft = draft_config.model
         try:
-            draft_config = spec.draft_model_config(self.model_config)
             draft_hf = get_model_config(
                 draft, None, draft_config.revision, draft_config.download_dir
             )
@@ -1149,7 +1149,7 @@ class VllmConfig:
             )
         else:
             length = asked
-        return replace(spec.draft_model_config(self.model_config), max_model_len=length)
+        return replace(draft_config, max_model_len=length)
 
 
 def _vocab_size(hf_config) -> int | None:

@@ -87,7 +87,8 @@ def test_bad_configs_name_the_key(spec, needle):
     ],
 )
 def test_bad_drafts_for_the_target_name_the_key(spec, needle):
-    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+    # The key leads the message (not wrapped in another key's).
+    with pytest.raises(ValueError, match="^" + needle.replace(".", r"\.")):
         VllmConfig(
             model_config=ModelConfig(load_format="dummy"),
             speculative_config=SpeculativeConfig(spec),
