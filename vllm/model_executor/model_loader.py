@@ -98,12 +98,9 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
     """An HF folder for ``model``: the embedded name, a GGUF file, an HF folder, or a
     Hugging Face Hub repository id (``hub_snapshot``: ``revision``, ``download_dir``)."""
-    if model == DEFAULT_MODEL:
-        path = embedded_model_path()
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
-            path = Path(hub_snapshot(model, revision, download_dir))
+    path = embedded_model_path() if model == DEFAULT_MODEL else (
+        _local_or_hub(model, revision, download_dir)
+    )  # fmt: skip
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"model folder {path} has no config.json")
@@ -114,6 +111,12 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     if not (out_dir / "config.json").exists():
         _convert_gguf(path, out_dir)
     return str(out_dir)
+
+
+def _local_or_hub(model: str, revision: str | None, download_dir: str | None) -> Path:
+    """``model`` as a local path, else the snapshot of the Hub repository it names."""
+    path = Path(model).expanduser()
+    return path if path.exists() else Path(hub_snapshot(model, revision, download_dir))
 
 
 # A Hub repository's files the engine reads: configs, tokenizers, chat templates and
@@ -537,12 +540,11 @@ def speculators_verifier(
     its config names) and the speculative config it implies (its method, its first
     proposal method's ``speculative_tokens``, the head itself as the draft model). None
     for any other model. ValueError naming ``model`` for a malformed speculators config.
-    Only a folder can be one: the embedded model and a GGUF file are not resolved here
-    (``get_model_config`` does that once)."""
-    folder = os.path.expanduser(model)
-    if model != DEFAULT_MODEL and not os.path.exists(folder) and _REPO_ID.match(model):
-        folder = hub_snapshot(model, revision, download_dir)  # a Hub head, e.g. RedHatAI's
-    config = _config_json(folder)
+    Only a folder (local, or a Hub id's snapshot) can be one: the embedded model and a
+    GGUF file are not resolved here (``get_model_config`` does that once)."""
+    if model == DEFAULT_MODEL:
+        return None
+    config = _config_json(str(_local_or_hub(model, revision, download_dir)))
     spec = config.get("speculators_config")
     if spec is None:
         return None

@@ -387,17 +387,18 @@ class ModelRunner:
         return self.kv_groups.windows
 
     def _load_weights(
-        self, model_config, served_len: int, model_cls: type | None = None
+        self, model_config, served_len: int, model_cls: type | None = None, hf_config=None
     ) -> tuple[torch.nn.Module, str, type, object]:
         """``model_config``'s model on this runner's device in its dtype, in the weight
         format its quantization asks for: (model, architecture, class, HF config). The
         target and a draft model load the same way; ``model_cls`` overrides the class the
-        config's architecture names (an EAGLE head's, chosen by the method)."""
+        config's architecture names (an EAGLE head's, chosen by the method); ``hf_config``:
+        the model's HF config when the caller has read it already."""
         from vllm.model_executor.layers.rotary_embedding import use_long_rope
         from vllm.model_executor.model_loader import hf_config_of
 
         path = resolve_model(model_config.model, model_config.revision, model_config.download_dir)
-        hf_config = hf_config_of(model_config)
+        hf_config = hf_config or hf_config_of(model_config)
         # longrope's factors follow the served length (vLLM's choice at start-up)
         use_long_rope(hf_config, served_len)
         if model_cls is None:
@@ -455,9 +456,10 @@ class ModelRunner:
 
         start = time.monotonic()
         spec = self.config.speculative_config
-        eagle_cls = eagle_head_class(spec.method, self.model, hf_config_of(draft_config))
+        hf_config = hf_config_of(draft_config)  # read once: the head's class, then its load
+        eagle_cls = eagle_head_class(spec.method, self.model, hf_config)
         model, architecture, _, hf_config = self._load_weights(
-            draft_config, draft_config.max_model_len, eagle_cls
+            draft_config, draft_config.max_model_len, eagle_cls, hf_config
         )
         if eagle_cls is not None:
             check_eagle_head(model, hf_config, self.model)
