@@ -7,7 +7,7 @@ layer's prefix; they are loaded when present."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,14 +39,11 @@ class DeepseekMTP(MultiTokenPredictor):
         ``speculative_config.method`` for a model without one."""
         mtp_head_class(hf_config)  # refuses a model without an MTP layer
         base = DeepseekV2Arch.from_hf(hf_config)
-        n = hf_config.num_hidden_layers
-        sparse = is_sparse_layer(hf_config, n)
+        sparse = is_sparse_layer(hf_config, hf_config.num_hidden_layers)
         experts = {}
         if sparse and not base.num_experts:  # every target layer dense, the MTP layer not
             experts = DeepseekV2Arch.experts_from_hf(hf_config, v3=True)
-        fields = {f: getattr(base, f) for f in DeepseekV2Arch.__dataclass_fields__}
-        arch = DeepseekMTPArch(**fields, mtp_layer=n)
-        return replace(arch, num_layers=1, sparse_layers=(0,) if sparse else (), **experts)
+        return MultiTokenPredictor.layer_arch(DeepseekMTPArch, base, hf_config, sparse, **experts)
 
     def __init__(self, arch: DeepseekMTPArch) -> None:
         super().__init__(arch, DeepseekV2Layer(arch, 0 in arch.sparse_layers))

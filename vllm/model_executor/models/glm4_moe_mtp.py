@@ -7,7 +7,7 @@ prefix: the target's are shared."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,15 +40,12 @@ class Glm4MoeMTP(MultiTokenPredictor):
         ``speculative_config.method`` for a model without one."""
         mtp_head_class(hf_config)  # refuses a model without an MTP layer
         base = MoeArch.from_hf(hf_config)
-        n = hf_config.num_hidden_layers
-        sparse = n >= hf_config.first_k_dense_replace  # GLM's rule (moe.py)
-        fields = {f: getattr(base, f) for f in MoeArch.__dataclass_fields__}
+        sparse = hf_config.num_hidden_layers >= hf_config.first_k_dense_replace  # moe.py's
         per_layer = {
             name: getattr(base, name)[-1:]  # the model's last layer's kind
             for name in ("sliding_windows", "sliding_layers", "rope_layers")
         }
-        arch = Glm4MoeMTPArch(**fields, mtp_layer=n)
-        return replace(arch, num_layers=1, sparse_layers=(0,) if sparse else (), **per_layer)
+        return MultiTokenPredictor.layer_arch(Glm4MoeMTPArch, base, hf_config, sparse, **per_layer)
 
     def __init__(self, arch: Glm4MoeMTPArch) -> None:
         mlp = SparseMoeBlock(arch) if arch.sparse_layers else None

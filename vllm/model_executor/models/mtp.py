@@ -34,6 +34,7 @@ Names and semantics follow upstream vLLM's ``deepseek_mtp.py`` and ``glm4_moe_mt
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -91,6 +92,15 @@ class MultiTokenPredictor(nn.Module):
     eagle3 = False
     gguf_layout: ClassVar[Any] = None  # --quantization gguf: refused with its reason
     recycles_normed: ClassVar[bool] = True  # the next step reads shared_head.norm's output
+
+    @staticmethod
+    def layer_arch(arch_cls: type, base: Any, hf_config: Any, sparse: bool, **changes: Any):
+        """``arch_cls`` (the family's arch with ``mtp_layer``) of the MTP layer: the
+        target's ``base`` arch cut to one layer, a mixture of experts when ``sparse``, at
+        index ``num_hidden_layers``; ``changes``: more fields."""
+        fields = {f: getattr(base, f) for f in type(base).__dataclass_fields__}
+        arch = arch_cls(**fields, mtp_layer=hf_config.num_hidden_layers)
+        return replace(arch, num_layers=1, sparse_layers=(0,) if sparse else (), **changes)
 
     @staticmethod
     def checkpoint_prefixes(hf_config: Any) -> tuple[str, ...]:

@@ -111,7 +111,9 @@ def verify_sampled_batch(
     if not reqs:
         return []
     device = reqs[0].logits.device
-    if not (device.type != "cpu" if together is None else together):
+    if together is None:
+        together = device.type != "cpu"
+    if not together:
         return [_verify_one(r) for r in reqs]
     logits = torch.cat([r.logits for r in reqs]) if len(reqs) > 1 else reqs[0].logits
     counts = [len(r.drafts) for r in reqs]

@@ -172,30 +172,26 @@ def eagle_head_class(
         from vllm.model_executor.models.mtp import mtp_head_class
 
         head = mtp_head_class(draft_hf_config)
-        if not (hasattr(target, "embed_tokens") and hasattr(target, "lm_head")):
-            raise ValueError(
-                f"speculative_config.method: mtp needs the target's embeddings and output "
-                f"head, which {type(target).__name__} does not have as such"
-            )
-        return head
-    if method not in ("eagle", "eagle3"):
-        return None
-    from vllm.model_executor.models.llama_eagle import (
-        Eagle3LlamaForCausalLM,
-        EagleLlamaForCausalLM,
-    )
-
-    if method == "eagle3" and not hasattr(target, "aux_hidden_layers"):
-        raise ValueError(
-            f"speculative_config.method: eagle3 reads auxiliary hidden states that "
-            f"{type(target).__name__} does not expose (the Llama family's models do)"
+    elif method in ("eagle", "eagle3"):
+        from vllm.model_executor.models.llama_eagle import (
+            Eagle3LlamaForCausalLM,
+            EagleLlamaForCausalLM,
         )
+
+        if method == "eagle3" and not hasattr(target, "aux_hidden_layers"):
+            raise ValueError(
+                f"speculative_config.method: eagle3 reads auxiliary hidden states that "
+                f"{type(target).__name__} does not expose (the Llama family's models do)"
+            )
+        head = Eagle3LlamaForCausalLM if method == "eagle3" else EagleLlamaForCausalLM
+    else:
+        return None
     if not (hasattr(target, "embed_tokens") and hasattr(target, "lm_head")):
         raise ValueError(
             f"speculative_config.method: {method} needs the target's embeddings and "
             f"output head, which {type(target).__name__} does not have as such"
         )
-    return Eagle3LlamaForCausalLM if method == "eagle3" else EagleLlamaForCausalLM
+    return head
 
 
 def check_eagle_head(head: torch.nn.Module, hf_config: Any, target: torch.nn.Module) -> None:
