@@ -170,7 +170,7 @@ class SuffixTree : public torch::CustomClassHolder {
       if (n.count == 0) continue;  // free
       const std::string at = " at node " + std::to_string(i);
       int64_t below = 0, num = 0;
-      int32_t prev = kNone;
+      int32_t prev = kNone, prev_group = kNone;
       for (int32_t c = n.head; c != kNone; prev = c, c = nodes_[c].next_sib) {
         const Node& k = nodes_[c];
         below += k.count;
@@ -181,8 +181,14 @@ class SuffixTree : public torch::CustomClassHolder {
         if (prev != kNone && nodes_[prev].count < k.count) return "rank by count" + at;
         if (leads != (groups_[k.group].first == c)) return "group's first" + at;
         if (!leads && k.group != nodes_[prev].group) return "group of a tie" + at;
+        if (leads) {
+          if (groups_[k.group].prev != prev_group) return "group links" + at;
+          if (prev_group != kNone && groups_[prev_group].next != k.group) return "group links" + at;
+          prev_group = k.group;
+        }
       }
       if (prev != n.tail) return "tail" + at;
+      if (prev_group != kNone && groups_[prev_group].next != kNone) return "last group" + at;
       if (below > n.count) return "children count more than the node" + at;
       if (num != n.num_children) return "num_children" + at;
       if (n.length < 1) return "empty edge" + at;
@@ -355,8 +361,8 @@ class SuffixTree : public torch::CustomClassHolder {
 
   void decrement(int32_t n) {
     Node& x = nodes_[n];
-    int32_t b = x.next_sib;
-    while (b != kNone && nodes_[b].count == x.count) b = nodes_[b].next_sib;
+    int32_t lower = groups_[x.group].next;  // the siblings of the next lower count
+    int32_t b = lower == kNone ? kNone : groups_[lower].first;
     int32_t a = b == kNone ? nodes_[x.parent].tail : nodes_[b].prev_sib;
     if (a == n) a = x.prev_sib;
     detach(n);
