@@ -606,17 +606,27 @@ class OffloadConfig:
         return n
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
 # The methods whose drafts come from a model in the runner (its KV in the target's blocks).
 DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # vLLM's older names of methods, still taken (with a warning, as vLLM does).
 _SPECULATIVE_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 _DRAFT_KEYS = ("model", "quantization", "max_model_len", "draft_tensor_parallel_size")
+# Suffix decoding's keys with vLLM's defaults: the trees' depth (the longest match plus
+# draft), the past responses the global tree keeps (0: none, only each request's own
+# tree), the draft's cap per matched token, and the least frequency a drafted token needs.
+SUFFIX_DECODING_DEFAULTS: dict[str, int | float] = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
 # Keys per method (vLLM's names), beyond "method", "num_speculative_tokens" and
 # "disable_by_batch_size", which every method takes. A key of another method only is
 # refused rather than ignored.
 _SPECULATIVE_METHOD_KEYS = {
     "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": tuple(SUFFIX_DECODING_DEFAULTS),
     **{method: _DRAFT_KEYS for method in DRAFT_MODEL_METHODS},
 }
 _NGRAM_MODEL_NAMES = ("ngram", "[ngram]")  # vLLM's "model" values that name n-gram lookup
@@ -650,7 +660,9 @@ def _speculative_method(spec: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's --speculative-config): n-gram prompt lookup proposes
-    the tokens that followed the sequence's last n-gram where it occurred before; a draft
+    the tokens that followed the sequence's last n-gram where it occurred before; suffix
+    decoding, the likeliest continuation of the sequence's end in suffix trees over the
+    prompt and over past responses; a draft
     model (a small model of the same vocabulary) proposes its greedy continuation; an EAGLE
     head proposes from the target's own hidden states; one forward of the target checks
     them all (docs/spec_decode.md)."""
@@ -659,7 +671,13 @@ class SpeculativeConfig:
         None,
         'JSON object, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K} and '
         "optionally prompt_lookup_min / prompt_lookup_max (n-gram sizes; both 5 when "
-        'neither is given); or {"model": DRAFT, "num_speculative_tokens": K} (method '
+        'neither is given); or {"method": "suffix"} (suffix decoding: drafts from suffix '
+        "trees over the prompt and over past requests' responses; optionally "
+        "suffix_decoding_max_tree_depth (24; also num_speculative_tokens' default), "
+        "suffix_decoding_max_cached_requests (10000 responses kept; 0: none), "
+        "suffix_decoding_max_spec_factor (1.0: at most that many drafts per matched token) "
+        "and suffix_decoding_min_token_prob (0.1)); "
+        'or {"model": DRAFT, "num_speculative_tokens": K} (method '
         "draft_model: a model of the target's vocabulary, loaded like --model, with "
         "optionally quantization, max_model_len and draft_tensor_parallel_size 1); or "
         '{"method": "eagle" or "eagle3", "model": HEAD, "num_speculative_tokens": K} (an '
@@ -676,7 +694,7 @@ class SpeculativeConfig:
     # vLLM's shortcuts for three of its keys (each folded into speculative_config, where
     # the same key given twice is an error, as in vLLM).
     spec_method: str | None = config_field(
-        None, "speculative_config's method (vLLM's shortcut), e.g. mtp, eagle3, ngram."
+        None, "speculative_config's method (vLLM's shortcut), e.g. mtp, eagle3, ngram, suffix."
     )
     spec_model: str | None = config_field(
         None, "speculative_config's model (vLLM's shortcut): the draft model or head."
@@ -700,6 +718,8 @@ class SpeculativeConfig:
                     raise bad_value(
                         f"speculative_config.{key}", spec[key], f"is a key of method {other}"
                     )
+        if method == "suffix":
+            spec = _suffix_decoding_keys(spec)
         k = spec.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
             raise bad_value(
@@ -708,7 +728,7 @@ class SpeculativeConfig:
         _check_positive("disable_by_batch_size", spec.get("disable_by_batch_size"))
         if method == "ngram":
             spec = _ngram_sizes(spec)
-        else:
+        elif method in DRAFT_MODEL_METHODS:
             _check_draft_keys(spec, method)
         object.__setattr__(self, "speculative_config", {**spec, "method": method})
 
@@ -739,8 +759,8 @@ class SpeculativeConfig:
 
     @property
     def method(self) -> str | None:
-        """``ngram``, ``draft_model``, ``eagle``, ``eagle3`` or ``mtp``; None without
-        speculative decoding."""
+        """``ngram``, ``suffix``, ``draft_model``, ``eagle``, ``eagle3`` or ``mtp``; None
+        without speculative decoding."""
         return self.speculative_config["method"] if self.enabled else None
 
     @property
@@ -756,6 +776,27 @@ class SpeculativeConfig:
         return self.speculative_config.get("prompt_lookup_max", 0) if self.enabled else 0
 
     @property
+    def suffix_decoding_max_tree_depth(self) -> int:
+        return self._suffix_decoding("suffix_decoding_max_tree_depth")
+
+    @property
+    def suffix_decoding_max_cached_requests(self) -> int:
+        return self._suffix_decoding("suffix_decoding_max_cached_requests")
+
+    @property
+    def suffix_decoding_max_spec_factor(self) -> float:
+        return self._suffix_decoding("suffix_decoding_max_spec_factor")
+
+    @property
+    def suffix_decoding_min_token_prob(self) -> float:
+        return self._suffix_decoding("suffix_decoding_min_token_prob")
+
+    def _suffix_decoding(self, key: str) -> int | float:
+        """A suffix decoding key: its value for method suffix, vLLM's default otherwise."""
+        spec = self.speculative_config or {}
+        return spec.get(key, SUFFIX_DECODING_DEFAULTS[key])
+
+    @property
     def disable_by_batch_size(self) -> int | None:
         """No drafts in a step with more running requests than this (None: any)."""
         return self.speculative_config.get("disable_by_batch_size") if self.enabled else None
@@ -764,13 +805,14 @@ class SpeculativeConfig:
     def num_lookahead_tokens(self) -> int:
         """KV slots a request needs past the tokens the target computes in a step (vLLM's
         ``num_lookahead_tokens``): a draft model writes its KV ahead, up to k positions
-        past them (``vllm/v1/spec_decode/draft_model.py``); n-gram lookup writes none."""
+        past them (``vllm/v1/spec_decode/draft_model.py``); n-gram lookup and suffix
+        decoding write none."""
         return self.num_speculative_tokens if self.uses_draft_model else 0
 
     @property
     def uses_draft_model(self) -> bool:
         """Whether a model in the runner proposes the drafts (a draft model, an EAGLE
-        head), rather than n-gram lookup in the scheduler."""
+        head), rather than n-gram lookup or suffix decoding in the scheduler."""
         return self.method in DRAFT_MODEL_METHODS
 
     def draft_model_name(self, target: ModelConfig) -> str:
@@ -826,6 +868,42 @@ def _ngram_sizes(spec: dict[str, Any]) -> dict[str, Any]:
             "speculative_config.prompt_lookup_min", lo, f"must be <= prompt_lookup_max={hi}"
         )
     return {**spec, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+
+
+def _suffix_decoding_keys(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with suffix decoding's keys checked, vLLM's defaults for those not given, and
+    ``num_speculative_tokens`` the tree depth when not given (as vLLM: the method drafts as
+    many tokens as the match allows, that key only caps them)."""
+    spec = {**SUFFIX_DECODING_DEFAULTS, **spec}
+    depth = spec["suffix_decoding_max_tree_depth"]
+    _check_positive("suffix_decoding_max_tree_depth", depth)
+    for key, ok, why in (
+        ("suffix_decoding_max_cached_requests", lambda v: isinstance(v, int) and v >= 0,
+         "must be an integer >= 0 (0: no global tree of past responses)"),
+        ("suffix_decoding_max_spec_factor", lambda v: 0 <= v < float("inf"),
+         "must be a finite number >= 0"),
+        ("suffix_decoding_min_token_prob", lambda v: 0 <= v <= 1, "must be a number in [0, 1]"),
+    ):  # fmt: skip
+        value = spec[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
+            raise bad_value(f"speculative_config.{key}", value, why)
+    for key in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+        spec[key] = float(spec[key])
+    if spec.get("num_speculative_tokens") is None:
+        if depth > 32:
+            raise bad_value(
+                "speculative_config.num_speculative_tokens",
+                None,
+                "must be given (an integer in [1, 32]) with suffix_decoding_max_tree_depth "
+                f"{depth}: it defaults to the tree depth, here more than 32",
+            )
+        logging.getLogger(__name__).warning(
+            "speculative_config.num_speculative_tokens defaults to %d for suffix decoding "
+            "(suffix_decoding_max_tree_depth; it caps the drafts a step)",
+            depth,
+        )
+        spec["num_speculative_tokens"] = depth
+    return spec
 
 
 def _check_draft_keys(spec: dict[str, Any], method: str) -> None:

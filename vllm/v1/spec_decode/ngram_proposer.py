@@ -68,9 +68,12 @@ class NgramProposer:
         self.n_min, self.n_max = n_min, n_max
         self._buffers: dict[str, tuple[np.ndarray, int]] = {}
 
-    def propose(self, req_id: str, token_ids: Sequence[int], limit: int) -> list[int]:
+    def propose(
+        self, req_id: str, token_ids: Sequence[int], limit: int, num_prompt_tokens: int = 0
+    ) -> list[int]:
         """At most ``min(k, limit)`` drafts for the request whose known tokens are
-        ``token_ids`` (prompt and outputs; it grows by appends between calls)."""
+        ``token_ids`` (prompt and outputs; it grows by appends between calls).
+        ``num_prompt_tokens`` is unused: the lookup reads prompt and outputs alike."""
         k = min(self.k, limit)
         if k < 1:
             return []

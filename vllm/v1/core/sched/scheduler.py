@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from vllm.config import VllmConfig
+from vllm.config import SpeculativeConfig, VllmConfig
 from vllm.distributed.kv_events import KVEventLog, ZmqEventPublisher
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -32,6 +32,7 @@ from vllm.v1.metrics.stats import SchedulerStats, SpecDecodingStats
 from vllm.v1.outputs import ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer, drafts_allowed
+from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 from vllm_continuum.cache_hints import ttl_with_floor
 from vllm_continuum.policy import FinishedAction, Offload, Pin, Policy
 
@@ -102,17 +103,11 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._num_preemptions = 0
         spec = vllm_config.speculative_config
-        # n-gram drafts are proposed here, on the host; a draft model's come back in the
-        # runner's output (Request.spec_token_ids) and write their KV ahead of the step's
-        # tokens, in the lookahead slots every allocation adds.
+        # n-gram and suffix drafts are proposed here, on the host; a draft model's come
+        # back in the runner's output (Request.spec_token_ids) and write their KV ahead of
+        # the step's tokens, in the lookahead slots every allocation adds.
         self.spec_method = spec.method
-        self.proposer = (
-            NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-            )
-            if spec.method == "ngram"
-            else None
-        )
+        self.proposer = _make_proposer(spec)
         self.num_lookahead_tokens = spec.num_lookahead_tokens
         self._spec_stats = SpecDecodingStats()
         self._spec_max_batch = spec.disable_by_batch_size
@@ -226,7 +221,8 @@ class Scheduler:
         """Draft tokens for a decoding request (speculative decoding; [] without it, for
         a request whose sampling needs more than the argmax, or when nothing matches or
         was proposed), at most what the step's budget, max_tokens and max_model_len leave
-        room for: n-gram lookup's, or those the draft model proposed in the last step."""
+        room for: n-gram lookup's or suffix decoding's, or those the draft model proposed
+        in the last step."""
         if self.spec_method is None or not drafts_allowed(request.sampling_params):
             return []
         if self._spec_max_batch is not None and len(self.running) > self._spec_max_batch:
@@ -238,7 +234,12 @@ class Scheduler:
         )
         if self.proposer is None:
             return request.spec_token_ids[: max(limit, 0)]
-        return self.proposer.propose(request.request_id, request.all_token_ids, limit)
+        return self.proposer.propose(
+            request.request_id,
+            request.all_token_ids,
+            limit,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
 
     def _lookahead(self, num_tokens: int) -> int:
         """KV slots to allocate past a request's first ``num_tokens`` for the positions a
@@ -666,6 +667,18 @@ class Scheduler:
             )
         for request in self.waiting:
             assert kv.get_num_blocks(request.request_id) == 0, f"waiting {request} holds blocks"
+
+
+def _make_proposer(spec: SpeculativeConfig) -> NgramProposer | SuffixDecodingProposer | None:
+    """The host-side drafter of ``spec``'s method; None without one (no speculative
+    decoding, or a model's drafts, which the runner proposes)."""
+    if spec.method == "ngram":
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+    if spec.method == "suffix":
+        return SuffixDecodingProposer.from_config(spec)
+    return None
 
 
 def _count_adapters(requests) -> dict[str, int]:
