@@ -8,11 +8,11 @@
 (csrc/cpu/attention_kernels.cpp); the class ``SuffixTree`` (csrc/cpu/suffix_tree.cpp) is
 Suffix Decoding's tree (``vllm/v1/spec_decode/suffix_tree.py``). On CUDA, the layer ops
 (and ``rms_norm``) run as one Triton kernel each (``model_executor/layers/triton_ops.py``)
-where triton imports, unless ``VLLM_CUDA_FUSED_OPS=0``. The native versions are used when they have been built —
-by CMake into ``vllm/_C.so`` or by ``python -m vllm._custom_ops --build`` into the cache
-folder — and the pure-torch versions otherwise. The KV writes, the dequantization and the
-rotation are bit-identical; the rest agree up to float rounding (another summation order,
-another exp).
+where triton imports, unless ``VLLM_CUDA_FUSED_OPS=0``. The native versions are used
+when they have been built — by CMake into ``vllm/_C.so`` or by ``python -m
+vllm._custom_ops --build`` into the cache folder — and the pure-torch versions otherwise.
+The KV writes, the dequantization and the rotation are bit-identical; the rest agree up
+to float rounding (another summation order, another exp).
 """
 
 from __future__ import annotations
