@@ -1,17 +1,22 @@
-"""N-gram speculative decoding against plain decoding, on agent-like turns.
+"""N-gram and suffix speculative decoding against plain decoding, on agent-like turns.
 
 An agent's turns copy text that is already in the context: a file it read, then rewrites
 with a change; a command it saw; a list it reorganises. This benchmark asks the model for
 such turns (and a few that copy nothing), greedy by default, and runs the same requests
 through two engines built the same way, without and with ``--speculative-config``
-(n-gram). It prints per engine: output tokens, engine steps, output tok/s, and for
-speculation the drafts' acceptance (accepted / proposed) and the tokens a request gets
-per step; then the speedup.
+(n-gram, or suffix decoding with ``--method suffix``). It prints per engine: output
+tokens, engine steps, output tok/s, and for speculation the drafts' acceptance
+(accepted / proposed) and the tokens a request gets per step; then the speedup.
 Greedy outputs must be identical (greedy speculation is exact); a mismatch is reported.
 ``--temperature`` above 0 measures sampled requests (drafts kept by rejection sampling).
 
     .venv/bin/python benchmarks/benchmark_spec_decode.py            # the embedded model
     .venv/bin/python benchmarks/benchmark_spec_decode.py --k 2 4 8 --concurrency 1 4
+    .venv/bin/python benchmarks/benchmark_spec_decode.py --method ngram suffix
+
+Suffix decoding's global tree keeps the outputs of earlier requests; a second pass over
+the same turns would find its own answers there. So each of its runs gets a new engine
+(an empty tree): what it drafts from is this pass's prompts and earlier turns' outputs.
 
 Figures on the machine it runs on (it prints the CPU and its vector extensions); run it
 on a quiet machine.
@@ -140,10 +145,15 @@ def timed_run(llm, counting: _Counting, args, concurrency: int) -> dict:
 
 def compare(args, spec: dict, concurrency: int) -> tuple[dict, dict]:
     """Both engines built side by side, their runs alternated (the VM's speed drifts by
-    10-20% over minutes: alternating keeps it out of the ratio); medians."""
+    10-20% over minutes: alternating keeps it out of the ratio); medians. Suffix decoding
+    gets a new engine for each run (its global tree empty)."""
+    fresh = spec["method"] == "suffix"
     engines = [build(args, None, concurrency), build(args, spec, concurrency)]
     runs: list[list[dict]] = [[], []]
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        if fresh and repeat > 0:
+            engines[1][0].shutdown()
+            engines[1] = build(args, spec, concurrency)
         for i, (llm, counting) in enumerate(engines):
             runs[i].append(timed_run(llm, counting, args, concurrency))
     for llm, _ in engines:
@@ -158,11 +168,45 @@ def compare(args, spec: dict, concurrency: int) -> tuple[dict, dict]:
     return figures[0], figures[1]
 
 
+def run_one(args, method: str, k: int, concurrency: int) -> dict:
+    """One method at one k and concurrency against plain decoding: printed, returned."""
+    spec: dict = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=args.ngram[0], prompt_lookup_max=args.ngram[1])
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    base, got = compare(args, spec, concurrency)
+    # Greedy speculation is exact; sampled outputs differ by their random numbers.
+    same = got["outputs"] == base["outputs"] if args.temperature == 0 else "n/a"
+    per_step = got["output_tokens"] / max(got["steps"], 1) / concurrency
+    print(
+        f"\nconcurrency {concurrency}: plain  {base['output_tokens']} tokens in "
+        f"{base['steps']} steps, {base['seconds']:.2f} s, {base['tok_s']:.1f} tok/s"
+    )
+    print(
+        f"concurrency {concurrency}: {method} k={k} {got['output_tokens']} tokens in "
+        f"{got['steps']} steps, {got['seconds']:.2f} s, {got['tok_s']:.1f} tok/s; "
+        f"acceptance {got['acceptance']:.0%} ({got['accepted_tokens']}/"
+        f"{got['draft_tokens']}), ~{per_step:.2f} tokens a request-step; "
+        f"speedup {got['tok_s'] / base['tok_s']:.2f}x; identical outputs: {same}"
+    )
+    return {
+        "concurrency": concurrency,
+        "method": method,
+        "k": k,
+        "plain": {key: v for key, v in base.items() if key != "outputs"},
+        method: {key: v for key, v in got.items() if key != "outputs"},
+        "speedup": got["tok_s"] / base["tok_s"],
+        "identical": same,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--quantization", default=None, help="gguf / fp32 (default: auto)")
     parser.add_argument("--k", type=int, nargs="+", default=[4], help="num_speculative_tokens")
+    parser.add_argument("--method", nargs="+", default=["ngram"], choices=["ngram", "suffix"])
     parser.add_argument("--ngram", type=int, nargs=2, default=[1, 3], metavar=("MIN", "MAX"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 3])
     parser.add_argument(
@@ -189,40 +233,9 @@ def main() -> None:
           "alternated runs")  # fmt: skip
     report = {"machine": cpu_model(), "vector_extensions": vector_extensions(), "runs": []}
     for concurrency in args.concurrency:
-        for k in args.k:
-            spec = {
-                "method": "ngram",
-                "num_speculative_tokens": k,
-                "prompt_lookup_min": args.ngram[0],
-                "prompt_lookup_max": args.ngram[1],
-            }
-            if args.disable_by_batch_size is not None:
-                spec["disable_by_batch_size"] = args.disable_by_batch_size
-            base, got = compare(args, spec, concurrency)
-            # Greedy speculation is exact; sampled outputs differ by their random numbers.
-            same = got["outputs"] == base["outputs"] if args.temperature == 0 else "n/a"
-            per_step = got["output_tokens"] / max(got["steps"], 1) / concurrency
-            print(
-                f"\nconcurrency {concurrency}: plain  {base['output_tokens']} tokens in "
-                f"{base['steps']} steps, {base['seconds']:.2f} s, {base['tok_s']:.1f} tok/s"
-            )
-            print(
-                f"concurrency {concurrency}: ngram k={k} {got['output_tokens']} tokens in "
-                f"{got['steps']} steps, {got['seconds']:.2f} s, {got['tok_s']:.1f} tok/s; "
-                f"acceptance {got['acceptance']:.0%} ({got['accepted_tokens']}/"
-                f"{got['draft_tokens']}), ~{per_step:.2f} tokens a request-step; "
-                f"speedup {got['tok_s'] / base['tok_s']:.2f}x; identical outputs: {same}"
-            )
-            report["runs"].append(
-                {
-                    "concurrency": concurrency,
-                    "k": k,
-                    "plain": {key: v for key, v in base.items() if key != "outputs"},
-                    "ngram": {key: v for key, v in got.items() if key != "outputs"},
-                    "speedup": got["tok_s"] / base["tok_s"],
-                    "identical": same,
-                }
-            )
+        for method in args.method:
+            for k in args.k:
+                report["runs"].append(run_one(args, method, k, concurrency))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
 

@@ -20,19 +20,6 @@ from ..core.sched.helpers import make_scheduler
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 
 
-def _has_suffix_tree() -> bool:
-    try:
-        import vllm.v1.spec_decode.suffix_tree  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_tree = pytest.mark.skipif(
-    not _has_suffix_tree(), reason="vllm.v1.spec_decode.suffix_tree is not there yet"
-)
-
-
 # -- config -------------------------------------------------------------------------------
 def test_config_defaults_as_vllm(caplog):
     with caplog.at_level(logging.WARNING, logger="vllm.config"):
@@ -261,7 +248,6 @@ def _proposer(k: int = 3, depth: int = 24, cached: int = 100) -> SuffixDecodingP
     return SuffixDecodingProposer(k, depth, cached, max_spec_factor=1.0, min_token_prob=0.1)
 
 
-@needs_tree
 def test_drafts_come_from_the_prompt():
     proposer = _proposer(k=3)
     prompt = list(range(100, 120))
@@ -271,7 +257,6 @@ def test_drafts_come_from_the_prompt():
     assert proposer.propose("q", [*prompt, 7, 8], 8, len(prompt)) == []  # nothing matches
 
 
-@needs_tree
 def test_a_phrase_repeated_in_the_output_is_drafted():
     proposer = _proposer(k=3, cached=0)
     prompt = [1, 2, 3]
@@ -282,7 +267,6 @@ def test_a_phrase_repeated_in_the_output_is_drafted():
     assert draft == [53, 54, 60]
 
 
-@needs_tree
 def test_a_past_response_drafts_for_a_new_request():
     # The global tree: a finished request's response drafts for another request with a
     # different prompt, unless max_cached_requests is 0.
@@ -294,7 +278,6 @@ def test_a_past_response_drafts_for_a_new_request():
         assert proposer.propose("b", [9, 9, 70, 71], 3, 2) == want, cached
 
 
-@needs_tree
 def test_reused_ids_and_restarts_keep_the_cache_consistent():
     proposer = _proposer(k=3)
     proposer.propose("r", [1, 2, 3, 4, 5, 1, 2], 3, 5)
@@ -308,7 +291,6 @@ def test_reused_ids_and_restarts_keep_the_cache_consistent():
 
 
 # -- the scheduler --------------------------------------------------------------------------
-@needs_tree
 def test_the_scheduler_schedules_suffix_drafts_and_forgets_finished_requests():
     sched = make_scheduler(speculative=SUFFIX)
     assert isinstance(sched.proposer, SuffixDecodingProposer)
@@ -343,8 +325,6 @@ def perimeter(width, height):
 
 @pytest.fixture(scope="module")
 def engines():
-    if not _has_suffix_tree():
-        pytest.skip("vllm.v1.spec_decode.suffix_tree is not there yet")
     from vllm import LLM
 
     plain = LLM(max_num_seqs=4)
@@ -433,7 +413,6 @@ def test_sampled_requests_take_suffix_drafts_by_rejection_sampling(engines):
 
 
 @pytest.mark.slow
-@needs_tree
 def test_server_counts_suffix_drafts(tmp_path):
     from tests.utils import RemoteServer
 
