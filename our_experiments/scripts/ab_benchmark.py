@@ -65,6 +65,10 @@ COUNTERS = {
     "pin_forced_releases": "vllm:pin_forced_releases_total",
     # The upstream plugin's name for the same counter before it took ours (older runs).
     "pin_pressure_releases": "vllm:pin_pressure_releases_total",
+    # Speculative decoding (--speculative-config): drafts proposed, their tokens, accepted.
+    "spec_decode_drafts": "vllm:spec_decode_num_drafts_total",
+    "spec_decode_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "spec_decode_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
 }
 # Behind a router, these are also kept per replica (the result's "replicas").
 REPLICA_COUNTERS = (

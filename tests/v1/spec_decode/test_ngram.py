@@ -18,6 +18,7 @@ from vllm.v1.spec_decode.ngram_proposer import (
 
 from ..core.conftest import make_request
 from ..core.sched.helpers import make_scheduler
+from .chat_engines import CODE, chat, check_limits_hold
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
@@ -192,15 +193,6 @@ def test_penalised_requests_get_no_drafts_and_no_stats_without_the_config():
 
 
 # -- whole engines ------------------------------------------------------------------------
-CODE = """def area(width, height):
-    return width * height
-
-
-def perimeter(width, height):
-    return 2 * (width + height)
-"""
-
-
 @pytest.fixture(scope="module")
 def engines():
     from vllm import LLM
@@ -214,11 +206,6 @@ def engines():
     fast.shutdown()
 
 
-def _chat(llm, params, *texts):
-    out = llm.chat([[{"role": "user", "content": t}] for t in texts], params)
-    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out]
-
-
 def test_greedy_outputs_equal_plain_decoding(engines):
     plain, fast = engines
     params = SamplingParams(temperature=0, max_tokens=80)
@@ -227,7 +214,7 @@ def test_greedy_outputs_equal_plain_decoding(engines):
         "Copy this list: red, green, blue, red, green, blue, cyan",
         "What is the capital of France?",
     )
-    base = _chat(plain, params, *texts)
+    base = chat(plain, params, *texts)
     steps = []
     step = fast.engine_core.step
 
@@ -239,7 +226,7 @@ def test_greedy_outputs_equal_plain_decoding(engines):
 
     fast.engine_core.step = counting
     try:
-        assert _chat(fast, params, *texts) == base
+        assert chat(fast, params, *texts) == base
     finally:
         fast.engine_core.step = step
     accepted = sum(s.num_accepted_tokens for s in steps if s is not None)
@@ -260,7 +247,7 @@ def test_a_step_with_drafts_is_decode_rows_only(engines):
 
     backend.build_metadata = recording
     try:
-        _chat(fast, SamplingParams(temperature=0, max_tokens=40), "Repeat exactly:\n" + CODE)
+        chat(fast, SamplingParams(temperature=0, max_tokens=40), "Repeat exactly:\n" + CODE)
     finally:
         backend.build_metadata = build
     drafted = [rows for rows in layouts if len(rows) > 1]  # one request: >1 row = drafts
@@ -285,16 +272,7 @@ def test_logprobs_with_drafts_equal_plain_decodings(engines):
 
 
 def test_limits_hold_with_drafts(engines):
-    plain, fast = engines
-    text = "Repeat this code exactly:\n" + CODE
-    for params in (
-        SamplingParams(temperature=0, max_tokens=9),
-        SamplingParams(temperature=0, max_tokens=60, stop=["height)"]),
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-    ):
-        got, want = _chat(fast, params, text), _chat(plain, params, text)
-        assert got == want, params
-        assert len(got[0][0]) <= params.max_tokens
+    check_limits_hold(*engines)
 
 
 def test_sampled_requests_take_drafts_by_rejection_sampling(engines):
@@ -303,7 +281,7 @@ def test_sampled_requests_take_drafts_by_rejection_sampling(engines):
     # rejection sampling of its drafts.
     plain, fast = engines
     text = "Repeat this code exactly:\n" + CODE
-    greedy = _chat(plain, SamplingParams(temperature=0, max_tokens=60), text)
+    greedy = chat(plain, SamplingParams(temperature=0, max_tokens=60), text)
     nearly = SamplingParams(temperature=2e-5, max_tokens=60, seed=0)
     step, accepted = fast.engine_core.step, []
 
@@ -315,7 +293,7 @@ def test_sampled_requests_take_drafts_by_rejection_sampling(engines):
 
     fast.engine_core.step = counting
     try:
-        assert _chat(fast, nearly, text) == greedy
+        assert chat(fast, nearly, text) == greedy
     finally:
         fast.engine_core.step = step
     assert sum(accepted) > 10

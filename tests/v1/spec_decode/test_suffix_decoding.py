@@ -16,6 +16,7 @@ from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
 from ..core.conftest import make_request
 from ..core.sched.helpers import make_scheduler
+from .chat_engines import CODE, chat, check_limits_hold
 
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 
@@ -314,15 +315,6 @@ def test_the_scheduler_schedules_suffix_drafts_and_forgets_finished_requests():
 
 
 # -- whole engines ------------------------------------------------------------------------
-CODE = """def area(width, height):
-    return width * height
-
-
-def perimeter(width, height):
-    return 2 * (width + height)
-"""
-
-
 @pytest.fixture(scope="module")
 def engines():
     from vllm import LLM
@@ -332,11 +324,6 @@ def engines():
     yield plain, fast
     plain.shutdown()
     fast.shutdown()
-
-
-def _chat(llm, params, *texts):
-    out = llm.chat([[{"role": "user", "content": t}] for t in texts], params)
-    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out]
 
 
 def _counted(llm, *args):
@@ -352,7 +339,7 @@ def _counted(llm, *args):
 
     llm.engine_core.step = counting
     try:
-        got = _chat(llm, *args)
+        got = chat(llm, *args)
     finally:
         llm.engine_core.step = step
     stats = [s for s in seen if s is not None]
@@ -369,7 +356,7 @@ def test_greedy_outputs_equal_plain_decoding(engines):
         "Copy this list: red, green, blue, red, green, blue, cyan",
         "What is the capital of France?",
     )
-    base = _chat(plain, params, *texts)
+    base = chat(plain, params, *texts)
     got, (drafts, draft_tokens, accepted), steps = _counted(fast, params, *texts)
     assert got == base
     assert drafts > 0 and 20 < accepted <= draft_tokens  # the copying turns took drafts
@@ -382,7 +369,7 @@ def test_a_repeated_request_drafts_from_its_past_response(engines):
     plain, fast = engines
     params = SamplingParams(temperature=0, max_tokens=40)
     text = "Name three animals that live in the sea and say one thing about each."
-    base = _chat(plain, params, text)
+    base = chat(plain, params, text)
     first, (_, _, accepted_first), _ = _counted(fast, params, text)
     second, (_, _, accepted_second), _ = _counted(fast, params, text)
     assert first == second == base
@@ -390,15 +377,7 @@ def test_a_repeated_request_drafts_from_its_past_response(engines):
 
 
 def test_limits_hold_with_drafts(engines):
-    plain, fast = engines
-    text = "Repeat this code exactly:\n" + CODE
-    for params in (
-        SamplingParams(temperature=0, max_tokens=9),
-        SamplingParams(temperature=0, max_tokens=60, stop=["height)"]),
-    ):
-        got, want = _chat(fast, params, text), _chat(plain, params, text)
-        assert got == want, params
-        assert len(got[0][0]) <= params.max_tokens
+    check_limits_hold(*engines)
 
 
 def test_sampled_requests_take_suffix_drafts_by_rejection_sampling(engines):
@@ -406,7 +385,7 @@ def test_sampled_requests_take_suffix_drafts_by_rejection_sampling(engines):
     # argmax, so the drafts, kept as point masses, give plain greedy decoding's tokens.
     plain, fast = engines
     text = "Repeat this code exactly:\n" + CODE
-    greedy = _chat(plain, SamplingParams(temperature=0, max_tokens=60), text)
+    greedy = chat(plain, SamplingParams(temperature=0, max_tokens=60), text)
     nearly = SamplingParams(temperature=2e-5, max_tokens=60, seed=0)
     got, (_, _, accepted), _ = _counted(fast, nearly, text)
     assert got == greedy and accepted > 10
