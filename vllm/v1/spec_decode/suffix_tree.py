@@ -275,6 +275,8 @@ class SuffixDecodingCache:
         self.max_cached_requests = max_cached_requests
         self._native = native
         self._global = make_suffix_tree(max_tree_depth, native)
+        # Tokens go to two trees: the native ones take them converted once.
+        self._tokens = _as_tensor if isinstance(self._global, NativeSuffixTree) else list
         self._local: dict[Hashable, PySuffixTree | NativeSuffixTree] = {}
         self._seq_of: dict[Hashable, int] = {}  # insertion order = FIFO eviction order
         self._next_seq = 0
@@ -314,6 +316,7 @@ class SuffixDecodingCache:
         tree = self._local.get(req_id)
         if tree is None:
             raise ValueError(f"request {req_id!r} is not active")
+        token_ids = self._tokens(token_ids)
         tree.extend(0, token_ids)
         if req_id in self._seq_of:
             self._global.extend(self._seq_of[req_id], token_ids)
@@ -338,7 +341,7 @@ class SuffixDecodingCache:
         tree = self._local.get(req_id)
         if tree is None:
             raise ValueError(f"request {req_id!r} is not active")
-        context = context[max(len(context) - self.max_tree_depth, 0) :]
+        context = self._tokens(context[max(len(context) - self.max_tree_depth, 0) :])
         args = (context, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob)
         own = tree.speculate(*args)
         other = self._global.speculate(*args)
