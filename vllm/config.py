@@ -127,6 +127,12 @@ class ModelConfig:
         "Where a Hub model is downloaded and looked for (None: the Hugging Face cache, "
         "HF_HUB_CACHE).",
     )
+    hf_token: str | None = config_field(
+        None,
+        "The Hugging Face token for Hub downloads (gated or private models; vLLM's flag). "
+        "None: huggingface_hub's own, HF_TOKEN or the `hf auth login` token. Never logged.",
+        secret=True,
+    )
     skip_tokenizer_init: bool = config_field(
         False,
         "Load no tokenizer and detokenize nothing (vLLM's): prompts must be token ids "
@@ -269,6 +275,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise bad_value("model", self.model, "must be a non-empty name or path")
+        if self.hf_token is True:  # vLLM's LLM(hf_token=True): the login's token, the default
+            object.__setattr__(self, "hf_token", None)
+        token = self.hf_token
+        if token is not None and (
+            not isinstance(token, str) or not token or token != "".join(token.split())
+        ):  # the value is a credential: not echoed
+            raise ValueError("hf_token must be a non-empty string without whitespace")
         names = self.served_model_name
         if isinstance(names, str):  # LLM(served_model_name="x"), as vLLM takes it
             names = (names,)
@@ -1195,7 +1208,11 @@ class VllmConfig:
         draft = draft_config.model
         try:
             draft_hf = get_model_config(
-                draft, None, draft_config.revision, draft_config.download_dir
+                draft,
+                None,
+                draft_config.revision,
+                draft_config.download_dir,
+                draft_config.hf_token,
             )
         except (OSError, ValueError) as e:
             raise bad_value("speculative_config.model", draft, f"cannot be read: {e}") from None

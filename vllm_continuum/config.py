@@ -31,6 +31,7 @@ def config_field(
     cli: bool = True,
     derived: bool = False,
     aliases: tuple[str, ...] = (),
+    secret: bool = False,
 ) -> Any:
     """A config field carrying its own documentation and CLI description.
 
@@ -40,9 +41,12 @@ def config_field(
     string keyword arguments (sizes). ``cli=False``: filled from other fields, no flag.
     ``derived``: the flag defaults to None and the engine computes the value from other
     settings (``EngineArgs.create_engine_config``). ``aliases``: more flags, e.g. ``-tp``.
+    ``secret``: a credential: left out of the config's repr and masked in the start-up
+    config dump.
     """
     meta = {"help": help, "flag": flag, "choices": choices, "parse": parse, "aliases": aliases}
-    return field(default=default, metadata={**meta, "cli": cli, "derived": derived})
+    meta |= {"cli": cli, "derived": derived, "secret": secret}
+    return field(default=default, repr=not secret, metadata=meta)
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,37 @@ def test_a_hub_tokenizer_is_read_at_its_own_revision(hub, tmp_path):
     assert tok.decode(tok.encode("hello world")) == "hello world"
     with pytest.raises((OSError, ValueError)):  # main: no tokenizer files
         init_tokenizer_from_config(ModelConfig(**base))
+
+
+def test_hf_token_goes_to_the_hub_and_is_never_shown(hub, monkeypatch):
+    import huggingface_hub
+
+    from vllm.config import ModelConfig
+    from vllm.entrypoints.cli.main import make_parser
+    from vllm.entrypoints.cli.serve import build_config
+    from vllm.entrypoints.openai.api_server import dump_config
+
+    calls = []
+    real = huggingface_hub.snapshot_download
+
+    def snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs.get("token")))
+        return real(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    secret = "hf_tinySecret42"
+    args = make_parser().parse_args(["serve", REPO, "--download-dir", str(hub),
+                                     "--hf-token", secret, "--skip-tokenizer-init"])  # fmt: skip
+    config = build_config(args)
+    assert config.model_config.hf_token == secret
+    assert calls and all(call == (REPO, secret) for call in calls)
+    dumped = dump_config(config)
+    assert secret not in dumped and '"hf_token": "***"' in dumped
+    assert secret not in repr(config) and secret not in str(config.model_config)
+    # Without the flag huggingface_hub's own token is used (None here); vLLM's True means it.
+    assert ModelConfig(hf_token=True).hf_token is None
+    assert '"hf_token": null' in dump_config(build_config(make_parser().parse_args(["serve"])))
+    for bad in ("", "hf_ x", 42):
+        with pytest.raises(ValueError, match=r"^hf_token must be a non-empty string") as e:
+            ModelConfig(hf_token=bad)
+        assert "hf_ x" not in str(e.value)  # a credential is not echoed

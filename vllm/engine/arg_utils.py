@@ -185,7 +185,7 @@ class EngineArgs:
         ValueError. Called before the model's HF config is read (``LLM``, ``vllm serve``)."""
         from vllm.model_executor.model_loader import speculators_verifier
 
-        found = speculators_verifier(self.model, self.revision, self.download_dir)
+        found = speculators_verifier(self.model, self.revision, self.download_dir, self.hf_token)
         if found is None:
             return
         verifier, implied = found

@@ -62,8 +62,9 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         args.serve_speculators_head()
         hf_config = get_model_config(
-            args.model, args.parsed("hf_overrides"), args.revision, args.download_dir
-        )
+            args.model, args.parsed("hf_overrides"), args.revision, args.download_dir,
+            args.hf_token,
+        )  # fmt: skip
         self.vllm_config = args.create_engine_config(
             model_max_len(hf_config, args.disable_sliding_window), UsageContext.LLM_CLASS
         )

@@ -95,11 +95,17 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     logger.info("Converted in %.1f s into %s", time.monotonic() - start, out_dir)
 
 
-def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
+def resolve_model(
+    model: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    token: str | None = None,
+) -> str:
     """An HF folder for ``model``: the embedded name, a GGUF file, an HF folder, or a
-    Hugging Face Hub repository id (``hub_snapshot``: ``revision``, ``download_dir``)."""
+    Hugging Face Hub repository id (``hub_snapshot``: ``revision``, ``download_dir``,
+    ``token``)."""
     path = embedded_model_path() if model == DEFAULT_MODEL else (
-        _local_or_hub(model, revision, download_dir)
+        _local_or_hub(model, revision, download_dir, token)
     )  # fmt: skip
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -113,10 +119,12 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     return str(out_dir)
 
 
-def _local_or_hub(model: str, revision: str | None, download_dir: str | None) -> Path:
+def _local_or_hub(
+    model: str, revision: str | None, download_dir: str | None, token: str | None = None
+) -> Path:
     """``model`` as a local path, else the snapshot of the Hub repository it names."""
     path = Path(model).expanduser()
-    return path if path.exists() else Path(hub_snapshot(model, revision, download_dir))
+    return path if path.exists() else Path(hub_snapshot(model, revision, download_dir, token))
 
 
 # A Hub repository's files the engine reads: configs, tokenizers, chat templates and
@@ -132,13 +140,18 @@ def _hub_offline() -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> str:
+def hub_snapshot(
+    repo_id: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    token: str | None = None,
+) -> str:
     """The local folder of the Hugging Face Hub repository ``repo_id`` at ``revision``
     (a branch, tag or commit; None: main), as vLLM serves ``vllm serve org/name``: its
     weights, configs and tokenizer files downloaded into the HF cache (``download_dir``
     when given) unless they are there; with ``HF_HUB_OFFLINE=1`` only the cache is read.
-    The token is huggingface_hub's (``HF_TOKEN``, or ``hf auth login``). ValueError naming
-    ``model`` when neither the Hub nor the cache has it."""
+    The token is ``token`` (--hf-token), else huggingface_hub's (``HF_TOKEN``, or ``hf auth
+    login``). ValueError naming ``model`` when neither the Hub nor the cache has it."""
     from huggingface_hub import snapshot_download
 
     if not _REPO_ID.match(repo_id) or repo_id.startswith((".", "/")):
@@ -147,7 +160,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | 
             "with config.json and safetensors, or a Hugging Face Hub repository id (org/name)"
         )
     offline = _hub_offline()
-    kwargs = dict(revision=revision, cache_dir=download_dir, local_files_only=offline)
+    kwargs = dict(revision=revision, cache_dir=download_dir, local_files_only=offline, token=token)
     try:
         folder = snapshot_download(repo_id, allow_patterns=list(HUB_PATTERNS), **kwargs)
         if not offline and not any(Path(folder).glob("*.safetensors")):
@@ -505,12 +518,13 @@ def get_model_config(
     hf_overrides: dict[str, Any] | None = None,
     revision: str | None = None,
     download_dir: str | None = None,
+    token: str | None = None,
 ):
     """The HF config (max_position_embeddings, eos, shapes) of ``model`` (at ``revision``
     for a Hub id), with ``hf_overrides`` (--hf-overrides) applied."""
     from transformers import AutoConfig
 
-    path = resolve_model(model, revision, download_dir)
+    path = resolve_model(model, revision, download_dir, token)
     config = speculators_eagle3_config(path)
     if config is None:
         config = AutoConfig.from_pretrained(path, **OFFLINE)
@@ -533,7 +547,10 @@ def _config_json(path: str) -> dict[str, Any]:
 
 
 def speculators_verifier(
-    model: str, revision: str | None = None, download_dir: str | None = None
+    model: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    token: str | None = None,
 ) -> tuple[str, dict[str, Any]] | None:
     """A ``speculators``-format head served as the model (vLLM's ``vllm serve
     RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3``): its verifier (the target model
@@ -544,7 +561,7 @@ def speculators_verifier(
     GGUF file are not resolved here (``get_model_config`` does that once)."""
     if model == DEFAULT_MODEL:
         return None
-    config = _config_json(str(_local_or_hub(model, revision, download_dir)))
+    config = _config_json(str(_local_or_hub(model, revision, download_dir, token)))
     spec = config.get("speculators_config")
     if spec is None:
         return None
@@ -612,6 +629,7 @@ def hf_config_of(model_config):
         getattr(model_config, "hf_overrides", None),
         getattr(model_config, "revision", None),
         getattr(model_config, "download_dir", None),
+        getattr(model_config, "hf_token", None),
     )
     if getattr(model_config, "disable_sliding_window", False):
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -720,7 +738,10 @@ def load_generation_config(model_config) -> dict[str, Any]:
     source = model_config.generation_config
     folder = source
     if source in ("auto", "vllm"):
-        folder = resolve_model(model_config.model, model_config.revision, model_config.download_dir)
+        folder = resolve_model(
+            model_config.model, model_config.revision, model_config.download_dir,
+            model_config.hf_token,
+        )  # fmt: skip
     try:
         config = GenerationConfig.from_pretrained(folder, **OFFLINE)
     except OSError:

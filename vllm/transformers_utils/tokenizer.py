@@ -16,6 +16,7 @@ def get_tokenizer(
     revision: str | None = None,
     download_dir: str | None = None,
     tokenizer_revision: str | None = None,
+    token: str | None = None,
 ):
     """A HF fast tokenizer; ``chat_template`` is a Jinja file path or template text.
     Hub ids: the model's at ``revision``, a separate ``tokenizer``'s at
@@ -23,9 +24,9 @@ def get_tokenizer(
     from transformers import AutoTokenizer
 
     if tokenizer is None:
-        source = resolve_model(model, revision, download_dir)
+        source = resolve_model(model, revision, download_dir, token)
     else:
-        source = resolve_model(tokenizer, tokenizer_revision, download_dir)
+        source = resolve_model(tokenizer, tokenizer_revision, download_dir, token)
     tok = AutoTokenizer.from_pretrained(source)
     if chat_template:
         path = Path(chat_template)
@@ -44,5 +45,5 @@ def init_tokenizer_from_config(model_config):
     mc = model_config
     return get_tokenizer(
         mc.model, mc.tokenizer, mc.chat_template, mc.revision, mc.download_dir,
-        mc.tokenizer_revision,
+        mc.tokenizer_revision, mc.hf_token,
     )  # fmt: skip

@@ -71,6 +71,7 @@ def build_config(args: argparse.Namespace):
         engine_args.parsed("hf_overrides"),
         engine_args.revision,
         engine_args.download_dir,
+        engine_args.hf_token,
     )
     config = engine_args.create_engine_config(
         model_max_len(hf_config, engine_args.disable_sliding_window),

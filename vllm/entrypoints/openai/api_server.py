@@ -714,6 +714,14 @@ async def _start_and_serve(vllm_config, args, sock, engine, stats, store, period
 
 
 def dump_config(vllm_config: VllmConfig) -> str:
-    from dataclasses import asdict
+    """The config as JSON for the start-up log; a credential (a field declared
+    ``secret``, e.g. --hf-token) shows as "***"."""
+    from dataclasses import asdict, fields, is_dataclass
 
-    return json.dumps(asdict(vllm_config), default=str)
+    out = asdict(vllm_config)
+    for group in fields(vllm_config):
+        config = getattr(vllm_config, group.name)
+        for f in fields(config) if is_dataclass(config) else ():
+            if f.metadata.get("secret") and out[group.name][f.name] is not None:
+                out[group.name][f.name] = "***"
+    return json.dumps(out, default=str)

@@ -397,7 +397,10 @@ class ModelRunner:
         from vllm.model_executor.layers.rotary_embedding import use_long_rope
         from vllm.model_executor.model_loader import hf_config_of
 
-        path = resolve_model(model_config.model, model_config.revision, model_config.download_dir)
+        path = resolve_model(
+            model_config.model, model_config.revision, model_config.download_dir,
+            model_config.hf_token,
+        )  # fmt: skip
         hf_config = hf_config or hf_config_of(model_config)
         # longrope's factors follow the served length (vLLM's choice at start-up)
         use_long_rope(hf_config, served_len)
