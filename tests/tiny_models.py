@@ -88,20 +88,15 @@ def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
 
 def check_engine_greedy_matches(hf, path, max_tokens: int = 10, prefix_hit: bool = True):
     """The engine on the checkpoint in ``path`` (written from ``hf``, vocab 49,152; the
-    embedded model's tokenizer copied in): three prompts sharing a 40-token prefix, in
+    SmolLM2 tokenizer copied in): three prompts sharing a 40-token prefix, in
     16-token chunks, decoded together, then the last again (a prefix hit): each one's
     greedy tokens equal transformers' ``generate``."""
-    import shutil
-
     import torch
 
+    from tests.utils import copy_benchmark_tokenizer
     from vllm import LLM, SamplingParams
-    from vllm.config import DEFAULT_MODEL
-    from vllm.model_executor.model_loader import resolve_model
 
-    tokenizer_dir = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", Path(path) / name)
+    copy_benchmark_tokenizer(Path(path))  # the GPU kit's copy where there is no embedded model
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(0, 49152, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 17, 30)]

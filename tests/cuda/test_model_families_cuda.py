@@ -1,13 +1,11 @@
 """The model families added on the CPU (Gemma 2/3, Cohere 2, OLMo 3, gpt-oss), run on CUDA
-in bf16: each tiny checkpoint's logits over 100 tokens (past its 12-token windows) within
-rounding of the same engine's bf16 logits on the CPU (whose fp32 logits the CPU tests hold
-to transformers' within 1e-4; bf16 alone moves gpt-oss's tiny logits by half their size
-against fp32, routing included, transformers' as much as ours), on the backend the selector
-picks for its
-attention features: torch's FlashAttention with the Triton kernels (soft caps and sinks are
-Triton's, sinks in prefills ``varlen_attn``'s log-sum-exp), and the torch backend forced
-for Gemma 2 and gpt-oss. The same logits teacher-forced one decode step at a time (the
-Triton decode kernel: windows, soft caps, sinks) match too. The CPU tests are in
+in bf16: each tiny checkpoint's logits over 100 tokens (past its 12-token windows) held to
+the same engine's fp32 logits on the CPU (which the CPU tests hold to transformers' within
+1e-4) as closely as the CPU's own bf16 logits are, on the backend the selector picks for
+its attention features: torch's FlashAttention with the Triton kernels (soft caps and sinks
+are Triton's, sinks in prefills ``varlen_attn``'s log-sum-exp), and the torch backend
+forced for Gemma 2 and gpt-oss. The same logits teacher-forced one decode step at a time
+(the Triton decode kernel: windows, soft caps, sinks) likewise. The CPU tests are in
 tests/model_executor.
 
 Run with ``pytest -m cuda tests`` on a CUDA machine; skipped without one.
@@ -46,6 +44,15 @@ def save_family(family: str, path) -> torch.nn.Module:
     hf = hf_model()
     hf.save_pretrained(path)
     return hf
+
+
+def relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def cpu_logits(path, dtype: str, ids: torch.Tensor) -> torch.Tensor:
+    config = ModelConfig(model=str(path), dtype=dtype, max_model_len=128)
+    return runner_logits(load_cpu_runner(config), ids).float()
 
 
 def decoded_logits(runner, ids, prefix: int) -> torch.Tensor:
@@ -87,10 +94,13 @@ def test_family_logits_on_cuda_match_the_cpu(family, backend, forced, tmp_path):
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (100,), generator=g)
     ours = runner_logits(runner, ids.cuda()).float().cpu()
     decoded = decoded_logits(runner, ids.cuda(), 60)
-    cpu = load_cpu_runner(ModelConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=128))
-    ref = runner_logits(cpu, ids).float()
-    for got, want in ((ours, ref), (decoded, ref[60:])):
-        err = (got - want).abs().max()
-        assert err < 0.05 * want.abs().max(), (err, want.abs().max())
+    # Held to the truth, the same engine's fp32 logits on the CPU: CUDA's bf16 is as close
+    # to it as the CPU's bf16 is (tiny random logits: bf16 alone moves gpt-oss's by half
+    # their size, the CPU's as much as CUDA's, so a fixed bound on CUDA against the CPU's
+    # bf16 measures rounding, not the kernels).
+    truth, cpu_bf16 = (cpu_logits(tmp_path, dtype, ids) for dtype in ("float32", "bfloat16"))
+    for got, rows in ((ours, slice(None)), (decoded, slice(60, None))):
+        want, bound = truth[rows], relative_rms(cpu_bf16[rows], truth[rows])
+        assert relative_rms(got, want) <= 1.5 * bound + 0.005, (relative_rms(got, want), bound)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     runner.release()

@@ -725,9 +725,10 @@ def test_after_the_warm_up_no_decode_step_compiles_a_kernel(features):
         _compiled(triton_decode._combine_splits_kernel),
     )
     assert after == before
-    # The count does count variants: fp32 is one no step of a bf16 model launches.
-    f32 = cache[:, :4].float()
-    triton_decode.paged_decode_attention(
-        q[:1].float(), f32, table[:1, :1] % 4, lens[:1] * 0 + 1, 0.1
-    )
+    # The count does count variants: fp32 at a head size no other test launches (one for
+    # each case: an earlier test in the process may have compiled any common variant).
+    odd_dim = 40 if both else 56
+    f32 = torch.zeros(2, 4, block_size, kv_heads, odd_dim, device="cuda")
+    q32 = torch.randn(1, heads, odd_dim, device="cuda")
+    triton_decode.paged_decode_attention(q32, f32, table[:1, :1] % 4, lens[:1] * 0 + 1, 0.1)
     assert _compiled(triton_decode._decode_kernel) > after[0]
