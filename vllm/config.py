@@ -92,6 +92,23 @@ def parse_json_object(text: str | dict, name: str) -> dict[str, Any]:
     return value
 
 
+def _check_mm_limits(limits: Any) -> None:
+    """--limit-mm-per-prompt: a dict of modality -> count >= 0; only images served."""
+    if not isinstance(limits, dict):
+        raise bad_value("limit_mm_per_prompt", limits, "must be a dict")
+    for modality, count in limits.items():
+        if modality not in ("image", "video", "audio"):
+            raise bad_value("limit_mm_per_prompt", limits, f"has an unknown modality {modality!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise bad_value("limit_mm_per_prompt", limits, "counts must be integers >= 0")
+        if modality != "image" and count:
+            raise bad_value(
+                "limit_mm_per_prompt",
+                limits,
+                f"cannot allow {modality} inputs: only images are served",
+            )
+
+
 def parse_bytes(text: str | int) -> int:
     """'512MiB', '1G', '1.5GiB' or an integer -> bytes."""
     if isinstance(text, int):
@@ -222,6 +239,13 @@ class ModelConfig:
         "'{\"num_hidden_layers\": 2}'; a nested object updates a sub-config.",
         parse=lambda text: parse_json_object(text, "hf_overrides"),
     )
+    limit_mm_per_prompt: dict[str, int] | None = config_field(
+        None,
+        "JSON object, vLLM's: the most items of each modality a prompt may hold, e.g. "
+        "'{\"image\": 4}' (default 999 each). Images only here: a video or audio limit "
+        "must be 0.",
+        parse=lambda text: parse_json_object(text, "limit_mm_per_prompt"),
+    )
     trust_remote_code: bool = config_field(
         False,
         "Accepted as in vLLM's launch commands; nothing changes: no code from the model "
@@ -325,6 +349,8 @@ class ModelConfig:
             )
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise bad_value("hf_overrides", self.hf_overrides, "must be a dict")
+        if self.limit_mm_per_prompt is not None:
+            _check_mm_limits(self.limit_mm_per_prompt)
         if self.override_generation_config is not None and not isinstance(
             self.override_generation_config, dict
         ):

@@ -117,7 +117,7 @@ class LLM:
         base model); needs ``enable_lora=True``."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
-        items = [(*_unpack_prompt(p), True, _cache_salt(p)) for p in prompts]
+        items = [(*_unpack_prompt(p), True, _cache_salt(p), _mm_data(p)) for p in prompts]
         return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def embed(
@@ -129,7 +129,7 @@ class LLM:
         """The embedding of each prompt (needs ``runner="pooling"``, as vLLM's)."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
-        items = [(*_unpack_prompt(p), True, _cache_salt(p)) for p in prompts]
+        items = [(*_unpack_prompt(p), True, _cache_salt(p), _mm_data(p)) for p in prompts]
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         results = self._run(items, params, use_tqdm, lora_request, pooling=True)
         return [
@@ -204,7 +204,7 @@ class LLM:
                 continue_final_message,
             )
             # The template already wrote the special tokens (BOS etc.): add none.
-            items.append((text, text, False, None))
+            items.append((text, text, False, None, None))
         return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
@@ -279,13 +279,14 @@ class LLM:
 
     def _run(
         self,
-        items: list[tuple[str | list[int], str | None, bool]],
+        items: list[tuple[str | list[int], str | None, bool, str | None, dict | None]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling: bool = False,
     ) -> list[RequestOutput]:
-        """items: (prompt, prompt text for the output, add_special_tokens, cache_salt)."""
+        """items: (prompt, prompt text for the output, add_special_tokens, cache_salt,
+        multi_modal_data)."""
         if lora_request is None or isinstance(lora_request, LoRARequest):
             lora_request = [lora_request] * len(items)
         if len(lora_request) != len(items):
@@ -305,20 +306,29 @@ class LLM:
             )
         # Validate everything before queueing anything: bad input loses nothing.
         batch: list[tuple[str, str | None, list[EngineCoreRequest]]] = []
-        for (prompt, text, special, salt), params, lora in zip(
+        for (prompt, text, special, salt, mm), params, lora in zip(
             items, sampling_params, lora_request, strict=True
         ):
             ids = self.processor.tokenize(prompt, special)
             if isinstance(params, SamplingParams):
-                params = self._offline_params(params, len(ids))
+                params = self._offline_params(params, len(ids) + self._image_rows(mm))
             request_id = str(self._request_counter)
             self._request_counter += 1
             _, core_reqs = self.processor.process(
-                ids, params, request_id, cache_salt=salt, lora_request=lora, pooling=pooling
-            )
+                ids, params, request_id, cache_salt=salt, lora_request=lora, pooling=pooling,
+                multi_modal_data=mm,
+            )  # fmt: skip
             batch.append((request_id, text, core_reqs))
         self._add_to_engine(batch)
         return self._run_engine([request_id for request_id, _, _ in batch], use_tqdm)
+
+    def _image_rows(self, multi_modal_data: dict | None) -> int:
+        """The tokens a prompt's images add when their placeholders are expanded."""
+        images = multi_modal_data.get("image") if isinstance(multi_modal_data, dict) else None
+        if self.processor.images is None or images is None:
+            return 0  # (process() refuses what is not images, and images to a text model)
+        count = len(images) if isinstance(images, list | tuple) else 1
+        return count * (self.processor.images.tokens_per_image - 1)
 
     def _offline_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         params = params.clone()
@@ -401,6 +411,11 @@ def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt!r}")
         prompt = prompt["prompt"]
     return prompt, prompt if isinstance(prompt, str) else None
+
+
+def _mm_data(prompt: Prompt) -> dict | None:
+    """A prompt dict's ``multi_modal_data`` (vLLM's: ``{"image": image or [images]}``)."""
+    return prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
 
 
 def _cache_salt(prompt: Prompt) -> str | None:

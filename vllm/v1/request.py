@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import PromptLogprobs, TokenLogprobs
 from vllm_continuum.jobs import job_key
+
+if TYPE_CHECKING:
+    from vllm.multimodal.inputs import MultiModalFeature
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,6 +68,7 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: Callable[[Request], list[Any]] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -75,6 +79,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # its adapter (vllm.lora); None: the base model
+        self.mm_features = mm_features  # its images (vllm.multimodal), by prompt position
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens

@@ -23,6 +23,7 @@ def make_request(
     cache_salt: str | None = None,
     request_id: str | None = None,
     lora_request=None,
+    mm_features=None,
     **sampling,
 ) -> Request:
     extra = {"job_id": job_id, "is_last_step": is_last_step} if job_id is not None else None
@@ -37,6 +38,7 @@ def make_request(
         cache_salt=cache_salt,
         block_hasher=get_request_block_hasher(block_size),
         lora_request=lora_request,
+        mm_features=mm_features,
     )
 
 

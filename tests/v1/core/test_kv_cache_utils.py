@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from vllm.multimodal.inputs import MultiModalFeature
 from vllm.v1.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -67,6 +69,25 @@ def test_cache_salt_changes_every_block():
     plain = make_request(list(range(8)), block_size=4)
     salted = make_request(list(range(8)), block_size=4, cache_salt="tenant-a")
     assert all(x != y for x, y in zip(plain.block_hashes, salted.block_hashes, strict=True))
+
+
+def test_an_image_enters_the_hash_of_each_block_its_placeholders_touch():
+    # 14 tokens in blocks of 4: an image's placeholders at positions 5..8 (blocks 1 and 2).
+    prompt = [1, 2, 3, 4, 5] + [9] * 4 + [6, 7, 8, 10, 11]
+
+    def request(identifier, offset=5):
+        image = MultiModalFeature("image", torch.zeros(3, 2, 2), offset, 4, identifier)
+        return make_request(prompt, block_size=4, mm_features=[image])
+
+    text, cat, dog = make_request(prompt, block_size=4), request("cat"), request("dog")
+    assert cat.block_hashes[0] == dog.block_hashes[0] == text.block_hashes[0]  # before it
+    assert (
+        cat.block_hashes[1] != dog.block_hashes[1] and cat.block_hashes[1] != text.block_hashes[1]
+    )
+    assert cat.block_hashes[2] != dog.block_hashes[2]  # and after: the chain carries it
+    assert request("cat").block_hashes == cat.block_hashes  # the same image: shared
+    # The same image one position later (other text before it) is another prefix.
+    assert request("cat", offset=4).block_hashes[1] != cat.block_hashes[1]
 
 
 def test_block_hasher_rejects_bad_block_size():

@@ -413,11 +413,24 @@ class LlamaForCausalLM(nn.Module):
         return {}
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
-        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states."""
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) ids -> (num_tokens, hidden): the embeddings the first layer reads
+        (Granite's times its ``embedding_multiplier``); a new tensor."""
         x = self.embed_tokens(input_ids)
         if self.arch.embedding_multiplier != 1.0:
             x = x * self.arch.embedding_multiplier
+        return x
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids, positions, meta: Any, kv_caches, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``inputs_embeds``
+        (num_tokens, hidden), when given, is read instead of ``embed_input_ids(input_ids)``
+        (a multimodal model's: image rows written in); it becomes the first layer's
+        residual stream, which the fused norms update in place: the forward may overwrite
+        it."""
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         ropes = {"global": self.rope, "local": self.rope_local, None: None}
         metas = layer_metadata(meta, len(self.layers))  # the hybrid KV cache's groups

@@ -24,6 +24,9 @@ What the runner and the loader need from a model class (``llama.py`` is the exam
   pass to ``forward``, e.g. a sliding window): the selector installs a backend with them;
 - optionally ``gguf_layout`` (``layers/quantization/gguf.py``'s ``GGUFLayout``): where
   its linear layers are in a llama.cpp GGUF, for ``--quantization gguf``.
+- optionally ``supports_images = True`` (``llava.py``): ``embed_images(pixel_values)``
+  -> each image's placeholder rows, ``embed_input_ids(input_ids)`` -> the token embeddings,
+  and ``forward(..., inputs_embeds=...)`` reading those rows in place of the embeddings.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ _PACKAGE = "vllm.model_executor.models"
 # checkpoints); the mixtures of experts add their experts to it (moe.py). The Gemma
 # family has its own (gemma.py: scaled embeddings, 1 + weight norms, sandwich norms, soft
 # caps, two rotations), and DeepSeek-V2/V3 theirs (deepseek_v2.py: latent attention
-# cached as one latent head, DeepSeek's routings).
+# cached as one latent head, DeepSeek's routings). LLaVA (llava.py) is the Llama language
+# model with a CLIP vision tower (clip.py) and a projector: it takes images.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -63,6 +67,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
         "QwenVLForConditionalGeneration",
     ),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "llama", "QwenVLForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("llava", "llava", "LlavaForConditionalGeneration"),
     "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),

@@ -41,14 +41,27 @@ def hash_block_tokens(
     return hashlib.sha256(pickle.dumps(payload, protocol=5)).digest()
 
 
-def _extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
+def _extra_keys(
+    request: Request, block_index: int, block_size: int
+) -> tuple[Any, ...] | None:
     # The cache salt (which isolates tenants) and the LoRA adapter's name (one adapter's
     # KV is never another's, nor the base model's) enter the first block only: the
-    # chaining carries them to every later block.
+    # chaining carries them to every later block. An image's identifier enters each
+    # block its placeholder tokens touch (the tokens alone are the same for every image).
+    keys: tuple[Any, ...] = ()
     lora = request.lora_request
     if block_index == 0 and (request.cache_salt is not None or lora is not None):
-        return (request.cache_salt, None if lora is None else lora.lora_name)
-    return None
+        keys = (request.cache_salt, None if lora is None else lora.lora_name)
+    if request.mm_features:
+        start = block_index * block_size
+        images = tuple(
+            (f.identifier, f.offset - start)
+            for f in request.mm_features
+            if f.offset < start + block_size and f.end > start
+        )
+        if images:
+            keys = (*keys, images)
+    return keys or None
 
 
 def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
@@ -65,7 +78,9 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
         new: list[BlockHash] = []
         for i in range(start, len(tokens) // block_size):
             parent = hash_block_tokens(
-                parent, tokens[i * block_size : (i + 1) * block_size], _extra_keys(request, i)
+                parent,
+                tokens[i * block_size : (i + 1) * block_size],
+                _extra_keys(request, i, block_size),
             )
             new.append(parent)
         return new

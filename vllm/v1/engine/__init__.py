@@ -45,12 +45,15 @@ import enum
 import operator
 import pickle
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from vllm.multimodal.inputs import MultiModalFeature
 
 
 class FinishReason(enum.IntEnum):
@@ -77,6 +80,8 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
     client_index: int = 0  # the front end it came from (--api-server-count), set by its client
+    # Its images (vllm.multimodal): pixel values and the prompt positions they fill.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass

@@ -208,6 +208,11 @@ class AsyncLLM:
         return self.tokenizer is not None
 
     @property
+    def image_placeholder(self) -> str | None:
+        """The text that stands for one image in a prompt; None: the model takes none."""
+        return self.processor.image_placeholder
+
+    @property
     def chat_template(self) -> str | None:
         """The chat template in use (--chat-template, else the tokenizer's)."""
         return getattr(self.tokenizer, "chat_template", None)
@@ -319,6 +324,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         pooling: bool = False,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> PreparedRequest:
         """``add_request``'s first half: every check, the tokenization and validation,
         nothing queued or held (a batch of prompts is prepared whole, so that one bad
@@ -342,10 +348,11 @@ class AsyncLLM:
             structured_outputs_checked=True,
             lora_request=lora_request,
             pooling=pooling,
+            multi_modal_data=multi_modal_data,
         )
-        if executor is None:
+        if executor is None and not multi_modal_data:
             _, core_reqs = process()
-        else:
+        else:  # a long prompt, or images (resized and normalised off the event loop)
             _, core_reqs = await asyncio.get_running_loop().run_in_executor(executor, process)
         return PreparedRequest(
             request_id,

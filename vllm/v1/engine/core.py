@@ -212,6 +212,7 @@ class EngineCore:
             cache_salt=request.cache_salt,
             lora_request=request.lora_request,
             block_hasher=self.block_hasher,
+            mm_features=request.mm_features,
         )
         if not self.grammars.hold(core_request):
             self.scheduler.add_request(core_request)

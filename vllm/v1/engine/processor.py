@@ -11,6 +11,7 @@ from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.peft import read_adapter_config
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.processing import ImageInputProcessor, images_of
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import NO_TOKENIZER
 from vllm.v1.engine import EngineCoreRequest
@@ -57,6 +58,15 @@ class Processor:
             vllm_config.model_config.logits_processors
         )
         self._checked_adapters: set[tuple[int, str]] = set()  # configs read and accepted
+        # A model that takes images: its processor (None: text only).
+        self.images = ImageInputProcessor.for_model(vllm_config.model_config, tokenizer)
+        self.speculative = vllm_config.speculative_config.enabled
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that stands for one image in a prompt (LLaVA's ``<image>``); None when
+        the model takes no images."""
+        return None if self.images is None else self.images.placeholder
 
     def set_kv_capacity(self, num_gpu_blocks: int) -> None:
         """The engine's KV pool: a request that cannot fit it is refused (a 400 naming the
@@ -209,6 +219,7 @@ class Processor:
         structured_outputs_checked: bool = False,
         lora_request: LoRARequest | None = None,
         pooling: bool = False,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> tuple[str, list[EngineCoreRequest]]:
         """Validate and fan out: ``(request_id, [EngineCoreRequest, ...])``.
 
@@ -236,7 +247,11 @@ class Processor:
         if params.structured_outputs is not None and not structured_outputs_checked:
             # A bad grammar is a 400 here, never an engine error or unconstrained output.
             self.structured_outputs.validate(params.structured_outputs)
+        images = images_of(multi_modal_data)
         ids = self.tokenize(prompt, add_special_tokens)
+        features = None
+        if images:
+            ids, features = self._expand_images(ids, images, params)
         ids = self._truncate(ids, params)
         self._check_length(ids, params)
         if params.bad_words:
@@ -276,9 +291,35 @@ class Processor:
                     priority,
                     cache_salt,
                     lora_request,
+                    mm_features=features,
                 )  # fmt: skip
             )
         return request_id, children
+
+    def _expand_images(
+        self, ids: list[int], images: list, params: SamplingParams
+    ) -> tuple[list[int], list]:
+        """The prompt with each image's placeholder expanded, and its images' features."""
+        if self.images is None:
+            raise VLLMValidationError("this model takes no images", "multi_modal_data")
+        if self.speculative:
+            raise VLLMValidationError(
+                "images are not served with speculative decoding (--speculative-config)",
+                "multi_modal_data",
+            )
+        if params.truncate_prompt_tokens is not None:
+            raise VLLMValidationError(
+                "truncate_prompt_tokens cannot be used with images (it could cut one)",
+                "truncate_prompt_tokens",
+            )
+        try:
+            return self.images.process(ids, images)
+        except VLLMValidationError:
+            raise
+        except Exception as e:  # the image processor's own failures on this image
+            raise VLLMValidationError(
+                f"the image could not be processed: {e}", "multi_modal_data"
+            ) from e
 
     def _check_needs_tokenizer(self, params: SamplingParams) -> None:
         """Without a tokenizer, the parameters that only work on text are refused (vLLM

@@ -20,6 +20,7 @@ from vllm.config import VllmConfig
 from vllm.lora.manager import LoRAAdapterError, LoRAManager
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
 from vllm.model_executor.models.registry import ModelRegistry
+from vllm.multimodal.inputs import MultiModalFeature, features_in
 from vllm.sampling_params import SamplingParams
 from vllm.utils.device import to_device, to_host
 from vllm.v1.attention.backends.abstract import (
@@ -105,6 +106,11 @@ class CachedRequestState:
     draft_ahead: list[int] = field(default_factory=list)
     draft_allowed: bool = False
     draft_probs: DraftDistribution | None = None
+    # Its images (vllm.multimodal), and the embeddings of those whose placeholders are
+    # still to be computed, by index (made by the first step that needs them; dropped
+    # after the step that computes an image's last position, or with the state).
+    mm_features: list[MultiModalFeature] | None = None
+    mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
     # The prompt inside token_ids, one view for the request's life (it caches the
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
@@ -826,6 +832,7 @@ class ModelRunner:
             bare_greedy=is_bare_greedy(p),
             bare=is_bare(p) or (tabled and unprocessed(p)),
             draft_allowed=drafts_allowed(p),
+            mm_features=new.mm_features,
         )
         if tabled:
             if self.penalty_table is None:
@@ -834,6 +841,38 @@ class ModelRunner:
                 state.prompt_view.unique_ids(), state.output_token_ids
             )
         return state
+
+    def _image_rows(
+        self, images: list[tuple[CachedRequestState, int, int, int]]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The step's rows that hold image placeholders, and their embeddings (None: no
+        image in the step). ``images``: (request, first position, positions, first row)
+        of each scheduled request that has images. The images a step reaches first go
+        through the vision encoder together; an image's embeddings are kept until the
+        step that computes its last position."""
+        if not images:
+            return None
+        spans = []  # (state, image index, its rows lo:hi, the step's row of lo)
+        for state, start, n, row in images:
+            for i, lo, hi in features_in(state.mm_features, start, start + n):
+                offset = state.mm_features[i].offset
+                spans.append((state, i, lo, hi, row + offset + lo - start))
+        if not spans:
+            return None
+        missing = [(state, i) for state, i, *_ in spans if i not in state.mm_embeds]
+        if missing:
+            pixels = torch.stack([state.mm_features[i].data for state, i in missing])
+            embedded = self.model.embed_images(pixels.to(self.device))
+            for (state, i), e in zip(missing, embedded, strict=True):
+                state.mm_embeds[i] = e
+        rows: list[int] = []
+        parts = []
+        for state, i, lo, hi, first_row in spans:
+            rows += range(first_row, first_row + hi - lo)
+            parts.append(state.mm_embeds[i][lo:hi])
+            if hi == state.mm_features[i].length:  # its last position: not needed again
+                del state.mm_embeds[i]
+        return rows, torch.cat(parts)
 
     def _resolve_deferred(self) -> None:
         """The deferred steps' tokens onto the host, in order (before a step that samples
@@ -948,6 +987,7 @@ class ModelRunner:
         spec_rows: list[int] = []  # speculative decoding: every row of a request's step
         spec_reqs: list[tuple[CachedRequestState, list[int]]] = []
         ahead: list[tuple[int, CachedRequestState]] = []  # (row, request): token on device
+        images: list[tuple[CachedRequestState, int, int, int]] = []  # (state, start, n, row)
         for req_id in order:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
@@ -970,6 +1010,8 @@ class ModelRunner:
                     ids.append(0)
                 seqs.append((start, n, state.table))
             positions += range(start, start + n)
+            if state.mm_features:
+                images.append((state, start, n, row_starts[req_id]))
             token_slots += [state.lora_slot] * n
             if not drafts and start + n >= len(state.token_ids):  # the end: sample a token
                 sample_idx.append(len(ids) - 1)
@@ -978,15 +1020,26 @@ class ModelRunner:
         patch = self._tokens_ahead(ahead)
         if self.lora is not None:
             self.lora.set_token_slots(token_slots, self.device)
-        if self.decode_graphs is not None:  # a decode-only step of a captured size
+        image_rows = self._image_rows(images)
+        if self.decode_graphs is not None and image_rows is None:  # a captured decode step
             hidden = self.decode_graphs.run(ids, positions, seqs, token_slots, patch)
         if hidden is None:
             meta = self.metadata_builder.build_metadata(seqs)
             input_ids = to_device(ids, torch.long, self.device)
             if patch is not None:
                 input_ids.index_copy_(0, *patch)
+            extra = {}
+            if image_rows is not None:  # the images' embeddings in their placeholders' rows
+                embeds = self.model.embed_input_ids(input_ids)
+                rows, values = image_rows
+                embeds.index_copy_(0, to_device(rows, torch.long, self.device), values)
+                extra["inputs_embeds"] = embeds
             hidden = self.model(
-                input_ids, to_device(positions, torch.long, self.device), meta, self.kv_caches
+                input_ids,
+                to_device(positions, torch.long, self.device),
+                meta,
+                self.kv_caches,
+                **extra,
             )
         output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
         if self.model_config.is_pooling:  # embeddings: the prompt's last row, no token

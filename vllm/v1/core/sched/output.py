@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm.multimodal.inputs import MultiModalFeature
 
 
 @dataclass
@@ -26,6 +30,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
+    mm_features: list[MultiModalFeature] | None = None  # its images, by prompt position
 
 
 @dataclass
