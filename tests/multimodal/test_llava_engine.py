@@ -124,7 +124,11 @@ def test_bad_image_inputs_are_refused_and_the_engine_serves_on(llava, tmp_path):
     llm = LLM(model=str(llava[0]), max_model_len=64, limit_mm_per_prompt={"image": 2})
     try:
         cases = [
-            ({"image": [image(0), image(1)]}, PROMPT, "2 images need 2 image placeholder tokens .* it holds 1"),
+            (
+                {"image": [image(0), image(1)]},
+                PROMPT,
+                "2 images need 2 image placeholder tokens .* it holds 1",
+            ),
             ({"image": [image(0)] * 3}, [IMAGE] * 3, "at most 2 images"),
             ({"image": "cat.png"}, PROMPT, r"multi_modal_data\['image'\]\[0\] must be a PIL"),
             ({"video": [image(0)]}, PROMPT, "modality 'video' is not supported"),

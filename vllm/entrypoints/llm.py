@@ -311,7 +311,7 @@ class LLM:
         ):
             ids = self.processor.tokenize(prompt, special)
             if isinstance(params, SamplingParams):
-                params = self._offline_params(params, len(ids) + self._image_rows(mm))
+                params = self._offline_params(params, len(ids))
             request_id = str(self._request_counter)
             self._request_counter += 1
             _, core_reqs = self.processor.process(
@@ -321,14 +321,6 @@ class LLM:
             batch.append((request_id, text, core_reqs))
         self._add_to_engine(batch)
         return self._run_engine([request_id for request_id, _, _ in batch], use_tqdm)
-
-    def _image_rows(self, multi_modal_data: dict | None) -> int:
-        """The tokens a prompt's images add when their placeholders are expanded."""
-        images = multi_modal_data.get("image") if isinstance(multi_modal_data, dict) else None
-        if self.processor.images is None or images is None:
-            return 0  # (process() refuses what is not images, and images to a text model)
-        count = len(images) if isinstance(images, list | tuple) else 1
-        return count * (self.processor.images.tokens_per_image - 1)
 
     def _offline_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         params = params.clone()

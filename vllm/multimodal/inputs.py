@@ -11,22 +11,35 @@ import torch
 class MultiModalFeature:
     """One image of a prompt: its encoder input and the placeholder tokens it fills.
 
-    The prompt holds ``length`` placeholder tokens from ``offset`` on; at those positions
-    the model reads the image's embeddings (its vision encoder's output on ``data``)
-    instead of the placeholder token's. ``identifier`` names the image's content (a hash
-    of ``data``): it joins the prefix cache's hash of every block the placeholders
-    touch, so two prompts share those blocks only when their images are equal.
+    The prompt holds the image's ``length`` tokens from ``offset`` on; at those positions
+    (those ``is_embed`` marks, when it is given: a model may put text tokens between an
+    image's tiles, vLLM's ``PlaceholderRange.is_embed``) the model reads the image's
+    embeddings, its vision encoder's output on ``data`` in order, instead of the token's
+    own. ``data`` holds the image's tiles (one for a model that takes the image whole);
+    the encoder makes the same number of rows of each. ``identifier`` names the image's
+    content (a hash of ``data``): it joins the prefix cache's hash of every block the
+    image touches, so two prompts share those blocks only when their images are equal.
     """
 
     modality: str  # "image"
-    data: torch.Tensor  # the encoder's input: pixel values (3, H, W), fp32, on the host
+    data: torch.Tensor  # the encoder's input: (tiles, 3, H, W) pixel values, on the host
     offset: int
     length: int
     identifier: str
+    is_embed: list[bool] | None = None  # per position: an embedding's (None: all are)
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    def embedding_rows(self, lo: int, hi: int) -> tuple[list[int], int, int]:
+        """For the image's positions ``[lo, hi)``: (those of them that take an embedding,
+        relative to ``lo``; the first and one past the last embedding row they take)."""
+        if self.is_embed is None:
+            return list(range(hi - lo)), lo, hi
+        first = sum(self.is_embed[:lo])
+        taken = [p - lo for p in range(lo, hi) if self.is_embed[p]]
+        return taken, first, first + len(taken)
 
 
 def features_in(

@@ -11,6 +11,7 @@ the model computes and what the KV cache holds.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 from typing import Any
 
@@ -46,30 +47,45 @@ def image_model_class(model_config) -> type | None:
 
 class ImageInputProcessor:
     """A model's image inputs: ``process(prompt_ids, images)`` -> (the prompt with its
-    placeholders expanded, one ``MultiModalFeature`` per image)."""
+    placeholders expanded, one ``MultiModalFeature`` per image).
 
-    def __init__(self, model_config, tokenizer) -> None:
+    Two prompt layouts, as the model class says (``tiled_images``):
+
+    - whole (LLaVA): an image is one tile, its placeholder ``tokens_per_image`` image
+      tokens;
+    - tiled (Idefics3, SmolVLM): the image processor cuts an image into R x C tiles and
+      adds the whole image as a last tile; the placeholder becomes transformers'
+      prompt string for them, each tile's ``<fake_token_around_image><row_r_col_c>`` then
+      its image tokens, a newline after each row, and the global tile between
+      ``<fake_token_around_image><global-img>`` and ``<fake_token_around_image>``;
+      only the image tokens take embeddings (``is_embed``).
+    """
+
+    def __init__(self, model_config, tokenizer, model_cls: type) -> None:
         from vllm.model_executor.model_loader import hf_config_of, resolve_model
-        from vllm.model_executor.models.llava import image_token_layout
 
         self.path = resolve_model(
             model_config.model, model_config.revision, model_config.download_dir,
             model_config.hf_token,
         )  # fmt: skip
-        self.image_token_id, self.tokens_per_image = image_token_layout(hf_config_of(model_config))
-        self.limit = (model_config.limit_mm_per_prompt or {}).get("image", DEFAULT_LIMIT_PER_PROMPT)
+        layout = importlib.import_module(model_cls.__module__).image_token_layout
+        self.image_token_id, self.tokens_per_tile = layout(hf_config_of(model_config))
+        self.tiled = getattr(model_cls, "tiled_images", False)
+        limits = model_config.limit_mm_per_prompt or {}
+        self.limit = limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
+        self.tokenizer = tokenizer
         # The text that stands for one image in a prompt (a chat template's placeholder).
         self.placeholder: str | None = None
         if tokenizer is not None:
             self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
         self._image_processor = None  # loaded by the first image
+        self._tile_prompts: dict[tuple[int, int], list[int]] = {}  # (R, C) -> its ids
 
     @classmethod
     def for_model(cls, model_config, tokenizer) -> ImageInputProcessor | None:
         """The processor of a model that takes images; None for a text-only model."""
-        if image_model_class(model_config) is None:
-            return None
-        return cls(model_config, tokenizer)
+        model_cls = image_model_class(model_config)
+        return None if model_cls is None else cls(model_config, tokenizer, model_cls)
 
     @property
     def image_processor(self):
@@ -78,9 +94,7 @@ class ImageInputProcessor:
 
             try:
                 # The PIL backend: the same pixels whether or not torchvision is installed.
-                self._image_processor = AutoImageProcessor.from_pretrained(
-                    self.path, backend="pil"
-                )
+                self._image_processor = AutoImageProcessor.from_pretrained(self.path, backend="pil")
             except (OSError, ValueError) as e:
                 raise VLLMValidationError(
                     f"the model folder {self.path} has no image processor config "
@@ -88,12 +102,6 @@ class ImageInputProcessor:
                     PARAM,
                 ) from e
         return self._image_processor
-
-    def pixel_values(self, images: list[Any]) -> torch.Tensor:
-        """``(len(images), 3, H, W)`` fp32: the images as the model's processor prepares
-        them."""
-        out = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        return out.float()
 
     def process(
         self, prompt_ids: list[int], images: list[Any]
@@ -111,18 +119,66 @@ class ImageInputProcessor:
                 f"the prompt, one where each image goes, in order; it holds {len(slots)}",
                 PARAM,
             )
-        pixels = self.pixel_values(images)
+        if self.tiled and self.tokenizer is None:
+            raise VLLMValidationError(
+                "this model's image prompts are built with its tokenizer, which "
+                "--skip-tokenizer-init leaves out",
+                PARAM,
+            )
         ids: list[int] = []
         features = []
         last = 0
-        n = self.tokens_per_image
-        for slot, data in zip(slots, pixels, strict=True):
+        for slot, image in zip(slots, images, strict=True):
             ids += prompt_ids[last:slot]
-            features.append(MultiModalFeature("image", data, len(ids), n, content_hash(data)))
-            ids += [self.image_token_id] * n
+            tiles, image_ids = self._tiled(image) if self.tiled else self._whole(image)
+            mask = [t == self.image_token_id for t in image_ids] if self.tiled else None
+            features.append(
+                MultiModalFeature(
+                    "image", tiles, len(ids), len(image_ids), content_hash(tiles), mask
+                )
+            )
+            ids += image_ids
             last = slot + 1
         ids += prompt_ids[last:]
         return ids, features
+
+    def _whole(self, image) -> tuple[torch.Tensor, list[int]]:
+        """(1, 3, H, W) pixels, and the image tokens that stand for it."""
+        pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        return pixels.float(), [self.image_token_id] * self.tokens_per_tile
+
+    def _tiled(self, image) -> tuple[torch.Tensor, list[int]]:
+        """(R * C + 1, 3, H, W) tiles, the whole image last (one tile when the processor
+        does not split it), and the prompt ids that stand for them."""
+        out = self.image_processor(images=[image], return_tensors="pt", return_row_col_info=True)
+        tiles = out["pixel_values"][0].float()  # one image: no padding tile
+        rows, cols = out["rows"][0][0], out["cols"][0][0]
+        key = (rows, cols)
+        if key not in self._tile_prompts:
+            self._tile_prompts[key] = self.tokenizer.encode(
+                self._tile_text(rows, cols), add_special_tokens=False
+            )
+        image_ids = self._tile_prompts[key]
+        found = sum(t == self.image_token_id for t in image_ids)
+        if found != tiles.shape[0] * self.tokens_per_tile:  # the tokenizer lacks a marker
+            raise VLLMValidationError(
+                f"the image's prompt holds {found} image tokens for {tiles.shape[0]} tiles "
+                f"of {self.tokens_per_tile}: the tokenizer does not keep the markers whole",
+                PARAM,
+            )
+        return tiles, image_ids
+
+    def _tile_text(self, rows: int, cols: int) -> str:
+        """transformers' prompt string for an image of ``rows`` x ``cols`` tiles."""
+        fake, image = "<fake_token_around_image>", self.placeholder * self.tokens_per_tile
+        whole = f"{fake}<global-img>{image}{fake}"
+        if rows == 0 and cols == 0:
+            return whole
+        text = ""
+        for r in range(1, rows + 1):
+            text += "".join(f"{fake}<row_{r}_col_{c}>{image}" for c in range(1, cols + 1))
+            text += "\n"
+        return f"{text}\n{whole}"
 
 
 def content_hash(data: torch.Tensor) -> str:

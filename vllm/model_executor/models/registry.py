@@ -44,7 +44,9 @@ _PACKAGE = "vllm.model_executor.models"
 # family has its own (gemma.py: scaled embeddings, 1 + weight norms, sandwich norms, soft
 # caps, two rotations), and DeepSeek-V2/V3 theirs (deepseek_v2.py: latent attention
 # cached as one latent head, DeepSeek's routings). LLaVA (llava.py) is the Llama language
-# model with a CLIP vision tower (clip.py) and a projector: it takes images.
+# model with a CLIP vision tower (clip.py) and a projector: it takes images. Idefics3 and
+# SmolVLM (idefics3.py) are the Llama language model with a SigLIP-style encoder of image
+# tiles (idefics3_vision.py) and a pixel-shuffle connector.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -68,6 +70,12 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     ),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "llama", "QwenVLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("llava", "llava", "LlavaForConditionalGeneration"),
+    "Idefics3ForConditionalGeneration": (
+        "idefics3",
+        "idefics3",
+        "Idefics3ForConditionalGeneration",
+    ),
+    "SmolVLMForConditionalGeneration": ("smolvlm", "idefics3", "Idefics3ForConditionalGeneration"),
     "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),

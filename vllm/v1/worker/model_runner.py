@@ -845,33 +845,37 @@ class ModelRunner:
     def _image_rows(
         self, images: list[tuple[CachedRequestState, int, int, int]]
     ) -> tuple[list[int], torch.Tensor] | None:
-        """The step's rows that hold image placeholders, and their embeddings (None: no
+        """The step's rows that take image embeddings, and those embeddings (None: no
         image in the step). ``images``: (request, first position, positions, first row)
-        of each scheduled request that has images. The images a step reaches first go
-        through the vision encoder together; an image's embeddings are kept until the
-        step that computes its last position."""
+        of each scheduled request that has images. The tiles of the images a step reaches
+        first go through the vision encoder together; an image's embeddings are kept
+        until the step that computes its last position."""
         if not images:
             return None
-        spans = []  # (state, image index, its rows lo:hi, the step's row of lo)
+        spans = []  # (state, image index, its positions lo:hi, the step's row of lo)
         for state, start, n, row in images:
             for i, lo, hi in features_in(state.mm_features, start, start + n):
                 offset = state.mm_features[i].offset
                 spans.append((state, i, lo, hi, row + offset + lo - start))
-        if not spans:
-            return None
         missing = [(state, i) for state, i, *_ in spans if i not in state.mm_embeds]
         if missing:
-            pixels = torch.stack([state.mm_features[i].data for state, i in missing])
-            embedded = self.model.embed_images(pixels.to(self.device))
-            for (state, i), e in zip(missing, embedded, strict=True):
-                state.mm_embeds[i] = e
+            tiles = [state.mm_features[i].data for state, i in missing]
+            embedded = self.model.embed_images(torch.cat(tiles).to(self.device))
+            for (state, i), part in zip(
+                missing, embedded.split([t.shape[0] for t in tiles]), strict=True
+            ):
+                state.mm_embeds[i] = part.flatten(0, 1)  # (tiles * rows per tile, hidden)
         rows: list[int] = []
         parts = []
         for state, i, lo, hi, first_row in spans:
-            rows += range(first_row, first_row + hi - lo)
-            parts.append(state.mm_embeds[i][lo:hi])
-            if hi == state.mm_features[i].length:  # its last position: not needed again
+            feature = state.mm_features[i]
+            taken, first, last = feature.embedding_rows(lo, hi)
+            rows += [first_row + r for r in taken]
+            parts.append(state.mm_embeds[i][first:last])
+            if hi == feature.length:  # its last position: not needed again
                 del state.mm_embeds[i]
+        if not rows:  # only an image's text tokens (between its tiles) in this step
+            return None
         return rows, torch.cat(parts)
 
     def _resolve_deferred(self) -> None:

@@ -1,0 +1,101 @@
+"""Tiled images through the engine on a tiny random SmolVLM / Idefics3: the image processor
+cuts an image into tiles plus the whole image, and the prompt holds each tile's markers
+(``<fake_token_around_image><row_r_col_c>``) around its image tokens. The engine builds
+the same prompt as transformers' ``Idefics3Processor`` and gives ``generate``'s greedy
+tokens, whole and with the tiles cut across prefill chunks (rows of markers between
+embeddings), and again from the prefix cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from tests.model_executor.test_idefics3 import image_processor, make_hf, save
+from tests.utils import copy_benchmark_tokenizer
+from vllm import LLM, SamplingParams
+
+MARKERS = ["<fake_token_around_image>", "<global-img>", "<image>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+PROMPT = "Look at <image> and say"
+
+
+@pytest.fixture(scope="module", params=["smolvlm", "idefics3"])
+def model(request, tmp_path_factory):
+    """(folder, transformers model, its processor): SmolLM2's tokenizer with the markers
+    added, the image token among them; the connector scaled up so that the image decides
+    the greedy tokens."""
+    kind = request.param
+    path = tmp_path_factory.mktemp(kind)
+    copy_benchmark_tokenizer(path, chat_template=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
+    tokenizer.save_pretrained(path)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    hf = make_hf(kind, text={"vocab_size": len(tokenizer)}, image_token_id=image_id)
+    with torch.no_grad():
+        hf.model.connector.modality_projection.proj.weight.mul_(20)
+    save(hf, kind, path)
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor(kind), tokenizer=tokenizer, image_seq_len=4
+    )
+    return path, hf, processor
+
+
+def image(seed: int, size=(50, 70)) -> Image.Image:
+    rng = np.random.RandomState(seed)
+    return Image.fromarray(rng.randint(0, 255, (*size, 3), dtype=np.uint8))
+
+
+def reference(model, img: Image.Image) -> tuple[list[int], list[int], list[float]]:
+    """(transformers' prompt ids for ``PROMPT`` with ``img``, its greedy tokens, their
+    logprobs: a tiny random model's distribution is nearly flat, so the logprobs, not the
+    tokens, show that the image was read, and read right)."""
+    _, hf, processor = model
+    enc = processor(text=PROMPT, images=[[img]], return_tensors="pt")
+    out = hf.generate(
+        **enc, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    ids = enc["input_ids"][0].tolist()
+    tokens = out.sequences[0, len(ids) :].tolist()
+    logprobs = [
+        torch.log_softmax(step[0].float(), -1)[t].item()
+        for step, t in zip(out.logits, tokens, strict=True)
+    ]
+    return ids, tokens, logprobs
+
+
+def greedy(outputs) -> tuple[list[int], list[float]]:
+    out = outputs[0].outputs[0]
+    return list(out.token_ids), [lp.logprob for lp in out.logprobs]
+
+
+@pytest.mark.parametrize("size", [(50, 70), (20, 60)])  # 2 x 2 and 1 x 2 tiles, + global
+def test_tiled_prompt_and_greedy_tokens_equal_transformers(model, size):
+    img, other_img = image(0, size), image(1, size)
+    ids, tokens, logprobs = reference(model, img)
+    _, other_tokens, other_logprobs = reference(model, other_img)
+    assert max(abs(a - b) for a, b in zip(logprobs, other_logprobs, strict=True)) > 1e-3
+    for chunk in (128, 5):  # 5: markers and image rows cut across chunks
+        llm = LLM(model=str(model[0]), max_model_len=128, max_num_batched_tokens=chunk,
+                  block_size=4, enable_prefix_caching=True)  # fmt: skip
+        try:
+            request = {"prompt": PROMPT, "multi_modal_data": {"image": img}}
+            first, again = llm.generate(request, GREEDY), llm.generate(request, GREEDY)
+            other = llm.generate({**request, "multi_modal_data": {"image": other_img}}, GREEDY)
+        finally:
+            llm.shutdown()
+        assert first[0].prompt_token_ids == ids
+        assert again[0].num_cached_tokens >= len(ids) - 4  # all its full blocks
+        for got, (want_tokens, want_logprobs) in (
+            (first, (tokens, logprobs)),
+            (again, (tokens, logprobs)),
+            (other, (other_tokens, other_logprobs)),
+        ):
+            got_tokens, got_logprobs = greedy(got)
+            assert got_tokens == want_tokens
+            np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)

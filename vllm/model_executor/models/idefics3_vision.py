@@ -1,0 +1,227 @@
+"""The vision encoder of Idefics3 and SmolVLM: a SigLIP ViT adapted to variable resolution
+(transformers' ``Idefics3VisionTransformer`` / ``SmolVLMVisionTransformer``), for full tiles.
+
+A tile ``(channels, image_size, image_size)`` is cut into non-overlapping ``patch_size``
+squares by a convolution (with a bias, unlike CLIP's); learned position embeddings are
+added (no CLS position), then the pre-norm encoder layers (full bidirectional attention,
+an MLP of ``hidden_act``) and ``post_layernorm``. Tensors are named as transformers names
+the module (``embeddings.``, ``encoder.layers.``, ``post_layernorm.``).
+
+Positions: transformers maps each patch of a tile's *valid* area (``patch_attention_mask``)
+to a bucket of the trained ``num_patches_per_side`` grid by fractional coordinates
+(``bucketize`` of ``i / rows`` over the boundaries ``arange(1/n, 1, 1/n)`` in fp32). Only
+tiles whose every patch is valid are taken here (the image processor's tiles of one image
+are never padded); their buckets are computed the same way, so the float rounding that
+makes transformers give two neighbouring patches one position for some grids (19, 25,
+29, 31 patches a side...) is reproduced.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.model_executor.models.clip import ACTIVATIONS as CLIP_ACTIVATIONS
+
+# HF's activation names: "gelu_pytorch_tanh" (the checkpoints') is torch's tanh approximation.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    **CLIP_ACTIVATIONS,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+MODEL_TYPES = ("idefics3_vision", "smolvlm_vision")
+
+
+def activation(name: str, field: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function of HF activation ``name``; ``ValueError`` naming the config ``field``
+    that gave it when it is not supported."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{field} {name!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+@dataclass(frozen=True)
+class Idefics3VisionArch:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_layers: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str
+
+    @classmethod
+    def from_hf(cls, config: Any) -> Idefics3VisionArch:
+        """The arch of an HF ``Idefics3VisionConfig`` or ``SmolVLMVisionConfig``."""
+        if config.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"vision_config model_type {config.model_type!r} is not one of {MODEL_TYPES}"
+            )
+        for field in ("image_size", "patch_size"):
+            if not isinstance(getattr(config, field), int):
+                raise ValueError(f"vision_config.{field} {getattr(config, field)!r}: one int")
+        if config.image_size % config.patch_size:
+            raise ValueError(
+                f"vision_config.image_size {config.image_size} is not a multiple of "
+                f"patch_size {config.patch_size}"
+            )
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(
+                f"vision_config.hidden_size {config.hidden_size} is not a multiple of "
+                f"num_attention_heads {config.num_attention_heads}"
+            )
+        activation(config.hidden_act, "vision_config.hidden_act")
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=config.num_attention_heads,
+            num_layers=config.num_hidden_layers,
+            image_size=config.image_size,
+            patch_size=config.patch_size,
+            num_channels=config.num_channels,
+            layer_norm_eps=config.layer_norm_eps,
+            hidden_act=config.hidden_act,
+        )
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+@functools.cache
+def full_tile_position_ids(rows: int, cols: int, per_side: int) -> torch.Tensor:
+    """(rows * cols,) position ids on the CPU, row-major, of a tile of ``rows`` x ``cols``
+    valid patches, by transformers' fractional bucketing into a ``per_side`` x ``per_side``
+    grid (module docstring): ``arange`` but where fp32 rounding repeats a bucket. Cached:
+    do not modify the result."""
+    cpu = torch.device("cpu")  # even under the loader's meta-device context
+    boundaries = torch.arange(1 / per_side, 1.0, 1 / per_side, dtype=torch.float32, device=cpu)
+
+    def buckets(n: int) -> torch.Tensor:
+        coords = torch.arange(n, dtype=torch.float32, device=cpu)
+        coords = coords * (1.0 / torch.tensor(float(n), dtype=torch.float32, device=cpu))
+        return torch.bucketize(coords.clamp(max=1.0 - 1e-6), boundaries, right=True)
+
+    return (buckets(rows)[:, None] * per_side + buckets(cols)[None, :]).flatten()
+
+
+class Idefics3VisionEmbeddings(nn.Module):
+    def __init__(self, a: Idefics3VisionArch) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(
+            a.num_channels, a.hidden_size, a.patch_size, stride=a.patch_size
+        )
+        self.position_embedding = nn.Embedding(a.patches_per_side**2, a.hidden_size)
+        self.per_side = a.patches_per_side
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(num_tiles, channels, size, size) -> (num_tiles, num_patches, hidden)."""
+        patches = self.patch_embedding(pixel_values)  # (n, hidden, grid, grid)
+        patches = patches.flatten(2).transpose(1, 2)  # (n, num_patches, hidden), row-major
+        n = self.per_side
+        ids = full_tile_position_ids(n, n, n).to(patches.device)
+        return patches + self.position_embedding(ids)
+
+
+class Idefics3VisionAttention(nn.Module):
+    """Multi-head self-attention over all positions, q/k/v fused into one projection."""
+
+    def __init__(self, a: Idefics3VisionArch) -> None:
+        super().__init__()
+        self.num_heads = a.num_heads
+        self.qkv_proj = nn.Linear(a.hidden_size, 3 * a.hidden_size)
+        self.out_proj = nn.Linear(a.hidden_size, a.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, seq, hidden = x.shape
+        qkv = self.qkv_proj(x).view(n, seq, 3, self.num_heads, hidden // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (n, heads, seq, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v)  # scale 1 / sqrt(head_dim), as SigLIP's
+        return self.out_proj(out.transpose(1, 2).reshape(n, seq, hidden))
+
+
+class Idefics3VisionMLP(nn.Module):
+    def __init__(self, a: Idefics3VisionArch) -> None:
+        super().__init__()
+        self.act = activation(a.hidden_act, "vision_config.hidden_act")
+        self.fc1 = nn.Linear(a.hidden_size, a.intermediate_size)
+        self.fc2 = nn.Linear(a.intermediate_size, a.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Idefics3EncoderLayer(nn.Module):
+    def __init__(self, a: Idefics3VisionArch) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
+        self.self_attn = Idefics3VisionAttention(a)
+        self.layer_norm2 = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
+        self.mlp = Idefics3VisionMLP(a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(num_tiles, seq, hidden) -> the same: pre-norm attention, then MLP, each added
+        to the residual stream."""
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class Idefics3Encoder(nn.Module):
+    def __init__(self, a: Idefics3VisionArch) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Idefics3EncoderLayer(a) for _ in range(a.num_layers))
+
+
+class Idefics3VisionModel(nn.Module):
+    """The whole encoder and ``post_layernorm``, on full tiles only (module docstring);
+    submodules named as HF's, q/k/v fused (``load_weights`` fuses them)."""
+
+    def __init__(self, arch: Idefics3VisionArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embeddings = Idefics3VisionEmbeddings(arch)
+        self.encoder = Idefics3Encoder(arch)
+        self.post_layernorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(num_tiles, channels, image_size, image_size) pixels of full tiles (no padded
+        patch: transformers' ``pixel_attention_mask`` all true), in any float dtype ->
+        (num_tiles, num_patches, hidden) in the weights' dtype, row-major patches.
+        ``ValueError`` for another shape (a padded or smaller tile among them)."""
+        a = self.arch
+        if pixel_values.dim() != 4 or pixel_values.shape[1:] != (
+            a.num_channels, a.image_size, a.image_size
+        ):  # fmt: skip
+            raise ValueError(
+                f"pixel_values of shape {tuple(pixel_values.shape)}: expected full tiles, "
+                f"(num_tiles, {a.num_channels}, {a.image_size}, {a.image_size})"
+            )
+        weight = self.embeddings.patch_embedding.weight
+        x = self.embeddings(pixel_values.to(weight.device, weight.dtype))
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Fill every parameter from HF vision transformer tensors named without the
+        model's ``vision_model.`` prefix (copied in, cast to the weights' dtype, shapes
+        checked). ``ValueError`` naming the tensors missing."""
+        sd = dict(sd)
+        for i in range(self.arch.num_layers):
+            p = f"encoder.layers.{i}.self_attn."
+            for kind in ("weight", "bias"):
+                parts = [sd.pop(f"{p}{n}_proj.{kind}", None) for n in "qkv"]
+                if all(t is not None for t in parts):
+                    sd[f"{p}qkv_proj.{kind}"] = torch.cat(parts)
+        names = self.state_dict().keys()
+        missing = sorted(names - sd.keys())
+        if missing:
+            raise ValueError(f"the checkpoint lacks vision model tensors {missing}")
+        self.load_state_dict({k: sd[k] for k in names})
