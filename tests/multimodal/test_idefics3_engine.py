@@ -26,11 +26,13 @@ PROMPT = "Look at <image> and say"
 
 @pytest.fixture(scope="module", params=["smolvlm", "idefics3"])
 def model(request, tmp_path_factory):
+    return build_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def build_model(kind: str, path):
     """(folder, transformers model, its processor): SmolLM2's tokenizer with the markers
-    added, the image token among them; the connector scaled up so that the image decides
-    the greedy tokens."""
-    kind = request.param
-    path = tmp_path_factory.mktemp(kind)
+    added, the image token among them; the connector scaled up so that the image moves
+    the logprobs."""
     copy_benchmark_tokenizer(path, chat_template=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})

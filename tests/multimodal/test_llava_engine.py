@@ -24,9 +24,12 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+def build_llava(path):
     """(folder, transformers model): the tiny LLaVA with SmolLM2's vocabulary, its
     projector scaled up so that the image decides the greedy tokens."""
-    path = tmp_path_factory.mktemp("tiny-llava")
     hf = make_hf(text={"vocab_size": 49152}, image_token_index=IMAGE)
     with torch.no_grad():
         hf.model.multi_modal_projector.linear_2.weight.mul_(20)

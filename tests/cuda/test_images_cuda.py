@@ -1,0 +1,60 @@
+"""Images on CUDA: the tiny LLaVA and SmolVLM of tests/multimodal served on the GPU. In fp32
+(TORCH_SDPA: FlashAttention takes no fp32) the greedy tokens and their logprobs equal
+transformers' on the CPU, chunked prefill cutting the images; in bf16 (FlashAttention,
+decode steps from CUDA graphs) the logprobs stay within bf16's rounding of those.
+
+Run with ``pytest -m cuda tests`` on a CUDA machine; skipped without one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.multimodal import test_idefics3_engine as tiled
+from tests.multimodal import test_llava_engine as whole
+from vllm import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def served(path, dtype: str, request: dict) -> tuple[list[int], list[float]]:
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=128, max_num_batched_tokens=5,
+              block_size=16, enable_prefix_caching=True)  # fmt: skip
+    try:
+        out = llm.generate(request, GREEDY)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    return list(out.token_ids), [lp.logprob for lp in out.logprobs]
+
+
+def check(path, request: dict, tokens: list[int], logprobs: list[float]) -> None:
+    got_tokens, got = served(path, "float32", request)
+    assert got_tokens == tokens
+    np.testing.assert_allclose(got, logprobs, atol=1e-4, rtol=0)
+    _, got_bf16 = served(path, "bfloat16", request)
+    np.testing.assert_allclose(got_bf16[:1], logprobs[:1], atol=5e-2, rtol=0)
+
+
+def test_llava_on_cuda(tmp_path_factory):
+    path, hf = whole.build_llava(tmp_path_factory.mktemp("llava"))
+    img = whole.image(0)
+    request = {"prompt_token_ids": whole.PROMPT, "multi_modal_data": {"image": img}}
+    expected = whole.hf_greedy((path, hf), whole.PROMPT, [img])
+    tokens, logprobs = served(path, "float32", request)
+    assert tokens == expected
+    _, bf16 = served(path, "bfloat16", request)
+    np.testing.assert_allclose(bf16[:1], logprobs[:1], atol=5e-2, rtol=0)
+
+
+def test_smolvlm_on_cuda(tmp_path_factory):
+    model = tiled.build_model("smolvlm", tmp_path_factory.mktemp("smolvlm"))
+    img = tiled.image(0)
+    _, tokens, logprobs = tiled.reference(model, img)
+    check(model[0], {"prompt": tiled.PROMPT, "multi_modal_data": {"image": img}}, tokens, logprobs)
