@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     VLLM_GC_DEBUG: str | None
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: bool
     VLLM_LOGGING_LEVEL: str
+    VLLM_IMAGE_FETCH_TIMEOUT: float
     GOMP_SPINCOUNT: str | None
     OMP_WAIT_POLICY: str | None
     RUN_OUTPUT_DIR: str | None
@@ -52,6 +53,23 @@ def _choice(name: str, choices: tuple[str, ...]) -> Callable[[], str]:
         value = (os.getenv(name) or "").strip().lower() or choices[0]
         if value not in choices:
             raise ValueError(f"{name}={os.getenv(name)!r}: expected one of {', '.join(choices)}")
+        return value
+
+    return read
+
+
+def _positive_seconds(name: str, default: float) -> Callable[[], float]:
+    """A positive finite number of seconds (unset or empty: ``default``); anything else
+    raises a ValueError naming the variable."""
+
+    def read() -> float:
+        text = (os.getenv(name) or "").strip()
+        try:
+            value = float(text) if text else default
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{name}={os.getenv(name)!r}: expected a positive number of seconds")
         return value
 
     return read
@@ -138,6 +156,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": lambda: (
         os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
     ),
+    # vLLM's variable: seconds the server may take to fetch an image an http(s) URL of a
+    # chat request names (vllm/multimodal/media.py); a slower fetch is a 400. Default 5.
+    "VLLM_IMAGE_FETCH_TIMEOUT": _positive_seconds("VLLM_IMAGE_FETCH_TIMEOUT", 5.0),
     # "0": serve on asyncio's event loop instead of uvloop. Default: uvloop if installed.
     "VLLM_USE_UVLOOP": lambda: os.getenv("VLLM_USE_UVLOOP", "1") != "0",
     # libgomp's spin count / wait policy: when the user sets either, the engine process

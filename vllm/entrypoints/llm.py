@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs, UsageContext
-from vllm.entrypoints.openai.protocol import parse_messages
+from vllm.entrypoints.openai.protocol import NO_IMAGES, validate_messages
 from vllm.entrypoints.score_utils import check_pairing, pair_scores
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
@@ -18,6 +18,7 @@ from vllm.model_executor.model_loader import (
     get_model_config,
     model_max_len,
 )
+from vllm.multimodal.media import template_reads_parts
 from vllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -195,16 +196,30 @@ class LLM:
         conversations = [messages] if single else messages
         items = []
         for conversation in conversations:
+            messages = validate_messages(conversation)
+            urls = [url for m in messages for url in m.image_urls]
+            # As the server: a template that reads a message's parts gets them typed
+            # (it writes the images' placeholders); any other, text with placeholders.
+            template = chat_template or getattr(self.processor.tokenizer, "chat_template", None)
+            typed = bool(urls) and isinstance(template, str) and template_reads_parts(template)
+            placeholder = self.processor.image_placeholder
+            if urls and placeholder is None:
+                raise VLLMValidationError(NO_IMAGES, "messages")
             text = self.processor.apply_chat_template(
-                parse_messages(conversation),
+                [m.for_template(placeholder, typed) for m in messages],
                 chat_template,
                 add_generation_prompt,
                 tools,
                 chat_template_kwargs,
                 continue_final_message,
             )
+            mm = (
+                {"image": [_load_chat_image(i, url) for i, url in enumerate(urls)]}
+                if urls
+                else None
+            )
             # The template already wrote the special tokens (BOS etc.): add none.
-            items.append((text, text, False, None, None))
+            items.append((text, text, False, None, mm))
         return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
@@ -403,6 +418,19 @@ def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt!r}")
         prompt = prompt["prompt"]
     return prompt, prompt if isinstance(prompt, str) else None
+
+
+def _load_chat_image(i: int, url: str):
+    """Image ``i`` of a conversation (``load_image``: data and http(s) URLs; local files
+    only through the server's --allowed-local-media-path)."""
+    from vllm.multimodal.media import load_image
+
+    try:
+        return load_image(url)
+    except ValueError as e:
+        raise VLLMValidationError(
+            f"image {i} of the messages could not be loaded: {e}", "messages"
+        ) from e
 
 
 def _mm_data(prompt: Prompt) -> dict | None:

@@ -31,7 +31,25 @@ def get_tokenizer(
     if chat_template:
         path = Path(chat_template)
         tok.chat_template = path.read_text() if path.exists() else chat_template
+    elif not getattr(tok, "chat_template", None):
+        tok.chat_template = processor_chat_template(source)
     return tok
+
+
+def processor_chat_template(folder: str) -> str | None:
+    """The chat template a multimodal checkpoint keeps beside its processor rather than
+    its tokenizer (llava-hf's ``chat_template.json``: ``{"chat_template": ...}``), or
+    None."""
+    import json
+
+    path = Path(folder) / "chat_template.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) else None
 
 
 NO_TOKENIZER = "no tokenizer is loaded (skip_tokenizer_init=True / --skip-tokenizer-init)"

@@ -93,7 +93,7 @@ def test_cache_breakpoints_reach_the_chat_parts():
     "item",
     [
         {"role": "tool", "content": "x"},
-        {"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]},
+        {"role": "user", "content": [{"type": "input_file", "file_id": "f"}]},
         {"role": "user", "content": 3},
         {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB"},
         {"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]},

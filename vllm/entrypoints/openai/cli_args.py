@@ -185,6 +185,20 @@ class FrontendArgs:
         "Accept a request's own chat_template. Off: a request carrying one is refused (400), "
         "since a template is code the server runs for the client.",
     )
+    chat_template_content_format: Literal["auto", "string", "openai"] = config_field(
+        "auto",
+        "How chat templates get a message's content (vLLM's flag): string, as text (an "
+        "image part becomes the model's placeholder, e.g. '<image>', before the text); "
+        "openai, as typed parts ([{'type': 'text', 'text': ...}, {'type': 'image'}]) for "
+        "templates that write image placeholders themselves; auto, openai for a request "
+        "with images when the template loops over a message's content, else string.",
+    )
+    allowed_local_media_path: str | None = config_field(
+        None,
+        "A directory whose files chat requests may name as images (file:///... URLs in "
+        "image_url parts; vLLM's flag). Unset: every file:// URL is refused. Symbolic "
+        "links are followed first: the file they lead to must be inside too.",
+    )
     max_request_body_size: int = config_field(
         8 * MiB,
         "Largest request body accepted, in bytes (8MiB, 512KiB, ...); a larger one is a 413.",
@@ -313,6 +327,9 @@ class FrontendArgs:
                     f"default_chat_template_kwargs may not set {', '.join(reserved)}: they "
                     "are request fields of their own"
                 )
+        media = self.allowed_local_media_path
+        if media is not None and not os.path.isdir(media):
+            raise ValueError(f"allowed_local_media_path: no such directory: {media!r}")
         if self.lora_modules is not None:
             modules = [_parse_lora_module(m) if isinstance(m, str) else m
                        for m in self.lora_modules]  # fmt: skip

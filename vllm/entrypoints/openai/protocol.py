@@ -9,12 +9,14 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictStr,
     TypeAdapter,
@@ -217,34 +219,146 @@ class StreamOptions(BaseModel):
         return value
 
 
+@dataclass(frozen=True)
+class ImagePart:
+    """An image content part of a chat message: the URL its image is loaded from
+    (``data:``, ``http(s)://`` or ``file://``: ``vllm.multimodal.media.load_image``)."""
+
+    url: str
+
+
+_TEXT_PART = "{'type': 'text', 'text': <string>}"
+_IMAGE_PART = "{'type': 'image_url', 'image_url': {'url': <string>}}"
+# OpenAI's image ``detail`` values. vLLM validates them and then ignores them (it logs that
+# 'image_url.detail' is not supported): the model's own processor sizes every image. So
+# here: checked, then ignored.
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
+def _image_url(part: dict[str, Any], i: int) -> str:
+    """The URL of an image part, in any of the forms vLLM's chat parser takes:
+    ``{"type": "image_url", "image_url": {"url", "detail"?}}`` (OpenAI's), the same without
+    ``type`` and with ``image_url`` a string or that dict (vLLM's shorthand, "supported by
+    OpenAI API, although it is not documented"), and the Responses API's
+    ``{"type": "input_image", "image_url": <string>, "detail"?}``. ``type: image_url``
+    with a bare string is refused, as vLLM's parser refuses it."""
+    kind, value = part.get("type"), part.get("image_url")
+    if kind == "input_image":
+        if part.get("file_id") is not None:
+            raise ValueError(f"part {i}: file_id is not supported: send the image as image_url")
+        detail, url = part.get("detail"), value
+        expected = "image_url must be a URL string"
+    elif isinstance(value, dict) or kind == "image_url":
+        value = value if isinstance(value, dict) else {}
+        detail, url = value.get("detail"), value.get("url")
+        expected = "image_url must be {'url': <string>}"
+    else:  # no type: the shorthand's string
+        detail, url = None, value
+        expected = "image_url must be a URL string or {'url': <string>}"
+    if not isinstance(url, str) or not url:
+        given = part.get("image_url")
+        got = f"an object whose url is {_json_kind(url)}" if isinstance(given, dict) else None
+        raise ValueError(f"part {i}: {expected}, got {got or _json_kind(given)}")
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise ValueError(
+            f"part {i}: detail must be one of {', '.join(IMAGE_DETAILS)}, got {loggable(detail)}"
+        )
+    return url
+
+
+def _json_kind(value: Any) -> str:
+    """What ``value`` is, in JSON's words (never the value: a URL may be megabytes)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "an empty string" if not value else "a string"
+    names = {bool: "a boolean", int: "a number", float: "a number", dict: "an object"}
+    return names.get(type(value), "an array" if isinstance(value, list) else "a value")
+
+
+def _content_part(part: Any, i: int) -> str | ImagePart:
+    """Part ``i`` of a message's content: its text, or an ``ImagePart``."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"part {i}: text must be a string, got {part.get('text')!r}")
+        return part["text"]
+    if kind in ("image_url", "input_image") or (
+        isinstance(part, dict) and kind is None and "image_url" in part
+    ):
+        return ImagePart(_image_url(part, i))
+    got = f", got type {loggable(kind, 40)}" if kind is not None else ""
+    raise ValueError(f"part {i} must be {_TEXT_PART} or {_IMAGE_PART}{got}")
+
+
+def content_parts(content: list[Any]) -> list[str | ImagePart]:
+    """A message's content parts in order: texts as strings, images as ``ImagePart``;
+    a ``ValueError`` naming the first part that is neither."""
+    return [_content_part(part, i) for i, part in enumerate(content)]
+
+
 class ChatMessage(BaseModel):
     """One message; other keys (``name``, ``tool_calls``, ...) reach the chat template.
 
-    ``content`` may be a list of ``{"type": "text", "text": ...}`` parts, joined here:
-    the models served are text-only, so any other part type is refused, not dropped.
+    ``content`` may be a list of text and image parts (``_image_url`` lists the image
+    forms taken); any other part type is refused, not dropped. The text parts are joined
+    into ``content``; a message with images also keeps its parts in order, for
+    ``image_urls`` and ``for_template``.
     """
 
     model_config = ConfigDict(extra="allow")
 
     role: StrictStr
     content: StrictStr | None = None
+    # The content's parts in order (texts as str), when it holds an image; None: text only.
+    _parts: tuple[str | ImagePart, ...] | None = PrivateAttr(default=None)
 
     @field_validator("content", mode="before")
     @classmethod
     def _join_text_parts(cls, content: Any) -> Any:
         if not isinstance(content, list):
             return content  # str / None, or a wrong type that the field type reports
-        texts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError(f"part {i} must be {{'type': 'text', 'text': <string>}}")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"part {i}: text must be a string, got {part.get('text')!r}")
-            texts.append(part["text"])
-        return "".join(texts)
+        return "".join(p for p in content_parts(content) if isinstance(p, str))
 
-    def for_template(self) -> dict[str, Any]:
-        message = {**(self.model_extra or {}), "role": self.role, "content": self.content or ""}
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_image_parts(cls, data: Any, handler: Any) -> ChatMessage:
+        message = handler(data)  # the content is checked (and its text joined) here
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            parts = content_parts(content)
+            if any(isinstance(p, ImagePart) for p in parts):
+                message._parts = tuple(parts)
+        return message
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's images, in order (none for a text-only message)."""
+        return [p.url for p in self._parts or () if isinstance(p, ImagePart)]
+
+    def typed_parts(self) -> list[dict[str, str]]:
+        """The content as typed parts, in order: ``{"type": "text", "text"}`` for text,
+        ``{"type": "image"}`` for an image (what vLLM gives a template that reads parts:
+        its "openai" content format)."""
+        parts = self._parts if self._parts is not None else [self.content] if self.content else []
+        return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+                for p in parts]  # fmt: skip
+
+    def for_template(
+        self, image_placeholder: str | None = None, typed_parts: bool = False
+    ) -> dict[str, Any]:
+        """The message as a chat template reads it: its content as text (a message with
+        images gets ``image_placeholder``, the model's text for one image, for each;
+        ``VLLMValidationError`` naming ``messages`` when it is None: the model takes no
+        images), or with ``typed_parts`` as ``typed_parts()`` (the template writes the
+        images' placeholders itself)."""
+        if typed_parts:
+            content: str | list[dict[str, str]] = self.typed_parts()
+        else:
+            content = self.content or ""
+            if self._parts is not None:
+                content = image_prompt_text(content, len(self.image_urls), image_placeholder)
+        message = {**(self.model_extra or {}), "role": self.role, "content": content}
         # An assistant turn's reasoning, as a client sends it back (vLLM's ``reasoning``,
         # or its older ``reasoning_content``): templates read ``reasoning_content`` (Qwen3's
         # keeps the reasoning of the turns after the last user message), gpt-oss's
@@ -259,6 +373,30 @@ class ChatMessage(BaseModel):
         if self.role == "assistant" and isinstance(calls, list):
             message["tool_calls"] = [_call_for_template(c) for c in calls]
         return message
+
+
+NO_IMAGES = (
+    "messages hold image parts, but this model takes no images: send text only, or serve "
+    "a model that takes images"
+)
+
+
+def image_prompt_text(text: str, num_images: int, placeholder: str | None) -> str:
+    """A message's text with its images' placeholders, as vLLM writes it for a chat
+    template that takes text content (``_get_full_multimodal_text_prompt``): placeholders
+    the text already holds stand for images in their order; one more placeholder for each
+    image left goes before the text, each on its own line. More placeholders in the text
+    than images: ``VLLMValidationError`` naming ``messages``."""
+    if placeholder is None:
+        raise VLLMValidationError(NO_IMAGES, "messages")
+    missing = num_images - text.count(placeholder)
+    if missing < 0:
+        raise VLLMValidationError(
+            f"a message's text holds {text.count(placeholder)} image placeholders "
+            f"({placeholder!r}) for {num_images} images: at most one per image",
+            "messages",
+        )
+    return "\n".join([placeholder] * missing + ([text] if text else []))
 
 
 def _call_for_template(call: Any) -> Any:
@@ -289,9 +427,17 @@ def _call_for_template(call: Any) -> Any:
 _MESSAGES = TypeAdapter(list[ChatMessage])
 
 
-def parse_messages(messages: Any) -> list[dict[str, Any]]:
+def parse_messages(messages: Any, image_placeholder: str | None = None) -> list[dict[str, Any]]:
     """Validated messages as chat-template dicts (for callers outside a request model,
-    such as the offline ``LLM.chat``); ``VLLMValidationError`` naming ``messages``."""
+    such as the offline ``LLM.chat``); ``VLLMValidationError`` naming ``messages``.
+    ``image_placeholder``: the model's text for an image (None: messages with images
+    are refused); the images themselves are ``validate_messages``' ``image_urls``."""
+    return [m.for_template(image_placeholder) for m in validate_messages(messages)]
+
+
+def validate_messages(messages: Any) -> list[ChatMessage]:
+    """``messages`` validated as a chat request's are; ``VLLMValidationError`` naming
+    ``messages``."""
     try:
         parsed = _MESSAGES.validate_python(messages)
     except ValidationError as e:
@@ -300,7 +446,7 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         raise VLLMValidationError(f"messages.{where}: {first['msg']}", "messages") from e
     if not parsed:
         raise VLLMValidationError("messages must not be empty", "messages")
-    return [m.for_template() for m in parsed]
+    return parsed
 
 
 def check_count(data: Any, field: str, noun: str) -> None:
@@ -700,6 +846,11 @@ class ChatCompletionRequest(_SamplingFields):
                 "continue_final_message",
             )
         return self
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any message holds an image part."""
+        return any(m.image_urls for m in self.messages)
 
     def echoed_text(self, role: str = "assistant") -> str:
         """What ``echo`` puts before each choice's content: the last message's, when it

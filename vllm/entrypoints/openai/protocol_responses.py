@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from vllm.entrypoints.openai.protocol import (
+    IMAGE_DETAILS,
     MAX_LOGGED_FIELDS,
     _check_nesting,
     _is_off,
@@ -242,7 +243,7 @@ def _normalize_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         role = item.get("role")
         if role not in ROLES:
             raise VLLMValidationError(f"{where}.role must be one of {ROLES}", "input")
-        parts = _text_parts(item.get("content"), f"{where}.content")
+        parts = _text_parts(item.get("content"), f"{where}.content", images=role != "assistant")
         if role == "assistant":
             parts = [{**p, "type": "output_text", "annotations": []} for p in parts]
         return {
@@ -313,9 +314,11 @@ def _str_or(value: Any, default: str) -> str:
     return value if isinstance(value, str) and value else default
 
 
-def _text_parts(content: Any, where: str) -> list[dict[str, Any]]:
+def _text_parts(content: Any, where: str, images: bool = False) -> list[dict[str, Any]]:
     """Text content parts ``{"type": "input_text", "text"}`` (cache breakpoints kept); a
-    string is one part. Images, files and audio are refused: the models are text-only."""
+    string is one part. With ``images`` (a user, system or developer message), image parts
+    too: ``{"type": "input_image", "image_url", "detail"}``, loaded when the chat request
+    runs (a model that takes none refuses them there). Files and audio are refused."""
     if isinstance(content, str):
         return [{"type": "input_text", "text": content}]
     if not isinstance(content, list):
@@ -325,16 +328,41 @@ def _text_parts(content: Any, where: str) -> list[dict[str, Any]]:
         part = part if isinstance(part, dict) else {}
         kind = part.get("type")
         text = part.get("refusal") if kind == "refusal" else part.get("text")
-        if kind not in (*TEXT_PARTS, "refusal") or not isinstance(text, str):
+        if images and kind == "input_image":
+            new = _image_part(part, f"{where}[{i}]")
+        elif kind not in (*TEXT_PARTS, "refusal") or not isinstance(text, str):
+            wanted = "a text part (input_text, output_text)"
+            if images:
+                wanted += " or an image part (input_image)"
             raise VLLMValidationError(
-                f"{where}[{i}] must be a text part (input_text, output_text), got {loggable(kind)}",
-                "input",
+                f"{where}[{i}] must be {wanted}, got {loggable(kind)}", "input"
             )
-        new = {"type": "input_text", "text": text}
+        else:
+            new = {"type": "input_text", "text": text}
         if part.get("prompt_cache_breakpoint") is not None:
             new["prompt_cache_breakpoint"] = part["prompt_cache_breakpoint"]
         parts.append(new)
     return parts
+
+
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` part in its normalized form (OpenAI's: ``detail`` "auto" when
+    not given). Only ``image_url`` (an http(s) or base64 data URL) is taken: this server
+    stores no files for a ``file_id`` to name."""
+    if part.get("file_id") is not None:
+        raise VLLMValidationError(
+            f"{where}.file_id: uploaded files are not supported: send the image as image_url",
+            "input",
+        )
+    url, detail = part.get("image_url"), part.get("detail", "auto")
+    if not isinstance(url, str) or not url:
+        raise VLLMValidationError(f"{where}.image_url must be a URL string", "input")
+    if detail not in IMAGE_DETAILS:
+        raise VLLMValidationError(
+            f"{where}.detail must be one of {', '.join(IMAGE_DETAILS)}, got {loggable(detail)}",
+            "input",
+        )
+    return {"type": "input_image", "image_url": url, "detail": detail}
 
 
 def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -394,7 +422,13 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _chat_part(part: dict[str, Any]) -> dict[str, Any]:
-    chat = {"type": "text", "text": part["text"]}
+    if part["type"] == "input_image":
+        chat = {
+            "type": "image_url",
+            "image_url": {"url": part["image_url"], "detail": part["detail"]},
+        }
+    else:
+        chat = {"type": "text", "text": part["text"]}
     if "prompt_cache_breakpoint" in part:
         chat["prompt_cache_breakpoint"] = part["prompt_cache_breakpoint"]
     return chat

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from fastapi.responses import Response
 from pydantic import ValidationError
 
 from vllm.entrypoints.openai import beam_search as beams
 from vllm.entrypoints.openai.harmony_plan import plan_harmony, uses_harmony
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s
+from vllm.entrypoints.openai.protocol import NO_IMAGES, ChatCompletionRequest, now_s
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
@@ -24,12 +27,24 @@ from vllm.entrypoints.openai.tool_calling import (
     warn_if_template_ignores_tools,
 )
 from vllm.exceptions import VLLMValidationError
+from vllm.multimodal.media import load_image, template_reads_parts
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import RequestStream
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+# The engine's names for what a chat request's messages become: its prompt, its images.
+ENGINE_PROMPT_PARAMS = ("prompt", "multi_modal_data")
+# Threads that load requests' images (fetch, read, decode), apart from the tokenizer
+# thread: a slow image URL (up to VLLM_IMAGE_FETCH_TIMEOUT) then holds up no other
+# request's tokenization, and a request's images load side by side.
+MEDIA_THREADS = 4
 
 
 class OpenAIServingChat(OpenAIServing):
     tool_config = ToolCallingConfig()  # the server's tool flags (build_app sets them)
+    _media_executor: ThreadPoolExecutor | None = None
 
     @functools.cached_property
     def cache_block(self) -> int:
@@ -52,6 +67,8 @@ class OpenAIServingChat(OpenAIServing):
         return max(full - cached, 0)
 
     async def _prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> str:
+        """The prompt text: the chat template over the messages, their image parts as the
+        model's placeholder text (``_check_images``) or as typed parts (``_typed_parts``)."""
         if request.chat_template is not None and not self.args.trust_request_chat_template:
             raise VLLMValidationError(
                 "chat_template in a request is refused: the server was not started with "
@@ -61,10 +78,12 @@ class OpenAIServingChat(OpenAIServing):
         if plan.template_tools:
             template = request.chat_template or self.engine.chat_template
             warn_if_template_ignores_tools(template)
+        image_placeholder = self._check_images(request)
         engine = self.engine
+        typed = self._typed_parts(request)
 
         def render() -> str:
-            messages = [m.for_template() for m in request.messages]
+            messages = [m.for_template(image_placeholder, typed) for m in request.messages]
             return engine.apply_chat_template(
                 messages,
                 request.chat_template,
@@ -135,6 +154,66 @@ class OpenAIServingChat(OpenAIServing):
             await self._budget_thinking(params, plan, budget)
         return plan, prompt, params
 
+    def _typed_parts(self, request: ChatCompletionRequest) -> bool:
+        """Whether the template gets each message's content as typed parts (vLLM's "openai"
+        content format) rather than text: --chat-template-content-format, or with "auto"
+        for a request with images, whether the template reads a message's parts (as
+        llava-hf's do: a text content renders as nothing there). A text-only request
+        renders as it always has unless the flag says "openai"."""
+        chosen = self.args.chat_template_content_format
+        if chosen != "auto":
+            return chosen == "openai"
+        if not request.has_images:
+            return False
+        template = request.chat_template or self.engine.chat_template
+        return isinstance(template, str) and template_reads_parts(template)
+
+    def _check_images(self, request: ChatCompletionRequest) -> str | None:
+        """The model's image placeholder (LLaVA's ``<image>``) when ``request`` holds
+        images, None when it holds none. Checked before any image is loaded: the model
+        takes images, and at most --limit-mm-per-prompt of them (the engine checks again)."""
+        count = sum(len(m.image_urls) for m in request.messages)
+        if not count:
+            return None
+        placeholder = getattr(self.engine, "image_placeholder", None)
+        if placeholder is None:
+            raise VLLMValidationError(NO_IMAGES, "messages")
+        from vllm.multimodal.processing import DEFAULT_LIMIT_PER_PROMPT
+
+        model_config = getattr(getattr(self.engine, "config", None), "model_config", None)
+        limits = getattr(model_config, "limit_mm_per_prompt", None) or {}
+        limit = limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
+        if count > limit:
+            raise VLLMValidationError(
+                f"at most {limit} images a prompt (--limit-mm-per-prompt), got {count}",
+                "messages",
+            )
+        return placeholder
+
+    @classmethod
+    def media_executor(cls) -> ThreadPoolExecutor:
+        if cls._media_executor is None:
+            cls._media_executor = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="media")
+        return cls._media_executor
+
+    async def _load_images(self, request: ChatCompletionRequest) -> list[Image.Image]:
+        """The request's images, every message's in order, loaded off the event loop; a
+        URL that fails to load is a 400 naming ``messages``."""
+        urls = [url for m in request.messages for url in m.image_urls]
+        root = self.args.allowed_local_media_path
+
+        def load(i: int, url: str) -> Image.Image:
+            try:
+                return load_image(url, allowed_local_media_path=root)
+            except ValueError as e:
+                raise VLLMValidationError(
+                    f"image {i} of the messages could not be loaded: {e}", "messages"
+                ) from e
+
+        loop, pool = asyncio.get_running_loop(), self.media_executor()
+        loads = [loop.run_in_executor(pool, load, i, url) for i, url in enumerate(urls)]
+        return list(await asyncio.gather(*loads))
+
     async def _budget_thinking(self, params, plan: ToolPlan, budget: int) -> None:
         """``params`` end the reasoning after ``budget`` tokens: its end tag (or a tag that
         ends it, such as Qwen3's ``<tool_call>``) as token ids for the sampler."""
@@ -172,6 +251,9 @@ class OpenAIServingChat(OpenAIServing):
         /v1/responses, which converts its input into a chat request. A rejected request
         raises ``VLLMValidationError`` naming the chat field (the prompt is ``messages``)."""
         plan, prompt, params = await self._prepare(request)
+        # Loaded once every other check passed: a refused request fetches nothing.
+        images = await self._load_images(request) if request.has_images else []
+        extra = {"multi_modal_data": {"image": images}} if images else {}
         try:
             # The template wrote the special tokens (BOS etc.): by default the tokenizer
             # adds none (vLLM's add_special_tokens: true adds them too).
@@ -183,9 +265,10 @@ class OpenAIServingChat(OpenAIServing):
                 add_special_tokens=bool(request.add_special_tokens),
                 cache_salt=request.cache_salt,
                 lora_request=self.check_model(request),
+                **extra,
             )
         except VLLMValidationError as e:
-            if e.param == "prompt":  # this endpoint's prompt is its messages
+            if e.param in ENGINE_PROMPT_PARAMS:  # this endpoint's prompt is its messages
                 e.param = "messages"
             raise
         return plan, stream
@@ -194,7 +277,8 @@ class OpenAIServingChat(OpenAIServing):
         """POST /v1/chat/completions/render (vLLM's route): the prompt token ids the request
         would run with, nothing generated; checked as for generation. vllm-router's
         cache_aware asks every replica for them and routes a chat by its longest token
-        prefix (docs/router.md)."""
+        prefix (docs/router.md). Images are not loaded: each is its one placeholder token
+        here, which the engine expands to the image's tokens when it takes the request."""
         token_ids = await self.prompt_token_ids(request, bool(request.add_special_tokens))
         return {"model": self.response_model(request.model), "token_ids": token_ids}
 
@@ -207,7 +291,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             return await self.in_thread(self.engine.tokenize, prompt, add_special_tokens)
         except VLLMValidationError as e:
-            if e.param == "prompt":  # this endpoint's prompt is its messages
+            if e.param in ENGINE_PROMPT_PARAMS:  # this endpoint's prompt is its messages
                 e.param = "messages"
             raise
 
@@ -273,6 +357,11 @@ class OpenAIServingChat(OpenAIServing):
         reply is (tool calls, reasoning); a stream gets it all as one chunk, as vLLM."""
         beams.check_request(request, self.engine.processor.max_logprobs)
         plan, prompt, _ = await self._prepare(request)
+        if request.has_images:  # beams are searched on the prompt's token ids alone
+            raise VLLMValidationError(
+                "use_beam_search does not take images: send the request without it",
+                "use_beam_search",
+            )
         if plan.structured_outputs is not None:  # a required or named tool_choice
             raise VLLMValidationError(
                 "a guided reply does not go with use_beam_search", "tool_choice"
