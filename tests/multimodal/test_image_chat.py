@@ -4,7 +4,8 @@ data URL, as vLLM's docs send them) and ``LLM.chat`` give the greedy tokens of t
 engine on the prompt the chat template writes, with the image in its placeholder, for a
 template that takes text (the placeholder written before the text) and for one that
 reads typed parts (llava-hf's ``chat_template.json``, which writes the placeholders
-itself); a text-only model answers an image with a 400."""
+itself), and the Anthropic Messages API's image blocks likewise; a text-only model answers
+an image with a 400."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import base64
 import io
 import json
 
+import anthropic
 import openai
 import pytest
 
@@ -94,6 +96,18 @@ def test_llm_chat_and_the_server_answer_with_the_image(folder, tmp_path):
             )  # fmt: skip
             assert reply.choices[0].message.content == chat.outputs[0].text
             assert reply.usage.prompt_tokens == len(chat.prompt_token_ids)
+        # The Anthropic Messages API's image block (base64), through the same chat route.
+        png = data_url(image(0)).removeprefix("data:image/png;base64,")
+        answer = anthropic.Anthropic(base_url=server.base, api_key="x").messages.create(
+            model=str(path), max_tokens=6,
+            messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": png}},
+                {"type": "text", "text": QUESTION},
+            ]}],
+            extra_body={"temperature": 0, "ignore_eos": True},
+        )  # fmt: skip
+        assert answer.content[0].text == chats[0].outputs[0].text
         with pytest.raises(openai.BadRequestError, match="could not be loaded") as e:
             client.chat.completions.create(
                 model=str(path), max_tokens=2,

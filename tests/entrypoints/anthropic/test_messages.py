@@ -158,6 +158,40 @@ def test_inline_system_messages_are_kept_or_merged():
     ]
 
 
+def test_image_blocks_become_image_parts_in_their_order():
+    png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    conv = to_chat(
+        request(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": png},
+                        {"type": "text", "text": "this, and"},
+                        {"type": "image", "source": {"type": "url", "url": "https://x/y.jpg"}},
+                        {"type": "text", "text": " that?"},
+                    ],
+                }
+            ]
+        )
+    )
+    assert conv.messages == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                {"type": "text", "text": "this, and"},
+                {"type": "image_url", "image_url": {"url": "https://x/y.jpg"}},
+                {"type": "text", "text": " that?"},
+            ],
+        }
+    ]
+    with pytest.raises(VLLMValidationError, match="source must be") as e:
+        to_chat(request(messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]))  # fmt: skip
+    assert e.value.param == "messages"
+
+
 @pytest.mark.parametrize(
     "messages",
     [

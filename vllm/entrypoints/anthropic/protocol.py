@@ -311,6 +311,7 @@ def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
         conv.messages.append({"role": "system", "content": "".join(texts)})
         return
     texts: list[str] = []
+    images: list[tuple[int, str]] = []  # (texts before it, its URL): a user's image blocks
     thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
@@ -320,13 +321,14 @@ def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
         if kind not in allowed:
             raise VLLMValidationError(
                 f"{at}: a {role} message may hold {', '.join(allowed)} blocks; got "
-                f"{loggable(kind)}"
-                + (" (the models served are text-only)" if kind in ("image", "document") else ""),
+                f"{loggable(kind)}" + (" (documents are not read)" if kind == "document" else ""),
                 "messages",
             )
         conv.mark(block, at)
         if kind == "text":
             texts.append(_text_of(block, at, "messages"))
+        elif kind == "image":
+            images.append((len(texts), _image_url(block, at)))
         elif kind == "thinking":
             if not isinstance(block.get("thinking"), str):
                 raise VLLMValidationError(f"{at}.thinking must be a string", "messages")
@@ -342,7 +344,14 @@ def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
             conv.messages.append(_tool_message(block, at, conv))
         # redacted_thinking: opaque (Anthropic's encrypted reasoning): nothing to show
     if role == "user":
-        if texts or not content:
+        if images:  # typed parts, in the blocks' order (the chat route loads the images)
+            parts: list[dict[str, Any]] = []
+            for i, text in enumerate(texts + [None]):
+                parts += [_image_part(url) for before, url in images if before == i]
+                if text is not None:
+                    parts.append({"type": "text", "text": text})
+            conv.messages.append({"role": "user", "content": parts})
+        elif texts or not content:
             conv.messages.append({"role": "user", "content": "".join(texts)})
         return
     out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
@@ -356,9 +365,32 @@ def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
 
 
 _BLOCKS = {
-    "user": ("text", "tool_result"),
+    "user": ("text", "image", "tool_result"),
     "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
 }
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as a URL the chat route loads: ``base64`` (its
+    ``media_type`` and ``data`` as a data URL) or ``url``; Anthropic's ``file`` sources
+    (the Files API) are refused."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if isinstance(media, str) and media.startswith("image/") and isinstance(data, str):
+            return f"data:{media};base64,{data}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise VLLMValidationError(
+        f"{where}.source must be {{'type': 'base64', 'media_type': 'image/...', 'data': ...}} "
+        f"or {{'type': 'url', 'url': ...}}; got type {loggable(kind)}",
+        "messages",
+    )
+
+
+def _image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
