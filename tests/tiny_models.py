@@ -29,6 +29,20 @@ def save_tiny_llama(path: str | Path, **overrides):
     return config
 
 
+def perturbed(hf):
+    """``hf`` (an HF model, seeded by the caller) with its biases drawn away from 0 and its
+    norms' weights from 1, so that a misplaced one shows; in eval mode."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return hf.eval()
+
+
 def load_cpu_runner(config, block_size: int = 16):
     """A ``ModelRunner`` on the CPU with its model loaded, the test process's torch thread
     count kept (the runner sets its own). ``config``: a ``VllmConfig``, or a

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.tiny_models import TINY_LLAMA, cache_layout, load_cpu_runner, runner_logits
+from tests.tiny_models import TINY_LLAMA, cache_layout, load_cpu_runner, perturbed, runner_logits
 from vllm.config import ModelConfig
 from vllm.model_executor.models.idefics3 import (
     Idefics3ForConditionalGeneration,
@@ -54,13 +54,7 @@ def make_hf(kind: str, text: dict | None = None, **overrides):
     misplaced one shows."""
     torch.manual_seed(0)
     hf = KINDS[kind][1](make_config(kind, text, **overrides)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return hf
+    return perturbed(hf)
 
 
 def image_processor(kind: str):

@@ -18,6 +18,7 @@ from tests.tiny_models import (
     cache_layout,
     check_engine_greedy_matches,
     load_cpu_runner,
+    perturbed,
     runner_logits,
 )
 from vllm.config import ModelConfig
@@ -44,13 +45,7 @@ def make_hf(text: dict | None = None, **overrides) -> transformers.LlavaForCondi
     misplaced one shows."""
     torch.manual_seed(0)
     hf = transformers.LlavaForConditionalGeneration(make_config(text, **overrides)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return hf
+    return perturbed(hf)
 
 
 def save(hf, path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,6 +28,10 @@ class MultiModalFeature:
     length: int
     identifier: str
     is_embed: list[bool] | None = None  # per position: an embedding's (None: all are)
+    # Qwen2-VL's: the image's patch grid (temporal, height, width) as its encoder takes it,
+    # and its grid of tokens (after the spatial merge), which M-RoPE's positions follow.
+    grid_thw: tuple[int, int, int] | None = None
+    mrope_grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -53,3 +58,35 @@ def features_in(
         if lo < hi:
             found.append((i, lo - f.offset, hi - f.offset))
     return found
+
+
+def mrope_positions(
+    features: list[MultiModalFeature] | None, start: int, end: int
+) -> tuple[np.ndarray, int]:
+    """M-RoPE's (temporal, height, width) positions of prompt positions ``[start, end)``
+    (Qwen2-VL's ``get_rope_index``), and the shift that the positions after the last image
+    keep (a decode step's position is its index plus it). An image's tokens, grid
+    ``(t, h, w)``, take ``base + (t_i, h_i, w_i)``, where ``base`` is the position the
+    text before it reached; the text after it goes on from ``base + max(t, h, w)``. A text
+    token's three positions are equal: its index plus the shift of the images before it.
+    """
+    index = np.arange(start, end)
+    out = np.empty((3, end - start), dtype=np.int64)
+    shift = np.zeros(end - start, dtype=np.int64)
+    total = 0
+    inside = np.zeros(end - start, dtype=bool)
+    for f in sorted(features or (), key=lambda f: f.offset):
+        t, h, w = f.mrope_grid
+        mine = (index >= f.offset) & (index < f.end)
+        if mine.any():
+            rel = index[mine] - f.offset
+            base = f.offset + total
+            out[0, mine] = base + rel // (h * w)
+            out[1, mine] = base + (rel // w) % h
+            out[2, mine] = base + rel % w
+            inside |= mine
+        total += max(t, h, w) - f.length
+        shift[index >= f.end] = total
+    text = ~inside
+    out[:, text] = index[text] + shift[text]
+    return out, total

@@ -49,7 +49,7 @@ class ImageInputProcessor:
     """A model's image inputs: ``process(prompt_ids, images)`` -> (the prompt with its
     placeholders expanded, one ``MultiModalFeature`` per image).
 
-    Two prompt layouts, as the model class says (``tiled_images``):
+    Three prompt layouts, as the model class says (``image_layout``):
 
     - whole (LLaVA): an image is one tile, its placeholder ``tokens_per_image`` image
       tokens;
@@ -58,7 +58,10 @@ class ImageInputProcessor:
       prompt string for them, each tile's ``<fake_token_around_image><row_r_col_c>`` then
       its image tokens, a newline after each row, and the global tile between
       ``<fake_token_around_image><global-img>`` and ``<fake_token_around_image>``;
-      only the image tokens take embeddings (``is_embed``).
+      only the image tokens take embeddings (``is_embed``);
+    - grid (Qwen2-VL, Qwen2.5-VL): the image processor sizes an image to a grid of patches
+      (t, h, w); its placeholder becomes t * h * w / merge**2 image tokens, whose M-RoPE
+      positions follow the merged grid (``mrope_grid``).
     """
 
     def __init__(self, model_config, tokenizer, model_cls: type) -> None:
@@ -68,9 +71,15 @@ class ImageInputProcessor:
             model_config.model, model_config.revision, model_config.download_dir,
             model_config.hf_token,
         )  # fmt: skip
-        layout = importlib.import_module(model_cls.__module__).image_token_layout
-        self.image_token_id, self.tokens_per_tile = layout(hf_config_of(model_config))
-        self.tiled = getattr(model_cls, "tiled_images", False)
+        hf_config = hf_config_of(model_config)
+        # "whole" (LLaVA), "tiled" (SmolVLM, Idefics3) or "grid" (Qwen2-VL): class docstring.
+        self.layout = getattr(model_cls, "image_layout", "whole")
+        module = importlib.import_module(model_cls.__module__)
+        if self.layout == "grid":
+            self.image_token_id, self.merge = module.qwen_vl_image_layout(hf_config)
+            self.tokens_per_tile = 0  # each image's own: its grid's
+        else:
+            self.image_token_id, self.tokens_per_tile = module.image_token_layout(hf_config)
         limits = model_config.limit_mm_per_prompt or {}
         self.limit = limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
         self.tokenizer = tokenizer
@@ -119,7 +128,7 @@ class ImageInputProcessor:
                 f"the prompt, one where each image goes, in order; it holds {len(slots)}",
                 PARAM,
             )
-        if self.tiled and self.tokenizer is None:
+        if self.layout == "tiled" and self.tokenizer is None:
             raise VLLMValidationError(
                 "this model's image prompts are built with its tokenizer, which "
                 "--skip-tokenizer-init leaves out",
@@ -130,26 +139,42 @@ class ImageInputProcessor:
         last = 0
         for slot, image in zip(slots, images, strict=True):
             ids += prompt_ids[last:slot]
-            tiles, image_ids = self._tiled(image) if self.tiled else self._whole(image)
-            mask = [t == self.image_token_id for t in image_ids] if self.tiled else None
-            features.append(
-                MultiModalFeature(
-                    "image", tiles, len(ids), len(image_ids), content_hash(tiles), mask
-                )
-            )
+            feature, image_ids = getattr(self, f"_{self.layout}")(image, len(ids))
+            features.append(feature)
             ids += image_ids
             last = slot + 1
         ids += prompt_ids[last:]
         return ids, features
 
-    def _whole(self, image) -> tuple[torch.Tensor, list[int]]:
-        """(1, 3, H, W) pixels, and the image tokens that stand for it."""
+    def _whole(self, image, offset: int) -> tuple[MultiModalFeature, list[int]]:
+        """The image as one (1, 3, H, W) tile at prompt position ``offset``, and the image
+        tokens that stand for it."""
         pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
-        return pixels.float(), [self.image_token_id] * self.tokens_per_tile
+        pixels = pixels.float()
+        n = self.tokens_per_tile
+        return MultiModalFeature("image", pixels, offset, n, content_hash(pixels)), [
+            self.image_token_id
+        ] * n
 
-    def _tiled(self, image) -> tuple[torch.Tensor, list[int]]:
+    def _grid(self, image, offset: int) -> tuple[MultiModalFeature, list[int]]:
+        """Qwen2-VL's: the image's (patches, patch values) and patch grid (t, h, w), and
+        its t * h * w / merge**2 image tokens, whose M-RoPE positions follow the merged
+        grid."""
+        out = self.image_processor(images=[image], return_tensors="pt")
+        patches = out["pixel_values"].float()
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        m = self.merge
+        n = t * h * w // (m * m)
+        feature = MultiModalFeature(
+            "image", patches, offset, n, content_hash(patches),
+            grid_thw=(t, h, w), mrope_grid=(t, h // m, w // m),
+        )  # fmt: skip
+        return feature, [self.image_token_id] * n
+
+    def _tiled(self, image, offset: int) -> tuple[MultiModalFeature, list[int]]:
         """(R * C + 1, 3, H, W) tiles, the whole image last (one tile when the processor
-        does not split it), and the prompt ids that stand for them."""
+        does not split it), and the prompt ids that stand for them: its image tokens take
+        the embeddings (``is_embed``), its markers are text."""
         out = self.image_processor(images=[image], return_tensors="pt", return_row_col_info=True)
         tiles = out["pixel_values"][0].float()  # one image: no padding tile
         rows, cols = out["rows"][0][0], out["cols"][0][0]
@@ -166,7 +191,11 @@ class ImageInputProcessor:
                 f"of {self.tokens_per_tile}: the tokenizer does not keep the markers whole",
                 PARAM,
             )
-        return tiles, image_ids
+        mask = [t == self.image_token_id for t in image_ids]
+        feature = MultiModalFeature(
+            "image", tiles, offset, len(image_ids), content_hash(tiles), mask
+        )
+        return feature, image_ids
 
     def _tile_text(self, rows: int, cols: int) -> str:
         """transformers' prompt string for an image of ``rows`` x ``cols`` tiles."""

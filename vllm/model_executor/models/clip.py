@@ -12,6 +12,7 @@ not built. Tensors are named as HF's ``CLIPVisionModel`` names them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +27,12 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-# HF's activation names (``hidden_act``, ``projector_hidden_act``): "gelu" is the exact one.
+# HF's activation names (``hidden_act``, ``projector_hidden_act``): "gelu" is the exact one,
+# "gelu_pytorch_tanh" (SigLIP's) torch's tanh approximation.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": quick_gelu,
     "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
 
 
@@ -185,14 +188,24 @@ class CLIPVisionModel(nn.Module):
         checked); tensors of layers not built and ``post_layernorm`` are ignored.
         ``ValueError`` naming the tensors missing."""
         sd = {k.removeprefix("vision_model."): v for k, v in sd.items()}
-        for i in range(self.arch.num_layers):
-            p = f"encoder.layers.{i}.self_attn."
-            for kind in ("weight", "bias"):
-                parts = [sd.get(f"{p}{n}_proj.{kind}") for n in "qkv"]
-                if all(t is not None for t in parts):
-                    sd[f"{p}qkv_proj.{kind}"] = torch.cat(parts)
-        names = self.state_dict().keys()
-        missing = sorted(names - sd.keys())
-        if missing:
-            raise ValueError(f"the checkpoint lacks vision tower tensors {missing}")
-        self.load_state_dict({k: sd[k] for k in names})
+        load_encoder_tensors(self, sd, self.arch.num_layers, "vision tower")
+
+
+def load_encoder_tensors(
+    module: nn.Module, sd: dict[str, torch.Tensor], num_layers: int, what: str
+) -> None:
+    """Fill every parameter of a vision encoder built of ``CLIPEncoder`` layers from HF
+    tensors named as its modules (each layer's ``q/k/v_proj`` fused into ``qkv_proj``);
+    other tensors ignored. ``ValueError`` naming the tensors missing."""
+    sd = dict(sd)
+    for i in range(num_layers):
+        p = f"encoder.layers.{i}.self_attn."
+        for kind in ("weight", "bias"):
+            parts = [sd.get(f"{p}{n}_proj.{kind}") for n in "qkv"]
+            if all(t is not None for t in parts):
+                sd[f"{p}qkv_proj.{kind}"] = torch.cat(parts)
+    names = module.state_dict().keys()
+    missing = sorted(names - sd.keys())
+    if missing:
+        raise ValueError(f"the checkpoint lacks {what} tensors {missing}")
+    module.load_state_dict({k: sd[k] for k in names})

@@ -143,7 +143,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     gguf_layout: ClassVar[Any] = None
     supports_images: ClassVar[bool] = True
     # An image's prompt is its tiles' (vllm.multimodal.processing): markers and rows.
-    tiled_images: ClassVar[bool] = True
+    image_layout: ClassVar[str] = "tiled"
 
     @staticmethod
     def arch_from_hf(hf_config: Any) -> Idefics3Arch:

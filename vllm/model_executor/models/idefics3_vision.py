@@ -19,43 +19,25 @@ makes transformers give two neighbouring patches one position for some grids (19
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.models.clip import ACTIVATIONS as CLIP_ACTIVATIONS
+from vllm.model_executor.models.clip import (
+    CLIPEncoder,
+    CLIPVisionArch,
+    activation,
+    load_encoder_tensors,
+)
 
-# HF's activation names: "gelu_pytorch_tanh" (the checkpoints') is torch's tanh approximation.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    **CLIP_ACTIVATIONS,
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-}
 MODEL_TYPES = ("idefics3_vision", "smolvlm_vision")
 
 
-def activation(name: str, field: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The function of HF activation ``name``; ``ValueError`` naming the config ``field``
-    that gave it when it is not supported."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"{field} {name!r} is not supported ({', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
-
-
 @dataclass(frozen=True)
-class Idefics3VisionArch:
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_layers: int
-    image_size: int
-    patch_size: int
-    num_channels: int
-    layer_norm_eps: float
-    hidden_act: str
+class Idefics3VisionArch(CLIPVisionArch):
+    """CLIP's fields; every layer built."""
 
     @classmethod
     def from_hf(cls, config: Any) -> Idefics3VisionArch:
@@ -130,55 +112,6 @@ class Idefics3VisionEmbeddings(nn.Module):
         return patches + self.position_embedding(ids)
 
 
-class Idefics3VisionAttention(nn.Module):
-    """Multi-head self-attention over all positions, q/k/v fused into one projection."""
-
-    def __init__(self, a: Idefics3VisionArch) -> None:
-        super().__init__()
-        self.num_heads = a.num_heads
-        self.qkv_proj = nn.Linear(a.hidden_size, 3 * a.hidden_size)
-        self.out_proj = nn.Linear(a.hidden_size, a.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, seq, hidden = x.shape
-        qkv = self.qkv_proj(x).view(n, seq, 3, self.num_heads, hidden // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (n, heads, seq, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v)  # scale 1 / sqrt(head_dim), as SigLIP's
-        return self.out_proj(out.transpose(1, 2).reshape(n, seq, hidden))
-
-
-class Idefics3VisionMLP(nn.Module):
-    def __init__(self, a: Idefics3VisionArch) -> None:
-        super().__init__()
-        self.act = activation(a.hidden_act, "vision_config.hidden_act")
-        self.fc1 = nn.Linear(a.hidden_size, a.intermediate_size)
-        self.fc2 = nn.Linear(a.intermediate_size, a.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Idefics3EncoderLayer(nn.Module):
-    def __init__(self, a: Idefics3VisionArch) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
-        self.self_attn = Idefics3VisionAttention(a)
-        self.layer_norm2 = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
-        self.mlp = Idefics3VisionMLP(a)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(num_tiles, seq, hidden) -> the same: pre-norm attention, then MLP, each added
-        to the residual stream."""
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class Idefics3Encoder(nn.Module):
-    def __init__(self, a: Idefics3VisionArch) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Idefics3EncoderLayer(a) for _ in range(a.num_layers))
-
-
 class Idefics3VisionModel(nn.Module):
     """The whole encoder and ``post_layernorm``, on full tiles only (module docstring);
     submodules named as HF's, q/k/v fused (``load_weights`` fuses them)."""
@@ -187,7 +120,7 @@ class Idefics3VisionModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.embeddings = Idefics3VisionEmbeddings(arch)
-        self.encoder = Idefics3Encoder(arch)
+        self.encoder = CLIPEncoder(arch)
         self.post_layernorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -213,15 +146,4 @@ class Idefics3VisionModel(nn.Module):
         """Fill every parameter from HF vision transformer tensors named without the
         model's ``vision_model.`` prefix (copied in, cast to the weights' dtype, shapes
         checked). ``ValueError`` naming the tensors missing."""
-        sd = dict(sd)
-        for i in range(self.arch.num_layers):
-            p = f"encoder.layers.{i}.self_attn."
-            for kind in ("weight", "bias"):
-                parts = [sd.pop(f"{p}{n}_proj.{kind}", None) for n in "qkv"]
-                if all(t is not None for t in parts):
-                    sd[f"{p}qkv_proj.{kind}"] = torch.cat(parts)
-        names = self.state_dict().keys()
-        missing = sorted(names - sd.keys())
-        if missing:
-            raise ValueError(f"the checkpoint lacks vision model tensors {missing}")
-        self.load_state_dict({k: sd[k] for k in names})
+        load_encoder_tensors(self, sd, self.arch.num_layers, "vision model")

@@ -527,31 +527,113 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
 
 
 class QwenVLForConditionalGeneration(LlamaForCausalLM):
-    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL's dense checkpoints served as text models: the Qwen2
-    or Qwen3 language model of ``text_config`` (its tensors under ``model.``, beside the
-    vision tower's, or under ``model.language_model.``). Their multimodal rotation (M-RoPE)
-    gives every text token one position in all its sections, where it is the plain rotation
-    this computes; image and video parts are refused as for any model here."""
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL's dense checkpoints: the Qwen2 or Qwen3 language
+    model of ``text_config`` (its tensors under ``model.``, beside the vision tower's under
+    ``visual.``, or under ``model.language_model.`` beside ``model.visual.``).
+
+    Qwen2-VL and Qwen2.5-VL take images (``takes_images``): the vision tower
+    (``qwen2_vl_vision.py``) makes each image's rows (``embed_images``), which the engine
+    writes over its ``<|image_pad|>`` tokens' embeddings (``forward(..., inputs_embeds=)``),
+    and their multimodal rotation (M-RoPE) rotates each rotary frequency by one of three
+    positions (temporal, height, width: ``mrope_section``), which ``forward`` takes as
+    ``(3, num_tokens)`` positions. Where a token's three are equal (text, decode steps)
+    M-RoPE is the plain rotation: ``(num_tokens,)`` positions run the language model as
+    for any other. Qwen3-VL is served as a text model (its image and video parts are
+    refused as for any model here)."""
 
     gguf_layout: ClassVar[Any] = None
+    # Decided per config (Qwen3-VL's tower is not built): ``takes_images``. An instance
+    # that takes images sets its own True.
+    supports_images: ClassVar[bool] = False
     _TEXT_FAMILIES: ClassVar[dict[str, str]] = {
         "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
     }  # fmt: skip
+    _VISION_PREFIXES: ClassVar[tuple[str, ...]] = ("model.visual.", "visual.")
 
     @staticmethod
     def arch_from_hf(hf_config: Any) -> LlamaArch:
+        """The language model's arch; for Qwen2-VL and Qwen2.5-VL a ``QwenVLArch``, with the
+        M-RoPE sections and the vision tower's arch."""
         import copy
+
+        from vllm.model_executor.models.qwen2_vl_vision import QwenVLArch, takes_images
 
         text = copy.copy(hf_config.get_text_config())
         family = QwenVLForConditionalGeneration._TEXT_FAMILIES.get(text.model_type)
         if family is None:
             raise ValueError(f"model_type {text.model_type!r} is not a Qwen-VL language model")
         text.model_type = family  # its attention: Qwen2's biases, Qwen3's q/k norms
-        return LlamaArch.from_hf(text)
+        arch = LlamaArch.from_hf(text)
+        return QwenVLArch.from_text(arch, hf_config) if takes_images(hf_config) else arch
+
+    @classmethod
+    def takes_images(cls, hf_config: Any) -> bool:
+        """Whether the checkpoint of ``hf_config`` (transformers' config or the dict of its
+        config.json) is served with images: Qwen2-VL and Qwen2.5-VL, not Qwen3-VL."""
+        from vllm.model_executor.models.qwen2_vl_vision import takes_images
+
+        return takes_images(hf_config)
+
+    def __init__(self, arch: LlamaArch) -> None:
+        from vllm.model_executor.models.qwen2_vl_vision import QwenVisionTransformer
+
+        super().__init__(arch)
+        vision = getattr(arch, "vision", None)
+        self.visual = None if vision is None else QwenVisionTransformer(vision)
+        self.supports_images = vision is not None
+
+    @torch.inference_mode()
+    def embed_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """(patches, channels * temporal_patch * patch * patch) pixel values (any float
+        dtype, any device) of images of ``grid_thw`` (images, 3) patches, concatenated ->
+        (sum of t * h * w / merge ** 2, hidden) in the model's dtype, on its device: each
+        image's rows in order, to be written over its ``<|image_pad|>`` tokens'."""
+        if self.visual is None:
+            raise ValueError("this Qwen-VL checkpoint (Qwen3-VL) is served without images")
+        return self.visual(pixel_values, grid_thw)
+
+    def mrope_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """(num_tokens, rot_dim) [cos | sin] rows of M-RoPE for (3, num_tokens) positions:
+        column j of each half from the rotary table's row at the position of j's section."""
+        sections = getattr(self.arch, "mrope_section", None)
+        if sections is None:
+            raise ValueError("(3, num_tokens) positions: this model has no M-RoPE (Qwen3-VL)")
+        if positions.dim() != 2 or positions.shape[0] != 3:
+            raise ValueError(f"positions of shape {tuple(positions.shape)}: (3, num_tokens)")
+        which = [k for k, n in enumerate(sections) for _ in range(n)] * 2  # cos, then sin
+        which = torch.tensor(which, device=positions.device)
+        table = self.rope.cos_sin_cache  # (max_pos, rot_dim)
+        return table.gather(0, positions[which].T.contiguous())  # [t, c] = table[pos, c]
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids, positions, meta: Any, kv_caches, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``LlamaForCausalLM.forward``; ``positions`` (3, num_tokens) rotate by M-RoPE: the
+        layers run over this step's own table (``mrope_table``), row i for token i."""
+        if positions.dim() == 1:
+            return super().forward(input_ids, positions, meta, kv_caches, inputs_embeds)
+        rope, table = self.rope, self.rope.cos_sin_cache
+        rope.cos_sin_cache = self.mrope_table(positions)
+        try:
+            rows = torch.arange(positions.shape[1], device=positions.device)
+            return super().forward(input_ids, rows, meta, kv_caches, inputs_embeds)
+        finally:
+            rope.cos_sin_cache = table
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """The language model's tensors (``LlamaForCausalLM.load_weights``) and, where the
+        tower is built, the tower's, from either layout (class docstring)."""
         from vllm.model_executor.models.utils import language_model_tensors
 
+        vision = {}
+        for key, tensor in sd.items():
+            prefix = next((p for p in self._VISION_PREFIXES if key.startswith(p)), None)
+            if prefix is not None:
+                vision[key.removeprefix(prefix)] = tensor
         if any(key.startswith("model.language_model.") for key in sd):
             sd = language_model_tensors(sd)
         super().load_weights(sd)
+        if self.visual is not None:
+            with torch.no_grad():
+                self.visual.load_weights(vision)

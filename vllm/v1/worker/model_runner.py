@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm import _custom_ops as ops
@@ -20,9 +21,9 @@ from vllm.config import VllmConfig
 from vllm.lora.manager import LoRAAdapterError, LoRAManager
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
 from vllm.model_executor.models.registry import ModelRegistry
-from vllm.multimodal.inputs import MultiModalFeature, features_in
+from vllm.multimodal.inputs import MultiModalFeature, features_in, mrope_positions
 from vllm.sampling_params import SamplingParams
-from vllm.utils.device import to_device, to_host
+from vllm.utils.device import to_device, to_host, upload
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     BlockIds,
@@ -111,6 +112,9 @@ class CachedRequestState:
     # after the step that computes an image's last position, or with the state).
     mm_features: list[MultiModalFeature] | None = None
     mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    # An M-RoPE model's request with images: how far its positions after the last image
+    # are from their indices (mrope_positions); None: its positions are its indices.
+    mrope_delta: int | None = None
     # The prompt inside token_ids, one view for the request's life (it caches the
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
@@ -834,6 +838,8 @@ class ModelRunner:
             draft_allowed=drafts_allowed(p),
             mm_features=new.mm_features,
         )
+        if new.mm_features and getattr(self.model, "uses_mrope", False):
+            state.mrope_delta = mrope_positions(new.mm_features, 0, 0)[1]
         if tabled:
             if self.penalty_table is None:
                 self.penalty_table = PenaltyTable(self.arch.vocab_size, self.device)
@@ -859,12 +865,9 @@ class ModelRunner:
                 spans.append((state, i, lo, hi, row + offset + lo - start))
         missing = [(state, i) for state, i, *_ in spans if i not in state.mm_embeds]
         if missing:
-            tiles = [state.mm_features[i].data for state, i in missing]
-            embedded = self.model.embed_images(torch.cat(tiles).to(self.device))
-            for (state, i), part in zip(
-                missing, embedded.split([t.shape[0] for t in tiles]), strict=True
-            ):
-                state.mm_embeds[i] = part.flatten(0, 1)  # (tiles * rows per tile, hidden)
+            features = [state.mm_features[i] for state, i in missing]
+            for (state, i), rows in zip(missing, self._encode(features), strict=True):
+                state.mm_embeds[i] = rows
         rows: list[int] = []
         parts = []
         for state, i, lo, hi, first_row in spans:
@@ -877,6 +880,32 @@ class ModelRunner:
         if not rows:  # only an image's text tokens (between its tiles) in this step
             return None
         return rows, torch.cat(parts)
+
+    def _positions(
+        self, positions: list[int], positions3: list[tuple[int, np.ndarray]]
+    ) -> torch.Tensor:
+        """The step's positions on the device: (num_tokens,), or (3, num_tokens) when some
+        rows are image tokens of an M-RoPE model (``positions3``: their first row and
+        their three rows of positions; every other row's three are equal)."""
+        if not positions3:
+            return to_device(positions, torch.long, self.device)
+        table = np.tile(np.asarray(positions, dtype=np.int64), (3, 1))
+        for row, rows3 in positions3:
+            table[:, row : row + rows3.shape[1]] = rows3
+        return upload(torch.from_numpy(table), self.device)
+
+    def _encode(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """Each image's embedding rows (rows, hidden), from one pass of the vision encoder
+        over them all: its tiles' rows in order (LLaVA, SmolVLM), or its patches' merged
+        rows (Qwen2-VL, whose encoder takes the images' patch grids)."""
+        data = torch.cat([f.data for f in features]).to(self.device)
+        if features[0].grid_thw is not None:
+            grids = torch.tensor([f.grid_thw for f in features])
+            rows = self.model.embed_images(data, grids)
+            return list(rows.split([f.length for f in features]))
+        embedded = self.model.embed_images(data)  # (tiles, rows per tile, hidden)
+        parts = embedded.split([f.data.shape[0] for f in features])
+        return [part.flatten(0, 1) for part in parts]
 
     def _resolve_deferred(self) -> None:
         """The deferred steps' tokens onto the host, in order (before a step that samples
@@ -992,6 +1021,7 @@ class ModelRunner:
         spec_reqs: list[tuple[CachedRequestState, list[int]]] = []
         ahead: list[tuple[int, CachedRequestState]] = []  # (row, request): token on device
         images: list[tuple[CachedRequestState, int, int, int]] = []  # (state, start, n, row)
+        positions3: list[tuple[int, np.ndarray]] = []  # (first row, (3, n)): image tokens
         for req_id in order:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
@@ -1013,7 +1043,13 @@ class ModelRunner:
                     ahead.append((len(ids), state))
                     ids.append(0)
                 seqs.append((start, n, state.table))
-            positions += range(start, start + n)
+            if state.mrope_delta is None:
+                positions += range(start, start + n)
+            else:  # M-RoPE: (3, n) positions; equal rows (text) go in the flat list
+                rows3, _ = mrope_positions(state.mm_features, start, start + n)
+                positions += rows3[0].tolist()
+                if not (rows3[0] == rows3[1]).all() or not (rows3[0] == rows3[2]).all():
+                    positions3.append((len(positions) - n, rows3))
             if state.mm_features:
                 images.append((state, start, n, row_starts[req_id]))
             token_slots += [state.lora_slot] * n
@@ -1039,11 +1075,7 @@ class ModelRunner:
                 embeds.index_copy_(0, to_device(rows, torch.long, self.device), values)
                 extra["inputs_embeds"] = embeds
             hidden = self.model(
-                input_ids,
-                to_device(positions, torch.long, self.device),
-                meta,
-                self.kv_caches,
-                **extra,
+                input_ids, self._positions(positions, positions3), meta, self.kv_caches, **extra
             )
         output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
         if self.model_config.is_pooling:  # embeddings: the prompt's last row, no token
