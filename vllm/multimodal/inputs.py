@@ -62,10 +62,10 @@ def features_in(
 
 def mrope_positions(
     features: list[MultiModalFeature] | None, start: int, end: int
-) -> tuple[np.ndarray, int]:
-    """M-RoPE's (temporal, height, width) positions of prompt positions ``[start, end)``
-    (Qwen2-VL's ``get_rope_index``), and the shift that the positions after the last image
-    keep (a decode step's position is its index plus it). An image's tokens, grid
+) -> np.ndarray:
+    """M-RoPE's (temporal, height, width) positions of a request's tokens ``[start, end)``
+    (Qwen2-VL's ``get_rope_index``; the outputs' too: they are text after the last image).
+    An image's tokens, grid
     ``(t, h, w)``, take ``base + (t_i, h_i, w_i)``, where ``base`` is the position the
     text before it reached; the text after it goes on from ``base + max(t, h, w)``. A text
     token's three positions are equal: its index plus the shift of the images before it.
@@ -89,4 +89,4 @@ def mrope_positions(
         shift[index >= f.end] = total
     text = ~inside
     out[:, text] = index[text] + shift[text]
-    return out, total
+    return out

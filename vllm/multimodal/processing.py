@@ -38,10 +38,13 @@ def image_model_class(model_config) -> type | None:
         model_config.model, model_config.revision, model_config.download_dir,
         model_config.hf_token,
     )  # fmt: skip
-    for arch in _config_json(path).get("architectures") or ():
+    config = _config_json(path)
+    for arch in config.get("architectures") or ():
         if arch in ModelRegistry.models:
             cls = ModelRegistry._load(arch)
-            return cls if getattr(cls, "supports_images", False) else None
+            takes = getattr(cls, "takes_images", None)  # per checkpoint (Qwen-VL's)
+            images = takes(config) if takes is not None else getattr(cls, "supports_images", False)
+            return cls if images else None
     return None
 
 

@@ -543,8 +543,10 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
 
     gguf_layout: ClassVar[Any] = None
     # Decided per config (Qwen3-VL's tower is not built): ``takes_images``. An instance
-    # that takes images sets its own True.
+    # that takes images sets its own True, and ``uses_mrope`` (its runner's positions).
     supports_images: ClassVar[bool] = False
+    # The prompt's layout of an image (vllm.multimodal.processing): its patch grid's tokens.
+    image_layout: ClassVar[str] = "grid"
     _TEXT_FAMILIES: ClassVar[dict[str, str]] = {
         "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
     }  # fmt: skip
@@ -580,7 +582,7 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
         super().__init__(arch)
         vision = getattr(arch, "vision", None)
         self.visual = None if vision is None else QwenVisionTransformer(vision)
-        self.supports_images = vision is not None
+        self.supports_images = self.uses_mrope = vision is not None
 
     @torch.inference_mode()
     def embed_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -637,3 +639,11 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
         if self.visual is not None:
             with torch.no_grad():
                 self.visual.load_weights(vision)
+
+
+def qwen_vl_image_layout(hf_config: Any) -> tuple[int, int]:
+    """(the ``<|image_pad|>`` token id, ``spatial_merge_size``) of a Qwen2-VL or Qwen2.5-VL
+    config: ``qwen2_vl_vision.qwen_vl_image_layout``, here beside the model class."""
+    from vllm.model_executor.models.qwen2_vl_vision import qwen_vl_image_layout as layout
+
+    return layout(hf_config)

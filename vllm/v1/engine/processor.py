@@ -428,4 +428,5 @@ def _vocab_size(vllm_config: VllmConfig, tokenizer) -> int:
         return len(tokenizer)
     from vllm.model_executor.model_loader import hf_config_of
 
-    return hf_config_of(vllm_config.model_config).vocab_size
+    config = hf_config_of(vllm_config.model_config)  # a multimodal one's: its text model's
+    return (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size

@@ -112,9 +112,9 @@ class CachedRequestState:
     # after the step that computes an image's last position, or with the state).
     mm_features: list[MultiModalFeature] | None = None
     mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
-    # An M-RoPE model's request with images: how far its positions after the last image
-    # are from their indices (mrope_positions); None: its positions are its indices.
-    mrope_delta: int | None = None
+    # An M-RoPE model's request with images: its positions are mrope_positions' (past an
+    # image they run behind or ahead of its indices), not its indices.
+    mrope: bool = False
     # The prompt inside token_ids, one view for the request's life (it caches the
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
@@ -839,7 +839,7 @@ class ModelRunner:
             mm_features=new.mm_features,
         )
         if new.mm_features and getattr(self.model, "uses_mrope", False):
-            state.mrope_delta = mrope_positions(new.mm_features, 0, 0)[1]
+            state.mrope = True
         if tabled:
             if self.penalty_table is None:
                 self.penalty_table = PenaltyTable(self.arch.vocab_size, self.device)
@@ -1043,10 +1043,10 @@ class ModelRunner:
                     ahead.append((len(ids), state))
                     ids.append(0)
                 seqs.append((start, n, state.table))
-            if state.mrope_delta is None:
+            if not state.mrope:
                 positions += range(start, start + n)
             else:  # M-RoPE: (3, n) positions; equal rows (text) go in the flat list
-                rows3, _ = mrope_positions(state.mm_features, start, start + n)
+                rows3 = mrope_positions(state.mm_features, start, start + n)
                 positions += rows3[0].tolist()
                 if not (rows3[0] == rows3[1]).all() or not (rows3[0] == rows3[2]).all():
                     positions3.append((len(positions) - n, rows3))

@@ -1,0 +1,89 @@
+"""Qwen2-VL and Qwen2.5-VL images through the engine (tiny random models of
+tests/model_executor/test_qwen2_vl.py, prompts as token ids): each image sized by the
+model's processor into a patch grid, its placeholder expanded to the grid's tokens, the
+prompt's M-RoPE positions (three rows where the images are) carried through prefill
+chunks that cut the images, and the decode steps' positions shifted by what the images
+took. The greedy tokens and their logprobs equal transformers' ``generate`` on the same
+pixels, whole, in chunks of 5 and from the prefix cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from tests.model_executor.test_qwen2_vl import END, IMAGE, START, VISION, make_hf, save
+from vllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+PROMPT = [5, 6, 7, START, IMAGE, END, 8, 9, START, IMAGE, END, 10, 11]  # two images
+
+
+@pytest.fixture(scope="module", params=list(VISION))
+def model(request, tmp_path_factory):
+    """(folder, transformers model, its image processor): the merger's output scaled up
+    so that the images move the logprobs."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_hf(request.param)
+    with torch.no_grad():
+        hf.model.visual.merger.mlp[2].weight.mul_(20)
+    save(hf, path)
+    processor = transformers.AutoImageProcessor.from_pretrained(path, backend="pil")
+    return path, hf, processor
+
+
+def image(seed: int, size) -> Image.Image:
+    rng = np.random.RandomState(seed)
+    return Image.fromarray(rng.randint(0, 255, (*size, 3), dtype=np.uint8))
+
+
+def reference(model, images) -> tuple[list[int], list[int], list[float]]:
+    """(transformers' prompt ids: each image's placeholder expanded to its grid's tokens;
+    its greedy tokens; their logprobs)."""
+    _, hf, processor = model
+    out = processor(images=images, return_tensors="pt")
+    grids = out["image_grid_thw"]
+    counts = iter(int(t * h * w) // 4 for t, h, w in grids.tolist())
+    ids = [x for p in PROMPT for x in ([IMAGE] * next(counts) if p == IMAGE else [p])]
+    input_ids = torch.tensor([ids])
+    gen = hf.generate(
+        input_ids=input_ids, pixel_values=out["pixel_values"], image_grid_thw=grids,
+        mm_token_type_ids=(input_ids == IMAGE).int(), max_new_tokens=6, do_sample=False,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    tokens = gen.sequences[0, len(ids) :].tolist()
+    logprobs = [
+        torch.log_softmax(step[0].float(), -1)[t].item()
+        for step, t in zip(gen.logits, tokens, strict=True)
+    ]
+    return ids, tokens, logprobs
+
+
+def test_images_on_m_rope_equal_transformers(model):
+    images = [image(0, (70, 50)), image(1, (56, 112))]  # grids of 4 x 4 and 4 x 8 patches
+    other = [image(2, (70, 50)), image(3, (56, 112))]
+    ids, tokens, logprobs = reference(model, images)
+    _, other_tokens, other_logprobs = reference(model, other)
+    assert max(abs(a - b) for a, b in zip(logprobs, other_logprobs, strict=True)) > 1e-3
+    for chunk in (128, 5):  # 5: images and their three-row positions cut across chunks
+        llm = LLM(model=str(model[0]), skip_tokenizer_init=True, max_model_len=128,
+                  max_num_batched_tokens=chunk, block_size=4)  # fmt: skip
+        try:
+            request = {"prompt_token_ids": PROMPT, "multi_modal_data": {"image": images}}
+            first, again = llm.generate(request, GREEDY), llm.generate(request, GREEDY)
+            changed = llm.generate({**request, "multi_modal_data": {"image": other}}, GREEDY)
+        finally:
+            llm.shutdown()
+        assert first[0].prompt_token_ids == ids
+        assert again[0].num_cached_tokens >= len(ids) - 4
+        for got, want_tokens, want_logprobs in (
+            (first, tokens, logprobs),
+            (again, tokens, logprobs),
+            (changed, other_tokens, other_logprobs),
+        ):
+            out = got[0].outputs[0]
+            assert list(out.token_ids) == want_tokens
+            got_logprobs = [lp.logprob for lp in out.logprobs]
+            np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
