@@ -1,4 +1,5 @@
-"""Images on CUDA: the tiny LLaVA and SmolVLM of tests/multimodal served on the GPU. In fp32
+"""Images on CUDA: the tiny LLaVA, SmolVLM and Qwen2.5-VL of tests/multimodal served on the
+GPU (Qwen2.5-VL's M-RoPE steps with (3, T) positions among them). In fp32
 (TORCH_SDPA: FlashAttention takes no fp32) the greedy tokens and their logprobs equal
 transformers' on the CPU, chunked prefill cutting the images; in bf16 (FlashAttention,
 decode steps from CUDA graphs) the logprobs stay within bf16's rounding of those.
@@ -14,6 +15,7 @@ import torch
 
 from tests.multimodal import test_idefics3_engine as tiled
 from tests.multimodal import test_llava_engine as whole
+from tests.multimodal import test_qwen2_vl_engine as grid
 from vllm import LLM, SamplingParams
 
 pytestmark = [
@@ -24,9 +26,9 @@ pytestmark = [
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
-def served(path, dtype: str, request: dict) -> tuple[list[int], list[float]]:
+def served(path, dtype: str, request: dict, **kw) -> tuple[list[int], list[float]]:
     llm = LLM(model=str(path), dtype=dtype, max_model_len=128, max_num_batched_tokens=5,
-              block_size=16, enable_prefix_caching=True)  # fmt: skip
+              block_size=16, enable_prefix_caching=True, **kw)  # fmt: skip
     try:
         out = llm.generate(request, GREEDY)[0].outputs[0]
     finally:
@@ -34,11 +36,11 @@ def served(path, dtype: str, request: dict) -> tuple[list[int], list[float]]:
     return list(out.token_ids), [lp.logprob for lp in out.logprobs]
 
 
-def check(path, request: dict, tokens: list[int], logprobs: list[float]) -> None:
-    got_tokens, got = served(path, "float32", request)
+def check(path, request: dict, tokens: list[int], logprobs: list[float], **kw) -> None:
+    got_tokens, got = served(path, "float32", request, **kw)
     assert got_tokens == tokens
     np.testing.assert_allclose(got, logprobs, atol=1e-4, rtol=0)
-    _, got_bf16 = served(path, "bfloat16", request)
+    _, got_bf16 = served(path, "bfloat16", request, **kw)
     np.testing.assert_allclose(got_bf16[:1], logprobs[:1], atol=5e-2, rtol=0)
 
 
@@ -58,3 +60,11 @@ def test_smolvlm_on_cuda(tmp_path_factory):
     img = tiled.image(0)
     _, tokens, logprobs = tiled.reference(model, img)
     check(model[0], {"prompt": tiled.PROMPT, "multi_modal_data": {"image": img}}, tokens, logprobs)
+
+
+def test_qwen2_5_vl_on_cuda(tmp_path_factory):
+    model = grid.build_model("Qwen2_5_VL", tmp_path_factory.mktemp("qwen"))
+    images = [grid.image(0, (70, 50)), grid.image(1, (56, 112))]
+    _, tokens, logprobs = grid.reference(model, images)
+    request = {"prompt_token_ids": grid.PROMPT, "multi_modal_data": {"image": images}}
+    check(model[0], request, tokens, logprobs, skip_tokenizer_init=True)

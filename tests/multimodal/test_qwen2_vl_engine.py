@@ -23,10 +23,13 @@ PROMPT = [5, 6, 7, START, IMAGE, END, 8, 9, START, IMAGE, END, 10, 11]  # two im
 
 @pytest.fixture(scope="module", params=list(VISION))
 def model(request, tmp_path_factory):
+    return build_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def build_model(name: str, path):
     """(folder, transformers model, its image processor): the merger's output scaled up
     so that the images move the logprobs."""
-    path = tmp_path_factory.mktemp(request.param)
-    hf = make_hf(request.param)
+    hf = make_hf(name)
     with torch.no_grad():
         hf.model.visual.merger.mlp[2].weight.mul_(20)
     save(hf, path)
