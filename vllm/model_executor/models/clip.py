@@ -33,6 +33,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": quick_gelu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "silu": F.silu,
 }
 
 

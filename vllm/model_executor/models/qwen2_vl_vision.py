@@ -28,7 +28,6 @@ Tensors are named as transformers names the tower (``patch_embed.``, ``blocks.N.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -36,13 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.models.clip import ACTIVATIONS as CLIP_ACTIVATIONS
+from vllm.model_executor.models.clip import ACTIVATIONS
 from vllm.model_executor.models.llama import LlamaArch
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    **CLIP_ACTIVATIONS,
-    "silu": F.silu,
-}
 # The top-level model types whose tower is built (Qwen3-VL's is not: text only).
 IMAGE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 QWEN2_VL, QWEN2_5_VL = "qwen2_vl_vision", "qwen2_5_vl_vision"
