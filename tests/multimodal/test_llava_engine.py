@@ -97,6 +97,26 @@ def test_prefix_cache_shares_an_image_only_with_itself(llava):
     assert other == hf_greedy(llava, PROMPT, [image(1)])
 
 
+def test_an_image_sent_again_is_not_encoded_again(llava):
+    # The second request's prefix-cache hit (8 of its 12 prompt tokens) ends inside the
+    # image (positions 5..8): its rows come from the encoder cache, not the encoder.
+    llm = LLM(model=str(llava[0]), max_model_len=64, block_size=4)
+    runner = llm.engine_core.model_runner
+    encoded = []
+    embed = runner.model.embed_images
+    runner.model.embed_images = lambda pixels: encoded.append(len(pixels)) or embed(pixels)
+    try:
+        first, _ = run(llm, PROMPT, image(0))
+        again, cached = run(llm, PROMPT, image(0))
+        assert cached == 8 and encoded == [1] and runner.encoder_cache.hits == 1
+        runner.encoder_cache.clear()  # then it is encoded again, to the same tokens
+        assert run(llm, PROMPT, image(0))[0] == first == again
+        assert encoded == [1, 1]
+    finally:
+        llm.shutdown()
+    assert first == hf_greedy(llava, PROMPT, [image(0)])
+
+
 def test_preempted_requests_compute_their_images_again(llava):
     # 11 usable blocks of 4 for four requests of 12 + 6 tokens (5 blocks each): they
     # preempt each other, and each resumes by computing its prompt, image included.

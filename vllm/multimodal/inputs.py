@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +61,7 @@ def features_in(
     return found
 
 
-def mrope_positions(
-    features: list[MultiModalFeature] | None, start: int, end: int
-) -> np.ndarray:
+def mrope_positions(features: list[MultiModalFeature] | None, start: int, end: int) -> np.ndarray:
     """M-RoPE's (temporal, height, width) positions of a request's tokens ``[start, end)``
     (Qwen2-VL's ``get_rope_index``; the outputs' too: they are text after the last image).
     An image's tokens, grid
@@ -90,3 +89,36 @@ def mrope_positions(
     text = ~inside
     out[:, text] = index[text] + shift[text]
     return out
+
+
+class EncoderCache:
+    """The vision encoder's outputs of recent images, by identifier, least recently used
+    first out past ``max_rows`` rows in all (vLLM's encoder cache, across requests): an
+    image sent again (an agent's screenshot in each turn's history) whose prefix-cache hit
+    ends inside it, or whose blocks were evicted, is not encoded again."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._size = 0
+        self.hits = 0
+
+    def get(self, identifier: str) -> torch.Tensor | None:
+        rows = self._rows.get(identifier)
+        if rows is not None:
+            self._rows.move_to_end(identifier)
+            self.hits += 1
+        return rows
+
+    def put(self, identifier: str, rows: torch.Tensor) -> None:
+        if rows.shape[0] > self.max_rows or identifier in self._rows:
+            return
+        self._rows[identifier] = rows
+        self._size += rows.shape[0]
+        while self._size > self.max_rows:
+            _, old = self._rows.popitem(last=False)
+            self._size -= old.shape[0]
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self._size = 0

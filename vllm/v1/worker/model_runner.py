@@ -21,7 +21,12 @@ from vllm.config import VllmConfig
 from vllm.lora.manager import LoRAAdapterError, LoRAManager
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
 from vllm.model_executor.models.registry import ModelRegistry
-from vllm.multimodal.inputs import MultiModalFeature, features_in, mrope_positions
+from vllm.multimodal.inputs import (
+    EncoderCache,
+    MultiModalFeature,
+    features_in,
+    mrope_positions,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.device import to_device, to_host, upload
 from vllm.v1.attention.backends.abstract import (
@@ -261,6 +266,11 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
         self._weights_on_host = False  # sleep level 1 on a device: wake_up moves them back
         self.structured_output = StructuredOutputManager(vllm_config)  # guided decoding
+        # Images' encoder outputs across requests: as many rows as a step's tokens, at least
+        # 8192 (vLLM sizes its encoder cache by the step's budget too).
+        self.encoder_cache = EncoderCache(
+            max(vllm_config.scheduler_config.max_num_batched_tokens, 8192)
+        )
         # --logits-processors: vLLM's custom processors, over a persistent batch of their
         # own (logits_processor/state.py); built here, so a bad one fails the start.
         self.logitsprocs = []
@@ -698,6 +708,7 @@ class ModelRunner:
         cache (``release`` and ``sleep``); the memory goes back once nothing holds it."""
         self.decode_graphs = None
         self._deferred, self._device_tokens, self._device_token_rows = [], None, {}
+        self.encoder_cache.clear()
         close = getattr(self.kv_offload, "close", None)
         if close is not None:
             close()  # unlock the tier's pages before they are freed
@@ -863,11 +874,19 @@ class ModelRunner:
             for i, lo, hi in features_in(state.mm_features, start, start + n):
                 offset = state.mm_features[i].offset
                 spans.append((state, i, lo, hi, row + offset + lo - start))
-        missing = [(state, i) for state, i, *_ in spans if i not in state.mm_embeds]
+        missing = []
+        for state, i, *_ in spans:
+            if i not in state.mm_embeds:
+                cached = self.encoder_cache.get(state.mm_features[i].identifier)
+                if cached is None:
+                    missing.append((state, i))
+                else:
+                    state.mm_embeds[i] = cached
         if missing:
             features = [state.mm_features[i] for state, i in missing]
             for (state, i), rows in zip(missing, self._encode(features), strict=True):
                 state.mm_embeds[i] = rows
+                self.encoder_cache.put(state.mm_features[i].identifier, rows)
         rows: list[int] = []
         parts = []
         for state, i, lo, hi, first_row in spans:
