@@ -33,22 +33,13 @@ from torch import nn
 from vllm.model_executor.models.idefics3_vision import Idefics3VisionArch, Idefics3VisionModel
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM
 from vllm.model_executor.models.registry import ModelRegistry
+from vllm.model_executor.models.utils import config_from_dict
 
 TEXT_PREFIX = "text_model."  # the language model's tensors, after the leading "model."
 
 
 def _config(hf_config: Any) -> Any:
-    """An Idefics3 or SmolVLM config as transformers reads it: ``hf_config`` itself, or
-    built from the plain dict of its config.json (the sub-configs' defaults filled in)."""
-    if not isinstance(hf_config, dict):
-        return hf_config
-    import transformers
-
-    classes = {"idefics3": transformers.Idefics3Config, "smolvlm": transformers.SmolVLMConfig}
-    model_type = hf_config.get("model_type")
-    if model_type not in classes:
-        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(classes)}")
-    return classes[model_type].from_dict(hf_config)
+    return config_from_dict(hf_config, {"idefics3": "Idefics3Config", "smolvlm": "SmolVLMConfig"})
 
 
 def image_token_layout(hf_config: Any) -> tuple[int, int]:

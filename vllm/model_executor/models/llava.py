@@ -30,17 +30,11 @@ from torch import nn
 from vllm.model_executor.models.clip import CLIPVisionArch, CLIPVisionModel, activation
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM, Phi3ForCausalLM
 from vllm.model_executor.models.registry import ModelRegistry
-from vllm.model_executor.models.utils import language_model_tensors
+from vllm.model_executor.models.utils import config_from_dict, language_model_tensors
 
 
 def _config(hf_config: Any) -> Any:
-    """A llava config as transformers reads it: ``hf_config`` itself, or built from the
-    plain dict of its config.json (the sub-configs' defaults filled in)."""
-    if isinstance(hf_config, dict):
-        from transformers import LlavaConfig
-
-        return LlavaConfig.from_dict(hf_config)
-    return hf_config
+    return config_from_dict(hf_config, {"llava": "LlavaConfig"})
 
 
 def image_token_layout(hf_config: Any) -> tuple[int, int]:

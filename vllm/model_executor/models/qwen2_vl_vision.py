@@ -37,6 +37,7 @@ from torch import nn
 
 from vllm.model_executor.models.clip import ACTIVATIONS
 from vllm.model_executor.models.llama import LlamaArch
+from vllm.model_executor.models.utils import config_from_dict
 
 # The top-level model types whose tower is built (Qwen3-VL's is not: text only).
 IMAGE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -57,17 +58,9 @@ def takes_images(hf_config: Any) -> bool:
 
 
 def _config(hf_config: Any) -> Any:
-    """A Qwen2-VL or Qwen2.5-VL config as transformers reads it: ``hf_config`` itself, or
-    built from the plain dict of its config.json (defaults filled in)."""
-    if not isinstance(hf_config, dict):
-        return hf_config
-    import transformers
-
-    classes = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig}
-    model_type = hf_config.get("model_type")
-    if model_type not in classes:
-        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(classes)}")
-    return classes[model_type].from_dict(hf_config)
+    return config_from_dict(
+        hf_config, {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}
+    )
 
 
 def qwen_vl_image_layout(hf_config: Any) -> tuple[int, int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # Where a multimodal checkpoint (Gemma 3, Mistral 3: ``*ForConditionalGeneration``) keeps
@@ -27,3 +29,18 @@ def language_model_tensors(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             f"{' and '.join(LANGUAGE_MODEL_PREFIXES)})"
         )
     return text
+
+
+def config_from_dict(hf_config: Any, classes: dict[str, str]) -> Any:
+    """A multimodal config as transformers reads it: ``hf_config`` itself, or built from
+    the plain dict of its config.json (the sub-configs' defaults filled in) by the
+    transformers config class ``classes`` names for its ``model_type``. ``ValueError`` for
+    another model_type."""
+    if not isinstance(hf_config, dict):
+        return hf_config
+    import transformers
+
+    model_type = hf_config.get("model_type")
+    if model_type not in classes:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(classes)}")
+    return getattr(transformers, classes[model_type]).from_dict(hf_config)

@@ -41,9 +41,7 @@ def hash_block_tokens(
     return hashlib.sha256(pickle.dumps(payload, protocol=5)).digest()
 
 
-def _extra_keys(
-    request: Request, block_index: int, block_size: int
-) -> tuple[Any, ...] | None:
+def _extra_keys(request: Request, block_index: int, block_size: int) -> tuple[Any, ...] | None:
     # The cache salt (which isolates tenants) and the LoRA adapter's name (one adapter's
     # KV is never another's, nor the base model's) enter the first block only: the
     # chaining carries them to every later block. An image's identifier enters each

@@ -848,9 +848,8 @@ class ModelRunner:
             bare=is_bare(p) or (tabled and unprocessed(p)),
             draft_allowed=drafts_allowed(p),
             mm_features=new.mm_features,
+            mrope=bool(new.mm_features) and getattr(self.model, "uses_mrope", False),
         )
-        if new.mm_features and getattr(self.model, "uses_mrope", False):
-            state.mrope = True
         if tabled:
             if self.penalty_table is None:
                 self.penalty_table = PenaltyTable(self.arch.vocab_size, self.device)
