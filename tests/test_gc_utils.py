@@ -103,6 +103,35 @@ def test_a_hold_never_released_is_thawed_at_exit():
     assert done.stdout == "freed"
 
 
+def test_a_hold_released_by_the_collection_of_a_freeze_does_not_deadlock():
+    """An ``LLM`` dropped in a cycle (a constructor that failed) gives its hold back from
+    a finalizer, which the collection of the next ``freeze_gc_heap`` runs, under its
+    lock. A subprocess: a deadlock here would hang the test run."""
+    script = textwrap.dedent(
+        """
+        import weakref
+        from vllm.utils import gc_utils
+
+        class Engine:
+            def __init__(self):
+                self.me = self  # a cycle: only the collector frees it
+                self.hold = gc_utils.freeze_gc_heap("first")
+                weakref.finalize(self, self.hold.release)
+
+        Engine()
+        gc_utils.gc.unfreeze()  # the dropped engine's cycle is collectable again
+        second = gc_utils.freeze_gc_heap("second")  # its collection runs the finalizer
+        assert gc_utils._holds == 1, gc_utils._holds
+        second.release()
+        assert gc_utils._holds == 0 and gc_utils.gc.get_freeze_count() == 0
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize(
     "value, expected",
     [

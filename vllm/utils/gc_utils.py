@@ -39,7 +39,10 @@ from vllm import envs
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
+# Reentrant: the collection ``freeze_gc_heap`` runs under it may finalize a dropped
+# ``LLM`` (a cycle), whose finalizer releases its hold in this very thread; a plain lock
+# deadlocked there (a failed ``LLM(...)`` then froze the next one's constructor).
+_lock = threading.RLock()
 _holds = 0  # freezes not yet released; the heap is frozen while > 0
 _thaw_at_exit = False  # the atexit hook is registered
 
