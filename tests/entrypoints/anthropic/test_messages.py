@@ -192,6 +192,42 @@ def test_image_blocks_become_image_parts_in_their_order():
     assert e.value.param == "messages"
 
 
+def test_a_tool_results_screenshot_becomes_an_image_part_of_the_tool_message():
+    """A computer-use agent's turn: the tool's text and screenshot in one tool_result."""
+    png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    call = {"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [
+        {"type": "text", "text": "clicked"}, {"type": "image", "source": png},
+        {"type": "text", "text": "done"}]}  # fmt: skip
+    conv = to_chat(request(messages=[
+        {"role": "user", "content": "click OK"},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result, {"type": "text", "text": "and now?"}]},
+    ]))  # fmt: skip
+    assert conv.messages[2:] == [
+        {
+            "role": "tool",
+            "tool_call_id": "t1",
+            "content": [
+                {"type": "text", "text": "clicked"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                {"type": "text", "text": "\ndone"},
+            ],
+        },
+        {"role": "user", "content": "and now?"},
+    ]
+    # Its text is what the same result without the image would give the template.
+    from vllm.entrypoints.openai.protocol import validate_messages
+
+    message = validate_messages([conv.messages[2]])[0]
+    assert message.content == "clicked\ndone"
+    assert message.image_urls == ["data:image/png;base64,iVBORw0KGgo="]
+    bad = {**result, "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}
+    with pytest.raises(VLLMValidationError, match="source must be") as e:
+        to_chat(request(messages=[{"role": "user", "content": [bad]}]))
+    assert e.value.param == "messages"
+
+
 @pytest.mark.parametrize(
     "messages",
     [

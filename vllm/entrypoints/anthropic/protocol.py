@@ -8,7 +8,8 @@ What a Messages request becomes:
   ``x-anthropic-billing-header`` block is dropped: it holds a hash that changes with
   every request, and kept first in the prompt it would miss the prefix cache every turn.
 - A ``user`` message's ``tool_result`` blocks (first in the message, as Anthropic
-  requires) become ``tool`` messages, in order; its text blocks one user message after
+  requires) become ``tool`` messages, in order, with their image blocks (a computer-use
+  agent's screenshots) as image parts; its text and image blocks one user message after
   them.
 - An ``assistant`` message's text blocks are its content, its ``thinking`` blocks its
   ``reasoning`` (vLLM's field: templates that keep reasoning read it), its ``tool_use``
@@ -26,9 +27,10 @@ What a Messages request becomes:
 - ``output_config.format`` (a JSON schema) is chat's ``response_format``;
   ``output_config.effort`` reaches the chat template as ``reasoning_effort``.
 
-Images, documents, server tools (web search, code execution, ...), MCP servers and
-containers are refused with a 400 naming the field: the models served are text-only and
-no server tool runs here.
+Images go to a model that takes them (a text-only model refuses them with a 400 naming
+``messages``). Documents, server tools (web search, code execution, ...), MCP servers and
+containers are refused with a 400 naming the field: no document is read and no server
+tool runs here.
 """
 
 from __future__ import annotations
@@ -408,18 +410,31 @@ def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _tool_message(block: dict[str, Any], where: str, conv: ChatConversion) -> dict[str, Any]:
+    """A ``tool_result`` block as a ``tool`` message. Its content blocks' texts join with
+    newlines; its ``image`` blocks (a computer-use agent's screenshot) make the content
+    typed parts, texts and images in the blocks' order, which the chat route loads as it
+    loads a user's."""
     call_id, content = block.get("tool_use_id"), block.get("content", "")
     if not isinstance(call_id, str):
         raise VLLMValidationError(f"{where}.tool_use_id must be a string", "messages")
     if isinstance(content, list):
-        parts = []
+        texts: list[str] = []
+        parts: list[dict[str, Any]] = []
         for k, part in enumerate(content):
-            parts.append(_text_of(part, f"{where}.content.{k}", "messages"))
-            conv.mark(part, f"{where}.content.{k}")
-        content = "\n".join(parts)
+            at = f"{where}.content.{k}"
+            if isinstance(part, dict) and part.get("type") == "image":
+                parts.append(_image_part(_image_url(part, at)))
+            else:
+                text = _text_of(part, at, "messages")
+                # Joined as the text-only form joins them: a newline between two texts.
+                parts.append({"type": "text", "text": "\n" + text if texts else text})
+                texts.append(text)
+            conv.mark(part, at)
+        images = len(parts) > len(texts)
+        content = parts if images else "\n".join(texts)
     elif not isinstance(content, str):
         raise VLLMValidationError(
-            f"{where}.content must be a string or a list of text blocks", "messages"
+            f"{where}.content must be a string or a list of text and image blocks", "messages"
         )
     message = {"role": "tool", "tool_call_id": call_id, "content": content}
     if block.get("is_error") is True:  # for templates that render it
