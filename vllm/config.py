@@ -490,6 +490,12 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = config_field(
         0, "A prefill chunk is at most this many tokens (0: no limit beyond the budget)."
     )
+    disable_chunked_mm_input: bool = config_field(
+        False,
+        "vLLM's: a prefill chunk never ends inside an image; it stops before the image "
+        "and the next step takes the image whole (or the image starts a step of its own "
+        "when it is longer than the budget).",
+    )
     async_scheduling: bool = config_field(
         False,
         "Schedule the next step while the device runs this one (vLLM's async scheduling): "

@@ -6,6 +6,8 @@ image inputs are refused, naming ``multi_modal_data``, and the engine serves on.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -115,6 +117,35 @@ def test_an_image_sent_again_is_not_encoded_again(llava):
     finally:
         llm.shutdown()
     assert first == hf_greedy(llava, PROMPT, [image(0)])
+
+
+def test_the_encoder_budget_spreads_images_over_steps_and_encodes_one_image_once(llava):
+    # Budget 7: the first request's 5 tokens encode its image (4 embeddings); the second's
+    # chunk would reach its own (4 + 4 > 7), so it stops before it, and the encoder runs
+    # one image a step. The same image in two requests of one step is encoded once.
+    first, second = [IMAGE, 50], [60, IMAGE, 70]
+    for budget, images, want in ((7, [image(0), image(1)], [1, 1]), (64, [image(0)] * 2, [1])):
+        llm = LLM(model=str(llava[0]), max_model_len=64, max_num_batched_tokens=budget,
+                  enable_prefix_caching=False)  # fmt: skip
+        runner = llm.engine_core.model_runner
+        encoded = []
+        runner.model.embed_images = partial(_counted, encoded, runner.model.embed_images)
+        try:
+            outs = llm.generate(
+                [{"prompt_token_ids": p, "multi_modal_data": {"image": img}}
+                 for p, img in zip((first, second), images, strict=True)],
+                GREEDY,
+            )  # fmt: skip
+        finally:
+            llm.shutdown()
+        assert encoded == want
+        for p, img, out in zip((first, second), images, outs, strict=True):
+            assert list(out.outputs[0].token_ids) == hf_greedy(llava, p, [img])
+
+
+def _counted(encoded: list[int], embed, pixels):
+    encoded.append(len(pixels))
+    return embed(pixels)
 
 
 def test_preempted_requests_compute_their_images_again(llava):

@@ -38,6 +38,11 @@ class MultiModalFeature:
     def end(self) -> int:
         return self.offset + self.length
 
+    @property
+    def num_embeds(self) -> int:
+        """The embeddings the vision encoder makes of it (vLLM's ``get_num_embeds``)."""
+        return self.length if self.is_embed is None else sum(self.is_embed)
+
     def embedding_rows(self, lo: int, hi: int) -> tuple[list[int], int, int]:
         """For the image's positions ``[lo, hi)``: (those of them that take an embedding,
         relative to ``lo``; the first and one past the last embedding row they take)."""

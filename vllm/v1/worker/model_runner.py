@@ -873,19 +873,22 @@ class ModelRunner:
             for i, lo, hi in features_in(state.mm_features, start, start + n):
                 offset = state.mm_features[i].offset
                 spans.append((state, i, lo, hi, row + offset + lo - start))
-        missing = []
+        missing: dict[str, list[tuple[CachedRequestState, int]]] = {}  # by identifier
         for state, i, *_ in spans:
             if i not in state.mm_embeds:
-                cached = self.encoder_cache.get(state.mm_features[i].identifier)
-                if cached is None:
-                    missing.append((state, i))
+                identifier = state.mm_features[i].identifier
+                cached = self.encoder_cache.get(identifier)
+                if cached is None:  # an image two requests hold is encoded once
+                    missing.setdefault(identifier, []).append((state, i))
                 else:
                     state.mm_embeds[i] = cached
         if missing:
-            features = [state.mm_features[i] for state, i in missing]
-            for (state, i), rows in zip(missing, self._encode(features), strict=True):
-                state.mm_embeds[i] = rows
-                self.encoder_cache.put(state.mm_features[i].identifier, rows)
+            features = [state.mm_features[i] for (state, i), *_ in missing.values()]
+            encoded = zip(missing.items(), self._encode(features), strict=True)
+            for (identifier, holders), rows in encoded:
+                for state, i in holders:
+                    state.mm_embeds[i] = rows
+                self.encoder_cache.put(identifier, rows)
         rows: list[int] = []
         parts = []
         for state, i, lo, hi, first_row in spans:

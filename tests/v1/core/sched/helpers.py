@@ -35,6 +35,7 @@ def make_scheduler(
     pins_yield_to_tier: bool = True,
     speculative: dict | None = None,
     max_loras: int = 0,
+    disable_chunked_mm_input: bool = False,
 ) -> Scheduler:
     config = VllmConfig(
         lora_config=LoRAConfig(enable_lora=max_loras > 0, max_loras=max(max_loras, 1)),
@@ -46,6 +47,7 @@ def make_scheduler(
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
             long_prefill_token_threshold=threshold,
+            disable_chunked_mm_input=disable_chunked_mm_input,
             policy=policy,
         ),
         policy_config=PolicyConfig(

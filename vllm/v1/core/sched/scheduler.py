@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from vllm.config import SpeculativeConfig, VllmConfig
 from vllm.distributed.kv_events import KVEventLog, ZmqEventPublisher
+from vllm.multimodal.inputs import MultiModalFeature
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -50,6 +51,13 @@ class _Step:
     preempted: set[str] = field(default_factory=set)
     num_loaded: int = 0  # tokens loaded from the CPU KV tier
     drafts: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
+    # Per request: the images its chunk makes the vision encoder compute.
+    encoder: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
+
+    @property
+    def encoded(self) -> dict[str, int]:
+        """The step's images so far: identifier -> embeddings."""
+        return {f.identifier: f.num_embeds for fs in self.encoder.values() for f in fs}
 
 
 class Scheduler:
@@ -191,6 +199,8 @@ class Scheduler:
                 continue
             drafts = self._drafts(request, budget) if num_new == 1 else []
             num_new = budget.clip(num_new + len(drafts))
+            start = request.num_computed_tokens
+            num_new, images = self._encoder_inputs(request, start, num_new, step, resumed=False)
             if num_new == 0:
                 i += 1
                 continue
@@ -199,6 +209,8 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new, budget, step, now)
             if new_block_ids is None:
                 break  # the request itself was preempted: nothing later fits either
+            if images:
+                step.encoder[request.request_id] = images
             step.cached.append(request)
             step.new_block_ids[request.request_id] = new_block_ids
             step.num_tokens[request.request_id] = num_new
@@ -207,6 +219,46 @@ class Scheduler:
             budget.consume(num_new)
             # A victim scheduled earlier in this step shifts the list (rare: look it up).
             i = i + 1 if len(self.running) == num_running else self.running.index(request) + 1
+
+    def _encoder_inputs(
+        self, request: Request, start: int, num_new: int, step: _Step, resumed: bool
+    ) -> tuple[int, list[MultiModalFeature]]:
+        """The chunk of ``num_new`` tokens from ``start``, cut so that the step's vision
+        encoder computes at most ``max_num_batched_tokens`` image embeddings (vLLM's
+        encoder budget, its ``max_num_encoder_input_tokens``), and the images the chunk
+        makes it encode.
+
+        A chunk that reaches an image encodes the whole image (the runner keeps its rows
+        until the image's last position is computed). An image the budget has no room
+        for ends the chunk before it (nothing of the request runs when the chunk starts
+        inside it); the first image of a step is never cut, so an image larger than the
+        budget still runs, in a step of its own. ``resumed``: the request comes from the
+        waiting queue (new, or preempted), so the runner holds none of its images, those
+        its prefix-cache hit ends inside included. With ``disable_chunked_mm_input`` a
+        chunk that would end inside an image stops before it. An image sent twice in one
+        step (one agent's screenshot in two requests) is encoded once."""
+        features = request.mm_features
+        if not features or num_new == 0:
+            return num_new, []
+        end = start + num_new
+        encoded = step.encoded
+        used = sum(encoded.values())
+        images: list[MultiModalFeature] = []
+        for f in sorted(features, key=lambda f: f.offset):
+            if f.offset >= end:
+                break
+            if f.end <= start or (f.offset < start and not resumed):
+                continue  # computed, or held by the runner since an earlier step
+            if self.config.disable_chunked_mm_input and start < f.offset and end < f.end:
+                return f.offset - start, images  # the image whole, from the next step
+            if f.identifier in encoded:
+                continue
+            if used and used + f.num_embeds > self.config.max_num_batched_tokens:
+                return max(f.offset - start, 0), images
+            used += f.num_embeds
+            encoded[f.identifier] = f.num_embeds
+            images.append(f)
+        return num_new, images
 
     def _surely_done(self, request: Request) -> bool:
         """Whether ``request`` stops at the latest with the tokens its steps on the device
@@ -296,6 +348,7 @@ class Scheduler:
             step.cached.remove(victim)
             step.new_block_ids.pop(victim.request_id, None)
             step.drafts.pop(victim.request_id, None)
+            step.encoder.pop(victim.request_id, None)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -349,6 +402,10 @@ class Scheduler:
             if not self.policy.may_admit(request, num_new, free_tokens, now):
                 break
             num_new = budget.clip(num_new)
+            start = num_hit + num_loaded
+            num_new, images = self._encoder_inputs(request, start, num_new, step, resumed=True)
+            if num_new == 0:
+                break  # its image waits for a step with room for it
             new_block_ids = kv.allocate_slots(
                 request,
                 num_new,
@@ -368,6 +425,8 @@ class Scheduler:
                 adapters.add(lora.lora_int_id)
             kv.record_prefix_cache_query(request.num_tokens, num_hit, num_loaded)
             self._admit(request, num_hit + num_loaded, now)
+            if images:
+                step.encoder[request.request_id] = images
             step.num_loaded += num_loaded
             step.new.append(request)
             step.num_tokens[request.request_id] = num_new
