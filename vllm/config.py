@@ -246,6 +246,14 @@ class ModelConfig:
         "must be 0.",
         parse=lambda text: parse_json_object(text, "limit_mm_per_prompt"),
     )
+    mm_processor_kwargs: dict[str, Any] | None = config_field(
+        None,
+        "JSON object, vLLM's: arguments every image gets from the model's image processor "
+        "(transformers'), e.g. '{\"max_pixels\": 401408}' (Qwen-VL: fewer image tokens) "
+        "or '{\"do_image_splitting\": false}' (SmolVLM: no tiles). A chat request's own "
+        "mm_processor_kwargs win key by key, and may lower the sizes set here, not raise them.",
+        parse=lambda text: parse_json_object(text, "mm_processor_kwargs"),
+    )
     trust_remote_code: bool = config_field(
         False,
         "Accepted as in vLLM's launch commands; nothing changes: no code from the model "
@@ -351,6 +359,8 @@ class ModelConfig:
             raise bad_value("hf_overrides", self.hf_overrides, "must be a dict")
         if self.limit_mm_per_prompt is not None:
             _check_mm_limits(self.limit_mm_per_prompt)
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            raise bad_value("mm_processor_kwargs", self.mm_processor_kwargs, "must be a dict")
         if self.override_generation_config is not None and not isinstance(
             self.override_generation_config, dict
         ):

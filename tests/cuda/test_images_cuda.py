@@ -1,5 +1,7 @@
-"""Images on CUDA: the tiny LLaVA, SmolVLM and Qwen2.5-VL of tests/multimodal served on the
-GPU (Qwen2.5-VL's M-RoPE steps with (3, T) positions among them). In fp32
+"""Images on CUDA: the tiny LLaVA, SmolVLM, Qwen2.5-VL, Qwen3-VL and Mistral 3 of
+tests/multimodal served on the GPU (M-RoPE steps with (3, T) positions among them,
+Qwen3-VL's deepstack features added after its first layers, Mistral 3's images of two
+sizes through the Pixtral tower). In fp32
 (TORCH_SDPA: FlashAttention takes no fp32) the greedy tokens and their logprobs equal
 transformers' on the CPU, chunked prefill cutting the images; in bf16 (FlashAttention,
 decode steps from CUDA graphs) the logprobs stay within bf16's rounding of those.
@@ -15,7 +17,9 @@ import torch
 
 from tests.multimodal import test_idefics3_engine as tiled
 from tests.multimodal import test_llava_engine as whole
+from tests.multimodal import test_mistral3_engine as rows
 from tests.multimodal import test_qwen2_vl_engine as grid
+from tests.multimodal import test_qwen3_vl_engine as deepstack
 from vllm import LLM, SamplingParams
 
 pytestmark = [
@@ -68,3 +72,19 @@ def test_qwen2_5_vl_on_cuda(tmp_path_factory):
     _, tokens, logprobs = grid.reference(model, images)
     request = {"prompt_token_ids": grid.PROMPT, "multi_modal_data": {"image": images}}
     check(model[0], request, tokens, logprobs, skip_tokenizer_init=True)
+
+
+def test_qwen3_vl_on_cuda(tmp_path_factory):
+    model = deepstack.build_model(tmp_path_factory.mktemp("qwen3"))
+    images = [grid.image(0, (70, 50)), grid.image(1, (64, 128))]
+    _, tokens, logprobs = deepstack.reference(model, images)
+    request = {"prompt_token_ids": grid.PROMPT, "multi_modal_data": {"image": images}}
+    check(model[0], request, tokens, logprobs, skip_tokenizer_init=True)
+
+
+def test_mistral3_on_cuda(tmp_path_factory):
+    model = rows.build_model(tmp_path_factory.mktemp("mistral3"))
+    images = [rows.image(0, (30, 50)), rows.image(1, (50, 20))]
+    _, tokens, logprobs = rows.reference(model, images)
+    check(model[0], {"prompt": rows.PROMPT, "multi_modal_data": {"image": images}}, tokens,
+          logprobs)  # fmt: skip

@@ -169,9 +169,13 @@ def test_request_fields_reach_the_sampling_params():
     for body, param in (({"truncation_side": "middle"}, "truncation_side"),
                         ({"request_id": ""}, "request_id"),
                         ({"logprob_token_ids": [3]}, "logprob_token_ids"),
-                        ({"kv_transfer_params": {"x": 1}}, "kv_transfer_params")):  # fmt: skip
+                        ({"kv_transfer_params": {"x": 1}}, "kv_transfer_params"),
+                        ({"mm_processor_kwargs": {"size": 1}}, "mm_processor_kwargs")):  # fmt: skip
         with pytest.raises(ValidationError, match=param):
             CompletionRequest.model_validate({"prompt": "x", **body})
+    # Chat takes images, and so their processor's arguments (checked by the engine).
+    chat = ChatCompletionRequest(messages=MESSAGES, mm_processor_kwargs={"max_pixels": 9})
+    assert chat.mm_processor_kwargs == {"max_pixels": 9}
 
 
 def test_a_named_request_answers_under_its_name_and_runs_under_a_unique_one():

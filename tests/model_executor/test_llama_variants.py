@@ -140,7 +140,7 @@ def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     """Mistral-Small-3.x's layout: a vision tower beside the Mistral text model, its tensors
     under ``language_model.``; text-only logits equal transformers'."""
     from vllm.model_executor.model_loader import model_max_len
-    from vllm.model_executor.models.llama import Mistral3ForConditionalGeneration
+    from vllm.model_executor.models.mistral3 import Mistral3ForConditionalGeneration
 
     text = {**TINY_LLAMA, "head_dim": 16, "model_type": "mistral", "sliding_window": None}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16,

@@ -3,7 +3,7 @@
 random checkpoints: image embeddings (Qwen2.5-VL's windows split the images, its full and
 window blocks both run), logits of a prompt holding two images under M-RoPE's 3-row
 positions, text logits, both tensor layouts, the image layout and the image processor's
-output; Qwen3-VL stays text-only."""
+output. Qwen3-VL: test_qwen3_vl.py."""
 
 from __future__ import annotations
 
@@ -211,32 +211,13 @@ def test_image_layout_and_image_processor(tmp_path):
     assert llama.qwen_vl_image_layout(config) == (IMAGE, 2)  # beside the model class
     assert qwen_vl_image_layout({"model_type": "qwen2_5_vl"}) == (151655, 2)
     assert QwenVLForConditionalGeneration.takes_images(config)
-    assert not QwenVLForConditionalGeneration.takes_images({"model_type": "qwen3_vl"})
-    with pytest.raises(ValueError, match="qwen3_vl"):
-        qwen_vl_image_layout({"model_type": "qwen3_vl"})
+    assert not QwenVLForConditionalGeneration.takes_images({"model_type": "llava"})
+    with pytest.raises(ValueError, match="llava"):
+        qwen_vl_image_layout({"model_type": "llava"})
     processor = transformers.AutoImageProcessor.from_pretrained(tmp_path, backend="pil")
     out = processor(images=[Image.new("RGB", (50, 70), (200, 30, 90))], return_tensors="pt")
     assert out["pixel_values"].shape == (16, PATCH_DIM)
     assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
-
-
-def test_qwen3_vl_stays_text_only():
-    config = transformers.Qwen3VLConfig(
-        text_config={**TEXT, "head_dim": 16,
-                     "rope_parameters": {**TEXT["rope_parameters"], "mrope_interleaved": True}},
-        vision_config=dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=2,
-                           out_hidden_size=64, patch_size=16, spatial_merge_size=2,
-                           temporal_patch_size=2, num_position_embeddings=64,
-                           deepstack_visual_indexes=[0]),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
-    )  # fmt: skip
-    assert not QwenVLForConditionalGeneration.takes_images(config)
-    model = QwenVLForConditionalGeneration(QwenVLForConditionalGeneration.arch_from_hf(config))
-    assert model.visual is None and not model.supports_images and not model.uses_mrope
-    with pytest.raises(ValueError, match="without images"):
-        model.embed_images(torch.zeros(16, PATCH_DIM), torch.tensor([[1, 4, 4]]))
-    with pytest.raises(ValueError, match="no M-RoPE"):
-        model.mrope_table(torch.zeros(3, 4, dtype=torch.long))
 
 
 def test_refuses_what_it_cannot_serve():

@@ -32,6 +32,7 @@ TYPED_TEMPLATE = (
     "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 QUESTION = "What is in the picture?"
+RAW = {"do_rescale": False}  # the image processor's argument: pixels 255x larger
 
 
 def data_url(img) -> str:
@@ -74,6 +75,7 @@ def test_llm_chat_and_the_server_answer_with_the_image(folder, tmp_path):
     llm = LLM(model=str(path), max_model_len=128)
     try:
         chats = [llm.chat(messages(image(s)), GREEDY)[0] for s in (0, 1)]
+        raw = llm.chat(messages(image(0)), GREEDY, mm_processor_kwargs=RAW)[0]
         by_prompt = [
             llm.generate({"prompt": c.prompt, "multi_modal_data": {"image": image(s)}}, GREEDY)[0]
             for s, c in zip((0, 1), chats, strict=True)
@@ -96,6 +98,21 @@ def test_llm_chat_and_the_server_answer_with_the_image(folder, tmp_path):
             )  # fmt: skip
             assert reply.choices[0].message.content == chat.outputs[0].text
             assert reply.usage.prompt_tokens == len(chat.prompt_token_ids)
+        # The image processor's arguments for one request (vLLM's mm_processor_kwargs).
+        # A crop the tower cannot take is refused: the arguments reached the processor.
+        crop = {"crop_size": {"height": 14, "width": 14}}
+        for kwargs, want in ((RAW, raw.outputs[0].text), (crop, None)):
+            body = {"ignore_eos": True, "mm_processor_kwargs": kwargs}
+            try:
+                reply = client.chat.completions.create(
+                    model=str(path), messages=messages(image(0)), max_tokens=6, temperature=0,
+                    extra_body=body,
+                )  # fmt: skip
+            except openai.BadRequestError as e:
+                assert want is None and e.body["param"] == "mm_processor_kwargs"
+                assert "made images of (14, 14) pixels" in e.body["message"]
+            else:
+                assert reply.choices[0].message.content == want
         # The Anthropic Messages API's image block (base64), through the same chat route.
         png = data_url(image(0)).removeprefix("data:image/png;base64,")
         answer = anthropic.Anthropic(base_url=server.base, api_key="x").messages.create(
@@ -108,6 +125,35 @@ def test_llm_chat_and_the_server_answer_with_the_image(folder, tmp_path):
             extra_body={"temperature": 0, "ignore_eos": True},
         )  # fmt: skip
         assert answer.content[0].text == chats[0].outputs[0].text
+        # A screenshot in a tool_result (a computer-use agent's turn) is the tool message's
+        # image part: the same reply as the chat API's tool message with that image.
+        source = {"type": "base64", "media_type": "image/png", "data": png}
+        call = {"type": "tool_use", "id": "t1", "name": "look", "input": {}}
+        answer = anthropic.Anthropic(base_url=server.base, api_key="x").messages.create(
+            model=str(path), max_tokens=6,
+            messages=[{"role": "user", "content": QUESTION},
+                      {"role": "assistant", "content": [call]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                          "content": [{"type": "image", "source": source}]}]}],
+            extra_body={"temperature": 0, "ignore_eos": True},
+        )  # fmt: skip
+        tool_call = {
+            "id": "t1",
+            "type": "function",
+            "function": {"name": "look", "arguments": "{}"},
+        }
+        reply = client.chat.completions.create(
+            model=str(path), max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": QUESTION},
+                      {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                      {"role": "tool", "tool_call_id": "t1", "content": [
+                          {"type": "image_url", "image_url": {"url": data_url(image(0))}}]}],
+        )  # fmt: skip
+        assert reply.usage.prompt_tokens > len(chats[0].prompt_token_ids)  # the image is in
+        assert answer.content[0].text == reply.choices[0].message.content
+        usage = answer.usage  # Anthropic's input_tokens leave out the prefix cache's
+        cached = usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+        assert usage.input_tokens + cached == reply.usage.prompt_tokens
         with pytest.raises(openai.BadRequestError, match="could not be loaded") as e:
             client.chat.completions.create(
                 model=str(path), max_tokens=2,

@@ -77,7 +77,13 @@ class LLM:
         self._gc_freeze = freeze_gc_heap("LLM engine")
         self._thaw = weakref.finalize(self, self._gc_freeze.release)
         self.tokenizer = self.engine_core.tokenizer
-        self.processor = Processor(self.vllm_config, self.tokenizer, self.engine_core.eos_token_id)
+        try:  # checks what the model folder must hold (a bad --mm-processor-kwargs)
+            self.processor = Processor(
+                self.vllm_config, self.tokenizer, self.engine_core.eos_token_id
+            )
+        except BaseException:
+            self.shutdown()
+            raise
         self.processor.set_kv_capacity(self.engine_core.num_gpu_blocks)
         self.output_processor = OutputProcessor(
             self.tokenizer, self.vllm_config.scheduler_config.stream_interval
@@ -184,10 +190,13 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         continue_final_message: bool = False,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Chat with one conversation (a list of messages) or a list of conversations;
         ``lora_request`` as ``generate``'s. ``continue_final_message`` (vLLM's): the
         model goes on with the last message (with ``add_generation_prompt=False``).
+        ``mm_processor_kwargs``: the image processor's arguments for the messages'
+        images, over the engine's (``LLM(mm_processor_kwargs=...)``).
 
         Messages are validated as the server validates them (``VLLMValidationError``)."""
         if not messages:
@@ -213,11 +222,11 @@ class LLM:
                 chat_template_kwargs,
                 continue_final_message,
             )
-            mm = (
-                {"image": [_load_chat_image(i, url) for i, url in enumerate(urls)]}
-                if urls
-                else None
-            )
+            mm = {"mm_processor_kwargs": mm_processor_kwargs} if mm_processor_kwargs else {}
+            if urls:
+                mm["multi_modal_data"] = {
+                    "image": [_load_chat_image(i, url) for i, url in enumerate(urls)]
+                }
             # The template already wrote the special tokens (BOS etc.): add none.
             items.append((text, text, False, None, mm))
         return self._run(items, sampling_params, use_tqdm, lora_request)
@@ -294,14 +303,14 @@ class LLM:
 
     def _run(
         self,
-        items: list[tuple[str | list[int], str | None, bool, str | None, dict | None]],
+        items: list[tuple[str | list[int], str | None, bool, str | None, dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling: bool = False,
     ) -> list[RequestOutput]:
         """items: (prompt, prompt text for the output, add_special_tokens, cache_salt,
-        multi_modal_data)."""
+        the multimodal fields: ``_mm_data``)."""
         if lora_request is None or isinstance(lora_request, LoRARequest):
             lora_request = [lora_request] * len(items)
         if len(lora_request) != len(items):
@@ -331,7 +340,7 @@ class LLM:
             self._request_counter += 1
             _, core_reqs = self.processor.process(
                 ids, params, request_id, cache_salt=salt, lora_request=lora, pooling=pooling,
-                multi_modal_data=mm,
+                **mm,
             )  # fmt: skip
             batch.append((request_id, text, core_reqs))
         self._add_to_engine(batch)
@@ -433,9 +442,12 @@ def _load_chat_image(i: int, url: str):
         ) from e
 
 
-def _mm_data(prompt: Prompt) -> dict | None:
-    """A prompt dict's ``multi_modal_data`` (vLLM's: ``{"image": image or [images]}``)."""
-    return prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+def _mm_data(prompt: Prompt) -> dict[str, Any]:
+    """A prompt dict's multimodal fields, vLLM's: ``multi_modal_data`` (``{"image": image
+    or [images]}``) and ``mm_processor_kwargs`` (its image processor's arguments)."""
+    if not isinstance(prompt, dict):
+        return {}
+    return {k: prompt[k] for k in ("multi_modal_data", "mm_processor_kwargs") if k in prompt}
 
 
 def _cache_salt(prompt: Prompt) -> str | None:

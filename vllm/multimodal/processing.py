@@ -26,6 +26,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_LIMIT_PER_PROMPT = 999
 MODALITIES = ("image",)
 PARAM = "multi_modal_data"
+KWARGS = "mm_processor_kwargs"
+# The image processor's arguments that fix what the model was built for (its patch and
+# merge sizes, its tokens per image) or the tensors' form: neither a request nor the
+# server may set them.
+FIXED_KWARGS = frozenset({
+    "patch_size", "temporal_patch_size", "merge_size", "image_seq_length", "return_tensors",
+    "data_format", "input_data_format", "device", "return_row_col_info", "images",
+})  # fmt: skip
+# The arguments that size an image. A request may lower them, never raise them above the
+# server's (an image sized up to billions of pixels would exhaust the front end's memory).
+SIZE_KWARGS = frozenset({"size", "min_pixels", "max_pixels", "max_image_size", "crop_size"})
+# transformers keeps Qwen-VL's min/max_pixels in ``size``, as these edges.
+_SIZE_ALIASES = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 
 
 def image_model_class(model_config) -> type | None:
@@ -52,7 +65,7 @@ class ImageInputProcessor:
     """A model's image inputs: ``process(prompt_ids, images)`` -> (the prompt with its
     placeholders expanded, one ``MultiModalFeature`` per image).
 
-    Three prompt layouts, as the model class says (``image_layout``):
+    Four prompt layouts, as the model class says (``image_layout``):
 
     - whole (LLaVA): an image is one tile, its placeholder ``tokens_per_image`` image
       tokens;
@@ -64,7 +77,12 @@ class ImageInputProcessor:
       only the image tokens take embeddings (``is_embed``);
     - grid (Qwen2-VL, Qwen2.5-VL): the image processor sizes an image to a grid of patches
       (t, h, w); its placeholder becomes t * h * w / merge**2 image tokens, whose M-RoPE
-      positions follow the merged grid (``mrope_grid``).
+      positions follow the merged grid (``mrope_grid``);
+    - rows (Mistral 3's Pixtral): the image processor resizes an image to R x C squares of
+      the merged patch (``patch_size * spatial_merge_size`` pixels), the encoder takes it
+      at that size, unpadded; its placeholder becomes, per row, C image tokens
+      (``[IMG]``) then ``[IMG_BREAK]``, the last row's break ``[IMG_END]``
+      (transformers' ``PixtralProcessor``); only the image tokens take embeddings.
     """
 
     def __init__(self, model_config, tokenizer, model_cls: type) -> None:
@@ -75,12 +93,17 @@ class ImageInputProcessor:
             model_config.hf_token,
         )  # fmt: skip
         hf_config = hf_config_of(model_config)
-        # "whole" (LLaVA), "tiled" (SmolVLM, Idefics3) or "grid" (Qwen2-VL): class docstring.
+        # "whole" (LLaVA), "tiled" (SmolVLM, Idefics3), "grid" (Qwen2-VL) or "rows"
+        # (Mistral 3): class docstring.
         self.layout = getattr(model_cls, "image_layout", "whole")
         module = importlib.import_module(model_cls.__module__)
         if self.layout == "grid":
             self.image_token_id, self.merge = module.qwen_vl_image_layout(hf_config)
             self.tokens_per_tile = 0  # each image's own: its grid's
+        elif self.layout == "rows":
+            self.rows = module.image_rows_layout(hf_config)  # its tokens and merged patch
+            self.image_token_id, self.tokens_per_tile = self.rows.image_token_id, 0
+            self._row_end_ids: tuple[int, int] | None = None  # (break, end): the first image's
         else:
             self.image_token_id, self.tokens_per_tile = module.image_token_layout(hf_config)
         limits = model_config.limit_mm_per_prompt or {}
@@ -92,6 +115,14 @@ class ImageInputProcessor:
             self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
         self._image_processor = None  # loaded by the first image
         self._tile_prompts: dict[tuple[int, int], list[int]] = {}  # (R, C) -> its ids
+        # What a whole image or a tile must measure (H, W): the vision tower's input.
+        vision = getattr(hf_config, "vision_config", None)
+        size = getattr(vision, "image_size", None)
+        self.tile_size = (size, size) if isinstance(size, int) else None
+        # --mm-processor-kwargs: every image's arguments (a request's own go over them).
+        self.kwargs: dict[str, Any] = {}
+        if model_config.mm_processor_kwargs:
+            self.kwargs = self._checked(model_config.mm_processor_kwargs)
 
     @classmethod
     def for_model(cls, model_config, tokenizer) -> ImageInputProcessor | None:
@@ -115,9 +146,60 @@ class ImageInputProcessor:
                 ) from e
         return self._image_processor
 
+    def _checked(self, kwargs: Any) -> dict[str, Any]:
+        """``kwargs`` when each is an argument of the model's image processor that may be
+        set (not in ``FIXED_KWARGS``); ``VLLMValidationError`` naming mm_processor_kwargs."""
+        if not isinstance(kwargs, dict):
+            raise VLLMValidationError(
+                f"{KWARGS} must be an object, got {type(kwargs).__name__}", KWARGS
+            )
+        processor = self.image_processor
+        valid = getattr(getattr(processor, "valid_kwargs", None), "__annotations__", {})
+        for key in kwargs:
+            if key in FIXED_KWARGS:
+                raise VLLMValidationError(
+                    f"{KWARGS}: {key!r} cannot be set: the model is built for its own", KWARGS
+                )
+            if key not in valid:
+                takes = ", ".join(sorted(set(valid) - FIXED_KWARGS))
+                raise VLLMValidationError(
+                    f"{KWARGS}: {key!r} is not an argument of this model's image processor "
+                    f"({type(processor).__name__}); it takes {takes}",
+                    KWARGS,
+                )
+        return dict(kwargs)
+
+    def request_kwargs(self, kwargs: Any) -> dict[str, Any]:
+        """A request's ``mm_processor_kwargs`` over the server's (key by key), checked:
+        ``_checked``'s, and sizes (``SIZE_KWARGS``) no larger than the server's."""
+        kwargs = self._checked(kwargs)
+        for key in SIZE_KWARGS.intersection(kwargs):
+            if not _within(kwargs[key], self._server_size(key)):
+                raise VLLMValidationError(
+                    f"{KWARGS}: {key} {kwargs[key]!r} is larger than the server's "
+                    f"{self._server_size(key)!r}: a request may lower an image's size, not "
+                    "raise it (the server's --mm-processor-kwargs can)",
+                    KWARGS,
+                )
+        return {**self.kwargs, **kwargs}
+
+    def _server_size(self, key: str) -> Any:
+        """The size ``key`` every image gets: the server's --mm-processor-kwargs, else the
+        image processor's own (Qwen-VL's pixel bounds are edges of its ``size``)."""
+        if key in self.kwargs:
+            return self.kwargs[key]
+        value = getattr(self.image_processor, key, None)
+        if value is None and key in _SIZE_ALIASES:
+            size = self._server_size("size")
+            value = _size_items(size).get(_SIZE_ALIASES[key]) if size is not None else None
+        return value
+
     def process(
-        self, prompt_ids: list[int], images: list[Any]
+        self, prompt_ids: list[int], images: list[Any], kwargs: dict[str, Any] | None = None
     ) -> tuple[list[int], list[MultiModalFeature]]:
+        """``kwargs``: the image processor's arguments (a request's, ``request_kwargs``;
+        None: the server's)."""
+        kwargs = self.kwargs if kwargs is None else kwargs
         if len(images) > self.limit:
             raise VLLMValidationError(
                 f"at most {self.limit} images a prompt (--limit-mm-per-prompt), got {len(images)}",
@@ -142,28 +224,28 @@ class ImageInputProcessor:
         last = 0
         for slot, image in zip(slots, images, strict=True):
             ids += prompt_ids[last:slot]
-            feature, image_ids = getattr(self, f"_{self.layout}")(image, len(ids))
+            feature, image_ids = getattr(self, f"_{self.layout}")(image, len(ids), kwargs)
             features.append(feature)
             ids += image_ids
             last = slot + 1
         ids += prompt_ids[last:]
         return ids, features
 
-    def _whole(self, image, offset: int) -> tuple[MultiModalFeature, list[int]]:
+    def _whole(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
         """The image as one (1, 3, H, W) tile at prompt position ``offset``, and the image
         tokens that stand for it."""
-        pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
-        pixels = pixels.float()
+        out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
+        pixels = self._sized(out["pixel_values"].float(), kwargs)
         n = self.tokens_per_tile
         return MultiModalFeature("image", pixels, offset, n, content_hash(pixels)), [
             self.image_token_id
         ] * n
 
-    def _grid(self, image, offset: int) -> tuple[MultiModalFeature, list[int]]:
+    def _grid(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
         """Qwen2-VL's: the image's (patches, patch values) and patch grid (t, h, w), and
         its t * h * w / merge**2 image tokens, whose M-RoPE positions follow the merged
         grid."""
-        out = self.image_processor(images=[image], return_tensors="pt")
+        out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
         patches = out["pixel_values"].float()
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         m = self.merge
@@ -174,12 +256,59 @@ class ImageInputProcessor:
         )  # fmt: skip
         return feature, [self.image_token_id] * n
 
-    def _tiled(self, image, offset: int) -> tuple[MultiModalFeature, list[int]]:
+    def _rows(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
+        """Pixtral's: the image's own (1, 3, H, W) pixels, H and W multiples of the merged
+        patch, and its tokens: per row of merged patches, as many image tokens then the
+        break token, the last row's break the end token; only the image tokens take the
+        embeddings (``is_embed``)."""
+        brk, end = self._row_ends()
+        p = self.rows.patch_pixels
+        size = {"height": p, "width": p}  # as PixtralProcessor passes it
+        out = self.image_processor(images=[image], return_tensors="pt", patch_size=size, **kwargs)
+        height, width = (int(v) for v in out["image_sizes"][0])
+        pixels = out["pixel_values"][:, :, :height, :width].float()  # one image: unpadded
+        image_ids = ([self.image_token_id] * (width // p) + [brk]) * (height // p)
+        image_ids[-1] = end
+        mask = [t == self.image_token_id for t in image_ids]
+        feature = MultiModalFeature(
+            "image", pixels, offset, len(image_ids), content_hash(pixels), mask
+        )
+        return feature, image_ids
+
+    def _row_ends(self) -> tuple[int, int]:
+        """The ids of the "rows" layout's break and end tokens: the config's, else the
+        tokenizer's; ``VLLMValidationError`` naming multi_modal_data where neither has
+        them."""
+        if self._row_end_ids is None:
+            ids = []
+            for token, given in ((self.rows.break_token, self.rows.break_token_id),
+                                 (self.rows.end_token, self.rows.end_token_id)):  # fmt: skip
+                if given is None and self.tokenizer is None:
+                    raise VLLMValidationError(
+                        f"this model's image prompts need the id of {token}, which neither "
+                        "its config nor a tokenizer gives (--skip-tokenizer-init leaves it out)",
+                        PARAM,
+                    )
+                if given is None:
+                    given = self.tokenizer.convert_tokens_to_ids(token)
+                    if given is None or self.tokenizer.convert_ids_to_tokens(given) != token:
+                        raise VLLMValidationError(
+                            f"this model's image prompts need {token}, which its tokenizer "
+                            "does not hold",
+                            PARAM,
+                        )
+                ids.append(given)
+            self._row_end_ids = (ids[0], ids[1])
+        return self._row_end_ids
+
+    def _tiled(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
         """(R * C + 1, 3, H, W) tiles, the whole image last (one tile when the processor
         does not split it), and the prompt ids that stand for them: its image tokens take
         the embeddings (``is_embed``), its markers are text."""
-        out = self.image_processor(images=[image], return_tensors="pt", return_row_col_info=True)
-        tiles = out["pixel_values"][0].float()  # one image: no padding tile
+        out = self.image_processor(
+            images=[image], return_tensors="pt", return_row_col_info=True, **kwargs
+        )
+        tiles = self._sized(out["pixel_values"][0].float(), kwargs)  # one image: no padding
         rows, cols = out["rows"][0][0], out["cols"][0][0]
         key = (rows, cols)
         if key not in self._tile_prompts:
@@ -200,6 +329,17 @@ class ImageInputProcessor:
         )
         return feature, image_ids
 
+    def _sized(self, tiles: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """``tiles`` when each measures what the vision tower takes; else (arguments that
+        resized them: a crop or tile size of their own) ``VLLMValidationError``."""
+        if self.tile_size is not None and tuple(tiles.shape[-2:]) != self.tile_size:
+            raise VLLMValidationError(
+                f"{KWARGS} {kwargs!r} made images of {tuple(tiles.shape[-2:])} pixels; this "
+                f"model's vision tower takes {self.tile_size}",
+                KWARGS,
+            )
+        return tiles
+
     def _tile_text(self, rows: int, cols: int) -> str:
         """transformers' prompt string for an image of ``rows`` x ``cols`` tiles."""
         fake, image = "<fake_token_around_image>", self.placeholder * self.tokens_per_tile
@@ -211,6 +351,25 @@ class ImageInputProcessor:
             text += "".join(f"{fake}<row_{r}_col_{c}>{image}" for c in range(1, cols + 1))
             text += "\n"
         return f"{text}\n{whole}"
+
+
+def _size_items(value: Any) -> dict[str, Any]:
+    """A size argument's fields (a dict or transformers' ``SizeDict``), the unset left out."""
+    items = value if isinstance(value, dict) else getattr(value, "__dict__", {})
+    return {k: v for k, v in items.items() if v is not None}
+
+
+def _within(value: Any, bound: Any) -> bool:
+    """Whether the size ``value`` is no larger than ``bound``: numbers, or each field of a
+    size dict no larger than the bound's same field (a field the bound lacks: larger)."""
+    if bound is None:
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return isinstance(bound, (int, float)) and value <= bound
+    if isinstance(value, dict):
+        limits = _size_items(bound)
+        return all(k in limits and _within(v, limits[k]) for k, v in value.items())
+    return False
 
 
 def content_hash(data: torch.Tensor) -> str:

@@ -761,6 +761,7 @@ class ChatCompletionRequest(_SamplingFields):
             "continue_final_message",
             "echo",
             "use_beam_search",
+            "mm_processor_kwargs",
         }
     )
     messages: list[ChatMessage] = Field(min_length=1)
@@ -783,6 +784,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the image processor's arguments for this request's images, over the
+    # server's --mm-processor-kwargs (multimodal.processing: which keys, which values).
+    mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's: documents for a template that renders them (RAG; e.g. {"title", "text"}
     # each); a template that does not ignores them.
     documents: list[dict[str, str]] | None = None

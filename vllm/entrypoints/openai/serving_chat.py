@@ -6,7 +6,7 @@ import asyncio
 import functools
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 from pydantic import ValidationError
@@ -253,7 +253,9 @@ class OpenAIServingChat(OpenAIServing):
         plan, prompt, params = await self._prepare(request)
         # Loaded once every other check passed: a refused request fetches nothing.
         images = await self._load_images(request) if request.has_images else []
-        extra = {"multi_modal_data": {"image": images}} if images else {}
+        extra: dict[str, Any] = {"multi_modal_data": {"image": images}} if images else {}
+        if request.mm_processor_kwargs:
+            extra["mm_processor_kwargs"] = request.mm_processor_kwargs
         try:
             # The template wrote the special tokens (BOS etc.): by default the tokenizer
             # adds none (vLLM's add_special_tokens: true adds them too).

@@ -423,13 +423,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids, positions, meta: Any, kv_caches, inputs_embeds: torch.Tensor | None = None
+        self,
+        input_ids,
+        positions,
+        meta: Any,
+        kv_caches,
+        inputs_embeds: torch.Tensor | None = None,
+        deepstack: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``inputs_embeds``
         (num_tokens, hidden), when given, is read instead of ``embed_input_ids(input_ids)``
         (a multimodal model's: image rows written in); it becomes the first layer's
         residual stream, which the fused norms update in place: the forward may overwrite
-        it."""
+        it. ``deepstack`` (n, num_tokens, hidden), when given: ``deepstack[i]`` is added
+        to the hidden state after layer i, for i < n (Qwen3-VL's image features)."""
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         ropes = {"global": self.rope, "local": self.rope_local, None: None}
@@ -439,6 +446,8 @@ class LlamaForCausalLM(nn.Module):
             zip(self.layers, kv_caches, self._layer_ropes, metas, strict=True)
         ):
             x, residual = layer(positions, x, residual, ropes[kind], m, kv_cache)
+            if deepstack is not None and i < deepstack.shape[0]:
+                x = x + deepstack[i]  # the hidden state is x + residual (or x alone)
             if i + 1 in self.aux_hidden_layers:  # a new tensor: the next norm works in place
                 aux.append(x.clone() if residual is None else x + residual)
         if aux:
@@ -508,42 +517,27 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     gguf_layout: ClassVar[Any] = None  # llama.cpp's phi3 tensors are fused differently
 
 
-class Mistral3ForConditionalGeneration(LlamaForCausalLM):
-    """Mistral 3's multimodal checkpoints (Mistral-Small-3.1/3.2, Magistral-Small:
-    ``Mistral3ForConditionalGeneration``) served as text models: the Mistral language model
-    of ``text_config``, its tensors read from under ``language_model.model.``; the vision
-    tower is not loaded and image parts are refused as for any model here."""
-
-    gguf_layout: ClassVar[Any] = None
-
-    @staticmethod
-    def arch_from_hf(hf_config: Any) -> LlamaArch:
-        return LlamaArch.from_hf(hf_config.get_text_config())
-
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        from vllm.model_executor.models.utils import language_model_tensors
-
-        super().load_weights(language_model_tensors(sd))
-
-
 class QwenVLForConditionalGeneration(LlamaForCausalLM):
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL's dense checkpoints: the Qwen2 or Qwen3 language
     model of ``text_config`` (its tensors under ``model.``, beside the vision tower's under
-    ``visual.``, or under ``model.language_model.`` beside ``model.visual.``).
+    ``visual.``, or under ``model.language_model.`` beside ``model.visual.``). Qwen3-VL-MoE
+    is this model with Qwen3-MoE's experts (``qwen3_vl_moe.py``).
 
-    Qwen2-VL and Qwen2.5-VL take images (``takes_images``): the vision tower
-    (``qwen2_vl_vision.py``) makes each image's rows (``embed_images``), which the engine
-    writes over its ``<|image_pad|>`` tokens' embeddings (``forward(..., inputs_embeds=)``),
-    and their multimodal rotation (M-RoPE) rotates each rotary frequency by one of three
-    positions (temporal, height, width: ``mrope_section``), which ``forward`` takes as
+    They take images (``takes_images``): the vision tower (``qwen2_vl_vision.py``,
+    ``qwen3_vl_vision.py``) makes each image's rows (``embed_images``), which the engine
+    writes over its ``<|image_pad|>`` tokens' embeddings (``merge_image_rows``, then
+    ``forward(..., inputs_embeds=)``), and their multimodal rotation (M-RoPE) rotates each
+    rotary frequency by one of three positions (temporal, height, width: ``mrope_section``,
+    contiguous runs, or interleaved for Qwen3-VL), which ``forward`` takes as
     ``(3, num_tokens)`` positions. Where a token's three are equal (text, decode steps)
     M-RoPE is the plain rotation: ``(num_tokens,)`` positions run the language model as
-    for any other. Qwen3-VL is served as a text model (its image and video parts are
-    refused as for any model here)."""
+    for any other. Qwen3-VL's DeepStack: the tower's rows carry extra features, which the
+    language model adds at the image tokens after its first layers. Videos are refused as
+    for any model here."""
 
     gguf_layout: ClassVar[Any] = None
-    # Decided per config (Qwen3-VL's tower is not built): ``takes_images``. An instance
-    # that takes images sets its own True, and ``uses_mrope`` (its runner's positions).
+    # Decided per config: ``takes_images``. An instance that takes images sets its own
+    # True, and ``uses_mrope`` (its runner's positions).
     supports_images: ClassVar[bool] = False
     # The prompt's layout of an image (vllm.multimodal.processing): its patch grid's tokens.
     image_layout: ClassVar[str] = "grid"
@@ -552,58 +546,89 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
     }  # fmt: skip
     _VISION_PREFIXES: ClassVar[tuple[str, ...]] = ("model.visual.", "visual.")
 
-    @staticmethod
-    def arch_from_hf(hf_config: Any) -> LlamaArch:
-        """The language model's arch; for Qwen2-VL and Qwen2.5-VL a ``QwenVLArch``, with the
-        M-RoPE sections and the vision tower's arch."""
-        import copy
-
+    @classmethod
+    def arch_from_hf(cls, hf_config: Any) -> LlamaArch:
+        """The language model's arch; for a checkpoint that takes images a ``QwenVLArch``,
+        with the M-RoPE sections and the vision tower's arch."""
         from vllm.model_executor.models.qwen2_vl_vision import QwenVLArch, takes_images
 
-        text = copy.copy(hf_config.get_text_config())
-        family = QwenVLForConditionalGeneration._TEXT_FAMILIES.get(text.model_type)
-        if family is None:
-            raise ValueError(f"model_type {text.model_type!r} is not a Qwen-VL language model")
-        text.model_type = family  # its attention: Qwen2's biases, Qwen3's q/k norms
-        arch = LlamaArch.from_hf(text)
+        arch = LlamaArch.from_hf(cls.text_config(hf_config))
         return QwenVLArch.from_text(arch, hf_config) if takes_images(hf_config) else arch
+
+    @classmethod
+    def text_config(cls, hf_config: Any) -> Any:
+        """A copy of the language model's config whose ``model_type`` is its text family's
+        (``_TEXT_FAMILIES``: Qwen2's attention biases, Qwen3's q/k norms, Qwen3-MoE's
+        experts); ``ValueError`` for a language model this class does not run."""
+        import copy
+
+        text = copy.copy(hf_config.get_text_config())
+        family = cls._TEXT_FAMILIES.get(text.model_type)
+        if family is None:
+            raise ValueError(
+                f"model_type {text.model_type!r} is not a language model of {cls.__name__}"
+            )
+        text.model_type = family
+        return text
 
     @classmethod
     def takes_images(cls, hf_config: Any) -> bool:
         """Whether the checkpoint of ``hf_config`` (transformers' config or the dict of its
-        config.json) is served with images: Qwen2-VL and Qwen2.5-VL, not Qwen3-VL."""
+        config.json) is served with images: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and
+        Qwen3-VL-MoE."""
         from vllm.model_executor.models.qwen2_vl_vision import takes_images
 
         return takes_images(hf_config)
 
     def __init__(self, arch: LlamaArch) -> None:
-        from vllm.model_executor.models.qwen2_vl_vision import QwenVisionTransformer
+        from vllm.model_executor.models.qwen2_vl_vision import vision_tower
 
         super().__init__(arch)
         vision = getattr(arch, "vision", None)
-        self.visual = None if vision is None else QwenVisionTransformer(vision)
+        self.visual = None if vision is None else vision_tower(vision)
         self.supports_images = self.uses_mrope = vision is not None
+        # merge_image_rows' deepstack features: (the embeddings they go with, the features)
+        self._deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def embed_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """(patches, channels * temporal_patch * patch * patch) pixel values (any float
         dtype, any device) of images of ``grid_thw`` (images, 3) patches, concatenated ->
-        (sum of t * h * w / merge ** 2, hidden) in the model's dtype, on its device: each
-        image's rows in order, to be written over its ``<|image_pad|>`` tokens'."""
+        (sum of t * h * w / merge ** 2, hidden * (1 + n)) in the model's dtype, on its
+        device: each image's rows in order, for its ``<|image_pad|>`` tokens
+        (``merge_image_rows``); n: Qwen3-VL's deepstack features (0 for Qwen2-VL and
+        Qwen2.5-VL), after the embedding on the last dimension."""
         if self.visual is None:
-            raise ValueError("this Qwen-VL checkpoint (Qwen3-VL) is served without images")
+            raise ValueError("this Qwen-VL checkpoint is served without images")
         return self.visual(pixel_values, grid_thw)
+
+    def merge_image_rows(
+        self, embeds: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write images' rows (``embed_images``' rows, (len(rows), hidden * (1 + n))) into
+        the step's embeddings ``embeds`` (num_tokens, hidden) at ``rows`` (LongTensor, on
+        their device): the embeddings in place; with n deepstack features, those are kept
+        as (n, num_tokens, hidden), zeros but at ``rows``, for the next ``forward`` alone,
+        which adds them when its ``inputs_embeds`` is ``embeds`` (and drops them either
+        way, so that nothing stale reaches a later step)."""
+        hidden = embeds.shape[1]
+        embeds.index_copy_(0, rows, values[:, :hidden])
+        n = values.shape[1] // hidden - 1
+        if n:
+            features = values[:, hidden:].view(-1, n, hidden).transpose(0, 1)  # (n, rows, h)
+            stack = embeds.new_zeros(n, embeds.shape[0], hidden)
+            self._deepstack = embeds, stack.index_copy_(1, rows, features)
 
     def mrope_table(self, positions: torch.Tensor) -> torch.Tensor:
         """(num_tokens, rot_dim) [cos | sin] rows of M-RoPE for (3, num_tokens) positions:
-        column j of each half from the rotary table's row at the position of j's section."""
-        sections = getattr(self.arch, "mrope_section", None)
-        if sections is None:
-            raise ValueError("(3, num_tokens) positions: this model has no M-RoPE (Qwen3-VL)")
+        column j of each half from the rotary table's row at the position that rotates
+        frequency j (``QwenVLArch.mrope_axes``)."""
+        axes = getattr(self.arch, "mrope_axes", None)
+        if axes is None:
+            raise ValueError("(3, num_tokens) positions: this model has no M-RoPE")
         if positions.dim() != 2 or positions.shape[0] != 3:
             raise ValueError(f"positions of shape {tuple(positions.shape)}: (3, num_tokens)")
-        which = [k for k, n in enumerate(sections) for _ in range(n)] * 2  # cos, then sin
-        which = torch.tensor(which, device=positions.device)
+        which = torch.tensor(axes * 2, device=positions.device)  # cos, then sin
         table = self.rope.cos_sin_cache  # (max_pos, rot_dim)
         return table.gather(0, positions[which].T.contiguous())  # [t, c] = table[pos, c]
 
@@ -611,15 +636,20 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
     def forward(
         self, input_ids, positions, meta: Any, kv_caches, inputs_embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``LlamaForCausalLM.forward``; ``positions`` (3, num_tokens) rotate by M-RoPE: the
+        """``LlamaForCausalLM.forward``, with the deepstack features ``merge_image_rows``
+        kept for ``inputs_embeds``; ``positions`` (3, num_tokens) rotate by M-RoPE: the
         layers run over this step's own table (``mrope_table``), row i for token i."""
+        pending, self._deepstack = self._deepstack, None
+        deepstack = None
+        if pending is not None and pending[0] is inputs_embeds:
+            deepstack = pending[1]
         if positions.dim() == 1:
-            return super().forward(input_ids, positions, meta, kv_caches, inputs_embeds)
+            return super().forward(input_ids, positions, meta, kv_caches, inputs_embeds, deepstack)
         rope, table = self.rope, self.rope.cos_sin_cache
         rope.cos_sin_cache = self.mrope_table(positions)
         try:
             rows = torch.arange(positions.shape[1], device=positions.device)
-            return super().forward(input_ids, rows, meta, kv_caches, inputs_embeds)
+            return super().forward(input_ids, rows, meta, kv_caches, inputs_embeds, deepstack)
         finally:
             rope.cos_sin_cache = table
 
@@ -642,8 +672,9 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
 
 
 def qwen_vl_image_layout(hf_config: Any) -> tuple[int, int]:
-    """(the ``<|image_pad|>`` token id, ``spatial_merge_size``) of a Qwen2-VL or Qwen2.5-VL
-    config: ``qwen2_vl_vision.qwen_vl_image_layout``, here beside the model class."""
+    """(the ``<|image_pad|>`` token id, ``spatial_merge_size``) of a Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL or Qwen3-VL-MoE config: ``qwen2_vl_vision.qwen_vl_image_layout``, here beside
+    the model class."""
     from vllm.model_executor.models.qwen2_vl_vision import qwen_vl_image_layout as layout
 
     return layout(hf_config)

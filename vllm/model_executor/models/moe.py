@@ -7,11 +7,13 @@ A layer is ``LlamaLayer``'s attention (Qwen2's q/k/v biases, Qwen3's q/k norms a
 ``llama.py``) with a ``SparseMoeBlock`` for the feed-forward: a router (``gate``), the
 routed experts (``layers/fused_moe.py``) and, for Qwen2-MoE, a shared expert scaled by a
 sigmoid gate. Qwen's ``decoder_sparse_step`` and ``mlp_only_layers`` keep some layers
-dense. Registered for the three HF architectures in ``registry.py``.
+dense. Registered for the three HF architectures in ``registry.py``; Qwen3-VL-MoE's
+language model is Qwen3-MoE's (``qwen3_vl_moe.py``), its experts stored stacked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -188,11 +190,7 @@ def load_moe_block(a: MoeArch, mlp: nn.Module, sd: dict[str, torch.Tensor], pref
         mlp.experts.w2.copy_(sd[p + "output_linear.weight"])
         return
     mlp.gate.weight.copy_(sd[p + "gate.weight"])
-    names = ("w1", "w3", "w2") if a.checkpoint_prefix == "block_sparse_moe" else (
-        "gate_proj", "up_proj", "down_proj"
-    )  # fmt: skip
-    for e in range(a.num_experts):
-        gate, up, down = (sd[f"{p}experts.{e}.{n}.weight"] for n in names)
+    for e, (gate, up, down) in enumerate(expert_weights(a, sd, p)):
         mlp.experts.load_expert(e, gate, up, down)
     if a.scoring == "sigmoid":
         mlp.e_score_correction_bias.copy_(sd[p + "gate.e_score_correction_bias"])
@@ -204,3 +202,48 @@ def load_moe_block(a: MoeArch, mlp: nn.Module, sd: dict[str, torch.Tensor], pref
         mlp.shared_down_proj.weight.copy_(sd[s + "down_proj.weight"])
         if a.shared_expert_gated:
             mlp.shared_expert_gate.weight.copy_(sd[p + "shared_expert_gate.weight"])
+
+
+def expert_weights(
+    a: MoeArch, sd: dict[str, torch.Tensor], p: str
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each routed expert's (gate (I, H), up (I, H), down (H, I)) weights from the checkpoint
+    tensors of the block ``p`` (``layers.N.mlp.``): one tensor each (``experts.N.gate_proj``,
+    Mixtral's ``w1`` / ``w3`` / ``w2``), or all experts stacked in ``experts.gate_up_proj``
+    and ``experts.down_proj`` (``stacked_experts``)."""
+    i = a.moe_intermediate_size
+    if p + "experts.gate_up_proj" in sd:
+        gate_up = stacked_experts(
+            sd, p + "experts.gate_up_proj", (a.num_experts, 2 * i, a.hidden_size)
+        )
+        down = stacked_experts(sd, p + "experts.down_proj", (a.num_experts, a.hidden_size, i))
+        for e in range(a.num_experts):
+            yield gate_up[e, :i], gate_up[e, i:], down[e]
+        return
+    names = ("w1", "w3", "w2") if a.checkpoint_prefix == "block_sparse_moe" else (
+        "gate_proj", "up_proj", "down_proj"
+    )  # fmt: skip
+    for e in range(a.num_experts):
+        gate, up, down = (sd[f"{p}experts.{e}.{n}.weight"] for n in names)
+        yield gate, up, down
+
+
+def stacked_experts(
+    sd: dict[str, torch.Tensor], name: str, shape: tuple[int, int, int]
+) -> torch.Tensor:
+    """The checkpoint's stacked experts ``name`` as (experts, out, in) ``shape``: transformers
+    5's layout (what its ``save_pretrained`` writes: ``gate_up_proj`` (E, [gate; up], H),
+    ``down_proj`` (E, H, I)), or transformers 4's, each expert transposed ((E, H, 2I) and
+    (E, I, H): Qwen3-VL-MoE's Hub checkpoints), as a view. As transformers' loader, a
+    tensor already of ``shape`` is taken as it is (so where H is 2I or I, the layout
+    cannot be told from the shape alone: transformers 5's). ``ValueError`` for another
+    shape."""
+    tensor = sd[name]
+    if tensor.shape == shape:
+        return tensor
+    if tensor.shape == (shape[0], shape[2], shape[1]):
+        return tensor.transpose(1, 2)
+    raise ValueError(
+        f"{name} of shape {tuple(tensor.shape)}: experts stacked as {shape} or transposed "
+        f"{(shape[0], shape[2], shape[1])}"
+    )

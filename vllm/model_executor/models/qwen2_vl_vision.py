@@ -1,7 +1,8 @@
 """The vision transformers of Qwen2-VL and Qwen2.5-VL (transformers'
 ``Qwen2VisionTransformerPretrainedModel`` and ``Qwen2_5_VisionTransformerPretrainedModel``),
-and the arch of a Qwen-VL model that takes images (``QwenVLArch``: the language model's
-and the tower's).
+the pieces Qwen3-VL's tower (``qwen3_vl_vision.py``) shares with them, and the arch of a
+Qwen-VL model that takes images (``QwenVLArch``: the language model's, its M-RoPE's and
+the tower's).
 
 The image processor resizes an image to a multiple of ``patch_size * spatial_merge_size``
 pixels a side and flattens it into patches: ``pixel_values`` (patches, channels *
@@ -20,6 +21,8 @@ the patches of one frame. Qwen2.5-VL: RMSNorm blocks, a SwiGLU MLP with biases, 
 within each window of ``window_size`` pixels a side (a window's merge blocks made
 consecutive by reordering them, the reorder undone after the merger) except in the
 ``fullatt_block_indexes`` blocks, which attend over the whole frame as Qwen2-VL's.
+Qwen3-VL: ``qwen3_vl_vision.py`` (a learned position table, deepstack features); Qwen3-VL-MoE
+has Qwen3-VL's tower.
 
 Tensors are named as transformers names the tower (``patch_embed.``, ``blocks.N.``,
 ``merger.``), without the model's ``visual.`` prefix.
@@ -39,9 +42,18 @@ from vllm.model_executor.models.clip import ACTIVATIONS
 from vllm.model_executor.models.llama import LlamaArch
 from vllm.model_executor.models.utils import config_from_dict
 
-# The top-level model types whose tower is built (Qwen3-VL's is not: text only).
-IMAGE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-QWEN2_VL, QWEN2_5_VL = "qwen2_vl_vision", "qwen2_5_vl_vision"
+# The top-level model types whose tower is built (every Qwen-VL model served here).
+IMAGE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN2_VL, QWEN2_5_VL, QWEN3_VL = "qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision"
+# The vision_config model types of Qwen3-VL's tower (Qwen3-VL-MoE's is the same tower).
+QWEN3_VL_VISION_TYPES = (QWEN3_VL, "qwen3_vl_moe_vision")
+# The model types with Qwen3-VL's interleaved M-RoPE.
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# transformers' M-RoPE sections where the text config's rope parameters name none.
+MROPE_SECTIONS = {
+    "qwen2_vl": (16, 24, 24), "qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20),
+    "qwen3_vl_moe": (24, 20, 20),
+}  # fmt: skip
 NORM_EPS = 1e-6  # transformers' blocks and merger hard-code it
 # One attention call per group of equal-length segments: (their rows' indices, count, length).
 SegmentPlan = list[tuple[torch.Tensor, int, int]]
@@ -53,21 +65,21 @@ def _model_type(hf_config: Any) -> str | None:
 
 def takes_images(hf_config: Any) -> bool:
     """Whether a Qwen-VL config (transformers' or the dict of its config.json) is one whose
-    images this engine encodes: Qwen2-VL and Qwen2.5-VL, not Qwen3-VL."""
+    images this engine encodes: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE."""
     return _model_type(hf_config) in IMAGE_MODEL_TYPES
 
 
 def _config(hf_config: Any) -> Any:
-    return config_from_dict(
-        hf_config, {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}
-    )
+    classes = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig",
+               "qwen3_vl": "Qwen3VLConfig", "qwen3_vl_moe": "Qwen3VLMoeConfig"}  # fmt: skip
+    return config_from_dict(hf_config, classes)
 
 
 def qwen_vl_image_layout(hf_config: Any) -> tuple[int, int]:
-    """(the ``<|image_pad|>`` token id, ``spatial_merge_size``) of a Qwen2-VL or Qwen2.5-VL
-    config (transformers' or the dict of its config.json). An image of
-    ``image_grid_thw`` (t, h, w) patches takes ``t * h * w // spatial_merge_size ** 2`` of
-    those tokens. ``ValueError`` for another model type (Qwen3-VL's images are not served)."""
+    """(the ``<|image_pad|>`` token id, ``spatial_merge_size``) of a Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL or Qwen3-VL-MoE config (transformers' or the dict of its config.json). An image
+    of ``image_grid_thw`` (t, h, w) patches takes ``t * h * w // spatial_merge_size ** 2``
+    of those tokens. ``ValueError`` for another model type."""
     if not takes_images(hf_config):
         raise ValueError(
             f"model_type {_model_type(hf_config)!r}: images are served for "
@@ -79,7 +91,7 @@ def qwen_vl_image_layout(hf_config: Any) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class QwenVisionArch:
-    model_type: str  # QWEN2_VL or QWEN2_5_VL
+    model_type: str  # QWEN2_VL, QWEN2_5_VL (or QWEN3_VL: qwen3_vl_vision.Qwen3VisionArch)
     hidden_size: int  # the blocks' width (Qwen2-VL's ``embed_dim``)
     out_hidden_size: int  # the merger's output: the language model's width
     intermediate_size: int
@@ -101,12 +113,7 @@ class QwenVisionArch:
         kind = config.model_type
         if kind not in (QWEN2_VL, QWEN2_5_VL):
             raise ValueError(f"vision_config model_type {kind!r} is not {QWEN2_VL} or {QWEN2_5_VL}")
-        for field in ("patch_size", "temporal_patch_size"):
-            if not isinstance(getattr(config, field), int):
-                raise ValueError(f"vision_config.{field} {getattr(config, field)!r}: one int")
-        rope = dict(config.rope_parameters or {})
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"vision_config rope_type {rope['rope_type']!r}: only axial")
+        rope_theta = cls.check_patch_and_rope(config)
         qwen2 = kind == QWEN2_VL
         width = config.embed_dim if qwen2 else config.hidden_size
         arch = cls(
@@ -121,12 +128,24 @@ class QwenVisionArch:
             patch_size=config.patch_size,
             temporal_patch_size=config.temporal_patch_size,
             spatial_merge_size=config.spatial_merge_size,
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             window_size=0 if qwen2 else config.window_size,
             fullatt_block_indexes=() if qwen2 else tuple(config.fullatt_block_indexes),
         )
         arch.validate()
         return arch
+
+    @staticmethod
+    def check_patch_and_rope(config: Any) -> float:
+        """The 2D rotary's theta of a ``vision_config``; ``ValueError`` unless its patch
+        sizes are single ints and its rotary axial."""
+        for field in ("patch_size", "temporal_patch_size"):
+            if not isinstance(getattr(config, field), int):
+                raise ValueError(f"vision_config.{field} {getattr(config, field)!r}: one int")
+        rope = dict(config.rope_parameters or {})
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"vision_config rope_type {rope['rope_type']!r}: only axial")
+        return float(rope.get("rope_theta", 10000.0))
 
     def validate(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -150,6 +169,11 @@ class QwenVisionArch:
         return self.hidden_size // self.num_heads
 
     @property
+    def patch_bias(self) -> bool:
+        """Whether the patch embedding's Conv3d has a bias (Qwen3-VL's)."""
+        return False
+
+    @property
     def windowed(self) -> bool:
         """Qwen2.5-VL's blocks: RMSNorm, SwiGLU, window attention."""
         return self.model_type == QWEN2_5_VL
@@ -169,39 +193,65 @@ class QwenVisionArch:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
+def vision_arch(config: Any) -> QwenVisionArch:
+    """The arch of the tower of a Qwen-VL ``vision_config`` (transformers')."""
+    if config.model_type in QWEN3_VL_VISION_TYPES:  # its module builds on this one: imported late
+        from vllm.model_executor.models.qwen3_vl_vision import Qwen3VisionArch
+
+        return Qwen3VisionArch.from_hf(config)
+    return QwenVisionArch.from_hf(config)
+
+
 @dataclass(frozen=True)
 class QwenVLArch(LlamaArch):
-    """A Qwen2-VL or Qwen2.5-VL model's arch: the language model's, its M-RoPE sections and
-    the vision tower's."""
+    """A Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE model's arch: the language model's,
+    its M-RoPE sections and the vision tower's."""
 
     # None only as a dataclass default (fields after LlamaArch's need one): from_text sets it.
     vision: QwenVisionArch | None = None
-    # Per rotary frequency (the first rot_dim / 2), contiguous runs reading the temporal,
-    # height and width position in turn: transformers' default (16, 24, 24).
+    # Per rotary frequency (the first rot_dim / 2), how many read the temporal, height and
+    # width position: contiguous runs in turn, or interleaved (``mrope_axes``).
     mrope_section: tuple[int, ...] = (16, 24, 24)
+    mrope_interleaved: bool = False  # Qwen3-VL's layout
 
     @classmethod
     def from_text(cls, text: LlamaArch, config: Any) -> QwenVLArch:
-        """``text`` (the language model's arch) with the tower of ``config`` (a transformers
-        ``Qwen2VLConfig`` or ``Qwen2_5_VLConfig``). ``ValueError`` when the M-RoPE sections
-        do not cover the rotary frequencies."""
+        """``text`` (the language model's arch: each of its fields, a field of ``cls``) with
+        the tower of ``config`` (a transformers ``Qwen2VLConfig``, ``Qwen2_5_VLConfig``,
+        ``Qwen3VLConfig`` or ``Qwen3VLMoeConfig``). ``ValueError`` when the M-RoPE sections
+        do not cover the rotary frequencies. Qwen3-VL's M-RoPE is interleaved whatever its
+        config's ``mrope_interleaved`` says (transformers does not read the flag)."""
         from vllm.model_executor.layers.rotary_embedding import rotary_dim
 
-        section = tuple(text.rope.get("mrope_section") or cls.mrope_section)
+        model_type = _model_type(config)
+        section = tuple(text.rope.get("mrope_section") or MROPE_SECTIONS[model_type])
         half = rotary_dim(text.head_dim, text.rope) // 2
         if len(section) != 3 or sum(section) != half:
             raise ValueError(
                 f"rope mrope_section {list(section)}: three sections summing to the "
                 f"{half} rotary frequencies"
             )
-        vision = QwenVisionArch.from_hf(config.vision_config)
+        vision = vision_arch(config.vision_config)
         if vision.out_hidden_size != text.hidden_size:
             raise ValueError(
                 f"the vision merger's output width {vision.out_hidden_size} is not the "
                 f"language model's {text.hidden_size}"
             )
-        base = {f.name: getattr(text, f.name) for f in fields(LlamaArch)}
-        return cls(**base, vision=vision, mrope_section=section)
+        base = {f.name: getattr(text, f.name) for f in fields(text)}
+        interleaved = model_type in QWEN3_VL_MODEL_TYPES
+        return cls(**base, vision=vision, mrope_section=section, mrope_interleaved=interleaved)
+
+    @property
+    def mrope_axes(self) -> tuple[int, ...]:
+        """Per rotary frequency, which position rotates it (0, 1, 2: temporal, height,
+        width): ``mrope_section``'s contiguous runs (Qwen2-VL, Qwen2.5-VL), or interleaved
+        (Qwen3-VL and Qwen3-VL-MoE, transformers' ``apply_interleaved_mrope``): frequency j
+        reads the height where j % 3 == 1 and j < 3 * section[1], the width where
+        j % 3 == 2 and j < 3 * section[2], else the temporal position."""
+        s = self.mrope_section
+        if not self.mrope_interleaved:
+            return tuple(k for k, n in enumerate(s) for _ in range(n))
+        return tuple(j % 3 if j % 3 and j < 3 * s[j % 3] else 0 for j in range(sum(s)))
 
 
 def grid_list(grid_thw: torch.Tensor, merge: int) -> list[tuple[int, int, int]]:
@@ -329,12 +379,14 @@ class QwenVisionPatchEmbed(nn.Module):
     def __init__(self, a: QwenVisionArch) -> None:
         super().__init__()
         kernel = (a.temporal_patch_size, a.patch_size, a.patch_size)
-        self.proj = nn.Conv3d(a.in_channels, a.hidden_size, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(
+            a.in_channels, a.hidden_size, kernel, stride=kernel, bias=a.patch_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(patches, channels * temporal * patch * patch) -> (patches, hidden)."""
         weight = self.proj.weight
-        return F.linear(x, weight.view(weight.shape[0], -1))
+        return F.linear(x, weight.view(weight.shape[0], -1), self.proj.bias)
 
 
 class QwenVisionAttention(nn.Module):
@@ -377,12 +429,16 @@ class Qwen2_5VisionMLP(nn.Module):
 
 
 class QwenVisionBlock(nn.Module):
-    def __init__(self, a: QwenVisionArch) -> None:
+    """``mlp``: the block's MLP where the family's is not Qwen2-VL's or Qwen2.5-VL's."""
+
+    def __init__(self, a: QwenVisionArch, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.norm1 = make_norm(a, a.hidden_size)
         self.norm2 = make_norm(a, a.hidden_size)
         self.attn = QwenVisionAttention(a)
-        self.mlp = Qwen2_5VisionMLP(a) if a.windowed else Qwen2VisionMLP(a)
+        if mlp is None:
+            mlp = Qwen2_5VisionMLP(a) if a.windowed else Qwen2VisionMLP(a)
+        self.mlp = mlp
 
     def forward(self, x, cos, sin, plan: SegmentPlan) -> torch.Tensor:
         """(patches, hidden) -> the same: pre-norm attention within ``plan``'s segments,
@@ -425,13 +481,7 @@ class QwenVisionTransformer(nn.Module):
         device: each image's merged rows, in order. ``ValueError`` for pixel values that
         do not match the grids."""
         a = self.arch
-        grids = grid_list(grid_thw, a.spatial_merge_size)
-        patches = sum(t * h * w for t, h, w in grids)
-        if pixel_values.shape != (patches, a.patch_dim):
-            raise ValueError(
-                f"pixel_values of shape {tuple(pixel_values.shape)}: the grids {grids} "
-                f"need ({patches}, {a.patch_dim})"
-            )
+        grids = checked_grids(pixel_values, grid_thw, a)
         weight = self.patch_embed.proj.weight
         device = weight.device
         x = self.patch_embed(pixel_values.to(device, weight.dtype))  # (patches, hidden)
@@ -452,11 +502,38 @@ class QwenVisionTransformer(nn.Module):
         return out
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Fill every parameter from HF tower tensors named without the model's ``visual.``
-        prefix (copied in, cast to the weights' dtype, shapes checked); other tensors are
-        ignored. ``ValueError`` naming the tensors missing."""
-        names = self.state_dict().keys()
-        missing = sorted(names - sd.keys())
-        if missing:
-            raise ValueError(f"the checkpoint lacks vision tower tensors {missing}")
-        self.load_state_dict({k: sd[k] for k in names})
+        load_tower_weights(self, sd)
+
+
+def checked_grids(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, a: QwenVisionArch
+) -> list[tuple[int, int, int]]:
+    """``grid_list`` of ``grid_thw``; ``ValueError`` for pixel values that do not match."""
+    grids = grid_list(grid_thw, a.spatial_merge_size)
+    patches = sum(t * h * w for t, h, w in grids)
+    if pixel_values.shape != (patches, a.patch_dim):
+        raise ValueError(
+            f"pixel_values of shape {tuple(pixel_values.shape)}: the grids {grids} "
+            f"need ({patches}, {a.patch_dim})"
+        )
+    return grids
+
+
+def load_tower_weights(tower: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Fill every parameter of ``tower`` from HF tower tensors named without the model's
+    ``visual.`` prefix (copied in, cast to the weights' dtype, shapes checked); other tensors
+    are ignored. ``ValueError`` naming the tensors missing."""
+    names = tower.state_dict().keys()
+    missing = sorted(names - sd.keys())
+    if missing:
+        raise ValueError(f"the checkpoint lacks vision tower tensors {missing}")
+    tower.load_state_dict({k: sd[k] for k in names})
+
+
+def vision_tower(arch: QwenVisionArch) -> nn.Module:
+    """The tower of ``arch`` (``vision_arch``'s), on the current default device."""
+    if arch.model_type == QWEN3_VL:
+        from vllm.model_executor.models.qwen3_vl_vision import Qwen3VisionTransformer
+
+        return Qwen3VisionTransformer(arch)
+    return QwenVisionTransformer(arch)

@@ -46,7 +46,10 @@ _PACKAGE = "vllm.model_executor.models"
 # cached as one latent head, DeepSeek's routings). LLaVA (llava.py) is the Llama language
 # model with a CLIP vision tower (clip.py) and a projector: it takes images. Idefics3 and
 # SmolVLM (idefics3.py) are the Llama language model with a SigLIP-style encoder of image
-# tiles (idefics3_vision.py) and a pixel-shuffle connector.
+# tiles (idefics3_vision.py) and a pixel-shuffle connector; Mistral 3 (mistral3.py) with
+# the Pixtral tower (pixtral_vision.py); Qwen2-VL, Qwen2.5-VL and Qwen3-VL the Qwen
+# language model with their towers (qwen2_vl_vision.py, qwen3_vl_vision.py) and M-RoPE;
+# Qwen3-VL-MoE (qwen3_vl_moe.py) Qwen3-VL's with Qwen3-MoE's experts.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -61,7 +64,11 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "GraniteMoeForCausalLM": ("granitemoe", "moe", "MoeForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "moe", "MoeForCausalLM"),
     "MinistralForCausalLM": ("ministral", "llama", "LlamaForCausalLM"),
-    "Mistral3ForConditionalGeneration": ("mistral3", "llama", "Mistral3ForConditionalGeneration"),
+    "Mistral3ForConditionalGeneration": (
+        "mistral3",
+        "mistral3",
+        "Mistral3ForConditionalGeneration",
+    ),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "llama", "QwenVLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "qwen2_5_vl",
@@ -69,6 +76,11 @@ _MODELS: dict[str, tuple[str, str, str]] = {
         "QwenVLForConditionalGeneration",
     ),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "llama", "QwenVLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": (
+        "qwen3_vl_moe",
+        "qwen3_vl_moe",
+        "Qwen3VLMoeForConditionalGeneration",
+    ),
     "LlavaForConditionalGeneration": ("llava", "llava", "LlavaForConditionalGeneration"),
     "Idefics3ForConditionalGeneration": (
         "idefics3",

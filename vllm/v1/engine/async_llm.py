@@ -140,10 +140,11 @@ class AsyncLLM:
             # What a request that leaves a sampling parameter unset gets (the model's
             # generation_config.json, as vLLM); the API server applies them.
             self.default_sampling_params = default_sampling_params(mc)
+            # Checks what the model folder must hold (a bad --mm-processor-kwargs).
+            self.processor = Processor(vllm_config, self.tokenizer, eos)
         except BaseException:
             self.client.shutdown()
             raise
-        self.processor = Processor(vllm_config, self.tokenizer, eos)
         self.processor.default_max_tokens = self.default_sampling_params.get("max_tokens")
         self.output_processor = OutputProcessor(
             self.tokenizer, vllm_config.scheduler_config.stream_interval
@@ -325,6 +326,7 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
         pooling: bool = False,
         multi_modal_data: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> PreparedRequest:
         """``add_request``'s first half: every check, the tokenization and validation,
         nothing queued or held (a batch of prompts is prepared whole, so that one bad
@@ -349,6 +351,7 @@ class AsyncLLM:
             lora_request=lora_request,
             pooling=pooling,
             multi_modal_data=multi_modal_data,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
         if executor is None and not multi_modal_data:
             _, core_reqs = process()

@@ -220,6 +220,7 @@ class Processor:
         lora_request: LoRARequest | None = None,
         pooling: bool = False,
         multi_modal_data: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[EngineCoreRequest]]:
         """Validate and fan out: ``(request_id, [EngineCoreRequest, ...])``.
 
@@ -248,10 +249,14 @@ class Processor:
             # A bad grammar is a 400 here, never an engine error or unconstrained output.
             self.structured_outputs.validate(params.structured_outputs)
         images = images_of(multi_modal_data)
+        if mm_processor_kwargs is not None:
+            if self.images is None:
+                raise VLLMValidationError("this model takes no images", "mm_processor_kwargs")
+            mm_processor_kwargs = self.images.request_kwargs(mm_processor_kwargs)
         ids = self.tokenize(prompt, add_special_tokens)
         features = None
         if images:
-            ids, features = self._expand_images(ids, images, params)
+            ids, features = self._expand_images(ids, images, params, mm_processor_kwargs)
         ids = self._truncate(ids, params)
         self._check_length(ids, params)
         if params.bad_words:
@@ -297,9 +302,10 @@ class Processor:
         return request_id, children
 
     def _expand_images(
-        self, ids: list[int], images: list, params: SamplingParams
+        self, ids: list[int], images: list, params: SamplingParams, kwargs: dict | None
     ) -> tuple[list[int], list]:
-        """The prompt with each image's placeholder expanded, and its images' features."""
+        """The prompt with each image's placeholder expanded, and its images' features;
+        ``kwargs``: the request's image-processor arguments (checked), over the server's."""
         if self.images is None:
             raise VLLMValidationError("this model takes no images", "multi_modal_data")
         if self.speculative:
@@ -313,7 +319,7 @@ class Processor:
                 "truncate_prompt_tokens",
             )
         try:
-            return self.images.process(ids, images)
+            return self.images.process(ids, images, kwargs)
         except VLLMValidationError:
             raise
         except Exception as e:  # the image processor's own failures on this image

@@ -918,7 +918,11 @@ class ModelRunner:
     def _encode(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """Each image's embedding rows (rows, hidden), from one pass of the vision encoder
         over them all: its tiles' rows in order (LLaVA, SmolVLM), or its patches' merged
-        rows (Qwen2-VL, whose encoder takes the images' patch grids)."""
+        rows (Qwen2-VL, whose encoder takes the images' patch grids), or, for a model that
+        takes each image at its own size (``images_at_own_size``: Mistral 3), its rows
+        from the list of the images' own pixels."""
+        if getattr(self.model, "images_at_own_size", False):  # sizes differ: no one tensor
+            return self.model.embed_images([f.data.to(self.device) for f in features])
         data = torch.cat([f.data for f in features]).to(self.device)
         if features[0].grid_thw is not None:
             grids = torch.tensor([f.grid_thw for f in features])
@@ -1093,7 +1097,12 @@ class ModelRunner:
             if image_rows is not None:  # the images' embeddings in their placeholders' rows
                 embeds = self.model.embed_input_ids(input_ids)
                 rows, values = image_rows
-                embeds.index_copy_(0, to_device(rows, torch.long, self.device), values)
+                rows = to_device(rows, torch.long, self.device)
+                merge = getattr(self.model, "merge_image_rows", None)
+                if merge is None:
+                    embeds.index_copy_(0, rows, values)
+                else:  # rows wider than the embeddings: the rest for later layers (Qwen3-VL)
+                    merge(embeds, rows, values)
                 extra["inputs_embeds"] = embeds
             hidden = self.model(
                 input_ids, self._positions(positions, positions3), meta, self.kv_caches, **extra
