@@ -88,7 +88,8 @@ def test_llm_chat_and_the_server_answer_with_the_image(folder, tmp_path):
         assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
     assert chats[0].outputs[0].token_ids != chats[1].outputs[0].token_ids
 
-    server = RemoteServer(str(path), "--max-model-len", "128", log_path=str(tmp_path / "log"))
+    server = RemoteServer(str(path), "--max-model-len", "128", "--allowed-media-domains",
+                          "example.com", log_path=str(tmp_path / "log"))  # fmt: skip
     try:
         client = server.client()
         for s, chat in enumerate(chats):
@@ -159,6 +160,15 @@ def test_llm_chat_and_the_server_answer_with_the_image(folder, tmp_path):
                 model=str(path), max_tokens=2,
                 messages=[{"role": "user", "content": [
                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ]}],
+            )  # fmt: skip
+        assert e.value.body["param"] == "messages"
+        # --allowed-media-domains: another host is refused before any connection.
+        with pytest.raises(openai.BadRequestError, match="allowed-media-domains") as e:
+            client.chat.completions.create(
+                model=str(path), max_tokens=2,
+                messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}},
                 ]}],
             )  # fmt: skip
         assert e.value.body["param"] == "messages"

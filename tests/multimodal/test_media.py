@@ -188,6 +188,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     self.wfile.write(b"\0" * 65536)
             elif self.path == "/text":
                 self._send(200, b"<html>an error page</html>")
+            elif self.path.startswith("/redirect?"):  # to the URL after the "?"
+                self.send_response(302)
+                self.send_header("Location", self.path.partition("?")[2])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
         except OSError:
             pass  # the client hung up first
 
@@ -217,6 +222,25 @@ def server():
 def test_http_image(server):
     image = load_image(server + "/img.png", timeout=TIMEOUT)
     assert (image.mode, image.size) == ("RGB", (6, 4))
+
+
+def test_allowed_media_domains_bound_the_hosts_redirects_included(server):
+    port = server.rsplit(":", 1)[1]
+    via_localhost = f"{server}/redirect?http://localhost:{port}/img.png"
+    allowed = load_image(server + "/img.png", allowed_media_domains=["127.0.0.1"], timeout=TIMEOUT)
+    assert allowed.size == (6, 4)
+    both = load_image(via_localhost, allowed_media_domains=["LOCALHOST", "127.0.0.1"],
+                      timeout=TIMEOUT)  # fmt: skip
+    assert both.size == (6, 4)
+    for url, domains in (
+        (server + "/img.png", ["example.com"]),  # refused before any connection
+        (via_localhost, ["127.0.0.1"]),  # the redirect leads elsewhere
+        (f"http://[::1]:{port}/img.png", []),
+    ):
+        with pytest.raises(ValueError, match="is not among --allowed-media-domains"):
+            load_image(url, allowed_media_domains=domains, timeout=TIMEOUT)
+    # A data URL names no host: the list does not apply to it.
+    assert load_image(data_url(PNG), allowed_media_domains=["example.com"]).size == (6, 4)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@
 
 - ``data:<media type>;base64,<data>``: the image's bytes inline (the usual form);
 - ``http://`` / ``https://``: fetched with the standard library, bounded in time
-  (``VLLM_IMAGE_FETCH_TIMEOUT``, 5 s, as vLLM) and in size (``max_bytes``);
+  (``VLLM_IMAGE_FETCH_TIMEOUT``, 5 s, as vLLM) and in size (``max_bytes``); with
+  ``--allowed-media-domains`` (vLLM's flag) only from those hosts, redirects included;
 - ``file://``: only a file inside ``--allowed-local-media-path`` (vLLM's flag); without
   the flag every local file is refused.
 
@@ -24,6 +25,7 @@ import io
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -47,12 +49,15 @@ def load_image(
     url: str,
     *,
     allowed_local_media_path: str | None = None,
+    allowed_media_domains: Collection[str] | None = None,
     timeout: float | None = None,
     max_bytes: int = MAX_IMAGE_BYTES,
 ) -> Image.Image:
     """The image ``url`` names, in RGB. ``timeout``: seconds an http(s) fetch may take
-    (None: ``VLLM_IMAGE_FETCH_TIMEOUT``); ``max_bytes``: the largest encoded image taken.
-    Blocking (network, disk, decoding): call it off the event loop."""
+    (None: ``VLLM_IMAGE_FETCH_TIMEOUT``); ``max_bytes``: the largest encoded image taken;
+    ``allowed_media_domains``: the hosts an http(s) image may come from, after any
+    redirect (None: any). Blocking (network, disk, decoding): call it off the event
+    loop."""
     if not isinstance(url, str):
         raise ValueError(f"an image URL must be a string, got {type(url).__name__}")
     scheme = url.partition(":")[0].lower() if ":" in url else ""
@@ -61,7 +66,11 @@ def load_image(
     if scheme in ("http", "https"):
         if timeout is None:
             timeout = envs.VLLM_IMAGE_FETCH_TIMEOUT
-        data = _fetch(url, timeout, max_bytes)
+        domains = None
+        if allowed_media_domains is not None:
+            domains = frozenset(d.lower() for d in allowed_media_domains)
+            _check_host(url, domains)
+        data = _fetch(url, timeout, max_bytes, domains)
         return decode_image(data, f"the image from {_host(url)}")
     if scheme == "file":
         path, data = _read_file(url, allowed_local_media_path, max_bytes)
@@ -85,7 +94,8 @@ def _host(url: str) -> str:
 
 
 class _Refused(ValueError):
-    """An image this module refuses (too large), as opposed to a failure to get it."""
+    """An image this module refuses (too large, a host not allowed), as opposed to a
+    failure to get it."""
 
 
 def _too_large(what: str, size: int | str, max_bytes: int) -> _Refused:
@@ -114,13 +124,41 @@ def _data_url_bytes(url: str, max_bytes: int) -> bytes:
         ) from None
 
 
-def _fetch(url: str, timeout: float, max_bytes: int) -> bytes:
+def _check_host(url: str, domains: frozenset[str]) -> None:
+    """``ValueError`` unless ``url``'s host is one of ``domains`` (lower case)."""
+    try:
+        host = (urlsplit(url).hostname or "").lower()
+    except ValueError:
+        host = ""
+    if host not in domains:
+        raise _Refused(
+            f"image URL {shorten(url)}: its host {host or '(none)'!r} is not among "
+            "--allowed-media-domains"
+        )
+
+
+class _RedirectWithin(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to one of the allowed hosts."""
+
+    def __init__(self, domains: frozenset[str]) -> None:
+        self.domains = domains
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        _check_host(newurl, self.domains)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _fetch(
+    url: str, timeout: float, max_bytes: int, domains: frozenset[str] | None = None
+) -> bytes:
     """The body of ``url``, read within about ``timeout`` seconds in all (each socket
-    operation is bounded by it, and the read stops once the deadline has passed)."""
+    operation is bounded by it, and the read stops once the deadline has passed);
+    ``domains``: the hosts a redirect may lead to (None: any)."""
     where = f"fetching the image from {_host(url)} failed"
     request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT})
+    handlers = [] if domains is None else [_RedirectWithin(domains)]
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.build_opener(*handlers).open(request, timeout=timeout) as response:
             return _read_body(response, time.monotonic() + timeout, max_bytes, where)
     except _Refused:
         raise

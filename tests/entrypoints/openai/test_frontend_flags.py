@@ -89,6 +89,7 @@ def test_the_flags_take_vllm_s_forms():
         "serve",
         "--allowed-origins", '["https://a.example", "https://b.example"]',
         "--allowed-methods", "GET", "POST",
+        "--allowed-media-domains", "upload.wikimedia.org", "github.com",
         "--allow-credentials",
         "--root-path", "/llm",
         "--default-chat-template-kwargs", '{"enable_thinking": false}',
@@ -100,6 +101,7 @@ def test_the_flags_take_vllm_s_forms():
     front = FrontendArgs.from_cli_args(args)
     assert front.allowed_origins == ("https://a.example", "https://b.example")
     assert front.allowed_methods == ("GET", "POST") and front.allowed_headers == ("*",)
+    assert front.allowed_media_domains == ("upload.wikimedia.org", "github.com")
     assert front.allow_credentials and front.root_path == "/llm"
     assert front.default_chat_template_kwargs == {"enable_thinking": False}
     assert front.enable_request_id_headers and front.enable_force_include_usage

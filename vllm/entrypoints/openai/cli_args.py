@@ -199,6 +199,13 @@ class FrontendArgs:
         "image_url parts; vLLM's flag). Unset: every file:// URL is refused. Symbolic "
         "links are followed first: the file they lead to must be inside too.",
     )
+    allowed_media_domains: tuple[str, ...] | None = config_field(
+        None,
+        "The hosts whose http(s) images chat requests may name (vLLM's flag; a JSON list or "
+        "values, e.g. upload.wikimedia.org github.com). Unset: any host. A redirect to a "
+        "host not listed is refused too; data: URLs are not fetched and need no host.",
+        parse=parse_str_list,
+    )
     max_request_body_size: int = config_field(
         8 * MiB,
         "Largest request body accepted, in bytes (8MiB, 512KiB, ...); a larger one is a 413.",
@@ -295,8 +302,15 @@ class FrontendArgs:
     )
 
     def __post_init__(self) -> None:
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        for name in (
+            "allowed_origins",
+            "allowed_methods",
+            "allowed_headers",
+            "allowed_media_domains",
+        ):
             values = getattr(self, name)  # a flag's values: each a list, or one string
+            if values is None:  # allowed_media_domains unset: any host
+                continue
             if isinstance(values, str):
                 raise ValueError(f"{name} must be a list of strings, got {values!r}")
             flat = [v for item in values for v in (item if isinstance(item, list) else [item])]

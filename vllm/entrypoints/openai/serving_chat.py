@@ -201,10 +201,11 @@ class OpenAIServingChat(OpenAIServing):
         URL that fails to load is a 400 naming ``messages``."""
         urls = [url for m in request.messages for url in m.image_urls]
         root = self.args.allowed_local_media_path
+        domains = self.args.allowed_media_domains
 
         def load(i: int, url: str) -> Image.Image:
             try:
-                return load_image(url, allowed_local_media_path=root)
+                return load_image(url, allowed_local_media_path=root, allowed_media_domains=domains)
             except ValueError as e:
                 raise VLLMValidationError(
                     f"image {i} of the messages could not be loaded: {e}", "messages"
