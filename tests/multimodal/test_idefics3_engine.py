@@ -14,6 +14,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_idefics3 import image_processor, make_hf, save
+from tests.multimodal.utils import hf_greedy
 from tests.utils import copy_benchmark_tokenizer
 from vllm import LLM, SamplingParams
 
@@ -59,16 +60,8 @@ def reference(model, img: Image.Image) -> tuple[list[int], list[int], list[float
     tokens, show that the image was read, and read right)."""
     _, hf, processor = model
     enc = processor(text=PROMPT, images=[[img]], return_tensors="pt")
-    out = hf.generate(
-        **enc, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
-    )
-    ids = enc["input_ids"][0].tolist()
-    tokens = out.sequences[0, len(ids) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].float(), -1)[t].item()
-        for step, t in zip(out.logits, tokens, strict=True)
-    ]
-    return ids, tokens, logprobs
+    ids = enc.pop("input_ids")[0].tolist()
+    return ids, *hf_greedy(hf, ids, **enc)
 
 
 def greedy(outputs) -> tuple[list[int], list[float]]:

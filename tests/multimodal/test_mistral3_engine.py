@@ -16,6 +16,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_mistral3 import image_tokens, make_hf, padded, save
+from tests.multimodal.utils import hf_greedy
 from tests.utils import copy_benchmark_tokenizer
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -68,16 +69,7 @@ def reference(model, images) -> tuple[list[int], list[int], list[float]]:
     assert tokenizer.encode(PROMPT, add_special_tokens=False).count(markers[0]) == 2
     pixels = [x[None, :, :h, :w] for x, (h, w) in zip(out["pixel_values"], sizes, strict=True)]
     px, image_sizes = padded(pixels)  # transformers' batch: padded, with the sizes
-    gen = hf.generate(
-        input_ids=torch.tensor([ids]), pixel_values=px, image_sizes=image_sizes, max_new_tokens=6,
-        do_sample=False, output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
-    tokens = gen.sequences[0, len(ids) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].float(), -1)[t].item()
-        for step, t in zip(gen.logits, tokens, strict=True)
-    ]
-    return ids, tokens, logprobs
+    return ids, *hf_greedy(hf, ids, pixel_values=px, image_sizes=image_sizes)
 
 
 def greedy(outputs) -> tuple[list[int], list[float]]:

@@ -15,6 +15,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_qwen2_vl import END, IMAGE, START, VISION, make_hf, save
+from tests.multimodal.utils import hf_greedy
 from vllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -50,18 +51,9 @@ def reference(model, images) -> tuple[list[int], list[int], list[float]]:
     grids = out["image_grid_thw"]
     counts = iter(int(t * h * w) // 4 for t, h, w in grids.tolist())
     ids = [x for p in PROMPT for x in ([IMAGE] * next(counts) if p == IMAGE else [p])]
-    input_ids = torch.tensor([ids])
-    gen = hf.generate(
-        input_ids=input_ids, pixel_values=out["pixel_values"], image_grid_thw=grids,
-        mm_token_type_ids=(input_ids == IMAGE).int(), max_new_tokens=6, do_sample=False,
-        output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
-    tokens = gen.sequences[0, len(ids) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].float(), -1)[t].item()
-        for step, t in zip(gen.logits, tokens, strict=True)
-    ]
-    return ids, tokens, logprobs
+    mm_token_type_ids = (torch.tensor([ids]) == IMAGE).int()
+    return ids, *hf_greedy(hf, ids, pixel_values=out["pixel_values"], image_grid_thw=grids,
+                           mm_token_type_ids=mm_token_type_ids)  # fmt: skip
 
 
 def test_images_on_m_rope_equal_transformers(model):

@@ -12,9 +12,10 @@ import pytest
 import torch
 import transformers
 
-from tests.model_executor.test_qwen2_vl import IMAGE
 from tests.model_executor.test_qwen3_vl import make_hf, save
-from tests.multimodal.test_qwen2_vl_engine import GREEDY, PROMPT, image
+
+# Qwen2-VL's reference: the same prompt expansion and generate call.
+from tests.multimodal.test_qwen2_vl_engine import GREEDY, PROMPT, image, reference
 from vllm import LLM
 
 
@@ -32,28 +33,6 @@ def build_model(path):
     save(hf, path)
     processor = transformers.AutoImageProcessor.from_pretrained(path, backend="pil")
     return path, hf, processor
-
-
-def reference(model, images) -> tuple[list[int], list[int], list[float]]:
-    """(transformers' prompt ids: each image's placeholder expanded to its grid's tokens;
-    its greedy tokens; their logprobs)."""
-    _, hf, processor = model
-    out = processor(images=images, return_tensors="pt")
-    grids = out["image_grid_thw"]
-    counts = iter(int(t * h * w) // 4 for t, h, w in grids.tolist())
-    ids = [x for p in PROMPT for x in ([IMAGE] * next(counts) if p == IMAGE else [p])]
-    input_ids = torch.tensor([ids])
-    gen = hf.generate(
-        input_ids=input_ids, pixel_values=out["pixel_values"], image_grid_thw=grids,
-        mm_token_type_ids=(input_ids == IMAGE).int(), max_new_tokens=6, do_sample=False,
-        output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
-    tokens = gen.sequences[0, len(ids) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].float(), -1)[t].item()
-        for step, t in zip(gen.logits, tokens, strict=True)
-    ]
-    return ids, tokens, logprobs
 
 
 def test_images_with_deepstack_equal_transformers(model):
