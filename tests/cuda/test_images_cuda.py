@@ -1,4 +1,4 @@
-"""Images on CUDA: the tiny LLaVA, SmolVLM, Qwen2.5-VL, Qwen3-VL and Mistral 3 of
+"""Images on CUDA: the tiny LLaVA, SmolVLM, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Mistral 3 of
 tests/multimodal served on the GPU (M-RoPE steps with (3, T) positions among them,
 Qwen3-VL's deepstack features added after its first layers, Mistral 3's images of two
 sizes through the Pixtral tower). In fp32
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.model_executor import test_qwen3_vl_moe as moe
 from tests.multimodal import test_idefics3_engine as tiled
 from tests.multimodal import test_llava_engine as whole
 from tests.multimodal import test_mistral3_engine as rows
@@ -74,8 +75,9 @@ def test_qwen2_5_vl_on_cuda(tmp_path_factory):
     check(model[0], request, tokens, logprobs, skip_tokenizer_init=True)
 
 
-def test_qwen3_vl_on_cuda(tmp_path_factory):
-    model = deepstack.build_model(tmp_path_factory.mktemp("qwen3"))
+@pytest.mark.parametrize("make", [deepstack.make_hf, moe.make_hf], ids=["dense", "moe"])
+def test_qwen3_vl_on_cuda(tmp_path_factory, make):
+    model = deepstack.build_model(tmp_path_factory.mktemp("qwen3"), make)
     images = [grid.image(0, (70, 50)), grid.image(1, (64, 128))]
     _, tokens, logprobs = deepstack.reference(model, images)
     request = {"prompt_token_ids": grid.PROMPT, "multi_modal_data": {"image": images}}

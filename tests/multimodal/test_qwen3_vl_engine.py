@@ -24,10 +24,11 @@ def model(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("qwen3_vl"))
 
 
-def build_model(path):
-    """(folder, transformers model, its image processor): the merger's output scaled up
-    so that the images move the logprobs."""
-    hf = make_hf()
+def build_model(path, make=make_hf):
+    """(folder, transformers model, its image processor): ``make()``'s model (the dense
+    one, or Qwen3-VL-MoE's), the merger's output scaled up so that the images move the
+    logprobs."""
+    hf = make()
     with torch.no_grad():
         hf.model.visual.merger.linear_fc2.weight.mul_(20)
     save(hf, path)

@@ -1,12 +1,15 @@
-"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, Qwen3-VL-235B-A22B): Qwen3-VL (``QwenVLForConditionalGeneration``
-in ``llama.py``: its vision tower, interleaved M-RoPE and DeepStack) whose language model is
-Qwen3-MoE's (``moe.py``: ``SparseMoeBlock`` in the layers ``decoder_sparse_step`` and
-``mlp_only_layers`` leave sparse, the dense MLP in the others).
+"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, Qwen3-VL-235B-A22B): Qwen3-VL
+(``QwenVLForConditionalGeneration`` in ``llama.py``: its vision tower, interleaved M-RoPE
+and DeepStack) whose language model is Qwen3-MoE's (``moe.py``: a ``SparseMoeBlock`` in
+the layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse, the dense MLP in
+the others).
 
 transformers' router (``Qwen3VLMoeTextTopKRouter``) always divides the top-k softmax
-probabilities by their sum: the text config has no ``norm_topk_prob``. Its experts are
-stacked, ``experts.gate_up_proj`` and ``experts.down_proj``, in the Hub's checkpoints
-transposed from what transformers 5 writes; ``moe.stacked_experts`` reads both.
+probabilities by their sum: the text config has no ``norm_topk_prob``. The experts are
+stacked, ``experts.gate_up_proj`` and ``experts.down_proj``: (E, [gate; up], H) and
+(E, H, I) as transformers 5 writes them, each expert transposed in the Hub's checkpoints
+(transformers 4's); ``moe.stacked_experts`` reads both, ``moe.expert_weights`` also one
+tensor per expert.
 """
 
 from __future__ import annotations
