@@ -165,6 +165,14 @@ def test_root_path_routes_with_or_without_the_prefix_and_keeps_the_key():
     assert schema["servers"] == [{"url": "/llm"}]
 
 
+def test_the_schema_says_a_message_may_hold_text_and_image_parts():
+    schema = json.loads(_call(_app(), "/openapi.json")[1])
+    content = schema["components"]["schemas"]["ChatMessage"]["properties"]["content"]
+    parts = next(s for s in content["anyOf"] if s.get("type") == "array")["items"]["anyOf"]
+    assert [p["properties"]["type"]["const"] for p in parts] == ["text", "image_url"]
+    assert {"type": "string"} in content["anyOf"] and {"type": "null"} in content["anyOf"]
+
+
 def test_request_id_headers_echo_the_client_s_or_make_one():
     app = _app(enable_request_id_headers=True)
     status, _, headers = _call(app, "/v1/models", headers={"X-Request-Id": "abc-1"})

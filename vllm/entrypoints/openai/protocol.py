@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +21,7 @@ from pydantic import (
     StrictStr,
     TypeAdapter,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -233,6 +234,42 @@ _IMAGE_PART = "{'type': 'image_url', 'image_url': {'url': <string>}}"
 # 'image_url.detail' is not supported): the model's own processor sizes every image. So
 # here: checked, then ignored.
 IMAGE_DETAILS = ("auto", "low", "high")
+# What /openapi.json says a message's content is: the text, or its parts (a field
+# validator joins the texts and keeps the images aside, so the field itself holds text).
+_CONTENT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                        "required": ["type", "text"],
+                    },
+                    {
+                        "type": "object",
+                        "properties": {
+                            "type": {"const": "image_url"},
+                            "image_url": {
+                                "type": "object",
+                                "properties": {
+                                    "url": {"type": "string"},
+                                    "detail": {"enum": list(IMAGE_DETAILS)},
+                                },
+                                "required": ["url"],
+                            },
+                        },
+                        "required": ["type", "image_url"],
+                    },
+                ]
+            },
+        },
+        {"type": "null"},
+    ],
+    "title": "Content",
+}
 
 
 def _image_url(part: dict[str, Any], i: int) -> str:
@@ -309,7 +346,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: StrictStr
-    content: StrictStr | None = None
+    content: Annotated[StrictStr | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
     # The content's parts in order (texts as str), when it holds an image; None: text only.
     _parts: tuple[str | ImagePart, ...] | None = PrivateAttr(default=None)
 
