@@ -108,6 +108,10 @@ class EncoderCache:
         self._size = 0
         self.hits = 0
 
+    def __contains__(self, identifier: str) -> bool:
+        """Whether it holds the image (without touching its recency)."""
+        return identifier in self._rows
+
     def get(self, identifier: str) -> torch.Tensor | None:
         rows = self._rows.get(identifier)
         if rows is not None:

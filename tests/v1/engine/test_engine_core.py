@@ -32,6 +32,7 @@ class FakeRunner:
         pass
 
     kv_cache_windows = (None,)  # one full-attention KV cache group
+    encoder_cache = frozenset()  # no image encoded (the scheduler's encoder budget asks)
 
     def determine_num_blocks(self) -> int:
         return self.config.cache_config.num_gpu_blocks_override

@@ -130,6 +130,7 @@ class EngineCore:
             self.num_cpu_blocks,
             block_bytes,
             self.model_runner.kv_cache_windows,
+            self.model_runner.encoder_cache.__contains__,
         )
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
         # Finished/preempted ids of steps the runner did not see (empty or failed steps),

@@ -130,3 +130,15 @@ def test_without_chunked_mm_input_a_chunk_never_ends_inside_an_image():
     assert step(s2)[0].num_scheduled_tokens == {b.request_id: 8}
     run_until_done(s)
     run_until_done(s2)
+
+
+def test_an_image_the_encoder_cache_holds_costs_nothing():
+    s = make_scheduler(budget=23)
+    s.encoder_cached = {"b"}.__contains__  # the runner's cache holds b's image
+    a = imaged(20, image(2, 12, "a"), max_tokens=1)
+    b = imaged(20, image(2, 12, "b"), base=100, max_tokens=1)
+    s.add_request(a)
+    s.add_request(b)
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {a.request_id: 20, b.request_id: 3}  # not cut to 2
+    run_until_done(s)

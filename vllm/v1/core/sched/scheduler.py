@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from vllm.config import SpeculativeConfig, VllmConfig
@@ -70,12 +70,16 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         cpu_block_bytes: int = 0,
         kv_cache_windows: tuple[int | None, ...] = (None,),
+        encoder_cached: Callable[[str], bool] | None = None,
     ) -> None:
         """``policy``: built by ``create_policy`` (the one place policies are built).
         ``num_cpu_blocks``: size of the CPU KV tier (0: none), blocks of
         ``cpu_block_bytes`` bytes each (for the bytes-moved metric).
-        ``kv_cache_windows``: the runner's KV cache groups (``KVCacheManager``)."""
+        ``kv_cache_windows``: the runner's KV cache groups (``KVCacheManager``).
+        ``encoder_cached``: whether the runner's encoder cache holds an image (by
+        identifier): such an image costs the encoder budget nothing."""
         self.config = vllm_config.scheduler_config
+        self.encoder_cached = encoder_cached
         self.max_model_len = self.config.max_model_len
         self.clock = clock
         self.policy = policy
@@ -236,7 +240,8 @@ class Scheduler:
         waiting queue (new, or preempted), so the runner holds none of its images, those
         its prefix-cache hit ends inside included. With ``disable_chunked_mm_input`` a
         chunk that would end inside an image stops before it. An image sent twice in one
-        step (one agent's screenshot in two requests) is encoded once."""
+        step (one agent's screenshot in two requests) is encoded once, and one the
+        runner's encoder cache holds not at all (``encoder_cached``)."""
         features = request.mm_features
         if not features or num_new == 0:
             return num_new, []
@@ -251,8 +256,9 @@ class Scheduler:
                 continue  # computed, or held by the runner since an earlier step
             if self.config.disable_chunked_mm_input and start < f.offset and end < f.end:
                 return f.offset - start, images  # the image whole, from the next step
-            if f.identifier in encoded:
-                continue
+            cached = self.encoder_cached is not None and self.encoder_cached(f.identifier)
+            if cached or f.identifier in encoded:
+                continue  # in the runner's encoder cache, or encoded in this step already
             if used and used + f.num_embeds > self.config.max_num_batched_tokens:
                 return max(f.offset - start, 0), images
             used += f.num_embeds
