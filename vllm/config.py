@@ -504,7 +504,9 @@ class SchedulerConfig:
         False,
         "vLLM's: a prefill chunk never ends inside an image; it stops before the image "
         "and the next step takes the image whole (or the image starts a step of its own "
-        "when it is longer than the budget).",
+        "when it is longer than the budget); a chunk a prefix hit starts inside an image "
+        "waits for room for the rest. Always on for Gemma 3 (its image tokens attend to "
+        "each other both ways).",
     )
     async_scheduling: bool = config_field(
         False,

@@ -1,7 +1,8 @@
-"""Images on CUDA: the tiny LLaVA, SmolVLM, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Mistral 3 of
-tests/multimodal served on the GPU (M-RoPE steps with (3, T) positions among them,
-Qwen3-VL's deepstack features added after its first layers, Mistral 3's images of two
-sizes through the Pixtral tower). In fp32
+"""Images on CUDA: the tiny LLaVA, SmolVLM, Qwen2.5-VL, Qwen3-VL (dense and MoE), Mistral 3
+and Gemma 3 of tests/multimodal served on the GPU (M-RoPE steps with (3, T) positions
+among them, Qwen3-VL's deepstack features added after its first layers, Mistral 3's
+images of two sizes through the Pixtral tower, Gemma 3's image tokens attending both
+ways: TORCH_SDPA in both dtypes, the one backend with that feature). In fp32
 (TORCH_SDPA: FlashAttention takes no fp32) the greedy tokens and their logprobs equal
 transformers' on the CPU, chunked prefill cutting the images; in bf16 (FlashAttention,
 decode steps from CUDA graphs) the logprobs stay within bf16's rounding of those.
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from tests.model_executor import test_qwen3_vl_moe as moe
+from tests.multimodal import test_gemma3_engine as framed
 from tests.multimodal import test_idefics3_engine as tiled
 from tests.multimodal import test_llava_engine as whole
 from tests.multimodal import test_mistral3_engine as rows
@@ -32,8 +34,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs
 
 
 def served(path, dtype: str, request: dict, **kw) -> tuple[list[int], list[float]]:
-    llm = LLM(model=str(path), dtype=dtype, max_model_len=128, max_num_batched_tokens=5,
-              block_size=16, enable_prefix_caching=True, **kw)  # fmt: skip
+    kw = {"max_num_batched_tokens": 5, **kw}
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=128, block_size=16,
+              enable_prefix_caching=True, **kw)  # fmt: skip
     try:
         out = llm.generate(request, GREEDY)[0].outputs[0]
     finally:
@@ -90,3 +93,11 @@ def test_mistral3_on_cuda(tmp_path_factory):
     _, tokens, logprobs = rows.reference(model, images)
     check(model[0], {"prompt": rows.PROMPT, "multi_modal_data": {"image": images}}, tokens,
           logprobs)  # fmt: skip
+
+
+def test_gemma3_on_cuda(tmp_path_factory):
+    model = framed.build_model(tmp_path_factory.mktemp("gemma3"))
+    images = [framed.image(0), framed.image(1, (20, 50))]
+    _, tokens, logprobs = framed.reference(model, images)
+    request = {"prompt": framed.PROMPT, "multi_modal_data": {"image": images}}
+    check(model[0], request, tokens, logprobs, max_num_batched_tokens=20)

@@ -2,10 +2,11 @@
 
 Each image goes through the model's own image processor (transformers'
 ``AutoImageProcessor`` from the model folder: resize, crop, normalise) into pixel values.
-The prompt names each image with one placeholder token (LLaVA's ``<image>``), in the
-images' order; each placeholder becomes as many placeholder tokens as the model makes
-embeddings of an image, as vLLM's prompt replacement does, so the prompt's length is what
-the model computes and what the KV cache holds.
+The prompt names each image with one placeholder token (LLaVA's ``<image>``, Gemma 3's
+``<start_of_image>``), in the images' order; each placeholder becomes as many placeholder
+tokens as the model makes embeddings of an image (with the markers around them that the
+model's transformers processor writes), as vLLM's prompt replacement does, so the
+prompt's length is what the model computes and what the KV cache holds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,6 +39,10 @@ FIXED_KWARGS = frozenset({
 # The arguments that size an image. A request may lower them, never raise them above the
 # server's (an image sized up to billions of pixels would exhaust the front end's memory).
 SIZE_KWARGS = frozenset({"size", "min_pixels", "max_pixels", "max_image_size", "crop_size"})
+# Gemma 3's pan-and-scan adds crops of an image, each with another prompt text.
+_PAN_AND_SCAN = f"{KWARGS}: do_pan_and_scan is not supported (Gemma 3's pan-and-scan crops)"
+# The newline runs whose ids are kept (a frame's own and what the text adds to it).
+_CACHED_NEWLINES = 64
 # transformers keeps Qwen-VL's min/max_pixels in ``size``, as these edges.
 _SIZE_ALIASES = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 
@@ -65,7 +71,7 @@ class ImageInputProcessor:
     """A model's image inputs: ``process(prompt_ids, images)`` -> (the prompt with its
     placeholders expanded, one ``MultiModalFeature`` per image).
 
-    Four prompt layouts, as the model class says (``image_layout``):
+    Five prompt layouts, as the model class says (``image_layout``):
 
     - whole (LLaVA): an image is one tile, its placeholder ``tokens_per_image`` image
       tokens;
@@ -82,7 +88,14 @@ class ImageInputProcessor:
       the merged patch (``patch_size * spatial_merge_size`` pixels), the encoder takes it
       at that size, unpadded; its placeholder becomes, per row, C image tokens
       (``[IMG]``) then ``[IMG_BREAK]``, the last row's break ``[IMG_END]``
-      (transformers' ``PixtralProcessor``); only the image tokens take embeddings.
+      (transformers' ``PixtralProcessor``); only the image tokens take embeddings;
+    - framed (Gemma 3): the prompt names an image with the frame's start token
+      (``<start_of_image>``, what the chat template writes); it becomes ``"\\n\\n"``, the
+      start token, ``tokens_per_image`` image tokens, the end token, ``"\\n\\n"``
+      (transformers' ``Gemma3Processor``), the image one (1, 3, H, W) tile; each run of
+      newline tokens those ``"\\n\\n"`` join is encoded again as that many newlines, as
+      tokenizing the expanded text would (``_join_newlines``). The feature is the image
+      tokens alone: the frame is text.
     """
 
     def __init__(self, model_config, tokenizer, model_cls: type) -> None:
@@ -93,8 +106,8 @@ class ImageInputProcessor:
             model_config.hf_token,
         )  # fmt: skip
         hf_config = hf_config_of(model_config)
-        # "whole" (LLaVA), "tiled" (SmolVLM, Idefics3), "grid" (Qwen2-VL) or "rows"
-        # (Mistral 3): class docstring.
+        # "whole" (LLaVA), "tiled" (SmolVLM, Idefics3), "grid" (Qwen2-VL), "rows"
+        # (Mistral 3) or "framed" (Gemma 3): class docstring.
         self.layout = getattr(model_cls, "image_layout", "whole")
         module = importlib.import_module(model_cls.__module__)
         if self.layout == "grid":
@@ -104,15 +117,24 @@ class ImageInputProcessor:
             self.rows = module.image_rows_layout(hf_config)  # its tokens and merged patch
             self.image_token_id, self.tokens_per_tile = self.rows.image_token_id, 0
             self._row_end_ids: tuple[int, int] | None = None  # (break, end): the first image's
+        elif self.layout == "framed":
+            self.frame = module.image_frame_layout(hf_config)
+            self.image_token_id = self.frame.image_token_id
+            self.tokens_per_tile = self.frame.tokens_per_image
+            self._newline_counts: dict[int, int] = {}  # token id -> its newlines (0: other)
+            self._newline_ids: dict[int, list[int]] = {}  # n -> the ids of n newlines
         else:
             self.image_token_id, self.tokens_per_tile = module.image_token_layout(hf_config)
+        # The token that names an image in the prompt (Gemma 3's: its frame's start).
+        framed = self.layout == "framed"
+        self.placeholder_id = self.frame.boi_token_id if framed else self.image_token_id
         limits = model_config.limit_mm_per_prompt or {}
         self.limit = limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
         self.tokenizer = tokenizer
         # The text that stands for one image in a prompt (a chat template's placeholder).
         self.placeholder: str | None = None
         if tokenizer is not None:
-            self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
+            self.placeholder = tokenizer.convert_ids_to_tokens(self.placeholder_id)
         self._image_processor = None  # loaded by the first image
         self._tile_prompts: dict[tuple[int, int], list[int]] = {}  # (R, C) -> its ids
         # What a whole image or a tile must measure (H, W): the vision tower's input.
@@ -167,6 +189,8 @@ class ImageInputProcessor:
                     f"({type(processor).__name__}); it takes {takes}",
                     KWARGS,
                 )
+        if self.layout == "framed" and kwargs.get("do_pan_and_scan"):
+            raise VLLMValidationError(_PAN_AND_SCAN, KWARGS)
         return dict(kwargs)
 
     def request_kwargs(self, kwargs: Any) -> dict[str, Any]:
@@ -205,7 +229,7 @@ class ImageInputProcessor:
                 f"at most {self.limit} images a prompt (--limit-mm-per-prompt), got {len(images)}",
                 PARAM,
             )
-        slots = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        slots = [i for i, t in enumerate(prompt_ids) if t == self.placeholder_id]
         if len(slots) != len(images):
             named = f" ({self.placeholder!r})" if self.placeholder else ""
             raise VLLMValidationError(
@@ -213,7 +237,7 @@ class ImageInputProcessor:
                 f"the prompt, one where each image goes, in order; it holds {len(slots)}",
                 PARAM,
             )
-        if self.layout == "tiled" and self.tokenizer is None:
+        if self.layout in ("tiled", "framed") and self.tokenizer is None:
             raise VLLMValidationError(
                 "this model's image prompts are built with its tokenizer, which "
                 "--skip-tokenizer-init leaves out",
@@ -229,6 +253,8 @@ class ImageInputProcessor:
             ids += image_ids
             last = slot + 1
         ids += prompt_ids[last:]
+        if self.layout == "framed":
+            ids, features = self._join_newlines(ids, features)
         return ids, features
 
     def _whole(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
@@ -240,6 +266,84 @@ class ImageInputProcessor:
         return MultiModalFeature("image", pixels, offset, n, content_hash(pixels)), [
             self.image_token_id
         ] * n
+
+    def _framed(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
+        """Gemma 3's: the image as one (1, 3, H, W) tile, without pan-and-scan crops, and
+        its frame: ``"\\n\\n"``, the start token, the image tokens (the feature), the end
+        token, ``"\\n\\n"``."""
+        processor = self.image_processor
+        if kwargs.get("do_pan_and_scan", getattr(processor, "do_pan_and_scan", None)):
+            raise VLLMValidationError(  # set by the folder's preprocessor_config.json
+                f"{_PAN_AND_SCAN}; the model folder's preprocessor_config.json sets it: set "
+                f'{KWARGS} {{"do_pan_and_scan": false}}',
+                KWARGS,
+            )
+        # False, not unset: the processor's own default must not turn the crops on.
+        out = processor(images=[image], return_tensors="pt", **{**kwargs, "do_pan_and_scan": False})
+        pixels = self._sized(out["pixel_values"].float(), kwargs)
+        newlines, f, n = self._newlines(2), self.frame, self.tokens_per_tile
+        image_ids = [*newlines, f.boi_token_id, *[f.image_token_id] * n, f.eoi_token_id, *newlines]
+        start = offset + len(newlines) + 1
+        return MultiModalFeature("image", pixels, start, n, content_hash(pixels)), image_ids
+
+    def _join_newlines(
+        self, ids: list[int], features: list[MultiModalFeature]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """``ids`` with each run of newline tokens that holds a frame's ``"\\n\\n"``
+        replaced by the tokenizer's ids of that many newlines, and ``features`` shifted to
+        match. Gemma's tokenizer has one token for a run of newlines ("\\n" then "\\n\\n":
+        one "\\n\\n\\n"), and a special token (the frame's start and end, the chat
+        template's) ends a run, so this is what tokenizing the expanded text gives; the
+        prompt's other newlines are left as they came."""
+        k = len(self._newlines(2))
+        starts = sorted({s for f in features for s in (f.offset - 1 - k, f.end + 1)})
+        out: list[int] = []
+        removed: list[tuple[int, int]] = []  # (where a run ended, tokens it lost)
+        pos = 0
+        for lo in starts:
+            if lo < pos:  # in the run before (images back to back)
+                continue
+            hi = lo + k
+            while lo > pos and self._newline_count(ids[lo - 1]):
+                lo -= 1
+            while hi < len(ids) and self._newline_count(ids[hi]):
+                hi += 1
+            run = self._newlines(sum(self._newline_count(t) for t in ids[lo:hi]))
+            out += ids[pos:lo] + run
+            removed.append((hi, hi - lo - len(run)))
+            pos = hi
+        out += ids[pos:]
+        shifted = [
+            replace(f, offset=f.offset - sum(n for end, n in removed if end <= f.offset))
+            for f in features
+        ]
+        return out, shifted
+
+    def _newline_count(self, token_id: int) -> int:
+        """The newlines the token is (0: it is not newlines alone)."""
+        count = self._newline_counts.get(token_id)
+        if count is None:
+            text = self.tokenizer.decode([token_id])
+            count = len(text) if text and not text.strip("\n") else 0
+            self._newline_counts[token_id] = count
+        return count
+
+    def _newlines(self, n: int) -> list[int]:
+        """The tokenizer's ids of ``n`` newlines; ``VLLMValidationError`` naming
+        multi_modal_data when they are not newline tokens alone."""
+        ids = self._newline_ids.get(n)
+        if ids is None:
+            ids = self.tokenizer.encode("\n" * n, add_special_tokens=False)
+            counts = [self._newline_count(t) for t in ids]
+            if not all(counts) or sum(counts) != n:
+                raise VLLMValidationError(
+                    "this model's image prompts need its tokenizer to encode newlines as "
+                    f"newline tokens; it encodes {n} newlines as {ids}",
+                    PARAM,
+                )
+            if n <= _CACHED_NEWLINES:
+                self._newline_ids[n] = ids
+        return ids
 
     def _grid(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
         """Qwen2-VL's: the image's (patches, patch values) and patch grid (t, h, w), and

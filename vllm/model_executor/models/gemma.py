@@ -1,4 +1,4 @@
-"""The Gemma family (Gemma, Gemma 2, Gemma 3's text models) over a flat packed batch.
+"""The Gemma family (Gemma, Gemma 2, Gemma 3 with its images) over a flat packed batch.
 
 Llama's shape (``llama.py``: fused q/k/v and gate/up projections, a paged KV cache through
 the attention backend) with Gemma's differences, as transformers computes them:
@@ -17,12 +17,26 @@ the attention backend) with Gemma's differences, as transformers computes them:
 
 The windows and the soft cap are attention features (``AttentionBackend.supported_features``):
 the selector installs a backend that has them (the torch backend; docs/models.md).
+
+Gemma 3's multimodal checkpoints (``Gemma3ForConditionalGeneration``) add a SigLIP vision
+tower (``siglip_vision.py``) and a projector. An image of the tower's size becomes
+``mm_tokens_per_image`` rows (``embed_images``): the tower's last hidden state, its patch
+grid average-pooled down to ``sqrt(mm_tokens_per_image)`` a side, Gemma-RMS-normed
+(``mm_soft_emb_norm``) and multiplied by ``mm_input_projection_weight``. The prompt frames
+each image (``image_frame_layout``); the engine writes the image's rows over its
+``image_token_id`` rows of ``embed_input_ids`` (already scaled: transformers scatters them
+after the scaling) and runs the language model on the result (``forward(...,
+inputs_embeds=...)``); each image's tokens attend to each other both ways (the
+``bidirectional_spans`` feature). Tensors: the Hub's layout (``vision_tower.vision_model.``,
+``multi_modal_projector.``, ``language_model.model.``), the one transformers 5 saves (the
+tower's without ``vision_model.``) and the one it holds in memory (``model.vision_tower.``,
+``model.multi_modal_projector.``, ``model.language_model.``, ``lm_head``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -39,12 +53,20 @@ from vllm.model_executor.models.llama import (
     load_embeddings_and_head,
     load_projections,
 )
-from vllm.model_executor.models.utils import language_model_tensors
+from vllm.model_executor.models.siglip_vision import SiglipVisionArch, SiglipVisionModel
+from vllm.model_executor.models.utils import (
+    config_from_dict,
+    language_model_tensors,
+    takes_images,
+)
 from vllm.v1.attention.backends.abstract import layer_metadata
 
 # hidden_activation / hidden_act values that mean GeLU's tanh approximation (Gemma 1's
 # configs say "gelu" and mean it, as transformers reads them).
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
+# Where Gemma 3's multimodal checkpoints keep the tower's and the projector's tensors (each
+# also under ``model.``, as transformers 5 holds them in memory).
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 
 @dataclass(frozen=True)
@@ -241,10 +263,26 @@ class GemmaForCausalLM(nn.Module):
             )
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) ids -> (num_tokens, hidden): the embeddings the first layer reads,
+        times ``sqrt(hidden_size)``; a new tensor."""
         x = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weights' dtype first (bf16: 8 bits).
-        x = x * torch.tensor(math.sqrt(self.arch.hidden_size), dtype=x.dtype)
+        return x * torch.tensor(math.sqrt(self.arch.hidden_size), dtype=x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids,
+        positions,
+        meta: Any,
+        kv_caches,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``inputs_embeds``
+        (num_tokens, hidden), when given, is read instead of ``embed_input_ids(input_ids)``
+        (Gemma 3's: image rows written over its placeholders' rows); it is not modified."""
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         metas = layer_metadata(meta, len(self.layers))  # the hybrid KV cache's groups
         aux = [x.clone()] if 0 in self.aux_hidden_layers else []
         for i, (layer, kv_cache, local, m) in enumerate(
@@ -294,16 +332,146 @@ class GemmaForCausalLM(nn.Module):
                     layer.k_norm.weight.copy_(sd[att + "k_norm.weight"])
 
 
+@dataclass(frozen=True)
+class ImageFrameLayout:
+    """How Gemma 3 frames an image in a prompt: the prompt names it with ``boi_token_id``
+    (``<start_of_image>``, what the chat template writes); the processor turns that into
+    ``"\n\n" <start_of_image> <image_soft_token> x tokens_per_image <end_of_image> "\n\n"``
+    (transformers' ``Gemma3Processor.full_image_sequence``), of which only the
+    ``image_token_id`` tokens take the image's embeddings."""
+
+    boi_token_id: int
+    image_token_id: int
+    eoi_token_id: int
+    tokens_per_image: int
+
+
+def image_frame_layout(hf_config: Any) -> ImageFrameLayout:
+    """The image layout of a Gemma 3 config (transformers' ``Gemma3Config`` or the dict of
+    its config.json): ``boi_token_index``, ``image_token_index``, ``eoi_token_index`` and
+    ``mm_tokens_per_image``."""
+    config = config_from_dict(hf_config, {"gemma3": "Gemma3Config"})
+    return ImageFrameLayout(
+        boi_token_id=config.boi_token_index,
+        image_token_id=config.image_token_index,
+        eoi_token_id=config.eoi_token_index,
+        tokens_per_image=config.mm_tokens_per_image,
+    )
+
+
+@dataclass(frozen=True)
+class Gemma3Arch(GemmaArch):
+    """The language model's arch (``text_config``), and the vision side's."""
+
+    # None only as a dataclass default (fields after GemmaArch's need one): from_hf sets it.
+    vision: SiglipVisionArch | None = None
+    mm_tokens_per_image: int = 0  # rows per image: (patches_per_side / pool_kernel) ** 2
+    pool_kernel: int = 1  # the projector's average pool, side and stride, in patches
+
+    @classmethod
+    def from_hf(cls, config: Any) -> Gemma3Arch:
+        """The arch of a ``Gemma3Config``; ``ValueError`` naming the field it cannot serve:
+        ``mm_tokens_per_image`` must be a square whose side divides the tower's patches per
+        side (the pool's kernel is their ratio)."""
+        base = GemmaArch.from_hf(config.get_text_config())
+        base = {f.name: getattr(base, f.name) for f in fields(GemmaArch)}
+        vision = SiglipVisionArch.from_hf(config.vision_config)
+        tokens = config.mm_tokens_per_image
+        side = math.isqrt(tokens) if isinstance(tokens, int) and tokens > 0 else 0
+        if side * side != tokens:
+            raise ValueError(f"mm_tokens_per_image {tokens!r} is not a positive square")
+        per_side = vision.patches_per_side
+        if per_side % side:
+            raise ValueError(
+                f"mm_tokens_per_image {tokens}: its side {side} does not divide the tower's "
+                f"{per_side} patches a side (vision_config.image_size {vision.image_size} // "
+                f"patch_size {vision.patch_size})"
+            )
+        return cls(**base, vision=vision, mm_tokens_per_image=tokens, pool_kernel=per_side // side)
+
+
+class Gemma3MultiModalProjector(nn.Module):
+    """(n, patches, vision hidden) -> (n, mm_tokens_per_image, hidden): the patch grid
+    average-pooled by ``pool_kernel`` squares, Gemma-RMS-normed (``mm_soft_emb_norm``, the
+    tower's eps), times ``mm_input_projection_weight`` (vision hidden, hidden)."""
+
+    def __init__(self, a: Gemma3Arch) -> None:
+        super().__init__()
+        v = a.vision
+        self.mm_input_projection_weight = nn.Parameter(torch.zeros(v.hidden_size, a.hidden_size))
+        self.mm_soft_emb_norm = GemmaRMSNorm(v.hidden_size, v.layer_norm_eps)
+        self.per_side = v.patches_per_side
+        self.kernel = a.pool_kernel
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        n, _, width = features.shape
+        side = self.per_side
+        grid = features.transpose(1, 2).reshape(n, width, side, side)  # row-major patches
+        pooled = F.avg_pool2d(grid, self.kernel)  # (n, width, side / k, side / k)
+        pooled = pooled.flatten(2).transpose(1, 2)  # (n, tokens, width), row-major
+        return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight)
+
+
 class Gemma3ForConditionalGeneration(GemmaForCausalLM):
-    """Gemma 3's multimodal checkpoints (4B, 12B, 27B: ``Gemma3ForConditionalGeneration``)
-    served as text models: the language model of ``text_config``, its tensors read from
-    under ``language_model.model.`` (the Hub's layout) or ``model.language_model.``
-    (transformers 5's); the vision tower and projector are not loaded, and a request with an
-    image part is refused as for any model here (a 400 naming the part)."""
+    """Gemma 3's multimodal checkpoints (4B, 12B, 27B: ``Gemma3ForConditionalGeneration``):
+    the language model of ``text_config`` (every ``GemmaForCausalLM`` method, ``forward``
+    taking ``inputs_embeds``), with ``vision_tower`` (SigLIP, ``siglip_vision.py``) and
+    ``multi_modal_projector`` beside it (module docstring)."""
+
+    # The prompt frames each image (``ImageFrameLayout``; vllm/multimodal/processing.py).
+    image_layout: ClassVar[str] = "framed"
+    supports_images: ClassVar[bool] = True
+    # Each image's tokens attend to each other both ways (transformers' Gemma 3 mask: the
+    # ``token_type_ids`` blocks); the model runner marks their spans for the backend.
+    bidirectional_image_attention: ClassVar[bool] = True
 
     @staticmethod
-    def arch_from_hf(hf_config: Any) -> GemmaArch:
-        return GemmaArch.from_hf(hf_config.get_text_config())
+    def arch_from_hf(hf_config: Any) -> Gemma3Arch:
+        return Gemma3Arch.from_hf(hf_config)
+
+    @staticmethod
+    def takes_images(hf_config: Any) -> bool:
+        return takes_images(hf_config)
+
+    def __init__(self, arch: Gemma3Arch) -> None:
+        super().__init__(arch)
+        self.vision_tower = SiglipVisionModel(arch.vision)
+        self.multi_modal_projector = Gemma3MultiModalProjector(arch)
+
+    @property
+    def attention_features(self) -> frozenset[str]:
+        """The language model's, and spans attending both ways (its images')."""
+        return super().attention_features | {"bidirectional_spans"}
+
+    @property
+    def max_image_tokens(self) -> int:
+        """The tokens one image's embeddings take (a prefill chunk must hold them all)."""
+        return self.arch.mm_tokens_per_image
+
+    @torch.inference_mode()
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(num_images, 3, image_size, image_size) pixels (any float dtype, any device) ->
+        (num_images, mm_tokens_per_image, hidden) embeddings in the model's dtype, on its
+        device: the rows of each image's ``image_token_id`` tokens, in order, to be written
+        over those of ``embed_input_ids`` (transformers scatters them after the scaling)."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values))
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """The language model's tensors (``GemmaForCausalLM.load_weights``), the tower's and
+        the projector's, from either layout (module docstring). ``ValueError`` when the
+        checkpoint holds no vision tower tensors."""
         super().load_weights(language_model_tensors(sd))
+        parts: dict[str, dict[str, torch.Tensor]] = {p: {} for p in VISION_PREFIXES}
+        for key, tensor in sd.items():
+            key = key.removeprefix("model.")
+            for prefix, part in parts.items():
+                if key.startswith(prefix):
+                    part[key.removeprefix(prefix)] = tensor
+        tower, projector = parts.values()
+        if not tower:
+            raise ValueError(
+                "no vision tower tensors in the checkpoint (looked under vision_tower. and "
+                "model.vision_tower.): a Gemma 3 multimodal checkpoint needs its tower"
+            )
+        self.vision_tower.load_weights(tower)
+        self.multi_modal_projector.load_state_dict(projector)

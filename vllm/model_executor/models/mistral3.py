@@ -36,7 +36,11 @@ from vllm.model_executor.models.clip import activation
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM, RMSNorm
 from vllm.model_executor.models.pixtral_vision import PixtralVisionArch, PixtralVisionModel
 from vllm.model_executor.models.registry import ModelRegistry
-from vllm.model_executor.models.utils import config_from_dict, language_model_tensors
+from vllm.model_executor.models.utils import (
+    config_from_dict,
+    language_model_tensors,
+    takes_images,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +81,6 @@ def image_rows_layout(hf_config: Any) -> ImageRowsLayout:
         break_token_id=getattr(config, "image_break_token_id", None),
         end_token_id=getattr(config, "image_end_token_id", None),
     )
-
-
-def takes_images(hf_config: Any) -> bool:
-    """Whether the checkpoint of ``hf_config`` (transformers' config or the dict of its
-    config.json) has a vision tower: a dict without a ``vision_config`` does not
-    (transformers would fill in a default one)."""
-    if isinstance(hf_config, dict):
-        return hf_config.get("vision_config") is not None
-    return getattr(hf_config, "vision_config", None) is not None
 
 
 @dataclass(frozen=True)

@@ -44,3 +44,12 @@ def config_from_dict(hf_config: Any, classes: dict[str, str]) -> Any:
     if model_type not in classes:
         raise ValueError(f"model_type {model_type!r} is not one of {', '.join(classes)}")
     return getattr(transformers, classes[model_type]).from_dict(hf_config)
+
+
+def takes_images(hf_config: Any) -> bool:
+    """Whether the checkpoint of ``hf_config`` (transformers' config or the dict of its
+    config.json) has a vision tower: a dict without a ``vision_config`` does not
+    (transformers would fill in a default one)."""
+    if isinstance(hf_config, dict):
+        return hf_config.get("vision_config") is not None
+    return getattr(hf_config, "vision_config", None) is not None

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from vllm.config import VllmConfig
+from vllm.config import SchedulerConfig, VllmConfig
 from vllm.profiler import TorchProfiler
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, kv_capacity_tokens
@@ -77,6 +77,30 @@ def check_kv_capacity(
     )
 
 
+def whole_images(config: SchedulerConfig, model: Any) -> None:
+    """For a model whose image tokens attend to each other both ways (Gemma 3), every
+    image's tokens run in one prefill chunk (the scheduler's ``whole_images``, as
+    ``disable_chunked_mm_input`` asks): a chunk (``max_num_batched_tokens``,
+    ``long_prefill_token_threshold``) must be long enough for the model's longest image
+    (``max_image_tokens``), else ``ValueError`` naming the flag."""
+    if not config.disable_chunked_mm_input:
+        logger.info(
+            "The model's image tokens attend to each other both ways: each image runs in "
+            "one prefill chunk (as --disable-chunked-mm-input)"
+        )
+    longest = getattr(model, "max_image_tokens", 0)
+    for flag, value in (
+        ("max_num_batched_tokens", config.max_num_batched_tokens),
+        ("long_prefill_token_threshold", config.long_prefill_token_threshold),
+    ):
+        if 0 < value < longest:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {value} is shorter than one image of this model "
+                f"({longest} tokens), whose image tokens attend to each other both ways and so "
+                f"run in one prefill chunk: set it to at least {longest}"
+            )
+
+
 class EngineCore:
     """Owns the model runner and the scheduler. ``step`` = schedule, execute, update.
 
@@ -122,6 +146,9 @@ class EngineCore:
         self.model_runner.capture_model()  # CUDA graphs of decode steps (not on CPU)
         # Constrained requests wait here while their grammar compiles (not in a step).
         self.grammars = PendingGrammars(self.model_runner.structured_output)
+        bidirectional = self.model_runner.bidirectional_images
+        if bidirectional:
+            whole_images(vllm_config.scheduler_config, self.model_runner.model)
         self.scheduler = Scheduler(
             vllm_config,
             self.num_gpu_blocks,
@@ -131,6 +158,7 @@ class EngineCore:
             block_bytes,
             self.model_runner.kv_cache_windows,
             self.model_runner.encoder_cache.__contains__,
+            whole_images=bidirectional,
         )
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
         # Finished/preempted ids of steps the runner did not see (empty or failed steps),

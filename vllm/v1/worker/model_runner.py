@@ -32,6 +32,7 @@ from vllm.utils.device import to_device, to_host, upload
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     BlockIds,
+    attend_both_ways,
     kv_cache_bytes,
     kv_cache_shape,
     latent_value_size,
@@ -391,6 +392,11 @@ class ModelRunner:
         if self._kv_groups is None:
             return self.plan_kv_cache_groups()
         return self._kv_groups
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """Each image's tokens attend to each other both ways (Gemma 3), not causally."""
+        return getattr(self.model, "bidirectional_image_attention", False)
 
     @property
     def metadata_builder(self) -> AttentionBackend | GroupedBuilder:
@@ -902,6 +908,30 @@ class ModelRunner:
             return None
         return rows, torch.cat(parts)
 
+    @staticmethod
+    def _image_spans(
+        images: list[tuple[CachedRequestState, int, int, int]],
+    ) -> list[tuple[int, int]]:
+        """The step's rows ``[a, b)`` of each run of one image's embedding positions (its
+        ``is_embed`` runs; the whole image without them), which attend to each other both
+        ways in a model with ``bidirectional_image_attention`` (Gemma 3: transformers'
+        mask groups each run of image tokens). ``images`` as ``_image_rows`` takes them."""
+        spans = []
+        for state, start, n, row in images:
+            for i, lo, hi in features_in(state.mm_features, start, start + n):
+                feature = state.mm_features[i]
+                first = row + feature.offset + lo - start  # the step's row of position lo
+                embed = feature.is_embed
+                a = None
+                for p in range(lo, hi + 1):
+                    inside = p < hi and (embed is None or embed[p])
+                    if inside and a is None:
+                        a = p
+                    elif not inside and a is not None:
+                        spans.append((first + a - lo, first + p - lo))
+                        a = None
+        return spans
+
     def _positions(
         self, positions: list[int], positions3: list[tuple[int, np.ndarray]]
     ) -> torch.Tensor:
@@ -1090,6 +1120,8 @@ class ModelRunner:
             hidden = self.decode_graphs.run(ids, positions, seqs, token_slots, patch)
         if hidden is None:
             meta = self.metadata_builder.build_metadata(seqs)
+            if image_rows is not None and self.bidirectional_images:
+                attend_both_ways(meta, self._image_spans(images))
             input_ids = to_device(ids, torch.long, self.device)
             if patch is not None:
                 input_ids.index_copy_(0, *patch)

@@ -142,3 +142,23 @@ def test_an_image_the_encoder_cache_holds_costs_nothing():
     so, _ = step(s)
     assert so.num_scheduled_tokens == {a.request_id: 20, b.request_id: 3}  # not cut to 2
     run_until_done(s)
+
+
+def test_without_chunked_mm_input_a_chunk_started_inside_an_image_waits_for_room():
+    """A prefix hit ending inside an image (resumed at 4 of an image at 2..12): a chunk
+    that cannot reach the image's end runs nothing (the rest whole, in a later step); one
+    that can runs; a rest longer than any chunk (the budget, or the long-prefill cap) is
+    cut as before."""
+    s = make_scheduler(budget=16, disable_chunked_mm_input=True)
+    a = imaged(20, image(2, 10, "a"), max_tokens=1)
+    s.add_request(a)
+    assert s._encoder_inputs(a, 4, 5, _fresh_step(), resumed=True) == (0, [])
+    num_new, images = s._encoder_inputs(a, 4, 8, _fresh_step(), resumed=True)
+    assert (num_new, [f.identifier for f in images]) == (8, ["a"])
+    capped = make_scheduler(budget=16, threshold=6, disable_chunked_mm_input=True)
+    num_new, images = capped._encoder_inputs(a, 4, 6, _fresh_step(), resumed=True)
+    assert (num_new, [f.identifier for f in images]) == (6, ["a"])  # 8 > the cap of 6
+    # Without the flag the chunk ends inside the image.
+    plain = make_scheduler(budget=16)
+    assert plain._encoder_inputs(a, 4, 5, _fresh_step(), resumed=True)[0] == 5
+    run_until_done(s)

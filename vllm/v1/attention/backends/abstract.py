@@ -131,6 +131,15 @@ def layer_metadata(meta: Any, num_layers: int) -> list[Any]:
     return [meta] * num_layers
 
 
+def attend_both_ways(meta: Any, spans: list[tuple[int, int]]) -> None:
+    """Make rows ``[a, b)`` of the step's flat batch attend to each other both ways (the
+    ``bidirectional_spans`` feature), in every KV cache group's metadata
+    (``GroupedMetadata``) or the step's one. Each span lies inside one prefill chunk (the
+    scheduler never cuts one: ``SchedulerConfig.disable_chunked_mm_input``)."""
+    for one in meta.groups if isinstance(meta, GroupedMetadata) else (meta,):
+        one.attend_both_ways(spans)
+
+
 def block_array(ids: Sequence[int]) -> np.ndarray:
     """``ids`` as an int64 numpy array: ``BlockIds``' own, else converted."""
     return ids.array if isinstance(ids, BlockIds) else np.asarray(ids, dtype=np.int64)
@@ -163,7 +172,9 @@ class AttentionBackend(ABC):
     # ``sinks`` (a (heads,) tensor of logits that join each softmax and are dropped);
     # and two of the cache, not keywords: ``fp8_kv_cache`` (``--kv-cache-dtype fp8``: the
     # KV cache holds FP8 values, which ``forward`` writes and reads) and ``latent_kv`` (the
-    # cache holds keys only and values are their first ``value_size`` dims: MLA).
+    # cache holds keys only and values are their first ``value_size`` dims: MLA); and one
+    # of the step's metadata: ``bidirectional_spans`` (``attend_both_ways``: rows of a
+    # prefill chunk that see each other both ways, one image's tokens in Gemma 3).
     supported_features: ClassVar[frozenset[str]] = frozenset()
     # Features a model must use for the backend to serve it (a backend written for one
     # kind of model only: TRITON_MLA needs ``latent_kv``). The selector passes over the

@@ -21,7 +21,9 @@ decode kernel reads a one-plane cache's K plane as its V plane). The output is
 
 A layer with a sliding window, soft-capped scores (Gemma 2) or attention sinks (gpt-oss)
 takes a masked path instead (``_masked_paged_attention``): windowed gathers and explicit
-masks, SDPA, or an eager fp32 softmax where SDPA cannot express the scores.
+masks, SDPA, or an eager fp32 softmax where SDPA cannot express the scores. A prefill chunk
+whose rows include spans that attend both ways (``bidirectional_spans``: Gemma 3's images,
+``AttentionMetadata.attend_both_ways``) is attended under an explicit mask too.
 
 Prefill chunks on CPU in fp32 take the native flash-style kernel (``prefill_attention``,
 csrc/cpu/prefill_attention.cpp: AVX-512, head_dim a multiple of 64) when it is built, in
@@ -55,6 +57,10 @@ class PrefillChunk:
     # Per window (None: the whole context) of a masked layer: (first key, mask), built by
     # the first layer with that window and reused by the others (``window_mask``).
     windowed: dict[int | None, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # Rows [a, b) of the chunk (relative to ``start``) that attend to each other both ways
+    # (the ``bidirectional_spans`` feature: one image's tokens in Gemma 3); set by
+    # ``AttentionMetadata.attend_both_ways``. Such a chunk takes the masked path.
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_computed(self) -> int:
@@ -66,13 +72,17 @@ class PrefillChunk:
     def window_mask(self, window: int | None, device: torch.device) -> tuple[int, torch.Tensor]:
         """(first, mask): the first context position any query of the chunk reaches, and
         the (num_tokens, context_len - first) bool mask of the keys each query sees from
-        there, causal and, with ``window``, the last ``window`` positions only."""
+        there: causal, or within one of ``spans`` (each span's rows see each other), and,
+        with ``window``, only keys ``j > i - window`` of query ``i`` (transformers' Gemma 3
+        masks: the window ANDed over causal OR span)."""
         if window not in self.windowed:
             computed = self.num_computed
             first = 0 if window is None else max(0, computed - window + 1)
             q_pos = torch.arange(computed, computed + self.num_tokens, device=device)
             k_pos = torch.arange(first, computed + self.num_tokens, device=device)
             mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+            for a, b in self.spans:
+                mask[a:b, computed + a - first : computed + b - first] = True
             if window is not None:
                 mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window
             self.windowed[window] = (first, mask)
@@ -102,6 +112,22 @@ class AttentionMetadata:
     # Per sliding window: the decodes' (slots, mask) over their last `window` positions,
     # built by the first layer with that window and reused by the others.
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def attend_both_ways(self, spans: list[tuple[int, int]]) -> None:
+        """Rows ``[a, b)`` of the flat batch, each span inside one prefill chunk, attend to
+        each other both ways (``PrefillChunk.spans``); a span of one row changes nothing.
+        ``ValueError`` for a span that no chunk holds whole (a decode row, or across
+        chunks)."""
+        for a, b in spans:
+            if b - a < 2:
+                continue
+            chunk = next(
+                (c for c in self.prefills if c.start <= a and b <= c.start + c.num_tokens), None
+            )
+            if chunk is None:
+                raise ValueError(f"rows {a}:{b} attend both ways but no prefill chunk holds them")
+            chunk.spans.append((a - chunk.start, b - chunk.start))
+            chunk.windowed.clear()
 
     def decode_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(num_decodes, width) int64 slots of each decode's last ``window`` positions
@@ -456,14 +482,18 @@ def prefill_attention(
                 if latent
                 else _read(flat_v, chunk.context_slots, q.dtype)
             )
-        if _native_chunk(out[s:e], q[s:e], keys, values, scale, prefill_bf16):
+        if chunk.spans:  # rows that see each other both ways: an explicit mask
+            mask = chunk.window_mask(None, q.device)[1]
+        elif _native_chunk(out[s:e], q[s:e], keys, values, scale, prefill_bf16):
             continue
+        else:
+            mask = chunk.mask
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1).unsqueeze(0),  # (1, heads, len, dim)
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -481,7 +511,14 @@ class TorchSDPABackend(AttentionBackend):
     priority = 0
     decodes_first = True
     supported_features: ClassVar[frozenset[str]] = frozenset(
-        {"sliding_window", "logits_soft_cap", "sinks", "fp8_kv_cache", "latent_kv"}
+        {
+            "sliding_window",
+            "logits_soft_cap",
+            "sinks",
+            "fp8_kv_cache",
+            "latent_kv",
+            "bidirectional_spans",
+        }
     )
 
     def __init__(self, *args, **kwargs) -> None:

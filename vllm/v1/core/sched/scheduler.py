@@ -71,16 +71,24 @@ class Scheduler:
         cpu_block_bytes: int = 0,
         kv_cache_windows: tuple[int | None, ...] = (None,),
         encoder_cached: Callable[[str], bool] | None = None,
+        whole_images: bool = False,
     ) -> None:
         """``policy``: built by ``create_policy`` (the one place policies are built).
         ``num_cpu_blocks``: size of the CPU KV tier (0: none), blocks of
         ``cpu_block_bytes`` bytes each (for the bytes-moved metric).
         ``kv_cache_windows``: the runner's KV cache groups (``KVCacheManager``).
         ``encoder_cached``: whether the runner's encoder cache holds an image (by
-        identifier): such an image costs the encoder budget nothing."""
+        identifier): such an image costs the encoder budget nothing. ``whole_images``:
+        a chunk never ends inside an image, as ``disable_chunked_mm_input`` asks (the
+        model's image tokens attend to each other both ways: ``whole_images`` of
+        vllm/v1/engine/core.py)."""
         self.config = vllm_config.scheduler_config
         self.encoder_cached = encoder_cached
+        self.whole_images = whole_images or self.config.disable_chunked_mm_input
         self.max_model_len = self.config.max_model_len
+        # The longest prefill chunk a step can take (the budget, and the long-prefill cap).
+        threshold = self.config.long_prefill_token_threshold
+        self._chunk_cap = min(self.config.max_num_batched_tokens, threshold or 1 << 62)
         self.clock = clock
         self.policy = policy
         self.max_ttl_s = vllm_config.policy_config.max_ttl_s  # caps a client's pin floor
@@ -239,7 +247,9 @@ class Scheduler:
         budget still runs, in a step of its own. ``resumed``: the request comes from the
         waiting queue (new, or preempted), so the runner holds none of its images, those
         its prefix-cache hit ends inside included. With ``disable_chunked_mm_input`` a
-        chunk that would end inside an image stops before it. An image sent twice in one
+        chunk never ends inside an image: it stops before it, or, when it starts inside
+        it (a prefix hit ending there), waits for a step with room for the rest; only an
+        image longer than a chunk can be (``_chunk_cap``) is cut. An image sent twice in one
         step (one agent's screenshot in two requests) is encoded once, and one the
         runner's encoder cache holds not at all (``encoder_cached``)."""
         features = request.mm_features
@@ -254,8 +264,11 @@ class Scheduler:
                 break
             if f.end <= start or (f.offset < start and not resumed):
                 continue  # computed, or held by the runner since an earlier step
-            if self.config.disable_chunked_mm_input and start < f.offset and end < f.end:
-                return f.offset - start, images  # the image whole, from the next step
+            if self.whole_images and end < f.end:
+                if start < f.offset:
+                    return f.offset - start, images  # the image whole, from the next step
+                if f.end - start <= self._chunk_cap:
+                    return 0, []  # started by a prefix hit: the rest whole, in a later step
             cached = self.encoder_cached is not None and self.encoder_cached(f.identifier)
             if cached or f.identifier in encoded:
                 continue  # in the runner's encoder cache, or encoded in this step already
