@@ -206,3 +206,43 @@ def test_bad_image_inputs_are_refused_and_the_engine_serves_on(llava, tmp_path):
         assert text.generate({"prompt_token_ids": [5, 6]}, GREEDY)[0].outputs[0].token_ids
     finally:
         text.shutdown()
+
+
+def test_an_image_the_encoder_fails_on_fails_its_request_only(llava):
+    """Three requests in one step, one image each: the encoder raises whenever the batch
+    holds the bad image (its pixels' sum marks it), so the step's one pass fails, each
+    image is encoded alone, and only the bad image's request fails (finish reason
+    "error"); the others get transformers' tokens, nothing is left in the pool, and the
+    engine serves on."""
+    llm = LLM(model=str(llava[0]), max_model_len=64, block_size=4, num_gpu_blocks_override=32)
+    runner = llm.engine_core.model_runner
+    embed = runner.model.embed_images
+    processor = transformers.AutoImageProcessor.from_pretrained(llava[0], backend="pil")
+    bad_sum = processor(images=[image(1)], return_tensors="pt")["pixel_values"].sum()
+    passes = []
+
+    def faulty(pixels):
+        passes.append(len(pixels))
+        if any(torch.isclose(p.sum().cpu(), bad_sum) for p in pixels):
+            raise RuntimeError("out of memory (injected)")
+        return embed(pixels)
+
+    runner.model.embed_images = faulty
+    try:
+        requests = [{"prompt_token_ids": PROMPT, "multi_modal_data": {"image": image(s)}}
+                    for s in range(3)]  # fmt: skip
+        outs = llm.generate(requests, GREEDY)
+        assert passes == [3, 1, 1, 1]  # together, then each alone
+        reasons = [o.outputs[0].finish_reason for o in outs]
+        assert reasons == ["length", "error", "length"]
+        assert outs[1].outputs[0].token_ids == []
+        for s in (0, 2):
+            assert list(outs[s].outputs[0].token_ids) == hf_greedy(llava, PROMPT, [image(s)])
+        core = llm.engine_core
+        core.scheduler.check_invariants()
+        assert core.scheduler.kv_cache_manager.usage == 0.0
+        # The next step delivers the failed request's end: the runner forgets it.
+        assert run(llm, PROMPT, image(2))[0] == hf_greedy(llava, PROMPT, [image(2)])
+        assert outs[1].request_id not in runner.requests
+    finally:
+        llm.shutdown()

@@ -868,10 +868,9 @@ class ModelRunner:
         self, images: list[tuple[CachedRequestState, int, int, int]]
     ) -> tuple[list[int], torch.Tensor] | None:
         """The step's rows that take image embeddings, and those embeddings (None: no
-        image in the step). ``images``: (request, first position, positions, first row)
-        of each scheduled request that has images. The tiles of the images a step reaches
-        first go through the vision encoder together; an image's embeddings are kept
-        until the step that computes its last position."""
+        image in the step; ``_encode_images`` made them). ``images``: (request, first
+        position, positions, first row) of each scheduled request that has images. An
+        image's embeddings are kept until the step that computes its last position."""
         if not images:
             return None
         spans = []  # (state, image index, its positions lo:hi, the step's row of lo)
@@ -879,22 +878,6 @@ class ModelRunner:
             for i, lo, hi in features_in(state.mm_features, start, start + n):
                 offset = state.mm_features[i].offset
                 spans.append((state, i, lo, hi, row + offset + lo - start))
-        missing: dict[str, list[tuple[CachedRequestState, int]]] = {}  # by identifier
-        for state, i, *_ in spans:
-            if i not in state.mm_embeds:
-                identifier = state.mm_features[i].identifier
-                cached = self.encoder_cache.get(identifier)
-                if cached is None:  # an image two requests hold is encoded once
-                    missing.setdefault(identifier, []).append((state, i))
-                else:
-                    state.mm_embeds[i] = cached
-        if missing:
-            features = [state.mm_features[i] for (state, i), *_ in missing.values()]
-            encoded = zip(missing.items(), self._encode(features), strict=True)
-            for (identifier, holders), rows in encoded:
-                for state, i in holders:
-                    state.mm_embeds[i] = rows
-                self.encoder_cache.put(identifier, rows)
         rows: list[int] = []
         parts = []
         for state, i, lo, hi, first_row in spans:
@@ -944,6 +927,62 @@ class ModelRunner:
         for row, rows3 in positions3:
             table[:, row : row + rows3.shape[1]] = rows3
         return upload(torch.from_numpy(table), self.device)
+
+    def _encode_images(self, order: list[str], so: SchedulerOutput) -> dict[str, RequestFailure]:
+        """Each image the step's chunks reach and no request holds yet, from the encoder
+        cache or the vision encoder: the tiles of them all in one pass, an image two
+        requests hold once. When that pass fails (a device out of memory, an image the
+        tower cannot take), each image is encoded alone and the requests whose image
+        fails fail alone (returned), their steps left out; the others go on."""
+        missing: dict[str, list[tuple[CachedRequestState, int]]] = {}  # by identifier
+        for req_id in order:
+            state = self.requests[req_id]
+            if not state.mm_features:
+                continue
+            start = state.num_computed_tokens
+            for i, *_ in features_in(
+                state.mm_features, start, start + so.num_scheduled_tokens[req_id]
+            ):
+                if i in state.mm_embeds:
+                    continue
+                identifier = state.mm_features[i].identifier
+                cached = self.encoder_cache.get(identifier)
+                if cached is None:
+                    missing.setdefault(identifier, []).append((state, i))
+                else:
+                    state.mm_embeds[i] = cached
+        if not missing:
+            return {}
+        features = {
+            key: holders[0][0].mm_features[holders[0][1]] for key, holders in missing.items()
+        }
+        try:
+            encoded = dict(zip(features, self._encode(list(features.values())), strict=True))
+        except Exception as e:
+            if len(features) == 1:
+                encoded = {next(iter(features)): e}
+            else:
+                logger.warning("the step's images failed together (%s); each alone", e)
+                encoded = {}
+                for key, feature in features.items():
+                    try:
+                        encoded[key] = self._encode([feature])[0]
+                    except Exception as one:
+                        encoded[key] = one
+        failed: dict[str, RequestFailure] = {}
+        for key, rows in encoded.items():
+            for state, i in missing[key]:
+                if isinstance(rows, Exception):
+                    logger.warning("request %s: image %d failed in the vision encoder",
+                                   state.req_id, i, exc_info=rows)  # fmt: skip
+                    failed[state.req_id] = RequestFailure(
+                        f"image {i} failed in the vision encoder: {type(rows).__name__}: {rows}"
+                    )
+                else:
+                    state.mm_embeds[i] = rows
+            if not isinstance(rows, Exception):
+                self.encoder_cache.put(key, rows)
+        return failed
 
     def _encode(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """Each image's embedding rows (rows, hidden), from one pass of the vision encoder
@@ -1053,6 +1092,10 @@ class ModelRunner:
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
         order = [r for r in so.num_scheduled_tokens if r not in failed]
+        image_failures = self._encode_images(order, so)
+        if image_failures:
+            failed |= image_failures
+            order = [r for r in order if r not in failed]
         if self.logitsprocs:  # before the forward pass, as vLLM: the batch's changes
             update = self.logitsprocs_batch.update([self.requests[r] for r in order])
             for processor in self.logitsprocs:
