@@ -13,7 +13,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import TINY_LLAMA, cache_layout, load_cpu_runner, runner_logits
+from tests.tiny_models import (
+    TINY_LLAMA,
+    cache_layout,
+    load_cpu_runner,
+    perturbed,
+    runner_logits,
+)
 from vllm.config import ModelConfig
 from vllm.model_executor.models.gemma import (
     Gemma3ForConditionalGeneration,
@@ -156,13 +162,7 @@ def test_siglip_tower_equals_transformers():
     7 x 7 patches, the last 2 pixels dropped as the "valid" convolution drops them)."""
     config = transformers.SiglipVisionConfig(**VISION | {"image_size": 30, "vision_use_head": True})
     torch.manual_seed(0)
-    hf = transformers.SiglipVisionModel(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
+    hf = perturbed(transformers.SiglipVisionModel(config))
     tower = SiglipVisionModel(SiglipVisionArch.from_hf(config))
     tower.load_weights(hf.state_dict())  # under vision_model.
     px = torch.randn(3, 3, 30, 30, generator=torch.Generator().manual_seed(3))

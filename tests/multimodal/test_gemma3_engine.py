@@ -17,7 +17,7 @@ from PIL import Image
 
 from tests.model_executor.test_gemma3_mm import TEXT, VISION
 from tests.multimodal.test_gemma3_processing import BOI, EOI, SOFT, save_tokenizer
-from tests.multimodal.utils import hf_greedy
+from tests.multimodal.utils import check_greedy, hf_greedy
 from vllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -71,11 +71,6 @@ def reference(model, images, prompt=PROMPT, both_ways=True):
     return ids, *hf_greedy(hf, ids, pixel_values=out["pixel_values"], **extra)
 
 
-def greedy(outputs) -> tuple[list[int], list[float]]:
-    out = outputs[0].outputs[0]
-    return list(out.token_ids), [lp.logprob for lp in out.logprobs]
-
-
 def test_images_attend_both_ways_as_transformers(model):
     images = [image(0), image(1, (20, 50))]
     ids, tokens, logprobs = reference(model, images)
@@ -106,9 +101,7 @@ def test_images_attend_both_ways_as_transformers(model):
             (first, tokens, logprobs),
             (other, other_tokens, other_logprobs),
         ):
-            got_tokens, got_logprobs = greedy(got)
-            assert got_tokens == want_tokens
-            np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
+            check_greedy(got, want_tokens, want_logprobs)
 
 
 def test_a_budget_shorter_than_an_image_is_refused_at_start(model):

@@ -14,7 +14,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_idefics3 import image_processor, make_hf, save
-from tests.multimodal.utils import hf_greedy
+from tests.multimodal.utils import check_greedy, hf_greedy
 from tests.utils import copy_benchmark_tokenizer
 from vllm import LLM, SamplingParams
 
@@ -64,11 +64,6 @@ def reference(model, img: Image.Image) -> tuple[list[int], list[int], list[float
     return ids, *hf_greedy(hf, ids, **enc)
 
 
-def greedy(outputs) -> tuple[list[int], list[float]]:
-    out = outputs[0].outputs[0]
-    return list(out.token_ids), [lp.logprob for lp in out.logprobs]
-
-
 @pytest.mark.parametrize("size", [(50, 70), (20, 60)])  # 2 x 2 and 1 x 2 tiles, + global
 def test_tiled_prompt_and_greedy_tokens_equal_transformers(model, size):
     img, other_img = image(0, size), image(1, size)
@@ -91,6 +86,4 @@ def test_tiled_prompt_and_greedy_tokens_equal_transformers(model, size):
             (again, (tokens, logprobs)),
             (other, (other_tokens, other_logprobs)),
         ):
-            got_tokens, got_logprobs = greedy(got)
-            assert got_tokens == want_tokens
-            np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
+            check_greedy(got, want_tokens, want_logprobs)

@@ -16,7 +16,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_mistral3 import image_tokens, make_hf, padded, save
-from tests.multimodal.utils import hf_greedy
+from tests.multimodal.utils import check_greedy, hf_greedy
 from tests.utils import copy_benchmark_tokenizer
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -72,11 +72,6 @@ def reference(model, images) -> tuple[list[int], list[int], list[float]]:
     return ids, *hf_greedy(hf, ids, pixel_values=px, image_sizes=image_sizes)
 
 
-def greedy(outputs) -> tuple[list[int], list[float]]:
-    out = outputs[0].outputs[0]
-    return list(out.token_ids), [lp.logprob for lp in out.logprobs]
-
-
 def test_two_image_sizes_greedy_tokens_equal_transformers(model):
     """A 50 x 30 and a 20 x 50 (w x h) image: resized to 40 x 24 and 16 x 40 pixels, 3 rows
     of 5 and 5 rows of 2 image tokens."""
@@ -101,9 +96,7 @@ def test_two_image_sizes_greedy_tokens_equal_transformers(model):
             (again, tokens, logprobs),
             (changed, other_tokens, other_logprobs),
         ):
-            got_tokens, got_logprobs = greedy(got)
-            assert got_tokens == want_tokens
-            np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
+            check_greedy(got, want_tokens, want_logprobs)
 
 
 def test_skip_tokenizer_init_refuses_images(model):

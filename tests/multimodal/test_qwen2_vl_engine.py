@@ -15,7 +15,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_qwen2_vl import END, IMAGE, START, VISION, make_hf, save
-from tests.multimodal.utils import hf_greedy
+from tests.multimodal.utils import check_greedy, hf_greedy
 from vllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -78,7 +78,4 @@ def test_images_on_m_rope_equal_transformers(model):
             (again, tokens, logprobs),
             (changed, other_tokens, other_logprobs),
         ):
-            out = got[0].outputs[0]
-            assert list(out.token_ids) == want_tokens
-            got_logprobs = [lp.logprob for lp in out.logprobs]
-            np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
+            check_greedy(got, want_tokens, want_logprobs)

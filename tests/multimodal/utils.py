@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -20,3 +21,11 @@ def hf_greedy(hf, input_ids: list[int], max_new_tokens: int = 6, **inputs):
         for step, t in zip(gen.logits, tokens, strict=True)
     ]
     return tokens, logprobs
+
+
+def check_greedy(outputs, tokens: list[int], logprobs: list[float]) -> None:
+    """The engine's first output (``LLM.generate``'s, with ``logprobs=0``) has ``tokens``,
+    and their logprobs within 1e-4 of ``logprobs``."""
+    out = outputs[0].outputs[0]
+    assert list(out.token_ids) == tokens
+    np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logprobs, atol=1e-4, rtol=0)

@@ -65,6 +65,18 @@ class CLIPVisionArch:
             raise ValueError(f"vision_config model_type {config.model_type!r} is not CLIP's")
         if not 0 <= num_layers <= config.num_hidden_layers:
             raise ValueError(f"num_layers {num_layers} is outside [0, {config.num_hidden_layers}]")
+        return cls.of_config(config, num_layers)
+
+    @classmethod
+    def of_config(cls, config: Any, num_layers: int) -> Any:
+        """The arch (of ``cls``) of a CLIP-shaped tower's HF config (CLIP's, SigLIP's,
+        Idefics3's), ``num_layers`` of its layers built; ``ValueError`` naming the field
+        for heads that do not divide the width or an unsupported activation."""
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(
+                f"vision_config.hidden_size {config.hidden_size} is not a multiple of "
+                f"num_attention_heads {config.num_attention_heads}"
+            )
         activation(config.hidden_act, "vision_config.hidden_act")
         return cls(
             hidden_size=config.hidden_size,
@@ -79,8 +91,12 @@ class CLIPVisionArch:
         )
 
     @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
     def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        return self.patches_per_side**2
 
 
 class CLIPVisionEmbeddings(nn.Module):

@@ -25,12 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.model_executor.models.clip import (
-    CLIPEncoder,
-    CLIPVisionArch,
-    activation,
-    load_encoder_tensors,
-)
+from vllm.model_executor.models.clip import CLIPVisionArch
+from vllm.model_executor.models.siglip_vision import SiglipVisionModel
 
 MODEL_TYPES = ("idefics3_vision", "smolvlm_vision")
 
@@ -54,27 +50,7 @@ class Idefics3VisionArch(CLIPVisionArch):
                 f"vision_config.image_size {config.image_size} is not a multiple of "
                 f"patch_size {config.patch_size}"
             )
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(
-                f"vision_config.hidden_size {config.hidden_size} is not a multiple of "
-                f"num_attention_heads {config.num_attention_heads}"
-            )
-        activation(config.hidden_act, "vision_config.hidden_act")
-        return cls(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_heads=config.num_attention_heads,
-            num_layers=config.num_hidden_layers,
-            image_size=config.image_size,
-            patch_size=config.patch_size,
-            num_channels=config.num_channels,
-            layer_norm_eps=config.layer_norm_eps,
-            hidden_act=config.hidden_act,
-        )
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
+        return cls.of_config(config, config.num_hidden_layers)
 
 
 @functools.cache
@@ -112,38 +88,10 @@ class Idefics3VisionEmbeddings(nn.Module):
         return patches + self.position_embedding(ids)
 
 
-class Idefics3VisionModel(nn.Module):
-    """The whole encoder and ``post_layernorm``, on full tiles only (module docstring);
-    submodules named as HF's, q/k/v fused (``load_weights`` fuses them)."""
+class Idefics3VisionModel(SiglipVisionModel):
+    """SigLIP's tower (its encoder and ``post_layernorm``) with Idefics3's position ids, on
+    full tiles only (module docstring): a padded or smaller tile among the input is a
+    ``ValueError``. Tensors named without the model's ``vision_model.`` prefix."""
 
-    def __init__(self, arch: Idefics3VisionArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.embeddings = Idefics3VisionEmbeddings(arch)
-        self.encoder = CLIPEncoder(arch)
-        self.post_layernorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(num_tiles, channels, image_size, image_size) pixels of full tiles (no padded
-        patch: transformers' ``pixel_attention_mask`` all true), in any float dtype ->
-        (num_tiles, num_patches, hidden) in the weights' dtype, row-major patches.
-        ``ValueError`` for another shape (a padded or smaller tile among them)."""
-        a = self.arch
-        if pixel_values.dim() != 4 or pixel_values.shape[1:] != (
-            a.num_channels, a.image_size, a.image_size
-        ):  # fmt: skip
-            raise ValueError(
-                f"pixel_values of shape {tuple(pixel_values.shape)}: expected full tiles, "
-                f"(num_tiles, {a.num_channels}, {a.image_size}, {a.image_size})"
-            )
-        weight = self.embeddings.patch_embedding.weight
-        x = self.embeddings(pixel_values.to(weight.device, weight.dtype))
-        for layer in self.encoder.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
-
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Fill every parameter from HF vision transformer tensors named without the
-        model's ``vision_model.`` prefix (copied in, cast to the weights' dtype, shapes
-        checked). ``ValueError`` naming the tensors missing."""
-        load_encoder_tensors(self, sd, self.arch.num_layers, "vision model")
+    embeddings_class = Idefics3VisionEmbeddings
+    takes = "full tiles: num_tiles"

@@ -17,7 +17,7 @@ named as transformers names the module (``embeddings.``, ``encoder.layers.``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,7 +25,6 @@ from torch import nn
 from vllm.model_executor.models.clip import (
     CLIPEncoder,
     CLIPVisionArch,
-    activation,
     load_encoder_tensors,
 )
 
@@ -51,27 +50,7 @@ class SiglipVisionArch(CLIPVisionArch):
                 f"vision_config.patch_size {config.patch_size} is larger than image_size "
                 f"{config.image_size}"
             )
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(
-                f"vision_config.hidden_size {config.hidden_size} is not a multiple of "
-                f"num_attention_heads {config.num_attention_heads}"
-            )
-        activation(config.hidden_act, "vision_config.hidden_act")
-        return cls(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_heads=config.num_attention_heads,
-            num_layers=config.num_hidden_layers,
-            image_size=config.image_size,
-            patch_size=config.patch_size,
-            num_channels=config.num_channels,
-            layer_norm_eps=config.layer_norm_eps,
-            hidden_act=config.hidden_act,
-        )
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
+        return cls.of_config(config, config.num_hidden_layers)
 
 
 class SiglipVisionEmbeddings(nn.Module):
@@ -91,12 +70,17 @@ class SiglipVisionEmbeddings(nn.Module):
 
 class SiglipVisionModel(nn.Module):
     """The whole encoder and ``post_layernorm``; submodules named as HF's, q/k/v fused
-    (``load_weights`` fuses them)."""
+    (``load_weights`` fuses them). Idefics3's tower is this one with its own position
+    ids (``embeddings_class``)."""
+
+    embeddings_class: ClassVar[type[nn.Module]] = SiglipVisionEmbeddings
+    # How a wrong input's shape is told: what the tower takes.
+    takes: ClassVar[str] = "num_images"
 
     def __init__(self, arch: SiglipVisionArch) -> None:
         super().__init__()
         self.arch = arch
-        self.embeddings = SiglipVisionEmbeddings(arch)
+        self.embeddings = self.embeddings_class(arch)
         self.encoder = CLIPEncoder(arch)
         self.post_layernorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
 
@@ -110,7 +94,7 @@ class SiglipVisionModel(nn.Module):
         ):  # fmt: skip
             raise ValueError(
                 f"pixel_values of shape {tuple(pixel_values.shape)}: expected "
-                f"(num_images, {a.num_channels}, {a.image_size}, {a.image_size})"
+                f"({self.takes}, {a.num_channels}, {a.image_size}, {a.image_size})"
             )
         weight = self.embeddings.patch_embedding.weight
         x = self.embeddings(pixel_values.to(weight.device, weight.dtype))
