@@ -2,7 +2,7 @@
 and Gemma 3 of tests/multimodal served on the GPU (M-RoPE steps with (3, T) positions
 among them, Qwen3-VL's deepstack features added after its first layers, Mistral 3's
 images of two sizes through the Pixtral tower, Gemma 3's image tokens attending both
-ways: TORCH_SDPA in both dtypes, the one backend with that feature). In fp32
+ways: in bf16 FlashAttention's causal rows, then the image rows again). In fp32
 (TORCH_SDPA: FlashAttention takes no fp32) the greedy tokens and their logprobs equal
 transformers' on the CPU, chunked prefill cutting the images; in bf16 (FlashAttention,
 decode steps from CUDA graphs) the logprobs stay within bf16's rounding of those.

@@ -42,9 +42,10 @@ def reference(q, k, v, computed, spans, scale, window, softcap) -> torch.Tensor:
     return out
 
 
-def run_batch(layout, window=None, softcap=None, dtype=torch.float32, grouped=False):
-    """``layout``: per sequence (cached, new, spans in its positions), decodes first.
-    Returns (ours, reference, the flat spans given)."""
+def setup(layout, window=None, softcap=None, dtype=torch.float32):
+    """``layout``: per sequence (cached, new, spans in its positions), decodes first. The
+    step: (q, k, v of its new tokens, the cache holding the cached prefixes, the seqs, the
+    spans as rows of the flat batch, the reference, the scale)."""
     g = torch.Generator().manual_seed(0)
     blocks_per_seq = max(c + n for c, n, _ in layout) // BLOCK + 1
     cache = torch.zeros(2, 1 + blocks_per_seq * len(layout), BLOCK, KV_HEADS, DIM, dtype=dtype)
@@ -68,6 +69,14 @@ def run_batch(layout, window=None, softcap=None, dtype=torch.float32, grouped=Fa
         # The step's rows of each span's positions from this step on.
         flat_spans += [(row + max(a, computed) - computed, row + b - computed) for a, b in spans]
         row += new
+    step = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    return *step, cache, seqs, flat_spans, torch.cat(refs), scale
+
+
+def run_batch(layout, window=None, softcap=None, dtype=torch.float32, grouped=False):
+    """The torch backend's attention of the step, its spans marked. Returns (ours,
+    reference)."""
+    q, k, v, cache, seqs, flat_spans, ref, scale = setup(layout, window, softcap, dtype)
     meta = torch_sdpa.build_metadata(seqs, BLOCK, "cpu")
     if grouped:  # two KV cache groups, each with its own metadata of the same chunks
         meta = GroupedMetadata([meta, torch_sdpa.build_metadata(seqs, BLOCK, "cpu")], [0, 1])
@@ -76,10 +85,9 @@ def run_batch(layout, window=None, softcap=None, dtype=torch.float32, grouped=Fa
     else:
         attend_both_ways(meta, flat_spans)
     out = torch_sdpa.paged_attention(
-        torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, scale,
-        sliding_window=window, logits_soft_cap=softcap,
-    )  # fmt: skip
-    return out, torch.cat(refs)
+        q, k, v, cache, meta, scale, sliding_window=window, logits_soft_cap=softcap
+    )
+    return out, ref
 
 
 LAYOUTS = {
@@ -131,7 +139,42 @@ def test_only_backends_with_the_feature_serve_a_model_that_needs_it():
     from vllm.v1.attention.backends.registry import backend_names, get_backend_class
 
     needs = frozenset({"bidirectional_spans", "sliding_window"})
-    serving = [n for n in backend_names() if not get_backend_class(n).unsupported_features(needs)]
-    assert serving == ["TORCH_SDPA"]
-    reasons = get_backend_class("TORCH_FLASH_ATTN").unsupported_features(needs)
-    assert reasons == ["bidirectional spans attention is not supported by TORCH_FLASH_ATTN"]
+    has = [
+        n
+        for n in backend_names()
+        if "bidirectional_spans" in get_backend_class(n).supported_features
+    ]
+    assert has == ["TORCH_FLASH_ATTN", "TORCH_SDPA"]
+    reasons = get_backend_class("FLASH_ATTN").unsupported_features(needs)
+    assert "bidirectional spans attention is not supported by FLASH_ATTN" in reasons
+
+
+@pytest.mark.parametrize("layout", ["beside decodes", "hit inside the image", "two images"])
+@pytest.mark.parametrize("mode", ["varlen", "triton"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_torch_flash_attends_the_spans_again(monkeypatch, layout, mode, window):
+    """TORCH_FLASH_ATTN on the CPU with its kernels emulated (tests/v1/attention/
+    test_flash_features.py's way): its causal kernels, then the spans placed by the step's
+    sequences (``BothWays.attend_both_ways``) attended again from the cache, give the
+    written-out reference, with either decode kernel; without the spans they do not."""
+    from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
+    from tests.v1.attention.test_triton_decode import emulated_kernel
+    from vllm.v1.attention.backends import triton_decode
+    from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
+
+    install(monkeypatch, ref_varlen_attn)
+    monkeypatch.setattr(triton_decode, "paged_decode_attention", emulated_kernel([]))
+    q, k, v, cache, seqs, flat_spans, ref, scale = setup(LAYOUTS[layout], window)
+    backend = TorchFlashAttentionBackend(HEADS, KV_HEADS, DIM, torch.float32, "cpu", BLOCK)
+    backend.decode_kernel = mode
+    outs = []
+    for spans in (flat_spans, []):
+        meta = backend.build_metadata(seqs)
+        attend_both_ways(meta, spans)
+        outs.append(backend.forward(q, k, v, cache, meta, scale, sliding_window=window))
+    assert [(c.start, c.num_tokens) for c in meta.both_ways] == []
+    torch.testing.assert_close(outs[0].double(), ref, atol=2e-5, rtol=2e-5)
+    assert (outs[1].double() - ref).abs().max() > 1e-2
+    if len(seqs) > 1:
+        with pytest.raises(ValueError, match="rows 1:4 attend both ways but no sequence"):
+            meta.attend_both_ways([(1, 4)])  # a decode's row and a chunk's

@@ -114,7 +114,9 @@ def test_torch_backend_reads_the_stored_values(kind, features, kv_dtype):
     ref = torch_sdpa.paged_attention(
         q[perm], rk[perm], rv[perm], ref_cache, meta, scale, **FEATURES[features]
     )
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    # 1e-5: the model-dtype cache's decodes take the native kernel, the FP8 cache's SDPA
+    # (1.5e-6 apart on an AMX Xeon); the rounding the last assertion sees is far larger.
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(fp8_cache.float(), ref_cache)  # the writes: the same values
     # And it is not the unrounded attention (the test would pass a cache it ignored).
     meta = torch_sdpa.build_metadata([seqs[i] for i in order], block_size, "cpu")

@@ -55,7 +55,7 @@ import importlib.util
 import inspect
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,7 +65,9 @@ from vllm import envs
 from vllm._custom_ops import reshape_and_cache_torch
 from vllm.utils.device import upload
 from vllm.v1.attention.backends.abstract import AttentionBackend, SeqLayout, block_array
+from vllm.v1.attention.backends.torch_sdpa import PrefillChunk, attend_chunks
 from vllm.v1.attention.backends.varlen_metadata import (
+    BothWays,
     FlashAttentionLimits,
     VarlenMetadata,
     build_varlen_metadata,
@@ -170,7 +172,7 @@ def choose_decode_kernel(device: torch.device) -> str:
 
 
 @dataclass
-class TritonDecodeMetadata:
+class TritonDecodeMetadata(BothWays):
     """A step with decode rows for the Triton kernel: decode ``i`` (the ``i``-th
     single-token sequence in batch order) has ``seq_lens[i]`` keys, its own included, in
     blocks ``block_table[i]``; every other row goes to ``varlen_attn`` with ``prefill``."""
@@ -181,6 +183,9 @@ class TritonDecodeMetadata:
     decode_rows: torch.Tensor | None  # (num_decodes,) int32; None: decode i is row i
     prefill_rows: torch.Tensor | None  # (num_prefill_tokens,) int64; None: no prefills
     prefill: VarlenMetadata | None  # over the prefill sequences alone
+    layout: list[SeqLayout] | None = None  # as VarlenMetadata's (``BothWays``)
+    block_size: int = 0
+    both_ways: list[PrefillChunk] = field(default_factory=list)
 
     def narrow(self, num_seqs: int) -> TritonDecodeMetadata:
         """The first ``num_seqs`` decodes of a decode-only step, as views of these tensors."""
@@ -267,6 +272,8 @@ def build_triton_decode_metadata(
             if prefills
             else None
         ),
+        layout=seqs,
+        block_size=block_size,
     )
 
 
@@ -299,7 +306,9 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
     priority = 20  # ahead of FLASH_ATTN (the flash-attn package) and TORCH_SDPA
     decodes_first = False
     supported_dtypes = SUPPORTED_DTYPES
-    supported_features = frozenset({"sliding_window", "logits_soft_cap", "sinks", "fp8_kv_cache"})
+    supported_features = frozenset(
+        {"sliding_window", "logits_soft_cap", "sinks", "fp8_kv_cache", "bidirectional_spans"}
+    )
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -425,18 +434,22 @@ class TorchFlashAttentionBackend(FlashAttentionLimits, AttentionBackend):
             reshape_and_cache_torch(k, v, kv_cache, meta.slot_mapping, padded=False)
         extra = (sliding_window, logits_soft_cap, sinks)
         if isinstance(meta, VarlenMetadata):
-            return self._rows(q, kv_cache, meta, scale, *extra)
-        from vllm.v1.attention.backends import triton_decode
+            out = self._rows(q, kv_cache, meta, scale, *extra)
+        else:
+            from vllm.v1.attention.backends import triton_decode
 
-        out = torch.empty_like(q)
-        triton_decode.paged_decode_attention(
-            q, kv_cache, meta.block_table, meta.seq_lens, scale, out=out, rows=meta.decode_rows,
-            window=sliding_window or 0, soft_cap=logits_soft_cap or 0.0, sinks=sinks,
-        )  # fmt: skip
-        if meta.prefill is not None:
-            rows = meta.prefill_rows  # (num_prefill_tokens,): q's rows, packed for varlen
-            prefill = self._rows(q.index_select(0, rows), kv_cache, meta.prefill, scale, *extra)
-            out.index_copy_(0, rows, prefill)
+            out = torch.empty_like(q)
+            triton_decode.paged_decode_attention(
+                q, kv_cache, meta.block_table, meta.seq_lens, scale, out=out,
+                rows=meta.decode_rows, window=sliding_window or 0,
+                soft_cap=logits_soft_cap or 0.0, sinks=sinks,
+            )  # fmt: skip
+            if meta.prefill is not None:
+                rows = meta.prefill_rows  # (num_prefill_tokens,): q's rows, packed for varlen
+                prefill = self._rows(q.index_select(0, rows), kv_cache, meta.prefill, scale, *extra)
+                out.index_copy_(0, rows, prefill)
+        if meta.both_ways:  # rows that see each other (images): attended again
+            attend_chunks(out, q, kv_cache, meta.both_ways, scale, *extra)
         return out
 
     def _rows(

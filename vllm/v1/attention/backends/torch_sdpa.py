@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -363,24 +364,61 @@ def _masked_paged_attention(
         o = _attend(q[:n].unsqueeze(2), keys, values, mask, scale, softcap, sinks)
         out[:n] = o.squeeze(2)
     for chunk in meta.prefills:
-        s, e = chunk.start, chunk.start + chunk.num_tokens
-        first, mask = chunk.window_mask(window, q.device)
-        if chunk.context_slots is None:  # no prefix: first is 0
-            keys, values = k[s:e], v[s:e]
-        else:  # only the keys the window reaches are gathered
-            slots = chunk.context_slots[first:]
-            keys, values = _read(flat_k, slots, q.dtype), _read(flat_v, slots, q.dtype)
-        o = _attend(
-            q[s:e].transpose(0, 1).unsqueeze(0),  # (1, heads, len, dim)
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            mask,
-            scale,
-            softcap,
-            sinks,
-        )
-        out[s:e] = o[0].transpose(0, 1)
+        _attend_chunk(out, q, k, v, flat_k, flat_v, chunk, scale, window, softcap, sinks)
     return out
+
+
+def _attend_chunk(out, q, k, v, flat_k, flat_v, chunk, scale, window, softcap, sinks) -> None:
+    """``out``'s rows of ``chunk`` under its explicit mask (``window_mask``): the chunk's
+    own K/V (``k``, ``v``) without a prefix, else the cache's keys the window reaches."""
+    s, e = chunk.start, chunk.start + chunk.num_tokens
+    first, mask = chunk.window_mask(window, q.device)
+    if chunk.context_slots is None:  # no prefix: first is 0
+        keys, values = k[s:e], v[s:e]
+    else:  # only the keys the window reaches are gathered
+        slots = chunk.context_slots[first:]
+        keys, values = _read(flat_k, slots, q.dtype), _read(flat_v, slots, q.dtype)
+    o = _attend(
+        q[s:e].transpose(0, 1).unsqueeze(0),  # (1, heads, len, dim)
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        mask,
+        scale,
+        softcap,
+        sinks,
+    )
+    out[s:e] = o[0].transpose(0, 1)
+
+
+def both_ways_chunks(
+    seqs: list[SeqLayout], spans: list[tuple[int, int]], block_size: int, device
+) -> list[PrefillChunk]:
+    """For a backend whose kernel attends causally only (the varlen ones): each span
+    (rows ``[a, b)`` of the flat batch of ``seqs``, in batch order, inside one sequence)
+    as a chunk of its rows alone over its sequence's context up to the span's end, the
+    rows seeing each other; ``attend_chunks`` then writes those rows again. A span of
+    one row is left out; ``ValueError`` for one across sequences."""
+    starts = np.cumsum([0] + [n for _, n, _ in seqs])
+    chunks = []
+    for a, b in spans:
+        if b - a < 2:
+            continue
+        i = int(np.searchsorted(starts, a, side="right")) - 1
+        if not 0 <= i < len(seqs) or b > starts[i + 1]:
+            raise ValueError(f"rows {a}:{b} attend both ways but no sequence holds them")
+        computed, _, block_ids = seqs[i]
+        end = computed + b - int(starts[i])  # the span's end, as a position
+        slots = to_device(_slots(block_ids, 0, end, block_size), torch.long, device)
+        chunks.append(PrefillChunk(a, b - a, slots, spans=[(0, b - a)]))
+    return chunks
+
+
+def attend_chunks(out, q, kv_cache, chunks, scale, window=None, softcap=None, sinks=None) -> None:
+    """``out``'s rows of each of ``chunks`` (``both_ways_chunks``'), attended again from
+    the cache (which holds the step's K/V already) under the chunks' masks."""
+    flat_k, flat_v = cache_views(kv_cache, out.shape[2])
+    for chunk in chunks:
+        _attend_chunk(out, q, None, None, flat_k, flat_v, chunk, scale, window, softcap, sinks)
 
 
 def cache_views(kv_cache: torch.Tensor, value_size: int) -> tuple[torch.Tensor, torch.Tensor]:

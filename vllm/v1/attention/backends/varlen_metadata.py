@@ -20,13 +20,14 @@ Two ways to hand the keys to the kernel, fixed per backend instance:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from vllm.utils.device import upload
 from vllm.v1.attention.backends.abstract import SeqLayout, block_array
+from vllm.v1.attention.backends.torch_sdpa import PrefillChunk, both_ways_chunks
 
 # FlashAttention-2's kernels (the flash-attn package's and torch's own) take head sizes that
 # are multiples of 8 up to this.
@@ -48,8 +49,26 @@ class FlashAttentionLimits:
         return head_size <= MAX_HEAD_DIM and head_size % 8 == 0
 
 
+class BothWays:
+    """Spans of rows that attend to each other both ways (the ``bidirectional_spans``
+    feature: Gemma 3's images) on a backend whose kernel is causal only: the varlen
+    kernel attends every row causally, then the spans' rows are attended again under an
+    explicit mask (``torch_sdpa.attend_chunks``): only steps with images pay."""
+
+    layout: list[SeqLayout] | None
+    block_size: int
+    both_ways: list[PrefillChunk]
+    slot_mapping: torch.Tensor
+
+    def attend_both_ways(self, spans: list[tuple[int, int]]) -> None:
+        """Rows ``[a, b)`` of the step's flat batch, each inside one sequence, see each
+        other (``torch_sdpa.both_ways_chunks``)."""
+        device = self.slot_mapping.device
+        self.both_ways += both_ways_chunks(self.layout, spans, self.block_size, device)
+
+
 @dataclass
-class VarlenMetadata:
+class VarlenMetadata(BothWays):
     """One step's inputs of a varlen attention kernel, shared by every layer."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64: where each new token's K/V goes
@@ -61,6 +80,11 @@ class VarlenMetadata:
     max_k: int
     paged: bool
     gather_slots: torch.Tensor | None = None  # (total_k,) int64; None when paged
+    # The step's sequences (``build_*``'s ``seqs``) and block size, by which spans that
+    # attend both ways are placed; the spans as chunks to attend again (``BothWays``).
+    layout: list[SeqLayout] | None = None
+    block_size: int = 0
+    both_ways: list[PrefillChunk] = field(default_factory=list)
 
 
 def _cumsum(lens: np.ndarray) -> np.ndarray:
@@ -131,4 +155,6 @@ def build_varlen_metadata(
         max_k=int(total.max(initial=0)),
         paged=paged,
         gather_slots=None if paged else gather_slots,
+        layout=seqs,
+        block_size=block_size,
     )
