@@ -105,5 +105,13 @@ def test_images_attend_both_ways_as_transformers(model):
 
 
 def test_a_budget_shorter_than_an_image_is_refused_at_start(model):
+    """Unless the server takes no images (the checkpoint served as text)."""
     with pytest.raises(ValueError, match="--max-num-batched-tokens 8 is shorter than one image"):
         LLM(model=str(model[0]), max_model_len=128, max_num_batched_tokens=8)
+    llm = LLM(model=str(model[0]), max_model_len=128, max_num_batched_tokens=8,
+              limit_mm_per_prompt={"image": 0})  # fmt: skip
+    try:
+        out = llm.generate({"prompt": "user\nx look"}, GREEDY)[0].outputs[0]
+        assert len(out.token_ids) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()

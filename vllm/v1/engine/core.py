@@ -146,7 +146,9 @@ class EngineCore:
         self.model_runner.capture_model()  # CUDA graphs of decode steps (not on CPU)
         # Constrained requests wait here while their grammar compiles (not in a step).
         self.grammars = PendingGrammars(self.model_runner.structured_output)
-        bidirectional = self.model_runner.bidirectional_images
+        # --limit-mm-per-prompt '{"image": 0}': a multimodal checkpoint served as text.
+        images = (mc.limit_mm_per_prompt or {}).get("image") != 0
+        bidirectional = images and self.model_runner.bidirectional_images
         if bidirectional:
             whole_images(vllm_config.scheduler_config, self.model_runner.model)
         self.scheduler = Scheduler(
