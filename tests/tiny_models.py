@@ -126,3 +126,29 @@ def check_engine_greedy_matches(hf, path, max_tokens: int = 10, prefix_hit: bool
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     if again is not None:
         assert list(again.outputs[0].token_ids) == expected[2] and again.num_cached_tokens >= 32
+
+
+def check_tile_embeddings(model, px, ref, rows: int) -> None:
+    """``model.embed_images`` of the tiles ``px`` (given in float64: cast inside) is
+    ``ref`` (transformers' rows of them) within 1e-5 in fp32, ``rows`` a tile; a tile alone
+    gives its own rows."""
+    import torch
+
+    ours = model.embed_images(px.double())
+    assert ours.shape == (px.shape[0], rows, model.arch.hidden_size)
+    assert ours.dtype == torch.float32
+    assert ref.abs().mean() > 0.1
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    assert torch.allclose(model.embed_images(px[1:2]), ref[1:2], atol=1e-5)
+
+
+def check_image_logits(runner, hf, ids, ours, **inputs) -> None:
+    """``ours``, the runner's logits of ``ids`` with their images, equal transformers'
+    (``hf`` given ``inputs``: its pixel values...) within 1e-4, and the text's own logits
+    differ from them (the images were read)."""
+    import torch
+
+    with torch.inference_mode():
+        ref = hf(input_ids=ids[None], **inputs).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+    assert (runner_logits(runner, ids) - ref).abs().max() > 1e-2

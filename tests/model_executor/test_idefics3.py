@@ -14,7 +14,15 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.tiny_models import TINY_LLAMA, cache_layout, load_cpu_runner, perturbed, runner_logits
+from tests.tiny_models import (
+    TINY_LLAMA,
+    cache_layout,
+    check_image_logits,
+    check_tile_embeddings,
+    load_cpu_runner,
+    perturbed,
+    runner_logits,
+)
 from vllm.config import ModelConfig
 from vllm.model_executor.models.idefics3 import (
     Idefics3ForConditionalGeneration,
@@ -106,13 +114,7 @@ def test_embed_images_equal_transformers(kind):
     hf = make_hf(kind)
     model = load_ours(hf)
     px = tiles(3)
-    ours = model.embed_images(px.double())  # cast to the model's dtype inside
-    ref = hf_tile_features(hf, px)
-    assert ours.shape == (3, TOKENS_PER_TILE, TINY_LLAMA["hidden_size"])
-    assert ours.dtype == torch.float32
-    assert ref.abs().mean() > 0.1
-    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
-    assert torch.allclose(model.embed_images(px[1:2]), ref[1:2], atol=1e-5)
+    check_tile_embeddings(model, px, hf_tile_features(hf, px), TOKENS_PER_TILE)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,10 +132,7 @@ def test_image_prompt_logits_equal_transformers(kind, tmp_path):
     ids = torch.cat([text[0], image, text[1], image, text[2]])
     px = tiles(2)
     ours = image_prompt_logits(runner, ids, px)
-    with torch.inference_mode():
-        ref = hf(input_ids=ids[None], pixel_values=px[None]).logits[0].float()
-    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
-    assert (runner_logits(runner, ids) - ref).abs().max() > 1e-2
+    check_image_logits(runner, hf, ids, ours, pixel_values=px[None])
 
 
 @pytest.mark.parametrize("kind,tie", [("smolvlm", False), ("idefics3", False), ("smolvlm", True)])

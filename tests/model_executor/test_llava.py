@@ -17,6 +17,7 @@ from tests.tiny_models import (
     TINY_LLAMA,
     cache_layout,
     check_engine_greedy_matches,
+    check_image_logits,
     load_cpu_runner,
     perturbed,
     runner_logits,
@@ -110,10 +111,7 @@ def test_image_prompt_logits_equal_transformers(strategy, tmp_path):
                      torch.randint(0, 95, (7,), generator=g)])  # fmt: skip
     px = pixels()
     ours = image_prompt_logits(runner, ids, px)
-    with torch.inference_mode():
-        ref = hf(input_ids=ids[None], pixel_values=px).logits[0].float()
-    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
-    assert (runner_logits(runner, ids) - ref).abs().max() > 1e-2
+    check_image_logits(runner, hf, ids, ours, pixel_values=px)
 
 
 def rewrite(folder, layout: str, hf) -> None:

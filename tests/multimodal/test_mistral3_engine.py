@@ -16,7 +16,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_mistral3 import image_tokens, make_hf, padded, save
-from tests.multimodal.utils import check_greedy, hf_greedy
+from tests.multimodal.utils import check_engine_images, hf_greedy
 from tests.utils import copy_benchmark_tokenizer
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -77,26 +77,9 @@ def test_two_image_sizes_greedy_tokens_equal_transformers(model):
     of 5 and 5 rows of 2 image tokens."""
     images = [image(0, (30, 50)), image(1, (50, 20))]
     other = [image(2, (30, 50)), image(3, (50, 20))]
-    ids, tokens, logprobs = reference(model, images)
-    _, other_tokens, other_logprobs = reference(model, other)
-    assert max(abs(a - b) for a, b in zip(logprobs, other_logprobs, strict=True)) > 1e-3
-    for chunk in (128, 5):  # 5: rows, breaks and the two images cut across chunks
-        llm = LLM(model=str(model[0]), max_model_len=128, max_num_batched_tokens=chunk,
-                  block_size=4, enable_prefix_caching=True)  # fmt: skip
-        try:
-            request = {"prompt": PROMPT, "multi_modal_data": {"image": images}}
-            first, again = llm.generate(request, GREEDY), llm.generate(request, GREEDY)
-            changed = llm.generate({**request, "multi_modal_data": {"image": other}}, GREEDY)
-        finally:
-            llm.shutdown()
-        assert first[0].prompt_token_ids == ids
-        assert again[0].num_cached_tokens >= len(ids) - 4  # all its full blocks
-        for got, want_tokens, want_logprobs in (
-            (first, tokens, logprobs),
-            (again, tokens, logprobs),
-            (changed, other_tokens, other_logprobs),
-        ):
-            check_greedy(got, want_tokens, want_logprobs)
+    ids, *want = reference(model, images)
+    request = {"prompt": PROMPT, "multi_modal_data": {"image": images}}
+    check_engine_images(model[0], request, other, ids, want, reference(model, other)[1:])
 
 
 def test_skip_tokenizer_init_refuses_images(model):

@@ -38,7 +38,10 @@ FIXED_KWARGS = frozenset({
 })  # fmt: skip
 # The arguments that size an image. A request may lower them, never raise them above the
 # server's (an image sized up to billions of pixels would exhaust the front end's memory).
-SIZE_KWARGS = frozenset({"size", "min_pixels", "max_pixels", "max_image_size", "crop_size"})
+# InternVL's max_patches bounds an image's tiles, so its tokens, alike.
+SIZE_KWARGS = frozenset(
+    {"size", "min_pixels", "max_pixels", "max_image_size", "crop_size", "max_patches"}
+)
 # Gemma 3's pan-and-scan adds crops of an image, each with another prompt text.
 _PAN_AND_SCAN = f"{KWARGS}: do_pan_and_scan is not supported (Gemma 3's pan-and-scan crops)"
 # The newline runs whose ids are kept (a frame's own and what the text adds to it).
@@ -71,7 +74,7 @@ class ImageInputProcessor:
     """A model's image inputs: ``process(prompt_ids, images)`` -> (the prompt with its
     placeholders expanded, one ``MultiModalFeature`` per image).
 
-    Five prompt layouts, as the model class says (``image_layout``):
+    Six prompt layouts, as the model class says (``image_layout``):
 
     - whole (LLaVA): an image is one tile, its placeholder ``tokens_per_image`` image
       tokens;
@@ -95,7 +98,14 @@ class ImageInputProcessor:
       (transformers' ``Gemma3Processor``), the image one (1, 3, H, W) tile; each run of
       newline tokens those ``"\\n\\n"`` join is encoded again as that many newlines, as
       tokenizing the expanded text would (``_join_newlines``). The feature is the image
-      tokens alone: the frame is text.
+      tokens alone: the frame is text;
+    - framed_tiles (InternVL): the prompt names an image with one image token
+      (``<IMG_CONTEXT>``, what the chat template writes); the image processor cuts it
+      into tiles (``crop_to_patches``, as ``InternVLProcessor`` asks: a grid and, past one
+      tile, the whole image as a last one) and the token becomes ``<img>``,
+      ``tokens_per_tile`` image tokens per tile, ``</img>`` (special tokens: the text
+      around them tokenizes as it came). The feature is the image tokens, its data the
+      (tiles, 3, H, W) tiles; the frame's ids are the tokenizer's.
     """
 
     def __init__(self, model_config, tokenizer, model_cls: type) -> None:
@@ -107,7 +117,7 @@ class ImageInputProcessor:
         )  # fmt: skip
         hf_config = hf_config_of(model_config)
         # "whole" (LLaVA), "tiled" (SmolVLM, Idefics3), "grid" (Qwen2-VL), "rows"
-        # (Mistral 3) or "framed" (Gemma 3): class docstring.
+        # (Mistral 3), "framed" (Gemma 3) or "framed_tiles" (InternVL): class docstring.
         self.layout = getattr(model_cls, "image_layout", "whole")
         module = importlib.import_module(model_cls.__module__)
         if self.layout == "grid":
@@ -123,6 +133,11 @@ class ImageInputProcessor:
             self.tokens_per_tile = self.frame.tokens_per_image
             self._newline_counts: dict[int, int] = {}  # token id -> its newlines (0: other)
             self._newline_ids: dict[int, list[int]] = {}  # n -> the ids of n newlines
+        elif self.layout == "framed_tiles":
+            self.context = module.image_context_layout(hf_config)
+            self.image_token_id = self.context.image_token_id
+            self.tokens_per_tile = self.context.tokens_per_tile
+            self._frame_ids: tuple[int, int] | None = None  # (start, end): the first image's
         else:
             self.image_token_id, self.tokens_per_tile = module.image_token_layout(hf_config)
         # The token that names an image in the prompt (Gemma 3's: its frame's start).
@@ -140,7 +155,8 @@ class ImageInputProcessor:
         # What a whole image or a tile must measure (H, W): the vision tower's input.
         vision = getattr(hf_config, "vision_config", None)
         size = getattr(vision, "image_size", None)
-        self.tile_size = (size, size) if isinstance(size, int) else None
+        size = (size, size) if isinstance(size, int) else size  # InternVL's: (h, w)
+        self.tile_size = tuple(size) if isinstance(size, (list, tuple)) else None
         # --mm-processor-kwargs: every image's arguments (a request's own go over them).
         self.kwargs: dict[str, Any] = {}
         if model_config.mm_processor_kwargs:
@@ -237,7 +253,7 @@ class ImageInputProcessor:
                 f"the prompt, one where each image goes, in order; it holds {len(slots)}",
                 PARAM,
             )
-        if self.layout in ("tiled", "framed") and self.tokenizer is None:
+        if self.layout in ("tiled", "framed", "framed_tiles") and self.tokenizer is None:
             raise VLLMValidationError(
                 "this model's image prompts are built with its tokenizer, which "
                 "--skip-tokenizer-init leaves out",
@@ -381,29 +397,50 @@ class ImageInputProcessor:
 
     def _row_ends(self) -> tuple[int, int]:
         """The ids of the "rows" layout's break and end tokens: the config's, else the
-        tokenizer's; ``VLLMValidationError`` naming multi_modal_data where neither has
-        them."""
+        tokenizer's (``_special_id``)."""
         if self._row_end_ids is None:
-            ids = []
-            for token, given in ((self.rows.break_token, self.rows.break_token_id),
-                                 (self.rows.end_token, self.rows.end_token_id)):  # fmt: skip
-                if given is None and self.tokenizer is None:
-                    raise VLLMValidationError(
-                        f"this model's image prompts need the id of {token}, which neither "
-                        "its config nor a tokenizer gives (--skip-tokenizer-init leaves it out)",
-                        PARAM,
-                    )
-                if given is None:
-                    given = self.tokenizer.convert_tokens_to_ids(token)
-                    if given is None or self.tokenizer.convert_ids_to_tokens(given) != token:
-                        raise VLLMValidationError(
-                            f"this model's image prompts need {token}, which its tokenizer "
-                            "does not hold",
-                            PARAM,
-                        )
-                ids.append(given)
-            self._row_end_ids = (ids[0], ids[1])
+            self._row_end_ids = (
+                self._special_id(self.rows.break_token, self.rows.break_token_id),
+                self._special_id(self.rows.end_token, self.rows.end_token_id),
+            )
         return self._row_end_ids
+
+    def _special_id(self, token: str, given: int | None = None) -> int:
+        """``given`` (the config's id of ``token``), else the tokenizer's id of it;
+        ``VLLMValidationError`` naming multi_modal_data where neither has it."""
+        if given is not None:
+            return given
+        if self.tokenizer is None:
+            raise VLLMValidationError(
+                f"this model's image prompts need the id of {token}, which neither its "
+                "config nor a tokenizer gives (--skip-tokenizer-init leaves it out)",
+                PARAM,
+            )
+        found = self.tokenizer.convert_tokens_to_ids(token)
+        if found is None or self.tokenizer.convert_ids_to_tokens(found) != token:
+            raise VLLMValidationError(
+                f"this model's image prompts need {token}, which its tokenizer does not hold",
+                PARAM,
+            )
+        return found
+
+    def _framed_tiles(
+        self, image, offset: int, kwargs: dict
+    ) -> tuple[MultiModalFeature, list[int]]:
+        """InternVL's: the image's (tiles, 3, H, W) tiles, and its tokens: the start token,
+        ``tokens_per_tile`` image tokens per tile (the feature), the end token."""
+        if self._frame_ids is None:  # the tokenizer's names for them, as the processor's
+            c, tok = self.context, self.tokenizer
+            start = getattr(tok, "start_image_token", None) or c.start_token
+            end = getattr(tok, "end_image_token", None) or c.end_token
+            self._frame_ids = (self._special_id(start), self._special_id(end))
+        # InternVLProcessor's default, over the image processor's own (off).
+        tile_kwargs = {"crop_to_patches": True, **kwargs}
+        out = self.image_processor(images=[image], return_tensors="pt", **tile_kwargs)
+        tiles = self._sized(out["pixel_values"].float(), kwargs)
+        n = tiles.shape[0] * self.tokens_per_tile
+        feature = MultiModalFeature("image", tiles, offset + 1, n, content_hash(tiles))
+        return feature, [self._frame_ids[0], *[self.image_token_id] * n, self._frame_ids[1]]
 
     def _tiled(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
         """(R * C + 1, 3, H, W) tiles, the whole image last (one tile when the processor

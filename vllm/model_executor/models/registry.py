@@ -46,7 +46,8 @@ _PACKAGE = "vllm.model_executor.models"
 # cached as one latent head, DeepSeek's routings). LLaVA (llava.py) is the Llama language
 # model with a CLIP vision tower (clip.py) and a projector: it takes images. Idefics3 and
 # SmolVLM (idefics3.py) are the Llama language model with a SigLIP-style encoder of image
-# tiles (idefics3_vision.py) and a pixel-shuffle connector; Mistral 3 (mistral3.py) with
+# tiles (idefics3_vision.py) and a pixel-shuffle connector; InternVL3/3.5 (internvl.py) with
+# InternViT (internvl_vision.py) and a pixel-shuffle projector; Mistral 3 (mistral3.py) with
 # the Pixtral tower (pixtral_vision.py); Qwen2-VL, Qwen2.5-VL and Qwen3-VL the Qwen
 # language model with their towers (qwen2_vl_vision.py, qwen3_vl_vision.py) and M-RoPE;
 # Qwen3-VL-MoE (qwen3_vl_moe.py) Qwen3-VL's with Qwen3-MoE's experts.
@@ -88,6 +89,11 @@ _MODELS: dict[str, tuple[str, str, str]] = {
         "Idefics3ForConditionalGeneration",
     ),
     "SmolVLMForConditionalGeneration": ("smolvlm", "idefics3", "Idefics3ForConditionalGeneration"),
+    "InternVLForConditionalGeneration": (
+        "internvl",
+        "internvl",
+        "InternVLForConditionalGeneration",
+    ),
     "SmolLM3ForCausalLM": ("smollm3", "llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "llama", "LlamaForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "llama", "LlamaForCausalLM"),
