@@ -1,5 +1,5 @@
-"""Images on CUDA: the tiny LLaVA, SmolVLM, Qwen2.5-VL, Qwen3-VL (dense and MoE), Mistral 3
-and Gemma 3 of tests/multimodal served on the GPU (M-RoPE steps with (3, T) positions
+"""Images on CUDA: the tiny LLaVA, SmolVLM, Qwen2.5-VL, Qwen3-VL (dense and MoE), Mistral 3,
+Gemma 3 and InternVL of tests/multimodal served on the GPU (M-RoPE steps with (3, T) positions
 among them, Qwen3-VL's deepstack features added after its first layers, Mistral 3's
 images of two sizes through the Pixtral tower, Gemma 3's image tokens attending both
 ways: in bf16 FlashAttention's causal rows, then the image rows again). In fp32
@@ -19,6 +19,7 @@ import torch
 from tests.model_executor import test_qwen3_vl_moe as moe
 from tests.multimodal import test_gemma3_engine as framed
 from tests.multimodal import test_idefics3_engine as tiled
+from tests.multimodal import test_internvl_engine as framed_tiles
 from tests.multimodal import test_llava_engine as whole
 from tests.multimodal import test_mistral3_engine as rows
 from tests.multimodal import test_qwen2_vl_engine as grid
@@ -101,3 +102,11 @@ def test_gemma3_on_cuda(tmp_path_factory):
     _, tokens, logprobs = framed.reference(model, images)
     request = {"prompt": framed.PROMPT, "multi_modal_data": {"image": images}}
     check(model[0], request, tokens, logprobs, max_num_batched_tokens=20)
+
+
+def test_internvl_on_cuda(tmp_path_factory):
+    model = framed_tiles.build_model(tmp_path_factory.mktemp("internvl"))
+    images = [framed_tiles.image(0, size) for size in framed_tiles.SIZES]
+    _, tokens, logprobs = framed_tiles.reference(model, images)
+    request = {"prompt": framed_tiles.PROMPT, "multi_modal_data": {"image": images}}
+    check(model[0], request, tokens, logprobs)
