@@ -14,6 +14,7 @@ from vllm.reasoning import (  # noqa: F401
     gptoss_reasoning_parser,
     granite_reasoning_parser,
     kimi_k2_reasoning_parser,
+    minimax_m2_reasoning_parser,
     olmo3_reasoning_parser,
     qwen3_reasoning_parser,
     seed_oss_reasoning_parser,

@@ -1,5 +1,7 @@
 """Mixture-of-experts models with Llama's attention: Mixtral, Qwen2-MoE (Qwen1.5-MoE),
-Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B); and the routings the
+Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B), OLMoE, Granite MoE, GLM-4.5
+and MiniMax-M2 (M2, M2.1, M2.5: GLM's sigmoid routing ungrouped and unscaled, OLMo's q/k
+norms over the whole projection, half of each head rotated); and the routings the
 mixtures with their own attention share (DeepSeek-V2's ``select_experts_group_limited``,
 used by ``deepseek_v2.py`` beside ``fused_moe.select_experts_grouped``).
 
@@ -14,7 +16,7 @@ language model is Qwen3-MoE's (``qwen3_vl_moe.py``), its experts stored stacked.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -43,6 +45,9 @@ class MoeArch(LlamaArch):
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # Whether the checkpoint holds the sigmoid routing's correction bias (MiniMax-M2's
+    # ``use_routing_bias``); without it the bias is 0, as transformers initialises it.
+    routing_bias: bool = True
 
     @classmethod
     def from_hf(cls, config) -> MoeArch:
@@ -61,6 +66,13 @@ class MoeArch(LlamaArch):
             glm = dict(shared_expert_gated=False, scoring="sigmoid", num_groups=config.n_group,
                        topk_groups=config.topk_group,
                        routed_scaling_factor=config.routed_scaling_factor)  # fmt: skip
+        elif config.model_type == "minimax_m2":  # Mixtral's names, GLM's routing, 1 group
+            num_experts, intermediate = config.num_local_experts, config.intermediate_size
+            sparse = tuple(range(base.num_layers))
+            norm, shared, prefix = True, 0, "block_sparse_moe"
+            glm = dict(scoring="sigmoid",
+                       routing_bias=bool(getattr(config, "use_routing_bias", True)))  # fmt: skip
+            base = minimax_m2_attention(config, base)
         elif config.model_type == "granitemoe":  # Granite's scalars, Mixtral's routing
             num_experts, intermediate = config.num_local_experts, config.intermediate_size
             sparse = tuple(range(base.num_layers))
@@ -95,6 +107,39 @@ class MoeArch(LlamaArch):
             checkpoint_prefix=prefix,
             **glm,
         )
+
+
+# MiniMax-M2's config fields that transformers does not read (the released checkpoints'
+# remote code does): the value transformers computes as, and what another value would be.
+_MINIMAX_M2_FIXED = (
+    ("use_qk_norm", True, "q and k not normalised"),
+    ("qk_norm_type", "per_layer", "q and k normalised otherwise than over the whole projection"),
+    ("scoring_func", "sigmoid", "another router score"),
+    ("shared_intermediate_size", 0, "shared experts"),
+)
+
+
+def minimax_m2_attention(config: Any, base: LlamaArch) -> LlamaArch:
+    """MiniMax-M2's attention, as transformers computes it: q and k RMS-normalised over the
+    whole projection (widths heads * head_dim and kv_heads * head_dim, one weight per
+    element: ``qk_norm_type`` "per_layer"), every layer over the whole context (a
+    ``sliding_window`` is not read). ``ValueError`` naming the config field of a checkpoint
+    that would be computed otherwise: ``_MINIMAX_M2_FIXED``, or linear-attention layers
+    (MiniMax-01's lightning attention: 0 in ``attn_type_list``)."""
+    for field, served, other in _MINIMAX_M2_FIXED:
+        value = getattr(config, field, None)
+        if value is not None and value != served:
+            raise ValueError(
+                f"{field} {value!r} ({other}) is not supported for MiniMax-M2 "
+                f"(only {served!r}, as transformers computes it)"
+            )
+    kinds = getattr(config, "attn_type_list", None) or ()
+    if any(kind != 1 for kind in kinds):
+        raise ValueError(
+            f"attn_type_list {list(kinds)}: linear-attention layers (0) are not supported "
+            "for MiniMax-M2 (only full attention, 1)"
+        )
+    return replace(base, qk_norm=False, qk_norm_full=True, sliding_windows=())
 
 
 def select_experts_group_limited(
@@ -189,11 +234,18 @@ def load_moe_block(a: MoeArch, mlp: nn.Module, sd: dict[str, torch.Tensor], pref
         mlp.experts.w13.copy_(sd[p + "input_linear.weight"])  # [gate; up] per expert
         mlp.experts.w2.copy_(sd[p + "output_linear.weight"])
         return
+    if p + "gate.weight" not in sd:  # transformers 5's own names (Mixtral's, MiniMax-M2's)
+        p = f"{prefix}mlp."
     mlp.gate.weight.copy_(sd[p + "gate.weight"])
     for e, (gate, up, down) in enumerate(expert_weights(a, sd, p)):
         mlp.experts.load_expert(e, gate, up, down)
-    if a.scoring == "sigmoid":
-        mlp.e_score_correction_bias.copy_(sd[p + "gate.e_score_correction_bias"])
+    if a.scoring == "sigmoid":  # GLM's name, MiniMax-M2's
+        names = (p + "gate.e_score_correction_bias", p + "e_score_correction_bias")
+        name = next((n for n in names if n in sd), names[0])
+        if name in sd or a.routing_bias:
+            mlp.e_score_correction_bias.copy_(sd[name])
+        else:
+            mlp.e_score_correction_bias.zero_()
     if mlp.shared:
         s = p + ("shared_expert." if a.shared_expert_gated else "shared_experts.")
         mlp.shared_gate_up_proj.weight.copy_(
@@ -209,8 +261,8 @@ def expert_weights(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Each routed expert's (gate (I, H), up (I, H), down (H, I)) weights from the checkpoint
     tensors of the block ``p`` (``layers.N.mlp.``): one tensor each (``experts.N.gate_proj``,
-    Mixtral's ``w1`` / ``w3`` / ``w2``), or all experts stacked in ``experts.gate_up_proj``
-    and ``experts.down_proj`` (``stacked_experts``)."""
+    Mixtral's and MiniMax-M2's ``w1`` / ``w3`` / ``w2``), or all experts stacked in
+    ``experts.gate_up_proj`` and ``experts.down_proj`` (``stacked_experts``)."""
     i = a.moe_intermediate_size
     if p + "experts.gate_up_proj" in sd:
         gate_up = stacked_experts(

@@ -64,6 +64,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "OlmoeForCausalLM": ("olmoe", "moe", "MoeForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "moe", "MoeForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "moe", "MoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "moe", "MoeForCausalLM"),
     "MinistralForCausalLM": ("ministral", "llama", "LlamaForCausalLM"),
     "Mistral3ForConditionalGeneration": (
         "mistral3",

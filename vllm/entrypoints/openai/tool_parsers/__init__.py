@@ -13,6 +13,7 @@ from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
     hermes_tool_parser,
     json_tool_parser,
     kimi_k2_tool_parser,
+    minimax_m2_tool_parser,
     mistral_tool_parser,
     olmo3_tool_parser,
     openai_tool_parser,

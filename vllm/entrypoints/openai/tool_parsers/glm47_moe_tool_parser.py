@@ -30,8 +30,6 @@ call closes; each is a prefix of the final text.
 
 from __future__ import annotations
 
-import json
-
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
@@ -45,6 +43,8 @@ from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     NotACall,
     could_become,
     scan_tagged_calls,
+    schema_properties,
+    typed_arguments,
 )
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -115,15 +115,5 @@ class Glm47MoeToolParser(ToolParser):
         return (key, value), value_end + len(VALUE_CLOSE)
 
     def _parsed(self, name: str, args: list[tuple[str, str]], closed: bool) -> ParsedToolCall:
-        fn = self.functions.get(name) or {}
-        schema = fn.get("parameters") if isinstance(fn, dict) else None
-        props = schema.get("properties") if isinstance(schema, dict) else None
-        props = props if isinstance(props, dict) else {}
-        parts, seen = [], set()
-        for key, raw in args:
-            if key in seen:
-                continue
-            seen.add(key)
-            value = json.dumps(typed_value(raw, props.get(key)), ensure_ascii=False)
-            parts.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
-        return ParsedToolCall(name, "{" + ", ".join(parts) + ("}" if closed else ""), closed)
+        props = schema_properties(self.functions, name)
+        return ParsedToolCall(name, typed_arguments(args, props, typed_value, closed), closed)

@@ -45,6 +45,8 @@ from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     NotACall,
     could_become,
     scan_tagged_calls,
+    schema_properties,
+    typed_arguments,
 )
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -141,23 +143,8 @@ class Qwen3CoderToolParser(ToolParser):
     def _parsed(self, name: str, params: list[tuple[str, str]], closed: bool) -> ParsedToolCall:
         """The call with its arguments as JSON text: each parameter typed by the tool's
         schema, the first of a repeated name kept."""
-        fn = self.functions.get(name) or {}
-        schema = fn.get("parameters") if isinstance(fn, dict) else None
-        props = schema.get("properties") if isinstance(schema, dict) else None
-        props = props if isinstance(props, dict) else {}
-        parts, seen = [], set()
-        for key, raw in params:
-            if key in seen:
-                continue
-            seen.add(key)
-            value = typed_value(raw, props.get(key))
-            parts.append(f"{json.dumps(key, ensure_ascii=False)}: {_dumps(value)}")
-        arguments = "{" + ", ".join(parts) + ("}" if closed else "")
-        return ParsedToolCall(name, arguments, closed)
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+        props = schema_properties(self.functions, name)
+        return ParsedToolCall(name, typed_arguments(params, props, typed_value, closed), closed)
 
 
 def _types(schema: Any) -> set[str]:

@@ -1,14 +1,16 @@
 """The scan shared by the parsers of tag-delimited calls (Qwen3-Coder's XML, GLM's
-``<tool_call>name<arg_key>...``): content between calls, each call read by the parser's own
-reader, and the streaming rules of ``ToolParser.extract_tool_calls``; and the reader of the
-calls with JSON arguments grouped in a section of special tokens (DeepSeek, Kimi-K2)."""
+``<tool_call>name<arg_key>...``, MiniMax-M2's ``<invoke>`` blocks): content between calls,
+each call (or block of calls) read by the parser's own reader, and the streaming rules of
+``ToolParser.extract_tool_calls``; the JSON text of arguments given as typed key/value
+pairs; and the reader of the calls with JSON arguments grouped in a section of special
+tokens (DeepSeek, Kimi-K2)."""
 
 from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
@@ -21,7 +23,8 @@ from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_objec
 
 class CallOpen(Exception):
     """The call goes on past the end of the text (streaming: wait for more); ``args[0]``:
-    the call so far, or None before its name is complete."""
+    the call so far, or None before its name is complete (a reader of blocks: the list of
+    the block's calls so far)."""
 
 
 class NotACall(Exception):
@@ -33,19 +36,26 @@ def could_become(text: str, *tags: str) -> bool:
     return any(tag.startswith(text) for tag in tags)
 
 
+def _listed(calls: ParsedToolCall | list[ParsedToolCall] | None) -> list[ParsedToolCall]:
+    if calls is None:
+        return []
+    return calls if isinstance(calls, list) else [calls]
+
+
 def scan_tagged_calls(
     text: str,
     final: bool,
     starts: tuple[str, ...],
     close: str,
-    read_call: Callable[[str, int, bool], tuple[ParsedToolCall, int]],
+    read_call: Callable[[str, int, bool], tuple[ParsedToolCall | list[ParsedToolCall], int]],
 ) -> ExtractedToolCalls:
     """The calls in ``text`` and the content around them. A call begins at one of
     ``starts``; ``read_call(text, at, final)`` reads the one beginning at ``at`` and returns
     it with where it ends, or raises ``CallOpen`` (the text ends inside it: nothing after it
     is read yet) or ``NotACall`` (streaming, everything from there waits for the end of the
-    output; at the end, the text up to ``close`` is content). Not ``final``, a possible
-    start of a call at the end is held back."""
+    output; at the end, the text up to ``close`` is content). A format whose marker opens a
+    block of several calls (MiniMax-M2's) returns, and raises ``CallOpen`` with, the list of
+    them. Not ``final``, a possible start of a call at the end is held back."""
     content: list[str] = []
     calls: list[ParsedToolCall] = []
     i = 0
@@ -60,8 +70,7 @@ def scan_tagged_calls(
         try:
             call, end = read_call(text, j, final)
         except CallOpen as partial:
-            if partial.args and partial.args[0] is not None:
-                calls.append(partial.args[0])
+            calls.extend(_listed(partial.args[0] if partial.args else None))
             break  # everything after waits for the call to close
         except NotACall:
             if not final:
@@ -71,10 +80,39 @@ def scan_tagged_calls(
             content.append(text[j:end])
             i = end
             continue
-        calls.append(call)
+        calls.extend(_listed(call))
         i = end
     joined = "".join(content).strip()
     return ExtractedToolCalls(joined or (None if final else ""), calls)
+
+
+def schema_properties(functions: Mapping[str, dict], name: str) -> dict:
+    """The ``properties`` of the parameter schema of the request's tool ``name`` ({} when
+    there is no such tool, or its schema names none)."""
+    fn = functions.get(name) or {}
+    schema = fn.get("parameters") if isinstance(fn, dict) else None
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    return props if isinstance(props, dict) else {}
+
+
+def typed_arguments(
+    params: list[tuple[str, str]],
+    props: Mapping[str, Any],
+    convert: Callable[[str, Any], Any],
+    closed: bool,
+) -> str:
+    """A call's arguments as JSON text, from its ``(key, raw value)`` pairs: each value
+    ``convert(raw, schema)`` with its property's schema (None when the schema does not
+    name it). A key given twice keeps its first value, so that what a stream sent stays a
+    prefix; the closing ``}`` comes once ``closed``."""
+    parts, seen = [], set()
+    for key, raw in params:
+        if key in seen:
+            continue
+        seen.add(key)
+        value = json.dumps(convert(raw, props.get(key)), ensure_ascii=False)
+        parts.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+    return "{" + ", ".join(parts) + ("}" if closed else "")
 
 
 class SectionedCallParser(ToolParser):

@@ -1,0 +1,235 @@
+"""MiniMax-M2's calls (vLLM's ``minimax_m2``; M2.1 and M2.5 write the same)::
+
+    <minimax:tool_call>
+    <invoke name="get_weather">
+    <parameter name="location">San Francisco, CA</parameter>
+    <parameter name="unit">celsius</parameter>
+    </invoke>
+    <invoke name="...">...</invoke>
+    </minimax:tool_call>
+
+A block holds one or more calls; the text outside the blocks is the content (vLLM keeps
+only the text before the first block). An ``<invoke>`` outside a block is text, as in
+vLLM, and so is text in a block that is no tag (skipped, as vLLM's regexes skip it).
+Names (the function's, a parameter's) may be quoted or not and are stripped; a value is
+stripped of surrounding whitespace, as vLLM strips it.
+
+Values are text, typed by the tool's JSON schema (the request's ``tools``) as vLLM's
+``minimax_m2`` types them (``minimax_value``): the schema's types (``type``, a list of
+them, ``anyOf``/``oneOf``, ``enum`` values; vLLM's ``int``/``float``/``bool``/``str``
+too) are tried in the order integer, number, boolean, object, array, string; a whole
+number becomes an integer, a boolean is ``true``/``1``/``yes``/``on`` or
+``false``/``0``/``no``/``off`` (any case), an object or array is JSON text. A value that
+none of them takes is read as JSON if it is JSON, else kept as the string: ``"abc"`` for
+an integer stays ``"abc"``, ``"3.5"`` becomes 3.5. ``null``/``none``/``nil`` become null.
+A parameter the schema does not name, every parameter of a tool the request does not
+have, and one whose schema gives no type, stays a string (the null words aside).
+
+Where this differs from vLLM: a parameter typed string and not null keeps ``"none"`` as
+a string (vLLM makes CSS's ``none`` null); an object or array type takes only a JSON
+object or array, so ``"123"`` for ``object | string`` stays a string (vLLM: 123); a NaN
+or infinite number is no number (vLLM fails on ``inf``); a key given twice keeps its
+first value (vLLM its last), so that a streamed prefix stays a prefix.
+
+A block that holds no call, a call without a name or with a parameter without one, and a
+call cut inside its name or a value are content; a call cut after a whole parameter (a
+stop string) holds, as in the other XML parsers here, and so does an invoke the model
+left open at its block's end.
+
+The markers are added tokens in MiniMax's vocabulary, possibly special, so these requests
+keep special tokens in their text. Streamed, a call appears once its name is complete,
+its ``arguments`` JSON grows a whole parameter at a time, ``}`` when the invoke closes;
+each is a prefix of the final text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ParsedToolCall,
+    ToolParser,
+    register_tool_parser,
+)
+from vllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import _types
+from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
+    CallOpen,
+    NotACall,
+    scan_tagged_calls,
+    schema_properties,
+    typed_arguments,
+)
+
+TOOL_OPEN, TOOL_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+INVOKE_OPEN, INVOKE_CLOSE = "<invoke name=", "</invoke>"
+PARAM_OPEN, PARAM_CLOSE = "<parameter name=", "</parameter>"
+
+
+@register_tool_parser("minimax_m2")
+class MinimaxM2ToolParser(ToolParser):
+    keeps_special_tokens = True
+
+    def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
+        return scan_tagged_calls(text, final, (TOOL_OPEN,), TOOL_CLOSE, self._block)
+
+    def _block(self, text: str, start: int, final: bool) -> tuple[list[ParsedToolCall], int]:
+        """The calls of the block opening at ``start`` and where it ends. Raises
+        ``CallOpen`` (with the block's calls so far) while the text may go on inside it,
+        ``NotACall`` when it holds no call."""
+        calls: list[ParsedToolCall] = []
+        pos = start + len(TOOL_OPEN)
+        while True:
+            at = _next_tag(text, pos, (TOOL_CLOSE, INVOKE_OPEN))  # text between: skipped
+            if at < 0 and not final:
+                raise CallOpen(calls)
+            if not calls and (at < 0 or text.startswith(TOOL_CLOSE, at)):
+                raise NotACall  # an empty block, or one cut before its first call
+            if at < 0:
+                return calls, len(text)  # cut after a whole call (a stop string)
+            if text.startswith(TOOL_CLOSE, at):
+                return calls, at + len(TOOL_CLOSE)
+            call, pos = self._invoke(text, at, final)
+            if call is not None:
+                calls.append(call)
+            if pos is None:
+                raise CallOpen(calls)
+
+    def _invoke(self, text: str, pos: int, final: bool) -> tuple[ParsedToolCall | None, int | None]:
+        """The call whose ``<invoke name=`` is at ``pos`` and where it ends (past its
+        ``</invoke>``, or at the block's end where the model left it open); the end is None
+        while the text may go on inside it (the call then None until its name is
+        complete)."""
+        name_end = text.find(">", pos + len(INVOKE_OPEN))
+        if name_end < 0:
+            if final:
+                raise NotACall
+            return None, None
+        name = _unquoted(text[pos + len(INVOKE_OPEN) : name_end])
+        params: list[tuple[str, str]] = []
+        pos = name_end + 1
+        while True:
+            at = _next_tag(text, pos, (INVOKE_CLOSE, PARAM_OPEN, TOOL_CLOSE))
+            if at < 0:
+                if final:  # cut after a whole parameter (a stop string): the call holds
+                    return self._parsed(name, params, closed=True), len(text)
+                return self._parsed(name, params, closed=False), None
+            if text.startswith(INVOKE_CLOSE, at):
+                return self._parsed(name, params, closed=True), at + len(INVOKE_CLOSE)
+            if text.startswith(TOOL_CLOSE, at):
+                return self._parsed(name, params, closed=True), at
+            param, pos = _param(text, at, final)
+            if param is None:
+                return self._parsed(name, params, closed=False), None
+            params.append(param)
+
+    def _parsed(self, name: str, params: list[tuple[str, str]], closed: bool) -> ParsedToolCall:
+        props = schema_properties(self.functions, name)
+        arguments = typed_arguments(params, props, minimax_value, closed)
+        return ParsedToolCall(name, arguments, closed)
+
+
+def _next_tag(text: str, pos: int, tags: tuple[str, ...]) -> int:
+    """Where the first of ``tags`` at or after ``pos`` is (-1: none yet). The text before
+    it is skipped, as vLLM's reading skips what is not a tag it looks for."""
+    found = [at for tag in tags if (at := text.find(tag, pos)) >= 0]
+    return min(found, default=-1)
+
+
+def _unquoted(raw: str) -> str:
+    """A name as written after ``name=``: stripped, and out of its quotes. ``NotACall``
+    when there is none, or it cannot be one (a newline, a tag inside)."""
+    name = raw.strip()
+    if len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'":
+        name = name[1:-1].strip()
+    if not name or "\n" in name or "<" in name:
+        raise NotACall
+    return name
+
+
+def _param(text: str, pos: int, final: bool) -> tuple[tuple[str, str] | None, int]:
+    """The parameter opening at ``pos`` (its name and stripped value) and the position
+    after it; None while its value is not complete."""
+    key_end = text.find(">", pos + len(PARAM_OPEN))
+    if key_end < 0:
+        if final:
+            raise NotACall
+        return None, pos
+    key = _unquoted(text[pos + len(PARAM_OPEN) : key_end])
+    value_end = text.find(PARAM_CLOSE, key_end + 1)
+    if value_end < 0:
+        if final:
+            raise NotACall  # cut inside a value: it may be incomplete
+        return None, pos
+    return (key, text[key_end + 1 : value_end].strip()), value_end + len(PARAM_CLOSE)
+
+
+# -- values ---------------------------------------------------------------------------------
+_NULL_WORDS = ("null", "none", "nil")
+# The order vLLM tries a schema's types in; the names it takes besides JSON Schema's.
+_ORDER = ("integer", "number", "boolean", "object", "array", "string")
+_ALIASES = {
+    "int": "integer",
+    "float": "number",
+    "bool": "boolean",
+    "str": "string",
+    "text": "string",
+}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_FAILED = object()
+
+
+def minimax_value(raw: str, schema: Any) -> Any:
+    """``raw`` (a stripped value) as vLLM's ``minimax_m2`` types it by its parameter's
+    ``schema`` (None: the schema does not name it); see the module's docstring."""
+    declared = {_ALIASES.get(t.lower(), t.lower()) for t in _types(schema)}
+    if raw.lower() in _NULL_WORDS and ("null" in declared or "string" not in declared):
+        return None
+    for kind in _ORDER:
+        if kind not in (declared or {"string"}):
+            continue
+        if kind == "string":
+            return raw
+        value = _convert(raw, kind)
+        if value is not _FAILED:
+            return value
+    value = _json(raw)
+    return raw if value is _FAILED else value
+
+
+def _convert(raw: str, kind: str) -> Any:
+    if kind == "integer":
+        try:
+            return int(raw)
+        except ValueError:
+            return _FAILED
+    if kind == "number":
+        try:
+            number = float(raw)
+        except ValueError:
+            return _FAILED
+        if not math.isfinite(number):
+            return _FAILED
+        return int(number) if number.is_integer() else number
+    if kind == "boolean":
+        lowered = raw.lower()
+        return True if lowered in _TRUE else False if lowered in _FALSE else _FAILED
+    value = _json(raw)
+    return value if isinstance(value, dict if kind == "object" else list) else _FAILED
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):  # NaN, the infinities, 1e400: JSON cannot hold them
+        raise ValueError(f"{text} is not a finite number")
+    return number
+
+
+def _json(raw: str) -> Any:
+    """``raw`` as JSON, its numbers finite."""
+    try:
+        return json.loads(raw, parse_float=_finite, parse_constant=_finite)
+    except (ValueError, RecursionError):  # RecursionError: nested past the stack
+        return _FAILED
