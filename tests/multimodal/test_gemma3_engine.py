@@ -2,10 +2,11 @@
 transformers' ``Gemma3Processor`` frames it (tests/multimodal/test_gemma3_processing.py's
 tokenizer), the SigLIP tower and projector (tests/model_executor/test_gemma3_mm.py's
 shapes), and each image's tokens attending to each other both ways, past a 12-token
-sliding window. The engine gives transformers' ``generate`` greedy tokens and logprobs
-with ``token_type_ids`` (its bidirectional image mask), whole, in prefill chunks that
-must stop before each image, and from a prefix hit that ends inside an image; causal
-attention over the images gives other logprobs."""
+sliding window. The engine gives transformers' greedy tokens and logprobs with
+``token_type_ids`` (its bidirectional image mask; each token from a whole forward, see
+``reference``), whole, in prefill chunks that must stop before each image, from a prefix
+hit that ends inside an image, and through ``LLM.chat``; causal attention over the images
+gives other logprobs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from PIL import Image
 
 from tests.model_executor.test_gemma3_mm import TEXT, VISION
 from tests.multimodal.test_gemma3_processing import BOI, EOI, SOFT, save_tokenizer
-from tests.multimodal.utils import check_greedy, hf_greedy
+from tests.multimodal.utils import check_greedy, image_parts
 from vllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -61,14 +62,29 @@ def image(seed: int, size=(40, 30)) -> Image.Image:
     return Image.fromarray(rng.randint(0, 255, (*size, 3), dtype=np.uint8))
 
 
-def reference(model, images, prompt=PROMPT, both_ways=True):
+def reference(model, images, prompt=PROMPT, both_ways=True, max_tokens=6):
     """(transformers' prompt ids, its greedy tokens, their logprobs); ``both_ways``: with
-    ``token_type_ids`` (each image's tokens attend both ways), else causal."""
+    ``token_type_ids`` (each image's tokens attend both ways), else causal. Each token
+    from a whole forward over the prompt and the tokens so far: transformers' ``generate``
+    (a cache, a sliding window) gives other logprobs than its own whole forward once a
+    prompt's text runs past the window after the images (measured: 0.05 at the second
+    token of the chat test's prompt), and the engine's equal the whole forward's."""
     _, hf, processor = model
     out = processor(text=prompt, images=images, return_tensors="pt")
     ids = out["input_ids"][0].tolist()
-    extra = {"token_type_ids": out["token_type_ids"]} if both_ways else {}
-    return ids, *hf_greedy(hf, ids, pixel_values=out["pixel_values"], **extra)
+    seq, types = out["input_ids"], out["token_type_ids"]
+    tokens, logprobs = [], []
+    for _ in range(max_tokens):
+        extra = {"token_type_ids": types} if both_ways else {}
+        with torch.inference_mode():
+            logits = hf(input_ids=seq, pixel_values=out["pixel_values"], **extra).logits
+        row = torch.log_softmax(logits[0, -1].float(), -1)
+        token = int(row.argmax())
+        tokens.append(token)
+        logprobs.append(row[token].item())
+        seq = torch.cat([seq, torch.tensor([[token]])], 1)
+        types = torch.cat([types, torch.zeros(1, 1, dtype=types.dtype)], 1)
+    return ids, tokens, logprobs
 
 
 def test_images_attend_both_ways_as_transformers(model):
@@ -115,3 +131,30 @@ def test_a_budget_shorter_than_an_image_is_refused_at_start(model):
         assert len(out.token_ids) == GREEDY.max_tokens
     finally:
         llm.shutdown()
+
+
+# Gemma 3's chat template in small: typed parts, an image written as <start_of_image>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\\n' }}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "{{ '<start_of_image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+def test_chat_image_parts_are_framed_as_transformers_frames_them(model):
+    """LLM.chat with image_url parts under a Gemma-style template: the prompt ids
+    transformers' processor makes of the rendered text (its "\\n" before the first image
+    joined with the frame's "\\n\\n"), and transformers' greedy tokens."""
+    images = [image(0), image(1, (20, 50))]
+    messages = [{"role": "user", "content": image_parts(images, "look")}]
+    llm = LLM(model=str(model[0]), max_model_len=128)
+    try:
+        chat = llm.chat(messages, GREEDY, chat_template=CHAT_TEMPLATE)[0]
+    finally:
+        llm.shutdown()
+    assert chat.prompt.startswith(f"<start_of_turn>user\n{BOI}{BOI}look<end_of_turn>")
+    ids, tokens, logprobs = reference(model, images, chat.prompt)
+    assert chat.prompt_token_ids == ids
+    check_greedy([chat], tokens, logprobs)

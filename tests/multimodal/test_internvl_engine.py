@@ -20,7 +20,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_internvl import RMS_QK, TOKENS_PER_TILE, make_hf
-from tests.multimodal.utils import check_engine_images, hf_greedy
+from tests.multimodal.utils import check_engine_images, hf_greedy, image_parts
 from tests.utils import copy_benchmark_tokenizer
 from vllm import LLM, SamplingParams
 from vllm.config import ModelConfig
@@ -173,17 +173,8 @@ def test_chat_template_image_parts_reach_the_placeholders(model):
     """LLM.chat with image_url parts under InternVL's template (it writes each image's
     ``<IMG_CONTEXT>``): the prompt ids transformers' processor makes of that text, and
     generate's tokens for it."""
-    import base64
-    import io
-
-    def url(img) -> str:
-        buffer = io.BytesIO()
-        img.save(buffer, format="PNG")
-        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
     images = [image(0, SIZES[0]), image(1, SIZES[1])]
-    content = [{"type": "image_url", "image_url": {"url": url(img)}} for img in images]
-    messages = [{"role": "user", "content": [*content, {"type": "text", "text": "Which?"}]}]
+    messages = [{"role": "user", "content": image_parts(images, "Which?")}]
     llm = LLM(model=str(model[0]), max_model_len=128)
     try:
         chat = llm.chat(messages, GREEDY, chat_template=CHAT_TEMPLATE)[0]

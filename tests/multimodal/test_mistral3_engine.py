@@ -16,7 +16,7 @@ import transformers
 from PIL import Image
 
 from tests.model_executor.test_mistral3 import image_tokens, make_hf, padded, save
-from tests.multimodal.utils import check_engine_images, hf_greedy
+from tests.multimodal.utils import check_engine_images, hf_greedy, image_parts
 from tests.utils import copy_benchmark_tokenizer
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -102,17 +102,8 @@ def test_chat_image_parts_reach_the_placeholders(model):
     """LLM.chat with image_url parts (SmolLM2's template takes text: the placeholder
     ``[IMG]`` is written before the message's text) gives the tokens of the same prompt
     with the same images through generate."""
-    import base64
-    import io
-
-    def url(img) -> str:
-        buffer = io.BytesIO()
-        img.save(buffer, format="PNG")
-        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
     images = [image(0, (30, 50)), image(1, (50, 20))]
-    content = [{"type": "image_url", "image_url": {"url": url(img)}} for img in images]
-    messages = [{"role": "user", "content": [*content, {"type": "text", "text": "Which?"}]}]
+    messages = [{"role": "user", "content": image_parts(images, "Which?")}]
     llm = LLM(model=str(model[0]), max_model_len=128)
     try:
         chat = llm.chat(messages, GREEDY)[0]

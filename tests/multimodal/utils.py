@@ -54,3 +54,18 @@ def check_engine_images(path, request: dict, other_images, ids, want, other_want
         assert again[0].num_cached_tokens >= len(ids) - 4
         for got, expected in ((first, want), (again, want), (changed, other_want)):
             check_greedy(got, *expected)
+
+
+def image_parts(images, text: str) -> list[dict]:
+    """A chat message's content: each image as an ``image_url`` part (a PNG data URL), then
+    ``text``."""
+    import base64
+    import io
+
+    parts = []
+    for img in images:
+        buffer = io.BytesIO()
+        img.save(buffer, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return [*parts, {"type": "text", "text": text}]
