@@ -32,6 +32,14 @@ LoadFormat = Literal["auto", "safetensors", "dummy"]
 Runner = Literal["auto", "generate", "pooling"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 POOLING_TYPES = ("LAST",)  # the pooled row: a causal model's last (its whole-prompt summary)
+TokenizerMode = Literal["auto", "hf", "slow", "mistral", "custom"]
+# Why --tokenizer-mode refuses a mode (auto and hf: AutoTokenizer, the one way here).
+_TOKENIZER_MODE_REFUSALS = {
+    "slow": "is not available: transformers 5 (this engine's) has no slow (pure-Python) "
+    "tokenizers and ignores use_fast=False, so the tokenizer would be the fast one anyway",
+    "mistral": "needs mistral_common, which this engine does not use",
+    "custom": "names a registered tokenizer class; this engine has no tokenizer registry",
+}
 
 
 def scheduling_policy_names() -> Sequence[str]:
@@ -109,6 +117,45 @@ def _check_mm_limits(limits: Any) -> None:
             )
 
 
+# --compilation-config's keys this engine honours (vLLM's names; any other is refused).
+COMPILATION_KEYS = (
+    "level",
+    "mode",
+    "cudagraph_mode",
+    "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size",
+)
+# vLLM's CUDA graph modes this engine runs: full graphs of decode-only steps, or none.
+CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "NONE")
+_NO_COMPILATION = (0, "NONE", "NO_COMPILATION")  # vLLM's level / mode 0, by number or name
+
+
+def parse_compilation_config(text: str | int | dict) -> dict[str, Any]:
+    """``--compilation-config`` / ``-O``: a JSON object, or a bare level as vLLM's ``-O3``
+    (``{"level": 3}``); ``LLM(compilation_config=0)`` too."""
+    if isinstance(text, dict):
+        return text
+    if isinstance(text, int) and not isinstance(text, bool):
+        return {"level": text}
+    if isinstance(text, str) and text.strip().isdigit():
+        return {"level": int(text)}
+    try:
+        return parse_json_object(text, "compilation_config")
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"compilation_config (-O) must be a level (-O0) or a JSON object, got {text!r}"
+        ) from None
+
+
+def _capture_sizes(name: str, sizes: Any) -> tuple[int, ...]:
+    """Capture sizes as given (a list of integers >= 1) -> ascending, without repeats."""
+    if isinstance(sizes, int | str) or not isinstance(sizes, Sequence) or not sizes:
+        raise bad_value(name, sizes, "must be a non-empty list of integers >= 1")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise bad_value(name, sizes, "must be a non-empty list of integers >= 1")
+    return tuple(sorted(set(sizes)))
+
+
 def parse_bytes(text: str | int) -> int:
     """'512MiB', '1G', '1.5GiB' or an integer -> bytes."""
     if isinstance(text, int):
@@ -130,6 +177,14 @@ class ModelConfig:
         "HF_HUB_OFFLINE=1 reads the cache only).",
     )
     tokenizer: str | None = config_field(None, "Tokenizer source; None: the model's own.")
+    tokenizer_mode: TokenizerMode = config_field(
+        "auto",
+        "How the tokenizer is loaded (vLLM's flag). auto and hf: transformers' "
+        "AutoTokenizer, a fast (tokenizers-backed) one. slow is refused: transformers 5, "
+        "which this engine needs, has no slow tokenizers (it ignores use_fast=False). "
+        "mistral (mistral_common's tokenizer) and custom (a registered class) are refused: "
+        "mistral_common is not a dependency, and there is no tokenizer registry.",
+    )
     revision: str | None = config_field(
         None,
         "The Hub revision of a model given as a Hugging Face Hub id (a branch, tag or "
@@ -303,6 +358,32 @@ class ModelConfig:
         "larger ones run eagerly. None: min(max_num_seqs, 512). Batch sizes captured: 1, 2, 4, "
         "multiples of 8 below 256, of 16 from 256, and the largest itself.",
     )
+    cudagraph_capture_sizes: tuple[int, ...] | None = config_field(
+        None,
+        "The decode batch sizes captured in CUDA graphs, instead of the ladder (vLLM's); "
+        "a batch replays the graph of the next size up, a batch past the largest runs "
+        "eagerly. Sizes above --max-num-seqs are never used and not captured.",
+    )
+    cuda_graph_sizes: tuple[int, ...] | None = config_field(
+        None,
+        "Older vLLM's capture sizes flag: one value N is --max-cudagraph-capture-size N "
+        "(the ladder up to N), several are --cudagraph-capture-sizes.",
+    )
+    compilation_config: dict[str, Any] | None = config_field(
+        None,
+        "JSON object or level, vLLM's CompilationConfig as far as this engine goes. It "
+        "never torch.compiles the model: on CUDA it replays decode steps (one new token "
+        "per sequence) from full CUDA graphs over a ladder of batch sizes (vLLM's "
+        "cudagraph_mode FULL_DECODE_ONLY) and runs every other step eagerly. Keys: "
+        "cudagraph_mode (FULL_DECODE_ONLY, or NONE: no graphs, as --enforce-eager), "
+        "cudagraph_capture_sizes and max_cudagraph_capture_size (as those flags), "
+        "level / mode 0 or NONE (nothing compiled; without a cudagraph_mode no graphs "
+        "either, as vLLM). -O0 (a bare level, vLLM's -O) runs eagerly. Compilation "
+        "levels, modes and -O 1 to 3 (torch.compile), PIECEWISE / FULL / "
+        "FULL_AND_PIECEWISE graphs and other keys are refused.",
+        aliases=("-O", "-cc"),
+        parse=parse_compilation_config,
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -405,10 +486,95 @@ class ModelConfig:
                 if getattr(self, name) is not None:
                     raise bad_value(name, getattr(self, name), "is never read with "
                                     "skip_tokenizer_init (no tokenizer is loaded)")  # fmt: skip
-        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
+        if self.tokenizer_mode in _TOKENIZER_MODE_REFUSALS:
+            why = _TOKENIZER_MODE_REFUSALS[self.tokenizer_mode]
+            mode = self.tokenizer_mode
+            raise bad_value("tokenizer_mode", mode, f"{mode!r} {why}: use auto or hf")
+        if self.tokenizer_mode not in get_args(TokenizerMode):
+            raise bad_value("tokenizer_mode", self.tokenizer_mode, "must be auto or hf")
+        self._fold_graph_flags()
+
+    def _fold_graph_flags(self) -> None:
+        """--compilation-config and --cuda-graph-sizes folded into enforce_eager,
+        cudagraph_capture_sizes and max_cudagraph_capture_size (ValueError for a key or
+        value this engine cannot honour, or for two settings that disagree).
+        --cuda-graph-sizes is cleared once folded, so a ``replace`` does not fold it twice."""
+        spec = self.compilation_config
+        if spec is not None:
+            spec = parse_compilation_config(spec)
+            _check_json_config("compilation_config", spec, COMPILATION_KEYS)
+            object.__setattr__(self, "compilation_config", spec)
+        spec = spec or {}
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            sizes = _capture_sizes("cudagraph_capture_sizes", sizes)
+            object.__setattr__(self, "cudagraph_capture_sizes", sizes)
+        if self.cuda_graph_sizes is not None:
+            old = _capture_sizes("cuda_graph_sizes", self.cuda_graph_sizes)
+            if len(old) == 1:
+                self._set_once("max_cudagraph_capture_size", old[0], "--cuda-graph-sizes")
+            else:
+                self._set_once("cudagraph_capture_sizes", old, "--cuda-graph-sizes")
+            object.__setattr__(self, "cuda_graph_sizes", None)
+        for key in ("cudagraph_capture_sizes", "max_cudagraph_capture_size"):
+            if key in spec:
+                self._set_once(key, spec[key], f"compilation_config.{key}")
+        sizes, top = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise bad_value("max_cudagraph_capture_size", top, "must be >= 1")
+        if sizes is not None and top is not None and top != sizes[-1]:
             raise bad_value(
-                "max_cudagraph_capture_size", self.max_cudagraph_capture_size, "must be >= 1"
+                "max_cudagraph_capture_size",
+                top,
+                f"must be the largest of cudagraph_capture_sizes {list(sizes)} when both are given",
             )
+        for key in ("level", "mode"):
+            value = spec.get(key)
+            name = value.upper() if isinstance(value, str) else value
+            if key in spec and (isinstance(value, bool) or name not in _NO_COMPILATION):
+                raise bad_value(
+                    f"compilation_config.{key}",
+                    value,
+                    f"{value!r} asks for torch.compile (vLLM's compilation levels and modes "
+                    "1-3, -O1 to -O3), which this engine never does: it runs the model "
+                    "uncompiled with CUDA graphs of decode steps; accepted: 0 or NONE (-O0: "
+                    "no graphs either), or no -O",
+                )
+        if "cudagraph_mode" in spec:
+            self._cudagraph_mode(spec["cudagraph_mode"])
+        elif "level" in spec or "mode" in spec:  # vLLM: uncompiled, no mode named: no graphs
+            object.__setattr__(self, "enforce_eager", True)
+
+    def _cudagraph_mode(self, mode: Any) -> None:
+        name = mode.upper() if isinstance(mode, str) else mode
+        if name not in CUDAGRAPH_MODES:
+            raise bad_value(
+                "compilation_config.cudagraph_mode",
+                mode,
+                "must be FULL_DECODE_ONLY (this engine's graphs: decode-only steps, every "
+                "other step eager) or NONE (no graphs); PIECEWISE and FULL_AND_PIECEWISE need "
+                "torch.compile, and FULL (graphs of mixed prefill-decode steps) is not "
+                "captured here",
+            )
+        if name == "NONE":
+            object.__setattr__(self, "enforce_eager", True)
+        elif self.enforce_eager:
+            raise ValueError(
+                "--enforce-eager and compilation_config.cudagraph_mode FULL_DECODE_ONLY "
+                "contradict each other: give one"
+            )
+
+    def _set_once(self, name: str, value: Any, source: str) -> None:
+        """Set the field ``name`` from ``source`` (ValueError if it holds another value)."""
+        if name == "cudagraph_capture_sizes":
+            value = _capture_sizes(source.removeprefix("--"), value)
+        current = getattr(self, name)
+        if current is not None and current != value:
+            raise ValueError(
+                f"{source} ({value!r}) and --{name.replace('_', '-')} ({current!r}) "
+                "disagree: give one"
+            )
+        object.__setattr__(self, name, value)
 
     @property
     def name(self) -> str:
@@ -995,11 +1161,24 @@ class ParallelConfig:
         1, "Devices the layers are split over: 1 (this engine runs on one device).",
         aliases=("-pp",),
     )  # fmt: skip
+    data_parallel_size: int = config_field(
+        1, "Replicas of the model, each on its own devices (vLLM's): 1 (one engine, one "
+        "device).", aliases=("-dp",),
+    )  # fmt: skip
+    enable_expert_parallel: bool = config_field(
+        False,
+        "vLLM's: split a mixture of experts' experts over the tensor x data parallel "
+        "devices instead of splitting each expert. Accepted either way: that group is one "
+        "device here, so every expert stays on it, as vLLM does on one device.",
+        aliases=("-ep",),
+    )
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) != 1:
                 raise bad_value(name, getattr(self, name), "must be 1: one device is supported")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise bad_value("enable_expert_parallel", self.enable_expert_parallel, "must be a bool")
 
 
 @dataclass(frozen=True)
@@ -1197,6 +1376,17 @@ class VllmConfig:
     def __post_init__(self) -> None:
         if self.speculative_config.uses_draft_model:
             self.draft_model_config  # noqa: B018 - checked (and cached) now, not at load
+        sizes, max_seqs = (
+            self.model_config.cudagraph_capture_sizes,
+            self.scheduler_config.max_num_seqs,
+        )
+        if sizes and not self.model_config.enforce_eager and sizes[0] > max_seqs:
+            raise bad_value(
+                "cudagraph_capture_sizes",
+                list(sizes),
+                f"has no size <= max_num_seqs={max_seqs} (a decode batch holds at most "
+                "max_num_seqs sequences): nothing would be captured",
+            )
         if self.model_config.is_pooling and self.speculative_config.enabled:
             raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
         if self.model_config.logits_processors and self.model_config.is_pooling:

@@ -85,6 +85,9 @@ class ConfigArg:
         if get_origin(kind) is tuple:  # one or more values, each parsed on its own
             kwargs["nargs"] = "+"
             kind = get_args(kind)[0]
+        elif get_origin(kind) is list:  # repeatable: each use adds its values to the list
+            kwargs |= {"action": "extend", "nargs": "+"}
+            kind = get_args(kind)[0]
         choices = self.choices() if callable(self.choices) else self.choices
         if choices is not None or literal is not None:
             kwargs["choices"] = list(choices if choices is not None else literal)

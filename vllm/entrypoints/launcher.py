@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from vllm.entrypoints.openai.cli_args import FrontendArgs
+from vllm.entrypoints.openai.cli_args import FrontendArgs, uvicorn_log_config
 from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger("vllm.entrypoints.launcher")
@@ -253,6 +253,7 @@ async def serve_http(
     config = uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,
+        log_config=uvicorn_log_config(args),  # --log-config-file's, else uvicorn's default
         timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
         access_log=not (args.disable_log_requests or args.disable_uvicorn_access_log),
         http=http_protocol(args),

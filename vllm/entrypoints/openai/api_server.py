@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Annotated
 
@@ -37,7 +39,7 @@ from vllm.entrypoints.launcher import (
     stop_on_signal_while_starting,
 )
 from vllm.entrypoints.openai import openapi
-from vllm.entrypoints.openai.cli_args import FrontendArgs
+from vllm.entrypoints.openai.cli_args import FrontendArgs, resolve_middleware
 from vllm.entrypoints.openai.job_identity import read_headers
 from vllm.entrypoints.openai.parser_plugins import load_parser_plugins
 from vllm.entrypoints.openai.protocol import (
@@ -337,6 +339,7 @@ def build_app(
         allow_headers=list(args.allowed_headers),
         allow_credentials=args.allow_credentials,
     )
+    _add_user_middleware(app, getattr(args, "middleware", None) or ())
     _add_error_handlers(app)
 
     _add_info_routes(app, vllm_config, args, engine, stats, state, models)
@@ -481,6 +484,18 @@ def build_app(
     max_logprobs = getattr(vllm_config.model_config, "max_logprobs", 20)
     openapi.document_api(app, args, max_logprobs)
     return app
+
+
+def _add_user_middleware(app: FastAPI, paths: Sequence[str]) -> None:
+    """--middleware (vLLM's): a class is added with ``app.add_middleware``, an async
+    function ``(request, call_next)`` with ``@app.middleware("http")``. Added after the
+    server's own, so outside them (the last given outermost), as vLLM adds them."""
+    for path in paths:
+        middleware = resolve_middleware(path)
+        if inspect.isclass(middleware):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
 
 
 def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state, models) -> None:

@@ -109,6 +109,14 @@ class FrontendArgs:
         False,
         "Put an X-Request-Id header on every response: the request's own, or a new one.",
     )
+    middleware: list[str] | None = config_field(
+        None,
+        "ASGI middleware to add to the app, by import path (pkg.module.Name); repeat the "
+        "flag (vLLM's form) or give several. A class is added with "
+        "app.add_middleware(Class), an async function (request, call_next) as "
+        "@app.middleware('http'); they wrap the server's own middleware (CORS, the API "
+        "key), the last given outermost. Imported at start: one that cannot be is an error.",
+    )
     disable_uvicorn_access_log: bool = config_field(
         False, "No access log line per HTTP request (the request log stays)."
     )
@@ -125,6 +133,11 @@ class FrontendArgs:
         False,
         "Every streamed response ends with a usage chunk, as if it asked for "
         "stream_options.include_usage.",
+    )
+    enable_prompt_tokens_details: bool = config_field(
+        False,
+        "vLLM's: usage carries prompt_tokens_details (cached_tokens: the prompt tokens "
+        "read from the prefix cache). Here it always does, with or without the flag.",
     )
     return_tokens_as_token_ids: bool = config_field(
         False,
@@ -180,6 +193,13 @@ class FrontendArgs:
         "usage, prefix cache hit rate) every VLLM_LOG_STATS_INTERVAL seconds (10).",
     )
     uvicorn_log_level: UvicornLogLevel = config_field("info", "Log level of uvicorn.")
+    log_config_file: str | None = config_field(
+        None,
+        'A JSON logging configuration (logging.config.dictConfig\'s schema, "version": 1) '
+        "given to uvicorn, as vLLM's: it configures the loggers it names in the API server "
+        "(uvicorn's, vllm's) when the server starts; --uvicorn-log-level still sets "
+        "uvicorn's levels. Read at start: a file that is not such JSON is an error.",
+    )
     trust_request_chat_template: bool = config_field(
         False,
         "Accept a request's own chat_template. Off: a request carrying one is refused (400), "
@@ -214,11 +234,17 @@ class FrontendArgs:
     max_request_header_size: int = config_field(
         64 * KiB,
         "Largest request head (request line and headers), in bytes; a larger one is a 431 "
-        "and the connection closes. vLLM's h11 limit is 4MiB; nginx's default is 32KiB.",
+        "and the connection closes. vLLM's h11 limit is 4MiB; nginx's default is 32KiB. "
+        "--h11-max-incomplete-event-size (vLLM's name: h11 buffers at most that much of an "
+        "unfinished head) sets it too.",
         parse=parse_size,
+        aliases=("--h11-max-incomplete-event-size",),
     )
     max_request_header_count: int = config_field(
-        256, "Most header fields one request may carry (431 beyond; vLLM's h11 limit)."
+        256,
+        "Most header fields one request may carry (431 beyond; vLLM's h11 limit, which "
+        "--h11-max-header-count, vLLM's name, sets too).",
+        aliases=("--h11-max-header-count",),
     )
     max_n_sequences: int = config_field(
         128, "Largest n (completions per request) accepted (vLLM: VLLM_MAX_N_SEQUENCES)."
@@ -279,6 +305,18 @@ class FrontendArgs:
         None,
         "A Python file (or module name) whose import registers more reasoning parsers "
         '(@register_reasoning_parser("name")); --reasoning-parser can then name them.',
+    )
+    structured_outputs_config: dict[str, Any] | None = config_field(
+        None,
+        "JSON object, vLLM's StructuredOutputsConfig as far as this server goes: its "
+        "structured outputs are llguidance's (vLLM's guidance backend). backend: auto or "
+        "guidance; disable_fallback: true or false (one backend, nothing to fall back to); "
+        "disable_additional_properties: true (object schemas are always strict here: no "
+        "property they do not name); disable_any_whitespace: false (JSON gets json.dumps' "
+        "', ' and ': ' and no other whitespace); enable_in_reasoning: false (with a "
+        "reasoning parser the grammar starts after the reasoning); reasoning_parser: as "
+        "--reasoning-parser. Other backends, values and keys are refused.",
+        parse=parse_json_object,
     )
     lora_modules: tuple[Any, ...] | None = config_field(
         None,
@@ -373,6 +411,44 @@ class FrontendArgs:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        for path in self.middleware or ():
+            resolve_middleware(path)  # ValueError now, not once the model is loaded
+        if self.log_config_file is not None:
+            load_log_config(self.log_config_file)
+        if self.structured_outputs_config is not None:
+            self._fold_structured_outputs_config()
+
+    def _fold_structured_outputs_config(self) -> None:
+        """Check --structured-outputs-config; its reasoning_parser becomes --reasoning-parser
+        (ValueError when both are given and differ)."""
+        spec = self.structured_outputs_config
+        if not isinstance(spec, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object, got {spec!r}")
+        keys = (*STRUCTURED_OUTPUTS_VALUES, "reasoning_parser")
+        unknown = sorted(set(spec) - set(keys))
+        if unknown:
+            raise ValueError(
+                f"structured_outputs_config has keys this server does not take: {unknown}; "
+                f"it takes {list(keys)}"
+            )
+        for key, (allowed, why) in STRUCTURED_OUTPUTS_VALUES.items():
+            value = spec.get(key, allowed[0])  # (type: True is not 1)
+            if not any(type(value) is type(a) and value == a for a in allowed):
+                raise ValueError(f"structured_outputs_config.{key} {why}, got {value!r}")
+        parser = spec.get("reasoning_parser") or None  # vLLM's "" is unset
+        if parser is None:
+            return
+        if self.reasoning_parser is not None and self.reasoning_parser != parser:
+            raise ValueError(
+                f"--reasoning-parser {self.reasoning_parser!r} and "
+                f"structured_outputs_config.reasoning_parser {parser!r} disagree: give one"
+            )
+        if parser not in _reasoning_parser_names():
+            raise ValueError(
+                f"structured_outputs_config.reasoning_parser must be one of "
+                f"{list(_reasoning_parser_names())}, got {parser!r}"
+            )
+        object.__setattr__(self, "reasoning_parser", parser)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -392,6 +468,82 @@ class FrontendArgs:
                 value = arg.parse(value)
             values[arg.field] = value
         return cls(**values)
+
+
+# --structured-outputs-config's keys (vLLM's) with the values this server honours and why
+# others are refused.
+STRUCTURED_OUTPUTS_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "backend": (
+        ("auto", "guidance"),
+        "must be auto or guidance: structured outputs here are llguidance's (vLLM's guidance "
+        "backend); xgrammar, outlines and lm-format-enforcer are not used",
+    ),
+    "disable_fallback": ((False, True), "must be true or false"),
+    "disable_any_whitespace": (
+        (False,),
+        "must be false: JSON here has json.dumps' whitespace (', ' and ': ') and no other; "
+        "JSON without any whitespace is not implemented",
+    ),
+    "disable_additional_properties": (
+        (True,),
+        "must be true: object schemas are always strict here (no property they do not name)",
+    ),
+    "enable_in_reasoning": (
+        (False,),
+        "must be false: with a reasoning parser the grammar starts after the reasoning; "
+        "constraining the reasoning itself is not implemented",
+    ),
+}
+
+
+def resolve_middleware(path: str) -> Any:
+    """--middleware's object: ``pkg.module.Name`` (or ``pkg.module:Name``) imported, which
+    must be a class or an async function; ValueError naming the flag otherwise."""
+    import importlib
+    import inspect
+
+    module_name, _, name = path.rpartition(":" if ":" in path else ".")
+    if not module_name or not name:
+        raise ValueError(f"--middleware {path!r} must be an import path, e.g. pkg.module.Name")
+    try:
+        obj = getattr(importlib.import_module(module_name), name)
+    except Exception as e:  # any error of the user's module: report it, at start
+        raise ValueError(f"--middleware {path!r} cannot be imported: {e!r}") from None
+    if not (inspect.isclass(obj) or inspect.iscoroutinefunction(obj)):
+        raise ValueError(
+            f"--middleware {path!r} must be an ASGI middleware class or an async function "
+            "(request, call_next)"
+        )
+    return obj
+
+
+def load_log_config(path: str) -> dict[str, Any]:
+    """--log-config-file's configuration: a JSON object in ``logging.config.dictConfig``'s
+    schema (ValueError naming the flag when the file cannot be read or is not one)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--log-config-file {path!r} cannot be read: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"--log-config-file {path!r} is not JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("version") != 1:
+        raise ValueError(
+            f'--log-config-file {path!r} must hold a JSON object with "version": 1 '
+            "(logging.config.dictConfig's schema)"
+        )
+    return config
+
+
+def uvicorn_log_config(args: FrontendArgs) -> dict[str, Any]:
+    """The logging configuration uvicorn applies when it starts: --log-config-file's, else
+    uvicorn's own default."""
+    path = getattr(args, "log_config_file", None)
+    if path is not None:
+        return load_log_config(path)
+    from uvicorn.config import LOGGING_CONFIG
+
+    return LOGGING_CONFIG
 
 
 def _parse_lora_module(text: str):

@@ -23,8 +23,9 @@ their input ids may come straight from the device (the previous step's argmax).
 
 The sizes are vLLM's ladder: 1, 2, 4, multiples of 8 below 256, multiples of 16 from 256,
 up to ``--max-cudagraph-capture-size`` (default ``min(max_num_seqs, 512)``), which is
-captured too when it is off the ladder. Larger decode batches, and every step with a
-prompt or a chunk, run eagerly. ``--enforce-eager`` captures nothing.
+captured too when it is off the ladder; or the sizes ``--cudagraph-capture-sizes`` lists
+(``--compilation-config``'s key too). Larger decode batches, and every step with a prompt
+or a chunk, run eagerly. ``--enforce-eager`` captures nothing.
 
 The graphs share one memory pool, captured largest first so the smaller ones reuse its
 blocks; that pool is taken after the KV cache is sized (``ModelRunner.capture_model``
@@ -39,7 +40,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -52,14 +53,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_CAPTURE_SIZE = 512
 
 
-def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> list[int]:
+def cudagraph_capture_sizes(
+    max_num_seqs: int,
+    max_capture_size: int | None = None,
+    sizes: Sequence[int] | None = None,
+) -> list[int]:
     """The decode batch sizes to capture, ascending: 1, 2, 4, multiples of 8 below 256,
     multiples of 16 from 256, up to the largest (``max_capture_size``, default
-    ``min(max_num_seqs, 512)``, never above ``max_num_seqs``), which is always included."""
+    ``min(max_num_seqs, 512)``, never above ``max_num_seqs``), which is always included.
+    ``sizes`` (``--cudagraph-capture-sizes``): those instead, less any above
+    ``max_num_seqs`` (no decode batch is that large); ValueError if none is left."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if max_capture_size is not None and max_capture_size < 1:
         raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {max_capture_size}")
+    if sizes is not None:
+        usable = sorted({s for s in sizes if s <= max_num_seqs})
+        if not usable or usable[0] < 1:
+            raise ValueError(
+                f"cudagraph_capture_sizes {list(sizes)}: no size in [1, max_num_seqs="
+                f"{max_num_seqs}]"
+            )
+        return usable
     top = DEFAULT_MAX_CAPTURE_SIZE if max_capture_size is None else max_capture_size
     top = min(top, max_num_seqs)
     ladder = [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)]

@@ -676,7 +676,9 @@ class ModelRunner:
             return
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache first: the graphs record the cache's address")
-        sizes = cudagraph_capture_sizes(sc.max_num_seqs, mc.max_cudagraph_capture_size)
+        sizes = cudagraph_capture_sizes(
+            sc.max_num_seqs, mc.max_cudagraph_capture_size, mc.cudagraph_capture_sizes
+        )
         max_blocks = -(-sc.max_model_len // self.block_size)
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         if graph_factory is None:
