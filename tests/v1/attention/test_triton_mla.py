@@ -236,27 +236,22 @@ def test_a_runner_replays_deepseek_decode_steps(monkeypatch, tmp_path):
                                                                      (63, 17)]  # fmt: skip
 
 
-def test_a_deepseek_decode_step_reads_nothing_back_to_the_host(monkeypatch):
-    # What a CUDA graph needs of the forward around the kernel (the kernel itself reads
-    # lengths on the device): the model's decode step over TRITON_MLA, on the pure-torch
-    # ops CUDA runs, under tests/v1/worker/test_no_host_sync.py's guard. The kernel is
-    # stood in for by a device-side copy; a dense DeepSeek-V2 (no experts).
-    import transformers
-
+def decode_step_without_host_reads(monkeypatch, model_cls, arch, positions, also=None):
+    """What a CUDA graph needs of the forward around the kernel (the kernel itself reads
+    lengths on the device): ``model_cls(arch)``'s decode step of four sequences at
+    ``positions`` over TRITON_MLA, on the pure-torch ops CUDA runs, under
+    tests/v1/worker/test_no_host_sync.py's guard (``also()`` runs under it too). The kernel
+    is stood in for by a device-side copy. Returns the step's hidden states."""
     from tests.v1.worker.test_no_host_sync import HostSyncGuard
     from vllm import _custom_ops as ops
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV2Arch, DeepseekV2ForCausalLM
 
     def stand_in(q, kv_cache, block_table, seq_lens, scale, value_size, out=None, **_):
         return out.narrow(0, 0, block_table.shape[0]).copy_(q.narrow(2, 0, value_size))
 
     monkeypatch.setattr(triton_mla_decode, "mla_decode_attention", stand_in)
     monkeypatch.setattr(ops, "_op", lambda name: None)
-    config = transformers.DeepseekV2Config(**{**TINY, "first_k_dense_replace": 3})
-    arch = DeepseekV2Arch.from_hf(config)
-    assert not arch.sparse_layers
     torch.manual_seed(0)
-    model = DeepseekV2ForCausalLM(arch)
+    model = model_cls(arch)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
@@ -267,10 +262,25 @@ def test_a_deepseek_decode_step_reads_nothing_back_to_the_host(monkeypatch):
     caches = [torch.zeros(b.kv_cache_shape(8)) for _ in model.layers]
     meta = b.graph_metadata(4, 3)
     meta.copy_(b.build_metadata([(5, 1, [1, 2]), (0, 1, [3]), (9, 1, [4, 5, 6]), (0, 1, [0])]))
-    ids, positions = torch.tensor([7, 8, 9, 0]), torch.tensor([5, 0, 9, 0])
+    ids = torch.tensor([7, 8, 9, 0])
     with torch.inference_mode(), HostSyncGuard():
-        hidden = model(ids, positions, meta, caches)
+        hidden = model(ids, torch.tensor(positions), meta, caches)
+        if also is not None:
+            also()
     assert hidden.shape == (4, arch.hidden_size) and torch.isfinite(hidden).all()
+    return hidden
+
+
+def test_a_deepseek_decode_step_reads_nothing_back_to_the_host(monkeypatch):
+    """A dense DeepSeek-V2 (no experts): ``decode_step_without_host_reads``."""
+    import transformers
+
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2Arch, DeepseekV2ForCausalLM
+
+    config = transformers.DeepseekV2Config(**{**TINY, "first_k_dense_replace": 3})
+    arch = DeepseekV2Arch.from_hf(config)
+    assert not arch.sparse_layers
+    decode_step_without_host_reads(monkeypatch, DeepseekV2ForCausalLM, arch, [5, 0, 9, 0])
 
 
 # -- the real kernel in Triton's interpreter (CPU, a child process) ----------------------------

@@ -85,19 +85,23 @@ def select_experts(
 
 def select_experts_grouped(
     router_logits: torch.Tensor,
-    correction_bias: torch.Tensor,
+    correction_bias: torch.Tensor | None,
     top_k: int,
     num_groups: int,
     topk_groups: int,
     renormalize: bool,
     scaling: float,
+    scoring: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3-style routing (GLM-4.5's): sigmoid scores; the experts are chosen by
     score plus ``correction_bias`` among the ``topk_groups`` groups (of ``num_groups``)
     whose two best experts score highest, weighted by their plain scores (divided by their
-    sum when ``renormalize``), times ``scaling``. (weights fp32, ids int64)."""
-    scores = router_logits.float().sigmoid()
-    choice = scores + correction_bias.float()
+    sum when ``renormalize``), times ``scaling``. (weights fp32, ids int64). ``scoring``
+    "softmax" (Mistral 4's, no bias: ``correction_bias`` None): the scores are the
+    softmax over all experts, the groups ranked the same way by their two best."""
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_groups > 1:
         grouped = choice.view(choice.shape[0], num_groups, -1)
         best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_groups, dim=-1).indices

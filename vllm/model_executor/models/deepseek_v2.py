@@ -1,5 +1,6 @@
 """DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``:
-DeepSeek-V2/V2-Lite, DeepSeek-V3/R1, Moonlight, Kimi-K2) over a flat packed batch.
+DeepSeek-V2/V2-Lite, DeepSeek-V3/R1, Moonlight, Kimi-K2) and Mistral 4
+(``Mistral4ForCausalLM``: Mistral Small 4's language model) over a flat packed batch.
 
 **Multi-head latent attention (MLA), cached as the latent.** Each token's K and V are one
 shared latent ``c_kv`` (``kv_lora_rank`` wide, RMS-normalised) plus one rotated key part
@@ -35,6 +36,17 @@ dense. Routing: ``greedy`` / ``group_limited_greedy`` (softmax scores, V2:
 renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``. (transformers'
 DeepSeek-V2 port ignores ``norm_topk_prob``; we apply it, as DeepSeek's own code and vLLM
 do; the released V2 configs set it false.)
+
+**Mistral 4** (transformers' ``mistral4``) is this model with three differences, read from
+its config by ``DeepseekV2Arch.from_hf``: its router scores by softmax and keeps the
+``topk_group`` groups (of ``n_group``) whose two best scores sum highest (V3's group rank
+without a bias: ``select_experts_grouped``), its router's logits in the model's dtype, as
+transformers computes them; its queries (all of each head's dims) grow with the position,
+times ``1 + llama_4_scaling_beta * log(1 + floor(pos / original_max_position_embeddings))``
+(``rope_parameters``' fields; Llama 4's scale), applied per token to the absorbed query, so
+in every path that attends (prefill, decode, CUDA graphs: the positions are a tensor);
+and its ``head_dim`` is the whole q/k head, the rotated part ``partial_rotary_factor`` of
+it (``qk_rope_head_dim``).
 """
 
 from __future__ import annotations
@@ -50,20 +62,27 @@ from torch import nn
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts_grouped
 from vllm.model_executor.layers.quantization.fp8_checkpoint import FP8_METHODS
-from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
+from vllm.model_executor.layers.rotary_embedding import (
+    max_positions,
+    rope_parameters,
+    rotary_dim,
+)
 from vllm.model_executor.models.llama import (
     RMSNorm,
     RotaryEmbedding,
     layer_attention,
     load_embeddings_and_head,
 )
-from vllm.model_executor.models.moe import select_experts_group_limited
+from vllm.model_executor.models.moe import select_experts_group_limited, stacked_experts
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
 # not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 # (topk_method, scoring_func) pairs the routing computes.
 ROUTINGS = (("greedy", "softmax"), ("group_limited_greedy", "softmax"), ("noaux_tc", "sigmoid"))
+# Mistral 4's routing (not a DeepSeek config's topk_method): softmax scores, the groups
+# ranked by their two best scores.
+SOFTMAX_TOP2_GROUPS = "softmax_top2_groups"
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -109,6 +128,11 @@ class DeepseekV2Arch:
     topk_groups: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+    router_fp32: bool = True  # the router's logits in fp32 (DeepSeek), else the model's dtype
+    # Llama 4's query scale by position (Mistral 4): 1 + beta * log(1 + floor(pos / original));
+    # beta 0: none.
+    query_scale_beta: float = 0.0
+    query_scale_original: int = 1
     # The KV cache: one latent "head" per token (see the module docstring).
     num_kv_heads: int = 1
 
@@ -130,6 +154,7 @@ class DeepseekV2Arch:
     @classmethod
     def from_hf(cls, config) -> DeepseekV2Arch:
         v3 = config.model_type == "deepseek_v3"
+        mistral4 = config.model_type == "mistral4"
         quant = getattr(config, "quantization_config", None)
         method = (
             (quant.get("quant_method") if isinstance(quant, dict) else quant) if quant else None
@@ -142,13 +167,16 @@ class DeepseekV2Arch:
         for field, ok in (("hidden_act", "silu"), ("mlp_bias", False)):
             if getattr(config, field, ok) != ok:
                 raise ValueError(f"{field} {getattr(config, field)!r} is not supported ({ok!r})")
-        rope = rope_parameters(config)
+        rope = mistral4_rope(config) if mistral4 else rope_parameters(config)
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         scale = qk_head_dim**-0.5
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
             scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
         n_layers = config.num_hidden_layers
-        sparse = tuple(i for i in range(n_layers) if is_sparse_layer(config, i))
+        if mistral4:  # transformers: every layer from first_k_dense_replace on
+            sparse = tuple(range(getattr(config, "first_k_dense_replace", 0) or 0, n_layers))
+        else:
+            sparse = tuple(i for i in range(n_layers) if is_sparse_layer(config, i))
         return cls(
             hidden_size=config.hidden_size,
             num_layers=n_layers,
@@ -165,10 +193,13 @@ class DeepseekV2Arch:
             v_head_dim=config.v_head_dim,
             attention_bias=bool(getattr(config, "attention_bias", False)),
             rope_parameters=rope,
-            rope_interleave=bool(getattr(config, "rope_interleave", True)) if v3 else True,
+            rope_interleave=bool(getattr(config, "rope_interleave", True))
+            if v3 or mistral4
+            else True,
             softmax_scale=scale,
             sparse_layers=sparse,
-            **(cls.experts_from_hf(config, v3) if sparse else {}),
+            **(cls.experts_from_hf(config, v3) if sparse and not mistral4 else {}),
+            **(mistral4_fields(config, rope, bool(sparse)) if mistral4 else {}),
         )
 
     @staticmethod
@@ -200,6 +231,78 @@ class DeepseekV2Arch:
             norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
             routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
         )
+
+
+def mistral4_rope(config: Any) -> dict[str, Any]:
+    """Mistral 4's rotary parameters, over its ``qk_rope_head_dim`` dims whole: transformers
+    computes frequencies for ``int(head_dim * partial_rotary_factor)`` dims (its
+    ``head_dim`` the whole q/k head; for the ``default`` type all of ``head_dim``), which
+    must be that part."""
+    rope = rope_parameters(config)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.qk_nope_head_dim + config.qk_rope_head_dim
+    )
+    default = rope["rope_type"] == "default"
+    rotated = head_dim if default else rotary_dim(head_dim, rope)
+    if rotated != config.qk_rope_head_dim:
+        raise ValueError(
+            f"rope_parameters rope_type {rope['rope_type']!r}, partial_rotary_factor "
+            f"{rope['partial_rotary_factor']}: transformers rotates {rotated} dims of head_dim "
+            f"{head_dim}, not qk_rope_head_dim {config.qk_rope_head_dim}"
+        )
+    return {**rope, "partial_rotary_factor": 1.0}
+
+
+def mistral4_fields(config: Any, rope: dict[str, Any], sparse: bool) -> dict[str, Any]:
+    """Mistral 4's arch fields beyond DeepSeek's: its query scale and (``sparse``) its
+    experts and routing. ``ValueError`` naming the field for what transformers' code does
+    not run."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if kv_heads != heads:
+        raise ValueError(
+            f"num_key_value_heads {kv_heads}: latent attention expands one key per head "
+            f"(num_attention_heads {heads})"
+        )
+    beta, original = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if not isinstance(beta, (int, float)) or not isinstance(original, int) or original < 1:
+        raise ValueError(
+            f"rope_parameters llama_4_scaling_beta {beta!r} and original_max_position_embeddings "
+            f"{original!r}: Mistral 4 scales its queries by both (a number, a positive length)"
+        )
+    fields: dict[str, Any] = dict(query_scale_beta=float(beta), query_scale_original=original)
+    if not sparse:
+        return fields
+    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    groups, topk_groups = config.n_group or 1, config.topk_group or 1
+    if experts % groups or not 1 <= topk_groups <= groups or experts // groups < 2:
+        raise ValueError(
+            f"n_group {groups} / topk_group {topk_groups}: groups of two or more of the "
+            f"n_routed_experts {experts} (a group ranks by its two best), topk_group of them"
+        )
+    if not 1 <= top_k <= topk_groups * (experts // groups):
+        raise ValueError(
+            f"num_experts_per_tok {top_k}: 1 to the {topk_groups * (experts // groups)} "
+            f"experts of the topk_group {topk_groups} groups kept"
+        )
+    return fields | dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=config.moe_intermediate_size,
+        n_shared_experts=getattr(config, "n_shared_experts", None) or 0,
+        topk_method=SOFTMAX_TOP2_GROUPS,
+        num_groups=groups,
+        topk_groups=topk_groups,
+        norm_topk_prob=bool(config.norm_topk_prob),
+        routed_scaling_factor=float(config.routed_scaling_factor),
+        router_fp32=False,
+    )
+
+
+def llama4_query_scale(positions: torch.Tensor, beta: float, original: int) -> torch.Tensor:
+    """(num_tokens,) positions -> (num_tokens,) fp32 ``1 + beta * log(1 + floor(pos /
+    original))``, as transformers computes it (fp32 division of the integer positions)."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / original))
 
 
 def deepseek_rope(a: DeepseekV2Arch) -> RotaryEmbedding:
@@ -251,9 +354,18 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a
-        # The router's logits in fp32, as DeepSeek's and transformers' code compute them.
-        logits = F.linear(x.float(), self.gate.weight.float())
-        if a.topk_method == "noaux_tc":
+        # The router's logits in fp32, as DeepSeek's and transformers' code compute them
+        # (Mistral 4's in the model's dtype, as transformers computes them).
+        if a.router_fp32:
+            logits = F.linear(x.float(), self.gate.weight.float())
+        else:
+            logits = self.gate(x)
+        if a.topk_method == SOFTMAX_TOP2_GROUPS:
+            weights, ids = select_experts_grouped(
+                logits, None, a.num_experts_per_tok, a.num_groups, a.topk_groups,
+                a.norm_topk_prob, a.routed_scaling_factor, scoring="softmax",
+            )  # fmt: skip
+        elif a.topk_method == "noaux_tc":
             weights, ids = select_experts_grouped(
                 logits, self.e_score_correction_bias, a.num_experts_per_tok, a.num_groups,
                 a.topk_groups, a.norm_topk_prob, a.routed_scaling_factor,
@@ -271,9 +383,11 @@ class DeepseekMoE(nn.Module):
         self.gate.weight.copy_(sd[prefix + "gate.weight"])
         if self.a.topk_method == "noaux_tc":
             self.e_score_correction_bias.copy_(sd[prefix + "gate.e_score_correction_bias"])
-        if prefix + "experts.gate_up_proj" in sd:  # transformers' in-memory layout: stacked
-            self.experts.w13.copy_(sd[prefix + "experts.gate_up_proj"])  # (E, [gate; up], H)
-            self.experts.w2.copy_(sd[prefix + "experts.down_proj"])
+        if prefix + "experts.gate_up_proj" in sd:  # transformers 5's layout: stacked
+            e, i, h = self.a.num_experts, self.a.moe_intermediate_size, self.a.hidden_size
+            p = prefix + "experts."
+            self.experts.w13.copy_(stacked_experts(sd, p + "gate_up_proj", (e, 2 * i, h)))
+            self.experts.w2.copy_(stacked_experts(sd, p + "down_proj", (e, h, i)))
         else:  # checkpoints: one tensor per expert and projection
             for e in range(self.a.num_experts):
                 p = f"{prefix}experts.{e}."
@@ -322,6 +436,9 @@ class MLAttention(nn.Module):
         q_latent = torch.bmm(q[..., : a.qk_nope_head_dim].transpose(0, 1), self.w_uk)
         # (n, heads, rank + r): what each head asks of the latent and of the rotated key
         query = torch.cat((q_latent.transpose(0, 1), q_pe.view(n, heads, r)), dim=-1)
+        if a.query_scale_beta:  # Mistral 4: every dim of each head, per token
+            scale = llama4_query_scale(positions, a.query_scale_beta, a.query_scale_original)
+            query = query * scale.to(query.dtype)[:, None, None]
         key = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # (n, 1, rank + r)
         # No value: the backend reads c_kv, the key's first `rank` dims, from the cache.
         out = self.attn_forward(query, key, None, kv_cache, meta, a.softmax_scale)
@@ -405,9 +522,19 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer.self_attn.attn_forward = layer_attention(backend)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, meta: Any, kv_caches) -> torch.Tensor:
-        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states."""
-        x, residual = self.embed_tokens(input_ids), None
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) ids -> (num_tokens, hidden): the embeddings the first layer reads."""
+        return self.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids, positions, meta: Any, kv_caches, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``inputs_embeds``,
+        when given, is read instead of the ids' embeddings (a multimodal model's, image rows
+        written in); the forward may overwrite it (``LlamaForCausalLM.forward``)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         aux = [x.clone()] if 0 in self.aux_hidden_layers else []
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(positions, x, residual, self.rope, meta, kv_cache)
@@ -448,3 +575,9 @@ class DeepseekV2ForCausalLM(nn.Module):
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3/R1, Moonlight, Kimi-K2: V2's model; the config's defaults differ
     (``noaux_tc`` sigmoid routing, ``rope_interleave``), read by ``DeepseekV2Arch``."""
+
+
+class Mistral4ForCausalLM(DeepseekV2ForCausalLM):
+    """Mistral Small 4's language model (transformers' ``mistral4``): V2's model with its
+    softmax routing in the best groups, its query scale by position and its rotated part of
+    ``head_dim`` (module docstring), read by ``DeepseekV2Arch``."""

@@ -1,6 +1,7 @@
 """Mistral 3's multimodal checkpoints (``Mistral3ForConditionalGeneration``:
-Mistral-Small-3.1/3.2, Magistral-Small): a Pixtral vision encoder (``pixtral_vision.py``),
-a projector with a patch merger, and the Mistral language model of ``text_config``.
+Mistral-Small-3.1/3.2, Magistral-Small, Mistral-Small-4): a Pixtral vision encoder
+(``pixtral_vision.py``), a projector with a patch merger, and the language model of
+``text_config``: Mistral's (Llama's) or Mistral 4's latent attention and experts.
 
 Each image keeps its own size: the image processor resizes it (its long side at most
 ``size["longest_edge"]``) to multiples of ``patch_size * spatial_merge_size`` pixels, and
@@ -14,7 +15,11 @@ projected (``merging_layer``, no bias), then ``linear_1``, ``projector_hidden_ac
 row-major. The prompt holds, per row of merged patches, as many ``[IMG]`` tokens then an
 ``[IMG_BREAK]``, the last row's break an ``[IMG_END]`` (``image_rows_layout``; the front
 end's "rows" layout); only the ``[IMG]`` tokens take the image's rows. The language model
-is ``LlamaForCausalLM`` itself.
+is ``LlamaForCausalLM`` itself, or for a ``mistral4`` ``text_config`` (Mistral Small 4)
+``Mistral4ForCausalLM`` (``deepseek_v2.py``): a class per language model
+(``Mistral3ForConditionalGeneration``, ``Mistral3MLAForConditionalGeneration``, the
+registry choosing by the text config's ``model_type``), the vision side theirs alike
+(``PixtralImages``).
 
 Tensors: the Hub's layout (``vision_tower.``, ``multi_modal_projector.``,
 ``language_model.model.``, ``language_model.lm_head``) and the one transformers 5 holds in
@@ -33,6 +38,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.models.clip import activation
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2Arch, Mistral4ForCausalLM
 from vllm.model_executor.models.llama import LlamaArch, LlamaForCausalLM, RMSNorm
 from vllm.model_executor.models.pixtral_vision import PixtralVisionArch, PixtralVisionModel
 from vllm.model_executor.models.registry import ModelRegistry
@@ -83,6 +89,36 @@ def image_rows_layout(hf_config: Any) -> ImageRowsLayout:
     )
 
 
+def pixtral_side(config: Any) -> dict[str, Any]:
+    """The vision side's arch fields of a Mistral 3 config (both arches'), the tower built
+    to the feature layer read."""
+    vision = config.vision_config
+    layer = config.vision_feature_layer
+    n = vision.num_hidden_layers
+    if not isinstance(layer, int) or not -(n + 1) <= layer <= n:
+        raise ValueError(
+            f"vision_feature_layer {layer!r}: one index of the tower's {n + 1} hidden "
+            f"states (-{n + 1} to {n}; the projector's norm and merger take one)"
+        )
+    activation(config.projector_hidden_act, "projector_hidden_act")
+    return dict(
+        vision=PixtralVisionArch.from_hf(vision, layer if layer >= 0 else n + 1 + layer),
+        spatial_merge_size=config.spatial_merge_size,
+        projector_hidden_act=config.projector_hidden_act,
+        projector_bias=bool(config.multimodal_projector_bias),
+    )
+
+
+def text_fields(config: Any, base: Any) -> dict[str, Any]:
+    """The language model's arch ``base`` as fields, the head tied as transformers ties it:
+    by the top-level flag, unless the checkpoint holds its own: tied only where both say so
+    (an untied head missing from the checkpoint is loaded from the embeddings,
+    ``load_embeddings_and_head``)."""
+    out = {f.name: getattr(base, f.name) for f in fields(base)}
+    out["tie_word_embeddings"] &= bool(getattr(config, "tie_word_embeddings", True))
+    return out
+
+
 @dataclass(frozen=True)
 class Mistral3Arch(LlamaArch):
     """The language model's arch, and the vision side's."""
@@ -100,30 +136,32 @@ class Mistral3Arch(LlamaArch):
         if text_cls is not LlamaForCausalLM or text.model_type == "granite":
             raise ValueError(
                 f"text_config {text_arch} ({text.model_type}): Mistral 3 runs the dense "
-                "Llama-family language models (Mistral's), Granite excepted"
+                "Llama-family language models (Mistral's), Granite excepted, and Mistral 4's "
+                "(Mistral3MLAForConditionalGeneration)"
             )
-        base = LlamaArch.from_hf(text)
-        base = {f.name: getattr(base, f.name) for f in fields(LlamaArch)}
-        # transformers ties the head by the top-level flag, unless the checkpoint holds
-        # its own: tied only where both say so (an untied head missing from the
-        # checkpoint is loaded from the embeddings, load_embeddings_and_head).
-        base["tie_word_embeddings"] &= bool(getattr(config, "tie_word_embeddings", True))
-        vision = config.vision_config
-        layer = config.vision_feature_layer
-        n = vision.num_hidden_layers
-        if not isinstance(layer, int) or not -(n + 1) <= layer <= n:
+        return cls(**text_fields(config, LlamaArch.from_hf(text)), **pixtral_side(config))
+
+
+@dataclass(frozen=True)
+class Mistral3MLAArch(DeepseekV2Arch):
+    """Mistral 4's language model's arch (latent attention, experts), and the vision
+    side's (``Mistral3Arch``'s fields)."""
+
+    vision: PixtralVisionArch | None = None
+    spatial_merge_size: int = 2
+    projector_hidden_act: str = "gelu"
+    projector_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, config: Any) -> Mistral3MLAArch:
+        text = config.get_text_config()
+        if text.model_type != "mistral4":
             raise ValueError(
-                f"vision_feature_layer {layer!r}: one index of the tower's {n + 1} hidden "
-                f"states (-{n + 1} to {n}; the projector's norm and merger take one)"
+                f"text_config model_type {text.model_type!r}: this class runs Mistral 4's "
+                "(mistral4) language model"
             )
-        activation(config.projector_hidden_act, "projector_hidden_act")
-        return cls(
-            **base,
-            vision=PixtralVisionArch.from_hf(vision, layer if layer >= 0 else n + 1 + layer),
-            spatial_merge_size=config.spatial_merge_size,
-            projector_hidden_act=config.projector_hidden_act,
-            projector_bias=bool(config.multimodal_projector_bias),
-        )
+        base = DeepseekV2Arch.from_hf(text)
+        return cls(**text_fields(config, base), **pixtral_side(config))
 
 
 def merge_patches(features: torch.Tensor, grid: tuple[int, int], m: int) -> torch.Tensor:
@@ -140,7 +178,7 @@ def merge_patches(features: torch.Tensor, grid: tuple[int, int], m: int) -> torc
 
 
 class Mistral3PatchMerger(nn.Module):
-    def __init__(self, a: Mistral3Arch) -> None:
+    def __init__(self, a: Mistral3Arch | Mistral3MLAArch) -> None:
         super().__init__()
         self.m = a.spatial_merge_size
         width = a.vision.hidden_size
@@ -154,7 +192,7 @@ class Mistral3PatchMerger(nn.Module):
 
 
 class Mistral3MultiModalProjector(nn.Module):
-    def __init__(self, a: Mistral3Arch) -> None:
+    def __init__(self, a: Mistral3Arch | Mistral3MLAArch) -> None:
         super().__init__()
         width = a.vision.hidden_size
         self.norm = RMSNorm(width, a.rms_norm_eps)
@@ -169,10 +207,10 @@ class Mistral3MultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(merged)))
 
 
-class Mistral3ForConditionalGeneration(LlamaForCausalLM):
-    """The language model (every ``LlamaForCausalLM`` method, ``forward`` taking
-    ``inputs_embeds``), with ``vision_tower`` and ``multi_modal_projector`` beside it
-    (module docstring)."""
+class PixtralImages:
+    """The vision side of a Mistral 3 model, in front of the language model class it is
+    mixed into (which gives every other method, ``forward`` taking ``inputs_embeds``):
+    ``vision_tower`` and ``multi_modal_projector`` beside it (module docstring)."""
 
     gguf_layout: ClassVar[Any] = None
     # Decided per checkpoint (``takes_images``); an instance whose checkpoint holds no
@@ -184,15 +222,11 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
     # _encode), and gives a list of their rows.
     images_at_own_size: ClassVar[bool] = True
 
-    @staticmethod
-    def arch_from_hf(hf_config: Any) -> Mistral3Arch:
-        return Mistral3Arch.from_hf(hf_config)
-
     @classmethod
     def takes_images(cls, hf_config: Any) -> bool:
         return takes_images(hf_config)
 
-    def __init__(self, arch: Mistral3Arch) -> None:
+    def __init__(self, arch: Any) -> None:
         super().__init__(arch)
         self.vision_tower: PixtralVisionModel | None = PixtralVisionModel(arch.vision)
         self.multi_modal_projector: nn.Module | None = Mistral3MultiModalProjector(arch)
@@ -213,7 +247,7 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
         return list(rows.split([h // m * (w // m) for h, w in grids]))
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """The language model's tensors (``LlamaForCausalLM.load_weights``), the tower's and
+        """The language model's tensors (its class's ``load_weights``), the tower's and
         the projector's, from either layout (module docstring); without any tower tensor
         the model is its language model alone."""
         super().load_weights(language_model_tensors(sd))
@@ -231,3 +265,20 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
         with torch.no_grad():
             self.vision_tower.load_weights(parts["vision"])
             self.multi_modal_projector.load_state_dict(parts["projector"])
+
+
+class Mistral3ForConditionalGeneration(PixtralImages, LlamaForCausalLM):
+    """Mistral 3 over the Llama-family language model (Mistral Small 3.x, Magistral)."""
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> Mistral3Arch:
+        return Mistral3Arch.from_hf(hf_config)
+
+
+class Mistral3MLAForConditionalGeneration(PixtralImages, Mistral4ForCausalLM):
+    """Mistral 3 over Mistral 4's language model (Mistral Small 4: a ``mistral4``
+    ``text_config``): latent attention, experts, the query scale by position."""
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> Mistral3MLAArch:
+        return Mistral3MLAArch.from_hf(hf_config)

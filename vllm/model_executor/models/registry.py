@@ -3,7 +3,10 @@
 As vLLM's ``ModelRegistry``: an entry names a module of ``vllm.model_executor.models`` and
 a class in it, imported on first use, so a model family is one file plus one line per HF
 architecture here (or a ``ModelRegistry.register_model`` call from a plugin or a test). A
-config that lists no ``architectures`` is looked up by its ``model_type``.
+config that lists no ``architectures`` is looked up by its ``model_type``. A multimodal
+architecture whose language models differ in kind has a class per kind of language model,
+chosen by its ``text_config``'s ``model_type`` (``_BY_TEXT_MODEL``: Mistral 3 over Mistral
+4's latent attention).
 
 What the runner and the loader need from a model class (``llama.py`` is the example):
 
@@ -50,7 +53,8 @@ _PACKAGE = "vllm.model_executor.models"
 # InternViT (internvl_vision.py) and a pixel-shuffle projector; Mistral 3 (mistral3.py) with
 # the Pixtral tower (pixtral_vision.py); Qwen2-VL, Qwen2.5-VL and Qwen3-VL the Qwen
 # language model with their towers (qwen2_vl_vision.py, qwen3_vl_vision.py) and M-RoPE;
-# Qwen3-VL-MoE (qwen3_vl_moe.py) Qwen3-VL's with Qwen3-MoE's experts.
+# Qwen3-VL-MoE (qwen3_vl_moe.py) Qwen3-VL's with Qwen3-MoE's experts. Mistral 4 is DeepSeek's
+# latent attention with its own routing and query scale (deepseek_v2.py).
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -103,6 +107,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "GptOssForCausalLM": ("gpt_oss", "gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek_v2", "DeepseekV3ForCausalLM"),
+    "Mistral4ForCausalLM": ("mistral4", "deepseek_v2", "Mistral4ForCausalLM"),
     "CohereForCausalLM": ("cohere", "cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "cohere", "CohereForCausalLM"),
     "GemmaForCausalLM": ("gemma", "gemma", "GemmaForCausalLM"),
@@ -111,6 +116,22 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "gemma", "Gemma3ForConditionalGeneration"),
 }
 
+# (multimodal architecture, its text_config's model_type): (module, class) where that
+# language model takes another class than the architecture's own entry.
+_BY_TEXT_MODEL: dict[tuple[str, str], tuple[str, str]] = {
+    ("Mistral3ForConditionalGeneration", "mistral4"): (
+        "mistral3",
+        "Mistral3MLAForConditionalGeneration",
+    ),
+}
+
+
+def text_model_type(hf_config: Any) -> str | None:
+    """The ``model_type`` of a multimodal config's ``text_config`` (transformers' config
+    or any object with one), None without one."""
+    text = getattr(hf_config, "text_config", None)
+    return getattr(text, "model_type", None)
+
 
 class _ModelRegistry:
     def __init__(self, models: dict[str, tuple[str, str, str]]) -> None:
@@ -118,6 +139,11 @@ class _ModelRegistry:
         self.models = {
             arch: (model_type, f"{_PACKAGE}.{module}", class_name)
             for arch, (model_type, module, class_name) in models.items()
+        }
+        # (architecture, text model_type) -> (full module path, class name)
+        self.by_text_model = {
+            key: (f"{_PACKAGE}.{module}", class_name)
+            for key, (module, class_name) in _BY_TEXT_MODEL.items()
         }
 
     def register_model(self, architecture: str, target: str, model_type: str = "") -> None:
@@ -136,19 +162,28 @@ class _ModelRegistry:
         _, module, class_name = self.models[architecture]
         return getattr(importlib.import_module(module), class_name)
 
+    def _load_for(self, architecture: str, hf_config: Any) -> type:
+        """The class of ``architecture``, or the one its text model's kind takes."""
+        entry = self.by_text_model.get((architecture, text_model_type(hf_config)))
+        if entry is not None:
+            return getattr(importlib.import_module(entry[0]), entry[1])
+        return self._load(architecture)
+
     def resolve_model_cls(self, hf_config: Any) -> tuple[type, str]:
         """(model class, the architecture it was chosen for) for an HF config: its first
-        registered ``architectures`` entry, or its ``model_type`` when it lists none.
-        ValueError naming the architecture and the supported ones otherwise."""
+        registered ``architectures`` entry, or its ``model_type`` when it lists none; a
+        multimodal architecture's class for its ``text_config``'s ``model_type`` where
+        that takes its own (``_BY_TEXT_MODEL``). ValueError naming the architecture and
+        the supported ones otherwise."""
         architectures = list(getattr(hf_config, "architectures", None) or [])
         for arch in architectures:
             if arch in self.models:
-                return self._load(arch), arch
+                return self._load_for(arch, hf_config), arch
         model_type = getattr(hf_config, "model_type", None)
         if not architectures:
             for arch, (arch_type, _, _) in self.models.items():
                 if model_type and arch_type == model_type:
-                    return self._load(arch), arch
+                    return self._load_for(arch, hf_config), arch
         named = ", ".join(architectures) or f"(none listed; model_type {model_type!r})"
         raise ValueError(
             f"model architecture {named} is not supported; "
