@@ -267,7 +267,11 @@ TEXTS = (
     "What is the capital of France?",
 )
 # A step budget under the prompts' lengths: their prefill is chunked.
-ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 48}
+# fp32 (the exactness reference): greedy tokens are compared across batches of other
+# shapes. With the default packed format the comparison failed on an AMX Xeon (session
+# 41, already at its start commit): a drafted step's several rows per request and plain
+# decoding's one row are rounded differently there, and a near tie went the other way.
+ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 48, "quantization": "fp32"}
 
 
 @pytest.fixture(scope="module")
