@@ -229,6 +229,17 @@ class DeferredOutput:
         return out
 
 
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """The maximal runs ``[a, b)`` of consecutive values in ascending ``rows``."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
+
+
 class ModelRunner:
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str | None = None):
         self.config = vllm_config
@@ -868,54 +879,34 @@ class ModelRunner:
 
     def _image_rows(
         self, images: list[tuple[CachedRequestState, int, int, int]]
-    ) -> tuple[list[int], torch.Tensor] | None:
-        """The step's rows that take image embeddings, and those embeddings (None: no
-        image in the step; ``_encode_images`` made them). ``images``: (request, first
-        position, positions, first row) of each scheduled request that has images. An
-        image's embeddings are kept until the step that computes its last position."""
+    ) -> tuple[list[int], torch.Tensor, list[tuple[int, int]]] | None:
+        """The step's rows that take image embeddings, those embeddings, and the rows
+        ``[a, b)`` of each run of one image's embedding positions (its ``is_embed`` runs;
+        the whole image without them), which attend to each other both ways in a model
+        with ``bidirectional_image_attention`` (Gemma 3: transformers' mask groups each run
+        of image tokens). None: no image in the step; ``_encode_images`` made the
+        embeddings. ``images``: (request, first position, positions, first row) of each
+        scheduled request that has images. An image's embeddings are kept until the step
+        that computes its last position."""
         if not images:
             return None
-        spans = []  # (state, image index, its positions lo:hi, the step's row of lo)
-        for state, start, n, row in images:
-            for i, lo, hi in features_in(state.mm_features, start, start + n):
-                offset = state.mm_features[i].offset
-                spans.append((state, i, lo, hi, row + offset + lo - start))
         rows: list[int] = []
         parts = []
-        for state, i, lo, hi, first_row in spans:
-            feature = state.mm_features[i]
-            taken, first, last = feature.embedding_rows(lo, hi)
-            rows += [first_row + r for r in taken]
-            parts.append(state.mm_embeds[i][first:last])
-            if hi == feature.length:  # its last position: not needed again
-                del state.mm_embeds[i]
-        if not rows:  # only an image's text tokens (between its tiles) in this step
-            return None
-        return rows, torch.cat(parts)
-
-    @staticmethod
-    def _image_spans(
-        images: list[tuple[CachedRequestState, int, int, int]],
-    ) -> list[tuple[int, int]]:
-        """The step's rows ``[a, b)`` of each run of one image's embedding positions (its
-        ``is_embed`` runs; the whole image without them), which attend to each other both
-        ways in a model with ``bidirectional_image_attention`` (Gemma 3: transformers'
-        mask groups each run of image tokens). ``images`` as ``_image_rows`` takes them."""
-        spans = []
+        spans: list[tuple[int, int]] = []
         for state, start, n, row in images:
             for i, lo, hi in features_in(state.mm_features, start, start + n):
                 feature = state.mm_features[i]
-                first = row + feature.offset + lo - start  # the step's row of position lo
-                embed = feature.is_embed
-                a = None
-                for p in range(lo, hi + 1):
-                    inside = p < hi and (embed is None or embed[p])
-                    if inside and a is None:
-                        a = p
-                    elif not inside and a is not None:
-                        spans.append((first + a - lo, first + p - lo))
-                        a = None
-        return spans
+                first_row = row + feature.offset + lo - start  # the step's row of position lo
+                taken, first, last = feature.embedding_rows(lo, hi)
+                image_rows = [first_row + r for r in taken]
+                rows += image_rows
+                spans += _runs(image_rows)
+                parts.append(state.mm_embeds[i][first:last])
+                if hi == feature.length:  # its last position: not needed again
+                    del state.mm_embeds[i]
+        if not rows:  # only an image's text tokens (between its tiles) in this step
+            return None
+        return rows, torch.cat(parts), spans
 
     def _positions(
         self, positions: list[int], positions3: list[tuple[int, np.ndarray]]
@@ -1166,14 +1157,14 @@ class ModelRunner:
         if hidden is None:
             meta = self.metadata_builder.build_metadata(seqs)
             if image_rows is not None and self.bidirectional_images:
-                attend_both_ways(meta, self._image_spans(images))
+                attend_both_ways(meta, image_rows[2])
             input_ids = to_device(ids, torch.long, self.device)
             if patch is not None:
                 input_ids.index_copy_(0, *patch)
             extra = {}
             if image_rows is not None:  # the images' embeddings in their placeholders' rows
                 embeds = self.model.embed_input_ids(input_ids)
-                rows, values = image_rows
+                rows, values, _ = image_rows
                 rows = to_device(rows, torch.long, self.device)
                 merge = getattr(self.model, "merge_image_rows", None)
                 if merge is None:
