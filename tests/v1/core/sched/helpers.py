@@ -36,11 +36,12 @@ def make_scheduler(
     speculative: dict | None = None,
     max_loras: int = 0,
     disable_chunked_mm_input: bool = False,
+    prefix_caching: bool = True,
 ) -> Scheduler:
     config = VllmConfig(
         lora_config=LoRAConfig(enable_lora=max_loras > 0, max_loras=max(max_loras, 1)),
         speculative_config=SpeculativeConfig(speculative),
-        cache_config=CacheConfig(block_size=BLOCK),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,

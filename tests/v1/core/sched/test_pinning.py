@@ -57,6 +57,24 @@ def test_pin_keeps_blocks_until_ttl_expires():
     s.check_invariants()
 
 
+def test_without_prefix_caching_a_pin_frees_at_once():
+    """No later request can hit a block without prefix caching (a model with
+    linear-attention layers runs so): the policy's pin is a free, held by nobody."""
+    s, policy, clock = setup(prefix_caching=False)
+    r = turn("job", list(range(10)))
+    s.add_request(r)
+    run_until_done(s)
+    assert s.kv_cache_manager.usage == 0.0
+    assert s.make_stats().pin_stats.num_pinned_requests == 0 and s.next_wakeup() is None
+    t2 = turn("job", r.all_token_ids + [40], last=True)
+    s.add_request(t2)
+    _, out = step(s)
+    assert out.outputs[0].num_cached_tokens == 0
+    run_until_done(s)
+    assert policy.released == [] and s.kv_cache_manager.usage == 0.0
+    s.check_invariants()
+
+
 def test_next_turn_hits_pinned_blocks_and_releases_pin():
     s, policy, clock = setup()
     # 11 prompt + 2 outputs: the KV of 12 tokens (the last sampled token is never computed)

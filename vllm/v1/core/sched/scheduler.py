@@ -654,7 +654,9 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         action = self._with_cache_hints(request, self.policy.on_finished(request, now))
-        if isinstance(action, Pin):
+        # Without prefix caching no later request can hit a pinned block (a model with
+        # linear-attention layers runs so): the pin would only hold memory. Freed.
+        if isinstance(action, Pin) and self.kv_cache_manager.enable_caching:
             self.pins.pin(request, action.ttl_s, now, strict=action.strict)
         else:
             # Offload: copied to the CPU tier first (a plain free when there is none).
