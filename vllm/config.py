@@ -599,6 +599,10 @@ class ModelConfig:
 CacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
+# --mamba-ssm-cache-dtype (vllm/model_executor/layers/recurrent.py).
+MambaSSMCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size, prefix caching and how much memory it gets."""
@@ -627,8 +631,19 @@ class CacheConfig:
     gpu_memory_utilization: float = config_field(
         0.9, "Fraction of GPU memory the engine may use (CUDA only)."
     )
+    mamba_ssm_cache_dtype: MambaSSMCacheDtype = config_field(
+        "auto",
+        "Data type of the linear-attention layers' recurrent states (Qwen3-Next, Qwen3.5's "
+        "Gated DeltaNet): auto (the model's dtype, as vLLM), float32, bfloat16 or float16. "
+        "float32 keeps a long decode's state exact at twice the bytes.",
+    )
 
     def __post_init__(self) -> None:
+        if self.mamba_ssm_cache_dtype not in get_args(MambaSSMCacheDtype):
+            choices = ", ".join(get_args(MambaSSMCacheDtype))
+            raise bad_value(
+                "mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, f"must be one of {choices}"
+            )
         if self.cache_dtype not in get_args(CacheDtype):
             choices = ", ".join(get_args(CacheDtype))
             raise bad_value("kv_cache_dtype", self.cache_dtype, f"must be one of {choices}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import enum
 import functools
+import logging
 import types
 import typing
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from vllm.config import SchedulerConfig, VllmConfig, field_default, parse_bytes
 __all__ = ["ConfigArg", "EngineArgs", "UsageContext", "config_args", "parse_bytes"]
 
 GiB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 class UsageContext(enum.Enum):
@@ -158,12 +160,17 @@ class EngineArgs:
         self,
         model_max_len: int | None = None,
         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+        recurrent: bool = False,
     ) -> VllmConfig:
         """Build the validated config. ``model_max_len``: the model's own limit, if known;
-        ``usage_context``: who asks (the CUDA step budget's default depends on it)."""
+        ``usage_context``: who asks (the CUDA step budget's default depends on it);
+        ``recurrent``: the model has linear-attention layers (``has_recurrent_layers``),
+        whose states no prefix cache holds here (``_recurrent_model``)."""
         values: dict[str, dict[str, Any]] = {g: {} for g in get_type_hints(VllmConfig)}
         for arg in config_args():
             values[arg.group][arg.field] = self._parse(arg)
+        if recurrent:
+            _recurrent_model(values)
         max_model_len = self._max_model_len(model_max_len)
         values["model_config"]["max_model_len"] = max_model_len
         scheduler = values["scheduler_config"]
@@ -253,3 +260,24 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _recurrent_model(values: dict[str, dict[str, Any]]) -> None:
+    """A model with linear-attention layers (Qwen3-Next, Qwen3.5): each sequence's
+    recurrent state lives in a slot of its own (vllm/model_executor/layers/recurrent.py),
+    and a prefix hit reaches only as far as a checkpoint of those states
+    (vllm/v1/core/sched/state_checkpoints.py). What restores blocks without their states,
+    or drafts tokens a state would have to take back, is refused naming the flag."""
+    spec = values["speculative_config"].get("speculative_config")
+    refused = [
+        (values["offload_config"].get("kv_offloading_size") not in (None, 0),
+         "--kv-offloading-size (the CPU KV tier restores attention blocks, not states)"),
+        (bool(spec), "--speculative-config (a rejected draft would leave its tokens in the "
+         "recurrent state)"),
+    ]  # fmt: skip
+    for bad, what in refused:
+        if bad:
+            raise ValueError(
+                f"{what}: the model has linear-attention layers, whose per-sequence states "
+                "are not held in KV blocks; drop the flag"
+            )

@@ -13,6 +13,7 @@ from vllm.entrypoints.openai.protocol import NO_IMAGES, validate_messages
 from vllm.entrypoints.score_utils import check_pairing, pair_scores
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers.recurrent import has_recurrent_layers
 from vllm.model_executor.model_loader import (
     default_sampling_params,
     get_model_config,
@@ -67,7 +68,9 @@ class LLM:
             args.hf_token,
         )  # fmt: skip
         self.vllm_config = args.create_engine_config(
-            model_max_len(hf_config, args.disable_sliding_window), UsageContext.LLM_CLASS
+            model_max_len(hf_config, args.disable_sliding_window),
+            UsageContext.LLM_CLASS,
+            recurrent=has_recurrent_layers(hf_config),
         )
         maybe_attach_gc_debug_callback()  # before the engine: a bad VLLM_GC_DEBUG fails fast
         self.engine_core = EngineCore(self.vllm_config)

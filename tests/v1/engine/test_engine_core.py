@@ -34,6 +34,8 @@ class FakeRunner:
     kv_cache_windows = (None,)  # one full-attention KV cache group
     encoder_cache = frozenset()  # no image encoded (the scheduler's encoder budget asks)
     bidirectional_images = False  # image tokens attend causally (Gemma 3's would not)
+    recurrent_specs = None  # no linear-attention layers
+    num_state_checkpoint_slots = 0
 
     def determine_num_blocks(self) -> int:
         return self.config.cache_config.num_gpu_blocks_override

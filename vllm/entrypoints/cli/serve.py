@@ -56,6 +56,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace):
     """The validated ``VllmConfig`` of the parsed flags (ValueError naming the bad one)."""
     from vllm.entrypoints.utils import check_chat_template
+    from vllm.model_executor.layers.recurrent import has_recurrent_layers
     from vllm.model_executor.model_loader import get_model_config, model_max_len
 
     if args.model_tag is not None:
@@ -76,6 +77,7 @@ def build_config(args: argparse.Namespace):
     config = engine_args.create_engine_config(
         model_max_len(hf_config, engine_args.disable_sliding_window),
         UsageContext.OPENAI_API_SERVER,
+        recurrent=has_recurrent_layers(hf_config),
     )
     if args.disable_log_requests:  # the engine's per-job lines are request logs too
         policy = dataclasses.replace(config.policy_config, log_jobs=False)

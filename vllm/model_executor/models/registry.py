@@ -54,7 +54,10 @@ _PACKAGE = "vllm.model_executor.models"
 # the Pixtral tower (pixtral_vision.py); Qwen2-VL, Qwen2.5-VL and Qwen3-VL the Qwen
 # language model with their towers (qwen2_vl_vision.py, qwen3_vl_vision.py) and M-RoPE;
 # Qwen3-VL-MoE (qwen3_vl_moe.py) Qwen3-VL's with Qwen3-MoE's experts. Mistral 4 is DeepSeek's
-# latent attention with its own routing and query scale (deepseek_v2.py).
+# latent attention with its own routing and query scale (deepseek_v2.py). Qwen3-Next and
+# Qwen3.5 (qwen3_next.py) mix Gated DeltaNet linear-attention layers, whose states live in
+# recurrent pools (layers/recurrent.py), with gated full attention; Qwen3.5's multimodal
+# checkpoints are served as text.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -114,6 +117,19 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Gemma2ForCausalLM": ("gemma2", "gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3_text", "gemma", "GemmaForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma3", "gemma", "Gemma3ForConditionalGeneration"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_5_text", "qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", "qwen3_next", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": (
+        "qwen3_5",
+        "qwen3_next",
+        "Qwen3_5ForConditionalGeneration",
+    ),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "qwen3_5_moe",
+        "qwen3_next",
+        "Qwen3_5MoeForConditionalGeneration",
+    ),
 }
 
 # (multimodal architecture, its text_config's model_type): (module, class) where that

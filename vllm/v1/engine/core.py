@@ -161,6 +161,7 @@ class EngineCore:
             self.model_runner.kv_cache_windows,
             self.model_runner.encoder_cache.__contains__,
             whole_images=bidirectional,
+            state_checkpoint_slots=self.model_runner.num_state_checkpoint_slots,
         )
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
         # Finished/preempted ids of steps the runner did not see (empty or failed steps),
@@ -201,6 +202,16 @@ class EngineCore:
             policy_cls.wants_kv_tier and self.vllm_config.cache_config.enable_prefix_caching
         )
         if not (auto or offload.enabled):  # (VllmConfig refuses a tier without prefix caching)
+            return 0, 0
+        if self.model_runner.recurrent_specs is not None:
+            # Its blocks would come back without the linear-attention layers' states
+            # (EngineArgs refuses --kv-offloading-size for such a model).
+            if offload.enabled:
+                raise ValueError(
+                    "--kv-offloading-size: the model has linear-attention layers, whose "
+                    "states the CPU KV tier does not hold; drop the flag"
+                )
+            logger.info("No CPU KV tier: the model has linear-attention layers")
             return 0, 0
         block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
         auto_bytes = None

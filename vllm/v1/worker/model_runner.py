@@ -19,6 +19,14 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.lora.manager import LoRAAdapterError, LoRAManager
+from vllm.model_executor.layers.recurrent import (
+    RecurrentBatch,
+    StateSpec,
+    allocate_states,
+    copy_slots,
+    ssm_state_dtype,
+    state_bytes,
+)
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.multimodal.inputs import (
@@ -121,6 +129,9 @@ class CachedRequestState:
     # An M-RoPE model's request with images: its positions are mrope_positions' (past an
     # image they run behind or ahead of its indices), not its indices.
     mrope: bool = False
+    # A model with linear-attention layers: the slot of this request's recurrent states
+    # (ModelRunner.recurrent_states), held from its first step to its end or preemption.
+    state_slot: int | None = None
     # The prompt inside token_ids, one view for the request's life (it caches the
     # prompt's distinct ids for the repetition penalty).
     prompt_view: PrefixView = field(init=False)
@@ -273,6 +284,15 @@ class ModelRunner:
         # The KV cache groups (kv_cache_groups.py: the hybrid KV cache of sliding-window
         # models), planned in load_model (or on first use).
         self._kv_groups: KVCacheGroups | None = None
+        # A model with linear-attention layers (layers/recurrent.py): each layer's states
+        # per sequence, their pools (a slot for each of max_num_seqs requests; made with
+        # the KV cache) and the free slots.
+        self.recurrent_specs: list[tuple[StateSpec, ...]] | None = None
+        self.recurrent_states: list[tuple[torch.Tensor, ...]] = []
+        self._free_state_slots: list[int] = []
+        # With prefix caching: copies of states at block boundaries, in slots the scheduler
+        # assigns (vllm/v1/core/sched/state_checkpoints.py).
+        self.recurrent_checkpoints: list[tuple[torch.Tensor, ...]] = []
         # --speculative-config's draft_model: the draft, its KV tensors, its passes.
         self.drafter: DraftModelProposer | None = None
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
@@ -304,6 +324,7 @@ class ModelRunner:
         # the sampler's sparse way (the same values; tests compare the two).
         self.use_penalty_tables = True
         self._num_prompt_logprobs = 0  # requests held here that ask for prompt logprobs
+        self._num_with_images = 0  # requests held here that have images
         self.penalty_table: PenaltyTable | None = None  # made for the first such request
         if self.device.type == "cpu":
             torch.set_num_threads(envs.VLLM_CPU_THREADS)
@@ -318,7 +339,7 @@ class ModelRunner:
         self.drafter = None
         self.lora = None
         self.requests.clear()
-        self._num_prompt_logprobs = 0
+        self._num_prompt_logprobs = self._num_with_images = 0
         self._paused_generators.clear()
         if self.device.type == "cuda":
             gc.collect()  # the graphs' and the model's reference cycles
@@ -370,10 +391,54 @@ class ModelRunner:
             model_cls.__name__,
             time.monotonic() - start,
         )
+        self._plan_recurrent_states()
         draft_config = self.config.draft_model_config
         if draft_config is not None:
+            if self.recurrent_specs is not None:  # (EngineArgs refuses the pair first)
+                raise ValueError(
+                    "--speculative-config: the model has linear-attention layers, whose "
+                    "states a rejected draft would leave its tokens in"
+                )
             self.drafter = self._load_drafter(draft_config)
         self.plan_kv_cache_groups()
+
+    def _plan_recurrent_states(self) -> None:
+        """A model with linear-attention layers declares each one's states per sequence
+        (``recurrent_state_specs``); the pools are made with the KV cache."""
+        declare = getattr(self.model, "recurrent_state_specs", None)
+        if declare is None:
+            self.recurrent_specs = None
+            return
+        ssm_dtype = ssm_state_dtype(self.config.cache_config.mamba_ssm_cache_dtype, self.dtype)
+        self.recurrent_specs = declare(ssm_dtype)
+        slots = self.config.scheduler_config.max_num_seqs
+        logger.info(
+            "Recurrent states: %d linear-attention layers, %.2f MiB a sequence (states in "
+            "%s), %d slots (--max-num-seqs) + %d checkpoint slots (prefix caching): %.2f GiB",
+            len(self.recurrent_specs),
+            state_bytes(self.recurrent_specs) / 2**20,
+            str(ssm_dtype).removeprefix("torch."),
+            slots,
+            self.num_state_checkpoint_slots,
+            self.recurrent_states_bytes / 2**30,
+        )
+
+    @property
+    def num_state_checkpoint_slots(self) -> int:
+        """Checkpoint slots of recurrent states (``state_checkpoints.py``): as many as
+        --max-num-seqs with prefix caching, for a model with linear-attention layers."""
+        if self.recurrent_specs is None or not self.config.cache_config.enable_prefix_caching:
+            return 0
+        return self.config.scheduler_config.max_num_seqs
+
+    @property
+    def recurrent_states_bytes(self) -> int:
+        """Bytes of the recurrent states' pools and checkpoints (0 for a model without
+        linear-attention layers)."""
+        if self.recurrent_specs is None:
+            return 0
+        slots = self.config.scheduler_config.max_num_seqs + self.num_state_checkpoint_slots
+        return state_bytes(self.recurrent_specs) * slots
 
     def plan_kv_cache_groups(self) -> KVCacheGroups:
         """The KV cache groups (``kv_cache_groups.py``), before the cache is sized: the
@@ -602,13 +667,20 @@ class ModelRunner:
             self.device, utilization, self.memory_before_load, profile_step
         )
         logger.info("GPU memory (utilization %.2f): %s", utilization, budget.describe())
-        if budget.kv_cache_bytes < 2 * self.get_kv_cache_bytes_per_block():
+        # The linear-attention layers' states come out of the same memory, before the KV.
+        kv_bytes = budget.kv_cache_bytes - self.recurrent_states_bytes
+        if kv_bytes < 2 * self.get_kv_cache_bytes_per_block():
+            states = self.recurrent_states_bytes
             raise ValueError(
                 f"no room for a KV cache under gpu_memory_utilization {utilization}: "
-                f"{budget.describe()}; raise --gpu-memory-utilization, lower "
-                "--max-num-batched-tokens or --max-model-len, or set --kv-cache-memory"
+                f"{budget.describe()}"
+                + (f", less {states / 2**30:.2f} GiB of recurrent states" if states else "")
+                + "; raise --gpu-memory-utilization, lower --max-num-batched-tokens or "
+                "--max-model-len"
+                + (" or --max-num-seqs" if states else "")
+                + ", or set --kv-cache-memory"
             )
-        return budget.kv_cache_bytes
+        return kv_bytes
 
     def reserve_penalty_table(self) -> None:
         """The penalty tables' rows for ``max_num_seqs`` requests, allocated before the KV
@@ -632,6 +704,13 @@ class ModelRunner:
         self.kv_caches = [tensors[t] for t in self.kv_groups.layer_tensor]
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
+        if self.recurrent_specs is not None:
+            slots = self.config.scheduler_config.max_num_seqs
+            self.recurrent_states = allocate_states(self.recurrent_specs, slots, self.device)
+            self._free_state_slots = list(range(slots - 1, -1, -1))
+            self.recurrent_checkpoints = allocate_states(
+                self.recurrent_specs, self.num_state_checkpoint_slots, self.device
+            )
 
     def initialize_kv_offload(self, num_cpu_blocks: int) -> None:
         """Allocate the CPU KV tier (``--kv-offloading-backend``) after the KV cache."""
@@ -685,6 +764,11 @@ class ModelRunner:
             return
         if mc.is_pooling:  # every step is a prompt: no decode step to replay
             return
+        if self.recurrent_specs is not None:
+            # The linear-attention layers' decode gathers each sequence's state by its slot:
+            # not yet captured (and not yet run on a GPU), so such a model runs eagerly.
+            logger.info("No CUDA graphs: the model's linear-attention layers run eagerly")
+            return
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache first: the graphs record the cache's address")
         sizes = cudagraph_capture_sizes(
@@ -733,6 +817,8 @@ class ModelRunner:
             close()  # unlock the tier's pages before they are freed
         self.kv_offload = None
         self.kv_caches = []
+        self.recurrent_states, self._free_state_slots = [], []
+        self.recurrent_checkpoints = []
         if self.drafter is not None:
             self.drafter.kv_caches, self.drafter.graphs = [], None
 
@@ -814,6 +900,8 @@ class ModelRunner:
                 state = self.requests[new.req_id] = self._new_state(new)
                 if state.sampling_params.prompt_logprobs is not None:
                     self._num_prompt_logprobs += 1  # given back by _drop_state
+                if state.mm_features:
+                    self._num_with_images += 1  # likewise
             except LoRAAdapterError as e:  # the request's own: an adapter that cannot load
                 failed[new.req_id] = RequestFailure(str(e), internal=False)
             except Exception as e:  # this request only (e.g. a seed its generator refuses)
@@ -832,14 +920,29 @@ class ModelRunner:
     def _drop_state(self, req_id: str) -> CachedRequestState | None:
         """Forget a request (finished, aborted or preempted): its state, its penalty row."""
         state = self.requests.pop(req_id, None)
+        if state is not None and state.state_slot is not None:
+            self._free_state_slots.append(state.state_slot)
+            state.state_slot = None
         if state is not None and state.sampling_params.prompt_logprobs is not None:
             self._num_prompt_logprobs -= 1
+        if state is not None and state.mm_features:
+            self._num_with_images -= 1
         if state is not None and state.penalty_slot is not None:  # a slot: the table exists
             self.penalty_table.remove(state.penalty_slot)
             state.penalty_slot = None
         return state
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        if self.recurrent_specs is not None:  # first: a failure here leaves nothing half-made
+            if new.num_computed_tokens and new.state_restore is None:
+                raise RuntimeError(
+                    f"the request starts at token {new.num_computed_tokens}, but the model's "
+                    "linear-attention layers have no state for its prefix"
+                )
+            if not self._free_state_slots:
+                raise RuntimeError(
+                    "no free recurrent-state slot (more running requests than --max-num-seqs)"
+                )
         lora_id = slot = 0
         if new.lora_request is not None:  # first: a failure here leaves nothing half-made
             if self.lora is None:
@@ -875,6 +978,13 @@ class ModelRunner:
             state.penalty_slot = self.penalty_table.add(
                 state.prompt_view.unique_ids(), state.output_token_ids
             )
+        if self.recurrent_specs is not None:  # last: nothing after it can fail
+            state.state_slot = self._free_state_slots.pop()
+            if new.state_restore is not None:  # its prefix hit's states, before the forward
+                copy_slots(
+                    self.recurrent_checkpoints, [new.state_restore],
+                    self.recurrent_states, [state.state_slot],
+                )  # fmt: skip
         return state
 
     def _image_rows(
@@ -926,7 +1036,10 @@ class ModelRunner:
         cache or the vision encoder: the tiles of them all in one pass, an image two
         requests hold once. When that pass fails (a device out of memory, an image the
         tower cannot take), each image is encoded alone and the requests whose image
-        fails fail alone (returned), their steps left out; the others go on."""
+        fails fail alone (returned), their steps left out; the others go on. A step
+        when no request held has images reads nothing (the decode steps of text)."""
+        if not self._num_with_images:
+            return {}
         missing: dict[str, list[tuple[CachedRequestState, int]]] = {}  # by identifier
         for req_id in order:
             state = self.requests[req_id]
@@ -1113,6 +1226,7 @@ class ModelRunner:
         ahead: list[tuple[int, CachedRequestState]] = []  # (row, request): token on device
         images: list[tuple[CachedRequestState, int, int, int]] = []  # (state, start, n, row)
         positions3: list[tuple[int, np.ndarray]] = []  # (first row, (3, n)): image tokens
+        recurrent: list[tuple[int, bool, int]] = []  # (tokens, fresh, state slot) a sequence
         for req_id in order:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
@@ -1144,6 +1258,8 @@ class ModelRunner:
             if state.mm_features:
                 images.append((state, start, n, row_starts[req_id]))
             token_slots += [state.lora_slot] * n
+            if state.state_slot is not None:  # linear-attention layers: its state's slot
+                recurrent.append((n, start == 0, state.state_slot))
             if not drafts and start + n >= len(state.token_ids):  # the end: sample a token
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
@@ -1162,6 +1278,9 @@ class ModelRunner:
             if patch is not None:
                 input_ids.index_copy_(0, *patch)
             extra = {}
+            if recurrent:
+                lens, fresh, slots = (list(c) for c in zip(*recurrent, strict=True))
+                extra["recurrent"] = RecurrentBatch(lens, fresh, slots, self.recurrent_states)
             if image_rows is not None:  # the images' embeddings in their placeholders' rows
                 embeds = self.model.embed_input_ids(input_ids)
                 rows, values, _ = image_rows
@@ -1175,6 +1294,8 @@ class ModelRunner:
             hidden = self.model(
                 input_ids, self._positions(positions, positions3), meta, self.kv_caches, **extra
             )
+            if so.state_checkpoints:
+                self._save_checkpoints(so.state_checkpoints)
         output = ModelRunnerOutput(order, {r: [] for r in order}, errors=failed)
         if self.model_config.is_pooling:  # embeddings: the prompt's last row, no token
             if sample_reqs:
@@ -1195,6 +1316,16 @@ class ModelRunner:
         elif self.drafter is not None:
             output.draft_token_ids = self._propose_drafts(so, order, output)
         return output
+
+    def _save_checkpoints(self, checkpoints: dict[str, int]) -> None:
+        """Copy the states of the requests whose step ended on a block boundary into
+        their checkpoint slots (after the forward; the scheduler's plan)."""
+        held = [(self.requests[r].state_slot, slot) for r, slot in checkpoints.items()
+                if r in self.requests]  # fmt: skip
+        copy_slots(
+            self.recurrent_states, [a for a, _ in held],
+            self.recurrent_checkpoints, [b for _, b in held],
+        )  # fmt: skip
 
     def _propose_drafts(
         self, so: SchedulerOutput, order: list[str], out: ModelRunnerOutput

@@ -31,6 +31,10 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
     mm_features: list[MultiModalFeature] | None = None  # its images, by prompt position
+    # A model with linear-attention layers: the checkpoint slot of the recurrent states
+    # after its first num_computed_tokens (its prefix hit), copied to its own before the
+    # forward (vllm/v1/core/sched/state_checkpoints.py); None: it starts from nothing.
+    state_restore: int | None = None
 
 
 @dataclass
@@ -81,6 +85,9 @@ class SchedulerOutput:
     # req_id -> draft tokens (speculative decoding): the request computes its last token
     # and these after it this step (num_scheduled_tokens counts them).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the checkpoint slot its recurrent states are copied into after the forward
+    # (its step ends on a block boundary: state_checkpoints.py).
+    state_checkpoints: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

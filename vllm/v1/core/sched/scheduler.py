@@ -22,6 +22,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.pinned import KVCachePinManager
 from vllm.v1.core.sched.policy import make_request_queue
+from vllm.v1.core.sched.state_checkpoints import StateCheckpoints, prompt_boundary
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -53,6 +54,9 @@ class _Step:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
     # Per request: the images its chunk makes the vision encoder compute.
     encoder: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
+    # A model with linear-attention layers: the checkpoint slot each new request's state
+    # starts from (its prefix hit's; state_checkpoints.py).
+    restores: dict[str, int] = field(default_factory=dict)
 
     @property
     def encoded(self) -> dict[str, int]:
@@ -72,6 +76,7 @@ class Scheduler:
         kv_cache_windows: tuple[int | None, ...] = (None,),
         encoder_cached: Callable[[str], bool] | None = None,
         whole_images: bool = False,
+        state_checkpoint_slots: int = 0,
     ) -> None:
         """``policy``: built by ``create_policy`` (the one place policies are built).
         ``num_cpu_blocks``: size of the CPU KV tier (0: none), blocks of
@@ -81,7 +86,9 @@ class Scheduler:
         identifier): such an image costs the encoder budget nothing. ``whole_images``:
         a chunk never ends inside an image, as ``disable_chunked_mm_input`` asks (the
         model's image tokens attend to each other both ways: ``whole_images`` of
-        vllm/v1/engine/core.py)."""
+        vllm/v1/engine/core.py). ``state_checkpoint_slots``: a model with linear-attention
+        layers, with prefix caching: the runner's checkpoint slots of recurrent states
+        (``StateCheckpoints``); a prefix hit reaches only as far as a checkpoint."""
         self.config = vllm_config.scheduler_config
         self.encoder_cached = encoder_cached
         self.whole_images = whole_images or self.config.disable_chunked_mm_input
@@ -117,6 +124,11 @@ class Scheduler:
             )
         self.requests: dict[str, Request] = {}
         self.pins = KVCachePinManager(self.kv_cache_manager, policy, self._job_pin_changed)
+        self.state_checkpoints: StateCheckpoints | None = None
+        if state_checkpoint_slots and cache.enable_prefix_caching:
+            self.state_checkpoints = StateCheckpoints(
+                state_checkpoint_slots, cache.block_size, self.pins.__contains__
+            )
         self.waiting = make_request_queue(policy, clock, self.pins)
         policy.bind(self.pins)
         self.running: list[Request] = []
@@ -185,6 +197,9 @@ class Scheduler:
                 self.waiting.remove_request(request)
             request.status = status
             self.kv_cache_manager.free(request)
+            # An aborted request's last checkpoint is good (its step runs before any
+            # restore); a failed one's step may not have copied it.
+            self._release_states(request, keep=status != RequestStatus.FINISHED_ERROR)
             self.finished_req_ids.add(req_id)
             self.policy.on_aborted(request, was_running, self.clock())
 
@@ -212,6 +227,7 @@ class Scheduler:
             drafts = self._drafts(request, budget) if num_new == 1 else []
             num_new = budget.clip(num_new + len(drafts))
             start = request.num_computed_tokens
+            num_new = self._cut_for_checkpoint(request, start, num_new)
             num_new, images = self._encoder_inputs(request, start, num_new, step, resumed=False)
             if num_new == 0:
                 i += 1
@@ -231,6 +247,15 @@ class Scheduler:
             budget.consume(num_new)
             # A victim scheduled earlier in this step shifts the list (rare: look it up).
             i = i + 1 if len(self.running) == num_running else self.running.index(request) + 1
+
+    def _cut_for_checkpoint(self, request: Request, start: int, num_new: int) -> int:
+        """With recurrent-state checkpoints: a chunk that runs past the prompt's last
+        block boundary stops on it, so that the state there is saved (the rest of the
+        prompt, fewer tokens than a block, runs in the next step)."""
+        if self.state_checkpoints is None:
+            return num_new
+        boundary = prompt_boundary(request.num_prompt_tokens, self.block_size)
+        return boundary - start if start < boundary < start + num_new else num_new
 
     def _encoder_inputs(
         self, request: Request, start: int, num_new: int, step: _Step, resumed: bool
@@ -369,6 +394,7 @@ class Scheduler:
             step.drafts.pop(victim.request_id, None)
             step.encoder.pop(victim.request_id, None)
         self.kv_cache_manager.free(victim)
+        self._release_states(victim, keep=True)  # its resume may start from it
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         # A token its step on the device samples is dropped (the request is no longer
@@ -390,6 +416,7 @@ class Scheduler:
         self.running.remove(request)
         del self.requests[request.request_id]
         self.kv_cache_manager.free(request)
+        self._release_states(request, keep=True)
         self.finished_req_ids.add(request.request_id)
         self._pending_outputs.append(
             EngineCoreOutput(
@@ -413,6 +440,11 @@ class Scheduler:
                 skipped.append(self.waiting.pop_request())  # as vLLM: later ones may run
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
+            restore = None
+            if self.state_checkpoints is not None and num_hit:
+                # Only as far as a recurrent state was saved: the blocks past it recompute.
+                num_hit, restore = self.state_checkpoints.hit(request.block_hashes, num_hit)
+                hit_blocks = tuple(b[: num_hit // self.block_size] for b in hit_blocks)
             num_loaded = self._offloaded_hit(request, num_hit, step)
             num_new = request.num_tokens - num_hit - num_loaded
             if not self.config.enable_chunked_prefill and num_new > budget.remaining:
@@ -422,6 +454,7 @@ class Scheduler:
                 break
             num_new = budget.clip(num_new)
             start = num_hit + num_loaded
+            num_new = self._cut_for_checkpoint(request, start, num_new)
             num_new, images = self._encoder_inputs(request, start, num_new, step, resumed=True)
             if num_new == 0:
                 break  # its image waits for a step with room for it
@@ -446,6 +479,9 @@ class Scheduler:
             self._admit(request, num_hit + num_loaded, now)
             if images:
                 step.encoder[request.request_id] = images
+            if restore is not None:
+                step.restores[request.request_id] = restore
+                self.state_checkpoints.restores += 1
             step.num_loaded += num_loaded
             step.new.append(request)
             step.num_tokens[request.request_id] = num_new
@@ -488,6 +524,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=r.lora_request,
                 mm_features=r.mm_features,
+                state_restore=step.restores.get(r.request_id),
             )
             for r in step.new
         ]
@@ -508,8 +545,16 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         # As in vLLM: the scheduled tokens count as computed from now on.
+        checkpoints = self.state_checkpoints
         for req_id, n in step.num_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if checkpoints is not None:  # a step that ends on a block boundary saves
+                slot = checkpoints.plan(
+                    req_id, request.num_computed_tokens, request.num_prompt_tokens
+                )
+                if slot is not None:
+                    output.state_checkpoints[req_id] = slot
         if self.async_scheduling:
             self._take_placeholders(step)
         return output
@@ -653,6 +698,7 @@ class Scheduler:
         self.running.remove(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        self._release_states(request, keep=True)  # the job's next turn may start from it
         action = self._with_cache_hints(request, self.policy.on_finished(request, now))
         # Without prefix caching no later request can hit a pinned block (a model with
         # linear-attention layers runs so): the pin would only hold memory. Freed.
@@ -662,6 +708,14 @@ class Scheduler:
             # Offload: copied to the CPU tier first (a plain free when there is none).
             offload = isinstance(action, Offload) and request.sampling_params.may_offload
             self.kv_cache_manager.free(request, offload=offload)
+
+    def _release_states(self, request: Request, keep: bool) -> None:
+        """A request stops running: its recurrent-state checkpoint into the cache
+        (``keep``) or its slot freed (``StateCheckpoints.release``)."""
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.release(
+                request.request_id, request.job_key, request.block_hashes, keep
+            )
 
     def _with_cache_hints(self, request: Request, action: FinishedAction) -> FinishedAction:
         """The policy's action with the client's pin floor applied (``cache_hints``)."""
@@ -723,6 +777,8 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         ok = self.kv_cache_manager.reset_prefix_cache()
+        if ok and self.state_checkpoints is not None:
+            self.state_checkpoints.clear()
         self.publish_kv_events()
         return ok
 
@@ -737,6 +793,8 @@ class Scheduler:
         """Block conservation and ownership; raises AssertionError on a violation."""
         kv = self.kv_cache_manager
         kv.check_invariants()
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.check_invariants()
         holders = {r.request_id for r in self.running}
         holders |= {r.request_id for r in self.pins.pinned.requests()}
         assert set(kv.req_to_blocks) <= holders, (

@@ -1,0 +1,140 @@
+"""Checkpoints of recurrent states at block boundaries (state_checkpoints.py): the
+scheduler's bookkeeping alone, then inside the scheduler (a prompt's chunk cut at its
+last boundary, a prefix hit cut back to the deepest checkpoint, the runner told what to
+restore and save)."""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.state_checkpoints import StateCheckpoints
+
+from ..conftest import make_request
+from .helpers import make_scheduler, run_until_done, step
+
+BS = 4
+LONG = 100  # a prompt whose boundary no test reaches: every checkpoint is a latest one
+
+
+def test_plan_saves_on_block_boundaries_only_and_overwrites_the_latest():
+    c = StateCheckpoints(2, BS)
+    assert c.plan("a", 3, LONG) is None  # no slot taken for a step that ends mid-block
+    slot = c.plan("a", 8, LONG)
+    assert slot is not None and c.plan("a", 9, LONG) is None and c.plan("a", 12, LONG) == slot
+    assert c.saves == 2
+    c.check_invariants()
+
+
+def test_the_prompts_checkpoint_has_a_slot_of_its_own():
+    c = StateCheckpoints(3, BS)
+    first = c.plan("a", 4, 10)  # before the prompt's boundary (8): a latest one
+    prompt = c.plan("a", 8, 10)
+    latest = c.plan("a", 12, 10)
+    assert len({first, prompt}) == 2 and latest == first
+    c.release("a", "job", ["h1", "h2", "h3"], keep=True)
+    assert len(c) == 2
+    assert c.hit(["h1", "h2", "h3", "h4"], 16) == (12, latest)  # the deepest first
+    assert c.hit(["h1", "h2", "x"], 12) == (8, prompt)  # diverged after the prompt
+    assert c.hit(["h1", "y"], 8) == (0, None)
+    c.check_invariants()
+
+
+def test_a_failed_request_leaves_no_checkpoint():
+    c = StateCheckpoints(1, BS)
+    c.plan("a", 4, LONG)
+    c.release("a", "job", ["h1"], keep=False)
+    assert len(c) == 0 and c.plan("b", 4, LONG) is not None  # its slot free again
+    c.check_invariants()
+
+
+def test_least_recently_used_goes_first_and_a_pinned_job_last():
+    pinned = {"keep"}
+    c = StateCheckpoints(2, BS, is_pinned=pinned.__contains__)
+    c.plan("a", 4, LONG)
+    c.release("a", "keep", ["a1"], keep=True)
+    c.plan("b", 4, LONG)
+    c.release("b", "other", ["b1"], keep=True)
+    c.plan("c", 4, LONG)  # evicts b's: a's is older, but its job holds a pin
+    assert c.hit(["a1"], 4)[0] == 4 and c.hit(["b1"], 4) == (0, None)
+    assert c.evictions == 1
+    pinned.clear()
+    c.release("c", "x", ["c1"], keep=True)  # the cache: a1 (used above), then c1
+    c.plan("d", 4, LONG)  # nobody pinned: the least recently used, a's, goes
+    assert c.hit(["c1"], 4)[0] == 4 and c.hit(["a1"], 4) == (0, None)
+    c.check_invariants()
+
+
+def test_no_slot_to_be_had_means_no_checkpoint():
+    c = StateCheckpoints(1, BS)
+    assert c.plan("a", 4, LONG) is not None
+    assert c.plan("b", 4, LONG) is None  # a's slot is a running request's: never evicted
+    c.check_invariants()
+
+
+def test_the_same_prefix_twice_keeps_one_checkpoint():
+    c = StateCheckpoints(2, BS)
+    c.plan("a", 4, LONG)
+    c.plan("b", 4, LONG)
+    c.release("a", "j", ["h"], keep=True)
+    c.release("b", "j", ["h"], keep=True)
+    assert len(c) == 1
+    c.check_invariants()
+
+
+def _scheduler(budget: int = 8):
+    s = make_scheduler(budget=budget, max_num_seqs=4)
+    s.state_checkpoints = StateCheckpoints(4, s.block_size, s.pins.__contains__)
+    return s
+
+
+def test_the_prompts_last_chunk_stops_on_its_last_boundary():
+    s = _scheduler(budget=32)
+    r = make_request(list(range(10)), max_tokens=3)
+    s.add_request(r)
+    so, _ = step(s)
+    assert so.num_scheduled_tokens[r.request_id] == 8  # not 10: the state at 8 is saved
+    assert list(so.state_checkpoints) == [r.request_id]
+    so, _ = step(s)
+    assert so.num_scheduled_tokens[r.request_id] == 2 and not so.state_checkpoints
+    run_until_done(s)
+    s.check_invariants()
+
+
+def _turn_one(s, max_tokens: int) -> tuple[object, list[int]]:
+    t1 = make_request(list(range(10)), max_tokens=max_tokens, job_id="job")
+    s.add_request(t1)
+    saved = []
+    while s.has_unfinished_requests():
+        so, _ = step(s)
+        saved += list(so.state_checkpoints.values())
+    return t1, saved
+
+
+def test_next_turn_hits_up_to_the_deepest_checkpoint_and_restores_it():
+    """Turn one: a 10-token prompt (chunks of 8 and 2: the prompt's checkpoint at 8) and 6
+    tokens (a decode ends on 12: the latest there; KV of 15 tokens). Turn two repeats it
+    and adds three: its hit, the 3 full blocks (12 tokens), ends on the latest."""
+    s = _scheduler()
+    t1, saved = _turn_one(s, 6)
+    assert len(s.state_checkpoints) == 2 and len(set(saved)) == 2
+    t2 = make_request(t1.all_token_ids + [50, 51, 52], max_tokens=2, job_id="job")
+    s.add_request(t2)
+    so, out = step(s)
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 12 and new.state_restore == saved[-1]
+    assert out.outputs == [] or out.outputs[0].num_cached_tokens == 12
+    run_until_done(s)
+    s.check_invariants()
+
+
+def test_a_hit_past_the_last_checkpoint_is_cut_back_to_one():
+    """Turn one's checkpoints at 8 (its prompt's) and 16 (KV of 17 tokens). A request
+    sharing its first 14 tokens hits 3 blocks (12), cut back to 8: from the prompt's."""
+    s = _scheduler()
+    t1, saved = _turn_one(s, 8)
+    t2 = make_request(t1.all_token_ids[:14] + [70, 71, 72], max_tokens=2)
+    s.add_request(t2)
+    so, _ = step(s)
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 8 and new.state_restore == saved[0]
+    assert so.num_scheduled_tokens[t2.request_id] == 8  # to 16, its prompt's boundary
+    run_until_done(s)
+    s.check_invariants()

@@ -1,0 +1,139 @@
+"""The states of recurrent (linear-attention) layers: what a hybrid model's Gated DeltaNet
+layers (Qwen3-Next, Qwen3.5) keep per sequence in place of a KV cache.
+
+A linear-attention layer folds a sequence's past into a fixed-size state: its causal
+convolution's last ``kernel - 1`` inputs, and the delta rule's ``(heads, k_dim, v_dim)``
+matrix. Unlike K/V, the state after ``n`` tokens cannot be rebuilt from blocks, so it is
+not paged: the model runner keeps a pool of ``num_slots`` states per recurrent layer (one
+slot a running request, as vLLM's Mamba cache in its first form), gives a request a slot
+when it is scheduled and takes it back when the request finishes or is preempted (a
+preempted request recomputes from its first token, as it would without prefix caching).
+
+The model declares its states (``recurrent_state_specs``: per recurrent layer, a tuple
+of ``StateSpec``) and its ``forward`` takes ``recurrent=RecurrentBatch``: the step's
+sequences in row order (tokens each, whether each starts from nothing) and their slots.
+A layer reads a sequence's state from its slot unless the sequence is ``fresh`` (its
+first chunk: the slot may hold a finished request's state, never read), and writes the
+state after the sequence's last token of the step back to the slot. Without a batch
+(the profile run, kernel warm-ups) the model treats its rows as one fresh sequence over
+scratch states (``RecurrentBatch.scratch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state tensor of a recurrent layer, per sequence: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def state_bytes(specs: Sequence[Sequence[StateSpec]]) -> int:
+    """Bytes of one sequence's states over every recurrent layer."""
+    return sum(s.nbytes() for layer in specs for s in layer)
+
+
+def allocate_states(
+    specs: Sequence[Sequence[StateSpec]], num_slots: int, device: torch.device | str
+) -> list[tuple[torch.Tensor, ...]]:
+    """Per recurrent layer, its states for ``num_slots`` sequences: ``(num_slots, *shape)``
+    each, zeroed."""
+    return [
+        tuple(torch.zeros((num_slots, *s.shape), dtype=s.dtype, device=device) for s in layer)
+        for layer in specs
+    ]
+
+
+@dataclass
+class RecurrentBatch:
+    """A step's sequences as the recurrent layers see them, in the order of the step's
+    rows: sequence ``i`` owns rows ``starts[i] : starts[i] + query_lens[i]``."""
+
+    query_lens: list[int]  # each sequence's tokens this step
+    fresh: list[bool]  # True: the sequence starts here (no state to read)
+    slot_ids: list[int]  # each sequence's slot in the pools
+    states: list[tuple[torch.Tensor, ...]]  # per recurrent layer: its pools (num_slots, ...)
+    slots: torch.Tensor = field(init=False)  # slot_ids on the pools' device (long)
+    starts: list[int] = field(init=False)  # each sequence's first row
+
+    def __post_init__(self) -> None:
+        if not (len(self.query_lens) == len(self.fresh) == len(self.slot_ids)):
+            raise ValueError("query_lens, fresh and slot_ids must have one entry a sequence")
+        device = self.states[0][0].device if self.states else "cpu"
+        self.slots = torch.tensor(self.slot_ids, dtype=torch.long, device=device)
+        starts, row = [], 0
+        for n in self.query_lens:
+            starts.append(row)
+            row += n
+        self.starts = starts
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence continues with one token: one batched recurrent step serves all."""
+        return all(n == 1 for n in self.query_lens) and not any(self.fresh)
+
+    @classmethod
+    def scratch(
+        cls, num_tokens: int, specs: Sequence[Sequence[StateSpec]], device: torch.device | str
+    ) -> RecurrentBatch:
+        """One fresh sequence over ``num_tokens`` rows, on states of its own (discarded):
+        a forward with no engine batch (the profile run, a warm-up)."""
+        return cls([num_tokens], [True], [0], allocate_states(specs, 1, device))
+
+
+def has_recurrent_layers(hf_config: object) -> bool:
+    """The model (or a multimodal model's language model) has linear-attention layers:
+    ``layer_types`` naming ``linear_attention`` (Qwen3-Next, Qwen3.5)."""
+    get_text = getattr(hf_config, "get_text_config", None)
+    text = get_text() if callable(get_text) else hf_config
+    for config in (text, hf_config):
+        if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+            return True
+    return False
+
+
+def ssm_state_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``--mamba-ssm-cache-dtype``'s torch dtype: ``auto`` is the model's."""
+    if name == "auto":
+        return model_dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def copy_slots(
+    src: Sequence[tuple[torch.Tensor, ...]],
+    src_slots: Sequence[int],
+    dst: Sequence[tuple[torch.Tensor, ...]],
+    dst_slots: Sequence[int],
+) -> None:
+    """Copy the states of ``src_slots`` of pools ``src`` into ``dst_slots`` of ``dst``
+    (per layer, the same specs): a checkpoint saved or restored, one gather and one
+    scatter per state tensor."""
+    if not src_slots:
+        return
+    device = src[0][0].device
+    from_idx = torch.tensor(list(src_slots), dtype=torch.long, device=device)
+    to_idx = torch.tensor(list(dst_slots), dtype=torch.long, device=device)
+    for src_layer, dst_layer in zip(src, dst, strict=True):
+        for a, b in zip(src_layer, dst_layer, strict=True):
+            b.index_copy_(0, to_idx, a.index_select(0, from_idx))
