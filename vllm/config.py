@@ -734,6 +734,13 @@ class SchedulerConfig:
         "takes a fraction of the memory.",
     )
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The longest prefill chunk a step can take: the step's budget, or the long-prefill
+        threshold when it is set and lower."""
+        threshold = self.long_prefill_token_threshold
+        return min(self.max_num_batched_tokens, threshold or self.max_num_batched_tokens)
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:

@@ -89,16 +89,16 @@ def whole_images(config: SchedulerConfig, model: Any) -> None:
             "one prefill chunk (as --disable-chunked-mm-input)"
         )
     longest = getattr(model, "max_image_tokens", 0)
-    for flag, value in (
-        ("max_num_batched_tokens", config.max_num_batched_tokens),
-        ("long_prefill_token_threshold", config.long_prefill_token_threshold),
-    ):
-        if 0 < value < longest:
-            raise ValueError(
-                f"--{flag.replace('_', '-')} {value} is shorter than one image of this model "
-                f"({longest} tokens), whose image tokens attend to each other both ways and so "
-                f"run in one prefill chunk: set it to at least {longest}"
-            )
+    cap = config.max_chunk_tokens  # the scheduler's longest chunk
+    if cap < longest:
+        flag = "max_num_batched_tokens"
+        if cap < config.max_num_batched_tokens:  # the threshold binds
+            flag = "long_prefill_token_threshold"
+        raise ValueError(
+            f"--{flag.replace('_', '-')} {cap} is shorter than one image of this model "
+            f"({longest} tokens), whose image tokens attend to each other both ways and so "
+            f"run in one prefill chunk: set it to at least {longest}"
+        )
 
 
 class EngineCore:

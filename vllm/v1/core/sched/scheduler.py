@@ -93,9 +93,7 @@ class Scheduler:
         self.encoder_cached = encoder_cached
         self.whole_images = whole_images or self.config.disable_chunked_mm_input
         self.max_model_len = self.config.max_model_len
-        # The longest prefill chunk a step can take (the budget, and the long-prefill cap).
-        threshold = self.config.long_prefill_token_threshold
-        self._chunk_cap = min(self.config.max_num_batched_tokens, threshold or 1 << 62)
+        self._chunk_cap = self.config.max_chunk_tokens  # the longest prefill chunk of a step
         self.clock = clock
         self.policy = policy
         self.max_ttl_s = vllm_config.policy_config.max_ttl_s  # caps a client's pin floor
