@@ -103,14 +103,16 @@ class RecurrentBatch:
 
 
 def has_recurrent_layers(hf_config: object) -> bool:
-    """The model (or a multimodal model's language model) has linear-attention layers:
-    ``layer_types`` naming ``linear_attention`` (Qwen3-Next, Qwen3.5)."""
-    get_text = getattr(hf_config, "get_text_config", None)
-    text = get_text() if callable(get_text) else hf_config
-    for config in (text, hf_config):
-        if "linear_attention" in (getattr(config, "layer_types", None) or ()):
-            return True
-    return False
+    """The model class the registry runs ``hf_config`` with declares recurrent states
+    (``recurrent_state_specs``: Qwen3-Next, Qwen3.5); False for an architecture it does
+    not run (the engine's start says why)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    try:
+        model_cls, _ = ModelRegistry.resolve_model_cls(hf_config)
+    except (ValueError, ImportError):
+        return False
+    return hasattr(model_cls, "recurrent_state_specs")
 
 
 def ssm_state_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
