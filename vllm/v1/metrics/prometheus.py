@@ -175,6 +175,28 @@ SCHEDULER_METRICS = (
         "Bytes copied between the KV cache and the CPU tier.",
         "offload_stats.bytes_moved",
     ),
+    # A linear-attention model's checkpoints of recurrent states (prefix hits restart from
+    # them: state_checkpoints.py); none for other models.
+    _gauge(
+        "vllm:recurrent_state_checkpoints",
+        "Checkpoints of recurrent states cached for prefix hits.",
+        "state_checkpoint_stats.cached",
+    ),
+    _counter(
+        "vllm:recurrent_state_checkpoint_saves",
+        "Recurrent states copied at a block boundary.",
+        "state_checkpoint_stats.saves",
+    ),
+    _counter(
+        "vllm:recurrent_state_checkpoint_restores",
+        "Prefix hits restarted from a checkpoint of recurrent states.",
+        "state_checkpoint_stats.restores",
+    ),
+    _counter(
+        "vllm:recurrent_state_checkpoint_evictions",
+        "Checkpoints of recurrent states evicted for room.",
+        "state_checkpoint_stats.evictions",
+    ),
     # Speculative decoding (vLLM's names); none without --speculative-config.
     _counter(
         "vllm:spec_decode_num_drafts",

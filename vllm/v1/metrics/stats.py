@@ -38,6 +38,18 @@ class OffloadStats:
 
 
 @dataclass
+class StateCheckpointStats:
+    """A linear-attention model's checkpoints of recurrent states (state_checkpoints.py):
+    the cache's size (gauge) and, since the previous report (deltas), the states saved at
+    block boundaries, the prefix hits restored from one, and the checkpoints evicted."""
+
+    cached: int = 0
+    saves: int = 0
+    restores: int = 0
+    evictions: int = 0
+
+
+@dataclass
 class SpecDecodingStats:
     """Speculative decoding since the previous report (deltas)."""
 
@@ -83,6 +95,8 @@ class SchedulerStats:
     # The CPU KV tier's lookups (vLLM's external prefix cache) and copies; None: no tier.
     connector_prefix_cache_stats: PrefixCacheStats | None = None
     offload_stats: OffloadStats | None = None
+    # A model with linear-attention layers, with prefix caching; None otherwise.
+    state_checkpoint_stats: StateCheckpointStats | None = None
     # Tokens the step computed (prompt chunks and decodes); 0: a report without a step.
     num_scheduled_tokens: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None  # None: no speculative decoding

@@ -138,3 +138,36 @@ def test_a_hit_past_the_last_checkpoint_is_cut_back_to_one():
     assert so.num_scheduled_tokens[t2.request_id] == 8  # to 16, its prompt's boundary
     run_until_done(s)
     s.check_invariants()
+
+
+def test_stats_and_prometheus_report_the_checkpoints():
+    """Turn one (10 + 6 tokens) saves 2 checkpoints (8, its prompt's; 12, its latest); turn
+    two (19 tokens) restores 12's and saves 2 (16, its prompt's; 20, a decode's); each
+    step's report carries the deltas, the cache's size a gauge."""
+    from prometheus_client import CollectorRegistry
+
+    from vllm.v1.metrics.prometheus import PrometheusStatLogger
+
+    s = _scheduler()
+    logger = PrometheusStatLogger("m", registry=CollectorRegistry())
+    totals = {"saves": 0, "restores": 0}
+    t1 = make_request(list(range(10)), max_tokens=6, job_id="job")
+    for request in (t1, None):
+        if request is None:
+            request = make_request(t1.all_token_ids + [50, 51, 52], max_tokens=2)
+        s.add_request(request)
+        while s.has_unfinished_requests():
+            _, out = step(s)
+            stats = out.scheduler_stats.state_checkpoint_stats
+            totals["saves"] += stats.saves
+            totals["restores"] += stats.restores
+            logger.record(out, [])
+
+    def value(name):
+        return logger.registry.get_sample_value(name, {"model_name": "m"})
+
+    assert totals == {"saves": 4, "restores": 1}
+    assert value("vllm:recurrent_state_checkpoint_saves_total") == 4
+    assert value("vllm:recurrent_state_checkpoint_restores_total") == 1
+    assert value("vllm:recurrent_state_checkpoints") == stats.cached == 4
+    assert make_scheduler().make_stats().state_checkpoint_stats is None  # other models

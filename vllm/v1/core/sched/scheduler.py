@@ -759,6 +759,8 @@ class Scheduler:
         offload = self.kv_cache_manager.offload
         if offload is not None:
             stats.connector_prefix_cache_stats, stats.offload_stats = offload.make_stats()
+        if self.state_checkpoints is not None:
+            stats.state_checkpoint_stats = self.state_checkpoints.take_stats()
         if self.spec_method is not None:
             stats.spec_decoding_stats, self._spec_stats = self._spec_stats, SpecDecodingStats()
         if self.max_loras:

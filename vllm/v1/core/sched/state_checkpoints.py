@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.v1.metrics.stats import StateCheckpointStats
+
 
 @dataclass
 class _Entry:
@@ -78,6 +80,7 @@ class StateCheckpoints:
         self._cache: OrderedDict[Any, _Entry] = OrderedDict()  # block hash -> entry, LRU first
         self._running: dict[str, _Held] = {}
         self.restores = self.saves = self.evictions = 0  # totals, for tests and logs
+        self._reported = (0, 0, 0)  # the totals at the last take_stats
 
     def __len__(self) -> int:
         """Checkpoints in the cache."""
@@ -158,6 +161,13 @@ class StateCheckpoints:
             victim = next(iter(self._cache))
         self.evictions += 1
         return self._cache.pop(victim).slot
+
+    def take_stats(self) -> StateCheckpointStats:
+        """The cache's size, and the counters since the previous call."""
+        totals = (self.saves, self.restores, self.evictions)
+        deltas = [now - then for now, then in zip(totals, self._reported, strict=True)]
+        self._reported = totals
+        return StateCheckpointStats(len(self._cache), *deltas)
 
     def check_invariants(self) -> None:
         """Every slot in exactly one place: free, a running request's, or the cache's."""
