@@ -171,3 +171,21 @@ def test_stats_and_prometheus_report_the_checkpoints():
     assert value("vllm:recurrent_state_checkpoint_restores_total") == 1
     assert value("vllm:recurrent_state_checkpoints") == stats.cached == 4
     assert make_scheduler().make_stats().state_checkpoint_stats is None  # other models
+
+
+def test_the_same_prompt_again_hits_its_checkpoint_even_on_a_block_multiple():
+    """A 12-token prompt (3 blocks of 4): a hit always leaves the last token to compute, so
+    the prompt's checkpoint is at 8, not 12, and the same prompt again restarts there."""
+    s = _scheduler(budget=32)
+    first = make_request(list(range(12)), max_tokens=1)
+    s.add_request(first)
+    so, _ = step(s)
+    assert so.num_scheduled_tokens[first.request_id] == 8 and so.state_checkpoints
+    run_until_done(s)
+    again = make_request(list(range(12)), max_tokens=1)
+    s.add_request(again)
+    so, _ = step(s)
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 8 and new.state_restore is not None
+    run_until_done(s)
+    s.check_invariants()

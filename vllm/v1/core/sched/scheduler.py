@@ -247,9 +247,9 @@ class Scheduler:
             i = i + 1 if len(self.running) == num_running else self.running.index(request) + 1
 
     def _cut_for_checkpoint(self, request: Request, start: int, num_new: int) -> int:
-        """With recurrent-state checkpoints: a chunk that runs past the prompt's last
-        block boundary stops on it, so that the state there is saved (the rest of the
-        prompt, fewer tokens than a block, runs in the next step)."""
+        """With recurrent-state checkpoints: a chunk that runs past the prompt's checkpoint
+        position (``prompt_boundary``) stops on it, so that the state there is saved (the
+        rest of the prompt, at most a block, runs in the next step)."""
         if self.state_checkpoints is None:
             return num_new
         boundary = prompt_boundary(request.num_prompt_tokens, self.block_size)

@@ -7,9 +7,10 @@ exactly those tokens, which no block holds. So the runner keeps copies of states
 in a checkpoint slot (``ModelRunner.recurrent_checkpoints``), taken when a request's step
 ends on a block boundary. A request keeps two:
 
-- its prompt's: the state at the prompt's last block boundary. The scheduler ends a
-  prefill chunk there (``prompt_boundary``; the prompt's few last tokens run in the next
-  step), and that copy is never overwritten;
+- its prompt's: the state at the prompt's last block boundary before its last token
+  (the deepest hit of the same prompt). The scheduler ends a prefill chunk there
+  (``prompt_boundary``; the prompt's last tokens, at most a block, run in the next step),
+  and that copy is never overwritten;
 - its latest: every later step that ends on a boundary (a decode every ``block_size``
   tokens) copies into one more slot, overwritten each time.
 
@@ -61,8 +62,10 @@ class _Held:
 
 
 def prompt_boundary(num_prompt_tokens: int, block_size: int) -> int:
-    """The prompt's last block boundary: its checkpoint's position (0: none)."""
-    return num_prompt_tokens // block_size * block_size
+    """The prompt's checkpoint's position (0: none): its last block boundary before its
+    last token, the deepest a prefix hit of the same prompt can reach (a hit always
+    leaves the last token to compute)."""
+    return (num_prompt_tokens - 1) // block_size * block_size
 
 
 class StateCheckpoints:
