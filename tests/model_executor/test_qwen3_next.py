@@ -250,7 +250,7 @@ def resaved(path, out, state: dict[str, torch.Tensor]):
 
 def test_extra_tensors_are_ignored_and_a_missing_one_is_named(root, tmp_path):
     """A Qwen3.5 multimodal checkpoint with MTP tensors added loads to the same logits (the
-    tower and the MTP head unread); one without a layer's ``A_log`` fails naming it."""
+    MTP head unread; the tower read for images); one without a layer's ``A_log`` fails naming it."""
     hf, path = checkpoint("Qwen3_5ForConditionalGeneration", root)
     state = load_file(path / "model.safetensors")
     assert any(k.startswith("model.visual.") for k in state)

@@ -1,6 +1,6 @@
 """Qwen3-Next and Qwen3.5 (``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``,
-``Qwen3_5MoeForCausalLM``, and the released Qwen3.5 checkpoints' multimodal classes served
-as text): hybrid models whose layers are Gated DeltaNet linear attention or gated full
+``Qwen3_5MoeForCausalLM``, and the released Qwen3.5 checkpoints' multimodal classes, which
+take images): hybrid models whose layers are Gated DeltaNet linear attention or gated full
 attention (``layer_types``), as transformers computes them.
 
 - **Linear attention** (``layers/gated_delta_net.py``): q, k, v, the output gate z and the
@@ -15,8 +15,8 @@ attention (``layer_types``), as transformers computes them.
   ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
 - **Full attention**: q_proj gives each head's query and gate side by side (``[q_h |
   gate_h]``); q and k RMS-normalised per head; the first ``partial_rotary_factor`` of each
-  head rotates (Qwen3.5's M-RoPE sections rotate by the same position for text, so the
-  plain rotation, interleaved or not); the output times ``sigmoid(gate)`` before o_proj.
+  head rotates (for text the plain rotation: Qwen3.5's M-RoPE rotates every frequency by
+  the same position there); the output times ``sigmoid(gate)`` before o_proj.
 - Every other norm scales by ``1 + weight`` (``GemmaRMSNorm``: zero-centred weights).
 - The feed-forward: Qwen3.5's dense SiLU MLP; Qwen3.5-MoE's experts in every layer,
   Qwen3-Next's where ``mlp_only_layers`` and ``decoder_sparse_step`` leave them: softmax
@@ -24,11 +24,21 @@ attention (``layer_types``), as transformers computes them.
 
 The arch's ``num_layers`` and head counts are the full-attention layers' (the KV cache has
 a tensor per full-attention layer); ``layer_types`` holds every layer's kind.
+
+Images (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``), as
+Qwen3-VL's (``QwenVLForConditionalGeneration`` in ``llama.py``): Qwen3-VL's vision tower
+without DeepStack (``qwen3_vl_vision.py``, ``model.visual.*``) makes each image's rows,
+which the engine writes over its ``<|image_pad|>`` tokens' embeddings; the full-attention
+layers rotate by M-RoPE, each of the rotated part's frequencies by the temporal, height or
+width position, interleaved (transformers' ``Qwen3_5TextRotaryEmbedding``, whatever the
+config's ``mrope_interleaved``: transformers does not read it) over ``mrope_section``
+(``(3, num_tokens)`` positions). The linear-attention layers read image rows as any rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -42,22 +52,37 @@ from vllm.model_executor.layers.gated_delta_net import (
     RecurrentStep,
 )
 from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec
-from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
+from vllm.model_executor.layers.rotary_embedding import (
+    max_positions,
+    rope_parameters,
+    rotary_dim,
+)
 from vllm.model_executor.models.gemma import GemmaRMSNorm
 from vllm.model_executor.models.llama import (
+    QwenVLForConditionalGeneration,
     RotaryEmbedding,
     _no_attention_backend,
     load_embeddings_and_head,
 )
 from vllm.model_executor.models.moe import SparseMoeBlock, load_moe_block
+from vllm.model_executor.models.qwen2_vl_vision import QwenVLArch, vision_tower
+from vllm.model_executor.models.qwen3_vl_vision import Qwen3VisionArch
 from vllm.model_executor.models.utils import (
     LANGUAGE_MODEL_PREFIXES,
     LM_HEAD_KEYS,
+    config_from_dict,
     language_model_tensors,
+    takes_images,
 )
 from vllm.v1.attention.backends.abstract import layer_metadata
 
+logger = logging.getLogger(__name__)
+
 LINEAR, FULL = "linear_attention", "full_attention"
+# Where the multimodal checkpoints keep the vision tower: transformers 5's, then older.
+VISION_PREFIXES = ("model.visual.", "visual.")
+# transformers' M-RoPE sections where the text config's rope parameters name none.
+MROPE_SECTION = (11, 11, 10)
 
 
 @dataclass(frozen=True)
@@ -153,6 +178,43 @@ def _experts(config: Any, num_layers: int) -> dict[str, Any]:
         norm_topk_prob=norm,
         sparse_layers=sparse,
     )
+
+
+@dataclass(frozen=True)
+class Qwen3_5VLArch(Qwen3NextArch):
+    """A released Qwen3.5 checkpoint's arch: its language model's, and for images the
+    vision tower's and the M-RoPE sections (``vision`` None: served as text)."""
+
+    vision: Qwen3VisionArch | None = None
+    # Per rotated frequency (the rotary's first half), how many read the temporal, height
+    # and width position, interleaved (``mrope_axes``: Qwen3-VL's layout, reused).
+    mrope_section: tuple[int, ...] = MROPE_SECTION
+    mrope_interleaved: ClassVar[bool] = True
+    mrope_axes = QwenVLArch.mrope_axes
+
+    @classmethod
+    def from_multimodal(cls, config: Any) -> Qwen3_5VLArch:
+        """The arch of a ``Qwen3_5Config`` or ``Qwen3_5MoeConfig``: its ``text_config``'s
+        with the head tied by the top-level flag (as transformers), and the tower of its
+        ``vision_config``. ``ValueError`` when the M-RoPE sections do not cover the rotated
+        frequencies, or the tower's output is not the language model's width."""
+        tie = bool(getattr(config, "tie_word_embeddings", False))
+        arch = cls.from_hf(config.get_text_config(), tie_word_embeddings=tie)
+        if not takes_images(config):
+            return arch
+        section = tuple(arch.rope.get("mrope_section") or MROPE_SECTION)
+        half = rotary_dim(arch.head_dim, arch.rope) // 2
+        if len(section) != 3 or sum(section) != half:
+            raise ValueError(f"rope mrope_section {list(section)}: three sections summing to "
+                             f"the {half} rotated frequencies")  # fmt: skip
+        vision = Qwen3VisionArch.from_hf(config.vision_config)
+        if vision.out_hidden_size != arch.hidden_size:
+            raise ValueError(
+                f"the vision merger's output width {vision.out_hidden_size} is not the "
+                f"language model's {arch.hidden_size}"
+            )
+        base = {f.name: getattr(arch, f.name) for f in fields(arch)}
+        return cls(**{**base, "vision": vision, "mrope_section": section})
 
 
 class RMSNormGated(nn.Module):
@@ -423,32 +485,124 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
-    """The released Qwen3.5 checkpoints (``Qwen3_5ForConditionalGeneration``), served as
-    text: the language model of ``text_config`` (``model.language_model.*``,
-    ``lm_head``); the vision tower (``model.visual.*``) and the MTP head (``mtp.*``) are
-    not read. Images are future work."""
+    """The released Qwen3.5 checkpoints (``Qwen3_5ForConditionalGeneration``): the
+    language model of ``text_config`` (``model.language_model.*``, ``lm_head``) and the
+    vision tower (``model.visual.*``); the MTP head (``mtp.*``) is not read.
+
+    They take images as Qwen3-VL (module docstring): ``embed_images`` makes each image's
+    rows, which the runner writes over its ``<|image_pad|>`` tokens' embeddings
+    (``forward(..., inputs_embeds=)``); ``(3, num_tokens)`` positions rotate the
+    full-attention layers by M-RoPE, ``(num_tokens,)`` positions (text, decode steps) by
+    the plain rotation. A checkpoint without the tower's tensors is served as text. Videos
+    are refused as for any model here."""
+
+    # Decided per checkpoint (``takes_images``): an instance with its tower sets its own
+    # True, and ``uses_mrope`` (its runner's positions).
+    supports_images: ClassVar[bool] = False
+    # The prompt's layout of an image (vllm.multimodal.processing): its patch grid's tokens.
+    image_layout: ClassVar[str] = "grid"
 
     @classmethod
-    def arch_from_hf(cls, hf_config: Any) -> Qwen3NextArch:
-        # transformers ties the head by the top-level flag, not text_config's.
-        tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-        return Qwen3NextArch.from_hf(hf_config.get_text_config(), tie_word_embeddings=tie)
+    def arch_from_hf(cls, hf_config: Any) -> Qwen3_5VLArch:
+        return Qwen3_5VLArch.from_multimodal(hf_config)
+
+    @classmethod
+    def takes_images(cls, hf_config: Any) -> bool:
+        """Whether the checkpoint of ``hf_config`` (transformers' config or the dict of its
+        config.json) has a vision tower."""
+        return takes_images(hf_config)
 
     @staticmethod
     def checkpoint_prefixes(hf_config: Any) -> tuple[str, ...]:
-        return (*LANGUAGE_MODEL_PREFIXES, *LM_HEAD_KEYS)
+        vision = VISION_PREFIXES if takes_images(hf_config) else ()
+        return (*LANGUAGE_MODEL_PREFIXES, *LM_HEAD_KEYS, *vision)
+
+    def __init__(self, arch: Qwen3_5VLArch) -> None:
+        super().__init__(arch)
+        vision = getattr(arch, "vision", None)
+        self.visual = None if vision is None else vision_tower(vision)
+        self.supports_images = self.uses_mrope = vision is not None
+
+    @torch.inference_mode()
+    def embed_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """(patches, channels * temporal_patch * patch * patch) pixel values (any float
+        dtype, any device) of images of ``grid_thw`` (images, 3) patches, concatenated ->
+        (sum of t * h * w / merge ** 2, hidden) in the model's dtype, on its device: each
+        image's rows in order, for its ``<|image_pad|>`` tokens."""
+        if self.visual is None:
+            raise ValueError("this Qwen3.5 checkpoint is served without images")
+        return self.visual(pixel_values, grid_thw)
+
+    # (3, num_tokens) positions -> this step's [cos | sin] rows: Qwen3-VL's gather over
+    # our rotary table by ``arch.mrope_axes``.
+    mrope_table = QwenVLForConditionalGeneration.mrope_table
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids,
+        positions,
+        meta: Any,
+        kv_caches,
+        inputs_embeds: torch.Tensor | None = None,
+        recurrent: RecurrentBatch | None = None,
+    ) -> torch.Tensor:
+        """``Qwen3NextForCausalLM.forward``; ``positions`` (3, num_tokens) rotate by M-RoPE:
+        the full-attention layers run over this step's own table (``mrope_table``), row i
+        for token i."""
+        if positions.dim() == 1:
+            return super().forward(input_ids, positions, meta, kv_caches, inputs_embeds, recurrent)
+        rope, table = self.rope, self.rope.cos_sin_cache
+        rope.cos_sin_cache = self.mrope_table(positions)
+        try:
+            rows = torch.arange(positions.shape[1], device=positions.device)
+            return super().forward(input_ids, rows, meta, kv_caches, inputs_embeds, recurrent)
+        finally:
+            rope.cos_sin_cache = table
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """The language model's tensors (``Qwen3NextForCausalLM.load_weights``) and the
+        tower's (``model.visual.*``, or ``visual.*``); without any tower tensor the model
+        is its language model alone."""
+        vision = {}
+        for key, tensor in sd.items():
+            prefix = next((p for p in VISION_PREFIXES if key.startswith(p)), None)
+            if prefix is not None:
+                vision[key.removeprefix(prefix)] = tensor
+        super().load_weights(sd)
+        if self.visual is None:
+            return
+        if not vision:
+            logger.warning("no vision tower tensors in the checkpoint: served as text only")
+            self.visual = None
+            self.supports_images = self.uses_mrope = False
+            return
+        with torch.no_grad():
+            self.visual.load_weights(vision)
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
-    """The released Qwen3.5-MoE checkpoints (``Qwen3_5MoeForConditionalGeneration``),
-    served as text as ``Qwen3_5ForConditionalGeneration``."""
+    """The released Qwen3.5-MoE checkpoints (``Qwen3_5MoeForConditionalGeneration``), with
+    images as ``Qwen3_5ForConditionalGeneration``."""
+
+
+def qwen_vl_image_layout(hf_config: Any) -> tuple[int, int]:
+    """(the ``<|image_pad|>`` token id, ``spatial_merge_size``) of a Qwen3.5 or Qwen3.5-MoE
+    config (transformers' or the dict of its config.json): the engine's "grid" prompt
+    layout (vllm.multimodal.processing), as transformers' ``Qwen3VLProcessor`` expands an
+    image, ``t * h * w // spatial_merge_size ** 2`` of those tokens."""
+    classes = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig"}
+    config = config_from_dict(hf_config, classes)
+    return config.image_token_id, config.vision_config.spatial_merge_size
 
 
 __all__ = [
     "Qwen3NextArch",
+    "Qwen3_5VLArch",
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
+    "qwen_vl_image_layout",
 ]

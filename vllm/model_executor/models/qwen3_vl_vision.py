@@ -19,6 +19,11 @@ The tower returns each image's rows as one tensor ``[main | feature 0 | feature 
 (concatenated on the last dimension), so that the runner carries them as any image's
 rows; ``QwenVLForConditionalGeneration.merge_image_rows`` splits them.
 
+Qwen3.5 and Qwen3.5-MoE (``qwen3_5_vision``, ``qwen3_5_moe_vision``: transformers'
+``Qwen3_5VisionModel`` subclasses ``Qwen3VLVisionModel`` and deletes its deepstack mergers)
+have this tower without DeepStack: the same tensors less ``deepstack_merger_list``, rows of
+the language model's width alone.
+
 Tensors are named as transformers names them (``patch_embed.``, ``pos_embed.``,
 ``blocks.N.``, ``merger.``, ``deepstack_merger_list.N.``), without ``visual.``.
 """
@@ -49,6 +54,9 @@ from vllm.model_executor.models.qwen2_vl_vision import (
     segment_plan,
 )
 
+# Qwen3.5's towers: Qwen3-VL's without DeepStack, whatever the config lists.
+QWEN3_5_VISION_TYPES = ("qwen3_5_vision", "qwen3_5_moe_vision")
+
 
 @dataclass(frozen=True)
 class Qwen3VisionArch(QwenVisionArch):
@@ -59,12 +67,15 @@ class Qwen3VisionArch(QwenVisionArch):
     @classmethod
     def from_hf(cls, config: Any) -> Qwen3VisionArch:
         """The arch of an HF ``Qwen3VLVisionConfig`` or ``Qwen3VLMoeVisionConfig`` (the same
-        tower)."""
-        if config.model_type not in QWEN3_VL_VISION_TYPES:
+        tower), or of Qwen3.5's (``QWEN3_5_VISION_TYPES``: no deepstack mergers)."""
+        kinds = (*QWEN3_VL_VISION_TYPES, *QWEN3_5_VISION_TYPES)
+        if config.model_type not in kinds:
             raise ValueError(
-                f"vision_config model_type {config.model_type!r} is not one of "
-                f"{', '.join(QWEN3_VL_VISION_TYPES)}"
+                f"vision_config model_type {config.model_type!r} is not one of {', '.join(kinds)}"
             )
+        deepstack = () if config.model_type in QWEN3_5_VISION_TYPES else (
+            tuple(config.deepstack_visual_indexes)
+        )  # fmt: skip
         arch = cls(
             model_type=QWEN3_VL,
             hidden_size=config.hidden_size,
@@ -79,7 +90,7 @@ class Qwen3VisionArch(QwenVisionArch):
             spatial_merge_size=config.spatial_merge_size,
             rope_theta=cls.check_patch_and_rope(config),
             num_position_embeddings=config.num_position_embeddings,
-            deepstack_visual_indexes=tuple(config.deepstack_visual_indexes),
+            deepstack_visual_indexes=deepstack,
         )
         arch.validate()
         return arch

@@ -57,7 +57,10 @@ _PACKAGE = "vllm.model_executor.models"
 # latent attention with its own routing and query scale (deepseek_v2.py). Qwen3-Next and
 # Qwen3.5 (qwen3_next.py) mix Gated DeltaNet linear-attention layers, whose states live in
 # recurrent pools (layers/recurrent.py), with gated full attention; Qwen3.5's multimodal
-# checkpoints are served as text.
+# checkpoints take images through Qwen3-VL's tower without DeepStack (qwen3_vl_vision.py)
+# and interleaved M-RoPE on the full-attention layers.
+# Granite 4.0-H and Nemotron-H (mamba_hybrid.py) mix Mamba2 layers (layers/mamba2.py), their
+# states in those recurrent pools too, with attention.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -130,6 +133,12 @@ _MODELS: dict[str, tuple[str, str, str]] = {
         "qwen3_next",
         "Qwen3_5MoeForConditionalGeneration",
     ),
+    "GraniteMoeHybridForCausalLM": (
+        "granitemoehybrid",
+        "mamba_hybrid",
+        "GraniteMoeHybridForCausalLM",
+    ),
+    "NemotronHForCausalLM": ("nemotron_h", "mamba_hybrid", "NemotronHForCausalLM"),
 }
 
 # (multimodal architecture, its text_config's model_type): (module, class) where that
