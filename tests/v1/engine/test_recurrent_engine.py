@@ -168,3 +168,18 @@ def test_ssm_cache_dtype_sets_the_states_dtype(qwen35):
         assert all(p[1].dtype == torch.bfloat16 and p[0].dtype == torch.float32 for p in pools)
     finally:
         llm.shutdown()
+
+
+def test_a_checkpoints_own_ssm_cache_dtype_is_the_default(qwen35):
+    """A config naming ``mamba_ssm_cache_dtype`` (Nemotron-H's float32) sets the states'
+    dtype under ``auto``, as vLLM; the flag set explicitly wins."""
+    from vllm import LLM
+
+    overrides = {"mamba_ssm_cache_dtype": "bfloat16"}
+    for flag, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        llm = LLM(model=str(qwen35[0]), kv_cache_memory="16MiB", hf_overrides=overrides,
+                  mamba_ssm_cache_dtype=flag)  # fmt: skip
+        try:
+            assert llm.engine_core.model_runner.recurrent_states[0][1].dtype == want, flag
+        finally:
+            llm.shutdown()

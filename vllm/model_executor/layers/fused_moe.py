@@ -151,16 +151,20 @@ def swiglu_oai(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 
 
 class Activation:
-    """A gated activation over [gate | up] halves: SiLU, or gpt-oss's clamped SwiGLU."""
+    """The experts' activation: gated over [gate | up] halves (SiLU, or gpt-oss's clamped
+    SwiGLU), or Nemotron-H's ReLU squared over the whole width (``relu2``: no gate, the
+    first weights are the up projection alone)."""
 
     def __init__(self, name: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> None:
-        if name not in ("silu", "swigluoai"):
-            raise ValueError(f"activation {name!r} is not supported (silu, swigluoai)")
+        if name not in ("silu", "swigluoai", "relu2"):
+            raise ValueError(f"activation {name!r} is not supported (silu, swigluoai, relu2)")
         self.name, self.alpha, self.limit = name, alpha, limit
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if self.name == "silu":
             return ops.silu_and_mul(h)
+        if self.name == "relu2":
+            return torch.relu(h).square()
         return swiglu_oai(h, self.alpha, self.limit)
 
 

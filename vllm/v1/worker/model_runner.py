@@ -391,7 +391,7 @@ class ModelRunner:
             model_cls.__name__,
             time.monotonic() - start,
         )
-        self._plan_recurrent_states()
+        self._plan_recurrent_states(hf_config)
         draft_config = self.config.draft_model_config
         if draft_config is not None:
             if self.recurrent_specs is not None:  # (EngineArgs refuses the pair first)
@@ -402,14 +402,22 @@ class ModelRunner:
             self.drafter = self._load_drafter(draft_config)
         self.plan_kv_cache_groups()
 
-    def _plan_recurrent_states(self) -> None:
-        """A model with linear-attention layers declares each one's states per sequence
-        (``recurrent_state_specs``); the pools are made with the KV cache."""
+    def _plan_recurrent_states(self, hf_config: object) -> None:
+        """A model with recurrent layers (linear attention, Mamba2) declares each one's
+        states per sequence (``recurrent_state_specs``); the pools are made with the KV
+        cache. ``--mamba-ssm-cache-dtype auto`` takes the checkpoint's
+        ``mamba_ssm_cache_dtype`` where its config names one (Nemotron-H's float32, as
+        vLLM), else the model's dtype."""
         declare = getattr(self.model, "recurrent_state_specs", None)
         if declare is None:
             self.recurrent_specs = None
             return
-        ssm_dtype = ssm_state_dtype(self.config.cache_config.mamba_ssm_cache_dtype, self.dtype)
+        name = self.config.cache_config.mamba_ssm_cache_dtype
+        if name == "auto":
+            text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+            own = getattr(text, "mamba_ssm_cache_dtype", None)
+            name = own if own in ("float32", "bfloat16", "float16") else "auto"
+        ssm_dtype = ssm_state_dtype(name, self.dtype)
         self.recurrent_specs = declare(ssm_dtype)
         slots = self.config.scheduler_config.max_num_seqs
         logger.info(

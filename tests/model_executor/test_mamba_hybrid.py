@@ -1,0 +1,328 @@
+"""Granite 4.0-H and Nemotron-H (``models/mamba_hybrid.py``: Mamba2 layers, ``layers/
+mamba2.py``, with attention) against transformers on tiny random checkpoints: prompt
+logits; a prompt fed in chunks and decodes over real recurrent pools and a real KV cache;
+a step mixing a fresh prefill (its slot stale) with decodes of other sequences; the
+checkpoint's tensors (the Hub's names and transformers 5's); and the engine's greedy
+tokens, a job's next turn restored from a checkpoint of the states.
+
+The checkpoints are perturbed so that each part shows: norms away from 1, biases from 0,
+decays slow enough for a state to carry across chunks (``A_log``), ``D`` away from 1,
+decisive routers, Granite's four multipliers away from 1, a low rotary theta, and
+Nemotron-H's dt floor (``time_step_min``) above some of its dt values (without the clamp
+its logits move by 0.07)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tests.tiny_models import hf_greedy, load_cpu_runner, perturbed, runner_logits
+from tests.utils import copy_benchmark_tokenizer
+from vllm.config import ModelConfig
+from vllm.model_executor.layers.mamba2 import ssd_chunk_scan, ssd_step
+from vllm.model_executor.layers.recurrent import RecurrentBatch, allocate_states
+from vllm.model_executor.models import mamba_hybrid
+from vllm.model_executor.models.registry import ModelRegistry
+
+VOCAB = 96
+MAMBA = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=24,
+             mamba_d_conv=4, mamba_chunk_size=16)  # fmt: skip
+GRANITE = dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+               layer_types=["mamba", "attention", "mamba", "mamba"], num_hidden_layers=4,
+               intermediate_size=20, shared_intermediate_size=24, num_experts_per_tok=2,
+               embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+               logits_scaling=1.5, max_position_embeddings=128, **MAMBA)  # fmt: skip
+NEMOTRON = dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                layers_block_type=["mamba", "attention", "mlp", "mamba", "moe"],
+                intermediate_size=40, mamba_num_heads=4, mamba_head_dim=24, n_groups=2,
+                ssm_state_size=8, conv_kernel=4, chunk_size=16, n_routed_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=16,
+                moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
+                routed_scaling_factor=1.5, max_position_embeddings=128)  # fmt: skip
+ROPE = {"rope_type": "default", "rope_theta": 100.0}
+# name: (transformers class, its config's class and fields): 4 experts (top 2), unrotated;
+# dense, rotated, tied; every kind of Nemotron-H layer; its experts through a latent
+# projection, and the MLPs' and Mamba2 projections' biases.
+CASES = {
+    "granite_moe": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                    dict(GRANITE, num_local_experts=4, tie_word_embeddings=False)),
+    "granite_dense_rope": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                           dict(GRANITE, num_local_experts=0, position_embedding_type="rope",
+                                rope_parameters=ROPE, tie_word_embeddings=True)),
+    "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig",
+                   dict(NEMOTRON, time_step_min=0.3)),
+    "nemotron_h_latent_biases": ("NemotronHForCausalLM", "NemotronHConfig",
+                                 dict(NEMOTRON, moe_latent_size=32, mlp_bias=True,
+                                      use_bias=True)),
+}  # fmt: skip
+IDS = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+
+
+def make_config(case: str, vocab: int = VOCAB, **overrides):
+    _, config, fields = CASES[case]
+    return getattr(transformers, config)(vocab_size=vocab, **{**fields, **overrides})
+
+
+def random_model(case: str, vocab: int = VOCAB, **overrides) -> torch.nn.Module:
+    """transformers' model of ``case`` (its config's fields ``overrides``), seed 0,
+    perturbed (module docstring)."""
+    torch.manual_seed(0)
+    hf = perturbed(getattr(transformers, CASES[case][0])(make_config(case, vocab, **overrides)))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):  # decays of 0.01 to 0.2 a token
+                p.uniform_(-4.0, -1.5)
+            elif name.endswith(".D"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith(("router.weight", "gate.weight")):
+                p.normal_(0.0, 0.3)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+        hf.lm_head.weight.normal_(0.0, 0.3)
+    return hf
+
+
+@functools.cache
+def checkpoint(case: str, root) -> tuple[torch.nn.Module, object]:
+    """(transformers' model of ``case``; the folder it saved itself in)."""
+    hf = random_model(case)
+    path = root / case
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("mamba_hybrid")
+
+
+@functools.cache
+def runner_for(path):
+    return load_cpu_runner(ModelConfig(model=str(path), max_model_len=128, dtype="float32"))
+
+
+def hf_logits(hf, ids=IDS) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(input_ids=ids[None]).logits[0].float()
+
+
+def close(ours: torch.Tensor, ref: torch.Tensor, what: object = "") -> None:
+    assert torch.allclose(ours, ref, atol=1e-4), (what, (ours - ref).abs().max())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prompt_logits_equal_transformers(case, root):
+    hf, path = checkpoint(case, root)
+    runner = runner_for(path)
+    arch = CASES[case][0]
+    assert ModelRegistry.resolve_model_cls(hf.config)[0] is getattr(mamba_hybrid, arch)
+    ref = hf_logits(hf)
+    assert ref.std() > 0.3
+    close(runner_logits(runner, IDS), ref)
+
+
+def test_arch_and_state_specs(root):
+    """The KV cache's layers are the attention ones; each Mamba2 layer declares its
+    convolution's last 3 inputs of x, B, C and its (heads, head_dim, state) state; the
+    Hub's spellings of the layers' kinds read as transformers 5's."""
+    model = runner_for(checkpoint("nemotron_h", root)[1]).model
+    a = model.arch
+    assert (a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim) == (1, 4, 2, 16)
+    assert a.layer_types == ("mamba", "attention", "mlp", "mamba", "moe") and a.rope is None
+    assert a.mamba.dt_limit == (0.3, math.inf) and not a.tie_word_embeddings
+    specs = model.recurrent_state_specs(torch.bfloat16)
+    assert len(specs) == 2
+    assert [(s.shape, s.dtype) for s in specs[0]] == [
+        ((96 + 2 * 2 * 8, 3), torch.float32), ((4, 24, 8), torch.bfloat16)
+    ]  # fmt: skip
+    pattern = transformers.NemotronHConfig(**{**NEMOTRON, "layers_block_type": None},
+                                           hybrid_override_pattern="M*-ME")  # fmt: skip
+    assert mamba_hybrid.nemotron_h_arch(pattern).layer_types == a.layer_types
+    granite = mamba_hybrid.granite_arch(make_config("granite_dense_rope"))
+    assert granite.layer_types == ("mamba", "attention", "mamba", "mamba")
+    assert granite.rope["rope_theta"] == 100.0 and granite.num_experts == 0
+    config = make_config("granite_moe", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        mamba_hybrid.granite_arch(config)
+
+
+def test_chunk_scan_equals_transformers_and_the_step():
+    """Three chunks (the last short) from a state, dt clamped: transformers' chunked scan,
+    and the single-token update applied token by token."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+        mamba2_chunk_scan as reference,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    t, h, p, n, groups = 37, 4, 6, 5, 2
+    x = torch.randn(t, h, p, generator=g)
+    dt_raw, dt_bias = torch.randn(t, h, generator=g), torch.randn(h, generator=g)
+    a, d = -torch.rand(h, generator=g), torch.randn(h, generator=g)
+    b, c = (torch.randn(t, groups, n, generator=g) for _ in range(2))
+    state = torch.randn(h, p, n, generator=g)
+    ref, ref_state = reference(x[None], dt_raw[None], a, b[None], c[None], chunk_size=16, D=d,
+                               dt_bias=dt_bias, initial_states=state[None], dt_softplus=True,
+                               dt_limit=(0.3, 10.0), return_final_states=True)  # fmt: skip
+    dt = torch.nn.functional.softplus(dt_raw + dt_bias).clamp(0.3, 10.0)
+    assert (dt == 0.3).any()
+    bh, ch = (z.repeat_interleave(2, dim=1) for z in (b, c))
+    y, final = ssd_chunk_scan(x, dt, a, bh, ch, state, chunk_size=16)
+    close(y + d[:, None] * x, ref[0])
+    close(final, ref_state[0])
+    s, steps = state[None], []
+    for i in range(t):
+        out, s = ssd_step(x[i : i + 1], dt[i : i + 1], a, bh[i : i + 1], ch[i : i + 1], s)
+        steps.append(out)
+    close(torch.cat(steps), y)
+    close(s[0], final)
+
+
+def run_step(model, runner, seqs, pools) -> torch.Tensor:
+    """One forward over ``seqs``: per sequence in row order (its tokens' first position,
+    its token ids, its block table, its slot, fresh) -> the step's fp32 logits."""
+    meta = runner.metadata_builder.build_metadata([(s[0], len(s[1]), s[2]) for s in seqs])
+    positions = torch.cat([torch.arange(s[0], s[0] + len(s[1])) for s in seqs])
+    batch = RecurrentBatch([len(s[1]) for s in seqs], [s[4] for s in seqs],
+                           [s[3] for s in seqs], pools)  # fmt: skip
+    with torch.inference_mode():
+        hidden = model(torch.cat([s[1] for s in seqs]), positions, meta, runner.kv_caches,
+                       recurrent=batch)  # fmt: skip
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+def test_chunks_and_decodes_continue_the_prompt(case, root):
+    """2 + 11 + 1 + 23 tokens (the first chunk shorter than the convolution's state, a
+    one-token chunk through the decode update, the last over two scan chunks of 16), then
+    3 decodes, in slot 2 of 4: each step's last row is the whole forward's row."""
+    hf, path = checkpoint(case, root)
+    runner = runner_for(path)
+    model = runner.model
+    whole = runner_logits(runner, IDS)
+    pools = allocate_states(model.recurrent_state_specs(torch.float32), 4, "cpu")
+    table = list(range(1, 9))
+    start = 0
+    for n in (2, 11, 1, 23, 1, 1, 1):
+        seq = (start, IDS[start : start + n], table, 2, start == 0)
+        last = run_step(model, runner, [seq], pools)[-1]
+        start += n
+        close(last, whole[start - 1], start)
+    untouched = [p[[0, 1, 3]] for layer in pools for p in layer]
+    assert all(not t.any() for t in untouched)  # only slot 2 was written
+
+
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+def test_mixed_step_equals_each_sequence_alone(case, root):
+    """One step of [decode of b, a fresh 11-token prompt a, decode of c], a's slot holding a
+    stale state; then a decode-only step of all three in another order: every row equals
+    transformers' logits of its sequence alone."""
+    hf, path = checkpoint(case, root)
+    runner = runner_for(path)
+    model = runner.model
+    runner.initialize_kv_cache(1 + 3 * 4)
+    tables = {n: list(range(1 + 4 * i, 5 + 4 * i)) for i, n in enumerate("abc")}
+    slots = {"a": 3, "b": 0, "c": 2}
+    g = torch.Generator().manual_seed(2)
+    seqs = {
+        n: torch.randint(0, VOCAB, (k,), generator=g)
+        for n, k in zip("abc", (12, 14, 9), strict=True)
+    }
+    pools = allocate_states(model.recurrent_state_specs(torch.float32), 4, "cpu")
+    for n in "bc":  # their prompts, but the last token, alone
+        run_step(model, runner, [(0, seqs[n][:-2], tables[n], slots[n], True)], pools)
+    for pool in (p for layer in pools for p in layer):
+        pool[slots["a"]] = torch.randn(pool.shape[1:], generator=g) * 10  # stale
+    b, a, c = seqs["b"], seqs["a"], seqs["c"]
+    first = [(len(b) - 2, b[-2:-1], tables["b"], slots["b"], False),
+             (0, a[:-1], tables["a"], slots["a"], True),
+             (len(c) - 2, c[-2:-1], tables["c"], slots["c"], False)]  # fmt: skip
+    logits = run_step(model, runner, first, pools)
+    for row, name in ((0, "b"), (len(a), "c")):
+        close(logits[row], hf_logits(hf, seqs[name][:-1])[-1], name)
+    close(logits[1 : len(a)], hf_logits(hf, a[:-1]), "a")
+    second = [(len(seqs[n]) - 1, seqs[n][-1:], tables[n], slots[n], False) for n in "cab"]
+    logits = run_step(model, runner, second, pools)
+    for row, name in enumerate("cab"):
+        close(logits[row], hf_logits(hf, seqs[name])[-1], name)
+
+
+def resaved(path, out, state: dict[str, torch.Tensor]):
+    """The checkpoint of ``path`` copied to ``out`` with ``state`` for its tensors."""
+    shutil.copytree(path, out)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize(
+    "case, removed",
+    [("granite_moe", "model.layers.2.mamba.D"),
+     ("nemotron_h", "backbone.layers.4.mixer.experts.3.up_proj.weight")],
+)  # fmt: skip
+def test_transformers_names_load_and_a_missing_tensor_is_named(case, removed, root, tmp_path):
+    """The tensors as transformers 5 holds them (``model.``; experts stacked, Granite's
+    router as ``router.weight``) load to the same logits; a checkpoint without one of its
+    tensors fails naming it."""
+    hf, path = checkpoint(case, root)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(".experts.gate_up_proj" in k or ".experts.up_proj" in k for k in state)
+    runner = load_cpu_runner(ModelConfig(model=str(resaved(path, tmp_path / "tf5", state))))
+    close(runner_logits(runner, IDS), hf_logits(hf))
+    missing = load_file(path / "model.safetensors")
+    del missing[removed]
+    name = removed.split(".", 1)[1].replace(".", r"\.")
+    with pytest.raises(ValueError, match=f"'{name}' is missing"):
+        load_cpu_runner(ModelConfig(model=str(resaved(path, tmp_path / "missing", missing))))
+
+
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+def test_engine_greedy_and_next_turn_match_transformers(case, tmp_path):
+    """Through ``vllm.LLM`` (SmolLM2's vocabulary): three prompts at once in 16-token
+    steps (fresh chunks, continued chunks and decodes in one batch), then a job's next
+    turn (the first prompt, its answer and a tool's output), whose prefix hit restores a
+    checkpoint of the Mamba2 states: every answer is transformers' greedy one."""
+    from vllm import LLM, SamplingParams
+
+    vocab = 49152
+    # transformers' decode step leaves dt unclamped: Nemotron-H's default floor, under
+    # every dt here, keeps its prefill and its decodes alike
+    hf = random_model(case, vocab, **({"time_step_min": 0.001} if "nemotron" in case else {}))
+    hf.save_pretrained(tmp_path)
+    copy_benchmark_tokenizer(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in (5, 23, 41)]
+    tool = torch.randint(0, vocab, (7,), generator=g).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
+              enable_prefix_caching=True)  # fmt: skip
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        answers = [list(o.outputs[0].token_ids) for o in outs]
+        second = prompts[2] + answers[2] + tool
+        turn = llm.generate({"prompt_token_ids": second}, params)[0]
+        llm.engine_core.scheduler.check_invariants()
+    finally:
+        llm.shutdown()
+    assert answers == hf_greedy(hf, prompts, 12)
+    assert turn.num_cached_tokens > 0
+    assert list(turn.outputs[0].token_ids) == hf_greedy(hf, [second], 12)[0]
+
+
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+def test_bfloat16_stays_close_to_fp32(case, root):
+    """bf16 weights and conv states (the SSM state in the dtype asked for), the scan in
+    fp32: the greedy tokens mostly fp32's."""
+    hf, path = checkpoint(case, root)
+    bf16 = load_cpu_runner(ModelConfig(model=str(path), max_model_len=128, dtype="bfloat16"))
+    assert bf16.model.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
+    specs = bf16.model.recurrent_state_specs(torch.float32)[0]
+    assert (specs[0].dtype, specs[1].dtype) == (torch.bfloat16, torch.float32)
+    ours, fp32 = runner_logits(bf16, IDS), runner_logits(runner_for(path), IDS)
+    assert (ours.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.8
+    assert (ours - fp32).abs().mean() <= 0.1 * fp32.abs().mean()
