@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import functools
 import math
-import shutil
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from tests.model_executor.recurrent_checks import (
+    check_chunks_continue,
+    check_mixed_step,
+    close,
+    hf_logits,
+    resaved,
+)
 from tests.tiny_models import hf_greedy, load_cpu_runner, perturbed, runner_logits
 from tests.utils import copy_benchmark_tokenizer
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.mamba2 import ssd_chunk_scan, ssd_step
-from vllm.model_executor.layers.recurrent import RecurrentBatch, allocate_states
 from vllm.model_executor.models import mamba_hybrid
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -108,22 +113,13 @@ def runner_for(path):
     return load_cpu_runner(ModelConfig(model=str(path), max_model_len=128, dtype="float32"))
 
 
-def hf_logits(hf, ids=IDS) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(input_ids=ids[None]).logits[0].float()
-
-
-def close(ours: torch.Tensor, ref: torch.Tensor, what: object = "") -> None:
-    assert torch.allclose(ours, ref, atol=1e-4), (what, (ours - ref).abs().max())
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_prompt_logits_equal_transformers(case, root):
     hf, path = checkpoint(case, root)
     runner = runner_for(path)
     arch = CASES[case][0]
     assert ModelRegistry.resolve_model_cls(hf.config)[0] is getattr(mamba_hybrid, arch)
-    ref = hf_logits(hf)
+    ref = hf_logits(hf, IDS)
     assert ref.std() > 0.3
     close(runner_logits(runner, IDS), ref)
 
@@ -184,38 +180,13 @@ def test_chunk_scan_equals_transformers_and_the_step():
     close(s[0], final)
 
 
-def run_step(model, runner, seqs, pools) -> torch.Tensor:
-    """One forward over ``seqs``: per sequence in row order (its tokens' first position,
-    its token ids, its block table, its slot, fresh) -> the step's fp32 logits."""
-    meta = runner.metadata_builder.build_metadata([(s[0], len(s[1]), s[2]) for s in seqs])
-    positions = torch.cat([torch.arange(s[0], s[0] + len(s[1])) for s in seqs])
-    batch = RecurrentBatch([len(s[1]) for s in seqs], [s[4] for s in seqs],
-                           [s[3] for s in seqs], pools)  # fmt: skip
-    with torch.inference_mode():
-        hidden = model(torch.cat([s[1] for s in seqs]), positions, meta, runner.kv_caches,
-                       recurrent=batch)  # fmt: skip
-        return model.compute_logits(hidden)
-
-
 @pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
 def test_chunks_and_decodes_continue_the_prompt(case, root):
     """2 + 11 + 1 + 23 tokens (the first chunk shorter than the convolution's state, a
     one-token chunk through the decode update, the last over two scan chunks of 16), then
     3 decodes, in slot 2 of 4: each step's last row is the whole forward's row."""
     hf, path = checkpoint(case, root)
-    runner = runner_for(path)
-    model = runner.model
-    whole = runner_logits(runner, IDS)
-    pools = allocate_states(model.recurrent_state_specs(torch.float32), 4, "cpu")
-    table = list(range(1, 9))
-    start = 0
-    for n in (2, 11, 1, 23, 1, 1, 1):
-        seq = (start, IDS[start : start + n], table, 2, start == 0)
-        last = run_step(model, runner, [seq], pools)[-1]
-        start += n
-        close(last, whole[start - 1], start)
-    untouched = [p[[0, 1, 3]] for layer in pools for p in layer]
-    assert all(not t.any() for t in untouched)  # only slot 2 was written
+    check_chunks_continue(runner_for(path), IDS, (2, 11, 1, 23, 1, 1, 1))
 
 
 @pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
@@ -224,40 +195,7 @@ def test_mixed_step_equals_each_sequence_alone(case, root):
     stale state; then a decode-only step of all three in another order: every row equals
     transformers' logits of its sequence alone."""
     hf, path = checkpoint(case, root)
-    runner = runner_for(path)
-    model = runner.model
-    runner.initialize_kv_cache(1 + 3 * 4)
-    tables = {n: list(range(1 + 4 * i, 5 + 4 * i)) for i, n in enumerate("abc")}
-    slots = {"a": 3, "b": 0, "c": 2}
-    g = torch.Generator().manual_seed(2)
-    seqs = {
-        n: torch.randint(0, VOCAB, (k,), generator=g)
-        for n, k in zip("abc", (12, 14, 9), strict=True)
-    }
-    pools = allocate_states(model.recurrent_state_specs(torch.float32), 4, "cpu")
-    for n in "bc":  # their prompts, but the last token, alone
-        run_step(model, runner, [(0, seqs[n][:-2], tables[n], slots[n], True)], pools)
-    for pool in (p for layer in pools for p in layer):
-        pool[slots["a"]] = torch.randn(pool.shape[1:], generator=g) * 10  # stale
-    b, a, c = seqs["b"], seqs["a"], seqs["c"]
-    first = [(len(b) - 2, b[-2:-1], tables["b"], slots["b"], False),
-             (0, a[:-1], tables["a"], slots["a"], True),
-             (len(c) - 2, c[-2:-1], tables["c"], slots["c"], False)]  # fmt: skip
-    logits = run_step(model, runner, first, pools)
-    for row, name in ((0, "b"), (len(a), "c")):
-        close(logits[row], hf_logits(hf, seqs[name][:-1])[-1], name)
-    close(logits[1 : len(a)], hf_logits(hf, a[:-1]), "a")
-    second = [(len(seqs[n]) - 1, seqs[n][-1:], tables[n], slots[n], False) for n in "cab"]
-    logits = run_step(model, runner, second, pools)
-    for row, name in enumerate("cab"):
-        close(logits[row], hf_logits(hf, seqs[name])[-1], name)
-
-
-def resaved(path, out, state: dict[str, torch.Tensor]):
-    """The checkpoint of ``path`` copied to ``out`` with ``state`` for its tensors."""
-    shutil.copytree(path, out)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    check_mixed_step(hf, runner_for(path), VOCAB)
 
 
 @pytest.mark.parametrize(
@@ -273,7 +211,7 @@ def test_transformers_names_load_and_a_missing_tensor_is_named(case, removed, ro
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     assert any(".experts.gate_up_proj" in k or ".experts.up_proj" in k for k in state)
     runner = load_cpu_runner(ModelConfig(model=str(resaved(path, tmp_path / "tf5", state))))
-    close(runner_logits(runner, IDS), hf_logits(hf))
+    close(runner_logits(runner, IDS), hf_logits(hf, IDS))
     missing = load_file(path / "model.safetensors")
     del missing[removed]
     name = removed.split(".", 1)[1].replace(".", r"\.")

@@ -13,17 +13,21 @@ prompt (low theta)."""
 from __future__ import annotations
 
 import functools
-import shutil
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from tests.model_executor.recurrent_checks import (
+    check_chunks_continue,
+    check_mixed_step,
+    hf_logits,
+    resaved,
+)
 from tests.tiny_models import load_cpu_runner, perturbed, runner_logits
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.gated_delta_net import chunk_gated_delta_rule
-from vllm.model_executor.layers.recurrent import RecurrentBatch, allocate_states
 from vllm.model_executor.models import qwen3_next
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -100,11 +104,6 @@ def runner_for(path, dtype: str = "float32"):
     return load_cpu_runner(ModelConfig(model=str(path), max_model_len=128, dtype=dtype))
 
 
-def hf_logits(hf, ids=IDS) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(input_ids=ids[None]).logits[0].float()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_logits_equal_transformers(arch, root):
     hf, path = checkpoint(arch, root)
@@ -164,41 +163,14 @@ def test_chunk_rule_equals_the_token_by_token_rule():
     assert torch.allclose(final, ref_state[0], atol=1e-4)
 
 
-def run_step(model, runner, seqs, pools) -> torch.Tensor:
-    """One forward over ``seqs``: per sequence in row order (its tokens' first position,
-    its token ids, its block table, its slot, fresh) -> the step's fp32 logits."""
-    meta = runner.metadata_builder.build_metadata([(s[0], len(s[1]), s[2]) for s in seqs])
-    positions = torch.cat([torch.arange(s[0], s[0] + len(s[1])) for s in seqs])
-    batch = RecurrentBatch([len(s[1]) for s in seqs], [s[4] for s in seqs],
-                           [s[3] for s in seqs], pools)  # fmt: skip
-    with torch.inference_mode():
-        hidden = model(torch.cat([s[1] for s in seqs]), positions, meta, runner.kv_caches,
-                       recurrent=batch)  # fmt: skip
-        return model.compute_logits(hidden)
-
-
 @pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"])
 def test_chunks_and_decodes_continue_the_prompt(arch, root):
     """2 + 11 + 1 + 70 tokens (the first chunk shorter than the convolution's state, the
     last longer than the delta rule's chunk of 64), then 3 decodes, in slot 2 of 4: each
     step's last row is the whole forward's row."""
     hf, path = checkpoint(arch, root)
-    runner = runner_for(path)
-    model = runner.model
-    whole = runner_logits(runner, IDS)
-    pools = allocate_states(model.recurrent_state_specs(torch.float32), 4, "cpu")
-    table = list(range(1, 9))
-    start = 0
-    for n in (2, 11, 1, 70, 1, 1, 1):
-        seq = (start, IDS[start : start + n], table, 2, start == 0)
-        last = run_step(model, runner, [seq], pools)[-1]
-        start += n
-        assert torch.allclose(last, whole[start - 1], atol=1e-4), (
-            (last - whole[start - 1]).abs().max()
-        )
+    whole = check_chunks_continue(runner_for(path), IDS, (2, 11, 1, 70, 1, 1, 1))
     assert whole[1:].std() > 0.3
-    untouched = [p[[0, 1, 3]] for layer in pools for p in layer]
-    assert all(not t.any() for t in untouched)  # only slot 2 was written
 
 
 def test_mixed_step_equals_each_sequence_alone(root):
@@ -206,46 +178,7 @@ def test_mixed_step_equals_each_sequence_alone(root):
     stale state; then a decode-only step of all three in another order: every row equals
     transformers' logits of its sequence alone."""
     hf, path = checkpoint("Qwen3_5MoeForCausalLM", root)
-    runner = runner_for(path)
-    model = runner.model
-    runner.initialize_kv_cache(1 + 3 * 4)
-    tables = {n: list(range(1 + 4 * i, 5 + 4 * i)) for i, n in enumerate("abc")}
-    slots = {"a": 3, "b": 0, "c": 2}
-    g = torch.Generator().manual_seed(2)
-    seqs = {
-        n: torch.randint(0, VOCAB, (k,), generator=g)
-        for n, k in zip("abc", (12, 14, 9), strict=True)
-    }
-    pools = allocate_states(model.recurrent_state_specs(torch.float32), 4, "cpu")
-    for n in "bc":  # their prompts, but the last token, alone
-        ids = seqs[n][:-2]
-        run_step(model, runner, [(0, ids, tables[n], slots[n], True)], pools)
-    for pool in (p for layer in pools for p in layer):
-        pool[slots["a"]] = torch.randn(pool.shape[1:], generator=g) * 10  # stale
-    b, a, c = seqs["b"], seqs["a"], seqs["c"]
-    first = [(len(b) - 2, b[-2:-1], tables["b"], slots["b"], False),
-             (0, a[:-1], tables["a"], slots["a"], True),
-             (len(c) - 2, c[-2:-1], tables["c"], slots["c"], False)]  # fmt: skip
-    logits = run_step(model, runner, first, pools)
-    for row, name in ((0, "b"), (len(a), "c")):
-        ref = hf_logits(hf, seqs[name][:-1])[-1]
-        assert torch.allclose(logits[row], ref, atol=1e-4), (name, (logits[row] - ref).abs().max())
-    ref = hf_logits(hf, a[:-1])
-    assert torch.allclose(logits[1 : len(a)], ref, atol=1e-4), (
-        (logits[1 : len(a)] - ref).abs().max()
-    )
-    second = [(len(seqs[n]) - 1, seqs[n][-1:], tables[n], slots[n], False) for n in "cab"]
-    logits = run_step(model, runner, second, pools)
-    for row, name in enumerate("cab"):
-        ref = hf_logits(hf, seqs[name])[-1]
-        assert torch.allclose(logits[row], ref, atol=1e-4), (name, (logits[row] - ref).abs().max())
-
-
-def resaved(path, out, state: dict[str, torch.Tensor]):
-    """The checkpoint of ``path`` copied to ``out`` with ``state`` for its tensors."""
-    shutil.copytree(path, out)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    check_mixed_step(hf, runner_for(path), VOCAB)
 
 
 def test_extra_tensors_are_ignored_and_a_missing_one_is_named(root, tmp_path):
@@ -256,7 +189,7 @@ def test_extra_tensors_are_ignored_and_a_missing_one_is_named(root, tmp_path):
     assert any(k.startswith("model.visual.") for k in state)
     extra = {**state, "mtp.fc.weight": torch.randn(48, 96), "mtp.norm.weight": torch.randn(48)}
     runner = load_cpu_runner(ModelConfig(model=str(resaved(path, tmp_path / "extra", extra))))
-    assert torch.allclose(runner_logits(runner, IDS), hf_logits(hf), atol=1e-4)
+    assert torch.allclose(runner_logits(runner, IDS), hf_logits(hf, IDS), atol=1e-4)
     missing = dict(state)
     del missing["model.language_model.layers.2.linear_attn.A_log"]
     with pytest.raises(ValueError, match=r"'layers\.2\.linear_attn\.A_log'.* is missing"):
@@ -270,7 +203,7 @@ def test_stacked_experts_load(root, tmp_path):
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     assert state["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 48)
     runner = load_cpu_runner(ModelConfig(model=str(resaved(path, tmp_path / "stacked", state))))
-    assert torch.allclose(runner_logits(runner, IDS), hf_logits(hf), atol=1e-4)
+    assert torch.allclose(runner_logits(runner, IDS), hf_logits(hf, IDS), atol=1e-4)
 
 
 def test_bfloat16_greedy_tokens_mostly_equal_fp32(root):

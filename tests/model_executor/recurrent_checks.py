@@ -1,0 +1,95 @@
+"""Checks shared by the tests of models with recurrent layers (Qwen3-Next / Qwen3.5's Gated
+DeltaNet, the Mamba2 hybrids): a step through ``forward`` with a ``RecurrentBatch`` over
+real pools, a prompt fed in chunks and decodes equal to its whole forward, and a mixed step
+(a fresh prefill over a stale slot between decodes) equal to each sequence alone."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+from safetensors.torch import save_file
+
+from tests.tiny_models import runner_logits
+from vllm.model_executor.layers.recurrent import RecurrentBatch, allocate_states
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits of one prompt ``ids``."""
+    with torch.inference_mode():
+        return hf(input_ids=ids[None]).logits[0].float()
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: object = "") -> None:
+    assert torch.allclose(got, want, atol=1e-4), (what, (got - want).abs().max())
+
+
+def run_step(model, runner, seqs, pools) -> torch.Tensor:
+    """One forward over ``seqs``: per sequence in row order (its tokens' first position,
+    its token ids, its block table, its slot, fresh) -> the step's fp32 logits."""
+    meta = runner.metadata_builder.build_metadata([(s[0], len(s[1]), s[2]) for s in seqs])
+    positions = torch.cat([torch.arange(s[0], s[0] + len(s[1])) for s in seqs])
+    batch = RecurrentBatch([len(s[1]) for s in seqs], [s[4] for s in seqs],
+                           [s[3] for s in seqs], pools)  # fmt: skip
+    with torch.inference_mode():
+        hidden = model(torch.cat([s[1] for s in seqs]), positions, meta, runner.kv_caches,
+                       recurrent=batch)  # fmt: skip
+        return model.compute_logits(hidden)
+
+
+def check_chunks_continue(runner, ids: torch.Tensor, chunks: tuple[int, ...]) -> torch.Tensor:
+    """``ids`` fed in ``chunks`` (a chunk of 1 after the first: a decode) in slot 2 of 4:
+    each step's last row is the whole forward's row, and no other slot is written.
+    Returns the whole forward's logits."""
+    model = runner.model
+    whole = runner_logits(runner, ids)
+    pools = allocate_states(model.recurrent_state_specs(torch.float32), 4, "cpu")
+    table = list(range(1, 9))
+    start = 0
+    for n in chunks:
+        seq = (start, ids[start : start + n], table, 2, start == 0)
+        last = run_step(model, runner, [seq], pools)[-1]
+        start += n
+        close(last, whole[start - 1], start)
+    untouched = [p[[0, 1, 3]] for layer in pools for p in layer]
+    assert all(not t.any() for t in untouched)  # only slot 2 was written
+    return whole
+
+
+def check_mixed_step(hf, runner, vocab: int) -> None:
+    """One step of [decode of b, a fresh 11-token prompt a, decode of c], a's slot holding
+    a stale state; then a decode-only step of all three in another order: every row equals
+    transformers' logits of its sequence alone."""
+    model = runner.model
+    runner.initialize_kv_cache(1 + 3 * 4)
+    tables = {n: list(range(1 + 4 * i, 5 + 4 * i)) for i, n in enumerate("abc")}
+    slots = {"a": 3, "b": 0, "c": 2}
+    g = torch.Generator().manual_seed(2)
+    seqs = {
+        n: torch.randint(0, vocab, (k,), generator=g)
+        for n, k in zip("abc", (12, 14, 9), strict=True)
+    }
+    pools = allocate_states(model.recurrent_state_specs(torch.float32), 4, "cpu")
+    for n in "bc":  # their prompts, but the last token, alone
+        run_step(model, runner, [(0, seqs[n][:-2], tables[n], slots[n], True)], pools)
+    for pool in (p for layer in pools for p in layer):
+        pool[slots["a"]] = torch.randn(pool.shape[1:], generator=g) * 10  # stale
+    b, a, c = seqs["b"], seqs["a"], seqs["c"]
+    first = [(len(b) - 2, b[-2:-1], tables["b"], slots["b"], False),
+             (0, a[:-1], tables["a"], slots["a"], True),
+             (len(c) - 2, c[-2:-1], tables["c"], slots["c"], False)]  # fmt: skip
+    logits = run_step(model, runner, first, pools)
+    for row, name in ((0, "b"), (len(a), "c")):
+        close(logits[row], hf_logits(hf, seqs[name][:-1])[-1], name)
+    close(logits[1 : len(a)], hf_logits(hf, a[:-1]), "a")
+    second = [(len(seqs[n]) - 1, seqs[n][-1:], tables[n], slots[n], False) for n in "cab"]
+    logits = run_step(model, runner, second, pools)
+    for row, name in enumerate("cab"):
+        close(logits[row], hf_logits(hf, seqs[name])[-1], name)
+
+
+def resaved(path, out, state: dict[str, torch.Tensor]):
+    """The checkpoint of ``path`` copied to ``out`` with ``state`` for its tensors."""
+    shutil.copytree(path, out)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
