@@ -16,6 +16,7 @@ architectures in ``registry.py``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -517,6 +518,19 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     gguf_layout: ClassVar[Any] = None  # llama.cpp's phi3 tensors are fused differently
 
 
+@contextlib.contextmanager
+def mrope_step(model: Any, positions: torch.Tensor):
+    """A step of ``(3, num_tokens)`` M-RoPE positions: ``model.rope`` reads this step's own
+    table (``model.mrope_table``, row i for token i) until the block ends; yields the rows
+    ``0..num_tokens-1`` that index it, the positions its layers are given."""
+    rope, table = model.rope, model.rope.cos_sin_cache
+    rope.cos_sin_cache = model.mrope_table(positions)
+    try:
+        yield torch.arange(positions.shape[1], device=positions.device)
+    finally:
+        rope.cos_sin_cache = table
+
+
 class QwenVLForConditionalGeneration(LlamaForCausalLM):
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL's dense checkpoints: the Qwen2 or Qwen3 language
     model of ``text_config`` (its tensors under ``model.``, beside the vision tower's under
@@ -645,13 +659,8 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
             deepstack = pending[1]
         if positions.dim() == 1:
             return super().forward(input_ids, positions, meta, kv_caches, inputs_embeds, deepstack)
-        rope, table = self.rope, self.rope.cos_sin_cache
-        rope.cos_sin_cache = self.mrope_table(positions)
-        try:
-            rows = torch.arange(positions.shape[1], device=positions.device)
+        with mrope_step(self, positions) as rows:
             return super().forward(input_ids, rows, meta, kv_caches, inputs_embeds, deepstack)
-        finally:
-            rope.cos_sin_cache = table
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """The language model's tensors (``LlamaForCausalLM.load_weights``) and, where the

@@ -63,6 +63,7 @@ from vllm.model_executor.models.llama import (
     RotaryEmbedding,
     _no_attention_backend,
     load_embeddings_and_head,
+    mrope_step,
 )
 from vllm.model_executor.models.moe import SparseMoeBlock, load_moe_block
 from vllm.model_executor.models.qwen2_vl_vision import QwenVLArch, vision_tower
@@ -552,13 +553,8 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
         for token i."""
         if positions.dim() == 1:
             return super().forward(input_ids, positions, meta, kv_caches, inputs_embeds, recurrent)
-        rope, table = self.rope, self.rope.cos_sin_cache
-        rope.cos_sin_cache = self.mrope_table(positions)
-        try:
-            rows = torch.arange(positions.shape[1], device=positions.device)
+        with mrope_step(self, positions) as rows:
             return super().forward(input_ids, rows, meta, kv_caches, inputs_embeds, recurrent)
-        finally:
-            rope.cos_sin_cache = table
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """The language model's tensors (``Qwen3NextForCausalLM.load_weights``) and the
