@@ -189,3 +189,41 @@ def test_the_same_prompt_again_hits_its_checkpoint_even_on_a_block_multiple():
     assert new.num_computed_tokens == 8 and new.state_restore is not None
     run_until_done(s)
     s.check_invariants()
+
+
+def test_the_prompts_checkpoint_is_shared_once_written_while_its_request_runs():
+    """A fork of a running request's prompt, added after the prompt's checkpoint step has
+    run: it restarts from that checkpoint before the first request ends."""
+    s = _scheduler(budget=32)
+    first = make_request(list(range(10)), max_tokens=8)
+    s.add_request(first)
+    step(s)  # the prompt to 8: its checkpoint saved, and (its step run) in the cache
+    assert len(s.state_checkpoints) == 1
+    step(s)
+    fork = make_request(list(range(10)), max_tokens=2)
+    s.add_request(fork)
+    so, _ = step(s)
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 8 and new.state_restore is not None
+    assert first.request_id in s.requests  # still running
+    run_until_done(s)
+    s.check_invariants()
+
+
+def test_a_failed_step_shares_no_checkpoint():
+    """The prompt's checkpoint enters the cache only when its step ran: a request that
+    fails in that step leaves none behind."""
+    from vllm.v1.outputs import RequestFailure
+
+    from .helpers import fake_output
+
+    s = _scheduler(budget=32)
+    r = make_request(list(range(10)), max_tokens=2)
+    s.add_request(r)
+    so = s.schedule()
+    assert so.state_checkpoints
+    out = fake_output(so, s)
+    out.errors = {r.request_id: RequestFailure("boom")}
+    s.update_from_output(so, out)
+    assert len(s.state_checkpoints) == 0
+    s.check_invariants()

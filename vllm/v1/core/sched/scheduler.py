@@ -586,6 +586,11 @@ class Scheduler:
                 request.num_output_placeholders -= 1
         outputs, self._pending_outputs = self._pending_outputs, []
         errors = self._fail_requests(runner_output.errors, scheduled)
+        if self.state_checkpoints is not None:  # the step's copies ran: prompts' are shared
+            for req_id in scheduler_output.state_checkpoints:
+                request = self.requests.get(req_id)
+                if request is not None:
+                    self.state_checkpoints.written(req_id, request.job_key, request.block_hashes)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             new_tokens = runner_output.sampled_token_ids.get(req_id) or []

@@ -9,20 +9,22 @@ ends on a block boundary. A request keeps two:
 
 - its prompt's: the state at the prompt's last block boundary before its last token
   (the deepest hit of the same prompt). The scheduler ends a prefill chunk there
-  (``prompt_boundary``; the prompt's last tokens, at most a block, run in the next step),
-  and that copy is never overwritten;
+  (``prompt_boundary``; the prompt's last tokens, at most a block, run in the next step).
+  That copy is never overwritten: it enters the cache as soon as its step has run
+  (``written``), for a request with the same prompt (forks, parallel samples, retries)
+  while this one still runs;
 - its latest: every later step that ends on a boundary (a decode every ``block_size``
   tokens) copies into one more slot, overwritten each time.
 
-When the request ends (finished, aborted, preempted), each enters the cache under the
-hash of the block that ends at its position; a later request whose prefix hit reaches
+When the request ends (finished, aborted, preempted), what it holds enters the cache under
+the hash of the block that ends at its position; a later request whose prefix hit reaches
 such a block starts from a copy of it, its hit cut back to the deepest block that has
 one (``hit``). That is the agent's case: a job's next turn repeats the last one's prompt
 (and, when the template renders the answer back as it was generated, the answer), and
 restarts from the deepest checkpoint instead of recomputing the whole history.
 
-Slots: a running request takes its two as its checkpoints fall due and keeps them to
-its end; the cache holds the rest, least recently used first out (a pinned job's last
+Slots: a running request takes its two as its checkpoints fall due and keeps its latest
+to its end; the cache holds the rest, least recently used first out (a pinned job's last
 after everyone else's: ``Continuum`` pins them for the job's next turn). When no slot is
 free and none can be evicted, the request goes without that checkpoint. vLLM caches
 Mamba states at block boundaries too (its "align" mode, the state stored in a block of
@@ -110,8 +112,6 @@ class StateCheckpoints:
             return None
         held = self._running.setdefault(req_id, _Held())
         if end == prompt_boundary(num_prompt_tokens, self.block_size):
-            if held.prompt is not None:  # (recomputed after a preemption: the same state)
-                return held.prompt[0]
             slot = self._take()
             if slot is not None:
                 held.prompt = (slot, end)
@@ -135,17 +135,36 @@ class StateCheckpoints:
         for checkpoint in (held.prompt, held.latest):  # the latest most recently used
             if checkpoint is None:
                 continue
-            slot, position = checkpoint
-            blocks = position // self.block_size
-            if not keep or blocks == 0 or blocks > len(block_hashes):
-                self._free.append(slot)
-                continue
-            key = block_hashes[blocks - 1]
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                self._free.append(slot)
-                continue
-            self._cache[key] = _Entry(slot, job)
+            if keep:
+                self._insert(*checkpoint, job, block_hashes)
+            else:
+                self._free.append(checkpoint[0])
+
+    def written(self, req_id: str, job: str, block_hashes: list) -> None:
+        """The step that saved the request's checkpoints has run: its prompt's, which is
+        never overwritten, enters the cache at once, so that a request with the same
+        prompt (a fork, parallel samples, a retry) starts from it while this one still
+        runs."""
+        held = self._running.get(req_id)
+        if held is None or held.prompt is None:
+            return
+        checkpoint, held.prompt = held.prompt, None
+        self._insert(*checkpoint, job, block_hashes)
+
+    def _insert(self, slot: int, position: int, job: str, block_hashes: list) -> None:
+        """The checkpoint in ``slot`` at ``position`` into the cache, under the hash of the
+        block ending there (a prefix another checkpoint holds keeps that one: ``slot`` is
+        freed)."""
+        blocks = position // self.block_size
+        if blocks == 0 or blocks > len(block_hashes):
+            self._free.append(slot)
+            return
+        key = block_hashes[blocks - 1]
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            self._free.append(slot)
+            return
+        self._cache[key] = _Entry(slot, job)
 
     def clear(self) -> None:
         """Drop the cache's checkpoints (a prefix-cache reset); running requests keep
