@@ -164,8 +164,8 @@ class EngineArgs:
     ) -> VllmConfig:
         """Build the validated config. ``model_max_len``: the model's own limit, if known;
         ``usage_context``: who asks (the CUDA step budget's default depends on it);
-        ``recurrent``: the model has linear-attention layers (``has_recurrent_layers``),
-        whose states no prefix cache holds here (``_recurrent_model``)."""
+        ``recurrent``: the model has recurrent layers (``has_recurrent_layers``), whose
+        states no KV block holds (``_recurrent_model``)."""
         values: dict[str, dict[str, Any]] = {g: {} for g in get_type_hints(VllmConfig)}
         for arg in config_args():
             values[arg.group][arg.field] = self._parse(arg)
@@ -263,7 +263,7 @@ class EngineArgs:
 
 
 def _recurrent_model(values: dict[str, dict[str, Any]]) -> None:
-    """A model with linear-attention layers (Qwen3-Next, Qwen3.5): each sequence's
+    """A model with recurrent layers (Qwen3-Next, Qwen3.5, the Mamba2 hybrids): each sequence's
     recurrent state lives in a slot of its own (vllm/model_executor/layers/recurrent.py),
     and a prefix hit reaches only as far as a checkpoint of those states
     (vllm/v1/core/sched/state_checkpoints.py). What restores blocks without their states,
@@ -278,6 +278,6 @@ def _recurrent_model(values: dict[str, dict[str, Any]]) -> None:
     for bad, what in refused:
         if bad:
             raise ValueError(
-                f"{what}: the model has linear-attention layers, whose per-sequence states "
-                "are not held in KV blocks; drop the flag"
+                f"{what}: the model has recurrent layers (linear attention, Mamba2), whose "
+                "per-sequence states are not held in KV blocks; drop the flag"
             )

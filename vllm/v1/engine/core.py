@@ -204,14 +204,14 @@ class EngineCore:
         if not (auto or offload.enabled):  # (VllmConfig refuses a tier without prefix caching)
             return 0, 0
         if self.model_runner.recurrent_specs is not None:
-            # Its blocks would come back without the linear-attention layers' states
+            # Its blocks would come back without the recurrent layers' states
             # (EngineArgs refuses --kv-offloading-size for such a model).
             if offload.enabled:
                 raise ValueError(
-                    "--kv-offloading-size: the model has linear-attention layers, whose "
-                    "states the CPU KV tier does not hold; drop the flag"
+                    "--kv-offloading-size: the model has recurrent layers, whose states the "
+                    "CPU KV tier does not hold; drop the flag"
                 )
-            logger.info("No CPU KV tier: the model has linear-attention layers")
+            logger.info("No CPU KV tier: the model has recurrent layers")
             return 0, 0
         block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
         auto_bytes = None

@@ -175,7 +175,7 @@ SCHEDULER_METRICS = (
         "Bytes copied between the KV cache and the CPU tier.",
         "offload_stats.bytes_moved",
     ),
-    # A linear-attention model's checkpoints of recurrent states (prefix hits restart from
+    # A recurrent model's checkpoints of recurrent states (prefix hits restart from
     # them: state_checkpoints.py); none for other models.
     _gauge(
         "vllm:recurrent_state_checkpoints",

@@ -39,7 +39,7 @@ class OffloadStats:
 
 @dataclass
 class StateCheckpointStats:
-    """A linear-attention model's checkpoints of recurrent states (state_checkpoints.py):
+    """A recurrent model's checkpoints of recurrent states (state_checkpoints.py):
     the cache's size (gauge) and, since the previous report (deltas), the states saved at
     block boundaries, the prefix hits restored from one, and the checkpoints evicted."""
 
@@ -95,7 +95,7 @@ class SchedulerStats:
     # The CPU KV tier's lookups (vLLM's external prefix cache) and copies; None: no tier.
     connector_prefix_cache_stats: PrefixCacheStats | None = None
     offload_stats: OffloadStats | None = None
-    # A model with linear-attention layers, with prefix caching; None otherwise.
+    # A model with recurrent layers, with prefix caching; None otherwise.
     state_checkpoint_stats: StateCheckpointStats | None = None
     # Tokens the step computed (prompt chunks and decodes); 0: a report without a step.
     num_scheduled_tokens: int = 0

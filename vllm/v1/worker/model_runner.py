@@ -129,7 +129,7 @@ class CachedRequestState:
     # An M-RoPE model's request with images: its positions are mrope_positions' (past an
     # image they run behind or ahead of its indices), not its indices.
     mrope: bool = False
-    # A model with linear-attention layers: the slot of this request's recurrent states
+    # A model with recurrent layers: the slot of this request's recurrent states
     # (ModelRunner.recurrent_states), held from its first step to its end or preemption.
     state_slot: int | None = None
     # The prompt inside token_ids, one view for the request's life (it caches the
@@ -284,9 +284,9 @@ class ModelRunner:
         # The KV cache groups (kv_cache_groups.py: the hybrid KV cache of sliding-window
         # models), planned in load_model (or on first use).
         self._kv_groups: KVCacheGroups | None = None
-        # A model with linear-attention layers (layers/recurrent.py): each layer's states
-        # per sequence, their pools (a slot for each of max_num_seqs requests; made with
-        # the KV cache) and the free slots.
+        # A model with recurrent layers (layers/recurrent.py: linear attention, Mamba2): each
+        # layer's states per sequence, their pools (a slot for each of max_num_seqs
+        # requests; made with the KV cache) and the free slots.
         self.recurrent_specs: list[tuple[StateSpec, ...]] | None = None
         self.recurrent_states: list[tuple[torch.Tensor, ...]] = []
         self._free_state_slots: list[int] = []
@@ -396,8 +396,8 @@ class ModelRunner:
         if draft_config is not None:
             if self.recurrent_specs is not None:  # (EngineArgs refuses the pair first)
                 raise ValueError(
-                    "--speculative-config: the model has linear-attention layers, whose "
-                    "states a rejected draft would leave its tokens in"
+                    "--speculative-config: the model has recurrent layers, whose states a "
+                    "rejected draft would leave its tokens in"
                 )
             self.drafter = self._load_drafter(draft_config)
         self.plan_kv_cache_groups()
@@ -421,7 +421,7 @@ class ModelRunner:
         self.recurrent_specs = declare(ssm_dtype)
         slots = self.config.scheduler_config.max_num_seqs
         logger.info(
-            "Recurrent states: %d linear-attention layers, %.2f MiB a sequence (states in "
+            "Recurrent states: %d recurrent layers, %.2f MiB a sequence (states in "
             "%s), %d slots (--max-num-seqs) + %d checkpoint slots (prefix caching): %.2f GiB",
             len(self.recurrent_specs),
             state_bytes(self.recurrent_specs) / 2**20,
@@ -434,7 +434,7 @@ class ModelRunner:
     @property
     def num_state_checkpoint_slots(self) -> int:
         """Checkpoint slots of recurrent states (``state_checkpoints.py``): as many as
-        --max-num-seqs with prefix caching, for a model with linear-attention layers."""
+        --max-num-seqs with prefix caching, for a model with recurrent layers."""
         if self.recurrent_specs is None or not self.config.cache_config.enable_prefix_caching:
             return 0
         return self.config.scheduler_config.max_num_seqs
@@ -442,7 +442,7 @@ class ModelRunner:
     @property
     def recurrent_states_bytes(self) -> int:
         """Bytes of the recurrent states' pools and checkpoints (0 for a model without
-        linear-attention layers)."""
+        recurrent layers)."""
         if self.recurrent_specs is None:
             return 0
         slots = self.config.scheduler_config.max_num_seqs + self.num_state_checkpoint_slots
@@ -675,7 +675,7 @@ class ModelRunner:
             self.device, utilization, self.memory_before_load, profile_step
         )
         logger.info("GPU memory (utilization %.2f): %s", utilization, budget.describe())
-        # The linear-attention layers' states come out of the same memory, before the KV.
+        # The recurrent layers' states come out of the same memory, before the KV.
         kv_bytes = budget.kv_cache_bytes - self.recurrent_states_bytes
         if kv_bytes < 2 * self.get_kv_cache_bytes_per_block():
             states = self.recurrent_states_bytes
@@ -773,9 +773,9 @@ class ModelRunner:
         if mc.is_pooling:  # every step is a prompt: no decode step to replay
             return
         if self.recurrent_specs is not None:
-            # The linear-attention layers' decode gathers each sequence's state by its slot:
-            # not yet captured (and not yet run on a GPU), so such a model runs eagerly.
-            logger.info("No CUDA graphs: the model's linear-attention layers run eagerly")
+            # The recurrent layers' decode gathers each sequence's state by its slot: not yet
+            # captured (and not yet run on a GPU), so such a model runs eagerly.
+            logger.info("No CUDA graphs: the model's recurrent layers run eagerly")
             return
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache first: the graphs record the cache's address")
@@ -945,7 +945,7 @@ class ModelRunner:
             if new.num_computed_tokens and new.state_restore is None:
                 raise RuntimeError(
                     f"the request starts at token {new.num_computed_tokens}, but the model's "
-                    "linear-attention layers have no state for its prefix"
+                    "recurrent layers have no state for its prefix"
                 )
             if not self._free_state_slots:
                 raise RuntimeError(
@@ -1266,7 +1266,7 @@ class ModelRunner:
             if state.mm_features:
                 images.append((state, start, n, row_starts[req_id]))
             token_slots += [state.lora_slot] * n
-            if state.state_slot is not None:  # linear-attention layers: its state's slot
+            if state.state_slot is not None:  # recurrent layers: its state's slot
                 recurrent.append((n, start == 0, state.state_slot))
             if not drafts and start + n >= len(state.token_ids):  # the end: sample a token
                 sample_idx.append(len(ids) - 1)

@@ -31,7 +31,7 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
     mm_features: list[MultiModalFeature] | None = None  # its images, by prompt position
-    # A model with linear-attention layers: the checkpoint slot of the recurrent states
+    # A model with recurrent layers: the checkpoint slot of the recurrent states
     # after its first num_computed_tokens (its prefix hit), copied to its own before the
     # forward (vllm/v1/core/sched/state_checkpoints.py); None: it starts from nothing.
     state_restore: int | None = None

@@ -54,7 +54,7 @@ class _Step:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
     # Per request: the images its chunk makes the vision encoder compute.
     encoder: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
-    # A model with linear-attention layers: the checkpoint slot each new request's state
+    # A model with recurrent layers: the checkpoint slot each new request's state
     # starts from (its prefix hit's; state_checkpoints.py).
     restores: dict[str, int] = field(default_factory=dict)
 
@@ -86,7 +86,7 @@ class Scheduler:
         identifier): such an image costs the encoder budget nothing. ``whole_images``:
         a chunk never ends inside an image, as ``disable_chunked_mm_input`` asks (the
         model's image tokens attend to each other both ways: ``whole_images`` of
-        vllm/v1/engine/core.py). ``state_checkpoint_slots``: a model with linear-attention
+        vllm/v1/engine/core.py). ``state_checkpoint_slots``: a model with recurrent
         layers, with prefix caching: the runner's checkpoint slots of recurrent states
         (``StateCheckpoints``); a prefix hit reaches only as far as a checkpoint."""
         self.config = vllm_config.scheduler_config
@@ -703,8 +703,8 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         self._release_states(request, keep=True)  # the job's next turn may start from it
         action = self._with_cache_hints(request, self.policy.on_finished(request, now))
-        # Without prefix caching no later request can hit a pinned block (a model with
-        # linear-attention layers runs so): the pin would only hold memory. Freed.
+        # Without prefix caching (--no-enable-prefix-caching) no later request can hit a
+        # pinned block: the pin would only hold memory. Freed.
         if isinstance(action, Pin) and self.kv_cache_manager.enable_caching:
             self.pins.pin(request, action.ttl_s, now, strict=action.strict)
         else:

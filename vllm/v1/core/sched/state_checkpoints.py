@@ -1,8 +1,8 @@
-"""Prefix caching for models with linear-attention layers: checkpoints of recurrent states
+"""Prefix caching for models with recurrent layers: checkpoints of recurrent states
 at block boundaries, the scheduler's side.
 
 A prefix hit of ``k`` blocks gives a request the K/V of its first ``k * block_size``
-tokens, but a linear-attention layer (Qwen3.5's Gated DeltaNet) needs its state after
+tokens, but a recurrent layer (Qwen3.5's Gated DeltaNet, Mamba2) needs its state after
 exactly those tokens, which no block holds. So the runner keeps copies of states, each
 in a checkpoint slot (``ModelRunner.recurrent_checkpoints``), taken when a request's step
 ends on a block boundary. A request keeps two:
