@@ -62,6 +62,18 @@ def test_least_recently_used_goes_first_and_a_pinned_job_last():
     c.check_invariants()
 
 
+def test_a_pinned_jobs_checkpoint_is_never_evicted():
+    """Every cached checkpoint a pinned job's: a new one goes without a slot."""
+    pinned = {"keep"}
+    c = StateCheckpoints(1, BS, is_pinned=pinned.__contains__)
+    c.plan("a", 4, LONG)
+    c.release("a", "keep", ["a1"], keep=True)
+    assert c.plan("b", 4, LONG) is None and c.hit(["a1"], 4)[0] == 4
+    pinned.clear()  # the pin ends: the slot can be had
+    assert c.plan("b", 4, LONG) is not None and c.evictions == 1
+    c.check_invariants()
+
+
 def test_no_slot_to_be_had_means_no_checkpoint():
     c = StateCheckpoints(1, BS)
     assert c.plan("a", 4, LONG) is not None

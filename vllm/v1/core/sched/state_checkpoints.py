@@ -24,9 +24,10 @@ one (``hit``). That is the agent's case: a job's next turn repeats the last one'
 restarts from the deepest checkpoint instead of recomputing the whole history.
 
 Slots: a running request takes its two as its checkpoints fall due and keeps its latest
-to its end; the cache holds the rest, least recently used first out (a pinned job's last
-after everyone else's: ``Continuum`` pins them for the job's next turn). When no slot is
-free and none can be evicted, the request goes without that checkpoint. vLLM caches
+to its end; the cache holds the rest, least recently used first out, except a pinned
+job's (``Continuum`` pins a job's blocks for its next turn, which they serve only with
+its states). When no slot is free and none can be evicted, the request goes without that
+checkpoint. vLLM caches
 Mamba states at block boundaries too (its "align" mode, the state stored in a block of
 the mamba group); here the states have a pool of their own, sized in slots.
 
@@ -174,13 +175,14 @@ class StateCheckpoints:
 
     # -- slots -------------------------------------------------------------------------
     def _take(self) -> int | None:
+        """A free slot, else the least recently used checkpoint's whose job holds no pin;
+        None when every cached one is a pinned job's. A pinned job's next turn is due
+        (Continuum's prediction), and its pinned blocks are no hit without its states."""
         if self._free:
             return self._free.pop()
-        if not self._cache:
-            return None
         victim = next((k for k, e in self._cache.items() if not self.is_pinned(e.job)), None)
         if victim is None:
-            victim = next(iter(self._cache))
+            return None
         self.evictions += 1
         return self._cache.pop(victim).slot
 
