@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"later turns: {ratio:.2f}x faster with checkpoints; prompt tokens computed "
           f"{base['computed_tokens']} -> {ours['computed_tokens']}; answers "
           f"{'identical' if same else 'DIFFER'}")  # fmt: skip
-    result = dict(machine=info, args={k: str(v) for k, v in vars(args).items()}, runs=runs,
-                  later_turn_speedup=ratio, same_answers=same)  # fmt: skip
+    recorded = {k: str(v) for k, v in vars(args).items() if k != "json_out"}  # no machine path
+    result = dict(machine=info, args=recorded, runs=runs, later_turn_speedup=ratio,
+                  same_answers=same)  # fmt: skip
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2))
     return 0 if same else 1
