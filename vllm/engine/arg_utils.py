@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import enum
 import functools
-import logging
 import types
 import typing
 from collections.abc import Callable
@@ -23,7 +22,6 @@ from vllm.config import SchedulerConfig, VllmConfig, field_default, parse_bytes
 __all__ = ["ConfigArg", "EngineArgs", "UsageContext", "config_args", "parse_bytes"]
 
 GiB = 1 << 30
-logger = logging.getLogger(__name__)
 
 
 class UsageContext(enum.Enum):
@@ -164,13 +162,11 @@ class EngineArgs:
     ) -> VllmConfig:
         """Build the validated config. ``model_max_len``: the model's own limit, if known;
         ``usage_context``: who asks (the CUDA step budget's default depends on it);
-        ``recurrent``: the model has recurrent layers (``has_recurrent_layers``), whose
-        states no KV block holds (``_recurrent_model``)."""
+        ``recurrent``: the model has recurrent layers (``has_recurrent_layers``): the flags
+        it cannot serve with are refused before it loads (``refuse_unsupported``)."""
         values: dict[str, dict[str, Any]] = {g: {} for g in get_type_hints(VllmConfig)}
         for arg in config_args():
             values[arg.group][arg.field] = self._parse(arg)
-        if recurrent:
-            _recurrent_model(values)
         max_model_len = self._max_model_len(model_max_len)
         values["model_config"]["max_model_len"] = max_model_len
         scheduler = values["scheduler_config"]
@@ -184,7 +180,12 @@ class EngineArgs:
                 budget = max(budget, max_model_len)
             scheduler["max_num_batched_tokens"] = budget
         configs = get_type_hints(VllmConfig)
-        return VllmConfig(**{g: configs[g](**kwargs) for g, kwargs in values.items()})
+        config = VllmConfig(**{g: configs[g](**kwargs) for g, kwargs in values.items()})
+        if recurrent:
+            from vllm.model_executor.layers.recurrent import refuse_unsupported
+
+            refuse_unsupported(config)
+        return config
 
     def serve_speculators_head(self) -> None:
         """vLLM's speculators models: when ``model`` is a ``speculators``-format head
@@ -260,24 +261,3 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-
-def _recurrent_model(values: dict[str, dict[str, Any]]) -> None:
-    """A model with recurrent layers (Qwen3-Next, Qwen3.5, the Mamba2 hybrids): each sequence's
-    recurrent state lives in a slot of its own (vllm/model_executor/layers/recurrent.py),
-    and a prefix hit reaches only as far as a checkpoint of those states
-    (vllm/v1/core/sched/state_checkpoints.py). What restores blocks without their states,
-    or drafts tokens a state would have to take back, is refused naming the flag."""
-    spec = values["speculative_config"].get("speculative_config")
-    refused = [
-        (values["offload_config"].get("kv_offloading_size") not in (None, 0),
-         "--kv-offloading-size (the CPU KV tier restores attention blocks, not states)"),
-        (bool(spec), "--speculative-config (a rejected draft would leave its tokens in the "
-         "recurrent state)"),
-    ]  # fmt: skip
-    for bad, what in refused:
-        if bad:
-            raise ValueError(
-                f"{what}: the model has recurrent layers (linear attention, Mamba2), whose "
-                "per-sequence states are not held in KV blocks; drop the flag"
-            )

@@ -183,3 +183,17 @@ def test_a_checkpoints_own_ssm_cache_dtype_is_the_default(qwen35):
             assert llm.engine_core.model_runner.recurrent_states[0][1].dtype == want, flag
         finally:
             llm.shutdown()
+
+
+def test_a_hand_built_config_is_refused_after_loading(qwen35):
+    """A VllmConfig built without EngineArgs meets the same refusal in the runner."""
+    from vllm.config import CacheConfig, ModelConfig, OffloadConfig, VllmConfig
+    from vllm.v1.engine.core import EngineCore
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(qwen35[0])),
+        cache_config=CacheConfig(kv_cache_memory_bytes=1 << 24),
+        offload_config=OffloadConfig(kv_offloading_size=1.0),
+    )
+    with pytest.raises(ValueError, match="--kv-offloading-size"):
+        EngineCore(config)

@@ -139,3 +139,24 @@ def copy_slots(
     for src_layer, dst_layer in zip(src, dst, strict=True):
         for a, b in zip(src_layer, dst_layer, strict=True):
             b.index_copy_(0, to_idx, a.index_select(0, from_idx))
+
+
+def refuse_unsupported(config: object) -> None:
+    """``ValueError`` naming the flag a model with recurrent layers cannot serve with
+    (``config``: a ``VllmConfig``): the CPU KV tier restores attention blocks, not states;
+    a rejected draft would leave its tokens in the state. Called before loading (EngineArgs,
+    for a model ``has_recurrent_layers``) and after it (the runner, for a config built by
+    hand)."""
+    refused = [
+        (config.offload_config.enabled,
+         "--kv-offloading-size (the CPU KV tier restores attention blocks, not states)"),
+        (config.speculative_config.enabled,
+         "--speculative-config (a rejected draft would leave its tokens in the recurrent "
+         "state)"),
+    ]  # fmt: skip
+    for bad, what in refused:
+        if bad:
+            raise ValueError(
+                f"{what}: the model has recurrent layers (linear attention, Mamba2), whose "
+                "per-sequence states are not held in KV blocks; drop the flag"
+            )

@@ -204,13 +204,8 @@ class EngineCore:
         if not (auto or offload.enabled):  # (VllmConfig refuses a tier without prefix caching)
             return 0, 0
         if self.model_runner.recurrent_specs is not None:
-            # Its blocks would come back without the recurrent layers' states
-            # (EngineArgs refuses --kv-offloading-size for such a model).
-            if offload.enabled:
-                raise ValueError(
-                    "--kv-offloading-size: the model has recurrent layers, whose states the "
-                    "CPU KV tier does not hold; drop the flag"
-                )
+            # Its blocks would come back without the recurrent layers' states (an explicit
+            # --kv-offloading-size is refused: recurrent.refuse_unsupported).
             logger.info("No CPU KV tier: the model has recurrent layers")
             return 0, 0
         block_bytes = self.model_runner.get_kv_cache_bytes_per_block()

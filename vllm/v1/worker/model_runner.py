@@ -24,6 +24,7 @@ from vllm.model_executor.layers.recurrent import (
     StateSpec,
     allocate_states,
     copy_slots,
+    refuse_unsupported,
     ssm_state_dtype,
     state_bytes,
 )
@@ -392,13 +393,10 @@ class ModelRunner:
             time.monotonic() - start,
         )
         self._plan_recurrent_states(hf_config)
+        if self.recurrent_specs is not None:  # (EngineArgs refuses these before loading)
+            refuse_unsupported(self.config)
         draft_config = self.config.draft_model_config
         if draft_config is not None:
-            if self.recurrent_specs is not None:  # (EngineArgs refuses the pair first)
-                raise ValueError(
-                    "--speculative-config: the model has recurrent layers, whose states a "
-                    "rejected draft would leave its tokens in"
-                )
             self.drafter = self._load_drafter(draft_config)
         self.plan_kv_cache_groups()
 
