@@ -73,6 +73,18 @@ class RecurrentStep:
     prefills: tuple[tuple[int, int, int, bool], ...]  # (first row, tokens, slot, fresh)
 
     @classmethod
+    def of_forward(
+        cls, batch: RecurrentBatch | None, model: nn.Module, x: torch.Tensor
+    ) -> tuple[RecurrentBatch, RecurrentStep]:
+        """A forward's batch and its plan: ``batch``, or without one (the profile run, a
+        warm-up) every row of ``x`` one fresh sequence on scratch states of ``model``'s
+        specs (``recurrent_state_specs`` in its embeddings' dtype)."""
+        if batch is None:
+            specs = model.recurrent_state_specs(model.embed_tokens.weight.dtype)
+            batch = RecurrentBatch.scratch(x.shape[0], specs, x.device)
+        return batch, cls.of(batch)
+
+    @classmethod
     def of(cls, batch: RecurrentBatch) -> RecurrentStep:
         if batch.decode_only:  # no host work beyond the batch's own lists
             return cls(batch.slots, None, ())

@@ -402,10 +402,8 @@ class _MambaHybridForCausalLM(nn.Module):
         if positions.dim() != 1:
             raise ValueError(f"positions of shape {tuple(positions.shape)}: (num_tokens,)")
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        if recurrent is None:
-            specs = self.recurrent_state_specs(self.embed_tokens.weight.dtype)
-            recurrent = RecurrentBatch.scratch(x.shape[0], specs, x.device)
-        step = RecurrentStep.of(recurrent)  # once: every layer serves the step alike
+        # once: every layer serves the step alike
+        recurrent, step = RecurrentStep.of_forward(recurrent, self, x)
         metas = layer_metadata(meta, self.arch.num_layers)
 
         def mix(kind: str, mixer: nn.Module, j: int, h: torch.Tensor) -> torch.Tensor:
