@@ -1,7 +1,8 @@
 """Qwen3.5's Gated DeltaNet layers on CUDA: the recurrent states' pools and checkpoints on
 the device, the batched decode's gathers and scatters by slot, the chunked delta rule's
 triangular solves, in the engine. fp32: greedy tokens equal transformers' (CPU, fp32) in
-16-token chunks, mixed batches and a job's next turn restored from a checkpoint; bf16
+16-token chunks, mixed batches, a job's next turn restored from a checkpoint, and one
+restored from the CPU KV tier's host slots (blocks loaded, states copied host to device); bf16
 (the CUDA default, states in bf16 by --mamba-ssm-cache-dtype auto): the same run
 completes and its first tokens mostly agree. The CPU tests of the same paths are
 tests/v1/engine/test_recurrent_engine.py and tests/model_executor/test_qwen3_next.py.
@@ -15,7 +16,11 @@ import pytest
 import torch
 
 from tests.tiny_models import hf_greedy
-from tests.v1.engine.test_recurrent_engine import _prompts, qwen35  # noqa: F401 (fixture)
+from tests.v1.engine.test_recurrent_engine import (  # noqa: F401 (fixture)
+    _prompts,
+    check_offloaded_turn,
+    qwen35,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -58,3 +63,9 @@ def test_bf16_runs_and_mostly_agrees(qwen35):  # noqa: F811
     pairs = [(a, b) for t, w in zip(tokens, want, strict=True) for a, b in zip(t, w, strict=True)]
     agree = sum(a == b for a, b in pairs)
     assert agree >= 0.75 * sum(map(len, want)) and len(again) == 4 and cached > 0
+
+
+def test_a_turn_comes_back_from_the_cpu_tier(qwen35):  # noqa: F811
+    """The host checkpoint slots' copies cross the host link both ways (device to host on
+    eviction, host to the request's device slot on a hit); fp32, transformers' tokens."""
+    check_offloaded_turn(*qwen35, dtype="float32", enforce_eager=True)

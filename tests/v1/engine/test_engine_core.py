@@ -36,6 +36,7 @@ class FakeRunner:
     bidirectional_images = False  # image tokens attend causally (Gemma 3's would not)
     recurrent_specs = None  # no linear-attention layers
     num_state_checkpoint_slots = 0
+    state_checkpoint_bytes = 0
 
     def determine_num_blocks(self) -> int:
         return self.config.cache_config.num_gpu_blocks_override
@@ -56,7 +57,7 @@ class FakeRunner:
     def get_kv_cache_bytes_per_block(self) -> int:
         return 1024
 
-    def initialize_kv_offload(self, num_cpu_blocks: int) -> None:
+    def initialize_kv_offload(self, num_cpu_blocks: int, num_state_slots: int = 0) -> None:
         self.num_cpu_blocks = num_cpu_blocks
 
     def execute_model(self, so) -> ModelRunnerOutput:

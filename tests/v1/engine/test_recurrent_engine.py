@@ -141,19 +141,12 @@ def test_next_turn_starts_from_a_checkpoint_of_the_last(qwen35):
     assert list(out3.outputs[0].token_ids) == hf_greedy(hf, [third], 30)[0]
 
 
-@pytest.mark.parametrize(
-    "flag, value, named",
-    [
-        ("kv_offloading_size", 1.0, "--kv-offloading-size"),
-        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2},
-         "--speculative-config"),
-    ],
-)  # fmt: skip
-def test_flags_that_cannot_work_are_refused(qwen35, flag, value, named):
+def test_speculative_decoding_is_refused(qwen35):
     from vllm import LLM
 
-    with pytest.raises(ValueError, match=named):
-        LLM(model=str(qwen35[0]), **{flag: value})
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="--speculative-config"):
+        LLM(model=str(qwen35[0]), speculative_config=spec)
 
 
 def test_ssm_cache_dtype_sets_the_states_dtype(qwen35):
@@ -187,13 +180,76 @@ def test_a_checkpoints_own_ssm_cache_dtype_is_the_default(qwen35):
 
 def test_a_hand_built_config_is_refused_after_loading(qwen35):
     """A VllmConfig built without EngineArgs meets the same refusal in the runner."""
-    from vllm.config import CacheConfig, ModelConfig, OffloadConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, SpeculativeConfig, VllmConfig
     from vllm.v1.engine.core import EngineCore
 
     config = VllmConfig(
         model_config=ModelConfig(model=str(qwen35[0])),
         cache_config=CacheConfig(kv_cache_memory_bytes=1 << 24),
-        offload_config=OffloadConfig(kv_offloading_size=1.0),
+        speculative_config=SpeculativeConfig(
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+        ),
     )
-    with pytest.raises(ValueError, match="--kv-offloading-size"):
+    with pytest.raises(ValueError, match="--speculative-config"):
         EngineCore(config)
+
+
+def test_a_turn_offloaded_to_the_cpu_tier_comes_back_with_its_states(qwen35):
+    """With the CPU KV tier: a job's first turn, then other requests that take every block
+    of a small pool and every device checkpoint slot (two, as --max-num-seqs). The first
+    turn's blocks go to the tier, its checkpoints to the tier's host slots; the next turn
+    loads the blocks, restores the states from host memory, and keeps transformers'
+    tokens. Without the tier the same next turn finds nothing."""
+    check_offloaded_turn(*qwen35)
+
+
+def check_offloaded_turn(path, hf, **kwargs) -> None:
+    """The test above, with ``kwargs`` for ``LLM`` (the CUDA test's device and dtype)."""
+    from vllm import LLM, SamplingParams
+
+    first = _prompts(3)[2]  # 41 tokens
+    others = [_prompts(1, seed=s)[0] * 12 for s in (20, 21, 22, 23)]  # 60 tokens each
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    hits = {}
+    for tier in (0.01, 0):
+        llm = LLM(model=str(path), num_gpu_blocks_override=9, max_num_seqs=2,
+                  max_num_batched_tokens=64, kv_offloading_size=tier, **kwargs)  # fmt: skip
+        try:
+            out = llm.generate({"prompt_token_ids": first}, params)[0]
+            second = first + list(out.outputs[0].token_ids) + _prompts(1, seed=9)[0]
+            llm.generate([{"prompt_token_ids": p} for p in others], params)
+            offloaded = llm.engine_core.scheduler.state_checkpoints.num_offloaded
+            out2 = llm.generate({"prompt_token_ids": second}, params)[0]
+            hits[tier] = out2.num_cached_tokens
+            _check_slots(llm)
+            llm.engine_core.scheduler.check_invariants()
+        finally:
+            llm.shutdown()
+        assert list(out2.outputs[0].token_ids) == hf_greedy(hf, [second], 30)[0], tier
+        assert (offloaded > 0) == bool(tier)
+    assert hits[0] == 0 and hits[0.01] == 64  # the first turn's latest checkpoint (70 tokens)
+
+
+def test_split_tier_keeps_the_devices_proportion():
+    from vllm.model_executor.layers.recurrent import split_tier
+
+    # The device: 100 blocks of 10 bytes and 4 slots of 250 bytes (half and half).
+    assert split_tier(4000, 10, 250, 100, 4) == (200, 8)
+    assert split_tier(600, 10, 250, 100, 4) == (35, 1)
+    assert split_tier(400, 10, 250, 100, 4) == (0, 0)  # not a whole slot
+
+
+def test_a_policy_that_keeps_contexts_gets_a_tier_with_state_slots(qwen35):
+    """--scheduling-policy continuum sizes a CPU tier by itself: for a model with
+    recurrent layers it holds checkpoint slots next to its blocks (ContextServe's offload
+    of a slow tool's job has somewhere to put the states)."""
+    from vllm import LLM
+
+    llm = LLM(model=str(qwen35[0]), kv_cache_memory="16MiB", scheduling_policy="continuum")
+    try:
+        core = llm.engine_core
+        assert core.num_cpu_blocks > 0 and core.num_host_state_slots > 0
+        assert core.scheduler.state_checkpoints.num_host_slots == core.num_host_state_slots
+        assert len(core.model_runner.host_checkpoints) == 3  # its Gated DeltaNet layers
+    finally:
+        llm.shutdown()

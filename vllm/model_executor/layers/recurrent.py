@@ -130,26 +130,39 @@ def copy_slots(
 ) -> None:
     """Copy the states of ``src_slots`` of pools ``src`` into ``dst_slots`` of ``dst``
     (per layer, the same specs): a checkpoint saved or restored, one gather and one
-    scatter per state tensor."""
+    scatter per state tensor. The pools may be on different devices (the CPU KV tier's
+    host checkpoints): the gathered rows cross over between the two."""
     if not src_slots:
         return
-    device = src[0][0].device
-    from_idx = torch.tensor(list(src_slots), dtype=torch.long, device=device)
-    to_idx = torch.tensor(list(dst_slots), dtype=torch.long, device=device)
+    src_device, dst_device = src[0][0].device, dst[0][0].device
+    from_idx = torch.tensor(list(src_slots), dtype=torch.long, device=src_device)
+    to_idx = torch.tensor(list(dst_slots), dtype=torch.long, device=dst_device)
     for src_layer, dst_layer in zip(src, dst, strict=True):
         for a, b in zip(src_layer, dst_layer, strict=True):
-            b.index_copy_(0, to_idx, a.index_select(0, from_idx))
+            b.index_copy_(0, to_idx, a.index_select(0, from_idx).to(dst_device))
+
+
+def split_tier(
+    size_bytes: int, block_bytes: int, slot_bytes: int, device_blocks: int, device_slots: int
+) -> tuple[int, int]:
+    """A CPU KV tier of ``size_bytes`` for a model with recurrent layers: (KV blocks,
+    checkpoint slots), in the device's own proportion of KV bytes to checkpoint bytes
+    (``device_blocks`` of ``block_bytes``, ``device_slots`` of ``slot_bytes``), so that
+    the tier holds about as many contexts' states as their blocks. (0, 0) when the share
+    of checkpoints holds none: blocks without states are no hit."""
+    device_bytes = device_blocks * block_bytes + device_slots * slot_bytes
+    slots = size_bytes * device_slots // device_bytes
+    if slots < 1:
+        return 0, 0
+    return (size_bytes - slots * slot_bytes) // block_bytes, slots
 
 
 def refuse_unsupported(config: object) -> None:
     """``ValueError`` naming the flag a model with recurrent layers cannot serve with
-    (``config``: a ``VllmConfig``): the CPU KV tier restores attention blocks, not states;
-    a rejected draft would leave its tokens in the state. Called before loading (EngineArgs,
-    for a model ``has_recurrent_layers``) and after it (the runner, for a config built by
-    hand)."""
+    (``config``: a ``VllmConfig``): a rejected draft would leave its tokens in the state.
+    Called before loading (EngineArgs, for a model ``has_recurrent_layers``) and after it
+    (the runner, for a config built by hand)."""
     refused = [
-        (config.offload_config.enabled,
-         "--kv-offloading-size (the CPU KV tier restores attention blocks, not states)"),
         (config.speculative_config.enabled,
          "--speculative-config (a rejected draft would leave its tokens in the recurrent "
          "state)"),

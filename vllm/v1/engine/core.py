@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.config import SchedulerConfig, VllmConfig
+from vllm.model_executor.layers.recurrent import split_tier
 from vllm.profiler import TorchProfiler
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, kv_capacity_tokens
@@ -137,6 +138,7 @@ class EngineCore:
         self.num_gpu_blocks = self.model_runner.determine_num_blocks()
         check_kv_capacity(vllm_config, self.num_gpu_blocks, self.model_runner.kv_cache_windows)
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
+        self.num_host_state_slots = 0  # the CPU tier's checkpoint slots (_init_kv_offload)
         self.num_cpu_blocks, block_bytes = self._init_kv_offload()
         policy = create_policy(
             vllm_config, decode=self._decode, clock=clock, has_kv_tier=self.num_cpu_blocks > 0
@@ -162,6 +164,7 @@ class EngineCore:
             self.model_runner.encoder_cache.__contains__,
             whole_images=bidirectional,
             state_checkpoint_slots=self.model_runner.num_state_checkpoint_slots,
+            state_checkpoint_host_slots=self.num_host_state_slots,
         )
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
         # Finished/preempted ids of steps the runner did not see (empty or failed steps),
@@ -203,15 +206,14 @@ class EngineCore:
         )
         if not (auto or offload.enabled):  # (VllmConfig refuses a tier without prefix caching)
             return 0, 0
-        if self.model_runner.recurrent_specs is not None:
-            # Its blocks would come back without the recurrent layers' states (an explicit
-            # --kv-offloading-size is refused: recurrent.refuse_unsupported).
-            logger.info("No CPU KV tier: the model has recurrent layers")
-            return 0, 0
-        block_bytes = self.model_runner.get_kv_cache_bytes_per_block()
+        runner = self.model_runner
+        block_bytes = runner.get_kv_cache_bytes_per_block()
+        slot_bytes = runner.state_checkpoint_bytes
+        device_slots = runner.num_state_checkpoint_slots
         auto_bytes = None
         if auto:
-            auto_bytes = offload.auto_size_bytes(self.num_gpu_blocks * block_bytes)
+            pool_bytes = self.num_gpu_blocks * block_bytes + device_slots * slot_bytes
+            auto_bytes = offload.auto_size_bytes(pool_bytes)
             if auto_bytes < block_bytes:
                 return 0, 0
             logger.info(
@@ -219,8 +221,26 @@ class EngineCore:
                 policy_cls.name,
                 auto_bytes / 2**30,
             )
-        num_blocks = offload.num_blocks(block_bytes, auto_bytes)
-        self.model_runner.initialize_kv_offload(num_blocks)
+        num_slots = 0
+        if runner.recurrent_specs is None:
+            num_blocks = offload.num_blocks(block_bytes, auto_bytes)
+        else:
+            # A hit needs its recurrent states as well as its blocks: the tier holds
+            # checkpoints of them too, in the device's proportion (recurrent.split_tier).
+            size = offload.size_bytes if auto_bytes is None else auto_bytes
+            num_blocks, num_slots = split_tier(
+                size, block_bytes, slot_bytes, self.num_gpu_blocks, device_slots
+            )
+            if num_blocks < 1:
+                if auto_bytes is not None:
+                    return 0, 0
+                raise ValueError(
+                    f"--kv-offloading-size: {offload.kv_offloading_size} GiB holds no checkpoint "
+                    f"of the model's recurrent states ({slot_bytes} bytes) next to its share "
+                    "of KV blocks; give it more"
+                )
+        runner.initialize_kv_offload(num_blocks, num_slots)
+        self.num_host_state_slots = num_slots
         return num_blocks, block_bytes
 
     @property
@@ -379,6 +399,8 @@ class EngineCore:
         self._undeliver(scheduler_output)
         if scheduler_output.kv_transfers:  # the CPU tier's saves may not have run
             self.scheduler.kv_cache_manager.discard_kv_saves(scheduler_output.kv_transfers)
+        if scheduler_output.state_offloads:  # nor its copies of recurrent states
+            self.scheduler.state_checkpoints.discard_offloads(scheduler_output.state_offloads)
         failure = RequestFailure(f"the engine failed in this request's step: {_brief(error)}")
         return ModelRunnerOutput([], {}, errors=dict.fromkeys(req_ids, failure))
 

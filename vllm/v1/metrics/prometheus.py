@@ -197,6 +197,16 @@ SCHEDULER_METRICS = (
         "Checkpoints of recurrent states evicted for room.",
         "state_checkpoint_stats.evictions",
     ),
+    _gauge(
+        "vllm:recurrent_state_checkpoints_offloaded",
+        "Checkpoints of recurrent states held in the CPU tier.",
+        "state_checkpoint_stats.offloaded",
+    ),
+    _counter(
+        "vllm:recurrent_state_checkpoint_offloads",
+        "Evicted checkpoints of recurrent states copied to the CPU tier.",
+        "state_checkpoint_stats.offloads",
+    ),
     # Speculative decoding (vLLM's names); none without --speculative-config.
     _counter(
         "vllm:spec_decode_num_drafts",

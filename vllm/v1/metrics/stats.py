@@ -41,12 +41,15 @@ class OffloadStats:
 class StateCheckpointStats:
     """A recurrent model's checkpoints of recurrent states (state_checkpoints.py):
     the cache's size (gauge) and, since the previous report (deltas), the states saved at
-    block boundaries, the prefix hits restored from one, and the checkpoints evicted."""
+    block boundaries, the prefix hits restored from one, and the checkpoints evicted; with
+    the CPU KV tier, the checkpoints it holds (gauge) and those copied to it (delta)."""
 
     cached: int = 0
     saves: int = 0
     restores: int = 0
     evictions: int = 0
+    offloaded: int = 0
+    offloads: int = 0
 
 
 @dataclass

@@ -292,8 +292,11 @@ class ModelRunner:
         self.recurrent_states: list[tuple[torch.Tensor, ...]] = []
         self._free_state_slots: list[int] = []
         # With prefix caching: copies of states at block boundaries, in slots the scheduler
-        # assigns (vllm/v1/core/sched/state_checkpoints.py).
+        # assigns (vllm/v1/core/sched/state_checkpoints.py); with the CPU KV tier, host
+        # slots for the checkpoints evicted from the device (initialize_kv_offload).
         self.recurrent_checkpoints: list[tuple[torch.Tensor, ...]] = []
+        self.host_checkpoints: list[tuple[torch.Tensor, ...]] = []
+        self.num_host_state_slots = 0
         # --speculative-config's draft_model: the draft, its KV tensors, its passes.
         self.drafter: DraftModelProposer | None = None
         self.decode_graphs: DecodeGraphs | None = None  # capture_model (CUDA)
@@ -436,6 +439,12 @@ class ModelRunner:
         if self.recurrent_specs is None or not self.config.cache_config.enable_prefix_caching:
             return 0
         return self.config.scheduler_config.max_num_seqs
+
+    @property
+    def state_checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint slot: a sequence's states over every recurrent layer (0
+        for a model without recurrent layers)."""
+        return 0 if self.recurrent_specs is None else state_bytes(self.recurrent_specs)
 
     @property
     def recurrent_states_bytes(self) -> int:
@@ -718,8 +727,10 @@ class ModelRunner:
                 self.recurrent_specs, self.num_state_checkpoint_slots, self.device
             )
 
-    def initialize_kv_offload(self, num_cpu_blocks: int) -> None:
-        """Allocate the CPU KV tier (``--kv-offloading-backend``) after the KV cache."""
+    def initialize_kv_offload(self, num_cpu_blocks: int, num_state_slots: int = 0) -> None:
+        """Allocate the CPU KV tier (``--kv-offloading-backend``) after the KV cache, and
+        for a model with recurrent layers ``num_state_slots`` host checkpoint slots of its
+        states (``StateCheckpoints``' host tier; plain host memory, copied with the step)."""
         from vllm.v1.kv_offload.registry import get_offloading_backend_class
 
         backend = self.config.offload_config.kv_offloading_backend
@@ -740,6 +751,14 @@ class ModelRunner:
             ", page-locked in the background" if getattr(self.kv_offload, "pinner", None) else "",
             num_cpu_blocks * self.block_size,
         )
+        self.num_host_state_slots = num_state_slots
+        if num_state_slots and self.recurrent_specs is not None:
+            self.host_checkpoints = allocate_states(self.recurrent_specs, num_state_slots, "cpu")
+            logger.info(
+                "CPU KV tier: %d checkpoint slots of recurrent states (%.2f GiB)",
+                num_state_slots,
+                num_state_slots * self.state_checkpoint_bytes / 2**30,
+            )
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
@@ -824,7 +843,7 @@ class ModelRunner:
         self.kv_offload = None
         self.kv_caches = []
         self.recurrent_states, self._free_state_slots = [], []
-        self.recurrent_checkpoints = []
+        self.recurrent_checkpoints, self.host_checkpoints = [], []
         if self.drafter is not None:
             self.drafter.kv_caches, self.drafter.graphs = [], None
 
@@ -870,7 +889,7 @@ class ModelRunner:
         if "kv_cache" in tags and not self.kv_caches:
             self.initialize_kv_cache(num_blocks)
             if num_cpu_blocks:
-                self.initialize_kv_offload(num_cpu_blocks)
+                self.initialize_kv_offload(num_cpu_blocks, self.num_host_state_slots)
         if self.is_awake:
             self.warm_up_kernels()
             self.capture_model()
@@ -885,6 +904,15 @@ class ModelRunner:
         if self.kv_offload is None:
             raise RuntimeError("the scheduler planned KV copies but no CPU tier exists")
         self.kv_offload.transfer(plan)
+
+    def offload_states(self, offloads: list[tuple[int, int]]) -> None:
+        """Copy evicted checkpoints (device slot, host slot) to the CPU tier's host slots."""
+        if not self.host_checkpoints:
+            raise RuntimeError("the scheduler offloaded recurrent states but no host slots exist")
+        copy_slots(
+            self.recurrent_checkpoints, [d for d, _ in offloads],
+            self.host_checkpoints, [h for _, h in offloads],
+        )  # fmt: skip
 
     # -- one step -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> dict[str, RequestFailure]:
@@ -986,11 +1014,10 @@ class ModelRunner:
             )
         if self.recurrent_specs is not None:  # last: nothing after it can fail
             state.state_slot = self._free_state_slots.pop()
-            if new.state_restore is not None:  # its prefix hit's states, before the forward
-                copy_slots(
-                    self.recurrent_checkpoints, [new.state_restore],
-                    self.recurrent_states, [state.state_slot],
-                )  # fmt: skip
+            restore = new.state_restore
+            if restore is not None:  # its prefix hit's states, before the forward
+                source = self.host_checkpoints if restore.host else self.recurrent_checkpoints
+                copy_slots(source, [restore.slot], self.recurrent_states, [state.state_slot])
         return state
 
     def _image_rows(
@@ -1203,6 +1230,8 @@ class ModelRunner:
         failed = self._update_states(so)
         if so.kv_transfers:
             self.transfer_kv(so.kv_transfers)
+        if so.state_offloads:  # before the forward, after which the slots are rewritten
+            self.offload_states(so.state_offloads)
         order = [r for r in so.num_scheduled_tokens if r not in failed]
         image_failures = self._encode_images(order, so)
         if image_failures:

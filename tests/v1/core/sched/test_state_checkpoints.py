@@ -5,7 +5,7 @@ restore and save)."""
 
 from __future__ import annotations
 
-from vllm.v1.core.sched.state_checkpoints import StateCheckpoints
+from vllm.v1.core.sched.state_checkpoints import StateCheckpoints, StateRestore
 
 from ..conftest import make_request
 from .helpers import make_scheduler, run_until_done, step
@@ -31,8 +31,8 @@ def test_the_prompts_checkpoint_has_a_slot_of_its_own():
     assert len({first, prompt}) == 2 and latest == first
     c.release("a", "job", ["h1", "h2", "h3"], keep=True)
     assert len(c) == 2
-    assert c.hit(["h1", "h2", "h3", "h4"], 16) == (12, latest)  # the deepest first
-    assert c.hit(["h1", "h2", "x"], 12) == (8, prompt)  # diverged after the prompt
+    assert c.hit(["h1", "h2", "h3", "h4"], 16) == (12, StateRestore(latest))  # deepest first
+    assert c.hit(["h1", "h2", "x"], 12) == (8, StateRestore(prompt))  # diverged after it
     assert c.hit(["h1", "y"], 8) == (0, None)
     c.check_invariants()
 
@@ -131,7 +131,7 @@ def test_next_turn_hits_up_to_the_deepest_checkpoint_and_restores_it():
     s.add_request(t2)
     so, out = step(s)
     new = so.scheduled_new_reqs[0]
-    assert new.num_computed_tokens == 12 and new.state_restore == saved[-1]
+    assert new.num_computed_tokens == 12 and new.state_restore == StateRestore(saved[-1])
     assert out.outputs == [] or out.outputs[0].num_cached_tokens == 12
     run_until_done(s)
     s.check_invariants()
@@ -146,7 +146,7 @@ def test_a_hit_past_the_last_checkpoint_is_cut_back_to_one():
     s.add_request(t2)
     so, _ = step(s)
     new = so.scheduled_new_reqs[0]
-    assert new.num_computed_tokens == 8 and new.state_restore == saved[0]
+    assert new.num_computed_tokens == 8 and new.state_restore == StateRestore(saved[0])
     assert so.num_scheduled_tokens[t2.request_id] == 8  # to 16, its prompt's boundary
     run_until_done(s)
     s.check_invariants()
@@ -239,3 +239,75 @@ def test_a_failed_step_shares_no_checkpoint():
     s.update_from_output(so, out)
     assert len(s.state_checkpoints) == 0
     s.check_invariants()
+
+
+# -- the host tier (with the CPU KV tier) ------------------------------------------------
+def _cached(c: StateCheckpoints, req: str, key: str) -> None:
+    """A finished request's checkpoint at 4 tokens, under ``key``."""
+    c.plan(req, 4, LONG)
+    c.release(req, "job", [key], keep=True)
+
+
+def test_an_evicted_checkpoint_is_offloaded_and_hit_in_host_memory():
+    c = StateCheckpoints(1, BS, num_host_slots=2)
+    _cached(c, "a", "a1")
+    slot = c.plan("b", 4, LONG)  # evicts a1's device slot: copied to host slot 0 first
+    assert c.take_offloads() == [(slot, 0)] and c.take_offloads() == []
+    assert c.hit(["a1"], 4) == (4, StateRestore(0, host=True))
+    assert (c.evictions, c.offloads, c.num_offloaded, len(c)) == (1, 1, 1, 0)
+    c.release("b", "job", ["a1"], keep=True)  # the same prefix on the device again
+    assert c.hit(["a1"], 4) == (4, StateRestore(slot))  # the device's first
+    c.check_invariants()
+
+
+def test_without_host_slots_an_evicted_checkpoint_is_gone():
+    c = StateCheckpoints(1, BS)
+    _cached(c, "a", "a1")
+    c.plan("b", 4, LONG)
+    assert c.take_offloads() == [] and c.hit(["a1"], 4) == (0, None)
+
+
+def test_the_host_tier_evicts_its_least_recently_used_but_never_a_held_slot():
+    c = StateCheckpoints(1, BS, num_host_slots=2)
+    for req, key in (("a", "a1"), ("b", "b1"), ("c", "c1")):
+        _cached(c, req, key)  # each evicts the one before it to host
+    c.take_offloads()
+    assert c.num_offloaded == 2  # a1 (host slot 0), b1 (1)
+    _, restore = c.hit(["a1"], 4)  # a1 becomes the most recent
+    c.use(restore)  # admitted: host slot 0 held for this step's copy
+    c.plan("d", 4, LONG)  # evicts c1 to host: b1's slot, the least recently used
+    assert c.take_offloads() == [(0, 1)]
+    assert c.hit(["b1"], 4) == (0, None) and c.hit(["c1"], 4)[1] == StateRestore(1, host=True)
+    _cached(c, "e", "e1")  # no plan yet: d's slot is its own until it ends
+    c.release("d", "job", ["d1"], keep=True)
+    _, restore = c.hit(["a1"], 4)
+    c.use(restore)
+    _cached(c, "f", "f1")  # evicts one of d1/e1; a1's slot is held: c1's goes
+    assert [h for _, h in c.take_offloads()] == [1]
+    assert c.hit(["a1"], 4)[0] == 4 and c.hit(["c1"], 4) == (0, None)
+    assert c.restores == 2
+    c.check_invariants()
+
+
+def test_a_failed_steps_offloads_are_forgotten_and_a_reset_clears_the_host_tier():
+    c = StateCheckpoints(1, BS, num_host_slots=2)
+    _cached(c, "a", "a1")
+    c.plan("b", 4, LONG)
+    c.discard_offloads(c.take_offloads())  # its copy may not have run
+    assert c.hit(["a1"], 4) == (0, None) and c.num_offloaded == 0
+    c.release("b", "job", ["b1"], keep=True)
+    _cached(c, "c", "c1")
+    c.take_offloads()
+    assert c.num_offloaded == 1
+    c.clear()
+    assert c.num_offloaded == 0 and len(c) == 0
+    c.check_invariants()
+
+
+def test_stats_count_offloads():
+    c = StateCheckpoints(1, BS, num_host_slots=1)
+    _cached(c, "a", "a1")
+    _cached(c, "b", "b1")
+    stats = c.take_stats()
+    assert (stats.cached, stats.evictions, stats.offloaded, stats.offloads) == (1, 1, 1, 1)
+    assert c.take_stats().offloads == 0

@@ -10,6 +10,7 @@ from vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeature
+    from vllm.v1.core.sched.state_checkpoints import StateRestore
 
 
 @dataclass
@@ -31,10 +32,11 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
     mm_features: list[MultiModalFeature] | None = None  # its images, by prompt position
-    # A model with recurrent layers: the checkpoint slot of the recurrent states
-    # after its first num_computed_tokens (its prefix hit), copied to its own before the
-    # forward (vllm/v1/core/sched/state_checkpoints.py); None: it starts from nothing.
-    state_restore: int | None = None
+    # A model with recurrent layers: the checkpoint slot (on the device or in the CPU tier)
+    # of the recurrent states after its first num_computed_tokens (its prefix hit), copied
+    # to its own before the forward (vllm/v1/core/sched/state_checkpoints.py); None: it
+    # starts from nothing.
+    state_restore: StateRestore | None = None
 
 
 @dataclass
@@ -88,6 +90,9 @@ class SchedulerOutput:
     # req_id -> the checkpoint slot its recurrent states are copied into after the forward
     # (its step ends on a block boundary: state_checkpoints.py).
     state_checkpoints: dict[str, int] = field(default_factory=dict)
+    # (device checkpoint slot, host slot): evicted checkpoints copied to the CPU tier
+    # before the forward (their device slots are rewritten after it).
+    state_offloads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -22,7 +22,11 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.pinned import KVCachePinManager
 from vllm.v1.core.sched.policy import make_request_queue
-from vllm.v1.core.sched.state_checkpoints import StateCheckpoints, prompt_boundary
+from vllm.v1.core.sched.state_checkpoints import (
+    StateCheckpoints,
+    StateRestore,
+    prompt_boundary,
+)
 from vllm.v1.core.sched.utils import TokenBudget, check_stop
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -54,9 +58,9 @@ class _Step:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding
     # Per request: the images its chunk makes the vision encoder compute.
     encoder: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
-    # A model with recurrent layers: the checkpoint slot each new request's state
-    # starts from (its prefix hit's; state_checkpoints.py).
-    restores: dict[str, int] = field(default_factory=dict)
+    # A model with recurrent layers: the checkpoint each new request's state starts from
+    # (its prefix hit's, on the device or in the CPU tier; state_checkpoints.py).
+    restores: dict[str, StateRestore] = field(default_factory=dict)
 
     @property
     def encoded(self) -> dict[str, int]:
@@ -77,6 +81,7 @@ class Scheduler:
         encoder_cached: Callable[[str], bool] | None = None,
         whole_images: bool = False,
         state_checkpoint_slots: int = 0,
+        state_checkpoint_host_slots: int = 0,
     ) -> None:
         """``policy``: built by ``create_policy`` (the one place policies are built).
         ``num_cpu_blocks``: size of the CPU KV tier (0: none), blocks of
@@ -88,7 +93,9 @@ class Scheduler:
         model's image tokens attend to each other both ways: ``whole_images`` of
         vllm/v1/engine/core.py). ``state_checkpoint_slots``: a model with recurrent
         layers, with prefix caching: the runner's checkpoint slots of recurrent states
-        (``StateCheckpoints``); a prefix hit reaches only as far as a checkpoint."""
+        (``StateCheckpoints``); a prefix hit reaches only as far as a checkpoint.
+        ``state_checkpoint_host_slots``: with the CPU KV tier, its slots for checkpoints
+        evicted from the device."""
         self.config = vllm_config.scheduler_config
         self.encoder_cached = encoder_cached
         self.whole_images = whole_images or self.config.disable_chunked_mm_input
@@ -125,7 +132,10 @@ class Scheduler:
         self.state_checkpoints: StateCheckpoints | None = None
         if state_checkpoint_slots and cache.enable_prefix_caching:
             self.state_checkpoints = StateCheckpoints(
-                state_checkpoint_slots, cache.block_size, self.pins.__contains__
+                state_checkpoint_slots,
+                cache.block_size,
+                self.pins.__contains__,
+                state_checkpoint_host_slots if num_cpu_blocks else 0,
             )
         self.waiting = make_request_queue(policy, clock, self.pins)
         policy.bind(self.pins)
@@ -438,12 +448,17 @@ class Scheduler:
                 skipped.append(self.waiting.pop_request())  # as vLLM: later ones may run
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
-            restore = None
-            if self.state_checkpoints is not None and num_hit:
-                # Only as far as a recurrent state was saved: the blocks past it recompute.
-                num_hit, restore = self.state_checkpoints.hit(request.block_hashes, num_hit)
-                hit_blocks = tuple(b[: num_hit // self.block_size] for b in hit_blocks)
             num_loaded = self._offloaded_hit(request, num_hit, step)
+            restore = None
+            if self.state_checkpoints is not None and num_hit + num_loaded:
+                # Only as far as a recurrent state was saved (on the device or in the CPU
+                # tier): the blocks past it, pooled or offloaded, recompute.
+                reach, restore = self.state_checkpoints.hit(
+                    request.block_hashes, num_hit + num_loaded
+                )
+                num_loaded = max(reach - num_hit, 0)
+                num_hit = min(num_hit, reach)
+                hit_blocks = tuple(b[: num_hit // self.block_size] for b in hit_blocks)
             num_new = request.num_tokens - num_hit - num_loaded
             if not self.config.enable_chunked_prefill and num_new > budget.remaining:
                 break
@@ -479,7 +494,7 @@ class Scheduler:
                 step.encoder[request.request_id] = images
             if restore is not None:
                 step.restores[request.request_id] = restore
-                self.state_checkpoints.restores += 1
+                self.state_checkpoints.use(restore)
             step.num_loaded += num_loaded
             step.new.append(request)
             step.num_tokens[request.request_id] = num_new
@@ -553,6 +568,8 @@ class Scheduler:
                 )
                 if slot is not None:
                     output.state_checkpoints[req_id] = slot
+        if checkpoints is not None:  # after every plan: its evictions offload
+            output.state_offloads = checkpoints.take_offloads()
         if self.async_scheduling:
             self._take_placeholders(step)
         return output
