@@ -1,7 +1,7 @@
-"""Granite 4.0-H and Nemotron-H (``models/mamba_hybrid.py``: Mamba2 layers, ``layers/
-mamba2.py``, with attention) against transformers on tiny random checkpoints: prompt
-logits; a prompt fed in chunks and decodes over real recurrent pools and a real KV cache;
-a step mixing a fresh prefill (its slot stale) with decodes of other sequences; the
+"""Granite 4.0-H, Nemotron-H and Bamba (``models/mamba_hybrid.py``: Mamba2 layers,
+``layers/mamba2.py``, with attention) against transformers on tiny random checkpoints:
+prompt logits; a prompt fed in chunks and decodes over real recurrent pools and a real KV
+cache; a step mixing a fresh prefill (its slot stale) with decodes of other sequences; the
 checkpoint's tensors (the Hub's names and transformers 5's); and the engine's greedy
 tokens, a job's next turn restored from a checkpoint of the states.
 
@@ -9,7 +9,10 @@ The checkpoints are perturbed so that each part shows: norms away from 1, biases
 decays slow enough for a state to carry across chunks (``A_log``), ``D`` away from 1,
 decisive routers, Granite's four multipliers away from 1, a low rotary theta, and
 Nemotron-H's dt floor (``time_step_min``) above some of its dt values (without the clamp
-its logits move by 0.07)."""
+its logits move by 0.07). Bamba's queries, keys and Mamba2 input projections are drawn
+larger, so that its half rotation and its ``time_step_limit`` (0.1, 0.8), which clamps
+some 40% of its first layer's dt values at either end, show (its logits move by 0.009
+rotating whole heads, by 0.14 without the limit)."""
 
 from __future__ import annotations
 
@@ -51,9 +54,14 @@ NEMOTRON = dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, he
                 moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
                 routed_scaling_factor=1.5, max_position_embeddings=128)  # fmt: skip
 ROPE = {"rope_type": "default", "rope_theta": 100.0}
+BAMBA = dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+             attn_layer_indices=[1, 3], intermediate_size=40, mamba_n_heads=4, mamba_n_groups=2,
+             mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16, max_position_embeddings=128,
+             rope_parameters=ROPE, time_step_limit=(0.1, 0.8), attention_bias=True,
+             mlp_bias=True, mamba_proj_bias=True)  # fmt: skip
 # name: (transformers class, its config's class and fields): 4 experts (top 2), unrotated;
 # dense, rotated, tied; every kind of Nemotron-H layer; its experts through a latent
-# projection, and the MLPs' and Mamba2 projections' biases.
+# projection, and the MLPs' and Mamba2 projections' biases; Bamba with every bias.
 CASES = {
     "granite_moe": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
                     dict(GRANITE, num_local_experts=4, tie_word_embeddings=False)),
@@ -65,7 +73,9 @@ CASES = {
     "nemotron_h_latent_biases": ("NemotronHForCausalLM", "NemotronHConfig",
                                  dict(NEMOTRON, moe_latent_size=32, mlp_bias=True,
                                       use_bias=True)),
+    "bamba": ("BambaForCausalLM", "BambaConfig", BAMBA),
 }  # fmt: skip
+SHARP = ("bamba",)  # cases whose q, k and Mamba2 in_proj are drawn larger (docstring)
 IDS = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
 
 
@@ -87,6 +97,9 @@ def random_model(case: str, vocab: int = VOCAB, **overrides) -> torch.nn.Module:
                 p.normal_(0.0, 1.0)
             elif name.endswith(("router.weight", "gate.weight")):
                 p.normal_(0.0, 0.3)
+            elif case in SHARP and name.endswith(("in_proj.weight", "q_proj.weight",
+                                                  "k_proj.weight")):  # fmt: skip
+                p.normal_(0.0, 0.15)
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
@@ -180,7 +193,7 @@ def test_chunk_scan_equals_transformers_and_the_step():
     close(s[0], final)
 
 
-@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h", "bamba"])
 def test_chunks_and_decodes_continue_the_prompt(case, root):
     """2 + 11 + 1 + 23 tokens (the first chunk shorter than the convolution's state, a
     one-token chunk through the decode update, the last over two scan chunks of 16), then
@@ -189,7 +202,7 @@ def test_chunks_and_decodes_continue_the_prompt(case, root):
     check_chunks_continue(runner_for(path), IDS, (2, 11, 1, 23, 1, 1, 1))
 
 
-@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h", "bamba"])
 def test_mixed_step_equals_each_sequence_alone(case, root):
     """One step of [decode of b, a fresh 11-token prompt a, decode of c], a's slot holding a
     stale state; then a decode-only step of all three in another order: every row equals
@@ -219,7 +232,7 @@ def test_transformers_names_load_and_a_missing_tensor_is_named(case, removed, ro
         load_cpu_runner(ModelConfig(model=str(resaved(path, tmp_path / "missing", missing))))
 
 
-@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h", "bamba"])
 def test_engine_greedy_and_next_turn_match_transformers(case, tmp_path):
     """Through ``vllm.LLM`` (SmolLM2's vocabulary): three prompts at once in 16-token
     steps (fresh chunks, continued chunks and decodes in one batch), then a job's next
@@ -229,8 +242,10 @@ def test_engine_greedy_and_next_turn_match_transformers(case, tmp_path):
 
     vocab = 49152
     # transformers' decode step leaves dt unclamped: Nemotron-H's default floor, under
-    # every dt here, keeps its prefill and its decodes alike
-    hf = random_model(case, vocab, **({"time_step_min": 0.001} if "nemotron" in case else {}))
+    # every dt here, and Bamba without its limit keep its prefill and its decodes alike
+    unclamped = {"nemotron_h": {"time_step_min": 0.001},
+                 "bamba": {"time_step_limit": (0.0, math.inf)}}  # fmt: skip
+    hf = random_model(case, vocab, **unclamped.get(case, {}))
     hf.save_pretrained(tmp_path)
     copy_benchmark_tokenizer(tmp_path)
     g = torch.Generator().manual_seed(3)
@@ -250,6 +265,21 @@ def test_engine_greedy_and_next_turn_match_transformers(case, tmp_path):
     assert answers == hf_greedy(hf, prompts, 12)
     assert turn.num_cached_tokens > 0
     assert list(turn.outputs[0].token_ids) == hf_greedy(hf, [second], 12)[0]
+
+
+def test_bamba_arch_and_a_missing_tensor_is_named(root, tmp_path):
+    """Attention at ``attn_layer_indices`` (the KV cache's 2 layers), the first half of
+    each head rotated, dt clamped to ``time_step_limit``; a checkpoint without one of its
+    tensors fails naming it."""
+    path = checkpoint("bamba", root)[1]
+    a = runner_for(path).model.arch
+    assert a.layer_types == ("mamba", "attention") * 2 and (a.num_layers, a.head_dim) == (2, 12)
+    assert a.rope["partial_rotary_factor"] == 0.5 and a.mamba.dt_limit == (0.1, 0.8)
+    assert math.isclose(a.attention_scale, 12**-0.5) and a.mamba.proj_bias and a.mlp_bias
+    missing = load_file(path / "model.safetensors")
+    del missing["model.layers.3.feed_forward.up_proj.bias"]
+    with pytest.raises(ValueError, match=r"'layers\.3\.feed_forward\.up_proj\.bias' is missing"):
+        load_cpu_runner(ModelConfig(model=str(resaved(path, tmp_path / "missing", missing))))
 
 
 @pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])

@@ -1,7 +1,7 @@
 """The Mamba2 mixer (selective state space with scalar decay per head, "SSD"), as
-transformers' ``GraniteMoeHybridMambaLayer`` and ``NemotronHMamba2Mixer`` compute it, over
-a step's sequences, each reading and writing its states in the recurrent pools
-(``layers/recurrent.py``).
+transformers' ``GraniteMoeHybridMambaLayer``, ``NemotronHMamba2Mixer``, ``BambaMixer`` and
+``FalconH1Mixer`` compute it, over a step's sequences, each reading and writing its states
+in the recurrent pools (``layers/recurrent.py``).
 
 One projection gives the output gate ``z`` (intermediate), ``xBC`` (conv_dim =
 intermediate + 2 * n_groups * state) and ``dt`` (heads). ``xBC`` goes through a depthwise
@@ -14,8 +14,11 @@ heads. Per head, with ``A = -exp(A_log)`` and ``dt_t = clamp(softplus(dt_t + dt_
     y_t = S_t C_t + D x_t
 
 Then ``y`` is RMS-normalised in ``n_groups`` groups and gated by ``silu(z)`` (the gate
-before the norm, as both families; ``norm_before_gate`` the other order), and projected
-back (``out_proj``). Everything past the convolution runs in fp32.
+before the norm, as Granite, Nemotron-H and Bamba; ``norm_before_gate`` the other order;
+without ``rms_norm`` only gated, as Falcon-H1's checkpoints), and projected back
+(``out_proj``). Everything past the convolution runs in fp32. Falcon-H1's muP scalings:
+the input times ``in_multiplier`` before ``in_proj``, the projection's z, x, B, C and dt
+parts each times its own of ``zxbcdt_multipliers`` (transformers' ``mup_vector``).
 
 A prefill chunk runs the recurrence a chunk of tokens at a time (``ssd_chunk_scan``,
 one sequence); decodes apply it once (``ssd_step``) for every decoding sequence of the
@@ -54,14 +57,22 @@ class Mamba2Shape:
     rms_norm_eps: float
     dt_limit: tuple[float, float] = (0.0, math.inf)  # dt clamped to it after softplus
     norm_before_gate: bool = False  # False: rms_norm(y * silu(z)) (Granite, Nemotron-H)
-    proj_bias: bool = False  # in_proj's and out_proj's biases
+    rms_norm: bool = True  # False: y * silu(z), no norm (Falcon-H1's mamba_rms_norm)
+    proj_bias: bool = False  # in_proj's (and out_proj's unless out_proj_bias says)
+    out_proj_bias: bool | None = None  # None: proj_bias (Falcon-H1: its projectors_bias)
     conv_bias: bool = True
+    in_multiplier: float = 1.0  # the input's scale before in_proj (Falcon-H1's)
+    # the z, x, B, C and dt parts of in_proj's output scaled (Falcon-H1's ssm_multipliers)
+    zxbcdt_multipliers: tuple[float, float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.n_groups:
             raise ValueError(
                 f"mamba heads {self.num_heads} are not a multiple of n_groups {self.n_groups}"
             )
+        m = self.zxbcdt_multipliers
+        if m is not None and len(m) != 5:
+            raise ValueError(f"zxbcdt_multipliers {m}: five, of z, x, B, C and dt")
 
     @property
     def intermediate(self) -> int:
@@ -71,6 +82,13 @@ class Mamba2Shape:
     def conv_dim(self) -> int:
         """The convolved channels: x, B and C."""
         return self.intermediate + 2 * self.n_groups * self.state_size
+
+    def mup_vector(self) -> torch.Tensor:
+        """fp32 (intermediate + conv_dim + heads,): each of in_proj's outputs' multiplier."""
+        sizes = (self.intermediate, self.intermediate, self.n_groups * self.state_size,
+                 self.n_groups * self.state_size, self.num_heads)  # fmt: skip
+        m = self.zxbcdt_multipliers or (1.0,) * 5
+        return torch.cat([torch.full((n,), float(v)) for n, v in zip(sizes, m, strict=True)])
 
     def state_specs(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> tuple[StateSpec, ...]:
         """(the convolution's last inputs, the SSM state) of one sequence."""
@@ -145,7 +163,9 @@ class Mamba2Mixer(nn.Module):
     each sequence's states in the layer's pools (module docstring). Parameters as the
     checkpoints name them: ``in_proj`` (rows [z | xBC | dt]), the convolution's
     ``conv_weight`` (conv_dim, kernel) and ``conv_bias``, ``dt_bias``, ``A_log``, ``D``
-    (heads), the gated norm's ``norm_weight`` (intermediate), ``out_proj``."""
+    (heads), the gated norm's ``norm_weight`` (intermediate; none without ``rms_norm``),
+    ``out_proj``; with ``zxbcdt_multipliers`` the computed buffer ``mup_vector``
+    (``init_buffers``: the model's calls it)."""
 
     def __init__(self, shape: Mamba2Shape) -> None:
         super().__init__()
@@ -157,8 +177,16 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(s.num_heads))
         self.A_log = nn.Parameter(torch.zeros(s.num_heads))
         self.D = nn.Parameter(torch.ones(s.num_heads))
-        self.norm_weight = nn.Parameter(torch.ones(s.intermediate))
-        self.out_proj = nn.Linear(s.intermediate, s.hidden_size, bias=s.proj_bias)
+        self.norm_weight = nn.Parameter(torch.ones(s.intermediate)) if s.rms_norm else None
+        out_bias = s.proj_bias if s.out_proj_bias is None else s.out_proj_bias
+        self.out_proj = nn.Linear(s.intermediate, s.hidden_size, bias=out_bias)
+        if s.zxbcdt_multipliers is not None:
+            self.register_buffer("mup_vector", s.mup_vector(), persistent=False)
+
+    def init_buffers(self) -> None:
+        """Make ``mup_vector`` (if any) in place, in its dtype and on its device."""
+        if self.shape.zxbcdt_multipliers is not None:
+            self.mup_vector.copy_(self.shape.mup_vector())
 
     def forward(
         self, h: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor], step: RecurrentStep
@@ -166,7 +194,10 @@ class Mamba2Mixer(nn.Module):
         """``states``: the layer's (conv pool, ssm pool); each sequence's slot is read
         (unless fresh) and written with its states after its last token."""
         s = self.shape
-        z, xbc, dt = self.in_proj(h).split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
+        zxbcdt = self.in_proj(h * s.in_multiplier if s.in_multiplier != 1.0 else h)
+        if s.zxbcdt_multipliers is not None:
+            zxbcdt = zxbcdt * self.mup_vector
+        z, xbc, dt = zxbcdt.split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
         y = self._scan(xbc, dt, states, step)  # (num_tokens, intermediate) fp32
         return self.out_proj(self._gated_norm(y, z).to(h.dtype))
 
@@ -231,9 +262,12 @@ class Mamba2Mixer(nn.Module):
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y (N, intermediate) fp32 RMS-normalised in n_groups groups, times the weight,
-        gated by silu(z) before the norm (or after, ``norm_before_gate``); fp32."""
+        gated by silu(z) before the norm (or after, ``norm_before_gate``; only gated without
+        ``rms_norm``); fp32."""
         s = self.shape
         gate = F.silu(z.float())
+        if not s.rms_norm:
+            return y * gate
         if not s.norm_before_gate:
             y = y * gate
         g = y.view(y.shape[0], s.n_groups, -1)
@@ -244,14 +278,15 @@ class Mamba2Mixer(nn.Module):
     def load(self, sd: dict[str, torch.Tensor], p: str) -> None:
         """From the checkpoint tensors of ``p`` (``layers.N.mamba.``, ``layers.N.mixer.``)."""
         s = self.shape
-        self.in_proj.weight.copy_(sd[p + "in_proj.weight"])
-        self.out_proj.weight.copy_(sd[p + "out_proj.weight"])
-        if s.proj_bias:
-            self.in_proj.bias.copy_(sd[p + "in_proj.bias"])
-            self.out_proj.bias.copy_(sd[p + "out_proj.bias"])
+        for proj in ("in_proj", "out_proj"):
+            layer = getattr(self, proj)
+            layer.weight.copy_(sd[f"{p}{proj}.weight"])
+            if layer.bias is not None:
+                layer.bias.copy_(sd[f"{p}{proj}.bias"])
         self.conv_weight.copy_(sd[p + "conv1d.weight"].reshape(s.conv_dim, s.conv_kernel))
         if s.conv_bias:
             self.conv_bias.copy_(sd[p + "conv1d.bias"])
         for name in ("dt_bias", "A_log", "D"):
             getattr(self, name).copy_(sd[p + name])
-        self.norm_weight.copy_(sd[p + "norm.weight"])
+        if s.rms_norm:
+            self.norm_weight.copy_(sd[p + "norm.weight"])

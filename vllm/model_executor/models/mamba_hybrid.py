@@ -1,7 +1,9 @@
-"""Mamba2 hybrids: IBM Granite 4.0-H (``GraniteMoeHybridForCausalLM``) and NVIDIA
-Nemotron-H / Nemotron 3 Nano (``NemotronHForCausalLM``), as transformers computes them.
-Their Mamba2 layers (``layers/mamba2.py``) keep per-sequence states in the recurrent
-pools (``layers/recurrent.py``), as Qwen3-Next's Gated DeltaNet layers do; their attention
+"""Mamba2 hybrids: IBM Granite 4.0-H (``GraniteMoeHybridForCausalLM``), NVIDIA
+Nemotron-H / Nemotron 3 Nano (``NemotronHForCausalLM``) and IBM Bamba
+(``BambaForCausalLM``), as transformers computes them; TII's Falcon-H1, whose every layer
+runs both mixers side by side, builds on this file (``falcon_h1.py``). Their Mamba2 layers
+(``layers/mamba2.py``) keep per-sequence states in the recurrent pools
+(``layers/recurrent.py``), as Qwen3-Next's Gated DeltaNet layers do; their attention
 layers keep K/V in the paged cache.
 
 - **Granite 4.0-H** (``granitemoehybrid``): each of ``layer_types`` ("mamba" or
@@ -20,6 +22,10 @@ layers keep K/V in the paged cache.
   (DeepSeek-V3's routing: ``fused_moe.select_experts_grouped``), optionally through a
   latent projection, plus a shared ReLU² expert. Its Mamba2 ``dt`` is clamped below at
   ``time_step_min``. The output head is never tied.
+- **Bamba** (``bamba``): Granite 4.0-H's dense layers without its multipliers: Mamba2, or
+  attention at ``attn_layer_indices``, then the SiLU-gated MLP (``feed_forward``), each
+  pre-norm. Attention is scaled by ``head_dim ** -0.5`` and rotates the first half of
+  each head (transformers hard-codes ``partial_rotary_factor`` 0.5 for Bamba).
 
 The arch's ``num_layers`` and head counts are the attention layers' (the KV cache has a
 tensor per attention layer); ``layer_types`` holds every layer's kind.
@@ -29,13 +35,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vllm import _custom_ops as ops
 from vllm.model_executor.layers.fused_moe import (
     Activation,
     fused_experts,
@@ -57,12 +63,14 @@ from vllm.model_executor.models.qwen3_next import DenseMLP
 from vllm.v1.attention.backends.abstract import layer_metadata
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
+PARALLEL = "parallel"  # Mamba2 and attention side by side (Falcon-H1's "hybrid")
 # Every spelling of a layer's kind: transformers 5's, the Hub configs', Nemotron's pattern.
 _KINDS = {
     "mamba": MAMBA, "linear_attention": MAMBA, "M": MAMBA,
     "attention": ATTENTION, "full_attention": ATTENTION, "*": ATTENTION,
-    "mlp": MLP, "-": MLP, "moe": MOE, "E": MOE,
+    "mlp": MLP, "-": MLP, "moe": MOE, "E": MOE, "hybrid": PARALLEL,
 }  # fmt: skip
+_WITH_KV, _WITH_STATES = (ATTENTION, PARALLEL), (MAMBA, PARALLEL)
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class HybridArch:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    layer_types: tuple[str, ...]  # every layer's kind: MAMBA, ATTENTION, MLP or MOE
+    layer_types: tuple[str, ...]  # every layer's kind: MAMBA, ATTENTION, MLP, MOE, PARALLEL
     mamba: Mamba2Shape
     attention_scale: float
     rope: dict[str, Any] | None = None  # rotary_embedding.rope_parameters'; None: unrotated
@@ -103,7 +111,7 @@ class HybridArch:
 
     @property
     def num_mamba_layers(self) -> int:
-        return self.layer_types.count(MAMBA)
+        return sum(kind in _WITH_STATES for kind in self.layer_types)
 
 
 def _layer_kinds(names: Any, allowed: tuple[str, ...], field: str) -> tuple[str, ...]:
@@ -117,7 +125,7 @@ def _heads(config: Any, kinds: tuple[str, ...], head_dim: int | None) -> dict[st
     heads = config.num_attention_heads
     return dict(
         hidden_size=config.hidden_size,
-        num_layers=kinds.count(ATTENTION),
+        num_layers=sum(kind in _WITH_KV for kind in kinds),
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim or config.hidden_size // heads,
@@ -138,7 +146,6 @@ def granite_arch(config: Any) -> HybridArch:
         raise ValueError("mamba_n_heads * mamba_d_head must be mamba_expand * hidden_size")
     rotate = getattr(config, "position_embedding_type", None) == "rope"
     rope = rope_parameters(config) if rotate else None
-    limit = tuple(getattr(config, "time_step_limit", None) or (0.0, math.inf))
     experts = config.num_local_experts or 0
     return HybridArch(
         **_heads(config, kinds, None),
@@ -156,7 +163,7 @@ def granite_arch(config: Any) -> HybridArch:
             conv_kernel=config.mamba_d_conv,
             chunk_size=config.mamba_chunk_size,
             rms_norm_eps=config.rms_norm_eps,
-            dt_limit=(float(limit[0]), float(limit[1])),
+            dt_limit=_dt_limit(config),
             proj_bias=bool(config.mamba_proj_bias),
             conv_bias=bool(config.mamba_conv_bias),
         ),
@@ -223,6 +230,48 @@ def nemotron_h_arch(config: Any) -> HybridArch:
     )
 
 
+def bamba_arch(config: Any) -> HybridArch:
+    """The arch of a ``bamba`` config; ``ValueError`` for what this engine does not compute
+    as transformers does."""
+    if config.model_type != "bamba":
+        raise ValueError(f"model_type {config.model_type!r} is not bamba")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+    kinds = _layer_kinds(config.layers_block_type, (MAMBA, ATTENTION), "layers_block_type")
+    arch = _heads(config, kinds, getattr(config, "head_dim", None))
+    rope = rope_parameters(config)  # with transformers' partial_rotary_factor (0.5)
+    return HybridArch(
+        **arch,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=max_positions(config.max_position_embeddings, rope),
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        mamba=Mamba2Shape(
+            hidden_size=config.hidden_size,
+            num_heads=config.mamba_n_heads,
+            head_dim=config.mamba_d_head,
+            n_groups=config.mamba_n_groups,
+            state_size=config.mamba_d_state,
+            conv_kernel=config.mamba_d_conv,
+            chunk_size=config.mamba_chunk_size,
+            rms_norm_eps=config.rms_norm_eps,
+            dt_limit=_dt_limit(config),
+            proj_bias=bool(config.mamba_proj_bias),
+            conv_bias=bool(config.mamba_conv_bias),
+        ),
+        attention_scale=arch["head_dim"] ** -0.5,
+        rope=rope,
+        attention_bias=bool(config.attention_bias),
+        intermediate_size=config.intermediate_size,
+        mlp_bias=bool(config.mlp_bias),
+    )
+
+
+def _dt_limit(config: Any) -> tuple[float, float]:
+    """The config's ``time_step_limit`` (None: unclamped)."""
+    low, high = getattr(config, "time_step_limit", None) or (0.0, math.inf)
+    return float(low), float(high)
+
+
 class HybridAttention(nn.Module):
     """Multi-head attention (GQA) through the paged KV cache, rotated where the arch has
     a rotary table: fused ``qkv_proj``, ``o_proj``."""
@@ -254,6 +303,37 @@ class HybridAttention(nn.Module):
             getattr(self.qkv_proj, kind).copy_(torch.cat([sd[f"{p}{n}_proj.{kind}"]
                                                           for n in "qkv"]))  # fmt: skip
             getattr(self.o_proj, kind).copy_(sd[f"{p}o_proj.{kind}"])
+
+
+class GatedMLP(nn.Module):
+    """Bamba's and Falcon-H1's MLP: ``down_proj(silu(gate_proj(x) * g) * up_proj(x)) * d``,
+    ``(g, d)`` Falcon-H1's ``mlp_multipliers`` (1: none); gate and up fused
+    (``gate_up_proj``)."""
+
+    def __init__(
+        self, hidden: int, width: int, bias: bool, multipliers: tuple[float, float] = (1.0, 1.0)
+    ) -> None:
+        super().__init__()
+        self.width = width
+        self.gate_multiplier, self.down_multiplier = (float(m) for m in multipliers)
+        self.gate_up_proj = nn.Linear(hidden, 2 * width, bias=bias)
+        self.down_proj = nn.Linear(width, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * width): [gate | up]
+        if self.gate_multiplier != 1.0:
+            gate_up[:, : self.width] *= self.gate_multiplier
+        out = self.down_proj(ops.silu_and_mul(gate_up))
+        return out * self.down_multiplier if self.down_multiplier != 1.0 else out
+
+    def load(self, sd: dict[str, torch.Tensor], p: str) -> None:
+        """From ``p`` (``layers.N.feed_forward.``): ``gate_proj``, ``up_proj``,
+        ``down_proj``."""
+        for kind in ("weight", "bias") if self.down_proj.bias is not None else ("weight",):
+            getattr(self.gate_up_proj, kind).copy_(
+                torch.cat([sd[f"{p}gate_proj.{kind}"], sd[f"{p}up_proj.{kind}"]])
+            )
+            getattr(self.down_proj, kind).copy_(sd[f"{p}down_proj.{kind}"])
 
 
 relu2 = Activation("relu2")  # Nemotron-H's MLPs and experts: ReLU squared, no gate
@@ -337,8 +417,27 @@ class _Checkpoint(dict):
                          "match its config")  # fmt: skip
 
 
+@dataclass(frozen=True)
+class StepMixers:
+    """One forward's inputs to the layers' mixers: a Mamba2 mixer's states (the ``j``-th
+    layer with states) and an attention's KV cache (the ``j``-th with one)."""
+
+    positions: torch.Tensor
+    rope: RotaryEmbedding | None
+    metas: Any  # per attention layer
+    kv_caches: Any
+    states: list[tuple[torch.Tensor, ...]]  # per Mamba2 layer: its pools
+    step: RecurrentStep
+
+    def mamba(self, mixer: nn.Module, j: int, h: torch.Tensor) -> torch.Tensor:
+        return mixer(h, self.states[j], self.step)
+
+    def attention(self, mixer: nn.Module, j: int, h: torch.Tensor) -> torch.Tensor:
+        return mixer(self.positions, h, self.rope, self.metas[j], self.kv_caches[j])
+
+
 class _MambaHybridForCausalLM(nn.Module):
-    """What both families share: embeddings, the layers' loop over a step (Mamba2 layers
+    """What the families share: embeddings, the layers' loop over a step (Mamba2 mixers
     on the recurrent pools, attention on the KV cache), the final norm and head."""
 
     gguf_layout: ClassVar[Any] = None  # --quantization gguf: refused with its reason
@@ -351,9 +450,10 @@ class _MambaHybridForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope = self._rope()
-        # Each layer's place among its kind's: its KV cache, or its recurrent states.
+        # Each layer's KV cache (its place among the layers with one) and recurrent states.
         kinds = arch.layer_types
-        self._index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+        self._kv_index = [sum(k in _WITH_KV for k in kinds[:i]) for i in range(len(kinds))]
+        self._state_index = [sum(k in _WITH_STATES for k in kinds[:i]) for i in range(len(kinds))]
 
     def make_layer(self, i: int) -> nn.Module:
         raise NotImplementedError
@@ -369,9 +469,9 @@ class _MambaHybridForCausalLM(nn.Module):
         return frozenset()
 
     def set_attention_backend(self, backend: Any) -> None:
-        for layer, kind in zip(self.layers, self.arch.layer_types, strict=True):
-            if kind == ATTENTION:
-                layer.mixer.attn_forward = backend.forward
+        for module in self.modules():
+            if isinstance(module, HybridAttention):
+                module.attn_forward = backend.forward
 
     def recurrent_state_specs(self, ssm_dtype: torch.dtype) -> list[tuple[StateSpec, ...]]:
         """Per Mamba2 layer, in order: (its convolution's last inputs (conv_dim, kernel -
@@ -405,33 +505,46 @@ class _MambaHybridForCausalLM(nn.Module):
         # once: every layer serves the step alike
         recurrent, step = RecurrentStep.of_forward(recurrent, self, x)
         metas = layer_metadata(meta, self.arch.num_layers)
-
-        def mix(kind: str, mixer: nn.Module, j: int, h: torch.Tensor) -> torch.Tensor:
-            if kind == MAMBA:
-                return mixer(h, recurrent.states[j], step)
-            if kind == ATTENTION:
-                return mixer(positions, h, self.rope, metas[j], kv_caches[j])
-            return mixer(h)
-
-        for layer, kind, j in zip(self.layers, self.arch.layer_types, self._index, strict=True):
-            x = self.layer_forward(layer, x, partial(mix, kind, layer.mixer, j))
+        mixers = StepMixers(positions, self.rope, metas, kv_caches, recurrent.states, step)
+        for i in range(len(self.layers)):
+            x = self.layer_forward(i, x, mixers)
         return self.norm(x)
 
-    def layer_forward(self, layer: nn.Module, x: torch.Tensor, mix: Any) -> torch.Tensor:
-        """The residual stream after ``layer``; ``mix(h)`` its mixer's output."""
+    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        """The residual stream after layer ``i``."""
         raise NotImplementedError
+
+    def mix(self, i: int, h: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        """The output of layer ``i``'s one mixer (its ``mixer``) on ``h``."""
+        kind, layer = self.arch.layer_types[i], self.layers[i]
+        if kind == MAMBA:
+            return mixers.mamba(layer.mixer, self._state_index[i], h)
+        if kind == ATTENTION:
+            return mixers.attention(layer.mixer, self._kv_index[i], h)
+        return layer.mixer(h)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         return logits if self.arch.logits_scaling == 1.0 else logits / self.arch.logits_scaling
 
+    def load_ends(self, sd: dict[str, torch.Tensor], norm: str) -> None:
+        """The embeddings, the final norm (the tensor ``norm``) and the untied head (the
+        embeddings where the checkpoint has none, as ``llama.load_embeddings_and_head``)."""
+        self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
+        self.norm.weight.copy_(sd[norm])
+        if not self.arch.tie_word_embeddings:
+            self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["embed_tokens.weight"]))
+
     def init_buffers(self) -> None:
         """The rotary table (fp32 on the CPU, then in the weights' dtype and device), if
-        any, and the tied output head."""
+        any, the Mamba2 mixers' computed buffers, and the tied output head."""
         weight = self.embed_tokens.weight
         rope = self._rope()
         self.rope = None if rope is None else rope.to(weight.dtype).to(weight.device)
+        for module in self.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.init_buffers()
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -456,9 +569,10 @@ class GraniteMoeHybridForCausalLM(_MambaHybridForCausalLM):
     def make_layer(self, i: int) -> nn.Module:
         return GraniteHybridLayer(self.arch, self.arch.layer_types[i])
 
-    def layer_forward(self, layer: nn.Module, x: torch.Tensor, mix: Any) -> torch.Tensor:
+    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        layer = self.layers[i]
         m = self.arch.residual_multiplier
-        x = x + mix(layer.input_layernorm(x)) * m
+        x = x + self.mix(i, layer.input_layernorm(x), mixers) * m
         return x + layer.mlp(layer.post_attention_layernorm(x)) * m
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
@@ -526,8 +640,9 @@ class NemotronHForCausalLM(_MambaHybridForCausalLM):
     def make_layer(self, i: int) -> nn.Module:
         return NemotronHBlock(self.arch, self.arch.layer_types[i])
 
-    def layer_forward(self, layer: nn.Module, x: torch.Tensor, mix: Any) -> torch.Tensor:
-        return x + mix(layer.norm(x))
+    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        layer = self.layers[i]
+        return x + self.mix(i, layer.norm(x), mixers)
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``backbone.`` as the Hub's, or ``model.``;
@@ -545,4 +660,48 @@ class NemotronHForCausalLM(_MambaHybridForCausalLM):
                 layer.mixer.load(sd, p + "mixer.")
 
 
-__all__ = ["HybridArch", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM"]
+class BambaLayer(nn.Module):
+    def __init__(self, a: HybridArch, kind: str) -> None:
+        super().__init__()
+        self.mixer = Mamba2Mixer(a.mamba) if kind == MAMBA else HybridAttention(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.feed_forward = GatedMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+
+
+class BambaForCausalLM(_MambaHybridForCausalLM):
+    """IBM Bamba (``bamba``; module docstring)."""
+
+    @staticmethod
+    def arch_from_hf(hf_config: Any) -> HybridArch:
+        return bamba_arch(hf_config)
+
+    def make_layer(self, i: int) -> nn.Module:
+        return BambaLayer(self.arch, self.arch.layer_types[i])
+
+    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        layer = self.layers[i]
+        x = x + self.mix(i, layer.input_layernorm(x), mixers)
+        return x + layer.feed_forward(layer.pre_ff_layernorm(x))
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy the checkpoint's tensors in (``model.layers...``; others ignored), fusing
+        the projections; ``ValueError`` naming a missing tensor."""
+        sd = _Checkpoint({k.removeprefix("model."): v for k, v in sd.items()})
+        self.init_buffers()
+        with torch.no_grad():
+            self.load_ends(sd, "final_layernorm.weight")
+            for i, (layer, kind) in enumerate(zip(self.layers, self.arch.layer_types, strict=True)):
+                p = f"layers.{i}."
+                layer.mixer.load(sd, p + ("mamba." if kind == MAMBA else "self_attn."))
+                for norm in ("input_layernorm", "pre_ff_layernorm"):
+                    getattr(layer, norm).weight.copy_(sd[f"{p}{norm}.weight"])
+                layer.feed_forward.load(sd, p + "feed_forward.")
+
+
+__all__ = [
+    "HybridArch",
+    "GraniteMoeHybridForCausalLM",
+    "NemotronHForCausalLM",
+    "BambaForCausalLM",
+]

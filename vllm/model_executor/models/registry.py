@@ -59,8 +59,10 @@ _PACKAGE = "vllm.model_executor.models"
 # recurrent pools (layers/recurrent.py), with gated full attention; Qwen3.5's multimodal
 # checkpoints take images through Qwen3-VL's tower without DeepStack (qwen3_vl_vision.py)
 # and interleaved M-RoPE on the full-attention layers.
-# Granite 4.0-H and Nemotron-H (mamba_hybrid.py) mix Mamba2 layers (layers/mamba2.py), their
-# states in those recurrent pools too, with attention.
+# Granite 4.0-H, Nemotron-H and Bamba (mamba_hybrid.py) mix Mamba2 layers (layers/mamba2.py),
+# their states in those recurrent pools too, with attention; Falcon-H1 (falcon_h1.py) runs
+# both side by side in every layer.
+# LFM2 and LFM2-MoE (lfm2.py) mix gated short convolutions (states in those pools) with attention.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -139,6 +141,10 @@ _MODELS: dict[str, tuple[str, str, str]] = {
         "GraniteMoeHybridForCausalLM",
     ),
     "NemotronHForCausalLM": ("nemotron_h", "mamba_hybrid", "NemotronHForCausalLM"),
+    "BambaForCausalLM": ("bamba", "mamba_hybrid", "BambaForCausalLM"),
+    "FalconH1ForCausalLM": ("falcon_h1", "falcon_h1", "FalconH1ForCausalLM"),
+    "Lfm2ForCausalLM": ("lfm2", "lfm2", "Lfm2ForCausalLM"),
+    "Lfm2MoeForCausalLM": ("lfm2_moe", "lfm2", "Lfm2MoeForCausalLM"),
 }
 
 # (multimodal architecture, its text_config's model_type): (module, class) where that
