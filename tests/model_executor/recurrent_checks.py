@@ -93,3 +93,66 @@ def resaved(path, out, state: dict[str, torch.Tensor]):
     shutil.copytree(path, out)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def oracle_proposer(truth: list[list[int]], k: int = 3):
+    """A ``propose`` for the scheduler's n-gram proposer that drafts each sequence's true
+    continuation (``truth``: prompt and transformers' greedy answer, by prompt), wrong from
+    a position that changes every call (none, the first, ..., the k-th): a random model
+    repeats nothing for a real lookup to find, and this way every number of drafts kept
+    occurs."""
+    calls = [0]
+
+    def propose(req_id, token_ids, limit, num_prompt_tokens=0):
+        full = next(t for t in truth if list(token_ids) == t[: len(token_ids)])
+        drafts = full[len(token_ids) : len(token_ids) + min(k, limit)]
+        calls[0] += 1
+        wrong = calls[0] % (k + 1) - 1  # -1: all right
+        if 0 <= wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % 1000
+        return drafts
+
+    return propose
+
+
+def check_engine_turns(hf, path, vocab: int, monkeypatch) -> None:
+    """Through ``vllm.LLM`` (``hf`` saved at ``path`` with a tokenizer of ``vocab``): three
+    prompts at once in 16-token steps (fresh chunks, continued chunks and decodes in one
+    batch), then a job's next turn (the first prompt, its answer and a tool's output),
+    whose prefix hit restores a checkpoint of the recurrent states; then the same prompts
+    with drafts verified (speculative decoding, ``oracle_proposer``'s drafts, the states
+    rolled back to the tokens kept). Every answer is transformers' greedy one."""
+    from tests.tiny_models import hf_greedy
+    from tests.utils import copy_benchmark_tokenizer
+    from vllm import LLM, SamplingParams
+
+    hf.save_pretrained(path)
+    copy_benchmark_tokenizer(path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in (5, 23, 41)]
+    tool = torch.randint(0, vocab, (7,), generator=g).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = hf_greedy(hf, prompts, 12)
+    llm = LLM(model=str(path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
+              enable_prefix_caching=True)  # fmt: skip
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        answers = [list(o.outputs[0].token_ids) for o in outs]
+        second = prompts[2] + answers[2] + tool
+        turn = llm.generate({"prompt_token_ids": second}, params)[0]
+        llm.engine_core.scheduler.check_invariants()
+    finally:
+        llm.shutdown()
+    assert answers == expected
+    assert turn.num_cached_tokens > 0
+    assert list(turn.outputs[0].token_ids) == hf_greedy(hf, [second], 12)[0]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(model=str(path), kv_cache_memory="16MiB", speculative_config=spec)
+    try:
+        truth = [p + e for p, e in zip(prompts, expected, strict=True)]
+        monkeypatch.setattr(llm.engine_core.scheduler.proposer, "propose", oracle_proposer(truth))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        llm.engine_core.scheduler.check_invariants()
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected

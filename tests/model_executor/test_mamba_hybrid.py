@@ -26,13 +26,13 @@ from safetensors.torch import load_file
 
 from tests.model_executor.recurrent_checks import (
     check_chunks_continue,
+    check_engine_turns,
     check_mixed_step,
     close,
     hf_logits,
     resaved,
 )
-from tests.tiny_models import hf_greedy, load_cpu_runner, perturbed, runner_logits
-from tests.utils import copy_benchmark_tokenizer
+from tests.tiny_models import load_cpu_runner, perturbed, runner_logits
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.mamba2 import ssd_chunk_scan, ssd_step
 from vllm.model_executor.models import mamba_hybrid
@@ -233,38 +233,15 @@ def test_transformers_names_load_and_a_missing_tensor_is_named(case, removed, ro
 
 
 @pytest.mark.parametrize("case", ["granite_moe", "nemotron_h", "bamba"])
-def test_engine_greedy_and_next_turn_match_transformers(case, tmp_path):
-    """Through ``vllm.LLM`` (SmolLM2's vocabulary): three prompts at once in 16-token
-    steps (fresh chunks, continued chunks and decodes in one batch), then a job's next
-    turn (the first prompt, its answer and a tool's output), whose prefix hit restores a
-    checkpoint of the Mamba2 states: every answer is transformers' greedy one."""
-    from vllm import LLM, SamplingParams
-
-    vocab = 49152
+def test_engine_greedy_next_turn_and_drafts_match_transformers(case, tmp_path, monkeypatch):
+    """``check_engine_turns``: chunks, mixed batches, a next turn restored from a
+    checkpoint of the Mamba2 states, drafts verified."""
     # transformers' decode step leaves dt unclamped: Nemotron-H's default floor, under
     # every dt here, and Bamba without its limit keep its prefill and its decodes alike
     unclamped = {"nemotron_h": {"time_step_min": 0.001},
                  "bamba": {"time_step_limit": (0.0, math.inf)}}  # fmt: skip
-    hf = random_model(case, vocab, **unclamped.get(case, {}))
-    hf.save_pretrained(tmp_path)
-    copy_benchmark_tokenizer(tmp_path)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in (5, 23, 41)]
-    tool = torch.randint(0, vocab, (7,), generator=g).tolist()
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=16,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        answers = [list(o.outputs[0].token_ids) for o in outs]
-        second = prompts[2] + answers[2] + tool
-        turn = llm.generate({"prompt_token_ids": second}, params)[0]
-        llm.engine_core.scheduler.check_invariants()
-    finally:
-        llm.shutdown()
-    assert answers == hf_greedy(hf, prompts, 12)
-    assert turn.num_cached_tokens > 0
-    assert list(turn.outputs[0].token_ids) == hf_greedy(hf, [second], 12)[0]
+    hf = random_model(case, 49152, **unclamped.get(case, {}))
+    check_engine_turns(hf, tmp_path, 49152, monkeypatch)
 
 
 def test_bamba_arch_and_a_missing_tensor_is_named(root, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model_executor.recurrent_checks import oracle_proposer
 from tests.tiny_models import hf_greedy
 from tests.utils import copy_benchmark_tokenizer
 
@@ -141,11 +142,13 @@ def test_next_turn_starts_from_a_checkpoint_of_the_last(qwen35):
     assert list(out3.outputs[0].token_ids) == hf_greedy(hf, [third], 30)[0]
 
 
-def test_speculative_decoding_is_refused(qwen35):
+def test_a_draft_model_is_refused(qwen35):
+    """Drafts from a model or head are not served for these models (n-gram and suffix
+    drafts are: below)."""
     from vllm import LLM
 
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="--speculative-config"):
+    spec = {"method": "draft_model", "model": str(qwen35[0]), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="--speculative-config: method 'draft_model'"):
         LLM(model=str(qwen35[0]), speculative_config=spec)
 
 
@@ -187,7 +190,11 @@ def test_a_hand_built_config_is_refused_after_loading(qwen35):
         model_config=ModelConfig(model=str(qwen35[0])),
         cache_config=CacheConfig(kv_cache_memory_bytes=1 << 24),
         speculative_config=SpeculativeConfig(
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+            speculative_config={
+                "method": "draft_model",
+                "model": str(qwen35[0]),
+                "num_speculative_tokens": 2,
+            }
         ),
     )
     with pytest.raises(ValueError, match="--speculative-config"):
@@ -253,3 +260,47 @@ def test_a_policy_that_keeps_contexts_gets_a_tier_with_state_slots(qwen35):
         assert len(core.model_runner.host_checkpoints) == 3  # its Gated DeltaNet layers
     finally:
         llm.shutdown()
+
+
+def test_drafts_are_verified_with_the_states_rolled_back(qwen35, monkeypatch):
+    """Speculative decoding with model-free drafts (n-gram's, suffix decoding's): a step
+    that verifies k drafts runs them a token at a time through the recurrent layers, and
+    a request that keeps fewer gets its states after the tokens it kept back in its slot.
+    The proposer drafts transformers' own continuation, wrong from a position that
+    changes every call (``oracle_proposer``): greedy tokens must stay transformers' (with
+    and without prefix caching, whose checkpoints no drafted step reaches)."""
+    from vllm import LLM, SamplingParams
+    from vllm.v1.metrics.stats import SpecDecodingStats
+
+    path, hf = qwen35
+    prompts = _prompts(3)
+    expected = hf_greedy(hf, prompts, 40)
+    propose = oracle_proposer([p + e for p, e in zip(prompts, expected, strict=True)])
+    seen: list[tuple[int, int]] = []
+    observe = SpecDecodingStats.observe
+    monkeypatch.setattr(SpecDecodingStats, "observe",
+                        lambda self, n, a: seen.append((n, a)) or observe(self, n, a))  # fmt: skip
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    for caching in (True, False):
+        llm = LLM(model=str(path), kv_cache_memory="16MiB", speculative_config=spec,
+                  enable_prefix_caching=caching, max_num_batched_tokens=32)  # fmt: skip
+        try:
+            monkeypatch.setattr(llm.engine_core.scheduler.proposer, "propose", propose)
+            params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            _check_slots(llm)
+            llm.engine_core.scheduler.check_invariants()
+        finally:
+            llm.shutdown()
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected, caching
+    accepted = {a for n, a in seen if n == 3}
+    assert accepted == {0, 1, 2, 3}, seen  # every way a step can end
+
+
+def test_suffix_decoding_runs(qwen35):
+    """The suffix proposer itself over these models: tokens as without it."""
+    path, hf = qwen35
+    prompts = _prompts(2)
+    spec = {"method": "suffix", "num_speculative_tokens": 3}
+    got, _ = _generate(path, prompts, 12, speculative_config=spec)
+    assert got == hf_greedy(hf, prompts, 12)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vllm.model_executor.layers.recurrent import RecurrentBatch
+from vllm.model_executor.layers.recurrent import Chunk, RecurrentBatch, after_chunk
 
 CHUNK_SIZE = 64
 
@@ -66,11 +66,13 @@ class GatedDeltaNetShape:
 class RecurrentStep:
     """How a step's sequences are served, worked out once from its ``RecurrentBatch`` for
     every layer: the decodes (one token, a state to continue) in one batched update, the
-    others (prefill chunks, fresh sequences) one by one."""
+    others (prefill chunks, fresh sequences) one by one, a sequence that verifies drafts
+    one token at a time, its states kept after each but the last (``after_chunk``)."""
 
     decode_slots: torch.Tensor | None  # (n,) long, on the pools' device; None: no decodes
     decode_rows: torch.Tensor | None  # their rows; None: every row (a decode-only step)
-    prefills: tuple[tuple[int, int, int, bool], ...]  # (first row, tokens, slot, fresh)
+    prefills: tuple[Chunk, ...]
+    batch: RecurrentBatch | None = None  # where the drafts' snapshots go
 
     @classmethod
     def of_forward(
@@ -89,14 +91,22 @@ class RecurrentStep:
         if batch.decode_only:  # no host work beyond the batch's own lists
             return cls(batch.slots, None, ())
         seqs = list(zip(batch.starts, batch.query_lens, batch.slot_ids, batch.fresh, strict=True))
-        decodes = [s for s in seqs if s[1] == 1 and not s[3]]
-        prefills = tuple(s for s in seqs if s[1] > 0 and (s[1] > 1 or s[3]))
+        decodes, prefills = [], []
+        for i, (start, n, slot, fresh) in enumerate(seqs):
+            if batch.drafted[i]:  # a token at a time, each state but the last kept
+                base = batch.snapshot_base[i]
+                prefills += [Chunk(start + t, 1, slot, False, base + t if t < n - 1 else -1)
+                             for t in range(n)]  # fmt: skip
+            elif n == 1 and not fresh:
+                decodes.append((start, slot))
+            elif n > 0:
+                prefills.append(Chunk(start, n, slot, fresh))
         if not decodes:
-            return cls(None, None, prefills)
+            return cls(None, None, tuple(prefills), batch)
         device = batch.slots.device
         rows = torch.tensor([s[0] for s in decodes], dtype=torch.long, device=device)
-        slots = torch.tensor([s[2] for s in decodes], dtype=torch.long, device=device)
-        return cls(slots, rows, prefills)
+        slots = torch.tensor([s[1] for s in decodes], dtype=torch.long, device=device)
+        return cls(slots, rows, tuple(prefills), batch)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -238,9 +248,11 @@ class GatedDeltaNetMixer(nn.Module):
             rows = step.decode_rows
             picked = (t.index_select(0, rows) for t in (mixed_qkv, b, a))
             out.index_copy_(0, rows, self._decode(*picked, states, step.decode_slots))
-        for start, n, slot, fresh in step.prefills:
-            rows = slice(start, start + n)
-            out[rows] = self._prefill(mixed_qkv[rows], b[rows], a[rows], states, slot, fresh)
+        for chunk in step.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.n)
+            out[rows] = self._prefill(mixed_qkv[rows], b[rows], a[rows], states, chunk.slot,
+                                      chunk.fresh)  # fmt: skip
+            after_chunk(step.batch, chunk, *states)
         return out
 
     def _prefill(self, x, b, a, states, slot: int, fresh: bool) -> torch.Tensor:

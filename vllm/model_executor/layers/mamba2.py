@@ -42,7 +42,7 @@ from vllm.model_executor.layers.gated_delta_net import (
     causal_conv1d,
     causal_conv1d_step,
 )
-from vllm.model_executor.layers.recurrent import StateSpec
+from vllm.model_executor.layers.recurrent import StateSpec, after_chunk
 
 
 @dataclass(frozen=True)
@@ -209,9 +209,10 @@ class Mamba2Mixer(nn.Module):
             rows = step.decode_rows
             picked = (t.index_select(0, rows) for t in (xbc, dt))
             out.index_copy_(0, rows, self._decode(*picked, states, step.decode_slots))
-        for start, n, slot, fresh in step.prefills:
-            rows = slice(start, start + n)
-            out[rows] = self._prefill(xbc[rows], dt[rows], states, slot, fresh)
+        for chunk in step.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.n)
+            out[rows] = self._prefill(xbc[rows], dt[rows], states, chunk.slot, chunk.fresh)
+            after_chunk(step.batch, chunk, *states)
         return out
 
     def _prefill(self, xbc, dt, states, slot: int, fresh: bool) -> torch.Tensor:

@@ -17,12 +17,20 @@ first chunk: the slot may hold a finished request's state, never read), and writ
 state after the sequence's last token of the step back to the slot. Without a batch
 (the profile run, kernel warm-ups) the model treats its rows as one fresh sequence over
 scratch states (``RecurrentBatch.scratch``).
+
+Speculative decoding: a sequence that verifies drafts (``drafted``) runs its last token
+and its ``k`` drafts as ``k + 1`` one-token chunks, and its states after each of the first
+``k`` are kept (``snapshot``) until the drafts are judged; when only ``a`` of them are
+accepted, ``roll_back`` puts the states after ``1 + a`` tokens back into its slot (the
+slot holds those after all ``k + 1``). vLLM keeps ``k + 1`` states a request for the same
+reason; here they live only for the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -66,12 +74,22 @@ class RecurrentBatch:
     fresh: list[bool]  # True: the sequence starts here (no state to read)
     slot_ids: list[int]  # each sequence's slot in the pools
     states: list[tuple[torch.Tensor, ...]]  # per recurrent layer: its pools (num_slots, ...)
+    # Speculative decoding: whether each sequence verifies drafts (empty: none does).
+    drafted: list[bool] = field(default_factory=list)
     slots: torch.Tensor = field(init=False)  # slot_ids on the pools' device (long)
     starts: list[int] = field(init=False)  # each sequence's first row
+    # A drafted sequence's first snapshot (its states after its first token; -1: none).
+    snapshot_base: list[int] = field(init=False)
+    num_snapshots: int = field(init=False)
+    # id(pool) -> (num_snapshots, ...) copies of its slots, made on a layer's first snapshot
+    _snapshots: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not (len(self.query_lens) == len(self.fresh) == len(self.slot_ids)):
-            raise ValueError("query_lens, fresh and slot_ids must have one entry a sequence")
+        self.drafted = self.drafted or [False] * len(self.query_lens)
+        if not (len(self.query_lens) == len(self.fresh) == len(self.slot_ids) == len(self.drafted)):
+            raise ValueError(
+                "query_lens, fresh, slot_ids and drafted must have one entry a sequence"
+            )
         device = self.states[0][0].device if self.states else "cpu"
         self.slots = torch.tensor(self.slot_ids, dtype=torch.long, device=device)
         starts, row = [], 0
@@ -79,6 +97,35 @@ class RecurrentBatch:
             starts.append(row)
             row += n
         self.starts = starts
+        self.snapshot_base, k = [], 0
+        for n, drafted in zip(self.query_lens, self.drafted, strict=True):
+            self.snapshot_base.append(k if drafted else -1)
+            k += n - 1 if drafted else 0
+        self.num_snapshots = k
+
+    def snapshot(self, pools: tuple[torch.Tensor, ...], slot: int, index: int) -> None:
+        """Keep a copy of ``slot`` of each of ``pools`` (a layer's) as snapshot ``index``."""
+        for pool in pools:
+            kept = self._snapshots.get(id(pool))
+            if kept is None:
+                kept = self._snapshots[id(pool)] = pool.new_empty(
+                    (self.num_snapshots, *pool.shape[1:])
+                )
+            kept[index].copy_(pool[slot])
+
+    def roll_back(self, seq: int, accepted: int) -> None:
+        """Drafted sequence ``seq`` keeps its last token and ``accepted`` drafts: its
+        states after those ``1 + accepted`` tokens back into its slot (every layer's)."""
+        if not self.drafted[seq]:
+            raise ValueError(f"sequence {seq} verified no drafts")
+        if accepted >= self.query_lens[seq] - 1:
+            return  # every draft kept: the slot holds the states after them
+        index, slot = self.snapshot_base[seq] + accepted, self.slot_ids[seq]
+        for layer in self.states:
+            for pool in layer:
+                kept = self._snapshots.get(id(pool))
+                if kept is not None:
+                    pool[slot].copy_(kept[index])
 
     @property
     def num_seqs(self) -> int:
@@ -100,6 +147,22 @@ class RecurrentBatch:
         """One fresh sequence over ``num_tokens`` rows, on states of its own (discarded):
         a forward with no engine batch (the profile run, a warm-up)."""
         return cls([num_tokens], [True], [0], allocate_states(specs, 1, device))
+
+
+class Chunk(NamedTuple):
+    """A sequence's rows that a recurrent layer runs as one chunk (``RecurrentStep``)."""
+
+    start: int  # its first row
+    n: int  # its tokens
+    slot: int
+    fresh: bool
+    snapshot: int = -1  # >= 0: keep the states after it as that snapshot (a draft's)
+
+
+def after_chunk(batch: RecurrentBatch | None, chunk: Chunk, *pools: torch.Tensor) -> None:
+    """What a layer does after running ``chunk`` on ``pools``: the snapshot it asks for."""
+    if chunk.snapshot >= 0 and batch is not None:
+        batch.snapshot(pools, chunk.slot, chunk.snapshot)
 
 
 def has_recurrent_layers(hf_config: object) -> bool:
@@ -159,17 +222,15 @@ def split_tier(
 
 def refuse_unsupported(config: object) -> None:
     """``ValueError`` naming the flag a model with recurrent layers cannot serve with
-    (``config``: a ``VllmConfig``): a rejected draft would leave its tokens in the state.
-    Called before loading (EngineArgs, for a model ``has_recurrent_layers``) and after it
-    (the runner, for a config built by hand)."""
-    refused = [
-        (config.speculative_config.enabled,
-         "--speculative-config (a rejected draft would leave its tokens in the recurrent "
-         "state)"),
-    ]  # fmt: skip
-    for bad, what in refused:
-        if bad:
-            raise ValueError(
-                f"{what}: the model has recurrent layers (linear attention, Mamba2), whose "
-                "per-sequence states are not held in KV blocks; drop the flag"
-            )
+    (``config``: a ``VllmConfig``): speculative decoding by a draft model or head (its
+    proposer has no recurrent states of its own here); n-gram and suffix drafts are
+    verified with the states rolled back to the last token kept. Called before loading
+    (EngineArgs, for a model ``has_recurrent_layers``) and after it (the runner, for a
+    config built by hand)."""
+    method = config.speculative_config.method
+    if method is not None and method not in ("ngram", "suffix"):
+        raise ValueError(
+            f"--speculative-config: method {method!r} is not served for a model with "
+            "recurrent layers (linear attention, Mamba2, short convolutions); the methods "
+            "'ngram' and 'suffix' are"
+        )

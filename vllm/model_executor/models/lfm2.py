@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts_grouped
 from vllm.model_executor.layers.gated_delta_net import RecurrentStep
-from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec
+from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec, after_chunk
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 from vllm.model_executor.models.llama import (
     RMSNorm,
@@ -201,10 +201,12 @@ class ShortConv(nn.Module):
             rows = step.decode_rows
             out.index_copy_(0, rows, self._decode(bx.index_select(0, rows), pool,
                                                   step.decode_slots))  # fmt: skip
-        for start, n, slot, fresh in step.prefills:
-            rows = slice(start, start + n)
-            state = None if fresh else pool[slot]
-            out[rows], pool[slot] = short_conv(bx[rows], self.conv_weight, self.conv_bias, state)
+        for chunk in step.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.n)
+            state = None if chunk.fresh else pool[chunk.slot]
+            out[rows], pool[chunk.slot] = short_conv(bx[rows], self.conv_weight, self.conv_bias,
+                                                     state)  # fmt: skip
+            after_chunk(step.batch, chunk, pool)
         return out
 
     def _decode(self, bx: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -1261,7 +1261,9 @@ class ModelRunner:
         ahead: list[tuple[int, CachedRequestState]] = []  # (row, request): token on device
         images: list[tuple[CachedRequestState, int, int, int]] = []  # (state, start, n, row)
         positions3: list[tuple[int, np.ndarray]] = []  # (first row, (3, n)): image tokens
-        recurrent: list[tuple[int, bool, int]] = []  # (tokens, fresh, state slot) a sequence
+        # (tokens, fresh, state slot, verifies drafts) a sequence
+        recurrent: list[tuple[int, bool, int, bool]] = []
+        recurrent_ids: list[str] = []
         for req_id in order:
             state = self.requests[req_id]
             start, n = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
@@ -1294,11 +1296,13 @@ class ModelRunner:
                 images.append((state, start, n, row_starts[req_id]))
             token_slots += [state.lora_slot] * n
             if state.state_slot is not None:  # recurrent layers: its state's slot
-                recurrent.append((n, start == 0, state.state_slot))
+                recurrent.append((n, start == 0, state.state_slot, bool(drafts)))
+                recurrent_ids.append(req_id)
             if not drafts and start + n >= len(state.token_ids):  # the end: sample a token
                 sample_idx.append(len(ids) - 1)
                 sample_reqs.append(state)
         hidden = None
+        recurrent_batch = None
         patch = self._tokens_ahead(ahead)
         if self.lora is not None:
             self.lora.set_token_slots(token_slots, self.device)
@@ -1314,8 +1318,10 @@ class ModelRunner:
                 input_ids.index_copy_(0, *patch)
             extra = {}
             if recurrent:
-                lens, fresh, slots = (list(c) for c in zip(*recurrent, strict=True))
-                extra["recurrent"] = RecurrentBatch(lens, fresh, slots, self.recurrent_states)
+                lens, fresh, slots, drafts_in = (list(c) for c in zip(*recurrent, strict=True))
+                recurrent_batch = RecurrentBatch(lens, fresh, slots, self.recurrent_states,
+                                                 drafts_in)  # fmt: skip
+                extra["recurrent"] = recurrent_batch
             if image_rows is not None:  # the images' embeddings in their placeholders' rows
                 embeds = self.model.embed_input_ids(input_ids)
                 rows, values, _ = image_rows
@@ -1346,11 +1352,30 @@ class ModelRunner:
         output.prompt_logprobs = prompt_logprobs_from(prompt_logprobs)
         if spec_reqs:
             self._verify_drafts(self._rows(hidden, spec_rows), spec_reqs, output)
+            if recurrent_batch is not None:
+                self._roll_back_states(recurrent_batch, recurrent_ids, spec_reqs, output)
         if isinstance(self.drafter, EagleProposer):
             output.draft_token_ids = self._propose_eagle(so, order, output, hidden, row_starts)
         elif self.drafter is not None:
             output.draft_token_ids = self._propose_drafts(so, order, output)
         return output
+
+    def _roll_back_states(
+        self,
+        batch: RecurrentBatch,
+        req_ids: list[str],
+        spec_reqs: list[tuple[CachedRequestState, list[int]]],
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Each request that verified drafts keeps the recurrent states after the tokens
+        it kept (its last one and the drafts accepted), not after every draft (the
+        scheduler never ends such a step on a block boundary, so no checkpoint of it was
+        saved). ``req_ids``: the batch's sequences'."""
+        seq = {r: i for i, r in enumerate(req_ids)}
+        for state, _ in spec_reqs:
+            tokens = out.sampled_token_ids.get(state.req_id)
+            if tokens and state.req_id not in out.errors:
+                batch.roll_back(seq[state.req_id], len(tokens) - 1)
 
     def _save_checkpoints(self, checkpoints: dict[str, int]) -> None:
         """Copy the states of the requests whose step ended on a block boundary into

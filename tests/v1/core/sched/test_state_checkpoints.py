@@ -311,3 +311,30 @@ def test_stats_count_offloads():
     stats = c.take_stats()
     assert (stats.cached, stats.evictions, stats.offloaded, stats.offloads) == (1, 1, 1, 1)
     assert c.take_stats().offloads == 0
+
+
+def test_a_step_with_drafts_never_reaches_a_block_boundary():
+    """Speculative decoding: how many drafts a step keeps is known only after it, so a
+    drafted step stops short of the next block boundary (where the states would be
+    checkpointed), and the step that reaches the boundary carries no drafts and saves."""
+    s = make_scheduler(budget=64, max_num_seqs=4,
+                       speculative={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip
+    s.state_checkpoints = StateCheckpoints(4, s.block_size, s.pins.__contains__)
+    r = make_request([1, 2, 3] * 5, max_tokens=40)
+    s.add_request(r)
+    drafted = saved_at = 0
+    while s.has_unfinished_requests():
+        so, _ = step(s)
+        cached = so.scheduled_cached_reqs
+        if r.request_id not in cached.req_ids:
+            continue
+        p = cached.num_computed_tokens[cached.req_ids.index(r.request_id)]
+        end = p + so.num_scheduled_tokens[r.request_id]
+        boundary = (p // BS + 1) * BS
+        if so.scheduled_spec_decode_tokens.get(r.request_id):
+            drafted += 1
+            assert end < boundary, (p, end)
+        assert (end == boundary) == (r.request_id in so.state_checkpoints), (p, end)
+        saved_at += end == boundary
+    assert drafted > 5 and saved_at > 5
+    s.check_invariants()

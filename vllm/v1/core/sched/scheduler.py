@@ -336,6 +336,12 @@ class Scheduler:
             self.max_model_len - request.num_tokens,
             (request.max_tokens or self.max_model_len) - request.num_output_tokens - 1,
         )
+        if self.state_checkpoints is not None:
+            # A step with drafts never reaches a block boundary (where recurrent states
+            # are checkpointed; how many drafts it keeps is known only after it): at most
+            # up to the token before the next one, none when the step would end on it.
+            p = request.num_computed_tokens
+            limit = min(limit, (p // self.block_size + 1) * self.block_size - p - 2)
         if self.proposer is None:
             return request.spec_token_ids[: max(limit, 0)]
         return self.proposer.propose(
