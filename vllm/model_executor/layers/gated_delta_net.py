@@ -119,18 +119,20 @@ def causal_conv1d(
     weight: torch.Tensor,
     state: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's depthwise causal convolution (plus ``bias``: Mamba2's) and SiLU: x
-    (T, C) after ``state`` (C, kernel - 1), the inputs before it (None: zeros) ->
-    (silu(conv) (T, C) in x's dtype, the new state: the last kernel - 1 inputs, zeros on
-    the left of a short sequence)."""
+    """One sequence's depthwise causal convolution (plus ``bias``: Mamba2's) and SiLU
+    (unless ``silu`` is False: LFM2's): x (T, C) after ``state`` (C, kernel - 1), the
+    inputs before it (None: zeros) -> (silu(conv) (T, C) in x's dtype, the new state: the
+    last kernel - 1 inputs, zeros on the left of a short sequence)."""
     width = weight.shape[1] - 1
     if state is None:
         state = x.new_zeros(x.shape[1], width)
     window = torch.cat([state.to(x.dtype), x.t()], dim=1)  # (C, kernel - 1 + T)
     b = None if bias is None else bias.float()
     out = F.conv1d(window.float()[None], weight.float()[:, None, :], b, groups=x.shape[1])[0]
-    return F.silu(out).t().to(x.dtype), window[:, window.shape[1] - width :]
+    out = F.silu(out) if silu else out
+    return out.t().to(x.dtype), window[:, window.shape[1] - width :]
 
 
 def causal_conv1d_step(
@@ -138,14 +140,17 @@ def causal_conv1d_step(
     weight: torch.Tensor,
     states: torch.Tensor,
     bias: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The convolution (plus ``bias``) of one new token per sequence: x (B, C) after
-    ``states`` (B, C, kernel - 1) -> (silu(conv) (B, C) in x's dtype, the new states)."""
+    """The convolution (plus ``bias``, then SiLU unless ``silu`` is False) of one new token
+    per sequence: x (B, C) after ``states`` (B, C, kernel - 1) -> (silu(conv) (B, C) in x's
+    dtype, the new states)."""
     window = torch.cat([states, x.to(states.dtype)[:, :, None]], dim=2)  # (B, C, kernel)
     out = (window.float() * weight.float()).sum(dim=2)
     if bias is not None:
         out = out + bias.float()
-    return F.silu(out).to(x.dtype), window[:, :, 1:]
+    out = F.silu(out) if silu else out
+    return out.to(x.dtype), window[:, :, 1:]
 
 
 def chunk_gated_delta_rule(

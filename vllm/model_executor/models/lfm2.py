@@ -34,10 +34,13 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts_grouped
-from vllm.model_executor.layers.gated_delta_net import RecurrentStep
+from vllm.model_executor.layers.gated_delta_net import (
+    RecurrentStep,
+    causal_conv1d,
+    causal_conv1d_step,
+)
 from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec, after_chunk
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 from vllm.model_executor.models.llama import (
@@ -145,34 +148,6 @@ def _experts(config: Any, num_layers: int) -> dict[str, Any]:
     )
 
 
-def short_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's depthwise causal convolution (no activation): x (T, C) after
-    ``state`` (C, kernel - 1), the inputs before it (None: zeros) -> (the convolution (T,
-    C) in x's dtype, the new state: the last kernel - 1 inputs, zeros on the left of a
-    short sequence)."""
-    width = weight.shape[1] - 1
-    if state is None:
-        state = x.new_zeros(x.shape[1], width)
-    window = torch.cat([state.to(x.dtype), x.t()], dim=1)  # (C, kernel - 1 + T)
-    b = None if bias is None else bias.float()
-    out = F.conv1d(window.float()[None], weight.float()[:, None, :], b, groups=x.shape[1])[0]
-    return out.t().to(x.dtype), window[:, window.shape[1] - width :]
-
-
-def short_conv_step(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The convolution of one new token per sequence: x (B, C) after ``states`` (B, C,
-    kernel - 1) -> (the convolution (B, C) in x's dtype, the new states)."""
-    window = torch.cat([states, x.to(states.dtype)[:, :, None]], dim=2)  # (B, C, kernel)
-    out = (window.float() * weight.float()).sum(dim=2)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype), window[:, :, 1:]
-
-
 class ShortConv(nn.Module):
     """The gated short convolution (module docstring): (num_tokens, hidden) ->
     (num_tokens, hidden), reading and writing each sequence's state in its slot."""
@@ -204,15 +179,17 @@ class ShortConv(nn.Module):
         for chunk in step.prefills:
             rows = slice(chunk.start, chunk.start + chunk.n)
             state = None if chunk.fresh else pool[chunk.slot]
-            out[rows], pool[chunk.slot] = short_conv(bx[rows], self.conv_weight, self.conv_bias,
-                                                     state)  # fmt: skip
+            out[rows], pool[chunk.slot] = causal_conv1d(
+                bx[rows], self.conv_weight, state, self.conv_bias, silu=False
+            )
             after_chunk(step.batch, chunk, pool)
         return out
 
     def _decode(self, bx: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token of each decoding sequence (row i's state in ``slots[i]``)."""
-        out, states = short_conv_step(bx, self.conv_weight, self.conv_bias,
-                                      pool.index_select(0, slots))  # fmt: skip
+        out, states = causal_conv1d_step(
+            bx, self.conv_weight, pool.index_select(0, slots), self.conv_bias, silu=False
+        )
         pool.index_copy_(0, slots, states)
         return out
 
