@@ -36,6 +36,7 @@ from torch import nn
 
 from vllm.model_executor.layers.mamba2 import Mamba2Mixer, Mamba2Shape
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
+from vllm.model_executor.models.hybrid_base import CheckpointTensors
 from vllm.model_executor.models.llama import RMSNorm
 from vllm.model_executor.models.mamba_hybrid import (
     PARALLEL,
@@ -43,7 +44,6 @@ from vllm.model_executor.models.mamba_hybrid import (
     HybridArch,
     HybridAttention,
     StepMixers,
-    _Checkpoint,
     _dt_limit,
     _heads,
     _layer_kinds,
@@ -153,7 +153,7 @@ class FalconH1ForCausalLM(_MambaHybridForCausalLM):
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``model.layers...``; others ignored), fusing
         the projections; ``ValueError`` naming a missing tensor."""
-        sd = _Checkpoint({k.removeprefix("model."): v for k, v in sd.items()})
+        sd = CheckpointTensors({k.removeprefix("model."): v for k, v in sd.items()})
         self.init_buffers()
         with torch.no_grad():
             self.load_ends(sd, "final_layernorm.weight")

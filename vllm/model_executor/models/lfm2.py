@@ -30,7 +30,7 @@ tensor per attention layer); ``layer_types`` holds every layer's kind.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ from vllm.model_executor.layers.gated_delta_net import (
 )
 from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec, after_chunk
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
+from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM
 from vllm.model_executor.models.llama import (
     RMSNorm,
     RotaryEmbedding,
@@ -300,30 +301,21 @@ class Lfm2Layer(nn.Module):
         self.ffn_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
-class Lfm2ForCausalLM(nn.Module):
+class Lfm2ForCausalLM(HybridCausalLM):
     """LFM2 (``lfm2``), and LFM2-MoE through ``Lfm2MoeForCausalLM`` (module docstring)."""
-
-    gguf_layout: ClassVar[Any] = None  # --quantization gguf: refused with its reason
 
     @staticmethod
     def arch_from_hf(hf_config: Any) -> Lfm2Arch:
         return Lfm2Arch.from_hf(hf_config)
 
     def __init__(self, arch: Lfm2Arch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Lfm2Layer(arch, i) for i in range(len(arch.layer_types)))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)  # the checkpoint's embedding_norm
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        super().__init__(arch)  # its final norm: the checkpoint's embedding_norm
         # Each layer's place among its kind's: its KV cache, or its recurrent state.
         kinds = arch.layer_types
         self._index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
 
-    @property
-    def attention_features(self) -> frozenset[str]:
-        return frozenset()
+    def make_layer(self, i: int) -> nn.Module:
+        return Lfm2Layer(self.arch, i)
 
     def set_attention_backend(self, backend: Any) -> None:
         for layer in self.layers:
@@ -336,10 +328,6 @@ class Lfm2ForCausalLM(nn.Module):
         a = self.arch
         conv = StateSpec((a.hidden_size, a.conv_kernel - 1), self.embed_tokens.weight.dtype)
         return [(conv,)] * a.num_conv_layers
-
-    @torch.inference_mode()
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def forward(
@@ -371,24 +359,10 @@ class Lfm2ForCausalLM(nn.Module):
             x = x + layer.feed_forward(layer.ffn_norm(x))
         return self.norm(x)
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def init_buffers(self) -> None:
-        """The rotary table (fp32 on the CPU, then in the weights' dtype and device) and
-        the tied output head."""
-        a = self.arch
-        weight = self.embed_tokens.weight
-        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope)
-        self.rope = rope.to(weight.dtype).to(weight.device)
-        if a.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``model.layers...``; others ignored), fusing
         q/k/v and w1/w3; ``ValueError`` naming a missing tensor."""
-        sd = _Checkpoint({k.removeprefix("model."): v for k, v in sd.items()})
+        sd = CheckpointTensors({k.removeprefix("model."): v for k, v in sd.items()})
         self.init_buffers()
         with torch.no_grad():
             self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
@@ -416,14 +390,6 @@ class Lfm2ForCausalLM(nn.Module):
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     """LFM2-MoE (``lfm2_moe``: LFM2-8B-A1B; module docstring)."""
-
-
-class _Checkpoint(dict):
-    """A checkpoint's tensors by name; a missing one is a ``ValueError`` naming it."""
-
-    def __missing__(self, key: str) -> torch.Tensor:
-        raise ValueError(f"checkpoint tensor {key!r} is missing: the checkpoint does not "
-                         "match its config")  # fmt: skip
 
 
 __all__ = ["Lfm2Arch", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"]

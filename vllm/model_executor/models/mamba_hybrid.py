@@ -51,6 +51,7 @@ from vllm.model_executor.layers.gated_delta_net import RecurrentStep
 from vllm.model_executor.layers.mamba2 import Mamba2Mixer, Mamba2Shape
 from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
+from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM, layer_places
 from vllm.model_executor.models.llama import (
     RMSNorm,
     RotaryEmbedding,
@@ -409,14 +410,6 @@ class NemotronHMoE(nn.Module):
                     layer.bias.copy_(sd[f"{p}{name}.bias"])
 
 
-class _Checkpoint(dict):
-    """A checkpoint's tensors by name; a missing one is a ``ValueError`` naming it."""
-
-    def __missing__(self, key: str) -> torch.Tensor:
-        raise ValueError(f"checkpoint tensor {key!r} is missing: the checkpoint does not "
-                         "match its config")  # fmt: skip
-
-
 @dataclass(frozen=True)
 class StepMixers:
     """One forward's inputs to the layers' mixers: a Mamba2 mixer's states (the ``j``-th
@@ -436,37 +429,16 @@ class StepMixers:
         return mixer(self.positions, h, self.rope, self.metas[j], self.kv_caches[j])
 
 
-class _MambaHybridForCausalLM(nn.Module):
+class _MambaHybridForCausalLM(HybridCausalLM):
     """What the families share: embeddings, the layers' loop over a step (Mamba2 mixers
     on the recurrent pools, attention on the KV cache), the final norm and head."""
 
-    gguf_layout: ClassVar[Any] = None  # --quantization gguf: refused with its reason
-
     def __init__(self, arch: HybridArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(self.make_layer(i) for i in range(len(arch.layer_types)))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rope = self._rope()
+        super().__init__(arch)
         # Each layer's KV cache (its place among the layers with one) and recurrent states.
         kinds = arch.layer_types
-        self._kv_index = [sum(k in _WITH_KV for k in kinds[:i]) for i in range(len(kinds))]
-        self._state_index = [sum(k in _WITH_STATES for k in kinds[:i]) for i in range(len(kinds))]
-
-    def make_layer(self, i: int) -> nn.Module:
-        raise NotImplementedError
-
-    def _rope(self) -> RotaryEmbedding | None:
-        a = self.arch
-        return None if a.rope is None else (
-            RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope)
-        )  # fmt: skip
-
-    @property
-    def attention_features(self) -> frozenset[str]:
-        return frozenset()
+        self._kv_index = layer_places(kinds, lambda k: k in _WITH_KV)
+        self._state_index = layer_places(kinds, lambda k: k in _WITH_STATES)
 
     def set_attention_backend(self, backend: Any) -> None:
         for module in self.modules():
@@ -537,16 +509,11 @@ class _MambaHybridForCausalLM(nn.Module):
             self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["embed_tokens.weight"]))
 
     def init_buffers(self) -> None:
-        """The rotary table (fp32 on the CPU, then in the weights' dtype and device), if
-        any, the Mamba2 mixers' computed buffers, and the tied output head."""
-        weight = self.embed_tokens.weight
-        rope = self._rope()
-        self.rope = None if rope is None else rope.to(weight.dtype).to(weight.device)
+        """``HybridCausalLM``'s, and the Mamba2 mixers' computed buffers."""
+        super().init_buffers()
         for module in self.modules():
             if isinstance(module, Mamba2Mixer):
                 module.init_buffers()
-        if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
 
 
 class GraniteHybridLayer(nn.Module):
@@ -578,7 +545,7 @@ class GraniteMoeHybridForCausalLM(_MambaHybridForCausalLM):
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``model.layers...``; others ignored), fusing
         the projections; ``ValueError`` naming a missing tensor."""
-        sd = _Checkpoint({k.removeprefix("model."): v for k, v in sd.items()})
+        sd = CheckpointTensors({k.removeprefix("model."): v for k, v in sd.items()})
         self.init_buffers()
         with torch.no_grad():
             load_embeddings_and_head(self, sd)
@@ -647,7 +614,7 @@ class NemotronHForCausalLM(_MambaHybridForCausalLM):
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``backbone.`` as the Hub's, or ``model.``;
         others ignored); ``ValueError`` naming a missing tensor."""
-        sd = _Checkpoint({k.removeprefix("backbone.").removeprefix("model."): v
+        sd = CheckpointTensors({k.removeprefix("backbone.").removeprefix("model."): v
                           for k, v in sd.items()})  # fmt: skip
         self.init_buffers()
         with torch.no_grad():
@@ -687,7 +654,7 @@ class BambaForCausalLM(_MambaHybridForCausalLM):
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``model.layers...``; others ignored), fusing
         the projections; ``ValueError`` naming a missing tensor."""
-        sd = _Checkpoint({k.removeprefix("model."): v for k, v in sd.items()})
+        sd = CheckpointTensors({k.removeprefix("model."): v for k, v in sd.items()})
         self.init_buffers()
         with torch.no_grad():
             self.load_ends(sd, "final_layernorm.weight")

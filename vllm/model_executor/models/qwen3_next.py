@@ -58,6 +58,7 @@ from vllm.model_executor.layers.rotary_embedding import (
     rotary_dim,
 )
 from vllm.model_executor.models.gemma import GemmaRMSNorm
+from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM
 from vllm.model_executor.models.llama import (
     QwenVLForConditionalGeneration,
     RotaryEmbedding,
@@ -346,11 +347,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(HybridCausalLM):
     """Qwen3-Next (``Qwen3NextForCausalLM``: Qwen3-Next-80B-A3B), and the base of the
     Qwen3.5 classes below (module docstring)."""
 
-    gguf_layout: ClassVar[Any] = None  # --quantization gguf: refused with its reason
+    norm_class = GemmaRMSNorm
 
     @classmethod
     def arch_from_hf(cls, hf_config: Any) -> Qwen3NextArch:
@@ -362,20 +363,13 @@ class Qwen3NextForCausalLM(nn.Module):
         return ("model.", "lm_head.")
 
     def __init__(self, arch: Qwen3NextArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(len(arch.layer_types)))
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        super().__init__(arch)
         # Each layer's place among its kind's: its KV cache, or its recurrent states.
         kinds = arch.layer_types
         self._index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
 
-    @property
-    def attention_features(self) -> frozenset[str]:
-        return frozenset()
+    def make_layer(self, i: int) -> nn.Module:
+        return DecoderLayer(self.arch, i)
 
     def set_attention_backend(self, backend: Any) -> None:
         for layer in self.layers:
@@ -390,10 +384,6 @@ class Qwen3NextForCausalLM(nn.Module):
         conv = StateSpec((s.conv_dim, s.conv_kernel - 1), self.embed_tokens.weight.dtype)
         ssm = StateSpec((s.num_v_heads, s.head_k_dim, s.head_v_dim), ssm_dtype)
         return [(conv, ssm)] * self.arch.layer_types.count(LINEAR)
-
-    @torch.inference_mode()
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def forward(
@@ -425,27 +415,13 @@ class Qwen3NextForCausalLM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def init_buffers(self) -> None:
-        """The rotary table (fp32 on the CPU, then in the weights' dtype and device) and
-        the tied output head."""
-        a = self.arch
-        weight = self.embed_tokens.weight
-        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope)
-        self.rope = rope.to(weight.dtype).to(weight.device)
-        if a.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``model.layers...`` or, as Qwen3.5's
         multimodal checkpoints, ``model.language_model.layers...``; others ignored),
         fusing the projections; ``ValueError`` naming a missing tensor."""
         if any(key.startswith(LANGUAGE_MODEL_PREFIXES) for key in sd):
             sd = language_model_tensors(sd)
-        sd = _Checkpoint({k.removeprefix("model."): v for k, v in sd.items()})
+        sd = CheckpointTensors({k.removeprefix("model."): v for k, v in sd.items()})
         self.init_buffers()
         with torch.no_grad():
             load_embeddings_and_head(self, sd)
@@ -463,16 +439,6 @@ class Qwen3NextForCausalLM(nn.Module):
                     gate_up = [sd[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")]
                     layer.mlp.gate_up_proj.weight.copy_(torch.cat(gate_up))
                     layer.mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
-
-
-class _Checkpoint(dict):
-    """A checkpoint's tensors by name; a missing one is a ``ValueError`` naming it."""
-
-    def __missing__(self, key: str) -> torch.Tensor:
-        raise ValueError(
-            f"checkpoint tensor {key!r} (under model. or model.language_model.) is missing: "
-            "the checkpoint does not match its config"
-        )
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
