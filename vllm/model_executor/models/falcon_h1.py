@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.model_executor.layers.mamba2 import Mamba2Mixer, Mamba2Shape
+from vllm.model_executor.layers.mamba2 import Mamba2Mixer
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 from vllm.model_executor.models.hybrid_base import CheckpointTensors
 from vllm.model_executor.models.llama import RMSNorm
@@ -44,10 +44,10 @@ from vllm.model_executor.models.mamba_hybrid import (
     HybridArch,
     HybridAttention,
     StepMixers,
-    _dt_limit,
     _heads,
     _layer_kinds,
     _MambaHybridForCausalLM,
+    mamba_shape,
 )
 
 
@@ -82,21 +82,11 @@ def falcon_h1_arch(config: Any) -> FalconH1Arch:
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=max_positions(config.max_position_embeddings, rope),
         tie_word_embeddings=bool(config.tie_word_embeddings),
-        mamba=Mamba2Shape(
-            hidden_size=config.hidden_size,
-            num_heads=config.mamba_n_heads,
-            head_dim=config.mamba_d_head,
-            n_groups=config.mamba_n_groups,
-            state_size=config.mamba_d_state,
-            conv_kernel=config.mamba_d_conv,
-            chunk_size=config.mamba_chunk_size,
-            rms_norm_eps=config.rms_norm_eps,
-            dt_limit=_dt_limit(config),
+        mamba=mamba_shape(
+            config,
             norm_before_gate=bool(config.mamba_norm_before_gate),
             rms_norm=bool(config.mamba_rms_norm),
-            proj_bias=bool(config.mamba_proj_bias),
             out_proj_bias=bool(config.projectors_bias),
-            conv_bias=bool(config.mamba_conv_bias),
             in_multiplier=float(config.ssm_in_multiplier),
             zxbcdt_multipliers=tuple(float(m) for m in config.ssm_multipliers),
         ),

@@ -155,19 +155,7 @@ def granite_arch(config: Any) -> HybridArch:
             config.max_position_embeddings, rope or {"rope_type": "none"}
         ),
         tie_word_embeddings=bool(config.tie_word_embeddings),
-        mamba=Mamba2Shape(
-            hidden_size=config.hidden_size,
-            num_heads=config.mamba_n_heads,
-            head_dim=config.mamba_d_head,
-            n_groups=config.mamba_n_groups,
-            state_size=config.mamba_d_state,
-            conv_kernel=config.mamba_d_conv,
-            chunk_size=config.mamba_chunk_size,
-            rms_norm_eps=config.rms_norm_eps,
-            dt_limit=_dt_limit(config),
-            proj_bias=bool(config.mamba_proj_bias),
-            conv_bias=bool(config.mamba_conv_bias),
-        ),
+        mamba=mamba_shape(config),
         attention_scale=config.attention_multiplier,
         rope=rope,
         attention_bias=bool(config.attention_bias),
@@ -246,19 +234,7 @@ def bamba_arch(config: Any) -> HybridArch:
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=max_positions(config.max_position_embeddings, rope),
         tie_word_embeddings=bool(config.tie_word_embeddings),
-        mamba=Mamba2Shape(
-            hidden_size=config.hidden_size,
-            num_heads=config.mamba_n_heads,
-            head_dim=config.mamba_d_head,
-            n_groups=config.mamba_n_groups,
-            state_size=config.mamba_d_state,
-            conv_kernel=config.mamba_d_conv,
-            chunk_size=config.mamba_chunk_size,
-            rms_norm_eps=config.rms_norm_eps,
-            dt_limit=_dt_limit(config),
-            proj_bias=bool(config.mamba_proj_bias),
-            conv_bias=bool(config.mamba_conv_bias),
-        ),
+        mamba=mamba_shape(config),
         attention_scale=arch["head_dim"] ** -0.5,
         rope=rope,
         attention_bias=bool(config.attention_bias),
@@ -267,10 +243,25 @@ def bamba_arch(config: Any) -> HybridArch:
     )
 
 
-def _dt_limit(config: Any) -> tuple[float, float]:
-    """The config's ``time_step_limit`` (None: unclamped)."""
+def mamba_shape(config: Any, **changes: Any) -> Mamba2Shape:
+    """The Mamba2 mixer of a config that names it with ``mamba_*`` fields (Granite 4.0-H,
+    Bamba, Falcon-H1), dt clamped to its ``time_step_limit`` (None: unclamped); ``changes``
+    a family's own options."""
     low, high = getattr(config, "time_step_limit", None) or (0.0, math.inf)
-    return float(low), float(high)
+    return Mamba2Shape(
+        hidden_size=config.hidden_size,
+        num_heads=config.mamba_n_heads,
+        head_dim=config.mamba_d_head,
+        n_groups=config.mamba_n_groups,
+        state_size=config.mamba_d_state,
+        conv_kernel=config.mamba_d_conv,
+        chunk_size=config.mamba_chunk_size,
+        rms_norm_eps=config.rms_norm_eps,
+        dt_limit=(float(low), float(high)),
+        proj_bias=bool(config.mamba_proj_bias),
+        conv_bias=bool(config.mamba_conv_bias),
+        **changes,
+    )
 
 
 class HybridAttention(nn.Module):
