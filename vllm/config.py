@@ -855,7 +855,7 @@ SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp
 # The methods whose drafts come from a model in the runner (its KV in the target's blocks).
 DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # vLLM's older names of methods, still taken (with a warning, as vLLM does).
-_SPECULATIVE_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
+_SPECULATIVE_METHOD_ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}
 _DRAFT_KEYS = ("model", "quantization", "max_model_len", "draft_tensor_parallel_size")
 # Suffix decoding's keys with vLLM's defaults: the trees' depth (the longest match plus
 # draft), the past responses the global tree keeps (0: none, only each request's own

@@ -143,8 +143,9 @@ def test_next_turn_starts_from_a_checkpoint_of_the_last(qwen35):
 
 
 def test_a_draft_model_is_refused(qwen35):
-    """Drafts from a model or head are not served for these models (n-gram and suffix
-    drafts are: below)."""
+    """Drafts from a draft model are not served for these models (n-gram and suffix
+    drafts are: below; the model's own MTP layer's too: spec_decode/test_qwen3_next_mtp.py,
+    which also checks the EAGLE methods' refusal)."""
     from vllm import LLM
 
     spec = {"method": "draft_model", "model": str(qwen35[0]), "num_speculative_tokens": 2}

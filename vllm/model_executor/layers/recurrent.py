@@ -222,15 +222,31 @@ def split_tier(
 
 def refuse_unsupported(config: object) -> None:
     """``ValueError`` naming the flag a model with recurrent layers cannot serve with
-    (``config``: a ``VllmConfig``): speculative decoding by a draft model or head (its
-    proposer has no recurrent states of its own here); n-gram and suffix drafts are
-    verified with the states rolled back to the last token kept. Called before loading
-    (EngineArgs, for a model ``has_recurrent_layers``) and after it (the runner, for a
-    config built by hand)."""
+    (``config``: a ``VllmConfig``): speculative decoding by a draft model or an EAGLE head
+    (their proposers would need recurrent states of their own for the drafts, which they
+    do not have here). N-gram and suffix drafts are verified with the states rolled back
+    to the last token kept, and so are ``mtp``'s where the model's multi-token-prediction
+    layer is attention only (Qwen3-Next's and Qwen3.5's: ``models/qwen3_next_mtp.py``): it
+    drafts from the target's hidden states and its own KV, as an EAGLE head does, and
+    keeps no recurrent state. Called before loading (EngineArgs, for a model
+    ``has_recurrent_layers``) and after it (the runner, for a config built by hand)."""
     method = config.speculative_config.method
-    if method is not None and method not in ("ngram", "suffix"):
-        raise ValueError(
-            f"--speculative-config: method {method!r} is not served for a model with "
-            "recurrent layers (linear attention, Mamba2, short convolutions); the methods "
-            "'ngram' and 'suffix' are"
-        )
+    if method is None or method in ("ngram", "suffix"):
+        return
+    if method == "mtp" and not _mtp_head_has_recurrent_layers(config):
+        return
+    raise ValueError(
+        f"--speculative-config: method {method!r} is not served for a model with "
+        "recurrent layers (linear attention, Mamba2, short convolutions); the methods "
+        "'ngram' and 'suffix' are, and 'mtp' where the model's multi-token-prediction "
+        "layer has attention layers only"
+    )
+
+
+def _mtp_head_has_recurrent_layers(config: object) -> bool:
+    """Whether the MTP head ``config`` asks for keeps recurrent states; ValueError naming
+    ``speculative_config.method`` for a model without an MTP layer."""
+    from vllm.model_executor.model_loader import hf_config_of
+    from vllm.model_executor.models.mtp import mtp_head_class
+
+    return mtp_head_class(hf_config_of(config.draft_model_config)).recurrent_layers

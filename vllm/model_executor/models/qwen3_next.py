@@ -452,7 +452,8 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
     """The released Qwen3.5 checkpoints (``Qwen3_5ForConditionalGeneration``): the
     language model of ``text_config`` (``model.language_model.*``, ``lm_head``) and the
-    vision tower (``model.visual.*``); the MTP head (``mtp.*``) is not read.
+    vision tower (``model.visual.*``); the MTP layer (``mtp.*``) is read only by its draft
+    head (``qwen3_next_mtp.py``).
 
     They take images as Qwen3-VL (module docstring): ``embed_images`` makes each image's
     rows, which the runner writes over its ``<|image_pad|>`` tokens' embeddings
