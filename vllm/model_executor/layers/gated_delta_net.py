@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vllm.model_executor.layers.recurrent import Chunk, RecurrentBatch, after_chunk
+from vllm.model_executor.layers.recurrent import RecurrentStep
 
 CHUNK_SIZE = 64
 
@@ -60,53 +60,6 @@ class GatedDeltaNetShape:
     def conv_dim(self) -> int:
         """The convolved channels: q, k and v."""
         return 2 * self.key_dim + self.value_dim
-
-
-@dataclass(frozen=True)
-class RecurrentStep:
-    """How a step's sequences are served, worked out once from its ``RecurrentBatch`` for
-    every layer: the decodes (one token, a state to continue) in one batched update, the
-    others (prefill chunks, fresh sequences) one by one, a sequence that verifies drafts
-    one token at a time, its states kept after each but the last (``after_chunk``)."""
-
-    decode_slots: torch.Tensor | None  # (n,) long, on the pools' device; None: no decodes
-    decode_rows: torch.Tensor | None  # their rows; None: every row (a decode-only step)
-    prefills: tuple[Chunk, ...]
-    batch: RecurrentBatch | None = None  # where the drafts' snapshots go
-
-    @classmethod
-    def of_forward(
-        cls, batch: RecurrentBatch | None, model: nn.Module, x: torch.Tensor
-    ) -> tuple[RecurrentBatch, RecurrentStep]:
-        """A forward's batch and its plan: ``batch``, or without one (the profile run, a
-        warm-up) every row of ``x`` one fresh sequence on scratch states of ``model``'s
-        specs (``recurrent_state_specs`` in its embeddings' dtype)."""
-        if batch is None:
-            specs = model.recurrent_state_specs(model.embed_tokens.weight.dtype)
-            batch = RecurrentBatch.scratch(x.shape[0], specs, x.device)
-        return batch, cls.of(batch)
-
-    @classmethod
-    def of(cls, batch: RecurrentBatch) -> RecurrentStep:
-        if batch.decode_only:  # no host work beyond the batch's own lists
-            return cls(batch.slots, None, ())
-        seqs = list(zip(batch.starts, batch.query_lens, batch.slot_ids, batch.fresh, strict=True))
-        decodes, prefills = [], []
-        for i, (start, n, slot, fresh) in enumerate(seqs):
-            if batch.drafted[i]:  # a token at a time, each state but the last kept
-                base = batch.snapshot_base[i]
-                prefills += [Chunk(start + t, 1, slot, False, base + t if t < n - 1 else -1)
-                             for t in range(n)]  # fmt: skip
-            elif n == 1 and not fresh:
-                decodes.append((start, slot))
-            elif n > 0:
-                prefills.append(Chunk(start, n, slot, fresh))
-        if not decodes:
-            return cls(None, None, tuple(prefills), batch)
-        device = batch.slots.device
-        rows = torch.tensor([s[0] for s in decodes], dtype=torch.long, device=device)
-        slots = torch.tensor([s[1] for s in decodes], dtype=torch.long, device=device)
-        return cls(slots, rows, tuple(prefills), batch)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -245,19 +198,18 @@ class GatedDeltaNetMixer(nn.Module):
         ``a`` (T, v_heads) -> (T, v_heads, head_v_dim) in ``mixed_qkv``'s dtype.
         ``states``: the layer's (conv pool, ssm pool); each sequence's slot is read (unless
         fresh) and written with its states after its last token."""
-        if step.decode_slots is not None and step.decode_rows is None:  # decode only
-            return self._decode(mixed_qkv, b, a, states, step.decode_slots)
+        if step.decode_only:
+            return self._decode(mixed_qkv, b, a, states, step.groups[0].slots)
         s = self.shape
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], s.num_v_heads, s.head_v_dim)
-        if step.decode_rows is not None:
-            rows = step.decode_rows
-            picked = (t.index_select(0, rows) for t in (mixed_qkv, b, a))
-            out.index_copy_(0, rows, self._decode(*picked, states, step.decode_slots))
+        for group in step.groups:
+            picked = (t.index_select(0, group.rows) for t in (mixed_qkv, b, a))
+            out.index_copy_(0, group.rows, self._decode(*picked, states, group.slots))
+            step.after(group, *states)
         for chunk in step.prefills:
             rows = slice(chunk.start, chunk.start + chunk.n)
             out[rows] = self._prefill(mixed_qkv[rows], b[rows], a[rows], states, chunk.slot,
                                       chunk.fresh)  # fmt: skip
-            after_chunk(step.batch, chunk, *states)
         return out
 
     def _prefill(self, x, b, a, states, slot: int, fresh: bool) -> torch.Tensor:

@@ -37,12 +37,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vllm.model_executor.layers.gated_delta_net import (
-    RecurrentStep,
-    causal_conv1d,
-    causal_conv1d_step,
-)
-from vllm.model_executor.layers.recurrent import StateSpec, after_chunk
+from vllm.model_executor.layers.gated_delta_net import causal_conv1d, causal_conv1d_step
+from vllm.model_executor.layers.recurrent import RecurrentStep, StateSpec
 
 
 @dataclass(frozen=True)
@@ -202,17 +198,16 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self._gated_norm(y, z).to(h.dtype))
 
     def _scan(self, xbc, dt, states, step: RecurrentStep) -> torch.Tensor:
-        if step.decode_slots is not None and step.decode_rows is None:  # decode only
-            return self._decode(xbc, dt, states, step.decode_slots)
+        if step.decode_only:
+            return self._decode(xbc, dt, states, step.groups[0].slots)
         out = xbc.new_empty(xbc.shape[0], self.shape.intermediate, dtype=torch.float32)
-        if step.decode_rows is not None:
-            rows = step.decode_rows
-            picked = (t.index_select(0, rows) for t in (xbc, dt))
-            out.index_copy_(0, rows, self._decode(*picked, states, step.decode_slots))
+        for group in step.groups:
+            picked = (t.index_select(0, group.rows) for t in (xbc, dt))
+            out.index_copy_(0, group.rows, self._decode(*picked, states, group.slots))
+            step.after(group, *states)
         for chunk in step.prefills:
             rows = slice(chunk.start, chunk.start + chunk.n)
             out[rows] = self._prefill(xbc[rows], dt[rows], states, chunk.slot, chunk.fresh)
-            after_chunk(step.batch, chunk, *states)
         return out
 
     def _prefill(self, xbc, dt, states, slot: int, fresh: bool) -> torch.Tensor:

@@ -18,12 +18,17 @@ state after the sequence's last token of the step back to the slot. Without a ba
 (the profile run, kernel warm-ups) the model treats its rows as one fresh sequence over
 scratch states (``RecurrentBatch.scratch``).
 
+A step is served the same way by every layer (``RecurrentStep``, worked out once): the
+decodes (one token, a state to continue) in one batched update, prefill chunks and fresh
+sequences one at a time.
+
 Speculative decoding: a sequence that verifies drafts (``drafted``) runs its last token
-and its ``k`` drafts as ``k + 1`` one-token chunks, and its states after each of the first
-``k`` are kept (``snapshot``) until the drafts are judged; when only ``a`` of them are
-accepted, ``roll_back`` puts the states after ``1 + a`` tokens back into its slot (the
-slot holds those after all ``k + 1``). vLLM keeps ``k + 1`` states a request for the same
-reason; here they live only for the step.
+and its ``k`` drafts one position at a time, position ``t`` of every such sequence in one
+batched update as the decodes are, and its states after each of the first ``k`` are kept
+(``keep``) until the drafts are judged; when only ``a`` of them are accepted,
+``roll_back`` puts the states after ``1 + a`` tokens back into its slot (the slot holds
+those after all ``k + 1``). vLLM keeps ``k + 1`` states a request for the same reason;
+here they live only for the step.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -103,15 +109,18 @@ class RecurrentBatch:
             k += n - 1 if drafted else 0
         self.num_snapshots = k
 
-    def snapshot(self, pools: tuple[torch.Tensor, ...], slot: int, index: int) -> None:
-        """Keep a copy of ``slot`` of each of ``pools`` (a layer's) as snapshot ``index``."""
+    def keep(
+        self, pools: tuple[torch.Tensor, ...], slots: torch.Tensor, indices: torch.Tensor
+    ) -> None:
+        """Keep copies of ``slots`` of each of ``pools`` (a layer's) as the snapshots
+        ``indices``."""
         for pool in pools:
             kept = self._snapshots.get(id(pool))
             if kept is None:
                 kept = self._snapshots[id(pool)] = pool.new_empty(
                     (self.num_snapshots, *pool.shape[1:])
                 )
-            kept[index].copy_(pool[slot])
+            kept.index_copy_(0, indices, pool.index_select(0, slots))
 
     def roll_back(self, seq: int, accepted: int) -> None:
         """Drafted sequence ``seq`` keeps its last token and ``accepted`` drafts: its
@@ -156,13 +165,89 @@ class Chunk(NamedTuple):
     n: int  # its tokens
     slot: int
     fresh: bool
-    snapshot: int = -1  # >= 0: keep the states after it as that snapshot (a draft's)
 
 
-def after_chunk(batch: RecurrentBatch | None, chunk: Chunk, *pools: torch.Tensor) -> None:
-    """What a layer does after running ``chunk`` on ``pools``: the snapshot it asks for."""
-    if chunk.snapshot >= 0 and batch is not None:
-        batch.snapshot(pools, chunk.slot, chunk.snapshot)
+class DecodeGroup(NamedTuple):
+    """Rows that a recurrent layer updates in one batch, a token each (``RecurrentStep``):
+    the step's decodes, or one position of the sequences that verify drafts."""
+
+    rows: torch.Tensor | None  # (n,) long on the pools' device; None: every row
+    slots: torch.Tensor  # (n,) long: each row's slot
+    keep: torch.Tensor | None = None  # the snapshots the states after it go to (drafts)
+
+
+@dataclass(frozen=True)
+class RecurrentStep:
+    """How a step's sequences are served (module docstring), worked out once from its
+    ``RecurrentBatch`` for every layer: ``groups`` a token a row in batched updates, in
+    order (the decodes, then the drafted sequences' positions), ``prefills`` one chunk at
+    a time. A layer runs ``groups`` through its decode update and calls ``after`` on each
+    (the drafts' snapshots), then its prefills."""
+
+    groups: tuple[DecodeGroup, ...]
+    prefills: tuple[Chunk, ...]
+    batch: RecurrentBatch | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        """One group over every row: the layer's decode update is the whole step."""
+        return len(self.groups) == 1 and self.groups[0].rows is None
+
+    def after(self, group: DecodeGroup, *pools: torch.Tensor) -> None:
+        """A layer ran ``group`` on ``pools``: the states it asks to keep, kept."""
+        if group.keep is not None and self.batch is not None:
+            self.batch.keep(pools, group.slots, group.keep)
+
+    @classmethod
+    def of_forward(
+        cls, batch: RecurrentBatch | None, model: nn.Module, x: torch.Tensor
+    ) -> tuple[RecurrentBatch, RecurrentStep]:
+        """A forward's batch and its plan: ``batch``, or without one (the profile run, a
+        warm-up) every row of ``x`` one fresh sequence on scratch states of ``model``'s
+        specs (``recurrent_state_specs`` in its embeddings' dtype)."""
+        if batch is None:
+            specs = model.recurrent_state_specs(model.embed_tokens.weight.dtype)
+            batch = RecurrentBatch.scratch(x.shape[0], specs, x.device)
+        return batch, cls.of(batch)
+
+    @classmethod
+    def of(cls, batch: RecurrentBatch) -> RecurrentStep:
+        if batch.decode_only:  # no host work beyond the batch's own lists
+            return cls((DecodeGroup(None, batch.slots),), ())
+        decodes: list[tuple[int, int]] = []  # (row, slot)
+        drafted: list[list[tuple[int, int, int]]] = []  # per position: (row, slot, keep)
+        prefills = []
+        seqs = zip(batch.starts, batch.query_lens, batch.slot_ids, batch.fresh, batch.drafted,
+                   batch.snapshot_base, strict=True)  # fmt: skip
+        for start, n, slot, fresh, verifies, base in seqs:
+            if verifies:  # a position at a time; the states after all but the last kept
+                for t in range(n):
+                    if len(drafted) <= t:
+                        drafted.append([])
+                    drafted[t].append((start + t, slot, base + t if t < n - 1 else -1))
+            elif n == 1 and not fresh:
+                decodes.append((start, slot))
+            elif n > 0:
+                prefills.append(Chunk(start, n, slot, fresh))
+        device = batch.slots.device
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        groups = []
+        if decodes:
+            groups.append(
+                DecodeGroup(longs([r for r, _ in decodes]), longs([s for _, s in decodes]))
+            )
+        for position in drafted:  # in order: a sequence's position t before its t + 1
+            for kept in (True, False):  # its states kept (a draft follows) or not
+                part = [p for p in position if (p[2] >= 0) == kept]
+                if part:
+                    groups.append(DecodeGroup(
+                        longs([r for r, _, _ in part]), longs([s for _, s, _ in part]),
+                        longs([k for _, _, k in part]) if kept else None,
+                    ))  # fmt: skip
+        return cls(tuple(groups), tuple(prefills), batch)
 
 
 def has_recurrent_layers(hf_config: object) -> bool:

@@ -36,12 +36,8 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts_grouped
-from vllm.model_executor.layers.gated_delta_net import (
-    RecurrentStep,
-    causal_conv1d,
-    causal_conv1d_step,
-)
-from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec, after_chunk
+from vllm.model_executor.layers.gated_delta_net import causal_conv1d, causal_conv1d_step
+from vllm.model_executor.layers.recurrent import RecurrentBatch, RecurrentStep, StateSpec
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM
 from vllm.model_executor.models.llama import (
@@ -170,20 +166,19 @@ class ShortConv(nn.Module):
     def _conv(self, bx: torch.Tensor, pool: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         """``bx`` (num_tokens, hidden) convolved, each sequence after its slot's state in
         ``pool`` (none when fresh), its state after its last token written back."""
-        if step.decode_slots is not None and step.decode_rows is None:  # decode only
-            return self._decode(bx, pool, step.decode_slots)
+        if step.decode_only:
+            return self._decode(bx, pool, step.groups[0].slots)
         out = bx.new_zeros(bx.shape)
-        if step.decode_rows is not None:
-            rows = step.decode_rows
-            out.index_copy_(0, rows, self._decode(bx.index_select(0, rows), pool,
-                                                  step.decode_slots))  # fmt: skip
+        for group in step.groups:
+            out.index_copy_(0, group.rows, self._decode(bx.index_select(0, group.rows), pool,
+                                                        group.slots))  # fmt: skip
+            step.after(group, pool)
         for chunk in step.prefills:
             rows = slice(chunk.start, chunk.start + chunk.n)
             state = None if chunk.fresh else pool[chunk.slot]
             out[rows], pool[chunk.slot] = causal_conv1d(
                 bx[rows], self.conv_weight, state, self.conv_bias, silu=False
             )
-            after_chunk(step.batch, chunk, pool)
         return out
 
     def _decode(self, bx: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -47,9 +47,8 @@ from vllm.model_executor.layers.fused_moe import (
     fused_experts,
     select_experts_grouped,
 )
-from vllm.model_executor.layers.gated_delta_net import RecurrentStep
 from vllm.model_executor.layers.mamba2 import Mamba2Mixer, Mamba2Shape
-from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec
+from vllm.model_executor.layers.recurrent import RecurrentBatch, RecurrentStep, StateSpec
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
 from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM, layer_places
 from vllm.model_executor.models.llama import (

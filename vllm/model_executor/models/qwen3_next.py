@@ -46,12 +46,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from vllm import _custom_ops as ops
-from vllm.model_executor.layers.gated_delta_net import (
-    GatedDeltaNetMixer,
-    GatedDeltaNetShape,
-    RecurrentStep,
-)
-from vllm.model_executor.layers.recurrent import RecurrentBatch, StateSpec
+from vllm.model_executor.layers.gated_delta_net import GatedDeltaNetMixer, GatedDeltaNetShape
+from vllm.model_executor.layers.recurrent import RecurrentBatch, RecurrentStep, StateSpec
 from vllm.model_executor.layers.rotary_embedding import (
     max_positions,
     rope_parameters,
