@@ -2,7 +2,8 @@
 the device, the batched decode's gathers and scatters by slot, the chunked delta rule's
 triangular solves, in the engine. fp32: greedy tokens equal transformers' (CPU, fp32) in
 16-token chunks, mixed batches, a job's next turn restored from a checkpoint, and one
-restored from the CPU KV tier's host slots (blocks loaded, states copied host to device); bf16
+restored from the CPU KV tier's host slots (blocks loaded, states copied host to device),
+drafts verified with the states rolled back to those kept; bf16
 (the CUDA default, states in bf16 by --mamba-ssm-cache-dtype auto): the same run
 completes and its first tokens mostly agree. The CPU tests of the same paths are
 tests/v1/engine/test_recurrent_engine.py and tests/model_executor/test_qwen3_next.py.
@@ -19,6 +20,7 @@ from tests.tiny_models import hf_greedy
 from tests.v1.engine.test_recurrent_engine import (  # noqa: F401 (fixture)
     _prompts,
     check_offloaded_turn,
+    check_oracle_drafts,
     qwen35,
 )
 
@@ -69,3 +71,9 @@ def test_a_turn_comes_back_from_the_cpu_tier(qwen35):  # noqa: F811
     """The host checkpoint slots' copies cross the host link both ways (device to host on
     eviction, host to the request's device slot on a hit); fp32, transformers' tokens."""
     check_offloaded_turn(*qwen35, dtype="float32", enforce_eager=True)
+
+
+def test_drafts_roll_the_states_back(qwen35, monkeypatch):  # noqa: F811
+    """Drafts verified a position at a time, the states after each kept on the device and
+    the slot rolled back to the drafts kept; fp32, transformers' tokens."""
+    check_oracle_drafts(*qwen35, monkeypatch, dtype="float32", enforce_eager=True)

@@ -265,15 +265,19 @@ def test_a_policy_that_keeps_contexts_gets_a_tier_with_state_slots(qwen35):
 
 def test_drafts_are_verified_with_the_states_rolled_back(qwen35, monkeypatch):
     """Speculative decoding with model-free drafts (n-gram's, suffix decoding's): a step
-    that verifies k drafts runs them a token at a time through the recurrent layers, and
-    a request that keeps fewer gets its states after the tokens it kept back in its slot.
-    The proposer drafts transformers' own continuation, wrong from a position that
+    that verifies k drafts runs them a position at a time through the recurrent layers,
+    and a request that keeps fewer gets its states after the tokens it kept back in its
+    slot. The proposer drafts transformers' own continuation, wrong from a position that
     changes every call (``oracle_proposer``): greedy tokens must stay transformers' (with
     and without prefix caching, whose checkpoints no drafted step reaches)."""
+    check_oracle_drafts(*qwen35, monkeypatch)
+
+
+def check_oracle_drafts(path, hf, monkeypatch, **kwargs) -> None:
+    """The test above, with ``kwargs`` for ``LLM`` (the CUDA test's device and dtype)."""
     from vllm import LLM, SamplingParams
     from vllm.v1.metrics.stats import SpecDecodingStats
 
-    path, hf = qwen35
     prompts = _prompts(3)
     expected = hf_greedy(hf, prompts, 40)
     propose = oracle_proposer([p + e for p, e in zip(prompts, expected, strict=True)])
@@ -284,7 +288,7 @@ def test_drafts_are_verified_with_the_states_rolled_back(qwen35, monkeypatch):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     for caching in (True, False):
         llm = LLM(model=str(path), kv_cache_memory="16MiB", speculative_config=spec,
-                  enable_prefix_caching=caching, max_num_batched_tokens=32)  # fmt: skip
+                  enable_prefix_caching=caching, max_num_batched_tokens=32, **kwargs)  # fmt: skip
         try:
             monkeypatch.setattr(llm.engine_core.scheduler.proposer, "propose", propose)
             params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
