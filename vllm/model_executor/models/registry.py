@@ -63,6 +63,7 @@ _PACKAGE = "vllm.model_executor.models"
 # their states in those recurrent pools too, with attention; Falcon-H1 (falcon_h1.py) runs
 # both side by side in every layer.
 # LFM2 and LFM2-MoE (lfm2.py) mix gated short convolutions (states in those pools) with attention.
+# Kimi-Linear (kimi_linear.py) mixes Kimi Delta Attention (layers/kda.py) with unrotated MLA.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -145,6 +146,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "FalconH1ForCausalLM": ("falcon_h1", "falcon_h1", "FalconH1ForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2_moe", "lfm2", "Lfm2MoeForCausalLM"),
+    "KimiLinearForCausalLM": ("kimi_linear", "kimi_linear", "KimiLinearForCausalLM"),
 }
 
 # (multimodal architecture, its text_config's model_type): (module, class) where that
