@@ -36,14 +36,13 @@ from torch import nn
 
 from vllm.model_executor.layers.mamba2 import Mamba2Mixer
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
-from vllm.model_executor.models.hybrid_base import CheckpointTensors
+from vllm.model_executor.models.hybrid_base import CheckpointTensors, StepMixers
 from vllm.model_executor.models.llama import RMSNorm
 from vllm.model_executor.models.mamba_hybrid import (
     PARALLEL,
     GatedMLP,
     HybridArch,
     HybridAttention,
-    StepMixers,
     _heads,
     _layer_kinds,
     _MambaHybridForCausalLM,
@@ -130,7 +129,7 @@ class FalconH1ForCausalLM(_MambaHybridForCausalLM):
     def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
         a, layer = self.arch, self.layers[i]
         h = layer.input_layernorm(x)
-        ssm = mixers.mamba(layer.mamba, self._state_index[i], h) * a.ssm_out_multiplier
+        ssm = mixers.recurrent(layer.mamba, self._state_index[i], h) * a.ssm_out_multiplier
         m = a.attention_in_multiplier
         attn = mixers.attention(layer.self_attn, self._kv_index[i], h * m if m != 1.0 else h)
         x = x + (ssm + attn * a.attention_out_multiplier)

@@ -1,20 +1,24 @@
 """What the models with recurrent layers share (Qwen3-Next / Qwen3.5 in ``qwen3_next.py``,
 the Mamba2 hybrids in ``mamba_hybrid.py`` and ``falcon_h1.py``, LFM2 in ``lfm2.py``): the
 embeddings, the layers (``make_layer``), the final norm (``norm_class``) and the output
-head, the rotary table of their attention layers, each layer's place among the layers
-with a KV cache and among those with recurrent states, and a checkpoint whose missing
-tensor is named. Each family writes its own ``forward`` (its layers' residual structure),
+head, the rotary table of their attention layers, the forward over a step (its recurrent
+plan worked out once, ``StepMixers``), each layer's place among the layers with a KV cache
+and among those with recurrent states, and a checkpoint whose missing tensor is named.
+Each family writes its layers' residual structure (``layer_forward``),
 ``recurrent_state_specs`` and ``load_weights``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.recurrent import RecurrentBatch, RecurrentStep
 from vllm.model_executor.models.llama import RMSNorm, RotaryEmbedding
+from vllm.v1.attention.backends.abstract import layer_metadata
 
 
 class CheckpointTensors(dict):
@@ -33,6 +37,25 @@ def layer_places(kinds: tuple[str, ...], counts: Callable[[str], bool]) -> list[
         places.append(n)
         n += counts(kind)
     return places
+
+
+@dataclass(frozen=True)
+class StepMixers:
+    """One forward's inputs to the layers' mixers: a recurrent mixer's states (the ``j``-th
+    layer with states) and an attention's KV cache (the ``j``-th with one)."""
+
+    positions: torch.Tensor
+    rope: RotaryEmbedding | None
+    metas: Any  # per attention layer
+    kv_caches: Any
+    states: list[tuple[torch.Tensor, ...]]  # per recurrent layer: its pools
+    step: RecurrentStep
+
+    def recurrent(self, mixer: nn.Module, j: int, h: torch.Tensor) -> torch.Tensor:
+        return mixer(h, self.states[j], self.step)
+
+    def attention(self, mixer: nn.Module, j: int, h: torch.Tensor) -> torch.Tensor:
+        return mixer(self.positions, h, self.rope, self.metas[j], self.kv_caches[j])
 
 
 class HybridCausalLM(nn.Module):
@@ -68,6 +91,34 @@ class HybridCausalLM(nn.Module):
     @torch.inference_mode()
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids,
+        positions,
+        meta: Any,
+        kv_caches,
+        inputs_embeds: torch.Tensor | None = None,
+        recurrent: RecurrentBatch | None = None,
+    ) -> torch.Tensor:
+        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``kv_caches`` and
+        ``meta`` are the attention layers'; ``recurrent`` the step's sequences and the
+        recurrent layers' pools (None: every row one fresh sequence, on scratch states)."""
+        if positions.dim() != 1:
+            raise ValueError(f"positions of shape {tuple(positions.shape)}: (num_tokens,)")
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        # once: every layer serves the step alike
+        recurrent, step = RecurrentStep.of_forward(recurrent, self, x)
+        metas = layer_metadata(meta, self.arch.num_layers)
+        mixers = StepMixers(positions, self.rope, metas, kv_caches, recurrent.states, step)
+        for i in range(len(self.layers)):
+            x = self.layer_forward(i, x, mixers)
+        return self.norm(x)
+
+    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        """The residual stream after layer ``i``."""
+        raise NotImplementedError
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -42,16 +42,15 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.kda import KDAShape, KimiDeltaMixer
-from vllm.model_executor.layers.recurrent import RecurrentBatch, RecurrentStep, StateSpec
+from vllm.model_executor.layers.recurrent import RecurrentStep, StateSpec
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekMoE,
     DeepseekV2Arch,
     DenseMLP,
     MLAttention,
 )
-from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM
+from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM, StepMixers
 from vllm.model_executor.models.llama import RMSNorm, layer_attention, load_embeddings_and_head
-from vllm.v1.attention.backends.abstract import layer_metadata
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # linear_attn_config keys of later Kimi models that transformers' Kimi-Linear does not run.
@@ -324,34 +323,16 @@ class KimiLinearForCausalLM(HybridCausalLM):
         ssm = StateSpec((s.num_heads, s.head_dim, s.head_dim), ssm_dtype)
         return [(conv, ssm)] * self.arch.layer_types.count(LINEAR)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids,
-        positions,
-        meta: Any,
-        kv_caches,
-        inputs_embeds: torch.Tensor | None = None,
-        recurrent: RecurrentBatch | None = None,
-    ) -> torch.Tensor:
-        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``kv_caches`` and
-        ``meta`` are the MLA layers'; ``recurrent`` the step's sequences and the KDA
-        layers' pools (None: every row one fresh sequence, on scratch states)."""
-        if positions.dim() != 1:
-            raise ValueError(f"positions of shape {tuple(positions.shape)}: (num_tokens,)")
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        # once: every layer serves the step alike
-        recurrent, step = RecurrentStep.of_forward(recurrent, self, x)
-        metas = layer_metadata(meta, self.arch.num_layers)
-        for layer, j in zip(self.layers, self._index, strict=True):
-            h = layer.input_layernorm(x)
-            if layer.linear:
-                h = layer.self_attn(h, recurrent.states[j], step)
-            else:
-                h = layer.self_attn(positions, h, _no_rotation, metas[j], kv_caches[j])
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        layer, j = self.layers[i], self._index[i]
+        h = layer.input_layernorm(x)
+        if layer.linear:
+            h = mixers.recurrent(layer.self_attn, j, h)
+        else:  # unrotated latent attention
+            h = layer.self_attn(mixers.positions, h, _no_rotation, mixers.metas[j],
+                                mixers.kv_caches[j])  # fmt: skip
+        x = x + h
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``model.layers...``, the Hub's names: module

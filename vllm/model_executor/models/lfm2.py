@@ -37,9 +37,9 @@ from torch import nn
 
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts_grouped
 from vllm.model_executor.layers.gated_delta_net import causal_conv1d, causal_conv1d_step
-from vllm.model_executor.layers.recurrent import RecurrentBatch, RecurrentStep, StateSpec
+from vllm.model_executor.layers.recurrent import RecurrentStep, StateSpec
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
-from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM
+from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM, StepMixers
 from vllm.model_executor.models.llama import (
     RMSNorm,
     RotaryEmbedding,
@@ -48,7 +48,6 @@ from vllm.model_executor.models.llama import (
 )
 from vllm.model_executor.models.moe import stacked_experts
 from vllm.model_executor.models.qwen3_next import DenseMLP
-from vllm.v1.attention.backends.abstract import layer_metadata
 
 CONV, ATTENTION = "conv", "full_attention"
 ROUTING_EPS = 1e-6  # transformers' Lfm2MoeTopKRouter renormalises over sum + 1e-6
@@ -324,35 +323,15 @@ class Lfm2ForCausalLM(HybridCausalLM):
         conv = StateSpec((a.hidden_size, a.conv_kernel - 1), self.embed_tokens.weight.dtype)
         return [(conv,)] * a.num_conv_layers
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids,
-        positions,
-        meta: Any,
-        kv_caches,
-        inputs_embeds: torch.Tensor | None = None,
-        recurrent: RecurrentBatch | None = None,
-    ) -> torch.Tensor:
-        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``kv_caches`` and
-        ``meta`` are the attention layers'; ``recurrent`` the step's sequences and the
-        convolution layers' pools (None: every row one fresh sequence, on scratch
-        states)."""
-        if positions.dim() != 1:
-            raise ValueError(f"positions of shape {tuple(positions.shape)}: (num_tokens,)")
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        # once: every layer serves the step alike
-        recurrent, step = RecurrentStep.of_forward(recurrent, self, x)
-        metas = layer_metadata(meta, self.arch.num_layers)
-        for layer, j in zip(self.layers, self._index, strict=True):
-            h = layer.operator_norm(x)
-            if layer.is_conv:
-                h = layer.conv(h, recurrent.states[j], step)
-            else:
-                h = layer.self_attn(positions, h, self.rope, metas[j], kv_caches[j])
-            x = x + h
-            x = x + layer.feed_forward(layer.ffn_norm(x))
-        return self.norm(x)
+    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        layer, j = self.layers[i], self._index[i]
+        h = layer.operator_norm(x)
+        if layer.is_conv:
+            h = mixers.recurrent(layer.conv, j, h)
+        else:
+            h = mixers.attention(layer.self_attn, j, h)
+        x = x + h
+        return x + layer.feed_forward(layer.ffn_norm(x))
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``model.layers...``; others ignored), fusing

@@ -48,9 +48,14 @@ from vllm.model_executor.layers.fused_moe import (
     select_experts_grouped,
 )
 from vllm.model_executor.layers.mamba2 import Mamba2Mixer, Mamba2Shape
-from vllm.model_executor.layers.recurrent import RecurrentBatch, RecurrentStep, StateSpec
+from vllm.model_executor.layers.recurrent import StateSpec
 from vllm.model_executor.layers.rotary_embedding import max_positions, rope_parameters
-from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM, layer_places
+from vllm.model_executor.models.hybrid_base import (
+    CheckpointTensors,
+    HybridCausalLM,
+    StepMixers,
+    layer_places,
+)
 from vllm.model_executor.models.llama import (
     RMSNorm,
     RotaryEmbedding,
@@ -60,7 +65,6 @@ from vllm.model_executor.models.llama import (
 )
 from vllm.model_executor.models.moe import SparseMoeBlock
 from vllm.model_executor.models.qwen3_next import DenseMLP
-from vllm.v1.attention.backends.abstract import layer_metadata
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 PARALLEL = "parallel"  # Mamba2 and attention side by side (Falcon-H1's "hybrid")
@@ -400,25 +404,6 @@ class NemotronHMoE(nn.Module):
                     layer.bias.copy_(sd[f"{p}{name}.bias"])
 
 
-@dataclass(frozen=True)
-class StepMixers:
-    """One forward's inputs to the layers' mixers: a Mamba2 mixer's states (the ``j``-th
-    layer with states) and an attention's KV cache (the ``j``-th with one)."""
-
-    positions: torch.Tensor
-    rope: RotaryEmbedding | None
-    metas: Any  # per attention layer
-    kv_caches: Any
-    states: list[tuple[torch.Tensor, ...]]  # per Mamba2 layer: its pools
-    step: RecurrentStep
-
-    def mamba(self, mixer: nn.Module, j: int, h: torch.Tensor) -> torch.Tensor:
-        return mixer(h, self.states[j], self.step)
-
-    def attention(self, mixer: nn.Module, j: int, h: torch.Tensor) -> torch.Tensor:
-        return mixer(self.positions, h, self.rope, self.metas[j], self.kv_caches[j])
-
-
 class _MambaHybridForCausalLM(HybridCausalLM):
     """What the families share: embeddings, the layers' loop over a step (Mamba2 mixers
     on the recurrent pools, attention on the KV cache), the final norm and head."""
@@ -448,39 +433,11 @@ class _MambaHybridForCausalLM(HybridCausalLM):
         m = self.arch.embedding_multiplier
         return x * m if m != 1.0 else x
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids,
-        positions,
-        meta: Any,
-        kv_caches,
-        inputs_embeds: torch.Tensor | None = None,
-        recurrent: RecurrentBatch | None = None,
-    ) -> torch.Tensor:
-        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``kv_caches`` and
-        ``meta`` are the attention layers'; ``recurrent`` the step's sequences and the
-        Mamba2 layers' pools (None: every row one fresh sequence, on scratch states)."""
-        if positions.dim() != 1:
-            raise ValueError(f"positions of shape {tuple(positions.shape)}: (num_tokens,)")
-        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        # once: every layer serves the step alike
-        recurrent, step = RecurrentStep.of_forward(recurrent, self, x)
-        metas = layer_metadata(meta, self.arch.num_layers)
-        mixers = StepMixers(positions, self.rope, metas, kv_caches, recurrent.states, step)
-        for i in range(len(self.layers)):
-            x = self.layer_forward(i, x, mixers)
-        return self.norm(x)
-
-    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
-        """The residual stream after layer ``i``."""
-        raise NotImplementedError
-
     def mix(self, i: int, h: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
         """The output of layer ``i``'s one mixer (its ``mixer``) on ``h``."""
         kind, layer = self.arch.layer_types[i], self.layers[i]
         if kind == MAMBA:
-            return mixers.mamba(layer.mixer, self._state_index[i], h)
+            return mixers.recurrent(layer.mixer, self._state_index[i], h)
         if kind == ATTENTION:
             return mixers.attention(layer.mixer, self._kv_index[i], h)
         return layer.mixer(h)

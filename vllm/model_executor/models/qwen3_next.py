@@ -54,7 +54,7 @@ from vllm.model_executor.layers.rotary_embedding import (
     rotary_dim,
 )
 from vllm.model_executor.models.gemma import GemmaRMSNorm
-from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM
+from vllm.model_executor.models.hybrid_base import CheckpointTensors, HybridCausalLM, StepMixers
 from vllm.model_executor.models.llama import (
     QwenVLForConditionalGeneration,
     RotaryEmbedding,
@@ -72,7 +72,6 @@ from vllm.model_executor.models.utils import (
     language_model_tensors,
     takes_images,
 )
-from vllm.v1.attention.backends.abstract import layer_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -381,35 +380,15 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         ssm = StateSpec((s.num_v_heads, s.head_k_dim, s.head_v_dim), ssm_dtype)
         return [(conv, ssm)] * self.arch.layer_types.count(LINEAR)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids,
-        positions,
-        meta: Any,
-        kv_caches,
-        inputs_embeds: torch.Tensor | None = None,
-        recurrent: RecurrentBatch | None = None,
-    ) -> torch.Tensor:
-        """(num_tokens,) ids -> (num_tokens, hidden) final hidden states. ``kv_caches`` and
-        ``meta`` are the full-attention layers'; ``recurrent`` the step's sequences and the
-        linear-attention layers' pools (None: every row one fresh sequence, on scratch
-        states)."""
-        if positions.dim() != 1:
-            raise ValueError(f"positions of shape {tuple(positions.shape)}: (num_tokens,)")
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        # once: every layer serves the step alike
-        recurrent, step = RecurrentStep.of_forward(recurrent, self, x)
-        metas = layer_metadata(meta, self.arch.num_layers)
-        for layer, j in zip(self.layers, self._index, strict=True):
-            h = layer.input_layernorm(x)
-            if layer.linear:
-                h = layer.linear_attn(h, recurrent.states[j], step)
-            else:
-                h = layer.self_attn(positions, h, self.rope, metas[j], kv_caches[j])
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
+        layer, j = self.layers[i], self._index[i]
+        h = layer.input_layernorm(x)
+        if layer.linear:
+            h = mixers.recurrent(layer.linear_attn, j, h)
+        else:
+            h = mixers.attention(layer.self_attn, j, h)
+        x = x + h
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy the checkpoint's tensors in (``model.layers...`` or, as Qwen3.5's
