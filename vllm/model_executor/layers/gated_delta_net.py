@@ -22,7 +22,9 @@ parameters and serves a step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -173,11 +175,82 @@ def recurrent_gated_delta_rule(
     return (q[:, :, None, :] @ state)[:, :, 0], state
 
 
-class GatedDeltaNetMixer(nn.Module):
-    """A Gated DeltaNet layer's token mixing over a step, with its parameters: the
+class DeltaRuleMixer(nn.Module):
+    """A delta-rule layer's token mixing over a step (Gated DeltaNet here, KDA in
+    ``kda.py``): the short convolution of q, k and v, then the rule, a step's decode
+    groups (``RecurrentStep.groups``) each in one batched update (``step_rule``) and its
+    prefill chunks in the chunked form (``chunk_rule``). A subclass gives ``_heads`` (the
+    convolved rows and its two per-token inputs -> fp32 q, k, v, the log decays g, beta),
+    ``out_heads`` (its output's heads and their width) and the two rules; its parameters
+    include ``conv_weight`` (conv_dim, kernel)."""
+
+    chunk_rule: ClassVar[Callable[..., tuple[torch.Tensor, torch.Tensor]]]
+    step_rule: ClassVar[Callable[..., tuple[torch.Tensor, torch.Tensor]]]
+
+    @property
+    def out_heads(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _heads(self, x, in1, in2) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def mix(
+        self,
+        mixed_qkv: torch.Tensor,
+        in1: torch.Tensor,
+        in2: torch.Tensor,
+        states: tuple[torch.Tensor, torch.Tensor],
+        step: RecurrentStep,
+    ) -> torch.Tensor:
+        """``mixed_qkv`` (T, conv_dim) the projected q, k, v before the convolution, ``in1``
+        and ``in2`` (T, ...) the subclass's per-token inputs -> (T, *out_heads) in
+        ``mixed_qkv``'s dtype. ``states``: the layer's (conv pool, ssm pool); each
+        sequence's slot is read (unless fresh) and written with its states after its last
+        token."""
+        if step.decode_only:
+            return self._decode(mixed_qkv, in1, in2, states, step.groups[0].slots)
+        out = mixed_qkv.new_empty(mixed_qkv.shape[0], *self.out_heads)
+        for group in step.groups:
+            picked = (t.index_select(0, group.rows) for t in (mixed_qkv, in1, in2))
+            out.index_copy_(0, group.rows, self._decode(*picked, states, group.slots))
+            step.after(group, *states)
+        for chunk in step.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.n)
+            out[rows] = self._prefill(mixed_qkv[rows], in1[rows], in2[rows], states, chunk.slot,
+                                      chunk.fresh)  # fmt: skip
+        return out
+
+    def _prefill(self, x, in1, in2, states, slot: int, fresh: bool) -> torch.Tensor:
+        """One sequence's tokens from its slot's states (zeros when ``fresh``) -> (T,
+        *out_heads) fp32; its states after them written to the slot."""
+        conv_pool, ssm_pool = states
+        x, conv_pool[slot] = causal_conv1d(x, self.conv_weight, None if fresh else conv_pool[slot])
+        q, k, v, g, beta = (t.transpose(0, 1) for t in self._heads(x, in1, in2))
+        state = None if fresh else ssm_pool[slot].float()
+        o, ssm_pool[slot] = type(self).chunk_rule(q, k, v, g, beta, state)
+        return o.transpose(0, 1)
+
+    def _decode(self, x, in1, in2, states, slots: torch.Tensor) -> torch.Tensor:
+        """One token of each decoding sequence (row i's in ``slots[i]``): their states
+        gathered, updated in one batch, written back -> (B, *out_heads)."""
+        conv_pool, ssm_pool = states
+        x, conv = causal_conv1d_step(x, self.conv_weight, conv_pool.index_select(0, slots))
+        conv_pool.index_copy_(0, slots, conv)
+        q, k, v, g, beta = self._heads(x, in1, in2)
+        o, ssm = type(self).step_rule(q, k, v, g, beta, ssm_pool.index_select(0, slots).float())
+        ssm_pool.index_copy_(0, slots, ssm.to(ssm_pool.dtype))
+        return o.to(x.dtype)
+
+
+class GatedDeltaNetMixer(DeltaRuleMixer):
+    """A Gated DeltaNet layer's token mixing over a step (``DeltaRuleMixer``; its two
+    per-token inputs ``b`` and ``a``, (T, v_heads) each), with its parameters: the
     convolution's ``conv_weight`` (conv_dim, kernel), ``A_log`` and ``dt_bias`` (v_heads).
     The model's layer adds the projections around it (``mix``'s inputs, its output's norm).
     """
+
+    chunk_rule = staticmethod(chunk_gated_delta_rule)
+    step_rule = staticmethod(recurrent_gated_delta_rule)
 
     def __init__(self, shape: GatedDeltaNetShape) -> None:
         super().__init__()
@@ -186,54 +259,9 @@ class GatedDeltaNetMixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(shape.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(shape.num_v_heads))
 
-    def mix(
-        self,
-        mixed_qkv: torch.Tensor,
-        b: torch.Tensor,
-        a: torch.Tensor,
-        states: tuple[torch.Tensor, torch.Tensor],
-        step: RecurrentStep,
-    ) -> torch.Tensor:
-        """``mixed_qkv`` (T, conv_dim) the projected q, k, v before the convolution, ``b``,
-        ``a`` (T, v_heads) -> (T, v_heads, head_v_dim) in ``mixed_qkv``'s dtype.
-        ``states``: the layer's (conv pool, ssm pool); each sequence's slot is read (unless
-        fresh) and written with its states after its last token."""
-        if step.decode_only:
-            return self._decode(mixed_qkv, b, a, states, step.groups[0].slots)
-        s = self.shape
-        out = mixed_qkv.new_empty(mixed_qkv.shape[0], s.num_v_heads, s.head_v_dim)
-        for group in step.groups:
-            picked = (t.index_select(0, group.rows) for t in (mixed_qkv, b, a))
-            out.index_copy_(0, group.rows, self._decode(*picked, states, group.slots))
-            step.after(group, *states)
-        for chunk in step.prefills:
-            rows = slice(chunk.start, chunk.start + chunk.n)
-            out[rows] = self._prefill(mixed_qkv[rows], b[rows], a[rows], states, chunk.slot,
-                                      chunk.fresh)  # fmt: skip
-        return out
-
-    def _prefill(self, x, b, a, states, slot: int, fresh: bool) -> torch.Tensor:
-        """One sequence's tokens from its slot's states (zeros when ``fresh``) -> (T,
-        v_heads, head_v_dim) fp32; its states after them written to the slot."""
-        conv_pool, ssm_pool = states
-        x, conv_pool[slot] = causal_conv1d(x, self.conv_weight, None if fresh else conv_pool[slot])
-        q, k, v, g, beta = (t.transpose(0, 1) for t in self._heads(x, b, a))
-        state = None if fresh else ssm_pool[slot].float()
-        o, ssm_pool[slot] = chunk_gated_delta_rule(q, k, v, g, beta, state)
-        return o.transpose(0, 1)
-
-    def _decode(self, x, b, a, states, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each decoding sequence (row i's in ``slots[i]``): their states
-        gathered, updated in one batch, written back -> (B, v_heads, head_v_dim)."""
-        conv_pool, ssm_pool = states
-        x, conv = causal_conv1d_step(x, self.conv_weight, conv_pool.index_select(0, slots))
-        conv_pool.index_copy_(0, slots, conv)
-        q, k, v, g, beta = self._heads(x, b, a)
-        o, ssm = recurrent_gated_delta_rule(
-            q, k, v, g, beta, ssm_pool.index_select(0, slots).float()
-        )
-        ssm_pool.index_copy_(0, slots, ssm.to(ssm_pool.dtype))
-        return o.to(x.dtype)
+    @property
+    def out_heads(self) -> tuple[int, int]:
+        return self.shape.num_v_heads, self.shape.head_v_dim
 
     def _heads(self, x, b, a) -> tuple[torch.Tensor, ...]:
         """Convolved (N, conv_dim) rows and their b, a (N, v_heads) -> fp32 q, k (N,

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vllm.model_executor.layers.gated_delta_net import causal_conv1d, causal_conv1d_step, l2norm
-from vllm.model_executor.layers.recurrent import RecurrentStep
+from vllm.model_executor.layers.gated_delta_net import DeltaRuleMixer, l2norm
 
 # Tokens a chunk: each holds a (heads, chunk, chunk, head_dim) fp32 table of pairwise
 # decays (32 heads of 128: 64 MiB), so chunks run one after another.
@@ -128,11 +127,16 @@ def recurrent_kda(
     return (q[:, :, None, :] @ state)[:, :, 0], state
 
 
-class KimiDeltaMixer(nn.Module):
-    """A KDA layer's token mixing over a step, with its parameters: the short
-    convolutions' ``conv_weight`` (conv_dim, kernel: q's, k's, v's), ``A_log`` (heads) and
-    ``dt_bias`` (qkv_dim, a channel each). The model's layer adds the projections around
-    it (``mix``'s inputs, its output's gated norm)."""
+class KimiDeltaMixer(DeltaRuleMixer):
+    """A KDA layer's token mixing over a step (``gated_delta_net.DeltaRuleMixer``; its two
+    per-token inputs ``f`` (T, qkv_dim), the decay's projection before ``dt_bias``, and
+    ``b`` (T, heads), the write strength's), with its parameters: the short convolutions'
+    ``conv_weight`` (conv_dim, kernel: q's, k's, v's), ``A_log`` (heads) and ``dt_bias``
+    (qkv_dim, a channel each). The model's layer adds the projections around it (``mix``'s
+    inputs, its output's gated norm)."""
+
+    chunk_rule = staticmethod(chunk_kda)
+    step_rule = staticmethod(recurrent_kda)
 
     def __init__(self, shape: KDAShape) -> None:
         super().__init__()
@@ -141,53 +145,9 @@ class KimiDeltaMixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(shape.qkv_dim))
         self.A_log = nn.Parameter(torch.zeros(shape.num_heads))
 
-    def mix(
-        self,
-        mixed_qkv: torch.Tensor,
-        f: torch.Tensor,
-        b: torch.Tensor,
-        states: tuple[torch.Tensor, torch.Tensor],
-        step: RecurrentStep,
-    ) -> torch.Tensor:
-        """``mixed_qkv`` (T, conv_dim) the projected q, k, v before the convolution, ``f``
-        (T, qkv_dim) the decay's projection (before ``dt_bias``), ``b`` (T, heads) the
-        write strength's -> (T, heads, head_dim) in ``mixed_qkv``'s dtype. ``states``: the
-        layer's (conv pool, ssm pool); each sequence's slot is read (unless fresh) and
-        written with its states after its last token."""
-        if step.decode_only:
-            return self._decode(mixed_qkv, f, b, states, step.groups[0].slots)
-        s = self.shape
-        out = mixed_qkv.new_empty(mixed_qkv.shape[0], s.num_heads, s.head_dim)
-        for group in step.groups:
-            picked = (t.index_select(0, group.rows) for t in (mixed_qkv, f, b))
-            out.index_copy_(0, group.rows, self._decode(*picked, states, group.slots))
-            step.after(group, *states)
-        for chunk in step.prefills:
-            rows = slice(chunk.start, chunk.start + chunk.n)
-            out[rows] = self._prefill(mixed_qkv[rows], f[rows], b[rows], states, chunk.slot,
-                                      chunk.fresh)  # fmt: skip
-        return out
-
-    def _prefill(self, x, f, b, states, slot: int, fresh: bool) -> torch.Tensor:
-        """One sequence's tokens from its slot's states (zeros when ``fresh``) -> (T,
-        heads, head_dim) fp32; its states after them written to the slot."""
-        conv_pool, ssm_pool = states
-        x, conv_pool[slot] = causal_conv1d(x, self.conv_weight, None if fresh else conv_pool[slot])
-        q, k, v, g, beta = (t.transpose(0, 1) for t in self._heads(x, f, b))
-        state = None if fresh else ssm_pool[slot].float()
-        o, ssm_pool[slot] = chunk_kda(q, k, v, g, beta, state)
-        return o.transpose(0, 1)
-
-    def _decode(self, x, f, b, states, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each decoding sequence (row i's in ``slots[i]``): their states
-        gathered, updated in one batch, written back -> (B, heads, head_dim)."""
-        conv_pool, ssm_pool = states
-        x, conv = causal_conv1d_step(x, self.conv_weight, conv_pool.index_select(0, slots))
-        conv_pool.index_copy_(0, slots, conv)
-        q, k, v, g, beta = self._heads(x, f, b)
-        o, ssm = recurrent_kda(q, k, v, g, beta, ssm_pool.index_select(0, slots).float())
-        ssm_pool.index_copy_(0, slots, ssm.to(ssm_pool.dtype))
-        return o.to(x.dtype)
+    @property
+    def out_heads(self) -> tuple[int, int]:
+        return self.shape.num_heads, self.shape.head_dim
 
     def _heads(self, x, f, b) -> tuple[torch.Tensor, ...]:
         """Convolved (N, conv_dim) rows and their f (N, qkv_dim), b (N, heads) -> fp32 q,
