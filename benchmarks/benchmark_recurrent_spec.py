@@ -16,7 +16,6 @@ with ``k`` oracle drafts at each rate, and the answers must all be the same (gre
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -26,8 +25,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchmark_gpu  # noqa: E402  (machine facts)
-from benchmark_state_checkpoints import VOCAB, write_model  # noqa: E402
+from benchmark_state_checkpoints import (  # noqa: E402
+    VOCAB,
+    cpu_machine,
+    write_model,
+    write_result,
+)
 
 
 def oracle(truth: list[list[int]], k: int, wrong: float, seed: int):
@@ -98,9 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    info = benchmark_gpu.machine_info(torch.device("cpu"))
-    info["vector_extensions"] = benchmark_gpu.vector_extensions()
-    print(f"Measured on {info['cpu']}, {info['cpu_count']} cores ({info['vector_extensions']}): "
+    info, measured_on = cpu_machine()
+    print(f"{measured_on}: "
           f"Qwen3.5 shape, {args.layers} layers, hidden {args.hidden}, random weights, fp32; "
           f"{args.requests} requests of {args.prompt_len} prompt tokens, {args.max_tokens} "
           f"tokens each, {args.k} oracle drafts a step")  # fmt: skip
@@ -119,12 +121,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['drafts']:>8} {r['accepted']:>9}")  # fmt: skip
     same = all(r["answers"] == base["answers"] for r in runs)
     print(f"answers {'identical' if same else 'DIFFER'}")
-    recorded = {k: str(v) for k, v in vars(args).items() if k != "json_out"}  # no machine path
     for r in runs:
         r.pop("answers")
-    result = dict(machine=info, args=recorded, runs=runs, same_answers=same)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2))
+    write_result(args, info, runs, same_answers=same)
     return 0 if same else 1
 
 

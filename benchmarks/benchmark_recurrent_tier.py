@@ -19,7 +19,6 @@ answers (greedy): the run says so.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,8 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchmark_gpu  # noqa: E402  (machine facts)
-from benchmark_state_checkpoints import VOCAB, write_model  # noqa: E402
+from benchmark_state_checkpoints import (  # noqa: E402
+    VOCAB,
+    cpu_machine,
+    write_model,
+    write_result,
+)
 
 BLOCK = 16
 
@@ -107,9 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    info = benchmark_gpu.machine_info(torch.device("cpu"))
-    info["vector_extensions"] = benchmark_gpu.vector_extensions()
-    print(f"Measured on {info['cpu']}, {info['cpu_count']} cores ({info['vector_extensions']}): "
+    info, measured_on = cpu_machine()
+    print(f"{measured_on}: "
           f"Qwen3.5 shape, {args.layers} layers, hidden {args.hidden}, random weights, fp32; "
           f"{args.jobs} jobs x {args.turns} turns round robin, a {args.prompt_len}-token first "
           f"prompt, {args.max_tokens} tokens an answer, {args.tool_len} tool tokens a turn; "
@@ -131,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"later turns: {ratio:.2f}x faster with the tier; their prompt tokens computed "
           f"{base['later_computed_tokens']} -> {ours['later_computed_tokens']}; answers "
           f"{'identical' if same else 'DIFFER'}")  # fmt: skip
-    recorded = {k: str(v) for k, v in vars(args).items() if k != "json_out"}  # no machine path
-    result = dict(machine=info, args=recorded, runs=runs, later_turn_speedup=ratio,
-                  same_answers=same)  # fmt: skip
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2))
+    write_result(args, info, runs, later_turn_speedup=ratio, same_answers=same)
     return 0 if same else 1
 
 

@@ -56,6 +56,27 @@ def write_model(out: Path, args: argparse.Namespace) -> Path:
     return out
 
 
+def cpu_machine() -> tuple[dict, str]:
+    """This machine's facts (``benchmark_gpu.machine_info`` and the CPU's vector
+    extensions) and the figures' heading: "Measured on CPU, N cores (extensions)"."""
+    info = benchmark_gpu.machine_info(torch.device("cpu"))
+    info["vector_extensions"] = benchmark_gpu.vector_extensions()
+    return (
+        info,
+        f"Measured on {info['cpu']}, {info['cpu_count']} cores ({info['vector_extensions']})",
+    )
+
+
+def write_result(args: argparse.Namespace, info: dict, runs: list[dict], **figures) -> None:
+    """The run's JSON at ``--json-out`` (if given): the machine, the arguments (as text,
+    ``--json-out`` left out: no machine path is recorded), the runs and ``figures``."""
+    if not args.json_out:
+        return
+    recorded = {k: str(v) for k, v in vars(args).items() if k != "json_out"}
+    result = dict(machine=info, args=recorded, runs=runs, **figures)
+    args.json_out.write_text(json.dumps(result, indent=2))
+
+
 def run(model_dir: Path, args: argparse.Namespace, caching: bool) -> dict:
     """The jobs' turns, one after the other, with or without prefix caching."""
     from vllm import LLM, SamplingParams
@@ -116,9 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    info = benchmark_gpu.machine_info(torch.device("cpu"))
-    info["vector_extensions"] = benchmark_gpu.vector_extensions()
-    print(f"Measured on {info['cpu']}, {info['cpu_count']} cores ({info['vector_extensions']}): "
+    info, measured_on = cpu_machine()
+    print(f"{measured_on}: "
           f"Qwen3.5 shape, {args.layers} layers (3 Gated DeltaNet : 1 full attention), hidden "
           f"{args.hidden}, random weights, fp32; {args.jobs} jobs x {args.turns} turns, a "
           f"{args.prompt_len}-token first prompt, {args.max_tokens} tokens an answer, "
@@ -138,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"later turns: {ratio:.2f}x faster with checkpoints; prompt tokens computed "
           f"{base['computed_tokens']} -> {ours['computed_tokens']}; answers "
           f"{'identical' if same else 'DIFFER'}")  # fmt: skip
-    recorded = {k: str(v) for k, v in vars(args).items() if k != "json_out"}  # no machine path
-    result = dict(machine=info, args=recorded, runs=runs, later_turn_speedup=ratio,
-                  same_answers=same)  # fmt: skip
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2))
+    write_result(args, info, runs, later_turn_speedup=ratio, same_answers=same)
     return 0 if same else 1
 
 
