@@ -5,13 +5,21 @@ real pools, a prompt fed in chunks and decodes equal to its whole forward, and a
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import torch
 from safetensors.torch import save_file
 
-from tests.tiny_models import runner_logits
+from tests.tiny_models import load_cpu_runner, runner_logits
+from vllm.config import ModelConfig
 from vllm.model_executor.layers.recurrent import RecurrentBatch, allocate_states
+
+
+@functools.cache
+def runner_for(path, dtype: str = "float32"):
+    """Our CPU runner of the checkpoint at ``path`` (128 positions), one a path and dtype."""
+    return load_cpu_runner(ModelConfig(model=str(path), max_model_len=128, dtype=dtype))
 
 
 def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from tests.model_executor.recurrent_checks import (
     close,
     hf_logits,
     resaved,
+    runner_for,
 )
 from tests.tiny_models import load_cpu_runner, perturbed, runner_logits
 from vllm.config import ModelConfig
@@ -99,11 +100,6 @@ def checkpoint(case: str, root) -> tuple[torch.nn.Module, object]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("kimi_linear")
-
-
-@functools.cache
-def runner_for(path, dtype: str = "float32"):
-    return load_cpu_runner(ModelConfig(model=str(path), max_model_len=128, dtype=dtype))
 
 
 def kda_inputs(t: int, heads: int = 3, dk: int = 8, dv: int = 6, seed: int = 0):

@@ -31,6 +31,7 @@ from tests.model_executor.recurrent_checks import (
     close,
     hf_logits,
     resaved,
+    runner_for,
 )
 from tests.tiny_models import load_cpu_runner, perturbed, runner_logits
 from vllm.config import ModelConfig
@@ -119,11 +120,6 @@ def checkpoint(case: str, root) -> tuple[torch.nn.Module, object]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("mamba_hybrid")
-
-
-@functools.cache
-def runner_for(path):
-    return load_cpu_runner(ModelConfig(model=str(path), max_model_len=128, dtype="float32"))
 
 
 @pytest.mark.parametrize("case", CASES)

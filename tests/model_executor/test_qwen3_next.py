@@ -24,6 +24,7 @@ from tests.model_executor.recurrent_checks import (
     check_mixed_step,
     hf_logits,
     resaved,
+    runner_for,
 )
 from tests.tiny_models import load_cpu_runner, perturbed, runner_logits
 from vllm.config import ModelConfig
@@ -97,11 +98,6 @@ def checkpoint(arch: str, root) -> tuple[torch.nn.Module, object]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("qwen3_next")
-
-
-@functools.cache
-def runner_for(path, dtype: str = "float32"):
-    return load_cpu_runner(ModelConfig(model=str(path), max_model_len=128, dtype=dtype))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
