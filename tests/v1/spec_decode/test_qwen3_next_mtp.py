@@ -26,10 +26,10 @@ import transformers
 from tests.model_executor.test_qwen3_next import make_config
 from tests.tiny_models import hf_greedy, perturbed
 from tests.v1.engine.test_recurrent_engine import _check_slots
+from tests.v1.spec_decode.test_mtp import K, RefMTP, _engine
 from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
 
-K = 2
 FULL = "full_attention"
 # architecture -> transformers' module of the family, and the names of its decoder
 # layer, RMSNorm and rotary embedding
@@ -138,7 +138,7 @@ def save_target_with_mtp(path: Path, arch: str = "Qwen3_5ForCausalLM", noise: fl
     return hf, tensors
 
 
-class RefQwenMTP:
+class RefQwenMTP(RefMTP):
     """The MTP layer over whole sequences from transformers' blocks of the target's
     family: its decoder layer (experts stacked back), its RMSNorm for the three norms, a
     Linear for ``fc``; the target's embeddings and head."""
@@ -189,24 +189,6 @@ class RefQwenMTP:
                        position_ids=positions)  # fmt: skip
         out = n["norm"](x)[0]
         return self.target.lm_head(out), out
-
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
-        """The k greedy drafts after ``tokens`` (each recomputing every position)."""
-        ids, hidden, out = tokens[1:], self.target_hidden(tokens[:-1]), []
-        for _ in range(k):
-            logits, nxt = self.forward(ids, hidden)
-            out.append(int(logits[-1].argmax()))
-            ids, hidden = ids + [out[-1]], torch.cat([hidden, nxt[-1:]])
-        return out
-
-
-def _engine(path: Path, k: int = K, **kwargs):
-    from vllm import LLM
-
-    spec = {"method": "mtp", "num_speculative_tokens": k}
-    engine = {"kv_cache_memory": "8MiB", "max_model_len": 128, **kwargs}
-    return LLM(model=str(path), skip_tokenizer_init=True, dtype="float32",
-               speculative_config=spec, **engine)  # fmt: skip
 
 
 PROMPTS = [[3 + (5 * i) % 90 for i in range(30)], [7, 8, 9, 10] * 5, list(range(40, 57))]
