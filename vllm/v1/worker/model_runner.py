@@ -450,10 +450,8 @@ class ModelRunner:
     def recurrent_states_bytes(self) -> int:
         """Bytes of the recurrent states' pools and checkpoints (0 for a model without
         recurrent layers)."""
-        if self.recurrent_specs is None:
-            return 0
         slots = self.config.scheduler_config.max_num_seqs + self.num_state_checkpoint_slots
-        return state_bytes(self.recurrent_specs) * slots
+        return self.state_checkpoint_bytes * slots
 
     def plan_kv_cache_groups(self) -> KVCacheGroups:
         """The KV cache groups (``kv_cache_groups.py``), before the cache is sized: the
