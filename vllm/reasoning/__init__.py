@@ -10,6 +10,7 @@ from vllm.reasoning import (  # noqa: F401
     cohere_command_reasoning_parser,
     deepseek_r1_reasoning_parser,
     deepseek_v3_reasoning_parser,
+    gemma4_reasoning_parser,
     glm47_moe_reasoning_parser,
     gptoss_reasoning_parser,
     granite_reasoning_parser,

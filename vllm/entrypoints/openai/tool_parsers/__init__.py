@@ -9,6 +9,8 @@ from __future__ import annotations
 from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
     cohere_command_tool_parser,
     deepseek_tool_parser,
+    deepseek_v32_tool_parser,
+    gemma4_tool_parser,
     glm47_moe_tool_parser,
     hermes_tool_parser,
     json_tool_parser,

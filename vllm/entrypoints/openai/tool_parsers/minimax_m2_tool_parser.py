@@ -70,27 +70,34 @@ PARAM_OPEN, PARAM_CLOSE = "<parameter name=", "</parameter>"
 
 @register_tool_parser("minimax_m2")
 class MinimaxM2ToolParser(ToolParser):
+    """The reader of ``<invoke>`` blocks; a subclass with other markers (DeepSeek-V3.2's
+    DSML, ``deepseek_v32_tool_parser.py``) names its own tags and reads its own
+    parameters (``_param``) and values (``_parsed``)."""
+
     keeps_special_tokens = True
+    tool_open, tool_close = TOOL_OPEN, TOOL_CLOSE
+    invoke_open, invoke_close = INVOKE_OPEN, INVOKE_CLOSE
+    param_open, param_close = PARAM_OPEN, PARAM_CLOSE
 
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
-        return scan_tagged_calls(text, final, (TOOL_OPEN,), TOOL_CLOSE, self._block)
+        return scan_tagged_calls(text, final, (self.tool_open,), self.tool_close, self._block)
 
     def _block(self, text: str, start: int, final: bool) -> tuple[list[ParsedToolCall], int]:
         """The calls of the block opening at ``start`` and where it ends. Raises
         ``CallOpen`` (with the block's calls so far) while the text may go on inside it,
         ``NotACall`` when it holds no call."""
         calls: list[ParsedToolCall] = []
-        pos = start + len(TOOL_OPEN)
+        pos = start + len(self.tool_open)
         while True:
-            at = _next_tag(text, pos, (TOOL_CLOSE, INVOKE_OPEN))  # text between: skipped
+            at = _next_tag(text, pos, (self.tool_close, self.invoke_open))  # text between: skipped
             if at < 0 and not final:
                 raise CallOpen(calls)
-            if not calls and (at < 0 or text.startswith(TOOL_CLOSE, at)):
+            if not calls and (at < 0 or text.startswith(self.tool_close, at)):
                 raise NotACall  # an empty block, or one cut before its first call
             if at < 0:
                 return calls, len(text)  # cut after a whole call (a stop string)
-            if text.startswith(TOOL_CLOSE, at):
-                return calls, at + len(TOOL_CLOSE)
+            if text.startswith(self.tool_close, at):
+                return calls, at + len(self.tool_close)
             call, pos = self._invoke(text, at, final)
             if call is not None:
                 calls.append(call)
@@ -102,30 +109,46 @@ class MinimaxM2ToolParser(ToolParser):
         ``</invoke>``, or at the block's end where the model left it open); the end is None
         while the text may go on inside it (the call then None until its name is
         complete)."""
-        name_end = text.find(">", pos + len(INVOKE_OPEN))
+        name_end = text.find(">", pos + len(self.invoke_open))
         if name_end < 0:
             if final:
                 raise NotACall
             return None, None
-        name = _unquoted(text[pos + len(INVOKE_OPEN) : name_end])
-        params: list[tuple[str, str]] = []
+        name = _unquoted(text[pos + len(self.invoke_open) : name_end])
+        params: list[tuple[str, Any]] = []
         pos = name_end + 1
         while True:
-            at = _next_tag(text, pos, (INVOKE_CLOSE, PARAM_OPEN, TOOL_CLOSE))
+            at = _next_tag(text, pos, (self.invoke_close, self.param_open, self.tool_close))
             if at < 0:
                 if final:  # cut after a whole parameter (a stop string): the call holds
                     return self._parsed(name, params, closed=True), len(text)
                 return self._parsed(name, params, closed=False), None
-            if text.startswith(INVOKE_CLOSE, at):
-                return self._parsed(name, params, closed=True), at + len(INVOKE_CLOSE)
-            if text.startswith(TOOL_CLOSE, at):
+            if text.startswith(self.invoke_close, at):
+                return self._parsed(name, params, closed=True), at + len(self.invoke_close)
+            if text.startswith(self.tool_close, at):
                 return self._parsed(name, params, closed=True), at
-            param, pos = _param(text, at, final)
+            param, pos = self._param(text, at, final)
             if param is None:
                 return self._parsed(name, params, closed=False), None
             params.append(param)
 
-    def _parsed(self, name: str, params: list[tuple[str, str]], closed: bool) -> ParsedToolCall:
+    def _param(self, text: str, pos: int, final: bool) -> tuple[tuple[str, Any] | None, int]:
+        """The parameter opening at ``pos`` (its name and stripped value) and the position
+        after it; None while its value is not complete."""
+        key_end = text.find(">", pos + len(self.param_open))
+        if key_end < 0:
+            if final:
+                raise NotACall
+            return None, pos
+        key = _unquoted(text[pos + len(self.param_open) : key_end])
+        value_end = text.find(self.param_close, key_end + 1)
+        if value_end < 0:
+            if final:
+                raise NotACall  # cut inside a value: it may be incomplete
+            return None, pos
+        return (key, text[key_end + 1 : value_end].strip()), value_end + len(self.param_close)
+
+    def _parsed(self, name: str, params: list[tuple[str, Any]], closed: bool) -> ParsedToolCall:
         props = schema_properties(self.functions, name)
         arguments = typed_arguments(params, props, minimax_value, closed)
         return ParsedToolCall(name, arguments, closed)
@@ -147,23 +170,6 @@ def _unquoted(raw: str) -> str:
     if not name or "\n" in name or "<" in name:
         raise NotACall
     return name
-
-
-def _param(text: str, pos: int, final: bool) -> tuple[tuple[str, str] | None, int]:
-    """The parameter opening at ``pos`` (its name and stripped value) and the position
-    after it; None while its value is not complete."""
-    key_end = text.find(">", pos + len(PARAM_OPEN))
-    if key_end < 0:
-        if final:
-            raise NotACall
-        return None, pos
-    key = _unquoted(text[pos + len(PARAM_OPEN) : key_end])
-    value_end = text.find(PARAM_CLOSE, key_end + 1)
-    if value_end < 0:
-        if final:
-            raise NotACall  # cut inside a value: it may be incomplete
-        return None, pos
-    return (key, text[key_end + 1 : value_end].strip()), value_end + len(PARAM_CLOSE)
 
 
 # -- values ---------------------------------------------------------------------------------
@@ -220,7 +226,7 @@ def _convert(raw: str, kind: str) -> Any:
     return value if isinstance(value, dict if kind == "object" else list) else _FAILED
 
 
-def _finite(text: str) -> float:
+def finite_number(text: str) -> float:
     number = float(text)
     if not math.isfinite(number):  # NaN, the infinities, 1e400: JSON cannot hold them
         raise ValueError(f"{text} is not a finite number")
@@ -230,6 +236,6 @@ def _finite(text: str) -> float:
 def _json(raw: str) -> Any:
     """``raw`` as JSON, its numbers finite."""
     try:
-        return json.loads(raw, parse_float=_finite, parse_constant=_finite)
+        return json.loads(raw, parse_float=finite_number, parse_constant=finite_number)
     except (ValueError, RecursionError):  # RecursionError: nested past the stack
         return _FAILED
