@@ -1,5 +1,5 @@
 """The Llama family (Llama, SmolLM2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3/Phi-4,
-Granite, OLMo 2/3, EXAONE 4, Seed-OSS) over a flat packed batch.
+Granite, OLMo 2/3, EXAONE 4, Seed-OSS, GLM-4, ERNIE 4.5) over a flat packed batch.
 
 One forward computes all scheduled tokens of all requests: ``input_ids`` and
 ``positions`` are flat ``(num_tokens,)``; attention reads and writes the paged KV cache
@@ -10,8 +10,11 @@ input (EXAONE 4 too, with per-head q/k norms, and only its sliding-window layers
 SmolLM3 leaves every fourth layer unrotated (``no_rope_layers``); OLMo 3 rotates its
 sliding-window layers by their own parameters. Seed-OSS is Qwen2's attention (q/k/v
 biases) with o_proj's bias under a flag of its own (``attention_out_bias``). Phi-3's
-checkpoints hold q/k/v and gate/up already fused, as our layers do. Registered for the HF
-architectures in ``registry.py``.
+checkpoints hold q/k/v and gate/up already fused, as our layers do (GLM-4's gate/up too).
+GLM-4 (GLM-4-0414, GLM-Z1) pairs adjacent dimensions in its rotation (GPT-J style) over
+half of each head, and normalises each sublayer's output as well as its input (sandwich
+norms); ERNIE 4.5 is Llama with that GPT-J-style rotation over the whole head. Registered
+for the HF architectures in ``registry.py``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ class LlamaArch:
     qk_norm_full: bool = False
     post_norms: bool = False
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] (after the norms)
+    # GLM-4 and ERNIE 4.5: q and k rotate adjacent dimensions as pairs (GPT-J style), not
+    # each half of the rotated dimensions against the other (Neox style, rotate_half).
+    rope_interleaved: bool = False
+    # GLM-4: each sublayer's output RMS-normalised before the residual sum
+    # (post_self_attn_layernorm, post_mlp_layernorm), besides its input as Llama's.
+    sandwich_norms: bool = False
 
     @classmethod
     def from_hf(cls, config) -> LlamaArch:
@@ -92,6 +101,9 @@ class LlamaArch:
         heads = config.num_attention_heads
         if getattr(config, "mlp_bias", False):
             raise ValueError(f"mlp_bias is not supported ({config.model_type} config)")
+        if family == "ernie4_5" and config.use_bias:  # every projection's, the MLPs' too
+            raise ValueError(f"use_bias is not supported ({config.model_type} config)")
+        glm4 = config.model_type == "glm4"  # not GLM-4.5's glm4_moe: Llama's rotation, norms
         bias = bool(
             getattr(config, "attention_bias", getattr(config, "qkv_bias", family == "qwen2"))
         )
@@ -131,6 +143,8 @@ class LlamaArch:
             qk_norm_full=olmo or family == "olmoe",
             post_norms=olmo or family == "exaone4",
             clip_qkv=getattr(config, "clip_qkv", None) if family == "olmoe" else None,
+            rope_interleaved=glm4 or family == "ernie4_5",  # and ERNIE-4.5-MoE
+            sandwich_norms=glm4,
         )
 
     def layer_rope(self, layer: int) -> str | None:
@@ -203,6 +217,9 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.post_norms:
             self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        if a.sandwich_norms:
+            self.post_self_attn_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
@@ -231,6 +248,8 @@ class LlamaLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         out = self._attention(positions, h, rope, meta, kv_cache)
+        if a.sandwich_norms:
+            out = self.post_self_attn_layernorm(out)
         if a.residual_multiplier != 1.0:
             out = out * a.residual_multiplier
         h, residual = self.post_attention_layernorm(out, residual)
@@ -238,6 +257,8 @@ class LlamaLayer(nn.Module):
             out = self.mlp(h)
         else:
             out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+        if a.sandwich_norms:
+            out = self.post_mlp_layernorm(out)
         return (out * a.residual_multiplier if a.residual_multiplier != 1.0 else out), residual
 
     def _forward_post_norms(self, positions, x, rope, meta, kv_cache) -> torch.Tensor:
@@ -260,7 +281,7 @@ class LlamaLayer(nn.Module):
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         if a.clip_qkv is not None:
             q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-        if self.rope_writes_kv and rope is not None:  # rotate q, k; write k, v: 1 kernel
+        if self.rope_writes_kv and rope is not None and rope.neox:  # rotate, write: 1 kernel
             ops.rotary_embedding_and_cache(
                 positions, q, k, v, a.head_dim, rope.cos_sin_cache, kv_cache, meta.slot_mapping
             )
@@ -377,12 +398,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        self.rope = self.rotary_embedding(arch.rope)
         self.rope_local = None  # the sliding layers' table, where they have their own
         if arch.rope_local_parameters is not None:
-            self.rope_local = RotaryEmbedding(
-                arch.head_dim, arch.max_position_embeddings, arch.rope_local_parameters
-            )
+            self.rope_local = self.rotary_embedding(arch.rope_local_parameters)
         self._layer_ropes = [arch.layer_rope(i) for i in range(arch.num_layers)]
         # EAGLE-3 (spec_decode/eagle.py): the residual stream after each of these many
         # layers, concatenated in ``aux_hidden`` by every forward.
@@ -392,6 +411,14 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, layer: int) -> nn.Module | None:
         """Layer ``layer``'s feed-forward module, None for the dense MLP (every layer here)."""
         return None
+
+    def rotary_embedding(self, params: dict[str, Any]) -> RotaryEmbedding:
+        """The rotary table of ``params`` for this arch's heads (fp32, on the CPU), its
+        dimensions paired as the arch's checkpoints expect (``rope_interleaved``)."""
+        a = self.arch
+        return RotaryEmbedding(
+            a.head_dim, a.max_position_embeddings, params, neox=not a.rope_interleaved
+        )
 
     @property
     def attention_features(self) -> frozenset[str]:
@@ -465,10 +492,9 @@ class LlamaForCausalLM(nn.Module):
         to the weights' device already in their dtype, and the tied output head."""
         a = self.arch
         weight = self.embed_tokens.weight
-        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope)
-        self.rope = rope.to(weight.dtype).to(weight.device)
+        self.rope = self.rotary_embedding(a.rope).to(weight.dtype).to(weight.device)
         if a.rope_local_parameters is not None:
-            local = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_local_parameters)
+            local = self.rotary_embedding(a.rope_local_parameters)
             self.rope_local = local.to(weight.dtype).to(weight.device)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -491,6 +517,8 @@ class LlamaForCausalLM(nn.Module):
                 norms += ["post_feedforward_layernorm"] if self.arch.post_norms else (
                     ["input_layernorm"]
                 )  # fmt: skip
+                if self.arch.sandwich_norms:
+                    norms += ["post_self_attn_layernorm", "post_mlp_layernorm"]
                 for norm in norms:
                     getattr(layer, norm).weight.copy_(sd[p + norm + ".weight"])
                 if self.arch.qk_norm or self.arch.qk_norm_full:

@@ -1,9 +1,13 @@
 """Mixture-of-experts models with Llama's attention: Mixtral, Qwen2-MoE (Qwen1.5-MoE),
-Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B), OLMoE, Granite MoE, GLM-4.5
-and MiniMax-M2 (M2, M2.1, M2.5: GLM's sigmoid routing ungrouped and unscaled, OLMo's q/k
-norms over the whole projection, half of each head rotated); and the routings the
-mixtures with their own attention share (DeepSeek-V2's ``select_experts_group_limited``,
-used by ``deepseek_v2.py`` beside ``fused_moe.select_experts_grouped``).
+Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B), OLMoE, Granite MoE, GLM-4.5,
+MiniMax-M2 (M2, M2.1, M2.5: GLM's sigmoid routing ungrouped and unscaled, OLMo's q/k
+norms over the whole projection, half of each head rotated) and ERNIE-4.5-MoE
+(ERNIE-4.5-21B-A3B, -300B-A47B: ERNIE 4.5's attention, softmax scores chosen with a
+correction bias, ``moe_statics``, as GLM's sigmoid ones, always renormalised, shared
+experts ungated, dense layers outside ``moe_layer_start_index``..``end_index`` and its
+``moe_layer_interval``); and the routings the mixtures with their own attention share
+(DeepSeek-V2's ``select_experts_group_limited``, used by ``deepseek_v2.py`` beside
+``fused_moe.select_experts_grouped``).
 
 A layer is ``LlamaLayer``'s attention (Qwen2's q/k/v biases, Qwen3's q/k norms as in
 ``llama.py``) with a ``SparseMoeBlock`` for the feed-forward: a router (``gate``), the
@@ -40,7 +44,8 @@ class MoeArch(LlamaArch):
     # not, and names it ``shared_experts``.
     shared_expert_gated: bool = True
     # GLM-4.5's routing (fused_moe.select_experts_grouped): sigmoid scores plus a learned
-    # correction bias, chosen within the best groups, scaled; "softmax": the others'.
+    # correction bias, chosen within the best groups, scaled; "softmax": the others';
+    # "softmax_biased": ERNIE-4.5-MoE's, softmax scores chosen as GLM's by score plus bias.
     scoring: str = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
@@ -77,6 +82,12 @@ class MoeArch(LlamaArch):
             num_experts, intermediate = config.num_local_experts, config.intermediate_size
             sparse = tuple(range(base.num_layers))
             norm, shared, prefix = True, 0, "block_sparse_moe"
+        elif config.model_type == "ernie4_5_moe":
+            num_experts, intermediate = config.moe_num_experts, config.moe_intermediate_size
+            sparse = ernie_sparse_layers(config, base.num_layers)
+            norm, prefix = True, "mlp"  # renormalised always (moe_norm_min: a mere floor)
+            shared = config.moe_intermediate_size * (config.moe_num_shared_experts or 0)
+            glm = dict(shared_expert_gated=False, scoring="softmax_biased")
         elif config.model_type == "olmoe":
             num_experts, intermediate = config.num_experts, config.intermediate_size
             sparse = tuple(range(base.num_layers))
@@ -107,6 +118,20 @@ class MoeArch(LlamaArch):
             checkpoint_prefix=prefix,
             **glm,
         )
+
+
+def ernie_sparse_layers(config: Any, num_layers: int) -> tuple[int, ...]:
+    """ERNIE-4.5-MoE's layers whose feed-forward is the experts, as transformers places
+    them: from ``moe_layer_start_index`` to ``moe_layer_end_index`` (inclusive; -1: the
+    last layer), those whose number counted from 1 is a multiple of ``moe_layer_interval``;
+    none without experts."""
+    if not (config.moe_num_experts or 0):
+        return ()
+    start = config.moe_layer_start_index
+    end = config.moe_layer_end_index
+    end = num_layers - 1 if end is None or end == -1 else end
+    interval = config.moe_layer_interval or 1
+    return tuple(i for i in range(start, min(end, num_layers - 1) + 1) if (i + 1) % interval == 0)
 
 
 # MiniMax-M2's config fields that transformers does not read (the released checkpoints'
@@ -171,13 +196,13 @@ def select_experts_group_limited(
 class SparseMoeBlock(nn.Module):
     """``(num_tokens, hidden) -> (num_tokens, hidden)``: the routed experts' weighted sum,
     plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where there is one (without
-    the gate for GLM-4.5's)."""
+    the gate for GLM-4.5's and ERNIE-4.5-MoE's)."""
 
     def __init__(self, a: MoeArch) -> None:
         super().__init__()
         self.a = a
         self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)  # the router
-        if a.scoring == "sigmoid":
+        if a.scoring != "softmax":  # GLM's, MiniMax-M2's, ERNIE's correction bias
             self.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts))
         self.experts = FusedMoE(
             a.num_experts,
@@ -196,10 +221,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a
-        if a.scoring == "sigmoid":
+        if a.scoring != "softmax":
+            scores = "sigmoid" if a.scoring == "sigmoid" else "softmax"
             out = self.experts.apply(x, *select_experts_grouped(
                 self.gate(x), self.e_score_correction_bias, a.num_experts_per_tok, a.num_groups,
-                a.topk_groups, a.norm_topk_prob, a.routed_scaling_factor,
+                a.topk_groups, a.norm_topk_prob, a.routed_scaling_factor, scores,
             ))  # fmt: skip
         else:
             out = self.experts(x, self.gate(x))
@@ -239,11 +265,13 @@ def load_moe_block(a: MoeArch, mlp: nn.Module, sd: dict[str, torch.Tensor], pref
     mlp.gate.weight.copy_(sd[p + "gate.weight"])
     for e, (gate, up, down) in enumerate(expert_weights(a, sd, p)):
         mlp.experts.load_expert(e, gate, up, down)
-    if a.scoring == "sigmoid":  # GLM's name, MiniMax-M2's
-        names = (p + "gate.e_score_correction_bias", p + "e_score_correction_bias")
+    if a.scoring != "softmax":  # GLM's name, MiniMax-M2's, ERNIE's (Hub's, transformers')
+        names = (p + "gate.e_score_correction_bias", p + "e_score_correction_bias",
+                 p + "moe_statics.e_score_correction_bias",
+                 p + "gate.moe_statics.e_score_correction_bias")  # fmt: skip
         name = next((n for n in names if n in sd), names[0])
-        if name in sd or a.routing_bias:
-            mlp.e_score_correction_bias.copy_(sd[name])
+        if name in sd or a.routing_bias:  # ERNIE's (1, experts): one group
+            mlp.e_score_correction_bias.copy_(sd[name].reshape(-1))
         else:
             mlp.e_score_correction_bias.zero_()
     if mlp.shared:

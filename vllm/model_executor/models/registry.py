@@ -40,10 +40,12 @@ from typing import Any
 _PACKAGE = "vllm.model_executor.models"
 
 # HF architecture: (HF model_type, module under vllm.model_executor.models, class).
-# Mistral, Ministral, Qwen2, Qwen3, SmolLM3, OLMo 2/3, Seed-OSS and Phi-3 share the Llama
-# implementation (Qwen2's q/k/v biases, Qwen3's and OLMo's q/k norms, OLMo's post-norms,
-# SmolLM3's unrotated layers are flags of its LlamaArch; Phi-3's class reads fused
-# checkpoints); the mixtures of experts add their experts to it (moe.py). The Gemma
+# Mistral, Ministral, Qwen2, Qwen3, SmolLM3, OLMo 2/3, Seed-OSS, Phi-3, GLM-4 and ERNIE 4.5
+# share the Llama implementation (Qwen2's q/k/v biases, Qwen3's and OLMo's q/k norms,
+# OLMo's post-norms, SmolLM3's unrotated layers, GLM-4's sandwich norms and GLM-4's and
+# ERNIE's GPT-J-style rotation are flags of its LlamaArch; Phi-3's class reads fused
+# checkpoints); the mixtures of experts (ERNIE-4.5-MoE's softmax routing with a correction
+# bias among them) add their experts to it (moe.py). The Gemma
 # family has its own (gemma.py: scaled embeddings, 1 + weight norms, sandwich norms, soft
 # caps, two rotations), and DeepSeek-V2/V3 theirs (deepseek_v2.py: latent attention
 # cached as one latent head, DeepSeek's routings). LLaVA (llava.py) is the Llama language
@@ -77,6 +79,9 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "OlmoeForCausalLM": ("olmoe", "moe", "MoeForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "moe", "MoeForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "moe", "MoeForCausalLM"),
+    "Glm4ForCausalLM": ("glm4", "llama", "LlamaForCausalLM"),
+    "Ernie4_5ForCausalLM": ("ernie4_5", "llama", "LlamaForCausalLM"),
+    "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "moe", "MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "moe", "MoeForCausalLM"),
     "MinistralForCausalLM": ("ministral", "llama", "LlamaForCausalLM"),
     "Mistral3ForConditionalGeneration": (
