@@ -23,8 +23,15 @@ Supported ``rope_type`` values, with the semantics transformers and vLLM give th
   choice; transformers switches per sequence length), cos and sin scaled by
   ``attention_factor`` or ``sqrt(1 + ln(s) / ln(original))``, ``s`` the extension ratio.
 
-``partial_rotary_factor`` below 1 rotates only the first ``head_dim * factor`` dimensions
-of each head (Phi-4-mini; ``rotary_dim``), the frequencies computed over those.
+- ``proportional`` (Gemma 4's global layers): pair ``i`` turns at ``theta ** (-2i /
+  head_dim)`` for the first ``partial_rotary_factor * head_dim / 2`` pairs and not at all
+  (frequency 0) for the rest, every frequency divided by ``factor`` (default 1); the pairs
+  span the whole head (dimension ``i`` with ``i + head_dim / 2``), unlike a partial rotary
+  embedding's.
+
+For the other types, ``partial_rotary_factor`` below 1 rotates only the first ``head_dim *
+factor`` dimensions of each head (Phi-4-mini; ``rotary_dim``), the frequencies computed
+over those.
 
 For ``llama3``, ``yarn`` and ``longrope`` ``max_position_embeddings`` already counts the
 extension (as vLLM reads those configs). ``dynamic`` (NTK scaling recomputed per sequence
@@ -38,7 +45,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 # The layer types a config's ``rope_parameters`` may be keyed by (Gemma 3: one rotation
@@ -72,7 +79,7 @@ def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[
     params["partial_rotary_factor"] = partial
     if params["rope_type"] == "longrope":
         _longrope_parameters(params, hf_config)
-    elif params["rope_type"] != "default":
+    elif params["rope_type"] not in ("default", "proportional"):
         _require(params, "factor")
     if params["rope_type"] in ("llama3", "yarn"):
         _require(params, "original_max_position_embeddings")
@@ -121,7 +128,10 @@ def use_long_rope(hf_config: Any, max_model_len: int) -> None:
 
 
 def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
-    """How many leading dimensions of each head rotate (``partial_rotary_factor``)."""
+    """How many leading dimensions of each head rotate (``partial_rotary_factor``; all of
+    them for ``proportional``, whose unturned pairs have frequency 0)."""
+    if params.get("rope_type") == "proportional":
+        return head_dim
     return int(head_dim * params.get("partial_rotary_factor", 1.0))
 
 
@@ -150,12 +160,23 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[torch.Te
         return inv_freq, 1.0
     if rope_type == "longrope":
         return _longrope(inv_freq, params)
+    if rope_type == "proportional":
+        return _proportional(head_dim, params), 1.0
     factor = float(params["factor"])
     if rope_type == "linear":
         return inv_freq / factor, 1.0
     if rope_type == "llama3":
         return _llama3(inv_freq, factor, params), 1.0
     return _yarn(inv_freq, head_dim, factor, params)
+
+
+def _proportional(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """``proportional``'s ``(head_dim // 2,)`` frequencies (the module docstring)."""
+    turned = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    exponents = torch.arange(0, 2 * turned, 2, dtype=torch.float32) / head_dim
+    inv_freq = torch.zeros(head_dim // 2, dtype=torch.float32)
+    inv_freq[:turned] = 1.0 / params["rope_theta"] ** exponents
+    return inv_freq / float(params.get("factor") or 1.0)
 
 
 def _longrope(inv_freq: torch.Tensor, params: dict[str, Any]) -> tuple[torch.Tensor, float]:

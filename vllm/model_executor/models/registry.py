@@ -66,6 +66,7 @@ _PACKAGE = "vllm.model_executor.models"
 # both side by side in every layer.
 # LFM2 and LFM2-MoE (lfm2.py) mix gated short convolutions (states in those pools) with attention.
 # Kimi-Linear (kimi_linear.py) mixes Kimi Delta Attention (layers/kda.py) with unrotated MLA.
+# Gemma 4 (gemma4.py) is Gemma 3's layer with per-layer inputs, shared KV, an MoE beside the MLP.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -128,6 +129,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Gemma2ForCausalLM": ("gemma2", "gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3_text", "gemma", "GemmaForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma3", "gemma", "Gemma3ForConditionalGeneration"),
+    "Gemma4ForCausalLM": ("gemma4_text", "gemma4", "Gemma4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": ("gemma4", "gemma4", "Gemma4ForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("qwen3_next", "qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_5_text", "qwen3_next", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", "qwen3_next", "Qwen3_5MoeForCausalLM"),
