@@ -153,7 +153,8 @@ class DeepseekV2Arch:
 
     @classmethod
     def from_hf(cls, config) -> DeepseekV2Arch:
-        v3 = config.model_type == "deepseek_v3"
+        # DeepSeek-V3.2 and GLM-5 (models/deepseek_dsa.py) route and rotate as V3.
+        v3 = config.model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
         mistral4 = config.model_type == "mistral4"
         quant = getattr(config, "quantization_config", None)
         method = (
@@ -411,7 +412,9 @@ class MLAttention(nn.Module):
             self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(a.q_lora_rank, heads * a.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, a.head_dim, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=bias
+        )
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LATENT_NORM_EPS)
         # kv_b_proj split per head at load: W_UK_h (nope, rank), W_UV_h transposed (rank, v).
         self.w_uk = nn.Parameter(torch.empty(heads, a.qk_nope_head_dim, a.kv_lora_rank))
@@ -421,12 +424,25 @@ class MLAttention(nn.Module):
         self.attn_forward = _no_attention_backend
 
     def forward(self, positions, h, rope: RotaryEmbedding, meta, kv_cache) -> torch.Tensor:
+        query, key, _ = self.query_key(positions, h, rope)
+        # No value: the backend reads c_kv, the key's first `rank` dims, from the cache.
+        return self.output(
+            self.attn_forward(query, key, None, kv_cache, meta, self.a.softmax_scale)
+        )
+
+    def query_key(
+        self, positions, h, rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(absorbed query (n, heads, rank + r), key (n, 1, rank + r), q_a_layernorm's
+        output (n, q_lora_rank), None without q_lora_rank: DSA's indexer reads it)."""
         a = self.a
         n, heads, rank, r = h.shape[0], a.num_heads, a.kv_lora_rank, a.qk_rope_head_dim
+        q_resid = None
         if a.q_lora_rank is None:
             q = self.q_proj(h)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(h))
+            q = self.q_b_proj(q_resid)
         q = q.view(n, heads, a.qk_head_dim)
         latent, k_pe = self.kv_a_proj_with_mqa(h).split([rank, r], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())  # (n, rank): c_kv
@@ -440,10 +456,15 @@ class MLAttention(nn.Module):
             scale = llama4_query_scale(positions, a.query_scale_beta, a.query_scale_original)
             query = query * scale.to(query.dtype)[:, None, None]
         key = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # (n, 1, rank + r)
-        # No value: the backend reads c_kv, the key's first `rank` dims, from the cache.
-        out = self.attn_forward(query, key, None, kv_cache, meta, a.softmax_scale)
+        return query, key, q_resid
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The backend's (n, heads, kv_lora_rank) rows -> (n, hidden): each head's through
+        its ``W_UV``, then ``o_proj``."""
+        a = self.a
+        n = out.shape[0]
         o = torch.bmm(out.transpose(0, 1), self.w_uv)  # (heads, n, v_head_dim)
-        return self.o_proj(o.transpose(0, 1).reshape(n, heads * a.v_head_dim))
+        return self.o_proj(o.transpose(0, 1).reshape(n, a.num_heads * a.v_head_dim))
 
     @torch.no_grad()
     def load(self, sd: dict[str, torch.Tensor], prefix: str) -> None:
@@ -470,10 +491,11 @@ def _no_attention_backend(*args: Any) -> torch.Tensor:
 
 
 class DeepseekV2Layer(nn.Module):
-    def __init__(self, a: DeepseekV2Arch, sparse: bool) -> None:
+    def __init__(self, a: DeepseekV2Arch, sparse: bool, attention: nn.Module | None = None) -> None:
+        """``attention``: the layer's own (DSA's: ``models/deepseek_dsa.py``), else MLA."""
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = MLAttention(a)
+        self.self_attn = MLAttention(a) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = DeepseekMoE(a) if sparse else DenseMLP(a.hidden_size, a.intermediate_size)
 
@@ -499,9 +521,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV2Layer(arch, i in arch.sparse_layers) for i in range(arch.num_layers)
-        )
+        self.layers = nn.ModuleList(self.make_layer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope = deepseek_rope(self.arch)
@@ -509,6 +529,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         # layers, concatenated in ``aux_hidden`` by every forward.
         self.aux_hidden_layers: frozenset[int] = frozenset()
         self.aux_hidden: torch.Tensor | None = None
+
+    @staticmethod
+    def make_layer(arch: DeepseekV2Arch, i: int) -> nn.Module:
+        """Decoder layer ``i`` (a subclass's own: DSA's, ``models/deepseek_dsa.py``)."""
+        return DeepseekV2Layer(arch, i in arch.sparse_layers)
 
     @property
     def attention_features(self) -> frozenset[str]:

@@ -67,6 +67,7 @@ _PACKAGE = "vllm.model_executor.models"
 # LFM2 and LFM2-MoE (lfm2.py) mix gated short convolutions (states in those pools) with attention.
 # Kimi-Linear (kimi_linear.py) mixes Kimi Delta Attention (layers/kda.py) with unrotated MLA.
 # Gemma 4 (gemma4.py) is Gemma 3's layer with per-layer inputs, shared KV, an MoE beside the MLP.
+# DeepSeek-V3.2 and GLM-5 (deepseek_dsa.py) add DSA's lightning indexer and top-k to V3's MLA.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -122,6 +123,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "GptOssForCausalLM": ("gpt_oss", "gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek_v2", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "deepseek_dsa", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "deepseek_dsa", "GlmMoeDsaForCausalLM"),
     "Mistral4ForCausalLM": ("mistral4", "deepseek_v2", "Mistral4ForCausalLM"),
     "CohereForCausalLM": ("cohere", "cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "cohere", "CohereForCausalLM"),

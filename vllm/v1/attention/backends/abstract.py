@@ -174,7 +174,9 @@ class AttentionBackend(ABC):
     # KV cache holds FP8 values, which ``forward`` writes and reads) and ``latent_kv`` (the
     # cache holds keys only and values are their first ``value_size`` dims: MLA); and one
     # of the step's metadata: ``bidirectional_spans`` (``attend_both_ways``: rows of a
-    # prefill chunk that see each other both ways, one image's tokens in Gemma 3).
+    # prefill chunk that see each other both ways, one image's tokens in Gemma 3), and
+    # ``indexed_reads``: the model reads the cache through the step's metadata itself
+    # (DeepSeek sparse attention's top-k rows, ``models/deepseek_dsa.py``).
     supported_features: ClassVar[frozenset[str]] = frozenset()
     # Features a model must use for the backend to serve it (a backend written for one
     # kind of model only: TRITON_MLA needs ``latent_kv``). The selector passes over the

@@ -556,6 +556,7 @@ class TorchSDPABackend(AttentionBackend):
             "fp8_kv_cache",
             "latent_kv",
             "bidirectional_spans",
+            "indexed_reads",
         }
     )
 
