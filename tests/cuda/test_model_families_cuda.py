@@ -1,4 +1,5 @@
-"""The model families added on the CPU (Gemma 2/3, Cohere 2, OLMo 3, gpt-oss), run on CUDA
+"""The model families added on the CPU (Gemma 2/3/4, Cohere 2, OLMo 3, gpt-oss, GLM-4,
+ERNIE-4.5-MoE, DeepSeek-V3.2 and GLM-5's sparse attention), run on CUDA
 in bf16: each tiny checkpoint's logits over 100 tokens (past its 12-token windows) held to
 the same engine's fp32 logits on the CPU (which the CPU tests hold to transformers' within
 1e-4) as closely as the CPU's own bf16 logits are, on the backend the selector picks for
@@ -27,6 +28,19 @@ pytestmark = [
 
 
 def save_family(family: str, path) -> torch.nn.Module:
+    if family.startswith("Gemma4"):
+        from tests.model_executor.test_gemma4 import FEATURES
+        from tests.model_executor.test_gemma4 import save_checkpoint as save_gemma4
+
+        return save_gemma4(path, *FEATURES)
+    if family in ("DeepseekV32", "GlmMoeDsa"):  # top-k 8 over 100 tokens: the sparse path
+        from tests.model_executor.test_deepseek_dsa import save as save_dsa
+
+        return save_dsa({"DeepseekV32": "v32", "GlmMoeDsa": "glm5"}[family], path)
+    if family in ("Glm4", "Ernie4_5_Moe"):
+        from tests.model_executor.test_glm4_ernie import save as save_glm4_ernie
+
+        return save_glm4_ernie(f"{family}ForCausalLM", path)
     if family.startswith("Gemma"):
         from tests.model_executor.test_gemma import save_checkpoint
 
@@ -48,6 +62,10 @@ def save_family(family: str, path) -> torch.nn.Module:
 
 def relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
+
+
+def agreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.argmax(-1) == want.argmax(-1)).float().mean())
 
 
 def cpu_logits(path, dtype: str, ids: torch.Tensor) -> torch.Tensor:
@@ -76,7 +94,12 @@ def decoded_logits(runner, ids, prefix: int) -> torch.Tensor:
     [("Gemma3", "TORCH_FLASH_ATTN", None), ("Cohere2", "TORCH_FLASH_ATTN", None),
      ("Olmo3", "TORCH_FLASH_ATTN", None), ("Gemma2", "TORCH_FLASH_ATTN", None),
      ("GptOss", "TORCH_FLASH_ATTN", None), ("Gemma2", "TORCH_SDPA", "TORCH_SDPA"),
-     ("GptOss", "TORCH_SDPA", "TORCH_SDPA")],
+     ("GptOss", "TORCH_SDPA", "TORCH_SDPA"),
+     # Session 44's: Gemma 4 (per-layer inputs, shared KV, padded heads, experts), GLM-4 and
+     # ERNIE-MoE (GPT-J pairs: the backend writes K/V), DSA (TORCH_SDPA, picked for it).
+     ("Gemma4", "TORCH_FLASH_ATTN", None), ("Glm4", "TORCH_FLASH_ATTN", None),
+     ("Ernie4_5_Moe", "TORCH_FLASH_ATTN", None), ("DeepseekV32", "TORCH_SDPA", None),
+     ("GlmMoeDsa", "TORCH_SDPA", None)],
 )  # fmt: skip
 def test_family_logits_on_cuda_match_the_cpu(family, backend, forced, tmp_path):
     save_family(family, tmp_path)
@@ -102,5 +125,8 @@ def test_family_logits_on_cuda_match_the_cpu(family, backend, forced, tmp_path):
     for got, rows in ((ours, slice(None)), (decoded, slice(60, None))):
         want, bound = truth[rows], relative_rms(cpu_bf16[rows], truth[rows])
         assert relative_rms(got, want) <= 1.5 * bound + 0.005, (relative_rms(got, want), bound)
-        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+        # Greedy agreement as high as the CPU's bf16 reaches (Gemma 4's and DSA's tiny
+        # logits tie often in bf16: the CPU agrees on 82-88% of the rows; the others 100%).
+        floor = min(0.9, agreement(cpu_bf16[rows], want) - 0.1)
+        assert agreement(got, want) >= floor, (agreement(got, want), floor)
     runner.release()
