@@ -65,6 +65,7 @@ _PACKAGE = "vllm.model_executor.models"
 # their states in those recurrent pools too, with attention; Falcon-H1 (falcon_h1.py) runs
 # both side by side in every layer.
 # LFM2 and LFM2-MoE (lfm2.py) mix gated short convolutions (states in those pools) with attention.
+# Mamba, FalconMamba, Mamba2 (mamba.py: no attention) and Jamba (Mamba1 + attention + experts).
 # Kimi-Linear (kimi_linear.py) mixes Kimi Delta Attention (layers/kda.py) with unrotated MLA.
 # Gemma 4 (gemma4.py) is Gemma 3's layer with per-layer inputs, shared KV, an MoE beside the MLP.
 # DeepSeek-V3.2 and GLM-5 (deepseek_dsa.py) add DSA's lightning indexer and top-k to V3's MLA.
@@ -155,6 +156,10 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "NemotronHForCausalLM": ("nemotron_h", "mamba_hybrid", "NemotronHForCausalLM"),
     "BambaForCausalLM": ("bamba", "mamba_hybrid", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "falcon_h1", "FalconH1ForCausalLM"),
+    "MambaForCausalLM": ("mamba", "mamba", "MambaForCausalLM"),
+    "FalconMambaForCausalLM": ("falcon_mamba", "mamba", "FalconMambaForCausalLM"),
+    "Mamba2ForCausalLM": ("mamba2", "mamba", "Mamba2ForCausalLM"),
+    "JambaForCausalLM": ("jamba", "mamba", "JambaForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2_moe", "lfm2", "Lfm2MoeForCausalLM"),
     "KimiLinearForCausalLM": ("kimi_linear", "kimi_linear", "KimiLinearForCausalLM"),

@@ -208,6 +208,11 @@ class EngineCore:
             return 0, 0
         runner = self.model_runner
         block_bytes = runner.get_kv_cache_bytes_per_block()
+        if block_bytes == 0:  # an attention-free model (Mamba): no KV cache to offload
+            if auto:  # sized for a policy: none
+                return 0, 0
+            raise ValueError("--kv-offloading-size: the model has no attention layer, "
+                             "so no KV cache to offload")  # fmt: skip
         slot_bytes = runner.state_checkpoint_bytes
         device_slots = runner.num_state_checkpoint_slots
         auto_bytes = None

@@ -274,6 +274,7 @@ class ModelRunner:
         self.model = None  # a class of the model registry, built in load_model
         self.arch = None  # the model's shapes (model.arch)
         self.kv_caches: list[torch.Tensor] = []
+        self.num_kv_blocks = 0  # the cache's blocks once made (Mamba's: without tensors)
         # CUDA: the device's memory before the weights (load_model), the KV sizing's baseline.
         self.memory_before_load: MemorySnapshot | None = None
         self.kv_offload = None  # the CPU KV tier's handler (initialize_kv_offload)
@@ -458,6 +459,9 @@ class ModelRunner:
         hybrid KV cache for a model with sliding-window layers, unless
         --disable-hybrid-kv-cache-manager turns it off, or a draft model would find no
         full-attention group to cache its layers in the blocks of."""
+        if self.arch.num_layers == 0:  # attention-free (Mamba): blocks without tensors
+            self._kv_groups = KVCacheGroups((None,), (), (), 0)
+            return self._kv_groups
         windows = tuple(getattr(self.arch, "sliding_windows", ()) or ())
         windows = windows or (None,) * self.arch.num_layers
         off = None
@@ -635,7 +639,7 @@ class ModelRunner:
             if budget is None and self.device.type == "cuda":
                 budget = self.kv_cache_budget_from_memory()
             budget = budget if budget is not None else DEFAULT_CPU_KV_BYTES
-            num_blocks = max(budget, 0) // per_block
+            num_blocks = max(budget, 0) // per_block if per_block else self._free_blocks()
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory too small: {num_blocks} blocks of {per_block} bytes")
         sc = self.config.scheduler_config
@@ -663,6 +667,13 @@ class ModelRunner:
             (num_blocks - 1) / per_request,
         )
         return num_blocks
+
+    def _free_blocks(self) -> int:
+        """Blocks of an attention-free model (no KV bytes: they only count tokens for
+        the scheduler and prefix caching): --max-num-seqs sequences at --max-model-len
+        each, at most 2**18 (the block pool's bookkeeping), and the null block."""
+        sc = self.config.scheduler_config
+        return 1 + min(sc.max_num_seqs * -(-sc.max_model_len // self.block_size), 1 << 18)
 
     def kv_cache_budget_from_memory(self) -> int:
         """Bytes for the KV cache on CUDA, as vLLM: ``total * gpu_memory_utilization``
@@ -715,6 +726,7 @@ class ModelRunner:
             for _ in range(self.kv_groups.num_tensors)
         ]
         self.kv_caches = [tensors[t] for t in self.kv_groups.layer_tensor]
+        self.num_kv_blocks = num_blocks
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
         if self.recurrent_specs is not None:
@@ -762,7 +774,7 @@ class ModelRunner:
     def warm_up_kernels(self) -> None:
         """Compile the attention backend's kernel variants before the first request
         (``AttentionBackend.warm_up``): a step that met one first would wait for it."""
-        if not self.kv_caches:
+        if not self.kv_cache_made:
             raise RuntimeError("initialize_kv_cache first: the kernels run on the cache")
         start = time.perf_counter()
         sc = self.config.scheduler_config
@@ -792,7 +804,7 @@ class ModelRunner:
             # captured (and not yet run on a GPU), so such a model runs eagerly.
             logger.info("No CUDA graphs: the model's recurrent layers run eagerly")
             return
-        if not self.kv_caches:
+        if not self.kv_cache_made:
             raise RuntimeError("initialize_kv_cache first: the graphs record the cache's address")
         sizes = cudagraph_capture_sizes(
             sc.max_num_seqs, mc.max_cudagraph_capture_size, mc.cudagraph_capture_sizes
@@ -839,7 +851,7 @@ class ModelRunner:
         if close is not None:
             close()  # unlock the tier's pages before they are freed
         self.kv_offload = None
-        self.kv_caches = []
+        self.kv_caches, self.num_kv_blocks = [], 0
         self.recurrent_states, self._free_state_slots = [], []
         self.recurrent_checkpoints, self.host_checkpoints = [], []
         if self.drafter is not None:
@@ -884,7 +896,7 @@ class ModelRunner:
                     self.drafter.model.set_attention_backend(self.drafter.attn_backend)
                 self._weights_on_host = False
                 self.install_attention_backend()
-        if "kv_cache" in tags and not self.kv_caches:
+        if "kv_cache" in tags and not self.kv_cache_made:
             self.initialize_kv_cache(num_blocks)
             if num_cpu_blocks:
                 self.initialize_kv_offload(num_cpu_blocks, self.num_host_state_slots)
@@ -893,9 +905,15 @@ class ModelRunner:
             self.capture_model()
 
     @property
+    def kv_cache_made(self) -> bool:
+        """``initialize_kv_cache`` ran (and no ``sleep`` since): its tensors, or for an
+        attention-free model (Mamba: no tensor) its blocks."""
+        return bool(self.kv_caches) or (self.num_kv_blocks > 0 and not self.kv_groups.num_tensors)
+
+    @property
     def is_awake(self) -> bool:
         """Weights on the device and a KV cache: the runner can run a step."""
-        return self.model is not None and not self._weights_on_host and bool(self.kv_caches)
+        return self.model is not None and not self._weights_on_host and self.kv_cache_made
 
     def transfer_kv(self, plan: KVOffloadTransfers) -> None:
         """Run the step's copies to and from the CPU tier (before its forward pass)."""
@@ -1691,9 +1709,9 @@ class ModelRunner:
         """Seconds to prefill a context of each size (used by Continuum's TTL rule).
 
         Runs on the KV cache's blocks from 1 on, before any request exists."""
-        if not self.kv_caches:
+        if not self.kv_cache_made:
             raise RuntimeError("initialize_kv_cache first")
-        num_blocks = self.kv_caches[0].shape[1]
+        num_blocks = self.kv_caches[0].shape[1] if self.kv_caches else self.num_kv_blocks
         samples = []
         for size in sizes:
             need = -(-size // self.block_size)
