@@ -50,12 +50,12 @@ from vllm.model_executor.models.hybrid_base import (
 from vllm.model_executor.models.mamba_hybrid import (
     ATTENTION,
     MAMBA,
+    BambaForCausalLM,
     GatedMLP,
     HybridArch,
     HybridAttention,
     _heads,
     _layer_kinds,
-    _MambaHybridForCausalLM,
 )
 from vllm.model_executor.models.moe import SparseMoeBlock
 
@@ -298,8 +298,9 @@ class JambaLayer(nn.Module):
             self.feed_forward = GatedMLP(a.hidden_size, a.intermediate_size, False)
 
 
-class JambaForCausalLM(_MambaHybridForCausalLM):
-    """AI21 Jamba (``jamba``; module docstring)."""
+class JambaForCausalLM(BambaForCausalLM):
+    """AI21 Jamba (``jamba``; module docstring): Bamba's layer order, forward and
+    checkpoint names, with Mamba1 mixers and experts."""
 
     arch: JambaArch
     norm_class = ResidualRMSNorm
@@ -311,29 +312,13 @@ class JambaForCausalLM(_MambaHybridForCausalLM):
     def make_layer(self, i: int) -> nn.Module:
         return JambaLayer(self.arch, i)
 
-    def layer_forward(self, i: int, x: torch.Tensor, mixers: StepMixers) -> torch.Tensor:
-        layer = self.layers[i]
-        x = x + self.mix(i, layer.input_layernorm(x), mixers)
-        return x + layer.feed_forward(layer.pre_ff_layernorm(x))
-
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy the checkpoint's tensors in (``model.layers...``; others ignored), fusing
-        the projections; the experts one by one as the Hub's (``experts.E.gate_proj``...)
-        or stacked as transformers 5's (``experts.gate_up_proj``, ``experts.down_proj``);
-        ``ValueError`` naming a missing tensor."""
-        sd = CheckpointTensors({k.removeprefix("model."): v for k, v in sd.items()})
-        self.init_buffers()
-        with torch.no_grad():
-            self.load_ends(sd, "final_layernorm.weight")
-            for i, (layer, kind) in enumerate(zip(self.layers, self.arch.layer_types, strict=True)):
-                p = f"layers.{i}."
-                layer.mixer.load(sd, p + ("mamba." if kind == MAMBA else "self_attn."))
-                for norm in ("input_layernorm", "pre_ff_layernorm"):
-                    getattr(layer, norm).weight.copy_(sd[f"{p}{norm}.weight"])
-                if isinstance(layer.feed_forward, SparseMoeBlock):
-                    self._load_experts(layer.feed_forward, sd, p + "feed_forward.")
-                else:
-                    layer.feed_forward.load(sd, p + "feed_forward.")
+    def load_feed_forward(self, ff: nn.Module, sd: CheckpointTensors, prefix: str) -> None:
+        """The MLP, or the experts one by one as the Hub's (``experts.E.gate_proj``...) or
+        stacked as transformers 5's (``experts.gate_up_proj``, ``experts.down_proj``)."""
+        if isinstance(ff, SparseMoeBlock):
+            self._load_experts(ff, sd, prefix)
+        else:
+            ff.load(sd, prefix)
 
     def _load_experts(self, moe: SparseMoeBlock, sd: dict[str, torch.Tensor], p: str) -> None:
         moe.gate.weight.copy_(sd[p + "router.weight"])

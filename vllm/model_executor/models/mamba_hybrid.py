@@ -610,7 +610,11 @@ class BambaForCausalLM(_MambaHybridForCausalLM):
                 layer.mixer.load(sd, p + ("mamba." if kind == MAMBA else "self_attn."))
                 for norm in ("input_layernorm", "pre_ff_layernorm"):
                     getattr(layer, norm).weight.copy_(sd[f"{p}{norm}.weight"])
-                layer.feed_forward.load(sd, p + "feed_forward.")
+                self.load_feed_forward(layer.feed_forward, sd, p + "feed_forward.")
+
+    def load_feed_forward(self, ff: nn.Module, sd: CheckpointTensors, prefix: str) -> None:
+        """A layer's feed-forward from the checkpoint (a subclass's experts: Jamba's)."""
+        ff.load(sd, prefix)
 
 
 __all__ = [
