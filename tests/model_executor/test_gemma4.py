@@ -3,10 +3,12 @@ transformers' logits past their sliding windows, with global layers of another h
 (and, with ``attention_k_eq_v``, fewer KV heads and no v projection), per-layer inputs,
 KV-shared layers (with double-wide MLPs) and the MoE block beside the MLP; the engine's
 greedy tokens (chunked prefill, batched decodes, a prefix hit) equal transformers'
-``generate``; a multimodal checkpoint serves its language model and refuses images."""
+``generate``; a multimodal checkpoint serves its language model, its vision tower beside
+it (images: test_gemma4_mm.py), and refuses audio and video."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -130,11 +132,12 @@ def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
     check_engine_greedy_matches(hf, tmp_path)
 
 
-def test_multimodal_checkpoint_serves_text_and_refuses_images(tmp_path):
+def test_multimodal_checkpoint_serves_text_and_refuses_audio_and_video(tmp_path):
     """A Gemma4ForConditionalGeneration checkpoint (vision and audio towers beside the
     text model, under ``model.language_model.``): text-only logits equal transformers'
     (an image token id with no image embedded as padding, as transformers does), the
-    towers' tensors are never read, and the engine refuses an image."""
+    vision tower is built, the audio tower's tensors are never read, and the engine
+    refuses audio and video (images: test_gemma4_mm.py)."""
     from PIL import Image
 
     from tests.utils import copy_benchmark_tokenizer
@@ -158,7 +161,8 @@ def test_multimodal_checkpoint_serves_text_and_refuses_images(tmp_path):
     runner = load_cpu_runner(ModelConfig(model=str(tmp_path), max_model_len=128))
     model = runner.model
     assert type(model) is Gemma4ForConditionalGeneration
-    assert not any("tower" in n or "embed_vision" in n for n, _ in model.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("audio" in n for n in names) and any("vision_tower" in n for n in names)
     ids = torch.randint(0, 89, (60,), generator=torch.Generator().manual_seed(1))
     ids[7] = 95
     ours = runner_logits(runner, ids)
@@ -169,9 +173,9 @@ def test_multimodal_checkpoint_serves_text_and_refuses_images(tmp_path):
     copy_benchmark_tokenizer(tmp_path)
     llm = LLM(model=str(tmp_path), max_model_len=64, kv_cache_memory="16MiB")
     try:
-        image = Image.new("RGB", (32, 32))
-        with pytest.raises(VLLMValidationError, match="takes no images"):
-            llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": image}})
+        for modality, data in (("audio", np.zeros(1600)), ("video", [Image.new("RGB", (32, 32))])):
+            with pytest.raises(VLLMValidationError, match=f"modality '{modality}' is not"):
+                llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {modality: data}})
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         out = llm.generate({"prompt_token_ids": ids[:20].tolist()}, params)[0]
     finally:

@@ -35,13 +35,16 @@ KWARGS = "mm_processor_kwargs"
 FIXED_KWARGS = frozenset({
     "patch_size", "temporal_patch_size", "merge_size", "image_seq_length", "return_tensors",
     "data_format", "input_data_format", "device", "return_row_col_info", "images",
+    "pooling_kernel_size",
 })  # fmt: skip
 # The arguments that size an image. A request may lower them, never raise them above the
 # server's (an image sized up to billions of pixels would exhaust the front end's memory).
-# InternVL's max_patches bounds an image's tiles, so its tokens, alike.
-SIZE_KWARGS = frozenset(
-    {"size", "min_pixels", "max_pixels", "max_image_size", "crop_size", "max_patches"}
-)
+# InternVL's max_patches bounds an image's tiles, so its tokens, alike; Gemma 4's
+# max_soft_tokens its tokens.
+SIZE_KWARGS = frozenset({
+    "size", "min_pixels", "max_pixels", "max_image_size", "crop_size", "max_patches",
+    "max_soft_tokens",
+})  # fmt: skip
 # Gemma 3's pan-and-scan adds crops of an image, each with another prompt text.
 _PAN_AND_SCAN = f"{KWARGS}: do_pan_and_scan is not supported (Gemma 3's pan-and-scan crops)"
 # The newline runs whose ids are kept (a frame's own and what the text adds to it).
@@ -74,7 +77,7 @@ class ImageInputProcessor:
     """A model's image inputs: ``process(prompt_ids, images)`` -> (the prompt with its
     placeholders expanded, one ``MultiModalFeature`` per image).
 
-    Six prompt layouts, as the model class says (``image_layout``):
+    Seven prompt layouts, as the model class says (``image_layout``):
 
     - whole (LLaVA): an image is one tile, its placeholder ``tokens_per_image`` image
       tokens;
@@ -105,7 +108,13 @@ class ImageInputProcessor:
       tile, the whole image as a last one) and the token becomes ``<img>``,
       ``tokens_per_tile`` image tokens per tile, ``</img>`` (special tokens: the text
       around them tokenizes as it came). The feature is the image tokens, its data the
-      (tiles, 3, H, W) tiles; the frame's ids are the tokenizer's.
+      (tiles, 3, H, W) tiles; the frame's ids are the tokenizer's;
+    - framed_patches (Gemma 4): the prompt names an image with its image token
+      (``<|image|>``); the image processor resizes it, keeping its aspect ratio, to H x W
+      patches and flattens them; the token becomes the start token, one image token per
+      pooled patch (the feature), the end token (transformers' ``Gemma4Processor``:
+      special tokens, ids from the config). The feature's data is the image's patches
+      without the processor's padding, (H * W, patch values), its ``grid_thw`` (1, H, W).
     """
 
     def __init__(self, model_config, tokenizer, model_cls: type) -> None:
@@ -117,7 +126,8 @@ class ImageInputProcessor:
         )  # fmt: skip
         hf_config = hf_config_of(model_config)
         # "whole" (LLaVA), "tiled" (SmolVLM, Idefics3), "grid" (Qwen2-VL), "rows"
-        # (Mistral 3), "framed" (Gemma 3) or "framed_tiles" (InternVL): class docstring.
+        # (Mistral 3), "framed" (Gemma 3), "framed_tiles" (InternVL) or "framed_patches"
+        # (Gemma 4): class docstring.
         self.layout = getattr(model_cls, "image_layout", "whole")
         module = importlib.import_module(model_cls.__module__)
         if self.layout == "grid":
@@ -133,6 +143,9 @@ class ImageInputProcessor:
             self.tokens_per_tile = self.frame.tokens_per_image
             self._newline_counts: dict[int, int] = {}  # token id -> its newlines (0: other)
             self._newline_ids: dict[int, list[int]] = {}  # n -> the ids of n newlines
+        elif self.layout == "framed_patches":
+            self.frame = module.image_frame_layout(hf_config)
+            self.image_token_id, self.tokens_per_tile = self.frame.image_token_id, 0
         elif self.layout == "framed_tiles":
             self.context = module.image_context_layout(hf_config)
             self.image_token_id = self.context.image_token_id
@@ -151,6 +164,11 @@ class ImageInputProcessor:
         if tokenizer is not None:
             self.placeholder = tokenizer.convert_ids_to_tokens(self.placeholder_id)
         self._image_processor = None  # loaded by the first image
+        # A model module's own image processor where transformers' cannot run here (Kimi
+        # K2.5's needs torchvision): ``make_image_processor(folder)``.
+        make = getattr(module, "make_image_processor", None)
+        if make is not None:
+            self._image_processor = make(self.path)
         self._tile_prompts: dict[tuple[int, int], list[int]] = {}  # (R, C) -> its ids
         # What a whole image or a tile must measure (H, W): the vision tower's input.
         vision = getattr(hf_config, "vision_config", None)
@@ -375,6 +393,26 @@ class ImageInputProcessor:
             grid_thw=(t, h, w), mrope_grid=(t, h // m, w // m),
         )  # fmt: skip
         return feature, [self.image_token_id] * n
+
+    def _framed_patches(
+        self, image, offset: int, kwargs: dict
+    ) -> tuple[MultiModalFeature, list[int]]:
+        """Gemma 4's: the image's patches (its grid's, row-major, the padding left out) and
+        its tokens: the start token, an image token per row the model makes of it, the end
+        token."""
+        out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
+        positions = out["image_position_ids"][0]  # (max_patches, 2): (x, y); -1: padding
+        real = (positions != -1).all(dim=-1)
+        patches = out["pixel_values"][0][real].float()
+        width, height = (int(v) + 1 for v in positions[real].max(dim=0).values)
+        n = int(out["num_soft_tokens_per_image"][0])
+        f = self.frame
+        # The grid joins the hash: equal patches in another grid are another image.
+        identifier = hashlib.sha256(f"{content_hash(patches)}|{height}x{width}".encode())
+        feature = MultiModalFeature(
+            "image", patches, offset + 1, n, identifier.hexdigest(), grid_thw=(1, height, width)
+        )
+        return feature, [f.boi_token_id, *[f.image_token_id] * n, f.eoi_token_id]
 
     def _rows(self, image, offset: int, kwargs: dict) -> tuple[MultiModalFeature, list[int]]:
         """Pixtral's: the image's own (1, 3, H, W) pixels, H and W multiples of the merged

@@ -41,18 +41,26 @@ through its source's cache and metadata, handing the backend its source's K/V of
 step again (rewriting the same values at the same slots: the backends' ``forward``
 always writes).
 
-Multimodal checkpoints serve text only (``supports_images`` is False: the engine refuses
-images, and every other modality, with a 400); their vision and audio towers' tensors
-are never read (``checkpoint_prefixes``). Their image, video and audio token ids embed
-as ``pad_token_id``, as transformers embeds them when no media fills them.
-``use_bidirectional_attention`` "vision" only changes the attention among an image's
-tokens, so is served as causal here; "all" (an encoder) is refused.
+Multimodal checkpoints (``Gemma4ForConditionalGeneration``) take images when their
+config has a ``vision_config`` (``gemma4_vision.py``: the tower at each image's own size,
+pooled and projected by ``embed_vision``); the prompt names an image with its image token,
+which becomes ``boi``, one image token per row of the image, ``eoi`` (transformers'
+``Gemma4Processor``; vllm/multimodal/processing.py's "framed_patches"), the rows written
+over the image tokens' embeddings. Audio and video are refused (the engine takes images
+only); the audio tower's tensors are never read (``checkpoint_prefixes``). The image,
+video and audio token ids embed as ``pad_token_id`` (an image's rows then replace them),
+also in the per-layer inputs' table, as transformers embeds them.
+``use_bidirectional_attention`` "vision": each image's tokens attend to each other both
+ways in the sliding layers only (transformers' ``create_masks_for_vision_model``: the
+global layers stay causal), so a global layer attends with the step's metadata less its
+spans (``causal_metadata``); "all" (an encoder) is refused.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -72,6 +80,7 @@ from vllm.model_executor.models.utils import (
     LANGUAGE_MODEL_PREFIXES,
     LM_HEAD_KEYS,
     language_model_tensors,
+    takes_images,
 )
 from vllm.v1.attention.backends.abstract import layer_metadata
 
@@ -111,6 +120,11 @@ class Gemma4Arch:
     moe_intermediate_size: int = 0
     pad_token_id: int = 0
     media_token_ids: tuple[int, ...] = ()  # a multimodal checkpoint's: embedded as pad
+    # A multimodal checkpoint with a vision_config: its tower's arch (gemma4_vision.py's
+    # Gemma4VisionArch), and whether an image's tokens attend to each other both ways in
+    # the sliding layers (use_bidirectional_attention "vision").
+    vision: Any = None
+    bidirectional_images: bool = False
 
     # What the runner sizes the KV cache and the backend by: the cache layers (those that
     # compute K/V), each of the largest head and KV head count.
@@ -141,9 +155,11 @@ class Gemma4Arch:
         return self.intermediate_size * (2 if wide else 1)
 
     @classmethod
-    def from_hf(cls, config: Any, media_token_ids: tuple[int, ...] = ()) -> Gemma4Arch:
-        """The arch of a ``Gemma4TextConfig``; ``ValueError`` naming a field it cannot
-        serve."""
+    def from_hf(
+        cls, config: Any, media_token_ids: tuple[int, ...] = (), vision: Any = None
+    ) -> Gemma4Arch:
+        """The arch of a ``Gemma4TextConfig`` (with ``vision``, a multimodal checkpoint's
+        tower arch); ``ValueError`` naming a field it cannot serve."""
         from vllm.model_executor.model_loader import layer_sliding_windows
 
         if config.model_type != "gemma4_text":
@@ -155,7 +171,7 @@ class Gemma4Arch:
         if bidirectional not in (None, "vision"):
             raise ValueError(
                 f"use_bidirectional_attention {bidirectional!r} is not supported (every token "
-                "attending both ways: an encoder); None and 'vision' are served causally"
+                "attending both ways: an encoder); None and 'vision' (images) are served"
             )
         extra = set(getattr(config, "per_layer_attributes", None) or ()) - _PER_LAYER_FIELDS
         if extra:
@@ -234,7 +250,27 @@ class Gemma4Arch:
             moe_intermediate_size=config.moe_intermediate_size if moe else 0,
             pad_token_id=0 if pad is None else int(pad),
             media_token_ids=media_token_ids,
+            vision=vision,
+            bidirectional_images=vision is not None and bidirectional == "vision",
         )
+
+
+def causal_metadata(meta: Any) -> Any:
+    """A step's attention metadata without the spans ``attend_both_ways`` marked in it (a
+    shallow copy; ``meta`` itself when it holds none): for the layers whose image tokens
+    attend causally. The backends that take ``bidirectional_spans`` keep them in
+    ``both_ways`` (the varlen ones: ``varlen_metadata.BothWays``) or in their prefill
+    chunks' ``spans`` (torch_sdpa's ``PrefillChunk``)."""
+    if getattr(meta, "both_ways", None):
+        out = copy.copy(meta)
+        out.both_ways = []
+        return out
+    prefills = getattr(meta, "prefills", None)
+    if prefills and any(getattr(c, "spans", None) for c in prefills):
+        out = copy.copy(meta)
+        out.prefills = [replace(c, spans=[], windowed={}) if c.spans else c for c in prefills]
+        return out
+    return meta
 
 
 class Gemma4RMSNorm(nn.Module):
@@ -452,6 +488,14 @@ class Gemma4ForCausalLM(nn.Module):
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         per_layer = self.per_layer_inputs(input_ids, x) if a.per_layer_dim else None
         metas = layer_metadata(meta, a.num_layers)
+        if a.bidirectional_images:  # the global layers stay causal (module docstring)
+            causal: dict[int, Any] = {}  # id -> its causal copy, one per metadata object
+            metas = list(metas)  # not the step's GroupedMetadata.layers
+            for c, m in enumerate(metas):
+                if not a.is_sliding(c):
+                    if id(m) not in causal:
+                        causal[id(m)] = causal_metadata(m)
+                    metas[c] = causal[id(m)]
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
             c = a.kv_source[i]
@@ -538,12 +582,48 @@ class Gemma4ForCausalLM(nn.Module):
                 layer.experts.load_expert(n, gate_up[n, :i], gate_up[n, i:], down[n])
 
 
+# The most image tokens one image takes: the largest max_soft_tokens transformers'
+# Gemma4ImageProcessor accepts (70, 140, 280, 560 or 1120; 280 by default).
+MAX_IMAGE_TOKENS = 1120
+
+
+@dataclass(frozen=True)
+class ImageFrameLayout:
+    """How Gemma 4 frames an image in a prompt: the prompt names it with ``image_token_id``
+    (``<|image|>``); the processor turns that into ``boi_token_id``, as many
+    ``image_token_id`` as the image has rows (its patches pooled), ``eoi_token_id``
+    (transformers' ``Gemma4Processor.replace_image_token``), of which only the image
+    tokens take the image's embeddings."""
+
+    boi_token_id: int
+    image_token_id: int
+    eoi_token_id: int
+
+
+def image_frame_layout(hf_config: Any) -> ImageFrameLayout:
+    """The image layout of a Gemma 4 config (transformers' ``Gemma4Config``)."""
+    return ImageFrameLayout(
+        boi_token_id=int(hf_config.boi_token_id),
+        image_token_id=int(hf_config.image_token_id),
+        eoi_token_id=int(hf_config.eoi_token_id),
+    )
+
+
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
-    """Gemma 4's multimodal checkpoints served as text (module docstring): the language
-    model of ``text_config``; the towers' tensors are not read."""
+    """Gemma 4's multimodal checkpoints (module docstring): the language model of
+    ``text_config`` and, with a ``vision_config``, the vision tower and its embedder
+    (``vision_tower``: gemma4_vision.py) taking images; the audio tower's tensors are not
+    read."""
+
+    # The prompt frames each image; its patches come at its own size, with their grid
+    # (vllm/multimodal/processing.py's "framed_patches").
+    image_layout: ClassVar[str] = "framed_patches"
+    supports_images: ClassVar[bool] = True
 
     @staticmethod
     def arch_from_hf(hf_config: Any) -> Gemma4Arch:
+        from vllm.model_executor.models.gemma4_vision import Gemma4VisionArch
+
         media = tuple(
             int(t)
             for t in (
@@ -551,12 +631,59 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             )
             if t is not None
         )
-        return Gemma4Arch.from_hf(hf_config.get_text_config(), media)
+        text = hf_config.get_text_config()
+        vision = getattr(hf_config, "vision_config", None)
+        if vision is not None:
+            if getattr(hf_config, "image_token_id", None) is None:
+                raise ValueError("a vision_config without an image_token_id")
+            vision = Gemma4VisionArch.from_hf(vision, text.hidden_size)
+        return Gemma4Arch.from_hf(text, media, vision)
+
+    @staticmethod
+    def takes_images(hf_config: Any) -> bool:
+        return takes_images(hf_config)
 
     @staticmethod
     def checkpoint_prefixes(hf_config: Any) -> tuple[str, ...]:
-        """The language model's tensors only (the loader reads no others)."""
-        return LANGUAGE_MODEL_PREFIXES + LM_HEAD_KEYS
+        """The language model's tensors, and with a vision_config the vision tower's and
+        its embedder's (the loader reads no others: not the audio tower's)."""
+        from vllm.model_executor.models.gemma4_vision import EMBEDDER_PREFIX, TOWER_PREFIX
+
+        vision = (TOWER_PREFIX, EMBEDDER_PREFIX) if takes_images(hf_config) else ()
+        return LANGUAGE_MODEL_PREFIXES + LM_HEAD_KEYS + vision
+
+    def __init__(self, arch: Gemma4Arch) -> None:
+        from vllm.model_executor.models.gemma4_vision import Gemma4VisionModel
+
+        super().__init__(arch)
+        if arch.vision is not None:
+            self.vision_tower = Gemma4VisionModel(arch.vision)
+        # Each image's tokens attend to each other both ways in the sliding layers; the
+        # model runner marks their spans for the backend (Gemma 3's way).
+        self.bidirectional_image_attention = arch.bidirectional_images
+
+    @property
+    def attention_features(self) -> frozenset[str]:
+        features = super().attention_features
+        return features | {"bidirectional_spans"} if self.arch.bidirectional_images else features
+
+    @property
+    def max_image_tokens(self) -> int:
+        """The most tokens one image's embeddings take (a prefill chunk must hold them all
+        when they attend both ways): ``MAX_IMAGE_TOKENS``."""
+        return MAX_IMAGE_TOKENS
+
+    @torch.inference_mode()
+    def embed_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The images' patches concatenated ((patches, 3 * patch_size ** 2), any float
+        dtype, any device) and their (images, 3) grids (1, height, width) -> each image's
+        rows concatenated, (rows, hidden) in the model's dtype on its device: to be written
+        over the image tokens' embeddings (transformers scatters them after the scaling)."""
+        if self.arch.vision is None:
+            raise ValueError("this Gemma 4 checkpoint has no vision_config: it takes no images")
+        return self.vision_tower(pixel_values, grid_thw)
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         super().load_weights(language_model_tensors(sd))
+        if self.arch.vision is not None:
+            self.vision_tower.load_weights(sd)

@@ -67,6 +67,7 @@ _PACKAGE = "vllm.model_executor.models"
 # LFM2 and LFM2-MoE (lfm2.py) mix gated short convolutions (states in those pools) with attention.
 # Mamba, FalconMamba, Mamba2 (mamba.py: no attention) and Jamba (Mamba1 + attention + experts).
 # Kimi-Linear (kimi_linear.py) mixes Kimi Delta Attention (layers/kda.py) with unrotated MLA.
+# its multimodal checkpoints take images through its own tower (gemma4_vision.py).
 # Gemma 4 (gemma4.py) is Gemma 3's layer with per-layer inputs, shared KV, an MoE beside the MLP.
 # DeepSeek-V3.2 and GLM-5 (deepseek_dsa.py) add DSA's lightning indexer and top-k to V3's MLA.
 _MODELS: dict[str, tuple[str, str, str]] = {
