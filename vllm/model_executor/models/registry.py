@@ -67,8 +67,9 @@ _PACKAGE = "vllm.model_executor.models"
 # LFM2 and LFM2-MoE (lfm2.py) mix gated short convolutions (states in those pools) with attention.
 # Mamba, FalconMamba, Mamba2 (mamba.py: no attention) and Jamba (Mamba1 + attention + experts).
 # Kimi-Linear (kimi_linear.py) mixes Kimi Delta Attention (layers/kda.py) with unrotated MLA.
+# Kimi K2.5 (kimi_k25.py) is DeepSeek-V3's language model behind a MoonViT-style tower.
+# Gemma 4 (gemma4.py) is Gemma 3's layer with per-layer inputs, shared KV, an MoE beside the MLP;
 # its multimodal checkpoints take images through its own tower (gemma4_vision.py).
-# Gemma 4 (gemma4.py) is Gemma 3's layer with per-layer inputs, shared KV, an MoE beside the MLP.
 # DeepSeek-V3.2 and GLM-5 (deepseek_dsa.py) add DSA's lightning indexer and top-k to V3's MLA.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
@@ -164,6 +165,12 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Lfm2ForCausalLM": ("lfm2", "lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2_moe", "lfm2", "Lfm2MoeForCausalLM"),
     "KimiLinearForCausalLM": ("kimi_linear", "kimi_linear", "KimiLinearForCausalLM"),
+    "KimiK25ForConditionalGeneration": ("kimi_k25", "kimi_k25", "KimiK25ForConditionalGeneration"),
+    "Kimi_K25ForConditionalGeneration": (
+        "kimi_k25",
+        "kimi_k25",
+        "KimiK25ForConditionalGeneration",
+    ),
 }
 
 # (multimodal architecture, its text_config's model_type): (module, class) where that
