@@ -32,8 +32,9 @@ LoadFormat = Literal["auto", "safetensors", "dummy"]
 Runner = Literal["auto", "generate", "pooling"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 POOLING_TYPES = ("LAST",)  # the pooled row: a causal model's last (its whole-prompt summary)
-TokenizerMode = Literal["auto", "hf", "slow", "mistral", "custom"]
-# Why --tokenizer-mode refuses a mode (auto and hf: AutoTokenizer, the one way here).
+TokenizerMode = Literal["auto", "hf", "deepseek_v32", "slow", "mistral", "custom"]
+# Why --tokenizer-mode refuses a mode (auto and hf: AutoTokenizer, the one way here;
+# deepseek_v32: AutoTokenizer too, chats rendered by transformers_utils/chat_encodings).
 _TOKENIZER_MODE_REFUSALS = {
     "slow": "is not available: transformers 5 (this engine's) has no slow (pure-Python) "
     "tokenizers and ignores use_fast=False, so the tokenizer would be the fast one anyway",
@@ -182,6 +183,9 @@ class ModelConfig:
         "How the tokenizer is loaded (vLLM's flag). auto and hf: transformers' "
         "AutoTokenizer, a fast (tokenizers-backed) one. slow is refused: transformers 5, "
         "which this engine needs, has no slow tokenizers (it ignores use_fast=False). "
+        "deepseek_v32: the same tokenizer, chat messages rendered by DeepSeek-V3.2's own "
+        "encoding (its model ships no Jinja template; it takes precedence over "
+        "--chat-template, which is then ignored with a warning). "
         "mistral (mistral_common's tokenizer) and custom (a registered class) are refused: "
         "mistral_common is not a dependency, and there is no tokenizer registry.",
     )
@@ -491,7 +495,15 @@ class ModelConfig:
             mode = self.tokenizer_mode
             raise bad_value("tokenizer_mode", mode, f"{mode!r} {why}: use auto or hf")
         if self.tokenizer_mode not in get_args(TokenizerMode):
-            raise bad_value("tokenizer_mode", self.tokenizer_mode, "must be auto or hf")
+            raise bad_value(
+                "tokenizer_mode", self.tokenizer_mode, "must be auto, hf or deepseek_v32"
+            )
+        if self.tokenizer_mode == "deepseek_v32" and self.chat_template is not None:
+            # As vLLM: the mode's encoding renders every chat; the template is never read.
+            logging.getLogger(__name__).warning(
+                "--chat-template is ignored with --tokenizer-mode deepseek_v32: chats are "
+                "rendered by DeepSeek-V3.2's encoding, not a Jinja template"
+            )
         self._fold_graph_flags()
 
     def _fold_graph_flags(self) -> None:

@@ -30,6 +30,7 @@ from vllm.outputs import (
     ScoringRequestOutput,
 )
 from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from vllm.transformers_utils.chat_encodings import images_refused
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine import (
     EngineCoreOutput,
@@ -215,6 +216,10 @@ class LLM:
             template = chat_template or getattr(self.processor.tokenizer, "chat_template", None)
             typed = bool(urls) and isinstance(template, str) and template_reads_parts(template)
             placeholder = self.processor.image_placeholder
+            if urls and self.processor.chat_encoding is not None:
+                raise VLLMValidationError(
+                    images_refused(self.processor.chat_encoding_mode), "messages"
+                )
             if urls and placeholder is None:
                 raise VLLMValidationError(NO_IMAGES, "messages")
             text = self.processor.apply_chat_template(

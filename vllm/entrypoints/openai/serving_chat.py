@@ -29,6 +29,7 @@ from vllm.entrypoints.openai.tool_calling import (
 from vllm.exceptions import VLLMValidationError
 from vllm.multimodal.media import load_image, template_reads_parts
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.transformers_utils.chat_encodings import images_refused
 from vllm.v1.engine.async_llm import RequestStream
 
 if TYPE_CHECKING:
@@ -75,7 +76,10 @@ class OpenAIServingChat(OpenAIServing):
                 "--trust-request-chat-template",
                 "chat_template",
             )
-        if plan.template_tools:
+        encoding = getattr(self.engine, "chat_encoding", None)
+        if encoding is not None and request.has_images:
+            raise VLLMValidationError(images_refused(encoding), "messages")
+        if plan.template_tools and encoding is None:
             template = request.chat_template or self.engine.chat_template
             warn_if_template_ignores_tools(template)
         image_placeholder = self._check_images(request)

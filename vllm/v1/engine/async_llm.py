@@ -215,8 +215,18 @@ class AsyncLLM:
 
     @property
     def chat_template(self) -> str | None:
-        """The chat template in use (--chat-template, else the tokenizer's)."""
+        """The chat template in use (--chat-template, else the tokenizer's); None under a
+        chat encoding (``chat_encoding``), which renders chats instead."""
+        if self.chat_encoding is not None:
+            return None
         return getattr(self.tokenizer, "chat_template", None)
+
+    @property
+    def chat_encoding(self) -> str | None:
+        """The --tokenizer-mode whose own encoding renders chats (``deepseek_v32``), or
+        None: the chat template does."""
+        processor = self.processor
+        return processor.chat_encoding_mode if processor.chat_encoding is not None else None
 
     def apply_chat_template(
         self,

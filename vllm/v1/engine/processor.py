@@ -13,6 +13,7 @@ from vllm.lora.peft import read_adapter_config
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.processing import ImageInputProcessor, images_of
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.chat_encodings import auto_chat_encoding, get_chat_encoding
 from vllm.transformers_utils.tokenizer import NO_TOKENIZER
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.sample.logits_processor import (
@@ -61,6 +62,18 @@ class Processor:
         # A model that takes images: its processor (None: text only).
         self.images = ImageInputProcessor.for_model(vllm_config.model_config, tokenizer)
         self.speculative = vllm_config.speculative_config.enabled
+        # --tokenizer-mode deepseek_v32: chats rendered by the model's own Python encoding
+        # (transformers_utils/chat_encodings), not the Jinja template; None: the template.
+        # auto: the architecture's own encoding where it ships no template (DeepSeek-V3.2).
+        self.chat_encoding_mode = vllm_config.model_config.tokenizer_mode
+        if self.chat_encoding_mode == "auto" and tokenizer is not None:
+            has_template = vllm_config.model_config.chat_template is not None or bool(
+                getattr(tokenizer, "chat_template", None)
+            )
+            if not has_template:  # the config read only then
+                mode = auto_chat_encoding(_architectures(vllm_config), has_template)
+                self.chat_encoding_mode = mode or "auto"
+        self.chat_encoding = get_chat_encoding(self.chat_encoding_mode)
 
     @property
     def image_placeholder(self) -> str | None:
@@ -120,6 +133,18 @@ class Processor:
                 "continue_final_message",
             )
         self.require_tokenizer("chat messages (the chat template)", "messages")
+        if self.chat_encoding is not None:
+            if chat_template is not None:
+                raise VLLMValidationError(
+                    f"chat_template cannot be used with --tokenizer-mode "
+                    f"{self.chat_encoding_mode}: its chats are rendered by the model's own "
+                    "encoding, not a Jinja template",
+                    "chat_template",
+                )
+            return self.chat_encoding(
+                list(messages), tools, add_generation_prompt, continue_final_message,
+                template_kwargs,
+            )  # fmt: skip
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise VLLMValidationError(
                 "chat_template is required: the tokenizer has none", "chat_template"
@@ -426,6 +451,17 @@ class Processor:
                     f"(size {self.vocab_size})",
                     name,
                 )
+
+
+def _architectures(vllm_config: VllmConfig) -> list[str]:
+    """The served checkpoint's HF ``architectures`` ([] when its config cannot be read)."""
+    from vllm.model_executor.model_loader import hf_config_of
+
+    try:
+        config = hf_config_of(vllm_config.model_config)
+    except (OSError, ValueError):
+        return []
+    return list(getattr(config, "architectures", None) or [])
 
 
 def _vocab_size(vllm_config: VllmConfig, tokenizer) -> int:
