@@ -459,7 +459,7 @@ def _architectures(vllm_config: VllmConfig) -> list[str]:
 
     try:
         config = hf_config_of(vllm_config.model_config)
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 (only auto's choice of encoding reads it: none then)
         return []
     return list(getattr(config, "architectures", None) or [])
 
