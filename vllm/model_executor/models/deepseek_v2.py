@@ -1,6 +1,7 @@
 """DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``:
 DeepSeek-V2/V2-Lite, DeepSeek-V3/R1, Moonlight, Kimi-K2) and Mistral 4
-(``Mistral4ForCausalLM``: Mistral Small 4's language model) over a flat packed batch.
+(``Mistral4ForCausalLM``: Mistral Small 4's language model) and GLM-4.7-Flash
+(``Glm4MoeLiteForCausalLM``) over a flat packed batch.
 
 **Multi-head latent attention (MLA), cached as the latent.** Each token's K and V are one
 shared latent ``c_kv`` (``kv_lora_rank`` wide, RMS-normalised) plus one rotated key part
@@ -47,6 +48,12 @@ times ``1 + llama_4_scaling_beta * log(1 + floor(pos / original_max_position_emb
 in every path that attends (prefill, decode, CUDA graphs: the positions are a tensor);
 and its ``head_dim`` is the whole q/k head, the rotated part ``partial_rotary_factor`` of
 it (``qk_rope_head_dim``).
+
+**GLM-4.7-Flash** (``Glm4MoeLiteForCausalLM``, transformers' ``glm4_moe_lite``) is V3's
+model: the same latent attention (q through ``q_lora_rank``, pairs interleaved by
+``rope_interleave``, yarn's scale), GLM-4.5's router (V3's ``noaux_tc`` sigmoid routing,
+whatever ``topk_method`` says: transformers reads none), shared experts, its MoE layers
+those ``mlp_layer_types`` calls ``"sparse"`` (``first_k_dense_replace`` unread).
 """
 
 from __future__ import annotations
@@ -153,8 +160,10 @@ class DeepseekV2Arch:
 
     @classmethod
     def from_hf(cls, config) -> DeepseekV2Arch:
-        # DeepSeek-V3.2 and GLM-5 (models/deepseek_dsa.py) route and rotate as V3.
-        v3 = config.model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+        # DeepSeek-V3.2 and GLM-5 (models/deepseek_dsa.py) route and rotate as V3, and so
+        # does GLM-4.7-Flash (glm4_moe_lite).
+        glm_lite = config.model_type == "glm4_moe_lite"
+        v3 = config.model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite")
         mistral4 = config.model_type == "mistral4"
         quant = getattr(config, "quantization_config", None)
         method = (
@@ -169,6 +178,11 @@ class DeepseekV2Arch:
             if getattr(config, field, ok) != ok:
                 raise ValueError(f"{field} {getattr(config, field)!r} is not supported ({ok!r})")
         rope = mistral4_rope(config) if mistral4 else rope_parameters(config)
+        if glm_lite and rotary_dim(config.qk_rope_head_dim, rope) != config.qk_rope_head_dim:
+            raise ValueError(
+                f"rope_parameters partial_rotary_factor {rope['partial_rotary_factor']}: "
+                f"glm4_moe_lite rotates all qk_rope_head_dim {config.qk_rope_head_dim} dims"
+            )
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         scale = qk_head_dim**-0.5
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
@@ -176,6 +190,8 @@ class DeepseekV2Arch:
         n_layers = config.num_hidden_layers
         if mistral4:  # transformers: every layer from first_k_dense_replace on
             sparse = tuple(range(getattr(config, "first_k_dense_replace", 0) or 0, n_layers))
+        elif glm_lite:  # transformers: mlp_layer_types alone (first_k_dense_replace unread)
+            sparse = glm_lite_sparse_layers(config)
         else:
             sparse = tuple(i for i in range(n_layers) if is_sparse_layer(config, i))
         return cls(
@@ -199,14 +215,16 @@ class DeepseekV2Arch:
             else True,
             softmax_scale=scale,
             sparse_layers=sparse,
-            **(cls.experts_from_hf(config, v3) if sparse and not mistral4 else {}),
+            **(cls.experts_from_hf(config, v3, glm_lite) if sparse and not mistral4 else {}),
             **(mistral4_fields(config, rope, bool(sparse)) if mistral4 else {}),
         )
 
     @staticmethod
-    def experts_from_hf(config, v3: bool) -> dict[str, Any]:
+    def experts_from_hf(config, v3: bool, glm_lite: bool = False) -> dict[str, Any]:
         method = getattr(config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
         scoring = getattr(config, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
+        if glm_lite:  # GLM-4.5's router (transformers reads neither field): V3's always
+            method, scoring = "noaux_tc", "sigmoid"
         if (method, scoring) not in ROUTINGS:
             raise ValueError(
                 f"topk_method {method!r} with scoring_func {scoring!r} is not supported "
@@ -232,6 +250,20 @@ class DeepseekV2Arch:
             norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
             routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
         )
+
+
+def glm_lite_sparse_layers(config: Any) -> tuple[int, ...]:
+    """GLM-4.7-Flash's layers whose feed-forward is the experts: its ``mlp_layer_types``
+    (``"dense"`` / ``"sparse"`` a layer; transformers' default the first dense, the rest
+    sparse)."""
+    n_layers = config.num_hidden_layers
+    types = getattr(config, "mlp_layer_types", None) or ["dense"] + ["sparse"] * (n_layers - 1)
+    if len(types) != n_layers or not set(types) <= {"dense", "sparse"}:
+        raise ValueError(
+            f"mlp_layer_types {types!r}: one of 'dense' / 'sparse' for each of the "
+            f"{n_layers} layers"
+        )
+    return tuple(i for i, t in enumerate(types) if t == "sparse")
 
 
 def mistral4_rope(config: Any) -> dict[str, Any]:
@@ -606,3 +638,11 @@ class Mistral4ForCausalLM(DeepseekV2ForCausalLM):
     """Mistral Small 4's language model (transformers' ``mistral4``): V2's model with its
     softmax routing in the best groups, its query scale by position and its rotated part of
     ``head_dim`` (module docstring), read by ``DeepseekV2Arch``."""
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV2ForCausalLM):
+    """GLM-4.7-Flash (transformers' ``glm4_moe_lite``): DeepSeek-V3's latent attention and
+    sigmoid routing with a correction bias (GLM-4.5's router, whatever the config's
+    ``topk_method``), its MoE layers named by ``mlp_layer_types``; read by
+    ``DeepseekV2Arch``. Its multi-token-prediction layer (index ``num_hidden_layers``) is
+    not read."""

@@ -71,6 +71,8 @@ _PACKAGE = "vllm.model_executor.models"
 # Gemma 4 (gemma4.py) is Gemma 3's layer with per-layer inputs, shared KV, an MoE beside the MLP;
 # its multimodal checkpoints take images through its own tower (gemma4_vision.py).
 # DeepSeek-V3.2 and GLM-5 (deepseek_dsa.py) add DSA's lightning indexer and top-k to V3's MLA.
+# GLM-4.7-Flash (deepseek_v2.py) is V3's MLA and routing, its MoE layers by mlp_layer_types.
+# MiMo-V2-Flash (mimo_v2_flash.py): sliding (sinks) / full Llama attention, GLM-4.5's routing.
 _MODELS: dict[str, tuple[str, str, str]] = {
     "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "llama", "LlamaForCausalLM"),
@@ -124,10 +126,12 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Exaone4ForCausalLM": ("exaone4", "llama", "LlamaForCausalLM"),
     "SeedOssForCausalLM": ("seed_oss", "llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "gpt_oss", "GptOssForCausalLM"),
+    "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek_v2", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "deepseek_dsa", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "deepseek_dsa", "GlmMoeDsaForCausalLM"),
+    "Glm4MoeLiteForCausalLM": ("glm4_moe_lite", "deepseek_v2", "Glm4MoeLiteForCausalLM"),
     "Mistral4ForCausalLM": ("mistral4", "deepseek_v2", "Mistral4ForCausalLM"),
     "CohereForCausalLM": ("cohere", "cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "cohere", "CohereForCausalLM"),
