@@ -55,6 +55,17 @@ def _family(name: str):
     if name == "deepseek_v3":  # MLA, experts, yarn
         return (deepseek.DeepseekV3DecoderLayer, deepseek.DeepseekV3RotaryEmbedding,
                 lambda path, **kw: save("v3", path, **kw), True)  # fmt: skip
+    if name == "glm4_moe_lite":  # GLM-4.7-Flash: V3's layer, GLM's feedback
+        import transformers.models.glm4_moe_lite.modeling_glm4_moe_lite as lite
+
+        from tests.model_executor.test_glm4_moe_lite import save as save_lite
+
+        def mtp_layer(config, n):  # layer n (the MTP layer): sparse, as first_k_dense_replace
+            types = [*config.mlp_layer_types, "sparse"]
+            return lite.Glm4MoeLiteDecoderLayer(type(config)(**{**config.to_dict(),
+                                                "mlp_layer_types": types}), n)  # fmt: skip
+
+        return mtp_layer, lite.Glm4MoeLiteRotaryEmbedding, save_lite, False
     # GLM-4.5: q/k/v biases, q/k norms, half the head rotated, experts from layer 1 on
     return (glm.Glm4MoeDecoderLayer, glm.Glm4MoeRotaryEmbedding,
             lambda path, **kw: save_checkpoint("Glm4MoeForCausalLM", path, **kw),
@@ -193,11 +204,12 @@ PROMPTS = [[3 + (5 * i) % 90 for i in range(30)], [7, 8, 9, 10] * 5, list(range(
 MAX_TOKENS = (20, 24, 16)
 
 
-HEADS = {"deepseek_v3": "DeepseekMTP", "glm4_moe": "Glm4MoeMTP"}
+HEADS = {"deepseek_v3": "DeepseekMTP", "glm4_moe": "Glm4MoeMTP", "glm4_moe_lite": "Glm4MoeLiteMTP"}
 
 
 @pytest.mark.parametrize(
-    "family, own_copies", [("deepseek_v3", True), ("deepseek_v3", False), ("glm4_moe", False)]
+    "family, own_copies",
+    [("deepseek_v3", True), ("deepseek_v3", False), ("glm4_moe", False), ("glm4_moe_lite", False)],
 )
 def test_every_proposal_equals_the_reference_and_the_output_plain_decoding(
     tmp_path, family, own_copies
@@ -245,8 +257,8 @@ def test_the_layers_logits_and_states_equal_the_references_at_every_position(tmp
 
 def _cuda_backends(monkeypatch, family: str):
     """A factory of the backend CUDA would run for ``family``'s arch, on the CPU with its
-    kernels emulated: TRITON_MLA for DeepSeek's latent cache, TORCH_FLASH_ATTN with the
-    Triton decode kernel for GLM."""
+    kernels emulated: TRITON_MLA for DeepSeek's (and GLM-4.7-Flash's) latent cache,
+    TORCH_FLASH_ATTN with the Triton decode kernel for GLM-4.5."""
     from tests.v1.attention.test_torch_flash import install, ref_varlen_attn
     from tests.v1.attention.test_triton_decode import emulated_kernel
     from tests.v1.attention.test_triton_mla import emulated_kernel as emulated_mla
@@ -255,7 +267,7 @@ def _cuda_backends(monkeypatch, family: str):
     from vllm.v1.attention.backends.torch_flash import TorchFlashAttentionBackend
     from vllm.v1.attention.backends.triton_mla import TritonMLABackend
 
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "glm4_moe_lite"):  # latent attention
         monkeypatch.setattr(triton_mla_decode, "mla_decode_attention", emulated_mla([]))
         monkeypatch.setattr(
             triton_mla_prefill, "mla_prefill_attention", emulated_prefill_kernel([])

@@ -1,4 +1,5 @@
-"""DeepSeek-V3's multi-token-prediction layer as a draft head (``models/mtp.py``): a
+"""DeepSeek-V3's (and GLM-4.7-Flash's) multi-token-prediction layer as a draft head
+(``models/mtp.py``): a
 DeepSeek-V3 decoder layer (MLA over its own latent cache; the routed and shared experts
 where ``first_k_dense_replace`` / ``moe_layer_freq`` make layer ``n`` sparse). Its next
 step reads ``shared_head.norm``'s output, as vLLM feeds it back (``DeepSeekMTP`` returns
@@ -64,3 +65,11 @@ class DeepseekMTP(MultiTokenPredictor):
         layer.mlp.load(sd, "mlp.")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             getattr(layer, norm).weight.copy_(sd[f"{norm}.weight"])
+
+
+class Glm4MoeLiteMTP(DeepseekMTP):
+    """GLM-4.7-Flash's MTP layer: DeepSeek-V3's layer (latent attention, the routed
+    experts where ``first_k_dense_replace`` makes layer ``n`` sparse), its next step fed the
+    state before ``shared_head.norm``, as GLM-4.5's (vLLM's ``Glm4MoeLiteMTP``)."""
+
+    recycles_normed = False

@@ -51,6 +51,7 @@ _QWEN_MTP = "qwen3_next_mtp:Qwen3NextMTP"
 MTP_HEADS = {
     "deepseek_v3": "deepseek_mtp:DeepseekMTP",
     "glm4_moe": "glm4_moe_mtp:Glm4MoeMTP",
+    "glm4_moe_lite": "deepseek_mtp:Glm4MoeLiteMTP",
     "qwen3_next": _QWEN_MTP,
     "qwen3_5_text": _QWEN_MTP,
     "qwen3_5_moe_text": _QWEN_MTP,
