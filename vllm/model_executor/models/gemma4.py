@@ -29,17 +29,22 @@ its config:
   post-normed, summed, and post-normed again;
 - each layer's output multiplied by its ``layer_scalar``.
 
-The KV cache. The runner gives every cache layer one shape, ``(num_kv_heads,
-head_dim)`` from the arch; here those are the largest of any layer's. A layer with a
-smaller head is zero-padded (q, k and v: the dot products and the first ``head_dim`` of
-the outputs are unchanged; the padding is sliced off), one with fewer KV heads repeats
-each head (the query heads' grouping is unchanged). The sliding layers of a checkpoint
-whose global heads are larger thus cache more than they need (gemma-4-E2B: 256-wide
-heads in 512-wide rows). The KV-shared layers have no cache: the arch counts only the
-layers that compute K/V (``num_layers``, ``sliding_windows``), and a shared layer attends
-through its source's cache and metadata, handing the backend its source's K/V of the
-step again (rewriting the same values at the same slots: the backends' ``forward``
-always writes).
+The KV cache. Each cache layer caches its own ``(num_kv_heads, head_dim)``
+(``Gemma4Arch.layer_kv_shapes``): the runner gives each layer a tensor of its shape, all
+of the pool's number of blocks (model_runner.py's ``plan_kv_tensors``), so gemma-4-E2B's
+sliding layers cache 256-wide heads, not its global layers' 512. Where the hybrid KV
+cache shares a tensor between a sliding and a global layer and one tensor of the larger
+heads costs fewer bytes than one of each shape (E2B's: 512 < 256 + 512; not the 31B's
+16 x 256 sliding and 4 x 512 global heads), the smaller layer gets the larger tensor and
+pads to its shape: q, k and v zero-padded to its head size (the dot products and the
+first ``head_dim`` of the outputs unchanged, the padding sliced off), k and v's heads
+repeated to its KV head count (the query heads' grouping unchanged). Each layer attends
+with a backend instance of its tensor's shape (``ShapedAttention``: TORCH_FLASH_ATTN
+scales and groups queries by its instance's sizes). The KV-shared layers have no cache:
+the arch counts only the layers that compute K/V (``num_layers``, ``sliding_windows``),
+and a shared layer attends through its source's cache and metadata, handing the backend
+its source's K/V of the step again (rewriting the same values at the same slots: the
+backends' ``forward`` always writes).
 
 Multimodal checkpoints (``Gemma4ForConditionalGeneration``) take images when their
 config has a ``vision_config`` (``gemma4_vision.py``: the tower at each image's own size,
@@ -127,7 +132,8 @@ class Gemma4Arch:
     bidirectional_images: bool = False
 
     # What the runner sizes the KV cache and the backend by: the cache layers (those that
-    # compute K/V), each of the largest head and KV head count.
+    # compute K/V: the first num_layers decoder layers), each of its own shape
+    # (layer_kv_shapes); the backend is built for the largest head and KV head count.
     @property
     def num_layers(self) -> int:
         return sum(1 for i, src in enumerate(self.kv_source) if src == i)
@@ -143,6 +149,12 @@ class Gemma4Arch:
     @property
     def num_kv_heads(self) -> int:
         return max(self.layer_kv_heads)
+
+    @property
+    def layer_kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Each cache layer's ``(num_kv_heads, head_dim)`` (the KV-shared layers, which
+        cache nothing, are the last ones)."""
+        return tuple(zip(self.layer_kv_heads, self.layer_head_dims, strict=True))[: self.num_layers]
 
     def shares_kv(self, layer: int) -> bool:
         return self.kv_source[layer] != layer
@@ -273,6 +285,38 @@ def causal_metadata(meta: Any) -> Any:
     return meta
 
 
+class ShapedAttention:
+    """A layer's ``attn_forward``: the model's backend ``forward`` (its window bound) by an
+    instance sized for the cache tensor it is handed, ``(num_kv_heads, head_dim)`` from
+    its shape: the backend the runner built (of the largest shape), or a shallow copy of
+    it with those sizes, made on first use and shared by every layer of that shape. The
+    torch backends read the sizes from the tensors except TORCH_FLASH, which scales
+    (a kernel without a scale argument) and groups queries (without GQA) by its
+    instance's ``head_size`` and ``num_kv_heads``; the step's metadata does not depend
+    on them (built once, by the runner's instance)."""
+
+    def __init__(self, backend: Any, window: int | None, instances: dict) -> None:
+        self.backend = backend
+        self.window = window
+        self.instances = instances  # (num_kv_heads, head_dim) -> backend instance
+        self._forwards: dict[tuple[int, int], Any] = {}
+
+    def _forward(self, shape: tuple[int, int]) -> Any:
+        fn = self._forwards.get(shape)
+        if fn is None:
+            instance = self.instances.get(shape)
+            if instance is None:
+                instance = copy.copy(self.backend)
+                instance.num_kv_heads, instance.head_size = shape
+                self.instances[shape] = instance
+            fn = self._forwards[shape] = layer_attention(instance, sliding_window=self.window)
+        return fn
+
+    def __call__(self, q, k, v, kv_cache, meta, scale, **features) -> torch.Tensor:
+        shape = (kv_cache.shape[-2], kv_cache.shape[-1])
+        return self._forward(shape)(q, k, v, kv_cache, meta, scale, **features)
+
+
 class Gemma4RMSNorm(nn.Module):
     """``x / rms(x) * weight`` in fp32, returned in x's dtype; ``scale`` False: no weight
     (the values' norm, the router's)."""
@@ -362,14 +406,17 @@ class Gemma4Layer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.attn_forward = _no_attention_backend
 
-    def _to_cache_shape(self, t: torch.Tensor, kv: bool = True) -> torch.Tensor:
-        """(tokens, heads, head_dim) -> the cache's head size (zero-padded) and, for k and
-        v (``kv``), its KV head count (each head repeated)."""
-        a = self.a
-        if kv and self.kv_heads != a.num_kv_heads:
-            t = t.repeat_interleave(a.num_kv_heads // self.kv_heads, dim=1)
-        if self.head_dim != a.head_dim:
-            t = F.pad(t, (0, a.head_dim - self.head_dim))
+    def _to_cache_shape(
+        self, t: torch.Tensor, cache: torch.Tensor, kv: bool = True
+    ) -> torch.Tensor:
+        """(tokens, heads, head_dim) -> the ``cache`` tensor's head size (zero-padded) and,
+        for k and v (``kv``), its KV head count (each head repeated): unchanged when the
+        cache has the layer's own shape (the module docstring)."""
+        heads, dim = cache.shape[-2], cache.shape[-1]
+        if kv and t.shape[1] != heads:
+            t = t.repeat_interleave(heads // t.shape[1], dim=1)
+        if t.shape[-1] != dim:
+            t = F.pad(t, (0, dim - t.shape[-1]))
         return t
 
     def attention(self, positions, h, rope, meta, kv_cache, shared) -> torch.Tensor:
@@ -387,13 +434,15 @@ class Gemma4Layer(nn.Module):
             v = self.v_norm(v.reshape(-1, self.kv_heads, d))
             k = self.k_norm(k.reshape(-1, self.kv_heads, d)).view(-1, self.kv_size)
             rope(positions, q, k)  # in place
-            k = self._to_cache_shape(k.view(-1, self.kv_heads, d))
-            v = self._to_cache_shape(v)
+            k = self._to_cache_shape(k.view(-1, self.kv_heads, d), kv_cache)
+            v = self._to_cache_shape(v, kv_cache)
             if self.is_source:
                 shared[self.index] = (k, v)
-        q = self._to_cache_shape(q.view(-1, a.num_heads, d), kv=False)
+        q = self._to_cache_shape(q.view(-1, a.num_heads, d), kv_cache, kv=False)
         out = self.attn_forward(q, k, v, kv_cache, meta, 1.0)
-        return self.o_proj(out[..., :d].reshape(-1, self.q_size))
+        if out.shape[-1] != d:
+            out = out[..., :d]
+        return self.o_proj(out.reshape(-1, self.q_size))
 
     def forward(self, positions, x, per_layer_input, rope, meta, kv_cache, shared):
         h = self.attention(positions, self.input_layernorm(x), rope, meta, kv_cache, shared)
@@ -452,8 +501,9 @@ class Gemma4ForCausalLM(nn.Module):
         return attention_features(self.arch.layer_windows)
 
     def set_attention_backend(self, backend: Any) -> None:
+        instances = {(backend.num_kv_heads, backend.head_size): backend}  # one per shape
         for layer in self.layers:
-            layer.attn_forward = layer_attention(backend, sliding_window=layer.window)
+            layer.attn_forward = ShapedAttention(backend, layer.window, instances)
 
     def _text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.arch.media_token_ids:

@@ -94,6 +94,65 @@ PROMPT_LOGPROBS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class KVTensorPlan:
+    """The KV cache tensors' shapes: ``layer_tensor[i]`` is cache layer ``i``'s tensor,
+    ``shapes[t]`` tensor ``t``'s ``(num_kv_heads, head_dim)``; every tensor has the pool's
+    number of blocks (a block id indexes each one)."""
+
+    layer_tensor: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.shapes)
+
+
+def arch_layer_kv_shapes(arch: object) -> tuple[tuple[int, int], ...]:
+    """Each cache layer's ``(num_kv_heads, head_dim)``: the arch's ``layer_kv_shapes``
+    where it declares them (a model whose layers differ: Gemma 4), else the arch's one
+    ``(num_kv_heads, head_dim)`` for every layer."""
+    n = arch.num_layers
+    shapes = getattr(arch, "layer_kv_shapes", None)
+    if shapes is None:
+        return ((arch.num_kv_heads, arch.head_dim),) * n
+    shapes = tuple((int(h), int(d)) for h, d in shapes)
+    if len(shapes) != n:
+        raise ValueError(f"layer_kv_shapes names {len(shapes)} layers, the arch caches {n}")
+    return shapes
+
+
+def plan_kv_tensors(
+    layer_tensor: tuple[int, ...], layer_shapes: tuple[tuple[int, int], ...]
+) -> KVTensorPlan:
+    """The cache tensors of layers that share tensors as ``layer_tensor`` says (one a
+    layer, or the hybrid KV cache's: layer ``j`` of every group on tensor ``j``), each of
+    its layers' shape. Layers of different shapes never share a tensor: a shared tensor
+    whose layers differ becomes one tensor per shape, or, when that costs more bytes, one
+    of the largest heads and head size (each layer's KV head count dividing its), which
+    the smaller layers pad into (the model reads its tensor's shape: gemma4.py). Tensors
+    are numbered in order of their first layer."""
+    by_tensor: dict[int, list[int]] = {}
+    for layer, t in enumerate(layer_tensor):
+        by_tensor.setdefault(t, []).append(layer)
+    shapes: list[tuple[int, int]] = []
+    index: dict[tuple[int, tuple[int, int]], int] = {}  # (old tensor, shape) -> new tensor
+    new_tensor = [0] * len(layer_tensor)
+    for layer, t in enumerate(layer_tensor):
+        distinct = {layer_shapes[i] for i in by_tensor[t]}
+        shape = layer_shapes[layer]
+        if len(distinct) > 1:
+            heads, dim = max(h for h, _ in distinct), max(d for _, d in distinct)
+            fits = all(heads % h == 0 for h, _ in distinct)
+            if fits and heads * dim < sum(h * d for h, d in distinct):
+                shape = (heads, dim)
+        if (t, shape) not in index:
+            index[(t, shape)] = len(shapes)
+            shapes.append(shape)
+        new_tensor[layer] = index[(t, shape)]
+    return KVTensorPlan(tuple(new_tensor), tuple(shapes))
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -286,6 +345,9 @@ class ModelRunner:
         # The KV cache groups (kv_cache_groups.py: the hybrid KV cache of sliding-window
         # models), planned in load_model (or on first use).
         self._kv_groups: KVCacheGroups | None = None
+        # The cache tensors' shapes (each layer's own: ``arch.layer_kv_shapes``), planned
+        # with the groups.
+        self._kv_tensors: KVTensorPlan | None = None
         # A model with recurrent layers (layers/recurrent.py: linear attention, Mamba2): each
         # layer's states per sequence, their pools (a slot for each of max_num_seqs
         # requests; made with the KV cache) and the free slots.
@@ -461,6 +523,7 @@ class ModelRunner:
         full-attention group to cache its layers in the blocks of."""
         if self.arch.num_layers == 0:  # attention-free (Mamba): blocks without tensors
             self._kv_groups = KVCacheGroups((None,), (), (), 0)
+            self._kv_tensors = KVTensorPlan((), ())
             return self._kv_groups
         windows = tuple(getattr(self.arch, "sliding_windows", ()) or ())
         windows = windows or (None,) * self.arch.num_layers
@@ -476,6 +539,13 @@ class ModelRunner:
         elif groups.hybrid:
             logger.info("Hybrid KV cache: %s", groups.describe())
         self._kv_groups = groups
+        shapes = arch_layer_kv_shapes(self.arch)
+        self._kv_tensors = plan_kv_tensors(groups.layer_tensor, shapes)
+        if len(set(shapes)) > 1:
+            logger.info(
+                "KV cache tensors of their layers' shapes: %s",
+                ", ".join(f"{h}x{d}" for h, d in self._kv_tensors.shapes),
+            )
         return groups
 
     @property
@@ -485,6 +555,13 @@ class ModelRunner:
         if self._kv_groups is None:
             return self.plan_kv_cache_groups()
         return self._kv_groups
+
+    @property
+    def kv_tensors(self) -> KVTensorPlan:
+        """The cache tensors' shapes (``plan_kv_tensors``), planned with the groups."""
+        if self._kv_tensors is None:
+            self.plan_kv_cache_groups()
+        return self._kv_tensors
 
     @property
     def bidirectional_images(self) -> bool:
@@ -611,18 +688,29 @@ class ModelRunner:
         )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer's cache of ``num_blocks``: K and V halves, or the K half alone when
-        the arch reads values from the keys (MLA's latent, ``latent_value_size``)."""
+        """A cache of ``num_blocks`` of the arch's (largest) ``(num_kv_heads, head_dim)``:
+        K and V halves, or the K half alone when the arch reads values from the keys
+        (MLA's latent, ``latent_value_size``). Each tensor's own: ``kv_tensor_shapes``."""
         a = self.arch
         latent = latent_value_size(a) is not None
         return kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim, latent)
 
+    def kv_tensor_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
+        """Each cache tensor's shape at ``num_blocks`` blocks (``kv_tensors``: the layers'
+        own ``(num_kv_heads, head_dim)``), K and V halves or the latent K half."""
+        latent = latent_value_size(self.arch) is not None
+        return [
+            kv_cache_shape(num_blocks, self.block_size, h, d, latent)
+            for h, d in self.kv_tensors.shapes
+        ]
+
     def get_kv_cache_bytes_per_block(self) -> int:
         """Bytes of one KV block over every cache tensor (one a layer, or with the hybrid
-        KV cache one a layer of a group): the target's and a draft model's (whose layers
-        cache in the same blocks), so sizing and --num-gpu-blocks-override hold."""
-        tensors = self.kv_groups.num_tensors
-        target = kv_cache_bytes(self.kv_cache_shape(1), self.kv_cache_dtype, tensors)
+        KV cache one a layer of a group; each of its layers' shape): the target's and a
+        draft model's (whose layers cache in the same blocks), so sizing and
+        --num-gpu-blocks-override hold."""
+        dtype = self.kv_cache_dtype
+        target = sum(kv_cache_bytes(shape, dtype, 1) for shape in self.kv_tensor_shapes(1))
         draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
         return target + draft
 
@@ -719,13 +807,13 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One cache tensor per layer, or with the hybrid KV cache one per layer of a
         group, each layer's the tensor its place in its group names (a block id is one
-        group's)."""
-        shape = self.kv_cache_shape(num_blocks)
+        group's); each tensor of its layers' shape (``kv_tensors``), all of
+        ``num_blocks`` blocks."""
         tensors = [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(self.kv_groups.num_tensors)
+            for shape in self.kv_tensor_shapes(num_blocks)
         ]
-        self.kv_caches = [tensors[t] for t in self.kv_groups.layer_tensor]
+        self.kv_caches = [tensors[t] for t in self.kv_tensors.layer_tensor]
         self.num_kv_blocks = num_blocks
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
@@ -778,7 +866,14 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache first: the kernels run on the cache")
         start = time.perf_counter()
         sc = self.config.scheduler_config
-        launches = self.attn_backend.warm_up(self.kv_caches, sc.max_num_seqs)
+        # Once per cache shape (a model whose layers' shapes differ: Gemma 4), the tensors
+        # of that shape in the layers' order: the kernels specialise on the head size.
+        by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for cache in self.kv_caches:
+            by_shape.setdefault(tuple(cache.shape[2:]), []).append(cache)
+        launches = sum(
+            self.attn_backend.warm_up(caches, sc.max_num_seqs) for caches in by_shape.values()
+        )
         if self.drafter is not None:
             launches += self.drafter.attn_backend.warm_up(self.drafter.kv_caches, sc.max_num_seqs)
         if launches:
@@ -1686,8 +1781,12 @@ class ModelRunner:
         by what the pool holds, which is what is being sized)."""
         sc = self.config.scheduler_config
         a = self.arch
-        shape = self.kv_cache_shape(2)
-        scratch = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)] * a.num_layers
+        scratch = [
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for shape in self.kv_tensor_shapes(2)
+        ]
+        scratch = [scratch[t] for t in self.kv_tensors.layer_tensor]
+        assert len(scratch) == a.num_layers
         blocks = [1] * -(-sc.max_model_len // self.block_size)
         seqs, positions, left = [], [], sc.max_num_batched_tokens
         while left > 0:
