@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -268,21 +268,11 @@ class Gemma4Arch:
 
 
 def causal_metadata(meta: Any) -> Any:
-    """A step's attention metadata without the spans ``attend_both_ways`` marked in it (a
-    shallow copy; ``meta`` itself when it holds none): for the layers whose image tokens
-    attend causally. The backends that take ``bidirectional_spans`` keep them in
-    ``both_ways`` (the varlen ones: ``varlen_metadata.BothWays``) or in their prefill
-    chunks' ``spans`` (torch_sdpa's ``PrefillChunk``)."""
-    if getattr(meta, "both_ways", None):
-        out = copy.copy(meta)
-        out.both_ways = []
-        return out
-    prefills = getattr(meta, "prefills", None)
-    if prefills and any(getattr(c, "spans", None) for c in prefills):
-        out = copy.copy(meta)
-        out.prefills = [replace(c, spans=[], windowed={}) if c.spans else c for c in prefills]
-        return out
-    return meta
+    """A step's attention metadata with every row causal (the global layers'): the
+    backend's own ``causal()`` copy where its metadata takes ``bidirectional_spans``,
+    else ``meta`` itself (no spans can be in it)."""
+    causal = getattr(meta, "causal", None)
+    return meta if causal is None else causal()
 
 
 class ShapedAttention:

@@ -33,7 +33,8 @@ its products in bf16; SDPA otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import ClassVar
 
@@ -129,6 +130,16 @@ class AttentionMetadata:
                 raise ValueError(f"rows {a}:{b} attend both ways but no prefill chunk holds them")
             chunk.spans.append((a - chunk.start, b - chunk.start))
             chunk.windowed.clear()
+
+    def causal(self) -> AttentionMetadata:
+        """This step's metadata with every row attending causally (a shallow copy whose
+        chunks hold no spans; itself when none does): for the layers whose image tokens
+        do not see each other both ways (Gemma 4's global layers)."""
+        if not any(c.spans for c in self.prefills):
+            return self
+        out = copy.copy(self)
+        out.prefills = [replace(c, spans=[], windowed={}) if c.spans else c for c in self.prefills]
+        return out
 
     def decode_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(num_decodes, width) int64 slots of each decode's last ``window`` positions

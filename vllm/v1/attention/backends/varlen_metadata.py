@@ -20,6 +20,7 @@ Two ways to hand the keys to the kernel, fixed per backend instance:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +66,16 @@ class BothWays:
         other (``torch_sdpa.both_ways_chunks``)."""
         device = self.slot_mapping.device
         self.both_ways += both_ways_chunks(self.layout, spans, self.block_size, device)
+
+    def causal(self) -> BothWays:
+        """This step's metadata with every row attending causally (a shallow copy without
+        the spans; itself when it has none): for the layers whose image tokens do not see
+        each other both ways (Gemma 4's global layers)."""
+        if not self.both_ways:
+            return self
+        out = copy.copy(self)
+        out.both_ways = []
+        return out
 
 
 @dataclass
