@@ -33,12 +33,10 @@ def get_chat_encoding(tokenizer_mode: str | None) -> ChatEncoding | None:
 _ENCODING_OF_ARCHITECTURE = {"DeepseekV32ForCausalLM": "deepseek_v32"}
 
 
-def auto_chat_encoding(architectures: Sequence[str], has_template: bool) -> str | None:
-    """The encoding ``--tokenizer-mode auto`` renders chats with: the architecture's own
-    where it has one and no chat template is at hand (neither --chat-template nor the
-    tokenizer's); None: the template."""
-    if has_template:
-        return None
+def auto_chat_encoding(architectures: Sequence[str]) -> str | None:
+    """The encoding ``--tokenizer-mode auto`` renders chats with when no chat template is
+    at hand (neither --chat-template nor the tokenizer's): the architecture's own where it
+    has one; None: none (the chat requests then fail for want of a template)."""
     return next((_ENCODING_OF_ARCHITECTURE[a] for a in architectures
                  if a in _ENCODING_OF_ARCHITECTURE), None)  # fmt: skip
 

@@ -71,8 +71,7 @@ class Processor:
                 getattr(tokenizer, "chat_template", None)
             )
             if not has_template:  # the config read only then
-                mode = auto_chat_encoding(_architectures(vllm_config), has_template)
-                self.chat_encoding_mode = mode or "auto"
+                self.chat_encoding_mode = auto_chat_encoding(_architectures(vllm_config)) or "auto"
         self.chat_encoding = get_chat_encoding(self.chat_encoding_mode)
 
     @property

@@ -687,17 +687,10 @@ class ModelRunner:
             self.device,
         )
 
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """A cache of ``num_blocks`` of the arch's (largest) ``(num_kv_heads, head_dim)``:
-        K and V halves, or the K half alone when the arch reads values from the keys
-        (MLA's latent, ``latent_value_size``). Each tensor's own: ``kv_tensor_shapes``."""
-        a = self.arch
-        latent = latent_value_size(a) is not None
-        return kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim, latent)
-
     def kv_tensor_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         """Each cache tensor's shape at ``num_blocks`` blocks (``kv_tensors``: the layers'
-        own ``(num_kv_heads, head_dim)``), K and V halves or the latent K half."""
+        own ``(num_kv_heads, head_dim)``): K and V halves, or the K half alone when the arch
+        reads values from the keys (MLA's latent, ``latent_value_size``)."""
         latent = latent_value_size(self.arch) is not None
         return [
             kv_cache_shape(num_blocks, self.block_size, h, d, latent)
