@@ -45,6 +45,16 @@ def activation(name: str, field: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x (seq, heads, head_dim) in fp32, back in x's dtype, by
+    (seq, head_dim) cos and sin: the vision towers' 2-D rotary (Qwen2-VL's, Pixtral's,
+    Kimi K2.5's)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
 @dataclass(frozen=True)
 class CLIPVisionArch:
     hidden_size: int

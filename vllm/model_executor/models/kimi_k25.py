@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.models.clip import activation
+from vllm.model_executor.models.clip import activation, rotate
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2Arch, DeepseekV3ForCausalLM
 from vllm.model_executor.models.mistral3 import text_fields
 from vllm.model_executor.models.utils import (
@@ -195,14 +195,6 @@ def axial_rotary(a: KimiVisionArch, positions: torch.Tensor) -> tuple[torch.Tens
     angles = angles.flip(1).transpose(1, 2).reshape(len(positions), 2 * quarter)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-halves rotation of (n, heads, head_dim) in fp32, back in x's dtype."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    turned = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None] + turned * sin[:, None]).to(x.dtype)
 
 
 class KimiPositionEmbedding(nn.Module):

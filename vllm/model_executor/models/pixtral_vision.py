@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.models.clip import activation
+from vllm.model_executor.models.clip import activation, rotate
 from vllm.model_executor.models.llama import RMSNorm
 
 NORM_EPS = 1e-5  # transformers' Pixtral norms hard-code it
@@ -91,14 +91,6 @@ def rotary_cos_sin(
     angles = torch.cat([rows[:, None] * inv_freq[0::2], cols[:, None] * inv_freq[1::2]], dim=-1)
     angles = torch.cat([angles, angles], dim=-1).to(device)  # (h * w, head_dim)
     return angles.cos(), angles.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of x (seq, heads, head_dim) in fp32, back in x's dtype."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 class PixtralAttention(nn.Module):

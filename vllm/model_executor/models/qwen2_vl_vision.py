@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.models.clip import ACTIVATIONS
+from vllm.model_executor.models.clip import ACTIVATIONS, rotate
 from vllm.model_executor.models.llama import LlamaArch
 from vllm.model_executor.models.utils import config_from_dict
 
@@ -344,14 +344,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan)
         o = F.scaled_dot_product_attention(qs, ks, vs)  # (count, heads, length, dim)
         out[rows] = o.transpose(1, 2).reshape(count * length, heads, dim)
     return out
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of x (seq, heads, head_dim) in fp32, back in x's dtype."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 class VisionRMSNorm(nn.Module):
