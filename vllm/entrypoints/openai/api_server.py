@@ -461,6 +461,26 @@ def build_app(
         async def is_sleeping():
             return {"is_sleeping": await engine.is_sleeping()}
 
+        pause_responses = {**openapi.SLEEP_RESPONSES, 200: {"description": "Paused or not."}}
+
+        @app.post("/pause", responses=pause_responses)
+        async def pause(mode: str = "abort", clear_cache: bool = True):
+            """vLLM's pause of generation: nothing new is scheduled until /resume (requests
+            sent meanwhile wait). mode abort (default) ends the requests in flight, wait
+            answers once they have finished, keep freezes them; clear_cache (not for keep)
+            then empties the prefix cache. Another mode is a 400."""
+            await engine.pause_generation(mode, clear_cache)
+            return {"status": "paused"}
+
+        @app.post("/resume", responses=pause_responses)
+        async def resume():
+            await engine.resume_generation()
+            return {"status": "resumed"}
+
+        @app.get("/is_paused", responses=pause_responses)
+        async def is_paused():
+            return {"is_paused": await engine.is_paused()}
+
     tokenization = OpenAIServingTokenization(
         chat_serving, vllm_config.scheduler_config.max_model_len
     )

@@ -164,8 +164,16 @@ class EngineCoreOutputType(enum.Enum):
 
 
 # The engine methods a front end may call by name (vLLM's utility calls): the prefix
-# cache's reset, --profiler-config's start and stop, and sleep mode's three.
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "profile", "sleep", "wake_up", "is_sleeping"})
+# cache's reset, --profiler-config's start and stop, sleep mode's three, and the pause of
+# generation's three (a ``pause`` that waits for running requests is answered once they
+# have finished: core_proc.py).
+UTILITY_METHODS = frozenset({
+    "reset_prefix_cache", "profile", "sleep", "wake_up", "is_sleeping",
+    "pause", "resume", "is_paused",
+})  # fmt: skip
+
+# vLLM's pause modes (``EngineCore.pause``): what happens to the requests in flight.
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 @dataclass

@@ -8,23 +8,26 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import Executor
 from typing import Any
 
 from vllm.config import VllmConfig
-from vllm.exceptions import GenerationError
+from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader import default_sampling_params, eos_token_ids
 from vllm.outputs import RequestOutput, merge_delta
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import init_tokenizer_from_config
 from vllm.v1.engine import (
+    PAUSE_MODES,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreRequest,
     EngineCoreRequestError,
     EngineCoreRequestType,
+    FinishReason,
     StampedOutputs,
     UtilityCall,
 )
@@ -449,6 +452,27 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return bool(await self.call_utility("is_sleeping"))
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's pause of generation (e.g. for a weight update): the engine schedules
+        nothing new until ``resume_generation``; requests sent meanwhile wait. ``mode``:
+        "abort" ends every unfinished request (finish_reason abort), "wait" returns once
+        the running ones have finished, "keep" freezes them (their KV kept) until the
+        resume. ``clear_cache`` (not for "keep"): once drained, Continuum's pins are
+        released and the prefix cache emptied. ``VLLMValidationError`` for another mode."""
+        if mode not in PAUSE_MODES:
+            raise VLLMValidationError(
+                f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}", "mode", mode
+            )
+        await self.call_utility("pause", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        """Schedule again after ``pause_generation`` (a "wait" pause still waiting for
+        its running requests then fails with ``ValueError``)."""
+        await self.call_utility("resume")
+
+    async def is_paused(self) -> bool:
+        return bool(await self.call_utility("is_paused"))
 
     def _record_sleep_state(self, level: int | None = None) -> None:
         """The sleep-state gauge: ``level`` asleep, None awake."""

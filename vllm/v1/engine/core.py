@@ -16,8 +16,9 @@ from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, kv_capacity_tokens
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.policy import create_policy
-from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.sched.scheduler import PauseState, Scheduler
 from vllm.v1.engine import (
+    PAUSE_MODES,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -176,8 +177,8 @@ class EngineCore:
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, DeferredOutput] | None = None
         self._profiler: TorchProfiler | None = None  # --profiler-config, made on first use
-        # Sleep mode: scheduling paused (any level), what is off the device (levels 1-2).
-        self._paused = False
+        # Sleep mode: scheduling stopped (any level), what is off the device (levels 1-2).
+        self._asleep = False
         self.sleeping_tags: set[str] = set()
         self.sleep_level = 0  # of the last sleep, while asleep
         if self.async_scheduling and self.model_runner.device.type == "cpu":
@@ -292,7 +293,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. A request that fails inside the step is finished
         with an error (``EngineCoreOutputs.errors``); the engine goes on."""
-        if self._paused:  # requests added while asleep wait for wake_up
+        if self._asleep:  # requests added while asleep wait for wake_up
             return EngineCoreOutputs(scheduler_stats=self.make_stats())
         if self.async_scheduling:
             return self._step_async()
@@ -352,7 +353,7 @@ class EngineCore:
     def _schedule_compiled(self) -> list[EngineCoreRequestError]:
         """Hand the requests whose grammar is ready to the scheduler. With nothing else to
         run, wait a little for one (no busy loop while grammars compile)."""
-        idle = not self.scheduler.has_unfinished_requests()
+        idle = not self.scheduler.has_work()
         ready, errors = self.grammars.take_ready(GRAMMAR_POLL_S if idle else 0.0)
         for request in ready:
             try:
@@ -418,6 +419,16 @@ class EngineCore:
             or self._in_flight is not None
         )
 
+    def has_work(self) -> bool:
+        """Whether ``step`` would compute anything now: nothing while asleep; paused, only
+        the running requests (``PauseState``; requests held for their grammar wait too).
+        An engine loop blocks for input instead of stepping when this is false."""
+        if self._asleep:
+            return False
+        if self._in_flight is not None or self.scheduler.has_work():
+            return True
+        return len(self.grammars) > 0 and not self.is_paused()
+
     def next_wakeup(self) -> float | None:
         """Clock time of the earliest pin deadline (an idle engine may sleep until then)."""
         return self.scheduler.next_wakeup()
@@ -448,11 +459,8 @@ class EngineCore:
             logger.warning("sleep: the engine is already sleeping (level %d)", self.sleep_level)
             return EngineCoreOutputs(scheduler_stats=self.make_stats())
         outputs = self._finish_in_flight() if self._in_flight is not None else EngineCoreOutputs()
-        aborted = [*self.scheduler.requests, *self.grammars._held]
-        self.abort_requests(aborted)
-        abort = FinishReason.ABORT
-        outputs.outputs += [EngineCoreOutput(r, [], finish_reason=abort) for r in aborted]
-        self._paused, self.sleep_level = True, level
+        aborted = self._abort_all(outputs)
+        self._asleep, self.sleep_level = True, level
         if level >= 1:
             self.scheduler.pins.release_all(self.clock())
             if not self.reset_prefix_cache():  # nothing holds a block now
@@ -477,13 +485,70 @@ class EngineCore:
             self.model_runner.wake_up(tuple(wake), self.num_gpu_blocks, self.num_cpu_blocks)
             self.sleeping_tags -= set(wake)
         if not self.sleeping_tags:
-            self._paused, self.sleep_level = False, 0
+            self._asleep, self.sleep_level = False, 0
         logger.info("Engine woke %s: %s", wake, "asleep" if self.is_sleeping() else "awake")
         return not self.is_sleeping()
 
     def is_sleeping(self) -> bool:
-        """Asleep at any level (scheduling paused); requests wait until fully awake."""
-        return self._paused
+        """Asleep at any level (scheduling stopped); requests wait until fully awake."""
+        return self._asleep
+
+    def _abort_all(self, outputs: EngineCoreOutputs) -> list[str]:
+        """Abort every unfinished request, those waiting for their grammar included; their
+        endings (finish_reason abort) are added to ``outputs``. Returns their ids."""
+        aborted = [*self.scheduler.requests, *self.grammars._held]
+        self.abort_requests(aborted)
+        abort = FinishReason.ABORT
+        outputs.outputs += [EngineCoreOutput(r, [], finish_reason=abort) for r in aborted]
+        return aborted
+
+    # -- pause of generation (vLLM's pause_generation / resume_generation) ----------------
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> EngineCoreOutputs:
+        """Stop scheduling until ``resume``; requests added meanwhile wait, unscheduled.
+        ``mode`` says what happens to the requests in flight: "abort" aborts every
+        unfinished request (their endings, finish_reason abort, are returned); "wait" lets
+        the running ones go on to their end (the pause is complete once ``pause_drained``);
+        "keep" freezes them, blocks kept, until ``resume``. The step on the device
+        (--async-scheduling) is finished first, its tokens returned. ``clear_cache`` is
+        for ``finish_pause``. ``ValueError`` for an unknown mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        outputs = self._finish_in_flight() if self._in_flight is not None else EngineCoreOutputs()
+        aborted = self._abort_all(outputs) if mode == "abort" else []
+        keep = mode == "keep"
+        self.scheduler.set_pause_state(PauseState.PAUSED_ALL if keep else PauseState.PAUSED_NEW)
+        outputs.scheduler_stats = self.make_stats()
+        logger.info("Generation paused (%s); %d request(s) aborted", mode, len(aborted))
+        return outputs
+
+    def pause_drained(self) -> bool:
+        """Whether a pause is complete: no step runs any more (keep: at once; abort and
+        wait: once no request is running). False when not paused."""
+        state = self.scheduler.pause_state
+        if state is PauseState.PAUSED_NEW:
+            return not self.scheduler.running and self._in_flight is None
+        return state is PauseState.PAUSED_ALL
+
+    def finish_pause(self, clear_cache: bool = True) -> None:
+        """A drained pause: with ``clear_cache`` (ignored under "keep", whose requests
+        keep their blocks), Continuum's pins are released and the prefix cache emptied, so
+        that no later request hits KV computed before (e.g. by the weights of before an
+        update)."""
+        if not clear_cache or self.scheduler.pause_state is not PauseState.PAUSED_NEW:
+            return
+        self.scheduler.pins.release_all(self.clock())
+        if not self.reset_prefix_cache():
+            raise RuntimeError("pause: the prefix cache could not be reset")
+
+    def resume(self) -> None:
+        """Schedule again: the kept requests go on, the queued ones are admitted."""
+        if self.is_paused():
+            logger.info("Generation resumed")
+        self.scheduler.set_pause_state(PauseState.UNPAUSED)
+
+    def is_paused(self) -> bool:
+        """Paused in any mode (sleep is apart: ``is_sleeping``)."""
+        return self.scheduler.pause_state is not PauseState.UNPAUSED
 
     def profile(self, start: bool) -> None:
         """--profiler-config: begin recording the steps, or end it and write the trace

@@ -11,7 +11,11 @@ decode or does not know is a ``ProtocolError``: reported as FATAL, never skipped
 As in vLLM, a thread receives and unpickles inputs while the main thread steps the engine,
 so a request's receipt time is when it reached this process, not when the current step
 ended. An idle engine blocks on the input queue until the next pin deadline instead of
-spinning.
+spinning. A paused or sleeping engine does not step the requests it holds: it blocks the
+same way, and publishes its stats once a wait (``IDLE_POLL_S``), so that front ends
+waiting on those requests see it alive. A ``pause`` utility call is answered once the
+pause is complete: at once, or, for mode "wait", after the step where the last running
+request finished.
 
 The engine never outlives its front end. The front end holds the write end of a *death
 pipe* whose read end this process watches: when the front end shuts down, or dies by any
@@ -127,6 +131,7 @@ class EngineCoreProc:
                 daemon=True,
             ).start()
         self._arrivals: dict[str, float] = {}  # received since the last outputs message
+        self._pending_pauses: list[UtilityCall] = []  # answered once the engine drained
         try:
             self.engine = (engine_factory or _default_factory)(vllm_config)
         except Exception:
@@ -227,13 +232,39 @@ class EngineCoreProc:
         reply = UtilityResult(call.call_id)
         try:
             reply.result = getattr(self.engine, call.method)(*call.args)
-            if call.method == "sleep":  # the aborted requests end before sleep returns
+            if call.method in ("sleep", "pause"):  # the aborted requests end before it returns
                 self._send_outputs(reply.result)
                 reply.result = None
         except Exception as e:
             logger.warning("utility %s failed: %s", call.method, e, exc_info=True)
             reply.error = f"{type(e).__name__}: {e}"
-        self._send(EngineCoreOutputType.UTILITY_RESULT, reply, call.client_index)
+        if call.method == "pause" and reply.error is None:
+            self._pending_pauses.append(call)
+        else:
+            self._send(EngineCoreOutputType.UTILITY_RESULT, reply, call.client_index)
+        self._answer_pauses()
+
+    def _answer_pauses(self) -> None:
+        """Answer the pending ``pause`` calls once the pause is complete (the engine's
+        ``pause_drained``), clearing the prefix cache for those that ask; a ``resume``
+        that came first answers them with an error."""
+        if not self._pending_pauses:
+            return
+        paused = self.engine.is_paused()
+        if paused and not self.engine.pause_drained():
+            return
+        calls, self._pending_pauses = self._pending_pauses, []
+        for call in calls:
+            reply = UtilityResult(call.call_id)
+            if not paused:
+                reply.error = "ValueError: generation was resumed before the pause completed"
+            else:
+                try:
+                    self.engine.finish_pause(*call.args[1:2])  # its clear_cache
+                except Exception as e:
+                    logger.warning("pause failed: %s", e, exc_info=True)
+                    reply.error = f"{type(e).__name__}: {e}"
+            self._send(EngineCoreOutputType.UTILITY_RESULT, reply, call.client_index)
 
     def _wait_s(self) -> float:
         """How long the loop may block for input: 0 with work, else until a deadline."""
@@ -244,11 +275,14 @@ class EngineCoreProc:
         return max(wait, 0.0)
 
     def _has_work(self) -> bool:
-        """Requests to step; none while the engine sleeps (they wait for wake_up)."""
-        if not self.engine.has_unfinished_requests():
-            return False
-        is_sleeping = getattr(self.engine, "is_sleeping", None)  # (tests' engines lack it)
-        return is_sleeping is None or not is_sleeping()
+        """Requests to step; none while the engine sleeps (they wait for wake_up), only
+        the running ones while it is paused (``EngineCore.has_work``)."""
+        has_work = getattr(self.engine, "has_work", None)  # (tests' engines lack it)
+        return self.engine.has_unfinished_requests() if has_work is None else has_work()
+
+    def _holds_unstepped(self) -> bool:
+        """Requests the engine holds but does not step (paused, asleep)."""
+        return self.engine.has_unfinished_requests() and not self._has_work()
 
     def _drain_inputs(self, wait_s: float) -> bool:
         """Handle every queued message (waiting up to ``wait_s`` for the first)."""
@@ -324,11 +358,13 @@ class EngineCoreProc:
                 pin_due = wake is not None and wake <= time.monotonic()
                 if self._has_work() or pin_due:
                     self._send_outputs(self.engine.step())
-                elif handled:
+                elif handled or self._holds_unstepped():
                     # An abort left the engine idle: publish the freed blocks now, since no
-                    # step will carry fresh stats until the next request.
+                    # step will carry fresh stats until the next request. Paused or asleep
+                    # with requests: a sign of life for their front ends (once a wait).
                     stats = self.engine.make_stats()
                     self._send_outputs(EngineCoreOutputs(scheduler_stats=stats))
+                self._answer_pauses()
         except Exception:
             # The front end fails its requests.
             self._send(EngineCoreOutputType.FATAL, traceback.format_exc())

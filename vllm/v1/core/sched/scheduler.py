@@ -9,6 +9,7 @@ in ``pinned.py``.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -43,6 +44,19 @@ from vllm_continuum.cache_hints import ttl_with_floor
 from vllm_continuum.policy import FinishedAction, Offload, Pin, Policy
 
 logger = logging.getLogger(__name__)
+
+
+class PauseState(enum.IntEnum):
+    """What ``schedule()`` may run (vLLM's pause of generation, ``EngineCore.pause``).
+
+    UNPAUSED: everything. PAUSED_NEW: the running requests only; no waiting request is
+    admitted (new ones, and those preempted meanwhile, wait for the resume). PAUSED_ALL:
+    nothing; the running requests keep their blocks and go on after the resume.
+    """
+
+    UNPAUSED = 0
+    PAUSED_NEW = 1
+    PAUSED_ALL = 2
 
 
 @dataclass
@@ -142,6 +156,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self._num_preemptions = 0
+        self.pause_state = PauseState.UNPAUSED
         spec = vllm_config.speculative_config
         # n-gram and suffix drafts are proposed here, on the host; a draft model's come
         # back in the runner's output (Request.spec_token_ids) and write their KV ahead of
@@ -214,15 +229,27 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        self.pins.expire(now, self.waiting.peek_request().job_key if self.waiting else None)
+        paused = self.pause_state is not PauseState.UNPAUSED
+        # The head of the waiting queue keeps its job's expired pin for its hit, unless
+        # paused: it is not admitted then, and a pin kept past its deadline would make
+        # every loop of the engine a step.
+        head = self.waiting.peek_request().job_key if self.waiting and not paused else None
+        self.pins.expire(now, head)
         budget = TokenBudget(
             self.config.max_num_batched_tokens, self.config.long_prefill_token_threshold
         )
         step = _Step()
-        self._schedule_running(budget, step, now)
-        if not step.preempted:
+        if self.pause_state is not PauseState.PAUSED_ALL:
+            self._schedule_running(budget, step, now)
+        if not step.preempted and not paused:
             self._schedule_waiting(budget, step, now)
         return self._make_output(step)
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        """What the next ``schedule()`` calls may run (``PauseState``); nothing is freed."""
+        if pause_state is not self.pause_state:
+            logger.info("Scheduler pause state: %s", pause_state.name)
+        self.pause_state = pause_state
 
     def _schedule_running(self, budget: TokenBudget, step: _Step, now: float) -> None:
         i = 0
@@ -767,6 +794,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Whether a step would compute anything (pins alone are no work)."""
         return self.get_num_unfinished_requests() > 0
+
+    def has_work(self) -> bool:
+        """Whether a step would compute anything under the pause state: paused, the
+        waiting requests do not count (PAUSED_NEW), nor the running ones (PAUSED_ALL)."""
+        if self.pause_state is PauseState.UNPAUSED:
+            return self.has_unfinished_requests()
+        return self.pause_state is PauseState.PAUSED_NEW and bool(self.running)
 
     def next_wakeup(self) -> float | None:
         """Clock time of the earliest pin deadline: an idle engine may sleep until then."""
