@@ -30,6 +30,14 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 Runner = Literal["auto", "generate", "pooling"]
+# --convert (vLLM's): what the pooling runner makes of the model; auto follows the
+# architecture's name (*ForSequenceClassification: classify; a causal model: embed).
+Convert = Literal["auto", "none", "embed", "classify"]
+PoolingTask = Literal["embed", "classify"]
+# --pooler-config keys: the pooled row, and the activation over it (embed: L2
+# normalisation, ``normalize`` its older name; classify: softmax over the labels, or a
+# sigmoid for one label, after the affine calibration ``(logit - logit_mean) / logit_sigma``).
+POOLER_KEYS = ("pooling_type", "normalize", "use_activation", "logit_mean", "logit_sigma")
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 POOLING_TYPES = ("LAST",)  # the pooled row: a causal model's last (its whole-prompt summary)
 TokenizerMode = Literal["auto", "hf", "deepseek_v32", "slow", "mistral", "custom"]
@@ -320,15 +328,29 @@ class ModelConfig:
     )
     runner: Runner = config_field(
         "auto",
-        "generate: text generation (auto's choice); pooling: embeddings of prompts "
-        "(/v1/embeddings, LLM.embed) from the model's last hidden state, as vLLM's pooling "
-        "runner serves a causal model converted to embeddings (Qwen3-Embedding, "
-        "e5-mistral, gte-Qwen2).",
+        "generate: text generation; pooling: one vector per prompt from the model's last "
+        "hidden state, as vLLM's pooling runner: embeddings (/v1/embeddings, LLM.embed) of "
+        "a causal model converted to embeddings (Qwen3-Embedding, e5-mistral, gte-Qwen2), "
+        "or class probabilities (/classify, LLM.classify) of a *ForSequenceClassification "
+        "model. auto: pooling for a *ForSequenceClassification architecture or with "
+        "--convert embed/classify, generate otherwise.",
+    )
+    convert: Convert = config_field(
+        "auto",
+        "What the pooling runner makes of the model (vLLM's flag): embed (the last "
+        "token's hidden state), classify (the checkpoint's score head over it, as "
+        "transformers' *ForSequenceClassification; a *ForCausalLM checkpoint must hold a "
+        "score.weight), none (the architecture's own task: refused for a causal model "
+        "under --runner pooling). auto: classify for a *ForSequenceClassification "
+        "architecture, embed for any other under --runner pooling.",
     )
     pooler_config: dict[str, Any] | None = config_field(
         None,
-        'JSON object, vLLM\'s: {"pooling_type": "LAST", "normalize": true} (the defaults '
-        "for a causal model: the last token's hidden state, L2-normalised).",
+        'JSON object, vLLM\'s: {"pooling_type": "LAST", "use_activation": true} (the '
+        "defaults for a causal model: the last token's hidden state). The activation: "
+        "for embed, L2 normalisation (normalize is its older name); for classify, softmax "
+        "over the labels (a sigmoid for one label), after (logit - logit_mean) / "
+        "logit_sigma when those are given.",
         parse=lambda text: parse_json_object(text, "pooler_config"),
     )
     max_logprobs: int = config_field(
@@ -471,20 +493,13 @@ class ModelConfig:
             raise bad_value(
                 "logprobs_mode", self.logprobs_mode, f"must be one of {get_args(LogprobsMode)}"
             )
-        pooler = self.pooler_config
-        if pooler is not None:
-            if not isinstance(pooler, dict):
-                raise bad_value("pooler_config", pooler, "must be a JSON object")
-            unknown = sorted(set(pooler) - {"pooling_type", "normalize"})
-            if unknown:
-                raise bad_value("pooler_config", unknown, "has keys this engine does not take")
-            if pooler.get("pooling_type", "LAST") not in POOLING_TYPES:
-                raise bad_value("pooler_config.pooling_type", pooler["pooling_type"],
-                                f"must be one of {POOLING_TYPES} (a causal model's)")  # fmt: skip
-            if not isinstance(pooler.get("normalize", True), bool):
-                raise bad_value("pooler_config.normalize", pooler["normalize"], "must be a bool")
-            if self.runner != "pooling":
-                raise bad_value("pooler_config", pooler, "needs --runner pooling")
+        if self.convert not in get_args(Convert):
+            raise bad_value("convert", self.convert, f"must be one of {get_args(Convert)}")
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            raise bad_value("convert", self.convert, "needs --runner pooling (or auto), "
+                            "not --runner generate")  # fmt: skip
+        if self.pooler_config is not None:
+            self._check_pooler_config(self.pooler_config)
         if self.skip_tokenizer_init:
             for name in ("tokenizer", "chat_template"):  # read by nothing without a tokenizer
                 if getattr(self, name) is not None:
@@ -505,6 +520,36 @@ class ModelConfig:
                 "rendered by DeepSeek-V3.2's encoding, not a Jinja template"
             )
         self._fold_graph_flags()
+
+    def _check_pooler_config(self, pooler: Any) -> None:
+        """--pooler-config: its keys' types; ValueError naming the key."""
+        if not isinstance(pooler, dict):
+            raise bad_value("pooler_config", pooler, "must be a JSON object")
+        unknown = sorted(set(pooler) - set(POOLER_KEYS))
+        if unknown:
+            raise bad_value("pooler_config", unknown, "has keys this engine does not take; it "
+                            f"takes {list(POOLER_KEYS)}")  # fmt: skip
+        if pooler.get("pooling_type", "LAST") not in POOLING_TYPES:
+            raise bad_value("pooler_config.pooling_type", pooler["pooling_type"],
+                            f"must be one of {POOLING_TYPES} (a causal model's)")  # fmt: skip
+        for key in ("normalize", "use_activation"):
+            if not isinstance(pooler.get(key, True), bool | None):
+                raise bad_value(f"pooler_config.{key}", pooler[key], "must be a bool")
+        if None not in (pooler.get("normalize"), pooler.get("use_activation")) and (
+            pooler["normalize"] != pooler["use_activation"]
+        ):
+            raise bad_value("pooler_config.normalize", pooler["normalize"],
+                            "disagrees with use_activation (its newer name): give one")  # fmt: skip
+        for key in ("logit_mean", "logit_sigma"):
+            value = pooler.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float | None):
+                raise bad_value(f"pooler_config.{key}", value, "must be a number")
+        if pooler.get("logit_sigma") == 0:
+            raise bad_value("pooler_config.logit_sigma", 0, "must not be 0 (it divides)")
+        if self.runner == "generate" or (
+            self.runner == "auto" and self.convert in ("auto", "none") and not self.is_pooling
+        ):
+            raise bad_value("pooler_config", pooler, "needs --runner pooling (a pooling model)")
 
     def _fold_graph_flags(self) -> None:
         """--compilation-config and --cuda-graph-sizes folded into enforce_eager,
@@ -593,13 +638,64 @@ class ModelConfig:
         """The name responses and metrics report: the first served name, else the model."""
         return self.served_model_name[0] if self.served_model_name else self.model
 
+    @functools.cached_property
+    def pooling_task(self) -> PoolingTask | None:
+        """What the pooling runner serves: "embed" (LLM.embed, /v1/embeddings) or
+        "classify" (LLM.classify, /classify); None: the model generates. --runner auto and
+        --convert auto follow the architecture's name, as vLLM's (the HF config is read
+        once, and only then). ValueError naming ``convert`` or ``pooler_config`` for a
+        combination that cannot be served."""
+        runner, convert = self.runner, self.convert
+        if runner == "generate":
+            return None
+        if convert in ("embed", "classify"):
+            task = convert
+        else:
+            from vllm.model_executor.models.registry import is_classify_architecture
+
+            archs = model_architectures(self)
+            task = "classify" if any(map(is_classify_architecture, archs)) else None
+            if task is None and runner == "pooling":
+                if convert == "none":
+                    raise bad_value("convert", convert, f"keeps {list(archs)} a generative "
+                                    "model: --runner pooling needs --convert embed or "
+                                    "classify (or auto)")  # fmt: skip
+                task = "embed"
+        pooler = self.pooler_config or {}
+        if task == "classify" and "normalize" in pooler:
+            raise bad_value("pooler_config.normalize", pooler["normalize"], "is an embedding "
+                            "model's; a classifier takes use_activation")  # fmt: skip
+        if task == "embed" and {"logit_mean", "logit_sigma"} & set(pooler):
+            raise bad_value("pooler_config", sorted(pooler), "logit_mean and logit_sigma "
+                            "calibrate a classifier's logits, not embeddings")  # fmt: skip
+        return task
+
     @property
     def is_pooling(self) -> bool:
-        return self.runner == "pooling"
+        """Served by the pooling runner (``pooling_task`` is not None)."""
+        if self.runner == "pooling":
+            return True
+        if self.runner == "generate":
+            return False
+        return self.pooling_task is not None
+
+    @property
+    def pooler_use_activation(self) -> bool:
+        """--pooler-config's activation (default on): embeddings L2-normalised, class
+        logits softmaxed (sigmoid for one label)."""
+        pooler = self.pooler_config or {}
+        value = pooler.get("use_activation")
+        return bool(pooler.get("normalize", True) if value is None else value)
 
     @property
     def pooler_normalize(self) -> bool:
-        return bool((self.pooler_config or {}).get("normalize", True))
+        return self.pooler_use_activation
+
+    @property
+    def logit_calibration(self) -> tuple[float, float]:
+        """(logit_mean, logit_sigma) of --pooler-config: (0, 1) unless given."""
+        pooler = self.pooler_config or {}
+        return float(pooler.get("logit_mean") or 0.0), float(pooler.get("logit_sigma") or 1.0)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -1421,7 +1517,7 @@ class VllmConfig:
                 f"has no size <= max_num_seqs={max_seqs} (a decode batch holds at most "
                 "max_num_seqs sequences): nothing would be captured",
             )
-        if self.model_config.is_pooling and self.speculative_config.enabled:
+        if self.speculative_config.enabled and self.model_config.is_pooling:
             raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
         if self.model_config.logits_processors and self.model_config.is_pooling:
             raise ValueError("--logits-processors: a pooling model (--runner pooling) has none")
@@ -1513,6 +1609,20 @@ class VllmConfig:
         else:
             length = asked
         return replace(draft_config, max_model_len=length)
+
+
+def model_architectures(model_config: ModelConfig) -> tuple[str, ...]:
+    """The model's HF ``architectures`` (() when its config cannot be read: the loader
+    says why). A .gguf model, the embedded one included, is a causal model: not read."""
+    if model_config.model == DEFAULT_MODEL or model_config.model.endswith(".gguf"):
+        return tuple((model_config.hf_overrides or {}).get("architectures") or ())
+    from vllm.model_executor.model_loader import hf_config_of
+
+    try:
+        config = hf_config_of(model_config)
+    except Exception:  # noqa: BLE001 - any unreadable config: loading reports it
+        return ()
+    return tuple(getattr(config, "architectures", None) or ())
 
 
 def _vocab_size(hf_config) -> int | None:

@@ -126,6 +126,47 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """One prompt's class probabilities (vLLM's ``ClassificationOutput``): the score
+    head's logits after the classifier's activation (softmax over the labels), or the
+    logits themselves with ``use_activation=False``."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s result for one prompt (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    """One prompt's pooled values (vLLM's ``PoolingOutput``): an embedding model's
+    embedding, a classifier's probabilities (``LLM.encode``)."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """``LLM.encode``'s result for one prompt (vLLM's ``PoolingRequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     """One pair's score (vLLM's ``ScoringOutput``): here the cosine similarity of the
     pair's embeddings."""

@@ -23,12 +23,17 @@ from vllm.multimodal.media import template_reads_parts
 from vllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from vllm.transformers_utils.chat_encodings import images_refused
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
@@ -136,17 +141,80 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """The embedding of each prompt (needs ``runner="pooling"``, as vLLM's)."""
-        if _is_single_prompt(prompts):
-            prompts = [prompts]
-        items = [(*_unpack_prompt(p), True, _cache_salt(p), _mm_data(p)) for p in prompts]
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        results = self._run(items, params, use_tqdm, lora_request, pooling=True)
+        results = self._pool(prompts, use_tqdm, lora_request, pooling_params, "embed")
         return [
             EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.pooled))
             for r in results
         ]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (vLLM's): a classifier's (a
+        ``*ForSequenceClassification`` model, or ``convert="classify"``) score head over
+        the last token, softmaxed over the labels unless ``pooling_params`` turns the
+        activation off (``use_activation=False``: the logits)."""
+        results = self._pool(prompts, use_tqdm, lora_request, pooling_params, "classify")
+        return [
+            ClassificationRequestOutput(
+                r.request_id, r.prompt_token_ids, ClassificationOutput(r.pooled)
+            )
+            for r in results
+        ]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt pooled by the model's own task (vLLM's ``LLM.encode``): an
+        embedding model's embeddings, a classifier's probabilities."""
+        task = self.processor.pooling_task
+        if task is None:
+            raise VLLMValidationError(
+                "encode needs a pooling model (--runner pooling): this one generates", "model"
+            )
+        results = self._pool(prompts, use_tqdm, lora_request, pooling_params, task)
+        return [
+            PoolingRequestOutput(r.request_id, r.prompt_token_ids, PoolingOutput(r.pooled))
+            for r in results
+        ]
+
+    def _pool(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+        pooling_params: PoolingParams | None,
+        task: str,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` through the pooling runner for ``task`` (the model's, else a
+        ``VLLMValidationError`` naming ``model``)."""
+        pooling_params = pooling_params or PoolingParams()
+        if not isinstance(pooling_params, PoolingParams):
+            raise VLLMValidationError(
+                f"pooling_params must be a PoolingParams, got {pooling_params!r}",
+                "pooling_params",
+            )
+        if pooling_params.task not in (None, task):
+            raise VLLMValidationError(
+                f"pooling_params.task is {pooling_params.task!r}; this call pools for {task!r}",
+                "task",
+            )
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        items = [(*_unpack_prompt(p), True, _cache_salt(p), _mm_data(p)) for p in prompts]
+        params = pooling_params.to_sampling_params()
+        return self._run(items, params, use_tqdm, lora_request, pooling=task)
 
     def start_profile(self) -> None:
         """--profiler-config (``LLM(profiler_config=...)``): record the engine's steps
@@ -315,10 +383,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        pooling: bool = False,
+        pooling: bool | str = False,
     ) -> list[RequestOutput]:
         """items: (prompt, prompt text for the output, add_special_tokens, cache_salt,
-        the multimodal fields: ``_mm_data``)."""
+        the multimodal fields: ``_mm_data``); ``pooling``: the pooling task asked for
+        (``Processor.process``'s), False to generate."""
         if lora_request is None or isinstance(lora_request, LoRARequest):
             lora_request = [lora_request] * len(items)
         if len(lora_request) != len(items):

@@ -51,8 +51,20 @@ from vllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     loggable,
 )
+from vllm.entrypoints.openai.protocol_generate import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    SCALE_OUT_PATHS,
+    AbortRequestsRequest,
+    GenerateRequest,
+)
 from vllm.entrypoints.openai.responses_store import ResponseStore, SharedResponseStore
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_classify import (
+    POOLING_PATHS,
+    OpenAIServingClassification,
+    add_pooling_routes,
+)
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -377,6 +389,10 @@ def build_app(
         return await embedding_serving.create_embedding(
             request, raw.scope.get(RECEIVED_KEY), raw.receive
         )
+
+    # vLLM's /classify (a classifier) and /pooling (the model's own task).
+    classify_serving = OpenAIServingClassification(engine, model_name, stats, args, state, models)
+    add_pooling_routes(app, classify_serving, RECEIVED_KEY, log_requests)
 
     scoring = OpenAIServingScore(engine, model_name, stats, args, state, models)
 

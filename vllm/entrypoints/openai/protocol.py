@@ -1015,3 +1015,50 @@ class EmbeddingRequest(BaseModel):
         if items and all(isinstance(t, int) for t in items):
             return [items]
         return list(items)
+
+
+def input_prompts(items: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A pooling request's ``input``, one prompt each: a string, token ids, or a list of
+    either."""
+    if isinstance(items, str):
+        return [items]
+    if items and all(isinstance(t, int) for t in items):
+        return [items]
+    return list(items)
+
+
+class ClassificationRequest(BaseModel):
+    """POST /classify (vLLM's body for text inputs): ``use_activation`` false returns the
+    score head's logits instead of probabilities. An unknown field is a 400 (vLLM's
+    removed ``normalize`` among them)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+    use_activation: bool | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        return input_prompts(self.input)
+
+
+class PoolingRequest(BaseModel):
+    """POST /pooling (vLLM's generic pooling body for text inputs): the model's own task
+    (``task``, when given, must be it: embed or classify). ``dimensions`` is refused, as
+    on /v1/embeddings."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+    task: Literal["embed", "classify"] | None = None
+    use_activation: bool | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        return input_prompts(self.input)

@@ -175,7 +175,33 @@ _MODELS: dict[str, tuple[str, str, str]] = {
         "kimi_k25",
         "KimiK25ForConditionalGeneration",
     ),
+    # transformers' sequence classifiers (adapters.py): the causal model plus a score head,
+    # served by the pooling runner (--runner auto picks it, --convert auto classify).
+    **{
+        f"{family}ForSequenceClassification": (model_type, "adapters", cls)
+        for family, model_type, cls in (
+            ("Llama", "llama", "LlamaForSequenceClassification"),
+            ("Mistral", "mistral", "LlamaForSequenceClassification"),
+            ("Ministral", "ministral", "LlamaForSequenceClassification"),
+            ("Qwen2", "qwen2", "LlamaForSequenceClassification"),
+            ("Qwen3", "qwen3", "LlamaForSequenceClassification"),
+            ("Gemma", "gemma", "GemmaForSequenceClassification"),
+            ("Gemma2", "gemma2", "GemmaForSequenceClassification"),
+            ("Gemma3Text", "gemma3_text", "GemmaForSequenceClassification"),
+            ("Qwen2Moe", "qwen2_moe", "MoeForSequenceClassification"),
+            ("Qwen3Moe", "qwen3_moe", "MoeForSequenceClassification"),
+        )
+    },
 }
+
+# Architecture name endings that make a pooling model of the classify task (vLLM's
+# _SUFFIX_TO_DEFAULTS): --runner auto serves them with the pooling runner.
+CLASSIFY_SUFFIXES = ("ForSequenceClassification", "ClassificationModel")
+
+
+def is_classify_architecture(architecture: str) -> bool:
+    return architecture.endswith(CLASSIFY_SUFFIXES)
+
 
 # (multimodal architecture, its text_config's model_type): (module, class) where that
 # language model takes another class than the architecture's own entry.
@@ -253,3 +279,20 @@ class _ModelRegistry:
 
 
 ModelRegistry = _ModelRegistry(_MODELS)
+
+
+def model_class_for_task(model_cls: type, architecture: str, task: str | None) -> type:
+    """The class that serves ``task`` (``ModelConfig.pooling_task``): a classifier's for
+    classify (``--convert classify`` wraps a causal class: ``adapters.as_seq_cls_model``),
+    the class itself otherwise. ValueError for a classifier asked to generate."""
+    classifier = getattr(model_cls, "is_classifier", False)
+    if task == "classify" and not classifier:
+        from vllm.model_executor.models.adapters import as_seq_cls_model
+
+        return as_seq_cls_model(model_cls)
+    if task is None and classifier:
+        raise ValueError(
+            f"{architecture} is a classification model (a score head, no language-model "
+            "head): serve it with --runner pooling (or auto), not --runner generate"
+        )
+    return model_cls

@@ -11,6 +11,7 @@ from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.peft import read_adapter_config
 from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers.pooler import USE_ACTIVATION
 from vllm.multimodal.processing import ImageInputProcessor, images_of
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.chat_encodings import auto_chat_encoding, get_chat_encoding
@@ -53,7 +54,9 @@ class Processor:
         # the API server), cut to what the context leaves; None: until the context limit.
         self.default_max_tokens: int | None = None
         self.lora_config = vllm_config.lora_config
-        self.is_pooling = vllm_config.model_config.is_pooling  # --runner pooling
+        # --runner pooling: what the model pools ("embed" or "classify"; None: it generates)
+        self.pooling_task = vllm_config.model_config.pooling_task
+        self.is_pooling = self.pooling_task is not None
         # --logits-processors: each class's validate_params judges every request here.
         self.logits_processor_classes = load_logits_processors(
             vllm_config.model_config.logits_processors
@@ -242,7 +245,7 @@ class Processor:
         arrival_wall_time: float | None = None,
         structured_outputs_checked: bool = False,
         lora_request: LoRARequest | None = None,
-        pooling: bool = False,
+        pooling: bool | str = False,
         multi_modal_data: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[EngineCoreRequest]]:
@@ -258,14 +261,7 @@ class Processor:
                 f"sampling_params must be a SamplingParams, got {params!r}", "sampling_params"
             )
         self._check_lora(lora_request)
-        if pooling != self.is_pooling:
-            raise VLLMValidationError(
-                "this model serves embeddings (--runner pooling): /v1/embeddings, /score, "
-                "/rerank, LLM.embed"
-                if self.is_pooling
-                else "embeddings and scores need a model served with --runner pooling",
-                "model",
-            )
+        self._check_pooling_task(pooling, params)
         self._check_logprobs(params)
         validate_logits_processors_parameters(self.logits_processor_classes, params)
         self._check_needs_tokenizer(params)
@@ -379,6 +375,20 @@ class Processor:
                     name,
                 )
 
+    def _check_pooling_task(self, pooling: bool | str, params: SamplingParams) -> None:
+        """The request's task (``pooling``: False to generate, "embed" or True, or
+        "classify") is the model's; a pooling request's ``use_activation`` a bool."""
+        wanted = "embed" if pooling is True else (pooling or None)
+        if wanted not in (None, "embed", "classify"):
+            raise ValueError(f"pooling must be a bool, 'embed' or 'classify', got {pooling!r}")
+        if wanted != self.pooling_task:
+            raise VLLMValidationError(_POOLING_REFUSALS[self.pooling_task, wanted], "model")
+        value = (params.extra_args or {}).get(USE_ACTIVATION)
+        if wanted is not None and value is not None and not isinstance(value, bool):
+            raise VLLMValidationError(
+                f"use_activation must be a bool, got {value!r}", "use_activation", value
+            )
+
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         """A LoRA request needs --enable-lora and an adapter the engine can apply (its
         config is read here; its weights when a slot loads them)."""
@@ -450,6 +460,22 @@ class Processor:
                     f"(size {self.vocab_size})",
                     name,
                 )
+
+
+_EMBEDS = "this model serves embeddings (--runner pooling): /v1/embeddings, /score, /rerank, "
+_CLASSIFIES = "this model is a classifier (--runner pooling, --convert classify): /classify, "
+# (the model's task, the request's) -> why it is refused (None: generation).
+_POOLING_REFUSALS = {
+    ("embed", None): _EMBEDS + "/pooling, LLM.embed",
+    ("classify", None): _CLASSIFIES + "/pooling, LLM.classify; it generates no text",
+    (None, "embed"): "embeddings and scores need a model served with --runner pooling",
+    ("classify", "embed"): _CLASSIFIES + "/pooling, LLM.classify; embeddings need an "
+    "embedding model (--convert embed)",
+    (None, "classify"): "classification needs a classifier: a *ForSequenceClassification "
+    "model, or --convert classify (its checkpoint holding a score head)",
+    ("embed", "classify"): _EMBEDS + "LLM.embed; classification needs a classifier "
+    "(a *ForSequenceClassification model, or --convert classify)",
+}
 
 
 def _architectures(vllm_config: VllmConfig) -> list[str]:

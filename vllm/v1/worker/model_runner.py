@@ -19,6 +19,11 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.lora.manager import LoRAAdapterError, LoRAManager
+from vllm.model_executor.layers.pooler import (
+    classify_activation,
+    pool_rows,
+    pooling_use_activation,
+)
 from vllm.model_executor.layers.recurrent import (
     RecurrentBatch,
     StateSpec,
@@ -29,7 +34,7 @@ from vllm.model_executor.layers.recurrent import (
     state_bytes,
 )
 from vllm.model_executor.model_loader import apply_quantization, load_model_weights, resolve_model
-from vllm.model_executor.models.registry import ModelRegistry
+from vllm.model_executor.models.registry import ModelRegistry, model_class_for_task
 from vllm.multimodal.inputs import (
     EncoderCache,
     MultiModalFeature,
@@ -331,6 +336,7 @@ class ModelRunner:
         # --kv-cache-dtype: the model's dtype or an FP8 type (attention/kv_cache_dtype.py)
         self.kv_cache_dtype = kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, self.dtype)
         self.model = None  # a class of the model registry, built in load_model
+        self.classify_activation = "softmax"  # a classifier's, from its config in load_model
         self.arch = None  # the model's shapes (model.arch)
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0  # the cache's blocks once made (Mamba's: without tensors)
@@ -443,6 +449,8 @@ class ModelRunner:
         served = self.model_config.max_model_len or self.config.scheduler_config.max_model_len
         loaded = self._load_weights(self.model_config, served)
         self.model, architecture, model_cls, hf_config = loaded
+        if self.model_config.pooling_task == "classify":  # its logits' activation
+            self.classify_activation = classify_activation(hf_config)
         # An FP8-KV checkpoint's kv_cache_scheme turns --kv-cache-dtype auto into fp8.
         cache_dtype = resolve_cache_dtype(self.config.cache_config.cache_dtype, hf_config)
         self.kv_cache_dtype = kv_cache_torch_dtype(cache_dtype, self.dtype)
@@ -602,6 +610,7 @@ class ModelRunner:
         use_long_rope(hf_config, served_len)
         if model_cls is None:
             model_cls, architecture = ModelRegistry.resolve_model_cls(hf_config)
+            model_cls = model_class_for_task(model_cls, architecture, model_config.pooling_task)
         else:  # an EAGLE head: its rotary table covers every position the target serves
             architecture = model_cls.__name__
             own = getattr(hf_config, "max_position_embeddings", None) or served_len
@@ -1565,12 +1574,17 @@ class ModelRunner:
 
     def _pool(self, rows: torch.Tensor, reqs: list[CachedRequestState]) -> dict[str, list[float]]:
         """--runner pooling (LAST): each request's last prompt row, the final norm's output
-        as transformers' ``last_hidden_state``, in fp32, L2-normalised unless the pooler
-        config says not."""
-        pooled = rows.float()
-        if self.model_config.pooler_normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
-        values = pooled.cpu().tolist()
+        as transformers' ``last_hidden_state``: in fp32 (embed), or the model's score head
+        over it (classify: ``layers/pooler.py``); activated (L2-normalised, softmaxed) as
+        the pooler config says unless the request turns it off (``use_activation``)."""
+        mc = self.model_config
+        default = mc.pooler_use_activation
+        use = [pooling_use_activation(state.sampling_params, default) for state in reqs]
+        if mc.pooling_task == "classify":
+            values = pool_rows(self.model, rows, use, self.classify_activation,
+                               mc.logit_calibration)  # fmt: skip
+        else:
+            values = pool_rows(self.model, rows, use, "normalize")
         return {state.req_id: v for state, v in zip(reqs, values, strict=True)}
 
     def _verify_drafts(
