@@ -284,7 +284,10 @@ def test_render_returns_the_prompt_token_ids_for_the_router_s_cache_aware():
     body = json.dumps({"model": "m", "messages": MESSAGES, **ROUTER_CHAT_DEFAULTS}).encode()
     status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", body)
     assert status == 200
-    assert json.loads(payload) == {"model": "m", "token_ids": [ord(c) for c in "hi|>"]}
+    rendered = json.loads(payload)  # the /inference/v1/generate body it would run as
+    assert rendered["model"] == "m" and rendered["token_ids"] == [ord(c) for c in "hi|>"]
+    assert "max_tokens" in rendered["sampling_params"]  # defaults left out
+    assert rendered["stream"] is False and rendered["priority"] == 0
     assert engine.calls == [False]  # the template wrote the special tokens
     wrong = json.dumps({"model": "other", "messages": MESSAGES}).encode()
     status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", wrong)
@@ -293,3 +296,26 @@ def test_render_returns_the_prompt_token_ids_for_the_router_s_cache_aware():
     stops = json.dumps({"messages": MESSAGES, "stop": ["x"] * 33}).encode()
     status, payload, _ = _call(_app(engine), "/v1/chat/completions/render", "POST", stops)
     assert status == 400 and json.loads(payload)["error"]["param"] == "stop"
+
+
+def test_scale_out_routes_are_403_without_the_flag():
+    # vLLM's: /inference/v1/generate and the other /render routes need --enable-scale-out.
+    body = json.dumps({"token_ids": [1, 2]}).encode()
+    for path in ("/inference/v1/generate", "/v1/completions/render", "/v1/messages/render"):
+        status, payload, _ = _call(_app(), path, "POST", body)
+        assert status == 403, path
+        assert json.loads(payload)["error"]["type"] == "PermissionDeniedError"
+
+
+def test_the_routes_outside_v1_that_run_or_change_the_engine_need_the_api_key():
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(name="m", served_names=("m",)),
+        scheduler_config=SimpleNamespace(max_model_len=64),
+        lora_config=LoRAConfig(),
+    )
+    args = FrontendArgs(api_key="k")
+    app = build_app(config, args, _FakeEngine(), SimpleNamespace(registry=None), None, None)
+    for path in ("/inference/v1/generate", "/inference/v1/abort_requests", "/classify",
+                 "/pooling", "/pause", "/resume", "/sleep", "/reset_prefix_cache"):  # fmt: skip
+        assert _call(app, path, "POST", b"{}")[0] == 401, path
+    assert _call(app, "/health")[0] == 200

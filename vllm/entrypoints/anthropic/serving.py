@@ -158,6 +158,16 @@ class AnthropicServingMessages:
             body["context_management"] = edited
         return JSONResponse(body, headers=self.chat.timing(received, stream))
 
+    async def render_message(self, request: MessagesRequest, headers: Mapping[str, str]) -> dict:
+        """POST /v1/messages/render (vLLM's): the /inference/v1/generate body the request
+        would run as (``OpenAIServingChat.render_chat`` of its chat request, after its
+        ``context_management`` edits); nothing generated."""
+        chat_request, _, _ = await self._edited_chat_request(request, headers)
+        try:
+            return await self.chat.render_chat(chat_request)
+        except VLLMValidationError as e:
+            raise renamed(e, MessagesRequest.FIELD_NAMES) from e
+
     def _diagnose(
         self, request: MessagesRequest, message_id: str, model: str, prompt: list[int]
     ) -> dict[str, Any] | None:
@@ -495,7 +505,8 @@ def _merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # -- routes -------------------------------------------------------------------------------
 def add_messages_routes(app: FastAPI, serving: AnthropicServingMessages, received_key: str) -> None:
-    """POST /v1/messages and /v1/messages/count_tokens. Their errors are reshaped by the
+    """POST /v1/messages, /v1/messages/count_tokens (and with --enable-scale-out
+    /v1/messages/render). Their errors are reshaped by the
     app's handlers (``as_anthropic``)."""
     from vllm.entrypoints.openai import openapi
 
@@ -508,3 +519,9 @@ def add_messages_routes(app: FastAPI, serving: AnthropicServingMessages, receive
     @app.post(MESSAGES_PATH + "/count_tokens", responses=openapi.COUNT_TOKENS_RESPONSES)
     async def count_tokens(request: CountTokensRequest):
         return await serving.count_tokens(request)
+
+    if serving.chat.args.enable_scale_out:  # else a 403 (api_server's scale-out routes)
+
+        @app.post(MESSAGES_PATH + "/render", responses=openapi.RENDER_RESPONSES)
+        async def render_message(request: MessagesRequest, raw: Request):
+            return await serving.render_message(request, raw.headers)

@@ -81,6 +81,7 @@ from vllm.entrypoints.openai.serving_tokenize import (
     OpenAIServingTokenization,
     TokenizeRequest,
 )
+from vllm.entrypoints.openai.serving_tokens import OpenAIServingTokens
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMValidationError
@@ -258,13 +259,17 @@ INVOCATIONS = "/invocations"  # SageMaker's route to the API: guarded as /v1 is
 # is (vLLM guards /v1 alone).
 PROFILE_PATHS = ("/start_profile", "/stop_profile")  # with --profiler-config
 RESET_PREFIX_CACHE = "/reset_prefix_cache"  # with VLLM_SERVER_DEV_MODE=1
-GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS,
-                     RESET_PREFIX_CACHE})  # fmt: skip
+# VLLM_SERVER_DEV_MODE=1's routes that change what the engine runs or holds.
+DEV_PATHS = (RESET_PREFIX_CACHE, "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume",
+             "/is_paused")  # fmt: skip
+GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS, *DEV_PATHS,
+                     *POOLING_PATHS, GENERATE_PATH, ABORT_PATH})  # fmt: skip
 
 
 # The routes that run the model (--enable-server-load-tracking counts them, as vLLM's).
 LOAD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                        "/v1/messages", INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS})  # fmt: skip
+                        "/v1/messages", INVOCATIONS, GENERATE_PATH, *POOLING_PATHS,
+                        *SCORE_PATHS, *RERANK_PATHS})  # fmt: skip
 
 
 def is_load_path(path: str) -> bool:
@@ -368,8 +373,12 @@ def build_app(
         )
 
     @app.post("/v1/chat/completions/render", responses=openapi.RENDER_RESPONSES)
-    async def chat_render(request: ChatCompletionRequest):
+    async def chat_render(request: ChatCompletionRequest, raw: Request):
+        read_headers(request, raw.headers, args.max_job_id_length)
         return await chat_serving.render_chat(request)
+
+    tokens_serving = OpenAIServingTokens(engine, model_name, stats, args, state, models)
+    _add_scale_out_routes(app, args, tokens_serving, completion_serving)
 
     @app.post("/v1/completions", responses=openapi.GENERATE_RESPONSES)
     async def completion(request: CompletionRequest, raw: Request):
@@ -586,6 +595,46 @@ def _add_info_routes(app: FastAPI, vllm_config, args, engine, stats, state, mode
                 return anthropic_error(404, message)
             return error_response(404, message, "NotFoundError", "model", "model_not_found")
         return anthropic_models.model_info(card) if anthropic else card.model_dump()
+
+
+def _add_scale_out_routes(
+    app: FastAPI,
+    args: FrontendArgs,
+    tokens: OpenAIServingTokens,
+    completions: OpenAIServingCompletion,
+) -> None:
+    """vLLM's scale-out routes (--enable-scale-out; without it each answers 403, as
+    vLLM's): tokens in, tokens out, its aborts, and the /render routes of completions
+    (here; chat's is always served), Messages and Responses (added with their APIs)."""
+    if not args.enable_scale_out:
+
+        async def disabled():
+            return error_response(
+                403,
+                "Scale-out endpoints are disabled. Restart vllm serve with "
+                "--enable-scale-out to enable them.",
+                "PermissionDeniedError",
+            )
+
+        for path in SCALE_OUT_PATHS:
+            app.post(path, include_in_schema=False)(disabled)
+        return
+
+    @app.post(GENERATE_PATH, responses=openapi.GENERATE_TOKENS_RESPONSES)
+    async def generate(request: GenerateRequest, raw: Request):
+        read_headers(request, raw.headers, args.max_job_id_length)
+        return await tokens.create_generate(request, raw.scope.get(RECEIVED_KEY), raw.receive)
+
+    @app.post(ABORT_PATH, responses=openapi.ABORT_RESPONSES)
+    async def abort_requests(request: AbortRequestsRequest):
+        """Stop the requests whose responses' ``id`` / ``request_id`` are listed; they end
+        with finish_reason abort. Unknown or finished ids are skipped."""
+        return await tokens.abort(request.request_ids)
+
+    @app.post("/v1/completions/render", responses=openapi.RENDER_LIST_RESPONSES)
+    async def completion_render(request: CompletionRequest, raw: Request):
+        read_headers(request, raw.headers, args.max_job_id_length)
+        return await completions.render_completion(request)
 
 
 def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:

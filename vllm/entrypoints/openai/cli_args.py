@@ -183,9 +183,18 @@ class FrontendArgs:
     enable_server_load_tracking: bool = config_field(
         False,
         "Count the requests in flight on the routes that run the model (chat, completions, "
-        "responses, messages, embeddings, score, rerank, invocations), from arrival to the "
+        "responses, messages, embeddings, score, rerank, invocations, /inference/v1/generate), "
+        "from arrival to the "
         "end of the response, and serve the count at GET /load (vLLM's); off: /load "
         "answers 0.",
+    )
+    enable_scale_out: bool = config_field(
+        False,
+        "Serve vLLM's scale-out routes: POST /inference/v1/generate (tokens in, tokens "
+        "out), /inference/v1/abort_requests, and /v1/completions/render, "
+        "/v1/messages/render and /v1/responses/render (the generate body a request would "
+        "run as); off: they answer 403. /v1/chat/completions/render is always served "
+        "(vllm-router's cache_aware needs it).",
     )
     disable_log_stats: bool = config_field(
         False,

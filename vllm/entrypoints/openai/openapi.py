@@ -94,24 +94,56 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_DOWN,
 }
 
+# The /inference/v1/generate body a /render route answers (protocol_generate.GenerateRequest).
+_GENERATE_BODY: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "token_ids": {"type": "array", "items": {"type": "integer"}},
+        "sampling_params": {"type": "object"},
+        "model": {"type": "string"},
+        "stream": {"type": "boolean"},
+        "priority": {"type": "integer"},
+        "request_id": {"type": "string"},
+        "cache_salt": {"type": "string"},
+    },
+    "required": ["token_ids", "sampling_params", "model"],
+}
+_RENDER_ERRORS = {k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 503)}
+
 RENDER_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
-        "description": "The prompt token ids the chat request would run with; nothing is "
-        "generated (vLLM's render route, read by vllm-router's cache_aware).",
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {
-                        "model": {"type": "string"},
-                        "token_ids": {"type": "array", "items": {"type": "integer"}},
-                    },
-                    "required": ["model", "token_ids"],
-                }
-            }
-        },
+        "description": "The /inference/v1/generate body the request would run as: its "
+        "prompt's token ids and its sampling parameters; nothing is generated (vLLM's "
+        "render route; vllm-router's cache_aware reads token_ids).",
+        "content": {"application/json": {"schema": _GENERATE_BODY}},
     },
-    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 404, 413, 503)},
+    **_RENDER_ERRORS,
+}
+
+RENDER_LIST_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Per prompt, the /inference/v1/generate body it would run as.",
+        "content": {"application/json": {"schema": {"type": "array", "items": _GENERATE_BODY}}},
+    },
+    **_RENDER_ERRORS,
+}
+
+GENERATE_TOKENS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Tokens out: request_id, choices (token_ids, finish_reason, "
+        "stop_reason, logprobs; text in output_mode text), usage; with stream, SSE "
+        "chunks of the same shape, then [DONE].",
+        "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
+    },
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k != 200},
+}
+
+ABORT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "How many in-flight requests were stopped (finish_reason abort).",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401)},
 }
 
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from vllm.entrypoints.openai import beam_search as beams
 from vllm.entrypoints.openai.harmony_plan import plan_harmony, uses_harmony
 from vllm.entrypoints.openai.protocol import NO_IMAGES, ChatCompletionRequest, now_s
+from vllm.entrypoints.openai.protocol_generate import generate_body
 from vllm.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
@@ -105,23 +106,6 @@ class OpenAIServingChat(OpenAIServing):
             raise
         except Exception as e:  # jinja errors from malformed conversations
             raise VLLMValidationError(f"chat template failed: {e}", "messages") from e
-
-    def _logprobs(self, c: CompletionOutput, as_ids: bool = False) -> dict | None:
-        """OpenAI's logprobs object; ``as_ids``: tokens named ``token_id:<id>`` (their
-        ``bytes`` are still the text's)."""
-        if c.logprobs is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict:
-            text = self.engine.decode([token_id])
-            token = self.logprob_token(token_id, as_ids, text)
-            return {"token": token, "logprob": logprob, "bytes": list(text.encode())}
-
-        content = [
-            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-            for lp in c.logprobs
-        ]
-        return {"content": content}
 
     async def _prepare(self, request: ChatCompletionRequest):
         """The checked request's tool plan, prompt text and sampling params."""
@@ -249,7 +233,7 @@ class OpenAIServingChat(OpenAIServing):
         return cache[tag]
 
     async def start_generation(
-        self, request: ChatCompletionRequest, request_id: str
+        self, request: ChatCompletionRequest, request_id: str, external_id: str | None = None
     ) -> tuple[ToolPlan, RequestStream]:
         """Check ``request``, render its prompt and add it to the engine as ``request_id``:
         its tool plan (how to read the output) and its output stream. Shared by
@@ -269,6 +253,7 @@ class OpenAIServingChat(OpenAIServing):
                 params,
                 request_id,
                 request.priority,
+                external_id,
                 add_special_tokens=bool(request.add_special_tokens),
                 cache_salt=request.cache_salt,
                 lora_request=self.check_model(request),
@@ -281,13 +266,30 @@ class OpenAIServingChat(OpenAIServing):
         return plan, stream
 
     async def render_chat(self, request: ChatCompletionRequest) -> dict:
-        """POST /v1/chat/completions/render (vLLM's route): the prompt token ids the request
-        would run with, nothing generated; checked as for generation. vllm-router's
-        cache_aware asks every replica for them and routes a chat by its longest token
-        prefix (docs/router.md). Images are not loaded: each is its one placeholder token
-        here, which the engine expands to the image's tokens when it takes the request."""
-        token_ids = await self.prompt_token_ids(request, bool(request.add_special_tokens))
-        return {"model": self.response_model(request.model), "token_ids": token_ids}
+        """POST /v1/chat/completions/render (vLLM's route): the /inference/v1/generate body
+        the request would run as (its prompt's token ids and its sampling parameters,
+        tool and response-format grammars included), nothing generated; checked as for
+        generation. vllm-router's cache_aware asks every replica for it and routes a chat
+        by its longest token prefix (docs/router.md). Images are not loaded: each is its
+        one placeholder token here, which the engine expands to the image's tokens when it
+        takes the request (the tokens route takes no images yet)."""
+        _, prompt, params = await self._prepare(request)
+        token_ids = await self._tokenize_prompt(prompt, bool(request.add_special_tokens))
+        options = request.stream_options
+        body = generate_body(
+            token_ids,
+            params,
+            self.response_model(request.model),
+            request_id=request.request_id,
+            stream=request.stream,
+            stream_options=None if options is None else options.model_dump(),
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            return_token_ids=request.return_token_ids or None,
+        )
+        if request.use_beam_search:  # several engine requests a step: the tokens route
+            body["use_beam_search"] = True  # refuses it, naming it
+        return body
 
     async def prompt_token_ids(
         self, request: ChatCompletionRequest, add_special_tokens: bool = False
@@ -295,6 +297,9 @@ class OpenAIServingChat(OpenAIServing):
         """The token ids ``request`` would run with, checked as for generation. By default
         the tokenizer adds no special token: the template wrote them (BOS etc.)."""
         _, prompt, _ = await self._prepare(request)
+        return await self._tokenize_prompt(prompt, add_special_tokens)
+
+    async def _tokenize_prompt(self, prompt: str, add_special_tokens: bool) -> list[int]:
         try:
             return await self.in_thread(self.engine.tokenize, prompt, add_special_tokens)
         except VLLMValidationError as e:
@@ -314,7 +319,7 @@ class OpenAIServingChat(OpenAIServing):
         created = now_s()
         if request.use_beam_search:
             return await self._beam_search(request, request_id, engine_id, created, receive)
-        plan, stream = await self.start_generation(request, engine_id)
+        plan, stream = await self.start_generation(request, engine_id, request_id)
         if request.stream:
             return EngineStreamingResponse(
                 self._stream(request, plan, stream, request_id, created, received), stream
@@ -330,7 +335,7 @@ class OpenAIServingChat(OpenAIServing):
             out = {
                 "index": c.index,
                 "message": message,
-                "logprobs": None if hide else self._logprobs(c, as_ids),
+                "logprobs": None if hide else self.chat_logprobs(c, as_ids),
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -480,7 +485,7 @@ class OpenAIServingChat(OpenAIServing):
             out = {
                 "index": c.index,
                 "delta": delta,
-                "logprobs": None if hide else self._logprobs(c, as_ids),
+                "logprobs": None if hide else self.chat_logprobs(c, as_ids),
                 "finish_reason": finish_reason,
             }
             if token_ids:

@@ -13,7 +13,9 @@ from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai import beam_search as beams
 from vllm.entrypoints.openai.protocol import CompletionRequest, now_s
+from vllm.entrypoints.openai.protocol_generate import generate_body
 from vllm.entrypoints.openai.serving_engine import (
+    OFFLOAD_CHARS,
     EngineStreamingResponse,
     OpenAIServing,
     Receive,
@@ -120,6 +122,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params,
             engine_id,
             request.priority,
+            request_id,
             add_special_tokens=request.add_special_tokens is not False,  # vLLM's default: true
             cache_salt=request.cache_salt,
             lora_request=self.check_model(request),
@@ -157,6 +160,49 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         body = {**base, "choices": choices, "usage": self.usage(finals).model_dump()}
         return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))
+
+    async def render_completion(self, request: CompletionRequest) -> list[dict]:
+        """POST /v1/completions/render (vLLM's): per prompt of the request, the
+        /inference/v1/generate body it would run as (its token ids and sampling
+        parameters), nothing generated; checked as for generation. ``echo`` shapes the
+        response, not what runs: its prompt logprobs are in the parameters, its text is
+        the client's to add. Beam search is several engine requests a step: its body keeps
+        ``use_beam_search``, which the tokens route refuses."""
+        self.check_request(request)
+        self._check_without_tokenizer(request)
+        prompts = self._prompts(request)
+        special = request.add_special_tokens is not False  # vLLM's default: true
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        params = request.to_sampling_params(
+            max_tokens, request.logprobs, request.stream, self.default_sampling_params
+        )
+        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = request.logprobs
+        params.structured_outputs = guided_params(request)
+        options = request.stream_options
+        bodies = []
+        for prompt in prompts:
+            ids = prompt if isinstance(prompt, list) else await self._tokenize(prompt, special)
+            body = generate_body(
+                list(ids),
+                params,
+                self.response_model(request.model),
+                request_id=request.request_id,
+                stream=request.stream,
+                stream_options=None if options is None else options.model_dump(),
+                cache_salt=request.cache_salt,
+                priority=request.priority,
+                return_token_ids=request.return_token_ids or None,
+            )
+            if request.use_beam_search:
+                body["use_beam_search"] = True
+            bodies.append(body)
+        return bodies
+
+    async def _tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        if len(prompt) < OFFLOAD_CHARS:
+            return self.engine.tokenize(prompt, add_special_tokens)
+        return await self.in_thread(self.engine.tokenize, prompt, add_special_tokens)
 
     def _check_without_tokenizer(self, request: CompletionRequest) -> None:
         """--skip-tokenizer-init: what would need text is a 400 before anything runs (a

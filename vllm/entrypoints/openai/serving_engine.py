@@ -229,14 +229,24 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self.executor(), fn, *args)
 
     async def add_request(
-        self, prompt: str | list[int], params, request_id: str, priority: int, **kw: Any
+        self,
+        prompt: str | list[int],
+        params,
+        request_id: str,
+        priority: int,
+        external_id: str | None = None,
+        **kw: Any,
     ) -> RequestStream:
-        """The engine's ``add_request``, tokenizing a long prompt off the event loop."""
+        """The engine's ``add_request``, tokenizing a long prompt off the event loop.
+        ``external_id``: the id /abort_requests stops it by (its response's; default
+        ``request_id``)."""
         self.state.check_open()
         executor = self.executor() if len(prompt) >= OFFLOAD_CHARS else None
         stream = await self.engine.add_request(
             prompt, params, request_id, priority=priority, executor=executor, **kw
         )
+        if external_id is not None:
+            stream.external_id = external_id
         if self.state.closing:  # the drain ended while the prompt was being tokenized
             await stream.aclose()
             self.state.check_open()
@@ -264,6 +274,24 @@ class OpenAIServing:
         if as_id:
             return f"token_id:{token_id}"
         return self.engine.decode([token_id]) if text is None else text
+
+    def chat_logprobs(self, c: CompletionOutput, as_ids: bool = False) -> dict | None:
+        """OpenAI's chat logprobs object (chat, and /inference/v1/generate's text mode);
+        ``as_ids``: tokens named ``token_id:<id>`` (their ``bytes`` are still the
+        text's)."""
+        if c.logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.engine.decode([token_id])
+            token = self.logprob_token(token_id, as_ids, text)
+            return {"token": token, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in c.logprobs
+        ]
+        return {"content": content}
 
     @staticmethod
     def request_ids(request: _SamplingFields, prefix: str) -> tuple[str, str]:
@@ -313,14 +341,19 @@ class OpenAIServing:
         params: Callable[[], Any],
         request_id: str,
         priority: int,
+        external_id: str | None = None,
         **kw: Any,
     ) -> list[RequestStream]:
         """One engine request per prompt, each with its own ``params()``: ``request_id``
         for a lone prompt, ``{request_id}-{i}`` for prompt ``i`` of several. Every prompt
         is checked and tokenized before any is queued, so a bad one (too long, say; the
-        error names its position) fails the batch with nothing run."""
+        error names its position) fails the batch with nothing run. ``external_id``: the
+        id that stops them all (``add_request``'s)."""
         if len(prompts) == 1:
-            return [await self.add_request(prompts[0], params(), request_id, priority, **kw)]
+            stream = await self.add_request(
+                prompts[0], params(), request_id, priority, external_id, **kw
+            )
+            return [stream]
         self.state.check_open()
         prepared, used = [], []
         for i, prompt in enumerate(prompts):
@@ -350,6 +383,7 @@ class OpenAIServing:
             raise
         for prompt, request_params, stream in zip(prompts, used, streams, strict=True):
             self._log_request(stream, prompt, request_params, kw.get("lora_request"))
+            stream.external_id = external_id or request_id
         return streams
 
     def timing(self, received: float | None, stream: RequestStream | StreamBatch) -> dict[str, str]:

@@ -97,15 +97,7 @@ class OpenAIServingResponses:
         """The response object (JSON), or its events (SSE) if ``request.stream``;
         ``VLLMValidationError`` naming the Responses field for a request refused."""
         response_id = new_id("resp")
-        chain = self._chain(request.previous_response_id)
-        job_id = request.job_id or request.prompt_cache_key
-        job_id = job_id or (chain[-1].job_id if chain else response_id)
-        items = normalize_input(request.input)
-        history = [i for e in chain for i in (*e.input_items, *e.response["output"])]
-        messages = items_to_messages(history + items)
-        if request.instructions:
-            messages.insert(0, {"role": "system", "content": request.instructions})
-        chat_request = self._chat_request(request, messages, job_id)
+        job_id, items, chat_request = self._turn(request, response_id)
         logger.info(
             "responses request %s: job_id=%s previous=%s items=%d stream=%s",
             response_id,
@@ -126,6 +118,30 @@ class OpenAIServingResponses:
             return Response(status_code=499)  # the client left
         body = self._finish(turn, plan, final)
         return JSONResponse(body, headers=self.chat.timing(received, stream))
+
+    def _turn(
+        self, request: ResponsesRequest, response_id: str
+    ) -> tuple[str, list, ChatCompletionRequest]:
+        """The turn's job, its new input items and the chat request it runs as (the
+        stored chain's items, then these)."""
+        chain = self._chain(request.previous_response_id)
+        job_id = request.job_id or request.prompt_cache_key
+        job_id = job_id or (chain[-1].job_id if chain else response_id)
+        items = normalize_input(request.input)
+        history = [i for e in chain for i in (*e.input_items, *e.response["output"])]
+        messages = items_to_messages(history + items)
+        if request.instructions:
+            messages.insert(0, {"role": "system", "content": request.instructions})
+        return job_id, items, self._chat_request(request, messages, job_id)
+
+    async def render_response(self, request: ResponsesRequest) -> dict[str, Any]:
+        """POST /v1/responses/render (vLLM's): the /inference/v1/generate body the turn
+        would run as (its stored chain included), nothing generated or stored."""
+        _, _, chat_request = self._turn(request, new_id("resp"))
+        try:
+            return await self.chat.render_chat(chat_request)
+        except VLLMValidationError as e:
+            raise renamed(e, ResponsesRequest.FIELD_NAMES) from e
 
     def _chain(self, previous_id: str | None) -> list[StoredResponse]:
         if previous_id is None:
@@ -380,6 +396,13 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, received
     async def create_response(request: ResponsesRequest, raw: Request):
         name_the_job(request, raw.headers, serving.chat.args.max_job_id_length)
         return await serving.create_response(request, raw.scope.get(received_key), raw.receive)
+
+    if serving.chat.args.enable_scale_out:  # else a 403 (api_server's scale-out routes)
+
+        @app.post("/v1/responses/render", responses=openapi.RENDER_RESPONSES)
+        async def render_response(request: ResponsesRequest, raw: Request):
+            name_the_job(request, raw.headers, serving.chat.args.max_job_id_length)
+            return await serving.render_response(request)
 
     @app.get("/v1/responses/{response_id}", responses=_STORED_RESPONSES)
     async def retrieve_response(response_id: str):

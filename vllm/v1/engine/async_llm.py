@@ -57,7 +57,9 @@ class RequestStream:
     Iteration ends after the finished output. ``aclose()`` before that aborts the request
     in the engine (frees its KV blocks); it is safe to call more than once.
     ``engine_latency_s``: once finished, seconds the request spent in the engine process
-    (receipt of its first sample to the message that finished it).
+    (receipt of its first sample to the message that finished it). ``external_id``: the
+    id its client knows it by (its response's id), which ``AsyncLLM.abort_requests``
+    takes; the request id unless the server set another.
 
     A reader that falls behind the engine (a slow client, an event loop busy with many
     streams) gets what arrived meanwhile as one output, as in vLLM: DELTA outputs are
@@ -74,6 +76,7 @@ class RequestStream:
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         self.request_id = request_id
+        self.external_id = request_id
         self.child_ids = child_ids
         self.prompt_token_ids = prompt_token_ids or []  # as processed (template, truncation)
         self.engine_arrival: float | None = None  # time.monotonic() in the engine process
@@ -504,6 +507,27 @@ class AsyncLLM:
         self.admission.publish()
         if child_ids and self.client.is_alive:
             await self.client.send(EngineCoreRequestType.ABORT, child_ids)
+
+    async def abort_requests(self, external_ids: Collection[str] | None = None) -> int:
+        """Stop the in-flight requests whose ``external_id`` is in ``external_ids`` (None
+        or empty: every one), as vLLM's /abort_requests routes do: each stream's reader
+        gets a last output with finish_reason ``abort`` (a non-streaming response still
+        answers, with what it had), and the core frees their blocks. Returns how many."""
+        wanted = set(external_ids or ())
+        streams = [s for s in self._streams.values() if not wanted or s.external_id in wanted]
+        children = [c for s in streams for c in self.output_processor.child_ids(s.request_id)]
+        ends = [EngineCoreOutput(c, [], finish_reason=FinishReason.ABORT) for c in children]
+        results, _ = self.output_processor.process_outputs(ends)
+        for out in results:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                if out.finished:
+                    self._forget(out.request_id)
+                stream.put(out)
+        self.admission.publish()
+        if children and self.client.is_alive:
+            await self.client.send(EngineCoreRequestType.ABORT, children)
+        return len(streams)
 
     def _forget(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

@@ -1,0 +1,286 @@
+"""Tokens in, tokens out: vLLM's ``POST /inference/v1/generate`` and the ``/render``
+routes that produce its body (docs/serving.md, "Tokens in, tokens out").
+
+A client (an RL trainer, a router, an agent framework that keeps its own token history)
+sends the prompt as token ids and the sampling parameters as vLLM's ``SamplingParams``
+fields; the server runs them as they are (no chat template, no generation-config
+defaults but ``max_tokens``' context bound) and answers token ids, optionally the text.
+``/v1/chat/completions/render`` and its siblings answer exactly such a body for a chat,
+completion, Messages or Responses request, so a render then a generate runs what the
+original request would have run. Strict types, as the OpenAI routes: a field or a
+sampling parameter this server does not take is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
+
+from vllm.entrypoints.openai.protocol import (
+    AGENT_FIELDS,
+    MAX_REQUEST_ID,
+    RepetitionDetection,
+    StreamOptions,
+)
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import (
+    RepetitionDetectionParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+# --enable-scale-out's routes (403 without it; chat's /render is always served).
+SCALE_OUT_PATHS = (GENERATE_PATH, ABORT_PATH, "/v1/completions/render", "/v1/messages/render",
+                   "/v1/responses/render")  # fmt: skip
+
+# SamplingParams' fields a client sets (the rest the engine or the front end fills).
+SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
+    "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens",
+    "detokenize", "include_stop_str_in_output", "stream_interval", "extra_args",
+    "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens", "truncation_side", "spaces_between_special_tokens",
+    "repetition_detection", "thinking_token_budget", "thinking_end_token_ids",
+)  # fmt: skip
+
+
+class StructuredOutputs(BaseModel):
+    """``SamplingParams.structured_outputs`` (exactly one constraint)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    after_reasoning: str | None = None
+
+
+class GenerateSamplingParams(BaseModel):
+    """vLLM's ``SamplingParams`` as JSON. Unset fields take SamplingParams' own defaults
+    (``max_tokens`` unset: up to the model's context), not the model's generation config:
+    a tokens client sends what it wants run. ``logit_bias`` keys are token ids as JSON
+    strings. ``extra_args`` carries the agent metadata (``job_id``, ``is_last_step``) as
+    on the other routes. A field vLLM has and this engine does not (``logits_processors``,
+    ``output_kind``, ...) is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    include_stop_str_in_output: bool = False
+    stream_interval: int | None = Field(default=None, ge=1)
+    extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] = "left"
+    spaces_between_special_tokens: bool = True
+    repetition_detection: RepetitionDetection | None = None
+    # With a budget, the token sequences that end the reasoning (the first is forced): the
+    # chat route derives them from --reasoning-parser, and /render sends them.
+    thinking_token_budget: int | None = None
+    thinking_end_token_ids: list[list[int]] | None = None
+
+    def to_sampling_params(
+        self, stream: bool, extra_args: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """The engine's params (``VLLMValidationError`` naming ``sampling_params.<field>``
+        for a value out of range); ``extra_args`` in place of the field's."""
+        values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        values["extra_args"] = extra_args
+        values["thinking_end_token_ids"] = self.thinking_end_token_ids or []
+        if self.logit_bias is not None:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.isdigit():
+                    raise VLLMValidationError(
+                        f"logit_bias keys must be token ids, got {key!r}",
+                        "sampling_params.logit_bias",
+                    )
+                bias[int(key)] = min(100.0, max(-100.0, value))
+            values["logit_bias"] = bias
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True)
+            values["structured_outputs"] = _named(StructuredOutputsParams, fields)
+        if self.repetition_detection is not None:
+            fields = self.repetition_detection.model_dump()
+            values["repetition_detection"] = _named(RepetitionDetectionParams, fields)
+        values["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        return _named(SamplingParams, values)
+
+    @classmethod
+    def from_sampling_params(cls, params: SamplingParams) -> dict[str, Any]:
+        """What ``params`` would be sent as (the /render routes' ``sampling_params``):
+        every field a client sets, defaults left out."""
+        body: dict[str, Any] = {}
+        defaults = SamplingParams()
+        for name in SAMPLING_FIELDS:
+            value = getattr(params, name)
+            if value == getattr(defaults, name) and name != "max_tokens":
+                continue
+            if name == "logit_bias" and value is not None:
+                value = {str(k): v for k, v in value.items()}
+            elif name == "structured_outputs" and value is not None:
+                value = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+            elif name == "repetition_detection" and value is not None:
+                value = dataclasses.asdict(value)
+            body[name] = value
+        return body
+
+
+def _named(kind: type, values: dict[str, Any]) -> Any:
+    """``kind(**values)``, its ``VLLMValidationError`` naming ``sampling_params.<field>``."""
+    try:
+        return kind(**values)
+    except VLLMValidationError as e:
+        if e.param and not e.param.startswith("sampling_params"):
+            e.param = f"sampling_params.{e.param}"
+        raise
+
+
+def generate_body(
+    token_ids: list[int],
+    params: SamplingParams,
+    model: str,
+    *,
+    request_id: str | None = None,
+    stream: bool = False,
+    stream_options: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
+    priority: int = 0,
+    return_token_ids: bool | None = None,
+) -> dict[str, Any]:
+    """The /inference/v1/generate body that runs ``token_ids`` with ``params``: what the
+    /render routes answer."""
+    body: dict[str, Any] = {
+        "token_ids": token_ids,
+        "sampling_params": GenerateSamplingParams.from_sampling_params(params),
+        "model": model,
+        "stream": stream,
+        "priority": priority,
+    }
+    optional = {
+        "request_id": request_id,
+        "stream_options": stream_options,
+        "cache_salt": cache_salt,
+        "return_token_ids": return_token_ids,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body
+
+
+class GenerateRequest(BaseModel):
+    """The body of ``POST /inference/v1/generate`` (vLLM's ``GenerateRequest``).
+
+    ``request_id``: the response's ``request_id`` is ``generate-tokens-<it>`` (an
+    ``X-Request-Id`` header wins), the id ``/inference/v1/abort_requests`` takes.
+    ``output_mode``: ``tokens`` (token ids only) or ``text`` (with the text, and logprobs
+    with token strings). ``return_token_ids``: the prompt's ids in the response (in a
+    stream's first chunk). ``job_id`` / ``is_last_step``: the agent metadata, as on the
+    other routes (also in ``sampling_params.extra_args``).
+
+    Taken and refused (a 400 naming it) unless empty: the multimodal ``features`` and
+    ``content_parts``, the disaggregation ``kv_transfer_params`` and
+    ``ec_transfer_params``, ``reasoning_ended`` and ``reasoning_parser_kwargs``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID)
+    token_ids: list[int] = Field(min_length=1)
+    # /render's char offsets of each token in its source text: informational, not used.
+    token_offsets: list[tuple[int, int]] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    model: str | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    return_token_ids: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    priority: int = 0
+    job_id: StrictStr | None = None
+    is_last_step: bool | None = None
+    features: dict[str, Any] | None = None
+    content_parts: list[dict[str, Any]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+
+    @field_validator("token_ids")
+    @classmethod
+    def _non_negative(cls, ids: list[int]) -> list[int]:
+        if any(t < 0 for t in ids):
+            raise VLLMValidationError("token_ids must not contain negative values", "token_ids")
+        return ids
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> GenerateRequest:
+        refused = {
+            "features": "multimodal inputs",
+            "content_parts": "multimodal inputs",
+            "kv_transfer_params": "KV transfer (disaggregated prefill)",
+            "ec_transfer_params": "encoder-cache transfer",
+            "reasoning_ended": "the reasoning state",
+            "reasoning_parser_kwargs": "the reasoning state",
+        }
+        for name, what in refused.items():
+            if getattr(self, name):
+                raise VLLMValidationError(
+                    f"{name} is not supported yet ({what} on the tokens route)", name
+                )
+        if self.output_mode == "text" and not self.sampling_params.detokenize:
+            raise VLLMValidationError(
+                "output_mode 'text' needs sampling_params.detokenize true", "output_mode"
+            )
+        # The agent metadata once, at the top level (which wins), as the headers expect.
+        extra = self.sampling_params.extra_args or {}
+        if self.job_id is None and isinstance(extra.get("job_id"), str):
+            self.job_id = extra["job_id"]
+        if self.is_last_step is None and isinstance(extra.get("is_last_step"), bool):
+            self.is_last_step = extra["is_last_step"]
+        return self
+
+    def sampling(self) -> SamplingParams:
+        """The engine's params, the agent metadata folded into ``extra_args`` (the top
+        level wins over ``sampling_params.extra_args``)."""
+        extra = dict(self.sampling_params.extra_args or {})
+        for name in AGENT_FIELDS:
+            if getattr(self, name) is not None:
+                extra[name] = getattr(self, name)
+        return self.sampling_params.to_sampling_params(self.stream, extra or None)
+
+
+class AbortRequestsRequest(BaseModel):
+    """``POST /inference/v1/abort_requests``: the ``request_id`` of each request to stop,
+    as its response named it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    request_ids: list[StrictStr] = Field(max_length=4096)
