@@ -27,6 +27,7 @@ def served(tmp_path_factory):
     server = RemoteServer(
         "--model", model, "--served-model-name", "tiny", "--max-model-len", "300",
         "--enable-scale-out", log_path=str(path / "server.log"),
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # and dev mode's /abort_requests
     )  # fmt: skip
     try:
         yield server, get_tokenizer(model)
@@ -146,9 +147,54 @@ def test_abort_requests_ends_a_request_by_its_request_id(served):
     # Unknown ids are skipped; the server goes on.
     none = post(server, "inference/v1/abort_requests", {"request_ids": ["nobody"]})
     assert none.json()["aborted"] == 0
+    # Dev mode's /abort_requests (vLLM's RL route): no ids stops every request.
+    got.clear()
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline, aborted = time.monotonic() + 30, {"aborted": 0}
+    while aborted["aborted"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        aborted = post(server, "abort_requests", {}).json()
+    reader.join(30)
+    assert aborted["aborted"] == 1 and got[-1]["choices"][0]["finish_reason"] == "abort"
     again = post(server, "inference/v1/generate", {"token_ids": [1, 2, 3],
                  "sampling_params": GREEDY})  # fmt: skip
     assert again.status_code == 200 and len(again.json()["choices"][0]["token_ids"]) == 6
+
+
+def test_render_generate_derender_answers_what_the_route_answers(served):
+    server, _ = served
+    first = post(server, "v1/chat/completions", {"messages": MESSAGES, **GREEDY, "max_tokens": 12})
+    content = first.json()["choices"][0]["message"]["content"]
+    stop = content[4:7]  # ends the reply inside its text: the cut comes back the same
+    for extra in ({}, {"stop": [stop]}, {"logprobs": True, "top_logprobs": 2}):
+        chat = {"messages": MESSAGES, **GREEDY, "max_tokens": 12, **extra}
+        expected = post(server, "v1/chat/completions", chat).json()
+        body = post(server, "v1/chat/completions/render", chat).json()
+        out = post(server, "inference/v1/generate", body).json()
+        back = post(server, "v1/chat/completions/derender",
+                    {"generate_response": out, "prompt_token_ids": body["token_ids"],
+                     "chat_request": chat}).json()  # fmt: skip
+        for key in ("choices", "usage", "model", "object"):
+            assert back[key] == expected[key], (extra, key)
+    assert expected["choices"][0]["logprobs"] is not None
+    prompts = {"prompt": ["Hello there", "Bye now"], **GREEDY, "logprobs": 1}
+    expected = post(server, "v1/completions", prompts).json()
+    bodies = post(server, "v1/completions/render", prompts).json()
+    outs = [post(server, "inference/v1/generate", b).json() for b in bodies]
+    back = post(server, "v1/completions/derender",
+                {"generate_responses": outs, "completion_request": prompts,
+                 "prompt_token_ids": [b["token_ids"] for b in bodies]}).json()  # fmt: skip
+    for got, want in zip(back["choices"], expected["choices"], strict=True):
+        # The route ran both prompts in one batch, generate one at a time: the logprobs
+        # agree to float error, the rest exactly.
+        got_lp, want_lp = got.pop("logprobs"), want.pop("logprobs")
+        assert got == want and got_lp["tokens"] == want_lp["tokens"]
+        assert got_lp["token_logprobs"] == pytest.approx(want_lp["token_logprobs"], abs=1e-3)
+    assert back["usage"]["prompt_tokens"] == sum(len(b["token_ids"]) for b in bodies)
+    bad = post(server, "v1/chat/completions/derender",
+               {"generate_response": outs[0], "chat_request": {"messages": "x"}})  # fmt: skip
+    assert bad.status_code == 400 and "chat_request" in bad.json()["error"]["param"]
 
 
 @pytest.mark.parametrize(

@@ -53,9 +53,14 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.protocol_generate import (
     ABORT_PATH,
+    CHAT_DERENDER_PATH,
+    COMPLETION_DERENDER_PATH,
     GENERATE_PATH,
     SCALE_OUT_PATHS,
+    AbortAllRequest,
     AbortRequestsRequest,
+    DerenderChatRequest,
+    DerenderCompletionRequest,
     GenerateRequest,
 )
 from vllm.entrypoints.openai.responses_store import ResponseStore, SharedResponseStore
@@ -261,7 +266,7 @@ PROFILE_PATHS = ("/start_profile", "/stop_profile")  # with --profiler-config
 RESET_PREFIX_CACHE = "/reset_prefix_cache"  # with VLLM_SERVER_DEV_MODE=1
 # VLLM_SERVER_DEV_MODE=1's routes that change what the engine runs or holds.
 DEV_PATHS = (RESET_PREFIX_CACHE, "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume",
-             "/is_paused")  # fmt: skip
+             "/is_paused", "/abort_requests")  # fmt: skip
 GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS, *DEV_PATHS,
                      *POOLING_PATHS, GENERATE_PATH, ABORT_PATH})  # fmt: skip
 
@@ -378,6 +383,7 @@ def build_app(
         return await chat_serving.render_chat(request)
 
     tokens_serving = OpenAIServingTokens(engine, model_name, stats, args, state, models)
+    tokens_serving.chat, tokens_serving.completions = chat_serving, completion_serving
     _add_scale_out_routes(app, args, tokens_serving, completion_serving)
 
     @app.post("/v1/completions", responses=openapi.GENERATE_RESPONSES)
@@ -505,6 +511,13 @@ def build_app(
         @app.get("/is_paused", responses=pause_responses)
         async def is_paused():
             return {"is_paused": await engine.is_paused()}
+
+        @app.post("/abort_requests", responses=openapi.ABORT_RESPONSES)
+        async def abort_all(request: AbortAllRequest | None = None):
+            """vLLM's RL route: stop the requests whose responses' ids are listed, or, with
+            none, every request in flight (each ends with finish_reason abort)."""
+            ids = None if request is None else request.request_ids
+            return await tokens_serving.abort(ids or None)
 
     tokenization = OpenAIServingTokenization(
         chat_serving, vllm_config.scheduler_config.max_model_len
@@ -635,6 +648,17 @@ def _add_scale_out_routes(
     async def completion_render(request: CompletionRequest, raw: Request):
         read_headers(request, raw.headers, args.max_job_id_length)
         return await completions.render_completion(request)
+
+    @app.post(CHAT_DERENDER_PATH, responses=openapi.DERENDER_RESPONSES)
+    async def chat_derender(request: DerenderChatRequest):
+        """A tokens-mode generate response read back as the chat route reads its output
+        (tool calls, reasoning), per the chat request /render was given."""
+        return await tokens.derender_chat(request)
+
+    @app.post(COMPLETION_DERENDER_PATH, responses=openapi.DERENDER_RESPONSES)
+    async def completion_derender(request: DerenderCompletionRequest):
+        """Generate responses (one per prompt) read back as the completions route's."""
+        return await tokens.derender_completion(request)
 
 
 def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:

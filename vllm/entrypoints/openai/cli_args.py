@@ -193,8 +193,9 @@ class FrontendArgs:
         "Serve vLLM's scale-out routes: POST /inference/v1/generate (tokens in, tokens "
         "out), /inference/v1/abort_requests, and /v1/completions/render, "
         "/v1/messages/render and /v1/responses/render (the generate body a request would "
-        "run as); off: they answer 403. /v1/chat/completions/render is always served "
-        "(vllm-router's cache_aware needs it).",
+        "run as), /v1/chat/completions/derender and /v1/completions/derender (its output "
+        "read back as those routes would); off: they answer 403. "
+        "/v1/chat/completions/render is always served (vllm-router's cache_aware needs it).",
     )
     disable_log_stats: bool = config_field(
         False,

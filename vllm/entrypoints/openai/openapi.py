@@ -138,6 +138,15 @@ GENERATE_TOKENS_RESPONSES: dict[int | str, dict[str, Any]] = {
     **{k: v for k, v in GENERATE_RESPONSES.items() if k != 200},
 }
 
+DERENDER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The chat.completion (or text_completion) the route would have "
+        "answered for the generate response's token ids.",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+    **_RENDER_ERRORS,
+}
+
 ABORT_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "How many in-flight requests were stopped (finish_reason abort).",

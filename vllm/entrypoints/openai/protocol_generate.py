@@ -35,8 +35,11 @@ from vllm.sampling_params import (
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
 # --enable-scale-out's routes (403 without it; chat's /render is always served).
+CHAT_DERENDER_PATH = "/v1/chat/completions/derender"
+COMPLETION_DERENDER_PATH = "/v1/completions/derender"
 SCALE_OUT_PATHS = (GENERATE_PATH, ABORT_PATH, "/v1/completions/render", "/v1/messages/render",
-                   "/v1/responses/render")  # fmt: skip
+                   "/v1/responses/render", CHAT_DERENDER_PATH,
+                   COMPLETION_DERENDER_PATH)  # fmt: skip
 
 # SamplingParams' fields a client sets (the rest the engine or the front end fills).
 SAMPLING_FIELDS = (
@@ -284,3 +287,81 @@ class AbortRequestsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     request_ids: list[StrictStr] = Field(max_length=4096)
+
+
+class AbortAllRequest(BaseModel):
+    """Dev mode's ``POST /abort_requests`` (vLLM's RL route): as the tokens route's, but
+    no ids (or an empty list) stops every request in flight."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    request_ids: list[StrictStr] | None = Field(default=None, max_length=4096)
+
+
+class GeneratedChoice(BaseModel):
+    """One choice of a tokens-mode /inference/v1/generate response, as /derender takes
+    it back (its other fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    index: int = Field(ge=0)
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class GeneratedResponse(BaseModel):
+    """A tokens-mode /inference/v1/generate response, as /derender takes it back."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    request_id: StrictStr
+    output_mode: Literal["tokens"] = "tokens"
+    choices: list[GeneratedChoice] = Field(min_length=1)
+    prompt_token_ids: list[int] | None = None
+    usage: dict[str, Any] | None = None
+
+
+class DerenderChatRequest(BaseModel):
+    """``POST /v1/chat/completions/derender`` (vLLM's): a generate response read back as
+    the chat route reads its output (``chat_request``: the request /render was given; its
+    tools, tool_choice, response_format and reasoning settings decide the parsing; none:
+    the server's defaults). ``prompt_token_ids`` / ``prompt_tokens``: the prompt's ids
+    (they seed the detokenization) and count (the usage), else the response's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    stream: Literal[False] = False
+    model: str | None = None
+    generate_response: GeneratedResponse
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    prompt_token_ids: list[int] | None = None
+    chat_request: dict[str, Any] | None = None
+
+
+class DerenderCompletionRequest(BaseModel):
+    """``POST /v1/completions/derender`` (vLLM's): one generate response per prompt of
+    the completion request /render was given, read back as the completions route reads
+    its outputs (choice ``i * n + j``: prompt ``i``'s choice ``j``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    stream: Literal[False] = False
+    model: str | None = None
+    generate_responses: list[GeneratedResponse] = Field(min_length=1, max_length=4096)
+    prompt_tokens: list[int] | None = None
+    prompt_token_ids: list[list[int] | None] | None = None
+    completion_request: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _parallel(self) -> DerenderCompletionRequest:
+        for name in ("prompt_tokens", "prompt_token_ids"):
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.generate_responses):
+                raise VLLMValidationError(
+                    f"{name} must have one entry per generate response "
+                    f"({len(self.generate_responses)}), got {len(value)}",
+                    name,
+                )
+        return self

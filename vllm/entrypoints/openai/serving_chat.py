@@ -325,6 +325,21 @@ class OpenAIServingChat(OpenAIServing):
                 self._stream(request, plan, stream, request_id, created, received), stream
             )
 
+        def body(final: RequestOutput) -> dict:
+            return self.reply_body(request, plan, final, request_id, created)
+
+        return await self.respond_json(stream, body, received, receive)
+
+    def reply_body(
+        self,
+        request: ChatCompletionRequest,
+        plan: ToolPlan,
+        final: RequestOutput,
+        request_id: str,
+        created: int,
+    ) -> dict:
+        """The chat.completion object of ``final`` (the reply read as ``plan`` says: tool
+        calls, reasoning): the non-streaming response, and /v1/chat/completions/derender's."""
         hide, as_ids = plan.hides_reasoning, self.tokens_as_ids(request)
         echo = request.echoed_text(plan.role)
 
@@ -343,24 +358,21 @@ class OpenAIServingChat(OpenAIServing):
                 out["token_ids"] = None if hide else c.token_ids
             return out
 
-        def body(final: RequestOutput) -> dict:
-            choices = [choice(c) for c in final.outputs]
-            usage = self.usage([final]).model_dump()
-            self._count_reasoning(usage, request, plan, [c.token_ids for c in final.outputs])
-            out = {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.response_model(request.model),
-                "choices": choices,
-                "usage": usage,
-                "prompt_logprobs": self.prompt_logprobs(final.prompt_logprobs),  # vLLM's
-            }
-            if request.return_token_ids:
-                out["prompt_token_ids"] = final.prompt_token_ids
-            return out
-
-        return await self.respond_json(stream, body, received, receive)
+        choices = [choice(c) for c in final.outputs]
+        usage = self.usage([final]).model_dump()
+        self._count_reasoning(usage, request, plan, [c.token_ids for c in final.outputs])
+        out = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.response_model(request.model),
+            "choices": choices,
+            "usage": usage,
+            "prompt_logprobs": self.prompt_logprobs(final.prompt_logprobs),  # vLLM's
+        }
+        if request.return_token_ids:
+            out["prompt_token_ids"] = final.prompt_token_ids
+        return out
 
     async def _beam_search(
         self, request: ChatCompletionRequest, request_id, engine_id, created, receive

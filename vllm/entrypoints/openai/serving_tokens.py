@@ -3,7 +3,8 @@
 ``SamplingParams`` as sent and answers token ids (``output_mode: "text"``: the text too);
 ``POST /inference/v1/abort_requests`` stops requests by the ``request_id`` their responses
 named. The ``/render`` routes (``generate_body``) answer the body a chat, completion,
-Messages or Responses request would run as here.
+Messages or Responses request would run as here, and the ``/derender`` routes read a
+generate response back as the chat or completions route reads its outputs.
 
 A client that leaves aborts its request; a stream ends with ``[DONE]``, an error after
 the first chunk comes in-band, as on the OpenAI routes.
@@ -16,16 +17,26 @@ from types import SimpleNamespace
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
-from vllm.entrypoints.openai.protocol import now_s
-from vllm.entrypoints.openai.protocol_generate import GenerateRequest
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now_s
+from vllm.entrypoints.openai.protocol_generate import (
+    DerenderChatRequest,
+    DerenderCompletionRequest,
+    GeneratedResponse,
+    GenerateRequest,
+)
 from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, OpenAIServing, Receive
 from vllm.exceptions import VLLMValidationError
-from vllm.outputs import CompletionOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.v1.outputs import TokenLogprobs
 
 RESPONSE_PREFIX = "generate-tokens"  # vLLM's: the response's request_id is <this>-<name>
 NO_LOGPROB = -9999.0  # OpenAI's floor for -inf, as vLLM's shapes clamp it
+# Prompt tokens decoded ahead of an output read back (/derender): its first token keeps the
+# leading space a SentencePiece tokenizer gives it only after other text.
+SEED_TOKENS = 6
 
 
 def _clamp(logprob: float) -> float:
@@ -33,6 +44,12 @@ def _clamp(logprob: float) -> float:
 
 
 class OpenAIServingTokens(OpenAIServing):
+    """The tokens routes; ``chat`` and ``completions``: the routes whose requests the
+    /derender routes read outputs back for (set by the app)."""
+
+    chat: Any = None
+    completions: Any = None
+
     def _check(self, request: GenerateRequest, params: SamplingParams) -> None:
         """The server's limits (as on the OpenAI routes), named as the body names them."""
         shim = SimpleNamespace(
@@ -178,3 +195,159 @@ class OpenAIServingTokens(OpenAIServing):
         """Stop the requests named (None: every one in flight)."""
         count = await self.engine.abort_requests(request_ids)
         return {"status": "aborted", "aborted": count}
+
+    # -- /derender --------------------------------------------------------------------
+    def _decoded(
+        self, response: GeneratedResponse, params: SamplingParams, prompt_ids: list[int]
+    ) -> list[CompletionOutput]:
+        """Each choice's outputs as the engine would have given them: the text decoded
+        after the prompt's last tokens, cut before the stop string that ended it (unless
+        the request keeps it), its logprobs as the engine's."""
+        self.require_tokenizer("derendering (token ids to text)", "generate_response")
+        skip = params.skip_special_tokens
+        tail = list(prompt_ids[-SEED_TOKENS:])
+        prefix = self.engine.decode(tail, skip) if tail else ""
+        outputs = []
+        for c in response.choices:
+            text = self.engine.decode(tail + c.token_ids, skip)
+            text = (
+                text[len(prefix) :]
+                if text.startswith(prefix)
+                else self.engine.decode(c.token_ids, skip)
+            )
+            stop = c.stop_reason
+            if c.finish_reason == "stop" and isinstance(stop, str) and stop:
+                cut = text.find(stop)
+                if cut >= 0 and not params.include_stop_str_in_output:
+                    text = text[:cut]
+            outputs.append(
+                CompletionOutput(
+                    c.index, text, list(c.token_ids), None, _engine_logprobs(c.logprobs),
+                    c.finish_reason, stop,
+                )
+            )  # fmt: skip
+        return outputs
+
+    async def derender_chat(self, body: DerenderChatRequest) -> dict[str, Any]:
+        """The chat.completion the chat route would have answered for these outputs."""
+        raw = body.chat_request or {"messages": [{"role": "user", "content": ""}]}
+        request = _validated(ChatCompletionRequest, raw, "chat_request")
+        if body.model is not None:
+            request.model = body.model
+        plan, _, params = await self.chat._prepare(request)
+        response = body.generate_response
+        prompt_ids = body.prompt_token_ids or response.prompt_token_ids or []
+        outputs = self._decoded(response, params, prompt_ids)
+        final = RequestOutput(
+            response.request_id, None, list(prompt_ids), outputs, True, _cached(response)
+        )
+        reply = self.chat.reply_body(request, plan, final, response.request_id, now_s())
+        _count_prompt(reply["usage"], body.prompt_tokens, prompt_ids, response)
+        return reply
+
+    async def derender_completion(self, body: DerenderCompletionRequest) -> dict[str, Any]:
+        """The text_completion the completions route would have answered for these
+        outputs (one generate response per prompt, in order)."""
+        raw = body.completion_request or {"prompt": ""}
+        request = _validated(CompletionRequest, raw, "completion_request")
+        if body.model is not None:
+            request.model = body.model
+        completions = self.completions
+        completions.check_request(request)
+        if request.echo and request.logprobs is not None:
+            raise VLLMValidationError(
+                "echo with logprobs needs the prompt's logprobs, which a generate response "
+                "read back does not carry",
+                "completion_request.echo",
+            )
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        params = request.to_sampling_params(
+            max_tokens, request.logprobs, False, self.default_sampling_params
+        )
+        as_ids = self.tokens_as_ids(request)
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        cached = sum(_cached(r) for r in body.generate_responses)
+        for i, response in enumerate(body.generate_responses):
+            given = body.prompt_token_ids[i] if body.prompt_token_ids else None
+            prompt_ids = given or response.prompt_token_ids or []
+            if request.echo and not prompt_ids:
+                raise VLLMValidationError(
+                    f"echo needs generate response {i}'s prompt: send prompt_token_ids",
+                    "prompt_token_ids",
+                )
+            echo = completions._echo_text(prompt_ids) if request.echo else ""
+            for c in self._decoded(response, params, prompt_ids):
+                choices.append(
+                    {
+                        "index": i * request.n + c.index,
+                        "text": echo + c.text,
+                        "logprobs": completions._logprobs(c, as_ids=as_ids),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                        "prompt_logprobs": None,  # not in a generate response read back
+                        **completions._token_ids(request, prompt_ids, c.token_ids),
+                    }
+                )
+                usage["completion_tokens"] += len(c.token_ids)
+            counted = {"prompt_tokens": 0}
+            given_count = body.prompt_tokens[i] if body.prompt_tokens else None
+            _count_prompt(counted, given_count, prompt_ids, response)
+            usage["prompt_tokens"] += counted["prompt_tokens"]
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return {
+            "id": body.generate_responses[0].request_id,
+            "object": "text_completion",
+            "created": now_s(),
+            "model": self.response_model(request.model),
+            "choices": choices,
+            "usage": usage,
+        }
+
+
+def _engine_logprobs(logprobs: dict[str, Any] | None) -> list[TokenLogprobs] | None:
+    """A tokens-mode response's logprobs as the engine's (``TokenLogprobs``)."""
+    if not logprobs or logprobs.get("content") is None:
+        return None
+    try:
+        return [
+            TokenLogprobs(
+                int(e["token_id"]), float(e["logprob"]), int(e.get("rank") or 0),
+                [(int(t["token_id"]), float(t["logprob"])) for t in e.get("top_logprobs", [])],
+            )
+            for e in logprobs["content"]
+        ]  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise VLLMValidationError(
+            f"generate_response logprobs are malformed: {e!r}", "generate_response"
+        ) from None
+
+
+def _cached(response: GeneratedResponse) -> int:
+    """The prompt tokens the generate response's usage says the prefix cache served."""
+    details = (response.usage or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    return cached if isinstance(cached, int) else 0
+
+
+def _validated(model: type, raw: dict[str, Any], name: str) -> Any:
+    """``model`` validated from ``raw``, its errors a 400 naming ``name.<field>``."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise VLLMValidationError(
+            f"{name}: {where}: {first['msg']}", f"{name}.{where}" if where else name
+        ) from None
+
+
+def _count_prompt(
+    usage: dict[str, Any], given: int | None, prompt_ids: list[int], response: GeneratedResponse
+) -> None:
+    """The usage's prompt tokens: the count given, else the prompt's ids, else the
+    generate response's own usage."""
+    if given is None:
+        given = len(prompt_ids) if prompt_ids else (response.usage or {}).get("prompt_tokens", 0)
+    usage["prompt_tokens"] = given
+    usage["total_tokens"] = given + usage.get("completion_tokens", 0)
