@@ -65,6 +65,7 @@ from vllm.entrypoints.openai.protocol_generate import (
 )
 from vllm.entrypoints.openai.responses_store import ResponseStore, SharedResponseStore
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_chat_batch import add_batch_chat_route
 from vllm.entrypoints.openai.serving_classify import (
     POOLING_PATHS,
     OpenAIServingClassification,
@@ -274,7 +275,7 @@ GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS, *
 # The routes that run the model (--enable-server-load-tracking counts them, as vLLM's).
 LOAD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
                         "/v1/messages", INVOCATIONS, GENERATE_PATH, *POOLING_PATHS,
-                        *SCORE_PATHS, *RERANK_PATHS})  # fmt: skip
+                        *SCORE_PATHS, *RERANK_PATHS, "/v1/chat/completions/batch"})  # fmt: skip
 
 
 def is_load_path(path: str) -> bool:
@@ -376,6 +377,8 @@ def build_app(
         return await chat_serving.create_chat_completion(
             request, raw.scope.get(RECEIVED_KEY), raw.receive
         )
+
+    add_batch_chat_route(app, chat_serving, RECEIVED_KEY, log_requests)  # vLLM's batch chat
 
     @app.post("/v1/chat/completions/render", responses=openapi.RENDER_RESPONSES)
     async def chat_render(request: ChatCompletionRequest, raw: Request):
