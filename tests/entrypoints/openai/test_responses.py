@@ -123,7 +123,7 @@ def test_an_output_without_its_call_is_a_400():
         ("reasoning", {"effort": None, "summary": "auto"}),
         ("reasoning", {"effort": "low", "generate_summary": "concise"}),
         ("include", ["message.output_text.logprobs"]),
-        ("background", True),
+        ("background", "true"),  # strict: a JSON boolean
         ("conversation", "conv_1"),
         ("truncation", "auto"),
         ("prompt", {"id": "pmpt_1"}),
@@ -469,7 +469,7 @@ def test_store_false_is_not_retrievable_nor_continuable(client):
     [
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

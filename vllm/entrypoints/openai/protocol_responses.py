@@ -35,7 +35,6 @@ TEXT_PARTS = ("input_text", "output_text", "text")  # "text": as chat's own part
 # Responses parameters this server does not implement, and the values that ask for
 # nothing (clients sending defaults still work). Anything else is a 400 naming the field.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "background": _is_off,
     "background_options": _is_off,
     "conversation": _is_off,
     "include": _is_off,
@@ -109,6 +108,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: StrictStr | None = None
     store: bool | None = None
     stream: bool = False
+    background: bool | None = None  # true: run as a task, answered at once (needs store)
     metadata: dict[str, str] | None = None
     text: dict[str, Any] | None = None
     user: str | None = None
@@ -135,6 +135,12 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
         refuse_extras(self.model_extra or {}, UNSUPPORTED, "Responses")
+        if self.background and not self.stored:
+            raise VLLMValidationError(
+                "background=true needs store=true: a background response is retrieved "
+                "from the store",
+                "background",
+            )
         if self.metadata is not None:
             _check_metadata(self.metadata)
         return self
@@ -487,3 +493,11 @@ class InputItemsQuery(BaseModel):
     after: str | None = None
     limit: int = Field(default=20, ge=1, le=100)
     order: Literal["asc", "desc"] = "desc"
+
+
+class RetrieveQuery(BaseModel):
+    """``GET /v1/responses/{id}``'s query: ``stream`` replays a background streamed
+    response's events, from the one after sequence number ``starting_after``."""
+
+    stream: bool = False
+    starting_after: int | None = Field(default=None, ge=0)

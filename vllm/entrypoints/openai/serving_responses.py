@@ -23,13 +23,14 @@ policy parses the output's tool call).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from vllm.entrypoints.openai import openapi
@@ -38,6 +39,7 @@ from vllm.entrypoints.openai.protocol import ChatCompletionRequest, ErrorRespons
 from vllm.entrypoints.openai.protocol_responses import (
     InputItemsQuery,
     ResponsesRequest,
+    RetrieveQuery,
     chat_response_format,
     chat_tool_choice,
     chat_tools,
@@ -46,6 +48,7 @@ from vllm.entrypoints.openai.protocol_responses import (
     normalize_input,
     output_items,
 )
+from vllm.entrypoints.openai.responses_background import CANCEL_POLL_S, EventLogs
 from vllm.entrypoints.openai.responses_store import (
     ResponseStore,
     SharedResponseStore,
@@ -70,6 +73,7 @@ logger = logging.getLogger(__name__)
 # The engine's finish reason -> the response's status (its items: "incomplete" unless
 # the response completed).
 _STATUS = {"length": "incomplete", "abort": "cancelled"}
+_RUNNING = ("queued", "in_progress")  # a background response's states before its last
 DEFAULT_TEMPERATURE = SamplingParams().temperature
 
 
@@ -86,6 +90,8 @@ class OpenAIServingResponses:
     ) -> None:
         self.chat = chat
         self.store = ResponseStore() if store is None else store  # an empty store is falsy
+        self.background: dict[str, tuple[_Turn, asyncio.Task]] = {}  # running, by id
+        self.event_logs = EventLogs()
 
     # -- create ---------------------------------------------------------------------------
     async def create_response(
@@ -111,6 +117,8 @@ class OpenAIServingResponses:
         except VLLMValidationError as e:
             raise renamed(e, ResponsesRequest.FIELD_NAMES) from e
         turn = _Turn(request, response_id, int(time.time()), items, job_id, chat_request)
+        if request.background:
+            return await self._start_background(turn, plan, stream)
         if request.stream:
             return EngineStreamingResponse(self._stream(turn, plan, stream, received), stream)
         final = await self.chat.collect(stream, receive)
@@ -153,6 +161,12 @@ class OpenAIServingResponses:
                 "stored with store=false, deleted or evicted, or a response before it was).",
                 "previous_response_id",
                 code="previous_response_not_found",
+            )
+        if chain[-1].response["status"] in _RUNNING:  # a background one: no output yet
+            raise VLLMValidationError(
+                f"Previous response with id {loggable(previous_id)} is still "
+                f"{chain[-1].response['status']}: continue it once it has finished.",
+                "previous_response_id",
             )
         return chain
 
@@ -206,8 +220,27 @@ class OpenAIServingResponses:
         """The final response object, stored if the request asked for it."""
         body = self.response_object(turn, status, output, usage)
         if turn.request.stored:
-            self.store.put(StoredResponse(body, turn.items, turn.job_id))
+            self._store(turn, body)
         return body
+
+    def _failed(self, turn: _Turn, error: Exception, output: list) -> dict[str, Any]:
+        """The response object of a generation that raised ``error``; stored if it ran in
+        the background (a foreground one's client has the error, and nothing is stored)."""
+        logger.warning("responses request %s failed: %r", turn.response_id, error)
+        body = self.response_object(turn, "failed", output, None)
+        body["error"] = {"code": _error_code(error), "message": str(error)}
+        if turn.background:
+            self._store(turn, body)
+        return body
+
+    def _store(self, turn: _Turn, body: dict[str, Any]) -> None:
+        """Store ``body`` as the turn's response, unless it is a background one cancelled
+        meanwhile (here, or by another API server sharing the store): that stays."""
+        if turn.background:
+            current = self.store.get(turn.response_id)
+            if turn.cancelled or (current and current.response["status"] == "cancelled"):
+                return
+        self.store.put(StoredResponse(body, turn.items, turn.job_id))
 
     def usage(self, prompt: int, output: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
         """OpenAI's Responses usage. ``cached``: prompt tokens served from the KV cache
@@ -229,7 +262,7 @@ class OpenAIServingResponses:
         self, turn: _Turn, status: str, output: list, usage: dict | None
     ) -> dict[str, Any]:
         r = turn.request
-        done = status != "in_progress"
+        done = status not in _RUNNING
         return {
             "id": turn.response_id,
             "object": "response",
@@ -240,7 +273,7 @@ class OpenAIServingResponses:
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete"
             else None,
-            "background": False,
+            "background": turn.background,
             "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens,
             "max_tool_calls": r.max_tool_calls,
@@ -267,10 +300,9 @@ class OpenAIServingResponses:
     async def _stream(
         self, turn: _Turn, plan: ToolPlan, stream: RequestStream, received: float | None
     ) -> AsyncIterator[str]:
-        events = ResponseEvents()
-        yield events.lifecycle(
-            "response.created", self.response_object(turn, "in_progress", [], None)
-        )
+        events = turn.events = ResponseEvents()
+        created = "queued" if turn.background else "in_progress"
+        yield events.lifecycle("response.created", self.response_object(turn, created, [], None))
         yield events.lifecycle(
             "response.in_progress", self.response_object(turn, "in_progress", [], None)
         )
@@ -299,23 +331,134 @@ class OpenAIServingResponses:
             yield events.lifecycle(kind, body)
             self.chat.timing(received, stream)
         except Exception as e:  # the status line is sent: the error goes in-band
-            logger.warning("responses stream %s failed: %r", turn.response_id, e)
-            code = "invalid_request" if isinstance(e, ValueError) else "server_error"
-            yield events.event("error", code=code, message=str(e), param=None)
-            failed = self.response_object(turn, "failed", events.items, None)
-            failed["error"] = {"code": code, "message": str(e)}
-            yield events.lifecycle("response.failed", failed)
+            yield events.event("error", code=_error_code(e), message=str(e), param=None)
+            yield events.lifecycle("response.failed", self._failed(turn, e, events.items))
         finally:
             await stream.aclose()  # a client that left: abort its request in the engine
 
-    # -- stored ---------------------------------------------------------------------------
-    def retrieve(self, response_id: str) -> dict[str, Any]:
+    # -- background -----------------------------------------------------------------------
+    async def _start_background(
+        self, turn: _Turn, plan: ToolPlan, stream: RequestStream
+    ) -> Response:
+        """Store the turn ``queued`` and run it as a task: the response object at once,
+        or (``stream``) its events as the task logs them."""
+        queued = self.response_object(turn, "queued", [], None)
+        if not self.store.put(StoredResponse(queued, turn.items, turn.job_id)):
+            await stream.aclose()
+            raise VLLMValidationError(
+                "background=true: the request is too large to store", "background"
+            )
+        log = self.event_logs.new(turn.response_id) if turn.request.stream else None
+        task = asyncio.create_task(
+            self._run_background(turn, plan, stream), name=f"responses {turn.response_id}"
+        )
+        self.background[turn.response_id] = _Background(turn, task, stream)
+        if log is not None:  # not EngineStreamingResponse: a client that leaves aborts nothing
+            return StreamingResponse(log.follow(), media_type="text/event-stream")
+        return JSONResponse(queued)
+
+    async def _run_background(self, turn: _Turn, plan: ToolPlan, stream: RequestStream) -> None:
+        """The task of a background turn. The drain counts it as a request in flight: a
+        shutdown lets it finish within --shutdown-timeout, then ends it (``failed``)."""
+        state = self.chat.state
+        state.active += 1
+        watcher = None
+        if isinstance(self.store, SharedResponseStore):  # another process may cancel it
+            watcher = asyncio.create_task(self._watch_cancel(turn.response_id))
+        try:
+            self._store(turn, self.response_object(turn, "in_progress", [], None))
+            if turn.request.stream:
+                log = self.event_logs.get(turn.response_id)
+                async for event in self._stream(turn, plan, stream, None):
+                    log.append(event)
+            else:
+                try:
+                    final = await self.chat.collect(stream)
+                except Exception as e:
+                    self._failed(turn, e, [])
+                else:
+                    self._finish(turn, plan, final)
+        except asyncio.CancelledError:
+            pass  # cancelled (POST .../cancel, DELETE): the canceller stores the response
+        finally:
+            state.active -= 1
+            if watcher is not None:
+                watcher.cancel()
+            self.background.pop(turn.response_id, None)
+            self.event_logs.finished(turn.response_id)
+            await stream.aclose()  # no-op unless cancelled: aborts the engine request
+
+    async def _watch_cancel(self, response_id: str) -> None:
+        """Stop this process's run of ``response_id`` once the shared store says another
+        API server cancelled (or deleted) it."""
+        while response_id in self.background:
+            await asyncio.sleep(CANCEL_POLL_S)
+            entry = self.store.get(response_id)
+            if entry is None or entry.response["status"] == "cancelled":
+                await self._stop(response_id)
+                return
+
+    async def _stop(self, response_id: str) -> list[dict[str, Any]] | None:
+        """End this process's run of ``response_id`` (its engine request aborted once
+        this returns); the output items it had (None: no run here)."""
+        run = self.background.get(response_id)
+        if run is None:
+            return None
+        run.turn.cancelled = True  # whatever it was about to store stays unstored
+        run.task.cancel()
+        await asyncio.wait({run.task})
+        # A task cancelled before it started ran none of its own clean-up.
+        await run.stream.aclose()
+        self.background.pop(response_id, None)
+        self.event_logs.finished(response_id)
+        items = run.turn.events.items if run.turn.events is not None else []
+        return [
+            {**i, "status": "incomplete"} if i.get("status") == "in_progress" else i for i in items
+        ]
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """POST /v1/responses/{id}/cancel: a queued or running background response ends
+        ``cancelled`` (its output so far kept); one that has finished comes back as it is
+        (OpenAI: cancelling is idempotent); a foreground one is a 400."""
         entry = self.store.get(response_id)
         if entry is None:
             raise not_found(response_id)
-        return entry.response
+        if not entry.response.get("background"):
+            raise VLLMValidationError(
+                "Cannot cancel a synchronous response: only a response created with "
+                "background=true can be cancelled.",
+                "response_id",
+            )
+        if entry.response["status"] not in _RUNNING:
+            return entry.response
+        # Another API server's run (shared store): it sees the mark and stops itself.
+        output = await self._stop(response_id) or []
+        body = {**entry.response, "status": "cancelled", "output": output}
+        self.store.put(StoredResponse(body, entry.input_items, entry.job_id))
+        return body
 
-    def delete(self, response_id: str) -> dict[str, Any]:
+    # -- stored ---------------------------------------------------------------------------
+    def retrieve(self, response_id: str, query: RetrieveQuery | None = None) -> Response:
+        """The stored response object; with ``query.stream``, the events of a background
+        streamed one, from sequence number ``starting_after + 1``, following it live."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        if query is None or not query.stream:
+            return JSONResponse(entry.response)
+        log = self.event_logs.get(response_id)
+        if log is None:
+            raise VLLMValidationError(
+                f"Response {loggable(response_id)} has no events to stream here: only one "
+                "created with background=true and stream=true has, on the API server that "
+                "created it, while running and among its last finished ones.",
+                "stream",
+            )
+        start = 0 if query.starting_after is None else query.starting_after + 1
+        return StreamingResponse(log.follow(start), media_type="text/event-stream")
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        await self._stop(response_id)  # a background one still running: no longer needed
         if not self.store.delete(response_id):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
@@ -362,6 +505,22 @@ class _Turn:
         self.created_at = created_at
         self.items = items
         self.job_id = job_id
+        self.background = bool(request.background)
+        self.cancelled = False  # a background turn cancelled: stores nothing more
+        self.events: ResponseEvents | None = None  # a streamed turn's, as it streams
+
+
+class _Background:
+    """A background turn running in this process: its task and its engine stream."""
+
+    def __init__(self, turn: _Turn, task: asyncio.Task, stream: RequestStream) -> None:
+        self.turn = turn
+        self.task = task
+        self.stream = stream
+
+
+def _error_code(error: Exception) -> str:
+    return "invalid_request" if isinstance(error, ValueError) else "server_error"
 
 
 def _item_status(status: str) -> str:
@@ -386,6 +545,10 @@ def _documented(errors: dict[int, str]) -> dict[int | str, dict[str, Any]]:
 _STORED_RESPONSES = _documented(
     {400: "Invalid query parameter.", 404: "No stored response with this id."}
 )
+_CANCEL_RESPONSES = _documented(
+    {400: "Not a background response.", 404: "No stored response with this id."}
+)
+QueryT = TypeVar("QueryT", InputItemsQuery, RetrieveQuery)
 
 
 def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, received_key: str) -> None:
@@ -405,19 +568,27 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, received
             return await serving.render_response(request)
 
     @app.get("/v1/responses/{response_id}", responses=_STORED_RESPONSES)
-    async def retrieve_response(response_id: str):
-        return serving.retrieve(response_id)
+    async def retrieve_response(response_id: str, raw: Request):
+        return serving.retrieve(response_id, _query(RetrieveQuery, raw))
 
     @app.delete("/v1/responses/{response_id}", responses=_STORED_RESPONSES)
     async def delete_response(response_id: str):
-        return serving.delete(response_id)
+        return await serving.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_CANCEL_RESPONSES)
+    async def cancel_response(response_id: str):
+        return await serving.cancel(response_id)
 
     @app.get("/v1/responses/{response_id}/input_items", responses=_STORED_RESPONSES)
     async def list_input_items(response_id: str, raw: Request):
-        try:
-            query = InputItemsQuery.model_validate(dict(raw.query_params))
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = str(first["loc"][0]) if first.get("loc") else None
-            raise VLLMValidationError(f"{param}: {first['msg']}", param) from e
-        return serving.input_items(response_id, query)
+        return serving.input_items(response_id, _query(InputItemsQuery, raw))
+
+
+def _query(model: type[QueryT], raw: Request) -> QueryT:
+    """The request's query as ``model``; a 400 naming the first bad parameter."""
+    try:
+        return model.model_validate(dict(raw.query_params))
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = str(first["loc"][0]) if first.get("loc") else None
+        raise VLLMValidationError(f"{param}: {first['msg']}", param) from e
