@@ -168,8 +168,9 @@ class PoolingRequestOutput:
 
 @dataclass
 class ScoringOutput:
-    """One pair's score (vLLM's ``ScoringOutput``): here the cosine similarity of the
-    pair's embeddings."""
+    """One pair's score (vLLM's ``ScoringOutput``): an embedding model's cosine
+    similarity of the pair's embeddings, or a one-label classifier's (a cross-encoder's)
+    output for the pair as one prompt."""
 
     score: float
 

@@ -1,5 +1,6 @@
 """vLLM's scoring routes on an embedding model (``--runner pooling``): ``/score`` and the
-rerank API score pairs by the cosine similarity of their embeddings (a bi-encoder), which
+rerank API score pairs by the cosine similarity of their embeddings (a bi-encoder; a
+cross-encoder's tests: test_cross_encoder.py), which
 equal transformers' last hidden states; the pairings, the ordering, the token limits and
 the refusals."""
 
@@ -20,16 +21,20 @@ QUERY = "Which file holds the tests?"
 DOCS = ["tests/test_main.py holds the tests.", "The sea is blue today.", "main.py", "utils"]
 
 
-def test_the_bodies_take_vllm_s_names_and_refuse_a_cross_encoder_s_fields():
+def test_the_bodies_take_vllm_s_names_and_refuse_unknown_fields():
     for names in (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"),
                   ("queries", "items")):  # fmt: skip
         request = ScoreRequest.model_validate({names[0]: "a", names[1]: ["b", "c"]})
         assert request.sides() == (["a"], ["b", "c"], names)
     with pytest.raises(ValueError, match="text_1 and text_2"):
         ScoreRequest.model_validate({"text_1": "a"}).sides()
-    for field, value in (("instruction", "x"), ("use_activation", True), ("bogus", 1)):
+    for field, value in (("padding", "max_length"), ("bogus", 1)):
         with pytest.raises(ValueError, match=field):
             RerankRequest.model_validate({"query": "q", "documents": ["d"], field: value})
+    # A cross-encoder's fields: the body takes them, a bi-encoder refuses them (a 400).
+    request = RerankRequest.model_validate({"query": "q", "documents": ["d"], "instruction": "x"})
+    with pytest.raises(ValueError, match="instruction"):
+        request.check_bi_encoder()
 
 
 @pytest.fixture(scope="module")

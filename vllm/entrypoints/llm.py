@@ -10,7 +10,14 @@ from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs, UsageContext
 from vllm.entrypoints.openai.protocol import NO_IMAGES, validate_messages
-from vllm.entrypoints.score_utils import check_pairing, pair_scores
+from vllm.entrypoints.score_utils import (
+    ScoringModel,
+    check_pairing,
+    pair_scores,
+    pair_token_ids,
+    pairs,
+    read_template,
+)
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers.recurrent import has_recurrent_layers
@@ -100,6 +107,7 @@ class LLM:
         self._default_sampling = default_sampling_params(self.vllm_config.model_config)
         self._request_counter = 0
         self._totals = EngineTotals()  # get_metrics()
+        self._scoring: ScoringModel | None = None  # score(): how the model scores
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges since this ``LLM`` was made, as vLLM's
@@ -231,24 +239,76 @@ class LLM:
         data_2: Prompt | Sequence[Prompt],
         use_tqdm: bool = False,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` on an embedding model (``runner="pooling"``): each pair's
-        cosine similarity, ``data_1`` paired with ``data_2`` 1:1, 1:N or N:N, as the
-        server's ``/score`` (``score_utils``)."""
+        """vLLM's ``LLM.score``: ``data_1`` paired with ``data_2`` 1:1, 1:N or N:N, each
+        pair scored as the server's ``/score`` does (``score_utils``). An embedding model
+        gives the cosine similarity of the pair's embeddings; a classifier with one label
+        (a cross-encoder) its output for the pair as one prompt (the sigmoid of the
+        logit; ``pooling_params.use_activation=False``: the logit), the prompt rendered
+        by ``chat_template`` (a path or the text; else ``LLM(chat_template=...)``'s) when
+        there is one. ``VLLMValidationError`` for any other model."""
+        model = self._scoring_model()
         first = [data_1] if _is_single_prompt(data_1) else list(data_1)
         second = [data_2] if _is_single_prompt(data_2) else list(data_2)
         check_pairing(first, second, ("data_1", "data_2"))
-        embedded = self.embed([*first, *second], use_tqdm, lora_request)
+        if model.require() == "cross-encoder":
+            return self._cross_encode(model, first, second, use_tqdm, lora_request,
+                                      pooling_params, chat_template)  # fmt: skip
+        if chat_template is not None:
+            raise VLLMValidationError(
+                "chat_template is a cross-encoder's: an embedding model embeds each text "
+                "on its own",
+                "chat_template",
+            )
+        embedded = self.embed([*first, *second], use_tqdm, lora_request, pooling_params)
         vectors = [e.outputs.embedding for e in embedded]
         scores = pair_scores(vectors[: len(first)], vectors[len(first) :])
-        lead = embedded[: len(first)] * (len(second) if len(first) == 1 else 1)
         return [
             ScoringRequestOutput(
                 f"{a.request_id}_{b.request_id}",
                 a.prompt_token_ids + b.prompt_token_ids,
                 ScoringOutput(score),
             )
-            for a, b, score in zip(lead, embedded[len(first) :], scores, strict=True)
+            for (a, b), score in zip(
+                pairs(embedded[: len(first)], embedded[len(first) :]), scores, strict=True
+            )
+        ]
+
+    def _scoring_model(self) -> ScoringModel:
+        if self._scoring is None:
+            self._scoring = ScoringModel.of(self.vllm_config.model_config)
+        return self._scoring
+
+    def _cross_encode(
+        self,
+        model: ScoringModel,
+        first: list[Prompt],
+        second: list[Prompt],
+        use_tqdm: bool,
+        lora_request: LoRARequest | None,
+        pooling_params: PoolingParams | None,
+        chat_template: str | None,
+    ) -> list[ScoringRequestOutput]:
+        """Each pair as one prompt through the classifier, one engine batch."""
+        for side, name in ((first, "data_1"), (second, "data_2")):
+            if not all(isinstance(text, str) for text in side):
+                raise VLLMValidationError(
+                    f"{name}: a cross-encoder pairs texts (strings), not token ids or dicts",
+                    name,
+                )
+        self.processor.require_tokenizer("score() with a cross-encoder", "skip_tokenizer_init")
+        template = read_template(chat_template) if chat_template is not None else model.template
+        prompts = [
+            {"prompt_token_ids": pair_token_ids(self.tokenizer, a, b, template, None,
+                                                 model.sep_token)}
+            for a, b in pairs(first, second)
+        ]  # fmt: skip
+        results = self._pool(prompts, use_tqdm, lora_request, pooling_params, "classify")
+        return [
+            ScoringRequestOutput(r.request_id, r.prompt_token_ids, ScoringOutput(r.pooled[0]))
+            for r in results
         ]
 
     def chat(

@@ -243,8 +243,8 @@ EMBEDDING_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 SCORE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _json_object(
-        "Each pair's score: the cosine similarity of its two embeddings (vLLM's /score "
-        "on an embedding model, --runner pooling).",
+        "Each pair's score (vLLM's /score, --runner pooling): an embedding model's cosine "
+        "similarity of the two embeddings, a one-label classifier's output for the pair.",
         {
             **_LIST,
             "data": _objects(

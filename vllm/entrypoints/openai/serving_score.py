@@ -1,18 +1,20 @@
-"""vLLM's scoring routes on an embedding model (``--runner pooling``): ``/score``
+"""vLLM's scoring routes on a pooling model (``--runner pooling``): ``/score``
 (``/v1/score``) and the Jina / Cohere rerank API (``/rerank``, ``/v1/rerank``,
 ``/v2/rerank``).
 
-The model is a bi-encoder, as vLLM scores with an embedding model: every text is
-embedded on its own (one engine request each, side by side) and a pair's score is the
-cosine similarity of its two embeddings. ``/score`` pairs its first texts with its
-second ones 1:1, 1:N (one first text against each second) or N:N (in order); ``/rerank``
-scores its query against each document and returns them best first. A cross-encoder
-(one forward over the pair, a classification head) is not served: no such model runs
-here.
+How a pair is scored follows the model, as in vLLM (``score_utils.ScoringModel``): an
+embedding model is a bi-encoder (every text embedded on its own, one engine request
+each, a pair's score the cosine similarity of its two embeddings); a classifier with one
+label (a reranker) is a cross-encoder (each pair one prompt, one classify request, its
+score the classifier's output: the sigmoid of the logit, or the logit with
+``use_activation`` false). ``/score`` pairs its first texts with its second ones 1:1,
+1:N (one first text against each second) or N:N (in order); ``/rerank`` scores its
+query against each document and returns them best first. Any other model is a 400.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, Response
@@ -20,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from vllm.entrypoints.openai.protocol import MAX_REQUEST_ID, now_s
 from vllm.entrypoints.openai.serving_engine import OpenAIServing, StreamBatch
-from vllm.entrypoints.score_utils import check_pairing, pair_scores
+from vllm.entrypoints.score_utils import (
+    ScoringModel,
+    check_pairing,
+    pair_scores,
+    pair_token_ids,
+    pairs,
+    template_kwargs,
+)
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
@@ -37,9 +46,9 @@ def _as_list(texts: Texts | None) -> list[str]:
 
 
 class _ScoringFields(BaseModel):
-    """What /score and /rerank share (vLLM's scoring fields, text inputs only). A field
-    for a cross-encoder's template or activation asks for something a bi-encoder does
-    not do: a 400 naming it. An unknown field is a 400."""
+    """What /score and /rerank share (vLLM's scoring fields, text inputs only). The
+    cross-encoder's fields (its template's variables, its activation) are a 400 naming
+    them on a bi-encoder; ``padding`` and an unknown field are a 400 on any model."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -59,8 +68,17 @@ class _ScoringFields(BaseModel):
     padding: Literal["max_length", "do_not_pad"] | None = None
 
     @model_validator(mode="after")
-    def _bi_encoder_only(self) -> _ScoringFields:
-        for name in ("instruction", "chat_template_kwargs", "use_activation", "padding"):
+    def _no_padding(self) -> _ScoringFields:
+        if self.padding is not None:
+            raise VLLMValidationError(
+                "padding is not supported: every prompt runs at its own length", "padding"
+            )
+        return self
+
+    def check_bi_encoder(self) -> None:
+        """A 400 naming the first cross-encoder field set: a bi-encoder (the cosine
+        similarity of two embeddings) has no template or activation."""
+        for name in ("instruction", "chat_template_kwargs", "use_activation"):
             if getattr(self, name) is not None:
                 raise VLLMValidationError(
                     f"{name} is not supported: the served embedding model scores as a "
@@ -68,13 +86,15 @@ class _ScoringFields(BaseModel):
                     "template or activation",
                     name,
                 )
-        return self
 
     def params(self) -> SamplingParams:
+        """One prompt's engine parameters; a cross-encoder's ``use_activation`` rides in
+        ``extra_args`` (as ``PoolingParams`` puts it)."""
+        extra = None if self.use_activation is None else {"use_activation": self.use_activation}
         return SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            truncation_side=self.truncation_side or "left",
+            truncation_side=self.truncation_side or "left", extra_args=extra,
         )  # fmt: skip
 
 
@@ -156,30 +176,66 @@ class OpenAIServingScore(OpenAIServing):
         }
         return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))
 
+    @functools.cached_property
+    def scoring(self) -> ScoringModel:
+        """How the served model scores (read from its config once)."""
+        return ScoringModel.of(self.engine.config.model_config)
+
     async def _scores(self, request, first, second, received, receive, prefix: str):
-        """Embed ``first`` then ``second`` (one engine request per text) and score each
-        pair: (id, scores, prompt tokens, streams), or the 499 of a client that left."""
+        """Score each pair, as a bi-encoder or a cross-encoder by the served model: (id,
+        scores, prompt tokens, streams), or the 499 of a client that left (every engine
+        request of the batch aborted)."""
         lora = self.check_model(request)
-        if len(first) + len(second) > self.args.max_n_sequences:
-            raise VLLMValidationError(
-                f"at most {self.args.max_n_sequences} texts per request "
-                f"(--max-n-sequences), got {len(first) + len(second)}",
-                "documents" if prefix == "rerank" else "text_2",
-            )
-        first = await self._cut(first, request.max_tokens_per_query, "max_tokens_per_query")
-        second = await self._cut(second, request.max_tokens_per_doc, "max_tokens_per_doc")
+        cross = self.scoring.require() == "cross-encoder"
+        prompts = await self._prompts(request, first, second, cross, prefix)
         request_id, engine_id = self.request_ids(request, prefix)
         streams = await self.add_requests(
-            first + second, request.params, engine_id, request.priority,
-            lora_request=lora, pooling=True,
+            prompts, request.params, engine_id, request.priority,
+            lora_request=lora, pooling="classify" if cross else "embed",
         )  # fmt: skip
         finals = await self.collect_all(streams, receive)
         if finals is None:
             return Response(status_code=499)  # the client left; every request aborted
-        vectors = [f.pooled for f in finals]
-        scores = pair_scores(vectors[: len(first)], vectors[len(first) :])
+        if cross:
+            scores = [f.pooled[0] for f in finals]
+        else:
+            vectors = [f.pooled for f in finals]
+            scores = pair_scores(vectors[: len(first)], vectors[len(first) :])
         tokens = sum(len(f.prompt_token_ids) for f in finals)
         return request_id, scores, tokens, streams
+
+    async def _prompts(self, request, first, second, cross: bool, prefix: str) -> list:
+        """The engine's prompts: a cross-encoder's one per pair (token ids), a
+        bi-encoder's ``first`` then ``second``; each text cut to its token budget."""
+        if not cross:
+            request.check_bi_encoder()
+        n = len(second) if cross else len(first) + len(second)
+        if n > self.args.max_n_sequences:
+            raise VLLMValidationError(
+                f"at most {self.args.max_n_sequences} {'pairs' if cross else 'texts'} per "
+                f"request (--max-n-sequences), got {n}",
+                "documents" if prefix == "rerank" else "text_2",
+            )
+        if cross:  # before any tokenization: a bad field costs nothing
+            kwargs = template_kwargs(
+                request.instruction, request.chat_template_kwargs, self.scoring.template
+            )
+        first = await self._cut(first, request.max_tokens_per_query, "max_tokens_per_query")
+        second = await self._cut(second, request.max_tokens_per_doc, "max_tokens_per_doc")
+        if not cross:
+            return first + second
+        return await self.in_thread(self._pair_prompts, first, second, kwargs)
+
+    def _pair_prompts(
+        self, first: list[str], second: list[str], kwargs: dict[str, Any]
+    ) -> list[list[int]]:
+        """Each pair's cross-encoder prompt (blocking: the tokenizer thread)."""
+        self.require_tokenizer("scoring with a cross-encoder", "model")
+        model, tokenizer = self.scoring, self.engine.tokenizer
+        return [
+            pair_token_ids(tokenizer, a, b, model.template, kwargs, model.sep_token)
+            for a, b in pairs(first, second)
+        ]
 
     async def _cut(self, texts: list[str], limit: int, name: str) -> list[str]:
         """Each text at most ``limit`` tokens (its first ones; 0: no limit), as vLLM's

@@ -463,7 +463,10 @@ class Processor:
 
 
 _EMBEDS = "this model serves embeddings (--runner pooling): /v1/embeddings, /score, /rerank, "
-_CLASSIFIES = "this model is a classifier (--runner pooling, --convert classify): /classify, "
+_CLASSIFIES = (
+    "this model is a classifier (--runner pooling, --convert classify): /classify, /score "
+    "and /rerank (one label), "
+)
 # (the model's task, the request's) -> why it is refused (None: generation).
 _POOLING_REFUSALS = {
     ("embed", None): _EMBEDS + "/pooling, LLM.embed",
