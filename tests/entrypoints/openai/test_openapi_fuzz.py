@@ -28,8 +28,9 @@ MAX_EXAMPLES = 20
 @pytest.fixture(scope="module")
 def server():
     srv = RemoteServer(
-        "--num-gpu-blocks-override", "64", "--max-model-len", "64", "--max-n-sequences", "2"
-    )
+        "--num-gpu-blocks-override", "64", "--max-model-len", "64", "--max-n-sequences", "2",
+        "--enable-scale-out",  # the tokens routes, /render and /derender too
+    )  # fmt: skip
     try:
         yield srv
     finally:

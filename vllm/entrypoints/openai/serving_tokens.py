@@ -94,7 +94,9 @@ class OpenAIServingTokens(OpenAIServing):
         model = self.response_model(request.model)
         if request.stream:
             return EngineStreamingResponse(
-                self._stream(request, params, stream, response_id, received), stream
+                self._stream(request, params, stream, response_id, received),
+                stream,
+                self.args.sse_keep_alive_interval,
             )
         final = await self.collect(stream, receive)
         if final is None:
@@ -204,6 +206,14 @@ class OpenAIServingTokens(OpenAIServing):
         after the prompt's last tokens, cut before the stop string that ended it (unless
         the request keeps it), its logprobs as the engine's."""
         self.require_tokenizer("derendering (token ids to text)", "generate_response")
+        vocab = self.engine.processor.vocab_size
+        for ids, name in [(prompt_ids, "prompt_token_ids")] + [
+            (c.token_ids, "generate_response") for c in response.choices
+        ]:
+            if not all(0 <= t < vocab for t in ids):
+                raise VLLMValidationError(
+                    f"{name}: token ids must be integers in [0, {vocab})", name
+                )
         skip = params.skip_special_tokens
         tail = list(prompt_ids[-SEED_TOKENS:])
         prefix = self.engine.decode(tail, skip) if tail else ""
