@@ -225,6 +225,15 @@ class ModelConfig:
         "stop strings, bad_words, structured outputs, /tokenize and /detokenize, decoded "
         "logprob tokens) is refused. EOS ids come from the model's generation config.",
     )
+    enable_prompt_embeds: bool = config_field(
+        False,
+        "Accept prompt embeddings instead of token ids (vLLM's): LLM.generate("
+        '{"prompt_embeds": tensor}) with a (num_tokens, hidden_size) tensor, and '
+        "/v1/completions' prompt_embeds (base64 of a torch.save'd tensor, or a list). Those "
+        "positions read the tensor in place of the embedding lookup; generated tokens use the "
+        "lookup. Not with --speculative-config or --runner pooling; a request with embeddings "
+        "takes no LoRA adapter, images, prompt logprobs or repetition penalty.",
+    )
     served_model_name: tuple[str, ...] | None = config_field(
         None,
         "Model names the API accepts (one or more, as vLLM); the first is the one responses "
@@ -1519,6 +1528,13 @@ class VllmConfig:
             )
         if self.speculative_config.enabled and self.model_config.is_pooling:
             raise ValueError("--speculative-config drafts tokens; --runner pooling makes none")
+        if self.model_config.enable_prompt_embeds and (
+            self.speculative_config.enabled or self.model_config.is_pooling
+        ):
+            raise ValueError(
+                "--enable-prompt-embeds cannot be combined with --speculative-config or "
+                "--runner pooling (drafts and poolers read token ids): drop one"
+            )
         if self.model_config.logits_processors and self.model_config.is_pooling:
             raise ValueError("--logits-processors: a pooling model (--runner pooling) has none")
         if self.model_config.logprobs_mode.startswith("processed") and (

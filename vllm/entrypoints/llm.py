@@ -57,7 +57,8 @@ from vllm.v1.metrics.reader import EngineTotals, Metric
 
 logger = logging.getLogger(__name__)
 
-# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids} /
+# {"prompt_embeds": tensor} (--enable-prompt-embeds).
 Prompt = str | list[int] | dict
 Conversation = Sequence[dict]
 _ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -386,6 +387,8 @@ class LLM:
         searches = []
         for prompt in prompts:
             source = _unpack_prompt(prompt)[0]
+            if _is_tensor(source):
+                raise VLLMValidationError("beam search takes no prompt_embeds", "prompt_embeds")
             ids = self.processor.tokenize(source) if isinstance(source, str) else list(source)
             searches.append(
                 BeamSet(ids, params.beam_width, eos, params.ignore_eos, params.length_penalty)
@@ -470,9 +473,11 @@ class LLM:
         for (prompt, text, special, salt, mm), params, lora in zip(
             items, sampling_params, lora_request, strict=True
         ):
-            ids = self.processor.tokenize(prompt, special)
+            # A tensor (prompt_embeds): Processor.process checks it; len() is its tokens.
+            ids = prompt if _is_tensor(prompt) else self.processor.tokenize(prompt, special)
             if isinstance(params, SamplingParams):
-                params = self._offline_params(params, len(ids))
+                num = ids.shape[-2] if _is_tensor(ids) and ids.dim() > 1 else len(ids)
+                params = self._offline_params(params, num)
             request_id = str(self._request_counter)
             self._request_counter += 1
             _, core_reqs = self.processor.process(
@@ -558,12 +563,25 @@ def _is_single_prompt(prompts: Any) -> bool:
 def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
     """(what to tokenize, the prompt text reported back)."""
     if isinstance(prompt, dict):
+        if prompt.get("prompt_embeds") is not None:  # --enable-prompt-embeds: no text
+            if prompt.get("prompt_token_ids") is not None or prompt.get("prompt") is not None:
+                raise VLLMValidationError(
+                    "a prompt dict takes prompt_embeds or prompt/prompt_token_ids, not both",
+                    "prompt_embeds",
+                )
+            return prompt["prompt_embeds"], None
         if prompt.get("prompt_token_ids") is not None:
             return prompt["prompt_token_ids"], prompt.get("prompt")
         if prompt.get("prompt") is None:
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt!r}")
         prompt = prompt["prompt"]
     return prompt, prompt if isinstance(prompt, str) else None
+
+
+def _is_tensor(prompt: Any) -> bool:
+    """A prompt given as embeddings (``{"prompt_embeds": tensor}``), without importing
+    torch here for the other prompts."""
+    return type(prompt).__module__.startswith("torch") and hasattr(prompt, "shape")
 
 
 def _load_chat_image(i: int, url: str):

@@ -13,6 +13,8 @@ from vllm.v1.outputs import PromptLogprobs, TokenLogprobs
 from vllm_continuum.jobs import job_key
 
 if TYPE_CHECKING:
+    import torch
+
     from vllm.multimodal.inputs import MultiModalFeature
 
 
@@ -69,6 +71,7 @@ class Request:
         block_hasher: Callable[[Request], list[Any]] | None = None,
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -80,6 +83,9 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # its adapter (vllm.lora); None: the base model
         self.mm_features = mm_features  # its images (vllm.multimodal), by prompt position
+        # --enable-prompt-embeds: the prompt's embeddings (its token ids are placeholders);
+        # their bytes enter the prompt blocks' hashes (kv_cache_utils._extra_keys).
+        self.prompt_embeds = prompt_embeds
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens

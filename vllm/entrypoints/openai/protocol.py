@@ -917,10 +917,14 @@ _NO_CACHING = (
 
 class CompletionRequest(_SamplingFields):
     IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
-        {"echo", "response_format", "structured_outputs", "use_beam_search"}
+        {"echo", "response_format", "structured_outputs", "use_beam_search", "prompt_embeds"}
     )
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # None (or "" beside prompt_embeds): no text prompt.
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's (--enable-prompt-embeds): base64 of a torch.save'd (num_tokens, hidden_size)
+    # tensor, or a list of them; each is one prompt, before those of ``prompt``.
+    prompt_embeds: str | list[str] | None = None
     logprobs: int | None = None
     echo: bool = False
     # Guided decoding, as on chat (vLLM takes both on completions too).
@@ -932,6 +936,14 @@ class CompletionRequest(_SamplingFields):
         options = self.prompt_cache_options
         if options is not None and options.mode == "explicit":  # a prompt has no parts
             raise VLLMValidationError(_NO_CACHING, "prompt_cache_options.mode")
+        return self
+
+    @model_validator(mode="after")
+    def _a_prompt_or_embeds(self) -> CompletionRequest:
+        if self.prompt is None and not self.prompt_embeds:  # as vLLM's
+            raise VLLMValidationError(
+                "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+            )
         return self
 
     @field_validator("prompt", mode="before")

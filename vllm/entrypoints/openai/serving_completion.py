@@ -3,12 +3,19 @@
 ``prompt`` is a string, token ids, or a batch of either (OpenAI's and vLLM's API): each
 prompt of a batch is one engine request, and its choices are numbered ``i * n + j``
 (prompt ``i``, choice ``j``), as vLLM numbers them; the usage counts them all. A batch
-streams its prompts' chunks as they come. A prompt the engine refuses fails the whole
-request (those already queued are aborted), and a client that leaves aborts them all.
+streams its prompts' chunks as they come. ``prompt_embeds`` (vLLM's, with
+--enable-prompt-embeds) adds prompts given as embeddings, before those of ``prompt``. A
+prompt the engine refuses fails the whole request (those already queued are aborted),
+and a client that leaves aborts them all.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
+
+import torch
 from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai import beam_search as beams
@@ -30,17 +37,41 @@ from vllm.v1.outputs import TokenLogprobs
 
 class OpenAIServingCompletion(OpenAIServing):
     def _prompts(self, request: CompletionRequest) -> list[str | list[int]]:
-        p = request.prompt
-        if isinstance(p, str) or not p or isinstance(p[0], int):
-            return [p]  # one prompt: text, or token ids
-        total = len(p) * request.n
-        if total > self.args.max_n_sequences:
+        """The text and token-id prompts; ``prompt_embeds`` (``_embeds``) come first."""
+        p, embeds = request.prompt, request.prompt_embeds
+        if embeds is not None and p in (None, ""):
+            prompts = []  # embeddings only (the openai client sends prompt="" with them)
+        elif isinstance(p, str) or not p or isinstance(p[0], int):
+            prompts = [p]  # one prompt: text, or token ids
+        else:
+            prompts = list(p)
+        count = len(prompts) + len(_embeds_items(embeds))
+        total = count * request.n
+        if count > 1 and total > self.args.max_n_sequences:
             raise VLLMValidationError(
-                f"a batch of {len(p)} prompts with n={request.n} asks for {total} "
+                f"a batch of {count} prompts with n={request.n} asks for {total} "
                 f"sequences; at most {self.args.max_n_sequences} (--max-n-sequences)",
-                "prompt",
+                "prompt" if embeds is None else "prompt_embeds",
             )
-        return list(p)
+        return prompts
+
+    async def _embeds(self, request: CompletionRequest) -> list:
+        """``prompt_embeds`` decoded and checked (``load_prompt_embeds``), in order; those
+        that cannot be combined with the request's other fields are a 400 first."""
+        items = _embeds_items(request.prompt_embeds)
+        if not items:
+            return []
+        for name, asked in (("echo", request.echo), ("use_beam_search", request.use_beam_search)):
+            if asked:
+                raise VLLMValidationError(f"{name} cannot be used with prompt_embeds", name)
+        processor = self.engine.processor
+        out = []
+        for item in items:
+            if len(item) < OFFLOAD_CHARS:
+                out.append(load_prompt_embeds(item, processor))
+            else:  # decoding a large tensor would hold the event loop
+                out.append(await self.in_thread(load_prompt_embeds, item, processor))
+        return out
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         """``echo``: the prompt as text (token ids decoded) that leads each choice."""
@@ -95,6 +126,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request)
         self._check_without_tokenizer(request)
         prompts = self._prompts(request)
+        prompts = await self._embeds(request) + prompts
         if request.use_beam_search:
             return await self._beam_search(request, prompts, receive)
         echo_logprobs = request.echo and request.logprobs is not None
@@ -170,6 +202,10 @@ class OpenAIServingCompletion(OpenAIServing):
         ``use_beam_search``, which the tokens route refuses."""
         self.check_request(request)
         self._check_without_tokenizer(request)
+        if request.prompt_embeds is not None:  # a generate body holds token ids
+            raise VLLMValidationError(
+                "/v1/completions/render cannot render prompt_embeds", "prompt_embeds"
+            )
         prompts = self._prompts(request)
         special = request.add_special_tokens is not False  # vLLM's default: true
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
@@ -323,3 +359,46 @@ class OpenAIServingCompletion(OpenAIServing):
             continuous_usage=continuous_usage,
             every_output=self._returns_token_ids(request),
         )
+
+
+def _embeds_items(embeds: str | list[str] | None) -> list[str]:
+    return [embeds] if isinstance(embeds, str) else list(embeds or [])
+
+
+# Bytes a torch.save'd tensor holds beyond its values (zip entries, pickle), at most.
+_SAVE_OVERHEAD = 1 << 16
+
+
+def load_prompt_embeds(data: str, processor) -> torch.Tensor:
+    """One ``prompt_embeds`` item (base64 of a ``torch.save``'d tensor) as the engine takes
+    it (``Processor.check_prompt_embeds``), read safely: bounded in size by the longest
+    prompt (max_model_len rows of hidden_size float64 values) before decoding,
+    ``torch.load`` with ``weights_only=True`` (tensors only: no code runs). Anything wrong
+    is a ``VLLMValidationError`` naming ``prompt_embeds`` (a 400)."""
+    hidden = processor.embeds_hidden_size
+    if hidden is None:  # the flag is off: check_prompt_embeds says so
+        return processor.check_prompt_embeds(None)
+    limit = processor.max_model_len * hidden * 8 + _SAVE_OVERHEAD
+    if len(data) > (limit + 2) // 3 * 4:
+        raise VLLMValidationError(
+            f"prompt_embeds is larger than any prompt this model takes ({limit} bytes "
+            "decoded at most)",
+            "prompt_embeds",
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise VLLMValidationError(
+            f"prompt_embeds is not valid base64: {e}", "prompt_embeds"
+        ) from None
+    try:
+        tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - torch has no one error for a bad file
+        reason = str(e).strip()[:200] or type(e).__name__  # bounded: built from the bytes
+        raise VLLMValidationError(
+            f"prompt_embeds could not be read as a torch.save'd tensor: {reason}",
+            "prompt_embeds",
+        ) from None
+    return processor.check_prompt_embeds(tensor)

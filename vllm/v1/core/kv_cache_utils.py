@@ -59,7 +59,20 @@ def _extra_keys(request: Request, block_index: int, block_size: int) -> tuple[An
         )
         if images:
             keys = (*keys, images)
+    if request.prompt_embeds is not None and block_index * block_size < request.num_prompt_tokens:
+        # The prompt's token ids are placeholders: its embeddings' bytes tell blocks apart,
+        # so an embeds prompt never shares a block with a token prompt or another's embeds.
+        keys = (*keys, ("prompt_embeds", _embeds_digest(request, block_index, block_size)))
     return keys or None
+
+
+def _embeds_digest(request: Request, block_index: int, block_size: int) -> bytes:
+    """sha256 of the prompt embeddings of one block's positions (as vLLM hashes them)."""
+    import torch  # only a request with embeddings (a torch tensor) gets here
+
+    block = request.prompt_embeds[block_index * block_size : (block_index + 1) * block_size]
+    data = block.contiguous().view(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data.tobytes()).digest()
 
 
 def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:

@@ -53,6 +53,8 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import TokenLogprobs
 
 if TYPE_CHECKING:
+    import torch
+
     from vllm.multimodal.inputs import MultiModalFeature
 
 
@@ -82,6 +84,10 @@ class EngineCoreRequest:
     client_index: int = 0  # the front end it came from (--api-server-count), set by its client
     # Its images (vllm.multimodal): pixel values and the prompt positions they fill.
     mm_features: list[MultiModalFeature] | None = None
+    # --enable-prompt-embeds: (num_prompt_tokens, hidden_size) on the CPU in the model's
+    # dtype, read in place of the embedding lookup at the prompt's positions, whose
+    # prompt_token_ids are placeholders (0, as vLLM's); None: a token prompt.
+    prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass

@@ -276,6 +276,7 @@ class EngineCore:
             lora_request=request.lora_request,
             block_hasher=self.block_hasher,
             mm_features=request.mm_features,
+            prompt_embeds=request.prompt_embeds,
         )
         if not self.grammars.hold(core_request):
             self.scheduler.add_request(core_request)

@@ -7,6 +7,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.peft import read_adapter_config
@@ -65,6 +67,11 @@ class Processor:
         # A model that takes images: its processor (None: text only).
         self.images = ImageInputProcessor.for_model(vllm_config.model_config, tokenizer)
         self.speculative = vllm_config.speculative_config.enabled
+        # --enable-prompt-embeds: the hidden size a prompt's embeddings must have (None:
+        # the flag is off, and a prompt of embeddings is refused).
+        self.embeds_hidden_size = (
+            _hidden_size(vllm_config) if vllm_config.model_config.enable_prompt_embeds else None
+        )
         # --tokenizer-mode deepseek_v32: chats rendered by the model's own Python encoding
         # (transformers_utils/chat_encodings), not the Jinja template; None: the template.
         # auto: the architecture's own encoding where it ships no template (DeepSeek-V3.2).
@@ -189,6 +196,68 @@ class Processor:
             )
         return ids
 
+    def check_prompt_embeds(self, embeds: Any) -> torch.Tensor:
+        """A prompt's embeddings as the engine takes them: (num_tokens, hidden_size) on the
+        CPU, floating point (a leading batch dimension of 1 is dropped, as vLLM does);
+        ``VLLMValidationError`` naming ``prompt_embeds`` otherwise, or without
+        ``--enable-prompt-embeds``."""
+        if self.embeds_hidden_size is None:
+            raise VLLMValidationError(
+                "prompt_embeds cannot be used: the server was not started with "
+                "--enable-prompt-embeds (LLM(enable_prompt_embeds=True) offline)",
+                "prompt_embeds",
+            )
+        if not isinstance(embeds, torch.Tensor):
+            raise VLLMValidationError(
+                f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}",
+                "prompt_embeds",
+            )
+        if embeds.is_sparse or embeds.layout != torch.strided:
+            raise VLLMValidationError("prompt_embeds must be a dense tensor", "prompt_embeds")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds.squeeze(0)
+        if embeds.dim() != 2 or embeds.shape[0] == 0:
+            raise VLLMValidationError(
+                "prompt_embeds must be of shape (num_tokens, hidden_size) with num_tokens "
+                f">= 1, got {tuple(embeds.shape)}",
+                "prompt_embeds",
+            )
+        if embeds.shape[1] != self.embeds_hidden_size:
+            raise VLLMValidationError(
+                f"prompt_embeds hidden size {embeds.shape[1]} does not match the model's "
+                f"hidden_size {self.embeds_hidden_size}",
+                "prompt_embeds",
+            )
+        if not embeds.is_floating_point() or embeds.dtype == torch.float64:
+            # float64 is no model's dtype; an integer tensor is token ids sent by mistake.
+            if embeds.is_floating_point():
+                embeds = embeds.float()
+            else:
+                raise VLLMValidationError(
+                    f"prompt_embeds must be floating point, got {embeds.dtype}", "prompt_embeds"
+                )
+        if not bool(torch.isfinite(embeds).all()):
+            raise VLLMValidationError("prompt_embeds holds NaN or infinity", "prompt_embeds")
+        # On the CPU and contiguous: pickled to the engine, hashed for the prefix cache.
+        return embeds.detach().to("cpu").contiguous()
+
+    def _check_embeds_request(
+        self, params: SamplingParams, lora_request: LoRARequest | None, mm: Any, pooling: Any
+    ) -> None:
+        """What a prompt of embeddings cannot be combined with (its token ids are
+        unknown: placeholders stand in for them)."""
+        refusals = (
+            (lora_request is not None, "lora_request", "a LoRA adapter"),
+            (bool(mm), "multi_modal_data", "images"),
+            (bool(pooling), "prompt_embeds", "pooling"),
+            (params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs"),
+            (params.repetition_penalty != 1.0, "repetition_penalty", "a repetition penalty "
+             "(it reads the prompt's token ids)"),
+        )  # fmt: skip
+        for refused, param, what in refusals:
+            if refused:
+                raise VLLMValidationError(f"prompt_embeds cannot be combined with {what}", param)
+
     def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
         """``truncate_prompt_tokens`` of the prompt's tokens (-1: ``max_model_len``): its
         last ones, or its first with ``truncation_side`` "right" (vLLM's)."""
@@ -236,7 +305,7 @@ class Processor:
 
     def process(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | torch.Tensor,
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
@@ -255,6 +324,8 @@ class Processor:
         request is seeded, seed + i (as vLLM does), so every sample differs but the set
         is reproducible. The grammar of ``structured_outputs`` is checked here (compiled
         with the tokenizer, synchronously) unless ``check_structured_outputs`` did it.
+        ``prompt`` a tensor: the prompt's embeddings (``check_prompt_embeds``; needs
+        --enable-prompt-embeds).
         """
         if not isinstance(params, SamplingParams):
             raise VLLMValidationError(
@@ -273,11 +344,17 @@ class Processor:
             if self.images is None:
                 raise VLLMValidationError("this model takes no images", "mm_processor_kwargs")
             mm_processor_kwargs = self.images.request_kwargs(mm_processor_kwargs)
-        ids = self.tokenize(prompt, add_special_tokens)
+        embeds = None
+        if isinstance(prompt, torch.Tensor):  # --enable-prompt-embeds
+            self._check_embeds_request(params, lora_request, multi_modal_data, pooling)
+            embeds = self._truncate(self.check_prompt_embeds(prompt), params)
+            ids = [0] * embeds.shape[0]  # placeholders, as vLLM's
+        else:
+            ids = self.tokenize(prompt, add_special_tokens)
         features = None
         if images:
             ids, features = self._expand_images(ids, images, params, mm_processor_kwargs)
-        ids = self._truncate(ids, params)
+        ids = self._truncate(ids, params) if embeds is None else ids
         self._check_length(ids, params)
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
@@ -317,6 +394,7 @@ class Processor:
                     cache_salt,
                     lora_request,
                     mm_features=features,
+                    prompt_embeds=embeds,
                 )  # fmt: skip
             )
         return request_id, children
@@ -500,3 +578,11 @@ def _vocab_size(vllm_config: VllmConfig, tokenizer) -> int:
 
     config = hf_config_of(vllm_config.model_config)  # a multimodal one's: its text model's
     return (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
+
+
+def _hidden_size(vllm_config: VllmConfig) -> int:
+    """The model's hidden size: the width of the embeddings its first layer reads."""
+    from vllm.model_executor.model_loader import hf_config_of
+
+    config = hf_config_of(vllm_config.model_config)
+    return (config.get_text_config() if hasattr(config, "get_text_config") else config).hidden_size

@@ -7,6 +7,7 @@ is the null block and is never written).
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -191,6 +192,10 @@ class CachedRequestState:
     # after the step that computes an image's last position, or with the state).
     mm_features: list[MultiModalFeature] | None = None
     mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    # --enable-prompt-embeds: the prompt's embeddings on the device, in the model's dtype,
+    # read in place of the embedding lookup until the prompt's last position is computed
+    # (dropped then; a preempted request gets them again with its NewRequestData).
+    prompt_embeds: torch.Tensor | None = None
     # An M-RoPE model's request with images: its positions are mrope_positions' (past an
     # image they run behind or ahead of its indices), not its indices.
     mrope: bool = False
@@ -455,6 +460,13 @@ class ModelRunner:
         cache_dtype = resolve_cache_dtype(self.config.cache_config.cache_dtype, hf_config)
         self.kv_cache_dtype = kv_cache_torch_dtype(cache_dtype, self.dtype)
         self.arch = self.model.arch
+        if self.model_config.enable_prompt_embeds:
+            forward = inspect.signature(self.model.forward).parameters
+            if "inputs_embeds" not in forward or not hasattr(self.model, "embed_input_ids"):
+                raise ValueError(
+                    f"--enable-prompt-embeds: {architecture} ({model_cls.__name__}) reads "
+                    "no input embeddings in this engine"
+                )
         if self.config.lora_config.enable_lora:  # wraps the linear layers, as quantized
             self.lora = LoRAManager(self.model, self.config.lora_config, self.device, self.dtype)
         self.attn_backend = self._make_attention_backend(self.model, self.model_config)
@@ -1119,6 +1131,8 @@ class ModelRunner:
             mm_features=new.mm_features,
             mrope=bool(new.mm_features) and getattr(self.model, "uses_mrope", False),
         )
+        if new.prompt_embeds is not None and new.num_computed_tokens < new.num_prompt_tokens:
+            state.prompt_embeds = new.prompt_embeds.to(self.device, self.dtype)
         if tabled:
             if self.penalty_table is None:
                 self.penalty_table = PenaltyTable(self.arch.vocab_size, self.device)
@@ -1163,6 +1177,25 @@ class ModelRunner:
         if not rows:  # only an image's text tokens (between its tiles) in this step
             return None
         return rows, torch.cat(parts), spans
+
+    @staticmethod
+    def _prompt_embeds_rows(
+        embedded: list[tuple[CachedRequestState, int, int, int]],
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The step's rows that read prompt embeddings and those embeddings (None: no
+        prompt position of such a request in the step). ``embedded``: (request, first
+        position, positions, first row) of each scheduled request that has them. A
+        request's embeddings are dropped once its prompt's last position is scheduled."""
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for state, start, n, row in embedded:
+            end = min(start + n, state.num_prompt_tokens)
+            if end > start:
+                rows += range(row, row + end - start)
+                parts.append(state.prompt_embeds[start:end])
+            if end >= state.num_prompt_tokens:
+                state.prompt_embeds = None
+        return (rows, torch.cat(parts)) if rows else None
 
     def _positions(
         self, positions: list[int], positions3: list[tuple[int, np.ndarray]]
@@ -1373,6 +1406,7 @@ class ModelRunner:
         spec_reqs: list[tuple[CachedRequestState, list[int]]] = []
         ahead: list[tuple[int, CachedRequestState]] = []  # (row, request): token on device
         images: list[tuple[CachedRequestState, int, int, int]] = []  # (state, start, n, row)
+        embedded: list[tuple[CachedRequestState, int, int, int]] = []  # prompt embeds, same
         positions3: list[tuple[int, np.ndarray]] = []  # (first row, (3, n)): image tokens
         # (tokens, fresh, state slot, verifies drafts) a sequence
         recurrent: list[tuple[int, bool, int, bool]] = []
@@ -1407,6 +1441,8 @@ class ModelRunner:
                     positions3.append((len(positions) - n, rows3))
             if state.mm_features:
                 images.append((state, start, n, row_starts[req_id]))
+            if state.prompt_embeds is not None:
+                embedded.append((state, start, n, row_starts[req_id]))
             token_slots += [state.lora_slot] * n
             if state.state_slot is not None:  # recurrent layers: its state's slot
                 recurrent.append((n, start == 0, state.state_slot, bool(drafts)))
@@ -1420,7 +1456,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_token_slots(token_slots, self.device)
         image_rows = self._image_rows(images)
-        if self.decode_graphs is not None and image_rows is None:  # a captured decode step
+        embeds_rows = self._prompt_embeds_rows(embedded) if embedded else None
+        if self.decode_graphs is not None and image_rows is None and embeds_rows is None:
             hidden = self.decode_graphs.run(ids, positions, seqs, token_slots, patch)
         if hidden is None:
             meta = self.metadata_builder.build_metadata(seqs)
@@ -1435,15 +1472,19 @@ class ModelRunner:
                 recurrent_batch = RecurrentBatch(lens, fresh, slots, self.recurrent_states,
                                                  drafts_in)  # fmt: skip
                 extra["recurrent"] = recurrent_batch
-            if image_rows is not None:  # the images' embeddings in their placeholders' rows
+            if image_rows is not None or embeds_rows is not None:
                 embeds = self.model.embed_input_ids(input_ids)
-                rows, values, _ = image_rows
-                rows = to_device(rows, torch.long, self.device)
-                merge = getattr(self.model, "merge_image_rows", None)
-                if merge is None:
-                    embeds.index_copy_(0, rows, values)
-                else:  # rows wider than the embeddings: the rest for later layers (Qwen3-VL)
-                    merge(embeds, rows, values)
+                if image_rows is not None:  # the images' embeddings in their placeholders'
+                    rows, values, _ = image_rows
+                    rows = to_device(rows, torch.long, self.device)
+                    merge = getattr(self.model, "merge_image_rows", None)
+                    if merge is None:
+                        embeds.index_copy_(0, rows, values)
+                    else:  # rows wider than the embeddings: the rest for later layers
+                        merge(embeds, rows, values)  # (Qwen3-VL)
+                if embeds_rows is not None:  # prompt embeddings over their placeholders'
+                    rows, values = embeds_rows
+                    embeds.index_copy_(0, to_device(rows, torch.long, self.device), values)
                 extra["inputs_embeds"] = embeds
             hidden = self.model(
                 input_ids, self._positions(positions, positions3), meta, self.kv_caches, **extra

@@ -9,6 +9,8 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from vllm.multimodal.inputs import MultiModalFeature
     from vllm.v1.core.sched.state_checkpoints import StateRestore
 
@@ -32,6 +34,9 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
     mm_features: list[MultiModalFeature] | None = None  # its images, by prompt position
+    # --enable-prompt-embeds: (num_prompt_tokens, hidden) read in place of the embedding
+    # lookup at prompt positions (token_ids holds placeholders there); None: token ids.
+    prompt_embeds: torch.Tensor | None = None
     # A model with recurrent layers: the checkpoint slot (on the device or in the CPU tier)
     # of the recurrent states after its first num_computed_tokens (its prefix hit), copied
     # to its own before the forward (vllm/v1/core/sched/state_checkpoints.py); None: it

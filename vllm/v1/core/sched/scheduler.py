@@ -570,6 +570,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=r.lora_request,
                 mm_features=r.mm_features,
+                prompt_embeds=r.prompt_embeds,
                 state_restore=step.restores.get(r.request_id),
             )
             for r in step.new
