@@ -112,6 +112,8 @@ def _config_defaults() -> dict[str, object]:
 def test_every_flag_defaults_to_its_config_field():
     actions = [a for a in _engine_parser()._actions if a.option_strings and a.dest != "help"]
     declared = _config_defaults()
+    # vLLM's name of --kv-cache-memory, in bytes (unset: --kv-cache-memory's value).
+    declared["kv_cache_memory_bytes"] = None
     assert {a.dest for a in actions} == set(declared)
     derived = {"max_num_batched_tokens"}  # computed from chunked prefill / max_model_len
     for action in actions:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import enum
 import functools
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -19,7 +20,14 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from vllm.config import SchedulerConfig, VllmConfig, field_default, parse_bytes
 
-__all__ = ["ConfigArg", "EngineArgs", "UsageContext", "config_args", "parse_bytes"]
+__all__ = [
+    "ConfigArg",
+    "EngineArgs",
+    "UsageContext",
+    "config_args",
+    "human_readable_int",
+    "parse_bytes",
+]
 
 GiB = 1 << 30
 
@@ -148,11 +156,44 @@ def _with_config_fields(cls: type) -> type:
     return cls
 
 
+def human_readable_int(text: str | int) -> int:
+    """vLLM's integers with a suffix: '1k' / '1.5m' / '2g' / '1t' decimal (1000s), '1K' /
+    '2M' / '4G' / '1T' binary (1024s, whole numbers only), or digits (ValueError)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT]?)\s*", str(text))
+    if m is None:
+        raise ValueError(f"expected an integer like 536870912, 512M or 1.5g, got {text!r}")
+    number, suffix = m.groups()
+    if suffix.isupper():
+        if "." in number:
+            raise ValueError(
+                f"{text!r}: binary suffixes ({suffix}) take whole numbers; did you mean "
+                f"{number}{suffix.lower()} (decimal)?"
+            )
+        return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+    if not suffix:
+        if "." in number:
+            raise ValueError(f"expected an integer, got {text!r}")
+        return int(number)
+    return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+
+
+# vLLM's name for --kv-cache-memory: bytes as an integer, or with vLLM's suffixes.
+KV_CACHE_MEMORY_BYTES_HELP = (
+    "vLLM's name of --kv-cache-memory: the KV cache size in bytes, an integer or with "
+    "vLLM's suffixes (k/m/g/t: 1000s, K/M/G/T: 1024s; 512M = 512MiB). Give one of the two."
+)
+
+
 @dataclass
 @_with_config_fields
 class EngineArgs:
     """Engine keyword arguments: one per engine flag, named after it (``max_num_seqs``,
-    ``kv_cache_memory``, ``scheduling_policy``...), defaulting to its config field."""
+    ``kv_cache_memory``, ``scheduling_policy``...), defaulting to its config field;
+    ``kv_cache_memory_bytes``: vLLM's name of ``kv_cache_memory`` (bytes)."""
+
+    kv_cache_memory_bytes: int | str | None = None
 
     def create_engine_config(
         self,
@@ -167,6 +208,8 @@ class EngineArgs:
         values: dict[str, dict[str, Any]] = {g: {} for g in get_type_hints(VllmConfig)}
         for arg in config_args():
             values[arg.group][arg.field] = self._parse(arg)
+        if self.kv_cache_memory_bytes is not None:
+            values["cache_config"]["kv_cache_memory_bytes"] = self._kv_cache_memory_bytes()
         max_model_len = self._max_model_len(model_max_len)
         values["model_config"]["max_model_len"] = max_model_len
         scheduler = values["scheduler_config"]
@@ -186,6 +229,18 @@ class EngineArgs:
 
             refuse_unsupported(config)
         return config
+
+    def _kv_cache_memory_bytes(self) -> int:
+        """--kv-cache-memory-bytes (vLLM's name), refused next to --kv-cache-memory."""
+        if self.kv_cache_memory is not None:
+            raise ValueError(
+                "--kv-cache-memory-bytes and --kv-cache-memory both set the KV cache size "
+                f"({self.kv_cache_memory_bytes!r}, {self.kv_cache_memory!r}): give one"
+            )
+        try:
+            return human_readable_int(self.kv_cache_memory_bytes)
+        except ValueError as e:
+            raise ValueError(f"kv_cache_memory_bytes: {e}") from None
 
     def serve_speculators_head(self) -> None:
         """vLLM's speculators models: when ``model`` is a ``speculators``-format head
@@ -255,6 +310,13 @@ class EngineArgs:
                 cls = configs[arg.group]
                 groups[arg.group] = parser.add_argument_group(cls.__name__, cls.__doc__)
             groups[arg.group].add_argument(arg.flag, *arg.aliases, **arg.argparse_kwargs())
+        groups["cache_config"].add_argument(
+            "--kv-cache-memory-bytes",
+            dest="kv_cache_memory_bytes",
+            default=None,
+            type=_flag_type(human_readable_int),
+            help=KV_CACHE_MEMORY_BYTES_HELP.replace("%", "%%"),
+        )
         return parser
 
     @classmethod

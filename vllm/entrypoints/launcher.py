@@ -19,6 +19,7 @@ import signal
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import uvicorn
 
@@ -246,11 +247,30 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve_http(
-    app, sock: socket.socket, engine: AsyncLLM, args: FrontendArgs, state: ServerState
-) -> int:
-    """Serve ``app`` on ``sock`` until a signal or the engine's death; the exit status."""
-    config = uvicorn.Config(
+class AccessLogPathFilter(logging.Filter):
+    """--disable-access-log-for-endpoints: drops uvicorn's access log records of the
+    ``paths`` (matched without the query string, with or without ``root_path``)."""
+
+    def __init__(self, paths: frozenset[str], root_path: str | None = None) -> None:
+        super().__init__()
+        self.paths = paths
+        self.root_path = root_path or ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's record: (client, method, path with query string, HTTP version, status).
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)):
+            return True
+        path = unquote(args[2].partition("?")[0])
+        root = self.root_path
+        if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+            path = path[len(root) :] or "/"
+        return path not in self.paths
+
+
+def uvicorn_config(app, args: FrontendArgs) -> uvicorn.Config:
+    """uvicorn's settings from the server's flags."""
+    return uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,
         log_config=uvicorn_log_config(args),  # --log-config-file's, else uvicorn's default
@@ -261,10 +281,34 @@ async def serve_http(
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
+        ssl_ciphers=args.ssl_ciphers,
         # Only used by h11 (without httptools): its own bound on a request's head.
         h11_max_incomplete_event_size=args.max_request_header_size,
     )
-    server = _Server(config)
+
+
+@contextlib.contextmanager
+def access_log_filtered(args: FrontendArgs) -> Iterator[None]:
+    """uvicorn's access logger without --disable-access-log-for-endpoints's paths, while
+    the server runs (after uvicorn configured logging: its config keeps the filter)."""
+    paths = args.access_log_excluded_paths()
+    if not paths:
+        yield
+        return
+    access = logging.getLogger("uvicorn.access")
+    log_filter = AccessLogPathFilter(paths, args.root_path)
+    access.addFilter(log_filter)
+    try:
+        yield
+    finally:
+        access.removeFilter(log_filter)
+
+
+async def serve_http(
+    app, sock: socket.socket, engine: AsyncLLM, args: FrontendArgs, state: ServerState
+) -> int:
+    """Serve ``app`` on ``sock`` until a signal or the engine's death; the exit status."""
+    server = _Server(uvicorn_config(app, args))
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = 0
@@ -284,7 +328,8 @@ async def serve_http(
         asyncio.create_task(_watchdog(server, engine, args, state)),
     ]
     try:
-        await server.serve(sockets=[sock])
+        with access_log_filtered(args):
+            await server.serve(sockets=[sock])
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

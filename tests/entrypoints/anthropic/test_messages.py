@@ -784,7 +784,11 @@ def test_a_stream_that_waits_sends_pings_then_its_message(monkeypatch):
         async def aclose(self):
             self.closed = True
 
-    chat = SimpleNamespace(cache_writes=lambda prompt, cached: 0, timing=lambda *a: {})
+    from vllm.entrypoints.openai.cli_args import FrontendArgs
+
+    chat = SimpleNamespace(
+        cache_writes=lambda prompt, cached: 0, timing=lambda *a: {}, args=FrontendArgs()
+    )
     serving = serving_module.AnthropicServingMessages(chat)
     stream = SlowStream()
 

@@ -197,6 +197,49 @@ def test_render_generate_derender_answers_what_the_route_answers(served):
     assert bad.status_code == 400 and "chat_request" in bad.json()["error"]["param"]
 
 
+def derender_stream(server, route: str, chunks: list[dict], **fields) -> list[dict]:
+    """Each generate chunk through the streaming /derender, the state carried along."""
+    out, state = [], None
+    for chunk in chunks:
+        body = {"stream": True, "generate_chunk": chunk, "stream_state": state, **fields}
+        answer = post(server, route, body).json()
+        out.append(answer["chunk"])
+        state = answer["stream_state"]
+    return out
+
+
+def test_a_streamed_generate_derendered_chunk_by_chunk_reads_as_the_stream(served):
+    server, _ = served
+    first = post(server, "v1/chat/completions", {"messages": MESSAGES, **GREEDY, "max_tokens": 12})
+    content = first.json()["choices"][0]["message"]["content"]
+    for stop in ([], [content[5:8]]):
+        chat = {"messages": MESSAGES, **GREEDY, "max_tokens": 12, "stop": stop}
+        expected = post(server, "v1/chat/completions", chat).json()["choices"][0]
+        body = post(server, "v1/chat/completions/render", chat).json()
+        options = {"include_usage": True}
+        gen = {**body, "stream": True, "stream_options": options, "return_token_ids": True}
+        chunks = events(post(server, "inference/v1/generate", gen, stream=True))
+        got = derender_stream(server, "v1/chat/completions/derender", chunks,
+                              chat_request=chat)  # fmt: skip
+        assert got[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in got[:-1])
+        assert text == expected["message"]["content"], stop
+        assert got[-2]["choices"][0]["finish_reason"] == expected["finish_reason"]
+        usage = got[-1]["usage"]
+        assert got[-1]["choices"] == [] and usage["prompt_tokens"] == len(body["token_ids"])
+    prompt = {"prompt": "Hello there", **GREEDY, "echo": True}
+    expected = post(server, "v1/completions", prompt).json()["choices"][0]["text"]
+    [body] = post(server, "v1/completions/render", prompt).json()
+    chunks = events(post(server, "inference/v1/generate", {**body, "stream": True}, stream=True))
+    got = derender_stream(server, "v1/completions/derender", chunks, completion_request=prompt,
+                          prompt_token_ids=body["token_ids"])  # fmt: skip
+    assert "".join(c["choices"][0]["text"] for c in got) == expected
+    bad = post(server, "v1/completions/derender",
+               {"stream": True, "generate_chunk": chunks[0],
+                "stream_state": {"output_token_ids": [1], "output_chunk_lens": [2]}})  # fmt: skip
+    assert bad.status_code == 400 and "stream_state" in bad.text
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -71,7 +71,9 @@ from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL
 logger = logging.getLogger(__name__)
 
 MESSAGES_PATH = "/v1/messages"
-# Seconds without output after which a stream sends a ping event (Anthropic's keep-alive).
+# Seconds without output after which a stream sends a ping event (Anthropic's keep-alive);
+# --sse-keep-alive-interval, when set, is the interval instead: this route's keep-alive is
+# the ping event its clients know, not the SSE comment of the OpenAI routes.
 PING_INTERVAL_S = 10.0
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 _ERROR_TYPES = {
@@ -375,7 +377,8 @@ class AnthropicServingMessages:
             start["diagnostics"] = diagnostics
         yield event("message_start", message=start)
         try:
-            async with contextlib.aclosing(_with_pings(stream, PING_INTERVAL_S)) as outputs:
+            interval = self.chat.args.sse_keep_alive_interval or PING_INTERVAL_S
+            async with contextlib.aclosing(_with_pings(stream, interval)) as outputs:
                 async for out in outputs:
                     if out is None:  # queued or prefilling: tell the client we are here
                         yield event("ping")

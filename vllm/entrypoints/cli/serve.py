@@ -62,6 +62,8 @@ def build_config(args: argparse.Namespace):
     if args.model_tag is not None:
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
+    if getattr(args, "tokens_only", False):
+        tokens_only(engine_args)
     engine_args.serve_speculators_head()
     check_chat_template(engine_args.chat_template)
     from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
@@ -83,6 +85,19 @@ def build_config(args: argparse.Namespace):
         policy = dataclasses.replace(config.policy_config, log_jobs=False)
         config = dataclasses.replace(config, policy_config=policy)
     return config
+
+
+def tokens_only(engine_args: EngineArgs) -> None:
+    """--tokens-only's engine: no tokenizer (vLLM sets skip_tokenizer_init too); the
+    flags that name one are refused, naming --tokens-only."""
+    named = {"--tokenizer": engine_args.tokenizer, "--chat-template": engine_args.chat_template}
+    given = [flag for flag, value in named.items() if value]
+    if given:
+        raise ValueError(
+            f"--tokens-only loads no tokenizer: {' and '.join(given)} cannot be used with it"
+        )
+    engine_args.skip_tokenizer_init = True
+    logger.info("--tokens-only: no tokenizer is loaded (skip_tokenizer_init)")
 
 
 def check_lora_modules(frontend: FrontendArgs, vllm_config) -> None:

@@ -59,8 +59,10 @@ from vllm.entrypoints.openai.protocol_generate import (
     SCALE_OUT_PATHS,
     AbortAllRequest,
     AbortRequestsRequest,
-    DerenderChatRequest,
-    DerenderCompletionRequest,
+    DerenderChatBody,
+    DerenderChatStreamRequest,
+    DerenderCompletionBody,
+    DerenderCompletionStreamRequest,
     GenerateRequest,
 )
 from vllm.entrypoints.openai.responses_store import ResponseStore, SharedResponseStore
@@ -266,8 +268,9 @@ INVOCATIONS = "/invocations"  # SageMaker's route to the API: guarded as /v1 is
 PROFILE_PATHS = ("/start_profile", "/stop_profile")  # with --profiler-config
 RESET_PREFIX_CACHE = "/reset_prefix_cache"  # with VLLM_SERVER_DEV_MODE=1
 # VLLM_SERVER_DEV_MODE=1's routes that change what the engine runs or holds.
+LEGACY_ABORT_PATH = "/abort_requests"  # dev mode's, or --tokens-only's (vLLM's legacy path)
 DEV_PATHS = (RESET_PREFIX_CACHE, "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume",
-             "/is_paused", "/abort_requests")  # fmt: skip
+             "/is_paused", LEGACY_ABORT_PATH)  # fmt: skip
 GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS, *DEV_PATHS,
                      *POOLING_PATHS, GENERATE_PATH, ABORT_PATH})  # fmt: skip
 
@@ -363,7 +366,7 @@ def build_app(
         allow_credentials=args.allow_credentials,
     )
     _add_user_middleware(app, getattr(args, "middleware", None) or ())
-    _add_error_handlers(app)
+    _add_error_handlers(app, args.log_error_stack or envs.VLLM_SERVER_DEV_MODE)
 
     _add_info_routes(app, vllm_config, args, engine, stats, state, models)
     if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
@@ -647,20 +650,30 @@ def _add_scale_out_routes(
         with finish_reason abort. Unknown or finished ids are skipped."""
         return await tokens.abort(request.request_ids)
 
+    if args.tokens_only and not envs.VLLM_SERVER_DEV_MODE:  # dev mode has its own
+        # vLLM's legacy path of --tokens-only deployments (behind --api-key here).
+        app.post(LEGACY_ABORT_PATH, responses=openapi.ABORT_RESPONSES)(abort_requests)
+
     @app.post("/v1/completions/render", responses=openapi.RENDER_LIST_RESPONSES)
     async def completion_render(request: CompletionRequest, raw: Request):
         read_headers(request, raw.headers, args.max_job_id_length)
         return await completions.render_completion(request)
 
     @app.post(CHAT_DERENDER_PATH, responses=openapi.DERENDER_RESPONSES)
-    async def chat_derender(request: DerenderChatRequest):
+    async def chat_derender(request: DerenderChatBody):
         """A tokens-mode generate response read back as the chat route reads its output
-        (tool calls, reasoning), per the chat request /render was given."""
+        (tool calls, reasoning), per the chat request /render was given; with stream
+        true, one generate chunk a call, the client carrying the stream_state."""
+        if isinstance(request, DerenderChatStreamRequest):
+            return await tokens.derender_chat_stream(request)
         return await tokens.derender_chat(request)
 
     @app.post(COMPLETION_DERENDER_PATH, responses=openapi.DERENDER_RESPONSES)
-    async def completion_derender(request: DerenderCompletionRequest):
-        """Generate responses (one per prompt) read back as the completions route's."""
+    async def completion_derender(request: DerenderCompletionBody):
+        """Generate responses (one per prompt) read back as the completions route's; with
+        stream true, one generate chunk a call."""
+        if isinstance(request, DerenderCompletionStreamRequest):
+            return await tokens.derender_completion_stream(request)
         return await tokens.derender_completion(request)
 
 
@@ -677,14 +690,18 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
         return models.unload_lora_adapter(request.lora_name)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, log_stack: bool = False) -> None:
     """Every error in the OpenAI shape ``{"error": {message, type, param, code}}``; on
-    /v1/messages, in Anthropic's (``as_anthropic``)."""
+    /v1/messages, in Anthropic's (``as_anthropic``). ``log_stack`` (--log-error-stack):
+    each one's exception is logged with its stack trace (an unexpected one's uvicorn
+    logs already, as starlette re-raises it)."""
 
     def handler(kind: type[Exception]):
         def register(build):
             async def handle(request: Request, exc: Exception):
                 response = build(exc)
+                if log_stack and kind is not Exception:
+                    _log_error_stack(request, response.status_code, exc)
                 return as_anthropic(response) if is_messages_path(request.url.path) else response
 
             app.add_exception_handler(kind, handle)
@@ -740,6 +757,19 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 _HTTP_ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError"}
+
+
+def _log_error_stack(request: Request, status: int, exc: Exception) -> None:
+    request_id = request.headers.get("x-request-id")
+    logger.error(
+        "%d on %s %s (request id %s): %s",
+        status,
+        request.method,
+        request.url.path,
+        request_id,
+        type(exc).__name__,
+        exc_info=exc,
+    )
 
 
 def _log_request(kind: str, request, detail: str) -> None:

@@ -82,6 +82,12 @@ class FrontendArgs:
         "2 required.",
         choices=(0, 1, 2),
     )
+    ssl_ciphers: str | None = config_field(
+        None,
+        "The cipher suites HTTPS offers (vLLM's; uvicorn's ssl_ciphers, an OpenSSL cipher "
+        "list such as 'ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305'). Applies "
+        "to TLS 1.2 and below: TLS 1.3's suites are OpenSSL's. Checked at start.",
+    )
     root_path: str | None = config_field(
         None,
         "The path prefix a path-routing proxy serves this server under (FastAPI's "
@@ -120,6 +126,12 @@ class FrontendArgs:
     disable_uvicorn_access_log: bool = config_field(
         False, "No access log line per HTTP request (the request log stays)."
     )
+    disable_access_log_for_endpoints: str | None = config_field(
+        None,
+        "Paths whose requests get no access log line (vLLM's; comma-separated, e.g. "
+        "/health,/metrics,/ping): a path matches exactly, without its query string and "
+        "with or without --root-path. Other requests are logged as before.",
+    )
     disable_fastapi_docs: bool = config_field(
         False, "Serve no OpenAPI schema (/openapi.json) and no docs pages (/docs, /redoc)."
     )
@@ -133,6 +145,14 @@ class FrontendArgs:
         False,
         "Every streamed response ends with a usage chunk, as if it asked for "
         "stream_options.include_usage.",
+    )
+    sse_keep_alive_interval: float = config_field(
+        0.0,
+        "Seconds a stream may go without sending anything before the server sends an SSE "
+        "comment line (': keep-alive'; vLLM's), so a proxy with a read timeout does not "
+        "cut a request that waits in the queue or a long prefill; 0: off. On every "
+        "streaming route (chat, completions, responses, /inference/v1/generate); "
+        "/v1/messages sends Anthropic's ping event at this interval instead (10 s unset).",
     )
     enable_prompt_tokens_details: bool = config_field(
         False,
@@ -174,6 +194,11 @@ class FrontendArgs:
         "Level of this server's and its engine's logs (vLLM's; the default is info, or "
         "VLLM_LOGGING_LEVEL).",
     )
+    log_error_stack: bool = config_field(
+        False,
+        "Log the stack trace of each error response's exception (vLLM's; also with "
+        "VLLM_SERVER_DEV_MODE=1): 4xx and 5xx alike, with the route and request id.",
+    )
     enable_tokenizer_info_endpoint: bool = config_field(
         False,
         "Serve GET /tokenizer_info (vLLM's): the tokenizer's configuration, class and the "
@@ -196,6 +221,14 @@ class FrontendArgs:
         "run as), /v1/chat/completions/derender and /v1/completions/derender (its output "
         "read back as those routes would); off: they answer 403. "
         "/v1/chat/completions/render is always served (vllm-router's cache_aware needs it).",
+    )
+    tokens_only: bool = config_field(
+        False,
+        "vLLM's tokens-in/tokens-out server (a disaggregated deployment's worker): no "
+        "tokenizer is loaded (--skip-tokenizer-init), the scale-out routes are served "
+        "(as --enable-scale-out), /inference/v1/generate detokenizes nothing and refuses "
+        "stop strings (use stop_token_ids), and POST /abort_requests (vLLM's legacy path) "
+        "aborts as /inference/v1/abort_requests does. Text routes refuse text prompts.",
     )
     disable_log_stats: bool = config_field(
         False,
@@ -377,6 +410,16 @@ class FrontendArgs:
             raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs!r}")
         if self.ssl_cert_reqs and self.ssl_keyfile is None:
             raise ValueError("ssl_cert_reqs asks for client certificates: it needs HTTPS")
+        if self.ssl_ciphers is not None:
+            _check_ssl_ciphers(self.ssl_ciphers, self.ssl_keyfile is not None)
+        if self.disable_access_log_for_endpoints is not None:
+            self.access_log_excluded_paths()  # ValueError now
+        value = self.sse_keep_alive_interval
+        if isinstance(value, bool) or not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"sse_keep_alive_interval must be >= 0 seconds, got {value!r}")
+        if self.tokens_only:
+            self._check_tokens_only()
+            object.__setattr__(self, "enable_scale_out", True)  # its routes are the point
         root = self.root_path
         if root is not None and (not root.startswith("/") or root.endswith("/")):
             raise ValueError(f"root_path must start with / and not end with one, got {root!r}")
@@ -427,6 +470,34 @@ class FrontendArgs:
             load_log_config(self.log_config_file)
         if self.structured_outputs_config is not None:
             self._fold_structured_outputs_config()
+
+    def access_log_excluded_paths(self) -> frozenset[str]:
+        """--disable-access-log-for-endpoints's paths (ValueError for one without a /)."""
+        text = self.disable_access_log_for_endpoints or ""
+        paths = frozenset(p.strip() for p in text.split(",") if p.strip())
+        bad = sorted(p for p in paths if not p.startswith("/"))
+        if bad:
+            raise ValueError(
+                f"disable_access_log_for_endpoints must be comma-separated paths starting "
+                f"with /, e.g. /health,/metrics; got {bad}"
+            )
+        return paths
+
+    def _check_tokens_only(self) -> None:
+        """--tokens-only loads no tokenizer: the flags that need one are refused."""
+        text_flags = {
+            "reasoning_parser": "--reasoning-parser",
+            "tool_call_parser": "--tool-call-parser",
+            "enable_auto_tool_choice": "--enable-auto-tool-choice",
+            "enable_tokenizer_info_endpoint": "--enable-tokenizer-info-endpoint",
+            "default_chat_template_kwargs": "--default-chat-template-kwargs",
+        }
+        given = [flag for name, flag in text_flags.items() if getattr(self, name)]
+        if given:
+            raise ValueError(
+                f"--tokens-only loads no tokenizer and serves token ids only: "
+                f"{', '.join(given)} cannot be used with it"
+            )
 
     def _fold_structured_outputs_config(self) -> None:
         """Check --structured-outputs-config; its reasoning_parser becomes --reasoning-parser
@@ -504,6 +575,21 @@ STRUCTURED_OUTPUTS_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
         "constraining the reasoning itself is not implemented",
     ),
 }
+
+
+def _check_ssl_ciphers(ciphers: str, https: bool) -> None:
+    """--ssl-ciphers: only with HTTPS, and a cipher list OpenSSL knows (ValueError)."""
+    import ssl
+
+    if not https:
+        raise ValueError("--ssl-ciphers needs HTTPS (--ssl-keyfile and --ssl-certfile)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).set_ciphers(ciphers)
+    except ssl.SSLError:
+        raise ValueError(
+            f"--ssl-ciphers {ciphers!r} names no cipher suite OpenSSL has (e.g. "
+            "'ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305')"
+        ) from None
 
 
 def resolve_middleware(path: str) -> Any:

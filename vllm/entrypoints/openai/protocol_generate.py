@@ -14,9 +14,18 @@ sampling parameter this server does not take is a 400 naming it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictStr,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from vllm.entrypoints.openai.protocol import (
     AGENT_FIELDS,
@@ -365,3 +374,108 @@ class DerenderCompletionRequest(BaseModel):
                     name,
                 )
         return self
+
+
+MAX_DERENDER_TOKENS = 1 << 20  # a stream state's output tokens (a context's worth, and more)
+
+
+class DerenderStreamState(BaseModel):
+    """What a streaming /derender call hands back for the next one (the client carries it;
+    the server keeps nothing): the sequence's output token ids so far and how they came
+    in chunks (replayed through the detokenizer and the output parser each call: their
+    state is not serialisable), and whether its first chunk went out."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    output_token_ids: list[int] = Field(default_factory=list, max_length=MAX_DERENDER_TOKENS)
+    output_chunk_lens: list[int] = Field(default_factory=list, max_length=MAX_DERENDER_TOKENS)
+    started: bool = False
+
+    @model_validator(mode="after")
+    def _lens_add_up(self) -> DerenderStreamState:
+        if any(n <= 0 for n in self.output_chunk_lens) or sum(self.output_chunk_lens) != len(
+            self.output_token_ids
+        ):
+            raise VLLMValidationError(
+                "stream_state.output_chunk_lens must be positive and add up to "
+                "len(output_token_ids)",
+                "stream_state",
+            )
+        return self
+
+    def chunks(self) -> list[list[int]]:
+        """The output token ids in the chunks they came in."""
+        out, start = [], 0
+        for n in self.output_chunk_lens:
+            out.append(self.output_token_ids[start : start + n])
+            start += n
+        return out
+
+    def after(self, token_ids: list[int]) -> DerenderStreamState:
+        """The state once ``token_ids`` (one more chunk) went out."""
+        lens = self.output_chunk_lens + ([len(token_ids)] if token_ids else [])
+        return DerenderStreamState(
+            output_token_ids=self.output_token_ids + token_ids, output_chunk_lens=lens,
+            started=True,
+        )  # fmt: skip
+
+
+class GeneratedChunk(BaseModel):
+    """One SSE chunk of a tokens-mode /inference/v1/generate stream, as a streaming
+    /derender takes it back: one choice (a state is one sequence's), or none (the usage
+    chunk)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    request_id: StrictStr
+    output_mode: Literal["tokens"] = "tokens"
+    choices: list[GeneratedChoice] = Field(default_factory=list, max_length=1)
+    prompt_token_ids: list[int] | None = None
+    usage: dict[str, Any] | None = None
+
+
+class _DerenderChunk(BaseModel):
+    """A streaming /derender call: one generate chunk and the ``stream_state`` the last
+    call answered (none: the first); answers ``{"chunk", "stream_state"}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    stream: Literal[True]
+    model: str | None = None
+    generate_chunk: GeneratedChunk
+    stream_state: DerenderStreamState | None = None
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    prompt_token_ids: list[int] | None = None
+
+
+class DerenderChatStreamRequest(_DerenderChunk):
+    """``POST /v1/chat/completions/derender`` a chunk at a time (its ``chunk`` a
+    chat.completion.chunk)."""
+
+    chat_request: dict[str, Any] | None = None
+
+
+class DerenderCompletionStreamRequest(_DerenderChunk):
+    """``POST /v1/completions/derender`` a chunk at a time (its ``chunk`` a
+    text_completion chunk)."""
+
+    completion_request: dict[str, Any] | None = None
+
+
+def _streams(value: Any) -> str:
+    """The /derender body's kind: ``stream: true`` is a chunk's, anything else a whole
+    response's (validated as such)."""
+    stream = value.get("stream") if isinstance(value, dict) else getattr(value, "stream", None)
+    return "chunk" if stream is True else "whole"
+
+
+DerenderChatBody = Annotated[
+    Annotated[DerenderChatRequest, Tag("whole")]
+    | Annotated[DerenderChatStreamRequest, Tag("chunk")],
+    Discriminator(_streams),
+]
+DerenderCompletionBody = Annotated[
+    Annotated[DerenderCompletionRequest, Tag("whole")]
+    | Annotated[DerenderCompletionStreamRequest, Tag("chunk")],
+    Discriminator(_streams),
+]

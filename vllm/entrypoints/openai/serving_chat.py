@@ -322,7 +322,9 @@ class OpenAIServingChat(OpenAIServing):
         plan, stream = await self.start_generation(request, engine_id, request_id)
         if request.stream:
             return EngineStreamingResponse(
-                self._stream(request, plan, stream, request_id, created, received), stream
+                self._stream(request, plan, stream, request_id, created, received),
+                stream,
+                self.args.sse_keep_alive_interval,
             )
 
         def body(final: RequestOutput) -> dict:

@@ -169,7 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             stream = streams[0] if len(streams) == 1 else StreamBatch(streams, request.n)
             events = self._stream(request, stream, streams, base, echoes, received)
-            return EngineStreamingResponse(events, stream)
+            return EngineStreamingResponse(events, stream, self.args.sse_keep_alive_interval)
         finals = await self.collect_all(streams, receive)
         if finals is None:
             return Response(status_code=499)  # the client left; every request aborted

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -13,11 +14,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from vllm import envs
 from vllm.entrypoints.launcher import ServerState
 from vllm.entrypoints.logger import RequestLogger
 from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.protocol import UsageInfo, _SamplingFields, random_id
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.sse import with_sse_keep_alive
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -30,6 +33,8 @@ from vllm.v1.outputs import TokenLogprobs
 SERVER_LATENCY_HEADER = "x-vllm-server-latency"
 ENGINE_LATENCY_HEADER = "x-vllm-engine-latency"
 
+
+logger = logging.getLogger(__name__)
 
 Receive = Callable[[], Awaitable[dict]]  # the ASGI ``receive`` of the HTTP request
 
@@ -65,10 +70,14 @@ class EngineStreamingResponse(StreamingResponse):
 
     A client that leaves before the first chunk is sent makes starlette cancel the body
     before the generator ever starts, so the generator's own ``finally`` never runs.
+    ``keep_alive_s`` (--sse-keep-alive-interval; 0: off): an SSE comment each time that
+    many seconds pass without an event (``with_sse_keep_alive``).
     """
 
-    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(
+        self, content: AsyncIterator[str], stream: RequestStream, keep_alive_s: float = 0.0
+    ) -> None:
+        super().__init__(with_sse_keep_alive(content, keep_alive_s), media_type="text/event-stream")
         self.engine_stream = stream
 
     async def __call__(self, scope, receive, send) -> None:
@@ -548,6 +557,9 @@ class OpenAIServing:
                 )
             self.timing(received, stream)
         except Exception as e:  # the status line is already sent: report in-band
+            if self.args.log_error_stack or envs.VLLM_SERVER_DEV_MODE:
+                name = getattr(stream, "request_id", "of a batch")
+                logger.error("Error in stream %s, sent in-band", name, exc_info=e)
             yield sse(error_event(e))
         finally:
             # A client that went away cancels us here: abort its request in the engine.

@@ -61,6 +61,7 @@ from vllm.entrypoints.openai.serving_chat import (
     renamed,
 )
 from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, Receive
+from vllm.entrypoints.openai.sse import with_sse_keep_alive
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
@@ -120,7 +121,9 @@ class OpenAIServingResponses:
         if request.background:
             return await self._start_background(turn, plan, stream)
         if request.stream:
-            return EngineStreamingResponse(self._stream(turn, plan, stream, received), stream)
+            keep_alive = self.chat.args.sse_keep_alive_interval
+            events = self._stream(turn, plan, stream, received)
+            return EngineStreamingResponse(events, stream, keep_alive)
         final = await self.chat.collect(stream, receive)
         if final is None:
             return Response(status_code=499)  # the client left
@@ -354,7 +357,7 @@ class OpenAIServingResponses:
         )
         self.background[turn.response_id] = _Background(turn, task, stream)
         if log is not None:  # not EngineStreamingResponse: a client that leaves aborts nothing
-            return StreamingResponse(log.follow(), media_type="text/event-stream")
+            return self._follow(log.follow())
         return JSONResponse(queued)
 
     async def _run_background(self, turn: _Turn, plan: ToolPlan, stream: RequestStream) -> None:
@@ -455,7 +458,15 @@ class OpenAIServingResponses:
                 "stream",
             )
         start = 0 if query.starting_after is None else query.starting_after + 1
-        return StreamingResponse(log.follow(start), media_type="text/event-stream")
+        return self._follow(log.follow(start))
+
+    def _follow(self, events: AsyncIterator[str]) -> StreamingResponse:
+        """A background response's event log as SSE (with --sse-keep-alive-interval's
+        comments while it waits for the next event)."""
+        keep_alive = self.chat.args.sse_keep_alive_interval
+        return StreamingResponse(
+            with_sse_keep_alive(events, keep_alive), media_type="text/event-stream"
+        )
 
     async def delete(self, response_id: str) -> dict[str, Any]:
         await self._stop(response_id)  # a background one still running: no longer needed

@@ -22,7 +22,10 @@ from pydantic import ValidationError
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now_s
 from vllm.entrypoints.openai.protocol_generate import (
     DerenderChatRequest,
+    DerenderChatStreamRequest,
     DerenderCompletionRequest,
+    DerenderCompletionStreamRequest,
+    DerenderStreamState,
     GeneratedResponse,
     GenerateRequest,
 )
@@ -30,13 +33,11 @@ from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, Open
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.outputs import TokenLogprobs
 
 RESPONSE_PREFIX = "generate-tokens"  # vLLM's: the response's request_id is <this>-<name>
 NO_LOGPROB = -9999.0  # OpenAI's floor for -inf, as vLLM's shapes clamp it
-# Prompt tokens decoded ahead of an output read back (/derender): its first token keeps the
-# leading space a SentencePiece tokenizer gives it only after other text.
-SEED_TOKENS = 6
 
 
 def _clamp(logprob: float) -> float:
@@ -63,6 +64,12 @@ class OpenAIServingTokens(OpenAIServing):
             raise
         if request.output_mode == "text":
             self.require_tokenizer("output_mode 'text'", "output_mode")
+        if self.args.tokens_only and params.stop:  # nothing is detokenized to match them
+            raise VLLMValidationError(
+                "stop strings are not supported on a --tokens-only server (it detokenizes "
+                "nothing): check them on the coordinator, or use stop_token_ids",
+                "sampling_params.stop",
+            )
         if request.stream and params.prompt_logprobs is not None:
             raise VLLMValidationError(
                 "prompt_logprobs are not available when stream=true",
@@ -78,6 +85,8 @@ class OpenAIServingTokens(OpenAIServing):
         """The response (JSON, or SSE if ``request.stream``)."""
         params = request.sampling()
         self._check(request, params)
+        if self.args.tokens_only:  # vLLM's force_no_detokenize
+            params.detokenize = False
         name = request.request_id
         response_id = f"{RESPONSE_PREFIX}-{name or uuid.uuid4().hex}"
         # A named request runs under its name and a suffix: two of one name never collide.
@@ -199,41 +208,55 @@ class OpenAIServingTokens(OpenAIServing):
         return {"status": "aborted", "aborted": count}
 
     # -- /derender --------------------------------------------------------------------
-    def _decoded(
-        self, response: GeneratedResponse, params: SamplingParams, prompt_ids: list[int]
-    ) -> list[CompletionOutput]:
-        """Each choice's outputs as the engine would have given them: the text decoded
-        after the prompt's last tokens, cut before the stop string that ended it (unless
-        the request keeps it), its logprobs as the engine's."""
-        self.require_tokenizer("derendering (token ids to text)", "generate_response")
+    def _check_ids(self, *named: tuple[list[int], str]) -> None:
+        """Token ids of this model's vocabulary (a 400 naming where they came from)."""
+        self.require_tokenizer("derendering (token ids to text)", named[0][1])
         vocab = self.engine.processor.vocab_size
-        for ids, name in [(prompt_ids, "prompt_token_ids")] + [
-            (c.token_ids, "generate_response") for c in response.choices
-        ]:
+        for ids, name in named:
             if not all(0 <= t < vocab for t in ids):
                 raise VLLMValidationError(
                     f"{name}: token ids must be integers in [0, {vocab})", name
                 )
-        skip = params.skip_special_tokens
-        tail = list(prompt_ids[-SEED_TOKENS:])
-        prefix = self.engine.decode(tail, skip) if tail else ""
+
+    def _texts(
+        self,
+        params: SamplingParams,
+        chunks: list[list[int]],
+        finish: tuple[str | None, int | str | None] = (None, None),
+    ) -> list[str]:
+        """Each chunk's new text as the engine's detokenizer gave it when the tokens came
+        so: stop strings found and cut (their possible beginnings held back until they
+        cannot be one), a character split across tokens held back, the stop token's text
+        left out. ``finish``: the last chunk's finish reason and stop reason."""
+        detok = IncrementalDetokenizer(self.engine.tokenizer, params)
+        texts = []
+        for j, ids in enumerate(chunks):
+            finished = j == len(chunks) - 1 and finish[0] is not None
+            # The engine stopped on the last token (EOS, a stop token id): not a stop string.
+            on_token = finished and finish[0] == "stop" and not isinstance(finish[1], str)
+            stop = detok.update(ids, on_token)
+            if stop is None and finished:
+                detok.flush()
+            texts.append(detok.get_next_output_text(finished or detok.stopped, True))
+        return texts
+
+    def _decoded(
+        self, response: GeneratedResponse, params: SamplingParams, prompt_ids: list[int]
+    ) -> list[CompletionOutput]:
+        """Each choice's output as the engine would have given it (``_texts`` of all its
+        tokens at once), its logprobs as the engine's."""
+        self._check_ids(
+            (prompt_ids, "prompt_token_ids"),
+            *[(c.token_ids, "generate_response") for c in response.choices],
+        )
         outputs = []
         for c in response.choices:
-            text = self.engine.decode(tail + c.token_ids, skip)
-            text = (
-                text[len(prefix) :]
-                if text.startswith(prefix)
-                else self.engine.decode(c.token_ids, skip)
-            )
-            stop = c.stop_reason
-            if c.finish_reason == "stop" and isinstance(stop, str) and stop:
-                cut = text.find(stop)
-                if cut >= 0 and not params.include_stop_str_in_output:
-                    text = text[:cut]
+            finish = (c.finish_reason, c.stop_reason)
+            [text] = self._texts(params, [list(c.token_ids)], finish)
             outputs.append(
                 CompletionOutput(
                     c.index, text, list(c.token_ids), None, _engine_logprobs(c.logprobs),
-                    c.finish_reason, stop,
+                    c.finish_reason, c.stop_reason,
                 )
             )  # fmt: skip
         return outputs
@@ -313,6 +336,141 @@ class OpenAIServingTokens(OpenAIServing):
             "choices": choices,
             "usage": usage,
         }
+
+    # -- streaming /derender: one generate chunk a call, the state carried by the client --
+    def _stream_texts(
+        self, body: Any, params: SamplingParams
+    ) -> tuple[DerenderStreamState, list[str], Any]:
+        """The state before this chunk, each chunk's text (the earlier ones replayed, this
+        one last) and this chunk's choice (None for the usage chunk)."""
+        state = body.stream_state or DerenderStreamState()
+        chunk = body.generate_chunk
+        if not chunk.choices:
+            return state, [], None
+        c = chunk.choices[0]
+        prompt_ids = body.prompt_token_ids or chunk.prompt_token_ids or []
+        self._check_ids(
+            (prompt_ids, "prompt_token_ids"),
+            (state.output_token_ids, "stream_state"),
+            (c.token_ids, "generate_chunk"),
+        )
+        chunks = [*state.chunks(), list(c.token_ids)]
+        return state, self._texts(params, chunks, (c.finish_reason, c.stop_reason)), c
+
+    @staticmethod
+    def _stream_usage(body: Any, state: DerenderStreamState) -> dict[str, Any]:
+        """The usage chunk's: the prompt's count (given, else its ids, else the chunk's
+        usage) and the output tokens the chunk's usage counts (else the state's)."""
+        usage = body.generate_chunk.usage or {}
+        prompt = body.prompt_tokens
+        if prompt is None:
+            ids = body.prompt_token_ids or body.generate_chunk.prompt_token_ids
+            prompt = len(ids) if ids else usage.get("prompt_tokens", 0)
+        completion = usage.get("completion_tokens", len(state.output_token_ids))
+        out = {"prompt_tokens": prompt, "completion_tokens": completion,
+               "total_tokens": prompt + completion}  # fmt: skip
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            out["prompt_tokens_details"] = details
+        return out
+
+    async def derender_chat_stream(self, body: DerenderChatStreamRequest) -> dict[str, Any]:
+        """One chat.completion.chunk: what the chat route's stream would have sent for
+        this generate chunk, after the earlier ones (replayed from ``stream_state``)."""
+        raw = body.chat_request or {"messages": [{"role": "user", "content": ""}]}
+        request = _validated(ChatCompletionRequest, raw, "chat_request")
+        if body.model is not None:
+            request.model = body.model
+        plan, _, params = await self.chat._prepare(request)
+        state, texts, c = self._stream_texts(body, params)
+        base = {
+            "id": body.generate_chunk.request_id,
+            "object": "chat.completion.chunk",
+            "created": now_s(),
+            "model": self.response_model(request.model),
+        }
+        if c is None:
+            usage = self._stream_usage(body, state)
+            return {"chunk": {**base, "choices": [], "usage": usage}, "stream_state": state}
+        streamer = plan.streamer()
+        finished = c.finish_reason is not None
+        if streamer is None:
+            delta = {"content": texts[-1]} if texts[-1] else {}
+            finish_reason = c.finish_reason
+        else:
+            for text in texts[:-1]:  # the parser's state: the earlier chunks again
+                streamer.delta(text, False)
+            delta = streamer.delta(texts[-1], finished)
+            finish_reason = plan.finish_reason(c.finish_reason, streamer.called)
+        if not state.started:  # the role, as the chat stream's first chunk carries it
+            delta = {"role": plan.role, "content": "", **delta}
+        output = CompletionOutput(
+            c.index, texts[-1], list(c.token_ids), None, _engine_logprobs(c.logprobs)
+        )
+        hide = plan.hides_reasoning
+        choice = {
+            "index": c.index,
+            "delta": delta,
+            "logprobs": None if hide else self.chat_logprobs(output, self.tokens_as_ids(request)),
+            "finish_reason": finish_reason,
+        }
+        if request.return_token_ids and not hide:
+            choice["token_ids"] = list(c.token_ids)
+        chunk = {**base, "choices": [choice]}
+        return {"chunk": chunk, "stream_state": state.after(list(c.token_ids))}
+
+    async def derender_completion_stream(
+        self, body: DerenderCompletionStreamRequest
+    ) -> dict[str, Any]:
+        """One text_completion chunk: what the completions route's stream would have sent
+        for this generate chunk (``echo``: the prompt leads the first)."""
+        raw = body.completion_request or {"prompt": ""}
+        request = _validated(CompletionRequest, raw, "completion_request")
+        if body.model is not None:
+            request.model = body.model
+        completions = self.completions
+        completions.check_request(request)
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        params = request.to_sampling_params(
+            max_tokens, request.logprobs, True, self.default_sampling_params
+        )
+        state, texts, c = self._stream_texts(body, params)
+        base = {
+            "id": body.generate_chunk.request_id,
+            "object": "text_completion",
+            "created": now_s(),
+            "model": self.response_model(request.model),
+        }
+        if c is None:
+            usage = self._stream_usage(body, state)
+            return {"chunk": {**base, "choices": [], "usage": usage}, "stream_state": state}
+        prompt_ids = body.prompt_token_ids or body.generate_chunk.prompt_token_ids or []
+        echo = ""
+        if request.echo and not state.started:
+            if not prompt_ids:
+                raise VLLMValidationError(
+                    "echo needs the prompt: send prompt_token_ids", "prompt_token_ids"
+                )
+            echo = completions._echo_text(prompt_ids)
+        output = CompletionOutput(
+            c.index, texts[-1], list(c.token_ids), None, _engine_logprobs(c.logprobs)
+        )
+        before = sum(len(t) for t in texts[:-1]) + (
+            len(completions._echo_text(prompt_ids)) if request.echo and state.started else 0
+        )
+        choice = {
+            "index": c.index,
+            "text": echo + texts[-1],
+            "logprobs": completions._logprobs(
+                output, offset=before + len(echo), as_ids=self.tokens_as_ids(request)
+            ),
+            "finish_reason": c.finish_reason,
+            **completions._token_ids(
+                request, None if state.started else prompt_ids, list(c.token_ids)
+            ),
+        }
+        chunk = {**base, "choices": [choice]}
+        return {"chunk": chunk, "stream_state": state.after(list(c.token_ids))}
 
 
 def _engine_logprobs(logprobs: dict[str, Any] | None) -> list[TokenLogprobs] | None:
