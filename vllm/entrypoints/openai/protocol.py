@@ -1039,38 +1039,33 @@ def input_prompts(items: str | list[str] | list[int] | list[list[int]]) -> list[
     return list(items)
 
 
-class ClassificationRequest(BaseModel):
+class _PoolingInputs(BaseModel):
+    """The text inputs of vLLM's pooling routes (/classify, /pooling): a string, token
+    ids, or a list of either, one result each."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+    use_activation: bool | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        return input_prompts(self.input)
+
+
+class ClassificationRequest(_PoolingInputs):
     """POST /classify (vLLM's body for text inputs): ``use_activation`` false returns the
     score head's logits instead of probabilities. An unknown field is a 400 (vLLM's
     removed ``normalize`` among them)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    user: str | None = None
-    add_special_tokens: bool = True
-    priority: int = 0
-    use_activation: bool | None = None
 
-    def prompts(self) -> list[str | list[int]]:
-        return input_prompts(self.input)
-
-
-class PoolingRequest(BaseModel):
+class PoolingRequest(_PoolingInputs):
     """POST /pooling (vLLM's generic pooling body for text inputs): the model's own task
     (``task``, when given, must be it: embed or classify). ``dimensions`` is refused, as
     on /v1/embeddings."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    user: str | None = None
-    add_special_tokens: bool = True
-    priority: int = 0
     task: Literal["embed", "classify"] | None = None
-    use_activation: bool | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-
-    def prompts(self) -> list[str | list[int]]:
-        return input_prompts(self.input)

@@ -178,31 +178,27 @@ def _named(kind: type, values: dict[str, Any]) -> Any:
 
 
 def generate_body(
-    token_ids: list[int],
-    params: SamplingParams,
-    model: str,
-    *,
-    request_id: str | None = None,
-    stream: bool = False,
-    stream_options: dict[str, Any] | None = None,
-    cache_salt: str | None = None,
-    priority: int = 0,
-    return_token_ids: bool | None = None,
+    token_ids: list[int], params: SamplingParams, model: str, request: Any
 ) -> dict[str, Any]:
     """The /inference/v1/generate body that runs ``token_ids`` with ``params``: what the
-    /render routes answer."""
+    /render routes answer for ``request`` (a chat or completion request: its
+    ``request_id``, ``stream``, ``stream_options``, ``cache_salt``, ``priority`` and
+    ``return_token_ids`` carry over). Beam search is many engine requests a step: its
+    body keeps ``use_beam_search``, which the tokens route refuses, naming it."""
+    options = request.stream_options
     body: dict[str, Any] = {
         "token_ids": token_ids,
         "sampling_params": GenerateSamplingParams.from_sampling_params(params),
         "model": model,
-        "stream": stream,
-        "priority": priority,
+        "stream": request.stream,
+        "priority": request.priority,
     }
     optional = {
-        "request_id": request_id,
-        "stream_options": stream_options,
-        "cache_salt": cache_salt,
-        "return_token_ids": return_token_ids,
+        "request_id": request.request_id,
+        "stream_options": None if options is None else options.model_dump(),
+        "cache_salt": request.cache_salt,
+        "return_token_ids": request.return_token_ids or None,
+        "use_beam_search": request.use_beam_search or None,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
     return body

@@ -275,21 +275,7 @@ class OpenAIServingChat(OpenAIServing):
         takes the request (the tokens route takes no images yet)."""
         _, prompt, params = await self._prepare(request)
         token_ids = await self._tokenize_prompt(prompt, bool(request.add_special_tokens))
-        options = request.stream_options
-        body = generate_body(
-            token_ids,
-            params,
-            self.response_model(request.model),
-            request_id=request.request_id,
-            stream=request.stream,
-            stream_options=None if options is None else options.model_dump(),
-            cache_salt=request.cache_salt,
-            priority=request.priority,
-            return_token_ids=request.return_token_ids or None,
-        )
-        if request.use_beam_search:  # several engine requests a step: the tokens route
-            body["use_beam_search"] = True  # refuses it, naming it
-        return body
+        return generate_body(token_ids, params, self.response_model(request.model), request)
 
     async def prompt_token_ids(
         self, request: ChatCompletionRequest, add_special_tokens: bool = False

@@ -66,15 +66,7 @@ class OpenAIServingClassification(OpenAIServing):
         """Run every input for ``task``: (request id, final outputs, timing headers), or
         the 499 response when the client left."""
         lora = self.check_model(request)
-        prompts = request.prompts()
-        if not prompts:
-            raise VLLMValidationError("input must not be empty", "input")
-        if len(prompts) > self.args.max_n_sequences:
-            raise VLLMValidationError(
-                f"at most {self.args.max_n_sequences} inputs per request "
-                f"(--max-n-sequences), got {len(prompts)}",
-                "input",
-            )
+        prompts = self.checked_inputs(request.prompts())
         params = PoolingParams(use_activation=request.use_activation)
         request_id = random_id(prefix)
         streams = await self.add_requests(

@@ -215,24 +215,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = request.logprobs
         params.structured_outputs = guided_params(request)
-        options = request.stream_options
-        bodies = []
+        model, bodies = self.response_model(request.model), []
         for prompt in prompts:
             ids = prompt if isinstance(prompt, list) else await self._tokenize(prompt, special)
-            body = generate_body(
-                list(ids),
-                params,
-                self.response_model(request.model),
-                request_id=request.request_id,
-                stream=request.stream,
-                stream_options=None if options is None else options.model_dump(),
-                cache_salt=request.cache_salt,
-                priority=request.priority,
-                return_token_ids=request.return_token_ids or None,
-            )
-            if request.use_beam_search:
-                body["use_beam_search"] = True
-            bodies.append(body)
+            bodies.append(generate_body(list(ids), params, model, request))
         return bodies
 
     async def _tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:

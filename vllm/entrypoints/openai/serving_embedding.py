@@ -37,15 +37,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "state (no matryoshka truncation)",
                 "dimensions",
             )
-        prompts = request.prompts()
-        if not prompts:
-            raise VLLMValidationError("input must not be empty", "input")
-        if len(prompts) > self.args.max_n_sequences:
-            raise VLLMValidationError(
-                f"at most {self.args.max_n_sequences} inputs per request "
-                f"(--max-n-sequences), got {len(prompts)}",
-                "input",
-            )
+        prompts = self.checked_inputs(request.prompts())
         request_id = random_id("embd")
         streams = await self.add_requests(
             prompts,

@@ -302,6 +302,19 @@ class OpenAIServing:
         ]
         return {"content": content}
 
+    def checked_inputs(self, prompts: list) -> list:
+        """A pooling route's inputs (embeddings, /classify, /pooling): at least one, at
+        most --max-n-sequences (a 400 naming ``input``)."""
+        if not prompts:
+            raise VLLMValidationError("input must not be empty", "input")
+        if len(prompts) > self.args.max_n_sequences:
+            raise VLLMValidationError(
+                f"at most {self.args.max_n_sequences} inputs per request "
+                f"(--max-n-sequences), got {len(prompts)}",
+                "input",
+            )
+        return prompts
+
     @staticmethod
     def request_ids(request: _SamplingFields, prefix: str) -> tuple[str, str]:
         """The response's ``id`` and the engine's request id. A request the client named

@@ -263,10 +263,7 @@ class OpenAIServingTokens(OpenAIServing):
 
     async def derender_chat(self, body: DerenderChatRequest) -> dict[str, Any]:
         """The chat.completion the chat route would have answered for these outputs."""
-        raw = body.chat_request or {"messages": [{"role": "user", "content": ""}]}
-        request = _validated(ChatCompletionRequest, raw, "chat_request")
-        if body.model is not None:
-            request.model = body.model
+        request = _request_of(body, "chat_request")
         plan, _, params = await self.chat._prepare(request)
         response = body.generate_response
         prompt_ids = body.prompt_token_ids or response.prompt_token_ids or []
@@ -281,10 +278,7 @@ class OpenAIServingTokens(OpenAIServing):
     async def derender_completion(self, body: DerenderCompletionRequest) -> dict[str, Any]:
         """The text_completion the completions route would have answered for these
         outputs (one generate response per prompt, in order)."""
-        raw = body.completion_request or {"prompt": ""}
-        request = _validated(CompletionRequest, raw, "completion_request")
-        if body.model is not None:
-            request.model = body.model
+        request = _request_of(body, "completion_request")
         completions = self.completions
         completions.check_request(request)
         if request.echo and request.logprobs is not None:
@@ -357,6 +351,18 @@ class OpenAIServingTokens(OpenAIServing):
         chunks = [*state.chunks(), list(c.token_ids)]
         return state, self._texts(params, chunks, (c.finish_reason, c.stop_reason)), c
 
+    def _envelope(self, body: Any, obj: str, request: Any) -> dict[str, Any]:
+        """A streamed chunk's fields but its choices: the generate chunk's id."""
+        return {"id": body.generate_chunk.request_id, "object": obj, "created": now_s(),
+                "model": self.response_model(request.model)}  # fmt: skip
+
+    def _usage_answer(
+        self, body: Any, state: DerenderStreamState, base: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The answer to the generate stream's usage chunk (no choices; the state as is)."""
+        chunk = {**base, "choices": [], "usage": self._stream_usage(body, state)}
+        return {"chunk": chunk, "stream_state": state}
+
     @staticmethod
     def _stream_usage(body: Any, state: DerenderStreamState) -> dict[str, Any]:
         """The usage chunk's: the prompt's count (given, else its ids, else the chunk's
@@ -377,21 +383,12 @@ class OpenAIServingTokens(OpenAIServing):
     async def derender_chat_stream(self, body: DerenderChatStreamRequest) -> dict[str, Any]:
         """One chat.completion.chunk: what the chat route's stream would have sent for
         this generate chunk, after the earlier ones (replayed from ``stream_state``)."""
-        raw = body.chat_request or {"messages": [{"role": "user", "content": ""}]}
-        request = _validated(ChatCompletionRequest, raw, "chat_request")
-        if body.model is not None:
-            request.model = body.model
+        request = _request_of(body, "chat_request")
         plan, _, params = await self.chat._prepare(request)
         state, texts, c = self._stream_texts(body, params)
-        base = {
-            "id": body.generate_chunk.request_id,
-            "object": "chat.completion.chunk",
-            "created": now_s(),
-            "model": self.response_model(request.model),
-        }
-        if c is None:
-            usage = self._stream_usage(body, state)
-            return {"chunk": {**base, "choices": [], "usage": usage}, "stream_state": state}
+        base = self._envelope(body, "chat.completion.chunk", request)
+        if c is None:  # the usage chunk
+            return self._usage_answer(body, state, base)
         streamer = plan.streamer()
         finished = c.finish_reason is not None
         if streamer is None:
@@ -424,10 +421,7 @@ class OpenAIServingTokens(OpenAIServing):
     ) -> dict[str, Any]:
         """One text_completion chunk: what the completions route's stream would have sent
         for this generate chunk (``echo``: the prompt leads the first)."""
-        raw = body.completion_request or {"prompt": ""}
-        request = _validated(CompletionRequest, raw, "completion_request")
-        if body.model is not None:
-            request.model = body.model
+        request = _request_of(body, "completion_request")
         completions = self.completions
         completions.check_request(request)
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
@@ -435,15 +429,9 @@ class OpenAIServingTokens(OpenAIServing):
             max_tokens, request.logprobs, True, self.default_sampling_params
         )
         state, texts, c = self._stream_texts(body, params)
-        base = {
-            "id": body.generate_chunk.request_id,
-            "object": "text_completion",
-            "created": now_s(),
-            "model": self.response_model(request.model),
-        }
-        if c is None:
-            usage = self._stream_usage(body, state)
-            return {"chunk": {**base, "choices": [], "usage": usage}, "stream_state": state}
+        base = self._envelope(body, "text_completion", request)
+        if c is None:  # the usage chunk
+            return self._usage_answer(body, state, base)
         prompt_ids = body.prompt_token_ids or body.generate_chunk.prompt_token_ids or []
         echo = ""
         if request.echo and not state.started:
@@ -496,6 +484,23 @@ def _cached(response: GeneratedResponse) -> int:
     details = (response.usage or {}).get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
     return cached if isinstance(cached, int) else 0
+
+
+_DEFAULT_REQUESTS: dict[str, tuple[type, dict[str, Any]]] = {
+    # With none given, the route's reading of an output under the server's defaults.
+    "chat_request": (ChatCompletionRequest, {"messages": [{"role": "user", "content": ""}]}),
+    "completion_request": (CompletionRequest, {"prompt": ""}),
+}
+
+
+def _request_of(body: Any, name: str) -> Any:
+    """The /derender body's ``name`` (chat_request / completion_request) validated as the
+    route's request (a 400 naming ``name.<field>``), its ``model`` the body's if set."""
+    model, default = _DEFAULT_REQUESTS[name]
+    request = _validated(model, getattr(body, name) or default, name)
+    if body.model is not None:
+        request.model = body.model
+    return request
 
 
 def _validated(model: type, raw: dict[str, Any], name: str) -> Any:
