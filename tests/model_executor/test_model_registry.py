@@ -50,9 +50,9 @@ def test_unknown_architecture_is_named_with_the_supported_ones():
     assert "GPT2LMHeadModel is not supported" in message
     assert all(arch in message for arch in ARCHS)
     # A listed but unknown architecture is not rescued by a known model_type.
-    with pytest.raises(ValueError, match="LlamaForSequenceClassification"):
+    with pytest.raises(ValueError, match="LlamaForTokenClassification"):
         ModelRegistry.resolve_model_cls(
-            SimpleNamespace(architectures=["LlamaForSequenceClassification"], model_type="llama")
+            SimpleNamespace(architectures=["LlamaForTokenClassification"], model_type="llama")
         )
     with pytest.raises(ValueError, match="none listed; model_type 'gpt2'"):
         ModelRegistry.resolve_model_cls(SimpleNamespace(architectures=[], model_type="gpt2"))
