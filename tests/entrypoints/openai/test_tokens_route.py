@@ -266,3 +266,16 @@ def test_bad_generate_requests_are_4xx_naming_the_field(served, body, param):
     error = response.json()["error"]
     if param is not None:
         assert param in (error.get("param") or "") + error["message"], error
+
+
+def test_dev_mode_server_info(served):
+    server, _ = served
+    text = requests.get(f"{server.base}/server_info", timeout=30).json()
+    assert "max_model_len=300" in text["vllm_config"].replace(" ", "")
+    assert text["vllm_env"]["VLLM_SERVER_DEV_MODE"] is True
+    assert not any(w in k for k in text["vllm_env"] for w in ("KEY", "TOKEN", "SECRET"))
+    assert text["system_env"]["torch_version"] and text["system_env"]["cpu_count"] >= 1
+    info = requests.get(f"{server.base}/server_info?config_format=json", timeout=30).json()
+    assert info["vllm_config"]["scheduler_config"]["max_model_len"] == 300
+    bad = requests.get(f"{server.base}/server_info?config_format=yaml", timeout=30)
+    assert bad.status_code == 400

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import inspect
 import json
@@ -12,7 +13,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -270,7 +271,7 @@ RESET_PREFIX_CACHE = "/reset_prefix_cache"  # with VLLM_SERVER_DEV_MODE=1
 # VLLM_SERVER_DEV_MODE=1's routes that change what the engine runs or holds.
 LEGACY_ABORT_PATH = "/abort_requests"  # dev mode's, or --tokens-only's (vLLM's legacy path)
 DEV_PATHS = (RESET_PREFIX_CACHE, "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume",
-             "/is_paused", LEGACY_ABORT_PATH)  # fmt: skip
+             "/is_paused", LEGACY_ABORT_PATH, "/server_info")  # fmt: skip
 GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS, *DEV_PATHS,
                      *POOLING_PATHS, GENERATE_PATH, ABORT_PATH})  # fmt: skip
 
@@ -518,6 +519,23 @@ def build_app(
         async def is_paused():
             return {"is_paused": await engine.is_paused()}
 
+        @app.get("/server_info")
+        async def server_info(
+            config_format: Annotated[Literal["text", "json"], Query()] = "text",
+        ):
+            """vLLM's: the engine's configuration (as text, or as JSON), this engine's
+            environment variables as read (none whose name holds KEY, TOKEN or SECRET),
+            and the system's (Python, torch, CPU, devices)."""
+            if config_format == "text":
+                config = str(vllm_config)
+            else:  # dtypes and the like as their text
+                config = json.loads(json.dumps(dataclasses.asdict(vllm_config), default=str))
+            return {
+                "vllm_config": config,
+                "vllm_env": server_env(),
+                "system_env": await asyncio.to_thread(system_env),
+            }
+
         @app.post("/abort_requests", responses=openapi.ABORT_RESPONSES)
         async def abort_all(request: AbortAllRequest | None = None):
             """vLLM's RL route: stop the requests whose responses' ids are listed, or, with
@@ -675,6 +693,44 @@ def _add_scale_out_routes(
         if isinstance(request, DerenderCompletionStreamRequest):
             return await tokens.derender_completion_stream(request)
         return await tokens.derender_completion(request)
+
+
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+def server_env() -> dict[str, object]:
+    """/server_info's ``vllm_env``: each environment variable this engine reads
+    (``vllm/envs.py``), as read (defaults included), none that may hold a secret."""
+    out: dict[str, object] = {}
+    for name in envs.environment_variables:
+        if any(word in name for word in SECRET_WORDS):
+            continue
+        value = getattr(envs, name)
+        if value is not None:
+            out[name] = value if isinstance(value, bool | int | float) else str(value)
+    return out
+
+
+def system_env() -> dict[str, object]:
+    """/server_info's ``system_env``: what the server runs on (vLLM's collect_env, in
+    brief)."""
+    import os
+    import platform
+    import sys
+
+    import torch
+
+    # No device is touched: a CUDA context here would take memory from the engine's.
+    return {
+        "os": platform.platform(),
+        "python_version": sys.version.split()[0],
+        "torch_version": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cuda_version": torch.version.cuda,
+        "cuda_device_count": torch.cuda.device_count(),
+        "vllm_version": __version__,
+    }
 
 
 def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
