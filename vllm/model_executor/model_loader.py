@@ -622,8 +622,10 @@ def speculators_eagle3_config(path: str):
 def hf_config_of(model_config):
     """The HF config of ``model_config``'s model, its ``hf_overrides`` applied and, with
     ``disable_sliding_window``, its attention window removed (every layer attends to the
-    whole context, which ``model_max_len`` caps at the window): what every reader of the
-    config (the loader, the limits, the grammars' vocabulary) sees."""
+    whole context, which ``model_max_len`` caps at the window), and a token-based
+    classifier (``classifier_from_token``) resolved (``token_classifier``):
+    what every reader of the config (the loader, the limits, the grammars' vocabulary)
+    sees."""
     config = get_model_config(
         model_config.model,
         getattr(model_config, "hf_overrides", None),
@@ -634,7 +636,22 @@ def hf_config_of(model_config):
     if getattr(model_config, "disable_sliding_window", False):
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         text.sliding_window = None
+    from vllm.model_executor.models.token_classifier import verify_token_classifier
+
+    verify_token_classifier(config, lambda: _plain_tokenizer(model_config))
     return config
+
+
+def _plain_tokenizer(model_config):
+    """``model_config``'s tokenizer without a chat template (a token classifier's ids)."""
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    mc = model_config
+    return get_tokenizer(
+        mc.model, getattr(mc, "tokenizer", None), None, getattr(mc, "revision", None),
+        getattr(mc, "download_dir", None), getattr(mc, "tokenizer_revision", None),
+        getattr(mc, "hf_token", None),
+    )  # fmt: skip
 
 
 def apply_hf_overrides(config, overrides: dict[str, Any], where: str = "hf_overrides") -> None:
