@@ -20,7 +20,6 @@ Errors are Anthropic's: ``{"type": "error", "error": {"type": ..., "message": ..
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -61,6 +60,7 @@ from vllm.entrypoints.openai.serving_engine import (
     Receive,
     error_event,
 )
+from vllm.entrypoints.openai.sse import idle_filled
 from vllm.entrypoints.openai.tool_calling import ToolPlan
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
@@ -378,7 +378,7 @@ class AnthropicServingMessages:
         yield event("message_start", message=start)
         try:
             interval = self.chat.args.sse_keep_alive_interval or PING_INTERVAL_S
-            async with contextlib.aclosing(_with_pings(stream, interval)) as outputs:
+            async with contextlib.aclosing(idle_filled(stream, interval, None)) as outputs:
                 async for out in outputs:
                     if out is None:  # queued or prefilling: tell the client we are here
                         yield event("ping")
@@ -407,32 +407,6 @@ class AnthropicServingMessages:
             yield event("error", error={"type": error_type(error["code"]), "message": str(e)})
         finally:
             await stream.aclose()  # a client that left: abort its request in the engine
-
-
-async def _with_pings(
-    stream: AsyncIterator[RequestOutput], interval_s: float
-) -> AsyncIterator[RequestOutput | None]:
-    """``stream``'s outputs, and None each time ``interval_s`` seconds pass without one (a
-    request waiting in the queue, behind a job's turn, or in a long prefill): the SSE
-    connection stays busy, so no client or proxy closes it as idle."""
-    pending: asyncio.Future | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(stream))
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
-                yield None
-                continue
-            finished, pending = pending, None
-            try:
-                out = finished.result()
-            except StopAsyncIteration:
-                return
-            yield out
-    finally:
-        if pending is not None:
-            pending.cancel()
 
 
 def event(kind: str, **fields: Any) -> str:

@@ -9,9 +9,12 @@ import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 # What vLLM sends: an SSE comment (a line starting with ':'), then the blank line ending it.
 SSE_KEEP_ALIVE_COMMENT = ": keep-alive\n\n"
+T = TypeVar("T")
+F = TypeVar("F")
 
 
 def with_sse_keep_alive(events: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
@@ -23,21 +26,24 @@ def with_sse_keep_alive(events: AsyncIterator[str], interval_s: float) -> AsyncI
     read of ``events`` and closes it, so ``events``' own cleanup (the engine abort) runs."""
     if not (interval_s > 0 and math.isfinite(interval_s)):
         return events
-    return _keep_alive(events, interval_s)
+    return idle_filled(events, interval_s, SSE_KEEP_ALIVE_COMMENT)
 
 
-async def _keep_alive(events: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+async def idle_filled(events: AsyncIterator[T], interval_s: float, idle: F) -> AsyncIterator[T | F]:
+    """``events`` as they come, and ``idle`` each time ``interval_s`` seconds pass with
+    none (an SSE keep-alive comment; the Messages route's ping). Closed or cancelled, it
+    cancels the pending read of ``events`` and closes it."""
     # One read of ``events`` at a time, in a task of its own: a timeout must not cancel a
     # read half done (``asyncio.wait_for`` would), and an async generator takes no second
     # ``__anext__`` while one runs.
-    pending: asyncio.Task[str] | None = None
+    pending: asyncio.Task[T] | None = None
     try:
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(anext(events))
             done, _ = await asyncio.wait({pending}, timeout=interval_s)
             if not done:
-                yield SSE_KEEP_ALIVE_COMMENT
+                yield idle
                 continue
             read, pending = pending, None
             try:
