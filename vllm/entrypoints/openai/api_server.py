@@ -519,7 +519,7 @@ def build_app(
         async def is_paused():
             return {"is_paused": await engine.is_paused()}
 
-        @app.get("/server_info")
+        @app.get("/server_info", responses=openapi.SERVER_INFO_RESPONSES)
         async def server_info(
             config_format: Annotated[Literal["text", "json"], Query()] = "text",
         ):

@@ -192,6 +192,15 @@ SLEEP_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "Sleep mode's state after the call (VLLM_SERVER_DEV_MODE=1)."},
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401, 503)},
 }
+SERVER_INFO_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _json_object(
+        "The engine's configuration, the environment variables it reads, the system "
+        "(VLLM_SERVER_DEV_MODE=1).",
+        {"vllm_config": {}, "vllm_env": {"type": "object"}, "system_env": {"type": "object"}},
+        ["vllm_config", "vllm_env", "system_env"],
+    ),
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401)},
+}
 RESET_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _json_object(
         "Whether the prefix cache was emptied (false while blocks are in use).",
