@@ -16,17 +16,14 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from vllm.entrypoints.openai import openapi
 from vllm.entrypoints.openai.protocol import (
     ClassificationRequest,
     PoolingRequest,
-    now_s,
-    random_id,
 )
-from vllm.entrypoints.openai.serving_embedding import encode
-from vllm.entrypoints.openai.serving_engine import OpenAIServing, StreamBatch
+from vllm.entrypoints.openai.serving_embedding import OpenAIServingPooling, encode
 from vllm.exceptions import VLLMValidationError
 from vllm.pooling_params import PoolingParams
 
@@ -46,7 +43,7 @@ POOLING_RESPONSES: dict[int | str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-class OpenAIServingClassification(OpenAIServing):
+class OpenAIServingClassification(OpenAIServingPooling):
     @functools.cached_property
     def id2label(self) -> dict[int, str]:
         """The classifier's label names by class index (its HF config's ``id2label``)."""
@@ -55,49 +52,13 @@ class OpenAIServingClassification(OpenAIServing):
         config = hf_config_of(self.engine.config.model_config)
         return {int(k): v for k, v in (getattr(config, "id2label", None) or {}).items()}
 
-    async def _pool(
-        self,
-        request: ClassificationRequest | PoolingRequest,
-        task: str,
-        prefix: str,
-        received: float | None,
-        receive,
-    ) -> tuple[str, list[Any], dict[str, str]] | Response:
-        """Run every input for ``task``: (request id, final outputs, timing headers), or
-        the 499 response when the client left."""
-        lora = self.check_model(request)
-        prompts = self.checked_inputs(request.prompts())
-        params = PoolingParams(use_activation=request.use_activation)
-        request_id = random_id(prefix)
-        streams = await self.add_requests(
-            prompts,
-            params.to_sampling_params,
-            request_id,
-            request.priority,
-            add_special_tokens=request.add_special_tokens,
-            lora_request=lora,
-            pooling=task,
-        )
-        finals = await self.collect_all(streams, receive)
-        if finals is None:
-            return Response(status_code=499)  # the client left; every request aborted
-        return request_id, finals, self.timing(received, StreamBatch(streams))
-
-    def _body(self, request_id: str, model: str | None, data: list, finals: list) -> dict:
-        tokens = sum(len(f.prompt_token_ids) for f in finals)
-        return {
-            "id": request_id,
-            "object": "list",
-            "created": now_s(),
-            "model": self.response_model(model),
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-
     async def create_classify(
         self, request: ClassificationRequest, received: float | None = None, receive=None
     ) -> Response:
-        result = await self._pool(request, "classify", "classify", received, receive)
+        params_of = functools.partial(PoolingParams, use_activation=request.use_activation)
+        result = await self.pool_inputs(
+            request, "classify", "classify", params_of, received, receive
+        )
         if isinstance(result, Response):
             return result
         request_id, finals, headers = result
@@ -107,17 +68,12 @@ class OpenAIServingClassification(OpenAIServing):
             best = max(range(len(probs)), key=probs.__getitem__)
             label = self.id2label.get(best)
             data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
-        return JSONResponse(self._body(request_id, request.model, data, finals), headers=headers)
+        return self.list_response(request_id, request.model, data, finals, headers)
 
     async def create_pooling(
         self, request: PoolingRequest, received: float | None = None, receive=None
     ) -> Response:
-        if request.dimensions is not None:
-            raise VLLMValidationError(
-                "dimensions is not supported: the embeddings are the model's whole hidden "
-                "state (no matryoshka truncation)",
-                "dimensions",
-            )
+        params = PoolingParams(use_activation=request.use_activation, dimensions=request.dimensions)
         task = self.engine.processor.pooling_task
         if task is None:
             raise VLLMValidationError(
@@ -127,7 +83,7 @@ class OpenAIServingClassification(OpenAIServing):
             raise VLLMValidationError(
                 f"task {request.task!r} is not this model's: it serves {task!r}", "task"
             )
-        result = await self._pool(request, task, "pool", received, receive)
+        result = await self.pool_inputs(request, task, "pool", lambda: params, received, receive)
         if isinstance(result, Response):
             return result
         request_id, finals, headers = result
@@ -135,7 +91,7 @@ class OpenAIServingClassification(OpenAIServing):
             {"index": i, "object": "pooling", "data": encode(f.pooled, request.encoding_format)}
             for i, f in enumerate(finals)
         ]
-        return JSONResponse(self._body(request_id, request.model, data, finals), headers=headers)
+        return self.list_response(request_id, request.model, data, finals, headers)
 
 
 def add_pooling_routes(
