@@ -43,23 +43,12 @@ from vllm.sampling_params import (
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
-# --enable-scale-out's routes (403 without it; chat's /render is always served).
 CHAT_DERENDER_PATH = "/v1/chat/completions/derender"
 COMPLETION_DERENDER_PATH = "/v1/completions/derender"
+# --enable-scale-out's routes (403 without it; chat's /render is always served).
 SCALE_OUT_PATHS = (GENERATE_PATH, ABORT_PATH, "/v1/completions/render", "/v1/messages/render",
                    "/v1/responses/render", CHAT_DERENDER_PATH,
                    COMPLETION_DERENDER_PATH)  # fmt: skip
-
-# SamplingParams' fields a client sets (the rest the engine or the front end fills).
-SAMPLING_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
-    "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens",
-    "detokenize", "include_stop_str_in_output", "stream_interval", "extra_args",
-    "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words",
-    "truncate_prompt_tokens", "truncation_side", "spaces_between_special_tokens",
-    "repetition_detection", "thinking_token_budget", "thinking_end_token_ids",
-)  # fmt: skip
 
 
 class StructuredOutputs(BaseModel):
@@ -77,7 +66,8 @@ class StructuredOutputs(BaseModel):
 
 
 class GenerateSamplingParams(BaseModel):
-    """vLLM's ``SamplingParams`` as JSON. Unset fields take SamplingParams' own defaults
+    """vLLM's ``SamplingParams`` as JSON: its fields a client sets (the rest the engine or
+    the front end fills), each under its name here. Unset fields take its own defaults
     (``max_tokens`` unset: up to the model's context), not the model's generation config:
     a tokens client sends what it wants run. ``logit_bias`` keys are token ids as JSON
     strings. ``extra_args`` carries the agent metadata (``job_id``, ``is_last_step``) as
@@ -125,7 +115,7 @@ class GenerateSamplingParams(BaseModel):
     ) -> SamplingParams:
         """The engine's params (``VLLMValidationError`` naming ``sampling_params.<field>``
         for a value out of range); ``extra_args`` in place of the field's."""
-        values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        values = {name: getattr(self, name) for name in type(self).model_fields}
         values["extra_args"] = extra_args
         values["thinking_end_token_ids"] = self.thinking_end_token_ids or []
         if self.logit_bias is not None:
@@ -153,7 +143,7 @@ class GenerateSamplingParams(BaseModel):
         every field a client sets, defaults left out."""
         body: dict[str, Any] = {}
         defaults = SamplingParams()
-        for name in SAMPLING_FIELDS:
+        for name in cls.model_fields:  # SamplingParams' fields a client sets
             value = getattr(params, name)
             if value == getattr(defaults, name) and name != "max_tokens":
                 continue
