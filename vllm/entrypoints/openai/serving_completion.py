@@ -32,6 +32,7 @@ from vllm.entrypoints.openai.serving_engine import (
 from vllm.entrypoints.openai.tool_calling import guided_params
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.outputs import TokenLogprobs
 
 
@@ -134,18 +135,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise VLLMValidationError(
                 "echo with logprobs is not available when stream=True", "echo"
             )
-        # OpenAI's default for completions; 0 is refused as on chat, not replaced.
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
         guided = guided_params(request)
 
         def params():  # one each: the engine caps a prompt's max_tokens to its context
-            params = request.to_sampling_params(
-                max_tokens, request.logprobs, request.stream, self.default_sampling_params
-            )
-            if echo_logprobs and params.prompt_logprobs is None:
-                params.prompt_logprobs = request.logprobs  # as vLLM: the prompt's logprobs
-            params.structured_outputs = guided
-            return params
+            return self.sampling_params(request, guided=guided)
 
         request_id, engine_id = self.request_ids(request, "cmpl")
         created = now_s()
@@ -193,6 +186,27 @@ class OpenAIServingCompletion(OpenAIServing):
         body = {**base, "choices": choices, "usage": self.usage(finals).model_dump()}
         return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))
 
+    def sampling_params(
+        self,
+        request: CompletionRequest,
+        stream: bool | None = None,
+        guided: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """What ``request`` runs with (the completions route, its /render and /derender):
+        OpenAI's ``max_tokens`` default for completions (16; 0 is refused as on chat, not
+        replaced), with ``echo`` and ``logprobs`` the prompt's logprobs too (as vLLM), the
+        request's grammar (``guided``: already made, else made here). ``stream``: the
+        request's unless given."""
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        stream = request.stream if stream is None else stream
+        params = request.to_sampling_params(
+            max_tokens, request.logprobs, stream, self.default_sampling_params
+        )
+        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = request.logprobs
+        params.structured_outputs = guided or guided_params(request)
+        return params
+
     async def render_completion(self, request: CompletionRequest) -> list[dict]:
         """POST /v1/completions/render (vLLM's): per prompt of the request, the
         /inference/v1/generate body it would run as (its token ids and sampling
@@ -208,13 +222,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         prompts = self._prompts(request)
         special = request.add_special_tokens is not False  # vLLM's default: true
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        params = request.to_sampling_params(
-            max_tokens, request.logprobs, request.stream, self.default_sampling_params
-        )
-        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
-            params.prompt_logprobs = request.logprobs
-        params.structured_outputs = guided_params(request)
+        params = self.sampling_params(request)
         model, bodies = self.response_model(request.model), []
         for prompt in prompts:
             ids = prompt if isinstance(prompt, list) else await self._tokenize(prompt, special)

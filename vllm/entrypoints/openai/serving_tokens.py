@@ -287,10 +287,7 @@ class OpenAIServingTokens(OpenAIServing):
                 "read back does not carry",
                 "completion_request.echo",
             )
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        params = request.to_sampling_params(
-            max_tokens, request.logprobs, False, self.default_sampling_params
-        )
+        params = completions.sampling_params(request, stream=False)
         as_ids = self.tokens_as_ids(request)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         cached = sum(_cached(r) for r in body.generate_responses)
@@ -424,10 +421,7 @@ class OpenAIServingTokens(OpenAIServing):
         request = _request_of(body, "completion_request")
         completions = self.completions
         completions.check_request(request)
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        params = request.to_sampling_params(
-            max_tokens, request.logprobs, True, self.default_sampling_params
-        )
+        params = completions.sampling_params(request, stream=True)
         state, texts, c = self._stream_texts(body, params)
         base = self._envelope(body, "text_completion", request)
         if c is None:  # the usage chunk
