@@ -240,30 +240,33 @@ class OpenAIServingChat(OpenAIServing):
         /v1/responses, which converts its input into a chat request. A rejected request
         raises ``VLLMValidationError`` naming the chat field (the prompt is ``messages``)."""
         plan, prompt, params = await self._prepare(request)
-        # Loaded once every other check passed: a refused request fetches nothing.
-        images = await self._load_images(request) if request.has_images else []
-        extra: dict[str, Any] = {"multi_modal_data": {"image": images}} if images else {}
-        if request.mm_processor_kwargs:
-            extra["mm_processor_kwargs"] = request.mm_processor_kwargs
+        options = await self.engine_options(request)
         try:
-            # The template wrote the special tokens (BOS etc.): by default the tokenizer
-            # adds none (vLLM's add_special_tokens: true adds them too).
             stream = await self.add_request(
-                prompt,
-                params,
-                request_id,
-                request.priority,
-                external_id,
-                add_special_tokens=bool(request.add_special_tokens),
-                cache_salt=request.cache_salt,
-                lora_request=self.check_model(request),
-                **extra,
+                prompt, params, request_id, request.priority, external_id, **options
             )
         except VLLMValidationError as e:
             if e.param in ENGINE_PROMPT_PARAMS:  # this endpoint's prompt is its messages
                 e.param = "messages"
             raise
         return plan, stream
+
+    async def engine_options(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """The engine's keywords for ``request``'s prompt (``AsyncLLM.prepare_request``'s,
+        but its priority): its images, loaded here, once every other check passed (a
+        refused request fetches nothing), and their processor's kwargs; no special token
+        added by the tokenizer (the template wrote BOS and the like) unless the request's
+        add_special_tokens (vLLM's) asks; its cache salt and LoRA adapter."""
+        images = await self._load_images(request) if request.has_images else []
+        options: dict[str, Any] = {"multi_modal_data": {"image": images}} if images else {}
+        if request.mm_processor_kwargs:
+            options["mm_processor_kwargs"] = request.mm_processor_kwargs
+        return {
+            "add_special_tokens": bool(request.add_special_tokens),
+            "cache_salt": request.cache_salt,
+            "lora_request": self.check_model(request),
+            **options,
+        }
 
     async def render_chat(self, request: ChatCompletionRequest) -> dict:
         """POST /v1/chat/completions/render (vLLM's route): the /inference/v1/generate body

@@ -146,7 +146,7 @@ class OpenAIServingChatBatch:
         """Every conversation checked, rendered and tokenized (``prepare_request``), then
         all queued: each one's tool plan and output stream. Nothing is queued unless every
         conversation passed; a submit that fails aborts those already queued."""
-        chat, engine = self.chat, self.chat.engine
+        chat = self.chat
         chat.state.check_open()
         prepared_args = []
         for i, request in enumerate(requests):
@@ -161,20 +161,9 @@ class OpenAIServingChatBatch:
                 zip(requests, prepared_args, strict=True)
             )
         ]
-        chat.state.check_open()  # the drain began while the prompts were tokenized
-        streams: list[RequestStream] = []
-        try:
-            for one in prepared:
-                streams.append(await engine.submit_request(one))
-        except BaseException:
-            for stream in streams:
-                await stream.aclose()
-            raise
-        for request, (_, prompt, params), stream in zip(
-            requests, prepared_args, streams, strict=True
-        ):
-            chat._log_request(stream, prompt, params, chat.check_model(request))
-            stream.external_id = external_id
+        _, prompts, params = zip(*prepared_args, strict=True)
+        loras = [chat.check_model(request) for request in requests]
+        streams = await chat.submit_all(prepared, prompts, params, loras, external_id)
         return [plan for plan, _, _ in prepared_args], streams
 
     async def _engine_request(
@@ -184,21 +173,13 @@ class OpenAIServingChatBatch:
         its images loaded first; nothing queued. Errors name ``messages[i]``."""
         chat = self.chat
         try:
-            # Loaded once every other check passed: a refused request fetches nothing.
-            images = await chat._load_images(request) if request.has_images else []
-            extra: dict[str, Any] = {"multi_modal_data": {"image": images}} if images else {}
-            if request.mm_processor_kwargs:
-                extra["mm_processor_kwargs"] = request.mm_processor_kwargs
             return await chat.engine.prepare_request(
                 prompt,
                 params,
                 f"{engine_id}-{i}",
-                add_special_tokens=bool(request.add_special_tokens),
                 priority=request.priority,
                 executor=chat.executor() if len(prompt) >= OFFLOAD_CHARS else None,
-                cache_salt=request.cache_salt,
-                lora_request=chat.check_model(request),
-                **extra,
+                **await chat.engine_options(request),
             )
         except VLLMValidationError as e:
             _in_conversation(e, i, always=True)

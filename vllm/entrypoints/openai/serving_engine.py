@@ -394,6 +394,20 @@ class OpenAIServing:
                 )
             except VLLMValidationError as e:
                 raise VLLMValidationError(f"prompt {i}: {e}", e.param, e.value, e.code) from e
+        loras = [kw.get("lora_request")] * len(prompts)
+        return await self.submit_all(prepared, prompts, used, loras, external_id or request_id)
+
+    async def submit_all(
+        self,
+        prepared: Sequence[Any],
+        prompts: Sequence[Any],
+        params: Sequence[Any],
+        loras: Sequence[LoRARequest | None],
+        external_id: str,
+    ) -> list[RequestStream]:
+        """Queue requests all prepared (``AsyncLLM.prepare_request``; their prompts,
+        params and adapters, for the request log), all or none: a submit that fails
+        aborts those already queued. ``external_id``: the id that stops them all."""
         self.state.check_open()  # the drain began while the prompts were tokenized
         streams: list[RequestStream] = []
         try:
@@ -403,9 +417,11 @@ class OpenAIServing:
             for stream in streams:
                 await stream.aclose()
             raise
-        for prompt, request_params, stream in zip(prompts, used, streams, strict=True):
-            self._log_request(stream, prompt, request_params, kw.get("lora_request"))
-            stream.external_id = external_id or request_id
+        for prompt, request_params, lora, stream in zip(
+            prompts, params, loras, streams, strict=True
+        ):
+            self._log_request(stream, prompt, request_params, lora)
+            stream.external_id = external_id
         return streams
 
     def timing(self, received: float | None, stream: RequestStream | StreamBatch) -> dict[str, str]:
