@@ -1496,6 +1496,49 @@ class KVEventsConfig:
         return options["enable_kv_cache_events"] is True and options["publisher"] == "zmq"
 
 
+# --weight-transfer-config's backends: torch.distributed process groups between a trainer
+# (rank 0) and the engine. gloo moves CPU tensors (any machine), nccl CUDA tensors.
+WEIGHT_TRANSFER_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class WeightTransferConfig:
+    """RL weight sync (vLLM's --weight-transfer-config): a trainer process pushes new weights
+    into the running engine over a process group it opens with the engine
+    (``vllm.distributed.weight_transfer``); the engine swaps them in between two steps."""
+
+    weight_transfer_config: dict[str, Any] | None = config_field(
+        None,
+        'JSON object, vLLM\'s: {"backend": "gloo"} (CPU tensors, any machine) or '
+        '{"backend": "nccl"} (CUDA tensors); no backend: nccl on a GPU, gloo on the CPU. '
+        "Unset: no weight transfer (the update routes and methods answer 400).",
+        parse=lambda text: parse_json_object(text, "weight_transfer_config"),
+    )
+
+    def __post_init__(self) -> None:
+        spec = self.weight_transfer_config
+        if spec is None:
+            return
+        _check_json_config("weight_transfer_config", spec, ("backend",))
+        backend = spec.get("backend")
+        if backend is not None and backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise bad_value(
+                "weight_transfer_config.backend",
+                backend,
+                f"must be one of {list(WEIGHT_TRANSFER_BACKENDS)} (vLLM's ipc, sparse_nccl and "
+                "the sharded backends are not built here)",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.weight_transfer_config is not None
+
+    def backend_for(self, device_type: str) -> str:
+        """The backend named, or the device's: nccl on CUDA, gloo elsewhere."""
+        named = (self.weight_transfer_config or {}).get("backend")
+        return named or ("nccl" if device_type == "cuda" else "gloo")
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """All engine configs; each field's type is one group of CLI flags."""
@@ -1511,6 +1554,7 @@ class VllmConfig:
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    weight_transfer_config: WeightTransferConfig = field(default_factory=WeightTransferConfig)
 
     def __post_init__(self) -> None:
         if self.speculative_config.uses_draft_model:

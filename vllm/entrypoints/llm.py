@@ -436,6 +436,34 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
 
+    # -- RL weight sync (vLLM's RLOfflineMixin; docs/serving.md) --------------------------
+    def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
+        """Join the trainer's group: ``request`` is ``{"init_info": {...}}`` (vLLM's);
+        blocks until the trainer joins (it runs in another thread or process)."""
+        self.engine_core.init_weight_transfer_engine(_field(request, "init_info"))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.engine_core.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        self.engine_core.start_weight_update()
+
+    def update_weights(self, request: dict[str, Any]) -> None:
+        """Receive a chunk of the round: ``request`` is ``{"update_info": {...}}``."""
+        self.engine_core.update_weights(_field(request, "update_info"))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.engine_core.finish_weight_update(weight_version)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.engine_core.set_weight_version(new_version)
+
+    def get_weight_version(self) -> str:
+        return self.engine_core.get_weight_version()
+
+    def compute_weight_checksums(self) -> dict[str, str]:
+        return self.engine_core.compute_weight_checksums()
+
     def shutdown(self) -> None:
         self._gc_freeze.release()  # first: the engine's cycles can then be collected
         self.engine_core.shutdown()
@@ -620,3 +648,15 @@ def _progress_bar(total: int):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="Processed prompts")
+
+
+def _field(request: Any, key: str) -> Any:
+    """``request[key]`` of a weight-sync call's ``{key: ...}`` (vLLM's request shape), or
+    its ``key`` attribute; ``ValueError`` naming ``key`` when it has none."""
+    if isinstance(request, dict):
+        if key not in request:
+            raise ValueError(f"the request must be {{{key!r}: {{...}}}}, got keys {list(request)}")
+        return request[key]
+    if hasattr(request, key):
+        return getattr(request, key)
+    raise ValueError(f"the request must be {{{key!r}: {{...}}}}, got {type(request).__name__}")

@@ -300,6 +300,21 @@ def load_model_weights(
     return model
 
 
+def model_from_state(
+    model_cls: type, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> nn.Module:
+    """``model_cls`` for ``hf_config`` on the host in ``dtype``, its weights the checkpoint
+    tensors ``state`` (``load_model_weights``' dense path, from tensors in hand: a weight
+    update's). ``KeyError`` for a tensor the model reads that ``state`` lacks."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_cls(model_cls.arch_from_hf(hf_config)).to(dtype)
+    model = model.to_empty(device="cpu")
+    model.load_weights(state)
+    return model.to(dtype).eval()
+
+
 def _read_safetensors(file: str, prefixes: tuple[str, ...] | None) -> dict:
     """A safetensors file's tensors, on the CPU; with ``prefixes`` only those whose names
     start with one (the others are never read)."""

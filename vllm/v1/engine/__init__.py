@@ -176,6 +176,10 @@ class EngineCoreOutputType(enum.Enum):
 UTILITY_METHODS = frozenset({
     "reset_prefix_cache", "profile", "sleep", "wake_up", "is_sleeping",
     "pause", "resume", "is_paused",
+    # RL weight sync (weight_sync.py)
+    "init_weight_transfer_engine", "shutdown_weight_transfer_engine", "start_weight_update",
+    "update_weights", "finish_weight_update", "set_weight_version", "get_weight_version",
+    "compute_weight_checksums", "reset_weights",
 })  # fmt: skip
 
 # vLLM's pause modes (``EngineCore.pause``): what happens to the requests in flight.

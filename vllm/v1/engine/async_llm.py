@@ -477,6 +477,40 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return bool(await self.call_utility("is_paused"))
 
+    # -- RL weight sync (vLLM's weight-transfer API; the engine's end: weight_sync.py) ---
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's process group (``vllm.distributed.weight_transfer``): returns
+        once the trainer has joined too. ``ValueError`` without --weight-transfer-config."""
+        await self.call_utility("init_weight_transfer_engine", init_info)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.call_utility("shutdown_weight_transfer_engine")
+
+    async def start_weight_update(self) -> None:
+        await self.call_utility("start_weight_update")
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive a chunk of the round (``names``, ``dtype_names``, ``shapes``) while the
+        trainer broadcasts it."""
+        await self.call_utility("update_weights", update_info)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Swap the round's weights in (and name their version); the prefix cache is
+        emptied (see ``EngineCore.finish_weight_update``)."""
+        await self.call_utility("finish_weight_update", weight_version)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self.call_utility("set_weight_version", new_version)
+
+    async def get_weight_version(self) -> str:
+        return await self.call_utility("get_weight_version")
+
+    async def compute_weight_checksums(self) -> dict[str, str]:
+        return await self.call_utility("compute_weight_checksums")
+
+    async def reset_weights(self) -> None:
+        await self.call_utility("reset_weights")
+
     def _record_sleep_state(self, level: int | None = None) -> None:
         """The sleep-state gauge: ``level`` asleep, None awake."""
         for stat_logger in self.stat_loggers:

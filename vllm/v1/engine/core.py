@@ -25,6 +25,7 @@ from vllm.v1.engine import (
     EngineCoreRequestError,
     FinishReason,
 )
+from vllm.v1.engine.weight_sync import WeightSyncMixin
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
@@ -103,7 +104,7 @@ def whole_images(config: SchedulerConfig, model: Any) -> None:
         )
 
 
-class EngineCore:
+class EngineCore(WeightSyncMixin):
     """Owns the model runner and the scheduler. ``step`` = schedule, execute, update.
 
     ``clock`` (monotonic seconds) is the scheduler's and the policy's time source; a

@@ -454,6 +454,7 @@ class ModelRunner:
         served = self.model_config.max_model_len or self.config.scheduler_config.max_model_len
         loaded = self._load_weights(self.model_config, served)
         self.model, architecture, model_cls, hf_config = loaded
+        self.model_cls, self.hf_config = model_cls, hf_config  # model_from_state builds one
         if self.model_config.pooling_task == "classify":  # its logits' activation
             self.classify_activation = classify_activation(hf_config)
         # An FP8-KV checkpoint's kv_cache_scheme turns --kv-cache-dtype auto into fp8.
@@ -643,8 +644,27 @@ class ModelRunner:
             # Norm, rotary, SiLU and decode-attention kernels: JIT-built once when missing
             # (then cached); without a compiler the pure-torch fallbacks run.
             ops.ensure_native_kernels()
-        apply_quantization(model, model_config)
+        # The format served: "fp32" is dense (in the model's dtype), the one that takes
+        # weight updates (weight_update.py).
+        model.weight_format = apply_quantization(model, model_config)
         return model, architecture, model_cls, hf_config
+
+    def model_from_state(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A twin of the served model, on the host in its dtype, whose weights are the
+        checkpoint tensors ``state`` (a weight update's); ``ValueError`` naming a tensor
+        the model reads that ``state`` lacks."""
+        from vllm.model_executor.model_loader import model_from_state
+
+        try:
+            return model_from_state(self.model_cls, self.hf_config, state, self.dtype)
+        except KeyError as e:
+            raise ValueError(
+                f"the weight update lacks the checkpoint tensor {e.args[0]!r} (of "
+                f"{len(state)} received): a round sends every tensor the model reads, under "
+                "its checkpoint name"
+            ) from None
+        except RuntimeError as e:  # copy_ of a tensor of another shape
+            raise ValueError(f"the weight update's tensors do not fit the model: {e}") from None
 
     def _make_attention_backend(self, model: torch.nn.Module, model_config) -> AttentionBackend:
         """The attention backend for ``model``'s shapes and features on this device."""
