@@ -316,6 +316,11 @@ def test_the_routes_outside_v1_that_run_or_change_the_engine_need_the_api_key():
     args = FrontendArgs(api_key="k")
     app = build_app(config, args, _FakeEngine(), SimpleNamespace(registry=None), None, None)
     for path in ("/inference/v1/generate", "/inference/v1/abort_requests", "/classify",
-                 "/pooling", "/pause", "/resume", "/sleep", "/reset_prefix_cache"):  # fmt: skip
+                 "/pooling", "/pause", "/resume", "/sleep", "/reset_prefix_cache",
+                 "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine",
+                 "/start_weight_update", "/update_weights", "/finish_weight_update",
+                 "/update_weight_version", "/weight_checker"):  # fmt: skip
         assert _call(app, path, "POST", b"{}")[0] == 401, path
+    for path in ("/weight_info", "/get_world_size"):
+        assert _call(app, path)[0] == 401, path
     assert _call(app, "/health")[0] == 200

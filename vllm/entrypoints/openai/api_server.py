@@ -92,6 +92,7 @@ from vllm.entrypoints.openai.serving_tokenize import (
 )
 from vllm.entrypoints.openai.serving_tokens import OpenAIServingTokens
 from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
+from vllm.entrypoints.openai.weight_transfer_routes import add_weight_transfer_routes
 from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMValidationError
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
@@ -270,8 +271,13 @@ PROFILE_PATHS = ("/start_profile", "/stop_profile")  # with --profiler-config
 RESET_PREFIX_CACHE = "/reset_prefix_cache"  # with VLLM_SERVER_DEV_MODE=1
 # VLLM_SERVER_DEV_MODE=1's routes that change what the engine runs or holds.
 LEGACY_ABORT_PATH = "/abort_requests"  # dev mode's, or --tokens-only's (vLLM's legacy path)
+# vLLM's RL weight sync (dev mode): a trainer pushes new weights into the running engine.
+WEIGHT_TRANSFER_PATHS = ("/init_weight_transfer_engine", "/shutdown_weight_transfer_engine",
+                         "/start_weight_update", "/update_weights", "/finish_weight_update",
+                         "/update_weight_version", "/weight_info", "/weight_checker",
+                         "/get_world_size")  # fmt: skip
 DEV_PATHS = (RESET_PREFIX_CACHE, "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume",
-             "/is_paused", LEGACY_ABORT_PATH, "/server_info")  # fmt: skip
+             "/is_paused", LEGACY_ABORT_PATH, "/server_info", *WEIGHT_TRANSFER_PATHS)  # fmt: skip
 GUARDED = frozenset({INVOCATIONS, *SCORE_PATHS, *RERANK_PATHS, *PROFILE_PATHS, *DEV_PATHS,
                      *POOLING_PATHS, GENERATE_PATH, ABORT_PATH})  # fmt: skip
 
@@ -542,6 +548,8 @@ def build_app(
             none, every request in flight (each ends with finish_reason abort)."""
             ids = None if request is None else request.request_ids
             return await tokens_serving.abort(ids or None)
+
+        add_weight_transfer_routes(app, vllm_config, engine, stats)
 
     tokenization = OpenAIServingTokenization(
         chat_serving, vllm_config.scheduler_config.max_model_len

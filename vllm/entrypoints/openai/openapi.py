@@ -201,6 +201,19 @@ SERVER_INFO_RESPONSES: dict[int | str, dict[str, Any]] = {
     ),
     **{k: v for k, v in GENERATE_RESPONSES.items() if k in (400, 401)},
 }
+WEIGHT_TRANSFER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "RL weight sync (VLLM_SERVER_DEV_MODE=1): a message (the five transfer "
+        "routes), the version (/weight_info, /update_weight_version), the checksums or "
+        "their comparison (/weight_checker), or the world size (/get_world_size).",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+    400: _error(
+        "A bad body (error.param names the field), a call out of order (an update not "
+        "started), or an engine without --weight-transfer-config or dense weights."
+    ),
+    **{k: v for k, v in GENERATE_RESPONSES.items() if k in (401, 503)},
+}
 RESET_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _json_object(
         "Whether the prefix cache was emptied (false while blocks are in use).",
