@@ -129,7 +129,8 @@ def receive_tensors(
     into: Callable[[str, torch.Tensor], None],
 ) -> None:
     """Receive the tensors of ``metas`` (sent by ``send_tensors``) on ``device``; each goes
-    to ``into(name, tensor)`` as its broadcast lands (the tensor owns its memory)."""
+    to ``into(name, tensor)`` as its broadcast lands (a view of a buffer no one else uses:
+    it keeps the buffer alive)."""
     if not packed:
 
         def unpack_one(item: tuple[ParamMeta, torch.Tensor]) -> None:
@@ -144,11 +145,10 @@ def receive_tensors(
         return
 
     def unpack(item: tuple[Any, torch.Tensor]) -> None:
-        buffer, data = item
+        buffer, data = item  # a buffer of its own: its views stay valid, no copy needed
         for index, offset in buffer.entries:
             meta = metas[index]
-            part = data[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
-            into(meta.name, part.clone())
+            into(meta.name, data[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape))
 
     window = _Window(num_buffers, unpack)
     for buffer in pack_plan(metas, buffer_bytes):
