@@ -51,7 +51,8 @@ def open_group(
     if backend == "nccl":
         if device is None or device.type != "cuda":
             raise ValueError("the nccl weight-transfer backend moves CUDA tensors: use gloo")
-        torch.cuda.set_device(device)
+        if device.index is not None:
+            torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
@@ -221,7 +222,10 @@ class TorchGroupTrainer:
         group: dist.ProcessGroup,
     ) -> None:
         self.client, self.source, self.init_info, self.group = client, source, init_info, group
-        self.device = torch.device("cuda") if init_info.backend == "nccl" else torch.device("cpu")
+        nccl = init_info.backend == "nccl"  # sends from the trainer's current CUDA device
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else (
+            torch.device("cpu")
+        )  # fmt: skip
 
     @classmethod
     def trainer_init(
@@ -232,7 +236,8 @@ class TorchGroupTrainer:
         if init_info.world_size != 2:
             raise ValueError("world_size must be 2: one trainer rank and one engine")
         payload = vars(init_info.engine_init_info()).copy()
-        device = torch.device("cuda") if init_info.backend == "nccl" else None
+        nccl = init_info.backend == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         with ThreadPoolExecutor(1) as pool:  # the engine blocks in its rendezvous meanwhile
             future = pool.submit(client.init_weight_transfer_engine, payload)
             try:
