@@ -42,6 +42,7 @@ from vllm.entrypoints.launcher import (
 from vllm.entrypoints.openai import openapi
 from vllm.entrypoints.openai.cli_args import FrontendArgs, resolve_middleware
 from vllm.entrypoints.openai.job_identity import read_headers
+from vllm.entrypoints.openai.mcp_tools import MCPToolServer  # imports mcp only when used
 from vllm.entrypoints.openai.parser_plugins import load_parser_plugins
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -97,7 +98,7 @@ from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMValidationError
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.core_client import EngineDeadError, EngineLink
+from vllm.v1.engine.core_client import EngineDeadError, EngineLink, EngineStartupError
 from vllm.v1.metrics.loggers import LoggingStatLogger
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
 
@@ -338,10 +339,12 @@ def build_app(
     state: ServerState | None = None,
     instance: str | None = None,
     response_store: ResponseStore | SharedResponseStore | None = None,
+    tool_server: MCPToolServer | None = None,
 ) -> FastAPI:
     """The FastAPI app over a started ``engine`` whose outputs feed ``stats``; ``instance``
     (``instance_id``) names the server on each /v1 response; ``response_store``: where
-    ``/v1/responses`` keeps stored responses (None: a new in-memory one)."""
+    ``/v1/responses`` keeps stored responses (None: a new in-memory one); ``tool_server``:
+    the connected --tool-server MCP servers the Responses API's mcp tools may use."""
     state = state or ServerState()
     model_name = vllm_config.model_config.name
     lora = vllm_config.lora_config
@@ -569,7 +572,9 @@ def build_app(
         async def tokenizer_info():
             return tokenization.tokenizer_info()
 
-    add_responses_routes(app, OpenAIServingResponses(chat_serving, response_store), RECEIVED_KEY)
+    responses_serving = OpenAIServingResponses(chat_serving, response_store)
+    responses_serving.tool_server = tool_server
+    add_responses_routes(app, responses_serving, RECEIVED_KEY)
     add_messages_routes(app, AnthropicServingMessages(chat_serving), RECEIVED_KEY)
     max_logprobs = getattr(vllm_config.model_config, "max_logprobs", 20)
     openapi.document_api(app, args, max_logprobs)
@@ -899,6 +904,9 @@ async def _start_and_serve(vllm_config, args, sock, engine, stats, store, period
     """``run_server`` once its engine exists: wait for READY, build the app, serve."""
     log_task = gc_freeze = None
     try:
+        # Before waiting for the engine (it loads in its own process meanwhile): a bad
+        # --tool-server fails the start at once, before the server listens.
+        tool_server = await connect_tool_server(args)
         info = await engine.start()
         logger.info(
             "Engine core ready: %d KV blocks of %d tokens (pid %d)",
@@ -915,7 +923,9 @@ async def _start_and_serve(vllm_config, args, sock, engine, stats, store, period
                 engine.default_sampling_params,
             )
         state = ServerState()
-        app = build_app(vllm_config, args, engine, stats, state, instance_id(sock), store)
+        app = build_app(
+            vllm_config, args, engine, stats, state, instance_id(sock), store, tool_server
+        )
         scheme = "https" if args.ssl_certfile else "http"
         if sock.family == socket.AF_UNIX:
             logger.info("Starting vLLM API server on %s over unix:%s", scheme, sock.getsockname())
@@ -932,6 +942,29 @@ async def _start_and_serve(vllm_config, args, sock, engine, stats, store, period
             gc_freeze.release()
         if log_task is not None:
             log_task.cancel()
+
+
+class ToolServerStartupError(EngineStartupError):
+    """--tool-server could not be used; reported by ``vllm serve`` as one line on stderr
+    with exit status 1, like an engine that failed to start."""
+
+
+async def connect_tool_server(args: FrontendArgs) -> MCPToolServer | None:
+    """The MCP servers --tool-server names, connected (None without the flag);
+    ``ToolServerStartupError`` if one is malformed or cannot be reached."""
+    spec = getattr(args, "tool_server", None)
+    if not spec:
+        return None
+    try:
+        import mcp  # noqa: F401  (needed only with --tool-server)
+    except ImportError:
+        raise ToolServerStartupError(
+            "--tool-server needs the mcp package: pip install 'vllm[mcp]'"
+        ) from None
+    try:
+        return await MCPToolServer.connect(spec)
+    except (ValueError, RuntimeError) as e:
+        raise ToolServerStartupError(str(e)) from None
 
 
 def dump_config(vllm_config: VllmConfig) -> str:

@@ -334,6 +334,14 @@ class FrontendArgs:
         'A request with tool_choice "none" renders no tools in its prompt (vLLM\'s flag); '
         "by default the template still sees them, only the output is not read as calls.",
     )
+    tool_server: str | None = config_field(
+        None,
+        "Comma-separated MCP servers whose tools the Responses API's mcp tools may use: "
+        "host:port (vLLM's form: SSE at http://host:port/sse; IPv6 as [::1]:8000) or "
+        "http(s) URLs (a path ending in /sse: SSE, else streamable HTTP). Each is "
+        "connected at start-up and labelled by its own name; the server reaches no other "
+        "MCP server. vLLM's built-in 'demo' tools are not built here.",
+    )
     response_role: str = config_field(
         "assistant", "The role chat replies name (vLLM's flag; their message.role)."
     )
