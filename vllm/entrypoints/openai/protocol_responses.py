@@ -268,6 +268,8 @@ def _normalize_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         return {"id": item_id, "type": kind, **fields, "status": "completed"}
     if kind == "reasoning":
         return _reasoning_input(item, where)
+    if kind in ("mcp_list_tools", "mcp_call"):
+        return _mcp_input(item, kind, where)
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise VLLMValidationError(f"{where}.call_id must be a string", "input")
@@ -283,9 +285,32 @@ def _normalize_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         }
     raise VLLMValidationError(
         f"{where}: item type {loggable(kind)} is not supported (message, function_call, "
-        "function_call_output and reasoning are)",
+        "function_call_output, reasoning, mcp_list_tools and mcp_call are)",
         "input",
     )
+
+
+def _mcp_input(item: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    """An mcp_list_tools or mcp_call item sent back (an earlier response's output): the
+    listing is context only; a call becomes the assistant's tool call and its result."""
+    if not isinstance(item.get("server_label"), str):
+        raise VLLMValidationError(f"{where}.server_label must be a string", "input")
+    if kind == "mcp_list_tools":
+        if not isinstance(item.get("tools"), list):
+            raise VLLMValidationError(f"{where}.tools must be a list", "input")
+        return {"id": _str_or(item.get("id"), new_id("mcpl")), "type": kind,
+                "server_label": item["server_label"], "tools": item["tools"],
+                "error": item.get("error")}  # fmt: skip
+    bad = [k for k in ("name", "arguments") if not isinstance(item.get(k), str)]
+    output, error = item.get("output"), item.get("error")
+    if bad or not (output is None or isinstance(output, str)):
+        raise VLLMValidationError(f"{where}.{(bad or ['output'])[0]} must be a string", "input")
+    return {
+        "id": _str_or(item.get("id"), new_id("mcp")), "type": kind,
+        "server_label": item["server_label"], "name": item["name"],
+        "arguments": item["arguments"], "output": output, "error": error,
+        "status": item.get("status") or "completed", "approval_request_id": None,
+    }  # fmt: skip
 
 
 def _reasoning_input(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -381,6 +406,11 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     reasoning: list[str] = []  # reasoning items not yet given to an assistant turn
     for item in items:
         kind = item["type"]
+        if kind == "mcp_list_tools":  # the tools come from the request's mcp tools
+            continue
+        if kind == "mcp_call":
+            messages += _mcp_call_messages(item, messages)
+            continue
         if kind == "reasoning":
             parts = item["content"] or item["summary"]
             reasoning.append("".join(p["text"] for p in parts))
@@ -425,6 +455,23 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 last["reasoning"] = "\n".join([*filter(None, [last.get("reasoning")]), *reasoning])
             reasoning = []
     return messages
+
+
+def _mcp_call_messages(item: dict[str, Any], messages: list[dict]) -> list[dict[str, Any]]:
+    """An mcp_call item as chat: the assistant's tool call (on the assistant's text just
+    before it, if any) and the tool's answer. Calls made together read as one after the
+    other (the items do not say which were parallel)."""
+    from vllm.entrypoints.openai.responses_mcp import call_text
+
+    call = {"id": item["id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
+    answer = {"role": "tool", "tool_call_id": item["id"], "name": item["name"],
+              "content": call_text(item)}  # fmt: skip
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
+        last["tool_calls"] = [call]
+        return [answer]
+    return [{"role": "assistant", "content": None, "tool_calls": [call]}, answer]
 
 
 def _chat_part(part: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -49,6 +49,7 @@ from vllm.entrypoints.openai.protocol_responses import (
     output_items,
 )
 from vllm.entrypoints.openai.responses_background import CANCEL_POLL_S, EventLogs
+from vllm.entrypoints.openai.responses_mcp import McpResponsesMixin, split_tools
 from vllm.entrypoints.openai.responses_store import (
     ResponseStore,
     SharedResponseStore,
@@ -69,6 +70,9 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
 from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL
 
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.mcp_tools import MCPToolServer
+
 logger = logging.getLogger(__name__)
 
 # The engine's finish reason -> the response's status (its items: "incomplete" unless
@@ -82,7 +86,7 @@ def not_found(response_id: str) -> HTTPException:
     return HTTPException(404, f"Response with id {loggable(response_id)} not found.")
 
 
-class OpenAIServingResponses:
+class OpenAIServingResponses(McpResponsesMixin):
     """The Responses endpoints over ``chat`` (its engine, model and tool flags), with the
     stored responses in ``store``."""
 
@@ -92,6 +96,7 @@ class OpenAIServingResponses:
         self.chat = chat
         self.store = ResponseStore() if store is None else store  # an empty store is falsy
         self.background: dict[str, tuple[_Turn, asyncio.Task]] = {}  # running, by id
+        self.tool_server: MCPToolServer | None = None  # --tool-server's MCP servers
         self.event_logs = EventLogs()
 
     # -- create ---------------------------------------------------------------------------
@@ -103,6 +108,8 @@ class OpenAIServingResponses:
     ) -> Response:
         """The response object (JSON), or its events (SSE) if ``request.stream``;
         ``VLLMValidationError`` naming the Responses field for a request refused."""
+        if split_tools(request.tools)[1]:
+            return await self._create_with_mcp(request, received, receive)
         response_id = new_id("resp")
         job_id, items, chat_request = self._turn(request, response_id)
         logger.info(
@@ -135,15 +142,25 @@ class OpenAIServingResponses:
     ) -> tuple[str, list, ChatCompletionRequest]:
         """The turn's job, its new input items and the chat request it runs as (the
         stored chain's items, then these)."""
+        job_id, items, history = self._context(request, response_id)
+        messages = self._messages(request, history + items)
+        return job_id, items, self._chat_request(request, messages, job_id)
+
+    def _context(self, request: ResponsesRequest, response_id: str) -> tuple[str, list, list]:
+        """(the turn's job, its new input items, the stored chain's items before them)."""
         chain = self._chain(request.previous_response_id)
         job_id = request.job_id or request.prompt_cache_key
         job_id = job_id or (chain[-1].job_id if chain else response_id)
         items = normalize_input(request.input)
         history = [i for e in chain for i in (*e.input_items, *e.response["output"])]
-        messages = items_to_messages(history + items)
+        return job_id, items, history
+
+    @staticmethod
+    def _messages(request: ResponsesRequest, items: list) -> list[dict]:
+        messages = items_to_messages(items)
         if request.instructions:
             messages.insert(0, {"role": "system", "content": request.instructions})
-        return job_id, items, self._chat_request(request, messages, job_id)
+        return messages
 
     async def render_response(self, request: ResponsesRequest) -> dict[str, Any]:
         """POST /v1/responses/render (vLLM's): the /inference/v1/generate body the turn
@@ -153,6 +170,21 @@ class OpenAIServingResponses:
             return await self.chat.render_chat(chat_request)
         except VLLMValidationError as e:
             raise renamed(e, ResponsesRequest.FIELD_NAMES) from e
+
+    def _make_turn(self, request, response_id, items, job_id, chat_request) -> _Turn:
+        return _Turn(request, response_id, int(time.time()), items, job_id, chat_request)
+
+    async def _start(
+        self, chat_request: ChatCompletionRequest, request_id: str, external_id: str
+    ) -> tuple[ToolPlan, RequestStream]:
+        try:
+            return await self.chat.start_generation(chat_request, request_id, external_id)
+        except VLLMValidationError as e:
+            raise renamed(e, ResponsesRequest.FIELD_NAMES) from e
+
+    @staticmethod
+    def _output_items(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
+        return output_items(message, _item_status(status))
 
     def _chain(self, previous_id: str | None) -> list[StoredResponse]:
         if previous_id is None:
@@ -174,16 +206,20 @@ class OpenAIServingResponses:
         return chain
 
     def _chat_request(
-        self, request: ResponsesRequest, messages: list[dict], job_id: str
+        self, request: ResponsesRequest, messages: list[dict], job_id: str, **overrides: Any
     ) -> ChatCompletionRequest:
+        """The chat request the turn (or, with MCP tools, one generation of it) runs as;
+        ``overrides``: chat fields set otherwise (the MCP loop's tools and tool_choice)."""
         fields = {
             "model": request.model,
             "messages": messages,
             "max_completion_tokens": request.max_output_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
-            "tools": chat_tools(request.tools),
-            "tool_choice": chat_tool_choice(request.tool_choice),
+            "tools": overrides.pop("tools") if "tools" in overrides else chat_tools(request.tools),
+            "tool_choice": overrides.pop("tool_choice")
+            if "tool_choice" in overrides
+            else chat_tool_choice(request.tool_choice),
             "parallel_tool_calls": request.parallel_tool_calls,
             "response_format": chat_response_format(request.text),
             "reasoning_effort": request.reasoning.effort if request.reasoning else None,
@@ -199,6 +235,7 @@ class OpenAIServingResponses:
             "prompt_cache_key": request.prompt_cache_key,
             "prompt_cache_options": request.prompt_cache_options,
             "prompt_cache_retention": request.prompt_cache_retention,
+            **overrides,
         }
         try:
             return ChatCompletionRequest.model_validate(

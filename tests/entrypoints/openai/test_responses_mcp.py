@@ -1,0 +1,284 @@
+"""Remote MCP tools in /v1/responses: the request's mcp tools resolved against the
+configured servers (a fake tool server), the items they add and how they read back as
+chat; then end to end (``slow``) with a real MCP server and the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from vllm.entrypoints.openai.protocol_responses import items_to_messages, normalize_input
+from vllm.entrypoints.openai.responses_mcp import (
+    McpTools,
+    _as_mcp_items,
+    call_item,
+    prepare,
+    run_call,
+    split_tools,
+)
+from vllm.exceptions import VLLMValidationError
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str | None
+    input_schema: dict
+    annotations: dict | None
+
+
+@dataclass(frozen=True)
+class Server:
+    label: str
+    url: str
+
+
+@dataclass(frozen=True)
+class Result:
+    output: str | None
+    error: dict | None
+
+
+class FakeToolServer:
+    """``MCPToolServer``'s interface over one server "calc" with two tools."""
+
+    def __init__(self):
+        self.servers = {"calc": Server("calc", "http://127.0.0.1:9/mcp")}
+        self.calls = []
+
+    def find(self, label, url=None):
+        for server in self.servers.values():
+            if (url is not None and url == server.url) or (url is None and label == server.label):
+                return server
+        raise ValueError(f"no MCP server {label!r}")
+
+    async def list_tools(self, server, headers=None):
+        self.headers = headers
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        return [Tool("add", "Add numbers", schema, {"readOnlyHint": True}),
+                Tool("wipe", None, {"type": "object"}, None)]  # fmt: skip
+
+    async def call(self, server, name, arguments, headers=None):
+        self.calls.append((server.label, name, arguments, headers))
+        if name == "wipe":
+            return Result(None, {"type": "mcp_tool_execution_error", "content": []})
+        return Result(str(sum(arguments.values())), None)
+
+
+def resolve(specs, listed=(), taken=()):
+    return asyncio.run(prepare(specs, FakeToolServer(), set(listed), set(taken)))
+
+
+def mcp_tool(**kw):
+    return {"type": "mcp", "server_label": "calc", "require_approval": "never", **kw}
+
+
+def test_split_tools_keeps_the_function_tools_apart():
+    fn = {"type": "function", "name": "f"}
+    assert split_tools([fn, mcp_tool()]) == ([fn], [mcp_tool()])
+    assert split_tools(None) == (None, [])
+
+
+def test_an_mcp_tool_becomes_functions_and_a_listing():
+    mcp = resolve([mcp_tool(server_description="arithmetic")])
+    names = [f["function"]["name"] for f in mcp.functions]
+    assert names == ["add", "wipe"] and set(mcp.routes) == {"add", "wipe"}
+    assert mcp.functions[0]["function"]["description"] == "Add numbers (calc: arithmetic)"
+    (listing,) = mcp.list_items
+    assert listing["type"] == "mcp_list_tools" and listing["server_label"] == "calc"
+    assert [t["name"] for t in listing["tools"]] == ["add", "wipe"]
+    # already listed in the chain: not output again
+    assert resolve([mcp_tool()], listed={"calc"}).list_items == []
+
+
+@pytest.mark.parametrize(
+    "allowed, names",
+    [(["wipe"], ["wipe"]), ({"read_only": True}, ["add"]), ({"tool_names": ["add"]}, ["add"])],
+)
+def test_allowed_tools_filter_the_listing(allowed, names):
+    mcp = resolve([mcp_tool(allowed_tools=allowed)])
+    assert [f["function"]["name"] for f in mcp.functions] == names
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (mcp_tool(require_approval="always"), "require_approval must be"),
+        ({k: v for k, v in mcp_tool().items() if k != "require_approval"}, "require_approval"),
+        (mcp_tool(connector_id="connector_gmail"), "connector_id is not supported"),
+        (mcp_tool(server_label="other"), "no MCP server 'other'"),
+        (mcp_tool(server_url="http://evil.example/mcp"), "no MCP server"),
+        (mcp_tool(allowed_tools="add"), "allowed_tools must be"),
+        (mcp_tool(headers={"x": 1}), "headers must map"),
+        (mcp_tool(bogus=1), "does not take: ['bogus']"),
+    ],
+)
+def test_what_cannot_be_served_is_a_400_naming_tools(spec, words):
+    with pytest.raises(VLLMValidationError, match=words.replace("[", r"\[")) as e:
+        resolve([spec])
+    assert e.value.param == "tools"
+
+
+def test_a_name_clash_and_no_tool_server_are_400s():
+    with pytest.raises(VLLMValidationError, match="given twice"):
+        resolve([mcp_tool()], taken={"add"})
+    with pytest.raises(VLLMValidationError, match="--tool-server"):
+        asyncio.run(prepare([mcp_tool()], None, set(), set()))
+
+
+def test_headers_and_authorization_reach_the_server_and_calls_run():
+    server = FakeToolServer()
+    spec = mcp_tool(headers={"X-Team": "a"}, authorization="tok")
+    mcp = asyncio.run(prepare([spec], server, set(), set()))
+    assert server.headers == {"X-Team": "a", "Authorization": "Bearer tok"}
+    items = _as_mcp_items(
+        [
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "call_id": "c",
+                "name": "add",
+                "arguments": '{"a": 2, "b": 3}',
+                "status": "completed",
+            },
+            {
+                "type": "function_call",
+                "id": "fc_2",
+                "call_id": "d",
+                "name": "client_fn",
+                "arguments": "{}",
+                "status": "completed",
+            },
+        ],  # fmt: skip
+        mcp,
+    )
+    assert [i["type"] for i in items] == ["mcp_call", "function_call"]
+    bad = call_item("calc", "add", "[1]")
+    asyncio.run(run_call(server, mcp, items[0]))
+    asyncio.run(run_call(server, mcp, bad))
+    failing = call_item("calc", "wipe", "{}")
+    asyncio.run(run_call(server, mcp, failing))
+    assert items[0]["output"] == "5" and items[0]["status"] == "completed"
+    assert bad["status"] == "failed" and bad["error"]["type"] == "mcp_protocol_error"
+    assert failing["status"] == "failed" and failing["error"]["type"] == "mcp_tool_execution_error"
+    assert mcp.calls == 3 and len(server.calls) == 2  # the bad arguments never left
+    assert server.calls[0][3] == {"X-Team": "a", "Authorization": "Bearer tok"}
+    assert isinstance(McpTools(), McpTools)
+
+
+def test_mcp_items_read_back_as_the_assistants_calls_and_the_tools_answers():
+    done = {**call_item("calc", "add", '{"a": 1}', "mcp_1"), "output": "1",
+            "status": "completed"}  # fmt: skip
+    failed = {**call_item("calc", "wipe", "{}", "mcp_2"), "status": "failed",
+              "error": {"type": "http_error", "code": 502, "message": "down"}}  # fmt: skip
+    listing = {"type": "mcp_list_tools", "server_label": "calc", "tools": []}
+    items = normalize_input([
+        {"role": "user", "content": "add"}, listing,
+        {"role": "assistant", "content": "Let me add."}, done, failed,
+    ])  # fmt: skip
+    messages = items_to_messages(items)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert messages[1]["content"][0]["text"] == "Let me add."
+    assert messages[1]["tool_calls"][0]["id"] == "mcp_1"
+    assert messages[2] == {"role": "tool", "tool_call_id": "mcp_1", "name": "add", "content": "1"}
+    assert messages[4]["content"].startswith("Error: ") and "down" in messages[4]["content"]
+    with pytest.raises(VLLMValidationError, match="name must be a string"):
+        normalize_input([{"type": "mcp_call", "server_label": "calc", "arguments": "{}"}])
+
+
+# -- end to end -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mcp_server():
+    from .mcp_test_server import start_mcp_test_server
+
+    with start_mcp_test_server("streamable-http", name="calc") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def served(mcp_server, tmp_path_factory):
+    from tests.utils import RemoteServer
+
+    from .test_tool_calling_e2e import TEMPLATE
+
+    out = tmp_path_factory.mktemp("responses_mcp")
+    srv = RemoteServer(
+        "--scheduling-policy", "continuum", "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes", "--chat-template", TEMPLATE,
+        "--tool-server", mcp_server.url, log_path=str(out / "server.log"),
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def calc(**kw):
+    return {"type": "mcp", "server_label": "calc", "require_approval": "never", **kw}
+
+
+def create(served, **kw):
+    import requests
+
+    from .test_tool_calling_e2e import MODEL
+
+    body = {"model": MODEL, "input": "What is 2 plus 3? Use the add tool.", "temperature": 0,
+            "max_output_tokens": 40, "tools": [calc(allowed_tools=["add", "echo"])],
+            **kw}  # fmt: skip
+
+    return requests.post(f"{served.base}/v1/responses", json=body, timeout=300)
+
+
+@pytest.mark.slow
+def test_the_server_runs_the_models_mcp_calls_and_answers(served):
+    import json
+
+    from openai.types.responses import Response
+
+    r = create(served, tool_choice={"type": "mcp", "server_label": "calc", "name": "add"},
+               max_tool_calls=2)  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    resp = Response.model_validate(body)  # the official client's types take it
+    kinds = [item.type for item in resp.output]
+    assert kinds[0] == "mcp_list_tools" and kinds[1] == "mcp_call", kinds
+    listing = resp.output[0]
+    assert listing.server_label == "calc"
+    assert sorted(t.name for t in listing.tools) == ["add", "echo"]  # allowed_tools
+    calls = [i for i in resp.output if i.type == "mcp_call"]
+    assert 1 <= len(calls) <= 2  # max_tool_calls: then the model must answer
+    first = calls[0]
+    args = json.loads(first.arguments)
+    assert first.name == "add" and first.status == "completed" and first.error is None
+    assert first.output == str(args["a"] + args["b"])  # the MCP server's answer
+    assert kinds[-1] == "message" and resp.status in ("completed", "incomplete")
+    usage = body["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] > 0  # the loop's later rounds
+    # The chain goes on: the listing is not repeated, the calls read back as context.
+    r2 = create(served, previous_response_id=resp.id, input="Thanks. And 4 plus 5?",
+                tool_choice={"type": "mcp", "server_label": "calc", "name": "add"},
+                max_tool_calls=1)  # fmt: skip
+    assert r2.status_code == 200, r2.text
+    kinds2 = [i["type"] for i in r2.json()["output"]]
+    assert "mcp_list_tools" not in kinds2 and kinds2[0] == "mcp_call"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kw, status, words",
+    [
+        ({"tools": [calc(require_approval="always")]}, 400, "require_approval"),
+        ({"tools": [calc(server_label="nope")]}, 400, "no MCP server 'nope'"),
+        ({"tools": [calc(server_url="http://169.254.169.254/mcp")]}, 400, "no MCP server"),
+        ({"stream": True}, 400, "without stream"),
+        (
+            {"tool_choice": {"type": "mcp", "server_label": "calc", "name": "wipe"}},
+            400,
+            "tool_choice",
+        ),
+    ],
+)
+def test_what_the_server_cannot_run_is_refused(served, kw, status, words):
+    r = create(served, **kw)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]

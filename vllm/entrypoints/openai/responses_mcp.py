@@ -1,0 +1,365 @@
+"""Remote MCP tools in ``/v1/responses`` (OpenAI's ``{"type": "mcp"}`` tool), run by this
+server: it lists the MCP server's tools (an ``mcp_list_tools`` item), gives them to the
+model as functions, runs the model's calls to them on the MCP server (``mcp_call`` items,
+with their output) and generates again with the results, until the model answers, calls a
+function tool of the client's, or a bound is reached.
+
+Only the MCP servers given to ``--tool-server`` can be reached (``mcp_tools.py``): a
+request names one by ``server_label`` or by its ``server_url``. Calls run without asking:
+``require_approval`` must be ``"never"`` (approval requests are not built).
+
+Each generation of the loop is a turn of the response's job: one that calls a tool is
+pinned by Continuum while the MCP server runs it (``last_step_unless_tool_call``), so the
+next generation finds its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.entrypoints.openai.protocol import loggable
+from vllm.entrypoints.openai.protocol_responses import new_id
+from vllm.exceptions import GracefulHTTPError, VLLMValidationError
+
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.mcp_tools import MCPServer, MCPToolServer
+
+MAX_MCP_ROUNDS = 16  # generations that call MCP tools, per response, at most
+# An mcp tool's keys: OpenAI's, and which of them this server honours.
+MCP_KEYS = frozenset({
+    "type", "server_label", "server_url", "allowed_tools", "require_approval", "headers",
+    "authorization", "server_description",
+})  # fmt: skip
+MCP_REFUSED = ("connector_id", "tunnel_id", "defer_loading", "allowed_callers")
+
+
+class McpListToolsError(GracefulHTTPError):
+    """A configured MCP server could not list its tools: 424, as OpenAI answers."""
+
+    status = 424
+    err_type = "Failed Dependency"
+
+
+@dataclass
+class _Server:
+    """One mcp tool of the request: the configured server it names and how to call it."""
+
+    label: str
+    server: MCPServer
+    headers: dict[str, str] | None
+    allowed: list[str] | None
+    read_only: bool | None
+    description: str | None
+
+
+@dataclass
+class McpTools:
+    """The request's mcp tools, resolved (``prepare``): the chat functions they add, the
+    ``mcp_list_tools`` items to output, and the calls' routing by function name."""
+
+    servers: list[_Server] = field(default_factory=list)
+    functions: list[dict[str, Any]] = field(default_factory=list)  # chat tools
+    list_items: list[dict[str, Any]] = field(default_factory=list)
+    routes: dict[str, _Server] = field(default_factory=dict)  # tool name -> its server
+    calls: int = 0  # made so far in this response
+
+    def owns(self, name: str) -> bool:
+        return name in self.routes
+
+
+def split_tools(
+    tools: list[dict[str, Any]] | None,
+) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
+    """(the request's other tools, its mcp tools)."""
+    if not tools:
+        return tools, []
+    mcp = [t for t in tools if isinstance(t, dict) and t.get("type") == "mcp"]
+    rest = [t for t in tools if not (isinstance(t, dict) and t.get("type") == "mcp")]
+    return rest, mcp
+
+
+def _bad(message: str) -> VLLMValidationError:
+    return VLLMValidationError(message, "tools")
+
+
+def _check_spec(spec: dict[str, Any], where: str) -> None:
+    for key in MCP_REFUSED:
+        if spec.get(key) is not None:
+            raise _bad(f"{where}.{key} is not supported: name a --tool-server server")
+    unknown = sorted(set(spec) - MCP_KEYS - set(MCP_REFUSED))
+    if unknown:
+        raise _bad(f"{where} has fields this server does not take: {unknown}")
+    if not isinstance(spec.get("server_label"), str) or not spec["server_label"]:
+        raise _bad(f"{where}.server_label must be a non-empty string")
+    approval = spec.get("require_approval")
+    if approval != "never":
+        raise _bad(
+            f'{where}.require_approval must be "never" (got {loggable(approval)}): this '
+            "server runs MCP calls without asking; approval requests are not built"
+        )
+    headers = spec.get("headers")
+    if headers is not None and not (
+        isinstance(headers, dict) and all(isinstance(v, str) for v in headers.values())
+    ):
+        raise _bad(f"{where}.headers must map header names to strings")
+
+
+def _allowed(spec: dict[str, Any], where: str) -> tuple[list[str] | None, bool | None]:
+    allowed = spec.get("allowed_tools")
+    if allowed is None:
+        return None, None
+    if isinstance(allowed, list) and all(isinstance(n, str) for n in allowed):
+        return allowed, None
+    if isinstance(allowed, dict) and not set(allowed) - {"tool_names", "read_only"}:
+        names, read_only = allowed.get("tool_names"), allowed.get("read_only")
+        ok_names = names is None or (isinstance(names, list) and all(isinstance(n, str)
+                                                                      for n in names))  # fmt: skip
+        if ok_names and (read_only is None or isinstance(read_only, bool)):
+            return names, read_only
+    raise _bad(
+        f"{where}.allowed_tools must be a list of tool names or "
+        '{"tool_names": [...], "read_only": bool}'
+    )
+
+
+async def prepare(
+    specs: list[dict[str, Any]],
+    tool_server: MCPToolServer | None,
+    listed: set[str],
+    taken: set[str],
+) -> McpTools:
+    """Resolve the request's mcp tools (400 naming ``tools`` for one this server cannot
+    serve), list each server's tools now, and make them chat functions. ``listed``: the
+    labels whose ``mcp_list_tools`` item the response chain has already (not output
+    again); ``taken``: the names of the request's function tools (a clash is a 400)."""
+    mcp = McpTools()
+    if not specs:
+        return mcp
+    if tool_server is None:
+        raise _bad("mcp tools need MCP servers: start the server with --tool-server")
+    for i, spec in enumerate(specs):
+        where = f"tools[mcp {i}]"
+        _check_spec(spec, where)
+        try:
+            server = tool_server.find(spec["server_label"], spec.get("server_url"))
+        except ValueError as e:
+            raise _bad(f"{where}: {e}") from None
+        headers = dict(spec.get("headers") or {})
+        if spec.get("authorization"):
+            headers["Authorization"] = f"Bearer {spec['authorization']}"
+        allowed, read_only = _allowed(spec, where)
+        entry = _Server(spec["server_label"], server, headers or None, allowed, read_only,
+                        spec.get("server_description"))  # fmt: skip
+        mcp.servers.append(entry)
+    listings = await asyncio.gather(
+        *(tool_server.list_tools(s.server, s.headers) for s in mcp.servers),
+        return_exceptions=True,
+    )
+    for entry, tools in zip(mcp.servers, listings, strict=True):
+        if isinstance(tools, asyncio.CancelledError):
+            raise tools
+        if isinstance(tools, Exception):
+            raise McpListToolsError(
+                f"Error retrieving tool list from MCP server {loggable(entry.label)}: {tools}"
+            )
+        kept = [t for t in tools if _keep(entry, t)]
+        for tool in kept:
+            if tool.name in taken or tool.name in mcp.routes:
+                raise _bad(
+                    f"tool name {loggable(tool.name)} is given twice (by MCP server "
+                    f"{loggable(entry.label)} and another tool): the model could not tell "
+                    "them apart"
+                )
+            mcp.routes[tool.name] = entry
+            about = tool.description or ""
+            if entry.description:
+                about = f"{about} ({entry.label}: {entry.description})".strip()
+            fn = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
+            if about:
+                fn["description"] = about
+            mcp.functions.append({"type": "function", "function": fn})
+        if entry.label not in listed:
+            mcp.list_items.append(list_tools_item(entry.label, kept))
+    return mcp
+
+
+def _keep(entry: _Server, tool: Any) -> bool:
+    if entry.allowed is not None and tool.name not in entry.allowed:
+        return False
+    if entry.read_only is not None:
+        read_only = bool((tool.annotations or {}).get("readOnlyHint"))
+        return read_only == entry.read_only
+    return True
+
+
+def list_tools_item(label: str, tools: list[Any]) -> dict[str, Any]:
+    return {
+        "id": new_id("mcpl"),
+        "type": "mcp_list_tools",
+        "server_label": label,
+        "tools": [
+            {
+                "name": t.name,
+                "description": t.description,
+                "input_schema": t.input_schema,
+                "annotations": t.annotations,
+            }
+            for t in tools
+        ],
+        "error": None,
+    }
+
+
+def call_item(label: str, name: str, arguments: str, item_id: str | None = None) -> dict:
+    """An ``mcp_call`` item, before its call has run (``status`` in_progress)."""
+    return {
+        "id": item_id or new_id("mcp"),
+        "type": "mcp_call",
+        "server_label": label,
+        "name": name,
+        "arguments": arguments,
+        "output": None,
+        "error": None,
+        "status": "in_progress",
+        "approval_request_id": None,
+    }
+
+
+async def run_call(tool_server: MCPToolServer, mcp: McpTools, item: dict[str, Any]) -> None:
+    """Run the call of ``item`` (an mcp_call item, in place: its output or error, and its
+    status). Arguments that are not a JSON object fail the call, not the response."""
+    entry = mcp.routes[item["name"]]
+    mcp.calls += 1
+    try:
+        arguments = json.loads(item["arguments"] or "{}")
+    except json.JSONDecodeError as e:
+        arguments, error = None, f"the arguments are not JSON: {e}"
+    else:
+        error = None if isinstance(arguments, dict) else "the arguments are not a JSON object"
+    if error is not None:
+        item.update(status="failed", error={"type": "mcp_protocol_error", "code": -32602,
+                                            "message": error})  # fmt: skip
+        return
+    result = await tool_server.call(entry.server, item["name"], arguments, entry.headers)
+    # OpenAI's: a failed call has its error and no output (the error holds the content)
+    item.update(output=result.output if result.error is None else None, error=result.error)
+    item["status"] = "failed" if result.error is not None else "completed"
+
+
+def call_text(item: dict[str, Any]) -> str:
+    """What the model reads of an mcp_call's result: its output, or its error."""
+    if item.get("error") is None:
+        return item.get("output") or ""
+    return f"Error: {json.dumps(item['error'], ensure_ascii=False)}"
+
+
+class McpResponsesMixin:
+    """``OpenAIServingResponses``' turns with mcp tools: the generation loop above. A
+    response is answered once the loop ends (streaming and background runs are not built
+    with mcp tools yet: a 400)."""
+
+    tool_server: MCPToolServer | None
+
+    async def _create_with_mcp(self, request, received, receive):
+        from fastapi.responses import JSONResponse, Response
+
+        if request.stream or request.background:
+            raise _bad(
+                "mcp tools are served without stream and background for now: the response "
+                "is answered once the model has finished with the MCP calls"
+            )
+        response_id = new_id("resp")
+        job_id, items, history = self._context(request, response_id)
+        rest, specs = split_tools(request.tools)
+        listed = {i["server_label"] for i in history + items if i["type"] == "mcp_list_tools"}
+        taken = {t.get("name") for t in rest or []}
+        mcp = await prepare(specs, self.tool_server, listed, taken)
+        tools, first_choice = self._mcp_tools_and_choice(request, rest, mcp)
+        context = history + items
+        output = list(mcp.list_items)
+        totals = [0, 0, 0, 0]  # prompt, output, cached, reasoning tokens
+        turn = None
+        for round_ in range(MAX_MCP_ROUNDS + 1):
+            more = round_ < MAX_MCP_ROUNDS and (
+                request.max_tool_calls is None or mcp.calls < request.max_tool_calls
+            )
+            choice = first_choice if round_ == 0 else ("auto" if more else "none")
+            chat_request = self._chat_request(
+                request, self._messages(request, context + output), job_id, tools=tools,
+                tool_choice=choice, **self._mcp_last_step(request),
+            )  # fmt: skip
+            if turn is None:
+                turn = self._make_turn(request, response_id, items, job_id, chat_request)
+            request_id = response_id if round_ == 0 else f"{response_id}-{round_}"
+            plan, stream = await self._start(chat_request, request_id, response_id)
+            final = await self.chat.collect(stream, receive)
+            if final is None:
+                return Response(status_code=499)  # the client left
+            c = final.outputs[0]
+            status = _status(c.finish_reason)
+            message, _ = plan.message(c.text, c.finish_reason)
+            reasoning = self.chat.reasoning_tokens(chat_request, plan, [c.token_ids]) or 0
+            for i, n in enumerate((len(final.prompt_token_ids), len(c.token_ids),
+                                   final.num_cached_tokens, reasoning)):  # fmt: skip
+                totals[i] += n
+            new = _as_mcp_items(self._output_items(message, status), mcp)
+            output += new
+            calls = [i for i in new if i["type"] == "mcp_call"]
+            if status != "completed" or not calls or any(i["type"] == "function_call" for i in new):
+                await asyncio.gather(*(run_call(self.tool_server, mcp, i) for i in calls))
+                break
+            await asyncio.gather(*(run_call(self.tool_server, mcp, i) for i in calls))
+        usage = self.usage(totals[0], totals[1], totals[2], totals[3])
+        body = self._complete(turn, status, output, usage)
+        return JSONResponse(body, headers=self.chat.timing(received, stream))
+
+    def _mcp_tools_and_choice(self, request, rest, mcp: McpTools) -> tuple[list, Any]:
+        """The chat tools (the request's functions, then the MCP servers') and the first
+        generation's tool_choice; an mcp tool_choice (``{"type": "mcp", "server_label",
+        "name"}``) forces that tool, or (no name) one of that server's."""
+        from vllm.entrypoints.openai.protocol_responses import chat_tool_choice, chat_tools
+
+        tools = [*(chat_tools(rest) or []), *mcp.functions]
+        choice = request.tool_choice
+        if not (isinstance(choice, dict) and choice.get("type") == "mcp"):
+            return tools, chat_tool_choice(choice)
+        label, name = choice.get("server_label"), choice.get("name")
+        mine = [n for n, e in mcp.routes.items() if e.label == label]
+        if not mine or (name is not None and name not in mine):
+            raise VLLMValidationError(
+                f"tool_choice names {loggable(label)}/{loggable(name)}, which is not one of "
+                "the request's MCP tools",
+                "tool_choice",
+            )
+        if name is not None:
+            return tools, {"type": "function", "function": {"name": name}}
+        return [t for t in tools if t["function"]["name"] in mine], "required"
+
+    @staticmethod
+    def _mcp_last_step(request) -> dict[str, Any]:
+        """Each generation of the loop is a turn of the job: one that calls a tool is
+        pinned while the call runs; a client's is_last_step=true ends the job with the
+        generation that answers (not with the first)."""
+        from vllm_continuum.jobs import LAST_UNLESS_TOOL_CALL
+
+        if request.is_last_step is False:
+            return {}
+        return {"is_last_step": False, "vllm_xargs": {LAST_UNLESS_TOOL_CALL: True}}
+
+
+def _status(finish_reason: str | None) -> str:
+    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
+
+
+def _as_mcp_items(items: list[dict[str, Any]], mcp: McpTools) -> list[dict[str, Any]]:
+    """A generation's output items, its calls to MCP tools as mcp_call items (to run)."""
+    out = []
+    for item in items:
+        if item["type"] == "function_call" and mcp.owns(item["name"]):
+            label = mcp.routes[item["name"]].label
+            item = call_item(label, item["name"], item["arguments"])
+        out.append(item)
+    return out
