@@ -270,7 +270,7 @@ def test_the_server_runs_the_models_mcp_calls_and_answers(served):
         ({"tools": [calc(require_approval="always")]}, 400, "require_approval"),
         ({"tools": [calc(server_label="nope")]}, 400, "no MCP server 'nope'"),
         ({"tools": [calc(server_url="http://169.254.169.254/mcp")]}, 400, "no MCP server"),
-        ({"stream": True}, 400, "without stream"),
+        ({"background": True}, 400, "background=true"),
         (
             {"tool_choice": {"type": "mcp", "server_label": "calc", "name": "wipe"}},
             400,
@@ -282,3 +282,36 @@ def test_what_the_server_cannot_run_is_refused(served, kw, status, words):
     r = create(served, **kw)
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_streamed_mcp_response_has_openais_events_in_order(served):
+    import json
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    event_type = TypeAdapter(ResponseStreamEvent)
+    r = create(served, stream=True, max_tool_calls=1,
+               tool_choice={"type": "mcp", "server_label": "calc", "name": "add"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    for event in events:
+        event_type.validate_python(event)  # each one is OpenAI's
+    kinds = [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    order = ["response.created", "response.mcp_list_tools.in_progress",
+             "response.mcp_list_tools.completed", "response.mcp_call_arguments.delta",
+             "response.mcp_call_arguments.done", "response.mcp_call.in_progress",
+             "response.mcp_call.completed", "response.completed"]  # fmt: skip
+    positions = [kinds.index(k) for k in order]
+    assert positions == sorted(positions), kinds
+    final = events[-1]["response"]
+    call = next(i for i in final["output"] if i["type"] == "mcp_call")
+    args = json.loads(call["arguments"])
+    assert call["output"] == str(args["a"] + args["b"]) and call["status"] == "completed"
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["id"] for i in done] == [i["id"] for i in final["output"]]
+    assert final["output"][-1]["type"] == "message"  # answered after the one call
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] > 0
+

@@ -256,45 +256,73 @@ def call_text(item: dict[str, Any]) -> str:
     return f"Error: {json.dumps(item['error'], ensure_ascii=False)}"
 
 
+@dataclass
+class _McpRun:
+    """One response's MCP loop: its context, its output so far, its token counts."""
+
+    request: Any
+    response_id: str
+    job_id: str
+    items: list
+    context: list  # the chain's items and the request's
+    mcp: McpTools
+    tools: list
+    first_choice: Any
+    output: list = field(default_factory=list)
+    totals: list = field(default_factory=lambda: [0, 0, 0, 0])  # prompt, out, cached, reasoning
+    round: int = 0
+
+    @property
+    def more_calls(self) -> bool:
+        limit = self.request.max_tool_calls
+        return self.round < MAX_MCP_ROUNDS and (limit is None or self.mcp.calls < limit)
+
+    @property
+    def choice(self) -> Any:
+        return self.first_choice if self.round == 0 else ("auto" if self.more_calls else "none")
+
+    @property
+    def request_id(self) -> str:
+        return self.response_id if self.round == 0 else f"{self.response_id}-{self.round}"
+
+    def account(self, prompt: int, output: int, cached: int, reasoning: int) -> None:
+        for i, n in enumerate((prompt, output, cached, reasoning)):
+            self.totals[i] += n
+
+
+def _ends(status: str, new: list[dict[str, Any]]) -> bool:
+    """Whether the loop ends after a generation that output ``new``: cut short, no call
+    to run, or a call to one of the client's functions (the client runs it)."""
+    calls = any(i["type"] == "mcp_call" for i in new)
+    return status != "completed" or not calls or any(i["type"] == "function_call" for i in new)
+
+
 class McpResponsesMixin:
-    """``OpenAIServingResponses``' turns with mcp tools: the generation loop above. A
-    response is answered once the loop ends (streaming and background runs are not built
-    with mcp tools yet: a 400)."""
+    """``OpenAIServingResponses``' turns with mcp tools: the generation loop above,
+    answered once it ends, or streamed as it goes. Background runs are not built with mcp
+    tools yet (a 400)."""
 
     tool_server: MCPToolServer | None
 
     async def _create_with_mcp(self, request, received, receive):
         from fastapi.responses import JSONResponse, Response
 
-        if request.stream or request.background:
+        from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse
+
+        if request.background:
             raise _bad(
-                "mcp tools are served without stream and background for now: the response "
-                "is answered once the model has finished with the MCP calls"
+                "mcp tools are not served with background=true yet: send the request "
+                "without it (streamed or not)"
             )
-        response_id = new_id("resp")
-        job_id, items, history = self._context(request, response_id)
-        rest, specs = split_tools(request.tools)
-        listed = {i["server_label"] for i in history + items if i["type"] == "mcp_list_tools"}
-        taken = {t.get("name") for t in rest or []}
-        mcp = await prepare(specs, self.tool_server, listed, taken)
-        tools, first_choice = self._mcp_tools_and_choice(request, rest, mcp)
-        context = history + items
-        output = list(mcp.list_items)
-        totals = [0, 0, 0, 0]  # prompt, output, cached, reasoning tokens
-        turn = None
-        for round_ in range(MAX_MCP_ROUNDS + 1):
-            more = round_ < MAX_MCP_ROUNDS and (
-                request.max_tool_calls is None or mcp.calls < request.max_tool_calls
-            )
-            choice = first_choice if round_ == 0 else ("auto" if more else "none")
-            chat_request = self._chat_request(
-                request, self._messages(request, context + output), job_id, tools=tools,
-                tool_choice=choice, **self._mcp_last_step(request),
-            )  # fmt: skip
-            if turn is None:
-                turn = self._make_turn(request, response_id, items, job_id, chat_request)
-            request_id = response_id if round_ == 0 else f"{response_id}-{round_}"
-            plan, stream = await self._start(chat_request, request_id, response_id)
+        run = await self._mcp_run(request)
+        chat_request = self._mcp_chat_request(run)
+        turn = self._make_turn(request, run.response_id, run.items, run.job_id, chat_request)
+        plan, stream = await self._start(chat_request, run.request_id, run.response_id)
+        if request.stream:
+            events = self._stream_mcp(run, turn, plan, stream, received)
+            return EngineStreamingResponse(events, stream, self.chat.args.sse_keep_alive_interval)
+        run.output += run.mcp.list_items
+        while True:
             final = await self.chat.collect(stream, receive)
             if final is None:
                 return Response(status_code=499)  # the client left
@@ -302,19 +330,102 @@ class McpResponsesMixin:
             status = _status(c.finish_reason)
             message, _ = plan.message(c.text, c.finish_reason)
             reasoning = self.chat.reasoning_tokens(chat_request, plan, [c.token_ids]) or 0
-            for i, n in enumerate((len(final.prompt_token_ids), len(c.token_ids),
-                                   final.num_cached_tokens, reasoning)):  # fmt: skip
-                totals[i] += n
-            new = _as_mcp_items(self._output_items(message, status), mcp)
-            output += new
+            run.account(len(final.prompt_token_ids), len(c.token_ids), final.num_cached_tokens,
+                        reasoning)  # fmt: skip
+            new = _as_mcp_items(self._output_items(message, status), run.mcp)
+            run.output += new
             calls = [i for i in new if i["type"] == "mcp_call"]
-            if status != "completed" or not calls or any(i["type"] == "function_call" for i in new):
-                await asyncio.gather(*(run_call(self.tool_server, mcp, i) for i in calls))
+            await asyncio.gather(*(run_call(self.tool_server, run.mcp, i) for i in calls))
+            if _ends(status, new):
                 break
-            await asyncio.gather(*(run_call(self.tool_server, mcp, i) for i in calls))
-        usage = self.usage(totals[0], totals[1], totals[2], totals[3])
-        body = self._complete(turn, status, output, usage)
+            run.round += 1
+            chat_request = self._mcp_chat_request(run)
+            plan, stream = await self._start(chat_request, run.request_id, run.response_id)
+        body = self._complete(turn, status, run.output, self.usage(*run.totals))
         return JSONResponse(body, headers=self.chat.timing(received, stream))
+
+    async def _stream_mcp(self, run: _McpRun, turn, plan, stream, received):
+        """The loop's events: the listings, then each generation's items as they stream;
+        an MCP call's item ends once the call has run, and the next generation follows."""
+        from vllm.entrypoints.openai.responses_stream import ResponseEvents, delta_events
+
+        events = turn.events = ResponseEvents()
+        events.mcp_labels = {name: e.label for name, e in run.mcp.routes.items()}
+        yield events.lifecycle("response.created", self.response_object(turn, "in_progress",
+                                                                          [], None))  # fmt: skip
+        yield events.lifecycle(
+            "response.in_progress", self.response_object(turn, "in_progress", [], None)
+        )
+        for item in run.mcp.list_items:
+            for chunk in events.mcp_listing(item):
+                yield chunk
+        run.output = events.items  # the context of the next generations, as it grows
+        try:
+            while True:
+                chat_request, first = turn.chat_request, len(events.items)
+                output_ids, status, prompt, cached = [], "completed", 0, 0
+                streamer = plan.streamer()
+                async for out in stream:
+                    c = out.outputs[0]
+                    prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                    output_ids += c.token_ids
+                    status = _status(c.finish_reason)
+                    delta = {"content": c.text} if c.text else {}
+                    if streamer is not None:
+                        delta = streamer.delta(c.text, c.finish_reason is not None)
+                    for chunk in delta_events(events, delta):
+                        yield chunk
+                reasoning = self.chat.reasoning_tokens(chat_request, plan, [output_ids]) or 0
+                run.account(prompt, len(output_ids), cached, reasoning)
+                item_status = "completed" if status == "completed" else "incomplete"
+                for chunk in events.finish(item_status):
+                    yield chunk
+                pending, events.pending_mcp = events.pending_mcp, []
+                for index in pending:
+                    yield events.mcp_call_running(index)
+                calls = [events.items[i] for i in pending]
+                await asyncio.gather(*(run_call(self.tool_server, run.mcp, i) for i in calls))
+                for index in pending:
+                    for chunk in events.mcp_call_ran(index):
+                        yield chunk
+                if _ends(status, events.items[first:]):
+                    break
+                run.round += 1
+                events.new_round()
+                turn.chat_request = self._mcp_chat_request(run)
+                await stream.aclose()
+                plan, stream = await self._start(turn.chat_request, run.request_id,
+                                                 run.response_id)  # fmt: skip
+            usage = self.usage(*run.totals)
+            body = self._complete(turn, status, events.items, usage)
+            kind = "response.completed" if status == "completed" else "response.incomplete"
+            yield events.lifecycle(kind, body)
+            self.chat.timing(received, stream)
+        except Exception as e:  # the status line is sent: the error goes in-band
+            yield events.event("error", code="server_error", message=str(e), param=None)
+            yield events.lifecycle("response.failed", self._failed(turn, e, events.items))
+        finally:
+            await stream.aclose()
+
+    async def _mcp_run(self, request) -> _McpRun:
+        response_id = new_id("resp")
+        job_id, items, history = self._context(request, response_id)
+        rest, specs = split_tools(request.tools)
+        listed = {i["server_label"] for i in history + items if i["type"] == "mcp_list_tools"}
+        taken = {t.get("name") for t in rest or []}
+        mcp = await prepare(specs, self.tool_server, listed, taken)
+        tools, first_choice = self._mcp_tools_and_choice(request, rest, mcp)
+        return _McpRun(request, response_id, job_id, items, history + items, mcp, tools,
+                       first_choice)  # fmt: skip
+
+    def _mcp_chat_request(self, run: _McpRun):
+        """The chat request of the loop's next generation: the context, the output so far
+        (calls and their results), the tools; tool_choice as asked for the first
+        generation, then auto while calls may still be made, then none."""
+        messages = self._messages(run.request, run.context + run.output)
+        last_step = self._mcp_last_step(run.request)
+        return self._chat_request(run.request, messages, run.job_id, tools=run.tools,
+                                  tool_choice=run.choice, **last_step)  # fmt: skip
 
     def _mcp_tools_and_choice(self, request, rest, mcp: McpTools) -> tuple[list, Any]:
         """The chat tools (the request's functions, then the MCP servers') and the first

@@ -11,6 +11,10 @@ One response streams as::
                        response.output_text.done, response.content_part.done
         function call: response.function_call_arguments.delta ...,
                        response.function_call_arguments.done
+        MCP listing:   response.mcp_list_tools.in_progress, .completed
+        MCP call:      response.mcp_call_arguments.delta ..., .done, then once the call
+                       has run on its server: response.mcp_call.in_progress,
+                       response.mcp_call.completed (or .failed)
         response.output_item.done
     response.completed (response.incomplete when cut by max_output_tokens)
 
@@ -25,6 +29,7 @@ import json
 from typing import Any
 
 from vllm.entrypoints.openai.protocol_responses import call_item, message_item, reasoning_item
+from vllm.entrypoints.openai.responses_mcp import call_item as mcp_call_item
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -40,6 +45,10 @@ class ResponseEvents:
         self.items: list[dict[str, Any]] = []
         self._open: int | None = None  # output index of the item still streaming
         self._calls: dict[int, int] = {}  # tool call index -> output index
+        # MCP tools: their names -> their server labels (a call to one is an mcp_call
+        # item, done once it has run: ``mcp_call_ran``), and the calls still to run.
+        self.mcp_labels: dict[str, str] = {}
+        self.pending_mcp: list[int] = []
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -95,23 +104,57 @@ class ResponseEvents:
         index, args = piece["index"], piece["function"].get("arguments") or ""
         if index not in self._calls:
             events += self._close()
-            item = call_item(piece["id"], piece["function"]["name"], "")
-            item["status"] = "in_progress"
+            name = piece["function"]["name"]
+            if name in self.mcp_labels:
+                item = mcp_call_item(self.mcp_labels[name], name, "")
+            else:
+                item = call_item(piece["id"], name, "")
+                item["status"] = "in_progress"
             events += self._add(item)
             self._calls[index] = self._open
         output_index = self._calls[index]
         item = self.items[output_index]
         if args:
             item["arguments"] += args
+            kind = "mcp_call" if item["type"] == "mcp_call" else "function_call"
             events.append(
                 self.event(
-                    "response.function_call_arguments.delta",
+                    f"response.{kind}_arguments.delta",
                     item_id=item["id"],
                     output_index=output_index,
                     delta=args,
                 )
             )
         return events
+
+    def mcp_listing(self, item: dict[str, Any]) -> list[str]:
+        """The events of an ``mcp_list_tools`` item (listed before the stream began)."""
+        events = self._close()
+        events += self._add(item)
+        events.append(self._item_event("response.mcp_list_tools.in_progress"))
+        events.append(self._item_event("response.mcp_list_tools.completed"))
+        events.append(self._item_event("response.output_item.done", item=item))
+        self._open = None
+        return events
+
+    def mcp_call_running(self, output_index: int) -> str:
+        item = self.items[output_index]
+        return self.event("response.mcp_call.in_progress", item_id=item["id"],
+                          output_index=output_index)  # fmt: skip
+
+    def mcp_call_ran(self, output_index: int) -> list[str]:
+        """The call has run (its item holds its output or error): its last events."""
+        item = self.items[output_index]
+        kind = "failed" if item["status"] == "failed" else "completed"
+        ids = {"item_id": item["id"], "output_index": output_index}
+        return [
+            self.event(f"response.mcp_call.{kind}", **ids),
+            self.event("response.output_item.done", output_index=output_index, item=item),
+        ]
+
+    def new_round(self) -> None:
+        """The next generation of an MCP loop: its tool calls are numbered from 0 again."""
+        self._calls = {}
 
     def finish(self, status: str) -> list[str]:
         """Close the open item; ``status``: the items' final status."""
@@ -142,6 +185,14 @@ class ResponseEvents:
                 done,
                 self._item_event("response.content_part.done", content_index=0, part=part),
             ]
+        elif item["type"] == "mcp_call":  # done once it has run (mcp_call_ran)
+            item["status"] = "in_progress"
+            events = [
+                self._item_event("response.mcp_call_arguments.done", arguments=item["arguments"])
+            ]
+            self.pending_mcp.append(self._open)
+            self._open = None
+            return events
         else:
             events = [
                 self._item_event(
@@ -160,3 +211,13 @@ class ResponseEvents:
         item = self.items[self._open]
         ids = {} if "item" in fields else {"item_id": item["id"]}
         return self.event(kind, output_index=self._open, **ids, **fields)
+
+
+def delta_events(events: ResponseEvents, delta: dict[str, Any]) -> list[str]:
+    """The events of one chat delta (``ToolCallStreamer``'s, or plain text)."""
+    out = events.reasoning(delta["reasoning"]) if delta.get("reasoning") else []
+    if delta.get("content"):
+        out += events.text(delta["content"])
+    for piece in delta.get("tool_calls") or []:
+        out += events.tool_call(piece)
+    return out

@@ -55,7 +55,7 @@ from vllm.entrypoints.openai.responses_store import (
     SharedResponseStore,
     StoredResponse,
 )
-from vllm.entrypoints.openai.responses_stream import ResponseEvents
+from vllm.entrypoints.openai.responses_stream import ResponseEvents, delta_events
 from vllm.entrypoints.openai.serving_chat import (
     OpenAIServingChat,
     converted_request_error,
@@ -359,7 +359,7 @@ class OpenAIServingResponses(McpResponsesMixin):
                 delta = {"content": c.text} if c.text else {}
                 if streamer is not None:
                     delta = streamer.delta(c.text, c.finish_reason is not None)
-                for chunk in _delta_events(events, delta):
+                for chunk in delta_events(events, delta):
                     yield chunk
             status = _STATUS.get(finish_reason or "", "completed")
             for chunk in events.finish(_item_status(status)):
@@ -573,15 +573,6 @@ def _error_code(error: Exception) -> str:
 
 def _item_status(status: str) -> str:
     return "completed" if status == "completed" else "incomplete"
-
-
-def _delta_events(events: ResponseEvents, delta: dict[str, Any]) -> list[str]:
-    out = events.reasoning(delta["reasoning"]) if delta.get("reasoning") else []
-    if delta.get("content"):
-        out += events.text(delta["content"])
-    for piece in delta.get("tool_calls") or []:
-        out += events.tool_call(piece)
-    return out
 
 
 # -- routes -------------------------------------------------------------------------------
