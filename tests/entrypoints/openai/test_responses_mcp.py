@@ -254,6 +254,13 @@ def test_the_server_runs_the_models_mcp_calls_and_answers(served):
     assert kinds[-1] == "message" and resp.status in ("completed", "incomplete")
     usage = body["usage"]
     assert usage["input_tokens_details"]["cached_tokens"] > 0  # the loop's later rounds
+    # Continuum pinned the job's KV while the MCP server ran the call, and the next
+    # generation of the loop hit the pin.
+    import requests
+
+    metrics = requests.get(f"{served.base}/metrics", timeout=60).text
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:pin_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 1, hits
     # The chain goes on: the listing is not repeated, the calls read back as context.
     r2 = create(served, previous_response_id=resp.id, input="Thanks. And 4 plus 5?",
                 tool_choice={"type": "mcp", "server_label": "calc", "name": "add"},
