@@ -82,8 +82,8 @@ class ResponsesRequest(BaseModel):
     """``POST /v1/responses``. Strict types as the chat request. ``job_id`` /
     ``is_last_step`` are this server's agent extras (the openai client's ``extra_body``);
     without them the job is ``prompt_cache_key``, else the chain's (``serving_responses``).
-    ``max_tool_calls`` bounds calls to built-in tools, of which this server has none: any
-    value holds."""
+    ``max_tool_calls`` bounds the calls to ``mcp`` tools this server runs
+    (``responses_mcp.py``)."""
 
     FIELD_NAMES: ClassVar[dict[str, str]] = {  # chat request field -> this request's
         "messages": "input",
