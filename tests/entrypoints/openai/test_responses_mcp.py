@@ -105,8 +105,8 @@ def test_allowed_tools_filter_the_listing(allowed, names):
 @pytest.mark.parametrize(
     "spec, words",
     [
-        (mcp_tool(require_approval="always"), "require_approval must be"),
-        ({k: v for k, v in mcp_tool().items() if k != "require_approval"}, "require_approval"),
+        (mcp_tool(require_approval="sometimes"), "require_approval must be"),
+        (mcp_tool(require_approval={"always": {"names": ["add"]}}), "require_approval must be"),
         (mcp_tool(connector_id="connector_gmail"), "connector_id is not supported"),
         (mcp_tool(server_label="other"), "no MCP server 'other'"),
         (mcp_tool(server_url="http://evil.example/mcp"), "no MCP server"),
@@ -166,6 +166,69 @@ def test_headers_and_authorization_reach_the_server_and_calls_run():
     assert mcp.calls == 3 and len(server.calls) == 2  # the bad arguments never left
     assert server.calls[0][3] == {"X-Team": "a", "Authorization": "Bearer tok"}
     assert isinstance(McpTools(), McpTools)
+
+
+@pytest.mark.parametrize(
+    "approval, asks",
+    [
+        (None, {"add", "wipe"}),  # OpenAI's default: ask
+        ("always", {"add", "wipe"}),
+        ("never", set()),
+        ({"never": {"tool_names": ["add"]}}, {"wipe"}),
+        ({"never": {"read_only": True}}, {"wipe"}),
+        ({"always": {"tool_names": ["wipe"]}}, {"wipe"}),
+        ({"always": {"read_only": False}}, {"wipe"}),
+    ],
+)
+def test_which_calls_wait_for_approval(approval, asks):
+    spec = mcp_tool()
+    spec.pop("require_approval")
+    if approval is not None:
+        spec["require_approval"] = approval
+    assert resolve([spec]).asks == asks
+
+
+def test_approval_responses_run_the_approved_calls_only():
+    from vllm.entrypoints.openai.responses_mcp import approval_item, approved_calls
+
+    mcp = resolve([mcp_tool()])
+    ok, no = approval_item("calc", "add", '{"a": 1}'), approval_item("calc", "add", "{}")
+    answers = normalize_input([
+        {"type": "mcp_approval_response", "approval_request_id": ok["id"], "approve": True},
+        {"type": "mcp_approval_response", "approval_request_id": no["id"], "approve": False},
+    ])  # fmt: skip
+    (call,) = approved_calls(mcp, [ok, no, *answers], answers)
+    assert call["type"] == "mcp_call" and call["approval_request_id"] == ok["id"]
+    assert call["arguments"] == '{"a": 1}' and call["status"] == "in_progress"
+    # an answer to no request, or to one already run, is a 400 naming input
+    for context in ([], [ok, {**call, "status": "completed"}]):
+        with pytest.raises(VLLMValidationError, match="No pending approval request") as e:
+            approved_calls(mcp, [*context, answers[0]], answers[:1])
+        assert e.value.param == "input"
+    with pytest.raises(VLLMValidationError, match="approve must be true or false"):
+        normalize_input([{"type": "mcp_approval_response", "approval_request_id": "x"}])
+
+
+def test_a_denied_call_reads_back_as_refused_and_an_approved_one_once():
+    from vllm.entrypoints.openai.responses_mcp import approval_item
+
+    asked = [approval_item("calc", "add", "{}"), approval_item("calc", "wipe", "{}")]
+    ran = {**call_item("calc", "add", "{}"), "approval_request_id": asked[0]["id"],
+           "output": "0", "status": "completed"}  # fmt: skip
+    items = normalize_input([
+        {"role": "user", "content": "go"}, *asked,
+        {"type": "mcp_approval_response", "approval_request_id": asked[0]["id"],
+         "approve": True},
+        {"type": "mcp_approval_response", "approval_request_id": asked[1]["id"],
+         "approve": False, "reason": "too risky"},
+        ran,
+    ])  # fmt: skip
+    messages = items_to_messages(items)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "wipe"
+    assert messages[2]["content"] == "The user did not approve this call: too risky."
+    assert messages[3]["tool_calls"][0]["function"]["name"] == "add"
+    assert messages[4]["content"] == "0"
 
 
 def test_mcp_items_read_back_as_the_assistants_calls_and_the_tools_answers():
@@ -274,7 +337,7 @@ def test_the_server_runs_the_models_mcp_calls_and_answers(served):
 @pytest.mark.parametrize(
     "kw, status, words",
     [
-        ({"tools": [calc(require_approval="always")]}, 400, "require_approval"),
+        ({"tools": [calc(require_approval="ask")]}, 400, "require_approval"),
         ({"tools": [calc(server_label="nope")]}, 400, "no MCP server 'nope'"),
         ({"tools": [calc(server_url="http://169.254.169.254/mcp")]}, 400, "no MCP server"),
         ({"background": True}, 400, "background=true"),
@@ -322,3 +385,58 @@ def test_a_streamed_mcp_response_has_openais_events_in_order(served):
     assert final["output"][-1]["type"] == "message"  # answered after the one call
     assert final["usage"]["input_tokens_details"]["cached_tokens"] > 0
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("approve", [True, False])
+def test_a_call_waits_for_the_clients_approval(served, approve):
+    import json
+
+    from openai.types.responses import Response
+
+    force = {"type": "mcp", "server_label": "calc", "name": "add"}
+    tool = {"type": "mcp", "server_label": "calc", "allowed_tools": ["add"]}  # default: ask
+    r = create(served, tools=[tool], tool_choice=force)
+    assert r.status_code == 200, r.text
+    first = Response.model_validate(r.json())
+    kinds = [i.type for i in first.output]
+    assert kinds == ["mcp_list_tools", "mcp_approval_request"], kinds  # nothing ran
+    asked = first.output[1]
+    answer = {"type": "mcp_approval_response", "approval_request_id": asked.id,
+              "approve": approve}  # fmt: skip
+    r2 = create(served, tools=[tool], previous_response_id=first.id, input=[answer],
+                max_tool_calls=1)  # fmt: skip
+    assert r2.status_code == 200, r2.text
+    second = Response.model_validate(r2.json())
+    calls = [i for i in second.output if i.type == "mcp_call"]
+    if approve:
+        assert calls[0].approval_request_id == asked.id
+        args = json.loads(calls[0].arguments)
+        assert calls[0].output == str(args["a"] + args["b"])
+        assert second.output[0].type == "mcp_call"  # run before the model generates
+    else:
+        assert not any(c.approval_request_id == asked.id for c in calls)
+    # answering it again is a 400
+    r3 = create(served, tools=[tool], previous_response_id=second.id, input=[answer])
+    assert r3.status_code == 400 and "No pending approval request" in r3.text
+
+
+@pytest.mark.slow
+def test_a_streamed_approval_request_is_sent_whole(served):
+    import json
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    force = {"type": "mcp", "server_label": "calc", "name": "add"}
+    tool = {"type": "mcp", "server_label": "calc", "require_approval": "always"}
+    r = create(served, tools=[tool], tool_choice=force, stream=True)
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+    kinds = [e["type"] for e in events]
+    assert not any(k.startswith("response.mcp_call") for k in kinds), kinds
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in done] == ["mcp_list_tools", "mcp_approval_request"]
+    assert json.loads(done[1]["arguments"]).keys() == {"a", "b"}
+    assert events[-1]["response"]["output"] == done

@@ -268,8 +268,17 @@ def _normalize_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         return {"id": item_id, "type": kind, **fields, "status": "completed"}
     if kind == "reasoning":
         return _reasoning_input(item, where)
-    if kind in ("mcp_list_tools", "mcp_call"):
+    if kind in ("mcp_list_tools", "mcp_call", "mcp_approval_request"):
         return _mcp_input(item, kind, where)
+    if kind == "mcp_approval_response":
+        if not isinstance(item.get("approval_request_id"), str):
+            raise VLLMValidationError(f"{where}.approval_request_id must be a string", "input")
+        if not isinstance(item.get("approve"), bool):
+            raise VLLMValidationError(f"{where}.approve must be true or false", "input")
+        reason = item.get("reason")
+        return {"id": _str_or(item.get("id"), new_id("mcpa")), "type": kind,
+                "approval_request_id": item["approval_request_id"], "approve": item["approve"],
+                "reason": reason if isinstance(reason, str) else None}  # fmt: skip
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise VLLMValidationError(f"{where}.call_id must be a string", "input")
@@ -285,7 +294,7 @@ def _normalize_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         }
     raise VLLMValidationError(
         f"{where}: item type {loggable(kind)} is not supported (message, function_call, "
-        "function_call_output, reasoning, mcp_list_tools and mcp_call are)",
+        "function_call_output, reasoning and the MCP items are)",
         "input",
     )
 
@@ -305,11 +314,17 @@ def _mcp_input(item: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     output, error = item.get("output"), item.get("error")
     if bad or not (output is None or isinstance(output, str)):
         raise VLLMValidationError(f"{where}.{(bad or ['output'])[0]} must be a string", "input")
+    if kind == "mcp_approval_request":
+        return {"id": _str_or(item.get("id"), new_id("mcpr")), "type": kind,
+                "server_label": item["server_label"], "name": item["name"],
+                "arguments": item["arguments"]}  # fmt: skip
+    asked = item.get("approval_request_id")
     return {
         "id": _str_or(item.get("id"), new_id("mcp")), "type": kind,
         "server_label": item["server_label"], "name": item["name"],
         "arguments": item["arguments"], "output": output, "error": error,
-        "status": item.get("status") or "completed", "approval_request_id": None,
+        "status": item.get("status") or "completed",
+        "approval_request_id": asked if isinstance(asked, str) else None,
     }  # fmt: skip
 
 
@@ -404,9 +419,21 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call_id -> function name
     reasoning: list[str] = []  # reasoning items not yet given to an assistant turn
+    asked = {}  # approval requests by id: a call the model made, run only if approved
     for item in items:
         kind = item["type"]
         if kind == "mcp_list_tools":  # the tools come from the request's mcp tools
+            continue
+        if kind == "mcp_approval_request":
+            asked[item["id"]] = item
+            continue
+        if kind == "mcp_approval_response":
+            request = asked.get(item["approval_request_id"])
+            if request is not None and not item["approve"]:  # approved: its mcp_call follows
+                why = f": {item['reason']}" if item.get("reason") else ""
+                refused = {**request, "output": None, "error": None,
+                           "denied": f"The user did not approve this call{why}."}  # fmt: skip
+                messages += _mcp_call_messages(refused, messages)
             continue
         if kind == "mcp_call":
             messages += _mcp_call_messages(item, messages)
@@ -466,7 +493,7 @@ def _mcp_call_messages(item: dict[str, Any], messages: list[dict]) -> list[dict[
     call = {"id": item["id"], "type": "function",
             "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
     answer = {"role": "tool", "tool_call_id": item["id"], "name": item["name"],
-              "content": call_text(item)}  # fmt: skip
+              "content": item.get("denied") or call_text(item)}  # fmt: skip
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
         last["tool_calls"] = [call]

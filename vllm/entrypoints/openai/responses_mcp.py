@@ -5,8 +5,11 @@ with their output) and generates again with the results, until the model answers
 function tool of the client's, or a bound is reached.
 
 Only the MCP servers given to ``--tool-server`` can be reached (``mcp_tools.py``): a
-request names one by ``server_label`` or by its ``server_url``. Calls run without asking:
-``require_approval`` must be ``"never"`` (approval requests are not built).
+request names one by ``server_label`` or by its ``server_url``. A call that needs approval
+(``require_approval``: OpenAI's default, ``"always"``, or a filter naming it) is not run:
+the response ends with an ``mcp_approval_request`` item, and the client's next request
+(``previous_response_id``) answers it with an ``mcp_approval_response`` input item; an
+approved call runs before that response's first generation.
 
 Each generation of the loop is a turn of the response's job: one that calls a tool is
 pinned by Continuum while the MCP server runs it (``last_step_unless_tool_call``), so the
@@ -53,6 +56,30 @@ class _Server:
     allowed: list[str] | None
     read_only: bool | None
     description: str | None
+    approval: Any = "always"  # require_approval as sent (None: OpenAI's default, always)
+
+    def needs_approval(self, tool: Any) -> bool:
+        """Whether a call to ``tool`` waits for the client's approval: never under
+        "never" or a ``{"never": filter}`` it matches; under ``{"always": filter}`` alone,
+        only when it matches; anything else asks (OpenAI's default)."""
+        if self.approval == "never":
+            return False
+        if isinstance(self.approval, dict):
+            if _matches(self.approval.get("never"), tool):
+                return False
+            if "always" in self.approval and "never" not in self.approval:
+                return _matches(self.approval["always"], tool)
+        return True
+
+
+def _matches(selector: Any, tool: Any) -> bool:
+    """Whether ``tool`` is among a ``{"tool_names", "read_only"}`` filter's (None: none)."""
+    if selector is None:
+        return False
+    names, read_only = selector.get("tool_names"), selector.get("read_only")
+    if names is not None and tool.name not in names:
+        return False
+    return read_only is None or bool((tool.annotations or {}).get("readOnlyHint")) == read_only
 
 
 @dataclass
@@ -64,6 +91,7 @@ class McpTools:
     functions: list[dict[str, Any]] = field(default_factory=list)  # chat tools
     list_items: list[dict[str, Any]] = field(default_factory=list)
     routes: dict[str, _Server] = field(default_factory=dict)  # tool name -> its server
+    asks: set[str] = field(default_factory=set)  # the tools whose calls need approval
     calls: int = 0  # made so far in this response
 
     def owns(self, name: str) -> bool:
@@ -95,16 +123,33 @@ def _check_spec(spec: dict[str, Any], where: str) -> None:
     if not isinstance(spec.get("server_label"), str) or not spec["server_label"]:
         raise _bad(f"{where}.server_label must be a non-empty string")
     approval = spec.get("require_approval")
-    if approval != "never":
+    if approval not in (None, "never", "always") and not _approval_filter(approval):
         raise _bad(
-            f'{where}.require_approval must be "never" (got {loggable(approval)}): this '
-            "server runs MCP calls without asking; approval requests are not built"
+            f'{where}.require_approval must be "always", "never" or {{"always": filter, '
+            f'"never": filter}} with filters {{"tool_names": [...], "read_only": bool}}; '
+            f"got {loggable(approval)}"
         )
     headers = spec.get("headers")
     if headers is not None and not (
         isinstance(headers, dict) and all(isinstance(v, str) for v in headers.values())
     ):
         raise _bad(f"{where}.headers must map header names to strings")
+
+
+def _approval_filter(approval: Any) -> bool:
+    if not isinstance(approval, dict) or not approval or set(approval) - {"always", "never"}:
+        return False
+    for selector in approval.values():
+        if not isinstance(selector, dict) or set(selector) - {"tool_names", "read_only"}:
+            return False
+        names, read_only = selector.get("tool_names"), selector.get("read_only")
+        if names is not None and not (
+            isinstance(names, list) and all(isinstance(n, str) for n in names)
+        ):
+            return False
+        if read_only is not None and not isinstance(read_only, bool):
+            return False
+    return True
 
 
 def _allowed(spec: dict[str, Any], where: str) -> tuple[list[str] | None, bool | None]:
@@ -152,7 +197,7 @@ async def prepare(
             headers["Authorization"] = f"Bearer {spec['authorization']}"
         allowed, read_only = _allowed(spec, where)
         entry = _Server(spec["server_label"], server, headers or None, allowed, read_only,
-                        spec.get("server_description"))  # fmt: skip
+                        spec.get("server_description"), spec.get("require_approval"))  # fmt: skip
         mcp.servers.append(entry)
     listings = await asyncio.gather(
         *(tool_server.list_tools(s.server, s.headers) for s in mcp.servers),
@@ -174,6 +219,8 @@ async def prepare(
                     "them apart"
                 )
             mcp.routes[tool.name] = entry
+            if entry.needs_approval(tool):
+                mcp.asks.add(tool.name)
             about = tool.description or ""
             if entry.description:
                 about = f"{about} ({entry.label}: {entry.description})".strip()
@@ -228,6 +275,42 @@ def call_item(label: str, name: str, arguments: str, item_id: str | None = None)
     }
 
 
+def approval_item(label: str, name: str, arguments: str) -> dict[str, Any]:
+    """An ``mcp_approval_request`` item: a call the client must approve before it runs."""
+    return {"id": new_id("mcpr"), "type": "mcp_approval_request", "server_label": label,
+            "name": name, "arguments": arguments}  # fmt: skip
+
+
+def approved_calls(mcp: McpTools, context: list, items: list) -> list[dict[str, Any]]:
+    """The calls the request's ``mcp_approval_response`` items approve, as mcp_call items
+    to run now (each naming its request); a response naming no pending request in the
+    conversation, or a tool the request's mcp tools do not give, is a 400."""
+    asked = {i["id"]: i for i in context if i["type"] == "mcp_approval_request"}
+    earlier = context[: len(context) - len(items)]  # the chain's, before this request's
+    done = {i.get("approval_request_id") for i in context if i["type"] == "mcp_call"}
+    done |= {i["approval_request_id"] for i in earlier if i["type"] == "mcp_approval_response"}
+    calls = []
+    for answer in (i for i in items if i["type"] == "mcp_approval_response"):
+        request = asked.get(answer["approval_request_id"])
+        if request is None or answer["approval_request_id"] in done:
+            raise VLLMValidationError(
+                f"No pending approval request with id {loggable(answer['approval_request_id'])}"
+                " in this conversation",
+                "input",
+            )
+        if not answer["approve"]:
+            continue
+        if request["name"] not in mcp.routes:
+            raise _bad(
+                f"the approved call's tool {loggable(request['name'])} is not one of the "
+                "request's MCP tools"
+            )
+        item = call_item(mcp.routes[request["name"]].label, request["name"], request["arguments"])
+        item["approval_request_id"] = request["id"]
+        calls.append(item)
+    return calls
+
+
 async def run_call(tool_server: MCPToolServer, mcp: McpTools, item: dict[str, Any]) -> None:
     """Run the call of ``item`` (an mcp_call item, in place: its output or error, and its
     status). Arguments that are not a JSON object fail the call, not the response."""
@@ -268,6 +351,7 @@ class _McpRun:
     mcp: McpTools
     tools: list
     first_choice: Any
+    approved: list = field(default_factory=list)  # approved calls, run before generating
     output: list = field(default_factory=list)
     totals: list = field(default_factory=lambda: [0, 0, 0, 0])  # prompt, out, cached, reasoning
     round: int = 0
@@ -292,9 +376,14 @@ class _McpRun:
 
 def _ends(status: str, new: list[dict[str, Any]]) -> bool:
     """Whether the loop ends after a generation that output ``new``: cut short, no call
-    to run, or a call to one of the client's functions (the client runs it)."""
+    to run, a call to one of the client's functions (the client runs it), or a call
+    waiting for the client's approval."""
     calls = any(i["type"] == "mcp_call" for i in new)
-    return status != "completed" or not calls or any(i["type"] == "function_call" for i in new)
+    return (
+        status != "completed"
+        or not calls
+        or any(i["type"] in ("function_call", "mcp_approval_request") for i in new)
+    )
 
 
 class McpResponsesMixin:
@@ -315,13 +404,15 @@ class McpResponsesMixin:
                 "without it (streamed or not)"
             )
         run = await self._mcp_run(request)
+        # The calls the client approved run first: the first generation reads their results.
+        run.output += run.mcp.list_items + run.approved
+        await asyncio.gather(*(run_call(self.tool_server, run.mcp, i) for i in run.approved))
         chat_request = self._mcp_chat_request(run)
         turn = self._make_turn(request, run.response_id, run.items, run.job_id, chat_request)
         plan, stream = await self._start(chat_request, run.request_id, run.response_id)
         if request.stream:
             events = self._stream_mcp(run, turn, plan, stream, received)
             return EngineStreamingResponse(events, stream, self.chat.args.sse_keep_alive_interval)
-        run.output += run.mcp.list_items
         while True:
             final = await self.chat.collect(stream, receive)
             if final is None:
@@ -351,13 +442,16 @@ class McpResponsesMixin:
 
         events = turn.events = ResponseEvents()
         events.mcp_labels = {name: e.label for name, e in run.mcp.routes.items()}
+        events.mcp_asks = run.mcp.asks
         yield events.lifecycle("response.created", self.response_object(turn, "in_progress",
                                                                           [], None))  # fmt: skip
         yield events.lifecycle(
             "response.in_progress", self.response_object(turn, "in_progress", [], None)
         )
-        for item in run.mcp.list_items:
-            for chunk in events.mcp_listing(item):
+        for item in run.output:  # the listings, then the approved calls (already run)
+            for chunk in events.mcp_listing(item) if item["type"] == "mcp_list_tools" else (
+                events.mcp_call_done(item)
+            ):  # fmt: skip
                 yield chunk
         run.output = events.items  # the context of the next generations, as it grows
         try:
@@ -415,8 +509,9 @@ class McpResponsesMixin:
         taken = {t.get("name") for t in rest or []}
         mcp = await prepare(specs, self.tool_server, listed, taken)
         tools, first_choice = self._mcp_tools_and_choice(request, rest, mcp)
+        approved = approved_calls(mcp, history + items, items)
         return _McpRun(request, response_id, job_id, items, history + items, mcp, tools,
-                       first_choice)  # fmt: skip
+                       first_choice, approved)  # fmt: skip
 
     def _mcp_chat_request(self, run: _McpRun):
         """The chat request of the loop's next generation: the context, the output so far
@@ -466,11 +561,13 @@ def _status(finish_reason: str | None) -> str:
 
 
 def _as_mcp_items(items: list[dict[str, Any]], mcp: McpTools) -> list[dict[str, Any]]:
-    """A generation's output items, its calls to MCP tools as mcp_call items (to run)."""
+    """A generation's output items, its calls to MCP tools as mcp_call items (to run), or
+    as mcp_approval_request items for those that need approval."""
     out = []
     for item in items:
         if item["type"] == "function_call" and mcp.owns(item["name"]):
             label = mcp.routes[item["name"]].label
-            item = call_item(label, item["name"], item["arguments"])
+            make = approval_item if item["name"] in mcp.asks else call_item
+            item = make(label, item["name"], item["arguments"])
         out.append(item)
     return out

@@ -29,6 +29,7 @@ import json
 from typing import Any
 
 from vllm.entrypoints.openai.protocol_responses import call_item, message_item, reasoning_item
+from vllm.entrypoints.openai.responses_mcp import approval_item
 from vllm.entrypoints.openai.responses_mcp import call_item as mcp_call_item
 
 
@@ -48,6 +49,7 @@ class ResponseEvents:
         # MCP tools: their names -> their server labels (a call to one is an mcp_call
         # item, done once it has run: ``mcp_call_ran``), and the calls still to run.
         self.mcp_labels: dict[str, str] = {}
+        self.mcp_asks: set[str] = set()  # the MCP tools whose calls wait for approval
         self.pending_mcp: list[int] = []
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -105,7 +107,9 @@ class ResponseEvents:
         if index not in self._calls:
             events += self._close()
             name = piece["function"]["name"]
-            if name in self.mcp_labels:
+            if name in self.mcp_asks:
+                item = approval_item(self.mcp_labels[name], name, "")
+            elif name in self.mcp_labels:
                 item = mcp_call_item(self.mcp_labels[name], name, "")
             else:
                 item = call_item(piece["id"], name, "")
@@ -116,6 +120,8 @@ class ResponseEvents:
         item = self.items[output_index]
         if args:
             item["arguments"] += args
+            if item["type"] == "mcp_approval_request":  # sent whole, with its item's done
+                return events
             kind = "mcp_call" if item["type"] == "mcp_call" else "function_call"
             events.append(
                 self.event(
@@ -136,6 +142,13 @@ class ResponseEvents:
         events.append(self._item_event("response.output_item.done", item=item))
         self._open = None
         return events
+
+    def mcp_call_done(self, item: dict[str, Any]) -> list[str]:
+        """The events of an mcp_call item that ran before the stream began (approved)."""
+        events = self._close()
+        events += self._add(item)
+        index, self._open = self._open, None
+        return [self.mcp_call_running(index), *self.mcp_call_ran(index)]
 
     def mcp_call_running(self, output_index: int) -> str:
         item = self.items[output_index]
@@ -185,6 +198,9 @@ class ResponseEvents:
                 done,
                 self._item_event("response.content_part.done", content_index=0, part=part),
             ]
+        elif item["type"] == "mcp_approval_request":
+            del item["status"]  # (OpenAI's item has none)
+            events = []
         elif item["type"] == "mcp_call":  # done once it has run (mcp_call_ran)
             item["status"] = "in_progress"
             events = [
