@@ -12,7 +12,7 @@ import pytest
 from vllm.entrypoints.openai.protocol_responses import items_to_messages, normalize_input
 from vllm.entrypoints.openai.responses_mcp import (
     McpTools,
-    _as_mcp_items,
+    as_mcp_items,
     call_item,
     prepare,
     run_call,
@@ -133,7 +133,7 @@ def test_headers_and_authorization_reach_the_server_and_calls_run():
     spec = mcp_tool(headers={"X-Team": "a"}, authorization="tok")
     mcp = asyncio.run(prepare([spec], server, set(), set()))
     assert server.headers == {"X-Team": "a", "Authorization": "Bearer tok"}
-    items = _as_mcp_items(
+    items = as_mcp_items(
         [
             {
                 "type": "function_call",

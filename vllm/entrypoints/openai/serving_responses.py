@@ -49,7 +49,8 @@ from vllm.entrypoints.openai.protocol_responses import (
     output_items,
 )
 from vllm.entrypoints.openai.responses_background import CANCEL_POLL_S, EventLogs
-from vllm.entrypoints.openai.responses_mcp import McpResponsesMixin, split_tools
+from vllm.entrypoints.openai.responses_mcp import split_tools
+from vllm.entrypoints.openai.responses_mcp_loop import McpResponsesMixin
 from vllm.entrypoints.openai.responses_store import (
     ResponseStore,
     SharedResponseStore,
