@@ -27,10 +27,14 @@ What a Messages request becomes:
 - ``output_config.format`` (a JSON schema) is chat's ``response_format``;
   ``output_config.effort`` reaches the chat template as ``reasoning_effort``.
 
+- ``mcp_servers`` and ``mcp_toolset`` tools (Anthropic's MCP connector) are run by this
+  server (``mcp.py``); ``mcp_tool_use`` / ``mcp_tool_result`` blocks sent back read as the
+  assistant's tool calls and their results, ``mcp_tool_listing`` blocks as nothing.
+
 Images go to a model that takes them (a text-only model refuses them with a 400 naming
-``messages``). Documents, server tools (web search, code execution, ...), MCP servers and
-containers are refused with a 400 naming the field: no document is read and no server
-tool runs here.
+``messages``). Documents, other server tools (web search, code execution, ...) and
+containers are refused with a 400 naming the field: no document is read and no other
+server tool runs here.
 """
 
 from __future__ import annotations
@@ -121,6 +125,8 @@ class MessagesRequest(BaseModel):
     # Attribution for Anthropic's billing; one server is one workspace: nothing to do.
     user_profile_id: StrictStr | None = None
     workspace_id: StrictStr | None = None
+    # Anthropic's MCP connector (``mcp.py``): [{"type": "url", "url", "name", ...}].
+    mcp_servers: list[dict[str, Any]] | None = None
     # This server's extras.
     job_id: StrictStr | None = None
     is_last_step: StrictBool | None = None
@@ -142,6 +148,7 @@ class MessagesRequest(BaseModel):
         refuse_extras(self.model_extra or {}, UNSUPPORTED, "Messages")
         thinking_budget(self.thinking, self.max_tokens)
         parse_edits(self.context_management)
+        check_mcp_servers(self.mcp_servers)
         diagnostics = self.diagnostics
         if diagnostics is not None and (
             set(diagnostics) - {"previous_message_id"}
@@ -182,6 +189,55 @@ class CountTokensRequest(BaseModel):
         thinking_budget(self.thinking, None)
         parse_edits(self.context_management)
         return self
+
+
+MCP_SERVER_KEYS = ("type", "url", "name", "authorization_token", "tool_configuration")
+
+
+def check_mcp_servers(servers: list[dict[str, Any]] | None) -> None:
+    """``mcp_servers``' shape (Anthropic's ``BetaRequestMCPServerURLDefinition``): each
+    ``{"type": "url", "url", "name", "authorization_token"?, "tool_configuration"?}`` with
+    a unique name; ``VLLMValidationError`` naming ``mcp_servers`` otherwise. Whether the
+    URL is one this server reaches is checked when the request runs (``mcp.py``)."""
+    names: set[str] = set()
+    for i, server in enumerate(servers or []):
+        where = f"mcp_servers.{i}"
+        ok = (
+            isinstance(server, dict)
+            and server.get("type") == "url"
+            and isinstance(server.get("url"), str)
+            and isinstance(server.get("name"), str)
+            and server["name"] != ""
+            and isinstance(server.get("authorization_token"), str | None)
+            and not set(server) - set(MCP_SERVER_KEYS)
+        )
+        if not ok:
+            raise VLLMValidationError(
+                f'{where} must be {{"type": "url", "url": <string>, "name": <string>}} with an '
+                f"optional authorization_token and tool_configuration, got {loggable(server)}",
+                "mcp_servers",
+            )
+        if server["name"] in names:
+            raise VLLMValidationError(
+                f"{where}.name {loggable(server['name'])} is given twice", "mcp_servers"
+            )
+        names.add(server["name"])
+        config = server.get("tool_configuration")
+        if config is None:
+            continue
+        allowed = config.get("allowed_tools") if isinstance(config, dict) else None
+        if (
+            not isinstance(config, dict)
+            or set(config) - {"allowed_tools", "enabled"}
+            or not isinstance(config.get("enabled"), bool | None)
+            or not (allowed is None or (isinstance(allowed, list)
+                                        and all(isinstance(n, str) for n in allowed)))
+        ):  # fmt: skip
+            raise VLLMValidationError(
+                f'{where}.tool_configuration must be {{"enabled": bool, "allowed_tools": '
+                f"[names]}} (both optional), got {loggable(config)}",
+                "mcp_servers",
+            )
 
 
 def thinking_budget(thinking: dict[str, Any] | None, max_tokens: int | None) -> int | None:
@@ -290,7 +346,9 @@ def _text_of(block: Any, where: str, param: str) -> str:
     return block["text"]
 
 
-def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
+def _convert_message(message: Any, where: str, conv: ChatConversion, first: int = 0) -> None:
+    """One Messages message as chat messages (``first``: the index of its first block in
+    the message sent, when it is a piece of one)."""
     role = message.get("role") if isinstance(message, dict) else None
     if role not in ("user", "assistant", "system") or set(message) - {"role", "content"}:
         raise VLLMValidationError(
@@ -299,6 +357,23 @@ def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
             "messages",
         )
     content = message.get("content")
+    if role == "assistant" and isinstance(content, list):
+        # The MCP connector's results sit in the assistant's message, after its calls:
+        # the chat context is the calls, the results as tool messages, then the rest.
+        cut = next((j for j, b in enumerate(content) if _kind(b) == "mcp_tool_result"), None)
+        if cut is not None:
+            if any(_kind(b) != "mcp_tool_listing" for b in content[:cut]):
+                _convert_message({"role": role, "content": content[:cut]}, where, conv, first)
+            end = cut
+            while end < len(content) and _kind(content[end]) == "mcp_tool_result":
+                at = f"{where}.content.{first + end}"
+                conv.mark(content[end], at)
+                conv.messages.append(_tool_message(content[end], at, conv))
+                end += 1
+            if end < len(content):
+                rest = {"role": role, "content": content[end:]}
+                _convert_message(rest, where, conv, first + end)
+            return
     if isinstance(content, str):
         conv.messages.append({"role": role, "content": content})
         return
@@ -317,7 +392,7 @@ def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
     thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
-        at = f"{where}.content.{j}"
+        at = f"{where}.content.{first + j}"
         kind = block.get("type") if isinstance(block, dict) else None
         allowed = _BLOCKS[role]
         if kind not in allowed:
@@ -335,16 +410,17 @@ def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
             if not isinstance(block.get("thinking"), str):
                 raise VLLMValidationError(f"{at}.thinking must be a string", "messages")
             thinking.append(block["thinking"])
-        elif kind == "tool_use":
+        elif kind in ("tool_use", "mcp_tool_use"):
             calls.append(_tool_call(block, at))
-        elif kind == "tool_result":
+        elif kind in ("tool_result", "mcp_tool_result"):
             if texts:  # as Anthropic: the results answer the calls right before them
                 raise VLLMValidationError(
                     f"{at}: tool_result blocks must come before any text in a message",
                     "messages",
                 )
             conv.messages.append(_tool_message(block, at, conv))
-        # redacted_thinking: opaque (Anthropic's encrypted reasoning): nothing to show
+        # redacted_thinking: opaque (Anthropic's encrypted reasoning): nothing to show;
+        # mcp_tool_listing: the MCP connector's listing (the tools are the request's)
     if role == "user":
         if images:  # typed parts, in the blocks' order (the chat route loads the images)
             parts: list[dict[str, Any]] = []
@@ -366,10 +442,16 @@ def _convert_message(message: Any, where: str, conv: ChatConversion) -> None:
     conv.messages.append(out)
 
 
+def _kind(block: Any) -> Any:
+    return block.get("type") if isinstance(block, dict) else None
+
+
 _BLOCKS = {
-    "user": ("text", "image", "tool_result"),
-    "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
-}
+    "user": ("text", "image", "tool_result", "mcp_tool_result"),
+    "assistant": (
+        "text", "thinking", "redacted_thinking", "tool_use", "mcp_tool_use", "mcp_tool_listing",
+    ),
+}  # fmt: skip
 
 
 def _image_url(block: dict[str, Any], where: str) -> str:
@@ -445,14 +527,26 @@ def _tool_message(block: dict[str, Any], where: str, conv: ChatConversion) -> di
 TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict")
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def chat_tools(
+    tools: list[dict[str, Any]] | None, toolsets: bool = False
+) -> list[dict[str, Any]] | None:
     """Custom tools as chat function tools; a server or Anthropic-defined tool (``type``
-    other than ``custom``: web search, bash, text editor, ...) is a 400 naming ``tools``."""
+    other than ``custom``: web search, bash, text editor, ...) is a 400 naming ``tools``.
+    ``mcp_toolset`` tools are left out when ``toolsets`` (the request's ``mcp_servers``
+    resolve them: ``mcp.py``), a 400 otherwise."""
     if tools is None:
         return None
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type", "custom")
+        if kind == "mcp_toolset" and toolsets:
+            continue
+        if kind == "mcp_toolset":
+            raise VLLMValidationError(
+                f"tools.{i}: an mcp_toolset names a server of the request's mcp_servers, "
+                "and this request has none",
+                "tools",
+            )
         if kind != "custom":
             raise VLLMValidationError(
                 f"tools.{i}: only custom tools (name, description, input_schema) are "

@@ -49,6 +49,7 @@ from vllm.entrypoints.anthropic.protocol import (
 from vllm.entrypoints.anthropic.protocol import anthropic_usage as usage_of
 from vllm.entrypoints.anthropic.protocol import stop_reason as stop_reason_of
 from vllm.entrypoints.openai.job_identity import name_the_job
+from vllm.entrypoints.openai.mcp_tools import MCPToolServer
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, loggable
 from vllm.entrypoints.openai.serving_chat import (
     OpenAIServingChat,
@@ -115,8 +116,9 @@ def as_anthropic(response: Response) -> Response:
 class AnthropicServingMessages:
     """The Messages endpoints over ``chat`` (its engine, model and tool flags)."""
 
-    def __init__(self, chat: OpenAIServingChat) -> None:
+    def __init__(self, chat: OpenAIServingChat, tool_server: MCPToolServer | None = None) -> None:
         self.chat = chat
+        self.tool_server = tool_server  # --tool-server's servers: the MCP connector's
         self._inline_system: bool | None = None  # the template takes later system messages
         self.fingerprints = Fingerprints()  # of the requests that opted in to diagnostics
 
@@ -131,6 +133,10 @@ class AnthropicServingMessages:
         """The message (JSON), or its events (SSE) if ``request.stream``;
         ``VLLMValidationError`` naming the Messages field for a request refused."""
         message_id = f"msg_{uuid.uuid4().hex}"
+        if request.mcp_servers:  # the MCP connector's loop (mcp.py)
+            from vllm.entrypoints.anthropic.mcp import create_with_mcp
+
+            return await create_with_mcp(self, request, headers, message_id, received, receive)
         chat_request, applied, _ = await self._edited_chat_request(request, headers)
         edited = None if applied is None else {"applied_edits": applied}
         logger.info(
@@ -229,13 +235,23 @@ class AnthropicServingMessages:
         request: MessagesRequest | CountTokensRequest,
         headers: Mapping[str, str],
         messages: list[dict[str, Any]] | None = None,
+        mcp_tools: list[dict[str, Any]] | None = None,
+        mcp_choice: Any = None,
     ) -> ChatCompletionRequest:
+        """The chat request of ``request`` (``messages`` in place of its own, when given).
+        ``mcp_tools``: the MCP connector's functions, after the request's tools; with them
+        ``mcp_choice`` (when not None) is the generation's tool_choice, and a client's
+        ``is_last_step: true`` ends the job with the generation that answers (``mcp.py``)."""
         conv = to_chat(request, messages)
         messages = conv.messages
         if any(m["role"] == "system" for m in messages[1:]) and not await self._takes_inline():
             messages = _merge_system(messages)
         choice, parallel = chat_tool_choice(request.tool_choice)
-        tools = chat_tools(request.tools)
+        mcp = bool(getattr(request, "mcp_servers", None))
+        tools = chat_tools(request.tools, toolsets=mcp)
+        if mcp_tools:
+            tools = [*(tools or []), *mcp_tools]
+            choice = choice if mcp_choice is None else mcp_choice
         if tools is not None and choice is None:
             choice = "auto"  # Anthropic's default with tools
         fields: dict[str, Any] = {
@@ -253,6 +269,9 @@ class AnthropicServingMessages:
             fields["include_reasoning"] = False  # no thinking block in the answer
         if isinstance(request, MessagesRequest):
             job = self._job(request, headers)
+            last = request.is_last_step
+            if mcp and last:  # the connector's calls are turns of the job: pinned as usual
+                last = None
             fields |= {
                 "thinking_token_budget": thinking_budget(request.thinking, request.max_tokens),
                 "max_completion_tokens": request.max_tokens,
@@ -264,11 +283,11 @@ class AnthropicServingMessages:
                 "priority": request.priority,
                 "cache_salt": request.cache_salt,
                 "job_id": job,
-                "is_last_step": bool(request.is_last_step),
+                "is_last_step": bool(last),
                 # Unless the client says: the job ends with a turn that calls no tool.
                 "vllm_xargs": {
                     **(request.vllm_xargs or {}),
-                    **({LAST_UNLESS_TOOL_CALL: True} if request.is_last_step is None else {}),
+                    **({LAST_UNLESS_TOOL_CALL: True} if last is None else {}),
                 },
             }
         try:

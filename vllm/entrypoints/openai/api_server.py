@@ -575,7 +575,7 @@ def build_app(
     responses_serving = OpenAIServingResponses(chat_serving, response_store)
     responses_serving.tool_server = tool_server
     add_responses_routes(app, responses_serving, RECEIVED_KEY)
-    add_messages_routes(app, AnthropicServingMessages(chat_serving), RECEIVED_KEY)
+    add_messages_routes(app, AnthropicServingMessages(chat_serving, tool_server), RECEIVED_KEY)
     max_logprobs = getattr(vllm_config.model_config, "max_logprobs", 20)
     openapi.document_api(app, args, max_logprobs)
     return app
