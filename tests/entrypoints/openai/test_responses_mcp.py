@@ -340,7 +340,7 @@ def test_the_server_runs_the_models_mcp_calls_and_answers(served):
         ({"tools": [calc(require_approval="ask")]}, 400, "require_approval"),
         ({"tools": [calc(server_label="nope")]}, 400, "no MCP server 'nope'"),
         ({"tools": [calc(server_url="http://169.254.169.254/mcp")]}, 400, "no MCP server"),
-        ({"background": True}, 400, "background=true"),
+        ({"background": True, "store": False}, 400, "background=true needs store=true"),
         (
             {"tool_choice": {"type": "mcp", "server_label": "calc", "name": "wipe"}},
             400,
@@ -440,3 +440,37 @@ def test_a_streamed_approval_request_is_sent_whole(served):
     assert [i["type"] for i in done] == ["mcp_list_tools", "mcp_approval_request"]
     assert json.loads(done[1]["arguments"]).keys() == {"a", "b"}
     assert events[-1]["response"]["output"] == done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_background_mcp_response_runs_the_loop_and_is_stored(served, stream):
+    import json
+    import time
+
+    import requests
+
+    force = {"type": "mcp", "server_label": "calc", "name": "add"}
+    r = create(served, background=True, stream=stream, tool_choice=force, max_tool_calls=1)
+    assert r.status_code == 200, r.text
+    if stream:  # the events, as they are logged
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        assert "response.mcp_call.completed" in kinds and kinds[-1] == "response.completed"
+        response_id = events[0]["response"]["id"]
+    else:
+        assert r.json()["status"] == "queued"
+        response_id = r.json()["id"]
+    deadline = time.monotonic() + 120
+    while True:
+        body = requests.get(f"{served.base}/v1/responses/{response_id}", timeout=30).json()
+        if body["status"] not in ("queued", "in_progress") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert body["status"] == "completed" and body["background"] is True
+    kinds = [i["type"] for i in body["output"]]
+    assert kinds[:2] == ["mcp_list_tools", "mcp_call"] and kinds[-1] == "message", kinds
+    call = body["output"][1]
+    args = json.loads(call["arguments"])
+    assert call["output"] == str(args["a"] + args["b"])
+

@@ -20,7 +20,6 @@ from vllm.entrypoints.openai.responses_mcp import (
     prepare,
     run_call,
     split_tools,
-    tools_error,
 )
 from vllm.exceptions import VLLMValidationError
 
@@ -77,8 +76,8 @@ def _ends(status: str, new: list[dict[str, Any]]) -> bool:
 
 class McpResponsesMixin:
     """``OpenAIServingResponses``' turns with mcp tools: the generation loop above,
-    answered once it ends, or streamed as it goes. Background runs are not built with mcp
-    tools yet (a 400)."""
+    answered once it ends, streamed as it goes, or run in the background (stored once it
+    ends; its events logged as they go with ``stream``)."""
 
     tool_server: MCPToolServer | None
 
@@ -87,11 +86,6 @@ class McpResponsesMixin:
 
         from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse
 
-        if request.background:
-            raise tools_error(
-                "mcp tools are not served with background=true yet: send the request "
-                "without it (streamed or not)"
-            )
         run = await self._mcp_run(request)
         # The calls the client approved run first: the first generation reads their results.
         run.output += run.mcp.list_items + run.approved
@@ -99,13 +93,25 @@ class McpResponsesMixin:
         chat_request = self._mcp_chat_request(run)
         turn = self._make_turn(request, run.response_id, run.items, run.job_id, chat_request)
         plan, stream = await self._start(chat_request, run.request_id, run.response_id)
+        if request.background:
+            return await self._start_background(turn, plan, stream, run)
         if request.stream:
             events = self._stream_mcp(run, turn, plan, stream, received)
             return EngineStreamingResponse(events, stream, self.chat.args.sse_keep_alive_interval)
+        done = await self._collect_mcp(run, turn, plan, stream, receive)
+        if done is None:
+            return Response(status_code=499)  # the client left
+        body, stream = done
+        return JSONResponse(body, headers=self.chat.timing(received, stream))
+
+    async def _collect_mcp(self, run: _McpRun, turn, plan, stream, receive=None):
+        """The loop, unstreamed: (the stored response object, the last generation's
+        stream), or None if the client left (its requests aborted)."""
+        chat_request = turn.chat_request
         while True:
             final = await self.chat.collect(stream, receive)
             if final is None:
-                return Response(status_code=499)  # the client left
+                return None
             c = final.outputs[0]
             status = _status(c.finish_reason)
             message, _ = plan.message(c.text, c.finish_reason)
@@ -121,8 +127,9 @@ class McpResponsesMixin:
             run.round += 1
             chat_request = self._mcp_chat_request(run)
             plan, stream = await self._start(chat_request, run.request_id, run.response_id)
-        body = self._complete(turn, status, run.output, self.usage(*run.totals))
-        return JSONResponse(body, headers=self.chat.timing(received, stream))
+            if turn.background:  # a cancel closes the run's current engine request
+                self.background[run.response_id].stream = stream
+        return self._complete(turn, status, run.output, self.usage(*run.totals)), stream
 
     async def _stream_mcp(self, run: _McpRun, turn, plan, stream, received):
         """The loop's events: the listings, then each generation's items as they stream;
@@ -179,6 +186,8 @@ class McpResponsesMixin:
                 await stream.aclose()
                 plan, stream = await self._start(turn.chat_request, run.request_id,
                                                  run.response_id)  # fmt: skip
+                if turn.background:  # a cancel closes the run's current engine request
+                    self.background[run.response_id].stream = stream
             usage = self.usage(*run.totals)
             body = self._complete(turn, status, events.items, usage)
             kind = "response.completed" if status == "completed" else "response.incomplete"

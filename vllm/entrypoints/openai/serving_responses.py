@@ -379,7 +379,7 @@ class OpenAIServingResponses(McpResponsesMixin):
 
     # -- background -----------------------------------------------------------------------
     async def _start_background(
-        self, turn: _Turn, plan: ToolPlan, stream: RequestStream
+        self, turn: _Turn, plan: ToolPlan, stream: RequestStream, mcp_run: Any = None
     ) -> Response:
         """Store the turn ``queued`` and run it as a task: the response object at once,
         or (``stream``) its events as the task logs them."""
@@ -391,16 +391,19 @@ class OpenAIServingResponses(McpResponsesMixin):
             )
         log = self.event_logs.new(turn.response_id) if turn.request.stream else None
         task = asyncio.create_task(
-            self._run_background(turn, plan, stream), name=f"responses {turn.response_id}"
+            self._run_background(turn, plan, stream, mcp_run), name=f"responses {turn.response_id}"
         )
         self.background[turn.response_id] = _Background(turn, task, stream)
         if log is not None:  # not EngineStreamingResponse: a client that leaves aborts nothing
             return self._follow(log.follow())
         return JSONResponse(queued)
 
-    async def _run_background(self, turn: _Turn, plan: ToolPlan, stream: RequestStream) -> None:
-        """The task of a background turn. The drain counts it as a request in flight: a
-        shutdown lets it finish within --shutdown-timeout, then ends it (``failed``)."""
+    async def _run_background(
+        self, turn: _Turn, plan: ToolPlan, stream: RequestStream, mcp_run: Any = None
+    ) -> None:
+        """The task of a background turn (``mcp_run``: its MCP loop). The drain counts it
+        as a request in flight: a shutdown lets it finish within --shutdown-timeout, then
+        ends it (``failed``)."""
         state = self.chat.state
         state.active += 1
         watcher = None
@@ -410,15 +413,24 @@ class OpenAIServingResponses(McpResponsesMixin):
             self._store(turn, self.response_object(turn, "in_progress", [], None))
             if turn.request.stream:
                 log = self.event_logs.get(turn.response_id)
-                async for event in self._stream(turn, plan, stream, None):
+                events = (
+                    self._stream(turn, plan, stream, None)
+                    if mcp_run is None
+                    else self._stream_mcp(mcp_run, turn, plan, stream, None)
+                )
+                async for event in events:
                     log.append(event)
             else:
                 try:
-                    final = await self.chat.collect(stream)
+                    if mcp_run is None:
+                        final = await self.chat.collect(stream)
+                    else:
+                        await self._collect_mcp(mcp_run, turn, plan, stream)
                 except Exception as e:
-                    self._failed(turn, e, [])
+                    self._failed(turn, e, [] if mcp_run is None else mcp_run.output)
                 else:
-                    self._finish(turn, plan, final)
+                    if mcp_run is None:
+                        self._finish(turn, plan, final)
         except asyncio.CancelledError:
             pass  # cancelled (POST .../cancel, DELETE): the canceller stores the response
         finally:
