@@ -275,16 +275,9 @@ def mcp_server():
 
 @pytest.fixture(scope="module")
 def served(mcp_server, tmp_path_factory):
-    from tests.utils import RemoteServer
+    from ..openai.mcp_test_server import serve_with_tool_server
 
-    from ..openai.test_tool_calling_e2e import TEMPLATE
-
-    out = tmp_path_factory.mktemp("messages_mcp")
-    srv = RemoteServer(
-        "--scheduling-policy", "continuum", "--enable-auto-tool-choice",
-        "--tool-call-parser", "hermes", "--chat-template", TEMPLATE,
-        "--tool-server", mcp_server.url, log_path=str(out / "server.log"),
-    )  # fmt: skip
+    srv = serve_with_tool_server(mcp_server.url, tmp_path_factory.mktemp("messages_mcp"))
     yield srv
     srv.stop()
 

@@ -20,12 +20,16 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 # At module level: the tools' annotations (``ctx: Context``) are evaluated by name here.
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.shared.exceptions import MCPError
 from mcp_types import ToolAnnotations
+
+if TYPE_CHECKING:
+    from tests.utils import RemoteServer
 
 INSTRUCTIONS = "Test tools: add, echo, fail, protocol_error, sleep, whoami."
 
@@ -131,3 +135,18 @@ def _wait_listening(process: subprocess.Popen, port: int, timeout_s: float) -> N
 
 if __name__ == "__main__":
     main()
+
+
+def serve_with_tool_server(url: str, log_dir) -> RemoteServer:
+    """``vllm serve`` of the default model for MCP tests: Continuum, hermes tool calls
+    (the tiny model's template), and ``url`` as its --tool-server; its log in
+    ``log_dir``."""
+    from tests.utils import RemoteServer
+
+    from .test_tool_calling_e2e import TEMPLATE
+
+    return RemoteServer(
+        "--scheduling-policy", "continuum", "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes", "--chat-template", TEMPLATE,
+        "--tool-server", url, log_path=str(log_dir / "server.log"),
+    )  # fmt: skip

@@ -262,16 +262,9 @@ def mcp_server():
 
 @pytest.fixture(scope="module")
 def served(mcp_server, tmp_path_factory):
-    from tests.utils import RemoteServer
+    from .mcp_test_server import serve_with_tool_server
 
-    from .test_tool_calling_e2e import TEMPLATE
-
-    out = tmp_path_factory.mktemp("responses_mcp")
-    srv = RemoteServer(
-        "--scheduling-policy", "continuum", "--enable-auto-tool-choice",
-        "--tool-call-parser", "hermes", "--chat-template", TEMPLATE,
-        "--tool-server", mcp_server.url, log_path=str(out / "server.log"),
-    )  # fmt: skip
+    srv = serve_with_tool_server(mcp_server.url, tmp_path_factory.mktemp("responses_mcp"))
     yield srv
     srv.stop()
 
@@ -473,4 +466,3 @@ def test_a_background_mcp_response_runs_the_loop_and_is_stored(served, stream):
     call = body["output"][1]
     args = json.loads(call["arguments"])
     assert call["output"] == str(args["a"] + args["b"])
-

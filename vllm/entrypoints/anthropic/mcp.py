@@ -22,7 +22,6 @@ that calls a tool is pinned while the call runs, so the next finds its KV cache.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -39,17 +38,18 @@ from vllm.entrypoints.anthropic.protocol import (
     tool_input,
 )
 from vllm.entrypoints.anthropic.serving import (
-    PING_INTERVAL_S,
+    Tally,
     _BlockEvents,
     error_type,
     event,
+    message_start,
+    stream_blocks,
 )
 from vllm.entrypoints.openai.mcp_tools import MCPTool
 from vllm.entrypoints.openai.protocol import loggable
 from vllm.entrypoints.openai.responses_mcp import MAX_MCP_ROUNDS, McpListToolsError
 from vllm.entrypoints.openai.serving_chat import renamed
 from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, error_event
-from vllm.entrypoints.openai.sse import idle_filled
 from vllm.exceptions import VLLMValidationError
 
 if TYPE_CHECKING:
@@ -411,44 +411,17 @@ async def _stream(
     stop reason in ``message_delta``."""
     chat = run.serving.chat
     blocks = _McpBlockEvents(run.connector)
-    start = {
-        "id": run.message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": anthropic_usage(len(stream.prompt_token_ids), 0, 0, 0),
-    }
-    if diagnostics is not None:
-        start["diagnostics"] = diagnostics
-    yield event("message_start", message=start)
+    yield message_start(run.message_id, model, len(stream.prompt_token_ids), diagnostics)
     try:
         for listing in run.connector.listings:
             for chunk in blocks.whole(listing):
                 yield chunk
-        interval = chat.args.sse_keep_alive_interval or PING_INTERVAL_S
         while True:
-            streamer = plan.streamer()
-            prompt, cached, output, finish, matched = len(stream.prompt_token_ids), 0, 0, None, None
-            async with contextlib.aclosing(idle_filled(stream, interval, None)) as outputs:
-                async for out in outputs:
-                    if out is None:
-                        yield event("ping")
-                        continue
-                    prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
-                    c = out.outputs[0]
-                    output += len(c.token_ids)
-                    finish, matched = c.finish_reason, c.stop_reason
-                    delta = {"content": c.text} if c.text else {}
-                    if streamer is not None:
-                        delta = streamer.delta(c.text, c.finish_reason is not None)
-                    for chunk in blocks.delta(delta):
-                        yield chunk
-            for chunk in blocks.close():
+            tally = Tally(len(stream.prompt_token_ids))
+            async for chunk in stream_blocks(chat, stream, plan, blocks, tally):
                 yield chunk
-            run.account(prompt, output, cached)
+            finish, matched = tally.finish, tally.matched
+            run.account(tally.prompt, tally.output, tally.cached)
             generated = blocks.generated()
             if finish == "length":
                 break

@@ -25,6 +25,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -376,44 +377,13 @@ class AnthropicServingMessages:
         received: float | None,
     ) -> AsyncIterator[str]:
         blocks = _BlockEvents()
-        streamer = plan.streamer()  # None: the output is plain text
-        prompt, cached, output = len(stream.prompt_token_ids), 0, 0
-        finish, matched = None, None
-        # At once, as Anthropic's API: the prompt's usage so far (what the cache held is
-        # known after the prefill: message_delta carries the whole usage, which clients
-        # take over the start's).
-        start = {
-            "id": message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": usage_of(prompt, 0, 0, 0),
-        }
-        if diagnostics is not None:
-            start["diagnostics"] = diagnostics
-        yield event("message_start", message=start)
+        yield message_start(message_id, model, len(stream.prompt_token_ids), diagnostics)
         try:
-            interval = self.chat.args.sse_keep_alive_interval or PING_INTERVAL_S
-            async with contextlib.aclosing(idle_filled(stream, interval, None)) as outputs:
-                async for out in outputs:
-                    if out is None:  # queued or prefilling: tell the client we are here
-                        yield event("ping")
-                        continue
-                    prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
-                    c = out.outputs[0]
-                    output += len(c.token_ids)
-                    finish, matched = c.finish_reason, c.stop_reason
-                    delta = {"content": c.text} if c.text else {}
-                    if streamer is not None:
-                        delta = streamer.delta(c.text, c.finish_reason is not None)
-                    for chunk in blocks.delta(delta):
-                        yield chunk
-            for chunk in blocks.close():
+            tally = Tally(len(stream.prompt_token_ids))
+            async for chunk in stream_blocks(self.chat, stream, plan, blocks, tally):
                 yield chunk
-            reason, sequence = stop_reason_of(finish, matched, blocks.called)
+            prompt, cached, output = tally.prompt, tally.cached, tally.output
+            reason, sequence = stop_reason_of(tally.finish, tally.matched, blocks.called)
             usage = usage_of(prompt, output, cached, self.chat.cache_writes(prompt, cached))
             delta = {"stop_reason": reason, "stop_sequence": sequence}
             extra = {} if edited is None else {"context_management": edited}
@@ -431,6 +401,64 @@ class AnthropicServingMessages:
 def event(kind: str, **fields: Any) -> str:
     payload = {"type": kind, **fields}
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def message_start(
+    message_id: str, model: str, prompt: int, diagnostics: dict[str, Any] | None
+) -> str:
+    """The ``message_start`` event, at once, as Anthropic's API: the prompt's usage so far
+    (what the cache held is known after the prefill: ``message_delta`` carries the whole
+    usage, which clients take over the start's)."""
+    start = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage_of(prompt, 0, 0, 0),
+    }
+    if diagnostics is not None:
+        start["diagnostics"] = diagnostics
+    return event("message_start", message=start)
+
+
+@dataclass
+class Tally:
+    """One streamed generation's counts and ending (``stream_blocks`` fills it)."""
+
+    prompt: int
+    cached: int = 0
+    output: int = 0
+    finish: str | None = None
+    matched: Any = None  # the stop string or token that ended it
+
+
+async def stream_blocks(
+    chat: OpenAIServingChat, stream: RequestStream, plan: ToolPlan, blocks: Any, tally: Tally
+) -> AsyncIterator[str]:
+    """The content-block events of one generation as it streams (``blocks``: a
+    ``_BlockEvents``), pings while nothing comes (queued or prefilling), its blocks
+    closed at the end; ``tally`` holds its counts once done."""
+    streamer = plan.streamer()  # None: the output is plain text
+    interval = chat.args.sse_keep_alive_interval or PING_INTERVAL_S
+    async with contextlib.aclosing(idle_filled(stream, interval, None)) as outputs:
+        async for out in outputs:
+            if out is None:  # tell the client we are here
+                yield event("ping")
+                continue
+            tally.prompt, tally.cached = len(out.prompt_token_ids), out.num_cached_tokens
+            c = out.outputs[0]
+            tally.output += len(c.token_ids)
+            tally.finish, tally.matched = c.finish_reason, c.stop_reason
+            delta = {"content": c.text} if c.text else {}
+            if streamer is not None:
+                delta = streamer.delta(c.text, c.finish_reason is not None)
+            for chunk in blocks.delta(delta):
+                yield chunk
+    for chunk in blocks.close():
+        yield chunk
 
 
 class _BlockEvents:
