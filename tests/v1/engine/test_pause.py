@@ -191,14 +191,15 @@ def test_a_bad_mode_is_refused_and_aborts_free_blocks_while_paused(model):
         core.abort_requests(["kept", "queued"])  # their clients left
         assert core.scheduler.kv_cache_manager.usage == 0.0 and not core.has_unfinished_requests()
         core.scheduler.check_invariants()
-        # Sleep while paused aborts what is held; waking up leaves the pause in place.
+        # Sleep while paused aborts what is held; waking up ends the pause too (vLLM's).
         add(llm, "kept", 40)
         core.sleep(1)
         assert core.scheduler.requests == {}
-        assert core.wake_up() is True and core.is_paused()
+        assert core.wake_up() is True and not core.is_paused()
+        core.pause("keep")
         add(llm, "late", 4)
         assert_idle_while_paused(core)
-        core.resume()
+        assert core.wake_up() is True and not core.is_paused()  # not asleep: it resumes
         assert len(drain(core)["late"]) == 4
     finally:
         llm.shutdown()

@@ -454,7 +454,8 @@ class AsyncLLM:
         return awake
 
     async def is_sleeping(self) -> bool:
-        return bool(await self.call_utility("is_sleeping"))
+        """Asleep, or paused (as vLLM's, whose sleep is a pause of its scheduler)."""
+        return bool(await self.call_utility("is_sleeping")) or await self.is_paused()
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """vLLM's pause of generation (e.g. for a weight update): the engine schedules

@@ -481,13 +481,17 @@ class EngineCore(WeightSyncMixin):
         for an unknown tag."""
         wake = [t for t in check_wake_up_tags(tags) if t in self.sleeping_tags]
         if not self.is_sleeping():
-            logger.warning("wake_up: the engine is not sleeping")
+            if self.is_paused():  # vLLM's wake_up resumes a paused scheduler
+                self.resume()
+            else:
+                logger.warning("wake_up: the engine is not sleeping")
             return True
         if wake:
             self.model_runner.wake_up(tuple(wake), self.num_gpu_blocks, self.num_cpu_blocks)
             self.sleeping_tags -= set(wake)
         if not self.sleeping_tags:
             self._asleep, self.sleep_level = False, 0
+            self.resume()  # as vLLM's: a full wake-up also ends a pause
         logger.info("Engine woke %s: %s", wake, "asleep" if self.is_sleeping() else "awake")
         return not self.is_sleeping()
 
