@@ -8,6 +8,16 @@ from dataclasses import dataclass
 from vllm.v1.outputs import TokenLogprobs
 
 
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens ``[start, end)`` were sampled by the weights labelled ``version``
+    (vLLM's; the version an RL weight sync names, "default" before any)."""
+
+    version: str
+    start: int
+    end: int
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence (one of the request's n samples).
@@ -23,6 +33,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None  # None unless SamplingParams.logprobs
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id (None for EOS)
+    # Once finished: which weights sampled which of its tokens (spans in order).
+    weight_versions: list[WeightVersionSpan] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer.torch_group import (
     receive_tensors,
     send_tensors,
 )
+from vllm.outputs import WeightVersionSpan
 
 
 def free_port() -> int:
@@ -148,6 +149,14 @@ def greedy(llm, prompts=PROMPTS, n=8) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def spans(llm):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    return out.outputs[0].weight_versions
+
+
 def make_llm(path, **kwargs):
     from vllm import LLM
 
@@ -187,6 +196,7 @@ def test_a_round_serves_the_trainers_new_weights(tiny, packed):
     llm = make_llm(path)
     try:
         assert greedy(llm) == hf_greedy(hf, PROMPTS, 8)
+        assert spans(llm) == [WeightVersionSpan("default", 0, 8)]
         before = llm.compute_weight_checksums()
         trained = new_weights(hf, seed=1)
         expected = hf_greedy(trained, PROMPTS, 8)
@@ -195,6 +205,7 @@ def test_a_round_serves_the_trainers_new_weights(tiny, packed):
         trainer = push(llm, trained, "step-1", packed=packed, buffer=4096)
         assert llm.get_weight_version() == "step-1"
         assert greedy(llm) == expected  # and no prefix hit on KV of the old weights
+        assert spans(llm) == [WeightVersionSpan("step-1", 0, 8)]  # which weights sampled
         after = llm.compute_weight_checksums()
         assert before.keys() == after.keys() and all(before[k] != after[k] for k in before)
         # A second round over the same group, back to the first weights.

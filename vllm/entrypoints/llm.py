@@ -554,7 +554,7 @@ class LLM:
                 generated = sum(len(o.new_token_ids) for o in outputs.outputs)
                 self._totals.record(outputs.scheduler_stats, generated)
                 results, reqs_to_stop = self.output_processor.process_outputs(
-                    outputs.outputs + _failed_outputs(outputs.errors)
+                    outputs.outputs + _failed_outputs(outputs.errors), outputs.weight_version
                 )
                 if reqs_to_stop:  # ended on a stop string: the engine finishes them as stopped
                     self.engine_core.stop_requests(reqs_to_stop)

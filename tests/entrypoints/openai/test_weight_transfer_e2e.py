@@ -39,7 +39,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("weight_transfer") / "server.log"
     srv = RemoteServer(
         "--quantization", "fp32", "--dtype", "float32", "--max-model-len", "512",
-        "--weight-transfer-config", '{"backend": "gloo"}',
+        "--weight-transfer-config", '{"backend": "gloo"}', "--enable-scale-out",
         log_path=str(log), env={"VLLM_SERVER_DEV_MODE": "1"},
     )  # fmt: skip
     try:
@@ -130,6 +130,12 @@ def test_a_trainer_s_weights_replace_the_served_ones(server, tokenizer, hf_model
 
     assert complete(server, prompt_ids) == expected
     assert get(server, "weight_info") == {"weight_version": "v1"}
+    # The tokens route says which weights sampled which tokens (vLLM's weight_versions).
+    body = {"token_ids": prompt_ids, "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    r = post(server, "inference/v1/generate", body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["weight_versions"] == [{"version": "v1", "start": 0, "end": 4}]
     diff = compare(server, baseline)
     assert diff["match"] is False and diff["mismatches"]
     assert diff["mismatches"] == sorted(diff["mismatches"])

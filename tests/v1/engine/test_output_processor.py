@@ -300,3 +300,29 @@ def test_stream_interval_reports_a_child_held_since_an_earlier_step(tokenizer):
     assert processor.process_outputs([b[2]]) == ([], [])
     (due,), _ = processor.process_outputs([b[3]])
     assert {c.index: len(c.token_ids) for c in due.outputs} == {0: 1, 1: 3}
+
+
+def test_weight_versions_span_the_tokens_each_version_sampled(tokenizer):
+    from vllm.outputs import WeightVersionSpan
+
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [make_request("r", stop=["test"])])
+    outs = token_outputs(tokenizer, "r")  # "Hello world, this is a test."
+    versions = ["default"] * 3 + ["v1"] * 2 + ["v2"] * (len(outs) - 5)
+    results = []
+    for out, version in zip(outs, versions, strict=True):
+        step, _ = processor.process_outputs([out], version)
+        results += step
+        if results and results[-1].finished:
+            break
+    final = results[-1].outputs[0]
+    assert [r.outputs[0].weight_versions for r in results[:-1]] == [None] * (len(results) - 1)
+    assert len(final.token_ids) == 7  # "Hello world, this is a test": the "." never came
+    assert final.weight_versions == [
+        WeightVersionSpan("default", 0, 3), WeightVersionSpan("v1", 3, 5),
+        WeightVersionSpan("v2", 5, 7),
+    ]  # fmt: skip
+    # An engine that names no version: no spans.
+    processor.add_request("q", None, [make_request("q")])
+    (unlabelled,) = run(processor, token_outputs(tokenizer, "q"))[-1:]
+    assert unlabelled.outputs[0].weight_versions is None

@@ -138,6 +138,7 @@ class OpenAIServingTokens(OpenAIServing):
             "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids),
             "logprobs": logprobs,
+            "weight_versions": weight_spans(c),
         }
         if text_mode:
             choice["text"] = c.text
@@ -518,3 +519,11 @@ def _count_prompt(
         given = len(prompt_ids) if prompt_ids else (response.usage or {}).get("prompt_tokens", 0)
     usage["prompt_tokens"] = given
     usage["total_tokens"] = given + usage.get("completion_tokens", 0)
+
+
+def weight_spans(c: CompletionOutput) -> list[dict[str, Any]] | None:
+    """vLLM's ``weight_versions`` of a finished choice: which weights (RL weight sync's
+    versions) sampled which output tokens, as ``{"version", "start", "end"}`` spans."""
+    if c.weight_versions is None:
+        return None
+    return [{"version": s.version, "start": s.start, "end": s.end} for s in c.weight_versions]

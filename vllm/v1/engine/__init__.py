@@ -143,6 +143,8 @@ class EngineCoreOutputs:
     # Requests that failed in this step (finished, blocks freed): no output of theirs is
     # in ``outputs``. The engine process sends each as a REQUEST_ERROR message.
     errors: list[EngineCoreRequestError] = field(default_factory=list)
+    # The weights' version (RL weight sync) that sampled this step's tokens.
+    weight_version: str | None = None
 
 
 class EngineCoreRequestType(enum.Enum):

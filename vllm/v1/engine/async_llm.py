@@ -628,7 +628,9 @@ class AsyncLLM:
                 stream.engine_arrival is None or received < stream.engine_arrival
             ):
                 stream.engine_arrival = received
-        results, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
+        results, to_stop = self.output_processor.process_outputs(
+            core_outputs.outputs, core_outputs.weight_version
+        )
         self.admission.publish()
         if to_stop:
             await self.client.send(EngineCoreRequestType.STOP, to_stop)

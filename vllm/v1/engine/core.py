@@ -294,7 +294,13 @@ class EngineCore(WeightSyncMixin):
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. A request that fails inside the step is finished
-        with an error (``EngineCoreOutputs.errors``); the engine goes on."""
+        with an error (``EngineCoreOutputs.errors``); the engine goes on. The outputs
+        carry the weights' version (``weight_version``) their tokens were sampled with."""
+        outputs = self._step()
+        outputs.weight_version = self._weight_version
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if self._asleep:  # requests added while asleep wait for wake_up
             return EngineCoreOutputs(scheduler_stats=self.make_stats())
         if self.async_scheduling:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, WeightVersionSpan
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -27,15 +27,25 @@ class _Sequence:
     pooled: list[float] | None = None  # --runner pooling: the prompt's embedding
     prefilling: bool = True  # no engine output yet (vLLM's ``is_prefilling``)
     _sent_tokens: int = 0  # tokens already handed out (DELTA: where the next output starts)
+    # (weight version, index of the first output token it sampled), in order
+    _version_starts: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, out: EngineCoreOutput) -> bool:
-        """Apply one engine output; True if a stop string ended the sequence here."""
+    def update(self, out: EngineCoreOutput, weight_version: str | None = None) -> bool:
+        """Apply one engine output (its tokens sampled by ``weight_version``'s weights);
+        True if a stop string ended the sequence here."""
         if out.pooled is not None:
             self.pooled = out.pooled
+        starts = self._version_starts
+        if (
+            out.new_token_ids
+            and weight_version is not None
+            and (not starts or starts[-1][0] != weight_version)
+        ):
+            starts.append((weight_version, len(self.token_ids)))
         self.token_ids.extend(out.new_token_ids)
         for lp in out.new_logprobs or ():
             self.logprobs.append(lp)
@@ -75,7 +85,17 @@ class _Sequence:
             logprobs=self.logprobs[start:] if want_logprobs else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            weight_versions=self._weight_versions() if self.finished else None,
         )
+
+    def _weight_versions(self) -> list[WeightVersionSpan] | None:
+        """The finished sequence's spans; None if its tokens came with no version."""
+        n = len(self.token_ids)
+        starts = [(v, s) for v, s in self._version_starts if s < n]  # a stop string cut
+        if not starts:
+            return None if n else []
+        ends = [s for _, s in starts[1:]] + [n]
+        return [WeightVersionSpan(v, s, e) for (v, s), e in zip(starts, ends, strict=True)]
 
 
 @dataclass
@@ -207,10 +227,11 @@ class OutputProcessor:
             self._num_queued_tokens -= len(state.prompt_token_ids)
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput]
+        self, outputs: list[EngineCoreOutput], weight_version: str | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
         """User-visible outputs, and engine-core ids that ended on a stop string (the
-        engine must finish them as stopped: ``EngineCore.stop_requests``)."""
+        engine must finish them as stopped: ``EngineCore.stop_requests``).
+        ``weight_version``: the weights that sampled these outputs' tokens."""
         now = time.time()
         self.inter_token_latencies = []
         updated: dict[str, list[_Sequence]] = {}
@@ -227,7 +248,7 @@ class OutputProcessor:
             self._update_metrics(state, out, now)
             if out.new_prompt_logprobs and state.prompt_logprobs is not None and seq.index == 0:
                 state.prompt_logprobs.extend(out.new_prompt_logprobs)
-            if seq.update(out) and not out.finished:
+            if seq.update(out, weight_version) and not out.finished:
                 reqs_to_stop.append(out.request_id)  # the engine core must stop it too
             if seq.finished:
                 state.num_unfinished -= 1
