@@ -1418,6 +1418,30 @@ class ProfilerConfig:
         return self.options["profiler"] == "torch"
 
 
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Optional engine metrics beyond the default Prometheus series (vLLM's
+    ObservabilityConfig)."""
+
+    kv_cache_metrics: bool = config_field(
+        False,
+        "Enable KV cache residency metrics (vLLM's): the histograms "
+        "vllm:kv_block_lifetime_seconds, vllm:kv_block_idle_before_evict_seconds and "
+        "vllm:kv_block_reuse_gap_seconds, from a sample of the KV cache's blocks "
+        "(--kv-cache-metrics-sample). Needs prefix caching to see evictions.",
+    )
+    kv_cache_metrics_sample: float = config_field(
+        0.01,
+        "Fraction of KV cache blocks whose residency --kv-cache-metrics tracks, in (0, 1] "
+        "(0.01: 1 percent of the blocks allocated).",
+    )
+
+    def __post_init__(self) -> None:
+        sample = self.kv_cache_metrics_sample
+        if isinstance(sample, bool) or not isinstance(sample, int | float) or not 0 < sample <= 1:
+            raise bad_value("kv_cache_metrics_sample", sample, "must be in (0, 1]")
+
+
 # --kv-events-config's keys (vLLM's names), with their defaults; "publisher" defaults to
 # "zmq" when events are on, "null" otherwise.
 KV_EVENTS_DEFAULTS: dict[str, Any] = {
@@ -1554,6 +1578,7 @@ class VllmConfig:
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     weight_transfer_config: WeightTransferConfig = field(default_factory=WeightTransferConfig)
 
     def __post_init__(self) -> None:

@@ -880,6 +880,7 @@ async def run_server(
             max_loras=lora.max_loras if (lora := vllm_config.lora_config).enable_lora else 0,
             engine_stats=link is None or link.client_index == 0,
             multiprocess=link is not None,
+            kv_cache_metrics=vllm_config.observability_config.kv_cache_metrics,
         )
         periodic = None if args.disable_log_stats else LoggingStatLogger()
         loggers = [stats] if periodic is None else [stats, periodic]

@@ -16,6 +16,7 @@ from vllm.v1.core.kv_cache_utils import (
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVEventLog
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
     from vllm.v1.request import Request
 
 
@@ -67,9 +68,11 @@ class BlockPool:
         num_gpu_blocks: int,
         enable_caching: bool = True,
         kv_events: KVEventLog | None = None,
+        metrics_collector: KVCacheMetricsCollector | None = None,
     ) -> None:
         """``kv_events``: where to record each hash this pool starts or stops holding
-        (--kv-events-config); None records nothing."""
+        (--kv-events-config); None records nothing. ``metrics_collector``
+        (--kv-cache-metrics): told of each block allocated, hit and evicted; None: off."""
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
         self.num_gpu_blocks = num_gpu_blocks
@@ -84,6 +87,7 @@ class BlockPool:
         # still intact): the CPU tier copies it there.
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
         self.kv_events = kv_events
+        self.metrics_collector = metrics_collector
 
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
         """A block holding ``block_hash`` for KV cache group ``group`` (the hybrid KV
@@ -102,10 +106,21 @@ class BlockPool:
                 f"cannot allocate {num_blocks} blocks: {self.get_num_free_blocks()} free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self.metrics_collector is not None:
+            self._record_reuse(blocks)
         for block in blocks:
             self._evict_hash(block)
             block.ref_cnt = 1
         return blocks
+
+    def _record_reuse(self, blocks: list[KVCacheBlock]) -> None:
+        """--kv-cache-metrics: a block taken for new data ends its cached life (an eviction,
+        when it held a prefix hash, as vLLM counts them) and begins a new one."""
+        collector = self.metrics_collector
+        for block in blocks:
+            if block.block_hash is not None:
+                collector.on_block_evicted(block)
+            collector.on_block_allocated(block)
 
     def _evict_hash(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
@@ -135,12 +150,15 @@ class BlockPool:
         with ``ref_cnt == 0`` among ``blocks`` against the free blocks. The null block is
         skipped, as in ``free_blocks``.
         """
+        collector = self.metrics_collector
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if collector is not None:
+                collector.on_block_accessed(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free queue's tail in order."""
@@ -237,6 +255,8 @@ class BlockPool:
         self.num_cached_blocks = 0
         if self.kv_events is not None:
             self.kv_events.cleared()
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
         return True
 
     def check_invariants(self) -> None:

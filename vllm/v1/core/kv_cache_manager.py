@@ -13,6 +13,7 @@ from vllm.v1.request import Request
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVEventLog
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
 # A request's blocks, one list per KV cache group (vLLM's tuple of per-group block lists).
 GroupBlocks = tuple[list[KVCacheBlock], ...]
@@ -57,11 +58,13 @@ class KVCacheManager:
         kv_events: KVEventLog | None = None,
         kv_cache_windows: tuple[int | None, ...] = (None,),
         max_num_batched_tokens: int | None = None,
+        metrics_collector: KVCacheMetricsCollector | None = None,
     ) -> None:
         """``kv_events``: the log both pools record their held hashes' changes into
         (--kv-events-config). ``kv_cache_windows``: the KV cache groups (above).
         ``max_num_batched_tokens``: the most tokens one step computes (a sliding group's
-        peak holding; None: a whole sequence in one step)."""
+        peak holding; None: a whole sequence in one step). ``metrics_collector``: the
+        pool's (--kv-cache-metrics; None: off)."""
         windows = tuple(kv_cache_windows)
         if not windows:
             raise ValueError("kv_cache_windows must name at least one KV cache group")
@@ -74,7 +77,7 @@ class KVCacheManager:
         self.windows = windows
         self.num_groups = len(windows)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, kv_events)
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, kv_events, metrics_collector)
         self.req_to_blocks: dict[str, GroupBlocks] = {}
         # Blocks of each request that already carry their hash (the same in every group).
         self._num_cached_blocks: dict[str, int] = {}

@@ -6,7 +6,7 @@ below, a policy's in its class; ``build_series`` creates them all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -225,6 +225,47 @@ SCHEDULER_METRICS = (
     ),
 )
 
+# vLLM's kv_cache_residency buckets: millisecond reuse gaps up to 30-minute lifetimes.
+# fmt: off
+KV_CACHE_RESIDENCY_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300,
+    600, 1200, 1800,
+)
+# fmt: on
+
+
+def _eviction_samples(values: Callable[[Any], Iterable[float]]) -> Reader:
+    """The samples ``values`` gives for each of a report's ``kv_cache_eviction_events``."""
+    return lambda stats: [((), v) for e in stats.kv_cache_eviction_events for v in values(e)]
+
+
+_SAMPLED = " Sampled blocks (--kv-cache-metrics-sample)."
+# --kv-cache-metrics (vLLM's series): from each report's sampled evictions.
+KV_CACHE_RESIDENCY_METRICS = (
+    MetricSpec(
+        "vllm:kv_block_lifetime_seconds",
+        "histogram",
+        "KV cache block lifetime, from allocation to eviction." + _SAMPLED,
+        buckets=KV_CACHE_RESIDENCY_BUCKETS,
+        read=_eviction_samples(lambda e: (e.lifetime_seconds,)),
+    ),
+    MetricSpec(
+        "vllm:kv_block_idle_before_evict_seconds",
+        "histogram",
+        "KV cache block idle time (since its last access) before eviction." + _SAMPLED,
+        buckets=KV_CACHE_RESIDENCY_BUCKETS,
+        read=_eviction_samples(lambda e: (e.idle_seconds,)),
+    ),
+    MetricSpec(
+        "vllm:kv_block_reuse_gap_seconds",
+        "histogram",
+        "Time between consecutive accesses (prefix hits) of a KV cache block; its last few "
+        "only." + _SAMPLED,
+        buckets=KV_CACHE_RESIDENCY_BUCKETS,
+        read=_eviction_samples(lambda e: e.reuse_gaps_seconds),
+    ),
+)
+
 # Series the logger feeds itself (liveness, finished requests' timings, the front end's
 # overhead): declared here, updated by name.
 ENGINE_ALIVE = "vllm:engine_alive"
@@ -418,9 +459,11 @@ class PrometheusStatLogger:
         max_loras: int = 0,
         engine_stats: bool = True,
         multiprocess: bool = False,
+        kv_cache_metrics: bool = False,
     ) -> None:
         """``max_model_len`` and ``max_num_batched_tokens`` size the token-count buckets;
-        ``max_loras`` > 0 (--enable-lora): vLLM's ``vllm:lora_requests_info``.
+        ``max_loras`` > 0 (--enable-lora): vLLM's ``vllm:lora_requests_info``;
+        ``kv_cache_metrics`` (--kv-cache-metrics): the KV cache residency histograms.
 
         Several API servers on one engine (``--api-server-count``) each get every step's
         stats but count only their own requests: one of them (``engine_stats``) records
@@ -434,8 +477,9 @@ class PrometheusStatLogger:
         self._policy_specs = policy_metrics()
         policy_specs = merge_specs(self._policy_specs.values())
         per_request = request_metrics(max_model_len, max_num_batched_tokens)
+        self._residency = KV_CACHE_RESIDENCY_METRICS if kv_cache_metrics else ()
         self.series = build_series(
-            (*FRONTEND_METRICS, *per_request, *SCHEDULER_METRICS, *policy_specs),
+            (*FRONTEND_METRICS, *per_request, *SCHEDULER_METRICS, *self._residency, *policy_specs),
             self.registry,
             self.labels,
         )
@@ -510,7 +554,7 @@ class PrometheusStatLogger:
         front end's ``inter_token_latencies`` for it (``OutputProcessor``'s)."""
         s = core.scheduler_stats if self.engine_stats else None
         if s is not None:
-            for spec in SCHEDULER_METRICS:
+            for spec in (*SCHEDULER_METRICS, *self._residency):
                 self.series[spec.name].update(s)
             if s.num_scheduled_tokens > 0:
                 self[ITERATION_TOKENS].observe(s.num_scheduled_tokens)

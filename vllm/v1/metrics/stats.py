@@ -84,6 +84,17 @@ class SpecDecodingStats:
             per_pos[i] += n
 
 
+@dataclass(frozen=True)
+class KVCacheEvictionEvent:
+    """One sampled KV cache block's life, ended by its eviction (--kv-cache-metrics):
+    seconds from its allocation to the eviction, from its last access (a prefix hit, else
+    the allocation) to the eviction, and between its last (at most four) prefix hits."""
+
+    lifetime_seconds: float
+    idle_seconds: float
+    reuse_gaps_seconds: tuple[float, ...] = ()
+
+
 @dataclass
 class SchedulerStats:
     num_running_reqs: int = 0
@@ -106,3 +117,5 @@ class SchedulerStats:
     # --enable-lora: adapter name -> its requests, running and waiting (vLLM's fields).
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # --kv-cache-metrics: the sampled blocks evicted since the previous report.
+    kv_cache_eviction_events: list[KVCacheEvictionEvent] = field(default_factory=list)

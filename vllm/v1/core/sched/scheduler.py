@@ -20,6 +20,7 @@ from vllm.distributed.kv_events import KVEventLog, ZmqEventPublisher
 from vllm.multimodal.inputs import MultiModalFeature
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.pinned import KVCachePinManager
 from vllm.v1.core.sched.policy import make_request_queue
@@ -125,6 +126,13 @@ class Scheduler:
         # --kv-events-config: the pools record, each step's end publishes.
         events = vllm_config.kv_events_config
         self.kv_events = KVEventLog() if events.enabled else None
+        # --kv-cache-metrics: the pool samples blocks' residency, make_stats drains it.
+        observability = vllm_config.observability_config
+        self.kv_metrics_collector: KVCacheMetricsCollector | None = None
+        if observability.kv_cache_metrics:
+            self.kv_metrics_collector = KVCacheMetricsCollector(
+                observability.kv_cache_metrics_sample, clock, vllm_config.model_config.seed
+            )
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks,
             cache.block_size,
@@ -135,6 +143,7 @@ class Scheduler:
             self.kv_events,
             kv_cache_windows,
             self.config.max_num_batched_tokens,
+            self.kv_metrics_collector,
         )
         if policy.has_tier != (self.kv_cache_manager.offload is not None):
             raise ValueError(
@@ -826,6 +835,8 @@ class Scheduler:
             stats.state_checkpoint_stats = self.state_checkpoints.take_stats()
         if self.spec_method is not None:
             stats.spec_decoding_stats, self._spec_stats = self._spec_stats, SpecDecodingStats()
+        if self.kv_metrics_collector is not None:
+            stats.kv_cache_eviction_events = self.kv_metrics_collector.drain_events()
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters(self.waiting)
