@@ -62,11 +62,11 @@ def serve(model: str, log: str) -> RemoteServer:
     return RemoteServer(model, *SERVE, env=ENV, log_path=log)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="an HF folder (default: embedded)")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
     path = args.model or str(resolve_model("SmolLM2-135M-Instruct"))
@@ -120,7 +120,8 @@ def main() -> None:
     print(f"baseline: save_pretrained {med(saves):.3f} s + a new server (start, stop) "
           f"{med(restarts):.3f} s = {baseline_s:.3f} s")  # fmt: skip
     print(f"baseline / round: {baseline_s / round_s:.1f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
