@@ -238,27 +238,7 @@ def load_model_weights(
         model.init_buffers()
         initialize_dummy_weights(model, seed)
         return model.to(dtype).eval()
-    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    # PyTorch pickles where a folder has no safetensors (EAGLE heads often ship as
-    # pytorch_model.bin), read as tensors only (weights_only: no code runs).
-    pickles = sorted(n for n in os.listdir(path) if n.startswith("pytorch_model"))
-    pickles = [n for n in pickles if n.endswith(".bin")]
-    if not files and not pickles:
-        raise ValueError(
-            f"model folder {path} has no .safetensors or pytorch_model*.bin files "
-            f"(load_format={load_format!r}); load_format='dummy' (--load-format dummy) "
-            "serves random weights from its config.json"
-        )
-    # A head inside its target's files (DeepSeek's MTP layer) reads only its own tensors.
-    prefixes = getattr(model_cls, "checkpoint_prefixes", None)
-    prefixes = prefixes(hf_config) if prefixes is not None else None
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(_read_safetensors(os.path.join(path, name), prefixes))
-    for name in pickles if not files else ():
-        state.update(torch.load(os.path.join(path, name), map_location="cpu", weights_only=True))
-    if prefixes is not None:
-        state = {k: v for k, v in state.items() if k.startswith(prefixes)}
+    state = read_checkpoint(model_cls, hf_config, path, load_format)
     kv_scales = pop_kv_scales(state)  # FP8 KV-cache scales: for the runner, not the layers
     # 4-bit weights stay packed where the W4A16 kernel runs (CUDA with triton).
     keep_packed = (
@@ -298,6 +278,37 @@ def load_model_weights(
             dtype,
         )
     return model
+
+
+def read_checkpoint(model_cls: type, hf_config, path: str, load_format: str = "auto") -> dict:
+    """The checkpoint tensors of the HF folder ``path`` that ``model_cls`` reads (all, or a
+    head's ``checkpoint_prefixes``), on the CPU as stored: its safetensors files, else its
+    ``pytorch_model*.bin`` pickles (read as tensors only). ``ValueError`` when it has
+    neither."""
+    import torch
+
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    # PyTorch pickles where a folder has no safetensors (EAGLE heads often ship as
+    # pytorch_model.bin), read as tensors only (weights_only: no code runs).
+    pickles = sorted(n for n in os.listdir(path) if n.startswith("pytorch_model"))
+    pickles = [n for n in pickles if n.endswith(".bin")]
+    if not files and not pickles:
+        raise ValueError(
+            f"model folder {path} has no .safetensors or pytorch_model*.bin files "
+            f"(load_format={load_format!r}); load_format='dummy' (--load-format dummy) "
+            "serves random weights from its config.json"
+        )
+    # A head inside its target's files (DeepSeek's MTP layer) reads only its own tensors.
+    prefixes = getattr(model_cls, "checkpoint_prefixes", None)
+    prefixes = prefixes(hf_config) if prefixes is not None else None
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(_read_safetensors(os.path.join(path, name), prefixes))
+    for name in pickles if not files else ():
+        state.update(torch.load(os.path.join(path, name), map_location="cpu", weights_only=True))
+    if prefixes is not None:
+        state = {k: v for k, v in state.items() if k.startswith(prefixes)}
+    return state
 
 
 def model_from_state(

@@ -649,6 +649,17 @@ class ModelRunner:
         model.weight_format = apply_quantization(model, model_config)
         return model, architecture, model_cls, hf_config
 
+    def checkpoint_state(self) -> dict[str, torch.Tensor] | None:
+        """The served checkpoint's tensors as stored (on the host), re-read from its
+        folder; None for --load-format dummy (there is none)."""
+        from vllm.model_executor.model_loader import read_checkpoint
+
+        mc = self.model_config
+        if mc.load_format == "dummy":
+            return None
+        path = resolve_model(mc.model, mc.revision, mc.download_dir, mc.hf_token)
+        return read_checkpoint(self.model_cls, self.hf_config, path, mc.load_format)
+
     def model_from_state(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """A twin of the served model, on the host in its dtype, whose weights are the
         checkpoint tensors ``state`` (a weight update's); ``ValueError`` naming a tensor

@@ -2,13 +2,17 @@
 trainer's process group, receives each round's checkpoint tensors and swaps them into the
 served model between two steps.
 
-A round must carry every checkpoint tensor the model reads: the new weights are first made
-into a whole model on the host by the start-up path (``model_from_state``: the model's own
-``load_weights``, which fuses q/k/v and gate/up), then copied in place into the served
-model's tensors, so their addresses, and the CUDA graphs recorded over them, stay valid. A
-round that lacks a tensor, or whose tensors do not fit, fails before anything is copied: the
-served weights stay as they were. Only models served in a dense dtype take updates (not
-GGUF, FP8 or 4-bit formats: their weights would need the checkpoint's own quantization).
+A round may carry any of the checkpoint's tensors (vLLM's partial updates): the engine keeps
+the checkpoint's tensors on the host while a transfer group is open (read from its folder
+at ``init``; after each round, the round's tensors in place of theirs), so the new weights
+are the last ones with the round's on top. They are made into a whole model on the host by
+the start-up path (``model_from_state``: the model's own ``load_weights``, which fuses
+q/k/v and gate/up), then copied in place into the served model's tensors, so their
+addresses, and the CUDA graphs recorded over them, stay valid. With --load-format dummy
+there is no checkpoint: the first round must carry every tensor. A round whose tensors do
+not fit fails before anything is copied: the served weights stay as they were. Only models
+served in a dense dtype take updates (not GGUF, FP8 or 4-bit formats: their weights would
+need the checkpoint's own quantization).
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ class WeightUpdater:
         self.group: Any = None
         self.info: WeightTransferInitInfo | None = None
         self.staged: dict[str, torch.Tensor] | None = None  # None: no round in progress
+        # The weights served, as checkpoint tensors (None: not known, --load-format dummy)
+        self.checkpoint: dict[str, torch.Tensor] | None = None
 
     def check_updatable(self) -> None:
         """``ValueError`` unless the served model's weights are dense (see module doc)."""
@@ -115,6 +121,7 @@ class WeightUpdater:
             info.world_size, info.timeout_s, self.runner.device,
         )  # fmt: skip
         self.info = info
+        self.checkpoint = self.runner.checkpoint_state()
         logger.info(
             "Weight transfer: joined %s:%d as rank %d of %d (%s, %s) in %.2f s",
             info.master_address, info.master_port, info.rank_offset, info.world_size,
@@ -168,16 +175,19 @@ class WeightUpdater:
             raise ValueError("no weight update in progress: start_weight_update first")
         staged, self.staged = self.staged, None
         start = time.monotonic()
-        new = self.runner.model_from_state(staged)
-        del staged
+        state = staged if self.checkpoint is None else {**self.checkpoint, **staged}
+        new = self.runner.model_from_state(state)
         copied = copy_weights(self.runner.model, new)
+        self.checkpoint = state  # the next round's base
         logger.info(
-            "Weight update: %d tensors swapped in in %.2f s", copied, time.monotonic() - start
-        )
+            "Weight update: %d of %d checkpoint tensors received, %d model tensors swapped "
+            "in in %.2f s", len(staged), len(state), copied, time.monotonic() - start,
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         if self.staged is not None:
             raise ValueError("a weight update is in progress: finish_weight_update first")
         group, self.group, self.info = self.group, None, None
+        self.checkpoint = None  # its host memory back
         if group is not None and hasattr(group, "shutdown"):
             group.shutdown()
