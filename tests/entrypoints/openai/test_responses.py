@@ -124,7 +124,8 @@ def test_an_output_without_its_call_is_a_400():
         ("reasoning", {"effort": "low", "generate_summary": "concise"}),
         ("include", ["message.output_text.logprobs"]),
         ("background", "true"),  # strict: a JSON boolean
-        ("conversation", "conv_1"),
+        ("conversation", 7),  # an id, or {"id": ...}
+        ("conversation", {"id": "conv_1", "x": 1}),
         ("truncation", "auto"),
         ("prompt", {"id": "pmpt_1"}),
         ("top_logprobs", 3),

@@ -41,6 +41,7 @@ from vllm.entrypoints.launcher import (
 )
 from vllm.entrypoints.openai import openapi
 from vllm.entrypoints.openai.cli_args import FrontendArgs, resolve_middleware
+from vllm.entrypoints.openai.conversations import add_conversation_routes
 from vllm.entrypoints.openai.job_identity import read_headers
 from vllm.entrypoints.openai.mcp_tools import MCPToolServer  # imports mcp only when used
 from vllm.entrypoints.openai.parser_plugins import load_parser_plugins
@@ -575,6 +576,7 @@ def build_app(
     responses_serving = OpenAIServingResponses(chat_serving, response_store)
     responses_serving.tool_server = tool_server
     add_responses_routes(app, responses_serving, RECEIVED_KEY)
+    add_conversation_routes(app, responses_serving.conversations)  # shared as the store is
     add_messages_routes(app, AnthropicServingMessages(chat_serving, tool_server), RECEIVED_KEY)
     max_logprobs = getattr(vllm_config.model_config, "max_logprobs", 20)
     openapi.document_api(app, args, max_logprobs)

@@ -36,7 +36,6 @@ TEXT_PARTS = ("input_text", "output_text", "text")  # "text": as chat's own part
 # nothing (clients sending defaults still work). Anything else is a 400 naming the field.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "background_options": _is_off,
-    "conversation": _is_off,
     "include": _is_off,
     "truncation": lambda v: v is None or v == "disabled",
     "prompt": _is_off,  # stored prompt templates
@@ -106,6 +105,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: StrictStr | None = None
+    conversation: StrictStr | dict[str, Any] | None = None  # an id or {"id"}: conversations.py
     store: bool | None = None
     stream: bool = False
     background: bool | None = None  # true: run as a task, answered at once (needs store)
@@ -143,7 +143,23 @@ class ResponsesRequest(BaseModel):
             )
         if self.metadata is not None:
             _check_metadata(self.metadata)
+        if self.conversation_id is not None and self.previous_response_id is not None:
+            raise VLLMValidationError(
+                "conversation and previous_response_id cannot be used together", "conversation"
+            )
         return self
+
+    @property
+    def conversation_id(self) -> str | None:
+        """``conversation``'s id; ``VLLMValidationError`` naming it if malformed."""
+        conv = self.conversation
+        conv = conv.get("id") if isinstance(conv, dict) and set(conv) == {"id"} else conv
+        if conv is not None and not (isinstance(conv, str) and conv):
+            raise VLLMValidationError(
+                'conversation must be a conversation id or {"id": <conversation id>}',
+                "conversation",
+            )
+        return conv
 
     @property
     def stored(self) -> bool:

@@ -9,7 +9,8 @@ engine path as /v1/chat/completions), and its chat message is converted back int
 items.
 
 Job identity (Continuum): a chain of responses is one job. Its id is the request's
-``job_id`` (this server's extra), else ``prompt_cache_key``, else the session's identity
+``job_id`` (this server's extra), else ``prompt_cache_key``, else its ``conversation``'s id
+(``conversations.py``: every turn of a conversation is one job), else the session's identity
 (``job_identity.py``: vLLM's ``session_id``, ``vllm_xargs.agentic_context.program_id``,
 the ``X-Session-ID`` header), else the job of the previous response, else (a chain's
 first response) the response's own id; it is stored with each response, so the whole
@@ -34,6 +35,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from vllm.entrypoints.openai import openapi
+from vllm.entrypoints.openai.conversations import (
+    ConversationStore,
+    append_turn,
+    conversation_history,
+)
 from vllm.entrypoints.openai.job_identity import name_the_job
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, ErrorResponse, loggable
 from vllm.entrypoints.openai.protocol_responses import (
@@ -96,6 +102,7 @@ class OpenAIServingResponses(McpResponsesMixin):
     ) -> None:
         self.chat = chat
         self.store = ResponseStore() if store is None else store  # an empty store is falsy
+        self.conversations = ConversationStore.sharing(self.store)  # shared as the store is
         self.background: dict[str, tuple[_Turn, asyncio.Task]] = {}  # running, by id
         self.tool_server: MCPToolServer | None = None  # --tool-server's MCP servers
         self.event_logs = EventLogs()
@@ -150,10 +157,12 @@ class OpenAIServingResponses(McpResponsesMixin):
     def _context(self, request: ResponsesRequest, response_id: str) -> tuple[str, list, list]:
         """(the turn's job, its new input items, the stored chain's items before them)."""
         chain = self._chain(request.previous_response_id)
-        job_id = request.job_id or request.prompt_cache_key
+        conversation = request.conversation_id  # exclusive with a chain
+        job_id = request.job_id or request.prompt_cache_key or conversation
         job_id = job_id or (chain[-1].job_id if chain else response_id)
         items = normalize_input(request.input)
         history = [i for e in chain for i in (*e.input_items, *e.response["output"])]
+        history += conversation_history(self.conversations, conversation)
         return job_id, items, history
 
     @staticmethod
@@ -258,10 +267,14 @@ class OpenAIServingResponses(McpResponsesMixin):
         return self._complete(turn, status, output, usage)
 
     def _complete(self, turn: _Turn, status: str, output: list, usage: dict) -> dict[str, Any]:
-        """The final response object, stored if the request asked for it."""
+        """The final response object, stored if the request asked for it; the turn's items
+        appended to its conversation (whatever ``store``: OpenAI's semantics)."""
         body = self.response_object(turn, status, output, usage)
         if turn.request.stored:
             self._store(turn, body)
+        if not turn.cancelled:
+            conversation = turn.request.conversation_id
+            append_turn(self.conversations, conversation, status, turn.items, output)
         return body
 
     def _failed(self, turn: _Turn, error: Exception, output: list) -> dict[str, Any]:
@@ -315,6 +328,7 @@ class OpenAIServingResponses(McpResponsesMixin):
             if status == "incomplete"
             else None,
             "background": turn.background,
+            "conversation": {"id": r.conversation_id} if r.conversation is not None else None,
             "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens,
             "max_tool_calls": r.max_tool_calls,
@@ -609,14 +623,16 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, received
 
     @app.post("/v1/responses", responses=openapi.GENERATE_RESPONSES)
     async def create_response(request: ResponsesRequest, raw: Request):
-        name_the_job(request, raw.headers, serving.chat.args.max_job_id_length)
+        if request.conversation is None:  # else the conversation names the job
+            name_the_job(request, raw.headers, serving.chat.args.max_job_id_length)
         return await serving.create_response(request, raw.scope.get(received_key), raw.receive)
 
     if serving.chat.args.enable_scale_out:  # else a 403 (api_server's scale-out routes)
 
         @app.post("/v1/responses/render", responses=openapi.RENDER_RESPONSES)
         async def render_response(request: ResponsesRequest, raw: Request):
-            name_the_job(request, raw.headers, serving.chat.args.max_job_id_length)
+            if request.conversation is None:
+                name_the_job(request, raw.headers, serving.chat.args.max_job_id_length)
             return await serving.render_response(request)
 
     @app.get("/v1/responses/{response_id}", responses=_STORED_RESPONSES)
