@@ -25,8 +25,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
@@ -39,7 +38,11 @@ from vllm.entrypoints.openai.protocol_responses import (
     _normalize_item,
     new_id,
 )
-from vllm.entrypoints.openai.responses_store import BUSY_TIMEOUT_S, SharedResponseStore
+from vllm.entrypoints.openai.responses_store import (
+    SharedResponseStore,
+    immediate_transaction,
+    open_sqlite,
+)
 from vllm.exceptions import VLLMValidationError
 
 logger = logging.getLogger(__name__)
@@ -105,18 +108,7 @@ class ConversationStore:
         self.max_conversations = max_conversations
         self.max_items = max_items
         self.max_bytes = max_bytes
-        self._conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-        deadline = time.monotonic() + BUSY_TIMEOUT_S
-        while True:
-            try:
-                self._init_db()
-                break
-            except sqlite3.OperationalError as e:
-                # As SharedResponseStore: processes opening a new file at once retry.
-                if "locked" not in str(e) or time.monotonic() > deadline:
-                    self._conn.close()
-                    raise
-                time.sleep(0.02)
+        self._conn = open_sqlite(path, self._init_db)
 
     @classmethod
     def sharing(cls, responses: Any) -> ConversationStore:
@@ -126,12 +118,8 @@ class ConversationStore:
             return cls(responses.path)
         return cls()
 
-    def _init_db(self) -> None:
-        if self.path != MEMORY:
-            if self._conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-        with self._transaction() as conn:
+    def _init_db(self, conn: sqlite3.Connection) -> None:
+        with immediate_transaction(conn) as conn:
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS conversations ("
                 " id TEXT PRIMARY KEY,"
@@ -305,17 +293,8 @@ class ConversationStore:
         self._conn.close()
 
     # -- internals ------------------------------------------------------------------------
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """IMMEDIATE, as SharedResponseStore's: the write lock before the first read."""
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._conn
-        except BaseException:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
-        self._conn.execute("COMMIT")
+    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        return immediate_transaction(self._conn)
 
     def _check_room(self, nbytes: int, items: list[dict[str, Any]], nitems: int = 0) -> None:
         """``VLLMValidationError`` naming ``items`` if a conversation of ``nitems`` items and

@@ -21,7 +21,7 @@ import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,31 +128,11 @@ class SharedResponseStore:
         self.path = path
         self.max_responses = max_responses
         self.max_bytes = max_bytes
-        # isolation_level=None: the module opens no transaction on its own; each
-        # read-modify-write is an explicit BEGIN IMMEDIATE (``_transaction``).
-        self._conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-        # WAL: readers neither wait for the writer nor block it. NORMAL: no fsync per
-        # commit; a power loss may lose the last puts, as a restart loses the in-memory
-        # store's all.
-        deadline = time.monotonic() + BUSY_TIMEOUT_S
-        while True:
-            try:
-                self._init_file()
-                break
-            except sqlite3.OperationalError as e:
-                # Switching a new file to WAL takes an exclusive lock without the busy
-                # timeout's wait: processes that open a new file at once retry.
-                if "locked" not in str(e) or time.monotonic() > deadline:
-                    self._conn.close()
-                    raise
-                time.sleep(0.02)
+        self._conn = open_sqlite(path, self._init_file)
 
-    def _init_file(self) -> None:
-        """WAL mode (the file's, set once), the table and its index; idempotent."""
-        if self._conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-            self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        with self._transaction() as conn:
+    def _init_file(self, conn: sqlite3.Connection) -> None:
+        """The table and its index; idempotent."""
+        with immediate_transaction(conn) as conn:
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS responses ("
                 " id TEXT PRIMARY KEY,"
@@ -207,19 +187,8 @@ class SharedResponseStore:
     def close(self) -> None:
         self._conn.close()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """IMMEDIATE: take the write lock before the first read, so no other process
-        writes between this one's read and its write (a deferred transaction would
-        instead fail at its first write, without waiting)."""
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._conn
-        except BaseException:
-            if self._conn.in_transaction:  # some errors have rolled it back already
-                self._conn.execute("ROLLBACK")
-            raise
-        self._conn.execute("COMMIT")
+    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        return immediate_transaction(self._conn)
 
     @staticmethod
     def _get(conn: sqlite3.Connection, response_id: str) -> StoredResponse | None:
@@ -247,6 +216,47 @@ class SharedResponseStore:
             conn.execute("DELETE FROM responses WHERE id = ?", (oldest,))
             count -= 1
             nbytes -= size
+
+
+def open_sqlite(path: str, init: Callable[[sqlite3.Connection], None]) -> sqlite3.Connection:
+    """A connection to the SQLite database ``path`` (a file shared by processes, or
+    ":memory:"), ``init`` run on it (tables, idempotent). isolation_level=None: no
+    transaction is opened on its own; each read-modify-write is an explicit
+    ``immediate_transaction``. A file is switched to WAL (readers neither wait for the
+    writer nor block it) with synchronous NORMAL (no fsync per commit: a power loss may
+    lose the last writes, as a restart loses an in-memory store's all)."""
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            if path != ":memory:":
+                if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+            init(conn)
+            return conn
+        except sqlite3.OperationalError as e:
+            # Switching a new file to WAL takes an exclusive lock without the busy
+            # timeout's wait: processes that open a new file at once retry.
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                conn.close()
+                raise
+            time.sleep(0.02)
+
+
+@contextmanager
+def immediate_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """IMMEDIATE: take the write lock before the first read, so no other process writes
+    between this one's read and its write (a deferred transaction would instead fail at
+    its first write, without waiting)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        if conn.in_transaction:  # some errors have rolled it back already
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 def _check_bounds(max_responses: int, max_bytes: int) -> None:
