@@ -266,20 +266,8 @@ def test_an_mcp_call_streams_as_anthropics_blocks():
 
 # -- end to end -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def mcp_server():
-    from ..openai.mcp_test_server import start_mcp_test_server
-
-    with start_mcp_test_server("streamable-http", name="calc") as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def served(mcp_server, tmp_path_factory):
-    from ..openai.mcp_test_server import serve_with_tool_server
-
-    srv = serve_with_tool_server(mcp_server.url, tmp_path_factory.mktemp("messages_mcp"))
-    yield srv
-    srv.stop()
+def served(mcp_served):
+    return mcp_served  # tests/entrypoints/conftest.py
 
 
 @pytest.fixture(scope="module")

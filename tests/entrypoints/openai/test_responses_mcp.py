@@ -253,20 +253,8 @@ def test_mcp_items_read_back_as_the_assistants_calls_and_the_tools_answers():
 
 # -- end to end -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def mcp_server():
-    from .mcp_test_server import start_mcp_test_server
-
-    with start_mcp_test_server("streamable-http", name="calc") as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def served(mcp_server, tmp_path_factory):
-    from .mcp_test_server import serve_with_tool_server
-
-    srv = serve_with_tool_server(mcp_server.url, tmp_path_factory.mktemp("responses_mcp"))
-    yield srv
-    srv.stop()
+def served(mcp_served):
+    return mcp_served  # tests/entrypoints/conftest.py
 
 
 def calc(**kw):
