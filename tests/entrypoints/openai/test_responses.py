@@ -126,7 +126,6 @@ def test_an_output_without_its_call_is_a_400():
         ("background", "true"),  # strict: a JSON boolean
         ("conversation", 7),  # an id, or {"id": ...}
         ("conversation", {"id": "conv_1", "x": 1}),
-        ("truncation", "auto"),
         ("prompt", {"id": "pmpt_1"}),
         ("top_logprobs", 3),
         ("service_tier", "flex"),
@@ -471,7 +470,7 @@ def test_store_false_is_not_retrievable_nor_continuable(client):
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
         ({"background": True, "store": False}, "background"),
-        ({"truncation": "auto"}, "truncation"),
+        ({"truncation": "middle"}, "truncation"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "xml"}}}, "text"),

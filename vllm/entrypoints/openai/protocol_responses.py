@@ -37,7 +37,6 @@ TEXT_PARTS = ("input_text", "output_text", "text")  # "text": as chat's own part
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "background_options": _is_off,
     "include": _is_off,
-    "truncation": lambda v: v is None or v == "disabled",
     "prompt": _is_off,  # stored prompt templates
     "top_logprobs": lambda v: v is None or v == 0,
     "service_tier": lambda v: v in (None, "auto", "default"),
@@ -123,6 +122,9 @@ class ResponsesRequest(BaseModel):
     # job_id nor prompt_cache_key does (job_identity.py).
     session_id: StrictStr | None = Field(default=None, min_length=1)
     reasoning: ReasoningParams | None = None
+    # OpenAI's: "auto" drops the context's oldest items when the turn does not fit the
+    # context window (serving_responses.py's ``_fitted``); "disabled" (None): a 400.
+    truncation: Literal["auto", "disabled"] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -90,9 +90,9 @@ class McpResponsesMixin:
         # The calls the client approved run first: the first generation reads their results.
         run.output += run.mcp.list_items + run.approved
         await asyncio.gather(*(run_call(self.tool_server, run.mcp, i) for i in run.approved))
-        chat_request = self._mcp_chat_request(run)
+        chat_request, prepared = await self._mcp_chat_request(run)
         turn = self._make_turn(request, run.response_id, run.items, run.job_id, chat_request)
-        plan, stream = await self._start(chat_request, run.request_id, run.response_id)
+        plan, stream = await self._start(chat_request, run.request_id, run.response_id, prepared)
         if request.background:
             return await self._start_background(turn, plan, stream, run)
         if request.stream:
@@ -125,8 +125,10 @@ class McpResponsesMixin:
             if _ends(status, new):
                 break
             run.round += 1
-            chat_request = self._mcp_chat_request(run)
-            plan, stream = await self._start(chat_request, run.request_id, run.response_id)
+            chat_request, prepared = await self._mcp_chat_request(run)
+            plan, stream = await self._start(
+                chat_request, run.request_id, run.response_id, prepared
+            )
             if turn.background:  # a cancel closes the run's current engine request
                 self.background[run.response_id].stream = stream
         return self._complete(turn, status, run.output, self.usage(*run.totals)), stream
@@ -182,10 +184,10 @@ class McpResponsesMixin:
                     break
                 run.round += 1
                 events.new_round()
-                turn.chat_request = self._mcp_chat_request(run)
+                turn.chat_request, prepared = await self._mcp_chat_request(run)
                 await stream.aclose()
                 plan, stream = await self._start(turn.chat_request, run.request_id,
-                                                 run.response_id)  # fmt: skip
+                                                 run.response_id, prepared)  # fmt: skip
                 if turn.background:  # a cancel closes the run's current engine request
                     self.background[run.response_id].stream = stream
             usage = self.usage(*run.totals)
@@ -211,14 +213,20 @@ class McpResponsesMixin:
         return _McpRun(request, response_id, job_id, items, history + items, mcp, tools,
                        first_choice, approved)  # fmt: skip
 
-    def _mcp_chat_request(self, run: _McpRun):
+    async def _mcp_chat_request(self, run: _McpRun):
         """The chat request of the loop's next generation: the context, the output so far
         (calls and their results), the tools; tool_choice as asked for the first
-        generation, then auto while calls may still be made, then none."""
-        messages = self._messages(run.request, run.context + run.output)
+        generation, then auto while calls may still be made, then none. With truncation
+        "auto", less the context's oldest items if they do not fit, and its prompt
+        rendered (``_fitted``): (the chat request, that prompt or None)."""
         last_step = self._mcp_last_step(run.request)
-        return self._chat_request(run.request, messages, run.job_id, tools=run.tools,
-                                  tool_choice=run.choice, **last_step)  # fmt: skip
+
+        def build(messages):
+            return self._chat_request(run.request, messages, run.job_id, tools=run.tools,
+                                      tool_choice=run.choice, **last_step)  # fmt: skip
+
+        first_new = len(run.context) - len(run.items)  # the output so far is new too
+        return await self._fitted(run.request, run.context + run.output, first_new, build)
 
     def _mcp_tools_and_choice(self, request, rest, mcp: McpTools) -> tuple[list, Any]:
         """The chat tools (the request's functions, then the MCP servers') and the first

@@ -233,13 +233,18 @@ class OpenAIServingChat(OpenAIServing):
         return cache[tag]
 
     async def start_generation(
-        self, request: ChatCompletionRequest, request_id: str, external_id: str | None = None
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        external_id: str | None = None,
+        prepared: tuple[ToolPlan, list[int], Any] | None = None,
     ) -> tuple[ToolPlan, RequestStream]:
         """Check ``request``, render its prompt and add it to the engine as ``request_id``:
         its tool plan (how to read the output) and its output stream. Shared by
         /v1/responses, which converts its input into a chat request. A rejected request
-        raises ``VLLMValidationError`` naming the chat field (the prompt is ``messages``)."""
-        plan, prompt, params = await self._prepare(request)
+        raises ``VLLMValidationError`` naming the chat field (the prompt is ``messages``).
+        ``prepared``: ``prepare_tokens(request)``'s result (rendered already)."""
+        plan, prompt, params = prepared or await self._prepare(request)
         options = await self.engine_options(request)
         try:
             stream = await self.add_request(
@@ -287,6 +292,21 @@ class OpenAIServingChat(OpenAIServing):
         the tokenizer adds no special token: the template wrote them (BOS etc.)."""
         _, prompt, _ = await self._prepare(request)
         return await self._tokenize_prompt(prompt, add_special_tokens)
+
+    async def prepare_tokens(
+        self, request: ChatCompletionRequest
+    ) -> tuple[ToolPlan, list[int], Any]:
+        """``start_generation``'s rendering, nothing run: the checked request's tool plan,
+        prompt token ids (as the engine would tokenize its text) and sampling params, for
+        a caller that counts the prompt first (/v1/responses' ``truncation: "auto"``)."""
+        plan, prompt, params = await self._prepare(request)
+        return plan, await self._tokenize_prompt(prompt, bool(request.add_special_tokens)), params
+
+    @property
+    def context_limit(self) -> int:
+        """The most tokens a request (prompt and output) may have: max_model_len, or the
+        KV pool's when it holds less (the engine refuses a longer prompt)."""
+        return self.engine.processor.context_limit
 
     async def _tokenize_prompt(self, prompt: str, add_special_tokens: bool) -> list[int]:
         try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
@@ -63,6 +63,7 @@ from vllm.entrypoints.openai.responses_store import (
     StoredResponse,
 )
 from vllm.entrypoints.openai.responses_stream import ResponseEvents, delta_events
+from vllm.entrypoints.openai.responses_truncation import Prepared, fit
 from vllm.entrypoints.openai.serving_chat import (
     OpenAIServingChat,
     converted_request_error,
@@ -119,7 +120,7 @@ class OpenAIServingResponses(McpResponsesMixin):
         if split_tools(request.tools)[1]:
             return await self._create_with_mcp(request, received, receive)
         response_id = new_id("resp")
-        job_id, items, chat_request = self._turn(request, response_id)
+        job_id, items, chat_request, prepared = await self._turn(request, response_id)
         logger.info(
             "responses request %s: job_id=%s previous=%s items=%d stream=%s",
             response_id,
@@ -129,7 +130,9 @@ class OpenAIServingResponses(McpResponsesMixin):
             request.stream,
         )
         try:
-            plan, stream = await self.chat.start_generation(chat_request, response_id)
+            plan, stream = await self.chat.start_generation(
+                chat_request, response_id, prepared=prepared
+            )
         except VLLMValidationError as e:
             raise renamed(e, ResponsesRequest.FIELD_NAMES) from e
         turn = _Turn(request, response_id, int(time.time()), items, job_id, chat_request)
@@ -145,14 +148,30 @@ class OpenAIServingResponses(McpResponsesMixin):
         body = self._finish(turn, plan, final)
         return JSONResponse(body, headers=self.chat.timing(received, stream))
 
-    def _turn(
+    async def _turn(
         self, request: ResponsesRequest, response_id: str
-    ) -> tuple[str, list, ChatCompletionRequest]:
-        """The turn's job, its new input items and the chat request it runs as (the
-        stored chain's items, then these)."""
+    ) -> tuple[str, list, ChatCompletionRequest, Prepared | None]:
+        """The turn's job, its new input items, the chat request it runs as (the stored
+        chain's items, then these; with truncation "auto", less its oldest items if they
+        do not fit) and, with "auto", its prompt rendered already (``_fitted``)."""
         job_id, items, history = self._context(request, response_id)
-        messages = self._messages(request, history + items)
-        return job_id, items, self._chat_request(request, messages, job_id)
+
+        def build(messages: list[dict]) -> ChatCompletionRequest:
+            return self._chat_request(request, messages, job_id)
+
+        chat_request, prepared = await self._fitted(request, history + items, len(history), build)
+        return job_id, items, chat_request, prepared
+
+    async def _fitted(
+        self,
+        request: ResponsesRequest,
+        context: list,
+        first_new: int,
+        build: Callable[[list[dict]], ChatCompletionRequest],
+    ) -> tuple[ChatCompletionRequest, Prepared | None]:
+        """The chat request of ``context`` and, with truncation "auto", its prompt
+        rendered (``responses_truncation.fit``)."""
+        return await fit(self.chat, request, context, first_new, build, self._messages)
 
     def _context(self, request: ResponsesRequest, response_id: str) -> tuple[str, list, list]:
         """(the turn's job, its new input items, the stored chain's items before them)."""
@@ -175,7 +194,7 @@ class OpenAIServingResponses(McpResponsesMixin):
     async def render_response(self, request: ResponsesRequest) -> dict[str, Any]:
         """POST /v1/responses/render (vLLM's): the /inference/v1/generate body the turn
         would run as (its stored chain included), nothing generated or stored."""
-        _, _, chat_request = self._turn(request, new_id("resp"))
+        _, _, chat_request, _ = await self._turn(request, new_id("resp"))
         try:
             return await self.chat.render_chat(chat_request)
         except VLLMValidationError as e:
@@ -185,10 +204,14 @@ class OpenAIServingResponses(McpResponsesMixin):
         return _Turn(request, response_id, int(time.time()), items, job_id, chat_request)
 
     async def _start(
-        self, chat_request: ChatCompletionRequest, request_id: str, external_id: str
+        self,
+        chat_request: ChatCompletionRequest,
+        request_id: str,
+        external_id: str,
+        prepared: Prepared | None = None,
     ) -> tuple[ToolPlan, RequestStream]:
         try:
-            return await self.chat.start_generation(chat_request, request_id, external_id)
+            return await self.chat.start_generation(chat_request, request_id, external_id, prepared)
         except VLLMValidationError as e:
             raise renamed(e, ResponsesRequest.FIELD_NAMES) from e
 
@@ -347,7 +370,7 @@ class OpenAIServingResponses(McpResponsesMixin):
             "tool_choice": r.tool_choice or "auto",
             "tools": r.tools or [],
             "top_p": 1.0 if r.top_p is None else r.top_p,
-            "truncation": "disabled",
+            "truncation": r.truncation or "disabled",
             "usage": usage if done else None,
             "user": r.user,
         }
