@@ -47,7 +47,11 @@ from vllm.entrypoints.anthropic.serving import (
 )
 from vllm.entrypoints.openai.mcp_tools import MCPTool
 from vllm.entrypoints.openai.protocol import loggable
-from vllm.entrypoints.openai.responses_mcp import MAX_MCP_ROUNDS, McpListToolsError
+from vllm.entrypoints.openai.responses_mcp import (
+    MAX_MCP_ROUNDS,
+    list_servers_tools,
+    tool_function,
+)
 from vllm.entrypoints.openai.serving_chat import renamed
 from vllm.entrypoints.openai.serving_engine import EngineStreamingResponse, error_event
 from vllm.exceptions import VLLMValidationError
@@ -212,16 +216,8 @@ async def list_tools(
     make the enabled tools chat functions (a name given twice is a 400 naming
     ``tools``). ``output``: the fetched listings become ``mcp_tool_listing`` blocks."""
     fetch = [s for s in connector.servers if s.listing is None]
-    listings = await asyncio.gather(
-        *(tool_server.list_tools(s.server, s.headers) for s in fetch), return_exceptions=True
-    )
+    listings = await list_servers_tools(tool_server, [(s.server, s.headers, s.name) for s in fetch])
     for entry, tools in zip(fetch, listings, strict=True):
-        if isinstance(tools, BaseException) and not isinstance(tools, Exception):
-            raise tools  # cancellation
-        if isinstance(tools, Exception):
-            raise McpListToolsError(
-                f"Error retrieving tool list from MCP server {entry.name!r}: {tools}"
-            )
         entry.listing = tools
         if output:
             connector.listings.append(listing_block(entry.name, tools))
@@ -236,10 +232,7 @@ async def list_tools(
                     "tools",
                 )
             connector.routes[tool.name] = entry
-            fn = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
-            if tool.description:
-                fn["description"] = tool.description
-            connector.functions.append({"type": "function", "function": fn})
+            connector.functions.append(tool_function(tool, tool.description))
 
 
 def listing_block(name: str, tools: list[MCPTool]) -> dict[str, Any]:

@@ -199,17 +199,10 @@ async def prepare(
         entry = _Server(spec["server_label"], server, headers or None, allowed, read_only,
                         spec.get("server_description"), spec.get("require_approval"))  # fmt: skip
         mcp.servers.append(entry)
-    listings = await asyncio.gather(
-        *(tool_server.list_tools(s.server, s.headers) for s in mcp.servers),
-        return_exceptions=True,
+    listings = await list_servers_tools(
+        tool_server, [(s.server, s.headers, s.label) for s in mcp.servers]
     )
     for entry, tools in zip(mcp.servers, listings, strict=True):
-        if isinstance(tools, asyncio.CancelledError):
-            raise tools
-        if isinstance(tools, Exception):
-            raise McpListToolsError(
-                f"Error retrieving tool list from MCP server {loggable(entry.label)}: {tools}"
-            )
         kept = [t for t in tools if _keep(entry, t)]
         for tool in kept:
             if tool.name in taken or tool.name in mcp.routes:
@@ -224,13 +217,37 @@ async def prepare(
             about = tool.description or ""
             if entry.description:
                 about = f"{about} ({entry.label}: {entry.description})".strip()
-            fn = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
-            if about:
-                fn["description"] = about
-            mcp.functions.append({"type": "function", "function": fn})
+            mcp.functions.append(tool_function(tool, about))
         if entry.label not in listed:
             mcp.list_items.append(list_tools_item(entry.label, kept))
     return mcp
+
+
+async def list_servers_tools(
+    tool_server: MCPToolServer, servers: list[tuple[MCPServer, dict[str, str] | None, str]]
+) -> list[list[Any]]:
+    """Each (server, headers, label)'s tools, listed now and at once; 424
+    (``McpListToolsError``) naming the label of one that cannot list them."""
+    listings = await asyncio.gather(
+        *(tool_server.list_tools(server, headers) for server, headers, _ in servers),
+        return_exceptions=True,
+    )
+    for (_, _, label), tools in zip(servers, listings, strict=True):
+        if isinstance(tools, BaseException) and not isinstance(tools, Exception):
+            raise tools  # cancellation
+        if isinstance(tools, Exception):
+            raise McpListToolsError(
+                f"Error retrieving tool list from MCP server {loggable(label)}: {tools}"
+            )
+    return listings
+
+
+def tool_function(tool: Any, description: str | None) -> dict[str, Any]:
+    """An MCP tool as the chat function the model sees (no schema: any object)."""
+    fn = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
+    if description:
+        fn["description"] = description
+    return {"type": "function", "function": fn}
 
 
 def _keep(entry: _Server, tool: Any) -> bool:

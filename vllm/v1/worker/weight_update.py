@@ -66,7 +66,7 @@ def copy_weights(served: nn.Module, new: nn.Module) -> int:
     with torch.no_grad():
         for target, tensor in pairs:
             target.copy_(tensor, non_blocking=target.device.type == "cuda")
-    if any(t.device.type == "cuda" for t, _ in pairs[:1]):
+    if pairs and pairs[0][0].device.type == "cuda":
         torch.cuda.synchronize()  # the host copies must outlive the transfers
     return len(pairs)
 
