@@ -1563,6 +1563,131 @@ class WeightTransferConfig:
         return named or ("nccl" if device_type == "cuda" else "gloo")
 
 
+# --kv-transfer-config's connectors. Each moves a finished prefill's KV blocks from the
+# instance that computed them (the producer) to the one that decodes (the consumer), over
+# this engine's TCP transport (vllm/distributed/kv_transfer/). "NixlConnector" is vLLM's
+# name for its P/D connector, taken so that vLLM's launch commands and its routers'
+# kv_transfer_params protocol run unchanged; NIXL itself is not used.
+KV_CONNECTORS = ("TcpConnector", "NixlConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_TRANSFER_KEYS = (
+    "kv_connector", "kv_role", "engine_id", "kv_ip", "kv_port", "kv_buffer_device",
+    "kv_connector_extra_config", "kv_connector_module_path", "enable_permute_local_kv",
+    "kv_load_failure_policy",
+)  # fmt: skip
+KV_TRANSFER_EXTRA_KEYS = ("abort_timeout_s", "fetch_timeout_s")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill (vLLM's --kv-transfer-config): a producer instance computes a
+    prompt's KV and holds it; a consumer instance fetches the blocks it lacks and decodes.
+    A router or proxy carries ``kv_transfer_params`` between them (docs/serving.md)."""
+
+    kv_transfer_config: dict[str, Any] | None = config_field(
+        None,
+        'JSON object, vLLM\'s: {"kv_connector": "TcpConnector", "kv_role": "kv_both"} (or '
+        "\"NixlConnector\", vLLM's name: the same protocol, this engine's TCP transport); "
+        'kv_role "kv_producer" (prefills), "kv_consumer" (decodes) or "kv_both"; optionally '
+        '"kv_ip" (the address the block server binds and advertises, 127.0.0.1), "kv_port" '
+        '(its port; unset: a free one), "engine_id", "kv_load_failure_policy" ("fail", '
+        'vLLM\'s default, or "recompute"), "kv_connector_extra_config" ({"abort_timeout_s": '
+        '480, "fetch_timeout_s": 60}). Unset: requests\' kv_transfer_params are a 400.',
+        parse=lambda text: parse_json_object(text, "kv_transfer_config"),
+    )
+
+    def __post_init__(self) -> None:
+        spec = self.kv_transfer_config
+        if spec is None:
+            return
+        _check_json_config("kv_transfer_config", spec, KV_TRANSFER_KEYS)
+        name = spec.get("kv_connector")
+        if name not in KV_CONNECTORS:
+            raise bad_value(
+                "kv_transfer_config.kv_connector",
+                name,
+                f"must be one of {list(KV_CONNECTORS)} (vLLM's LMCache, Mooncake, P2pNccl, "
+                "Offloading and Multi connectors are not built here; --kv-offloading-size is "
+                "the host-memory tier)",
+            )
+        if spec.get("kv_role") not in KV_ROLES:
+            role = spec.get("kv_role")
+            raise bad_value("kv_transfer_config.kv_role", role, f"must be one of {list(KV_ROLES)}")
+        policy = spec.get("kv_load_failure_policy", "fail")
+        if policy not in ("fail", "recompute"):
+            raise bad_value(
+                "kv_transfer_config.kv_load_failure_policy", policy, "must be 'fail' or 'recompute'"
+            )
+        port = spec.get("kv_port")
+        if port is not None and (
+            isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
+        ):
+            raise bad_value("kv_transfer_config.kv_port", port, "must be a port number (0: any)")
+        for key in ("kv_ip", "engine_id"):
+            value = spec.get(key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad_value(f"kv_transfer_config.{key}", value, "must be a non-empty string")
+        if spec.get("kv_buffer_device", "cpu") not in ("cpu", "cuda"):
+            raise bad_value(
+                "kv_transfer_config.kv_buffer_device", spec["kv_buffer_device"],
+                "must be 'cpu' or 'cuda' (blocks travel through host memory either way)",
+            )  # fmt: skip
+        if spec.get("kv_connector_module_path") is not None:
+            raise bad_value(
+                "kv_transfer_config.kv_connector_module_path",
+                spec["kv_connector_module_path"],
+                "is not supported: connectors are built in",
+            )
+        if spec.get("enable_permute_local_kv", False) is not False:
+            raise bad_value(
+                "kv_transfer_config.enable_permute_local_kv",
+                spec["enable_permute_local_kv"],
+                "must be false (both sides share one KV layout)",
+            )
+        extra = spec.get("kv_connector_extra_config", {})
+        _check_json_config("kv_transfer_config.kv_connector_extra_config", extra,
+                           KV_TRANSFER_EXTRA_KEYS)  # fmt: skip
+        for key in KV_TRANSFER_EXTRA_KEYS:
+            value = extra.get(key)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
+                raise bad_value(
+                    f"kv_transfer_config.kv_connector_extra_config.{key}", value,
+                    "must be a positive number of seconds",
+                )  # fmt: skip
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_transfer_config is not None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Every key, the unset ones at their defaults."""
+        spec = self.kv_transfer_config or {}
+        extra = spec.get("kv_connector_extra_config") or {}
+        return {
+            "kv_connector": spec.get("kv_connector"),
+            "kv_role": spec.get("kv_role"),
+            "engine_id": spec.get("engine_id"),
+            "kv_ip": spec.get("kv_ip") or "127.0.0.1",
+            "kv_port": spec.get("kv_port") or 0,
+            "kv_load_failure_policy": spec.get("kv_load_failure_policy", "fail"),
+            # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT: a producer frees held blocks no
+            # consumer fetched after this long.
+            "abort_timeout_s": float(extra.get("abort_timeout_s", 480.0)),
+            "fetch_timeout_s": float(extra.get("fetch_timeout_s", 60.0)),
+        }
+
+    @property
+    def is_producer(self) -> bool:
+        return self.enabled and self.options["kv_role"] in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.enabled and self.options["kv_role"] in ("kv_consumer", "kv_both")
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """All engine configs; each field's type is one group of CLI flags."""
@@ -1580,6 +1705,7 @@ class VllmConfig:
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     weight_transfer_config: WeightTransferConfig = field(default_factory=WeightTransferConfig)
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         if self.speculative_config.uses_draft_model:
@@ -1630,6 +1756,12 @@ class VllmConfig:
                 "--kv-offloading-size needs prefix caching (the tier finds blocks by their "
                 "prefix hash): drop --no-enable-prefix-caching or --kv-offloading-size "
                 "(--enable-prefix-caching is the default)"
+            )
+        if self.kv_transfer_config.enabled and not self.cache_config.enable_prefix_caching:
+            # Blocks travel by their prefix hash, through the host-memory tier.
+            raise ValueError(
+                "--kv-transfer-config needs prefix caching (blocks travel by their prefix "
+                "hash): drop --no-enable-prefix-caching"
             )
         if self.kv_events_config.enabled and not self.cache_config.enable_prefix_caching:
             # The events name prefix-cache blocks: without prefix caching there are none.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.v1.outputs import TokenLogprobs
 
@@ -88,6 +89,9 @@ class RequestOutput:
     # --runner pooling: the prompt's embedding (vLLM's PoolingRequestOutput data), once
     # finished; such a request generates no token.
     pooled: list[float] | None = None
+    # A disaggregated prefill's answer (--kv-transfer-config), once finished: where its KV
+    # is held, for the consumer that decodes (vLLM's RequestOutput.kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def merge_delta(first: RequestOutput, then: RequestOutput) -> RequestOutput:

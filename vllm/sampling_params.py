@@ -309,6 +309,9 @@ class SamplingParams:
             value = self.extra_args.get(name)
             if value is not None and not isinstance(value, bool):
                 raise _bad(name, value, "must be a boolean")
+        transfer = self.extra_args.get("kv_transfer_params")
+        if transfer is not None and not isinstance(transfer, dict):
+            raise _bad("kv_transfer_params", transfer, "must be a dict")
         try:
             validate_cache_hints(self.extra_args)
         except ValueError as e:

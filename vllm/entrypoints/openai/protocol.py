@@ -91,11 +91,10 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "include_reasoning": lambda v: v is None or isinstance(v, bool),
     # Chat's (with --reasoning-parser); completions split no reasoning off.
     "thinking_token_budget": lambda v: v is None or v == -1,
-    # vLLM's, for what this engine does not have (a KV connector, multimodal inputs,
+    # vLLM's, for what this engine does not have (an encoder cache connector, multimodal inputs,
     # watermarks, prompt embeddings, MoE routing traces, logprobs of chosen token ids, the
     # render routes' offsets): accepted at the values that ask for nothing.
     "logprob_token_ids": _is_off,
-    "kv_transfer_params": _is_off,
     "ec_transfer_params": _is_off,
     "mm_payload": lambda v: v is None or v == "tensors",
     "media_io_kwargs": _is_off,
@@ -549,6 +548,9 @@ class _SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
+    # vLLM's disaggregated prefill (--kv-transfer-config): a router's instructions to the
+    # engine, passed on in SamplingParams.extra_args; the engine checks them.
+    kv_transfer_params: dict[str, Any] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -664,6 +666,19 @@ class _SamplingFields(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _prefill_answers_once(self) -> _SamplingFields:
+        transfer = self.kv_transfer_params or {}
+        if transfer.get("do_remote_decode") is True and self.stream:
+            # Its answer (where the KV is held) comes with the whole response, as vLLM's
+            # routers ask for it: a stream would leave the blocks held until they expire.
+            raise VLLMValidationError(
+                "kv_transfer_params.do_remote_decode needs stream false (the KV's location "
+                "comes with the whole response)",
+                "kv_transfer_params",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _length_penalty_needs_beams(self) -> _SamplingFields:
         if self.length_penalty != 1.0 and not self.use_beam_search:
             raise VLLMValidationError(
@@ -705,6 +720,8 @@ class _SamplingFields(BaseModel):
             args["cache_ttl_s"] = ttl
         if self.prompt_cache_retention is not None:
             args["cache_retention"] = self.prompt_cache_retention
+        if self.kv_transfer_params:
+            args["kv_transfer_params"] = self.kv_transfer_params
         return args or None
 
     def _logit_bias(self) -> dict[int, float] | None:

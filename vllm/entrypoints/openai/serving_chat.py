@@ -383,6 +383,8 @@ class OpenAIServingChat(OpenAIServing):
         }
         if request.return_token_ids:
             out["prompt_token_ids"] = final.prompt_token_ids
+        if final.kv_transfer_params is not None:  # a disaggregated prefill's (vLLM's)
+            out["kv_transfer_params"] = final.kv_transfer_params
         return out
 
     async def _beam_search(

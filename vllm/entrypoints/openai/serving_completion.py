@@ -184,6 +184,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     }
                 )
         body = {**base, "choices": choices, "usage": self.usage(finals).model_dump()}
+        if finals and finals[0].kv_transfer_params is not None:  # a disaggregated prefill's
+            body["kv_transfer_params"] = finals[0].kv_transfer_params
         return JSONResponse(body, headers=self.timing(received, StreamBatch(streams)))
 
     def sampling_params(

@@ -106,6 +106,8 @@ class EngineCoreOutput:
     queue_time_s: float | None = None
     num_prompt_tokens: int | None = None
     pooled: list[float] | None = None  # --runner pooling: the prompt's embedding
+    # A disaggregated prefill's answer (its finishing output): where its KV is held.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ from vllm.v1.engine import (
     EngineCoreRequestError,
     FinishReason,
 )
+from vllm.v1.engine.kv_transfer import KVTransferMixin
 from vllm.v1.engine.weight_sync import WeightSyncMixin
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, RequestFailure
@@ -104,7 +105,7 @@ def whole_images(config: SchedulerConfig, model: Any) -> None:
         )
 
 
-class EngineCore(WeightSyncMixin):
+class EngineCore(WeightSyncMixin, KVTransferMixin):
     """Owns the model runner and the scheduler. ``step`` = schedule, execute, update.
 
     ``clock`` (monotonic seconds) is the scheduler's and the policy's time source; a
@@ -141,6 +142,7 @@ class EngineCore(WeightSyncMixin):
         check_kv_capacity(vllm_config, self.num_gpu_blocks, self.model_runner.kv_cache_windows)
         self.model_runner.initialize_kv_cache(self.num_gpu_blocks)
         self.num_host_state_slots = 0  # the CPU tier's checkpoint slots (_init_kv_offload)
+        self._check_kv_transfer_model()
         self.num_cpu_blocks, block_bytes = self._init_kv_offload()
         policy = create_policy(
             vllm_config, decode=self._decode, clock=clock, has_kv_tier=self.num_cpu_blocks > 0
@@ -169,6 +171,7 @@ class EngineCore(WeightSyncMixin):
             state_checkpoint_host_slots=self.num_host_state_slots,
         )
         self.block_hasher = get_request_block_hasher(vllm_config.cache_config.block_size)
+        self._init_kv_transfer()  # --kv-transfer-config: the connector (None without)
         # Finished/preempted ids of steps the runner did not see (empty or failed steps),
         # delivered with the next step that runs it.
         self._undelivered_finished: set[str] = set()
@@ -204,7 +207,8 @@ class EngineCore(WeightSyncMixin):
         offload = self.vllm_config.offload_config
         policy_cls = get_policy_class(self.vllm_config.scheduler_config.policy)
         auto = offload.auto and (
-            policy_cls.wants_kv_tier and self.vllm_config.cache_config.enable_prefix_caching
+            (policy_cls.wants_kv_tier or self.vllm_config.kv_transfer_config.enabled)
+            and self.vllm_config.cache_config.enable_prefix_caching
         )
         if not (auto or offload.enabled):  # (VllmConfig refuses a tier without prefix caching)
             return 0, 0
@@ -279,12 +283,14 @@ class EngineCore(WeightSyncMixin):
             mm_features=request.mm_features,
             prompt_embeds=request.prompt_embeds,
         )
-        if not self.grammars.hold(core_request):
-            self.scheduler.add_request(core_request)
+        if self._take_for_transfer(core_request):  # its KV comes from a producer first
+            return
+        self._admit(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop these requests now and free their blocks (unknown ids are ignored)."""
         self.grammars.discard(request_ids)
+        self._cancel_fetches(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> None:
@@ -296,7 +302,11 @@ class EngineCore(WeightSyncMixin):
         """Schedule, execute, update. A request that fails inside the step is finished
         with an error (``EngineCoreOutputs.errors``); the engine goes on. The outputs
         carry the weights' version (``weight_version``) their tokens were sampled with."""
+        errors: list[EngineCoreRequestError] = []
+        self._kv_transfer_before_step(errors)  # fetched blocks in, their requests queued
         outputs = self._step()
+        self._kv_transfer_after_step()  # a producer's held blocks filled before they leave
+        outputs.errors[:0] = errors
         outputs.weight_version = self._weight_version
         return outputs
 
@@ -425,6 +435,7 @@ class EngineCore(WeightSyncMixin):
             self.scheduler.has_unfinished_requests()
             or len(self.grammars) > 0
             or self._in_flight is not None
+            or (self.kv_connector is not None and self.kv_connector.num_fetching > 0)
         )
 
     def has_work(self) -> bool:
@@ -438,8 +449,12 @@ class EngineCore(WeightSyncMixin):
         return len(self.grammars) > 0 and not self.is_paused()
 
     def next_wakeup(self) -> float | None:
-        """Clock time of the earliest pin deadline (an idle engine may sleep until then)."""
-        return self.scheduler.next_wakeup()
+        """Clock time of the earliest pin deadline (an idle engine may sleep until then), or
+        of the KV connector's (fetched blocks to take in, a producer's hold to end)."""
+        wakes = [self.scheduler.next_wakeup()]
+        if self.kv_connector is not None:
+            wakes.append(self.kv_connector.next_wakeup())
+        return min((w for w in wakes if w is not None), default=None)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's figures now (what a step's outputs carry), for an engine loop
@@ -447,6 +462,8 @@ class EngineCore(WeightSyncMixin):
         return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
+        if self.kv_connector is not None:  # held blocks are forgotten with the rest
+            self.kv_connector.drop_holds()
         return self.scheduler.reset_prefix_cache()
 
     # -- sleep mode (--enable-sleep-mode) -------------------------------------------------
@@ -508,7 +525,8 @@ class EngineCore(WeightSyncMixin):
     def _abort_all(self, outputs: EngineCoreOutputs) -> list[str]:
         """Abort every unfinished request, those waiting for their grammar included; their
         endings (finish_reason abort) are added to ``outputs``. Returns their ids."""
-        aborted = [*self.scheduler.requests, *self.grammars._held]
+        fetching = self.kv_connector.fetching_ids if self.kv_connector is not None else []
+        aborted = [*self.scheduler.requests, *self.grammars._held, *fetching]
         self.abort_requests(aborted)
         abort = FinishReason.ABORT
         outputs.outputs += [EngineCoreOutput(r, [], finish_reason=abort) for r in aborted]
@@ -580,6 +598,8 @@ class EngineCore(WeightSyncMixin):
         if profiler is not None and profiler.active:
             profiler.stop()  # what was recorded is still written
         self._in_flight = None  # its tokens are no one's now
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.scheduler.shutdown()
         self.model_runner.release()
 

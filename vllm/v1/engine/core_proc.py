@@ -69,9 +69,14 @@ class FrontEndGone:
     """Inbox item: the death pipe closed, the front end is gone."""
 
 
-# A decoded input with its receipt time, the error that replaced an invalid one, or the
-# death pipe's news.
-InboxItem = tuple[EngineCoreRequestType, Any, float] | ProtocolError | FrontEndGone
+class Wake:
+    """Inbox item: a thread of the engine has news for the loop (a KV connector's fetch is
+    back); the loop then asks ``next_wakeup`` again."""
+
+
+# A decoded input with its receipt time, the error that replaced an invalid one, the
+# death pipe's news, or a wake-up.
+InboxItem = tuple[EngineCoreRequestType, Any, float] | ProtocolError | FrontEndGone | Wake
 
 
 def _default_factory(vllm_config: VllmConfig):
@@ -139,6 +144,9 @@ class EngineCoreProc:
             self._close()
             self._stopped.set()
             raise
+        connector = getattr(self.engine, "kv_connector", None)
+        if connector is not None:  # its threads wake the loop when blocks arrive
+            connector.notify = lambda: self.inbox.put(Wake())
         if freeze_gc:  # for the process's life: its exit ends the hold
             freeze_gc_heap("engine core")
         ready = EngineCoreReady(num_gpu_blocks=self.engine.num_gpu_blocks, pid=os.getpid())
@@ -193,6 +201,8 @@ class EngineCoreProc:
             raise item
         if isinstance(item, FrontEndGone):
             self.running = False
+            return
+        if isinstance(item, Wake):
             return
         msg_type, payload, received = item
         match msg_type:

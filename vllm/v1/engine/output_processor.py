@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, WeightVersionSpan
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -107,6 +108,7 @@ class _RequestState:
     sequences: dict[str, _Sequence]  # engine-core request id -> sequence, in index order
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # a disaggregated prefill's answer
     # [None] + the prompt's logprobs when asked for (from the first sequence only).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     _sent_prompt_logprobs: bool = False  # DELTA: handed out once
@@ -276,6 +278,8 @@ class OutputProcessor:
         if out.queue_time_s is not None and m.queue_time is None:
             m.queue_time = out.queue_time_s
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            state.kv_transfer_params = out.kv_transfer_params
 
     def _make_output(
         self, state: _RequestState, updated: list[_Sequence], now: float
@@ -318,4 +322,5 @@ class OutputProcessor:
             metrics=state.metrics,
             prompt_logprobs=prompt_logprobs,
             pooled=next(iter(state.sequences.values())).pooled,
+            kv_transfer_params=state.kv_transfer_params if finished else None,
         )

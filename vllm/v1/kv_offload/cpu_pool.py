@@ -68,6 +68,10 @@ class CPUBlockPool:
         return self.num_blocks - len(self._free_ids)
 
     @property
+    def num_held_blocks(self) -> int:
+        return len(self._ref_cnt)
+
+    @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 

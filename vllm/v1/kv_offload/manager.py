@@ -32,7 +32,8 @@ class OffloadManager:
     """Plans the copies between the KV cache and a ``CPUBlockPool`` of ``num_blocks``.
 
     Counters (``num_saved``, ``num_loaded`` blocks, ``external_stats``) are deltas since
-    the last ``make_stats``. Invariant between steps: no tier block is held.
+    the last ``make_stats``. Between steps no tier block is held, except for a
+    remote reader (``save_and_hold`` / ``store_and_hold``, disaggregated prefill).
     """
 
     def __init__(
@@ -79,6 +80,28 @@ class OffloadManager:
         self._transfers.loads.extend(zip(cpu_ids, gpu_block_ids, strict=True))
         self.num_loaded += len(cpu_ids)
 
+    # -- holds for a remote reader (disaggregated prefill) -------------------------------
+    def save_and_hold(self, block: KVCacheBlock) -> int | None:
+        """Save ``block`` (unless the tier has its hash) and hold its tier block until
+        ``unhold``: no store evicts it meanwhile. None when every tier block is held. The
+        data is there once this step's plan has run."""
+        self.save(block)
+        if block.block_hash not in self.pool:
+            return None
+        return self.pool.acquire([block.block_hash])[0]
+
+    def store_and_hold(self, block_hash: BlockHash) -> tuple[int, bool] | None:
+        """A tier block for ``block_hash``, held until ``unhold``: (its id, whether the
+        caller must fill it: False when the tier had the hash). None when every block is
+        held."""
+        fill = block_hash not in self.pool
+        if fill and self.pool.allocate(block_hash) is None:
+            return None
+        return self.pool.acquire([block_hash])[0], fill
+
+    def unhold(self, block_ids: Sequence[int]) -> None:
+        self.pool.release(block_ids)
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """An admitted request looked up ``num_tokens`` and loaded ``num_hit_tokens``."""
         self.external_stats.requests += 1
@@ -108,8 +131,8 @@ class OffloadManager:
         return external, stats
 
     def can_reset(self) -> bool:
-        """No load of this step holds a tier block (between steps: always)."""
-        return not self._held
+        """No tier block is held: by a load of this step or for a remote reader."""
+        return not self._held and not self.pool.num_held_blocks
 
     def reset(self) -> bool:
         return self.can_reset() and self.pool.reset()

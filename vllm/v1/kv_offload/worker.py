@@ -200,6 +200,34 @@ class CPUOffloadingHandler:
     def size_bytes(self) -> int:
         return self.block_bytes * self.num_blocks
 
+    def synchronize(self) -> None:
+        """Wait for this handler's copies in flight (CUDA; nothing on the CPU)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def read_blocks(self, ids: Sequence[int]) -> list[torch.Tensor]:
+        """Copies of these tier blocks, one tensor per layer (``[K/V, len(ids), ...]``),
+        for a remote reader (``vllm.distributed.kv_transfer``). The caller holds the blocks
+        (no save overwrites them); a save still in flight into them is waited for."""
+        self.synchronize()
+        index = torch.tensor(list(ids), dtype=torch.long)
+        return [cache.index_select(1, index) for cache in self.cpu_caches]
+
+    def write_blocks(self, ids: Sequence[int], layers: Sequence[torch.Tensor]) -> None:
+        """Fill these tier blocks from ``layers`` (one tensor per layer, ``[K/V, len(ids),
+        ...]``, as ``read_blocks`` returns them), e.g. with blocks fetched from a peer. The
+        blocks must not be read by a copy in flight (the caller just allocated them)."""
+        if len(layers) != len(self.cpu_caches):
+            raise ValueError(f"{len(layers)} layers for a tier of {len(self.cpu_caches)}")
+        self.synchronize()
+        index = torch.tensor(list(ids), dtype=torch.long)
+        for cache, data in zip(self.cpu_caches, layers, strict=True):
+            cache.index_copy_(1, index, data)
+
+    def layouts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Each layer's block layout (its shape without the block dimension) and dtype."""
+        return [((t.shape[0], *t.shape[2:]), t.dtype) for t in self.cpu_caches]
+
     def transfer(self, plan: KVOffloadTransfers) -> None:
         """Run every save, then every load (the plan's contract)."""
         if self.stream is None:

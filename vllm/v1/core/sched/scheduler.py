@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from vllm.config import SpeculativeConfig, VllmConfig
 from vllm.distributed.kv_events import KVEventLog, ZmqEventPublisher
@@ -45,6 +46,12 @@ from vllm_continuum.cache_hints import ttl_with_floor
 from vllm_continuum.policy import FinishedAction, Offload, Pin, Policy
 
 logger = logging.getLogger(__name__)
+
+
+class KVTransferHook(Protocol):
+    """What the scheduler asks of a KV connector (``vllm.distributed.kv_transfer``)."""
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None: ...
 
 
 class PauseState(enum.IntEnum):
@@ -183,6 +190,9 @@ class Scheduler:
         # for the token they sample; update_from_output takes them back in order.
         self.async_scheduling = self.config.async_scheduling
         self._scheduled: deque[tuple[dict[str, Request], list[Request]]] = deque()
+        # --kv-transfer-config: the engine's connector (disaggregated prefill), told of
+        # each finished request before its blocks are freed.
+        self.kv_transfer: KVTransferHook | None = None
         # Last: its socket and thread are not left behind by a constructor that failed.
         self.kv_event_publisher = ZmqEventPublisher(events.options) if events.enabled else None
 
@@ -706,7 +716,7 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens if first else None,
             )
             if stopped:
-                self._finish(request, now)
+                output.kv_transfer_params = self._finish(request, now)
             outputs.append(output)
         if not with_stats:
             self.publish_kv_events()
@@ -756,12 +766,17 @@ class Scheduler:
             errors.append(EngineCoreRequestError(req_id, failure.message, failure.internal))
         return errors
 
-    def _finish(self, request: Request, now: float) -> None:
-        """A request stopped: the policy decides between freeing and pinning its blocks."""
+    def _finish(self, request: Request, now: float) -> dict | None:
+        """A request stopped: the policy decides between freeing and pinning its blocks.
+        Returns the ``kv_transfer_params`` of a disaggregated prefill (its blocks held in
+        the CPU tier for a consumer: ``kv_transfer``), else None."""
         self.running.remove(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self._release_states(request, keep=True)  # the job's next turn may start from it
+        params = None
+        if self.kv_transfer is not None:  # before the blocks are freed
+            params = self.kv_transfer.request_finished(request)
         action = self._with_cache_hints(request, self.policy.on_finished(request, now))
         # Without prefix caching (--no-enable-prefix-caching) no later request can hit a
         # pinned block: the pin would only hold memory. Freed.
@@ -771,6 +786,7 @@ class Scheduler:
             # Offload: copied to the CPU tier first (a plain free when there is none).
             offload = isinstance(action, Offload) and request.sampling_params.may_offload
             self.kv_cache_manager.free(request, offload=offload)
+        return params
 
     def _release_states(self, request: Request, keep: bool) -> None:
         """A request stops running: its recurrent-state checkpoint into the cache
