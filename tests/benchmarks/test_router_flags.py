@@ -148,3 +148,97 @@ def test_a_forwarder_republishes_a_unix_socket_on_loopback_tcp(tmp_path):
         publisher.shutdown()
         ctx.destroy(linger=0)
     assert not forwarder._thread.is_alive()
+
+
+# -- disaggregated prefill (--pd): producers, consumers, the router's P/D mode --------------
+
+
+def test_pd_counts_are_prefill_colon_decode():
+    from vllm.benchmarks.router import parse_pd
+
+    assert parse_pd("1:1") == (1, 1) and parse_pd("2:3") == (2, 3)
+    for bad in ("2", "0:1", "1:0", "a:b", "1:2:3", ""):
+        with pytest.raises(ValueError, match="PREFILL:DECODE"):
+            parse_pd(bad)
+
+
+def test_each_side_gets_a_kv_transfer_config_of_its_role():
+    from vllm.benchmarks.router import pd_serve_args
+
+    serve = ["--num-gpu-blocks-override", "128"]
+    for role in ("kv_producer", "kv_consumer"):
+        args = pd_serve_args(serve, role)
+        assert args[:2] == serve and args[2] == "--kv-transfer-config"
+        assert json.loads(args[3]) == {"kv_connector": "TcpConnector", "kv_role": role}
+    # The user's config keeps its keys; a fixed block-server port is per producer.
+    config = (
+        '{"kv_connector": "NixlConnector", "kv_port": 7000, "kv_load_failure_policy": "recompute"}'
+    )
+    for form in (["--kv-transfer-config", config], [f"--kv-transfer-config={config}"]):
+        got = json.loads(pd_serve_args(form, "kv_producer", 2)[1])
+        assert got == {
+            "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_port": 7002,
+            "kv_load_failure_policy": "recompute",
+        }  # fmt: skip
+        assert json.loads(pd_serve_args(form, "kv_consumer", 2)[1])["kv_port"] == 7000
+
+
+@pytest.mark.parametrize(
+    "args, role, match",
+    [
+        (["--kv-transfer-config", '{"kv_role": "kv_both"}'], "kv_producer", "sets each"),
+        (["--kv-transfer-config", "[1]"], "kv_consumer", "must be a JSON object"),
+        ([], "kv_both", "role must be"),
+    ],
+)
+def test_pd_serve_args_refused(args, role, match):
+    from vllm.benchmarks.router import pd_serve_args
+
+    with pytest.raises(ValueError, match=match):
+        pd_serve_args(args, role)
+
+
+def test_the_router_runs_vllm_s_pd_mode_over_both_groups():
+    from vllm.benchmarks.router import pd_worker_flags
+
+    flags = pd_worker_flags(["http://p0", "http://p1"], ["http://d0"])
+    assert flags == [
+        "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+        "--prefill", "http://p0", "--prefill", "http://p1", "--decode", "http://d0",
+    ]  # fmt: skip
+    # What vllm-router 0.1.17's own parser makes of them.
+    pytest.importorskip("vllm_router")
+    from vllm_router.router_args import RouterArgs
+
+    parser = __import__("argparse").ArgumentParser()
+    RouterArgs.add_cli_args(parser)
+    parsed = RouterArgs.from_cli_args(parser.parse_args([*flags, *router_flags("round_robin")]))
+    assert parsed.vllm_pd_disaggregation and parsed.kv_connector == "nixl"
+    assert parsed.prefill_urls == [("http://p0", None), ("http://p1", None)]
+    assert parsed.decode_urls == ["http://d0"] and parsed.policy == "round_robin"
+
+
+@pytest.mark.parametrize(
+    "counts, policy, match",
+    [((0, 1), "consistent_hash", "a producer and a consumer"), ((1, 1), "program", "policy"),
+     ((1, 1), "kv_aware", "policy")],
+)  # fmt: skip
+def test_pd_fleets_refused_before_anything_starts(counts, policy, match):
+    from vllm.benchmarks.router import PDSet
+
+    with pytest.raises(ValueError, match=match):
+        PDSet(*counts, policy=policy)
+
+
+def test_the_launcher_s_pd_flag(capsys):
+    from vllm.benchmarks.router import main
+
+    assert make_parser().parse_args(["--pd", "2:1"]).pd == "2:1"
+    assert make_parser().parse_args([]).pd is None  # --replicas mode by default
+    for argv, match in (
+        (["--pd", "1"], "PREFILL:DECODE"),
+        (["--pd", "1:1", "--policy", "program"], "--pd takes --policy"),
+    ):
+        with pytest.raises(SystemExit):
+            main([*argv, "--", "--num-gpu-blocks-override", "8"])
+        assert match in capsys.readouterr().err

@@ -8,6 +8,12 @@ Each replica is a ``RemoteServer`` (its own process group, a free 127.0.0.1 port
 the ``vllm-router`` wheel) listens on ``--port`` and forwards to them. Ctrl-C, SIGTERM or
 SIGHUP stops the router, then every replica's whole process group: nothing is left.
 docs/router.md says which identity routes a job (``X-Session-ID``) and pins it.
+
+    python -m vllm.benchmarks.router --pd 1:1 -- --num-gpu-blocks-override 256
+
+``--pd P:D`` starts disaggregated prefill instead (``PDSet``): P ``kv_producer`` and D
+``kv_consumer`` servers (``--kv-transfer-config``, TcpConnector) behind the router's
+``--vllm-pd-disaggregation``, which prefills on a producer and decodes on a consumer.
 """
 
 from __future__ import annotations
@@ -280,31 +286,20 @@ class ReplicaSet:
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
-        self.router_args = router_flags(policy, router_args, program_config)
-        if not router_installed():
-            raise RuntimeError("vllm-router is not installed: pip install vllm-router==0.1.17")
-        self.replicas: list[RemoteServer] = []
-        self.router: subprocess.Popen | None = None
-        self._log: IO[str] | None = None
-        self._forwarders: list[EventForwarder] = []
-        self._socket_dir: str | None = None
-        env = {**os.environ, "VLLM_CPU_THREADS": str(threads_per_replica)}
-        logs = Path(log_dir) if log_dir else None
-        if logs:
-            logs.mkdir(parents=True, exist_ok=True)
+        env, logs = self._init_fleet(
+            router_flags(policy, router_args, program_config), threads_per_replica, log_dir
+        )
         kv_aware = policy == KV_AWARE
         if kv_aware:  # the replicas' event sockets (removed by stop())
             self._socket_dir = tempfile.mkdtemp(prefix="vllm-kv-events-")
         events: list[dict | None] = []
         try:
-            for i in range(replicas):  # all load at once
-                log = str(logs / f"replica{i}.log") if logs else None
+            launches = []
+            for i in range(replicas):
                 args, config = replica_kv_events(serve_args, i, self._socket_dir)
                 events.append(config)
-                server = RemoteServer(*args, timeout_s=timeout_s, log_path=log, env=env, wait=False)
-                self.replicas.append(server)
-            for server in self.replicas:
-                server.wait_healthy()
+                launches.append((f"replica{i}", args))
+            self._start_replicas(launches, logs, env, timeout_s)
             if kv_aware:  # the router subscribes to every replica's events
                 block, _ = _take_flag(serve_args, "--block-size")
                 model = self.replicas[0].served_model(_take_flag(serve_args, "--api-key")[0])
@@ -318,6 +313,53 @@ class ReplicaSet:
         except BaseException:
             self.stop()
             raise
+
+    def _init_fleet(
+        self, router_args: list[str], threads_per_replica: int, log_dir: str | None
+    ) -> tuple[dict[str, str], Path | None]:
+        """The empty fleet (nothing started): the router's flags, and the replicas'
+        environment and log folder (made here)."""
+        if not router_installed():
+            raise RuntimeError("vllm-router is not installed: pip install vllm-router==0.1.17")
+        self.router_args = router_args
+        self.replicas: list[RemoteServer] = []
+        self.router: subprocess.Popen | None = None
+        self._log: IO[str] | None = None
+        self._forwarders: list[EventForwarder] = []
+        self._socket_dir: str | None = None
+        env = {**os.environ, "VLLM_CPU_THREADS": str(threads_per_replica)}
+        logs = Path(log_dir) if log_dir else None
+        if logs:
+            logs.mkdir(parents=True, exist_ok=True)
+        return env, logs
+
+    def _start_replicas(
+        self,
+        launches: Sequence[tuple[str, Sequence[str]]],
+        logs: Path | None,
+        env: dict[str, str],
+        timeout_s: float,
+    ) -> None:
+        """One ``RemoteServer`` per (name, serve arguments), appended to ``replicas`` (its
+        output in ``<name>.log`` under ``logs``); all load at once, then each is waited for."""
+        for name, args in launches:
+            log = str(logs / f"{name}.log") if logs else None
+            server = RemoteServer(*args, timeout_s=timeout_s, log_path=log, env=env, wait=False)
+            self.replicas.append(server)
+        for server in self.replicas:
+            server.wait_healthy()
+
+    def _worker_flags(self) -> list[str]:
+        """The router's flags that name the replicas."""
+        return ["--worker-urls", *(r.base for r in self.replicas)]
+
+    def groups(self) -> list[list[int]]:
+        """Replica indices by role: the fleet serves while each group has one alive."""
+        return [list(range(len(self.replicas)))]
+
+    def names(self) -> list[str]:
+        """Each replica's name in messages."""
+        return [f"replica {i}" for i in range(len(self.replicas))]
 
     def _event_source(self, replica: RemoteServer, config: dict) -> tuple[str, str, str | None]:
         """(URL, event address, replay address) of a replica for the router: its own TCP
@@ -336,7 +378,7 @@ class ReplicaSet:
             sys.executable, "-m", "vllm_router.launch_router",
             "--host", LOOPBACK,
             "--port", str(self.port),
-            "--worker-urls", *(r.base for r in self.replicas),
+            *self._worker_flags(),
             "--prometheus-host", LOOPBACK,
             "--prometheus-port", str(get_open_port()),
             "--worker-startup-check-interval", "1",
@@ -380,6 +422,117 @@ class ReplicaSet:
         self.stop()
 
 
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+KV_CONNECTOR = "TcpConnector"  # this engine's transport for vLLM's NIXL protocol
+PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
+# The routings a P/D router takes: its own policies, except kv_aware (its prefill side
+# needs --pd-kv-events sources, not wired here) and our Program layer.
+PD_ROUTINGS = tuple(p for p in ROUTING_POLICIES if p != KV_AWARE)
+
+
+def parse_pd(text: str) -> tuple[int, int]:
+    """``"P:D"`` (``--pd``): how many producers (prefill) and consumers (decode)."""
+    prefill, sep, decode = text.partition(":")
+    try:
+        counts = int(prefill), int(decode)
+    except ValueError:
+        counts = (0, 0)
+    if not sep or min(counts) < 1:
+        raise ValueError(f"--pd must be PREFILL:DECODE, two counts of at least 1, got {text!r}")
+    return counts
+
+
+def pd_serve_args(serve_args: Sequence[str], role: str, index: int = 0) -> list[str]:
+    """A producer's or consumer's serve arguments: ``serve_args`` with a
+    ``--kv-transfer-config`` of ``role``. A config in ``serve_args`` keeps its other keys
+    (connector ``TcpConnector`` when it names none); a fixed ``kv_port`` becomes
+    ``kv_port + index`` (producer ``index``'s block server; consumers bind none)."""
+    if role not in (PRODUCER, CONSUMER):
+        raise ValueError(f"role must be {PRODUCER!r} or {CONSUMER!r}, got {role!r}")
+    value, rest = _take_flag(serve_args, KV_TRANSFER_FLAG)
+    config = parse_json_object(value, KV_TRANSFER_FLAG) if value is not None else {}
+    if "kv_role" in config:
+        raise ValueError(f"{KV_TRANSFER_FLAG}: --pd sets each replica's kv_role; drop it")
+    config.setdefault("kv_connector", KV_CONNECTOR)
+    config["kv_role"] = role
+    if config.get("kv_port") and role == PRODUCER:
+        config["kv_port"] = int(config["kv_port"]) + index
+    return [*rest, KV_TRANSFER_FLAG, json.dumps(config, separators=(",", ":"))]
+
+
+def pd_worker_flags(prefill_urls: Sequence[str], decode_urls: Sequence[str]) -> list[str]:
+    """vllm-router's vLLM P/D mode over these producers and consumers (``nixl``: the
+    two-stage kv_transfer_params exchange, which TcpConnector speaks)."""
+    flags = ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+    for url in prefill_urls:
+        flags += ["--prefill", url]
+    for url in decode_urls:
+        flags += ["--decode", url]
+    return flags
+
+
+class PDSet(ReplicaSet):
+    """Disaggregated prefill behind the router: ``num_prefill`` producers and
+    ``num_decode`` consumers, each ``vllm serve`` with ``serve_args`` and a
+    ``--kv-transfer-config`` of its role (``pd_serve_args``), and vllm-router in
+    ``--vllm-pd-disaggregation`` mode in front (``policy`` for both sides; one of
+    ``PD_ROUTINGS``). ``prefills``/``decodes`` are the two groups; ``replicas`` is both,
+    producers first. Start-up, logs (``prefill<i>.log``, ``decode<i>.log``,
+    ``router.log``), the fast failover and ``stop()`` are ``ReplicaSet``'s."""
+
+    def __init__(
+        self,
+        num_prefill: int,
+        num_decode: int,
+        serve_args: Sequence[str] = (),
+        policy: str = "consistent_hash",
+        router_args: Sequence[str] = (),
+        port: int | None = None,
+        threads_per_replica: int = 1,
+        log_dir: str | None = None,
+        timeout_s: float = 240.0,
+    ) -> None:
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError(f"P/D needs a producer and a consumer, got {num_prefill}:{num_decode}")
+        if policy not in PD_ROUTINGS:
+            raise ValueError(f"a P/D router's policy must be one of {PD_ROUTINGS}, got {policy!r}")
+        launches = [(f"prefill{i}", pd_serve_args(serve_args, PRODUCER, i))
+                    for i in range(num_prefill)]  # fmt: skip
+        launches += [(f"decode{i}", pd_serve_args(serve_args, CONSUMER)) for i in range(num_decode)]
+        self.num_prefill = num_prefill
+        env, logs = self._init_fleet(
+            router_flags(policy, router_args), threads_per_replica, log_dir
+        )
+        try:
+            self._start_replicas(launches, logs, env, timeout_s)
+            self.port = port or get_open_port()
+            self.base = f"http://{LOOPBACK}:{self.port}"
+            self._start_router(logs, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def prefills(self) -> list[RemoteServer]:
+        return self.replicas[: self.num_prefill]
+
+    @property
+    def decodes(self) -> list[RemoteServer]:
+        return self.replicas[self.num_prefill :]
+
+    def _worker_flags(self) -> list[str]:
+        return pd_worker_flags([r.base for r in self.prefills], [r.base for r in self.decodes])
+
+    def groups(self) -> list[list[int]]:
+        n = len(self.replicas)
+        return [list(range(self.num_prefill)), list(range(self.num_prefill, n))]
+
+    def names(self) -> list[str]:
+        return [f"prefill {i}" for i in range(self.num_prefill)] + [
+            f"decode {i}" for i in range(len(self.replicas) - self.num_prefill)
+        ]
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vllm.benchmarks.router",
@@ -387,6 +540,13 @@ def make_parser() -> argparse.ArgumentParser:
         "to every `vllm serve`.",
     )
     parser.add_argument("--replicas", type=int, default=2, help="how many `vllm serve`")
+    parser.add_argument(
+        "--pd",
+        metavar="PREFILL:DECODE",
+        default=None,
+        help="disaggregated prefill instead of --replicas: this many kv_producer and "
+        "kv_consumer servers (TcpConnector) behind the router's --vllm-pd-disaggregation",
+    )
     parser.add_argument(
         "--policy",
         choices=ROUTINGS,
@@ -415,16 +575,18 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _watch(fleet: ReplicaSet) -> int:
-    """Serve until the router exits or the last replica does (the router fails the jobs
-    of a dead replica over to the others); 1 then, after saying which."""
+    """Serve until the router exits or the last replica of a group does (the router fails
+    the jobs of a dead replica over to the others; a P/D fleet needs a producer and a
+    consumer); 1 then, after saying which."""
     dead: set[int] = set()
+    names = fleet.names()
     while fleet.router is not None and fleet.router.poll() is None:
         for i, replica in enumerate(fleet.replicas):
             if i not in dead and replica.proc.poll() is not None:
                 dead.add(i)
-                print(f"replica {i} exited ({replica.proc.returncode})", file=sys.stderr)
-        if len(dead) == len(fleet.replicas):
-            print("every replica exited; stopping the router", file=sys.stderr)
+                print(f"{names[i]} exited ({replica.proc.returncode})", file=sys.stderr)
+        if any(dead.issuperset(group) for group in fleet.groups()):
+            print("every replica of a role exited; stopping the router", file=sys.stderr)
             return 1
         time.sleep(1.0)
     print("vllm-router exited; stopping the replicas", file=sys.stderr)
@@ -442,6 +604,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         program_config = program_scheduling_config(overrides=args.program_config_json)
     elif args.program_config_json is not None:
         parser.error("--program-config-json needs --policy program")
+    pd = None
+    if args.pd is not None:
+        try:
+            pd = parse_pd(args.pd)
+        except ValueError as e:
+            parser.error(str(e))
+        if args.policy not in PD_ROUTINGS:
+            parser.error(f"--pd takes --policy {' / '.join(PD_ROUTINGS)}, not {args.policy}")
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -449,20 +619,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:
-        with ReplicaSet(
-            args.replicas,
-            serve_args,
+        common = dict(
             policy=args.policy,
             router_args=args.router_arg,
             port=args.port,
             threads_per_replica=args.threads_per_replica,
             log_dir=args.log_dir,
             timeout_s=args.timeout,
-            program_config=program_config,
-        ) as fleet:
-            for i, replica in enumerate(fleet.replicas):
-                print(f"replica {i}: {replica.base}", flush=True)
-            print(f"vllm-router ({args.policy}): {fleet.base}  (Ctrl-C stops all)", flush=True)
+        )
+        if pd is not None:
+            fleet = PDSet(*pd, serve_args, **common)
+            mode = f"P/D {args.pd}, {args.policy}"
+        else:
+            fleet = ReplicaSet(args.replicas, serve_args, program_config=program_config, **common)
+            mode = args.policy
+        with fleet:
+            for name, replica in zip(fleet.names(), fleet.replicas, strict=True):
+                print(f"{name}: {replica.base}", flush=True)
+            print(f"vllm-router ({mode}): {fleet.base}  (Ctrl-C stops all)", flush=True)
             return _watch(fleet)
     except KeyboardInterrupt:
         return 130
