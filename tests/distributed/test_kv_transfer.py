@@ -214,11 +214,11 @@ def test_decode_from_fetched_blocks_matches_a_plain_engine(engines):
     assert params["do_remote_prefill"] is True and params["remote_port"] > 0
     assert params["remote_num_tokens"] >= full * bs
     assert held(producer) == len(params["remote_block_ids"])
-    before = connector.stats.blocks_received
+    before = connector.totals().blocks_received
     out = consumer.generate(ROME, greedy(**params))[0]
     assert out.outputs[0].token_ids == plain.generate(ROME, greedy())[0].outputs[0].token_ids
     assert out.num_cached_tokens == full * bs  # every block but the last token's came over
-    assert connector.stats.blocks_received - before == full
+    assert connector.totals().blocks_received - before == full
     assert held(consumer) == 0  # its hold ended once the request was scheduled
     producer.engine_core.step()  # the producer's loop takes the served hold back
     assert held(producer) == 0 and not producer.engine_core.kv_connector._holds
@@ -226,12 +226,12 @@ def test_decode_from_fetched_blocks_matches_a_plain_engine(engines):
     # The job's next turn: the consumer still has the first turn's blocks (prefix cache),
     # so only the new ones travel.
     params2 = prefill(producer, ROME + MORE)
-    before = connector.stats.blocks_received
+    before = connector.totals().blocks_received
     out2 = consumer.generate(ROME + MORE, greedy(**params2))[0]
     expected = plain.generate(ROME + MORE, greedy())[0].outputs[0].token_ids
     assert out2.outputs[0].token_ids == expected
     n2 = len(producer.get_tokenizer().encode(ROME + MORE))
-    assert connector.stats.blocks_received - before == (n2 - 1) // bs - full
+    assert connector.totals().blocks_received - before == (n2 - 1) // bs - full
     producer.engine_core.step()
     assert held(producer) == 0
 
@@ -269,7 +269,7 @@ def test_an_unfetched_hold_expires(engines):
     for hold in connector._holds.values():
         hold.expires = 0.0
     producer.engine_core.step()
-    assert held(producer) == 0 and connector.stats.expired_holds >= 1
+    assert held(producer) == 0 and connector.totals().expired_holds >= 1
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ import zmq
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.transport import KVBlockServer, TransferError, request_blocks
+from vllm.v1.metrics.stats import KVTransferStats
 from vllm.v1.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FETCH_THREADS = 4
+COUNTERS = (
+    "blocks_sent", "blocks_received", "bytes_received", "fetch_seconds", "failed_fetches",
+    "expired_holds",
+)  # fmt: skip
 IDLE_WAIT_S = 0.05  # the longest an otherwise idle step waits for a fetch
 
 
@@ -118,18 +123,6 @@ class _Fetch:
     cancelled: bool = False
 
 
-@dataclass
-class TransferStats:
-    """Counts since the last ``take_stats``."""
-
-    blocks_sent: int = 0
-    blocks_received: int = 0
-    bytes_received: int = 0
-    fetch_seconds: float = 0.0
-    failed_fetches: int = 0
-    expired_holds: int = 0
-
-
 class KVTransferConnector:
     """One engine's producer and consumer sides (``kv_role`` says which run).
 
@@ -160,7 +153,8 @@ class KVTransferConnector:
         self.clock = clock
         self.notify: Callable[[], None] = lambda: None  # the engine loop's wake-up
         self._news = threading.Event()  # a fetch arrived (for an idle step's wait)
-        self.stats = TransferStats()
+        self.stats = KVTransferStats()  # deltas since take_stats
+        self._taken: list[KVTransferStats] = []  # what take_stats handed out (totals)
         self.ctx = zmq.Context()
         # Producer: holds by request id (the server thread reads them under the lock).
         self._lock = threading.Lock()
@@ -445,6 +439,24 @@ class KVTransferConnector:
         for ids in self._consumer_holds.values():
             self.offload.unhold(ids)
         self._consumer_holds.clear()
+
+    def take_stats(self) -> KVTransferStats:
+        """The counts since the previous call, with the holds and fetches now."""
+        stats, self.stats = self.stats, KVTransferStats()
+        self._taken.append(stats)
+        with self._lock:
+            stats.held_requests = len(self._holds)
+        stats.fetching_requests = len(self._fetching)
+        return stats
+
+    def totals(self) -> KVTransferStats:
+        """The counters since the start (for tests and logs)."""
+
+        def total(parts: list[KVTransferStats]) -> KVTransferStats:
+            return KVTransferStats(**{f: sum(getattr(p, f) for p in parts) for f in COUNTERS})
+
+        self._taken = [total(self._taken)]  # kept short
+        return total([*self._taken, self.stats])
 
     @property
     def num_fetching(self) -> int:

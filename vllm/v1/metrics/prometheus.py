@@ -175,6 +175,47 @@ SCHEDULER_METRICS = (
         "Bytes copied between the KV cache and the CPU tier.",
         "offload_stats.bytes_moved",
     ),
+    # Disaggregated prefill (--kv-transfer-config); none without it.
+    _gauge(
+        "vllm:kv_transfer_held_requests",
+        "Finished prefills whose KV blocks are held for a consumer's fetch.",
+        "kv_transfer_stats.held_requests",
+    ),
+    _gauge(
+        "vllm:kv_transfer_fetching_requests",
+        "Requests waiting for their KV blocks from a producer.",
+        "kv_transfer_stats.fetching_requests",
+    ),
+    _counter(
+        "vllm:kv_transfer_blocks_sent",
+        "KV blocks sent to consumers.",
+        "kv_transfer_stats.blocks_sent",
+    ),
+    _counter(
+        "vllm:kv_transfer_blocks_received",
+        "KV blocks fetched from producers.",
+        "kv_transfer_stats.blocks_received",
+    ),
+    _counter(
+        "vllm:kv_transfer_bytes_received",
+        "Bytes of KV fetched from producers.",
+        "kv_transfer_stats.bytes_received",
+    ),
+    _counter(
+        "vllm:kv_transfer_fetch_seconds",
+        "Seconds requests waited for their KV blocks, summed.",
+        "kv_transfer_stats.fetch_seconds",
+    ),
+    _counter(
+        "vllm:kv_transfer_failed_fetches",
+        "Fetches of KV blocks that failed.",
+        "kv_transfer_stats.failed_fetches",
+    ),
+    _counter(
+        "vllm:kv_transfer_expired_holds",
+        "Held prefills no consumer fetched in time (vLLM's nixl_num_kv_expired_reqs).",
+        "kv_transfer_stats.expired_holds",
+    ),
     # A recurrent model's checkpoints of recurrent states (prefix hits restart from
     # them: state_checkpoints.py); none for other models.
     _gauge(

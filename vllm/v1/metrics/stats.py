@@ -38,6 +38,21 @@ class OffloadStats:
 
 
 @dataclass
+class KVTransferStats:
+    """Disaggregated prefill (--kv-transfer-config): holds and fetches now (gauges) and,
+    since the previous report (deltas), the blocks that moved and what went wrong."""
+
+    held_requests: int = 0  # producer: finished prefills whose blocks wait for a fetch
+    fetching_requests: int = 0  # consumer: requests waiting for their blocks
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    bytes_received: int = 0
+    fetch_seconds: float = 0.0  # summed over the fetches that ended
+    failed_fetches: int = 0
+    expired_holds: int = 0  # producer: holds no consumer fetched in time
+
+
+@dataclass
 class StateCheckpointStats:
     """A recurrent model's checkpoints of recurrent states (state_checkpoints.py):
     the cache's size (gauge) and, since the previous report (deltas), the states saved at
@@ -109,6 +124,8 @@ class SchedulerStats:
     # The CPU KV tier's lookups (vLLM's external prefix cache) and copies; None: no tier.
     connector_prefix_cache_stats: PrefixCacheStats | None = None
     offload_stats: OffloadStats | None = None
+    # --kv-transfer-config's connector; None without.
+    kv_transfer_stats: KVTransferStats | None = None
     # A model with recurrent layers, with prefix caching; None otherwise.
     state_checkpoint_stats: StateCheckpointStats | None = None
     # Tokens the step computed (prompt chunks and decodes); 0: a report without a step.

@@ -37,7 +37,7 @@ from vllm.v1.engine import (
     EngineCoreRequestError,
     FinishReason,
 )
-from vllm.v1.metrics.stats import SchedulerStats, SpecDecodingStats
+from vllm.v1.metrics.stats import KVTransferStats, SchedulerStats, SpecDecodingStats
 from vllm.v1.outputs import ModelRunnerOutput, RequestFailure
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer, drafts_allowed
@@ -52,6 +52,8 @@ class KVTransferHook(Protocol):
     """What the scheduler asks of a KV connector (``vllm.distributed.kv_transfer``)."""
 
     def request_finished(self, request: Request) -> dict[str, Any] | None: ...
+
+    def take_stats(self) -> KVTransferStats: ...
 
 
 class PauseState(enum.IntEnum):
@@ -847,6 +849,10 @@ class Scheduler:
         offload = self.kv_cache_manager.offload
         if offload is not None:
             stats.connector_prefix_cache_stats, stats.offload_stats = offload.make_stats()
+        if self.kv_transfer is not None:
+            stats.kv_transfer_stats = self.kv_transfer.take_stats()
+            # Waiting for their blocks (vLLM's WAITING_FOR_REMOTE_KVS counts as waiting).
+            stats.num_waiting_reqs += stats.kv_transfer_stats.fetching_requests
         if self.state_checkpoints is not None:
             stats.state_checkpoint_stats = self.state_checkpoints.take_stats()
         if self.spec_method is not None:
