@@ -169,10 +169,15 @@ def test_request_fields_reach_the_sampling_params():
     for body, param in (({"truncation_side": "middle"}, "truncation_side"),
                         ({"request_id": ""}, "request_id"),
                         ({"logprob_token_ids": [3]}, "logprob_token_ids"),
-                        ({"kv_transfer_params": {"x": 1}}, "kv_transfer_params"),
+                        ({"kv_transfer_params": {"do_remote_decode": True}, "stream": True},
+                         "kv_transfer_params"),
                         ({"mm_processor_kwargs": {"size": 1}}, "mm_processor_kwargs")):  # fmt: skip
         with pytest.raises(ValidationError, match=param):
             CompletionRequest.model_validate({"prompt": "x", **body})
+    # Disaggregated prefill's params travel to the engine (which checks them).
+    transfer = CompletionRequest.model_validate({"prompt": "x", "kv_transfer_params": {"a": 1}})
+    extra = transfer.to_sampling_params(4, None, False).extra_args
+    assert extra == {"kv_transfer_params": {"a": 1}}
     # Chat takes images, and so their processor's arguments (checked by the engine).
     chat = ChatCompletionRequest(messages=MESSAGES, mm_processor_kwargs={"max_pixels": 9})
     assert chat.mm_processor_kwargs == {"max_pixels": 9}

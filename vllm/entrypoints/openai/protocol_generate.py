@@ -204,9 +204,12 @@ class GenerateRequest(BaseModel):
     stream's first chunk). ``job_id`` / ``is_last_step``: the agent metadata, as on the
     other routes (also in ``sampling_params.extra_args``).
 
+    ``kv_transfer_params``: disaggregated prefill (--kv-transfer-config), as on the other
+    routes; a producer's answer is the response's ``kv_transfer_params``.
+
     Taken and refused (a 400 naming it) unless empty: the multimodal ``features`` and
-    ``content_parts``, the disaggregation ``kv_transfer_params`` and
-    ``ec_transfer_params``, ``reasoning_ended`` and ``reasoning_parser_kwargs``."""
+    ``content_parts``, ``ec_transfer_params``, ``reasoning_ended`` and
+    ``reasoning_parser_kwargs``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -243,7 +246,6 @@ class GenerateRequest(BaseModel):
         refused = {
             "features": "multimodal inputs",
             "content_parts": "multimodal inputs",
-            "kv_transfer_params": "KV transfer (disaggregated prefill)",
             "ec_transfer_params": "encoder-cache transfer",
             "reasoning_ended": "the reasoning state",
             "reasoning_parser_kwargs": "the reasoning state",
@@ -253,6 +255,12 @@ class GenerateRequest(BaseModel):
                 raise VLLMValidationError(
                     f"{name} is not supported yet ({what} on the tokens route)", name
                 )
+        if (self.kv_transfer_params or {}).get("do_remote_decode") is True and self.stream:
+            raise VLLMValidationError(
+                "kv_transfer_params.do_remote_decode needs stream false (the KV's location "
+                "comes with the whole response)",
+                "kv_transfer_params",
+            )
         if self.output_mode == "text" and not self.sampling_params.detokenize:
             raise VLLMValidationError(
                 "output_mode 'text' needs sampling_params.detokenize true", "output_mode"
@@ -272,6 +280,8 @@ class GenerateRequest(BaseModel):
         for name in AGENT_FIELDS:
             if getattr(self, name) is not None:
                 extra[name] = getattr(self, name)
+        if self.kv_transfer_params:
+            extra["kv_transfer_params"] = self.kv_transfer_params
         return self.sampling_params.to_sampling_params(self.stream, extra or None)
 
 

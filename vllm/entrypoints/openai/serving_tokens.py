@@ -119,7 +119,7 @@ class OpenAIServingTokens(OpenAIServing):
             "usage": self.usage([final]).model_dump(),
             "prompt_logprobs": self.prompt_logprobs(final.prompt_logprobs),
             "prompt_token_ids": final.prompt_token_ids if request.return_token_ids else None,
-            "kv_transfer_params": None,
+            "kv_transfer_params": final.kv_transfer_params,
         }
         return JSONResponse(body, headers=self.timing(received, stream))
 
