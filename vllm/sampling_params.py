@@ -312,6 +312,8 @@ class SamplingParams:
         transfer = self.extra_args.get("kv_transfer_params")
         if transfer is not None and not isinstance(transfer, dict):
             raise _bad("kv_transfer_params", transfer, "must be a dict")
+        if transfer and self.n != 1:  # one prefill's blocks are held for one fetch
+            raise _bad("kv_transfer_params", transfer, "needs n 1")
         try:
             validate_cache_hints(self.extra_args)
         except ValueError as e:

@@ -279,3 +279,8 @@ def test_params_without_a_connector_are_refused(engines):
         plain.generate(ROME, greedy(1, do_remote_decode=True))
     with pytest.raises(ValueError, match="kv_consumer"):
         consumer.generate(ROME, greedy(1, do_remote_decode=True))
+
+
+def test_one_sequence_per_transfer():
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        SamplingParams(n=2, extra_args={"kv_transfer_params": {"do_remote_decode": True}})

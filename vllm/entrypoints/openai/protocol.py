@@ -668,6 +668,9 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _prefill_answers_once(self) -> _SamplingFields:
         transfer = self.kv_transfer_params or {}
+        if transfer and self.n != 1:
+            # One prefill's blocks are held for one fetch (as vLLM's connectors do).
+            raise VLLMValidationError("kv_transfer_params needs n 1", "kv_transfer_params")
         if transfer.get("do_remote_decode") is True and self.stream:
             # Its answer (where the KV is held) comes with the whole response, as vLLM's
             # routers ask for it: a stream would leave the blocks held until they expire.

@@ -255,6 +255,8 @@ class GenerateRequest(BaseModel):
                 raise VLLMValidationError(
                     f"{name} is not supported yet ({what} on the tokens route)", name
                 )
+        if self.kv_transfer_params and self.sampling_params.n != 1:
+            raise VLLMValidationError("kv_transfer_params needs n 1", "kv_transfer_params")
         if (self.kv_transfer_params or {}).get("do_remote_decode") is True and self.stream:
             raise VLLMValidationError(
                 "kv_transfer_params.do_remote_decode needs stream false (the KV's location "
