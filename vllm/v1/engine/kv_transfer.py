@@ -82,7 +82,8 @@ class KVTransferMixin:
             return
         idle = not self.scheduler.has_work() and not len(self.grammars)
         for rid, message in self.kv_connector.before_step(idle):
-            outputs_errors.append(EngineCoreRequestError(rid, message))
+            # The servers' side failed, not the request's values: a 500.
+            outputs_errors.append(EngineCoreRequestError(rid, message, internal=True))
 
     def _kv_transfer_after_step(self) -> None:
         if self.kv_connector is None:
