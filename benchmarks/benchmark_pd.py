@@ -4,7 +4,7 @@ in one run on one machine.
 Two engines of one model in this process: a producer (``kv_role`` kv_producer) and a
 consumer (kv_consumer), as vLLM's routers pair them. For each prompt length the producer
 prefills a fresh prompt (``max_tokens`` 1, ``do_remote_decode``); then the consumer's time
-to its first token is measured twice on that prompt's twin:
+to its first token is measured twice on that prompt:
 
 - **fetched**: the consumer fetches the producer's blocks over TCP, stores them in its
   tier, loads them and computes the last partial block (what P/D costs the decoder);
@@ -37,7 +37,11 @@ TCP = "TcpConnector"
 
 
 def engines(args: argparse.Namespace) -> tuple[LLM, LLM, LLM]:
-    kw = {"max_model_len": max(args.lengths) + 64, "num_gpu_blocks_override": args.blocks}
+    kw = {
+        "max_model_len": max(args.lengths) + 64,
+        "num_gpu_blocks_override": args.blocks,
+        "kv_offloading_size": args.tier_gib,
+    }
     if args.model:
         kw["model"] = args.model
     producer = LLM(kv_transfer_config={"kv_connector": TCP, "kv_role": "kv_producer"}, **kw)
@@ -112,12 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=256, help="new tokens a turn")
     parser.add_argument("--blocks", type=int, default=1024, help="KV blocks of each engine")
+    parser.add_argument(
+        "--tier-gib", type=float, default=1.0, help="each engine's CPU KV tier (GiB)"
+    )
     args = parser.parse_args(argv)
     print(f"# {cpu_model()} ({vector_extensions()}), two engines in one process")
     engs = engines(args)
     vocab = engs[0].get_tokenizer().vocab_size
     rng = random.Random(0)
-    one_length(engs, rng, 64, 1, vocab)  # warm-up: kernels, threads, sockets
+    # Warm-up, not timed: kernels, threads, sockets, and the pages of the tiers and of the
+    # receive buffers (first touched here, as in a server that has run a while).
+    one_length(engs, rng, max(args.lengths), 2, vocab)
     print("prompt  producer prefill  consumer TTFT fetched  computed  computed/fetched  fetch")
     for length in args.lengths:
         r = one_length(engs, rng, length, args.repeats, vocab)

@@ -133,11 +133,13 @@ def test_server_answers_and_refuses():
     ctx = zmq.Context()
     data = torch.arange(2 * 5 * 4, dtype=torch.float32).reshape(2, 5, 4)
 
+    sent = []
+
     def serve(header):
         if header["request_id"] == "bad":
             raise TransferError("no such request")
         ids = torch.tensor(header["ids"])
-        return {"num_blocks": len(ids)}, [data.index_select(1, ids)]
+        return {"num_blocks": len(ids)}, [data.index_select(1, ids)], lambda: sent.append(1)
 
     server = KVBlockServer(ctx, "127.0.0.1", 0, serve)
     try:
@@ -145,6 +147,7 @@ def test_server_answers_and_refuses():
             ctx, "127.0.0.1", server.port, {"request_id": "r", "ids": [4, 1]}, 5.0
         )
         assert reply["num_blocks"] == 2 and torch.equal(layer, data[:, [4, 1]])
+        assert sent == [1]  # told once the frames left
         with pytest.raises(TransferError, match="no such request"):
             request_blocks(ctx, "127.0.0.1", server.port, {"request_id": "bad"}, 5.0)
         with pytest.raises(ValueError, match="kv_port"):  # the port is taken
@@ -164,6 +167,27 @@ def test_fetch_from_nowhere_times_out():
             request_blocks(ctx, "127.0.0.1", port, {"op": "fetch"}, 0.3)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_tier_views_and_runs_copy_blocks_exactly():
+    from vllm.v1.kv_offload.worker import CPUOffloadingHandler
+
+    caches = [torch.randn(2, 8, 4, 2, 8), torch.randn(2, 8, 4, 2, 8)]
+    src = CPUOffloadingHandler(caches, num_blocks=12)
+    dst = CPUOffloadingHandler([c.clone() for c in caches], num_blocks=12)
+    for t in src.cpu_caches:
+        t.copy_(torch.randn_like(t))
+    ids = [3, 4, 5, 9, 10]  # two runs
+    runs, views = src.block_views(ids)
+    assert runs == [3, 2] and len(views) == 2 * 2 * 2  # layers x K/V x runs
+    assert all(v.is_contiguous() for v in views)
+    base = src.cpu_caches[0].untyped_storage().data_ptr()
+    assert views[0].untyped_storage().data_ptr() == base  # views, not copies
+    chunks = [views[i * 2 : i * 2 + 2] for i in range(4)]
+    # rows 0-2 of run 0 -> tier blocks 0-2; rows 0-1 of run 1 -> blocks 7-8
+    dst.write_runs([(0, 0, 0, 3), (1, 0, 7, 2)], chunks)
+    for s, d in zip(src.cpu_caches, dst.cpu_caches, strict=True):
+        assert torch.equal(d[:, 0:3], s[:, 3:6]) and torch.equal(d[:, 7:9], s[:, 9:11])
 
 
 # -- two engines -----------------------------------------------------------------------------

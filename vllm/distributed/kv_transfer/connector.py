@@ -117,7 +117,8 @@ class _Fetch:
     hashes: list[bytes]
     params: dict[str, Any]
     started: float = field(default_factory=time.monotonic)
-    layers: list[torch.Tensor] | None = None
+    chunks: list[list[torch.Tensor]] | None = None  # per layer and K/V, one per run
+    runs: list[int] = field(default_factory=list)  # the producer's run lengths
     num_blocks: int = 0
     error: str | None = None
     cancelled: bool = False
@@ -148,6 +149,7 @@ class KVTransferConnector:
         self.offload = kv_cache_manager.offload
         assert self.offload is not None, "disaggregated prefill moves blocks through the tier"
         self.handler = handler
+        self._layouts = handler.layouts()  # one block's shape and dtype per layer and K/V
         self.block_size = block_size
         self.admit = admit
         self.clock = clock
@@ -235,17 +237,25 @@ class KVTransferConnector:
                 if hold is not None:
                     hold.ready = True
 
-    def _serve(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """The server thread: one fetch or release of a held request's blocks."""
+    def _serve(
+        self, header: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[torch.Tensor], Callable[[], None]]:
+        """The server thread: one fetch or release of a held request's blocks. The reply's
+        tensors are views of the held tier blocks; the hold ends once they are sent."""
         rid = header.get("request_id")
         with self._lock:
             hold = self._holds.get(rid)  # type: ignore[arg-type]
             if hold is None or not hold.ready or hold.served:
                 raise TransferError(f"no blocks held for request {rid!r} (expired or fetched)")
             hold.served = True
+
+        def on_sent() -> None:
+            self._served.put(rid)  # type: ignore[arg-type]
+            self.notify()
+
         try:
             if header.get("op") == "release":
-                return {"num_blocks": 0}, []
+                return {"num_blocks": 0, "runs": []}, [], on_sent
             if header.get("op") != "fetch":
                 raise TransferError(f"unknown op {header.get('op')!r}")
             start = int(header.get("start", 0))
@@ -257,12 +267,12 @@ class KVTransferConnector:
                 and hold.hashes[start + n] == wanted[n]
             ):
                 n += 1
-            layers = self.handler.read_blocks(hold.ids[start : start + n])
+            runs, views = self.handler.block_views(hold.ids[start : start + n])
             hold.sent = n
-            return {"num_blocks": n}, layers
-        finally:
-            self._served.put(rid)  # type: ignore[arg-type]
-            self.notify()
+            return {"num_blocks": n, "runs": runs}, views, on_sent
+        except Exception:
+            on_sent()
+            raise
 
     def _drop_hold(self, rid: str) -> None:
         with self._lock:
@@ -340,16 +350,20 @@ class KVTransferConnector:
                 self.ctx, p["remote_host"], p["remote_port"], header, self.fetch_timeout_s
             )
             n = int(reply.get("num_blocks", 0))
-            mine = self.handler.layouts()
-            theirs = [(tuple(t.shape[:1]) + tuple(t.shape[2:]), t.dtype) for t in layers]
-            if n and theirs != mine:
-                raise TransferError(
-                    f"the producer's KV layout {theirs[:1]}... is not this engine's {mine[:1]}... "
-                    "(another model, dtype or block size)"
-                )
-            if any(t.shape[1] != n for t in layers):
-                raise TransferError("the reply's layers do not hold num_blocks blocks")
-            fetch.layers, fetch.num_blocks = layers, n
+            runs = [int(r) for r in reply.get("runs", [])]
+            if sum(runs) != n or len(layers) != len(runs) * len(self._layouts):
+                raise TransferError("the reply's runs and tensors do not add up to num_blocks")
+            chunks = [
+                layers[i * len(runs) : (i + 1) * len(runs)] for i in range(len(self._layouts))
+            ]
+            for (shape, dtype), parts in zip(self._layouts, chunks, strict=True):
+                for run, t in zip(runs, parts, strict=True):
+                    if tuple(t.shape) != (run, *shape) or t.dtype != dtype:
+                        raise TransferError(
+                            f"the producer's KV blocks are {tuple(t.shape[1:])} {t.dtype}, this "
+                            f"engine's {shape} {dtype} (another model, KV dtype or block size)"
+                        )
+            fetch.chunks, fetch.runs, fetch.num_blocks = chunks, runs, n
         except Exception as e:  # noqa: BLE001 - reported to the engine's thread
             fetch.error = str(e)
         self._arrived.put(fetch)
@@ -382,23 +396,33 @@ class KVTransferConnector:
             self.admit(fetch.request)
 
     def _store(self, fetch: _Fetch) -> None:
-        ids, fill_ids, rows = [], [], []
+        """The fetched blocks into tier blocks held for the request: one memcpy per run
+        that is consecutive both in the reply and in the tier, per layer and K/V."""
+        ids, copies = [], []
+        where = [(r, row) for r, n in enumerate(fetch.runs) for row in range(n)]
         for i, block_hash in enumerate(fetch.hashes[: fetch.num_blocks]):
             got = self.offload.store_and_hold(block_hash)
             if got is None:  # every tier block is held: the rest is computed here
                 break
             cpu_id, fill = got
             ids.append(cpu_id)
-            if fill:
-                fill_ids.append(cpu_id)
-                rows.append(i)
-        if fill_ids:
-            index = torch.tensor(rows, dtype=torch.long)
-            self.handler.write_blocks(fill_ids, [t.index_select(1, index) for t in fetch.layers])
+            if not fill:  # the tier had it (another request saved it meanwhile)
+                continue
+            run, row = where[i]
+            if copies:
+                r0, row0, c0, n = copies[-1]
+                if run == r0 and row == row0 + n and cpu_id == c0 + n:
+                    copies[-1] = (r0, row0, c0, n + 1)
+                    continue
+            copies.append((run, row, cpu_id, 1))
+        if copies:
+            self.handler.write_runs(copies, fetch.chunks)
         self._consumer_holds[fetch.request.request_id] = ids
         self.stats.blocks_received += len(ids)
-        self.stats.bytes_received += sum(t.numel() * t.element_size() for t in fetch.layers)
-        fetch.layers = None
+        self.stats.bytes_received += sum(
+            t.numel() * t.element_size() for parts in fetch.chunks for t in parts
+        )
+        fetch.chunks = None
 
     def cancel(self, request_ids: list[str]) -> list[str]:
         """Aborted requests: those still fetching are dropped (returned)."""

@@ -10,13 +10,17 @@ two frames: ``MAGIC`` and a JSON header::
 ``R``, each named by its prefix hash; the producer answers the leading run whose hashes
 match its own (a prompt rendered differently on the two sides matches less, never wrong
 data) and then drops its hold on ``R``. ``release`` drops the hold without data (the
-consumer had every block already). The reply is a JSON header, then one frame per layer
-of the block tensors (``[K/V, n, block_size, heads, head_size]``, contiguous, raw bytes)::
+consumer had every block already). The reply is a JSON header, then one raw frame per
+tensor, its shape and dtype in ``layers``::
 
-    {"ok": true, "num_blocks": n, "layers": [{"shape": [...], "dtype": "bfloat16"}, ...]}
+    {"ok": true, "num_blocks": n, "runs": [...],
+     "layers": [{"shape": [...], "dtype": "bfloat16"}, ...]}
     {"ok": false, "error": "..."}
 
-The server's ``serve`` callback does the lookup; this module only moves frames.
+The server's ``serve`` callback does the lookup and says which tensors to send: views of
+the producer's tier, sent without a copy (ZeroMQ reads them while the callback's
+``on_sent`` has not run; the producer keeps them held until then). The consumer's tensors
+are views of the received frames. This module only moves frames.
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ logger = logging.getLogger(__name__)
 MAGIC = b"vllm-continuum-kv/1"
 POLL_MS = 100  # how often the server's thread looks at its stop flag
 
-# serve(header) -> (reply header, layer tensors): the producer's lookup.
-ServeFn = Callable[[dict[str, Any]], tuple[dict[str, Any], Sequence[torch.Tensor]]]
+# serve(header) -> (reply header, tensors to send, on_sent): the producer's lookup;
+# on_sent runs once ZeroMQ no longer reads the tensors (sent, or the send failed).
+ServeFn = Callable[
+    [dict[str, Any]], tuple[dict[str, Any], Sequence[torch.Tensor], Callable[[], None]]
+]
 
 
 class TransferError(RuntimeError):
@@ -45,7 +52,8 @@ class TransferError(RuntimeError):
 
 
 def tensor_frames(tensors: Sequence[torch.Tensor]) -> tuple[list[dict[str, Any]], list[memoryview]]:
-    """Each tensor's layout and its bytes (made contiguous), for one reply."""
+    """Each tensor's layout and its bytes, for one reply: no copy of a contiguous tensor
+    (the frame is its memory)."""
     layouts, frames = [], []
     for t in tensors:
         t = t.contiguous()
@@ -74,6 +82,10 @@ def frames_tensors(layouts: Sequence[dict[str, Any]], frames: Sequence[Any]) -> 
         else:
             tensors.append(torch.empty(shape, dtype=dtype))
     return tensors
+
+
+def _nothing() -> None:
+    pass
 
 
 class KVBlockServer:
@@ -108,27 +120,37 @@ class KVBlockServer:
                     continue
                 frames = self._sock.recv_multipart(copy=False)
                 identity = frames[0].bytes
-                reply, data = self._answer(frames[1:])
-                self._sock.send_multipart([identity, json.dumps(reply).encode(), *data], copy=False)
+                reply, data, on_sent = self._answer(frames[1:])
+                try:
+                    tracker = self._sock.send_multipart(
+                        [identity, json.dumps(reply).encode(), *data], copy=False, track=True
+                    )
+                    tracker.wait()  # ZeroMQ reads the tensors in place until this returns
+                finally:
+                    on_sent()
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 logger.error("KV block server stopped: %s", e)
         finally:
             self._sock.close(linger=0)
 
-    def _answer(self, frames: Sequence[Any]) -> tuple[dict[str, Any], list[memoryview]]:
+    def _answer(
+        self, frames: Sequence[Any]
+    ) -> tuple[dict[str, Any], list[memoryview], Callable[[], None]]:
+        on_sent: Callable[[], None] = _nothing
         try:
             if len(frames) != 2 or frames[0].bytes != MAGIC:
                 raise TransferError("not a KV fetch of this engine's protocol")
             header = json.loads(frames[1].bytes)
             if not isinstance(header, dict):
                 raise TransferError("the header is not a JSON object")
-            reply, tensors = self._serve(header)
+            reply, tensors, on_sent = self._serve(header)
             layouts, data = tensor_frames(tensors)
-            return {**reply, "ok": True, "layers": layouts}, data
+            return {**reply, "ok": True, "layers": layouts}, data, on_sent
         except Exception as e:  # noqa: BLE001 - the peer gets the error; the server goes on
             logger.warning("KV fetch refused: %s", e)
-            return {"ok": False, "error": f"{type(e).__name__}: {e}"}, []
+            on_sent()
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}, [], _nothing
 
     def close(self) -> None:
         self._stop.set()

@@ -205,28 +205,43 @@ class CPUOffloadingHandler:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def read_blocks(self, ids: Sequence[int]) -> list[torch.Tensor]:
-        """Copies of these tier blocks, one tensor per layer (``[K/V, len(ids), ...]``),
-        for a remote reader (``vllm.distributed.kv_transfer``). The caller holds the blocks
-        (no save overwrites them); a save still in flight into them is waited for."""
+    def block_views(self, ids: Sequence[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """These tier blocks as contiguous views, no copy, for a remote reader
+        (``vllm.distributed.kv_transfer``): the run lengths of ``ids`` (consecutive ids
+        form one run), and for each layer, K/V and run, in that order, the run's
+        ``[length, block_size, heads, head_size]`` view. The caller holds the blocks (no save
+        overwrites them) while it reads; a save still in flight into them is waited for."""
         self.synchronize()
-        index = torch.tensor(list(ids), dtype=torch.long)
-        return [cache.index_select(1, index) for cache in self.cpu_caches]
+        runs = host_runs(ids)
+        views = [
+            cache[kv, start : start + n]
+            for cache in self.cpu_caches
+            for kv in range(cache.shape[0])
+            for start, _, n in runs
+        ]
+        return [n for _, _, n in runs], views
 
-    def write_blocks(self, ids: Sequence[int], layers: Sequence[torch.Tensor]) -> None:
-        """Fill these tier blocks from ``layers`` (one tensor per layer, ``[K/V, len(ids),
-        ...]``, as ``read_blocks`` returns them), e.g. with blocks fetched from a peer. The
-        blocks must not be read by a copy in flight (the caller just allocated them)."""
-        if len(layers) != len(self.cpu_caches):
-            raise ValueError(f"{len(layers)} layers for a tier of {len(self.cpu_caches)}")
+    def write_runs(
+        self,
+        copies: Sequence[tuple[int, int, int, int]],
+        chunks: Sequence[Sequence[torch.Tensor]],
+    ) -> None:
+        """Fill tier blocks from ``chunks``: for each layer and K/V (``block_views``'
+        order) a list of ``[rows, block_size, heads, head_size]`` tensors. Each copy
+        ``(chunk, row, block, n)`` moves rows ``[row, row + n)`` of that chunk into tier
+        blocks ``[block, block + n)``, for every layer and K/V: one memcpy each. The
+        blocks must not be in a copy in flight (the caller just allocated them)."""
         self.synchronize()
-        index = torch.tensor(list(ids), dtype=torch.long)
-        for cache, data in zip(self.cpu_caches, layers, strict=True):
-            cache.index_copy_(1, index, data)
+        targets = [cache[kv] for cache in self.cpu_caches for kv in range(cache.shape[0])]
+        if len(chunks) != len(targets):
+            raise ValueError(f"{len(chunks)} chunks for a tier of {len(targets)} layers x K/V")
+        for target, parts in zip(targets, chunks, strict=True):
+            for part, row, block, n in copies:
+                target[block : block + n].copy_(parts[part][row : row + n])
 
     def layouts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Each layer's block layout (its shape without the block dimension) and dtype."""
-        return [((t.shape[0], *t.shape[2:]), t.dtype) for t in self.cpu_caches]
+        """One block's shape and dtype, for each layer and K/V (``block_views``' order)."""
+        return [(tuple(t.shape[2:]), t.dtype) for t in self.cpu_caches for _ in range(t.shape[0])]
 
     def transfer(self, plan: KVOffloadTransfers) -> None:
         """Run every save, then every load (the plan's contract)."""
