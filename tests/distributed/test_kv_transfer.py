@@ -308,3 +308,34 @@ def test_params_without_a_connector_are_refused(engines):
 def test_one_sequence_per_transfer():
     with pytest.raises(ValueError, match="kv_transfer_params"):
         SamplingParams(n=2, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+
+
+@pytest.mark.slow
+def test_a_consumer_woken_from_sleep_fetches_into_its_new_tier(engines):
+    producer, _, plain = engines
+    consumer = LLM(kv_transfer_config=CONSUMER, enable_sleep_mode=True, **KW)
+    try:
+        consumer.sleep(level=1)  # the KV cache and the tier are released
+        consumer.wake_up()  # new ones
+        params = prefill(producer, ROME)
+        out = consumer.generate(ROME, greedy(**params))[0]
+        assert out.outputs[0].token_ids == plain.generate(ROME, greedy())[0].outputs[0].token_ids
+        assert out.num_cached_tokens > 0
+    finally:
+        consumer.engine_core.shutdown()
+        producer.engine_core.step()
+
+
+@pytest.mark.slow
+def test_a_prompt_the_cache_cannot_hold_is_refused_before_fetching(engines):
+    producer, _, _ = engines
+    small = LLM(kv_transfer_config=CONSUMER, max_model_len=512, quantization="fp32",
+                num_gpu_blocks_override=4)  # fmt: skip
+    try:
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
+                  "remote_request_id": "r"}  # fmt: skip
+        with pytest.raises(ValueError, match="KV cache holds"):
+            small.generate(ROME, greedy(**params))
+        assert small.engine_core.kv_connector.num_fetching == 0
+    finally:
+        small.engine_core.shutdown()

@@ -134,7 +134,7 @@ class KVTransferConnector:
         self,
         config: KVTransferConfig,
         kv_cache_manager: KVCacheManager,
-        handler: CPUOffloadingHandler,
+        handler: Callable[[], CPUOffloadingHandler | None],
         block_size: int,
         admit: Callable[[Request], None],
         clock: Callable[[], float] = time.monotonic,
@@ -148,8 +148,12 @@ class KVTransferConnector:
         self.kvm = kv_cache_manager
         self.offload = kv_cache_manager.offload
         assert self.offload is not None, "disaggregated prefill moves blocks through the tier"
-        self.handler = handler
-        self._layouts = handler.layouts()  # one block's shape and dtype per layer and K/V
+        # The runner's tier handler, read at each use: sleep mode frees it and wake-up
+        # makes a new one.
+        self._handler = handler
+        tier = handler()
+        assert tier is not None, "disaggregated prefill moves blocks through the tier"
+        self._layouts = tier.layouts()  # one block's shape and dtype per layer and K/V
         self.block_size = block_size
         self.admit = admit
         self.clock = clock
@@ -177,6 +181,13 @@ class KVTransferConnector:
         self._arrived: queue.SimpleQueue[_Fetch] = queue.SimpleQueue()
         self._consumer_holds: dict[str, list[int]] = {}
         self._threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kv-fetch")
+
+    @property
+    def tier(self) -> CPUOffloadingHandler:
+        handler = self._handler()
+        if handler is None:
+            raise TransferError("the engine is asleep: its CPU KV tier is released")
+        return handler
 
     # -- producer -------------------------------------------------------------------------
     def request_finished(self, request: Request) -> dict[str, Any] | None:
@@ -225,7 +236,7 @@ class KVTransferConnector:
         rids, self._unready = self._unready, []
         try:
             run_plan()
-            self.handler.synchronize()
+            self.tier.synchronize()
         except Exception:
             logger.exception("KV transfer: saving %d prefill(s) to the tier failed", len(rids))
             for rid in rids:
@@ -267,7 +278,7 @@ class KVTransferConnector:
                 and hold.hashes[start + n] == wanted[n]
             ):
                 n += 1
-            runs, views = self.handler.block_views(hold.ids[start : start + n])
+            runs, views = self.tier.block_views(hold.ids[start : start + n])
             hold.sent = n
             return {"num_blocks": n, "runs": runs}, views, on_sent
         except Exception:
@@ -311,6 +322,8 @@ class KVTransferConnector:
         params = transfer_params(request)
         if not (self.consumer and params and params.get("do_remote_prefill")):
             return False
+        if request.request_id in self._fetching:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
         bs = self.block_size
         end = (request.num_tokens - 1) // bs  # never the last token: its logits are needed
         start = 0
@@ -370,9 +383,11 @@ class KVTransferConnector:
         self._news.set()
         self.notify()
 
-    def _take_arrivals(self) -> list[tuple[str, str]]:
-        """Store fetched blocks in the tier, held for their request, and admit it; the
-        failed ones are returned as (request id, message) under the "fail" policy."""
+    def _take_arrivals(self) -> list[tuple[str, str, bool]]:
+        """Store fetched blocks in the tier, held for their request, and admit it. Returns
+        the requests that failed, as (request id, message, whether the servers' side
+        failed): a failed fetch under the "fail" policy, or a request the scheduler
+        refused (its own values)."""
         failed = []
         while True:
             try:
@@ -384,16 +399,24 @@ class KVTransferConnector:
                 continue  # aborted while its blocks travelled
             del self._fetching[rid]
             self.stats.fetch_seconds += time.monotonic() - fetch.started
+            if fetch.error is None and fetch.num_blocks:
+                try:
+                    self._store(fetch)
+                except TransferError as e:  # asleep: no tier to store in
+                    fetch.error = str(e)
             if fetch.error is not None:
                 self.stats.failed_fetches += 1
                 error = fetch.error
                 logger.warning("KV transfer: fetching request %s's blocks failed: %s", rid, error)
                 if self.fail_on_error:
-                    failed.append((rid, f"kv_transfer_params: fetching the KV failed: {error}"))
+                    message = f"kv_transfer_params: fetching the KV failed: {error}"
+                    failed.append((rid, message, True))
                     continue
-            elif fetch.num_blocks:
-                self._store(fetch)
-            self.admit(fetch.request)
+            try:
+                self.admit(fetch.request)
+            except ValueError as e:  # e.g. a prompt longer than the KV cache holds
+                self._unhold_consumer(rid)
+                failed.append((rid, str(e), False))
 
     def _store(self, fetch: _Fetch) -> None:
         """The fetched blocks into tier blocks held for the request: one memcpy per run
@@ -416,7 +439,7 @@ class KVTransferConnector:
                     continue
             copies.append((run, row, cpu_id, 1))
         if copies:
-            self.handler.write_runs(copies, fetch.chunks)
+            self.tier.write_runs(copies, fetch.chunks)
         self._consumer_holds[fetch.request.request_id] = ids
         self.stats.blocks_received += len(ids)
         self.stats.bytes_received += sum(
@@ -435,7 +458,7 @@ class KVTransferConnector:
         return cancelled
 
     # -- the engine's loop ------------------------------------------------------------------
-    def before_step(self, idle: bool = False) -> list[tuple[str, str]]:
+    def before_step(self, idle: bool = False) -> list[tuple[str, str, bool]]:
         """Between steps, on the engine's thread: holds fetched or expired end, fetched
         blocks are stored and their requests admitted. Returns the failed requests.
         ``idle``: the step has nothing else to do, so it waits (a little) for a fetch
@@ -452,7 +475,12 @@ class KVTransferConnector:
         if self._unready:
             self._run_saves(run_plan)
         for rid in [r for r in self._consumer_holds if settled(r)]:
-            self.offload.unhold(self._consumer_holds.pop(rid))
+            self._unhold_consumer(rid)
+
+    def _unhold_consumer(self, rid: str) -> None:
+        ids = self._consumer_holds.pop(rid, None)
+        if ids is not None:
+            self.offload.unhold(ids)
 
     def drop_holds(self) -> None:
         """Every hold ends (the prefix cache is being reset: the held KV is stale)."""

@@ -49,8 +49,8 @@ class KVTransferMixin:
         if not config.enabled:
             return
         kvm = self.scheduler.kv_cache_manager
-        handler = self.model_runner.kv_offload
-        if kvm.offload is None or handler is None:
+        runner = self.model_runner
+        if kvm.offload is None or runner.kv_offload is None:
             raise ValueError(
                 "--kv-transfer-config moves blocks through the CPU KV tier: drop "
                 "--kv-offloading-size 0 (unset, the engine sizes one)"
@@ -58,7 +58,7 @@ class KVTransferMixin:
         self.kv_connector = KVTransferConnector(
             config,
             kvm,
-            handler,
+            lambda: runner.kv_offload,  # replaced by a wake-up from sleep
             self.vllm_config.cache_config.block_size,
             self._admit,
             self.scheduler.clock,
@@ -75,15 +75,18 @@ class KVTransferMixin:
         config = self.vllm_config.kv_transfer_config
         params = (request.sampling_params.extra_args or {}).get("kv_transfer_params")
         check_transfer_params(params, config.is_producer, config.is_consumer)
-        return self.kv_connector is not None and self.kv_connector.maybe_fetch(request)
+        if self.kv_connector is None or not (params or {}).get("do_remote_prefill"):
+            return False
+        self.scheduler.check_request(request)  # before its blocks travel for nothing
+        return self.kv_connector.maybe_fetch(request)
 
     def _kv_transfer_before_step(self, outputs_errors: list[EngineCoreRequestError]) -> None:
         if self.kv_connector is None:
             return
         idle = not self.scheduler.has_work() and not len(self.grammars)
-        for rid, message in self.kv_connector.before_step(idle):
-            # The servers' side failed, not the request's values: a 500.
-            outputs_errors.append(EngineCoreRequestError(rid, message, internal=True))
+        for rid, message, internal in self.kv_connector.before_step(idle):
+            # A failed fetch: the servers' side failed, not the request's values (a 500).
+            outputs_errors.append(EngineCoreRequestError(rid, message, internal=internal))
 
     def _kv_transfer_after_step(self) -> None:
         if self.kv_connector is None:

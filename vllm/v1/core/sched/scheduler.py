@@ -204,6 +204,13 @@ class Scheduler:
 
         The prompt's length against ``max_model_len`` is the processor's check (the front
         end knows the config); the pool's size is known only here."""
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self.policy.on_arrival(request, self.clock())
+        self.waiting.add_request(request)
+
+    def check_request(self, request: Request) -> None:
+        """``add_request``'s checks, without queueing (ValueError naming the problem)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         kv = self.kv_cache_manager
@@ -214,9 +221,6 @@ class Scheduler:
                 f"blocks of {self.block_size}); raise --kv-cache-memory or "
                 "--num-gpu-blocks-override"
             )
-        self.requests[request.request_id] = request
-        self.policy.on_arrival(request, self.clock())
-        self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside: aborted ones (and failed ones,
