@@ -339,3 +339,42 @@ def test_a_prompt_the_cache_cannot_hold_is_refused_before_fetching(engines):
         assert small.engine_core.kv_connector.num_fetching == 0
     finally:
         small.engine_core.shutdown()
+
+
+@pytest.mark.slow
+def test_a_request_aborted_while_fetching_leaves_nothing(engines):
+    import threading
+    import time
+
+    from vllm.v1.engine import EngineCoreRequest
+
+    producer, consumer, _ = engines
+    core = consumer.engine_core
+    params = prefill(producer, "Aborted. " + ROME)
+    gate = threading.Event()
+    fetch = core.kv_connector._fetch
+
+    def slow_fetch(f):  # the blocks are on their way while the abort comes
+        gate.wait(10)
+        fetch(f)
+
+    core.kv_connector._fetch = slow_fetch
+    try:
+        ids = producer.get_tokenizer().encode("Aborted. " + ROME)
+        sp = greedy(**params)
+        core.add_request(EngineCoreRequest("aborted", ids, sp))
+        assert core.kv_connector.num_fetching == 1 and core.has_unfinished_requests()
+        core.abort_requests(["aborted"])
+        assert core.kv_connector.num_fetching == 0 and not core.has_unfinished_requests()
+        gate.set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and core.kv_connector._arrived.empty():
+            time.sleep(0.05)
+        core.step()  # the arrival is dropped: no hold, nothing queued
+        assert held(consumer) == 0 and "aborted" not in core.scheduler.requests
+        assert core.scheduler.kv_cache_manager.num_requests == 0
+    finally:
+        core.kv_connector._fetch = fetch
+        gate.set()
+    producer.engine_core.step()  # the fetch was served: the producer's hold ends too
+    assert held(producer) == 0
