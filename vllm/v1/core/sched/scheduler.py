@@ -722,7 +722,7 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens if first else None,
             )
             if stopped:
-                output.kv_transfer_params = self._finish(request, now)
+                output.kv_transfer_params = self._finish(request, now, answers=True)
             outputs.append(output)
         if not with_stats:
             self.publish_kv_events()
@@ -772,16 +772,17 @@ class Scheduler:
             errors.append(EngineCoreRequestError(req_id, failure.message, failure.internal))
         return errors
 
-    def _finish(self, request: Request, now: float) -> dict | None:
+    def _finish(self, request: Request, now: float, answers: bool = False) -> dict | None:
         """A request stopped: the policy decides between freeing and pinning its blocks.
-        Returns the ``kv_transfer_params`` of a disaggregated prefill (its blocks held in
-        the CPU tier for a consumer: ``kv_transfer``), else None."""
+        ``answers``: its finishing output is being made, so a disaggregated prefill's
+        blocks are held in the CPU tier for a consumer (``kv_transfer``) and the
+        ``kv_transfer_params`` returned for that output; else None."""
         self.running.remove(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self._release_states(request, keep=True)  # the job's next turn may start from it
         params = None
-        if self.kv_transfer is not None:  # before the blocks are freed
+        if self.kv_transfer is not None and answers:  # before the blocks are freed
             params = self.kv_transfer.request_finished(request)
         action = self._with_cache_hints(request, self.policy.on_finished(request, now))
         # Without prefix caching (--no-enable-prefix-caching) no later request can hit a
