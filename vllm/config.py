@@ -1436,10 +1436,42 @@ class ObservabilityConfig:
         "(0.01: 1 percent of the blocks allocated).",
     )
 
+    otlp_traces_endpoint: str | None = config_field(
+        None,
+        "Where OpenTelemetry traces go (vLLM's): an OTLP endpoint, gRPC unless "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf. Each finished request is one "
+        "span, in the trace its traceparent header names (vllm/tracing.py). Needs "
+        "pip install 'vllm-continuum[otel]'.",
+    )
+    collect_detailed_traces: str | None = config_field(
+        None,
+        "vLLM's per-module timings in each request's span (model, worker, all): not "
+        "recorded by this engine, so any value is refused; the span carries the queue, "
+        "prefill, decode and end-to-end latencies.",
+    )
+
     def __post_init__(self) -> None:
         sample = self.kv_cache_metrics_sample
         if isinstance(sample, bool) or not isinstance(sample, int | float) or not 0 < sample <= 1:
             raise bad_value("kv_cache_metrics_sample", sample, "must be in (0, 1]")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None:
+            from vllm.tracing import is_otel_available
+
+            if not isinstance(endpoint, str) or not endpoint:
+                raise bad_value("otlp_traces_endpoint", endpoint, "must be a URL")
+            if not is_otel_available():
+                raise ValueError(
+                    "--otlp-traces-endpoint needs OpenTelemetry's SDK and OTLP exporters: "
+                    "pip install 'vllm-continuum[otel]'"
+                )
+        if self.collect_detailed_traces is not None:
+            raise bad_value(
+                "collect_detailed_traces",
+                self.collect_detailed_traces,
+                "is not supported: this engine records no per-module timings (each "
+                "request's span has its queue, prefill, decode and end-to-end latencies)",
+            )
 
 
 # --kv-events-config's keys (vLLM's names), with their defaults; "publisher" defaults to

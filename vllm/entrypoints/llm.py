@@ -102,8 +102,11 @@ class LLM:
             self.shutdown()
             raise
         self.processor.set_kv_capacity(self.engine_core.num_gpu_blocks)
+        from vllm.tracing import make_tracer
+
+        self.tracer = make_tracer(self.vllm_config)  # --otlp-traces-endpoint: spans, no parent
         self.output_processor = OutputProcessor(
-            self.tokenizer, self.vllm_config.scheduler_config.stream_interval
+            self.tokenizer, self.vllm_config.scheduler_config.stream_interval, self.tracer
         )
         self._default_sampling = default_sampling_params(self.vllm_config.model_config)
         self._request_counter = 0
@@ -467,6 +470,8 @@ class LLM:
     def shutdown(self) -> None:
         self._gc_freeze.release()  # first: the engine's cycles can then be collected
         self.engine_core.shutdown()
+        if getattr(self, "tracer", None) is not None:
+            self.tracer.shutdown()
 
     def _run(
         self,

@@ -97,6 +97,7 @@ from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
 from vllm.entrypoints.openai.weight_transfer_routes import add_weight_transfer_routes
 from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMValidationError
+from vllm.tracing import extract_trace_headers, trace_headers_scope
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError, EngineLink, EngineStartupError
@@ -228,7 +229,8 @@ class ServerMiddleware:
         scope[RECEIVED_KEY] = time.monotonic()
         if self.instance is not None:
             send = self._naming(send)
-        refusal = self._refusal(dict(scope["headers"]))
+        headers = dict(scope["headers"])
+        refusal = self._refusal(headers)
         if refusal is not None:
             if is_messages_path(path):
                 refusal = as_anthropic(refusal)
@@ -236,8 +238,14 @@ class ServerMiddleware:
         load = self.track_load and is_load_path(path)
         self.state.active += 1
         self.state.load += load
+        # A W3C trace context: the request's span joins that trace (vllm/tracing.py).
+        trace = None
+        if b"traceparent" in headers:
+            trace = extract_trace_headers({k.decode("latin-1"): v.decode("latin-1")
+                                           for k, v in headers.items()})  # fmt: skip
         try:
-            await self.app(scope, _limited(receive, self.limit), send)
+            with trace_headers_scope(trace):
+                await self.app(scope, _limited(receive, self.limit), send)
         finally:
             self.state.active -= 1
             self.state.load -= load

@@ -18,6 +18,7 @@ from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader import default_sampling_params, eos_token_ids
 from vllm.outputs import RequestOutput, merge_delta
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.tracing import current_trace_headers, make_tracer, warn_untraced
 from vllm.transformers_utils.tokenizer import init_tokenizer_from_config
 from vllm.v1.engine import (
     PAUSE_MODES,
@@ -152,8 +153,13 @@ class AsyncLLM:
             self.client.shutdown()
             raise
         self.processor.default_max_tokens = self.default_sampling_params.get("max_tokens")
+        try:
+            self.tracer = make_tracer(vllm_config)  # --otlp-traces-endpoint
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.output_processor = OutputProcessor(
-            self.tokenizer, vllm_config.scheduler_config.stream_interval
+            self.tokenizer, vllm_config.scheduler_config.stream_interval, self.tracer
         )
         self.stat_loggers = stat_loggers or []
         self.admission = self._make_admission(vllm_config, link)
@@ -386,7 +392,12 @@ class AsyncLLM:
         self._check_can_add(request_id)  # again: other requests ran meanwhile
         # No await from this check to the registration: concurrent submits see each other.
         self.check_admission(len(core_reqs), request_id)
-        self.output_processor.add_request(request_id, prepared.prompt_text, core_reqs)
+        headers = current_trace_headers()  # the HTTP request's (api_server's middleware)
+        if self.tracer is None:
+            warn_untraced(headers)
+        self.output_processor.add_request(
+            request_id, prepared.prompt_text, core_reqs, trace_headers=headers
+        )
         self.admission.publish()
         stream = RequestStream(
             self,
@@ -665,3 +676,5 @@ class AsyncLLM:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self.client.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the spans still queued are exported

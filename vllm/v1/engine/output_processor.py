@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,8 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.outputs import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,6 +112,7 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None  # a disaggregated prefill's answer
+    trace_headers: dict[str, str] | None = None  # the trace its span joins
     # [None] + the prompt's logprobs when asked for (from the first sequence only).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     _sent_prompt_logprobs: bool = False  # DELTA: handed out once
@@ -135,8 +139,11 @@ class OutputProcessor:
     Times in ``RequestOutput.metrics`` are wall-clock (``time.time()``) seconds.
     """
 
-    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
-        """``stream_interval``: the engine's --stream-interval (a request may raise it)."""
+    def __init__(self, tokenizer, stream_interval: int = 1, tracer: Any = None) -> None:
+        """``stream_interval``: the engine's --stream-interval (a request may raise it).
+        ``tracer``: a ``vllm.tracing.RequestTracer`` (--otlp-traces-endpoint), which gets
+        each finished request."""
+        self.tracer = tracer
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
         self._states: dict[str, _RequestState] = {}
@@ -164,8 +171,10 @@ class OutputProcessor:
         prompt: str | None,
         core_requests: list[EngineCoreRequest] | EngineCoreRequest,
         arrival_wall_time: float | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> None:
-        """Track ``request_id``, made of ``core_requests`` (one per sample when n > 1)."""
+        """Track ``request_id``, made of ``core_requests`` (one per sample when n > 1).
+        ``trace_headers``: the W3C trace context its span joins (with a tracer)."""
         if isinstance(core_requests, EngineCoreRequest):
             core_requests = [core_requests]
         if not core_requests:
@@ -194,6 +203,7 @@ class OutputProcessor:
             ),
             prompt_logprobs=None if first.sampling_params.prompt_logprobs is None else [None],
             stream_interval=max(first.sampling_params.stream_interval or 1, self.stream_interval),
+            trace_headers=trace_headers,
         )
         for r in core_requests:
             self._seq_to_request[r.request_id] = request_id
@@ -281,6 +291,21 @@ class OutputProcessor:
         if out.kv_transfer_params is not None:
             state.kv_transfer_params = out.kv_transfer_params
 
+    def _trace(self, state: _RequestState) -> None:
+        seqs = list(state.sequences.values())
+        try:
+            self.tracer.emit(
+                state.request_id,
+                state.metrics,
+                seqs[0].params,
+                len(state.prompt_token_ids),
+                state.num_cached_tokens,
+                [s.finish_reason or "" for s in seqs],
+                state.trace_headers,
+            )
+        except Exception:  # noqa: BLE001 - a trace never fails a request
+            logger.warning("tracing request %s failed", state.request_id, exc_info=True)
+
     def _make_output(
         self, state: _RequestState, updated: list[_Sequence], now: float
     ) -> RequestOutput | None:
@@ -288,6 +313,8 @@ class OutputProcessor:
         if finished:
             state.metrics.finished_time = now
             self.abort_request(state.request_id)
+            if self.tracer is not None:
+                self._trace(state)
         kind = state.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
