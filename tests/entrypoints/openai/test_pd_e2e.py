@@ -14,16 +14,11 @@ import time
 import pytest
 import requests
 
-from vllm.benchmarks.router import PDSet, router_installed
+from tests.entrypoints.openai.router_marks import ROUTER_E2E
+from vllm.benchmarks.router import PDSet
 from vllm.entrypoints.utils import get_open_port
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not router_installed(),
-        reason="vllm-router is not installed (pip install vllm-router==0.1.17)",
-    ),
-]
+pytestmark = ROUTER_E2E
 
 MODEL = "SmolLM2-135M-Instruct"
 FETCH_TIMEOUT_S = 5

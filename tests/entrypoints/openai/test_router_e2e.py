@@ -11,15 +11,10 @@ import time
 
 import pytest
 
-from vllm.benchmarks.router import ReplicaSet, router_installed
+from tests.entrypoints.openai.router_marks import ROUTER_E2E
+from vllm.benchmarks.router import ReplicaSet
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not router_installed(),
-        reason="vllm-router is not installed (pip install vllm-router==0.1.17)",
-    ),
-]
+pytestmark = ROUTER_E2E
 
 MODEL = "SmolLM2-135M-Instruct"
 SERVE = (

@@ -16,16 +16,11 @@ import pytest
 import requests
 
 from our_experiments.scripts.workload import identity_fields
-from vllm.benchmarks.router import ReplicaSet, program_scheduling_config, router_installed
+from tests.entrypoints.openai.router_marks import ROUTER_E2E
+from vllm.benchmarks.router import ReplicaSet, program_scheduling_config
 from vllm.entrypoints.utils import INSTANCE_HEADER
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not router_installed(),
-        reason="vllm-router is not installed (pip install vllm-router==0.1.17)",
-    ),
-]
+pytestmark = ROUTER_E2E
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCKS = 128
