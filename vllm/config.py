@@ -1301,8 +1301,10 @@ class ParallelConfig:
         aliases=("-pp",),
     )  # fmt: skip
     data_parallel_size: int = config_field(
-        1, "Replicas of the model, each on its own devices (vLLM's): 1 (one engine, one "
-        "device).", aliases=("-dp",),
+        1, "Replicas of the model, each its own engine on its own device (vLLM's): on "
+        "CUDA one GPU each; on the CPU each engine gets its share of the cores. A job's "
+        "requests all go to the engine that holds its KV (vllm/v1/engine/dp_client.py).",
+        aliases=("-dp",),
     )  # fmt: skip
     enable_expert_parallel: bool = config_field(
         False,
@@ -1313,9 +1315,12 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) != 1:
                 raise bad_value(name, getattr(self, name), "must be 1: one device is supported")
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise bad_value("data_parallel_size", dp, "must be an integer >= 1")
         if not isinstance(self.enable_expert_parallel, bool):
             raise bad_value("enable_expert_parallel", self.enable_expert_parallel, "must be a bool")
 
@@ -1795,6 +1800,13 @@ class VllmConfig:
                 "--kv-transfer-config needs prefix caching (blocks travel by their prefix "
                 "hash): drop --no-enable-prefix-caching"
             )
+        if self.parallel_config.data_parallel_size > 1:
+            for what, on in (
+                ("--kv-events-config", self.kv_events_config.enabled),
+                ("--weight-transfer-config", self.weight_transfer_config.enabled),
+            ):
+                if on:
+                    raise ValueError(f"{what} cannot be combined with --data-parallel-size > 1 yet")
         if self.kv_events_config.enabled and not self.cache_config.enable_prefix_caching:
             # The events name prefix-cache blocks: without prefix caching there are none.
             # (vLLM only warns and publishes nothing.)

@@ -84,10 +84,13 @@ def test_one_replica_and_expert_parallel_on_one_device_are_accepted():
     assert not _engine("--no-enable-expert-parallel").parallel_config.enable_expert_parallel
 
 
-@pytest.mark.parametrize("argv", [["--data-parallel-size", "2"], ["-dp", "4", "-ep"]])
-def test_more_replicas_are_refused(argv):
-    with pytest.raises(ValueError, match="data_parallel_size must be 1: one device"):
-        _engine(*argv)
+def test_more_replicas_are_engines_of_their_own():
+    assert _engine("--data-parallel-size", "2").parallel_config.data_parallel_size == 2
+    assert _engine("-dp", "4", "-ep").parallel_config.data_parallel_size == 4
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
+        _engine("-dp", "0")
+    with pytest.raises(ValueError, match="kv-events-config cannot be combined"):
+        _engine("-dp", "2", "--kv-events-config", '{"enable_kv_cache_events": true}')
 
 
 # -- --structured-outputs-config ----------------------------------------------------------

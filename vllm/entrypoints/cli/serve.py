@@ -174,6 +174,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                 "an adapter loaded at run time would be known to one API server only "
                 "(serve adapters with --lora-modules instead)"
             )
+        if frontend.api_server_count > 1 and vllm_config.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                "--api-server-count > 1 cannot be combined with --data-parallel-size > 1 "
+                "yet: one API server fronts the data-parallel engines"
+            )
     except ValueError as e:
         parser.exit(2, f"vllm serve: error: {e}\n")
     try:

@@ -101,6 +101,8 @@ from vllm.tracing import extract_trace_headers, trace_headers_scope
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError, EngineLink, EngineStartupError
+from vllm.v1.engine.dp_rank import HEADER as DP_RANK_HEADER
+from vllm.v1.engine.dp_rank import parse_rank, rank_scope
 from vllm.v1.metrics.loggers import LoggingStatLogger
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
 
@@ -235,16 +237,23 @@ class ServerMiddleware:
             if is_messages_path(path):
                 refusal = as_anthropic(refusal)
             return await refusal(scope, receive, send)
-        load = self.track_load and is_load_path(path)
-        self.state.active += 1
-        self.state.load += load
+        rank = None
+        if DP_RANK_HEADER in headers:  # vLLM's: the data-parallel rank to run on
+            try:
+                rank = parse_rank(headers[DP_RANK_HEADER])
+            except ValueError as e:
+                refusal = error_response(400, str(e), "BadRequestError")
+                return await refusal(scope, receive, send)
         # A W3C trace context: the request's span joins that trace (vllm/tracing.py).
         trace = None
         if b"traceparent" in headers:
             trace = extract_trace_headers({k.decode("latin-1"): v.decode("latin-1")
                                            for k, v in headers.items()})  # fmt: skip
+        load = self.track_load and is_load_path(path)
+        self.state.active += 1
+        self.state.load += load
         try:
-            with trace_headers_scope(trace):
+            with trace_headers_scope(trace), rank_scope(rank):
                 await self.app(scope, _limited(receive, self.limit), send)
         finally:
             self.state.active -= 1

@@ -88,6 +88,9 @@ class EngineCoreRequest:
     # dtype, read in place of the embedding lookup at the prompt's positions, whose
     # prompt_token_ids are placeholders (0, as vLLM's); None: a token prompt.
     prompt_embeds: torch.Tensor | None = None
+    # --data-parallel-size: the rank asked for (vLLM's X-data-parallel-rank); None: the
+    # front end's DPAsyncMPClient chooses. The engine ignores it.
+    data_parallel_rank: int | None = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ from vllm.v1.engine import (
 from vllm.v1.engine.admission_control import AdmissionControl, SharedAdmissionStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, EngineLink, last_line
 from vllm.v1.engine.core_proc import EngineFactory
+from vllm.v1.engine.dp_rank import requested_rank
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
 
@@ -140,7 +141,12 @@ class AsyncLLM:
         mc = vllm_config.model_config
         self.config = vllm_config
         # Start the engine process first: its model load overlaps the tokenizer load here.
-        self.client = AsyncMPClient(vllm_config, engine_factory=engine_factory, link=link)
+        if vllm_config.parallel_config.data_parallel_size > 1 and link is None:
+            from vllm.v1.engine.dp_client import DPAsyncMPClient
+
+            self.client = DPAsyncMPClient(vllm_config, engine_factory=engine_factory)
+        else:
+            self.client = AsyncMPClient(vllm_config, engine_factory=engine_factory, link=link)
         try:
             self.tokenizer = init_tokenizer_from_config(mc)  # None: --skip-tokenizer-init
             eos = eos_token_ids(mc, self.tokenizer)[0]
@@ -412,6 +418,13 @@ class AsyncLLM:
         for r in core_reqs:
             self._by_child[r.request_id] = stream
         try:
+            choose = getattr(self.client, "choose_rank", None)  # --data-parallel-size
+            if choose is not None and core_reqs:
+                # One rank for all n samples (they share the prompt's blocks): the
+                # header's (X-data-parallel-rank), else the job's or the least loaded.
+                rank = choose(core_reqs[0], requested_rank())
+                for r in core_reqs:
+                    r.data_parallel_rank = rank
             for r in core_reqs:
                 r.client_index = self.client.client_index
                 await self.client.send(EngineCoreRequestType.ADD, r)

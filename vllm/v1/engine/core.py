@@ -224,7 +224,9 @@ class EngineCore(WeightSyncMixin, KVTransferMixin):
         auto_bytes = None
         if auto:
             pool_bytes = self.num_gpu_blocks * block_bytes + device_slots * slot_bytes
-            auto_bytes = offload.auto_size_bytes(pool_bytes)
+            # Data-parallel engines share the host: each sizes its tier from its share.
+            dp = self.vllm_config.parallel_config.data_parallel_size
+            auto_bytes = offload.auto_size_bytes(pool_bytes) // dp
             if auto_bytes < block_bytes:
                 return 0, 0
             logger.info(

@@ -113,9 +113,11 @@ def start_engine_process(
     output_addrs: list[str],
     engine_factory: EngineFactory | None = None,
     keepalive: Connection | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[multiprocessing.process.BaseProcess, Connection]:
     """Spawn the engine core for these front ends' addresses; the process and the write
-    end of its death pipe (closing it, or this process's exit, ends the engine)."""
+    end of its death pipe (closing it, or this process's exit, ends the engine). ``env``:
+    variables the process starts with on top of this one's (a data-parallel rank's)."""
     spawn = multiprocessing.get_context("spawn")  # torch + fork is unsafe
     death_reader, death_writer = spawn.Pipe(duplex=False)
     proc = spawn.Process(
@@ -132,7 +134,7 @@ def start_engine_process(
         name="EngineCore",
         daemon=True,
     )
-    with _environ(engine_process_env()):  # read by libgomp when torch loads
+    with _environ({**engine_process_env(), **(env or {})}):  # read when torch loads
         proc.start()
     death_reader.close()  # the child has its copy; EOF must come from our end alone
     return proc, death_writer
@@ -161,6 +163,7 @@ class AsyncMPClient:
         startup_timeout_s: float = 600.0,
         engine_factory: EngineFactory | None = None,
         link: EngineLink | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         if link is None:
             self._dir: str | None = tempfile.mkdtemp(prefix="vllm-continuum-")
@@ -182,7 +185,7 @@ class AsyncMPClient:
         self._engine_gone = False
         if link is None:
             self.proc, self._death_writer = start_engine_process(
-                vllm_config, [in_addr], [out_addr], engine_factory
+                vllm_config, [in_addr], [out_addr], engine_factory, env=env
             )
         self.startup_timeout_s = startup_timeout_s
         self.dead_reason: str | None = None

@@ -1,0 +1,82 @@
+"""`vllm serve --data-parallel-size 2` on the CPU: two engines behind one API server. A
+job's turns stay on the engine that holds its KV (Continuum pins it there), X-data-parallel-rank
+picks an engine, utility calls reach both, and the gauges on /metrics cover both."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from vllm.benchmarks.server import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a coding agent working in a large repository. " * 8
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("dp") / "server.log")
+    with RemoteServer(
+        "-dp", "2", "--scheduling-policy", "continuum", "--max-model-len", "1024",
+        "--num-gpu-blocks-override", "256", log_path=log, env={"VLLM_SERVER_DEV_MODE": "1"},
+    ) as srv:  # fmt: skip
+        yield srv
+
+
+def chat(server, job: str, messages: list, rank: int | None = None) -> requests.Response:
+    headers = {"X-data-parallel-rank": str(rank)} if rank is not None else None
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "job_id": job}
+    return requests.post(
+        f"{server.base}/v1/chat/completions", json=body, headers=headers, timeout=120
+    )
+
+
+def gauge(server, name: str) -> float:
+    text = requests.get(f"{server.base}/metrics", timeout=30).text
+    (line,) = [line for line in text.splitlines() if line.startswith(name + "{")]
+    return float(line.split()[-1])
+
+
+def test_a_jobs_turns_stay_on_the_engine_with_its_kv(server):
+    jobs = {}
+    for j in "AB":
+        jobs[j] = [{"role": "system", "content": SYSTEM + j},
+                   {"role": "user", "content": f"Task {j}: list the files."}]  # fmt: skip
+    for rank, job in enumerate("AB"):  # A on engine 0, B on engine 1
+        first = chat(server, job, jobs[job], rank=rank)
+        assert first.status_code == 200, first.text
+        reply = first.json()["choices"][0]["message"]["content"]
+        jobs[job] += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go."}]
+    # Sent one after the other with both engines idle, B's turn would go to engine 0 by
+    # load alone; it follows its job to engine 1, where its history is.
+    for job in "BA":
+        turn = chat(server, job, jobs[job])
+        assert turn.status_code == 200, turn.text
+        cached = turn.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 96, f"job {job} missed its history ({cached} tokens cached)"
+    # The gauges cover both engines: Continuum pins each job's last turn on its engine.
+    assert gauge(server, "vllm:num_requests_running") == 0
+    assert gauge(server, "vllm:num_pinned_requests") == 2
+    # A utility call reaches both engines: a pause that clears the cache ends the pins
+    # and empties both prefix caches.
+    assert requests.post(f"{server.base}/pause", timeout=60).status_code == 200
+    assert requests.get(f"{server.base}/is_paused", timeout=60).json() == {"is_paused": True}
+    assert requests.post(f"{server.base}/resume", timeout=60).status_code == 200
+    assert requests.get(f"{server.base}/is_paused", timeout=60).json() == {"is_paused": False}
+    for job in "AB":
+        again = chat(server, job, jobs[job])
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_rank_that_is_not_one_is_a_400(server):
+    for value in ("2", "x"):
+        bad = requests.post(
+            f"{server.base}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            headers={"X-data-parallel-rank": value},
+            timeout=60,
+        )
+        assert bad.status_code == 400 and "rank" in bad.json()["error"]["message"], bad.text
+    ok = chat(server, "C", [{"role": "user", "content": "hi"}], rank=1)
+    assert ok.status_code == 200

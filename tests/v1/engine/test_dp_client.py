@@ -1,0 +1,120 @@
+"""Data parallelism's front end (vllm/v1/engine/dp_client.py): which rank a request goes
+to, how the ranks' gauges combine, and how a broadcast utility call is answered."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections import OrderedDict
+
+import pytest
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreOutputType, EngineCoreRequest, UtilityResult
+from vllm.v1.engine.dp_client import DPAsyncMPClient, combine_stats, rank_env
+from vllm.v1.metrics.prometheus import SCHEDULER_METRICS
+from vllm.v1.metrics.stats import (
+    KVTransferStats,
+    OffloadStats,
+    PinStats,
+    SchedulerStats,
+    StateCheckpointStats,
+)
+
+
+def client(size: int) -> DPAsyncMPClient:
+    """The routing state of a client of ``size`` ranks, no processes."""
+    c = object.__new__(DPAsyncMPClient)
+    c.engines = [None] * size
+    c._stats = [None] * size
+    c._sent_since_stats = [0] * size
+    c._jobs = OrderedDict()
+    c._owner = {}
+    c._calls = {}
+    c._ready = collections.deque()
+    return c
+
+
+def request(rid: str, job: str | None = None) -> EngineCoreRequest:
+    extra = {"job_id": job} if job else None
+    return EngineCoreRequest(rid, [1, 2, 3], SamplingParams(extra_args=extra))
+
+
+def test_least_loaded_rank_then_the_jobs_rank():
+    c = client(2)
+    c._stats = [SchedulerStats(num_running_reqs=3), SchedulerStats(num_waiting_reqs=1)]
+    # rank 0: 3 running weigh 3; rank 1: 1 waiting weighs 4: rank 0 is lighter
+    assert c.choose_rank(request("a", "job-a")) == 0
+    c._sent_since_stats[0] += 2  # two sent to rank 0 since its stats: now 5 against 4
+    assert c.choose_rank(request("b", "job-b")) == 1
+    # job-a's next turns stay on rank 0 whatever the load says
+    c._sent_since_stats[0] += 10
+    assert c.choose_rank(request("a2", "job-a")) == 0
+    assert c.choose_rank(request("x")) == 1  # no job: the least loaded
+
+
+def test_an_asked_rank_wins_and_the_job_follows_it():
+    c = client(2)
+    assert c.choose_rank(request("a", "job-a"), asked=1) == 1
+    assert c.choose_rank(request("a2", "job-a")) == 1
+    with pytest.raises(ValueError, match="data_parallel_rank 2 is not a rank"):
+        c.choose_rank(request("b"), asked=2)
+
+
+def _filled(cls, value):
+    """A stats object with every numeric field ``value``."""
+    obj = cls()
+    for f in dataclasses.fields(obj):
+        if isinstance(getattr(obj, f.name), int | float) and not isinstance(
+            getattr(obj, f.name), bool
+        ):
+            setattr(obj, f.name, value)
+    return obj
+
+
+def _stats(value):
+    stats = _filled(SchedulerStats, value)
+    stats.pin_stats = _filled(PinStats, value)
+    stats.offload_stats = _filled(OffloadStats, value)
+    stats.kv_transfer_stats = _filled(KVTransferStats, value)
+    stats.state_checkpoint_stats = _filled(StateCheckpointStats, value)
+    return stats
+
+
+def test_every_gauge_on_metrics_combines_over_the_ranks():
+    a, b = _stats(1.0), _stats(3.0)
+    combined = combine_stats([a, b], b)
+    gauges = [s for s in SCHEDULER_METRICS if s.kind == "gauge"]
+    assert gauges
+    for spec in gauges:
+        ((_, value),) = spec.read(combined)
+        # the sum (4) or the mean (2) of the ranks: never one rank's own (1 or 3)
+        assert value in (2.0, 4.0), f"{spec.name} reads one rank's value: add it to DP_GAUGES"
+    # the counters are the reporting rank's deltas; the rank's own stats are unchanged
+    assert combined.num_preemptions == 3.0 and combined.pin_stats.pins == 3.0
+    assert b.num_running_reqs == 3.0 and b.pin_stats.num_pinned_requests == 3.0
+
+
+def test_a_broadcast_call_is_answered_once_every_rank_did():
+    c = client(2)
+    c._calls[7] = [2, None, {}]
+    c._take(1, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(7, True))
+    assert not c._ready
+    c._take(0, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(7, False))
+    ((msg_type, answer),) = c._ready
+    assert msg_type is EngineCoreOutputType.UTILITY_RESULT and answer.result is False
+    c._ready.clear()
+    c._calls[8] = [2, None, {}]
+    c._take(0, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(8, error="ValueError: x"))
+    c._take(1, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(8, None))
+    assert c._ready[0][1].error == "ValueError: x"
+
+
+def test_each_rank_gets_its_share_of_the_cpu(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert rank_env(1, 2, cuda=False) == {"VLLM_CPU_THREADS": "4"}
+    monkeypatch.setenv("VLLM_CPU_THREADS", "3")  # the user's: each engine's own
+    assert rank_env(0, 2, cuda=False) == {}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert rank_env(1, 2, cuda=True) == {"CUDA_VISIBLE_DEVICES": "5"}
