@@ -1801,12 +1801,18 @@ class VllmConfig:
                 "hash): drop --no-enable-prefix-caching"
             )
         if self.parallel_config.data_parallel_size > 1:
-            for what, on in (
-                ("--kv-events-config", self.kv_events_config.enabled),
-                ("--weight-transfer-config", self.weight_transfer_config.enabled),
-            ):
-                if on:
-                    raise ValueError(f"{what} cannot be combined with --data-parallel-size > 1 yet")
+            if self.weight_transfer_config.enabled:
+                raise ValueError(
+                    "--weight-transfer-config cannot be combined with --data-parallel-size > 1 yet"
+                )
+            if self.kv_events_config.enabled:
+                endpoint = self.kv_events_config.options["endpoint"]
+                if not endpoint.startswith(("tcp://", "ipc://")):
+                    raise bad_value(
+                        "kv_events_config.endpoint", endpoint,
+                        "must be tcp:// or ipc:// with --data-parallel-size > 1 (rank i "
+                        "publishes on the port plus i, or the path plus _i)",
+                    )  # fmt: skip
         if self.kv_events_config.enabled and not self.cache_config.enable_prefix_caching:
             # The events name prefix-cache blocks: without prefix caching there are none.
             # (vLLM only warns and publishes nothing.)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     VLLM_MXFP4_MOE: str
     VLLM_TOP_P_METHOD: str
     VLLM_CPU_THREADS: int
+    VLLM_DP_RANK: int
     VLLM_CPU_ENGINE_NICE: int
     VLLM_ENGINE_ORPHAN_GRACE_S: float
     VLLM_CPU_GGUF_PREFILL_DTYPE: str
@@ -110,6 +111,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_TOP_P_METHOD": _choice("VLLM_TOP_P_METHOD", ("auto", "numpy", "sort", "triton")),
     # torch intra-op threads of the CPU model runner. Default: every core.
     "VLLM_CPU_THREADS": lambda: int(os.getenv("VLLM_CPU_THREADS") or os.cpu_count() or 1),
+    # An engine process's data-parallel rank (--data-parallel-size; set by the front end
+    # for each engine it starts). Default 0.
+    "VLLM_DP_RANK": lambda: int(os.getenv("VLLM_DP_RANK") or 0),
     # How much the CPU engine process lowers its priority (nice increment) so the API
     # front end stays responsive; 0 disables. Default 10.
     "VLLM_CPU_ENGINE_NICE": lambda: int(os.getenv("VLLM_CPU_ENGINE_NICE") or 10),

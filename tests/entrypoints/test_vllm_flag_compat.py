@@ -89,8 +89,9 @@ def test_more_replicas_are_engines_of_their_own():
     assert _engine("-dp", "4", "-ep").parallel_config.data_parallel_size == 4
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
         _engine("-dp", "0")
-    with pytest.raises(ValueError, match="kv-events-config cannot be combined"):
-        _engine("-dp", "2", "--kv-events-config", '{"enable_kv_cache_events": true}')
+    events = '{"enable_kv_cache_events": true, "endpoint": "inproc://kv"}'
+    with pytest.raises(ValueError, match="must be tcp:// or ipc://"):
+        _engine("-dp", "2", "--kv-events-config", events)
 
 
 # -- --structured-outputs-config ----------------------------------------------------------

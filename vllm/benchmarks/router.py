@@ -38,6 +38,7 @@ import zmq
 
 from vllm.benchmarks.server import RemoteServer, popen_session, stop_session
 from vllm.config import CacheConfig, field_default, parse_json_object
+from vllm.distributed.kv_events import rank_endpoint
 from vllm.entrypoints.utils import LOOPBACK, get_open_port
 
 # The router's load-balancing policies in vllm-router 0.1.17 (its --policy choices).
@@ -141,16 +142,11 @@ def _take_flag(args: Sequence[str], flag: str) -> tuple[str | None, list[str]]:
 
 
 def _replica_endpoint(endpoint: str, index: int) -> str:
-    """Replica ``index``'s own ZeroMQ address, vLLM's rule for data-parallel ranks: a TCP
-    port plus the index (port 0 becomes a free port, so the router can be told it);
-    an ipc path gets a suffix; inproc cannot reach another process."""
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[len("tcp://") :].rpartition(":")
-        port_n = int(port) + index if int(port) else get_open_port()
-        return f"tcp://{host}:{port_n}"
-    if endpoint.startswith("ipc://"):
-        return f"{endpoint}_{index}" if index else endpoint
-    raise ValueError(f"{KV_EVENTS_FLAG} endpoint {endpoint!r}: replicas need tcp:// or ipc://")
+    """Replica ``index``'s own ZeroMQ address: vLLM's rule for data-parallel ranks
+    (``vllm.distributed.kv_events.rank_endpoint``), the first replica's own port kept."""
+    if not endpoint.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"{KV_EVENTS_FLAG} endpoint {endpoint!r}: replicas need tcp:// or ipc://")
+    return rank_endpoint(endpoint, index)
 
 
 def _connect_address(endpoint: str) -> str:

@@ -157,6 +157,33 @@ def _is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Data-parallel rank ``rank``'s own ZeroMQ address (vLLM's rule): a TCP port plus the
+    rank (port 0 becomes a free port); an ipc path gets a suffix; inproc cannot reach
+    another process. Rank 0 keeps ``endpoint``."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        if not int(port):
+            from vllm.entrypoints.utils import get_open_port
+
+            return f"tcp://{host}:{get_open_port()}"
+        return f"tcp://{host}:{int(port) + rank}"
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}_{rank}" if rank else endpoint
+    raise ValueError(f"kv_events_config endpoint {endpoint!r}: several ranks need tcp:// or ipc://")
+
+
+def rank_options(options: dict[str, Any], rank: int) -> dict[str, Any]:
+    """``options`` of ``--kv-events-config`` for data-parallel rank ``rank``: its endpoints."""
+    if rank == 0:
+        return options
+    out = dict(options)
+    for key in ("endpoint", "replay_endpoint"):
+        if out.get(key):
+            out[key] = rank_endpoint(out[key], rank)
+    return out
+
+
 class ZmqEventPublisher:
     """Publishes ``KVEventBatch`` es from a thread; the engine's step only enqueues.
 

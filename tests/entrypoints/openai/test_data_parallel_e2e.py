@@ -1,27 +1,77 @@
 """`vllm serve --data-parallel-size 2` on the CPU: two engines behind one API server. A
 job's turns stay on the engine that holds its KV (Continuum pins it there), X-data-parallel-rank
-picks an engine, utility calls reach both, and the gauges on /metrics cover both."""
+picks an engine, utility calls reach both, the gauges on /metrics cover both, and each
+engine publishes its KV events on its own endpoint (vLLM's port + rank)."""
 
 from __future__ import annotations
 
+import json
+import socket
+import time
+
 import pytest
 import requests
+import zmq
 
+from tests.test_kv_events_publisher import DECODER, subscriber
 from vllm.benchmarks.server import RemoteServer
+from vllm.entrypoints.utils import get_open_port
 
 pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a coding agent working in a large repository. " * 8
 
 
+def free_port_pair() -> int:
+    """A port whose successor is free too (rank 1 publishes there)."""
+    for _ in range(50):
+        port = get_open_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def events_port():
+    return free_port_pair()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, events_port):
     log = str(tmp_path_factory.mktemp("dp") / "server.log")
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events_port}"}
     with RemoteServer(
-        "-dp", "2", "--scheduling-policy", "continuum", "--max-model-len", "1024",
-        "--num-gpu-blocks-override", "256", log_path=log, env={"VLLM_SERVER_DEV_MODE": "1"},
+        "-dp", "2", "--scheduling-policy", "continuum", "--continuum-default-ttl", "60",
+        "--max-model-len", "1024",
+        "--num-gpu-blocks-override", "256", "--kv-events-config", json.dumps(events),
+        log_path=log, env={"VLLM_SERVER_DEV_MODE": "1"},
     ) as srv:  # fmt: skip
         yield srv
+
+
+@pytest.fixture(scope="module")
+def subscribers(server, events_port):
+    """A subscriber on each rank's endpoint: the port, and the port + 1."""
+    ctx = zmq.Context()
+    subs = [subscriber(ctx, f"tcp://127.0.0.1:{events_port + rank}") for rank in (0, 1)]
+    time.sleep(0.5)  # ZeroMQ's slow joiner
+    yield subs
+    ctx.destroy(linger=0)
+
+
+def session_ids(sub) -> tuple[set, set]:
+    """The jobs whose blocks a rank published, and the ranks its batches name."""
+    jobs, ranks = set(), set()
+    while sub.poll(1000):
+        batch = DECODER.decode(sub.recv_multipart()[2])
+        ranks.add(batch.data_parallel_rank)
+        # (the KV cache's blocks: the CPU tier's name no job)
+        jobs |= {e.session_id for e in batch.events if getattr(e, "medium", None) == "GPU"}
+    return jobs, ranks
 
 
 def chat(server, job: str, messages: list, rank: int | None = None) -> requests.Response:
@@ -38,7 +88,7 @@ def gauge(server, name: str) -> float:
     return float(line.split()[-1])
 
 
-def test_a_jobs_turns_stay_on_the_engine_with_its_kv(server):
+def test_a_jobs_turns_stay_on_the_engine_with_its_kv(server, subscribers):
     jobs = {}
     for j in "AB":
         jobs[j] = [{"role": "system", "content": SYSTEM + j},
@@ -58,6 +108,10 @@ def test_a_jobs_turns_stay_on_the_engine_with_its_kv(server):
     # The gauges cover both engines: Continuum pins each job's last turn on its engine.
     assert gauge(server, "vllm:num_requests_running") == 0
     assert gauge(server, "vllm:num_pinned_requests") == 2
+    # Each rank publishes its own KV events on its own endpoint: A's blocks on rank 0's,
+    # B's on rank 1's.
+    assert session_ids(subscribers[0]) == ({"A"}, {0})
+    assert session_ids(subscribers[1]) == ({"B"}, {1})
     # A utility call reaches both engines: a pause that clears the cache ends the pins
     # and empties both prefix caches.
     assert requests.post(f"{server.base}/pause", timeout=60).status_code == 200

@@ -113,8 +113,8 @@ def test_a_broadcast_call_is_answered_once_every_rank_did():
 def test_each_rank_gets_its_share_of_the_cpu(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    assert rank_env(1, 2, cuda=False) == {"VLLM_CPU_THREADS": "4"}
+    assert rank_env(1, 2, cuda=False) == {"VLLM_CPU_THREADS": "4", "VLLM_DP_RANK": "1"}
     monkeypatch.setenv("VLLM_CPU_THREADS", "3")  # the user's: each engine's own
-    assert rank_env(0, 2, cuda=False) == {}
+    assert rank_env(0, 2, cuda=False) == {"VLLM_DP_RANK": "0"}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    assert rank_env(1, 2, cuda=True) == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert rank_env(1, 2, cuda=True) == {"CUDA_VISIBLE_DEVICES": "5", "VLLM_DP_RANK": "1"}

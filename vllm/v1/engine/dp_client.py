@@ -98,15 +98,17 @@ def combine_stats(latest: list[Any], current: Any) -> Any:
 
 
 def rank_env(rank: int, size: int, cuda: bool) -> dict[str, str]:
-    """The environment of rank ``rank``'s engine process: its GPU, or its share of the
-    CPU's threads (``VLLM_CPU_THREADS`` set by the user is each engine's own count)."""
+    """The environment of rank ``rank``'s engine process: its rank, and its GPU or its
+    share of the CPU's threads (``VLLM_CPU_THREADS`` set by the user is each engine's
+    own count)."""
+    env = {"VLLM_DP_RANK": str(rank)}  # its KV events' endpoints and batches say it
     if cuda:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(i) for i in range(size)]
-        return {"CUDA_VISIBLE_DEVICES": devices[rank]}
-    if os.environ.get("VLLM_CPU_THREADS"):
-        return {}
-    return {"VLLM_CPU_THREADS": str(max(1, envs.VLLM_CPU_THREADS // size))}
+        env["CUDA_VISIBLE_DEVICES"] = devices[rank]
+    elif not os.environ.get("VLLM_CPU_THREADS"):
+        env["VLLM_CPU_THREADS"] = str(max(1, envs.VLLM_CPU_THREADS // size))
+    return env
 
 
 class DPAsyncMPClient:

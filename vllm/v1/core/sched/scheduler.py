@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from vllm import envs
 from vllm.config import SpeculativeConfig, VllmConfig
-from vllm.distributed.kv_events import KVEventLog, ZmqEventPublisher
+from vllm.distributed.kv_events import KVEventLog, ZmqEventPublisher, rank_options
 from vllm.multimodal.inputs import MultiModalFeature
 from vllm.utils.clock import Clock, monotonic_clock
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -196,7 +197,10 @@ class Scheduler:
         # each finished request before its blocks are freed.
         self.kv_transfer: KVTransferHook | None = None
         # Last: its socket and thread are not left behind by a constructor that failed.
-        self.kv_event_publisher = ZmqEventPublisher(events.options) if events.enabled else None
+        self.kv_event_publisher = None
+        if events.enabled:  # a data-parallel rank publishes on its own endpoints
+            rank = envs.VLLM_DP_RANK
+            self.kv_event_publisher = ZmqEventPublisher(rank_options(events.options, rank), rank)
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
