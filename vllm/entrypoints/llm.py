@@ -86,6 +86,11 @@ class LLM:
             UsageContext.LLM_CLASS,
             recurrent=has_recurrent_layers(hf_config),
         )
+        if self.vllm_config.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1: the offline LLM runs one engine in this process; "
+                "`vllm serve -dp N` runs N engines behind one server"
+            )
         maybe_attach_gc_debug_callback()  # before the engine: a bad VLLM_GC_DEBUG fails fast
         self.engine_core = EngineCore(self.vllm_config)
         # generate() steps the engine in this process: keep start-up's heap out of the

@@ -368,6 +368,7 @@ def test_an_engine_output_round_trips_every_field():
         "queue_time_s": 0.25,
         "num_prompt_tokens": 9,
         "pooled": [0.5, -0.5],
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_port": 5600},
     }
     assert set(values) == {f.name for f in dataclasses.fields(EngineCoreOutput)}
     out = EngineCoreOutput(**values)

@@ -118,3 +118,10 @@ def test_each_rank_gets_its_share_of_the_cpu(monkeypatch):
     assert rank_env(0, 2, cuda=False) == {"VLLM_DP_RANK": "0"}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     assert rank_env(1, 2, cuda=True) == {"CUDA_VISIBLE_DEVICES": "5", "VLLM_DP_RANK": "1"}
+
+
+def test_the_offline_llm_refuses_several_engines():
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="vllm serve -dp N"):
+        LLM(data_parallel_size=2)
