@@ -134,3 +134,26 @@ def test_a_rank_that_is_not_one_is_a_400(server):
         assert bad.status_code == 400 and "rank" in bad.json()["error"]["message"], bad.text
     ok = chat(server, "C", [{"role": "user", "content": "hi"}], rank=1)
     assert ok.status_code == 200
+
+
+def test_an_engine_that_dies_takes_the_server_down_with_nothing_left(tmp_path):
+    import os
+    import re
+    import signal
+
+    log = tmp_path / "server.log"
+    server = RemoteServer("-dp", "2", "--max-model-len", "512", log_path=str(log))
+    try:
+        found = re.search(r"pids ([\d, ]+)\)", log.read_text())
+        pids = [int(p) for p in found.group(1).split(", ")]
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and server.proc.poll() is None:
+            time.sleep(0.2)
+        assert server.proc.poll() is not None, "the server outlived an engine"
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pids[0]}"):
+            time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{pids[0]}"), "rank 0's engine was left behind"
+    finally:
+        server.stop()
