@@ -9,8 +9,10 @@ Invalid values raise ``ValueError`` naming the field and the bad value.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
@@ -1423,6 +1425,40 @@ class ProfilerConfig:
         return self.options["profiler"] == "torch"
 
 
+HISTOGRAM_FAMILIES = (
+    "request_latency", "time_to_first_token", "inter_token_latency", "iteration_tokens",
+    "request_params_n", "request_tokens", "kv_cache_residency",
+)  # fmt: skip
+
+
+def _check_histogram_buckets(custom: Any) -> None:
+    """--custom-histogram-buckets: ValueError naming the family and the bound at fault."""
+    if custom is None:
+        return
+    name = "custom_histogram_buckets"
+    if not isinstance(custom, dict):
+        raise bad_value(name, custom, "must be a JSON object of bucket lists")
+    for family, bounds in custom.items():
+        if family == "request_num_preemptions":
+            raise bad_value(
+                f"{name}[{family!r}]", bounds, "is not supported: this server has no "
+                "vllm:request_num_preemptions histogram",
+            )  # fmt: skip
+        if family not in HISTOGRAM_FAMILIES:
+            raise bad_value(
+                name, family, f"is not a bucket family; they are {list(HISTOGRAM_FAMILIES)}"
+            )
+        if not isinstance(bounds, list) or not bounds:
+            raise bad_value(f"{name}[{family!r}]", bounds, "must be a non-empty list of bounds")
+        for bound in bounds:
+            if isinstance(bound, bool) or not isinstance(bound, int | float):
+                raise bad_value(f"{name}[{family!r}]", bound, "must be a number")
+            if not math.isfinite(bound) or bound <= 0:  # (inf and nan fail here)
+                raise bad_value(f"{name}[{family!r}]", bound, "must be finite and greater than 0")
+        if any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise bad_value(f"{name}[{family!r}]", bounds, "must be strictly increasing")
+
+
 @dataclass(frozen=True)
 class ObservabilityConfig:
     """Optional engine metrics beyond the default Prometheus series (vLLM's
@@ -1441,6 +1477,15 @@ class ObservabilityConfig:
         "(0.01: 1 percent of the blocks allocated).",
     )
 
+    custom_histogram_buckets: dict[str, list[float]] | None = config_field(
+        None,
+        "JSON object, vLLM's: bucket bounds by family, e.g. '{\"request_latency\": [0.1, 1, "
+        "10]}': strictly increasing, finite, positive; they replace the defaults of every "
+        "histogram of the family (request_latency, time_to_first_token, "
+        "inter_token_latency, iteration_tokens, request_params_n, request_tokens, "
+        "kv_cache_residency). Each bucket is one more series per histogram.",
+        parse=lambda text: parse_json_object(text, "custom_histogram_buckets"),
+    )
     otlp_traces_endpoint: str | None = config_field(
         None,
         "Where OpenTelemetry traces go (vLLM's): an OTLP endpoint, gRPC unless "
@@ -1459,6 +1504,7 @@ class ObservabilityConfig:
         sample = self.kv_cache_metrics_sample
         if isinstance(sample, bool) or not isinstance(sample, int | float) or not 0 < sample <= 1:
             raise bad_value("kv_cache_metrics_sample", sample, "must be in (0, 1]")
+        _check_histogram_buckets(self.custom_histogram_buckets)
         endpoint = self.otlp_traces_endpoint
         if endpoint is not None:
             from vllm.tracing import is_otel_available

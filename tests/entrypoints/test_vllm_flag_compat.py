@@ -310,3 +310,15 @@ def test_a_config_file_gives_these_flags_too(tmp_path):
     assert front.middleware == [f"{MODULE}.HeaderMiddleware", f"{MODULE}.header_function"]
     assert front.structured_outputs_config == {"backend": "guidance"}
     assert EngineArgs.from_cli_args(args).create_engine_config().model_config.enforce_eager
+
+
+# -- --custom-histogram-buckets, --otlp-traces-endpoint ------------------------------------
+
+
+def test_custom_histogram_buckets_flag_is_a_json_object():
+    config = _engine("--custom-histogram-buckets", '{"time_to_first_token": [0.1, 1, 10]}')
+    assert config.observability_config.custom_histogram_buckets == {
+        "time_to_first_token": [0.1, 1, 10]
+    }
+    with pytest.raises(ValueError, match="custom_histogram_buckets"):
+        _engine("--custom-histogram-buckets", '{"time_to_first_token": [10, 1]}')

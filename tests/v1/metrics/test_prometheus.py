@@ -383,3 +383,48 @@ def test_the_front_end_reads_declarations_without_loading_the_predictors():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_custom_histogram_buckets_replace_a_familys_defaults():
+    from vllm.config import HISTOGRAM_FAMILIES
+    from vllm.v1.metrics.prometheus import BUCKET_FAMILIES, PrometheusStatLogger
+
+    custom = {"request_latency": [0.05, 0.5, 5.0], "request_tokens": [10, 100]}
+    text = PrometheusStatLogger("m", custom_buckets=custom).exposition().decode()
+    e2e = [
+        line
+        for line in text.splitlines()
+        if line.startswith("vllm:e2e_request_latency_seconds_bucket")
+    ]
+    assert [line.split('le="')[1].split('"')[0] for line in e2e] == ["0.05", "0.5", "5.0", "+Inf"]
+    prompt = [
+        line for line in text.splitlines() if line.startswith("vllm:request_prompt_tokens_bucket")
+    ]
+    assert len(prompt) == 3
+    # A family not named keeps its defaults.
+    ttft = [
+        line
+        for line in text.splitlines()
+        if line.startswith("vllm:time_to_first_token_seconds_bucket")
+    ]
+    assert len(ttft) > 4
+    assert set(BUCKET_FAMILIES) == set(HISTOGRAM_FAMILIES)  # the flag's and the logger's
+
+
+@pytest.mark.parametrize(
+    ("custom", "named"),
+    [
+        ({"request_latency": [1, 0.5]}, "strictly increasing"),
+        ({"request_latency": []}, "non-empty"),
+        ({"request_latency": [0, 1]}, "greater than 0"),
+        ({"request_latency": [1, float("inf")]}, "finite"),
+        ({"request_latency": [True, 2]}, "must be a number"),
+        ({"latency": [1, 2]}, "not a bucket family"),
+        ({"request_num_preemptions": [1, 2]}, "no vllm:request_num_preemptions"),
+    ],
+)
+def test_bad_custom_buckets_are_refused(custom, named):
+    from vllm.config import ObservabilityConfig
+
+    with pytest.raises(ValueError, match=named):
+        ObservabilityConfig(custom_histogram_buckets=custom)

@@ -900,6 +900,7 @@ async def run_server(
             engine_stats=link is None or link.client_index == 0,
             multiprocess=link is not None,
             kv_cache_metrics=vllm_config.observability_config.kv_cache_metrics,
+            custom_buckets=vllm_config.observability_config.custom_histogram_buckets,
         )
         periodic = None if args.disable_log_stats else LoggingStatLogger()
         loggers = [stats] if periodic is None else [stats, periodic]

@@ -480,6 +480,34 @@ def build_series(
     return {s.name: MetricSeries(s, registry, engine_labels) for s in merge_specs([specs])}
 
 
+# --custom-histogram-buckets' families (vLLM's keys): the histograms each one sets.
+# vLLM's request_num_preemptions family has no histogram here.
+BUCKET_FAMILIES: dict[str, tuple[str, ...]] = {
+    "request_latency": (E2E, QUEUE_TIME, INFERENCE_TIME, PREFILL_TIME, DECODE_TIME),
+    "time_to_first_token": (TTFT,),
+    "inter_token_latency": (ITL, REQUEST_TPOT, TPOT),
+    "iteration_tokens": (ITERATION_TOKENS,),
+    "request_params_n": (PARAMS_N,),
+    "request_tokens": (
+        REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, MAX_GENERATION_TOKENS,
+        PARAMS_MAX_TOKENS,
+    ),
+    "kv_cache_residency": tuple(s.name for s in KV_CACHE_RESIDENCY_METRICS),
+}  # fmt: skip
+
+
+def with_buckets(
+    specs: Iterable[MetricSpec], custom: dict[str, list[float]] | None
+) -> list[MetricSpec]:
+    """``specs`` with the buckets ``custom`` gives their families (the others as they are)."""
+    by_name = {
+        name: tuple(float(b) for b in bounds)
+        for family, bounds in (custom or {}).items()
+        for name in BUCKET_FAMILIES[family]
+    }
+    return [replace(s, buckets=by_name[s.name]) if s.name in by_name else s for s in specs]
+
+
 class PrometheusStatLogger:
     """Turns engine stats and finished requests into metrics in its own registry.
 
@@ -501,10 +529,13 @@ class PrometheusStatLogger:
         engine_stats: bool = True,
         multiprocess: bool = False,
         kv_cache_metrics: bool = False,
+        custom_buckets: dict[str, list[float]] | None = None,
     ) -> None:
         """``max_model_len`` and ``max_num_batched_tokens`` size the token-count buckets;
         ``max_loras`` > 0 (--enable-lora): vLLM's ``vllm:lora_requests_info``;
         ``kv_cache_metrics`` (--kv-cache-metrics): the KV cache residency histograms.
+        ``custom_buckets`` (--custom-histogram-buckets): bucket bounds by family
+        (``BUCKET_FAMILIES``), replacing the defaults of its histograms.
 
         Several API servers on one engine (``--api-server-count``) each get every step's
         stats but count only their own requests: one of them (``engine_stats``) records
@@ -519,10 +550,9 @@ class PrometheusStatLogger:
         policy_specs = merge_specs(self._policy_specs.values())
         per_request = request_metrics(max_model_len, max_num_batched_tokens)
         self._residency = KV_CACHE_RESIDENCY_METRICS if kv_cache_metrics else ()
+        specs = (*FRONTEND_METRICS, *per_request, *SCHEDULER_METRICS, *self._residency)
         self.series = build_series(
-            (*FRONTEND_METRICS, *per_request, *SCHEDULER_METRICS, *self._residency, *policy_specs),
-            self.registry,
-            self.labels,
+            (*with_buckets(specs, custom_buckets), *policy_specs), self.registry, self.labels
         )
         self.series[ENGINE_ALIVE].child.set(1)
         self.record_sleep_state(False)
