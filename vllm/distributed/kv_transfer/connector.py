@@ -65,6 +65,10 @@ COUNTERS = (
 IDLE_WAIT_S = 0.05  # the longest an otherwise idle step waits for a fetch
 
 
+def _sum_counters(a: KVTransferStats, b: KVTransferStats) -> KVTransferStats:
+    return KVTransferStats(**{f: getattr(a, f) + getattr(b, f) for f in COUNTERS})
+
+
 def transfer_params(request: Request) -> dict[str, Any] | None:
     params = (request.sampling_params.extra_args or {}).get("kv_transfer_params")
     return params or None
@@ -160,7 +164,7 @@ class KVTransferConnector:
         self.notify: Callable[[], None] = lambda: None  # the engine loop's wake-up
         self._news = threading.Event()  # a fetch arrived (for an idle step's wait)
         self.stats = KVTransferStats()  # deltas since take_stats
-        self._taken: list[KVTransferStats] = []  # what take_stats handed out (totals)
+        self._taken = KVTransferStats()  # the counters take_stats handed out, summed
         self.ctx = zmq.Context()
         # Producer: holds by request id (the server thread reads them under the lock).
         self._lock = threading.Lock()
@@ -495,7 +499,7 @@ class KVTransferConnector:
     def take_stats(self) -> KVTransferStats:
         """The counts since the previous call, with the holds and fetches now."""
         stats, self.stats = self.stats, KVTransferStats()
-        self._taken.append(stats)
+        self._taken = _sum_counters(self._taken, stats)
         with self._lock:
             stats.held_requests = len(self._holds)
         stats.fetching_requests = len(self._fetching)
@@ -503,12 +507,7 @@ class KVTransferConnector:
 
     def totals(self) -> KVTransferStats:
         """The counters since the start (for tests and logs)."""
-
-        def total(parts: list[KVTransferStats]) -> KVTransferStats:
-            return KVTransferStats(**{f: sum(getattr(p, f) for p in parts) for f in COUNTERS})
-
-        self._taken = [total(self._taken)]  # kept short
-        return total([*self._taken, self.stats])
+        return _sum_counters(self._taken, self.stats)
 
     @property
     def num_fetching(self) -> int:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.connector import KVTransferConnector, check_transfer_params
+from vllm.distributed.kv_transfer.connector import (
+    KVTransferConnector,
+    check_transfer_params,
+    transfer_params,
+)
 from vllm.v1.engine import EngineCoreRequestError
 from vllm.v1.request import Request, RequestStatus
 
@@ -73,7 +77,7 @@ class KVTransferMixin:
         """ValueError for kv_transfer_params this engine cannot serve; True when the
         connector took the request (its blocks are being fetched)."""
         config = self.vllm_config.kv_transfer_config
-        params = (request.sampling_params.extra_args or {}).get("kv_transfer_params")
+        params = transfer_params(request)
         check_transfer_params(params, config.is_producer, config.is_consumer)
         if self.kv_connector is None or not (params or {}).get("do_remote_prefill"):
             return False
