@@ -125,3 +125,29 @@ def test_the_offline_llm_refuses_several_engines():
 
     with pytest.raises(ValueError, match="vllm serve -dp N"):
         LLM(data_parallel_size=2)
+
+
+def test_aborted_and_stopped_requests_are_forgotten():
+    import asyncio
+
+    from vllm.v1.engine import EngineCoreRequestType
+
+    class Engine:
+        def __init__(self):
+            self.sent = []
+
+        is_alive = True
+        dead_reason = None
+
+        async def send(self, msg_type, payload):
+            self.sent.append((msg_type, payload))
+
+    c = client(2)
+    c._dead_reason = None
+    c.engines = [Engine(), Engine()]
+    c._owner = {"a": 1, "b": 0}
+    asyncio.run(c.send(EngineCoreRequestType.ABORT, ["a", "x"]))
+    assert c.engines[1].sent == [(EngineCoreRequestType.ABORT, ["a", "x"])]
+    assert c.engines[0].sent == [(EngineCoreRequestType.ABORT, ["x"])]  # unknown: to all
+    asyncio.run(c.send(EngineCoreRequestType.STOP, ["b"]))
+    assert c._owner == {} and c.engines[0].sent[-1] == (EngineCoreRequestType.STOP, ["b"])

@@ -217,9 +217,11 @@ class DPAsyncMPClient:
                 self._sent_since_stats[rank] += 1
                 await self.engines[rank].send(msg_type, payload)
             case EngineCoreRequestType.ABORT | EngineCoreRequestType.STOP:
+                # The engine sends no ending for these (the front end has forgotten
+                # them), so their owners are forgotten here, as the engine process does.
                 by_rank: dict[int, list[str]] = {}
                 for request_id in payload:
-                    rank = self._owner.get(request_id)
+                    rank = self._owner.pop(request_id, None)
                     for r in range(len(self.engines)) if rank is None else (rank,):
                         by_rank.setdefault(r, []).append(request_id)
                 for rank, ids in by_rank.items():
