@@ -303,9 +303,7 @@ class ReplicaSet:
                 sources = [self._event_source(replica, config) for replica, config in pairs]
                 flags = kv_event_sources(sources, model, int(block or DEFAULT_BLOCK_SIZE))
                 self.router_args = [*self.router_args, *flags]
-            self.port = port or get_open_port()
-            self.base = f"http://{LOOPBACK}:{self.port}"
-            self._start_router(logs, timeout_s)
+            self._start_router(port, logs, timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -369,7 +367,10 @@ class ReplicaSet:
         self._forwarders.append(forwarder)
         return replica.base, forwarder.endpoint, None
 
-    def _start_router(self, logs: Path | None, timeout_s: float) -> None:
+    def _start_router(self, port: int | None, logs: Path | None, timeout_s: float) -> None:
+        """vllm-router on ``port`` (None: a free one) in front of the replicas."""
+        self.port = port or get_open_port()
+        self.base = f"http://{LOOPBACK}:{self.port}"
         cmd = [
             sys.executable, "-m", "vllm_router.launch_router",
             "--host", LOOPBACK,
@@ -501,9 +502,7 @@ class PDSet(ReplicaSet):
         )
         try:
             self._start_replicas(launches, logs, env, timeout_s)
-            self.port = port or get_open_port()
-            self.base = f"http://{LOOPBACK}:{self.port}"
-            self._start_router(logs, timeout_s)
+            self._start_router(port, logs, timeout_s)
         except BaseException:
             self.stop()
             raise
