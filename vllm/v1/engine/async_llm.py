@@ -155,15 +155,11 @@ class AsyncLLM:
             self.default_sampling_params = default_sampling_params(mc)
             # Checks what the model folder must hold (a bad --mm-processor-kwargs).
             self.processor = Processor(vllm_config, self.tokenizer, eos)
-        except BaseException:
-            self.client.shutdown()
-            raise
-        self.processor.default_max_tokens = self.default_sampling_params.get("max_tokens")
-        try:
             self.tracer = make_tracer(vllm_config)  # --otlp-traces-endpoint
         except BaseException:
             self.client.shutdown()
             raise
+        self.processor.default_max_tokens = self.default_sampling_params.get("max_tokens")
         self.output_processor = OutputProcessor(
             self.tokenizer, vllm_config.scheduler_config.stream_interval, self.tracer
         )
