@@ -131,8 +131,9 @@ class OffloadManager:
         return external, stats
 
     def can_reset(self) -> bool:
-        """No tier block is held: by a load of this step or for a remote reader."""
-        return not self._held and not self.pool.num_held_blocks
+        """No tier block is held: by a load of this step or for a remote reader (both are
+        the pool's holds)."""
+        return not self.pool.num_held_blocks
 
     def reset(self) -> bool:
         return self.can_reset() and self.pool.reset()
