@@ -94,9 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--tool-s", type=float, default=0.5, help="seconds between turns")
+    parser.add_argument(
+        "--api-server-count", type=int, default=2,
+        help="API servers in front of the engines (2: vLLM's default for -dp 2; a job's "
+        "turns reach either, and follow its KV through the shared job table)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    print(f"# {cpu_model()} ({vector_extensions()}), vllm serve -dp 2, 1 thread an engine")
-    serve = ("-dp", "2", "--scheduling-policy", "continuum", "--continuum-default-ttl", "30",
+    print(f"# {cpu_model()} ({vector_extensions()}), vllm serve -dp 2 --api-server-count "
+          f"{args.api_server_count}, 1 thread an engine")  # fmt: skip
+    serve = ("-dp", "2", "--api-server-count", str(args.api_server_count),
+             "--scheduling-policy", "continuum", "--continuum-default-ttl", "30",
              "--max-model-len", "2048")  # fmt: skip
     with RemoteServer(*serve) as server:
         run(server, argparse.Namespace(jobs=2, turns=1, tool_s=0), False, "warm")

@@ -113,6 +113,25 @@ def test_several_api_servers_refuse_runtime_lora_updating():
     assert "Traceback" not in out.stderr
 
 
+def test_the_api_server_count_defaults_to_the_data_parallel_size(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.cli.serve import resolve_api_server_count
+    from vllm.entrypoints.openai.cli_args import FrontendArgs
+
+    def config(dp):
+        return SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp))
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    assert resolve_api_server_count(FrontendArgs(), config(1)).api_server_count == 1
+    assert resolve_api_server_count(FrontendArgs(), config(3)).api_server_count == 3  # vLLM's
+    given = FrontendArgs(api_server_count=1)
+    assert resolve_api_server_count(given, config(3)).api_server_count == 1
+    # Adapters loaded at run time need one API server: the default stays 1 then.
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    assert resolve_api_server_count(FrontendArgs(), config(3)).api_server_count == 1
+
+
 def test_vllm_s_one_device_flags_are_accepted():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.cli.main import make_parser

@@ -1,11 +1,14 @@
-"""`vllm serve --data-parallel-size 2` on the CPU: two engines behind one API server. A
-job's turns stay on the engine that holds its KV (Continuum pins it there), X-data-parallel-rank
-picks an engine, utility calls reach both, the gauges on /metrics cover both, and each
-engine publishes its KV events on its own endpoint (vLLM's port + rank)."""
+"""`vllm serve --data-parallel-size 2` on the CPU: two engines behind two API servers (the
+default, as in vLLM), or one. A job's turns stay on the engine that holds its KV
+(Continuum pins it there) whichever API server takes them, X-data-parallel-rank picks an
+engine, utility calls reach both, the gauges on /metrics cover both, and each engine
+publishes its KV events on its own endpoint (vLLM's port + rank)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import time
 
@@ -48,9 +51,21 @@ def server(tmp_path_factory, events_port):
         "-dp", "2", "--scheduling-policy", "continuum", "--continuum-default-ttl", "60",
         "--max-model-len", "1024",
         "--num-gpu-blocks-override", "256", "--kv-events-config", json.dumps(events),
+        "--enable-log-requests",
         log_path=log, env={"VLLM_SERVER_DEV_MODE": "1"},
     ) as srv:  # fmt: skip
+        srv.log_path = log
         yield srv
+
+
+def api_server_of(server, response: requests.Response) -> str:
+    """Which API server took the request (its log line's ``[api i]``)."""
+    rid = response.json()["id"]
+    with open(server.log_path) as f:
+        for line in f:
+            if f"Received request {rid}" in line:
+                return re.search(r"\[api (\d+)\]", line).group(1)
+    raise AssertionError(f"{rid} is not in the server's log")
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +114,20 @@ def test_a_jobs_turns_stay_on_the_engine_with_its_kv(server, subscribers):
         reply = first.json()["choices"][0]["message"]["content"]
         jobs[job] += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go."}]
     # Sent one after the other with both engines idle, B's turn would go to engine 0 by
-    # load alone; it follows its job to engine 1, where its history is.
-    for job in "BA":
-        turn = chat(server, job, jobs[job])
-        assert turn.status_code == 200, turn.text
-        cached = turn.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= 96, f"job {job} missed its history ({cached} tokens cached)"
+    # load alone; it follows its job to engine 1, where its history is, whichever of the
+    # two API servers took it (each request is a new connection; the kernel hands it to
+    # either). The second server learns the job's engine from the shared job table.
+    servers = set()
+    for attempt in range(16):
+        for job in "BA":
+            turn = chat(server, job, jobs[job])
+            assert turn.status_code == 200, turn.text
+            cached = turn.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 96, f"job {job} missed its history ({cached} tokens cached)"
+            servers.add(api_server_of(server, turn))
+        if len(servers) == 2 and attempt >= 1:
+            break
+    assert servers == {"0", "1"}, f"every turn reached API server {servers}"
     # The gauges cover both engines: Continuum pins each job's last turn on its engine.
     assert gauge(server, "vllm:num_requests_running") == 0
     assert gauge(server, "vllm:num_pinned_requests") == 2
@@ -136,16 +159,35 @@ def test_a_rank_that_is_not_one_is_a_400(server):
     assert ok.status_code == 200
 
 
-def test_an_engine_that_dies_takes_the_server_down_with_nothing_left(tmp_path):
-    import os
-    import re
+def children(pid: int) -> set[int]:
+    """The live processes whose parent is ``pid``."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # after the name: state, ppid
+                found.add(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_an_engine_that_dies_takes_the_server_down_with_nothing_left(tmp_path, api_servers):
     import signal
 
     log = tmp_path / "server.log"
-    server = RemoteServer("-dp", "2", "--max-model-len", "512", log_path=str(log))
+    server = RemoteServer(
+        "-dp", "2", "--api-server-count", api_servers, "--max-model-len", "512",
+        log_path=str(log),
+    )  # fmt: skip
     try:
         found = re.search(r"pids ([\d, ]+)\)", log.read_text())
         pids = [int(p) for p in found.group(1).split(", ")]
+        family = children(server.proc.pid)  # the engines, and the API servers if several
+        assert set(pids) <= family and len(family) >= len(pids) + int(api_servers) - 1
         os.kill(pids[1], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and server.proc.poll() is None:
@@ -154,6 +196,10 @@ def test_an_engine_that_dies_takes_the_server_down_with_nothing_left(tmp_path):
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and os.path.exists(f"/proc/{pids[0]}"):
             time.sleep(0.2)
-        assert not os.path.exists(f"/proc/{pids[0]}"), "rank 0's engine was left behind"
+        left = {p for p in family if os.path.exists(f"/proc/{p}")}
+        while time.monotonic() < deadline and left:
+            time.sleep(0.2)
+            left = {p for p in left if os.path.exists(f"/proc/{p}")}
+        assert not left, f"processes left behind: {left} (rank 0's engine: {pids[0]})"
     finally:
         server.stop()

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections import OrderedDict
 
 import pytest
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutputType, EngineCoreRequest, UtilityResult
-from vllm.v1.engine.dp_client import DPAsyncMPClient, combine_stats, rank_env
+from vllm.v1.engine.dp_client import (
+    DPAsyncMPClient,
+    JobTable,
+    SentSinceStats,
+    SharedJobTable,
+    combine_stats,
+    rank_env,
+)
 from vllm.v1.metrics.prometheus import SCHEDULER_METRICS
 from vllm.v1.metrics.stats import (
     KVTransferStats,
@@ -27,8 +33,8 @@ def client(size: int) -> DPAsyncMPClient:
     c = object.__new__(DPAsyncMPClient)
     c.engines = [None] * size
     c._stats = [None] * size
-    c._sent_since_stats = [0] * size
-    c._jobs = OrderedDict()
+    c._sent = SentSinceStats(size)
+    c._jobs = JobTable()
     c._owner = {}
     c._calls = {}
     c._ready = collections.deque()
@@ -45,10 +51,12 @@ def test_least_loaded_rank_then_the_jobs_rank():
     c._stats = [SchedulerStats(num_running_reqs=3), SchedulerStats(num_waiting_reqs=1)]
     # rank 0: 3 running weigh 3; rank 1: 1 waiting weighs 4: rank 0 is lighter
     assert c.choose_rank(request("a", "job-a")) == 0
-    c._sent_since_stats[0] += 2  # two sent to rank 0 since its stats: now 5 against 4
+    c._sent.add(0)
+    c._sent.add(0)  # two sent to rank 0 since its stats: now 5 against 4
     assert c.choose_rank(request("b", "job-b")) == 1
     # job-a's next turns stay on rank 0 whatever the load says
-    c._sent_since_stats[0] += 10
+    for _ in range(10):
+        c._sent.add(0)
     assert c.choose_rank(request("a2", "job-a")) == 0
     assert c.choose_rank(request("x")) == 1  # no job: the least loaded
 
@@ -59,6 +67,61 @@ def test_an_asked_rank_wins_and_the_job_follows_it():
     assert c.choose_rank(request("a2", "job-a")) == 1
     with pytest.raises(ValueError, match="data_parallel_rank 2 is not a rank"):
         c.choose_rank(request("b"), asked=2)
+
+
+def test_the_job_table_forgets_the_least_recently_used_job():
+    table = JobTable(capacity=2)
+    assert table.rank_of("a", lambda: 0) == 0
+    assert table.rank_of("b", lambda: 1) == 1
+    assert table.rank_of("a", lambda: 1) == 0  # known: kept, and now the latest used
+    table.assign("c", 1)  # past the capacity: b, the least recently used, goes
+    assert table.rank_of("b", lambda: 0) == 0  # forgotten: picked anew (a goes now)
+    assert table.rank_of("c", lambda: 0) == 1
+
+
+def test_the_shared_job_table_keeps_a_job_in_a_set_until_eight_newer_ones_came():
+    import multiprocessing
+
+    table = SharedJobTable(multiprocessing.get_context("spawn"), slots=8)  # one set
+    assert table.rank_of("job-0", lambda: 1) == 1
+    assert table.rank_of("job-0", lambda: 0) == 1  # known: the pick is not asked
+    table.assign("job-0", 0)  # X-data-parallel-rank moved it
+    assert table.rank_of("job-0", lambda: 1) == 0
+    for i in range(1, 8):  # the set is full now, job-0 the least recently used
+        table.assign(f"job-{i}", i % 2)
+    assert table.rank_of("job-1", lambda: 0) == 1  # used again: job-0 is still the oldest
+    table.assign("job-8", 1)  # evicts job-0, the least recently used
+    assert table.rank_of("job-0", lambda: 1) == 1  # forgotten: picked anew (evicts job-2)
+    assert table.rank_of("job-1", lambda: 0) == 1 and table.rank_of("job-8", lambda: 0) == 1
+    with pytest.raises(ValueError, match="multiple of 8"):
+        SharedJobTable(multiprocessing.get_context("spawn"), slots=12)
+
+
+def _place_in_another_process(table, counters, job, out):
+    """A second API server's routing state over the same shared memory."""
+    sent = SentSinceStats(2, counters, index=1, count=2)
+    rank = table.rank_of(job, lambda: 0)
+    sent.add(rank)
+    out.put(rank)
+
+
+def test_api_servers_share_the_job_table_and_the_sent_counts():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    table, counters = SharedJobTable(ctx), ctx.RawArray("q", 2 * 2)
+    mine = SentSinceStats(2, counters, index=0, count=2)
+    assert table.rank_of("job-a", lambda: 1) == 1  # placed here, on rank 1
+    mine.add(1)
+    fork = multiprocessing.get_context("fork")  # quicker than spawning; the same memory
+    out = fork.Queue()
+    other = fork.Process(target=_place_in_another_process, args=(table, counters, "job-a", out))
+    other.start()
+    assert out.get(timeout=60) == 1  # the other server sends the job's turn to rank 1 too
+    other.join(60)
+    assert mine.total(1) == 2 and mine.total(0) == 0  # both servers' sends count
+    mine.reset(1)  # this server read rank 1's stats: its own count restarts
+    assert mine.total(1) == 1
 
 
 def _filled(cls, value):

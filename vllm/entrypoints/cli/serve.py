@@ -168,17 +168,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         set_log_level(frontend.log_level)  # before the engine starts: it inherits it
         vllm_config = build_config(args)
         check_lora_modules(frontend, vllm_config)
-        if frontend.api_server_count > 1 and envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
-            raise ValueError(
-                "--api-server-count > 1 cannot be used with VLLM_ALLOW_RUNTIME_LORA_UPDATING: "
-                "an adapter loaded at run time would be known to one API server only "
-                "(serve adapters with --lora-modules instead)"
-            )
-        if frontend.api_server_count > 1 and vllm_config.parallel_config.data_parallel_size > 1:
-            raise ValueError(
-                "--api-server-count > 1 cannot be combined with --data-parallel-size > 1 "
-                "yet: one API server fronts the data-parallel engines"
-            )
+        frontend = resolve_api_server_count(frontend, vllm_config)
     except ValueError as e:
         parser.exit(2, f"vllm serve: error: {e}\n")
     try:
@@ -220,6 +210,26 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         status = 0
     logger.info("Shut down")
     sys.exit(status)
+
+
+def resolve_api_server_count(frontend: FrontendArgs, vllm_config) -> FrontendArgs:
+    """``frontend`` with its ``api_server_count`` set: unset, one API server, or one per
+    data-parallel rank (vLLM's default) where several can work. ``ValueError`` for a
+    count given that cannot."""
+    dp = vllm_config.parallel_config.data_parallel_size
+    runtime_lora = envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    if frontend.api_server_count is None:
+        count = 1 if runtime_lora else dp
+        if count > 1:
+            logger.info("--api-server-count defaults to --data-parallel-size (%d)", dp)
+        return dataclasses.replace(frontend, api_server_count=count)
+    if frontend.api_server_count > 1 and runtime_lora:
+        raise ValueError(
+            "--api-server-count > 1 cannot be used with VLLM_ALLOW_RUNTIME_LORA_UPDATING: "
+            "an adapter loaded at run time would be known to one API server only "
+            "(serve adapters with --lora-modules instead)"
+        )
+    return frontend
 
 
 def _unlink_socket(path: str, inode: int) -> None:

@@ -101,6 +101,7 @@ from vllm.tracing import extract_trace_headers, trace_headers_scope
 from vllm.utils.gc_utils import freeze_gc_heap, maybe_attach_gc_debug_callback
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError, EngineLink, EngineStartupError
+from vllm.v1.engine.dp_client import DPLink
 from vllm.v1.engine.dp_rank import HEADER as DP_RANK_HEADER
 from vllm.v1.engine.dp_rank import parse_rank, rank_scope
 from vllm.v1.metrics.loggers import LoggingStatLogger
@@ -877,7 +878,7 @@ async def run_server(
     args: FrontendArgs,
     sock,
     engine_factory=None,
-    link: EngineLink | None = None,
+    link: EngineLink | DPLink | None = None,
     response_store: str | None = None,
 ) -> int:
     """Start the engine process, then serve HTTP on ``sock`` until SIGINT/SIGTERM (after

@@ -375,12 +375,13 @@ class FrontendArgs:
         'name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}.',
         parse=lambda text: _parse_lora_module(text),
     )
-    api_server_count: int = config_field(
-        1,
-        "API server processes in front of the one engine, each with its own event loop, "
+    api_server_count: int | None = config_field(
+        None,
+        "API server processes in front of the engine, each with its own event loop, "
         "sharing the port (vLLM's flag): one process spends tens of microseconds of CPU "
         "per streamed token, so many concurrent streams can outrun it. Metrics and stored "
-        "responses are shared; any process's death stops the server.",
+        "responses are shared; any process's death stops the server. Unset: 1, or the "
+        "--data-parallel-size (as in vLLM).",
         aliases=("-asc",),
     )
     keep_alive_on_engine_death: bool = config_field(
@@ -459,8 +460,9 @@ class FrontendArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if isinstance(self.api_server_count, bool) or self.api_server_count < 1:
-            raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
+        count = self.api_server_count
+        if count is not None and (isinstance(count, bool) or count < 1):
+            raise ValueError(f"api_server_count must be at least 1, got {count}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         for name in ("max_stop_strings", "max_job_id_length"):

@@ -10,6 +10,10 @@ processes share the load, each with its own event loop, in front of the same eng
     ├── APIServer-0 accepts on the shared listening socket, binds its own ZMQ pair
     └── APIServer-1 ...
 
+With ``--data-parallel-size N`` there are N engine cores (each its rank's device or share
+of the CPU), each with a socket pair per API server, and each API server balances over
+all of them with one job table and load view in shared memory (``dp_client.py``).
+
 Every API server accepts on the one listening socket bound here (the kernel hands each
 new connection to one of them). Each request's outputs come back to the API server that
 sent it (``EngineCoreRequest.client_index``); every step's scheduler stats go to all of
@@ -18,8 +22,8 @@ any of them reads every server's series (prometheus_client's multiprocess mode, 
 run's folder), and the Responses API's stored responses live in one SQLite file that all
 of them share, so a ``previous_response_id`` may land on any server.
 
-Lifetimes: the engine's death pipe is held here, so the engine never outlives this
-process; each API server watches a death pipe of this process too. If the engine or any
+Lifetimes: the engines' death pipes are held here, so no engine outlives this
+process; each API server watches a death pipe of this process too. If an engine or any
 API server exits unexpectedly, everything stops and the exit status is 1 (with
 ``--keep-alive-on-engine-death`` the API servers outlive the engine, answering 503).
 SIGINT or SIGTERM here is forwarded once to each API server (they drain as one would);
@@ -29,6 +33,7 @@ terminal's Ctrl-C reaches them through this process only, once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import os
@@ -46,6 +51,7 @@ from vllm.entrypoints.openai.cli_args import FrontendArgs
 from vllm.entrypoints.openai.responses_store import SharedResponseStore
 from vllm.v1.engine.admission_control import SharedAdmissionStats
 from vllm.v1.engine.core_client import EngineLink, start_engine_process
+from vllm.v1.engine.dp_client import DPLink, SharedJobTable, dp_engine_envs
 
 logger = logging.getLogger("vllm.serve")
 
@@ -62,23 +68,37 @@ def run_multi_api_server(
     run_dir = tempfile.mkdtemp(prefix="vllm-continuum-")
     metrics_dir = os.path.join(run_dir, "metrics")
     os.mkdir(metrics_dir)
-    inputs = [f"ipc://{os.path.join(run_dir, f'input-{i}')}" for i in range(count)]
-    outputs = [f"ipc://{os.path.join(run_dir, f'output-{i}')}" for i in range(count)]
+    ranks = vllm_config.parallel_config.data_parallel_size
+    # Rank r's sockets for API server i: input-r-i, output-r-i.
+    inputs = [[f"ipc://{os.path.join(run_dir, f'input-{r}-{i}')}" for i in range(count)]
+              for r in range(ranks)]  # fmt: skip
+    outputs = [[f"ipc://{os.path.join(run_dir, f'output-{r}-{i}')}" for i in range(count)]
+               for r in range(ranks)]  # fmt: skip
     store_path = os.path.join(run_dir, "responses.sqlite")
     SharedResponseStore(store_path).close()  # created once, before its users start
     spawn = multiprocessing.get_context("spawn")
-    alive_reader, alive_writer = spawn.Pipe(duplex=False)
+    alive = [spawn.Pipe(duplex=False) for _ in range(ranks)]  # (reader, writer) a rank
     log_level = logging.getLogger("vllm").getEffectiveLevel()
-    engine = engine_death = None
+    engines: list[multiprocessing.process.BaseProcess] = []
+    engine_deaths: list[Connection] = []
     servers: list[multiprocessing.process.BaseProcess] = []
     parent_deaths: list[Connection] = []
     supervisor = _Supervisor()
     saved_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")  # a user's, restored
     try:
-        logger.info("Starting the engine core and %d API servers", count)
-        engine, engine_death = start_engine_process(
-            vllm_config, inputs, outputs, keepalive=alive_writer
-        )
+        if ranks > 1:
+            logger.info("Starting %d engine cores (data parallel) and %d API servers",
+                        ranks, count)  # fmt: skip
+            envs = dp_engine_envs(ranks)
+        else:
+            logger.info("Starting the engine core and %d API servers", count)
+            envs = [None]
+        for rank, env in enumerate(envs):
+            engine, death = start_engine_process(
+                vllm_config, inputs[rank], outputs[rank], keepalive=alive[rank][1], env=env
+            )
+            engines.append(engine)
+            engine_deaths.append(death)
         # Read by prometheus_client when it is imported: the API servers' alone.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         # The queued-request limit is global (vLLM's rule): the servers publish their
@@ -86,9 +106,16 @@ def run_multi_api_server(
         counters = None
         if vllm_config.scheduler_config.max_num_queued_reqs is not None:
             counters = spawn.RawArray("q", SharedAdmissionStats.num_counters(count))
+        if ranks > 1:  # what the servers share to place requests (dp_client.py)
+            jobs = SharedJobTable(spawn)
+            sent_counters = spawn.RawArray("q", ranks * count)
         for i in range(count):
             reader, writer = spawn.Pipe(duplex=False)
-            link = EngineLink(inputs[i], outputs[i], i, alive_reader, counters, count)
+            rank_links = [
+                EngineLink(inputs[r][i], outputs[r][i], i, alive[r][0], counters, count)
+                for r in range(ranks)
+            ]
+            link = rank_links[0] if ranks == 1 else DPLink(rank_links, jobs, sent_counters)
             server = spawn.Process(
                 target=run_api_server_process,
                 args=(vllm_config, frontend, sock, link, store_path, reader, log_level),
@@ -99,24 +126,27 @@ def run_multi_api_server(
             reader.close()
             servers.append(server)
             parent_deaths.append(writer)
-        # From here only the engine holds the keepalive's write end, and only the API
-        # servers its read end.
-        alive_writer.close()
-        alive_reader.close()
-        return supervisor.watch(engine, servers, frontend.keep_alive_on_engine_death)
+        # From here only the engines hold their keepalives' write ends, and only the API
+        # servers the read ends.
+        for conn in itertools.chain.from_iterable(alive):
+            conn.close()
+        return supervisor.watch(engines, servers, frontend.keep_alive_on_engine_death)
     finally:
         if saved_metrics_dir is not None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved_metrics_dir
         else:
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         supervisor.stop(servers)
-        for conn in (alive_writer, alive_reader, *parent_deaths):
+        for conn in (*itertools.chain.from_iterable(alive), *parent_deaths):
             conn.close()  # closing twice is a no-op
-        if engine is not None:
-            engine_death.close()  # the engine's loop ends at the pipe's EOF
-            engine.join(STOP_TIMEOUT_S)
+        for death in engine_deaths:
+            death.close()  # each engine's loop ends at its pipe's EOF
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for engine in engines:
+            engine.join(max(deadline - time.monotonic(), 0.1))
             if engine.is_alive():
-                logger.warning("engine core did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+                logger.warning("%s did not stop in %.0f s; killing it", engine.name,
+                               STOP_TIMEOUT_S)  # fmt: skip
                 engine.kill()
                 engine.join()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -142,7 +172,9 @@ class _Supervisor:
             if server.is_alive():
                 server.terminate()  # SIGTERM: the API server's own drain
 
-    def watch(self, engine, servers, keep_alive_on_engine_death: bool) -> int:
+    def watch(self, engines, servers, keep_alive_on_engine_death: bool) -> int:
+        """Until every API server is gone, or one failed, or an engine died (any of the
+        data-parallel ranks: the engine as a whole is dead); the exit status."""
         self._servers = servers
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._on_signal)
@@ -152,10 +184,13 @@ class _Supervisor:
             if not running:
                 failed = any(s.exitcode != 0 for s in servers) or engine_dead_at is not None
                 return 1 if failed and not self.signals else 0
-            if engine_dead_at is None and not engine.is_alive():
+            dead = [e for e in engines if not e.is_alive()]
+            if engine_dead_at is None and dead:
                 engine_dead_at = time.monotonic()
                 if not self.signals:
-                    logger.error("The engine core exited (exit code %s)", engine.exitcode)
+                    rank = f" of rank {engines.index(dead[0])}" if len(engines) > 1 else ""
+                    logger.error("The engine core%s exited (exit code %s)", rank,
+                                 dead[0].exitcode)  # fmt: skip
             if (
                 engine_dead_at is not None
                 and not keep_alive_on_engine_death
@@ -169,7 +204,7 @@ class _Supervisor:
                 return 1
             watched = [s.sentinel for s in running]
             if engine_dead_at is None:  # once dead, its sentinel stays ready: no spin
-                watched.append(engine.sentinel)
+                watched += [e.sentinel for e in engines]
             wait(watched, timeout=1.0)
 
     def stop(self, servers) -> None:
@@ -195,7 +230,7 @@ def run_api_server_process(
     vllm_config: VllmConfig,
     frontend: FrontendArgs,
     sock: socket.socket,
-    link: EngineLink,
+    link: EngineLink | DPLink,
     store_path: str,
     parent_death: Connection,
     log_level: int,

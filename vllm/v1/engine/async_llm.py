@@ -35,6 +35,7 @@ from vllm.v1.engine import (
 from vllm.v1.engine.admission_control import AdmissionControl, SharedAdmissionStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, EngineLink, last_line
 from vllm.v1.engine.core_proc import EngineFactory
+from vllm.v1.engine.dp_client import DPAsyncMPClient, DPLink
 from vllm.v1.engine.dp_rank import requested_rank
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
@@ -134,17 +135,16 @@ class AsyncLLM:
         vllm_config: VllmConfig,
         stat_loggers: list | None = None,
         engine_factory: EngineFactory | None = None,
-        link: EngineLink | None = None,
+        link: EngineLink | DPLink | None = None,
     ) -> None:
         """``link``: attach to an engine another process started (one of several API
-        servers, ``AsyncMPClient``); None: start this front end's own."""
+        servers, ``AsyncMPClient``; with data parallelism a ``DPLink`` to every rank);
+        None: start this front end's own."""
         mc = vllm_config.model_config
         self.config = vllm_config
         # Start the engine process first: its model load overlaps the tokenizer load here.
-        if vllm_config.parallel_config.data_parallel_size > 1 and link is None:
-            from vllm.v1.engine.dp_client import DPAsyncMPClient
-
-            self.client = DPAsyncMPClient(vllm_config, engine_factory=engine_factory)
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            self.client = DPAsyncMPClient(vllm_config, engine_factory=engine_factory, link=link)
         else:
             self.client = AsyncMPClient(vllm_config, engine_factory=engine_factory, link=link)
         try:
@@ -177,7 +177,9 @@ class AsyncLLM:
         # idle engine: what "no progress for N seconds" is measured from.
         self._last_progress = time.monotonic()
 
-    def _make_admission(self, config: VllmConfig, link: EngineLink | None) -> AdmissionControl:
+    def _make_admission(
+        self, config: VllmConfig, link: EngineLink | DPLink | None
+    ) -> AdmissionControl:
         sc, op = config.scheduler_config, self.output_processor
         shared = None
         if link is not None and link.admission_counters is not None:

@@ -420,8 +420,10 @@ def run_engine_core(
 ) -> None:
     """Process entry point (spawn). ``keepalive``: a pipe end this process holds and never
     writes, so that its peers (API servers that did not start it) see EOF when it exits."""
+    rank = os.environ.get("VLLM_DP_RANK")  # a data-parallel rank's engine (dp_client.py)
+    name = "engine" if rank is None else f"engine {rank}"
     logging.basicConfig(
-        level=log_level, format="%(levelname)s %(asctime)s [engine] %(name)s: %(message)s"
+        level=log_level, format=f"%(levelname)s %(asctime)s [{name}] %(name)s: %(message)s"
     )
     # The front end owns Ctrl-C and SIGTERM (it drains running requests, then tells the
     # engine to stop); a signal sent to the whole process group must not cut the drain.

@@ -21,6 +21,14 @@ know how many engines there are:
   deltas as they are.
 
 Any rank's death is the engine's death: every request fails, as with one engine.
+
+**Several API servers** (``--api-server-count M``, which ``-dp N`` sets to N unless given,
+as in vLLM): ``vllm serve`` starts the N engines, each with M front-end socket pairs, and M
+API server processes, each with a ``DPAsyncMPClient`` over ``DPLink`` (every rank's
+``EngineLink``). The job table and the requests sent since each rank's latest stats live
+in shared memory (``SharedJobTable``, ``SentSinceStats``), so a job's turn follows its KV
+whichever API server the agent's connection reached, and every server balances on what
+all of them sent. Every step's stats reach every server.
 """
 
 from __future__ import annotations
@@ -28,9 +36,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import hashlib
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm import envs
@@ -42,7 +53,7 @@ from vllm.v1.engine import (
     EngineCoreRequestType,
     UtilityResult,
 )
-from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
+from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, EngineLink
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +108,138 @@ def combine_stats(latest: list[Any], current: Any) -> Any:
     return out
 
 
+class JobTable:
+    """job -> the rank that holds its KV, for one API server; the least recently used job
+    is forgotten first past ``capacity``."""
+
+    def __init__(self, capacity: int = MAX_JOBS) -> None:
+        self._jobs: OrderedDict[str, int] = OrderedDict()
+        self._capacity = capacity
+
+    def rank_of(self, job: str, pick: Callable[[], int]) -> int:
+        """The job's rank; a job not known yet gets ``pick()`` and keeps it."""
+        rank = self._jobs.get(job)
+        if rank is None:
+            rank = pick()
+        self.assign(job, rank)
+        return rank
+
+    def assign(self, job: str, rank: int) -> None:
+        self._jobs[job] = rank
+        self._jobs.move_to_end(job)
+        if len(self._jobs) > self._capacity:
+            self._jobs.popitem(last=False)
+
+
+class SharedJobTable:
+    """``JobTable`` in shared memory, for the API servers of one ``vllm serve``: a
+    set-associative table of job hashes (8 ways to a set; within a set the least
+    recently used job is forgotten first), under one lock. Made by the supervisor before
+    it spawns the API servers, which get it as a process argument."""
+
+    WAYS = 8
+
+    def __init__(self, ctx: Any, slots: int = 1 << 17) -> None:
+        if slots % self.WAYS:
+            raise ValueError(f"slots {slots} must be a multiple of {self.WAYS}")
+        self._keys = ctx.RawArray("q", slots)  # a job's hash; 0: empty
+        self._ranks = ctx.RawArray("i", slots)
+        self._used = ctx.RawArray("q", slots)  # the clock at its last use
+        self._clock = ctx.RawValue("q", 0)
+        self._lock = ctx.Lock()
+        self._sets = slots // self.WAYS
+
+    @staticmethod
+    def _hash(job: str) -> int:
+        digest = hashlib.blake2b(job.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True) or 1
+
+    def _slot(self, key: int) -> tuple[int, bool]:
+        """The slot that holds ``key`` (True), else the one it would take (False)."""
+        first = (key % self._sets) * self.WAYS
+        victim = first
+        for slot in range(first, first + self.WAYS):
+            if self._keys[slot] == key:
+                return slot, True
+            if self._used[slot] < self._used[victim]:
+                victim = slot
+        return victim, False
+
+    def _store(self, slot: int, key: int, rank: int) -> None:
+        self._clock.value += 1
+        self._keys[slot], self._ranks[slot], self._used[slot] = key, rank, self._clock.value
+
+    def rank_of(self, job: str, pick: Callable[[], int]) -> int:
+        key = self._hash(job)
+        with self._lock:
+            slot, found = self._slot(key)
+            rank = self._ranks[slot] if found else pick()
+            self._store(slot, key, rank)
+        return rank
+
+    def assign(self, job: str, rank: int) -> None:
+        key = self._hash(job)
+        with self._lock:
+            self._store(self._slot(key)[0], key, rank)
+
+
+class SentSinceStats:
+    """Requests sent to each rank since its latest stats, as a rank's load counts them.
+    One API server: its own counts. Several: ``counters`` is a shared array with a row per
+    API server; each writes only its own row (reset when it reads the rank's next stats,
+    which every server gets) and reads the sum over the rows."""
+
+    def __init__(self, size: int, counters: Any = None, index: int = 0, count: int = 1):
+        self._counts = [0] * size if counters is None else counters
+        self._size, self._row, self._rows = size, index * size, count
+
+    def add(self, rank: int) -> None:
+        self._counts[self._row + rank] += 1
+
+    def reset(self, rank: int) -> None:
+        self._counts[self._row + rank] = 0
+
+    def total(self, rank: int) -> int:
+        return sum(self._counts[row * self._size + rank] for row in range(self._rows))
+
+
+@dataclass
+class DPLink:
+    """How one of several API servers reaches the data-parallel engines that ``vllm
+    serve`` started: each rank's ``EngineLink`` (all with this server's index), the
+    shared job table and the shared sent-request counts (``SentSinceStats``)."""
+
+    links: list[EngineLink]
+    jobs: SharedJobTable
+    sent_counters: Any
+
+    @property
+    def client_index(self) -> int:
+        return self.links[0].client_index
+
+    @property
+    def client_count(self) -> int:
+        return self.links[0].client_count
+
+    @property
+    def admission_counters(self) -> Any:
+        return self.links[0].admission_counters
+
+
+def dp_engine_envs(size: int) -> list[dict[str, str]]:
+    """Each rank's engine environment (``rank_env``); ``ValueError`` when CUDA is there
+    but has fewer GPUs than ranks."""
+    import torch
+
+    cuda = torch.cuda.is_available()  # the engines' device, as ModelRunner picks it
+    if cuda and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"data_parallel_size {size} needs {size} GPUs, one per engine; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+    return [rank_env(rank, size, cuda) for rank in range(size)]
+
+
 def rank_env(rank: int, size: int, cuda: bool) -> dict[str, str]:
     """The environment of rank ``rank``'s engine process: its rank, and its GPU or its
     share of the CPU's threads (``VLLM_CPU_THREADS`` set by the user is each engine's
@@ -114,44 +257,43 @@ def rank_env(rank: int, size: int, cuda: bool) -> dict[str, str]:
 class DPAsyncMPClient:
     """``data_parallel_size`` engine cores, one ``AsyncMPClient`` each (module docstring)."""
 
-    client_index = 0
-
     def __init__(
         self,
         vllm_config: VllmConfig,
         startup_timeout_s: float = 600.0,
         engine_factory: Any = None,
+        link: DPLink | None = None,
     ) -> None:
-        import torch
-
+        """``link``: attach to engines that ``vllm serve`` started (one of several API
+        servers); None: start this front end's own."""
         size = vllm_config.parallel_config.data_parallel_size
-        cuda = torch.cuda.is_available()  # the engines' device, as ModelRunner picks it
-        if cuda and torch.cuda.device_count() < size:
-            raise ValueError(
-                f"data_parallel_size {size} needs {size} GPUs, one per engine; "
-                f"{torch.cuda.device_count()} are visible"
-            )
+        self.client_index = 0 if link is None else link.client_index
         self.engines: list[AsyncMPClient] = []
+        self._reads: dict[int, asyncio.Task] = {}
         try:
-            for rank in range(size):
-                self.engines.append(
-                    AsyncMPClient(
-                        vllm_config,
-                        startup_timeout_s,
-                        engine_factory,
-                        env=rank_env(rank, size, cuda),
+            if link is None:
+                for env in dp_engine_envs(size):
+                    self.engines.append(
+                        AsyncMPClient(vllm_config, startup_timeout_s, engine_factory, env=env)
                     )
-                )
+            else:
+                for rank_link in link.links:
+                    self.engines.append(AsyncMPClient(vllm_config, link=rank_link))
         except BaseException:
             self.shutdown()
             raise
         self.info: EngineCoreReady | None = None
         self._dead_reason: str | None = None
         self._stats: list[Any] = [None] * size
-        self._sent_since_stats = [0] * size
+        if link is None:
+            self._sent = SentSinceStats(size)
+            self._jobs: JobTable | SharedJobTable = JobTable()
+        else:
+            self._sent = SentSinceStats(
+                size, link.sent_counters, link.client_index, link.client_count
+            )
+            self._jobs = link.jobs
         self._owner: dict[str, int] = {}  # request id -> its rank, until it ends
-        self._jobs: OrderedDict[str, int] = OrderedDict()  # job -> rank
-        self._reads: dict[int, asyncio.Task] = {}
         self._ready: collections.deque = collections.deque()
         # call id -> [answers still due, first error, answers by rank]
         self._calls: dict[int, list] = {}
@@ -214,7 +356,7 @@ class DPAsyncMPClient:
                 if rank is None:
                     rank = self.choose_rank(payload)
                 self._owner[payload.request_id] = rank
-                self._sent_since_stats[rank] += 1
+                self._sent.add(rank)
                 await self.engines[rank].send(msg_type, payload)
             case EngineCoreRequestType.ABORT | EngineCoreRequestType.STOP:
                 # The engine sends no ending for these (the front end has forgotten
@@ -265,7 +407,7 @@ class DPAsyncMPClient:
     # -- routing ---------------------------------------------------------------------------
     def _load(self, rank: int) -> int:
         stats = self._stats[rank]
-        load = self._sent_since_stats[rank]
+        load = self._sent.total(rank)
         if stats is not None:
             load += stats.num_running_reqs + WAITING_WEIGHT * stats.num_waiting_reqs
         return load
@@ -280,18 +422,14 @@ class DPAsyncMPClient:
                 raise ValueError(
                     f"data_parallel_rank {asked} is not a rank of this server (0-{size - 1})"
                 )
-            rank = asked  # the job's KV is there now: its next turns follow
-        elif job is not None and job in self._jobs:
-            self._jobs.move_to_end(job)
-            return self._jobs[job]
-        else:
-            rank = min(range(size), key=lambda r: (self._load(r), r))
-        if job is not None:
-            self._jobs[job] = rank
-            self._jobs.move_to_end(job)
-            if len(self._jobs) > MAX_JOBS:
-                self._jobs.popitem(last=False)
-        return rank
+            if job is not None:
+                self._jobs.assign(job, asked)  # the job's KV is there now: its turns follow
+            return asked
+
+        def least_loaded() -> int:
+            return min(range(size), key=lambda r: (self._load(r), r))
+
+        return least_loaded() if job is None else self._jobs.rank_of(job, least_loaded)
 
     # -- what comes back -------------------------------------------------------------------
     def _take(self, rank: int, msg_type: EngineCoreOutputType, payload: Any) -> None:
@@ -303,7 +441,7 @@ class DPAsyncMPClient:
                         self._owner.pop(out.request_id, None)
                 if outputs.scheduler_stats is not None:
                     self._stats[rank] = outputs.scheduler_stats
-                    self._sent_since_stats[rank] = 0
+                    self._sent.reset(rank)
                     outputs.scheduler_stats = combine_stats(self._stats, outputs.scheduler_stats)
                 self._ready.append((msg_type, payload))
             case EngineCoreOutputType.REQUEST_ERROR:
