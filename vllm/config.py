@@ -1847,10 +1847,6 @@ class VllmConfig:
                 "hash): drop --no-enable-prefix-caching"
             )
         if self.parallel_config.data_parallel_size > 1:
-            if self.weight_transfer_config.enabled:
-                raise ValueError(
-                    "--weight-transfer-config cannot be combined with --data-parallel-size > 1 yet"
-                )
             if self.kv_events_config.enabled:
                 endpoint = self.kv_events_config.options["endpoint"]
                 if not endpoint.startswith(("tcp://", "ipc://")):

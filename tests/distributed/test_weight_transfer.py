@@ -235,6 +235,20 @@ def test_calls_out_of_order_and_bad_rounds_fail_alone(tiny):
             (llm.finish_weight_update, "start_weight_update first"),
             (lambda: llm.init_weight_transfer_engine({"info": {}}), "'init_info'"),
             (lambda: llm.init_weight_transfer_engine({"init_info": {"x": 1}}), "does not take"),
+            # a group with a rank no one takes would wait out its timeout: refused now
+            (
+                lambda: llm.init_weight_transfer_engine(
+                    {
+                        "init_info": {
+                            "master_address": "127.0.0.1",
+                            "master_port": 1,
+                            "rank_offset": 1,
+                            "world_size": 3,
+                        }
+                    }
+                ),  # fmt: skip
+                "world_size 3 must be rank_offset 1 \\+ one engine = 2",
+            ),
         ]:
             with pytest.raises(ValueError, match=words):
                 call()

@@ -15,6 +15,7 @@ from vllm.v1.engine.dp_client import (
     JobTable,
     SentSinceStats,
     SharedJobTable,
+    combine_checksums,
     combine_stats,
     rank_env,
 )
@@ -160,17 +161,27 @@ def test_every_gauge_on_metrics_combines_over_the_ranks():
 
 def test_a_broadcast_call_is_answered_once_every_rank_did():
     c = client(2)
-    c._calls[7] = [2, None, {}]
+    c._calls[7] = [2, None, {}, "is_paused"]
     c._take(1, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(7, True))
     assert not c._ready
     c._take(0, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(7, False))
     ((msg_type, answer),) = c._ready
     assert msg_type is EngineCoreOutputType.UTILITY_RESULT and answer.result is False
     c._ready.clear()
-    c._calls[8] = [2, None, {}]
+    c._calls[8] = [2, None, {}, "pause"]
     c._take(0, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(8, error="ValueError: x"))
     c._take(1, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(8, None))
     assert c._ready[0][1].error == "ValueError: x"
+
+
+def test_weight_checksums_show_where_the_ranks_differ():
+    c = client(2)
+    c._calls[9] = [2, None, {}, "compute_weight_checksums"]
+    c._take(0, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(9, {"a": "1", "b": "2"}))
+    c._take(1, EngineCoreOutputType.UTILITY_RESULT, UtilityResult(9, {"a": "1", "b": "3"}))
+    ((_, answer),) = c._ready
+    assert answer.result == {"a": "1", "b": "differ by rank: 2, 3"}
+    assert combine_checksums([{"a": "1"}, {}]) == {"a": "differ by rank: 1, missing"}
 
 
 def test_each_rank_gets_its_share_of_the_cpu(monkeypatch):

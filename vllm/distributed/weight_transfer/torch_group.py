@@ -176,7 +176,9 @@ class VLLMWeightSyncClient(Protocol):
 class TrainerInitInfo:
     """The trainer's side (vLLM's ``NCCLTrainerInitInfo`` keys): the store it hosts at
     ``master_address:master_port``, the group's ``world_size`` (the trainer and one rank per
-    engine: 2 for one engine), and the wire parameters, which it passes on to the engine."""
+    engine: 2 for one engine, 1 + N for a server with ``-dp N``, which ``GET
+    /get_world_size`` answers), and the wire parameters, which it passes on to the
+    engines."""
 
     backend: ClassVar[str]
     master_address: str
@@ -209,8 +211,9 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
 class TorchGroupTrainer:
     """The trainer's end: ``trainer_init`` opens the group with the engine (the engine's
     ``init_weight_transfer_engine`` runs at the same time), ``send_weights`` runs a whole
-    round from ``source``. One engine (``world_size`` 2); the engine must serve the same
-    backend (``--weight-transfer-config``)."""
+    round from ``source``, broadcast to every engine of the group (``world_size`` - 1 of
+    them: one server's data-parallel engines); they must serve the same backend
+    (``--weight-transfer-config``)."""
 
     init_info_cls: ClassVar[type[TrainerInitInfo]] = TrainerInitInfo
 
@@ -233,8 +236,8 @@ class TorchGroupTrainer:
     ) -> TorchGroupTrainer:
         if not isinstance(init_info, cls.init_info_cls):
             raise ValueError(f"{cls.__name__} takes a {cls.init_info_cls.__name__}")
-        if init_info.world_size != 2:
-            raise ValueError("world_size must be 2: one trainer rank and one engine")
+        if init_info.world_size < 2:
+            raise ValueError("world_size must be >= 2: the trainer's rank and the engines'")
         payload = vars(init_info.engine_init_info()).copy()
         nccl = init_info.backend == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else None

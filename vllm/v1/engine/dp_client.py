@@ -13,9 +13,10 @@ know how many engines there are:
   HTTP request (``EngineCoreRequest.data_parallel_rank``) picks the rank outright, as
   vLLM's routers send it.
 - **Aborts and stops** go to the rank that holds the request.
-- **Utility calls** (sleep, pause, reset_prefix_cache, ...) go to every rank; the caller
-  gets one answer once all ranks answered: the first error, else for yes/no answers
-  whether every rank said yes, else rank 0's.
+- **Utility calls** (sleep, pause, reset_prefix_cache, weight sync, ...) go to every rank;
+  the caller gets one answer once all ranks answered: the first error, else for yes/no
+  answers whether every rank said yes, for weight checksums each tensor's where the ranks
+  agree (``combine_checksums``), else rank 0's.
 - **Outputs** of all ranks are read as they come. Each step's stats are reported with
   the gauges (requests running and waiting, KV usage, pins, ...) over all ranks, the
   deltas as they are.
@@ -76,6 +77,18 @@ DP_GAUGES: dict[str, str] = {
     "state_checkpoint_stats.cached": "sum",
     "state_checkpoint_stats.offloaded": "sum",
 }
+
+
+def combine_checksums(by_rank: list[dict[str, str]]) -> dict[str, str]:
+    """One weight-checksum answer for every rank (``/weight_checker``): a tensor's digest
+    where the ranks agree, else ``"differ by rank: <rank 0's>, <rank 1's>, ..."`` (no
+    rank's own digest), so a comparison finds a rank a weight sync missed."""
+    combined = {}
+    for name in sorted(set().union(*by_rank)):
+        digests = [checksums.get(name, "missing") for checksums in by_rank]
+        same = all(d == digests[0] for d in digests)
+        combined[name] = digests[0] if same else "differ by rank: " + ", ".join(digests)
+    return combined
 
 
 def _get(obj: Any, path: str) -> Any:
@@ -295,7 +308,7 @@ class DPAsyncMPClient:
             self._jobs = link.jobs
         self._owner: dict[str, int] = {}  # request id -> its rank, until it ends
         self._ready: collections.deque = collections.deque()
-        # call id -> [answers still due, first error, answers by rank]
+        # call id -> [answers still due, first error, answers by rank, method]
         self._calls: dict[int, list] = {}
 
     # -- AsyncMPClient's interface ---------------------------------------------------------
@@ -369,7 +382,7 @@ class DPAsyncMPClient:
                 for rank, ids in by_rank.items():
                     await self.engines[rank].send(msg_type, ids)
             case EngineCoreRequestType.UTILITY:
-                self._calls[payload.call_id] = [len(self.engines), None, {}]
+                self._calls[payload.call_id] = [len(self.engines), None, {}, payload.method]
                 for engine in self.engines:
                     await engine.send(msg_type, payload)
             case _:
@@ -470,6 +483,8 @@ class DPAsyncMPClient:
         results = [call[2][r] for r in sorted(call[2])]
         if results and all(isinstance(r, bool) for r in results):
             answer.result = all(results)
+        elif call[3] == "compute_weight_checksums" and results:
+            answer.result = combine_checksums(results)
         else:
             answer.result = results[0] if results else None
         return answer

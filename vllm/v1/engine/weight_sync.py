@@ -29,14 +29,21 @@ class WeightSyncMixin:
                     "weight transfer is off: start the engine with --weight-transfer-config "
                     '\'{"backend": "gloo"}\' (LLM(weight_transfer_config={"backend": "gloo"}))'
                 )
+            from vllm import envs
             from vllm.v1.worker.weight_update import WeightUpdater
 
             runner = self.model_runner
-            self._weight_updater = WeightUpdater(runner, config.backend_for(runner.device.type))
+            self._weight_updater = WeightUpdater(
+                runner,
+                config.backend_for(runner.device.type),
+                dp_rank=envs.VLLM_DP_RANK,
+                dp_size=self.vllm_config.parallel_config.data_parallel_size,
+            )
         return self._weight_updater
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's group (blocks until it joins too, or its timeout)."""
+        """Join the trainer's group (blocks until it joins too, or its timeout). With data
+        parallelism every rank's engine joins, as rank ``rank_offset`` + its DP rank."""
         self._updater().init(init_info)
 
     def shutdown_weight_transfer_engine(self) -> None:

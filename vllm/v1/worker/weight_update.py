@@ -86,8 +86,13 @@ class WeightUpdater:
     """One engine's weight-sync state: the group (``init``), the round in progress
     (``start`` .. ``finish``), and the tensors received so far (on the host)."""
 
-    def __init__(self, runner: ModelRunner, backend: str) -> None:
+    def __init__(
+        self, runner: ModelRunner, backend: str, dp_rank: int = 0, dp_size: int = 1
+    ) -> None:
+        """``dp_rank`` of ``dp_size`` data-parallel engines: this engine's place in the
+        trainer's group, after the trainer's ranks (vLLM's rule, one device an engine)."""
         self.runner, self.backend = runner, backend
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.group: Any = None
         self.info: WeightTransferInitInfo | None = None
         self.staged: dict[str, torch.Tensor] | None = None  # None: no round in progress
@@ -115,16 +120,24 @@ class WeightUpdater:
             raise ValueError(
                 "a weight-transfer group is open already: shutdown_weight_transfer_engine first"
             )
+        if info.world_size != info.rank_offset + self.dp_size:
+            engines = "one engine" if self.dp_size == 1 else f"{self.dp_size} engines (-dp)"
+            raise ValueError(
+                f"init_info.world_size {info.world_size} must be rank_offset "
+                f"{info.rank_offset} + {engines} = {info.rank_offset + self.dp_size}: the "
+                "group is the trainer's ranks and every engine (GET /get_world_size)"
+            )
+        rank = info.rank_offset + self.dp_rank
         start = time.monotonic()
         self.group = open_group(
-            self.backend, info.master_address, info.master_port, info.rank_offset,
+            self.backend, info.master_address, info.master_port, rank,
             info.world_size, info.timeout_s, self.runner.device,
         )  # fmt: skip
         self.info = info
         self.checkpoint = self.runner.checkpoint_state()
         logger.info(
             "Weight transfer: joined %s:%d as rank %d of %d (%s, %s) in %.2f s",
-            info.master_address, info.master_port, info.rank_offset, info.world_size,
+            info.master_address, info.master_port, rank, info.world_size,
             self.backend, "packed" if info.packed else "unpacked", time.monotonic() - start,
         )  # fmt: skip
 
