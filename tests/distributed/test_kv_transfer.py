@@ -129,6 +129,21 @@ def test_frames_round_trip(dtype):
         frames_tensors(layouts, [bytes(frames[0])[:-2], bytes(frames[1])])
 
 
+def test_a_data_parallel_rank_serves_on_its_own_port(monkeypatch):
+    from vllm.entrypoints.utils import get_open_port
+
+    port = get_open_port()
+    monkeypatch.setenv("VLLM_DP_RANK", "1")  # as dp_client.py starts rank 1's engine
+    spec = {**PRODUCER, "kv_port": port - 1, "engine_id": "prefill"}
+    producer = LLM(kv_transfer_config=spec, **KW)
+    try:
+        params = prefill(producer, ROME)
+        # kv_port + rank, so two ranks on one host do not collide (vLLM's rule)
+        assert params["remote_port"] == port and params["remote_engine_id"] == "prefill_dp1"
+    finally:
+        producer.engine_core.shutdown()
+
+
 def test_server_answers_and_refuses():
     ctx = zmq.Context()
     data = torch.arange(2 * 5 * 4, dtype=torch.float32).reshape(2, 5, 4)

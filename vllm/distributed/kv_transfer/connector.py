@@ -34,6 +34,7 @@ thread only reads held blocks, and fetch threads only fill buffers of their own.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -145,7 +146,15 @@ class KVTransferConnector:
     ) -> None:
         opts = config.options
         self.producer, self.consumer = config.is_producer, config.is_consumer
+        # A data-parallel rank (-dp N; dp_client.py sets VLLM_DP_RANK) is an engine of its
+        # own: rank r listens on kv_port + r (vLLM's rule for its side channels) and names
+        # itself <engine_id>_dp<r>.
+        rank = os.environ.get("VLLM_DP_RANK")
         self.engine_id = opts["engine_id"] or uuid.uuid4().hex
+        port = opts["kv_port"]
+        if rank is not None:
+            self.engine_id = f"{self.engine_id}_dp{rank}"
+            port = port and port + int(rank)
         self.fail_on_error = opts["kv_load_failure_policy"] == "fail"
         self.abort_timeout_s = opts["abort_timeout_s"]
         self.fetch_timeout_s = opts["fetch_timeout_s"]
@@ -174,7 +183,7 @@ class KVTransferConnector:
         self.server: KVBlockServer | None = None
         self.host = opts["kv_ip"]
         if self.producer:
-            self.server = KVBlockServer(self.ctx, self.host, opts["kv_port"], self._serve)
+            self.server = KVBlockServer(self.ctx, self.host, port, self._serve)
             logger.info(
                 "KV transfer (%s, %s): serving held blocks on %s:%d, engine %s",
                 config.kv_transfer_config["kv_connector"], opts["kv_role"], self.host,
