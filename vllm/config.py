@@ -53,6 +53,16 @@ _TOKENIZER_MODE_REFUSALS = {
 }
 
 
+# --model-impl (vLLM's): auto and vllm are this engine's own model code, the only kind.
+ModelImpl = Literal["auto", "vllm", "transformers", "terratorch"]
+_MODEL_IMPL_REFUSALS = {
+    "transformers": "runs transformers' modeling code as the model; this engine has no "
+    "such backend and serves the architectures it implements itself "
+    "(vllm/model_executor/models)",
+    "terratorch": "runs TerraTorch's geospatial models, which this engine does not implement",
+}
+
+
 def scheduling_policy_names() -> Sequence[str]:
     """The accepted ``--scheduling-policy`` values: the policy registry's names."""
     from vllm_continuum.policy.registry import policy_names  # imports no engine code
@@ -281,6 +291,23 @@ class ModelConfig:
         "[-1e-3, 1e-3] drawn from --seed, as vLLM's, for benchmarks; only config.json and "
         "the tokenizer are read.",
     )
+    model_impl: ModelImpl = config_field(
+        "auto",
+        "Which model code runs (vLLM's flag). auto and vllm: this engine's own, the only "
+        "kind it has. transformers (transformers' modeling code as a fallback) and "
+        "terratorch (geospatial models) are refused: there is no such backend here.",
+    )
+    use_tqdm_on_load: bool = config_field(
+        True,
+        "vLLM's progress bar while the weights load. Accepted either way: a display only, "
+        "the weights load the same (this engine logs the load instead of drawing a bar).",
+    )
+    cpu_offload_gb: float = config_field(
+        0.0,
+        "vLLM's GiB of weights kept in host memory and streamed to the device each step. "
+        "Only 0 is accepted: weight offloading is not implemented, the whole model stays "
+        "on the device.",
+    )
     generation_config: str = config_field(
         "auto",
         "Where the default sampling parameters come from (temperature, top_p, top_k, min_p, "
@@ -376,6 +403,12 @@ class ModelConfig:
         "the best that can run (torch's FlashAttention on CUDA in fp16/bf16, SDPA "
         "otherwise).",
         choices=attention_backend_names,
+    )
+    disable_cascade_attn: bool | None = config_field(
+        None,
+        "Deprecated in vLLM, where it has no effect since cascade attention was removed. "
+        "Accepted either way with a warning that it has no effect: this engine has no "
+        "cascade attention either.",
     )
     enforce_eager: bool = config_field(
         False,
@@ -530,7 +563,34 @@ class ModelConfig:
                 "--chat-template is ignored with --tokenizer-mode deepseek_v32: chats are "
                 "rendered by DeepSeek-V3.2's encoding, not a Jinja template"
             )
+        self._check_vllm_load_flags()
         self._fold_graph_flags()
+
+    def _check_vllm_load_flags(self) -> None:
+        """vLLM's --model-impl, --cpu-offload-gb, --disable-cascade-attn: what is not
+        this engine's own model code, fully on its device, is refused."""
+        impl = self.model_impl
+        if impl in _MODEL_IMPL_REFUSALS:
+            why = _MODEL_IMPL_REFUSALS[impl]
+            raise bad_value("model_impl", impl, f"{impl!r} {why}: use auto or vllm")
+        if impl not in get_args(ModelImpl):
+            raise bad_value("model_impl", impl, "must be auto or vllm")
+        gb = self.cpu_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, int | float) or not gb >= 0:
+            raise bad_value("cpu_offload_gb", gb, "must be a number of GiB >= 0 (use 0)")
+        if gb > 0:
+            raise bad_value(
+                "cpu_offload_gb", gb,
+                "must be 0: weight offloading to host memory is not implemented, the whole "
+                "model stays on the device (for a model too large, use a quantized "
+                "checkpoint or --quantization, or a larger device)",
+            )  # fmt: skip
+        if self.disable_cascade_attn is not None:
+            # vLLM warns whichever way it is given (its EngineArgs.create_model_config).
+            logging.getLogger(__name__).warning(
+                "--disable-cascade-attn has no effect: vLLM deprecated it when it removed "
+                "cascade attention, and this engine has no cascade attention either"
+            )
 
     def _check_pooler_config(self, pooler: Any) -> None:
         """--pooler-config: its keys' types; ValueError naming the key."""
@@ -718,8 +778,21 @@ class ModelConfig:
 CacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
+# --performance-mode (vLLM's): balanced, its default, leaves the defaults as they are.
+PerformanceMode = Literal["balanced", "interactivity", "throughput"]
+
+
 # --mamba-ssm-cache-dtype (vllm/model_executor/layers/recurrent.py).
 MambaSSMCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+# --prefix-caching-hash-algo (vLLM's): this engine's block hash is sha256 over a pickle of
+# (parent hash, token ids, extra keys), vLLM's sha256 (vllm/v1/core/kv_cache_utils.py).
+PrefixCachingHashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+_HASH_ALGO_REFUSALS = {
+    "sha256_cbor": "serializes with canonical CBOR, and cbor2 is not a dependency",
+    "xxhash": "hashes with xxHash, and the xxhash package is not a dependency",
+    "xxhash_cbor": "hashes CBOR with xxHash, and neither cbor2 nor xxhash is a dependency",
+}
 
 
 @dataclass(frozen=True)
@@ -756,8 +829,24 @@ class CacheConfig:
         "Gated DeltaNet): auto (the model's dtype, as vLLM), float32, bfloat16 or float16. "
         "float32 keeps a long decode's state exact at twice the bytes.",
     )
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = config_field(
+        "sha256",
+        "How KV blocks are hashed for prefix caching (vLLM's flag); the KV cache events "
+        "publish these hashes. sha256: SHA-256 over a pickle of (parent hash, token ids, "
+        "extra keys), vLLM's sha256 and the only one here. sha256_cbor, xxhash and "
+        "xxhash_cbor are refused: cbor2 and xxhash are not dependencies.",
+    )
 
     def __post_init__(self) -> None:
+        algo = self.prefix_caching_hash_algo
+        if algo in _HASH_ALGO_REFUSALS:
+            raise bad_value(
+                "prefix_caching_hash_algo", algo,
+                f"{algo!r} {_HASH_ALGO_REFUSALS[algo]}: use sha256 (KV blocks are hashed "
+                "here with SHA-256 over a pickle, vLLM's sha256)",
+            )  # fmt: skip
+        if algo not in get_args(PrefixCachingHashAlgo):
+            raise bad_value("prefix_caching_hash_algo", algo, "must be sha256")
         if self.mamba_ssm_cache_dtype not in get_args(MambaSSMCacheDtype):
             choices = ", ".join(get_args(MambaSSMCacheDtype))
             raise bad_value(
@@ -852,6 +941,18 @@ class SchedulerConfig:
         "KV cache: its sliding layers hold only their window's blocks, so a long context "
         "takes a fraction of the memory.",
     )
+    scheduler_cls: str | None = config_field(
+        None,
+        "vLLM's import path of a scheduler class. Refused with any value: this engine "
+        "has one scheduler, and what it runs, evicts and keeps is its policy's: choose "
+        "one with --scheduling-policy.",
+    )
+    performance_mode: PerformanceMode = config_field(
+        "balanced",
+        "vLLM's preset of defaults. balanced (vLLM's default) is accepted: the defaults "
+        "stay as they are. interactivity and throughput are refused: they retune vLLM's "
+        "defaults, which this engine does not; set the knobs themselves instead.",
+    )
 
     @property
     def max_chunk_tokens(self) -> int:
@@ -878,6 +979,26 @@ class SchedulerConfig:
         policies = tuple(scheduling_policy_names())
         if self.policy not in policies:
             raise bad_value("scheduling_policy", self.policy, f"must be one of {policies}")
+        if self.scheduler_cls is not None:
+            names = ",".join(policies)
+            raise bad_value(
+                "scheduler_cls", self.scheduler_cls,
+                "is not taken: this engine has one scheduler, whose decisions (admission, "
+                f"preemption, pins) are its policy's: use --scheduling-policy {{{names}}}",
+            )  # fmt: skip
+        mode = self.performance_mode
+        if mode != "balanced":
+            why = (
+                f"{mode!r} retunes vLLM's defaults (CUDA graph sizes, batching, kernels), "
+                "which this engine does not do"
+                if mode in get_args(PerformanceMode)
+                else "must be balanced"
+            )
+            raise bad_value(
+                "performance_mode", mode,
+                f"{why}: use balanced, and set --max-num-seqs, --max-num-batched-tokens or "
+                "--cudagraph-capture-sizes for what you want tuned",
+            )  # fmt: skip
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise bad_value(
                 "max_num_batched_tokens",
@@ -1290,6 +1411,15 @@ def _check_draft_keys(spec: dict[str, Any], method: str) -> None:
         )
 
 
+# --distributed-executor-backend (vLLM's): mp and uni are what an engine here is.
+DistributedExecutorBackend = Literal["mp", "uni", "ray", "external_launcher"]
+_EXECUTOR_REFUSALS = {
+    "ray": "is not available: Ray is not a dependency of this engine",
+    "external_launcher": "(a torchrun SPMD launch, one engine per torchrun rank) is not supported",
+}
+DataParallelBackend = Literal["mp", "ray"]  # --data-parallel-backend (vLLM's)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over devices: one device here (vLLM's flags, so launch
@@ -1315,6 +1445,86 @@ class ParallelConfig:
         "device here, so every expert stays on it, as vLLM does on one device.",
         aliases=("-ep",),
     )
+    distributed_executor_backend: DistributedExecutorBackend | None = config_field(
+        None,
+        "vLLM's: how an engine runs its model's workers. mp and uni are accepted: an "
+        "engine here is one process with its model on one device, what both are with one "
+        "device. ray (not a dependency) and external_launcher (a torchrun SPMD launch) "
+        "are refused.",
+    )
+    disable_custom_all_reduce: bool = config_field(
+        False,
+        "vLLM's: NCCL instead of its own all-reduce kernel between tensor-parallel devices. "
+        "Accepted either way: with one device there is no all-reduce (as in vLLM on one GPU).",
+    )
+    max_parallel_loading_workers: int | None = config_field(
+        None,
+        "vLLM's: load the weights in batches of this many tensor-parallel workers. "
+        "Accepted (an integer >= 1): one device here, so it changes nothing.",
+    )
+    data_parallel_size_local: int | None = config_field(
+        None,
+        "vLLM's: data-parallel engines on this node. Unset or --data-parallel-size: every "
+        "engine runs here (this engine runs on one node).",
+        aliases=("-dpl",),
+    )
+    data_parallel_start_rank: int | None = config_field(
+        None, "vLLM's: this node's first data-parallel rank: 0 (or unset), the only node.",
+        aliases=("-dpr",),
+    )  # fmt: skip
+    data_parallel_backend: DataParallelBackend = config_field(
+        "mp",
+        "vLLM's: how data-parallel engines are started: mp, processes on this node. ray is "
+        "refused (not a dependency).",
+        aliases=("-dpb",),
+    )
+    nnodes: int = config_field(1, "vLLM's: nodes of the deployment: 1.", aliases=("-n",))
+    node_rank: int = config_field(0, "vLLM's: this node's index: 0.", aliases=("-r",))
+    data_parallel_address: str | None = config_field(
+        None,
+        "vLLM's: the address other nodes reach the data-parallel head node at. Accepted "
+        "and unused: every engine runs here and reaches the API servers over local IPC.",
+        aliases=("-dpa",),
+    )
+    data_parallel_rpc_port: int | None = config_field(
+        None,
+        "vLLM's: the port engines on other nodes reach the head node at (1-65535). "
+        "Accepted and unused: every engine runs here.",
+        aliases=("-dpp",),
+    )
+    master_addr: str = config_field(
+        "127.0.0.1",
+        "vLLM's: torch.distributed's rendezvous address for --nnodes > 1. Accepted and "
+        "unused: one node, and no process group between engines.",
+    )
+    master_port: int = config_field(
+        29501,
+        "vLLM's: torch.distributed's rendezvous port for --nnodes > 1 (1-65535). Accepted "
+        "and unused: one node, and no process group between engines.",
+    )
+    headless: bool = config_field(
+        False,
+        "vLLM's: engines without an API server, for the other nodes of a multi-node "
+        "deployment. Refused: this engine runs on one node, with its API servers.",
+    )
+    data_parallel_rank: int | None = config_field(
+        None,
+        "vLLM's: run one rank of an externally load-balanced deployment. Refused: run one "
+        "server per replica behind the router (docs/router.md) instead.",
+        aliases=("-dpn",),
+    )
+    data_parallel_external_lb: bool = config_field(
+        False,
+        "vLLM's: external load balancing over data-parallel ranks. Refused when on: run "
+        "one server per replica behind the router (docs/router.md) instead.",
+        aliases=("-dpe",),
+    )
+    data_parallel_hybrid_lb: bool = config_field(
+        False,
+        "vLLM's: one load balancer per node over its local ranks. Refused when on: run one "
+        "server per replica behind the router (docs/router.md) instead.",
+        aliases=("-dph",),
+    )
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -1323,8 +1533,87 @@ class ParallelConfig:
         dp = self.data_parallel_size
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise bad_value("data_parallel_size", dp, "must be an integer >= 1")
-        if not isinstance(self.enable_expert_parallel, bool):
-            raise bad_value("enable_expert_parallel", self.enable_expert_parallel, "must be a bool")
+        for name in ("enable_expert_parallel", "disable_custom_all_reduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad_value(name, getattr(self, name), "must be a bool")
+        self._check_executor()
+        self._check_one_node()
+        self._check_no_external_lb()
+
+    def _check_executor(self) -> None:
+        """--distributed-executor-backend, --max-parallel-loading-workers."""
+        backend = self.distributed_executor_backend
+        if backend in _EXECUTOR_REFUSALS:
+            why = _EXECUTOR_REFUSALS[backend]
+            raise bad_value(
+                "distributed_executor_backend", backend,
+                f"{backend!r} {why}: use mp or uni (an engine here is one process with its "
+                "model on one device), or leave it unset",
+            )  # fmt: skip
+        if backend is not None and backend not in get_args(DistributedExecutorBackend):
+            raise bad_value("distributed_executor_backend", backend, "must be mp or uni")
+        workers = self.max_parallel_loading_workers
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+        ):
+            raise bad_value("max_parallel_loading_workers", workers, "must be an integer >= 1")
+
+    def _check_one_node(self) -> None:
+        """vLLM's multi-node data-parallel flags: only the values of one node, all of
+        whose engines run here. The addresses and ports other nodes would connect to are
+        then unused, so any (valid) value is accepted."""
+        one_node = "this engine runs on one node, every data-parallel engine on it (-dp N)"
+        if self.nnodes != 1:
+            raise bad_value("nnodes", self.nnodes, f"must be 1: {one_node}")
+        if self.node_rank != 0:
+            raise bad_value("node_rank", self.node_rank, f"must be 0, the only node: {one_node}")
+        local = self.data_parallel_size_local
+        if local is not None and local != self.data_parallel_size:
+            raise bad_value(
+                "data_parallel_size_local", local,
+                f"must be data_parallel_size ({self.data_parallel_size}) or unset: {one_node}; "
+                "fewer here means the others run on other nodes",
+            )  # fmt: skip
+        if self.data_parallel_start_rank not in (None, 0):
+            raise bad_value(
+                "data_parallel_start_rank", self.data_parallel_start_rank,
+                f"must be 0 or unset: {one_node}; a later start rank is another node's",
+            )  # fmt: skip
+        if self.data_parallel_backend != "mp":
+            raise bad_value(
+                "data_parallel_backend", self.data_parallel_backend,
+                "must be mp: the engines are processes started on this node (Ray is not a "
+                "dependency)",
+            )  # fmt: skip
+        if self.headless:
+            raise bad_value(
+                "headless", self.headless,
+                "is not supported: it starts engines without an API server, for the other "
+                f"nodes of a multi-node deployment; {one_node}, behind its API servers",
+            )  # fmt: skip
+        for name in ("data_parallel_rpc_port", "master_port"):
+            port = getattr(self, name)
+            if port is not None and (isinstance(port, bool) or not 1 <= port <= 65535):
+                raise bad_value(name, port, "must be a port in 1-65535")
+
+    def _check_no_external_lb(self) -> None:
+        """vLLM's external and hybrid load balancing: refused, the router does that."""
+        instead = (
+            "run one server per replica behind the router (docs/router.md), or -dp N "
+            "engines behind one server"
+        )
+        if self.data_parallel_rank is not None:
+            raise bad_value(
+                "data_parallel_rank", self.data_parallel_rank,
+                "is not taken: it makes this server one rank of an externally load-balanced "
+                f"deployment, which is not supported; {instead}",
+            )  # fmt: skip
+        for name in ("data_parallel_external_lb", "data_parallel_hybrid_lb"):
+            if getattr(self, name):
+                raise bad_value(
+                    name, True,
+                    f"must be off: external and hybrid load balancing are not supported; {instead}",
+                )  # fmt: skip
 
 
 @dataclass(frozen=True)

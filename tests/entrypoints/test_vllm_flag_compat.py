@@ -1,8 +1,14 @@
 """vLLM flags that launch scripts carry over: ``--tokenizer-mode``, ``--data-parallel-size``,
 ``--enable-expert-parallel``, ``--structured-outputs-config``,
-``--enable-prompt-tokens-details``, ``--middleware``, ``--log-config-file`` and the h11
-limits. Each is parsed by the real ``vllm serve`` parser; what this engine cannot honour is
-refused at start, naming the flag. (The compilation flags: ``tests/test_compilation_config.py``.)"""
+``--enable-prompt-tokens-details``, ``--middleware``, ``--log-config-file``, the h11
+limits, the flags that change nothing on one device (``--distributed-executor-backend``,
+``--disable-custom-all-reduce``, ``--max-parallel-loading-workers``, ``--use-tqdm-on-load``,
+``--disable-cascade-attn``), ``--model-impl``, ``--cpu-offload-gb``,
+``--prefix-caching-hash-algo``, ``--performance-mode``, ``--scheduler-cls`` and vLLM's
+multi-node data-parallel flags (``--nnodes``, ``--data-parallel-size-local``, ...,
+``--headless``, ``--data-parallel-rank``, external and hybrid load balancing). Each is
+parsed by the real ``vllm serve`` parser; what this engine cannot honour is refused at
+start, naming the flag. (The compilation flags: ``tests/test_compilation_config.py``.)"""
 
 from __future__ import annotations
 
@@ -322,3 +328,208 @@ def test_custom_histogram_buckets_flag_is_a_json_object():
     }
     with pytest.raises(ValueError, match="custom_histogram_buckets"):
         _engine("--custom-histogram-buckets", '{"time_to_first_token": [10, 1]}')
+
+
+# -- flags that change nothing on one device ------------------------------------------------
+
+
+def test_executor_backends_of_one_process_per_engine_are_accepted():
+    assert _engine().parallel_config.distributed_executor_backend is None
+    for backend in ("mp", "uni"):
+        parallel = _engine("--distributed-executor-backend", backend).parallel_config
+        assert parallel.distributed_executor_backend == backend
+
+
+@pytest.mark.parametrize(
+    ("backend", "needle"),
+    [
+        ("ray", "'ray' is not available: Ray is not a dependency of this engine"),
+        ("external_launcher", r"'external_launcher' \(a torchrun SPMD launch.*is not supported"),
+    ],
+)
+def test_executor_backends_this_engine_has_not_are_refused(backend, needle):
+    match = f"distributed_executor_backend {needle}: use mp or uni"
+    with pytest.raises(ValueError, match=match):
+        _engine("--distributed-executor-backend", backend)
+
+
+def test_all_reduce_loading_workers_and_progress_bar_flags_are_accepted():
+    assert not _engine().parallel_config.disable_custom_all_reduce
+    assert _engine("--disable-custom-all-reduce").parallel_config.disable_custom_all_reduce
+    no = _engine("--no-disable-custom-all-reduce").parallel_config
+    assert not no.disable_custom_all_reduce
+    assert _engine().parallel_config.max_parallel_loading_workers is None
+    workers = _engine("--max-parallel-loading-workers", "4").parallel_config
+    assert workers.max_parallel_loading_workers == 4
+    with pytest.raises(ValueError, match="max_parallel_loading_workers must be an integer >= 1"):
+        _engine("--max-parallel-loading-workers", "0")
+    assert _engine().model_config.use_tqdm_on_load
+    assert _engine("--use-tqdm-on-load").model_config.use_tqdm_on_load
+    assert not _engine("--no-use-tqdm-on-load").model_config.use_tqdm_on_load
+
+
+def test_cascade_attention_flag_is_accepted_with_a_warning_that_it_does_nothing(caplog):
+    with caplog.at_level("WARNING", logger="vllm.config"):
+        assert _engine().model_config.disable_cascade_attn is None
+    assert "--disable-cascade-attn" not in caplog.text  # unset: nothing to say
+    for argv, value in (("--disable-cascade-attn", True), ("--no-disable-cascade-attn", False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vllm.config"):
+            assert _engine(argv).model_config.disable_cascade_attn is value
+        assert "--disable-cascade-attn has no effect" in caplog.text
+
+
+# -- --model-impl, --cpu-offload-gb -------------------------------------------------------
+
+
+def test_model_impl_takes_this_engines_own_model_code():
+    assert _engine().model_config.model_impl == "auto"
+    assert _engine("--model-impl", "vllm").model_config.model_impl == "vllm"
+
+
+@pytest.mark.parametrize(
+    ("impl", "needle"),
+    [
+        ("transformers", "'transformers' runs transformers' modeling code.*no such backend"),
+        ("terratorch", "'terratorch' runs TerraTorch's geospatial models"),
+    ],
+)
+def test_model_impls_this_engine_has_not_are_refused(impl, needle):
+    with pytest.raises(ValueError, match=f"model_impl {needle}.*use auto or vllm"):
+        _engine("--model-impl", impl)
+
+
+def test_weights_are_never_offloaded_to_the_cpu():
+    assert _engine().model_config.cpu_offload_gb == 0
+    assert _engine("--cpu-offload-gb", "0").model_config.cpu_offload_gb == 0
+    with pytest.raises(ValueError, match="cpu_offload_gb must be 0: weight offloading .* is not"):
+        _engine("--cpu-offload-gb", "4")
+    with pytest.raises(ValueError, match="cpu_offload_gb must be a number of GiB >= 0"):
+        _engine("--cpu-offload-gb", "-1")
+
+
+# -- --prefix-caching-hash-algo -----------------------------------------------------------
+
+
+def test_prefix_caching_hash_algo_sha256_names_the_block_hash():
+    import hashlib
+    import pickle
+
+    from vllm.v1.core.kv_cache_utils import NONE_HASH, hash_block_tokens
+
+    assert _engine().cache_config.prefix_caching_hash_algo == "sha256"
+    algo = _engine("--prefix-caching-hash-algo", "sha256").cache_config.prefix_caching_hash_algo
+    assert algo == "sha256"
+    # vLLM's sha256: SHA-256 over a pickle of (parent hash, token ids, extra keys).
+    first = hash_block_tokens(None, [1, 2, 3], ("salt", None))
+    payload = (NONE_HASH, (1, 2, 3), ("salt", None))
+    assert first == hashlib.sha256(pickle.dumps(payload, protocol=5)).digest()
+    second = hash_block_tokens(first, [4, 5, 6])
+    assert second == hashlib.sha256(pickle.dumps((first, (4, 5, 6), None), protocol=5)).digest()
+
+
+@pytest.mark.parametrize(
+    ("algo", "needle"),
+    [
+        ("sha256_cbor", "'sha256_cbor' serializes with canonical CBOR, and cbor2 is not"),
+        ("xxhash", "'xxhash' hashes with xxHash, and the xxhash package is not"),
+        ("xxhash_cbor", "'xxhash_cbor' hashes CBOR with xxHash"),
+    ],
+)
+def test_hash_algorithms_this_engine_does_not_use_are_refused(algo, needle):
+    with pytest.raises(ValueError, match=f"prefix_caching_hash_algo {needle}.*use sha256"):
+        _engine("--prefix-caching-hash-algo", algo)
+
+
+# -- --performance-mode, --scheduler-cls --------------------------------------------------
+
+
+def test_performance_mode_balanced_keeps_the_defaults():
+    assert _engine().scheduler_config.performance_mode == "balanced"
+    balanced = _engine("--performance-mode", "balanced").scheduler_config
+    assert balanced.performance_mode == "balanced"
+    assert balanced.max_num_seqs == _engine().scheduler_config.max_num_seqs
+
+
+@pytest.mark.parametrize("mode", ["interactivity", "throughput"])
+def test_performance_modes_that_retune_defaults_are_refused(mode):
+    match = f"performance_mode '{mode}' retunes vLLM's defaults.*use balanced"
+    with pytest.raises(ValueError, match=match):
+        _engine("--performance-mode", mode)
+
+
+def test_a_scheduler_class_is_refused_pointing_to_the_policy_flag():
+    assert _engine().scheduler_config.scheduler_cls is None
+    match = r"scheduler_cls is not taken.*--scheduling-policy \{fcfs,priority,continuum"
+    with pytest.raises(ValueError, match=match):
+        _engine("--scheduler-cls", "my_pkg.MyScheduler")
+
+
+# -- vLLM's multi-node data-parallel flags: the values of one node ---------------------------
+
+
+def test_one_node_data_parallel_flags_are_accepted():
+    parallel = _engine(
+        *("-dp", "2", "--data-parallel-size-local", "2", "--data-parallel-start-rank", "0"),
+        *("--data-parallel-backend", "mp", "--nnodes", "1", "--node-rank", "0"),
+        *("--data-parallel-address", "10.0.0.5", "--data-parallel-rpc-port", "13345"),
+        *("--master-addr", "10.0.0.5", "--master-port", "29600"),
+        *("--no-data-parallel-external-lb", "--no-data-parallel-hybrid-lb"),
+    ).parallel_config
+    assert parallel.data_parallel_size == parallel.data_parallel_size_local == 2
+    assert (parallel.nnodes, parallel.node_rank, parallel.data_parallel_start_rank) == (1, 0, 0)
+    assert parallel.data_parallel_address == "10.0.0.5" and parallel.master_port == 29600
+    short = _engine(*"-dp 2 -dpl 2 -dpr 0 -dpb mp -n 1 -r 0 -dpa 127.0.0.1 -dpp 1".split())
+    assert short.parallel_config.data_parallel_rpc_port == 1
+    default = _engine().parallel_config
+    assert (default.data_parallel_size_local, default.data_parallel_backend) == (None, "mp")
+    assert (default.master_addr, default.master_port) == ("127.0.0.1", 29501)  # vLLM's
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ("-dp 2 -dpl 1", r"data_parallel_size_local must be data_parallel_size \(2\) or unset"),
+        ("--data-parallel-start-rank 1", "data_parallel_start_rank must be 0 or unset"),
+        ("--data-parallel-backend ray", "data_parallel_backend must be mp.*Ray is not"),
+        ("--nnodes 2", "nnodes must be 1: this engine runs on one node"),
+        ("--node-rank 1", "node_rank must be 0, the only node"),
+        ("--headless", "headless is not supported: it starts engines without an API server"),
+        ("--data-parallel-rpc-port 70000", "data_parallel_rpc_port must be a port in 1-65535"),
+        ("--master-port 0", "master_port must be a port in 1-65535"),
+    ],
+)
+def test_multi_node_values_are_refused(argv, needle):
+    with pytest.raises(ValueError, match=needle):
+        _engine(*argv.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ("--data-parallel-rank 0", "data_parallel_rank is not taken"),
+        ("-dpn 1", "data_parallel_rank is not taken"),
+        ("--data-parallel-external-lb", "data_parallel_external_lb must be off"),
+        ("-dph", "data_parallel_hybrid_lb must be off"),
+    ],
+)
+def test_external_and_hybrid_load_balancing_are_refused_for_the_router(argv, needle):
+    with pytest.raises(ValueError, match=f"{needle}.*behind the router \\(docs/router.md\\)"):
+        _engine(*argv.split())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--distributed-executor-backend torchrun",
+        "--model-impl sglang",
+        "--prefix-caching-hash-algo md5",
+        "--performance-mode fast",
+        "--data-parallel-backend nccl",
+        "--nnodes two",
+    ],
+)
+def test_values_outside_vllms_choices_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        _args(*argv.split())
+    assert argv.split()[0] in capsys.readouterr().err
