@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     VLLM_TOP_P_METHOD: str
     VLLM_CPU_THREADS: int
     VLLM_DP_RANK: int
+    VLLM_DP_PINNED_WEIGHT: float
     VLLM_CPU_ENGINE_NICE: int
     VLLM_ENGINE_ORPHAN_GRACE_S: float
     VLLM_CPU_GGUF_PREFILL_DTYPE: str
@@ -114,6 +115,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # An engine process's data-parallel rank (--data-parallel-size; set by the front end
     # for each engine it starts). Default 0.
     "VLLM_DP_RANK": lambda: int(os.getenv("VLLM_DP_RANK") or 0),
+    # What a job whose KV an engine pins (its tool runs; its next turn will come back to
+    # that engine) weighs in the engine's load when the data-parallel front end places a
+    # new job, against 1 for a running request; 0: vLLM's balance. Default 1.
+    "VLLM_DP_PINNED_WEIGHT": lambda: float(os.getenv("VLLM_DP_PINNED_WEIGHT") or 1),
     # How much the CPU engine process lowers its priority (nice increment) so the API
     # front end stays responsive; 0 disables. Default 10.
     "VLLM_CPU_ENGINE_NICE": lambda: int(os.getenv("VLLM_CPU_ENGINE_NICE") or 10),

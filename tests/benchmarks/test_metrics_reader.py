@@ -32,8 +32,9 @@ vllm:prompt_tokens_total{model_name="a"} 10.0
 vllm:prompt_tokens_total{model_name="b"} 5.0
 # HELP vllm:context_serve_decisions_total Verdicts.
 # TYPE vllm:context_serve_decisions_total counter
-vllm:context_serve_decisions_total{layer="rules",model_name="m",speed="slow"} 4.0
-vllm:context_serve_decisions_total{layer="bayes",model_name="m",speed="fast"} 6.0
+vllm:context_serve_decisions_total{engine="0",layer="rules",model_name="m",speed="slow"} 4.0
+vllm:context_serve_decisions_total{engine="1",layer="rules",model_name="m",speed="slow"} 1.0
+vllm:context_serve_decisions_total{engine="0",layer="bayes",model_name="m",speed="fast"} 6.0
 """
 
 
@@ -82,7 +83,7 @@ def test_scrape_raises_on_an_http_error_instead_of_parsing_the_page(metrics_url)
 def test_scrape_labelled_keeps_label_sets_apart(metrics_url):
     m = scrape_labelled(metrics_url, "vllm:context_serve_")
     assert m == {
-        "vllm:context_serve_decisions_total{layer=rules,speed=slow}": 4.0,
+        "vllm:context_serve_decisions_total{layer=rules,speed=slow}": 5.0,  # both engines
         "vllm:context_serve_decisions_total{layer=bayes,speed=fast}": 6.0,
     }
-    assert scrape_metrics(metrics_url)["vllm:context_serve_decisions_total"] == 10.0
+    assert scrape_metrics(metrics_url)["vllm:context_serve_decisions_total"] == 11.0

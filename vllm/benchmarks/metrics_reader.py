@@ -10,7 +10,8 @@ def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
 
     ``base_url`` is the server's root or its OpenAI base URL (``.../v1``): /metrics is
     served at the root either way. Samples of one name with different label sets are
-    summed (one server serves one model, so this only merges per-reason counters);
+    summed (one server serves one model, so this merges per-reason counters and, with
+    data-parallel engines, the engines' samples: their usage fractions add up too);
     histogram buckets (``le``) and the per-finish-reason success counters are left out,
     ``_sum`` and ``_count`` kept. An HTTP error raises ``requests.HTTPError``.
     """
@@ -24,7 +25,8 @@ def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
 
 def scrape_labelled(base_url: str, prefix: str, timeout_s: float = 10.0) -> dict[str, float]:
     """The samples whose name starts with ``prefix``, one per label set, keyed
-    ``name{label=value,...}`` (labels sorted, ``model_name`` left out), e.g.
+    ``name{label=value,...}`` (labels sorted, ``model_name`` and ``engine`` left out: the
+    engines' samples are summed), e.g.
     ``vllm:context_serve_decisions_total{layer=rules,speed=slow}``. Histogram buckets are
     left out, and so are ``_created`` timestamps. What ``scrape_metrics`` sums, this keeps
     apart."""
@@ -36,9 +38,12 @@ def scrape_labelled(base_url: str, prefix: str, timeout_s: float = 10.0) -> dict
             if sample.name.endswith("_created"):
                 continue  # a series' creation time, not a value
             labels = ",".join(
-                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name"
+                f"{k}={v}"
+                for k, v in sorted(sample.labels.items())
+                if k not in ("model_name", "engine")
             )
-            out[f"{sample.name}{{{labels}}}"] = sample.value
+            key = f"{sample.name}{{{labels}}}"
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 

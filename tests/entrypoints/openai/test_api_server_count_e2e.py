@@ -66,7 +66,11 @@ def test_two_api_servers_share_one_engine_its_metrics_and_stored_responses(tmp_p
                   for i in (0, 1)}  # fmt: skip
         assert served[0] + served[1] == 24 and served[0] > 0 and served[1] > 0, served
 
-        # Whichever server answers /metrics, it counts both servers' requests once.
+        # Whichever server answers /metrics, it counts both servers' requests once. A
+        # response goes out before its step's stats are recorded (they wait for the woken
+        # handlers), so the last step's may land just after the last answer.
+        server.wait_metric("vllm:num_requests_running", 0.0)
+        server.wait_metric("vllm:e2e_request_latency_seconds_count", 24.0)
         for _ in range(4):
             m = server.metrics()
             assert m["vllm:e2e_request_latency_seconds_count"] == 24

@@ -1,8 +1,8 @@
 """`vllm serve --data-parallel-size 2` on the CPU: two engines behind two API servers (the
 default, as in vLLM), or one. A job's turns stay on the engine that holds its KV
 (Continuum pins it there) whichever API server takes them, X-data-parallel-rank picks an
-engine, utility calls reach both, the gauges on /metrics cover both, and each engine
-publishes its KV events on its own endpoint (vLLM's port + rank)."""
+engine, utility calls reach both, /metrics has each engine's series (the engine label),
+and each engine publishes its KV events on its own endpoint (vLLM's port + rank)."""
 
 from __future__ import annotations
 
@@ -97,10 +97,14 @@ def chat(server, job: str, messages: list, rank: int | None = None) -> requests.
     )
 
 
-def gauge(server, name: str) -> float:
+def gauge(server, name: str) -> dict[str, float]:
+    """Each engine's value of a gauge (its ``engine`` label, as vLLM's)."""
     text = requests.get(f"{server.base}/metrics", timeout=30).text
-    (line,) = [line for line in text.splitlines() if line.startswith(name + "{")]
-    return float(line.split()[-1])
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            values[re.search(r'engine="(\d+)"', line).group(1)] = float(line.split()[-1])
+    return values
 
 
 def test_a_jobs_turns_stay_on_the_engine_with_its_kv(server, subscribers):
@@ -128,9 +132,10 @@ def test_a_jobs_turns_stay_on_the_engine_with_its_kv(server, subscribers):
         if len(servers) == 2 and attempt >= 1:
             break
     assert servers == {"0", "1"}, f"every turn reached API server {servers}"
-    # The gauges cover both engines: Continuum pins each job's last turn on its engine.
-    assert gauge(server, "vllm:num_requests_running") == 0
-    assert gauge(server, "vllm:num_pinned_requests") == 2
+    # Each engine has its own series (vLLM's engine label): Continuum pins each job's last
+    # turn on its engine.
+    assert gauge(server, "vllm:num_requests_running") == {"0": 0, "1": 0}
+    assert gauge(server, "vllm:num_pinned_requests") == {"0": 1, "1": 1}
     # Each rank publishes its own KV events on its own endpoint: A's blocks on rank 0's,
     # B's on rank 1's.
     assert session_ids(subscribers[0]) == ({"A"}, {0})

@@ -37,6 +37,7 @@ def client(size: int) -> DPAsyncMPClient:
     c._sent = SentSinceStats(size)
     c._jobs = JobTable()
     c._owner = {}
+    c._pinned_weight = 1.0
     c._calls = {}
     c._ready = collections.deque()
     return c
@@ -60,6 +61,16 @@ def test_least_loaded_rank_then_the_jobs_rank():
         c._sent.add(0)
     assert c.choose_rank(request("a2", "job-a")) == 0
     assert c.choose_rank(request("x")) == 1  # no job: the least loaded
+
+
+def test_jobs_between_turns_weigh_on_the_rank_that_pins_them():
+    c = client(2)
+    # rank 0: three agents in their tools (pinned, nothing running); rank 1: one request
+    between_turns = SchedulerStats(pin_stats=PinStats(num_pinned_requests=3))
+    c._stats = [between_turns, SchedulerStats(num_running_reqs=1)]
+    assert c.choose_rank(request("a", "job-new")) == 1  # their turns will come back to 0
+    c._pinned_weight = 0.0  # vLLM's balance sees an idle rank 0
+    assert c.choose_rank(request("b", "job-other")) == 0
 
 
 def test_an_asked_rank_wins_and_the_job_follows_it():

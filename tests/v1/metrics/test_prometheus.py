@@ -20,7 +20,7 @@ from vllm_continuum.metrics import MetricSpec, by_label, each_of, value_of
 from vllm_continuum.policy.plain import FCFSPolicy
 
 MODEL = "smol"
-LABEL = {"model_name": MODEL}
+LABEL = {"model_name": MODEL, "engine": "0"}
 
 
 @pytest.fixture
@@ -220,9 +220,9 @@ def test_token_buckets_follow_the_models_limits():
         MODEL, CollectorRegistry(), max_model_len=131072, max_num_batched_tokens=8192
     )
     text = generate_latest(big.registry).decode()
-    assert 'vllm:request_prompt_tokens_bucket{le="100000.0"' in text
-    assert 'vllm:request_prompt_tokens_bucket{le="200000.0"' not in text
-    assert 'vllm:iteration_tokens_total_bucket{le="8192.0"' in text
+    assert 'vllm:request_prompt_tokens_bucket{engine="0",le="100000.0"' in text
+    assert 'vllm:request_prompt_tokens_bucket{engine="0",le="200000.0"' not in text
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",le="8192.0"' in text
 
 
 def test_single_token_request_has_no_tpot_and_missing_times_are_skipped(stats):
@@ -241,10 +241,15 @@ def test_overhead_histogram(stats):
     stats.observe_overhead(0.003)
     stats.observe_overhead(0.03)
     name = "vllm:request_server_overhead_seconds"
-    assert value(stats, name + "_count") == 2.0
-    assert value(stats, name + "_bucket", le="0.002") == 0.0
-    assert value(stats, name + "_bucket", le="0.005") == 1.0
-    assert value(stats, name + "_bucket", le="0.05") == 2.0
+
+    def server(sample: str, **labels) -> float | None:  # the API server's: no engine label
+        return stats.registry.get_sample_value(sample, {"model_name": MODEL, **labels})
+
+    assert server(name + "_count") == 2.0
+    assert server(name + "_bucket", le="0.002") == 0.0
+    assert server(name + "_bucket", le="0.005") == 1.0
+    assert server(name + "_bucket", le="0.05") == 2.0
+    assert value(stats, name + "_count") is None
 
 
 def test_exposition_text_has_vllm_names_with_the_model_label(stats):
@@ -253,22 +258,42 @@ def test_exposition_text_has_vllm_names_with_the_model_label(stats):
     lines = set(generate_latest(stats.registry).decode().splitlines())
     for line in (
         "# TYPE vllm:num_requests_running gauge",
-        'vllm:num_requests_running{model_name="smol"} 2.0',
-        'vllm:num_requests_waiting{model_name="smol"} 1.0',
-        'vllm:kv_cache_usage_perc{model_name="smol"} 0.75',
+        'vllm:num_requests_running{engine="0",model_name="smol"} 2.0',
+        'vllm:num_requests_waiting{engine="0",model_name="smol"} 1.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="smol"} 0.75',
         "# TYPE vllm:prefix_cache_queries_total counter",  # 0.0.4 text format
-        'vllm:prefix_cache_queries_total{model_name="smol"} 8.0',
-        'vllm:prefix_cache_hits_total{model_name="smol"} 4.0',
-        'vllm:num_preemptions_total{model_name="smol"} 0.0',
-        'vllm:pins_total{model_name="smol"} 1.0',
-        'vllm:prompt_tokens_total{model_name="smol"} 3.0',
-        'vllm:request_success_total{finished_reason="stop",model_name="smol"} 1.0',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="smol"} 8.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="smol"} 4.0',
+        'vllm:num_preemptions_total{engine="0",model_name="smol"} 0.0',
+        'vllm:pins_total{engine="0",model_name="smol"} 1.0',
+        'vllm:prompt_tokens_total{engine="0",model_name="smol"} 3.0',
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="smol"} 1.0',
         "# TYPE vllm:time_to_first_token_seconds histogram",
-        'vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="smol"} 1.0',
-        'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="smol"} 1.0',
-        'vllm:time_to_first_token_seconds_count{model_name="smol"} 1.0',
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="smol"} 1.0',
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="smol"} 1.0',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="smol"} 1.0',
     ):
         assert line in lines, line
+
+
+def test_each_engine_counts_its_own_stats_and_requests():
+    stats = PrometheusStatLogger(MODEL, registry=CollectorRegistry(), num_engines=2)
+    # Every engine's series exist from the start (vLLM's engine label, "0" and "1").
+    assert value(stats, "vllm:num_requests_running", engine="1") == 0.0
+    own = sched_stats(running=3, waiting=1, preemptions=2)
+    both = sched_stats(running=5, waiting=1, preemptions=2)  # the gauges over both ranks
+    msg = core(both, {"r": 2})
+    msg.engine_index, msg.engine_stats = 1, own
+    stats.record(msg, [finished("r", 3, "stop", RequestMetrics(0.0, 0.5, 0.5, 0.5))])
+    assert value(stats, "vllm:num_requests_running", engine="1") == 3.0  # rank 1's own
+    assert value(stats, "vllm:num_requests_running", engine="0") == 0.0
+    assert value(stats, "vllm:num_preemptions_total", engine="1") == 2.0
+    assert value(stats, "vllm:generation_tokens_total", engine="1") == 2.0
+    assert value(stats, "vllm:time_to_first_token_seconds_count", engine="1") == 1.0
+    assert value(stats, "vllm:time_to_first_token_seconds_count", engine="0") == 0.0
+    stats.mark_engine_dead()
+    assert value(stats, "vllm:num_requests_running", engine="1") == 0.0
+    assert value(stats, "vllm:engine_alive", engine="0") == 0.0
 
 
 def test_loggers_with_separate_registries_do_not_share_values():
@@ -276,8 +301,9 @@ def test_loggers_with_separate_registries_do_not_share_values():
     b = PrometheusStatLogger("b")  # its own fresh registry by default
     a.record(core(sched_stats(preemptions=4)), [])
     assert a.registry is not b.registry
-    assert a.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "a"}) == 4.0
-    assert b.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "b"}) == 0.0
+    name, engine = "vllm:num_preemptions_total", {"engine": "0"}
+    assert a.registry.get_sample_value(name, {"model_name": "a", **engine}) == 4.0
+    assert b.registry.get_sample_value(name, {"model_name": "b", **engine}) == 0.0
 
 
 def test_context_serve_policy_stats(stats):
@@ -316,8 +342,8 @@ def test_context_serve_policy_stats(stats):
     assert value(stats, "vllm:context_serve_trainings_total", result="failed") == 1.0
     text = generate_latest(stats.registry).decode()
     assert (
-        'vllm:context_serve_decisions_total{layer="rules",model_name="smol",speed="fast"} 3.0'
-        in text
+        'vllm:context_serve_decisions_total{engine="0",layer="rules",model_name="smol",'
+        'speed="fast"} 3.0' in text
     )
 
 
@@ -364,11 +390,11 @@ def test_a_policys_declared_metrics_reach_the_metrics_page(monkeypatch):
     stats.record(core(other), [])
     text = generate_latest(stats.registry).decode()
     assert "# TYPE vllm:test_depth gauge" in text
-    assert 'vllm:test_depth{model_name="smol"} 4.0' in text
-    assert 'vllm:test_events_total{kind="a",model_name="smol"} 3.0' in text
-    assert 'vllm:test_events_total{kind="b",model_name="smol"} 1.0' in text
-    assert 'vllm:test_delay_seconds_bucket{le="1.0",model_name="smol"} 1.0' in text
-    assert 'vllm:test_delay_seconds_count{model_name="smol"} 2.0' in text
+    assert 'vllm:test_depth{engine="0",model_name="smol"} 4.0' in text
+    assert 'vllm:test_events_total{engine="0",kind="a",model_name="smol"} 3.0' in text
+    assert 'vllm:test_events_total{engine="0",kind="b",model_name="smol"} 1.0' in text
+    assert 'vllm:test_delay_seconds_bucket{engine="0",le="1.0",model_name="smol"} 1.0' in text
+    assert 'vllm:test_delay_seconds_count{engine="0",model_name="smol"} 2.0' in text
     # The built-in policies' series are there too (declared, not yet fed).
     assert "# TYPE vllm:context_serve_decisions_total counter" in text
 

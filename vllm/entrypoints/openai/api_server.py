@@ -902,6 +902,7 @@ async def run_server(
             multiprocess=link is not None,
             kv_cache_metrics=vllm_config.observability_config.kv_cache_metrics,
             custom_buckets=vllm_config.observability_config.custom_histogram_buckets,
+            num_engines=vllm_config.parallel_config.data_parallel_size,
         )
         periodic = None if args.disable_log_stats else LoggingStatLogger()
         loggers = [stats] if periodic is None else [stats, periodic]

@@ -150,6 +150,10 @@ class EngineCoreOutputs:
     errors: list[EngineCoreRequestError] = field(default_factory=list)
     # The weights' version (RL weight sync) that sampled this step's tokens.
     weight_version: str | None = None
+    # Set in the front end by the data-parallel client (dp_client.py): the rank that sent
+    # this, and its own stats (``scheduler_stats`` then has the gauges over every rank).
+    engine_index: int = 0
+    engine_stats: SchedulerStats | None = None
 
 
 class EngineCoreRequestType(enum.Enum):

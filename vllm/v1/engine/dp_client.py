@@ -9,7 +9,11 @@ know how many engines there are:
   all go to the rank that served its first turn, which is where its KV, pinned by
   Continuum while its tool runs, is. Otherwise (a new job, a request without one) the
   least loaded rank gets it: running + 4 x waiting requests as of each rank's latest
-  step, plus what was sent to it since (vLLM's balance). ``X-data-parallel-rank`` on the
+  step, plus what was sent to it since (vLLM's balance), plus the jobs whose KV the rank
+  pins (``VLLM_DP_PINNED_WEIGHT`` each, 1 by default). A pinned job is an agent whose tool
+  is running: it has no request in the engine, but its next turn will come back to that
+  rank, so vLLM's balance, which does not see it, would pile new jobs onto the rank whose
+  agents are all between turns. ``X-data-parallel-rank`` on the
   HTTP request (``EngineCoreRequest.data_parallel_rank``) picks the rank outright, as
   vLLM's routers send it.
 - **Aborts and stops** go to the rank that holds the request.
@@ -17,8 +21,10 @@ know how many engines there are:
   the caller gets one answer once all ranks answered: the first error, else for yes/no
   answers whether every rank said yes, for weight checksums each tensor's where the ranks
   agree (``combine_checksums``), else rank 0's.
-- **Outputs** of all ranks are read as they come. Each step's stats are reported with
-  the gauges (requests running and waiting, KV usage, pins, ...) over all ranks, the
+- **Outputs** of all ranks are read as they come, each marked with its rank
+  (``engine_index``: the metrics' ``engine`` label) and its own stats (``engine_stats``);
+  ``scheduler_stats`` carries the gauges (requests running and waiting, KV usage, pins,
+  ...) over all ranks, which the front end's load, admission and log line read, and the
   deltas as they are.
 
 Any rank's death is the engine's death: every request fails, as with one engine.
@@ -307,6 +313,7 @@ class DPAsyncMPClient:
             )
             self._jobs = link.jobs
         self._owner: dict[str, int] = {}  # request id -> its rank, until it ends
+        self._pinned_weight = envs.VLLM_DP_PINNED_WEIGHT
         self._ready: collections.deque = collections.deque()
         # call id -> [answers still due, first error, answers by rank, method]
         self._calls: dict[int, list] = {}
@@ -418,11 +425,14 @@ class DPAsyncMPClient:
             engine.shutdown(timeout_s)
 
     # -- routing ---------------------------------------------------------------------------
-    def _load(self, rank: int) -> int:
+    def _load(self, rank: int) -> float:
         stats = self._stats[rank]
         load = self._sent.total(rank)
         if stats is not None:
             load += stats.num_running_reqs + WAITING_WEIGHT * stats.num_waiting_reqs
+            pins = stats.pin_stats
+            if pins is not None:  # jobs between turns: their next turns come here
+                load += self._pinned_weight * pins.num_pinned_requests
         return load
 
     def choose_rank(self, request: EngineCoreRequest, asked: int | None = None) -> int:
@@ -449,11 +459,12 @@ class DPAsyncMPClient:
         match msg_type:
             case EngineCoreOutputType.OUTPUTS:
                 outputs = payload.outputs
+                outputs.engine_index = rank  # the metrics' engine label
                 for out in outputs.outputs:
                     if out.finished:
                         self._owner.pop(out.request_id, None)
                 if outputs.scheduler_stats is not None:
-                    self._stats[rank] = outputs.scheduler_stats
+                    self._stats[rank] = outputs.engine_stats = outputs.scheduler_stats
                     self._sent.reset(rank)
                     outputs.scheduler_stats = combine_stats(self._stats, outputs.scheduler_stats)
                 self._ready.append((msg_type, payload))

@@ -1,4 +1,6 @@
-"""Prometheus collectors with vLLM's metric names, labelled ``model_name``.
+"""Prometheus collectors with vLLM's metric names, labelled ``model_name`` and, as in vLLM,
+``engine`` (the data-parallel rank whose stats or requests a sample counts; "0" with one
+engine). The API server's own series (``FRONTEND_ONLY``) have no ``engine`` label.
 
 Every series is a ``MetricSpec`` (``vllm_continuum.metrics``): the engine's in the tables
 below, a policy's in its class; ``build_series`` creates them all.
@@ -432,16 +434,26 @@ FRONTEND_METRICS = (
     ),
 )
 
+# The API server's own series, which no engine's stats or requests feed: no engine label.
+FRONTEND_ONLY = frozenset({ADMISSION_REJECTIONS, OVERHEAD})
+
 LORA_INFO = "vllm:lora_requests_info"
 _CLASSES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 _UPDATES = {"counter": "inc", "gauge": "set", "histogram": "observe"}
 
 
 class MetricSeries:
-    """The Prometheus series of one ``MetricSpec``, with the engine's labels bound."""
+    """The Prometheus series of one ``MetricSpec``: labelled ``model_name``, then
+    ``engine`` (one value per engine in ``engines``) unless ``per_engine`` is False, then
+    the spec's own labels."""
 
     def __init__(
-        self, spec: MetricSpec, registry: CollectorRegistry, engine_labels: dict[str, str]
+        self,
+        spec: MetricSpec,
+        registry: CollectorRegistry,
+        model_name: str,
+        engines: tuple[str, ...] = ("0",),
+        per_engine: bool = True,
     ) -> None:
         self.spec = spec
         extra: dict[str, Any] = {"buckets": spec.buckets} if spec.buckets is not None else {}
@@ -449,35 +461,44 @@ class MetricSeries:
             # Several API servers (prometheus_client's multiprocess mode): a gauge reads
             # the value last set by any of them. Ignored in one process.
             extra["multiprocess_mode"] = "mostrecent"
+        fixed = ["model_name", "engine"] if per_engine else ["model_name"]
         self.metric = _CLASSES[spec.kind](
-            spec.name,
-            spec.documentation,
-            [*engine_labels, *spec.labels],
-            registry=registry,
-            **extra,
+            spec.name, spec.documentation, [*fixed, *spec.labels], registry=registry, **extra
         )
-        self._engine_values = tuple(engine_labels.values())
-        # A series without labels of its own exists (at 0) from the start.
-        self.child = None if spec.labels else self.metric.labels(*self._engine_values)
+        self._fixed = {
+            e: (model_name, e) if per_engine else (model_name,) for e in engines
+        }  # the fixed label values, by engine
+        # A series without labels of its own exists (at 0) from the start, each engine's.
+        self._children = {} if spec.labels else {
+            e: self.metric.labels(*values) for e, values in self._fixed.items()
+        }  # fmt: skip
+        self.child = self._children.get(engines[0])  # engine 0's (one engine: the only)
 
-    def labels(self, *values: str) -> Any:
-        """The child for the spec's label ``values`` (the bound child when it has none)."""
-        if self.child is not None:
-            return self.child
-        return self.metric.labels(*self._engine_values, *values)
+    def labels(self, *values: str, engine: str = "0") -> Any:
+        """The child of ``engine`` for the spec's label ``values`` (none: the bound one)."""
+        child = self._children.get(engine)
+        if child is not None:
+            return child
+        return self.metric.labels(*self._fixed[engine], *values)
 
-    def update(self, stats: Any) -> None:
-        """Apply the spec's samples of one stats report."""
+    def update(self, stats: Any, engine: str = "0") -> None:
+        """Apply the spec's samples of one stats report of ``engine``."""
         for values, value in self.spec.samples(stats):
-            getattr(self.labels(*values), _UPDATES[self.spec.kind])(value)
+            getattr(self.labels(*values, engine=engine), _UPDATES[self.spec.kind])(value)
 
 
 def build_series(
-    specs: Iterable[MetricSpec], registry: CollectorRegistry, engine_labels: dict[str, str]
+    specs: Iterable[MetricSpec],
+    registry: CollectorRegistry,
+    model_name: str,
+    engines: tuple[str, ...] = ("0",),
 ) -> dict[str, MetricSeries]:
     """The one place series are created: one per spec, by name (ValueError when a name is
-    declared twice, differently)."""
-    return {s.name: MetricSeries(s, registry, engine_labels) for s in merge_specs([specs])}
+    declared twice, differently); ``engines``: the engine label's values."""
+    return {
+        s.name: MetricSeries(s, registry, model_name, engines, s.name not in FRONTEND_ONLY)
+        for s in merge_specs([specs])
+    }
 
 
 # --custom-histogram-buckets' families (vLLM's keys): the histograms each one sets.
@@ -530,12 +551,15 @@ class PrometheusStatLogger:
         multiprocess: bool = False,
         kv_cache_metrics: bool = False,
         custom_buckets: dict[str, list[float]] | None = None,
+        num_engines: int = 1,
     ) -> None:
         """``max_model_len`` and ``max_num_batched_tokens`` size the token-count buckets;
         ``max_loras`` > 0 (--enable-lora): vLLM's ``vllm:lora_requests_info``;
         ``kv_cache_metrics`` (--kv-cache-metrics): the KV cache residency histograms.
         ``custom_buckets`` (--custom-histogram-buckets): bucket bounds by family
-        (``BUCKET_FAMILIES``), replacing the defaults of its histograms.
+        (``BUCKET_FAMILIES``), replacing the defaults of its histograms. ``num_engines``
+        (--data-parallel-size): the ``engine`` label's values, "0" .. N-1; each engine's
+        series exist from the start.
 
         Several API servers on one engine (``--api-server-count``) each get every step's
         stats but count only their own requests: one of them (``engine_stats``) records
@@ -545,16 +569,18 @@ class PrometheusStatLogger:
         self.registry = registry or CollectorRegistry()
         self.engine_stats = engine_stats
         self.multiprocess = multiprocess
-        self.labels = {"model_name": model_name}
+        self.engines = tuple(str(i) for i in range(num_engines))
         self._policy_specs = policy_metrics()
         policy_specs = merge_specs(self._policy_specs.values())
         per_request = request_metrics(max_model_len, max_num_batched_tokens)
         self._residency = KV_CACHE_RESIDENCY_METRICS if kv_cache_metrics else ()
         specs = (*FRONTEND_METRICS, *per_request, *SCHEDULER_METRICS, *self._residency)
         self.series = build_series(
-            (*with_buckets(specs, custom_buckets), *policy_specs), self.registry, self.labels
-        )
-        self.series[ENGINE_ALIVE].child.set(1)
+            (*with_buckets(specs, custom_buckets), *policy_specs),
+            self.registry, model_name, self.engines,
+        )  # fmt: skip
+        for engine in self.engines:
+            self.series[ENGINE_ALIVE].labels(engine=engine).set(1)
         self.record_sleep_state(False)
         for reason in ADMISSION_REASONS:  # both series exist from the start, at 0
             self.series[ADMISSION_REJECTIONS].labels(reason)
@@ -586,14 +612,17 @@ class PrometheusStatLogger:
         return generate_latest(registry)
 
     def __getitem__(self, name: str) -> Any:
-        """The child of an unlabelled series, e.g. ``stats["vllm:num_requests_running"]``."""
+        """The child of an unlabelled series (engine 0's), e.g.
+        ``stats["vllm:num_requests_running"]``."""
         return self.series[name].child
 
     def record_sleep_state(self, sleeping: bool, level: int = 0) -> None:
-        """Sleep mode (vLLM's gauge): asleep at level 0 (paused) all three read 0."""
+        """Sleep mode (vLLM's gauge; every engine sleeps and wakes together): asleep at
+        level 0 (paused) all three read 0."""
         values = (0, int(level == 1), int(level == 2)) if sleeping else (1, 0, 0)
-        for state, value in zip(SLEEP_STATES, values, strict=True):
-            self.series[ENGINE_SLEEP_STATE].labels(state).set(value)
+        for engine in self.engines:
+            for state, value in zip(SLEEP_STATES, values, strict=True):
+                self.series[ENGINE_SLEEP_STATE].labels(state, engine=engine).set(value)
 
     def record_admission_rejection(self, reason: str) -> None:
         """One request refused by ``--max-num-queued-reqs`` / ``--max-num-queued-tokens``
@@ -610,10 +639,11 @@ class PrometheusStatLogger:
         their totals. Idempotent; a later ``record`` (a message sent before the death) still
         counts its events but leaves the gauges at 0."""
         self._engine_dead = True
-        self[ENGINE_ALIVE].set(0)
-        for spec in SCHEDULER_METRICS:
-            if spec.kind == "gauge":
-                self[spec.name].set(0)
+        for engine in self.engines:
+            self.series[ENGINE_ALIVE].labels(engine=engine).set(0)
+            for spec in SCHEDULER_METRICS:
+                if spec.kind == "gauge":
+                    self.series[spec.name].labels(engine=engine).set(0)
 
     def record(
         self,
@@ -622,64 +652,74 @@ class PrometheusStatLogger:
         inter_token_latencies: list[float] | None = None,
     ) -> None:
         """One engine message: its step's stats, the finished requests' timings, and the
-        front end's ``inter_token_latencies`` for it (``OutputProcessor``'s)."""
-        s = core.scheduler_stats if self.engine_stats else None
+        front end's ``inter_token_latencies`` for it (``OutputProcessor``'s), all counted
+        for the engine that sent it (``core.engine_index``; its own stats, not the gauges
+        over every engine that ``scheduler_stats`` holds under data parallelism)."""
+        e = str(core.engine_index)
+        s = core.engine_stats or core.scheduler_stats if self.engine_stats else None
         if s is not None:
             for spec in (*SCHEDULER_METRICS, *self._residency):
-                self.series[spec.name].update(s)
+                self.series[spec.name].update(s, e)
             if s.num_scheduled_tokens > 0:
-                self[ITERATION_TOKENS].observe(s.num_scheduled_tokens)
+                self.series[ITERATION_TOKENS].labels(engine=e).observe(s.num_scheduled_tokens)
             if s.spec_decoding_stats is not None:
                 per_pos = s.spec_decoding_stats.num_accepted_tokens_per_pos
                 for pos, n in enumerate(per_pos):
-                    self.series[SPEC_ACCEPTED_PER_POS].labels(str(pos)).inc(n)
+                    self.series[SPEC_ACCEPTED_PER_POS].labels(str(pos), engine=e).inc(n)
             if s.policy_stats is not None:
                 for spec in self._policy_specs.get(s.policy_name, ()):
-                    self.series[spec.name].update(s.policy_stats)
+                    self.series[spec.name].update(s.policy_stats, e)
             if self.lora_info is not None:
                 self.lora_info.labels(
                     str(self.max_loras),
                     ",".join(s.waiting_lora_adapters),
                     ",".join(s.running_lora_adapters),
                 ).set_to_current_time()
-        self[GENERATION_TOKENS].inc(sum(len(o.new_token_ids) for o in core.outputs))
+
+        def one(name: str) -> Any:
+            return self.series[name].labels(engine=e)
+
+        one(GENERATION_TOKENS).inc(sum(len(o.new_token_ids) for o in core.outputs))
         for seconds in inter_token_latencies or ():
-            self[ITL].observe(seconds)
+            one(ITL).observe(seconds)
         for out in results:
             if out.finished:
-                self._record_finished(out)
+                self._record_finished(out, e)
         if self._engine_dead:  # a message sent before the death, handled after it
             self.mark_engine_dead()
 
-    def _record_finished(self, out: RequestOutput) -> None:
+    def _record_finished(self, out: RequestOutput, engine: str = "0") -> None:
+        def one(name: str) -> Any:
+            return self.series[name].labels(engine=engine)
+
         m = out.metrics
-        self[PROMPT_TOKENS].inc(len(out.prompt_token_ids))
-        self[PROMPT_TOKENS_CACHED].inc(out.num_cached_tokens)
-        self[REQUEST_PROMPT_TOKENS].observe(len(out.prompt_token_ids))
+        one(PROMPT_TOKENS).inc(len(out.prompt_token_ids))
+        one(PROMPT_TOKENS_CACHED).inc(out.num_cached_tokens)
+        one(REQUEST_PROMPT_TOKENS).observe(len(out.prompt_token_ids))
         reason = out.outputs[0].finish_reason or "abort" if out.outputs else "abort"
-        self.series[SUCCESS].labels(reason).inc()
+        self.series[SUCCESS].labels(reason, engine=engine).inc()
         if m is None:
             return
-        self[REQUEST_GENERATION_TOKENS].observe(m.num_generation_tokens)
-        self[MAX_GENERATION_TOKENS].observe(m.max_num_generation_tokens)
-        self[PARAMS_N].observe(m.n)
+        one(REQUEST_GENERATION_TOKENS).observe(m.num_generation_tokens)
+        one(MAX_GENERATION_TOKENS).observe(m.max_num_generation_tokens)
+        one(PARAMS_N).observe(m.n)
         if m.max_tokens is not None:
-            self[PARAMS_MAX_TOKENS].observe(m.max_tokens)
+            one(PARAMS_MAX_TOKENS).observe(m.max_tokens)
         if m.first_token_time is not None:
-            self[TTFT].observe(m.first_token_time - m.arrival_time)
+            one(TTFT).observe(m.first_token_time - m.arrival_time)
             if m.last_token_time is not None:
                 decode = m.last_token_time - m.first_token_time
-                self[DECODE_TIME].observe(decode)
+                one(DECODE_TIME).observe(decode)
                 if m.num_generation_tokens > 1:
                     tpot = decode / (m.num_generation_tokens - 1)
-                    self[TPOT].observe(tpot)
-                    self[REQUEST_TPOT].observe(tpot)
+                    one(TPOT).observe(tpot)
+                    one(REQUEST_TPOT).observe(tpot)
             scheduled = m.scheduled_time
             if scheduled is not None:
-                self[PREFILL_TIME].observe(max(m.first_token_time - scheduled, 0.0))
+                one(PREFILL_TIME).observe(max(m.first_token_time - scheduled, 0.0))
                 if m.last_token_time is not None:
-                    self[INFERENCE_TIME].observe(max(m.last_token_time - scheduled, 0.0))
+                    one(INFERENCE_TIME).observe(max(m.last_token_time - scheduled, 0.0))
         if m.finished_time is not None:
-            self[E2E].observe(m.finished_time - m.arrival_time)
+            one(E2E).observe(m.finished_time - m.arrival_time)
         if m.queue_time is not None:
-            self[QUEUE_TIME].observe(m.queue_time)
+            one(QUEUE_TIME).observe(m.queue_time)
