@@ -53,6 +53,19 @@ _TOKENIZER_MODE_REFUSALS = {
 }
 
 
+# vLLM's loading and multimodal flags taken in part (ModelConfig._check_vllm_loader_flags).
+ConfigFormat = Literal["auto", "hf", "mistral"]
+SafetensorsLoadStrategy = Literal["eager", "lazy", "prefetch", "torchao"]
+MMProcessorCacheType = Literal["lru", "shm"]
+
+
+def only(name: str, value: Any, accepted: Sequence[Any], why: str) -> None:
+    """A vLLM flag taken with the ``accepted`` values only; any other: ValueError saying
+    ``why`` (what is accepted, and why no more)."""
+    if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
+        raise bad_value(name, value, why)
+
+
 # --model-impl (vLLM's): auto and vllm are this engine's own model code, the only kind.
 ModelImpl = Literal["auto", "vllm", "transformers", "terratorch"]
 _MODEL_IMPL_REFUSALS = {
@@ -308,6 +321,49 @@ class ModelConfig:
         "Only 0 is accepted: weight offloading is not implemented, the whole model stays "
         "on the device.",
     )
+    ignore_patterns: tuple[str, ...] = config_field(
+        ("original/**/*",),
+        "vLLM's glob patterns of Hub files not to download or load. Only its default, "
+        "original/**/*, is accepted: this engine reads the config, tokenizer and weights at "
+        "the top of the model's folder, never a subfolder (so never original/), and its Hub "
+        "download takes no other patterns.",
+    )
+    config_format: ConfigFormat = config_field(
+        "auto",
+        "vLLM's format of the model's config: auto and hf (config.json, the only one read "
+        "here). mistral (params.json) is refused.",
+    )
+    hf_config_path: str | None = config_field(
+        None,
+        "vLLM's folder or Hub repository whose config.json replaces the model's. Refused "
+        "with any value: the config is read from the model's own folder (to change fields "
+        "of it, use --hf-overrides).",
+    )
+    code_revision: str | None = config_field(
+        None,
+        "vLLM's Hub revision of a model's remote code. Refused with any value: no code from "
+        "a model repository is ever run here (see --trust-remote-code).",
+    )
+    model_loader_extra_config: dict[str, Any] | None = config_field(
+        None,
+        "vLLM's JSON object of options for its model loader. Only {} (or unset) is "
+        "accepted: the one loader here reads safetensors (or pytorch_model*.bin) files and "
+        "takes no options.",
+        parse=lambda text: parse_json_object(text, "model_loader_extra_config"),
+    )
+    safetensors_load_strategy: SafetensorsLoadStrategy | None = config_field(
+        None,
+        "vLLM's way of reading safetensors files: unset, lazy, eager and prefetch change "
+        "only how the bytes are read, never what is loaded, and are accepted (each file is "
+        "read whole into host memory here, one at a time). torchao (torchao tensor "
+        "subclasses) is refused: torchao checkpoints are not supported.",
+    )
+    pt_load_map_location: str = config_field(
+        "cpu",
+        "vLLM's torch.load map_location for pytorch_model*.bin checkpoints. Only cpu (the "
+        "default) is accepted: that is where they are read before each tensor is copied to "
+        "the device.",
+    )
     generation_config: str = config_field(
         "auto",
         "Where the default sampling parameters come from (temperature, top_p, top_k, min_p, "
@@ -358,6 +414,55 @@ class ModelConfig:
         "or '{\"do_image_splitting\": false}' (SmolVLM: no tiles). A chat request's own "
         "mm_processor_kwargs win key by key, and may lower the sizes set here, not raise them.",
         parse=lambda text: parse_json_object(text, "mm_processor_kwargs"),
+    )
+    mm_processor_cache_gb: float = config_field(
+        4.0,
+        "vLLM's GiB of cached image-processor outputs, reused when an image comes again. "
+        "0 and the default 4 are accepted: no such cache exists here (each request's images "
+        "go through the image processor; what is reused is the encoder's output, docs/"
+        "design.md); another size is refused, as there is no cache to size.",
+    )
+    mm_processor_cache_type: MMProcessorCacheType = config_field(
+        "lru",
+        "vLLM's kind of image-processor cache: lru (the default) is accepted; shm (a cache "
+        "in shared memory between API servers and engine) is refused.",
+    )
+    skip_mm_profiling: bool = config_field(
+        False,
+        "vLLM's: leave images out of the start-up memory profile. Accepted either way: the "
+        "profile run here has no images (the vision encoder's activations are not "
+        "profiled), on or off.",
+    )
+    interleave_mm_strings: bool = config_field(
+        False,
+        "vLLM's: image placeholders written inside a message's text. Only off is accepted: "
+        "images come as content parts, each placed before the message's text (or where the "
+        "chat template puts it).",
+    )
+    language_model_only: bool = config_field(
+        False,
+        "vLLM's: load a multimodal model's language model only. Only off is accepted: the "
+        "vision encoder is always loaded (to refuse images, use --limit-mm-per-prompt "
+        "'{\"image\": 0}').",
+    )
+    enable_mm_embeds: bool = config_field(
+        False,
+        "vLLM's: take precomputed image embeddings as inputs. Only off is accepted: images "
+        "are taken, not their embeddings.",
+    )
+    media_io_kwargs: dict[str, Any] | None = config_field(
+        None,
+        "vLLM's JSON object of per-modality media loading arguments (e.g. a video's "
+        "num_frames). Only {} (or unset) is accepted: images are decoded with PIL and take none.",
+        parse=lambda text: parse_json_object(text, "media_io_kwargs"),
+    )
+    reasoning_config: dict[str, Any] | None = config_field(
+        None,
+        "vLLM's JSON object of reasoning strings (reasoning_parser, reasoning_start_str, "
+        "reasoning_end_str: what a thinking budget forces). Only unset or {} is accepted: "
+        "the reasoning parser is --reasoning-parser, and a thinking budget ends reasoning "
+        "with the parser's own end tokens.",
+        parse=lambda text: parse_json_object(text, "reasoning_config"),
     )
     trust_remote_code: bool = config_field(
         False,
@@ -564,6 +669,8 @@ class ModelConfig:
                 "rendered by DeepSeek-V3.2's encoding, not a Jinja template"
             )
         self._check_vllm_load_flags()
+        self._check_vllm_loader_flags()
+        self._check_vllm_mm_flags()
         self._fold_graph_flags()
 
     def _check_vllm_load_flags(self) -> None:
@@ -591,6 +698,89 @@ class ModelConfig:
                 "--disable-cascade-attn has no effect: vLLM deprecated it when it removed "
                 "cascade attention, and this engine has no cascade attention either"
             )
+
+    def _check_vllm_loader_flags(self) -> None:
+        """vLLM's loading flags: the values that ask nothing beyond reading the model's
+        own folder, top level, with the one loader here."""
+        patterns = self.ignore_patterns
+        if isinstance(patterns, list | str):
+            patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+            object.__setattr__(self, "ignore_patterns", patterns)
+        only(
+            "ignore_patterns", patterns, [("original/**/*",)],
+            "must be original/**/* (vLLM's default): this engine reads the config, tokenizer "
+            "and weights at the top of the model's folder, never a subfolder, and its Hub "
+            "download is not given other patterns",
+        )  # fmt: skip
+        only(
+            "config_format", self.config_format, ["auto", "hf"],
+            "must be auto or hf: the model's config is its config.json (mistral's params.json "
+            "is not read)",
+        )  # fmt: skip
+        only(
+            "hf_config_path", self.hf_config_path, [None],
+            "is not taken: the config is read from the model's own folder; use --hf-overrides "
+            "to change fields of it",
+        )  # fmt: skip
+        only(
+            "code_revision", self.code_revision, [None],
+            "is not taken: it is the revision of a model's remote code, and no code from a "
+            "model repository is ever run here",
+        )  # fmt: skip
+        only(
+            "model_loader_extra_config", self.model_loader_extra_config, [None, {}],
+            "must be unset or {}: the one loader here reads safetensors (or "
+            "pytorch_model*.bin) files and takes no options",
+        )  # fmt: skip
+        only(
+            "safetensors_load_strategy", self.safetensors_load_strategy,
+            [None, "lazy", "eager", "prefetch"],
+            "must be unset, lazy, eager or prefetch (how the bytes are read, the same "
+            "weights): torchao builds torchao tensor subclasses, and torchao checkpoints "
+            "are not supported",
+        )  # fmt: skip
+        only(
+            "pt_load_map_location", self.pt_load_map_location, ["cpu"],
+            "must be cpu: pytorch_model*.bin checkpoints are read onto the CPU, then each "
+            "tensor is copied to the device",
+        )  # fmt: skip
+
+    def _check_vllm_mm_flags(self) -> None:
+        """vLLM's multimodal flags: images as content parts, encoded here."""
+        cache_gb = self.mm_processor_cache_gb
+        only(
+            "mm_processor_cache_gb", cache_gb, [0, 4],
+            "must be 0 or 4 (vLLM's default): this engine keeps no cache of image-processor "
+            "outputs to size (the vision encoder's outputs are what is reused)",
+        )  # fmt: skip
+        only(
+            "mm_processor_cache_type", self.mm_processor_cache_type, ["lru"],
+            "must be lru: there is no shared-memory (shm) cache between API servers and "
+            "engine",
+        )  # fmt: skip
+        if not isinstance(self.skip_mm_profiling, bool):
+            raise bad_value("skip_mm_profiling", self.skip_mm_profiling, "must be a bool")
+        refusals = {
+            "interleave_mm_strings": "image placeholders inside a message's text are not "
+            "read: send images as content parts",
+            "language_model_only": "a multimodal model's vision encoder is always loaded; "
+            "to refuse images, use --limit-mm-per-prompt '{\"image\": 0}'",
+            "enable_mm_embeds": "precomputed image embeddings are not taken as inputs: "
+            "send the images",
+        }
+        for name, why in refusals.items():
+            only(name, getattr(self, name), [False], f"must be off: {why}")
+        only(
+            "media_io_kwargs", self.media_io_kwargs, [None, {}],
+            "must be unset or {}: images are decoded with PIL and take no loading arguments (video "
+            "and audio are not served)",
+        )  # fmt: skip
+        only(
+            "reasoning_config", self.reasoning_config, [None, {}],
+            "must be unset or {}: the reasoning parser is --reasoning-parser, and a thinking "
+            "budget ends the reasoning with that parser's own end tokens, not configured "
+            "strings",
+        )  # fmt: skip
 
     def _check_pooler_config(self, pooler: Any) -> None:
         """--pooler-config: its keys' types; ValueError naming the key."""
@@ -785,6 +975,8 @@ PerformanceMode = Literal["balanced", "interactivity", "throughput"]
 # --mamba-ssm-cache-dtype (vllm/model_executor/layers/recurrent.py).
 MambaSSMCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
+MambaCacheMode = Literal["align", "none"]  # --mamba-cache-mode (vLLM's)
+
 # --prefix-caching-hash-algo (vLLM's): this engine's block hash is sha256 over a pickle of
 # (parent hash, token ids, extra keys), vLLM's sha256 (vllm/v1/core/kv_cache_utils.py).
 PrefixCachingHashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
@@ -829,6 +1021,25 @@ class CacheConfig:
         "Gated DeltaNet): auto (the model's dtype, as vLLM), float32, bfloat16 or float16. "
         "float32 keeps a long decode's state exact at twice the bytes.",
     )
+    mamba_cache_dtype: MambaSSMCacheDtype = config_field(
+        "auto",
+        "vLLM's dtype of a recurrent layer's convolution and state matrices together. Only "
+        "auto (the model's dtype) is accepted: the convolution states keep the model's "
+        "dtype here; set the state matrices' with --mamba-ssm-cache-dtype.",
+    )
+    mamba_block_size: int | None = config_field(
+        None,
+        "vLLM's tokens between cached recurrent states (its align mode). Unset or "
+        "--block-size is accepted: the states are checkpointed at KV block boundaries here "
+        '(docs/design.md, "Linear-attention layers"); set --block-size to change that.',
+    )
+    mamba_cache_mode: MambaCacheMode = config_field(
+        "none",
+        "vLLM's caching of recurrent states for prefix hits: none (vLLM's default, which it "
+        "turns to align with prefix caching) and align (states at block boundaries) are "
+        "accepted: here the states are checkpointed at block boundaries whenever prefix "
+        "caching is on, in a pool of their own (docs/design.md).",
+    )
     prefix_caching_hash_algo: PrefixCachingHashAlgo = config_field(
         "sha256",
         "How KV blocks are hashed for prefix caching (vLLM's flag); the KV cache events "
@@ -847,6 +1058,7 @@ class CacheConfig:
             )  # fmt: skip
         if algo not in get_args(PrefixCachingHashAlgo):
             raise bad_value("prefix_caching_hash_algo", algo, "must be sha256")
+        self._check_vllm_mamba_flags()
         if self.mamba_ssm_cache_dtype not in get_args(MambaSSMCacheDtype):
             choices = ", ".join(get_args(MambaSSMCacheDtype))
             raise bad_value(
@@ -865,6 +1077,24 @@ class CacheConfig:
             raise bad_value(
                 "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]"
             )
+
+    def _check_vllm_mamba_flags(self) -> None:
+        """vLLM's recurrent-state cache flags: what the state checkpoints here already are."""
+        only(
+            "mamba_cache_dtype", self.mamba_cache_dtype, ["auto"],
+            "must be auto: the convolution states keep the model's dtype here; the state "
+            "matrices' dtype is --mamba-ssm-cache-dtype's",
+        )  # fmt: skip
+        only(
+            "mamba_block_size", self.mamba_block_size, [None, self.block_size],
+            f"must be unset or the --block-size ({self.block_size}): recurrent states are "
+            "checkpointed at KV block boundaries here; set --block-size to move them",
+        )  # fmt: skip
+        only(
+            "mamba_cache_mode", self.mamba_cache_mode, ["none", "align"],
+            "must be none or align: recurrent states are checkpointed at block boundaries "
+            "with prefix caching",
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -1525,6 +1755,17 @@ class ParallelConfig:
         "server per replica behind the router (docs/router.md) instead.",
         aliases=("-dph",),
     )
+    worker_cls: str = config_field(
+        "auto",
+        "vLLM's import path of the worker class that runs the model. Only auto is accepted: "
+        "an engine here runs its model itself, with no worker class to replace.",
+    )
+    worker_extension_cls: str = config_field(
+        "",
+        "vLLM's import path of a class mixed into its workers (often RL weight syncing). "
+        "Only empty is accepted: there is no worker class to extend; the weight sync has its "
+        'own API (docs/serving.md, "RL weight sync").',
+    )
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -1539,6 +1780,16 @@ class ParallelConfig:
         self._check_executor()
         self._check_one_node()
         self._check_no_external_lb()
+        only(
+            "worker_cls", self.worker_cls, ["auto"],
+            "must be auto: an engine here runs its model itself, with no worker class to "
+            "replace",
+        )  # fmt: skip
+        only(
+            "worker_extension_cls", self.worker_extension_cls, [""],
+            "must be empty: there is no worker class to extend; for RL weight syncing use "
+            "the weight transfer API (docs/serving.md, \"RL weight sync\")",
+        )  # fmt: skip
 
     def _check_executor(self) -> None:
         """--distributed-executor-backend, --max-parallel-loading-workers."""
@@ -1616,6 +1867,9 @@ class ParallelConfig:
                 )  # fmt: skip
 
 
+LoRADtype = Literal["auto", "bfloat16", "float16"]  # --lora-dtype (vLLM's)
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters (vLLM's flags): each request may name one; a batch mixes adapters and
@@ -1639,7 +1893,35 @@ class LoRAConfig:
         "without reading their files again.",
     )
 
+    lora_dtype: LoRADtype = config_field(
+        "auto",
+        "vLLM's dtype of the adapters' weights. Only auto (the model's dtype) is accepted: "
+        "adapters always take the model's dtype here.",
+    )
+    fully_sharded_loras: bool = config_field(
+        False,
+        "vLLM's: shard the adapters' computation across tensor-parallel devices. Accepted "
+        "either way: one device here, nothing to shard (vLLM's own behaviour with one GPU).",
+    )
+    default_mm_loras: dict[str, str] | None = config_field(
+        None,
+        "vLLM's JSON object of an adapter per modality, applied to requests with such "
+        "inputs. Only unset or {} is accepted: a request gets an adapter only by naming it.",
+        parse=lambda text: parse_json_object(text, "default_mm_loras"),
+    )
+
     def __post_init__(self) -> None:
+        only(
+            "lora_dtype", self.lora_dtype, ["auto"],
+            "must be auto: adapters take the model's dtype here",
+        )  # fmt: skip
+        if not isinstance(self.fully_sharded_loras, bool):
+            raise bad_value("fully_sharded_loras", self.fully_sharded_loras, "must be a bool")
+        only(
+            "default_mm_loras", self.default_mm_loras, [None, {}],
+            "must be unset or {}: there is no adapter by modality; a request gets an adapter "
+            "only by naming it (docs/lora.md)",
+        )  # fmt: skip
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -1789,11 +2071,34 @@ class ObservabilityConfig:
         "prefill, decode and end-to-end latencies.",
     )
 
+    show_hidden_metrics_for_version: str | None = config_field(
+        None,
+        "vLLM's: bring back the metrics it hid after deprecating them in the version after "
+        "this one (e.g. 0.31). Any version is accepted and changes nothing: vLLM 0.32 hides "
+        "none (its flag is read by no metric either), and this engine has none hidden.",
+    )
+    enable_mfu_metrics: bool = config_field(
+        False,
+        "vLLM's model FLOPs utilization metrics. Only off is accepted: this engine does not "
+        "count a step's FLOPs.",
+    )
+    cudagraph_metrics: bool = config_field(
+        False,
+        "vLLM's CUDA graph metrics (padded tokens, dispatch modes). Only off is accepted: "
+        "they are not collected here.",
+    )
+    enable_logging_iteration_details: bool = config_field(
+        False,
+        "vLLM's log line per engine step (its requests, tokens and CPU time). Only off is "
+        "accepted: the engine logs no line per step (the throughput line: --disable-log-stats).",
+    )
+
     def __post_init__(self) -> None:
         sample = self.kv_cache_metrics_sample
         if isinstance(sample, bool) or not isinstance(sample, int | float) or not 0 < sample <= 1:
             raise bad_value("kv_cache_metrics_sample", sample, "must be in (0, 1]")
         _check_histogram_buckets(self.custom_histogram_buckets)
+        self._check_vllm_metrics_flags()
         endpoint = self.otlp_traces_endpoint
         if endpoint is not None:
             from vllm.tracing import is_otel_available
@@ -1812,6 +2117,29 @@ class ObservabilityConfig:
                 "is not supported: this engine records no per-module timings (each "
                 "request's span has its queue, prefill, decode and end-to-end latencies)",
             )
+
+    def _check_vllm_metrics_flags(self) -> None:
+        """vLLM's metrics it hides or adds: none hidden here, the additions not collected."""
+        version = self.show_hidden_metrics_for_version
+        if version is not None:
+            from packaging.version import InvalidVersion, Version
+
+            try:
+                Version(version)
+            except (InvalidVersion, TypeError):
+                raise bad_value(
+                    "show_hidden_metrics_for_version", version, "must be a version, e.g. 0.31"
+                ) from None
+        refusals = {
+            "enable_mfu_metrics": "model FLOPs utilization is not measured here (no FLOPs "
+            "are counted per step)",
+            "cudagraph_metrics": "CUDA graph metrics (padded tokens, dispatch modes) are not "
+            "collected here",
+            "enable_logging_iteration_details": "the engine logs no line per step; the "
+            "throughput line is logged every VLLM_LOG_STATS_INTERVAL seconds",
+        }
+        for name, why in refusals.items():
+            only(name, getattr(self, name), [False], f"must be off: {why}")
 
 
 # --kv-events-config's keys (vLLM's names), with their defaults; "publisher" defaults to

@@ -6,7 +6,9 @@ limits, the flags that change nothing on one device (``--distributed-executor-ba
 ``--disable-cascade-attn``), ``--model-impl``, ``--cpu-offload-gb``,
 ``--prefix-caching-hash-algo``, ``--performance-mode``, ``--scheduler-cls`` and vLLM's
 multi-node data-parallel flags (``--nnodes``, ``--data-parallel-size-local``, ...,
-``--headless``, ``--data-parallel-rank``, external and hybrid load balancing). Each is
+``--headless``, ``--data-parallel-rank``, external and hybrid load balancing), and a second
+batch: the loading, metrics, multimodal, recurrent-state, LoRA, front-end and worker flags
+(``--ignore-patterns`` ... ``--worker-extension-cls``). Each is
 parsed by the real ``vllm serve`` parser; what this engine cannot honour is refused at
 start, naming the flag. (The compilation flags: ``tests/test_compilation_config.py``.)"""
 
@@ -530,6 +532,135 @@ def test_external_and_hybrid_load_balancing_are_refused_for_the_router(argv, nee
     ],
 )
 def test_values_outside_vllms_choices_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        _args(*argv.split())
+    assert argv.split()[0] in capsys.readouterr().err
+
+
+# -- second batch: loading, metrics, multimodal, recurrent, LoRA, front end, workers --------
+
+_OBS = "observability_config."
+# (flags, field path): vLLM's values that ask nothing beyond what this engine does.
+_ACCEPTED = [
+    ("--ignore-patterns original/**/*", "model_config.ignore_patterns", ("original/**/*",)),
+    ("--config-format hf", "model_config.config_format", "hf"),
+    ("--config-format auto", "model_config.config_format", "auto"),
+    ("--model-loader-extra-config {}", "model_config.model_loader_extra_config", {}),
+    ("--safetensors-load-strategy lazy", "model_config.safetensors_load_strategy", "lazy"),
+    ("--safetensors-load-strategy eager", "model_config.safetensors_load_strategy", "eager"),
+    ("--safetensors-load-strategy prefetch", "model_config.safetensors_load_strategy", "prefetch"),
+    ("--pt-load-map-location cpu", "model_config.pt_load_map_location", "cpu"),
+    ("--show-hidden-metrics-for-version 0.31", _OBS + "show_hidden_metrics_for_version", "0.31"),
+    ("--no-enable-mfu-metrics", "observability_config.enable_mfu_metrics", False),
+    ("--no-cudagraph-metrics", "observability_config.cudagraph_metrics", False),
+    ("--no-enable-logging-iteration-details", _OBS + "enable_logging_iteration_details", False),
+    ("--mm-processor-cache-gb 0", "model_config.mm_processor_cache_gb", 0),
+    ("--mm-processor-cache-gb 4", "model_config.mm_processor_cache_gb", 4),
+    ("--mm-processor-cache-type lru", "model_config.mm_processor_cache_type", "lru"),
+    ("--skip-mm-profiling", "model_config.skip_mm_profiling", True),
+    ("--no-skip-mm-profiling", "model_config.skip_mm_profiling", False),
+    ("--no-interleave-mm-strings", "model_config.interleave_mm_strings", False),
+    ("--no-language-model-only", "model_config.language_model_only", False),
+    ("--no-enable-mm-embeds", "model_config.enable_mm_embeds", False),
+    ("--media-io-kwargs {}", "model_config.media_io_kwargs", {}),
+    ("--reasoning-config {}", "model_config.reasoning_config", {}),
+    ("--mamba-cache-dtype auto", "cache_config.mamba_cache_dtype", "auto"),
+    ("--block-size 32 --mamba-block-size 32", "cache_config.mamba_block_size", 32),
+    ("--mamba-cache-mode align", "cache_config.mamba_cache_mode", "align"),
+    ("--mamba-cache-mode none", "cache_config.mamba_cache_mode", "none"),
+    ("--lora-dtype auto", "lora_config.lora_dtype", "auto"),
+    ("--fully-sharded-loras", "lora_config.fully_sharded_loras", True),
+    ("--no-fully-sharded-loras", "lora_config.fully_sharded_loras", False),
+    ("--default-mm-loras {}", "lora_config.default_mm_loras", {}),
+    ("--worker-cls auto", "parallel_config.worker_cls", "auto"),
+    ("--worker-extension-cls=", "parallel_config.worker_extension_cls", ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "path", "value"), _ACCEPTED)
+def test_second_batch_values_this_engine_honours_are_accepted(argv, path, value):
+    group, name = path.split(".")
+    assert getattr(getattr(_engine(*argv.split()), group), name) == value
+
+
+def test_second_batch_defaults_are_vllms():
+    config = _engine()
+    model, cache = config.model_config, config.cache_config
+    assert model.ignore_patterns == ("original/**/*",) and model.config_format == "auto"
+    assert model.pt_load_map_location == "cpu" and model.mm_processor_cache_gb == 4
+    assert (model.mm_processor_cache_type, cache.mamba_cache_mode) == ("lru", "none")
+    assert config.parallel_config.worker_cls == "auto"
+    assert config.parallel_config.worker_extension_cls == ""
+    assert config.lora_config.lora_dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ("--ignore-patterns *.pt", "ignore_patterns must be original/.*never a subfolder"),
+        ("--config-format mistral", "config_format must be auto or hf.*params.json is not"),
+        ("--hf-config-path org/other", "hf_config_path is not taken.*--hf-overrides"),
+        ("--code-revision v1", "code_revision is not taken.*no code from a model repository"),
+        ('--model-loader-extra-config {"a":1}', "model_loader_extra_config must be unset or"),
+        ("--safetensors-load-strategy torchao", "safetensors_load_strategy must be .*torchao"),
+        ("--pt-load-map-location cuda:0", "pt_load_map_location must be cpu"),
+        ("--enable-mfu-metrics", "enable_mfu_metrics must be off: model FLOPs utilization"),
+        ("--cudagraph-metrics", "cudagraph_metrics must be off: CUDA graph metrics"),
+        ("--enable-logging-iteration-details", "enable_logging_iteration_details must be off"),
+        ("--show-hidden-metrics-for-version x.y", "show_hidden_metrics_for_version must be a"),
+        ("--mm-processor-cache-gb 8", "mm_processor_cache_gb must be 0 or 4.*no cache"),
+        ("--mm-processor-cache-type shm", "mm_processor_cache_type must be lru.*shm"),
+        ("--interleave-mm-strings", "interleave_mm_strings must be off: image placeholders"),
+        ("--language-model-only", "language_model_only must be off:.*vision encoder"),
+        ("--enable-mm-embeds", "enable_mm_embeds must be off: precomputed image embeddings"),
+        ('--media-io-kwargs {"video":{"num_frames":8}}', "media_io_kwargs must be unset or"),
+        ('--reasoning-config {"reasoning_end_str":"x"}', "reasoning_config must be unset or"),
+        ("--mamba-cache-dtype float32", "mamba_cache_dtype must be auto.*--mamba-ssm-cache"),
+        ("--mamba-block-size 64", r"mamba_block_size must be unset or the --block-size \(16\)"),
+        ("--lora-dtype bfloat16", "lora_dtype must be auto: adapters take the model's dtype"),
+        ('--default-mm-loras {"image":"/a"}', "default_mm_loras must be unset or.*naming it"),
+        ("--worker-cls my.Worker", "worker_cls must be auto: .*no worker class"),
+        ("--worker-extension-cls my.Ext", "worker_extension_cls must be empty.*RL weight sync"),
+    ],
+)
+def test_second_batch_values_asking_for_more_are_refused(argv, needle):
+    with pytest.raises(ValueError, match=needle):
+        _engine(*argv.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ("--enable-offline-docs", "enable_offline_docs must be off: .*CDN"),
+        ("--enable-ssl-refresh", "enable_ssl_refresh must be off: .*read once"),
+        ("--enable-per-request-metrics", "enable_per_request_metrics must be off"),
+        ("--grpc", "grpc must be off: this engine has no gRPC server"),
+    ],
+)
+def test_front_end_flags_asking_for_more_are_refused(argv, needle):
+    with pytest.raises(ValueError, match=needle):
+        _front(argv)
+    off = _front("--no-" + argv.removeprefix("--"))
+    assert getattr(off, argv.removeprefix("--").replace("-", "_")) is False
+
+
+def test_no_metric_of_vllm_032_is_hidden():
+    # Why any --show-hidden-metrics-for-version is a no-op: this engine's metrics have no
+    # hidden (deprecated) ones; vLLM 0.32 reads its flag in no metric either.
+    config = _engine("--show-hidden-metrics-for-version", "0.31")
+    assert config.observability_config.show_hidden_metrics_for_version == "0.31"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--mamba-cache-mode all",
+        "--lora-dtype float32",
+        "--mm-processor-cache-type disk",
+        "--safetensors-load-strategy mmap",
+    ],
+)
+def test_second_batch_values_outside_vllms_choices_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit):
         _args(*argv.split())
     assert argv.split()[0] in capsys.readouterr().err

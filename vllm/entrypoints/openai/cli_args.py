@@ -135,6 +135,26 @@ class FrontendArgs:
     disable_fastapi_docs: bool = config_field(
         False, "Serve no OpenAPI schema (/openapi.json) and no docs pages (/docs, /redoc)."
     )
+    enable_offline_docs: bool = config_field(
+        False,
+        "vLLM's: serve the /docs and /redoc pages with their scripts bundled, for machines "
+        "without internet. Only off is accepted: the pages load Swagger UI and ReDoc from a "
+        "CDN (FastAPI's), and no copy of them ships here.",
+    )
+    enable_ssl_refresh: bool = config_field(
+        False,
+        "vLLM's: reload the certificate and key when their files change. Only off is "
+        "accepted: they are read once, at start; restart the server to change them.",
+    )
+    enable_per_request_metrics: bool = config_field(
+        False,
+        "vLLM's per-request timings in each completion's response. Only off is accepted: "
+        "responses carry no timings (they are in the metrics and the trace spans).",
+    )
+    grpc: bool = config_field(
+        False,
+        "vLLM's: serve gRPC instead of HTTP. Refused: this engine has no gRPC server.",
+    )
     default_chat_template_kwargs: dict[str, Any] | None = config_field(
         None,
         "Chat template variables every chat request gets unless it sets them itself in "
@@ -480,6 +500,23 @@ class FrontendArgs:
             load_log_config(self.log_config_file)
         if self.structured_outputs_config is not None:
             self._fold_structured_outputs_config()
+        self._check_vllm_off_flags()
+
+    def _check_vllm_off_flags(self) -> None:
+        """vLLM's front-end flags that ask for what this server does not have: off only."""
+        refusals = {
+            "enable_offline_docs": "the /docs and /redoc pages load Swagger UI and ReDoc "
+            "from a CDN (FastAPI's) and no bundled copy ships here (--disable-fastapi-docs "
+            "turns the pages off)",
+            "enable_ssl_refresh": "the certificate and key are read once, at start; restart "
+            "the server to load new ones",
+            "enable_per_request_metrics": "responses carry no per-request timings (they are in "
+            "the metrics at /metrics and the trace spans)",
+            "grpc": "this engine has no gRPC server, only the HTTP OpenAI-compatible one",
+        }
+        for name, why in refusals.items():
+            if getattr(self, name):
+                raise ValueError(f"{name} must be off: {why}, got True")
 
     def access_log_excluded_paths(self) -> frozenset[str]:
         """--disable-access-log-for-endpoints's paths (ValueError for one without a /)."""
