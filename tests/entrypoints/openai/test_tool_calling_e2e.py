@@ -100,11 +100,11 @@ def client(server):
     return server.client()
 
 
-def create(client, messages, stream=False, **kw):
+def create(client, messages, stream=False, tools=TOOLS, **kw):
     return client.chat.completions.create(
         model=MODEL,
         messages=messages,
-        tools=TOOLS,
+        tools=tools,
         temperature=0,
         max_tokens=80,
         stream=stream,
@@ -181,6 +181,34 @@ def test_stream_deltas_assemble_into_the_same_calls(client, messages, tool_choic
     assert calls == want
     assert finish == resp.choices[0].finish_reason
     assert content == (message.content or "").strip()
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"command": 42}', '{"command": "ls", "force": true}', '{"cmd": "ls"}'],
+)
+def test_a_strict_tools_calls_under_auto_match_its_schema(client, arguments):
+    """OpenAI's ``strict: true`` under tool_choice "auto": asked to repeat a call whose
+    arguments break the schema (a number, an extra key, a wrong key), the model copies
+    it as written unless the tool is strict; then, once it opens the call, the grammar
+    holds it to the schema (a string command, nothing else)."""
+    call = '<tool_call>\n{"name": "bash", "arguments": ' + arguments + "}\n</tool_call>"
+    messages = [{"role": "user", "content": "Repeat this text exactly:\n" + call}]
+    loose = create(client, messages, tools=[BASH])
+    assert calls_of(loose.choices[0].message) == [("bash", json.loads(arguments))]
+    strict = [{"type": "function", "function": {**BASH["function"], "strict": True}}]
+    resp = create(client, messages, tools=strict)
+    ((name, args),) = calls_of(resp.choices[0].message)
+    assert name == "bash" and set(args) == {"command"}, args
+    assert isinstance(args["command"], str) and len(args["command"]) <= 40
+    assert resp.choices[0].finish_reason == "tool_calls"
+    _, calls, finish = streamed(client, messages, tools=strict)  # the same, streamed
+    assert calls == [(c.function.name, c.function.arguments)
+                     for c in resp.choices[0].message.tool_calls]  # fmt: skip
+    assert finish == "tool_calls"
+    # Plain answers stay free text.
+    plain = create(client, [{"role": "user", "content": "Hi! How are you?"}], tools=strict)
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
 
 
 def test_two_turns_with_a_tool_message(client):

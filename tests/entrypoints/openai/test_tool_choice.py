@@ -115,3 +115,74 @@ def test_config_checks_the_flags():
         ToolCallingConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser"):
         ToolCallingConfig(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="tool_strict_level"):
+        ToolCallingConfig(tool_strict_level="always")
+
+
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+
+
+def _tag(p) -> dict:
+    tag = p.structured_outputs.structural_tag
+    return {s["begin"].split('"name": ')[1].split('"')[1]: s["schema"] for s in tag["structures"]}
+
+
+def test_auto_holds_a_strict_tools_calls_to_their_schema():
+    # Without strict tools "auto" stays free, as before.
+    assert plan(tools=[WEATHER, BASH]).structured_outputs is None
+    p = plan(tools=[STRICT_WEATHER, BASH])
+    tag = p.structured_outputs.structural_tag
+    # SmolLM2's <tool_call> is text: the trigger is matched as text, not as a token.
+    assert tag["triggers"] == ["<tool_call"]
+    assert tag["structures"][0]["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert tag["structures"][0]["end"] == "}\n</tool_call>"
+    schemas = _tag(p)  # every call names a tool; only the strict one's arguments are held
+    assert schemas["get_weather"] == WEATHER["function"]["parameters"]
+    assert schemas["bash"] == {"type": "object", "additionalProperties": True}
+    validate_structured_outputs(p.structured_outputs)
+    # A response_format's grammar holds the whole output then (calls are not constrained).
+    fmt = plan(tools=[STRICT_WEATHER], response_format={"type": "json_object"})
+    assert fmt.structured_outputs.json_object and fmt.structured_outputs.structural_tag is None
+
+
+def test_the_strict_tag_compiles_with_a_tokenizer_whose_marker_is_text(tokenizer):
+    from vllm.entrypoints.openai.tool_calling import special_tokens_of
+    from vllm.v1.structured_output.validator import build_ll_tokenizer
+
+    config = ToolCallingConfig(True, "hermes", special_tokens=special_tokens_of(tokenizer))
+    assert "<tool_call>" not in config.special_tokens  # SmolLM2: text
+    ll = build_ll_tokenizer(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    # (a trigger written "<tool_call>" would be read as a special token SmolLM2 lacks)
+    validate_structured_outputs(plan(config, tools=[STRICT_WEATHER]).structured_outputs, ll)
+
+
+def test_the_strict_level_and_the_tokenizers_special_tokens():
+    function = ToolCallingConfig(True, "hermes", tool_strict_level="function")
+    assert _tag(plan(function, tools=[WEATHER, BASH])) == {
+        "get_weather": {"type": "object", "additionalProperties": True},
+        "bash": {"type": "object", "additionalProperties": True},
+    }
+    parameter = ToolCallingConfig(True, "hermes", tool_strict_level="parameter")
+    assert (
+        _tag(plan(parameter, tools=[WEATHER]))["get_weather"] == (WEATHER["function"]["parameters"])
+    )
+    # A tokenizer whose <tool_call> is a special token: the trigger is the token.
+    special = ToolCallingConfig(True, "hermes", special_tokens=frozenset({"<tool_call>"}))
+    tag = plan(special, tools=[STRICT_WEATHER]).structured_outputs.structural_tag
+    assert tag["triggers"] == ["<tool_call>"]
+    # A format without a structural tag stays free, as in vLLM.
+    mistral = ToolCallingConfig(True, "mistral")
+    assert plan(mistral, tools=[STRICT_WEATHER]).structured_outputs is None
+    bad = {"type": "function", "function": {"name": "f", "strict": "yes"}}
+    assert "strict must be a boolean" in rejected("tools", tools=[bad])
+
+
+def test_the_tool_strict_level_flag_reaches_the_config():
+    from vllm.entrypoints.cli.main import make_parser
+
+    args = make_parser().parse_args(["serve", "--tool-strict-level", "parameter"])
+    assert ToolCallingConfig.from_args(args).tool_strict_level == "parameter"
+    default = make_parser().parse_args(["serve"])
+    assert ToolCallingConfig.from_args(default).tool_strict_level == "auto"
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--tool-strict-level", "always"])

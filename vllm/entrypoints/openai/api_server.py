@@ -93,7 +93,7 @@ from vllm.entrypoints.openai.serving_tokenize import (
     TokenizeRequest,
 )
 from vllm.entrypoints.openai.serving_tokens import OpenAIServingTokens
-from vllm.entrypoints.openai.tool_calling import ToolCallingConfig
+from vllm.entrypoints.openai.tool_calling import ToolCallingConfig, special_tokens_of
 from vllm.entrypoints.openai.weight_transfer_routes import add_weight_transfer_routes
 from vllm.entrypoints.utils import INSTANCE_HEADER
 from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMValidationError
@@ -376,7 +376,9 @@ def build_app(
         vllm_config.model_config.served_names,
     )
     chat_serving = OpenAIServingChat(engine, model_name, stats, args, state, models)
-    chat_serving.tool_config = ToolCallingConfig.from_args(args)
+    chat_serving.tool_config = dataclasses.replace(
+        ToolCallingConfig.from_args(args), special_tokens=special_tokens_of(engine.tokenizer)
+    )
     completion_serving = OpenAIServingCompletion(engine, model_name, stats, args, state, models)
     log_requests = not args.disable_log_requests
 

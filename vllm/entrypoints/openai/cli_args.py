@@ -349,6 +349,14 @@ class FrontendArgs:
         "A Python file (or module name) whose import registers more tool parsers "
         '(@register_tool_parser("name")); --tool-call-parser can then name them (vLLM\'s).',
     )
+    tool_strict_level: Literal["auto", "function", "parameter"] = config_field(
+        "auto",
+        'What tool_choice "auto" holds to its form once the model opens a call (vLLM\'s '
+        'flag). auto: nothing, unless a tool says "strict": true; then every call names a '
+        "tool and a strict tool's arguments match its schema. function: every call names "
+        "a tool. parameter: every tool's arguments match its schema too. Needs a "
+        "--tool-call-parser with a structural tag (hermes); others stay free, as in vLLM.",
+    )
     exclude_tools_when_tool_choice_none: bool = config_field(
         False,
         'A request with tool_choice "none" renders no tools in its prompt (vLLM\'s flag); '

@@ -40,6 +40,13 @@ from vllm.sampling_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
+# --tool-strict-level (vLLM's): what tool_choice "auto" holds to its form once the model
+# opens a call. auto: nothing, unless a tool says "strict": true; then every call's
+# envelope (a known name) and the strict tools' arguments. function: every call's envelope.
+# parameter: the envelope and every tool's arguments, as if each were strict.
+TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
+
+
 @dataclass(frozen=True)
 class ToolCallingConfig:
     """The server's flags for reading a model's output: tool calling
@@ -50,8 +57,17 @@ class ToolCallingConfig:
     reasoning_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False  # the template gets no tools then
     response_role: str = "assistant"  # the role of the replies
+    tool_strict_level: str = "auto"  # --tool-strict-level (TOOL_STRICT_LEVELS)
+    # The tokenizer's special tokens (a tool-call marker that is one is matched as the
+    # token by a structural tag): set by the server once its tokenizer is loaded.
+    special_tokens: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        if self.tool_strict_level not in TOOL_STRICT_LEVELS:
+            raise ValueError(
+                f"tool_strict_level must be one of {TOOL_STRICT_LEVELS}, "
+                f"got {self.tool_strict_level!r}"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in tool_parser_names():
@@ -75,6 +91,7 @@ class ToolCallingConfig:
             getattr(args, "reasoning_parser", None),
             bool(getattr(args, "exclude_tools_when_tool_choice_none", False)),
             getattr(args, "response_role", None) or "assistant",
+            getattr(args, "tool_strict_level", None) or "auto",
         )
 
 
@@ -266,6 +283,8 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
                 )
             plan.parser = get_tool_parser(config.tool_call_parser, functions)
             plan.keep_special_tokens = plan.parser.keeps_special_tokens
+            if response_format is None:  # with one, its grammar holds the whole output
+                plan.structured_outputs = _strict_calls(plan.parser, functions, config)
         elif choice == "required":
             plan.parser, plan.guided = get_tool_parser("json"), True
             schema = _required_schema(functions, request.parallel_tool_calls is not False)
@@ -317,8 +336,33 @@ def _validate_tools(tools: Any) -> dict[str, dict]:
             raise VLLMValidationError(
                 f"tools[{i}].function.parameters must be a JSON schema object", "tools"
             )
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise VLLMValidationError(f"tools[{i}].function.strict must be a boolean", "tools")
         functions[name] = {**fn, "parameters": params}
     return functions
+
+
+def _strict_calls(
+    parser: ToolParser, functions: dict[str, dict], config: ToolCallingConfig
+) -> StructuredOutputsParams | None:
+    """tool_choice "auto": the structural tag that holds the model's calls to their form
+    once one opens (``TOOL_STRICT_LEVELS``), or None (free, as without strict tools)."""
+    level = config.tool_strict_level
+    strict = {name: fn.get("strict") is True for name, fn in functions.items()}
+    if level == "auto" and not any(strict.values()):
+        return None
+    schemas = {
+        name: fn["parameters"] if strict[name] or level == "parameter" else None
+        for name, fn in functions.items()
+    }
+    tag = parser.structural_tag(schemas, config.special_tokens)
+    if tag is None:
+        logger.debug(
+            "%s has no structural tag: strict tools are not enforced under tool_choice auto",
+            type(parser).__name__,
+        )
+        return None
+    return StructuredOutputsParams(structural_tag=tag)
 
 
 def _named_choice(choice: Any, functions: dict[str, dict]) -> str:
@@ -405,6 +449,13 @@ def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:
 
 
 _warned_templates: set[int] = set()
+
+
+def special_tokens_of(tokenizer: Any) -> frozenset[str]:
+    """The added tokens a tokenizer marks special (what llguidance matches as tokens, not
+    text); none without a tokenizer."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(t.content for t in decoder.values() if getattr(t, "special", False))
 
 
 def warn_if_template_ignores_tools(template: str | None) -> None:

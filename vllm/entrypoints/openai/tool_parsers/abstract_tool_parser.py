@@ -6,7 +6,7 @@ import json
 import logging
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -88,6 +88,19 @@ class ToolParser(ABC):
             if final:
                 return ExtractedToolCalls(text.strip() or None, [])
             return ExtractedToolCalls("", [])
+
+    @classmethod
+    def structural_tag(
+        cls, schemas: Mapping[str, dict | None], special_tokens: Collection[str] = ()
+    ) -> dict | None:
+        """The structural tag (vLLM's ``{"structures", "triggers"}``) that holds this
+        format's calls of the tools ``schemas`` names to their form once a call opens:
+        the call's envelope, one of these names, and arguments valid against the schema
+        (None: any JSON object). The text around calls stays free. ``special_tokens``:
+        the tokenizer's (a marker that is one is matched as the token, else as text).
+        None: the format has no such tag here (``tool_choice`` "auto" then stays
+        unconstrained, as in vLLM)."""
+        return None
 
     def plain_content(self, text: str) -> str:
         """The content of a whole output in which no call was found (default: the text

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Collection, Mapping
+
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
@@ -14,6 +17,9 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# The arguments of a tool whose schema is not enforced: any JSON object (a strict schema
+# of an object that says nothing would allow only {}).
+ANY_OBJECT = {"type": "object", "additionalProperties": True}
 
 
 @register_tool_parser("hermes")
@@ -42,6 +48,28 @@ class HermesToolParser(ToolParser):
             i = end
         joined = "".join(content).strip()
         return ExtractedToolCalls(joined or (None if final else ""), calls)
+
+    @classmethod
+    def structural_tag(
+        cls, schemas: Mapping[str, dict | None], special_tokens: Collection[str] = ()
+    ) -> dict | None:
+        """``<tool_call>`` opens a call: then ``{"name": <one of the tools>, "arguments":
+        <valid against its schema>}`` and ``</tool_call>``, as the Hermes templates write
+        them. Where ``<tool_call>`` is not a special token (SmolLM2's, Qwen2.5's) the
+        trigger is its text up to the ``>``: a trigger shaped ``<...>`` is read by the
+        grammar compiler as a special token's name."""
+        trigger = OPEN if OPEN in special_tokens else OPEN[:-1]
+        return {
+            "triggers": [trigger],
+            "structures": [
+                {
+                    "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+                    "schema": ANY_OBJECT if schema is None else schema,
+                    "end": f"}}\n{CLOSE}",
+                }
+                for name, schema in schemas.items()
+            ],
+        }
 
     @staticmethod
     def _body(body: str, final: bool) -> ParsedToolCall | None:
