@@ -173,6 +173,10 @@ def test_the_strict_level_and_the_tokenizers_special_tokens():
     # A format without a structural tag stays free, as in vLLM.
     mistral = ToolCallingConfig(True, "mistral")
     assert plan(mistral, tools=[STRICT_WEATHER]).structured_outputs is None
+    # More tools than one structural tag holds: the calls stay free, the request is served.
+    many = [{"type": "function", "function": {"name": f"t{i}", "strict": True}}
+            for i in range(65)]  # fmt: skip
+    assert plan(tools=many).structured_outputs is None
     bad = {"type": "function", "function": {"name": "f", "strict": "yes"}}
     assert "strict must be a boolean" in rejected("tools", tools=[bad])
 

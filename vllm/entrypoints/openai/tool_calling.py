@@ -36,6 +36,7 @@ from vllm.reasoning import (
     reasoning_parser_names,
 )
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output.grammar import structural_tag_spec
 
 logger = logging.getLogger(__name__)
 
@@ -361,6 +362,11 @@ def _strict_calls(
             "%s has no structural tag: strict tools are not enforced under tool_choice auto",
             type(parser).__name__,
         )
+        return None
+    try:
+        structural_tag_spec(tag)  # more tools or schema bytes than one tag may hold
+    except VLLMValidationError as e:
+        logger.warning("Tool calls under tool_choice auto are not constrained: %s", e)
         return None
     return StructuredOutputsParams(structural_tag=tag)
 
