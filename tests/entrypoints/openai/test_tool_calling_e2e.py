@@ -211,6 +211,16 @@ def test_a_strict_tools_calls_under_auto_match_its_schema(client, arguments):
     assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
 
 
+def test_parallel_tool_calls_false_makes_auto_one_call(client):
+    two = CALL + "\n" + CALL.replace("git status", "ls")
+    messages = [{"role": "user", "content": "Repeat this text exactly:\n" + two}]
+    both = create(client, messages)
+    assert [n for n, _ in calls_of(both.choices[0].message)] == ["bash", "bash"]
+    one = create(client, messages, parallel_tool_calls=False)
+    assert calls_of(one.choices[0].message) == [("bash", {"command": "git status"})]
+    assert one.choices[0].finish_reason == "tool_calls"
+
+
 def test_two_turns_with_a_tool_message(client):
     first = create(client, REPEAT, extra_body={"job_id": "job_two", "is_last_step": False})
     call = first.choices[0].message.tool_calls[0]

@@ -173,6 +173,11 @@ def test_the_strict_level_and_the_tokenizers_special_tokens():
     # A format without a structural tag stays free, as in vLLM.
     mistral = ToolCallingConfig(True, "mistral")
     assert plan(mistral, tools=[STRICT_WEATHER]).structured_outputs is None
+    # parallel_tool_calls false: the envelope is held (as vLLM, even without strict tools)
+    # and the output ends after one call.
+    single = plan(tools=[WEATHER, BASH], parallel_tool_calls=False).structured_outputs
+    assert single.grammar.splitlines()[1] == "start: tag_end | tag_0 | tag_1"
+    validate_structured_outputs(single)
     # More tools than one structural tag holds: the calls stay free, the request is served.
     many = [{"type": "function", "function": {"name": f"t{i}", "strict": True}}
             for i in range(65)]  # fmt: skip

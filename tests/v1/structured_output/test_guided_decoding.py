@@ -237,6 +237,25 @@ def test_structural_tag_leaves_text_free_and_holds_tagged_calls_to_their_schema(
     assert tokenizer.decode(tokenizer.encode(bad)[:stop]).endswith('"unit": "')
 
 
+def test_a_structural_tag_of_at_most_one_structure_ends_the_output_after_it(
+    manager, tokenizer
+):
+    from vllm.v1.structured_output.grammar import structural_tag_grammar
+
+    one = StructuredOutputsParams(
+        grammar=structural_tag_grammar(TOOL_TAG["structures"], TOOL_TAG["triggers"], True)
+    )
+    r = row(one, "tag-one")
+    call = 'Sure. <function=get_weather>{"city": "Paris", "unit": "celsius", "days": 2}</function>'
+    assert _follow(manager, tokenizer, r, call) is None
+    mask = allowed(manager, r)
+    assert mask[EOS] and mask.sum() == 1  # the call was the last thing: only the end
+    free = row(one, "tag-one-free")  # no call at all is fine too
+    assert _follow(manager, tokenizer, free, "Nothing to call.") is None
+    assert allowed(manager, free)[EOS]
+    manager.remove(["tag-one", "tag-one-free"])
+
+
 @pytest.mark.parametrize(
     "tag, message",
     [

@@ -36,7 +36,11 @@ from vllm.reasoning import (
     reasoning_parser_names,
 )
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.structured_output.grammar import structural_tag_spec
+from vllm.v1.structured_output.grammar import (
+    check_limits,
+    structural_tag_grammar,
+    structural_tag_spec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +289,8 @@ def plan_tool_calls(request: Any, config: ToolCallingConfig) -> ToolPlan:
             plan.parser = get_tool_parser(config.tool_call_parser, functions)
             plan.keep_special_tokens = plan.parser.keeps_special_tokens
             if response_format is None:  # with one, its grammar holds the whole output
-                plan.structured_outputs = _strict_calls(plan.parser, functions, config)
+                single = request.parallel_tool_calls is False
+                plan.structured_outputs = _strict_calls(plan.parser, functions, config, single)
         elif choice == "required":
             plan.parser, plan.guided = get_tool_parser("json"), True
             schema = _required_schema(functions, request.parallel_tool_calls is not False)
@@ -344,11 +349,15 @@ def _validate_tools(tools: Any) -> dict[str, dict]:
 
 
 def _strict_calls(
-    parser: ToolParser, functions: dict[str, dict], config: ToolCallingConfig
+    parser: ToolParser, functions: dict[str, dict], config: ToolCallingConfig, single: bool
 ) -> StructuredOutputsParams | None:
     """tool_choice "auto": the structural tag that holds the model's calls to their form
-    once one opens (``TOOL_STRICT_LEVELS``), or None (free, as without strict tools)."""
+    once one opens (``TOOL_STRICT_LEVELS``), or None (free, as without strict tools).
+    ``single`` (``parallel_tool_calls: false``): at most one call, the output ending with
+    it; as in vLLM, that needs the envelope, so it raises the level to ``function``."""
     level = config.tool_strict_level
+    if single and level == "auto":
+        level = "function"
     strict = {name: fn.get("strict") is True for name, fn in functions.items()}
     if level == "auto" and not any(strict.values()):
         return None
@@ -364,11 +373,17 @@ def _strict_calls(
         )
         return None
     try:
-        structural_tag_spec(tag)  # more tools or schema bytes than one tag may hold
+        structures, triggers = structural_tag_spec(tag)  # past one tag's limits: a 400
+        if not single:
+            return StructuredOutputsParams(structural_tag=tag)
+        params = StructuredOutputsParams(
+            grammar=structural_tag_grammar(structures, triggers, at_most_one=True)
+        )
+        check_limits(params)
+        return params
     except VLLMValidationError as e:
         logger.warning("Tool calls under tool_choice auto are not constrained: %s", e)
         return None
-    return StructuredOutputsParams(structural_tag=tag)
 
 
 def _named_choice(choice: Any, functions: dict[str, dict]) -> str:

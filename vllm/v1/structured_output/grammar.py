@@ -169,6 +169,46 @@ def structural_tag_spec(value: dict[str, Any] | str) -> tuple[list[dict], list[s
     return structures, triggers
 
 
+def structural_tag_grammar(
+    structures: list[dict], triggers: list[str], at_most_one: bool = False
+) -> str:
+    """The Lark text of a checked structural tag (``structural_tag_spec``): free text in
+    which a trigger opens one of its structures (the rest of ``begin``, JSON valid against
+    ``schema`` made strict, ``end``), then free text again, any number of times; with
+    ``at_most_one``, once, and the output ends after it. A trigger shaped ``<...>`` is a
+    special token's name (llguidance's reading of such a literal); any other is text,
+    matched lazily: the first time the text reaches it, the structure starts."""
+    names = [f"tag_{i}" for i in range(len(structures))]
+    alternatives = " | ".join(names)
+    lines = [
+        "%llguidance {}",
+        f"start: tag_end | {alternatives}" if at_most_one else f"start: ({alternatives})* tag_end",
+        "tag_end: TAG_TEXT",
+        "TAG_TEXT: /(.|\\n)*/",
+    ]
+    for name, structure in zip(names, structures, strict=True):
+        begin, end = structure["begin"], structure["end"]
+        trigger = next(t for t in triggers if begin.startswith(t))
+        # The schema itself, its options inside (``x-guidance``): a compiled grammar in
+        # its place would be read as a schema of unknown keywords, which any JSON meets.
+        schema = {**strict_json_schema(structure["schema"]), "x-guidance": JSON_OPTIONS}
+        body = " ".join(
+            part
+            for part in (
+                json.dumps(begin[len(trigger) :]) if len(begin) > len(trigger) else "",
+                "%json " + json.dumps(schema),
+                json.dumps(end) if end else "",
+            )
+            if part
+        )
+        if trigger.startswith("<") and trigger.endswith(">"):
+            lines.append(f"{name}: TAG_TEXT {trigger} {body}")
+        else:
+            lines.append(f"{name}_trig[lazy]: TAG_TEXT {json.dumps(trigger)}")
+            lines.append(f"{name}: {name}_trig {body}")
+    return "\n".join(lines) + "\n"
+
+
 MAX_REASONING_TAG_CHARS = 64
 """Longest ``after_reasoning`` tag (a model's end-of-reasoning tag is a few characters)."""
 
@@ -233,21 +273,8 @@ def _compile_constraint(params: StructuredOutputsParams) -> str:
     if params.regex is not None:
         return LLMatcher.grammar_from_regex(params.regex)
     if params.structural_tag is not None:
-        from llguidance import StructTag
-
         structures, triggers = structural_tag_spec(params.structural_tag)
-        # The schema itself, its options inside (``x-guidance``): a compiled grammar in
-        # its place would be read as a schema of unknown keywords, which any JSON meets.
-        tags = [
-            StructTag(
-                trigger=next(t for t in triggers if s["begin"].startswith(t)),
-                begin=s["begin"],
-                grammar={**strict_json_schema(s["schema"]), "x-guidance": JSON_OPTIONS},
-                end=s["end"],
-            )
-            for s in structures
-        ]
-        return StructTag.to_grammar(tags)
+        return LLMatcher.grammar_from_lark(structural_tag_grammar(structures, triggers))
     if params.choice is not None:
         # One terminal (one lexeme, a union of literals) rather than one rule with an
         # alternative per choice: llguidance's Earley rows hold at most 2,000 items, and
