@@ -34,7 +34,7 @@ def test_scheduler_stats_and_prometheus_report_the_tier():
     assert st.offload_stats.usage == 6 / 8
 
     def value(name):
-        return logger.registry.get_sample_value(name, {"model_name": "smol"})
+        return logger.registry.get_sample_value(name, {"model_name": "smol", "engine": "0"})
 
     assert value("vllm:external_prefix_cache_queries_total") == 43
     assert value("vllm:external_prefix_cache_hits_total") == 12

@@ -376,8 +376,11 @@ def build_app(
         vllm_config.model_config.served_names,
     )
     chat_serving = OpenAIServingChat(engine, model_name, stats, args, state, models)
+    # An engine client without a tokenizer (--skip-tokenizer-init, a test's fake) has no
+    # special tokens: the tool-call trigger is then matched as text.
+    special = special_tokens_of(getattr(engine, "tokenizer", None))
     chat_serving.tool_config = dataclasses.replace(
-        ToolCallingConfig.from_args(args), special_tokens=special_tokens_of(engine.tokenizer)
+        ToolCallingConfig.from_args(args), special_tokens=special
     )
     completion_serving = OpenAIServingCompletion(engine, model_name, stats, args, state, models)
     log_requests = not args.disable_log_requests

@@ -176,7 +176,7 @@ def test_stats_and_prometheus_report_the_checkpoints():
             logger.record(out, [])
 
     def value(name):
-        return logger.registry.get_sample_value(name, {"model_name": "m"})
+        return logger.registry.get_sample_value(name, {"model_name": "m", "engine": "0"})
 
     assert totals == {"saves": 4, "restores": 1}
     assert value("vllm:recurrent_state_checkpoint_saves_total") == 4
