@@ -167,10 +167,11 @@ def test_the_strict_level_and_the_tokenizers_special_tokens():
         _tag(plan(parameter, tools=[WEATHER]))["get_weather"] == (WEATHER["function"]["parameters"])
     )
     # A tokenizer whose <tool_call> is a special token: the trigger is the token.
-    special = ToolCallingConfig(True, "hermes", special_tokens=frozenset({"<tool_call>"}))
+    special = ToolCallingConfig(True, "hermes", special_tokens={"<tool_call>": 151657})
     tag = plan(special, tools=[STRICT_WEATHER]).structured_outputs.structural_tag
     assert tag["triggers"] == ["<tool_call>"]
-    # A format without a structural tag stays free, as in vLLM.
+    # A format without a structural tag here stays free, as in vLLM (Mistral's JSON list
+    # of the tokenizers without the [ARGS] token).
     mistral = ToolCallingConfig(True, "mistral")
     assert plan(mistral, tools=[STRICT_WEATHER]).structured_outputs is None
     # parallel_tool_calls false: the envelope is held (as vLLM, even without strict tools)

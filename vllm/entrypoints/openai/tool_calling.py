@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from vllm.entrypoints.openai.tool_parsers import (
@@ -37,6 +38,7 @@ from vllm.reasoning import (
 )
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.grammar import (
+    MAX_STRUCTURES,
     check_limits,
     structural_tag_grammar,
     structural_tag_spec,
@@ -63,9 +65,10 @@ class ToolCallingConfig:
     exclude_tools_when_tool_choice_none: bool = False  # the template gets no tools then
     response_role: str = "assistant"  # the role of the replies
     tool_strict_level: str = "auto"  # --tool-strict-level (TOOL_STRICT_LEVELS)
-    # The tokenizer's special tokens (a tool-call marker that is one is matched as the
-    # token by a structural tag): set by the server once its tokenizer is loaded.
-    special_tokens: frozenset[str] = frozenset()
+    # The tokenizer's special tokens, text -> id (a tool-call marker that is one is
+    # matched as the token by a structural tag): set by the server once its tokenizer is
+    # loaded.
+    special_tokens: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.tool_strict_level not in TOOL_STRICT_LEVELS:
@@ -365,19 +368,31 @@ def _strict_calls(
         name: fn["parameters"] if strict[name] or level == "parameter" else None
         for name, fn in functions.items()
     }
-    tag = parser.structural_tag(schemas, config.special_tokens)
-    if tag is None:
-        logger.debug(
-            "%s has no structural tag: strict tools are not enforced under tool_choice auto",
-            type(parser).__name__,
-        )
-        return None
     try:
-        structures, triggers = structural_tag_spec(tag)  # past one tag's limits: a 400
-        if not single:
-            return StructuredOutputsParams(structural_tag=tag)
+        if len(schemas) > MAX_STRUCTURES:  # one structural tag's limit, every format's
+            raise VLLMValidationError(
+                f"{len(schemas)} tools are more than a structural tag holds ({MAX_STRUCTURES})",
+                "tools",
+            )
+        tag = parser.structural_tag(schemas, config.special_tokens, single)
+        if tag is None:
+            logger.debug(
+                "%s has no structural tag: strict tools are not enforced under tool_choice auto",
+                type(parser).__name__,
+            )
+            return None
+        if "rules" in tag or any("lark" in s for s in tag["structures"]):
+            # A format whose calls are not begin + JSON + end (Qwen3-Coder's XML, special
+            # tokens inside a call): its own Lark, which only a grammar carries, bounded
+            # by the grammar's size.
+            structures, triggers, rules = tag["structures"], tag["triggers"], tag.get("rules", ())
+        else:
+            structures, triggers = structural_tag_spec(tag)  # past one tag's limits: a 400
+            if not single:
+                return StructuredOutputsParams(structural_tag=tag)
+            rules = ()
         params = StructuredOutputsParams(
-            grammar=structural_tag_grammar(structures, triggers, at_most_one=True)
+            grammar=structural_tag_grammar(structures, triggers, at_most_one=single, rules=rules)
         )
         check_limits(params)
         return params
@@ -472,11 +487,13 @@ def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:
 _warned_templates: set[int] = set()
 
 
-def special_tokens_of(tokenizer: Any) -> frozenset[str]:
+def special_tokens_of(tokenizer: Any) -> Mapping[str, int]:
     """The added tokens a tokenizer marks special (what llguidance matches as tokens, not
-    text); none without a tokenizer."""
+    text), text -> id; none without a tokenizer."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return frozenset(t.content for t in decoder.values() if getattr(t, "special", False))
+    return MappingProxyType(
+        {t.content: i for i, t in decoder.items() if getattr(t, "special", False)}
+    )
 
 
 def warn_if_template_ignores_tools(template: str | None) -> None:

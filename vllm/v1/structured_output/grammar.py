@@ -9,6 +9,7 @@ special token, a token id past the vocabulary, a ``$ref`` loop) only then.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
@@ -169,15 +170,30 @@ def structural_tag_spec(value: dict[str, Any] | str) -> tuple[list[dict], list[s
     return structures, triggers
 
 
+def json_lark(schema: dict) -> str:
+    """A Lark expression of JSON valid against ``schema`` made strict, in this engine's
+    JSON layout. The options go inside the schema (``x-guidance``): a compiled grammar in
+    its place would be read as a schema of unknown keywords, which any JSON meets."""
+    return "%json " + json.dumps({**strict_json_schema(schema), "x-guidance": JSON_OPTIONS})
+
+
 def structural_tag_grammar(
-    structures: list[dict], triggers: list[str], at_most_one: bool = False
+    structures: list[dict],
+    triggers: list[str],
+    at_most_one: bool = False,
+    rules: Sequence[str] = (),
 ) -> str:
     """The Lark text of a checked structural tag (``structural_tag_spec``): free text in
     which a trigger opens one of its structures (the rest of ``begin``, JSON valid against
     ``schema`` made strict, ``end``), then free text again, any number of times; with
     ``at_most_one``, once, and the output ends after it. A trigger shaped ``<...>`` is a
     special token's name (llguidance's reading of such a literal); any other is text,
-    matched lazily: the first time the text reaches it, the structure starts."""
+    matched lazily: the first time the text reaches it, the structure starts.
+
+    The tool parsers of formats whose arguments are not JSON (Qwen3-Coder's XML) give a
+    structure a ``lark`` expression in place of its ``schema``, and the Lark lines that
+    expression uses as ``rules`` (names of their own, not ``start``, ``tag_*`` or
+    ``TAG_*``); clients cannot (``structural_tag_spec`` refuses both)."""
     names = [f"tag_{i}" for i in range(len(structures))]
     alternatives = " | ".join(names)
     lines = [
@@ -185,18 +201,17 @@ def structural_tag_grammar(
         f"start: tag_end | {alternatives}" if at_most_one else f"start: ({alternatives})* tag_end",
         "tag_end: TAG_TEXT",
         "TAG_TEXT: /(.|\\n)*/",
+        *rules,
     ]
     for name, structure in zip(names, structures, strict=True):
         begin, end = structure["begin"], structure["end"]
         trigger = next(t for t in triggers if begin.startswith(t))
-        # The schema itself, its options inside (``x-guidance``): a compiled grammar in
-        # its place would be read as a schema of unknown keywords, which any JSON meets.
-        schema = {**strict_json_schema(structure["schema"]), "x-guidance": JSON_OPTIONS}
+        inner = structure["lark"] if "lark" in structure else json_lark(structure["schema"])
         body = " ".join(
             part
             for part in (
                 json.dumps(begin[len(trigger) :]) if len(begin) > len(trigger) else "",
-                "%json " + json.dumps(schema),
+                inner,
                 json.dumps(end) if end else "",
             )
             if part

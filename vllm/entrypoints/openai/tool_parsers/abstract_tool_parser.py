@@ -6,8 +6,9 @@ import json
 import logging
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar
 
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object
@@ -18,6 +19,44 @@ logger = logging.getLogger("vllm.entrypoints.openai.tool_parsers")
 _REGISTRY: ClassRegistry[type[ToolParser]] = ClassRegistry("tool parser", "tool_call_parser")
 # Class decorator: the parser is offered to ``--tool-call-parser`` under the given names.
 register_tool_parser = _REGISTRY.register
+
+# The arguments of a tool whose schema a structural tag does not enforce: any JSON object
+# (a strict schema of an object that says nothing would allow only {}).
+ANY_OBJECT = {"type": "object", "additionalProperties": True}
+EMPTY: Mapping[str, int] = MappingProxyType({})  # no special tokens
+
+
+def marker_token(marker: str, special_tokens: Mapping[str, int]) -> str | None:
+    """The Lark reference of ``marker`` as the tokenizer's special token (its name where
+    shaped ``<...>``, else its id: ``<[id]>``), or None when it is no special token."""
+    if marker not in special_tokens:
+        return None
+    if marker.startswith("<") and marker.endswith(">"):
+        return marker
+    return f"<[{special_tokens[marker]}]>"
+
+
+def marker_trigger(marker: str, special_tokens: Mapping[str, int]) -> str:
+    """A structural tag's trigger for a call that opens with ``marker``: the special
+    token, else its text (less a closing ``>``: a trigger shaped ``<...>`` is read as a
+    special token's name)."""
+    token = marker_token(marker, special_tokens)
+    if token is not None:
+        return token
+    return marker[:-1] if marker.startswith("<") and marker.endswith(">") else marker
+
+
+def marker_begin(marker: str, special_tokens: Mapping[str, int]) -> str:
+    """The ``begin`` of a structure that ``marker_trigger`` opens (the structure's Lark
+    follows it): the special token, else the marker's text."""
+    return marker_token(marker, special_tokens) or marker
+
+
+def marker_lark(marker: str, special_tokens: Mapping[str, int]) -> str:
+    """``marker`` as a Lark expression: the special token, else its text."""
+    return marker_token(marker, special_tokens) or json.dumps(marker)
+
+
 tool_parser_names = _REGISTRY.names
 
 
@@ -91,13 +130,20 @@ class ToolParser(ABC):
 
     @classmethod
     def structural_tag(
-        cls, schemas: Mapping[str, dict | None], special_tokens: Collection[str] = ()
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
     ) -> dict | None:
         """The structural tag (vLLM's ``{"structures", "triggers"}``) that holds this
         format's calls of the tools ``schemas`` names to their form once a call opens:
         the call's envelope, one of these names, and arguments valid against the schema
         (None: any JSON object). The text around calls stays free. ``special_tokens``:
-        the tokenizer's (a marker that is one is matched as the token, else as text).
+        the tokenizer's, text -> id (a marker that is one is matched as the token, else
+        as text: ``marker_trigger``, ``marker_lark``; free text cannot hold a special
+        token). ``single`` (``parallel_tool_calls`` false): the output ends after the
+        first structure (``structural_tag_grammar``'s ``at_most_one``), so a format whose
+        calls sit in one section holds that section to one call.
         None: the format has no such tag here (``tool_choice`` "auto" then stays
         unconstrained, as in vLLM)."""
         return None

@@ -17,8 +17,12 @@ complete, and its arguments grow as the model writes them.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedToolCall,
+    marker_lark,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
@@ -63,6 +67,13 @@ class _DeepSeekToolParser(SectionedCallParser):
 class DeepSeekV3ToolParser(_DeepSeekToolParser):
     args_close = ((FENCE_CLOSE,), (CALL_END,))
 
+    @classmethod
+    def call_lark(cls, name: str, arguments: str, special_tokens: Mapping[str, int]) -> str:
+        header = f'"function" {marker_lark(SEP, special_tokens)} ' + json.dumps(
+            f"{name}\n{FENCE_OPEN}\n"
+        )
+        return f"{header} {arguments} {json.dumps(chr(10) + FENCE_CLOSE)}"
+
     def read_header(self, text: str, pos: int, final: bool) -> tuple[str, str | None, int]:
         sep = _before(text, pos, SEP, final, one_line=True)
         start = sep + len(SEP)
@@ -79,6 +90,10 @@ class DeepSeekV3ToolParser(_DeepSeekToolParser):
 @register_tool_parser("deepseek_v31")
 class DeepSeekV31ToolParser(_DeepSeekToolParser):
     args_close = ((CALL_END,),)
+
+    @classmethod
+    def call_lark(cls, name: str, arguments: str, special_tokens: Mapping[str, int]) -> str:
+        return f"{json.dumps(name)} {marker_lark(SEP, special_tokens)} {arguments}"
 
     def read_header(self, text: str, pos: int, final: bool) -> tuple[str, str | None, int]:
         sep = _before(text, pos, SEP, final, one_line=True)

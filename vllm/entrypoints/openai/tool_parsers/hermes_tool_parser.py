@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ANY_OBJECT,
+    EMPTY,
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
     call_at,
     held_back,
     is_valid_call,
+    marker_trigger,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# The arguments of a tool whose schema is not enforced: any JSON object (a strict schema
-# of an object that says nothing would allow only {}).
-ANY_OBJECT = {"type": "object", "additionalProperties": True}
 
 
 @register_tool_parser("hermes")
@@ -51,14 +51,17 @@ class HermesToolParser(ToolParser):
 
     @classmethod
     def structural_tag(
-        cls, schemas: Mapping[str, dict | None], special_tokens: Collection[str] = ()
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
     ) -> dict | None:
         """``<tool_call>`` opens a call: then ``{"name": <one of the tools>, "arguments":
         <valid against its schema>}`` and ``</tool_call>``, as the Hermes templates write
         them. Where ``<tool_call>`` is not a special token (SmolLM2's, Qwen2.5's) the
         trigger is its text up to the ``>``: a trigger shaped ``<...>`` is read by the
         grammar compiler as a special token's name."""
-        trigger = OPEN if OPEN in special_tokens else OPEN[:-1]
+        trigger = marker_trigger(OPEN, special_tokens)
         return {
             "triggers": [trigger],
             "structures": [

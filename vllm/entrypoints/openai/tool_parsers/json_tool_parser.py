@@ -4,7 +4,12 @@ list of them (Llama 3's JSON format, and what guided decoding produces for
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ANY_OBJECT,
+    EMPTY,
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
@@ -46,6 +51,29 @@ class JsonToolParser(ToolParser):
             return ExtractedToolCalls(text.strip() or None, [])
         return ExtractedToolCalls(None, calls)
 
+    @classmethod
+    def structural_tag(
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
+    ) -> dict | None:
+        """``{"name"`` opens a call: then one of the tools and ``"parameters":`` with
+        arguments valid against its schema, as Llama 3's JSON template asks
+        (``{"name": function name, "parameters": dictionary of argument name and its
+        value}``). Several calls are joined by ``; `` in the free text between them."""
+        return {
+            "triggers": ['{"name"'],
+            "structures": [
+                {
+                    "begin": f'{{"name": {json.dumps(name)}, "parameters": ',
+                    "schema": ANY_OBJECT if schema is None else schema,
+                    "end": "}",
+                }
+                for name, schema in schemas.items()
+            ],
+        }
+
     @staticmethod
     def _calls(text: str, i: int, final: bool) -> tuple[list[ParsedToolCall], int | None]:
         """The calls from ``i`` and the end of the last one (None if the text is cut)."""
@@ -82,3 +110,12 @@ class GraniteToolParser(JsonToolParser):
     detokenizer may have dropped)."""
 
     PREFIXES = ("<|tool_call|>", "<tool_call>")
+
+    @classmethod
+    def structural_tag(
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
+    ) -> dict | None:
+        return None  # its calls are a JSON list, not Llama's one object a call

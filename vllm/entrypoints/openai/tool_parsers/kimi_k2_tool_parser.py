@@ -18,9 +18,14 @@ Streamed, a call appears once its header is complete and its arguments grow as w
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 
-from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import register_tool_parser
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    marker_lark,
+    register_tool_parser,
+)
 from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     CallOpen,
     NotACall,
@@ -38,6 +43,12 @@ class KimiK2ToolParser(SectionedCallParser):
     section_open, section_close = SECTION_BEGIN, SECTION_END
     call_open, call_close = CALL_BEGIN, CALL_END
     args_close = ((CALL_END, SECTION_END),)
+    call_rules = ("KIMI_CALL_INDEX: /[0-9]+/",)
+
+    @classmethod
+    def call_lark(cls, name: str, arguments: str, special_tokens: Mapping[str, int]) -> str:
+        header = json.dumps(f"functions.{name}:")  # then the call's index, any
+        return f"{header} KIMI_CALL_INDEX {marker_lark(ARGS_BEGIN, special_tokens)} {arguments}"
 
     def read_header(self, text: str, pos: int, final: bool) -> tuple[str, str | None, int]:
         at = text.find(ARGS_BEGIN, pos)

@@ -17,16 +17,22 @@ from __future__ import annotations
 import json
 import random
 import string
+from collections.abc import Mapping
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ANY_OBJECT,
+    EMPTY,
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
     held_back,
+    marker_lark,
+    marker_trigger,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object, skip_ws
 from vllm.entrypoints.openai.tool_parsers.json_tool_parser import JsonToolParser
+from vllm.v1.structured_output.grammar import json_lark
 
 BOT, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARS = string.ascii_letters + string.digits
@@ -40,6 +46,33 @@ class MistralToolParser(ToolParser):
     @staticmethod
     def new_call_id() -> str:
         return "".join(_rng.choice(_ID_CHARS) for _ in range(9))
+
+    @classmethod
+    def structural_tag(
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
+    ) -> dict | None:
+        """The v11 form (a tokenizer with the ``[ARGS]`` token): ``[TOOL_CALLS]`` opens a
+        call, then one of the tools' names, ``[ARGS]`` and arguments valid against its
+        schema; the markers are matched as the tokens they are. Older tokenizers' JSON
+        list has no tag here (``tool_choice`` "auto" stays unconstrained with them)."""
+        if ARGS not in special_tokens:
+            return None
+        trigger = marker_trigger(BOT, special_tokens)
+        args = marker_lark(ARGS, special_tokens)
+        return {
+            "triggers": [trigger],
+            "structures": [
+                {
+                    "begin": trigger,
+                    "lark": f"{json.dumps(name)} {args} {json_lark(schema or ANY_OBJECT)}",
+                    "end": "",
+                }
+                for name, schema in schemas.items()
+            ],
+        }
 
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         start = text.find(BOT)

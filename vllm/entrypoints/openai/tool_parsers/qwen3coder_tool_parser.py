@@ -31,12 +31,16 @@ from __future__ import annotations
 import ast
 import json
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    EMPTY,
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
+    marker_lark,
+    marker_trigger,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
@@ -48,6 +52,7 @@ from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     schema_properties,
     typed_arguments,
 )
+from vllm.v1.structured_output.grammar import json_lark
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FN_OPEN, FN_CLOSE = "<function=", "</function>"
@@ -63,6 +68,43 @@ class Qwen3CoderToolParser(ToolParser):
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         starts = (self.tool_open, FN_OPEN)
         return scan_tagged_calls(text, final, starts, self.tool_close, self._call)
+
+    @classmethod
+    def structural_tag(
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
+    ) -> dict | None:
+        """The wrapper opens a call: then ``<function=`` one of the tools ``>``, its
+        parameters, ``</function>`` and the wrapper's close, laid out as the Qwen3-Coder
+        template writes them (a newline after each tag). A tool without a schema takes
+        any parameters. A schema held takes its properties in the schema's order, each
+        required one once and each other one at most once, and no other name (unless
+        ``additionalProperties`` allows them, after the named ones); a value the parser
+        reads as text (a string, or a type that includes string, or none) is any text up
+        to ``</parameter>`` (one of its literals for an enum of strings), any other JSON
+        valid against the property's schema. A marker that is a special token of the
+        tokenizer is matched as the token, else as text; the arguments are not JSON, so
+        the tag carries its own Lark (``structural_tag_grammar``'s ``lark``/``rules``)."""
+        trigger = marker_trigger(cls.tool_open, special_tokens)
+        close = marker_lark(cls.tool_close, special_tokens)
+        return {
+            "triggers": [trigger],
+            "rules": [
+                f"XML_VALUE: /(.|\\n)*{_CLOSE_RE}/ & ~/(.|\\n)*{_CLOSE_RE}(.|\\n)+/",
+                "XML_KEY: /[^<>\\n]+/",
+                f'xml_any: "{PARAM_OPEN}" XML_KEY ">\\n" XML_VALUE "\\n"',
+            ],
+            "structures": [
+                {
+                    "begin": f"{cls.tool_open}\n{FN_OPEN}{name}>\n",
+                    "lark": f'{_parameters_lark(schema)} "{FN_CLOSE}\\n" {close}'.lstrip(),
+                    "end": "",
+                }
+                for name, schema in schemas.items()
+            ],
+        }
 
     def _call(self, text: str, start: int, final: bool) -> tuple[ParsedToolCall, int]:
         """The call starting at ``start`` and where it ends. Raises ``CallOpen`` (with the
@@ -145,6 +187,40 @@ class Qwen3CoderToolParser(ToolParser):
         schema, the first of a repeated name kept."""
         props = schema_properties(self.functions, name)
         return ParsedToolCall(name, typed_arguments(params, props, typed_value, closed), closed)
+
+
+_CLOSE_RE = PARAM_CLOSE.replace("/", "\\/")  # as a Lark regex
+
+
+def _parameters_lark(schema: dict | None) -> str:
+    """The Lark expression of a call's parameters (``structural_tag``): any, for no
+    schema or one that is not of an object; else the schema's properties in order."""
+    props = schema.get("properties", {}) if isinstance(schema, dict) else None
+    if not isinstance(props, dict) or schema.get("type", "object") != "object":
+        return "xml_any*"
+    required = set(schema.get("required") or ())
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    items = []
+    for key, prop in props.items():
+        opening = json.dumps(f"{PARAM_OPEN}{key}>\n")
+        item = f"{opening} {_value_lark(prop, defs)}"
+        items.append(f"({item})" if key in required else f"({item})?")
+    if schema.get("additionalProperties") not in (None, False):
+        items.append("xml_any*")
+    return " ".join(items)
+
+
+def _value_lark(prop: Any, defs: dict) -> str:
+    """A parameter's value and its close: text where the parser keeps text, else JSON
+    (``typed_value`` reads both back)."""
+    types = _types(prop)
+    enum = prop.get("enum") if isinstance(prop, dict) else None
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        literals = " | ".join(json.dumps(v) for v in enum)
+        return f'({literals}) "\\n{PARAM_CLOSE}\\n"'
+    if not types or "string" in types or not isinstance(prop, dict):
+        return 'XML_VALUE "\\n"'
+    return f'{json_lark({**prop, **defs})} "\\n{PARAM_CLOSE}\\n"'
 
 
 def _types(schema: Any) -> set[str]:

@@ -13,12 +13,18 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ANY_OBJECT,
+    EMPTY,
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
     held_back,
+    marker_begin,
+    marker_lark,
+    marker_trigger,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object, skip_ws
+from vllm.v1.structured_output.grammar import json_lark
 
 
 class CallOpen(Exception):
@@ -136,6 +142,48 @@ class SectionedCallParser(ToolParser):
     # What follows the arguments object, in order: each step one of its tags
     # (whitespace allowed before each).
     args_close: ClassVar[tuple[tuple[str, ...], ...]]
+    # Lark lines the calls' expressions (``call_lark``) use.
+    call_rules: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def structural_tag(
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
+    ) -> dict | None:
+        """The section's open marker opens the calls: then one call (``single``) or more,
+        each naming one of the tools (its header: ``call_lark``) with arguments valid
+        against its schema and the call's close, whitespace between them, and the
+        section's close. The markers are matched as tokens where the tokenizer has them
+        as special ones (so the section is the structure: free text cannot hold them)."""
+        call_open = marker_lark(cls.call_open, special_tokens)
+        call_close = marker_lark(cls.call_close, special_tokens)
+        calls = " | ".join(
+            f"({call_open} {cls.call_lark(name, json_lark(schema or ANY_OBJECT), special_tokens)}"
+            f" {call_close})"
+            for name, schema in schemas.items()
+        )
+        more = "" if single else " (SECTION_WS? section_call)*"
+        close = marker_lark(cls.section_close, special_tokens)
+        return {
+            "triggers": [marker_trigger(cls.section_open, special_tokens)],
+            "rules": [*cls.call_rules, "SECTION_WS: /[ \\t\\n]+/", f"section_call: {calls}"],
+            "structures": [
+                {
+                    "begin": marker_begin(cls.section_open, special_tokens),
+                    "lark": f"SECTION_WS? section_call{more} SECTION_WS? {close}",
+                    "end": "",
+                }
+            ],
+        }
+
+    @classmethod
+    def call_lark(cls, name: str, arguments: str, special_tokens: Mapping[str, int]) -> str:
+        """The Lark of a call between its open and close markers: the header naming
+        ``name``, then ``arguments`` (a Lark expression) and what closes them before the
+        call's close marker (DeepSeek-V3's fence)."""
+        raise NotImplementedError(f"{cls.__name__} has no structural tag")
 
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         starts = (self.section_open, self.call_open)
