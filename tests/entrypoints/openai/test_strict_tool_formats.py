@@ -196,3 +196,70 @@ def test_sectioned_calls(formats, parser, markers, call, special):
     one = formats(parser, special=markers if special else None, parallel_tool_calls=False)
     assert one.stop(section(("bash", '{"command": "ls"}'))) is None
     assert one.stops_in(two, "\n" + call.split("{")[0])  # a second call in the section
+
+
+GLM = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
+
+
+def _glm_call(name: str, params: list[tuple[str, str]], nl: str) -> str:
+    body = "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>{v}</arg_value>{nl}" for k, v in params)
+    return f"<tool_call>{name}{nl}{body}</tool_call>"
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["tokens", "text"])
+@pytest.mark.parametrize("nl", ["\n", ""], ids=["glm45", "glm47"])
+def test_glm_key_value_calls(formats, special, nl):
+    f = formats("glm47", special=GLM if special else None)
+    good = _glm_call("bash", [("command", "ls -la"), ("timeout", "30"), ("mode", "slow")], nl)
+    text = f"Sure.{good}{_glm_call('note', [('anything', '{x}')], nl)}"
+    assert f.stop(text) is None
+    assert f.calls(text) == [
+        ("bash", {"command": "ls -la", "timeout": 30, "mode": "slow"}),
+        ("note", {"anything": "{x}"}),
+    ]
+    assert f.stops_in(_glm_call("bash", [("command", "ls"), ("timeout", "soon")], nl), "soon")
+    assert f.stops_in(_glm_call("bash", [("cmd", "ls")], nl), "cmd")
+    assert f.stops_in(_glm_call("rm", [], nl), "rm")
+    one = formats("glm47", special=GLM if special else None, parallel_tool_calls=False)
+    call = _glm_call("bash", [("command", "ls")], nl)
+    assert one.stop(call) is None and one.stops_in(call + call, "<tool_call>")
+
+
+MINIMAX = ["<minimax:tool_call>", "</minimax:tool_call>"]
+
+
+def _invokes(*calls, dsml: bool = False) -> str:
+    p = "｜DSML｜" if dsml else ""
+    out = []
+    for name, params in calls:
+        body = "".join(
+            f'<{p}parameter name="{k}"'
+            + (f' string="{"true" if isinstance(v, str) else "false"}"' if dsml else "")
+            + f">{v}</{p}parameter>\n"
+            for k, v in params
+        )
+        out.append(f'<{p}invoke name="{name}">\n{body}</{p}invoke>')
+    block = "function_calls" if dsml else "minimax:tool_call"
+    return f"<{p}{block}>\n" + "\n".join(out) + f"\n</{p}{block}>"
+
+
+@pytest.mark.parametrize(
+    "parser, special, dsml",
+    [("minimax_m2", MINIMAX, False), ("minimax_m2", None, False), ("deepseek_v32", None, True)],
+    ids=["minimax-tokens", "minimax-text", "deepseek_v32"],
+)
+def test_invoke_blocks(formats, parser, special, dsml):
+    f = formats(parser, special=special)
+    two = "Let me check. " + _invokes(
+        ("bash", [("command", "ls -la"), ("timeout", 30)]), ("note", [("x", "y")]), dsml=dsml
+    )
+    assert f.stop(two) is None
+    assert f.calls(two) == [("bash", {"command": "ls -la", "timeout": 30}), ("note", {"x": "y"})]
+    bad = _invokes(("bash", [("command", "ls"), ("timeout", "later")]), dsml=dsml)
+    # (DeepSeek-V3.2 says a value is a string before it: an integer's says false)
+    assert f.stops_in(bad, 'string="true"' if dsml else "later")
+    assert f.stops_in(_invokes(("bash", [("cmd", "ls")]), dsml=dsml), "cmd")
+    assert f.stops_in(_invokes(("rm", []), dsml=dsml), "rm")
+    one = formats(parser, special=special, parallel_tool_calls=False)
+    assert one.stop(_invokes(("bash", [("command", "ls")]), dsml=dsml)) is None
+    assert one.stop(two) is not None  # a second invoke in the block

@@ -230,9 +230,16 @@ MAX_REASONING_TAG_CHARS = 64
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 
-def _regex_literal(text: str) -> str:
+def regex_literal(text: str) -> str:
     """``text`` as a regex matching itself inside a Lark ``/.../`` terminal."""
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def text_ending_with(name: str, tag: str) -> str:
+    """The Lark line of terminal ``name``: any text ending with ``tag``, with no ``tag``
+    before. One lexeme, so a greedy lexer cannot split it wrongly."""
+    end = regex_literal(tag)
+    return f"{name}: /(.|\\n)*{end}/ & ~/(.|\\n)*{end}(.|\\n)+/"
 
 
 def gate_after_reasoning(grammar: str, tag: str) -> str:
@@ -248,10 +255,9 @@ def gate_after_reasoning(grammar: str, tag: str) -> str:
         inner = [{"lark_grammar": grammar}]
     if len(inner) != 1:
         raise ValueError("a constraint of several grammars cannot follow reasoning")
-    end = _regex_literal(tag)
     lark = (
         "start: REASONING WS? answer\n"
-        f"REASONING: /(.|\\n)*{end}/ & ~/(.|\\n)*{end}(.|\\n)+/\n"
+        f"{text_ending_with('REASONING', tag)}\n"
         "WS: /[ \\t\\r\\n]{1,8}/\n"
         "answer: @answer\n"
     )

@@ -57,6 +57,19 @@ def marker_lark(marker: str, special_tokens: Mapping[str, int]) -> str:
     return marker_token(marker, special_tokens) or json.dumps(marker)
 
 
+def text_until(name: str, marker: str, special_tokens: Mapping[str, int]) -> tuple[str, str]:
+    """Free text ended by ``marker`` (a value in a tagged format): the Lark line of the
+    terminal ``name`` and the expression of the text with its marker. Text cannot hold a
+    special token, so there the marker simply follows; a marker of text ends one lexeme
+    of "anything ending with the marker, with none before" (``text_ending_with``)."""
+    from vllm.v1.structured_output.grammar import text_ending_with
+
+    token = marker_token(marker, special_tokens)
+    if token is not None:
+        return f"{name}: /(.|\\n)*/", f"{name} {token}"
+    return text_ending_with(name, marker), name
+
+
 tool_parser_names = _REGISTRY.names
 
 

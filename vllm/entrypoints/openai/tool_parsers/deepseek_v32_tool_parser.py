@@ -48,6 +48,11 @@ class DeepSeekV32ToolParser(MinimaxM2ToolParser):
     invoke_open, invoke_close = f"<{DSML}invoke name=", f"</{DSML}invoke>"
     param_open, param_close = f"<{DSML}parameter name=", f"</{DSML}parameter>"
 
+    @staticmethod
+    def param_header(key: str, text: bool) -> str:
+        # V3.2 says whether the value is a string: text values are, JSON ones are not.
+        return f'"{key}" string="{"true" if text else "false"}">'
+
     def _param(self, text: str, pos: int, final: bool) -> tuple[tuple[str, Any] | None, int]:
         """The parameter opening at ``pos`` as ``(name, (value, is_string))`` and the
         position after it; None while its value is not complete."""

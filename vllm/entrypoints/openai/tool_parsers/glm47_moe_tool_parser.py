@@ -30,14 +30,25 @@ call closes; each is a prefix of the final text.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    EMPTY,
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
+    marker_begin,
+    marker_lark,
+    marker_trigger,
     register_tool_parser,
+    text_until,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
-from vllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import typed_value
+from vllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import (
+    keyed_parameters_lark,
+    typed_value,
+)
 from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     CallOpen,
     NotACall,
@@ -58,6 +69,52 @@ class Glm47MoeToolParser(ToolParser):
 
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         return scan_tagged_calls(text, final, (TOOL_OPEN,), TOOL_CLOSE, self._call)
+
+    @classmethod
+    def structural_tag(
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
+    ) -> dict | None:
+        """``<tool_call>`` opens a call: then one of the tools' names, its
+        ``<arg_key>``/``<arg_value>`` pairs (``keyed_parameters_lark``: a held schema's
+        properties in order, typed values as JSON) and ``</tool_call>``; a newline is
+        allowed after the name, a key and a value (GLM-4.5 writes them, 4.7 does not).
+        The markers are matched as tokens where the tokenizer has them as special ones
+        (GLM's does)."""
+        key_open, key_close = (marker_lark(m, special_tokens) for m in (KEY_OPEN, KEY_CLOSE))
+        value_open = marker_lark(VALUE_OPEN, special_tokens)
+        value_close = marker_lark(VALUE_CLOSE, special_tokens)
+        value_rule, value = text_until("GLM_VALUE", VALUE_CLOSE, special_tokens)
+        value = f'{value} "\\n"?'
+        close = marker_lark(TOOL_CLOSE, special_tokens)
+
+        def params(schema: dict | None) -> str:
+            return keyed_parameters_lark(
+                schema,
+                lambda key, text: f'{key_open} {json.dumps(key)} {key_close} "\\n"? {value_open}',
+                value,
+                lambda expr: f'{expr} {value_close} "\\n"?',
+                "glm_any*",
+            )
+
+        return {
+            "triggers": [marker_trigger(TOOL_OPEN, special_tokens)],
+            "rules": [
+                value_rule,
+                "GLM_KEY: /[^<>\\n]+/",
+                f'glm_any: {key_open} GLM_KEY {key_close} "\\n"? {value_open} {value}',
+            ],
+            "structures": [
+                {
+                    "begin": marker_begin(TOOL_OPEN, special_tokens),
+                    "lark": f'{json.dumps(name)} "\\n"? {params(schema)} {close}',
+                    "end": "",
+                }
+                for name, schema in schemas.items()
+            ],
+        }
 
     def _call(self, text: str, start: int, final: bool) -> tuple[ParsedToolCall, int]:
         """The call whose ``<tool_call>`` is at ``start`` and where it ends (after its

@@ -46,15 +46,24 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    EMPTY,
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
+    marker_begin,
+    marker_lark,
+    marker_trigger,
     register_tool_parser,
+    text_until,
 )
-from vllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import _types
+from vllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import (
+    _types,
+    keyed_parameters_lark,
+)
 from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     CallOpen,
     NotACall,
@@ -81,6 +90,64 @@ class MinimaxM2ToolParser(ToolParser):
 
     def extract_tool_calls(self, text: str, final: bool) -> ExtractedToolCalls:
         return scan_tagged_calls(text, final, (self.tool_open,), self.tool_close, self._block)
+
+    @classmethod
+    def structural_tag(
+        cls,
+        schemas: Mapping[str, dict | None],
+        special_tokens: Mapping[str, int] = EMPTY,
+        single: bool = False,
+    ) -> dict | None:
+        """The block's open marker opens the calls: then one ``<invoke name="...">`` of
+        one of the tools (``single``) or more, each with its parameters
+        (``keyed_parameters_lark``: a held schema's properties in order, typed values as
+        JSON) and ``</invoke>``, whitespace between them, and the block's close. The
+        names are written quoted; a newline is allowed after each tag. Markers that are
+        special tokens of the tokenizer are matched as the tokens."""
+        param_open = marker_lark(cls.param_open, special_tokens)
+        param_close = marker_lark(cls.param_close, special_tokens)
+        value_rule, value = text_until("MM_VALUE", cls.param_close, special_tokens)
+        value = f'{value} "\\n"?'
+        invoke_open = marker_lark(cls.invoke_open, special_tokens)
+        invoke_close = marker_lark(cls.invoke_close, special_tokens)
+
+        def call(name: str, schema: dict | None) -> str:
+            params = keyed_parameters_lark(
+                schema,
+                lambda key, text: f"{param_open} {json.dumps(cls.param_header(key, text))}",
+                value,
+                lambda expr: f'{expr} {param_close} "\\n"?',
+                "mm_any*",
+            )
+            name_lark = json.dumps(f'"{name}">')
+            return f'({invoke_open} {name_lark} "\\n"? {params} {invoke_close})'
+
+        calls = " | ".join(call(name, schema) for name, schema in schemas.items())
+        more = "" if single else " (MM_WS? mm_call)*"
+        return {
+            "triggers": [marker_trigger(cls.tool_open, special_tokens)],
+            "rules": [
+                value_rule,
+                "MM_WS: /[ \\t\\n]+/",
+                "MM_HEADER: /[^<>\\n]+/",
+                f'mm_any: {param_open} MM_HEADER ">" {value}',
+                f"mm_call: {calls}",
+            ],
+            "structures": [
+                {
+                    "begin": marker_begin(cls.tool_open, special_tokens),
+                    "lark": f"MM_WS? mm_call{more} MM_WS? "
+                    + marker_lark(cls.tool_close, special_tokens),
+                    "end": "",
+                }
+            ],
+        }
+
+    @staticmethod
+    def param_header(key: str, text: bool) -> str:
+        """A parameter's header after ``param_open``, up to its value (``text``: the
+        value is text, not JSON)."""
+        return f'"{key}">'
 
     def _block(self, text: str, start: int, final: bool) -> tuple[list[ParsedToolCall], int]:
         """The calls of the block opening at ``start`` and where it ends. Raises

@@ -31,7 +31,7 @@ from __future__ import annotations
 import ast
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
@@ -39,9 +39,11 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
+    marker_begin,
     marker_lark,
     marker_trigger,
     register_tool_parser,
+    text_until,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import skip_ws
 from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
@@ -87,19 +89,30 @@ class Qwen3CoderToolParser(ToolParser):
         valid against the property's schema. A marker that is a special token of the
         tokenizer is matched as the token, else as text; the arguments are not JSON, so
         the tag carries its own Lark (``structural_tag_grammar``'s ``lark``/``rules``)."""
-        trigger = marker_trigger(cls.tool_open, special_tokens)
+        value_rule, value = text_until("XML_VALUE", PARAM_CLOSE, special_tokens)
+        value = f'{value} "\\n"'
         close = marker_lark(cls.tool_close, special_tokens)
+
+        def params(schema: dict | None) -> str:
+            return keyed_parameters_lark(
+                schema,
+                lambda key, text: json.dumps(f"{PARAM_OPEN}{key}>\n"),
+                value,
+                lambda expr: f'{expr} "\\n{PARAM_CLOSE}\\n"',
+                "xml_any*",
+            )
+
         return {
-            "triggers": [trigger],
+            "triggers": [marker_trigger(cls.tool_open, special_tokens)],
             "rules": [
-                f"XML_VALUE: /(.|\\n)*{_CLOSE_RE}/ & ~/(.|\\n)*{_CLOSE_RE}(.|\\n)+/",
+                value_rule,
                 "XML_KEY: /[^<>\\n]+/",
-                f'xml_any: "{PARAM_OPEN}" XML_KEY ">\\n" XML_VALUE "\\n"',
+                f'xml_any: "{PARAM_OPEN}" XML_KEY ">\\n" {value}',
             ],
             "structures": [
                 {
-                    "begin": f"{cls.tool_open}\n{FN_OPEN}{name}>\n",
-                    "lark": f'{_parameters_lark(schema)} "{FN_CLOSE}\\n" {close}'.lstrip(),
+                    "begin": marker_begin(cls.tool_open, special_tokens),
+                    "lark": f'{_function(name)} {params(schema)} "{FN_CLOSE}\\n" {close}',
                     "end": "",
                 }
                 for name, schema in schemas.items()
@@ -189,38 +202,48 @@ class Qwen3CoderToolParser(ToolParser):
         return ParsedToolCall(name, typed_arguments(params, props, typed_value, closed), closed)
 
 
-_CLOSE_RE = PARAM_CLOSE.replace("/", "\\/")  # as a Lark regex
+def _function(name: str) -> str:
+    """The Lark of a call's function line, after its wrapper's open."""
+    return json.dumps(f"\n{FN_OPEN}{name}>\n")
 
 
-def _parameters_lark(schema: dict | None) -> str:
-    """The Lark expression of a call's parameters (``structural_tag``): any, for no
-    schema or one that is not of an object; else the schema's properties in order."""
+def keyed_parameters_lark(
+    schema: dict | None,
+    opening: Callable[[str, bool], str],
+    text_value: str,
+    closed: Callable[[str], str],
+    any_params: str,
+) -> str:
+    """The Lark expression of a call's parameters written as tagged key/value pairs
+    (Qwen3-Coder's, GLM's, MiniMax-M2's, DeepSeek-V3.2's): ``any_params`` for no schema
+    or one not of an object; else the schema's properties in its order, each required one
+    once and each other one at most once, no other name (``any_params`` after them where
+    ``additionalProperties`` allows more). ``opening(key, text)``: a parameter's tags
+    before its value (``text``: the value is text). A value the parsers keep as text (a
+    string, a type list with string, no type) is ``text_value``, which closes it; one of
+    an enum of strings, one of its literals; any other, JSON valid against its schema,
+    which the parsers type back (``typed_value``). ``closed(expr)``: ``expr`` and the
+    parameter's close."""
     props = schema.get("properties", {}) if isinstance(schema, dict) else None
     if not isinstance(props, dict) or schema.get("type", "object") != "object":
-        return "xml_any*"
+        return any_params
     required = set(schema.get("required") or ())
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     items = []
     for key, prop in props.items():
-        opening = json.dumps(f"{PARAM_OPEN}{key}>\n")
-        item = f"{opening} {_value_lark(prop, defs)}"
+        types = _types(prop)
+        enum = prop.get("enum") if isinstance(prop, dict) else None
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            value = closed("(" + " | ".join(json.dumps(v) for v in enum) + ")")
+            item = f"{opening(key, True)} {value}"
+        elif not types or "string" in types or not isinstance(prop, dict):
+            item = f"{opening(key, True)} {text_value}"
+        else:
+            item = f"{opening(key, False)} {closed(json_lark({**prop, **defs}))}"
         items.append(f"({item})" if key in required else f"({item})?")
     if schema.get("additionalProperties") not in (None, False):
-        items.append("xml_any*")
+        items.append(any_params)
     return " ".join(items)
-
-
-def _value_lark(prop: Any, defs: dict) -> str:
-    """A parameter's value and its close: text where the parser keeps text, else JSON
-    (``typed_value`` reads both back)."""
-    types = _types(prop)
-    enum = prop.get("enum") if isinstance(prop, dict) else None
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        literals = " | ".join(json.dumps(v) for v in enum)
-        return f'({literals}) "\\n{PARAM_CLOSE}\\n"'
-    if not types or "string" in types or not isinstance(prop, dict):
-        return 'XML_VALUE "\\n"'
-    return f'{json_lark({**prop, **defs})} "\\n{PARAM_CLOSE}\\n"'
 
 
 def _types(schema: Any) -> set[str]:
