@@ -117,6 +117,15 @@ def test_config_checks_the_flags():
         ToolCallingConfig(tool_call_parser="nope")
     with pytest.raises(ValueError, match="tool_strict_level"):
         ToolCallingConfig(tool_strict_level="always")
+    # A level above "auto" with a format that has no structural tag here cannot be kept:
+    # refused at start, naming the flag (Mistral's tag depends on the tokenizer: taken).
+    with pytest.raises(ValueError, match="--tool-strict-level function .*'pythonic' has none"):
+        ToolCallingConfig(True, "pythonic", tool_strict_level="function")
+    with pytest.raises(ValueError, match="'granite' has none"):
+        ToolCallingConfig(True, "granite", tool_strict_level="parameter")
+    for parser in ("hermes", "mistral", "qwen3_coder", "kimi_k2", "deepseek_v32"):
+        ToolCallingConfig(True, parser, tool_strict_level="parameter")
+    ToolCallingConfig(True, "pythonic")  # the default level asks nothing of the format
 
 
 STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}

@@ -83,6 +83,16 @@ class ToolCallingConfig:
                 f"tool_call_parser must be one of {tool_parser_names()}, "
                 f"got {self.tool_call_parser!r}"
             )
+        if (
+            self.tool_strict_level != "auto"
+            and self.tool_call_parser is not None
+            and not tool_parser_class(self.tool_call_parser).has_structural_tag()
+        ):
+            raise ValueError(
+                f"--tool-strict-level {self.tool_strict_level} needs a tool call parser whose "
+                f"calls have a structural tag; {self.tool_call_parser!r} has none (see "
+                "docs/tool_calling.md)"
+            )
         if self.reasoning_parser is not None and (
             self.reasoning_parser not in reasoning_parser_names()
         ):
@@ -376,9 +386,9 @@ def _strict_calls(
             )
         tag = parser.structural_tag(schemas, config.special_tokens, single)
         if tag is None:
-            logger.debug(
-                "%s has no structural tag: strict tools are not enforced under tool_choice auto",
-                type(parser).__name__,
+            _warn_once(
+                f"{type(parser).__name__} has no structural tag with this tokenizer: strict "
+                "tools and parallel_tool_calls false are not enforced under tool_choice auto"
             )
             return None
         if "rules" in tag or any("lark" in s for s in tag["structures"]):
@@ -399,6 +409,15 @@ def _strict_calls(
     except VLLMValidationError as e:
         logger.warning("Tool calls under tool_choice auto are not constrained: %s", e)
         return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def _named_choice(choice: Any, functions: dict[str, dict]) -> str:

@@ -161,6 +161,12 @@ class ToolParser(ABC):
         unconstrained, as in vLLM)."""
         return None
 
+    @classmethod
+    def has_structural_tag(cls) -> bool:
+        """Whether the format has a structural tag here at all (Mistral's then still
+        depends on the tokenizer: v11's ``[ARGS]`` token)."""
+        return cls.structural_tag.__func__ is not ToolParser.structural_tag.__func__
+
     def plain_content(self, text: str) -> str:
         """The content of a whole output in which no call was found (default: the text
         as the model wrote it; a format whose markers frame every answer drops them)."""

@@ -111,11 +111,5 @@ class GraniteToolParser(JsonToolParser):
 
     PREFIXES = ("<|tool_call|>", "<tool_call>")
 
-    @classmethod
-    def structural_tag(
-        cls,
-        schemas: Mapping[str, dict | None],
-        special_tokens: Mapping[str, int] = EMPTY,
-        single: bool = False,
-    ) -> dict | None:
-        return None  # its calls are a JSON list, not Llama's one object a call
+    # None: its calls are a JSON list, not Llama's one object a call.
+    structural_tag = ToolParser.__dict__["structural_tag"]
