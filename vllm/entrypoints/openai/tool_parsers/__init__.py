@@ -15,6 +15,7 @@ from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
     hermes_tool_parser,
     json_tool_parser,
     kimi_k2_tool_parser,
+    llama4_pythonic_tool_parser,
     minimax_m2_tool_parser,
     mistral_tool_parser,
     olmo3_tool_parser,
@@ -23,6 +24,7 @@ from vllm.entrypoints.openai.tool_parsers import (  # noqa: F401
     pythonic_tool_parser,
     qwen3coder_tool_parser,
     seed_oss_tool_parser,
+    xlam_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,

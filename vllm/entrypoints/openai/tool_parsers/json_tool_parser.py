@@ -22,7 +22,7 @@ from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, skip_ws
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open its calls with it
 
 
-@register_tool_parser("json", "llama3_json")
+@register_tool_parser("json", "llama3_json", "llama4_json")
 class JsonToolParser(ToolParser):
     """Output that does not start with ``{`` or ``[`` is content; output that does but is
     not a valid list of calls is content too (returned whole at the end). ``PREFIXES``:
