@@ -110,3 +110,37 @@ def test_llama4_json_reads_as_llama3_json():
     text = '{"name": "bash", "parameters": {"command": "ls"}}'
     assert extract("llama4_json", text) == extract("llama3_json", text) == (
         None, [("bash", {"command": "ls"})])  # fmt: skip
+
+
+CALL = '{"name": "bash", "arguments": {"command": "ls"}}'
+
+
+def test_longcat_reads_hermes_calls_in_its_tags():
+    text = f"Checking.\n<longcat_tool_call>\n{CALL}\n</longcat_tool_call>"
+    assert extract("longcat", text) == ("Checking.", [("bash", {"command": "ls"})])
+    # Hermes' own tags are text to it.
+    hermes = f"<tool_call>{CALL}</tool_call>"
+    assert extract("longcat", hermes) == (hermes, [])
+    assert assert_stream_assembles(text, ToolPlan(parser=get_tool_parser("longcat")))
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("<response>\nParis is sunny.\n</response>", ("Paris is sunny.", [])),
+        (f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n",
+         ("Let me check.", [("bash", {"command": "ls"})])),
+    ],
+)  # fmt: skip
+def test_ernie45_drops_its_response_markers(text, want):
+    assert extract("ernie45", text) == want
+    assert_stream_assembles(text, ToolPlan(parser=get_tool_parser("ernie45")))
+
+
+def test_the_hermes_variants_hold_strict_calls_in_their_tags():
+    from vllm.entrypoints.openai.tool_parsers import tool_parser_class
+
+    tag = tool_parser_class("longcat").structural_tag({"bash": None})
+    assert tag["triggers"] == ["<longcat_tool_call"]
+    assert tag["structures"][0]["end"] == "}\n</longcat_tool_call>"
+    assert tool_parser_class("ernie45").structural_tag({"bash": None})["triggers"] == ["<tool_call"]
