@@ -263,7 +263,8 @@ def test_a_structural_tag_of_at_most_one_structure_ends_the_output_after_it(
         ({"triggers": ["<tool>"], "structures": TOOL_TAG["structures"]}, "none of the triggers"),
         ({"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": 3, "end": ""}]},
          "schema must be a JSON schema object"),
-        ({"format": {"type": "triggered_tags"}}, "not supported yet"),
+        ({"format": {"type": "triggered_tags"}}, "format.triggers must be a list"),
+        ({"format": {"type": "grammar", "grammar": "root ::= x"}}, "EBNF dialect is xgrammar"),
         ("{not json", "is not JSON"),
     ],
 )  # fmt: skip

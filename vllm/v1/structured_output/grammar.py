@@ -88,7 +88,7 @@ def check_limits(params: StructuredOutputsParams) -> None:
         if size > MAX_CHOICE_BYTES:
             raise _too_big("choice", size, MAX_CHOICE_BYTES, "bytes")
     elif params.structural_tag is not None:
-        structural_tag_spec(params.structural_tag)  # its shape and sizes
+        structural_tag_lark(params.structural_tag)  # its shape and sizes
     elif params.json is not None:
         if not isinstance(params.json, dict | str):
             raise VLLMValidationError(
@@ -126,6 +126,39 @@ MAX_STRUCTURES = 64
 """Most structures one structural tag may hold (a tool per structure, typically)."""
 
 
+def _tag_value(value: dict[str, Any] | str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise VLLMValidationError(
+                f"structural_tag is not JSON: {e}", "structured_outputs"
+            ) from None
+    if not isinstance(value, dict):
+        raise VLLMValidationError(
+            'structural_tag must be an object: {"structures", "triggers"} or {"format"}',
+            "structured_outputs",
+        )
+    return value
+
+
+def structural_tag_lark(value: dict[str, Any] | str) -> str:
+    """The Lark text of a client's structural tag, in either of vLLM's forms: its own
+    ``{"structures", "triggers"}`` (``structural_tag_spec``) or xgrammar's ``{"type":
+    "structural_tag", "format": {...}}`` (``structural_tag_format``); within the grammar
+    size limit. ``VLLMValidationError`` naming ``structured_outputs``."""
+    value = _tag_value(value)
+    if "format" in value:
+        from vllm.v1.structured_output.structural_tag_format import format_grammar
+
+        lark = format_grammar(value)
+    else:
+        lark = structural_tag_grammar(*structural_tag_spec(value))
+    if len(lark) > MAX_GRAMMAR_CHARS:
+        raise _too_big("structural_tag", len(lark), MAX_GRAMMAR_CHARS, "characters of grammar")
+    return lark
+
+
 def structural_tag_spec(value: dict[str, Any] | str) -> tuple[list[dict], list[str]]:
     """vLLM's structural tag, checked: (structures, triggers). Each structure is
     ``{"begin": str, "schema": JSON schema object, "end": str}`` whose ``begin`` starts
@@ -135,15 +168,9 @@ def structural_tag_spec(value: dict[str, Any] | str) -> tuple[list[dict], list[s
     def bad(why: str) -> VLLMValidationError:
         return VLLMValidationError(f"structural_tag {why}", "structured_outputs")
 
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise bad(f"is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise bad("must be an object with structures and triggers")
-    if "format" in value:  # xgrammar's newer form, which llguidance does not take
-        raise bad('in the "format" form is not supported yet: use structures and triggers')
+    value = _tag_value(value)
+    if "format" in value:
+        raise bad('in the "format" form has no structures (structural_tag_lark reads it)')
     structures, triggers = value.get("structures"), value.get("triggers")
     if not isinstance(triggers, list) or not triggers:
         raise bad("triggers must be a non-empty list of non-empty strings")
@@ -294,8 +321,7 @@ def _compile_constraint(params: StructuredOutputsParams) -> str:
     if params.regex is not None:
         return LLMatcher.grammar_from_regex(params.regex)
     if params.structural_tag is not None:
-        structures, triggers = structural_tag_spec(params.structural_tag)
-        return LLMatcher.grammar_from_lark(structural_tag_grammar(structures, triggers))
+        return LLMatcher.grammar_from_lark(structural_tag_lark(params.structural_tag))
     if params.choice is not None:
         # One terminal (one lexeme, a union of literals) rather than one rule with an
         # alternative per choice: llguidance's Earley rows hold at most 2,000 items, and
