@@ -89,6 +89,16 @@ BAD = [
         },
         "structured_outputs",
     ),
+    (
+        "chat",
+        {
+            "response_format": {
+                "type": "structural_tag",
+                "format": {"type": "grammar", "grammar": "root ::= x"},
+            }
+        },
+        "structured_outputs",
+    ),  # fmt: skip
     ("chat", {"messages": [{"role": "user", "content": "hi"}] * 4097}, "messages"),
 ]
 
@@ -129,6 +139,13 @@ def test_bad_inputs_are_400s_naming_the_field(server):
                            "end": "</function>"}]}  # fmt: skip
     tagged = post(server, "chat", {**CHAT, "max_tokens": 4, "response_format": tag})
     assert tagged.status_code == 200, tagged.text
+    # xgrammar's format form, as vLLM's examples send it.
+    fmt = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<function="],
+        "tags": [{"begin": "<function=f>", "content": {"type": "json_schema",
+                  "json_schema": {"type": "object"}}, "end": "</function>"}]}}  # fmt: skip
+    formatted = post(server, "chat", {**CHAT, "max_tokens": 4, "response_format": fmt})
+    assert formatted.status_code == 200, formatted.text
 
 
 @pytest.mark.parametrize(
