@@ -267,7 +267,9 @@ def test_histograms_only_with_the_flag():
     _record(on, [event(18, 10, 3, 0.004), event(1, 1)])
 
     def sample(name: str, suffix: str, **labels) -> float | None:
-        return on.registry.get_sample_value(name + suffix, {"model_name": "smol", "engine": "0", **labels})
+        return on.registry.get_sample_value(
+            name + suffix, {"model_name": "smol", "engine": "0", **labels}
+        )
 
     lifetime, idle, gap = RESIDENCY
     assert sample(lifetime, "_count") == 2 and sample(lifetime, "_sum") == 19

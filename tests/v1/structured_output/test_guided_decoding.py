@@ -237,9 +237,7 @@ def test_structural_tag_leaves_text_free_and_holds_tagged_calls_to_their_schema(
     assert tokenizer.decode(tokenizer.encode(bad)[:stop]).endswith('"unit": "')
 
 
-def test_a_structural_tag_of_at_most_one_structure_ends_the_output_after_it(
-    manager, tokenizer
-):
+def test_a_structural_tag_of_at_most_one_structure_ends_the_output_after_it(manager, tokenizer):
     from vllm.v1.structured_output.grammar import structural_tag_grammar
 
     one = StructuredOutputsParams(

@@ -57,6 +57,15 @@ def marker_lark(marker: str, special_tokens: Mapping[str, int]) -> str:
     return marker_token(marker, special_tokens) or json.dumps(marker)
 
 
+def json_lark(schema: dict) -> str:
+    """The Lark of JSON valid against ``schema`` made strict (``grammar.json_lark``),
+    imported on use: the structured-output package loads torch, which the CLI's parser
+    (that imports the tool parsers) must not."""
+    from vllm.v1.structured_output.grammar import json_lark as lark
+
+    return lark(schema)
+
+
 def text_until(name: str, marker: str, special_tokens: Mapping[str, int]) -> tuple[str, str]:
     """Free text ended by ``marker`` (a value in a tagged format): the Lark line of the
     terminal ``name`` and the expression of the text with its marker. Text cannot hold a

@@ -26,13 +26,13 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedToolCall,
     ToolParser,
     held_back,
+    json_lark,
     marker_lark,
     marker_trigger,
     register_tool_parser,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object, skip_ws
 from vllm.entrypoints.openai.tool_parsers.json_tool_parser import JsonToolParser
-from vllm.v1.structured_output.grammar import json_lark
 
 BOT, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARS = string.ascii_letters + string.digits

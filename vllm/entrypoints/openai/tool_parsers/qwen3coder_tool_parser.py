@@ -39,6 +39,7 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
+    json_lark,
     marker_begin,
     marker_lark,
     marker_trigger,
@@ -54,7 +55,6 @@ from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     schema_properties,
     typed_arguments,
 )
-from vllm.v1.structured_output.grammar import json_lark
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FN_OPEN, FN_CLOSE = "<function=", "</function>"

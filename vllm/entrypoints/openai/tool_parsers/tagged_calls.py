@@ -19,12 +19,12 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedToolCall,
     ToolParser,
     held_back,
+    json_lark,
     marker_begin,
     marker_lark,
     marker_trigger,
 )
 from vllm.entrypoints.openai.tool_parsers.json_scan import Malformed, scan_object, skip_ws
-from vllm.v1.structured_output.grammar import json_lark
 
 
 class CallOpen(Exception):
