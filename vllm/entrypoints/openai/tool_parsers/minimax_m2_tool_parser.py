@@ -54,9 +54,7 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     ParsedToolCall,
     ToolParser,
-    marker_begin,
     marker_lark,
-    marker_trigger,
     register_tool_parser,
     text_until,
 )
@@ -69,6 +67,7 @@ from vllm.entrypoints.openai.tool_parsers.tagged_calls import (
     NotACall,
     scan_tagged_calls,
     schema_properties,
+    section_tag,
     typed_arguments,
 )
 
@@ -122,26 +121,13 @@ class MinimaxM2ToolParser(ToolParser):
             name_lark = json.dumps(f'"{name}">')
             return f'({invoke_open} {name_lark} "\\n"? {params} {invoke_close})'
 
-        calls = " | ".join(call(name, schema) for name, schema in schemas.items())
-        more = "" if single else " (MM_WS? mm_call)*"
-        return {
-            "triggers": [marker_trigger(cls.tool_open, special_tokens)],
-            "rules": [
-                value_rule,
-                "MM_WS: /[ \\t\\n]+/",
-                "MM_HEADER: /[^<>\\n]+/",
-                f'mm_any: {param_open} MM_HEADER ">" {value}',
-                f"mm_call: {calls}",
-            ],
-            "structures": [
-                {
-                    "begin": marker_begin(cls.tool_open, special_tokens),
-                    "lark": f"MM_WS? mm_call{more} MM_WS? "
-                    + marker_lark(cls.tool_close, special_tokens),
-                    "end": "",
-                }
-            ],
-        }
+        calls = [call(name, schema) for name, schema in schemas.items()]
+        rules = (
+            value_rule,
+            "MM_HEADER: /[^<>\\n]+/",
+            f'mm_any: {param_open} MM_HEADER ">" {value}',
+        )
+        return section_tag(cls.tool_open, cls.tool_close, calls, rules, special_tokens, single)
 
     @staticmethod
     def param_header(key: str, text: bool) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
@@ -121,6 +121,34 @@ def typed_arguments(
     return "{" + ", ".join(parts) + ("}" if closed else "")
 
 
+def section_tag(
+    section_open: str,
+    section_close: str,
+    calls: list[str],
+    rules: Sequence[str],
+    special_tokens: Mapping[str, int],
+    single: bool,
+) -> dict:
+    """A structural tag whose one structure is a section of calls: its open marker (the
+    trigger), one of ``calls`` (Lark alternatives, using ``rules``), or more unless
+    ``single``, apart by whitespace, and its close. The markers are matched as tokens
+    where the tokenizer has them as special ones; free text cannot hold a special token,
+    so the section, not each call, is the structure (DeepSeek, Kimi-K2, MiniMax-M2)."""
+    more = "" if single else " (SECTION_WS? section_call)*"
+    close = marker_lark(section_close, special_tokens)
+    return {
+        "triggers": [marker_trigger(section_open, special_tokens)],
+        "rules": [*rules, "SECTION_WS: /[ \\t\\n]+/", "section_call: " + " | ".join(calls)],
+        "structures": [
+            {
+                "begin": marker_begin(section_open, special_tokens),
+                "lark": f"SECTION_WS? section_call{more} SECTION_WS? {close}",
+                "end": "",
+            }
+        ],
+    }
+
+
 class SectionedCallParser(ToolParser):
     """Calls with JSON-object arguments between special tokens, grouped in a section
     (DeepSeek-V3 / V3.1, Kimi-K2)::
@@ -159,24 +187,14 @@ class SectionedCallParser(ToolParser):
         as special ones (so the section is the structure: free text cannot hold them)."""
         call_open = marker_lark(cls.call_open, special_tokens)
         call_close = marker_lark(cls.call_close, special_tokens)
-        calls = " | ".join(
+        calls = [
             f"({call_open} {cls.call_lark(name, json_lark(schema or ANY_OBJECT), special_tokens)}"
             f" {call_close})"
             for name, schema in schemas.items()
+        ]
+        return section_tag(
+            cls.section_open, cls.section_close, calls, cls.call_rules, special_tokens, single
         )
-        more = "" if single else " (SECTION_WS? section_call)*"
-        close = marker_lark(cls.section_close, special_tokens)
-        return {
-            "triggers": [marker_trigger(cls.section_open, special_tokens)],
-            "rules": [*cls.call_rules, "SECTION_WS: /[ \\t\\n]+/", f"section_call: {calls}"],
-            "structures": [
-                {
-                    "begin": marker_begin(cls.section_open, special_tokens),
-                    "lark": f"SECTION_WS? section_call{more} SECTION_WS? {close}",
-                    "end": "",
-                }
-            ],
-        }
 
     @classmethod
     def call_lark(cls, name: str, arguments: str, special_tokens: Mapping[str, int]) -> str:
